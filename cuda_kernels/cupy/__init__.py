@@ -1,0 +1,55 @@
+"""The CuPy backend: CUDA C++ kernels (`*.cu` beside their `.py` launchers) through CuPy RawModules.
+
+Every stage has the name, the arguments and the returns of its NumPy twin in `reference/`
+(docs/stages.md); the functions take and return CuPy arrays (bf16 as `ml_dtypes.bfloat16`).
+
+    routing.py      fused_topk, fused_topk_bias, grouped_topk, select_experts   (routing.cu)
+    permute.py      moe_align_block_size, moe_permute, moe_unpermute            (permute.cu)
+    activation.py   apply_activation, silu_and_mul, gelu_and_mul, ...           (activation.cu)
+    combine.py      moe_sum                                                     (combine.cu)
+    grouped_gemm.py grouped_gemm, a ladder of versions                          (grouped_gemm.cu)
+    _compile.py     source text, CuPy compile + cache, NVRTC compile checks without a GPU
+
+Importing this package needs neither a GPU nor CuPy: `availability()` says whether the
+kernels can run here, and the stage modules import CuPy only when a stage is called.
+Run a stage as a script to validate and time it: `python -m cuda_kernels.cupy.routing`.
+"""
+from __future__ import annotations
+
+from ._compile import availability, to_device, to_host
+
+__all__ = [
+    "availability", "to_device", "to_host",
+    "fused_topk", "fused_topk_bias", "grouped_topk", "select_experts",
+    "moe_align_block_size", "moe_permute", "moe_unpermute",
+    "apply_activation", "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul",
+    "swigluoai_and_mul", "moe_sum", "grouped_gemm",
+]
+
+# stage name -> module that defines it; resolved on first use (PEP 562) so that a module
+# still being written (or failing to import) never breaks the rest of the package
+_STAGES = {
+    "fused_topk": "routing", "fused_topk_bias": "routing", "grouped_topk": "routing",
+    "select_experts": "routing",
+    "moe_align_block_size": "permute", "moe_permute": "permute", "moe_unpermute": "permute",
+    "apply_activation": "activation", "silu_and_mul": "activation",
+    "gelu_and_mul": "activation", "gelu_tanh_and_mul": "activation",
+    "swigluoai_and_mul": "activation",
+    "moe_sum": "combine",
+    "grouped_gemm": "grouped_gemm",
+}
+
+
+def __getattr__(name: str):
+    module = _STAGES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,394 @@
+"""Compile the `.cu` files of this folder: on the GPU through CuPy, on a CPU through NVRTC.
+
+One source text feeds both paths, so the kernel that CPU CI compiles is byte for byte the
+kernel that runs on the GPU:
+
+    source_text(cu_name, defines)   '#define NAME VALUE' lines, then '#line 1 "<cu_name>"' and
+                                    the file, with local `#include "x.cuh"` inlined (CuPy's disk
+                                    cache keys on the source text only, so an included header
+                                    that changed would otherwise leave a stale kernel).
+    get_kernel(...)                 a `cupy.RawKernel` for the current device, cached per
+                                    (cu_name, defines, name_expressions, options, device).
+    compile_check(...)              a cubin built through `cuda.core` + NVRTC with no GPU (CPU CI).
+    COMPILE_CASES                   every instantiation a kernel module launches, registered at
+                                    import with `register_compile_case`; tests/test_cupy_nvrtc.py
+                                    compiles them all for sm_90 and sm_80.
+    availability()                  (True, "") when CuPy imports and a CUDA device is usable.
+
+Architecture: by default a kernel is built for the current device (CuPy picks `sm_XY`). A
+kernel that needs an architecture-specific target (`wgmma` needs `sm_90a`) passes it in
+`options` as `"-arch=sm_90a"`; `get_kernel` then builds the cubin itself through `cuda.core`
+(CuPy would append its own `-arch`) and loads it into CuPy, and `compile_check` uses that
+arch instead of its `arch` argument. `required_arch(options)` tells which cases those are
+(tests skip them for sm_80).
+
+Precision note: CuPy appends `-ftz=true` to every NVRTC compile (denormals flush to zero);
+`compile_check` passes the same flag so both paths agree. It only matters for values below
+1.2e-38.
+
+Nothing here imports CuPy or cuda.core at module import time: `import cuda_kernels.cupy`
+works on a machine with neither.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+import re
+import sys
+import tempfile
+from typing import NamedTuple
+
+KERNEL_DIR = pathlib.Path(__file__).resolve().parent
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"\s*$')
+_BASE_OPTIONS = ("-std=c++17",)
+
+
+# ----------------------------------------------------------------------------- source text
+def _format_define(name: str, value) -> str:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z_0-9]*", str(name)):
+        raise ValueError(f"defines: expected C identifiers as names, got {name!r}")
+    if isinstance(value, bool):  # before int: bool is an int
+        value = int(value)
+    if value is None:
+        return f"#define {name}"
+    return f"#define {name} {value}"
+
+
+def _inline(cu_name: str, stack: tuple[str, ...], once: set) -> str:
+    """`cu_name`'s text with its local includes inlined once each, `#line` kept right."""
+    path = KERNEL_DIR / cu_name
+    if not path.is_file():
+        raise FileNotFoundError(f"cu_name: no file {cu_name!r} in {KERNEL_DIR}")
+    out = [f'#line 1 "{cu_name}"']
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        m = _INCLUDE_RE.match(line)
+        if m and (KERNEL_DIR / m.group(1)).is_file():
+            inc = m.group(1)
+            if inc in stack:
+                raise ValueError(f"{cu_name}:{lineno}: recursive #include of {inc!r}")
+            if inc not in once:  # every local header is included once (#pragma once semantics)
+                once.add(inc)
+                out.append(_inline(inc, stack + (inc,), once))
+            out.append(f'#line {lineno + 1} "{cu_name}"')
+        elif line.strip() == "#pragma once":
+            out.append("")  # keeps line numbers; deduplication is done above
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
+def source_text(cu_name: str, defines: dict | None = None) -> str:
+    """The full text compiled for `cu_name` with `defines` (#define lines first, headers inlined)."""
+    head = [_format_define(k, v) for k, v in sorted((defines or {}).items())]
+    body = _inline(cu_name, (cu_name,), set())
+    return "\n".join(head + [body]) + "\n"
+
+
+# ----------------------------------------------------------------------------- options
+def required_arch(options: tuple[str, ...] = ()) -> str | None:
+    """The architecture named in `options` (`-arch=sm_90a`), or None when the device decides."""
+    opts = list(options)
+    for i, o in enumerate(opts):
+        if o in ("-arch", "--gpu-architecture") and i + 1 < len(opts):
+            return opts[i + 1]
+        for prefix in ("-arch=", "--gpu-architecture="):
+            if o.startswith(prefix):
+                return o[len(prefix):]
+    return None
+
+
+def _strip_arch(options: tuple[str, ...]) -> tuple[str, ...]:
+    out, skip = [], False
+    for o in options:
+        if skip:
+            skip = False
+            continue
+        if o in ("-arch", "--gpu-architecture"):
+            skip = True
+            continue
+        if o.startswith("-arch=") or o.startswith("--gpu-architecture="):
+            continue
+        out.append(o)
+    return tuple(out)
+
+
+def _key(defines, name_expressions, options):
+    defs = tuple(sorted((str(k), str(v)) for k, v in (defines or {}).items()))
+    names = tuple(name_expressions) if name_expressions else None
+    return defs, names, tuple(options)
+
+
+# ----------------------------------------------------------------------------- compile cases
+class CompileCase(NamedTuple):
+    cu_name: str
+    defines: dict | None
+    name_expressions: tuple[str, ...] | None
+    options: tuple[str, ...]
+
+
+COMPILE_CASES: list[CompileCase] = []
+
+
+def register_compile_case(cu_name: str, defines: dict | None = None,
+                          name_expressions: tuple[str, ...] | None = None,
+                          options: tuple[str, ...] = ()) -> CompileCase:
+    """Record one instantiation that a module launches, so CPU CI compiles exactly it."""
+    case = CompileCase(cu_name, dict(defines) if defines else None,
+                       tuple(name_expressions) if name_expressions else None, tuple(options))
+    key = (case.cu_name,) + _key(case.defines, case.name_expressions, case.options)
+    if all((c.cu_name,) + _key(c.defines, c.name_expressions, c.options) != key
+           for c in COMPILE_CASES):
+        COMPILE_CASES.append(case)
+    return case
+
+
+# ----------------------------------------------------------------------------- CPU: NVRTC
+class CompileError(RuntimeError):
+    """NVRTC rejected a source; the message carries the case and NVRTC's log."""
+
+
+def cuda_include_dirs() -> list[str]:
+    """Folders that hold cuda_fp16.h / cuda_bf16.h: the toolkit, then the NVIDIA wheels."""
+    candidates = []
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            candidates.append(pathlib.Path(os.environ[env]) / "include")
+    candidates.append(pathlib.Path("/usr/local/cuda/include"))
+    for site in sys.path:
+        base = pathlib.Path(site) / "nvidia"
+        if base.is_dir():
+            # CUDA 13 wheels: nvidia/cu13/include; CUDA 12 wheels: nvidia/cuda_runtime/include, ...
+            candidates += sorted(base.glob("*/include"))
+    found = []
+    for c in candidates:
+        # cuda_fp16.h for the types; CCCL's <nv/target> may sit in a separate wheel's folder
+        if ((c / "cuda_fp16.h").is_file() or (c / "nv" / "target").is_file()) \
+                and str(c) not in found:
+            found.append(str(c))
+    return found
+
+
+def nvrtc_available() -> tuple[bool, str]:
+    """(True, "") when cuda.core + NVRTC can compile here, else (False, why)."""
+    try:
+        from cuda.core import Program, ProgramOptions  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return False, f"cuda.core is not importable ({type(e).__name__}: {e})"
+    try:
+        _nvrtc_compile("extern \"C\" __global__ void probe(int* x) { x[0] = 1; }\n",
+                       None, "sm_90", (), "probe.cu")
+    except Exception as e:
+        return False, f"NVRTC does not work here ({type(e).__name__}: {str(e)[:200]})"
+    return True, ""
+
+
+def _nvrtc_compile(src: str, name_expressions, arch: str, options: tuple[str, ...],
+                   cu_name: str):
+    from cuda.core import Program, ProgramOptions
+
+    extra = _strip_arch(tuple(options))
+    unknown = [o for o in extra if o not in ("-std=c++17", "--std=c++17", "-ftz=true", "-lineinfo",
+                                             "--use_fast_math", "-use_fast_math")]
+    kwargs = dict(arch=arch, std="c++17", include_path=cuda_include_dirs() or None, ftz=True,
+                  name=cu_name)
+    if "-lineinfo" in extra:
+        kwargs["lineinfo"] = True
+    if "--use_fast_math" in extra or "-use_fast_math" in extra:
+        kwargs["use_fast_math"] = True
+    for o in unknown:  # -DNAME=VALUE is the only other kind we translate
+        if o.startswith("-D"):
+            kwargs.setdefault("define_macro", []).append(
+                tuple(o[2:].split("=", 1)) if "=" in o else o[2:])
+        else:
+            raise ValueError(f"options: cannot translate {o!r} for cuda.core's ProgramOptions")
+    prog = Program(src, "c++", ProgramOptions(**kwargs))
+    return prog.compile("cubin", name_expressions=tuple(name_expressions or ()))
+
+
+def compile_check(cu_name: str, defines: dict | None = None,
+                  name_expressions: tuple[str, ...] | None = None,
+                  arch: str = "sm_90", options: tuple[str, ...] = ()) -> bytes:
+    """Compile `cu_name` with `defines` to a cubin for `arch` with no GPU; return the cubin.
+
+    An `-arch=...` entry in `options` overrides `arch` (architecture-specific kernels).
+    Raises CompileError with NVRTC's log when the source does not compile.
+    """
+    src = source_text(cu_name, defines)
+    arch = required_arch(options) or arch
+    try:
+        obj = _nvrtc_compile(src, name_expressions, arch, tuple(options), cu_name)
+    except ImportError:
+        raise
+    except Exception as e:
+        raise CompileError(
+            f"NVRTC failed to compile {cu_name} for {arch} with defines={defines}, "
+            f"name_expressions={name_expressions}, options={options}:\n{e}") from e
+    return bytes(obj.code)
+
+
+# ----------------------------------------------------------------------------- GPU: CuPy
+def availability() -> tuple[bool, str]:
+    """(True, "") when CuPy imports and a CUDA device is usable, else (False, reason)."""
+    return _availability()
+
+
+@functools.lru_cache(maxsize=1)
+def _availability() -> tuple[bool, str]:
+    try:
+        import cupy
+    except Exception as e:
+        return False, f"cupy is not importable ({type(e).__name__}: {e})"
+    try:
+        if not cupy.cuda.is_available():
+            return False, "cupy imports but no usable CUDA device / driver (cupy.cuda.is_available())"
+        cupy.cuda.runtime.getDeviceCount()
+        cupy.cuda.Device().compute_capability
+    except Exception as e:
+        return False, f"CUDA device not usable ({type(e).__name__}: {e})"
+    return True, ""
+
+
+_KERNELS: dict = {}
+
+
+def _device_key():
+    import cupy
+    dev = cupy.cuda.Device()
+    return dev.id, dev.compute_capability
+
+
+def _load_with_cuda_core(src, cu_name, kernel_name, name_expressions, arch, options):
+    """Build an architecture-specific cubin with cuda.core and load it into CuPy."""
+    import cupy
+    try:
+        obj = _nvrtc_compile(src, name_expressions, arch, options, cu_name)
+    except ImportError as e:
+        raise RuntimeError(f"options ask for {arch}, which is built through cuda.core; "
+                           f"install cuda-core ({e})") from e
+    except Exception as e:
+        raise CompileError(f"NVRTC failed to compile {cu_name} for {arch}:\n{e}") from e
+    cubin = bytes(obj.code)
+    mangled = kernel_name
+    if name_expressions:
+        mangled = obj.symbol_mapping.get(kernel_name, kernel_name)
+        if isinstance(mangled, bytes):
+            mangled = mangled.decode()
+    cache = pathlib.Path(os.environ.get("CUPY_CACHE_DIR", pathlib.Path.home() / ".cupy"))
+    cache = cache / "moe_sandbox_cubins"
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / (hashlib.sha256(cubin).hexdigest() + ".cubin")
+    if not path.exists():
+        # write then rename: another process may load the same cubin at the same time
+        with tempfile.NamedTemporaryFile(dir=cache, delete=False) as f:
+            f.write(cubin)
+        os.replace(f.name, path)
+    module = cupy.RawModule(path=str(path))
+    return module.get_function(mangled)
+
+
+def get_kernel(cu_name: str, kernel_name: str, defines: dict | None = None,
+               name_expressions: tuple[str, ...] | None = None,
+               options: tuple[str, ...] = ()):
+    """A compiled kernel of `cu_name` (a `cupy.RawKernel`-like callable) for the current device.
+
+    `kernel_name` is an `extern "C"` name, or one of `name_expressions` for templates.
+    Cached in-process per (cu_name, defines, name_expressions, options, device); CuPy also
+    caches the cubin on disk keyed by the source text.
+    """
+    if name_expressions and kernel_name not in name_expressions:
+        raise ValueError(f"kernel_name: expected one of name_expressions {name_expressions}, "
+                         f"got {kernel_name!r}")
+    key = (cu_name, kernel_name) + _key(defines, name_expressions, options) + (_device_key(),)
+    kern = _KERNELS.get(key)
+    if kern is not None:
+        return kern
+    import cupy
+
+    src = source_text(cu_name, defines)
+    arch = required_arch(options)
+    if arch is not None:
+        kern = _load_with_cuda_core(src, cu_name, kernel_name, name_expressions, arch,
+                                    tuple(options))
+    else:
+        module = cupy.RawModule(code=src, options=_BASE_OPTIONS + tuple(options),
+                                name_expressions=tuple(name_expressions) if name_expressions
+                                else None)
+        kern = module.get_function(kernel_name)
+    _KERNELS[key] = kern
+    return kern
+
+
+# ----------------------------------------------------------------------------- arrays
+# bf16 travels as ml_dtypes.bfloat16 (CuPy 14 knows it, experimentally). Kernels only need the
+# bytes, so launchers hand `raw(x)` (a uint16 view for bf16) to the kernel, which reads it as
+# __nv_bfloat16: the public dtype stays ml_dtypes.bfloat16 whatever CuPy supports.
+def bf16_dtype():
+    import ml_dtypes
+    import numpy as np
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def ctype_of(dtype) -> str:
+    """The C type a kernel uses for a floating dtype: float, __half or __nv_bfloat16."""
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    if dt == np.float32:
+        return "float"
+    if dt == np.float16:
+        return "__half"
+    if dt == bf16_dtype():
+        return "__nv_bfloat16"
+    raise TypeError(f"expected float32, float16 or bfloat16, got {dt}")
+
+
+def raw(x):
+    """`x` as the kernel receives it: bf16 viewed as uint16 (same bytes), others unchanged."""
+    import numpy as np
+
+    if x is None:
+        return None
+    if np.dtype(x.dtype) == bf16_dtype():
+        return x.view("uint16")
+    return x
+
+
+def empty(shape, dtype):
+    """A CuPy array of `dtype` (bf16 allowed): allocated as bytes, viewed as the dtype."""
+    import cupy
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    if dt == bf16_dtype():
+        try:
+            return cupy.empty(shape, dtype=dt)
+        except Exception:  # a CuPy without bf16: keep the bytes, the caller sees uint16
+            return cupy.empty(shape, dtype=np.uint16)
+    return cupy.empty(shape, dtype=dt)
+
+
+def to_device(a):
+    """A NumPy array (bf16 as ml_dtypes.bfloat16 included) copied to the current CUDA device."""
+    import cupy
+    import numpy as np
+
+    a = np.ascontiguousarray(a)
+    if a.dtype == bf16_dtype():
+        try:
+            return cupy.asarray(a)
+        except Exception:  # a CuPy without bf16 support: the same bytes as uint16
+            return cupy.asarray(a.view(np.uint16))
+    return cupy.asarray(a)
+
+
+def to_host(x):
+    """A CuPy array (or anything NumPy can take) as a NumPy array; bf16 stays bfloat16."""
+    import numpy as np
+
+    if hasattr(x, "get"):
+        return x.get()
+    return np.asarray(x)
