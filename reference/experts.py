@@ -1,0 +1,196 @@
+"""The expert computation: grouped GEMMs, activation, combine.
+
+    T = tokens, K = top-k, P = T*K slots (s = t*K + k), H = hidden, I = intermediate,
+    E_local = experts on this rank, B = block size, N = a GEMM's output width
+
+    out[t] = sum_k  w[t, k] * W2[e] @ act(W13[e] @ x[t] + b13[e]) (+ b2[e] scaled too),  e = ids[t, k]
+
+fused_experts runs it as vLLM's fused path does, one stage per function:
+
+    moe_align_block_size   topk_ids -> sorted_token_ids, expert_ids, num_tokens_post_padded
+    grouped_gemm (GEMM1)   x [T, H] gathered by slot  @ w13[e].T  -> cache1 [P, 2I]
+    apply_activation       cache1 -> cache2 [P, I]
+    grouped_gemm (GEMM2)   cache2 @ w2[e].T, * router weight      -> cache3 [P, H]
+    moe_sum                cache3 [T, K, H] summed over K         -> out [T, H]
+
+Every stage accumulates in fp32 (fp64 for fp64 inputs) and rounds once to the input dtype,
+which are the rounding points of vLLM's kernels on bf16 (precision="engine").
+precision="exact" runs the same stages on float64 copies of every input.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._checks import check_choice, check_float, check_ids_in_range, check_int, check_positive_int
+from .activation import apply_activation
+from .permute import moe_align_block_size
+from .precision import exact, to_compute
+from .routing import select_experts
+
+DEFAULT_BLOCK_SIZE = 64
+PRECISIONS = ("engine", "exact")
+
+
+def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_size,
+                 topk_weights=None, mul_routed_weight=False, bias=None):
+    """vLLM's fused MoE GEMM as a pure function.
+
+    For each block b < num_tokens_post_padded / B and each s = sorted_token_ids[p] < P
+    in it (P = a.shape[0] * top_k), with e = expert_ids[b]:
+        c[s] = (a[s // top_k] @ w[e].T + bias[e]) * (topk_weights.flat[s] if mul_routed_weight)
+    and c[s] = 0 when e == -1 (an expert on another rank). Rows that no block names stay
+    NaN (only possible with ignore_invalid_experts): reading them is a caller's bug.
+
+    a [M_a, Kdim], w [E_local, N, Kdim] -> c [P, N] in a.dtype.
+    GEMM1: a = x [T, H], top_k = K.   GEMM2: a = cache2 [P, I], top_k = 1.
+    """
+    check_float("a", a, ndim=2)
+    check_float("w", w, ndim=3)
+    if w.dtype != a.dtype:
+        raise TypeError(f"w: expected the dtype of a ({a.dtype}), got {w.dtype}")
+    if w.shape[2] != a.shape[1]:
+        raise ValueError(f"w: expected shape (E, N, {a.shape[1]}) to match a's columns, "
+                         f"got {w.shape}")
+    check_int("sorted_token_ids", sorted_token_ids, ndim=1)
+    check_int("expert_ids", expert_ids, ndim=1)
+    top_k = check_positive_int("top_k", top_k)
+    block_size = check_positive_int("block_size", block_size)
+    num_padded = int(np.asarray(num_tokens_post_padded).ravel()[0])
+    num_blocks = num_padded // block_size
+    if num_padded % block_size or num_padded > sorted_token_ids.size or num_blocks > expert_ids.size:
+        raise ValueError(f"num_tokens_post_padded: expected a multiple of block_size ({block_size}) "
+                         f"within sorted_token_ids ({sorted_token_ids.size}) and expert_ids "
+                         f"({expert_ids.size} blocks), got {num_padded}")
+    num_experts, n_out, _ = w.shape
+    num_slots = a.shape[0] * top_k
+    if bias is not None:
+        check_float("bias", bias, ndim=2, shape=(num_experts, n_out))
+    if mul_routed_weight:
+        if topk_weights is None:
+            raise ValueError("topk_weights: expected an array when mul_routed_weight=True, got None")
+        check_float("topk_weights", topk_weights)
+        if topk_weights.size != num_slots:
+            raise ValueError(f"topk_weights: expected {num_slots} weights (a rows * top_k), "
+                             f"got shape {topk_weights.shape}")
+
+    block_experts = expert_ids[:num_blocks]
+    if block_experts.size and (block_experts.min() < -1 or block_experts.max() >= num_experts):
+        raise ValueError(f"expert_ids: expected local ids in [-1, {num_experts}), got "
+                         f"{int(block_experts.min())}..{int(block_experts.max())}")
+    slots = sorted_token_ids[:num_padded].reshape(num_blocks, block_size)     # [blocks, B]
+
+    c = np.full((num_slots, n_out), np.nan, dtype=to_compute(a[:0]).dtype)    # [P, N]
+    for e in np.unique(block_experts):
+        rows = slots[block_experts == e].ravel()
+        rows = rows[rows < num_slots].astype(np.int64)                        # drop padding
+        if e < 0:
+            c[rows] = 0
+            continue
+        y = to_compute(a[rows // top_k]) @ to_compute(w[e]).T                 # [rows, N]
+        if bias is not None:
+            y += to_compute(bias[e])
+        if mul_routed_weight:
+            y *= topk_weights.ravel()[rows].astype(y.dtype)[:, None]
+        c[rows] = y
+    return c.astype(a.dtype)
+
+
+def moe_sum(x):
+    """The combine: out[t] = sum_k x[t, k] over the K slots, fp32, rounded once.  [T, K, H] -> [T, H]"""
+    check_float("x", x, ndim=3)
+    return to_compute(x).sum(axis=1).astype(x.dtype)
+
+
+def _check_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, is_act_and_mul,
+                        activation, w1_bias, w2_bias):
+    check_float("hidden_states", hidden_states, ndim=2)
+    num_tokens, hidden = hidden_states.shape
+    check_float("w1", w1, ndim=3)
+    num_local, n1, _ = w1.shape
+    check_float("w1", w1, shape=(None, None, hidden))
+    check_float("w2", w2, ndim=3, shape=(num_local, hidden, None))
+    inter = w2.shape[2]
+    gated = is_act_and_mul and not activation.endswith("_no_mul")
+    want_n1 = 2 * inter if gated else inter
+    if n1 != want_n1:
+        raise ValueError(f"w1: expected {want_n1} output rows ({'2 * ' if gated else ''}w2's "
+                         f"intermediate size {inter}), got shape {w1.shape}")
+    for name, wt in (("w1", w1), ("w2", w2)):
+        if wt.dtype != hidden_states.dtype:
+            raise TypeError(f"{name}: expected the dtype of hidden_states "
+                            f"({hidden_states.dtype}), got {wt.dtype}")
+    check_int("topk_ids", topk_ids, ndim=2)
+    if topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids: expected {num_tokens} rows to match hidden_states, "
+                         f"got shape {topk_ids.shape}")
+    check_float("topk_weights", topk_weights, ndim=2, shape=topk_ids.shape)
+    if w1_bias is not None:
+        check_float("w1_bias", w1_bias, ndim=2, shape=(num_local, n1))
+    if w2_bias is not None:
+        check_float("w2_bias", w2_bias, ndim=2, shape=(num_local, hidden))
+
+
+def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu",
+                  apply_router_weight_on_input=False, global_num_experts=-1, expert_map=None,
+                  w1_bias=None, w2_bias=None, is_act_and_mul=True, block_size=None,
+                  precision="engine"):
+    """The routed experts of one MoE layer (vLLM's fused_experts).
+
+    hidden_states [T, H]; w1 = w13 [E_local, 2I, H] (gate rows then up rows, interleaved for
+    swigluoai); w2 [E_local, H, I]; topk_weights [T, K] f32; topk_ids [T, K] global ids.
+    expert_map [E] maps global ids to local ids or -1: slots of experts on other ranks add
+    nothing, so the ranks' partial outputs sum to the whole layer. The router weight scales
+    GEMM2's output (and so the down-projection bias), or with apply_router_weight_on_input
+    (top-1 only) GEMM1's. Returns [T, H] in hidden_states' dtype (float64 when exact).
+    """
+    check_choice("precision", precision, PRECISIONS)
+    _check_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, is_act_and_mul,
+                        activation, w1_bias, w2_bias)
+    num_tokens, hidden = hidden_states.shape
+    num_local = w1.shape[0]
+    top_k = topk_ids.shape[1]
+    num_experts = num_local if global_num_experts in (-1, None) else global_num_experts
+    num_experts = check_positive_int("global_num_experts", num_experts)
+    if expert_map is None and num_experts != num_local:
+        raise ValueError(f"global_num_experts: expected {num_local} (w1's experts) without an "
+                         f"expert_map, got {num_experts}")
+    check_ids_in_range("topk_ids", topk_ids, num_experts)
+    if apply_router_weight_on_input and top_k != 1:
+        raise ValueError(f"apply_router_weight_on_input: needs top_k == 1, got top_k = {top_k}")
+    block_size = check_positive_int("block_size", block_size or DEFAULT_BLOCK_SIZE)
+
+    if precision == "exact":
+        hidden_states, w1, w2, topk_weights, w1_bias, w2_bias = (
+            exact(v) for v in (hidden_states, w1, w2, topk_weights, w1_bias, w2_bias))
+
+    sorted_token_ids, expert_ids, num_tokens_post_padded = moe_align_block_size(
+        topk_ids, block_size, num_experts, expert_map=expert_map)
+    cache1 = grouped_gemm(hidden_states, w1, sorted_token_ids, expert_ids,        # [P, 2I]
+                          num_tokens_post_padded, top_k, block_size, topk_weights,
+                          mul_routed_weight=apply_router_weight_on_input, bias=w1_bias)
+    cache2 = apply_activation(cache1, activation, is_act_and_mul)                  # [P, I]
+    cache3 = grouped_gemm(cache2, w2, sorted_token_ids, expert_ids,                # [P, H]
+                          num_tokens_post_padded, 1, block_size, topk_weights,
+                          mul_routed_weight=not apply_router_weight_on_input, bias=w2_bias)
+    return moe_sum(cache3.reshape(num_tokens, top_k, hidden))                      # [T, H]
+
+
+def fused_moe(hidden_states, w1, w2, gating_output, topk, renormalize, activation="silu",
+              use_grouped_topk=False, num_expert_group=None, topk_group=None,
+              custom_routing_function=None, scoring_func="softmax", routed_scaling_factor=1.0,
+              e_score_correction_bias=None, apply_router_weight_on_input=False,
+              global_num_experts=-1, expert_map=None, w1_bias=None, w2_bias=None,
+              is_act_and_mul=True, block_size=None, precision="engine"):
+    """Route, then run the experts: select_experts followed by fused_experts."""
+    topk_weights, topk_ids, _ = select_experts(
+        hidden_states, gating_output, topk, use_grouped_topk, renormalize,
+        topk_group=topk_group, num_expert_group=num_expert_group,
+        custom_routing_function=custom_routing_function, scoring_func=scoring_func,
+        routed_scaling_factor=routed_scaling_factor,
+        e_score_correction_bias=e_score_correction_bias)
+    return fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation=activation,
+                         apply_router_weight_on_input=apply_router_weight_on_input,
+                         global_num_experts=global_num_experts, expert_map=expert_map,
+                         w1_bias=w1_bias, w2_bias=w2_bias, is_act_and_mul=is_act_and_mul,
+                         block_size=block_size, precision=precision)

@@ -1,0 +1,37 @@
+"""Shared test configuration: hardware markers skip cleanly when the hardware is absent.
+
+`gpu` tests need a CUDA device visible to CuPy (or Numba); `multigpu` tests need two.
+The markers, not `if`s inside tests, decide what runs where (pyproject declares them
+with --strict-markers).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_device_count() -> int:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        pass
+    try:
+        import torch
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    count = cuda_device_count()
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none visible here)")
+    skip_multi = pytest.mark.skip(reason=f"needs two or more CUDA GPUs ({count} visible here)")
+    for item in items:
+        if "multigpu" in item.keywords and count < 2:
+            item.add_marker(skip_multi)
+        elif "gpu" in item.keywords and count < 1:
+            item.add_marker(skip_gpu)
