@@ -25,7 +25,7 @@ for step in $steps; do
   case $step in
     tests)
       say "GPU tests"
-      timeout 420 python3 -m pytest -q -x --timeout 300 -m "gpu and not multigpu" -p no:cacheprovider \
+      timeout 420 python3 -m pytest -q --maxfail=40 --timeout 300 -m "gpu and not multigpu" -p no:cacheprovider \
         --junitxml="$OUT/junit_gpu.xml" tests 2>&1 | tail -n 60 | tee -a "$LOG" ;;
     sanitize)
       say "compute-sanitizer"
@@ -46,7 +46,7 @@ for step in $steps; do
       done ;;
     ep)
       say "multi-GPU tests and EP benchmark"
-      timeout 300 python3 -m pytest -q -x --timeout 240 -m multigpu -p no:cacheprovider \
+      timeout 300 python3 -m pytest -q --maxfail=20 --timeout 240 -m multigpu -p no:cacheprovider \
         --junitxml="$OUT/junit_multigpu.xml" tests 2>&1 | tail -n 40 | tee -a "$LOG"
       [ -f benchmarks/bench_ep.py ] && timeout 240 python3 benchmarks/bench_ep.py 2>&1 | tail -n 60 | tee -a "$LOG" ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;
