@@ -333,17 +333,19 @@ def bf16_dtype():
 
 
 def ctype_of(dtype) -> str:
-    """The C type a kernel uses for a floating dtype: float, __half or __nv_bfloat16."""
+    """The C type a kernel uses for a floating dtype: double, float, __half or __nv_bfloat16."""
     import numpy as np
 
     dt = np.dtype(dtype)
+    if dt == np.float64:
+        return "double"
     if dt == np.float32:
         return "float"
     if dt == np.float16:
         return "__half"
     if dt == bf16_dtype():
         return "__nv_bfloat16"
-    raise TypeError(f"expected float32, float16 or bfloat16, got {dt}")
+    raise TypeError(f"expected float64, float32, float16 or bfloat16, got {dt}")
 
 
 def raw(x):
@@ -392,3 +394,128 @@ def to_host(x):
     if hasattr(x, "get"):
         return x.get()
     return np.asarray(x)
+
+
+# ----------------------------------------------------------------------------- argument checks
+# Every launcher checks its arguments before the launch: a kernel handed the wrong thing either
+# crashes the context or, worse, returns garbage. Messages name the argument, what was expected
+# and what came.
+INT32_MAX = 2**31 - 1
+FLOAT_NAMES = "float32, float16 or bfloat16"
+
+
+def float_dtypes(with_f64: bool = False):
+    import numpy as np
+
+    dts = [np.dtype(np.float32), np.dtype(np.float16), bf16_dtype()]
+    return dts + [np.dtype(np.float64)] if with_f64 else dts
+
+
+def check_array(name, x, ndim=None, dtypes=None, shape=None, contiguous=True):
+    """A CuPy array on the current device with the given rank, dtype, shape and C order."""
+    import cupy
+    import numpy as np
+
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"{name}: expected a cupy.ndarray on the GPU, got {type(x).__name__}"
+                        + (" (use cuda_kernels.cupy.to_device)" if isinstance(x, np.ndarray) else ""))
+    dev = cupy.cuda.Device().id
+    if x.device.id != dev:
+        raise ValueError(f"{name}: expected an array on the current device {dev}, "
+                         f"got one on device {x.device.id}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {x.shape}")
+    if dtypes is not None and np.dtype(x.dtype) not in [np.dtype(d) for d in dtypes]:
+        names = ", ".join(str(np.dtype(d)) for d in dtypes)
+        raise TypeError(f"{name}: expected dtype in ({names}), got {x.dtype}")
+    if shape is not None:
+        if len(shape) != x.ndim or any(s is not None and s != d for s, d in zip(shape, x.shape)):
+            want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+            raise ValueError(f"{name}: expected shape {want}, got {x.shape}")
+    if contiguous and not x.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides} "
+                         f"for shape {x.shape} (call cupy.ascontiguousarray first)")
+    if x.size > INT32_MAX:
+        raise ValueError(f"{name}: expected at most {INT32_MAX} elements (32-bit indexing), "
+                         f"got {x.size}")
+    return x
+
+
+def check_int(name, value, minimum=None, maximum=None):
+    """A Python or NumPy integer in [minimum, maximum]."""
+    import numpy as np
+
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}: expected an int <= {maximum}, got {value}")
+    return value
+
+
+def check_fits_int32(name, value, what):
+    if value > INT32_MAX:
+        raise ValueError(f"{name}: {what} = {value} overflows the kernels' 32-bit indexing "
+                         f"(limit {INT32_MAX})")
+
+
+def null_ptr():
+    """A null pointer argument for a RawKernel (8 bytes of zero)."""
+    import numpy as np
+
+    return np.uint64(0)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- timing
+def cuda_time(fn, warmup: int = 5, reps: int = 50, setup=None) -> list[float]:
+    """Milliseconds per call of `fn()`, measured with CUDA events around each call.
+
+    `setup()` (not timed) runs before every call: use it to draw fresh inputs or rotate
+    buffers so that repetitions do not just hit the 50 MB L2 of an H200.
+    """
+    import cupy
+
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    times = []
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return times
+
+
+def median(xs):
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def rel_err(a, b) -> float:
+    """||a - b||_F / ||b||_F in float64 (NaN when either holds a NaN; 0 for two empty arrays)."""
+    import numpy as np
+
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"rel_err: shapes differ, {a.shape} vs {b.shape}")
+    if a.size == 0:
+        return 0.0
+    if np.isnan(a).any() or np.isnan(b).any():
+        return float("nan")
+    den = np.linalg.norm(b)
+    num = np.linalg.norm(a - b)
+    return float(num / den) if den > 0 else float(num)

@@ -1,0 +1,254 @@
+// routing.cu: choose each token's top-k experts (softmax or sigmoid scores, optional correction
+// bias, optional expert groups), one warp per token row.
+//
+// Shapes: T tokens, E experts (E <= 32 * VPT <= 1024), K = top-k (K <= 32, K <= E),
+//         G = num_groups (groups of E / G consecutive experts), TG = topk_group.
+//
+// Math (all fp32; docs/stages.md, "route"):
+//   scores[t, e] = softmax(gating[t, :])[e]        (scoring == 0: exp(x - max) / sum)
+//                | 1 / (1 + exp(-gating[t, e]))     (scoring == 1: sigmoid)
+//   sel[t, e]    = scores[t, e] + bias[e]           (bias given) | scores[t, e]
+//   groups (G > 1): group score = max of the group's sel (no bias) | sum of its top-2 sel (bias);
+//                   keep the TG best groups, sel = -inf outside them
+//   topk_ids[t, :]     = the K largest sel, descending, ties to the lowest id
+//   topk_weights[t, :] = scores[t, topk_ids], / their sum if renormalize and the sum > 0,
+//                        * routed_scaling_factor
+//   token_expert_indices[t, k] = k * T + t            (when the pointer is not null)
+// Selection treats NaN as -inf and picks K *distinct* experts even among -inf (lowest ids
+// first), so a token always gets K valid experts; the weights follow the plain formulas, so a
+// NaN logit makes that softmax row's weights NaN. expf, not __expf: ranks must match the
+// NumPy reference except at true near-ties.
+//
+// How selection works: every (value, id) pair becomes one 64-bit key, order-preserving float
+// bits in the high word and (0xFFFFFFFF - id) in the low word, so "larger value, then lower id"
+// is a plain unsigned max. A taken or out-of-range expert has key 0, below every real key
+// (-inf's key is 0x007FFFFF << 32). K rounds of a lane-local max plus a 5-step warp max.
+//
+// Launch geometry (routing.py):
+//   block = WARPS_PER_BLOCK * 32 threads, warp w of block b handles row t = b * WARPS_PER_BLOCK + w
+//   grid  = cdiv(T, WARPS_PER_BLOCK)
+//   dynamic shared memory = G > 1 ? WARPS_PER_BLOCK * (even(E + E / 32 + 1) + 2 G) * 4 bytes : 0
+//     (per warp: one padded fp32 row for the group scan, index e + e / 32 keeping the row
+//      store and the per-group reads free of bank conflicts, then G 64-bit group keys)
+//   lane l holds experts e = i * 32 + l, i < VPT, in registers (coalesced row loads).
+//
+// Compile-time parameters: IN_T (float, double, __half, __nv_bfloat16: the gating dtype),
+//   WARPS_PER_BLOCK (tunable, routing.py CONFIGS); template VPT in {1, 2, 4, 8, 16, 32}.
+// Versions: v1 (this file): warp per row, register-resident row, 64-bit key selection.
+// Run: python -m cuda_kernels.cupy.routing   (validates against reference/, times, GB/s)
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef IN_T
+#define IN_T float
+#endif
+#ifndef WARPS_PER_BLOCK
+#define WARPS_PER_BLOCK 4
+#endif
+
+#define FULL_MASK 0xffffffffu
+#define NEG_INF (__int_as_float(0xff800000))  // NVRTC has no <math.h> INFINITY
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(double x) { return (float)x; }  // round to nearest
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// max that propagates NaN like np.max (fmaxf would drop it)
+__device__ __forceinline__ float max_nan(float a, float b) { return (a > b || a != a) ? a : b; }
+
+// float -> unsigned with the same order; NaN counts as -inf and -0 as +0 for selection
+__device__ __forceinline__ unsigned int order_bits(float v) {
+    if (v != v) v = NEG_INF;
+    if (v == 0.0f) v = 0.0f;
+    unsigned int u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ unsigned long long make_key(float v, int id) {
+    return ((unsigned long long)order_bits(v) << 32) | (unsigned long long)(0xFFFFFFFFu - (unsigned)id);
+}
+
+__device__ __forceinline__ int key_id(unsigned long long key) {
+    return (int)(0xFFFFFFFFu - (unsigned)(key & 0xFFFFFFFFull));
+}
+
+__device__ __forceinline__ unsigned long long warp_max_key(unsigned long long k) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        unsigned long long other = __shfl_xor_sync(FULL_MASK, k, o);
+        k = other > k ? other : k;
+    }
+    return k;
+}
+
+__device__ __forceinline__ float warp_max_nan(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max_nan(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+// shared memory per warp, in floats: the sel row padded by one float per 32 (rounded up to
+// an even count so the group keys that follow are 8-byte aligned), then 2 floats per group key
+__host__ __device__ __forceinline__ int padded_row_floats(int E) {
+    return ((E + (E >> 5) + 1) + 1) & ~1;
+}
+__host__ __device__ __forceinline__ int warp_smem_floats(int E, int G) {
+    return padded_row_floats(E) + 2 * G;
+}
+
+template <int VPT>
+__global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
+route_topk_kernel(const IN_T* __restrict__ gating,        // [T, E]
+                  const float* __restrict__ bias,         // [E] or nullptr
+                  float* __restrict__ topk_weights,       // [T, K]
+                  int* __restrict__ topk_ids,             // [T, K]
+                  int* __restrict__ token_expert_indices, // [T, K] or nullptr
+                  int T, int E, int K,
+                  int num_groups, int topk_group,
+                  int scoring,                            // 0 softmax, 1 sigmoid
+                  int renormalize,
+                  float routed_scaling_factor) {
+    extern __shared__ float smem[];
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.x * WARPS_PER_BLOCK + warp;
+    if (t >= T) return;  // the whole warp leaves together: no block-wide barrier below
+
+    const IN_T* row = gating + (size_t)t * E;
+
+    // ---- scores ----------------------------------------------------------------------------
+    float p[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int e = i * 32 + lane;
+        p[i] = e < E ? to_f32(row[e]) : NEG_INF;
+    }
+    float row_max = 0.0f, row_sum = 1.0f;  // softmax only
+    if (scoring == 0) {
+        float m = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < VPT; ++i)
+            if (i * 32 + lane < E) m = max_nan(m, p[i]);
+        m = warp_max_nan(m);
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+            // x - max, then exp: the reference's order (inf - inf = NaN stays NaN)
+            p[i] = (i * 32 + lane < E) ? expf(p[i] - m) : 0.0f;
+            s += p[i];
+        }
+        s = warp_sum(s);
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) p[i] = p[i] / s;
+        row_max = m;
+        row_sum = s;
+    } else {
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) p[i] = 1.0f / (1.0f + expf(-p[i]));
+    }
+
+    // ---- selection values: biased scores, NaN -> -inf --------------------------------------
+    float sel[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int e = i * 32 + lane;
+        float v = p[i];
+        if (bias != nullptr && e < E) v = v + bias[e];
+        sel[i] = (v != v) ? NEG_INF : v;
+    }
+
+    // ---- groups: keep the topk_group best groups ---------------------------------------------
+    unsigned int keep = 0xFFFFFFFFu;  // bit i: expert i * 32 + lane is in a kept group
+    if (num_groups > 1) {
+        // this warp's slice of shared memory: the padded sel row, then one key per group
+        float* wrow = smem + (size_t)warp * warp_smem_floats(E, num_groups);
+        unsigned long long* gkey =
+            reinterpret_cast<unsigned long long*>(wrow + padded_row_floats(E));
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+            const int e = i * 32 + lane;
+            if (e < E) wrow[e + (e >> 5)] = sel[i];
+        }
+        __syncwarp();
+        const int gs = E / num_groups;
+        for (int g = lane; g < num_groups; g += 32) {  // not unrolled: keeps the code small
+            float top1 = NEG_INF, top2 = NEG_INF;
+            for (int e = g * gs; e < (g + 1) * gs; ++e) {
+                const float v = wrow[e + (e >> 5)];
+                if (v > top1) { top2 = top1; top1 = v; }
+                else if (v > top2) { top2 = v; }
+            }
+            // with a bias: the sum of the two best biased scores (the only one if gs == 1)
+            const float score = bias != nullptr ? (gs >= 2 ? top1 + top2 : top1) : top1;
+            gkey[g] = make_key(score, g);
+        }
+        __syncwarp();
+        keep = 0u;
+        for (int r = 0; r < topk_group; ++r) {
+            unsigned long long best = 0ull;
+            for (int g = lane; g < num_groups; g += 32) best = gkey[g] > best ? gkey[g] : best;
+            best = warp_max_key(best);
+            const int g = key_id(best);
+            __syncwarp();                       // every lane has read gkey before it changes
+            if ((g & 31) == lane) gkey[g] = 0ull;  // taken
+            __syncwarp();
+            const int lo = g * gs, hi = lo + gs;
+#pragma unroll
+            for (int i = 0; i < VPT; ++i) {
+                const int e = i * 32 + lane;
+                if (e >= lo && e < hi) keep |= 1u << i;
+            }
+        }
+    }
+
+    // ---- top-k over the kept selection values ----------------------------------------------
+    unsigned long long key[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+        const int e = i * 32 + lane;
+        key[i] = e < E ? make_key(((keep >> i) & 1u) ? sel[i] : NEG_INF, e) : 0ull;
+    }
+    unsigned int taken = 0u;  // bit i: expert i * 32 + lane already chosen
+    int my_id = 0;            // lane k keeps the k-th winner
+    for (int k = 0; k < K; ++k) {
+        unsigned long long best = 0ull;
+#pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+            const unsigned long long c = ((taken >> i) & 1u) ? 0ull : key[i];
+            best = c > best ? c : best;
+        }
+        best = warp_max_key(best);
+        const int id = key_id(best);
+        if ((id & 31) == lane) taken |= 1u << (id >> 5);
+        if (lane == k) my_id = id;
+    }
+
+    // ---- weights ------------------------------------------------------------------------------
+    // Lane k recomputes the score of its winner from the logit with the same instructions
+    // that ranked it (bitwise the same value): cheaper than indexing p[] by a runtime slot,
+    // which would push the row into local memory.
+    float my_w = 0.0f;
+    if (lane < K) {
+        const float x = to_f32(row[my_id]);
+        my_w = scoring == 0 ? expf(x - row_max) / row_sum : 1.0f / (1.0f + expf(-x));
+    }
+    if (renormalize) {
+        const float s = warp_sum(lane < K ? my_w : 0.0f);
+        if (s > 0.0f) my_w = my_w / s;
+    }
+    my_w = my_w * routed_scaling_factor;
+    if (lane < K) {
+        const size_t o = (size_t)t * K + lane;
+        topk_weights[o] = my_w;
+        topk_ids[o] = my_id;
+        if (token_expert_indices != nullptr) token_expert_indices[o] = lane * T + t;
+    }
+}

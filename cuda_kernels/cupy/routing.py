@@ -1,0 +1,262 @@
+"""Routing on the GPU: softmax/sigmoid scores, optional bias and expert groups, top-k (routing.cu).
+
+Shapes: T tokens, E experts (<= 1024), K top-k (<= 32).
+
+    fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None)
+        -> topk_weights f32 [T, K], topk_ids int32 [T, K], token_expert_indices int32 [T, K]
+    fused_topk_bias(hidden_states, gating_output, e_score_correction_bias, topk, renormalize,
+                    routed_scaling_factor=1.0) -> topk_weights, topk_ids
+    grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,
+                 topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0,
+                 e_score_correction_bias=None) -> topk_weights, topk_ids
+    select_experts(...)  the FusedMoE dispatcher over the three
+
+All three are one kernel, `route_topk_kernel<VPT>` (one warp per token row, the row in
+registers: lane l holds experts l, l + 32, ...; VPT = values per lane = cdiv(E, 32) rounded up
+to a power of two). Launch: block = WARPS_PER_BLOCK * 32, grid = cdiv(T, WARPS_PER_BLOCK),
+shared memory = WARPS_PER_BLOCK * (even(E + E/32 + 1) + 2G) * 4 bytes when there are G > 1 groups.
+
+Run as a script to validate against reference/ and time: python -m cuda_kernels.cupy.routing
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _compile as C
+
+# Tunables are data: one dict per kernel, injected as #defines.
+CONFIGS = {"route_topk_kernel": {"WARPS_PER_BLOCK": 4}}
+VPTS = (1, 2, 4, 8, 16, 32)  # values per lane: E <= 32 * VPT
+MAX_EXPERTS = 32 * VPTS[-1]
+MAX_TOPK = 32  # lane k keeps the k-th winner
+_NAMES = tuple(f"route_topk_kernel<{v}>" for v in VPTS)
+_SCORING = {"softmax": 0, "sigmoid": 1}
+
+
+def _defines(dtype) -> dict:
+    return {"IN_T": C.ctype_of(dtype), **CONFIGS["route_topk_kernel"]}
+
+
+def _in_dtypes():
+    return C.float_dtypes(with_f64=True)
+
+
+# Every instantiation launched below, for the CPU compile checks (tests/test_cupy_nvrtc.py).
+for _dt in _in_dtypes():
+    C.register_compile_case("routing.cu", _defines(_dt), _NAMES)
+
+
+def _vpt(E: int) -> int:
+    for v in VPTS:
+        if 32 * v >= E:
+            return v
+    raise ValueError(f"gating_output: expected at most {MAX_EXPERTS} experts (a row lives in "
+                     f"one warp's registers), got {E}")
+
+
+def _check_common(hidden_states, gating_output, topk):
+    C.check_array("gating_output", gating_output, ndim=2, dtypes=_in_dtypes())
+    T, E = gating_output.shape
+    if hidden_states is not None:
+        if getattr(hidden_states, "ndim", 0) < 1 or hidden_states.shape[0] != T:
+            raise ValueError(f"hidden_states: expected {T} rows to match gating_output "
+                             f"{gating_output.shape}, got shape "
+                             f"{getattr(hidden_states, 'shape', None)}")
+    if E < 1:
+        raise ValueError(f"gating_output: expected at least one expert, got shape {gating_output.shape}")
+    _vpt(E)
+    topk = C.check_int("topk", topk, 1, min(E, MAX_TOPK))
+    C.check_fits_int32("topk", T * topk, "T * topk")
+    return T, E, topk
+
+
+def _bias_f32(name, bias, E):
+    import cupy
+
+    if bias is None:
+        return None
+    C.check_array(name, bias, ndim=1, dtypes=_in_dtypes(), shape=(E,))
+    return bias if bias.dtype == np.float32 else bias.astype(cupy.float32)
+
+
+def _launch(gating, bias, topk, num_groups, topk_group, scoring, renormalize, scale,
+            want_indices):
+    """Allocate the outputs, poison nothing (every element is written), launch once."""
+    import cupy
+
+    T, E = gating.shape
+    weights = cupy.empty((T, topk), dtype=cupy.float32)  # [T, K]
+    ids = cupy.empty((T, topk), dtype=cupy.int32)         # [T, K]
+    tei = cupy.empty((T, topk), dtype=cupy.int32) if want_indices else None
+    if T == 0:
+        return weights, ids, tei
+    vpt = _vpt(E)
+    defines = _defines(gating.dtype)
+    kernel = C.get_kernel("routing.cu", f"route_topk_kernel<{vpt}>", defines, _NAMES)
+    warps = defines["WARPS_PER_BLOCK"]
+    # per warp: the padded sel row (even float count) and one 8-byte key per group (routing.cu)
+    row_floats = (E + E // 32 + 1 + 1) & ~1
+    smem = warps * (row_floats + 2 * num_groups) * 4 if num_groups > 1 else 0
+    kernel((C.cdiv(T, warps),), (warps * 32,),
+           (C.raw(gating), bias if bias is not None else C.null_ptr(), weights, ids,
+            tei if tei is not None else C.null_ptr(),
+            np.int32(T), np.int32(E), np.int32(topk), np.int32(num_groups),
+            np.int32(topk_group), np.int32(scoring), np.int32(1 if renormalize else 0),
+            np.float32(scale)),
+           shared_mem=smem)
+    return weights, ids, tei
+
+
+def _ids_as(ids, indices_type):
+    if indices_type is None or np.dtype(indices_type) == np.int32:
+        return ids
+    dt = np.dtype(indices_type)
+    if dt.kind not in "iu":
+        raise TypeError(f"indices_type: expected an integer dtype, got {dt}")
+    return ids.astype(dt)
+
+
+def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None):
+    """Softmax over all E experts in fp32, then the top-k, descending, ties to the lowest id.
+
+    Returns topk_weights f32 [T, K], topk_ids int32 [T, K] (or `indices_type`),
+    token_expert_indices int32 [T, K] with token_expert_indices[t, k] = k * T + t.
+    """
+    T, E, topk = _check_common(hidden_states, gating_output, topk)
+    w, ids, tei = _launch(gating_output, None, topk, 1, 1, 0, renormalize, 1.0, True)
+    return w, _ids_as(ids, indices_type), tei
+
+
+def fused_topk_bias(hidden_states, gating_output, e_score_correction_bias, topk, renormalize,
+                    routed_scaling_factor=1.0):
+    """Softmax scores; experts chosen on scores + bias; weights the unbiased scores,
+    renormalized if asked, then * routed_scaling_factor. Returns topk_weights, topk_ids."""
+    T, E, topk = _check_common(hidden_states, gating_output, topk)
+    if e_score_correction_bias is None:
+        raise TypeError("e_score_correction_bias: expected a cupy.ndarray [E], got None")
+    bias = _bias_f32("e_score_correction_bias", e_score_correction_bias, E)
+    w, ids, _ = _launch(gating_output, bias, topk, 1, 1, 0, renormalize,
+                        float(routed_scaling_factor), False)
+    return w, ids
+
+
+def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,
+                 topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0,
+                 e_score_correction_bias=None):
+    """DeepSeek-V2/V3 routing: scores (softmax | sigmoid), groups of E / num_expert_group
+    consecutive experts scored by their max (no bias) or top-2 biased sum (bias), the
+    topk_group best kept, top-k on the kept (biased) scores, weights the unbiased scores,
+    renormalized if asked, always * routed_scaling_factor. Returns topk_weights, topk_ids."""
+    T, E, topk = _check_common(hidden_states, gating_output, topk)
+    if scoring_func not in _SCORING:
+        raise ValueError(f"scoring_func: expected one of {sorted(_SCORING)}, got {scoring_func!r}")
+    groups = 0 if num_expert_group is None else C.check_int("num_expert_group",
+                                                             num_expert_group, 0)
+    groups = max(groups, 1)  # 0: no grouping, every expert in one group
+    if E % groups:
+        raise ValueError(f"num_expert_group: expected a divisor of the {E} experts, got {groups}")
+    if groups > 1:
+        tg = C.check_int("topk_group", 0 if topk_group is None else topk_group, 1, groups)
+    else:
+        tg = 1
+    bias = _bias_f32("e_score_correction_bias", e_score_correction_bias, E)
+    w, ids, _ = _launch(gating_output, bias, topk, groups, tg, _SCORING[scoring_func],
+                        renormalize, float(routed_scaling_factor), False)
+    return w, ids
+
+
+def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renormalize,
+                   topk_group=None, num_expert_group=None, custom_routing_function=None,
+                   scoring_func="softmax", routed_scaling_factor=1.0,
+                   e_score_correction_bias=None, indices_type=None, global_num_experts=None,
+                   zero_expert_num=0, zero_expert_type=None, ops=None):
+    """FusedMoE.select_experts over this module's kernels (or over `ops` when given).
+
+    grouped -> grouped_topk; a correction bias -> fused_topk_bias (scaling applied there);
+    no custom function -> fused_topk; else custom_routing_function(hidden_states=...,
+    gating_output=..., topk=..., renormalize=...). Returns (topk_weights, topk_ids, None).
+    """
+    ops = ops if ops is not None else _THIS
+    if zero_expert_num and zero_expert_type is not None:
+        raise NotImplementedError("zero_expert_num: zero experts are not implemented by the "
+                                  "CuPy backend (use the reference)")
+    if use_grouped_topk:
+        if topk_group is None or num_expert_group is None:
+            raise ValueError("topk_group, num_expert_group: expected ints with use_grouped_topk,"
+                             f" got {topk_group!r}, {num_expert_group!r}")
+        w, ids = ops.grouped_topk(hidden_states, router_logits, top_k, renormalize,
+                                  num_expert_group, topk_group, scoring_func,
+                                  routed_scaling_factor, e_score_correction_bias)
+        ids = _ids_as(ids, indices_type)
+    elif scoring_func != "softmax":
+        raise ValueError(f"scoring_func: expected 'softmax' without use_grouped_topk, "
+                         f"got {scoring_func!r}")
+    elif e_score_correction_bias is not None:
+        w, ids = ops.fused_topk_bias(hidden_states, router_logits, e_score_correction_bias,
+                                     top_k, renormalize, routed_scaling_factor)
+        ids = _ids_as(ids, indices_type)
+    elif custom_routing_function is None:
+        w, ids, _ = ops.fused_topk(hidden_states, router_logits, top_k, renormalize,
+                                   indices_type)
+    else:
+        w, ids = custom_routing_function(hidden_states=hidden_states,
+                                         gating_output=router_logits, topk=top_k,
+                                         renormalize=renormalize)
+        ids = _ids_as(ids, indices_type)
+    return w, ids, None
+
+
+class _This:
+    """This module's three routing functions, as the `ops` namespace of select_experts."""
+
+    fused_topk = staticmethod(fused_topk)
+    fused_topk_bias = staticmethod(fused_topk_bias)
+    grouped_topk = staticmethod(grouped_topk)
+
+
+_THIS = _This()
+
+
+# ----------------------------------------------------------------------------- script
+def _main():
+    import cupy
+
+    ok, why = C.availability()
+    if not ok:
+        raise SystemExit(f"needs a CUDA GPU: {why}")
+    import reference
+
+    rng = np.random.default_rng(0)
+    bf16 = C.bf16_dtype()
+    print(f"{'case':44s} {'ids':>6s} {'w err':>9s} {'median us':>10s} {'GB/s':>8s}")
+    cases = [  # (name, T, E, K, groups, topk_group, scoring, bias)
+        ("mixtral fused_topk", 4096, 8, 2, 0, 0, "softmax", False),
+        ("qwen3 fused_topk", 4096, 128, 8, 0, 0, "softmax", False),
+        ("deepseek-v3 grouped sigmoid+bias", 4096, 256, 8, 8, 4, "sigmoid", True),
+        ("biased softmax E=512 K=22", 1000, 512, 22, 0, 0, "softmax", True),
+    ]
+    for name, T, E, K, G, TG, scoring, has_bias in cases:
+        logits = rng.standard_normal((T, E)).astype(bf16)
+        bias = (0.1 * rng.standard_normal(E)).astype(np.float32) if has_bias else None
+        d_logits = C.to_device(logits)
+        d_bias = C.to_device(bias) if has_bias else None
+        if G:
+            run = lambda: grouped_topk(None, d_logits, K, True, G, TG, scoring, 2.5, d_bias)
+            ref = reference.grouped_topk(None, logits, K, True, G, TG, scoring, 2.5, bias)
+        elif has_bias:
+            run = lambda: fused_topk_bias(None, d_logits, d_bias, K, True)
+            ref = reference.fused_topk_bias(None, logits, bias, K, True)
+        else:
+            run = lambda: fused_topk(None, d_logits, K, True)[:2]
+            ref = reference.fused_topk(None, logits, K, True)[:2]
+        w, ids = run()
+        same = float((C.to_host(ids) == ref[1]).mean())
+        err = C.rel_err(C.to_host(w), ref[0])
+        ms = C.median(C.cuda_time(run))
+        nbytes = T * E * logits.itemsize + T * K * 8 + (E * 4 if has_bias else 0)
+        print(f"{name:44s} {same:6.4f} {err:9.2e} {ms * 1e3:10.1f} {nbytes / ms / 1e6:8.1f}")
+    cupy.cuda.Device().synchronize()
+
+
+if __name__ == "__main__":
+    _main()
