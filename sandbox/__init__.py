@@ -1,0 +1,15 @@
+"""moe-sandbox: one MoE layer whose stages run on swappable backends, and the harness that
+says where two backends part ways.
+
+    FusedMoE            the layer (sandbox/layer.py)
+    validate            stage-by-stage cross-validation (sandbox/validate.py)
+    STAGES, get_backend, available_backends, resolve_stage_mapping   (sandbox/registry.py)
+"""
+
+from .layer import FusedMoE, StageCall
+from .registry import (BACKENDS, STAGES, available_backends, get_backend,
+                       resolve_stage_mapping)
+from .validate import ValidationReport, validate
+
+__all__ = ["BACKENDS", "FusedMoE", "STAGES", "StageCall", "ValidationReport",
+           "available_backends", "get_backend", "resolve_stage_mapping", "validate"]

@@ -1,0 +1,225 @@
+"""Array interop: move a stage's arrays from the backend that made them to the one that reads them.
+
+    kind(x)                  "none", "numpy", "torch", "cupy", "numba" or "other"
+    is_device(x)             True for arrays in GPU memory (CuPy, Numba, torch on CUDA)
+    dtype_of(x)              the NumPy dtype of any of them (torch.bfloat16 -> ml_dtypes.bfloat16)
+    to_numpy(x)              a host NumPy array (bf16 stays ml_dtypes.bfloat16)
+    numpy_to_torch(a, dev)   NumPy -> torch, zero-copy on the CPU (bf16 through an int16 view)
+    torch_to_numpy(t)        torch -> NumPy (bf16 through an int16 view)
+    transfer(x, src, dst)    the layer's mover: x, made by backend `src`, as backend `dst` reads it
+
+Rules of `transfer` (the layer calls it between every two stages and only when the backend
+changes):
+  * same backend: nothing happens;
+  * GPU -> GPU (CuPy, Numba, torch on CUDA): zero-copy through DLPack or
+    `__cuda_array_interface__`; the result must keep the dtype, otherwise (bf16, which CAI
+    cannot describe) the array takes the host path below;
+  * anything else goes through the host: `src.to_host(x)` then `dst.to_device(x)`, so that
+    each backend's own convention for bf16 is respected. A host backend (the NumPy
+    reference, torch on the CPU) gets the host array itself (torch.from_numpy: no copy).
+
+Nothing here imports torch, CuPy or Numba at module import time.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def kind(x) -> str:
+    """Which library an array belongs to, without importing any library."""
+    if x is None:
+        return "none"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    mod = type(x).__module__ or ""
+    if mod.startswith("torch"):
+        return "torch"
+    if mod.startswith("cupy"):
+        return "cupy"
+    if mod.startswith("numba"):
+        return "numba"
+    return "other"
+
+
+def is_device(x) -> bool:
+    """True when `x` lives in GPU memory (a CUDA simulator array counts as host)."""
+    k = kind(x)
+    if k == "torch":
+        return x.device.type == "cuda"
+    if k == "cupy":
+        return True
+    if k == "numba":
+        # numba's simulator arrays (FakeCUDAArray) live on the host
+        return "simulator" not in type(x).__module__
+    return False
+
+
+_TORCH_TO_NUMPY = None
+
+
+def _torch_dtype_map():
+    global _TORCH_TO_NUMPY
+    if _TORCH_TO_NUMPY is None:
+        import torch
+
+        _TORCH_TO_NUMPY = {
+            torch.float64: np.dtype(np.float64), torch.float32: np.dtype(np.float32),
+            torch.float16: np.dtype(np.float16), torch.bfloat16: BF16,
+            torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32),
+            torch.int16: np.dtype(np.int16), torch.int8: np.dtype(np.int8),
+            torch.uint8: np.dtype(np.uint8), torch.bool: np.dtype(np.bool_),
+        }
+    return _TORCH_TO_NUMPY
+
+
+def torch_dtype(dtype):
+    """The torch dtype of a NumPy dtype (ml_dtypes.bfloat16 -> torch.bfloat16)."""
+    want = np.dtype(dtype)
+    for t, n in _torch_dtype_map().items():
+        if n == want:
+            return t
+    raise TypeError(f"dtype: expected one torch can hold, got {want}")
+
+
+def dtype_of(x) -> np.dtype:
+    """The NumPy dtype of an array of any kind."""
+    if kind(x) == "torch":
+        return _torch_dtype_map()[x.dtype]
+    return np.dtype(x.dtype)
+
+
+def torch_to_numpy(t) -> np.ndarray:
+    """A torch tensor on the host as NumPy; bf16 (which NumPy lacks) through an int16 view."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(BF16)
+    return t.numpy()
+
+
+def numpy_to_torch(a: np.ndarray, device="cpu"):
+    """NumPy -> torch on `device`. Zero-copy on the CPU when `a` is contiguous and writeable."""
+    import torch
+
+    if not (a.flags.c_contiguous and a.flags.writeable):
+        a = np.array(a, order="C", copy=True)   # torch.from_numpy refuses odd strides
+    if a.dtype == BF16:
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a)
+    return t if str(device) == "cpu" else t.to(device)
+
+
+def to_numpy(x):
+    """Any array (NumPy, torch, CuPy, Numba device or simulator array) as a host NumPy array."""
+    k = kind(x)
+    if k == "none":
+        return None
+    if k == "numpy":
+        return x
+    if k == "torch":
+        return torch_to_numpy(x)
+    if k == "cupy":
+        return x.get()
+    if hasattr(x, "copy_to_host"):                 # numba device arrays, simulator included
+        return x.copy_to_host()
+    return np.asarray(x)
+
+
+# ---------------------------------------------------------------------------- GPU zero-copy
+def _gpu_to_torch(x):
+    import torch
+
+    if kind(x) == "cupy" or hasattr(x, "__dlpack__"):
+        try:
+            return torch.from_dlpack(x)
+        except Exception:
+            pass
+    return torch.as_tensor(x, device="cuda")       # __cuda_array_interface__, no copy
+
+
+def _gpu_to_cupy(x):
+    import cupy
+
+    if hasattr(x, "__dlpack__"):
+        try:
+            return cupy.from_dlpack(x)
+        except Exception:
+            pass
+    return cupy.asarray(x)                           # __cuda_array_interface__, no copy
+
+
+def _gpu_to_numba(x):
+    from numba import cuda
+
+    return cuda.as_cuda_array(x)                     # __cuda_array_interface__, no copy
+
+
+_ZERO_COPY = {"torch": _gpu_to_torch, "cupy": _gpu_to_cupy, "numba": _gpu_to_numba}
+
+
+def zero_copy(x, dst_kind: str):
+    """`x` (in GPU memory) viewed as a `dst_kind` array without a copy, or None when the
+    libraries cannot agree on it (bf16 has no `__cuda_array_interface__` type string)."""
+    if kind(x) == dst_kind:
+        return x
+    convert = _ZERO_COPY.get(dst_kind)
+    if convert is None:
+        return None
+    try:
+        y = convert(x)
+    except Exception:
+        return None
+    try:
+        same = dtype_of(y) == dtype_of(x) and tuple(y.shape) == tuple(x.shape)
+    except Exception:
+        same = False
+    return y if same else None
+
+
+def transfer(x, src, dst):
+    """`x`, produced by backend `src`, as backend `dst` reads it (see the module docstring).
+
+    `src` and `dst` are `sandbox.registry.Backend` handles (anything with `name`,
+    `array_kind`, `is_host`, `to_host`, `to_device`). Tuples and lists are moved item by
+    item; None, Python scalars and NumPy scalars pass through.
+    """
+    if isinstance(x, (tuple, list)):
+        return type(x)(transfer(v, src, dst) for v in x)
+    k = kind(x)
+    if k == "none" or isinstance(x, np.generic) or not (hasattr(x, "shape")
+                                                         and hasattr(x, "dtype")):
+        return x                                 # scalars, strings, callables, None
+    if src is dst or (src.name == dst.name):
+        return x
+    if k == dst.array_kind and dst.owns(x):
+        return x
+    if is_device(x) and not dst.is_host:
+        y = zero_copy(x, dst.array_kind)
+        if y is not None:
+            return y
+    host = to_numpy(x) if k == "numpy" else src.to_host(x)
+    return dst.to_device(host)
+
+
+def describe(x) -> str:
+    """`numpy float32 (3, 4)`: for error messages."""
+    if x is None:
+        return "None"
+    try:
+        return f"{kind(x)} {dtype_of(x)} {tuple(x.shape)}"
+    except Exception:
+        return type(x).__name__
+
+
+def torch_loaded() -> bool:
+    return "torch" in sys.modules

@@ -1,0 +1,265 @@
+"""Which backend runs which stage: the one place that knows every backend.
+
+    STAGES            ("route", "align", "gemm1", "activation", "gemm2", "combine")
+    STAGE_FUNCTIONS   stage -> the function name of docs/stages.md it calls
+    BACKENDS          ("reference", "torch", "cupy", "numba")
+
+    get_backend(name)            a `Backend` handle (imports the backend lazily)
+    available_backends()         {name: (ok, reason)} for every backend, on this machine
+    resolve_stage_mapping(spec)  "cupy" or {"route": "numba", "gemm1": "cupy"} -> {stage: name}
+
+Backends and their modules:
+    reference   the NumPy oracle, `reference/`                     host
+    torch       `sandbox/torch_backend.py` (CPU or CUDA)          host on the CPU
+    cupy        `cuda_kernels.cupy`   (CUDA C++ through CuPy)      GPU
+    numba       `cuda_kernels.numba`  (numba.cuda; the CUDA simulator counts when
+                                       NUMBA_ENABLE_CUDASIM=1)
+
+Each backend module provides the stage functions by their docs/stages.md names plus
+`availability() -> (ok, reason)`, `to_device(np_array)` and `to_host(array)`. The GPU
+backends are imported on first use and guarded: a backend whose package is missing, fails
+to import, or lacks `availability` is reported unavailable with the reason, never raised.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from . import arrays
+
+STAGES = ("route", "align", "gemm1", "activation", "gemm2", "combine")
+
+STAGE_FUNCTIONS = {
+    "route": "select_experts",
+    "align": "moe_align_block_size",
+    "gemm1": "grouped_gemm",
+    "activation": "apply_activation",
+    "gemm2": "grouped_gemm",
+    "combine": "moe_sum",
+}
+
+BACKENDS = ("reference", "torch", "cupy", "numba")
+
+# what each backend's stage functions take and return
+_ARRAY_KIND = {"reference": "numpy", "torch": "torch", "cupy": "cupy", "numba": "numba"}
+_MODULE = {"torch": "sandbox.torch_backend", "cupy": "cuda_kernels.cupy",
+           "numba": "cuda_kernels.numba"}
+
+DEFAULT_BLOCK_SIZE = 64
+
+
+def _reference_module():
+    """The reference package plus the three module functions every backend has."""
+    import reference
+
+    ns = SimpleNamespace(**{n: getattr(reference, n) for n in dir(reference)
+                            if not n.startswith("__")})
+    ns.__name__ = "reference"
+    ns.availability = lambda: (True, "NumPy " + np.__version__)
+    ns.to_device = lambda a: arrays.to_numpy(a)
+    ns.to_host = lambda a: arrays.to_numpy(a)
+    return ns
+
+
+@dataclass
+class Backend:
+    """A backend: its module (or why there is none) and the stage functions in it.
+
+    Attribute look-ups fall through to the module, so `get_backend("torch").grouped_gemm`
+    is `sandbox.torch_backend.grouped_gemm`.
+    """
+
+    name: str
+    module: Any = None
+    ok: bool = False
+    reason: str = ""
+    array_kind: str = "numpy"
+    _configs: dict = field(default_factory=dict, repr=False)
+
+    def __getattr__(self, attr):
+        # only called when normal look-up fails: delegate to the backend module
+        if attr.startswith("_") or self.__dict__.get("module") is None:
+            raise AttributeError(attr)
+        return getattr(self.module, attr)
+
+    @property
+    def is_host(self) -> bool:
+        """True when the backend's arrays live in host memory."""
+        if self.name == "reference":
+            return True
+        if self.name == "torch" and self.ok:
+            return self.module.device().type == "cpu"
+        if self.name == "numba" and self.ok:
+            return _numba_simulator()
+        return False
+
+    def owns(self, x) -> bool:
+        """Whether `x` is already an array this backend's stages read (right kind, device)."""
+        if arrays.kind(x) != self.array_kind:
+            return False
+        if self.name == "torch":
+            return x.device == self.module.device()
+        return True
+
+    def to_device(self, a):
+        self.require()
+        return self.module.to_device(a)
+
+    def to_host(self, x):
+        self.require()
+        return self.module.to_host(x)
+
+    def require(self):
+        if not self.ok:
+            raise RuntimeError(f"backend {self.name!r} is not available here: {self.reason}")
+
+    def has_stage(self, stage: str) -> bool:
+        return self.ok and _has(self.module, STAGE_FUNCTIONS[_check_stage(stage)])
+
+    def stage_fn(self, stage: str):
+        """The function that runs `stage` (e.g. "gemm1" -> grouped_gemm) on this backend."""
+        fn_name = STAGE_FUNCTIONS[_check_stage(stage)]
+        self.require()
+        if not _has(self.module, fn_name):
+            raise NotImplementedError(f"backend {self.name!r} has no {fn_name} "
+                                      f"(stage {stage!r}) yet")
+        return getattr(self.module, fn_name)
+
+    def gemm_config(self, M, N, K, E, top_k, dtype):
+        """The GEMM's tuned config for a shape when the backend offers `get_config`
+        (e.g. `cuda_kernels.cupy.grouped_gemm.get_config`), else None."""
+        if not self.ok:
+            return None
+        key = (M, N, K, E, top_k, np.dtype(dtype).name)
+        if key in self._configs:
+            return self._configs[key]
+        get_config = _find_get_config(self)
+        cfg = None
+        if get_config is not None:
+            kwargs = {}
+            try:
+                params = inspect.signature(get_config).parameters
+                if "version" in params and params["version"].default is inspect.Parameter.empty:
+                    kwargs["version"] = None
+            except (TypeError, ValueError):
+                pass
+            cfg = get_config(M, N, K, E, top_k, np.dtype(dtype), **kwargs)
+        self._configs[key] = cfg
+        return cfg
+
+
+def _has(module, name) -> bool:
+    try:
+        getattr(module, name)
+        return True
+    except Exception:   # lazy module attributes may raise ImportError, not AttributeError
+        return False
+
+
+def _find_get_config(backend: Backend):
+    fn = getattr(backend.module, "get_config", None) if not isinstance(
+        backend.module, SimpleNamespace) else None
+    if callable(fn):
+        return fn
+    mod_name = _MODULE.get(backend.name)
+    if mod_name is None:
+        return None
+    try:
+        # importlib, not attribute access: cuda_kernels.cupy.grouped_gemm is the *function*
+        sub = importlib.import_module(f"{mod_name}.grouped_gemm")
+    except Exception:
+        return None
+    fn = getattr(sub, "get_config", None)
+    return fn if callable(fn) else None
+
+
+def _numba_simulator() -> bool:
+    import os
+
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
+
+
+def _check_stage(stage: str) -> str:
+    if stage not in STAGE_FUNCTIONS:
+        raise ValueError(f"stage: expected one of {list(STAGES)}, got {stage!r}")
+    return stage
+
+
+def _check_backend_name(name) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {name!r}")
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def get_backend(name: str) -> Backend:
+    """The handle of backend `name` (ValueError for an unknown name). An unavailable backend
+    still gets a handle: `.ok` is False, `.reason` says why, and calling a stage raises."""
+    _check_backend_name(name)
+    kind = _ARRAY_KIND[name]
+    if name == "reference":
+        try:
+            return Backend(name, _reference_module(), True, "NumPy " + np.__version__, kind)
+        except Exception as e:  # the reference is being written: say so rather than crash
+            return Backend(name, None, False, f"reference is not importable "
+                                              f"({type(e).__name__}: {e})", kind)
+    try:
+        module = importlib.import_module(_MODULE[name])
+    except Exception as e:
+        return Backend(name, None, False,
+                       f"{_MODULE[name]} is not importable ({type(e).__name__}: {e})", kind)
+    if not isinstance(module, ModuleType) or not callable(getattr(module, "availability", None)):
+        return Backend(name, module, False, f"{_MODULE[name]} has no availability() yet", kind)
+    try:
+        ok, reason = module.availability()
+    except Exception as e:
+        ok, reason = False, f"{_MODULE[name]}.availability() raised {type(e).__name__}: {e}"
+    for fn in ("to_device", "to_host"):
+        if ok and not _has(module, fn):
+            ok, reason = False, f"{_MODULE[name]} has no {fn}() yet"
+    return Backend(name, module, bool(ok), str(reason or ""), kind)
+
+
+def available_backends() -> dict[str, tuple[bool, str]]:
+    """{backend: (ok, reason)} for every backend in BACKENDS order. For an available backend
+    the reason is a short description (e.g. "torch 2.13.0 on cpu")."""
+    return {name: (b.ok, b.reason) for name in BACKENDS for b in [get_backend(name)]}
+
+
+def resolve_stage_mapping(backend=None) -> dict[str, str]:
+    """{stage: backend name} for all STAGES.
+
+    `backend` is None (all "reference"), a backend name (every stage), or a dict naming
+    some stages (the others "reference"). Unknown stage or backend names raise ValueError
+    naming the valid ones. Availability is not checked here (the layer checks on forward).
+    """
+    if backend is None:
+        return {s: "reference" for s in STAGES}
+    if isinstance(backend, str):
+        _check_backend_name(backend)
+        return {s: backend for s in STAGES}
+    if isinstance(backend, dict):
+        mapping = {s: "reference" for s in STAGES}
+        for stage, name in backend.items():
+            if stage not in STAGES:
+                raise ValueError(f"backend: unknown stage {stage!r} in the mapping; expected "
+                                 f"stages from {list(STAGES)}")
+            if name not in BACKENDS:
+                raise ValueError(f"backend: unknown backend {name!r} for stage {stage!r}; "
+                                 f"expected one of {list(BACKENDS)}")
+            mapping[stage] = name
+        return mapping
+    raise TypeError(f"backend: expected a backend name, a {{stage: backend}} dict or None, "
+                    f"got {type(backend).__name__}")
+
+
+def clear_cache():
+    """Forget the backend handles (for tests that change the environment)."""
+    get_backend.cache_clear()

@@ -1,0 +1,502 @@
+"""Cross-validation: run the same inputs through each backend, stage by stage, and say where
+a backend first leaves its tolerance.
+
+    validate(layer, hidden_states, router_logits, backends=None, *, stages=STAGES, dtype=None)
+        -> ValidationReport (.ok, .rows, .first_divergence, .table(), .to_json())
+
+How it judges (T tokens, K top-k, P = T*K slots, B block size):
+
+* **No compounding.** The reference runs the layer once in the working dtype and records
+  every stage's inputs. Each backend's stage is fed *those* inputs, so a stage is judged on
+  its own error, not on the error of the stages before it. The layer also runs end to end
+  on each backend (`end_to_end` row).
+* **Against the exact answer.** The yardstick of a stage is the reference fed the same
+  inputs upcast to float64 (its exact mode), so the reference's own rounding shows as a row
+  too and a backend is not punished for being more accurate than the reference.
+* **Floats**: max abs error and relative Frobenius error ||got - exact||_F / ||exact||_F in
+  float64; tolerance by the output's dtype (fp32 1e-5, fp16 / bf16 1e-2, fp64 1e-12). NaN
+  never passes, except where the exact output is NaN itself (NaN-logit rows): there the
+  backend must be NaN at exactly the same places. The dtype must be the contract's.
+* **Routing ids**: exact, except swaps at true near-ties: where the selection scores the
+  reference ranks (softmax or sigmoid, + correction bias) of the two swapped experts agree
+  within 4 fp32 ulps. Those tokens are counted separately (`near_ties`) and left out of the
+  float comparisons of that stage and of the end-to-end output, where a swap at a tie
+  legitimately changes the token's result.
+* **Alignment**: num_tokens_post_padded and expert_ids exact; sorted_token_ids compared as
+  multisets per expert run (each run of consecutive blocks of one expert; an expert with one
+  block is a per-block set), because kernels may order slots within an expert freely
+  (docs/stages.md); everything after num_tokens_post_padded must be the padding value P.
+* Backends not available here are listed with the reason and skipped, never failed; so is a
+  stage a backend does not implement yet.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+
+from . import arrays
+from .registry import BACKENDS, STAGE_FUNCTIONS, STAGES, get_backend
+
+END_TO_END = "end_to_end"
+TOLERANCES = {
+    np.dtype(np.float64): 1e-12,
+    np.dtype(np.float32): 1e-5,
+    np.dtype(np.float16): 1e-2,
+    np.dtype(ml_dtypes.bfloat16): 1e-2,
+}
+TIE_ULPS = 4
+_FAILING = ("fail", "error")
+
+
+def tolerance(dtype) -> float:
+    """The relative Frobenius tolerance for an output of `dtype`."""
+    return TOLERANCES[np.dtype(dtype)]
+
+
+# ----------------------------------------------------------------------------- report
+@dataclass
+class ValidationReport:
+    """The result of `validate`: one row per (backend, stage), plus end-to-end rows.
+
+    rows: dicts with backend, stage, status ("ok", "fail", "error", "skipped"), dtype, tol,
+    max_abs_err, rel_err, ids (a summary for id outputs), near_ties, detail.
+    first_divergence: {backend: the first stage whose status is fail/error, or None}.
+    skipped: {backend: why it did not run}.
+    """
+
+    rows: list = field(default_factory=list)
+    first_divergence: dict = field(default_factory=dict)
+    skipped: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not any(r["status"] in _FAILING for r in self.rows)
+
+    def row(self, backend, stage):
+        """The row of (backend, stage), or None."""
+        for r in self.rows:
+            if r["backend"] == backend and r["stage"] == stage:
+                return r
+        return None
+
+    def to_json(self) -> dict:
+        """A JSON-safe dict (non-finite floats as the strings "nan", "inf", "-inf")."""
+        return {
+            "ok": self.ok,
+            "meta": _json_safe(self.meta),
+            "first_divergence": dict(self.first_divergence),
+            "skipped": dict(self.skipped),
+            "rows": [_json_safe(r) for r in self.rows],
+        }
+
+    @classmethod
+    def from_json(cls, data) -> "ValidationReport":
+        """The inverse of to_json (accepts the dict or its JSON text)."""
+        if isinstance(data, str):
+            data = json.loads(data)
+        return cls(rows=[_from_json_safe(r) for r in data["rows"]],
+                   first_divergence=dict(data["first_divergence"]),
+                   skipped=dict(data["skipped"]), meta=_from_json_safe(data["meta"]))
+
+    def table(self) -> str:
+        """A terminal table: one line per (backend, stage), then the verdict per backend."""
+        head = ("backend", "stage", "status", "dtype", "max abs err", "rel err", "tol",
+                "ids / detail")
+        lines = []
+        for r in self.rows:
+            note = r.get("ids") or ""
+            if r.get("near_ties"):
+                note = (note + "; " if note else "") + f"{r['near_ties']} near-tie token(s)"
+            if r.get("detail"):
+                note = (note + "; " if note else "") + r["detail"]
+            lines.append((r["backend"], r["stage"], r["status"].upper() if r["status"] in
+                          _FAILING else r["status"], r.get("dtype") or "",
+                          _fmt(r.get("max_abs_err")), _fmt(r.get("rel_err")),
+                          _fmt(r.get("tol")), note))
+        widths = [max(len(head[i]), *(len(str(l[i])) for l in lines)) if lines else len(head[i])
+                  for i in range(len(head) - 1)]
+        def fmt(cols):
+            return "  ".join(str(c).ljust(w) for c, w in zip(cols[:-1], widths)) + "  " + cols[-1]
+        out = [fmt(head), fmt(tuple("-" * w for w in widths) + ("-" * 12,))]
+        out += [fmt(l) for l in lines]
+        out.append("")
+        for name, stage in self.first_divergence.items():
+            out.append(f"{name}: " + ("all stages within tolerance" if stage is None
+                                      else f"first divergence at {stage}"))
+        for name, why in self.skipped.items():
+            out.append(f"{name}: skipped ({why})")
+        m = self.meta
+        if m:
+            out.append(f"T={m.get('T')} E={m.get('E')} K={m.get('K')} H={m.get('H')} "
+                       f"I={m.get('I')} dtype={m.get('dtype')} block_size={m.get('block_size')}"
+                       f"  -> {'OK' if self.ok else 'DIVERGENCE'}")
+        return "\n".join(out)
+
+    def __str__(self):
+        return self.table()
+
+
+def _fmt(v):
+    if v is None:
+        return ""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:.2e}" if v else "0"
+    return str(v)
+
+
+def _json_safe(obj):
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, (np.floating, float)):
+        v = float(obj)
+        return v if math.isfinite(v) else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    return obj
+
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_FLOAT_KEYS = ("max_abs_err", "rel_err", "tol")
+
+
+def _from_json_safe(obj):
+    if isinstance(obj, dict):
+        return {k: (_NONFINITE.get(v, v) if k in _FLOAT_KEYS and isinstance(v, str)
+                    else _from_json_safe(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_from_json_safe(v) for v in obj]
+    return obj
+
+
+# ----------------------------------------------------------------------------- comparisons
+def compare_float(got, want, expected_dtype, rows=None) -> dict:
+    """max abs / relative Frobenius error of `got` against the exact `want` (float64).
+
+    `rows`: a boolean mask over the first axis of the rows to judge (None: all).
+    NaN must appear in `got` exactly where `want` has NaN; elsewhere NaN fails.
+    """
+    res = {"dtype": str(np.dtype(expected_dtype)), "tol": tolerance(expected_dtype),
+           "max_abs_err": None, "rel_err": None, "detail": ""}
+    if got is None or want is None:
+        if got is None and want is None:
+            res.update(status="ok", max_abs_err=0.0, rel_err=0.0)
+        else:
+            res.update(status="fail", detail=f"expected {'None' if want is None else 'an array'},"
+                                             f" got {arrays.describe(got)}")
+        return res
+    if tuple(got.shape) != tuple(want.shape):
+        res.update(status="fail", detail=f"shape: expected {tuple(want.shape)}, "
+                                         f"got {tuple(got.shape)}")
+        return res
+    problems = []
+    if np.dtype(got.dtype) != np.dtype(expected_dtype):
+        problems.append(f"dtype: expected {np.dtype(expected_dtype)}, got {got.dtype}")
+    g = np.asarray(got).astype(np.float64)
+    w = np.asarray(want).astype(np.float64)
+    if rows is not None:
+        g, w = g[rows], w[rows]
+    nan_g, nan_w = np.isnan(g), np.isnan(w)
+    nan_mismatch = int(np.count_nonzero(nan_g != nan_w))
+    if nan_mismatch:
+        extra = int(np.count_nonzero(nan_g & ~nan_w))
+        missing = int(np.count_nonzero(nan_w & ~nan_g))
+        problems.append(f"NaN: {extra} where the reference is finite, "
+                        f"{missing} missing where it is NaN")
+    both = ~nan_g & ~nan_w
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.where(g[both] == w[both], 0.0, g[both] - w[both])     # equal infs: no error
+    max_abs = float(np.max(np.abs(d))) if d.size else 0.0
+    num = float(np.linalg.norm(d)) if d.size else 0.0
+    den = float(np.linalg.norm(w[both][np.isfinite(w[both])])) if d.size else 0.0
+    if not math.isfinite(num):
+        rel = math.inf
+    elif den == 0.0:
+        rel = 0.0 if num == 0.0 else math.inf
+    else:
+        rel = num / den
+    res.update(max_abs_err=max_abs, rel_err=rel)
+    if rel > res["tol"] or not math.isfinite(rel):
+        problems.append(f"rel err {rel:.2e} > tol {res['tol']:.0e}")
+    res["status"] = "fail" if problems else "ok"
+    res["detail"] = "; ".join(problems)
+    return res
+
+
+def selection_scores(layer, router_logits):
+    """The scores the reference's router ranks experts by ([T, E+Z] fp32), or None for a
+    custom routing function (whose ranking the harness cannot know)."""
+    import reference
+
+    if layer.custom_routing_function is not None:
+        return None
+    logits = arrays.to_numpy(router_logits)
+    if layer.scoring_func == "sigmoid":
+        scores = reference.sigmoid(logits)
+    else:
+        scores = reference.softmax(logits)
+    if layer.e_score_correction_bias is not None:
+        scores = scores + layer.e_score_correction_bias[None, :].astype(np.float32)
+    return scores.astype(np.float32)
+
+
+def compare_ids(got, want, scores, num_choices) -> dict:
+    """Routing ids: exact except swaps at near-ties (scores within TIE_ULPS fp32 ulps).
+
+    Returns {status, ids, near_tie_rows (bool [T]), mismatched_rows, detail}."""
+    t = want.shape[0]
+    res = {"near_tie_rows": np.zeros(t, bool), "mismatched_rows": 0, "detail": ""}
+    if tuple(got.shape) != tuple(want.shape):
+        res.update(status="fail", ids="shape", detail=f"topk_ids shape: expected "
+                   f"{tuple(want.shape)}, got {tuple(got.shape)}")
+        return res
+    problems = []
+    if np.dtype(got.dtype) != np.dtype(want.dtype):
+        problems.append(f"topk_ids dtype: expected {want.dtype}, got {got.dtype}")
+    g = np.asarray(got).astype(np.int64)
+    w = np.asarray(want).astype(np.int64)
+    bad_rows = np.flatnonzero((g != w).any(axis=1))
+    mismatched = 0
+    for r in bad_rows:
+        row = g[r]
+        tie = scores is not None and bool(((row >= 0) & (row < num_choices)).all()) \
+            and len(set(row.tolist())) == row.size
+        if tie:
+            for k in np.flatnonzero(row != w[r]):
+                sa, sb = scores[r, w[r, k]], scores[r, row[k]]
+                if not (np.isfinite(sa) and np.isfinite(sb)):
+                    tie = False
+                    break
+                ulp = np.spacing(np.float32(max(abs(sa), abs(sb))))
+                if abs(float(sa) - float(sb)) > TIE_ULPS * float(ulp):
+                    tie = False
+                    break
+        if tie:
+            res["near_tie_rows"][r] = True
+        else:
+            mismatched += 1
+    res["mismatched_rows"] = mismatched
+    n_ties = int(res["near_tie_rows"].sum())
+    if mismatched:
+        problems.append(f"topk_ids: {mismatched}/{t} token(s) route to other experts")
+        ids = f"{mismatched}/{t} rows differ"
+    else:
+        ids = "exact" if not n_ties else f"exact but {n_ties} near-tie swap(s)"
+    res.update(status="fail" if problems else "ok", ids=ids, detail="; ".join(problems))
+    return res
+
+
+def compare_align(got, want, num_slots, block_size) -> dict:
+    """(sorted_token_ids, expert_ids, num_tokens_post_padded) against the reference's."""
+    gs, ge, gn = (np.asarray(v) for v in got)
+    ws, we, wn = want
+    problems = []
+    for name, g, w in (("sorted_token_ids", gs, ws), ("expert_ids", ge, we),
+                       ("num_tokens_post_padded", gn, wn)):
+        if g.dtype != w.dtype:
+            problems.append(f"{name} dtype: expected {w.dtype}, got {g.dtype}")
+        if g.shape != w.shape:
+            problems.append(f"{name} shape: expected {w.shape}, got {g.shape}")
+    if problems:
+        return {"status": "fail", "ids": "shape/dtype", "detail": "; ".join(problems)}
+    n = int(wn.ravel()[0])
+    if int(gn.ravel()[0]) != n:
+        problems.append(f"num_tokens_post_padded: expected {n}, got {int(gn.ravel()[0])}")
+    if not np.array_equal(ge, we):
+        diff = int(np.count_nonzero(ge != we))
+        problems.append(f"expert_ids: {diff} of {we.size} blocks differ")
+    if not problems:
+        if np.any(gs[n:] != num_slots):
+            problems.append(f"sorted_token_ids: entries past num_tokens_post_padded ({n}) "
+                            f"must be the padding value {num_slots}")
+        blocks = we[: n // block_size]
+        starts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]]) if blocks.size else []
+        ends = list(starts[1:]) + [blocks.size]
+        bad_runs = 0
+        for a, b in zip(starts, ends):
+            lo, hi = a * block_size, b * block_size
+            if not np.array_equal(np.sort(gs[lo:hi]), np.sort(ws[lo:hi])):
+                bad_runs += 1
+        if bad_runs:
+            problems.append(f"sorted_token_ids: {bad_runs} expert run(s) hold other slots")
+    if problems:
+        return {"status": "fail", "ids": "differ", "detail": "; ".join(problems)}
+    same_order = np.array_equal(gs, ws)
+    return {"status": "ok", "ids": "exact" if same_order else "exact (as sets per expert)",
+            "detail": ""}
+
+
+# ----------------------------------------------------------------------------- the harness
+def _host(backend, v):
+    if v is None:
+        return None
+    if arrays.kind(v) == "numpy":
+        return v
+    return arrays.to_numpy(backend.to_host(v))
+
+
+def _exact_call(call):
+    """The reference stage on float64 copies of the same inputs."""
+    import reference
+
+    fn = getattr(reference, STAGE_FUNCTIONS[call.stage])
+    args = tuple(reference.exact(a) for a in call.args)
+    kwargs = {k: reference.exact(v) for k, v in call.kwargs.items()}
+    if call.stage == "route":
+        # routing math is fp32 by contract: the correction bias stays as the engine has it
+        kwargs["e_score_correction_bias"] = call.kwargs.get("e_score_correction_bias")
+    return fn(*args, **kwargs)
+
+
+def _stage_row(backend, stage, **kw):
+    row = {"backend": backend, "stage": stage, "status": "ok", "dtype": None, "tol": None,
+           "max_abs_err": None, "rel_err": None, "ids": None, "near_ties": 0, "detail": ""}
+    row.update(kw)
+    return row
+
+
+def _judge_stage(stage, got, want_exact, want_engine, call, scores, layer):
+    """One stage's row fields from the backend's outputs (host) vs exact and engine outputs."""
+    if stage == "route":
+        tw, ids, zr = (got + (None,) * 3)[:3] if isinstance(got, tuple) else (got, None, None)
+        ew, eids, ez = want_exact
+        cmp_ids = compare_ids(ids, want_engine[1], scores, layer.num_router_experts) \
+            if ids is not None else {"status": "fail", "ids": "missing", "detail": "no topk_ids",
+                                     "near_tie_rows": np.zeros(ew.shape[0], bool)}
+        keep = ~cmp_ids["near_tie_rows"]
+        fw = compare_float(tw, ew, want_engine[0].dtype, rows=keep)
+        fz = compare_float(zr, ez, want_engine[2].dtype if want_engine[2] is not None
+                           else np.float32, rows=keep if ez is not None else None)
+        status = "fail" if "fail" in (cmp_ids["status"], fw["status"], fz["status"]) else "ok"
+        rels = [v for v in (fw["rel_err"], fz["rel_err"]) if v is not None]
+        maxs = [v for v in (fw["max_abs_err"], fz["max_abs_err"]) if v is not None]
+        details = [("topk_weights " + fw["detail"]) if fw["detail"] else "",
+                   ("zero_expert_result " + fz["detail"]) if fz["detail"] else "",
+                   cmp_ids["detail"]]
+        return dict(status=status, dtype=fw["dtype"], tol=fw["tol"],
+                    max_abs_err=max(maxs) if maxs else None, rel_err=max(rels) if rels else None,
+                    ids=cmp_ids["ids"], near_ties=int(cmp_ids["near_tie_rows"].sum()),
+                    detail="; ".join(d for d in details if d)), cmp_ids["near_tie_rows"]
+    if stage == "align":
+        if not isinstance(got, tuple) or len(got) != 3:
+            return dict(status="fail", detail="expected 3 outputs"), None
+        num_slots = int(np.asarray(call.args[0]).size)
+        res = compare_align(got, want_engine, num_slots, int(call.args[1]))
+        return dict(status=res["status"], ids=res["ids"], detail=res["detail"]), None
+    res = compare_float(got, want_exact, want_engine.dtype)
+    return dict(status=res["status"], dtype=res["dtype"], tol=res["tol"],
+                max_abs_err=res["max_abs_err"], rel_err=res["rel_err"],
+                detail=res["detail"]), None
+
+
+def validate(layer, hidden_states, router_logits, backends=None, *, stages=STAGES, dtype=None,
+             end_to_end=True) -> ValidationReport:
+    """Run `layer` on the inputs through each backend, stage by stage and end to end.
+
+    layer: a sandbox.FusedMoE (its own stage mapping is ignored: each backend runs every
+    stage). backends: names (default: all of sandbox.registry.BACKENDS, the reference
+    included: its row shows the engine's rounding against the exact answer).
+    stages: the stages to judge. dtype: run the layer (and hidden_states) in this dtype
+    instead of params_dtype; router_logits keep theirs.
+    """
+    backends = list(BACKENDS if backends is None else backends)
+    for name in backends:
+        if name not in BACKENDS:
+            raise ValueError(f"backends: unknown backend {name!r}; expected names from "
+                             f"{list(BACKENDS)}")
+    stages = tuple(stages)
+    for s in stages:
+        if s not in STAGES:
+            raise ValueError(f"stages: unknown stage {s!r}; expected stages from {list(STAGES)}")
+    if dtype is not None:
+        layer = layer.to_dtype(dtype)
+    x = np.asarray(arrays.to_numpy(hidden_states)).astype(layer.params_dtype)
+    logits = np.asarray(arrays.to_numpy(router_logits))
+
+    ref = get_backend("reference")
+    ref.require()
+    _, trace = layer.run_stages(x, logits, backend="reference")
+    calls = {c.stage: c for c in trace}
+    exact_out = {s: _exact_call(calls[s]) for s in STAGES}
+    exact_e2e = None
+    if end_to_end:
+        exact_e2e, _ = layer.run_stages(x, logits, backend="reference", exact=True)
+    scores = selection_scores(layer, logits)
+    block = int(calls["align"].args[1])
+
+    report = ValidationReport(meta={
+        "T": int(x.shape[0]), "E": layer.num_experts, "K": layer.top_k, "H": layer.hidden_size,
+        "I": layer.intermediate_size, "dtype": str(layer.params_dtype), "block_size": block,
+        "layer": repr(layer), "stages": list(stages), "backends": backends,
+        "logits_dtype": str(logits.dtype),
+        "nan_rows": int(np.isnan(logits).any(axis=1).sum()) if logits.size else 0,
+    })
+    for name in backends:
+        b = get_backend(name)
+        if not b.ok:
+            report.skipped[name] = b.reason
+            report.rows.append(_stage_row(name, "*", status="skipped", detail=b.reason))
+            continue
+        ties = np.zeros(x.shape[0], bool)
+        first = None
+        complete = True
+        for stage in STAGES:
+            if not b.has_stage(stage):
+                complete = False
+                if stage in stages:
+                    report.rows.append(_stage_row(
+                        name, stage, status="skipped",
+                        detail=f"{name} has no {STAGE_FUNCTIONS[stage]} yet"))
+                continue
+            if stage not in stages:
+                continue
+            call = calls[stage]
+            try:
+                args = tuple(arrays.transfer(a, ref, b) for a in call.args)
+                kwargs = {k: arrays.transfer(v, ref, b) for k, v in call.kwargs.items()}
+                out = b.stage_fn(stage)(*args, **kwargs)
+                got = (tuple(_host(b, v) for v in out) if isinstance(out, tuple)
+                       else _host(b, out))
+                fields, tie_rows = _judge_stage(stage, got, exact_out[stage], call.outputs,
+                                                call, scores, layer)
+            except Exception as e:  # a backend that raises has diverged at this stage
+                fields, tie_rows = dict(status="error",
+                                        detail=f"{type(e).__name__}: {e}".splitlines()[0]), None
+            if tie_rows is not None:
+                ties |= tie_rows
+            report.rows.append(_stage_row(name, stage, **fields))
+            if first is None and fields["status"] in _FAILING:
+                first = stage
+        if end_to_end:
+            if not complete:
+                report.rows.append(_stage_row(name, END_TO_END, status="skipped",
+                                              detail="not every stage is implemented"))
+            else:
+                try:
+                    got = layer.with_backend(name).forward(x, logits)
+                    res = compare_float(got, exact_e2e, layer.params_dtype,
+                                        rows=~ties if ties.any() else None)
+                    fields = dict(status=res["status"], dtype=res["dtype"], tol=res["tol"],
+                                  max_abs_err=res["max_abs_err"], rel_err=res["rel_err"],
+                                  near_ties=int(ties.sum()), detail=res["detail"])
+                except Exception as e:
+                    fields = dict(status="error",
+                                  detail=f"{type(e).__name__}: {e}".splitlines()[0])
+                report.rows.append(_stage_row(name, END_TO_END, **fields))
+                if first is None and fields["status"] in _FAILING:
+                    first = END_TO_END
+        report.first_divergence[name] = first
+    return report
