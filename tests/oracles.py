@@ -1,0 +1,502 @@
+"""Test-side oracles: the dumbest obviously-correct versions of every reference stage.
+
+    T = tokens, E = experts, K = top-k, G = expert groups, H = hidden, I = intermediate,
+    B = block size, P = T*K slots (s = t*K + k)
+
+The reference (`reference/`) is vectorized NumPy; these are loops over tokens and top-k
+slots written from docs/stages.md without looking at how the reference does it, so that
+an agreement between the two means something. Three kinds:
+
+    route_loop / llama4_loop / zero_experts_loop   one token at a time, Python floats (fp64),
+                                                   ranking by sorted((-score, id))
+    align_loop                                     one pass over the slots into per-expert lists
+    fused_experts_loop                             one (token, slot) pair at a time, fp64 matvecs
+    torch_route / torch_fused_moe                  an independent per-expert implementation with
+                                                   torch ops only (for shapes too big for loops)
+
+and the comparison helpers every reference test uses: `rel_err` (relative Frobenius error in
+float64, NaN never passes), `TOL` (the tolerance of each dtype, with its reason) and
+`assert_same_blocks` (alignment compared per block as sets, as vLLM leaves the order of
+slots inside an expert's run unspecified).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+# Relative Frobenius error allowed against a float64 oracle, keyed by the dtype the stage ran
+# in. fp64: summation order only (~1e-15 * sqrt(H)). fp32: 24-bit mantissa, error grows like
+# sqrt(K) * 6e-8 per dot product. fp16 / bf16: one rounding of each stage's output to an
+# 11- / 8-bit mantissa (bf16 ~ 4e-3 per rounding, three roundings along the layer).
+TOL = {
+    np.dtype(np.float64): 1e-12,
+    np.dtype(np.float32): 1e-5,
+    np.dtype(np.float16): 1e-2,
+    BF16: 1e-2,
+}
+
+
+def rel_err(got, want) -> float:
+    """||got - want||_F / ||want||_F in float64; inf when either side holds a NaN or an inf."""
+    got = np.asarray(got).astype(np.float64)
+    want = np.asarray(want).astype(np.float64)
+    assert got.shape == want.shape, f"shape {got.shape} != oracle's {want.shape}"
+    if not (np.isfinite(got).all() and np.isfinite(want).all()):
+        return math.inf
+    denom = np.linalg.norm(want)
+    num = np.linalg.norm(got - want)
+    if denom == 0:
+        return 0.0 if num == 0 else math.inf
+    return float(num / denom)
+
+
+def assert_close(got, want, dtype, tol=None, what="output"):
+    """Relative Frobenius error within the tolerance of `dtype` (NaN never passes)."""
+    tol = TOL[np.dtype(dtype)] if tol is None else tol
+    err = rel_err(got, want)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e} ({np.dtype(dtype)})"
+
+
+# --------------------------------------------------------------------------------------------
+# Random inputs. Seeded per parameter set so a failure reproduces; never zeros.
+# --------------------------------------------------------------------------------------------
+
+def seed_of(*params) -> int:
+    """A stable seed from test parameters (Python's hash() of a str is salted per process)."""
+    text = repr(params).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
+
+
+def rng_for(*params) -> np.random.Generator:
+    return np.random.default_rng(seed_of(*params))
+
+
+def uniform(rng, shape, scale=1.0, dtype=np.float32):
+    """Uniform in [-scale, scale), drawn in fp32 (fast for big weights), cast to dtype."""
+    x = rng.random(shape, dtype=np.float32)
+    x -= np.float32(0.5)
+    x *= np.float32(2 * scale)
+    return x if np.dtype(dtype) == np.float32 else x.astype(dtype)
+
+
+def moe_weights(rng, num_experts, hidden, inter, dtype=np.float32, gated=True, bias=False):
+    """w1 [E, 2I or I, H] and w2 [E, H, I], scaled so every activation stays O(1).
+
+    Returns (w1, w2, w1_bias, w2_bias), the biases None unless `bias`."""
+    n1 = 2 * inter if gated else inter
+    w1 = uniform(rng, (num_experts, n1, hidden), 1.7 / math.sqrt(hidden), dtype)
+    w2 = uniform(rng, (num_experts, hidden, inter), 1.7 / math.sqrt(inter), dtype)
+    if not bias:
+        return w1, w2, None, None
+    return w1, w2, uniform(rng, (num_experts, n1), 0.5, dtype), uniform(rng, (num_experts, hidden), 0.5, dtype)
+
+
+def distinct_topk_ids(rng, num_tokens, num_experts, top_k):
+    """K distinct experts per token, uniformly, as vLLM's tests draw them (randperm[:K])."""
+    return np.argsort(rng.random((num_tokens, num_experts)), axis=1)[:, :top_k].astype(np.int32)
+
+
+def random_weights(rng, num_tokens, top_k):
+    """Router weights in (0.05, 1]: positive like softmax outputs, never zero."""
+    return (0.05 + 0.95 * rng.random((num_tokens, top_k))).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Routing: one token at a time.
+# --------------------------------------------------------------------------------------------
+
+def _key(v: float) -> float:
+    """The selection key: NaN counts as -inf (docs/stages.md, reference/routing.py)."""
+    return -math.inf if math.isnan(v) else v
+
+
+def top_ids(values, k, candidates=None):
+    """The k best ids by value, descending, ties to the lowest id: sorted((-key, id))."""
+    ids = range(len(values)) if candidates is None else candidates
+    return [e for _, e in sorted((-_key(values[e]), e) for e in ids)[:k]]
+
+
+def _sigmoid(v: float) -> float:
+    if math.isnan(v):
+        return math.nan
+    if v >= 0:
+        return 1.0 / (1.0 + math.exp(-v))
+    z = math.exp(v)
+    return z / (1.0 + z)
+
+
+def softmax_row(row):
+    """exp(x - max) / sum over a list of floats; a NaN anywhere, a +inf maximum or an all
+    -inf row give all-NaN (inf - inf), as the contract says."""
+    if any(math.isnan(v) for v in row):
+        return [math.nan] * len(row)
+    m = max(row)
+    shifted = [v - m for v in row]                   # inf - inf = nan for those rows
+    if any(math.isnan(v) for v in shifted):
+        return [math.nan] * len(row)
+    ex = [math.exp(v) for v in shifted]
+    total = sum(ex)
+    return [v / total for v in ex]
+
+
+def sigmoid_row(row):
+    return [_sigmoid(v) for v in row]
+
+
+def route_loop(logits, topk, renormalize=False, scoring_func="softmax", bias=None,
+               num_expert_group=1, topk_group=1, routed_scaling_factor=1.0):
+    """Every routing function of the contract, one token at a time, in float64.
+
+    fused_topk       = route_loop(softmax, no bias, one group, factor 1)
+    fused_topk_bias  = route_loop(softmax, bias, one group, factor)
+    grouped_topk     = route_loop(softmax | sigmoid, bias or not, G groups, factor)
+
+    For each token: scores; choice = scores + bias (or scores); group score = the max of
+    the group's choice scores (no bias) or the sum of its two best (bias); keep the
+    topk_group best groups; ids = the K best choice scores inside them; weights = the
+    unbiased scores of those ids, divided by their sum if renormalize and the sum is > 0,
+    then times routed_scaling_factor. NaN counts as -inf wherever something is ranked.
+    Returns (weights float64 [T, K], ids int64 [T, K]).
+    """
+    logits = np.asarray(logits).astype(np.float64)
+    num_tokens, num_experts = logits.shape
+    per_group = num_experts // num_expert_group
+    bias = None if bias is None else [float(b) for b in np.asarray(bias).astype(np.float32)]
+    weights = np.zeros((num_tokens, topk))
+    ids = np.zeros((num_tokens, topk), dtype=np.int64)
+    for t in range(num_tokens):
+        row = [float(v) for v in logits[t]]
+        scores = softmax_row(row) if scoring_func == "softmax" else sigmoid_row(row)
+        choice = scores if bias is None else [s + b for s, b in zip(scores, bias)]
+        group_scores = []
+        for g in range(num_expert_group):
+            members = list(range(g * per_group, (g + 1) * per_group))
+            if bias is None:
+                group_scores.append(max(_key(choice[e]) for e in members))
+            else:
+                best = top_ids(choice, min(2, per_group), members)
+                group_scores.append(sum(_key(choice[e]) for e in best))
+        kept = top_ids(group_scores, topk_group)
+        candidates = [e for g in kept for e in range(g * per_group, (g + 1) * per_group)]
+        chosen = top_ids(choice, topk, candidates)
+        w = [scores[e] for e in chosen]
+        if renormalize:
+            total = sum(w)
+            if total > 0:
+                w = [v / total for v in w]
+        weights[t] = [v * routed_scaling_factor for v in w]
+        ids[t] = chosen
+    return weights, ids
+
+
+def llama4_loop(logits, topk):
+    """Llama 4: ids = top-K of the raw logits, weight = sigmoid(logit)."""
+    logits = np.asarray(logits).astype(np.float64)
+    weights = np.zeros((logits.shape[0], topk))
+    ids = np.zeros((logits.shape[0], topk), dtype=np.int64)
+    for t, row in enumerate(logits):
+        row = [float(v) for v in row]
+        ids[t] = top_ids(row, topk)
+        weights[t] = [_sigmoid(row[e]) for e in ids[t]]
+    return weights, ids
+
+
+def zero_experts_loop(topk_ids, topk_weights, num_experts, hidden_states):
+    """LongCat-Flash "identity" zero experts: a slot with id >= E adds w * x[t] to the token
+    and is pointed at expert 0 with weight 0 for the routed experts.
+    Returns (zero_expert_result float64 [T, H], new ids, new weights)."""
+    x = np.asarray(hidden_states).astype(np.float64)
+    ids = np.array(topk_ids, copy=True)
+    weights = np.array(topk_weights, dtype=np.float64, copy=True)
+    result = np.zeros_like(x)
+    for t in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            if ids[t, k] >= num_experts:
+                result[t] += weights[t, k] * x[t]
+                ids[t, k] = 0
+                weights[t, k] = 0.0
+    return result, ids, weights
+
+
+# --------------------------------------------------------------------------------------------
+# Alignment: one pass over the slots into per-expert lists.
+# --------------------------------------------------------------------------------------------
+
+def align_capacity(num_slots, block_size, num_experts, pad_sorted_ids=False):
+    """The length of sorted_token_ids, from the contract's formula."""
+    size = num_slots + num_experts * (block_size - 1)
+    if pad_sorted_ids:
+        size = (size + block_size - 1) // block_size * block_size
+    if num_slots < num_experts:
+        size = min(size, num_slots * block_size)
+    return size
+
+
+def align_loop(topk_ids, block_size, num_experts, expert_map=None, pad_sorted_ids=False,
+               ignore_invalid_experts=False):
+    """moe_align_block_size by hand: bucket the slots by expert (in slot order), pad each
+    bucket to a multiple of B with the value P, one expert id per block (the local id under
+    an expert_map, -1 if elsewhere; or no blocks at all with ignore_invalid_experts).
+    Returns (sorted_token_ids, expert_ids, num_tokens_post_padded) as int32 arrays."""
+    flat = [int(v) for v in np.asarray(topk_ids).ravel()]
+    num_slots = len(flat)
+    buckets = [[] for _ in range(num_experts)]
+    for s, e in enumerate(flat):
+        buckets[e].append(s)
+    sorted_ids, block_experts = [], []
+    for e in range(num_experts):
+        local = e if expert_map is None else int(expert_map[e])
+        if not buckets[e] or (ignore_invalid_experts and local < 0):
+            continue
+        run = buckets[e] + [num_slots] * (-len(buckets[e]) % block_size)
+        sorted_ids += run
+        block_experts += [local] * (len(run) // block_size)
+    capacity = align_capacity(num_slots, block_size, num_experts, pad_sorted_ids)
+    num_post_padded = len(sorted_ids)
+    sorted_ids += [num_slots] * (capacity - len(sorted_ids))
+    num_blocks = (capacity + block_size - 1) // block_size
+    block_experts += [-1] * (num_blocks - len(block_experts))
+    return (np.array(sorted_ids, dtype=np.int32), np.array(block_experts, dtype=np.int32),
+            np.array([num_post_padded], dtype=np.int32))
+
+
+def blocks_as_sets(sorted_token_ids, expert_ids, num_tokens_post_padded, block_size, num_slots):
+    """[(expert id, frozenset of real slots)] per block below num_tokens_post_padded."""
+    n = int(np.asarray(num_tokens_post_padded).ravel()[0])
+    out = []
+    for b in range(n // block_size):
+        block = sorted_token_ids[b * block_size:(b + 1) * block_size]
+        out.append((int(expert_ids[b]), frozenset(int(s) for s in block if s < num_slots)))
+    return out
+
+
+def assert_same_blocks(got, want, block_size, num_slots):
+    """The contract-level check a kernel must pass: same num_tokens_post_padded, same
+    expert per block, the same *set* of slots per block (vLLM leaves the order of slots
+    inside an expert's run unspecified), padding value P everywhere else."""
+    g_ids, g_experts, g_n = got
+    w_ids, w_experts, w_n = want
+    assert g_ids.shape == w_ids.shape and g_experts.shape == w_experts.shape
+    assert int(g_n[0]) == int(w_n[0]), f"num_tokens_post_padded {int(g_n[0])} != {int(w_n[0])}"
+    np.testing.assert_array_equal(g_experts, w_experts, err_msg="expert_ids")
+    assert (blocks_as_sets(g_ids, g_experts, g_n, block_size, num_slots)
+            == blocks_as_sets(w_ids, w_experts, w_n, block_size, num_slots)), "block contents"
+    n = int(w_n[0])
+    assert (g_ids[n:] == num_slots).all(), "the tail of sorted_token_ids is not the padding value"
+    assert ((g_ids[:n] < num_slots) | (g_ids[:n] == num_slots)).all(), "a padding value other than P"
+
+
+# --------------------------------------------------------------------------------------------
+# Activations: one vector at a time, float64.
+# --------------------------------------------------------------------------------------------
+
+def _erf_vec(v):
+    return np.array([math.erf(x) for x in v])
+
+
+ELEMENTWISE = {
+    "silu": lambda v: v / (1.0 + np.exp(-v)),
+    "gelu": lambda v: 0.5 * v * (1.0 + _erf_vec(v / math.sqrt(2.0))),
+    "gelu_tanh": lambda v: 0.5 * v * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v ** 3))),
+    "relu2": lambda v: np.maximum(v, 0.0) ** 2,
+}
+
+
+def activation_vec(h, activation="silu", is_act_and_mul=True, alpha=1.702, limit=7.0):
+    """One slot's activation: h [N] float64 -> [N/2] (gated) or [N] (no-mul)."""
+    h = np.asarray(h, dtype=np.float64)
+    if activation.endswith("_no_mul"):
+        activation, is_act_and_mul = activation[:-len("_no_mul")], False
+    if not is_act_and_mul:
+        return ELEMENTWISE[activation](h)
+    if activation == "swigluoai":                      # gpt-oss: gate, up interleaved
+        gate = np.minimum(h[0::2], limit)
+        up = np.clip(h[1::2], -limit, limit)
+        return (up + 1.0) * gate / (1.0 + np.exp(-alpha * gate))
+    half = h.size // 2
+    return ELEMENTWISE[activation](h[:half]) * h[half:]
+
+
+# --------------------------------------------------------------------------------------------
+# The experts: one (token, slot) pair at a time.
+# --------------------------------------------------------------------------------------------
+
+def fused_experts_loop(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu",
+                       is_act_and_mul=True, apply_router_weight_on_input=False, expert_map=None,
+                       w1_bias=None, w2_bias=None):
+    """out[t] = sum_k  w * (W2[e] @ act(W1[e] @ x[t] + b1[e]) + b2[e]),  e = ids[t, k]
+
+    in float64 matvecs. The router weight w scales GEMM2's output including its bias (vLLM
+    multiplies the accumulator after adding the bias), or with apply_router_weight_on_input
+    GEMM1's output including its bias (vLLM's Triton path multiplies there). Under an
+    expert_map a slot whose expert is not local adds nothing; w1/w2 hold local experts.
+    """
+    x = np.asarray(hidden_states).astype(np.float64)
+    w1 = np.asarray(w1).astype(np.float64)
+    w2 = np.asarray(w2).astype(np.float64)
+    b1 = None if w1_bias is None else np.asarray(w1_bias).astype(np.float64)
+    b2 = None if w2_bias is None else np.asarray(w2_bias).astype(np.float64)
+    weights = np.asarray(topk_weights).astype(np.float64)
+    num_tokens, top_k = np.asarray(topk_ids).shape
+    out = np.zeros((num_tokens, x.shape[1]))
+    for t in range(num_tokens):
+        for k in range(top_k):
+            e = int(topk_ids[t, k])
+            if expert_map is not None:
+                e = int(expert_map[e])
+                if e < 0:
+                    continue                      # on another rank: adds nothing here
+            w = weights[t, k]
+            h = w1[e] @ x[t]
+            if b1 is not None:
+                h = h + b1[e]
+            if apply_router_weight_on_input:
+                h = h * w
+            y = w2[e] @ activation_vec(h, activation, is_act_and_mul)
+            if b2 is not None:
+                y = y + b2[e]
+            if not apply_router_weight_on_input:
+                y = y * w
+            out[t] += y
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# EP helpers and an independent expert map.
+# --------------------------------------------------------------------------------------------
+
+def expert_map_loop(ep_size, ep_rank, num_experts, placement="linear"):
+    """Which experts rank r holds, by hand: linear gives each rank a contiguous run, the
+    first E % R ranks one extra; round_robin deals experts out like cards."""
+    if placement == "linear":
+        owner = []
+        for r in range(ep_size):
+            owner += [r] * (num_experts // ep_size + (1 if r < num_experts % ep_size else 0))
+    else:
+        owner = [e % ep_size for e in range(num_experts)]
+    expert_map, local = [], 0
+    for e in range(num_experts):
+        if owner[e] == ep_rank:
+            expert_map.append(local)
+            local += 1
+        else:
+            expert_map.append(-1)
+    return local, np.array(expert_map, dtype=np.int32)
+
+
+def local_weights(expert_map, *weights):
+    """Slice global per-expert tensors down to a rank's local experts, in local-id order."""
+    order = np.argsort(np.where(expert_map >= 0, expert_map, np.iinfo(np.int32).max))
+    order = order[: int((expert_map >= 0).sum())]
+    return tuple(None if w is None else w[order] for w in weights)
+
+
+# --------------------------------------------------------------------------------------------
+# torch: an independent per-expert implementation (torch ops only), for the big shapes.
+# --------------------------------------------------------------------------------------------
+
+def _torch():
+    import torch   # optional: tests that use these are skipped without torch
+    return torch
+
+
+def _to_torch(a, dtype):
+    torch = _torch()
+    if a is None:
+        return None
+    a = np.asarray(a)
+    if a.dtype == BF16 or a.dtype == np.float16:
+        a = a.astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+
+
+def torch_route(logits, topk, renormalize=False, scoring_func="softmax", bias=None,
+                num_expert_group=1, topk_group=1, routed_scaling_factor=1.0):
+    """The routing functions with torch ops in fp32, for finite logits. Ranking uses a
+    stable descending sort, which puts equal scores in id order (ties to the lowest id)."""
+    torch = _torch()
+    x = _to_torch(logits, torch.float32)
+    num_tokens, num_experts = x.shape
+    scores = torch.softmax(x, dim=-1) if scoring_func == "softmax" else torch.sigmoid(x)
+    choice = scores if bias is None else scores + _to_torch(bias, torch.float32)[None, :]
+    grouped = choice.view(num_tokens, num_expert_group, -1)
+    if bias is None:
+        group_scores = grouped.amax(dim=-1)
+    else:
+        two = min(2, grouped.shape[-1])
+        group_scores = torch.sort(grouped, dim=-1, descending=True, stable=True).values[..., :two].sum(-1)
+    kept = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+    expert_mask = group_mask.repeat_interleave(num_experts // num_expert_group, dim=1)
+    masked = choice.masked_fill(~expert_mask, float("-inf"))
+    ids = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :topk]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        total = weights.sum(-1, keepdim=True)
+        weights = torch.where(total > 0, weights / total, weights)
+    return (weights * routed_scaling_factor).numpy(), ids.numpy()
+
+
+def _torch_activation(h, activation, is_act_and_mul):
+    torch = _torch()
+    F = torch.nn.functional
+    if activation.endswith("_no_mul"):
+        activation, is_act_and_mul = activation[:-len("_no_mul")], False
+    act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"),
+           "relu2": lambda v: torch.square(torch.relu(v))}
+    if not is_act_and_mul:
+        return act[activation](h)
+    if activation == "swigluoai":
+        gate = h[:, 0::2].clamp(max=7.0)
+        up = h[:, 1::2].clamp(min=-7.0, max=7.0)
+        return (up + 1) * gate * torch.sigmoid(1.702 * gate)
+    half = h.shape[1] // 2
+    return act[activation](h[:, :half]) * h[:, half:]
+
+
+def torch_fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu",
+                        is_act_and_mul=True, apply_router_weight_on_input=False,
+                        expert_map=None, w1_bias=None, w2_bias=None, compute_dtype="float64"):
+    """The experts, one expert at a time: gather the (token, slot) pairs routed to e, two
+    matmuls, scatter-add back with index_add_. Returns a float64 numpy [T, H]."""
+    torch = _torch()
+    dt = getattr(torch, compute_dtype)
+    x = _to_torch(hidden_states, dt)
+    ids = torch.from_numpy(np.asarray(topk_ids).astype(np.int64))
+    weights = _to_torch(topk_weights, dt)
+    out = torch.zeros(x.shape, dtype=dt)
+    num_global = len(w1) if expert_map is None else len(expert_map)
+    for e in range(num_global):
+        local = e if expert_map is None else int(expert_map[e])
+        if local < 0:
+            continue
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        w = weights[tok, slot][:, None]
+        h = x[tok] @ _to_torch(w1[local], dt).T
+        if w1_bias is not None:
+            h = h + _to_torch(w1_bias[local], dt)
+        if apply_router_weight_on_input:
+            h = h * w
+        y = _torch_activation(h, activation, is_act_and_mul) @ _to_torch(w2[local], dt).T
+        if w2_bias is not None:
+            y = y + _to_torch(w2_bias[local], dt)
+        if not apply_router_weight_on_input:
+            y = y * w
+        out.index_add_(0, tok, y)
+    return out.to(torch.float64).numpy()
+
+
+def torch_fused_moe(hidden_states, w1, w2, gating_output, topk, renormalize, expert_map=None,
+                    compute_dtype="float64", **route_kwargs):
+    """Route with torch_route, then torch_fused_experts."""
+    weights, ids = torch_route(gating_output, topk, renormalize, **route_kwargs)
+    return torch_fused_experts(hidden_states, w1, w2, weights, ids, expert_map=expert_map,
+                               compute_dtype=compute_dtype)
