@@ -12,9 +12,9 @@
     traces/<family>_<distribution>.npz              hidden_states f32 [T, H], router_logits
                                                     f32 [T, E] for that family's MoE layer
 
-Every checkpoint has two decoder layers; layer 1 (`MOE_LAYER`) is the MoE layer the sandbox
-uses (DeepSeek's layer 0 is a dense MLP, as `first_k_dense_replace=1` says; the other families
-have MoE layers everywhere). Weights are bf16 (DeepSeek's `e_score_correction_bias` is fp32,
+Every checkpoint has two decoder layers; layer 1 (`MOE_LAYER`) is a MoE layer in every
+family. Layer 0 is one too (other weights), except DeepSeek's, a dense MLP as
+`first_k_dense_replace=1` says. Weights are bf16 (DeepSeek's `e_score_correction_bias` is fp32,
 as in the real checkpoints). Weight scales keep every activation O(1): `gate/up ~ N(0, 1/H)`,
 `down ~ N(0, 1/I)`.
 
@@ -229,8 +229,9 @@ def make_trace(distribution: str, num_tokens: int, hidden_size: int, num_experts
     """One router-logit trace: `hidden_states` f32 [T, H] ~ N(0, 1) and `router_logits`
     f32 [T, E] shaped so that the top-k follows `distribution` (see the module docstring).
 
-    The chosen experts of a token get logits `4 + 0.5*(K-k)` above a N(0, 0.5) floor, so
-    their order is fixed and no softmax tie decides anything."""
+    The chosen experts of a token get logits `4 + 1.5*(K-k)` above a N(0, 0.2^2) floor: a
+    noise swap of two chosen experts would need a 5-sigma draw, so the order of the K is the
+    one the distribution asks for, and no near-tie decides anything."""
     if distribution not in DISTRIBUTIONS:
         raise ValueError(f"distribution: expected one of {DISTRIBUTIONS}, got {distribution!r}")
     if not 1 <= top_k <= num_experts:
@@ -239,15 +240,16 @@ def make_trace(distribution: str, num_tokens: int, hidden_size: int, num_experts
     T, H, E, K = num_tokens, hidden_size, num_experts, top_k
     rng = _rng(seed, family, 1 + DISTRIBUTIONS.index(distribution))
     hidden_states = rng.standard_normal((T, H), dtype=np.float32)              # [T, H]
-    logits = rng.normal(0.0, 0.5, (T, E)).astype(np.float32)                  # [T, E]
-    boost = np.float32(4.0) + np.float32(0.5) * np.arange(K, 0, -1, dtype=np.float32)  # [K]
+    logits = rng.normal(0.0, 0.2, (T, E)).astype(np.float32)                  # [T, E]
+    boost = np.float32(4.0) + np.float32(1.5) * np.arange(K, 0, -1, dtype=np.float32)  # [K]
     if distribution in ("balanced", "nan_rows"):
         chosen = (np.arange(T)[:, None] * K + np.arange(K)[None, :]) % E       # [T, K]
     elif distribution == "zipf":
         ranks = rng.permutation(E)
         popularity = 1.0 / (ranks + 1.0) ** ZIPF_EXPONENT
         popularity /= popularity.sum()
-        chosen = np.stack([rng.choice(E, K, replace=False, p=popularity) for _ in range(T)])
+        chosen = np.array([rng.choice(E, K, replace=False, p=popularity) for _ in range(T)],
+                          dtype=np.int64).reshape(T, K)
     else:  # one_expert
         chosen = np.broadcast_to((E // 2 + np.arange(K)) % E, (T, K))
     if T:
