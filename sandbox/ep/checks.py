@@ -1,0 +1,269 @@
+"""Checks that run inside launched ranks: parity against the single-device layer, EPLB,
+refusals, and injected faults. The tests, the GPU tests and `moe-sandbox ep check` all
+launch these functions (they must be importable by name in a spawned process).
+
+Parity: every rank builds the same random single-device `FusedMoE` (same seed), computes
+its output for the whole batch, and compares the rows of its own tokens with what the
+expert-parallel layer returns for them: relative Frobenius error in float64,
+||out - ref||_F / ||ref||_F, and NaN never passes.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import numpy as np
+
+from .errors import EPError
+
+# tolerances by dtype (docs/stages.md): the EP layer changes the summation order and, in
+# the all-gather scheme, rounds each rank's partial sum before the reduce-scatter
+TOLERANCE = {"float32": 1e-5, "float64": 1e-10, "float16": 1e-2, "bfloat16": 1e-2}
+
+
+def rel_error(out, ref) -> float:
+    out = np.asarray(out, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if out.shape != ref.shape:
+        return float("inf")
+    if out.size == 0:
+        return 0.0
+    if np.isnan(out).any():
+        return float("nan")
+    denom = np.linalg.norm(ref)
+    return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))
+
+
+def token_split(total: int, world_size: int, seed: int, with_empty: bool = True) -> list[int]:
+    """Uneven tokens per rank summing to `total`; one rank gets none when `with_empty`."""
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.integers(0, total + 1, size=world_size - 1))
+    split = np.diff(np.concatenate([[0], cuts, [total]])).astype(int).tolist()
+    if with_empty and world_size > 1:
+        empty = int(rng.integers(world_size))
+        donor = (empty + 1) % world_size
+        split[donor] += split[empty]
+        split[empty] = 0
+    return split
+
+
+def parity_cases(world_size: int, quick: bool = False) -> list[dict]:
+    """Every scheme x placement x EPLB setting (and a few dtypes / layer variants)."""
+    W = world_size
+    E = max(8, 2 * W)
+    cases = []
+    schemes = ("allgather", "alltoall")
+    placements = ("linear", "round_robin")
+    eplb = ("off", "replicas", "rebalance")
+    for i, (scheme, placement, mode) in enumerate(itertools.product(schemes, placements, eplb)):
+        R = 0 if mode == "off" else W  # (E + W) % W == 0 since E % W == 0 for W | 8, 2W
+        cases.append(dict(
+            name=f"{scheme}-{placement}-eplb_{mode}-fp32", seed=100 + i,
+            config=dict(num_experts=E, top_k=2, hidden_size=32, intermediate_size=48,
+                        dtype="float32", scheme=scheme, placement=placement,
+                        num_redundant_experts=R),
+            tokens=3 * W + 5, rebalance=(mode == "rebalance")))
+    if quick:
+        return cases
+    # bf16, the weight-loader path, biases and grouped routing, top-1 on input, activation
+    for i, scheme in enumerate(schemes):
+        cases.append(dict(
+            name=f"{scheme}-linear-eplb_rebalance-bf16", seed=200 + i,
+            config=dict(num_experts=E, top_k=3, hidden_size=64, intermediate_size=40,
+                        dtype="bfloat16", scheme=scheme, num_redundant_experts=2 * W),
+            tokens=4 * W + 3, rebalance=True))
+        cases.append(dict(
+            name=f"{scheme}-round_robin-weight_loader-bias-grouped-fp32", seed=210 + i,
+            config=dict(num_experts=E, top_k=2, hidden_size=24, intermediate_size=16,
+                        dtype="float32", scheme=scheme, placement="round_robin",
+                        has_bias=True, use_grouped_topk=True, num_expert_group=2,
+                        topk_group=1, renormalize=True),
+            tokens=2 * W + 1, load="weight_loader"))
+        cases.append(dict(
+            name=f"{scheme}-linear-top1_on_input-gelu-fp16", seed=220 + i,
+            config=dict(num_experts=E, top_k=1, hidden_size=32, intermediate_size=32,
+                        dtype="float16", scheme=scheme, activation="gelu",
+                        apply_router_weight_on_input=True, num_redundant_experts=W),
+            tokens=3 * W, rebalance=True))
+    return cases
+
+
+def _reference_layer(case):
+    from sandbox.layer import FusedMoE
+
+    from .layer import EPConfig
+
+    cfg = EPConfig(**case["config"])
+    kwargs = dict(num_experts=cfg.num_experts, top_k=cfg.top_k, hidden_size=cfg.hidden_size,
+                  intermediate_size=cfg.intermediate_size, params_dtype=cfg.np_dtype,
+                  renormalize=cfg.renormalize, use_grouped_topk=cfg.use_grouped_topk,
+                  num_expert_group=cfg.num_expert_group, topk_group=cfg.topk_group,
+                  scoring_func=cfg.scoring_func, routed_scaling_factor=cfg.routed_scaling_factor,
+                  activation=cfg.activation, is_act_and_mul=cfg.is_act_and_mul,
+                  apply_router_weight_on_input=cfg.apply_router_weight_on_input,
+                  has_bias=cfg.has_bias)
+    return cfg, kwargs
+
+
+def _checkpoint(kwargs, seed):
+    """A synthetic checkpoint, Qwen/DeepSeek names: (name, tensor) for every expert."""
+    rng = np.random.default_rng(seed)
+    E, H, I = kwargs["num_experts"], kwargs["hidden_size"], kwargs["intermediate_size"]
+    out = []
+    for e in range(E):
+        for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            out.append((f"model.layers.0.mlp.experts.{e}.{proj}.weight",
+                        (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)))
+            if kwargs.get("has_bias"):
+                out.append((f"model.layers.0.mlp.experts.{e}.{proj}.bias",
+                            (0.1 * rng.standard_normal(shape[0])).astype(np.float32)))
+    return out
+
+
+def _skewed_logits(logits, num_experts, seed):
+    """Make two experts hot so that EPLB has something to balance."""
+    rng = np.random.default_rng(seed)
+    hot = rng.choice(num_experts, size=2, replace=False)
+    logits = logits.copy()
+    logits[:, hot] += 2.5
+    return logits
+
+
+def run_parity(comm, cases, backend: str = "reference") -> list[dict]:
+    """Run every case in this rank; return one dict per case (this rank's view)."""
+    from sandbox.layer import FusedMoE
+
+    from .layer import EPMoE
+
+    results = []
+    for case in cases:
+        t0 = time.perf_counter()
+        cfg, kwargs = _reference_layer(case)
+        W, r = comm.world_size, comm.rank
+        if case.get("load") == "weight_loader":
+            ckpt = _checkpoint(kwargs, case["seed"])
+            ref = FusedMoE(**kwargs)
+            ref.load_weights(ckpt)
+        else:
+            ckpt = None
+            ref = FusedMoE.random(case["seed"], **kwargs)
+        # every third case leaves one rank without tokens (it still serves its experts)
+        split = token_split(case["tokens"], W, case["seed"], with_empty=case["seed"] % 3 == 0)
+        x, logits = ref.random_inputs(sum(split), seed=case["seed"] + 1)
+        logits = _skewed_logits(logits, cfg.num_experts, case["seed"] + 2)
+        lo = sum(split[:r])
+        mine = slice(lo, lo + split[r])
+        expected = ref.forward(x, logits)                         # [T_all, H] single device
+
+        layer = EPMoE(comm, cfg, backend=backend)
+        if ckpt is not None:
+            layer.load_weights(ckpt)
+        else:
+            layer.load_from(ref)
+        info = {"name": case["name"], "rank": r, "tokens": split[r]}
+        if cfg.num_redundant_experts == 0 and ckpt is None:
+            # the local weights are exactly the reference expert_map's share
+            twin = FusedMoE(**kwargs, ep_size=W, ep_rank=r, expert_placement=cfg.placement)
+            twin.w13_weight[...] = ref.w13_weight[twin.local_to_global]
+            info["same_local_experts_as_expert_map"] = bool(
+                np.array_equal(layer.local_logical_experts(), twin.local_to_global)
+                and np.array_equal(layer.w13_weight, twin.w13_weight))
+        out = comm.to_host(layer.forward(x[mine], logits[mine]))
+        info["error"] = rel_error(out, expected[mine])
+        if case.get("rebalance"):
+            old = layer.placement
+            global_load = layer.load.global_load(comm)
+            new = layer.rebalance(global_load)
+            from reference.eplb import gpu_loads
+
+            info["moved"] = not np.array_equal(old.phys2log, new.phys2log)
+            info["max_gpu_load_before"] = float(gpu_loads(global_load, old.phys2log, W).max())
+            info["max_gpu_load_after"] = float(gpu_loads(global_load, new.phys2log, W).max())
+            info["load_total"] = int(global_load.sum())
+            # fresh inputs after the move: the output must not notice the new placement
+            x2, logits2 = ref.random_inputs(sum(split), seed=case["seed"] + 3)
+            logits2 = _skewed_logits(logits2, cfg.num_experts, case["seed"] + 2)
+            out2 = comm.to_host(layer.forward(x2[mine], logits2[mine]))
+            info["error_after_rebalance"] = rel_error(out2, ref.forward(x2, logits2)[mine])
+        info["tolerance"] = TOLERANCE[cfg.dtype]
+        info["seconds"] = time.perf_counter() - t0
+        results.append(info)
+    comm.barrier()
+    return results
+
+
+# ---------------------------------------------------------------------------------------
+# refusals (each raises before any collective, so one launched group checks them all)
+# ---------------------------------------------------------------------------------------
+def run_refusals(comm) -> dict:
+    from .layer import EPConfig, EPMoE
+
+    out = {}
+    base = dict(num_experts=8, top_k=2, hidden_size=16, intermediate_size=16, dtype="float32")
+
+    def attempt(key, fn):
+        try:
+            fn()
+            out[key] = None
+        except (ValueError, TypeError, EPError) as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+
+    W = comm.world_size
+    # experts not divisible by the world size (no redundancy) -> refused
+    attempt("indivisible", lambda: EPMoE(comm, EPConfig(**{**base, "num_experts": 2 * W + 1})))
+    # redundancy that does not round up to a multiple of W -> refused
+    attempt("indivisible_redundant", lambda: EPMoE(
+        comm, EPConfig(**{**base, "num_experts": 2 * W, "num_redundant_experts": 1})))
+    # ranks disagree on the config -> every rank refuses, naming the field
+    attempt("mismatch", lambda: EPMoE(
+        comm, EPConfig(**{**base, "hidden_size": 16 + (comm.rank == W - 1) * 8})))
+    attempt("mismatch_scheme", lambda: EPMoE(
+        comm, EPConfig(**{**base, "scheme": "alltoall" if comm.rank else "allgather"})))
+    # the group is still healthy: a collective works afterwards
+    total = comm.all_reduce(comm.xp.ones(1, dtype=np.float32))
+    out["healthy_after"] = float(comm.to_host(total)[0]) == W
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# injected faults
+# ---------------------------------------------------------------------------------------
+def run_with_fault(comm, fault: str, bad_rank: int = 1, scheme: str = "alltoall"):
+    """Two forwards of a tiny EP layer; before the second, `bad_rank` raises / exits /
+    hangs. The other ranks are inside the second forward's exchange when it happens."""
+    from sandbox.layer import FusedMoE
+
+    from .layer import EPConfig, EPMoE
+
+    E = 2 * comm.world_size
+    cfg = EPConfig(num_experts=E, top_k=2, hidden_size=16, intermediate_size=16,
+                   dtype="float32", scheme=scheme)
+    ref = FusedMoE.random(5, num_experts=E, top_k=2, hidden_size=16, intermediate_size=16)
+    layer = EPMoE(comm, cfg)
+    layer.load_from(ref)
+    x, logits = ref.random_inputs(4, seed=comm.rank)
+    layer.forward(x, logits)
+    if comm.rank == bad_rank:
+        if fault == "raise":
+            raise RuntimeError(f"injected failure on rank {bad_rank}")
+        if fault == "exit":
+            os._exit(7)
+        if fault == "hang":
+            time.sleep(3600)
+    layer.forward(x, logits)
+    comm.barrier()
+    return "finished"
+
+
+def rank_pid(comm):
+    """This rank's process id (the tests check that no child outlives a launch)."""
+    return os.getpid()
+
+
+def fault_and_report_pid(comm, fault, bad_rank=1, pid_dir=None):
+    """Write this rank's pid to pid_dir, then run_with_fault."""
+    if pid_dir:
+        with open(os.path.join(pid_dir, f"rank{comm.rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+    return run_with_fault(comm, fault, bad_rank)
