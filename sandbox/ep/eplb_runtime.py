@@ -150,9 +150,6 @@ def check_divisible(num_logical: int, world_size: int, num_redundant: int = 0) -
         raise ValueError(
             f"num_redundant_experts: {num_logical} experts + {num_redundant} redundant = {P} "
             f"physical experts, not a multiple of the world size {world_size}")
-    if P < world_size:
-        raise ValueError(f"world_size: expected at most {P} ranks (one physical expert each), "
-                         f"got {world_size}")
 
 
 class LoadRecorder:

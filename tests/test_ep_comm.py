@@ -1,0 +1,266 @@
+"""The expert-parallel runtime's pieces on the CPU: the store, env:// parsing, rendezvous
+checks, the CPU communicator's collectives (one launched group checks them all), and the
+EPLB runtime maps. Multi-process parity and faults live in test_ep_layer / test_ep_faults."""
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from reference import determine_expert_map
+from sandbox.ep import launch
+from sandbox.ep.comm_cpu import CpuCommunicator
+from sandbox.ep.errors import ConfigMismatchError, StoreTimeoutError
+from sandbox.ep.eplb_runtime import ExpertPlacement, LoadRecorder, check_divisible, \
+    rearrange_plan
+from sandbox.ep.launch import DistEnv, validate_rank_infos
+from sandbox.ep.store import StoreClient, StoreServer
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+# ------------------------------------------------------------------------------- store
+def test_store_set_get_add_keys_and_blocking_get():
+    server = StoreServer("127.0.0.1", 0)
+    try:
+        a = StoreClient("127.0.0.1", server.port, timeout=5)
+        b = StoreClient("127.0.0.1", server.port, timeout=5)
+        a.set("x", b"\x00\x01binary")
+        assert b.get("x") == b"\x00\x01binary"
+        assert a.add("n", 2) == 2 and b.add("n", 3) == 5
+        assert a.check("x") and not a.check("missing")
+        a.set("error/1", "boom")
+        assert b.keys("error/") == ["error/1"]
+        got = []
+        t = threading.Thread(target=lambda: got.append(b.get("late", timeout=5)))
+        t.start()
+        a.set("late", b"here")
+        t.join(5)
+        assert got == [b"here"]
+        with pytest.raises(StoreTimeoutError, match="'never' did not appear"):
+            a.get("never", timeout=0.2)
+    finally:
+        server.close()
+
+
+def test_store_unreachable_is_a_clear_error():
+    server = StoreServer("127.0.0.1", 0)
+    port = server.port
+    server.close()
+    with pytest.raises(StoreTimeoutError, match="could not reach the rendezvous store"):
+        StoreClient("127.0.0.1", port, timeout=0.3)
+
+
+# ------------------------------------------------------------------------------- env://
+def test_dist_env_from_torchrun_and_slurm_variables():
+    env = DistEnv.from_environ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                                "MASTER_ADDR": "node0", "MASTER_PORT": "29500"})
+    assert (env.rank, env.world_size, env.local_rank, env.store_port) == (3, 8, 1, 29500)
+    assert not env.host_store
+    # under torchrun the agent owns MASTER_PORT: our store takes the next one
+    env = DistEnv.from_environ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
+                                "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x"})
+    assert env.store_port == 29501 and env.host_store and env.local_rank == 0
+    env = DistEnv.from_environ({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                                "MASTER_ADDR": "h", "MASTER_PORT": "1234"})
+    assert (env.rank, env.world_size, env.local_rank) == (5, 16, 1)
+
+
+@pytest.mark.parametrize("environ,match", [
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK: expected"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
+     r"RANK: expected a rank in \[0, WORLD_SIZE=2\)"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1"}, "MASTER_ADDR: expected"),
+    ({"RANK": "0", "WORLD_SIZE": "two", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
+     "WORLD_SIZE: expected an integer"),
+])
+def test_dist_env_errors_name_the_variable(environ, match):
+    with pytest.raises(ValueError, match=match):
+        DistEnv.from_environ(environ)
+
+
+def _info(rank, world=2, backend="nccl", host="a", device=None, device_id=None):
+    return dict(rank=rank, world_size=world, backend=backend, host=host, device=device,
+                device_id=device_id)
+
+
+def test_validate_rank_infos_refuses_bad_rendezvous():
+    validate_rank_infos([_info(0, device=0), _info(1, device=1)])
+    validate_rank_infos([_info(0, device=0), _info(1, device=0, host="b")])  # other host
+    with pytest.raises(ValueError, match="ranks 0 and 1 were both given device 0"):
+        validate_rank_infos([_info(0, device=0), _info(1, device=0)])
+    with pytest.raises(ValueError, match="both given device"):  # same PCI id, other index
+        validate_rank_infos([_info(0, device=0, device_id="0000:1b"),
+                             _info(1, device=1, device_id="0000:1b")])
+    with pytest.raises(ConfigMismatchError, match="WORLD_SIZE differs"):
+        validate_rank_infos([_info(0), _info(1, world=4)])
+    with pytest.raises(ConfigMismatchError, match="backend differs"):
+        validate_rank_infos([_info(0), _info(1, backend="cpu")])
+
+
+# ------------------------------------------------------------------------------- EPLB runtime
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+@pytest.mark.parametrize("E,W", [(8, 2), (12, 4), (16, 8), (6, 1)])
+def test_initial_placement_matches_determine_expert_map(placement, E, W):
+    pl = ExpertPlacement.initial(E, W, placement)
+    for r in range(W):
+        _, emap = determine_expert_map(W, r, E, placement)
+        if emap is None:
+            want = np.arange(E)
+        else:
+            want = np.flatnonzero(emap >= 0)[np.argsort(emap[emap >= 0])]
+        assert pl.local_logical(r).tolist() == want.tolist()
+
+
+def test_initial_placement_with_redundant_experts():
+    pl = ExpertPlacement.initial(6, 2, "linear", num_redundant=2)
+    assert pl.phys2log.tolist() == [0, 1, 2, 3, 4, 5, 0, 1]
+    assert pl.logcnt.tolist() == [2, 2, 1, 1, 1, 1]
+    assert pl.log2phy[0].tolist() == [0, 6] and pl.log2phy[2].tolist() == [2, -1]
+    rr = ExpertPlacement.initial(6, 2, "round_robin", num_redundant=2)
+    assert rr.local_logical(0).tolist() == [0, 2, 4, 0] and rr.local_logical(1).tolist() == \
+        [1, 3, 5, 1]
+
+
+def test_to_physical_alternates_replicas_deterministically():
+    pl = ExpertPlacement.initial(4, 2, "linear", num_redundant=2)   # 0 and 1 twice
+    ids = np.array([[0, 2], [0, 3], [0, 1], [1, 0]], dtype=np.int32)
+    phys = pl.to_physical(ids, rank=0)
+    # expert 0's replicas are slots 0 and 4: token t takes replica (t + rank) % 2
+    assert phys.tolist() == [[0, 2], [4, 3], [0, 1], [5, 4]]
+    assert np.array_equal(pl.phys2log[phys], ids)
+    assert np.array_equal(pl.to_physical(ids, rank=1), [[4, 2], [0, 3], [4, 5], [1, 0]])
+
+
+def test_rearrange_plan_moves_every_slot_from_a_holder():
+    rng = np.random.default_rng(0)
+    old = ExpertPlacement.initial(8, 4, "linear", num_redundant=4)
+    new = ExpertPlacement.rebalanced(rng.zipf(1.5, 8).astype(float), 12, 4)
+    plan = rearrange_plan(old, new)
+    assert sorted((d, dj) for _, _, d, dj in plan) == [(d, j) for d in range(4) for j in range(3)]
+    for s, sj, d, dj in plan:
+        assert old.local_logical(s)[sj] == new.local_logical(d)[dj]
+        if new.local_logical(d)[dj] in old.local_logical(d):
+            assert s == d  # already there: a local copy
+
+
+def test_check_divisible_refuses_with_the_reason():
+    check_divisible(8, 4)
+    check_divisible(6, 4, 2)
+    with pytest.raises(ValueError, match="4 ranks do not divide the 6 experts"):
+        check_divisible(6, 4)
+    with pytest.raises(ValueError, match="not a multiple of the world size 4"):
+        check_divisible(6, 4, 1)
+    with pytest.raises(ValueError, match="8 ranks do not divide the 4 experts"):
+        check_divisible(4, 8)
+
+
+def test_load_recorder_counts_logical_experts():
+    rec = LoadRecorder(5)
+    rec.record(np.array([[0, 1], [1, 4]], dtype=np.int32))
+    rec.record(np.zeros((0, 2), dtype=np.int32))
+    assert rec.counts.tolist() == [1, 2, 0, 0, 1] and rec.steps == 2
+
+
+# ------------------------------------------------------------------------------- CPU communicator
+def test_single_rank_communicator_needs_no_sockets():
+    comm = CpuCommunicator(0, 1, store=None, timeout=1)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert np.array_equal(comm.all_gather(x)[0], x)
+    assert np.array_equal(comm.reduce_scatter(x[None]), x)
+    out, counts = comm.all_to_all_v(x, [2])
+    assert np.array_equal(out, x) and counts.tolist() == [2]
+    comm.destroy()
+
+
+def _collectives(comm):
+    """Every collective against its definition, computed from what each rank sends."""
+    r, W = comm.rank, comm.world_size
+    rng = lambda p: np.random.default_rng(1000 + p)  # noqa: E731  (rank p's data)
+    res = {}
+    xs = [rng(p).standard_normal((3, 5)).astype(np.float32) for p in range(W)]
+    res["all_gather"] = np.array_equal(comm.all_gather(xs[r]), np.stack(xs))
+    bs = [x.astype(BF16) for x in xs]
+    got = comm.all_gather(bs[r])
+    res["all_gather_bf16"] = got.dtype == BF16 and np.array_equal(
+        got.view(np.uint16), np.stack(bs).view(np.uint16))
+    big = [rng(p).standard_normal((W, 64, 33)).astype(np.float32) for p in range(W)]
+    want = sum(b[r].astype(np.float32) for b in big)
+    res["reduce_scatter"] = np.allclose(comm.reduce_scatter(big[r]), want, rtol=1e-6)
+    rs_bf16 = comm.reduce_scatter(big[r].astype(BF16))
+    res["reduce_scatter_bf16_dtype"] = rs_bf16.dtype == BF16
+    ar = comm.all_reduce(xs[r])
+    res["all_reduce"] = np.allclose(ar, sum(xs), rtol=1e-6)
+    # every rank must get bit-identical sums (rank-order accumulation)
+    res["all_reduce_identical"] = bool(np.all(comm.all_gather(ar) == ar))
+    # variable splits, zeros included: rank p sends (p + q) % 3 rows to rank q
+    counts = [np.array([(p + q) % 3 for q in range(W)]) for p in range(W)]
+    rows = [np.concatenate([np.full((counts[p][q], 4), 100 * p + q, dtype=np.int32)
+                            for q in range(W)]) for p in range(W)]
+    meta = [rows[p][:, 0].astype(np.float64) * 0.5 for p in range(W)]
+    (out, out_meta), rc = comm.all_to_all_v([rows[r], meta[r]], counts[r])
+    want_rows = np.concatenate([np.full((counts[p][r], 4), 100 * p + r, dtype=np.int32)
+                                for p in range(W)])
+    res["all_to_all_v"] = np.array_equal(out, want_rows) and np.array_equal(
+        out_meta, want_rows[:, 0] * 0.5) and rc.tolist() == [counts[p][r] for p in range(W)]
+    # grouped send/recv in a ring, both directions at once, payloads larger than a socket
+    # buffer (a blocking implementation would deadlock here)
+    n = 1 << 19
+    right, left = (r + 1) % W, (r - 1) % W
+    to_right = np.full(n, r, dtype=np.float32)
+    from_left = np.empty(n, dtype=np.float32)
+    to_left = np.full(n, -r, dtype=np.float32)
+    from_right = np.empty(n, dtype=np.float32)
+    with comm.group():
+        comm.send(to_right, right)
+        comm.send(to_left, left)
+        comm.recv(from_left, left)
+        comm.recv(from_right, right)
+    res["ring"] = bool(np.all(from_left == left) and np.all(from_right == -right))
+    # a send to oneself inside a group is a copy
+    mine = np.empty(3, dtype=np.int64)
+    with comm.group():
+        comm.send(np.array([r, r, r]), r)
+        comm.recv(mine, r)
+    res["self_send"] = mine.tolist() == [r, r, r]
+    res["counts"] = comm.exchange_counts(np.arange(W) + r).tolist() == [p + r for p in range(W)]
+    comm.barrier()
+    return res
+
+
+def _size_mismatch(comm):
+    """Rank 1 receives into a buffer of the wrong size: a clear error, not a hang."""
+    if comm.rank == 0:
+        comm.send(np.zeros(10, dtype=np.float32), 1)
+        return "sent"
+    comm.recv(np.zeros(12, dtype=np.float32), 0)
+
+
+@pytest.fixture(scope="module")
+def collective_results():
+    return launch(_collectives, 3, timeout=30)
+
+
+@pytest.mark.parametrize("check", ["all_gather", "all_gather_bf16", "reduce_scatter",
+                                   "reduce_scatter_bf16_dtype", "all_reduce",
+                                   "all_reduce_identical", "all_to_all_v", "ring", "self_send",
+                                   "counts"])
+def test_cpu_collectives(collective_results, check):
+    assert all(res[check] for res in collective_results), \
+        [res[check] for res in collective_results]
+
+
+def test_size_mismatch_is_a_clear_error():
+    from sandbox.ep import LaunchError
+
+    with pytest.raises(LaunchError, match="rank 0 sent a message of 40 bytes .* where 48 bytes"):
+        launch(_size_mismatch, 2, timeout=10, grace=3)
+
+
+def test_launch_argument_errors():
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        launch(_collectives, 2, backend="mpi")
+    with pytest.raises(ValueError, match="world_size: expected a positive int"):
+        launch(_collectives, 0)
+    with pytest.raises(ValueError, match="devices: expected 2 device indices"):
+        launch(_collectives, 2, devices=[0])

@@ -1,0 +1,111 @@
+"""The expert-parallel layer against the single-device layer, on the CPU communicator.
+
+Every scheme (all-gather / all-to-all-v) x placement (linear / round_robin) x EPLB setting
+(off, redundant replicas, rebalanced from a skewed recorded load) at world sizes 2 and 4,
+plus bf16 / fp16, biases, grouped routing, the weight-loader path and top-1 routing on the
+input; world size 8 runs the fp32 matrix. One launched group per world size runs all its
+cases (spawning costs about a second per process); each test then checks one case on
+every rank. Token counts per rank are uneven and some ranks get none.
+"""
+import numpy as np
+import pytest
+
+from sandbox.ep import launch
+from sandbox.ep.checks import parity_cases, run_parity
+
+WORLD_SIZES = {2: False, 4: False, 8: True}   # world size -> quick case list only
+_RESULTS = {}
+
+
+def _results(world_size):
+    if world_size not in _RESULTS:
+        cases = parity_cases(world_size, quick=WORLD_SIZES[world_size])
+        per_rank = launch(run_parity, world_size, args=(cases,), timeout=60)
+        _RESULTS[world_size] = {c["name"]: [r[i] for r in per_rank] for i, c in
+                                enumerate(cases)}
+    return _RESULTS[world_size]
+
+
+PARAMS = [pytest.param(w, c["name"], id=f"W{w}-{c['name']}")
+          for w, quick in WORLD_SIZES.items() for c in parity_cases(w, quick=quick)]
+
+
+@pytest.mark.parametrize("world_size,case", PARAMS)
+def test_ep_matches_single_device(world_size, case):
+    ranks = _results(world_size)[case]
+    assert sum(r["tokens"] for r in ranks) > 0
+    for info in ranks:
+        err = info["error"]
+        assert not np.isnan(err), f"rank {info['rank']}: NaN in the EP output"
+        assert err <= info["tolerance"], f"rank {info['rank']}: rel. error {err:.3g}"
+        if "error_after_rebalance" in info:
+            err2 = info["error_after_rebalance"]
+            assert not np.isnan(err2) and err2 <= info["tolerance"], \
+                f"rank {info['rank']}: rel. error {err2:.3g} after EPLB moved the experts"
+        if "same_local_experts_as_expert_map" in info:
+            assert info["same_local_experts_as_expert_map"], \
+                f"rank {info['rank']}: local experts differ from determine_expert_map's"
+
+
+@pytest.mark.parametrize("world_size", sorted(WORLD_SIZES))
+def test_eplb_rebalance_moved_experts_and_counted_every_slot(world_size):
+    results = _results(world_size)
+    rebalanced = [ranks for ranks in results.values() if "moved" in ranks[0]]
+    assert rebalanced
+    for ranks in rebalanced:
+        # the recorded load, summed over ranks, is every routed slot of the first forward
+        name = next(n for n, v in results.items() if v is ranks)
+        case = next(c for c in parity_cases(world_size, quick=WORLD_SIZES[world_size])
+                    if c["name"] == name)
+        assert ranks[0]["load_total"] == case["tokens"] * case["config"]["top_k"]
+        # every rank computed the same placement from the same all-reduced load
+        assert len({(r["moved"], r["max_gpu_load_after"]) for r in ranks}) == 1
+    assert any(ranks[0]["moved"] for ranks in rebalanced)
+
+
+def test_single_rank_layer_in_process_equals_reference():
+    """World size 1 needs no processes: the EP layer is then the plain layer."""
+    from sandbox.ep.comm_cpu import CpuCommunicator
+    from sandbox.ep.layer import EPConfig, EPMoE
+    from sandbox.layer import FusedMoE
+
+    comm = CpuCommunicator(0, 1, store=None)
+    ref = FusedMoE.random(3, num_experts=6, top_k=2, hidden_size=16, intermediate_size=8)
+    x, logits = ref.random_inputs(9, seed=4)
+    for scheme in ("allgather", "alltoall"):
+        layer = EPMoE(comm, EPConfig(num_experts=6, top_k=2, hidden_size=16,
+                                     intermediate_size=8, dtype="float32", scheme=scheme,
+                                     num_redundant_experts=2))
+        layer.load_from(ref)
+        out = layer.forward(x, logits)
+        want = ref.forward(x, logits)
+        assert np.linalg.norm(out - want) <= 1e-6 * np.linalg.norm(want)
+        assert layer.forward(x[:0], logits[:0]).shape == (0, 16)
+
+
+def test_unloaded_experts_are_refused():
+    from sandbox.ep.comm_cpu import CpuCommunicator
+    from sandbox.ep.layer import EPConfig, EPMoE
+
+    comm = CpuCommunicator(0, 1, store=None)
+    layer = EPMoE(comm, EPConfig(num_experts=4, top_k=1, hidden_size=8, intermediate_size=8,
+                                 dtype="float32"))
+    x = np.ones((2, 8), dtype=np.float32)
+    with pytest.raises(RuntimeError, match="never loaded"):
+        layer.forward(x, np.zeros((2, 4), dtype=np.float32))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(scheme="ring"), "scheme: expected one of"),
+    (dict(placement="random"), "placement: expected one of"),
+    (dict(dtype="int8"), "dtype: expected one of"),
+    (dict(top_k=9), "top_k: expected at most num_experts=8"),
+    (dict(top_k=2, apply_router_weight_on_input=True), "needs top_k == 1"),
+    (dict(hidden_size=0), "hidden_size: expected a positive int"),
+])
+def test_bad_config_raises(kwargs, match):
+    from sandbox.ep.layer import EPConfig
+
+    base = dict(num_experts=8, top_k=2, hidden_size=8, intermediate_size=8)
+    with pytest.raises((ValueError, TypeError), match=match):
+        EPConfig(**{**base, **kwargs})
