@@ -1,0 +1,87 @@
+// gemm_common.cuh: what every rung of the grouped GEMM ladder shares.
+//
+// Included (inlined by _compile.source_text) by gemm_v1_naive.cu, gemm_v2_smem.cu,
+// gemm_v3_regblock.cu and gemm_v4_mma.cu. It holds:
+//   - the element type GG_T (a #define from the launcher: float, __half or __nv_bfloat16) and
+//     its conversions to and from fp32;
+//   - gg_epilogue(): the one place where bias and router weight are applied, in fp32, in the
+//     order of docs/stages.md: c[s] = (acc + bias[e]) * topk_weights.flat[s];
+//   - the kernel argument list, identical for every version, so that the Python launcher
+//     passes the same tuple to whichever rung it picks.
+//
+// Shape legend: T tokens, E_local experts on this rank, K top-k, N output width, Kdim the
+// reduction width (H for GEMM1, I for GEMM2), B = block_size (alignment block), L =
+// len(sorted_token_ids), P = a.shape[0] * top_k (the padding value in sorted_token_ids).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef GG_T
+#error "GG_T (the element type: float, __half or __nv_bfloat16) must be #defined by the launcher"
+#endif
+
+// Every rung takes the same arguments in the same order: pointers, then sizes, then flags.
+//   a                       [M_a, Kdim]           row-major, the activations (a row per token for
+//                                                 GEMM1, a row per slot for GEMM2)
+//   w                       [E_local, N, Kdim]    row-major ([out, in], Hugging Face layout)
+//   c                       [P, N]                row-major, written once per slot s < P
+//   sorted_token_ids        [L]    int32          slot of each position, P = padding
+//   expert_ids              [L/B]  int32          local expert of each alignment block, -1 = none
+//   num_tokens_post_padded  [1]    int32          read on the device: no host round trip
+//   topk_weights            [P]    fp32           router weight of each slot (mul_routed_weight)
+//   bias                    [E_local, N]          GG_T (bias_kind 1) or fp32 (bias_kind 2)
+#define GG_KERNEL_ARGS                                                                        \
+    const GG_T* __restrict__ a, const GG_T* __restrict__ w, GG_T* __restrict__ c,             \
+    const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,             \
+    const int* __restrict__ num_tokens_post_padded, const float* __restrict__ topk_weights,   \
+    const void* __restrict__ bias,                                                            \
+    int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,             \
+    int mul_routed_weight, int bias_kind
+
+// ---------------------------------------------------------------------------- conversions
+__device__ __forceinline__ float gg_to_f32(float x) { return x; }
+__device__ __forceinline__ float gg_to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float gg_to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T gg_from_f32(float x);
+template <> __device__ __forceinline__ float gg_from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half gg_from_f32<__half>(float x) {
+    return __float2half_rn(x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 gg_from_f32<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// A slot id is live when 0 <= s < P; the unsigned compare folds both tests into one
+// (the padding value is P itself, and a stray negative id is skipped too).
+__device__ __forceinline__ bool gg_live(int s, int num_slots) {
+    return (unsigned)s < (unsigned)num_slots;
+}
+
+// The epilogue of docs/stages.md in fp32: (acc + bias[e, n]) * topk_weights.flat[s].
+// bias_kind: 0 none, 1 bias has the element type GG_T, 2 bias is fp32.
+__device__ __forceinline__ float gg_epilogue(float acc, int e, int n, int s, int N,
+                                             const void* __restrict__ bias, int bias_kind,
+                                             const float* __restrict__ topk_weights,
+                                             int mul_routed_weight) {
+    if (bias_kind == 1) {
+        acc += gg_to_f32(static_cast<const GG_T*>(bias)[(long long)e * N + n]);
+    } else if (bias_kind == 2) {
+        acc += static_cast<const float*>(bias)[(long long)e * N + n];
+    }
+    if (mul_routed_weight) acc *= topk_weights[s];
+    return acc;
+}
+
+// The slot of every row of the tile starting at position m0, into shared memory, once per
+// CTA: positions past L (a defensive check: a live tile lies below num_tokens_post_padded,
+// which never exceeds L) read as padding.
+template <int kRows, int kThreads>
+__device__ __forceinline__ void gg_load_slots(int* s_slot, const int* __restrict__ sorted_token_ids,
+                                              int m0, int num_positions, int num_slots, int tid) {
+    for (int r = tid; r < kRows; r += kThreads) {
+        const int p = m0 + r;
+        s_slot[r] = p < num_positions ? sorted_token_ids[p] : num_slots;
+    }
+}

@@ -1,0 +1,719 @@
+"""Grouped GEMM of the fused MoE layer, as a ladder of CUDA kernels launched through CuPy.
+
+    c[s] = (a[s // top_k] @ w[e].T + bias[e]) * (topk_weights.flat[s] if mul_routed_weight)
+
+for every live position p of `sorted_token_ids` (slot s = sorted_token_ids[p] < P, block
+b = p // B below num_tokens_post_padded / B, e = expert_ids[b]); fp32 accumulation, one
+rounding to a.dtype; e == -1 writes c[s] = 0 (docs/stages.md, "gemm1 / gemm2").
+
+Shape legend: T tokens, E_local experts on this rank, K top-k, H hidden, I intermediate,
+B block_size, N output width (2I for GEMM1, H for GEMM2), Kdim reduction width (H, I),
+P = a.shape[0] * top_k slots, L = len(sorted_token_ids).
+
+    a                       [M_a, Kdim]         hidden_states [T, H] (GEMM1) or act [P, I] (GEMM2)
+    w                       [E_local, N, Kdim]  w13 [E, 2I, H] or w2 [E, H, I] ([out, in])
+    sorted_token_ids        [L]    int32        from moe_align_block_size
+    expert_ids              [L/B]  int32
+    num_tokens_post_padded  [1]    int32        read on the device, never synchronised
+    c (returned)            [P, N]              a.dtype
+
+The ladder (all kept, `version="v1".."v4"`; the default is the fastest that applies):
+    v1  gemm_v1_naive.cu     one thread per output element
+    v2  gemm_v2_smem.cu      shared-memory tiles, one output per thread
+    v3  gemm_v3_regblock.cu  TM x TN register micro-tiles, 16-byte loads, register prefetch
+    v4  gemm_v4_mma.cu       mma.sync m16n8k16 (fp16/bf16, fp32 accumulators), ldmatrix,
+                             cp.async ring of STAGES tiles; fp32 inputs fall back to v3
+
+Tunables are data: gemm_configs.json maps (version, dtype, bucket of m = tokens per expert,
+N, Kdim) to BLOCK_M, BLOCK_N, BLOCK_K, warps, stages (v3: TM, TN), injected as #defines.
+BLOCK_M is the alignment block_size the caller should use: `get_config(M, N, K, E, top_k,
+dtype)` gives it before moe_align_block_size runs. A kernel accepts any block_size that its
+BLOCK_M divides (the tile then lies in one alignment block), so GEMM2 reuses GEMM1's
+alignment with its own config, shrunk to fit when needed. tune.py regenerates the table.
+
+Run as a script to validate every version against reference.grouped_gemm and time it:
+    python -m cuda_kernels.cupy.grouped_gemm [--versions v1,v2,v3,v4] [--dtype bf16]
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import pathlib
+
+import numpy as np
+
+from . import _compile
+from ._compile import bf16_dtype, get_kernel, raw, register_compile_case
+
+VERSIONS = ("v1", "v2", "v3", "v4")
+CU_FILES = {"v1": "gemm_v1_naive.cu", "v2": "gemm_v2_smem.cu",
+            "v3": "gemm_v3_regblock.cu", "v4": "gemm_v4_mma.cu"}
+KERNEL_NAMES = {v: f"grouped_gemm_{v}" for v in VERSIONS}
+CONFIG_PATH = pathlib.Path(__file__).resolve().with_name("gemm_configs.json")
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+DTYPE_KEYS = ("fp32", "fp16", "bf16")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "warps", "stages")
+GROUP_M = 8                       # v4 launch order: m-tiles per group (L2 reuse of w and a)
+INT32_MAX = 2**31 - 1
+GRID_Y_MAX = 65535
+BLOCK_SIZES = (16, 32, 64, 128)   # the alignment blocks whose kernels CPU CI compiles
+
+
+# ----------------------------------------------------------------------------- dtypes
+def dtype_key(dtype) -> str:
+    """'fp32', 'fp16' or 'bf16' for a floating dtype (uint16 is bf16's byte view)."""
+    dt = np.dtype(dtype)
+    if dt == np.float32:
+        return "fp32"
+    if dt == np.float16:
+        return "fp16"
+    if dt == bf16_dtype() or dt == np.uint16:
+        return "bf16"
+    raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dt}")
+
+
+_CTYPES = {"fp32": "float", "fp16": "__half", "bf16": "__nv_bfloat16"}
+_ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def vec_elems(dkey: str) -> int:
+    """Elements per 16-byte load: Kdim must be a multiple of it for v3 and v4."""
+    return 16 // _ITEMSIZE[dkey]
+
+
+# ----------------------------------------------------------------------------- configs
+def _pow2_divisor(n: int) -> int:
+    """The largest power of two that divides n (n >= 1)."""
+    return n & -n
+
+
+def _is_pow2(n) -> bool:
+    return isinstance(n, int) and n >= 1 and (n & (n - 1)) == 0
+
+
+def m_bucket(tokens_per_expert: float) -> int:
+    """The smallest bucket >= tokens per expert (the last bucket for anything above it)."""
+    for b in M_BUCKETS:
+        if tokens_per_expert <= b:
+            return b
+    return M_BUCKETS[-1]
+
+
+def v4_warp_grid(block_m: int, block_n: int, warps: int) -> tuple[int, int]:
+    """(WARPS_M, WARPS_N) for v4: warp tiles multiples of 16 x 16, as square as possible."""
+    best = None
+    wm = 1
+    while wm <= warps:
+        wn = warps // wm
+        if block_m % wm == 0 and block_n % wn == 0 and (block_m // wm) % 16 == 0 \
+                and (block_n // wn) % 16 == 0:
+            score = abs(math.log2((block_m // wm) / (block_n // wn)))
+            if best is None or score < best[0]:
+                best = (score, wm, wn)
+        wm *= 2
+    if best is None:
+        raise ValueError(f"config: no warp grid of {warps} warps gives 16x16-multiple warp tiles "
+                         f"for BLOCK_M={block_m}, BLOCK_N={block_n}")
+    return best[1], best[2]
+
+
+def v4_smem_bytes(cfg: dict) -> int:
+    """Dynamic shared memory of v4: the cp.async ring, reused for the output tile."""
+    ring = cfg["stages"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * (cfg["BLOCK_K"] + 8)
+    out = cfg["BLOCK_M"] * (cfg["BLOCK_N"] + 8)
+    return 2 * max(ring, out)
+
+
+V4_SMEM_LIMIT = 227 * 1024        # per-CTA opt-in limit on sm_90 (sm_80: 163 KB)
+
+
+def check_config(version: str, dtype, cfg: dict) -> dict:
+    """Raise ValueError unless `cfg` is a launchable config of `version`; return it."""
+    if version not in VERSIONS:
+        raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
+    dkey = dtype_key(dtype) if not isinstance(dtype, str) else dtype
+    if not isinstance(cfg, dict):
+        raise TypeError(f"config: expected a dict, got {type(cfg).__name__}")
+    for k in CONFIG_KEYS:
+        v = cfg.get(k)
+        if not (_is_pow2(v) or (k == "stages" and isinstance(v, int) and 1 <= v <= 8)):
+            raise ValueError(f"config: expected {k} a power of two (stages: 1 to 8), "
+                             f"got {v!r} in {cfg}")
+    bm, bn, bk, warps = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["warps"]
+    if version == "v1":
+        if warps * 32 % bn or warps * 32 // bn < 1 or warps * 32 > 1024:
+            raise ValueError(f"config: v1 needs BLOCK_N dividing warps*32 <= 1024, got {cfg}")
+    elif version == "v2":
+        if bm * bn > 1024:
+            raise ValueError(f"config: v2 runs BLOCK_M*BLOCK_N threads (<= 1024), got {cfg}")
+        if bm * bn != warps * 32 and bm * bn >= 32:
+            raise ValueError(f"config: v2 warps must be BLOCK_M*BLOCK_N/32, got {cfg}")
+    elif version == "v3":
+        tm, tn = cfg.get("TM"), cfg.get("TN")
+        if not (_is_pow2(tm) and _is_pow2(tn)) or bm % tm or bn % tn:
+            raise ValueError(f"config: v3 needs TM | BLOCK_M, TN | BLOCK_N (powers of two), "
+                             f"got {cfg}")
+        threads = (bm // tm) * (bn // tn)
+        if not 32 <= threads <= 1024 or threads != warps * 32:
+            raise ValueError(f"config: v3 runs (BLOCK_M/TM)*(BLOCK_N/TN) = warps*32 threads in "
+                             f"[32, 1024], got {threads} for {cfg}")
+        if bk % vec_elems(dkey):
+            raise ValueError(f"config: v3 BLOCK_K must hold whole 16-byte chunks "
+                             f"({vec_elems(dkey)} elements of {dkey}), got {cfg}")
+        if 4 * bk * (bm + bn + 8) + 12 * bm > 48 * 1024:
+            raise ValueError(f"config: v3 static shared memory over 48 KB for {cfg}")
+    else:
+        if dkey == "fp32":
+            raise ValueError("config: v4 takes fp16 or bf16 (fp32 uses v3)")
+        if bm < 16 or bk < 16 or bn < 16:
+            raise ValueError(f"config: v4 needs BLOCK_M, BLOCK_N, BLOCK_K >= 16, got {cfg}")
+        wm = cfg.get("WARPS_M")
+        if wm is None:
+            wm, _ = v4_warp_grid(bm, bn, warps)
+        wn = warps // wm if warps % wm == 0 else 0
+        if not wn or (bm // wm) % 16 or (bn // wn) % 16 or bm % wm or bn % wn:
+            raise ValueError(f"config: v4 warp tiles must be multiples of 16x16, got {cfg}")
+        if cfg["stages"] < 2 or warps * 32 > 1024 or (warps * 32) % (bk // 8):
+            raise ValueError(f"config: v4 needs stages >= 2, <= 1024 threads, and threads a "
+                             f"multiple of BLOCK_K/8, got {cfg}")
+        if v4_smem_bytes(cfg) > V4_SMEM_LIMIT:
+            raise ValueError(f"config: v4 shared memory {v4_smem_bytes(cfg)} B over "
+                             f"{V4_SMEM_LIMIT} B for {cfg}")
+    return cfg
+
+
+def heuristic_config(version: str, dkey: str, m: int, N: int | None = None,
+                     K: int | None = None) -> dict:
+    """A reasonable config without timing anything: the rule behind the untuned table.
+
+    m is the bucket of tokens per expert. Small m is the decode regime: the GEMM reads the
+    touched experts' weights once and is bound by memory bandwidth, so tiles are short in M
+    (little padding), narrow in N (many CTAs to keep every SM streaming) and deep in K with
+    several stages (many bytes in flight). Large m is compute-bound: big square tiles.
+    """
+    if version == "v1":
+        return {"BLOCK_M": 16 if m <= 16 else 64, "BLOCK_N": 64, "BLOCK_K": 1,
+                "warps": 8, "stages": 1}
+    if version == "v2":
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "warps": 16, "stages": 1}
+    if version == "v3":
+        bk = 32 if dkey != "fp32" else 16
+        if m <= 16:
+            return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": bk, "warps": 2, "stages": 1,
+                    "TM": 4, "TN": 4}
+        if m <= 32:
+            return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": bk, "warps": 4, "stages": 1,
+                    "TM": 4, "TN": 4}
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": bk, "warps": 8, "stages": 1,
+                "TM": 4, "TN": 4}
+    if version == "v4":
+        if dkey == "fp32":
+            return heuristic_config("v3", dkey, m, N, K)
+        if m <= 16:
+            return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "warps": 4, "stages": 4}
+        if m <= 32:
+            return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "warps": 4, "stages": 4}
+        if m <= 64:
+            return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "warps": 4, "stages": 4}
+        if m <= 256:
+            return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 4, "stages": 3}
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "warps": 4, "stages": 4}
+    raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
+
+
+@functools.lru_cache(maxsize=1)
+def load_table(path: str = str(CONFIG_PATH)) -> dict:
+    """The config table (gemm_configs.json); an empty one when the file is missing."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        return {"configs": []}
+    return json.loads(p.read_text())
+
+
+def _row_config(row: dict) -> dict:
+    cfg = {k: row[k] for k in CONFIG_KEYS}
+    for k in ("TM", "TN", "WARPS_M"):
+        if k in row:
+            cfg[k] = row[k]
+    return cfg
+
+
+def lookup(version: str, dkey: str, m: float, N: int, K: int, table: dict | None = None) -> dict:
+    """The table's config for (version, dtype, bucket of m, N, K); the heuristic when none.
+
+    Rows with N and K are shape-specific (written by the tuner); rows without are generic.
+    The nearest shape-specific shape is used when it is within a factor of 2 overall
+    (|log2 N/N'| + |log2 K/K'| <= 1), else the generic rows; then the nearest m bucket.
+    """
+    table = load_table() if table is None else table
+    bucket = m_bucket(m)
+    rows = [r for r in table.get("configs", []) if r["version"] == version and r["dtype"] == dkey]
+    shaped = [r for r in rows if r.get("N") and r.get("K")]
+
+    def shape_dist(r):
+        return abs(math.log2(max(N, 1) / r["N"])) + abs(math.log2(max(K, 1) / r["K"]))
+
+    pick = []
+    if shaped:
+        best = min(shape_dist(r) for r in shaped)
+        if best <= 1.0:
+            pick = [r for r in shaped if shape_dist(r) == best]
+    if not pick:
+        pick = [r for r in rows if not (r.get("N") and r.get("K"))] or rows
+    if not pick:
+        return heuristic_config(version, dkey, bucket, N, K)
+    row = min(pick, key=lambda r: (abs(math.log2(bucket / r["m"])), r["m"]))
+    return _row_config(row)
+
+
+def default_version(dtype) -> str:
+    """The fastest rung for a dtype when nothing rules it out: v4 on fp16/bf16, v3 on fp32."""
+    return "v3" if dtype_key(dtype) == "fp32" else "v4"
+
+
+def get_config(M: int, N: int, K: int, E: int, top_k: int, dtype, version: str | None = None
+               ) -> dict:
+    """The kernel config for a GEMM with M tokens, before alignment runs.
+
+    M tokens routed to top_k of E (local) experts gives m = M * top_k / E tokens per expert
+    (GEMM2 has M = P slots and top_k = 1: the same m). The returned dict holds "version",
+    BLOCK_M (the block_size to give moe_align_block_size), BLOCK_N, BLOCK_K, warps, stages
+    (and TM, TN for v3). fp32 with v4 returns v3's config.
+    """
+    dkey = dtype_key(dtype)
+    version = default_version(dtype) if version is None else version
+    if version not in VERSIONS:
+        raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
+    if version == "v4" and dkey == "fp32":
+        version = "v3"
+    m = max(1.0, M * top_k / max(E, 1))
+    cfg = dict(lookup(version, dkey, m, N, K))
+    cfg["version"] = version
+    return cfg
+
+
+def fit_config(version: str, dkey: str, cfg: dict, block_size: int) -> dict:
+    """`cfg` with BLOCK_M shrunk to divide block_size (and the warp layout adjusted).
+
+    A CTA tile must lie inside one alignment block (one expert), so BLOCK_M must divide B.
+    Raises ValueError when `version` cannot run with this block_size (v4 needs B % 16 == 0).
+    """
+    cfg = {k: v for k, v in cfg.items() if k != "version"}
+    if version == "v1":
+        return check_config(version, dkey, cfg)
+    bm = min(cfg["BLOCK_M"], _pow2_divisor(block_size))
+    cfg["BLOCK_M"] = bm
+    if version == "v2":
+        cfg["warps"] = max(1, bm * cfg["BLOCK_N"] // 32)
+    elif version == "v3":
+        tm, tn, bn = min(cfg["TM"], bm), cfg["TN"], cfg["BLOCK_N"]
+        while (bm // tm) * (bn // tn) < 32 and tn > 1:
+            tn //= 2
+        cfg["TM"], cfg["TN"] = tm, tn
+        cfg["warps"] = max(1, (bm // tm) * (bn // tn) // 32)
+    elif version == "v4":
+        if bm < 16:
+            raise ValueError(f"block_size: v4 needs a multiple of 16 (mma tiles are 16 rows), "
+                             f"got {block_size}")
+        warps, bn = cfg["warps"], cfg["BLOCK_N"]
+        wm = min(cfg.get("WARPS_M") or v4_warp_grid(cfg["BLOCK_M"], bn, warps)[0], bm // 16)
+        wn = max(1, warps // wm)
+        while wn > 1 and (bn // wn) % 16:
+            wn //= 2
+        cfg["WARPS_M"], cfg["warps"] = wm, wm * wn
+    return check_config(version, dkey, cfg)
+
+
+def kernel_defines(version: str, dkey: str, cfg: dict) -> dict:
+    """The #defines that instantiate `version` for `dkey` with a fitted config."""
+    d = {"GG_T": _CTYPES[dkey]}
+    if version == "v1":
+        d.update(BLOCK_N=cfg["BLOCK_N"], ROWS=cfg["warps"] * 32 // cfg["BLOCK_N"])
+    elif version == "v2":
+        d.update(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
+    elif version == "v3":
+        d.update(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                 TM=cfg["TM"], TN=cfg["TN"])
+    else:
+        wm = cfg.get("WARPS_M") or v4_warp_grid(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["warps"])[0]
+        d.update(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                 WARPS_M=wm, WARPS_N=cfg["warps"] // wm, STAGES=cfg["stages"], GROUP_M=GROUP_M)
+    return d
+
+
+def launch_geometry(version: str, cfg: dict, L: int, N: int) -> tuple[tuple, tuple, int]:
+    """(grid, block, dynamic shared bytes) for a fitted config, L positions and N columns."""
+    cdiv = lambda x, y: -(-x // y)  # noqa: E731
+    if version == "v1":
+        rows = cfg["warps"] * 32 // cfg["BLOCK_N"]
+        return (cdiv(L, rows), cdiv(N, cfg["BLOCK_N"])), (cfg["BLOCK_N"], rows), 0
+    if version == "v2":
+        return (cdiv(L, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"])), \
+            (cfg["BLOCK_N"], cfg["BLOCK_M"]), 0
+    if version == "v3":
+        threads = (cfg["BLOCK_M"] // cfg["TM"]) * (cfg["BLOCK_N"] // cfg["TN"])
+        return (cdiv(L, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"])), (threads,), 0
+    return (cdiv(L, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),), (cfg["warps"] * 32,), \
+        v4_smem_bytes(cfg)
+
+
+def compile_cases(table: dict | None = None) -> list[tuple[str, dict]]:
+    """(cu_name, defines) of every instantiation the table can launch, for CPU CI.
+
+    Each table row (and the heuristic of every bucket) fitted to the usual block sizes.
+    """
+    table = load_table() if table is None else table
+    seen, out = set(), []
+    rows = [(r["version"], r["dtype"], _row_config(r)) for r in table.get("configs", [])]
+    for v in VERSIONS:
+        for dkey in DTYPE_KEYS:
+            for b in M_BUCKETS:
+                rows.append((v, dkey, heuristic_config(v, dkey, b)))
+    for version, dkey, cfg in rows:
+        if version == "v4" and dkey == "fp32":
+            continue
+        for bs in BLOCK_SIZES:
+            try:
+                fitted = fit_config(version, dkey, cfg, bs)
+            except ValueError:
+                continue
+            d = kernel_defines(version, dkey, fitted)
+            key = (CU_FILES[version], tuple(sorted(d.items())))
+            if key not in seen:
+                seen.add(key)
+                out.append((CU_FILES[version], d))
+    return out
+
+
+def _register_all():
+    for cu, d in compile_cases():
+        register_compile_case(cu, d)
+
+
+_register_all()
+
+
+# ----------------------------------------------------------------------------- checks
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def _check_gpu_array(name, x, cp, device_id, ndim=None, dtypes=None, contiguous=True):
+    if not isinstance(x, cp.ndarray):
+        raise TypeError(f"{name}: expected a cupy.ndarray on the GPU, got {type(x).__name__}")
+    if x.device.id != device_id:
+        raise ValueError(f"{name}: expected an array on device {device_id} (a's device), "
+                         f"got device {x.device.id}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {x.shape}")
+    if dtypes is not None and np.dtype(x.dtype) not in dtypes:
+        raise TypeError(f"{name}: expected dtype in ({', '.join(map(str, dtypes))}), "
+                        f"got {x.dtype}")
+    if contiguous and not x.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides} "
+                         f"for shape {x.shape} (use cupy.ascontiguousarray)")
+    return x
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return int(value)
+
+
+def usable(version: str, dkey: str, K: int, block_size: int, aligned: bool) -> str | None:
+    """Why `version` cannot run this problem (None when it can)."""
+    if version == "v4":
+        if dkey == "fp32":
+            return "v4 takes fp16 or bf16 (fp32 uses v3)"
+        if block_size % 16:
+            return f"v4 needs block_size a multiple of 16, got {block_size}"
+    if version in ("v3", "v4"):
+        vec = vec_elems(dkey)
+        if K % vec:
+            return (f"{version} loads 16-byte chunks, so a.shape[1] (Kdim) must be a multiple "
+                    f"of {vec} for {dkey}, got {K}")
+        if not aligned:
+            return f"{version} loads 16-byte chunks, so a and w must be 16-byte aligned"
+    return None
+
+
+def _is_float(dtype) -> bool:
+    return np.dtype(dtype).kind == "f" or np.dtype(dtype) == bf16_dtype()
+
+
+def _as_f32(x):
+    """`x` as a contiguous fp32 CuPy array (bf16 widened bit-exactly: its bits are fp32's top half)."""
+    cp = _cupy()
+    if x.dtype == np.float32:
+        return cp.ascontiguousarray(x)
+    if np.dtype(x.dtype) == bf16_dtype():
+        return (raw(x).astype(cp.uint32) << 16).view(cp.float32)
+    return x.astype(cp.float32)
+
+
+_FALLBACK = {"v4": ("v4", "v3", "v2"), "v3": ("v3", "v2"), "v2": ("v2",), "v1": ("v1",)}
+
+
+# ----------------------------------------------------------------------------- the stage
+def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_size,
+                 topk_weights=None, mul_routed_weight=False, bias=None, *, version=None,
+                 config=None):
+    """c [a.shape[0] * top_k, N] = the grouped GEMM of docs/stages.md on the GPU (see module doc).
+
+    version: "v1".."v4" (None: v4 for fp16/bf16, v3 for fp32, stepping down to v3/v2 when
+    Kdim is not a multiple of 16 bytes or block_size not of 16). config: a dict as returned
+    by get_config (None: looked up in gemm_configs.json); its BLOCK_M is shrunk to divide
+    block_size when needed. num_tokens_post_padded is read on the device; no host sync.
+    """
+    cp = _cupy()
+    if not isinstance(a, cp.ndarray):
+        raise TypeError(f"a: expected a cupy.ndarray on the GPU, got {type(a).__name__}")
+    dev = a.device.id
+    floats = (np.dtype(np.float32), np.dtype(np.float16), bf16_dtype(), np.dtype(np.uint16))
+    _check_gpu_array("a", a, cp, dev, ndim=2, dtypes=floats)
+    dkey = dtype_key(a.dtype)
+    _check_gpu_array("w", w, cp, dev, ndim=3)
+    if np.dtype(w.dtype) != np.dtype(a.dtype):
+        raise TypeError(f"w: expected dtype {a.dtype} (a's dtype), got {w.dtype}")
+    M_a, K = a.shape
+    E_local, N, Kw = w.shape
+    if Kw != K:
+        raise ValueError(f"w: expected shape [E_local, N, {K}] (last dim = a.shape[1]), "
+                         f"got {tuple(w.shape)}")
+    top_k = _check_int("top_k", top_k, 1)
+    block_size = _check_int("block_size", block_size, 1)
+    int32 = (np.dtype(np.int32),)
+    _check_gpu_array("sorted_token_ids", sorted_token_ids, cp, dev, ndim=1, dtypes=int32)
+    _check_gpu_array("expert_ids", expert_ids, cp, dev, ndim=1, dtypes=int32)
+    L = sorted_token_ids.shape[0]
+    if expert_ids.shape[0] != -(-L // block_size):
+        raise ValueError(f"expert_ids: expected length cdiv(len(sorted_token_ids), block_size) "
+                         f"= cdiv({L}, {block_size}) = {-(-L // block_size)}, "
+                         f"got {expert_ids.shape[0]}")
+    if isinstance(num_tokens_post_padded, (int, np.integer)) and \
+            not isinstance(num_tokens_post_padded, bool):
+        num_tokens_post_padded = cp.asarray([num_tokens_post_padded], dtype=cp.int32)
+    _check_gpu_array("num_tokens_post_padded", num_tokens_post_padded, cp, dev, dtypes=int32)
+    if num_tokens_post_padded.size < 1:
+        raise ValueError("num_tokens_post_padded: expected shape (1,), got an empty array")
+    P = M_a * top_k
+    for name, value in (("a.shape[0] * top_k (P)", P), ("len(sorted_token_ids)", L),
+                        ("w.shape[1] (N)", N), ("a.shape[1] (Kdim)", K)):
+        if value > INT32_MAX:
+            raise ValueError(f"{name}: expected at most {INT32_MAX} (kernels index with int32), "
+                             f"got {value}")
+    mul_routed_weight = bool(mul_routed_weight)
+    tw = None
+    if mul_routed_weight:
+        if topk_weights is None:
+            raise ValueError("topk_weights: expected an array [P] when mul_routed_weight=True, "
+                             "got None")
+        _check_gpu_array("topk_weights", topk_weights, cp, dev)
+        if topk_weights.size != P:
+            raise ValueError(f"topk_weights: expected {P} elements (a.shape[0] * top_k), "
+                             f"got shape {tuple(topk_weights.shape)}")
+        if not _is_float(topk_weights.dtype):
+            raise TypeError(f"topk_weights: expected a floating dtype, got {topk_weights.dtype}")
+        # the router weights are fp32 in vLLM; anything else is converted once ([P], tiny)
+        tw = _as_f32(topk_weights)
+    bias_kind, bias_arg = 0, None
+    if bias is not None:
+        _check_gpu_array("bias", bias, cp, dev)
+        if tuple(bias.shape) != (E_local, N):
+            raise ValueError(f"bias: expected shape ({E_local}, {N}) = [E_local, N], "
+                             f"got {tuple(bias.shape)}")
+        if np.dtype(bias.dtype) == np.dtype(a.dtype):
+            bias_kind, bias_arg = 1, raw(bias)
+        elif _is_float(bias.dtype):
+            # added in fp32 anyway: an fp32 copy is exact for fp16/bf16 biases
+            bias_kind, bias_arg = 2, _as_f32(bias)
+        else:
+            raise TypeError(f"bias: expected a floating dtype, got {bias.dtype}")
+
+    aligned = a.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
+    if version is None:
+        chain = _FALLBACK[default_version(a.dtype)]
+        version = next(v for v in chain if usable(v, dkey, K, block_size, aligned) is None)
+    elif version not in VERSIONS:
+        raise ValueError(f"version: expected one of {VERSIONS} or None, got {version!r}")
+    else:
+        why = usable(version, dkey, K, block_size, aligned)
+        if why is not None:
+            raise ValueError(f"version: {why} (version=None picks a rung that can)")
+    if config is None:
+        config = lookup(version, dkey, max(1.0, P / max(E_local, 1)), N, K)
+    cfg = fit_config(version, dkey, config, block_size)
+
+    c = _compile.empty((P, N), a.dtype)
+    if P == 0 or N == 0:
+        return c
+    if L == 0:  # no positions at all (never from moe_align_block_size when P > 0): zeros
+        raw(c).fill(0)
+        return c
+    grid, block, smem = launch_geometry(version, cfg, L, N)
+    if len(grid) == 2 and grid[1] > GRID_Y_MAX:
+        raise ValueError(f"w.shape[1] (N): {version} launches cdiv(N, BLOCK_N) = {grid[1]} CTAs "
+                         f"along grid y, more than {GRID_Y_MAX}")
+    if math.prod(grid) > INT32_MAX:
+        raise ValueError(f"len(sorted_token_ids): the grid of {math.prod(grid)} CTAs overflows "
+                         f"int32")
+    kernel = _kernel(version, dkey, cfg, dev)
+    dummy = _dummy(cp, dev)
+    with cp.cuda.Device(dev):
+        kernel(grid, block,
+               (raw(a), raw(w), raw(c), sorted_token_ids, expert_ids, num_tokens_post_padded,
+                tw if tw is not None else dummy, bias_arg if bias_arg is not None else dummy,
+                np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
+                np.int32(L), np.int32(mul_routed_weight), np.int32(bias_kind)),
+               shared_mem=smem)
+    return c
+
+
+_READY: dict = {}
+
+
+def _kernel(version, dkey, cfg, dev):
+    """The compiled kernel, with its dynamic shared-memory limit raised once when needed."""
+    defines = kernel_defines(version, dkey, cfg)
+    key = (version, tuple(sorted(defines.items())), dev)
+    kern = _READY.get(key)
+    if kern is None:
+        register_compile_case(CU_FILES[version], defines)
+        kern = get_kernel(CU_FILES[version], KERNEL_NAMES[version], defines)
+        if version == "v4":
+            smem = v4_smem_bytes(cfg)
+            if smem > 48 * 1024:  # a CTA gets more than 48 KB only after opting in
+                kern.max_dynamic_shared_size_bytes = smem
+        _READY[key] = kern
+    return kern
+
+
+_DUMMIES: dict = {}
+
+
+def _dummy(cp, dev):
+    """A one-element fp32 array standing in for an absent pointer (never read)."""
+    d = _DUMMIES.get(dev)
+    if d is None:
+        with cp.cuda.Device(dev):
+            d = _DUMMIES[dev] = cp.zeros(1, dtype=cp.float32)
+    return d
+
+
+# ----------------------------------------------------------------------------- test data
+def random_device(shape, dtype, scale=1.0, rng=None):
+    """Normal(0, scale^2) values of `dtype` made on the GPU, a slab at a time.
+
+    bf16 is rounded from fp32 with integer ops (round to nearest even), so this needs no
+    CuPy support for ml_dtypes.bfloat16 beyond a view (uint16 when even that is missing).
+    """
+    cp = _cupy()
+    rng = cp.random.default_rng() if rng is None else rng
+    dkey = dtype_key(dtype)
+    out = _compile.empty(shape, dtype)
+    flat = raw(out).reshape(-1)
+    step = 1 << 26  # 64 M elements: a 256 MB fp32 slab at a time
+    for i in range(0, flat.size, step):
+        n = min(step, flat.size - i)
+        x = rng.standard_normal(n, dtype=cp.float32)
+        if scale != 1.0:
+            x *= cp.float32(scale)
+        if dkey == "bf16":
+            u = x.view(cp.uint32)
+            flat[i:i + n] = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(cp.uint16)
+        else:
+            flat[i:i + n] = x.astype(flat.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------- napkin math
+def gemm_flops(num_slots: int, N: int, K: int) -> float:
+    """2 * P * N * Kdim: one multiply and one add per product, live slots only."""
+    return 2.0 * num_slots * N * K
+
+
+def gemm_bytes(touched_experts: int, M_a: int, num_slots: int, N: int, K: int,
+               itemsize: int) -> float:
+    """The least traffic: each touched expert's w once, each a row once, each c row once."""
+    return float(itemsize) * (touched_experts * N * K + M_a * K + num_slots * N)
+
+
+HBM_BYTES_PER_S = 4.8e12          # H200 datasheet
+PEAK_FLOPS = 989e12               # H200 dense bf16 datasheet
+
+
+def roofline_floor_s(nbytes: float, flops: float) -> float:
+    """max(bytes / 4.8 TB/s, flops / 989 TFLOP/s): no kernel can beat this on an H200."""
+    return max(nbytes / HBM_BYTES_PER_S, flops / PEAK_FLOPS)
+
+
+# ----------------------------------------------------------------------------- script
+def _main(argv=None):  # pragma: no cover - needs a GPU
+    import argparse
+
+    from reference import grouped_gemm as ref_grouped_gemm
+    from reference import moe_align_block_size
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--versions", default="v1,v2,v3,v4")
+    p.add_argument("--dtype", default="bf16", choices=DTYPE_KEYS)
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args(argv)
+    ok, why = _compile.availability()
+    if not ok:
+        raise SystemExit(f"no GPU: {why}")
+    cp = _cupy()
+    dt = {"fp32": np.float32, "fp16": np.float16, "bf16": bf16_dtype()}[args.dtype]
+    rng = np.random.default_rng(0)
+    # (name, T, E, top_k, N, Kdim): GEMM1 of Qwen3-30B-A3B and Mixtral at decode and prefill
+    shapes = [("qwen3 gemm1 T=1", 1, 128, 8, 1536, 2048),
+              ("qwen3 gemm1 T=64", 64, 128, 8, 1536, 2048),
+              ("qwen3 gemm1 T=1024", 1024, 128, 8, 1536, 2048),
+              ("mixtral gemm2 T=16", 16, 8, 2, 4096, 14336),
+              ("mixtral gemm1 T=1024", 1024, 8, 2, 28672, 4096)]
+    print(f"{'shape':24s} {'ver':3s} {'rel err':>9s} {'us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} "
+          f"{'floor':>6s}")
+    for name, T, E, top_k, N, K in shapes:
+        a_h = rng.standard_normal((T, K), dtype=np.float32).astype(dt)
+        w_h = (rng.standard_normal((E, N, K), dtype=np.float32) / math.sqrt(K)).astype(dt)
+        ids = np.argsort(rng.random((T, E)), axis=1)[:, :top_k].astype(np.int32)
+        B = get_config(T, N, K, E, top_k, dt)["BLOCK_M"]
+        st, ex, nt = moe_align_block_size(ids, B, E)
+        ref = ref_grouped_gemm(a_h.astype(np.float64), w_h.astype(np.float64), st, ex, nt,
+                               top_k, B)
+        a, w = _compile.to_device(a_h), _compile.to_device(w_h)
+        st_d, ex_d, nt_d = cp.asarray(st), cp.asarray(ex), cp.asarray(nt)
+        touched = len(set(int(e) for e in ex[: int(nt[0]) // B] if e >= 0))
+        flops = gemm_flops(T * top_k, N, K)
+        nbytes = gemm_bytes(touched, T, T * top_k, N, K, np.dtype(dt).itemsize)
+        for v in args.versions.split(","):
+            try:
+                out = grouped_gemm(a, w, st_d, ex_d, nt_d, top_k, B, version=v)
+            except ValueError as e:
+                print(f"{name:24s} {v:3s} skipped: {e}")
+                continue
+            got = _compile.to_host(out).astype(np.float64)
+            err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            for _ in range(3):
+                grouped_gemm(a, w, st_d, ex_d, nt_d, top_k, B, version=v)
+            times = []
+            for _ in range(args.reps):
+                start.record()
+                grouped_gemm(a, w, st_d, ex_d, nt_d, top_k, B, version=v)
+                stop.record()
+                stop.synchronize()
+                times.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3)
+            t = float(np.median(times))
+            print(f"{name:24s} {v:3s} {err:9.2e} {t * 1e6:9.1f} {flops / t / 1e12:8.1f} "
+                  f"{nbytes / t / 1e9:7.0f} {roofline_floor_s(nbytes, flops) / t:6.2f}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _main()

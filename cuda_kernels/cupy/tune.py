@@ -1,0 +1,241 @@
+"""Regenerate gemm_configs.json, the grouped GEMM's config table.
+
+    python -m cuda_kernels.cupy.tune --heuristic        # no GPU: the rule of heuristic_config
+    python -m cuda_kernels.cupy.tune                    # GPU: time candidates, keep the fastest
+    python -m cuda_kernels.cupy.tune --models qwen3 --buckets 1,16,256 --reps 10   # a subset
+
+The table (see grouped_gemm.lookup) holds two kinds of rows, each a config for one
+(version, dtype, m bucket) with m = tokens per expert = T * top_k / E:
+  - generic rows (no N, K): the heuristic, one per version x dtype x bucket, used for any shape;
+  - shape rows (N, K set): written here by timing, for the GEMM1 and GEMM2 shapes of the
+    benchmark's models (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3); lookup uses them for
+    shapes within a factor of two.
+
+How a shape is tuned on the GPU (v4, bf16; the fp16 rows copy bf16's, the kernels are the
+same but for the mma's type): for each bucket m, T = m * E / top_k tokens are routed
+uniformly at random; GEMM1 and GEMM2 must share one alignment block_size B, so for each B in
+{16, 32, 64, 128} (B <= 2m, past that padding only costs), the fastest GEMM1 config with
+BLOCK_M = B and the fastest GEMM2 config with BLOCK_M = B are timed, and the B with the
+smallest sum wins. Timing: CUDA events around one call, L2 flushed before each (a 128 MB
+memset outside the events), 3 warm-ups, median of --reps.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import importlib
+
+# the package exports the *function* grouped_gemm under the module's name (its __getattr__),
+# so `from . import grouped_gemm` would give the function: fetch the module itself
+gg = importlib.import_module(".grouped_gemm", __package__)
+
+# (name, E, top_k, H, I): the benchmark's models; GEMM1 is (N, K) = (2I, H), GEMM2 (H, I)
+MODELS = {
+    "mixtral": ("Mixtral-8x7B", 8, 2, 4096, 14336),
+    "qwen3": ("Qwen3-30B-A3B", 128, 8, 2048, 768),
+    "deepseek": ("DeepSeek-V3", 256, 8, 7168, 2048),
+}
+
+# v4 candidates: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Short, deep tiles for decode
+# (memory-bound: many bytes in flight, many CTAs), big square ones for prefill.
+V4_CANDIDATES = [
+    (16, 32, 128, 2, 4), (16, 64, 64, 4, 4), (16, 64, 128, 4, 3), (16, 64, 128, 4, 4),
+    (16, 64, 256, 4, 3), (16, 128, 64, 4, 4), (16, 128, 128, 4, 3),
+    (32, 64, 64, 4, 4), (32, 64, 128, 4, 3), (32, 128, 64, 4, 4),
+    (64, 64, 64, 4, 4), (64, 128, 32, 4, 4), (64, 128, 64, 4, 3), (64, 256, 32, 8, 3),
+    (128, 64, 64, 4, 4), (128, 128, 32, 4, 4), (128, 128, 64, 4, 3), (128, 128, 32, 8, 4),
+    (128, 256, 32, 8, 3),
+]
+DEFAULT_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
+
+
+def heuristic_table() -> dict:
+    """The generic rows: heuristic_config for every version, dtype and bucket."""
+    rows = []
+    for v in gg.VERSIONS:
+        for dkey in gg.DTYPE_KEYS:
+            if v == "v4" and dkey == "fp32":
+                continue
+            for b in gg.M_BUCKETS:
+                rows.append({"version": v, "dtype": dkey, "m": b, **gg.heuristic_config(v, dkey, b)})
+    return {
+        "_doc": "Grouped GEMM configs: see cuda_kernels/cupy/grouped_gemm.py (lookup) and "
+                "tune.py. m = tokens per expert bucket; rows without N, K apply to any shape; "
+                "BLOCK_M is the alignment block_size the caller should use.",
+        "source": "heuristic (grouped_gemm.heuristic_config), not timed",
+        "gpu": None,
+        "date": None,
+        "m_buckets": list(gg.M_BUCKETS),
+        "configs": rows,
+    }
+
+
+def write_table(table: dict, path: pathlib.Path = gg.CONFIG_PATH) -> None:
+    """One row per line: the table stays readable and diffs stay small."""
+    head = {k: v for k, v in table.items() if k != "configs"}
+    lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
+    lines.append('  "configs": [')
+    rows = [json.dumps(r) for r in table["configs"]]
+    lines += [f"    {r}," for r in rows[:-1]] + ([f"    {rows[-1]}"] if rows else [])
+    lines += ["  ]", "}"]
+    path.write_text("\n".join(lines) + "\n")
+    gg.load_table.cache_clear()
+
+
+# ----------------------------------------------------------------------------- GPU timing
+def _align_gpu(cp, topk_ids, block_size, num_experts):
+    """moe_align_block_size on the GPU with CuPy primitives (the tuner needs only a valid one).
+
+    Slots grouped by expert (stable in s), each expert padded to a multiple of B with P.
+    """
+    P = topk_ids.size
+    flat = topk_ids.ravel().astype(cp.int32)
+    counts = cp.bincount(flat, minlength=num_experts)
+    padded = (counts + block_size - 1) // block_size * block_size
+    ends = cp.cumsum(padded)
+    starts = ends - padded
+    order = cp.argsort(flat.astype(cp.int64) * P + cp.arange(P))   # unique keys: stable in s
+    sorted_e = flat[order]
+    cstart = cp.cumsum(counts) - counts
+    pos = starts[sorted_e] + (cp.arange(P) - cstart[sorted_e])
+    max_padded = P + num_experts * (block_size - 1)
+    if P < num_experts:
+        max_padded = min(max_padded, P * block_size)
+    sorted_ids = cp.full(max_padded, P, dtype=cp.int32)
+    sorted_ids[pos] = order.astype(cp.int32)
+    nblocks = -(-max_padded // block_size)
+    block_start = cp.arange(nblocks) * block_size
+    expert_ids = cp.searchsorted(ends, block_start, side="right").astype(cp.int32)
+    total = ends[-1:].astype(cp.int32)
+    expert_ids[block_start >= total[0]] = -1
+    return sorted_ids, expert_ids, total
+
+
+def _time(cp, fn, reps, flush):
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush.fill(0)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3)
+    return float(np.median(times))
+
+
+def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, log=print) -> list[dict]:
+    """Shape rows for v4 (and their fp16 copies) from timing on the current GPU."""
+    import cupy as cp
+
+    from ._compile import bf16_dtype
+
+    dt = {"bf16": bf16_dtype(), "fp16": np.dtype(np.float16)}[dkey]
+    flush = cp.empty(128 * 2**20, dtype=cp.uint8)
+    rng = cp.random.default_rng(0)
+    rows, t_start = [], time.time()
+    for key in models:
+        name, E, top_k, H, I = MODELS[key]
+        # one set of weights per model, filled expert by expert (no fp32 copy of all of them)
+        w13 = gg.random_device((E, 2 * I, H), dt, 1 / math.sqrt(H), rng)
+        w2 = gg.random_device((E, H, I), dt, 1 / math.sqrt(I), rng)
+        for m in buckets:
+            if time.time() - t_start > budget_s:
+                log(f"budget of {budget_s:.0f} s spent: stopping before {name} m={m}")
+                return rows
+            T = max(1, int(round(m * E / top_k)))
+            x = gg.random_device((T, H), dt, 1.0, rng)
+            act = gg.random_device((T * top_k, I), dt, 1.0, rng)
+            ids = cp.argsort(rng.random((T, E)), axis=1)[:, :top_k].astype(cp.int32)
+            best = None
+            for B in (16, 32, 64, 128):
+                if B > max(16, 2 * m):
+                    continue
+                st, ex, nt = _align_gpu(cp, ids, B, E)
+                per_gemm = []
+                for (a, w, tk, N, K) in ((x, w13, top_k, 2 * I, H), (act, w2, 1, H, I)):
+                    timed = []
+                    for cand in V4_CANDIDATES:
+                        if cand[0] != B:
+                            continue
+                        cfg = dict(zip(gg.CONFIG_KEYS, cand))
+                        try:
+                            gg.check_config("v4", dkey, cfg)
+                            fn = (lambda a=a, w=w, tk=tk, cfg=cfg:
+                                  gg.grouped_gemm(a, w, st, ex, nt, tk, B, version="v4",
+                                                  config=cfg))
+                            timed.append((_time(cp, fn, reps, flush), cand))
+                        except Exception as e:  # a config that does not fit this GPU
+                            log(f"  skip {cand}: {type(e).__name__}: {str(e)[:120]}")
+                    if not timed:
+                        break
+                    per_gemm.append(min(timed))
+                if len(per_gemm) != 2:
+                    continue
+                total = per_gemm[0][0] + per_gemm[1][0]
+                log(f"{name:14s} m={m:5d} T={T:6d} B={B:3d} gemm1 {per_gemm[0][0]*1e6:9.1f} us "
+                    f"{per_gemm[0][1]}  gemm2 {per_gemm[1][0]*1e6:9.1f} us {per_gemm[1][1]}")
+                if best is None or total < best[0]:
+                    best = (total, per_gemm)
+            if best is None:
+                continue
+            for (t, cand), (N, K) in zip(best[1], ((2 * I, H), (H, I))):
+                for dk in (dkey, "fp16" if dkey == "bf16" else "bf16"):
+                    rows.append({"version": "v4", "dtype": dk, "m": m, "N": N, "K": K,
+                                 **dict(zip(gg.CONFIG_KEYS, cand)),
+                                 "us": round(t * 1e6, 1), "model": name})
+        del w13, w2
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--heuristic", action="store_true", help="write the untimed table (no GPU)")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)))
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--budget-s", type=float, default=1800.0)
+    p.add_argument("--out", default=str(gg.CONFIG_PATH))
+    args = p.parse_args(argv)
+    table = heuristic_table()
+    if not args.heuristic:
+        import cupy as cp
+
+        from ._compile import availability
+
+        ok, why = availability()
+        if not ok:
+            raise SystemExit(f"tuning needs a GPU: {why} (use --heuristic)")
+        rows = tune(args.models.split(","), [int(b) for b in args.buckets.split(",")], args.reps,
+                    budget_s=args.budget_s)
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
+        except OSError:
+            commit = None
+        table["source"] = (f"timed by tune.py (v4 shape rows, commit {commit}); generic rows "
+                           f"are the heuristic")
+        table["gpu"] = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        table["date"] = datetime.date.today().isoformat()
+        table["command"] = " ".join([sys.executable, "-m", "cuda_kernels.cupy.tune"] +
+                                    list(argv if argv is not None else sys.argv[1:]))
+        table["configs"] += rows
+    write_table(table, pathlib.Path(args.out))
+    print(f"wrote {len(table['configs'])} rows to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
