@@ -10,13 +10,14 @@
 
 Rules of `transfer` (the layer calls it between every two stages and only when the backend
 changes):
-  * same backend: nothing happens;
+  * an array the destination's stages already take (same library and device): nothing
+    happens;
   * GPU -> GPU (CuPy, Numba, torch on CUDA): zero-copy through DLPack or
     `__cuda_array_interface__`; the result must keep the dtype, otherwise (bf16, which CAI
     cannot describe) the array takes the host path below;
-  * anything else goes through the host: `src.to_host(x)` then `dst.to_device(x)`, so that
-    each backend's own convention for bf16 is respected. A host backend (the NumPy
-    reference, torch on the CPU) gets the host array itself (torch.from_numpy: no copy).
+  * anything else goes through the host: `src.get(x)` then `dst.put(x)` (the registry's
+    Backend methods, which respect each backend's convention for bf16). A host backend (the
+    NumPy reference, torch on the CPU) gets the host array itself (torch.from_numpy: no copy).
 
 Nothing here imports torch, CuPy or Numba at module import time.
 """
@@ -189,9 +190,9 @@ def zero_copy(x, dst_kind: str):
 def transfer(x, src, dst):
     """`x`, produced by backend `src`, as backend `dst` reads it (see the module docstring).
 
-    `src` and `dst` are `sandbox.registry.Backend` handles (anything with `name`,
-    `array_kind`, `is_host`, `to_host`, `to_device`). Tuples and lists are moved item by
-    item; None, Python scalars and NumPy scalars pass through.
+    `src` and `dst` are `sandbox.registry.Backend` handles (they provide `name`,
+    `array_kind`, `is_host`, `accepts`, `get` and `put`). Tuples and lists are moved item by
+    item; None, Python scalars, strings and callables pass through.
     """
     if isinstance(x, (tuple, list)):
         return type(x)(transfer(v, src, dst) for v in x)
@@ -199,16 +200,14 @@ def transfer(x, src, dst):
     if k == "none" or isinstance(x, np.generic) or not (hasattr(x, "shape")
                                                          and hasattr(x, "dtype")):
         return x                                 # scalars, strings, callables, None
-    if src is dst or (src.name == dst.name):
-        return x
-    if k == dst.array_kind and dst.owns(x):
+    if dst.accepts(x):
         return x
     if is_device(x) and not dst.is_host:
         y = zero_copy(x, dst.array_kind)
-        if y is not None:
+        if y is not None and dst.accepts(y):
             return y
-    host = to_numpy(x) if k == "numpy" else src.to_host(x)
-    return dst.to_device(host)
+    host = x if k == "numpy" else (src.get(x) if src is not None else to_numpy(x))
+    return dst.put(host)
 
 
 def describe(x) -> str:

@@ -7,15 +7,16 @@
 The layer computes, for every token t (modelled on vLLM's FusedMoE, NumPy parameters):
 
     topk_weights, topk_ids = route(router_logits[t])                          # [T, K]
-    out[t] = sum_k topk_weights[t, k] * (W2[e] @ act(W13[e] @ x[t] + b13[e]) + b2[e]),  e = topk_ids[t, k]
+    out[t] = sum_k topk_weights[t, k] * (W2[e] @ act(W13[e] @ x[t] + b13[e]) + b2[e])
+                                                                 (e = topk_ids[t, k])
              + zero_expert_result[t]              (zero experts: "identity" slots add w * x[t])
              + W2s @ act(W13s @ x[t])             (shared experts, every token)
 
 as six stages, each through the backend the mapping assigns (`backend="torch"`, or
 `{"route": "numba", "gemm1": "cupy"}`; stages left out use "reference"):
 
-    route       select_experts          logits [T, E+Z] -> topk_weights [T, K] f32, topk_ids [T, K]
-    align       moe_align_block_size    topk_ids -> sorted_token_ids, expert_ids, num_tokens_post_padded
+    route       select_experts          logits [T, E+Z] -> topk_weights f32, topk_ids [T, K]
+    align       moe_align_block_size    topk_ids -> sorted_token_ids, expert_ids, num_post_padded
     gemm1       grouped_gemm            x [T, H] @ w13[e].T                    -> cache1 [P, 2I_p]
     activation  apply_activation        cache1                                -> cache2 [P, I_p]
     gemm2       grouped_gemm            cache2 @ w2[e].T (* router weight)     -> cache3 [P, H]
@@ -43,8 +44,9 @@ from __future__ import annotations
 import copy
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -133,6 +135,8 @@ class FusedMoE:
                  expert_placement="linear", backend="reference", block_size=None):
         from reference import ACTIVATIONS, PLACEMENTS, SCORING_FUNCS, determine_expert_map
 
+        self._version = 0                # bumped by every load: device copies are stale
+        self._device_params = {}
         self.num_experts = self.global_num_experts = _int_arg("num_experts", num_experts, 1)
         self.top_k = _int_arg("top_k", top_k, 1)
         self.hidden_size = _int_arg("hidden_size", hidden_size, 1)
@@ -226,15 +230,16 @@ class FusedMoE:
         self.block_size = (None if block_size is None
                            else _int_arg("block_size", block_size, 1))
         self.expert_mapping = None       # (param_name, weight_name, expert_id, shard_id) list
-        self._version = 0                # bumped by every load: device copies are stale
-        self._device_params = {}
         self._allocate()
 
     # ------------------------------------------------------------------------- parameters
     def _allocate(self):
         e, h, i_p = self.local_num_experts, self.hidden_size, self.intermediate_size_per_partition
         n13 = 2 * i_p if self.is_act_and_mul else i_p
-        nan = lambda shape: np.full(shape, np.nan, dtype=self.params_dtype)  # noqa: E731
+
+        def nan(shape):
+            return np.full(shape, np.nan, dtype=self.params_dtype)
+
         self.w13_weight = nan((e, n13, h))
         self.w2_weight = nan((e, h, i_p))
         self.w13_bias = nan((e, n13)) if self.has_bias else None
@@ -522,7 +527,7 @@ class FusedMoE:
         logits = rng.standard_normal((num_tokens, self.num_router_experts), dtype=np.float32)
         return x.astype(self.params_dtype), logits * np.float32(logit_scale)
 
-    def to_dtype(self, dtype) -> "FusedMoE":
+    def to_dtype(self, dtype) -> FusedMoE:
         """A copy of the layer with every parameter cast to `dtype` (the router bias stays fp32)."""
         dt = _as_dtype(dtype)
         other = copy.copy(self)
@@ -534,7 +539,7 @@ class FusedMoE:
         other._version = self._version + 1
         return other
 
-    def with_backend(self, backend) -> "FusedMoE":
+    def with_backend(self, backend) -> FusedMoE:
         """A shallow copy of the layer (sharing the parameters) with another stage mapping."""
         other = copy.copy(self)
         other._backend_spec = backend
@@ -568,7 +573,7 @@ class FusedMoE:
         x, logits = self._inputs(hidden_states, router_logits, exact=False)
         out = self._route(run, x, logits, exact=False)
         b = run.backends["route"]
-        return tuple(None if v is None else b.to_host(v) for v in out)
+        return tuple(None if v is None else b.get(v) for v in out)
 
     def forward(self, hidden_states, router_logits, *, return_device=False):
         """The layer: [T, H] -> [T, H] (see the module docstring for the math).
@@ -582,7 +587,7 @@ class FusedMoE:
         out = self._forward(run, hidden_states, router_logits, exact=False)
         if return_device:
             return out
-        return run.backends["combine"].to_host(out)
+        return run.backends["combine"].get(out)
 
     __call__ = forward
 
@@ -597,7 +602,7 @@ class FusedMoE:
             raise ValueError(f"exact: runs on the reference only, got the mapping {mapping}")
         run = self._start(mapping, trace=[])
         out = self._forward(run, hidden_states, router_logits, exact=exact)
-        return run.backends["combine"].to_host(out), run.trace
+        return run.backends["combine"].get(out), run.trace
 
     # --- internals
     def _start(self, mapping, trace):
@@ -655,12 +660,12 @@ class FusedMoE:
         if exact:
             return p.astype(np.float64)
         if backend.is_host:
-            return backend.to_device(p)
+            return backend.put(p)
         key = (backend.name, name)
         hit = self._device_params.get(key)
         if hit is not None and hit[0] == self._version and hit[1] is getattr(self, name):
             return hit[2]
-        dev = backend.to_device(p)
+        dev = backend.put(p)
         self._device_params[key] = (self._version, getattr(self, name), dev)
         return dev
 
@@ -779,11 +784,10 @@ class FusedMoE:
                 acc = acc + arrays.transfer(v, src, backend).to(cdt)
             return acc.to(out.dtype)
         # NumPy, or a GPU array library without a dependable bf16 arithmetic: on the host
-        host = backend.to_host(out) if kind != "numpy" else out
+        host = backend.get(out)
         cdt = np.float64 if host.dtype == np.float64 else np.float32
         acc = host.astype(cdt)
         for v, src in extras:
-            acc = acc + arrays.to_numpy(src.to_host(v) if arrays.kind(v) != "numpy"
-                                        else v).astype(cdt)
+            acc = acc + src.get(v).astype(cdt)
         acc = acc.astype(host.dtype)
-        return acc if kind == "numpy" else backend.to_device(acc)
+        return acc if kind == "numpy" else backend.put(acc)

@@ -100,14 +100,49 @@ class Backend:
             return _numba_simulator()
         return False
 
-    def owns(self, x) -> bool:
-        """Whether `x` is already an array this backend's stages read (right kind, device)."""
-        if arrays.kind(x) != self.array_kind:
-            return False
+    def accepts(self, x) -> bool:
+        """Whether the backend's stages take `x` as it is (no move needed)."""
+        k = arrays.kind(x)
+        if self.name == "reference":
+            return k == "numpy"
         if self.name == "torch":
-            return x.device == self.module.device()
-        return True
+            return k == "torch" and x.device == self.module.device()
+        if self.name == "numba":
+            # numba's stages take any CUDA array (numba, CuPy, torch) without copies, and
+            # NumPy "host in, host out" (what the simulator runs on)
+            if k == "numpy":
+                return self.is_host
+            return k in ("numba", "cupy") or (k == "torch" and x.device.type == "cuda")
+        return k == self.array_kind
 
+    def put(self, a):
+        """A host NumPy array as this backend's stages read it (a device copy on GPU backends).
+
+        Numba's device arrays cannot hold bf16 (its kernels read the uint16 bits), so bf16
+        travels to numba stages in a torch CUDA tensor or a CuPy array, which keep the dtype,
+        and numba's stages return that same kind."""
+        self.require()
+        if self.name == "numba":
+            if self.is_host:
+                return a                                   # the simulator: host in, host out
+            if np.dtype(a.dtype) == arrays.BF16:
+                carrier = _bf16_carrier(a)
+                if carrier is not None:
+                    return carrier
+                return a                                   # host in, host out: slow, correct
+        return self.module.to_device(a)
+
+    def get(self, x):
+        """Any array this backend's stages returned, as host NumPy (bf16 as ml_dtypes)."""
+        k = arrays.kind(x)
+        if k == "numpy":
+            return x
+        if k in ("torch", "none"):
+            return arrays.to_numpy(x)
+        self.require()
+        return self.module.to_host(x)
+
+    # the module's own movers, for callers that know the backend's conventions
     def to_device(self, a):
         self.require()
         return self.module.to_device(a)
@@ -180,6 +215,26 @@ def _find_get_config(backend: Backend):
     return fn if callable(fn) else None
 
 
+def _bf16_carrier(a):
+    """A bf16 NumPy array as a CUDA array that keeps its dtype (torch first, then CuPy)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return arrays.numpy_to_torch(a, "cuda")
+    except Exception:
+        pass
+    try:
+        import cupy
+
+        c = cupy.asarray(a)
+        if np.dtype(c.dtype) == arrays.BF16:
+            return c
+    except Exception:
+        pass
+    return None
+
+
 def _numba_simulator() -> bool:
     import os
 
@@ -198,7 +253,7 @@ def _check_backend_name(name) -> str:
     return name
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_backend(name: str) -> Backend:
     """The handle of backend `name` (ValueError for an unknown name). An unavailable backend
     still gets a handle: `.ok` is False, `.reason` says why, and calling a stage raises."""

@@ -301,9 +301,13 @@ def zero_experts_compute(topk_ids, topk_weights, num_experts, zero_expert_type, 
     """Zero experts ("identity"): result[t] = sum of the weights of slots with id >= E, times
     x[t]; those slots are then pointed at expert 0 with weight 0, in place."""
     if zero_expert_type != "identity":
-        raise ValueError(f"zero_expert_type: expected one of ['identity'], got {zero_expert_type!r}")
+        raise ValueError(f"zero_expert_type: expected one of ['identity'], "
+                         f"got {zero_expert_type!r}")
+    import torch
+
     is_zero = topk_ids >= num_experts
-    scale = (topk_weights.float() * is_zero).sum(-1)                      # [T]
+    # where, not a product: a NaN weight of a real expert must not poison the zero result
+    scale = torch.where(is_zero, topk_weights.float(), 0.0).sum(-1)       # [T]
     result = hidden_states.to(_compute_dtype(hidden_states.dtype)) * scale[:, None].to(
         _compute_dtype(hidden_states.dtype))
     topk_ids[is_zero] = 0
@@ -760,17 +764,12 @@ def _add_row_bias(y, bias, offsets):
 
 # ----------------------------------------------------------------------------- script
 def _main():  # pragma: no cover - a demo
-    import reference
-
-    from . import layer as _layer
-
-    moe = _layer.FusedMoE.random(seed=0, num_experts=8, top_k=2, hidden_size=64,
-                                 intermediate_size=96)
-    x, logits = moe.make_inputs(33, seed=1)
+    from .layer import FusedMoE
     from .validate import validate
 
+    moe = FusedMoE.random(seed=0, num_experts=8, top_k=2, hidden_size=64, intermediate_size=96)
+    x, logits = moe.random_inputs(33, seed=1)
     print(validate(moe, x, logits, backends=["reference", "torch"]).table())
-    del reference
 
 
 if __name__ == "__main__":  # pragma: no cover

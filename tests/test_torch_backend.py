@@ -1,0 +1,296 @@
+"""The torch backend, stage by stage, against the NumPy reference (fp32 and bf16).
+
+    T = tokens, E = experts, K = top-k, H = hidden, I = intermediate, B = block size
+
+Ids and alignment must match exactly (both backends sort stably, so even the order of slots
+within an expert agrees); floats within the dtype's tolerance, against the reference fed the
+same inputs in float64 (exact mode). Fresh random inputs every test; NaN never passes.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import reference
+from sandbox import torch_backend as tb
+from sandbox.arrays import BF16
+
+torch = pytest.importorskip("torch")
+
+TOL = {np.dtype(np.float32): 1e-5, BF16: 1e-2, np.dtype(np.float64): 1e-12}
+DTYPES = [np.float32, ml_dtypes.bfloat16]
+
+
+def rel(got, want):
+    got = np.asarray(got).astype(np.float64)
+    want = np.asarray(want).astype(np.float64)
+    assert got.shape == want.shape
+    assert np.array_equal(np.isnan(got), np.isnan(want)), "NaN at other places"
+    ok = ~np.isnan(want)
+    num, den = np.linalg.norm(got[ok] - want[ok]), np.linalg.norm(want[ok])
+    return 0.0 if num == 0 else (math.inf if den == 0 else float(num / den))
+
+
+def host(t):
+    return tb.to_host(t)
+
+
+def rng_for(*key):
+    """A generator seeded by the test's own key: fresh data per check, reproducible runs."""
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def rand_ids(rng, t, e, k):
+    """[T, K] distinct experts per token (what routing produces)."""
+    ids = np.empty((t, k), np.int32)
+    for r in range(t):
+        ids[r] = rng.permutation(e)[:k]
+    return ids
+
+
+# ----------------------------------------------------------------------------- module API
+def test_availability_and_roundtrip():
+    ok, reason = tb.availability()
+    assert ok and "torch" in reason
+    for dt in (np.float32, np.float16, ml_dtypes.bfloat16, np.int32):
+        a = (rng_for("rt", str(dt)).standard_normal((3, 5)) * 10).astype(dt)
+        t = tb.to_device(a)
+        back = tb.to_host(t)
+        assert back.dtype == np.dtype(dt) and np.array_equal(back, a)
+
+
+# ----------------------------------------------------------------------------- route
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("logit_dtype", [np.float32, ml_dtypes.bfloat16])
+def test_fused_topk(renormalize, logit_dtype):
+    rng = rng_for("topk", renormalize, str(logit_dtype))
+    t, e, k = 37, 12, 3
+    logits = rng.standard_normal((t, e)).astype(logit_dtype)
+    logits[5, 7] = np.nan                                # one NaN row
+    x = rng.standard_normal((t, 16)).astype(np.float32)
+    ew, eids, etei = reference.fused_topk(x, logits, k, renormalize)
+    gw, gids, gtei = (host(v) for v in tb.fused_topk(x, logits, k, renormalize))
+    assert gids.dtype == np.int32 and np.array_equal(gids, eids)
+    assert np.array_equal(gtei, etei)
+    assert gw.dtype == np.float32 and rel(gw, ew) <= 1e-5
+    assert np.isnan(gw[5]).all() and not np.isnan(np.delete(gw, 5, 0)).any()
+
+
+def test_fused_topk_bias():
+    rng = rng_for("bias")
+    t, e, k = 29, 16, 4
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    bias = (rng.standard_normal(e) * 0.1).astype(np.float32)
+    ew, eids = reference.fused_topk_bias(None, logits, bias, k, True, 2.5)
+    gw, gids = (host(v) for v in tb.fused_topk_bias(None, logits, bias, k, True, 2.5))
+    assert np.array_equal(gids, eids) and rel(gw, ew) <= 1e-5
+
+
+@pytest.mark.parametrize("scoring_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_grouped_topk(scoring_func, with_bias):
+    rng = rng_for("grouped", scoring_func, with_bias)
+    t, e, k = 31, 32, 4
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    logits[3, 9] = np.nan
+    bias = (rng.standard_normal(e) * 0.1).astype(np.float32) if with_bias else None
+    kw = dict(num_expert_group=8, topk_group=3, scoring_func=scoring_func,
+              routed_scaling_factor=1.5, e_score_correction_bias=bias)
+    ew, eids = reference.grouped_topk(None, logits, k, True, **kw)
+    gw, gids = (host(v) for v in tb.grouped_topk(None, logits, k, True, **kw))
+    assert np.array_equal(gids, eids)
+    assert rel(gw, ew) <= 1e-5
+
+
+def test_select_experts_zero_experts():
+    rng = rng_for("zero")
+    t, e, z, k, h = 23, 8, 2, 3, 16
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    logits = rng.standard_normal((t, e + z)).astype(np.float32)
+    logits[:4, e:] += 3.0                                 # some tokens pick zero experts
+    logits[6, 2] = np.nan
+    kw = dict(global_num_experts=e, zero_expert_num=z, zero_expert_type="identity")
+    ew, eids, ez = reference.select_experts(x, logits, k, False, True, **kw)
+    gw, gids, gz = (host(v) for v in tb.select_experts(x, logits, k, False, True, **kw))
+    assert np.array_equal(gids, eids) and gids.max() < e
+    assert rel(gw, ew) <= 1e-5 and rel(gz, ez) <= 1e-5
+    assert np.abs(ez[:4]).sum() > 0                       # the zero experts did contribute
+
+
+def test_select_experts_custom_function():
+    rng = rng_for("custom")
+    logits = rng.standard_normal((11, 6)).astype(np.float32)
+    fn = reference.llama4_custom_routing_function
+    ew, eids, _ = reference.select_experts(None, logits, 1, False, False,
+                                           custom_routing_function=fn)
+    gw, gids, _ = (host(v) if v is not None else None
+                   for v in tb.select_experts(None, logits, 1, False, False,
+                                              custom_routing_function=fn))
+    assert np.array_equal(gids, eids) and rel(gw, ew) <= 1e-6
+
+
+# ----------------------------------------------------------------------------- align
+ALIGN_CASES = [  # (T, E, K, B): one token, fewer slots than experts, one expert, uneven
+    (1, 8, 2, 4), (3, 16, 2, 4), (40, 6, 2, 16), (33, 5, 3, 8), (64, 4, 1, 64), (0, 8, 2, 16),
+]
+
+
+@pytest.mark.parametrize("t,e,k,b", ALIGN_CASES)
+@pytest.mark.parametrize("pad", [False, True])
+def test_moe_align_block_size(t, e, k, b, pad):
+    rng = rng_for("align", t, e, k, b, pad)
+    ids = rand_ids(rng, t, e, k)
+    want = reference.moe_align_block_size(ids, b, e, pad_sorted_ids=pad)
+    got = [host(v) for v in tb.moe_align_block_size(ids, b, e, pad_sorted_ids=pad)]
+    for g, w in zip(got, want):
+        assert g.dtype == np.int32 and np.array_equal(g, w)
+
+
+@pytest.mark.parametrize("ignore_invalid", [False, True])
+def test_moe_align_expert_map(ignore_invalid):
+    rng = rng_for("align-map", ignore_invalid)
+    t, e, k, b = 25, 8, 2, 4
+    ids = rand_ids(rng, t, e, k)
+    _, expert_map = reference.determine_expert_map(2, 1, e, "round_robin")
+    want = reference.moe_align_block_size(ids, b, e, expert_map=expert_map,
+                                          ignore_invalid_experts=ignore_invalid)
+    got = [host(v) for v in tb.moe_align_block_size(ids, b, e, expert_map=expert_map,
+                                                    ignore_invalid_experts=ignore_invalid)]
+    for g, w in zip(got, want):
+        assert np.array_equal(g, w)
+
+
+def test_moe_align_rejects_bad_ids():
+    with pytest.raises(ValueError, match="topk_ids"):
+        tb.moe_align_block_size(np.array([[0, 9]], np.int32), 4, 8)
+
+
+# ----------------------------------------------------------------------------- gemm
+def _gemm_inputs(rng, dtype, t=21, e=6, k=2, h=32, n=48, b=8, ep=False):
+    ids = rand_ids(rng, t, e, k)
+    expert_map = None
+    e_local = e
+    if ep:
+        e_local, expert_map = reference.determine_expert_map(2, 0, e)
+    a = rng.standard_normal((t, h)).astype(dtype)
+    w = (rng.standard_normal((e_local, n, h)) / np.sqrt(h)).astype(dtype)
+    bias = (rng.standard_normal((e_local, n)) * 0.1).astype(dtype)
+    tw = rng.random((t, k)).astype(np.float32)
+    align = reference.moe_align_block_size(ids, b, e, expert_map=expert_map)
+    return a, w, bias, tw, align, k, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("impl", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("ep", [False, True])
+def test_grouped_gemm(dtype, impl, ep):
+    rng = rng_for("gemm", str(dtype), impl, ep)
+    a, w, bias, tw, align, k, b = _gemm_inputs(rng, dtype, ep=ep)
+    for top_k, mul, use_bias in ((k, False, False), (k, True, True)):
+        args = (a, w) + align + (top_k, b, tw, mul, bias if use_bias else None)
+        want = reference.grouped_gemm(*(reference.exact(v) for v in args))
+        got = host(tb.grouped_gemm(*args, impl=impl))
+        assert got.dtype == np.dtype(dtype)
+        assert not np.isnan(got).any()
+        assert rel(got, want) <= TOL[np.dtype(dtype)]
+
+
+def test_grouped_gemm_t0():
+    rng = rng_for("gemm0")
+    a, w, bias, tw, align, k, b = _gemm_inputs(rng, np.float32, t=0)
+    got = host(tb.grouped_gemm(a, w, *align, k, b, tw, True, bias))
+    assert got.shape == (0, w.shape[1])
+
+
+# ----------------------------------------------------------------------------- activation
+ACTS = [("silu", True), ("gelu", True), ("gelu_tanh", True), ("swigluoai", True),
+        ("silu", False), ("gelu", False), ("gelu_tanh", False), ("relu2", False)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act,mul", ACTS)
+def test_apply_activation(dtype, act, mul):
+    rng = rng_for("act", str(dtype), act, mul)
+    x = (rng.standard_normal((19, 24)) * 4).astype(dtype)     # * 4: reach swigluoai's clamp
+    want = reference.apply_activation(reference.exact(x), act, mul)
+    got = host(tb.apply_activation(x, act, mul))
+    assert got.dtype == np.dtype(dtype) and rel(got, want) <= TOL[np.dtype(dtype)]
+
+
+def test_apply_activation_errors():
+    x = np.ones((2, 5), np.float32)
+    with pytest.raises(ValueError, match="even"):
+        tb.apply_activation(x, "silu", True)
+    with pytest.raises(ValueError, match="activation"):
+        tb.apply_activation(np.ones((2, 4), np.float32), "tanh", True)
+
+
+# ----------------------------------------------------------------------------- combine
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_sum(dtype):
+    x = rng_for("sum", str(dtype)).standard_normal((13, 3, 20)).astype(dtype)
+    want = reference.moe_sum(reference.exact(x))
+    got = host(tb.moe_sum(x))
+    assert got.dtype == np.dtype(dtype) and rel(got, want) <= TOL[np.dtype(dtype)]
+
+
+# ----------------------------------------------------------------------------- contiguous layout
+@pytest.mark.parametrize("impl", ["loop", "grouped_mm"])
+def test_permute_grouped_mm_unpermute(impl):
+    rng = rng_for("perm", impl)
+    t, e, k, h, n = 17, 5, 2, 16, 32
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    ids = rand_ids(rng, t, e, k)
+    tw = rng.random((t, k)).astype(np.float32)
+    w = rng.standard_normal((e, n, h)).astype(np.float32)
+    rx, roff, rinv = reference.moe_permute(x, ids, e)
+    gx, goff, ginv = (host(v) for v in tb.moe_permute(x, ids, e))
+    assert np.array_equal(gx, rx) and np.array_equal(goff, roff) and np.array_equal(ginv, rinv)
+    ry = reference.grouped_mm(rx, w, roff)
+    gy = host(tb.grouped_mm(gx, w, goff, impl=impl))
+    assert rel(gy, ry) <= 1e-5
+    assert rel(host(tb.moe_unpermute(gy, tw, ginv)), reference.moe_unpermute(ry, tw, rinv)) <= 1e-5
+
+
+@pytest.mark.parametrize("impl", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_experts_baseline(impl, dtype):
+    rng = rng_for("fe", impl, str(dtype))
+    t, e, k, h, i = 19, 6, 2, 32, 24
+    x = rng.standard_normal((t, h)).astype(dtype)
+    w1 = (rng.standard_normal((e, 2 * i, h)) / np.sqrt(h)).astype(dtype)
+    w2 = (rng.standard_normal((e, h, i)) / np.sqrt(i)).astype(dtype)
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    tw, ids, _ = reference.fused_topk(x, logits, k, True)
+    want = reference.fused_experts(x, w1, w2, tw, ids, precision="exact")
+    got = host(tb.fused_experts(x, w1, w2, tw, ids, impl=impl))
+    assert got.dtype == np.dtype(dtype) and rel(got, want) <= TOL[np.dtype(dtype)]
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_cuda_stages(dtype):
+    """On the GPU: every stage on CUDA tensors against the reference."""
+    assert tb.device().type == "cuda"
+    rng = rng_for("cuda", str(dtype))
+    a, w, bias, tw, align, k, b = _gemm_inputs(rng, dtype, t=300, e=8, h=128, n=256, b=64)
+    for impl in ("loop", "grouped_mm"):
+        args = (a, w) + align + (k, b, tw, True, bias)
+        want = reference.grouped_gemm(*(reference.exact(v) for v in args))
+        got_t = tb.grouped_gemm(*(tb.to_device(v) if isinstance(v, np.ndarray) else v
+                                  for v in args), impl=impl)
+        assert got_t.is_cuda
+        assert rel(host(got_t), want) <= TOL[np.dtype(dtype)]
+    logits = rng.standard_normal((300, 8)).astype(np.float32)
+    ew, eids, _ = reference.fused_topk(None, logits, 2, True)
+    gw, gids, _ = tb.fused_topk(None, tb.to_device(logits), 2, True)
+    assert np.array_equal(host(gids), eids) and rel(host(gw), ew) <= 1e-5
+    got = [host(v) for v in tb.moe_align_block_size(tb.to_device(eids), 64, 8)]
+    for g, wnt in zip(got, reference.moe_align_block_size(eids, 64, 8)):
+        assert np.array_equal(g, wnt)
