@@ -359,18 +359,50 @@ def raw(x):
     return x
 
 
+# Tests set POISON (or the environment sets MOE_SANDBOX_POISON=1): every output a launcher
+# allocates is then filled with NaN (floats) or POISON_INT (ints) before the kernel runs, so an
+# element the kernel forgot to write can never pass for a right answer left in a reused buffer.
+POISON = os.environ.get("MOE_SANDBOX_POISON", "") not in ("", "0")
+POISON_INT = -123456789
+
+
 def empty(shape, dtype):
-    """A CuPy array of `dtype` (bf16 allowed): allocated as bytes, viewed as the dtype."""
+    """An output array of `dtype` (bf16 allowed) on the current device, poisoned if POISON."""
     import cupy
     import numpy as np
 
     dt = np.dtype(dtype)
     if dt == bf16_dtype():
         try:
-            return cupy.empty(shape, dtype=dt)
+            out = cupy.empty(shape, dtype=dt)
         except Exception:  # a CuPy without bf16: keep the bytes, the caller sees uint16
-            return cupy.empty(shape, dtype=np.uint16)
-    return cupy.empty(shape, dtype=dt)
+            out = cupy.empty(shape, dtype=np.uint16)
+    else:
+        out = cupy.empty(shape, dtype=dt)
+    if POISON and out.size:
+        if dt.kind == "f" or dt == bf16_dtype():
+            # 0x7FC0 is a bf16 NaN, 0x7E00 an fp16 NaN: written through an integer view so
+            # that the fill needs no bf16 arithmetic in CuPy
+            if dt.itemsize == 2:
+                raw(out).view(np.uint16).fill(0x7FC0 if dt == bf16_dtype() else 0x7E00)
+            else:
+                out.fill(np.nan)
+        else:
+            out.fill(POISON_INT if dt.itemsize >= 4 else -1)
+    return out
+
+
+def as_f32(x):
+    """`x` as a float32 CuPy array (no copy when it already is). bf16 widens exactly through
+    its bits (bf16 is the top half of an fp32), so no bf16 arithmetic is asked of CuPy."""
+    import cupy
+    import numpy as np
+
+    if x.dtype == np.float32:
+        return x
+    if np.dtype(x.dtype) == bf16_dtype():
+        return (x.view(np.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+    return x.astype(cupy.float32)
 
 
 def to_device(a):

@@ -8,7 +8,8 @@
 //   scores[t, e] = softmax(gating[t, :])[e]        (scoring == 0: exp(x - max) / sum)
 //                | 1 / (1 + exp(-gating[t, e]))     (scoring == 1: sigmoid)
 //   sel[t, e]    = scores[t, e] + bias[e]           (bias given) | scores[t, e]
-//   groups (G > 1): group score = max of the group's sel (no bias) | sum of its top-2 sel (bias);
+//   groups (G > 1): group score = max of the group's scores (no bias; NaN if one is NaN)
+//                   | sum of its top-2 sel (bias);
 //                   keep the TG best groups, sel = -inf outside them
 //   topk_ids[t, :]     = the K largest sel, descending, ties to the lowest id
 //   topk_weights[t, :] = scores[t, topk_ids], / their sum if renormalize and the sum > 0,
@@ -32,7 +33,8 @@
 //      store and the per-group reads free of bank conflicts, then G 64-bit group keys)
 //   lane l holds experts e = i * 32 + l, i < VPT, in registers (coalesced row loads).
 //
-// Compile-time parameters: IN_T (float, double, __half, __nv_bfloat16: the gating dtype),
+// Compile-time parameters: IN_T (float, __half, __nv_bfloat16: the gating dtype; fp64 logits
+//   are rounded to fp32 by routing.py first),
 //   WARPS_PER_BLOCK (tunable, routing.py CONFIGS); template VPT in {1, 2, 4, 8, 16, 32}.
 // Versions: v1 (this file): warp per row, register-resident row, 64-bit key selection.
 // Run: python -m cuda_kernels.cupy.routing   (validates against reference/, times, GB/s)
@@ -51,7 +53,6 @@
 #define NEG_INF (__int_as_float(0xff800000))  // NVRTC has no <math.h> INFINITY
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(double x) { return (float)x; }  // round to nearest
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 
@@ -155,14 +156,12 @@ route_topk_kernel(const IN_T* __restrict__ gating,        // [T, E]
         for (int i = 0; i < VPT; ++i) p[i] = 1.0f / (1.0f + expf(-p[i]));
     }
 
-    // ---- selection values: biased scores, NaN -> -inf --------------------------------------
+    // ---- selection values: the (biased) scores; make_key reads a NaN as -inf ----------------
     float sel[VPT];
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
         const int e = i * 32 + lane;
-        float v = p[i];
-        if (bias != nullptr && e < E) v = v + bias[e];
-        sel[i] = (v != v) ? NEG_INF : v;
+        sel[i] = (bias != nullptr && e < E) ? p[i] + bias[e] : p[i];
     }
 
     // ---- groups: keep the topk_group best groups ---------------------------------------------
@@ -180,14 +179,23 @@ route_topk_kernel(const IN_T* __restrict__ gating,        // [T, E]
         __syncwarp();
         const int gs = E / num_groups;
         for (int g = lane; g < num_groups; g += 32) {  // not unrolled: keeps the code small
-            float top1 = NEG_INF, top2 = NEG_INF;
-            for (int e = g * gs; e < (g + 1) * gs; ++e) {
-                const float v = wrow[e + (e >> 5)];
-                if (v > top1) { top2 = top1; top1 = v; }
-                else if (v > top2) { top2 = v; }
+            float score;
+            if (bias == nullptr) {
+                // the group's max, NaN-propagating like np.max (a NaN group then ranks as -inf)
+                score = NEG_INF;
+                for (int e = g * gs; e < (g + 1) * gs; ++e) score = max_nan(score, wrow[e + (e >> 5)]);
+            } else {
+                // the sum of the group's two best biased scores, NaN ranked as -inf (only one
+                // when gs == 1); a NaN or -inf in the pair makes the group -inf either way
+                float top1 = NEG_INF, top2 = NEG_INF;
+                for (int e = g * gs; e < (g + 1) * gs; ++e) {
+                    float v = wrow[e + (e >> 5)];
+                    v = (v != v) ? NEG_INF : v;
+                    if (v > top1) { top2 = top1; top1 = v; }
+                    else if (v > top2) { top2 = v; }
+                }
+                score = gs >= 2 ? top1 + top2 : top1;
             }
-            // with a bias: the sum of the two best biased scores (the only one if gs == 1)
-            const float score = bias != nullptr ? (gs >= 2 ? top1 + top2 : top1) : top1;
             gkey[g] = make_key(score, g);
         }
         __syncwarp();

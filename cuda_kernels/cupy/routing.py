@@ -42,7 +42,8 @@ def _in_dtypes():
 
 
 # Every instantiation launched below, for the CPU compile checks (tests/test_cupy_nvrtc.py).
-for _dt in _in_dtypes():
+# fp64 logits are rounded to fp32 before the launch (the kernel would do the same first).
+for _dt in C.float_dtypes():
     C.register_compile_case("routing.cu", _defines(_dt), _NAMES)
 
 
@@ -71,23 +72,21 @@ def _check_common(hidden_states, gating_output, topk):
 
 
 def _bias_f32(name, bias, E):
-    import cupy
-
     if bias is None:
         return None
     C.check_array(name, bias, ndim=1, dtypes=_in_dtypes(), shape=(E,))
-    return bias if bias.dtype == np.float32 else bias.astype(cupy.float32)
+    return C.as_f32(bias)
 
 
 def _launch(gating, bias, topk, num_groups, topk_group, scoring, renormalize, scale,
             want_indices):
-    """Allocate the outputs, poison nothing (every element is written), launch once."""
-    import cupy
-
+    """Allocate the outputs and launch once (the kernel writes every element)."""
     T, E = gating.shape
-    weights = cupy.empty((T, topk), dtype=cupy.float32)  # [T, K]
-    ids = cupy.empty((T, topk), dtype=cupy.int32)         # [T, K]
-    tei = cupy.empty((T, topk), dtype=cupy.int32) if want_indices else None
+    if gating.dtype == np.float64:
+        gating = gating.astype(np.float32)  # round to nearest: what the kernel's load would do
+    weights = C.empty((T, topk), np.float32)  # [T, K]
+    ids = C.empty((T, topk), np.int32)         # [T, K]
+    tei = C.empty((T, topk), np.int32) if want_indices else None
     if T == 0:
         return weights, ids, tei
     vpt = _vpt(E)
@@ -150,15 +149,16 @@ def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_gro
     T, E, topk = _check_common(hidden_states, gating_output, topk)
     if scoring_func not in _SCORING:
         raise ValueError(f"scoring_func: expected one of {sorted(_SCORING)}, got {scoring_func!r}")
-    groups = 0 if num_expert_group is None else C.check_int("num_expert_group",
-                                                             num_expert_group, 0)
-    groups = max(groups, 1)  # 0: no grouping, every expert in one group
+    groups = C.check_int("num_expert_group", num_expert_group, 1)
     if E % groups:
-        raise ValueError(f"num_expert_group: expected a divisor of the {E} experts, got {groups}")
-    if groups > 1:
-        tg = C.check_int("topk_group", 0 if topk_group is None else topk_group, 1, groups)
-    else:
-        tg = 1
+        raise ValueError(f"num_expert_group: expected a divisor of the number of experts ({E}), "
+                         f"got {groups}")
+    tg = C.check_int("topk_group", topk_group, 1)
+    if tg > groups:
+        raise ValueError(f"topk_group: expected at most num_expert_group ({groups}), got {tg}")
+    if topk > tg * (E // groups):
+        raise ValueError(f"topk: expected at most topk_group * experts per group "
+                         f"({tg} * {E // groups}), got {topk}")
     bias = _bias_f32("e_score_correction_bias", e_score_correction_bias, E)
     w, ids, _ = _launch(gating_output, bias, topk, groups, tg, _SCORING[scoring_func],
                         renormalize, float(routed_scaling_factor), False)
@@ -170,40 +170,26 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
                    scoring_func="softmax", routed_scaling_factor=1.0,
                    e_score_correction_bias=None, indices_type=None, global_num_experts=None,
                    zero_expert_num=0, zero_expert_type=None, ops=None):
-    """FusedMoE.select_experts over this module's kernels (or over `ops` when given).
+    """FusedMoE.select_experts on this module's kernels: the reference's dispatcher
+    (reference.routing.select_experts) with `ops` = this module, so both backends dispatch
+    by the same code. Returns (topk_weights, topk_ids, None).
 
-    grouped -> grouped_topk; a correction bias -> fused_topk_bias (scaling applied there);
-    no custom function -> fused_topk; else custom_routing_function(hidden_states=...,
-    gating_output=..., topk=..., renormalize=...). Returns (topk_weights, topk_ids, None).
+    Zero experts (zero_expert_num > 0) are computed on the host by the reference and are not
+    offered here: NotImplementedError.
     """
-    ops = ops if ops is not None else _THIS
+    from reference.routing import select_experts as reference_select_experts
+
     if zero_expert_num and zero_expert_type is not None:
         raise NotImplementedError("zero_expert_num: zero experts are not implemented by the "
                                   "CuPy backend (use the reference)")
-    if use_grouped_topk:
-        if topk_group is None or num_expert_group is None:
-            raise ValueError("topk_group, num_expert_group: expected ints with use_grouped_topk,"
-                             f" got {topk_group!r}, {num_expert_group!r}")
-        w, ids = ops.grouped_topk(hidden_states, router_logits, top_k, renormalize,
-                                  num_expert_group, topk_group, scoring_func,
-                                  routed_scaling_factor, e_score_correction_bias)
-        ids = _ids_as(ids, indices_type)
-    elif scoring_func != "softmax":
-        raise ValueError(f"scoring_func: expected 'softmax' without use_grouped_topk, "
-                         f"got {scoring_func!r}")
-    elif e_score_correction_bias is not None:
-        w, ids = ops.fused_topk_bias(hidden_states, router_logits, e_score_correction_bias,
-                                     top_k, renormalize, routed_scaling_factor)
-        ids = _ids_as(ids, indices_type)
-    elif custom_routing_function is None:
-        w, ids, _ = ops.fused_topk(hidden_states, router_logits, top_k, renormalize,
-                                   indices_type)
-    else:
-        w, ids = custom_routing_function(hidden_states=hidden_states,
-                                         gating_output=router_logits, topk=top_k,
-                                         renormalize=renormalize)
-        ids = _ids_as(ids, indices_type)
-    return w, ids, None
+    return reference_select_experts(
+        hidden_states, router_logits, top_k, use_grouped_topk, renormalize,
+        topk_group=topk_group, num_expert_group=num_expert_group,
+        custom_routing_function=custom_routing_function, scoring_func=scoring_func,
+        routed_scaling_factor=routed_scaling_factor,
+        e_score_correction_bias=e_score_correction_bias, indices_type=indices_type,
+        global_num_experts=global_num_experts, zero_expert_num=0, zero_expert_type=None,
+        ops=ops if ops is not None else _THIS)
 
 
 class _This:

@@ -1,0 +1,66 @@
+// combine.cu: the combine of a MoE layer, the sum of each token's K expert outputs.
+//
+// Shapes: T tokens, K top-k slots, H hidden size.
+//
+// Math (docs/stages.md, "combine"):
+//   moe_sum_kernel<VEC>   out[t, h] = sum_{k = 0 .. K-1} x[t, k, h]
+//   fp32 accumulation in slot order k = 0, 1, ... (explicit __fadd_rn: no reassociation, and no
+//   atomics), rounded once to SCALAR_T: bitwise reproducible, and bitwise the NumPy
+//   reference's x.astype(f32).sum(axis=1) in fp32 (NumPy adds along a non-inner axis in order).
+//   (The router weights are applied before this stage: by GEMM2's epilogue, or by
+//    moe_unpermute in permute.cu for the contiguous layout.)
+//
+// Launch geometry (combine.py): block = SUM_THREADS threads, each VEC consecutive columns
+//   (VEC * sizeof(SCALAR_T) <= 16 bytes: one 16-byte load per slot when H and the pointers
+//   allow it); grid = T * cdiv(H, SUM_THREADS * VEC), flattened (t = block / chunks).
+//   The K loads of a thread are independent (unrolled by 4) so several are in flight.
+//   No shared memory.
+//
+// Compile-time parameters: SCALAR_T (float, __half, __nv_bfloat16), SUM_THREADS (tunable);
+//   template VEC in {1, 2, 4, 8}. Versions: v1 (this file). Run: python -m cuda_kernels.cupy.combine
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef SCALAR_T
+#define SCALAR_T float
+#endif
+#ifndef SUM_THREADS
+#define SUM_THREADS 128
+#endif
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void from_f32(float v, float* out) { *out = v; }
+__device__ __forceinline__ void from_f32(float v, __half* out) { *out = __float2half_rn(v); }
+__device__ __forceinline__ void from_f32(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
+
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+    T v[VEC];
+};
+
+template <int VEC>
+__global__ void __launch_bounds__(SUM_THREADS)
+moe_sum_kernel(const SCALAR_T* __restrict__ x,  // [T, K, H]
+               SCALAR_T* __restrict__ out,      // [T, H]
+               int T, int K, int H, int chunks) {
+    const int t = blockIdx.x / chunks;
+    const int col = ((blockIdx.x % chunks) * SUM_THREADS + threadIdx.x) * VEC;
+    if (t >= T || col >= H) return;  // H % VEC == 0 (combine.py)
+    const SCALAR_T* src = x + (size_t)t * K * H + col;
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+#pragma unroll 4
+    for (int k = 0; k < K; ++k) {
+        const Pack<SCALAR_T, VEC> v = *reinterpret_cast<const Pack<SCALAR_T, VEC>*>(src + (size_t)k * H);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[j] = __fadd_rn(acc[j], to_f32(v.v[j]));
+    }
+    Pack<SCALAR_T, VEC> o;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) from_f32(acc[j], &o.v[j]);
+    *reinterpret_cast<Pack<SCALAR_T, VEC>*>(out + (size_t)t * H + col) = o;
+}

@@ -1,0 +1,50 @@
+"""The combine: sum each token's K expert outputs (combine.cu).
+
+Shapes: T tokens, K top-k slots, H hidden size.
+
+    moe_sum(x) -> [T, H]      x [T, K, H]; out[t] = sum_k x[t, k] in fp32, slot order, rounded once
+
+Launch: block = SUM_THREADS, each thread VEC columns (16-byte loads when H and the base
+pointers allow), grid = T * cdiv(H, SUM_THREADS * VEC). Deterministic: no atomics.
+
+Run as a script to validate against reference/ and time: python -m cuda_kernels.cupy.combine
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _compile as C
+
+CONFIGS = {"moe_sum_kernel": {"SUM_THREADS": 128}}
+_VECS = (1, 2, 4, 8)
+_NAMES = tuple(f"moe_sum_kernel<{v}>" for v in _VECS)
+
+
+def _defines(dtype) -> dict:
+    return {"SCALAR_T": C.ctype_of(dtype), **CONFIGS["moe_sum_kernel"]}
+
+
+for _dt in C.float_dtypes():
+    C.register_compile_case("combine.cu", _defines(_dt), _NAMES)
+
+
+def moe_sum(x):
+    """out[t, h] = sum_k x[t, k, h], fp32 in slot order, rounded once to x.dtype. [T, K, H] -> [T, H]"""
+    C.check_array("x", x, ndim=3, dtypes=C.float_dtypes())
+    T, K, H = x.shape
+    out = C.empty((T, H), x.dtype)  # [T, H]
+    if T == 0 or H == 0:
+        return out
+    if K == 0:
+        out.fill(0)
+        return out
+    itemsize = x.dtype.itemsize
+    vec = max(v for v in _VECS if v * itemsize <= 16 and H % v == 0
+              and x.data.ptr % (v * itemsize) == 0 and out.data.ptr % (v * itemsize) == 0)
+    threads = CONFIGS["moe_sum_kernel"]["SUM_THREADS"]
+    chunks = C.cdiv(H, threads * vec)
+    C.check_fits_int32("x", T * chunks, "the grid size T * column chunks")
+    kernel = C.get_kernel("combine.cu", f"moe_sum_kernel<{vec}>", _defines(x.dtype), _NAMES)
+    kernel((T * chunks,), (threads,),
+           (C.raw(x), C.raw(out), np.int32(T), np.int32(K), np.int32(H), np.int32(chunks)))
+    return out

@@ -1,0 +1,211 @@
+"""Grouping the (token, slot) pairs by expert on the GPU (permute.cu).
+
+Shapes: T tokens, K top-k, P = T * K slots (s = t * K + k), E experts, B block size, H hidden.
+
+    moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
+                         pad_sorted_ids=False, ignore_invalid_experts=False)
+        -> sorted_token_ids int32 [max_num_tokens_padded], expert_ids int32
+           [cdiv(max_num_tokens_padded, B)], num_tokens_post_padded int32 [1]
+    moe_permute(hidden_states, topk_ids, num_experts)
+        -> x_grouped [P, H], expert_offsets int32 [E + 1], inv_permuted_idx int32 [P]
+    moe_unpermute(y_grouped, topk_weights, inv_permuted_idx) -> out [T, H]
+
+The grouping is one launch of one block (counts, scans and a stable scatter in shared
+memory: permute.cu explains it); the order inside an expert is increasing s, the reference's.
+Ids outside [0, E) are not checked on the host (that would need a device-to-host copy): the
+kernels drop them from the alignment, and moe_permute places their rows after every expert
+(expert_offsets[E] < P then says so).
+
+Run as a script to validate against reference/ and time: python -m cuda_kernels.cupy.permute
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _compile as C
+
+CONFIGS = {
+    # the one-block grouping kernels: shared memory budget for the per-(warp, bucket)
+    # counts; 48 KB needs no opt-in on any GPU. More warps = shorter chunks per warp.
+    "group": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 32},
+    "gather_rows_kernel": {"ROW_WARPS": 4},
+    "moe_unpermute_kernel": {"UNPERMUTE_THREADS": 128},
+}
+MAX_EXPERTS = 4096
+_WORDS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
+_GATHER_NAMES = tuple(f"gather_rows_kernel<{w}>" for w in _WORDS.values())
+_VECS = (1, 2, 4, 8)
+_UNPERMUTE_NAMES = tuple(f"moe_unpermute_kernel<{v}>" for v in _VECS)
+
+
+def _defines(scalar_dtype=np.float32) -> dict:
+    return {"SCALAR_T": C.ctype_of(scalar_dtype), **CONFIGS["gather_rows_kernel"],
+            **CONFIGS["moe_unpermute_kernel"]}
+
+
+# The grouping kernels and the gathers do not depend on the dtype: they are compiled with the
+# fp32 defines; moe_unpermute once per dtype.
+_FIXED_NAMES = ("moe_align_kernel", "moe_permute_index_kernel") + _GATHER_NAMES
+C.register_compile_case("permute.cu", _defines(), _FIXED_NAMES)
+for _dt in C.float_dtypes():
+    C.register_compile_case("permute.cu", _defines(_dt), _UNPERMUTE_NAMES)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _ids_i32(name, ids):
+    import cupy
+
+    C.check_array(name, ids, ndim=2)
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected an integer dtype (int32 preferred), got {ids.dtype}")
+    return ids if ids.dtype == np.int32 else ids.astype(cupy.int32)
+
+
+def _group_geometry(P: int, NB: int):
+    """Warps W of the one-block grouping kernels, their chunk, and the shared memory bytes."""
+    cfg = CONFIGS["group"]
+    ints = cfg["SMEM_BUDGET"] // 4
+    W = min(cfg["MAX_WARPS"], (ints - NB - 33) // NB)
+    if W < 1:
+        raise ValueError(f"num_experts: {NB} buckets do not fit the grouping kernel's "
+                         f"{cfg['SMEM_BUDGET']} bytes of shared memory")
+    # no more warps than 32-slot steps: idle warps only cost scan time
+    W = max(1, min(W, C.cdiv(max(P, 1), 32)))
+    chunk = C.cdiv(C.cdiv(max(P, 1), W), 32) * 32  # whole 32-slot steps per warp
+    smem = (W * NB + NB + 1 + 32) * 4
+    return W, chunk, smem
+
+
+def max_num_tokens_padded(P: int, num_experts: int, block_size: int,
+                          pad_sorted_ids: bool = False) -> int:
+    """The length of sorted_token_ids: P + E (B - 1), rounded up to B if pad_sorted_ids,
+    and at most P * B when P < E (docs/stages.md)."""
+    n = P + num_experts * (block_size - 1)
+    if pad_sorted_ids:
+        n = C.cdiv(n, block_size) * block_size
+    if P < num_experts:
+        n = min(n, P * block_size)
+    return n
+
+
+# ----------------------------------------------------------------------------- stages
+def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
+                         pad_sorted_ids=False, ignore_invalid_experts=False):
+    """Group the P slots by expert, each expert's run padded to a multiple of B with P.
+
+    Returns sorted_token_ids int32 [max_num_tokens_padded] (increasing s inside an expert),
+    expert_ids int32 [cdiv(max_num_tokens_padded, B)] (local ids under expert_map, -1 past
+    the last block or for non-local experts), num_tokens_post_padded int32 [1]
+    (= sum_e ceil(c_e / B) * B). One launch, nothing read back to the host.
+    """
+    ids = _ids_i32("topk_ids", topk_ids)
+    B = C.check_int("block_size", block_size, 1)
+    E = C.check_int("num_experts", num_experts, 1, MAX_EXPERTS)
+    emap = None
+    if expert_map is not None:
+        C.check_array("expert_map", expert_map, ndim=1, shape=(E,))
+        if expert_map.dtype.kind not in "iu":
+            raise TypeError(f"expert_map: expected an integer dtype, got {expert_map.dtype}")
+        emap = expert_map if expert_map.dtype == np.int32 else expert_map.astype(np.int32)
+    P = int(ids.size)
+    n = max_num_tokens_padded(P, E, B, pad_sorted_ids)
+    C.check_fits_int32("topk_ids", n + B, "max_num_tokens_padded + block_size")
+    num_blocks = C.cdiv(n, B)
+
+    sorted_token_ids = C.empty((n,), np.int32)           # [max_num_tokens_padded]
+    expert_ids = C.empty((num_blocks,), np.int32)         # [cdiv(max_num_tokens_padded, B)]
+    num_tokens_post_padded = C.empty((1,), np.int32)      # [1]
+    W, chunk, smem = _group_geometry(P, E)
+    kernel = C.get_kernel("permute.cu", "moe_align_kernel", _defines(), _FIXED_NAMES)
+    kernel((1,), (W * 32,),
+           (ids, emap if emap is not None else C.null_ptr(), sorted_token_ids, expert_ids,
+            num_tokens_post_padded, np.int32(P), np.int32(E), np.int32(B), np.int32(n),
+            np.int32(num_blocks), np.int32(1 if ignore_invalid_experts else 0),
+            np.int32(chunk)),
+           shared_mem=smem)
+    return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+def _word_bytes(row_bytes: int, *arrays) -> int:
+    """The widest copy word (16, 8, 4, 2 bytes) that divides a row and every base address."""
+    for w in (16, 8, 4, 2):
+        if row_bytes % w == 0 and all(a.data.ptr % w == 0 for a in arrays):
+            return w
+    raise ValueError(f"hidden_states: rows of {row_bytes} bytes cannot be copied in 2-byte words")
+
+
+def moe_permute(hidden_states, topk_ids, num_experts):
+    """Rows grouped by expert (increasing id, stable in s): the contiguous layout.
+
+    Returns x_grouped [P, H] (x_grouped[inv_permuted_idx[s]] = hidden_states[s // K]),
+    expert_offsets int32 [E + 1] (expert e owns rows expert_offsets[e] .. [e + 1] - 1),
+    inv_permuted_idx int32 [P].
+    """
+    C.check_array("hidden_states", hidden_states, ndim=2, dtypes=C.float_dtypes())
+    ids = _ids_i32("topk_ids", topk_ids)
+    E = C.check_int("num_experts", num_experts, 1, MAX_EXPERTS)
+    T, H = hidden_states.shape
+    if ids.shape[0] != T:
+        raise ValueError(f"topk_ids: expected {T} rows to match hidden_states {hidden_states.shape}, "
+                         f"got shape {ids.shape}")
+    K = ids.shape[1]
+    P = T * K
+    C.check_fits_int32("topk_ids", P, "P = T * K")
+    x_grouped = C.empty((P, H), hidden_states.dtype)    # [P, H]
+    expert_offsets = C.empty((E + 1,), np.int32)         # [E + 1]
+    inv_permuted_idx = C.empty((P,), np.int32)           # [P]
+
+    W, chunk, smem = _group_geometry(P, E + 1)
+    kernel = C.get_kernel("permute.cu", "moe_permute_index_kernel", _defines(), _FIXED_NAMES)
+    kernel((1,), (W * 32,), (ids, expert_offsets, inv_permuted_idx, np.int32(P), np.int32(E),
+                             np.int32(chunk)), shared_mem=smem)
+    if P == 0 or H == 0:
+        return x_grouped, expert_offsets, inv_permuted_idx
+
+    itemsize = hidden_states.dtype.itemsize
+    w = _word_bytes(H * itemsize, hidden_states, x_grouped)
+    warps = CONFIGS["gather_rows_kernel"]["ROW_WARPS"]
+    gather = C.get_kernel("permute.cu", f"gather_rows_kernel<{_WORDS[w]}>", _defines(),
+                          _FIXED_NAMES)
+    gather((C.cdiv(P, warps),), (warps * 32,),
+           (C.raw(hidden_states), inv_permuted_idx, C.raw(x_grouped), np.int32(P), np.int32(K),
+            np.int32(H * itemsize // w)))
+    return x_grouped, expert_offsets, inv_permuted_idx
+
+
+def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
+    """out[t] = sum_k topk_weights[t, k] * y_grouped[inv_permuted_idx[t * K + k]].
+
+    fp32 accumulation in slot order, rounded once to y_grouped's dtype; one thread per VEC
+    output columns, no atomics, so the result is bitwise reproducible.
+    """
+    import cupy
+
+    C.check_array("y_grouped", y_grouped, ndim=2, dtypes=C.float_dtypes())
+    C.check_array("topk_weights", topk_weights, ndim=2, dtypes=C.float_dtypes(with_f64=True))
+    T, K = topk_weights.shape
+    P, H = y_grouped.shape
+    if P != T * K:
+        raise ValueError(f"y_grouped: expected T * K = {T} * {K} = {T * K} rows to match "
+                         f"topk_weights {topk_weights.shape}, got {P}")
+    C.check_array("inv_permuted_idx", inv_permuted_idx, ndim=1, shape=(P,))
+    if inv_permuted_idx.dtype.kind not in "iu":
+        raise TypeError(f"inv_permuted_idx: expected an integer dtype, got {inv_permuted_idx.dtype}")
+    inv = inv_permuted_idx if inv_permuted_idx.dtype == np.int32 else \
+        inv_permuted_idx.astype(cupy.int32)
+    weights = C.as_f32(topk_weights)
+    out = C.empty((T, H), y_grouped.dtype)  # [T, H]
+    if T == 0 or H == 0:
+        return out
+    itemsize = y_grouped.dtype.itemsize
+    vec = max(v for v in _VECS if v * itemsize <= 16 and H % v == 0
+              and y_grouped.data.ptr % (v * itemsize) == 0 and out.data.ptr % (v * itemsize) == 0)
+    threads = CONFIGS["moe_unpermute_kernel"]["UNPERMUTE_THREADS"]
+    chunks = C.cdiv(H, threads * vec)
+    C.check_fits_int32("topk_weights", T * chunks, "the grid size T * column chunks")
+    kernel = C.get_kernel("permute.cu", f"moe_unpermute_kernel<{vec}>", _defines(y_grouped.dtype),
+                          _UNPERMUTE_NAMES)
+    kernel((T * chunks,), (threads,),
+           (C.raw(y_grouped), weights, inv, C.raw(out), np.int32(T), np.int32(K), np.int32(H),
+            np.int32(chunks)))
+    return out
