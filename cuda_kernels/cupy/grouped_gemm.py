@@ -427,19 +427,20 @@ def _check_int(name, value, minimum):
 
 
 def usable(version: str, dkey: str, K: int, block_size: int, aligned: bool) -> str | None:
-    """Why `version` cannot run this problem (None when it can)."""
+    """Why `version` cannot run this problem, as "argument: reason" (None when it can)."""
     if version == "v4":
         if dkey == "fp32":
-            return "v4 takes fp16 or bf16 (fp32 uses v3)"
+            return "a: v4 takes fp16 or bf16 (fp32 uses v3)"
         if block_size % 16:
-            return f"v4 needs block_size a multiple of 16, got {block_size}"
+            return (f"block_size: v4 needs a multiple of 16 (its mma tiles are 16 rows), "
+                    f"got {block_size}")
     if version in ("v3", "v4"):
         vec = vec_elems(dkey)
         if K % vec:
-            return (f"{version} loads 16-byte chunks, so a.shape[1] (Kdim) must be a multiple "
+            return (f"a: {version} loads 16-byte chunks, so a.shape[1] (Kdim) must be a multiple "
                     f"of {vec} for {dkey}, got {K}")
         if not aligned:
-            return f"{version} loads 16-byte chunks, so a and w must be 16-byte aligned"
+            return f"a: {version} loads 16-byte chunks, so a and w must be 16-byte aligned"
     return None
 
 
@@ -463,13 +464,15 @@ _FALLBACK = {"v4": ("v4", "v3", "v2"), "v3": ("v3", "v2"), "v2": ("v2",), "v1": 
 # ----------------------------------------------------------------------------- the stage
 def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_size,
                  topk_weights=None, mul_routed_weight=False, bias=None, *, version=None,
-                 config=None):
+                 config=None, out=None):
     """c [a.shape[0] * top_k, N] = the grouped GEMM of docs/stages.md on the GPU (see module doc).
 
     version: "v1".."v4" (None: v4 for fp16/bf16, v3 for fp32, stepping down to v3/v2 when
-    Kdim is not a multiple of 16 bytes or block_size not of 16). config: a dict as returned
-    by get_config (None: looked up in gemm_configs.json); its BLOCK_M is shrunk to divide
-    block_size when needed. num_tokens_post_padded is read on the device; no host sync.
+    Kdim is not a multiple of 16 bytes or block_size not of 16; "v4" on fp32 runs v3).
+    config: a dict as returned by get_config (None: looked up in gemm_configs.json); its
+    BLOCK_M is shrunk to divide block_size when needed. out: an optional [P, N] C-contiguous
+    array of a.dtype to write into (only the rows of live slots are written; tests poison it).
+    num_tokens_post_padded is read on the device: nothing here waits for the GPU.
     """
     cp = _cupy()
     if not isinstance(a, cp.ndarray):
@@ -537,6 +540,8 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
             raise TypeError(f"bias: expected a floating dtype, got {bias.dtype}")
 
     aligned = a.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
+    if version == "v4" and dkey == "fp32":
+        version = "v3"          # the tensor-core rung takes half types; fp32 uses FFMA
     if version is None:
         chain = _FALLBACK[default_version(a.dtype)]
         version = next(v for v in chain if usable(v, dkey, K, block_size, aligned) is None)
@@ -545,16 +550,22 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
     else:
         why = usable(version, dkey, K, block_size, aligned)
         if why is not None:
-            raise ValueError(f"version: {why} (version=None picks a rung that can)")
+            raise ValueError(f"{why} (version={version!r} was asked for; version=None picks "
+                             f"a rung that can run this)")
     if config is None:
         config = lookup(version, dkey, max(1.0, P / max(E_local, 1)), N, K)
     cfg = fit_config(version, dkey, config, block_size)
 
-    c = _compile.empty((P, N), a.dtype)
+    if out is None:
+        c = _compile.empty((P, N), a.dtype)
+    else:
+        c = _check_gpu_array("out", out, cp, dev)
+        if np.dtype(out.dtype) != np.dtype(a.dtype) or tuple(out.shape) != (P, N):
+            raise ValueError(f"out: expected shape ({P}, {N}) and dtype {a.dtype}, got "
+                             f"{tuple(out.shape)} {out.dtype}")
     if P == 0 or N == 0:
         return c
-    if L == 0:  # no positions at all (never from moe_align_block_size when P > 0): zeros
-        raw(c).fill(0)
+    if L == 0:  # no positions, no live slot: nothing to write
         return c
     grid, block, smem = launch_geometry(version, cfg, L, N)
     if len(grid) == 2 and grid[1] > GRID_Y_MAX:
