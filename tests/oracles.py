@@ -85,13 +85,34 @@ def uniform(rng, shape, scale=1.0, dtype=np.float32):
     return x if np.dtype(dtype) == np.float32 else x.astype(dtype)
 
 
-def moe_weights(rng, num_experts, hidden, inter, dtype=np.float32, gated=True, bias=False):
-    """w1 [E, 2I or I, H] and w2 [E, H, I], scaled so every activation stays O(1).
+# Experts of a pooled weight tensor start this many elements apart in one random pool:
+# prime, so no two experts' rows line up.
+_POOL_SHIFT = 9973
+
+
+def pooled(rng, shape, scale, dtype=np.float32):
+    """A read-only [E, N, Kdim] weight tensor whose experts are overlapping windows of one
+    random pool: expert e is pool[e*shift : e*shift + N*Kdim] reshaped. Each expert's
+    entries are i.i.d. uniform and no two experts are equal (shifted by a prime number of
+    elements), but the whole tensor costs one expert's memory plus E*shift: vLLM's biggest
+    grid case (E=64, I=H=1024) would otherwise draw and stream 800 MB per test."""
+    num_experts, n, k = shape
+    pool = uniform(rng, (n * k + num_experts * _POOL_SHIFT,), scale, dtype)
+    step = pool.itemsize
+    return np.lib.stride_tricks.as_strided(pool, shape=shape, strides=(_POOL_SHIFT * step, k * step, step),
+                                           writeable=False)
+
+
+def moe_weights(rng, num_experts, hidden, inter, dtype=np.float32, gated=True, bias=False,
+                pool=False):
+    """w1 [E, 2I or I, H] and w2 [E, H, I], scaled so every activation stays O(1);
+    `pool=True` draws them as `pooled` views (for the big shapes).
 
     Returns (w1, w2, w1_bias, w2_bias), the biases None unless `bias`."""
     n1 = 2 * inter if gated else inter
-    w1 = uniform(rng, (num_experts, n1, hidden), 1.7 / math.sqrt(hidden), dtype)
-    w2 = uniform(rng, (num_experts, hidden, inter), 1.7 / math.sqrt(inter), dtype)
+    draw = pooled if pool else (lambda r, shape, scale, dt: uniform(r, shape, scale, dt))
+    w1 = draw(rng, (num_experts, n1, hidden), 1.7 / math.sqrt(hidden), dtype)
+    w2 = draw(rng, (num_experts, hidden, inter), 1.7 / math.sqrt(inter), dtype)
     if not bias:
         return w1, w2, None, None
     return w1, w2, uniform(rng, (num_experts, n1), 0.5, dtype), uniform(rng, (num_experts, hidden), 0.5, dtype)
@@ -335,8 +356,6 @@ def fused_experts_loop(hidden_states, w1, w2, topk_weights, topk_ids, activation
     expert_map a slot whose expert is not local adds nothing; w1/w2 hold local experts.
     """
     x = np.asarray(hidden_states).astype(np.float64)
-    w1 = np.asarray(w1).astype(np.float64)
-    w2 = np.asarray(w2).astype(np.float64)
     b1 = None if w1_bias is None else np.asarray(w1_bias).astype(np.float64)
     b2 = None if w2_bias is None else np.asarray(w2_bias).astype(np.float64)
     weights = np.asarray(topk_weights).astype(np.float64)
@@ -350,12 +369,12 @@ def fused_experts_loop(hidden_states, w1, w2, topk_weights, topk_ids, activation
                 if e < 0:
                     continue                      # on another rank: adds nothing here
             w = weights[t, k]
-            h = w1[e] @ x[t]
+            h = w1[e].astype(np.float64) @ x[t]
             if b1 is not None:
                 h = h + b1[e]
             if apply_router_weight_on_input:
                 h = h * w
-            y = w2[e] @ activation_vec(h, activation, is_act_and_mul)
+            y = w2[e].astype(np.float64) @ activation_vec(h, activation, is_act_and_mul)
             if b2 is not None:
                 y = y + b2[e]
             if not apply_router_weight_on_input:
@@ -391,6 +410,9 @@ def local_weights(expert_map, *weights):
     """Slice global per-expert tensors down to a rank's local experts, in local-id order."""
     order = np.argsort(np.where(expert_map >= 0, expert_map, np.iinfo(np.int32).max))
     order = order[: int((expert_map >= 0).sum())]
+    if order.size and (np.diff(order) == 1).all():        # a contiguous run: a view, no copy
+        run = slice(int(order[0]), int(order[-1]) + 1)
+        return tuple(None if w is None else w[run] for w in weights)
     return tuple(None if w is None else w[order] for w in weights)
 
 
@@ -410,6 +432,8 @@ def _to_torch(a, dtype):
     a = np.asarray(a)
     if a.dtype == BF16 or a.dtype == np.float16:
         a = a.astype(np.float32)
+    if not a.flags.writeable:                              # torch wants writable memory
+        a = a.copy()
     return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
 
 
