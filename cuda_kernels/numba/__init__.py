@@ -1,0 +1,65 @@
+"""The Numba backend: the MoE stages written in Python with `numba.cuda`.
+
+Every stage has the name, the arguments and the returns of its NumPy twin in `reference/`
+(docs/stages.md). A stage takes NumPy arrays (copied to the device and back: host in, host
+out) or device arrays (numba device arrays, CuPy arrays, torch CUDA tensors, anything with
+`__cuda_array_interface__`, used without copies) and returns the kind it was given.
+
+    routing.py       fused_topk, fused_topk_bias, grouped_topk, select_experts
+    permute.py       moe_align_block_size, moe_permute, moe_unpermute
+    activation.py    apply_activation, silu_and_mul, gelu_and_mul, gelu_tanh_and_mul,
+                     swigluoai_and_mul (and the no-mul silu / gelu / gelu_tanh / relu2)
+    combine.py       moe_sum
+    grouped_gemm.py  grouped_gemm, a ladder of versions (v1 naive, v2 shared-memory tiles,
+                     v3 register blocking)
+    _arrays.py       array kinds, outputs in the caller's framework, argument checks,
+                     availability(), to_device / to_host, poisoned_outputs()
+    _device.py       device helpers: bf16 bits <-> fp32, fp32 math, comparisons
+    _compat.py       the np.row_stack shim numba-cuda 0.30 needs on NumPy >= 2.5
+
+The kernels also run in the CUDA simulator (`NUMBA_ENABLE_CUDASIM=1` set before numba is
+imported): slowly (about 2,000 threads a second), but on any CPU, which is how CI checks them.
+Importing this package needs neither numba nor a GPU: `availability()` says whether the kernels
+can run here and why not. Run a stage as a script to validate and time it:
+`python -m cuda_kernels.numba.grouped_gemm`.
+"""
+from __future__ import annotations
+
+from . import _compat  # noqa: F401  (first: numba must never be imported before the shim)
+from ._arrays import availability, poisoned_outputs, to_device, to_host
+
+__all__ = [
+    "availability", "to_device", "to_host", "poisoned_outputs",
+    "fused_topk", "fused_topk_bias", "grouped_topk", "select_experts",
+    "moe_align_block_size", "moe_permute", "moe_unpermute",
+    "apply_activation", "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul",
+    "swigluoai_and_mul", "moe_sum", "grouped_gemm",
+]
+
+# stage name -> module that defines it, imported on first use (PEP 562): importing the
+# package never imports numba, and a failing module never breaks the others
+_STAGES = {
+    "fused_topk": "routing", "fused_topk_bias": "routing", "grouped_topk": "routing",
+    "select_experts": "routing",
+    "moe_align_block_size": "permute", "moe_permute": "permute", "moe_unpermute": "permute",
+    "apply_activation": "activation", "silu_and_mul": "activation",
+    "gelu_and_mul": "activation", "gelu_tanh_and_mul": "activation",
+    "swigluoai_and_mul": "activation",
+    "moe_sum": "combine",
+    "grouped_gemm": "grouped_gemm",
+}
+
+
+def __getattr__(name: str):
+    module = _STAGES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,197 @@
+"""Device-side helpers shared by the Numba kernels: dtype conversion, fp32 math, comparisons.
+
+Every kernel loads through `to_f32(x)` and stores through `out[i] = cast_out(out, v)`, so one
+kernel body serves fp32, fp16 and bf16 (and fp64 inputs where a stage accepts them):
+
+    storage      to_f32(element)                       cast_out(out, v) (v fp32)
+    float32      the value                             v
+    float16      cvt.f32.f16                           v (Numba's store rounds: cvt.rn.f16.f32)
+    uint16 (bf16 bits)  bits << 16, reinterpreted      round to nearest even, NaN stays NaN
+    float64      cvt.rn.f32.f64                        v
+
+bf16: numba-cuda 0.30 has `numba.cuda.bf16` (a scalar `bfloat16` type and the cuda_bf16.h
+intrinsics), but no way to bring a bf16 *array* into a kernel from NumPy, CuPy or torch
+(ml_dtypes' dtype is untypeable, torch's interface reports '<V2'), its intrinsics are calls
+into a linked C++ shim (local-memory arguments in the PTX), and the simulator has none of it
+(`numba.cuda.bf16.bfloat16 is None` there). So bf16 arrays travel as uint16 bits and the
+conversion is two integer operations here, identical on the GPU and in the simulator. A
+uint16 array is therefore always read as bf16 by these kernels.
+
+On the GPU the helpers are `overload`s resolved at compile time per element type (no runtime
+branch); in the simulator they are the plain Python functions below, on NumPy scalars. The
+simulator versions compute in np.float32 too (math.exp would return a Python float and raise
+OverflowError where expf returns inf).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._arrays import cuda, is_simulator
+
+cu = cuda()
+SIMULATOR = is_simulator()
+FULL_MASK = 0xFFFFFFFF
+NEG_INF32 = np.float32(-np.inf)   # globals of NumPy scalar type are fp32 constants in kernels
+NAN32 = np.float32(np.nan)
+
+from numba import float32, int32, uint16, uint64  # noqa: E402  (after the shim in _arrays)
+
+
+def device_function(fn):
+    """A device function, forced inline on the GPU.
+
+    In the simulator a helper that touches no `cuda` API stays a plain Python function: a
+    simulated device-function call swaps module globals under a lock on every call, which
+    would dominate the inner loops. Helpers that do use `cuda` (syncthreads, shuffles) are
+    wrapped, so the simulator can swap in its fake `cuda` module while they run.
+    """
+    if SIMULATOR:
+        g = fn.__globals__
+        if any(g.get(n) is cu for n in fn.__code__.co_names):
+            return cu.jit(device=True)(fn)
+        return fn
+    return cu.jit(device=True, forceinline=True)(fn)
+
+
+# ----------------------------------------------------------------------------- dtype conversion
+def to_f32(x):
+    """An element of any storage dtype as fp32 (uint16 = bf16 bits)."""
+    if isinstance(x, np.uint16):
+        return np.uint32(np.uint32(x) << np.uint32(16)).view(np.float32)
+    return np.float32(x)
+
+
+def f32_to_bf16_bits(v):
+    """fp32 -> bf16 bits, round to nearest even; NaN -> quiet NaN (what ml_dtypes does)."""
+    u = int(np.float32(v).view(np.uint32))
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return np.uint16((u >> 16) | 0x40)
+    u = u + 0x7FFF + ((u >> 16) & 1)
+    return np.uint16((u >> 16) & 0xFFFF)
+
+
+def cast_out(out, v):
+    """The value to store into `out` for the fp32 value `v` (bf16 bits for uint16 arrays)."""
+    if out.dtype == np.uint16:
+        return f32_to_bf16_bits(v)
+    return v
+
+
+def exp_f32(x):
+    return np.exp(np.float32(x))
+
+
+def erf_f32(x):
+    return np.float32(math.erf(float(x)))
+
+
+def tanh_f32(x):
+    return np.tanh(np.float32(x))
+
+
+if not SIMULATOR:
+    from numba.cuda import libdevice
+    from numba.cuda import types as nbtypes
+    from numba.cuda.extending import overload
+
+    _INLINE = {"forceinline": True}
+
+    def _is_bf16_bits(ty):
+        return isinstance(ty, nbtypes.Integer) and ty.bitwidth == 16 and not ty.signed
+
+    @overload(to_f32, target="cuda", jit_options=_INLINE)
+    def _to_f32_cuda(x):
+        if _is_bf16_bits(x):
+            def impl(x):
+                # bf16 is the top half of an fp32: shift the bits up and reinterpret
+                return libdevice.int_as_float(int32(x) << int32(16))
+            return impl
+
+        def impl(x):
+            return float32(x)
+        return impl
+
+    @overload(f32_to_bf16_bits, target="cuda", jit_options=_INLINE)
+    def _f32_to_bf16_bits_cuda(v):
+        def impl(v):
+            u = libdevice.float_as_int(float32(v))
+            if (u & int32(0x7FFFFFFF)) > int32(0x7F800000):   # NaN: keep it quiet
+                return uint16((u >> int32(16)) | int32(0x40))
+            # round to nearest even: add 0x7FFF plus the lowest kept bit, then truncate
+            u = u + int32(0x7FFF) + ((u >> int32(16)) & int32(1))
+            return uint16(u >> int32(16))
+        return impl
+
+    @overload(cast_out, target="cuda", jit_options=_INLINE)
+    def _cast_out_cuda(out, v):
+        if _is_bf16_bits(out.dtype):
+            def impl(out, v):
+                return f32_to_bf16_bits(v)
+            return impl
+
+        def impl(out, v):
+            return v
+        return impl
+
+    @overload(exp_f32, target="cuda", jit_options=_INLINE)
+    def _exp_f32_cuda(x):
+        def impl(x):
+            return math.exp(float32(x))   # expf (libdevice __nv_expf), not the fast __expf
+        return impl
+
+    @overload(erf_f32, target="cuda", jit_options=_INLINE)
+    def _erf_f32_cuda(x):
+        def impl(x):
+            return math.erf(float32(x))
+        return impl
+
+    @overload(tanh_f32, target="cuda", jit_options=_INLINE)
+    def _tanh_f32_cuda(x):
+        def impl(x):
+            return math.tanh(float32(x))
+        return impl
+
+
+# ----------------------------------------------------------------------------- indexing
+def ix(i):
+    """An array index that is never negative, as numba's unsigned type.
+
+    Numba wraps signed indices (`if i < 0: i += n`) on every access, and LLVM rarely proves
+    them non-negative (threadIdx arithmetic in int64): in a GEMM's inner loop that is more
+    integer work than FMAs. An unsigned index skips the wrap. Only for indices that cannot be
+    negative by construction; in the simulator it is the identity.
+    """
+    return i
+
+
+if not SIMULATOR:
+    @overload(ix, target="cuda", jit_options=_INLINE)
+    def _ix_cuda(i):
+        def impl(i):
+            return uint64(i)
+        return impl
+
+
+# ----------------------------------------------------------------------------- comparisons
+@device_function
+def max_nan(a, b):
+    """max that propagates NaN from either side (NumPy's max): the softmax of a NaN row is NaN."""
+    if a != a or a > b:
+        return a
+    return b
+
+
+@device_function
+def sel_key(x):
+    """The selection key of a score: NaN counts as -inf (reference/routing.py)."""
+    if x != x:
+        return NEG_INF32
+    return float32(x)
+
+
+@device_function
+def better(v1, i1, v2, i2):
+    """(v1, i1) ranks before (v2, i2): larger value first, ties to the lower index."""
+    return v1 > v2 or (v1 == v2 and i1 < i2)

@@ -1,0 +1,204 @@
+"""Activations between the two GEMMs, in Numba.
+
+    M = rows (slots), N = GEMM1 width (2I for the gated forms), I = N / 2
+
+    apply_activation(x, activation="silu", is_act_and_mul=True) -> [M, N/2] or [M, N]
+    silu_and_mul(x), gelu_and_mul(x), gelu_tanh_and_mul(x)        [M, N] -> [M, N/2]
+    swigluoai_and_mul(x, alpha=1.702, limit=7.0)                   [M, N] -> [M, N/2]
+
+The math (reference/activation.py), in fp32, rounded once to x's dtype:
+    *_and_mul   gate = x[:, :I], up = x[:, I:], out = act(gate) * up
+    silu(g)      = g / (1 + exp(-g))
+    gelu(g)      = 0.5 g (1 + erf(g / sqrt 2))                                 exact erf
+    gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+    swigluoai    gate = x[:, 0::2], up = x[:, 1::2] (interleaved, gpt-oss),
+                 gate = min(gate, limit), up = clip(up, -limit, limit),
+                 out = (up + 1) * gate / (1 + exp(-alpha gate))
+    no-mul (is_act_and_mul=False): silu, gelu, gelu_tanh, relu2 = max(x, 0)^2 elementwise
+
+One kernel, specialised at compile time on (activation, layout): `act_kernel(name, mode, NT)`,
+mode GATED (halves), INTERLEAVED (swigluoai) or ELEMENTWISE. Launch: block = NT threads over
+output columns, grid = (cdiv(N_out, NT), min(M, 65535)), rows strided by gridDim.y; no shared
+memory. Each thread reads its gate and up elements (coalesced across the warp: consecutive
+threads, consecutive columns) and writes one output.
+
+dtypes: fp32, fp16, bf16 (uint16 bits, converted by shifts in the kernel: _device.py).
+
+Run as a script to validate against reference/ and time: python -m cuda_kernels.numba.activation
+"""
+from __future__ import annotations
+
+import functools
+import math
+import sys
+
+import numpy as np
+
+from . import _arrays as A
+from ._device import SIMULATOR, cast_out, cu, device_function, erf_f32, exp_f32, tanh_f32, to_f32
+from numba import float32  # noqa: E402
+
+CONFIGS = {"act": {"THREADS": 256}}
+SIM_CONFIGS = {"act": {"THREADS": 16}}
+MAX_GRID_Y = 65535
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "relu2")
+GATED, INTERLEAVED, ELEMENTWISE = 0, 1, 2
+_SQRT2 = np.float32(math.sqrt(2.0))
+_TANH_C = np.float32(math.sqrt(2.0 / math.pi))
+_GELU_CUBIC = np.float32(0.044715)
+
+
+def config(name):
+    return (SIM_CONFIGS if SIMULATOR else CONFIGS)[name]
+
+
+# ----------------------------------------------------------------------------- the functions
+@device_function
+def silu(g):
+    return g / (float32(1.0) + exp_f32(-g))
+
+
+@device_function
+def gelu(g):
+    return float32(0.5) * g * (float32(1.0) + erf_f32(g / _SQRT2))
+
+
+@device_function
+def gelu_tanh(g):
+    return float32(0.5) * g * (float32(1.0) + tanh_f32(_TANH_C * (g + _GELU_CUBIC * g * g * g)))
+
+
+@device_function
+def relu2(g):
+    r = g if g > float32(0.0) or g != g else float32(0.0)   # np.maximum keeps NaN
+    return r * r
+
+
+@device_function
+def swiglu_oai(g, u, alpha, limit):
+    """(clip(u) + 1) * min(g, limit) * sigmoid(alpha min(g, limit)); NaN propagates like NumPy."""
+    if not (g != g or g < limit):
+        g = limit
+    if u > limit:
+        u = limit
+    elif u < -limit:
+        u = -limit
+    return (u + float32(1.0)) * (g / (float32(1.0) + exp_f32(-alpha * g)))
+
+
+_FUNCS = {"silu": silu, "gelu": gelu, "gelu_tanh": gelu_tanh, "relu2": relu2}
+
+
+@functools.lru_cache(maxsize=None)
+def act_kernel(name: str, mode: int, NT: int):
+    """The activation kernel for one (function, layout): see the module docstring."""
+    f = _FUNCS.get(name, silu)   # swigluoai has its own two-argument form below
+
+    def act(x, out, M, N_out, alpha, limit):
+        """x [M, N] -> out [M, N_out]; N_out = N/2 (GATED, INTERLEAVED) or N (ELEMENTWISE)."""
+        for row in range(cu.blockIdx.y, M, cu.gridDim.y):
+            for c in range(cu.blockIdx.x * NT + cu.threadIdx.x, N_out, cu.gridDim.x * NT):
+                if mode == GATED:
+                    v = f(to_f32(x[row, c])) * to_f32(x[row, c + N_out])
+                elif mode == INTERLEAVED:
+                    v = swiglu_oai(to_f32(x[row, 2 * c]), to_f32(x[row, 2 * c + 1]), alpha, limit)
+                else:
+                    v = f(to_f32(x[row, c]))
+                out[row, c] = cast_out(out, v)
+
+    return cu.jit(act)
+
+
+def _run(x, name, mode, alpha=1.702, limit=7.0):
+    A.check_float("x", x, ndim=2)
+    M, N = A.shape_of(x)
+    if mode != ELEMENTWISE and N % 2:
+        raise ValueError(f"x: expected an even last dimension (gate and up), got shape {(M, N)}")
+    n_out = N if mode == ELEMENTWISE else N // 2
+    call = A.Call("x", x)
+    out = call.empty((M, n_out), A.dtype_of(x))                            # [M, N_out]
+    if M and n_out:
+        NT = config("act")["THREADS"]
+        xd = call.dev("x", x)
+        grid = (A.cdiv(n_out, NT), min(M, MAX_GRID_Y))
+        act_kernel(name, mode, NT)[grid, NT](xd, out, M, n_out, np.float32(alpha),
+                                             np.float32(limit))
+    return call.result(out)
+
+
+def silu_and_mul(x):
+    """silu(x[:, :N/2]) * x[:, N/2:]  ->  [M, N/2]"""
+    return _run(x, "silu", GATED)
+
+
+def gelu_and_mul(x):
+    """gelu(x[:, :N/2]) * x[:, N/2:] with the exact erf gelu  ->  [M, N/2]"""
+    return _run(x, "gelu", GATED)
+
+
+def gelu_tanh_and_mul(x):
+    """gelu_tanh(x[:, :N/2]) * x[:, N/2:]  ->  [M, N/2]"""
+    return _run(x, "gelu_tanh", GATED)
+
+
+def swigluoai_and_mul(x, alpha=1.702, limit=7.0):
+    """gpt-oss's clamped SwiGLU on interleaved gate/up columns  ->  [M, N/2]"""
+    return _run(x, "swigluoai", INTERLEAVED, float(alpha), float(limit))
+
+
+def apply_activation(x, activation="silu", is_act_and_mul=True):
+    """The activation stage: [M, N] -> [M, N/2] (gated) or [M, N] (no-mul).
+
+    `activation` also accepts vLLM's "<name>_no_mul" spelling, which implies no-mul.
+    """
+    if isinstance(activation, str) and activation.endswith("_no_mul"):
+        activation, is_act_and_mul = activation[: -len("_no_mul")], False
+    A.check_choice("activation", activation, ACTIVATIONS)
+    if is_act_and_mul:
+        if activation == "swigluoai":
+            return swigluoai_and_mul(x)
+        if activation == "relu2":
+            raise ValueError(f"activation: {activation!r} has no gated form; expected one of "
+                             f"['gelu', 'gelu_tanh', 'silu', 'swigluoai'] with is_act_and_mul=True")
+        return _run(x, activation, GATED)
+    if activation == "swigluoai":
+        raise ValueError(f"activation: {activation!r} needs is_act_and_mul=True; expected one of "
+                         f"['gelu', 'gelu_tanh', 'relu2', 'silu'] without mul")
+    return _run(x, activation, ELEMENTWISE)
+
+
+# ----------------------------------------------------------------------------- as a script
+def _main():
+    import reference
+
+    from . import _script as S
+
+    ok, why = A.availability()
+    print(f"numba activation: {why}")
+    if not ok:
+        return 0
+    rng = np.random.default_rng(0)
+    shapes = [(3, 8)] if SIMULATOR else [(8, 4096), (2048, 1536), (32768, 4096)]
+    failures = 0
+    for M, N in shapes:
+        for dt in (np.float32, np.float16):
+            x = (rng.standard_normal((M, N)) * 2).astype(dt)                  # [M, N]
+            for act, gated in (("silu", True), ("gelu", True), ("gelu_tanh", True),
+                               ("swigluoai", True), ("relu2", False)):
+                err = S.rel_err(apply_activation(x, act, gated),
+                                reference.apply_activation(x, act, gated))
+                tol = 1e-5 if dt == np.float32 else 1e-2
+                failures += not err <= tol
+                line = f"  {act:10s} {'gated' if gated else 'no-mul'} [{M}, {N}] {np.dtype(dt).name}: rel err {err:.1e}"
+                if not SIMULATOR:
+                    d = A.to_device(x)
+                    ms = S.time_ms(lambda: apply_activation(d, act, gated))
+                    nbytes = x.nbytes * (1.5 if gated else 2)   # read x, write out
+                    line += f", {ms * 1e3:8.1f} us, {nbytes / ms / 1e6:7.1f} GB/s"
+                print(line)
+    print("all match" if not failures else f"{failures} mismatches")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

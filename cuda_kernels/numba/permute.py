@@ -1,0 +1,466 @@
+"""Permutation in Numba: group the (token, slot) pairs by expert.
+
+    T = tokens, K = top-k, P = T*K slots (s = t*K + k), E = experts, B = block size, H = hidden
+
+    moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
+                         pad_sorted_ids=False, ignore_invalid_experts=False)
+        -> sorted_token_ids int32 [max_num_tokens_padded], expert_ids int32 [cdiv(that, B)],
+           num_tokens_post_padded int32 [1]
+    moe_permute(hidden_states, topk_ids, num_experts)
+        -> x_grouped [P, H], expert_offsets int32 [E+1], inv_permuted_idx int32 [P]
+    moe_unpermute(y_grouped, topk_weights, inv_permuted_idx) -> out [T, H]
+
+The math (reference/permute.py): count the slots of each expert (c_e), pad each count to a
+multiple of B (B = 1 for moe_permute), exclusive prefix sum -> off_e (where expert e's run
+starts), then slot s of expert e goes to off_e + (its rank among e's slots). Ranks are
+*stable* (increasing s), so these kernels return exactly the reference's arrays, not just
+the same per-block sets. expert_ids[b] = the expert whose run holds position b*B (binary
+search in off), -1 past the end; padding positions hold P.
+
+Kernels (NT = THREADS, CH = SLOTS_PER_BLOCK, nb = cdiv(P, CH); dynamic shared memory in int32
+words):
+
+    kernel          grid  block  shared        does
+    align_single    1     NT     3E + 1 + 2NT  everything, when P <= SINGLE_BLOCK_MAX_SLOTS
+    align_count     nb    NT     E             per-block histogram -> block_counts [nb, E]
+    align_scan      1     NT     2E + 1 + NT   per-expert block prefix, padded prefix sum,
+                                               expert_ids, padding, num_tokens_post_padded
+    align_scatter   nb    NT     E + NT        stable rank -> sorted_token_ids / inv index
+    permute_rows    (cdiv(H, NT), min(P, 65535))  NT  -    x_grouped[inv[s]] = x[s // K]
+    unpermute_rows  (cdiv(H, NT), min(T, 65535))  NT  -    out[t] = sum_k w[t,k] y[inv[t*K+k]]
+
+Histograms use shared-memory atomics; the prefix sum is a per-thread chunk sum plus a
+Hillis-Steele scan over NT partial sums; the stable rank processes NT slots per round: a
+slot's rank is the number of earlier slots of its expert in the round (an O(NT) scan of a
+shared array, no warp intrinsics, so the same code runs in the simulator) plus the expert's
+running count, which the block's atomics advance after each round. Across blocks the
+scan kernel turns block_counts into each block's starting offset within each expert.
+
+dtypes: topk_ids any integer dtype; hidden_states / y_grouped fp32, fp16, bf16 (copied as
+uint16 bits by permute; unpermute converts bits <-> fp32 in the kernel) or fp64 (permute only);
+topk_weights any float. Ids outside [0, E) raise for host arrays; on device arrays the kernels
+skip them (no out-of-bounds write: their slots appear nowhere).
+
+Run as a script to validate against reference/ and time: python -m cuda_kernels.numba.permute
+"""
+from __future__ import annotations
+
+import functools
+import sys
+
+import numpy as np
+
+from . import _arrays as A
+from ._device import SIMULATOR, cast_out, cu, device_function, to_f32
+from numba import float32, int32  # noqa: E402
+
+# Tunables are data. The simulator gets tiny blocks so that tests cover every path cheaply.
+CONFIGS = {
+    "align": {"THREADS": 256, "SLOTS_PER_BLOCK": 1024, "SINGLE_BLOCK_MAX_SLOTS": 2048},
+    "rows": {"THREADS": 128},
+}
+SIM_CONFIGS = {
+    "align": {"THREADS": 16, "SLOTS_PER_BLOCK": 32, "SINGLE_BLOCK_MAX_SLOTS": 32},
+    "rows": {"THREADS": 16},
+}
+MAX_GRID_Y = 65535
+
+
+def config(name):
+    return (SIM_CONFIGS if SIMULATOR else CONFIGS)[name]
+
+
+def max_num_tokens_padded(num_slots: int, block_size: int, num_experts: int,
+                          pad_sorted_ids: bool = False) -> int:
+    """The length of sorted_token_ids: every expert padded in the worst case, never more than
+    one block per slot (the reference's formula)."""
+    size = num_slots + num_experts * (block_size - 1)
+    if pad_sorted_ids:
+        size = A.cdiv(size, block_size) * block_size
+    if num_slots < num_experts:
+        size = min(size, num_slots * block_size)
+    return size
+
+
+# ----------------------------------------------------------------------------- device parts
+@functools.lru_cache(maxsize=None)
+def _parts(NT):
+    """The building blocks shared by the align kernels, for NT threads per block."""
+
+    @device_function
+    def expert_of(ids, s, E, emap, use_map, ignore_invalid):
+        """The expert of slot s, or -1 when it is out of range or ignored (not on this rank)."""
+        e = ids[s]
+        if e < 0 or e >= E:
+            return -1
+        if use_map and ignore_invalid and emap[e] < 0:
+            return -1
+        return e
+
+    @device_function
+    def histogram(ids, lo, hi, E, emap, use_map, ignore_invalid, cnt, tid):
+        """cnt[e] += number of slots of expert e in [lo, hi) (cnt zeroed by the caller)."""
+        for s in range(lo + tid, hi, NT):
+            e = expert_of(ids, s, E, emap, use_map, ignore_invalid)
+            if e >= 0:
+                cu.atomic.add(cnt, e, 1)
+
+    @device_function
+    def scan_padded(cnt, off, E, B, red, tid):
+        """off[e] = sum_{e' < e} ceil(cnt[e'] / B) * B for e <= E (off[E] = total)."""
+        chunk = (E + NT - 1) // NT
+        lo = tid * chunk
+        hi = min(lo + chunk, E)
+        local = 0
+        for e in range(lo, hi):
+            local += (cnt[e] + B - 1) // B * B
+        red[tid] = local
+        cu.syncthreads()
+        d = 1
+        while d < NT:   # Hillis-Steele inclusive scan of the NT chunk sums
+            v = red[tid - d] if tid >= d else 0
+            cu.syncthreads()
+            red[tid] += v
+            cu.syncthreads()
+            d *= 2
+        run = red[tid] - local   # exclusive prefix of this thread's chunk
+        for e in range(lo, hi):
+            off[e] = run
+            run += (cnt[e] + B - 1) // B * B
+        if tid == NT - 1:
+            off[E] = red[NT - 1]
+        cu.syncthreads()
+
+    @device_function
+    def write_blocks(off, cnt, E, B, P, emap, use_map, sorted_ids, expert_ids, n_blocks,
+                     capacity, tid):
+        """expert_ids of every block, and the padding value P wherever no slot goes."""
+        total = off[E]
+        for b in range(tid, n_blocks, NT):
+            pos = b * B
+            if pos < total:
+                lo = 0
+                hi = E   # invariant: off[lo] <= pos < off[hi]; empty experts have no width
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if off[mid] <= pos:
+                        lo = mid
+                    else:
+                        hi = mid
+                expert_ids[b] = emap[lo] if use_map else lo
+            else:
+                expert_ids[b] = -1
+        for e in range(tid, E, NT):              # the tail of each expert's last block
+            for p in range(off[e] + cnt[e], off[e + 1]):
+                sorted_ids[p] = P
+        for p in range(total + tid, capacity, NT):   # past the last block
+            sorted_ids[p] = P
+
+    @device_function
+    def scatter(ids, lo, hi, E, emap, use_map, ignore_invalid, off, run, rid, sorted_ids,
+                inv, write_sorted, write_inv, tid):
+        """Stable placement of slots [lo, hi): pos = off[e] + run[e] + rank in the round.
+
+        run[e] starts as this block's offset within expert e and advances by the round's
+        count of e after each round; every thread runs the same number of rounds.
+        """
+        for r0 in range(lo, hi, NT):
+            s = r0 + tid
+            e = -1
+            if s < hi:
+                e = expert_of(ids, s, E, emap, use_map, ignore_invalid)
+            rid[tid] = e
+            cu.syncthreads()
+            if e >= 0:
+                r = 0
+                for j in range(tid):   # earlier slots of the same expert in this round
+                    if rid[j] == e:
+                        r += 1
+                pos = off[e] + run[e] + r
+                if write_sorted:
+                    sorted_ids[pos] = s
+                if write_inv:
+                    inv[s] = pos
+            cu.syncthreads()           # every rank read run[e] before it moves
+            if e >= 0:
+                cu.atomic.add(run, e, 1)
+            cu.syncthreads()
+
+    return expert_of, histogram, scan_padded, write_blocks, scatter
+
+
+# ----------------------------------------------------------------------------- kernels
+@functools.lru_cache(maxsize=None)
+def align_kernels(NT):
+    """(align_single, align_count, align_scan, align_scatter) for NT threads per block."""
+    _, histogram, scan_padded, write_blocks, scatter = _parts(NT)
+
+    def align_single(ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert_ids,
+                     n_blocks, capacity, num_post, offsets, inv, do_align, write_inv):
+        """One block does it all: histogram, padded prefix sum, blocks, stable scatter.
+        Shared: cnt [E], off [E+1], run [E], red [NT], rid [NT] (int32)."""
+        tid = cu.threadIdx.x
+        sh = cu.shared.array(0, int32)
+        cnt = sh[0:E]
+        off = sh[E:2 * E + 1]
+        run = sh[2 * E + 1:3 * E + 1]
+        red = sh[3 * E + 1:3 * E + 1 + NT]
+        rid = sh[3 * E + 1 + NT:3 * E + 1 + 2 * NT]
+        for e in range(tid, E, NT):
+            cnt[e] = 0
+            run[e] = 0
+        cu.syncthreads()
+        histogram(ids, 0, P, E, emap, use_map, ignore_invalid, cnt, tid)
+        cu.syncthreads()
+        scan_padded(cnt, off, E, B, red, tid)
+        if tid == 0:
+            num_post[0] = off[E]
+        for e in range(tid, E + 1, NT):
+            offsets[e] = off[e]
+        if do_align:
+            write_blocks(off, cnt, E, B, P, emap, use_map, sorted_ids, expert_ids, n_blocks,
+                         capacity, tid)
+        scatter(ids, 0, P, E, emap, use_map, ignore_invalid, off, run, rid, sorted_ids, inv,
+                do_align, write_inv, tid)
+
+    def align_count(ids, P, E, emap, use_map, ignore_invalid, block_counts, CH):
+        """block_counts[b, e] = slots of expert e in block b's chunk [b*CH, (b+1)*CH)."""
+        tid = cu.threadIdx.x
+        b = cu.blockIdx.x
+        cnt = cu.shared.array(0, int32)[0:E]
+        for e in range(tid, E, NT):
+            cnt[e] = 0
+        cu.syncthreads()
+        histogram(ids, b * CH, min(P, (b + 1) * CH), E, emap, use_map, ignore_invalid, cnt, tid)
+        cu.syncthreads()
+        for e in range(tid, E, NT):
+            block_counts[b, e] = cnt[e]
+
+    def align_scan(block_counts, nb, E, B, P, emap, use_map, sorted_ids, expert_ids, n_blocks,
+                   capacity, num_post, offsets, do_align):
+        """One block: block_counts -> each block's offset within each expert (in place),
+        the padded prefix sum into offsets [E+1], expert_ids, padding, num_post."""
+        tid = cu.threadIdx.x
+        sh = cu.shared.array(0, int32)
+        cnt = sh[0:E]
+        off = sh[E:2 * E + 1]
+        red = sh[2 * E + 1:2 * E + 1 + NT]
+        for e in range(tid, E, NT):   # one expert per thread, coalesced across e
+            total = 0
+            for b in range(nb):
+                c = block_counts[b, e]
+                block_counts[b, e] = total
+                total += c
+            cnt[e] = total
+        cu.syncthreads()
+        scan_padded(cnt, off, E, B, red, tid)
+        if tid == 0:
+            num_post[0] = off[E]
+        for e in range(tid, E + 1, NT):
+            offsets[e] = off[e]
+        if do_align:
+            write_blocks(off, cnt, E, B, P, emap, use_map, sorted_ids, expert_ids, n_blocks,
+                         capacity, tid)
+
+    def align_scatter(ids, P, E, emap, use_map, ignore_invalid, block_counts, offsets,
+                      sorted_ids, inv, do_align, write_inv, CH):
+        """Stable placement of block b's chunk, starting at its offsets within each expert.
+        Shared: run [E], rid [NT] (int32)."""
+        tid = cu.threadIdx.x
+        b = cu.blockIdx.x
+        sh = cu.shared.array(0, int32)
+        run = sh[0:E]
+        rid = sh[E:E + NT]
+        for e in range(tid, E, NT):
+            run[e] = block_counts[b, e]
+        cu.syncthreads()
+        scatter(ids, b * CH, min(P, (b + 1) * CH), E, emap, use_map, ignore_invalid, offsets,
+                run, rid, sorted_ids, inv, do_align, write_inv, tid)
+
+    return (cu.jit(align_single), cu.jit(align_count), cu.jit(align_scan),
+            cu.jit(align_scatter))
+
+
+@functools.lru_cache(maxsize=None)
+def row_kernels(NT):
+    """(permute_rows, unpermute_rows) for NT threads per block."""
+
+    def permute_rows(x, inv, K, x_grouped, P, H):
+        """x_grouped[inv[s], :] = x[s // K, :]: a row per blockIdx.y, columns across threads."""
+        for s in range(cu.blockIdx.y, P, cu.gridDim.y):
+            dst = inv[s]
+            src = s // K
+            for h in range(cu.blockIdx.x * NT + cu.threadIdx.x, H, cu.gridDim.x * NT):
+                x_grouped[dst, h] = x[src, h]
+
+    def unpermute_rows(y, w, inv, out, T, K, H):
+        """out[t, h] = sum_k w[t, k] * y[inv[t*K + k], h], fp32, rounded once."""
+        for t in range(cu.blockIdx.y, T, cu.gridDim.y):
+            for h in range(cu.blockIdx.x * NT + cu.threadIdx.x, H, cu.gridDim.x * NT):
+                acc = float32(0.0)
+                for k in range(K):
+                    acc += to_f32(y[inv[t * K + k], h]) * to_f32(w[t, k])
+                out[t, h] = cast_out(out, acc)
+
+    return cu.jit(permute_rows), cu.jit(unpermute_rows)
+
+
+# ----------------------------------------------------------------------------- launchers
+def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_align,
+                write_inv, path=None):
+    """Run the align kernels. Returns (sorted_ids, expert_ids, num_post, offsets, inv) as
+    numba arrays (sorted_ids / expert_ids only when do_align, inv only when write_inv)."""
+    cfg = config("align")
+    NT = cfg["THREADS"]
+    T, K = A.shape_of(topk_ids)
+    P = T * K
+    n_blocks = A.cdiv(capacity, B)
+    ids = call.dev("topk_ids", topk_ids).reshape(P)                       # [P]
+    use_map = expert_map is not None
+    emap = call.dev("expert_map", expert_map) if use_map else A.dummy(np.int32)
+    sorted_ids = call.empty((capacity,), np.int32) if do_align else A.dummy(np.int32)
+    expert_ids = call.empty((n_blocks,), np.int32) if do_align else A.dummy(np.int32)
+    num_post = call.empty((1,), np.int32)
+    offsets = call.empty((E + 1,), np.int32)
+    inv = call.empty((P,), np.int32) if write_inv else A.dummy(np.int32)
+    single, count, scan, scatter = align_kernels(NT)
+    if path is None:
+        path = "single" if P <= cfg["SINGLE_BLOCK_MAX_SLOTS"] else "multi"
+    flags = (1 if use_map else 0, 1 if ignore_invalid else 0)
+    if path == "single":
+        smem = (3 * E + 1 + 2 * NT) * 4
+        single[1, NT, 0, smem](ids, P, E, B, emap, *flags, sorted_ids, expert_ids, n_blocks,
+                               capacity, num_post, offsets, inv, int(do_align), int(write_inv))
+    else:
+        CH = cfg["SLOTS_PER_BLOCK"]
+        nb = A.cdiv(P, CH)
+        block_counts = call.empty((nb, E), np.int32)                      # [nb, E] scratch
+        count[nb, NT, 0, E * 4](ids, P, E, emap, *flags, block_counts, CH)
+        scan[1, NT, 0, (2 * E + 1 + NT) * 4](block_counts, nb, E, B, P, emap, flags[0],
+                                             sorted_ids, expert_ids, n_blocks, capacity,
+                                             num_post, offsets, int(do_align))
+        scatter[nb, NT, 0, (E + NT) * 4](ids, P, E, emap, *flags, block_counts, offsets,
+                                         sorted_ids, inv, int(do_align), int(write_inv), CH)
+    return sorted_ids, expert_ids, num_post, offsets, inv
+
+
+def _check_expert_map(expert_map, E):
+    if expert_map is None:
+        return None
+    A.check_int_array("expert_map", expert_map, ndim=1, shape=(E,))
+    if isinstance(expert_map, np.ndarray) and expert_map.size and expert_map.min() < -1:
+        raise ValueError(f"expert_map: expected local ids >= 0 or -1, got {int(expert_map.min())}")
+    return expert_map
+
+
+def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
+                         pad_sorted_ids=False, ignore_invalid_experts=False):
+    """Sort the P slots by expert and pad each expert's run to a multiple of block_size.
+
+    topk_ids [T, K] -> sorted_token_ids int32 [max_num_tokens_padded] (slots of expert 0,
+    then 1, ..., each run padded with P to a multiple of B; stable: increasing s within an
+    expert), expert_ids int32 [cdiv(max_num_tokens_padded, B)] (local ids through expert_map,
+    -1 past the end or for experts off this rank), num_tokens_post_padded int32 [1].
+    With expert_map and ignore_invalid_experts=True, experts off this rank get no blocks.
+    Kernels: align_single, or align_count + align_scan + align_scatter (module docstring).
+    """
+    A.check_int_array("topk_ids", topk_ids, ndim=2)
+    B = A.check_int("block_size", block_size, minimum=1)
+    E = A.check_int("num_experts", num_experts, minimum=1)
+    A.check_ids_in_range("topk_ids", topk_ids, E)
+    _check_expert_map(expert_map, E)
+    T, K = A.shape_of(topk_ids)
+    capacity = max_num_tokens_padded(T * K, B, E, pad_sorted_ids)
+    call = A.Call("topk_ids", topk_ids)
+    sorted_ids, expert_ids, num_post, _, _ = _sort_slots(
+        call, topk_ids, E, B, expert_map, bool(ignore_invalid_experts and expert_map is not None),
+        capacity, True, False)
+    return call.result(sorted_ids), call.result(expert_ids), call.result(num_post)
+
+
+def moe_permute(hidden_states, topk_ids, num_experts):
+    """Gather token rows into expert-contiguous order (stable in s).
+
+    hidden_states [T, H], topk_ids [T, K] -> x_grouped [P, H] (x_grouped[inv[s]] =
+    hidden_states[s // K]), expert_offsets int32 [E+1], inv_permuted_idx int32 [P].
+    Kernels: the align kernels with B = 1 (offsets and the inverse index), then permute_rows.
+    """
+    A.check_float("hidden_states", hidden_states, ndim=2, with_f64=True)
+    A.check_int_array("topk_ids", topk_ids, ndim=2)
+    E = A.check_int("num_experts", num_experts, minimum=1)
+    T, H = A.shape_of(hidden_states)
+    if A.shape_of(topk_ids)[0] != T:
+        raise ValueError(f"topk_ids: expected {T} rows to match hidden_states, "
+                         f"got shape {A.shape_of(topk_ids)}")
+    A.check_ids_in_range("topk_ids", topk_ids, E)
+    K = A.shape_of(topk_ids)[1]
+    P = T * K
+    call = A.Call("hidden_states", hidden_states)
+    _, _, _, offsets, inv = _sort_slots(call, topk_ids, E, 1, None, False, P, False, True)
+    x_grouped = call.empty((P, H), A.dtype_of(hidden_states))              # [P, H]
+    if P and H:
+        NT = config("rows")["THREADS"]
+        permute_rows, _ = row_kernels(NT)
+        x = call.dev("hidden_states", hidden_states)
+        permute_rows[(A.cdiv(H, NT), min(P, MAX_GRID_Y)), NT](x, inv, K, x_grouped, P, H)
+    return call.result(x_grouped), call.result(offsets), call.result(inv)
+
+
+def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
+    """Weighted combine back into token order.
+
+    out[t] = sum_k topk_weights[t, k] * y_grouped[inv_permuted_idx[t*K + k]], fp32 in slot
+    order, rounded once to y_grouped's dtype. y_grouped [P, H], topk_weights [T, K],
+    inv_permuted_idx [P] -> out [T, H]. Kernel: unpermute_rows (module docstring).
+    """
+    A.check_float("y_grouped", y_grouped, ndim=2)
+    A.check_float("topk_weights", topk_weights, ndim=2, with_f64=True)
+    T, K = A.shape_of(topk_weights)
+    A.check_int_array("inv_permuted_idx", inv_permuted_idx, ndim=1, shape=(T * K,))
+    P, H = A.shape_of(y_grouped)
+    if P != T * K:
+        raise ValueError(f"y_grouped: expected {T * K} rows (T*K), got shape {(P, H)}")
+    call = A.Call("y_grouped", y_grouped)
+    out = call.empty((T, H), A.dtype_of(y_grouped))                         # [T, H]
+    if T and H:
+        NT = config("rows")["THREADS"]
+        _, unpermute_rows = row_kernels(NT)
+        y = call.dev("y_grouped", y_grouped)
+        w = call.dev("topk_weights", topk_weights)
+        inv = call.dev("inv_permuted_idx", inv_permuted_idx)
+        unpermute_rows[(A.cdiv(H, NT), min(T, MAX_GRID_Y)), NT](y, w, inv, out, T, K, H)
+    return call.result(out)
+
+
+# ----------------------------------------------------------------------------- as a script
+def _main():
+    import reference
+
+    from . import _script as S
+
+    ok, why = A.availability()
+    print(f"numba permute: {why}")
+    if not ok:
+        return 0
+    rng = np.random.default_rng(0)
+    cases = ([(3, 8, 2, 4), (9, 4, 3, 8)] if SIMULATOR
+             else [(1, 8, 2, 64), (256, 128, 8, 64), (4096, 256, 8, 64), (2256, 257, 16, 128)])
+    failures = 0
+    for T, E, K, B in cases:
+        ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)  # [T, K]
+        mine = moe_align_block_size(ids, B, E)
+        ref = reference.moe_align_block_size(ids, B, E)
+        same = all(np.array_equal(a, b) for a, b in zip(mine, ref))
+        failures += not same
+        line = f"  moe_align_block_size T={T:5d} E={E:4d} K={K:2d} B={B:3d}: {'exact' if same else 'DIFFER'}"
+        if not SIMULATOR:
+            d = A.to_device(ids)
+            ms = S.time_ms(lambda: moe_align_block_size(d, B, E))
+            line += f", {ms * 1e3:8.1f} us"
+        print(line)
+    print("all match" if not failures else f"{failures} mismatches")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,541 @@
+"""Routing in Numba: softmax / sigmoid scores, optional bias and expert groups, top-k.
+
+    T = tokens, E = experts, K = top-k, G = expert groups (num_expert_group)
+
+    fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None)
+        -> topk_weights f32 [T, K], topk_ids int32 [T, K], token_expert_indices int32 [T, K]
+    fused_topk_bias(hidden_states, gating_output, e_score_correction_bias, topk, renormalize,
+                    routed_scaling_factor=1.0) -> topk_weights, topk_ids
+    grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,
+                 topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0,
+                 e_score_correction_bias=None) -> topk_weights, topk_ids
+    select_experts(...)   vLLM's dispatcher: reference.routing.select_experts(ops=this module)
+
+The math (reference/routing.py), per token row t, all in fp32:
+    scores[e] = softmax(logits[t])[e] = exp(x_e - max x) / sum_e' exp(x_e' - max x)
+                or sigmoid(x_e) = 1 / (1 + exp(-x_e))
+    choice[e] = scores[e] + bias[e]   (or scores[e])
+    groups:   group score = max of its scores (no bias) | sum of its two best choices (bias);
+              keep the topk_group best groups, choice = -inf outside them
+    topk_ids  = the K best experts by choice: descending, ties to the lowest id, NaN as -inf
+    topk_weights[t, k] = scores[topk_ids[t, k]], / their sum if renormalize and the sum > 0,
+                         then * routed_scaling_factor
+    token_expert_indices[t, k] = k * T + t
+
+One kernel serves all three functions, in two flavours that differ only in how a row's
+threads reduce (max, sum, argmax) and synchronise:
+
+    kernel       threads of a row   reductions                    launch
+    "warp"       one warp           butterfly cuda.shfl_xor_sync   grid = cdiv(T, W), block = 32 W
+    "block"      one block of NT    shared-memory tree + syncthreads  grid = T, block = NT
+
+W = WARPS_PER_BLOCK rows per block. The simulator has no shuffles, so it always runs "block"
+(ENVIRONMENT.md); the GPU runs "warp" by default and tests both. Thread l of a row owns
+experts l, l + L, l + 2L, ... (L = 32 or NT): consecutive threads read consecutive logits.
+Dynamic shared memory per row, fp32 words: scores [E], choice keys [E], group scores [G],
+reduction scratch [2 NT] ("block" only); bytes = rows per block * (2E + G + 2 NT) * 4.
+Top-k is K rounds of a row-wide argmax; the winner's key becomes NaN ("taken"), which no
+real key can be (NaN keys are stored as -inf).
+
+dtypes: gating_output fp32, fp16, bf16 (as uint16 bits, converted in the kernel by a shift:
+see _device.py) or fp64; bias any of those; everything after the load is fp32.
+
+Run as a script to validate against reference/ and time: python -m cuda_kernels.numba.routing
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+
+from . import _arrays as A
+from ._device import (FULL_MASK, NAN32, NEG_INF32, SIMULATOR, better, cu, device_function,
+                      exp_f32, max_nan, sel_key, to_f32)
+from numba import float32, int32  # noqa: E402  (numba after the shim)
+
+# Tunables are data: one dict per flavour (the simulator gets small blocks: 2,000 threads/s).
+CONFIGS = {"warp": {"WARPS_PER_BLOCK": 4}, "block": {"THREADS": 128}}
+SIM_CONFIGS = {"block": {"THREADS": 32}}
+DEFAULT_FLAVOR = "block" if SIMULATOR else "warp"
+SHARED_LIMIT = 48 * 1024   # bytes of dynamic shared memory without an opt-in
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+def _config(flavor):
+    if SIMULATOR and flavor in SIM_CONFIGS:
+        return SIM_CONFIGS[flavor]
+    return CONFIGS[flavor]
+
+
+# ----------------------------------------------------------------------------- reductions
+# Every reduction takes (value(s), red_f, red_i, lane) so the kernel body is the same for both
+# flavours; the warp versions ignore the scratch arrays.
+@device_function
+def _warp_max(v, red_f, red_i, lane):
+    off = 16
+    while off > 0:   # butterfly: after 5 steps every lane holds the row's max
+        v = max_nan(v, cu.shfl_xor_sync(FULL_MASK, v, off))
+        off >>= 1
+    return v
+
+
+@device_function
+def _warp_sum(v, red_f, red_i, lane):
+    off = 16
+    while off > 0:
+        v += cu.shfl_xor_sync(FULL_MASK, v, off)
+        off >>= 1
+    return v
+
+
+@device_function
+def _warp_argmax(v, i, red_f, red_i, lane):
+    off = 16
+    while off > 0:   # (value desc, index asc) is a total order: every lane ends on one winner
+        ov = cu.shfl_xor_sync(FULL_MASK, v, off)
+        oi = cu.shfl_xor_sync(FULL_MASK, i, off)
+        if better(ov, oi, v, i):
+            v = ov
+            i = oi
+        off >>= 1
+    return v, i
+
+
+@device_function
+def _warp_sync(lane):
+    cu.syncwarp(FULL_MASK)
+
+
+@functools.lru_cache(maxsize=None)
+def _block_reductions(NT):
+    """Tree reductions over the NT threads of a block (NT a power of two) in shared memory."""
+
+    @device_function
+    def bmax(v, red_f, red_i, tid):
+        red_f[tid] = v
+        cu.syncthreads()
+        s = NT // 2
+        while s > 0:
+            if tid < s:
+                red_f[tid] = max_nan(red_f[tid], red_f[tid + s])
+            cu.syncthreads()
+            s //= 2
+        r = red_f[0]
+        cu.syncthreads()   # everyone has read the result before the scratch is reused
+        return r
+
+    @device_function
+    def bsum(v, red_f, red_i, tid):
+        red_f[tid] = v
+        cu.syncthreads()
+        s = NT // 2
+        while s > 0:
+            if tid < s:
+                red_f[tid] = red_f[tid] + red_f[tid + s]
+            cu.syncthreads()
+            s //= 2
+        r = red_f[0]
+        cu.syncthreads()
+        return r
+
+    @device_function
+    def bargmax(v, i, red_f, red_i, tid):
+        red_f[tid] = v
+        red_i[tid] = i
+        cu.syncthreads()
+        s = NT // 2
+        while s > 0:
+            if tid < s:
+                if better(red_f[tid + s], red_i[tid + s], red_f[tid], red_i[tid]):
+                    red_f[tid] = red_f[tid + s]
+                    red_i[tid] = red_i[tid + s]
+            cu.syncthreads()
+            s //= 2
+        rv = red_f[0]
+        ri = red_i[0]
+        cu.syncthreads()
+        return rv, ri
+
+    @device_function
+    def bsync(tid):
+        cu.syncthreads()
+
+    return bmax, bsum, bargmax, bsync
+
+
+# ----------------------------------------------------------------------------- the kernel
+@functools.lru_cache(maxsize=None)
+def route_kernel(flavor: str, n: int):
+    """The routing kernel of one flavour: "warp" with n rows (warps) per block, or "block"
+    with n threads (a power of two) per row."""
+    if flavor == "warp":
+        if SIMULATOR:
+            raise RuntimeError("flavor: the 'warp' routing kernel uses warp shuffles, which the "
+                               "CUDA simulator lacks; use 'block'")
+        LANES, NRED, ROWS = 32, 0, n
+        rmax, rsum, rargmax, rsync = _warp_max, _warp_sum, _warp_argmax, _warp_sync
+    elif flavor == "block":
+        if n < 1 or n & (n - 1):
+            raise ValueError(f"threads: expected a power of two, got {n}")
+        LANES, NRED, ROWS = n, n, 1
+        rmax, rsum, rargmax, rsync = _block_reductions(n)
+    else:
+        raise ValueError(f"flavor: expected 'warp' or 'block', got {flavor!r}")
+
+    def route(logits, bias, weights, ids, tei, T, E, K, G, topk_group, scoring, renorm,
+              has_bias, want_tei, scale):
+        """logits [T, E] -> weights f32 [T, K], ids [T, K], tei int32 [T, K] (see module doc)."""
+        tid = cu.threadIdx.x
+        lane = tid % LANES
+        slot = tid // LANES                 # which row of this block
+        row = cu.blockIdx.x * ROWS + slot
+        if row >= T:                        # whole warps (warp flavour) leave together
+            return
+        stride = 2 * E + G + 2 * NRED
+        base = slot * stride
+        dynf = cu.shared.array(0, float32)  # all dynamic shared arrays alias: carve by offset
+        dyni = cu.shared.array(0, int32)
+        sc = dynf[base:base + E]                              # scores, then unbiased weights
+        key = dynf[base + E:base + 2 * E]                     # selection keys
+        gs = dynf[base + 2 * E:base + 2 * E + G]              # group scores
+        red_f = dynf[base + 2 * E + G:base + 2 * E + G + NRED]
+        red_i = dyni[base + 2 * E + G + NRED:base + stride]
+
+        # 1. scores: softmax (max, exp, sum, divide) or sigmoid, in fp32
+        m = NEG_INF32
+        for e in range(lane, E, LANES):
+            x = to_f32(logits[row, e])
+            sc[e] = x
+            m = max_nan(m, x)
+        if scoring == 0:
+            m = rmax(m, red_f, red_i, lane)
+            s = float32(0.0)
+            for e in range(lane, E, LANES):
+                ex = exp_f32(sc[e] - m)
+                sc[e] = ex
+                s += ex
+            s = rsum(s, red_f, red_i, lane)
+            for e in range(lane, E, LANES):
+                sc[e] = sc[e] / s
+        else:
+            for e in range(lane, E, LANES):
+                sc[e] = float32(1.0) / (float32(1.0) + exp_f32(-sc[e]))
+
+        # 2. choice = scores (+ bias), raw (a NaN stays NaN until the group scores are taken)
+        for e in range(lane, E, LANES):
+            v = sc[e]
+            if has_bias:
+                v = v + to_f32(bias[e])
+            key[e] = v
+        rsync(lane)   # from here on threads read entries that other threads wrote
+
+        # 3. groups: score each, keep the topk_group best, mask the rest to -inf
+        if G > 1:
+            per = E // G
+            for g in range(lane, G, LANES):
+                e0 = g * per
+                if has_bias:   # sum of the two best choices (NaN ranks as -inf, ties low id)
+                    b1 = e0
+                    k1 = sel_key(key[e0])
+                    b2 = -1
+                    k2 = NEG_INF32
+                    for e in range(e0 + 1, e0 + per):
+                        k = sel_key(key[e])
+                        if k > k1:
+                            b2 = b1
+                            k2 = k1
+                            b1 = e
+                            k1 = k
+                        elif b2 < 0 or k > k2:
+                            b2 = e
+                            k2 = k
+                    gsc = key[b1]
+                    if b2 >= 0:
+                        gsc = gsc + key[b2]
+                else:          # max of the unbiased scores, NaN-propagating like NumPy's max
+                    gsc = sc[e0]
+                    for e in range(e0 + 1, e0 + per):
+                        gsc = max_nan(gsc, sc[e])
+                gs[g] = sel_key(gsc)
+            rsync(lane)
+            for r in range(topk_group):
+                bv = NEG_INF32
+                bi = int32(G)
+                for g in range(lane, G, LANES):
+                    v = gs[g]
+                    if v == v and better(v, g, bv, bi):
+                        bv = v
+                        bi = int32(g)
+                bv, bi = rargmax(bv, bi, red_f, red_i, lane)
+                if lane == bi % LANES:
+                    gs[bi] = NAN32     # kept; only this thread scans group bi again
+            rsync(lane)
+            for e in range(lane, E, LANES):
+                kept = gs[e // per] != gs[e // per]
+                key[e] = sel_key(key[e]) if kept else NEG_INF32
+        else:
+            for e in range(lane, E, LANES):
+                key[e] = sel_key(key[e])
+
+        # 4. top-k: K rounds of a row-wide argmax; thread k % L writes slot k
+        total = float32(0.0)
+        for k in range(K):
+            bv = NEG_INF32
+            bi = int32(E)
+            for e in range(lane, E, LANES):
+                v = key[e]
+                if v == v and better(v, e, bv, bi):
+                    bv = v
+                    bi = int32(e)
+            bv, bi = rargmax(bv, bi, red_f, red_i, lane)
+            w = sc[bi]
+            if lane == bi % LANES:
+                key[bi] = NAN32        # taken
+            total += w
+            if lane == k % LANES:
+                weights[row, k] = w
+                ids[row, k] = bi
+                if want_tei:
+                    tei[row, k] = k * T + row
+        div = float32(1.0)
+        if renorm and total > 0:
+            div = total
+        for k in range(lane, K, LANES):   # each thread rescales only what it wrote
+            weights[row, k] = (weights[row, k] / div) * scale
+
+    return cu.jit(route)
+
+
+def _geometry(flavor, T, E, G):
+    """(grid, block, shared bytes) of a launch, from the formulas in the module docstring."""
+    if flavor == "warp":
+        stride = 2 * E + G
+        rows = CONFIGS["warp"]["WARPS_PER_BLOCK"]
+        while rows > 1 and rows * stride * 4 > SHARED_LIMIT:
+            rows //= 2
+        smem = rows * stride * 4
+        geometry = (A.cdiv(T, rows), rows * 32, smem)
+    else:
+        nt = _config("block")["THREADS"]
+        smem = (2 * E + G + 2 * nt) * 4
+        geometry = (T, nt, smem)
+    if geometry[2] > SHARED_LIMIT:
+        raise ValueError(f"gating_output: expected at most {(SHARED_LIMIT // 4 - 256) // 2} "
+                         f"experts (a row lives in shared memory), got {E}")
+    return geometry
+
+
+def _launch(call, gating_output, bias, topk, num_groups, topk_group, scoring, renormalize,
+            scale, want_tei, ids_dtype, flavor=None):
+    flavor = flavor or DEFAULT_FLAVOR
+    T, E = A.shape_of(gating_output)
+    weights = call.empty((T, topk), np.float32)     # [T, K]
+    ids = call.empty((T, topk), ids_dtype)          # [T, K]
+    tei = call.empty((T, topk), np.int32) if want_tei else None
+    if T > 0:
+        grid, block, smem = _geometry(flavor, T, E, num_groups)
+        kernel = route_kernel(flavor, block // 32 if flavor == "warp" else block)
+        logits = call.dev("gating_output", gating_output)
+        bias_d = call.dev("e_score_correction_bias", bias) if bias is not None else A.dummy(np.float32)
+        kernel[grid, block, 0, smem](
+            logits, bias_d, weights, ids, tei if tei is not None else A.dummy(np.int32, 2),
+            T, E, topk, num_groups, topk_group, 0 if scoring == "softmax" else 1,
+            1 if renormalize else 0, 1 if bias is not None else 0, 1 if want_tei else 0,
+            np.float32(scale))
+    out = (call.result(weights), call.result(ids))
+    return out + ((call.result(tei),) if want_tei else ())
+
+
+# ----------------------------------------------------------------------------- argument checks
+def _check_logits(hidden_states, gating_output, topk):
+    A.check_float("gating_output", gating_output, ndim=2, with_f64=True)
+    T, E = A.shape_of(gating_output)
+    if hidden_states is not None:
+        A.check_float("hidden_states", hidden_states, ndim=2, with_f64=True)
+        if A.shape_of(hidden_states)[0] != T:
+            raise ValueError(f"hidden_states: expected {T} rows to match gating_output, "
+                             f"got shape {A.shape_of(hidden_states)}")
+    topk = A.check_int("topk", topk, minimum=1)
+    if topk > E:
+        raise ValueError(f"topk: expected at most the number of experts ({E}), got {topk}")
+    return T, E, topk
+
+
+def _check_bias(bias, E):
+    return A.check_float("e_score_correction_bias", bias, ndim=1, shape=(E,), with_f64=True)
+
+
+def _ids_dtype(indices_type):
+    if indices_type is None:
+        return np.dtype(np.int32)
+    if type(indices_type).__module__.split(".")[0] == "torch":
+        dt = A._torch_dtypes()[0].get(indices_type)
+    else:
+        try:
+            dt = np.dtype(indices_type)
+        except TypeError:
+            dt = None
+    if dt is None or dt.kind not in "iu":
+        raise TypeError(f"indices_type: expected an integer dtype, got {indices_type!r}")
+    return dt
+
+
+# ----------------------------------------------------------------------------- the stages
+def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None):
+    """Softmax top-k routing (Mixtral, Qwen3-MoE).
+
+    scores = softmax(gating_output) [T, E] fp32; topk_ids = the K best, descending, ties to
+    the lowest id; topk_weights = scores[topk_ids] (/ their sum if renormalize);
+    token_expert_indices[t, k] = k * T + t. Kernel: `route_kernel` (module docstring).
+
+    Returns topk_weights f32 [T, K], topk_ids int32 (or indices_type) [T, K],
+    token_expert_indices int32 [T, K].
+    """
+    T, E, topk = _check_logits(hidden_states, gating_output, topk)
+    call = A.Call("gating_output", gating_output)
+    return _launch(call, gating_output, None, topk, 1, 1, "softmax", renormalize, 1.0, True,
+                   _ids_dtype(indices_type))
+
+
+def fused_topk_bias(hidden_states, gating_output, e_score_correction_bias, topk, renormalize,
+                    routed_scaling_factor=1.0):
+    """Softmax scores; experts chosen on scores + bias; weights are the unbiased scores,
+    renormalized if asked, then * routed_scaling_factor. Returns topk_weights f32 [T, K],
+    topk_ids int32 [T, K]."""
+    T, E, topk = _check_logits(hidden_states, gating_output, topk)
+    if e_score_correction_bias is None:
+        raise TypeError("e_score_correction_bias: expected an array [E], got None")
+    _check_bias(e_score_correction_bias, E)
+    call = A.Call("gating_output", gating_output)
+    return _launch(call, gating_output, e_score_correction_bias, topk, 1, 1, "softmax",
+                   renormalize, float(routed_scaling_factor), False, np.dtype(np.int32))
+
+
+def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,
+                 topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0,
+                 e_score_correction_bias=None):
+    """DeepSeek-V2/V3 group-limited routing.
+
+    scores = softmax | sigmoid(gating_output); choice = scores (+ bias); groups of
+    E / num_expert_group consecutive experts scored by their max score (no bias) or the sum
+    of their two best choices (bias); the topk_group best groups kept; top-K of the kept
+    choices; weights the unbiased scores, renormalized if asked, always
+    * routed_scaling_factor. Returns topk_weights f32 [T, K], topk_ids int32 [T, K].
+    """
+    T, E, topk = _check_logits(hidden_states, gating_output, topk)
+    A.check_choice("scoring_func", scoring_func, SCORING_FUNCS)
+    G = A.check_int("num_expert_group", num_expert_group, minimum=1)
+    topk_group = A.check_int("topk_group", topk_group, minimum=1)
+    if E % G:
+        raise ValueError(f"num_expert_group: expected a divisor of the number of experts "
+                         f"({E}), got {G}")
+    if topk_group > G:
+        raise ValueError(f"topk_group: expected at most num_expert_group ({G}), got {topk_group}")
+    per = E // G
+    if topk > topk_group * per:
+        raise ValueError(f"topk: expected at most topk_group * experts per group "
+                         f"({topk_group} * {per}), got {topk}")
+    if e_score_correction_bias is not None:
+        _check_bias(e_score_correction_bias, E)
+    call = A.Call("gating_output", gating_output)
+    return _launch(call, gating_output, e_score_correction_bias, topk, G, topk_group,
+                   scoring_func, renormalize, float(routed_scaling_factor), False,
+                   np.dtype(np.int32))
+
+
+def _ids_astype(ids, dt):
+    """Cast topk_ids of any kind (used after a custom routing function)."""
+    root = type(ids).__module__.split(".")[0]
+    if root == "torch":
+        return ids.to(A._torch_dtypes()[1][dt])
+    if hasattr(ids, "astype"):
+        return ids.astype(dt)
+    host = A.to_host(ids).astype(dt)
+    return A.to_device(host)
+
+
+def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renormalize,
+                   topk_group=None, num_expert_group=None, custom_routing_function=None,
+                   scoring_func="softmax", routed_scaling_factor=1.0,
+                   e_score_correction_bias=None, indices_type=None, global_num_experts=None,
+                   zero_expert_num=0, zero_expert_type=None, ops=None):
+    """vLLM's FusedMoE.select_experts with this module's kernels: the reference's dispatcher
+    (reference.routing.select_experts) called with ops=<these functions>.
+
+    Returns (topk_weights f32 [T, K], topk_ids [T, K], zero_expert_result or None). Zero
+    experts (LongCat-Flash) run through the reference on host arrays only.
+    """
+    from reference import routing as ref_routing
+
+    kind = A.kind_of("router_logits", router_logits)
+    zero = bool(zero_expert_num) and zero_expert_type is not None
+    if zero and kind != "host":
+        raise NotImplementedError("zero_expert_num: zero experts run on host (NumPy) arrays "
+                                  "only in the numba backend")
+    ids_dt = _ids_dtype(indices_type)
+    if ops is None:
+        # the dispatcher's ops, producing ids of the asked dtype directly (no extra cast)
+        ops = SimpleNamespace(
+            fused_topk=lambda h, g, k, r, indices_type=None: fused_topk(h, g, k, r, ids_dt),
+            fused_topk_bias=fused_topk_bias, grouped_topk=grouped_topk)
+    weights, ids, zero_result = ref_routing.select_experts(
+        hidden_states, router_logits, top_k, use_grouped_topk, renormalize,
+        topk_group=topk_group, num_expert_group=num_expert_group,
+        custom_routing_function=custom_routing_function, scoring_func=scoring_func,
+        routed_scaling_factor=routed_scaling_factor,
+        e_score_correction_bias=e_score_correction_bias, indices_type=None,
+        global_num_experts=global_num_experts, zero_expert_num=zero_expert_num,
+        zero_expert_type=zero_expert_type, ops=ops)
+    if indices_type is not None and A.dtype_of(ids) != ids_dt:
+        ids = _ids_astype(ids, ids_dt)
+    return weights, ids, zero_result
+
+
+# ----------------------------------------------------------------------------- as a script
+def _main():
+    import reference
+
+    from . import _script as S
+
+    ok, why = A.availability()
+    print(f"numba routing: {why}")
+    if not ok:
+        return 0
+    rng = np.random.default_rng(0)
+    cases = ([(5, 8, 2), (3, 16, 4)] if SIMULATOR
+             else [(1, 8, 2), (256, 128, 8), (4096, 256, 8), (1024, 160, 6)])
+    failures = 0
+    for T, E, K in cases:
+        logits = rng.standard_normal((T, E)).astype(np.float32)   # [T, E]
+        bias = (rng.standard_normal(E) * 0.1).astype(np.float32)   # [E]
+        G = 8 if E % 8 == 0 else 1
+        TG = min(4, G)
+        stages = {
+            "fused_topk": lambda m, x: m.fused_topk(None, x, K, True)[:2],
+            "fused_topk_bias": lambda m, x: m.fused_topk_bias(None, x, bias, K, True, 2.5),
+            "grouped_topk": lambda m, x: m.grouped_topk(None, x, K, True, G, TG, "sigmoid", 2.5,
+                                                        bias),
+        }
+        this = sys.modules[__name__]
+        for name, run in stages.items():
+            (w, ids), (rw, rids) = run(this, logits), run(reference, logits)
+            same = np.array_equal(ids, rids)
+            err = S.rel_err(w, rw)
+            failures += not (same and err <= 1e-5)
+            line = (f"  {name:16s} T={T:5d} E={E:4d} K={K}: ids {'exact' if same else 'DIFFER'}, "
+                    f"weights rel err {err:.1e}")
+            if not SIMULATOR:
+                d = A.to_device(logits)
+                # bytes: the logits in, weights + ids out
+                nbytes = T * E * 4 + T * K * 8
+                ms = S.time_ms(lambda: run(this, d))
+                line += f", {ms * 1e3:8.1f} us, {nbytes / ms / 1e6:7.1f} GB/s"
+            print(line)
+    print("all match" if not failures else f"{failures} mismatches")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
