@@ -453,7 +453,7 @@ def _as_f32(x):
     cp = _cupy()
     if x.dtype == np.float32:
         return cp.ascontiguousarray(x)
-    if np.dtype(x.dtype) == bf16_dtype():
+    if np.dtype(x.dtype) in (bf16_dtype(), np.dtype(np.uint16)):   # uint16: bf16's bytes
         return (raw(x).astype(cp.uint32) << 16).view(cp.float32)
     return x.astype(cp.float32)
 
@@ -666,6 +666,11 @@ def roofline_floor_s(nbytes: float, flops: float) -> float:
 
 # ----------------------------------------------------------------------------- script
 def _main(argv=None):  # pragma: no cover - needs a GPU
+    """Validate every version against reference.grouped_gemm (float64 inputs), then time it.
+
+    --quick: one tiny problem per version and dtype, one timed call (for compute-sanitizer).
+    Prints one PASS/FAIL line per (shape, version); exits 1 when any check fails.
+    """
     import argparse
 
     from reference import grouped_gemm as ref_grouped_gemm
@@ -675,56 +680,83 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     p.add_argument("--versions", default="v1,v2,v3,v4")
     p.add_argument("--dtype", default="bf16", choices=DTYPE_KEYS)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="tiny shapes, one rep (sanitizers)")
     args = p.parse_args(argv)
     ok, why = _compile.availability()
     if not ok:
         raise SystemExit(f"no GPU: {why}")
     cp = _cupy()
-    dt = {"fp32": np.float32, "fp16": np.float16, "bf16": bf16_dtype()}[args.dtype]
+    dts = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": bf16_dtype()}
     rng = np.random.default_rng(0)
-    # (name, T, E, top_k, N, Kdim): GEMM1 of Qwen3-30B-A3B and Mixtral at decode and prefill
-    shapes = [("qwen3 gemm1 T=1", 1, 128, 8, 1536, 2048),
-              ("qwen3 gemm1 T=64", 64, 128, 8, 1536, 2048),
-              ("qwen3 gemm1 T=1024", 1024, 128, 8, 1536, 2048),
-              ("mixtral gemm2 T=16", 16, 8, 2, 4096, 14336),
-              ("mixtral gemm1 T=1024", 1024, 8, 2, 28672, 4096)]
-    print(f"{'shape':24s} {'ver':3s} {'rel err':>9s} {'us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} "
-          f"{'floor':>6s}")
-    for name, T, E, top_k, N, K in shapes:
+    # (name, T, E, top_k, N, Kdim, dtype key)
+    if args.quick:
+        shapes = [("quick N=72 K=136", 7, 4, 2, 72, 136, "bf16"),
+                  ("quick N=72 K=136", 7, 4, 2, 72, 136, "fp32")]
+        reps = 1
+    else:
+        d = args.dtype
+        shapes = [("qwen3 gemm1 T=1", 1, 128, 8, 1536, 2048, d),
+                  ("qwen3 gemm1 T=64", 64, 128, 8, 1536, 2048, d),
+                  ("qwen3 gemm1 T=1024", 1024, 128, 8, 1536, 2048, d),
+                  ("mixtral gemm2 T=16", 16, 8, 2, 4096, 14336, d),
+                  ("mixtral gemm1 T=1024", 1024, 8, 2, 28672, 4096, d)]
+        reps = args.reps
+    print(f"{'shape':22s} {'dt':4s} {'ver':3s} {'check':5s} {'rel err':>9s} {'us':>9s} "
+          f"{'TFLOP/s':>8s} {'GB/s':>7s} {'floor':>6s}")
+    failed = 0
+    for name, T, E, top_k, N, K, dkey in shapes:
+        dt = dts[dkey]
         a_h = rng.standard_normal((T, K), dtype=np.float32).astype(dt)
         w_h = (rng.standard_normal((E, N, K), dtype=np.float32) / math.sqrt(K)).astype(dt)
+        tw_h = rng.random((T, top_k), dtype=np.float32) + np.float32(0.05)
         ids = np.argsort(rng.random((T, E)), axis=1)[:, :top_k].astype(np.int32)
         B = get_config(T, N, K, E, top_k, dt)["BLOCK_M"]
         st, ex, nt = moe_align_block_size(ids, B, E)
         ref = ref_grouped_gemm(a_h.astype(np.float64), w_h.astype(np.float64), st, ex, nt,
-                               top_k, B)
+                               top_k, B, tw_h.astype(np.float64), True)
         a, w = _compile.to_device(a_h), _compile.to_device(w_h)
-        st_d, ex_d, nt_d = cp.asarray(st), cp.asarray(ex), cp.asarray(nt)
+        st_d, ex_d, nt_d, tw_d = cp.asarray(st), cp.asarray(ex), cp.asarray(nt), cp.asarray(tw_h)
         touched = len(set(int(e) for e in ex[: int(nt[0]) // B] if e >= 0))
         flops = gemm_flops(T * top_k, N, K)
-        nbytes = gemm_bytes(touched, T, T * top_k, N, K, np.dtype(dt).itemsize)
+        nbytes = gemm_bytes(touched, T, T * top_k, N, K, dt.itemsize)
+        tol = 1e-5 if dkey == "fp32" else 1e-2
+
+        def call(v, out=None):
+            return grouped_gemm(a, w, st_d, ex_d, nt_d, top_k, B, tw_d, True, version=v, out=out)
+
         for v in args.versions.split(","):
+            out = _compile.empty((T * top_k, N), dt)
+            raw(out).view(cp.uint8).fill(255)          # NaN poison: unwritten rows fail
             try:
-                out = grouped_gemm(a, w, st_d, ex_d, nt_d, top_k, B, version=v)
+                call(v, out)
             except ValueError as e:
-                print(f"{name:24s} {v:3s} skipped: {e}")
+                print(f"{name:22s} {dkey:4s} {v:3s} skip  {e}")
                 continue
-            got = _compile.to_host(out).astype(np.float64)
-            err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+            got = _compile.to_host(out)
+            if got.dtype == np.uint16:
+                got = got.view(bf16_dtype())
+            got = got.astype(np.float64)
+            err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) \
+                if np.isfinite(got).all() else float("inf")
+            verdict = "PASS" if err <= tol else "FAIL"
+            failed += verdict == "FAIL"
             start, stop = cp.cuda.Event(), cp.cuda.Event()
-            for _ in range(3):
-                grouped_gemm(a, w, st_d, ex_d, nt_d, top_k, B, version=v)
+            for _ in range(0 if args.quick else 3):
+                call(v)
             times = []
-            for _ in range(args.reps):
+            for _ in range(reps):
                 start.record()
-                grouped_gemm(a, w, st_d, ex_d, nt_d, top_k, B, version=v)
+                call(v)
                 stop.record()
                 stop.synchronize()
                 times.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3)
             t = float(np.median(times))
-            print(f"{name:24s} {v:3s} {err:9.2e} {t * 1e6:9.1f} {flops / t / 1e12:8.1f} "
-                  f"{nbytes / t / 1e9:7.0f} {roofline_floor_s(nbytes, flops) / t:6.2f}")
+            print(f"{name:22s} {dkey:4s} {v:3s} {verdict:5s} {err:9.2e} {t * 1e6:9.1f} "
+                  f"{flops / t / 1e12:8.2f} {nbytes / t / 1e9:7.0f} "
+                  f"{roofline_floor_s(nbytes, flops) / t:6.2f}")
+    print("ok" if not failed else f"{failed} check(s) FAILED")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":  # pragma: no cover
-    _main()
+    raise SystemExit(_main())
