@@ -245,7 +245,7 @@ def _availability() -> tuple[bool, str]:
         if not cupy.cuda.is_available():
             return False, "cupy imports but no usable CUDA device / driver (cupy.cuda.is_available())"
         cupy.cuda.runtime.getDeviceCount()
-        cupy.cuda.Device().compute_capability
+        _ = cupy.cuda.Device().compute_capability  # raises when the device is unusable
     except Exception as e:
         return False, f"CUDA device not usable ({type(e).__name__}: {e})"
     return True, ""

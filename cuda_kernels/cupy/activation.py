@@ -121,3 +121,31 @@ def apply_activation(x, activation="silu", is_act_and_mul=True):
         raise ValueError(f"activation: expected one of {sorted(_NO_MUL)} with "
                          f"is_act_and_mul=False, got {activation!r}")
     return _no_mul(x, activation)
+
+
+# ----------------------------------------------------------------------------- script
+def _main():
+    ok, why = C.availability()
+    if not ok:
+        raise SystemExit(f"needs a CUDA GPU: {why}")
+    import reference
+
+    rng = np.random.default_rng(0)
+    print(f"{'case':44s} {'rel err':>9s} {'median us':>10s} {'GB/s':>8s}")
+    for dtype in C.float_dtypes():
+        for M, N, act, mul in ((32768, 2 * 768, "silu", True), (8192, 2 * 2048, "silu", True),
+                               (8192, 2 * 2048, "swigluoai", True), (8192, 2 * 2048, "gelu", True),
+                               (8192, 2048, "relu2", False)):
+            x = (2 * rng.standard_normal((M, N))).astype(dtype)                 # [M, N]
+            d_x = C.to_device(x)
+            got = apply_activation(d_x, act, mul)
+            err = C.rel_err(C.to_host(got), reference.apply_activation(x, act, mul))
+            ms = C.median(C.cuda_time(lambda d_x=d_x, act=act, mul=mul:
+                                      apply_activation(d_x, act, mul)))
+            nbytes = x.nbytes + got.nbytes  # read x once, write the output once
+            name = f"{act}{'_and_mul' if mul else ''} M={M} N={N} {np.dtype(dtype).name}"
+            print(f"{name:44s} {err:9.2e} {ms * 1e3:10.1f} {nbytes / ms / 1e6:8.1f}")
+
+
+if __name__ == "__main__":
+    _main()

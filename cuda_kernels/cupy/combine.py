@@ -48,3 +48,29 @@ def moe_sum(x):
     kernel((T * chunks,), (threads,),
            (C.raw(x), C.raw(out), np.int32(T), np.int32(K), np.int32(H), np.int32(chunks)))
     return out
+
+
+# ----------------------------------------------------------------------------- script
+def _main():
+    ok, why = C.availability()
+    if not ok:
+        raise SystemExit(f"needs a CUDA GPU: {why}")
+    import reference
+
+    rng = np.random.default_rng(0)
+    print(f"{'case':40s} {'rel err':>9s} {'median us':>10s} {'GB/s':>8s}")
+    for dtype in C.float_dtypes():
+        for T, K, H in ((1, 8, 7168), (64, 8, 7168), (4096, 8, 2048), (4096, 2, 4096),
+                        (16384, 8, 7168)):
+            x = rng.standard_normal((T, K, H)).astype(dtype)                    # [T, K, H]
+            d_x = C.to_device(x)
+            got = moe_sum(d_x)
+            err = C.rel_err(C.to_host(got), reference.moe_sum(x))
+            ms = C.median(C.cuda_time(lambda d_x=d_x: moe_sum(d_x)))
+            nbytes = x.nbytes + got.nbytes  # read [T, K, H], write [T, H]
+            name = f"moe_sum T={T} K={K} H={H} {np.dtype(dtype).name}"
+            print(f"{name:40s} {err:9.2e} {ms * 1e3:10.1f} {nbytes / ms / 1e6:8.1f}")
+
+
+if __name__ == "__main__":
+    _main()
