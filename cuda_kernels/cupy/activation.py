@@ -15,6 +15,8 @@ Run as a script to validate against reference/ and time: python -m cuda_kernels.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from . import _compile as C
@@ -124,7 +126,9 @@ def apply_activation(x, activation="silu", is_act_and_mul=True):
 
 
 # ----------------------------------------------------------------------------- script
-def _main():
+def _main(argv=None):
+    quick = "--quick" in (sys.argv[1:] if argv is None else argv)  # small shapes (sanitizers)
+    timed = (lambda f: C.cuda_time(f, 1, 3)) if quick else C.cuda_time
     ok, why = C.availability()
     if not ok:
         raise SystemExit(f"needs a CUDA GPU: {why}")
@@ -133,14 +137,17 @@ def _main():
     rng = np.random.default_rng(0)
     print(f"{'case':44s} {'rel err':>9s} {'median us':>10s} {'GB/s':>8s}")
     for dtype in C.float_dtypes():
-        for M, N, act, mul in ((32768, 2 * 768, "silu", True), (8192, 2 * 2048, "silu", True),
-                               (8192, 2 * 2048, "swigluoai", True), (8192, 2 * 2048, "gelu", True),
-                               (8192, 2048, "relu2", False)):
+        cases = ((32768, 2 * 768, "silu", True), (8192, 2 * 2048, "silu", True),
+                 (8192, 2 * 2048, "swigluoai", True), (8192, 2 * 2048, "gelu", True),
+                 (8192, 2048, "relu2", False))
+        if quick:
+            cases = tuple((33, N // 16 + 2, act, mul) for _, N, act, mul in cases)
+        for M, N, act, mul in cases:
             x = (2 * rng.standard_normal((M, N))).astype(dtype)                 # [M, N]
             d_x = C.to_device(x)
             got = apply_activation(d_x, act, mul)
             err = C.rel_err(C.to_host(got), reference.apply_activation(x, act, mul))
-            ms = C.median(C.cuda_time(lambda d_x=d_x, act=act, mul=mul:
+            ms = C.median(timed(lambda d_x=d_x, act=act, mul=mul:
                                       apply_activation(d_x, act, mul)))
             nbytes = x.nbytes + got.nbytes  # read x once, write the output once
             name = f"{act}{'_and_mul' if mul else ''} M={M} N={N} {np.dtype(dtype).name}"

@@ -11,6 +11,8 @@ Run as a script to validate against reference/ and time: python -m cuda_kernels.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from . import _compile as C
@@ -51,7 +53,9 @@ def moe_sum(x):
 
 
 # ----------------------------------------------------------------------------- script
-def _main():
+def _main(argv=None):
+    quick = "--quick" in (sys.argv[1:] if argv is None else argv)  # small shapes (sanitizers)
+    timed = (lambda f: C.cuda_time(f, 1, 3)) if quick else C.cuda_time
     ok, why = C.availability()
     if not ok:
         raise SystemExit(f"needs a CUDA GPU: {why}")
@@ -60,13 +64,15 @@ def _main():
     rng = np.random.default_rng(0)
     print(f"{'case':40s} {'rel err':>9s} {'median us':>10s} {'GB/s':>8s}")
     for dtype in C.float_dtypes():
-        for T, K, H in ((1, 8, 7168), (64, 8, 7168), (4096, 8, 2048), (4096, 2, 4096),
-                        (16384, 8, 7168)):
+        cases = ((1, 8, 7168), (64, 8, 7168), (4096, 8, 2048), (4096, 2, 4096), (16384, 8, 7168))
+        if quick:
+            cases = ((1, 8, 72), (9, 3, 130))
+        for T, K, H in cases:
             x = rng.standard_normal((T, K, H)).astype(dtype)                    # [T, K, H]
             d_x = C.to_device(x)
             got = moe_sum(d_x)
             err = C.rel_err(C.to_host(got), reference.moe_sum(x))
-            ms = C.median(C.cuda_time(lambda d_x=d_x: moe_sum(d_x)))
+            ms = C.median(timed(lambda d_x=d_x: moe_sum(d_x)))
             nbytes = x.nbytes + got.nbytes  # read [T, K, H], write [T, H]
             name = f"moe_sum T={T} K={K} H={H} {np.dtype(dtype).name}"
             print(f"{name:40s} {err:9.2e} {ms * 1e3:10.1f} {nbytes / ms / 1e6:8.1f}")

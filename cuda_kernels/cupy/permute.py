@@ -20,6 +20,8 @@ Run as a script to validate against reference/ and time: python -m cuda_kernels.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from . import _compile as C
@@ -212,7 +214,9 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
 
 
 # ----------------------------------------------------------------------------- script
-def _main():
+def _main(argv=None):
+    quick = "--quick" in (sys.argv[1:] if argv is None else argv)  # small shapes (sanitizers)
+    timed = (lambda f: C.cuda_time(f, 1, 3)) if quick else C.cuda_time
     ok, why = C.availability()
     if not ok:
         raise SystemExit(f"needs a CUDA GPU: {why}")
@@ -221,17 +225,21 @@ def _main():
     rng = np.random.default_rng(0)
     bf16 = C.bf16_dtype()
     print(f"{'case':48s} {'check':>10s} {'median us':>10s} {'GB/s':>8s}")
-    for T, E, K, B in ((16, 8, 2, 16), (4096, 256, 8, 64), (4096, 128, 8, 64), (16384, 256, 8, 128)):
+    align_cases = ((16, 8, 2, 16), (4096, 256, 8, 64), (4096, 128, 8, 64), (16384, 256, 8, 128))
+    permute_cases = ((1024, 256, 8, 7168), (4096, 128, 8, 2048))
+    if quick:
+        align_cases, permute_cases = ((16, 8, 2, 16), (300, 256, 8, 64)), ((33, 16, 4, 136),)
+    for T, E, K, B in align_cases:
         ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)  # [T, K]
         d_ids = C.to_device(ids)
         got = [C.to_host(a) for a in moe_align_block_size(d_ids, B, E)]
         want = reference.moe_align_block_size(ids, B, E)
         same = all((g == w).all() for g, w in zip(got, want))
-        ms = C.median(C.cuda_time(lambda d_ids=d_ids, B=B, E=E: moe_align_block_size(d_ids, B, E)))
+        ms = C.median(timed(lambda d_ids=d_ids, B=B, E=E: moe_align_block_size(d_ids, B, E)))
         nbytes = (ids.size + want[0].size + want[1].size + 1) * 4  # ids in, three outputs out
         print(f"{f'moe_align_block_size T={T} E={E} K={K} B={B}':48s} "
               f"{'exact' if same else 'MISMATCH':>10s} {ms * 1e3:10.1f} {nbytes / ms / 1e6:8.1f}")
-    for T, E, K, H in ((1024, 256, 8, 7168), (4096, 128, 8, 2048)):
+    for T, E, K, H in permute_cases:
         ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
         x = rng.standard_normal((T, H)).astype(bf16)                              # [T, H]
         d_x, d_ids = C.to_device(x), C.to_device(ids)
@@ -239,7 +247,7 @@ def _main():
         want = reference.moe_permute(x, ids, E)
         same = all((C.to_host(g).view(np.uint8) == w.view(np.uint8)).all()
                    for g, w in zip(got, want))
-        ms = C.median(C.cuda_time(lambda d_x=d_x, d_ids=d_ids, E=E: moe_permute(d_x, d_ids, E)))
+        ms = C.median(timed(lambda d_x=d_x, d_ids=d_ids, E=E: moe_permute(d_x, d_ids, E)))
         nbytes = (T * H + T * K * H) * 2 + ids.size * 8  # x once, x_grouped, ids + inv
         print(f"{f'moe_permute T={T} E={E} K={K} H={H} bf16':48s} "
               f"{'exact' if same else 'MISMATCH':>10s} {ms * 1e3:10.1f} {nbytes / ms / 1e6:8.1f}")
@@ -248,7 +256,7 @@ def _main():
         d_y, d_w, d_inv = C.to_device(y), C.to_device(w8), got[2]
         out = moe_unpermute(d_y, d_w, d_inv)
         err = C.rel_err(C.to_host(out), reference.moe_unpermute(y, w8, want[2]))
-        ms = C.median(C.cuda_time(lambda d_y=d_y, d_w=d_w, d_inv=d_inv: moe_unpermute(d_y, d_w, d_inv)))
+        ms = C.median(timed(lambda d_y=d_y, d_w=d_w, d_inv=d_inv: moe_unpermute(d_y, d_w, d_inv)))
         nbytes = (T * K * H + T * H) * 2 + T * K * 8  # y in, out, weights + inv
         print(f"{f'moe_unpermute T={T} K={K} H={H} bf16':48s} {err:10.2e} {ms * 1e3:10.1f} "
               f"{nbytes / ms / 1e6:8.1f}")

@@ -20,6 +20,8 @@ Run as a script to validate against reference/ and time: python -m cuda_kernels.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from . import _compile as C
@@ -204,7 +206,8 @@ _THIS = _This()
 
 
 # ----------------------------------------------------------------------------- script
-def _main():
+def _main(argv=None):
+    quick = "--quick" in (sys.argv[1:] if argv is None else argv)  # small shapes (sanitizers)
     ok, why = C.availability()
     if not ok:
         raise SystemExit(f"needs a CUDA GPU: {why}")
@@ -220,6 +223,8 @@ def _main():
         ("deepseek-v3 grouped sigmoid+bias", 4096, 256, 8, 8, 4, "sigmoid", True),
         ("biased softmax E=512 K=22", 1000, 512, 22, 0, 0, "softmax", True),
     ]
+    if quick:
+        cases = [(n, 37, E, K, G, TG, sc, b) for n, _, E, K, G, TG, sc, b in cases]
     for name, T, E, K, G, TG, scoring, has_bias in cases:
         logits = rng.standard_normal((T, E)).astype(bf16)                    # [T, E]
         bias = (0.1 * rng.standard_normal(E)).astype(np.float32) if has_bias else None
@@ -239,7 +244,7 @@ def _main():
         w, ids = run()
         same = float((C.to_host(ids) == ref[1]).all(axis=1).mean())
         err = C.rel_err(C.to_host(w), ref[0])
-        ms = C.median(C.cuda_time(run))
+        ms = C.median(C.cuda_time(run, 1, 3) if quick else C.cuda_time(run))
         # bytes it must move: the logits in, weights and ids out (and the bias)
         nbytes = T * E * logits.itemsize + T * K * 8 + (E * 4 if has_bias else 0)
         print(f"{name:40s} {same:9.4f} {err:9.2e} {ms * 1e3:10.1f} {nbytes / ms / 1e6:8.1f}")
