@@ -3,20 +3,18 @@ checks, the CPU communicator's collectives (one launched group checks them all),
 EPLB runtime maps. Multi-process parity and faults live in test_ep_layer / test_ep_faults."""
 import threading
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 from reference import determine_expert_map
 from sandbox.ep import launch
+from sandbox.ep.checks import COLLECTIVE_CHECKS, run_collectives
 from sandbox.ep.comm_cpu import CpuCommunicator
 from sandbox.ep.errors import ConfigMismatchError, StoreTimeoutError
 from sandbox.ep.eplb_runtime import ExpertPlacement, LoadRecorder, check_divisible, \
     rearrange_plan
 from sandbox.ep.launch import DistEnv, validate_rank_infos
 from sandbox.ep.store import StoreClient, StoreServer
-
-BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 # ------------------------------------------------------------------------------- store
@@ -173,61 +171,6 @@ def test_single_rank_communicator_needs_no_sockets():
     comm.destroy()
 
 
-def _collectives(comm):
-    """Every collective against its definition, computed from what each rank sends."""
-    r, W = comm.rank, comm.world_size
-    rng = lambda p: np.random.default_rng(1000 + p)  # noqa: E731  (rank p's data)
-    res = {}
-    xs = [rng(p).standard_normal((3, 5)).astype(np.float32) for p in range(W)]
-    res["all_gather"] = np.array_equal(comm.all_gather(xs[r]), np.stack(xs))
-    bs = [x.astype(BF16) for x in xs]
-    got = comm.all_gather(bs[r])
-    res["all_gather_bf16"] = got.dtype == BF16 and np.array_equal(
-        got.view(np.uint16), np.stack(bs).view(np.uint16))
-    big = [rng(p).standard_normal((W, 64, 33)).astype(np.float32) for p in range(W)]
-    want = sum(b[r].astype(np.float32) for b in big)
-    res["reduce_scatter"] = np.allclose(comm.reduce_scatter(big[r]), want, rtol=1e-6)
-    rs_bf16 = comm.reduce_scatter(big[r].astype(BF16))
-    res["reduce_scatter_bf16_dtype"] = rs_bf16.dtype == BF16
-    ar = comm.all_reduce(xs[r])
-    res["all_reduce"] = np.allclose(ar, sum(xs), rtol=1e-6)
-    # every rank must get bit-identical sums (rank-order accumulation)
-    res["all_reduce_identical"] = bool(np.all(comm.all_gather(ar) == ar))
-    # variable splits, zeros included: rank p sends (p + q) % 3 rows to rank q
-    counts = [np.array([(p + q) % 3 for q in range(W)]) for p in range(W)]
-    rows = [np.concatenate([np.full((counts[p][q], 4), 100 * p + q, dtype=np.int32)
-                            for q in range(W)]) for p in range(W)]
-    meta = [rows[p][:, 0].astype(np.float64) * 0.5 for p in range(W)]
-    (out, out_meta), rc = comm.all_to_all_v([rows[r], meta[r]], counts[r])
-    want_rows = np.concatenate([np.full((counts[p][r], 4), 100 * p + r, dtype=np.int32)
-                                for p in range(W)])
-    res["all_to_all_v"] = np.array_equal(out, want_rows) and np.array_equal(
-        out_meta, want_rows[:, 0] * 0.5) and rc.tolist() == [counts[p][r] for p in range(W)]
-    # grouped send/recv in a ring, both directions at once, payloads larger than a socket
-    # buffer (a blocking implementation would deadlock here)
-    n = 1 << 19
-    right, left = (r + 1) % W, (r - 1) % W
-    to_right = np.full(n, r, dtype=np.float32)
-    from_left = np.empty(n, dtype=np.float32)
-    to_left = np.full(n, -r, dtype=np.float32)
-    from_right = np.empty(n, dtype=np.float32)
-    with comm.group():
-        comm.send(to_right, right)
-        comm.send(to_left, left)
-        comm.recv(from_left, left)
-        comm.recv(from_right, right)
-    res["ring"] = bool(np.all(from_left == left) and np.all(from_right == -right))
-    # a send to oneself inside a group is a copy
-    mine = np.empty(3, dtype=np.int64)
-    with comm.group():
-        comm.send(np.array([r, r, r]), r)
-        comm.recv(mine, r)
-    res["self_send"] = mine.tolist() == [r, r, r]
-    res["counts"] = comm.exchange_counts(np.arange(W) + r).tolist() == [p + r for p in range(W)]
-    comm.barrier()
-    return res
-
-
 def _size_mismatch(comm):
     """Rank 1 receives into a buffer of the wrong size: a clear error, not a hang."""
     if comm.rank == 0:
@@ -238,13 +181,10 @@ def _size_mismatch(comm):
 
 @pytest.fixture(scope="module")
 def collective_results():
-    return launch(_collectives, 3, timeout=30)
+    return launch(run_collectives, 3, timeout=30)
 
 
-@pytest.mark.parametrize("check", ["all_gather", "all_gather_bf16", "reduce_scatter",
-                                   "reduce_scatter_bf16_dtype", "all_reduce",
-                                   "all_reduce_identical", "all_to_all_v", "ring", "self_send",
-                                   "counts"])
+@pytest.mark.parametrize("check", COLLECTIVE_CHECKS)
 def test_cpu_collectives(collective_results, check):
     assert all(res[check] for res in collective_results), \
         [res[check] for res in collective_results]
@@ -259,8 +199,8 @@ def test_size_mismatch_is_a_clear_error():
 
 def test_launch_argument_errors():
     with pytest.raises(ValueError, match="backend: expected one of"):
-        launch(_collectives, 2, backend="mpi")
+        launch(run_collectives, 2, backend="mpi")
     with pytest.raises(ValueError, match="world_size: expected a positive int"):
-        launch(_collectives, 0)
+        launch(run_collectives, 0)
     with pytest.raises(ValueError, match="devices: expected 2 device indices"):
-        launch(_collectives, 2, devices=[0])
+        launch(run_collectives, 2, devices=[0])

@@ -109,3 +109,15 @@ def test_bad_config_raises(kwargs, match):
     base = dict(num_experts=8, top_k=2, hidden_size=8, intermediate_size=8)
     with pytest.raises((ValueError, TypeError), match=match):
         EPConfig(**{**base, **kwargs})
+
+
+def test_cli_eplb_and_check(capsys):
+    from sandbox.ep import cli_main
+
+    assert cli_main(["eplb", "--experts", "8", "--gpus", "2", "--redundant", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU 1: experts" in out and "max GPU load, EPLB" in out
+    assert cli_main(["eplb", "--experts", "8", "--gpus", "3", "--redundant", "0"]) == 2
+    assert "num_physical: expected a multiple of num_gpus=3" in capsys.readouterr().err
+    assert cli_main(["check", "--cpu", "2", "--quick"]) == 0
+    assert "all checks passed" in capsys.readouterr().out

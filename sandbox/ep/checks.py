@@ -194,6 +194,89 @@ def run_parity(comm, cases, backend: str = "reference") -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------
+# the communicator's collectives against their definitions (any backend)
+# ---------------------------------------------------------------------------------------
+COLLECTIVE_CHECKS = ("all_gather", "all_gather_bf16", "reduce_scatter", "reduce_scatter_bf16",
+                     "all_reduce", "all_reduce_identical", "all_to_all_v", "all_to_all_v_counts",
+                     "ring", "self_send", "counts")
+
+
+def run_collectives(comm) -> dict:
+    """Every collective against its definition, computed on the host from what each rank
+    sends (each rank regenerates its peers' data from their seeds)."""
+    import ml_dtypes
+
+    from .dispatch import view_as
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    xp = comm.xp
+    r, W = comm.rank, comm.world_size
+
+    def dev(a):  # host -> the communicator's array module (bf16 through its bytes)
+        a = np.ascontiguousarray(a)
+        return view_as(xp.asarray(a.view(np.uint16) if a.dtype == bf16 else a), a.dtype)
+
+    def host(a):
+        return np.asarray(comm.to_host(a))
+
+    def rng(p):
+        return np.random.default_rng(1000 + p)
+
+    res = {}
+    xs = [rng(p).standard_normal((3, 5)).astype(np.float32) for p in range(W)]
+    res["all_gather"] = np.array_equal(host(comm.all_gather(dev(xs[r]))), np.stack(xs))
+    bs = [x.astype(bf16) for x in xs]
+    got = host(comm.all_gather(dev(bs[r])))
+    res["all_gather_bf16"] = np.array_equal(got.view(np.uint16), np.stack(bs).view(np.uint16))
+    big = [rng(p).standard_normal((W, 64, 33)).astype(np.float32) for p in range(W)]
+    want = sum(b[r].astype(np.float64) for b in big)
+    res["reduce_scatter"] = bool(np.allclose(host(comm.reduce_scatter(dev(big[r]))), want,
+                                             rtol=1e-5, atol=1e-5))
+    got = host(comm.reduce_scatter(dev(big[r].astype(bf16)), dtype=bf16))
+    res["reduce_scatter_bf16"] = bool(np.allclose(got.view(bf16).astype(np.float64), want,
+                                                  rtol=3e-2, atol=3e-2))
+    ar = comm.all_reduce(dev(xs[r]))
+    res["all_reduce"] = bool(np.allclose(host(ar), sum(x.astype(np.float64) for x in xs),
+                                         rtol=1e-5, atol=1e-6))
+    # every rank must hold bit-identical sums
+    res["all_reduce_identical"] = bool(np.all(host(comm.all_gather(ar)) == host(ar)))
+    # variable splits, zeros included: rank p sends (p + q) % 3 rows to rank q
+    counts = [np.array([(p + q) % 3 for q in range(W)]) for p in range(W)]
+    rows = [np.concatenate([np.full((counts[p][q], 4), 100 * p + q, dtype=np.int32)
+                            for q in range(W)]) for p in range(W)]
+    meta = [(rows[p][:, 0] * 0.5).astype(bf16) for p in range(W)]
+    (out, out_meta), rc = comm.all_to_all_v([dev(rows[r]), dev(meta[r])], counts[r])
+    want_rows = np.concatenate([np.full((counts[p][r], 4), 100 * p + r, dtype=np.int32)
+                                for p in range(W)])
+    res["all_to_all_v"] = bool(np.array_equal(host(out), want_rows) and np.array_equal(
+        host(out_meta).view(np.uint16), (want_rows[:, 0] * 0.5).astype(bf16).view(np.uint16)))
+    res["all_to_all_v_counts"] = rc.tolist() == [int(counts[p][r]) for p in range(W)]
+    # grouped send/recv in a ring, both directions at once, payloads larger than a socket
+    # buffer (a blocking implementation would deadlock here)
+    n = 1 << 19
+    right, left = (r + 1) % W, (r - 1) % W
+    from_left = xp.empty(n, dtype=np.float32)
+    from_right = xp.empty(n, dtype=np.float32)
+    with comm.group():
+        comm.send(dev(np.full(n, r, dtype=np.float32)), right)
+        comm.send(dev(np.full(n, -r, dtype=np.float32)), left)
+        comm.recv(from_left, left)
+        comm.recv(from_right, right)
+    res["ring"] = bool(np.all(host(from_left) == left) and np.all(host(from_right) == -right))
+    # a send to oneself inside a group is a copy
+    mine = xp.empty(3, dtype=np.int64)
+    with comm.group():
+        comm.send(dev(np.array([r, r, r], dtype=np.int64)), r)
+        comm.recv(mine, r)
+    res["self_send"] = host(mine).tolist() == [r, r, r]
+    send, recv = comm.counts_phase(dev(np.arange(W) + r))
+    res["counts"] = send.tolist() == list(range(r, r + W)) and \
+        recv.tolist() == [r + p for p in range(W)]
+    comm.barrier()
+    return res
+
+
+# ---------------------------------------------------------------------------------------
 # refusals (each raises before any collective, so one launched group checks them all)
 # ---------------------------------------------------------------------------------------
 def run_refusals(comm) -> dict:

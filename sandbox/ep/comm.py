@@ -73,6 +73,14 @@ def _accumulator(dtype) -> np.dtype:
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
+class _DeferredCounts:
+    def __init__(self, comm, counts):
+        self.comm, self.counts = comm, counts
+
+    def wait(self):
+        return self.comm.counts_phase(self.counts)
+
+
 class Communicator:
     """Base class: rank bookkeeping, the store, and collectives over send/recv."""
 
@@ -215,6 +223,12 @@ class Communicator:
                     self.recv(recv[p:p + 1], p)
         return np.asarray(self.to_host(recv)).astype(np.int64)
 
+    def counts_phase_async(self, send_counts):
+        """Start phase one; `.wait()` returns (send host [W], recv host [W]). The caller can
+        enqueue work between the two (NCCL overlaps the exchange with it; the CPU
+        communicator exchanges at wait())."""
+        return _DeferredCounts(self, send_counts)
+
     def counts_phase(self, send_counts):
         """Phase one from counts anywhere (host or device): (send host [W], recv host [W])."""
         send = np.asarray(self.to_host(send_counts), dtype=np.int64).reshape(-1)
@@ -258,12 +272,10 @@ class Communicator:
         if send_counts[r] != recv_counts[r]:
             raise CommUsageError(f"rank {r}: all_to_all_v sends {send_counts[r]} rows to itself "
                                  f"but expects {recv_counts[r]}")
-        for a, o in zip(arrays, outs):  # own rows: a local copy, no transport
-            o[ro[r]:ro[r + 1]] = a[so[r]:so[r + 1]]
+        # the own rows travel inside the group too: NCCL copies them in the same kernel as the
+        # peers' rows (concurrently), where a separate copy would run before the transfers
         with self._op("all_to_all_v"), self.group():
             for p in range(self.world_size):
-                if p == r:
-                    continue
                 for a, o in zip(arrays, outs):
                     if send_counts[p]:
                         self.send(a[so[p]:so[p + 1]], p)

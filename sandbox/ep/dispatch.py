@@ -16,10 +16,11 @@ Two schemes, both exact (they change where the work happens, never the math):
     bytes per rank: (W-1) * T * (H*b + 8K) in, (W-1) * T * H*b out (b = dtype bytes).
 
 (b) "alltoall" (MegaBlocks / DeepEP's shape): only the routed (token, slot) rows move.
-        dispatch   dest[t, k] = phys_id // P_l; moe_permute by dest groups the P slot rows
-                   by destination rank (x_sorted [P, H], offsets [W+1], inv [P]); phase 1
-                   exchanges the W counts, phase 2 the rows and their local expert ids
-                   (all_to_all_v) -> x_recv [R, H], local ids [R]
+        dispatch   dest[t, k] = phys_id // P_l; phase 1 exchanges the W counts (a
+                   histogram of dest), overlapped with moe_permute by dest, which groups
+                   the P slot rows by destination rank (x_sorted [P, H], inv [P]); phase 2
+                   moves the rows and their local expert ids (all_to_all_v)
+                   -> x_recv [R, H], local ids [R]
         experts    the owner runs each received row through its one expert, unweighted
                    (top-1 with weight 1) -> y_recv [R, H]
         combine    all_to_all_v back (the counts are known: the reverse of phase 1), then
@@ -150,11 +151,15 @@ def alltoall_dispatch(comm, ops, x, topk_ids, experts_per_rank: int, topk_weight
     W = comm.world_size
     ids = topk_ids.astype(xp.int32)
     dest = ids // experts_per_rank                                   # [T, K] owning rank
+    # phase one starts first, from a histogram of the destinations, so that the exchange of
+    # the counts (and its host sync) overlaps the row gather below
+    counts = xp.bincount(dest.reshape(-1), minlength=W)[:W] if T else xp.zeros(W, xp.int64)
+    pending = comm.counts_phase_async(counts)
     if T == 0:  # nothing to send, but the exchange still runs (peers may send to us)
         x_sorted = view_as(xp.zeros((0, H), dtype=raw(x).dtype), x.dtype)
-        offsets, inv = xp.zeros(W + 1, dtype=xp.int32), xp.zeros(0, dtype=xp.int32)
+        inv = xp.zeros(0, dtype=xp.int32)
     else:
-        x_sorted, offsets, inv = ops.moe_permute(x, dest, W)         # [P, H], [W+1], [P]
+        x_sorted, _, inv = ops.moe_permute(x, dest, W)               # [P, H], [W+1], [P]
     inv = inv.astype(xp.int64)
     local = (ids % experts_per_rank).reshape(-1)                     # [P]
     meta_cols = [local]
@@ -163,7 +168,7 @@ def alltoall_dispatch(comm, ops, x, topk_ids, experts_per_rank: int, topk_weight
     meta = xp.empty((local.size, len(meta_cols)), dtype=xp.int32)   # [P, 1 or 2]
     for c, col in enumerate(meta_cols):
         meta[inv, c] = col                                           # same order as x_sorted
-    send_counts, recv_counts = comm.counts_phase(offsets[1:] - offsets[:-1])
+    send_counts, recv_counts = pending.wait()
     (x_recv, meta_recv), _ = comm.all_to_all_v([raw(x_sorted), meta], send_counts,
                                                recv_counts=recv_counts)
     weights_recv = None

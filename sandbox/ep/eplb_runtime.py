@@ -105,14 +105,15 @@ class ExpertPlacement:
         m[rank * self.per_rank:(rank + 1) * self.per_rank] = np.arange(self.per_rank)
         return m
 
-    def to_physical(self, topk_ids, rank: int, xp=np):
+    def to_physical(self, topk_ids, rank: int, xp=np, maps=None):
         """Logical ids [T, K] -> physical ids [T, K] (int32), replica (t + rank) % logcnt[e].
 
-        Runs in `xp` (NumPy or CuPy) on the ids' device; the maps are tiny copies."""
+        Runs in `xp` (NumPy or CuPy) on the ids' device; `maps` = (logcnt, log2phy) already
+        there (else tiny copies are made)."""
         ids = topk_ids
         T = ids.shape[0]
-        cnt = xp.asarray(self.logcnt)
-        log2phy = xp.asarray(self.log2phy)
+        cnt, log2phy = maps if maps is not None else (xp.asarray(self.logcnt),
+                                                      xp.asarray(self.log2phy))
         t = xp.arange(T, dtype=xp.int64)[:, None] + rank         # [T, 1]
         e = ids.astype(xp.int64)
         replica = t % cnt[e]                                      # [T, K]

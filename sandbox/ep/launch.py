@@ -359,7 +359,9 @@ def launch(fn, world_size: int, backend: str = "cpu", *, args=(), kwargs=None,
                         continue  # its last message is still in the pipe: read it first
                     code = procs[r].exitcode
                     how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                    failures[r] = ("died", f"rank {r} {how} without reporting a result", "")
+                    note = server.get_local(f"error/{r}")  # a watchdog's last word, if any
+                    why = f" ({note.decode(errors='replace')})" if note else ""
+                    failures[r] = ("died", f"rank {r} {how} without reporting a result{why}", "")
                     order.append(r)
                     server.set_local(f"error/{r}", f"rank {r} {how}".encode())
                     pending.discard(r)

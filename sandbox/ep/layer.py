@@ -315,6 +315,19 @@ class EPMoE:
         self.e_score_correction_bias = b
         self._dev.pop("e_score_correction_bias", None)
 
+    def set_device_parameters(self, **params):
+        """Hand the stage backend ready arrays (e.g. random weights made on the GPU by a
+        benchmark, `w13_weight=[P_l, 2I, H]`): the host copies are bypassed (and stay
+        unloaded); loading weights or moving experts replaces them again."""
+        for name, arr in params.items():
+            host = getattr(self.experts, name, None) if name in _PARAMS else None
+            if host is None:
+                raise ValueError(f"{name}: expected one of the layer's parameters "
+                                 f"{[n for n in _PARAMS if getattr(self.experts, n) is not None]}")
+            if tuple(arr.shape) != host.shape:
+                raise ValueError(f"{name}: expected shape {host.shape}, got {tuple(arr.shape)}")
+            self._dev[name] = arr
+
     def _param(self, name):
         """A parameter as the stage backend reads it (device copy cached)."""
         if name in self._dev:
@@ -412,12 +425,21 @@ class EPMoE:
         topk_weights, topk_ids = self.route(x, logits)
         if self.record_load:
             self.load.record(topk_ids)
-        phys = self.placement.to_physical(topk_ids, comm.rank, xp)              # [T, K]
+        phys = self.placement.to_physical(topk_ids, comm.rank, xp,                # [T, K]
+                                          maps=(self._map("logcnt"), self._map("log2phy")))
         if c.scheme == "allgather":
             return self._forward_allgather(x, topk_weights, phys)
         return self._forward_alltoall(x, topk_weights, phys)
 
     __call__ = forward
+
+    def _map(self, name):
+        """A placement map (logcnt, log2phy) in the communicator's array module, cached."""
+        key = "placement_" + name
+        if key not in self._dev:
+            host = getattr(self.placement, name)
+            self._dev[key] = host if self.comm.xp is np else self.comm.xp.asarray(host)
+        return self._dev[key]
 
     def _expert_map(self):
         if "expert_map" not in self._dev:
@@ -445,16 +467,28 @@ class EPMoE:
             topk_weights=topk_weights if on_input else None)
         R = x_recv.shape[0]
         if on_input:  # the owner scales GEMM1 (vLLM's top-1 rule); the combine adds plainly
-            y = self.experts_forward(x_recv, local_ids[:, None], w_recv[:, None],
+            y = self.experts_forward(x_recv, local_ids.reshape(-1, 1), w_recv.reshape(-1, 1),
                                      self.experts_per_rank, mul_gemm1=True, mul_gemm2=False)
             combine_w = xp.ones(topk_weights.shape, dtype=xp.float32)
         else:  # unweighted expert rows; the weighted sum happens at the source
-            y = self.experts_forward(x_recv, local_ids[:, None], None, self.experts_per_rank,
+            y = self.experts_forward(x_recv, local_ids.reshape(-1, 1), None, self.experts_per_rank,
                                      mul_gemm1=False, mul_gemm2=False)
             combine_w = topk_weights
         self.last_stats = {"scheme": "alltoall", "rows_sent": st.send_counts.tolist(),
                            "rows_received": st.recv_counts.tolist(), "rows_computed": int(R)}
         return alltoall_combine(comm, self.ops, y, st, combine_w)
+
+    def with_scheme(self, scheme: str) -> "EPMoE":
+        """A twin of this layer that shares its weights and placement but dispatches with
+        `scheme` (checked across ranks like the config)."""
+        import copy
+
+        if scheme not in SCHEMES:
+            raise ValueError(f"scheme: expected one of {list(SCHEMES)}, got {scheme!r}")
+        self.comm.agree("EP layer scheme", {"scheme": scheme})
+        other = copy.copy(self)
+        other.config = dataclasses.replace(self.config, scheme=scheme)
+        return other
 
     # ---- EPLB ---------------------------------------------------------------------------------
     def rebalance(self, load=None) -> ExpertPlacement:

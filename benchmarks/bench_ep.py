@@ -1,0 +1,487 @@
+"""Expert-parallel dispatch + combine over NCCL, beside a raw NCCL all-to-all of the same
+bytes, and the whole EP layer beside the single-GPU layer.
+
+    W GPUs (one process each, NCCL through cupy.cuda.nccl), T tokens per rank,
+    DeepSeek-V3's MoE: H = 7168, K = 8 of E = 256 experts, I = 2048, bf16 (b = 2 bytes)
+
+What is timed (CUDA events on each rank after warm-up, every repetition starting from a
+barrier, fresh inputs and routing per repetition from a rotating pool, the L2 flushed;
+the median per rank, then the slowest rank, which is what a step waits for):
+
+  alltoall   dispatch   moe_permute by destination rank + counts exchange (one host sync)
+                        + all_to_all_v of the P = T*K rows and their local expert ids
+             combine    all_to_all_v of the P result rows back + moe_unpermute (weighted sum)
+             rows only  the all_to_all_v of the rows alone (counts known, buffers ready)
+             raw        ncclSend/ncclRecv all-to-all with EQUAL splits of the same P rows
+                        (one group, preallocated buffers: what cupyx.distributed does)
+  allgather  dispatch   all_gather of x [T, H] and of the routing [T, 2K] (+ a token-count
+                        all_gather, host sync)
+             combine    reduce_scatter (bf16 sum) of the [W, T, H] partial outputs
+             raw        ncclAllGather + ncclReduceScatter of the same sizes
+  layer      EP forward (route, dispatch, the local experts' grouped GEMMs, combine) for
+             both schemes, and the single-GPU layer (route + all E experts on one GPU) on
+             the same T tokens; rank 0's EP output is compared with the single-GPU output.
+
+Bandwidth is "algorithm bandwidth" per rank: the bytes this rank's send buffer holds
+divided by the time (NCCL's algbw; the issue's 416 / 590 GB/s are this number).
+    alltoall dispatch / combine / raw:  P * H * b bytes (the self chunk included)
+    allgather dispatch: T * (H*b + 8K) bytes; combine: W * T * H * b bytes
+Target (issue 6): the all-to-all-v path (dispatch + combine) at 4096 tokens per rank at
+least 80% of the raw all-to-all of the same bytes (two raw all-to-alls).
+
+Run (two GPUs; about two minutes; results in benchmarks/results/):
+    .venv/bin/python benchmarks/bench_ep.py --gpus 2
+    .venv/bin/python benchmarks/bench_ep.py --gpus 8 --tokens 128,4096 --no-layer
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from sandbox.ep import launch  # noqa: E402
+
+DEEPSEEK_V3 = dict(hidden_size=7168, top_k=8, num_experts=256, intermediate_size=2048,
+                   dtype="bfloat16")
+
+
+# ---------------------------------------------------------------------------------------
+# helpers that run inside a rank
+# ---------------------------------------------------------------------------------------
+def _stage_ops():
+    """The CuPy stage functions (through the registry when it reports them usable)."""
+    from sandbox.registry import get_backend
+
+    b = get_backend("cupy")
+    if b.ok:
+        return b, "cupy"
+    import cuda_kernels.cupy as ops  # the permute kernels may work even if a stage is missing
+
+    return ops, f"cupy module (registry: {b.reason})"
+
+
+def _rand_bf16(cupy, shape, seed, scale=1.0):
+    """Random bf16 on the device without bf16 arithmetic: fp32 normals, top 16 bits."""
+    import ml_dtypes
+
+    rs = cupy.random.RandomState(seed)
+    f = rs.standard_normal(shape, dtype=cupy.float32) * cupy.float32(scale)
+    bits = (f.view(cupy.uint32) >> 16).astype(cupy.uint16)
+    try:
+        return bits.view(np.dtype(ml_dtypes.bfloat16))
+    except Exception:
+        return bits
+
+
+def _random_routing(cupy, T, E, K, seed):
+    """K distinct uniform experts per token and renormalised random weights."""
+    rs = cupy.random.RandomState(seed)
+    ids = cupy.argsort(rs.random_sample((T, E), dtype=cupy.float32), axis=1)[:, :K]
+    w = rs.random_sample((T, K), dtype=cupy.float32) + cupy.float32(0.1)
+    return (w / w.sum(axis=1, keepdims=True)).astype(cupy.float32), ids.astype(cupy.int32)
+
+
+class _Timer:
+    """Per-repetition CUDA-event timing, every repetition starting from a barrier."""
+
+    def __init__(self, comm, flush_bytes=256 << 20):
+        import cupy
+
+        self.comm, self.cupy = comm, cupy
+        self.flush = cupy.empty(flush_bytes // 4, dtype=cupy.float32)
+
+    def run(self, fn, reps, warmup):
+        cupy, comm = self.cupy, self.comm
+        for i in range(warmup):
+            fn(i)
+        comm.synchronize()
+        times = []
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        for i in range(reps):
+            self.flush.fill(i)              # evict the inputs from the 50 MB L2
+            comm.barrier()                  # every rank starts together
+            start.record()
+            fn(warmup + i)
+            end.record()
+            comm.synchronize()              # polls with the communicator's timeout
+            times.append(cupy.cuda.get_elapsed_time(start, end))
+        return float(np.median(times)), [float(t) for t in times]
+
+
+def _gather_medians(comm, value):
+    """Every rank's median (ms) -> [W] on every rank."""
+    return comm.all_gather_host(np.array([value], dtype=np.float64)).reshape(-1).tolist()
+
+
+def bench_rank(comm, opts):
+    """Runs in every rank; rank 0's return value is the report."""
+    import cupy
+
+    from sandbox.ep.dispatch import (allgather_combine, allgather_dispatch, alltoall_combine,
+                                     alltoall_dispatch, raw, view_as)
+
+    W, r = comm.world_size, comm.rank
+    H, K, E, I = (opts["shape"][k] for k in ("hidden_size", "top_k", "num_experts",
+                                             "intermediate_size"))
+    per_rank = E // W
+    ops, ops_name = _stage_ops()
+    timer = _Timer(comm)
+    rows = []
+    pool = opts["pool"]
+
+    def record(T, scheme, phase, med, nbytes, extra=None):
+        meds = _gather_medians(comm, med)
+        row = {"tokens_per_rank": T, "scheme": scheme, "phase": phase,
+               "ms": max(meds), "ms_per_rank": meds, "bytes_per_rank": int(nbytes),
+               "GBps_per_rank": (nbytes / (max(meds) * 1e-3) / 1e9) if nbytes else None}
+        row.update(extra or {})
+        rows.append(row)
+        return row
+
+    for T in opts["tokens"]:
+        xs = [_rand_bf16(cupy, (T, H), 1000 * r + j) for j in range(pool)]
+        routes = [_random_routing(cupy, T, E, K, 7000 * r + j) for j in range(pool)]
+        P = T * K
+        row_bytes = H * 2
+
+        # ---- all-to-all-v ----------------------------------------------------------------
+        if "alltoall" in opts["schemes"]:
+            state = {}
+
+            def a2a_dispatch(i):
+                w, ids = routes[i % pool]
+                state["d"] = alltoall_dispatch(comm, ops, xs[i % pool], ids, per_rank)
+
+            def a2a_combine(i):
+                x_recv, _, _, st = state["d"]
+                w, _ = routes[i % pool]
+                state["out"] = alltoall_combine(comm, ops, x_recv, st, w)
+
+            def a2a_both(i):
+                a2a_dispatch(i)
+                a2a_combine(i)
+
+            disp, _ = timer.run(a2a_dispatch, opts["reps"], opts["warmup"])
+            a2a_dispatch(0)
+            comb, _ = timer.run(lambda i: a2a_combine(0), opts["reps"], opts["warmup"])
+            both, _ = timer.run(a2a_both, opts["reps"], opts["warmup"])
+
+            # the rows exchange alone, counts known, buffers ready
+            _, ids0 = routes[0]
+            dest = ids0 // per_rank
+            x_sorted, offsets, _ = ops.moe_permute(xs[0], dest, W)
+            send_counts, recv_counts = comm.counts_phase_async(offsets[1:] - offsets[:-1]).wait()
+            out_rows = cupy.empty((int(recv_counts.sum()), H), dtype=cupy.uint16)
+            xs_raw = raw(x_sorted)
+            rows_only, _ = timer.run(
+                lambda i: comm.all_to_all_v(xs_raw, send_counts, recv_counts=recv_counts,
+                                            outs=out_rows), opts["reps"], opts["warmup"])
+
+            # raw NCCL all-to-all of the same P rows, equal splits, self chunk through NCCL
+            chunk = -(-P // W)
+            send_buf = cupy.zeros((W * chunk, H), dtype=cupy.uint16)
+            recv_buf = cupy.empty_like(send_buf)
+
+            def raw_a2a(i):
+                with comm.group():
+                    for p in range(W):
+                        comm.send(send_buf[p * chunk:(p + 1) * chunk], p)
+                        comm.recv(recv_buf[p * chunk:(p + 1) * chunk], p)
+
+            raw_t, _ = timer.run(raw_a2a, opts["reps"], opts["warmup"])
+            nb = P * row_bytes
+            raw_row = record(T, "alltoall", "raw NCCL all-to-all (same bytes)", raw_t,
+                             W * chunk * row_bytes)
+            ro = record(T, "alltoall", "rows only (all_to_all_v)", rows_only, nb)
+            d = record(T, "alltoall", "dispatch", disp, nb)
+            c = record(T, "alltoall", "combine", comb, nb)
+            b = record(T, "alltoall", "dispatch+combine", both, 2 * nb)
+            for row in (ro, d, c):
+                row["vs_raw"] = raw_row["ms"] / row["ms"]
+            b["vs_raw"] = 2 * raw_row["ms"] / b["ms"]
+            del state, x_sorted, out_rows, send_buf, recv_buf
+
+        # ---- all-gather / reduce-scatter ------------------------------------------------
+        if "allgather" in opts["schemes"]:
+            state = {}
+
+            def ag_dispatch(i):
+                w, ids = routes[i % pool]
+                state["d"] = allgather_dispatch(comm, xs[i % pool], w, ids)
+
+            def ag_combine(i):
+                x_all, _, _, st = state["d"]
+                state["out"] = allgather_combine(comm, x_all, st)   # partial = x_all's shape
+
+            def ag_both(i):
+                ag_dispatch(i)
+                ag_combine(i)
+
+            disp, _ = timer.run(ag_dispatch, opts["reps"], opts["warmup"])
+            ag_dispatch(0)
+            comb, _ = timer.run(lambda i: ag_combine(0), opts["reps"], opts["warmup"])
+            both, _ = timer.run(ag_both, opts["reps"], opts["warmup"])
+            x_raw = raw(xs[0])
+            rs_in = view_as(cupy.zeros((W, T, H), dtype=cupy.uint16), xs[0].dtype)
+
+            def raw_ag(i):
+                comm.all_gather(x_raw)
+                comm.reduce_scatter(rs_in)
+
+            raw_t, _ = timer.run(raw_ag, opts["reps"], opts["warmup"])
+            nb_d, nb_c = T * (row_bytes + 8 * K), W * T * row_bytes
+            raw_row = record(T, "allgather", "raw ncclAllGather + ncclReduceScatter", raw_t,
+                             T * row_bytes + nb_c)
+            record(T, "allgather", "dispatch", disp, nb_d)
+            record(T, "allgather", "combine", comb, nb_c)
+            b = record(T, "allgather", "dispatch+combine", both, nb_d + nb_c)
+            b["vs_raw"] = raw_row["ms"] / b["ms"]
+            del state
+
+    layer_rows, layer_note = [], None
+    if opts["layer"]:
+        try:
+            layer_rows = _bench_layer(comm, opts, timer, ops, ops_name)
+        except Exception as exc:  # the dispatch numbers stand on their own
+            layer_note = f"layer benchmark failed on rank {r}: {type(exc).__name__}: {exc}"
+            notes = comm.all_gather_host(np.frombuffer(
+                layer_note.encode()[:400].ljust(400), dtype=np.uint8))
+            layer_note = "; ".join(bytes(n).decode(errors="replace").strip() for n in notes)
+    comm.barrier()
+    if r != 0:
+        return None
+    props = cupy.cuda.runtime.getDeviceProperties(comm.device)
+    return {"gpu": props["name"].decode() if isinstance(props["name"], bytes) else
+            str(props["name"]), "world_size": W, "stage_ops": ops_name,
+            "nccl_version": _nccl_version(), "rows": rows, "layer": layer_rows,
+            "layer_note": layer_note}
+
+
+def _nccl_version():
+    try:
+        from cupy.cuda import nccl
+
+        return nccl.get_version()
+    except Exception:
+        return None
+
+
+def _bench_layer(comm, opts, timer, ops, ops_name):
+    """EP forward (both schemes) and the single-GPU layer on the same tokens."""
+    import cupy
+
+    from sandbox.ep.layer import EPConfig, EPMoE
+
+    W, r = comm.world_size, comm.rank
+    shape = opts["shape"]
+    H, K, E, I = shape["hidden_size"], shape["top_k"], shape["num_experts"], \
+        shape["intermediate_size"]
+    per_rank = E // W
+    # expert e's weights come from seed 10_000 + e, so rank r's slice equals the
+    # single-GPU layer's experts [r*E/W, (r+1)*E/W) (linear placement)
+    def w13_of(experts):
+        out = cupy.empty((len(experts), 2 * I, H), dtype=cupy.uint16)
+        for j, e in enumerate(experts):
+            out[j] = raw(_rand_bf16(cupy, (2 * I, H), 10_000 + e, scale=H ** -0.5))
+        return out
+
+    def w2_of(experts):
+        out = cupy.empty((len(experts), H, I), dtype=cupy.uint16)
+        for j, e in enumerate(experts):
+            out[j] = raw(_rand_bf16(cupy, (H, I), 20_000 + e, scale=I ** -0.5))
+        return out
+
+    from sandbox.ep.dispatch import raw, view_as
+
+    bf16 = np.dtype(__import__("ml_dtypes").bfloat16)
+    mine = list(range(r * per_rank, (r + 1) * per_rank))
+    w13 = view_as(w13_of(mine), bf16)
+    w2 = view_as(w2_of(mine), bf16)
+    rows = []
+    base = None
+    for T in opts["layer_tokens"]:
+        xs = [_rand_bf16(cupy, (T, H), 500 + 31 * r + j) for j in range(opts["pool"])]
+        logits = [cupy.random.RandomState(900 + 31 * r + j).standard_normal(
+            (T, E), dtype=cupy.float32) for j in range(opts["pool"])]
+        outs = {}
+        if base is None:  # one layer (its host weight store is big); schemes are twins
+            base = EPMoE(comm, EPConfig(**shape, scheme=opts["schemes"][0]), backend="cupy")
+            base.set_device_parameters(w13_weight=w13, w2_weight=w2)
+        for scheme in opts["schemes"]:
+            layer = base.with_scheme(scheme)
+            med, _ = timer.run(lambda i: layer.forward(xs[i % len(xs)], logits[i % len(xs)]),
+                               opts["layer_reps"], opts["layer_warmup"])
+            meds = _gather_medians(comm, med)
+            outs[scheme] = layer.forward(xs[0], logits[0])
+            rows.append({"tokens_per_rank": T, "what": f"EP layer forward ({scheme})",
+                         "ms": max(meds), "ms_per_rank": meds,
+                         "tokens_per_s": W * T / (max(meds) * 1e-3)})
+        # the single-GPU layer (all E experts on rank 0's GPU), rank 0's tokens
+        if r == 0:
+            full13 = view_as(cupy.concatenate([raw(w13), w13_of(range(per_rank, E))]), bf16)
+            full2 = view_as(cupy.concatenate([raw(w2), w2_of(range(per_rank, E))]), bf16)
+
+            def single(i):
+                return _single_gpu_forward(ops, xs[i % len(xs)], logits[i % len(xs)], full13,
+                                           full2, shape)
+
+            med, _ = _local_timer(cupy, single, opts["layer_reps"], opts["layer_warmup"])
+            ref = single(0)
+            errs = {s: _rel_err(cupy, o, ref) for s, o in outs.items()}
+            rows.append({"tokens_per_rank": T, "what": "single-GPU layer forward",
+                         "ms": med, "tokens_per_s": T / (med * 1e-3),
+                         "ep_vs_single_rel_error": errs})
+            del full13, full2
+        comm.barrier()
+    return rows
+
+
+def _local_timer(cupy, fn, reps, warmup):
+    for i in range(warmup):
+        fn(i)
+    cupy.cuda.get_current_stream().synchronize()
+    times = []
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    for i in range(reps):
+        start.record()
+        fn(warmup + i)
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return float(np.median(times)), times
+
+
+def _rel_err(cupy, out, ref):
+    from sandbox.ep.dispatch import raw
+
+    def f32(a):
+        return (raw(a).astype(cupy.uint32) << 16).view(cupy.float32).astype(cupy.float64)
+
+    a, b = f32(out), f32(ref)
+    return float(cupy.linalg.norm(a - b) / cupy.linalg.norm(b))
+
+
+def _single_gpu_forward(ops, x, logits, w13, w2, shape):
+    """The FusedMoE forward on one GPU with the same stages: route, align, GEMM1,
+    activation, GEMM2 (* router weight), sum over K."""
+    K, E, H = shape["top_k"], shape["num_experts"], shape["hidden_size"]
+    w, ids, _ = ops.select_experts(x, logits, K, False, True, global_num_experts=E)
+    T = x.shape[0]
+    cfg = None
+    try:
+        cfg = ops.gemm_config(T, w13.shape[1], H, E, K, x.dtype)
+    except Exception:
+        pass
+    B = int(cfg["BLOCK_M"]) if cfg and cfg.get("BLOCK_M") else 64
+    sorted_ids, expert_ids, ntpp = ops.moe_align_block_size(ids, B, E)
+    c1 = ops.grouped_gemm(x, w13, sorted_ids, expert_ids, ntpp, K, B, w, False, None)
+    c2 = ops.apply_activation(c1, "silu", True)
+    c3 = ops.grouped_gemm(c2, w2, sorted_ids, expert_ids, ntpp, 1, B, w, True, None)
+    return ops.moe_sum(c3.reshape(T, K, H))
+
+
+# ---------------------------------------------------------------------------------------
+# the driver (no CUDA in this process: the ranks are spawned)
+# ---------------------------------------------------------------------------------------
+def _commit():
+    try:
+        rev = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
+        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD", "--", "sandbox", "benchmarks",
+                                 "cuda_kernels"], cwd=ROOT) != 0
+        return rev + ("+dirty" if dirty else "")
+    except Exception:
+        return None
+
+
+def print_table(report):
+    print(f"\n{report['gpu']} x{report['world_size']}  (NCCL {report['nccl_version']}, "
+          f"stages: {report['stage_ops']})")
+    print(f"{'T/rank':>7} {'scheme':>9} {'phase':<40} {'ms':>9} {'GB/s/rank':>10} {'vs raw':>7}")
+    for row in report["rows"]:
+        gbps = f"{row['GBps_per_rank']:.1f}" if row.get("GBps_per_rank") else ""
+        vs = f"{row['vs_raw']:.2f}" if row.get("vs_raw") is not None else ""
+        print(f"{row['tokens_per_rank']:>7} {row['scheme']:>9} {row['phase']:<40} "
+              f"{row['ms']:>9.3f} {gbps:>10} {vs:>7}")
+    for row in report.get("layer", []):
+        extra = ""
+        if "ep_vs_single_rel_error" in row:
+            extra = "  EP vs single rel. err " + ", ".join(
+                f"{k} {v:.2e}" for k, v in row["ep_vs_single_rel_error"].items())
+        print(f"{row['tokens_per_rank']:>7} {'layer':>9} {row['what']:<40} {row['ms']:>9.3f} "
+              f"{row['tokens_per_s'] / 1e3:>9.1f}k tok/s{extra}")
+    if report.get("layer_note"):
+        print("layer:", report["layer_note"])
+    t = report.get("target")
+    if t:
+        print(f"\ntarget: all-to-all-v dispatch+combine at {t['tokens_per_rank']} tokens/rank = "
+              f"{t['ratio']:.2f} of raw NCCL all-to-all (>= 0.80: {'met' if t['met'] else 'NOT met'})")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpus", type=int, default=2, help="world size (one process per GPU)")
+    ap.add_argument("--tokens", default="128,4096", help="tokens per rank, comma separated")
+    ap.add_argument("--layer-tokens", default="128,4096",
+                    help="tokens per rank for the whole-layer comparison")
+    ap.add_argument("--schemes", default="alltoall,allgather")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--layer-reps", type=int, default=5)
+    ap.add_argument("--layer-warmup", type=int, default=2)
+    ap.add_argument("--pool", type=int, default=4, help="input/routing sets rotated per rep")
+    ap.add_argument("--no-layer", action="store_true", help="skip the whole-layer comparison")
+    ap.add_argument("--timeout", type=float, default=300.0, help="per-exchange timeout (s)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    args = ap.parse_args(argv)
+    if args.gpus < 1:
+        ap.error(f"--gpus: expected a positive number of GPUs, got {args.gpus}")
+    schemes = [s for s in args.schemes.split(",") if s]
+    for s in schemes:
+        if s not in ("alltoall", "allgather"):
+            ap.error(f"--schemes: expected alltoall and/or allgather, got {s!r}")
+    if DEEPSEEK_V3["num_experts"] % args.gpus:
+        ap.error(f"--gpus: {args.gpus} does not divide the {DEEPSEEK_V3['num_experts']} experts")
+    opts = dict(shape=DEEPSEEK_V3, tokens=[int(t) for t in args.tokens.split(",") if t],
+                layer_tokens=[int(t) for t in args.layer_tokens.split(",") if t],
+                schemes=schemes, reps=args.reps, warmup=args.warmup,
+                layer_reps=args.layer_reps, layer_warmup=args.layer_warmup, pool=args.pool,
+                layer=not args.no_layer)
+    t0 = time.time()
+    results = launch(bench_rank, args.gpus, backend="nccl", args=(opts,), timeout=args.timeout,
+                     run_timeout=3600)
+    report = results[0]
+    a2a = [row for row in report["rows"] if row["scheme"] == "alltoall"
+           and row["phase"] == "dispatch+combine"]
+    if a2a:
+        big = max(a2a, key=lambda row: row["tokens_per_rank"])
+        report["target"] = {"tokens_per_rank": big["tokens_per_rank"], "ratio": big["vs_raw"],
+                            "met": big["vs_raw"] >= 0.8}
+    report.update({
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(), "command": " ".join([os.path.relpath(sys.argv[0], ROOT)]
+                                                  + (argv if argv is not None else sys.argv[1:])),
+        "shape": DEEPSEEK_V3, "options": opts, "seconds": round(time.time() - t0, 1),
+        "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO")},
+    })
+    print_table(report)
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(args.out, f"ep_{args.gpus}gpu_{stamp}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {os.path.relpath(path, ROOT)}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

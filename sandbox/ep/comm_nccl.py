@@ -1,0 +1,455 @@
+"""The NCCL communicator, through `cupy.cuda.nccl` (no MPI, no torch.distributed).
+
+    W ranks, one GPU each; buffers are C-contiguous CuPy arrays on this rank's device
+
+Creation: rank 0 calls `nccl.get_unique_id()` (bytes in CuPy 14, a tuple of 128 signed
+chars before) and publishes it in the rendezvous store; every rank then calls
+`NcclCommunicator(W, uid, rank)` on its device.
+
+Operations run on the *current* CuPy stream, so they are ordered with the kernels that
+produce and consume their buffers without extra events:
+    send / recv        ncclSend / ncclRecv of the raw bytes (uint8): any dtype, bf16 included;
+                       inside group_start() / group_end() = ncclGroupStart / ncclGroupEnd
+    all_gather         ncclAllGather (bytes)
+    reduce_scatter     ncclReduceScatter, sum, in the element type (bf16 = ncclBfloat16)
+    all_reduce         ncclAllReduce, sum
+    all_to_all_v       the base class: counts then rows as one group of send/recv
+    counts_phase       the counts exchange on the device straight from the permute's
+                       offsets, then ONE device-to-host copy of (send, recv) counts
+
+Never a hang: every operation records a CUDA event. A watchdog thread (every 0.1 s) aborts
+the communicator (`ncclCommAbort`, which makes NCCL kernels and host calls give up) when
+  * an operation has not completed after `timeout` seconds (a peer hung or died),
+  * a host call into NCCL (init, group end) has blocked longer than `timeout`,
+  * NCCL reports an asynchronous error, or
+  * a peer left a failure note in the store (it raised; or the launcher saw it die);
+the main thread then raises CommTimeoutError / CommPeerError at its next wait or call.
+If even the abort cannot free a blocked host call, the watchdog writes the reason to the
+store and stderr and ends the process (the launcher reports it). Waiting for results on
+the host goes through `_wait`, a polling loop on the event, never a blocking sync.
+
+NVLink multicast (NVLS) stays off: init_process_group sets NCCL_NVLS_ENABLE=0 before NCCL
+initialises (the machines set it too).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import sys
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+
+from .comm import Communicator, _raw, _view_as
+from .errors import CommPeerError, CommTimeoutError, CommUsageError
+from .store import StoreClient
+
+__all__ = ["NcclCommunicator", "nccl_dtype"]
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+# ncclDataType_t values (stable across NCCL 2.x), used when CuPy lacks the constant
+_NCCL_CODES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
+               "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}
+_NCCL_SUM = 0
+
+
+def nccl_dtype(dtype) -> int:
+    """The ncclDataType_t of a NumPy dtype (ml_dtypes.bfloat16 -> ncclBfloat16)."""
+    dt = np.dtype(dtype)
+    name = "bfloat16" if dt == _BF16 else dt.name
+    if name not in _NCCL_CODES:
+        raise TypeError(f"dtype: NCCL cannot reduce {dt}; expected one of {sorted(_NCCL_CODES)}")
+    try:
+        from cupy.cuda import nccl
+
+        return int(getattr(nccl, "NCCL_" + name.upper(), _NCCL_CODES[name]))
+    except Exception:
+        return _NCCL_CODES[name]
+
+
+def _uid_to_bytes(uid) -> bytes:
+    if isinstance(uid, (bytes, bytearray)):
+        return bytes(uid)
+    return bytes(int(v) & 0xFF for v in uid)          # a tuple of signed chars
+
+
+def _make_nccl_comm(nccl, world_size, uid: bytes, rank):
+    try:
+        return nccl.NcclCommunicator(world_size, uid, rank)         # CuPy 14: bytes
+    except TypeError:
+        as_chars = tuple(b - 256 if b > 127 else b for b in uid)    # older CuPy: a tuple
+        return nccl.NcclCommunicator(world_size, as_chars, rank)
+
+
+def cupyx_empty_pinned(shape, dtype):
+    """A NumPy array in page-locked host memory (async device-to-host copies need it)."""
+    import cupyx
+
+    return cupyx.empty_pinned(shape, dtype=dtype)
+
+
+class _PendingCounts:
+    def __init__(self, comm, done, both, main):
+        self.comm, self.done, self.both, self.main = comm, done, both, main
+
+    def wait(self):
+        comm = self.comm
+        with comm._op("all_to_all_v (counts)"):
+            comm._wait_event(self.done, "all_to_all_v (counts)")
+        self.main.wait_event(self.done)     # the rows exchange goes after the counts
+        host = comm._pinned.copy()
+        return host[0].astype(np.int64), host[1].astype(np.int64)
+
+
+class NcclCommunicator(Communicator):
+    backend = "nccl"
+
+    def __init__(self, rank, world_size, store, device: int, timeout=60.0,
+                 namespace="comm0", watchdog_period=0.1, hard_exit_after=None):
+        super().__init__(rank, world_size, store, timeout, namespace)
+        import cupy
+        from cupy.cuda import nccl
+
+        self._cupy, self._nccl = cupy, nccl
+        self.device = int(device)
+        cupy.cuda.Device(self.device).use()
+        self._uint8 = int(getattr(nccl, "NCCL_UINT8", 1))
+        self._sum = int(getattr(nccl, "NCCL_SUM", _NCCL_SUM))
+        self._inflight: collections.deque = collections.deque()   # (event, what, t0)
+        self._blocking = None                                      # (what, t0)
+        self._failed = None                                        # (exception class, message)
+        self._abort_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._comm = None
+        self._period = float(watchdog_period)
+        # past the timeout, how long the watchdog lets an abort work before ending the process
+        self._hard_exit_after = max(10.0, self.timeout) if hard_exit_after is None \
+            else float(hard_exit_after)
+        self._watch_store = None
+        if store is not None:
+            self._watch_store = StoreClient(store.host, store.port, timeout=5.0)
+        self._watchdog = threading.Thread(target=self._watch, name=f"ep-nccl-watchdog{rank}",
+                                          daemon=True)
+        self._watchdog.start()
+
+        key = f"{namespace}/nccl/uid"
+        if rank == 0:
+            store.set(key, _uid_to_bytes(nccl.get_unique_id()))
+        uid = self._store_wait(key, "the NCCL unique id", 0)
+        with self._host_call("ncclCommInitRank"):
+            self._comm = _make_nccl_comm(nccl, world_size, uid, rank)
+
+    # ---- helpers -----------------------------------------------------------------------------
+    @property
+    def xp(self):
+        return self._cupy
+
+    @property
+    def _stream(self) -> int:
+        return self._cupy.cuda.get_current_stream().ptr
+
+    def _contig(self, x, what):
+        cupy = self._cupy
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{what}: expected a cupy.ndarray on device {self.device}, "
+                            f"got {type(x).__name__}")
+        if x.device.id != self.device:
+            raise ValueError(f"{what}: expected an array on device {self.device} (this rank's "
+                             f"GPU), got one on device {x.device.id}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{what}: expected a C-contiguous array, got strides {x.strides}")
+        return x
+
+    def _raise_if_failed(self):
+        if self._failed is not None:
+            cls, msg = self._failed
+            raise cls(msg)
+
+    @contextlib.contextmanager
+    def _host_call(self, what):
+        """A call into NCCL that may block on the host (init, group end): the watchdog
+        watches it; an NcclError after an abort becomes the abort's reason."""
+        self._raise_if_failed()
+        self._blocking = (what, time.monotonic())
+        try:
+            yield
+        except self._nccl.NcclError as exc:
+            self._raise_if_failed()
+            raise CommPeerError(f"rank {self.rank}: NCCL error in {what}: {exc}"
+                                f"{self.describe_peer_failures()}") from exc
+        finally:
+            self._blocking = None
+        self._raise_if_failed()
+
+    def _track(self, what):
+        ev = self._cupy.cuda.Event(disable_timing=True)
+        ev.record()
+        self._inflight.append((ev, what, time.monotonic()))
+
+    def _wait(self, what):
+        """Until the current stream's work is done, polling (never a blocking sync), with
+        the timeout and the watchdog's verdict."""
+        self._raise_if_failed()
+        ev = self._cupy.cuda.Event(disable_timing=True)
+        ev.record()
+        self._wait_event(ev, what)
+
+    def _wait_event(self, ev, what):
+        self._raise_if_failed()
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while not ev.done:
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                self._fail(CommTimeoutError,
+                           f"rank {self.rank}: {what} did not complete within "
+                           f"{self.timeout:.1f} s (a peer is hung or dead, or the ranks called "
+                           f"different operations){self.describe_peer_failures()}")
+                self._raise_if_failed()
+            spins += 1
+            if spins > 2000:  # ~ the first millisecond spins: small exchanges finish there
+                time.sleep(100e-6)
+        self._raise_if_failed()
+        self._drain()
+
+    def _drain(self):
+        """Forget the completed operations at the head of the in-flight queue (both threads
+        call this; deque ends are thread-safe, a lost race only raises IndexError)."""
+        try:
+            while self._inflight and self._inflight[0][0].done:
+                self._inflight.popleft()
+        except IndexError:
+            pass
+
+    def _fail(self, cls, message):
+        """Record the first failure and abort NCCL (safe from any thread)."""
+        if self._failed is None:
+            self._failed = (cls, message)
+            self.report_failure(f"{cls.__name__}: {message}")
+        self._abort_nccl()
+
+    def _abort_nccl(self):
+        with self._abort_lock:
+            comm, self._comm = self._comm, None
+            if comm is not None:
+                try:
+                    comm.abort()
+                except Exception:
+                    pass
+
+    def _watch(self):
+        try:
+            self._cupy.cuda.Device(self.device).use()
+        except Exception:
+            return
+        last_store = 0.0
+        while not self._stop.wait(self._period):
+            now = time.monotonic()
+            try:
+                blocking = self._blocking
+                if blocking is not None and now - blocking[1] > self.timeout:
+                    self._fail(CommTimeoutError,
+                               f"rank {self.rank}: {blocking[0]} blocked for more than "
+                               f"{self.timeout:.1f} s (a peer is hung or dead)"
+                               f"{self.describe_peer_failures()}")
+                    if now - blocking[1] > self.timeout + self._hard_exit_after:
+                        self._hard_exit(f"{blocking[0]} stayed blocked after ncclCommAbort")
+                self._drain()
+                oldest = self._inflight[0] if self._inflight else None
+                if oldest is not None and now - oldest[2] > self.timeout:
+                    what = oldest[1]
+                    self._fail(CommTimeoutError,
+                               f"rank {self.rank}: {what} did not complete within "
+                               f"{self.timeout:.1f} s (a peer is hung or dead)"
+                               f"{self.describe_peer_failures()}")
+                comm = self._comm
+                if comm is not None and self._failed is None:
+                    try:
+                        comm.check_async_error()
+                    except self._nccl.NcclError as exc:
+                        self._fail(CommPeerError, f"rank {self.rank}: NCCL reported an "
+                                                  f"asynchronous error: {exc}")
+                if self._watch_store is not None and self._failed is None and \
+                        now - last_store > 0.5:
+                    last_store = now
+                    notes = [k for k in self._watch_store.keys("error/")
+                             if k != f"error/{self.rank}"]
+                    if notes:
+                        msgs = "; ".join(
+                            f"rank {k.split('/')[1]}: "
+                            f"{self._watch_store.get(k, timeout=1).decode(errors='replace')}"
+                            for k in notes)
+                        self._fail(CommPeerError, f"rank {self.rank}: aborted because a peer "
+                                                  f"failed [{msgs}]")
+            except Exception:  # the watchdog itself must never die silently mid-run
+                continue
+
+    def _hard_exit(self, why):
+        message = f"rank {self.rank}: {why}; ending the process ({self._failed[1] if self._failed else ''})"
+        self.report_failure(message)
+        print(message, file=sys.stderr, flush=True)
+        os._exit(3)
+
+    # ---- primitives ----------------------------------------------------------------------------
+    def _p2p(self, op, x, peer):
+        peer = self._check_peer(peer, op)
+        x = self._contig(x, "x")
+        self._raise_if_failed()
+        if x.nbytes == 0:
+            return
+        comm = self._comm
+        if comm is None:
+            raise CommPeerError(f"rank {self.rank}: {op} on a destroyed or aborted communicator")
+        fn = comm.send if op == "send" else comm.recv
+        try:
+            fn(x.data.ptr, x.nbytes, self._uint8, peer, self._stream)
+        except self._nccl.NcclError as exc:
+            self._raise_if_failed()
+            raise CommPeerError(f"rank {self.rank}: NCCL {op} to/from rank {peer} failed: "
+                                f"{exc}") from exc
+        if not self._in_group:
+            self._track(self._what or op)
+
+    def send(self, x, peer):
+        self._p2p("send", x, peer)
+
+    def recv(self, x, peer):
+        self._p2p("recv", x, peer)
+
+    def group_start(self):
+        if self._in_group:
+            raise CommUsageError(f"rank {self.rank}: group_start inside a group")
+        self._raise_if_failed()
+        self._nccl.groupStart()
+        self._in_group = True
+
+    def group_end(self):
+        if not self._in_group:
+            raise CommUsageError(f"rank {self.rank}: group_end without group_start")
+        self._in_group = False
+        what = self._what or "grouped send/recv"
+        with self._host_call(what):
+            self._nccl.groupEnd()
+        self._track(what)
+
+    def synchronize(self):
+        self._wait(self._what or "synchronize")
+
+    def to_host(self, x):
+        if isinstance(x, np.ndarray):
+            return x
+        self._wait(self._what or "device-to-host copy")
+        return x.get()
+
+    def abort(self):
+        if self._failed is None:
+            self._failed = (CommPeerError, f"rank {self.rank}: the communicator was aborted")
+        self._stop.set()
+        self._abort_nccl()
+
+    def destroy(self):
+        self._stop.set()
+        with self._abort_lock:
+            comm, self._comm = self._comm, None
+            if comm is not None:
+                comm.destroy()
+        if self._failed is None:
+            self._failed = (CommPeerError, f"rank {self.rank}: the communicator was destroyed")
+
+    # ---- native collectives ---------------------------------------------------------------------
+    def _call_native(self, what, fn, *args):
+        self._raise_if_failed()
+        comm = self._comm
+        if comm is None:
+            raise CommPeerError(f"rank {self.rank}: {what} on a destroyed or aborted communicator")
+        try:
+            getattr(comm, fn)(*args, self._stream)
+        except self._nccl.NcclError as exc:
+            self._raise_if_failed()
+            raise CommPeerError(f"rank {self.rank}: NCCL {what} failed: {exc}") from exc
+        self._track(self._what or what)
+
+    def all_gather(self, x):
+        cupy = self._cupy
+        xr = self._contig(cupy.ascontiguousarray(_raw(x)), "x")
+        out = cupy.empty((self.world_size,) + xr.shape, dtype=xr.dtype)
+        if xr.nbytes:
+            self._call_native("all_gather", "allGather", xr.data.ptr, out.data.ptr, xr.nbytes,
+                              self._uint8)
+        return _view_as(out, x.dtype)
+
+    def reduce_scatter(self, x, dtype=None):
+        cupy = self._cupy
+        dtype = np.dtype(x.dtype if dtype is None else dtype)
+        xr = self._contig(cupy.ascontiguousarray(_raw(x)), "x")
+        if xr.ndim < 1 or xr.shape[0] != self.world_size:
+            raise ValueError(f"x: expected shape ({self.world_size}, ...) for reduce_scatter, "
+                             f"got {x.shape}")
+        out = cupy.empty(xr.shape[1:], dtype=xr.dtype)
+        if out.size:
+            self._call_native("reduce_scatter", "reduceScatter", xr.data.ptr, out.data.ptr,
+                              out.size, nccl_dtype(dtype), self._sum)
+        return _view_as(out, dtype)
+
+    def all_reduce(self, x, dtype=None):
+        cupy = self._cupy
+        dtype = np.dtype(x.dtype if dtype is None else dtype)
+        xr = self._contig(cupy.ascontiguousarray(_raw(x)), "x")
+        out = cupy.empty_like(xr)
+        if out.size:
+            self._call_native("all_reduce", "allReduce", xr.data.ptr, out.data.ptr, out.size,
+                              nccl_dtype(dtype), self._sum)
+        return _view_as(out, dtype)
+
+    def counts_phase_async(self, send_counts):
+        """Exchange the counts on a side stream (after the work enqueued so far) and copy
+        them into pinned host memory asynchronously; the caller's next kernels (the row
+        gather) run meanwhile. `.wait()` polls for the copy and makes the current stream
+        wait for the exchange, so the rows exchange that follows is ordered after it."""
+        cupy = self._cupy
+        if isinstance(send_counts, np.ndarray):
+            return super().counts_phase_async(send_counts)
+        W, r = self.world_size, self.rank
+        main = cupy.cuda.get_current_stream()
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record(main)
+        if getattr(self, "_side", None) is None:
+            self._side = cupy.cuda.Stream(non_blocking=True)
+            self._pinned = cupyx_empty_pinned((2, W), np.int64)
+        side = self._side
+        side.wait_event(ready)
+        with side:
+            both = cupy.empty((2, W), dtype=cupy.int64)
+            both[0] = send_counts.astype(cupy.int64)
+            both[1, r] = both[0, r]
+            with self._op("all_to_all_v (counts)"), self.group():
+                for p in range(W):
+                    if p != r:
+                        self.send(both[0, p:p + 1], p)
+                        self.recv(both[1, p:p + 1], p)
+            both.get(stream=side, out=self._pinned, blocking=False)
+            done = cupy.cuda.Event(disable_timing=True)
+            done.record(side)
+        return _PendingCounts(self, done, both, main)
+
+    def counts_phase(self, send_counts):
+        """Counts straight from the device (the permute's offsets): exchange them there, then
+        one device-to-host copy of both vectors."""
+        cupy = self._cupy
+        if isinstance(send_counts, np.ndarray):
+            return super().counts_phase(send_counts)
+        W, r = self.world_size, self.rank
+        both = cupy.empty((2, W), dtype=cupy.int64)
+        both[0] = send_counts.astype(cupy.int64)
+        both[1, r] = both[0, r]
+        with self._op("all_to_all_v (counts)"), self.group():
+            for p in range(W):
+                if p != r:
+                    self.send(both[0, p:p + 1], p)
+                    self.recv(both[1, p:p + 1], p)
+        with self._op("all_to_all_v (counts)"):
+            host = self.to_host(both)
+        return host[0].astype(np.int64), host[1].astype(np.int64)
