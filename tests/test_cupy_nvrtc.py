@@ -114,3 +114,363 @@ def test_package_imports_without_gpu():
     for name in ("fused_topk", "moe_align_block_size", "moe_permute", "moe_unpermute",
                  "apply_activation", "silu_and_mul", "moe_sum", "select_experts"):
         assert callable(getattr(ck, name))
+
+
+# ============================================================================ CPU emulation
+# NVRTC proves the sources compile; this proves their *logic* on a CPU. A small C++ header
+# stands in for the CUDA features the kernels use (one std::thread per CUDA thread, block by
+# block; warp shuffles, ballot, match_any and __syncwarp through a per-warp rendezvous;
+# __syncthreads a std::barrier; shared memory a per-block buffer filled with garbage), the
+# kernel sources are compiled by g++ as they are (same text, tiny tunables), and the results
+# are compared with the reference like the GPU tests do. It cannot see timing, memory
+# ordering subtleties or the GPU's expf/erff ulps: the GPU tests stay the judge.
+EMULATION_HEADER = r"""
+#pragma once
+#include <barrier>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(...)
+struct dim3s { unsigned x = 0, y = 0, z = 0; };
+thread_local dim3s threadIdx, blockIdx;
+dim3s blockDim, gridDim;
+static unsigned char* g_shared = nullptr;
+struct __half { uint16_t b; };
+struct __nv_bfloat16 { uint16_t b; };
+struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+inline float __bfloat162float(__nv_bfloat16 h) { uint32_t u = (uint32_t)h.b << 16; float f; memcpy(&f, &u, 4); return f; }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return {(uint16_t)0x7fc0};
+    return {(uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
+inline float __half2float(__half h) { _Float16 v; memcpy(&v, &h.b, 2); return (float)v; }
+inline __half __float2half_rn(float f) { _Float16 v = (_Float16)f; __half h; memcpy(&h.b, &v, 2); return h; }
+inline float __int_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+using std::min; using std::max;
+struct Warp { std::mutex m; std::condition_variable cv; int arrived = 0; long gen = 0;
+              uint64_t vals[32]; uint64_t snap[4][32]; };
+static std::vector<Warp>* g_warps = nullptr;
+// every lane of `mask` deposits a value; all of them leave with the 32 deposits
+inline void exchange(unsigned mask, uint64_t v, uint64_t out[32]) {
+    const int lane = threadIdx.x & 31;
+    if (!((mask >> lane) & 1u)) { fprintf(stderr, "lane %d not in mask %x\n", lane, mask); abort(); }
+    Warp& w = (*g_warps)[threadIdx.x >> 5];
+    std::unique_lock<std::mutex> lk(w.m);
+    w.vals[lane] = v;
+    const long g = w.gen;
+    if (++w.arrived == __builtin_popcount(mask)) {
+        memcpy(w.snap[g & 3], w.vals, sizeof(w.vals)); w.arrived = 0; w.gen++; w.cv.notify_all();
+    } else {
+        w.cv.wait(lk, [&] { return w.gen != g; });
+    }
+    memcpy(out, w.snap[g & 3], sizeof(w.vals));
+}
+template <typename T> inline uint64_t bits(T v) { uint64_t u = 0; memcpy(&u, &v, sizeof(T)); return u; }
+template <typename T> inline T unbits(uint64_t u) { T v; memcpy(&v, &u, sizeof(T)); return v; }
+template <typename T> inline T __shfl_xor_sync(unsigned m, T v, int o) {
+    uint64_t a[32]; exchange(m, bits(v), a); return unbits<T>(a[(threadIdx.x & 31) ^ o]); }
+template <typename T> inline T __shfl_sync(unsigned m, T v, int src) {
+    uint64_t a[32]; exchange(m, bits(v), a); return unbits<T>(a[src & 31]); }
+template <typename T> inline T __shfl_up_sync(unsigned m, T v, int d) {
+    uint64_t a[32]; exchange(m, bits(v), a); int l = threadIdx.x & 31; return l >= d ? unbits<T>(a[l - d]) : v; }
+inline unsigned __ballot_sync(unsigned m, int p) {
+    uint64_t a[32]; exchange(m, p ? 1 : 0, a); unsigned r = 0;
+    for (int i = 0; i < 32; ++i) if (((m >> i) & 1u) && a[i]) r |= 1u << i; return r; }
+inline unsigned __match_any_sync(unsigned m, int v) {
+    uint64_t a[32]; exchange(m, bits(v), a); unsigned r = 0;
+    for (int i = 0; i < 32; ++i) if (((m >> i) & 1u) && unbits<int>(a[i]) == v) r |= 1u << i; return r; }
+inline void __syncwarp(unsigned m = 0xffffffffu) { uint64_t a[32]; exchange(m, 0, a); }
+static std::barrier<>* g_bar = nullptr;
+inline void __syncthreads() { g_bar->arrive_and_wait(); }
+static std::mutex g_atomic;
+inline int atomicAdd(int* p, int v) { std::lock_guard<std::mutex> l(g_atomic); int o = *p; *p = o + v; return o; }
+template <typename F> void launch(unsigned grid, unsigned block, size_t smem, F body) {
+    gridDim.x = grid; blockDim.x = block;
+    std::vector<unsigned char> shared(smem + 16);
+    for (unsigned b = 0; b < grid; ++b) {
+        memset(shared.data(), 0xAB, shared.size());
+        g_shared = shared.data();
+        std::vector<Warp> warps((block + 31) / 32); g_warps = &warps;
+        std::barrier<> bar((std::ptrdiff_t)block); g_bar = &bar;
+        std::vector<std::thread> ts;
+        for (unsigned t = 0; t < block; ++t)
+            ts.emplace_back([&, t, b] { threadIdx.x = t; blockIdx.x = b; body(); bar.arrive_and_drop(); });
+        for (auto& t : ts) t.join();
+    }
+}
+"""
+
+# C entry points per source, called through ctypes; the launch geometry comes from Python
+EMULATION_ENTRY = {
+    "routing.cu": ({"IN_T": "float", "WARPS_PER_BLOCK": 4}, r"""
+extern "C" void route(const float* g, const float* bias, float* w, int* ids, int* tei, int T,
+                      int E, int K, int G, int TG, int scoring, int renorm, float scale, int vpt,
+                      int smem) {
+    unsigned grid = (T + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
+#define R(V) if (vpt == V) launch(grid, WARPS_PER_BLOCK * 32, smem, [&] { \
+    route_topk_kernel<V>(g, bias, w, ids, tei, T, E, K, G, TG, scoring, renorm, scale); });
+    R(1) R(2) R(4) R(8) R(16) R(32)
+}"""),
+    "permute.cu": ({"SCALAR_T": "float", "ROW_WARPS": 2, "UNPERMUTE_THREADS": 32}, r"""
+extern "C" void align(const int* ids, const int* emap, int* sorted, int* eids, int* npost, int P,
+                      int E, int B, int n, int nb, int ign, int chunk, int threads, int smem) {
+    launch(1, threads, smem, [&] { moe_align_kernel(ids, emap, sorted, eids, npost, P, E, B, n,
+                                                    nb, ign, chunk); });
+}
+extern "C" void permute_index(const int* ids, int* off, int* inv, int P, int E, int chunk,
+                              int threads, int smem) {
+    launch(1, threads, smem, [&] { moe_permute_index_kernel(ids, off, inv, P, E, chunk); });
+}
+extern "C" void gather(const unsigned* x, const int* inv, unsigned* xg, int P, int K, int words) {
+    launch((P + ROW_WARPS - 1) / ROW_WARPS, ROW_WARPS * 32, 0,
+           [&] { gather_rows_kernel<unsigned int>(x, inv, xg, P, K, words); });
+}
+extern "C" void unpermute(const float* y, const float* w, const int* inv, float* out, int T,
+                          int K, int H, int vec) {
+    int chunks = (H + UNPERMUTE_THREADS * vec - 1) / (UNPERMUTE_THREADS * vec);
+#define U(V) if (vec == V) launch(T * chunks, UNPERMUTE_THREADS, 0, [&] { \
+    moe_unpermute_kernel<V>(y, w, inv, out, T, K, H, chunks); });
+    U(1) U(4)
+}"""),
+    "activation.cu": ({"SCALAR_T": "float", "ACT_THREADS": 32}, r"""
+extern "C" void act(const float* x, float* out, int M, int N, int which, int vec) {
+    // which: 0 silu, 1 gelu, 2 gelu_tanh (and mul), 3 swigluoai, 10 + ACT: no-mul
+    int width = which < 10 ? N / 2 : N;
+    int chunks = (width + ACT_THREADS * vec - 1) / (ACT_THREADS * vec);
+#define AM(A, V) if (which == A && vec == V) launch(M * chunks, ACT_THREADS, 0, [&] { \
+    act_and_mul_kernel<A, V>(x, out, M, width, chunks); });
+#define SW(V) if (which == 3 && vec == V) launch(M * chunks, ACT_THREADS, 0, [&] { \
+    swigluoai_and_mul_kernel<V>(x, out, M, width, chunks, 1.702f, 7.0f); });
+#define NM(A, V) if (which == 10 + A && vec == V) launch(M * chunks, ACT_THREADS, 0, [&] { \
+    act_kernel<A, V>(x, out, M, width, chunks); });
+    AM(0, 1) AM(0, 4) AM(1, 1) AM(1, 4) AM(2, 1) AM(2, 4) SW(1) SW(4)
+    NM(0, 1) NM(0, 4) NM(1, 4) NM(2, 4) NM(3, 1) NM(3, 4)
+}"""),
+    "combine.cu": ({"SCALAR_T": "float", "SUM_THREADS": 32}, r"""
+extern "C" void moe_sum(const float* x, float* out, int T, int K, int H, int vec) {
+    int chunks = (H + SUM_THREADS * vec - 1) / (SUM_THREADS * vec);
+#define S(V) if (vec == V) launch(T * chunks, SUM_THREADS, 0, [&] { \
+    moe_sum_kernel<V>(x, out, T, K, H, chunks); });
+    S(1) S(4)
+}"""),
+}
+
+
+def _gxx_why_not(tmp) -> str:
+    import shutil
+    import subprocess
+
+    if shutil.which("g++") is None:
+        return "no g++ on this machine"
+    (tmp / "emu.h").write_text(EMULATION_HEADER)
+    (tmp / "probe.cpp").write_text('#include "emu.h"\nint main() { return 0; }\n')
+    r = subprocess.run(["g++", "-std=c++20", "-pthread", "-I", str(tmp), str(tmp / "probe.cpp"),
+                        "-o", str(tmp / "probe")], capture_output=True, text=True)
+    return "" if r.returncode == 0 else f"g++ cannot build the emulation header: {r.stderr[:300]}"
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """cu_name -> ctypes library of that source built for the CPU emulation."""
+    import ctypes
+    import re
+    import subprocess
+
+    tmp = tmp_path_factory.mktemp("cuda_emulation")
+    why = _gxx_why_not(tmp)
+    if why:
+        pytest.skip(why)
+    libs = {}
+
+    def get(cu):
+        if cu not in libs:
+            defines, entry = EMULATION_ENTRY[cu]
+            src = C.source_text(cu, defines)
+            src = re.sub(r"#include <cuda_(fp16|bf16)\.h>", "", src)
+            src = re.sub(r"extern __shared__ (\w+) smem\[\];", r"\1* smem = (\1*)g_shared;", src)
+            src = src.replace('extern "C" __global__', "__global__")
+            cpp = tmp / (cu + ".cpp")
+            cpp.write_text('#include "emu.h"\n' + src + entry + "\n")
+            so = tmp / (cu + ".so")
+            r = subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread",
+                                "-I", str(tmp), str(cpp), "-o", str(so)],
+                               capture_output=True, text=True)
+            assert r.returncode == 0, f"{cu} does not build for the emulation:\n{r.stderr[:3000]}"
+            libs[cu] = ctypes.CDLL(str(so))
+        return libs[cu]
+    return get
+
+
+def _p(a):
+    import ctypes
+
+    return None if a is None else a.ctypes.data_as(ctypes.c_void_p)
+
+
+@pytest.mark.simulator
+def test_emulated_align_and_permute(emulated):
+    import numpy as np
+
+    import reference
+    from cuda_kernels.cupy import permute as ck_perm
+
+    lib = emulated("permute.cu")
+    rng = np.random.default_rng(7)
+
+    def ids_of(T, E, K):
+        return np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
+
+    def align(ids, B, E, emap=None, pad=False, ign=False):
+        P = ids.size
+        n = ck_perm.max_num_tokens_padded(P, E, B, pad)
+        W, chunk, smem = ck_perm._group_geometry(P, E)
+        out = (np.full(n, -7, np.int32), np.full(-(-n // B), -7, np.int32), np.full(1, -7, np.int32))
+        lib.align(_p(ids), _p(emap), *map(_p, out), P, E, B, n, out[1].size, int(ign), chunk,
+                  W * 32, smem)
+        return out
+
+    cases = [(1, 8, 2, 4, None, False, False), (3, 32, 2, 32, None, False, False),
+             (33, 16, 3, 8, None, True, False), (100, 257, 6, 16, None, False, False),
+             (0, 8, 2, 4, None, False, False), (50, 5, 1, 1, None, False, False),
+             (40, 1024, 8, 16, None, False, False)]
+    for placement in ("linear", "round_robin"):
+        emap = reference.determine_expert_map(4, 1, 32, placement)[1].astype(np.int32)
+        cases += [(60, 32, 4, 8, emap, False, ign) for ign in (False, True)]
+    for T, E, K, B, emap, pad, ign in cases:
+        ids = ids_of(T, E, K)
+        got = align(ids, B, E, emap, pad, ign)
+        want = reference.moe_align_block_size(ids, B, E, emap, pad, ign)
+        for g, w, name in zip(got, want, ("sorted_token_ids", "expert_ids", "num_post")):
+            np.testing.assert_array_equal(g, w, err_msg=f"{name} T={T} E={E} K={K} B={B}")
+    one = np.full((70, 1), 3, np.int32)  # every slot on one expert
+    for g, w in zip(align(one, 16, 8), reference.moe_align_block_size(one, 16, 8)):
+        np.testing.assert_array_equal(g, w)
+
+    for T, E, K, H in ((1, 8, 2, 4), (37, 16, 3, 9), (130, 64, 4, 12)):
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        ids = ids_of(T, E, K)
+        P = T * K
+        W, chunk, smem = ck_perm._group_geometry(P, E + 1)
+        off, inv = np.full(E + 1, -7, np.int32), np.full(P, -7, np.int32)
+        lib.permute_index(_p(ids), _p(off), _p(inv), P, E, chunk, W * 32, smem)
+        xg = np.full((P, H), np.nan, np.float32)
+        lib.gather(_p(x), _p(inv), _p(xg), P, K, H)
+        want = reference.moe_permute(x, ids, E)
+        for g, w in zip((xg, off, inv), want):
+            np.testing.assert_array_equal(g, w)
+        y = rng.standard_normal((P, H)).astype(np.float32)
+        wts = rng.random((T, K)).astype(np.float32)
+        for vec in (1, 4) if H % 4 == 0 else (1,):
+            out = np.full((T, H), np.nan, np.float32)
+            lib.unpermute(_p(y), _p(wts), _p(inv), _p(out), T, K, H, vec)
+            np.testing.assert_array_equal(out, reference.moe_unpermute(y, wts, inv))
+
+
+@pytest.mark.simulator
+def test_emulated_routing(emulated):
+    import ctypes
+
+    import numpy as np
+
+    import reference
+    from cuda_kernels.cupy import routing as ck_route
+
+    lib = emulated("routing.cu")
+    rng = np.random.default_rng(8)
+
+    def route(x, K, G=1, TG=1, scoring=0, bias=None, renorm=True, scale=1.0):
+        T, E = x.shape
+        w, ids, tei = (np.full((T, K), np.nan, np.float32), np.full((T, K), -7, np.int32),
+                       np.full((T, K), -7, np.int32))
+        rowf = (E + E // 32 + 2) & ~1
+        smem = 4 * (rowf + 2 * G) * 4 if G > 1 else 0
+        lib.route(_p(x), _p(bias), _p(w), _p(ids), _p(tei), T, E, K, G, TG, scoring, int(renorm),
+                  ctypes.c_float(scale), ck_route._vpt(E), smem)
+        return w, ids, tei
+
+    def same(got, want, what):
+        np.testing.assert_array_equal(got[1], want[1], err_msg=what)
+        np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(want[0]), err_msg=what)
+        ok = ~np.isnan(want[0])
+        assert np.abs(got[0][ok] - want[0][ok]).max(initial=0) < 1e-6, what
+
+    for T, E, K in ((1, 8, 2), (9, 60, 4), (5, 257, 9), (3, 1000, 32), (5, 16, 1)):
+        x = rng.standard_normal((T, E)).astype(np.float32)
+        for renorm in (False, True):
+            got = route(x, K, renorm=renorm)
+            want = reference.fused_topk(None, x, K, renorm)
+            same(got, want, f"fused_topk T={T} E={E} K={K}")
+            np.testing.assert_array_equal(got[2], want[2])
+        b = (0.1 * rng.standard_normal(E)).astype(np.float32)
+        same(route(x, K, bias=b, scale=2.5), reference.fused_topk_bias(None, x, b, K, True, 2.5),
+             f"fused_topk_bias E={E}")
+    for E, K, G, TG in ((16, 2, 8, 2), (256, 8, 8, 4), (512, 22, 1, 1), (96, 5, 6, 3)):
+        for scoring in (0, 1):
+            for with_bias in (False, True):
+                x = rng.standard_normal((7, E)).astype(np.float32)
+                b = (0.1 * rng.standard_normal(E)).astype(np.float32) if with_bias else None
+                want = reference.grouped_topk(None, x, K, True, G, TG, ("softmax", "sigmoid")[scoring],
+                                              2.5, b)
+                same(route(x, K, G, TG, scoring, b, True, 2.5), want,
+                     f"grouped_topk E={E} K={K} G={G} TG={TG} scoring={scoring} bias={with_bias}")
+    x = rng.standard_normal((6, 32)).astype(np.float32)
+    x[1, 7], x[2, 3], x[3, :], x[4, :], x[5, ::2] = np.nan, np.inf, -np.inf, 0.5, 2.0
+    same(route(x, 4), reference.fused_topk(None, x, 4, True), "NaN / inf / ties")
+    x = rng.standard_normal((6, 64)).astype(np.float32)
+    x[0, :8], x[4, 9], x[5, 20:30] = np.nan, np.nan, np.nan
+    for b in (None, (0.1 * rng.standard_normal(64)).astype(np.float32)):
+        same(route(x, 4, 8, 3, 1, b), reference.grouped_topk(None, x, 4, True, 8, 3, "sigmoid", 1.0, b),
+             "sigmoid with NaN logits")
+
+
+@pytest.mark.simulator
+def test_emulated_activation_and_combine(emulated):
+    import numpy as np
+
+    import reference
+
+    act, comb = emulated("activation.cu"), emulated("combine.cu")
+    rng = np.random.default_rng(9)
+    names = {0: "silu", 1: "gelu", 2: "gelu_tanh", 3: "swigluoai"}
+    for M, N in ((1, 2), (5, 16), (3, 72)):
+        x = (4 * rng.standard_normal((M, N))).astype(np.float32)
+        x[0, 0] = 9.0  # past swigluoai's limit
+        for which, name in names.items():
+            for vec in (1, 4):
+                if (N // 2) % vec:
+                    continue
+                out = np.full((M, N // 2), np.nan, np.float32)
+                act.act(_p(x), _p(out), M, N, which, vec)
+                want = reference.apply_activation(x, name, True)
+                assert np.abs(out - want).max() <= 1e-6 * np.abs(want).max(), (name, M, N, vec)
+        for a, name in ((0, "silu"), (1, "gelu"), (2, "gelu_tanh"), (3, "relu2")):
+            vec = 4 if N % 4 == 0 else 1
+            if a in (1, 2) and vec == 1:
+                continue  # not instantiated in the entry point
+            out = np.full((M, N), np.nan, np.float32)
+            act.act(_p(x), _p(out), M, N, 10 + a, vec)
+            want = reference.apply_activation(x, name, False)
+            assert np.abs(out - want).max() <= 1e-6 * np.abs(want).max(), (name, M, N, vec)
+    for T, K, H in ((1, 2, 5), (3, 8, 40), (2, 22, 36)):
+        x = rng.standard_normal((T, K, H)).astype(np.float32)
+        for vec in (1, 4) if H % 4 == 0 else (1,):
+            out = np.full((T, H), np.nan, np.float32)
+            comb.moe_sum(_p(x), _p(out), T, K, H, vec)
+            np.testing.assert_array_equal(out, reference.moe_sum(x))  # slot order: bitwise

@@ -313,10 +313,18 @@ def get_kernel(cu_name: str, kernel_name: str, defines: dict | None = None,
         kern = _load_with_cuda_core(src, cu_name, kernel_name, name_expressions, arch,
                                     tuple(options))
     else:
-        module = cupy.RawModule(code=src, options=_BASE_OPTIONS + tuple(options),
-                                name_expressions=tuple(name_expressions) if name_expressions
-                                else None)
-        kern = module.get_function(kernel_name)
+        opts = _BASE_OPTIONS + tuple(options)
+        names = tuple(name_expressions) if name_expressions else None
+        try:  # RawModule compiles lazily: get_function is where NVRTC runs
+            kern = cupy.RawModule(code=src, options=opts,
+                                  name_expressions=names).get_function(kernel_name)
+        except cupy.cuda.compiler.CompileException as e:
+            # a CuPy that finds no cuda_bf16.h of its own: point NVRTC at the toolkit's headers
+            dirs = cuda_include_dirs()
+            if "cannot open source file" not in str(e) or not dirs:
+                raise
+            kern = cupy.RawModule(code=src, options=opts + tuple(f"-I{d}" for d in dirs),
+                                  name_expressions=names).get_function(kernel_name)
     _KERNELS[key] = kern
     return kern
 

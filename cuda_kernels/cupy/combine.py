@@ -38,7 +38,7 @@ def moe_sum(x):
     if T == 0 or H == 0:
         return out
     if K == 0:
-        out.fill(0)
+        C.raw(out).fill(0)  # all-zero bits are +0.0 in every float format
         return out
     itemsize = x.dtype.itemsize
     vec = max(v for v in _VECS if v * itemsize <= 16 and H % v == 0

@@ -98,6 +98,8 @@ def _launch(gating, bias, topk, num_groups, topk_group, scoring, renormalize, sc
     # per warp: the padded sel row (even float count) and one 8-byte key per group (routing.cu)
     row_floats = (E + E // 32 + 1 + 1) & ~1
     smem = warps * (row_floats + 2 * num_groups) * 4 if num_groups > 1 else 0
+    if smem > 48 * 1024:  # beyond the default dynamic shared memory limit: opt in
+        kernel.max_dynamic_shared_size_bytes = smem
     kernel((C.cdiv(T, warps),), (warps * 32,),
            (C.raw(gating), bias if bias is not None else C.null_ptr(), weights, ids,
             tei if tei is not None else C.null_ptr(),
