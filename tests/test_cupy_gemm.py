@@ -20,6 +20,10 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import pathlib
+import shutil
+import subprocess
+import tempfile
 
 import numpy as np
 import pytest
@@ -468,3 +472,313 @@ def test_cpu_arrays_are_refused_without_cupy_work():
     with pytest.raises(TypeError, match="a: expected a cupy.ndarray"):
         gg.grouped_gemm(np.zeros((1, 8), np.float32), None, None, None, None, 1, 16)
 
+
+
+# ============================================================================ CPU: emulation
+# The kernels themselves, run on the CPU. The .cu text (exactly what NVRTC compiles, from
+# _compile.source_text) is compiled by g++ against a small emulator of what the kernels use:
+# one OS thread per CUDA thread, CTAs one after another, __syncthreads as a barrier,
+# __shared__ as a static, and the five PTX instructions of v4 done in software:
+#   cp.async      deferred until the cp.async.wait_group that must complete it (as late as the
+#                 hardware may), checked for 16-byte alignment and for reading inside a or w;
+#   ldmatrix.x4   a warp barrier, then each lane gathers its pieces of the four 8x8 matrices;
+#   mma.m16n8k16  a warp barrier, then each lane computes its accumulators from all 32
+#                 lanes' fragments, with the fragment layouts of the PTX ISA.
+# This checks the index math, the pipeline's slot rotation and wait counts, the fragment
+# layouts and the epilogue on a CPU; timing, real memory ordering and races need the GPU
+# (compute-sanitizer runs there).
+EMU_HEADER = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <utility>
+#include <vector>
+#define GG_HOST_EMULATION 1
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+using std::min;
+using std::max;
+
+struct EmuDim { unsigned x = 0, y = 0, z = 0; };
+thread_local EmuDim threadIdx, blockIdx;
+EmuDim blockDim, gridDim;
+thread_local int emu_tid;
+alignas(128) unsigned char emu_smem[232448];
+long long emu_smem_limit = 0;
+#define GG_DYNAMIC_SMEM(name) unsigned char* name = emu_smem
+
+[[noreturn]] inline void emu_fail(const char* what, long long x) {
+    std::fprintf(stderr, "EMULATOR: %s (%lld) in CTA (%u, %u) thread %d\n", what, x, blockIdx.x,
+                 blockIdx.y, emu_tid);
+    std::fflush(stderr);
+    std::_Exit(3);
+}
+
+std::barrier<>* emu_cta_bar;
+inline void __syncthreads() { emu_cta_bar->arrive_and_wait(); }
+template <typename T> inline T __ldg(const T* p) { return *p; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+// global ranges a cp.async may read: a and w
+const unsigned char* emu_lo[2];
+const unsigned char* emu_hi[2];
+
+struct EmuCopy { unsigned dst; const unsigned char* src; int bytes; };
+thread_local std::vector<EmuCopy> emu_open;
+thread_local std::vector<std::vector<EmuCopy>> emu_groups;
+
+inline unsigned gg_smem_addr(const void* p) {
+    return (unsigned)((const unsigned char*)p - emu_smem);
+}
+inline void gg_cp_async16(unsigned dst, const void* src, int src_bytes) {
+    const unsigned char* s = (const unsigned char*)src;
+    if (dst % 16) emu_fail("cp.async: shared destination not 16-byte aligned", dst);
+    if (dst + 16 > emu_smem_limit) emu_fail("cp.async: past the dynamic shared memory", dst);
+    if (src_bytes != 0 && src_bytes != 16) emu_fail("cp.async: src-size not 0 or 16", src_bytes);
+    if (src_bytes) {
+        if ((uintptr_t)s % 16) emu_fail("cp.async: global source not 16-byte aligned", (long long)(uintptr_t)s);
+        bool inside = false;
+        for (int i = 0; i < 2; ++i) inside |= s >= emu_lo[i] && s + 16 <= emu_hi[i];
+        if (!inside) emu_fail("cp.async: reads outside a and w", (long long)(uintptr_t)s);
+    }
+    emu_open.push_back({dst, s, src_bytes});
+}
+inline void gg_cp_async_commit() { emu_groups.push_back(std::move(emu_open)); emu_open.clear(); }
+template <int PENDING> inline void gg_cp_async_wait() {
+    if (!emu_open.empty()) emu_fail("cp.async.wait_group with uncommitted copies", emu_open.size());
+    while ((int)emu_groups.size() > PENDING) {
+        for (const EmuCopy& c : emu_groups.front()) {
+            std::memset(emu_smem + c.dst, 0, 16);
+            if (c.bytes) std::memcpy(emu_smem + c.dst, c.src, 16);
+        }
+        emu_groups.erase(emu_groups.begin());
+    }
+}
+
+struct EmuWarp { std::barrier<> bar{32}; unsigned addr[32]; unsigned a[32][4]; unsigned b[32][2]; };
+EmuWarp* emu_warps;
+
+inline void gg_ldsm_x4(unsigned* r, unsigned addr) {
+    EmuWarp& w = emu_warps[emu_tid / 32];
+    const int lane = emu_tid % 32;
+    if (addr % 16) emu_fail("ldmatrix: row address not 16-byte aligned", addr);
+    if (addr + 16 > emu_smem_limit) emu_fail("ldmatrix: past the dynamic shared memory", addr);
+    w.addr[lane] = addr;
+    w.bar.arrive_and_wait();
+    for (int j = 0; j < 4; ++j)   // lane gets row lane/4, columns 2(lane%4).. of matrix j
+        std::memcpy(&r[j], emu_smem + w.addr[8 * j + lane / 4] + (lane % 4) * 4, 4);
+    w.bar.arrive_and_wait();
+}
+
+inline float emu_f32(__half h) { return __half2float(h); }
+inline float emu_f32(__nv_bfloat16 h) { return __bfloat162float(h); }
+
+template <typename H> inline void emu_mma(float* d, const unsigned* a, const unsigned* b) {
+    EmuWarp& w = emu_warps[emu_tid / 32];
+    const int lane = emu_tid % 32;
+    std::memcpy(w.a[lane], a, 16);
+    std::memcpy(w.b[lane], b, 8);
+    w.bar.arrive_and_wait();
+    auto half_of = [](unsigned reg, int k) { H h[2]; std::memcpy(h, &reg, 4); return emu_f32(h[k % 2]); };
+    // A 16x16 row-major: a0 (g, 2q..), a1 (g+8, 2q..), a2 (g, 2q+8..), a3 (g+8, 2q+8..)
+    auto A = [&](int r, int k) { return half_of(w.a[(r % 8) * 4 + (k % 8) / 2][(r / 8) + 2 * (k / 8)], k); };
+    // B 16x8 "col": b0 (k 2q.., n g), b1 (k 2q+8.., n g)
+    auto B = [&](int k, int n) { return half_of(w.b[n * 4 + (k % 8) / 2][k / 8], k); };
+    const int g = lane / 4, q = lane % 4;
+    for (int i = 0; i < 4; ++i) {    // d0 (g, 2q), d1 (g, 2q+1), d2 (g+8, 2q), d3 (g+8, 2q+1)
+        const int r = g + 8 * (i / 2), n = 2 * q + (i % 2);
+        float s = 0.0f;
+        for (int k = 0; k < 16; ++k) s += A(r, k) * B(k, n);
+        d[i] += s;
+    }
+    w.bar.arrive_and_wait();
+}
+inline void gg_mma(float* d, const unsigned* a, const unsigned* b, __half*) { emu_mma<__half>(d, a, b); }
+inline void gg_mma(float* d, const unsigned* a, const unsigned* b, __nv_bfloat16*) {
+    emu_mma<__nv_bfloat16>(d, a, b);
+}
+"""
+
+EMU_MAIN = r"""
+// ---- the launcher: argv[1] = input file, argv[2] = output file
+int main(int argc, char** argv) {
+    FILE* f = std::fopen(argv[1], "rb");
+    long long h[20];
+    if (std::fread(h, 8, 20, f) != 20) return 2;
+    const int N = h[0], Kd = h[1], P = h[2], top_k = h[3], B = h[4], L = h[5], mul = h[6],
+              bias_kind = h[7];
+    const long long Ma = h[8], E = h[9];
+    const int gx = h[10], gy = h[11], bx = h[12], by = h[13];
+    emu_smem_limit = h[14];
+    const int es = h[15], bias_es = h[16], nb = h[17];
+    auto rd = [&](size_t n) { std::vector<unsigned char> v(n + 16); if (n && std::fread(v.data(), 1, n, f) != n) std::_Exit(2); return v; };
+    auto a = rd(Ma * Kd * es), w = rd(E * N * Kd * es), st = rd(4 * (size_t)L), ex = rd(4 * (size_t)nb),
+         nt = rd(4), tw = rd(4 * (size_t)P), bias = rd(E * N * (size_t)bias_es);
+    std::fclose(f);
+    emu_lo[0] = a.data(); emu_hi[0] = a.data() + Ma * Kd * es;
+    emu_lo[1] = w.data(); emu_hi[1] = w.data() + E * N * Kd * es;
+    const size_t cbytes = (size_t)P * N * es, guard = 4096;
+    std::vector<unsigned char> cbuf(cbytes + 2 * guard, 0xAB);   // canaries on both sides
+    unsigned char* c = cbuf.data() + guard;
+    std::memset(c, 0xFF, cbytes);                                // NaN poison
+    const int nthreads = bx * by;
+    std::barrier<> cta_bar(nthreads);
+    emu_cta_bar = &cta_bar;
+    emu_warps = new EmuWarp[(nthreads + 31) / 32];
+    blockDim = {(unsigned)bx, (unsigned)by, 1};
+    gridDim = {(unsigned)gx, (unsigned)gy, 1};
+    std::vector<std::thread> ts;
+    for (int t = 0; t < nthreads; ++t) {
+        ts.emplace_back([&, t] {
+            emu_tid = t;
+            threadIdx = {(unsigned)(t % bx), (unsigned)(t / bx), 0};
+            for (int cy = 0; cy < gy; ++cy)
+                for (int cx = 0; cx < gx; ++cx) {
+                    blockIdx = {(unsigned)cx, (unsigned)cy, 0};
+                    GG_KERNEL_NAME((const GG_T*)a.data(), (const GG_T*)w.data(), (GG_T*)c,
+                                   (const int*)st.data(), (const int*)ex.data(), (const int*)nt.data(),
+                                   (const float*)tw.data(), (const void*)bias.data(), N, Kd, P, top_k, B, L,
+                                   mul, bias_kind);
+                    if (!emu_open.empty() || !emu_groups.empty())
+                        emu_fail("a CTA ended with cp.async copies never waited for", emu_groups.size());
+                    cta_bar.arrive_and_wait();
+                }
+        });
+    }
+    for (auto& t : ts) t.join();
+    for (size_t i = 0; i < guard; ++i)
+        if (cbuf[i] != 0xAB || cbuf[guard + cbytes + i] != 0xAB) { std::fprintf(stderr, "EMULATOR: write outside c\n"); return 4; }
+    FILE* o = std::fopen(argv[2], "wb");
+    std::fwrite(c, 1, cbytes, o);
+    std::fclose(o);
+    return 0;
+}
+"""
+
+
+def _cuda_headers():
+    for d in C.cuda_include_dirs():
+        if (pathlib.Path(d) / "cuda_fp16.h").is_file():
+            return d
+    return None
+
+
+_GXX = shutil.which("g++")
+_HDR = _cuda_headers()
+emulated = pytest.mark.skipif(_GXX is None or _HDR is None,
+                              reason="needs g++ and the CUDA headers (cuda_fp16.h)")
+
+
+@functools.lru_cache(maxsize=None)
+def _emu_binary(version, dkey, cfg_items):
+    """g++ build of one kernel instantiation under the emulator (cached per process)."""
+    cfg = dict(cfg_items)
+    defines = gg.kernel_defines(version, dkey, cfg)
+    src = (EMU_HEADER + "\n" + C.source_text(gg.CU_FILES[version], defines) + "\n"
+           + f"#define GG_KERNEL_NAME {gg.KERNEL_NAMES[version]}\n" + EMU_MAIN)
+    out_dir = pathlib.Path(tempfile.mkdtemp(prefix="gg_emu_"))
+    cpp = out_dir / "k.cpp"
+    cpp.write_text(src)
+    exe = out_dir / "k"
+    res = subprocess.run([_GXX, "-std=c++20", "-O1", "-pthread", "-w", f"-I{_HDR}", str(cpp),
+                          "-o", str(exe)], capture_output=True, text=True)
+    assert res.returncode == 0, f"g++ failed for {version} {dkey} {cfg}:\n{res.stderr[-3000:]}"
+    return exe
+
+
+def _emulate(prob, version, cfg):
+    """Run one instantiation on the CPU on `prob` (as built by _problem); return c [P, N]."""
+    dkey = gg.dtype_key(prob["dtype"])
+    fitted = gg.fit_config(version, dkey, cfg, prob["B"])
+    exe = _emu_binary(version, dkey, tuple(sorted(fitted.items())))
+    P, N, K = prob["P"], prob["N"], prob["a"].shape[1]
+    L = prob["st"].size
+    (gx, *gy), block, smem = gg.launch_geometry(version, fitted, L, N)
+    bx, by = (block + (1,))[:2]
+    bias = prob["bias"]
+    bias_kind = 0 if bias is None else (1 if bias.dtype == prob["dtype"] else 2)
+    bias_bytes = b"" if bias is None else np.ascontiguousarray(
+        bias if bias_kind == 1 else bias.astype(np.float32)).tobytes()
+    head = np.array([N, K, P, prob["top_k"], prob["B"], L, int(prob["mul"]), bias_kind,
+                     prob["a"].shape[0], prob["w"].shape[0], gx, gy[0] if gy else 1, bx, by, smem,
+                     prob["dtype"].itemsize, 0 if bias is None else (2 if bias_kind == 1 and
+                                                                       prob["dtype"].itemsize == 2 else 4),
+                     prob["ex"].size, 0, 0], dtype=np.int64)
+    with tempfile.TemporaryDirectory() as d:
+        inp, outp = pathlib.Path(d) / "in.bin", pathlib.Path(d) / "out.bin"
+        with open(inp, "wb") as f:
+            for arr in (head, prob["a"], prob["w"], prob["st"].astype(np.int32),
+                        prob["ex"].astype(np.int32), np.asarray(prob["nt"], np.int32).ravel()[:1],
+                        prob["tw"].astype(np.float32)):
+                f.write(np.ascontiguousarray(arr).tobytes())
+            f.write(bias_bytes)
+        res = subprocess.run([str(exe), str(inp), str(outp)], capture_output=True, text=True,
+                             timeout=600)
+        assert res.returncode == 0, f"{version} {fitted}: emulator exit {res.returncode}: " \
+                                    f"{res.stderr[-2000:]}"
+        return np.fromfile(outp, dtype=prob["dtype"]).reshape(P, N)
+
+
+def _host_problem(T, E, top_k, N, K, dtype, B, **kw):
+    """_problem without the device copies (the emulator reads host arrays)."""
+    global _dev
+    keep = _dev
+    _dev = lambda a: None  # noqa: E731
+    try:
+        return _problem(T, E, top_k, N, K, dtype, B, **kw)
+    finally:
+        _dev = keep
+
+
+EMU_CASES = {
+    # name: (version, dtype, config, problem args, problem kwargs)
+    "v4_decode_tile_bf16": ("v4", "bf16", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, warps=4, stages=4),
+                            (7, 4, 2, 72, 136, 16), dict(mul=True, bias="same")),
+    "v4_2x2_warps_fp16": ("v4", "fp16", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, warps=4, stages=3),
+                          (45, 4, 2, 136, 200, 64), dict(mul=True, bias=np.float32)),
+    "v4_tiles_per_block_ep": ("v4", "bf16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, warps=2,
+                                                 stages=2),
+                              (21, 8, 2, 40, 72, 32), dict(expert_map=True, mul=True)),
+    "v4_gemm2_N_ragged": ("v4", "bf16", dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, warps=4, stages=5),
+                          (19, 4, 2, 100, 64, 32), dict(gemm2=True, mul=True)),
+    "v3_fp32": ("v3", "fp32", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, warps=2, stages=1, TM=4, TN=4),
+                (9, 4, 2, 72, 52, 16), dict(mul=True, bias="same")),
+    "v3_bf16_ep": ("v3", "bf16", dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, warps=4, stages=1, TM=4,
+                                      TN=4),
+                   (17, 8, 2, 72, 136, 32), dict(expert_map=True, bias=np.float32)),
+    "v2_fp16": ("v2", "fp16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, warps=16, stages=1),
+                (9, 4, 2, 40, 50, 16), dict(mul=True, bias="same")),
+    "v1_bf16_ep": ("v1", "bf16", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=1, warps=8, stages=1),
+                   (9, 8, 2, 70, 30, 16), dict(expert_map=True, mul=True)),
+}
+
+
+@pytest.mark.slow
+@emulated
+@pytest.mark.parametrize("case", tuple(EMU_CASES))
+def test_kernel_on_cpu_emulator(case):
+    version, dkey, cfg, args, kw = EMU_CASES[case]
+    T, E, top_k, N, K, B = args
+    dt = DTYPES[dkey]
+    kw = dict(kw)
+    if kw.get("bias") == "same":
+        kw["bias"] = dt
+    if kw.pop("expert_map", False):
+        E_local, emap = reference.determine_expert_map(2, 1, E)
+        kw.update(expert_map=emap, E_local=E_local)
+    prob = _host_problem(T, E, top_k, N, K, dt, B, **kw)
+    got = _emulate(prob, version, cfg)
+    err = rel_err(got, prob["want"])
+    assert err <= TOL[dt], f"{case}: relative error {err:.3e} (NaN rows: " \
+                           f"{int(np.isnan(got.astype(np.float64)).any(1).sum())})"

@@ -39,6 +39,12 @@
     int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,             \
     int mul_routed_weight, int bias_kind
 
+// The dynamic shared-memory buffer of a kernel (a macro so that the CPU emulator of the
+// tests can give it a host buffer instead).
+#ifndef GG_DYNAMIC_SMEM
+#define GG_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
+#endif
+
 // ---------------------------------------------------------------------------- conversions
 __device__ __forceinline__ float gg_to_f32(float x) { return x; }
 __device__ __forceinline__ float gg_to_f32(__half x) { return __half2float(x); }

@@ -88,6 +88,9 @@ static_assert(V4_THREADS % KC == 0, "v4: each thread copies one fixed k-chunk co
 static_assert(STAGES >= 2, "v4: the pipeline needs at least two stages");
 
 // ---------------------------------------------------------------------------- PTX wrappers
+// (tests/test_cupy_gemm.py runs this file on the CPU under a small emulator that defines
+// GG_HOST_EMULATION and supplies these five instructions itself; the GPU never sees it.)
+#ifndef GG_HOST_EMULATION
 __device__ __forceinline__ unsigned gg_smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -128,6 +131,8 @@ __device__ __forceinline__ void gg_mma(float* d, const unsigned* a, const unsign
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+#endif  // GG_HOST_EMULATION
+
 // Two adjacent outputs rounded to GG_T and stored as one 4-byte word.
 __device__ __forceinline__ void gg_store2(__half* p, float x, float y) {
     *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
@@ -139,7 +144,7 @@ __device__ __forceinline__ void gg_store2(__nv_bfloat16* p, float x, float y) {
 // ---------------------------------------------------------------------------- the kernel
 extern "C" __global__ void __launch_bounds__(V4_THREADS)
 grouped_gemm_v4(GG_KERNEL_ARGS) {
-    extern __shared__ __align__(128) unsigned char gg_smem[];
+    GG_DYNAMIC_SMEM(gg_smem);                 // the cp.async ring, then the output tile
     __shared__ int s_slot[BLOCK_M];
     GG_T* sm = reinterpret_cast<GG_T*>(gg_smem);
     const unsigned sm_base = gg_smem_addr(gg_smem);
