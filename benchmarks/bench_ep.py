@@ -58,10 +58,16 @@ DEEPSEEK_V3 = dict(hidden_size=7168, top_k=8, num_experts=256, intermediate_size
 # ---------------------------------------------------------------------------------------
 # helpers that run inside a rank
 # ---------------------------------------------------------------------------------------
-def _stage_ops():
-    """The CuPy stage functions (through the registry when it reports them usable)."""
+def _stage_ops(comm, which="cupy"):
+    """The CuPy stage functions (through the registry when it reports them usable), or with
+    which="reference" the NumPy reference run on the host around each call (slow: only for
+    checking the harness, or comm-only numbers where the kernels are broken)."""
     from sandbox.registry import get_backend
 
+    if which == "reference":
+        from sandbox.ep.layer import _OnHost
+
+        return _OnHost(get_backend("reference"), comm), "reference on the host"
     b = get_backend("cupy")
     if b.ok:
         return b, "cupy"
@@ -134,8 +140,8 @@ def bench_rank(comm, opts):
     H, K, E, I = (opts["shape"][k] for k in ("hidden_size", "top_k", "num_experts",
                                              "intermediate_size"))
     per_rank = E // W
-    ops, ops_name = _stage_ops()
-    timer = _Timer(comm)
+    ops, ops_name = _stage_ops(comm, opts.get("stage_ops", "cupy"))
+    timer = _Timer(comm, opts.get("flush_mb", 256) << 20)
     rows = []
     pool = opts["pool"]
 
@@ -315,7 +321,8 @@ def _bench_layer(comm, opts, timer, ops, ops_name):
             (T, E), dtype=cupy.float32) for j in range(opts["pool"])]
         outs = {}
         if base is None:  # one layer (its host weight store is big); schemes are twins
-            base = EPMoE(comm, EPConfig(**shape, scheme=opts["schemes"][0]), backend="cupy")
+            base = EPMoE(comm, EPConfig(**shape, scheme=opts["schemes"][0]),
+                         backend="reference" if opts.get("stage_ops") == "reference" else "cupy")
             base.set_device_parameters(w13_weight=w13, w2_weight=w2)
         for scheme in opts["schemes"]:
             layer = base.with_scheme(scheme)
@@ -441,6 +448,9 @@ def main(argv=None):
     ap.add_argument("--pool", type=int, default=4, help="input/routing sets rotated per rep")
     ap.add_argument("--no-layer", action="store_true", help="skip the whole-layer comparison")
     ap.add_argument("--timeout", type=float, default=300.0, help="per-exchange timeout (s)")
+    ap.add_argument("--stage-ops", default="cupy", choices=("cupy", "reference"),
+                    help="permute/unpermute/GEMM stages: CuPy kernels, or the NumPy reference "
+                         "on the host (slow; harness checks only)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args(argv)
     if args.gpus < 1:
@@ -455,7 +465,7 @@ def main(argv=None):
                 layer_tokens=[int(t) for t in args.layer_tokens.split(",") if t],
                 schemes=schemes, reps=args.reps, warmup=args.warmup,
                 layer_reps=args.layer_reps, layer_warmup=args.layer_warmup, pool=args.pool,
-                layer=not args.no_layer)
+                layer=not args.no_layer, stage_ops=args.stage_ops)
     t0 = time.time()
     results = launch(bench_rank, args.gpus, backend="nccl", args=(opts,), timeout=args.timeout,
                      run_timeout=3600)

@@ -257,16 +257,19 @@ def run_collectives(comm) -> dict:
     right, left = (r + 1) % W, (r - 1) % W
     from_left = xp.empty(n, dtype=np.float32)
     from_right = xp.empty(n, dtype=np.float32)
+    to_right = dev(np.full(n, r, dtype=np.float32))
+    to_left = dev(np.full(n, -r, dtype=np.float32))
     with comm.group():
-        comm.send(dev(np.full(n, r, dtype=np.float32)), right)
-        comm.send(dev(np.full(n, -r, dtype=np.float32)), left)
+        comm.send(to_right, right)
+        comm.send(to_left, left)
         comm.recv(from_left, left)
         comm.recv(from_right, right)
     res["ring"] = bool(np.all(host(from_left) == left) and np.all(host(from_right) == -right))
     # a send to oneself inside a group is a copy
     mine = xp.empty(3, dtype=np.int64)
+    ours = dev(np.array([r, r, r], dtype=np.int64))
     with comm.group():
-        comm.send(dev(np.array([r, r, r], dtype=np.int64)), r)
+        comm.send(ours, r)
         comm.recv(mine, r)
     res["self_send"] = host(mine).tolist() == [r, r, r]
     send, recv = comm.counts_phase(dev(np.arange(W) + r))

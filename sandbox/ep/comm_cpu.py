@@ -215,6 +215,9 @@ class CpuCommunicator(Communicator):
                          (selectors.EVENT_READ if peer in recvs else 0)
                 sel.register(sock, events, peer)
             while sends or recvs:
+                if self._closed:  # aborted from another thread (a watchdog)
+                    raise CommPeerError(f"rank {self.rank}: {what} interrupted: the "
+                                        f"communicator was aborted")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CommTimeoutError(
@@ -222,7 +225,11 @@ class CpuCommunicator(Communicator):
                         f"waiting to receive from ranks {sorted(recvs)} and to send to ranks "
                         f"{sorted(sends)} (a peer is hung, dead, or called a different "
                         f"operation){self.describe_peer_failures()}")
-                for key, mask in sel.select(timeout=min(remaining, 0.5)):
+                try:
+                    ready = sel.select(timeout=min(remaining, 0.5))
+                except (OSError, ValueError):  # a socket closed under us by abort()
+                    ready = []
+                for key, mask in ready:
                     peer = key.data
                     if mask & selectors.EVENT_READ and peer in recvs:
                         self._pump_recv(peer, recvs, what)

@@ -124,6 +124,7 @@ class NcclCommunicator(Communicator):
         self._abort_lock = threading.Lock()
         self._stop = threading.Event()
         self._comm = None
+        self._group_refs = []
         self._period = float(watchdog_period)
         # past the timeout, how long the watchdog lets an abort work before ending the process
         self._hard_exit_after = max(10.0, self.timeout) if hard_exit_after is None \
@@ -304,6 +305,10 @@ class NcclCommunicator(Communicator):
         if comm is None:
             raise CommPeerError(f"rank {self.rank}: {op} on a destroyed or aborted communicator")
         fn = comm.send if op == "send" else comm.recv
+        if self._in_group:
+            # NCCL enqueues a group's transfers at group end: keep the buffers alive until
+            # then (a temporary freed earlier could be reused by the memory pool meanwhile)
+            self._group_refs.append(x)
         try:
             fn(x.data.ptr, x.nbytes, self._uint8, peer, self._stream)
         except self._nccl.NcclError as exc:
@@ -325,14 +330,18 @@ class NcclCommunicator(Communicator):
         self._raise_if_failed()
         self._nccl.groupStart()
         self._in_group = True
+        self._group_refs = []
 
     def group_end(self):
         if not self._in_group:
             raise CommUsageError(f"rank {self.rank}: group_end without group_start")
         self._in_group = False
         what = self._what or "grouped send/recv"
-        with self._host_call(what):
-            self._nccl.groupEnd()
+        try:
+            with self._host_call(what):
+                self._nccl.groupEnd()
+        finally:
+            self._group_refs = []
         self._track(what)
 
     def synchronize(self):

@@ -361,7 +361,8 @@ def launch(fn, world_size: int, backend: str = "cpu", *, args=(), kwargs=None,
                     how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
                     note = server.get_local(f"error/{r}")  # a watchdog's last word, if any
                     why = f" ({note.decode(errors='replace')})" if note else ""
-                    failures[r] = ("died", f"rank {r} {how} without reporting a result{why}", "")
+                    failures[r] = ("died", f"rank {r} {how} without reporting a result{why} "
+                                           f"(its stderr has the details)", "")
                     order.append(r)
                     server.set_local(f"error/{r}", f"rank {r} {how}".encode())
                     pending.discard(r)
