@@ -167,6 +167,25 @@ def apply_activation(x, activation="silu", is_act_and_mul=True):
     return _run(x, activation, ELEMENTWISE)
 
 
+# ----------------------------------------------------------------------------- compile checks
+_MODES = (("silu", GATED), ("gelu", GATED), ("gelu_tanh", GATED), ("swigluoai", INTERLEAVED),
+          ("silu", ELEMENTWISE), ("gelu", ELEMENTWISE), ("gelu_tanh", ELEMENTWISE),
+          ("relu2", ELEMENTWISE))
+
+
+def compile_cases():
+    """(label, kernel, argument types) of every launch above, for the PTX checks (_ptx.py)."""
+    from numba import types as t
+
+    cases = []
+    for name, mode in _MODES:
+        for dt in (t.float32, t.float16, t.uint16):
+            a = t.Array(dt, 2, "C")
+            cases.append((f"act {name} mode={mode} {dt}", act_kernel(name, mode, CONFIGS["act"]["THREADS"]),
+                          (a, a, t.int64, t.int64, t.float32, t.float32)))
+    return cases
+
+
 # ----------------------------------------------------------------------------- as a script
 def _main():
     import reference

@@ -64,6 +64,15 @@ def moe_sum(x):
     return call.result(out)
 
 
+def compile_cases():
+    """(label, kernel, argument types) of every launch above, for the PTX checks (_ptx.py)."""
+    from numba import types as t
+
+    return [(f"moe_sum {dt}", moe_sum_kernel(CONFIGS["sum"]["THREADS"]),
+             (t.Array(dt, 3, "C"), t.Array(dt, 2, "C"), t.int64, t.int64, t.int64))
+            for dt in (t.float32, t.float16, t.uint16)]
+
+
 def _main():
     import reference
 

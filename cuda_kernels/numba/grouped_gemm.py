@@ -370,6 +370,29 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
     return call.result(c)
 
 
+# ----------------------------------------------------------------------------- compile checks
+def compile_cases():
+    """(label, kernel, argument types) of every launch above, for the PTX checks (_ptx.py):
+    each version for the tile heights that block sizes 16, 32 and 64 select."""
+    from numba import types as t
+
+    def arr(dt, nd):
+        return t.Array(dt, nd, "C")
+
+    cases, seen = [], set()
+    for dt in (t.float32, t.float16, t.uint16):
+        sig = ((arr(dt, 2), arr(dt, 3), arr(t.int32, 1), arr(t.int32, 1), arr(t.int32, 1),
+                arr(t.float32, 1), arr(t.float32, 2), arr(dt, 2)) + (t.int64,) * 7)
+        for version in VERSIONS:
+            for B in (16, 32, 64):
+                ran, kernel, *_ = plan(version, B)
+                if (id(kernel), dt) in seen:
+                    continue
+                seen.add((id(kernel), dt))
+                cases.append((f"grouped_gemm {ran} B={B} {dt}", kernel, sig))
+    return cases
+
+
 # ----------------------------------------------------------------------------- as a script
 def _main():
     import reference

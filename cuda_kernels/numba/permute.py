@@ -432,6 +432,37 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
     return call.result(out)
 
 
+# ----------------------------------------------------------------------------- compile checks
+def compile_cases():
+    """(label, kernel, argument types) of every launch above, for the PTX checks (_ptx.py)."""
+    from numba import types as t
+
+    def arr(dt, nd):
+        return t.Array(dt, nd, "C")
+
+    i32, i64 = t.int32, t.int64
+    v = arr(i32, 1)
+    single, count, scan, scatter = align_kernels(CONFIGS["align"]["THREADS"])
+    cases = []
+    for ids in (i32, i64):
+        a = arr(ids, 1)
+        cases += [
+            (f"align_single ids={ids}", single,
+             (a, i64, i64, i64, v, i64, i64, v, v, i64, i64, v, v, v, i64, i64)),
+            (f"align_count ids={ids}", count, (a, i64, i64, v, i64, i64, arr(i32, 2), i64)),
+            (f"align_scatter ids={ids}", scatter,
+             (a, i64, i64, v, i64, i64, arr(i32, 2), v, v, v, i64, i64, i64)),
+        ]
+    cases.append(("align_scan", scan,
+                  (arr(i32, 2), i64, i64, i64, i64, v, i64, v, v, i64, i64, v, v, i64)))
+    permute_rows, unpermute_rows = row_kernels(CONFIGS["rows"]["THREADS"])
+    for dt in (t.float32, t.float16, t.uint16):
+        cases.append((f"permute_rows {dt}", permute_rows, (arr(dt, 2), v, i64, arr(dt, 2), i64, i64)))
+        cases.append((f"unpermute_rows {dt}", unpermute_rows,
+                      (arr(dt, 2), arr(t.float32, 2), v, arr(dt, 2), i64, i64, i64)))
+    return cases
+
+
 # ----------------------------------------------------------------------------- as a script
 def _main():
     import reference

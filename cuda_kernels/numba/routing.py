@@ -493,6 +493,26 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
     return weights, ids, zero_result
 
 
+# ----------------------------------------------------------------------------- compile checks
+def compile_cases():
+    """(label, kernel, argument types) of every launch above, for the PTX checks (_ptx.py)."""
+    from numba import types as t
+
+    def arr(dt, nd):
+        return t.Array(dt, nd, "C")
+
+    cases = []
+    for flavor, n in (("warp", CONFIGS["warp"]["WARPS_PER_BLOCK"]),
+                      ("block", CONFIGS["block"]["THREADS"])):
+        for dt in (t.float32, t.float16, t.uint16, t.float64):
+            for ids_dt in ((t.int32, t.int64) if dt == t.float32 else (t.int32,)):
+                sig = ((arr(dt, 2), arr(t.float32, 1), arr(t.float32, 2), arr(ids_dt, 2),
+                        arr(t.int32, 2)) + (t.int64,) * 9 + (t.float32,))
+                cases.append((f"routing {flavor} logits={dt} ids={ids_dt}",
+                              route_kernel(flavor, n), sig))
+    return cases
+
+
 # ----------------------------------------------------------------------------- as a script
 def _main():
     import reference
