@@ -132,8 +132,10 @@ def _device_info(backend, device, local_rank):
 
     count = cupy.cuda.runtime.getDeviceCount()
     if not 0 <= index < count:
+        hint = (" (each process sees only its own GPU, e.g. srun --gpus-per-task=1: pass "
+                "device=0)" if count == 1 and device is None else "")
         raise ValueError(f"device: expected a GPU index in [0, {count}) on this host, got "
-                         f"{index} (LOCAL_RANK={local_rank})")
+                         f"{index} (LOCAL_RANK={local_rank}){hint}")
     try:
         dev_id = cupy.cuda.Device(index).pci_bus_id
     except Exception:  # older CuPy: the index is the best we have
