@@ -1,0 +1,540 @@
+"""The quantized grouped GEMM of the fused MoE layer on the GPU (quant_gemm.cu).
+
+    c[s] = (deq(a)[s // top_k] @ deq(w[e]).T + bias[e]) * (topk_weights.flat[s] if mul_routed_weight)
+
+for every live position of sorted_token_ids, fp32 accumulation, one rounding to bf16 / fp16;
+e == -1 writes zeros. Same name, arguments and returns as reference/quant.py's
+grouped_gemm_quant (keyword-only extras: version, config, out).
+
+Shape legend: T tokens, E_local experts, K top-k, P = a.shape[0] * top_k slots, N output width
+(2I for GEMM1, H for GEMM2), Kdim reduction width (H, I), L = len(sorted_token_ids),
+KB = cdiv(Kdim, 128), NB = cdiv(N, 128), G weight-only groups per row.
+
+    format         a (CuPy)                     w (CuPy)                        scales (fp32)
+    fp8 w8a8       [M_a, Kdim] uint8 e4m3 bytes [E, N, Kdim] uint8 e4m3 bytes   a_scale [1] | [M_a, 1] | [M_a, KB]
+    int8 w8a8      [M_a, Kdim] int8             [E, N, Kdim] int8                 w_scale [E] | [E, N] | [E, NB, KB]
+    int4 w4a16     [M_a, Kdim] bf16 / fp16      [E, N, Kdim/2] uint8 (k=2j low)   w_scale [E, N, G], w_zp uint8 or None
+    int8 w8a16     [M_a, Kdim] bf16 / fp16      [E, N, Kdim] uint8 (or int8)      w_scale [E, N, G], w_zp uint8 or None
+
+fp8 codes are uint8 arrays holding the e4m3fn bytes (CuPy has no fp8 dtype; see
+quant_act.fp8_to_device). Block quantization on the GPU is DeepSeek-V3's block_shape
+[128, 128] (1x128 activation groups, 128x128 weight blocks).
+
+The ladder (`version=`; default: the best that applies):
+    v1  CUDA cores, one thread per output (any shape; fp8 needs no tensor cores)
+    v2  tensor cores: w8a8 mma.sync m16n8k32 e4m3 (sm_89+) / s8 (sm_80+), per-128-K-block
+        scaling of the partial sums in registers; wna16 mma.sync m16n8k16 bf16/f16 with the
+        weights dequantized in registers; cp.async rings of STAGES tiles.
+Tunables are data: W8A8_CONFIGS / WNA16_CONFIGS below, picked by rows per expert (tile rows BM
+must divide block_size; a tile of padding only exits at once).
+
+Run as a script to validate both versions against the reference and time them:
+    python -m cuda_kernels.cupy.quant_gemm [--quick]
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _compile as C
+
+CU = "quant_gemm.cu"
+VERSIONS = ("v1", "v2")
+KBLOCK = 128                      # the K width of a DeepSeek-V3 quantization block
+QT = {"fp8": 0, "int8": 1}
+ELEMS = {"bf16": 1, "fp16": 0}    # ELEM_BF16 define
+
+# Tunables: tile rows BM, tile columns BN, K tile BK (w8a8: always 128, one scale block),
+# warps as WARPS_M x WARPS_N, and the depth of the cp.async ring.
+#   m16: small batches are weight-streaming: many CTAs (narrow BN) and a deep ring keep
+#        enough bytes in flight to approach HBM bandwidth with 1-16 rows per expert.
+#   m64: larger batches reuse each weight tile across 64 rows: wider BN, 8 warps.
+W8A8_CONFIGS = {
+    "m16": dict(BM=16, BN=64, WARPS_M=1, WARPS_N=4, STAGES=6),
+    "m64": dict(BM=64, BN=128, WARPS_M=2, WARPS_N=4, STAGES=3),
+}
+WNA16_CONFIGS = {
+    "m16": dict(BM=16, BN=64, BK=128, WARPS_M=1, WARPS_N=4, STAGES=5),
+    "m64": dict(BM=64, BN=128, BK=64, WARPS_M=2, WARPS_N=4, STAGES=3),
+}
+W8A8_ROW = KBLOCK + 16            # padded shared row, bytes (see quant_gemm.cu)
+
+
+def w8a8_smem_bytes(cfg: dict) -> int:
+    """sA + sW rings, per-stage a-scales, per-stage w-scale (padded to 16 B), slot and row ids."""
+    st, bm, bn = cfg["STAGES"], cfg["BM"], cfg["BN"]
+    return st * (bm + bn) * W8A8_ROW + st * bm * 4 + 16 * C.cdiv(st * 4, 16) + 2 * bm * 4
+
+
+def wna16_rows(cfg: dict, nbits: int) -> tuple[int, int]:
+    """(A row bytes, W row bytes) of the padded shared tiles."""
+    wb = cfg["BK"] * nbits // 8
+    return cfg["BK"] * 2 + 16, (48 if wb == 16 else wb + 16)
+
+
+def wna16_smem_bytes(cfg: dict, nbits: int) -> int:
+    arow, wrow = wna16_rows(cfg, nbits)
+    return cfg["STAGES"] * (cfg["BM"] * arow + cfg["BN"] * wrow) + 2 * cfg["BM"] * 4
+
+
+def _w8a8_name(qt: str, cfg: dict) -> str:
+    return (f"w8a8_gemm_v2<{QT[qt]}, {cfg['BM']}, {cfg['BN']}, {cfg['WARPS_M']}, "
+            f"{cfg['WARPS_N']}, {cfg['STAGES']}>")
+
+
+def _wna16_name(nbits: int, cfg: dict) -> str:
+    return (f"wna16_gemm_v2<{nbits}, {cfg['BM']}, {cfg['BN']}, {cfg['BK']}, "
+            f"{cfg['WARPS_M']}, {cfg['WARPS_N']}, {cfg['STAGES']}>")
+
+
+def wna16_group_ok(group_size: int, num_groups: int, bk: int) -> bool:
+    """v2 holds 1, 2 or 4 groups per K tile: group_size a multiple of bk (or one group per
+    row), or bk / group_size in {2, 4} with group_size a multiple of 16."""
+    if num_groups == 1 or group_size % bk == 0:
+        return True
+    return group_size % 16 == 0 and bk % group_size == 0 and bk // group_size in (2, 4)
+
+
+V1_NAMES = ("w8a8_gemm_v1<0>", "w8a8_gemm_v1<1>", "wna16_gemm_v1<4>", "wna16_gemm_v1<8>")
+W8A8_V2_NAMES = tuple(_w8a8_name(q, c) for c in W8A8_CONFIGS.values() for q in QT)
+WNA16_V2_NAMES = tuple(_wna16_name(b, c) for c in WNA16_CONFIGS.values() for b in (4, 8))
+
+# Every instantiation the launcher can pick, for the CPU compile checks (one case per family
+# and element type: NVRTC compiles a case's names in one pass). fp8 mma needs sm_89: on sm_80
+# those bodies compile to a trap and the launcher never picks them there.
+for _ek, _ev in ELEMS.items():
+    for _names in (V1_NAMES, W8A8_V2_NAMES, WNA16_V2_NAMES):
+        C.register_compile_case(CU, {"ELEM_BF16": _ev}, _names)
+
+
+# ----------------------------------------------------------------------------- config choice
+def _pick(table: dict, rows_per_expert: float, block_size: int, config=None):
+    """The config named `config`, or the widest tile that fits the rows per expert; its BM
+    must divide block_size (a tile lies in one alignment block). None when none fits."""
+    if config is not None:
+        if isinstance(config, str):
+            if config not in table:
+                raise ValueError(f"config: expected one of {sorted(table)}, got {config!r}")
+            cfg = table[config]
+        elif isinstance(config, dict):
+            cfg = config
+        else:
+            raise TypeError(f"config: expected a name or a dict, got {type(config).__name__}")
+        if block_size % cfg["BM"]:
+            raise ValueError(f"config: tile rows BM={cfg['BM']} must divide block_size "
+                             f"{block_size}")
+        return cfg
+    fits = [c for c in table.values() if block_size % c["BM"] == 0]
+    if not fits:
+        return None
+    small = [c for c in fits if c["BM"] >= min(rows_per_expert, 64)]
+    return min(small, key=lambda c: c["BM"]) if small else max(fits, key=lambda c: c["BM"])
+
+
+# ----------------------------------------------------------------------------- checks
+def _fmt(use_fp8_w8a8, use_int8_w8a8, use_int8_w8a16, use_int4_w4a16):
+    flags = {"fp8": use_fp8_w8a8, "int8": use_int8_w8a8, "w8a16": use_int8_w8a16,
+             "int4": use_int4_w4a16}
+    on = [k for k, v in flags.items() if v]
+    if len(on) > 1:
+        raise ValueError(f"use_fp8_w8a8/use_int8_w8a8/use_int8_w8a16/use_int4_w4a16: expected at "
+                         f"most one format, got {len(on)} set ({', '.join(on)})")
+    return on[0] if on else None
+
+
+def _elem_key(dtype) -> str:
+    dt = np.dtype(dtype)
+    if dt == C.bf16_dtype() or dt == np.uint16:
+        return "bf16"
+    if dt == np.float16:
+        return "fp16"
+    raise TypeError(f"expected bfloat16 or float16, got {dt}")
+
+
+def _f32(name, x, shape=None):
+    """A float CuPy array as contiguous fp32 (bf16 widened exactly), shape-checked."""
+    import cupy
+
+    C.check_array(name, x, dtypes=C.float_dtypes(), shape=shape, contiguous=False)
+    if np.dtype(x.dtype) == C.bf16_dtype():
+        return (C.raw(x).astype(cupy.uint32) << 16).view(cupy.float32).reshape(x.shape)
+    return cupy.ascontiguousarray(x.astype(cupy.float32, copy=False))
+
+
+def _block_shape(block_shape):
+    if block_shape is None:
+        return None
+    try:
+        bn, bk = (int(v) for v in block_shape)
+    except (TypeError, ValueError):
+        raise TypeError(f"block_shape: expected two ints [bn, bk], got {block_shape!r}") from None
+    return bn, bk
+
+
+_ALIGN = 16   # cp.async moves 16-byte chunks
+
+
+def _aligned(*arrays) -> bool:
+    return all(x is None or x.data.ptr % _ALIGN == 0 for x in arrays)
+
+
+# ----------------------------------------------------------------------------- the stage
+def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
+                       block_size, topk_weights=None, mul_routed_weight=False, bias=None,
+                       a_scale=None, w_scale=None, w_zp=None, use_fp8_w8a8=False,
+                       use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
+                       per_act_token_quant=False, per_channel_quant=False, block_shape=None,
+                       out_dtype=None, *, version=None, config=None, out=None):
+    """c [a.shape[0] * top_k, N] on the GPU (see the module doc and reference/quant.py).
+
+    version "v1" | "v2" | None (best that applies: v2 needs block_size % 16 == 0, 16-byte
+    aligned rows (Kdim % 16 w8a8, % 32 weight-only), sm_89+ for fp8, group sizes that are a
+    multiple of 16 and nest with the K tile). config: a name of W8A8_CONFIGS / WNA16_CONFIGS
+    or a dict. out: a [P, N] array to write (tests poison it first); else one is allocated.
+    """
+    import cupy
+
+    fmt = _fmt(use_fp8_w8a8, use_int8_w8a8, use_int8_w8a16, use_int4_w4a16)
+    if fmt is None:
+        raise ValueError("use_*: the CuPy quantized GEMM needs one of use_fp8_w8a8, "
+                         "use_int8_w8a8, use_int8_w8a16, use_int4_w4a16 (the bf16 GEMM is "
+                         "cuda_kernels.cupy.grouped_gemm)")
+    if version is not None and version not in VERSIONS:
+        raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
+    top_k = C.check_int("top_k", top_k, 1)
+    block_size = C.check_int("block_size", block_size, 1)
+    C.check_array("sorted_token_ids", sorted_token_ids, ndim=1, dtypes=(np.int32,))
+    C.check_array("expert_ids", expert_ids, ndim=1, dtypes=(np.int32,))
+    C.check_array("num_tokens_post_padded", num_tokens_post_padded, dtypes=(np.int32,))
+    if num_tokens_post_padded.size < 1:
+        raise ValueError("num_tokens_post_padded: expected one int32, got an empty array")
+    L = sorted_token_ids.size
+    if expert_ids.size < C.cdiv(L, block_size):
+        raise ValueError(f"expert_ids: expected at least cdiv({L}, {block_size}) = "
+                         f"{C.cdiv(L, block_size)} blocks, got {expert_ids.size}")
+    w8a8 = fmt in ("fp8", "int8")
+
+    # ---- operands
+    if w8a8:
+        code_dt = np.uint8 if fmt == "fp8" else np.int8
+        hint = " (fp8 codes travel as their uint8 bytes)" if fmt == "fp8" else ""
+        try:
+            C.check_array("a", a, ndim=2, dtypes=(code_dt,))
+            C.check_array("w", w, ndim=3, dtypes=(code_dt,))
+        except TypeError as err:
+            raise TypeError(f"{err}{hint}") from None
+        M_a, K = a.shape
+        E, N, Kw = w.shape
+        if Kw != K:
+            raise ValueError(f"w: expected shape (E, N, {K}) to match a's columns, got {w.shape}")
+        out_key = _elem_key(out_dtype if out_dtype is not None else C.bf16_dtype())
+        bs = _block_shape(block_shape)
+        if bs is not None and bs != (KBLOCK, KBLOCK):
+            raise ValueError(f"block_shape: the GPU kernels do DeepSeek-V3's [128, 128] blocks, "
+                             f"got {list(bs)}")
+        KB, NB = C.cdiv(K, KBLOCK), C.cdiv(N, KBLOCK)
+        if a_scale is None or w_scale is None:
+            raise ValueError(f"{'a_scale' if a_scale is None else 'w_scale'}: expected the "
+                             f"scales of a w8a8 format, got None")
+        if bs is not None:
+            a_kind, w_kind = 2, 2
+            a_s = _f32("a_scale", a_scale, shape=(M_a, KB))
+            w_s = _f32("w_scale", w_scale, shape=(E, NB, KB))
+        else:
+            if per_act_token_quant:
+                if a_scale.size != M_a or a_scale.ndim not in (1, 2):
+                    raise ValueError(f"a_scale: expected per-token scales ({M_a}, 1), got "
+                                     f"{a_scale.shape}")
+                a_kind = 1
+            else:
+                if a_scale.size != 1:
+                    raise ValueError(f"a_scale: expected one per-tensor scale (pass "
+                                     f"per_act_token_quant=True for [M, 1]), got {a_scale.shape}")
+                a_kind = 0
+            a_s = _f32("a_scale", a_scale).reshape(-1)
+            if per_channel_quant:
+                if w_scale.shape not in ((E, N), (E, N, 1)):
+                    raise ValueError(f"w_scale: expected per-channel scales ({E}, {N}), got "
+                                     f"{w_scale.shape}")
+                w_kind = 1
+            else:
+                if w_scale.shape not in ((E,), (E, 1), (E, 1, 1)):
+                    raise ValueError(f"w_scale: expected one scale per expert ({E},), got "
+                                     f"{w_scale.shape}")
+                w_kind = 0
+            w_s = _f32("w_scale", w_scale).reshape(-1)
+    else:
+        C.check_array("a", a, ndim=2, dtypes=(C.bf16_dtype(), np.dtype(np.float16)))
+        M_a, K = a.shape
+        nbits = 4 if fmt == "int4" else 8
+        C.check_array("w", w, ndim=3, dtypes=((np.uint8,) if nbits == 4 else (np.uint8, np.int8)))
+        E, N, Kw = w.shape
+        if (Kw * 2 if nbits == 4 else Kw) != K:
+            raise ValueError(f"w: expected codes for Kdim = {K} (a's columns), got shape {w.shape}")
+        out_key = _elem_key(a.dtype)
+        if out_dtype is not None and _elem_key(out_dtype) != out_key:
+            raise TypeError(f"out_dtype: weight-only GEMMs return a's dtype ({a.dtype}), got "
+                            f"{np.dtype(out_dtype)}")
+        if w_scale is None:
+            raise ValueError("w_scale: expected per-group scales [E, N, G], got None")
+        C.check_array("w_scale", w_scale, ndim=3, contiguous=False)
+        G = w_scale.shape[2]
+        bs = _block_shape(block_shape)
+        group_size = bs[1] if bs is not None else (K // G if G and K % G == 0 else 0)
+        if G < 1 or group_size < 1 or K % group_size or K // group_size != G:
+            raise ValueError(f"w_scale: expected Kdim / group_size = {K} / {group_size} groups, "
+                             f"got shape {w_scale.shape}")
+        w_s = _f32("w_scale", w_scale, shape=(E, N, G))
+        if w_zp is not None:
+            if w.dtype == np.int8:
+                raise ValueError("w_zp: int8 codes are symmetric (no zero point); got w int8 "
+                                 "with a w_zp")
+            C.check_array("w_zp", w_zp, ndim=3, dtypes=(np.uint8,), shape=(E, N, G))
+        default_zp = 8 if nbits == 4 else 128
+        code_xor = 0x80 if (nbits == 8 and w.dtype == np.int8) else 0   # int8 = uint8 ^ 0x80 - 128
+    P = M_a * top_k
+    C.check_fits_int32("a", P, "a.shape[0] * top_k")
+    C.check_fits_int32("c", P * N, "P * N")
+
+    if mul_routed_weight:
+        if topk_weights is None:
+            raise ValueError("topk_weights: expected an array when mul_routed_weight=True, got None")
+        tw = _f32("topk_weights", topk_weights).reshape(-1)
+        if tw.size != P:
+            raise ValueError(f"topk_weights: expected {P} weights (a rows * top_k), got shape "
+                             f"{topk_weights.shape}")
+    else:
+        tw = None
+    b32 = _f32("bias", bias, shape=(E, N)) if bias is not None else None
+
+    if out is None:
+        c = C.empty((P, N), C.bf16_dtype() if out_key == "bf16" else np.float16)
+    else:
+        C.check_array("out", out, ndim=2, shape=(P, N))
+        if _elem_key(out.dtype) != out_key:
+            raise TypeError(f"out: expected dtype {out_key}, got {out.dtype}")
+        c = out
+    if P == 0 or N == 0 or L == 0:
+        return c
+
+    # ---- version and config
+    dev = cupy.cuda.Device()
+    cc = int(dev.compute_capability)
+    rows_per_expert = P / max(E, 1)
+    why = None
+    if w8a8:
+        cfg = _pick(W8A8_CONFIGS, rows_per_expert, block_size, config)
+        if cfg is None:
+            why = f"v2 tiles need block_size a multiple of 16, got {block_size}"
+        elif K % 16 or not _aligned(a, w):
+            why = f"v2 loads 16-byte chunks: Kdim must be a multiple of 16 (got {K}) and a, w aligned"
+        elif fmt == "fp8" and cc < 89:
+            why = f"fp8 tensor cores need sm_89+, this device is sm_{cc}"
+    else:
+        cfg = _pick(WNA16_CONFIGS, rows_per_expert, block_size, config)
+        if cfg is None:
+            why = f"v2 tiles need block_size a multiple of 16, got {block_size}"
+        elif K % 32 or not _aligned(a, w):
+            why = f"v2 loads 16-byte chunks: Kdim must be a multiple of 32 (got {K}) and a, w aligned"
+        elif not wna16_group_ok(group_size, G, cfg["BK"]):
+            why = (f"v2 holds 1, 2 or 4 groups per K tile of {cfg['BK']}: group_size "
+                   f"{group_size} does not nest with it")
+    if version is None:
+        version = "v1" if why else "v2"
+    elif version == "v2" and why:
+        raise ValueError(f"version: v2 cannot run this problem: {why}")
+    elem = ELEMS[out_key]
+
+    if version == "v1":
+        grid, block, smem = (L, C.cdiv(N, 128)), (128,), 0
+        if w8a8:
+            name = f"w8a8_gemm_v1<{QT[fmt]}>"
+        else:
+            name = f"wna16_gemm_v1<{nbits}>"
+        kern = _kernel(name, V1_NAMES, elem, 0)
+    elif w8a8:
+        name = _w8a8_name(fmt, cfg)
+        smem = w8a8_smem_bytes(cfg)
+        kern = _kernel(name, W8A8_V2_NAMES if name in W8A8_V2_NAMES else (name,), elem, smem)
+        grid, block = (C.cdiv(L, cfg["BM"]), C.cdiv(N, cfg["BN"])), (cfg["WARPS_M"] * cfg["WARPS_N"] * 32,)
+    else:
+        name = _wna16_name(nbits, cfg)
+        smem = wna16_smem_bytes(cfg, nbits)
+        kern = _kernel(name, WNA16_V2_NAMES if name in WNA16_V2_NAMES else (name,), elem, smem)
+        grid, block = (C.cdiv(L, cfg["BM"]), C.cdiv(N, cfg["BN"])), (cfg["WARPS_M"] * cfg["WARPS_N"] * 32,)
+    if grid[1] > 65535:
+        raise ValueError(f"w: N = {N} needs {grid[1]} column tiles, over the grid's 65535")
+
+    null = C.null_ptr()
+    common = (sorted_token_ids, expert_ids, num_tokens_post_padded,
+              tw if tw is not None else null, b32 if b32 is not None else null,
+              np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
+              np.int32(L), np.int32(bool(mul_routed_weight)))
+    if w8a8:
+        args = (a.view(cupy.uint8), w.view(cupy.uint8), C.raw(c), a_s, w_s) + common + \
+            (np.int32(a_kind), np.int32(w_kind))
+    else:
+        args = (C.raw(a), w.view(cupy.uint8), C.raw(c), w_s,
+                w_zp if w_zp is not None else null) + common + \
+            (np.int32(group_size), np.int32(G), np.int32(default_zp), np.int32(code_xor))
+    kern(grid, block, args, shared_mem=smem)
+    return c
+
+
+_READY: dict = {}
+
+
+def _kernel(name, names, elem, smem):
+    """The compiled kernel (one NVRTC pass per family and element type), its dynamic
+    shared-memory limit raised once when it needs more than the default 48 KB."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    key = (name, elem, dev)
+    kern = _READY.get(key)
+    if kern is None:
+        kern = C.get_kernel(CU, name, {"ELEM_BF16": elem}, names)
+        if smem > 48 * 1024:   # a CTA gets more than 48 KB only after opting in
+            kern.max_dynamic_shared_size_bytes = smem
+        _READY[key] = kern
+    return kern
+
+
+# ----------------------------------------------------------------------------- napkin math
+HBM_BYTES_PER_S = 4.8e12     # H200 datasheet
+PEAK_BF16 = 989e12           # dense bf16 tensor-core FLOP/s
+PEAK_FP8 = 1979e12           # dense fp8
+
+
+def gemm_flops(num_slots: int, N: int, K: int) -> float:
+    """2 * P * N * Kdim."""
+    return 2.0 * num_slots * N * K
+
+
+def quant_weight_bytes(fmt: str, touched: int, N: int, K: int, group_size: int = 128,
+                       block: int = KBLOCK) -> float:
+    """Bytes of the touched experts' weights in the quantized format, scales included."""
+    if fmt in ("fp8", "int8"):
+        return touched * (N * K + 4 * C.cdiv(N, block) * C.cdiv(K, block))
+    codes = N * K // 2 if fmt == "int4" else N * K
+    return touched * (codes + 4 * N * (K // group_size))
+
+
+# ----------------------------------------------------------------------------- script
+def _main(argv=None):  # pragma: no cover - needs a GPU
+    """Validate v1 and v2 of every format against reference.quant.grouped_gemm_quant on small
+    problems (nasty shapes included), then time v2 at DeepSeek-V3 (fp8 block) and Mixtral
+    (int4) GEMM1 shapes. --quick: the validation only, small (for compute-sanitizer)."""
+    import argparse
+
+    import cupy
+    import ml_dtypes
+
+    from reference import moe_align_block_size
+    from reference import quant as RQ
+
+    from .quant_act import fp8_to_device
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small validation only (sanitizer)")
+    args = p.parse_args(argv)
+    ok, why = C.availability()
+    if not ok:
+        raise SystemExit(f"no GPU: {why}")
+    rng = np.random.default_rng(0)
+    bf16 = ml_dtypes.bfloat16
+
+    def up(x):
+        if x is None:
+            return None
+        if x.dtype == RQ.FP8_DTYPE:
+            return fp8_to_device(x)
+        return C.to_device(x)
+
+    failures = 0
+    formats = [("fp8 block", dict(use_fp8_w8a8=True, block_shape=[128, 128]), "block"),
+               ("fp8 tensor", dict(use_fp8_w8a8=True), "tensor"),
+               ("fp8 channel", dict(use_fp8_w8a8=True, per_act_token_quant=True,
+                                    per_channel_quant=True), "channel"),
+               ("int8 channel", dict(use_int8_w8a8=True, per_act_token_quant=True,
+                                     per_channel_quant=True), "channel"),
+               ("int8 block", dict(use_int8_w8a8=True, block_shape=[128, 128]), "block"),
+               ("int4 g128", dict(use_int4_w4a16=True), 128),
+               ("int4 g32 zp", dict(use_int4_w4a16=True), 32),
+               ("uint8 g64", dict(use_int8_w8a16=True), 64)]
+    for (M_a, E, K, N, Kd, B) in ((5, 4, 2, 136, 320, 16), (33, 6, 3, 256, 256, 32),
+                                  (70, 3, 1, 200, 384, 64)):
+        x = rng.standard_normal((M_a, Kd)).astype(bf16)
+        wf = (rng.standard_normal((E, N, Kd)) * 0.05).astype(bf16)
+        ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+        ids[:, 0] = 0 if M_a > 30 else ids[:, 0]              # a crowded expert
+        st, ex, ntp = moe_align_block_size(ids, B, E)
+        tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+        for name, flags, gran in formats:
+            if isinstance(gran, int):
+                nb = 4 if flags.get("use_int4_w4a16") else 8
+                wq, ws, wz = RQ.quantize_weight_wna16(wf, nb, gran, zero_point="zp" in name)
+                aq, as_ = x, None
+            else:
+                qd = "fp8" if flags.get("use_fp8_w8a8") else "int8"
+                aq, as_ = RQ.moe_kernel_quantize_input(x, None, qd,
+                                                       flags.get("per_act_token_quant", False),
+                                                       flags.get("block_shape"))
+                quant_w = RQ.quantize_weight_fp8 if qd == "fp8" else RQ.quantize_weight_int8
+                wq, ws = quant_w(wf, gran)
+                wz = None
+            want = RQ.grouped_gemm_quant(aq, wq, st, ex, ntp, K, B, tw, True, a_scale=as_,
+                                         w_scale=ws, w_zp=wz, **flags)
+            for ver in VERSIONS:
+                outd = C.empty((M_a * K, N), bf16)
+                C.raw(outd).fill(0x7FC0)                        # poison: bf16 NaN
+                try:
+                    got = grouped_gemm_quant(up(aq), up(wq), up(st), up(ex), up(ntp), K, B,
+                                             up(tw), True, a_scale=up(as_), w_scale=up(ws),
+                                             w_zp=up(wz), version=ver, out=outd, **flags)
+                    err = C.rel_err(C.to_host(got).astype(np.float32),
+                                    want.astype(np.float32))
+                    status = "ok" if err <= 1e-2 else "FAIL"
+                except ValueError as e:
+                    err, status = float("nan"), f"skip ({e})"
+                failures += status == "FAIL"
+                print(f"{name:13s} {ver} M_a={M_a:3d} E={E} K={K} N={N:4d} Kdim={Kd:4d} B={B:3d} "
+                      f"rel_err={err:.2e} {status}")
+    if args.quick:
+        raise SystemExit(1 if failures else 0)
+
+    # timing: GEMM1 of DeepSeek-V3 (fp8 block) and Mixtral (int4), v2
+    for label, (E, K, N, Kd), fmt in (("DeepSeek-V3 GEMM1 fp8", (256, 8, 4096, 7168), "fp8"),
+                                      ("Mixtral GEMM1 int4", (8, 2, 28672, 4096), "int4")):
+        if fmt == "fp8":
+            w = cupy.random.randint(0, 0x70, (E, N, Kd), dtype=cupy.uint8) | \
+                (cupy.random.randint(0, 2, (E, N, Kd), dtype=cupy.uint8) << 7)
+            ws = cupy.random.uniform(1e-3, 2e-3, (E, N // 128, Kd // 128), dtype=cupy.float32)
+        else:
+            w = cupy.random.randint(0, 256, (E, N, Kd // 2), dtype=cupy.uint8)
+            ws = cupy.random.uniform(1e-3, 2e-3, (E, N, Kd // 128), dtype=cupy.float32)
+        for T in (1, 64, 1024):
+            ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+            B = 16 if T * K / E <= 16 else 64
+            st, ex, ntp = (C.to_device(v) for v in moe_align_block_size(ids, B, E))
+            if fmt == "fp8":
+                a = cupy.random.randint(0, 0x70, (T, Kd), dtype=cupy.uint8)
+                as_ = cupy.random.uniform(1e-3, 2e-3, (T, Kd // 128), dtype=cupy.float32)
+                kw = dict(a_scale=as_, w_scale=ws, use_fp8_w8a8=True, block_shape=[128, 128])
+            else:
+                a = C.to_device(rng.standard_normal((T, Kd)).astype(bf16))
+                kw = dict(w_scale=ws, use_int4_w4a16=True)
+
+            def run():
+                grouped_gemm_quant(a, w, st, ex, ntp, K, B, **kw)
+            t = C.median(C.cuda_time(run, warmup=3, reps=20)) * 1e-3
+            touched = len(np.unique(ids))
+            nbytes = quant_weight_bytes(fmt, touched, N, Kd)
+            flops = gemm_flops(T * K, N, Kd)
+            floor = max(nbytes / HBM_BYTES_PER_S, flops / (PEAK_FP8 if fmt == "fp8" else PEAK_BF16))
+            print(f"{label} T={T:5d}: {t * 1e6:9.1f} us  {nbytes / t / 1e12:5.2f} TB/s  "
+                  f"{flops / t / 1e12:7.1f} TFLOP/s  roofline {floor / t:5.1%}")
+    raise SystemExit(1 if failures else 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _main()
