@@ -421,7 +421,7 @@ def local_weights(expert_map, *weights):
 # --------------------------------------------------------------------------------------------
 
 def _torch():
-    import torch   # optional: tests that use these are skipped without torch
+    import torch  # optional: tests that use these are skipped without torch
     return torch
 
 

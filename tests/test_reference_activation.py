@@ -12,10 +12,15 @@ import math
 
 import numpy as np
 import pytest
-
 from oracles import BF16, activation_vec, assert_close, rng_for
-from reference import (apply_activation, gelu_and_mul, gelu_tanh_and_mul, silu_and_mul,
-                       swigluoai_and_mul)
+
+from reference import (
+    apply_activation,
+    gelu_and_mul,
+    gelu_tanh_and_mul,
+    silu_and_mul,
+    swigluoai_and_mul,
+)
 
 DTYPES = [np.float32, BF16, np.float16, np.float64]
 GATED = ["silu", "gelu", "gelu_tanh", "swigluoai"]

@@ -11,12 +11,25 @@ import re
 
 import numpy as np
 import pytest
-
 from oracles import BF16, distinct_topk_ids, random_weights, uniform
-from reference import (apply_activation, determine_expert_map, fused_experts, fused_moe,
-                       fused_topk, fused_topk_bias, grouped_gemm, grouped_mm, grouped_topk,
-                       llama4_custom_routing_function, moe_align_block_size, moe_permute,
-                       moe_sum, moe_unpermute, select_experts)
+
+from reference import (
+    apply_activation,
+    determine_expert_map,
+    fused_experts,
+    fused_moe,
+    fused_topk,
+    fused_topk_bias,
+    grouped_gemm,
+    grouped_mm,
+    grouped_topk,
+    llama4_custom_routing_function,
+    moe_align_block_size,
+    moe_permute,
+    moe_sum,
+    moe_unpermute,
+    select_experts,
+)
 
 T, E, K, H, I, B = 5, 8, 2, 16, 12, 4
 rng = np.random.default_rng(2024)
@@ -30,14 +43,14 @@ ALIGNED = moe_align_block_size(IDS, B, E)
 
 
 def experts(**overrides):
-    kwargs = dict(hidden_states=X, w1=W1, w2=W2, topk_weights=WEIGHTS, topk_ids=IDS)
+    kwargs = {"hidden_states": X, "w1": W1, "w2": W2, "topk_weights": WEIGHTS, "topk_ids": IDS}
     kwargs.update(overrides)
     return lambda: fused_experts(**kwargs)
 
 
 def gemm(**overrides):
-    kwargs = dict(a=X, w=W1, sorted_token_ids=ALIGNED[0], expert_ids=ALIGNED[1],
-                  num_tokens_post_padded=ALIGNED[2], top_k=K, block_size=B)
+    kwargs = {"a": X, "w": W1, "sorted_token_ids": ALIGNED[0], "expert_ids": ALIGNED[1],
+                  "num_tokens_post_padded": ALIGNED[2], "top_k": K, "block_size": B}
     kwargs.update(overrides)
     return lambda: grouped_gemm(**kwargs)
 

@@ -15,17 +15,37 @@ import itertools
 
 import numpy as np
 import pytest
+from oracles import (
+    BF16,
+    TOL,
+    assert_close,
+    distinct_topk_ids,
+    expert_map_loop,
+    fused_experts_loop,
+    llama4_loop,
+    local_weights,
+    moe_weights,
+    random_weights,
+    rel_err,
+    rng_for,
+    route_loop,
+    torch_fused_moe,
+    uniform,
+)
 
-from oracles import (BF16, TOL, assert_close, distinct_topk_ids, expert_map_loop,
-                     fused_experts_loop, llama4_loop, local_weights, moe_weights,
-                     random_weights, rel_err, rng_for, route_loop, torch_fused_experts,
-                     torch_route, uniform)
-from reference import (determine_expert_map, fused_experts, fused_moe, grouped_gemm,
-                       llama4_custom_routing_function, moe_align_block_size, moe_sum,
-                       select_experts)
+from reference import (
+    determine_expert_map,
+    fused_experts,
+    fused_moe,
+    grouped_gemm,
+    llama4_custom_routing_function,
+    moe_align_block_size,
+    moe_sum,
+    select_experts,
+)
 
 DTYPES = [np.float32, BF16, np.float16, np.float64]
-dtype_id = lambda d: np.dtype(d).name  # noqa: E731
+dtype_id = lambda d: np.dtype(d).name
 
 
 def experts_inputs(rng, num_tokens, num_experts, topk, hidden, inter, dtype=np.float32,
@@ -259,7 +279,7 @@ def test_fused_moe_routers_end_to_end():
                                   w2_bias=b2, **kwargs)
         assert_close(out, want, np.float32)
 
-    common = dict(w1_bias=b1, w2_bias=b2)
+    common = {"w1_bias": b1, "w2_bias": b2}
     check(fused_moe(x, w1, w2, logits, 4, True, **common), *route_loop(logits, 4, True))
     check(fused_moe(x, w1, w2, logits, 4, False, e_score_correction_bias=bias,
                     routed_scaling_factor=2.5, **common),
@@ -316,8 +336,7 @@ def grid_case(num_tokens, inter, hidden, num_experts, topk):
     logits = rng.standard_normal((num_tokens, num_experts)).astype(np.float32)
     if num_tokens * topk > 200:
         pytest.importorskip("torch")
-        weights, ids = torch_route(logits, topk, False)
-        want = torch_fused_experts(x, w1, w2, weights, ids, compute_dtype="float32")
+        want = torch_fused_moe(x, w1, w2, logits, topk, False, compute_dtype="float32")
     else:
         weights, ids = route_loop(logits, topk, False)
         want = fused_experts_loop(x, w1, w2, weights.astype(np.float32), ids)

@@ -16,11 +16,25 @@ import math
 
 import numpy as np
 import pytest
+from oracles import (
+    BF16,
+    align_capacity,
+    align_loop,
+    assert_close,
+    assert_same_blocks,
+    distinct_topk_ids,
+    expert_map_loop,
+    rng_for,
+)
 
-from oracles import (BF16, align_capacity, align_loop, assert_close, assert_same_blocks,
-                     distinct_topk_ids, expert_map_loop, rng_for)
-from reference import (determine_expert_map, grouped_mm, max_num_tokens_padded,
-                       moe_align_block_size, moe_permute, moe_unpermute)
+from reference import (
+    determine_expert_map,
+    grouped_mm,
+    max_num_tokens_padded,
+    moe_align_block_size,
+    moe_permute,
+    moe_unpermute,
+)
 
 
 def check_alignment(topk_ids, block_size, num_experts, **kwargs):

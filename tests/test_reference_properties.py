@@ -16,12 +16,29 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from oracles import (
+    assert_close,
+    distinct_topk_ids,
+    expert_map_loop,
+    local_weights,
+    moe_weights,
+    random_weights,
+    uniform,
+)
 
-from oracles import (assert_close, distinct_topk_ids, expert_map_loop, local_weights,
-                     moe_weights, random_weights, uniform)
-from reference import (determine_expert_map, fused_experts, fused_moe, fused_topk,
-                       fused_topk_bias, grouped_topk, llama4_custom_routing_function,
-                       moe_align_block_size, moe_permute, moe_unpermute, select_experts)
+from reference import (
+    determine_expert_map,
+    fused_experts,
+    fused_moe,
+    fused_topk,
+    fused_topk_bias,
+    grouped_topk,
+    llama4_custom_routing_function,
+    moe_align_block_size,
+    moe_permute,
+    moe_unpermute,
+    select_experts,
+)
 
 PROPERTY = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -194,8 +211,8 @@ def test_renaming_experts_leaves_the_output_unchanged(seed, num_tokens, grouped,
     pi = _group_preserving_permutation(rng, num_experts, num_expert_group)
     inv = np.argsort(pi)                                 # renamed expert j was expert inv[j]
 
-    route = dict(use_grouped_topk=True, num_expert_group=num_expert_group, topk_group=topk_group,
-                 scoring_func=scoring_func)
+    route = {"use_grouped_topk": True, "num_expert_group": num_expert_group, "topk_group": topk_group,
+                 "scoring_func": scoring_func}
     renamed_bias = None if bias is None else bias[inv]
     out = fused_moe(x, w1, w2, logits, topk, renormalize, e_score_correction_bias=bias,
                     w1_bias=b1, w2_bias=b2, **route)
@@ -233,7 +250,7 @@ def test_expert_parallel_partial_outputs_sum_to_the_layer(seed, num_tokens, num_
     total = np.zeros_like(full)
     owners = np.zeros(num_experts, dtype=int)
     for rank in range(ep_size):
-        local, expert_map = determine_expert_map(ep_size, rank, num_experts, placement)
+        _local, expert_map = determine_expert_map(ep_size, rank, num_experts, placement)
         if expert_map is None:                           # ep_size == 1: everything is local
             expert_map = np.arange(num_experts, dtype=np.int32)
         else:

@@ -15,11 +15,26 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from oracles import (
+    BF16,
+    assert_close,
+    fused_experts_loop,
+    llama4_loop,
+    moe_weights,
+    rng_for,
+    route_loop,
+    torch_route,
+    zero_experts_loop,
+)
 
-from oracles import (BF16, assert_close, fused_experts_loop, llama4_loop, moe_weights, rng_for,
-                     route_loop, torch_route, zero_experts_loop)
-from reference import (fused_experts, fused_topk, fused_topk_bias, grouped_topk,
-                       llama4_custom_routing_function, select_experts)
+from reference import (
+    fused_experts,
+    fused_topk,
+    fused_topk_bias,
+    grouped_topk,
+    llama4_custom_routing_function,
+    select_experts,
+)
 
 DTYPES = [np.float32, BF16, np.float16, np.float64]
 
@@ -133,8 +148,8 @@ def test_grouped_topk_matches_loop(num_experts, topk, num_expert_group, topk_gro
                   routed_scaling_factor, scoring_func, with_bias, renormalize)
     logits = logits_for(rng, num_tokens, num_experts)
     bias = (rng.standard_normal(num_experts) * 0.1).astype(np.float32) if with_bias else None
-    kwargs = dict(num_expert_group=num_expert_group, topk_group=topk_group,
-                  scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor)
+    kwargs = {"num_expert_group": num_expert_group, "topk_group": topk_group,
+                  "scoring_func": scoring_func, "routed_scaling_factor": routed_scaling_factor}
     weights, ids = grouped_topk(hidden_for(rng, num_tokens), logits, topk, renormalize,
                                 e_score_correction_bias=bias, **kwargs)
     want_w, want_ids = route_loop(logits, topk, renormalize, bias=bias, **kwargs)
@@ -158,8 +173,8 @@ def test_grouped_topk_matches_torch(num_experts, topk, num_expert_group, topk_gr
     rng = rng_for("grouped torch", num_experts, topk, scoring_func, with_bias)
     logits = logits_for(rng, 200, num_experts)
     bias = (rng.standard_normal(num_experts) * 0.1).astype(np.float32) if with_bias else None
-    kwargs = dict(num_expert_group=num_expert_group, topk_group=topk_group,
-                  scoring_func=scoring_func, routed_scaling_factor=2.5, bias=bias)
+    kwargs = {"num_expert_group": num_expert_group, "topk_group": topk_group,
+                  "scoring_func": scoring_func, "routed_scaling_factor": 2.5, "bias": bias}
     want_w, want_ids = torch_route(logits, topk, True, **kwargs)
     kwargs["e_score_correction_bias"] = kwargs.pop("bias")
     weights, ids = grouped_topk(None, logits, topk, True, **kwargs)
@@ -170,7 +185,7 @@ def test_grouped_topk_group_score_max_without_bias_top2_sum_with_bias():
     # sigmoid, E=8 in G=4 groups of 2, keep 1 group, top-2.
     # group 0 = [3, -3]: max 0.953, top-2 sum 1.000; group 1 = [2, 2]: max 0.881, sum 1.762.
     logits = np.array([[3.0, -3.0, 2.0, 2.0, -5.0, -5.0, -5.0, -5.0]], np.float32)
-    kwargs = dict(num_expert_group=4, topk_group=1, scoring_func="sigmoid")
+    kwargs = {"num_expert_group": 4, "topk_group": 1, "scoring_func": "sigmoid"}
     _, ids = grouped_topk(None, logits, 2, False, **kwargs)
     assert ids.tolist() == [[0, 1]]                    # the group with the best single expert
     weights, ids = grouped_topk(None, logits, 2, False,
@@ -277,7 +292,7 @@ def test_sigmoid_nan_poisons_only_its_own_expert():
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "reference/routing.py grouped_topk: without a bias the group score is "
+    "reference/routing.py:162 grouped_topk: without a bias the group score is "
     "scores.reshape(T, G, E/G).max(-1), which propagates NaN, so one NaN sigmoid score drops "
     "its whole group; the module docstring says NaN counts as -inf for selection and only "
     "poisons its own expert (the group should rank by its other experts)"))
