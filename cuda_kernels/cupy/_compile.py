@@ -512,6 +512,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_threads(work_items: int, max_threads: int) -> int:
+    """Threads for a block that covers `work_items` per row: all of them, rounded up to a
+    whole warp, at most `max_threads` (then several blocks share the row)."""
+    return max(32, min(max_threads, cdiv(work_items, 32) * 32))
+
+
 # ----------------------------------------------------------------------------- timing
 def cuda_time(fn, warmup: int = 5, reps: int = 50, setup=None) -> list[float]:
     """Milliseconds per call of `fn()`, measured with CUDA events around each call.

@@ -15,14 +15,15 @@
 //                            3 relu2 = max(x, 0)^2
 // min / clip / relu keep NaN (like np.minimum / np.clip), unlike fminf.
 //
-// Launch geometry (activation.py): block = ACT_THREADS threads, each VEC consecutive output
-//   columns (VEC * sizeof(SCALAR_T) <= 16 bytes: one 16-byte load per operand when the row
-//   width and the pointers allow it, else 8, 4 or 2 bytes, down to VEC = 1);
-//   grid = M * cdiv(width, ACT_THREADS * VEC), flattened (row = block / chunks) so that M is
+// Launch geometry (activation.py): block = min(ACT_THREADS, cdiv(width / VEC, 32) * 32)
+//   (a narrow row, like Qwen3's I = 768, does not leave most of a block idle), each VEC
+//   consecutive output columns (VEC * sizeof(SCALAR_T) <= 16 bytes: one 16-byte load per
+//   operand when the row width and the pointers allow it, else 8, 4 or 2 bytes, down to 1);
+//   grid = M * cdiv(width, block * VEC), flattened (row = block / chunks) so that M is
 //   not bound by gridDim.y's 65535. No shared memory.
 //
-// Compile-time parameters: SCALAR_T (float, __half, __nv_bfloat16), ACT_THREADS (tunable);
-//   templates ACT, VEC. Versions: v1 (this file). Run: python -m cuda_kernels.cupy.activation
+// Compile-time parameters: SCALAR_T (float, __half, __nv_bfloat16), ACT_THREADS (the largest
+//   block, tunable); templates ACT, VEC. Versions: v1 (this file). Run: python -m cuda_kernels.cupy.activation
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -75,7 +76,7 @@ act_and_mul_kernel(const SCALAR_T* __restrict__ x,  // [M, 2D]
                    SCALAR_T* __restrict__ out,      // [M, D]
                    int M, int D, int chunks) {
     const int m = blockIdx.x / chunks;
-    const int col = ((blockIdx.x % chunks) * ACT_THREADS + threadIdx.x) * VEC;
+    const int col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
     if (m >= M || col >= D) return;  // D % VEC == 0 (activation.py)
     const SCALAR_T* row = x + (size_t)m * 2 * D;
     const Pack<SCALAR_T, VEC> g = load<VEC>(row + col);
@@ -93,7 +94,7 @@ swigluoai_and_mul_kernel(const SCALAR_T* __restrict__ x,  // [M, 2D], (gate, up)
                          SCALAR_T* __restrict__ out,      // [M, D]
                          int M, int D, int chunks, float alpha, float limit) {
     const int m = blockIdx.x / chunks;
-    const int col = ((blockIdx.x % chunks) * ACT_THREADS + threadIdx.x) * VEC;
+    const int col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
     if (m >= M || col >= D) return;
     const SCALAR_T* src = x + (size_t)m * 2 * D + 2 * col;
     const Pack<SCALAR_T, VEC> a = load<VEC>(src);        // pairs col .. col + VEC/2 - 1
@@ -120,7 +121,7 @@ act_kernel(const SCALAR_T* __restrict__ x,  // [M, N]
            SCALAR_T* __restrict__ out,      // [M, N]
            int M, int N, int chunks) {
     const int m = blockIdx.x / chunks;
-    const int col = ((blockIdx.x % chunks) * ACT_THREADS + threadIdx.x) * VEC;
+    const int col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
     if (m >= M || col >= N) return;
     const Pack<SCALAR_T, VEC> v = load<VEC>(x + (size_t)m * N + col);
     Pack<SCALAR_T, VEC> o;

@@ -7,9 +7,10 @@ Shapes: M rows (P = T * K in a MoE layer), N = 2 D input columns, D output colum
     swigluoai_and_mul(x, alpha=1.702, limit=7.0)                  gate = x[:, 0::2], up = x[:, 1::2]
     no-mul (is_act_and_mul=False): silu, gelu, gelu_tanh, relu2 elementwise
 
-Launch: block = ACT_THREADS, each thread VEC output columns (16-byte loads when the width
+Launch: block = min(ACT_THREADS, the row's VEC-words rounded up to a warp), each thread VEC
+output columns (16-byte loads when the width
 and the base pointers are multiples of 16 bytes; VEC halves until they are),
-grid = M * cdiv(width, ACT_THREADS * VEC).
+grid = M * cdiv(width, block * VEC).
 
 Run as a script to validate against reference/ and time: python -m cuda_kernels.cupy.activation
 """
@@ -49,7 +50,7 @@ def _launch(name_fmt, x, out, width, *extra):
     if M == 0 or width == 0:
         return out
     vec = _vec(width, x.dtype.itemsize, x, out)
-    threads = CONFIGS["activation"]["ACT_THREADS"]
+    threads = C.block_threads(C.cdiv(width, vec), CONFIGS["activation"]["ACT_THREADS"])
     chunks = C.cdiv(width, threads * vec)
     C.check_fits_int32("x", M * chunks, "the grid size M * column chunks")
     kernel = C.get_kernel("activation.cu", name_fmt.format(vec=vec), _defines(x.dtype), _NAMES)

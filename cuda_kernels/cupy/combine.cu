@@ -10,13 +10,15 @@
 //   (The router weights are applied before this stage: by GEMM2's epilogue, or by
 //    moe_unpermute in permute.cu for the contiguous layout.)
 //
-// Launch geometry (combine.py): block = SUM_THREADS threads, each VEC consecutive columns
+// Launch geometry (combine.py): block = min(SUM_THREADS, cdiv(H / VEC, 32) * 32) threads, each
+//   VEC consecutive columns
 //   (VEC * sizeof(SCALAR_T) <= 16 bytes: one 16-byte load per slot when H and the pointers
-//   allow it); grid = T * cdiv(H, SUM_THREADS * VEC), flattened (t = block / chunks).
+//   allow it); grid = T * cdiv(H, block * VEC), flattened (t = block / chunks).
 //   The K loads of a thread are independent (unrolled by 4) so several are in flight.
 //   No shared memory.
 //
-// Compile-time parameters: SCALAR_T (float, __half, __nv_bfloat16), SUM_THREADS (tunable);
+// Compile-time parameters: SCALAR_T (float, __half, __nv_bfloat16), SUM_THREADS (the largest
+//   block, tunable);
 //   template VEC in {1, 2, 4, 8}. Versions: v1 (this file). Run: python -m cuda_kernels.cupy.combine
 
 #include <cuda_fp16.h>
@@ -47,7 +49,7 @@ moe_sum_kernel(const SCALAR_T* __restrict__ x,  // [T, K, H]
                SCALAR_T* __restrict__ out,      // [T, H]
                int T, int K, int H, int chunks) {
     const int t = blockIdx.x / chunks;
-    const int col = ((blockIdx.x % chunks) * SUM_THREADS + threadIdx.x) * VEC;
+    const int col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
     if (t >= T || col >= H) return;  // H % VEC == 0 (combine.py)
     const SCALAR_T* src = x + (size_t)t * K * H + col;
     float acc[VEC];

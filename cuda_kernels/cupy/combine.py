@@ -2,10 +2,10 @@
 
 Shapes: T tokens, K top-k slots, H hidden size.
 
-    moe_sum(x) -> [T, H]      x [T, K, H]; out[t] = sum_k x[t, k] in fp32, slot order, rounded once
+    moe_sum(x) -> [T, H]    x [T, K, H]; out[t] = sum_k x[t, k], fp32 in slot order, one rounding
 
-Launch: block = SUM_THREADS, each thread VEC columns (16-byte loads when H and the base
-pointers allow), grid = T * cdiv(H, SUM_THREADS * VEC). Deterministic: no atomics.
+Launch: block = min(SUM_THREADS, H / VEC rounded up to a warp), each thread VEC columns (16-byte loads when H and the base
+pointers allow), grid = T * cdiv(H, block * VEC). Deterministic: no atomics.
 
 Run as a script to validate against reference/ and time: python -m cuda_kernels.cupy.combine
 """
@@ -43,7 +43,7 @@ def moe_sum(x):
     itemsize = x.dtype.itemsize
     vec = max(v for v in _VECS if v * itemsize <= 16 and H % v == 0
               and x.data.ptr % (v * itemsize) == 0 and out.data.ptr % (v * itemsize) == 0)
-    threads = CONFIGS["moe_sum_kernel"]["SUM_THREADS"]
+    threads = C.block_threads(C.cdiv(H, vec), CONFIGS["moe_sum_kernel"]["SUM_THREADS"])
     chunks = C.cdiv(H, threads * vec)
     C.check_fits_int32("x", T * chunks, "the grid size T * column chunks")
     kernel = C.get_kernel("combine.cu", f"moe_sum_kernel<{vec}>", _defines(x.dtype), _NAMES)

@@ -35,8 +35,8 @@
 //     P ~ 10^5: each warp handles P / W slots twice, and a single launch beats the
 //     three launches of a multi-block histogram/scan/scatter at these sizes.
 //   gather_rows_kernel: block = ROW_WARPS * 32, one warp per slot row, grid = cdiv(P, ROW_WARPS)
-//   moe_unpermute_kernel: block = UNPERMUTE_THREADS, each thread VEC columns,
-//     grid = T * cdiv(H, UNPERMUTE_THREADS * VEC) (flattened: no 65535 limit on T)
+//   moe_unpermute_kernel: block = min(UNPERMUTE_THREADS, cdiv(H / VEC, 32) * 32), each thread
+//     VEC columns, grid = T * cdiv(H, block * VEC) (flattened: no 65535 limit on T)
 //
 // Compile-time parameters: SCALAR_T (float, __half, __nv_bfloat16: y's dtype),
 //   ROW_WARPS, UNPERMUTE_THREADS (permute.py CONFIGS); templates V, VEC.
@@ -272,7 +272,7 @@ moe_unpermute_kernel(const SCALAR_T* __restrict__ y_grouped,    // [P, H]
                      SCALAR_T* __restrict__ out,                 // [T, H]
                      int T, int K, int H, int chunks) {
     const int t = blockIdx.x / chunks;
-    const int col = ((blockIdx.x % chunks) * UNPERMUTE_THREADS + threadIdx.x) * VEC;
+    const int col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
     if (t >= T || col >= H) return;  // H % VEC == 0 on this path (permute.py)
     float acc[VEC];
 #pragma unroll

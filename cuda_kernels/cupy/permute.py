@@ -202,7 +202,8 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
     itemsize = y_grouped.dtype.itemsize
     vec = max(v for v in _VECS if v * itemsize <= 16 and H % v == 0
               and y_grouped.data.ptr % (v * itemsize) == 0 and out.data.ptr % (v * itemsize) == 0)
-    threads = CONFIGS["moe_unpermute_kernel"]["UNPERMUTE_THREADS"]
+    threads = C.block_threads(C.cdiv(H, vec),
+                              CONFIGS["moe_unpermute_kernel"]["UNPERMUTE_THREADS"])
     chunks = C.cdiv(H, threads * vec)
     C.check_fits_int32("topk_weights", T * chunks, "the grid size T * column chunks")
     kernel = C.get_kernel("permute.cu", f"moe_unpermute_kernel<{vec}>", _defines(y_grouped.dtype),
