@@ -1,0 +1,166 @@
+"""The Numba backend on a CPU, outside the simulator: import guards, the numpy 2.5 shim,
+argument checks, and every kernel compiled to PTX for sm_90.
+
+The simulator (tests/numba_sim, via test_numba_simulator.py) runs the kernels' Python; it
+cannot see what only the GPU target compiles: warp shuffles, the `overload`s of
+cuda_kernels/numba/_device.py (bf16 bit casts, unsigned indices), numba's typing for the
+device. `cuda.compile_ptx` needs libNVVM but no GPU, so CPU CI compiles every kernel and
+dtype the stages launch (cuda_kernels/numba/_ptx.py) in a fresh interpreter with the
+simulator off; without NVVM those tests skip with the reason.
+"""
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_py(code, sim=False, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    if sim:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_import_and_availability_without_numba():
+    r = run_py("""
+        import sys
+        sys.modules["numba"] = None          # as if numba were not installed
+        import cuda_kernels.numba as nb
+        ok, why = nb.availability()
+        assert not ok and "numba" in why, why
+        assert "grouped_gemm" in nb.__all__
+        print(why)
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_availability_says_why():
+    pytest.importorskip("numba_cuda")
+    r = run_py("""
+        import cuda_kernels.numba as nb
+        ok, why = nb.availability()
+        print(ok, why)
+        if ok:
+            assert "simulator" not in why
+        else:
+            assert "NUMBA_ENABLE_CUDASIM" in why
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_py("import cuda_kernels.numba as nb; ok, why = nb.availability(); "
+               "assert ok and 'CUDA simulator' in why, why", sim=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _nvvm_or_skip():
+    r = run_py("""
+        import cuda_kernels.numba
+        from numba import cuda, types
+        def k(x):
+            x[0] = 1
+        cuda.compile_ptx(k, (types.float32[:],), cc=(9, 0))
+    """)
+    if r.returncode != 0:
+        pytest.skip(f"numba cannot compile PTX here (no libNVVM?): {r.stderr.strip()[-300:]}")
+
+
+def test_numpy_without_row_stack_is_shimmed():
+    """numba-cuda 0.30.4 overloads np.row_stack, which NumPy 2.5 removed (the GPU image has
+    2.5.2): without the shim the first compile fails; importing cuda_kernels.numba first fixes it."""
+    pytest.importorskip("numba_cuda")
+    _nvvm_or_skip()
+    compile_one = """
+        from numba import cuda, types
+        def k(x):
+            x[0] = 1
+        cuda.compile_ptx(k, (types.float32[:],), cc=(9, 0))
+    """
+    bare = run_py("import numpy as np\ndel np.row_stack\n" + textwrap.dedent(compile_one))
+    assert bare.returncode != 0 and "row_stack" in bare.stderr, "numba no longer needs the shim?"
+    shimmed = run_py("import numpy as np\ndel np.row_stack\nimport cuda_kernels.numba\n"
+                     + textwrap.dedent(compile_one) + "\nassert np.row_stack is np.vstack\n")
+    assert shimmed.returncode == 0, shimmed.stderr
+
+
+def test_compat_shim_leaves_numpy_alone_when_it_has_row_stack():
+    from cuda_kernels.numba import _compat
+
+    before = getattr(np, "row_stack", None)
+    assert _compat.apply() is (before is None)
+    if before is not None:
+        assert np.row_stack is before
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_to_ptx_for_sm90():
+    pytest.importorskip("numba_cuda")
+    _nvvm_or_skip()
+    r = run_py("import sys, cuda_kernels.numba._ptx as p; "
+               "res = p.check_all(); bad = {k: v for k, v in res.items() if v}; "
+               "[print(k, v[:2000]) for k, v in bad.items()]; "
+               "print(len(res), 'cases'); sys.exit(1 if bad or not res else 0)", timeout=1800)
+    assert r.returncode == 0, (r.stdout[-12000:] + r.stderr[-4000:])
+
+
+@pytest.mark.slow
+def test_v3_micro_tile_lives_in_registers():
+    """ptxas: the v3 rungs for fp32 / fp16 spill nothing and keep no stack frame (the TM x TN
+    accumulators are registers, not local memory)."""
+    pytest.importorskip("numba_cuda")
+    _nvvm_or_skip()
+    ptxas = shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas"
+    if not os.path.exists(ptxas):
+        pytest.skip("ptxas (CUDA toolkit) not found")
+    r = run_py(f"""
+        import subprocess, tempfile, importlib
+        from numba import types as t
+        import cuda_kernels.numba._ptx as p
+        G = importlib.import_module("cuda_kernels.numba.grouped_gemm")
+        for label, kernel, sig in G.compile_cases():
+            if " v3 " not in label or "uint16" in label:
+                continue
+            ptx = p.compile_case(kernel, sig)
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+                f.write(ptx); f.flush()
+                out = subprocess.run([{ptxas!r}, "-arch=sm_90", "-v", f.name, "-o", "/dev/null"],
+                                     capture_output=True, text=True).stderr
+            print(label, out.strip().splitlines()[-1])
+            assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in out, out
+    """, timeout=1800)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-4000:]
+
+
+def test_bad_arguments_fail_before_any_launch():
+    """Checks run on the host before numba touches a device: the same messages as the
+    reference on a machine with no GPU and no simulator."""
+    pytest.importorskip("numba_cuda")
+    r = run_py("""
+        import numpy as np, importlib
+        R = importlib.import_module("cuda_kernels.numba.routing")
+        G = importlib.import_module("cuda_kernels.numba.grouped_gemm")
+        Pm = importlib.import_module("cuda_kernels.numba.permute")
+        def raises(exc, text, fn, *a, **k):
+            try:
+                fn(*a, **k)
+            except exc as e:
+                assert text in str(e), str(e)
+            else:
+                raise AssertionError(f"no {exc.__name__} for {text}")
+        x = np.zeros((2, 8), np.float32)
+        raises(ValueError, "topk: expected at most the number of experts (8), got 9",
+               R.fused_topk, None, x, 9, True)
+        raises(TypeError, "gating_output: expected dtype in", R.fused_topk, None, x.astype(int), 2, True)
+        raises(ValueError, "block_size: expected an int >= 1, got 0",
+               Pm.moe_align_block_size, np.zeros((2, 2), np.int32), 0, 4)
+        raises(TypeError, "a: expected a NumPy array or a CUDA array", G.grouped_gemm,
+               [[1.0]], np.zeros((1, 1, 1), np.float32), np.zeros(1, np.int32),
+               np.zeros(1, np.int32), np.zeros(1, np.int32), 1, 1)
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
