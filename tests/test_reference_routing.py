@@ -47,7 +47,7 @@ def hidden_for(rng, num_tokens, hidden=16, dtype=np.float32):
     return rng.standard_normal((num_tokens, hidden)).astype(dtype)
 
 
-def check_route(weights, ids, want_weights, want_ids, dtype=np.float32):
+def check_route(weights, ids, want_weights, want_ids):
     """Ids exactly, weights at the fp32 tolerance (routing is fp32 whatever the logits)."""
     assert ids.dtype == np.int32 and weights.dtype == np.float32
     np.testing.assert_array_equal(ids, want_ids, err_msg="topk_ids")
