@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import math
 import pathlib
 import sys
 import time
@@ -81,7 +80,8 @@ extern "C" __global__ void silu_mul_bf16(const __nv_bfloat16* x, __nv_bfloat16* 
     for (long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x; j < n;
          j += (long long)gridDim.x * blockDim.x) {
         const long long p = j / I, i = j % I;
-        const float g = __bfloat162float(x[p * 2 * I + i]), u = __bfloat162float(x[p * 2 * I + I + i]);
+        const float g = __bfloat162float(x[p * 2 * I + i]);
+        const float u = __bfloat162float(x[p * 2 * I + I + i]);
         y[j] = __float2bfloat16_rn(g / (1.0f + __expf(-g)) * u);
     }
 }
@@ -273,7 +273,7 @@ def _time_candidate(pt, name, case, expected, api, stages, flops, cand_s, last_s
     import cupy as cp
     import torch
 
-    preset, T = case.preset, case.num_tokens
+    preset = case.preset
     version = name.split("-")[1] if name.startswith("cupy") else None
     if version in SLOW_VERSIONS and (pt["model"], version) in last_slow:
         f0, s0 = last_slow[(pt["model"], version)]
@@ -375,7 +375,8 @@ def _row(p):
     gemm = p.get("segments_ms", {}).get("gemm1_act_gemm2", {}).get("median")
     gemm_s = f"{gemm:9.4f}" if gemm is not None else f"{'':9s}"
     return (f"{head} {s['median']:10.4f} [{s['p20']:9.4f},{s['p80']:9.4f}] {gemm_s} "
-            f"{p['floor_ms']:9.4f} {p['fraction_of_floor']:5.2f} {p.get('rel_err', float('nan')):8.1e}")
+            f"{p['floor_ms']:9.4f} {p['fraction_of_floor']:5.2f} "
+            f"{p.get('rel_err', float('nan')):8.1e}")
 
 
 def header():

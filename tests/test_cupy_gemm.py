@@ -23,7 +23,9 @@ import math
 import pathlib
 import shutil
 import subprocess
+import sys
 import tempfile
+import types
 
 import numpy as np
 import pytest
@@ -205,7 +207,7 @@ VLLM_TIH = ((1, 128, 128), (1, 2048, 128), (33, 2048, 128), (222, 1024, 1024))
 
 
 @functools.lru_cache(maxsize=2)
-def _grid_problem(T, I, H, E, top_k, dkey, which):
+def _grid_problem(T, I, H, E, top_k, dkey, which):  # noqa: E741
     dt = DTYPES[dkey]
     B = gg.get_config(T, 2 * I, H, E, top_k, dt)["BLOCK_M"]   # the layer's choice
     if which == "gemm1":
@@ -547,7 +549,8 @@ inline void gg_cp_async16(unsigned dst, const void* src, int src_bytes) {
     if (dst + 16 > emu_smem_limit) emu_fail("cp.async: past the dynamic shared memory", dst);
     if (src_bytes != 0 && src_bytes != 16) emu_fail("cp.async: src-size not 0 or 16", src_bytes);
     if (src_bytes) {
-        if ((uintptr_t)s % 16) emu_fail("cp.async: global source not 16-byte aligned", (long long)(uintptr_t)s);
+        if ((uintptr_t)s % 16)
+            emu_fail("cp.async: global source not 16-byte aligned", (long long)(uintptr_t)s);
         bool inside = false;
         for (int i = 0; i < 2; ++i) inside |= s >= emu_lo[i] && s + 16 <= emu_hi[i];
         if (!inside) emu_fail("cp.async: reads outside a and w", (long long)(uintptr_t)s);
@@ -590,9 +593,15 @@ template <typename H> inline void emu_mma(float* d, const unsigned* a, const uns
     std::memcpy(w.a[lane], a, 16);
     std::memcpy(w.b[lane], b, 8);
     w.bar.arrive_and_wait();
-    auto half_of = [](unsigned reg, int k) { H h[2]; std::memcpy(h, &reg, 4); return emu_f32(h[k % 2]); };
+    auto half_of = [](unsigned reg, int k) {
+        H h[2];
+        std::memcpy(h, &reg, 4);
+        return emu_f32(h[k % 2]);
+    };
     // A 16x16 row-major: a0 (g, 2q..), a1 (g+8, 2q..), a2 (g, 2q+8..), a3 (g+8, 2q+8..)
-    auto A = [&](int r, int k) { return half_of(w.a[(r % 8) * 4 + (k % 8) / 2][(r / 8) + 2 * (k / 8)], k); };
+    auto A = [&](int r, int k) {
+        return half_of(w.a[(r % 8) * 4 + (k % 8) / 2][(r / 8) + 2 * (k / 8)], k);
+    };
     // B 16x8 "col": b0 (k 2q.., n g), b1 (k 2q+8.., n g)
     auto B = [&](int k, int n) { return half_of(w.b[n * 4 + (k % 8) / 2][k / 8], k); };
     const int g = lane / 4, q = lane % 4;
@@ -604,34 +613,40 @@ template <typename H> inline void emu_mma(float* d, const unsigned* a, const uns
     }
     w.bar.arrive_and_wait();
 }
-inline void gg_mma(float* d, const unsigned* a, const unsigned* b, __half*) { emu_mma<__half>(d, a, b); }
+inline void gg_mma(float* d, const unsigned* a, const unsigned* b, __half*) {
+    emu_mma<__half>(d, a, b);
+}
 inline void gg_mma(float* d, const unsigned* a, const unsigned* b, __nv_bfloat16*) {
     emu_mma<__nv_bfloat16>(d, a, b);
 }
 """
 
 EMU_MAIN = r"""
-// ---- the launcher: argv[1] = input file, argv[2] = output file
+// ---- the launcher: argv[1] = input file (header, then the arrays), argv[2] = output file (c)
 int main(int argc, char** argv) {
     FILE* f = std::fopen(argv[1], "rb");
-    long long h[20];
-    if (std::fread(h, 8, 20, f) != 20) return 2;
+    long long h[24];
+    if (std::fread(h, 8, 24, f) != 24) return 2;
     const int N = h[0], Kd = h[1], P = h[2], top_k = h[3], B = h[4], L = h[5], mul = h[6],
-              bias_kind = h[7];
-    const long long Ma = h[8], E = h[9];
-    const int gx = h[10], gy = h[11], bx = h[12], by = h[13];
-    emu_smem_limit = h[14];
-    const int es = h[15], bias_es = h[16], nb = h[17];
-    auto rd = [&](size_t n) { std::vector<unsigned char> v(n + 16); if (n && std::fread(v.data(), 1, n, f) != n) std::_Exit(2); return v; };
-    auto a = rd(Ma * Kd * es), w = rd(E * N * Kd * es), st = rd(4 * (size_t)L), ex = rd(4 * (size_t)nb),
-         nt = rd(4), tw = rd(4 * (size_t)P), bias = rd(E * N * (size_t)bias_es);
-    std::fclose(f);
-    emu_lo[0] = a.data(); emu_hi[0] = a.data() + Ma * Kd * es;
-    emu_lo[1] = w.data(); emu_hi[1] = w.data() + E * N * Kd * es;
-    const size_t cbytes = (size_t)P * N * es, guard = 4096;
+              bias_kind = h[7], gx = h[8], gy = h[9], bx = h[10], by = h[11];
+    emu_smem_limit = h[12];
+    // byte sizes of a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
+    // bias, c
+    const long long* nbytes = h + 13;
+    std::vector<std::vector<unsigned char>> buf(7);
+    for (int i = 0; i < 7; ++i) {
+        buf[i].resize(nbytes[i] + 16);
+        if (nbytes[i] && std::fread(buf[i].data(), 1, nbytes[i], f) != (size_t)nbytes[i]) return 2;
+    }
+    for (int i = 0; i < 2; ++i) {
+        emu_lo[i] = buf[i].data();
+        emu_hi[i] = buf[i].data() + nbytes[i];
+    }
+    const size_t cbytes = nbytes[7], guard = 4096;
     std::vector<unsigned char> cbuf(cbytes + 2 * guard, 0xAB);   // canaries on both sides
     unsigned char* c = cbuf.data() + guard;
-    std::memset(c, 0xFF, cbytes);                                // NaN poison
+    if (cbytes && std::fread(c, 1, cbytes, f) != cbytes) return 2;   // the caller's c (poisoned)
+    std::fclose(f);
     const int nthreads = bx * by;
     std::barrier<> cta_bar(nthreads);
     emu_cta_bar = &cta_bar;
@@ -646,19 +661,24 @@ int main(int argc, char** argv) {
             for (int cy = 0; cy < gy; ++cy)
                 for (int cx = 0; cx < gx; ++cx) {
                     blockIdx = {(unsigned)cx, (unsigned)cy, 0};
-                    GG_KERNEL_NAME((const GG_T*)a.data(), (const GG_T*)w.data(), (GG_T*)c,
-                                   (const int*)st.data(), (const int*)ex.data(), (const int*)nt.data(),
-                                   (const float*)tw.data(), (const void*)bias.data(), N, Kd, P, top_k, B, L,
-                                   mul, bias_kind);
+                    GG_KERNEL_NAME((const GG_T*)buf[0].data(), (const GG_T*)buf[1].data(), (GG_T*)c,
+                                   (const int*)buf[2].data(), (const int*)buf[3].data(),
+                                   (const int*)buf[4].data(), (const float*)buf[5].data(),
+                                   (const void*)buf[6].data(), N, Kd, P, top_k, B, L, mul,
+                                   bias_kind);
                     if (!emu_open.empty() || !emu_groups.empty())
-                        emu_fail("a CTA ended with cp.async copies never waited for", emu_groups.size());
+                        emu_fail("a CTA ended with cp.async copies never waited for",
+                                 emu_groups.size());
                     cta_bar.arrive_and_wait();
                 }
         });
     }
     for (auto& t : ts) t.join();
     for (size_t i = 0; i < guard; ++i)
-        if (cbuf[i] != 0xAB || cbuf[guard + cbytes + i] != 0xAB) { std::fprintf(stderr, "EMULATOR: write outside c\n"); return 4; }
+        if (cbuf[i] != 0xAB || cbuf[guard + cbytes + i] != 0xAB) {
+            std::fprintf(stderr, "EMULATOR: write outside c\n");
+            return 4;
+        }
     FILE* o = std::fopen(argv[2], "wb");
     std::fwrite(c, 1, cbytes, o);
     std::fclose(o);
@@ -681,53 +701,64 @@ emulated = pytest.mark.skipif(_GXX is None or _HDR is None,
 
 
 @functools.lru_cache(maxsize=None)
-def _emu_binary(version, dkey, cfg_items):
+def _emu_binary(cu, kernel_name, define_items):
     """g++ build of one kernel instantiation under the emulator (cached per process)."""
-    cfg = dict(cfg_items)
-    defines = gg.kernel_defines(version, dkey, cfg)
-    src = (EMU_HEADER + "\n" + C.source_text(gg.CU_FILES[version], defines) + "\n"
-           + f"#define GG_KERNEL_NAME {gg.KERNEL_NAMES[version]}\n" + EMU_MAIN)
+    src = (EMU_HEADER + "\n" + C.source_text(cu, dict(define_items)) + "\n"
+           + f"#define GG_KERNEL_NAME {kernel_name}\n" + EMU_MAIN)
     out_dir = pathlib.Path(tempfile.mkdtemp(prefix="gg_emu_"))
     cpp = out_dir / "k.cpp"
     cpp.write_text(src)
     exe = out_dir / "k"
     res = subprocess.run([_GXX, "-std=c++20", "-O1", "-pthread", "-w", f"-I{_HDR}", str(cpp),
                           "-o", str(exe)], capture_output=True, text=True)
-    assert res.returncode == 0, f"g++ failed for {version} {dkey} {cfg}:\n{res.stderr[-3000:]}"
+    assert res.returncode == 0, f"g++ failed for {cu} {define_items}:\n{res.stderr[-3000:]}"
     return exe
+
+
+def _emu_launch(exe, grid, block, smem, args):
+    """Run the emulated kernel with the launcher's exact argument tuple; c (args[2]) is
+    updated in place (rows the kernel does not write keep their bytes). Arrays are NumPy (or
+    NumPy-backed) arrays, sizes are NumPy ints."""
+    arrays = [np.ascontiguousarray(args[i]) for i in (0, 1, 3, 4, 5, 6, 7)]
+    c = args[2]
+    gx, gy = (tuple(grid) + (1,))[:2]
+    bx, by = (tuple(block) + (1,))[:2]
+    head = np.array([int(args[i]) for i in range(8, 16)] + [gx, gy, bx, by, smem]
+                    + [x.nbytes for x in arrays] + [c.nbytes, 0, 0, 0], dtype=np.int64)
+    with tempfile.TemporaryDirectory() as d:
+        inp, outp = pathlib.Path(d) / "in.bin", pathlib.Path(d) / "out.bin"
+        with open(inp, "wb") as f:
+            f.write(head.tobytes())
+            for x in arrays:
+                f.write(x.tobytes())
+            f.write(np.ascontiguousarray(c).tobytes())
+        res = subprocess.run([str(exe), str(inp), str(outp)], capture_output=True, text=True,
+                             timeout=900)
+        assert res.returncode == 0, f"emulator exit {res.returncode}: {res.stderr[-2000:]}"
+        out = np.fromfile(outp, dtype=np.uint8)
+    np.asarray(c).reshape(-1).view(np.uint8)[...] = out
 
 
 def _emulate(prob, version, cfg):
     """Run one instantiation on the CPU on `prob` (as built by _problem); return c [P, N]."""
     dkey = gg.dtype_key(prob["dtype"])
     fitted = gg.fit_config(version, dkey, cfg, prob["B"])
-    exe = _emu_binary(version, dkey, tuple(sorted(fitted.items())))
+    defines = gg.kernel_defines(version, dkey, fitted)
+    exe = _emu_binary(gg.CU_FILES[version], gg.KERNEL_NAMES[version],
+                      tuple(sorted(defines.items())))
     P, N, K = prob["P"], prob["N"], prob["a"].shape[1]
-    L = prob["st"].size
-    (gx, *gy), block, smem = gg.launch_geometry(version, fitted, L, N)
-    bx, by = (block + (1,))[:2]
+    grid, block, smem = gg.launch_geometry(version, fitted, prob["st"].size, N)
     bias = prob["bias"]
     bias_kind = 0 if bias is None else (1 if bias.dtype == prob["dtype"] else 2)
-    bias_bytes = b"" if bias is None else np.ascontiguousarray(
-        bias if bias_kind == 1 else bias.astype(np.float32)).tobytes()
-    head = np.array([N, K, P, prob["top_k"], prob["B"], L, int(prob["mul"]), bias_kind,
-                     prob["a"].shape[0], prob["w"].shape[0], gx, gy[0] if gy else 1, bx, by, smem,
-                     prob["dtype"].itemsize, 0 if bias is None else (2 if bias_kind == 1 and
-                                                                       prob["dtype"].itemsize == 2 else 4),
-                     prob["ex"].size, 0, 0], dtype=np.int64)
-    with tempfile.TemporaryDirectory() as d:
-        inp, outp = pathlib.Path(d) / "in.bin", pathlib.Path(d) / "out.bin"
-        with open(inp, "wb") as f:
-            for arr in (head, prob["a"], prob["w"], prob["st"].astype(np.int32),
-                        prob["ex"].astype(np.int32), np.asarray(prob["nt"], np.int32).ravel()[:1],
-                        prob["tw"].astype(np.float32)):
-                f.write(np.ascontiguousarray(arr).tobytes())
-            f.write(bias_bytes)
-        res = subprocess.run([str(exe), str(inp), str(outp)], capture_output=True, text=True,
-                             timeout=600)
-        assert res.returncode == 0, f"{version} {fitted}: emulator exit {res.returncode}: " \
-                                    f"{res.stderr[-2000:]}"
-        return np.fromfile(outp, dtype=prob["dtype"]).reshape(P, N)
+    bias_arr = np.zeros(1, np.float32) if bias is None else \
+        (bias if bias_kind == 1 else bias.astype(np.float32))
+    c = np.full((P, N), np.nan, dtype=prob["dtype"])
+    args = (prob["a"], prob["w"], c, prob["st"].astype(np.int32), prob["ex"].astype(np.int32),
+            np.asarray(prob["nt"], np.int32).ravel()[:1], prob["tw"].astype(np.float32), bias_arr,
+            np.int32(N), np.int32(K), np.int32(P), np.int32(prob["top_k"]), np.int32(prob["B"]),
+            np.int32(prob["st"].size), np.int32(prob["mul"]), np.int32(bias_kind))
+    _emu_launch(exe, grid, block, smem, args)
+    return c
 
 
 def _host_problem(T, E, top_k, N, K, dtype, B, **kw):
@@ -743,7 +774,8 @@ def _host_problem(T, E, top_k, N, K, dtype, B, **kw):
 
 EMU_CASES = {
     # name: (version, dtype, config, problem args, problem kwargs)
-    "v4_decode_tile_bf16": ("v4", "bf16", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, warps=4, stages=4),
+    "v4_decode_tile_bf16": ("v4", "bf16", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, warps=4,
+                                               stages=4),
                             (7, 4, 2, 72, 136, 16), dict(mul=True, bias="same")),
     "v4_2x2_warps_fp16": ("v4", "fp16", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, warps=4, stages=3),
                           (45, 4, 2, 136, 200, 64), dict(mul=True, bias=np.float32)),
@@ -752,7 +784,8 @@ EMU_CASES = {
                               (21, 8, 2, 40, 72, 32), dict(expert_map=True, mul=True)),
     "v4_gemm2_N_ragged": ("v4", "bf16", dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, warps=4, stages=5),
                           (19, 4, 2, 100, 64, 32), dict(gemm2=True, mul=True)),
-    "v3_fp32": ("v3", "fp32", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, warps=2, stages=1, TM=4, TN=4),
+    "v3_fp32": ("v3", "fp32", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, warps=2, stages=1, TM=4,
+                                   TN=4),
                 (9, 4, 2, 72, 52, 16), dict(mul=True, bias="same")),
     "v3_bf16_ep": ("v3", "bf16", dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, warps=4, stages=1, TM=4,
                                       TN=4),
@@ -782,3 +815,90 @@ def test_kernel_on_cpu_emulator(case):
     err = rel_err(got, prob["want"])
     assert err <= TOL[dt], f"{case}: relative error {err:.3e} (NaN rows: " \
                            f"{int(np.isnan(got.astype(np.float64)).any(1).sum())})"
+
+
+# ---------------------------------------------------------------------------- the launcher too
+class _FakeArray(np.ndarray):
+    """A NumPy array that answers the few CuPy attributes the launcher reads."""
+
+    @property
+    def device(self):
+        return types.SimpleNamespace(id=0)
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+    def get(self):
+        return np.asarray(self)
+
+
+class _FakeDevice:
+    def __init__(self, dev=0):
+        self.id = dev
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _fake_cupy():
+    fake = types.ModuleType("cupy")
+    fake.ndarray = _FakeArray
+    fake.asarray = lambda x, dtype=None: np.array(x, dtype=dtype).view(_FakeArray)
+    fake.empty = lambda shape, dtype=np.float32: np.empty(shape, dtype).view(_FakeArray)
+    fake.zeros = lambda shape, dtype=np.float32: np.zeros(shape, dtype).view(_FakeArray)
+    fake.ascontiguousarray = lambda x: np.ascontiguousarray(x).view(_FakeArray)
+    for name in ("uint8", "uint16", "uint32", "int32", "float16", "float32"):
+        setattr(fake, name, getattr(np, name))
+    fake.cuda = types.SimpleNamespace(Device=_FakeDevice)
+    return fake
+
+
+class _EmuKernel:
+    def __init__(self, cu, name, defines):
+        self.exe = _emu_binary(cu, name, tuple(sorted(defines.items())))
+        self.launches = []
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self.launches.append((grid, block, shared_mem))
+        _emu_launch(self.exe, grid, block, shared_mem, args)
+
+
+@pytest.mark.slow
+@emulated
+@pytest.mark.parametrize("case", ("v4_bf16_bias_weights_out", "default_fp16_k100", "v3_fp32_gemm2"))
+def test_launcher_on_cpu_emulator(case, monkeypatch):
+    """grouped_gemm() itself (checks, config, geometry, the argument tuple) with CuPy replaced
+    by NumPy-backed arrays and the kernel by its emulated build."""
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(gg, "_READY", {})
+    monkeypatch.setattr(gg, "_DUMMIES", {})
+    made = []
+
+    def fake_get_kernel(cu, name, defines=None, name_expressions=None, options=()):
+        made.append(_EmuKernel(cu, name, defines))
+        return made[-1]
+
+    monkeypatch.setattr(gg, "get_kernel", fake_get_kernel)
+    if case == "v4_bf16_bias_weights_out":
+        version, prob = "v4", _host_problem(11, 4, 2, 80, 136, BF16, 16, mul=True, bias=BF16)
+    elif case == "default_fp16_k100":
+        version, prob = None, _host_problem(6, 4, 2, 48, 100, np.dtype(np.float16), 16, mul=True)
+    else:
+        version, prob = "v3", _host_problem(7, 4, 3, 64, 40, np.dtype(np.float32), 16,
+                                            gemm2=True, mul=True, bias=np.float32)
+    dev = {k: None if v is None else np.ascontiguousarray(v).view(_FakeArray)
+           for k, v in prob.items() if k in ("a", "w", "st", "ex", "nt", "tw", "bias")}
+    out = None
+    if version == "v4":
+        out = np.full((prob["P"], prob["N"]), np.nan, prob["dtype"]).view(_FakeArray)
+    got = gg.grouped_gemm(dev["a"], dev["w"], dev["st"].astype(np.int32),
+                          dev["ex"].astype(np.int32), dev["nt"].astype(np.int32), prob["top_k"],
+                          prob["B"], dev["tw"], prob["mul"], dev["bias"], version=version, out=out)
+    assert out is None or got is out
+    assert len(made) == 1 and len(made[0].launches) == 1
+    err = rel_err(np.asarray(got), prob["want"])
+    assert err <= TOL[prob["dtype"]], f"{case}: relative error {err:.3e}"

@@ -449,7 +449,7 @@ def _is_float(dtype) -> bool:
 
 
 def _as_f32(x):
-    """`x` as a contiguous fp32 CuPy array (bf16 widened bit-exactly: its bits are fp32's top half)."""
+    """`x` as a contiguous fp32 CuPy array (bf16 widened exactly: its bits are fp32's top half)."""
     cp = _cupy()
     if x.dtype == np.float32:
         return cp.ascontiguousarray(x)
@@ -540,21 +540,9 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
             raise TypeError(f"bias: expected a floating dtype, got {bias.dtype}")
 
     aligned = a.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
-    if version == "v4" and dkey == "fp32":
-        version = "v3"          # the tensor-core rung takes half types; fp32 uses FFMA
-    if version is None:
-        chain = _FALLBACK[default_version(a.dtype)]
-        version = next(v for v in chain if usable(v, dkey, K, block_size, aligned) is None)
-    elif version not in VERSIONS:
-        raise ValueError(f"version: expected one of {VERSIONS} or None, got {version!r}")
-    else:
-        why = usable(version, dkey, K, block_size, aligned)
-        if why is not None:
-            raise ValueError(f"{why} (version={version!r} was asked for; version=None picks "
-                             f"a rung that can run this)")
-    if config is None:
-        config = lookup(version, dkey, max(1.0, P / max(E_local, 1)), N, K)
-    cfg = fit_config(version, dkey, config, block_size)
+    version, cfg = _plan(version, dkey, m_bucket(max(1.0, P / max(E_local, 1))), N, K,
+                         block_size, aligned,
+                         None if config is None else tuple(sorted(config.items())))
 
     if out is None:
         c = _compile.empty((P, N), a.dtype)
@@ -584,6 +572,26 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
                 np.int32(L), np.int32(mul_routed_weight), np.int32(bias_kind)),
                shared_mem=smem)
     return c
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(version, dkey, bucket, N, K, block_size, aligned, config_items):
+    """(version, fitted config) for a call: the rung, the table lookup and the fit, cached
+    (a decode step calls the GEMM twice per layer: the host work must stay small)."""
+    if version == "v4" and dkey == "fp32":
+        version = "v3"          # the tensor-core rung takes half types; fp32 uses FFMA
+    if version is None:
+        chain = _FALLBACK["v3" if dkey == "fp32" else "v4"]
+        version = next(v for v in chain if usable(v, dkey, K, block_size, aligned) is None)
+    elif version not in VERSIONS:
+        raise ValueError(f"version: expected one of {VERSIONS} or None, got {version!r}")
+    else:
+        why = usable(version, dkey, K, block_size, aligned)
+        if why is not None:
+            raise ValueError(f"{why} (version={version!r} was asked for; version=None picks "
+                             f"a rung that can run this)")
+    config = lookup(version, dkey, bucket, N, K) if config_items is None else dict(config_items)
+    return version, fit_config(version, dkey, config, block_size)
 
 
 _READY: dict = {}

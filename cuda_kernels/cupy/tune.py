@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import math
 import pathlib
@@ -31,8 +32,6 @@ import sys
 import time
 
 import numpy as np
-
-import importlib
 
 # the package exports the *function* grouped_gemm under the module's name (its __getattr__),
 # so `from . import grouped_gemm` would give the function: fetch the module itself
@@ -66,7 +65,8 @@ def heuristic_table() -> dict:
             if v == "v4" and dkey == "fp32":
                 continue
             for b in gg.M_BUCKETS:
-                rows.append({"version": v, "dtype": dkey, "m": b, **gg.heuristic_config(v, dkey, b)})
+                cfg = gg.heuristic_config(v, dkey, b)
+                rows.append({"version": v, "dtype": dkey, "m": b, **cfg})
     return {
         "_doc": "Grouped GEMM configs: see cuda_kernels/cupy/grouped_gemm.py (lookup) and "
                 "tune.py. m = tokens per expert bucket; rows without N, K apply to any shape; "
@@ -89,6 +89,7 @@ def write_table(table: dict, path: pathlib.Path = gg.CONFIG_PATH) -> None:
     lines += ["  ]", "}"]
     path.write_text("\n".join(lines) + "\n")
     gg.load_table.cache_clear()
+    gg._plan.cache_clear()
 
 
 # ----------------------------------------------------------------------------- GPU timing
@@ -146,7 +147,7 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, log=print) -> list
     rng = cp.random.default_rng(0)
     rows, t_start = [], time.time()
     for key in models:
-        name, E, top_k, H, I = MODELS[key]
+        name, E, top_k, H, I = MODELS[key]  # noqa: E741
         # one set of weights per model, filled expert by expert (no fp32 copy of all of them)
         w13 = gg.random_device((E, 2 * I, H), dt, 1 / math.sqrt(H), rng)
         w2 = gg.random_device((E, H, I), dt, 1 / math.sqrt(I), rng)
@@ -172,9 +173,9 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, log=print) -> list
                         cfg = dict(zip(gg.CONFIG_KEYS, cand))
                         try:
                             gg.check_config("v4", dkey, cfg)
-                            fn = (lambda a=a, w=w, tk=tk, cfg=cfg:
-                                  gg.grouped_gemm(a, w, st, ex, nt, tk, B, version="v4",
-                                                  config=cfg))
+                            def fn(a=a, w=w, tk=tk, cfg=cfg, st=st, ex=ex, nt=nt, B=B):
+                                return gg.grouped_gemm(a, w, st, ex, nt, tk, B, version="v4",
+                                                       config=cfg)
                             timed.append((_time(cp, fn, reps, flush), cand))
                         except Exception as e:  # a config that does not fit this GPU
                             log(f"  skip {cand}: {type(e).__name__}: {str(e)[:120]}")
