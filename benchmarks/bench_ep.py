@@ -322,7 +322,8 @@ def _bench_layer(comm, opts, timer, ops, ops_name):
         outs = {}
         if base is None:  # one layer (its host weight store is big); schemes are twins
             base = EPMoE(comm, EPConfig(**shape, scheme=opts["schemes"][0]),
-                         backend="reference" if opts.get("stage_ops") == "reference" else "cupy")
+                         backend="reference" if opts.get("stage_ops") == "reference" else "cupy",
+                         host_weights=False)   # random device weights, no 11 GB host copy
             base.set_device_parameters(w13_weight=w13, w2_weight=w2)
         for scheme in opts["schemes"]:
             layer = base.with_scheme(scheme)

@@ -121,3 +121,53 @@ def test_cli_eplb_and_check(capsys):
     assert "num_physical: expected a multiple of num_gpus=3" in capsys.readouterr().err
     assert cli_main(["check", "--cpu", "2", "--quick"]) == 0
     assert "all checks passed" in capsys.readouterr().out
+
+
+def test_weight_loader_full_tensor_and_per_expert_agree_with_replicas():
+    """A logical expert's tensor lands in every local replica, whether it comes alone or
+    inside a full [E, ...] tensor."""
+    from sandbox.ep.comm_cpu import CpuCommunicator
+    from sandbox.ep.layer import EPConfig, EPMoE
+
+    comm = CpuCommunicator(0, 1, store=None)
+    cfg = EPConfig(num_experts=4, top_k=2, hidden_size=6, intermediate_size=5,
+                   dtype="float32", num_redundant_experts=3)
+    rng = np.random.default_rng(0)
+    w1, w3 = rng.standard_normal((2, 4, 5, 6)).astype(np.float32)
+    w2 = rng.standard_normal((4, 6, 5)).astype(np.float32)
+    full = EPMoE(comm, cfg)
+    full.weight_loader(full.w13_weight, w1, "experts.w1.weight", "w1", 0)
+    full.weight_loader(full.w13_weight, w3, "experts.w3.weight", "w3", 0)
+    full.weight_loader(full.w2_weight, w2, "experts.w2.weight", "w2", 0)
+    each = EPMoE(comm, cfg)
+    for e in range(4):
+        assert each.weight_loader("w13_weight", w1[e], f"experts.{e}.w1.weight", "w1", e)
+        each.weight_loader("w13_weight", w3[e], f"experts.{e}.w3.weight", "w3", e)
+        each.weight_loader("w2_weight", w2[e], f"experts.{e}.w2.weight", "w2", e)
+    assert np.array_equal(full.w13_weight, each.w13_weight)
+    local = each.local_logical_experts()            # [0, 1, 2, 3, 0, 1, 2]: replicas
+    assert local.tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert np.array_equal(each.w13_weight[4], np.concatenate([w1[0], w3[0]]))
+    assert np.array_equal(each.w2_weight[6], w2[2])
+    with pytest.raises(ValueError, match=r"expert_id: expected a logical expert id in \[0, 4\)"):
+        each.weight_loader("w2_weight", w2[0], "experts.9.w2.weight", "w2", 9)
+
+
+def test_device_parameters_without_host_weights():
+    from sandbox.ep.comm_cpu import CpuCommunicator
+    from sandbox.ep.layer import EPConfig, EPMoE
+    from sandbox.layer import FusedMoE
+
+    comm = CpuCommunicator(0, 1, store=None)
+    ref = FusedMoE.random(2, num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
+    layer = EPMoE(comm, EPConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                                 dtype="float32"), host_weights=False)
+    with pytest.raises(ValueError, match=r"w2_weight: expected shape \(4, 8, 8\)"):
+        layer.set_device_parameters(w2_weight=ref.w2_weight[:2])
+    layer.set_device_parameters(w13_weight=ref.w13_weight, w2_weight=ref.w2_weight)
+    x, logits = ref.random_inputs(5, seed=1)
+    out = layer.forward(x, logits)
+    want = ref.forward(x, logits)
+    assert np.linalg.norm(out - want) <= 1e-6 * np.linalg.norm(want)
+    with pytest.raises(RuntimeError, match="host_weights=False"):
+        layer.load_from(ref)

@@ -163,7 +163,7 @@ class EPMoE:
     """
 
     def __init__(self, comm, config: EPConfig, backend: str = "reference",
-                 placement: ExpertPlacement | None = None):
+                 placement: ExpertPlacement | None = None, host_weights: bool = True):
         from sandbox.layer import FusedMoE
         from sandbox.registry import get_backend
 
@@ -201,7 +201,7 @@ class EPMoE:
         self.placement = placement
         self.dtype = config.np_dtype
         self.experts_per_rank = placement.per_rank
-        self.experts = FusedMoE(
+        self.experts = None if not host_weights else FusedMoE(
             num_experts=config.num_physical, top_k=min(config.top_k, config.num_physical),
             hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
             params_dtype=self.dtype, ep_size=W, ep_rank=r, expert_placement="linear",
@@ -214,21 +214,41 @@ class EPMoE:
         self.last_stats: dict = {}
 
     # ---- parameters -------------------------------------------------------------------------
+    def param_shapes(self) -> dict:
+        """{name: shape} of this rank's parameters ([P_l, ...] each)."""
+        c, Pl = self.config, self.experts_per_rank
+        n13 = 2 * c.intermediate_size if c.is_act_and_mul else c.intermediate_size
+        shapes = {"w13_weight": (Pl, n13, c.hidden_size),
+                  "w2_weight": (Pl, c.hidden_size, c.intermediate_size)}
+        if c.has_bias:
+            shapes.update(w13_bias=(Pl, n13), w2_bias=(Pl, c.hidden_size))
+        return shapes
+
+    def _need_host(self, what):
+        if self.experts is None:
+            raise RuntimeError(f"rank {self.comm.rank}: this layer was built with "
+                               f"host_weights=False; {what} needs the host weights (its "
+                               f"parameters exist only as device arrays: set_device_parameters)")
+
+    def _host(self, name):
+        self._need_host(name)
+        return getattr(self.experts, name)
+
     @property
     def w13_weight(self):
-        return self.experts.w13_weight
+        return self._host("w13_weight")
 
     @property
     def w2_weight(self):
-        return self.experts.w2_weight
+        return self._host("w2_weight")
 
     @property
     def w13_bias(self):
-        return self.experts.w13_bias
+        return self._host("w13_bias")
 
     @property
     def w2_bias(self):
-        return self.experts.w2_bias
+        return self._host("w2_bias")
 
     def local_logical_experts(self) -> np.ndarray:
         """The logical expert held by each local slot: int32 [P_l]."""
@@ -236,7 +256,8 @@ class EPMoE:
 
     def _invalidate(self):
         self._dev.clear()
-        self.experts.invalidate_device_cache()
+        if self.experts is not None:
+            self.experts.invalidate_device_cache()
 
     def weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id) -> bool:
         """FusedMoE.weight_loader with a *logical* expert_id: the tensor goes into every local
@@ -251,6 +272,7 @@ class EPMoE:
                 raise ValueError(f"{weight_name}: expected {self.config.num_experts} experts "
                                  f"in the first dimension of a full tensor, got {loaded.shape}")
             full_physical = loaded[self.placement.phys2log]             # [P, ...]
+            self._need_host("weight_loader")
             ok = self.experts.weight_loader(param, full_physical, weight_name, shard_id, 0)
             self._invalidate()
             return ok
@@ -259,6 +281,7 @@ class EPMoE:
             raise ValueError(f"expert_id: expected a logical expert id in "
                              f"[0, {self.config.num_experts}), got {expert_id!r}")
         slots = self.placement.log2phy[expert_id, :self.placement.logcnt[expert_id]]
+        self._need_host("weight_loader")
         ok = False
         for p in slots.tolist():
             ok |= bool(self.experts.weight_loader(param, loaded, weight_name, shard_id, p))
@@ -292,7 +315,7 @@ class EPMoE:
                              f"{self.config.num_experts} experts, got {layer!r}")
         idx = self.local_logical_experts()
         for name in _PARAMS:
-            src, dst = getattr(layer, name), getattr(self.experts, name)
+            src, dst = getattr(layer, name), self._host(name)
             if (src is None) != (dst is None):
                 raise ValueError(f"layer: {name} is {'missing' if src is None else 'extra'} "
                                  f"(has_bias differs)")
@@ -319,21 +342,26 @@ class EPMoE:
         """Hand the stage backend ready arrays (e.g. random weights made on the GPU by a
         benchmark, `w13_weight=[P_l, 2I, H]`): the host copies are bypassed (and stay
         unloaded); loading weights or moving experts replaces them again."""
+        shapes = self.param_shapes()
         for name, arr in params.items():
-            host = getattr(self.experts, name, None) if name in _PARAMS else None
-            if host is None:
+            if name not in shapes:
                 raise ValueError(f"{name}: expected one of the layer's parameters "
-                                 f"{[n for n in _PARAMS if getattr(self.experts, n) is not None]}")
-            if tuple(arr.shape) != host.shape:
-                raise ValueError(f"{name}: expected shape {host.shape}, got {tuple(arr.shape)}")
+                                 f"{sorted(shapes)}")
+            if tuple(arr.shape) != shapes[name]:
+                raise ValueError(f"{name}: expected shape {shapes[name]}, "
+                                 f"got {tuple(arr.shape)}")
             self._dev[name] = arr
 
     def _param(self, name):
         """A parameter as the stage backend reads it (device copy cached)."""
         if name in self._dev:
             return self._dev[name]
-        host = self.e_score_correction_bias if name == "e_score_correction_bias" \
-            else getattr(self.experts, name)
+        if name == "e_score_correction_bias":
+            host = self.e_score_correction_bias
+        elif name not in self.param_shapes():
+            return None  # a bias the layer does not have
+        else:
+            host = self._host(name)
         if host is None:
             return None
         # a never-loaded expert is NaN (FusedMoE allocates so); look at one row per expert
@@ -352,7 +380,7 @@ class EPMoE:
         if self.config.block_size:
             return self.config.block_size
         try:
-            cfg = self.ops.gemm_config(num_tokens, self.experts.w13_weight.shape[1],
+            cfg = self.ops.gemm_config(num_tokens, self.param_shapes()["w13_weight"][1],
                                        self.config.hidden_size, self.experts_per_rank,
                                        self.config.top_k, self.dtype)
             if cfg and cfg.get("BLOCK_M"):
@@ -512,10 +540,8 @@ class EPMoE:
         plan = rearrange_plan(self.placement, new)
         r = comm.rank
         xp = comm.xp
-        for name in _PARAMS:
-            host = getattr(self.experts, name)
-            if host is None:
-                continue
+        for name in self.param_shapes():
+            host = self._host(name)
             src = raw(host) if xp is np else xp.asarray(raw(host))     # [P_l, ...] bytes
             dst = xp.empty_like(src)
             for s, sj, d, dj in plan:  # local copies first, outside the group
