@@ -158,7 +158,8 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     check_ids_in_range("topk_ids", topk_ids, num_experts)
     if apply_router_weight_on_input and top_k != 1:
         raise ValueError(f"apply_router_weight_on_input: needs top_k == 1, got top_k = {top_k}")
-    block_size = check_positive_int("block_size", block_size or DEFAULT_BLOCK_SIZE)
+    block_size = check_positive_int("block_size",
+                                    DEFAULT_BLOCK_SIZE if block_size is None else block_size)
 
     if precision == "exact":
         hidden_states, w1, w2, topk_weights, w1_bias, w2_bias = (

@@ -133,7 +133,7 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
         raise ValueError(f"y_grouped: expected {topk_weights.size} rows (T*K), "
                          f"got shape {y_grouped.shape}")
     num_tokens, top_k = topk_weights.shape
-    y = to_compute(y_grouped)[inv_permuted_idx].reshape(num_tokens, top_k, -1)   # [T, K, H]
+    y = to_compute(y_grouped)[inv_permuted_idx].reshape(num_tokens, top_k, y_grouped.shape[1])
     weights = topk_weights.astype(y.dtype)[:, :, None]
     return (y * weights).sum(axis=1).astype(y_grouped.dtype)
 

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ._checks import check_choice, check_float, check_positive_int
+from .precision import compute_dtype
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -159,7 +160,9 @@ def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_gro
         group_scores = np.take_along_axis(grouped, best_two, axis=-1).sum(axis=-1)
     else:
         choice = scores
-        group_scores = scores.reshape(num_tokens, num_expert_group, per_group).max(axis=-1)
+        # a NaN score ranks as -inf here too: it must not knock its whole group out
+        finite = np.where(np.isnan(scores), -np.inf, scores)
+        group_scores = finite.reshape(num_tokens, num_expert_group, per_group).max(axis=-1)
 
     kept_groups = topk_indices(group_scores, topk_group)                 # [T, topk_group]
     group_mask = np.zeros((num_tokens, num_expert_group), dtype=bool)
@@ -193,8 +196,9 @@ def zero_experts_compute(topk_ids, topk_weights, num_experts, zero_expert_type, 
     """
     check_choice("zero_expert_type", zero_expert_type, ("identity",))
     is_zero = topk_ids >= num_experts                                    # [T, K]
-    scale = np.where(is_zero, topk_weights, 0).astype(np.float32).sum(axis=-1)   # [T]
-    result = hidden_states.astype(np.float32) * scale[:, None]
+    acc = compute_dtype(hidden_states.dtype)
+    scale = np.where(is_zero, topk_weights, 0).astype(acc).sum(axis=-1)         # [T]
+    result = hidden_states.astype(acc) * scale[:, None]
     topk_ids[is_zero] = 0
     topk_weights[is_zero] = 0.0
     return result.astype(hidden_states.dtype)

@@ -166,11 +166,7 @@ BAD = [
 ]
 
 
-BAD.append(pytest.param(
-    "experts_block_0", experts(block_size=0), ValueError, "block_size",
-    marks=pytest.mark.xfail(strict=True, reason=(
-        "reference/experts.py:161 fused_experts uses `block_size or DEFAULT_BLOCK_SIZE`, so "
-        "block_size=0 silently becomes 64 instead of raising; test `is None` instead"))))
+BAD.append(("experts_block_0", experts(block_size=0), ValueError, "block_size"))
 
 
 def _case_id(case):
@@ -237,11 +233,6 @@ def test_empty_batch_permute_and_grouped_mm():
     assert grouped_mm(x_grouped, W1, offsets).shape == (0, 2 * I)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "reference/permute.py:136 moe_unpermute reshapes with -1 "
-    "(y[inv].reshape(num_tokens, top_k, -1)), which NumPy cannot infer from a size-0 array: "
-    "T = 0 raises 'cannot reshape array of size 0 into shape (0,K,newaxis)' instead of "
-    "returning [0, H]; reshape to y_grouped.shape[1]"))
 def test_empty_batch_unpermute():
     out = moe_unpermute(np.zeros((0, H), np.float32), WEIGHTS0, np.zeros(0, np.int32))
     assert out.shape == (0, H) and out.dtype == np.float32
