@@ -303,6 +303,21 @@ def plan(version, block_size):
     return "v1", gemm_v1(cfg["TX"], cfg["TY"]), (cfg["TX"], cfg["TY"]), cfg["TY"], cfg["TX"]
 
 
+def get_config(M, N, K, E, top_k, dtype, version=None):
+    """The alignment block size (BLOCK_M) and version for a GEMM of M tokens, N x K weights,
+    E experts, top_k slots per token (the registry asks this to choose the layer's B).
+
+    B is the v3 tile height that wastes the least padding: each expert's run is padded to a
+    multiple of B, so with few slots per expert (decode) a small B keeps the padded rows
+    (computed, then dropped) few; with many, a tall tile reuses each w element more often.
+    """
+    slots_per_expert = M * top_k / max(E, 1)
+    cap = config("v3")["BM"]
+    block = 16 if slots_per_expert <= 16 else 32 if slots_per_expert <= 48 else cap
+    version = version or "v3"
+    return {"BLOCK_M": min(block, cap) if version == "v3" else block, "version": version}
+
+
 def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_size,
                  topk_weights=None, mul_routed_weight=False, bias=None, *, version=None):
     """vLLM's fused MoE GEMM: c[s] = (a[s // top_k] @ w[e].T + bias[e]) * (topk_weights.flat[s]
