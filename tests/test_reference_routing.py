@@ -395,4 +395,4 @@ def test_zero_experts_identity(dtype):
     w1, w2, _, _ = moe_weights(rng, num_experts, hidden, inter, dtype)
     out = fused_experts(x, w1, w2, w, ids).astype(np.float64) + zero_result.astype(np.float64)
     want = fused_experts_loop(x, w1, w2, want_w, want_ids) + want_result
-    assert_close(out, want, dtype)
+    assert_close(out, want, tol_dtype)
