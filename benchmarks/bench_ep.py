@@ -288,10 +288,11 @@ def _bench_layer(comm, opts, timer, ops, ops_name):
 
     from sandbox.ep.layer import EPConfig, EPMoE
 
+    from sandbox.ep.dispatch import raw, view_as
+
     W, r = comm.world_size, comm.rank
     shape = opts["shape"]
-    H, K, E, I = shape["hidden_size"], shape["top_k"], shape["num_experts"], \
-        shape["intermediate_size"]
+    H, E, I = shape["hidden_size"], shape["num_experts"], shape["intermediate_size"]
     per_rank = E // W
     # expert e's weights come from seed 10_000 + e, so rank r's slice equals the
     # single-GPU layer's experts [r*E/W, (r+1)*E/W) (linear placement)
@@ -306,8 +307,6 @@ def _bench_layer(comm, opts, timer, ops, ops_name):
         for j, e in enumerate(experts):
             out[j] = raw(_rand_bf16(cupy, (H, I), 20_000 + e, scale=I ** -0.5))
         return out
-
-    from sandbox.ep.dispatch import raw, view_as
 
     bf16 = np.dtype(__import__("ml_dtypes").bfloat16)
     mine = list(range(r * per_rank, (r + 1) * per_rank))
@@ -431,8 +430,9 @@ def print_table(report):
         print("layer:", report["layer_note"])
     t = report.get("target")
     if t:
+        verdict = "met" if t["met"] else "NOT met"
         print(f"\ntarget: all-to-all-v dispatch+combine at {t['tokens_per_rank']} tokens/rank = "
-              f"{t['ratio']:.2f} of raw NCCL all-to-all (>= 0.80: {'met' if t['met'] else 'NOT met'})")
+              f"{t['ratio']:.2f} of raw NCCL all-to-all (>= 0.80: {verdict})")
 
 
 def main(argv=None):

@@ -90,8 +90,6 @@ def parity_cases(world_size: int, quick: bool = False) -> list[dict]:
 
 
 def _reference_layer(case):
-    from sandbox.layer import FusedMoE
-
     from .layer import EPConfig
 
     cfg = EPConfig(**case["config"])

@@ -289,7 +289,8 @@ class NcclCommunicator(Communicator):
                 continue
 
     def _hard_exit(self, why):
-        message = f"rank {self.rank}: {why}; ending the process ({self._failed[1] if self._failed else ''})"
+        reason = self._failed[1] if self._failed else ""
+        message = f"rank {self.rank}: {why}; ending the process ({reason})"
         self.report_failure(message)
         print(message, file=sys.stderr, flush=True)
         os._exit(3)

@@ -39,8 +39,6 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from .comm import split_offsets
-
 __all__ = ["SCHEMES", "AllGatherState", "AllToAllState", "allgather_dispatch",
            "allgather_combine", "alltoall_dispatch", "alltoall_combine", "raw", "view_as"]
 

@@ -1,5 +1,4 @@
 """FAKE cupy.cuda: devices, streams and events; all work is synchronous."""
-import os
 import threading
 import time
 
