@@ -10,9 +10,8 @@ from reference import determine_expert_map
 from sandbox.ep import launch
 from sandbox.ep.checks import COLLECTIVE_CHECKS, run_collectives
 from sandbox.ep.comm_cpu import CpuCommunicator
+from sandbox.ep.eplb_runtime import ExpertPlacement, LoadRecorder, check_divisible, rearrange_plan
 from sandbox.ep.errors import ConfigMismatchError, StoreTimeoutError
-from sandbox.ep.eplb_runtime import ExpertPlacement, LoadRecorder, check_divisible, \
-    rearrange_plan
 from sandbox.ep.launch import DistEnv, validate_rank_infos
 from sandbox.ep.store import StoreClient, StoreServer
 
@@ -204,3 +203,86 @@ def test_launch_argument_errors():
         launch(run_collectives, 0)
     with pytest.raises(ValueError, match="devices: expected 2 device indices"):
         launch(run_collectives, 2, devices=[0])
+
+
+# ------------------------------------------------------------------------------- env:// without launch()
+_ENV_SCRIPT = """
+import sys
+sys.path[:0] = {path!r}
+import numpy as np
+from sandbox.ep import init_process_group
+comm = init_process_group("cpu", timeout=60)
+total = comm.all_reduce(np.array([comm.rank + 1], dtype=np.int64))
+comm.barrier()
+print("RESULT", comm.rank, comm.world_size, int(total[0]), flush=True)
+comm.destroy()
+"""
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(cmds_envs, timeout=120):
+    import subprocess
+
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for cmd, env in cmds_envs]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
+def test_env_rendezvous_without_the_launcher():
+    """Ranks started by someone else (srun, a shell loop): rank 0 serves the store on
+    MASTER_PORT; SLURM's variables stand in for RANK / WORLD_SIZE / LOCAL_RANK."""
+    import os
+    import sys
+
+    port = _free_port()
+    script = _ENV_SCRIPT.format(path=sys.path)
+    runs = []
+    for r in range(3):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "EP_STORE_HOSTED")}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if r == 2:  # this one looks like an srun task
+            env.update(SLURM_PROCID="2", SLURM_NTASKS="3", SLURM_LOCALID="2")
+        else:
+            env.update(RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r))
+        runs.append(([sys.executable, "-c", script], env))
+    for code, out, err in _run_ranks(runs):
+        assert code == 0, err
+        assert "RESULT" in out and out.split("RESULT")[1].split()[1:] == ["3", "6"], out
+
+
+@pytest.mark.slow
+def test_torchrun_starts_cpu_ranks(tmp_path):
+    """torchrun's agent owns MASTER_PORT: our store moves to MASTER_PORT + 1."""
+    import os
+    import shutil
+    import sys
+
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable),
+                                                         "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun is not installed")
+    script = tmp_path / "ep_rank.py"
+    script.write_text(_ENV_SCRIPT.format(path=sys.path))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    [(code, out, err)] = _run_ranks([([torchrun, "--standalone", "--nproc-per-node", "2",
+                                       str(script)], env)], timeout=300)
+    assert code == 0, err[-3000:]
+    assert out.count("RESULT") == 2 and " 2 3" in out, out

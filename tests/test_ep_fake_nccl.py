@@ -16,18 +16,22 @@ import sys
 import pytest
 
 from sandbox.ep import LaunchError, launch
-from sandbox.ep.checks import (COLLECTIVE_CHECKS, fault_and_report_pid, parity_cases,
-                               run_collectives, run_parity, run_refusals)
+from sandbox.ep.checks import (
+    COLLECTIVE_CHECKS,
+    fault_and_report_pid,
+    parity_cases,
+    run_collectives,
+    run_parity,
+    run_refusals,
+)
 
 FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ep_fake_gpu")
 
 
 @contextlib.contextmanager
 def fake_gpu():
-    """Spawned ranks copy the parent's sys.path: they import the fake cupy. The test process
-    itself never imports it."""
-    assert "cupy" not in sys.modules or "fake" in getattr(sys.modules["cupy"], "__version__",
-                                                           "fake"), "a real CuPy is loaded"
+    """Spawned ranks copy the parent's sys.path (not its modules): they import the fake cupy,
+    even on a machine with a real one. The test process itself never imports the fake."""
     sys.path.insert(0, FAKE)
     try:
         yield

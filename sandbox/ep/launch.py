@@ -143,6 +143,17 @@ def _device_info(backend, device, local_rank):
     return index, dev_id
 
 
+def _local_address_towards(host: str, port: int) -> str:
+    """The address of the interface this machine uses to reach `host` (what peers on other
+    nodes can connect to; gethostname() often resolves to 127.0.1.1)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))  # UDP: no packet is sent, the route is looked up
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
 _GENERATION = [0]
 
 
@@ -197,7 +208,7 @@ def init_process_group(backend: str = "cpu", *, device=None, timeout: float = 60
         from .comm_cpu import CpuCommunicator
 
         host = "127.0.0.1" if env.master_addr in ("127.0.0.1", "localhost") else \
-            socket.gethostbyname(socket.gethostname())
+            _local_address_towards(env.master_addr, env.master_port)
         return CpuCommunicator(env.rank, env.world_size, store, timeout=timeout,
                                namespace=ns, host=host)
     from .comm_nccl import NcclCommunicator
