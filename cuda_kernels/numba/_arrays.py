@@ -40,7 +40,6 @@ INT_DTYPES = (np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.int16), np.dty
               np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
 POISON_INT = -0x5A5A5A5B          # int32 0xA5A5A5A5: never a valid id, offset or count
 POISON_BF16_BITS = 0x7FC0         # a quiet bf16 NaN
-INT32_MAX = 2**31 - 1
 
 
 # ----------------------------------------------------------------------------- numba, lazily
@@ -314,14 +313,13 @@ def check_array(name, x, ndim=None, dtypes=None, shape=None):
         if len(shape) != len(shp) or any(s is not None and s != d for s, d in zip(shape, shp)):
             want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
             raise ValueError(f"{name}: expected shape {want}, got {shp}")
-    if size_of(x) > INT32_MAX:
-        raise ValueError(f"{name}: expected at most {INT32_MAX} elements (32-bit indexing), "
-                         f"got {size_of(x)}")
-    return x
+    return x   # no size limit: numba indexes with int64
 
 
 def check_float(name, x, ndim=None, shape=None, with_f64=False):
     dts = FLOAT_DTYPES + ((np.dtype(np.float64),) if with_f64 else ())
+    if kind_of(name, x) in ("numba", "cai") and dtype_of(x) == np.uint16:
+        dts = dts + (np.dtype(np.uint16),)   # a numba array cannot say bf16: its uint16 bits
     return check_array(name, x, ndim=ndim, dtypes=dts, shape=shape)
 
 

@@ -42,7 +42,7 @@ def time_ms(fn, warmup: int = 3, reps: int = 20) -> float:
         fn()
         end.record()
         end.synchronize()
-        times.append(cu.event_elapsed_time(start, end))
+        times.append(start.elapsed_time(end))
     return float(np.median(times))
 
 
