@@ -41,11 +41,15 @@ def test_store_set_get_add_keys_and_blocking_get():
 
 
 def test_store_unreachable_is_a_clear_error():
-    server = StoreServer("127.0.0.1", 0)
-    port = server.port
-    server.close()
-    with pytest.raises(StoreTimeoutError, match="could not reach the rendezvous store"):
-        StoreClient("127.0.0.1", port, timeout=0.3)
+    import socket
+
+    # a port we hold (bound, not listening): connections are refused, and no other process
+    # can start a server there while the test runs
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        with pytest.raises(StoreTimeoutError, match="could not reach the rendezvous store"):
+            StoreClient("127.0.0.1", port, timeout=0.3)
 
 
 # ------------------------------------------------------------------------------- env://
