@@ -46,14 +46,15 @@ def _pids(pid_dir, world_size):
     ("exit", [r"rank 1: rank 1 exited with code 7",
               r"rank 0: CommPeerError: rank 0: connection to rank 1 closed"]),
     ("hang", [r"rank 0: CommTimeoutError: rank 0: all_to_all_v \(counts\) timed out after "
-              r"2.0 s, still waiting to receive from ranks \[1\]",
+              r"4.0 s, still waiting to receive from ranks \[1\]",
               r"rank 1: still running .* killed"]),
 ])
 def test_a_failing_rank_stops_the_others_with_a_clear_error(fault, expect, tmp_path):
     import re
 
     with pytest.raises(LaunchError) as info:
-        launch(fault_and_report_pid, 2, args=(fault, 1, str(tmp_path)), timeout=2.0, grace=1.5)
+        # generous for a loaded CI machine: the timeouts bound the test, they are not measured
+        launch(fault_and_report_pid, 2, args=(fault, 1, str(tmp_path)), timeout=4.0, grace=4.0)
     message = str(info.value)
     for pattern in expect:
         assert re.search(pattern, message), message

@@ -158,18 +158,22 @@ _GENERATION = [0]
 
 
 def init_process_group(backend: str = "cpu", *, device=None, timeout: float = 60.0,
-                       environ=None):
+                       init_timeout: float | None = None, environ=None):
     """This rank's communicator, from the env:// variables (see the module docstring).
 
     backend: "cpu" (sockets, NumPy buffers) or "nccl" (cupy.cuda.nccl, CuPy buffers).
     device: the GPU index for "nccl" (default LOCAL_RANK); for "cpu" an optional label
         used only by the duplicate-device check.
-    timeout: seconds any wait on a peer may last (rendezvous, collectives) before failing.
+    timeout: seconds any wait on a peer may last (collectives, p2p, config checks) before
+        failing.
+    init_timeout: the same for joining: the rendezvous and the communicator's creation
+        (processes start at different speeds); default max(timeout, 60).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
     if not timeout or timeout <= 0:
         raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+    init_timeout = max(timeout, 60.0) if init_timeout is None else float(init_timeout)
     env = DistEnv.from_environ(environ)
     if backend == "nccl":
         # NVLink SHARP (multicast) stays off on these machines; respect it in every rank
@@ -178,7 +182,7 @@ def init_process_group(backend: str = "cpu", *, device=None, timeout: float = 60
     if env.host_store:
         bind = "127.0.0.1" if env.master_addr in ("127.0.0.1", "localhost") else "0.0.0.0"
         server = StoreServer(bind, env.store_port)
-    store = StoreClient(env.master_addr, env.store_port, timeout=timeout)
+    store = StoreClient(env.master_addr, env.store_port, timeout=init_timeout)
     store._server = server  # keep rank 0's server alive as long as its client
 
     gen = _GENERATION[0]
@@ -191,7 +195,7 @@ def init_process_group(backend: str = "cpu", *, device=None, timeout: float = 60
 
     store.set(f"{ns}/rdzv/{env.rank}", json.dumps(info))
     infos = []
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + init_timeout
     for p in range(env.world_size):
         try:
             infos.append(json.loads(store.get(f"{ns}/rdzv/{p}",
@@ -201,7 +205,8 @@ def init_process_group(backend: str = "cpu", *, device=None, timeout: float = 60
                        if not store.check(f"{ns}/rdzv/{q}")]
             raise StoreTimeoutError(
                 f"rank {env.rank}: ranks {missing} did not join the rendezvous within "
-                f"{timeout:.1f} s (not started, crashed, or a different MASTER_PORT)") from exc
+                f"{init_timeout:.1f} s (not started, crashed, or a different MASTER_PORT)"
+            ) from exc
     validate_rank_infos(infos)
 
     if backend == "cpu":
@@ -209,12 +214,18 @@ def init_process_group(backend: str = "cpu", *, device=None, timeout: float = 60
 
         host = "127.0.0.1" if env.master_addr in ("127.0.0.1", "localhost") else \
             _local_address_towards(env.master_addr, env.master_port)
-        return CpuCommunicator(env.rank, env.world_size, store, timeout=timeout,
+        comm = CpuCommunicator(env.rank, env.world_size, store, timeout=init_timeout,
                                namespace=ns, host=host)
+        comm.timeout = timeout
+        store.timeout = timeout
+        return comm
     from .comm_nccl import NcclCommunicator
 
-    return NcclCommunicator(env.rank, env.world_size, store, device=index, timeout=timeout,
+    comm = NcclCommunicator(env.rank, env.world_size, store, device=index, timeout=init_timeout,
                             namespace=ns)
+    comm.timeout = timeout   # joined: from now on the exchange timeout applies
+    store.timeout = timeout
+    return comm
 
 
 # ---------------------------------------------------------------------------------------
@@ -245,7 +256,8 @@ def _die_with_parent():
         os._exit(1)
 
 
-def _worker_main(fn, rank, world_size, backend, port, timeout, device, args, kwargs, conn):
+def _worker_main(fn, rank, world_size, backend, port, timeout, init_timeout, device, args,
+                 kwargs, conn):
     _die_with_parent()
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -255,7 +267,8 @@ def _worker_main(fn, rank, world_size, backend, port, timeout, device, args, kwa
     })
     comm = None
     try:
-        comm = init_process_group(backend, device=device, timeout=timeout)
+        comm = init_process_group(backend, device=device, timeout=timeout,
+                                  init_timeout=init_timeout)
         result = fn(comm, *args, **(kwargs or {}))
         comm.synchronize()
         conn.send(("ok", rank, result))
@@ -288,11 +301,13 @@ _SECONDARY = (CommPeerError.__name__, CommTimeoutError.__name__, StoreTimeoutErr
 
 def launch(fn, world_size: int, backend: str = "cpu", *, args=(), kwargs=None,
            timeout: float = 60.0, grace: float | None = None, run_timeout: float | None = None,
-           devices=None):
+           devices=None, init_timeout: float | None = None):
     """Run `fn(comm, *args, **kwargs)` in `world_size` spawned processes; return their results.
 
     fn: a module-level (picklable) function. backend: "cpu" or "nccl".
-    timeout: seconds a rank waits on a peer before failing (rendezvous and every exchange).
+    timeout: seconds a rank waits on a peer before failing (every exchange, config checks).
+    init_timeout: the same for the rendezvous and communicator creation (spawned processes
+        start at different speeds); default max(timeout, 60).
     grace: after the first failure, seconds to let the other ranks fail on their own (their
         messages are kept) before they are killed; default min(timeout, 10) + 2.
     run_timeout: optional wall-clock limit of the whole run (then every rank is killed).
@@ -320,7 +335,8 @@ def launch(fn, world_size: int, backend: str = "cpu", *, args=(), kwargs=None,
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             dev = None if devices is None else devices[rank]
             p = ctx.Process(target=_worker_main, name=f"ep-rank{rank}", daemon=True,
-                            args=(fn, rank, world_size, backend, server.port, timeout, dev,
+                            args=(fn, rank, world_size, backend, server.port, timeout,
+                                  init_timeout, dev,
                                   tuple(args), kwargs, child_conn))
             p.start()
             child_conn.close()
