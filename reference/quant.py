@@ -59,11 +59,18 @@ formats skip both activation quantizations.
 
 from __future__ import annotations
 
-import numpy as np
 import ml_dtypes
+import numpy as np
 
-from ._checks import (FLOAT_DTYPES, check_array, check_choice, check_float, check_ids_in_range,
-                      check_int, check_positive_int)
+from ._checks import (
+    FLOAT_DTYPES,
+    check_array,
+    check_choice,
+    check_float,
+    check_ids_in_range,
+    check_int,
+    check_positive_int,
+)
 from .activation import apply_activation
 from .experts import DEFAULT_BLOCK_SIZE, grouped_gemm, moe_sum
 from .permute import moe_align_block_size
@@ -238,7 +245,7 @@ def moe_kernel_quantize_input(a, a_scale, quant_dtype, per_act_token_quant=False
             pad = np.zeros((a.shape[0], _cdiv(k, bk) * bk - k), dtype=a.dtype)
             q, s = moe_kernel_quantize_input(np.concatenate([a, pad], axis=1), None, quant_dtype,
                                              False, block_shape, use_ue8m0)
-            return q[:, :k], s
+            return np.ascontiguousarray(q[:, :k]), s
         if quant_dtype == "fp8":
             return per_token_group_quant_fp8(a, bk, use_ue8m0=use_ue8m0)
         return per_token_group_quant_int8(a, bk)

@@ -379,3 +379,446 @@ def test_layer_matches_reference_within_vllm_tolerance(rng, scheme, tol, T, B):
     want = RQ.fused_experts_quant(x, w1q, w2q, tw, ids, block_size=B, **kw)
     got = gpu_quant_layer(x, w1q, w2q, tw, ids, kw, B)
     assert rel_err(got, want) <= VLLM_TOL[tol]
+
+
+# ============================================================================ CPU emulation
+# NVRTC proves that the sources compile; this runs them. The .cu text (same source_text the
+# GPU compiles, bf16 elements) is built by g++ against QEMU_HEADER, which stands in for the
+# CUDA features the kernels use: a std::thread per CUDA thread, block after block; barriers;
+# warp shuffles and the mma.sync fragment exchange through a per-warp rendezvous; cp.async
+# copies that land only when a wait_group retires their group (a read before the wait sees the
+# 0xAB garbage shared memory starts with); fp8 / bf16 conversions by their definitions. The
+# only code not run as written is quant_gemm.cu's block of inline-PTX helpers (replaced under
+# QG_EMULATED_PTX by the header's versions, whose fragment layouts follow the PTX ISA). It
+# cannot see timing, bank conflicts or the hardware's own reading of the PTX: the GPU tests
+# stay the judge.
+QEMU_HEADER = r"""
+// CPU stand-ins for the CUDA features of quant_act.cu / quant_gemm.cu (see the test).
+#pragma once
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <vector>
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(...)
+#define QG_EMULATED_PTX 1
+using std::min; using std::max;
+struct Idx3 { unsigned x = 0, y = 0, z = 0; };
+thread_local Idx3 threadIdx, blockIdx;
+Idx3 blockDim, gridDim;
+alignas(16) static unsigned char g_smem[1 << 20];
+inline void __trap() { fprintf(stderr, "__trap\n"); abort(); }
+template <typename T> inline T __ldg(const T* p) { return *p; }
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+// ---- 16-bit floats (round to nearest even, NaN kept)
+struct __nv_bfloat16 { uint16_t b; };
+struct __half { uint16_t b; };
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+struct __half2 { __half x, y; };
+inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float((unsigned)h.b << 16); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return {(uint16_t)((u >> 16) | 0x40)};
+    return {(uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
+inline float __half2float(__half h) { _Float16 v; memcpy(&v, &h.b, 2); return (float)v; }
+inline __half __float2half_rn(float f) { _Float16 v = (_Float16)f; __half h; memcpy(&h.b, &v, 2); return h; }
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)}; }
+inline __half2 __floats2half2_rn(float a, float b) { return {__float2half_rn(a), __float2half_rn(b)}; }
+// ---- fp8 e4m3fn: decode by formula, encode by nearest code (ties to the even code), satfinite
+inline float e4m3_value(unsigned c) {
+    const unsigned e = (c >> 3) & 15u, m = c & 7u;
+    const float v = e ? std::ldexp(1.f + m / 8.f, (int)e - 7) : std::ldexp((float)m, -9);
+    if ((c & 0x7fu) == 0x7fu) return NAN;
+    return (c & 0x80u) ? -v : v;
+}
+typedef unsigned char __nv_fp8_storage_t;
+enum __nv_saturation_t { __NV_NOSAT, __NV_SATFINITE };
+enum __nv_fp8_interpretation_t { __NV_E4M3, __NV_E5M2 };
+inline __nv_fp8_storage_t __nv_cvt_float_to_fp8(float x, __nv_saturation_t, __nv_fp8_interpretation_t) {
+    if (std::isnan(x)) return 0x7f;
+    const unsigned char sign = std::signbit(x) ? 0x80 : 0;
+    const double a = std::fabs((double)x);
+    if (a >= 448.0) return sign | 0x7e;
+    unsigned best = 0; double bd = INFINITY;
+    for (unsigned c = 0; c <= 0x7e; ++c) {
+        const double d = std::fabs((double)e4m3_value(c) - a);
+        if (d < bd || (d == bd && (c & 1u) == 0)) { bd = d; best = c; }
+    }
+    return sign | (unsigned char)best;
+}
+struct __nv_fp8_e4m3 { __nv_fp8_storage_t __x; operator float() const { return e4m3_value(__x); } };
+// ---- warps: a rendezvous where every lane deposits bytes and leaves with all 32 deposits
+struct WarpRv { std::mutex m; std::condition_variable cv; int arrived = 0; long gen = 0;
+                unsigned char buf[2][32][64]; };
+static std::vector<WarpRv>* g_warps = nullptr;
+inline void warp_exchange(const void* mine, size_t n, unsigned char (*all)[64]) {
+    const int lane = threadIdx.x & 31;
+    WarpRv& w = (*g_warps)[threadIdx.x >> 5];
+    std::unique_lock<std::mutex> lk(w.m);
+    const long g = w.gen;
+    memcpy(w.buf[g & 1][lane], mine, n);
+    if (++w.arrived == 32) { w.arrived = 0; w.gen++; w.cv.notify_all(); }
+    else w.cv.wait(lk, [&] { return w.gen != g; });
+    memcpy(all, w.buf[g & 1], sizeof(w.buf[0]));
+}
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int o) {
+    unsigned char all[32][64]; warp_exchange(&v, sizeof(T), all);
+    T r; memcpy(&r, all[(threadIdx.x & 31) ^ o], sizeof(T)); return r;
+}
+// ---- blocks
+static std::barrier<>* g_bar = nullptr;
+inline void __syncthreads() { g_bar->arrive_and_wait(); }
+static std::atomic<int> g_or{0};
+inline int __syncthreads_or(int p) {
+    if (threadIdx.x == 0) g_or = 0;   // every reader of the last call passed its final barrier
+    __syncthreads();
+    if (p) g_or |= 1;
+    __syncthreads();
+    const int r = g_or.load();
+    __syncthreads();
+    return r;
+}
+static std::mutex g_atomic;
+inline unsigned atomicMax(unsigned* p, unsigned v) {
+    std::lock_guard<std::mutex> l(g_atomic); unsigned o = *p; if (v > o) *p = v; return o; }
+// ---- cp.async: copies are queued per thread and land only when a wait_group retires their
+// group (the latest moment the hardware allows): a read before the wait sees garbage
+struct Copy { void* dst; const void* src; int n, valid; };
+thread_local std::vector<Copy> t_open;
+thread_local std::deque<std::vector<Copy>> t_groups;
+inline void qg_cp16(void* dst, const void* src, bool pred) { t_open.push_back({dst, src, 16, pred ? 16 : 0}); }
+inline void qg_cp4(void* dst, const void* src, bool pred) { t_open.push_back({dst, src, 4, pred ? 4 : 0}); }
+inline void qg_commit() { t_groups.push_back(t_open); t_open.clear(); }
+template <int N> inline void qg_wait() {
+    while ((int)t_groups.size() > N) {
+        for (const Copy& c : t_groups.front()) {
+            if (c.valid) memcpy(c.dst, c.src, c.n); else memset(c.dst, 0, c.n);
+        }
+        t_groups.pop_front();
+    }
+}
+// ---- mma.sync: the fragments of all 32 lanes, multiplied by the PTX ISA's layouts
+struct MmaIn { uint32_t a[4], b[2]; };
+template <typename Dec, typename Acc>
+inline void mma_8bit(Acc (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], Dec dec) {
+    MmaIn in; memcpy(in.a, a, 16); memcpy(in.b, b, 8);
+    unsigned char all[32][64]; warp_exchange(&in, sizeof(in), all);
+    auto A = [&](int row, int col) {   // m16n8k32 A: lane (row % 8) * 4 + (col % 16) / 4
+        const int lane = (row & 7) * 4 + ((col & 15) >> 2);
+        const int reg = (row >= 8 ? 1 : 0) + (col >= 16 ? 2 : 0);
+        MmaIn x; memcpy(&x, all[lane], sizeof(x));
+        return dec((x.a[reg] >> (8 * (col & 3))) & 0xffu);
+    };
+    auto B = [&](int k, int col) {     // B: lane col * 4 + (k % 16) / 4, reg k / 16
+        const int lane = col * 4 + ((k & 15) >> 2);
+        MmaIn x; memcpy(&x, all[lane], sizeof(x));
+        return dec((x.b[k >= 16 ? 1 : 0] >> (8 * (k & 3))) & 0xffu);
+    };
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+        Acc s = 0;
+        for (int k = 0; k < 32; ++k) s += (Acc)A(row, k) * (Acc)B(k, col);
+        d[i] += s;
+    }
+}
+inline void qg_mma_k32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    mma_8bit(d, a, b, [](unsigned c) { return e4m3_value(c); });
+}
+inline void qg_mma_k32(int (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    mma_8bit(d, a, b, [](unsigned c) { return (int)(signed char)c; });
+}
+inline float dec16(unsigned h) {
+#if ELEM_BF16
+    return __bfloat162float({(uint16_t)h});
+#else
+    return __half2float({(uint16_t)h});
+#endif
+}
+inline void qg_mma_k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    MmaIn in; memcpy(in.a, a, 16); memcpy(in.b, b, 8);
+    unsigned char all[32][64]; warp_exchange(&in, sizeof(in), all);
+    auto A = [&](int row, int col) {   // m16n8k16 A: lane (row % 8) * 4 + (col % 8) / 2
+        const int lane = (row & 7) * 4 + ((col & 7) >> 1);
+        const int reg = (row >= 8 ? 1 : 0) + (col >= 8 ? 2 : 0);
+        MmaIn x; memcpy(&x, all[lane], sizeof(x));
+        return dec16((x.a[reg] >> (16 * (col & 1))) & 0xffffu);
+    };
+    auto B = [&](int k, int col) {
+        const int lane = col * 4 + ((k & 7) >> 1);
+        MmaIn x; memcpy(&x, all[lane], sizeof(x));
+        return dec16((x.b[k >= 8 ? 1 : 0] >> (16 * (k & 1))) & 0xffffu);
+    };
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+        float s = 0;
+        for (int k = 0; k < 16; ++k) s += A(row, k) * B(k, col);
+        d[i] += s;
+    }
+}
+// ---- a launch: the blocks one after another, a std::thread per CUDA thread
+template <typename F> void launch(unsigned gx, unsigned gy, unsigned block, F body) {
+    gridDim.x = gx; gridDim.y = gy; blockDim.x = block;
+    for (unsigned by = 0; by < gy; ++by)
+        for (unsigned bx = 0; bx < gx; ++bx) {
+            memset(g_smem, 0xAB, sizeof(g_smem));     // garbage, as a fresh CTA's shared memory
+            std::vector<WarpRv> warps((block + 31) / 32); g_warps = &warps;
+            std::barrier<> bar((std::ptrdiff_t)block); g_bar = &bar;
+            std::vector<std::thread> ts;
+            for (unsigned t = 0; t < block; ++t)
+                ts.emplace_back([&, t, bx, by] {
+                    threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by;
+                    body();
+                    if (!t_open.empty() || !t_groups.empty()) {
+                        for (auto& g : t_groups) if (!g.empty()) { fprintf(stderr, "cp.async group never waited\n"); abort(); }
+                    }
+                    t_open.clear(); t_groups.clear();
+                    bar.arrive_and_drop();
+                });
+            for (auto& t : ts) t.join();
+        }
+}
+"""
+
+
+def _build_emulated(tmp, cu, defines, entry, name):
+    import re
+    import subprocess
+
+    src = C.source_text(cu, defines)
+    src = re.sub(r"#include <cuda_(fp16|bf16|fp8)\.h>", "", src)
+    src = re.sub(r"extern __shared__ __align__\(16\) u8 smem\[\];", "u8* smem = g_smem;", src)
+    lines = src.split("\n")   # the header reads the #defines (ELEM_BF16): it goes after them
+    first = next(k for k, line in enumerate(lines) if line.startswith("#line"))
+    src = "\n".join(lines[:first] + ['#include "qemu.h"'] + lines[first:])
+    cpp = tmp / f"{name}.cpp"
+    cpp.write_text(src + "\n" + entry + "\n")
+    so = tmp / f"{name}.so"
+    r = subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread",
+                        "-I", str(tmp), str(cpp), "-o", str(so)], capture_output=True, text=True)
+    assert r.returncode == 0, f"{cu} does not build for the emulation:\n{r.stderr[:3000]}"
+    import ctypes
+    return ctypes.CDLL(str(so))
+
+
+def _gemm_entries():
+    """One C entry k<i> per kernel name the launcher can pick (bf16 elements)."""
+    names = list(QG.V1_NAMES) + list(QG.W8A8_V2_NAMES) + list(QG.WNA16_V2_NAMES)
+    out = []
+    for i, n in enumerate(names):
+        if n.startswith("w8a8"):
+            call = (f"{n}((const u8*)a, (const u8*)w, (elem_t*)c, (const float*)p3, "
+                    f"(const float*)p4, st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, i0, i1)")
+        else:
+            call = (f"{n}((const elem_t*)a, (const u8*)w, (elem_t*)c, (const float*)p3, "
+                    f"(const u8*)p4, st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, i0, i1, "
+                    f"i2, i3)")
+        out.append(
+            f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned block, const void* a, '
+            f"const void* w, void* c, const void* p3, const void* p4, const int* st, "
+            f"const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
+            f"int P, int top_k, int B, int L, int mul, int i0, int i1, int i2, int i3) {{\n"
+            f"    launch(gx, gy, block, [&] {{ {call}; }});\n}}")
+    return names, "\n".join(out)
+
+
+_ACT_ENTRY = r"""
+extern "C" void gq(int qt, unsigned grid, const IN_T* x, unsigned char* q, float* s,
+                   const float* st, const float* ta, int M, int K, int gs, int G, float qmax,
+                   float eps, float mins, int ue) {
+    if (qt == 0) launch(grid, 1, WARPS_PER_BLOCK * 32, [&] {
+        group_quant_kernel<0>(x, q, s, st, ta, M, K, gs, G, qmax, eps, mins, ue); });
+    else launch(grid, 1, WARPS_PER_BLOCK * 32, [&] {
+        group_quant_kernel<1>(x, q, s, st, ta, M, K, gs, G, qmax, eps, mins, ue); });
+}
+extern "C" void amax(unsigned grid, const IN_T* x, unsigned* bits, long long n) {
+    launch(grid, 1, 256, [&] { absmax_kernel(x, bits, n); });
+}"""
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """{"act": quant_act.cu (bf16 input), "gemm": (kernel names, quant_gemm.cu)} built for the
+    CPU emulation."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ on this machine")
+    tmp = tmp_path_factory.mktemp("quant_emulation")
+    (tmp / "qemu.h").write_text(QEMU_HEADER)
+    names, entries = _gemm_entries()
+    return {"act": _build_emulated(tmp, "quant_act.cu", QA._defines(BF16), _ACT_ENTRY, "qa"),
+            "gemm": (names, _build_emulated(tmp, "quant_gemm.cu", {"ELEM_BF16": 1}, entries,
+                                            "qg"))}
+
+
+def _ptr(a):
+    import ctypes
+
+    return None if a is None else a.ctypes.data_as(ctypes.c_void_p)
+
+
+def emulated_act_quant(lib, x, qd, group_size, eps, min_scale, ue8m0, static=None,
+                       tensor=False):
+    """The launch of quant_act.py (geometry, arguments) against the emulated kernels."""
+    import ctypes
+
+    M, K = x.shape
+    G = -(-K // group_size)
+    q = np.full((M, K), 0xEE, np.uint8)                   # poisoned
+    s = np.full((1,) if (static is not None or tensor) else (M, G), np.nan, np.float32)
+    ta = None
+    if tensor:
+        bits = np.zeros(1, np.uint32)
+        lib.amax(ctypes.c_uint(3), _ptr(x.view(np.uint16)), _ptr(bits), ctypes.c_longlong(x.size))
+        ta = bits.view(np.float32)
+    st = None if static is None else np.asarray(static, np.float32)
+    wpb = QA.CONFIGS["group_quant_kernel"]["WARPS_PER_BLOCK"]
+    lib.gq(QA.QT[qd], ctypes.c_uint(-(-(M * G) // wpb)), _ptr(x.view(np.uint16)), _ptr(q),
+           _ptr(s), _ptr(st), _ptr(ta), M, K, group_size, G,
+           ctypes.c_float(448.0 if qd == "fp8" else 127.0), ctypes.c_float(eps),
+           ctypes.c_float(min_scale), int(ue8m0))
+    if static is not None:
+        s = st
+    return q, s
+
+
+EMU_ACT_MODES = [
+    # name, reference kwargs, (quant dtype, group size (None: the row), eps, min scale, ue8m0)
+    ("fp8_group", dict(quant_dtype="fp8", block_shape=[128, 128]), ("fp8", 128, 1e-10, 0.0, 0)),
+    ("fp8_group_ue8m0", dict(quant_dtype="fp8", block_shape=[128, 128], use_ue8m0=True),
+     ("fp8", 128, 1e-10, 0.0, 1)),
+    ("fp8_token", dict(quant_dtype="fp8", per_act_token_quant=True),
+     ("fp8", None, 0.0, QA.FP8_MIN_SCALE, 0)),
+    ("int8_token", dict(quant_dtype="int8", per_act_token_quant=True),
+     ("int8", None, 1e-10, 0.0, 0)),
+    ("int8_group", dict(quant_dtype="int8", block_shape=[128, 128]), ("int8", 128, 1e-10, 0.0, 0)),
+]
+
+
+@pytest.mark.simulator
+@pytest.mark.slow
+def test_emulated_act_quant_bit_exact(emulated):
+    lib = emulated["act"]
+    rng = np.random.default_rng(11)
+    for M, K in ((3, 384), (2, 200)):                   # 200: a partial last group
+        x = (rng.standard_normal((M, K)) * rng.uniform(0.01, 20, (M, 1))).astype(BF16)
+        for name, rkw, (qd, gs, eps, mins, ue) in EMU_ACT_MODES:
+            rq, rs = RQ.moe_kernel_quantize_input(x, None, **rkw)
+            gq, gs_ = emulated_act_quant(lib, x, qd, gs or K, eps, mins, ue)
+            assert np.array_equal(gq, rq.view(np.uint8)), f"{name} {M}x{K}: codes"
+            assert np.array_equal(gs_.reshape(rs.shape), rs), f"{name} {M}x{K}: scales"
+        rq, rs = RQ.moe_kernel_quantize_input(x, None, "fp8")            # dynamic per-tensor
+        gq, gs_ = emulated_act_quant(lib, x, "fp8", K, 0.0, QA.FP8_MIN_SCALE, 0, tensor=True)
+        assert np.array_equal(gq, rq.view(np.uint8)) and np.array_equal(gs_, rs)
+        rq, rs = RQ.moe_kernel_quantize_input(x, np.float32([0.02]), "int8")   # static
+        gq, _ = emulated_act_quant(lib, x, "int8", K, 0.0, 0.0, 0, static=[0.02])
+        assert np.array_equal(gq, rq.view(np.uint8))
+    x = rng.standard_normal((2, 256)).astype(BF16)
+    x[1, 3] = np.nan                                    # NaN: its group's scale and codes
+    gq, gs_ = emulated_act_quant(lib, x, "fp8", 128, 1e-10, 0.0, 0)
+    deq = RQ.dequantize_activation(gq.view(FP8), gs_, 128)
+    assert np.isnan(deq[1, :128]).all() and np.isfinite(deq[0]).all() and \
+        np.isfinite(deq[1, 128:]).all()
+
+
+def emulated_gemm(emu, version, cfg_name, aq, as_, wq, ws, wz, st, ex, ntp, top_k, B, tw,
+                  bias, flags):
+    """quant_gemm.py's choice of kernel, geometry and arguments, launched on the emulation."""
+    import ctypes
+
+    names, lib = emu
+    fmt = ("fp8" if flags.get("use_fp8_w8a8") else "int8" if flags.get("use_int8_w8a8")
+           else "int4" if flags.get("use_int4_w4a16") else "w8a16")
+    M_a, K = aq.shape
+    N = wq.shape[1]
+    P, L = M_a * top_k, st.size
+    c = np.full((P, N), 0x7FC0, np.uint16)             # poisoned: bf16 NaN
+    i = [0, 0, 0, 0]
+    if fmt in ("fp8", "int8"):
+        if flags.get("block_shape"):
+            i[:2] = [2, 2]
+        else:
+            i[:2] = [int(bool(flags.get("per_act_token_quant"))),
+                     int(bool(flags.get("per_channel_quant")))]
+        p3, p4 = np.ascontiguousarray(as_, np.float32), np.ascontiguousarray(ws, np.float32)
+        a_, table = np.ascontiguousarray(aq).view(np.uint8), QG.W8A8_CONFIGS
+        name = (f"w8a8_gemm_v1<{QG.QT[fmt]}>" if version == "v1"
+                else QG._w8a8_name(fmt, table[cfg_name]))
+    else:
+        nbits = 4 if fmt == "int4" else 8
+        G = ws.shape[2]
+        i = [K // G, G, 8 if nbits == 4 else 128, 0x80 if wq.dtype == np.int8 else 0]
+        p3, p4 = np.ascontiguousarray(ws, np.float32), wz
+        a_, table = np.ascontiguousarray(aq).view(np.uint16), QG.WNA16_CONFIGS
+        if version == "v2":
+            assert QG.wna16_group_ok(K // G, G, table[cfg_name]["BK"])
+        name = (f"wna16_gemm_v1<{nbits}>" if version == "v1"
+                else QG._wna16_name(nbits, table[cfg_name]))
+    if version == "v1":
+        grid, block = (L, -(-N // 128)), 128
+    else:
+        cfg = table[cfg_name]
+        assert B % cfg["BM"] == 0
+        grid = (-(-L // cfg["BM"]), -(-N // cfg["BN"]))
+        block = cfg["WARPS_M"] * cfg["WARPS_N"] * 32
+    twf = None if tw is None else np.ascontiguousarray(tw, np.float32).ravel()
+    getattr(lib, f"k{names.index(name)}")(
+        ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(block), _ptr(a_),
+        _ptr(np.ascontiguousarray(wq).view(np.uint8)), _ptr(c), _ptr(p3), _ptr(p4), _ptr(st), _ptr(ex), _ptr(ntp),
+        _ptr(twf), _ptr(bias), N, K, P, top_k, B, L, int(tw is not None), *i)
+    return c.view(BF16)
+
+
+EMU_GEMM_CASES = [
+    # format,        version, config, (M_a, E, top_k, N, Kdim, B)   (partial K blocks, N not a
+    #                                                                 multiple of the tile, tiles
+    #                                                                 smaller than the block)
+    ("fp8_block",    "v1", None,  (5, 4, 2, 72, 320, 16)),
+    ("fp8_block",    "v2", "m16", (5, 4, 2, 72, 320, 32)),
+    ("fp8_block",    "v2", "m64", (40, 3, 2, 136, 256, 64)),
+    ("fp8_tensor",   "v2", "m16", (5, 4, 2, 72, 320, 16)),
+    ("int8_channel", "v2", "m16", (5, 4, 2, 72, 320, 16)),
+    ("int8_channel", "v1", None,  (5, 4, 2, 72, 320, 16)),
+    ("int4_g128",    "v1", None,  (5, 4, 2, 72, 384, 16)),
+    ("int4_g128",    "v2", "m16", (5, 4, 2, 72, 384, 32)),
+    ("int4_g32_zp",  "v2", "m64", (40, 3, 2, 136, 256, 64)),
+    ("uint8_g64_zp", "v2", "m16", (5, 4, 2, 72, 320, 16)),
+    ("int8_g128",    "v2", "m64", (40, 3, 2, 136, 256, 64)),   # signed int8 codes
+]
+
+
+@pytest.mark.simulator
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,version,cfg,shape", EMU_GEMM_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in EMU_GEMM_CASES])
+def test_emulated_gemm_matches_reference(emulated, fmt, version, cfg, shape):
+    entry = next(f for f in GEMM_FORMATS if f[0] == fmt)
+    _, flags, wfmt, _ = entry
+    rng = np.random.default_rng(zlib.crc32(f"{fmt}{version}{cfg}".encode()))
+    M_a, E, K, N, Kd, B = shape
+    aq, as_, wq, ws, wz = quantized_operands(rng, wfmt, flags, M_a, E, N, Kd)
+    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+    bias = rng.standard_normal((E, N)).astype(np.float32)
+    st, ex, ntp = moe_align_block_size(ids, B, E)
+    want = RQ.grouped_gemm_quant(aq, wq, st, ex, ntp, K, B, tw, True, bias, a_scale=as_,
+                                 w_scale=ws, w_zp=wz, **flags)
+    got = emulated_gemm(emulated["gemm"], version, cfg, aq, as_, wq, ws, wz, st, ex, ntp, K, B,
+                        tw, bias, flags)
+    assert rel_err(got, want) <= GEMM_TOL

@@ -22,8 +22,8 @@ import pytest
 
 from reference import fused_experts, fused_topk, moe_align_block_size
 from reference import quant as Q
-from reference.experts import grouped_gemm
 from reference.activation import apply_activation
+from reference.experts import grouped_gemm
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = Q.FP8_DTYPE
@@ -276,7 +276,7 @@ def make_gemm_case(rng, name, flags, M_a, N, Kd, E, top_k, B, ids=None):
     w_deq = Q.dequantize_weight(w_q, w_s, w_zp, **{k: v for k, v in flags.items()
                                                    if k != "per_act_token_quant"})
     if ids is None:
-        ids = rng.integers(0, E, (M_a if top_k > 1 else M_a, top_k)).astype(np.int32)
+        ids = rng.integers(0, E, (M_a, top_k)).astype(np.int32)
     return dict(a_q=a_q, a_s=a_s, w_q=w_q, w_s=w_s, w_zp=w_zp, a_deq=a_deq, w_deq=w_deq, ids=ids)
 
 

@@ -250,7 +250,6 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     shapes (for compute-sanitizer)."""
     import argparse
 
-    import cupy
     import ml_dtypes
 
     from reference import quant as RQ

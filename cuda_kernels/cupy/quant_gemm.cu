@@ -106,6 +106,10 @@ __device__ __forceinline__ float qg_epilogue(float acc, int e, int n, int s, int
 }
 
 // ---------------------------------------------------------------------------- cp.async, mma
+// The only inline PTX of this file. tests/test_quant_cupy.py runs this source on the CPU by
+// #defining QG_EMULATED_PTX and supplying these helpers (same names and semantics), so that
+// everything else here executes as written before a GPU sees it.
+#ifndef QG_EMULATED_PTX
 __device__ __forceinline__ u32 qg_smem(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }
@@ -151,6 +155,7 @@ __device__ __forceinline__ void qg_mma_k16(float (&d)[4], const u32 (&a)[4], con
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+#endif  // QG_EMULATED_PTX
 
 // ---------------------------------------------------------------------------- shared epilogue
 // Write one fragment pair (cols n, n+1 of row slot s) through the epilogue; paired 32-bit

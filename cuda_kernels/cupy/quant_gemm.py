@@ -48,13 +48,15 @@ ELEMS = {"bf16": 1, "fp16": 0}    # ELEM_BF16 define
 #   m16: small batches are weight-streaming: many CTAs (narrow BN) and a deep ring keep
 #        enough bytes in flight to approach HBM bandwidth with 1-16 rows per expert.
 #   m64: larger batches reuse each weight tile across 64 rows: wider BN, 8 warps.
+#   wna16 m64: one warp spans all 64 rows (WARPS_M = 1), so each dequantized B fragment
+#        feeds 4 mma instead of 2: the dequantization is the compute-bound cost here.
 W8A8_CONFIGS = {
     "m16": dict(BM=16, BN=64, WARPS_M=1, WARPS_N=4, STAGES=6),
-    "m64": dict(BM=64, BN=128, WARPS_M=2, WARPS_N=4, STAGES=3),
+    "m64": dict(BM=64, BN=128, WARPS_M=2, WARPS_N=4, STAGES=4),
 }
 WNA16_CONFIGS = {
-    "m16": dict(BM=16, BN=64, BK=128, WARPS_M=1, WARPS_N=4, STAGES=5),
-    "m64": dict(BM=64, BN=128, BK=64, WARPS_M=2, WARPS_N=4, STAGES=3),
+    "m16": dict(BM=16, BN=64, BK=128, WARPS_M=1, WARPS_N=4, STAGES=8),
+    "m64": dict(BM=64, BN=128, BK=64, WARPS_M=1, WARPS_N=4, STAGES=4),
 }
 W8A8_ROW = KBLOCK + 16            # padded shared row, bytes (see quant_gemm.cu)
 

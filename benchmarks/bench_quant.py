@@ -1,0 +1,382 @@
+"""Quantized MoE GEMMs on the GPU beside this project's bf16 grouped GEMM (H200).
+
+    T tokens, E experts, K top-k, H hidden, I intermediate, B block size, P = T*K slots
+
+Two models, each in its quantized format and in bf16, at T in {1, 16, 64, 256, 1024, 4096}:
+
+    deepseek-v3   E=256, K=8, H=7168, I=2048   fp8 block (DeepSeek-V3: 128x128 weight blocks,
+                                               1x128 activation groups, fp32 scales)
+    mixtral       E=8,   K=2, H=4096, I=14336  weight-only int4, group 128, bf16 activations
+
+Paths (all CuPy kernels of this repository):
+    fp8    quant(x) -> GEMM1 fp8 -> quant(act) -> GEMM2 fp8 (* router weight): quant_act +
+           quant_gemm v2 (mma.sync e4m3, per-block scaling in the main loop)
+    int4   GEMM1 int4 -> GEMM2 int4 (quant_gemm v2: dequantized in registers, mma.sync bf16)
+    bf16   GEMM1 -> GEMM2 (cuda_kernels.cupy.grouped_gemm, its default version and configs)
+The activation between the GEMMs is not in any path (not a quantization stage): GEMM2 reads a
+pre-drawn [P, I] activation. Alignment runs on the host (reference) once per routing.
+
+Method: CUDA events around each call after warm-up, median over the repetitions; before each
+repetition (untimed) the next of 4 pre-drawn routings is selected and the L2 is flushed (a
+128 MB memset), so no repetition reads weights left in the 50 MB L2 by the previous one.
+
+Roofline: floor = max(bytes / 4.8e12 B/s, flops / peak) with bytes = the weights (scales
+included) of the experts the routings touch, in the path's format, and flops = 2 P (2I H + H I);
+peak = 1979e12 FLOP/s for fp8, 989e12 for bf16 and int4 (its mma runs in bf16). frac = floor /
+median time (1.0 = at the roofline). Targets (issue 8): frac >= 0.6 at T <= 64; block fp8
+faster than bf16 at T >= 1024.
+
+    python benchmarks/bench_quant.py [--models deepseek-v3,mixtral] [--tokens 1,16,64]
+                                     [--reps 20] [--no-bf16] [--budget-s 200]
+
+Writes benchmarks/results/bench_quant_<gpu>_<time>.json (GPU, date, commit, command, points).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from cuda_kernels.cupy import _compile as C  # noqa: E402
+from cuda_kernels.cupy import quant_act as QA  # noqa: E402
+from cuda_kernels.cupy import quant_gemm as QG  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+MODELS = {
+    # name: (E, K, H, I, quantized format)
+    "deepseek-v3": (256, 8, 7168, 2048, "fp8"),
+    "mixtral": (8, 2, 4096, 14336, "int4"),
+}
+TOKENS = (1, 16, 64, 256, 1024, 4096)
+HBM = 4.8e12
+PEAK = {"fp8": 1979e12, "int4": 989e12, "bf16": 989e12}
+GROUP = 128          # int4 group size
+ROUTINGS = 4         # routings drawn per point, rotated over the repetitions
+FLUSH_BYTES = 128 << 20
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=ROOT, timeout=10).stdout.strip()
+    except Exception:
+        return ""
+
+
+# ----------------------------------------------------------------------------- data on the GPU
+_FILL = r"""
+extern "C" __global__ void fill_bytes(unsigned char* y, long long n, unsigned long long seed,
+                                      int fp8) {
+    // splitmix64 of the index: random bytes with no host copy and no temporary
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        unsigned long long z = (unsigned long long)i + seed;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        // fp8: e4m3 codes 0x08..0x5F (|v| in [2^-6, 15]), random sign: finite, never NaN
+        y[i] = fp8 ? (unsigned char)((z % 0x58u) + 0x08u) | (unsigned char)((z >> 63) << 7)
+                   : (unsigned char)(z >> 24);
+    }
+}
+"""
+
+
+def random_bytes(shape, fp8: bool, seed: int):
+    import cupy
+
+    out = cupy.empty(shape, dtype=cupy.uint8)
+    kern = cupy.RawKernel(_FILL, "fill_bytes")
+    kern((2048,), (256,), (out, np.int64(out.size), np.uint64(seed * 0x9E3779B97F4A7C15 % 2**64),
+                           np.int32(fp8)))
+    return out
+
+
+def random_bf16(shape, scale, seed):
+    """N(0, scale^2) in bf16, made on the GPU (the bf16 GEMM module's helper when present)."""
+    import cupy
+
+    try:
+        from cuda_kernels.cupy.grouped_gemm import random_device
+        return random_device(shape, C.bf16_dtype(), scale=scale,
+                             rng=cupy.random.default_rng(seed))
+    except ImportError:
+        x = cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32) * scale
+        u = x.view(cupy.uint32)
+        b = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(cupy.uint16)
+        try:
+            return b.view(C.bf16_dtype())
+        except Exception:
+            return b
+
+
+def draw_routing(rng, T, E, K):
+    """K distinct uniform experts per token and their renormalized weights."""
+    ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
+    w = rng.random((T, K)).astype(np.float32) + 0.1
+    return ids, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- timing
+def time_ms(fn, setup, warmup, reps):
+    import cupy
+
+    for _ in range(warmup):
+        setup()
+        fn()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(reps):
+        setup()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times)), times
+
+
+# ----------------------------------------------------------------------------- one model
+def bench_model(name, tokens, reps, with_bf16, deadline, log):
+    import cupy
+
+    from reference import moe_align_block_size
+
+    E, K, H, I, fmt = MODELS[name]
+    rng = np.random.default_rng(0)
+    t0 = time.time()
+    # quantized weights: codes plus fp32 scales (values are random: speed does not depend on them)
+    if fmt == "fp8":
+        w1 = random_bytes((E, 2 * I, H), True, 1)
+        w2 = random_bytes((E, H, I), True, 2)
+        s1 = cupy.random.uniform(1e-3, 2e-3, (E, 2 * I // 128, H // 128), dtype=cupy.float32)
+        s2 = cupy.random.uniform(1e-3, 2e-3, (E, H // 128, I // 128), dtype=cupy.float32)
+        qflags = dict(use_fp8_w8a8=True, block_shape=[128, 128])
+    else:
+        w1 = random_bytes((E, 2 * I, H // 2), False, 1)
+        w2 = random_bytes((E, H, I // 2), False, 2)
+        s1 = cupy.random.uniform(1e-3, 2e-3, (E, 2 * I, H // GROUP), dtype=cupy.float32)
+        s2 = cupy.random.uniform(1e-3, 2e-3, (E, H, I // GROUP), dtype=cupy.float32)
+        qflags = dict(use_int4_w4a16=True)
+    gg = None
+    if with_bf16:
+        try:
+            from cuda_kernels.cupy import grouped_gemm as gg
+            b1 = random_bf16((E, 2 * I, H), 0.02, 3)
+            b2 = random_bf16((E, H, I), 0.02, 4)
+        except Exception as e:  # noqa: BLE001 - the bf16 path is optional
+            log(f"  bf16 path unavailable: {type(e).__name__}: {e}")
+            gg = None
+    cupy.cuda.Device().synchronize()
+    log(f"{name}: weights ready in {time.time() - t0:.1f} s "
+        f"({(w1.nbytes + w2.nbytes) / 1e9:.1f} GB {fmt}"
+        + (f", {(b1.nbytes + b2.nbytes) / 1e9:.1f} GB bf16)" if gg else ")"))
+    qbytes_expert = QG.quant_weight_bytes(fmt, 1, 2 * I, H, GROUP) + \
+        QG.quant_weight_bytes(fmt, 1, H, I, GROUP)
+    bbytes_expert = 2.0 * (2 * I * H + H * I)
+    flush = cupy.empty(FLUSH_BYTES, dtype=cupy.uint8)
+    points = []
+    for T in tokens:
+        if time.time() > deadline:
+            log(f"  T={T}: skipped (time budget)")
+            continue
+        P = T * K
+        rows_per_expert = P / E
+        Bq = 16 if rows_per_expert <= 16 else 64
+        routings = [draw_routing(rng, T, E, K) for _ in range(ROUTINGS)]
+        touched = float(np.mean([len(np.unique(ids)) for ids, _ in routings]))
+        flops = 2.0 * P * (2 * I * H + H * I)
+        x = random_bf16((T, H), 1.0, 10 + T)
+        act = random_bf16((P, I), 1.0, 20 + T)
+
+        def aligned(B):
+            out = []
+            for ids, tw in routings:
+                st, ex, ntp = moe_align_block_size(ids, B, E)
+                out.append(tuple(C.to_device(v) for v in (st, ex, ntp)) + (C.to_device(tw),))
+            return out
+        cur = {"i": 0}
+
+        def setup():
+            cur["i"] = (cur["i"] + 1) % ROUTINGS
+            flush.fill(cur["i"])              # evict the L2 (a 128 MB write)
+
+        # ---- quantized path
+        qal = aligned(Bq)
+
+        def q_gemm1():
+            st, ex, ntp, tw = qal[cur["i"]]
+            if fmt == "fp8":
+                a1, as1 = QA.per_token_group_quant_fp8(x, 128)
+                return QG.grouped_gemm_quant(a1, w1, st, ex, ntp, K, Bq, a_scale=as1,
+                                             w_scale=s1, **qflags)
+            return QG.grouped_gemm_quant(x, w1, st, ex, ntp, K, Bq, w_scale=s1, **qflags)
+
+        def q_gemm2():
+            st, ex, ntp, tw = qal[cur["i"]]
+            if fmt == "fp8":
+                a2, as2 = QA.per_token_group_quant_fp8(act, 128)
+                return QG.grouped_gemm_quant(a2, w2, st, ex, ntp, 1, Bq, tw, True, a_scale=as2,
+                                             w_scale=s2, **qflags)
+            return QG.grouped_gemm_quant(act, w2, st, ex, ntp, 1, Bq, tw, True, w_scale=s2,
+                                         **qflags)
+
+        def q_layer():
+            q_gemm1()
+            q_gemm2()
+
+        point = dict(model=name, T=T, P=P, touched_experts=touched, flops=flops)
+        try:
+            c1 = q_gemm1()
+            c2 = q_gemm2()
+            finite = _all_finite(c1) and _all_finite(c2)   # garbage shows up as inf / NaN
+            n_rep = reps if T < 4096 else max(5, reps // 2)
+            ms, _ = time_ms(q_layer, setup, 3, n_rep)
+            ms1, _ = time_ms(q_gemm1, setup, 2, n_rep)
+            ms2, _ = time_ms(q_gemm2, setup, 2, n_rep)
+            nbytes = touched * qbytes_expert
+            floor = max(nbytes / HBM, flops / PEAK[fmt]) * 1e3
+            # fp8: gemm1_ms / gemm2_ms include the activation quantization before each GEMM
+            point[fmt] = dict(ms=ms, gemm1_ms=ms1, gemm2_ms=ms2, bytes=nbytes, floor_ms=floor,
+                              frac=floor / ms, block_size=Bq, finite=finite)
+        except Exception as e:  # noqa: BLE001 - reported, the run goes on
+            point[fmt] = dict(error=f"{type(e).__name__}: {e}")
+
+        # ---- bf16 path
+        if gg is not None:
+            try:
+                Bb = int(gg.get_config(T, 2 * I, H, E, K, C.bf16_dtype())["BLOCK_M"])
+                bal = qal if Bb == Bq else aligned(Bb)
+
+                def b_gemm1():
+                    st, ex, ntp, tw = bal[cur["i"]]
+                    return gg.grouped_gemm(x, b1, st, ex, ntp, K, Bb)
+
+                def b_gemm2():
+                    st, ex, ntp, tw = bal[cur["i"]]
+                    return gg.grouped_gemm(act, b2, st, ex, ntp, 1, Bb, tw, True)
+
+                def b_layer():
+                    b_gemm1()
+                    b_gemm2()
+                b_gemm1()                                       # compile outside the timing
+                b_gemm2()
+                n_rep = reps if T < 4096 else max(5, reps // 2)
+                ms, _ = time_ms(b_layer, setup, 3, n_rep)
+                ms1, _ = time_ms(b_gemm1, setup, 2, n_rep)
+                ms2, _ = time_ms(b_gemm2, setup, 2, n_rep)
+                nbytes = touched * bbytes_expert
+                floor = max(nbytes / HBM, flops / PEAK["bf16"]) * 1e3
+                point["bf16"] = dict(ms=ms, gemm1_ms=ms1, gemm2_ms=ms2, bytes=nbytes,
+                                     floor_ms=floor, frac=floor / ms, block_size=Bb)
+            except Exception as e:  # noqa: BLE001
+                point["bf16"] = dict(error=f"{type(e).__name__}: {e}")
+        points.append(point)
+        log(_row(point, fmt))
+    return points   # the weights go with this frame; main() frees the pool between models
+
+
+def _all_finite(c):
+    import cupy
+
+    # bf16 bits: exponent all ones is inf or NaN
+    return bool(((C.raw(c).view(cupy.uint16) & 0x7F80) != 0x7F80).all())
+
+
+def _row(p, fmt):
+    q = p.get(fmt, {})
+    b = p.get("bf16", {})
+    if "error" in q:
+        qtxt = f"{fmt} ERROR {q['error'][:80]}"
+    else:
+        qtxt = (f"{fmt} {q['ms']:8.3f} ms (g1 {q['gemm1_ms']:.3f}, g2 {q['gemm2_ms']:.3f}) "
+                f"floor {q['floor_ms']:.3f} frac {q['frac']:5.1%}")
+    if not b:
+        btxt = ""
+    elif "error" in b:
+        btxt = f" | bf16 ERROR {b['error'][:60]}"
+    else:
+        speed = b["ms"] / q["ms"] if "ms" in q else float("nan")
+        btxt = f" | bf16 {b['ms']:8.3f} ms frac {b['frac']:5.1%} | {fmt} x{speed:4.2f} vs bf16"
+    return f"  {p['model']:12s} T={p['T']:5d}  {qtxt}{btxt}"
+
+
+def summary(points, log):
+    log("targets (issue 8):")
+    for p in points:
+        fmt = MODELS[p["model"]][4]
+        q, b = p.get(fmt, {}), p.get("bf16", {})
+        if "ms" not in q:
+            continue
+        if p["T"] <= 64:
+            ok = q["frac"] >= 0.6
+            log(f"  {p['model']} T={p['T']}: {fmt} at {q['frac']:.1%} of the roofline "
+                f"(target >= 60%): {'met' if ok else 'NOT met'}")
+        if p["T"] >= 1024 and fmt == "fp8" and "ms" in b:
+            ok = q["ms"] < b["ms"]
+            log(f"  {p['model']} T={p['T']}: fp8 {q['ms']:.3f} ms vs bf16 {b['ms']:.3f} ms "
+                f"(target: faster): {'met' if ok else 'NOT met'}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 path")
+    parser.add_argument("--budget-s", type=float, default=200.0,
+                        help="stop starting new points after this many seconds")
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args(argv)
+    ok, why = C.availability()
+    if not ok:
+        raise SystemExit(f"needs a GPU: {why}")
+    import cupy
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for m in models:
+        if m not in MODELS:
+            raise SystemExit(f"--models: expected names from {sorted(MODELS)}, got {m!r}")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    start = time.time()
+    deadline = start + args.budget_s
+    lines = []
+
+    def log(s):
+        print(s, flush=True)
+        lines.append(s)
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    log(f"GPU {gpu}, commit {git_commit()}")
+    points = []
+    for m in models:
+        points += bench_model(m, tokens, args.reps, not args.no_bf16, deadline, log)
+        cupy.get_default_memory_pool().free_all_blocks()
+    summary(points, log)
+    log(f"total {time.time() - start:.0f} s")
+    if not args.no_save:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        slug = "".join(ch if ch.isalnum() else "_" for ch in gpu.lower()).strip("_")
+        path = RESULTS / f"bench_quant_{slug}_{now:%Y%m%d_%H%M%S}.json"
+        record = dict(gpu=gpu, date=now.isoformat(timespec="seconds"), commit=git_commit(),
+                      command=" ".join([pathlib.Path(sys.argv[0]).name] + sys.argv[1:]),
+                      hbm_bytes_per_s=HBM, peak_flops=PEAK, routings_per_point=ROUTINGS,
+                      points=points)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        log(f"wrote {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
