@@ -2,8 +2,9 @@
 the layer (CuPy kernels when they are available, else the reference on the host), EPLB,
 faults and refusals. Skipped unless CuPy sees two or more GPUs (conftest.py).
 
-The lead runs them on an H200 pair:
+The lead runs them on an H200 pair (EP_TEST_WORLD=4 or 8 on bigger machines):
     .venv/bin/python -m pytest -q -m multigpu tests/test_ep_gpu.py
+    EP_TEST_WORLD=8 .venv/bin/python -m pytest -q -m multigpu tests/test_ep_gpu.py
 """
 import os
 import re
@@ -16,7 +17,7 @@ from sandbox.ep.checks import (COLLECTIVE_CHECKS, fault_and_report_pid, parity_c
                                run_collectives, run_parity, run_refusals)
 
 pytestmark = pytest.mark.multigpu
-WORLD = 2
+WORLD = int(os.environ.get("EP_TEST_WORLD", "2"))   # ranks (GPUs) the tests use
 
 
 def _gpus():
@@ -99,9 +100,11 @@ def test_nccl_refusals():
 
 
 def test_nccl_wrong_device_is_refused():
+    if _gpus() < WORLD:
+        pytest.skip(f"EP_TEST_WORLD={WORLD} but {_gpus()} GPUs are visible")
     with pytest.raises(LaunchError, match="ranks 0 and 1 were both given device 0"):
-        launch(fault_and_report_pid, WORLD, backend="nccl", args=("none",), devices=[0, 0],
-               timeout=30)
+        launch(fault_and_report_pid, WORLD, backend="nccl", args=("none",),
+               devices=[0, 0] + list(range(2, WORLD)), timeout=30)
     with pytest.raises(LaunchError, match=r"device: expected a GPU index in \[0, "):
         launch(fault_and_report_pid, WORLD, backend="nccl", args=("none",),
-               devices=[0, _gpus() + 3], timeout=30)
+               devices=list(range(WORLD - 1)) + [_gpus() + 3], timeout=30)
