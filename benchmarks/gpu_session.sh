@@ -48,7 +48,17 @@ for step in $steps; do
       say "multi-GPU tests and EP benchmark"
       timeout 300 python3 -m pytest -q --maxfail=20 --timeout 240 -m multigpu -p no:cacheprovider \
         --junitxml="$OUT/junit_multigpu.xml" tests 2>&1 | tail -n 40 | tee -a "$LOG"
-      [ -f benchmarks/bench_ep.py ] && timeout 240 python3 benchmarks/bench_ep.py 2>&1 | tail -n 60 | tee -a "$LOG" ;;
+      timeout 120 python3 -m sandbox.ep check --gpus 2 2>&1 | tail -n 20 | tee -a "$LOG"
+      timeout 240 python3 benchmarks/bench_ep.py --gpus 2 2>&1 | tail -n 60 | tee -a "$LOG" ;;
+    notebooks)
+      say "notebooks on the GPU"
+      mkdir -p notebooks/figures
+      for nb in notebooks/[0-9]*.py; do
+        echo "-- $nb" | tee -a "$LOG"
+        MOE_SANDBOX_NOTEBOOK_MODE=gpu MOE_SANDBOX_FIGURES=notebooks/figures MPLBACKEND=Agg \
+          timeout 120 python3 "$nb" 2>&1 | tail -n 8 | tee -a "$LOG"
+      done
+      tar czf "$OUT/figures.tgz" notebooks/figures ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;
   esac
 done
