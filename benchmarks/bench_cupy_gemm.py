@@ -8,7 +8,9 @@ candidate computes the routed experts from (topk_weights, topk_ids) to out [T, H
 
     cupy-vN        moe_align_block_size -> GEMM1 (vN, gather fused) -> silu_and_mul ->
                    GEMM2 (vN, router weight in the epilogue) -> moe_sum, launched eagerly;
-                   timed in three segments: align | GEMM1 + act + GEMM2 ("gemm ms") | combine
+                   timed in three segments: align | GEMM1 + act + GEMM2 ("gemm ms") | combine;
+                   block_size = get_config(..., version=vN)["BLOCK_M"] (v5, the opt-in wgmma
+                   rung, aligns to 64 or 128)
     cupy-v4-graph  the same as one CUDA graph replay (no Python or launch overhead: what a
                    serving engine does for decode)
     torch-loop     the per-expert loop (sandbox.bench.torch_per_expert_loop)
@@ -438,7 +440,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--tokens", default=",".join(map(str, bench.DEFAULT_TOKENS)))
-    p.add_argument("--versions", default="v1,v2,v3,v4")
+    p.add_argument("--versions", default="v1,v2,v3,v4,v5")
     p.add_argument("--budget-s", type=float, default=200.0)
     p.add_argument("--out-dir", default=str(bench.RESULTS_DIR))
     args = p.parse_args(argv)

@@ -49,7 +49,7 @@ def test_table_rows_are_well_formed():
         assert row["version"] in gg.VERSIONS, row
         assert row["dtype"] in gg.DTYPE_KEYS, row
         assert row["m"] in gg.M_BUCKETS, row
-        assert not (row["version"] == "v4" and row["dtype"] == "fp32"), row
+        assert not (row["version"] in gg.TENSOR_CORE_VERSIONS and row["dtype"] == "fp32"), row
         assert ("N" in row) == ("K" in row), f"a shape row needs both N and K: {row}"
         gg.check_config(row["version"], row["dtype"], gg._row_config(row))
 
@@ -69,7 +69,8 @@ def test_get_config_covers_every_bucket(version, dkey):
             M = max(1, m * E // top_k)                  # tokens giving m tokens per expert
             cfg = gg.get_config(M, N, K, E, top_k, DTYPES[dkey], version)
             v = cfg["version"]
-            assert v in gg.VERSIONS and (version in (None, v) or (version, v) == ("v4", "v3"))
+            assert v in gg.VERSIONS and (version in (None, v) or
+                                         (version in gg.TENSOR_CORE_VERSIONS and v == "v3"))
             gg.check_config(v, dkey, {k: x for k, x in cfg.items() if k != "version"})
             assert cfg["BLOCK_M"] >= 1
             # the caller aligns with BLOCK_M: the config fits its own block size
@@ -79,9 +80,10 @@ def test_get_config_covers_every_bucket(version, dkey):
 @pytest.mark.parametrize("version", gg.VERSIONS)
 @pytest.mark.parametrize("dkey", gg.DTYPE_KEYS)
 def test_fit_config_divides_block_size(version, dkey):
-    if version == "v4" and dkey == "fp32":
+    if version in gg.TENSOR_CORE_VERSIONS and dkey == "fp32":
         pytest.skip("fp32 runs v3")
-    sizes = (16, 32, 48, 64, 128, 256) if version == "v4" else (1, 3, 8, 16, 24, 64, 128)
+    sizes = {"v4": (16, 32, 48, 64, 128, 256), "v5": (64, 128, 192, 256)}.get(
+        version, (1, 3, 8, 16, 24, 64, 128))
     for m in gg.M_BUCKETS:
         cfg = gg.heuristic_config(version, dkey, m)
         for B in sizes:
@@ -92,9 +94,12 @@ def test_fit_config_divides_block_size(version, dkey):
             assert math.prod(block) <= 1024 and smem <= gg.V4_SMEM_LIMIT
 
 
-def test_v4_rejects_block_sizes_below_16():
-    with pytest.raises(ValueError, match="block_size"):
+def test_tensor_core_rungs_reject_short_blocks():
+    with pytest.raises(ValueError, match="block_size: v4 needs a multiple of 16"):
         gg.fit_config("v4", "bf16", gg.heuristic_config("v4", "bf16", 1), 8)
+    with pytest.raises(ValueError, match="block_size: v5 needs a multiple of 64"):
+        gg.fit_config("v5", "bf16", gg.heuristic_config("v5", "bf16", 1), 32)
+    assert "block_size" in gg.usable("v5", "bf16", 128, 16, True)
 
 
 def test_m_bucket_and_lookup():
@@ -113,16 +118,18 @@ def test_m_bucket_and_lookup():
 def test_every_table_config_is_registered_for_nvrtc():
     registered = {(c.cu_name, tuple(sorted((c.defines or {}).items())))
                   for c in C.COMPILE_CASES}
-    for cu, defines in gg.compile_cases():
+    for cu, defines, options in gg.compile_cases():
         assert (cu, tuple(sorted(defines.items()))) in registered
-    assert {cu for cu, _ in gg.compile_cases()} == set(gg.CU_FILES.values())
+        assert options == gg.KERNEL_OPTIONS.get(
+            next(v for v, f in gg.CU_FILES.items() if f == cu), ())
+    assert {case[0] for case in gg.compile_cases()} == set(gg.CU_FILES.values())
 
 
 def test_kernel_sources_open_with_a_header():
     for cu in gg.CU_FILES.values():
         text = (C.KERNEL_DIR / cu).read_text()
         head = text[:text.index("#include")]
-        for word in ("Math", "Launch geometry", "v1", "v4", "Run:"):
+        for word in ("Math", "Launch geometry", "v1", "v4", "v5", "Run:"):
             assert word in head, f"{cu}: header lacks {word!r}"
 
 
@@ -344,6 +351,41 @@ def test_default_version_and_fp32_v4():
     prob = _problem(5, 8, 2, 64, 64, np.dtype(np.float32), 16)
     _check(prob, "v4")      # fp32 with v4 runs v3
     _check(prob, None)
+
+
+# v5 (wgmma, opt-in): its own grid, with block sizes it can take (multiples of 64)
+V5_CASES = {
+    # name: (T, E, top_k, N, K, B, extra, config or None for the table's)
+    "vllm_33_2048_128": (33, 8, 2, 4096, 128, 64, {}, None),
+    "vllm_222_1024_1024_gemm1": (222, 64, 6, 2048, 1024, 64, {}, None),
+    "vllm_222_1024_1024_gemm2": (222, 8, 6, 1024, 1024, 64, {"gemm2": True, "mul": True}, None),
+    "one_token": (1, 8, 2, 256, 128, 64, {}, None),
+    "N200_K136_bias_weights": (37, 8, 3, 200, 136, 64, {"bias": np.float32, "mul": True}, None),
+    "block_128_n256": (300, 4, 2, 512, 256, 128, {"bias": "same"},
+                       {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "warps": 8, "stages": 4}),
+    "block_128_tile_64_n64_3_stages": (90, 4, 2, 136, 72, 128, {"mul": True},
+                                       {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "warps": 4,
+                                        "stages": 3}),
+    "expert_map": (29, 8, 2, 160, 128, 64, {"expert_map": True, "bias": np.float32}, None),
+}
+
+
+@gpu
+@pytest.mark.parametrize("dkey", ("fp16", "bf16"))
+@pytest.mark.parametrize("case", tuple(V5_CASES))
+def test_v5_wgmma(case, dkey):
+    cp = _cp()
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("v5 (wgmma, sm_90a) needs a compute capability 9.0 GPU")
+    T, E, top_k, N, K, B, extra, cfg = V5_CASES[case]
+    extra = dict(extra)
+    if extra.get("bias") == "same":
+        extra["bias"] = DTYPES[dkey]
+    if extra.pop("expert_map", False):
+        E_local, emap = reference.determine_expert_map(2, 1, E)
+        extra.update(expert_map=emap, E_local=E_local)
+    prob = _problem(T, E, top_k, N, K, DTYPES[dkey], B, **extra)
+    _check(prob, "v5", **({"config": cfg} if cfg else {}))
 
 
 # ============================================================================ GPU: end to end
@@ -584,6 +626,7 @@ inline void gg_ldsm_x4(unsigned* r, unsigned addr) {
     w.bar.arrive_and_wait();
 }
 
+inline float emu_f32(float h) { return h; }
 inline float emu_f32(__half h) { return __half2float(h); }
 inline float emu_f32(__nv_bfloat16 h) { return __bfloat162float(h); }
 
@@ -619,6 +662,57 @@ inline void gg_mma(float* d, const unsigned* a, const unsigned* b, __half*) {
 inline void gg_mma(float* d, const unsigned* a, const unsigned* b, __nv_bfloat16*) {
     emu_mma<__nv_bfloat16>(d, a, b);
 }
+
+// wgmma (v5): each thread computes its own accumulators from the two shared-memory
+// descriptors, when the wgmma.wait_group that must complete the batch runs (as late as the
+// hardware may read the operands). Only the no-swizzle K-major layout is modelled:
+// element (row r, k) at start + (r/8) SBO + (k/8) LBO + (r%8) 16 + (k%8) 2 bytes.
+inline void gg_fence_proxy_async() {}
+inline void gg_wgmma_fence() {}
+struct EmuWgmma { float* d; unsigned long long da, db; int n; };
+thread_local std::vector<EmuWgmma> emu_wg_open;
+thread_local std::vector<std::vector<EmuWgmma>> emu_wg_groups;
+inline float emu_operand(unsigned long long desc, int r, int k) {
+    if ((desc >> 62) != 0 || ((desc >> 49) & 7) != 0)
+        emu_fail("wgmma: swizzled descriptors are not emulated", (long long)(desc >> 49));
+    const unsigned start = (unsigned)(desc & 0x3FFF) << 4;
+    const unsigned lbo = (unsigned)((desc >> 16) & 0x3FFF) << 4;
+    const unsigned sbo = (unsigned)((desc >> 32) & 0x3FFF) << 4;
+    const unsigned off = start + (r / 8) * sbo + (k / 8) * lbo + (r % 8) * 16 + (k % 8) * 2;
+    if (start % 16) emu_fail("wgmma: descriptor start not 16-byte aligned", start);
+    if (off + 2 > emu_smem_limit) emu_fail("wgmma: operand past the dynamic shared memory", off);
+    GG_T h;
+    std::memcpy(&h, emu_smem + off, sizeof(h));
+    return emu_f32(h);
+}
+inline void emu_wgmma_run(const EmuWgmma& m) {
+    const int t = emu_tid % 128, wq = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
+    for (int j = 0; j < m.n / 8; ++j)
+        for (int i = 0; i < 4; ++i) {   // d[4j+i]: row 16 wq + g (+8), column 8j + 2q (+1)
+            const int r = wq * 16 + g + 8 * (i / 2), n = j * 8 + 2 * q + (i % 2);
+            float s = 0.0f;
+            for (int k = 0; k < 16; ++k) s += emu_operand(m.da, r, k) * emu_operand(m.db, n, k);
+            m.d[4 * j + i] += s;
+        }
+}
+inline void gg_wgmma_commit() {
+    emu_wg_groups.push_back(std::move(emu_wg_open));
+    emu_wg_open.clear();
+}
+template <int PENDING> inline void gg_wgmma_wait() {
+    if (!emu_wg_open.empty()) emu_fail("wgmma.wait_group with uncommitted wgmma", 0);
+    while ((int)emu_wg_groups.size() > PENDING) {
+        for (const EmuWgmma& m : emu_wg_groups.front()) emu_wgmma_run(m);
+        emu_wg_groups.erase(emu_wg_groups.begin());
+    }
+}
+#define EMU_WGMMA(N)                                                                      \
+    inline void gg_wgmma_n##N(float* d, unsigned long long da, unsigned long long db) {   \
+        emu_wg_open.push_back({d, da, db, N});                                            \
+    }
+EMU_WGMMA(64)
+EMU_WGMMA(128)
+EMU_WGMMA(256)
 """
 
 EMU_MAIN = r"""
@@ -669,6 +763,9 @@ int main(int argc, char** argv) {
                     if (!emu_open.empty() || !emu_groups.empty())
                         emu_fail("a CTA ended with cp.async copies never waited for",
                                  emu_groups.size());
+                    if (!emu_wg_open.empty() || !emu_wg_groups.empty())
+                        emu_fail("a CTA ended with wgmma batches never waited for",
+                                 emu_wg_groups.size());
                     cta_bar.arrive_and_wait();
                 }
         });
@@ -703,7 +800,10 @@ emulated = pytest.mark.skipif(_GXX is None or _HDR is None,
 @functools.lru_cache(maxsize=None)
 def _emu_binary(cu, kernel_name, define_items):
     """g++ build of one kernel instantiation under the emulator (cached per process)."""
-    src = (EMU_HEADER + "\n" + C.source_text(cu, dict(define_items)) + "\n"
+    # the emulator goes between the #defines (it needs GG_T) and the kernel file
+    text = C.source_text(cu, dict(define_items))
+    cut = text.index(f'#line 1 "{cu}"')
+    src = (text[:cut] + EMU_HEADER + "\n" + text[cut:] + "\n"
            + f"#define GG_KERNEL_NAME {kernel_name}\n" + EMU_MAIN)
     out_dir = pathlib.Path(tempfile.mkdtemp(prefix="gg_emu_"))
     cpp = out_dir / "k.cpp"
@@ -784,6 +884,13 @@ EMU_CASES = {
                               (21, 8, 2, 40, 72, 32), dict(expert_map=True, mul=True)),
     "v4_gemm2_N_ragged": ("v4", "bf16", dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, warps=4, stages=5),
                           (19, 4, 2, 100, 64, 32), dict(gemm2=True, mul=True)),
+    "v5_one_warpgroup_bf16": ("v5", "bf16", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, warps=4,
+                                                 stages=3),
+                              (21, 4, 2, 72, 136, 64), dict(mul=True, bias="same")),
+    "v5_two_warpgroups_fp16_ep": ("v5", "fp16", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                                                     warps=8, stages=4),
+                                  (45, 8, 2, 136, 200, 128), dict(expert_map=True, mul=True,
+                                                                  bias=np.float32)),
     "v3_fp32": ("v3", "fp32", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, warps=2, stages=1, TM=4,
                                    TN=4),
                 (9, 4, 2, 72, 52, 16), dict(mul=True, bias="same")),

@@ -21,6 +21,7 @@
 //     v2  gemm_v2_smem.cu      shared-memory tiles of a and w, one output per thread   <- this file
 //     v3  gemm_v3_regblock.cu  register blocking (TM x TN per thread), 16-byte loads
 //     v4  gemm_v4_mma.cu       tensor cores: mma.sync m16n8k16, ldmatrix, cp.async pipeline
+//     v5  gemm_v5_wgmma.cu     (stretch, opt-in) Hopper wgmma from shared-memory descriptors
 // Run:  python -m cuda_kernels.cupy.grouped_gemm --versions v2
 #include "gemm_common.cuh"
 

@@ -17,12 +17,16 @@ P = a.shape[0] * top_k slots, L = len(sorted_token_ids).
     num_tokens_post_padded  [1]    int32        read on the device, never synchronised
     c (returned)            [P, N]              a.dtype
 
-The ladder (all kept, `version="v1".."v4"`; the default is the fastest that applies):
+The ladder (all kept, `version="v1".."v5"`; the default is v4 (v3 for fp32), stepping down
+to the fastest rung that applies):
     v1  gemm_v1_naive.cu     one thread per output element
     v2  gemm_v2_smem.cu      shared-memory tiles, one output per thread
     v3  gemm_v3_regblock.cu  TM x TN register micro-tiles, 16-byte loads, register prefetch
     v4  gemm_v4_mma.cu       mma.sync m16n8k16 (fp16/bf16, fp32 accumulators), ldmatrix,
                              cp.async ring of STAGES tiles; fp32 inputs fall back to v3
+    v5  gemm_v5_wgmma.cu     (stretch, opt-in) Hopper wgmma.m64nNk16 from shared-memory
+                             descriptors, sm_90a only, block_size a multiple of 64; not the
+                             default until a GPU run has validated and timed it
 
 Tunables are data: gemm_configs.json maps (version, dtype, bucket of m = tokens per expert,
 N, Kdim) to BLOCK_M, BLOCK_N, BLOCK_K, warps, stages (v3: TM, TN), injected as #defines.
@@ -46,10 +50,14 @@ import numpy as np
 from . import _compile
 from ._compile import bf16_dtype, get_kernel, raw, register_compile_case
 
-VERSIONS = ("v1", "v2", "v3", "v4")
+VERSIONS = ("v1", "v2", "v3", "v4", "v5")
 CU_FILES = {"v1": "gemm_v1_naive.cu", "v2": "gemm_v2_smem.cu",
-            "v3": "gemm_v3_regblock.cu", "v4": "gemm_v4_mma.cu"}
+            "v3": "gemm_v3_regblock.cu", "v4": "gemm_v4_mma.cu", "v5": "gemm_v5_wgmma.cu"}
 KERNEL_NAMES = {v: f"grouped_gemm_{v}" for v in VERSIONS}
+# wgmma exists only on the architecture-specific target; _compile builds such kernels through
+# cuda.core (CuPy would add its own -arch) and CPU CI compiles them for sm_90a only
+KERNEL_OPTIONS = {"v5": ("-arch=sm_90a",)}
+TENSOR_CORE_VERSIONS = ("v4", "v5")
 CONFIG_PATH = pathlib.Path(__file__).resolve().with_name("gemm_configs.json")
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 DTYPE_KEYS = ("fp32", "fp16", "bf16")
@@ -125,7 +133,15 @@ def v4_smem_bytes(cfg: dict) -> int:
     return 2 * max(ring, out)
 
 
-V4_SMEM_LIMIT = 227 * 1024        # per-CTA opt-in limit on sm_90 (sm_80: 163 KB)
+def v5_smem_bytes(cfg: dict) -> int:
+    """Dynamic shared memory of v5: the core-matrix ring (no padding), then the output tile."""
+    ring = cfg["stages"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"]
+    out = cfg["BLOCK_M"] * (cfg["BLOCK_N"] + 8)
+    return 2 * max(ring, out)
+
+
+# per-CTA opt-in limit on sm_90 (227 KB; sm_80: 163 KB), less room for the static slots
+V4_SMEM_LIMIT = 227 * 1024 - 1024
 
 
 def check_config(version: str, dtype, cfg: dict) -> dict:
@@ -163,6 +179,19 @@ def check_config(version: str, dtype, cfg: dict) -> dict:
                              f"({vec_elems(dkey)} elements of {dkey}), got {cfg}")
         if 4 * bk * (bm + bn + 8) + 12 * bm > 48 * 1024:
             raise ValueError(f"config: v3 static shared memory over 48 KB for {cfg}")
+    elif version == "v5":
+        if dkey == "fp32":
+            raise ValueError("config: v5 takes fp16 or bf16 (fp32 uses v3)")
+        if bm not in (64, 128) or bn not in (64, 128, 256) or bk % 16 or bk < 16:
+            raise ValueError(f"config: v5 needs BLOCK_M in (64, 128), BLOCK_N in (64, 128, "
+                             f"256), BLOCK_K a multiple of 16, got {cfg}")
+        threads = bm // 64 * 128
+        if warps != bm // 16 or cfg["stages"] < 3 or (bn * bk // 8) % threads:
+            raise ValueError(f"config: v5 runs BLOCK_M/64 warpgroups (warps = BLOCK_M/16), "
+                             f">= 3 stages, whole copy rounds of w, got {cfg}")
+        if v5_smem_bytes(cfg) > V4_SMEM_LIMIT:
+            raise ValueError(f"config: v5 shared memory {v5_smem_bytes(cfg)} B over "
+                             f"{V4_SMEM_LIMIT} B for {cfg}")
     else:
         if dkey == "fp32":
             raise ValueError("config: v4 takes fp16 or bf16 (fp32 uses v3)")
@@ -219,6 +248,14 @@ def heuristic_config(version: str, dkey: str, m: int, N: int | None = None,
         if m <= 256:
             return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 4, "stages": 3}
         return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "warps": 4, "stages": 4}
+    if version == "v5":
+        if dkey == "fp32":
+            return heuristic_config("v3", dkey, m, N, K)
+        if m <= 128:
+            return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 4, "stages": 4}
+        if m <= 512:
+            return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 8, "stages": 4}
+        return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "warps": 8, "stages": 4}
     raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
 
 
@@ -285,7 +322,7 @@ def get_config(M: int, N: int, K: int, E: int, top_k: int, dtype, version: str |
     version = default_version(dtype) if version is None else version
     if version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
-    if version == "v4" and dkey == "fp32":
+    if version in TENSOR_CORE_VERSIONS and dkey == "fp32":
         version = "v3"
     m = max(1.0, M * top_k / max(E, 1))
     cfg = dict(lookup(version, dkey, m, N, K))
@@ -322,6 +359,11 @@ def fit_config(version: str, dkey: str, cfg: dict, block_size: int) -> dict:
         while wn > 1 and (bn // wn) % 16:
             wn //= 2
         cfg["WARPS_M"], cfg["warps"] = wm, wm * wn
+    elif version == "v5":
+        if bm < 64:
+            raise ValueError(f"block_size: v5 needs a multiple of 64 (a warpgroup's wgmma "
+                             f"covers 64 rows), got {block_size}")
+        cfg["warps"] = bm // 16
     return check_config(version, dkey, cfg)
 
 
@@ -335,6 +377,10 @@ def kernel_defines(version: str, dkey: str, cfg: dict) -> dict:
     elif version == "v3":
         d.update(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                  TM=cfg["TM"], TN=cfg["TN"])
+    elif version == "v5":
+        d.update(GG_AB="bf16" if dkey == "bf16" else "f16", BLOCK_M=cfg["BLOCK_M"],
+                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["stages"],
+                 GROUP_M=GROUP_M)
     else:
         wm = cfg.get("WARPS_M") or v4_warp_grid(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["warps"])[0]
         d.update(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
@@ -354,12 +400,12 @@ def launch_geometry(version: str, cfg: dict, L: int, N: int) -> tuple[tuple, tup
     if version == "v3":
         threads = (cfg["BLOCK_M"] // cfg["TM"]) * (cfg["BLOCK_N"] // cfg["TN"])
         return (cdiv(L, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"])), (threads,), 0
-    return (cdiv(L, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),), (cfg["warps"] * 32,), \
-        v4_smem_bytes(cfg)
+    smem = v5_smem_bytes(cfg) if version == "v5" else v4_smem_bytes(cfg)
+    return (cdiv(L, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),), (cfg["warps"] * 32,), smem
 
 
-def compile_cases(table: dict | None = None) -> list[tuple[str, dict]]:
-    """(cu_name, defines) of every instantiation the table can launch, for CPU CI.
+def compile_cases(table: dict | None = None) -> list[tuple[str, dict, tuple]]:
+    """(cu_name, defines, options) of every instantiation the table can launch, for CPU CI.
 
     Each table row (and the heuristic of every bucket) fitted to the usual block sizes.
     """
@@ -371,7 +417,7 @@ def compile_cases(table: dict | None = None) -> list[tuple[str, dict]]:
             for b in M_BUCKETS:
                 rows.append((v, dkey, heuristic_config(v, dkey, b)))
     for version, dkey, cfg in rows:
-        if version == "v4" and dkey == "fp32":
+        if version in TENSOR_CORE_VERSIONS and dkey == "fp32":
             continue
         for bs in BLOCK_SIZES:
             try:
@@ -382,13 +428,13 @@ def compile_cases(table: dict | None = None) -> list[tuple[str, dict]]:
             key = (CU_FILES[version], tuple(sorted(d.items())))
             if key not in seen:
                 seen.add(key)
-                out.append((CU_FILES[version], d))
+                out.append((CU_FILES[version], d, KERNEL_OPTIONS.get(version, ())))
     return out
 
 
 def _register_all():
-    for cu, d in compile_cases():
-        register_compile_case(cu, d)
+    for cu, d, options in compile_cases():
+        register_compile_case(cu, d, options=options)
 
 
 _register_all()
@@ -428,13 +474,19 @@ def _check_int(name, value, minimum):
 
 def usable(version: str, dkey: str, K: int, block_size: int, aligned: bool) -> str | None:
     """Why `version` cannot run this problem, as "argument: reason" (None when it can)."""
+    if version == "v5":
+        if dkey == "fp32":
+            return "a: v5 takes fp16 or bf16 (fp32 uses v3)"
+        if block_size % 64:
+            return (f"block_size: v5 needs a multiple of 64 (a warpgroup's wgmma covers 64 "
+                    f"rows), got {block_size}")
     if version == "v4":
         if dkey == "fp32":
             return "a: v4 takes fp16 or bf16 (fp32 uses v3)"
         if block_size % 16:
             return (f"block_size: v4 needs a multiple of 16 (its mma tiles are 16 rows), "
                     f"got {block_size}")
-    if version in ("v3", "v4"):
+    if version in ("v3", "v4", "v5"):
         vec = vec_elems(dkey)
         if K % vec:
             return (f"a: {version} loads 16-byte chunks, so a.shape[1] (Kdim) must be a multiple "
@@ -467,8 +519,9 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
                  config=None, out=None):
     """c [a.shape[0] * top_k, N] = the grouped GEMM of docs/stages.md on the GPU (see module doc).
 
-    version: "v1".."v4" (None: v4 for fp16/bf16, v3 for fp32, stepping down to v3/v2 when
-    Kdim is not a multiple of 16 bytes or block_size not of 16; "v4" on fp32 runs v3).
+    version: "v1".."v5" (None: v4 for fp16/bf16, v3 for fp32, stepping down to v3/v2 when
+    Kdim is not a multiple of 16 bytes or block_size not of 16; "v4"/"v5" on fp32 run v3;
+    "v5" needs an sm_90 device and block_size % 64 == 0).
     config: a dict as returned by get_config (None: looked up in gemm_configs.json); its
     BLOCK_M is shrunk to divide block_size when needed. out: an optional [P, N] C-contiguous
     array of a.dtype to write into (only the rows of live slots are written; tests poison it).
@@ -578,8 +631,8 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
 def _plan(version, dkey, bucket, N, K, block_size, aligned, config_items):
     """(version, fitted config) for a call: the rung, the table lookup and the fit, cached
     (a decode step calls the GEMM twice per layer: the host work must stay small)."""
-    if version == "v4" and dkey == "fp32":
-        version = "v3"          # the tensor-core rung takes half types; fp32 uses FFMA
+    if version in TENSOR_CORE_VERSIONS and dkey == "fp32":
+        version = "v3"          # the tensor-core rungs take half types; fp32 uses FFMA
     if version is None:
         chain = _FALLBACK["v3" if dkey == "fp32" else "v4"]
         version = next(v for v in chain if usable(v, dkey, K, block_size, aligned) is None)
@@ -603,10 +656,16 @@ def _kernel(version, dkey, cfg, dev):
     key = (version, tuple(sorted(defines.items())), dev)
     kern = _READY.get(key)
     if kern is None:
-        register_compile_case(CU_FILES[version], defines)
-        kern = get_kernel(CU_FILES[version], KERNEL_NAMES[version], defines)
-        if version == "v4":
-            smem = v4_smem_bytes(cfg)
+        options = KERNEL_OPTIONS.get(version, ())
+        if version == "v5":
+            cc = _cupy().cuda.Device(dev).compute_capability
+            if cc != "90":
+                raise ValueError(f"version: v5 (wgmma) runs on compute capability 9.0 only "
+                                 f"(built for sm_90a), this device is {cc}")
+        register_compile_case(CU_FILES[version], defines, options=options)
+        kern = get_kernel(CU_FILES[version], KERNEL_NAMES[version], defines, options=options)
+        if version in TENSOR_CORE_VERSIONS:
+            smem = launch_geometry(version, cfg, 1, 1)[2]
             if smem > 48 * 1024:  # a CTA gets more than 48 KB only after opting in
                 kern.max_dynamic_shared_size_bytes = smem
         _READY[key] = kern
@@ -685,7 +744,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     from reference import moe_align_block_size
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--versions", default="v1,v2,v3,v4")
+    p.add_argument("--versions", default="v1,v2,v3,v4,v5")
     p.add_argument("--dtype", default="bf16", choices=DTYPE_KEYS)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="tiny shapes, one rep (sanitizers)")
@@ -718,18 +777,25 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
         w_h = (rng.standard_normal((E, N, K), dtype=np.float32) / math.sqrt(K)).astype(dt)
         tw_h = rng.random((T, top_k), dtype=np.float32) + np.float32(0.05)
         ids = np.argsort(rng.random((T, E)), axis=1)[:, :top_k].astype(np.int32)
-        B = get_config(T, N, K, E, top_k, dt)["BLOCK_M"]
-        st, ex, nt = moe_align_block_size(ids, B, E)
+        B0 = get_config(T, N, K, E, top_k, dt)["BLOCK_M"]
+        st, ex, nt = moe_align_block_size(ids, B0, E)
+        # c[s] does not depend on the alignment block: one reference for every version
         ref = ref_grouped_gemm(a_h.astype(np.float64), w_h.astype(np.float64), st, ex, nt,
-                               top_k, B, tw_h.astype(np.float64), True)
+                               top_k, B0, tw_h.astype(np.float64), True)
         a, w = _compile.to_device(a_h), _compile.to_device(w_h)
-        st_d, ex_d, nt_d, tw_d = cp.asarray(st), cp.asarray(ex), cp.asarray(nt), cp.asarray(tw_h)
-        touched = len(set(int(e) for e in ex[: int(nt[0]) // B] if e >= 0))
+        tw_d = cp.asarray(tw_h)
+        touched = len(set(int(e) for e in ex[: int(nt[0]) // B0] if e >= 0))
         flops = gemm_flops(T * top_k, N, K)
         nbytes = gemm_bytes(touched, T, T * top_k, N, K, dt.itemsize)
         tol = 1e-5 if dkey == "fp32" else 1e-2
+        aligned = {}
 
         def call(v, out=None):
+            # each rung aligns with its own config's BLOCK_M (v5: 64 or 128)
+            B = get_config(T, N, K, E, top_k, dt, v)["BLOCK_M"]
+            if B not in aligned:
+                aligned[B] = tuple(cp.asarray(x) for x in moe_align_block_size(ids, B, E))
+            st_d, ex_d, nt_d = aligned[B]
             return grouped_gemm(a, w, st_d, ex_d, nt_d, top_k, B, tw_d, True, version=v, out=out)
 
         for v in args.versions.split(","):

@@ -62,7 +62,7 @@ def heuristic_table() -> dict:
     rows = []
     for v in gg.VERSIONS:
         for dkey in gg.DTYPE_KEYS:
-            if v == "v4" and dkey == "fp32":
+            if v in gg.TENSOR_CORE_VERSIONS and dkey == "fp32":
                 continue
             for b in gg.M_BUCKETS:
                 cfg = gg.heuristic_config(v, dkey, b)

@@ -1,0 +1,409 @@
+// gemm_v5_wgmma.cu: rung 5 of the grouped GEMM ladder (stretch): Hopper warpgroup MMA (wgmma).
+//
+// Math: as every rung (docs/stages.md, grouped_gemm):
+//     c[s, n] = (sum_k a[s / top_k, k] * w[e, n, k] + bias[e, n]) * topk_weights.flat[s]
+// for each live position p (slot s = sorted_token_ids[p] < P, expert e = expert_ids[p / B]),
+// fp16/bf16 products on the tensor cores with fp32 accumulation, epilogue in fp32, rounded
+// once to GG_T; e == -1 writes zeros.
+// Shapes: a [M_a, Kdim], w [E_local, N, Kdim], c [P, N], P = M_a * top_k.
+// Requirements: sm_90a (wgmma exists only there: built with -arch=sm_90a); Kdim % 8 == 0 and
+// a, w 16-byte aligned (as v4); BLOCK_M in {64, 128} divides B (so B >= 64);
+// BLOCK_N in {64, 128, 256}. Opt-in: version="v5" (the default stays v4 until a GPU run
+// has validated this rung; see grouped_gemm.py).
+//
+// Launch geometry:
+//     threads = (BLOCK_M / 64) warpgroups x 128; warpgroup g owns rows 64g..64g+63 of the tile
+//     grid    = cdiv(L, BLOCK_M) * cdiv(N, BLOCK_N), 1-D, grouped by GROUP_M m-tiles (as v4)
+//     dynamic shared memory = max(STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2,
+//                                 BLOCK_M * (BLOCK_N + 8) * 2) bytes; static 4 * BLOCK_M
+//
+// What changes against v4:
+//  - One wgmma.mma_async.m64nNk16 per warpgroup and 16-wide k step reads A (64 x 16) and B
+//    (N x 16) straight from shared memory through 64-bit matrix descriptors (no ldmatrix, no
+//    register fragments for the operands): the tensor cores run at Hopper's full rate.
+//  - Shared tiles use wgmma's no-swizzle K-major layout: 8 rows x 16 bytes "core matrices"
+//    of 128 contiguous bytes; the core matrix of (row group r/8, k chunk c) sits at
+//    ((r/8) * BLOCK_K/8 + c) * 128. Descriptor: leading byte offset (next core matrix along
+//    K) = 128, stride byte offset (next 8-row group) = BLOCK_K * 16. Eight consecutive
+//    threads fill one core matrix with cp.async, so the stores are conflict-free.
+//  - The wgmma of tile t runs while the warps wait for tile t+1: each iteration issues its
+//    batch, commits it and waits until at most one batch is pending (wgmma.wait_group 1).
+//    A ring slot is refilled only after the batch that read it has completed in every
+//    warpgroup (the barrier at the top of the next-but-one iteration), so cp.async runs
+//    STAGES - 2 tiles ahead. cp.async writes go through the generic proxy and wgmma reads
+//    through the async proxy: fence.proxy.async before the barrier orders them.
+//  - Epilogue as v4 (the accumulator layout of each warp is that of mma.m16n8 per n8 block).
+//
+// Versions of the ladder:
+//     v1  gemm_v1_naive.cu     one thread per output element
+//     v2  gemm_v2_smem.cu      shared-memory tiles of a and w, one output per thread
+//     v3  gemm_v3_regblock.cu  register blocking (TM x TN per thread), 16-byte loads
+//     v4  gemm_v4_mma.cu       tensor cores: mma.sync m16n8k16, ldmatrix, cp.async pipeline
+//     v5  gemm_v5_wgmma.cu     Hopper wgmma from shared-memory descriptors          <- this file
+// Run:  python -m cuda_kernels.cupy.grouped_gemm --versions v4,v5
+// Check the machine code (HGMMA must appear):
+//     nvcc -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -DGG_T=__nv_bfloat16 \
+//          -DGG_AB=bf16 -I. gemm_v5_wgmma.cu -o v5.cubin && cuobjdump -sass v5.cubin | grep -c HGMMA
+#include "gemm_common.cuh"
+
+#ifndef BLOCK_M
+#define BLOCK_M 128
+#endif
+#ifndef BLOCK_N
+#define BLOCK_N 128
+#endif
+#ifndef BLOCK_K
+#define BLOCK_K 64
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+#ifndef GROUP_M
+#define GROUP_M 8
+#endif
+#ifndef GG_AB
+#define GG_AB bf16                           // the PTX type of the operands: bf16 or f16
+#endif
+#define GG_STR2(x) #x
+#define GG_STR(x) GG_STR2(x)
+
+#define V5_THREADS ((BLOCK_M / 64) * 128)
+#define KC (BLOCK_K / 8)                      // 16-byte chunks (core matrices) along K
+#define TILE_A_BYTES (BLOCK_M * BLOCK_K * 2)
+#define TILE_B_BYTES (BLOCK_N * BLOCK_K * 2)
+#define STAGE_BYTES (TILE_A_BYTES + TILE_B_BYTES)
+#define LBO_BYTES 128                         // next core matrix along K
+#define SBO_BYTES (BLOCK_K * 16)              // next 8-row group of core matrices
+#define SC (BLOCK_N + 8)                      // shared row stride of the output tile
+#define A_CHUNKS (BLOCK_M * KC)
+#define B_CHUNKS (BLOCK_N * KC)
+#define A_IT (A_CHUNKS / V5_THREADS)
+#define B_IT (B_CHUNKS / V5_THREADS)
+
+static_assert(sizeof(GG_T) == 2, "v5: wgmma takes __half or __nv_bfloat16");
+static_assert(BLOCK_M == 64 || BLOCK_M == 128, "v5: one or two warpgroups of 64 rows");
+static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 256, "v5: wgmma n of 64, 128, 256");
+static_assert(BLOCK_K % 16 == 0 && STAGES >= 3, "v5: k steps of 16, at least three stages");
+static_assert(A_CHUNKS % V5_THREADS == 0 && B_CHUNKS % V5_THREADS == 0,
+              "v5: whole copy rounds");
+
+// Byte offset of (row r, 16-byte k chunk c) inside an operand tile (the core-matrix layout).
+__device__ __forceinline__ unsigned gg_core_offset(int r, int c) {
+    return (unsigned)(((r >> 3) * KC + c) * 128 + (r & 7) * 16);
+}
+
+#ifndef GG_HOST_EMULATION
+__device__ __forceinline__ unsigned gg_smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void gg_cp_async16(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void gg_cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int PENDING>
+__device__ __forceinline__ void gg_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING) : "memory");
+}
+// shared memory written through the generic proxy (cp.async) is read next by wgmma (async proxy)
+__device__ __forceinline__ void gg_fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void gg_wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void gg_wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int PENDING>
+__device__ __forceinline__ void gg_wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(PENDING) : "memory");
+}
+
+// d[32] (this thread's part of the 64 x 64 fp32 accumulator) += A (64 x 16) * B (16 x 64)
+__device__ __forceinline__ void gg_wgmma_n64(float* d, unsigned long long desc_a,
+                                              unsigned long long desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." GG_STR(GG_AB) "." GG_STR(GG_AB) " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(1)
+        : "memory");
+}
+
+// d[64] (this thread's part of the 64 x 128 fp32 accumulator) += A (64 x 16) * B (16 x 128)
+__device__ __forceinline__ void gg_wgmma_n128(float* d, unsigned long long desc_a,
+                                              unsigned long long desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." GG_STR(GG_AB) "." GG_STR(GG_AB) " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(1)
+        : "memory");
+}
+
+// d[128] (this thread's part of the 64 x 256 fp32 accumulator) += A (64 x 16) * B (16 x 256)
+__device__ __forceinline__ void gg_wgmma_n256(float* d, unsigned long long desc_a,
+                                              unsigned long long desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32." GG_STR(GG_AB) "." GG_STR(GG_AB) " {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),
+          "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
+          "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+          "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),
+          "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]),
+          "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),
+          "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]),
+          "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+          "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(1)
+        : "memory");
+}
+#endif  // GG_HOST_EMULATION
+
+// The matrix descriptor of a K-major, no-swizzle operand starting at shared address `addr`:
+// bits 0-13 addr >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4,
+// 62-63 swizzle mode (0: none).
+__device__ __forceinline__ unsigned long long gg_desc(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) |
+           ((unsigned long long)(LBO_BYTES >> 4) << 16) |
+           ((unsigned long long)(SBO_BYTES >> 4) << 32);
+}
+
+__device__ __forceinline__ void gg_store2(__half* p, float x, float y) {
+    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
+}
+__device__ __forceinline__ void gg_store2(__nv_bfloat16* p, float x, float y) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+}
+
+extern "C" __global__ void __launch_bounds__(V5_THREADS, 1)
+grouped_gemm_v5(GG_KERNEL_ARGS) {
+    GG_DYNAMIC_SMEM(gg_smem);                 // the cp.async ring, then the output tile
+    __shared__ int s_slot[BLOCK_M];
+    GG_T* sm = reinterpret_cast<GG_T*>(gg_smem);
+    const unsigned sm_base = gg_smem_addr(gg_smem);
+
+    // which tile: the grouped order of v4
+    const int num_pid_m = (num_positions + BLOCK_M - 1) / BLOCK_M;
+    const int num_pid_n = (N + BLOCK_N - 1) / BLOCK_N;
+    const int pid = blockIdx.x;
+    const int per_group = GROUP_M * num_pid_n;
+    const int first_m = (pid / per_group) * GROUP_M;
+    const int group_rows = min(num_pid_m - first_m, GROUP_M);
+    const int pid_m = first_m + (pid % per_group) % group_rows;
+    const int pid_n = (pid % per_group) / group_rows;
+    const int m0 = pid_m * BLOCK_M;
+    const int n0 = pid_n * BLOCK_N;
+    if (m0 >= __ldg(num_tokens_post_padded)) return;
+    const int e = expert_ids[m0 / block_size];
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int wg = tid >> 7;                  // warpgroup: rows 64 wg .. 64 wg + 63
+    const int wq = (tid >> 5) & 3;            // warp inside the warpgroup: 16 of those rows
+
+    gg_load_slots<BLOCK_M, V5_THREADS>(s_slot, sorted_token_ids, m0, num_positions, num_slots, tid);
+    __syncthreads();
+
+    const bool vec_out = (N % 8) == 0;
+    if (e < 0) {                              // expert not on this rank: zeros
+        for (int idx = tid; idx < BLOCK_M * (BLOCK_N / 8); idx += V5_THREADS) {
+            const int r = idx / (BLOCK_N / 8), n = n0 + (idx % (BLOCK_N / 8)) * 8;
+            const int s = s_slot[r];
+            if (!gg_live(s, num_slots) || n >= N) continue;
+            GG_T* dst = c + (long long)s * N + n;
+            if (vec_out) {
+                *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+            } else {
+                for (int j = 0; j < 8 && n + j < N; ++j) dst[j] = gg_from_f32<GG_T>(0.0f);
+            }
+        }
+        return;
+    }
+
+    // Copy assignment: chunk idx = tid + i * THREADS -> row (idx / (8 KC)) * 8 + idx % 8,
+    // k chunk (idx / 8) % KC: eight consecutive threads fill one 128-byte core matrix.
+    const GG_T* a_src[A_IT];
+    bool a_ok[A_IT];
+    unsigned a_dst[A_IT];
+    int a_kc[A_IT];
+#pragma unroll
+    for (int i = 0; i < A_IT; ++i) {
+        const int idx = tid + i * V5_THREADS;
+        const int r = (idx / (8 * KC)) * 8 + (idx & 7), kc = (idx >> 3) % KC;
+        const int s = s_slot[r];
+        a_ok[i] = gg_live(s, num_slots);
+        a_src[i] = a + (a_ok[i] ? (long long)(s / top_k) * Kdim : 0LL) + kc * 8;
+        a_dst[i] = gg_core_offset(r, kc);
+        a_kc[i] = kc;
+    }
+    const GG_T* w_e = w + (long long)e * N * Kdim;
+    const GG_T* b_src[B_IT];
+    bool b_ok[B_IT];
+    unsigned b_dst[B_IT];
+    int b_kc[B_IT];
+#pragma unroll
+    for (int i = 0; i < B_IT; ++i) {
+        const int idx = tid + i * V5_THREADS;
+        const int r = (idx / (8 * KC)) * 8 + (idx & 7), kc = (idx >> 3) % KC;
+        b_ok[i] = n0 + r < N;
+        b_src[i] = w_e + (b_ok[i] ? (long long)(n0 + r) * Kdim : 0LL) + kc * 8;
+        b_dst[i] = TILE_A_BYTES + gg_core_offset(r, kc);
+        b_kc[i] = kc;
+    }
+
+    auto load_tile = [&](int t, int st) {
+        const int k = t * BLOCK_K;
+        const unsigned base = sm_base + st * STAGE_BYTES;
+#pragma unroll
+        for (int i = 0; i < A_IT; ++i) {
+            const bool ok = a_ok[i] && k + a_kc[i] * 8 < Kdim;
+            gg_cp_async16(base + a_dst[i], ok ? (const void*)(a_src[i] + k) : (const void*)a,
+                          ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < B_IT; ++i) {
+            const bool ok = b_ok[i] && k + b_kc[i] * 8 < Kdim;
+            gg_cp_async16(base + b_dst[i], ok ? (const void*)(b_src[i] + k) : (const void*)w,
+                          ok ? 16 : 0);
+        }
+    };
+
+    float acc[BLOCK_N / 2];
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 2; ++j) acc[j] = 0.0f;
+
+    // Pipeline (see the header): tile t lives in ring slot t % STAGES and is loaded
+    // STAGES - 2 iterations ahead; one wgmma batch stays in flight across iterations.
+    const int num_k_tiles = (Kdim + BLOCK_K - 1) / BLOCK_K;
+#pragma unroll
+    for (int st = 0; st < STAGES - 2; ++st) {
+        if (st < num_k_tiles) load_tile(st, st);
+        gg_cp_async_commit();
+    }
+    for (int t = 0; t < num_k_tiles; ++t) {
+        gg_cp_async_wait<STAGES - 3>();       // this thread's copies of tile t have landed
+        gg_fence_proxy_async();               // ... and are visible to the async proxy
+        __syncthreads();                      // everyone's copies; batch t - 2 done everywhere
+        if (t + STAGES - 2 < num_k_tiles) load_tile(t + STAGES - 2, (t + STAGES - 2) % STAGES);
+        gg_cp_async_commit();
+
+        const unsigned slot = sm_base + (t % STAGES) * STAGE_BYTES;
+        const unsigned a_base = slot + wg * 8 * SBO_BYTES;       // this warpgroup's 64 rows
+        const unsigned b_base = slot + TILE_A_BYTES;
+        gg_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
+            // a k step of 16 = two core matrices along K
+#if BLOCK_N == 64
+            gg_wgmma_n64(acc, gg_desc(a_base + kk * 2 * LBO_BYTES),
+                         gg_desc(b_base + kk * 2 * LBO_BYTES));
+#elif BLOCK_N == 128
+            gg_wgmma_n128(acc, gg_desc(a_base + kk * 2 * LBO_BYTES),
+                          gg_desc(b_base + kk * 2 * LBO_BYTES));
+#else
+            gg_wgmma_n256(acc, gg_desc(a_base + kk * 2 * LBO_BYTES),
+                          gg_desc(b_base + kk * 2 * LBO_BYTES));
+#endif
+        }
+        gg_wgmma_commit();
+        gg_wgmma_wait<1>();                   // batch t - 1 has completed in this warpgroup
+    }
+    gg_wgmma_wait<0>();
+    gg_cp_async_wait<0>();
+    __syncthreads();                          // the ring is free: reuse it for the output tile
+
+    // Epilogue. Warp wq of warpgroup wg holds rows 64 wg + 16 wq + lane/4 (+8); for each n8
+    // block j, acc[4j..4j+3] = (row, 8j + 2(lane%4)), (row, +1), (row + 8, ...), (row + 8, +1).
+    // The bias is per column, the router weight per row: each fetched once.
+    int rows[2];
+    float scale[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        rows[h] = wg * 64 + wq * 16 + (lane >> 2) + 8 * h;
+        const int s = s_slot[rows[h]];
+        scale[h] = (mul_routed_weight && gg_live(s, num_slots)) ? topk_weights[s] : 1.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j) {
+        const int col = j * 8 + (lane & 3) * 2;
+        const int n = n0 + col;
+        float b0 = 0.0f, b1 = 0.0f;
+        if (bias_kind == 1) {
+            const GG_T* be = static_cast<const GG_T*>(bias) + (long long)e * N;
+            if (n < N) b0 = gg_to_f32(be[n]);
+            if (n + 1 < N) b1 = gg_to_f32(be[n + 1]);
+        } else if (bias_kind == 2) {
+            const float* be = static_cast<const float*>(bias) + (long long)e * N;
+            if (n < N) b0 = be[n];
+            if (n + 1 < N) b1 = be[n + 1];
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h)     // (acc + bias) * weight in fp32, docs/stages.md's order
+            gg_store2(sm + rows[h] * SC + col, (acc[4 * j + 2 * h] + b0) * scale[h],
+                      (acc[4 * j + 2 * h + 1] + b1) * scale[h]);
+    }
+    __syncthreads();
+    for (int idx = tid; idx < BLOCK_M * (BLOCK_N / 8); idx += V5_THREADS) {
+        const int r = idx / (BLOCK_N / 8), col = (idx % (BLOCK_N / 8)) * 8;
+        const int s = s_slot[r];
+        const int n = n0 + col;
+        if (!gg_live(s, num_slots) || n >= N) continue;
+        GG_T* dst = c + (long long)s * N + n;
+        const GG_T* src = sm + r * SC + col;
+        if (vec_out) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+            for (int j = 0; j < 8 && n + j < N; ++j) dst[j] = src[j];
+        }
+    }
+}
