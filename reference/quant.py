@@ -1,4 +1,4 @@
-"""Quantized MoE: fp8 (per-tensor, per-token, DeepSeek-V3 block), int8 w8a8, weight-only int8 / int4.
+"""Quantized MoE: fp8 (per-tensor, per-token, DeepSeek-V3 block), int8 w8a8, weight-only int8/int4.
 
     T tokens, E experts (E_local on this rank), K top-k, P = T*K slots, H hidden, I intermediate,
     N a GEMM's output width (2I for GEMM1, H for GEMM2), Kdim its reduction width (H, then I),
@@ -9,7 +9,8 @@ use_int8_w8a8, use_int8_w8a16, use_int4_w4a16, per_act_token_quant, per_channel_
 block_shape, w1_scale, w2_scale, w1_zp, w2_zp, a1_scale, a2_scale). The oracle of every
 quantized GEMM is "dequantize, then matmul in fp32":
 
-    c[s] = (deq(a)[s // top_k] @ deq(w[e]).T + bias[e]) * (topk_weights.flat[s] if mul_routed_weight)
+    c[s] = (deq(a)[s // top_k] @ deq(w[e]).T + bias[e]) * r[s]
+    (r = topk_weights.flat when mul_routed_weight, else 1)
 
 rounded once to the activation dtype (bf16). A kernel that scales partial sums block by
 block (vLLM's Triton kernel, ours) equals it up to fp32 accumulation order.
@@ -210,7 +211,8 @@ def scaled_int8_quant(x, scale=None):
     xf = _check_act("x", x)
     s = np.asarray(scale, dtype=_F32).reshape(-1)
     if s.size != 1:
-        raise ValueError(f"scale: expected one static per-tensor scale, got shape {np.shape(scale)}")
+        raise ValueError(f"scale: expected one static per-tensor scale, got shape "
+                         f"{np.shape(scale)}")
     return cast_int8(xf / s[0]), s.copy()
 
 
@@ -308,7 +310,7 @@ def _check_weight_float(name, w):
 
 
 def _block_absmax(wf, bn, bk):
-    """absmax over [bn, bk] blocks of w [E, N, Kdim] (partial edge blocks included) -> [E, NB, KB]."""
+    """absmax over [bn, bk] blocks of w [E, N, Kdim] (edge blocks partial) -> [E, NB, KB]."""
     e, n, k = wf.shape
     nb, kb = _cdiv(n, bn), _cdiv(k, bk)
     padded = np.zeros((e, nb * bn, kb * bk), dtype=_F32)
@@ -338,7 +340,8 @@ def _weight_scales(wf, granularity, block_shape, qmax, use_ue8m0):
     else:
         bn, bk = _block_shape(block_shape if block_shape is not None else DEFAULT_BLOCK_SHAPE)
         if bn < 1:
-            raise ValueError(f"block_shape: expected bn >= 1 for block weights, got {block_shape!r}")
+            raise ValueError(f"block_shape: expected bn >= 1 for block weights, got "
+                             f"{block_shape!r}")
         s = (np.maximum(_block_absmax(wf, bn, bk), _F32(GROUP_EPS)) / _F32(qmax)).astype(_F32)
         if use_ue8m0:
             s = pow2_ceil(s)
@@ -395,7 +398,7 @@ def quantize_weight_wna16(w, num_bits=4, group_size=128, zero_point=False):
     w [E, N, Kdim] float, group_size dividing Kdim (group_size = Kdim: per-channel).
     Symmetric (zero_point=False): zp = 8 (int4) / 128 (uint8), s = absmax / (2^(b-1) - 1),
         q = clamp(round_half_away(w / s) + zp, 0, 2^b - 1).
-    Asymmetric (zero_point=True): s = (max - min) / (2^b - 1), zp = clamp(round_half_away(-min / s)),
+    Asymmetric (zero_point=True): s = (max - min) / (2^b - 1), zp = clamp(round_half_away(-min/s)),
         q = clamp(round_half_away(w / s) + zp, 0, 2^b - 1).
     Returns q uint8 ([E, N, Kdim/2] packed for int4, [E, N, Kdim] for int8), s f32 [E, N, G],
     zp uint8 [E, N, G] (zero_point) or None (the default zero point applies).
@@ -578,7 +581,8 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
 
     For each block b < num_tokens_post_padded / B and each s = sorted_token_ids[p] < P in it
     (P = a.shape[0] * top_k), with e = expert_ids[b]:
-        c[s] = (deq(a)[s // top_k] @ deq(w[e]).T + bias[e]) * (topk_weights.flat[s] if mul_routed_weight)
+        c[s] = (deq(a)[s // top_k] @ deq(w[e]).T + bias[e]) * r[s]
+    (r = topk_weights.flat when mul_routed_weight, else 1)
     in fp32, rounded once to out_dtype; c[s] = 0 when e == -1.
 
     w8a8 (use_fp8_w8a8 / use_int8_w8a8): a [M_a, Kdim] fp8 / int8 with a_scale ([1], [M_a, 1] or
@@ -640,8 +644,10 @@ def _gemm_loop(a_deq, weight, num_experts, n_out, sorted_token_ids, expert_ids,
     block_size = check_positive_int("block_size", block_size)
     num_padded = int(np.asarray(num_tokens_post_padded).ravel()[0])
     num_blocks = num_padded // block_size
-    if num_padded % block_size or num_padded > sorted_token_ids.size or num_blocks > expert_ids.size:
-        raise ValueError(f"num_tokens_post_padded: expected a multiple of block_size ({block_size}) "
+    if num_padded % block_size or num_padded > sorted_token_ids.size or \
+            num_blocks > expert_ids.size:
+        raise ValueError(f"num_tokens_post_padded: expected a multiple of block_size "
+                         f"({block_size}) "
                          f"within sorted_token_ids ({sorted_token_ids.size}) and expert_ids "
                          f"({expert_ids.size} blocks), got {num_padded}")
     num_slots = a_deq.shape[0] * top_k
@@ -649,7 +655,8 @@ def _gemm_loop(a_deq, weight, num_experts, n_out, sorted_token_ids, expert_ids,
         check_float("bias", bias, ndim=2, shape=(num_experts, n_out))
     if mul_routed_weight:
         if topk_weights is None:
-            raise ValueError("topk_weights: expected an array when mul_routed_weight=True, got None")
+            raise ValueError("topk_weights: expected an array when mul_routed_weight=True, "
+                             "got None")
         check_float("topk_weights", topk_weights)
         if topk_weights.size != num_slots:
             raise ValueError(f"topk_weights: expected {num_slots} weights (a rows * top_k), "

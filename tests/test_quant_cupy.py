@@ -183,20 +183,22 @@ def test_act_quant_errors(rng):
 
 
 # ----------------------------------------------------------------------------- GEMM
+FP8_BLOCK = dict(use_fp8_w8a8=True, block_shape=[128, 128])
+PER_ROW = dict(per_act_token_quant=True, per_channel_quant=True)
 GEMM_FORMATS = [
-    # name,          flags,                                                      weights,   tol key
-    ("fp8_block",    dict(use_fp8_w8a8=True, block_shape=[128, 128]),            "block",   "fp8_block"),
-    ("fp8_tensor",   dict(use_fp8_w8a8=True),                                    "tensor",  "fp8_block"),
-    ("fp8_channel",  dict(use_fp8_w8a8=True, per_act_token_quant=True,
-                          per_channel_quant=True),                               "channel", "fp8_block"),
-    ("int8_channel", dict(use_int8_w8a8=True, per_act_token_quant=True,
-                          per_channel_quant=True),                               "channel", "int8"),
-    ("int8_block",   dict(use_int8_w8a8=True, block_shape=[128, 128]),           "block",   "int8"),
-    ("int4_g128",    dict(use_int4_w4a16=True),                                  128,       "wna16"),
-    ("int4_g32_zp",  dict(use_int4_w4a16=True),                                  32,        "wna16"),
-    ("int4_channel", dict(use_int4_w4a16=True),                                  0,         "wna16"),
-    ("uint8_g64_zp", dict(use_int8_w8a16=True),                                  64,        "wna16"),
-    ("int8_g128",    dict(use_int8_w8a16=True),                                  -128,      "wna16"),
+    # name,          flags,                                            weights,   tolerance key
+    ("fp8_block",    FP8_BLOCK,                                        "block",   "fp8_block"),
+    ("fp8_tensor",   dict(use_fp8_w8a8=True),                          "tensor",  "fp8_block"),
+    ("fp8_channel",  dict(use_fp8_w8a8=True, **PER_ROW),               "channel", "fp8_block"),
+    ("int8_channel", dict(use_int8_w8a8=True, **PER_ROW),              "channel", "int8"),
+    ("int8_block",   dict(use_int8_w8a8=True, block_shape=[128, 128]), "block",   "int8"),
+    # weight-only: the group size (0: one group per row; < 0: signed int8 codes), zp when
+    # the name says so
+    ("int4_g128",    dict(use_int4_w4a16=True),                        128,       "wna16"),
+    ("int4_g32_zp",  dict(use_int4_w4a16=True),                        32,        "wna16"),
+    ("int4_channel", dict(use_int4_w4a16=True),                        0,         "wna16"),
+    ("uint8_g64_zp", dict(use_int8_w8a16=True),                        64,        "wna16"),
+    ("int8_g128",    dict(use_int8_w8a16=True),                        -128,      "wna16"),
 ]
 
 GEMM_SHAPES = [
@@ -435,9 +437,12 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
     return {(uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
 }
 inline float __half2float(__half h) { _Float16 v; memcpy(&v, &h.b, 2); return (float)v; }
-inline __half __float2half_rn(float f) { _Float16 v = (_Float16)f; __half h; memcpy(&h.b, &v, 2); return h; }
-inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)}; }
-inline __half2 __floats2half2_rn(float a, float b) { return {__float2half_rn(a), __float2half_rn(b)}; }
+inline __half __float2half_rn(float f) {
+    _Float16 v = (_Float16)f; __half h; memcpy(&h.b, &v, 2); return h; }
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+    return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)}; }
+inline __half2 __floats2half2_rn(float a, float b) {
+    return {__float2half_rn(a), __float2half_rn(b)}; }
 // ---- fp8 e4m3fn: decode by formula, encode by nearest code (ties to the even code), satfinite
 inline float e4m3_value(unsigned c) {
     const unsigned e = (c >> 3) & 15u, m = c & 7u;
@@ -448,7 +453,8 @@ inline float e4m3_value(unsigned c) {
 typedef unsigned char __nv_fp8_storage_t;
 enum __nv_saturation_t { __NV_NOSAT, __NV_SATFINITE };
 enum __nv_fp8_interpretation_t { __NV_E4M3, __NV_E5M2 };
-inline __nv_fp8_storage_t __nv_cvt_float_to_fp8(float x, __nv_saturation_t, __nv_fp8_interpretation_t) {
+inline __nv_fp8_storage_t __nv_cvt_float_to_fp8(float x, __nv_saturation_t,
+                                                  __nv_fp8_interpretation_t) {
     if (std::isnan(x)) return 0x7f;
     const unsigned char sign = std::signbit(x) ? 0x80 : 0;
     const double a = std::fabs((double)x);
@@ -500,8 +506,10 @@ inline unsigned atomicMax(unsigned* p, unsigned v) {
 struct Copy { void* dst; const void* src; int n, valid; };
 thread_local std::vector<Copy> t_open;
 thread_local std::deque<std::vector<Copy>> t_groups;
-inline void qg_cp16(void* dst, const void* src, bool pred) { t_open.push_back({dst, src, 16, pred ? 16 : 0}); }
-inline void qg_cp4(void* dst, const void* src, bool pred) { t_open.push_back({dst, src, 4, pred ? 4 : 0}); }
+inline void qg_cp16(void* dst, const void* src, bool pred) {
+    t_open.push_back({dst, src, 16, pred ? 16 : 0}); }
+inline void qg_cp4(void* dst, const void* src, bool pred) {
+    t_open.push_back({dst, src, 4, pred ? 4 : 0}); }
 inline void qg_commit() { t_groups.push_back(t_open); t_open.clear(); }
 template <int N> inline void qg_wait() {
     while ((int)t_groups.size() > N) {
@@ -584,9 +592,8 @@ template <typename F> void launch(unsigned gx, unsigned gy, unsigned block, F bo
                 ts.emplace_back([&, t, bx, by] {
                     threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by;
                     body();
-                    if (!t_open.empty() || !t_groups.empty()) {
-                        for (auto& g : t_groups) if (!g.empty()) { fprintf(stderr, "cp.async group never waited\n"); abort(); }
-                    }
+                    for (auto& g : t_groups)           // a copy nobody waited for is a bug
+                        if (!g.empty()) { fprintf(stderr, "cp.async never waited\n"); abort(); }
                     t_open.clear(); t_groups.clear();
                     bar.arrive_and_drop();
                 });
@@ -780,7 +787,8 @@ def emulated_gemm(emu, version, cfg_name, aq, as_, wq, ws, wz, st, ex, ntp, top_
     twf = None if tw is None else np.ascontiguousarray(tw, np.float32).ravel()
     getattr(lib, f"k{names.index(name)}")(
         ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(block), _ptr(a_),
-        _ptr(np.ascontiguousarray(wq).view(np.uint8)), _ptr(c), _ptr(p3), _ptr(p4), _ptr(st), _ptr(ex), _ptr(ntp),
+        _ptr(np.ascontiguousarray(wq).view(np.uint8)), _ptr(c), _ptr(p3), _ptr(p4), _ptr(st),
+        _ptr(ex), _ptr(ntp),
         _ptr(twf), _ptr(bias), N, K, P, top_k, B, L, int(tw is not None), *i)
     return c.view(BF16)
 

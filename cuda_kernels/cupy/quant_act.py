@@ -36,7 +36,7 @@ QT = {"fp8": 0, "int8": 1}
 _NAMES = tuple(f"group_quant_kernel<{v}>" for v in QT.values())
 FP8_MAX, INT8_MAX = 448.0, 127.0
 GROUP_EPS = 1e-10
-FP8_MIN_SCALE = 1.0 / (448.0 * 512.0)   # vLLM's floor on dynamic per-token (and our per-tensor) fp8 scales
+FP8_MIN_SCALE = 1.0 / (448.0 * 512.0)   # vLLM's floor on dynamic per-token / per-tensor fp8 scales
 ABSMAX_THREADS, ABSMAX_MAX_BLOCKS = 256, 1024
 
 
@@ -86,11 +86,13 @@ def _static_scale(scale):
 
     if isinstance(scale, cupy.ndarray):
         if scale.size != 1:
-            raise ValueError(f"scale: expected one static per-tensor scale, got shape {scale.shape}")
+            raise ValueError(f"scale: expected one static per-tensor scale, got shape "
+                             f"{scale.shape}")
         return cupy.ascontiguousarray(scale.reshape(1).astype(cupy.float32))
     s = np.asarray(scale, dtype=np.float32).reshape(-1)
     if s.size != 1:
-        raise ValueError(f"scale: expected one static per-tensor scale, got shape {np.shape(scale)}")
+        raise ValueError(f"scale: expected one static per-tensor scale, got shape "
+                         f"{np.shape(scale)}")
     return cupy.asarray(s)
 
 
@@ -219,7 +221,8 @@ def moe_kernel_quantize_input(a, a_scale, quant_dtype, per_act_token_quant=False
         try:
             bk = int(block_shape[1])
         except (TypeError, IndexError, ValueError):
-            raise TypeError(f"block_shape: expected two ints [bn, bk], got {block_shape!r}") from None
+            raise TypeError(f"block_shape: expected two ints [bn, bk], got "
+                            f"{block_shape!r}") from None
         if bk < 1:
             raise ValueError(f"block_shape: expected bk >= 1, got {block_shape!r}")
         if a_scale is not None:

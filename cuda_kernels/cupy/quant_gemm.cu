@@ -29,7 +29,8 @@
 //                        STAGES buffers, fragments read from padded shared rows (no ldmatrix:
 //                        8-bit fragments are 4 consecutive k bytes, one 32-bit load).
 //                        grid (cdiv(L, BM), cdiv(N, BN)), block WARPS_M * WARPS_N * 32,
-//                        dynamic smem = STAGES * ((BM + BN) * 144 + BM * 4) + 16 * cdiv(STAGES*4, 16) + BM * 8.
+//                        dynamic smem = STAGES * ((BM + BN) * 144 + BM * 4)
+//                                       + 16 * cdiv(STAGES * 4, 16) + BM * 8.
 //   wna16_gemm_v1<NBITS> CUDA cores, one thread per output, codes dequantized to fp32.
 //                        grid (L, cdiv(N, 128)), block 128.
 //   wna16_gemm_v2<NBITS, BM, BN, BK, WARPS_M, WARPS_N, STAGES>
@@ -37,7 +38,8 @@
 //                        weight bytes through a cp.async ring; each thread dequantizes its own
 //                        B fragment in registers, (q - zp) * s in fp32 (q - zp exact via the
 //                        2^23 magic number), rounded to elem_t; 1, 2 or 4 groups per K
-//                        tile (group_size >= BK / 4). grid (cdiv(L, BM), cdiv(N, BN)), block WARPS_M*WARPS_N*32,
+//                        tile (group_size >= BK / 4).
+//                        grid (cdiv(L, BM), cdiv(N, BN)), block WARPS_M * WARPS_N * 32,
 //                        dynamic smem = STAGES * (BM * (2 BK + 16) + BN * WROW) + BM * 8.
 // Grid order: blockIdx.x walks the m tiles (fastest), so the CTAs that run together share an
 // n tile of each expert's weights, which are then read from HBM about once.
@@ -122,12 +124,17 @@ __device__ __forceinline__ void qg_cp4(void* dst, const void* src, bool pred) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
                  :: "r"(qg_smem(dst)), "l"(src), "r"(pred ? 4 : 0) : "memory");
 }
-__device__ __forceinline__ void qg_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void qg_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 template <int N>
-__device__ __forceinline__ void qg_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+__device__ __forceinline__ void qg_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
 
 // D += A (16x32, row) * B (32x8, col): 8-bit fragments, a[i] / b[i] hold 4 consecutive k bytes.
-//   a[0]: row g, k 4t..4t+3   a[1]: row g+8, k 4t..   a[2]: row g, k 16+4t..   a[3]: row g+8, k 16+4t..
+//   a[0]: row g, k 4t..4t+3     a[1]: row g+8, k 4t..4t+3
+//   a[2]: row g, k 16+4t..      a[3]: row g+8, k 16+4t..
 //   b[0]: col g, k 4t..4t+3   b[1]: col g, k 16+4t..
 //   d[0], d[1]: row g, cols 2t, 2t+1   d[2], d[3]: row g+8        (g = lane / 4, t = lane % 4)
 __device__ __forceinline__ void qg_mma_k32(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
@@ -147,7 +154,8 @@ __device__ __forceinline__ void qg_mma_k32(int (&d)[4], const u32 (&a)[4], const
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 // D += A (16x16, row) * B (16x8, col), 16-bit elements, two per register (lower k low):
-//   a[0]: row g, k 2t,2t+1   a[1]: row g+8, k 2t..   a[2]: row g, k 2t+8..   a[3]: row g+8, k 2t+8..
+//   a[0]: row g, k 2t,2t+1      a[1]: row g+8, k 2t,2t+1
+//   a[2]: row g, k 2t+8,2t+9    a[3]: row g+8, k 2t+8,2t+9
 //   b[0]: col g, k 2t,2t+1   b[1]: col g, k 2t+8, 2t+9
 __device__ __forceinline__ void qg_mma_k16(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
     asm volatile(QG_MMA_16816
@@ -181,7 +189,8 @@ __device__ __forceinline__ void qg_store_pair(elem_t* __restrict__ c, int s, int
 // ============================================================================ w8a8 v1
 // One thread per output element; codes widened to fp32 (fp8) or multiplied exactly in int32.
 // a_scale_kind: 0 per-tensor a_scale[0], 1 per-token a_scale[row], 2 per-group a_scale[row*KB+kb]
-// w_scale_kind: 0 per-expert w_scale[e], 1 per-channel w_scale[e*N+n], 2 per-block (kinds 2 go together)
+// w_scale_kind: 0 per-expert w_scale[e], 1 per-channel w_scale[e*N+n], 2 per-block
+// (the two kinds are 2 together: DeepSeek-V3 blocks)
 template <int QT>
 __global__ void __launch_bounds__(128)
 w8a8_gemm_v1(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
@@ -213,14 +222,17 @@ w8a8_gemm_v1(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restr
         float part;
         if (QT == QG_FP8) {
             part = 0.f;
-            for (int k = kb * QG_KBLOCK; k < k1; ++k) part += qg_fp8_to_f32(ar[k]) * qg_fp8_to_f32(wr[k]);
+            for (int k = kb * QG_KBLOCK; k < k1; ++k)
+                part += qg_fp8_to_f32(ar[k]) * qg_fp8_to_f32(wr[k]);
         } else {
             int ip = 0;   // |ip| <= 128 * 128 * 128: exact
-            for (int k = kb * QG_KBLOCK; k < k1; ++k) ip += (int)(signed char)ar[k] * (int)(signed char)wr[k];
+            for (int k = kb * QG_KBLOCK; k < k1; ++k)
+                ip += (int)(signed char)ar[k] * (int)(signed char)wr[k];
             part = (float)ip;
         }
         if (a_scale_kind == 2)
-            part *= a_scale[(long long)row * KB + kb] * w_scale[((long long)e * NB + n / QG_KBLOCK) * KB + kb];
+            part *= a_scale[(long long)row * KB + kb] *
+                    w_scale[((long long)e * NB + n / QG_KBLOCK) * KB + kb];
         acc += part;
     }
     if (a_scale_kind != 2) {
@@ -228,7 +240,8 @@ w8a8_gemm_v1(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restr
         const float sw = w_scale_kind == 0 ? w_scale[e] : w_scale[(long long)e * N + n];
         acc *= sa * sw;
     }
-    qg_store(c + (long long)s * N + n, qg_epilogue(acc, e, n, s, N, bias, topk_weights, mul_routed_weight));
+    qg_store(c + (long long)s * N + n,
+             qg_epilogue(acc, e, n, s, N, bias, topk_weights, mul_routed_weight));
 }
 
 // ============================================================================ w8a8 v2
@@ -283,7 +296,8 @@ w8a8_gemm_v2(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restr
     if (e < 0) {                                                // expert on another rank
         for (int i = tid; i < BM * BN; i += NT) {
             const int r = i / BN, n = n0 + i % BN;
-            if (qg_live(sSlot[r], num_slots) && n < N) qg_store(c + (long long)sSlot[r] * N + n, 0.f);
+            if (qg_live(sSlot[r], num_slots) && n < N)
+                qg_store(c + (long long)sSlot[r] * N + n, 0.f);
         }
         return;
     }
@@ -309,8 +323,8 @@ w8a8_gemm_v2(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restr
         if (BLOCKWISE) {
             for (int r = tid; r < BM; r += NT) {
                 const int arow = sArow[r];
-                qg_cp4(sAs + stage * BM + r, arow >= 0 ? a_scale + (long long)arow * KB + kb : a_scale,
-                       arow >= 0);
+                qg_cp4(sAs + stage * BM + r,
+                       arow >= 0 ? a_scale + (long long)arow * KB + kb : a_scale, arow >= 0);
             }
             if (tid == 0)
                 qg_cp4(sWs + stage, w_scale + ((long long)e * NB + n0 / QG_KBLOCK) * KB + kb, true);
@@ -457,7 +471,8 @@ wna16_gemm_v1(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __
         const float wv = (float)(qg_code<NBITS>(wr, k, code_xor) - zp) * sr[gi];
         acc += qg_to_f32(ar[k]) * wv;
     }
-    qg_store(c + (long long)s * N + n, qg_epilogue(acc, e, n, s, N, bias, topk_weights, mul_routed_weight));
+    qg_store(c + (long long)s * N + n,
+             qg_epilogue(acc, e, n, s, N, bias, topk_weights, mul_routed_weight));
 }
 
 // ============================================================================ wna16 v2
@@ -518,7 +533,8 @@ wna16_gemm_v2(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __
     if (e < 0) {
         for (int i = tid; i < BM * BN; i += NT) {
             const int r = i / BN, n = n0 + i % BN;
-            if (qg_live(sSlot[r], num_slots) && n < N) qg_store(c + (long long)sSlot[r] * N + n, 0.f);
+            if (qg_live(sSlot[r], num_slots) && n < N)
+                qg_store(c + (long long)sSlot[r] * N + n, 0.f);
         }
         return;
     }
@@ -621,7 +637,8 @@ wna16_gemm_v2(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __
                     // byte 8kk + t holds k = 16kk + 2t (low nibble) and 2t+1 (high nibble);
                     // byte 8kk + 4 + t holds k = 16kk + 8 + 2t and + 1
                     const u32 lo = (*reinterpret_cast<const u32*>(q + kk * 8) >> (8 * t)) & 0xFFu;
-                    const u32 hi = (*reinterpret_cast<const u32*>(q + kk * 8 + 4) >> (8 * t)) & 0xFFu;
+                    const u32 hi =
+                        (*reinterpret_cast<const u32*>(q + kk * 8 + 4) >> (8 * t)) & 0xFFu;
                     c0 = lo & 0xFu; c1 = lo >> 4; c2 = hi & 0xFu; c3 = hi >> 4;
                 } else {
                     // bytes 16kk + 2t, +1 and 16kk + 8 + 2t, +1 (two per 16-bit half-word)

@@ -1,6 +1,7 @@
 """The quantized grouped GEMM of the fused MoE layer on the GPU (quant_gemm.cu).
 
-    c[s] = (deq(a)[s // top_k] @ deq(w[e]).T + bias[e]) * (topk_weights.flat[s] if mul_routed_weight)
+    c[s] = (deq(a)[s // top_k] @ deq(w[e]).T + bias[e]) * r[s]
+    (r = topk_weights.flat when mul_routed_weight, else 1)
 
 for every live position of sorted_token_ids, fp32 accumulation, one rounding to bf16 / fp16;
 e == -1 writes zeros. Same name, arguments and returns as reference/quant.py's
@@ -10,11 +11,12 @@ Shape legend: T tokens, E_local experts, K top-k, P = a.shape[0] * top_k slots, 
 (2I for GEMM1, H for GEMM2), Kdim reduction width (H, I), L = len(sorted_token_ids),
 KB = cdiv(Kdim, 128), NB = cdiv(N, 128), G weight-only groups per row.
 
-    format         a (CuPy)                     w (CuPy)                        scales (fp32)
-    fp8 w8a8       [M_a, Kdim] uint8 e4m3 bytes [E, N, Kdim] uint8 e4m3 bytes   a_scale [1] | [M_a, 1] | [M_a, KB]
-    int8 w8a8      [M_a, Kdim] int8             [E, N, Kdim] int8                 w_scale [E] | [E, N] | [E, NB, KB]
-    int4 w4a16     [M_a, Kdim] bf16 / fp16      [E, N, Kdim/2] uint8 (k=2j low)   w_scale [E, N, G], w_zp uint8 or None
-    int8 w8a16     [M_a, Kdim] bf16 / fp16      [E, N, Kdim] uint8 (or int8)      w_scale [E, N, G], w_zp uint8 or None
+    format      a [M_a, Kdim]          w                               scales (fp32), zero points
+    fp8 w8a8    uint8 (e4m3 bytes)     [E, N, Kdim] uint8 (e4m3 bytes)  a_scale [1] | [M_a, 1] |
+    int8 w8a8   int8                   [E, N, Kdim] int8                  [M_a, KB]; w_scale [E] |
+                                                                          [E, N] | [E, NB, KB]
+    int4 w4a16  bf16 / fp16            [E, N, Kdim/2] uint8 (k=2j low)  w_scale [E, N, G],
+    int8 w8a16  bf16 / fp16            [E, N, Kdim] uint8 (or int8)     w_zp [E, N, G] uint8 / None
 
 fp8 codes are uint8 arrays holding the e4m3fn bytes (CuPy has no fp8 dtype; see
 quant_act.fp8_to_device). Block quantization on the GPU is DeepSeek-V3's block_shape
@@ -265,7 +267,9 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                 w_kind = 0
             w_s = _f32("w_scale", w_scale).reshape(-1)
     else:
-        C.check_array("a", a, ndim=2, dtypes=(C.bf16_dtype(), np.dtype(np.float16)))
+        # uint16 = bf16 bytes (a CuPy without ml_dtypes' bfloat16), as grouped_gemm accepts
+        C.check_array("a", a, ndim=2, dtypes=(C.bf16_dtype(), np.dtype(np.float16),
+                                              np.dtype(np.uint16)))
         M_a, K = a.shape
         nbits = 4 if fmt == "int4" else 8
         C.check_array("w", w, ndim=3, dtypes=((np.uint8,) if nbits == 4 else (np.uint8, np.int8)))
@@ -294,12 +298,12 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         default_zp = 8 if nbits == 4 else 128
         code_xor = 0x80 if (nbits == 8 and w.dtype == np.int8) else 0   # int8 = uint8 ^ 0x80 - 128
     P = M_a * top_k
-    C.check_fits_int32("a", P, "a.shape[0] * top_k")
-    C.check_fits_int32("c", P * N, "P * N")
+    C.check_fits_int32("a", P, "a.shape[0] * top_k")   # slots are int32; offsets are 64-bit
 
     if mul_routed_weight:
         if topk_weights is None:
-            raise ValueError("topk_weights: expected an array when mul_routed_weight=True, got None")
+            raise ValueError("topk_weights: expected an array when mul_routed_weight=True, "
+                             "got None")
         tw = _f32("topk_weights", topk_weights).reshape(-1)
         if tw.size != P:
             raise ValueError(f"topk_weights: expected {P} weights (a rows * top_k), got shape "
@@ -328,7 +332,8 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         if cfg is None:
             why = f"v2 tiles need block_size a multiple of 16, got {block_size}"
         elif K % 16 or not _aligned(a, w):
-            why = f"v2 loads 16-byte chunks: Kdim must be a multiple of 16 (got {K}) and a, w aligned"
+            why = (f"v2 loads 16-byte chunks: Kdim must be a multiple of 16 (got {K}) and a, w "
+                   f"16-byte aligned")
         elif fmt == "fp8" and cc < 89:
             why = f"fp8 tensor cores need sm_89+, this device is sm_{cc}"
     else:
@@ -336,7 +341,8 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         if cfg is None:
             why = f"v2 tiles need block_size a multiple of 16, got {block_size}"
         elif K % 32 or not _aligned(a, w):
-            why = f"v2 loads 16-byte chunks: Kdim must be a multiple of 32 (got {K}) and a, w aligned"
+            why = (f"v2 loads 16-byte chunks: Kdim must be a multiple of 32 (got {K}) and a, w "
+                   f"16-byte aligned")
         elif not wna16_group_ok(group_size, G, cfg["BK"]):
             why = (f"v2 holds 1, 2 or 4 groups per K tile of {cfg['BK']}: group_size "
                    f"{group_size} does not nest with it")
@@ -357,12 +363,14 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         name = _w8a8_name(fmt, cfg)
         smem = w8a8_smem_bytes(cfg)
         kern = _kernel(name, W8A8_V2_NAMES if name in W8A8_V2_NAMES else (name,), elem, smem)
-        grid, block = (C.cdiv(L, cfg["BM"]), C.cdiv(N, cfg["BN"])), (cfg["WARPS_M"] * cfg["WARPS_N"] * 32,)
+        grid = (C.cdiv(L, cfg["BM"]), C.cdiv(N, cfg["BN"]))
+        block = (cfg["WARPS_M"] * cfg["WARPS_N"] * 32,)
     else:
         name = _wna16_name(nbits, cfg)
         smem = wna16_smem_bytes(cfg, nbits)
         kern = _kernel(name, WNA16_V2_NAMES if name in WNA16_V2_NAMES else (name,), elem, smem)
-        grid, block = (C.cdiv(L, cfg["BM"]), C.cdiv(N, cfg["BN"])), (cfg["WARPS_M"] * cfg["WARPS_N"] * 32,)
+        grid = (C.cdiv(L, cfg["BM"]), C.cdiv(N, cfg["BN"]))
+        block = (cfg["WARPS_M"] * cfg["WARPS_N"] * 32,)
     if grid[1] > 65535:
         raise ValueError(f"w: N = {N} needs {grid[1]} column tiles, over the grid's 65535")
 
@@ -427,6 +435,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     problems (nasty shapes included), then time v2 at DeepSeek-V3 (fp8 block) and Mixtral
     (int4) GEMM1 shapes. --quick: the validation only, small (for compute-sanitizer)."""
     import argparse
+    import math
 
     import cupy
     import ml_dtypes
@@ -463,8 +472,8 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
                ("int4 g128", dict(use_int4_w4a16=True), 128),
                ("int4 g32 zp", dict(use_int4_w4a16=True), 32),
                ("uint8 g64", dict(use_int8_w8a16=True), 64)]
-    for (M_a, E, K, N, Kd, B) in ((5, 4, 2, 136, 320, 16), (33, 6, 3, 256, 256, 32),
-                                  (70, 3, 1, 200, 384, 64)):
+    shapes = [(5, 4, 2, 136, 320, 16), (33, 6, 3, 256, 256, 32), (70, 3, 1, 200, 384, 64)]
+    for (M_a, E, K, N, Kd, B) in (shapes[::2] if args.quick else shapes):
         x = rng.standard_normal((M_a, Kd)).astype(bf16)
         wf = (rng.standard_normal((E, N, Kd)) * 0.05).astype(bf16)
         ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
@@ -474,7 +483,8 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
         for name, flags, gran in formats:
             if isinstance(gran, int):
                 nb = 4 if flags.get("use_int4_w4a16") else 8
-                wq, ws, wz = RQ.quantize_weight_wna16(wf, nb, gran, zero_point="zp" in name)
+                gs = math.gcd(gran, Kd)                          # a group divides Kdim
+                wq, ws, wz = RQ.quantize_weight_wna16(wf, nb, gs, zero_point="zp" in name)
                 aq, as_ = x, None
             else:
                 qd = "fp8" if flags.get("use_fp8_w8a8") else "int8"
@@ -493,8 +503,9 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
                     got = grouped_gemm_quant(up(aq), up(wq), up(st), up(ex), up(ntp), K, B,
                                              up(tw), True, a_scale=up(as_), w_scale=up(ws),
                                              w_zp=up(wz), version=ver, out=outd, **flags)
-                    err = C.rel_err(C.to_host(got).astype(np.float32),
-                                    want.astype(np.float32))
+                    host = C.to_host(got)
+                    host = host.view(bf16) if host.dtype == np.uint16 else host
+                    err = C.rel_err(host.astype(np.float32), want.astype(np.float32))
                     status = "ok" if err <= 1e-2 else "FAIL"
                 except ValueError as e:
                     err, status = float("nan"), f"skip ({e})"
@@ -507,19 +518,19 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     # timing: GEMM1 of DeepSeek-V3 (fp8 block) and Mixtral (int4), v2
     for label, (E, K, N, Kd), fmt in (("DeepSeek-V3 GEMM1 fp8", (256, 8, 4096, 7168), "fp8"),
                                       ("Mixtral GEMM1 int4", (8, 2, 28672, 4096), "int4")):
+        # the codes' values do not change the time (no NaN: 0x38 is fp8 1.0, 0x88 int4 0 / 8)
         if fmt == "fp8":
-            w = cupy.random.randint(0, 0x70, (E, N, Kd), dtype=cupy.uint8) | \
-                (cupy.random.randint(0, 2, (E, N, Kd), dtype=cupy.uint8) << 7)
+            w = cupy.full((E, N, Kd), 0x38, dtype=cupy.uint8)
             ws = cupy.random.uniform(1e-3, 2e-3, (E, N // 128, Kd // 128), dtype=cupy.float32)
         else:
-            w = cupy.random.randint(0, 256, (E, N, Kd // 2), dtype=cupy.uint8)
+            w = cupy.full((E, N, Kd // 2), 0x88, dtype=cupy.uint8)
             ws = cupy.random.uniform(1e-3, 2e-3, (E, N, Kd // 128), dtype=cupy.float32)
         for T in (1, 64, 1024):
             ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
             B = 16 if T * K / E <= 16 else 64
             st, ex, ntp = (C.to_device(v) for v in moe_align_block_size(ids, B, E))
             if fmt == "fp8":
-                a = cupy.random.randint(0, 0x70, (T, Kd), dtype=cupy.uint8)
+                a = cupy.full((T, Kd), 0x38, dtype=cupy.uint8)
                 as_ = cupy.random.uniform(1e-3, 2e-3, (T, Kd // 128), dtype=cupy.float32)
                 kw = dict(a_scale=as_, w_scale=ws, use_fp8_w8a8=True, block_shape=[128, 128])
             else:
