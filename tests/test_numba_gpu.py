@@ -83,8 +83,8 @@ def selection_values(logits, scoring="softmax", bias=None, groups=1, topk_group=
         if bias is not None:
             two = reference.topk_indices(grouped, min(2, per))
             gscore = np.take_along_axis(grouped, two, axis=-1).sum(-1)
-        else:
-            gscore = scores.reshape(T, groups, per).max(-1)
+        else:   # a NaN score ranks as -inf: it never knocks its group out
+            gscore = np.where(np.isnan(scores), -np.inf, scores).reshape(T, groups, per).max(-1)
         keep = np.zeros((T, groups), bool)
         np.put_along_axis(keep, reference.topk_indices(gscore, topk_group), True, axis=-1)
         choice = np.where(np.repeat(keep, per, axis=-1), choice, -np.inf)

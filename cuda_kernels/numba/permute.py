@@ -51,18 +51,21 @@ import sys
 import numpy as np
 
 from . import _arrays as A
-from ._device import SIMULATOR, cast_out, cu, device_function, to_f32
-from numba import float32, int32  # noqa: E402
+from ._device import FULL_MASK, SIMULATOR, cast_out, cu, device_function, ix, to_f32
+from numba import float32, int32, uint32  # noqa: E402
 
 # Tunables are data. The simulator gets tiny blocks so that tests cover every path cheaply.
 CONFIGS = {
-    "align": {"THREADS": 256, "SLOTS_PER_BLOCK": 1024, "SINGLE_BLOCK_MAX_SLOTS": 2048},
+    "align": {"THREADS": 256, "SLOTS_PER_BLOCK": 1024, "SINGLE_BLOCK_MAX_SLOTS": 2048,
+              "RANK": "warp"},
     "rows": {"THREADS": 128},
 }
 SIM_CONFIGS = {
-    "align": {"THREADS": 16, "SLOTS_PER_BLOCK": 32, "SINGLE_BLOCK_MAX_SLOTS": 32},
+    "align": {"THREADS": 16, "SLOTS_PER_BLOCK": 32, "SINGLE_BLOCK_MAX_SLOTS": 32,
+              "RANK": "block"},
     "rows": {"THREADS": 16},
 }
+SHARED_LIMIT = 48 * 1024
 MAX_GRID_Y = 65535
 
 
@@ -186,19 +189,74 @@ def _parts(NT):
                 cu.atomic.add(run, e, 1)
             cu.syncthreads()
 
-    return expert_of, histogram, scan_padded, write_blocks, scatter
+    W = NT // 32
+
+    @device_function
+    def scatter_warp(ids, lo, hi, E, emap, use_map, ignore_invalid, off, run, cntw, tagw,
+                     sorted_ids, inv, write_sorted, write_inv, tid):
+        """`scatter` with warp-level ranks (GPU only: match_any_sync has no simulator twin).
+
+        A slot's rank in the round = its rank among the same-expert lanes of its warp
+        (popc of the match_any peers below it) + the counts of that expert in the earlier
+        warps of the round. The lowest lane of each peer group publishes its warp's count in
+        cntw[w, e], tagged with the round number in tagw[w, e] (tagw starts at -1), so
+        entries left from earlier rounds read as zero without clearing W x E words per round.
+        """
+        lane = tid & 31
+        w = tid >> 5
+        rnd = 0
+        for r0 in range(lo, hi, NT):
+            s = r0 + tid
+            e = -1
+            if s < hi:
+                e = expert_of(ids, s, E, emap, use_map, ignore_invalid)
+            peers = uint32(cu.match_any_sync(FULL_MASK, e))
+            below = peers & cu.lanemask_lt()
+            if e >= 0 and below == 0:            # the group's lowest lane speaks for it
+                cntw[ix(w * E + e)] = cu.popc(peers)
+                tagw[ix(w * E + e)] = rnd
+            cu.syncthreads()
+            if e >= 0:
+                r = cu.popc(below)
+                for v in range(w):               # the same expert in earlier warps
+                    if tagw[ix(v * E + e)] == rnd:
+                        r += cntw[ix(v * E + e)]
+                pos = off[ix(e)] + run[ix(e)] + r
+                if write_sorted:
+                    sorted_ids[ix(pos)] = s
+                if write_inv:
+                    inv[ix(s)] = pos
+            cu.syncthreads()                     # every rank read run[e] before it moves
+            if e >= 0 and below == 0:
+                cu.atomic.add(run, e, cu.popc(peers))
+            cu.syncthreads()
+            rnd += 1
+
+    return expert_of, histogram, scan_padded, write_blocks, scatter, scatter_warp
 
 
 # ----------------------------------------------------------------------------- kernels
 @functools.lru_cache(maxsize=None)
-def align_kernels(NT):
-    """(align_single, align_count, align_scan, align_scatter) for NT threads per block."""
-    _, histogram, scan_padded, write_blocks, scatter = _parts(NT)
+def align_kernels(NT, rank="block"):
+    """(align_single, align_count, align_scan, align_scatter) for NT threads per block.
+
+    rank: "block" ranks a round's slots by an O(NT) scan of shared memory (any target, the
+    simulator included); "warp" by match_any_sync within warps (GPU only, about 8x fewer
+    shared-memory reads) and needs 2 W E more int32 words of shared memory (W = NT / 32).
+    """
+    if rank not in ("block", "warp"):
+        raise ValueError(f"rank: expected 'block' or 'warp', got {rank!r}")
+    if rank == "warp" and (SIMULATOR or NT % 32):
+        raise ValueError("rank: 'warp' needs the GPU and whole warps")
+    WARP = rank == "warp"
+    W = NT // 32
+    _, histogram, scan_padded, write_blocks, scatter, scatter_warp = _parts(NT)
 
     def align_single(ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert_ids,
                      n_blocks, capacity, num_post, offsets, inv, do_align, write_inv):
         """One block does it all: histogram, padded prefix sum, blocks, stable scatter.
-        Shared: cnt [E], off [E+1], run [E], red [NT], rid [NT] (int32)."""
+        Shared (int32): cnt [E], off [E+1], run [E], red [NT], rid [NT] (+ cntw, tagw
+        [W E] each for warp ranks)."""
         tid = cu.threadIdx.x
         sh = cu.shared.array(0, int32)
         cnt = sh[0:E]
@@ -209,6 +267,12 @@ def align_kernels(NT):
         for e in range(tid, E, NT):
             cnt[e] = 0
             run[e] = 0
+        if WARP:
+            base = 3 * E + 1 + 2 * NT
+            cntw = sh[base:base + W * E]
+            tagw = sh[base + W * E:base + 2 * W * E]
+            for i in range(tid, W * E, NT):
+                tagw[i] = -1
         cu.syncthreads()
         histogram(ids, 0, P, E, emap, use_map, ignore_invalid, cnt, tid)
         cu.syncthreads()
@@ -220,8 +284,12 @@ def align_kernels(NT):
         if do_align:
             write_blocks(off, cnt, E, B, P, emap, use_map, sorted_ids, expert_ids, n_blocks,
                          capacity, tid)
-        scatter(ids, 0, P, E, emap, use_map, ignore_invalid, off, run, rid, sorted_ids, inv,
-                do_align, write_inv, tid)
+        if WARP:
+            scatter_warp(ids, 0, P, E, emap, use_map, ignore_invalid, off, run, cntw, tagw,
+                         sorted_ids, inv, do_align, write_inv, tid)
+        else:
+            scatter(ids, 0, P, E, emap, use_map, ignore_invalid, off, run, rid, sorted_ids,
+                    inv, do_align, write_inv, tid)
 
     def align_count(ids, P, E, emap, use_map, ignore_invalid, block_counts, CH):
         """block_counts[b, e] = slots of expert e in block b's chunk [b*CH, (b+1)*CH)."""
@@ -265,7 +333,7 @@ def align_kernels(NT):
     def align_scatter(ids, P, E, emap, use_map, ignore_invalid, block_counts, offsets,
                       sorted_ids, inv, do_align, write_inv, CH):
         """Stable placement of block b's chunk, starting at its offsets within each expert.
-        Shared: run [E], rid [NT] (int32)."""
+        Shared (int32): run [E], rid [NT] (+ cntw, tagw [W E] each for warp ranks)."""
         tid = cu.threadIdx.x
         b = cu.blockIdx.x
         sh = cu.shared.array(0, int32)
@@ -273,12 +341,28 @@ def align_kernels(NT):
         rid = sh[E:E + NT]
         for e in range(tid, E, NT):
             run[e] = block_counts[b, e]
+        if WARP:
+            cntw = sh[E + NT:E + NT + W * E]
+            tagw = sh[E + NT + W * E:E + NT + 2 * W * E]
+            for i in range(tid, W * E, NT):
+                tagw[i] = -1
         cu.syncthreads()
-        scatter(ids, b * CH, min(P, (b + 1) * CH), E, emap, use_map, ignore_invalid, offsets,
-                run, rid, sorted_ids, inv, do_align, write_inv, tid)
+        lo = b * CH
+        hi = min(P, (b + 1) * CH)
+        if WARP:
+            scatter_warp(ids, lo, hi, E, emap, use_map, ignore_invalid, offsets, run, cntw,
+                         tagw, sorted_ids, inv, do_align, write_inv, tid)
+        else:
+            scatter(ids, lo, hi, E, emap, use_map, ignore_invalid, offsets, run, rid,
+                    sorted_ids, inv, do_align, write_inv, tid)
 
     return (cu.jit(align_single), cu.jit(align_count), cu.jit(align_scan),
             cu.jit(align_scatter))
+
+
+def _rank_words(rank, NT, E):
+    """The extra shared int32 words of the warp ranks (cntw and tagw)."""
+    return 2 * (NT // 32) * E if rank == "warp" else 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -307,9 +391,10 @@ def row_kernels(NT):
 
 # ----------------------------------------------------------------------------- launchers
 def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_align,
-                write_inv, path=None):
+                write_inv, path=None, rank=None):
     """Run the align kernels. Returns (sorted_ids, expert_ids, num_post, offsets, inv) as
-    numba arrays (sorted_ids / expert_ids only when do_align, inv only when write_inv)."""
+    numba arrays (sorted_ids / expert_ids only when do_align, inv only when write_inv).
+    path ("single" | "multi") and rank ("block" | "warp") override the config (tests)."""
     cfg = config("align")
     NT = cfg["THREADS"]
     T, K = A.shape_of(topk_ids)
@@ -323,12 +408,17 @@ def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_a
     num_post = call.empty((1,), np.int32)
     offsets = call.empty((E + 1,), np.int32)
     inv = call.empty((P,), np.int32) if write_inv else A.dummy(np.int32)
-    single, count, scan, scatter = align_kernels(NT)
+    if rank is None:
+        rank = cfg["RANK"]
+        if (3 * E + 1 + 2 * NT + _rank_words(rank, NT, E)) * 4 > SHARED_LIMIT:
+            rank = "block"   # very many experts: the warp ranks' tables do not fit
+    single, count, scan, scatter = align_kernels(NT, rank)
+    extra = _rank_words(rank, NT, E)
     if path is None:
         path = "single" if P <= cfg["SINGLE_BLOCK_MAX_SLOTS"] else "multi"
     flags = (1 if use_map else 0, 1 if ignore_invalid else 0)
     if path == "single":
-        smem = (3 * E + 1 + 2 * NT) * 4
+        smem = (3 * E + 1 + 2 * NT + extra) * 4
         single[1, NT, 0, smem](ids, P, E, B, emap, *flags, sorted_ids, expert_ids, n_blocks,
                                capacity, num_post, offsets, inv, int(do_align), int(write_inv))
     else:
@@ -339,7 +429,7 @@ def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_a
         scan[1, NT, 0, (2 * E + 1 + NT) * 4](block_counts, nb, E, B, P, emap, flags[0],
                                              sorted_ids, expert_ids, n_blocks, capacity,
                                              num_post, offsets, int(do_align))
-        scatter[nb, NT, 0, (E + NT) * 4](ids, P, E, emap, *flags, block_counts, offsets,
+        scatter[nb, NT, 0, (E + NT + extra) * 4](ids, P, E, emap, *flags, block_counts, offsets,
                                          sorted_ids, inv, int(do_align), int(write_inv), CH)
     return sorted_ids, expert_ids, num_post, offsets, inv
 
@@ -442,19 +532,23 @@ def compile_cases():
 
     i32, i64 = t.int32, t.int64
     v = arr(i32, 1)
-    single, count, scan, scatter = align_kernels(CONFIGS["align"]["THREADS"])
     cases = []
-    for ids in (i32, i64):
-        a = arr(ids, 1)
-        cases += [
-            (f"align_single ids={ids}", single,
-             (a, i64, i64, i64, v, i64, i64, v, v, i64, i64, v, v, v, i64, i64)),
-            (f"align_count ids={ids}", count, (a, i64, i64, v, i64, i64, arr(i32, 2), i64)),
-            (f"align_scatter ids={ids}", scatter,
-             (a, i64, i64, v, i64, i64, arr(i32, 2), v, v, v, i64, i64, i64)),
-        ]
-    cases.append(("align_scan", scan,
-                  (arr(i32, 2), i64, i64, i64, i64, v, i64, v, v, i64, i64, v, v, i64)))
+    for rank in ("warp", "block"):
+        single, count, scan, scatter = align_kernels(CONFIGS["align"]["THREADS"], rank)
+        for ids in (i32, i64):
+            a = arr(ids, 1)
+            cases += [
+                (f"align_single rank={rank} ids={ids}", single,
+                 (a, i64, i64, i64, v, i64, i64, v, v, i64, i64, v, v, v, i64, i64)),
+                (f"align_scatter rank={rank} ids={ids}", scatter,
+                 (a, i64, i64, v, i64, i64, arr(i32, 2), v, v, v, i64, i64, i64)),
+            ]
+            if rank == "warp":
+                cases.append((f"align_count ids={ids}", count,
+                              (a, i64, i64, v, i64, i64, arr(i32, 2), i64)))
+        if rank == "warp":
+            cases.append(("align_scan", scan,
+                          (arr(i32, 2), i64, i64, i64, i64, v, i64, v, v, i64, i64, v, v, i64)))
     permute_rows, unpermute_rows = row_kernels(CONFIGS["rows"]["THREADS"])
     for dt in (t.float32, t.float16, t.uint16):
         cases.append((f"permute_rows {dt}", permute_rows, (arr(dt, 2), v, i64, arr(dt, 2), i64, i64)))

@@ -15,7 +15,8 @@ The math (reference/routing.py), per token row t, all in fp32:
     scores[e] = softmax(logits[t])[e] = exp(x_e - max x) / sum_e' exp(x_e' - max x)
                 or sigmoid(x_e) = 1 / (1 + exp(-x_e))
     choice[e] = scores[e] + bias[e]   (or scores[e])
-    groups:   group score = max of its scores (no bias) | sum of its two best choices (bias);
+    groups:   group score = max of its scores, NaN as -inf (no bias) | sum of its two best
+              choices (bias: ranked with NaN as -inf, summed as they are);
               keep the topk_group best groups, choice = -inf outside them
     topk_ids  = the K best experts by choice: descending, ties to the lowest id, NaN as -inf
     topk_weights[t, k] = scores[topk_ids[t, k]], / their sum if renormalize and the sum > 0,
@@ -254,10 +255,10 @@ def route_kernel(flavor: str, n: int):
                     gsc = key[b1]
                     if b2 >= 0:
                         gsc = gsc + key[b2]
-                else:          # max of the unbiased scores, NaN-propagating like NumPy's max
-                    gsc = sc[e0]
+                else:          # max of the unbiased scores, a NaN ranking as -inf (a NaN
+                    gsc = sel_key(sc[e0])   # score never knocks its whole group out)
                     for e in range(e0 + 1, e0 + per):
-                        gsc = max_nan(gsc, sc[e])
+                        gsc = max(gsc, sel_key(sc[e]))
                 gs[g] = sel_key(gsc)
             rsync(lane)
             for r in range(topk_group):

@@ -1,0 +1,79 @@
+"""The kernels' GPU-only warp paths, run in the simulator through emulated warp intrinsics.
+
+    routing "warp" flavour     one warp per token row, reductions by shfl_xor_sync
+    alignment "warp" ranks     ranks within a round by match_any_sync + per-warp counts
+
+warp_emulation.py gives the simulator's fake `cuda` module shfl_xor_sync, match_any_sync,
+lanemask_lt and syncwarp (the lanes of a warp meet at a barrier). The results must equal
+the reference exactly, as the shared-memory paths' do; the GPU tests run the same paths
+compiled (tests/test_numba_gpu.py).
+"""
+import importlib
+
+import numpy as np
+import pytest
+from oracles import distinct_topk_ids, rel_err, rng_for, uniform
+from warp_emulation import emulated_warps
+
+import reference
+from cuda_kernels import numba as nb
+
+R = importlib.import_module("cuda_kernels.numba.routing")
+Pm = importlib.import_module("cuda_kernels.numba.permute")
+A = importlib.import_module("cuda_kernels.numba._arrays")
+
+pytestmark = pytest.mark.simulator
+
+
+@pytest.fixture
+def warps(monkeypatch):
+    # the factories refuse warp paths in the simulator; here the intrinsics exist
+    monkeypatch.setattr(R, "SIMULATOR", False)
+    monkeypatch.setattr(Pm, "SIMULATOR", False)
+    monkeypatch.setitem(R.CONFIGS, "warp", {"WARPS_PER_BLOCK": 2})
+    with nb.poisoned_outputs(), emulated_warps():
+        yield
+
+
+def test_routing_warp_flavour(warps):
+    x = uniform(rng_for("warp-route"), (3, 40), 2.0)
+    x[2, 7] = np.nan
+    got = R._launch(A.Call("gating_output", x), x, None, 3, 1, 1, "softmax", True, 1.0, True,
+                    np.dtype(np.int32), flavor="warp")
+    want = reference.fused_topk(None, x, 3, True)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[2])
+    np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(want[0]))
+    ok = ~np.isnan(want[0]).any(axis=1)
+    assert rel_err(got[0][ok], want[0][ok]) <= 1e-5
+    bias = uniform(rng_for("warp-bias"), (40,), 0.3)
+    got = R._launch(A.Call("gating_output", x), x, bias, 4, 4, 2, "sigmoid", True, 2.5, False,
+                    np.dtype(np.int32), flavor="warp")
+    want = reference.grouped_topk(None, x, 4, True, 4, 2, "sigmoid", 2.5, bias)
+    np.testing.assert_array_equal(got[1], want[1])
+    assert rel_err(got[0], want[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("path", ["single", "multi"])
+def test_align_warp_ranks(warps, monkeypatch, path):
+    monkeypatch.setitem(Pm.SIM_CONFIGS, "align", {"THREADS": 64, "SLOTS_PER_BLOCK": 64,
+                                                  "SINGLE_BLOCK_MAX_SLOTS": 64,
+                                                  "RANK": "warp"})
+    E, B = 6, 4
+    ids = distinct_topk_ids(rng_for("warp-align", path), 45, E, 2)   # P = 90: two blocks
+    _, emap = reference.determine_expert_map(2, 1, E)
+    variants = ((None, False), (emap, False)) if path == "single" else ((emap, True),)
+    for expert_map, ignore in variants:
+        call = A.Call("topk_ids", ids)
+        cap = Pm.max_num_tokens_padded(ids.size, B, E)
+        out = Pm._sort_slots(call, ids, E, B, expert_map, ignore, cap, True, False, path=path,
+                             rank="warp")
+        got = tuple(call.result(v) for v in out[:3])
+        want = reference.moe_align_block_size(ids, B, E, expert_map, False, ignore)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    if path == "multi":
+        x = uniform(rng_for("warp-perm"), (45, 3), 1.0)
+        got = Pm.moe_permute(x, ids, E)   # the config's RANK ("warp"), the multi-block path
+        for g, w in zip(got, reference.moe_permute(x, ids, E)):
+            np.testing.assert_array_equal(g, w)
