@@ -228,6 +228,11 @@ def run(models, tokens, versions, budget_s, log=print):
     except Exception as e:  # noqa: BLE001
         record["card"] = {"gpu": torch.cuda.get_device_name(), "error": str(e)[:200]}
     log(f"card: {record['card']}")
+    t0 = time.time()
+    built = gg.prebuild(dtypes=("bf16",), versions=tuple(versions))   # parallel NVRTC
+    record["prebuild"] = {"seconds": round(time.time() - t0, 1), **built}
+    log(f"prebuilt {built['built']} kernels in {record['prebuild']['seconds']} s"
+        + (f"; failed: {sorted(built['failed'])}" if built["failed"] else ""))
     plan = [(m, T) for m in models for T in tokens]
     names = ["torch-loop", "torch-grouped_mm"] + [f"cupy-{v}" for v in versions]
     if "v4" in versions:

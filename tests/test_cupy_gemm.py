@@ -205,7 +205,20 @@ def _check(prob, version, tol=None, **kw):
 
 
 VERSIONS_ALL = ("v1", "v2", "v3", "v4")
-gpu = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def prebuilt():
+    """Compile the table's kernels once, in parallel threads (NVRTC runs outside the GIL):
+    the GPU tests then find them built instead of compiling ~50 kernels one by one."""
+    ok, _ = C.availability()
+    if ok:
+        gg.prebuild()
+
+
+def gpu(test):
+    """The `gpu` marker plus the prebuilt kernels."""
+    return pytest.mark.gpu(pytest.mark.usefixtures("prebuilt")(test))
 
 
 # ============================================================================ GPU: the grid

@@ -672,6 +672,41 @@ def _kernel(version, dkey, cfg, dev):
     return kern
 
 
+def prebuild(dtypes=DTYPE_KEYS, versions=VERSIONS, max_workers: int | None = None) -> dict:
+    """Compile every instantiation the table can launch for `dtypes` x `versions`, in threads.
+
+    NVRTC runs outside the GIL, so a 16-core host builds the ~50 kernels in the time of a few
+    (a test session or a benchmark otherwise compiles them one by one on first use). Returns
+    {"built": n, "failed": {case: error}}; failures are left for the first real call to report.
+    """
+    import concurrent.futures
+    import os
+
+    cp = _cupy()
+    dev = cp.cuda.Device().id
+    cc = cp.cuda.Device(dev).compute_capability
+    ctypes_ = {_CTYPES[d] for d in dtypes}
+    by_file = {f: v for v, f in CU_FILES.items()}
+    todo = [(cu, d, o) for cu, d, o in compile_cases()
+            if by_file[cu] in versions and d["GG_T"] in ctypes_
+            and not (by_file[cu] == "v5" and cc != "90")]
+
+    def build(case):
+        cu, d, options = case
+        with cp.cuda.Device(dev):
+            get_kernel(cu, KERNEL_NAMES[by_file[cu]], d, options=options)
+
+    failed = {}
+    workers = max_workers or min(16, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = {pool.submit(build, c): c for c in todo}
+        for f in concurrent.futures.as_completed(futures):
+            if f.exception() is not None:
+                cu, d, _ = futures[f]
+                failed[f"{cu} {d}"] = f"{type(f.exception()).__name__}: {f.exception()}"[:300]
+    return {"built": len(todo) - len(failed), "failed": failed}
+
+
 _DUMMIES: dict = {}
 
 
