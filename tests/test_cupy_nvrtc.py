@@ -133,6 +133,7 @@ EMULATION_HEADER = r"""
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -164,8 +165,10 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 using std::min; using std::max;
-struct Warp { std::mutex m; std::condition_variable cv; int arrived = 0; long gen = 0;
-              uint64_t vals[32]; uint64_t snap[4][32]; };
+// A warp's rendezvous, one per lane mask: lanes that skipped a masked collective may already
+// wait in the next full-warp one (legal on Volta+: they meet at the same instruction later).
+struct Meet { int arrived = 0; long gen = 0; uint64_t vals[32]; uint64_t snap[4][32]; };
+struct Warp { std::mutex m; std::condition_variable cv; std::map<unsigned, Meet> meets; };
 static std::vector<Warp>* g_warps = nullptr;
 // every lane of `mask` deposits a value; all of them leave with the 32 deposits
 inline void exchange(unsigned mask, uint64_t v, uint64_t out[32]) {
@@ -173,14 +176,15 @@ inline void exchange(unsigned mask, uint64_t v, uint64_t out[32]) {
     if (!((mask >> lane) & 1u)) { fprintf(stderr, "lane %d not in mask %x\n", lane, mask); abort(); }
     Warp& w = (*g_warps)[threadIdx.x >> 5];
     std::unique_lock<std::mutex> lk(w.m);
-    w.vals[lane] = v;
-    const long g = w.gen;
-    if (++w.arrived == __builtin_popcount(mask)) {
-        memcpy(w.snap[g & 3], w.vals, sizeof(w.vals)); w.arrived = 0; w.gen++; w.cv.notify_all();
+    Meet& m = w.meets[mask];
+    m.vals[lane] = v;
+    const long g = m.gen;
+    if (++m.arrived == __builtin_popcount(mask)) {
+        memcpy(m.snap[g & 3], m.vals, sizeof(m.vals)); m.arrived = 0; m.gen++; w.cv.notify_all();
     } else {
-        w.cv.wait(lk, [&] { return w.gen != g; });
+        w.cv.wait(lk, [&] { return m.gen != g; });
     }
-    memcpy(out, w.snap[g & 3], sizeof(w.vals));
+    memcpy(out, m.snap[g & 3], sizeof(m.vals));
 }
 template <typename T> inline uint64_t bits(T v) { uint64_t u = 0; memcpy(&u, &v, sizeof(T)); return u; }
 template <typename T> inline T unbits(uint64_t u) { T v; memcpy(&v, &u, sizeof(T)); return v; }
@@ -228,11 +232,21 @@ extern "C" void route(const float* g, const float* bias, float* w, int* ids, int
     route_topk_kernel<V>(g, bias, w, ids, tei, T, E, K, G, TG, scoring, renorm, scale); });
     R(1) R(2) R(4) R(8) R(16) R(32)
 }"""),
-    "permute.cu": ({"SCALAR_T": "float", "ROW_WARPS": 2, "UNPERMUTE_THREADS": 32}, r"""
+    "permute.cu": ({"SCALAR_T": "float", "ROW_WARPS": 2, "UNPERMUTE_THREADS": 32, "PREFETCH": 2,
+                    "SCATTER_WARPS": 2}, r"""
 extern "C" void align(const int* ids, const int* emap, int* sorted, int* eids, int* npost, int P,
                       int E, int B, int n, int nb, int ign, int chunk, int threads, int smem) {
     launch(1, threads, smem, [&] { moe_align_kernel(ids, emap, sorted, eids, npost, P, E, B, n,
                                                     nb, ign, chunk); });
+}
+extern "C" void align_large(const int* ids, const int* emap, int* scratch, int* sorted,
+                            int* eids, int* npost, int P, int E, int B, int n, int nb, int ign,
+                            int chunk, int nc, int threads, int smem_count, int smem_scatter) {
+    int *hist = scratch, *off = scratch + nc * E, *counts = off + E + 1;
+    launch(1, threads, smem_count, [&] { moe_align_count_kernel(ids, emap, hist, off, counts, eids,
+                                                                npost, P, E, B, nb, ign, chunk, nc); });
+    launch((nc + SCATTER_WARPS - 1) / SCATTER_WARPS, SCATTER_WARPS * 32, smem_scatter, [&] {
+        moe_align_scatter_kernel(ids, emap, hist, off, counts, sorted, P, E, n, ign, chunk, nc); });
 }
 extern "C" void permute_index(const int* ids, int* off, int* inv, int P, int E, int chunk,
                               int threads, int smem) {
@@ -337,13 +351,23 @@ def test_emulated_align_and_permute(emulated):
     def ids_of(T, E, K):
         return np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
 
-    def align(ids, B, E, emap=None, pad=False, ign=False):
+    def align(ids, B, E, emap=None, pad=False, ign=False, large=False):
         P = ids.size
         n = ck_perm.max_num_tokens_padded(P, E, B, pad)
-        W, chunk, smem = ck_perm._group_geometry(P, E)
         out = (np.full(n, -7, np.int32), np.full(-(-n // B), -7, np.int32), np.full(1, -7, np.int32))
-        lib.align(_p(ids), _p(emap), *map(_p, out), P, E, B, n, out[1].size, int(ign), chunk,
-                  W * 32, smem)
+        if not large:  # the one-block kernel
+            W, chunk, smem = ck_perm._group_geometry(P, E)
+            lib.align(_p(ids), _p(emap), *map(_p, out), P, E, B, n, out[1].size, int(ign), chunk,
+                      W * 32, smem)
+            return out
+        # count + scatter, with small chunks so that several warps and blocks take part
+        chunk, nc, W, smem_count, _ = ck_perm._align_large_geometry(max(P, 1), E)
+        chunk = 64
+        nc = max(1, -(-P // chunk))
+        W = max(1, min(W, nc))
+        scratch = np.full(nc * E + 2 * E + 1, -7, np.int32)
+        lib.align_large(_p(ids), _p(emap), _p(scratch), *map(_p, out), P, E, B, n, out[1].size,
+                        int(ign), chunk, nc, W * 32, (W * E + E + 1 + 32) * 4, (E + 1 + 2 * E) * 4)
         return out
 
     cases = [(1, 8, 2, 4, None, False, False), (3, 32, 2, 32, None, False, False),
@@ -355,13 +379,16 @@ def test_emulated_align_and_permute(emulated):
         cases += [(60, 32, 4, 8, emap, False, ign) for ign in (False, True)]
     for T, E, K, B, emap, pad, ign in cases:
         ids = ids_of(T, E, K)
-        got = align(ids, B, E, emap, pad, ign)
         want = reference.moe_align_block_size(ids, B, E, emap, pad, ign)
-        for g, w, name in zip(got, want, ("sorted_token_ids", "expert_ids", "num_post")):
-            np.testing.assert_array_equal(g, w, err_msg=f"{name} T={T} E={E} K={K} B={B}")
+        for large in (False, True):
+            got = align(ids, B, E, emap, pad, ign, large)
+            for g, w, name in zip(got, want, ("sorted_token_ids", "expert_ids", "num_post")):
+                np.testing.assert_array_equal(
+                    g, w, err_msg=f"{name} T={T} E={E} K={K} B={B} {'count+scatter' * large}")
     one = np.full((70, 1), 3, np.int32)  # every slot on one expert
-    for g, w in zip(align(one, 16, 8), reference.moe_align_block_size(one, 16, 8)):
-        np.testing.assert_array_equal(g, w)
+    for large in (False, True):
+        for g, w in zip(align(one, 16, 8, large=large), reference.moe_align_block_size(one, 16, 8)):
+            np.testing.assert_array_equal(g, w)
 
     for T, E, K, H in ((1, 8, 2, 4), (37, 16, 3, 9), (130, 64, 4, 12)):
         x = rng.standard_normal((T, H)).astype(np.float32)

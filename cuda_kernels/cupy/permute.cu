@@ -2,44 +2,56 @@
 //
 // Shapes: T tokens, K top-k, P = T * K flat slots (s = t * K + k), E experts, B block size,
 //         H hidden size, NB buckets (E for alignment; E + 1 for permute: bucket E collects ids
-//         outside [0, E) so that every row of x_grouped is still written).
+//         outside [0, E) so that every row of x_grouped is still written), NC slot chunks.
+//
+// Math: count c_e; padded start off_e = sum_{e' < e} ceil(c_e' / B) * B; the slots of expert e
+//   sit at off_e .. off_e + c_e - 1 in increasing s (stable: the reference's order), the rest of
+//   each expert's run and of the array hold the padding value P; expert_ids[b] = expert_map[e]
+//   (or e) for the blocks of e, -1 past the last block. An id outside [0, E), or a non-local
+//   expert when ignore_invalid, is dropped.
 //
 // Kernels (permute.py launches them):
-//   moe_align_kernel       topk_ids [P] -> sorted_token_ids [max_padded], expert_ids
-//                          [cdiv(max_padded, B)], num_tokens_post_padded [1]
-//       count c_e; padded start off_e = sum_{e' < e} ceil(c_e' / B) * B; the slots of expert e
-//       sit at off_e .. off_e + c_e - 1 in increasing s (stable: same order as the reference),
-//       the rest of each expert's run and of the array hold the padding value P;
-//       expert_ids[b] = expert_map[e] (or e) for the blocks of e, -1 past the last block.
-//       An id outside [0, E), or a non-local expert when ignore_invalid, is dropped.
-//   moe_permute_index_kernel  the same grouping with B = 1 and no padding:
-//       expert_offsets [E + 1] (exclusive cumsum of counts) and inv_permuted_idx [P], the row of
-//       x_grouped that slot s goes to.
+//   moe_align_kernel          one block does everything (P <= SMALL_P: one launch)
+//   moe_align_count_kernel    large P, launch 1 of 2: one block counts per (chunk, expert),
+//                             scans, writes expert_ids and num_tokens_post_padded, and leaves
+//                             hist[c][e] = the rank of chunk c's first slot inside expert e
+//   moe_align_scatter_kernel  large P, launch 2 of 2: one warp per chunk places its slots; all
+//                             threads write the padding (positions disjoint from the slots')
+//   moe_permute_index_kernel  the grouping with B = 1 and no padding: expert_offsets [E + 1]
+//                             (exclusive cumsum of counts) and inv_permuted_idx [P], the row
+//                             of x_grouped that slot s goes to (one block; its writes are
+//                             coalesced, so it needs no second launch)
 //   gather_rows_kernel<V>     x_grouped[inv[s]] = hidden_states[s / K], rows copied as V words
-//                             (uint4 = 16 bytes when the row size and pointers allow).
+//                             (uint4 = 16 bytes when the row size and pointers allow)
 //   moe_unpermute_kernel<VEC> out[t] = sum_k w[t, k] * y[inv[t * K + k]], fp32, k in order,
-//                             no atomics (deterministic), rounded once to SCALAR_T.
+//                             no atomics (deterministic), rounded once to SCALAR_T
 //
-// How the grouping is stable without a sort: one block; warp w owns the contiguous chunk of
-// slots [w * chunk, (w + 1) * chunk). Pass 1 counts per (warp, bucket) in shared memory;
-// a scan over warps turns the counts into each warp's start inside each bucket; a block scan
-// over buckets gives the padded bucket starts. Pass 2 walks each chunk again 32 slots at a
-// time: __match_any_sync groups the lanes of one bucket, a lane's rank among them is the
-// popcount of the lower lanes, and the group's first lane advances the warp's cursor.
+// How the grouping is stable without a sort: the slots are cut into contiguous chunks, each
+// walked by one warp. Pass 1 counts per (chunk, bucket); an exclusive scan over chunks turns
+// the counts into each chunk's first rank inside each bucket; a block scan over buckets gives
+// the padded bucket starts. Pass 2 walks each chunk again, 32 slots at a time:
+// __match_any_sync groups the lanes of one bucket, a lane's rank among them is the popcount
+// of the lower lanes, and the group's first lane advances the chunk's cursor. Each lane loads
+// the ids of PREFETCH steps at once, so that many loads are in flight.
+// Why two launches for large P: the scatter's stores land all over the output, ~one 32-byte
+// sector each; from one SM that costs ~32 cycles per warp store (~16 us at P = 32768), spread
+// over NC blocks it costs next to nothing.
 //
-// Launch geometry:
-//   moe_align_kernel, moe_permute_index_kernel: grid = 1, block = W * 32 threads,
-//     W = min(32, (SMEM_BUDGET / 4 - NB - 33) / NB) warps (permute.py),
-//     dynamic shared memory = (W * NB + NB + 1 + 32) * 4 bytes
-//     (per-warp counts, bucket starts, scan scratch). One block is enough up to
-//     P ~ 10^5: each warp handles P / W slots twice, and a single launch beats the
-//     three launches of a multi-block histogram/scan/scatter at these sizes.
+// Launch geometry (permute.py):
+//   moe_align_kernel, moe_permute_index_kernel: grid = 1, block = W * 32, warp w owns chunk w,
+//     W = min(32, (SMEM_BUDGET / 4 - NB - 33) / NB); shared memory (W NB + NB + 1 + 32) * 4 B
+//     (per-warp counters, bucket starts, scan scratch)
+//   moe_align_count_kernel: grid = 1, block = W * 32 (same W rule with NB = E), warp w counts
+//     chunks w, w + W, ...; shared memory (W E + E + 1 + 32) * 4 B; global scratch
+//     hist [NC, E], off [E + 1], counts [E]
+//   moe_align_scatter_kernel: grid = cdiv(NC, SCATTER_WARPS), block = SCATTER_WARPS * 32,
+//     shared memory (E + 1 + SCATTER_WARPS E) * 4 B
 //   gather_rows_kernel: block = ROW_WARPS * 32, one warp per slot row, grid = cdiv(P, ROW_WARPS)
 //   moe_unpermute_kernel: block = min(UNPERMUTE_THREADS, cdiv(H / VEC, 32) * 32), each thread
 //     VEC columns, grid = T * cdiv(H, block * VEC) (flattened: no 65535 limit on T)
 //
-// Compile-time parameters: SCALAR_T (float, __half, __nv_bfloat16: y's dtype),
-//   ROW_WARPS, UNPERMUTE_THREADS (permute.py CONFIGS); templates V, VEC.
+// Compile-time parameters: SCALAR_T (float, __half, __nv_bfloat16: y's dtype), PREFETCH,
+//   SCATTER_WARPS, ROW_WARPS, UNPERMUTE_THREADS (permute.py CONFIGS); templates V, VEC.
 // Versions: v1 (this file). Run: python -m cuda_kernels.cupy.permute
 
 #include <cuda_fp16.h>
@@ -47,6 +59,12 @@
 
 #ifndef SCALAR_T
 #define SCALAR_T float
+#endif
+#ifndef PREFETCH
+#define PREFETCH 8
+#endif
+#ifndef SCATTER_WARPS
+#define SCATTER_WARPS 1
 #endif
 #ifndef ROW_WARPS
 #define ROW_WARPS 4
@@ -65,24 +83,6 @@ __device__ __forceinline__ void from_f32(float v, __half* out) { *out = __float2
 __device__ __forceinline__ void from_f32(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
 
 // ============================================================================ grouping
-// Shared memory of the one-block grouping kernels (ints):
-//   wc[W * NB]   per (warp, bucket) counts, then each warp's start inside the bucket
-//   off[NB + 1]  bucket starts (padded for alignment), off[NB] = total
-//   scratch[32]  warp totals of the block scan
-struct GroupSmem {
-    int* wc;
-    int* off;
-    int* scratch;
-};
-
-__device__ __forceinline__ GroupSmem group_smem(int* smem, int W, int NB) {
-    GroupSmem g;
-    g.wc = smem;
-    g.off = smem + W * NB;
-    g.scratch = g.off + NB + 1;
-    return g;
-}
-
 // bucket of an expert id for alignment: -1 drops the slot
 __device__ __forceinline__ int align_bucket(int e, int E, const int* expert_map, int ignore_invalid) {
     if (e < 0 || e >= E) return -1;
@@ -93,97 +93,155 @@ __device__ __forceinline__ int align_bucket(int e, int E, const int* expert_map,
 // bucket for permute: ids outside [0, E) go to the trailing bucket E
 __device__ __forceinline__ int permute_bucket(int e, int E) { return (e < 0 || e >= E) ? E : e; }
 
-// Pass 1 + scans: after it, g.wc[w * NB + b] is warp w's first rank inside bucket b and
-// g.off[b] the start of bucket b, each bucket's size rounded up to a multiple of B.
 template <bool PERMUTE>
-__device__ void count_and_scan(const int* __restrict__ ids, const int* __restrict__ expert_map,
-                               int P, int E, int NB, int B, int ignore_invalid, int chunk,
-                               GroupSmem g) {
+__device__ __forceinline__ int bucket_of(int e, int E, const int* expert_map, int ignore_invalid) {
+    return PERMUTE ? permute_bucket(e, E) : align_bucket(e, E, expert_map, ignore_invalid);
+}
+
+// One warp counts the slots [begin, end) into row[bucket] (shared memory, this warp's own row).
+template <bool PERMUTE>
+__device__ void warp_count(const int* __restrict__ ids, const int* __restrict__ expert_map,
+                           int begin, int end, int E, int ignore_invalid, int* row) {
+    const int lane = threadIdx.x & 31;
+    for (int base = begin; base < end; base += 32 * PREFETCH) {
+        int e[PREFETCH];
+#pragma unroll
+        for (int u = 0; u < PREFETCH; ++u) {  // PREFETCH independent loads in flight
+            const int s = base + u * 32 + lane;
+            e[u] = s < end ? ids[s] : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < PREFETCH; ++u) {
+            if (base + u * 32 + lane < end) {
+                const int b = bucket_of<PERMUTE>(e[u], E, expert_map, ignore_invalid);
+                if (b >= 0) atomicAdd(&row[b], 1);
+            }
+        }
+    }
+}
+
+// One warp places the slots [begin, end), in order: slot s of bucket b goes to
+// off[b] + cursor[b] + (its rank among this step's lanes of bucket b); cursor (shared memory,
+// this warp's own row) starts at the chunk's first rank in each bucket and advances.
+template <bool PERMUTE, typename Emit>
+__device__ void warp_place(const int* __restrict__ ids, const int* __restrict__ expert_map,
+                           int begin, int end, int E, int ignore_invalid, int* cursor,
+                           const int* off, Emit emit) {
+    const int lane = threadIdx.x & 31;
+    const unsigned lower = (1u << lane) - 1u;  // the lanes below this one
+    for (int base = begin; base < end; base += 32 * PREFETCH) {
+        int e[PREFETCH];
+#pragma unroll
+        for (int u = 0; u < PREFETCH; ++u) {
+            const int s = base + u * 32 + lane;
+            e[u] = s < end ? ids[s] : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < PREFETCH; ++u) {  // the steps in order: this is what keeps s sorted
+            const int s = base + u * 32 + lane;
+            const unsigned active = __ballot_sync(FULL_MASK, s < end);
+            if (s < end) {
+                const int b = bucket_of<PERMUTE>(e[u], E, expert_map, ignore_invalid);
+                const unsigned same = __match_any_sync(active, b);
+                int pos = 0;
+                if (b >= 0) pos = off[b] + cursor[b] + __popc(same & lower);
+                __syncwarp(active);  // every lane has read its cursor before the leaders move it
+                if (b >= 0 && (same & lower) == 0u) cursor[b] += __popc(same);
+                __syncwarp(active);
+                if (b >= 0) emit(s, pos);
+            }
+        }
+    }
+}
+
+// In-place exclusive scan of a[0 .. n) (shared memory) by the whole block; a[n] = the total.
+// Each thread sums a run of cdiv(n, threads) entries, warps scan with shuffles, warp 0 scans
+// the warp totals (scratch: 32 ints).
+__device__ void block_exclusive_scan(int* a, int n, int* scratch) {
     const int tid = threadIdx.x, nthreads = blockDim.x;
     const int W = nthreads >> 5, warp = tid >> 5, lane = tid & 31;
-    for (int i = tid; i < W * NB; i += nthreads) g.wc[i] = 0;
-    __syncthreads();
-
-    const int begin = warp * chunk;
-    const int end = min(P, begin + chunk);
-    for (int s = begin + lane; s < end; s += 32) {
-        const int e = ids[s];
-        const int b = PERMUTE ? permute_bucket(e, E) : align_bucket(e, E, expert_map, ignore_invalid);
-        if (b >= 0) atomicAdd(&g.wc[warp * NB + b], 1);  // shared-memory atomics, warp-private row
-    }
-    __syncthreads();
-
-    // scan over warps, per bucket: consecutive threads read consecutive banks
-    for (int b = tid; b < NB; b += nthreads) {
-        int run = 0;
-        for (int w = 0; w < W; ++w) {
-            const int c = g.wc[w * NB + b];
-            g.wc[w * NB + b] = run;
-            run += c;
-        }
-        g.off[b] = PERMUTE ? run : ((run + B - 1) / B) * B;  // padded size, scanned below
-    }
-    __syncthreads();
-
-    // exclusive block scan of g.off[0 .. NB): each thread sums a run of ipt buckets,
-    // warps scan with shuffles, warp totals are scanned by warp 0
-    const int ipt = (NB + nthreads - 1) / nthreads;
-    const int lo = min(NB, tid * ipt), hi = min(NB, lo + ipt);
+    const int ipt = (n + nthreads - 1) / nthreads;
+    const int lo = min(n, tid * ipt), hi = min(n, lo + ipt);
     int local = 0;
-    for (int b = lo; b < hi; ++b) local += g.off[b];
+    for (int i = lo; i < hi; ++i) local += a[i];
     int incl = local;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
         const int v = __shfl_up_sync(FULL_MASK, incl, o);
         if (lane >= o) incl += v;
     }
-    if (lane == 31) g.scratch[warp] = incl;
+    if (lane == 31) scratch[warp] = incl;
     __syncthreads();
     if (warp == 0) {
-        int wt = lane < W ? g.scratch[lane] : 0;
+        int wt = lane < W ? scratch[lane] : 0;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const int v = __shfl_up_sync(FULL_MASK, wt, o);
             if (lane >= o) wt += v;
         }
-        if (lane < W) g.scratch[lane] = wt;  // inclusive warp totals
+        if (lane < W) scratch[lane] = wt;  // inclusive warp totals
     }
     __syncthreads();
-    int run = (warp > 0 ? g.scratch[warp - 1] : 0) + incl - local;  // exclusive start of lo
-    for (int b = lo; b < hi; ++b) {
-        const int size = g.off[b];
-        g.off[b] = run;
-        run += size;
+    int run = (warp > 0 ? scratch[warp - 1] : 0) + incl - local;  // exclusive start of lo
+    for (int i = lo; i < hi; ++i) {
+        const int v = a[i];
+        a[i] = run;
+        run += v;
     }
-    if (tid == nthreads - 1) g.off[NB] = g.scratch[W - 1];
+    if (tid == nthreads - 1) a[n] = scratch[W - 1];
     __syncthreads();
 }
 
-// Pass 2: the position of every kept slot, in increasing s inside each bucket.
-// Calls emit(s, pos) for each; the warp's cursors in g.wc advance as it goes.
-template <bool PERMUTE, typename Emit>
-__device__ void stable_positions(const int* __restrict__ ids, const int* __restrict__ expert_map,
-                                 int P, int E, int NB, int ignore_invalid, int chunk,
-                                 GroupSmem g, Emit emit) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const unsigned lower = (1u << lane) - 1u;  // lanes below this one
-    const int begin = warp * chunk;
-    const int end = min(P, begin + chunk);
-    for (int base = begin; base < end; base += 32) {  // warp-uniform trip count
-        const int s = base + lane;
-        const unsigned active = __ballot_sync(FULL_MASK, s < end);
-        if (s < end) {
-            const int e = ids[s];
-            const int b = PERMUTE ? permute_bucket(e, E) : align_bucket(e, E, expert_map, ignore_invalid);
-            const unsigned same = __match_any_sync(active, b);
-            int pos = 0;
-            if (b >= 0) pos = g.off[b] + g.wc[warp * NB + b] + __popc(same & lower);
-            __syncwarp(active);  // every lane read its cursor before the leaders move them
-            if (b >= 0 && (same & lower) == 0u) g.wc[warp * NB + b] += __popc(same);
-            __syncwarp(active);
-            if (b >= 0) emit(s, pos);
+// expert_ids[blk] for every block and num_tokens_post_padded, from the padded starts off[0..E]
+__device__ void write_block_experts(const int* off, int E, int B, const int* __restrict__ expert_map,
+                                    int* __restrict__ expert_ids, int num_blocks,
+                                    int* __restrict__ num_tokens_post_padded) {
+    const int total = off[E];
+    if (threadIdx.x == 0) num_tokens_post_padded[0] = total;
+    for (int blk = threadIdx.x; blk < num_blocks; blk += blockDim.x) {
+        const int pos = blk * B;
+        int eid = -1;
+        if (pos < total) {
+            // the expert whose run holds pos: the last e with off[e] <= pos (an empty expert
+            // shares its start with the next one)
+            int lo = 0, hi = E;  // invariant: off[lo] <= pos < off[hi]
+            while (hi - lo > 1) {
+                const int mid = (lo + hi) >> 1;
+                if (off[mid] <= pos) lo = mid; else hi = mid;
+            }
+            eid = expert_map != nullptr ? expert_map[lo] : lo;
         }
+        expert_ids[blk] = eid;
     }
+}
+
+// The one-block grouping: warp w owns chunk w. Shared memory (ints): wc[W * NB] per-warp
+// counters, off[NB + 1] bucket starts, scratch[32]. After it, wc[w * NB + b] is warp w's first
+// rank inside bucket b and off[b] the start of bucket b (its size rounded up to B).
+template <bool PERMUTE>
+__device__ void one_block_count_and_scan(const int* __restrict__ ids,
+                                         const int* __restrict__ expert_map, int P, int E, int NB,
+                                         int B, int ignore_invalid, int chunk, int* wc, int* off,
+                                         int* scratch) {
+    const int tid = threadIdx.x, nthreads = blockDim.x;
+    const int W = nthreads >> 5, warp = tid >> 5;
+    for (int i = tid; i < W * NB; i += nthreads) wc[i] = 0;
+    __syncthreads();
+    const int begin = warp * chunk;
+    warp_count<PERMUTE>(ids, expert_map, begin, min(P, begin + chunk), E, ignore_invalid,
+                        wc + warp * NB);
+    __syncthreads();
+    for (int b = tid; b < NB; b += nthreads) {  // scan over warps: consecutive b, consecutive banks
+        int run = 0;
+        for (int w = 0; w < W; ++w) {
+            const int c = wc[w * NB + b];
+            wc[w * NB + b] = run;
+            run += c;
+        }
+        off[b] = ((run + B - 1) / B) * B;  // padded size, scanned next
+    }
+    __syncthreads();
+    block_exclusive_scan(off, NB, scratch);
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
@@ -195,33 +253,97 @@ moe_align_kernel(const int* __restrict__ topk_ids,            // [P]
                  int P, int E, int B, int max_padded, int num_blocks,
                  int ignore_invalid, int chunk) {
     extern __shared__ int smem[];
-    const int W = blockDim.x >> 5;
-    GroupSmem g = group_smem(smem, W, E);
-    count_and_scan<false>(topk_ids, expert_map, P, E, E, B, ignore_invalid, chunk, g);
-
-    const int tid = threadIdx.x, nthreads = blockDim.x;
-    const int total = g.off[E];
-    if (tid == 0) num_tokens_post_padded[0] = total;
-    for (int blk = tid; blk < num_blocks; blk += nthreads) {
-        const int pos = blk * B;
-        int eid = -1;
-        if (pos < total) {
-            // the expert whose run holds pos: the last e with off[e] <= pos (empty experts
-            // share their start with the next one, so take the last)
-            int lo = 0, hi = E;  // invariant: off[lo] <= pos < off[hi]
-            while (hi - lo > 1) {
-                const int mid = (lo + hi) >> 1;
-                if (g.off[mid] <= pos) lo = mid; else hi = mid;
-            }
-            eid = expert_map != nullptr ? expert_map[lo] : lo;
-        }
-        expert_ids[blk] = eid;
-    }
-    for (int i = tid; i < max_padded; i += nthreads) sorted_token_ids[i] = P;  // padding
+    const int W = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    int* wc = smem;
+    int* off = wc + W * E;
+    int* scratch = off + E + 1;
+    one_block_count_and_scan<false>(topk_ids, expert_map, P, E, E, B, ignore_invalid, chunk, wc,
+                                    off, scratch);
+    write_block_experts(off, E, B, expert_map, expert_ids, num_blocks, num_tokens_post_padded);
+    for (int i = threadIdx.x; i < max_padded; i += blockDim.x) sorted_token_ids[i] = P;  // padding
     __syncthreads();  // the padding lands before the slots overwrite it (same block)
+    const int begin = warp * chunk;
+    warp_place<false>(topk_ids, expert_map, begin, min(P, begin + chunk), E, ignore_invalid,
+                      wc + warp * E, off, [&](int s, int pos) { sorted_token_ids[pos] = s; });
+}
 
-    stable_positions<false>(topk_ids, expert_map, P, E, E, ignore_invalid, chunk, g,
-                            [&](int s, int pos) { sorted_token_ids[pos] = s; });
+extern "C" __global__ void __launch_bounds__(1024)
+moe_align_count_kernel(const int* __restrict__ topk_ids,          // [P]
+                       const int* __restrict__ expert_map,        // [E] or nullptr
+                       int* __restrict__ hist,                    // [NC, E] scratch
+                       int* __restrict__ off_out,                 // [E + 1] scratch
+                       int* __restrict__ counts_out,              // [E] scratch
+                       int* __restrict__ expert_ids,              // [num_blocks]
+                       int* __restrict__ num_tokens_post_padded,  // [1]
+                       int P, int E, int B, int num_blocks, int ignore_invalid, int chunk,
+                       int num_chunks) {
+    extern __shared__ int smem[];
+    const int tid = threadIdx.x, nthreads = blockDim.x;
+    const int W = nthreads >> 5, warp = tid >> 5, lane = tid & 31;
+    int* row = smem + warp * E;  // this warp's counters
+    int* off = smem + W * E;
+    int* scratch = off + E + 1;
+    for (int c = warp; c < num_chunks; c += W) {
+        for (int b = lane; b < E; b += 32) row[b] = 0;
+        __syncwarp();
+        warp_count<false>(topk_ids, expert_map, c * chunk, min(P, (c + 1) * chunk), E,
+                          ignore_invalid, row);
+        __syncwarp();
+        for (int b = lane; b < E; b += 32) hist[(size_t)c * E + b] = row[b];  // coalesced
+        __syncwarp();
+    }
+    __syncthreads();  // hist written by every warp is visible to the whole block
+    for (int e = tid; e < E; e += nthreads) {  // exclusive scan over chunks, 8 loads in flight
+        int run = 0;
+        for (int c0 = 0; c0 < num_chunks; c0 += 8) {
+            int v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v[u] = c0 + u < num_chunks ? hist[(size_t)(c0 + u) * E + e] : 0;
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                if (c0 + u < num_chunks) {
+                    hist[(size_t)(c0 + u) * E + e] = run;
+                    run += v[u];
+                }
+            }
+        }
+        counts_out[e] = run;
+        off[e] = ((run + B - 1) / B) * B;
+    }
+    __syncthreads();
+    block_exclusive_scan(off, E, scratch);
+    for (int e = tid; e <= E; e += nthreads) off_out[e] = off[e];
+    write_block_experts(off, E, B, expert_map, expert_ids, num_blocks, num_tokens_post_padded);
+}
+
+extern "C" __global__ void __launch_bounds__(SCATTER_WARPS * 32)
+moe_align_scatter_kernel(const int* __restrict__ topk_ids,     // [P]
+                         const int* __restrict__ expert_map,   // [E] or nullptr
+                         const int* __restrict__ hist,         // [NC, E] first ranks
+                         const int* __restrict__ off_in,       // [E + 1] padded starts
+                         const int* __restrict__ counts,       // [E]
+                         int* __restrict__ sorted_token_ids,   // [max_padded]
+                         int P, int E, int max_padded, int ignore_invalid, int chunk,
+                         int num_chunks) {
+    extern __shared__ int smem[];
+    int* off = smem;                 // [E + 1]
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int* cursor = off + E + 1 + warp * E;
+    for (int e = threadIdx.x; e <= E; e += blockDim.x) off[e] = off_in[e];
+    __syncthreads();
+    // the padding, shared by every thread of the grid: the tail of each expert's run and the
+    // tail of the array, positions no slot takes (so no ordering against the slots is needed)
+    const int gt = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
+    for (int e = gt; e < E; e += nt)
+        for (int p = off[e] + counts[e]; p < off[e + 1]; ++p) sorted_token_ids[p] = P;
+    for (int p = off[E] + gt; p < max_padded; p += nt) sorted_token_ids[p] = P;
+
+    const int c = blockIdx.x * SCATTER_WARPS + warp;
+    if (c >= num_chunks) return;  // the whole warp leaves: no block barrier below
+    for (int b = lane; b < E; b += 32) cursor[b] = hist[(size_t)c * E + b];
+    __syncwarp();
+    warp_place<false>(topk_ids, expert_map, c * chunk, min(P, (c + 1) * chunk), E, ignore_invalid,
+                      cursor, off, [&](int s, int pos) { sorted_token_ids[pos] = s; });
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
@@ -230,13 +352,16 @@ moe_permute_index_kernel(const int* __restrict__ topk_ids,     // [P]
                          int* __restrict__ inv_permuted_idx,   // [P]
                          int P, int E, int chunk) {
     extern __shared__ int smem[];
-    const int W = blockDim.x >> 5;
+    const int W = blockDim.x >> 5, warp = threadIdx.x >> 5;
     const int NB = E + 1;  // bucket E: ids outside [0, E), placed after every expert
-    GroupSmem g = group_smem(smem, W, NB);
-    count_and_scan<true>(topk_ids, nullptr, P, E, NB, 1, 0, chunk, g);
-    for (int b = threadIdx.x; b <= E; b += blockDim.x) expert_offsets[b] = g.off[b];
-    stable_positions<true>(topk_ids, nullptr, P, E, NB, 0, chunk, g,
-                           [&](int s, int pos) { inv_permuted_idx[s] = pos; });
+    int* wc = smem;
+    int* off = wc + W * NB;
+    int* scratch = off + NB + 1;
+    one_block_count_and_scan<true>(topk_ids, nullptr, P, E, NB, 1, 0, chunk, wc, off, scratch);
+    for (int b = threadIdx.x; b <= E; b += blockDim.x) expert_offsets[b] = off[b];
+    const int begin = warp * chunk;
+    warp_place<true>(topk_ids, nullptr, begin, min(P, begin + chunk), E, 0, wc + warp * NB, off,
+                     [&](int s, int pos) { inv_permuted_idx[s] = pos; });
 }
 
 // ============================================================================ row movement

@@ -10,8 +10,8 @@ Shapes: T tokens, K top-k, P = T * K slots (s = t * K + k), E experts, B block s
         -> x_grouped [P, H], expert_offsets int32 [E + 1], inv_permuted_idx int32 [P]
     moe_unpermute(y_grouped, topk_weights, inv_permuted_idx) -> out [T, H]
 
-The grouping is one launch of one block (counts, scans and a stable scatter in shared
-memory: permute.cu explains it); the order inside an expert is increasing s, the reference's.
+The grouping runs on the GPU with no host round trip (counts, scans and a stable scatter:
+permute.cu explains it); the order inside an expert is increasing s, the reference's.
 Ids outside [0, E) are not checked on the host (that would need a device-to-host copy): the
 kernels drop them from the alignment, and moe_permute places their rows after every expert
 (expert_offsets[E] < P then says so).
@@ -27,9 +27,13 @@ import numpy as np
 from . import _compile as C
 
 CONFIGS = {
-    # the one-block grouping kernels: shared memory budget for the per-(warp, bucket)
-    # counts; 48 KB needs no opt-in on any GPU. More warps = shorter chunks per warp.
-    "group": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 32},
+    # the grouping kernels: shared memory budget for the per-(warp, bucket) counters (48 KB
+    # needs no opt-in on any GPU; more warps = shorter chunks per warp); PREFETCH 32-slot
+    # steps of ids loaded at once per lane.
+    "group": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 32, "PREFETCH": 8},
+    # alignment: one launch up to SMALL_P slots; above, count (one block) then scatter over
+    # at most MAX_CHUNKS chunks of at least MIN_CHUNK slots, SCATTER_WARPS chunks per block
+    "align": {"SMALL_P": 4096, "MAX_CHUNKS": 64, "MIN_CHUNK": 256, "SCATTER_WARPS": 1},
     "gather_rows_kernel": {"ROW_WARPS": 4},
     "moe_unpermute_kernel": {"UNPERMUTE_THREADS": 128},
 }
@@ -41,13 +45,15 @@ _UNPERMUTE_NAMES = tuple(f"moe_unpermute_kernel<{v}>" for v in _VECS)
 
 
 def _defines(scalar_dtype=np.float32) -> dict:
-    return {"SCALAR_T": C.ctype_of(scalar_dtype), **CONFIGS["gather_rows_kernel"],
+    return {"SCALAR_T": C.ctype_of(scalar_dtype), "PREFETCH": CONFIGS["group"]["PREFETCH"],
+            "SCATTER_WARPS": CONFIGS["align"]["SCATTER_WARPS"], **CONFIGS["gather_rows_kernel"],
             **CONFIGS["moe_unpermute_kernel"]}
 
 
 # The grouping kernels and the gathers do not depend on the dtype: they are compiled with the
 # fp32 defines; moe_unpermute once per dtype.
-_FIXED_NAMES = ("moe_align_kernel", "moe_permute_index_kernel") + _GATHER_NAMES
+_FIXED_NAMES = ("moe_align_kernel", "moe_align_count_kernel", "moe_align_scatter_kernel",
+                "moe_permute_index_kernel") + _GATHER_NAMES
 C.register_compile_case("permute.cu", _defines(), _FIXED_NAMES)
 for _dt in C.float_dtypes():
     C.register_compile_case("permute.cu", _defines(_dt), _UNPERMUTE_NAMES)
@@ -78,6 +84,20 @@ def _group_geometry(P: int, NB: int):
     return W, chunk, smem
 
 
+def _align_large_geometry(P: int, E: int):
+    """chunk, number of chunks, warps of the count kernel, shared memory of both kernels."""
+    cfg, budget = CONFIGS["align"], CONFIGS["group"]["SMEM_BUDGET"] // 4
+    chunk = max(cfg["MIN_CHUNK"], C.cdiv(C.cdiv(P, cfg["MAX_CHUNKS"]), 32) * 32)
+    num_chunks = C.cdiv(P, chunk)
+    W = min(CONFIGS["group"]["MAX_WARPS"], (budget - E - 33) // E, num_chunks)
+    if W < 1:
+        raise ValueError(f"num_experts: {E} experts do not fit the alignment kernel's "
+                         f"{budget * 4} bytes of shared memory")
+    smem_count = (W * E + E + 1 + 32) * 4
+    smem_scatter = (E + 1 + cfg["SCATTER_WARPS"] * E) * 4
+    return chunk, num_chunks, W, smem_count, smem_scatter
+
+
 def max_num_tokens_padded(P: int, num_experts: int, block_size: int,
                           pad_sorted_ids: bool = False) -> int:
     """The length of sorted_token_ids: P + E (B - 1), rounded up to B if pad_sorted_ids,
@@ -98,7 +118,8 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
     Returns sorted_token_ids int32 [max_num_tokens_padded] (increasing s inside an expert),
     expert_ids int32 [cdiv(max_num_tokens_padded, B)] (local ids under expert_map, -1 past
     the last block or for non-local experts), num_tokens_post_padded int32 [1]
-    (= sum_e ceil(c_e / B) * B). One launch, nothing read back to the host.
+    (= sum_e ceil(c_e / B) * B). One launch up to SMALL_P slots, two above (count, then a
+    scatter spread over the GPU); nothing is read back to the host.
     """
     ids = _ids_i32("topk_ids", topk_ids)
     B = C.check_int("block_size", block_size, 1)
@@ -117,14 +138,35 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
     sorted_token_ids = C.empty((n,), np.int32)           # [max_num_tokens_padded]
     expert_ids = C.empty((num_blocks,), np.int32)         # [cdiv(max_num_tokens_padded, B)]
     num_tokens_post_padded = C.empty((1,), np.int32)      # [1]
-    W, chunk, smem = _group_geometry(P, E)
-    kernel = C.get_kernel("permute.cu", "moe_align_kernel", _defines(), _FIXED_NAMES)
-    kernel((1,), (W * 32,),
-           (ids, emap if emap is not None else C.null_ptr(), sorted_token_ids, expert_ids,
-            num_tokens_post_padded, np.int32(P), np.int32(E), np.int32(B), np.int32(n),
-            np.int32(num_blocks), np.int32(1 if ignore_invalid_experts else 0),
-            np.int32(chunk)),
-           shared_mem=smem)
+    emap_arg = emap if emap is not None else C.null_ptr()
+    ignore = np.int32(1 if ignore_invalid_experts else 0)
+    cfg = CONFIGS["align"]
+    if P <= cfg["SMALL_P"]:
+        W, chunk, smem = _group_geometry(P, E)
+        kernel = C.get_kernel("permute.cu", "moe_align_kernel", _defines(), _FIXED_NAMES)
+        kernel((1,), (W * 32,),
+               (ids, emap_arg, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                np.int32(P), np.int32(E), np.int32(B), np.int32(n), np.int32(num_blocks),
+                ignore, np.int32(chunk)),
+               shared_mem=smem)
+        return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+    chunk, num_chunks, W, smem_count, smem_scatter = _align_large_geometry(P, E)
+    scratch = C.empty((num_chunks * E + 2 * E + 1,), np.int32)  # hist | off | counts
+    hist, off, counts = (scratch[:num_chunks * E], scratch[num_chunks * E:num_chunks * E + E + 1],
+                         scratch[num_chunks * E + E + 1:])
+    count = C.get_kernel("permute.cu", "moe_align_count_kernel", _defines(), _FIXED_NAMES)
+    count((1,), (W * 32,),
+          (ids, emap_arg, hist, off, counts, expert_ids, num_tokens_post_padded, np.int32(P),
+           np.int32(E), np.int32(B), np.int32(num_blocks), ignore, np.int32(chunk),
+           np.int32(num_chunks)),
+          shared_mem=smem_count)
+    warps = cfg["SCATTER_WARPS"]
+    scatter = C.get_kernel("permute.cu", "moe_align_scatter_kernel", _defines(), _FIXED_NAMES)
+    scatter((C.cdiv(num_chunks, warps),), (warps * 32,),
+            (ids, emap_arg, hist, off, counts, sorted_token_ids, np.int32(P), np.int32(E),
+             np.int32(n), ignore, np.int32(chunk), np.int32(num_chunks)),
+            shared_mem=smem_scatter)
     return sorted_token_ids, expert_ids, num_tokens_post_padded
 
 
