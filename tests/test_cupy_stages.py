@@ -17,7 +17,8 @@ What "equal" means, stage by stage:
   values being 2^-8 apart); ids are distinct in every row; weights are compared on the
   rows whose ids match (relative Frobenius error <= 1e-5: the math is fp32 for every input
   dtype).
-- alignment: integer outputs exact. The contract only fixes the *set* of slots per block
+- alignment: integer outputs exact, on both of its paths (one launch up to SMALL_P slots,
+  count + scatter above; the vLLM grid crosses the threshold, the nasty cases force each). The contract only fixes the *set* of slots per block
   (assert_same_blocks); this kernel is stable (increasing s inside an expert, like the
   reference), so the order is checked exactly too, in a separate assertion.
 - permute: x_grouped, expert_offsets, inv_permuted_idx exact (a copy and integers).
@@ -339,9 +340,17 @@ def test_align_vllm_grid(T, E, K, B):
     check_align(distinct_topk_ids(rng, T, E, K), B, E)
 
 
+@pytest.fixture(params=["one_launch", "count_scatter"])
+def align_path(request, monkeypatch):
+    """Both alignment paths: one block (P <= SMALL_P) and count + scatter (forced)."""
+    if request.param == "count_scatter":
+        monkeypatch.setitem(ck_perm.CONFIGS["align"], "SMALL_P", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("case", ["one_token", "all_on_one_expert", "empty_experts",
                                   "one_expert_per_block", "E1024", "not_pow2", "B1", "pad"])
-def test_align_nasty(case):
+def test_align_nasty(case, align_path):
     rng = rng_for("align_nasty", case)
     B, pad = 16, False
     if case == "one_token":
@@ -363,7 +372,7 @@ def test_align_nasty(case):
     check_align(ids, B, E, pad=pad)
 
 
-def test_align_empty_batch():
+def test_align_empty_batch(align_path):
     got = check_align(np.zeros((0, 4), np.int32), 16, 8)
     assert got[0].size == 0 and int(got[2][0]) == 0
 
@@ -371,7 +380,7 @@ def test_align_empty_batch():
 @pytest.mark.parametrize("ignore_invalid", [False, True])
 @pytest.mark.parametrize("placement", ["linear", "round_robin"])
 @pytest.mark.parametrize("ep_rank", [0, 3])
-def test_align_expert_map(ep_rank, placement, ignore_invalid):
+def test_align_expert_map(ep_rank, placement, ignore_invalid, align_path):
     T, E, K, B = 300, 64, 6, 16
     rng = rng_for("align_map", ep_rank, placement, ignore_invalid)
     _, emap = reference.determine_expert_map(4, ep_rank, E, placement)
