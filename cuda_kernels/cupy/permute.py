@@ -271,7 +271,9 @@ def _main(argv=None):
     align_cases = ((16, 8, 2, 16), (4096, 256, 8, 64), (4096, 128, 8, 64), (16384, 256, 8, 128))
     permute_cases = ((1024, 256, 8, 7168), (4096, 128, 8, 2048))
     if quick:
-        align_cases, permute_cases = ((16, 8, 2, 16), (300, 256, 8, 64)), ((33, 16, 4, 136),)
+        # one case per alignment path (P <= SMALL_P: one launch; above: count + scatter)
+        align_cases = ((16, 8, 2, 16), (300, 256, 8, 64), (600, 64, 8, 32))
+        permute_cases = ((33, 16, 4, 136),)
     for T, E, K, B in align_cases:
         ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)  # [T, K]
         d_ids = C.to_device(ids)
