@@ -904,6 +904,12 @@ EMU_CASES = {
                                                      warps=8, stages=4),
                                   (45, 8, 2, 136, 200, 128), dict(expert_map=True, mul=True,
                                                                   bias=np.float32)),
+    # more m-tiles than GROUP_M (8): the grouped launch order wraps into a second group
+    "v4_grouped_order": ("v4", "fp16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, warps=2, stages=2),
+                         (100, 2, 2, 72, 64, 16), dict(mul=True)),
+    "v5_grouped_order": ("v5", "bf16", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, warps=4,
+                                            stages=3),
+                         (300, 2, 2, 72, 32, 64), {}),
     "v3_fp32": ("v3", "fp32", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, warps=2, stages=1, TM=4,
                                    TN=4),
                 (9, 4, 2, 72, 52, 16), dict(mul=True, bias="same")),
