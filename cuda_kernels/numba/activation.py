@@ -35,7 +35,8 @@ import sys
 import numpy as np
 
 from . import _arrays as A
-from ._device import SIMULATOR, cast_out, cu, device_function, erf_f32, exp_f32, tanh_f32, to_f32
+from ._device import (SIMULATOR, cast_out, cu, device_function, erf_f32, exp_f32, ix,
+                      tanh_f32, to_f32)
 from numba import float32  # noqa: E402
 
 CONFIGS = {"act": {"THREADS": 256}}
@@ -98,13 +99,15 @@ def act_kernel(name: str, mode: int, NT: int):
         """x [M, N] -> out [M, N_out]; N_out = N/2 (GATED, INTERLEAVED) or N (ELEMENTWISE)."""
         for row in range(cu.blockIdx.y, M, cu.gridDim.y):
             for c in range(cu.blockIdx.x * NT + cu.threadIdx.x, N_out, cu.gridDim.x * NT):
+                r, cc = ix(row), ix(c)   # unsigned: no negative-index wrap on every access
                 if mode == GATED:
-                    v = f(to_f32(x[row, c])) * to_f32(x[row, c + N_out])
+                    v = f(to_f32(x[r, cc])) * to_f32(x[r, ix(c + N_out)])
                 elif mode == INTERLEAVED:
-                    v = swiglu_oai(to_f32(x[row, 2 * c]), to_f32(x[row, 2 * c + 1]), alpha, limit)
+                    v = swiglu_oai(to_f32(x[r, ix(2 * c)]), to_f32(x[r, ix(2 * c + 1)]), alpha,
+                                   limit)
                 else:
-                    v = f(to_f32(x[row, c]))
-                out[row, c] = cast_out(out, v)
+                    v = f(to_f32(x[r, cc]))
+                out[r, cc] = cast_out(out, v)
 
     return cu.jit(act)
 

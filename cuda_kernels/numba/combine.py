@@ -10,7 +10,8 @@ weights are already applied by GEMM2 (mul_routed_weight), as in vLLM.
 
 Kernel `moe_sum_kernel`: block = NT threads over h, grid = (cdiv(H, NT), min(T, 65535)), rows
 strided by gridDim.y, no shared memory. Each thread reads K elements H apart (every read
-coalesced across the warp) and writes one.
+coalesced across the warp) and writes one. K <= 32 is compiled in (one kernel per K), so the
+K loads are unrolled and in flight together.
 
 dtypes: fp32, fp16, bf16 (uint16 bits, converted by shifts in the kernel: _device.py).
 
@@ -24,10 +25,11 @@ import sys
 import numpy as np
 
 from . import _arrays as A
-from ._device import SIMULATOR, cast_out, cu, to_f32
+from ._device import SIMULATOR, cast_out, cu, ix, to_f32
 from numba import float32  # noqa: E402
 
 CONFIGS = {"sum": {"THREADS": 256}}
+MAX_UNROLLED_K = 32   # K up to this is a compile-time constant (one kernel per K)
 SIM_CONFIGS = {"sum": {"THREADS": 16}}
 MAX_GRID_Y = 65535
 
@@ -37,15 +39,22 @@ def config(name):
 
 
 @functools.lru_cache(maxsize=None)
-def moe_sum_kernel(NT: int):
+def moe_sum_kernel(NT: int, KC: int = 0):
+    """The combine kernel; KC > 0 fixes K at compile time, so the K loads of an output are
+    unrolled and in flight together (a runtime-K loop waits out each load's latency)."""
+
     def moe_sum_rows(x, out, T, K, H):
         """out[t, h] = sum_k x[t, k, h] in fp32, rounded once."""
         for t in range(cu.blockIdx.y, T, cu.gridDim.y):
             for h in range(cu.blockIdx.x * NT + cu.threadIdx.x, H, cu.gridDim.x * NT):
                 acc = float32(0.0)
-                for k in range(K):
-                    acc += to_f32(x[t, k, h])
-                out[t, h] = cast_out(out, acc)
+                if KC > 0:
+                    for k in range(KC):
+                        acc += to_f32(x[ix(t), k, ix(h)])
+                else:
+                    for k in range(K):
+                        acc += to_f32(x[ix(t), ix(k), ix(h)])
+                out[ix(t), ix(h)] = cast_out(out, acc)
 
     return cu.jit(moe_sum_rows)
 
@@ -60,7 +69,8 @@ def moe_sum(x):
     if T and H:
         NT = config("sum")["THREADS"]
         xd = call.dev("x", x)
-        moe_sum_kernel(NT)[(A.cdiv(H, NT), min(T, MAX_GRID_Y)), NT](xd, out, T, K, H)
+        kernel = moe_sum_kernel(NT, K if K <= MAX_UNROLLED_K else 0)
+        kernel[(A.cdiv(H, NT), min(T, MAX_GRID_Y)), NT](xd, out, T, K, H)
     return call.result(out)
 
 
@@ -68,9 +78,9 @@ def compile_cases():
     """(label, kernel, argument types) of every launch above, for the PTX checks (_ptx.py)."""
     from numba import types as t
 
-    return [(f"moe_sum {dt}", moe_sum_kernel(CONFIGS["sum"]["THREADS"]),
+    return [(f"moe_sum K={kc or 'runtime'} {dt}", moe_sum_kernel(CONFIGS["sum"]["THREADS"], kc),
              (t.Array(dt, 3, "C"), t.Array(dt, 2, "C"), t.int64, t.int64, t.int64))
-            for dt in (t.float32, t.float16, t.uint16)]
+            for dt in (t.float32, t.float16, t.uint16) for kc in (8, 0)]
 
 
 def _main():

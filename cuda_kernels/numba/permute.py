@@ -67,6 +67,7 @@ SIM_CONFIGS = {
 }
 SHARED_LIMIT = 48 * 1024
 MAX_GRID_Y = 65535
+MAX_UNROLLED_K = 32   # unpermute's K up to this is a compile-time constant (one kernel per K)
 
 
 def config(name):
@@ -366,25 +367,30 @@ def _rank_words(rank, NT, E):
 
 
 @functools.lru_cache(maxsize=None)
-def row_kernels(NT):
-    """(permute_rows, unpermute_rows) for NT threads per block."""
+def row_kernels(NT, KC=0):
+    """(permute_rows, unpermute_rows) for NT threads per block; KC > 0 fixes unpermute's K
+    at compile time (its K gathers unrolled, in flight together)."""
 
     def permute_rows(x, inv, K, x_grouped, P, H):
         """x_grouped[inv[s], :] = x[s // K, :]: a row per blockIdx.y, columns across threads."""
         for s in range(cu.blockIdx.y, P, cu.gridDim.y):
-            dst = inv[s]
+            dst = inv[ix(s)]
             src = s // K
             for h in range(cu.blockIdx.x * NT + cu.threadIdx.x, H, cu.gridDim.x * NT):
-                x_grouped[dst, h] = x[src, h]
+                x_grouped[ix(dst), ix(h)] = x[ix(src), ix(h)]
 
     def unpermute_rows(y, w, inv, out, T, K, H):
         """out[t, h] = sum_k w[t, k] * y[inv[t*K + k], h], fp32, rounded once."""
         for t in range(cu.blockIdx.y, T, cu.gridDim.y):
             for h in range(cu.blockIdx.x * NT + cu.threadIdx.x, H, cu.gridDim.x * NT):
                 acc = float32(0.0)
-                for k in range(K):
-                    acc += to_f32(y[inv[t * K + k], h]) * to_f32(w[t, k])
-                out[t, h] = cast_out(out, acc)
+                if KC > 0:
+                    for k in range(KC):
+                        acc += to_f32(y[ix(inv[ix(t * KC + k)]), ix(h)]) * to_f32(w[ix(t), k])
+                else:
+                    for k in range(K):
+                        acc += to_f32(y[ix(inv[ix(t * K + k)]), ix(h)]) * to_f32(w[ix(t), ix(k)])
+                out[ix(t), ix(h)] = cast_out(out, acc)
 
     return cu.jit(permute_rows), cu.jit(unpermute_rows)
 
@@ -514,7 +520,7 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
     out = call.empty((T, H), A.dtype_of(y_grouped))                         # [T, H]
     if T and H:
         NT = config("rows")["THREADS"]
-        _, unpermute_rows = row_kernels(NT)
+        _, unpermute_rows = row_kernels(NT, K if K <= MAX_UNROLLED_K else 0)
         y = call.dev("y_grouped", y_grouped)
         w = call.dev("topk_weights", topk_weights)
         inv = call.dev("inv_permuted_idx", inv_permuted_idx)
@@ -549,11 +555,14 @@ def compile_cases():
         if rank == "warp":
             cases.append(("align_scan", scan,
                           (arr(i32, 2), i64, i64, i64, i64, v, i64, v, v, i64, i64, v, v, i64)))
-    permute_rows, unpermute_rows = row_kernels(CONFIGS["rows"]["THREADS"])
     for dt in (t.float32, t.float16, t.uint16):
-        cases.append((f"permute_rows {dt}", permute_rows, (arr(dt, 2), v, i64, arr(dt, 2), i64, i64)))
-        cases.append((f"unpermute_rows {dt}", unpermute_rows,
-                      (arr(dt, 2), arr(t.float32, 2), v, arr(dt, 2), i64, i64, i64)))
+        for kc in (8, 0):
+            permute_rows, unpermute_rows = row_kernels(CONFIGS["rows"]["THREADS"], kc)
+            if kc:
+                cases.append((f"permute_rows {dt}", permute_rows,
+                              (arr(dt, 2), v, i64, arr(dt, 2), i64, i64)))
+            cases.append((f"unpermute_rows K={kc or 'runtime'} {dt}", unpermute_rows,
+                          (arr(dt, 2), arr(t.float32, 2), v, arr(dt, 2), i64, i64, i64)))
     return cases
 
 

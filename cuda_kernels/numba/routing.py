@@ -53,7 +53,7 @@ import numpy as np
 
 from . import _arrays as A
 from ._device import (FULL_MASK, NAN32, NEG_INF32, SIMULATOR, better, cu, device_function,
-                      exp_f32, max_nan, sel_key, to_f32)
+                      exp_f32, ix, max_nan, sel_key, to_f32)
 from numba import float32, int32  # noqa: E402  (numba after the shim)
 
 # Tunables are data: one dict per flavour (the simulator gets small blocks: 2,000 threads/s).
@@ -188,7 +188,7 @@ def route_kernel(flavor: str, n: int):
     def route(logits, bias, weights, ids, tei, T, E, K, G, topk_group, scoring, renorm,
               has_bias, want_tei, scale):
         """logits [T, E] -> weights f32 [T, K], ids [T, K], tei int32 [T, K] (see module doc)."""
-        tid = cu.threadIdx.x
+        tid = cu.threadIdx.x & 1023         # & 1023: LLVM learns tid >= 0
         lane = tid % LANES
         slot = tid // LANES                 # which row of this block
         row = cu.blockIdx.x * ROWS + slot
@@ -207,29 +207,29 @@ def route_kernel(flavor: str, n: int):
         # 1. scores: softmax (max, exp, sum, divide) or sigmoid, in fp32
         m = NEG_INF32
         for e in range(lane, E, LANES):
-            x = to_f32(logits[row, e])
-            sc[e] = x
+            x = to_f32(logits[ix(row), ix(e)])
+            sc[ix(e)] = x
             m = max_nan(m, x)
         if scoring == 0:
             m = rmax(m, red_f, red_i, lane)
             s = float32(0.0)
             for e in range(lane, E, LANES):
-                ex = exp_f32(sc[e] - m)
-                sc[e] = ex
+                ex = exp_f32(sc[ix(e)] - m)
+                sc[ix(e)] = ex
                 s += ex
             s = rsum(s, red_f, red_i, lane)
             for e in range(lane, E, LANES):
-                sc[e] = sc[e] / s
+                sc[ix(e)] = sc[ix(e)] / s
         else:
             for e in range(lane, E, LANES):
-                sc[e] = float32(1.0) / (float32(1.0) + exp_f32(-sc[e]))
+                sc[ix(e)] = float32(1.0) / (float32(1.0) + exp_f32(-sc[ix(e)]))
 
         # 2. choice = scores (+ bias), raw (a NaN stays NaN until the group scores are taken)
         for e in range(lane, E, LANES):
-            v = sc[e]
+            v = sc[ix(e)]
             if has_bias:
-                v = v + to_f32(bias[e])
-            key[e] = v
+                v = v + to_f32(bias[ix(e)])
+            key[ix(e)] = v
         rsync(lane)   # from here on threads read entries that other threads wrote
 
         # 3. groups: score each, keep the topk_group best, mask the rest to -inf
@@ -239,11 +239,11 @@ def route_kernel(flavor: str, n: int):
                 e0 = g * per
                 if has_bias:   # sum of the two best choices (NaN ranks as -inf, ties low id)
                     b1 = e0
-                    k1 = sel_key(key[e0])
+                    k1 = sel_key(key[ix(e0)])
                     b2 = -1
                     k2 = NEG_INF32
                     for e in range(e0 + 1, e0 + per):
-                        k = sel_key(key[e])
+                        k = sel_key(key[ix(e)])
                         if k > k1:
                             b2 = b1
                             k2 = k1
@@ -252,33 +252,33 @@ def route_kernel(flavor: str, n: int):
                         elif b2 < 0 or k > k2:
                             b2 = e
                             k2 = k
-                    gsc = key[b1]
+                    gsc = key[ix(b1)]
                     if b2 >= 0:
-                        gsc = gsc + key[b2]
+                        gsc = gsc + key[ix(b2)]
                 else:          # max of the unbiased scores, a NaN ranking as -inf (a NaN
-                    gsc = sel_key(sc[e0])   # score never knocks its whole group out)
+                    gsc = sel_key(sc[ix(e0)])   # score never knocks its whole group out)
                     for e in range(e0 + 1, e0 + per):
-                        gsc = max(gsc, sel_key(sc[e]))
-                gs[g] = sel_key(gsc)
+                        gsc = max(gsc, sel_key(sc[ix(e)]))
+                gs[ix(g)] = sel_key(gsc)
             rsync(lane)
             for r in range(topk_group):
                 bv = NEG_INF32
                 bi = int32(G)
                 for g in range(lane, G, LANES):
-                    v = gs[g]
+                    v = gs[ix(g)]
                     if v == v and better(v, g, bv, bi):
                         bv = v
                         bi = int32(g)
                 bv, bi = rargmax(bv, bi, red_f, red_i, lane)
                 if lane == bi % LANES:
-                    gs[bi] = NAN32     # kept; only this thread scans group bi again
+                    gs[ix(bi)] = NAN32     # kept; only this thread scans group bi again
             rsync(lane)
             for e in range(lane, E, LANES):
-                kept = gs[e // per] != gs[e // per]
-                key[e] = sel_key(key[e]) if kept else NEG_INF32
+                kept = gs[ix(e // per)] != gs[ix(e // per)]
+                key[ix(e)] = sel_key(key[ix(e)]) if kept else NEG_INF32
         else:
             for e in range(lane, E, LANES):
-                key[e] = sel_key(key[e])
+                key[ix(e)] = sel_key(key[ix(e)])
 
         # 4. top-k: K rounds of a row-wide argmax; thread k % L writes slot k
         total = float32(0.0)
@@ -286,25 +286,25 @@ def route_kernel(flavor: str, n: int):
             bv = NEG_INF32
             bi = int32(E)
             for e in range(lane, E, LANES):
-                v = key[e]
+                v = key[ix(e)]
                 if v == v and better(v, e, bv, bi):
                     bv = v
                     bi = int32(e)
             bv, bi = rargmax(bv, bi, red_f, red_i, lane)
-            w = sc[bi]
+            w = sc[ix(bi)]
             if lane == bi % LANES:
-                key[bi] = NAN32        # taken
+                key[ix(bi)] = NAN32        # taken
             total += w
             if lane == k % LANES:
-                weights[row, k] = w
-                ids[row, k] = bi
+                weights[ix(row), ix(k)] = w
+                ids[ix(row), ix(k)] = bi
                 if want_tei:
-                    tei[row, k] = k * T + row
+                    tei[ix(row), ix(k)] = k * T + row
         div = float32(1.0)
         if renorm and total > 0:
             div = total
         for k in range(lane, K, LANES):   # each thread rescales only what it wrote
-            weights[row, k] = (weights[row, k] / div) * scale
+            weights[ix(row), ix(k)] = (weights[ix(row), ix(k)] / div) * scale
 
     return cu.jit(route)
 
