@@ -11,13 +11,15 @@ The table (see grouped_gemm.lookup) holds two kinds of rows, each a config for o
     benchmark's models (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3); lookup uses them for
     shapes within a factor of two.
 
-How a shape is tuned on the GPU (v4, bf16; the fp16 rows copy bf16's, the kernels are the
-same but for the mma's type): for each bucket m, T = m * E / top_k tokens are routed
-uniformly at random; GEMM1 and GEMM2 must share one alignment block_size B, so for each B in
-{16, 32, 64, 128} (B <= 2m, past that padding only costs), the fastest GEMM1 config with
-BLOCK_M = B and the fastest GEMM2 config with BLOCK_M = B are timed, and the B with the
-smallest sum wins. Timing: CUDA events around one call, L2 flushed before each (a 128 MB
-memset outside the events), 3 warm-ups, median of --reps.
+How a shape is tuned on the GPU (--versions v4 by default, or v4,v5; bf16, the fp16 rows
+copy bf16's: the kernels are the same but for the mma's type): for each bucket m,
+T = m * E / top_k tokens are routed uniformly at random; GEMM1 and GEMM2 must share one
+alignment block_size B, so for each B in {16, 32, 64, 128} (v5: {64, 128}; B <= 2m, past
+that padding only costs), the fastest GEMM1 config with BLOCK_M = B and the fastest GEMM2
+config with BLOCK_M = B are timed, and the B with the smallest sum wins. A candidate whose
+output disagrees with v4's default config (relative error > 1e-2) is reported and dropped.
+Timing: CUDA events around one call, L2 flushed before each (a 128 MB memset outside the
+events), 3 warm-ups, median of --reps.
 """
 from __future__ import annotations
 
@@ -54,6 +56,13 @@ V4_CANDIDATES = [
     (128, 64, 64, 4, 4), (128, 128, 32, 4, 4), (128, 128, 64, 4, 3), (128, 128, 32, 8, 4),
     (128, 256, 32, 8, 3),
 ]
+# v5 candidates (wgmma, opt-in): BLOCK_M 64 (one warpgroup) or 128 (two), warps = BLOCK_M / 16
+V5_CANDIDATES = [
+    (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (64, 256, 32, 4, 4),
+    (128, 128, 64, 8, 4), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4), (128, 64, 64, 8, 4),
+]
+CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES}
+BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128)}
 DEFAULT_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
 
 
@@ -136,8 +145,20 @@ def _time(cp, fn, reps, flush):
     return float(np.median(times))
 
 
-def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, log=print) -> list[dict]:
-    """Shape rows for v4 (and their fp16 copies) from timing on the current GPU."""
+def _rel_err(cp, got, want) -> float:
+    g, w_ = gg._as_f32(got), gg._as_f32(want)
+    den = float(cp.linalg.norm(w_))
+    err = float(cp.linalg.norm(g - w_)) / max(den, 1e-30)
+    return err if np.isfinite(err) else float("inf")
+
+
+def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
+         log=print) -> list[dict]:
+    """Shape rows for `versions` (and their fp16 copies) from timing on the current GPU.
+
+    Every candidate's output is first compared with the default rung's (v4 with its
+    heuristic config, which the GPU tests validate against the reference): a candidate that
+    disagrees (relative error > 1e-2, or NaN) is logged and never chosen."""
     import cupy as cp
 
     from ._compile import bf16_dtype
@@ -151,7 +172,7 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, log=print) -> list
         # one set of weights per model, filled expert by expert (no fp32 copy of all of them)
         w13 = gg.random_device((E, 2 * I, H), dt, 1 / math.sqrt(H), rng)
         w2 = gg.random_device((E, H, I), dt, 1 / math.sqrt(I), rng)
-        for m in buckets:
+        for version, m in [(v, m) for m in buckets for v in versions]:
             if time.time() - t_start > budget_s:
                 log(f"budget of {budget_s:.0f} s spent: stopping before {name} m={m}")
                 return rows
@@ -160,40 +181,50 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, log=print) -> list
             act = gg.random_device((T * top_k, I), dt, 1.0, rng)
             ids = cp.argsort(rng.random((T, E)), axis=1)[:, :top_k].astype(cp.int32)
             best = None
-            for B in (16, 32, 64, 128):
-                if B > max(16, 2 * m):
+            smallest = BLOCK_SIZES[version][0]
+            for B in BLOCK_SIZES[version]:
+                if B > max(smallest, 2 * m):
                     continue
                 st, ex, nt = _align_gpu(cp, ids, B, E)
                 per_gemm = []
                 for (a, w, tk, N, K) in ((x, w13, top_k, 2 * I, H), (act, w2, 1, H, I)):
                     timed = []
-                    for cand in V4_CANDIDATES:
+                    want = gg.grouped_gemm(a, w, st, ex, nt, tk, B, version="v4")
+                    for cand in CANDIDATES[version]:
                         if cand[0] != B:
                             continue
                         cfg = dict(zip(gg.CONFIG_KEYS, cand))
                         try:
-                            gg.check_config("v4", dkey, cfg)
-                            def fn(a=a, w=w, tk=tk, cfg=cfg, st=st, ex=ex, nt=nt, B=B):
-                                return gg.grouped_gemm(a, w, st, ex, nt, tk, B, version="v4",
+                            gg.check_config(version, dkey, cfg)
+
+                            def fn(a=a, w=w, tk=tk, cfg=cfg, st=st, ex=ex, nt=nt, B=B,
+                                   v=version):
+                                return gg.grouped_gemm(a, w, st, ex, nt, tk, B, version=v,
                                                        config=cfg)
+                            err = _rel_err(cp, fn(), want)
+                            if err > 1e-2:
+                                log(f"  WRONG {version} {cand}: relative error {err:.2e} against "
+                                    f"v4's default: not a candidate")
+                                continue
                             timed.append((_time(cp, fn, reps, flush), cand))
                         except Exception as e:  # a config that does not fit this GPU
-                            log(f"  skip {cand}: {type(e).__name__}: {str(e)[:120]}")
+                            log(f"  skip {version} {cand}: {type(e).__name__}: {str(e)[:120]}")
                     if not timed:
                         break
                     per_gemm.append(min(timed))
                 if len(per_gemm) != 2:
                     continue
                 total = per_gemm[0][0] + per_gemm[1][0]
-                log(f"{name:14s} m={m:5d} T={T:6d} B={B:3d} gemm1 {per_gemm[0][0]*1e6:9.1f} us "
-                    f"{per_gemm[0][1]}  gemm2 {per_gemm[1][0]*1e6:9.1f} us {per_gemm[1][1]}")
+                log(f"{name:14s} {version} m={m:5d} T={T:6d} B={B:3d} gemm1 "
+                    f"{per_gemm[0][0]*1e6:9.1f} us {per_gemm[0][1]}  gemm2 "
+                    f"{per_gemm[1][0]*1e6:9.1f} us {per_gemm[1][1]}")
                 if best is None or total < best[0]:
                     best = (total, per_gemm)
             if best is None:
                 continue
             for (t, cand), (N, K) in zip(best[1], ((2 * I, H), (H, I))):
                 for dk in (dkey, "fp16" if dkey == "bf16" else "bf16"):
-                    rows.append({"version": "v4", "dtype": dk, "m": m, "N": N, "K": K,
+                    rows.append({"version": version, "dtype": dk, "m": m, "N": N, "K": K,
                                  **dict(zip(gg.CONFIG_KEYS, cand)),
                                  "us": round(t * 1e6, 1), "model": name})
         del w13, w2
@@ -208,6 +239,7 @@ def main(argv=None):
     p.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)))
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=1800.0)
+    p.add_argument("--versions", default="v4", help="rungs to tune: v4, v5 or v4,v5")
     p.add_argument("--out", default=str(gg.CONFIG_PATH))
     args = p.parse_args(argv)
     table = heuristic_table()
@@ -220,15 +252,15 @@ def main(argv=None):
         if not ok:
             raise SystemExit(f"tuning needs a GPU: {why} (use --heuristic)")
         rows = tune(args.models.split(","), [int(b) for b in args.buckets.split(",")], args.reps,
-                    budget_s=args.budget_s)
+                    budget_s=args.budget_s, versions=tuple(args.versions.split(",")))
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         try:
             commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                     text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
         except OSError:
             commit = None
-        table["source"] = (f"timed by tune.py (v4 shape rows, commit {commit}); generic rows "
-                           f"are the heuristic")
+        table["source"] = (f"timed by tune.py ({args.versions} shape rows, commit {commit}); "
+                           f"generic rows are the heuristic")
         table["gpu"] = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
         table["date"] = datetime.date.today().isoformat()
         table["command"] = " ".join([sys.executable, "-m", "cuda_kernels.cupy.tune"] +
