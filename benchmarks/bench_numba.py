@@ -142,7 +142,7 @@ class Env:
     def _flat(self, x):
         if self.cp is not None and np.dtype(x.dtype) == A.BF16:
             x = x.view(np.uint16)
-        x = self.cu.as_cuda_array(x) if self.cp is not None else x
+        x = self.cu.as_cuda_array(x, sync=False) if self.cp is not None else x
         return x.reshape(x.size)
 
     def randn(self, shape, dtype, scale=1.0):

@@ -167,6 +167,18 @@ def _poison_value(storage: np.dtype, logical: np.dtype):
 
 
 # ----------------------------------------------------------------------------- a stage call
+def _view(x):
+    """A numba view of a foreign CUDA array, without numba's host-blocking sync.
+
+    CuPy's interface (v3) names its stream, and numba's default is to synchronize that stream
+    on the host before every use: a full stall per argument. Every kernel here runs on the
+    legacy default stream, which is ordered with CuPy's and torch's default (blocking)
+    streams anyway, so the sync is skipped.
+    """
+    return cuda().as_cuda_array(x, sync=False)
+
+
+
 class Call:
     """One stage call: its kind (taken from the main input), device views, fresh outputs.
 
@@ -200,7 +212,7 @@ class Call:
             x = x.view(np.uint16)
         if size_of(x) == 0:  # an empty array may carry a null pointer; nothing reads it
             return cu.device_array(shape_of(x), dtype=_storage(dtype_of(x)))
-        return cu.as_cuda_array(x)
+        return _view(x)
 
     # outputs
     def empty(self, shape, dtype):
@@ -222,7 +234,7 @@ class Call:
                     public = arr.view(BF16)
                 except Exception:  # a CuPy without bf16: the caller gets the uint16 bits
                     public = arr
-            dev = cu.as_cuda_array(arr) if arr.size else cu.device_array(shape, dtype=storage)
+            dev = _view(arr) if arr.size else cu.device_array(shape, dtype=storage)
         elif self.kind == "torch":
             import torch
             tdt = _torch_dtypes()[1][logical]
@@ -231,7 +243,7 @@ class Call:
                 public.fill_(float("nan") if logical.kind == "f" or logical == BF16
                              else _poison_value(storage, logical))
             bits = public.view(torch.uint16) if logical == BF16 else public
-            dev = cu.as_cuda_array(bits) if public.numel() else cu.device_array(shape, storage)
+            dev = _view(bits) if public.numel() else cu.device_array(shape, storage)
         else:
             if poison:
                 dev = cu.to_device(np.full(shape, _poison_value(storage, logical), dtype=storage))
@@ -276,7 +288,7 @@ def to_host(x, dtype=None):
         elif hasattr(x, "copy_to_host"):
             out = x.copy_to_host()
         else:
-            out = cuda().as_cuda_array(x).copy_to_host()
+            out = _view(x).copy_to_host()
     if dtype is not None and np.dtype(dtype) != out.dtype:
         out = out.view(np.dtype(dtype))
     return out

@@ -12,6 +12,9 @@ The math (reference/experts.py): for every position p < num_tokens_post_padded w
 s = sorted_token_ids[p] < P and e = expert_ids[p // B]:
     c[s, :] = (a[s // top_k, :] @ w[e].T + bias[e]) * (topk_weights.flat[s] if mul_routed_weight)
 in fp32, rounded once to a.dtype; c[s, :] = 0 when e == -1 (an expert on another rank).
+Device inputs are not read back for checks: an expert id >= E also gives zeros and a slot
+outside [0, P) is skipped, so a bad alignment never makes the kernel read or write out of
+bounds (host inputs are checked and raise, as the reference does).
 a [M_a, Kd], w [E, N, Kd] (Hugging Face [out, in]), bias [E, N]. Rows no position names are
 left unwritten (the reference leaves them NaN). The gather of a's rows through sorted_token_ids
 is fused into the GEMM, as in vLLM: nothing is permuted in memory.
@@ -88,10 +91,10 @@ def gemm_v1(TX: int, TY: int):
         if p >= num_post[0] or n >= N:
             return
         s = sorted_ids[p]
-        if s >= P:                      # padding
+        if s >= P or s < 0:             # padding
             return
         e = expert_ids[p // B]
-        if e < 0:                       # expert on another rank: its rows are zeros
+        if e < 0 or e >= w.shape[0]:    # expert on another rank: its rows are zeros
             c[s, n] = cast_out(c, float32(0.0))
             return
         row = s // top_k
@@ -128,13 +131,14 @@ def gemm_v2(BM: int, BN: int, BK: int):
         srow = cu.shared.array(BM, int32)   # a row of each tile row, -1 for padding
         if tx == 0:
             s = sorted_ids[ix(p0 + ty)]
-            srow[ty] = s // top_k if s < P else -1
+            srow[ty] = s // top_k if s < P and s >= 0 else -1
         e = expert_ids[ix(p0 // B)]         # BM divides B: one expert per tile
         cu.syncthreads()
         s = sorted_ids[ix(p0 + ty)]
+        live = s < P and s >= 0
         n = n0 + tx
-        if e < 0:
-            if s < P and n < N:
+        if e < 0 or e >= w.shape[0]:        # another rank's expert (>= E: never read w)
+            if live and n < N:
                 c[ix(s), ix(n)] = cast_out(c, float32(0.0))
             return
         acc = float32(0.0)
@@ -151,7 +155,7 @@ def gemm_v2(BM: int, BN: int, BK: int):
             for kk in range(BK):
                 acc += As[ty, ix(kk)] * Ws[tx, ix(kk)]
             cu.syncthreads()
-        if s < P and n < N:
+        if live and n < N:
             if has_bias:
                 acc += to_f32(bias[ix(e), ix(n)])
             if mul_w:
@@ -192,12 +196,12 @@ def gemm_v3(BM: int, BN: int, BK: int, TM: int, TN: int):
         sslot = cu.shared.array(BM, int32)         # slot s per tile row, -1 for padding
         for m in range(tid, BM, NT):
             s = sorted_ids[ix(p0 + m)]
-            valid = s < P
+            valid = s < P and s >= 0
             srow[m] = s // top_k if valid else -1
             sslot[m] = s if valid else -1
         e = expert_ids[ix(p0 // B)]
         cu.syncthreads()
-        if e < 0:                                   # uniform over the block
+        if e < 0 or e >= w.shape[0]:                # uniform over the block
             for i in range(TM):
                 s = sslot[ix(ty + TY * i)]
                 if s >= 0:

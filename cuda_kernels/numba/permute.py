@@ -22,19 +22,27 @@ words):
 
     kernel          grid  block  shared        does
     align_single    1     NT     3E + 1 + 2NT  everything, when P <= SINGLE_BLOCK_MAX_SLOTS
+                                   (+ 2 W E)
     align_count     nb    NT     E             per-block histogram -> block_counts [nb, E]
     align_scan      1     NT     2E + 1 + NT   per-expert block prefix, padded prefix sum,
                                                expert_ids, padding, num_tokens_post_padded
     align_scatter   nb    NT     E + NT        stable rank -> sorted_token_ids / inv index
+                                   (+ 2 W E)   (W = NT / 32 warps, "warp" ranks)
     permute_rows    (cdiv(H, NT), min(P, 65535))  NT  -    x_grouped[inv[s]] = x[s // K]
     unpermute_rows  (cdiv(H, NT), min(T, 65535))  NT  -    out[t] = sum_k w[t,k] y[inv[t*K+k]]
 
 Histograms use shared-memory atomics; the prefix sum is a per-thread chunk sum plus a
 Hillis-Steele scan over NT partial sums; the stable rank processes NT slots per round: a
-slot's rank is the number of earlier slots of its expert in the round (an O(NT) scan of a
-shared array, no warp intrinsics, so the same code runs in the simulator) plus the expert's
-running count, which the block's atomics advance after each round. Across blocks the
-scan kernel turns block_counts into each block's starting offset within each expert.
+slot's rank is the number of earlier slots of its expert in the round plus the expert's
+running count, which the block's atomics advance after each round. Two ways to count the
+earlier slots of the round (config "RANK"):
+    "warp"   (GPU) match_any_sync gives the same-expert lanes of the warp (popc of those
+             below), plus the counts the earlier warps of the round published in a shared
+             [W, E] table (tagged with the round, so it is never cleared); 2 W E more words
+    "block"  (simulator, or E too large for the table) an O(NT) scan of the round's experts
+             in shared memory: no warp intrinsics
+Across blocks the scan kernel turns block_counts into each block's starting offset within
+each expert.
 
 dtypes: topk_ids any integer dtype; hidden_states / y_grouped fp32, fp16, bf16 (copied as
 uint16 bits by permute; unpermute converts bits <-> fp32 in the kernel) or fp64 (permute only);
@@ -375,21 +383,29 @@ def row_kernels(NT, KC=0):
         """x_grouped[inv[s], :] = x[s // K, :]: a row per blockIdx.y, columns across threads."""
         for s in range(cu.blockIdx.y, P, cu.gridDim.y):
             dst = inv[ix(s)]
+            if dst < 0 or dst >= P:   # a slot the alignment skipped (an id outside [0, E))
+                continue
             src = s // K
             for h in range(cu.blockIdx.x * NT + cu.threadIdx.x, H, cu.gridDim.x * NT):
                 x_grouped[ix(dst), ix(h)] = x[ix(src), ix(h)]
 
     def unpermute_rows(y, w, inv, out, T, K, H):
-        """out[t, h] = sum_k w[t, k] * y[inv[t*K + k], h], fp32, rounded once."""
+        """out[t, h] = sum_k w[t, k] * y[inv[t*K + k], h], fp32, rounded once.
+        An index outside [0, P) (a caller's bug; the reference raises) adds nothing."""
+        P = y.shape[0]
         for t in range(cu.blockIdx.y, T, cu.gridDim.y):
             for h in range(cu.blockIdx.x * NT + cu.threadIdx.x, H, cu.gridDim.x * NT):
                 acc = float32(0.0)
                 if KC > 0:
                     for k in range(KC):
-                        acc += to_f32(y[ix(inv[ix(t * KC + k)]), ix(h)]) * to_f32(w[ix(t), k])
+                        r = inv[ix(t * KC + k)]
+                        if r >= 0 and r < P:
+                            acc += to_f32(y[ix(r), ix(h)]) * to_f32(w[ix(t), k])
                 else:
                     for k in range(K):
-                        acc += to_f32(y[ix(inv[ix(t * K + k)]), ix(h)]) * to_f32(w[ix(t), ix(k)])
+                        r = inv[ix(t * K + k)]
+                        if r >= 0 and r < P:
+                            acc += to_f32(y[ix(r), ix(h)]) * to_f32(w[ix(t), ix(k)])
                 out[ix(t), ix(h)] = cast_out(out, acc)
 
     return cu.jit(permute_rows), cu.jit(unpermute_rows)
