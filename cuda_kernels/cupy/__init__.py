@@ -36,8 +36,20 @@ _STAGES = {
     "gelu_and_mul": "activation", "gelu_tanh_and_mul": "activation",
     "swigluoai_and_mul": "activation",
     "moe_sum": "combine",
-    "grouped_gemm": "grouped_gemm",
 }
+
+
+# grouped_gemm is both a submodule and the stage function. The first import of the submodule
+# sets this package's attribute `grouped_gemm` to the *module*; importing it here, once, and
+# binding the function afterwards keeps `cuda_kernels.cupy.grouped_gemm` the function for good
+# (`importlib.import_module("cuda_kernels.cupy.grouped_gemm")` still gives the module).
+try:
+    from .grouped_gemm import grouped_gemm
+except Exception as _gemm_error:  # noqa: BLE001 - reported when the stage is called
+    _GEMM_IMPORT_ERROR = f"{type(_gemm_error).__name__}: {_gemm_error}"
+
+    def grouped_gemm(*args, **kwargs):
+        raise ImportError(f"cuda_kernels.cupy.grouped_gemm failed to import: {_GEMM_IMPORT_ERROR}")
 
 
 def __getattr__(name: str):
