@@ -591,17 +591,19 @@ class FusedMoE:
 
     __call__ = forward
 
-    def run_stages(self, hidden_states, router_logits, backend=None, *, exact=False):
+    def run_stages(self, hidden_states, router_logits, backend=None, *, exact=False,
+                   block_size=None):
         """Forward with a stage trace: (out as NumPy, [StageCall, ...] of the six stages).
 
         `backend` overrides the layer's mapping; `exact=True` runs the reference on float64
-        copies of the inputs and parameters (every stage must then be "reference").
+        copies of the inputs and parameters (every stage must then be "reference");
+        `block_size` overrides the alignment block for this call.
         """
         mapping = self.stage_backends if backend is None else resolve_stage_mapping(backend)
         if exact and set(mapping.values()) != {"reference"}:
             raise ValueError(f"exact: runs on the reference only, got the mapping {mapping}")
         run = self._start(mapping, trace=[])
-        out = self._forward(run, hidden_states, router_logits, exact=exact)
+        out = self._forward(run, hidden_states, router_logits, exact=exact, block=block_size)
         return run.backends["combine"].get(out), run.trace
 
     # --- internals
@@ -679,6 +681,8 @@ class FusedMoE:
         return out
 
     def _block(self, mapping, num_tokens):
+        """block_size: the layer's, else the GEMM backend's config (BLOCK_M), else the
+        backends' default (64; smaller in the CUDA simulator)."""
         if self.block_size is not None:
             return self.block_size
         for stage, n in (("gemm1", self.w13_weight.shape[1]), ("gemm2", self.hidden_size)):
@@ -687,11 +691,15 @@ class FusedMoE:
             try:
                 cfg = b.gemm_config(num_tokens, n, k, self.local_num_experts, self.top_k,
                                     self.params_dtype)
-            except Exception:
+            except Exception:   # a config table that cannot answer: fall back, don't fail
                 cfg = None
             if cfg and cfg.get("BLOCK_M"):
                 return int(cfg["BLOCK_M"])
-        return DEFAULT_BLOCK_SIZE
+        return min(get_backend(mapping[s]).default_block_size for s in STAGES)
+
+    def block_size_for(self, backend, num_tokens) -> int:
+        """The block_size a forward with `backend` (a name or mapping) uses for T tokens."""
+        return self._block(resolve_stage_mapping(backend), num_tokens)
 
     def _route(self, run, x, logits, exact):
         b = run.backends["route"]
@@ -709,12 +717,12 @@ class FusedMoE:
                           (x, logits, self.top_k, self.use_grouped_topk, self.renormalize),
                           kwargs, (self._source(x), self._source(logits), None, None, None))
 
-    def _forward(self, run, hidden_states, router_logits, exact):
+    def _forward(self, run, hidden_states, router_logits, exact, block=None):
         x, logits = self._inputs(hidden_states, router_logits, exact)
         t = x.shape[0]
         bk = run.backends
-        mapping = {s: b.name for s, b in bk.items()}
-        block = self._block(mapping, t)
+        if block is None:
+            block = self._block({s: b.name for s, b in bk.items()}, t)
         ref = get_backend("reference")
         src_x = self._source(x)
 

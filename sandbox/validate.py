@@ -32,6 +32,7 @@ How it judges (T tokens, K top-k, P = T*K slots, B block size):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -135,8 +136,13 @@ class ValidationReport:
             out.append(f"{name}: skipped ({why})")
         m = self.meta
         if m:
+            blocks = m.get("block_sizes") or {}
+            if len(set(blocks.values()) | {m.get("block_size")}) > 1:
+                bs = ", ".join(f"{k} {v}" for k, v in blocks.items())
+            else:
+                bs = str(m.get("block_size"))
             out.append(f"T={m.get('T')} E={m.get('E')} K={m.get('K')} H={m.get('H')} "
-                       f"I={m.get('I')} dtype={m.get('dtype')} block_size={m.get('block_size')}"
+                       f"I={m.get('I')} dtype={m.get('dtype')} block_size={bs}"
                        f"  -> {'OK' if self.ok else 'DIVERGENCE'}")
         return "\n".join(out)
 
@@ -430,19 +436,25 @@ def validate(layer, hidden_states, router_logits, backends=None, *, stages=STAGE
 
     ref = get_backend("reference")
     ref.require()
-    _, trace = layer.run_stages(x, logits, backend="reference")
-    calls = {c.stage: c for c in trace}
-    exact_out = {s: _exact_call(calls[s]) for s in STAGES}
+    t = int(x.shape[0])
+
+    @functools.lru_cache(maxsize=None)
+    def reference_at(block):
+        """The reference's stage calls and their exact outputs, at one block size."""
+        _, trace = layer.run_stages(x, logits, backend="reference", block_size=block)
+        calls = {c.stage: c for c in trace}
+        return calls, {s: _exact_call(calls[s]) for s in STAGES}
+
     exact_e2e = None
     if end_to_end:
         exact_e2e, _ = layer.run_stages(x, logits, backend="reference", exact=True)
     scores = selection_scores(layer, logits)
-    block = int(calls["align"].args[1])
+    ref_block = layer.block_size_for("reference", t)
 
     report = ValidationReport(meta={
-        "T": int(x.shape[0]), "E": layer.num_experts, "K": layer.top_k, "H": layer.hidden_size,
-        "I": layer.intermediate_size, "dtype": str(layer.params_dtype), "block_size": block,
-        "layer": repr(layer), "stages": list(stages), "backends": backends,
+        "T": t, "E": layer.num_experts, "K": layer.top_k, "H": layer.hidden_size,
+        "I": layer.intermediate_size, "dtype": str(layer.params_dtype), "block_size": ref_block,
+        "block_sizes": {}, "layer": repr(layer), "stages": list(stages), "backends": backends,
         "logits_dtype": str(logits.dtype),
         "nan_rows": int(np.isnan(logits).any(axis=1).sum()) if logits.size else 0,
     })
@@ -452,7 +464,12 @@ def validate(layer, hidden_states, router_logits, backends=None, *, stages=STAGE
             report.skipped[name] = b.reason
             report.rows.append(_stage_row(name, "*", status="skipped", detail=b.reason))
             continue
-        ties = np.zeros(x.shape[0], bool)
+        # each backend is judged at its own block size (its GEMM's BLOCK_M): the reference
+        # is re-run there, so the alignment it is compared with is the one it must produce
+        block = layer.block_size_for(name, t)
+        report.meta["block_sizes"][name] = block
+        calls, exact_out = reference_at(block)
+        ties = np.zeros(t, bool)
         first = None
         complete = True
         for stage in STAGES:

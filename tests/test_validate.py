@@ -275,6 +275,26 @@ def test_selection_scores_follow_the_router():
     assert np.allclose(s, reference.softmax(logits) + 1)
 
 
+def test_each_backend_judged_at_its_own_block_size(monkeypatch):
+    """A GEMM whose config asks for BLOCK_M 16 is fed (and its alignment compared at) 16."""
+    seen = []
+    real = torch_backend.moe_align_block_size
+
+    def spy(topk_ids, block_size, *args, **kw):
+        seen.append(block_size)
+        return real(topk_ids, block_size, *args, **kw)
+
+    monkeypatch.setattr(torch_backend, "moe_align_block_size", spy)
+    monkeypatch.setattr(registry.Backend, "gemm_config",
+                        lambda self, *a: {"BLOCK_M": 16} if self.name == "torch" else None)
+    layer, x, logits = make(seed=21, t=30)
+    report = validate(layer, x, logits, backends=["reference", "torch"])
+    assert report.ok, report.table()
+    assert report.meta["block_sizes"] == {"reference": 64, "torch": 16}
+    assert set(seen) == {16}
+    assert "torch 16" in report.table()
+
+
 # ----------------------------------------------------------------------------- report
 def test_json_round_trip():
     layer, x, logits = make(seed=14, nan_rows=(1,))
