@@ -52,7 +52,7 @@ import ml_dtypes
 import numpy as np
 
 from . import arrays
-from .registry import DEFAULT_BLOCK_SIZE, STAGES, get_backend, resolve_stage_mapping
+from .registry import STAGES, get_backend, resolve_stage_mapping
 
 _FLOATS = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16),
            np.dtype(ml_dtypes.bfloat16))

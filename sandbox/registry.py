@@ -175,7 +175,11 @@ class Backend:
         if not _has(self.module, fn_name):
             raise NotImplementedError(f"backend {self.name!r} has no {fn_name} "
                                       f"(stage {stage!r}) yet")
-        return getattr(self.module, fn_name)
+        fn = getattr(self.module, fn_name)
+        if isinstance(fn, ModuleType):
+            # importing pkg.grouped_gemm (the submodule) rebinds pkg.grouped_gemm to it
+            fn = getattr(fn, fn_name)
+        return fn
 
     def gemm_config(self, M, N, K, E, top_k, dtype):
         """The GEMM's tuned config for a shape when the backend offers `get_config`
