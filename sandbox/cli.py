@@ -6,8 +6,9 @@
         The main job: the default layer of data/ (or --checkpoint) and a router trace go
         through every backend available here, stage by stage, against the reference; prints
         the parity table. On a machine without a GPU the Numba kernels run under the CUDA
-        simulator (NUMBA_ENABLE_CUDASIM=1 is set before Numba is imported) on the first
-        --sim-tokens tokens only (the simulator runs one Python thread per CUDA thread).
+        simulator (NUMBA_ENABLE_CUDASIM=1 is set before Numba is imported) in a second,
+        small run: the first --sim-tokens tokens, alignment block --sim-block, stage rows
+        only (the simulator runs one Python thread per CUDA thread).
     moe-sandbox bench [--model NAME ...] [--tokens 1,16,...] [--candidates ...] [--cpu] ...
         CUDA-event timings of every candidate against the roofline floor and the torch peers;
         JSON + plot under benchmarks/results/ (sandbox/bench.py has the pieces).
@@ -30,7 +31,11 @@ import sys
 
 EXIT_OK, EXIT_DIVERGENCE, EXIT_ERROR = 0, 1, 2
 DTYPES = ("float32", "bfloat16", "float16")
-SIM_TOKENS = 4
+# The CUDA simulator runs one Python thread per CUDA thread and every array access in Python
+# (~1e4 simulated multiply-adds a second): the Numba run gets a few tokens and a small
+# alignment block (little padding to compute), and no end-to-end rerun. ~30 s on a laptop.
+SIM_TOKENS = 2
+SIM_BLOCK_SIZE = 4
 
 
 class CliError(Exception):
@@ -161,6 +166,8 @@ def cmd_validate(args) -> int:
         raise CliError(f"--tokens: expected a count >= 0, got {args.tokens}")
     if args.sim_tokens < 1:
         raise CliError(f"--sim-tokens: expected a count >= 1, got {args.sim_tokens}")
+    if args.sim_block < 1:
+        raise CliError(f"--sim-block: expected a block size >= 1, got {args.sim_block}")
     ckpt = pathlib.Path(args.checkpoint) if args.checkpoint else \
         checkpoint.default_checkpoint_path()
     if not ckpt.exists():
@@ -204,17 +211,20 @@ def cmd_validate(args) -> int:
     H, E, K = layer_sizes(layer)
     print(f"layer   {_rel(ckpt)} layer {info.get('layer_idx')} ({family}: E={E} K={K} H={H} "
           f"I={layer.intermediate_size}, {args.dtype})")
-    print(f"trace   {trace_label}: T={x.shape[0]}")
-    runs = [("", fast, x, logits)]
+    print(f"trace   {trace_label}: T={x.shape[0]}", flush=True)
+    runs = [("", fast, layer, x, logits, True)]
     if slow:
         n = min(args.sim_tokens, x.shape[0])
-        runs.append((f" (Numba under the CUDA simulator: first {n} tokens only)",
-                     ["reference"] + slow, x[:n], logits[:n]))
+        sim_layer = layer.with_backend("reference")     # a shallow copy: same parameters
+        sim_layer.block_size = args.sim_block
+        runs.append((f" (Numba under the CUDA simulator: first {n} tokens, block size "
+                     f"{args.sim_block}, stages only)", ["reference"] + slow, sim_layer,
+                     x[:n], logits[:n], False))
     ok, reports = True, []
-    for title, backends, xs, ls in runs:
-        report = validate(layer, xs, ls, backends=backends)
-        print(f"\n== {', '.join(backends)}{title}, T={xs.shape[0]}")
-        print(report.table())
+    for title, backends, lyr, xs, ls, e2e in runs:
+        print(f"\n== {', '.join(backends)}{title}, T={xs.shape[0]}", flush=True)
+        report = validate(lyr, xs, ls, backends=backends, end_to_end=e2e)
+        print(report.table(), flush=True)
         ok = ok and bool(report.ok)
         reports.append({"backends": backends, "tokens": int(xs.shape[0]),
                         "report": report.to_json()})
@@ -315,7 +325,7 @@ def cmd_bench(args) -> int:
             if png:
                 print(f"wrote {_rel(png)}")
     failed = [p for p in record["points"] if "stats" not in p
-              and p.get("error") != "not available here"]
+              and not p.get("error", "").startswith(bench.UNAVAILABLE)]
     return EXIT_DIVERGENCE if (args.strict and failed) else EXIT_OK
 
 
@@ -379,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and activations dtype (default float32)")
     v.add_argument("--sim-tokens", type=int, default=SIM_TOKENS,
                    help=f"tokens for Numba under the CUDA simulator (default {SIM_TOKENS})")
+    v.add_argument("--sim-block", type=int, default=SIM_BLOCK_SIZE,
+                   help=f"alignment block size of the simulator run (default {SIM_BLOCK_SIZE})")
     v.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT")
     v.set_defaults(func=cmd_validate)
 

@@ -43,7 +43,10 @@ def keep_env(monkeypatch):
 
 # ----------------------------------------------------------------------------- validate
 
+@pytest.mark.slow
+@pytest.mark.simulator
 def test_validate_default_passes(tmp_path):
+    """The main job exactly as a user runs it (Numba in the simulator on a CPU machine)."""
     out = tmp_path / "report.json"
     r = run("validate", "--json", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -53,6 +56,14 @@ def test_validate_default_passes(tmp_path):
     ran = {row["backend"] for run_ in report["runs"] for row in run_["report"]["rows"]
            if row["status"] == "ok"}
     assert {"reference", "torch"} <= ran
+    if "numba under the CUDA simulator" in r.stdout.lower():
+        assert "numba" in ran
+
+
+def test_validate_reference_and_torch_passes():
+    r = run("validate", "--backend", "torch", "--trace", "one_expert")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "torch: all stages within tolerance" in r.stdout
 
 
 def test_validate_forced_divergence_exits_nonzero():
