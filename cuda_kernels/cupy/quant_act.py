@@ -41,15 +41,18 @@ ABSMAX_THREADS, ABSMAX_MAX_BLOCKS = 256, 1024
 
 
 def _in_dtypes():
-    return C.float_dtypes()   # fp32, fp16, bf16
+    # fp32, fp16, bf16, and uint16 as bf16's bytes (a CuPy without ml_dtypes' bfloat16)
+    return C.float_dtypes() + [np.dtype(np.uint16)]
 
 
 def _defines(dtype) -> dict:
-    return {"IN_T": C.ctype_of(dtype), **CONFIGS["group_quant_kernel"]}
+    dt = np.dtype(dtype)
+    ctype = "__nv_bfloat16" if dt == np.uint16 else C.ctype_of(dt)
+    return {"IN_T": ctype, **CONFIGS["group_quant_kernel"]}
 
 
 # Every instantiation launched below, for the CPU compile checks.
-for _dt in _in_dtypes():
+for _dt in C.float_dtypes():
     C.register_compile_case(CU, _defines(_dt), _NAMES)
     C.register_compile_case(CU, _defines(_dt))            # absmax_kernel (extern "C")
 
