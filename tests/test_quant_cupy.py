@@ -2,7 +2,11 @@
 
 CPU (always): the launchers import without a GPU and register their compile cases; the
 cases compile through NVRTC for sm_90 and sm_80 (marked slow: the tensor-core templates take
-about a minute of CPU).
+a few minutes of CPU).
+CPU emulation (`simulator`, slow): the .cu sources built by g++ against a small header that
+stands in for CUDA (threads, barriers, warp exchange, cp.async groups, mma.sync fragments
+laid out as the PTX ISA says) and run: activation quantization bit-exact, every GEMM rung
+and config against the reference.
 GPU (`gpu` marker):
 - activation quantization is bit-exact (codes and scales) in every mode and input dtype;
   NaN stays confined to its group;
