@@ -35,8 +35,16 @@ Parallelism (each rank holds a layer; the caller sums the ranks' outputs, i.e. a
                   forward returns the local experts' share. Zero-expert and shared-expert
                   outputs are added on ep_rank 0 only.
 
-Parameters are allocated filled with NaN: an expert that was never loaded makes the
-output NaN instead of silently zero.
+Block size: the alignment block B (= the GEMM's BLOCK_M) is the layer's `block_size` when
+set, else the GEMM backend's `get_config(M, N, K, E, top_k, dtype)["BLOCK_M"]` when it has
+one (cuda_kernels.cupy.grouped_gemm), else 64 (4 in the CUDA simulator); align and both
+GEMMs get the same B.
+
+Weights: w13 holds gate (checkpoint "w1") and up ("w3") one after the other, except for
+swigluoai (gpt-oss), whose activation reads them interleaved (gate rows 0::2, up 1::2): the
+weight loader puts w1 / w3 where the layer's activation reads them. Zero experts take router
+columns E..E+Z-1 (router_logits is [T, E+Z]). Parameters are allocated filled with NaN: an
+expert that was never loaded makes the output NaN instead of silently zero.
 """
 
 from __future__ import annotations
@@ -278,6 +286,9 @@ class FusedMoE:
         self._device_params.clear()
 
     def _param_name(self, param) -> str:
+        if param is None:
+            raise ValueError("param: expected one of this layer's parameter arrays, got None "
+                             "(a bias of a layer with has_bias=False, or no shared experts?)")
         if isinstance(param, str):
             if param not in self.PARAM_NAMES or getattr(self, param) is None:
                 raise ValueError(f"param: expected one of "

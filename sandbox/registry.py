@@ -116,7 +116,10 @@ class Backend:
         if self.name == "reference":
             return k == "numpy"
         if self.name == "torch":
-            return k == "torch" and x.device == self.module.device()
+            if k != "torch":
+                return False
+            d = self.module.device()
+            return x.device.type == d.type and (d.index is None or x.device.index == d.index)
         if self.name == "numba":
             # numba's stages take any CUDA array (numba, CuPy, torch) without copies, and
             # NumPy "host in, host out" (what the simulator runs on)

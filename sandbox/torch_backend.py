@@ -67,7 +67,11 @@ def device():
     name = os.environ.get("MOE_SANDBOX_TORCH_DEVICE")
     if not name:
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    dev = torch.device(name)
+    if dev.type == "cuda" and dev.index is None:
+        # tensors report "cuda:0", and torch.device("cuda") != torch.device("cuda:0")
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def to_device(a):
