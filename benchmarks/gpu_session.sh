@@ -1,66 +1,93 @@
 #!/usr/bin/env bash
-# One device call that builds, checks and times what is asked, results under $OUT.
+# One device call that checks and times everything, results under $OUT.
 #
-#   bash benchmarks/gpu_session.sh [tests] [sanitize] [bench] [ep]
+#   bash benchmarks/gpu_session.sh            # on nvidia-h200-x2 (two H200s)
 #
-# Runs from the repository root on the GPU machine (the device tool's working tree copy).
-# Nothing is installed: the image has CuPy, Numba, torch, pytest; the project is used from
+# Two GPUs let the checks and the timings run side by side without disturbing each other:
+#   GPU 0: the GPU test suite (pytest -m gpu), then compute-sanitizer memcheck/racecheck on
+#          each kernel module's --quick case, then the notebooks in GPU mode;
+#   GPU 1: the benchmarks (one process at a time, so nothing else shares that GPU);
+#   both:  afterwards, the multi-GPU tests, the EP check and the EP benchmark.
+# On a single-GPU machine everything runs on GPU 0, one after the other.
+#
+# Runs from the repository root on the GPU machine (the device tool's working-tree copy).
+# Nothing is installed: the image has CuPy, Numba, torch and pytest; the project runs from
 # the source tree (PYTHONPATH), and numba-cuda's numpy-2.5 incompatibility is handled by
-# cuda_kernels/numba/_compat.py. Logs and result JSON come back as a few files in $OUT
-# (the device returns at most 8 files): log.txt, junit XMLs, results.tgz.
+# cuda_kernels/numba/_compat.py. What comes back (at most 8 files): the logs, the junit XML
+# and results.tgz (benchmarks/results/) + figures.tgz (notebook figures).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/moe_sandbox_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}   # never turn NVLink multicast on (KINDS.md)
-LOG=$OUT/log.txt
-steps=${*:-tests sanitize bench}
-say() { echo "== $* ($(date +%T))" | tee -a "$LOG"; }
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+BENCH_GPU=$(( NGPU > 1 ? 1 : 0 ))
+BUDGET=${BUDGET:-540}   # seconds for the whole call (the device allows 600)
+say() { echo "== $* ($(date +%T))"; }
+# budget T: at most T seconds, and never past the call's budget (minus 150 s kept for the multi-GPU part)
+budget() { local left=$(( BUDGET - 150 - SECONDS )); (( left < 5 )) && left=5; echo $(( $1 < left ? $1 : left )); }
 
-say "device"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+checks() {   # GPU 0
+  export CUDA_VISIBLE_DEVICES=0
+  say "device"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   python3 -c "import cupy, numba, numpy, torch; print('cupy', cupy.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__)"
-  git rev-parse --short HEAD 2>/dev/null; } 2>&1 | tee -a "$LOG"
+  say "GPU tests"
+  timeout $(budget 300) python3 -m pytest -q --maxfail=40 --timeout 200 -m "gpu and not multigpu" \
+    -p no:cacheprovider --junitxml="$OUT/junit_gpu.xml" tests 2>&1 | tail -n 80
+  say "compute-sanitizer"
+  for mod in cuda_kernels.cupy.routing cuda_kernels.cupy.permute cuda_kernels.cupy.activation \
+             cuda_kernels.cupy.combine cuda_kernels.cupy.grouped_gemm cuda_kernels.cupy.quant_gemm \
+             cuda_kernels.cupy.quant_act; do
+    tools=memcheck
+    case $mod in *routing|*permute|*grouped_gemm) tools="memcheck racecheck" ;; esac
+    for tool in $tools; do
+      printf -- "-- %s %s: " "$tool" "$mod"
+      timeout $(budget 45) compute-sanitizer --tool $tool --error-exitcode 9 python3 -m $mod --quick \
+        >"$OUT/san.tmp" 2>&1; rc=$?
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/san.tmp" | tail -n 1 | tr -d '\n'; echo " (rc=$rc)"
+    done
+  done
+  rm -f "$OUT/san.tmp"
+  say "notebooks (GPU mode)"
+  mkdir -p notebooks/figures
+  for nb in notebooks/[0-9]*.py; do
+    [ -f "$nb" ] || continue
+    printf -- "-- %s: " "$nb"
+    MOE_SANDBOX_NOTEBOOK_MODE=gpu MOE_SANDBOX_FIGURES=notebooks/figures \
+      timeout $(budget 60) python3 "$nb" >"$OUT/nb.tmp" 2>&1 && echo ok || { echo "FAILED"; tail -n 15 "$OUT/nb.tmp"; }
+  done
+  rm -f "$OUT/nb.tmp"
+}
 
-for step in $steps; do
-  case $step in
-    tests)
-      say "GPU tests"
-      timeout 420 python3 -m pytest -q --maxfail=40 --timeout 300 -m "gpu and not multigpu" -p no:cacheprovider \
-        --junitxml="$OUT/junit_gpu.xml" tests 2>&1 | tail -n 60 | tee -a "$LOG" ;;
-    sanitize)
-      say "compute-sanitizer"
-      for mod in cuda_kernels.cupy.routing cuda_kernels.cupy.permute cuda_kernels.cupy.activation \
-                 cuda_kernels.cupy.combine cuda_kernels.cupy.grouped_gemm; do
-        for tool in memcheck racecheck; do
-          echo "-- $tool $mod" | tee -a "$LOG"
-          timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m $mod --quick 2>&1 \
-            | grep -E "ERROR SUMMARY|error|Error|ok|PASS|FAIL" | tail -n 5 | tee -a "$LOG"
-        done
-      done ;;
-    bench)
-      say "benchmarks"
-      for script in benchmarks/bench_cupy_stages.py benchmarks/bench_cupy_gemm.py benchmarks/bench_numba.py; do
-        [ -f "$script" ] || continue
-        echo "-- $script" | tee -a "$LOG"
-        timeout 280 python3 "$script" 2>&1 | tail -n 80 | tee -a "$LOG"
-      done ;;
-    ep)
-      say "multi-GPU tests and EP benchmark"
-      timeout 300 python3 -m pytest -q --maxfail=20 --timeout 240 -m multigpu -p no:cacheprovider \
-        --junitxml="$OUT/junit_multigpu.xml" tests 2>&1 | tail -n 40 | tee -a "$LOG"
-      timeout 120 python3 -m sandbox.ep check --gpus 2 2>&1 | tail -n 20 | tee -a "$LOG"
-      timeout 240 python3 benchmarks/bench_ep.py --gpus 2 2>&1 | tail -n 60 | tee -a "$LOG" ;;
-    notebooks)
-      say "notebooks on the GPU"
-      mkdir -p notebooks/figures
-      for nb in notebooks/[0-9]*.py; do
-        echo "-- $nb" | tee -a "$LOG"
-        MOE_SANDBOX_NOTEBOOK_MODE=gpu MOE_SANDBOX_FIGURES=notebooks/figures MPLBACKEND=Agg \
-          timeout 120 python3 "$nb" 2>&1 | tail -n 8 | tee -a "$LOG"
-      done
-      tar czf "$OUT/figures.tgz" notebooks/figures ;;
-    *) echo "unknown step $step" | tee -a "$LOG" ;;
-  esac
-done
+benches() {  # GPU 1 (or 0)
+  export CUDA_VISIBLE_DEVICES=$BENCH_GPU
+  for script in bench_cupy_stages bench_cupy_gemm bench_numba bench_quant; do
+    [ -f benchmarks/$script.py ] || continue
+    say "$script"
+    timeout $(budget 150) python3 benchmarks/$script.py 2>&1 | tail -n 70
+  done
+}
+
+multi() {    # both GPUs
+  unset CUDA_VISIBLE_DEVICES
+  say "multi-GPU tests"
+  timeout 70 python3 -m pytest -q --maxfail=20 --timeout 60 -m multigpu -p no:cacheprovider \
+    --junitxml="$OUT/junit_multigpu.xml" tests 2>&1 | tail -n 40
+  say "EP check"
+  timeout 30 python3 -m sandbox.ep check --gpus 2 2>&1 | tail -n 20
+  say "EP benchmark"
+  timeout $(( BUDGET - SECONDS > 10 ? BUDGET - SECONDS : 10 )) python3 benchmarks/bench_ep.py --gpus 2 2>&1 | tail -n 50
+}
+
+if [ "$NGPU" -gt 1 ]; then
+  checks >"$OUT/log_checks.txt" 2>&1 &
+  benches >"$OUT/log_bench.txt" 2>&1 &
+  wait
+  multi >"$OUT/log_multi.txt" 2>&1
+else
+  { checks; benches; } >"$OUT/log_checks.txt" 2>&1
+fi
 tar czf "$OUT/results.tgz" benchmarks/results 2>/dev/null
+[ -d notebooks/figures ] && tar czf "$OUT/figures.tgz" notebooks/figures
 say "done"
+tail -n 25 "$OUT"/log_*.txt
