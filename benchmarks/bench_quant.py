@@ -18,7 +18,9 @@ pre-drawn [P, I] activation. Alignment runs on the host (reference) once per rou
 
 Method: CUDA events around each call after warm-up, median over the repetitions; before each
 repetition (untimed) the next of 4 pre-drawn routings is selected and the L2 is flushed (a
-128 MB memset), so no repetition reads weights left in the 50 MB L2 by the previous one.
+128 MB memset), so no repetition reads weights left in the 50 MB L2 by the previous one. Then
+a one-thread spin kernel (SPIN_US) holds the GPU while Python enqueues the timed calls, so the
+events measure GPU time, not the launchers' argument checks (--no-spin to include them).
 
 Roofline: floor = max(bytes / 4.8e12 B/s, flops / peak) with bytes = the weights (scales
 included) of the experts the routings touch, in the path's format, and flops = 2 P (2I H + H I);
@@ -63,6 +65,7 @@ PEAK = {"fp8": 1979e12, "int4": 989e12, "bf16": 989e12}
 GROUP = 128          # int4 group size
 ROUTINGS = 4         # routings drawn per point, rotated over the repetitions
 FLUSH_BYTES = 128 << 20
+SPIN_US = 1000       # longer than Python takes to enqueue one timed call (~0.1-0.4 ms)
 
 
 def git_commit() -> str:
@@ -128,7 +131,27 @@ def draw_routing(rng, T, E, K):
 
 
 # ----------------------------------------------------------------------------- timing
-def time_ms(fn, setup, warmup, reps):
+_SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+}
+"""
+_SPIN_STATE = {"cycles": None, "kernel": None}
+
+
+def spin():
+    """Keep the GPU busy for about SPIN_US, so that what Python enqueues next runs back to back."""
+    import cupy
+
+    if _SPIN_STATE["kernel"] is None:
+        _SPIN_STATE["kernel"] = cupy.RawKernel(_SPIN, "spin")
+        khz = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["clockRate"]
+        _SPIN_STATE["cycles"] = int(khz * 1e3 * SPIN_US * 1e-6)
+    _SPIN_STATE["kernel"]((1,), (1,), (np.int64(_SPIN_STATE["cycles"]),))
+
+
+def time_ms(fn, setup, warmup, reps, use_spin=True):
     import cupy
 
     for _ in range(warmup):
@@ -138,6 +161,8 @@ def time_ms(fn, setup, warmup, reps):
     times = []
     for _ in range(reps):
         setup()
+        if use_spin:
+            spin()
         start.record()
         fn()
         stop.record()
@@ -147,7 +172,7 @@ def time_ms(fn, setup, warmup, reps):
 
 
 # ----------------------------------------------------------------------------- one model
-def bench_model(name, tokens, reps, with_bf16, deadline, log):
+def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True):
     import cupy
 
     from reference import moe_align_block_size
@@ -241,9 +266,9 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log):
             c2 = q_gemm2()
             finite = _all_finite(c1) and _all_finite(c2)   # garbage shows up as inf / NaN
             n_rep = reps if T < 4096 else max(5, reps // 2)
-            ms, _ = time_ms(q_layer, setup, 3, n_rep)
-            ms1, _ = time_ms(q_gemm1, setup, 2, n_rep)
-            ms2, _ = time_ms(q_gemm2, setup, 2, n_rep)
+            ms, _ = time_ms(q_layer, setup, 3, n_rep, use_spin)
+            ms1, _ = time_ms(q_gemm1, setup, 2, n_rep, use_spin)
+            ms2, _ = time_ms(q_gemm2, setup, 2, n_rep, use_spin)
             nbytes = touched * qbytes_expert
             floor = max(nbytes / HBM, flops / PEAK[fmt]) * 1e3
             # fp8: gemm1_ms / gemm2_ms include the activation quantization before each GEMM
@@ -272,9 +297,9 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log):
                 b_gemm1()                                       # compile outside the timing
                 b_gemm2()
                 n_rep = reps if T < 4096 else max(5, reps // 2)
-                ms, _ = time_ms(b_layer, setup, 3, n_rep)
-                ms1, _ = time_ms(b_gemm1, setup, 2, n_rep)
-                ms2, _ = time_ms(b_gemm2, setup, 2, n_rep)
+                ms, _ = time_ms(b_layer, setup, 3, n_rep, use_spin)
+                ms1, _ = time_ms(b_gemm1, setup, 2, n_rep, use_spin)
+                ms2, _ = time_ms(b_gemm2, setup, 2, n_rep, use_spin)
                 nbytes = touched * bbytes_expert
                 floor = max(nbytes / HBM, flops / PEAK["bf16"]) * 1e3
                 point["bf16"] = dict(ms=ms, gemm1_ms=ms1, gemm2_ms=ms2, bytes=nbytes,
@@ -336,6 +361,8 @@ def main(argv=None):
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 path")
     parser.add_argument("--budget-s", type=float, default=200.0,
                         help="stop starting new points after this many seconds")
+    parser.add_argument("--no-spin", action="store_true",
+                        help="time the launchers' host overhead too (no spin kernel ahead)")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
     ok, why = C.availability()
@@ -361,7 +388,8 @@ def main(argv=None):
     log(f"GPU {gpu}, commit {git_commit()}")
     points = []
     for m in models:
-        points += bench_model(m, tokens, args.reps, not args.no_bf16, deadline, log)
+        points += bench_model(m, tokens, args.reps, not args.no_bf16, deadline, log,
+                              use_spin=not args.no_spin)
         cupy.get_default_memory_pool().free_all_blocks()
     summary(points, log)
     log(f"total {time.time() - start:.0f} s")
@@ -373,6 +401,7 @@ def main(argv=None):
         record = dict(gpu=gpu, date=now.isoformat(timespec="seconds"), commit=git_commit(),
                       command=" ".join([pathlib.Path(sys.argv[0]).name] + sys.argv[1:]),
                       hbm_bytes_per_s=HBM, peak_flops=PEAK, routings_per_point=ROUTINGS,
+                      spin_us=0 if args.no_spin else SPIN_US,
                       points=points)
         path.write_text(json.dumps(record, indent=1) + "\n")
         log(f"wrote {path.relative_to(ROOT)}")
