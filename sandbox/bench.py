@@ -335,7 +335,6 @@ def measure_card(api: _Api | None = None, copy_mib: int = 1024, matmul_n: int = 
         name = name.decode() if isinstance(name, bytes) else name
     t_copy = time_cuda(copy, warmup=2, reps=reps, flush_l2=False, api=api)
     t_mm = time_cuda(mm, warmup=2, reps=reps, flush_l2=False, api=api)
-    del src, dst, a, b
     return {"gpu": name, "l2_bytes": api.l2_bytes(),
             "copy_TBps": 2 * n_bytes / (t_copy.min * 1e-3) / 1e12,
             "matmul_TFLOPs": 2 * matmul_n ** 3 / (t_mm.min * 1e-3) / 1e12,
@@ -788,8 +787,8 @@ def plot_results(record: dict, path: pathlib.Path) -> pathlib.Path | None:
 
 def format_table(record: dict) -> str:
     """The points as a text table: median [p20, p80] ms, floor, fraction, rel. error."""
-    rows = [f"{'model':14s} {'T':>6s} {'candidate':18s} {'median ms':>10s} "
-            f"{'[p20, p80]':>20s} {'floor ms':>9s} {'frac':>5s} {'rel err':>8s}"]
+    rows = [(f"{'model':14s} {'T':>6s} {'candidate':18s} {'median ms':>10s} "
+             f"{'[p20, p80]':>20s} {'floor ms':>9s} {'frac':>5s} {'rel err':>8s}")]
     for p in record["points"]:
         head = f"{p['model']:14s} {p['T']:6d} {p['candidate']:18s}"
         if "stats" not in p:

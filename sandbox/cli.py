@@ -141,7 +141,7 @@ def _load_trace(arg: str | None, layer, family: str | None):
 def layer_sizes(layer) -> tuple[int, int, int]:
     """(H, E, K) of a layer."""
     H = int(layer.w13_weight.shape[2])
-    E = int(getattr(layer, "global_num_experts", None) or getattr(layer, "num_experts"))
+    E = int(getattr(layer, "global_num_experts", None) or layer.num_experts)
     K = int(layer.top_k)
     return H, E, K
 
@@ -217,9 +217,9 @@ def cmd_validate(args) -> int:
         n = min(args.sim_tokens, x.shape[0])
         sim_layer = layer.with_backend("reference")     # a shallow copy: same parameters
         sim_layer.block_size = args.sim_block
-        runs.append((f" (Numba under the CUDA simulator: first {n} tokens, block size "
-                     f"{args.sim_block}, stages only)", ["reference"] + slow, sim_layer,
-                     x[:n], logits[:n], False))
+        title = (f" (Numba under the CUDA simulator: first {n} tokens, block size "
+                 f"{args.sim_block}, stages only)")
+        runs.append((title, ["reference"] + slow, sim_layer, x[:n], logits[:n], False))
     ok, reports = True, []
     for title, backends, lyr, xs, ls, e2e in runs:
         print(f"\n== {', '.join(backends)}{title}, T={xs.shape[0]}", flush=True)
@@ -255,7 +255,8 @@ def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected token counts >= 1, got {text!r}")
     return values

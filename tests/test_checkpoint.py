@@ -4,7 +4,6 @@ CheckpointError naming the tensor and leave no layer behind."""
 from __future__ import annotations
 
 import json
-import pathlib
 import shutil
 
 import ml_dtypes
@@ -45,7 +44,7 @@ def reference_output(family, x, logits, layer_idx=LAYER):
     E, K = spec.num_experts, spec.top_k
     p = f"model.layers.{layer_idx}."
     if family == "gpt_oss":
-        w1 = t[p + "mlp.experts.gate_up_proj"].transpose(0, 2, 1).copy()     # [E, 2I, H] interleaved
+        w1 = t[p + "mlp.experts.gate_up_proj"].transpose(0, 2, 1).copy()  # [E, 2I, H] interleaved
         w2 = t[p + "mlp.experts.down_proj"].transpose(0, 2, 1).copy()        # [E, H, I]
         return reference.fused_moe(x, w1, w2, logits, K, True, activation="swigluoai",
                                    w1_bias=t[p + "mlp.experts.gate_up_proj_bias"],
