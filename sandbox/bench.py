@@ -29,6 +29,11 @@ P slots; activations (x in, out) are left out, as the issue's definition says. T
 datasheet limits are 4.8 TB/s and 989 dense bf16 TFLOP/s; on that card we measured copy
 4.18 TB/s and cuBLAS bf16 757 TFLOP/s, which `measure_card` re-measures each run.
 
+CUDA graphs (`graph=True`, `moe-sandbox bench --graph`) suit candidates with static shapes and
+no host synchronisation; the torch peers have both (torch.where, bincount), so their points
+record the capture error instead of a time. Weights are drawn once per preset and moved once
+per backend; x and the routing are drawn per token count.
+
 Why flush and rotate: a small problem fits in the 50 MB L2 of an H200, so timing the same
 inputs back to back measures L2, not HBM. Writing a buffer of twice the L2 size between reps
 evicts everything; re-drawing the routing makes each rep touch a different set of experts.
@@ -441,25 +446,37 @@ class Case:
         self.touched.append(int(torch.unique(ids).numel()))
 
 
+def make_weights(preset: ModelPreset, device: str = "cuda", dtype=None, seed: int = 0):
+    """(w13 [E, 2I, H] ~ N(0, 1/H), w2 [E, H, I] ~ N(0, 1/I)) in `dtype`, drawn one expert
+    at a time so that the fp32 draw never needs more than one expert's worth of memory
+    (DeepSeek-V3's w13 alone is 15 GB in bf16)."""
+    import torch
+
+    dtype = dtype or (torch.bfloat16 if device != "cpu" else torch.float32)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    E, H, I = preset.num_experts, preset.hidden_size, preset.intermediate_size  # noqa: E741
+    w13 = torch.empty((E, 2 * I, H), dtype=dtype, device=device)
+    w2 = torch.empty((E, H, I), dtype=dtype, device=device)
+    for e in range(E):
+        w13[e] = torch.randn((2 * I, H), generator=gen, device=device) * H ** -0.5
+        w2[e] = torch.randn((H, I), generator=gen, device=device) * I ** -0.5
+    return w13, w2
+
+
 def make_case(preset: ModelPreset, num_tokens: int, device: str = "cuda", dtype=None,
-              routing: str = "uniform", seed: int = 0) -> Case:
-    """Random inputs of the preset's shape: x ~ N(0, 1), w13 ~ N(0, 1/H), w2 ~ N(0, 1/I)."""
+              routing: str = "uniform", seed: int = 0, weights=None) -> Case:
+    """Random inputs of the preset's shape: x ~ N(0, 1) and the weights of `make_weights`
+    (pass `weights=(w13, w2)` to reuse them across token counts)."""
     import torch
 
     dtype = dtype or (torch.bfloat16 if device != "cpu" else torch.float32)
     gen = torch.Generator(device=device).manual_seed(seed)
-    E, K, H, I = (preset.num_experts, preset.top_k, preset.hidden_size,  # noqa: E741
-                  preset.intermediate_size)
+    E, K, H = preset.num_experts, preset.top_k, preset.hidden_size
     T = num_tokens
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
-                * scale).to(dtype)
-
+    w13, w2 = weights if weights is not None else make_weights(preset, device, dtype, seed)
     case = Case(preset, T, device, dtype,
-                x=randn(T, H),
-                w13=randn(E, 2 * I, H, scale=H ** -0.5),
-                w2=randn(E, H, I, scale=I ** -0.5),
+                x=torch.randn((T, H), generator=gen, device=device).to(dtype),
+                w13=w13, w2=w2,
                 topk_weights=torch.empty((T, K), dtype=torch.float32, device=device),
                 topk_ids=torch.empty((T, K), dtype=torch.int64, device=device),
                 topk_ids32=torch.empty((T, K), dtype=torch.int32, device=device),
@@ -525,6 +542,9 @@ def backend_candidate(backend: str):
     return factory
 
 
+_MOVED_WEIGHTS: dict = {}   # backend -> (torch w13, torch w2, its w13, its w2)
+
+
 def _stages_fn(case: Case, backend: str):
     from sandbox import arrays, registry
 
@@ -540,7 +560,14 @@ def _stages_fn(case: Case, backend: str):
     # weights and x move once (through the host for bf16, which CUDA array interfaces
     # cannot describe); the routing buffers must be zero-copy views, because redraw()
     # rewrites them in place between reps
-    x, w13, w2 = (arrays.transfer(t, src, be) for t in (case.x, case.w13, case.w2))
+    x = arrays.transfer(case.x, src, be)
+    hit = _MOVED_WEIGHTS.get(backend)
+    if hit is not None and hit[0] is case.w13 and hit[1] is case.w2:
+        w13, w2 = hit[2], hit[3]
+    else:           # move a preset's weights once, not at every token count
+        _MOVED_WEIGHTS.pop(backend, None)
+        w13, w2 = arrays.transfer(case.w13, src, be), arrays.transfer(case.w2, src, be)
+        _MOVED_WEIGHTS[backend] = (case.w13, case.w2, w13, w2)
     if be.is_host:
         tw, ti = (arrays.transfer(t, src, be) for t in (case.topk_weights, case.topk_ids32))
         if arrays.kind(tw) != "torch" and case.device != "cpu":
@@ -551,8 +578,9 @@ def _stages_fn(case: Case, backend: str):
         if tw is None or ti is None:
             raise Unavailable(f"the routing buffers cannot be shared with {backend} "
                               f"without a copy")
-    cfg = be.gemm_config(T * K, 2 * I, H, E, K, arrays.dtype_of(x))
-    block = int(cfg["BLOCK_M"]) if cfg and cfg.get("BLOCK_M") else registry.DEFAULT_BLOCK_SIZE
+    # the alignment block is the GEMM's BLOCK_M for this shape (as the layer asks it: M = T)
+    cfg = be.gemm_config(T, 2 * I, H, E, K, arrays.dtype_of(case.x))
+    block = int(cfg["BLOCK_M"]) if cfg and cfg.get("BLOCK_M") else be.default_block_size
     align, gemm = be.stage_fn("align"), be.stage_fn("gemm1")
     act, combine = be.stage_fn("activation"), be.stage_fn("combine")
 
@@ -562,6 +590,7 @@ def _stages_fn(case: Case, backend: str):
         c2 = act(c1, "silu", True)                                                  # [P, I]
         c3 = gemm(c2, w2, sorted_ids, expert_ids, ntpp, 1, block, tw, True, None)   # [P, H]
         return combine(c3.reshape(T, K, H))                                         # [T, H]
+    fn.to_host = be.to_host      # the check reads the output the backend's way (bf16 bits)
     return fn
 
 
@@ -591,9 +620,16 @@ def run_bench(presets=GPU_PRESETS, tokens=DEFAULT_TOKENS, candidates=None, devic
     points = []
     plan = [(PRESETS[p] if isinstance(p, str) else p, t) for p in presets for t in tokens]
     bar = progress(total=len(plan) * len(candidates)) if progress else None
+    weights = {}
     for preset, T in plan:
         try:
-            case = make_case(preset, T, device, dtype, routing, seed)
+            if preset.name not in weights:          # one preset's weights at a time
+                weights.clear()
+                _MOVED_WEIGHTS.clear()
+                if device != "cpu":
+                    torch.cuda.empty_cache()
+                weights[preset.name] = make_weights(preset, device, dtype, seed)
+            case = make_case(preset, T, device, dtype, routing, seed, weights[preset.name])
         except Exception as exc:  # out of memory at the largest points, most often
             for name in candidates:
                 points.append(_point(preset, T, name, error=f"inputs: {_err(exc)}"))
@@ -618,8 +654,8 @@ def run_bench(presets=GPU_PRESETS, tokens=DEFAULT_TOKENS, candidates=None, devic
             if bar:
                 bar.update(1)
         del case, expected
-        if device != "cpu":
-            torch.cuda.empty_cache()
+    weights.clear()
+    _MOVED_WEIGHTS.clear()
     if bar:
         bar.close()
     return {"benchmark": "fused MoE experts (no routing), end to end",
@@ -646,7 +682,9 @@ def _time_candidate(case: Case, name: str, expected, api, warmup, reps, graph, f
         return _point(preset, T, name, error=UNAVAILABLE)
     try:
         with torch.inference_mode():
-            got = _to_torch(fn()).float().to(expected.device)
+            out = fn()
+            host = getattr(fn, "to_host", None)
+            got = _to_torch(host(out) if host else out).float().to(expected.device)
         rel = float(torch.linalg.vector_norm(got - expected)
                     / torch.linalg.vector_norm(expected).clamp_min(1e-30))
         case.touched.clear()
@@ -682,7 +720,10 @@ def _to_torch(out):
         return out
     if isinstance(out, np.ndarray):
         return torch.from_numpy(np.asarray(out, dtype=np.float32))
-    return torch.from_dlpack(out)
+    try:
+        return torch.from_dlpack(out)
+    except Exception:                      # numba device arrays: __cuda_array_interface__
+        return torch.as_tensor(out, device="cuda")
 
 
 def _host(a):
