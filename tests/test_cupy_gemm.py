@@ -115,6 +115,24 @@ def test_m_bucket_and_lookup():
     assert gg.lookup("v4", "fp16", 10, 512, 512, table) == gg.heuristic_config("v4", "fp16", 16)
 
 
+def test_default_version_and_fallbacks(monkeypatch):
+    """None picks the table's default_version and steps down to what the problem allows."""
+    plan = gg._plan.__wrapped__             # the uncached function: the table is swapped below
+    assert plan(None, "bf16", 1, 128, 128, 16, True, True, None)[0] == "v4"
+    assert plan(None, "fp32", 1, 128, 128, 16, True, True, None)[0] == "v3"
+    assert plan(None, "fp16", 1, 128, 100, 16, True, True, None)[0] == "v2"    # Kdim % 8
+    assert plan(None, "bf16", 1, 128, 128, 8, True, True, None)[0] == "v3"     # B % 16
+    assert plan(None, "bf16", 1, 128, 128, 16, False, True, None)[0] == "v2"   # unaligned
+    promoted = dict(gg.load_table(), default_version={"bf16": "v5", "fp32": "v5"})
+    monkeypatch.setattr(gg, "load_table", lambda *a: promoted)
+    assert gg.default_version(BF16) == "v5" and gg.default_version(np.float32) == "v3"
+    assert plan(None, "bf16", 64, 256, 256, 64, True, True, None)[0] == "v5"
+    assert plan(None, "bf16", 64, 256, 256, 16, True, True, None)[0] == "v4"   # B % 64
+    assert plan(None, "bf16", 64, 256, 256, 64, True, False, None)[0] == "v4"  # not sm_90
+    with pytest.raises(ValueError, match="a: v5 .* compute capability 9.0"):
+        plan("v5", "bf16", 64, 256, 256, 64, True, False, None)
+
+
 def test_every_table_config_is_registered_for_nvrtc():
     registered = {(c.cu_name, tuple(sorted((c.defines or {}).items())))
                   for c in C.COMPILE_CASES}
@@ -1002,6 +1020,7 @@ def test_launcher_on_cpu_emulator(case, monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
     monkeypatch.setattr(gg, "_READY", {})
     monkeypatch.setattr(gg, "_DUMMIES", {})
+    monkeypatch.setattr(gg, "_sm90_of", lambda dev: True)
     made = []
 
     def fake_get_kernel(cu, name, defines=None, name_expressions=None, options=()):

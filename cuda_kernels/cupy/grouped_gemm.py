@@ -304,9 +304,22 @@ def lookup(version: str, dkey: str, m: float, N: int, K: int, table: dict | None
     return _row_config(row)
 
 
+BUILTIN_DEFAULTS = {"fp32": "v3", "fp16": "v4", "bf16": "v4"}
+
+
+def default_version_key(dkey: str) -> str:
+    return default_version({"fp32": np.float32, "fp16": np.float16, "bf16": bf16_dtype()}[dkey])
+
+
 def default_version(dtype) -> str:
-    """The fastest rung for a dtype when nothing rules it out: v4 on fp16/bf16, v3 on fp32."""
-    return "v3" if dtype_key(dtype) == "fp32" else "v4"
+    """The rung used when none is named: the table's "default_version" for the dtype (v4 on
+    fp16/bf16 and v3 on fp32 as shipped; promote v5 there once a GPU run has validated and
+    timed it), stepping down when a problem rules it out."""
+    dkey = dtype_key(dtype)
+    v = load_table().get("default_version", {}).get(dkey, BUILTIN_DEFAULTS[dkey])
+    if v not in VERSIONS or (v in TENSOR_CORE_VERSIONS and dkey == "fp32"):
+        return BUILTIN_DEFAULTS[dkey]
+    return v
 
 
 def get_config(M: int, N: int, K: int, E: int, top_k: int, dtype, version: str | None = None
@@ -472,9 +485,12 @@ def _check_int(name, value, minimum):
     return int(value)
 
 
-def usable(version: str, dkey: str, K: int, block_size: int, aligned: bool) -> str | None:
+def usable(version: str, dkey: str, K: int, block_size: int, aligned: bool,
+           sm90: bool = True) -> str | None:
     """Why `version` cannot run this problem, as "argument: reason" (None when it can)."""
     if version == "v5":
+        if not sm90:
+            return "a: v5 (wgmma, built for sm_90a) runs on compute capability 9.0 only"
         if dkey == "fp32":
             return "a: v5 takes fp16 or bf16 (fp32 uses v3)"
         if block_size % 64:
@@ -510,7 +526,8 @@ def _as_f32(x):
     return x.astype(cp.float32)
 
 
-_FALLBACK = {"v4": ("v4", "v3", "v2"), "v3": ("v3", "v2"), "v2": ("v2",), "v1": ("v1",)}
+_FALLBACK = {"v5": ("v5", "v4", "v3", "v2"), "v4": ("v4", "v3", "v2"), "v3": ("v3", "v2"),
+             "v2": ("v2",), "v1": ("v1",)}
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -594,7 +611,7 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
 
     aligned = a.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
     version, cfg = _plan(version, dkey, m_bucket(max(1.0, P / max(E_local, 1))), N, K,
-                         block_size, aligned,
+                         block_size, aligned, _is_sm90(cp, dev),
                          None if config is None else tuple(sorted(config.items())))
 
     if out is None:
@@ -627,19 +644,29 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
     return c
 
 
+@functools.lru_cache(maxsize=64)
+def _sm90_of(dev: int) -> bool:
+    return _cupy().cuda.Device(dev).compute_capability == "90"
+
+
+def _is_sm90(cp, dev) -> bool:
+    """Whether device `dev` runs sm_90a code (v5), asked once per device."""
+    return _sm90_of(dev)
+
+
 @functools.lru_cache(maxsize=4096)
-def _plan(version, dkey, bucket, N, K, block_size, aligned, config_items):
+def _plan(version, dkey, bucket, N, K, block_size, aligned, sm90, config_items):
     """(version, fitted config) for a call: the rung, the table lookup and the fit, cached
     (a decode step calls the GEMM twice per layer: the host work must stay small)."""
     if version in TENSOR_CORE_VERSIONS and dkey == "fp32":
         version = "v3"          # the tensor-core rungs take half types; fp32 uses FFMA
     if version is None:
-        chain = _FALLBACK["v3" if dkey == "fp32" else "v4"]
-        version = next(v for v in chain if usable(v, dkey, K, block_size, aligned) is None)
+        chain = _FALLBACK[default_version_key(dkey)]
+        version = next(v for v in chain if usable(v, dkey, K, block_size, aligned, sm90) is None)
     elif version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS} or None, got {version!r}")
     else:
-        why = usable(version, dkey, K, block_size, aligned)
+        why = usable(version, dkey, K, block_size, aligned, sm90)
         if why is not None:
             raise ValueError(f"{why} (version={version!r} was asked for; version=None picks "
                              f"a rung that can run this)")

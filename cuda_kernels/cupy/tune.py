@@ -79,10 +79,13 @@ def heuristic_table() -> dict:
     return {
         "_doc": "Grouped GEMM configs: see cuda_kernels/cupy/grouped_gemm.py (lookup) and "
                 "tune.py. m = tokens per expert bucket; rows without N, K apply to any shape; "
-                "BLOCK_M is the alignment block_size the caller should use.",
+                "BLOCK_M is the alignment block_size the caller should use. default_version: "
+                "the rung used when none is named (set bf16/fp16 to v5 once a GPU run has "
+                "validated and timed it).",
         "source": "heuristic (grouped_gemm.heuristic_config), not timed",
         "gpu": None,
         "date": None,
+        "default_version": dict(gg.BUILTIN_DEFAULTS),
         "m_buckets": list(gg.M_BUCKETS),
         "configs": rows,
     }
@@ -243,6 +246,11 @@ def main(argv=None):
     p.add_argument("--out", default=str(gg.CONFIG_PATH))
     args = p.parse_args(argv)
     table = heuristic_table()
+    try:   # keep a default_version that someone promoted (v5) across regenerations
+        table["default_version"].update(json.loads(pathlib.Path(args.out).read_text())
+                                        .get("default_version", {}))
+    except (OSError, ValueError):
+        pass
     if not args.heuristic:
         import cupy as cp
 
