@@ -17,8 +17,8 @@ P = a.shape[0] * top_k slots, L = len(sorted_token_ids).
     num_tokens_post_padded  [1]    int32        read on the device, never synchronised
     c (returned)            [P, N]              a.dtype
 
-The ladder (all kept, `version="v1".."v5"`; the default is v4 (v3 for fp32), stepping down
-to the fastest rung that applies):
+The ladder (all kept, `version="v1".."v5"`; the default is the table's "default_version":
+v4 for fp16/bf16 and v3 for fp32 as shipped, stepping down to the fastest rung that applies):
     v1  gemm_v1_naive.cu     one thread per output element
     v2  gemm_v2_smem.cu      shared-memory tiles, one output per thread
     v3  gemm_v3_regblock.cu  TM x TN register micro-tiles, 16-byte loads, register prefetch
@@ -35,8 +35,14 @@ dtype)` gives it before moe_align_block_size runs. A kernel accepts any block_si
 BLOCK_M divides (the tile then lies in one alignment block), so GEMM2 reuses GEMM1's
 alignment with its own config, shrunk to fit when needed. tune.py regenerates the table.
 
-Run as a script to validate every version against reference.grouped_gemm and time it:
-    python -m cuda_kernels.cupy.grouped_gemm [--versions v1,v2,v3,v4] [--dtype bf16]
+Run as a script to validate every version against reference.grouped_gemm and time it
+(TFLOP/s, GB/s and the fraction of the H200 roofline floor):
+    python -m cuda_kernels.cupy.grouped_gemm [--versions v1,v2,v3,v4,v5] [--dtype bf16]
+    python -m cuda_kernels.cupy.grouped_gemm --quick      # tiny, for compute-sanitizer
+
+Verification without a GPU: tests/test_cupy_gemm.py compiles every .cu with g++ against a
+small emulator of __syncthreads, cp.async, ldmatrix, mma.sync and wgmma and runs them on
+the CPU against the reference (and the launcher itself with NumPy-backed arrays).
 """
 from __future__ import annotations
 
