@@ -257,6 +257,8 @@ def heuristic_config(version: str, dkey: str, m: int, N: int | None = None,
     if version == "v5":
         if dkey == "fp32":
             return heuristic_config("v3", dkey, m, N, K)
+        if m <= 32:   # decode: narrow tiles, more CTAs streaming the weights
+            return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "warps": 4, "stages": 4}
         if m <= 128:
             return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 4, "stages": 4}
         if m <= 512:
