@@ -6,7 +6,9 @@ kernel body serves fp32, fp16 and bf16 (and fp64 inputs where a stage accepts th
     storage      to_f32(element)                       cast_out(out, v) (v fp32)
     float32      the value                             v
     float16      cvt.f32.f16                           v (Numba's store rounds: cvt.rn.f16.f32)
-    uint16 (bf16 bits)  bits << 16, reinterpreted      round to nearest even, NaN stays NaN
+    uint16 (bf16 bits)  bits << 16, reinterpreted      round to nearest even: cvt.rn.bf16.f32
+                                                       on the GPU (sm_80+, inline PTX), integer
+                                                       rounding in the simulator; NaN stays NaN
     float64      cvt.rn.f32.f64                        v
 
 bf16: numba-cuda 0.30 has `numba.cuda.bf16` (a scalar `bfloat16` type and the cuda_bf16.h
@@ -113,15 +115,27 @@ if not SIMULATOR:
             return float32(x)
         return impl
 
+    from llvmlite import ir as _ir
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def _cvt_rn_bf16(typingctx, v):
+        """fp32 -> bf16 bits by the hardware's cvt.rn.bf16.f32 (sm_80+): round to nearest
+        even, one instruction instead of the integer sequence (NaN becomes 0x7FFF)."""
+        if v != nbtypes.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            fnty = _ir.FunctionType(_ir.IntType(16), [_ir.FloatType()])
+            asm = _ir.InlineAsm(fnty, "cvt.rn.bf16.f32 $0, $1;", "=h,f")
+            return builder.call(asm, [args[0]])
+
+        return nbtypes.uint16(nbtypes.float32), codegen
+
     @overload(f32_to_bf16_bits, target="cuda", jit_options=_INLINE)
     def _f32_to_bf16_bits_cuda(v):
         def impl(v):
-            u = libdevice.float_as_int(float32(v))
-            if (u & int32(0x7FFFFFFF)) > int32(0x7F800000):   # NaN: keep it quiet
-                return uint16((u >> int32(16)) | int32(0x40))
-            # round to nearest even: add 0x7FFF plus the lowest kept bit, then truncate
-            u = u + int32(0x7FFF) + ((u >> int32(16)) & int32(1))
-            return uint16(u >> int32(16))
+            return _cvt_rn_bf16(float32(v))
         return impl
 
     @overload(cast_out, target="cuda", jit_options=_INLINE)
@@ -152,6 +166,60 @@ if not SIMULATOR:
         def impl(x):
             return math.tanh(float32(x))
         return impl
+
+
+# ----------------------------------------------------------------------------- 8-byte words
+# A kernel that reads 8 bytes per load (a uint64 view of an fp32 / fp16 / bf16 array) takes
+# element i of a word apart with these: two fp32, or four fp16 / bf16, per word.
+def unpack_f32(word, i):
+    return np.uint32((int(word) >> (32 * int(i))) & 0xFFFFFFFF).view(np.float32)
+
+
+def unpack_bf16(word, i):
+    return np.uint32(((int(word) >> (16 * int(i))) & 0xFFFF) << 16).view(np.float32)
+
+
+def unpack_f16(word, i):
+    return np.float32(np.uint16((int(word) >> (16 * int(i))) & 0xFFFF).view(np.float16))
+
+
+if not SIMULATOR:
+    @intrinsic
+    def _half_bits_to_f32(typingctx, bits):
+        """fp16 bits (the low 16 of an integer) -> fp32: a bitcast and one cvt.f32.f16."""
+        if not isinstance(bits, nbtypes.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            v = args[0]
+            if bits.bitwidth != 16:
+                v = builder.trunc(v, _ir.IntType(16))
+            return builder.fpext(builder.bitcast(v, _ir.HalfType()), _ir.FloatType())
+
+        return nbtypes.float32(bits), codegen
+
+    @overload(unpack_f32, target="cuda", jit_options=_INLINE)
+    def _unpack_f32_cuda(word, i):
+        def impl(word, i):
+            return libdevice.int_as_float(int32((word >> uint64(32 * i)) & uint64(0xFFFFFFFF)))
+        return impl
+
+    @overload(unpack_bf16, target="cuda", jit_options=_INLINE)
+    def _unpack_bf16_cuda(word, i):
+        def impl(word, i):
+            return libdevice.int_as_float(
+                int32(((word >> uint64(16 * i)) & uint64(0xFFFF)) << uint64(16)))
+        return impl
+
+    @overload(unpack_f16, target="cuda", jit_options=_INLINE)
+    def _unpack_f16_cuda(word, i):
+        def impl(word, i):
+            return _half_bits_to_f32((word >> uint64(16 * i)) & uint64(0xFFFF))
+        return impl
+
+
+UNPACK = {"f32": unpack_f32, "bf16": unpack_bf16, "f16": unpack_f16}
+WORD_ELEMENTS = {"f32": 2, "bf16": 4, "f16": 4}
 
 
 # ----------------------------------------------------------------------------- indexing

@@ -56,23 +56,31 @@ import functools
 import math
 import sys
 import types
+from typing import NamedTuple
 
 import numpy as np
 
 from . import _arrays as A
-from ._device import SIMULATOR, cast_out, cu, ix, to_f32
-from numba import float32, int32  # noqa: E402
+from ._device import SIMULATOR, UNPACK, WORD_ELEMENTS, cast_out, cu, device_function, ix, to_f32
+from numba import float32, int32, uint64  # noqa: E402
 
 VERSIONS = ("v1", "v2", "v3")
 CONFIGS = {
     "v1": {"TX": 32, "TY": 8},
     "v2": {"BM": 16, "BN": 16, "BK": 16},
-    "v3": {"BM": 64, "BN": 128, "BK": 16, "TM": 4, "TN": 8},
+    # v3: tile height BM -> the rest; a launch takes the tallest BM that divides block_size.
+    # Every entry is 16 x 16 threads. Short tiles (decode: few slots per expert) get a narrow,
+    # deep tile: more blocks over N and more bytes in flight per k-step for the weight stream.
+    "v3": {
+        64: {"BN": 128, "BK": 16, "TM": 4, "TN": 8},
+        32: {"BN": 128, "BK": 16, "TM": 2, "TN": 8},
+        16: {"BN": 64, "BK": 32, "TM": 1, "TN": 4},
+    },
 }
 SIM_CONFIGS = {
     "v1": {"TX": 4, "TY": 4},
     "v2": {"BM": 4, "BN": 4, "BK": 4},
-    "v3": {"BM": 8, "BN": 8, "BK": 4, "TM": 2, "TN": 2},
+    "v3": {8: {"BN": 8, "BK": 4, "TM": 2, "TN": 2}, 4: {"BN": 8, "BK": 4, "TM": 1, "TN": 2}},
 }
 
 
@@ -167,22 +175,60 @@ def gemm_v2(BM: int, BN: int, BK: int):
 
 # ----------------------------------------------------------------------------- v3 registers
 @functools.lru_cache(maxsize=None)
-def gemm_v3(BM: int, BN: int, BK: int, TM: int, TN: int):
+def gemm_v3(BM: int, BN: int, BK: int, TM: int, TN: int, WORD: str = ""):
+    """The v3 kernel for one tile config. WORD ("f32" | "f16" | "bf16") makes a and w uint64
+    views (8-byte loads, VEC elements per word, unpacked when staged); "" loads elements."""
     TX, TY = BN // TN, BM // TM
     NT = TX * TY
-    if BN % TN or BM % TM or (BM * BK) % NT or (BN * BK) % NT:
-        raise ValueError(f"v3 config: tiles must split evenly over the threads, got "
-                         f"BM={BM} BN={BN} BK={BK} TM={TM} TN={TN}")
-    LA = BM * BK // NT      # a elements each thread stages per k-step
-    LW = BN * BK // NT      # w elements each thread stages per k-step
+    VEC = WORD_ELEMENTS[WORD] if WORD else 1
+    if BN % TN or BM % TM or BK % VEC:
+        raise ValueError(f"v3 config: tiles must split evenly, got BM={BM} BN={BN} BK={BK} "
+                         f"TM={TM} TN={TN} VEC={VEC}")
+    KW = BK // VEC          # loads per tile row and k-step (words, or elements)
+    A_LD = BM * KW          # loads of the a tile per k-step, spread over the NT threads
+    W_LD = BN * KW
+    LA = -(-A_LD // NT)     # per thread (the last round may leave threads idle)
+    LW = -(-W_LD // NT)
     BMP = BM + 1            # padded k-major rows: the transposing stores spread over banks
     BNP = BN + 1
     SA = BK * BMP           # shared words of the a tile, [BK][BMP] flattened
     SW = BK * BNP           # shared words of the w tile, [BK][BNP] flattened
+    REG = uint64 if WORD else float32   # what a prefetch register holds
+    ZERO = np.uint64(0) if WORD else np.float32(0.0)
+
+    # the three places the two load modes differ, chosen here so the kernel reads the same
+    if WORD:
+        unpack = UNPACK[WORD]
+
+        @device_function
+        def load_a(a, r, kl):
+            return a[ix(r), ix(kl)]                  # a word: VEC elements of row r
+
+        @device_function
+        def load_w(w, e, n, kl):
+            return w[ix(e), ix(n), ix(kl)]
+
+        @device_function
+        def stage(S, stride, kv, m, reg):
+            for v in range(VEC):                     # unpack into VEC k-rows of the tile
+                S[ix((kv + v) * stride + m)] = unpack(reg, v)
+    else:
+        @device_function
+        def load_a(a, r, kl):
+            return to_f32(a[ix(r), ix(kl)])
+
+        @device_function
+        def load_w(w, e, n, kl):
+            return to_f32(w[ix(e), ix(n), ix(kl)])
+
+        @device_function
+        def stage(S, stride, kv, m, reg):
+            S[ix(kv * stride + m)] = reg
 
     def v3(a, w, sorted_ids, expert_ids, num_post, topk_w, bias, c, P, top_k, N, Kd, B,
            mul_w, has_bias):
-        """A BM x BN tile per block of TX x TY threads, a TM x TN micro-tile per thread."""
+        """A BM x BN tile per block of TX x TY threads, a TM x TN micro-tile per thread.
+        With WORD, a [M_a, Kd / VEC] and w [E, N, Kd / VEC] are uint64 views."""
         tid = cu.threadIdx.x & 1023         # & tells LLVM tid >= 0: no sign fix-ups below
         tx = tid % TX
         ty = tid // TX
@@ -190,10 +236,11 @@ def gemm_v3(BM: int, BN: int, BK: int, TM: int, TN: int):
         n0 = cu.blockIdx.y * BN
         if p0 >= num_post[0]:
             return
-        As = cu.shared.array(SA, float32)          # a tile, k-major: As[k * BMP + m]
-        Ws = cu.shared.array(SW, float32)          # w tile, k-major: Ws[k * BNP + n]
-        srow = cu.shared.array(BM, int32)          # a row per tile row, -1 for padding
-        sslot = cu.shared.array(BM, int32)         # slot s per tile row, -1 for padding
+        Kl = Kd // VEC                      # loads along a row of a or w
+        As = cu.shared.array(SA, float32)   # a tile, k-major: As[k * BMP + m]
+        Ws = cu.shared.array(SW, float32)   # w tile, k-major: Ws[k * BNP + n]
+        srow = cu.shared.array(BM, int32)   # a row per tile row, -1 for padding
+        sslot = cu.shared.array(BM, int32)  # slot s per tile row, -1 for padding
         for m in range(tid, BM, NT):
             s = sorted_ids[ix(p0 + m)]
             valid = s < P and s >= 0
@@ -201,7 +248,7 @@ def gemm_v3(BM: int, BN: int, BK: int, TM: int, TN: int):
             sslot[m] = s if valid else -1
         e = expert_ids[ix(p0 // B)]
         cu.syncthreads()
-        if e < 0 or e >= w.shape[0]:                # uniform over the block
+        if e < 0 or e >= w.shape[0]:        # uniform over the block
             for i in range(TM):
                 s = sslot[ix(ty + TY * i)]
                 if s >= 0:
@@ -215,46 +262,60 @@ def gemm_v3(BM: int, BN: int, BK: int, TM: int, TN: int):
         for i in range(TM):
             for j in range(TN):
                 acc[i, j] = float32(0.0)
-        pa = cu.local.array(LA, float32)            # the next k-step, prefetched
-        pw = cu.local.array(LW, float32)
+        pa = cu.local.array(LA, REG)        # the next k-step's loads, in flight
+        pw = cu.local.array(LW, REG)
         am = cu.local.array(TM, float32)
         wn = cu.local.array(TN, float32)
 
-        # element q of this thread's share: idx = tid + NT q, tile row idx // BK, k idx % BK
+        # load q of this thread: idx = tid + NT q; tile row idx // KW, load idx % KW of it
         for q in range(LA):
             idx = tid + NT * q
-            r = srow[ix(idx // BK)]
-            k = idx % BK
-            pa[q] = to_f32(a[ix(r), ix(k)]) if r >= 0 and k < Kd else float32(0.0)
+            pa[q] = ZERO
+            if idx < A_LD:
+                r = srow[ix(idx // KW)]
+                kl = idx % KW
+                if r >= 0 and kl < Kl:
+                    pa[q] = load_a(a, r, kl)
         for q in range(LW):
             idx = tid + NT * q
-            n = n0 + idx // BK
-            k = idx % BK
-            pw[q] = to_f32(w[ix(e), ix(n), ix(k)]) if n < N and k < Kd else float32(0.0)
+            pw[q] = ZERO
+            if idx < W_LD:
+                n = n0 + idx // KW
+                kl = idx % KW
+                if n < N and kl < Kl:
+                    pw[q] = load_w(w, e, n, kl)
 
-        for k0 in range(0, Kd, BK):
-            for q in range(LA):                     # registers -> shared, transposed
+        for k0 in range(0, Kl, KW):         # k-steps of BK elements (KW loads) each
+            for q in range(LA):             # registers -> shared, transposed (and unpacked)
                 idx = tid + NT * q
-                As[ix((idx % BK) * BMP + idx // BK)] = pa[q]
+                if idx < A_LD:
+                    stage(As, BMP, (idx % KW) * VEC, idx // KW, pa[q])
             for q in range(LW):
                 idx = tid + NT * q
-                Ws[ix((idx % BK) * BNP + idx // BK)] = pw[q]
+                if idx < W_LD:
+                    stage(Ws, BNP, (idx % KW) * VEC, idx // KW, pw[q])
             cu.syncthreads()
-            k1 = k0 + BK
-            if k1 < Kd:                             # issue the next step's loads now
+            k1 = k0 + KW
+            if k1 < Kl:                     # issue the next step's loads now
                 for q in range(LA):
                     idx = tid + NT * q
-                    r = srow[ix(idx // BK)]
-                    k = k1 + idx % BK
-                    pa[q] = to_f32(a[ix(r), ix(k)]) if r >= 0 and k < Kd else float32(0.0)
+                    pa[q] = ZERO
+                    if idx < A_LD:
+                        r = srow[ix(idx // KW)]
+                        kl = k1 + idx % KW
+                        if r >= 0 and kl < Kl:
+                            pa[q] = load_a(a, r, kl)
                 for q in range(LW):
                     idx = tid + NT * q
-                    n = n0 + idx // BK
-                    k = k1 + idx % BK
-                    pw[q] = to_f32(w[ix(e), ix(n), ix(k)]) if n < N and k < Kd else float32(0.0)
-            ao = ty                                 # As[kk * BMP + ty + TY i]
-            wo = tx                                 # Ws[kk * BNP + tx + TX j]
-            for kk in range(BK):                    # TM + TN shared reads, TM * TN FMAs
+                    pw[q] = ZERO
+                    if idx < W_LD:
+                        n = n0 + idx // KW
+                        kl = k1 + idx % KW
+                        if n < N and kl < Kl:
+                            pw[q] = load_w(w, e, n, kl)
+            ao = ty                         # As[kk * BMP + ty + TY i]
+            wo = tx                         # Ws[kk * BNP + tx + TX j]
+            for kk in range(BK):            # TM + TN shared reads, TM * TN FMAs
                 for i in range(TM):
                     am[i] = As[ix(ao + TY * i)]
                 for j in range(TN):
@@ -284,27 +345,57 @@ def gemm_v3(BM: int, BN: int, BK: int, TM: int, TN: int):
 
 
 # ----------------------------------------------------------------------------- launch
-def plan(version, block_size):
-    """(version actually run, its kernel, block, grid tile rows BM, tile cols BN) for B.
+class Plan(NamedTuple):
+    version: str        # what runs (v3 falls back to v2 for block sizes it cannot tile)
+    kernel: object
+    block: object       # threads per block (int or (x, y))
+    bm: int             # tile rows: grid x = cdiv(max_padded, bm)
+    bn: int             # tile columns: grid y = cdiv(N, bn)
+    word: str           # v3's 8-byte load kind ("f32" | "f16" | "bf16") or "" (elements)
 
-    version None -> v3, falling back to v2 when gcd(BM, B) is not a multiple of v3's TY.
-    """
+
+def plan(version, block_size, word=""):
+    """The kernel and geometry of `version` for block size B (None: v3).
+
+    v3 takes the tallest tile of its table dividing B and runs v2 when none does; v2's tile
+    height is gcd(BM, B). `word` asks v3 for 8-byte loads (the caller checked it can)."""
     if version is None:
         version = "v3"
     A.check_choice("version", version, VERSIONS)
-    cfg = config(version)
     if version == "v3":
-        bm = math.gcd(cfg["BM"], block_size)
-        ty = cfg["BM"] // cfg["TM"]
-        if bm % ty == 0:
-            tm = bm // ty
-            kernel = gemm_v3(bm, cfg["BN"], cfg["BK"], tm, cfg["TN"])
-            return "v3", kernel, (cfg["BN"] // cfg["TN"]) * ty, bm, cfg["BN"]
-        version, cfg = "v2", config("v2")
+        table = config("v3")
+        fits = [bm for bm in table if block_size % bm == 0]
+        if fits:
+            bm = max(fits)
+            c = table[bm]
+            kernel = gemm_v3(bm, c["BN"], c["BK"], c["TM"], c["TN"], word)
+            return Plan("v3", kernel, (c["BN"] // c["TN"]) * (bm // c["TM"]), bm, c["BN"], word)
+        version = "v2"
     if version == "v2":
+        cfg = config("v2")
         bm = math.gcd(cfg["BM"], block_size)
-        return "v2", gemm_v2(bm, cfg["BN"], cfg["BK"]), (cfg["BN"], bm), bm, cfg["BN"]
-    return "v1", gemm_v1(cfg["TX"], cfg["TY"]), (cfg["TX"], cfg["TY"]), cfg["TY"], cfg["TX"]
+        return Plan("v2", gemm_v2(bm, cfg["BN"], cfg["BK"]), (cfg["BN"], bm), bm, cfg["BN"], "")
+    cfg = config("v1")
+    return Plan("v1", gemm_v1(cfg["TX"], cfg["TY"]), (cfg["TX"], cfg["TY"]), cfg["TY"],
+                cfg["TX"], "")
+
+
+_WORD_OF = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
+            np.dtype(np.uint16): "bf16"}
+
+
+def _word_kind(ad, wd, Kd):
+    """The 8-byte load kind for a and w (numba views), or "" when they cannot be read in
+    words: Kd a multiple of the word's elements, C-contiguous rows, 8-byte aligned bases."""
+    kind = _WORD_OF.get(np.dtype(ad.dtype), "")
+    if not kind or Kd % WORD_ELEMENTS[kind]:
+        return ""
+    for x in (ad, wd):
+        if not x.is_c_contiguous():
+            return ""
+        if not SIMULATOR and x.__cuda_array_interface__["data"][0] % 8:
+            return ""
+    return kind
 
 
 def get_config(M, N, K, E, top_k, dtype, version=None):
@@ -316,10 +407,13 @@ def get_config(M, N, K, E, top_k, dtype, version=None):
     (computed, then dropped) few; with many, a tall tile reuses each w element more often.
     """
     slots_per_expert = M * top_k / max(E, 1)
-    cap = config("v3")["BM"]
-    block = 16 if slots_per_expert <= 16 else 32 if slots_per_expert <= 48 else cap
-    version = version or "v3"
-    return {"BLOCK_M": min(block, cap) if version == "v3" else block, "version": version}
+    heights = sorted(config("v3"))                 # the v3 tile heights, e.g. 16, 32, 64
+    block = heights[-1]
+    for h in heights:
+        if slots_per_expert <= 1.5 * h:
+            block = h
+            break
+    return {"BLOCK_M": block, "version": version or "v3"}
 
 
 def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_size,
@@ -335,6 +429,8 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
     A.check_float("w", w, ndim=3)
     if A.dtype_of(w) != A.dtype_of(a):
         raise TypeError(f"w: expected the dtype of a ({A.dtype_of(a)}), got {A.dtype_of(w)}")
+    if version is not None:
+        A.check_choice("version", version, VERSIONS)
     M_a, Kd = A.shape_of(a)
     E, N, Kw = A.shape_of(w)
     if Kw != Kd:
@@ -370,13 +466,15 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
         if A.size_of(topk_weights) != P:
             raise ValueError(f"topk_weights: expected {P} weights (a rows * top_k), "
                              f"got shape {A.shape_of(topk_weights)}")
-    ran, kernel, block, bm, bn = plan(version, B)
-
     call = A.Call("a", a)
     c = call.empty((P, N), A.dtype_of(a))                                   # [P, N]
     if P and N and capacity:
         ad = call.dev("a", a)
         wd = call.dev("w", w)
+        word = _word_kind(ad, wd, Kd) if (version or "v3") == "v3" else ""
+        _, kernel, block, bm, bn, word = plan(version, B, word)
+        if word:   # 8-byte loads: the same bytes as uint64 words, VEC elements each
+            ad, wd = ad.view(np.uint64), wd.view(np.uint64)
         sd = call.dev("sorted_token_ids", sorted_token_ids)
         ed = call.dev("expert_ids", expert_ids)
         npd = call.dev("num_tokens_post_padded", num_tokens_post_padded)
@@ -399,16 +497,21 @@ def compile_cases():
         return t.Array(dt, nd, "C")
 
     cases, seen = [], set()
-    for dt in (t.float32, t.float16, t.uint16):
-        sig = ((arr(dt, 2), arr(dt, 3), arr(t.int32, 1), arr(t.int32, 1), arr(t.int32, 1),
-                arr(t.float32, 1), arr(t.float32, 2), arr(dt, 2)) + (t.int64,) * 7)
+    for dt, word in ((t.float32, "f32"), (t.float16, "f16"), (t.uint16, "bf16")):
         for version in VERSIONS:
             for B in (16, 32, 64):
-                ran, kernel, *_ = plan(version, B)
-                if (id(kernel), dt) in seen:
-                    continue
-                seen.add((id(kernel), dt))
-                cases.append((f"grouped_gemm {ran} B={B} {dt}", kernel, sig))
+                for wk in ((word, "") if version == "v3" else ("",)):
+                    pl = plan(version, B, wk)
+                    if (id(pl.kernel), dt) in seen:
+                        continue
+                    seen.add((id(pl.kernel), dt))
+                    io = t.uint64 if wk else dt     # word loads: a and w as uint64 views
+                    sig = ((arr(io, 2), arr(io, 3), arr(t.int32, 1), arr(t.int32, 1),
+                            arr(t.int32, 1), arr(t.float32, 1), arr(t.float32, 2), arr(dt, 2))
+                           + (t.int64,) * 7)
+                    label = f"grouped_gemm {pl.version} BM={pl.bm} {dt}" + (
+                        f" words={wk}" if wk else "")
+                    cases.append((label, pl.kernel, sig))
     return cases
 
 

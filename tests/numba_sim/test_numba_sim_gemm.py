@@ -68,6 +68,8 @@ CASES = {
     "gemm2": (3, 4, 2, 6, 9, 4, {"gemm2": True, "mul": True}),
     "block_not_divisible_by_tile": (4, 3, 2, 6, 5, 6, {"bias": np.float16}),
     "block_1": (2, 3, 2, 5, 4, 1, {}),
+    "word_loads_Kd_8": (3, 4, 2, 9, 8, 8, {"bias": np.float32, "mul": True}),
+    "word_loads_Kd_16_N_not_tile": (4, 3, 2, 11, 16, 4, {}),
 }
 
 
@@ -108,6 +110,18 @@ def test_rows_named_by_no_block_are_left_alone(version):
     assert (~live).any() and live.any()
     assert np.isnan(got[~live]).all()
     assert rel_err(got[live], want[live]) <= 1e-5
+
+
+@pytest.mark.parametrize("dkey,Kd,word", [("fp32", 10, "f32"), ("fp32", 7, ""),
+                                          ("fp16", 8, "f16"), ("fp16", 6, ""),
+                                          ("bf16", 12, "bf16"), ("bf16", 10, "")])
+def test_v3_word_loads_when_kd_allows(dkey, Kd, word):
+    """v3 reads a and w as 8-byte words when Kd is a multiple of the word's elements (2 fp32,
+    4 fp16 / bf16), else element by element; both must match the reference."""
+    args, want = problem(3, 4, 2, 6, Kd, 8, DTYPES[dkey])
+    ad, wd = (nb.to_device(x) for x in args[:2])
+    assert G._word_kind(ad, wd, Kd) == word
+    check(args, want, "v3")
 
 
 def test_plan_falls_back_and_empty_batch():
