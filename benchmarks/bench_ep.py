@@ -39,7 +39,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -401,13 +400,8 @@ def _single_gpu_forward(ops, x, logits, w13, w2, shape):
 # the driver (no CUDA in this process: the ranks are spawned)
 # ---------------------------------------------------------------------------------------
 def _commit():
-    try:
-        rev = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
-        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD", "--", "sandbox", "benchmarks",
-                                 "cuda_kernels"], cwd=ROOT) != 0
-        return rev + ("+dirty" if dirty else "")
-    except Exception:
-        return None
+    from sandbox.bench import git_commit   # one source of truth (MOE_SANDBOX_COMMIT on the GPU)
+    return git_commit() or None
 
 
 def print_table(report):

@@ -39,7 +39,6 @@ import argparse
 import datetime
 import json
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -69,11 +68,8 @@ SPIN_US = 1000       # longer than Python takes to enqueue one timed call (~0.1-
 
 
 def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=ROOT, timeout=10).stdout.strip()
-    except Exception:
-        return ""
+    from sandbox.bench import git_commit as commit   # one source of truth (MOE_SANDBOX_COMMIT on the GPU)
+    return commit()
 
 
 # ----------------------------------------------------------------------------- data on the GPU

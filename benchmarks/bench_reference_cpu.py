@@ -14,7 +14,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 import reference
+from sandbox.bench import git_commit
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -69,8 +69,7 @@ def main():
     record = {
         "benchmark": "reference fused_moe fp32 on CPU vs torch per-expert loop",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
+        "commit": git_commit(),
         "command": "python benchmarks/bench_reference_cpu.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "no_save"),
         "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores",

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+import os
 import pathlib
 import platform
 import subprocess
@@ -746,6 +747,10 @@ def _err(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------- results
 
 def git_commit() -> str:
+    """The commit the numbers belong to. The GPU machine gets a copy of the working tree
+    without .git, so a run there passes the hash in MOE_SANDBOX_COMMIT."""
+    if os.environ.get("MOE_SANDBOX_COMMIT"):
+        return os.environ["MOE_SANDBOX_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=pathlib.Path(__file__).resolve().parents[1],
