@@ -373,7 +373,7 @@ def cmd_data_make(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="moe-sandbox", description="The MoE kernel sandbox: parity, benchmarks, "
                                                 "data.")
-    sub = p.add_subparsers(dest="command", metavar="{validate,bench,info,data}",
+    sub = p.add_subparsers(dest="command", metavar="{validate,bench,info,data,ep}",
                            parser_class=_Parser)
 
     v = sub.add_parser("validate", help="the main job: the parity table of every backend here")
@@ -422,6 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="backends and devices here, and why not")
     i.set_defaults(func=cmd_info)
 
+    e = sub.add_parser("ep", help="expert parallelism: one process per GPU (or CPU rank); "
+                                  "moe-sandbox ep --help", add_help=False)
+    e.add_argument("ep_args", nargs=argparse.REMAINDER)
+    e.set_defaults(func=_run_ep)
+
     d = sub.add_parser("data", help="the small files of data/")
     dsub = d.add_subparsers(dest="data_command", metavar="{make}", parser_class=_Parser)
     m = dsub.add_parser("make", help="write the checkpoints and traces from a seed")
@@ -435,8 +440,19 @@ def _results_dir() -> pathlib.Path:
     return pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
+def _run_ep(args) -> int:
+    # the expert-parallel runtime has its own parser (moe-sandbox ep --help)
+    from sandbox.ep import cli_main
+    try:
+        return cli_main(args.ep_args)
+    except SystemExit as exc:          # its argparse exits on --help and on bad arguments
+        return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["ep"]:          # everything after "ep" belongs to the EP runtime's parser
+        return int(_run_ep(argparse.Namespace(ep_args=argv[1:])))
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -156,3 +156,11 @@ def test_bench_cpu_writes_json_and_plot(tmp_path, capsys):
         if "stats" in p:
             assert p["rel_err"] <= 1e-5 and p["stats"]["p20"] <= p["stats"]["median"] \
                 <= p["stats"]["p80"]
+
+
+def test_ep_subcommand_reaches_the_ep_runtime(capsys):
+    # `moe-sandbox ep ...` hands everything after "ep" to sandbox.ep.cli_main
+    from sandbox.cli import main
+    assert main(["ep", "eplb", "--experts", "16", "--gpus", "4", "--redundant", "4"]) == 0
+    assert "EPLB" in capsys.readouterr().out
+    assert main(["ep", "no-such-command"]) != 0
