@@ -15,6 +15,8 @@ from .experts import DEFAULT_BLOCK_SIZE, fused_experts, fused_moe, grouped_gemm,
 from .permute import (grouped_mm, max_num_tokens_padded, moe_align_block_size, moe_permute,
                       moe_unpermute)
 from .precision import compute_dtype, exact
+from .quant import (fused_experts_quant, grouped_gemm_quant, moe_kernel_quantize_input,
+                    quantize_moe_layer)
 from .routing import (SCORING_FUNCS, fused_topk, fused_topk_bias, grouped_topk,
                       llama4_custom_routing_function, select_experts, softmax, sigmoid,
                       topk_indices, zero_experts_compute)
@@ -22,9 +24,9 @@ from .routing import (SCORING_FUNCS, fused_topk, fused_topk_bias, grouped_topk,
 __all__ = [
     "ACTIVATIONS", "DEFAULT_BLOCK_SIZE", "PLACEMENTS", "SCORING_FUNCS",
     "apply_activation", "compute_dtype", "determine_expert_map", "exact", "fused_experts",
-    "fused_moe", "fused_topk", "fused_topk_bias", "gelu_and_mul", "gelu_tanh_and_mul",
-    "grouped_gemm", "grouped_mm", "grouped_topk", "llama4_custom_routing_function",
-    "max_num_tokens_padded", "moe_align_block_size", "moe_permute", "moe_sum", "moe_unpermute",
-    "select_experts", "sigmoid", "silu_and_mul", "softmax", "swigluoai_and_mul", "topk_indices",
+    "fused_experts_quant", "fused_moe", "fused_topk", "fused_topk_bias", "gelu_and_mul", "gelu_tanh_and_mul",
+    "grouped_gemm", "grouped_gemm_quant", "grouped_mm", "grouped_topk", "llama4_custom_routing_function",
+    "max_num_tokens_padded", "moe_align_block_size", "moe_kernel_quantize_input", "moe_permute", "moe_sum", "moe_unpermute",
+    "quantize_moe_layer", "select_experts", "sigmoid", "silu_and_mul", "softmax", "swigluoai_and_mul", "topk_indices",
     "zero_experts_compute",
 ]

@@ -16,7 +16,8 @@ from cuda_kernels.cupy import _compile as C
 
 # The modules that register compile cases. grouped_gemm is written separately: when it is
 # missing or broken the others are still checked (its own test reports the failure).
-KERNEL_MODULES = ("routing", "permute", "activation", "combine", "grouped_gemm")
+KERNEL_MODULES = ("routing", "permute", "activation", "combine", "grouped_gemm", "quant_act",
+                  "quant_gemm")
 ARCHS = ("sm_90", "sm_80")
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "moe_align_block_size", "moe_permute", "moe_unpermute",
     "apply_activation", "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul",
     "swigluoai_and_mul", "moe_sum", "grouped_gemm",
+    "grouped_gemm_quant", "moe_kernel_quantize_input", "per_token_group_quant_fp8",
 ]
 
 # stage name -> module that defines it; resolved on first use (PEP 562) so that a module
@@ -36,6 +37,8 @@ _STAGES = {
     "gelu_and_mul": "activation", "gelu_tanh_and_mul": "activation",
     "swigluoai_and_mul": "activation",
     "moe_sum": "combine",
+    "grouped_gemm_quant": "quant_gemm",
+    "moe_kernel_quantize_input": "quant_act", "per_token_group_quant_fp8": "quant_act",
 }
 
 
