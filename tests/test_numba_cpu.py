@@ -73,7 +73,8 @@ def _nvvm_or_skip():
 
 def test_numpy_without_row_stack_is_shimmed():
     """numba-cuda 0.30.4 overloads np.row_stack, which NumPy 2.5 removed (the GPU image has
-    2.5.2): without the shim the first compile fails; importing cuda_kernels.numba first fixes it."""
+    2.5.2): without the shim the first compile fails; importing cuda_kernels.numba first fixes
+    it."""
     pytest.importorskip("numba_cuda")
     _nvvm_or_skip()
     compile_one = """
@@ -156,7 +157,8 @@ def test_bad_arguments_fail_before_any_launch():
         x = np.zeros((2, 8), np.float32)
         raises(ValueError, "topk: expected at most the number of experts (8), got 9",
                R.fused_topk, None, x, 9, True)
-        raises(TypeError, "gating_output: expected dtype in", R.fused_topk, None, x.astype(int), 2, True)
+        raises(TypeError, "gating_output: expected dtype in", R.fused_topk, None, x.astype(int),
+               2, True)
         raises(ValueError, "block_size: expected an int >= 1, got 0",
                Pm.moe_align_block_size, np.zeros((2, 2), np.int32), 0, 4)
         raises(TypeError, "a: expected a NumPy array or a CUDA array", G.grouped_gemm,

@@ -14,8 +14,15 @@ out) or device arrays (numba device arrays, CuPy arrays, torch CUDA tensors, any
                      v3 register blocking)
     _arrays.py       array kinds, outputs in the caller's framework, argument checks,
                      availability(), to_device / to_host, poisoned_outputs()
-    _device.py       device helpers: bf16 bits <-> fp32, fp32 math, comparisons
+    _device.py       device helpers: bf16 bits <-> fp32, 8-byte word unpacking, fp32 math,
+                     unsigned indices, comparisons
     _compat.py       the np.row_stack shim numba-cuda 0.30 needs on NumPy >= 2.5
+    _ptx.py          every kernel the stages launch, compiled to PTX for sm_90 with no GPU
+                     (CPU CI: python -m cuda_kernels.numba._ptx)
+    _script.py       parity and CUDA-event timing for the modules run as scripts
+
+Kernels launch on the legacy default stream (ordered with CuPy's and torch's default
+streams). bf16 outputs use cvt.rn.bf16.f32 (sm_80+).
 
 The kernels also run in the CUDA simulator (`NUMBA_ENABLE_CUDASIM=1` set before numba is
 imported): slowly (about 2,000 threads a second), but on any CPU, which is how CI checks them.
@@ -25,7 +32,9 @@ can run here and why not. Run a stage as a script to validate and time it:
 """
 from __future__ import annotations
 
-from . import _compat  # noqa: F401  (first: numba must never be imported before the shim)
+# first: the shim must be in place before numba compiles anything. A submodule import runs
+# this file before its own body, so the stage modules may import numba at their top.
+from . import _compat  # noqa: F401
 from ._arrays import availability, poisoned_outputs, to_device, to_host
 
 __all__ = [

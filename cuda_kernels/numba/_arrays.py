@@ -271,7 +271,8 @@ def to_device(a):
 
 
 def to_host(x, dtype=None):
-    """Any supported array as a NumPy array; `dtype=ml_dtypes.bfloat16` views uint16 bits as bf16."""
+    """Any supported array as a NumPy array; `dtype=ml_dtypes.bfloat16` views uint16 bits
+    as bf16."""
     if isinstance(x, np.ndarray):
         out = x
     else:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import float32, int32, uint64
 
 from ._arrays import cuda, is_simulator
 
@@ -37,8 +38,6 @@ SIMULATOR = is_simulator()
 FULL_MASK = 0xFFFFFFFF
 NEG_INF32 = np.float32(-np.inf)   # globals of NumPy scalar type are fp32 constants in kernels
 NAN32 = np.float32(np.nan)
-
-from numba import float32, int32, uint16, uint64  # noqa: E402  (after the shim in _arrays)
 
 
 def device_function(fn):

@@ -33,11 +33,20 @@ import math
 import sys
 
 import numpy as np
+from numba import float32
 
 from . import _arrays as A
-from ._device import (SIMULATOR, cast_out, cu, device_function, erf_f32, exp_f32, ix,
-                      tanh_f32, to_f32)
-from numba import float32  # noqa: E402
+from ._device import (
+    SIMULATOR,
+    cast_out,
+    cu,
+    device_function,
+    erf_f32,
+    exp_f32,
+    ix,
+    tanh_f32,
+    to_f32,
+)
 
 CONFIGS = {"act": {"THREADS": 256}}
 SIM_CONFIGS = {"act": {"THREADS": 16}}
@@ -184,7 +193,8 @@ def compile_cases():
     for name, mode in _MODES:
         for dt in (t.float32, t.float16, t.uint16):
             a = t.Array(dt, 2, "C")
-            cases.append((f"act {name} mode={mode} {dt}", act_kernel(name, mode, CONFIGS["act"]["THREADS"]),
+            kernel = act_kernel(name, mode, CONFIGS["act"]["THREADS"])
+            cases.append((f"act {name} mode={mode} {dt}", kernel,
                           (a, a, t.int64, t.int64, t.float32, t.float32)))
     return cases
 
@@ -211,7 +221,8 @@ def _main():
                                 reference.apply_activation(x, act, gated))
                 tol = 1e-5 if dt == np.float32 else 1e-2
                 failures += not err <= tol
-                line = f"  {act:10s} {'gated' if gated else 'no-mul'} [{M}, {N}] {np.dtype(dt).name}: rel err {err:.1e}"
+                form = "gated" if gated else "no-mul"
+                line = f"  {act:10s} {form} [{M}, {N}] {np.dtype(dt).name}: rel err {err:.1e}"
                 if not SIMULATOR:
                     d = A.to_device(x)
                     ms = S.time_ms(lambda: apply_activation(d, act, gated))

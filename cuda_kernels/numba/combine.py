@@ -23,10 +23,10 @@ import functools
 import sys
 
 import numpy as np
+from numba import float32
 
 from . import _arrays as A
 from ._device import SIMULATOR, cast_out, cu, ix, to_f32
-from numba import float32  # noqa: E402
 
 CONFIGS = {"sum": {"THREADS": 256}}
 MAX_UNROLLED_K = 32   # K up to this is a compile-time constant (one kernel per K)

@@ -30,22 +30,31 @@ Versions (`version=`; None picks the best that fits block_size):
         shared = (BM + BN) * (BK + 1) * 4 bytes + 2 BM ints.
     v3  register blocking: a BM x BN tile per block of (BN/TN) x (BM/TM) threads, each thread
         a TM x TN micro-tile in registers (cuda.local.array with compile-time sizes, fully
-        unrolled so it lives in registers); shared tiles stored k-major (As [BK][BM],
-        Ws [BK][BN]) so a thread reads TM + TN values per k and does TM * TN FMAs; the next
-        k-step's global loads are issued into registers before the current step's math
-        (prefetch), so the memory latency hides behind the FMAs. A thread owns rows
-        ty + TY i and columns tx + TX j (strided), which makes shared reads conflict-free and
-        stores coalesced. grid (cdiv(max_padded, BM), cdiv(N, BN));
-        shared = BK * (BM + BN + 2) * 4 bytes + 2 BM ints.
+        unrolled so it lives in registers: tests/test_numba_cpu.py checks ptxas reports no
+        stack); shared tiles stored k-major (As [BK][BM+1], Ws [BK][BN+1]) so a thread reads
+        TM + TN values per k and does TM * TN FMAs; the next k-step's global loads are issued
+        into registers before the current step's math (prefetch), so their latency hides
+        behind the FMAs. A thread owns rows ty + TY i and columns tx + TX j (strided), which
+        makes shared reads conflict-free and stores coalesced. Global loads are 8 bytes
+        (two fp32 or four fp16 / bf16: a and w viewed as uint64 words, taken apart when
+        staged) when Kd is a multiple of the word and the bases are 8-byte aligned, else one
+        element each. Tile table CONFIGS["v3"] keyed by BM (the tallest dividing B): 64 and
+        32 rows x 128 columns x 16 deep; 16 rows (decode) x 64 columns x 32 deep, for more
+        blocks and more weight bytes in flight. Always 16 x 16 threads.
+        grid (cdiv(max_padded, BM), cdiv(N, BN)); shared = BK * (BM + BN + 2) * 4 bytes + 2 BM ints.
 
-BM divides B (a tile never straddles two experts, so the expert is one load per tile): the
-effective BM is gcd(BM, B); v3 needs it to be a multiple of its TY, else v2 runs. Tiles past
-num_tokens_post_padded (read on the device: no host sync) return at once.
+BM divides B (a tile never straddles two experts, so the expert is one load per tile): v2's
+tile height is gcd(BM, B); v3 runs when one of its tile heights divides B (B a multiple of
+16), else v2 runs. Tiles past num_tokens_post_padded (read on the device: no host sync)
+return at once.
 Tunables are data: CONFIGS below (SIM_CONFIGS: small tiles for the simulator). No tensor
-cores: numba.cuda exposes no mma/wgmma; the CuPy backend's v4 is the tensor-core rung.
+cores: numba.cuda has no mma/wgmma API (inline PTX through an intrinsic, as _device.py does
+for cvt.rn.bf16.f32, could reach mma.sync; not done here); the CuPy backend's v4 is the
+tensor-core rung.
 
-dtypes: a and w fp32, fp16 or bf16 (bf16 as uint16 bits, converted by shifts when staged:
-_device.py); bias and topk_weights any float; accumulation fp32.
+dtypes: a and w fp32, fp16 or bf16 (bf16 as uint16 bits, converted by shifts when staged;
+rounded by cvt.rn.bf16.f32 on store, sm_80+: _device.py); bias and topk_weights any float;
+accumulation fp32.
 
 FLOPs = 2 * (rows computed) * N * Kd; bytes >= w of every used expert + gathered a + c.
 Run as a script to validate every version and time it: python -m cuda_kernels.numba.grouped_gemm
@@ -59,10 +68,10 @@ import types
 from typing import NamedTuple
 
 import numpy as np
+from numba import float32, int32, uint64
 
 from . import _arrays as A
 from ._device import SIMULATOR, UNPACK, WORD_ELEMENTS, cast_out, cu, device_function, ix, to_f32
-from numba import float32, int32, uint64  # noqa: E402
 
 VERSIONS = ("v1", "v2", "v3")
 CONFIGS = {
@@ -122,7 +131,8 @@ def gemm_v1(TX: int, TY: int):
 @functools.lru_cache(maxsize=None)
 def gemm_v2(BM: int, BN: int, BK: int):
     if BN != BK:
-        raise ValueError(f"v2 config: expected BN == BK (a thread loads one column), got {BN}, {BK}")
+        raise ValueError(f"v2 config: expected BN == BK (a thread loads one column), "
+                         f"got {BN}, {BK}")
     BKP = BK + 1   # padded row: thread tx reads Ws[tx][kk] without bank conflicts
 
     def v2(a, w, sorted_ids, expert_ids, num_post, topk_w, bias, c, P, top_k, N, Kd, B,
@@ -461,7 +471,8 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
         A.check_float("bias", bias, ndim=2, shape=(E, N), with_f64=True)
     if mul_routed_weight:
         if topk_weights is None:
-            raise ValueError("topk_weights: expected an array when mul_routed_weight=True, got None")
+            raise ValueError("topk_weights: expected an array when mul_routed_weight=True, "
+                             "got None")
         A.check_float("topk_weights", topk_weights, with_f64=True)
         if A.size_of(topk_weights) != P:
             raise ValueError(f"topk_weights: expected {P} weights (a rows * top_k), "
@@ -545,7 +556,8 @@ def _main():
                 continue   # the naive rung would take seconds
             err = S.rel_err(grouped_gemm(x, w, *align, K, B, version=version), ref)
             failures += not err <= 1e-2
-            line = f"  {version} T={T:5d} E={E:3d} K={K} N={N:5d} Kd={Kd:5d} B={B:3d} fp16: rel err {err:.1e}"
+            line = (f"  {version} T={T:5d} E={E:3d} K={K} N={N:5d} Kd={Kd:5d} B={B:3d} fp16: "
+                    f"rel err {err:.1e}")
             if not SIMULATOR:
                 ms = S.time_ms(lambda: grouped_gemm(*d, K, B, version=version), reps=5)
                 line += f", {ms * 1e3:9.1f} us, {flops / ms / 1e9:6.2f} TFLOP/s"

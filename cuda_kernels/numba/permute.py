@@ -57,10 +57,10 @@ import functools
 import sys
 
 import numpy as np
+from numba import float32, int32, uint32
 
 from . import _arrays as A
 from ._device import FULL_MASK, SIMULATOR, cast_out, cu, device_function, ix, to_f32
-from numba import float32, int32, uint32  # noqa: E402
 
 # Tunables are data. The simulator gets tiny blocks so that tests cover every path cheaply.
 CONFIGS = {
@@ -198,8 +198,6 @@ def _parts(NT):
                 cu.atomic.add(run, e, 1)
             cu.syncthreads()
 
-    W = NT // 32
-
     @device_function
     def scatter_warp(ids, lo, hi, E, emap, use_map, ignore_invalid, off, run, cntw, tagw,
                      sorted_ids, inv, write_sorted, write_inv, tid):
@@ -211,8 +209,7 @@ def _parts(NT):
         cntw[w, e], tagged with the round number in tagw[w, e] (tagw starts at -1), so
         entries left from earlier rounds read as zero without clearing W x E words per round.
         """
-        lane = tid & 31
-        w = tid >> 5
+        w = tid >> 5                             # this thread's warp
         rnd = 0
         for r0 in range(lo, hi, NT):
             s = r0 + tid
@@ -602,7 +599,8 @@ def _main():
         ref = reference.moe_align_block_size(ids, B, E)
         same = all(np.array_equal(a, b) for a, b in zip(mine, ref))
         failures += not same
-        line = f"  moe_align_block_size T={T:5d} E={E:4d} K={K:2d} B={B:3d}: {'exact' if same else 'DIFFER'}"
+        verdict = "exact" if same else "DIFFER"
+        line = f"  moe_align_block_size T={T:5d} E={E:4d} K={K:2d} B={B:3d}: {verdict}"
         if not SIMULATOR:
             d = A.to_device(ids)
             ms = S.time_ms(lambda: moe_align_block_size(d, B, E))

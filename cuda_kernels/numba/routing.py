@@ -50,11 +50,23 @@ import sys
 from types import SimpleNamespace
 
 import numpy as np
+from numba import float32, int32
 
 from . import _arrays as A
-from ._device import (FULL_MASK, NAN32, NEG_INF32, SIMULATOR, better, cu, device_function,
-                      exp_f32, ix, max_nan, sel_key, to_f32)
-from numba import float32, int32  # noqa: E402  (numba after the shim)
+from ._device import (
+    FULL_MASK,
+    NAN32,
+    NEG_INF32,
+    SIMULATOR,
+    better,
+    cu,
+    device_function,
+    exp_f32,
+    ix,
+    max_nan,
+    sel_key,
+    to_f32,
+)
 
 # Tunables are data: one dict per flavour (the simulator gets small blocks: 2,000 threads/s).
 CONFIGS = {"warp": {"WARPS_PER_BLOCK": 4}, "block": {"THREADS": 128}}
@@ -339,7 +351,8 @@ def _launch(call, gating_output, bias, topk, num_groups, topk_group, scoring, re
         grid, block, smem = _geometry(flavor, T, E, num_groups)
         kernel = route_kernel(flavor, block // 32 if flavor == "warp" else block)
         logits = call.dev("gating_output", gating_output)
-        bias_d = call.dev("e_score_correction_bias", bias) if bias is not None else A.dummy(np.float32)
+        bias_d = (call.dev("e_score_correction_bias", bias) if bias is not None
+                  else A.dummy(np.float32))
         kernel[grid, block, 0, smem](
             logits, bias_d, weights, ids, tei if tei is not None else A.dummy(np.int32, 2),
             T, E, topk, num_groups, topk_group, 0 if scoring == "softmax" else 1,
@@ -394,7 +407,7 @@ def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=Non
     Returns topk_weights f32 [T, K], topk_ids int32 (or indices_type) [T, K],
     token_expert_indices int32 [T, K].
     """
-    T, E, topk = _check_logits(hidden_states, gating_output, topk)
+    _, _, topk = _check_logits(hidden_states, gating_output, topk)
     call = A.Call("gating_output", gating_output)
     return _launch(call, gating_output, None, topk, 1, 1, "softmax", renormalize, 1.0, True,
                    _ids_dtype(indices_type))
@@ -405,7 +418,7 @@ def fused_topk_bias(hidden_states, gating_output, e_score_correction_bias, topk,
     """Softmax scores; experts chosen on scores + bias; weights are the unbiased scores,
     renormalized if asked, then * routed_scaling_factor. Returns topk_weights f32 [T, K],
     topk_ids int32 [T, K]."""
-    T, E, topk = _check_logits(hidden_states, gating_output, topk)
+    _, E, topk = _check_logits(hidden_states, gating_output, topk)
     if e_score_correction_bias is None:
         raise TypeError("e_score_correction_bias: expected an array [E], got None")
     _check_bias(e_score_correction_bias, E)
@@ -425,7 +438,7 @@ def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_gro
     choices; weights the unbiased scores, renormalized if asked, always
     * routed_scaling_factor. Returns topk_weights f32 [T, K], topk_ids int32 [T, K].
     """
-    T, E, topk = _check_logits(hidden_states, gating_output, topk)
+    _, E, topk = _check_logits(hidden_states, gating_output, topk)
     A.check_choice("scoring_func", scoring_func, SCORING_FUNCS)
     G = A.check_int("num_expert_group", num_expert_group, minimum=1)
     topk_group = A.check_int("topk_group", topk_group, minimum=1)
@@ -549,9 +562,16 @@ def _main():
                     f"weights rel err {err:.1e}")
             if not SIMULATOR:
                 d = A.to_device(logits)
+                d_bias = A.to_device(bias)
+                dev_stages = {
+                    "fused_topk": lambda: fused_topk(None, d, K, True),
+                    "fused_topk_bias": lambda: fused_topk_bias(None, d, d_bias, K, True, 2.5),
+                    "grouped_topk": lambda: grouped_topk(None, d, K, True, G, TG, "sigmoid", 2.5,
+                                                         d_bias),
+                }
                 # bytes: the logits in, weights + ids out
                 nbytes = T * E * 4 + T * K * 8
-                ms = S.time_ms(lambda: run(this, d))
+                ms = S.time_ms(dev_stages[name])
                 line += f", {ms * 1e3:8.1f} us, {nbytes / ms / 1e6:7.1f} GB/s"
             print(line)
     print("all match" if not failures else f"{failures} mismatches")

@@ -12,7 +12,15 @@ import importlib
 
 import numpy as np
 import pytest
-from oracles import BF16, align_loop, assert_same_blocks, distinct_topk_ids, rel_err, rng_for, uniform
+from oracles import (
+    BF16,
+    align_loop,
+    assert_same_blocks,
+    distinct_topk_ids,
+    rel_err,
+    rng_for,
+    uniform,
+)
 
 import reference
 from cuda_kernels import numba as nb
@@ -115,7 +123,8 @@ def test_permute_unpermute(T, E, K, H, dtype):
     w = (0.05 + rng.random((T, K))).astype(np.float32)
     u = Pm.moe_unpermute(y, w, want[2])
     assert u.dtype == np.dtype(dtype)
-    assert rel_err(u, reference.moe_unpermute(y, w, want[2])) <= (1e-5 if dtype == np.float32 else 1e-2)
+    tol = 1e-5 if dtype == np.float32 else 1e-2
+    assert rel_err(u, reference.moe_unpermute(y, w, want[2])) <= tol
 
 
 def test_permute_all_on_one_expert_and_empty():
