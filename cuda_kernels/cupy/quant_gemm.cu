@@ -303,6 +303,8 @@ w8a8_gemm_v2(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restr
     }
     const int KB = (Kdim + BK - 1) / BK;
     const int NB = (N + QG_KBLOCK - 1) / QG_KBLOCK;
+    // 64-bit expert base once; offsets inside one expert fit 32 bits (the launcher checks
+    // N * Kdim < 2^31, the whole w may not: DeepSeek-V3's w13 is 7.5e9 bytes)
     const u8* wexp = w + (long long)e * N * Kdim;
 
     auto load_stage = [&](int stage, int kb) {
@@ -318,7 +320,7 @@ w8a8_gemm_v2(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restr
         for (int i = tid; i < BN * CH; i += NT) {
             const int r = i / CH, k = k0 + (i % CH) * 16, n = n0 + r;
             const bool ok = n < N && k < Kdim;
-            qg_cp16(dW + r * ROW + (i % CH) * 16, ok ? wexp + (long long)n * Kdim + k : w, ok);
+            qg_cp16(dW + r * ROW + (i % CH) * 16, ok ? wexp + n * Kdim + k : w, ok);
         }
         if (BLOCKWISE) {
             for (int r = tid; r < BM; r += NT) {
@@ -539,7 +541,8 @@ wna16_gemm_v2(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __
         return;
     }
     const int KT = (Kdim + BK - 1) / BK;
-    const long long wrow_bytes = (long long)Kdim * NBITS / 8;
+    const int wrow_bytes = Kdim * NBITS / 8;
+    // 64-bit expert base once, 32-bit offsets inside the expert (launcher: N * row bytes < 2^31)
     const u8* wexp = w + (long long)e * N * wrow_bytes;
 
     auto load_stage = [&](int stage, int kt) {
@@ -552,10 +555,10 @@ wna16_gemm_v2(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __
             qg_cp16(dA + r * AROW + (i % ACH) * 16, ok ? a + (long long)arow * Kdim + k : a, ok);
         }
         u8* dW = sW + stage * BN * WROW;
-        const long long kb0 = (long long)k0 * NBITS / 8;
+        const int kb0 = k0 * NBITS / 8;
         for (int i = tid; i < BN * WCH; i += NT) {
             const int r = i / WCH, n = n0 + r;
-            const long long kb = kb0 + (i % WCH) * 16;
+            const int kb = kb0 + (i % WCH) * 16;
             const bool ok = n < N && kb < wrow_bytes;
             qg_cp16(dW + r * WROW + (i % WCH) * 16, ok ? wexp + n * wrow_bytes + kb : w, ok);
         }

@@ -174,6 +174,24 @@ def _block_shape(block_shape):
     return bn, bk
 
 
+def _check_weights(w, dtypes):
+    """w [E, N, Kdim or Kdim/2]: a C-contiguous CuPy array on this device whose *one expert*
+    fits 32-bit offsets. The kernels add a 64-bit expert base (e * N * row bytes, once per
+    CTA) and index inside the expert in 32 bits, so the whole array may exceed 2^31 bytes
+    (DeepSeek-V3's fp8 w13 is 256 * 4096 * 7168 = 7.5e9)."""
+    import cupy
+
+    if not isinstance(w, cupy.ndarray):
+        C.check_array("w", w)                               # raises the usual TypeError
+    if w.ndim != 3:
+        raise ValueError(f"w: expected 3 dimensions [E, N, Kdim], got shape {w.shape}")
+    C.check_array("w", w[:1], ndim=3, dtypes=dtypes, contiguous=False)   # device, dtype
+    if not w.flags.c_contiguous:
+        raise ValueError(f"w: expected a C-contiguous array, got strides {w.strides} for shape "
+                         f"{w.shape} (call cupy.ascontiguousarray first)")
+    C.check_fits_int32("w", w.shape[1] * w.shape[2], "one expert's N * row bytes")
+
+
 _ALIGN = 16   # cp.async moves 16-byte chunks
 
 
@@ -223,7 +241,7 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         hint = " (fp8 codes travel as their uint8 bytes)" if fmt == "fp8" else ""
         try:
             C.check_array("a", a, ndim=2, dtypes=(code_dt,))
-            C.check_array("w", w, ndim=3, dtypes=(code_dt,))
+            _check_weights(w, (code_dt,))
         except TypeError as err:
             raise TypeError(f"{err}{hint}") from None
         M_a, K = a.shape
@@ -272,7 +290,7 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                                               np.dtype(np.uint16)))
         M_a, K = a.shape
         nbits = 4 if fmt == "int4" else 8
-        C.check_array("w", w, ndim=3, dtypes=((np.uint8,) if nbits == 4 else (np.uint8, np.int8)))
+        _check_weights(w, (np.uint8,) if nbits == 4 else (np.uint8, np.int8))
         E, N, Kw = w.shape
         if (Kw * 2 if nbits == 4 else Kw) != K:
             raise ValueError(f"w: expected codes for Kdim = {K} (a's columns), got shape {w.shape}")
