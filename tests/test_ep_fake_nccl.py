@@ -126,10 +126,19 @@ def _bench_once(bench_ep):
     assert results[1] is None and report["layer_note"] is None, report.get("layer_note")
     phases = {(r["tokens_per_rank"], r["scheme"], r["phase"]) for r in report["rows"]}
     for T in (8, 16):
-        for phase in ("dispatch", "combine", "dispatch+combine",
-                      "raw NCCL all-to-all (same bytes)", "rows only (all_to_all_v)"):
-            assert (T, "alltoall", phase) in phases
+        assert (T, "alltoall", "raw NCCL all-to-all (slot bytes, P rows)") in phases
+        for mode in ("token", "slot"):
+            for phase in ("dispatch", "combine", "dispatch+combine",
+                          "raw NCCL all-to-all (same bytes)", "exchange only (all_to_all_v)"):
+                assert (T, "alltoall", f"{phase} ({mode} rows)") in phases
         assert (T, "allgather", "raw ncclAllGather + ncclReduceScatter") in phases
     single = [r for r in report["layer"] if r["what"] == "single-GPU layer forward"]
     assert single and all(e < 1e-2 for e in single[0]["ep_vs_single_rel_error"].values())
+    report["target"] = bench_ep._target(report, ["token", "slot"])
+    t = report["target"]
+    assert t["rows"] == "token" and t["tokens_per_rank"] == 16 and set(t["by_rows"]) == \
+        {"token", "slot"}
+    # top-2 of 8 experts over 2 ranks: a token visits at most both ranks, never more rows
+    # than slots; slot rows send every slot
+    assert t["by_rows"]["token"]["rows_sent"] <= t["by_rows"]["slot"]["rows_sent"] == 16 * 2
     bench_ep.print_table(report)

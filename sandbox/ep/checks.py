@@ -64,8 +64,22 @@ def parity_cases(world_size: int, quick: bool = False) -> list[dict]:
                         dtype="float32", scheme=scheme, placement=placement,
                         num_redundant_experts=R),
             tokens=3 * W + 5, rebalance=(mode == "rebalance")))
+    # the all-to-all-v scheme sends one row per (token, rank) by default; its per-slot
+    # variant (alltoall_rows="slot") keeps one case here
+    cases.append(dict(
+        name="alltoall_slot-round_robin-eplb_replicas-fp32", seed=140,
+        config=dict(num_experts=E, top_k=3, hidden_size=32, intermediate_size=48,
+                    dtype="float32", scheme="alltoall", alltoall_rows="slot",
+                    placement="round_robin", num_redundant_experts=W),
+        tokens=3 * W + 2))
     if quick:
         return cases
+    cases.append(dict(
+        name="alltoall_slot-linear-top1_on_input-bf16", seed=141,
+        config=dict(num_experts=E, top_k=1, hidden_size=32, intermediate_size=24,
+                    dtype="bfloat16", scheme="alltoall", alltoall_rows="slot",
+                    apply_router_weight_on_input=True),
+        tokens=3 * W + 1))
     # bf16, the weight-loader path, biases and grouped routing, top-1 on input, activation
     for i, scheme in enumerate(schemes):
         cases.append(dict(

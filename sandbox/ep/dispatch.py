@@ -39,7 +39,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-__all__ = ["SCHEMES", "AllGatherState", "AllToAllState", "allgather_dispatch",
+__all__ = ["SCHEMES", "ALLTOALL_ROWS", "AllGatherState", "AllToAllState", "allgather_dispatch",
            "allgather_combine", "alltoall_dispatch", "alltoall_combine", "raw", "view_as"]
 
 SCHEMES = ("allgather", "alltoall")
@@ -129,60 +129,147 @@ def allgather_combine(comm, partial, state: AllGatherState):
 # --------------------------------------------------------------------------------------
 # (b) all-to-all-v of the routed rows
 # --------------------------------------------------------------------------------------
+ALLTOALL_ROWS = ("token", "slot")
+
+
 @dataclasses.dataclass
 class AllToAllState:
-    send_counts: np.ndarray   # host int64 [W]: slot rows this rank sent to each rank
+    rows: str                 # "token" (one row per (token, destination rank)) | "slot"
+    send_counts: np.ndarray   # host int64 [W]: rows this rank sent to each rank
     recv_counts: np.ndarray   # host int64 [W]: rows received from each rank
-    inv: object               # xp int32 [P]: where slot s sits in the sorted send order
+    inv: object               # xp int32 [T*S]: where entry (t, j) sits in the send order
     num_tokens: int
     dtype: np.dtype
+    width: int = 0            # S: K (slot rows) or min(W, K) (token rows)
+    combine_weights: object = None   # token rows: xp f32 [T, S], 1 where (t, j) was sent
 
 
-def alltoall_dispatch(comm, ops, x, topk_ids, experts_per_rank: int, topk_weights=None):
-    """x [T, H], topk_ids [T, K] int32 physical ids ->
-    (x_recv [R, H], local_ids_recv [R] int32, weights_recv [R] f32 or None, state).
+def _rank_counts(xp, dest, W):
+    """[T, K] destination ranks -> xp int64 [W] histogram, on the device with no host sync
+    (cupy.bincount reads max(x) and any(x < 0) back to the host: two syncs)."""
+    ranks = xp.arange(W, dtype=xp.int32)
+    return (dest.reshape(-1, 1) == ranks.reshape(1, W)).sum(axis=0).astype(xp.int64)
 
-    `ops` is the stage backend (moe_permute). `topk_weights` travel only when given (the
-    apply_router_weight_on_input case: the owner applies them inside GEMM1)."""
+
+def _token_table(xp, dest, W):
+    """Which ranks each token visits, once each.
+
+    dest [T, K] -> (table int32 [T, S], counts int64 [W]), S = min(W, K): table[t, j] is a
+    destination rank of token t, or W ("nowhere": a bucket after every rank, so that
+    moe_permute over W + 1 buckets groups the rows by rank and parks the rest at the end);
+    the real entries of a row are distinct and in increasing rank order.
+    """
+    T, K = dest.shape
+    ranks = xp.arange(W, dtype=xp.int32)
+    hit = (dest.reshape(T, K, 1) == ranks.reshape(1, 1, W)).sum(axis=1) > 0     # [T, W]
+    counts = hit.sum(axis=0).astype(xp.int64)                                    # [W]
+    if W <= K:   # column p is rank p or nowhere
+        table = xp.where(hit, ranks.reshape(1, W), xp.int32(W))
+    else:        # sorted destinations, repeats turned into nowhere
+        d = xp.sort(dest, axis=1)
+        repeat = xp.concatenate([xp.zeros((T, 1), dtype=bool), d[:, 1:] == d[:, :-1]], axis=1)
+        table = xp.where(repeat, xp.int32(W), d)
+    return table.astype(xp.int32), counts
+
+
+def alltoall_dispatch(comm, ops, x, topk_ids, experts_per_rank: int, topk_weights=None,
+                      rows: str = "token"):
+    """Send each rank the rows its experts need.
+
+    x [T, H], topk_ids [T, K] int32 physical ids, topk_weights [T, K] f32.
+
+    rows="token" (default): token t goes once to each rank that holds one of its experts,
+        with its K ids and weights (the owner runs its local slots and sums them, weighted,
+        as the all-gather scheme does; the combine adds one partial per rank). Rows per rank
+        sent: T * E[#distinct ranks of a token] <= T * min(W, K); bytes cut by up to K / W.
+        Returns (x_recv [R, H], ids_recv [R, K] int32 physical, weights_recv [R, K] f32,
+        state); topk_weights is required.
+    rows="slot": one row per (token, slot), with its local expert id (the owner runs it
+        unweighted, top-1; the weighted sum happens at the source). Returns (x_recv [R, H],
+        local_ids_recv [R] int32, weights_recv [R] f32 or None, state); the weights travel
+        only when given (the apply_router_weight_on_input case: the owner applies them).
+
+    Host syncs: exactly one, for the counts (phase one runs on a side stream while the rows
+    are gathered). `ops` is the stage backend (moe_permute).
+    """
+    if rows not in ALLTOALL_ROWS:
+        raise ValueError(f"rows: expected one of {list(ALLTOALL_ROWS)}, got {rows!r}")
     xp = comm.xp
     T, H = x.shape
     W = comm.world_size
-    ids = topk_ids.astype(xp.int32)
+    ids = topk_ids if topk_ids.dtype == np.int32 else topk_ids.astype(xp.int32)
+    K = ids.shape[1]
     dest = ids // experts_per_rank                                   # [T, K] owning rank
-    # phase one starts first, from a histogram of the destinations, so that the exchange of
-    # the counts (and its host sync) overlaps the row gather below
-    counts = xp.bincount(dest.reshape(-1), minlength=W)[:W] if T else xp.zeros(W, xp.int64)
+    if rows == "token":
+        if topk_weights is None:
+            raise ValueError("topk_weights: expected [T, K] weights for rows='token' (the "
+                             "owner applies them), got None")
+        table, counts = _token_table(xp, dest, W)                    # [T, S], [W]
+        S, buckets = table.shape[1], W + 1
+        meta_cols = [ids, _f32_bits(xp, topk_weights)]               # [T, K] each
+    else:
+        table, counts, S, buckets = dest, _rank_counts(xp, dest, W), K, W
+        meta_cols = [(ids % experts_per_rank).reshape(T, K, 1)]
+        if topk_weights is not None:
+            meta_cols.append(_f32_bits(xp, topk_weights).reshape(T, K, 1))
+    # phase one starts first, so that the exchange of the counts (and its host sync)
+    # overlaps the row gather below
     pending = comm.counts_phase_async(counts)
     if T == 0:  # nothing to send, but the exchange still runs (peers may send to us)
         x_sorted = view_as(xp.zeros((0, H), dtype=raw(x).dtype), x.dtype)
         inv = xp.zeros(0, dtype=xp.int32)
+        meta_sorted = xp.zeros((0, K * len(meta_cols) if rows == "token" else len(meta_cols)),
+                               dtype=xp.int32)
     else:
-        x_sorted, _, inv = ops.moe_permute(x, dest, W)               # [P, H], [W+1], [P]
-    inv = inv.astype(xp.int64)
-    local = (ids % experts_per_rank).reshape(-1)                     # [P]
-    meta_cols = [local]
-    if topk_weights is not None:
-        meta_cols.append(_f32_bits(xp, topk_weights).reshape(-1))
-    meta = xp.empty((local.size, len(meta_cols)), dtype=xp.int32)   # [P, 1 or 2]
-    for c, col in enumerate(meta_cols):
-        meta[inv, c] = col                                           # same order as x_sorted
+        x_sorted, _, inv = ops.moe_permute(x, table, buckets)        # [T*S, H], _, [T*S]
+        # the metadata rows follow the same permutation: entry s = t*S + j belongs to t
+        # (token rows: [ids | weight bits] of t; slot rows: slot s's own columns)
+        if rows == "token":
+            meta = xp.concatenate(meta_cols, axis=1)                 # [T, 2K]
+            src = meta[xp.arange(T * S, dtype=xp.int32) // S]        # [T*S, 2K]
+        else:
+            src = xp.concatenate(meta_cols, axis=2).reshape(T * K, len(meta_cols))
+        meta_sorted = xp.empty(src.shape, dtype=xp.int32)
+        meta_sorted[inv] = src
     send_counts, recv_counts = pending.wait()
-    (x_recv, meta_recv), _ = comm.all_to_all_v([raw(x_sorted), meta], send_counts,
-                                               recv_counts=recv_counts)
-    weights_recv = None
-    if topk_weights is not None:
-        weights_recv = xp.ascontiguousarray(meta_recv[:, 1]).view(xp.float32)
-    state = AllToAllState(send_counts, recv_counts, inv.astype(xp.int32), T, np.dtype(x.dtype))
-    return view_as(x_recv, x.dtype), xp.ascontiguousarray(meta_recv[:, 0]), weights_recv, state
+    n = int(send_counts.sum())                # rows past n (token rows: "nowhere") stay
+    (x_recv, meta_recv), _ = comm.all_to_all_v([raw(x_sorted)[:n], meta_sorted[:n]],
+                                               send_counts, recv_counts=recv_counts)
+    combine_w = None
+    if rows == "token":
+        combine_w = (table < W).astype(xp.float32)                   # [T, S]
+        ids_recv = xp.ascontiguousarray(meta_recv[:, :K])
+        w_recv = xp.ascontiguousarray(meta_recv[:, K:]).view(xp.float32)
+    else:
+        ids_recv = xp.ascontiguousarray(meta_recv[:, 0])
+        w_recv = None
+        if topk_weights is not None:
+            w_recv = xp.ascontiguousarray(meta_recv[:, 1]).view(xp.float32)
+    state = AllToAllState(rows, send_counts, recv_counts, inv, T, np.dtype(x.dtype), S,
+                          combine_w)
+    return view_as(x_recv, x.dtype), ids_recv, w_recv, state
 
 
-def alltoall_combine(comm, ops, y_recv, state: AllToAllState, topk_weights):
-    """y_recv [R, H] (expert outputs in received order) -> out [T, H] =
-    sum_k topk_weights[t, k] * y[slot t*K+k] at the source (moe_unpermute)."""
-    y_back, _ = comm.all_to_all_v(raw(y_recv), state.recv_counts,
-                                  recv_counts=state.send_counts)     # [P, H] sorted order
-    y_back = view_as(y_back, state.dtype)
+def alltoall_combine(comm, ops, y_recv, state: AllToAllState, topk_weights=None):
+    """y_recv [R, H] (rows in received order) -> out [T, H] on the source rank.
+
+    token rows: y_recv holds each received token's weighted partial sum over the owner's
+        slots; out[t] = sum over the ranks t visited of their partials (fp32, rank order,
+        rounded once; moe_unpermute with weights 1 and 0 for "nowhere").
+    slot rows: y_recv holds unweighted expert rows; out[t] = sum_k topk_weights[t, k] *
+        y[slot t*K+k] (fp32, rounded once; moe_unpermute)."""
+    xp = comm.xp
+    H = y_recv.shape[1]
+    yr = raw(y_recv)
+    n = int(state.send_counts.sum())
+    rows_total = state.num_tokens * state.width
+    back = xp.empty((rows_total, H), dtype=yr.dtype)                 # [T*S, H] send order
+    if n < rows_total:  # the "nowhere" rows: weight 0, and 0 * garbage could be NaN
+        back[n:] = 0
+    comm.all_to_all_v(yr, state.recv_counts, recv_counts=state.send_counts, outs=back[:n])
     if state.num_tokens == 0:  # no tokens here: nothing to combine (and no empty launches)
-        return view_as(comm.xp.zeros((0, y_recv.shape[1]), dtype=raw(y_back).dtype),
-                       state.dtype)
-    return ops.moe_unpermute(y_back, topk_weights, state.inv)
+        return view_as(xp.zeros((0, H), dtype=yr.dtype), state.dtype)
+    weights = state.combine_weights if state.rows == "token" else topk_weights
+    if weights is None:
+        raise ValueError("topk_weights: expected [T, K] weights to combine slot rows, got None")
+    return ops.moe_unpermute(view_as(back, state.dtype), weights, state.inv)

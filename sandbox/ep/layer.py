@@ -33,7 +33,7 @@ import re
 import ml_dtypes
 import numpy as np
 
-from .dispatch import (SCHEMES, allgather_combine, allgather_dispatch, alltoall_combine,
+from .dispatch import (ALLTOALL_ROWS, SCHEMES, allgather_combine, allgather_dispatch, alltoall_combine,
                        alltoall_dispatch, raw, view_as)
 from .eplb_runtime import PLACEMENTS, ExpertPlacement, LoadRecorder, check_divisible, \
     rearrange_plan
@@ -75,6 +75,7 @@ class EPConfig:
     intermediate_size: int
     dtype: str = "bfloat16"
     scheme: str = "alltoall"              # "allgather" | "alltoall"
+    alltoall_rows: str = "token"          # alltoall: one row per (token, rank) | per "slot"
     placement: str = "linear"             # "linear" | "round_robin" (initial, under EPLB)
     num_redundant_experts: int = 0        # R: physical = logical + R
     eplb_num_groups: int = 1              # rebalance: expert groups (hierarchical EPLB)
@@ -99,6 +100,9 @@ class EPConfig:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         if self.scheme not in SCHEMES:
             raise ValueError(f"scheme: expected one of {list(SCHEMES)}, got {self.scheme!r}")
+        if self.alltoall_rows not in ALLTOALL_ROWS:
+            raise ValueError(f"alltoall_rows: expected one of {list(ALLTOALL_ROWS)}, "
+                             f"got {self.alltoall_rows!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement: expected one of {list(PLACEMENTS)}, "
                              f"got {self.placement!r}")
@@ -490,20 +494,33 @@ class EPMoE:
         c, comm = self.config, self.comm
         xp = comm.xp
         on_input = c.apply_router_weight_on_input
-        x_recv, local_ids, w_recv, st = alltoall_dispatch(
-            comm, self.ops, x, phys, self.experts_per_rank,
-            topk_weights=topk_weights if on_input else None)
-        R = x_recv.shape[0]
-        if on_input:  # the owner scales GEMM1 (vLLM's top-1 rule); the combine adds plainly
-            y = self.experts_forward(x_recv, local_ids.reshape(-1, 1), w_recv.reshape(-1, 1),
-                                     self.experts_per_rank, mul_gemm1=True, mul_gemm2=False)
-            combine_w = xp.ones(topk_weights.shape, dtype=xp.float32)
-        else:  # unweighted expert rows; the weighted sum happens at the source
-            y = self.experts_forward(x_recv, local_ids.reshape(-1, 1), None, self.experts_per_rank,
-                                     mul_gemm1=False, mul_gemm2=False)
-            combine_w = topk_weights
-        self.last_stats = {"scheme": "alltoall", "rows_sent": st.send_counts.tolist(),
-                           "rows_received": st.recv_counts.tolist(), "rows_computed": int(R)}
+        if c.alltoall_rows == "token":
+            # each token once per owning rank, with its K physical ids and weights: the owner
+            # runs its local slots exactly as the all-gather scheme does (expert_map drops
+            # the others) and returns one weighted partial row per token
+            x_recv, ids_recv, w_recv, st = alltoall_dispatch(
+                comm, self.ops, x, phys, self.experts_per_rank, topk_weights=topk_weights,
+                rows="token")
+            y = self.experts_forward(x_recv, ids_recv, w_recv, c.num_physical,
+                                     expert_map=self._expert_map(), mul_gemm1=on_input,
+                                     mul_gemm2=not on_input)
+            combine_w = None
+        else:
+            x_recv, ids_recv, w_recv, st = alltoall_dispatch(
+                comm, self.ops, x, phys, self.experts_per_rank,
+                topk_weights=topk_weights if on_input else None, rows="slot")
+            if on_input:  # the owner scales GEMM1 (vLLM's top-1 rule); the combine adds plainly
+                y = self.experts_forward(x_recv, ids_recv.reshape(-1, 1), w_recv.reshape(-1, 1),
+                                         self.experts_per_rank, mul_gemm1=True, mul_gemm2=False)
+                combine_w = xp.ones(topk_weights.shape, dtype=xp.float32)
+            else:  # unweighted expert rows; the weighted sum happens at the source
+                y = self.experts_forward(x_recv, ids_recv.reshape(-1, 1), None,
+                                         self.experts_per_rank, mul_gemm1=False, mul_gemm2=False)
+                combine_w = topk_weights
+        self.last_stats = {"scheme": "alltoall", "rows": c.alltoall_rows,
+                           "rows_sent": st.send_counts.tolist(),
+                           "rows_received": st.recv_counts.tolist(),
+                           "rows_computed": int(x_recv.shape[0])}
         return alltoall_combine(comm, self.ops, y, st, combine_w)
 
     def with_scheme(self, scheme: str) -> "EPMoE":
