@@ -15,18 +15,34 @@ Two schemes, both exact (they change where the work happens, never the math):
                    own T rows
     bytes per rank: (W-1) * T * (H*b + 8K) in, (W-1) * T * H*b out (b = dtype bytes).
 
-(b) "alltoall" (MegaBlocks / DeepEP's shape): only the routed (token, slot) rows move.
-        dispatch   dest[t, k] = phys_id // P_l; phase 1 exchanges the W counts (a
-                   histogram of dest), overlapped with moe_permute by dest, which groups
-                   the P slot rows by destination rank (x_sorted [P, H], inv [P]); phase 2
-                   moves the rows and their local expert ids (all_to_all_v)
+(b) "alltoall" (MegaBlocks / DeepEP's shape): only the routed rows move, two row modes.
+    "token" rows (default; DeepEP's): token t goes ONCE to each rank holding one of its
+        experts, with its K physical ids and weights (int32 meta [T, 2K]).
+        dispatch   table[t, j] = the j-th distinct destination of t, or W ("nowhere"),
+                   S = min(W, K) columns; counts[p] = #tokens visiting p (a device
+                   reduction: no host sync); phase 1 exchanges the counts on a side stream
+                   while moe_permute over the W + 1 buckets groups the rows by destination
+                   (x_sorted [T*S, H], inv [T*S]; the "nowhere" rows park at the end and
+                   are never sent); one host sync for the counts; phase 2 moves the first
+                   n = sum(counts) rows and their meta (all_to_all_v) -> x_recv [R, H],
+                   ids [R, K], weights [R, K]
+        experts    the owner runs its local slots of each row (expert_map drops the others,
+                   as in (a)) and sums them weighted: one partial row per received token
+        combine    all_to_all_v back into [T*S, H] (the "nowhere" rows zeroed), then
+                   out[t] = sum_j [table[t, j] < W] * partial[inv[t*S + j]] (moe_unpermute,
+                   fp32 in rank order, rounded once)
+        bytes per rank: T * E[#ranks a token visits] * H*b each way, <= T * min(W, K) * H*b:
+        K / W times fewer than slot rows when every token visits every rank (W <= K).
+    "slot" rows: one row per (token, slot), with its local expert id.
+        dispatch   dest[t, k] = phys_id // P_l; the same two phases with moe_permute by dest
                    -> x_recv [R, H], local ids [R]
         experts    the owner runs each received row through its one expert, unweighted
                    (top-1 with weight 1) -> y_recv [R, H]
-        combine    all_to_all_v back (the counts are known: the reverse of phase 1), then
-                   the weighted sum at the source: moe_unpermute(y, topk_weights, inv),
-                   out[t] = sum_k w[t, k] * y[inv[t*K + k]] (fp32, rounded once)
-    bytes per rank: about P * H*b * (W-1)/W each way (uniform routing).
+        combine    all_to_all_v back, then the weighted sum at the source:
+                   out[t] = sum_k w[t, k] * y[inv[t*K + k]] (moe_unpermute, fp32, rounded once)
+        bytes per rank: P * H*b each way (the self share included).
+    Rounding: slot rows round once (like the single device); token rows round each rank's
+    partial to the dtype before the final sum, exactly as (a) does.
 
 Both run on NumPy (CPU communicator, reference stages) or CuPy (NCCL, cuda_kernels.cupy
 stages): `comm.xp` and the stage backend `ops` decide. bf16 rows move as their uint16
