@@ -127,7 +127,9 @@ def test_package_imports_without_gpu():
 # ordering subtleties or the GPU's expf/erff ulps: the GPU tests stay the judge.
 EMULATION_HEADER = r"""
 #pragma once
+#include <atomic>
 #include <barrier>
+#include <memory>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -147,7 +149,7 @@ EMULATION_HEADER = r"""
 struct dim3s { unsigned x = 0, y = 0, z = 0; };
 thread_local dim3s threadIdx, blockIdx;
 dim3s blockDim, gridDim;
-static unsigned char* g_shared = nullptr;
+thread_local unsigned char* g_shared = nullptr;  // this thread's block's shared memory
 struct __half { uint16_t b; };
 struct __nv_bfloat16 { uint16_t b; };
 struct uint4 { unsigned x, y, z, w; };
@@ -165,12 +167,16 @@ inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __nanosleep(unsigned) { std::this_thread::yield(); }  // a spinning block yields the CPU
+template <typename T> inline T __ldcg(const T* p) { return *(const volatile T*)p; }
 using std::min; using std::max;
 // A warp's rendezvous, one per lane mask: lanes that skipped a masked collective may already
 // wait in the next full-warp one (legal on Volta+: they meet at the same instruction later).
 struct Meet { int arrived = 0; long gen = 0; uint64_t vals[32]; uint64_t snap[4][32]; };
 struct Warp { std::mutex m; std::condition_variable cv; std::map<unsigned, Meet> meets; };
-static std::vector<Warp>* g_warps = nullptr;
+thread_local std::vector<Warp>* g_warps = nullptr;
 // every lane of `mask` deposits a value; all of them leave with the 32 deposits
 inline void exchange(unsigned mask, uint64_t v, uint64_t out[32]) {
     const int lane = threadIdx.x & 31;
@@ -202,23 +208,46 @@ inline unsigned __match_any_sync(unsigned m, int v) {
     uint64_t a[32]; exchange(m, bits(v), a); unsigned r = 0;
     for (int i = 0; i < 32; ++i) if (((m >> i) & 1u) && unbits<int>(a[i]) == v) r |= 1u << i; return r; }
 inline void __syncwarp(unsigned m = 0xffffffffu) { uint64_t a[32]; exchange(m, 0, a); }
-static std::barrier<>* g_bar = nullptr;
+thread_local std::barrier<>* g_bar = nullptr;
 inline void __syncthreads() { g_bar->arrive_and_wait(); }
 static std::mutex g_atomic;
 inline int atomicAdd(int* p, int v) { std::lock_guard<std::mutex> l(g_atomic); int o = *p; *p = o + v; return o; }
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+    std::lock_guard<std::mutex> l(g_atomic); unsigned o = *(volatile unsigned*)p; *(volatile unsigned*)p = o + v; return o; }
 template <typename F> void launch(unsigned grid, unsigned block, size_t smem, F body) {
     gridDim.x = grid; blockDim.x = block;
     std::vector<unsigned char> shared(smem + 16);
     for (unsigned b = 0; b < grid; ++b) {
         memset(shared.data(), 0xAB, shared.size());
-        g_shared = shared.data();
-        std::vector<Warp> warps((block + 31) / 32); g_warps = &warps;
-        std::barrier<> bar((std::ptrdiff_t)block); g_bar = &bar;
+        std::vector<Warp> warps((block + 31) / 32);
+        std::barrier<> bar((std::ptrdiff_t)block);
         std::vector<std::thread> ts;
         for (unsigned t = 0; t < block; ++t)
-            ts.emplace_back([&, t, b] { threadIdx.x = t; blockIdx.x = b; body(); bar.arrive_and_drop(); });
+            ts.emplace_back([&, t, b] {
+                threadIdx.x = t; blockIdx.x = b; g_shared = shared.data(); g_warps = &warps; g_bar = &bar;
+                body(); bar.arrive_and_drop(); });
         for (auto& t : ts) t.join();
     }
+}
+// A cooperative launch: every block runs at once (a grid barrier inside must not deadlock),
+// each with its own shared memory, warps and __syncthreads barrier.
+template <typename F> void launch_cooperative(unsigned grid, unsigned block, size_t smem, F body) {
+    gridDim.x = grid; blockDim.x = block;
+    std::vector<std::vector<unsigned char>> shared(grid, std::vector<unsigned char>(smem + 16, 0xAB));
+    std::vector<std::vector<Warp>> warps(grid);
+    std::vector<std::unique_ptr<std::barrier<>>> bars;
+    for (unsigned b = 0; b < grid; ++b) {
+        warps[b] = std::vector<Warp>((block + 31) / 32);
+        bars.emplace_back(new std::barrier<>((std::ptrdiff_t)block));
+    }
+    std::vector<std::thread> ts;
+    for (unsigned b = 0; b < grid; ++b)
+        for (unsigned t = 0; t < block; ++t)
+            ts.emplace_back([&, t, b] {
+                threadIdx.x = t; blockIdx.x = b;
+                g_shared = shared[b].data(); g_warps = &warps[b]; g_bar = bars[b].get();
+                body(); g_bar->arrive_and_drop(); });
+    for (auto& t : ts) t.join();
 }
 """
 
@@ -233,21 +262,15 @@ extern "C" void route(const float* g, const float* bias, float* w, int* ids, int
     route_topk_kernel<V>(g, bias, w, ids, tei, T, E, K, G, TG, scoring, renorm, scale); });
     R(1) R(2) R(4) R(8) R(16) R(32)
 }"""),
-    "permute.cu": ({"SCALAR_T": "float", "ROW_WARPS": 2, "UNPERMUTE_THREADS": 32, "PREFETCH": 2,
-                    "SCATTER_WARPS": 2}, r"""
-extern "C" void align(const int* ids, const int* emap, int* sorted, int* eids, int* npost, int P,
-                      int E, int B, int n, int nb, int ign, int chunk, int threads, int smem) {
-    launch(1, threads, smem, [&] { moe_align_kernel(ids, emap, sorted, eids, npost, P, E, B, n,
-                                                    nb, ign, chunk); });
-}
-extern "C" void align_large(const int* ids, const int* emap, int* scratch, int* sorted,
-                            int* eids, int* npost, int P, int E, int B, int n, int nb, int ign,
-                            int chunk, int nc, int threads, int smem_count, int smem_scatter) {
-    int *hist = scratch, *off = scratch + nc * E, *counts = off + E + 1;
-    launch(1, threads, smem_count, [&] { moe_align_count_kernel(ids, emap, hist, off, counts, eids,
-                                                                npost, P, E, B, nb, ign, chunk, nc); });
-    launch((nc + SCATTER_WARPS - 1) / SCATTER_WARPS, SCATTER_WARPS * 32, smem_scatter, [&] {
-        moe_align_scatter_kernel(ids, emap, hist, off, counts, sorted, P, E, n, ign, chunk, nc); });
+    "permute.cu": ({"SCALAR_T": "float", "ROW_WARPS": 2, "UNPERMUTE_THREADS": 32, "PREFETCH": 2},
+                   r"""
+extern "C" void align(const int* ids, const int* emap, int* sorted, int* eids, int* npost, int* hist,
+                      unsigned* bar, int P, int E, int B, int n, int nb, int ign, int grid,
+                      int threads, int smem) {
+    auto body = [&] { moe_align_kernel(ids, emap, sorted, eids, npost, hist, bar, P, E, B, n, nb,
+                                       ign); };
+    if (grid == 1) launch(1, threads, smem, body);
+    else launch_cooperative(grid, threads, smem, body);
 }
 extern "C" void permute_index(const int* ids, int* off, int* inv, int P, int E, int chunk,
                               int threads, int smem) {
@@ -352,23 +375,21 @@ def test_emulated_align_and_permute(emulated):
     def ids_of(T, E, K):
         return np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
 
+    bar = np.zeros(1, np.uint32)  # the grid barrier's word, kept across launches as on the GPU
+
     def align(ids, B, E, emap=None, pad=False, ign=False, large=False):
         P = ids.size
         n = ck_perm.max_num_tokens_padded(P, E, B, pad)
         out = (np.full(n, -7, np.int32), np.full(-(-n // B), -7, np.int32), np.full(1, -7, np.int32))
-        if not large:  # the one-block kernel
-            W, chunk, smem = ck_perm._group_geometry(P, E)
-            lib.align(_p(ids), _p(emap), *map(_p, out), P, E, B, n, out[1].size, int(ign), chunk,
-                      W * 32, smem)
-            return out
-        # count + scatter, with small chunks so that several warps and blocks take part
-        chunk, nc, W, smem_count, _ = ck_perm._align_large_geometry(max(P, 1), E)
-        chunk = 64
-        nc = max(1, -(-P // chunk))
-        W = max(1, min(W, nc))
-        scratch = np.full(nc * E + 2 * E + 1, -7, np.int32)
-        lib.align_large(_p(ids), _p(emap), _p(scratch), *map(_p, out), P, E, B, n, out[1].size,
-                        int(ign), chunk, nc, W * 32, (W * E + E + 1 + 32) * 4, (E + 1 + 2 * E) * 4)
+        G, W, smem = ck_perm._align_geometry(P, E, 1)  # one block
+        if large:  # a cooperative grid of small blocks: 5 blocks of 2 warps (one round of
+            # 32-slot steps per warp), or 3 blocks of 1 warp (several rounds per warp)
+            G, W = (5, 2) if large == 1 else (3, 1)
+            smem = (W * E + 2 * E + 33) * 4
+        hist = np.full(G * E, -7, np.int32)
+        lib.align(_p(ids), _p(emap), *map(_p, out), _p(hist), _p(bar), P, E, B, n, out[1].size,
+                  int(ign), G, W * 32, smem)
+        assert bar[0] & 0x7FFFFFFF == 0, "the barrier word's low bits come back to 0"
         return out
 
     cases = [(1, 8, 2, 4, None, False, False), (3, 32, 2, 32, None, False, False),
@@ -381,13 +402,13 @@ def test_emulated_align_and_permute(emulated):
     for T, E, K, B, emap, pad, ign in cases:
         ids = ids_of(T, E, K)
         want = reference.moe_align_block_size(ids, B, E, emap, pad, ign)
-        for large in (False, True):
+        for large in (0, 1, 2):
             got = align(ids, B, E, emap, pad, ign, large)
             for g, w, name in zip(got, want, ("sorted_token_ids", "expert_ids", "num_post")):
                 np.testing.assert_array_equal(
-                    g, w, err_msg=f"{name} T={T} E={E} K={K} B={B} {'count+scatter' * large}")
+                    g, w, err_msg=f"{name} T={T} E={E} K={K} B={B} grid variant {large}")
     one = np.full((70, 1), 3, np.int32)  # every slot on one expert
-    for large in (False, True):
+    for large in (0, 1, 2):
         for g, w in zip(align(one, 16, 8, large=large), reference.moe_align_block_size(one, 16, 8)):
             np.testing.assert_array_equal(g, w)
 

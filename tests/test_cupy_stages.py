@@ -17,8 +17,9 @@ What "equal" means, stage by stage:
   values being 2^-8 apart); ids are distinct in every row; weights are compared on the
   rows whose ids match (relative Frobenius error <= 1e-5: the math is fp32 for every input
   dtype).
-- alignment: integer outputs exact, on both of its paths (one launch up to SMALL_P slots,
-  count + scatter above; the vLLM grid crosses the threshold, the nasty cases force each). The contract only fixes the *set* of slots per block
+- alignment: integer outputs exact, on both of its paths (one block up to SMALL_P slots, a
+  cooperative grid above; the vLLM grid crosses the threshold, the nasty cases force each,
+  the grid one with tiny blocks so that even small cases span many blocks). The contract only fixes the *set* of slots per block
   (assert_same_blocks); this kernel is stable (increasing s inside an expert, like the
   reference), so the order is checked exactly too, in a separate assertion.
 - permute: x_grouped, expert_offsets, inv_permuted_idx exact (a copy and integers).
@@ -340,11 +341,14 @@ def test_align_vllm_grid(T, E, K, B):
     check_align(distinct_topk_ids(rng, T, E, K), B, E)
 
 
-@pytest.fixture(params=["one_launch", "count_scatter"])
+@pytest.fixture(params=["one_block", "grid"])
 def align_path(request, monkeypatch):
-    """Both alignment paths: one block (P <= SMALL_P) and count + scatter (forced)."""
-    if request.param == "count_scatter":
+    """Both alignment paths: one block (P <= SMALL_P) and the cooperative grid (forced, with
+    blocks of 2 warps of 32 slots: a 1000-slot case spans 16 blocks, E1024 hits the SM cap)."""
+    if request.param == "grid":
         monkeypatch.setitem(ck_perm.CONFIGS["align"], "SMALL_P", 0)
+        monkeypatch.setitem(ck_perm.CONFIGS["align"], "WARP_SLOTS", 32)
+        monkeypatch.setitem(ck_perm.CONFIGS["group"], "MAX_WARPS", 2)
     return request.param
 
 

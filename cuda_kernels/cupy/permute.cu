@@ -11,12 +11,9 @@
 //   expert when ignore_invalid, is dropped.
 //
 // Kernels (permute.py launches them):
-//   moe_align_kernel          one block does everything (P <= SMALL_P: one launch)
-//   moe_align_count_kernel    large P, launch 1 of 2: one block counts per (chunk, expert),
-//                             scans, writes expert_ids and num_tokens_post_padded, and leaves
-//                             hist[c][e] = the rank of chunk c's first slot inside expert e
-//   moe_align_scatter_kernel  large P, launch 2 of 2: one warp per chunk places its slots; all
-//                             threads write the padding (positions disjoint from the slots')
+//   moe_align_kernel          the whole alignment in one launch: one block up to SMALL_P slots,
+//                             above that a cooperative grid (one block per SM at most) with
+//                             one grid barrier between the count and the scatter
 //   moe_permute_index_kernel  the grouping with B = 1 and no padding: expert_offsets [E + 1]
 //                             (exclusive cumsum of counts) and inv_permuted_idx [P], the row
 //                             of x_grouped that slot s goes to (one block; its writes are
@@ -27,32 +24,35 @@
 //                             no atomics (deterministic), rounded once to SCALAR_T
 //
 // How the grouping is stable without a sort: the slots are cut into contiguous chunks, each
-// walked by one warp. Pass 1 counts per (chunk, bucket); an exclusive scan over chunks turns
-// the counts into each chunk's first rank inside each bucket; a block scan over buckets gives
-// the padded bucket starts. Pass 2 walks each chunk again, 32 slots at a time:
-// __match_any_sync groups the lanes of one bucket, a lane's rank among them is the popcount
-// of the lower lanes, and the group's first lane advances the chunk's cursor. Each lane loads
-// the ids of PREFETCH steps at once, so that many loads are in flight.
-// Why two launches for large P: the scatter's stores land all over the output, ~one 32-byte
-// sector each; from one SM that costs ~32 cycles per warp store (~16 us at P = 32768), spread
-// over NC blocks it costs next to nothing.
+// walked by one warp, the warps in slot order. Pass 1 counts per (chunk, bucket); an exclusive
+// scan over chunks turns the counts into each chunk's first rank inside each bucket; a block
+// scan over buckets gives the padded bucket starts. Pass 2 walks each chunk again, 32 slots at
+// a time: __match_any_sync groups the lanes of one bucket, a lane's rank among them is the
+// popcount of the lower lanes, and the group's first lane advances the chunk's cursor. Each
+// lane loads the ids of PREFETCH steps at once, so that many loads are in flight.
+// Why a grid for large P: one SM walking P = 32768 slots (and scattering ~one 32-byte sector
+// per store) is most of the time; spread over G blocks each walks P / G. The chunks' first
+// ranks need every earlier chunk's counts, hence one grid barrier (cooperative launch, so all
+// blocks are resident) instead of a second launch.
 //
 // Launch geometry (permute.py):
-//   moe_align_kernel, moe_permute_index_kernel: grid = 1, block = W * 32, warp w owns chunk w,
+//   moe_align_kernel: block = W * 32, W = min(32, (SMEM_BUDGET / 4 - 2 E - 33) / E) (at least 1,
+//     with an opt-in above 48 KB for E > ~4000); grid G = 1 when P <= SMALL_P (W cut to the
+//     32-slot steps), else G = min(SMs, cdiv(P, W WARP_SLOTS)) launched cooperatively; shared
+//     memory ((W + 2) E + 33) * 4 B (wc [W, E], off [E + 1], tot [E], scan scratch [32]);
+//     global scratch hist [G, E] and the barrier word (G > 1)
+//   moe_permute_index_kernel: grid = 1, block = W * 32, warp w owns chunk w,
 //     W = min(32, (SMEM_BUDGET / 4 - NB - 33) / NB); shared memory (W NB + NB + 1 + 32) * 4 B
 //     (per-warp counters, bucket starts, scan scratch)
-//   moe_align_count_kernel: grid = 1, block = W * 32 (same W rule with NB = E), warp w counts
-//     chunks w, w + W, ...; shared memory (W E + E + 1 + 32) * 4 B; global scratch
-//     hist [NC, E], off [E + 1], counts [E]
-//   moe_align_scatter_kernel: grid = cdiv(NC, SCATTER_WARPS), block = SCATTER_WARPS * 32,
-//     shared memory (E + 1 + SCATTER_WARPS E) * 4 B
 //   gather_rows_kernel: block = ROW_WARPS * 32, one warp per slot row, grid = cdiv(P, ROW_WARPS)
 //   moe_unpermute_kernel: block = min(UNPERMUTE_THREADS, cdiv(H / VEC, 32) * 32), each thread
 //     VEC columns, grid = T * cdiv(H, block * VEC) (flattened: no 65535 limit on T)
 //
 // Compile-time parameters: SCALAR_T (float, __half, __nv_bfloat16: y's dtype), PREFETCH,
-//   SCATTER_WARPS, ROW_WARPS, UNPERMUTE_THREADS (permute.py CONFIGS); templates V, VEC.
-// Versions: v1 (this file). Run: python -m cuda_kernels.cupy.permute
+//   ROW_WARPS, UNPERMUTE_THREADS (permute.py CONFIGS); templates V, VEC.
+// Versions: alignment v2 (one launch, grid barrier); v1 (a one-block count launch, then a
+//   scatter launch over the GPU: 25.4 us at T = 4096, E = 256, K = 8, B = 64 on an H200) is in
+//   git history (commit d25bbf6). Run: python -m cuda_kernels.cupy.permute
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -62,9 +62,6 @@
 #endif
 #ifndef PREFETCH
 #define PREFETCH 8
-#endif
-#ifndef SCATTER_WARPS
-#define SCATTER_WARPS 1
 #endif
 #ifndef ROW_WARPS
 #define ROW_WARPS 4
@@ -192,29 +189,6 @@ __device__ void block_exclusive_scan(int* a, int n, int* scratch) {
     __syncthreads();
 }
 
-// expert_ids[blk] for every block and num_tokens_post_padded, from the padded starts off[0..E]
-__device__ void write_block_experts(const int* off, int E, int B, const int* __restrict__ expert_map,
-                                    int* __restrict__ expert_ids, int num_blocks,
-                                    int* __restrict__ num_tokens_post_padded) {
-    const int total = off[E];
-    if (threadIdx.x == 0) num_tokens_post_padded[0] = total;
-    for (int blk = threadIdx.x; blk < num_blocks; blk += blockDim.x) {
-        const int pos = blk * B;
-        int eid = -1;
-        if (pos < total) {
-            // the expert whose run holds pos: the last e with off[e] <= pos (an empty expert
-            // shares its start with the next one)
-            int lo = 0, hi = E;  // invariant: off[lo] <= pos < off[hi]
-            while (hi - lo > 1) {
-                const int mid = (lo + hi) >> 1;
-                if (off[mid] <= pos) lo = mid; else hi = mid;
-            }
-            eid = expert_map != nullptr ? expert_map[lo] : lo;
-        }
-        expert_ids[blk] = eid;
-    }
-}
-
 // The one-block grouping: warp w owns chunk w. Shared memory (ints): wc[W * NB] per-warp
 // counters, off[NB + 1] bucket starts, scratch[32]. After it, wc[w * NB + b] is warp w's first
 // rank inside bucket b and off[b] the start of bucket b (its size rounded up to B).
@@ -244,106 +218,180 @@ __device__ void one_block_count_and_scan(const int* __restrict__ ids,
     block_exclusive_scan(off, NB, scratch);
 }
 
-extern "C" __global__ void __launch_bounds__(1024)
-moe_align_kernel(const int* __restrict__ topk_ids,            // [P]
-                 const int* __restrict__ expert_map,          // [E] or nullptr
-                 int* __restrict__ sorted_token_ids,          // [max_padded]
-                 int* __restrict__ expert_ids,                // [num_blocks]
-                 int* __restrict__ num_tokens_post_padded,    // [1]
-                 int P, int E, int B, int max_padded, int num_blocks,
-                 int ignore_invalid, int chunk) {
-    extern __shared__ int smem[];
-    const int W = blockDim.x >> 5, warp = threadIdx.x >> 5;
-    int* wc = smem;
-    int* off = wc + W * E;
-    int* scratch = off + E + 1;
-    one_block_count_and_scan<false>(topk_ids, expert_map, P, E, E, B, ignore_invalid, chunk, wc,
-                                    off, scratch);
-    write_block_experts(off, E, B, expert_map, expert_ids, num_blocks, num_tokens_post_padded);
-    for (int i = threadIdx.x; i < max_padded; i += blockDim.x) sorted_token_ids[i] = P;  // padding
-    __syncthreads();  // the padding lands before the slots overwrite it (same block)
-    const int begin = warp * chunk;
-    warp_place<false>(topk_ids, expert_map, begin, min(P, begin + chunk), E, ignore_invalid,
-                      wc + warp * E, off, [&](int s, int pos) { sorted_token_ids[pos] = s; });
+// ============================================================================ alignment (v2)
+// Grid-wide barrier of a cooperative launch (every block resident at once). `bar` is one word
+// that outlives the launch (permute.py keeps one per device and stream, zeroed once): block 0
+// adds 2^31 - (G - 1) and every other block 1, so the top bit flips exactly when the G-th
+// block arrives, and the low 31 bits are back to 0 for the next launch on that stream. The
+// scheme of CUDA's own grid sync, written out so that NVRTC needs no cooperative_groups.
+__device__ __forceinline__ void grid_barrier(unsigned int* bar) {
+    __syncthreads();  // the block's writes come before thread 0's fence (a cumulative fence)
+    if (threadIdx.x == 0) {
+        const unsigned int inc = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
+        __threadfence();  // release: this block's global writes, then its arrival
+        const unsigned int old = atomicAdd(bar, inc);
+        while (((*(volatile unsigned int*)bar ^ old) & 0x80000000u) == 0u) __nanosleep(20);
+        __threadfence();  // acquire: every block's writes are visible past this point
+    }
+    __syncthreads();
 }
 
+// The buckets of one round of a warp's slots: b[u] is the bucket of slot base + 32 u + lane
+// (-1: dropped, or past `end`). PREFETCH independent loads in flight per lane.
+__device__ __forceinline__ void load_align_buckets(const int* __restrict__ ids,
+                                                   const int* __restrict__ expert_map, int base,
+                                                   int end, int E, int ignore_invalid,
+                                                   int (&b)[PREFETCH]) {
+    const int lane = threadIdx.x & 31;
+    int e[PREFETCH];
+#pragma unroll
+    for (int u = 0; u < PREFETCH; ++u) {
+        const int s = base + u * 32 + lane;
+        e[u] = s < end ? ids[s] : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < PREFETCH; ++u) b[u] = align_bucket(e[u], E, expert_map, ignore_invalid);
+}
+
+// One warp places one round in slot order: the lanes of one bucket in a 32-slot step are found
+// with __match_any_sync; the group's lowest lane reads and advances the warp's cursor for that
+// bucket and hands the old value to the group, each lane adds its rank among the lower lanes.
+__device__ __forceinline__ void place_align_buckets(const int (&b)[PREFETCH], int base, int end,
+                                                    int* cursor, const int* start,
+                                                    int* __restrict__ sorted_token_ids) {
+    const int lane = threadIdx.x & 31;
+    const unsigned lower = (1u << lane) - 1u;  // the lanes below this one
+#pragma unroll
+    for (int u = 0; u < PREFETCH; ++u) {
+        if (base + u * 32 >= end) break;  // warp-uniform: the rest of the round is past the chunk
+        const unsigned same = __match_any_sync(FULL_MASK, b[u]);
+        const int leader = __ffs(same) - 1;
+        int first = 0;
+        if (lane == leader && b[u] >= 0) {
+            first = cursor[b[u]];
+            cursor[b[u]] = first + __popc(same);
+        }
+        __syncwarp();  // this step's cursor writes land before the next step's reads
+        first = __shfl_sync(FULL_MASK, first, leader);
+        if (b[u] >= 0) sorted_token_ids[start[b[u]] + first + __popc(same & lower)] = base + u * 32 + lane;
+    }
+}
+
+// The whole alignment in one launch. G = gridDim.x blocks of W warps; the P slots are cut into
+// G W chunks of `chunk` slots (whole 32-slot steps), warp w of block g owning chunk g W + w, so
+// that (block, warp, step, lane) is slot order.
+//   1. each warp counts its chunk into its own shared row wc[w][e] (its buckets stay in
+//      registers when the chunk is one round: 32 PREFETCH slots);
+//   2. a scan over the warps turns wc into each warp's first rank inside the block and gives
+//      the block's count per expert, which goes to hist[g][e] (G > 1) or is the total (G = 1);
+//   3. G > 1: grid barrier; every block reads hist [G, E]: pre[e] = sum over earlier blocks
+//      (added to its warps' ranks) and tot[e] = sum over all blocks;
+//   4. padded starts off[e] = exclusive scan of ceil(tot[e] / B) B (every block, redundantly);
+//   5. expert_ids, the padding of each run and of the tail, num_tokens_post_padded, spread
+//      over every warp of the grid (positions no slot takes: no ordering needed);
+//   6. each warp places its slots: sorted_token_ids[off[e] + rank] = s.
+// Shared memory (ints): wc [W E], off [E + 1], tot [E], scan scratch [32].
 extern "C" __global__ void __launch_bounds__(1024)
-moe_align_count_kernel(const int* __restrict__ topk_ids,          // [P]
-                       const int* __restrict__ expert_map,        // [E] or nullptr
-                       int* __restrict__ hist,                    // [NC, E] scratch
-                       int* __restrict__ off_out,                 // [E + 1] scratch
-                       int* __restrict__ counts_out,              // [E] scratch
-                       int* __restrict__ expert_ids,              // [num_blocks]
-                       int* __restrict__ num_tokens_post_padded,  // [1]
-                       int P, int E, int B, int num_blocks, int ignore_invalid, int chunk,
-                       int num_chunks) {
+moe_align_kernel(const int* __restrict__ topk_ids,          // [P]
+                 const int* __restrict__ expert_map,        // [E] or nullptr
+                 int* __restrict__ sorted_token_ids,        // [max_padded]
+                 int* __restrict__ expert_ids,              // [num_blocks]
+                 int* __restrict__ num_tokens_post_padded,  // [1]
+                 int* hist,                                 // [G, E] scratch (G > 1): written
+                                                            // and read across blocks, so no
+                                                            // __restrict__ (no read-only loads)
+                 unsigned int* bar,                         // [1] barrier word (G > 1)
+                 int P, int E, int B, int max_padded, int num_blocks, int ignore_invalid) {
     extern __shared__ int smem[];
     const int tid = threadIdx.x, nthreads = blockDim.x;
     const int W = nthreads >> 5, warp = tid >> 5, lane = tid & 31;
-    int* row = smem + warp * E;  // this warp's counters
-    int* off = smem + W * E;
-    int* scratch = off + E + 1;
-    for (int c = warp; c < num_chunks; c += W) {
-        for (int b = lane; b < E; b += 32) row[b] = 0;
-        __syncwarp();
-        warp_count<false>(topk_ids, expert_map, c * chunk, min(P, (c + 1) * chunk), E,
-                          ignore_invalid, row);
-        __syncwarp();
-        for (int b = lane; b < E; b += 32) hist[(size_t)c * E + b] = row[b];  // coalesced
-        __syncwarp();
+    const int G = gridDim.x, g = blockIdx.x;
+    int* wc = smem;           // [W, E]
+    int* off = wc + W * E;    // [E + 1]
+    int* tot = off + E + 1;   // [E]
+    int* scratch = tot + E;   // [32]
+
+    const int nwarps = G * W;
+    const int chunk = (int)((((long long)P + nwarps - 1) / nwarps + 31) / 32 * 32);
+    const int begin = (int)min((long long)P, (long long)(g * W + warp) * chunk);
+    const int end = min(P, begin + chunk);
+    const int step = 32 * PREFETCH;
+    const int rounds = (end - begin + step - 1) / step;
+
+    int bk[PREFETCH];
+    if (rounds == 1)  // issued before the zeroing below, so its latency overlaps it
+        load_align_buckets(topk_ids, expert_map, begin, end, E, ignore_invalid, bk);
+    for (int i = tid; i < W * E; i += nthreads) wc[i] = 0;
+    for (int e = tid; e < E; e += nthreads) off[e] = tot[e] = 0;  // step 3's accumulators
+    __syncthreads();
+    for (int r = 0; r < rounds; ++r) {
+        if (rounds > 1) load_align_buckets(topk_ids, expert_map, begin + r * step, end, E,
+                                           ignore_invalid, bk);
+#pragma unroll
+        for (int u = 0; u < PREFETCH; ++u)
+            if (bk[u] >= 0) atomicAdd(&wc[warp * E + bk[u]], 1);
     }
-    __syncthreads();  // hist written by every warp is visible to the whole block
-    for (int e = tid; e < E; e += nthreads) {  // exclusive scan over chunks, 8 loads in flight
+    __syncthreads();
+    for (int e = tid; e < E; e += nthreads) {  // consecutive e: consecutive banks
         int run = 0;
-        for (int c0 = 0; c0 < num_chunks; c0 += 8) {
-            int v[8];
-#pragma unroll
-            for (int u = 0; u < 8; ++u) v[u] = c0 + u < num_chunks ? hist[(size_t)(c0 + u) * E + e] : 0;
-#pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                if (c0 + u < num_chunks) {
-                    hist[(size_t)(c0 + u) * E + e] = run;
-                    run += v[u];
-                }
-            }
+#pragma unroll 8
+        for (int w = 0; w < W; ++w) {
+            const int c = wc[w * E + e];
+            wc[w * E + e] = run;
+            run += c;
         }
-        counts_out[e] = run;
-        off[e] = ((run + B - 1) / B) * B;
+        if (G > 1) hist[(size_t)g * E + e] = run;
+        else tot[e] = run;
+    }
+    if (G > 1) {
+        grid_barrier(bar);
+        // `per` threads per expert, each summing every per-th row: few loads per thread, all
+        // independent; L2 loads (__ldcg): the rows were written by other SMs during this launch
+        const int per = max(1, nthreads / E);
+        for (int i = tid; i < per * E; i += nthreads) {
+            const int e = i % E, q = i / E;
+            int t = 0, p = 0;
+#pragma unroll 4
+            for (int j = q; j < G; j += per) {
+                const int v = __ldcg(hist + (size_t)j * E + e);
+                t += v;
+                p += j < g ? v : 0;
+            }
+            atomicAdd(&tot[e], t);
+            atomicAdd(&off[e], p);
+        }
+        __syncthreads();
+    }
+    for (int e = tid; e < E; e += nthreads) {
+        if (G > 1) {
+            const int p = off[e];  // slots of e in earlier blocks
+            for (int w = 0; w < W; ++w) wc[w * E + e] += p;
+        }
+        off[e] = (tot[e] + B - 1) / B * B;  // padded size, scanned next
     }
     __syncthreads();
     block_exclusive_scan(off, E, scratch);
-    for (int e = tid; e <= E; e += nthreads) off_out[e] = off[e];
-    write_block_experts(off, E, B, expert_map, expert_ids, num_blocks, num_tokens_post_padded);
-}
 
-extern "C" __global__ void __launch_bounds__(SCATTER_WARPS * 32)
-moe_align_scatter_kernel(const int* __restrict__ topk_ids,     // [P]
-                         const int* __restrict__ expert_map,   // [E] or nullptr
-                         const int* __restrict__ hist,         // [NC, E] first ranks
-                         const int* __restrict__ off_in,       // [E + 1] padded starts
-                         const int* __restrict__ counts,       // [E]
-                         int* __restrict__ sorted_token_ids,   // [max_padded]
-                         int P, int E, int max_padded, int ignore_invalid, int chunk,
-                         int num_chunks) {
-    extern __shared__ int smem[];
-    int* off = smem;                 // [E + 1]
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int* cursor = off + E + 1 + warp * E;
-    for (int e = threadIdx.x; e <= E; e += blockDim.x) off[e] = off_in[e];
-    __syncthreads();
-    // the padding, shared by every thread of the grid: the tail of each expert's run and the
-    // tail of the array, positions no slot takes (so no ordering against the slots is needed)
-    const int gt = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
-    for (int e = gt; e < E; e += nt)
-        for (int p = off[e] + counts[e]; p < off[e + 1]; ++p) sorted_token_ids[p] = P;
-    for (int p = off[E] + gt; p < max_padded; p += nt) sorted_token_ids[p] = P;
+    const int gw = g * W + warp;
+    for (int e = gw; e < E; e += nwarps) {  // expert e: warp e mod (G W) of the grid
+        const int lo = off[e], hi = off[e + 1];
+        if (lo == hi) continue;  // no slots, no blocks
+        const int eid = expert_map != nullptr ? expert_map[e] : e;
+        for (int x = lo / B + lane; x < hi / B; x += 32) expert_ids[x] = eid;
+        for (int p = lo + tot[e] + lane; p < hi; p += 32) sorted_token_ids[p] = P;
+    }
+    const int total = off[E];
+    const int gt = g * nthreads + tid, gn = G * nthreads;
+    for (int p = total + gt; p < max_padded; p += gn) sorted_token_ids[p] = P;
+    for (int x = total / B + gt; x < num_blocks; x += gn) expert_ids[x] = -1;
+    if (gt == 0) num_tokens_post_padded[0] = total;
 
-    const int c = blockIdx.x * SCATTER_WARPS + warp;
-    if (c >= num_chunks) return;  // the whole warp leaves: no block barrier below
-    for (int b = lane; b < E; b += 32) cursor[b] = hist[(size_t)c * E + b];
-    __syncwarp();
-    warp_place<false>(topk_ids, expert_map, c * chunk, min(P, (c + 1) * chunk), E, ignore_invalid,
-                      cursor, off, [&](int s, int pos) { sorted_token_ids[pos] = s; });
+    int* cursor = wc + warp * E;
+    for (int r = 0; r < rounds; ++r) {
+        if (rounds > 1) load_align_buckets(topk_ids, expert_map, begin + r * step, end, E,
+                                           ignore_invalid, bk);
+        place_align_buckets(bk, begin + r * step, end, cursor, off, sorted_token_ids);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(1024)

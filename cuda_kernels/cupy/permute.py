@@ -31,9 +31,10 @@ CONFIGS = {
     # needs no opt-in on any GPU; more warps = shorter chunks per warp); PREFETCH 32-slot
     # steps of ids loaded at once per lane.
     "group": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 32, "PREFETCH": 8},
-    # alignment: one launch up to SMALL_P slots; above, count (one block) then scatter over
-    # at most MAX_CHUNKS chunks of at least MIN_CHUNK slots, SCATTER_WARPS chunks per block
-    "align": {"SMALL_P": 4096, "MAX_CHUNKS": 64, "MIN_CHUNK": 256, "SCATTER_WARPS": 1},
+    # alignment, one launch: one block up to SMALL_P slots; above, a cooperative grid of
+    # cdiv(P, W * WARP_SLOTS) blocks (at most MAX_BLOCKS, 0 = one per SM), each warp owning
+    # WARP_SLOTS slots (two 32-slot steps: its ids stay in registers across the grid barrier)
+    "align": {"SMALL_P": 4096, "WARP_SLOTS": 64, "MAX_BLOCKS": 0},
     "gather_rows_kernel": {"ROW_WARPS": 4},
     "moe_unpermute_kernel": {"UNPERMUTE_THREADS": 128},
 }
@@ -46,14 +47,12 @@ _UNPERMUTE_NAMES = tuple(f"moe_unpermute_kernel<{v}>" for v in _VECS)
 
 def _defines(scalar_dtype=np.float32) -> dict:
     return {"SCALAR_T": C.ctype_of(scalar_dtype), "PREFETCH": CONFIGS["group"]["PREFETCH"],
-            "SCATTER_WARPS": CONFIGS["align"]["SCATTER_WARPS"], **CONFIGS["gather_rows_kernel"],
-            **CONFIGS["moe_unpermute_kernel"]}
+            **CONFIGS["gather_rows_kernel"], **CONFIGS["moe_unpermute_kernel"]}
 
 
 # The grouping kernels and the gathers do not depend on the dtype: they are compiled with the
 # fp32 defines; moe_unpermute once per dtype.
-_FIXED_NAMES = ("moe_align_kernel", "moe_align_count_kernel", "moe_align_scatter_kernel",
-                "moe_permute_index_kernel") + _GATHER_NAMES
+_FIXED_NAMES = ("moe_align_kernel", "moe_permute_index_kernel") + _GATHER_NAMES
 C.register_compile_case("permute.cu", _defines(), _FIXED_NAMES)
 for _dt in C.float_dtypes():
     C.register_compile_case("permute.cu", _defines(_dt), _UNPERMUTE_NAMES)
@@ -84,18 +83,58 @@ def _group_geometry(P: int, NB: int):
     return W, chunk, smem
 
 
-def _align_large_geometry(P: int, E: int):
-    """chunk, number of chunks, warps of the count kernel, shared memory of both kernels."""
-    cfg, budget = CONFIGS["align"], CONFIGS["group"]["SMEM_BUDGET"] // 4
-    chunk = max(cfg["MIN_CHUNK"], C.cdiv(C.cdiv(P, cfg["MAX_CHUNKS"]), 32) * 32)
-    num_chunks = C.cdiv(P, chunk)
-    W = min(CONFIGS["group"]["MAX_WARPS"], (budget - E - 33) // E, num_chunks)
-    if W < 1:
+SMEM_OPTIN_MAX = 160 * 1024  # the per-block opt-in limit of sm_80 (sm_90: 227 KB)
+
+
+def _align_geometry(P: int, E: int, max_blocks: int):
+    """(G, W, shared memory bytes) of moe_align_kernel: G blocks of W warps.
+
+    W: as many warps (up to MAX_WARPS) as the per-warp counters allow in SMEM_BUDGET, at least
+    one (then more than 48 KB if E needs it). G = 1 up to SMALL_P slots (W cut to the 32-slot
+    steps: idle warps only cost scan time), else cdiv(P, W * WARP_SLOTS), at most max_blocks.
+    """
+    cfg, group = CONFIGS["align"], CONFIGS["group"]
+    fixed = 2 * E + 33  # off [E + 1], tot [E], scan scratch [32]
+    W = max(1, min(group["MAX_WARPS"], (group["SMEM_BUDGET"] // 4 - fixed) // E))
+    if (W * E + fixed) * 4 > SMEM_OPTIN_MAX:
         raise ValueError(f"num_experts: {E} experts do not fit the alignment kernel's "
-                         f"{budget * 4} bytes of shared memory")
-    smem_count = (W * E + E + 1 + 32) * 4
-    smem_scatter = (E + 1 + cfg["SCATTER_WARPS"] * E) * 4
-    return chunk, num_chunks, W, smem_count, smem_scatter
+                         f"{SMEM_OPTIN_MAX} bytes of shared memory")
+    if P <= cfg["SMALL_P"]:
+        G = 1
+        W = max(1, min(W, C.cdiv(max(P, 1), 32)))
+    else:
+        G = max(1, min(max_blocks, C.cdiv(P, W * cfg["WARP_SLOTS"])))
+    return G, W, (W * E + fixed) * 4
+
+
+_SM_COUNT = {}
+_BARRIER_WORDS = {}
+
+
+def _max_blocks() -> int:
+    """Blocks of a cooperative alignment grid: MAX_BLOCKS, or one per SM of this device (a
+    block of <= 1024 threads and <= 64 registers per thread always fits one per SM)."""
+    import cupy
+
+    if CONFIGS["align"]["MAX_BLOCKS"]:
+        return CONFIGS["align"]["MAX_BLOCKS"]
+    dev = cupy.cuda.Device()
+    if dev.id not in _SM_COUNT:
+        _SM_COUNT[dev.id] = int(dev.attributes["MultiProcessorCount"])
+    return _SM_COUNT[dev.id]
+
+
+def _barrier_word():
+    """The grid barrier's word for the current device and stream, zeroed once. A launch leaves
+    it ready for the next (permute.cu: its low bits return to 0), and launches on one stream
+    never overlap; another stream gets its own word."""
+    import cupy
+
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    word = _BARRIER_WORDS.get(key)
+    if word is None:
+        word = _BARRIER_WORDS[key] = cupy.zeros((1,), cupy.uint32)
+    return word
 
 
 def max_num_tokens_padded(P: int, num_experts: int, block_size: int,
@@ -118,8 +157,8 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
     Returns sorted_token_ids int32 [max_num_tokens_padded] (increasing s inside an expert),
     expert_ids int32 [cdiv(max_num_tokens_padded, B)] (local ids under expert_map, -1 past
     the last block or for non-local experts), num_tokens_post_padded int32 [1]
-    (= sum_e ceil(c_e / B) * B). One launch up to SMALL_P slots, two above (count, then a
-    scatter spread over the GPU); nothing is read back to the host.
+    (= sum_e ceil(c_e / B) * B). One launch: one block up to SMALL_P slots, above that a
+    cooperative grid with one grid barrier (permute.cu); nothing is read back to the host.
     """
     ids = _ids_i32("topk_ids", topk_ids)
     B = C.check_int("block_size", block_size, 1)
@@ -140,33 +179,22 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
     num_tokens_post_padded = C.empty((1,), np.int32)      # [1]
     emap_arg = emap if emap is not None else C.null_ptr()
     ignore = np.int32(1 if ignore_invalid_experts else 0)
-    cfg = CONFIGS["align"]
-    if P <= cfg["SMALL_P"]:
-        W, chunk, smem = _group_geometry(P, E)
-        kernel = C.get_kernel("permute.cu", "moe_align_kernel", _defines(), _FIXED_NAMES)
-        kernel((1,), (W * 32,),
-               (ids, emap_arg, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                np.int32(P), np.int32(E), np.int32(B), np.int32(n), np.int32(num_blocks),
-                ignore, np.int32(chunk)),
-               shared_mem=smem)
-        return sorted_token_ids, expert_ids, num_tokens_post_padded
-
-    chunk, num_chunks, W, smem_count, smem_scatter = _align_large_geometry(P, E)
-    scratch = C.empty((num_chunks * E + 2 * E + 1,), np.int32)  # hist | off | counts
-    hist, off, counts = (scratch[:num_chunks * E], scratch[num_chunks * E:num_chunks * E + E + 1],
-                         scratch[num_chunks * E + E + 1:])
-    count = C.get_kernel("permute.cu", "moe_align_count_kernel", _defines(), _FIXED_NAMES)
-    count((1,), (W * 32,),
-          (ids, emap_arg, hist, off, counts, expert_ids, num_tokens_post_padded, np.int32(P),
-           np.int32(E), np.int32(B), np.int32(num_blocks), ignore, np.int32(chunk),
-           np.int32(num_chunks)),
-          shared_mem=smem_count)
-    warps = cfg["SCATTER_WARPS"]
-    scatter = C.get_kernel("permute.cu", "moe_align_scatter_kernel", _defines(), _FIXED_NAMES)
-    scatter((C.cdiv(num_chunks, warps),), (warps * 32,),
-            (ids, emap_arg, hist, off, counts, sorted_token_ids, np.int32(P), np.int32(E),
-             np.int32(n), ignore, np.int32(chunk), np.int32(num_chunks)),
-            shared_mem=smem_scatter)
+    G, W, smem = _align_geometry(P, E, _max_blocks() if P > CONFIGS["align"]["SMALL_P"] else 1)
+    kernel = C.get_kernel("permute.cu", "moe_align_kernel", _defines(), _FIXED_NAMES)
+    if smem > 48 * 1024:  # a block gets more than 48 KB only after opting in
+        kernel.max_dynamic_shared_size_bytes = smem
+    hist = C.empty((G * E,), np.int32) if G > 1 else C.null_ptr()  # [G, E] per-block counts
+    bar = _barrier_word() if G > 1 else C.null_ptr()
+    args = (ids, emap_arg, sorted_token_ids, expert_ids, num_tokens_post_padded, hist, bar,
+            np.int32(P), np.int32(E), np.int32(B), np.int32(n), np.int32(num_blocks), ignore)
+    if G == 1:
+        kernel((1,), (W * 32,), args, shared_mem=smem)
+    else:
+        # cooperative: the driver refuses a grid that cannot be resident all at once, which
+        # the grid barrier needs (a plain launch could hang instead). RawKernel takes the flag
+        # at construction only; its underlying Function takes it per launch.
+        getattr(kernel, "kernel", kernel)((G,), (W * 32,), args, shared_mem=smem,
+                                          enable_cooperative_groups=True)
     return sorted_token_ids, expert_ids, num_tokens_post_padded
 
 
@@ -271,7 +299,7 @@ def _main(argv=None):
     align_cases = ((16, 8, 2, 16), (4096, 256, 8, 64), (4096, 128, 8, 64), (16384, 256, 8, 128))
     permute_cases = ((1024, 256, 8, 7168), (4096, 128, 8, 2048))
     if quick:
-        # one case per alignment path (P <= SMALL_P: one launch; above: count + scatter)
+        # one case per alignment path (P <= SMALL_P: one block; above: a grid)
         align_cases = ((16, 8, 2, 16), (300, 256, 8, 64), (600, 64, 8, 32))
         permute_cases = ((33, 16, 4, 136),)
     for T, E, K, B in align_cases:
