@@ -111,6 +111,9 @@ class ndarray:
     def sum(self, axis=None, keepdims=False, dtype=None):
         return _w(self._a.sum(axis=axis, keepdims=keepdims, dtype=dtype))
 
+    def any(self, axis=None):
+        return _w(self._a.any(axis=axis))
+
     def max(self, axis=None):
         return _w(self._a.max(axis=axis))
 
