@@ -18,11 +18,18 @@ tests/numba_sim covers). Outputs are poisoned (NaN / POISON_INT) before every la
 
 Inputs are host NumPy arrays (host in, host out: the stage copies) unless a test is about
 array kinds (numba device arrays, torch CUDA tensors, CuPy arrays).
+
+Every kernel and dtype is covered by default, on a subset of the shape grids that fits a
+GPU session's budget (each new kernel x dtype costs a JIT compile of a few seconds the first
+time; the disk cache spares later runs). MOE_SANDBOX_FULL_GRID=1 runs the CuPy tests' full
+grids in every dtype. MOE_SANDBOX_SANITIZE=1 adds compute-sanitizer memcheck and racecheck
+over cuda_kernels/numba/_sanitize.py (minutes).
 Run: python -m pytest tests/test_numba_gpu.py -q
 """
 import functools
 import importlib
 import math
+import os
 
 import numpy as np
 import pytest
@@ -55,6 +62,16 @@ if ON_GPU:
 
 DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF16}
 FLAVORS = ("warp", "block")
+FULL = os.environ.get("MOE_SANDBOX_FULL_GRID") == "1"
+
+
+def grid(default, full):
+    """The default (session-budget) list, or the full grid with MOE_SANDBOX_FULL_GRID=1."""
+    return full if FULL else default
+
+
+ALL_DTYPES = tuple(DTYPES)
+MAIN_DTYPE = grid(("bf16",), ALL_DTYPES)     # grids that run in every dtype only when FULL
 
 
 @pytest.fixture(autouse=True)
@@ -130,11 +147,12 @@ def flavor(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("dkey", DTYPES)
+@pytest.mark.parametrize("dkey", ALL_DTYPES)
 @pytest.mark.parametrize("renormalize", [False, True])
-@pytest.mark.parametrize("E,K", [(8, 2), (16, 1), (60, 4), (128, 8), (256, 8), (257, 9),
-                                 (512, 22), (1024, 32)])
-@pytest.mark.parametrize("T", [1, 67, 1024])
+@pytest.mark.parametrize("E,K", grid([(8, 2), (60, 4), (257, 9), (1024, 32)],
+                                     [(8, 2), (16, 1), (60, 4), (128, 8), (256, 8), (257, 9),
+                                      (512, 22), (1024, 32)]))
+@pytest.mark.parametrize("T", grid([1, 1024], [1, 67, 1024]))
 def test_fused_topk(T, E, K, renormalize, dkey, flavor):
     x = draw_logits(T, E, DTYPES[dkey], renormalize)
     got = R.fused_topk(None, x, K, renormalize)
@@ -143,9 +161,10 @@ def test_fused_topk(T, E, K, renormalize, dkey, flavor):
     np.testing.assert_array_equal(got[2], want[2])
 
 
-@pytest.mark.parametrize("dkey", DTYPES)
+@pytest.mark.parametrize("dkey", MAIN_DTYPE)
 @pytest.mark.parametrize("scaling", [1.0, 2.5])
-@pytest.mark.parametrize("E,K", [(16, 2), (128, 8), (256, 8), (384, 8), (512, 22)])
+@pytest.mark.parametrize("E,K", grid([(16, 2), (256, 8), (512, 22)],
+                                     [(16, 2), (128, 8), (256, 8), (384, 8), (512, 22)]))
 def test_fused_topk_bias(E, K, scaling, dkey, flavor):
     x = draw_logits(333, E, DTYPES[dkey], scaling)
     bias = uniform(rng_for("bias", E), (E,), 0.2)
@@ -155,11 +174,12 @@ def test_fused_topk_bias(E, K, scaling, dkey, flavor):
                        selection_values(x, bias=bias), f"fused_topk_bias {flavor}")
 
 
-@pytest.mark.parametrize("dkey", DTYPES)
+@pytest.mark.parametrize("dkey", MAIN_DTYPE)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
-@pytest.mark.parametrize("E,K,Gr,TG", [(16, 2, 8, 2), (128, 2, 8, 2), (256, 8, 8, 4),
-                                       (384, 8, 1, 1), (512, 22, 1, 1), (96, 6, 6, 3)])
+@pytest.mark.parametrize("E,K,Gr,TG", grid([(16, 2, 8, 2), (256, 8, 8, 4), (96, 6, 6, 3)],
+                                           [(16, 2, 8, 2), (128, 2, 8, 2), (256, 8, 8, 4),
+                                            (384, 8, 1, 1), (512, 22, 1, 1), (96, 6, 6, 3)]))
 def test_grouped_topk(E, K, Gr, TG, scoring, with_bias, dkey, flavor):
     x = draw_logits(257, E, DTYPES[dkey], Gr, scoring)
     bias = uniform(rng_for("gbias", E), (E,), 0.2) if with_bias else None
@@ -279,9 +299,10 @@ def test_align_expert_map(T, placement, ignore):
 
 
 # ============================================================================ permute
-@pytest.mark.parametrize("dkey", DTYPES)
-@pytest.mark.parametrize("T,E,K,H", [(1, 8, 2, 64), (67, 16, 3, 130), (256, 128, 8, 2048),
-                                     (4096, 256, 8, 128), (0, 8, 2, 64)])
+@pytest.mark.parametrize("dkey", ALL_DTYPES)
+@pytest.mark.parametrize("T,E,K,H", grid([(1, 8, 2, 64), (256, 128, 8, 2048), (0, 8, 2, 64)],
+                                         [(1, 8, 2, 64), (67, 16, 3, 130), (256, 128, 8, 2048),
+                                          (4096, 256, 8, 128), (0, 8, 2, 64)]))
 def test_permute_unpermute(T, E, K, H, dkey):
     dt = DTYPES[dkey]
     rng = rng_for("perm", T, E, K, H)
@@ -301,10 +322,15 @@ def test_permute_unpermute(T, E, K, H, dkey):
 
 
 # ============================================================================ activation, combine
-@pytest.mark.parametrize("dkey", DTYPES)
-@pytest.mark.parametrize("M,N", [(1, 2), (37, 14), (256, 256), (130, 1536), (3, 2000),
-                                 (4096, 4096)])
-@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "swigluoai"])
+ACT_DTYPES = grid([("silu", "bf16"), ("gelu", "bf16"), ("gelu_tanh", "bf16"),
+                   ("swigluoai", "bf16"), ("silu", "fp32"), ("swigluoai", "fp16")],
+                  [(a, d) for a in ("silu", "gelu", "gelu_tanh", "swigluoai") for d in DTYPES])
+
+
+@pytest.mark.parametrize("M,N", grid([(1, 2), (37, 14), (130, 1536), (4096, 4096)],
+                                     [(1, 2), (37, 14), (256, 256), (130, 1536), (3, 2000),
+                                      (4096, 4096)]))
+@pytest.mark.parametrize("act,dkey", ACT_DTYPES)
 def test_activation_and_mul(act, M, N, dkey):
     dt = DTYPES[dkey]
     x = uniform(rng_for("act", act, M, N), (M, N), 6.0, dt)
@@ -312,9 +338,11 @@ def test_activation_and_mul(act, M, N, dkey):
     assert_close(Ac.apply_activation(x, act, True), want, dt, act)
 
 
-@pytest.mark.parametrize("dkey", DTYPES)
 @pytest.mark.parametrize("M,N", [(1, 1), (37, 15), (256, 768)])
-@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "relu2"])
+@pytest.mark.parametrize("act,dkey", grid(
+    [("silu", "bf16"), ("gelu", "bf16"), ("gelu_tanh", "bf16"), ("relu2", "bf16"),
+     ("relu2", "fp32")],
+    [(a, d) for a in ("silu", "gelu", "gelu_tanh", "relu2") for d in DTYPES]))
 def test_activation_no_mul(act, M, N, dkey):
     dt = DTYPES[dkey]
     x = uniform(rng_for("nomul", act, M, N), (M, N), 4.0, dt)
@@ -322,9 +350,11 @@ def test_activation_no_mul(act, M, N, dkey):
     assert_close(Ac.apply_activation(x, act, False), want, dt, act)
 
 
-@pytest.mark.parametrize("dkey", DTYPES)
-@pytest.mark.parametrize("T,K,H", [(1, 2, 4096), (33, 8, 2048), (512, 1, 128), (7, 6, 7),
-                                   (4096, 8, 7168)])
+@pytest.mark.parametrize("T,K,H,dkey", grid(
+    [(1, 2, 4096, "bf16"), (33, 8, 2048, "bf16"), (33, 8, 2048, "fp32"), (33, 8, 2048, "fp16"),
+     (7, 40, 7, "bf16"), (4096, 8, 7168, "bf16")],
+    [(T, K, H, d) for (T, K, H) in ((1, 2, 4096), (33, 8, 2048), (512, 1, 128), (7, 6, 7),
+                                    (7, 40, 7), (4096, 8, 7168)) for d in DTYPES]))
 def test_moe_sum(T, K, H, dkey):
     dt = DTYPES[dkey]
     x = uniform(rng_for("sum", T, K, H), (T, K, H), 1.0, dt)
@@ -369,7 +399,7 @@ VLLM_TIH = ((1, 128, 128), (1, 2048, 128), (33, 2048, 128), (222, 1024, 1024))
 
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("which", ["gemm1", "gemm2"])
-@pytest.mark.parametrize("dkey", DTYPES)
+@pytest.mark.parametrize("dkey", MAIN_DTYPE)
 @pytest.mark.parametrize("top_k", [2, 6])
 @pytest.mark.parametrize("E", [8, 64])
 @pytest.mark.parametrize("T,I,H", VLLM_TIH)
@@ -393,12 +423,17 @@ GEMM_NASTY = {
     "block_48": (50, 4, 2, 96, 72, 48, {}),
     "bias_fp32_and_weights": (25, 8, 2, 136, 264, 16, {"bias": np.float32, "mul": True}),
     "gemm2_weights": (41, 16, 4, 120, 96, 32, {"gemm2": True, "mul": True}),
+    "Kd_70_element_loads": (21, 8, 2, 96, 70, 16, {"mul": True}),
 }
+# fp32 / fp16 run these by default (bf16 runs every case): each version, each tile height
+OTHER_DTYPE_CASES = ("one_token", "T_not_multiple_of_block", "block_48", "gemm2_weights",
+                     "Kd_70_element_loads")
+NASTY_PARAMS = [(c, d) for c in GEMM_NASTY for d in DTYPES
+                if FULL or d == "bf16" or c in OTHER_DTYPE_CASES]
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("dkey", DTYPES)
-@pytest.mark.parametrize("case", GEMM_NASTY)
+@pytest.mark.parametrize("case,dkey", NASTY_PARAMS)
 def test_gemm_nasty(case, dkey, version):
     T, E, K, N, Kd, B, extra = GEMM_NASTY[case]
     gemm_check(*cached_problem(T, E, K, N, Kd, B, DTYPES[dkey], **extra), version)
@@ -497,3 +532,33 @@ def test_mixed_mappings_numba_and_cupy():
                      "gemm2": "numba", "combine": "cupy"}):
         got = layer.with_backend(mapping).forward(x, logits)
         assert rel_err(got, want) <= 1e-5, mapping
+
+
+# ============================================================================ compute-sanitizer
+def _sanitizer():
+    import shutil
+
+    path = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    return path if os.path.exists(path) else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MOE_SANDBOX_SANITIZE") != "1",
+                    reason="minutes under the sanitizer: set MOE_SANDBOX_SANITIZE=1")
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_clean(tool):
+    """One representative launch of every kernel (cuda_kernels/numba/_sanitize.py) under
+    compute-sanitizer: no invalid access (memcheck), no shared-memory race (racecheck), and
+    every output still equal to the reference."""
+    import subprocess
+    import sys
+
+    tool_path = _sanitizer()
+    if tool_path is None:
+        pytest.skip("compute-sanitizer not found")
+    cmd = [tool_path, "--tool", tool, "--error-exitcode", "9",
+           sys.executable, "-m", "cuda_kernels.numba._sanitize"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3000, check=False)
+    out = r.stdout[-8000:] + r.stderr[-4000:]
+    assert r.returncode == 0, f"{' '.join(cmd)} -> {r.returncode}\n{out}"
+    assert "ERROR SUMMARY: 0 errors" in out or "RACECHECK SUMMARY: 0 hazards" in out, out

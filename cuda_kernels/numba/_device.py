@@ -26,7 +26,9 @@ OverflowError where expf returns inf).
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import numpy as np
 from numba import float32, int32, uint64
@@ -38,6 +40,72 @@ SIMULATOR = is_simulator()
 FULL_MASK = 0xFFFFFFFF
 NEG_INF32 = np.float32(-np.inf)   # globals of NumPy scalar type are fp32 constants in kernels
 NAN32 = np.float32(np.nan)
+
+
+# ----------------------------------------------------------------------------- kernels
+def _package_stamp() -> str:
+    """A hash of every source file of this package: the freshness stamp of cached kernels."""
+    import hashlib
+    import pathlib
+
+    h = hashlib.sha256()
+    for path in sorted(pathlib.Path(__file__).resolve().parent.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _cache_class():
+    """numba-cuda's kernel cache, stamped by the whole package instead of one file.
+
+    numba keys a cached kernel on its own bytecode, closure and source file: a kernel whose
+    device helpers (this file) changed would load stale. Stamping every entry with a hash of
+    all the package's files makes any edit recompile. Internal numba-cuda 0.30 classes:
+    None (no caching, every process compiles) if they moved.
+    """
+    try:
+        from numba.cuda.core import caching
+        from numba.cuda.dispatcher import CUDACache, CUDACacheImpl
+    except ImportError:
+        return None
+    stamp = _package_stamp()
+
+    class InTree(caching._InTreeCacheLocator):
+        def get_source_stamp(self):
+            return stamp
+
+    class UserWide(caching._UserWideCacheLocator):
+        def get_source_stamp(self):
+            return stamp
+
+    class Impl(CUDACacheImpl):
+        _locator_classes = [InTree, UserWide]
+
+    class PackageCache(CUDACache):
+        _impl_class = Impl
+
+    return PackageCache
+
+
+def kernel(fn):
+    """`cuda.jit(fn)`, cached on disk across processes (GPU only).
+
+    A kernel compiles the first time it runs with new argument types (seconds each: what a
+    notebook user waits for); the cache keeps the result under this package's __pycache__
+    (or numba's user cache dir), so the next process loads it instead. Set
+    MOE_SANDBOX_NUMBA_CACHE=0 to compile every time.
+    """
+    disp = cu.jit(fn)
+    if SIMULATOR or os.environ.get("MOE_SANDBOX_NUMBA_CACHE", "1") == "0":
+        return disp
+    cls = _cache_class()
+    if cls is not None:
+        try:
+            disp._cache = cls(disp.py_func)   # what Dispatcher.enable_caching() does
+        except Exception:                      # no writable cache dir: compile as usual
+            pass
+    return disp
 
 
 def device_function(fn):

@@ -44,6 +44,7 @@ from ._device import (
     erf_f32,
     exp_f32,
     ix,
+    kernel,
     tanh_f32,
     to_f32,
 )
@@ -118,7 +119,7 @@ def act_kernel(name: str, mode: int, NT: int):
                     v = f(to_f32(x[r, cc]))
                 out[r, cc] = cast_out(out, v)
 
-    return cu.jit(act)
+    return kernel(act)
 
 
 def _run(x, name, mode, alpha=1.702, limit=7.0):

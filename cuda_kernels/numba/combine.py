@@ -26,7 +26,7 @@ import numpy as np
 from numba import float32
 
 from . import _arrays as A
-from ._device import SIMULATOR, cast_out, cu, ix, to_f32
+from ._device import SIMULATOR, cast_out, cu, ix, kernel, to_f32
 
 CONFIGS = {"sum": {"THREADS": 256}}
 MAX_UNROLLED_K = 32   # K up to this is a compile-time constant (one kernel per K)
@@ -56,7 +56,7 @@ def moe_sum_kernel(NT: int, KC: int = 0):
                         acc += to_f32(x[ix(t), ix(k), ix(h)])
                 out[ix(t), ix(h)] = cast_out(out, acc)
 
-    return cu.jit(moe_sum_rows)
+    return kernel(moe_sum_rows)
 
 
 def moe_sum(x):

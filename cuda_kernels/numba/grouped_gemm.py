@@ -71,7 +71,17 @@ import numpy as np
 from numba import float32, int32, uint64
 
 from . import _arrays as A
-from ._device import SIMULATOR, UNPACK, WORD_ELEMENTS, cast_out, cu, device_function, ix, to_f32
+from ._device import (
+    SIMULATOR,
+    UNPACK,
+    WORD_ELEMENTS,
+    cast_out,
+    cu,
+    device_function,
+    ix,
+    kernel,
+    to_f32,
+)
 
 VERSIONS = ("v1", "v2", "v3")
 CONFIGS = {
@@ -124,7 +134,7 @@ def gemm_v1(TX: int, TY: int):
             acc *= to_f32(topk_w[ix(s)])
         c[ix(s), ix(n)] = cast_out(c, acc)
 
-    return cu.jit(v1)
+    return kernel(v1)
 
 
 # ----------------------------------------------------------------------------- v2 smem tiles
@@ -180,7 +190,7 @@ def gemm_v2(BM: int, BN: int, BK: int):
                 acc *= to_f32(topk_w[ix(s)])
             c[ix(s), ix(n)] = cast_out(c, acc)
 
-    return cu.jit(v2)
+    return kernel(v2)
 
 
 # ----------------------------------------------------------------------------- v3 registers
@@ -351,7 +361,7 @@ def gemm_v3(BM: int, BN: int, BK: int, TM: int, TN: int, WORD: str = ""):
                             v *= scale
                         c[ix(s), ix(n)] = cast_out(c, v)
 
-    return cu.jit(v3)
+    return kernel(v3)
 
 
 # ----------------------------------------------------------------------------- launch

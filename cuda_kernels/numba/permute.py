@@ -60,7 +60,7 @@ import numpy as np
 from numba import float32, int32, uint32
 
 from . import _arrays as A
-from ._device import FULL_MASK, SIMULATOR, cast_out, cu, device_function, ix, to_f32
+from ._device import FULL_MASK, SIMULATOR, cast_out, cu, device_function, ix, kernel, to_f32
 
 # Tunables are data. The simulator gets tiny blocks so that tests cover every path cheaply.
 CONFIGS = {
@@ -362,8 +362,8 @@ def align_kernels(NT, rank="block"):
             scatter(ids, lo, hi, E, emap, use_map, ignore_invalid, offsets, run, rid,
                     sorted_ids, inv, do_align, write_inv, tid)
 
-    return (cu.jit(align_single), cu.jit(align_count), cu.jit(align_scan),
-            cu.jit(align_scatter))
+    return (kernel(align_single), kernel(align_count), kernel(align_scan),
+            kernel(align_scatter))
 
 
 def _rank_words(rank, NT, E):
@@ -405,7 +405,7 @@ def row_kernels(NT, KC=0):
                             acc += to_f32(y[ix(r), ix(h)]) * to_f32(w[ix(t), ix(k)])
                 out[ix(t), ix(h)] = cast_out(out, acc)
 
-    return cu.jit(permute_rows), cu.jit(unpermute_rows)
+    return kernel(permute_rows), kernel(unpermute_rows)
 
 
 # ----------------------------------------------------------------------------- launchers

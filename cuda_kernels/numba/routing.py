@@ -63,6 +63,7 @@ from ._device import (
     device_function,
     exp_f32,
     ix,
+    kernel,
     max_nan,
     sel_key,
     to_f32,
@@ -318,7 +319,7 @@ def route_kernel(flavor: str, n: int):
         for k in range(lane, K, LANES):   # each thread rescales only what it wrote
             weights[ix(row), ix(k)] = (weights[ix(row), ix(k)] / div) * scale
 
-    return cu.jit(route)
+    return kernel(route)
 
 
 def _geometry(flavor, T, E, G):
