@@ -348,6 +348,7 @@ def align_path(request, monkeypatch):
     if request.param == "grid":
         monkeypatch.setitem(ck_perm.CONFIGS["align"], "SMALL_P", 0)
         monkeypatch.setitem(ck_perm.CONFIGS["align"], "WARP_SLOTS", 32)
+        monkeypatch.setitem(ck_perm.CONFIGS["align"], "TABLE_LOADS", 1 << 20)  # no table cap
         monkeypatch.setitem(ck_perm.CONFIGS["group"], "MAX_WARPS", 2)
     return request.param
 

@@ -38,9 +38,9 @@
 // Launch geometry (permute.py):
 //   moe_align_kernel: block = W * 32, W = min(32, (SMEM_BUDGET / 4 - 2 E - 33) / E) (at least 1,
 //     with an opt-in above 48 KB for E > ~4000); grid G = 1 when P <= SMALL_P (W cut to the
-//     32-slot steps), else G = min(SMs, cdiv(P, W WARP_SLOTS)) launched cooperatively; shared
-//     memory ((W + 2) E + 33) * 4 B (wc [W, E], off [E + 1], tot [E], scan scratch [32]);
-//     global scratch hist [G, E] and the barrier word (G > 1)
+//     32-slot steps), else G = min(SMs, cdiv(P, W WARP_SLOTS), TABLE_LOADS W 32 / E) launched
+//     cooperatively; shared memory ((W + 2) E + 33) * 4 B (wc [W, E], off [E + 1], tot [E],
+//     scan scratch [32]); global scratch hist [G, E] and the barrier word (G > 1)
 //   moe_permute_index_kernel: grid = 1, block = W * 32, warp w owns chunk w,
 //     W = min(32, (SMEM_BUDGET / 4 - NB - 33) / NB); shared memory (W NB + NB + 1 + 32) * 4 B
 //     (per-warp counters, bucket starts, scan scratch)

@@ -33,8 +33,10 @@ CONFIGS = {
     "group": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 32, "PREFETCH": 8},
     # alignment, one launch: one block up to SMALL_P slots; above, a cooperative grid of
     # cdiv(P, W * WARP_SLOTS) blocks (at most MAX_BLOCKS, 0 = one per SM), each warp owning
-    # WARP_SLOTS slots (two 32-slot steps: its ids stay in registers across the grid barrier)
-    "align": {"SMALL_P": 4096, "WARP_SLOTS": 64, "MAX_BLOCKS": 0},
+    # WARP_SLOTS slots (two 32-slot steps: its ids stay in registers across the grid barrier);
+    # after the barrier each block reads the [G, E] count table, so G is also capped to keep
+    # that at TABLE_LOADS loads per thread (matters for large E, where W is small)
+    "align": {"SMALL_P": 4096, "WARP_SLOTS": 64, "MAX_BLOCKS": 0, "TABLE_LOADS": 16},
     "gather_rows_kernel": {"ROW_WARPS": 4},
     "moe_unpermute_kernel": {"UNPERMUTE_THREADS": 128},
 }
@@ -91,7 +93,8 @@ def _align_geometry(P: int, E: int, max_blocks: int):
 
     W: as many warps (up to MAX_WARPS) as the per-warp counters allow in SMEM_BUDGET, at least
     one (then more than 48 KB if E needs it). G = 1 up to SMALL_P slots (W cut to the 32-slot
-    steps: idle warps only cost scan time), else cdiv(P, W * WARP_SLOTS), at most max_blocks.
+    steps: idle warps only cost scan time), else cdiv(P, W * WARP_SLOTS), at most max_blocks
+    and at most TABLE_LOADS W 32 / E (the count table read after the grid barrier).
     """
     cfg, group = CONFIGS["align"], CONFIGS["group"]
     fixed = 2 * E + 33  # off [E + 1], tot [E], scan scratch [32]
@@ -103,7 +106,8 @@ def _align_geometry(P: int, E: int, max_blocks: int):
         G = 1
         W = max(1, min(W, C.cdiv(max(P, 1), 32)))
     else:
-        G = max(1, min(max_blocks, C.cdiv(P, W * cfg["WARP_SLOTS"])))
+        G = max(1, min(max_blocks, C.cdiv(P, W * cfg["WARP_SLOTS"]),
+                       cfg["TABLE_LOADS"] * W * 32 // E))
     return G, W, (W * E + fixed) * 4
 
 
