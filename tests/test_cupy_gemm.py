@@ -589,9 +589,13 @@ struct EmuDim { unsigned x = 0, y = 0, z = 0; };
 thread_local EmuDim threadIdx, blockIdx;
 EmuDim blockDim, gridDim;
 thread_local int emu_tid;
-alignas(128) unsigned char emu_smem[232448];
+alignas(1024) unsigned char emu_smem[233472];
 long long emu_smem_limit = 0;
-#define GG_DYNAMIC_SMEM(name) unsigned char* name = emu_smem
+// On the GPU the static shared memory (the slots) comes first and the dynamic buffer after
+// it, 16-byte aligned only: the emulator starts it 48 bytes in, so a kernel that needs a
+// stricter alignment (v5's 1024-byte swizzle atoms) must find it itself, as on the GPU.
+#define EMU_SMEM_SHIFT 48
+#define GG_DYNAMIC_SMEM(name) unsigned char* name = emu_smem + EMU_SMEM_SHIFT
 
 [[noreturn]] inline void emu_fail(const char* what, long long x) {
     std::fprintf(stderr, "EMULATOR: %s (%lld) in CTA (%u, %u) thread %d\n", what, x, blockIdx.x,
@@ -620,6 +624,7 @@ inline void gg_cp_async16(unsigned dst, const void* src, int src_bytes) {
     const unsigned char* s = (const unsigned char*)src;
     if (dst % 16) emu_fail("cp.async: shared destination not 16-byte aligned", dst);
     if (dst + 16 > emu_smem_limit) emu_fail("cp.async: past the dynamic shared memory", dst);
+    if (dst < EMU_SMEM_SHIFT) emu_fail("cp.async: before the dynamic shared memory", dst);
     if (src_bytes != 0 && src_bytes != 16) emu_fail("cp.async: src-size not 0 or 16", src_bytes);
     if (src_bytes) {
         if ((uintptr_t)s % 16)
@@ -696,22 +701,40 @@ inline void gg_mma(float* d, const unsigned* a, const unsigned* b, __nv_bfloat16
 
 // wgmma (v5): each thread computes its own accumulators from the two shared-memory
 // descriptors, when the wgmma.wait_group that must complete the batch runs (as late as the
-// hardware may read the operands). Only the no-swizzle K-major layout is modelled:
-// element (row r, k) at start + (r/8) SBO + (k/8) LBO + (r%8) 16 + (k%8) 2 bytes.
+// hardware may read the operands). K-major layouts, as the PTX ISA's matrix descriptor:
+//   no swizzle (type 0): element (r, k) at start + (r/8) SBO + (k/8) LBO + (r%8) 16 + (k%8) 2;
+//   swizzle W = 128/64/32 bytes (type 1/2/3): rows of W bytes, element (r, k) at the address
+//     A = start + (r/8) SBO + (r%8) W + 2k, then bits [4, 4+log2(W/16)) of A XORed with
+//     bits [7, ...) of A (absolute addresses: the atoms must be 1024-byte aligned, base
+//     offset 0); a k16 slice must stay inside one W-byte row.
 inline void gg_fence_proxy_async() {}
 inline void gg_wgmma_fence() {}
 struct EmuWgmma { float* d; unsigned long long da, db; int n; };
 thread_local std::vector<EmuWgmma> emu_wg_open;
 thread_local std::vector<std::vector<EmuWgmma>> emu_wg_groups;
 inline float emu_operand(unsigned long long desc, int r, int k) {
-    if ((desc >> 62) != 0 || ((desc >> 49) & 7) != 0)
-        emu_fail("wgmma: swizzled descriptors are not emulated", (long long)(desc >> 49));
+    const int type = (int)(desc >> 62);
+    if (((desc >> 49) & 7) != 0) emu_fail("wgmma: base offset != 0 is not emulated", 0);
+    if (((desc >> 46) & 7) != 0 || ((desc >> 52) & 0x3FF) != 0 || ((desc >> 14) & 3) != 0 ||
+        ((desc >> 30) & 3) != 0)
+        emu_fail("wgmma: reserved descriptor bits set", (long long)(desc >> 32));
     const unsigned start = (unsigned)(desc & 0x3FFF) << 4;
     const unsigned lbo = (unsigned)((desc >> 16) & 0x3FFF) << 4;
     const unsigned sbo = (unsigned)((desc >> 32) & 0x3FFF) << 4;
-    const unsigned off = start + (r / 8) * sbo + (k / 8) * lbo + (r % 8) * 16 + (k % 8) * 2;
+    unsigned off;
+    if (type == 0) {
+        off = start + (r / 8) * sbo + (k / 8) * lbo + (r % 8) * 16 + (k % 8) * 2;
+    } else {
+        const unsigned W = type == 1 ? 128u : (type == 2 ? 64u : 32u);
+        if (sbo != 8 * W) emu_fail("wgmma: swizzled K-major tile with SBO != 8 rows", sbo);
+        if ((start % W) + 32 > W)
+            emu_fail("wgmma: k16 slice not inside one swizzled row", start);
+        const unsigned A = start + (r / 8) * sbo + (r % 8) * W + k * 2;
+        off = A ^ (((A >> 7) & (W / 16 - 1)) << 4);
+    }
     if (start % 16) emu_fail("wgmma: descriptor start not 16-byte aligned", start);
     if (off + 2 > emu_smem_limit) emu_fail("wgmma: operand past the dynamic shared memory", off);
+    if (off < EMU_SMEM_SHIFT) emu_fail("wgmma: operand before the dynamic shared memory", off);
     GG_T h;
     std::memcpy(&h, emu_smem + off, sizeof(h));
     return emu_f32(h);
@@ -754,7 +777,7 @@ int main(int argc, char** argv) {
     if (std::fread(h, 8, 24, f) != 24) return 2;
     const int N = h[0], Kd = h[1], P = h[2], top_k = h[3], B = h[4], L = h[5], mul = h[6],
               bias_kind = h[7], gx = h[8], gy = h[9], bx = h[10], by = h[11];
-    emu_smem_limit = h[12];
+    emu_smem_limit = EMU_SMEM_SHIFT + h[12];   // the dynamic buffer's end
     // byte sizes of a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
     // bias, c
     const long long* nbytes = h + 13;
@@ -928,6 +951,20 @@ EMU_CASES = {
     "v5_grouped_order": ("v5", "bf16", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, warps=4,
                                             stages=3),
                          (300, 2, 2, 72, 32, 64), {}),
+    # the three swizzle widths (BLOCK_K 16/32/64 -> 32/64/128-byte rows) at the heuristic's
+    # deep rings: more k tiles than stages, a Kdim tail, ragged N
+    "v5_swizzle32_bk16": ("v5", "bf16", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, warps=4,
+                                             stages=5),
+                          (23, 4, 2, 72, 136, 64), dict(mul=True)),
+    "v5_swizzle64_n256_8_stages": ("v5", "bf16", dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=32,
+                                                      warps=8, stages=8),
+                                   (70, 2, 2, 264, 328, 128), dict(mul=True, bias="same")),
+    "v5_swizzle64_n128_8_stages_gemm2": ("v5", "fp16", dict(BLOCK_M=64, BLOCK_N=128,
+                                                            BLOCK_K=32, warps=4, stages=8),
+                                         (31, 4, 2, 200, 296, 64), dict(gemm2=True, mul=True)),
+    "v5_swizzle128_6_stages": ("v5", "bf16", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                                                  warps=8, stages=6),
+                               (60, 2, 2, 136, 456, 128), dict(bias=np.float32)),
     "v3_fp32": ("v3", "fp32", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, warps=2, stages=1, TM=4,
                                    TN=4),
                 (9, 4, 2, 72, 52, 16), dict(mul=True, bias="same")),

@@ -8,29 +8,38 @@
 // Shapes: a [M_a, Kdim], w [E_local, N, Kdim], c [P, N], P = M_a * top_k.
 // Requirements: sm_90a (wgmma exists only there: built with -arch=sm_90a); Kdim % 8 == 0 and
 // a, w 16-byte aligned (as v4); BLOCK_M in {64, 128} divides B (so B >= 64);
-// BLOCK_N in {64, 128, 256}. Opt-in: version="v5" (the default stays v4 until a GPU run
-// has validated this rung; see grouped_gemm.py).
+// BLOCK_N in {64, 128, 256}; BLOCK_K in {16, 32, 64} (one swizzled row: 32, 64, 128 bytes).
+// Opt-in per bucket: gemm_configs.json's default_version names the rung (v4 as shipped).
 //
 // Launch geometry:
 //     threads = (BLOCK_M / 64) warpgroups x 128; warpgroup g owns rows 64g..64g+63 of the tile
 //     grid    = cdiv(L, BLOCK_M) * cdiv(N, BLOCK_N), 1-D, grouped by GROUP_M m-tiles (as v4)
-//     dynamic shared memory = max(STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2,
-//                                 BLOCK_M * (BLOCK_N + 8) * 2) bytes; static 4 * BLOCK_M
+//     dynamic shared memory = 1024 + max(STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2,
+//                                        BLOCK_M * (BLOCK_N + 8) * 2) bytes (the 1024: the
+//                                        ring starts on a 1024-byte boundary, see below);
+//     static 4 * BLOCK_M
 //
 // What changes against v4:
 //  - One wgmma.mma_async.m64nNk16 per warpgroup and 16-wide k step reads A (64 x 16) and B
 //    (N x 16) straight from shared memory through 64-bit matrix descriptors (no ldmatrix, no
 //    register fragments for the operands): the tensor cores run at Hopper's full rate.
-//  - Shared tiles use wgmma's no-swizzle K-major layout: 8 rows x 16 bytes "core matrices"
-//    of 128 contiguous bytes; the core matrix of (row group r/8, k chunk c) sits at
-//    ((r/8) * BLOCK_K/8 + c) * 128. Descriptor: leading byte offset (next core matrix along
-//    K) = 128, stride byte offset (next 8-row group) = BLOCK_K * 16. Eight consecutive
-//    threads fill one core matrix with cp.async, so the stores are conflict-free.
-//  - The wgmma of tile t runs while the warps wait for tile t+1: each iteration issues its
-//    batch, commits it and waits until at most one batch is pending (wgmma.wait_group 1).
-//    A ring slot is refilled only after the batch that read it has completed in every
-//    warpgroup (the barrier at the top of the next-but-one iteration), so cp.async runs
-//    STAGES - 2 tiles ahead. cp.async writes go through the generic proxy and wgmma reads
+//  - Shared tiles use wgmma's K-major *swizzled* layout, the one the tensor cores read at full
+//    speed: row r of a tile is SW = BLOCK_K * 2 bytes (32, 64 or 128: the swizzle width) at
+//    r * SW, and its 16-byte chunk c sits at chunk c ^ ((offset >> 7) & (SW/16 - 1)), i.e.
+//    address bits [4, 4+log2(SW/16)) are XORed with bits [7, ...): Swizzle<3,4,3> for 128 B.
+//    The XOR uses absolute shared addresses, so the ring starts on a 1024-byte boundary
+//    (every tile and warpgroup slice is a multiple of 1024 bytes). Descriptor: start address,
+//    stride byte offset (next 8-row group) = 8 * SW, layout type 1/2/3 (128/64/32 B swizzle);
+//    a 16-wide k step advances the start by 32 bytes inside the swizzled row.
+//    cp.async: consecutive threads copy consecutive 16-byte chunks of a row (whole 32-byte
+//    sectors from global), and the swizzle spreads each 8-thread phase over all 32 banks.
+//  - Pipeline: the wgmma of tile t runs while the warps issue the copies of later tiles:
+//    each iteration issues its batch, commits it and waits until at most one batch is
+//    pending (wgmma.wait_group 1). A ring slot is refilled only after the batch that read it
+//    has completed in every warpgroup (the barrier at the top of the next-but-one
+//    iteration), so cp.async runs STAGES - 2 tiles ahead: deep rings (6 to 8 stages of
+//    BLOCK_K = 32 or 64) keep 100-150 KB in flight per SM, enough to cover L2/HBM latency at
+//    the tensor cores' rate. cp.async writes go through the generic proxy and wgmma reads
 //    through the async proxy: fence.proxy.async before the barrier orders them.
 //  - Epilogue as v4 (the accumulator layout of each warp is that of mma.m16n8 per n8 block).
 //
@@ -68,12 +77,15 @@
 #define GG_STR(x) GG_STR2(x)
 
 #define V5_THREADS ((BLOCK_M / 64) * 128)
-#define KC (BLOCK_K / 8)                      // 16-byte chunks (core matrices) along K
+#define KC (BLOCK_K / 8)                      // 16-byte chunks per tile row
 #define TILE_A_BYTES (BLOCK_M * BLOCK_K * 2)
 #define TILE_B_BYTES (BLOCK_N * BLOCK_K * 2)
 #define STAGE_BYTES (TILE_A_BYTES + TILE_B_BYTES)
-#define LBO_BYTES 128                         // next core matrix along K
-#define SBO_BYTES (BLOCK_K * 16)              // next 8-row group of core matrices
+#define SW_BYTES (BLOCK_K * 2)                // one tile row = the swizzle width (32/64/128)
+#define SBO_BYTES (8 * SW_BYTES)              // next 8-row group (one swizzle atom)
+// descriptor layout type (bits 62-63): 1 = 128-byte, 2 = 64-byte, 3 = 32-byte swizzle
+#define SW_MODE (SW_BYTES == 128 ? 1 : (SW_BYTES == 64 ? 2 : 3))
+#define SMEM_ALIGN 1024                       // the swizzle repeats every 1024 bytes
 #define SC (BLOCK_N + 8)                      // shared row stride of the output tile
 #define A_CHUNKS (BLOCK_M * KC)
 #define B_CHUNKS (BLOCK_N * KC)
@@ -83,13 +95,18 @@
 static_assert(sizeof(GG_T) == 2, "v5: wgmma takes __half or __nv_bfloat16");
 static_assert(BLOCK_M == 64 || BLOCK_M == 128, "v5: one or two warpgroups of 64 rows");
 static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 256, "v5: wgmma n of 64, 128, 256");
-static_assert(BLOCK_K % 16 == 0 && STAGES >= 3, "v5: k steps of 16, at least three stages");
+static_assert((BLOCK_K == 16 || BLOCK_K == 32 || BLOCK_K == 64) && STAGES >= 3,
+              "v5: BLOCK_K of 16, 32 or 64 (one 32/64/128-byte swizzled row), >= 3 stages");
+static_assert(TILE_A_BYTES % SMEM_ALIGN == 0 && TILE_B_BYTES % SMEM_ALIGN == 0,
+              "v5: every tile starts on a 1024-byte boundary (the swizzle uses address bits)");
 static_assert(A_CHUNKS % V5_THREADS == 0 && B_CHUNKS % V5_THREADS == 0,
               "v5: whole copy rounds");
 
-// Byte offset of (row r, 16-byte k chunk c) inside an operand tile (the core-matrix layout).
-__device__ __forceinline__ unsigned gg_core_offset(int r, int c) {
-    return (unsigned)(((r >> 3) * KC + c) * 128 + (r & 7) * 16);
+// Byte offset of (row r, 16-byte k chunk c) inside an operand tile that starts on a
+// 1024-byte boundary: row-major rows of SW_BYTES, chunk bits XORed with address bits 7..9.
+__device__ __forceinline__ unsigned gg_swizzle_offset(int r, int c) {
+    const unsigned o = (unsigned)(r * SW_BYTES + c * 16);
+    return o ^ (((o >> 7) & (SW_BYTES / 16 - 1)) << 4);
 }
 
 #ifndef GG_HOST_EMULATION
@@ -209,13 +226,14 @@ __device__ __forceinline__ void gg_wgmma_n256(float* d, unsigned long long desc_
 }
 #endif  // GG_HOST_EMULATION
 
-// The matrix descriptor of a K-major, no-swizzle operand starting at shared address `addr`:
-// bits 0-13 addr >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4,
-// 62-63 swizzle mode (0: none).
+// The matrix descriptor of a K-major swizzled operand starting at shared address `addr`:
+// bits 0-13 addr >> 4, 16-29 leading byte offset >> 4 (unused by K-major swizzled layouts:
+// 1 by convention), 32-45 stride byte offset >> 4, 49-51 base offset (0: the atoms are
+// 1024-byte aligned), 62-63 layout type (SW_MODE).
 __device__ __forceinline__ unsigned long long gg_desc(unsigned addr) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) |
-           ((unsigned long long)(LBO_BYTES >> 4) << 16) |
-           ((unsigned long long)(SBO_BYTES >> 4) << 32);
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) |
+           ((unsigned long long)(SBO_BYTES >> 4) << 32) |
+           ((unsigned long long)SW_MODE << 62);
 }
 
 __device__ __forceinline__ void gg_store2(__half* p, float x, float y) {
@@ -229,8 +247,11 @@ extern "C" __global__ void __launch_bounds__(V5_THREADS, 1)
 grouped_gemm_v5(GG_KERNEL_ARGS) {
     GG_DYNAMIC_SMEM(gg_smem);                 // the cp.async ring, then the output tile
     __shared__ int s_slot[BLOCK_M];
-    GG_T* sm = reinterpret_cast<GG_T*>(gg_smem);
-    const unsigned sm_base = gg_smem_addr(gg_smem);
+    // the ring starts at the first 1024-byte boundary (static shared memory comes first, so
+    // the dynamic buffer is only 16-byte aligned); the launcher adds 1024 bytes for this
+    const unsigned raw_base = gg_smem_addr(gg_smem);
+    const unsigned sm_base = (raw_base + (SMEM_ALIGN - 1)) & ~(unsigned)(SMEM_ALIGN - 1);
+    GG_T* sm = reinterpret_cast<GG_T*>(gg_smem + (sm_base - raw_base));
 
     // which tile: the grouped order of v4
     const int num_pid_m = (num_positions + BLOCK_M - 1) / BLOCK_M;
@@ -270,49 +291,47 @@ grouped_gemm_v5(GG_KERNEL_ARGS) {
         return;
     }
 
-    // Copy assignment: chunk idx = tid + i * THREADS -> row (idx / (8 KC)) * 8 + idx % 8,
-    // k chunk (idx / 8) % KC: eight consecutive threads fill one 128-byte core matrix.
+    // Copy assignment: chunk idx = tid + i * THREADS -> row idx / KC, k chunk idx % KC (as
+    // v4): a row's chunks come from consecutive threads, whole sectors from global. THREADS
+    // is a multiple of KC, so a thread's k chunk kc is the same in every round, and its rows
+    // are fixed for the whole main loop: resolve their sources and swizzled places once.
+    const int kc = tid % KC;
     const GG_T* a_src[A_IT];
     bool a_ok[A_IT];
     unsigned a_dst[A_IT];
-    int a_kc[A_IT];
 #pragma unroll
     for (int i = 0; i < A_IT; ++i) {
-        const int idx = tid + i * V5_THREADS;
-        const int r = (idx / (8 * KC)) * 8 + (idx & 7), kc = (idx >> 3) % KC;
+        const int r = (tid + i * V5_THREADS) / KC;
         const int s = s_slot[r];
         a_ok[i] = gg_live(s, num_slots);
         a_src[i] = a + (a_ok[i] ? (long long)(s / top_k) * Kdim : 0LL) + kc * 8;
-        a_dst[i] = gg_core_offset(r, kc);
-        a_kc[i] = kc;
+        a_dst[i] = gg_swizzle_offset(r, kc);
     }
     const GG_T* w_e = w + (long long)e * N * Kdim;
     const GG_T* b_src[B_IT];
     bool b_ok[B_IT];
     unsigned b_dst[B_IT];
-    int b_kc[B_IT];
 #pragma unroll
     for (int i = 0; i < B_IT; ++i) {
-        const int idx = tid + i * V5_THREADS;
-        const int r = (idx / (8 * KC)) * 8 + (idx & 7), kc = (idx >> 3) % KC;
+        const int r = (tid + i * V5_THREADS) / KC;
         b_ok[i] = n0 + r < N;
         b_src[i] = w_e + (b_ok[i] ? (long long)(n0 + r) * Kdim : 0LL) + kc * 8;
-        b_dst[i] = TILE_A_BYTES + gg_core_offset(r, kc);
-        b_kc[i] = kc;
+        b_dst[i] = TILE_A_BYTES + gg_swizzle_offset(r, kc);
     }
 
     auto load_tile = [&](int t, int st) {
         const int k = t * BLOCK_K;
+        const bool k_ok = k + kc * 8 < Kdim;  // the Kdim tail: whole chunks in or out
         const unsigned base = sm_base + st * STAGE_BYTES;
 #pragma unroll
         for (int i = 0; i < A_IT; ++i) {
-            const bool ok = a_ok[i] && k + a_kc[i] * 8 < Kdim;
+            const bool ok = a_ok[i] && k_ok;
             gg_cp_async16(base + a_dst[i], ok ? (const void*)(a_src[i] + k) : (const void*)a,
                           ok ? 16 : 0);
         }
 #pragma unroll
         for (int i = 0; i < B_IT; ++i) {
-            const bool ok = b_ok[i] && k + b_kc[i] * 8 < Kdim;
+            const bool ok = b_ok[i] && k_ok;
             gg_cp_async16(base + b_dst[i], ok ? (const void*)(b_src[i] + k) : (const void*)w,
                           ok ? 16 : 0);
         }
@@ -343,16 +362,14 @@ grouped_gemm_v5(GG_KERNEL_ARGS) {
         gg_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-            // a k step of 16 = two core matrices along K
+            // a k step of 16 elements = 32 bytes further along the swizzled rows (the
+            // hardware applies the XOR to the addresses it computes from the start)
 #if BLOCK_N == 64
-            gg_wgmma_n64(acc, gg_desc(a_base + kk * 2 * LBO_BYTES),
-                         gg_desc(b_base + kk * 2 * LBO_BYTES));
+            gg_wgmma_n64(acc, gg_desc(a_base + kk * 32), gg_desc(b_base + kk * 32));
 #elif BLOCK_N == 128
-            gg_wgmma_n128(acc, gg_desc(a_base + kk * 2 * LBO_BYTES),
-                          gg_desc(b_base + kk * 2 * LBO_BYTES));
+            gg_wgmma_n128(acc, gg_desc(a_base + kk * 32), gg_desc(b_base + kk * 32));
 #else
-            gg_wgmma_n256(acc, gg_desc(a_base + kk * 2 * LBO_BYTES),
-                          gg_desc(b_base + kk * 2 * LBO_BYTES));
+            gg_wgmma_n256(acc, gg_desc(a_base + kk * 32), gg_desc(b_base + kk * 32));
 #endif
         }
         gg_wgmma_commit();

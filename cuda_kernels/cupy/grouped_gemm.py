@@ -139,11 +139,15 @@ def v4_smem_bytes(cfg: dict) -> int:
     return 2 * max(ring, out)
 
 
+V5_SMEM_ALIGN = 1024   # v5's swizzled ring starts on a 1024-byte boundary inside the buffer
+
+
 def v5_smem_bytes(cfg: dict) -> int:
-    """Dynamic shared memory of v5: the core-matrix ring (no padding), then the output tile."""
+    """Dynamic shared memory of v5: the swizzled ring (no padding), reused for the output
+    tile, plus 1024 bytes to start it on a 1024-byte boundary (static smem comes first)."""
     ring = cfg["stages"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"]
     out = cfg["BLOCK_M"] * (cfg["BLOCK_N"] + 8)
-    return 2 * max(ring, out)
+    return 2 * max(ring, out) + V5_SMEM_ALIGN
 
 
 # per-CTA opt-in limit on sm_90 (227 KB; sm_80: 163 KB), less room for the static slots
@@ -188,9 +192,10 @@ def check_config(version: str, dtype, cfg: dict) -> dict:
     elif version == "v5":
         if dkey == "fp32":
             raise ValueError("config: v5 takes fp16 or bf16 (fp32 uses v3)")
-        if bm not in (64, 128) or bn not in (64, 128, 256) or bk % 16 or bk < 16:
+        if bm not in (64, 128) or bn not in (64, 128, 256) or bk not in (16, 32, 64):
             raise ValueError(f"config: v5 needs BLOCK_M in (64, 128), BLOCK_N in (64, 128, "
-                             f"256), BLOCK_K a multiple of 16, got {cfg}")
+                             f"256), BLOCK_K in (16, 32, 64) (one 32/64/128-byte swizzled "
+                             f"row), got {cfg}")
         threads = bm // 64 * 128
         if warps != bm // 16 or cfg["stages"] < 3 or (bn * bk // 8) % threads:
             raise ValueError(f"config: v5 runs BLOCK_M/64 warpgroups (warps = BLOCK_M/16), "
@@ -257,13 +262,16 @@ def heuristic_config(version: str, dkey: str, m: int, N: int | None = None,
     if version == "v5":
         if dkey == "fp32":
             return heuristic_config("v3", dkey, m, N, K)
-        if m <= 32:   # decode: narrow tiles, more CTAs streaming the weights
-            return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "warps": 4, "stages": 4}
-        if m <= 128:
-            return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 4, "stages": 4}
-        if m <= 512:
-            return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 8, "stages": 4}
-        return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "warps": 8, "stages": 4}
+        # cp.async runs STAGES - 2 tiles ahead (one wgmma batch stays in flight): deep rings,
+        # 64-128 KB of copies in flight per CTA, cover the L2/HBM latency
+        if m <= 32:   # decode: narrow tiles, more CTAs streaming the weights (2 per SM)
+            return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "warps": 4, "stages": 6}
+        if m <= 128:  # 2 CTAs per SM, 6 x 12 KB in flight each
+            return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "warps": 4, "stages": 8}
+        if m <= 512:  # 1 CTA per SM, 4 x 32 KB in flight
+            return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 8, "stages": 6}
+        # 128 x 256: 85 flops per byte of tile; 6 x 24 KB in flight
+        return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "warps": 8, "stages": 8}
     raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
 
 
