@@ -8,12 +8,16 @@ What is timed (CUDA events on each rank after warm-up, every repetition starting
 barrier, fresh inputs and routing per repetition from a rotating pool, the L2 flushed;
 the median per rank, then the slowest rank, which is what a step waits for):
 
-  alltoall   dispatch   moe_permute by destination rank + counts exchange (one host sync)
-                        + all_to_all_v of the P = T*K rows and their local expert ids
-             combine    all_to_all_v of the P result rows back + moe_unpermute (weighted sum)
-             rows only  the all_to_all_v of the rows alone (counts known, buffers ready)
-             raw        ncclSend/ncclRecv all-to-all with EQUAL splits of the same P rows
-                        (one group, preallocated buffers: what cupyx.distributed does)
+  alltoall   for each row mode (--alltoall-rows; "token": one row per (token, destination
+             rank), the layer's default; "slot": one row per (token, slot)):
+             dispatch   the send table and counts (device) + counts exchange on a side
+                        stream (one host sync) + moe_permute by destination + all_to_all_v
+                        of the n rows this rank sends and their metadata
+             combine    all_to_all_v of the n result rows back + moe_unpermute
+             exchange   the all_to_all_v of the n rows alone (counts known, buffers ready)
+             raw        ncclSend/ncclRecv all-to-all with EQUAL splits of the same rows (the
+                        busiest rank's n; one group, preallocated buffers: what
+                        cupyx.distributed does); and once per T of the P = T*K slot rows
   allgather  dispatch   all_gather of x [T, H] and of the routing [T, 2K] (+ a token-count
                         all_gather, host sync)
              combine    reduce_scatter (bf16 sum) of the [W, T, H] partial outputs
@@ -24,10 +28,13 @@ the median per rank, then the slowest rank, which is what a step waits for):
 
 Bandwidth is "algorithm bandwidth" per rank: the bytes this rank's send buffer holds
 divided by the time (NCCL's algbw; the issue's 416 / 590 GB/s are this number).
-    alltoall dispatch / combine / raw:  P * H * b bytes (the self chunk included)
+    alltoall dispatch / combine / exchange / raw: n * H * b bytes (the self chunk included;
+    n = P for slot rows, about T * min(W, K) for token rows)
     allgather dispatch: T * (H*b + 8K) bytes; combine: W * T * H * b bytes
 Target (issue 6): the all-to-all-v path (dispatch + combine) at 4096 tokens per rank at
-least 80% of the raw all-to-all of the same bytes (two raw all-to-alls).
+least 80% of the raw all-to-all of the same bytes: ratio = 2 * raw(n rows) / (dispatch +
+combine), printed for the first row mode, beside the exchange-only ratio raw / exchange and
+the ratio against the raw all-to-all of the P slot rows (what token rows save).
 
 Run (two GPUs; about two minutes; results in benchmarks/results/):
     .venv/bin/python benchmarks/bench_ep.py --gpus 2
@@ -154,7 +161,6 @@ def _bench_alltoall_rows(comm, timer, ops, opts, record, mode, T, xs, routes, pe
 
     from sandbox.ep.dispatch import alltoall_combine, alltoall_dispatch
 
-    W = comm.world_size
     pool = len(xs)
     H = xs[0].shape[1]
     row_bytes = H * 2
@@ -206,7 +212,6 @@ def _bench_alltoall_rows(comm, timer, ops, opts, record, mode, T, xs, routes, pe
     b["exchange_vs_raw"] = ex["vs_raw"]
     # against the raw all-to-all of the per-slot bytes (P rows): what token rows save
     b["vs_raw_slot_bytes"] = 2 * raw_slot_t[0] / b["ms"]
-    del state, send_rows, recv_rows
 
 
 def _gather_medians(comm, value):
@@ -218,8 +223,7 @@ def bench_rank(comm, opts):
     """Runs in every rank; rank 0's return value is the report."""
     import cupy
 
-    from sandbox.ep.dispatch import (allgather_combine, allgather_dispatch, alltoall_combine,
-                                     alltoall_dispatch, raw, view_as)
+    from sandbox.ep.dispatch import allgather_combine, allgather_dispatch, raw, view_as
 
     W, r = comm.world_size, comm.rank
     H, K, E, I = (opts["shape"][k] for k in ("hidden_size", "top_k", "num_experts",
