@@ -133,6 +133,45 @@ def test_default_version_and_fallbacks(monkeypatch):
         plan("v5", "bf16", 64, 256, 256, 64, True, False, None)
 
 
+def test_version_by_m_picks_v5_per_bucket(monkeypatch):
+    """version_by_m (written by tune.py from timing) overrides default_version per m bucket;
+    a bucket it does not name keeps the default; the block size follows the chosen rung."""
+    times = {("deepseek", 128, "v4"): 2.0, ("deepseek", 128, "v5"): 1.0,
+             ("mixtral", 128, "v4"): 3.0, ("mixtral", 128, "v5"): 2.5,
+             ("deepseek", 256, "v4"): 1.0, ("deepseek", 256, "v5"): 2.0,
+             ("mixtral", 512, "v4"): 1.0}                       # v5 not timed: no promotion
+    by_m = tune.version_by_m(times)
+    assert by_m == {"bf16": {"128": "v5"}, "fp16": {"128": "v5"}}
+    assert tune.version_by_m({("deepseek", 64, "v4"): 1.0, ("deepseek", 64, "v5"): 0.5,
+                              ("mixtral", 64, "v4"): 1.0, ("mixtral", 64, "v5"): 1.5}) == {}
+    table = dict(gg.load_table(), version_by_m=by_m)
+    monkeypatch.setattr(gg, "load_table", lambda *a: table)
+    gg._plan.cache_clear()
+    try:
+        assert gg.default_version(BF16) == "v4"
+        assert gg.default_version(BF16, 100) == "v5" and gg.default_version(BF16, 300) == "v4"
+        E, top_k = 256, 8
+        cfg = gg.get_config(128 * E // top_k, 4096, 7168, E, top_k, BF16)
+        assert cfg["version"] == "v5" and cfg["BLOCK_M"] % 64 == 0
+        assert gg.get_config(64 * E // top_k, 4096, 7168, E, top_k, BF16)["version"] == "v4"
+        plan = gg._plan.__wrapped__
+        assert plan(None, "bf16", 128, 4096, 7168, 64, True, True, None)[0] == "v5"
+        assert plan(None, "bf16", 128, 4096, 7168, 16, True, True, None)[0] == "v4"  # B % 64
+        assert plan(None, "bf16", 128, 4096, 7168, 64, True, False, None)[0] == "v4"  # sm_80
+        assert plan(None, "fp32", 128, 4096, 7168, 64, True, True, None)[0] == "v3"
+    finally:
+        gg._plan.cache_clear()
+
+
+def test_shape_rows_apply_at_their_own_bucket_only():
+    table = {"configs": [
+        {"version": "v4", "dtype": "bf16", "m": 16, "N": 4096, "K": 7168, "BLOCK_M": 16,
+         "BLOCK_N": 128, "BLOCK_K": 128, "warps": 4, "stages": 3}]}
+    assert gg.lookup("v4", "bf16", 16, 4096, 7168, table)["BLOCK_N"] == 128
+    assert gg.lookup("v4", "bf16", 4096, 4096, 7168, table) == \
+        gg.heuristic_config("v4", "bf16", 4096)                 # a far bucket: not the m=16 tile
+
+
 def test_every_table_config_is_registered_for_nvrtc():
     registered = {(c.cu_name, tuple(sorted((c.defines or {}).items())))
                   for c in C.COMPILE_CASES}

@@ -256,8 +256,10 @@ def heuristic_config(version: str, dkey: str, m: int, N: int | None = None,
             return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "warps": 4, "stages": 4}
         if m <= 64:
             return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "warps": 4, "stages": 4}
-        if m <= 256:
+        if m <= 128:
             return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 4, "stages": 3}
+        # from m = 256 (measured, H200: this tile ran at 290-310 TFLOP/s at m >= 1024 where
+        # 64 x 128 x 64 gave 170-200 at m = 128-256; the padding of 128-row tiles costs less)
         return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "warps": 4, "stages": 4}
     if version == "v5":
         if dkey == "fp32":
@@ -297,12 +299,14 @@ def lookup(version: str, dkey: str, m: float, N: int, K: int, table: dict | None
 
     Rows with N and K are shape-specific (written by the tuner); rows without are generic.
     The nearest shape-specific shape is used when it is within a factor of 2 overall
-    (|log2 N/N'| + |log2 K/K'| <= 1), else the generic rows; then the nearest m bucket.
+    (|log2 N/N'| + |log2 K/K'| <= 1) and was tuned at this very m bucket (a tuner cut short
+    by its budget leaves other buckets to the generic rows, not to a far bucket's tiles),
+    else the generic rows; then the nearest m bucket.
     """
     table = load_table() if table is None else table
     bucket = m_bucket(m)
     rows = [r for r in table.get("configs", []) if r["version"] == version and r["dtype"] == dkey]
-    shaped = [r for r in rows if r.get("N") and r.get("K")]
+    shaped = [r for r in rows if r.get("N") and r.get("K") and r["m"] == bucket]
 
     def shape_dist(r):
         return abs(math.log2(max(N, 1) / r["N"])) + abs(math.log2(max(K, 1) / r["K"]))
@@ -313,7 +317,7 @@ def lookup(version: str, dkey: str, m: float, N: int, K: int, table: dict | None
         if best <= 1.0:
             pick = [r for r in shaped if shape_dist(r) == best]
     if not pick:
-        pick = [r for r in rows if not (r.get("N") and r.get("K"))] or rows
+        pick = [r for r in rows if not (r.get("N") and r.get("K"))]
     if not pick:
         return heuristic_config(version, dkey, bucket, N, K)
     row = min(pick, key=lambda r: (abs(math.log2(bucket / r["m"])), r["m"]))
@@ -323,16 +327,21 @@ def lookup(version: str, dkey: str, m: float, N: int, K: int, table: dict | None
 BUILTIN_DEFAULTS = {"fp32": "v3", "fp16": "v4", "bf16": "v4"}
 
 
-def default_version_key(dkey: str) -> str:
-    return default_version({"fp32": np.float32, "fp16": np.float16, "bf16": bf16_dtype()}[dkey])
+def default_version_key(dkey: str, m: float | None = None) -> str:
+    return default_version({"fp32": np.float32, "fp16": np.float16, "bf16": bf16_dtype()}[dkey],
+                           m)
 
 
-def default_version(dtype) -> str:
+def default_version(dtype, m: float | None = None) -> str:
     """The rung used when none is named: the table's "default_version" for the dtype (v4 on
-    fp16/bf16 and v3 on fp32 as shipped; promote v5 there once a GPU run has validated and
-    timed it), stepping down when a problem rules it out."""
+    fp16/bf16 and v3 on fp32 as shipped), unless "version_by_m" names one for the bucket of m
+    tokens per expert (written by tune.py --versions v4,v5 where v5 measured faster), stepping
+    down when a problem rules it out."""
     dkey = dtype_key(dtype)
-    v = load_table().get("default_version", {}).get(dkey, BUILTIN_DEFAULTS[dkey])
+    table = load_table()
+    v = table.get("default_version", {}).get(dkey, BUILTIN_DEFAULTS[dkey])
+    if m is not None:
+        v = table.get("version_by_m", {}).get(dkey, {}).get(str(m_bucket(m)), v)
     if v not in VERSIONS or (v in TENSOR_CORE_VERSIONS and dkey == "fp32"):
         return BUILTIN_DEFAULTS[dkey]
     return v
@@ -348,12 +357,12 @@ def get_config(M: int, N: int, K: int, E: int, top_k: int, dtype, version: str |
     (and TM, TN for v3). fp32 with v4 returns v3's config.
     """
     dkey = dtype_key(dtype)
-    version = default_version(dtype) if version is None else version
+    m = max(1.0, M * top_k / max(E, 1))
+    version = default_version(dtype, m) if version is None else version
     if version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
     if version in TENSOR_CORE_VERSIONS and dkey == "fp32":
         version = "v3"
-    m = max(1.0, M * top_k / max(E, 1))
     cfg = dict(lookup(version, dkey, m, N, K))
     cfg["version"] = version
     return cfg
@@ -677,7 +686,7 @@ def _plan(version, dkey, bucket, N, K, block_size, aligned, sm90, config_items):
     if version in TENSOR_CORE_VERSIONS and dkey == "fp32":
         version = "v3"          # the tensor-core rungs take half types; fp32 uses FFMA
     if version is None:
-        chain = _FALLBACK[default_version_key(dkey)]
+        chain = _FALLBACK[default_version_key(dkey, bucket)]
         version = next(v for v in chain if usable(v, dkey, K, block_size, aligned, sm90) is None)
     elif version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS} or None, got {version!r}")
@@ -739,6 +748,14 @@ def prebuild(dtypes=DTYPE_KEYS, versions=VERSIONS, max_workers: int | None = Non
         with cp.cuda.Device(dev):
             get_kernel(cu, KERNEL_NAMES[by_file[cu]], d, options=options)
 
+    if any(o for _, _, o in todo):
+        # import cuda.core (the sm_90a path) once here: threads importing it together find a
+        # half-initialised module ("cannot import name 'Program' from 'cuda.core.cu13'")
+        try:
+            import cuda.core  # noqa: F401
+            from cuda.core import Program, ProgramOptions  # noqa: F401
+        except ImportError:
+            pass
     failed = {}
     workers = max_workers or min(16, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:

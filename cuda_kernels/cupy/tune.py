@@ -20,6 +20,15 @@ config with BLOCK_M = B are timed, and the B with the smallest sum wins. A candi
 output disagrees with v4's default config (relative error > 1e-2) is reported and dropped.
 Timing: CUDA events around one call, L2 flushed before each (a 128 MB memset outside the
 events), 3 warm-ups, median of --reps.
+
+With --versions v4,v5 the table also gets "version_by_m": for each bucket where every tuned
+model's best v5 (GEMM1 + GEMM2) beat its best v4, v5 becomes the default rung of that bucket
+(grouped_gemm.default_version); elsewhere the default stays v4. --budget-s is checked before
+every candidate, so a short budget ends on time (buckets not reached keep the generic rows:
+lookup uses a shape row only at its own bucket). A two-minute run on the buckets of the
+compute-bound points (the H200 misses of issue 4):
+    python -m cuda_kernels.cupy.tune --versions v4,v5 --budget-s 120
+(default models and buckets below: DeepSeek-V3 and Mixtral at m = 128, 256, 512, 64, 32).
 """
 from __future__ import annotations
 
@@ -63,7 +72,11 @@ V5_CANDIDATES = [
 ]
 CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES}
 BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128)}
-DEFAULT_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
+# the buckets and models of issue 4's missed points, the worst first (DeepSeek-V3 m = 128,
+# 512, 32 are T = 4096, 16384, 1024; Mixtral m = 256, 64 are T = 1024, 256)
+DEFAULT_BUCKETS = (128, 256, 512, 64, 32)
+DEFAULT_MODELS = ("deepseek", "mixtral")
+BEST_BY_VERSION: dict = {}   # (model, m, version) -> seconds of the best GEMM1 + GEMM2
 
 
 def heuristic_table() -> dict:
@@ -196,6 +209,8 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
                     for cand in CANDIDATES[version]:
                         if cand[0] != B:
                             continue
+                        if time.time() - t_start > budget_s:
+                            break
                         cfg = dict(zip(gg.CONFIG_KEYS, cand))
                         try:
                             gg.check_config(version, dkey, cfg)
@@ -225,6 +240,7 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
                     best = (total, per_gemm)
             if best is None:
                 continue
+            BEST_BY_VERSION[(key, m, version)] = best[0]
             for (t, cand), (N, K) in zip(best[1], ((2 * I, H), (H, I))):
                 for dk in (dkey, "fp16" if dkey == "bf16" else "bf16"):
                     rows.append({"version": version, "dtype": dk, "m": m, "N": N, "K": K,
@@ -235,10 +251,25 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
     return rows
 
 
+def version_by_m(best_by_version: dict, dkey: str = "bf16") -> dict:
+    """{dtype: {str(m): "v5"}} for the buckets where v5 beat v4 on every model timed with both."""
+    out = {}
+    for m in sorted({m for (_, m, _) in best_by_version}):
+        models = {k for (k, mm, v) in best_by_version if mm == m}
+        both = [k for k in models if (k, m, "v4") in best_by_version and (k, m, "v5") in
+                best_by_version]
+        if both and all(best_by_version[(k, m, "v5")] < best_by_version[(k, m, "v4")]
+                         for k in both):
+            out[str(m)] = "v5"
+    if not out:
+        return {}
+    return {dkey: out, ("fp16" if dkey == "bf16" else "bf16"): dict(out)}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--heuristic", action="store_true", help="write the untimed table (no GPU)")
-    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS))
     p.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)))
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=1800.0)
@@ -247,8 +278,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     table = heuristic_table()
     try:   # keep a default_version that someone promoted (v5) across regenerations
-        table["default_version"].update(json.loads(pathlib.Path(args.out).read_text())
-                                        .get("default_version", {}))
+        old = json.loads(pathlib.Path(args.out).read_text())
+        table["default_version"].update(old.get("default_version", {}))
+        if old.get("version_by_m"):
+            table["version_by_m"] = old["version_by_m"]
     except (OSError, ValueError):
         pass
     if not args.heuristic:
@@ -274,6 +307,10 @@ def main(argv=None):
         table["command"] = " ".join([sys.executable, "-m", "cuda_kernels.cupy.tune"] +
                                     list(argv if argv is not None else sys.argv[1:]))
         table["configs"] += rows
+        if "v4" in args.versions and "v5" in args.versions:
+            table["version_by_m"] = version_by_m(BEST_BY_VERSION)
+            print(f"version_by_m: {table['version_by_m']} (times: "
+                  f"{ {f'{k} m={m} {v}': round(t * 1e6) for (k, m, v), t in BEST_BY_VERSION.items()} } us)")
     write_table(table, pathlib.Path(args.out))
     print(f"wrote {len(table['configs'])} rows to {args.out}")
 
