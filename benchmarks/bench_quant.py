@@ -11,7 +11,8 @@ Two models, each in its quantized format and in bf16, at T in {1, 16, 64, 256, 1
 Paths (all CuPy kernels of this repository):
     fp8    quant(x) -> GEMM1 fp8 -> quant(act) -> GEMM2 fp8 (* router weight): quant_act +
            quant_gemm v2 (mma.sync e4m3, per-block scaling in the main loop)
-    int4   GEMM1 int4 -> GEMM2 int4 (quant_gemm v2: dequantized in registers, mma.sync bf16)
+    int4   GEMM1 int4 -> GEMM2 int4 (quant_gemm: v3 weight streaming up to 24 rows per
+           expert, v2 tiles above; dequantized in registers, mma.sync bf16)
     bf16   GEMM1 -> GEMM2 (cuda_kernels.cupy.grouped_gemm, its default version and configs)
 The activation between the GEMMs is not in any path (not a quantization stage): GEMM2 reads a
 pre-drawn [P, I] activation. Alignment runs on the host (reference) once per routing.
@@ -216,7 +217,7 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True):
             continue
         P = T * K
         rows_per_expert = P / E
-        Bq = 16 if rows_per_expert <= 16 else 64
+        Bq = QG.block_size_for(fmt, rows_per_expert)      # the kernels' config table by M
         routings = [draw_routing(rng, T, E, K) for _ in range(ROUTINGS)]
         touched = float(np.mean([len(np.unique(ids)) for ids, _ in routings]))
         flops = 2.0 * P * (2 * I * H + H * I)

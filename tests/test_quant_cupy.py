@@ -61,7 +61,15 @@ def test_launchers_import_and_register_cases():
     assert {"quant_act.cu", "quant_gemm.cu"} <= files
     names = {n for c in C.COMPILE_CASES if c.cu_name == "quant_gemm.cu"
              for n in (c.name_expressions or ())}
-    assert set(QG.V1_NAMES) | set(QG.W8A8_V2_NAMES) | set(QG.WNA16_V2_NAMES) <= names
+    assert set(QG.V1_NAMES) | set(QG.W8A8_V2_NAMES) | set(QG.WNA16_V2_NAMES) | \
+        set(QG.WNA16_V3_NAMES) <= names
+
+
+def test_config_tables_choose_by_rows_per_expert():
+    assert QG.block_size_for("int4", 0.25) == 16 and QG.block_size_for("int4", 16) == 32
+    assert QG.block_size_for("int4", 100) == 64 and QG.block_size_for("fp8", 2) == 16
+    for cfg in QG.WNA16_V3_CONFIGS.values():
+        assert QG.v3_smem_bytes(cfg) <= 48 * 1024 and cfg["BM"] % 8 == 0
 
 
 def test_smem_fits_an_h200_cta():
@@ -186,6 +194,7 @@ GEMM_FORMATS = [
     ("int4_g128",    dict(use_int4_w4a16=True),                        128,       "wna16"),
     ("int4_g32_zp",  dict(use_int4_w4a16=True),                        32,        "wna16"),
     ("int4_channel", dict(use_int4_w4a16=True),                        0,         "wna16"),
+    ("int4_g256_zp", dict(use_int4_w4a16=True),                        256,       "wna16"),
     ("uint8_g64_zp", dict(use_int8_w8a16=True),                        64,        "wna16"),
     ("int8_g128",    dict(use_int8_w8a16=True),                        -128,      "wna16"),
 ]
@@ -219,8 +228,13 @@ def quantized_operands(rng, wfmt, flags, M_a, E, N, Kd):
     return aq, as_, wq, ws, None
 
 
+def _v3_runs(flags, wfmt, Kd, B):
+    gs = Kd if wfmt == 0 else math.gcd(abs(wfmt), Kd) if isinstance(wfmt, int) else 0
+    return bool(flags.get("use_int4_w4a16")) and Kd % 128 == 0 and gs % 128 == 0 and B % 16 == 0
+
+
 def _skip_fp8_below_sm89(flags, version):
-    if flags.get("use_fp8_w8a8") and version == "v2":
+    if flags.get("use_fp8_w8a8") and version in ("v2", None):
         import cupy
         if int(cupy.cuda.Device().compute_capability) < 89:
             pytest.skip("fp8 tensor cores need sm_89+")
@@ -228,11 +242,13 @@ def _skip_fp8_below_sm89(flags, version):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,flags,wfmt,tol", GEMM_FORMATS, ids=[f[0] for f in GEMM_FORMATS])
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", None])
 @pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_gemm_matches_reference(rng, name, flags, wfmt, tol, version, shape):
     _skip_fp8_below_sm89(flags, version)
     M_a, E, K, N, Kd, B = shape
+    if version == "v3" and not _v3_runs(flags, wfmt, Kd, B):
+        pytest.skip("v3 is int4 with Kdim and group_size multiples of 128, block_size % 16 == 0")
     aq, as_, wq, ws, wz = quantized_operands(rng, wfmt, flags, M_a, E, N, Kd)
     ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
     if E > 2:
@@ -286,6 +302,34 @@ def test_gemm_other_rank_rows_are_zero_and_fp16_output(rng, version):
     assert got.dtype == np.float16
     assert (got[np.isin(ids[:, 0], [1, 3])] == 0).all()
     assert rel_err(got, want) <= GEMM_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", sorted(QG.WNA16_V3_CONFIGS))
+def test_gemm_v3_fp16_other_rank_and_default_choice(rng, cfg):
+    """wna16 v3 with fp16 activations, experts on another rank (zeros), a crowded expert
+    (several m blocks), against the reference; and the table picks v3 for a decode batch."""
+    M_a, E, K, N, Kd = 21, 4, 2, 48, 512
+    B = QG.WNA16_V3_CONFIGS[cfg]["BM"]
+    a = rng.standard_normal((M_a, Kd)).astype(np.float16)
+    w = (rng.standard_normal((2, N, Kd)) * 0.05).astype(BF16)
+    wq, ws, wz = RQ.quantize_weight_wna16(w, 4, 128, zero_point=True)
+    emap = np.array([0, -1, 1, -1], dtype=np.int32)
+    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+    ids[:, 0] = 0                                      # expert 0 gets more than BM rows
+    st, ex, ntp = moe_align_block_size(ids, B, E, expert_map=emap)
+    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+    want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, w_scale=ws, w_zp=wz,
+                                 use_int4_w4a16=True)
+    out = poisoned((M_a * K, N), np.float16)
+    got = host(QG.grouped_gemm_quant(up(a), up(wq), up(st), up(ex), up(ntp), K, B, up(tw), True,
+                                     w_scale=up(ws), w_zp=up(wz), use_int4_w4a16=True,
+                                     version="v3", config=cfg, out=out))
+    assert got.dtype == np.float16
+    assert (got.reshape(M_a, K, N)[np.isin(ids, [1, 3])] == 0).all()
+    assert rel_err(got, want) <= GEMM_TOL
+    assert QG._pick_v3(2.0, 16, None, None, 4, Kd, 128, up(a), up(wq))[0] is not None
+    assert QG._pick_v3(100.0, 64, None, None, 4, Kd, 128, up(a), up(wq))[0] is None
 
 
 @pytest.mark.gpu
@@ -568,6 +612,27 @@ inline void qg_mma_k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b
         d[i] += s;
     }
 }
+// ---- wna16 v3: 16-byte register loads, byte permute, paired 16-bit subtraction
+inline void qg_ld16(uint32_t (&r)[4], const void* p) { memcpy(r, p, 16); }
+inline void qg_ld16_stream(uint32_t (&r)[4], const void* p) { memcpy(r, p, 16); }
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    unsigned char b[8]; memcpy(b, &x, 4); memcpy(b + 4, &y, 4);
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned)b[(s >> (4 * i)) & 7u] << (8 * i);
+    return r;
+}
+inline unsigned enc16(float f) {
+#if ELEM_BF16
+    return __float2bfloat16_rn(f).b;
+#else
+    return __float2half_rn(f).b;
+#endif
+}
+inline uint32_t qg_sub2(uint32_t x, uint32_t y) {
+    const float lo = dec16(x & 0xffffu) - dec16(y & 0xffffu);
+    const float hi = dec16(x >> 16) - dec16(y >> 16);
+    return enc16(lo) | (enc16(hi) << 16);
+}
 // ---- a launch: the blocks one after another, a std::thread per CUDA thread
 template <typename F> void launch(unsigned gx, unsigned gy, unsigned block, F body) {
     gridDim.x = gx; gridDim.y = gy; blockDim.x = block;
@@ -614,7 +679,8 @@ def _build_emulated(tmp, cu, defines, entry, name):
 
 def _gemm_entries():
     """One C entry k<i> per kernel name the launcher can pick (bf16 elements)."""
-    names = list(QG.V1_NAMES) + list(QG.W8A8_V2_NAMES) + list(QG.WNA16_V2_NAMES)
+    names = list(QG.V1_NAMES) + list(QG.W8A8_V2_NAMES) + list(QG.WNA16_V2_NAMES) + \
+        list(QG.WNA16_V3_NAMES)
     out = []
     for i, n in enumerate(names):
         if n.startswith("w8a8"):
@@ -764,10 +830,18 @@ def emulated_gemm(emu, version, cfg_name, aq, as_, wq, ws, wz, st, ex, ntp, top_
         a_, table = np.ascontiguousarray(aq).view(np.uint16), QG.WNA16_CONFIGS
         if version == "v2":
             assert QG.wna16_group_ok(K // G, G, table[cfg_name]["BK"])
+        if version == "v3":
+            table = QG.WNA16_V3_CONFIGS
+            assert nbits == 4 and K % 128 == 0 and (K // G) % 128 == 0
         name = (f"wna16_gemm_v1<{nbits}>" if version == "v1"
+                else QG._v3_name(table[cfg_name]) if version == "v3"
                 else QG._wna16_name(nbits, table[cfg_name]))
     if version == "v1":
         grid, block = (L, -(-N // 128)), 128
+    elif version == "v3":
+        cfg = table[cfg_name]
+        assert B % cfg["BM"] == 0
+        grid, block = (-(-L // cfg["BM"]), -(-N // 16)), cfg["WARPS"] * 32
     else:
         cfg = table[cfg_name]
         assert B % cfg["BM"] == 0
@@ -797,6 +871,11 @@ EMU_GEMM_CASES = [
     ("int4_g32_zp",  "v2", "m64", (40, 3, 2, 136, 256, 64)),
     ("uint8_g64_zp", "v2", "m16", (5, 4, 2, 72, 320, 16)),
     ("int8_g128",    "v2", "m64", (40, 3, 2, 136, 256, 64)),   # signed int8 codes
+    # v3 (decode): N not a multiple of 16, a K-step count not a multiple of WARPS * U, live
+    # tiles next to padding-only ones, zero points, one group per row
+    ("int4_g128",    "v3", "gemv16", (3, 4, 2, 40, 384, 16)),
+    ("int4_g256_zp", "v3", "gemv32", (14, 3, 2, 24, 1280, 32)),
+    ("int4_channel", "v3", "gemv16", (6, 2, 1, 16, 256, 16)),
 ]
 
 

@@ -40,7 +40,7 @@ import numpy as np
 from . import _compile as C
 
 CU = "quant_gemm.cu"
-VERSIONS = ("v1", "v2")
+VERSIONS = ("v1", "v2", "v3")
 KBLOCK = 128                      # the K width of a DeepSeek-V3 quantization block
 QT = {"fp8": 0, "int8": 1}
 ELEMS = {"bf16": 1, "fp16": 0}    # ELEM_BF16 define
@@ -60,6 +60,19 @@ WNA16_CONFIGS = {
     "m16": dict(BM=16, BN=64, BK=128, WARPS_M=1, WARPS_N=4, STAGES=8),
     "m64": dict(BM=64, BN=128, BK=64, WARPS_M=1, WARPS_N=4, STAGES=4),
 }
+# wna16 v3 (decode: weight streaming, int4 only): BM = 8 * MT activation rows per CTA (MT
+# tiles of 8 tokens, the mma's n), 16 weight rows per CTA, WARPS warps splitting K, U 128-K
+# steps of weight loads in flight per thread, MINB CTAs per SM (caps registers at
+# 65536 / (MINB * WARPS * 32): gemv32 at 128 spills a few words of its activation tiles).
+WNA16_V3_CONFIGS = {
+    "gemv16": dict(BM=16, WARPS=8, U=4, MINB=2),
+    "gemv32": dict(BM=32, WARPS=8, U=3, MINB=2),
+}
+# The weight-only rung by rows per expert (P / E): decode batches stream the weights (v3),
+# up to MAX rows; above, tensor-core tiles that reuse each weight tile across rows (v2).
+# The first entry whose rows cover the batch and whose BM divides block_size wins.
+WNA16_BY_ROWS = ((8, "gemv16"), (24, "gemv32"), (24, "gemv16"))
+V3_KSTEP = 128                    # v3's K step: 32 codes per thread, one scale per step
 W8A8_ROW = KBLOCK + 16            # padded shared row, bytes (see quant_gemm.cu)
 
 
@@ -85,6 +98,25 @@ def _w8a8_name(qt: str, cfg: dict) -> str:
             f"{cfg['WARPS_N']}, {cfg['STAGES']}>")
 
 
+def _v3_name(cfg: dict) -> str:
+    return f"wna16_gemv_v3<{cfg['BM'] // 8}, {cfg['WARPS']}, {cfg['U']}, {cfg['MINB']}>"
+
+
+def v3_smem_bytes(cfg: dict) -> int:
+    """The warps' partial sums [WARPS][BM][16] fp32, then slot and row ids."""
+    return cfg["WARPS"] * cfg["BM"] * 16 * 4 + 2 * cfg["BM"] * 4
+
+
+def block_size_for(fmt: str, rows_per_expert: float) -> int:
+    """The alignment block_size that lets the config tables pick their best rung for a batch
+    of `rows_per_expert` = P / E rows ("fp8" / "int8" / "int4" / "w8a16")."""
+    if fmt == "int4":
+        for rows, name in WNA16_BY_ROWS:
+            if rows_per_expert <= rows:
+                return max(16, WNA16_V3_CONFIGS[name]["BM"])
+    return 16 if rows_per_expert <= 16 else 64
+
+
 def _wna16_name(nbits: int, cfg: dict) -> str:
     return (f"wna16_gemm_v2<{nbits}, {cfg['BM']}, {cfg['BN']}, {cfg['BK']}, "
             f"{cfg['WARPS_M']}, {cfg['WARPS_N']}, {cfg['STAGES']}>")
@@ -101,12 +133,13 @@ def wna16_group_ok(group_size: int, num_groups: int, bk: int) -> bool:
 V1_NAMES = ("w8a8_gemm_v1<0>", "w8a8_gemm_v1<1>", "wna16_gemm_v1<4>", "wna16_gemm_v1<8>")
 W8A8_V2_NAMES = tuple(_w8a8_name(q, c) for c in W8A8_CONFIGS.values() for q in QT)
 WNA16_V2_NAMES = tuple(_wna16_name(b, c) for c in WNA16_CONFIGS.values() for b in (4, 8))
+WNA16_V3_NAMES = tuple(_v3_name(c) for c in WNA16_V3_CONFIGS.values())
 
 # Every instantiation the launcher can pick, for the CPU compile checks (one case per family
 # and element type: NVRTC compiles a case's names in one pass). fp8 mma needs sm_89: on sm_80
 # those bodies compile to a trap and the launcher never picks them there.
 for _ek, _ev in ELEMS.items():
-    for _names in (V1_NAMES, W8A8_V2_NAMES, WNA16_V2_NAMES):
+    for _names in (V1_NAMES, W8A8_V2_NAMES, WNA16_V2_NAMES, WNA16_V3_NAMES):
         C.register_compile_case(CU, {"ELEM_BF16": _ev}, _names)
 
 
@@ -132,6 +165,39 @@ def _pick(table: dict, rows_per_expert: float, block_size: int, config=None):
         return None
     small = [c for c in fits if c["BM"] >= min(rows_per_expert, 64)]
     return min(small, key=lambda c: c["BM"]) if small else max(fits, key=lambda c: c["BM"])
+
+
+def _is_v3_config(config) -> bool:
+    return (isinstance(config, str) and config in WNA16_V3_CONFIGS) or \
+        (isinstance(config, dict) and "WARPS" in config)
+
+
+def _pick_v3(rows_per_expert, block_size, config, version, nbits, K, group_size, a, w):
+    """(config, None) when wna16 v3 should run, else (None, why not). v3 runs by default when
+    the rows per expert are a decode batch (WNA16_BY_ROWS), or when asked by `version` /
+    a config name of WNA16_V3_CONFIGS; it needs int4, Kdim and group_size multiples of 128,
+    16-byte aligned operands and BM dividing block_size."""
+    if version not in (None, "v3") or (config is not None and not _is_v3_config(config)):
+        return None, "another version or config was asked for"
+    if nbits != 4:
+        return None, "v3 streams int4 codes only (int8 weight-only runs v2)"
+    if K % V3_KSTEP or group_size % V3_KSTEP:
+        return None, (f"v3 needs Kdim and group_size multiples of {V3_KSTEP}, got {K} and "
+                      f"{group_size}")
+    if not _aligned(a, w):
+        return None, "v3 loads 16-byte chunks: a and w must be 16-byte aligned"
+    if config is not None:
+        cfg = WNA16_V3_CONFIGS[config] if isinstance(config, str) else config
+        if block_size % cfg["BM"]:
+            raise ValueError(f"config: tile rows BM={cfg['BM']} must divide block_size "
+                             f"{block_size}")
+        return cfg, None
+    for rows, name in WNA16_BY_ROWS:
+        cfg = WNA16_V3_CONFIGS[name]
+        if (rows_per_expert <= rows or version == "v3") and block_size % cfg["BM"] == 0:
+            return cfg, None
+    return None, (f"{rows_per_expert:.1f} rows per expert is not a decode batch, or no v3 tile "
+                  f"divides block_size {block_size}")
 
 
 # ----------------------------------------------------------------------------- checks
@@ -355,7 +421,14 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         elif fmt == "fp8" and cc < 89:
             why = f"fp8 tensor cores need sm_89+, this device is sm_{cc}"
     else:
-        cfg = _pick(WNA16_CONFIGS, rows_per_expert, block_size, config)
+        v3cfg, v3why = _pick_v3(rows_per_expert, block_size, config, version, nbits, K,
+                                group_size, a, w)
+        if v3cfg is not None and version in (None, "v3"):
+            version = "v3"
+        elif version == "v3":
+            raise ValueError(f"version: v3 cannot run this problem: {v3why}")
+        cfg = _pick(WNA16_CONFIGS, rows_per_expert, block_size,
+                    None if version == "v3" or _is_v3_config(config) else config)
         if cfg is None:
             why = f"v2 tiles need block_size a multiple of 16, got {block_size}"
         elif K % 32 or not _aligned(a, w):
@@ -364,6 +437,9 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         elif not wna16_group_ok(group_size, G, cfg["BK"]):
             why = (f"v2 holds 1, 2 or 4 groups per K tile of {cfg['BK']}: group_size "
                    f"{group_size} does not nest with it")
+    if version == "v3" and w8a8:
+        raise ValueError("version: v3 is the weight-only decode rung (use_int4_w4a16); w8a8 "
+                         "runs v1 or v2")
     if version is None:
         version = "v1" if why else "v2"
     elif version == "v2" and why:
@@ -377,6 +453,12 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         else:
             name = f"wna16_gemm_v1<{nbits}>"
         kern = _kernel(name, V1_NAMES, elem, 0)
+    elif version == "v3":
+        name = _v3_name(v3cfg)
+        smem = v3_smem_bytes(v3cfg)
+        kern = _kernel(name, WNA16_V3_NAMES if name in WNA16_V3_NAMES else (name,), elem, smem)
+        grid = (C.cdiv(L, v3cfg["BM"]), C.cdiv(N, 16))
+        block = (v3cfg["WARPS"] * 32,)
     elif w8a8:
         name = _w8a8_name(fmt, cfg)
         smem = w8a8_smem_bytes(cfg)
