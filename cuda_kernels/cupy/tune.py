@@ -65,10 +65,12 @@ V4_CANDIDATES = [
     (128, 64, 64, 4, 4), (128, 128, 32, 4, 4), (128, 128, 64, 4, 3), (128, 128, 32, 8, 4),
     (128, 256, 32, 8, 3),
 ]
-# v5 candidates (wgmma, opt-in): BLOCK_M 64 (one warpgroup) or 128 (two), warps = BLOCK_M / 16
+# v5 candidates (wgmma): BLOCK_M 64 (one warpgroup) or 128 (two), warps = BLOCK_M / 16;
+# BLOCK_K 32 or 64 (64- or 128-byte swizzle) with rings deep enough that STAGES - 2 tiles of
+# copies cover the latency
 V5_CANDIDATES = [
-    (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 4, 3), (64, 256, 32, 4, 4),
-    (128, 128, 64, 8, 4), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4), (128, 64, 64, 8, 4),
+    (64, 64, 64, 4, 6), (64, 128, 32, 4, 8), (64, 128, 64, 4, 4), (64, 256, 32, 4, 6),
+    (128, 128, 64, 8, 6), (128, 128, 32, 8, 8), (128, 256, 32, 8, 8), (128, 256, 64, 8, 4),
 ]
 CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES}
 BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128)}
