@@ -810,6 +810,7 @@ def emulated_gemm(emu, version, cfg_name, aq, as_, wq, ws, wz, st, ex, ntp, top_
     M_a, K = aq.shape
     N = wq.shape[1]
     P, L = M_a * top_k, st.size
+    Lg = min(L, P * B)                                  # the launcher's grid bound
     c = np.full((P, N), 0x7FC0, np.uint16)             # poisoned: bf16 NaN
     i = [0, 0, 0, 0]
     if fmt in ("fp8", "int8"):
@@ -837,15 +838,15 @@ def emulated_gemm(emu, version, cfg_name, aq, as_, wq, ws, wz, st, ex, ntp, top_
                 else QG._v3_name(table[cfg_name]) if version == "v3"
                 else QG._wna16_name(nbits, table[cfg_name]))
     if version == "v1":
-        grid, block = (L, -(-N // 128)), 128
+        grid, block = (Lg, -(-N // 128)), 128
     elif version == "v3":
         cfg = table[cfg_name]
         assert B % cfg["BM"] == 0
-        grid, block = (-(-L // cfg["BM"]), -(-N // 16)), cfg["WARPS"] * 32
+        grid, block = (-(-Lg // cfg["BM"]), -(-N // 16)), cfg["WARPS"] * 32
     else:
         cfg = table[cfg_name]
         assert B % cfg["BM"] == 0
-        grid = (-(-L // cfg["BM"]), -(-N // cfg["BN"]))
+        grid = (-(-Lg // cfg["BM"]), -(-N // cfg["BN"]))
         block = cfg["WARPS_M"] * cfg["WARPS_N"] * 32
     twf = None if tw is None else np.ascontiguousarray(tw, np.float32).ravel()
     getattr(lib, f"k{names.index(name)}")(

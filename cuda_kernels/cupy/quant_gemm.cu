@@ -22,25 +22,32 @@
 //
 // The ladder (all kept; the launcher picks the best that applies):
 //   w8a8_gemm_v1<QT>     CUDA cores, one thread per output, codes converted to fp32 (int8:
-//                        exact int32 dot per K block). grid (L, cdiv(N, 128)), block 128.
+//                        exact int32 dot per K block). grid (Lg, cdiv(N, 128)), block 128.
 //   w8a8_gemm_v2<QT, BM, BN, WARPS_M, WARPS_N, STAGES>
 //                        tensor cores: mma.sync m16n8k32 e4m3 x e4m3 -> f32 (sm_89+) or
 //                        s8 x s8 -> s32 (sm_80+), 128-wide K tiles through a cp.async ring of
 //                        STAGES buffers, fragments read from padded shared rows (no ldmatrix:
 //                        8-bit fragments are 4 consecutive k bytes, one 32-bit load).
-//                        grid (cdiv(L, BM), cdiv(N, BN)), block WARPS_M * WARPS_N * 32,
+//                        grid (cdiv(Lg, BM), cdiv(N, BN)), block WARPS_M * WARPS_N * 32,
 //                        dynamic smem = STAGES * ((BM + BN) * 144 + BM * 4)
 //                                       + 16 * cdiv(STAGES * 4, 16) + BM * 8.
 //   wna16_gemm_v1<NBITS> CUDA cores, one thread per output, codes dequantized to fp32.
-//                        grid (L, cdiv(N, 128)), block 128.
+//                        grid (Lg, cdiv(N, 128)), block 128.
 //   wna16_gemm_v2<NBITS, BM, BN, BK, WARPS_M, WARPS_N, STAGES>
 //                        tensor cores: mma.sync m16n8k16 bf16/f16 -> f32; activations and raw
 //                        weight bytes through a cp.async ring; each thread dequantizes its own
 //                        B fragment in registers, (q - zp) * s in fp32 (q - zp exact via the
 //                        2^23 magic number), rounded to elem_t; 1, 2 or 4 groups per K
 //                        tile (group_size >= BK / 4).
-//                        grid (cdiv(L, BM), cdiv(N, BN)), block WARPS_M * WARPS_N * 32,
+//                        grid (cdiv(Lg, BM), cdiv(N, BN)), block WARPS_M * WARPS_N * 32,
 //                        dynamic smem = STAGES * (BM * (2 BK + 16) + BN * WROW) + BM * 8.
+//   wna16_gemv_v3<MT, WARPS, U, MINB>
+//                        decode (a few rows per expert, int4): weights are the mma's A operand,
+//                        16 rows per CTA streamed straight into registers (16-byte loads, U
+//                        K steps in flight per thread), activations (8 * MT rows) its B, K split
+//                        over the warps and reduced in order; see its comment below.
+//                        grid (cdiv(Lg, 8 MT), cdiv(N, 16)), block WARPS * 32.
+// Lg = min(L, P * block_size): no live position lies past it (num_tokens_post_padded <= P * B).
 // Grid order: blockIdx.x walks the m tiles (fastest), so the CTAs that run together share an
 // n tile of each expert's weights, which are then read from HBM about once.
 //
@@ -166,11 +173,11 @@ __device__ __forceinline__ void qg_mma_k16(float (&d)[4], const u32 (&a)[4], con
 // 16 bytes global -> 4 registers through the read-only path. _stream: weights, read once,
 // kept out of L1 (L1::no_allocate) so that the activations every warp re-reads stay there.
 __device__ __forceinline__ void qg_ld16_stream(u32 (&r)[4], const void* p) {
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
 }
 __device__ __forceinline__ void qg_ld16(u32 (&r)[4], const void* p) {
-    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+    asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
 }
 // x - y on two 16-bit floats per register (elem_t), round to nearest
@@ -726,7 +733,7 @@ wna16_gemm_v2(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __
 // Thread (g = lane / 4, t = lane % 4) of a warp: in step c it reads bytes 64c + 16t .. +15 of
 // weight rows n0 + g and n0 + g + 8 (k = 128c + 32t .. + 31) and the same 32 k of activation
 // rows 8j + g of each tile j.
-// grid (cdiv(L, BM), cdiv(N, 16)), block WARPS * 32, dynamic smem = WARPS * BM * 16 * 4 + BM * 8.
+// grid (cdiv(Lg, BM), cdiv(N, 16)), block WARPS * 32, dynamic smem = WARPS * BM * 16 * 4 + BM * 8.
 // Needs NBITS = 4, Kdim % 128 == 0, group_size % 128 == 0 (the launcher checks).
 template <int MT, int WARPS, int U, int MINB>
 __global__ void __launch_bounds__(WARPS * 32, MINB)   // MINB CTAs per SM: caps the registers

@@ -27,8 +27,17 @@ The ladder (`version=`; default: the best that applies):
     v2  tensor cores: w8a8 mma.sync m16n8k32 e4m3 (sm_89+) / s8 (sm_80+), per-128-K-block
         scaling of the partial sums in registers; wna16 mma.sync m16n8k16 bf16/f16 with the
         weights dequantized in registers; cp.async rings of STAGES tiles.
-Tunables are data: W8A8_CONFIGS / WNA16_CONFIGS below, picked by rows per expert (tile rows BM
-must divide block_size; a tile of padding only exits at once).
+    v3  weight-only int4 decode (up to 24 rows per expert): weight streaming, 16 weight rows
+        per CTA straight from HBM into registers (the mma's A), K split over 8 warps, an
+        ordered reduction; group_size and Kdim multiples of 128.
+Tunables are data: W8A8_CONFIGS / WNA16_CONFIGS / WNA16_V3_CONFIGS below, picked by rows per
+expert P / E (WNA16_BY_ROWS for the weight-only rung; tile rows BM must divide block_size;
+block_size_for(fmt, rows) tells callers which block_size lets the table pick its best).
+
+Napkin math at decode (H200, 4.8 TB/s): Mixtral int4 T=1 reads 2 experts' w13 + w2 codes and
+scales, 2 * (58.7 + 29.4 + 5.5) MB = 187 MB -> 39 us; v3 spends about 5 instructions per
+weight byte (dequantization 2.75, the activation permute and mma the rest), about 60% of the
+SM issue slots at that bandwidth.
 
 Run as a script to validate both versions against the reference and time them:
     python -m cuda_kernels.cupy.quant_gemm [--quick]
@@ -445,9 +454,15 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     elif version == "v2" and why:
         raise ValueError(f"version: v2 cannot run this problem: {why}")
     elem = ELEMS[out_key]
+    # Positions the grid must cover: num_tokens_post_padded = sum_e ceil(c_e / B) * B <= P * B
+    # (each expert with c_e >= 1 slots pads fewer than c_e * (B - 1)), while L is sized for
+    # every expert getting a block (P + E (B - 1)). At decode that bound is much smaller:
+    # DeepSeek-V3 T=1 has L = 3848 but at most 128 live positions. CTAs past it would only
+    # read num_tokens_post_padded and exit, thousands of them per launch.
+    Lg = min(L, P * block_size)
 
     if version == "v1":
-        grid, block, smem = (L, C.cdiv(N, 128)), (128,), 0
+        grid, block, smem = (Lg, C.cdiv(N, 128)), (128,), 0
         if w8a8:
             name = f"w8a8_gemm_v1<{QT[fmt]}>"
         else:
@@ -457,19 +472,19 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         name = _v3_name(v3cfg)
         smem = v3_smem_bytes(v3cfg)
         kern = _kernel(name, WNA16_V3_NAMES if name in WNA16_V3_NAMES else (name,), elem, smem)
-        grid = (C.cdiv(L, v3cfg["BM"]), C.cdiv(N, 16))
+        grid = (C.cdiv(Lg, v3cfg["BM"]), C.cdiv(N, 16))
         block = (v3cfg["WARPS"] * 32,)
     elif w8a8:
         name = _w8a8_name(fmt, cfg)
         smem = w8a8_smem_bytes(cfg)
         kern = _kernel(name, W8A8_V2_NAMES if name in W8A8_V2_NAMES else (name,), elem, smem)
-        grid = (C.cdiv(L, cfg["BM"]), C.cdiv(N, cfg["BN"]))
+        grid = (C.cdiv(Lg, cfg["BM"]), C.cdiv(N, cfg["BN"]))
         block = (cfg["WARPS_M"] * cfg["WARPS_N"] * 32,)
     else:
         name = _wna16_name(nbits, cfg)
         smem = wna16_smem_bytes(cfg, nbits)
         kern = _kernel(name, WNA16_V2_NAMES if name in WNA16_V2_NAMES else (name,), elem, smem)
-        grid = (C.cdiv(L, cfg["BM"]), C.cdiv(N, cfg["BN"]))
+        grid = (C.cdiv(Lg, cfg["BM"]), C.cdiv(N, cfg["BN"]))
         block = (cfg["WARPS_M"] * cfg["WARPS_N"] * 32,)
     if grid[1] > 65535:
         raise ValueError(f"w: N = {N} needs {grid[1]} column tiles, over the grid's 65535")
