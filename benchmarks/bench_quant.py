@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import pathlib
 import sys
@@ -193,7 +194,6 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True):
     gg = None
     if with_bf16:
         try:
-            import importlib
             # the package binds the stage *function* over its submodule's name: ask for the
             # module itself (get_config lives there)
             gg = importlib.import_module("cuda_kernels.cupy.grouped_gemm")
