@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything, results under $OUT.
 #
-#   bash benchmarks/gpu_session.sh            # on nvidia-h200-x2 (two H200s)
+#   MOE_SANDBOX_COMMIT=<hash> bash benchmarks/gpu_session.sh [A|B]    # on nvidia-h200-x2
+#
+# A device call may run 10 minutes, so the work is two parts, called back to back (the
+# second finds the machine still warm):
+#   A  GPU 0: tests, then compute-sanitizer      GPU 1: GEMM tuner, stage and GEMM benchmarks
+#      then both GPUs: multi-GPU tests, EP check, EP benchmark
+#   B  GPU 0: notebooks in GPU mode               GPU 1: Numba and quantized benchmarks
 #
 # Two GPUs let the checks and the timings run side by side without disturbing each other:
 #   GPU 0: the GPU test suite (pytest -m gpu), then compute-sanitizer memcheck/racecheck on
@@ -26,11 +32,16 @@ say() { echo "== $* ($(date +%T))"; }
 # budget T: at most T seconds, and never past the call's budget (minus 150 s kept for the multi-GPU part)
 budget() { local left=$(( BUDGET - 150 - SECONDS )); (( left < 5 )) && left=5; echo $(( $1 < left ? $1 : left )); }
 
+device_info() {
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 -c "import cupy, numba, numpy, torch; print('cupy', cupy.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__)"
+  echo "commit ${MOE_SANDBOX_COMMIT:-unknown}"
+}
+
 checks() {   # GPU 0
   export CUDA_VISIBLE_DEVICES=0
   say "device"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
-  python3 -c "import cupy, numba, numpy, torch; print('cupy', cupy.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__)"
+  device_info
   say "GPU tests"
   timeout $(budget 300) python3 -m pytest -q --maxfail=40 --timeout 200 -m "gpu and not multigpu" \
     -p no:cacheprovider --junitxml="$OUT/junit_gpu.xml" tests 2>&1 | tail -n 80
@@ -48,6 +59,10 @@ checks() {   # GPU 0
     done
   done
   rm -f "$OUT/san.tmp"
+}
+
+notebooks() {   # GPU 0
+  export CUDA_VISIBLE_DEVICES=0
   say "notebooks (GPU mode)"
   mkdir -p notebooks/figures
   for nb in notebooks/[0-9]*.py; do
@@ -59,13 +74,23 @@ checks() {   # GPU 0
   rm -f "$OUT/nb.tmp"
 }
 
-benches() {  # GPU 1 (or 0)
+benches_a() {  # GPU 1 (or 0): tune the GEMM table, then time with it
   export CUDA_VISIBLE_DEVICES=$BENCH_GPU
-  for script in bench_cupy_stages bench_cupy_gemm bench_numba bench_quant; do
-    [ -f benchmarks/$script.py ] || continue
-    say "$script"
-    timeout $(budget 150) python3 benchmarks/$script.py 2>&1 | tail -n 70
-  done
+  say "GEMM tuner"
+  timeout $(budget 110) python3 -m cuda_kernels.cupy.tune --versions v4,v5 --budget-s 90 2>&1 | tail -n 30
+  cp cuda_kernels/cupy/gemm_configs.json "$OUT/gemm_configs.json"
+  say "bench_cupy_stages"
+  timeout $(budget 60) python3 benchmarks/bench_cupy_stages.py --budget-s 45 2>&1 | tail -n 70
+  say "bench_cupy_gemm"
+  timeout $(budget 190) python3 benchmarks/bench_cupy_gemm.py --versions v1,v2,v3,v4,v5 --budget-s 170 2>&1 | tail -n 75
+}
+
+benches_b() {  # GPU 1 (or 0)
+  export CUDA_VISIBLE_DEVICES=$BENCH_GPU
+  say "bench_numba"
+  timeout $(budget 170) python3 benchmarks/bench_numba.py --budget-s 150 2>&1 | tail -n 70
+  say "bench_quant"
+  timeout $(budget 170) python3 benchmarks/bench_quant.py --budget-s 150 2>&1 | tail -n 40
 }
 
 multi() {    # both GPUs
@@ -79,13 +104,26 @@ multi() {    # both GPUs
   timeout $(( BUDGET - SECONDS > 10 ? BUDGET - SECONDS : 10 )) python3 benchmarks/bench_ep.py --gpus 2 2>&1 | tail -n 50
 }
 
-if [ "$NGPU" -gt 1 ]; then
-  checks >"$OUT/log_checks.txt" 2>&1 &
-  benches >"$OUT/log_bench.txt" 2>&1 &
-  wait
-  multi >"$OUT/log_multi.txt" 2>&1
+part=${1:-A}
+if [ "$part" = A ]; then
+  if [ "$NGPU" -gt 1 ]; then
+    checks >"$OUT/log_checks.txt" 2>&1 &
+    benches_a >"$OUT/log_bench_a.txt" 2>&1 &
+    wait
+    multi >"$OUT/log_multi.txt" 2>&1
+  else
+    { checks; benches_a; } >"$OUT/log_checks.txt" 2>&1
+  fi
 else
-  { checks; benches; } >"$OUT/log_checks.txt" 2>&1
+  BUDGET=$(( BUDGET + 150 ))   # no multi-GPU part after B
+  { say "device"; device_info; } >"$OUT/log_device_b.txt" 2>&1
+  if [ "$NGPU" -gt 1 ]; then
+    notebooks >"$OUT/log_notebooks.txt" 2>&1 &
+    benches_b >"$OUT/log_bench_b.txt" 2>&1 &
+    wait
+  else
+    { notebooks; benches_b; } >"$OUT/log_notebooks.txt" 2>&1
+  fi
 fi
 tar czf "$OUT/results.tgz" benchmarks/results 2>/dev/null
 [ -d notebooks/figures ] && tar czf "$OUT/figures.tgz" notebooks/figures
