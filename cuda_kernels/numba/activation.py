@@ -16,11 +16,14 @@ The math (reference/activation.py), in fp32, rounded once to x's dtype:
                  out = (up + 1) * gate / (1 + exp(-alpha gate))
     no-mul (is_act_and_mul=False): silu, gelu, gelu_tanh, relu2 = max(x, 0)^2 elementwise
 
-One kernel, specialised at compile time on (activation, layout): `act_kernel(name, mode, NT)`,
-mode GATED (halves), INTERLEAVED (swigluoai) or ELEMENTWISE. Launch: block = NT threads over
-output columns, grid = (cdiv(N_out, NT), min(M, 65535)), rows strided by gridDim.y; no shared
-memory. Each thread reads its gate and up elements (coalesced across the warp: consecutive
-threads, consecutive columns) and writes one output.
+One kernel, specialised at compile time on (activation, layout, load width):
+`act_kernel(name, mode, NT, WORD)`, mode GATED (halves), INTERLEAVED (swigluoai) or
+ELEMENTWISE. Launch: block = NT threads over output columns, grid = (cdiv(C, NT),
+min(M, 65535)), rows strided by gridDim.y; no shared memory. A column is an 8-byte word of
+VEC outputs (two fp32 or four fp16 / bf16; x and out viewed as uint64) when the rows (and,
+gated, their halves) are whole words, else one element (swigluoai always: its gate and up
+alternate inside a word). Each thread reads its gate and up words (coalesced across the warp:
+consecutive threads, consecutive columns) and writes one.
 
 dtypes: fp32, fp16, bf16 (uint16 bits, converted by shifts in the kernel: _device.py).
 
@@ -33,11 +36,15 @@ import math
 import sys
 
 import numpy as np
-from numba import float32
+from numba import float32, uint64
 
 from . import _arrays as A
 from ._device import (
+    PACK,
     SIMULATOR,
+    UNPACK,
+    WORD_ELEMENTS,
+    WORD_OF,
     cast_out,
     cu,
     device_function,
@@ -47,6 +54,7 @@ from ._device import (
     kernel,
     tanh_f32,
     to_f32,
+    words,
 )
 
 CONFIGS = {"act": {"THREADS": 256}}
@@ -101,23 +109,45 @@ _FUNCS = {"silu": silu, "gelu": gelu, "gelu_tanh": gelu_tanh, "relu2": relu2}
 
 
 @functools.lru_cache(maxsize=None)
-def act_kernel(name: str, mode: int, NT: int):
-    """The activation kernel for one (function, layout): see the module docstring."""
+def act_kernel(name: str, mode: int, NT: int, WORD: str = ""):
+    """The activation kernel for one (function, layout, load width): see the module docstring.
+    WORD ("f32" | "f16" | "bf16", GATED and ELEMENTWISE only): x and out are uint64 views and
+    a thread computes the VEC outputs of one 8-byte word; "" computes one element."""
     f = _FUNCS.get(name, silu)   # swigluoai has its own two-argument form below
+    VEC = WORD_ELEMENTS[WORD] if WORD else 1
+    if WORD and mode == INTERLEAVED:
+        raise ValueError("WORD: the interleaved layout (swigluoai) reads single elements")
+    if WORD:
+        unpack, pack = UNPACK[WORD], PACK[WORD]
 
-    def act(x, out, M, N_out, alpha, limit):
-        """x [M, N] -> out [M, N_out]; N_out = N/2 (GATED, INTERLEAVED) or N (ELEMENTWISE)."""
+        @device_function
+        def one(x, out, r, c, C, alpha, limit):
+            g = x[r, c]
+            u = x[r, ix(c + C)] if mode == GATED else g
+            wd = uint64(0)
+            for v in range(VEC):
+                gv = f(unpack(g, v))
+                wd = pack(wd, v, gv * unpack(u, v) if mode == GATED else gv)
+            out[r, c] = wd
+    else:
+        @device_function
+        def one(x, out, r, c, C, alpha, limit):
+            if mode == GATED:
+                v = f(to_f32(x[r, c])) * to_f32(x[r, ix(c + C)])
+            elif mode == INTERLEAVED:
+                v = swiglu_oai(to_f32(x[r, ix(2 * c)]), to_f32(x[r, ix(2 * c + 1)]), alpha,
+                               limit)
+            else:
+                v = f(to_f32(x[r, c]))
+            out[r, c] = cast_out(out, v)
+
+    def act(x, out, M, C, alpha, limit):
+        """x [M, N] -> out [M, N_out], N_out = N/2 (GATED, INTERLEAVED) or N (ELEMENTWISE);
+        C = N_out in words (WORD) or elements."""
         for row in range(cu.blockIdx.y, M, cu.gridDim.y):
-            for c in range(cu.blockIdx.x * NT + cu.threadIdx.x, N_out, cu.gridDim.x * NT):
-                r, cc = ix(row), ix(c)   # unsigned: no negative-index wrap on every access
-                if mode == GATED:
-                    v = f(to_f32(x[r, cc])) * to_f32(x[r, ix(c + N_out)])
-                elif mode == INTERLEAVED:
-                    v = swiglu_oai(to_f32(x[r, ix(2 * c)]), to_f32(x[r, ix(2 * c + 1)]), alpha,
-                                   limit)
-                else:
-                    v = f(to_f32(x[r, cc]))
-                out[r, cc] = cast_out(out, v)
+            for c in range(cu.blockIdx.x * NT + cu.threadIdx.x, C, cu.gridDim.x * NT):
+                # unsigned: no negative-index wrap on every access
+                one(x, out, ix(row), ix(c), C, alpha, limit)
 
     return kernel(act)
 
@@ -133,9 +163,18 @@ def _run(x, name, mode, alpha=1.702, limit=7.0):
     if M and n_out:
         NT = config("act")["THREADS"]
         xd = call.dev("x", x)
-        grid = (A.cdiv(n_out, NT), min(M, MAX_GRID_Y))
-        act_kernel(name, mode, NT)[grid, NT](xd, out, M, n_out, np.float32(alpha),
-                                             np.float32(limit))
+        word, cols, views = "", n_out, None
+        if mode != INTERLEAVED:   # rows of whole words (and, gated, a word-aligned half)
+            views = words(xd, out)
+        if views is not None:
+            word = WORD_OF[np.dtype(xd.dtype)]
+            xd, out_k = views
+            cols = n_out // WORD_ELEMENTS[word]
+        else:
+            out_k = out
+        grid = (A.cdiv(cols, NT), min(M, MAX_GRID_Y))
+        act_kernel(name, mode, NT, word)[grid, NT](xd, out_k, M, cols, np.float32(alpha),
+                                                   np.float32(limit))
     return call.result(out)
 
 
@@ -192,11 +231,12 @@ def compile_cases():
 
     cases = []
     for name, mode in _MODES:
-        for dt in (t.float32, t.float16, t.uint16):
-            a = t.Array(dt, 2, "C")
-            kernel = act_kernel(name, mode, CONFIGS["act"]["THREADS"])
-            cases.append((f"act {name} mode={mode} {dt}", kernel,
-                          (a, a, t.int64, t.int64, t.float32, t.float32)))
+        for dt, word in ((t.float32, "f32"), (t.float16, "f16"), (t.uint16, "bf16")):
+            for wk in ((word, "") if mode != INTERLEAVED else ("",)):
+                a = t.Array(t.uint64 if wk else dt, 2, "C")
+                k = act_kernel(name, mode, CONFIGS["act"]["THREADS"], wk)
+                cases.append((f"act {name} mode={mode} {dt}" + (" words" if wk else ""), k,
+                              (a, a, t.int64, t.int64, t.float32, t.float32)))
     return cases
 
 

@@ -8,10 +8,12 @@ fp32 accumulation in slot order k = 0..K-1 (NumPy's order for this reduction, so
 match the reference bit for bit), rounded once to x's dtype (reference/experts.py). The router
 weights are already applied by GEMM2 (mul_routed_weight), as in vLLM.
 
-Kernel `moe_sum_kernel`: block = NT threads over h, grid = (cdiv(H, NT), min(T, 65535)), rows
-strided by gridDim.y, no shared memory. Each thread reads K elements H apart (every read
-coalesced across the warp) and writes one. K <= 32 is compiled in (one kernel per K), so the
-K loads are unrolled and in flight together.
+Kernel `moe_sum_kernel`: block = NT threads over columns, grid = (cdiv(C, NT), min(T, 65535)),
+rows strided by gridDim.y, no shared memory. A column is an 8-byte word of VEC elements (two
+fp32 or four fp16 / bf16: the arrays viewed as uint64) when the rows are whole words, else one
+element (C = H / VEC or H). Each thread reads K words H apart (every read coalesced across
+the warp) and writes one. K <= 32 is compiled in (one kernel per K), so the K loads are
+unrolled and in flight together: 8 K bytes per thread.
 
 dtypes: fp32, fp16, bf16 (uint16 bits, converted by shifts in the kernel: _device.py).
 
@@ -23,10 +25,23 @@ import functools
 import sys
 
 import numpy as np
-from numba import float32
+from numba import float32, uint64
 
 from . import _arrays as A
-from ._device import SIMULATOR, cast_out, cu, ix, kernel, to_f32
+from ._device import (
+    PACK,
+    SIMULATOR,
+    UNPACK,
+    WORD_ELEMENTS,
+    WORD_OF,
+    cast_out,
+    cu,
+    device_function,
+    ix,
+    kernel,
+    to_f32,
+    words,
+)
 
 CONFIGS = {"sum": {"THREADS": 256}}
 MAX_UNROLLED_K = 32   # K up to this is a compile-time constant (one kernel per K)
@@ -39,22 +54,50 @@ def config(name):
 
 
 @functools.lru_cache(maxsize=None)
-def moe_sum_kernel(NT: int, KC: int = 0):
-    """The combine kernel; KC > 0 fixes K at compile time, so the K loads of an output are
-    unrolled and in flight together (a runtime-K loop waits out each load's latency)."""
+def moe_sum_kernel(NT: int, KC: int = 0, WORD: str = ""):
+    """The combine kernel. KC > 0 fixes K at compile time, so the K loads of an output are
+    unrolled and in flight together (a runtime-K loop waits out each load's latency).
+    WORD ("f32" | "f16" | "bf16"): x and out are uint64 views and a thread sums VEC columns
+    at once from 8-byte loads; "" reads single elements."""
+    VEC = WORD_ELEMENTS[WORD] if WORD else 1
+    if WORD:
+        unpack, pack = UNPACK[WORD], PACK[WORD]
 
-    def moe_sum_rows(x, out, T, K, H):
-        """out[t, h] = sum_k x[t, k, h] in fp32, rounded once."""
+        @device_function
+        def add(acc, x, t, k, c):
+            wd = x[ix(t), ix(k), ix(c)]
+            for v in range(VEC):
+                acc[v] += unpack(wd, v)
+
+        @device_function
+        def store(out, t, c, acc):
+            wd = uint64(0)
+            for v in range(VEC):
+                wd = pack(wd, v, acc[v])
+            out[ix(t), ix(c)] = wd
+    else:
+        @device_function
+        def add(acc, x, t, k, c):
+            acc[0] += to_f32(x[ix(t), ix(k), ix(c)])
+
+        @device_function
+        def store(out, t, c, acc):
+            out[ix(t), ix(c)] = cast_out(out, acc[0])
+
+    def moe_sum_rows(x, out, T, K, C):
+        """out[t, c] = sum_k x[t, k, c] in fp32, rounded once (c: a column, or a word of VEC)."""
+        acc = cu.local.array(VEC, float32)
         for t in range(cu.blockIdx.y, T, cu.gridDim.y):
-            for h in range(cu.blockIdx.x * NT + cu.threadIdx.x, H, cu.gridDim.x * NT):
-                acc = float32(0.0)
+            for c in range(cu.blockIdx.x * NT + cu.threadIdx.x, C, cu.gridDim.x * NT):
+                for v in range(VEC):
+                    acc[v] = float32(0.0)
                 if KC > 0:
                     for k in range(KC):
-                        acc += to_f32(x[ix(t), k, ix(h)])
+                        add(acc, x, t, k, c)
                 else:
                     for k in range(K):
-                        acc += to_f32(x[ix(t), ix(k), ix(h)])
-                out[ix(t), ix(h)] = cast_out(out, acc)
+                        add(acc, x, t, k, c)
+                store(out, t, c, acc)
 
     return kernel(moe_sum_rows)
 
@@ -69,8 +112,15 @@ def moe_sum(x):
     if T and H:
         NT = config("sum")["THREADS"]
         xd = call.dev("x", x)
-        kernel = moe_sum_kernel(NT, K if K <= MAX_UNROLLED_K else 0)
-        kernel[(A.cdiv(H, NT), min(T, MAX_GRID_Y)), NT](xd, out, T, K, H)
+        word, cols, views = "", H, words(xd, out)
+        if views is not None:   # 8-byte loads: VEC columns per thread
+            word = WORD_OF[np.dtype(xd.dtype)]
+            xd, out_k = views
+            cols = H // WORD_ELEMENTS[word]
+        else:
+            out_k = out
+        kernel = moe_sum_kernel(NT, K if K <= MAX_UNROLLED_K else 0, word)
+        kernel[(A.cdiv(cols, NT), min(T, MAX_GRID_Y)), NT](xd, out_k, T, K, cols)
     return call.result(out)
 
 
@@ -78,9 +128,16 @@ def compile_cases():
     """(label, kernel, argument types) of every launch above, for the PTX checks (_ptx.py)."""
     from numba import types as t
 
-    return [(f"moe_sum K={kc or 'runtime'} {dt}", moe_sum_kernel(CONFIGS["sum"]["THREADS"], kc),
-             (t.Array(dt, 3, "C"), t.Array(dt, 2, "C"), t.int64, t.int64, t.int64))
-            for dt in (t.float32, t.float16, t.uint16) for kc in (8, 0)]
+    cases = []
+    for dt, word in ((t.float32, "f32"), (t.float16, "f16"), (t.uint16, "bf16")):
+        for kc in (8, 0):
+            for wk in (word, ""):
+                io = t.uint64 if wk else dt
+                cases.append((f"moe_sum K={kc or 'runtime'} {dt}" + (" words" if wk else ""),
+                              moe_sum_kernel(CONFIGS["sum"]["THREADS"], kc, wk),
+                              (t.Array(io, 3, "C"), t.Array(io, 2, "C"), t.int64, t.int64,
+                               t.int64)))
+    return cases
 
 
 def _main():

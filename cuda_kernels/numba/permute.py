@@ -28,8 +28,10 @@ words):
                                                expert_ids, padding, num_tokens_post_padded
     align_scatter   nb    NT     E + NT        stable rank -> sorted_token_ids / inv index
                                    (+ 2 W E)   (W = NT / 32 warps, "warp" ranks)
-    permute_rows    (cdiv(H, NT), min(P, 65535))  NT  -    x_grouped[inv[s]] = x[s // K]
-    unpermute_rows  (cdiv(H, NT), min(T, 65535))  NT  -    out[t] = sum_k w[t,k] y[inv[t*K+k]]
+    permute_rows    (cdiv(C, NT), min(P, 65535))  NT  -    x_grouped[inv[s]] = x[s // K]
+    unpermute_rows  (cdiv(C, NT), min(T, 65535))  NT  -    out[t] = sum_k w[t,k] y[inv[t*K+k]]
+    (C = the row in 8-byte words, read as uint64 views, when rows are whole words; else in
+    elements. permute_rows copies words; unpermute_rows takes VEC elements apart per word.)
 
 Histograms use shared-memory atomics; the prefix sum is a per-thread chunk sum plus a
 Hillis-Steele scan over NT partial sums; the stable rank processes NT slots per round: a
@@ -57,10 +59,24 @@ import functools
 import sys
 
 import numpy as np
-from numba import float32, int32, uint32
+from numba import float32, int32, uint32, uint64
 
 from . import _arrays as A
-from ._device import FULL_MASK, SIMULATOR, cast_out, cu, device_function, ix, kernel, to_f32
+from ._device import (
+    FULL_MASK,
+    PACK,
+    SIMULATOR,
+    UNPACK,
+    WORD_ELEMENTS,
+    WORD_OF,
+    cast_out,
+    cu,
+    device_function,
+    ix,
+    kernel,
+    to_f32,
+    words,
+)
 
 # Tunables are data. The simulator gets tiny blocks so that tests cover every path cheaply.
 CONFIGS = {
@@ -372,38 +388,67 @@ def _rank_words(rank, NT, E):
 
 
 @functools.lru_cache(maxsize=None)
-def row_kernels(NT, KC=0):
-    """(permute_rows, unpermute_rows) for NT threads per block; KC > 0 fixes unpermute's K
-    at compile time (its K gathers unrolled, in flight together)."""
+def row_kernels(NT, KC=0, WORD=""):
+    """(permute_rows, unpermute_rows) for NT threads per block. KC > 0 fixes unpermute's K at
+    compile time (its K gathers unrolled, in flight together). WORD ("f32" | "f16" | "bf16")
+    makes y / out uint64 views read 8 bytes (VEC elements) per load; permute_rows copies
+    whatever word size its arrays come in (uint64 views when rows are whole words)."""
+    VEC = WORD_ELEMENTS[WORD] if WORD else 1
+    if WORD:
+        unpack, pack = UNPACK[WORD], PACK[WORD]
 
-    def permute_rows(x, inv, K, x_grouped, P, H):
+        @device_function
+        def add(acc, y, r, c, wt):
+            wd = y[ix(r), ix(c)]
+            for v in range(VEC):
+                acc[v] += unpack(wd, v) * wt
+
+        @device_function
+        def store(out, t, c, acc):
+            wd = uint64(0)
+            for v in range(VEC):
+                wd = pack(wd, v, acc[v])
+            out[ix(t), ix(c)] = wd
+    else:
+        @device_function
+        def add(acc, y, r, c, wt):
+            acc[0] += to_f32(y[ix(r), ix(c)]) * wt
+
+        @device_function
+        def store(out, t, c, acc):
+            out[ix(t), ix(c)] = cast_out(out, acc[0])
+
+    def permute_rows(x, inv, K, x_grouped, P, C):
         """x_grouped[inv[s], :] = x[s // K, :]: a row per blockIdx.y, columns across threads."""
         for s in range(cu.blockIdx.y, P, cu.gridDim.y):
             dst = inv[ix(s)]
             if dst < 0 or dst >= P:   # a slot the alignment skipped (an id outside [0, E))
                 continue
             src = s // K
-            for h in range(cu.blockIdx.x * NT + cu.threadIdx.x, H, cu.gridDim.x * NT):
-                x_grouped[ix(dst), ix(h)] = x[ix(src), ix(h)]
+            for c in range(cu.blockIdx.x * NT + cu.threadIdx.x, C, cu.gridDim.x * NT):
+                x_grouped[ix(dst), ix(c)] = x[ix(src), ix(c)]
 
-    def unpermute_rows(y, w, inv, out, T, K, H):
-        """out[t, h] = sum_k w[t, k] * y[inv[t*K + k], h], fp32, rounded once.
-        An index outside [0, P) (a caller's bug; the reference raises) adds nothing."""
+    def unpermute_rows(y, w, inv, out, T, K, C):
+        """out[t, c] = sum_k w[t, k] * y[inv[t*K + k], c], fp32, rounded once (c: a column or
+        a word of VEC). An index outside [0, P) (a caller's bug; the reference raises) adds
+        nothing."""
         P = y.shape[0]
+        acc = cu.local.array(VEC, float32)
         for t in range(cu.blockIdx.y, T, cu.gridDim.y):
-            for h in range(cu.blockIdx.x * NT + cu.threadIdx.x, H, cu.gridDim.x * NT):
-                acc = float32(0.0)
+            for c in range(cu.blockIdx.x * NT + cu.threadIdx.x, C, cu.gridDim.x * NT):
+                for v in range(VEC):
+                    acc[v] = float32(0.0)
                 if KC > 0:
                     for k in range(KC):
                         r = inv[ix(t * KC + k)]
                         if r >= 0 and r < P:
-                            acc += to_f32(y[ix(r), ix(h)]) * to_f32(w[ix(t), k])
+                            add(acc, y, r, c, to_f32(w[ix(t), k]))
                 else:
                     for k in range(K):
                         r = inv[ix(t * K + k)]
                         if r >= 0 and r < P:
-                            acc += to_f32(y[ix(r), ix(h)]) * to_f32(w[ix(t), ix(k)])
-                out[ix(t), ix(h)] = cast_out(out, acc)
+                            add(acc, y, r, c, to_f32(w[ix(t), ix(k)]))
+                store(out, t, c, acc)
 
     return kernel(permute_rows), kernel(unpermute_rows)
 
@@ -511,7 +556,10 @@ def moe_permute(hidden_states, topk_ids, num_experts):
         NT = config("rows")["THREADS"]
         permute_rows, _ = row_kernels(NT)
         x = call.dev("hidden_states", hidden_states)
-        permute_rows[(A.cdiv(H, NT), min(P, MAX_GRID_Y)), NT](x, inv, K, x_grouped, P, H)
+        views = words(x, x_grouped)   # a copy: 8-byte words whatever the dtype, when rows allow
+        xs, xg = views if views is not None else (x, x_grouped)
+        cols = xs.shape[1]
+        permute_rows[(A.cdiv(cols, NT), min(P, MAX_GRID_Y)), NT](xs, inv, K, xg, P, cols)
     return call.result(x_grouped), call.result(offsets), call.result(inv)
 
 
@@ -533,11 +581,18 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
     out = call.empty((T, H), A.dtype_of(y_grouped))                         # [T, H]
     if T and H:
         NT = config("rows")["THREADS"]
-        _, unpermute_rows = row_kernels(NT, K if K <= MAX_UNROLLED_K else 0)
         y = call.dev("y_grouped", y_grouped)
         w = call.dev("topk_weights", topk_weights)
         inv = call.dev("inv_permuted_idx", inv_permuted_idx)
-        unpermute_rows[(A.cdiv(H, NT), min(T, MAX_GRID_Y)), NT](y, w, inv, out, T, K, H)
+        word, cols, views = "", H, words(y, out)
+        if views is not None:   # 8-byte loads: VEC columns per thread
+            word = WORD_OF[np.dtype(y.dtype)]
+            y, out_k = views
+            cols = H // WORD_ELEMENTS[word]
+        else:
+            out_k = out
+        _, unpermute_rows = row_kernels(NT, K if K <= MAX_UNROLLED_K else 0, word)
+        unpermute_rows[(A.cdiv(cols, NT), min(T, MAX_GRID_Y)), NT](y, w, inv, out_k, T, K, cols)
     return call.result(out)
 
 
@@ -568,14 +623,19 @@ def compile_cases():
         if rank == "warp":
             cases.append(("align_scan", scan,
                           (arr(i32, 2), i64, i64, i64, i64, v, i64, v, v, i64, i64, v, v, i64)))
-    for dt in (t.float32, t.float16, t.uint16):
+    nt = CONFIGS["rows"]["THREADS"]
+    permute_rows, _ = row_kernels(nt)
+    for dt in (t.float32, t.float16, t.uint16, t.uint64):   # uint64: rows copied as words
+        cases.append((f"permute_rows {dt}", permute_rows,
+                      (arr(dt, 2), v, i64, arr(dt, 2), i64, i64)))
+    for dt, word in ((t.float32, "f32"), (t.float16, "f16"), (t.uint16, "bf16")):
         for kc in (8, 0):
-            permute_rows, unpermute_rows = row_kernels(CONFIGS["rows"]["THREADS"], kc)
-            if kc:
-                cases.append((f"permute_rows {dt}", permute_rows,
-                              (arr(dt, 2), v, i64, arr(dt, 2), i64, i64)))
-            cases.append((f"unpermute_rows K={kc or 'runtime'} {dt}", unpermute_rows,
-                          (arr(dt, 2), arr(t.float32, 2), v, arr(dt, 2), i64, i64, i64)))
+            for wk in (word, ""):
+                _, unpermute_rows = row_kernels(nt, kc, wk)
+                io = t.uint64 if wk else dt
+                cases.append((f"unpermute_rows K={kc or 'runtime'} {dt}" + (" words" if wk else ""),
+                              unpermute_rows,
+                              (arr(io, 2), arr(t.float32, 2), v, arr(io, 2), i64, i64, i64)))
     return cases
 
 

@@ -37,7 +37,7 @@ def close(got, want, dtype, what):
 
 
 @pytest.mark.parametrize("dkey", DTYPES)
-@pytest.mark.parametrize("M,N", [(1, 2), (3, 10), (5, 36)])
+@pytest.mark.parametrize("M,N", [(1, 2), (3, 10), (2, 16), (5, 36)])   # (2, 16): 8-byte words
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "swigluoai"])
 def test_activation_and_mul(act, M, N, dkey):
     x = uniform(rng_for("act", act, M, N), (M, N), 9.0).astype(DTYPES[dkey])
@@ -48,9 +48,10 @@ def test_activation_and_mul(act, M, N, dkey):
 @pytest.mark.parametrize("dkey", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "relu2"])
 def test_activation_no_mul(act, dkey):
-    x = uniform(rng_for("nomul", act), (3, 7), 4.0).astype(DTYPES[dkey])
-    close(Ac.apply_activation(x, act, False), reference.apply_activation(x, act, False),
-          DTYPES[dkey], act)
+    for shape in ((3, 7), (2, 8)):   # single elements, then 8-byte words
+        x = uniform(rng_for("nomul", act, shape), shape, 4.0).astype(DTYPES[dkey])
+        close(Ac.apply_activation(x, act, False), reference.apply_activation(x, act, False),
+              DTYPES[dkey], act)
     close(Ac.apply_activation(x, act + "_no_mul"), reference.apply_activation(x, act, False),
           DTYPES[dkey], act + "_no_mul")
 
