@@ -178,7 +178,6 @@ def _view(x):
     return cuda().as_cuda_array(x, sync=False)
 
 
-
 class Call:
     """One stage call: its kind (taken from the main input), device views, fresh outputs.
 
