@@ -8,7 +8,9 @@ answers for it. Run in a process where numba is *not* in simulator mode.
 
     compile_cases()          [(label, dispatcher, argtypes)]: every kernel x dtype launched
     compile_case(d, types)   the PTX text for one
-    check_all(cc=(9, 0))     {label: None or the error}; `python -m cuda_kernels.numba._ptx`
+    check_all(cc=(9, 0), ptxas=None)   {label: None or the error}; with a ptxas, the v3 GEMM
+                             kernels must also show no stack frame and no spills
+    python -m cuda_kernels.numba._ptx [--ptxas PATH]
 """
 from __future__ import annotations
 
@@ -55,25 +57,64 @@ def compile_case(dispatcher, argtypes, cc=(9, 0)) -> str:
     return ptx
 
 
-def check_all(cc=(9, 0), verbose=False) -> dict:
+def ptxas_resources(ptx: str, ptxas: str, arch: str = "sm_90") -> str:
+    """ptxas -v's resource line(s) for a PTX text (registers, stack, spills)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        r = subprocess.run([ptxas, f"-arch={arch}", "-v", f.name, "-o", "/dev/null"],
+                           capture_output=True, text=True, check=False)
+    if r.returncode:
+        raise RuntimeError(f"ptxas failed: {r.stderr[-2000:]}")
+    return " | ".join(line.split("info    :")[-1].strip() for line in r.stderr.splitlines()
+                      if "registers" in line or "stack frame" in line)
+
+
+def check_all(cc=(9, 0), verbose=False, ptxas=None, ptxas_filter=" v3 ") -> dict:
+    """{label: None, or the error} over compile_cases(); with `ptxas` (a path), the kernels
+    whose label contains `ptxas_filter` also go through ptxas, and any stack frame or spill
+    counts as an error (their register tiles must stay in registers)."""
     results = {}
     for label, dispatcher, argtypes in compile_cases():
         t0 = time.perf_counter()
+        note = ""
         try:
-            compile_case(dispatcher, argtypes, cc)
+            ptx = compile_case(dispatcher, argtypes, cc)
             results[label] = None
+            if ptxas and ptxas_filter in label:
+                note = ptxas_resources(ptx, ptxas, f"sm_{cc[0]}{cc[1]}")
+                if "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" not in note:
+                    results[label] = f"local memory: {note}"
         except Exception as e:   # report every failure, not just the first
             results[label] = f"{type(e).__name__}: {e}"
         if verbose:
             status = "ok" if results[label] is None else "FAIL"
-            print(f"{status:4s} {label} ({time.perf_counter() - t0:.1f} s)", flush=True)
+            print(f"{status:4s} {label} ({time.perf_counter() - t0:.1f} s) {note}", flush=True)
     return results
 
 
-if __name__ == "__main__":
-    res = check_all(verbose=True)
+def main(argv=None) -> int:
+    import argparse
+    import shutil
+
+    ap = argparse.ArgumentParser(description="compile every Numba kernel to PTX, no GPU needed")
+    ap.add_argument("--ptxas", default=shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas",
+                    help="ptxas for the v3 register check ('' to skip)")
+    args = ap.parse_args(argv)
+    import os
+
+    ptxas = args.ptxas if args.ptxas and os.path.exists(args.ptxas) else None
+    res = check_all(verbose=True, ptxas=ptxas)
     bad = {k: v for k, v in res.items() if v}
     for k, v in bad.items():
         print(f"\n{k}:\n{v}")
-    print(f"{len(res) - len(bad)}/{len(res)} kernels compile for sm_90")
-    sys.exit(1 if bad else 0)
+    print(f"{len(res) - len(bad)}/{len(res)} kernels compile for sm_90"
+          + ("; v3 register tiles checked with ptxas" if ptxas else "; ptxas not found"))
+    return 1 if bad or not res else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
