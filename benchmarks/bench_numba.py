@@ -321,7 +321,9 @@ def stage_calls(pt, stage, ck):
 
 
 # ----------------------------------------------------------------------------- the run
-def run(models, tokens, stages, reps, budget_s, cupy_ok, log=print):
+def run(models, tokens, stages, reps, budget_s, cupy_ok, log=print, save=None):
+    """Every (model, T, stage, backend) point; `save(partial result)` after each (model, T),
+    so a run killed by an outer timeout still leaves its points on disk."""
     env = Env(cupy_ok)
     ck = importlib.import_module("cuda_kernels.cupy") if cupy_ok else None
     compile_s, points = {}, []
@@ -367,6 +369,9 @@ def run(models, tokens, stages, reps, budget_s, cupy_ok, log=print):
                     log(row(res))
             del pt
             env.free()
+            if save is not None:
+                save({"points": points, "compile_s": compile_s, "truncated": True,
+                      "elapsed_s": round(time.time() - t0, 1)})
         if truncated:
             break
     return {"points": points, "compile_s": compile_s, "truncated": truncated,
@@ -459,30 +464,36 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001
             cupy_ok, cupy_why = False, f"{type(e).__name__}: {e}"
     print(f"numba: {why}\ncupy: {'available' if cupy_ok else cupy_why}\n")
+    import numba
+
+    dev = A.cuda().get_current_device()
+    gpu = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    command = " ".join([pathlib.Path(sys.executable).name] + sys.argv)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M%S")
+    stem = f"bench_numba_{bench._slug(gpu)}_{stamp}"
+
+    def save(res):
+        lines, summary = verdicts(res["points"])
+        record = {"benchmark": "bench_numba", "card": {"gpu": gpu}, "dtype": "bfloat16",
+                  "numba": numba.__version__,
+                  "numba_cuda": importlib.metadata.version("numba-cuda"),
+                  "cupy_compared": cupy_ok, "cupy_reason": None if cupy_ok else cupy_why,
+                  "reps": args.reps, "method": "numba CUDA events on the default stream; new "
+                  "routing + L2 flush (128 MB) before every rep; device = sleeping kernel "
+                  "ahead of the call, eager = idle queue; first call timed alone (JIT compile)",
+                  "targets": summary, "target_lines": lines, **res}
+        return bench.write_results(record, pathlib.Path(args.out_dir), command=command,
+                                   stem=stem), lines
+
     print(header())
-    res = run(models, tokens, stages, args.reps, args.budget_s, cupy_ok)
-    lines, summary = verdicts(res["points"])
+    res = run(models, tokens, stages, args.reps, args.budget_s, cupy_ok, save=save)
+    path, lines = save(res)
     print("\nfirst call (JIT compile + launch), seconds:")
     for k, v in sorted(res["compile_s"].items()):
         print(f"  {k:24s} {v:8.3f}")
     print("\ntargets:")
     for line in lines or ["(no CuPy points to compare with)"]:
         print("  " + line)
-    import numba
-
-    dev = A.cuda().get_current_device()
-    gpu = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
-    record = {"benchmark": "bench_numba", "card": {"gpu": gpu}, "dtype": "bfloat16",
-              "numba": numba.__version__, "numba_cuda": importlib.metadata.version("numba-cuda"),
-              "cupy_compared": cupy_ok, "cupy_reason": None if cupy_ok else cupy_why,
-              "reps": args.reps, "method": "numba CUDA events on the default stream; new "
-              "routing + L2 flush (128 MB) before every rep; device = sleeping kernel ahead "
-              "of the call, eager = idle queue; first call timed alone (JIT compile)",
-              "targets": summary, "target_lines": lines, **res}
-    command = " ".join([pathlib.Path(sys.executable).name] + sys.argv)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M%S")
-    path = bench.write_results(record, pathlib.Path(args.out_dir), command=command,
-                               stem=f"bench_numba_{bench._slug(gpu)}_{stamp}")
     print(f"\nwrote {path} ({res['elapsed_s']} s)")
     return 0
 

@@ -51,11 +51,14 @@ import numpy as np
 
 import reference
 from cuda_kernels.cupy import _compile
-from sandbox import bench
+from sandbox import bench, get_backend
 
 # importlib: the package attribute `grouped_gemm` is the stage function, not the module
 cgg = importlib.import_module("cuda_kernels.cupy.grouped_gemm")     # the CuPy launcher
-ngg = importlib.import_module("cuda_kernels.numba.grouped_gemm")    # the Numba kernels
+numba_ok, numba_why = get_backend("numba").ok, get_backend("numba").reason
+ngg = importlib.import_module("cuda_kernels.numba.grouped_gemm") if numba_ok else None
+if not numba_ok:
+    print(f"the Numba rungs are skipped here: {numba_why}")
 
 preset = bench.PRESETS[MODEL]
 E, K, H, I = preset.num_experts, preset.top_k, preset.hidden_size, preset.intermediate_size
@@ -265,7 +268,7 @@ else:
 # %%
 rng = np.random.default_rng(0)
 rows = []
-if not RUN.gpu:
+if not RUN.gpu and ngg is not None:
     s = SIM_SHAPE
     a = rng.standard_normal((s["T"], s["Kd"]), dtype=np.float32)                   # [T, Kd]
     w = rng.standard_normal((s["E"], s["N"], s["Kd"]), dtype=np.float32)           # [E, N, Kd]
@@ -291,8 +294,6 @@ measured = []                       # (backend, version, T, ms, flops, bytes)
 if RUN.gpu:
     import cupy as cp
 
-    from sandbox import get_backend
-
     cupy_b, numba_b = get_backend("cupy"), get_backend("numba")
     dt = np.dtype(DTYPE)
     w_d = cgg.random_device((E, N, KD), dt, scale=KD ** -0.5)          # [E, N, Kd] on the GPU
@@ -308,7 +309,7 @@ if RUN.gpu:
             align_h = reference.moe_align_block_size(ids, 16, E)
             want = reference.grouped_gemm(cp.asnumpy(a_d), cp.asnumpy(w_d), *align_h, K, 16)
         for backend, mod, versions in (("cupy", cgg, CUPY_VERSIONS),
-                                       ("numba", ngg, NUMBA_VERSIONS)):
+                                       ("numba", ngg, NUMBA_VERSIONS if ngg else [])):
             ops = cupy_b if backend == "cupy" else numba_b
             for v in versions:
                 try:

@@ -35,7 +35,7 @@ import ml_dtypes
 import numpy as np
 
 from cuda_kernels.cupy import _compile
-from sandbox import bench
+from sandbox import bench, get_backend
 
 cgg = importlib.import_module("cuda_kernels.cupy.grouped_gemm")
 p = bench.PRESETS[MODEL]
@@ -96,10 +96,12 @@ workshop.show_table(["TM x TN", "threads / CTA", "shared reads / FMA", "register
 # `compute-sanitizer --tool racecheck` on a GPU) does.
 
 # %%
-from numba import cuda  # after setup(): the simulator is chosen when numba is imported
+if get_backend("numba").ok:
+    from numba import cuda  # after setup(): the simulator is chosen when numba is imported
 
 
 def make_reverse(with_barrier):
+
     @cuda.jit
     def reverse(x, y):
         s = cuda.shared.array(64, dtype=np.float32)
@@ -112,7 +114,7 @@ def make_reverse(with_barrier):
 
 
 x = np.arange(64, dtype=np.float32)
-for with_barrier in (True, False):
+for with_barrier in ((True, False) if get_backend("numba").ok else ()):
     y = np.zeros_like(x)
     make_reverse(with_barrier)[1, 64](x, y)
     print(f"barrier={with_barrier}: correct = {np.array_equal(y, x[::-1])}")
