@@ -311,8 +311,15 @@ if TIMING_TOKENS:
     workshop.show_table(["T"] + KERNELS, [(T, *(f"{times[n][i] * 1e3:.1f} µs" for n in KERNELS))
                                           for i, T in enumerate(TIMING_TOKENS)])
 else:
-    print("CPU mode: no timings (the simulator's speed says nothing about a GPU's). "
-          "benchmarks/bench_cupy_stages.py measures the stages on an H200.")
+    print("CPU mode: no timings here (the simulator's speed says nothing about a GPU's).")
+
+# %% [markdown]
+# The benchmarks measure the same stage more carefully on an H200 (the L2 flushed and the
+# routing re-drawn before every repetition; *device* time: the GPU's work only, without the
+# Python and launch overhead). Whatever is committed in `benchmarks/results/`:
+
+# %%
+workshop.plot_stage_times("route", "route_h200", "committed GPU timings of the route stage")
 
 # %% [markdown]
 # ## Exercises

@@ -316,7 +316,13 @@ if TIMING_TOKENS:
     ax.legend()
     workshop.show(fig, "align_times")
 else:
-    print("CPU mode: no timings. benchmarks/bench_cupy_stages.py measures align on an H200.")
+    print("CPU mode: no timings here (the simulator's speed says nothing about a GPU's).")
+
+# %% [markdown]
+# The committed H200 timings of the stage (L2 flushed, routing re-drawn, device time):
+
+# %%
+workshop.plot_stage_times("align", "align_h200", "committed GPU timings of moe_align_block_size")
 
 # %% [markdown]
 # ## Exercises

@@ -392,10 +392,48 @@ for path, pts in results:
 # %% [markdown]
 # How to read these plots: the dashed floor is `max(bytes / 4.8 TB/s, FLOPs / 989 TFLOP/s)`
 # for the experts each repetition touched; a fraction of 1.0 would be the roofline itself.
-# v1 and v2 fall off early (they are skipped where a call would take seconds); v3 holds
-# on at decode, where the weights must simply be streamed; v4 pulls ahead once the tensor
-# cores have work, at prefill.
-#
+# What to look for: how early v1 and v2 fall behind (they are skipped where one call would
+# take seconds); whether v3 keeps up at decode, where the weights need only be streamed;
+# from which `T` the tensor cores of v4 pull ahead; and where the torch peers stand.
+
+# %% [markdown]
+# `benchmarks/bench_numba.py` times each GEMM alone, every Numba rung beside CuPy's v3 and
+# v4 on the same inputs, as TFLOP/s (the dashed line: the roofline's ceiling for that
+# shape, with the experts a uniform routing touches):
+
+# %%
+gemm_pts = workshop.stage_points(("gemm1", "gemm2"))
+gemm_pts = [p for p in gemm_pts if p.get("tflops")]
+if not gemm_pts:
+    print("No committed bench_numba results with GEMM points yet: run "
+          "`python benchmarks/bench_numba.py` on a GPU.")
+else:
+    models = list(dict.fromkeys(p["model"] for p in gemm_pts))
+    fig, axes = plt.subplots(2, len(models), figsize=(4.8 * len(models), 7), squeeze=False)
+    for col, model in enumerate(models):
+        mp = bench.PRESETS.get(model)
+        for row, stage in enumerate(("gemm1", "gemm2")):
+            ax = axes[row][col]
+            q = [p for p in gemm_pts if p["model"] == model and p["stage"] == stage]
+            for label in dict.fromkeys(p["backend"] for p in q):
+                r = sorted((p for p in q if p["backend"] == label), key=lambda p: p["T"])
+                ax.plot([p["T"] for p in r], [p["tflops"] for p in r], marker="o",
+                        ls="-" if label.startswith("cupy") else "--", label=label)
+            if mp is not None and q:
+                n_, k_ = ((2 * mp.intermediate_size, mp.hidden_size) if stage == "gemm1"
+                          else (mp.hidden_size, mp.intermediate_size))
+                ts = sorted({p["T"] for p in q})
+                ceil = [min(PEAK_FLOPS, PEAK_BW * 2 * T * mp.top_k * n_ * k_ / (
+                    2 * expected_touched(T, mp.num_experts, mp.top_k) * n_ * k_)) / 1e12
+                    for T in ts]
+                ax.plot(ts, ceil, "k--", lw=1, label="roofline")
+            ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="TFLOP/s",
+                   title=f"{model} {stage}")
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    workshop.show(fig, "results_numba_gemm")
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. **Napkin math for v1.** For `MODEL`'s GEMM1 at `T = 1` (8 experts touched), how many

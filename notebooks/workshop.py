@@ -300,6 +300,56 @@ def load_results(prefix: str) -> list[tuple[pathlib.Path, dict]]:
     return out
 
 
+def stage_points(stages) -> list[dict]:
+    """The committed per-stage GPU timings of `stages` (a name or a tuple of names):
+    benchmarks/results/bench_cupy_stages_*.json (CuPy) and bench_numba_*.json (Numba, with
+    CuPy beside it in the same run). One dict per point: source (file name), model, T, stage,
+    backend ("cupy", "numba", or "numba-v3" / "cupy-v4" for GEMM rungs), device_us and
+    eager_us (medians), and flops / tflops / gbps when the benchmark recorded them."""
+    stages = (stages,) if isinstance(stages, str) else tuple(stages)
+    out = []
+    for prefix, default in (("bench_cupy_stages", "cupy"), ("bench_numba", None)):
+        for path, rec in load_results(prefix):
+            for p in rec.get("points", []):
+                if not isinstance(p, dict) or p.get("stage") not in stages:
+                    continue
+                dev = (p.get("device_us") or {}).get("median")
+                if dev is None:
+                    continue
+                out.append({"source": path.name, "model": p.get("model", "?"), "T": p.get("T"),
+                            "stage": p["stage"], "backend": p.get("backend", default),
+                            "device_us": dev, "eager_us": (p.get("eager_us") or {}).get("median"),
+                            "flops": p.get("flops"), "tflops": p.get("tflops"),
+                            "gbps": p.get("gbps")})
+    return out
+
+
+def plot_stage_times(stage: str, name: str, title: str):
+    """One panel per model: the committed device time of `stage` against T, one line per
+    (backend, results file). Prints why when there is nothing committed yet."""
+    import matplotlib.pyplot as plt
+
+    pts = stage_points(stage)
+    if not pts:
+        print(f"No committed GPU timings of '{stage}' in benchmarks/results/ yet: "
+              "benchmarks/bench_cupy_stages.py and benchmarks/bench_numba.py write them on a GPU.")
+        return
+    models = list(dict.fromkeys(p["model"] for p in pts))
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [p for p in pts if p["model"] == model]
+        for key in dict.fromkeys((p["backend"], p["source"]) for p in mine):
+            q = sorted((p for p in mine if (p["backend"], p["source"]) == key),
+                       key=lambda p: p["T"])
+            ax.plot([p["T"] for p in q], [p["device_us"] for p in q], marker="o",
+                    label=f"{key[0]} ({key[1][:28]})")
+        ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="µs (device, median)",
+               title=model)
+        ax.legend(fontsize=6)
+    fig.suptitle(title, y=1.03)
+    show(fig, name)
+
+
 # ----------------------------------------------------------------------------- cubins
 def cubin_resources(cubin: bytes) -> dict:
     """{kernel: {"registers", "static_shared_bytes", "code_bytes"}} read from a cubin (an ELF
