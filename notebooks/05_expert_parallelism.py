@@ -44,6 +44,7 @@ DEEPSEEK = dict(H=7168, K=8, E=256, bytes=2)     # the shape of the bandwidth na
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import FancyArrowPatch, Rectangle
+from matplotlib.ticker import NullFormatter
 
 import reference
 from reference import eplb
@@ -147,6 +148,7 @@ ax.plot(Ws, dedup / 2**20, marker="o", ls="--", label="(b) one row per destinati
 ax.set(xscale="log", yscale="log", xticks=Ws, xticklabels=Ws, xlabel="ranks W",
        ylabel="MiB per rank (dispatch + combine)",
        title=f"DeepSeek-V3 shape (H={H}, top-{K}, bf16), T={T} tokens per rank")
+ax.xaxis.set_minor_formatter(NullFormatter())      # the log axis: only the W ticks
 ax.legend(fontsize=8)
 workshop.show(fig, "bytes_per_scheme")
 
