@@ -18,8 +18,9 @@ The math (reference/activation.py), in fp32, rounded once to x's dtype:
 
 One kernel, specialised at compile time on (activation, layout, load width):
 `act_kernel(name, mode, NT, WORD)`, mode GATED (halves), INTERLEAVED (swigluoai) or
-ELEMENTWISE. Launch: block = NT threads over output columns, grid = (cdiv(C, NT),
-min(M, 65535)), rows strided by gridDim.y; no shared memory. A column is an 8-byte word of
+ELEMENTWISE. Launch: block = NT threads over output columns, grid = (cdiv(C, 4 NT),
+min(M, 65535)), rows strided by gridDim.y, 4 columns NT apart per thread and step (their
+loads issued first); no shared memory. A column is an 8-byte word of
 VEC outputs (two fp32 or four fp16 / bf16; x and out viewed as uint64) when the rows (and,
 gated, their halves) are whole words, else one element (swigluoai always: its gate and up
 alternate inside a word). Each thread reads its gate and up words (coalesced across the warp:
@@ -109,45 +110,68 @@ _FUNCS = {"silu": silu, "gelu": gelu, "gelu_tanh": gelu_tanh, "relu2": relu2}
 
 
 @functools.lru_cache(maxsize=None)
-def act_kernel(name: str, mode: int, NT: int, WORD: str = ""):
+def act_kernel(name: str, mode: int, NT: int, WORD: str = "", U: int = 4):
     """The activation kernel for one (function, layout, load width): see the module docstring.
     WORD ("f32" | "f16" | "bf16", GATED and ELEMENTWISE only): x and out are uint64 views and
-    a thread computes the VEC outputs of one 8-byte word; "" computes one element."""
+    a thread computes the VEC outputs of one 8-byte word; "" computes one element. Each
+    thread takes U columns NT apart per step and issues all their loads first."""
     f = _FUNCS.get(name, silu)   # swigluoai has its own two-argument form below
     VEC = WORD_ELEMENTS[WORD] if WORD else 1
     if WORD and mode == INTERLEAVED:
         raise ValueError("WORD: the interleaved layout (swigluoai) reads single elements")
+    REG = uint64 if WORD else float32
+
     if WORD:
         unpack, pack = UNPACK[WORD], PACK[WORD]
 
         @device_function
-        def one(x, out, r, c, C, alpha, limit):
-            g = x[r, c]
-            u = x[r, ix(c + C)] if mode == GATED else g
+        def load(x, r, c, C, gs, us, u):
+            gs[u] = x[r, c]
+            if mode == GATED:
+                us[u] = x[r, ix(c + C)]
+
+        @device_function
+        def finish(out, r, c, gs, us, u, alpha, limit):
             wd = uint64(0)
             for v in range(VEC):
-                gv = f(unpack(g, v))
-                wd = pack(wd, v, gv * unpack(u, v) if mode == GATED else gv)
+                gv = f(unpack(gs[u], v))
+                wd = pack(wd, v, gv * unpack(us[u], v) if mode == GATED else gv)
             out[r, c] = wd
     else:
         @device_function
-        def one(x, out, r, c, C, alpha, limit):
-            if mode == GATED:
-                v = f(to_f32(x[r, c])) * to_f32(x[r, ix(c + C)])
-            elif mode == INTERLEAVED:
-                v = swiglu_oai(to_f32(x[r, ix(2 * c)]), to_f32(x[r, ix(2 * c + 1)]), alpha,
-                               limit)
+        def load(x, r, c, C, gs, us, u):
+            if mode == INTERLEAVED:
+                gs[u] = to_f32(x[r, ix(2 * c)])
+                us[u] = to_f32(x[r, ix(2 * c + 1)])
             else:
-                v = f(to_f32(x[r, c]))
+                gs[u] = to_f32(x[r, c])
+                if mode == GATED:
+                    us[u] = to_f32(x[r, ix(c + C)])
+
+        @device_function
+        def finish(out, r, c, gs, us, u, alpha, limit):
+            if mode == GATED:
+                v = f(gs[u]) * us[u]
+            elif mode == INTERLEAVED:
+                v = swiglu_oai(gs[u], us[u], alpha, limit)
+            else:
+                v = f(gs[u])
             out[r, c] = cast_out(out, v)
 
     def act(x, out, M, C, alpha, limit):
         """x [M, N] -> out [M, N_out], N_out = N/2 (GATED, INTERLEAVED) or N (ELEMENTWISE);
-        C = N_out in words (WORD) or elements."""
+        C = N_out in words (WORD) or elements; U columns NT apart per thread and step."""
+        gs = cu.local.array(U, REG)   # gate (or input) words / values of the step
+        us = cu.local.array(U, REG)   # up words / values
         for row in range(cu.blockIdx.y, M, cu.gridDim.y):
-            for c in range(cu.blockIdx.x * NT + cu.threadIdx.x, C, cu.gridDim.x * NT):
-                # unsigned: no negative-index wrap on every access
-                one(x, out, ix(row), ix(c), C, alpha, limit)
+            r = ix(row)               # unsigned: no negative-index wrap on every access
+            for c0 in range(cu.blockIdx.x * NT * U + cu.threadIdx.x, C, cu.gridDim.x * NT * U):
+                for u in range(U):    # every load of the step first, then the math
+                    if c0 + u * NT < C:
+                        load(x, r, ix(c0 + u * NT), C, gs, us, u)
+                for u in range(U):
+                    if c0 + u * NT < C:
+                        finish(out, r, ix(c0 + u * NT), gs, us, u, alpha, limit)
 
     return kernel(act)
 
@@ -172,7 +196,7 @@ def _run(x, name, mode, alpha=1.702, limit=7.0):
             cols = n_out // WORD_ELEMENTS[word]
         else:
             out_k = out
-        grid = (A.cdiv(cols, NT), min(M, MAX_GRID_Y))
+        grid = (A.cdiv(cols, 4 * NT), min(M, MAX_GRID_Y))
         act_kernel(name, mode, NT, word)[grid, NT](xd, out_k, M, cols, np.float32(alpha),
                                                    np.float32(limit))
     return call.result(out)

@@ -23,18 +23,24 @@ words):
     kernel          grid  block  shared        does
     align_single    1     NT     3E + 1 + 2NT  everything, when P <= SINGLE_BLOCK_MAX_SLOTS
                                    (+ 2 W E)
-    align_count     nb    NT     E             per-block histogram -> block_counts [nb, E]
+    align_count     nb    NT     E             per-block histogram -> block_counts [nb, E];
+                                               sorted_token_ids filled with P (coalesced)
     align_scan      1     NT     2E + 1 + NT   per-expert block prefix, padded prefix sum,
-                                               expert_ids, padding, num_tokens_post_padded
+                                               expert_ids, num_tokens_post_padded
     align_scatter   nb    NT     E + NT        stable rank -> sorted_token_ids / inv index
                                    (+ 2 W E)   (W = NT / 32 warps, "warp" ranks)
-    permute_rows    (cdiv(C, NT), min(P, 65535))  NT  -    x_grouped[inv[s]] = x[s // K]
-    unpermute_rows  (cdiv(C, NT), min(T, 65535))  NT  -    out[t] = sum_k w[t,k] y[inv[t*K+k]]
+    permute_rows    (cdiv(C, 4NT), min(P, 65535)) NT  -    x_grouped[inv[s]] = x[s // K]
+    unpermute_rows  (cdiv(C, 4NT), min(T, 65535)) NT  -    out[t] = sum_k w[t,k] y[inv[t*K+k]]
     (C = the row in 8-byte words, read as uint64 views, when rows are whole words; else in
-    elements. permute_rows copies words; unpermute_rows takes VEC elements apart per word.)
+    elements. permute_rows copies words; unpermute_rows takes VEC elements apart per word.
+    Each thread handles 4 columns NT apart per step, their loads issued together.)
 
-Histograms use shared-memory atomics; the prefix sum is a per-thread chunk sum plus a
-Hillis-Steele scan over NT partial sums; the stable rank processes NT slots per round: a
+Every position of sorted_token_ids is first written P by a coalesced fill; the scatter then
+overwrites the positions of slots (the first version padded each expert's run in a loop of
+up to B - 1 strided stores per thread, a likely part of its 2x gap to CuPy on the H200).
+Histograms use shared-memory atomics (with "warp" ranks, one per distinct expert per warp
+step, after a match_any); the prefix sum is a per-thread chunk sum plus a Hillis-Steele
+scan over NT partial sums; the stable rank processes NT slots per round: a
 slot's rank is the number of earlier slots of its expert in the round plus the expert's
 running count, which the block's atomics advance after each round. Two ways to count the
 earlier slots of the round (config "RANK"):
@@ -134,6 +140,27 @@ def _parts(NT):
                 cu.atomic.add(cnt, e, 1)
 
     @device_function
+    def histogram_warp(ids, lo, hi, E, emap, use_map, ignore_invalid, cnt, tid):
+        """`histogram` with one atomic per distinct expert per warp step (GPU only): the
+        lowest lane of each match_any group adds the group's size (few experts, e.g. E = 8,
+        would otherwise serialize 32 atomics on one counter)."""
+        for s0 in range(lo, hi, NT):   # the same trip count for every lane: full-warp match
+            s = s0 + tid
+            e = -1
+            if s < hi:
+                e = expert_of(ids, s, E, emap, use_map, ignore_invalid)
+            peers = uint32(cu.match_any_sync(FULL_MASK, e))
+            if e >= 0 and (peers & cu.lanemask_lt()) == 0:
+                cu.atomic.add(cnt, e, cu.popc(peers))
+
+    @device_function
+    def fill(sorted_ids, P, start, capacity, step):
+        """sorted_ids[start::step] = P: every position starts as padding (coalesced); the
+        scatter then overwrites the positions that hold slots."""
+        for p in range(start, capacity, step):
+            sorted_ids[ix(p)] = P
+
+    @device_function
     def scan_padded(cnt, off, E, B, red, tid):
         """off[e] = sum_{e' < e} ceil(cnt[e'] / B) * B for e <= E (off[E] = total)."""
         chunk = (E + NT - 1) // NT
@@ -160,9 +187,8 @@ def _parts(NT):
         cu.syncthreads()
 
     @device_function
-    def write_blocks(off, cnt, E, B, P, emap, use_map, sorted_ids, expert_ids, n_blocks,
-                     capacity, tid):
-        """expert_ids of every block, and the padding value P wherever no slot goes."""
+    def write_blocks(off, E, B, emap, use_map, expert_ids, n_blocks, tid):
+        """expert_ids of every block: a binary search of its first position in off."""
         total = off[E]
         for b in range(tid, n_blocks, NT):
             pos = b * B
@@ -178,11 +204,6 @@ def _parts(NT):
                 expert_ids[b] = emap[lo] if use_map else lo
             else:
                 expert_ids[b] = -1
-        for e in range(tid, E, NT):              # the tail of each expert's last block
-            for p in range(off[e] + cnt[e], off[e + 1]):
-                sorted_ids[p] = P
-        for p in range(total + tid, capacity, NT):   # past the last block
-            sorted_ids[p] = P
 
     @device_function
     def scatter(ids, lo, hi, E, emap, use_map, ignore_invalid, off, run, rid, sorted_ids,
@@ -254,7 +275,8 @@ def _parts(NT):
             cu.syncthreads()
             rnd += 1
 
-    return expert_of, histogram, scan_padded, write_blocks, scatter, scatter_warp
+    return (expert_of, histogram, histogram_warp, fill, scan_padded, write_blocks, scatter,
+            scatter_warp)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -272,11 +294,13 @@ def align_kernels(NT, rank="block"):
         raise ValueError("rank: 'warp' needs the GPU and whole warps")
     WARP = rank == "warp"
     W = NT // 32
-    _, histogram, scan_padded, write_blocks, scatter, scatter_warp = _parts(NT)
+    (_, histogram, histogram_warp, fill, scan_padded, write_blocks, scatter,
+     scatter_warp) = _parts(NT)
 
     def align_single(ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert_ids,
                      n_blocks, capacity, num_post, offsets, inv, do_align, write_inv):
-        """One block does it all: histogram, padded prefix sum, blocks, stable scatter.
+        """One block does it all: padding fill, histogram, padded prefix sum, expert_ids,
+        stable scatter.
         Shared (int32): cnt [E], off [E+1], run [E], red [NT], rid [NT] (+ cntw, tagw
         [W E] each for warp ranks)."""
         tid = cu.threadIdx.x
@@ -295,8 +319,13 @@ def align_kernels(NT, rank="block"):
             tagw = sh[base + W * E:base + 2 * W * E]
             for i in range(tid, W * E, NT):
                 tagw[i] = -1
+        if do_align:
+            fill(sorted_ids, P, tid, capacity, NT)
         cu.syncthreads()
-        histogram(ids, 0, P, E, emap, use_map, ignore_invalid, cnt, tid)
+        if WARP:
+            histogram_warp(ids, 0, P, E, emap, use_map, ignore_invalid, cnt, tid)
+        else:
+            histogram(ids, 0, P, E, emap, use_map, ignore_invalid, cnt, tid)
         cu.syncthreads()
         scan_padded(cnt, off, E, B, red, tid)
         if tid == 0:
@@ -304,8 +333,7 @@ def align_kernels(NT, rank="block"):
         for e in range(tid, E + 1, NT):
             offsets[e] = off[e]
         if do_align:
-            write_blocks(off, cnt, E, B, P, emap, use_map, sorted_ids, expert_ids, n_blocks,
-                         capacity, tid)
+            write_blocks(off, E, B, emap, use_map, expert_ids, n_blocks, tid)
         if WARP:
             scatter_warp(ids, 0, P, E, emap, use_map, ignore_invalid, off, run, cntw, tagw,
                          sorted_ids, inv, do_align, write_inv, tid)
@@ -313,15 +341,25 @@ def align_kernels(NT, rank="block"):
             scatter(ids, 0, P, E, emap, use_map, ignore_invalid, off, run, rid, sorted_ids,
                     inv, do_align, write_inv, tid)
 
-    def align_count(ids, P, E, emap, use_map, ignore_invalid, block_counts, CH):
-        """block_counts[b, e] = slots of expert e in block b's chunk [b*CH, (b+1)*CH)."""
+    def align_count(ids, P, E, emap, use_map, ignore_invalid, block_counts, CH, sorted_ids,
+                    capacity, do_align):
+        """block_counts[b, e] = slots of expert e in block b's chunk [b*CH, (b+1)*CH); the
+        blocks also fill sorted_ids with the padding value P (the scatter kernel, launched
+        after, overwrites the positions of slots)."""
         tid = cu.threadIdx.x
         b = cu.blockIdx.x
         cnt = cu.shared.array(0, int32)[0:E]
         for e in range(tid, E, NT):
             cnt[e] = 0
+        if do_align:
+            fill(sorted_ids, P, b * NT + tid, capacity, cu.gridDim.x * NT)
         cu.syncthreads()
-        histogram(ids, b * CH, min(P, (b + 1) * CH), E, emap, use_map, ignore_invalid, cnt, tid)
+        lo = b * CH
+        hi = min(P, (b + 1) * CH)
+        if WARP:
+            histogram_warp(ids, lo, hi, E, emap, use_map, ignore_invalid, cnt, tid)
+        else:
+            histogram(ids, lo, hi, E, emap, use_map, ignore_invalid, cnt, tid)
         cu.syncthreads()
         for e in range(tid, E, NT):
             block_counts[b, e] = cnt[e]
@@ -329,18 +367,24 @@ def align_kernels(NT, rank="block"):
     def align_scan(block_counts, nb, E, B, P, emap, use_map, sorted_ids, expert_ids, n_blocks,
                    capacity, num_post, offsets, do_align):
         """One block: block_counts -> each block's offset within each expert (in place),
-        the padded prefix sum into offsets [E+1], expert_ids, padding, num_post."""
+        the padded prefix sum into offsets [E+1], expert_ids, num_post."""
         tid = cu.threadIdx.x
         sh = cu.shared.array(0, int32)
         cnt = sh[0:E]
         off = sh[E:2 * E + 1]
         red = sh[2 * E + 1:2 * E + 1 + NT]
+        cb = cu.local.array(8, int32)
         for e in range(tid, E, NT):   # one expert per thread, coalesced across e
             total = 0
-            for b in range(nb):
-                c = block_counts[b, e]
-                block_counts[b, e] = total
-                total += c
+            for b0 in range(0, nb, 8):
+                # eight loads before any store: a load cannot pass the previous iteration's
+                # store to the same array, so one at a time would wait out a round trip each
+                for u in range(8):
+                    cb[u] = block_counts[ix(b0 + u), ix(e)] if b0 + u < nb else 0
+                for u in range(8):
+                    if b0 + u < nb:
+                        block_counts[ix(b0 + u), ix(e)] = total
+                        total += cb[u]
             cnt[e] = total
         cu.syncthreads()
         scan_padded(cnt, off, E, B, red, tid)
@@ -349,8 +393,7 @@ def align_kernels(NT, rank="block"):
         for e in range(tid, E + 1, NT):
             offsets[e] = off[e]
         if do_align:
-            write_blocks(off, cnt, E, B, P, emap, use_map, sorted_ids, expert_ids, n_blocks,
-                         capacity, tid)
+            write_blocks(off, E, B, emap, use_map, expert_ids, n_blocks, tid)
 
     def align_scatter(ids, P, E, emap, use_map, ignore_invalid, block_counts, offsets,
                       sorted_ids, inv, do_align, write_inv, CH):
@@ -388,67 +431,93 @@ def _rank_words(rank, NT, E):
 
 
 @functools.lru_cache(maxsize=None)
-def row_kernels(NT, KC=0, WORD=""):
-    """(permute_rows, unpermute_rows) for NT threads per block. KC > 0 fixes unpermute's K at
-    compile time (its K gathers unrolled, in flight together). WORD ("f32" | "f16" | "bf16")
-    makes y / out uint64 views read 8 bytes (VEC elements) per load; permute_rows copies
-    whatever word size its arrays come in (uint64 views when rows are whole words)."""
+def row_kernels(NT, KC=0, WORD="", U=4):
+    """(permute_rows, unpermute_rows) for NT threads per block. KC > 0 fixes unpermute's K
+    at compile time (its K gathers unrolled, in flight together). WORD ("f32" | "f16" |
+    "bf16") makes y / out uint64 views read 8 bytes (VEC elements) per load; permute_rows
+    copies whatever word size its arrays come in (uint64 views when rows are whole words).
+    Each thread handles U columns NT apart per step, loads first: U times the bytes in flight
+    (H200: one column per thread left the copy at a third of the bandwidth)."""
     VEC = WORD_ELEMENTS[WORD] if WORD else 1
+    if U != 4:
+        raise ValueError(f"U: permute_rows unrolls by 4 by hand, got {U}")
     if WORD:
         unpack, pack = UNPACK[WORD], PACK[WORD]
 
         @device_function
-        def add(acc, y, r, c, wt):
+        def add(acc, u, y, r, c, wt):
             wd = y[ix(r), ix(c)]
             for v in range(VEC):
-                acc[v] += unpack(wd, v) * wt
+                acc[u, v] += unpack(wd, v) * wt
 
         @device_function
-        def store(out, t, c, acc):
+        def store(out, t, c, acc, u):
             wd = uint64(0)
             for v in range(VEC):
-                wd = pack(wd, v, acc[v])
+                wd = pack(wd, v, acc[u, v])
             out[ix(t), ix(c)] = wd
     else:
         @device_function
-        def add(acc, y, r, c, wt):
-            acc[0] += to_f32(y[ix(r), ix(c)]) * wt
+        def add(acc, u, y, r, c, wt):
+            acc[u, 0] += to_f32(y[ix(r), ix(c)]) * wt
 
         @device_function
-        def store(out, t, c, acc):
-            out[ix(t), ix(c)] = cast_out(out, acc[0])
+        def store(out, t, c, acc, u):
+            out[ix(t), ix(c)] = cast_out(out, acc[u, 0])
 
     def permute_rows(x, inv, K, x_grouped, P, C):
-        """x_grouped[inv[s], :] = x[s // K, :]: a row per blockIdx.y, columns across threads."""
+        """x_grouped[inv[s], :] = x[s // K, :]: rows strided by blockIdx.y; each thread copies
+        four columns NT apart per step, four loads before four stores."""
         for s in range(cu.blockIdx.y, P, cu.gridDim.y):
             dst = inv[ix(s)]
             if dst < 0 or dst >= P:   # a slot the alignment skipped (an id outside [0, E))
                 continue
             src = s // K
-            for c in range(cu.blockIdx.x * NT + cu.threadIdx.x, C, cu.gridDim.x * NT):
-                x_grouped[ix(dst), ix(c)] = x[ix(src), ix(c)]
+            for c0 in range(cu.blockIdx.x * NT * 4 + cu.threadIdx.x, C, cu.gridDim.x * NT * 4):
+                c1, c2, c3 = c0 + NT, c0 + 2 * NT, c0 + 3 * NT
+                if c3 < C:                        # the common case: all four in the row
+                    v0 = x[ix(src), ix(c0)]
+                    v1 = x[ix(src), ix(c1)]
+                    v2 = x[ix(src), ix(c2)]
+                    v3 = x[ix(src), ix(c3)]
+                    x_grouped[ix(dst), ix(c0)] = v0
+                    x_grouped[ix(dst), ix(c1)] = v1
+                    x_grouped[ix(dst), ix(c2)] = v2
+                    x_grouped[ix(dst), ix(c3)] = v3
+                else:
+                    for c in range(c0, C, NT):
+                        x_grouped[ix(dst), ix(c)] = x[ix(src), ix(c)]
 
     def unpermute_rows(y, w, inv, out, T, K, C):
         """out[t, c] = sum_k w[t, k] * y[inv[t*K + k], c], fp32, rounded once (c: a column or
-        a word of VEC). An index outside [0, P) (a caller's bug; the reference raises) adds
-        nothing."""
+        a word of VEC), U columns NT apart per thread and step. An index outside [0, P) (a
+        caller's bug; the reference raises) adds nothing."""
         P = y.shape[0]
-        acc = cu.local.array(VEC, float32)
+        acc = cu.local.array((U, VEC), float32)
         for t in range(cu.blockIdx.y, T, cu.gridDim.y):
-            for c in range(cu.blockIdx.x * NT + cu.threadIdx.x, C, cu.gridDim.x * NT):
-                for v in range(VEC):
-                    acc[v] = float32(0.0)
+            for c0 in range(cu.blockIdx.x * NT * U + cu.threadIdx.x, C, cu.gridDim.x * NT * U):
+                for u in range(U):
+                    for v in range(VEC):
+                        acc[u, v] = float32(0.0)
                 if KC > 0:
                     for k in range(KC):
                         r = inv[ix(t * KC + k)]
                         if r >= 0 and r < P:
-                            add(acc, y, r, c, to_f32(w[ix(t), k]))
+                            wt = to_f32(w[ix(t), k])
+                            for u in range(U):
+                                if c0 + u * NT < C:
+                                    add(acc, u, y, r, c0 + u * NT, wt)
                 else:
                     for k in range(K):
                         r = inv[ix(t * K + k)]
                         if r >= 0 and r < P:
-                            add(acc, y, r, c, to_f32(w[ix(t), ix(k)]))
-                store(out, t, c, acc)
+                            wt = to_f32(w[ix(t), ix(k)])
+                            for u in range(U):
+                                if c0 + u * NT < C:
+                                    add(acc, u, y, r, c0 + u * NT, wt)
+                for u in range(U):
+                    if c0 + u * NT < C:
+                        store(out, t, c0 + u * NT, acc, u)
 
     return kernel(permute_rows), kernel(unpermute_rows)
 
@@ -489,7 +558,8 @@ def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_a
         CH = cfg["SLOTS_PER_BLOCK"]
         nb = A.cdiv(P, CH)
         block_counts = call.empty((nb, E), np.int32)                      # [nb, E] scratch
-        count[nb, NT, 0, E * 4](ids, P, E, emap, *flags, block_counts, CH)
+        count[nb, NT, 0, E * 4](ids, P, E, emap, *flags, block_counts, CH, sorted_ids,
+                                capacity, int(do_align))
         scan[1, NT, 0, (2 * E + 1 + NT) * 4](block_counts, nb, E, B, P, emap, flags[0],
                                              sorted_ids, expert_ids, n_blocks, capacity,
                                              num_post, offsets, int(do_align))
@@ -559,7 +629,7 @@ def moe_permute(hidden_states, topk_ids, num_experts):
         views = words(x, x_grouped)   # a copy: 8-byte words whatever the dtype, when rows allow
         xs, xg = views if views is not None else (x, x_grouped)
         cols = xs.shape[1]
-        permute_rows[(A.cdiv(cols, NT), min(P, MAX_GRID_Y)), NT](xs, inv, K, xg, P, cols)
+        permute_rows[(A.cdiv(cols, 4 * NT), min(P, MAX_GRID_Y)), NT](xs, inv, K, xg, P, cols)
     return call.result(x_grouped), call.result(offsets), call.result(inv)
 
 
@@ -592,7 +662,8 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
         else:
             out_k = out
         _, unpermute_rows = row_kernels(NT, K if K <= MAX_UNROLLED_K else 0, word)
-        unpermute_rows[(A.cdiv(cols, NT), min(T, MAX_GRID_Y)), NT](y, w, inv, out_k, T, K, cols)
+        unpermute_rows[(A.cdiv(cols, 4 * NT), min(T, MAX_GRID_Y)), NT](y, w, inv, out_k, T, K,
+                                                                     cols)
     return call.result(out)
 
 
@@ -617,9 +688,8 @@ def compile_cases():
                 (f"align_scatter rank={rank} ids={ids}", scatter,
                  (a, i64, i64, v, i64, i64, arr(i32, 2), v, v, v, i64, i64, i64)),
             ]
-            if rank == "warp":
-                cases.append((f"align_count ids={ids}", count,
-                              (a, i64, i64, v, i64, i64, arr(i32, 2), i64)))
+            cases.append((f"align_count rank={rank} ids={ids}", count,
+                          (a, i64, i64, v, i64, i64, arr(i32, 2), i64, v, i64, i64)))
         if rank == "warp":
             cases.append(("align_scan", scan,
                           (arr(i32, 2), i64, i64, i64, i64, v, i64, v, v, i64, i64, v, v, i64)))

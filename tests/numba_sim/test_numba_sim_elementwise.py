@@ -37,7 +37,8 @@ def close(got, want, dtype, what):
 
 
 @pytest.mark.parametrize("dkey", DTYPES)
-@pytest.mark.parametrize("M,N", [(1, 2), (3, 10), (2, 16), (5, 36)])   # (2, 16): 8-byte words
+@pytest.mark.parametrize("M,N", [(1, 2), (3, 10), (2, 16), (5, 36), (2, 528)])
+# (2, 16): 8-byte words; (2, 528): a thread's 4 columns per step, and a tail
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "swigluoai"])
 def test_activation_and_mul(act, M, N, dkey):
     x = uniform(rng_for("act", act, M, N), (M, N), 9.0).astype(DTYPES[dkey])
@@ -80,7 +81,7 @@ def test_activation_bad_inputs():
 
 
 @pytest.mark.parametrize("dkey", DTYPES)
-@pytest.mark.parametrize("T,K,H", [(1, 2, 5), (4, 3, 17), (3, 1, 4)])
+@pytest.mark.parametrize("T,K,H", [(1, 2, 5), (4, 3, 17), (3, 1, 4), (2, 3, 264)])
 def test_moe_sum(T, K, H, dkey):
     x = uniform(rng_for("sum", T, K, H), (T, K, H), 1.0).astype(DTYPES[dkey])
     got, want = Cb.moe_sum(x), reference.moe_sum(x)

@@ -109,7 +109,8 @@ def test_align_bad_inputs():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16])
-@pytest.mark.parametrize("T,E,K,H", [(1, 4, 2, 3), (6, 5, 2, 8), (13, 4, 3, 2)])
+@pytest.mark.parametrize("T,E,K,H", [(1, 4, 2, 3), (6, 5, 2, 8), (13, 4, 3, 2),
+                                     (3, 4, 2, 260)])   # 260: a full 4-column step per thread
 def test_permute_unpermute(T, E, K, H, dtype):
     rng = rng_for("perm", T, E, K, H)
     x = uniform(rng, (T, H), 1.0).astype(dtype)
