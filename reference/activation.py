@@ -61,7 +61,7 @@ def _split_gate_up(name, x):
 
 def _gated(act, x):
     gate, up = _split_gate_up("x", x)
-    return (act(gate) * up).astype(x.dtype)
+    return (act(gate) * up).astype(x.dtype, copy=False)
 
 
 def silu_and_mul(x):
@@ -89,7 +89,7 @@ def swigluoai_and_mul(x, alpha=1.702, limit=7.0):
     up = np.clip(xc[:, 1::2], -limit, limit)
     with np.errstate(over="ignore"):
         glu = gate / (1 + np.exp(-alpha * gate))
-    return ((up + 1) * glu).astype(x.dtype)
+    return ((up + 1) * glu).astype(x.dtype, copy=False)
 
 
 def apply_activation(x, activation="silu", is_act_and_mul=True):
@@ -111,4 +111,4 @@ def apply_activation(x, activation="silu", is_act_and_mul=True):
         raise ValueError(f"activation: {activation!r} needs is_act_and_mul=True; expected one of "
                          f"{sorted(_ELEMENTWISE)} without mul")
     check_float("x", x, ndim=2)
-    return _ELEMENTWISE[activation](to_compute(x)).astype(x.dtype)
+    return _ELEMENTWISE[activation](to_compute(x)).astype(x.dtype, copy=False)

@@ -93,13 +93,13 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
         if mul_routed_weight:
             y *= topk_weights.ravel()[rows].astype(y.dtype)[:, None]
         c[rows] = y
-    return c.astype(a.dtype)
+    return c.astype(a.dtype, copy=False)   # a fresh array: no second copy in fp32
 
 
 def moe_sum(x):
     """The combine: out[t] = sum_k x[t, k] over the K slots, fp32, rounded once.  [T, K, H] -> [T, H]"""
     check_float("x", x, ndim=3)
-    return to_compute(x).sum(axis=1).astype(x.dtype)
+    return to_compute(x).sum(axis=1).astype(x.dtype, copy=False)
 
 
 def _check_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, is_act_and_mul,

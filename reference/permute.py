@@ -135,7 +135,7 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
     num_tokens, top_k = topk_weights.shape
     y = to_compute(y_grouped)[inv_permuted_idx].reshape(num_tokens, top_k, y_grouped.shape[1])
     weights = topk_weights.astype(y.dtype)[:, :, None]
-    return (y * weights).sum(axis=1).astype(y_grouped.dtype)
+    return (y * weights).sum(axis=1).astype(y_grouped.dtype, copy=False)
 
 
 def grouped_mm(x_grouped, w, expert_offsets):
@@ -154,4 +154,4 @@ def grouped_mm(x_grouped, w, expert_offsets):
         lo, hi = int(expert_offsets[e]), int(expert_offsets[e + 1])
         if hi > lo:
             y[lo:hi] = to_compute(x_grouped[lo:hi]) @ to_compute(w[e]).T
-    return y.astype(x_grouped.dtype)
+    return y.astype(x_grouped.dtype, copy=False)

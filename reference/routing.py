@@ -201,7 +201,7 @@ def zero_experts_compute(topk_ids, topk_weights, num_experts, zero_expert_type, 
     result = hidden_states.astype(acc) * scale[:, None]
     topk_ids[is_zero] = 0
     topk_weights[is_zero] = 0.0
-    return result.astype(hidden_states.dtype)
+    return result.astype(hidden_states.dtype, copy=False)
 
 
 _REFERENCE_OPS = SimpleNamespace(fused_topk=fused_topk, fused_topk_bias=fused_topk_bias,
