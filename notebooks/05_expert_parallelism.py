@@ -35,7 +35,8 @@ RUN = workshop.setup("05_expert_parallelism")
 WORLD = 2                                        # ranks of the live run (CPU processes)
 COMM = "cpu"                                     # "nccl" with >= 2 GPUs (then STAGE_BACKEND "cupy")
 STAGE_BACKEND = "reference"                      # the experts' stages inside each rank
-LAYER = dict(num_experts=8, top_k=2, hidden_size=32, intermediate_size=48, dtype="float32")
+LAYER = dict(num_experts=8, top_k=2, hidden_size=32, intermediate_size=48, dtype="float32",
+             alltoall_rows="token")              # or "slot": one row per (token, expert)
 TOKENS_PER_RANK = [7, 4]                         # uneven on purpose
 EPLB_STUDY = dict(gpus=4, redundant=4)           # the rebalancing study (no processes)
 DEEPSEEK = dict(H=7168, K=8, E=256, bytes=2)     # the shape of the bandwidth napkin math
@@ -62,8 +63,12 @@ from sandbox.datagen import load_trace
 # * **(a) all-gather / reduce-scatter** (vLLM's default): every rank gathers *every*
 #   rank's tokens, runs its experts on the rows routed to them (the others contribute
 #   zero), and a reduce-scatter sums the partial outputs, each rank keeping its own rows.
-# * **(b) all-to-all-v** (MegaBlocks, DeepEP): each routed row is sent only to the rank
-#   owning its expert, computed there, and sent back; the source does the weighted sum.
+# * **(b) all-to-all-v** (MegaBlocks, DeepEP): a token is sent only where its experts
+#   are. By default (`alltoall_rows="token"`, DeepEP's layout) it goes **once to each rank**
+#   that holds one of its experts; that rank runs its local slots of the token and sends
+#   back one weighted partial row, and the source adds the partials. With
+#   `alltoall_rows="slot"` (MegaBlocks' layout) each (token, expert) pair travels as its own
+#   row and the source does the weighted sum.
 
 # %%
 W_, E_, K_, T_ = 2, 4, 2, 3
@@ -100,6 +105,12 @@ def draw(ax, scheme):
                 ax.add_patch(FancyArrowPatch((1.2, y), (4, y_dst), arrowstyle="->",
                                              color=colors(r), alpha=0.6, mutation_scale=8))
                 n_arrows += 1
+        elif scheme == "token":                              # once per destination rank
+            for dst in sorted({int(e) // per for e in ids[r][t]}):
+                y_dst = (W_ - dst) * (T_ + 1.5) - T_ + 0.6 + (T_ - 1.2) / 2
+                ax.add_patch(FancyArrowPatch((1.2, y), (4, y_dst), arrowstyle="->",
+                                             color=colors(r), alpha=0.6, mutation_scale=8))
+                n_arrows += 1
         else:                                                # one row per routed slot
             for e in ids[r][t]:
                 ax.add_patch(FancyArrowPatch((1.2, y), (4, ey[int(e)]), arrowstyle="->",
@@ -110,13 +121,18 @@ def draw(ax, scheme):
     return n_arrows
 
 
-fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, 4.4))
+fig, (a0, a1, a2) = plt.subplots(1, 3, figsize=(17, 4.6))
 n0 = draw(a0, "allgather")
-n1 = draw(a1, "alltoall")
-a0.set_title(f"(a) all-gather: every row to every rank\n({n0} row copies)")
-a1.set_title(f"(b) all-to-all-v: each routed slot to its expert's rank\n({n1} row copies)")
+n1 = draw(a1, "token")
+n2 = draw(a2, "slot")
+a0.set_title(f"(a) all-gather: every token to every rank\n({n0} row copies)")
+a1.set_title(f"(b) all-to-all-v, token rows (default): once to\neach rank holding one of its "
+             f"experts ({n1} row copies)")
+a2.set_title(f"(b) all-to-all-v, slot rows: one row per\n(token, expert) ({n2} row copies)")
+for ax in (a0, a1, a2):
+    ax.title.set_fontsize(10)
 fig.suptitle(f"dispatch, W={W_} ranks, {T_} tokens each, top-{K_} of {E_} experts "
-             "(combine runs the arrows backwards)")
+             "(combine runs the arrows backwards)", y=1.08)
 workshop.show(fig, "dispatch")
 
 # %% [markdown]
@@ -127,12 +143,12 @@ workshop.show(fig, "dispatch")
 # | scheme | dispatch | combine |
 # |---|---|---|
 # | (a) all-gather / reduce-scatter | `T(H·b + 8K)` (rows + routing) | `W·T·H·b` |
-# | (b) all-to-all-v | `T·K·H·b` | `T·K·H·b` |
+# | (b) all-to-all-v, token rows | `T·R·H·b` | `T·R·H·b` |
+# | (b) all-to-all-v, slot rows | `T·K·H·b` | `T·K·H·b` |
 #
-# Scheme (a) grows with the number of ranks, scheme (b) with top-k. At DeepSeek-V3's
-# `K = 8` the all-gather is cheaper on few ranks, the all-to-all on many. Sending one copy
-# per *destination rank* instead of one per slot (DeepEP's layout) cuts (b) further: a
-# token's 8 experts often share ranks.
+# with `R ≤ min(W, K)` the number of distinct ranks a token's experts live on (for random
+# routing `W(1 − (1 − 1/W)^K)`). Scheme (a) grows with the number of ranks; slot rows grow
+# with top-k; token rows with the smaller of the two, which is why they are the default.
 
 # %%
 H, K, b = DEEPSEEK["H"], DEEPSEEK["K"], DEEPSEEK["bytes"]
@@ -143,8 +159,8 @@ alltoall = 2 * T * K * H * b * np.ones_like(Ws)
 dedup = 2 * T * H * b * Ws * (1 - (1 - 1 / Ws) ** K)         # expected distinct ranks per token
 fig, ax = plt.subplots(figsize=(7.5, 3.6))
 ax.plot(Ws, allgather / 2**20, marker="o", label="(a) all-gather + reduce-scatter")
-ax.plot(Ws, alltoall / 2**20, marker="o", label="(b) all-to-all-v, one row per slot")
-ax.plot(Ws, dedup / 2**20, marker="o", ls="--", label="(b) one row per destination rank (DeepEP)")
+ax.plot(Ws, dedup / 2**20, marker="o", label="(b) all-to-all-v, token rows (default)")
+ax.plot(Ws, alltoall / 2**20, marker="o", ls="--", label="(b) all-to-all-v, slot rows")
 ax.set(xscale="log", yscale="log", xticks=Ws, xticklabels=Ws, xlabel="ranks W",
        ylabel="MiB per rank (dispatch + combine)",
        title=f"DeepSeek-V3 shape (H={H}, top-{K}, bf16), T={T} tokens per rank")
@@ -246,13 +262,13 @@ for res in results:
     e = res["eplb"]
     rows.append((e["rank"], e["placement_before"], e["placement_after"],
                  e["rows_computed_before"], e["rows_computed_after"], f"{e['out_change']:.1e}"))
-workshop.show_table(["rank", "slots before (logical ids)", "slots after", "rows computed before",
+workshop.show_table(["rank", "slots before (logical ids)", "slots after", "rows received before",
                      "after", "output change"], rows)
 print("recorded load per logical expert:", [int(v) for v in results[0]["eplb"]["load"]])
 
 # %% [markdown]
 # Replicas hold identical weights, so the output does not move (beyond fp32 rounding from
-# the new summation order), while the rows each rank computes even out.
+# the new summation order), while the rows each rank receives, and computes, even out.
 #
 # ## 5. Measured bandwidth
 #
@@ -283,28 +299,41 @@ for path, rec in ep_results:
     rows_ = [r for r in rec.get("rows", []) if r.get("GBps_per_rank")]
     if not rows_:
         continue
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    for key in dict.fromkeys((r["scheme"], r["phase"]) for r in rows_):
-        q = sorted((r for r in rows_ if (r["scheme"], r["phase"]) == key),
-                   key=lambda r: r["tokens_per_rank"])
-        ax.plot([r["tokens_per_rank"] for r in q], [r["GBps_per_rank"] for r in q], marker="o",
-                label=f"{key[0]}: {key[1]}")
-    ax.set(xscale="log", xlabel="tokens per rank", ylabel="GB/s per rank (algorithm bandwidth)",
-           title=f"{path.name}: {rec.get('gpu', '')}, W = {rec.get('world_size', '?')}")
-    ax.legend(fontsize=7)
+    tokens_ = sorted({r["tokens_per_rank"] for r in rows_})
+    fig, axes = plt.subplots(1, len(tokens_), figsize=(6.5 * len(tokens_), 5), squeeze=False)
+    for ax, T_r in zip(axes[0], tokens_):
+        q = [r for r in rows_ if r["tokens_per_rank"] == T_r]
+        ys = np.arange(len(q))[::-1]
+        ax.barh(ys, [r["GBps_per_rank"] for r in q],
+                color=["tab:blue" if r["scheme"] == "alltoall" else "tab:orange" for r in q])
+        ax.set_yticks(ys, [f"{r['scheme']}: {r['phase']}" for r in q], fontsize=7)
+        for y, r in zip(ys, q):
+            ax.text(r["GBps_per_rank"], y, f" {r['ms']:.3f} ms", va="center", fontsize=7)
+        ax.set(xlabel="GB/s per rank (algorithm bandwidth)", title=f"{T_r} tokens per rank")
+    fig.suptitle(f"{path.name}: {rec.get('gpu', '')}, W = {rec.get('world_size', '?')}, "
+                 "DeepSeek-V3 shape (blue: all-to-all-v, orange: all-gather)")
+    fig.tight_layout()
     workshop.show(fig, "ep_" + path.stem.replace("-", "_")[:60])
-    if rec.get("target"):
-        print(f"{path.name}: all-to-all-v at {rec['target']['tokens_per_rank']} tokens per rank "
-              f"= {rec['target']['ratio']:.2f} of a raw NCCL all-to-all")
+    layer_rows = rec.get("layer") or []
+    if layer_rows:
+        workshop.show_table(["tokens per rank", "what", "ms", "tokens/s"],
+                            [(r["tokens_per_rank"], r["what"], f"{r['ms']:.3f}",
+                              f"{r['tokens_per_s']:.3g}") for r in layer_rows])
+    t = rec.get("target")
+    if t:
+        print(f"{path.name}: all-to-all-v dispatch + combine at {t['tokens_per_rank']} tokens per "
+              f"rank = {t['ratio']:.2f} of two raw NCCL all-to-alls of the same rows "
+              f"(target >= 0.80: {'met' if t.get('met') else 'not met'})")
 
 # %% [markdown]
 # ## Exercises
 #
 # 1. **Where the crossover is.** From the byte formulas, for which `W` does the all-to-all
 #    move fewer bytes than the all-gather at `K = 8`? At `K = 2` (Mixtral)?
-# 2. **Round-robin placement.** Re-run the live run with `"placement": "round_robin"` in
-#    `LAYER`. Which experts does each rank hold now (`reference.determine_expert_map`), and
-#    does the output change?
+# 2. **Round-robin placement, slot rows.** Re-run the live run with
+#    `"placement": "round_robin"` in `LAYER`. Which experts does each rank hold now
+#    (`reference.determine_expert_map`), and does the output change? Then set
+#    `"alltoall_rows": "slot"`: how do the rows sent change?
 # 3. **More redundancy.** In section 4, give EPLB 8 redundant slots instead of 4. How close
 #    to perfect balance does it get, and which experts get the extra replicas?
 # 4. **Hierarchical EPLB.** Call `eplb.rebalance_experts(load, 24, num_groups=4,

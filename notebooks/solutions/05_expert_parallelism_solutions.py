@@ -54,19 +54,24 @@ for K in (8, 2):
             break
 
 # %% [markdown]
-# ## 2. Round-robin placement
+# ## 2. Round-robin placement, slot rows
 #
 # Rank `r` holds experts `r, r + W, …`; the outputs still match the single-device layer.
+# With slot rows a token whose two experts sit on one rank is sent there twice, so more
+# rows travel than with token rows (one per token and destination rank).
 
 # %%
 for r in range(2):
     _, emap = reference.determine_expert_map(2, r, 8, "round_robin")
     print(f"rank {r}:", np.flatnonzero(emap >= 0).tolist())
-results = workshop.launch_ranks(workshop.ep_parity_rank, 2, "cpu",
-                                args=({**LAYER, "placement": "round_robin"}, [5, 3]), timeout=60)
-for res in results:
-    print(res["rank"], res["local_experts"],
-          {s: f"{res[s]['rel_err']:.1e}" for s in ("allgather", "alltoall")})
+for rows_mode in ("token", "slot"):
+    config = {**LAYER, "placement": "round_robin", "alltoall_rows": rows_mode}
+    results = workshop.launch_ranks(workshop.ep_parity_rank, 2, "cpu", args=(config, [5, 3]),
+                                    timeout=60)
+    for res in results:
+        print(f"{rows_mode} rows, rank {res['rank']}, experts {res['local_experts']}:",
+              {s: f"{res[s]['rel_err']:.1e}" for s in ("allgather", "alltoall")},
+              "rows sent", res["alltoall"]["stats"].get("rows_sent"))
 
 # %% [markdown]
 # ## 3. More redundancy
