@@ -50,7 +50,7 @@ import sys
 from types import SimpleNamespace
 
 import numpy as np
-from numba import float32, int32
+from numba import float32, int32, int64
 
 from . import _arrays as A
 from ._device import (
@@ -181,9 +181,10 @@ def _block_reductions(NT):
 
 # ----------------------------------------------------------------------------- the kernel
 @functools.lru_cache(maxsize=None)
-def route_kernel(flavor: str, n: int):
+def route_kernel(flavor: str, n: int, VPT: int = 1):
     """The routing kernel of one flavour: "warp" with n rows (warps) per block, or "block"
-    with n threads (a power of two) per row."""
+    with n threads (a power of two) per row; VPT (compile time) = values per thread, a power
+    of two with E <= VPT * (32 or n)."""
     if flavor == "warp":
         if SIMULATOR:
             raise RuntimeError("flavor: the 'warp' routing kernel uses warp shuffles, which the "
@@ -197,10 +198,13 @@ def route_kernel(flavor: str, n: int):
         rmax, rsum, rargmax, rsync = _block_reductions(n)
     else:
         raise ValueError(f"flavor: expected 'warp' or 'block', got {flavor!r}")
+    if VPT < 1 or VPT > 64 or VPT & (VPT - 1):
+        raise ValueError(f"VPT: expected a power of two up to 64, got {VPT}")
 
     def route(logits, bias, weights, ids, tei, T, E, K, G, topk_group, scoring, renorm,
               has_bias, want_tei, scale):
-        """logits [T, E] -> weights f32 [T, K], ids [T, K], tei int32 [T, K] (see module doc)."""
+        """logits [T, E] -> weights f32 [T, K], ids [T, K], tei int32 [T, K] (see module doc).
+        Thread l of a row holds experts e = l + LANES j, j < VPT, in registers."""
         tid = cu.threadIdx.x & 1023         # & 1023: LLVM learns tid >= 0
         lane = tid % LANES
         slot = tid // LANES                 # which row of this block
@@ -211,41 +215,51 @@ def route_kernel(flavor: str, n: int):
         base = slot * stride
         dynf = cu.shared.array(0, float32)  # all dynamic shared arrays alias: carve by offset
         dyni = cu.shared.array(0, int32)
-        sc = dynf[base:base + E]                              # scores, then unbiased weights
-        key = dynf[base + E:base + 2 * E]                     # selection keys
+        sc = dynf[base:base + E]                              # scores: the winners' weights
+        key = dynf[base + E:base + 2 * E]                     # raw choices (groups only)
         gs = dynf[base + 2 * E:base + 2 * E + G]              # group scores
         red_f = dynf[base + 2 * E + G:base + 2 * E + G + NRED]
         red_i = dyni[base + 2 * E + G + NRED:base + stride]
+        xs = cu.local.array(VPT, float32)   # this thread's logits, then scores
+        ks = cu.local.array(VPT, float32)   # its bias, then selection keys
 
-        # 1. scores: softmax (max, exp, sum, divide) or sigmoid, in fp32
-        m = NEG_INF32
-        for e in range(lane, E, LANES):
-            x = to_f32(logits[ix(row), ix(e)])
-            sc[ix(e)] = x
-            m = max_nan(m, x)
+        # 1. every load first (registers; the GPU keeps them all in flight), fp32 from here
+        for j in range(VPT):
+            e = lane + LANES * j
+            xs[j] = to_f32(logits[ix(row), ix(e)]) if e < E else NEG_INF32
+        for j in range(VPT):
+            e = lane + LANES * j
+            ks[j] = to_f32(bias[ix(e)]) if has_bias and e < E else float32(0.0)
+
+        # 2. scores: softmax (max, exp, sum, divide) or sigmoid
         if scoring == 0:
+            m = NEG_INF32
+            for j in range(VPT):
+                m = max_nan(m, xs[j])        # padding (-inf) never wins a max
             m = rmax(m, red_f, red_i, lane)
             s = float32(0.0)
-            for e in range(lane, E, LANES):
-                ex = exp_f32(sc[ix(e)] - m)
-                sc[ix(e)] = ex
-                s += ex
+            for j in range(VPT):
+                if lane + LANES * j < E:
+                    xs[j] = exp_f32(xs[j] - m)
+                    s += xs[j]
             s = rsum(s, red_f, red_i, lane)
-            for e in range(lane, E, LANES):
-                sc[ix(e)] = sc[ix(e)] / s
+            for j in range(VPT):
+                xs[j] = xs[j] / s
         else:
-            for e in range(lane, E, LANES):
-                sc[ix(e)] = float32(1.0) / (float32(1.0) + exp_f32(-sc[ix(e)]))
+            for j in range(VPT):
+                xs[j] = float32(1.0) / (float32(1.0) + exp_f32(-xs[j]))
 
-        # 2. choice = scores (+ bias), raw (a NaN stays NaN until the group scores are taken)
-        for e in range(lane, E, LANES):
-            v = sc[ix(e)]
-            if has_bias:
-                v = v + to_f32(bias[ix(e)])
-            key[ix(e)] = v
-        rsync(lane)   # from here on threads read entries that other threads wrote
+        # 3. choice = scores + bias (raw: a NaN stays NaN until the groups are scored)
+        for j in range(VPT):
+            e = lane + LANES * j
+            ks[j] = xs[j] + ks[j] if has_bias else xs[j]
+            if e < E:
+                sc[ix(e)] = xs[j]
+                if G > 1:
+                    key[ix(e)] = ks[j]
+        rsync(lane)   # from here on threads read entries other threads wrote
 
-        # 3. groups: score each, keep the topk_group best, mask the rest to -inf
+        # 4. groups: score each, keep the topk_group best, mask the rest to -inf
         if G > 1:
             per = E // G
             for g in range(lane, G, LANES):
@@ -286,27 +300,33 @@ def route_kernel(flavor: str, n: int):
                 if lane == bi % LANES:
                     gs[ix(bi)] = NAN32     # kept; only this thread scans group bi again
             rsync(lane)
-            for e in range(lane, E, LANES):
-                kept = gs[ix(e // per)] != gs[ix(e // per)]
-                key[ix(e)] = sel_key(key[ix(e)]) if kept else NEG_INF32
+            for j in range(VPT):
+                e = lane + LANES * j
+                if e < E:
+                    kept = gs[ix(e // per)] != gs[ix(e // per)]
+                    ks[j] = sel_key(ks[j]) if kept else NEG_INF32
         else:
-            for e in range(lane, E, LANES):
-                key[ix(e)] = sel_key(key[ix(e)])
+            for j in range(VPT):
+                ks[j] = sel_key(ks[j])
 
-        # 4. top-k: K rounds of a row-wide argmax; thread k % L writes slot k
+        # 5. top-k: K rounds of a row-wide argmax over the registers; `taken` marks winners
+        taken = int64(0)
+        for j in range(VPT):
+            if lane + LANES * j >= E:
+                taken |= int64(1) << j     # padding never competes
         total = float32(0.0)
         for k in range(K):
             bv = NEG_INF32
             bi = int32(E)
-            for e in range(lane, E, LANES):
-                v = key[ix(e)]
-                if v == v and better(v, e, bv, bi):
-                    bv = v
-                    bi = int32(e)
+            for j in range(VPT):           # increasing e: `better` keeps the first of a tie
+                if not (taken >> j) & 1:
+                    if ks[j] > bv or bi == E:
+                        bv = ks[j]
+                        bi = int32(lane + LANES * j)
             bv, bi = rargmax(bv, bi, red_f, red_i, lane)
-            w = sc[ix(bi)]
             if lane == bi % LANES:
-                key[ix(bi)] = NAN32        # taken
+                taken |= int64(1) << (bi // LANES)
+            w = sc[ix(bi)]
             total += w
             if lane == k % LANES:
                 weights[ix(row), ix(k)] = w
@@ -320,6 +340,14 @@ def route_kernel(flavor: str, n: int):
             weights[ix(row), ix(k)] = (weights[ix(row), ix(k)] / div) * scale
 
     return kernel(route)
+
+
+def values_per_thread(E, lanes):
+    """The smallest power of two VPT with E <= VPT * lanes (a kernel is compiled per VPT)."""
+    vpt = 1
+    while vpt * lanes < E:
+        vpt *= 2
+    return vpt
 
 
 def _geometry(flavor, T, E, G):
@@ -350,7 +378,9 @@ def _launch(call, gating_output, bias, topk, num_groups, topk_group, scoring, re
     tei = call.empty((T, topk), np.int32) if want_tei else None
     if T > 0:
         grid, block, smem = _geometry(flavor, T, E, num_groups)
-        kernel = route_kernel(flavor, block // 32 if flavor == "warp" else block)
+        lanes = 32 if flavor == "warp" else block
+        kernel = route_kernel(flavor, block // 32 if flavor == "warp" else block,
+                              values_per_thread(E, lanes))
         logits = call.dev("gating_output", gating_output)
         bias_d = (call.dev("e_score_correction_bias", bias) if bias is not None
                   else A.dummy(np.float32))
@@ -516,20 +546,22 @@ def compile_cases():
     def arr(dt, nd):
         return t.Array(dt, nd, "C")
 
-    cases = []
-    for flavor, n in (("warp", CONFIGS["warp"]["WARPS_PER_BLOCK"]),
-                      ("block", CONFIGS["block"]["THREADS"])):
-        # every logits dtype on the default flavour; the other one shares all but the
-        # reductions, so two dtypes suffice there (each compile costs ~10 s of CI)
-        dts = ((t.float32, t.float16, t.uint16, t.float64) if flavor == "warp"
-               else (t.float32, t.uint16))
-        for dt in dts:
-            for ids_dt in ((t.int32, t.int64) if dt == t.float32 and flavor == "warp"
-                           else (t.int32,)):
-                sig = ((arr(dt, 2), arr(t.float32, 1), arr(t.float32, 2), arr(ids_dt, 2),
-                        arr(t.int32, 2)) + (t.int64,) * 9 + (t.float32,))
-                cases.append((f"routing {flavor} logits={dt} ids={ids_dt}",
-                              route_kernel(flavor, n), sig))
+    def sig(dt, ids_dt=t.int32):
+        return ((arr(dt, 2), arr(t.float32, 1), arr(t.float32, 2), arr(ids_dt, 2),
+                 arr(t.int32, 2)) + (t.int64,) * 9 + (t.float32,))
+
+    warp = CONFIGS["warp"]["WARPS_PER_BLOCK"]
+    block = CONFIGS["block"]["THREADS"]
+    # every logits dtype at E = 256 (VPT 8) on the default flavour; the other row widths
+    # (E = 8, 128, 1024) once; the block flavour (shares all but the reductions) twice
+    cases = [(f"routing warp VPT=8 logits={dt}", route_kernel("warp", warp, 8), sig(dt))
+             for dt in (t.float32, t.float16, t.uint16, t.float64)]
+    cases.append(("routing warp VPT=8 logits=float32 ids=int64", route_kernel("warp", warp, 8),
+                  sig(t.float32, t.int64)))
+    cases += [(f"routing warp VPT={v} logits=uint16", route_kernel("warp", warp, v),
+               sig(t.uint16)) for v in (1, 4, 32)]
+    cases += [(f"routing block VPT=2 logits={dt}", route_kernel("block", block, 2), sig(dt))
+              for dt in (t.float32, t.uint16)]
     return cases
 
 
