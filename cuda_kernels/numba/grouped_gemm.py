@@ -38,9 +38,9 @@ Versions (`version=`; None picks the best that fits block_size):
         makes shared reads conflict-free and stores coalesced. Global loads are 8 bytes
         (two fp32 or four fp16 / bf16: a and w viewed as uint64 words, taken apart when
         staged) when Kd is a multiple of the word and the bases are 8-byte aligned, else one
-        element each. Tile table CONFIGS["v3"] keyed by BM (the tallest dividing B): 64 and
-        32 rows x 128 columns x 16 deep on 16 x 16 threads; 16 rows (decode) x 64 columns x
-        32 deep on 16 x 4 threads, for many small blocks and more weight bytes in flight.
+        element each. Tile table CONFIGS["v3"] keyed by BM (the tallest dividing B): 64 rows
+        x 128 columns x 16 deep on 16 x 16 threads; 32 and 16 rows x 64 columns x 32 deep on
+        16 x 8 and 16 x 4 threads, for many small blocks and more weight bytes in flight.
         grid (cdiv(max_padded, BM), cdiv(N, BN)); shared = BK * (BM + BN + 2) * 4 bytes + 2 BM ints.
 
 BM divides B (a tile never straddles two experts, so the expert is one load per tile): v2's
@@ -88,13 +88,13 @@ CONFIGS = {
     "v1": {"TX": 32, "TY": 8},
     "v2": {"BM": 16, "BN": 16, "BK": 16},
     # v3: tile height BM -> the rest; a launch takes the tallest BM that divides block_size.
-    # Tall tiles: 16 x 16 threads, TM x TN = 4 x 8 / 2 x 8 (compute-bound prefill). Short
-    # tiles (decode: few slots per expert, the weight stream is the cost): a narrow, deep tile
-    # on 64 threads (4 x 16, TM x TN = 4 x 4), so many small blocks share an SM and keep
-    # more weight bytes in flight (H200: 256 threads here ran 1.7-1.9x behind CuPy's v3).
+    # The tall tile: 16 x 16 threads, TM x TN = 4 x 8 (compute-bound prefill). Shorter tiles
+    # (few slots per expert: the weight stream is the cost): narrow, deep tiles on 128 and 64
+    # threads (TM x TN = 4 x 4), so many small blocks share an SM and keep more weight bytes
+    # in flight (H200: 256-thread tiles here ran 1.3-1.9x behind CuPy's v3).
     "v3": {
         64: {"BN": 128, "BK": 16, "TM": 4, "TN": 8},
-        32: {"BN": 128, "BK": 16, "TM": 2, "TN": 8},
+        32: {"BN": 64, "BK": 32, "TM": 4, "TN": 4},
         16: {"BN": 64, "BK": 32, "TM": 4, "TN": 4},
     },
 }
