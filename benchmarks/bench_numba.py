@@ -33,8 +33,9 @@ H200's L2). Two figures: device (a sleeping kernel occupies the GPU while Python
 call, so the events bracket GPU work only) and eager (idle queue: the events also see the
 Python and launch overhead, what a notebook user pays). The first call of each (stage,
 backend) is timed on its own and reported as compile time: numba JIT-compiles a kernel per
-argument types when it first runs it (CuPy's kernels come from its disk cache after the
-first run ever).
+argument types when it first runs it, unless an earlier process left it in the package's
+disk cache (MOE_SANDBOX_NUMBA_CACHE=0 measures cold compiles); CuPy's kernels come from its
+own disk cache after the first run ever.
 
     python benchmarks/bench_numba.py [--models deepseek-v3] [--tokens 1,4096]
                                      [--stages route,align,gemm1] [--reps 20] [--budget-s 150]
@@ -53,6 +54,7 @@ import datetime
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import pathlib
 import sys
 import time
@@ -204,7 +206,9 @@ def first_call(env, fn, setup):
 
 # ----------------------------------------------------------------------------- one (model, T)
 class Point:
-    """The inputs of one (model, T); `redraw()` routes fresh logits with Numba's kernel."""
+    """The inputs of one (model, T); `redraw()` routes fresh logits with Numba's kernel.
+    Nothing is routed at construction: the route stage's first call must be the first time
+    the routing kernel runs, or its JIT compile would hide in a setup."""
 
     def __init__(self, env, preset, T):
         self.env, self.p, self.T = env, preset, T
@@ -215,7 +219,7 @@ class Point:
         self.bias = env.randn((E,), np.float32, 0.1)                       # [E]
         self.x = env.randn((T, H), A.BF16)                                 # [T, H]
         self.dense = {}
-        self.redraw()
+        self.topk_weights = self.topk_ids = self.inv = None
 
     def route_with(self, mod):
         p = self.p
@@ -225,8 +229,11 @@ class Point:
                                     self.bias)
         return mod.fused_topk(None, self.logits, p.top_k, True)[:2]
 
-    def redraw(self):
+    def new_logits(self):
         self.env.refill(self.logits, 2.0)
+
+    def redraw(self):
+        self.new_logits()
         self.topk_weights, self.topk_ids = self.route_with(nb)             # [T, K] x 2
 
     def get(self, name):
@@ -250,7 +257,7 @@ def stage_calls(pt, stage, ck):
     if stage == "route":
         nbytes = 2 * T * E + 8 * T * K
         for label, mod in backends:
-            out.append((label, lambda mod=mod: pt.route_with(mod), pt.redraw, nbytes))
+            out.append((label, lambda mod=mod: pt.route_with(mod), pt.new_logits, nbytes))
     elif stage == "align":
         from cuda_kernels.numba.permute import max_num_tokens_padded
 
@@ -478,6 +485,8 @@ def main(argv=None):
                   "numba": numba.__version__,
                   "numba_cuda": importlib.metadata.version("numba-cuda"),
                   "cupy_compared": cupy_ok, "cupy_reason": None if cupy_ok else cupy_why,
+                  # first calls are JIT compiles only when no earlier process cached them
+                  "numba_disk_cache": os.environ.get("MOE_SANDBOX_NUMBA_CACHE", "1") != "0",
                   "reps": args.reps, "method": "numba CUDA events on the default stream; new "
                   "routing + L2 flush (128 MB) before every rep; device = sleeping kernel "
                   "ahead of the call, eager = idle queue; first call timed alone (JIT compile)",
