@@ -48,9 +48,9 @@ checks() {   # GPU 0
   say "compute-sanitizer"
   for mod in cuda_kernels.cupy.routing cuda_kernels.cupy.permute cuda_kernels.cupy.activation \
              cuda_kernels.cupy.combine cuda_kernels.cupy.grouped_gemm cuda_kernels.cupy.quant_gemm \
-             cuda_kernels.cupy.quant_act; do
+             cuda_kernels.cupy.quant_act cuda_kernels.numba._sanitize; do
     tools=memcheck
-    case $mod in *routing|*permute|*grouped_gemm) tools="memcheck racecheck" ;; esac
+    case $mod in *routing|*permute|*grouped_gemm|*_sanitize) tools="memcheck racecheck" ;; esac
     for tool in $tools; do
       printf -- "-- %s %s: " "$tool" "$mod"
       timeout $(budget 45) compute-sanitizer --tool $tool --error-exitcode 9 python3 -m $mod --quick \
