@@ -52,6 +52,32 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
     if w.shape[2] != a.shape[1]:
         raise ValueError(f"w: expected shape (E, N, {a.shape[1]}) to match a's columns, "
                          f"got {w.shape}")
+    num_experts = w.shape[0]
+
+    def expert_matmul(e, token_rows):
+        return to_compute(a[token_rows]) @ to_compute(w[e]).T                 # [rows, N]
+
+    c = walk_expert_blocks(expert_matmul, a.shape[0], num_experts, w.shape[1], sorted_token_ids,
+                           expert_ids, num_tokens_post_padded, top_k, block_size, topk_weights,
+                           mul_routed_weight, bias, to_compute(a[:0]).dtype)
+    return c.astype(a.dtype, copy=False)   # a fresh array: no second copy in fp32
+
+
+def walk_expert_blocks(expert_matmul, num_rows, num_experts, n_out, sorted_token_ids,
+                       expert_ids, num_tokens_post_padded, top_k, block_size, topk_weights,
+                       mul_routed_weight, bias, acc_dtype):
+    """The block walk of a fused MoE GEMM, with the product itself passed in.
+
+    The blocks b < num_tokens_post_padded / B of sorted_token_ids are grouped by their expert
+    e = expert_ids[b], and each expert's real slots s < P (P = num_rows * top_k) go through
+    one call expert_matmul(e, s // top_k) -> [len(s), N] in acc_dtype (those rows of the left
+    operand times w[e].T). Then, in acc_dtype:
+        c[s] = (expert_matmul(e, s // top_k) + bias[e]) * (topk_weights.flat[s] if mul_routed_weight)
+    and c[s] = 0 where e == -1. bias[e] is rounded to acc_dtype before the add, as the kernels
+    load it. Rows that no block names stay NaN. Returns c [P, N] in acc_dtype, unrounded: the
+    caller rounds once. grouped_gemm passes a plain matmul, quant.grouped_gemm_quant a matmul
+    on operands dequantized one expert at a time.
+    """
     check_int("sorted_token_ids", sorted_token_ids, ndim=1)
     check_int("expert_ids", expert_ids, ndim=1)
     top_k = check_positive_int("top_k", top_k)
@@ -62,8 +88,7 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
         raise ValueError(f"num_tokens_post_padded: expected a multiple of block_size ({block_size}) "
                          f"within sorted_token_ids ({sorted_token_ids.size}) and expert_ids "
                          f"({expert_ids.size} blocks), got {num_padded}")
-    num_experts, n_out, _ = w.shape
-    num_slots = a.shape[0] * top_k
+    num_slots = num_rows * top_k
     if bias is not None:
         check_float("bias", bias, ndim=2, shape=(num_experts, n_out))
     if mul_routed_weight:
@@ -80,20 +105,22 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
                          f"{int(block_experts.min())}..{int(block_experts.max())}")
     slots = sorted_token_ids[:num_padded].reshape(num_blocks, block_size)     # [blocks, B]
 
-    c = np.full((num_slots, n_out), np.nan, dtype=to_compute(a[:0]).dtype)    # [P, N]
+    c = np.full((num_slots, n_out), np.nan, dtype=acc_dtype)                  # [P, N]
     for e in np.unique(block_experts):
         rows = slots[block_experts == e].ravel()
         rows = rows[rows < num_slots].astype(np.int64)                        # drop padding
         if e < 0:
             c[rows] = 0
             continue
-        y = to_compute(a[rows // top_k]) @ to_compute(w[e]).T                 # [rows, N]
+        if rows.size == 0:
+            continue      # an expert whose blocks are all padding: no product to compute
+        y = expert_matmul(int(e), rows // top_k)                              # [rows, N]
         if bias is not None:
-            y += to_compute(bias[e])
+            y += bias[e].astype(acc_dtype)
         if mul_routed_weight:
-            y *= topk_weights.ravel()[rows].astype(y.dtype)[:, None]
+            y *= topk_weights.ravel()[rows].astype(acc_dtype)[:, None]
         c[rows] = y
-    return c.astype(a.dtype, copy=False)   # a fresh array: no second copy in fp32
+    return c
 
 
 def moe_sum(x):

@@ -73,7 +73,7 @@ from ._checks import (
     check_positive_int,
 )
 from .activation import apply_activation
-from .experts import DEFAULT_BLOCK_SIZE, grouped_gemm, moe_sum
+from .experts import DEFAULT_BLOCK_SIZE, grouped_gemm, moe_sum, walk_expert_blocks
 from .permute import moe_align_block_size
 from .precision import compute_dtype
 
@@ -629,59 +629,13 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         out_dtype = a.dtype if out_dtype is None else np.dtype(out_dtype)
     if out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype: expected a float dtype, got {out_dtype}")
-    return _gemm_loop(a_deq, weight, w.shape[0], w.shape[1], sorted_token_ids, expert_ids,
-                      num_tokens_post_padded, top_k, block_size, topk_weights, mul_routed_weight,
-                      bias, acc_dtype, out_dtype)
 
+    def expert_matmul(e, token_rows):
+        return a_deq[token_rows] @ weight(e).T                                  # [rows, N]
 
-def _gemm_loop(a_deq, weight, num_experts, n_out, sorted_token_ids, expert_ids,
-               num_tokens_post_padded, top_k, block_size, topk_weights, mul_routed_weight, bias,
-               acc_dtype, out_dtype):
-    """grouped_gemm's loop over experts with the weights dequantized one expert at a time."""
-    check_int("sorted_token_ids", sorted_token_ids, ndim=1)
-    check_int("expert_ids", expert_ids, ndim=1)
-    top_k = check_positive_int("top_k", top_k)
-    block_size = check_positive_int("block_size", block_size)
-    num_padded = int(np.asarray(num_tokens_post_padded).ravel()[0])
-    num_blocks = num_padded // block_size
-    if num_padded % block_size or num_padded > sorted_token_ids.size or \
-            num_blocks > expert_ids.size:
-        raise ValueError(f"num_tokens_post_padded: expected a multiple of block_size "
-                         f"({block_size}) "
-                         f"within sorted_token_ids ({sorted_token_ids.size}) and expert_ids "
-                         f"({expert_ids.size} blocks), got {num_padded}")
-    num_slots = a_deq.shape[0] * top_k
-    if bias is not None:
-        check_float("bias", bias, ndim=2, shape=(num_experts, n_out))
-    if mul_routed_weight:
-        if topk_weights is None:
-            raise ValueError("topk_weights: expected an array when mul_routed_weight=True, "
-                             "got None")
-        check_float("topk_weights", topk_weights)
-        if topk_weights.size != num_slots:
-            raise ValueError(f"topk_weights: expected {num_slots} weights (a rows * top_k), "
-                             f"got shape {topk_weights.shape}")
-    block_experts = expert_ids[:num_blocks]
-    if block_experts.size and (block_experts.min() < -1 or block_experts.max() >= num_experts):
-        raise ValueError(f"expert_ids: expected local ids in [-1, {num_experts}), got "
-                         f"{int(block_experts.min())}..{int(block_experts.max())}")
-    slots = sorted_token_ids[:num_padded].reshape(num_blocks, block_size)     # [blocks, B]
-
-    c = np.full((num_slots, n_out), np.nan, dtype=acc_dtype)                  # [P, N]
-    for e in np.unique(block_experts):
-        rows = slots[block_experts == e].ravel()
-        rows = rows[rows < num_slots].astype(np.int64)                        # drop padding
-        if e < 0:
-            c[rows] = 0
-            continue
-        if rows.size == 0:
-            continue
-        y = a_deq[rows // top_k] @ weight(int(e)).T                           # [rows, N]
-        if bias is not None:
-            y += bias[e].astype(acc_dtype)
-        if mul_routed_weight:
-            y *= topk_weights.ravel()[rows].astype(acc_dtype)[:, None]
-        c[rows] = y
+    c = walk_expert_blocks(expert_matmul, a_deq.shape[0], w.shape[0], w.shape[1],
+                           sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
+                           block_size, topk_weights, mul_routed_weight, bias, acc_dtype)
     return c.astype(out_dtype)
 
 
