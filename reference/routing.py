@@ -204,8 +204,22 @@ def zero_experts_compute(topk_ids, topk_weights, num_experts, zero_expert_type, 
     return result.astype(hidden_states.dtype, copy=False)
 
 
-_REFERENCE_OPS = SimpleNamespace(fused_topk=fused_topk, fused_topk_bias=fused_topk_bias,
-                                 grouped_topk=grouped_topk)
+def _call_custom_routing(fn, hidden_states, router_logits, top_k, renormalize):
+    """A custom routing function is called with the backend's own arrays (NumPy here)."""
+    return fn(hidden_states=hidden_states, gating_output=router_logits, topk=top_k,
+              renormalize=renormalize)
+
+
+# What select_experts calls on its arrays. The three routing functions are the stages, and
+# a backend's ops must have all three. The other four are the array handling of the
+# dispatcher's tail, which a backend whose arrays are not NumPy's (torch) supplies; any it
+# leaves out are taken from here.
+_REFERENCE_OPS = SimpleNamespace(
+    fused_topk=fused_topk, fused_topk_bias=fused_topk_bias, grouped_topk=grouped_topk,
+    call_custom_routing=_call_custom_routing,
+    ids_astype=lambda ids, indices_type: ids.astype(indices_type),
+    copy=lambda x: np.array(x, copy=True),
+    zero_experts_compute=zero_experts_compute)
 
 
 def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renormalize,
@@ -220,9 +234,15 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
     correction bias is given; fused_topk if no custom function; else the custom function.
     A plain sigmoid router (scoring_func="sigmoid" without groups) is grouped_topk with one
     group, which is the same function. `ops` supplies fused_topk / fused_topk_bias /
-    grouped_topk from another backend; the dispatch logic is shared.
+    grouped_topk from another backend, and optionally the array handling of the tail
+    (call_custom_routing, ids_astype, copy, zero_experts_compute; see _REFERENCE_OPS):
+    the dispatch logic is shared.
     """
     ops = ops or _REFERENCE_OPS
+
+    def tail(name):   # the array handling: the backend's if it has one, else NumPy's
+        return getattr(ops, name, getattr(_REFERENCE_OPS, name))
+
     check_choice("scoring_func", scoring_func, SCORING_FUNCS)
     if use_grouped_topk or (scoring_func == "sigmoid" and custom_routing_function is None):
         if use_grouped_topk and (topk_group is None or num_expert_group is None):
@@ -242,19 +262,19 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
         topk_weights, topk_ids, _ = ops.fused_topk(hidden_states, router_logits, top_k,
                                                    renormalize)
     else:
-        topk_weights, topk_ids = custom_routing_function(
-            hidden_states=hidden_states, gating_output=router_logits, topk=top_k,
-            renormalize=renormalize)
+        topk_weights, topk_ids = tail("call_custom_routing")(
+            custom_routing_function, hidden_states, router_logits, top_k, renormalize)
     if indices_type is not None:
-        topk_ids = topk_ids.astype(indices_type)
+        topk_ids = tail("ids_astype")(topk_ids, indices_type)
 
     zero_expert_result = None
     if zero_expert_num and zero_expert_type is not None:
         if global_num_experts is None:
             raise ValueError("global_num_experts: expected the number of real experts when "
                              "zero experts are on, got None")
-        topk_ids = np.array(topk_ids, copy=True)
-        topk_weights = np.array(topk_weights, copy=True)
-        zero_expert_result = zero_experts_compute(topk_ids, topk_weights, global_num_experts,
-                                                  zero_expert_type, hidden_states)
+        # zero_experts_compute rewrites ids and weights in place: on copies, not on the
+        # routing functions' (or a custom function's) own arrays
+        topk_ids, topk_weights = tail("copy")(topk_ids), tail("copy")(topk_weights)
+        zero_expert_result = tail("zero_experts_compute")(
+            topk_ids, topk_weights, global_num_experts, zero_expert_type, hidden_states)
     return topk_weights, topk_ids, zero_expert_result

@@ -319,8 +319,31 @@ def zero_experts_compute(topk_ids, topk_weights, num_experts, zero_expert_type, 
     return result.to(hidden_states.dtype)
 
 
+def _call_custom_routing(fn, hidden_states, router_logits, top_k, renormalize):
+    """A custom routing function is user code written against NumPy (the reference's
+    convention): it is called with host arrays and its results come back as tensors."""
+    w_np, ids_np = fn(hidden_states=to_host(hidden_states), gating_output=to_host(router_logits),
+                      topk=top_k, renormalize=renormalize)
+    return (to_device(np.asarray(w_np)).to(router_logits.device),
+            to_device(np.asarray(ids_np)).to(router_logits.device))
+
+
+# the ops of reference.routing.select_experts: the three routing functions, and the array
+# handling of the dispatcher's tail done on tensors
+_TAIL = ("call_custom_routing", "ids_astype", "copy", "zero_experts_compute")
 _OPS = SimpleNamespace(fused_topk=fused_topk, fused_topk_bias=fused_topk_bias,
-                       grouped_topk=grouped_topk)
+                       grouped_topk=grouped_topk, call_custom_routing=_call_custom_routing,
+                       ids_astype=lambda ids, indices_type: ids.to(_index_dtype(indices_type)),
+                       copy=lambda t: t.clone(), zero_experts_compute=zero_experts_compute)
+
+
+def _with_torch_tail(ops):
+    """A caller's ops, with this module's tensor handling for whatever of the tail it lacks."""
+    merged = SimpleNamespace(**{name: getattr(_OPS, name) for name in _TAIL})
+    for name in ("fused_topk", "fused_topk_bias", "grouped_topk") + _TAIL:
+        if hasattr(ops, name):
+            setattr(merged, name, getattr(ops, name))
+    return merged
 
 
 def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renormalize,
@@ -330,49 +353,22 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
                    zero_expert_num=0, zero_expert_type=None, ops=None):
     """vLLM's dispatcher, in vLLM's order: grouped_topk (also a plain sigmoid router, as one
     group); fused_topk_bias when a correction bias is given; fused_topk; else the custom
-    function. A custom routing function is user code written against NumPy (the
-    reference's convention): it is called with host NumPy arrays and its results come back
-    as tensors. Returns (topk_weights f32 [T, K], topk_ids int32 [T, K],
+    function. The dispatch is the reference's (reference.routing.select_experts) with
+    ops = this module's routing functions and tensor handling, as the CuPy and Numba
+    backends do: the routing math stays this module's own. A custom routing function is
+    user code written against NumPy: it is called with host NumPy arrays and its results
+    come back as tensors. Returns (topk_weights f32 [T, K], topk_ids int32 [T, K],
     zero_expert_result [T, H] or None)."""
-    ops = ops or _OPS
-    hidden_states = _t(hidden_states, "hidden_states")
-    router_logits = _t(router_logits, "router_logits")
-    if scoring_func not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring_func: expected one of ['sigmoid', 'softmax'], "
-                         f"got {scoring_func!r}")
-    if use_grouped_topk or (scoring_func == "sigmoid" and custom_routing_function is None):
-        if use_grouped_topk and (topk_group is None or num_expert_group is None):
-            raise ValueError("use_grouped_topk: expected topk_group and num_expert_group, "
-                             f"got topk_group={topk_group}, num_expert_group={num_expert_group}")
-        weights, ids = ops.grouped_topk(
-            hidden_states, router_logits, top_k, renormalize,
-            num_expert_group=num_expert_group if use_grouped_topk else 1,
-            topk_group=topk_group if use_grouped_topk else 1,
-            scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor,
-            e_score_correction_bias=e_score_correction_bias)
-    elif e_score_correction_bias is not None:
-        weights, ids = ops.fused_topk_bias(hidden_states, router_logits, e_score_correction_bias,
-                                           top_k, renormalize,
-                                           routed_scaling_factor=routed_scaling_factor)
-    elif custom_routing_function is None:
-        weights, ids, _ = ops.fused_topk(hidden_states, router_logits, top_k, renormalize)
-    else:
-        w_np, ids_np = custom_routing_function(
-            hidden_states=to_host(hidden_states), gating_output=to_host(router_logits),
-            topk=top_k, renormalize=renormalize)
-        weights = to_device(np.asarray(w_np)).to(router_logits.device)
-        ids = to_device(np.asarray(ids_np)).to(router_logits.device)
-    if indices_type is not None:
-        ids = ids.to(_index_dtype(indices_type))
-    zero_expert_result = None
-    if zero_expert_num and zero_expert_type is not None:
-        if global_num_experts is None:
-            raise ValueError("global_num_experts: expected the number of real experts when "
-                             "zero experts are on, got None")
-        ids, weights = ids.clone(), weights.clone()
-        zero_expert_result = zero_experts_compute(ids, weights, global_num_experts,
-                                                  zero_expert_type, hidden_states)
-    return weights, ids, zero_expert_result
+    from reference.routing import select_experts as reference_select_experts
+
+    return reference_select_experts(
+        _t(hidden_states, "hidden_states"), _t(router_logits, "router_logits"), top_k,
+        use_grouped_topk, renormalize, topk_group=topk_group, num_expert_group=num_expert_group,
+        custom_routing_function=custom_routing_function, scoring_func=scoring_func,
+        routed_scaling_factor=routed_scaling_factor,
+        e_score_correction_bias=e_score_correction_bias, indices_type=indices_type,
+        global_num_experts=global_num_experts, zero_expert_num=zero_expert_num,
+        zero_expert_type=zero_expert_type, ops=_OPS if ops is None else _with_torch_tail(ops))
 
 
 # ----------------------------------------------------------------------------- align
