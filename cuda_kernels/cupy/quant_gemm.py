@@ -49,7 +49,10 @@ import numpy as np
 from . import _compile as C
 
 CU = "quant_gemm.cu"
-VERSIONS = ("v1", "v2", "v3")
+CU_FP8_GEMV = "quant_gemm_fp8_gemv.cu"      # v4
+CU_FP8_WGMMA = "quant_gemm_fp8_wgmma.cu"    # v5
+V5_OPTIONS = ("-arch=sm_90a",)              # wgmma exists only in sm_90a code
+VERSIONS = ("v1", "v2", "v3", "v4", "v5")
 KBLOCK = 128                      # the K width of a DeepSeek-V3 quantization block
 QT = {"fp8": 0, "int8": 1}
 ELEMS = {"bf16": 1, "fp16": 0}    # ELEM_BF16 define
@@ -81,6 +84,23 @@ WNA16_V3_CONFIGS = {
 # up to MAX rows; above, tensor-core tiles that reuse each weight tile across rows (v2).
 # The first entry whose rows cover the batch and whose BM divides block_size wins.
 WNA16_BY_ROWS = ((8, "gemv16"), (24, "gemv32"), (24, "gemv16"))
+# fp8 w8a8 v4 (decode: weight streaming, mma.sync e4m3 with the weights as A): BM = 8 * MT
+# token rows per CTA (tiles of 8, padding-only tiles skipped), 16 weight rows per CTA, WARPS
+# warps splitting K by 128-wide blocks, U blocks of weight loads in flight per thread, MINB
+# CTAs per SM (caps the registers).
+FP8_V4_CONFIGS = {
+    "gemv8": dict(BM=8, WARPS=8, U=4, MINB=2),
+    "gemv16": dict(BM=16, WARPS=8, U=2, MINB=2),
+}
+# fp8 w8a8 v5 (Hopper wgmma e4m3, per-block promotion): BM token rows (64 per warpgroup), BN
+# weight rows, STAGES 128-wide K blocks in the cp.async ring.
+FP8_V5_CONFIGS = {
+    "wg64": dict(BM=64, BN=128, STAGES=4),
+    "wg128": dict(BM=128, BN=128, STAGES=3),
+}
+# The fp8 rung by rows per expert (P / E): decode batches stream the weights (v4) up to this
+# many rows per expert; above, the wgmma tiles (v5, sm_90) or mma.sync tiles (v2) elsewhere.
+FP8_V4_MAX_ROWS = 16
 V3_KSTEP = 128                    # v3's K step: 32 codes per thread, one scale per step
 W8A8_ROW = KBLOCK + 16            # padded shared row, bytes (see quant_gemm.cu)
 
@@ -139,6 +159,26 @@ def wna16_group_ok(group_size: int, num_groups: int, bk: int) -> bool:
     return group_size % 16 == 0 and bk % group_size == 0 and bk // group_size in (2, 4)
 
 
+def _v4_name(cfg: dict) -> str:
+    return f"fp8_gemv_v4<{cfg['BM'] // 8}, {cfg['WARPS']}, {cfg['U']}, {cfg['MINB']}>"
+
+
+def v4_smem_bytes(cfg: dict) -> int:
+    """The warps' partial sums [WARPS][BM][16] fp32, then a rows and slots."""
+    return cfg["WARPS"] * cfg["BM"] * 16 * 4 + 2 * cfg["BM"] * 4
+
+
+def _v5_name(cfg: dict) -> str:
+    return f"fp8_gemm_v5<{cfg['BM']}, {cfg['BN']}, {cfg['STAGES']}>"
+
+
+def v5_smem_bytes(cfg: dict) -> int:
+    """1024 (alignment of the swizzled ring) + the ring + per-stage a scales + w scales (16 B
+    padded) + a rows and slots."""
+    st, bm, bn = cfg["STAGES"], cfg["BM"], cfg["BN"]
+    return 1024 + st * ((bm + bn) * 128 + bm * 4) + 16 * C.cdiv(st * 4, 16) + 2 * bm * 4
+
+
 V1_NAMES = ("w8a8_gemm_v1<0>", "w8a8_gemm_v1<1>", "wna16_gemm_v1<4>", "wna16_gemm_v1<8>")
 W8A8_V2_NAMES = tuple(_w8a8_name(q, c) for c in W8A8_CONFIGS.values() for q in QT)
 WNA16_V2_NAMES = tuple(_wna16_name(b, c) for c in WNA16_CONFIGS.values() for b in (4, 8))
@@ -147,9 +187,13 @@ WNA16_V3_NAMES = tuple(_v3_name(c) for c in WNA16_V3_CONFIGS.values())
 # Every instantiation the launcher can pick, for the CPU compile checks (one case per family
 # and element type: NVRTC compiles a case's names in one pass). fp8 mma needs sm_89: on sm_80
 # those bodies compile to a trap and the launcher never picks them there.
+FP8_V4_NAMES = tuple(_v4_name(c) for c in FP8_V4_CONFIGS.values())
+FP8_V5_NAMES = tuple(_v5_name(c) for c in FP8_V5_CONFIGS.values())
 for _ek, _ev in ELEMS.items():
     for _names in (V1_NAMES, W8A8_V2_NAMES, WNA16_V2_NAMES, WNA16_V3_NAMES):
         C.register_compile_case(CU, {"ELEM_BF16": _ev}, _names)
+    C.register_compile_case(CU_FP8_GEMV, {"ELEM_BF16": _ev}, FP8_V4_NAMES)
+    C.register_compile_case(CU_FP8_WGMMA, {"ELEM_BF16": _ev}, FP8_V5_NAMES, options=V5_OPTIONS)
 
 
 # ----------------------------------------------------------------------------- config choice
@@ -174,6 +218,63 @@ def _pick(table: dict, rows_per_expert: float, block_size: int, config=None):
         return None
     small = [c for c in fits if c["BM"] >= min(rows_per_expert, 64)]
     return min(small, key=lambda c: c["BM"]) if small else max(fits, key=lambda c: c["BM"])
+
+
+def _named(table: dict, config):
+    """The config of `table` that `config` names (a name of it, or a dict with its keys)."""
+    if isinstance(config, str):
+        return table.get(config)
+    if isinstance(config, dict) and set(config) == set(next(iter(table.values()))):
+        return config
+    return None
+
+
+def _pick_fp8(version, config, rows_per_expert, block_size, K, cc, a, w):
+    """(version, config, None) when the fp8 rung v4 (decode) or v5 (wgmma) should run, else
+    (None, None, why not). By default v4 up to FP8_V4_MAX_ROWS rows per expert, v5 above on
+    sm_90; `version` / a config name of FP8_V4_CONFIGS or FP8_V5_CONFIGS asks for one."""
+    c4, c5 = _named(FP8_V4_CONFIGS, config), _named(FP8_V5_CONFIGS, config)
+    if config is not None and c4 is None and c5 is None:
+        return None, None, "a config of another rung was asked for"
+    if version is None:
+        version = "v4" if c4 is not None else "v5" if c5 is not None else None
+    if version not in (None, "v4", "v5"):
+        return None, None, "another version was asked for"
+    if not _aligned(a, w):
+        return None, None, "v4 / v5 load 16-byte chunks: a and w must be 16-byte aligned"
+    why4 = why5 = None
+    if cc < 89:
+        why4 = f"fp8 tensor cores need sm_89+, this device is sm_{cc}"
+    elif K % 128:
+        why4 = f"v4 streams 128-wide K blocks: Kdim must be a multiple of 128, got {K}"
+    if cc != 90:
+        why5 = f"v5 (wgmma, built for sm_90a) runs on compute capability 9.0 only, got {cc}"
+    elif K % 16:
+        why5 = f"v5 loads 16-byte chunks: Kdim must be a multiple of 16, got {K}"
+
+    def fit(table, cfg, label):
+        if cfg is not None:
+            if block_size % cfg["BM"]:
+                raise ValueError(f"config: tile rows BM={cfg['BM']} must divide block_size "
+                                 f"{block_size}")
+            return cfg, None
+        fits = [c for c in table.values() if block_size % c["BM"] == 0]
+        if not fits:
+            return None, f"{label} needs block_size a multiple of its tile rows, got {block_size}"
+        small = [c for c in fits if c["BM"] >= min(rows_per_expert, 128)]
+        return (min(small, key=lambda c: c["BM"]) if small
+                else max(fits, key=lambda c: c["BM"])), None
+
+    if version in (None, "v4") and why4 is None and c5 is None and (
+            version == "v4" or c4 is not None or rows_per_expert <= FP8_V4_MAX_ROWS):
+        cfg, why4 = fit(FP8_V4_CONFIGS, c4, "v4")
+        if cfg is not None:
+            return "v4", cfg, None
+    if version in (None, "v5") and why5 is None and c4 is None:
+        cfg, why5 = fit(FP8_V5_CONFIGS, c5, "v5")
+        if cfg is not None:
+            return "v5", cfg, None
+    return None, None, why4 if version == "v4" else why5
 
 
 def _is_v3_config(config) -> bool:
@@ -420,6 +521,17 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     cc = int(dev.compute_capability)
     rows_per_expert = P / max(E, 1)
     why = None
+    fcfg = None
+    if fmt == "fp8":
+        fver, fcfg, fwhy = _pick_fp8(version, config, rows_per_expert, block_size, K, cc, a, w)
+        if fver is not None:
+            version = fver
+        elif version in ("v4", "v5"):
+            raise ValueError(f"version: {version} cannot run this problem: {fwhy}")
+        if _named(FP8_V4_CONFIGS, config) is not None or _named(FP8_V5_CONFIGS, config) is not None:
+            config = None                     # a fast-rung config that does not apply here
+    elif version in ("v4", "v5"):
+        raise ValueError(f"version: {version} is an fp8 w8a8 rung (use_fp8_w8a8), got {fmt}")
     if w8a8:
         cfg = _pick(W8A8_CONFIGS, rows_per_expert, block_size, config)
         if cfg is None:
@@ -461,7 +573,25 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     # read num_tokens_post_padded and exit, thousands of them per launch.
     Lg = min(L, P * block_size)
 
-    if version == "v1":
+    if version == "v4":
+        name = _v4_name(fcfg)
+        smem = v4_smem_bytes(fcfg)
+        kern = _kernel(name, FP8_V4_NAMES if name in FP8_V4_NAMES else (name,), elem, smem,
+                       CU_FP8_GEMV)
+        grid = (C.cdiv(Lg, fcfg["BM"]), C.cdiv(N, 16))
+        block = (fcfg["WARPS"] * 32,)
+    elif version == "v5":
+        name = _v5_name(fcfg)
+        smem = v5_smem_bytes(fcfg)
+        kern = _kernel(name, FP8_V5_NAMES if name in FP8_V5_NAMES else (name,), elem, smem,
+                       CU_FP8_WGMMA, V5_OPTIONS)
+        grid = (C.cdiv(N, fcfg["BN"]), C.cdiv(Lg, fcfg["BM"]))
+        block = (fcfg["BM"] // 64 * 128,)
+        if grid[1] > 65535:
+            raise ValueError(f"sorted_token_ids: {Lg} positions need {grid[1]} row tiles, over "
+                             f"the grid's 65535 (use version='v2')")
+        grid = (grid[0], grid[1], 1)
+    elif version == "v1":
         grid, block, smem = (Lg, C.cdiv(N, 128)), (128,), 0
         if w8a8:
             name = f"w8a8_gemm_v1<{QT[fmt]}>"
@@ -486,7 +616,7 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         kern = _kernel(name, WNA16_V2_NAMES if name in WNA16_V2_NAMES else (name,), elem, smem)
         grid = (C.cdiv(Lg, cfg["BM"]), C.cdiv(N, cfg["BN"]))
         block = (cfg["WARPS_M"] * cfg["WARPS_N"] * 32,)
-    if grid[1] > 65535:
+    if version != "v5" and grid[1] > 65535:
         raise ValueError(f"w: N = {N} needs {grid[1]} column tiles, over the grid's 65535")
 
     null = C.null_ptr()
@@ -508,16 +638,16 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
 _READY: dict = {}
 
 
-def _kernel(name, names, elem, smem):
+def _kernel(name, names, elem, smem, cu=CU, options=()):
     """The compiled kernel (one NVRTC pass per family and element type), its dynamic
     shared-memory limit raised once when it needs more than the default 48 KB."""
     import cupy
 
     dev = cupy.cuda.Device().id
-    key = (name, elem, dev)
+    key = (cu, name, elem, dev)
     kern = _READY.get(key)
     if kern is None:
-        kern = C.get_kernel(CU, name, {"ELEM_BF16": elem}, names)
+        kern = C.get_kernel(cu, name, {"ELEM_BF16": elem}, names, options=options)
         if smem > 48 * 1024:   # a CTA gets more than 48 KB only after opting in
             kern.max_dynamic_shared_size_bytes = smem
         _READY[key] = kern

@@ -1,0 +1,344 @@
+// quant_gemm_fp8_wgmma.cu: w8a8 fp8 Hopper rung (v5 of quant_gemm.py): wgmma e4m3 x e4m3.
+//
+//   c[s] = (deq(a)[s / top_k] @ deq(w[e]).T + bias[e]) * (topk_weights[s] if mul_routed_weight)
+//
+// for every live position p of sorted_token_ids (as quant_gemm.cu; e == -1 writes zeros), fp8
+// e4m3 codes, fp32 accumulation, one rounding to elem_t.
+//   a [M_a, Kdim] e4m3 bytes   a_scale [1] | [M_a] | [M_a, KB]      (kind 0 / 1 / 2)
+//   w [E, N, Kdim] e4m3 bytes  w_scale [E] | [E, N] | [E, NB, KB]   (kind 0 / 1 / 2)
+// Kind 2 together = DeepSeek-V3 block scaling (128x128 weight blocks, 1x128 activation groups).
+//
+// Design (large batches: tensor-core bound once each weight tile is reused over 64+ rows):
+//   * K tile = one 128-wide quantization block = 128 fp8 bytes per row = exactly one 128-byte
+//     swizzled row, the layout wgmma reads at full rate (chunk c of row r at c ^ (r % 8); the
+//     XOR uses absolute shared addresses, so tiles start on 1024-byte boundaries). Both
+//     operands K-major from shared memory (fp8 wgmma takes no other layout), which is how a
+//     [M, K] and w [E, N, K] lie in memory: no transposition anywhere.
+//   * Per K block, each warpgroup (64 rows) issues 4 wgmma.m64nBNk32 into a block accumulator
+//     (the first with scale-d = 0: no zeroing), waits for them, and promotes:
+//         acc[r, n] += blk[r, n] * a_scale[row r, kb] * w_scale[e, n0 / 128, kb]
+//     This applies DeepSeek-V3's per-block scales and keeps the long sum in full fp32 (fp8
+//     wgmma accumulates with fewer mantissa bits). A BN of 64 or 128 rows aligned to BN lies
+//     in one 128-row weight block: one w scale per CTA and block.
+//   * cp.async ring of STAGES blocks (A rows gathered through sorted_token_ids as the bf16 v5
+//     does, zero-filled for padding rows and the Kdim tail), STAGES - 1 blocks ahead; the
+//     block's scales ride in the same cp.async group. Slot kb - 1 is refilled in iteration kb
+//     after the barrier: every warpgroup waited for its wgmma of kb - 1 before reaching it.
+//     cp.async writes through the generic proxy, wgmma reads through the async proxy:
+//     fence.proxy.async before the barrier orders them.
+//   * Grid x = n tiles (fastest), y = m tiles: the CTAs that run together share an m tile (its
+//     gathered A rows stay in L2) and an expert's consecutive m tiles are close in time (its
+//     weight tiles are read from HBM about once).
+// Accumulator layout (per warpgroup, as mma.m16n8 per n8 block): warp wq of the warpgroup
+// holds rows 16 wq + lane / 4 (+ 8); for n8 block j, d[4j..4j+3] = (row, 8j + 2 (lane % 4)),
+// (row, +1), (row + 8, ...), (row + 8, +1).
+// grid (cdiv(N, BN), cdiv(Lg, BM)), block (BM / 64) * 128, dynamic smem = 1024 +
+//   STAGES * ((BM + BN) * 128 + BM * 4) + 16 * cdiv(STAGES * 4, 16) + BM * 8.
+// Needs sm_90a (built with -arch=sm_90a), Kdim % 16 == 0, a and w 16-byte aligned, BM divides
+// block_size (the launcher checks).
+// ELEM_BF16 (#define 1 / 0): output bf16 / fp16.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef ELEM_BF16
+#error "ELEM_BF16 (1: bf16, 0: fp16) must be #defined by the launcher"
+#endif
+#if ELEM_BF16
+typedef __nv_bfloat16 elem_t;
+#else
+typedef __half elem_t;
+#endif
+typedef unsigned char u8;
+typedef unsigned int u32;
+
+#define FW_ROW 128                 // bytes of a tile row: one K block = the swizzle width
+#define FW_SBO 1024                // next 8-row group (one swizzle atom)
+
+__device__ __forceinline__ bool fw_live(int s, int num_slots) {
+    return (unsigned)s < (unsigned)num_slots;
+}
+__device__ __forceinline__ void fw_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void fw_store(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ u32 fw_pack(float lo, float hi) {
+#if ELEM_BF16
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+#else
+    __half2 v = __floats2half2_rn(lo, hi);
+#endif
+    return *reinterpret_cast<u32*>(&v);
+}
+
+__device__ __forceinline__ u32 fw_smem(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void fw_cp16(u32 dst, const void* src, bool pred) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(pred ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void fw_cp4(u32 dst, const void* src, bool pred) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(pred ? 4 : 0) : "memory");
+}
+__device__ __forceinline__ void fw_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void fw_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}
+__device__ __forceinline__ void fw_fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void fw_wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void fw_wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void fw_wgmma_wait0() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// K-major, 128-byte swizzle descriptor: start >> 4, leading byte offset 1 (unused by swizzled
+// K-major layouts), stride byte offset 1024 >> 4, base offset 0, layout type 1 (128 B).
+__device__ __forceinline__ unsigned long long fw_desc(u32 addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) |
+           ((unsigned long long)(FW_SBO >> 4) << 32) | (1ull << 62);
+}
+
+// d[32] (64 x 64 fp32, this thread's part) = (acc ? d : 0) + A (64 x 32) * B (32 x 64)
+__device__ __forceinline__ void fw_wgmma_n64(float* d, unsigned long long da,
+                                             unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(acc)
+        : "memory");
+}
+
+// d[64] (64 x 128 fp32, this thread's part) = (acc ? d : 0) + A (64 x 32) * B (32 x 128)
+__device__ __forceinline__ void fw_wgmma_n128(float* d, unsigned long long da,
+                                              unsigned long long db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(acc)
+        : "memory");
+}
+
+template <int BN>
+__device__ __forceinline__ void fw_wgmma(float* d, unsigned long long da, unsigned long long db,
+                                         int acc) {
+    if (BN == 64) fw_wgmma_n64(d, da, db, acc);
+    else fw_wgmma_n128(d, da, db, acc);
+}
+
+template <int BM, int BN, int STAGES>
+__global__ void __launch_bounds__((BM / 64) * 128, 1)
+fp8_gemm_v5(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
+            const float* __restrict__ a_scale, const float* __restrict__ w_scale,
+            const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
+            const int* __restrict__ num_tokens_post_padded, const float* __restrict__ topk_weights,
+            const float* __restrict__ bias,
+            int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
+            int mul_routed_weight, int a_scale_kind, int w_scale_kind) {
+    constexpr int NT = (BM / 64) * 128;
+    constexpr int TILE_A = BM * FW_ROW, TILE_B = BN * FW_ROW;
+    constexpr int STAGE = TILE_A + TILE_B;
+    constexpr int A_IT = BM * 8 / NT, B_IT = BN * 8 / NT;     // 16-byte chunks per thread
+    static_assert(BM == 64 || BM == 128, "v5: one or two warpgroups of 64 rows");
+    static_assert(BN == 64 || BN == 128, "v5: BN of 64 or 128 (inside one 128-row block)");
+    static_assert(STAGES >= 2, "v5: at least two stages");
+    static_assert(A_IT * NT == BM * 8 && B_IT * NT == BN * 8, "v5: whole copy rounds");
+
+    extern __shared__ __align__(16) u8 smem[];
+    // the ring starts at the first 1024-byte boundary (the launcher adds 1024 bytes for it)
+    const u32 raw_base = fw_smem(smem);
+    const u32 base = (raw_base + 1023u) & ~1023u;
+    u8* ring = smem + (base - raw_base);
+    float* sAs = reinterpret_cast<float*>(ring + STAGES * STAGE);   // [STAGES][BM]
+    float* sWs = sAs + STAGES * BM;                                 // [STAGES] (padded to 16 B)
+    int* sArow = reinterpret_cast<int*>(sWs + ((STAGES + 3) / 4) * 4);  // [BM] a row, -1 pad
+    int* sSlot = sArow + BM;                                        // [BM] slot s
+
+    const int n0 = blockIdx.x * BN;
+    const int m0 = blockIdx.y * BM;
+    if (m0 >= num_tokens_post_padded[0] || m0 >= num_positions) return;
+    const int e = expert_ids[m0 / block_size];                      // BM divides block_size
+    const int tid = threadIdx.x;
+    int live = 0;
+    for (int r = tid; r < BM; r += NT) {
+        const int p = m0 + r;
+        const int s = p < num_positions ? sorted_token_ids[p] : num_slots;
+        sSlot[r] = s;
+        sArow[r] = fw_live(s, num_slots) ? s / top_k : -1;
+        live |= fw_live(s, num_slots);
+    }
+    if (__syncthreads_or(live) == 0) return;                       // padding-only tile
+    if (e < 0) {                                                    // expert on another rank
+        for (int i = tid; i < BM * BN; i += NT) {
+            const int r = i / BN, n = n0 + i % BN;
+            if (fw_live(sSlot[r], num_slots) && n < N)
+                fw_store(c + (long long)sSlot[r] * N + n, 0.f);
+        }
+        return;
+    }
+    const bool BLOCKWISE = a_scale_kind == 2;                       // uniform over the grid
+    const int KB = (Kdim + 127) / 128;
+    const int NB = (N + 127) / 128;
+    // 64-bit expert base once, 32-bit offsets inside it (launcher: N * Kdim < 2^31)
+    const u8* wexp = w + (long long)e * N * Kdim;
+
+    // Copy assignment: chunk idx = tid + i * NT -> row idx / 8, k chunk idx % 8 (NT is a
+    // multiple of 8: a thread's chunk column is fixed); sources and swizzled places once.
+    const int kc = tid % 8;
+    const u8* a_src[A_IT];
+    bool a_ok[A_IT];
+    u32 a_dst[A_IT];
+#pragma unroll
+    for (int i = 0; i < A_IT; ++i) {
+        const int r = (tid + i * NT) / 8;
+        const int ar = sArow[r];
+        a_ok[i] = ar >= 0;
+        a_src[i] = a + (a_ok[i] ? (long long)ar * Kdim : 0LL) + kc * 16;
+        a_dst[i] = r * FW_ROW + ((kc ^ (r & 7)) << 4);
+    }
+    const u8* b_src[B_IT];
+    bool b_ok[B_IT];
+    u32 b_dst[B_IT];
+#pragma unroll
+    for (int i = 0; i < B_IT; ++i) {
+        const int r = (tid + i * NT) / 8;
+        b_ok[i] = n0 + r < N;
+        b_src[i] = wexp + (b_ok[i] ? (n0 + r) * Kdim : 0) + kc * 16;
+        b_dst[i] = TILE_A + r * FW_ROW + ((kc ^ (r & 7)) << 4);
+    }
+    const float* ws_blk = w_scale + ((long long)e * NB + n0 / 128) * KB;   // kind 2 only
+    const int my_arow = tid < BM ? sArow[tid] : -1;
+
+    auto load_stage = [&](int st, int kb) {
+        const int k = kb * 128;
+        const bool k_ok = k + kc * 16 < Kdim;             // the Kdim tail: whole chunks
+        const u32 sb = base + st * STAGE;
+#pragma unroll
+        for (int i = 0; i < A_IT; ++i) {
+            const bool ok = a_ok[i] && k_ok;
+            fw_cp16(sb + a_dst[i], ok ? (const void*)(a_src[i] + k) : (const void*)a, ok);
+        }
+#pragma unroll
+        for (int i = 0; i < B_IT; ++i) {
+            const bool ok = b_ok[i] && k_ok;
+            fw_cp16(sb + b_dst[i], ok ? (const void*)(b_src[i] + k) : (const void*)w, ok);
+        }
+        if (BLOCKWISE) {
+            if (tid < BM)
+                fw_cp4(fw_smem(sAs + st * BM + tid),
+                       my_arow >= 0 ? a_scale + (long long)my_arow * KB + kb : a_scale,
+                       my_arow >= 0);
+            if (tid == BM % NT)        // another warp than the a-scale copies when BM < NT
+                fw_cp4(fw_smem(sWs + st), ws_blk + kb, true);
+        }
+    };
+
+    const int wg = tid >> 7;                  // warpgroup: rows 64 wg .. 64 wg + 63
+    const int wq = (tid >> 5) & 3;            // warp inside it: 16 of those rows
+    const int lane = tid & 31;
+    const int r0 = wg * 64 + wq * 16 + (lane >> 2);    // this thread's rows r0, r0 + 8
+
+    float acc[BN / 2], blk[BN / 2];
+#pragma unroll
+    for (int j = 0; j < BN / 2; ++j) acc[j] = 0.f;
+
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < KB) load_stage(st, st);
+        fw_commit();                                   // one group per stage, even when empty
+    }
+    for (int kb = 0; kb < KB; ++kb) {
+        fw_wait<STAGES - 2>();                         // block kb has landed (this thread)
+        fw_fence_proxy_async();                        // ... visible to the async proxy
+        __syncthreads();                               // everyone's; slot kb - 1 is free
+        {
+            const int nk = kb + STAGES - 1;
+            if (nk < KB) load_stage(nk % STAGES, nk);
+            fw_commit();
+        }
+        const int st = kb % STAGES;
+        const u32 a_base = base + st * STAGE + wg * 64 * FW_ROW;
+        const u32 b_base = base + st * STAGE + TILE_A;
+        fw_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)      // k32 steps: 32 bytes along the swizzled rows
+            fw_wgmma<BN>(blk, fw_desc(a_base + kk * 32), fw_desc(b_base + kk * 32), kk > 0);
+        fw_wgmma_commit();
+        fw_wgmma_wait0();
+        float s0 = 1.f, s1 = 1.f;
+        if (BLOCKWISE) {
+            const float ws = sWs[st];
+            s0 = sAs[st * BM + r0] * ws;
+            s1 = sAs[st * BM + r0 + 8] * ws;
+        }
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            acc[4 * j + 0] += blk[4 * j + 0] * s0;
+            acc[4 * j + 1] += blk[4 * j + 1] * s0;
+            acc[4 * j + 2] += blk[4 * j + 2] * s1;
+            acc[4 * j + 3] += blk[4 * j + 3] * s1;
+        }
+    }
+    fw_wait<0>();                                      // no copy outlives the CTA
+
+    // Epilogue: per-tensor / per-channel scales, bias, router weight (fp32, docs/stages.md's
+    // order), paired 32-bit stores.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 8 * h;
+        const int s = sSlot[r];
+        if (!fw_live(s, num_slots)) continue;
+        const float sa = BLOCKWISE ? 1.f : (a_scale_kind == 0 ? a_scale[0] : a_scale[sArow[r]]);
+        const float tw = mul_routed_weight ? topk_weights[s] : 1.f;
+        elem_t* crow = c + (long long)s * N;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int n = n0 + 8 * j + 2 * (lane & 3);
+            if (n >= N) continue;
+            float v[2] = {acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]};
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                if (n + q >= N) break;
+                if (!BLOCKWISE)
+                    v[q] *= sa * (w_scale_kind == 0 ? w_scale[e] : w_scale[(long long)e * N + n + q]);
+                if (bias != nullptr) v[q] += bias[(long long)e * N + n + q];
+                v[q] *= tw;
+            }
+            if (n + 1 < N && ((((long long)s * N + n) & 1) == 0)) {
+                *reinterpret_cast<u32*>(crow + n) = fw_pack(v[0], v[1]);
+            } else {
+                fw_store(crow + n, v[0]);
+                if (n + 1 < N) fw_store(crow + n + 1, v[1]);
+            }
+        }
+    }
+}

@@ -1,0 +1,211 @@
+"""The fp8 w8a8 rungs v4 (decode weight streaming, quant_gemm_fp8_gemv.cu) and v5 (Hopper
+wgmma, quant_gemm_fp8_wgmma.cu) of quant_gemm.py against reference/quant.py.
+
+CPU: the config tables, the rung choice, the shared-memory budgets, the registered compile
+cases (the NVRTC compiles themselves run in tests/test_cupy_nvrtc.py).
+GPU (`gpu` marker): every config of each rung against grouped_gemm_quant of the reference on
+the same quantized operands (block, per-tensor and per-channel scales; outputs poisoned with
+NaN first; tolerance: bf16 output rounding 1e-2, and vLLM's block-fp8 0.035), nasty shapes
+(N and Kdim not multiples of the tiles, an expert with no tokens, everything on one expert),
+experts on another rank (zeros), fp16 output.
+
+Shape legend: M_a activation rows, E experts, K top-k, N output width, Kdim reduction width,
+B block size.
+"""
+from __future__ import annotations
+
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cuda_kernels.cupy import _compile as C
+from cuda_kernels.cupy import quant_act as QA
+from cuda_kernels.cupy import quant_gemm as QG
+from reference import moe_align_block_size
+from reference import quant as RQ
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FP8 = RQ.FP8_DTYPE
+GEMM_TOL = 1e-2      # same quantized operands, another accumulation order: bf16 rounding
+FP8_BLOCK_TOL = 0.035
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def rel_err(a, b):
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape
+    assert not np.isnan(a).any(), "NaN in the kernel's output (poison left, or a NaN computed)"
+    assert not np.isnan(b).any()
+    den = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / den) if den else float(np.linalg.norm(a - b))
+
+
+# ----------------------------------------------------------------------------- CPU
+def test_fp8_rungs_register_their_cases():
+    by_file = {}
+    for c in C.COMPILE_CASES:
+        by_file.setdefault(c.cu_name, set()).update(c.name_expressions or ())
+    assert set(QG.FP8_V4_NAMES) <= by_file[QG.CU_FP8_GEMV]
+    assert set(QG.FP8_V5_NAMES) <= by_file[QG.CU_FP8_WGMMA]
+    assert all(C.required_arch(c.options) == "sm_90a" for c in C.COMPILE_CASES
+               if c.cu_name == QG.CU_FP8_WGMMA)
+
+
+def test_fp8_smem_budgets():
+    for cfg in QG.FP8_V4_CONFIGS.values():
+        assert QG.v4_smem_bytes(cfg) <= 48 * 1024 and cfg["BM"] % 8 == 0
+    for cfg in QG.FP8_V5_CONFIGS.values():
+        assert QG.v5_smem_bytes(cfg) <= 227 * 1024 and cfg["BM"] in (64, 128)
+
+
+class _Arr:
+    """Stands in for a device array in the rung choice (only the pointer is read)."""
+    class data:
+        ptr = 256
+
+
+def test_fp8_rung_choice():
+    x = _Arr()
+    # decode on an H200: v4; larger batches: v5 (block_size a multiple of 64)
+    assert QG._pick_fp8(None, None, 1.0, 16, 7168, 90, x, x)[0] == "v4"
+    assert QG._pick_fp8(None, None, 32.0, 64, 7168, 90, x, x)[0] == "v5"
+    # Kdim not a multiple of 128: no v4; block 16: no v5 -> v2
+    assert QG._pick_fp8(None, None, 1.0, 16, 320, 90, x, x)[0] is None
+    # sm_89: v4 yes, v5 no
+    assert QG._pick_fp8(None, None, 1.0, 16, 256, 89, x, x)[0] == "v4"
+    assert QG._pick_fp8(None, None, 32.0, 64, 256, 89, x, x)[0] is None
+    # asked for by config name
+    assert QG._pick_fp8(None, "gemv16", 100.0, 64, 256, 90, x, x)[:2] == \
+        ("v4", QG.FP8_V4_CONFIGS["gemv16"])
+    assert QG._pick_fp8(None, "wg128", 1.0, 128, 256, 90, x, x)[0] == "v5"
+    # a v2 config name leaves the fast rungs alone
+    assert QG._pick_fp8(None, "m64", 100.0, 64, 256, 90, x, x)[0] is None
+    with pytest.raises(ValueError, match="block_size"):
+        QG._pick_fp8(None, "wg128", 1.0, 64, 256, 90, x, x)
+
+
+# ----------------------------------------------------------------------------- GPU
+def up(x):
+    if x is None:
+        return None
+    if isinstance(x, np.ndarray) and x.dtype == FP8:
+        return QA.fp8_to_device(x)
+    return C.to_device(np.asarray(x))
+
+
+def host(x, dtype):
+    h = C.to_host(x)
+    return h.view(dtype) if h.dtype != dtype else h
+
+
+def poisoned(shape, dtype):
+    out = C.empty(shape, dtype)
+    C.raw(out).view(np.uint16).fill(0x7FC0 if np.dtype(dtype) == BF16 else 0x7E00)
+    return out
+
+
+def _need(version):
+    import cupy
+
+    cc = int(cupy.cuda.Device().compute_capability)
+    if cc < 89:
+        pytest.skip("fp8 tensor cores need sm_89+")
+    if version == "v5" and cc != 90:
+        pytest.skip("v5 (wgmma, sm_90a) runs on compute capability 9.0 only")
+
+
+SCALES = [("block", dict(use_fp8_w8a8=True, block_shape=[128, 128])),
+          ("tensor", dict(use_fp8_w8a8=True)),
+          ("channel", dict(use_fp8_w8a8=True, per_act_token_quant=True, per_channel_quant=True))]
+CASES = ([("v4", cfg, B) for cfg in sorted(QG.FP8_V4_CONFIGS) for B in (16, 64)] +
+         [("v5", cfg, QG.FP8_V5_CONFIGS[cfg]["BM"]) for cfg in sorted(QG.FP8_V5_CONFIGS)])
+SHAPES = [
+    # M_a, E, top_k, N,   Kdim   (v4: Kdim % 128 == 0)
+    (1,   4, 2, 64,  256),
+    (37,  6, 3, 200, 384),       # N not a multiple of 16 / 128; experts with several blocks
+    (50,  1, 1, 72,  640),       # everything on one expert
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version,cfg,B", CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("scale,flags", SCALES, ids=[s[0] for s in SCALES])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp8_rung_matches_reference(rng, version, cfg, B, scale, flags, shape):
+    _need(version)
+    M_a, E, K, N, Kd = shape
+    if version == "v5" and Kd % 128 == 0 and shape[0] == 50:
+        Kd = Kd - 48                                   # v5 takes a partial last K block
+    a = rng.standard_normal((M_a, Kd)).astype(BF16)
+    w = (rng.standard_normal((E, N, Kd)) * 0.05).astype(BF16)
+    aq, as_ = RQ.moe_kernel_quantize_input(a, None, "fp8", flags.get("per_act_token_quant",
+                                                                      False),
+                                           flags.get("block_shape"))
+    wq, ws = RQ.quantize_weight_fp8(w, scale)
+    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+    if E > 2:
+        ids[ids == E - 1] = 0                          # expert E-1 gets no tokens
+    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+    bias = rng.standard_normal((E, N)).astype(np.float32)
+    st, ex, ntp = moe_align_block_size(ids, B, E)
+    want = RQ.grouped_gemm_quant(aq, wq, st, ex, ntp, K, B, tw, True, bias, a_scale=as_,
+                                 w_scale=ws, **flags)
+    out = poisoned((M_a * K, N), BF16)
+    got = QG.grouped_gemm_quant(up(aq), up(wq), up(st), up(ex), up(ntp), K, B, up(tw), True,
+                                up(bias), a_scale=up(as_), w_scale=up(ws), version=version,
+                                config=cfg, out=out, **flags)
+    assert got is out
+    err = rel_err(host(got, BF16), want)
+    assert err <= GEMM_TOL, f"{version} {cfg} {scale}: rel_err {err:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", ["v4", "v5"])
+def test_fp8_rung_other_rank_zeros_fp16(rng, version):
+    _need(version)
+    flags = dict(use_fp8_w8a8=True, block_shape=[128, 128])
+    M_a, E, N, Kd = 23, 4, 136, 256
+    B = 64 if version == "v5" else 16
+    a = rng.standard_normal((M_a, Kd)).astype(BF16)
+    w = (rng.standard_normal((2, N, Kd)) * 0.05).astype(BF16)
+    aq, as_ = RQ.moe_kernel_quantize_input(a, None, "fp8", False, [128, 128])
+    wq, ws = RQ.quantize_weight_fp8(w, "block")
+    emap = np.array([0, -1, 1, -1], dtype=np.int32)
+    ids = rng.integers(0, E, (M_a, 2)).astype(np.int32)
+    st, ex, ntp = moe_align_block_size(ids, B, E, expert_map=emap)
+    want = RQ.grouped_gemm_quant(aq, wq, st, ex, ntp, 2, B, a_scale=as_, w_scale=ws,
+                                 out_dtype=np.float16, **flags)
+    out = poisoned((M_a * 2, N), np.float16)
+    got = host(QG.grouped_gemm_quant(up(aq), up(wq), up(st), up(ex), up(ntp), 2, B,
+                                     a_scale=up(as_), w_scale=up(ws), out_dtype=np.float16,
+                                     version=version, out=out, **flags), np.float16)
+    assert (got.reshape(M_a, 2, N)[np.isin(ids, [1, 3])] == 0).all()
+    assert rel_err(got, want) <= GEMM_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", ["v4", "v5"])
+def test_fp8_rung_block_layer_tolerance(rng, version):
+    """Against the unquantized bf16 product: within vLLM's block-fp8 tolerance (0.035)."""
+    _need(version)
+    M_a, E, K, N, Kd = 33, 4, 2, 256, 512
+    B = 64 if version == "v5" else 16
+    a = rng.standard_normal((M_a, Kd)).astype(BF16)
+    w = (rng.standard_normal((E, N, Kd)) / np.sqrt(Kd)).astype(BF16)
+    aq, as_ = RQ.moe_kernel_quantize_input(a, None, "fp8", False, [128, 128])
+    wq, ws = RQ.quantize_weight_fp8(w, "block")
+    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+    st, ex, ntp = moe_align_block_size(ids, B, E)
+    got = host(QG.grouped_gemm_quant(up(aq), up(wq), up(st), up(ex), up(ntp), K, B,
+                                     a_scale=up(as_), w_scale=up(ws), use_fp8_w8a8=True,
+                                     block_shape=[128, 128], version=version), BF16)
+    want = np.einsum("sk,snk->sn", a.astype(np.float64)[np.arange(M_a * K) // K],
+                     w.astype(np.float64)[ids.reshape(-1)])
+    assert rel_err(got, want) <= FP8_BLOCK_TOL
