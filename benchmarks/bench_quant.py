@@ -10,7 +10,9 @@ Two models, each in its quantized format and in bf16, at T in {1, 16, 64, 256, 1
 
 Paths (all CuPy kernels of this repository):
     fp8    quant(x) -> GEMM1 fp8 -> quant(act) -> GEMM2 fp8 (* router weight): quant_act +
-           quant_gemm v2 (mma.sync e4m3, per-block scaling in the main loop)
+           quant_gemm's default fp8 rung (v4 weight streaming for decode batches, v5 wgmma
+           e4m3 above on sm_90, v2 mma.sync e4m3 elsewhere; --fp8-version forces one); the
+           rung that ran is recorded as "version"
     int4   GEMM1 int4 -> GEMM2 int4 (quant_gemm: v3 weight streaming up to 24 rows per
            expert, v2 tiles above; dequantized in registers, mma.sync bf16)
     bf16   GEMM1 -> GEMM2 (cuda_kernels.cupy.grouped_gemm, its default version and configs)
@@ -31,6 +33,7 @@ faster than bf16 at T >= 1024.
 
     python benchmarks/bench_quant.py [--models deepseek-v3,mixtral] [--tokens 1,16,64]
                                      [--reps 20] [--no-bf16] [--budget-s 200]
+                                     [--fp8-version v2|v4|v5]
 
 Writes benchmarks/results/bench_quant_<gpu>_<time>.json (GPU, date, commit, command, points).
 """
@@ -170,7 +173,7 @@ def time_ms(fn, setup, warmup, reps, use_spin=True):
 
 
 # ----------------------------------------------------------------------------- one model
-def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True):
+def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8_version=None):
     import cupy
 
     from reference import moe_align_block_size
@@ -244,7 +247,7 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True):
             if fmt == "fp8":
                 a1, as1 = QA.per_token_group_quant_fp8(x, 128)
                 return QG.grouped_gemm_quant(a1, w1, st, ex, ntp, K, Bq, a_scale=as1,
-                                             w_scale=s1, **qflags)
+                                             w_scale=s1, version=fp8_version, **qflags)
             return QG.grouped_gemm_quant(x, w1, st, ex, ntp, K, Bq, w_scale=s1, **qflags)
 
         def q_gemm2():
@@ -252,7 +255,7 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True):
             if fmt == "fp8":
                 a2, as2 = QA.per_token_group_quant_fp8(act, 128)
                 return QG.grouped_gemm_quant(a2, w2, st, ex, ntp, 1, Bq, tw, True, a_scale=as2,
-                                             w_scale=s2, **qflags)
+                                             w_scale=s2, version=fp8_version, **qflags)
             return QG.grouped_gemm_quant(act, w2, st, ex, ntp, 1, Bq, tw, True, w_scale=s2,
                                          **qflags)
 
@@ -274,6 +277,9 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True):
             # fp8: gemm1_ms / gemm2_ms include the activation quantization before each GEMM
             point[fmt] = dict(ms=ms, gemm1_ms=ms1, gemm2_ms=ms2, bytes=nbytes, floor_ms=floor,
                               frac=floor / ms, block_size=Bq, finite=finite)
+            if fmt == "fp8":
+                cc = int(cupy.cuda.Device().compute_capability)
+                point[fmt]["version"] = fp8_version or QG.fp8_rung(rows_per_expert, Bq, H, cc)
         except Exception as e:  # noqa: BLE001 - reported, the run goes on
             point[fmt] = dict(error=f"{type(e).__name__}: {e}")
 
@@ -324,7 +330,8 @@ def _row(p, fmt):
     if "error" in q:
         qtxt = f"{fmt} ERROR {q['error'][:80]}"
     else:
-        qtxt = (f"{fmt} {q['ms']:8.3f} ms (g1 {q['gemm1_ms']:.3f}, g2 {q['gemm2_ms']:.3f}) "
+        qtxt = (f"{fmt}{' ' + q['version'] if 'version' in q else ''} {q['ms']:8.3f} ms "
+                f"(g1 {q['gemm1_ms']:.3f}, g2 {q['gemm2_ms']:.3f}) "
                 f"floor {q['floor_ms']:.3f} frac {q['frac']:5.1%}")
     if not b:
         btxt = ""
@@ -364,6 +371,8 @@ def main(argv=None):
     parser.add_argument("--no-spin", action="store_true",
                         help="time the launchers' host overhead too (no spin kernel ahead)")
     parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--fp8-version", default=None, choices=("v1", "v2", "v4", "v5"),
+                        help="force this quant_gemm rung for fp8 (default: its table's choice)")
     args = parser.parse_args(argv)
     ok, why = C.availability()
     if not ok:
@@ -389,7 +398,7 @@ def main(argv=None):
     points = []
     for m in models:
         points += bench_model(m, tokens, args.reps, not args.no_bf16, deadline, log,
-                              use_spin=not args.no_spin)
+                              use_spin=not args.no_spin, fp8_version=args.fp8_version)
         cupy.get_default_memory_pool().free_all_blocks()
     summary(points, log)
     log(f"total {time.time() - start:.0f} s")

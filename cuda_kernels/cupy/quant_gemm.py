@@ -277,6 +277,16 @@ def _pick_fp8(version, config, rows_per_expert, block_size, K, cc, a, w):
     return None, None, why4 if version == "v4" else why5
 
 
+def fp8_rung(rows_per_expert: float, block_size: int, Kdim: int, cc: int) -> str:
+    """The version grouped_gemm_quant runs by default for fp8 w8a8 with 16-byte aligned
+    operands ("v4", "v5" or "v2"; "v1" where v2 cannot run), for benchmarks' records."""
+    ver = _pick_fp8(None, None, rows_per_expert, block_size, Kdim, cc, None, None)[0]
+    if ver is not None:
+        return ver
+    ok = _pick(W8A8_CONFIGS, rows_per_expert, block_size) is not None and Kdim % 16 == 0
+    return "v2" if ok and cc >= 89 else "v1"
+
+
 def _is_v3_config(config) -> bool:
     return (isinstance(config, str) and config in WNA16_V3_CONFIGS) or \
         (isinstance(config, dict) and "WARPS" in config)
