@@ -25,8 +25,8 @@
 // Compile-time parameters: SCALAR_T (float, __half, __nv_bfloat16), ACT_THREADS (the largest
 //   block, tunable); templates ACT, VEC. Versions: v1 (this file). Run: python -m cuda_kernels.cupy.activation
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+// to_f32, from_f32, Pack, load, store
+#include "elementwise.cuh"
 
 #ifndef SCALAR_T
 #define SCALAR_T float
@@ -34,27 +34,6 @@
 #ifndef ACT_THREADS
 #define ACT_THREADS 256
 #endif
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void from_f32(float v, float* out) { *out = v; }
-__device__ __forceinline__ void from_f32(float v, __half* out) { *out = __float2half_rn(v); }
-__device__ __forceinline__ void from_f32(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
-
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-    T v[VEC];
-};
-
-template <int VEC>
-__device__ __forceinline__ Pack<SCALAR_T, VEC> load(const SCALAR_T* p) {
-    return *reinterpret_cast<const Pack<SCALAR_T, VEC>*>(p);
-}
-template <int VEC>
-__device__ __forceinline__ void store(SCALAR_T* p, const Pack<SCALAR_T, VEC>& v) {
-    *reinterpret_cast<Pack<SCALAR_T, VEC>*>(p) = v;
-}
 
 template <int ACT>
 __device__ __forceinline__ float act(float g) {

@@ -39,23 +39,15 @@ for _dt in C.float_dtypes():
     C.register_compile_case("activation.cu", _defines(_dt), _NAMES)
 
 
-def _vec(width: int, itemsize: int, *arrays) -> int:
-    """The widest VEC (16 bytes at most) dividing the row width and every base address."""
-    return max(v for v in _VECS if v * itemsize <= 16 and width % v == 0
-               and all(a.data.ptr % (v * itemsize) == 0 for a in arrays))
-
-
 def _launch(name_fmt, x, out, width, *extra):
     M = x.shape[0]
     if M == 0 or width == 0:
         return out
-    vec = _vec(width, x.dtype.itemsize, x, out)
-    threads = C.block_threads(C.cdiv(width, vec), CONFIGS["activation"]["ACT_THREADS"])
-    chunks = C.cdiv(width, threads * vec)
-    C.check_fits_int32("x", M * chunks, "the grid size M * column chunks")
-    kernel = C.get_kernel("activation.cu", name_fmt.format(vec=vec), _defines(x.dtype), _NAMES)
-    kernel((M * chunks,), (threads,),
-           (C.raw(x), C.raw(out), np.int32(M), np.int32(width), np.int32(chunks)) + extra)
+    g = C.row_geometry("x", M, width, CONFIGS["activation"]["ACT_THREADS"], x, out,
+                       rows_symbol="M", vecs=_VECS)
+    kernel = C.get_kernel("activation.cu", name_fmt.format(vec=g.vec), _defines(x.dtype), _NAMES)
+    kernel((g.grid,), (g.threads,),
+           (C.raw(x), C.raw(out), np.int32(M), np.int32(width), np.int32(g.chunks)) + extra)
     return out
 
 

@@ -21,8 +21,8 @@
 //   block, tunable);
 //   template VEC in {1, 2, 4, 8}. Versions: v1 (this file). Run: python -m cuda_kernels.cupy.combine
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+// to_f32, from_f32, Pack, load, store
+#include "elementwise.cuh"
 
 #ifndef SCALAR_T
 #define SCALAR_T float
@@ -30,18 +30,6 @@
 #ifndef SUM_THREADS
 #define SUM_THREADS 128
 #endif
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void from_f32(float v, float* out) { *out = v; }
-__device__ __forceinline__ void from_f32(float v, __half* out) { *out = __float2half_rn(v); }
-__device__ __forceinline__ void from_f32(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
-
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-    T v[VEC];
-};
 
 template <int VEC>
 __global__ void __launch_bounds__(SUM_THREADS)
@@ -57,12 +45,12 @@ moe_sum_kernel(const SCALAR_T* __restrict__ x,  // [T, K, H]
     for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
 #pragma unroll 4
     for (int k = 0; k < K; ++k) {
-        const Pack<SCALAR_T, VEC> v = *reinterpret_cast<const Pack<SCALAR_T, VEC>*>(src + (size_t)k * H);
+        const Pack<SCALAR_T, VEC> v = load<VEC>(src + (size_t)k * H);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) acc[j] = __fadd_rn(acc[j], to_f32(v.v[j]));
     }
     Pack<SCALAR_T, VEC> o;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) from_f32(acc[j], &o.v[j]);
-    *reinterpret_cast<Pack<SCALAR_T, VEC>*>(out + (size_t)t * H + col) = o;
+    store<VEC>(out + (size_t)t * H + col, o);
 }

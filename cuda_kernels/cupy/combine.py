@@ -40,15 +40,10 @@ def moe_sum(x):
     if K == 0:
         C.raw(out).fill(0)  # all-zero bits are +0.0 in every float format
         return out
-    itemsize = x.dtype.itemsize
-    vec = max(v for v in _VECS if v * itemsize <= 16 and H % v == 0
-              and x.data.ptr % (v * itemsize) == 0 and out.data.ptr % (v * itemsize) == 0)
-    threads = C.block_threads(C.cdiv(H, vec), CONFIGS["moe_sum_kernel"]["SUM_THREADS"])
-    chunks = C.cdiv(H, threads * vec)
-    C.check_fits_int32("x", T * chunks, "the grid size T * column chunks")
-    kernel = C.get_kernel("combine.cu", f"moe_sum_kernel<{vec}>", _defines(x.dtype), _NAMES)
-    kernel((T * chunks,), (threads,),
-           (C.raw(x), C.raw(out), np.int32(T), np.int32(K), np.int32(H), np.int32(chunks)))
+    g = C.row_geometry("x", T, H, CONFIGS["moe_sum_kernel"]["SUM_THREADS"], x, out, vecs=_VECS)
+    kernel = C.get_kernel("combine.cu", f"moe_sum_kernel<{g.vec}>", _defines(x.dtype), _NAMES)
+    kernel((g.grid,), (g.threads,),
+           (C.raw(x), C.raw(out), np.int32(T), np.int32(K), np.int32(H), np.int32(g.chunks)))
     return out
 
 

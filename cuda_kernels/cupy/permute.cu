@@ -54,8 +54,8 @@
 //   scatter launch over the GPU: 25.4 us at T = 4096, E = 256, K = 8, B = 64 on an H200) is in
 //   git history (commit d25bbf6). Run: python -m cuda_kernels.cupy.permute
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+// to_f32, from_f32, Pack, load, store
+#include "elementwise.cuh"
 
 #ifndef SCALAR_T
 #define SCALAR_T float
@@ -71,13 +71,6 @@
 #endif
 
 #define FULL_MASK 0xffffffffu
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void from_f32(float v, float* out) { *out = v; }
-__device__ __forceinline__ void from_f32(float v, __half* out) { *out = __float2half_rn(v); }
-__device__ __forceinline__ void from_f32(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
 
 // ============================================================================ grouping
 // bucket of an expert id for alignment: -1 drops the slot
@@ -429,12 +422,6 @@ gather_rows_kernel(const V* __restrict__ hidden_states,   // [T, row_words]
     for (int i = lane; i < row_words; i += 32) dst[i] = src[i];
 }
 
-// VEC consecutive elements as one aligned word (16 bytes when VEC * sizeof(T) == 16)
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-    T v[VEC];
-};
-
 // out[t, :] = sum_k topk_weights[t, k] * y[inv[t * K + k], :]; explicit _rn ops: no FMA
 // contraction, so the fp32 result is the plain "multiply, then add in slot order" one
 template <int VEC>
@@ -453,13 +440,12 @@ moe_unpermute_kernel(const SCALAR_T* __restrict__ y_grouped,    // [P, H]
     for (int k = 0; k < K; ++k) {
         const float w = topk_weights[(size_t)t * K + k];
         const int r = inv_permuted_idx[(size_t)t * K + k];
-        const Pack<SCALAR_T, VEC> v =
-            *reinterpret_cast<const Pack<SCALAR_T, VEC>*>(y_grouped + (size_t)r * H + col);
+        const Pack<SCALAR_T, VEC> v = load<VEC>(y_grouped + (size_t)r * H + col);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, to_f32(v.v[j])));
     }
     Pack<SCALAR_T, VEC> o;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) from_f32(acc[j], &o.v[j]);
-    *reinterpret_cast<Pack<SCALAR_T, VEC>*>(out + (size_t)t * H + col) = o;
+    store<VEC>(out + (size_t)t * H + col, o);
 }

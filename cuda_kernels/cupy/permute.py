@@ -273,18 +273,13 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
     out = C.empty((T, H), y_grouped.dtype)  # [T, H]
     if T == 0 or H == 0:
         return out
-    itemsize = y_grouped.dtype.itemsize
-    vec = max(v for v in _VECS if v * itemsize <= 16 and H % v == 0
-              and y_grouped.data.ptr % (v * itemsize) == 0 and out.data.ptr % (v * itemsize) == 0)
-    threads = C.block_threads(C.cdiv(H, vec),
-                              CONFIGS["moe_unpermute_kernel"]["UNPERMUTE_THREADS"])
-    chunks = C.cdiv(H, threads * vec)
-    C.check_fits_int32("topk_weights", T * chunks, "the grid size T * column chunks")
-    kernel = C.get_kernel("permute.cu", f"moe_unpermute_kernel<{vec}>", _defines(y_grouped.dtype),
-                          _UNPERMUTE_NAMES)
-    kernel((T * chunks,), (threads,),
+    g = C.row_geometry("topk_weights", T, H, CONFIGS["moe_unpermute_kernel"]["UNPERMUTE_THREADS"],
+                       y_grouped, out, vecs=_VECS)
+    kernel = C.get_kernel("permute.cu", f"moe_unpermute_kernel<{g.vec}>",
+                          _defines(y_grouped.dtype), _UNPERMUTE_NAMES)
+    kernel((g.grid,), (g.threads,),
            (C.raw(y_grouped), weights, inv, C.raw(out), np.int32(T), np.int32(K), np.int32(H),
-            np.int32(chunks)))
+            np.int32(g.chunks)))
     return out
 
 
