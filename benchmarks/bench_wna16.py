@@ -1,0 +1,266 @@
+"""Weight-only int4 grouped GEMM for decode (quant_gemm_wna16) beside quant_gemm's wna16 path.
+
+    T tokens, E experts, K top-k, H hidden, I intermediate, B block size, P = T*K slots
+
+Mixtral-8x7B (E=8, top-2, H=4096, I=14336), int4 weights with group 128 and fp32 scales, bf16
+activations, at T in {1, 16, 64, 256, 1024, 4096}. The expert path is GEMM1 [P, H] x [2I, H]
+then GEMM2 [P, I] x [H, I] (* router weight); the activation between them is not timed
+(GEMM2 reads a pre-drawn [P, I] bf16 activation), as in bench_quant.py.
+
+    new   cuda_kernels.cupy.quant_gemm_wna16.grouped_gemm_wna16 (its config table, its
+          block_size_for)
+    old   cuda_kernels.cupy.quant_gemm.grouped_gemm_quant(use_int4_w4a16=True) (its rungs,
+          its block_size_for)
+
+Method: CUDA events around each call after warm-up, median over the repetitions; before each
+repetition (untimed) the next of 4 pre-drawn routings is selected and the L2 is flushed (a
+128 MB fill); a one-thread spin kernel then holds the GPU while Python enqueues the timed
+calls, so the events measure GPU time.
+
+Roofline: floor = max(bytes / 4.8e12 B/s, flops / 989e12 FLOP/s), bytes = the codes and fp32
+scales of the experts the routings touch (GEMM1 and GEMM2), flops = 2 P (2I H + H I).
+frac = floor / median time.
+
+    python benchmarks/bench_wna16.py [--tokens 1,16,64] [--reps 20] [--no-old] [--sweep]
+                                     [--budget-s 120] [--out DIR]
+
+--sweep also times every config of quant_gemm_wna16.CONFIGS (and KS in {auto, 1, 2, 4, 8})
+per GEMM at each T (for the config table). Writes DIR/bench_wna16_<gpu>_<time>.json
+(default DIR benchmarks/results).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from cuda_kernels.cupy import _compile as C  # noqa: E402
+from cuda_kernels.cupy import quant_gemm as QG  # noqa: E402
+from cuda_kernels.cupy import quant_gemm_wna16 as W  # noqa: E402
+
+E, K, H, I = 8, 2, 4096, 14336
+GROUP = 128
+TOKENS = (1, 16, 64, 256, 1024, 4096)
+HBM = 4.8e12
+PEAK = 989e12
+ROUTINGS = 4
+FLUSH_BYTES = 128 << 20
+SPIN_US = 1000
+
+_SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+}
+"""
+_FILL = r"""
+extern "C" __global__ void fill_bytes(unsigned char* y, long long n, unsigned long long seed) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        unsigned long long z = (unsigned long long)i + seed;      // splitmix64 of the index
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        y[i] = (unsigned char)((z ^ (z >> 31)) >> 24);
+    }
+}
+"""
+
+
+def random_bytes(shape, seed):
+    import cupy
+
+    out = cupy.empty(shape, dtype=cupy.uint8)
+    cupy.RawKernel(_FILL, "fill_bytes")((2048,), (256,), (out, np.int64(out.size),
+                                                          np.uint64(seed * 0x9E3779B97F4A7C15
+                                                                    % 2**64)))
+    return out
+
+
+def random_bf16(shape, seed):
+    import cupy
+
+    x = cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32)
+    u = x.view(cupy.uint32)
+    b = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(cupy.uint16)   # round to nearest even
+    return b.view(C.bf16_dtype())
+
+
+def _finite(c) -> bool:
+    """No bf16 inf / NaN (exponent bits all ones) in c."""
+    return not bool(((C.raw(c) >> 7) & 0xFF).max() == 0xFF) if c.size else True
+
+
+def draw_routing(rng, T):
+    ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
+    w = rng.random((T, K)).astype(np.float32) + 0.1
+    return ids, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+class Timer:
+    def __init__(self):
+        import cupy
+
+        self.spin = cupy.RawKernel(_SPIN, "spin")
+        khz = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["clockRate"]
+        self.cycles = int(khz * 1e3 * SPIN_US * 1e-6)
+        self.flush = cupy.empty(FLUSH_BYTES, dtype=cupy.uint8)
+
+    def __call__(self, fn, setup, warmup=3, reps=20):
+        import cupy
+
+        for _ in range(warmup):
+            setup()
+            fn()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        times = []
+        for _ in range(reps):
+            setup()
+            self.spin((1,), (1,), (np.int64(self.cycles),))
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop))
+        return float(np.median(times))
+
+
+def main(argv=None):
+    import cupy
+
+    from reference import moe_align_block_size
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--no-old", action="store_true", help="skip quant_gemm's wna16 path")
+    p.add_argument("--sweep", action="store_true", help="time every config per GEMM")
+    p.add_argument("--budget-s", type=float, default=1e9)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    ok, why = C.availability()
+    if not ok:
+        raise SystemExit(f"no GPU: {why}")
+    deadline = time.time() + args.budget_s
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    rng = np.random.default_rng(0)
+    w1 = random_bytes((E, 2 * I, H // 2), 1)
+    w2 = random_bytes((E, H, I // 2), 2)
+    s1 = cupy.random.uniform(1e-3, 2e-3, (E, 2 * I, H // GROUP), dtype=cupy.float32)
+    s2 = cupy.random.uniform(1e-3, 2e-3, (E, H, I // GROUP), dtype=cupy.float32)
+    per_expert = W.weight_bytes(4, 1, 2 * I, H, GROUP) + W.weight_bytes(4, 1, H, I, GROUP)
+    timer = Timer()
+    gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    points, sweep = [], []
+    for T in tokens:
+        if time.time() > deadline:
+            print(f"T={T}: skipped (time budget)", flush=True)
+            continue
+        P = T * K
+        routings = [draw_routing(rng, T) for _ in range(ROUTINGS)]
+        touched = float(np.mean([len(np.unique(ids)) for ids, _ in routings]))
+        x = random_bf16((T, H), 10 + T)
+        act = random_bf16((P, I), 20 + T)
+        nbytes = touched * per_expert
+        flops = 2.0 * P * (2 * I * H + H * I)
+        floor = max(nbytes / HBM, flops / PEAK) * 1e3
+        cur = {"i": 0}
+
+        def setup():
+            cur["i"] = (cur["i"] + 1) % ROUTINGS
+            timer.flush.fill(cur["i"])
+
+        def aligned(B):
+            return [tuple(C.to_device(v) for v in moe_align_block_size(ids, B, E)) +
+                    (C.to_device(tw),) for ids, tw in routings]
+
+        def path(fn, B, **kw):
+            al = aligned(B)
+
+            def g1():
+                st, ex, ntp, tw = al[cur["i"]]
+                return fn(x, w1, st, ex, ntp, K, B, w_scale=s1, use_int4_w4a16=True, **kw)
+
+            def g2():
+                st, ex, ntp, tw = al[cur["i"]]
+                return fn(act, w2, st, ex, ntp, 1, B, tw, True, w_scale=s2,
+                          use_int4_w4a16=True, **kw)
+            return g1, g2
+
+        point = dict(T=T, P=P, touched_experts=touched, bytes=nbytes, flops=flops,
+                     floor_ms=floor)
+        impls = [("new", W.grouped_gemm_wna16, W.block_size_for(P / E))]
+        if not args.no_old:
+            impls.append(("old", QG.grouped_gemm_quant, QG.block_size_for("int4", P / E)))
+        for label, fn, B in impls:
+            try:
+                g1, g2 = path(fn, B)
+                c1, c2 = g1(), g2()
+                finite = _finite(c1) and _finite(c2)       # garbage shows up as inf / NaN
+                reps = args.reps if T < 4096 else max(5, args.reps // 2)
+                ms1 = timer(g1, setup, reps=reps)
+                ms2 = timer(g2, setup, reps=reps)
+
+                def both():
+                    g1()
+                    g2()
+                ms = timer(both, setup, reps=reps)
+                point[label] = dict(ms=ms, gemm1_ms=ms1, gemm2_ms=ms2, frac=floor / ms,
+                                    block_size=B, finite=finite)
+            except Exception as e:  # noqa: BLE001 - reported, the run goes on
+                point[label] = dict(error=f"{type(e).__name__}: {e}")
+        row = f"T={T:5d} floor {floor * 1e3:8.1f} us"
+        for label in ("new", "old"):
+            r = point.get(label)
+            if r and "ms" in r:
+                row += (f" | {label} {r['ms'] * 1e3:8.1f} us (g1 {r['gemm1_ms'] * 1e3:7.1f} "
+                        f"g2 {r['gemm2_ms'] * 1e3:7.1f}) frac {r['frac']:5.1%}")
+            elif r:
+                row += f" | {label} {r['error']}"
+        print(row, flush=True)
+        points.append(point)
+
+        if args.sweep and time.time() < deadline:
+            B = 32 if P / E > 8 else 16
+            for cname, cfg in W.CONFIGS.items():
+                if B % (8 * cfg["MT"]):
+                    continue
+                for ks in ("auto", 1, 2, 4, 8):
+                    if time.time() > deadline:
+                        break
+                    try:
+                        g1, g2 = path(W.grouped_gemm_wna16, B, config=dict(cfg, KS=ks))
+                        g1()
+                        g2()
+                        t1 = timer(g1, setup, 2, 10)
+                        t2 = timer(g2, setup, 2, 10)
+                        sweep.append(dict(T=T, config=cname, KS=ks, B=B, gemm1_ms=t1,
+                                          gemm2_ms=t2))
+                        print(f"  sweep T={T} {cname} KS={ks} B={B}: g1 {t1 * 1e3:7.1f} us "
+                              f"g2 {t2 * 1e3:7.1f} us", flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  sweep T={T} {cname} KS={ks}: {type(e).__name__}: {e}",
+                              flush=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    res = dict(gpu=gpu, date=stamp.isoformat(timespec="seconds"),
+               command="bench_wna16.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+               hbm_bytes_per_s=HBM, peak_flops=PEAK, routings_per_point=ROUTINGS,
+               note="expert path = GEMM1 + GEMM2; the activation between them is not timed",
+               points=points, sweep=sweep)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    f = out / f"bench_wna16_{gpu.lower().replace(' ', '_')}_{stamp:%Y%m%d_%H%M%S}.json"
+    f.write_text(json.dumps(res, indent=1))
+    print(f"wrote {f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,351 @@
+// Weight-only grouped GEMM of the fused MoE layer (int4 / int8 weights, bf16 / fp16
+// activations), built for decode: stream the packed weights at HBM bandwidth.
+//
+//   c[s, n] = (sum_k a[s / top_k, k] * (q[e, n, k] - zp[e, n, k / gs]) * s[e, n, k / gs]
+//              + bias[e, n]) * r[s]
+//   for every live position p < num_tokens_post_padded with s = sorted_token_ids[p] < P and
+//   e = expert_ids[p / block_size] (e == -1: c[s] = 0). r = topk_weights.flat when
+//   mul_routed_weight, else 1. fp32 accumulation, one rounding to elem_t.
+//
+// Shapes: a [M_a, K] elem_t; w [E, N, K / 2] uint8 (int4, k = 2j in the low nibble of byte j)
+// or [E, N, K] uint8 (int8; int8 codes travel as their bytes with code_xor = 0x80);
+// w_scale [E, N, G] fp32; w_zp [E, N, G] uint8 or null (default_zp then); c [P, N].
+//
+// Kernel (one version so far; the older tile rungs live in quant_gemm.cu):
+//   wna16_stream<NBITS, MT, WN, U, MINB>
+//     Weights are the mma's A operand (m16 = 16 weight rows), activations its B (n8 = 8
+//     tokens, MT tiles of them: BM = 8 MT positions of sorted_token_ids per CTA).
+//     A CTA owns BM positions (one expert: BM divides block_size), 16 WN weight rows (one
+//     warp per 16 rows) and one K split of SPS steps of 128 (grid.z = KS splits).
+//     Thread (g = lane / 4, t = lane % 4) of a warp loads, per 128-K step, the 32 codes
+//     k0 + 32 t .. + 31 of rows g and g + 8 (int4: one 16-byte load per row; int8: two), U
+//     steps in flight in registers, and dequantizes them in registers.
+//     The order of k inside the mma is free (a dot product), so the mma's logical k is a
+//     permutation of the real one: for every 8 codes the magic-number int4 -> bf16 trick
+//     yields the pairs (k0, k4), (k1, k5), (k2, k6), (k3, k7) (one shift and one lop3 each),
+//     and the activations are staged once per CTA in shared memory in that same order
+//     [a0 a4 a1 a5 a2 a6 a3 a7] (16 bytes per lane per 8 codes, conflict-free layout).
+//     Dequantization: (128 + q) - (128 + zp) is exact in bf16 (1024 in fp16), then one
+//     multiply by the group scale rounded to elem_t (weights rounded once, as a bf16 model's).
+//     int8 goes through fp32 (2^23 + q), since bf16 has only 8 significant bits.
+//     Split K (KS > 1): each CTA stores its fp32 partials to a workspace, the last CTA of a
+//     tile to arrive (a per-tile counter, reset by that CTA for the next launch) adds the KS
+//     partials in split order (deterministic) and runs the epilogue.
+//     grid (cdiv(Lg, BM), cdiv(N, 16 WN), KS), block 32 WN,
+//     dynamic shared memory BM * SPS * 256 bytes (the staged activations).
+//     Lg = min(L, P * block_size): no live position lies past it.
+//
+// Needs K % 32 == 0, group_size % 32 == 0 (a lane's 32 codes lie in one group), a and w
+// 16-byte aligned, BM | block_size (the launcher checks and refuses the rest clearly).
+// ELEM_BF16 (#define 1 or 0) picks elem_t = __nv_bfloat16 or __half.
+// Run: python -m cuda_kernels.cupy.quant_gemm_wna16 [--quick]
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef ELEM_BF16
+#error "ELEM_BF16 (1: bf16, 0: fp16) must be #defined by the launcher"
+#endif
+
+typedef unsigned char u8;
+typedef unsigned int u32;
+
+#if ELEM_BF16
+typedef __nv_bfloat16 elem_t;
+typedef __nv_bfloat162 elem2_t;
+#define W16_MMA "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+#define W16_MAGIC 0x43004300u        // bf16 128.0 in both halves: mantissa ulp is 1
+#define W16_MAGIC_F 128.0f
+#else
+typedef __half elem_t;
+typedef __half2 elem2_t;
+#define W16_MMA "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+#define W16_MAGIC 0x64006400u        // fp16 1024.0 in both halves: mantissa ulp is 1
+#define W16_MAGIC_F 1024.0f
+#endif
+
+namespace w16 {
+
+__device__ __forceinline__ u32 as_u32(elem2_t v) { return *reinterpret_cast<u32*>(&v); }
+__device__ __forceinline__ elem2_t as_e2(u32 v) { return *reinterpret_cast<elem2_t*>(&v); }
+
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+#if ELEM_BF16
+    return as_u32(__floats2bfloat162_rn(lo, hi));
+#else
+    return as_u32(__floats2half2_rn(lo, hi));
+#endif
+}
+
+__device__ __forceinline__ float to_f32(elem_t v) {
+#if ELEM_BF16
+    return __bfloat162float(v);
+#else
+    return __half2float(v);
+#endif
+}
+
+__device__ __forceinline__ elem_t from_f32(float v) {
+#if ELEM_BF16
+    return __float2bfloat16_rn(v);
+#else
+    return __float2half_rn(v);
+#endif
+}
+
+// (x - z) * s on both halves: the subtraction of two small integers is exact, the product
+// rounds once.
+__device__ __forceinline__ u32 deq2(u32 x, u32 z2, u32 s2) {
+    return as_u32(__hmul2(__hsub2(as_e2(x), as_e2(z2)), as_e2(s2)));
+}
+
+// One 32-bit word of int4 codes (k0..k7, k0 in bits 0-3) -> the pairs (k0,k4) (k1,k5)
+// (k2,k6) (k3,k7) as elem2 values (q - zp) * s.
+__device__ __forceinline__ void deq_int4(u32 w, u32 z2, u32 s2, u32& p0, u32& p1, u32& p2,
+                                         u32& p3) {
+    p0 = deq2((w & 0x000F000Fu) | W16_MAGIC, z2, s2);
+    p1 = deq2(((w >> 4) & 0x000F000Fu) | W16_MAGIC, z2, s2);
+    p2 = deq2(((w >> 8) & 0x000F000Fu) | W16_MAGIC, z2, s2);
+    p3 = deq2(((w >> 12) & 0x000F000Fu) | W16_MAGIC, z2, s2);
+}
+
+// Two words of uint8 codes (lo = k0..k3, hi = k4..k7) -> the same pairs. Through fp32:
+// 0x4B000000 | q is 2^23 + q exactly; minus (2^23 + zp) is exact; times s rounds once in
+// fp32, then once more to elem2.
+__device__ __forceinline__ float u8f(u32 w, u32 sel) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, sel));
+}
+__device__ __forceinline__ void deq_int8(u32 lo, u32 hi, float zf, float s, u32& p0, u32& p1,
+                                         u32& p2, u32& p3) {
+    p0 = pack2((u8f(lo, 0x7650) - zf) * s, (u8f(hi, 0x7650) - zf) * s);
+    p1 = pack2((u8f(lo, 0x7651) - zf) * s, (u8f(hi, 0x7651) - zf) * s);
+    p2 = pack2((u8f(lo, 0x7652) - zf) * s, (u8f(hi, 0x7652) - zf) * s);
+    p3 = pack2((u8f(lo, 0x7653) - zf) * s, (u8f(hi, 0x7653) - zf) * s);
+}
+
+__device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+    asm volatile(W16_MMA "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 16-byte streaming load: the weights are read once, keep them out of L1.
+__device__ __forceinline__ uint4 ld_stream(const u8* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+}  // namespace w16
+
+template <int NBITS, int MT, int WN, int U, int MINB>
+__global__ void __launch_bounds__(WN * 32, MINB)
+wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
+             const float* __restrict__ w_scale, const u8* __restrict__ w_zp,
+             const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
+             const int* __restrict__ num_tokens_post_padded,
+             const float* __restrict__ topk_weights, const float* __restrict__ bias,
+             float* __restrict__ ws, int* __restrict__ counters,
+             int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
+             int mul_routed_weight, int group_size, int num_groups, int default_zp,
+             int code_xor, int steps_per_split) {
+    constexpr int BM = 8 * MT;
+    constexpr int NT = WN * 32;
+    constexpr int CH = NBITS / 4;                 // 16-byte chunks per row per lane per step
+    extern __shared__ __align__(16) u8 smem[];
+    uint4* sA = reinterpret_cast<uint4*>(smem);   // [SPS][4 j][BM][4 t] 16-byte units
+    __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
+    __shared__ int sLast;
+
+    const int m0 = blockIdx.x * BM;
+    if (m0 >= num_tokens_post_padded[0] || m0 >= num_positions) return;
+    const int tid = threadIdx.x;
+    const int e = expert_ids[m0 / block_size];    // BM divides block_size: one expert
+    int live = 0;
+    if (tid < BM) {
+        const int s = sorted_token_ids[m0 + tid];
+        sSlot[tid] = (s >= 0 && s < num_slots) ? s : -1;
+        live = s >= 0 && s < num_slots;
+    }
+    if (!__syncthreads_or(live)) return;          // all padding (every split agrees)
+    const int n_cta = blockIdx.y * (16 * WN);
+    if (e < 0) {                                  // expert of another rank: zeros, once
+        if (blockIdx.z != 0) return;
+        for (int i = tid; i < BM * 16 * WN; i += NT) {
+            const int r = i / (16 * WN), n = n_cta + i % (16 * WN);
+            if (sSlot[r] >= 0 && n < N) c[(size_t)sSlot[r] * N + n] = w16::from_f32(0.f);
+        }
+        return;
+    }
+
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int ksteps = (Kdim + 127) >> 7;
+    const int s_begin = blockIdx.z * steps_per_split;
+    const int s_end = min(ksteps, s_begin + steps_per_split);
+    const int row_bytes = Kdim * NBITS / 8;
+    const int n_lo = n_cta + warp * 16 + g, n_hi = n_lo + 8;
+    const bool ok_lo = n_lo < N, ok_hi = n_hi < N;
+    const u8* w_e = w + (size_t)e * N * row_bytes;     // 64-bit expert base, 32-bit inside
+    const u8* w_lo = w_e + (size_t)(ok_lo ? n_lo : 0) * row_bytes + t * 16 * CH;
+    const u8* w_hi = w_e + (size_t)(ok_hi ? n_hi : 0) * row_bytes + t * 16 * CH;
+    const size_t sc_e = (size_t)e * N * num_groups;
+    const int sc_lo = (ok_lo ? n_lo : 0) * num_groups, sc_hi = (ok_hi ? n_hi : 0) * num_groups;
+
+    // ---- the register ring: U steps of weights (and their scales) in flight per lane
+    uint4 wr[U][2][CH];
+    float sr[U][2];
+    int zr[U][2];
+    auto load_step = [&](int st, int u) {
+        const int k = st * 128 + t * 32;          // this lane's first code
+        const bool in = st < s_end && k < Kdim;   // K % 32 == 0: whole chunks
+        const int off = st * 64 * CH;
+#pragma unroll
+        for (int ch = 0; ch < CH; ++ch) {
+            wr[u][0][ch] = (in && ok_lo) ? w16::ld_stream(w_lo + off + 16 * ch)
+                                         : make_uint4(0, 0, 0, 0);
+            wr[u][1][ch] = (in && ok_hi) ? w16::ld_stream(w_hi + off + 16 * ch)
+                                         : make_uint4(0, 0, 0, 0);
+        }
+        const int grp = in ? k / group_size : 0;
+        sr[u][0] = (in && ok_lo) ? __ldg(w_scale + sc_e + sc_lo + grp) : 0.f;
+        sr[u][1] = (in && ok_hi) ? __ldg(w_scale + sc_e + sc_hi + grp) : 0.f;
+        if (w_zp != nullptr) {
+            zr[u][0] = (in && ok_lo) ? (int)__ldg(w_zp + sc_e + sc_lo + grp) : default_zp;
+            zr[u][1] = (in && ok_hi) ? (int)__ldg(w_zp + sc_e + sc_hi + grp) : default_zp;
+        } else {
+            zr[u][0] = default_zp;
+            zr[u][1] = default_zp;
+        }
+    };
+#pragma unroll
+    for (int u = 0; u < U; ++u) load_step(s_begin + u, u);
+
+    // ---- stage this split's activations, permuted [a0 a4 a1 a5 a2 a6 a3 a7] per 8 codes
+    const int nsteps = max(0, s_end - s_begin);
+    for (int i = tid; i < nsteps * 16 * BM; i += NT) {
+        const int tt = i & 3, r = (i >> 2) % BM, rest = (i >> 2) / BM;
+        const int j = rest & 3, sl = rest >> 2;
+        const int k = (s_begin + sl) * 128 + tt * 32 + j * 8;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        const int s = sSlot[r];
+        if (s >= 0 && k < Kdim) {
+            const uint4 x = __ldg(reinterpret_cast<const uint4*>(
+                a + (size_t)(s / top_k) * Kdim + k));
+            v.x = __byte_perm(x.x, x.z, 0x5410);   // (a0, a4)
+            v.y = __byte_perm(x.x, x.z, 0x7632);   // (a1, a5)
+            v.z = __byte_perm(x.y, x.w, 0x5410);   // (a2, a6)
+            v.w = __byte_perm(x.y, x.w, 0x7632);   // (a3, a7)
+        }
+        sA[i] = v;
+    }
+    __syncthreads();
+
+    float acc[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+
+    for (int base = s_begin; base < s_end; base += U) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int st = base + u;
+            if (st < s_end) {                     // uniform over the CTA
+                uint4 cw[2][CH];
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int ch = 0; ch < CH; ++ch) cw[h][ch] = wr[u][h][ch];
+                const float s_lo = sr[u][0], s_hi = sr[u][1];
+                const int z_lo = zr[u][0], z_hi = zr[u][1];
+                load_step(st + U, u);             // refill the slot before the math
+                const uint4* a_st = sA + (size_t)(st - s_begin) * 16 * BM;
+                u32 zl2, zh2, sl2, sh2;
+                float zfl = 0.f, zfh = 0.f;
+                if (NBITS == 4) {
+                    zl2 = w16::pack2(W16_MAGIC_F + z_lo, W16_MAGIC_F + z_lo);
+                    zh2 = w16::pack2(W16_MAGIC_F + z_hi, W16_MAGIC_F + z_hi);
+                    sl2 = w16::pack2(s_lo, s_lo);
+                    sh2 = w16::pack2(s_hi, s_hi);
+                } else {
+                    zfl = 8388608.f + z_lo;
+                    zfh = 8388608.f + z_hi;
+                    zl2 = zh2 = sl2 = sh2 = 0;
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    u32 l0, l1, l2, l3, h0, h1, h2, h3;
+                    if (NBITS == 4) {
+                        const u32 wl = j == 0 ? cw[0][0].x : j == 1 ? cw[0][0].y
+                                     : j == 2 ? cw[0][0].z : cw[0][0].w;
+                        const u32 wh = j == 0 ? cw[1][0].x : j == 1 ? cw[1][0].y
+                                     : j == 2 ? cw[1][0].z : cw[1][0].w;
+                        w16::deq_int4(wl, zl2, sl2, l0, l1, l2, l3);
+                        w16::deq_int4(wh, zh2, sh2, h0, h1, h2, h3);
+                    } else {
+                        // 8 codes = words 2j, 2j+1 of the lane's 32 bytes
+                        const uint4 ql = cw[0][CH - 1 >= 1 ? (j >> 1) : 0];
+                        const uint4 qh = cw[1][CH - 1 >= 1 ? (j >> 1) : 0];
+                        u32 a0 = (j & 1) ? ql.z : ql.x, a1 = (j & 1) ? ql.w : ql.y;
+                        u32 b0 = (j & 1) ? qh.z : qh.x, b1 = (j & 1) ? qh.w : qh.y;
+                        const u32 xm = code_xor * 0x01010101u;
+                        w16::deq_int8(a0 ^ xm, a1 ^ xm, zfl, s_lo, l0, l1, l2, l3);
+                        w16::deq_int8(b0 ^ xm, b1 ^ xm, zfh, s_hi, h0, h1, h2, h3);
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        const uint4 b = a_st[(j * BM + mt * 8 + g) * 4 + t];
+                        w16::mma16816(acc[mt], l0, h0, l1, h1, b.x, b.y);
+                        w16::mma16816(acc[mt], l2, h2, l3, h3, b.z, b.w);
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- split K: the last CTA of the tile to arrive adds the partials in split order
+    if (gridDim.z > 1) {
+        const size_t tile = (size_t)blockIdx.y * gridDim.x + blockIdx.x;
+        constexpr int PER = NT * MT * 4;
+        float* mine = ws + (tile * gridDim.z + blockIdx.z) * PER;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) __stcg(mine + (mt * 4 + i) * NT + tid, acc[mt][i]);
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) sLast = atomicAdd(counters + tile, 1) == (int)gridDim.z - 1;
+        __syncthreads();
+        if (!sLast) return;
+        __threadfence();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+        for (int z = 0; z < (int)gridDim.z; ++z) {
+            const float* part = ws + (tile * gridDim.z + z) * PER;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[mt][i] += __ldcg(part + (mt * 4 + i) * NT + tid);
+        }
+        if (tid == 0) counters[tile] = 0;         // ready for the next launch on this stream
+    }
+
+    // ---- epilogue: c0 c1 = (row g, tokens 2t, 2t+1), c2 c3 = (row g + 8, same tokens)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = mt * 8 + 2 * t + (i & 1);
+            const int n = (i >> 1) ? n_hi : n_lo;
+            const int s = sSlot[r];
+            if (s < 0 || n >= N) continue;
+            float v = acc[mt][i];
+            if (bias != nullptr) v += bias[(size_t)e * N + n];
+            if (mul_routed_weight) v *= topk_weights[s];
+            c[(size_t)s * N + n] = w16::from_f32(v);
+        }
+    }
+}

@@ -1,0 +1,465 @@
+"""Weight-only grouped GEMM for decode (quant_gemm_wna16.cu): int4 / int8 weights streamed at
+HBM bandwidth, bf16 / fp16 activations.
+
+    c[s] = (a[s // top_k] @ deq(w[e]).T + bias[e]) * r[s],   deq(w)[n, k] = (q - zp) * s[n, k // gs]
+    (r = topk_weights.flat when mul_routed_weight, else 1)
+
+for every live position of sorted_token_ids, fp32 accumulation, one rounding to a's dtype;
+e == -1 writes zeros. Same arguments and result as the weight-only branch of
+quant_gemm.grouped_gemm_quant (and reference/quant.py's grouped_gemm_quant with
+use_int4_w4a16 / use_int8_w8a16); keyword-only extras: config, out.
+
+Shape legend: T tokens, E experts, K top-k, P = a.shape[0] * top_k slots, N output width
+(2I for GEMM1, H for GEMM2), Kdim reduction width, G = Kdim / group_size groups per row,
+L = len(sorted_token_ids), BM = 8 * MT positions per CTA, KS K splits.
+
+    a        [M_a, Kdim]      bf16 / fp16
+    w        [E, N, Kdim / 2] uint8 (int4, k = 2j in the low nibble of byte j)
+             [E, N, Kdim]     uint8 (zero point 128) or int8 (symmetric)
+    w_scale  [E, N, G]        fp32 (bf16 / fp16 accepted, widened)
+    w_zp     [E, N, G]        uint8 or None (8 for int4, 128 for uint8, 0 for int8)
+    c        [P, N]           a's dtype
+
+The kernel (one rung so far, `wna16_stream`; see the .cu header for the lane layout): each
+warp streams 16 weight rows with 16-byte loads, U steps of 128 codes in flight per lane,
+dequantizes in registers (magic-number int4 -> bf16) and feeds mma.sync m16n8k16 with the
+weights as A and up to 8 * MT tokens as B; activations are staged once per CTA in shared
+memory in the k order that the dequantization produces. K is split over grid.z (KS) when
+the batch alone cannot fill the GPU, reduced by the last CTA of each tile (no extra launch).
+
+Launch: grid (cdiv(Lg, BM), cdiv(N, 16 WN), KS), block 32 WN, dynamic shared memory
+BM * SPS * 256 bytes, Lg = min(L, P * block_size), SPS = cdiv(cdiv(Kdim, 128), KS).
+
+Supports: Kdim % 32 == 0, group_size % 32 == 0 (or one group per row), block_size % 8 == 0,
+16-byte aligned a and w, a contiguous. `supports(...)` says why not, and the launcher raises
+ValueError naming the argument otherwise.
+
+Napkin math (H200, 4.8 TB/s): Mixtral int4 (E=8, top-2, H=4096, I=14336, group 128) at T=1
+reads 2 experts' w13 + w2 codes and scales, 187 MB -> 39 us.
+
+Run as a script: python -m cuda_kernels.cupy.quant_gemm_wna16 [--quick] (validate every
+kernel instantiation against the reference; without --quick also time the Mixtral shape).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+from . import _compile as C
+
+CU = "quant_gemm_wna16.cu"
+KSTEP = 128                     # K codes per warp step (32 per lane)
+ELEMS = {"bf16": 1, "fp16": 0}  # the ELEM_BF16 define
+CONFIG_FILE = pathlib.Path(__file__).resolve().parent / "quant_gemm_wna16_configs.json"
+
+# Tunables: MT token tiles of 8 per CTA (BM = 8 MT), WN warps of 16 weight rows, U steps of
+# weight loads in flight per lane, MINB CTAs per SM for the register cap, KS K splits ("auto":
+# enough CTAs to fill the GPU, under a shared-memory budget for the staged activations).
+CONFIGS = {
+    "m8": dict(MT=1, WN=4, U=4, MINB=4),
+    "m16": dict(MT=2, WN=4, U=4, MINB=4),
+    "m32": dict(MT=4, WN=4, U=4, MINB=2),
+}
+# The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
+# whose BM divides block_size. A measured table (CONFIG_FILE) replaces it when present.
+BY_ROWS = ((4, "m8"), (12, "m16"), (1 << 30, "m32"), (1 << 30, "m16"), (1 << 30, "m8"))
+SMEM_BUDGET = 48 * 1024         # staged activations per CTA: keeps 4 CTAs on an SM
+TARGET_WARPS_PER_SM = 16        # enough 16-row streams to keep ~64 KB of loads in flight per SM
+
+
+def _load_table():
+    try:
+        data = json.loads(CONFIG_FILE.read_text())
+        return tuple((float(r), str(n)) for r, n in data["by_rows"]), data.get("configs", {})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, {}
+
+
+_TABLE, _EXTRA = _load_table()
+CONFIGS.update({k: dict(v) for k, v in _EXTRA.items()})
+if _TABLE:
+    BY_ROWS = _TABLE + tuple(r for r in BY_ROWS if r[0] >= 1 << 30)
+
+
+def kernel_name(nbits: int, cfg: dict) -> str:
+    """int8 holds twice the weight registers per step: half the CTAs per SM (no spills)."""
+    minb = cfg["MINB"] if nbits == 4 else max(1, cfg["MINB"] // 2)
+    return f"wna16_stream<{nbits}, {cfg['MT']}, {cfg['WN']}, {cfg['U']}, {minb}>"
+
+
+NAMES = tuple(kernel_name(b, c) for c in CONFIGS.values() for b in (4, 8))
+for _ev in ELEMS.values():
+    C.register_compile_case(CU, {"ELEM_BF16": _ev}, NAMES)
+
+
+def block_size_for(rows_per_expert: float) -> int:
+    """The alignment block_size that lets the table pick its best tile for a batch of
+    `rows_per_expert` = P / E rows (decode: 16; bigger batches: the tile's BM, at least 16)."""
+    for rows, name in BY_ROWS:
+        if rows_per_expert <= rows:
+            return max(16, 8 * CONFIGS[name]["MT"])
+    return 16
+
+
+def pick_config(rows_per_expert: float, block_size: int, config=None) -> dict:
+    """The config named / given by `config`, or the first BY_ROWS entry that covers the rows
+    per expert with BM dividing block_size."""
+    if config is not None:
+        if isinstance(config, str):
+            if config not in CONFIGS:
+                raise ValueError(f"config: expected one of {sorted(CONFIGS)}, got {config!r}")
+            cfg = dict(CONFIGS[config])
+        elif isinstance(config, dict):
+            cfg = dict(config)
+            missing = {"MT", "WN", "U", "MINB"} - set(cfg)
+            if missing:
+                raise ValueError(f"config: expected keys MT, WN, U, MINB (KS optional), "
+                                 f"missing {sorted(missing)}")
+        else:
+            raise TypeError(f"config: expected a name or a dict, got {type(config).__name__}")
+        if block_size % (8 * cfg["MT"]):
+            raise ValueError(f"config: tile rows BM = {8 * cfg['MT']} must divide block_size "
+                             f"{block_size}")
+        return cfg
+    for rows, name in BY_ROWS:
+        cfg = CONFIGS[name]
+        if rows_per_expert <= rows and block_size % (8 * cfg["MT"]) == 0:
+            return dict(cfg)
+    raise ValueError(f"block_size: expected a multiple of 8, got {block_size}")
+
+
+def supports(K: int, group_size: int, num_groups: int, block_size: int) -> tuple[bool, str]:
+    """(True, "") when wna16_stream can run this problem, else (False, why)."""
+    if K % 32:
+        return False, f"Kdim must be a multiple of 32 (16-byte rows of 32 codes), got {K}"
+    if num_groups != 1 and group_size % 32:
+        return False, (f"group_size must be a multiple of 32 (a lane's 32 codes share one "
+                       f"scale), got {group_size}")
+    if block_size % 8:
+        return False, f"block_size must be a multiple of 8 (the mma's n), got {block_size}"
+    return True, ""
+
+
+# ----------------------------------------------------------------------------- checks
+def _elem_key(dtype) -> str:
+    dt = np.dtype(dtype)
+    if dt == C.bf16_dtype() or dt == np.uint16:
+        return "bf16"
+    if dt == np.float16:
+        return "fp16"
+    raise TypeError(f"expected bfloat16 or float16, got {dt}")
+
+
+def _f32(name, x, shape=None):
+    """A float CuPy array as contiguous fp32 (bf16 widened exactly), shape-checked."""
+    import cupy
+
+    C.check_array(name, x, dtypes=C.float_dtypes(), shape=shape, contiguous=False)
+    if np.dtype(x.dtype) == C.bf16_dtype():
+        return (C.raw(x).astype(cupy.uint32) << 16).view(cupy.float32).reshape(x.shape)
+    return cupy.ascontiguousarray(x.astype(cupy.float32, copy=False))
+
+
+# ----------------------------------------------------------------------------- workspace
+_WS: dict = {}
+
+
+def _workspace(floats: int, tiles: int):
+    """Split-K partials and per-tile arrival counters, cached per device and grown on demand.
+    The counters start at zero and the last CTA of each tile resets its own, so launches on
+    one stream reuse them; concurrent launches on two streams must not share a device's."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    ws, cnt = _WS.get(dev, (None, None))
+    if ws is None or ws.size < floats:
+        ws = cupy.empty(max(floats, 1 << 16), dtype=cupy.float32)
+    if cnt is None or cnt.size < tiles:
+        cnt = cupy.zeros(max(tiles, 1 << 12), dtype=cupy.int32)
+    _WS[dev] = (ws, cnt)
+    return ws, cnt
+
+
+_SMS: dict = {}
+
+
+def _num_sms() -> int:
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    if dev not in _SMS:
+        _SMS[dev] = cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"]
+    return _SMS[dev]
+
+
+def choose_splits(cfg: dict, P: int, E: int, N: int, K: int, Lg: int, num_sms: int) -> int:
+    """KS: split K until the live CTAs' warps reach TARGET_WARPS_PER_SM per SM, and until one
+    split's staged activations fit SMEM_BUDGET. Live m tiles are estimated on the host (the
+    alignment lives on the device): about min(P, E) experts hit, plus P / BM more tiles."""
+    bm = 8 * cfg["MT"]
+    ksteps = C.cdiv(K, KSTEP)
+    if "KS" in cfg and cfg["KS"] not in (None, "auto"):
+        return max(1, min(int(cfg["KS"]), ksteps))
+    live_m = max(1, min(C.cdiv(Lg, bm), min(P, E) + P // bm))
+    warps = live_m * C.cdiv(N, 16 * cfg["WN"]) * cfg["WN"]
+    ks = C.cdiv(TARGET_WARPS_PER_SM * num_sms, warps)
+    ks = max(ks, C.cdiv(ksteps * bm * 256, SMEM_BUDGET))
+    ks = min(ks, ksteps)
+    sps = C.cdiv(ksteps, ks)
+    return C.cdiv(ksteps, sps)          # no empty split
+
+
+# ----------------------------------------------------------------------------- the stage
+def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
+                       block_size, topk_weights=None, mul_routed_weight=False, bias=None,
+                       a_scale=None, w_scale=None, w_zp=None, use_fp8_w8a8=False,
+                       use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
+                       per_act_token_quant=False, per_channel_quant=False, block_shape=None,
+                       out_dtype=None, *, config=None, out=None):
+    """c [a.shape[0] * top_k, N] in a's dtype on the GPU (see the module doc).
+
+    The arguments of quant_gemm.grouped_gemm_quant; exactly one of use_int4_w4a16 /
+    use_int8_w8a16 must be set (a_scale, per_act_token_quant, per_channel_quant are unused by
+    weight-only formats, as in the reference). config: a name of CONFIGS or a dict with MT,
+    WN, U, MINB (and optionally KS). out: a [P, N] array to write (tests poison it first).
+    """
+    import cupy
+
+    if use_fp8_w8a8 or use_int8_w8a8:
+        raise ValueError("use_fp8_w8a8/use_int8_w8a8: grouped_gemm_wna16 is weight-only; "
+                         "w8a8 formats run quant_gemm.grouped_gemm_quant")
+    if bool(use_int4_w4a16) == bool(use_int8_w8a16):
+        raise ValueError(f"use_int4_w4a16/use_int8_w8a16: expected exactly one set, got "
+                         f"{bool(use_int4_w4a16)} and {bool(use_int8_w8a16)}")
+    nbits = 4 if use_int4_w4a16 else 8
+    top_k = C.check_int("top_k", top_k, 1)
+    block_size = C.check_int("block_size", block_size, 1)
+    C.check_array("sorted_token_ids", sorted_token_ids, ndim=1, dtypes=(np.int32,))
+    C.check_array("expert_ids", expert_ids, ndim=1, dtypes=(np.int32,))
+    C.check_array("num_tokens_post_padded", num_tokens_post_padded, dtypes=(np.int32,))
+    if num_tokens_post_padded.size < 1:
+        raise ValueError("num_tokens_post_padded: expected one int32, got an empty array")
+    L = sorted_token_ids.size
+    if expert_ids.size < C.cdiv(L, block_size):
+        raise ValueError(f"expert_ids: expected at least cdiv({L}, {block_size}) = "
+                         f"{C.cdiv(L, block_size)} blocks, got {expert_ids.size}")
+    C.check_array("a", a, ndim=2, dtypes=(C.bf16_dtype(), np.dtype(np.float16),
+                                          np.dtype(np.uint16)))
+    M_a, K = a.shape
+    if not isinstance(w, cupy.ndarray):
+        C.check_array("w", w)
+    if w.ndim != 3:
+        raise ValueError(f"w: expected 3 dimensions [E, N, Kdim codes], got shape {w.shape}")
+    C.check_array("w", w[:1], ndim=3, dtypes=(np.uint8,) if nbits == 4 else (np.uint8, np.int8),
+                  contiguous=False)
+    if not w.flags.c_contiguous:
+        raise ValueError(f"w: expected a C-contiguous array, got strides {w.strides}")
+    E, N, Kw = w.shape
+    C.check_fits_int32("w", N * Kw, "one expert's N * row bytes")
+    if (Kw * 2 if nbits == 4 else Kw) != K:
+        raise ValueError(f"w: expected codes for Kdim = {K} (a's columns), got shape {w.shape}")
+    out_key = _elem_key(a.dtype)
+    if out_dtype is not None and _elem_key(out_dtype) != out_key:
+        raise TypeError(f"out_dtype: weight-only GEMMs return a's dtype ({a.dtype}), got "
+                        f"{np.dtype(out_dtype)}")
+    if w_scale is None:
+        raise ValueError("w_scale: expected per-group scales [E, N, G], got None")
+    C.check_array("w_scale", w_scale, ndim=3, contiguous=False)
+    G = w_scale.shape[2]
+    if block_shape is not None:
+        try:
+            group_size = int(list(block_shape)[1])
+        except (TypeError, ValueError, IndexError):
+            raise TypeError(f"block_shape: expected [bn, group_size], got {block_shape!r}") \
+                from None
+    else:
+        group_size = K // G if G and K % G == 0 else 0
+    if G < 1 or group_size < 1 or K % group_size or K // group_size != G:
+        raise ValueError(f"w_scale: expected Kdim / group_size = {K} / {group_size} groups, "
+                         f"got shape {w_scale.shape}")
+    w_s = _f32("w_scale", w_scale, shape=(E, N, G))
+    if w_zp is not None:
+        if w.dtype == np.int8:
+            raise ValueError("w_zp: int8 codes are symmetric (no zero point); got w int8 with a "
+                             "w_zp")
+        C.check_array("w_zp", w_zp, ndim=3, dtypes=(np.uint8,), shape=(E, N, G))
+    default_zp = 8 if nbits == 4 else (0 if w.dtype == np.int8 else 128)
+    # int8 codes are read as bytes: (b ^ 0x80) - 128 = the signed value, so zp 128 on b ^ 0x80
+    code_xor = 0x80 if (nbits == 8 and w.dtype == np.int8) else 0
+    if code_xor:
+        default_zp = 128
+    ok, why = supports(K, group_size, G, block_size)
+    if not ok:
+        raise ValueError(f"w: grouped_gemm_wna16 cannot run this problem: {why}")
+    if G == 1:
+        group_size = K                      # one group per row: any Kdim % 32 == 0
+    if a.data.ptr % 16 or w.data.ptr % 16 or not a.flags.c_contiguous:
+        raise ValueError("a: expected C-contiguous a and w starting on 16-byte boundaries "
+                         "(the kernel loads 16-byte chunks)")
+    P = M_a * top_k
+    C.check_fits_int32("a", P, "a.shape[0] * top_k")
+    if mul_routed_weight:
+        if topk_weights is None:
+            raise ValueError("topk_weights: expected an array when mul_routed_weight=True, "
+                             "got None")
+        tw = _f32("topk_weights", topk_weights).reshape(-1)
+        if tw.size != P:
+            raise ValueError(f"topk_weights: expected {P} weights (a rows * top_k), got shape "
+                             f"{topk_weights.shape}")
+    else:
+        tw = None
+    b32 = _f32("bias", bias, shape=(E, N)) if bias is not None else None
+    if out is None:
+        c = C.empty((P, N), C.bf16_dtype() if out_key == "bf16" else np.float16)
+    else:
+        C.check_array("out", out, ndim=2, shape=(P, N))
+        if _elem_key(out.dtype) != out_key:
+            raise TypeError(f"out: expected dtype {out_key}, got {out.dtype}")
+        c = out
+    if P == 0 or N == 0 or L == 0:
+        return c
+
+    cfg = pick_config(P / max(E, 1), block_size, config)
+    bm = 8 * cfg["MT"]
+    Lg = min(L, P * block_size)       # num_tokens_post_padded <= P * block_size
+    ks = choose_splits(cfg, P, E, N, K, Lg, _num_sms())
+    ksteps = C.cdiv(K, KSTEP)
+    sps = C.cdiv(ksteps, ks)
+    grid = (C.cdiv(Lg, bm), C.cdiv(N, 16 * cfg["WN"]), ks)
+    if grid[1] > 65535 or ks > 65535:
+        raise ValueError(f"w: N = {N} needs {grid[1]} column tiles, over the grid's 65535")
+    block = (32 * cfg["WN"],)
+    smem = bm * sps * 256
+    if smem > 200 * 1024:
+        raise ValueError(f"config: KS = {ks} leaves {smem} bytes of staged activations per CTA")
+    null = C.null_ptr()
+    if ks > 1:
+        ws, cnt = _workspace(grid[0] * grid[1] * ks * block[0] * cfg["MT"] * 4,
+                             grid[0] * grid[1])
+    else:
+        ws, cnt = null, null
+    name = kernel_name(nbits, cfg)
+    kern = _kernel(name, ELEMS[out_key], smem)
+    args = (C.raw(a), w.view(cupy.uint8), C.raw(c), w_s, w_zp if w_zp is not None else null,
+            sorted_token_ids, expert_ids, num_tokens_post_padded,
+            tw if tw is not None else null, b32 if b32 is not None else null, ws, cnt,
+            np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
+            np.int32(Lg), np.int32(bool(mul_routed_weight)), np.int32(group_size), np.int32(G),
+            np.int32(default_zp), np.int32(code_xor), np.int32(sps))
+    kern(grid, block, args, shared_mem=smem)
+    return c
+
+
+_READY: dict = {}
+_SMEM_SET: dict = {}
+
+
+def _kernel(name, elem, smem):
+    """The compiled kernel (one NVRTC pass per element type for the registered names; a
+    config outside CONFIGS compiles on its own), its shared-memory limit raised as needed."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    key = (name, elem, dev)
+    kern = _READY.get(key)
+    if kern is None:
+        kern = C.get_kernel(CU, name, {"ELEM_BF16": elem}, NAMES if name in NAMES else (name,))
+        _READY[key] = kern
+    if smem > 48 * 1024 and _SMEM_SET.get(key, 0) < smem:   # opt in above the default 48 KB
+        kern.max_dynamic_shared_size_bytes = smem
+        _SMEM_SET[key] = smem
+    return kern
+
+
+# ----------------------------------------------------------------------------- napkin math
+HBM_BYTES_PER_S = 4.8e12     # H200 datasheet
+PEAK_BF16 = 989e12           # dense bf16 tensor-core FLOP/s
+
+
+def weight_bytes(nbits: int, touched: int, N: int, K: int, group_size: int = 128) -> float:
+    """Bytes of the touched experts' codes and fp32 scales."""
+    return touched * (N * K * nbits // 8 + 4 * N * (K // group_size))
+
+
+# ----------------------------------------------------------------------------- script
+def _main(argv=None):  # pragma: no cover - needs a GPU
+    """Validate every config against reference.quant.grouped_gemm_quant (int4 / int8, with
+    and without zero points, group sizes 32 / 64 / 128, odd N), then time the Mixtral shape
+    (benchmarks/bench_wna16.py is the full comparison). --quick: one case per kernel (for
+    compute-sanitizer)."""
+    import argparse
+
+    import ml_dtypes
+
+    from reference import moe_align_block_size
+    from reference import quant as RQ
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="one small case per kernel (sanitizer)")
+    args = p.parse_args(argv)
+    ok, why = C.availability()
+    if not ok:
+        raise SystemExit(f"no GPU: {why}")
+    rng = np.random.default_rng(0)
+    bf16 = ml_dtypes.bfloat16
+    failures = 0
+    cases = [  # (M_a, E, top_k, N, Kdim, block_size, nbits, gs, zp, KS)
+        (1, 4, 2, 136, 256, 16, 4, 128, False, None),
+        (5, 4, 2, 200, 320, 16, 4, 32, True, 2),
+        (33, 6, 3, 256, 384, 32, 8, 64, True, None),
+        (40, 3, 2, 72, 4096, 32, 8, 128, False, 5),
+    ]
+    for name, cfg in CONFIGS.items():
+        for (M_a, E, K, N, Kd, B, nb, gs, zp, ks) in (cases[:2] if args.quick else cases):
+            if B % (8 * cfg["MT"]):
+                continue
+            x = rng.standard_normal((M_a, Kd)).astype(bf16)
+            wf = (rng.standard_normal((E, N, Kd)) * 0.05).astype(bf16)
+            ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+            st, ex, ntp = moe_align_block_size(ids, B, E)
+            tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+            wq, ws, wz = RQ.quantize_weight_wna16(wf, nb, gs, zero_point=zp)
+            flags = dict(use_int4_w4a16=True) if nb == 4 else dict(use_int8_w8a16=True)
+            want = RQ.grouped_gemm_quant(x, wq, st, ex, ntp, K, B, tw, True, w_scale=ws,
+                                         w_zp=wz, **flags)
+            outd = C.empty((M_a * K, N), bf16)
+            C.raw(outd).fill(0x7FC0)                                   # poison: bf16 NaN
+            c2 = dict(cfg, KS=ks) if ks else cfg
+            got = grouped_gemm_wna16(C.to_device(x), C.to_device(wq), C.to_device(st),
+                                     C.to_device(ex), C.to_device(ntp), K, B, C.to_device(tw),
+                                     True, w_scale=C.to_device(ws),
+                                     w_zp=None if wz is None else C.to_device(wz), config=c2,
+                                     out=outd, **flags)
+            host = C.to_host(got)
+            host = host.view(bf16) if host.dtype == np.uint16 else host
+            err = C.rel_err(host.astype(np.float32), want.astype(np.float32))
+            status = "ok" if err <= 2e-2 else "FAIL"
+            failures += status == "FAIL"
+            print(f"{name:4s} int{nb} g{gs:3d} zp={int(zp)} KS={ks} M_a={M_a:3d} E={E} K={K} "
+                  f"N={N:4d} Kdim={Kd:4d} B={B:3d} rel_err={err:.2e} {status}", flush=True)
+    if not args.quick:
+        import cupy
+        for label, (E, K, N, Kd) in (("Mixtral GEMM1", (8, 2, 28672, 4096)),
+                                     ("Mixtral GEMM2", (8, 2, 4096, 14336))):
+            w = cupy.full((E, N, Kd // 2), 0x88, dtype=cupy.uint8)
+            ws = cupy.random.uniform(1e-3, 2e-3, (E, N, Kd // 128), dtype=cupy.float32)
+            flush = cupy.empty(128 << 20, dtype=cupy.uint8)
+            for T in (1, 16, 64):
+                ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+                B = block_size_for(T * K / E)
+                st, ex, ntp = (C.to_device(v) for v in moe_align_block_size(ids, B, E))
+                a = C.to_device(rng.standard_normal((T, Kd)).astype(bf16))
+                t = C.median(C.cuda_time(
+                    lambda: grouped_gemm_wna16(a, w, st, ex, ntp, K, B, w_scale=ws,
+                                               use_int4_w4a16=True),
+                    warmup=3, reps=20, setup=lambda: flush.fill(1))) * 1e-3
+                nbytes = weight_bytes(4, len(np.unique(ids)), N, Kd)
+                print(f"{label} T={T:3d}: {t * 1e6:8.1f} us  {nbytes / t / 1e12:5.2f} TB/s  "
+                      f"roofline {nbytes / HBM_BYTES_PER_S / t:5.1%}", flush=True)
+    raise SystemExit(1 if failures else 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _main()
