@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -132,6 +133,36 @@ def test_select_experts_custom_function():
                    for v in tb.select_experts(None, logits, 1, False, False,
                                               custom_routing_function=fn))
     assert np.array_equal(gids, eids) and rel(gw, ew) <= 1e-6
+
+
+
+def test_select_experts_ops_and_indices_type():
+    """The dispatch is the reference's: a caller's ops supply the routing functions, this
+    backend's tensor handling fills in the rest of the tail (ids cast, copies, zero experts)."""
+    rng = rng_for("ops")
+    t, e, z, k = 9, 8, 2, 2
+    logits = rng.standard_normal((t, e + z)).astype(np.float32)
+    x = rng.standard_normal((t, 4)).astype(np.float32)
+    calls = []
+
+    def spy(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return getattr(tb, name)(*args, **kwargs)
+        return call
+
+    ops = SimpleNamespace(fused_topk=spy("fused_topk"), fused_topk_bias=spy("fused_topk_bias"),
+                          grouped_topk=spy("grouped_topk"))
+    kw = dict(global_num_experts=e, zero_expert_num=z, zero_expert_type="identity",
+              indices_type=np.int64)
+    gw, gids, gz = tb.select_experts(x, logits, k, False, True, ops=ops, **kw)
+    assert calls == ["fused_topk"]
+    assert isinstance(gids, torch.Tensor) and gids.dtype == torch.int64
+    ew, eids, ez = reference.select_experts(x, logits, k, False, True, **kw)
+    assert np.array_equal(host(gids), eids) and rel(host(gw), ew) <= 1e-5
+    assert rel(host(gz), ez) <= 1e-5
+    _, ids32, _ = tb.select_experts(x, logits, k, False, True, indices_type=torch.int32)
+    assert ids32.dtype == torch.int32
 
 
 # ----------------------------------------------------------------------------- align
@@ -294,3 +325,28 @@ def test_torch_cuda_stages(dtype):
     got = [host(v) for v in tb.moe_align_block_size(tb.to_device(eids), 64, 8)]
     for g, wnt in zip(got, reference.moe_align_block_size(eids, 64, 8)):
         assert np.array_equal(g, wnt)
+
+
+@pytest.mark.gpu
+def test_torch_cuda_select_experts_tail():
+    """select_experts on CUDA tensors through the shared dispatcher: a NumPy custom routing
+    function's results come back on the device, zero experts are computed there."""
+    assert tb.device().type == "cuda"
+    rng = rng_for("cuda select")
+    t, e, z, k = 37, 8, 2, 3
+    x = rng.standard_normal((t, 16)).astype(np.float32)
+    logits = rng.standard_normal((t, e + z)).astype(np.float32)
+    logits[:4, e:] += 3.0
+    kw = dict(global_num_experts=e, zero_expert_num=z, zero_expert_type="identity")
+    ew, eids, ez = reference.select_experts(x, logits, k, False, True, **kw)
+    gw, gids, gz = tb.select_experts(tb.to_device(x), tb.to_device(logits), k, False, True, **kw)
+    assert gw.is_cuda and gids.is_cuda and gz.is_cuda
+    assert np.array_equal(host(gids), eids) and rel(host(gw), ew) <= 1e-5
+    assert rel(host(gz), ez) <= 1e-5
+    fn = reference.llama4_custom_routing_function
+    ew, eids, _ = reference.select_experts(None, logits[:, :e], 1, False, False,
+                                           custom_routing_function=fn)
+    gw, gids, _ = tb.select_experts(None, tb.to_device(logits[:, :e]), 1, False, False,
+                                    custom_routing_function=fn)
+    assert gw.is_cuda and gids.is_cuda
+    assert np.array_equal(host(gids), eids) and rel(host(gw), ew) <= 1e-6
