@@ -209,3 +209,82 @@ def test_fp8_rung_block_layer_tolerance(rng, version):
     want = np.einsum("sk,snk->sn", a.astype(np.float64)[np.arange(M_a * K) // K],
                      w.astype(np.float64)[ids.reshape(-1)])
     assert rel_err(got, want) <= FP8_BLOCK_TOL
+
+
+# ============================================================================ CPU emulation
+# v4 built by g++ against test_quant_cupy.py's emulation header (threads, barriers, the
+# mma.sync fragment exchange laid out as the PTX ISA says) and run: its fragment k order,
+# tiles, K split and reduction against the reference without a GPU. (v5's wgmma has no
+# emulation: the GPU tests judge it.)
+def _v4_entries():
+    out = []
+    for i, n in enumerate(QG.FP8_V4_NAMES):
+        call = (f"{n}((const u8*)a, (const u8*)w, (elem_t*)c, (const float*)p3, "
+                f"(const float*)p4, st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, i0, i1)")
+        out.append(
+            f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned block, const void* a, '
+            f"const void* w, void* c, const void* p3, const void* p4, const int* st, "
+            f"const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
+            f"int P, int top_k, int B, int L, int mul, int i0, int i1) {{\n"
+            f"    launch(gx, gy, block, [&] {{ {call}; }});\n}}")
+    return "\n".join(out)
+
+
+@pytest.fixture(scope="module")
+def emulated_v4(tmp_path_factory):
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ on this machine")
+    from test_quant_cupy import QEMU_HEADER, _build_emulated
+    tmp = tmp_path_factory.mktemp("fp8_v4_emulation")
+    (tmp / "qemu.h").write_text(QEMU_HEADER)
+    return _build_emulated(tmp, QG.CU_FP8_GEMV, {"ELEM_BF16": 1}, _v4_entries(), "fp8v4")
+
+
+EMU_V4_CASES = [
+    # scale, config, (M_a, E, top_k, N, Kdim, B): N not a multiple of 16, a block count not a
+    # multiple of WARPS * U, padding-only tiles next to live ones, a crowded expert
+    ("block", "gemv8", (3, 4, 2, 40, 384, 16)),
+    ("block", "gemv16", (9, 2, 2, 24, 1280, 16)),
+    ("channel", "gemv8w4", (5, 3, 1, 16, 640, 16)),
+    ("tensor", "gemv16", (4, 2, 2, 32, 256, 32)),
+]
+
+
+@pytest.mark.simulator
+@pytest.mark.slow
+@pytest.mark.parametrize("scale,cfg,shape", EMU_V4_CASES, ids=[f"{c[0]}-{c[1]}" for c in EMU_V4_CASES])
+def test_emulated_v4_matches_reference(emulated_v4, scale, cfg, shape):
+    import ctypes
+
+    from test_quant_cupy import _ptr
+    flags = dict(SCALES)[scale]
+    rng = np.random.default_rng(zlib.crc32(f"{scale}{cfg}".encode()))
+    M_a, E, K, N, Kd, B = shape
+    a = rng.standard_normal((M_a, Kd)).astype(BF16)
+    w = (rng.standard_normal((E, N, Kd)) * 0.05).astype(BF16)
+    aq, as_ = RQ.moe_kernel_quantize_input(a, None, "fp8", flags.get("per_act_token_quant",
+                                                                      False),
+                                           flags.get("block_shape"))
+    wq, ws = RQ.quantize_weight_fp8(w, scale)
+    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+    bias = rng.standard_normal((E, N)).astype(np.float32)
+    st, ex, ntp = moe_align_block_size(ids, B, E)
+    want = RQ.grouped_gemm_quant(aq, wq, st, ex, ntp, K, B, tw, True, bias, a_scale=as_,
+                                 w_scale=ws, **flags)
+    P, L = M_a * K, st.size
+    Lg = min(L, P * B)
+    c = np.full((P, N), 0x7FC0, np.uint16)                 # poisoned: bf16 NaN
+    kinds = (2, 2) if scale == "block" else (int(scale == "channel"), int(scale == "channel"))
+    v4 = QG.FP8_V4_CONFIGS[cfg]
+    name = QG._v4_name(v4)
+    getattr(emulated_v4, f"k{QG.FP8_V4_NAMES.index(name)}")(
+        ctypes.c_uint(-(-Lg // v4["BM"])), ctypes.c_uint(-(-N // 16)),
+        ctypes.c_uint(v4["WARPS"] * 32), _ptr(np.ascontiguousarray(aq).view(np.uint8)),
+        _ptr(np.ascontiguousarray(wq).view(np.uint8)), _ptr(c),
+        _ptr(np.ascontiguousarray(as_, np.float32)), _ptr(np.ascontiguousarray(ws, np.float32)),
+        _ptr(st), _ptr(ex), _ptr(ntp), _ptr(tw.ravel()), _ptr(bias), N, Kd, P, K, B, L, 1,
+        *kinds)
+    assert rel_err(c.view(BF16), want) <= GEMM_TOL

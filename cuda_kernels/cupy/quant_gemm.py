@@ -90,6 +90,7 @@ WNA16_BY_ROWS = ((8, "gemv16"), (24, "gemv32"), (24, "gemv16"))
 # CTAs per SM (caps the registers).
 FP8_V4_CONFIGS = {
     "gemv8": dict(BM=8, WARPS=8, U=4, MINB=2),
+    "gemv8w4": dict(BM=8, WARPS=4, U=4, MINB=4),
     "gemv16": dict(BM=16, WARPS=8, U=2, MINB=2),
 }
 # fp8 w8a8 v5 (Hopper wgmma e4m3, per-block promotion): BM token rows (64 per warpgroup), BN

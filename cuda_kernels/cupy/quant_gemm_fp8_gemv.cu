@@ -51,6 +51,18 @@ __device__ __forceinline__ bool fg_live(int s, int num_slots) {
     return (unsigned)s < (unsigned)num_slots;        // padding is num_slots; negatives dropped
 }
 
+// The inline PTX of this file. tests/test_quant_fp8_cupy.py runs this source on the CPU with
+// QG_EMULATED_PTX #defined and the helpers of tests/test_quant_cupy.py's emulation header
+// (qg_ld16*, qg_mma_k32: same semantics, fragment layouts as the PTX ISA says).
+#ifdef QG_EMULATED_PTX
+#define fg_ld16_stream qg_ld16_stream
+#define fg_ld16 qg_ld16
+inline void fg_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    const u32 a[4] = {a0, a1, a2, a3};
+    const u32 b[2] = {b0, b1};
+    qg_mma_k32(d, a, b);
+}
+#else
 // 16 bytes global -> 4 registers, read-only path; weights kept out of L1 (read once)
 __device__ __forceinline__ void fg_ld16_stream(u32 (&r)[4], const void* p) {
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
@@ -72,6 +84,7 @@ __device__ __forceinline__ void fg_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u3
     __trap();   // fp8 tensor cores start at sm_89; the launcher never sends fp8 here below that
 #endif
 }
+#endif  // QG_EMULATED_PTX
 
 template <int MT, int WARPS, int U, int MINB>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
