@@ -30,8 +30,16 @@ The ladder (`version=`; default: the best that applies):
     v3  weight-only int4 decode (up to 24 rows per expert): weight streaming, 16 weight rows
         per CTA straight from HBM into registers (the mma's A), K split over 8 warps, an
         ordered reduction; group_size and Kdim multiples of 128.
-Tunables are data: W8A8_CONFIGS / WNA16_CONFIGS / WNA16_V3_CONFIGS below, picked by rows per
-expert P / E (WNA16_BY_ROWS for the weight-only rung; tile rows BM must divide block_size;
+    v4  fp8 w8a8 decode (up to FP8_V4_MAX_ROWS rows per expert; quant_gemm_fp8_gemv.cu): the
+        same weight streaming with mma.sync m16n8k32 e4m3 (sm_89+), 16 weight rows per CTA as
+        the mma's A, tiles of 8 tokens as its B (padding-only tiles skipped), K split over the
+        warps by 128-wide blocks, block scales folded per block; Kdim % 128 == 0.
+    v5  fp8 w8a8 Hopper (sm_90a; quant_gemm_fp8_wgmma.cu): wgmma.m64nBNk32 e4m3 from
+        128-byte-swizzled shared tiles (one 128-wide K block = one swizzled row), a cp.async
+        ring with gathered A rows, per-block promotion acc += blk * a_scale * w_scale in fp32;
+        BM (64 per warpgroup) divides block_size.
+Tunables are data: W8A8_CONFIGS / WNA16_CONFIGS / WNA16_V3_CONFIGS / FP8_V4_CONFIGS /
+FP8_V5_CONFIGS below, picked by rows per expert P / E (WNA16_BY_ROWS for the weight-only rung; tile rows BM must divide block_size;
 block_size_for(fmt, rows) tells callers which block_size lets the table pick its best).
 
 Napkin math at decode (H200, 4.8 TB/s): Mixtral int4 T=1 reads 2 experts' w13 + w2 codes and
