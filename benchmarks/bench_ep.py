@@ -117,17 +117,20 @@ class _Timer:
         for i in range(warmup):
             fn(i)
         comm.synchronize()
-        times = []
+        times, host = [], []
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         for i in range(reps):
             self.flush.fill(i)              # evict the inputs from the 50 MB L2
             comm.barrier()                  # every rank starts together
             start.record()
+            t0 = time.perf_counter()
             fn(warmup + i)
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             comm.synchronize()              # polls with the communicator's timeout
             times.append(cupy.cuda.get_elapsed_time(start, end))
-        return float(np.median(times)), [float(t) for t in times]
+        self.last_host_ms = float(np.median(host))   # the host's time inside fn (launches,
+        return float(np.median(times)), [float(t) for t in times]   # syncs): the breakdown's
 
 
 
@@ -152,8 +155,86 @@ def _raw_alltoall(comm, timer, opts, rows, H):
     return t, W * chunk
 
 
+def _breakdown(comm, timer, ops, opts, record, mode, impl, T, xs, routes, per_rank):
+    """Each sub-step of dispatch / combine timed alone (CUDA events from a barrier, and the
+    host time inside the step): where the time of the whole goes. Routing 0, buffers kept."""
+    import cupy
+
+    from sandbox.ep import dispatch as D
+    from sandbox.ep.layout import layout_ops
+
+    W, r = comm.world_size, comm.rank
+    x, (w, ids) = xs[0], routes[0]
+    H = x.shape[1]
+    slot = mode == "slot"
+    st = {}
+    steps = []
+    if impl == "fused":
+        lay = layout_ops(comm)
+
+        def layout(i):
+            st["lay"] = lay.ep_layout(ids, per_rank, W, r, slot)
+
+        def gather(i):
+            _, inv, _, n_real = st["lay"]
+            st["g"] = lay.ep_gather(xs[0], ids, w, inv, n_real, per_rank, slot)
+
+        def counts(i):
+            c2 = st["lay"][0]
+            st["c"] = comm.counts_phase_async(c2[0], both=c2).wait()
+
+        steps = [("layout kernel", layout), ("gather kernel", gather),
+                 ("counts exchange + host sync", counts)]
+    else:
+        xp = cupy
+
+        def table(i):
+            dest = ids // per_rank
+            st["t"] = D._token_table(xp, dest, W) if not slot else \
+                (dest, D._rank_counts(xp, dest, W))
+
+        def permute(i):
+            tab = st["t"][0]
+            st["p"] = ops.moe_permute(xs[0], tab, W + 1 if not slot else W)
+
+        def counts(i):
+            st["c"] = comm.counts_phase_async(st["t"][1]).wait()
+
+        steps = [("table + counts (array ops)", table), ("moe_permute", permute),
+                 ("counts exchange + host sync", counts)]
+    for name, fn in steps:
+        fn(0)
+        t, _ = timer.run(fn, opts["reps"], opts["warmup"])
+        record(T, "alltoall", f"  step: {name} ({mode} rows, {impl})", t, 0,
+               {"rows": mode, "impl": impl, "host_ms": timer.last_host_ms, "breakdown": True})
+    # the whole dispatch / combine with the host time beside the GPU time
+    d = D.alltoall_dispatch(comm, ops, x, ids, per_rank, topk_weights=w, rows=mode, impl=impl)
+    x_recv, _, _, s_ = d
+    sc, rc = s_.send_counts, s_.recv_counts
+    n = int(sc.sum())
+    back = cupy.empty((n, H), dtype=cupy.uint16)
+    yr = D.raw(x_recv)
+    t, _ = timer.run(lambda i: comm.all_to_all_v(yr, rc, recv_counts=sc, outs=back),
+                     opts["reps"], opts["warmup"])
+    record(T, "alltoall", f"  step: combine exchange ({mode} rows, {impl})", t, n * H * 2,
+           {"rows": mode, "impl": impl, "host_ms": timer.last_host_ms, "breakdown": True})
+    if impl == "fused":
+        lay = layout_ops(comm)
+        wts = w if slot else None
+        fn = lambda i: lay.ep_combine(D.view_as(back, x.dtype), wts, s_.inv, n, T)  # noqa
+        name = "combine kernel"
+    else:
+        wts = w if slot else s_.combine_weights
+        full = cupy.zeros((T * s_.width, H), dtype=cupy.uint16)
+        fn = lambda i: ops.moe_unpermute(D.view_as(full, x.dtype), wts, s_.inv)  # noqa
+        name = "moe_unpermute"
+    t, _ = timer.run(fn, opts["reps"], opts["warmup"])
+    record(T, "alltoall", f"  step: {name} ({mode} rows, {impl})", t, 0,
+           {"rows": mode, "impl": impl, "host_ms": timer.last_host_ms, "breakdown": True})
+
+
 def _bench_alltoall_rows(comm, timer, ops, opts, record, mode, T, xs, routes, per_rank,
-                         raw_slot_t, P):
+                         raw_slot_t, P, impl="fused"):
     """dispatch / combine / both / exchange only of the all-to-all-v path with `mode` rows
     ("token": one row per (token, destination rank); "slot": one per (token, slot)), beside
     a raw all-to-all of the bytes this path actually moves."""
@@ -169,7 +250,7 @@ def _bench_alltoall_rows(comm, timer, ops, opts, record, mode, T, xs, routes, pe
     def dispatch(i):
         w, ids = routes[i % pool]
         state["d"] = alltoall_dispatch(comm, ops, xs[i % pool], ids, per_rank,
-                                       topk_weights=w, rows=mode)
+                                       topk_weights=w, rows=mode, impl=impl)
 
     def combine(i):
         x_recv, _, _, st = state["d"]     # y has x_recv's shape [R, H] in either mode
@@ -180,8 +261,10 @@ def _bench_alltoall_rows(comm, timer, ops, opts, record, mode, T, xs, routes, pe
         combine(i)
 
     disp, _ = timer.run(dispatch, opts["reps"], opts["warmup"])
+    disp_host = timer.last_host_ms
     dispatch(0)
     comb, _ = timer.run(lambda i: combine(0), opts["reps"], opts["warmup"])
+    comb_host = timer.last_host_ms
     both_t, _ = timer.run(both, opts["reps"], opts["warmup"])
 
     # the rows exchange alone: the counts of routing 0, buffers ready, no gather
@@ -195,16 +278,26 @@ def _bench_alltoall_rows(comm, timer, ops, opts, record, mode, T, xs, routes, pe
                         opts["reps"], opts["warmup"])
     # the raw all-to-all of the same bytes: the rows the busiest rank sends (with routing 0)
     n_max = int(max(comm.all_gather_host(np.array([n], dtype=np.int64)).reshape(-1)))
-    raw_t, raw_rows = raw_slot_t if n_max == P else _raw_alltoall(comm, timer, opts, n_max, H)
+    cache = opts.setdefault("_raw_cache", {})      # one raw run per (T, rows), any impl
+    if n_max == P:
+        cache[(T, n_max)] = raw_slot_t
+    if (T, n_max) not in cache:
+        cache[(T, n_max)] = _raw_alltoall(comm, timer, opts, n_max, H)
+    raw_t, raw_rows = cache[(T, n_max)]
     nb = n * row_bytes
-    tag = f" ({mode} rows)"
+    tag = f" ({mode} rows, {impl})"
+    ex_host = timer.last_host_ms
     raw_row = record(T, "alltoall", "raw NCCL all-to-all (same bytes)" + tag, raw_t,
-                     raw_rows * row_bytes, {"rows": mode, "rows_per_rank": raw_rows})
-    ex = record(T, "alltoall", "exchange only (all_to_all_v)" + tag, exch, nb, {"rows": mode})
-    d = record(T, "alltoall", "dispatch" + tag, disp, nb, {"rows": mode})
-    c = record(T, "alltoall", "combine" + tag, comb, nb, {"rows": mode})
+                     raw_rows * row_bytes, {"rows": mode, "impl": impl,
+                                            "rows_per_rank": raw_rows})
+    ex = record(T, "alltoall", "exchange only (all_to_all_v)" + tag, exch, nb,
+                {"rows": mode, "impl": impl, "host_ms": ex_host})
+    d = record(T, "alltoall", "dispatch" + tag, disp, nb,
+               {"rows": mode, "impl": impl, "host_ms": disp_host})
+    c = record(T, "alltoall", "combine" + tag, comb, nb,
+               {"rows": mode, "impl": impl, "host_ms": comb_host})
     b = record(T, "alltoall", "dispatch+combine" + tag, both_t, 2 * nb,
-               {"rows": mode, "rows_sent": n, "slot_rows": P})
+               {"rows": mode, "impl": impl, "rows_sent": n, "slot_rows": P})
     for row in (ex, d, c):
         row["vs_raw"] = raw_row["ms"] / row["ms"]
     # the issue's ratio: dispatch + combine against two raw all-to-alls of the same bytes
@@ -256,9 +349,13 @@ def bench_rank(comm, opts):
             raw_slot_t = _raw_alltoall(comm, timer, opts, P, H)
             record(T, "alltoall", "raw NCCL all-to-all (slot bytes, P rows)", raw_slot_t[0],
                    raw_slot_t[1] * row_bytes, {"rows_per_rank": raw_slot_t[1]})
-            for mode in opts.get("alltoall_rows", ["token", "slot"]):
-                _bench_alltoall_rows(comm, timer, ops, opts, record, mode, T, xs, routes,
-                                     per_rank, raw_slot_t, P)
+            for impl in opts.get("impls", ["fused"]):
+                for mode in opts.get("alltoall_rows", ["token", "slot"]):
+                    _bench_alltoall_rows(comm, timer, ops, opts, record, mode, T, xs, routes,
+                                         per_rank, raw_slot_t, P, impl)
+                    if opts.get("breakdown"):
+                        _breakdown(comm, timer, ops, opts, record, mode, impl, T, xs, routes,
+                                   per_rank)
 
         # ---- all-gather / reduce-scatter ------------------------------------------------
         if "allgather" in opts["schemes"]:
@@ -312,7 +409,8 @@ def bench_rank(comm, opts):
     props = cupy.cuda.runtime.getDeviceProperties(comm.device)
     return {"gpu": props["name"].decode() if isinstance(props["name"], bytes) else
             str(props["name"]), "world_size": W, "stage_ops": ops_name,
-            "nccl_version": _nccl_version(), "rows": rows, "layer": layer_rows,
+            "nccl_version": _nccl_version(), "impls": list(opts.get("impls", ["fused"])),
+            "rows": rows, "layer": layer_rows,
             "layer_note": layer_note}
 
 
@@ -456,6 +554,15 @@ def _target(report, modes):
             and row["phase"].startswith("dispatch+combine")]
     if not both:
         return None
+    impls = report.get("impls") or [None]
+    impl = impls[0]   # the first implementation (the default, "fused") is the target's
+    others = {}
+    for row in both:
+        if impl is not None and row.get("impl", impl) != impl:
+            key = f"{row['rows']} rows, {row['impl']}"
+            others.setdefault(key, {})[row["tokens_per_rank"]] = {
+                "ms": row["ms"], "ratio": row["vs_raw"]}
+    both = [row for row in both if impl is None or row.get("impl", impl) == impl]
     T = max(row["tokens_per_rank"] for row in both)
     by_rows = {row["rows"]: {"ms": row["ms"], "ratio": row["vs_raw"],
                              "exchange_ratio": row["exchange_vs_raw"],
@@ -464,7 +571,8 @@ def _target(report, modes):
                for row in both if row["tokens_per_rank"] == T}
     mode = modes[0] if modes[0] in by_rows else next(iter(by_rows))
     main = by_rows[mode]
-    return {"tokens_per_rank": T, "rows": mode, "ratio": main["ratio"],
+    return {"tokens_per_rank": T, "rows": mode, "impl": impl, "ratio": main["ratio"],
+            "other_impls": others,
             "exchange_ratio": main["exchange_ratio"],
             "ratio_vs_slot_bytes": main["ratio_vs_slot_bytes"], "met": main["ratio"] >= 0.8,
             "definition": "2 x raw NCCL all-to-all (equal splits) of the rows this path sends "
@@ -478,8 +586,9 @@ def print_table(report):
     for row in report["rows"]:
         gbps = f"{row['GBps_per_rank']:.1f}" if row.get("GBps_per_rank") else ""
         vs = f"{row['vs_raw']:.2f}" if row.get("vs_raw") is not None else ""
+        hostms = f"  host {row['host_ms']:.3f} ms" if row.get("host_ms") is not None else ""
         print(f"{row['tokens_per_rank']:>7} {row['scheme']:>9} {row['phase']:<50} "
-              f"{row['ms']:>9.3f} {gbps:>10} {vs:>7}")
+              f"{row['ms']:>9.3f} {gbps:>10} {vs:>7}{hostms}")
     for row in report.get("layer", []):
         extra = ""
         if "ep_vs_single_rel_error" in row:
@@ -513,6 +622,11 @@ def main(argv=None):
     ap.add_argument("--alltoall-rows", default="token,slot",
                     help="all-to-all-v row modes, the first is the target's: token (one row "
                          "per token and destination rank) and/or slot (one per routed slot)")
+    ap.add_argument("--impls", default="fused",
+                    help="all-to-all-v implementations (sandbox/ep/dispatch.py), the first is "
+                         "the target's: fused and/or stages")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time each sub-step of dispatch / combine alone (diagnostic)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--layer-reps", type=int, default=5)
@@ -537,11 +651,18 @@ def main(argv=None):
             ap.error(f"--alltoall-rows: expected token and/or slot, got {m!r}")
     if not a2a_rows:
         ap.error("--alltoall-rows: expected at least one of token, slot")
+    impls = [m for m in args.impls.split(",") if m]
+    for m in impls:
+        if m not in ("fused", "stages"):
+            ap.error(f"--impls: expected fused and/or stages, got {m!r}")
+    if not impls:
+        ap.error("--impls: expected at least one of fused, stages")
     if DEEPSEEK_V3["num_experts"] % args.gpus:
         ap.error(f"--gpus: {args.gpus} does not divide the {DEEPSEEK_V3['num_experts']} experts")
     opts = dict(shape=DEEPSEEK_V3, tokens=[int(t) for t in args.tokens.split(",") if t],
                 layer_tokens=[int(t) for t in args.layer_tokens.split(",") if t],
-                schemes=schemes, alltoall_rows=a2a_rows, reps=args.reps, warmup=args.warmup,
+                schemes=schemes, alltoall_rows=a2a_rows, impls=impls,
+                breakdown=args.breakdown, reps=args.reps, warmup=args.warmup,
                 layer_reps=args.layer_reps, layer_warmup=args.layer_warmup, pool=args.pool,
                 layer=not args.no_layer, stage_ops=args.stage_ops)
     t0 = time.time()

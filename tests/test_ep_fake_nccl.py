@@ -9,6 +9,7 @@ of dispatch and the layer (host/device mix-ups raise here), the reference-on-hos
 and the benchmark harness end to end on tiny shapes. Real GPUs are the multigpu tests' job.
 """
 import contextlib
+import itertools
 import os
 import re
 import sys
@@ -118,7 +119,8 @@ def _bench_once(bench_ep):
     shape = dict(hidden_size=32, top_k=2, num_experts=8, intermediate_size=16,
                  dtype="bfloat16")
     opts = dict(shape=shape, tokens=[16], layer_tokens=[8], schemes=["alltoall", "allgather"],
-                alltoall_rows=["token", "slot"], reps=1, warmup=1, layer_reps=1, layer_warmup=1, pool=2, layer=True,
+                alltoall_rows=["token", "slot"], impls=["fused", "stages"], breakdown=True,
+                reps=1, warmup=1, layer_reps=1, layer_warmup=1, pool=2, layer=True,
                 stage_ops="reference", flush_mb=1)
     results = _once("bench", lambda: launch(bench_ep.bench_rank, 2, backend="nccl",
                                             args=(opts,), timeout=60))
@@ -127,17 +129,21 @@ def _bench_once(bench_ep):
     phases = {(r["tokens_per_rank"], r["scheme"], r["phase"]) for r in report["rows"]}
     for T in (16,):
         assert (T, "alltoall", "raw NCCL all-to-all (slot bytes, P rows)") in phases
-        for mode in ("token", "slot"):
+        for mode, impl in itertools.product(("token", "slot"), ("fused", "stages")):
             for phase in ("dispatch", "combine", "dispatch+combine",
                           "raw NCCL all-to-all (same bytes)", "exchange only (all_to_all_v)"):
-                assert (T, "alltoall", f"{phase} ({mode} rows)") in phases
+                assert (T, "alltoall", f"{phase} ({mode} rows, {impl})") in phases
+            steps = [p for (_, _, p) in phases if p.startswith("  step:")
+                     and f"({mode} rows, {impl})" in p]
+            assert len(steps) == 5, steps
         assert (T, "allgather", "raw ncclAllGather + ncclReduceScatter") in phases
     single = [r for r in report["layer"] if r["what"] == "single-GPU layer forward"]
     assert single and all(e < 1e-2 for e in single[0]["ep_vs_single_rel_error"].values())
     report["target"] = bench_ep._target(report, ["token", "slot"])
     t = report["target"]
-    assert t["rows"] == "token" and t["tokens_per_rank"] == 16 and set(t["by_rows"]) == \
-        {"token", "slot"}
+    assert t["rows"] == "token" and t["impl"] == "fused" and t["tokens_per_rank"] == 16 and \
+        set(t["by_rows"]) == {"token", "slot"}
+    assert set(t["other_impls"]) == {"token rows, stages", "slot rows, stages"}
     # top-2 of 8 experts over 2 ranks: a token visits at most both ranks, never more rows
     # than slots; slot rows send every slot
     assert t["by_rows"]["token"]["rows_sent"] <= t["by_rows"]["slot"]["rows_sent"] == 16 * 2

@@ -206,6 +206,85 @@ def run_parity(comm, cases, backend: str = "reference") -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------
+# the two all-to-all-v implementations against each other (any backend)
+# ---------------------------------------------------------------------------------------
+IMPL_CASES = (  # (tokens on rank r: T0 + 7 r, or 0 on the last rank when empty_last), E, K, H
+    dict(T0=37, E=16, K=4, H=40, dtype="bfloat16", empty_last=False),
+    dict(T0=5, E=8, K=3, H=24, dtype="float32", empty_last=True),
+    dict(T0=64, E=32, K=8, H=136, dtype="bfloat16", empty_last=False),
+)
+
+
+def run_impl_parity(comm, backend: str = "reference") -> list[dict]:
+    """alltoall_dispatch / alltoall_combine with impl="fused" against impl="stages", both row
+    modes: the received rows, ids, weights and counts must be identical (same send order),
+    the combined outputs equal (rel. error <= 1e-6: the same fp32 sums in the same order).
+    One dict per (case, rows) with the checks' booleans."""
+    import ml_dtypes
+
+    from sandbox.registry import get_backend
+
+    from .dispatch import alltoall_combine, alltoall_dispatch, raw, view_as
+    from .layer import _OnHost
+
+    xp = comm.xp
+    W, r = comm.world_size, comm.rank
+    ops = get_backend(backend)
+    if backend == "reference" and xp is not np:
+        ops = _OnHost(ops, comm)
+
+    def dev(a):
+        a = np.ascontiguousarray(a)
+        return view_as(xp.asarray(raw(a)), a.dtype)
+
+    def host(a):
+        return None if a is None else np.asarray(comm.to_host(raw(a)))
+
+    out = []
+    for ci, case in enumerate(IMPL_CASES):
+        dtype = np.dtype(ml_dtypes.bfloat16) if case["dtype"] == "bfloat16" else \
+            np.dtype(case["dtype"])
+        E, K, H = case["E"], case["K"], case["H"]
+        T = 0 if (case["empty_last"] and r == W - 1) else case["T0"] + 7 * r
+        rng = np.random.default_rng(100 * ci + r)
+        x = rng.standard_normal((T, H)).astype(dtype)
+        ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)      # [T, K]
+        w = rng.random((T, K)).astype(np.float32)
+        for rows in ("token", "slot"):
+            got = {}
+            for impl in ("stages", "fused"):
+                x_recv, ids_recv, w_recv, st = alltoall_dispatch(
+                    comm, ops, dev(x), dev(ids), E // W, topk_weights=dev(w), rows=rows,
+                    impl=impl)
+                # the experts' stand-in: y = 2 x (token rows: one partial per token)
+                y = dev((host(x_recv).view(dtype).astype(np.float32) * 2).astype(dtype))
+                o = alltoall_combine(comm, ops, y, st, dev(w))
+                got[impl] = dict(x=host(x_recv), ids=host(ids_recv), w=host(w_recv),
+                                 send=st.send_counts.tolist(), recv=st.recv_counts.tolist(),
+                                 out=host(o).view(dtype).astype(np.float64), impl=st.impl)
+            a, b = got["stages"], got["fused"]
+            want = np.zeros((T, H))      # the loop: what the combine must return
+            x2 = (x.astype(np.float32) * 2).astype(dtype).astype(np.float64)   # y = 2 x
+            for t in range(T):
+                held = [k for k in range(K) if 0 <= ids[t, k] < E]
+                if rows == "slot":       # sum_k w[t, k] * y_k
+                    want[t] = sum(float(w[t, k]) * x2[t] for k in held) if held else 0
+                else:                    # one partial (2 x here) per destination rank
+                    want[t] = len({int(ids[t, k]) // (E // W) for k in held}) * x2[t]
+            out.append({
+                "case": ci, "rows": rows, "rank": r, "impl": b["impl"],
+                "x": bool(np.array_equal(a["x"], b["x"])),
+                "ids": bool(np.array_equal(a["ids"], b["ids"])),
+                "w": bool((a["w"] is None and b["w"] is None) or np.array_equal(a["w"], b["w"])),
+                "counts": a["send"] == b["send"] and a["recv"] == b["recv"],
+                "out_vs_stages": rel_error(b["out"], a["out"]),
+                "out_vs_loop": rel_error(b["out"], want),
+                "tolerance": TOLERANCE[case["dtype"]]})
+    comm.barrier()
+    return out
+
+
+# ---------------------------------------------------------------------------------------
 # the communicator's collectives against their definitions (any backend)
 # ---------------------------------------------------------------------------------------
 COLLECTIVE_CHECKS = ("all_gather", "all_gather_bf16", "reduce_scatter", "reduce_scatter_bf16",

@@ -223,10 +223,12 @@ class Communicator:
                     self.recv(recv[p:p + 1], p)
         return np.asarray(self.to_host(recv)).astype(np.int64)
 
-    def counts_phase_async(self, send_counts):
+    def counts_phase_async(self, send_counts, both=None):
         """Start phase one; `.wait()` returns (send host [W], recv host [W]). The caller can
         enqueue work between the two (NCCL overlaps the exchange with it; the CPU
-        communicator exchanges at wait())."""
+        communicator exchanges at wait()). `both`: optionally an int64 [2, W] device buffer
+        whose row 0 holds send_counts and [1, rank] = send_counts[rank] (the fused layout
+        kernel writes it so): NCCL then exchanges in place, with no copies first."""
         return _DeferredCounts(self, send_counts)
 
     def counts_phase(self, send_counts):

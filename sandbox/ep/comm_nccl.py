@@ -319,6 +319,20 @@ class NcclCommunicator(Communicator):
         if not self._in_group:
             self._track(self._what or op)
 
+    def _p2p_ptr(self, op, ptr, nbytes, peer):
+        """ncclSend / ncclRecv of `nbytes` at a device address, inside a group (the caller
+        validated the buffer and keeps it alive until group end)."""
+        comm = self._comm
+        if comm is None:
+            raise CommPeerError(f"rank {self.rank}: {op} on a destroyed or aborted communicator")
+        fn = comm.send if op == "send" else comm.recv
+        try:
+            fn(ptr, nbytes, self._uint8, peer, self._stream)
+        except self._nccl.NcclError as exc:
+            self._raise_if_failed()
+            raise CommPeerError(f"rank {self.rank}: NCCL {op} to/from rank {peer} failed: "
+                                f"{exc}") from exc
+
     def send(self, x, peer):
         self._p2p("send", x, peer)
 
@@ -414,7 +428,7 @@ class NcclCommunicator(Communicator):
                               nccl_dtype(dtype), self._sum)
         return _view_as(out, dtype)
 
-    def counts_phase_async(self, send_counts):
+    def counts_phase_async(self, send_counts, both=None):
         """Exchange the counts on a side stream (after the work enqueued so far) and copy
         them into pinned host memory asynchronously; the caller's next kernels (the row
         gather) run meanwhile. `.wait()` polls for the copy and makes the current stream
@@ -432,18 +446,81 @@ class NcclCommunicator(Communicator):
         side = self._side
         side.wait_event(ready)
         with side:
-            both = cupy.empty((2, W), dtype=cupy.int64)
-            both[0] = send_counts.astype(cupy.int64)
-            both[1, r] = both[0, r]
+            if both is None:
+                both = cupy.empty((2, W), dtype=cupy.int64)
+                both[0] = send_counts.astype(cupy.int64)
+                both[1, r] = both[0, r]
+            elif both.shape != (2, W) or both.dtype != np.int64 or not both.flags.c_contiguous:
+                raise ValueError(f"both: expected a C-contiguous int64 [2, {W}] buffer, got "
+                                 f"{both.dtype} {both.shape}")
+            # pointers, not slices: each CuPy slice costs microseconds of host time, and the
+            # host time before the exchange is on the critical path
+            ptr = both.data.ptr
             with self._op("all_to_all_v (counts)"), self.group():
+                self._group_refs.append(both)
                 for p in range(W):
                     if p != r:
-                        self.send(both[0, p:p + 1], p)
-                        self.recv(both[1, p:p + 1], p)
+                        self._p2p_ptr("send", ptr + 8 * p, 8, p)
+                        self._p2p_ptr("recv", ptr + 8 * (W + p), 8, p)
             both.get(stream=side, out=self._pinned, blocking=False)
             done = cupy.cuda.Event(disable_timing=True)
             done.record(side)
         return _PendingCounts(self, done, both, main)
+
+    def all_to_all_v(self, sends, send_counts, recv_counts=None, outs=None):
+        """The base class's exchange (same arguments, checks and result), with the sends and
+        receives issued from pointers: no per-peer array slices (each costs microseconds of
+        host time while the GPU waits for the exchange to be enqueued)."""
+        single = not isinstance(sends, (list, tuple))
+        given = [sends] if single else list(sends)
+        W, r = self.world_size, self.rank
+        send_counts = np.asarray(send_counts, dtype=np.int64).reshape(-1)
+        if send_counts.shape != (W,):
+            raise ValueError(f"send_counts: expected {W} counts, got shape {send_counts.shape}")
+        total = int(send_counts.sum())
+        arrays = []
+        for i, a in enumerate(given):
+            a = self._contig(_raw(a), f"sends[{i}]")
+            if a.ndim < 1 or a.shape[0] != total:
+                raise ValueError(f"sends[{i}]: expected {total} rows (sum of send_counts), "
+                                 f"got shape {a.shape}")
+            arrays.append(a)
+        if recv_counts is None:
+            recv_counts = self.exchange_counts(send_counts)
+        recv_counts = np.asarray(recv_counts, dtype=np.int64).reshape(-1)
+        if recv_counts.shape != (W,):
+            raise ValueError(f"recv_counts: expected {W} counts, got shape {recv_counts.shape}")
+        sc, rc = send_counts.tolist(), recv_counts.tolist()
+        so, ro = [0] * (W + 1), [0] * (W + 1)
+        for p in range(W):
+            so[p + 1], ro[p + 1] = so[p] + sc[p], ro[p] + rc[p]
+        cupy = self._cupy
+        if outs is None:
+            outs = [cupy.empty((ro[W],) + a.shape[1:], dtype=a.dtype) for a in arrays]
+        else:
+            outs = [_raw(o) for o in ([outs] if single else list(outs))]
+            for i, (a, o) in enumerate(zip(arrays, outs)):
+                if o.shape != (ro[W],) + a.shape[1:] or o.dtype != a.dtype:
+                    raise ValueError(f"outs[{i}]: expected shape {(ro[W],) + a.shape[1:]} "
+                                     f"dtype {a.dtype}, got {o.shape} {o.dtype}")
+                self._contig(o, f"outs[{i}]")
+        if sc[r] != rc[r]:
+            raise CommUsageError(f"rank {r}: all_to_all_v sends {sc[r]} rows to itself "
+                                 f"but expects {rc[r]}")
+        # bytes per row of each buffer (a and its out have the same row shape and dtype)
+        row_bytes = [a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64)) for a in arrays]
+        self._raise_if_failed()
+        with self._op("all_to_all_v"), self.group():
+            # the own rows travel inside the group too: NCCL copies them in the same kernel
+            # as the peers' rows (concurrently), where a separate copy would run before
+            for p in range(W):
+                for a, o, rb in zip(arrays, outs, row_bytes):
+                    if sc[p]:
+                        self._p2p_ptr("send", a.data.ptr + so[p] * rb, sc[p] * rb, p)
+                    if rc[p]:
+                        self._p2p_ptr("recv", o.data.ptr + ro[p] * rb, rc[p] * rb, p)
+        outs = [_view_as(o, g.dtype) for o, g in zip(outs, given)]
+        return (outs[0] if single else outs), recv_counts
 
     def counts_phase(self, send_counts):
         """Counts straight from the device (the permute's offsets): exchange them there, then

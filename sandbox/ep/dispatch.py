@@ -44,6 +44,16 @@ Two schemes, both exact (they change where the work happens, never the math):
     Rounding: slot rows round once (like the single device); token rows round each rank's
     partial to the dtype before the final sum, exactly as (a) does.
 
+    Two implementations of (b), same results (impl=):
+    "fused" (default; sandbox/ep/layout.py, cuda_kernels/cupy/ep_layout.cu): one kernel
+        computes the counts, every entry's send position (stable, grouped by destination)
+        and the counts vector of phase one; one kernel gathers each token row once into the
+        send buffer with its metadata; one kernel combines (out[t] = sum of its sent entries,
+        weighted, fp32, rounded once). Per dispatch: 2 launches, the counts exchange on a
+        side stream, one host sync, the rows exchange; per combine: the exchange, 1 launch.
+    "stages": the table and counts as CuPy array ops, moe_permute / moe_unpermute of the
+        stage backend (the first version; kept beside it, and the fallback past W = 32).
+
 Both run on NumPy (CPU communicator, reference stages) or CuPy (NCCL, cuda_kernels.cupy
 stages): `comm.xp` and the stage backend `ops` decide. bf16 rows move as their uint16
 bytes, so no bf16 arithmetic is ever asked of the array library.
@@ -55,7 +65,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-__all__ = ["SCHEMES", "ALLTOALL_ROWS", "AllGatherState", "AllToAllState", "allgather_dispatch",
+__all__ = ["SCHEMES", "ALLTOALL_ROWS", "ALLTOALL_IMPLS", "AllGatherState", "AllToAllState", "allgather_dispatch",
            "allgather_combine", "alltoall_dispatch", "alltoall_combine", "raw", "view_as"]
 
 SCHEMES = ("allgather", "alltoall")
@@ -146,6 +156,10 @@ def allgather_combine(comm, partial, state: AllGatherState):
 # (b) all-to-all-v of the routed rows
 # --------------------------------------------------------------------------------------
 ALLTOALL_ROWS = ("token", "slot")
+ALLTOALL_IMPLS = ("fused", "stages")
+# "fused": 3 launches and no array-op chain (see the module docstring); measured against
+# "stages" by benchmarks/bench_ep.py (--impls fused,stages)
+DEFAULT_IMPL = "fused"
 
 
 @dataclasses.dataclass
@@ -157,7 +171,8 @@ class AllToAllState:
     num_tokens: int
     dtype: np.dtype
     width: int = 0            # S: K (slot rows) or min(W, K) (token rows)
-    combine_weights: object = None   # token rows: xp f32 [T, S], 1 where (t, j) was sent
+    combine_weights: object = None   # token rows, stages: xp f32 [T, S], 1 where sent
+    impl: str = "stages"      # which implementation made it (the combine follows it)
 
 
 def _rank_counts(xp, dest, W):
@@ -190,7 +205,7 @@ def _token_table(xp, dest, W):
 
 
 def alltoall_dispatch(comm, ops, x, topk_ids, experts_per_rank: int, topk_weights=None,
-                      rows: str = "token"):
+                      rows: str = "token", impl: str | None = None):
     """Send each rank the rows its experts need.
 
     x [T, H], topk_ids [T, K] int32 physical ids, topk_weights [T, K] f32.
@@ -207,15 +222,29 @@ def alltoall_dispatch(comm, ops, x, topk_ids, experts_per_rank: int, topk_weight
         only when given (the apply_router_weight_on_input case: the owner applies them).
 
     Host syncs: exactly one, for the counts (phase one runs on a side stream while the rows
-    are gathered). `ops` is the stage backend (moe_permute).
+    are gathered). `ops` is the stage backend (moe_permute; impl="stages" only). impl:
+    "fused" (default) or "stages" (see the module docstring); the state remembers it.
     """
     if rows not in ALLTOALL_ROWS:
         raise ValueError(f"rows: expected one of {list(ALLTOALL_ROWS)}, got {rows!r}")
+    impl = DEFAULT_IMPL if impl is None else impl
+    if impl not in ALLTOALL_IMPLS:
+        raise ValueError(f"impl: expected one of {list(ALLTOALL_IMPLS)}, got {impl!r}")
     xp = comm.xp
     T, H = x.shape
     W = comm.world_size
     ids = topk_ids if topk_ids.dtype == np.int32 else topk_ids.astype(xp.int32)
     K = ids.shape[1]
+    if rows == "token" and topk_weights is None:
+        raise ValueError("topk_weights: expected [T, K] weights for rows='token' (the "
+                         "owner applies them), got None")
+    if impl == "fused":
+        from .layout import layout_ops
+
+        lay = layout_ops(comm)
+        if lay.supported(W, K, rows == "slot"):
+            return _alltoall_dispatch_fused(comm, lay, x, ids, experts_per_rank,
+                                            topk_weights, rows)
     dest = ids // experts_per_rank                                   # [T, K] owning rank
     if rows == "token":
         if topk_weights is None:
@@ -267,6 +296,52 @@ def alltoall_dispatch(comm, ops, x, topk_ids, experts_per_rank: int, topk_weight
     return view_as(x_recv, x.dtype), ids_recv, w_recv, state
 
 
+def _alltoall_dispatch_fused(comm, lay, x, ids, experts_per_rank, topk_weights, rows):
+    """impl="fused": layout kernel -> counts exchange (side stream) while the gather kernel
+    runs -> one host sync -> the rows exchange."""
+    xp = comm.xp
+    T, H = x.shape
+    W, K = comm.world_size, ids.shape[1]
+    slot = rows == "slot"
+    ids = xp.ascontiguousarray(ids)
+    w32 = None
+    if topk_weights is not None:
+        w32 = xp.ascontiguousarray(topk_weights.astype(xp.float32, copy=False))   # [T, K]
+    counts2, inv, _, n_real = lay.ep_layout(ids, experts_per_rank, W, comm.rank, slot)
+    # phase one starts right after the layout kernel (on a side stream for NCCL), so that
+    # the exchange of the counts and its host sync overlap the row gather below
+    pending = comm.counts_phase_async(counts2[0], both=counts2)
+    x_send, ids_send, w_send = lay.ep_gather(x, ids, w32, inv, n_real, experts_per_rank, slot)
+    send_counts, recv_counts = pending.wait()
+    n = int(send_counts.sum())                # rows past n ("nowhere") are never sent
+    sends = [raw(x_send)[:n], ids_send[:n]] + ([w_send[:n]] if w_send is not None else [])
+    recvs, _ = comm.all_to_all_v(sends, send_counts, recv_counts=recv_counts)
+    x_recv, ids_recv = recvs[0], recvs[1]
+    w_recv = recvs[2] if w_send is not None else None
+    state = AllToAllState(rows, send_counts, recv_counts, inv, T, np.dtype(x.dtype),
+                          lay.entries_per_token(W, K, slot), None, "fused")
+    return view_as(x_recv, x.dtype), ids_recv, w_recv, state
+
+
+def _alltoall_combine_fused(comm, y_recv, state: AllToAllState, topk_weights):
+    from .layout import layout_ops
+
+    xp = comm.xp
+    H = y_recv.shape[1]
+    yr = raw(y_recv)
+    n = int(state.send_counts.sum())
+    back = xp.empty((n, H), dtype=yr.dtype)                          # [n, H] send order
+    comm.all_to_all_v(yr, state.recv_counts, recv_counts=state.send_counts, outs=back)
+    weights = None
+    if state.rows == "slot":
+        if topk_weights is None:
+            raise ValueError("topk_weights: expected [T, K] weights to combine slot rows, "
+                             "got None")
+        weights = xp.ascontiguousarray(topk_weights.astype(xp.float32, copy=False))
+    return layout_ops(comm).ep_combine(view_as(back, state.dtype), weights, state.inv, n,
+                                       state.num_tokens)
+
+
 def alltoall_combine(comm, ops, y_recv, state: AllToAllState, topk_weights=None):
     """y_recv [R, H] (rows in received order) -> out [T, H] on the source rank.
 
@@ -275,6 +350,8 @@ def alltoall_combine(comm, ops, y_recv, state: AllToAllState, topk_weights=None)
         rounded once; moe_unpermute with weights 1 and 0 for "nowhere").
     slot rows: y_recv holds unweighted expert rows; out[t] = sum_k topk_weights[t, k] *
         y[slot t*K+k] (fp32, rounded once; moe_unpermute)."""
+    if state.impl == "fused":
+        return _alltoall_combine_fused(comm, y_recv, state, topk_weights)
     xp = comm.xp
     H = y_recv.shape[1]
     yr = raw(y_recv)

@@ -153,6 +153,13 @@ def check_divisible(num_logical: int, world_size: int, num_redundant: int = 0) -
             f"physical experts, not a multiple of the world size {world_size}")
 
 
+def _gpu_counter():
+    """cuda_kernels.cupy.ep_layout when its kernels can launch here, else None."""
+    from .layout import _gpu_kernels
+
+    return _gpu_kernels()
+
+
 class LoadRecorder:
     """Per-logical-expert token counts, summed over the recorded forwards (on the ids'
     device: no host sync per forward)."""
@@ -167,9 +174,17 @@ class LoadRecorder:
         self.steps = 0
 
     def record(self, topk_ids):
+        """counts[e] += #{topk_ids == e}. On a GPU one kernel of 64-bit atomics into the
+        device counts (cupy.bincount would read max(ids) back to the host: a sync per
+        forward); the counts are read only by global_load, when rebalancing."""
         xp = self.xp
-        self.counts += xp.bincount(topk_ids.reshape(-1).astype(xp.int64),
-                                   minlength=self.num_logical)[:self.num_logical]
+        kern = None if xp is np else _gpu_counter()
+        if kern is not None:
+            ids = topk_ids if topk_ids.dtype == np.int32 else topk_ids.astype(xp.int32)
+            kern.ep_count_experts(xp.ascontiguousarray(ids), self.counts)
+        else:
+            self.counts += xp.bincount(topk_ids.reshape(-1).astype(xp.int64),
+                                       minlength=self.num_logical)[:self.num_logical]
         self.steps += 1
 
     def global_load(self, comm):

@@ -1,0 +1,298 @@
+// ep_layout.cu: the expert-parallel all-to-all-v layout in three launches, no host round trip.
+//
+// Shapes: T tokens, K top-k, W ranks (W <= 32: a token's destinations fit one 32-bit mask),
+//   epr experts per rank (physical id e lives on rank e / epr), S entries per token
+//   (token rows: S = min(W, K), one per distinct destination rank; slot rows: S = K, one per
+//   slot), NB = W + 1 buckets (bucket W = "nowhere": token rows past a token's last
+//   destination, slot rows whose id is outside [0, W epr)), H hidden, n = sum of the counts.
+//
+// Math (e = t * S + j is an entry; the bucket b(e) is a destination rank or W):
+//   token rows: the destinations of t, d_0 < d_1 < ..., are the distinct ranks of its ids;
+//               b(t, j) = d_j for j < #destinations, W after
+//   slot rows:  b(t, k) = ids[t, k] / epr (W when outside [0, W))
+//   counts[p] = #{e : b(e) = p};  the send order groups the entries by bucket, increasing e
+//   inside a bucket (stable: the order moe_permute gives); inv[e] = the entry's position,
+//   src[pos] = e; the "nowhere" entries sit at positions >= n and are never sent.
+//
+// Kernels (ep_layout.py launches them):
+//   ep_layout_kernel        one block: counts, inv [T S], src [T S], n, and the counts vector
+//                           of the NCCL counts exchange ([2, W] int64: row 0 = the send counts,
+//                           row 1 gets counts[rank] at [1, rank]; the peers' entries come from
+//                           the exchange)
+//   ep_gather_kernel<V>     one block per token: its row is read ONCE and written to each of
+//                           its positions < n (x_send [T S, H] as V words), with the metadata
+//                           (token rows: the K ids and weights; slot rows: the local id
+//                           ids % epr and the slot's weight)
+//   ep_combine_kernel<VEC>  out[t] = sum_{j: inv[t S + j] < n} w[t, j] y[inv[t S + j]] in fp32,
+//                           j in order (the ranks' order for token rows), rounded once
+//                           (token rows: w = 1; moe_unpermute's arithmetic otherwise)
+//   ep_count_experts_kernel counts[e] += #{(t, k) : ids[t, k] = e} for e in [0, E): per-block
+//                           shared-memory histogram, then 64-bit atomics into the device
+//                           counts (integers: the result does not depend on the order)
+//
+// How the layout is stable without a sort: thread i of the block owns tokens
+// [i ceil(T / NT), (i + 1) ceil(T / NT)), in order. Pass 1 counts per (bucket, thread) in
+// shared memory; one exclusive block scan per bucket over the threads gives each thread's first
+// rank inside each bucket, and a serial scan over the <= 33 bucket totals their starts; pass 2
+// walks the same tokens again and hands out positions. Entries of one bucket are thus ordered
+// by thread, then by token, then by j: by e.
+// Why the gather is per token, not per entry: a token row is read from HBM once and written
+// S times (token rows: ~2 writes at W = 2), where the stage path (moe_permute) reads it S times.
+//
+// Launch geometry (ep_layout.py):
+//   ep_layout_kernel:        grid 1, block NT = min(LAYOUT_THREADS, multiple of 32 that fits
+//                            (NB NT + 32 + NB + 1) * 4 B of shared memory in 48 KB)
+//   ep_gather_kernel:        grid T, block GATHER_THREADS, each thread every GATHER_THREADS-th
+//                            word of the row
+//   ep_combine_kernel:       grid T * cdiv(H, block * VEC), block = min(COMBINE_THREADS,
+//                            cdiv(H / VEC, 32) * 32), each thread VEC columns
+//   ep_count_experts_kernel: grid min(cdiv(N, COUNT_THREADS * 8), 1024), block COUNT_THREADS,
+//                            shared memory E * 4 B
+//
+// Compile-time parameters: SCALAR_T (the combine's element type), LAYOUT_THREADS,
+//   GATHER_THREADS, COMBINE_THREADS, COUNT_THREADS (ep_layout.py CONFIGS); templates V, VEC.
+// Versions: v1 (this file). The stage path it replaces (table + counts with CuPy array ops,
+//   moe_permute, a metadata gather; sandbox/ep/dispatch.py impl="stages") is kept beside it.
+// Run: python -m cuda_kernels.cupy.ep_layout
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef SCALAR_T
+#define SCALAR_T float
+#endif
+#ifndef LAYOUT_THREADS
+#define LAYOUT_THREADS 1024
+#endif
+#ifndef GATHER_THREADS
+#define GATHER_THREADS 128
+#endif
+#ifndef COMBINE_THREADS
+#define COMBINE_THREADS 128
+#endif
+#ifndef COUNT_THREADS
+#define COUNT_THREADS 256
+#endif
+#define MAX_S 32
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void from_f32(float v, float* out) { *out = v; }
+__device__ __forceinline__ void from_f32(float v, __half* out) { *out = __float2half_rn(v); }
+__device__ __forceinline__ void from_f32(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
+
+// The ranks token t visits, as a bit mask (ids outside [0, W epr) visit nothing).
+__device__ __forceinline__ unsigned token_mask(const int* __restrict__ ids_t, int K, int W, int epr) {
+    unsigned m = 0u;
+    for (int k = 0; k < K; ++k) {
+        const int e = ids_t[k];
+        if (e >= 0 && e < W * epr) m |= 1u << (e / epr);
+    }
+    return m;
+}
+
+__device__ __forceinline__ int slot_bucket(int e, int W, int epr) {
+    return (e >= 0 && e < W * epr) ? e / epr : W;
+}
+
+// Inclusive scan of one int per thread over the block (blockDim.x a multiple of 32, at most
+// 1024); `scratch` holds 32 ints. Ends with a barrier, so scratch can be reused at once.
+__device__ int block_inclusive_scan(int v, int* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, v, d);
+        if (lane >= d) v += u;
+    }
+    if (lane == 31) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        int s = lane < nwarps ? scratch[lane] : 0;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int u = __shfl_up_sync(0xffffffffu, s, d);
+            if (lane >= d) s += u;
+        }
+        scratch[lane] = s;  // inclusive totals of warps 0..lane
+    }
+    __syncthreads();
+    if (warp > 0) v += scratch[warp - 1];
+    __syncthreads();
+    return v;
+}
+
+// ============================================================================ layout
+extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS)
+ep_layout_kernel(const int* __restrict__ ids,      // [T, K] physical expert ids
+                 int* __restrict__ inv,            // [T S] entry -> position
+                 int* __restrict__ src,            // [T S] position -> entry
+                 long long* __restrict__ counts2,  // [2, W]: [0] send counts, [1, rank] own
+                 int* __restrict__ n_real,         // [1]: n = sum of the counts
+                 int T, int K, int S, int W, int epr, int slot_rows, int rank) {
+    extern __shared__ int smem[];
+    const int NT = blockDim.x, tid = threadIdx.x, NB = W + 1;
+    int* cnt = smem;                // [NB, NT]: column tid is this thread's, no bank conflicts
+    int* scratch = cnt + NB * NT;   // [32]
+    int* base = scratch + 32;       // [NB + 1]
+    for (int b = 0; b < NB; ++b) cnt[b * NT + tid] = 0;
+    const int per = (T + NT - 1) / NT;
+    const int t0 = min(T, tid * per), t1 = min(T, t0 + per);
+    // pass 1: counts per (bucket, thread)
+    for (int t = t0; t < t1; ++t) {
+        const int* ids_t = ids + (size_t)t * K;
+        if (slot_rows) {
+            for (int k = 0; k < K; ++k) cnt[slot_bucket(ids_t[k], W, epr) * NT + tid] += 1;
+        } else {
+            unsigned m = token_mask(ids_t, K, W, epr);
+            cnt[W * NT + tid] += S - __popc(m);
+            while (m) {
+                cnt[(__ffs(m) - 1) * NT + tid] += 1;
+                m &= m - 1u;
+            }
+        }
+    }
+    __syncthreads();
+    // every bucket: exclusive scan over the threads; its total
+    for (int b = 0; b < NB; ++b) {
+        const int v = cnt[b * NT + tid];
+        const int incl = block_inclusive_scan(v, scratch);
+        cnt[b * NT + tid] = incl - v;
+        if (tid == NT - 1) base[b] = incl;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int run = 0;
+        for (int b = 0; b < NB; ++b) {
+            const int c = base[b];
+            base[b] = run;
+            run += c;
+            if (b < W) counts2[b] = c;
+        }
+        base[NB] = run;
+        *n_real = base[W];
+        counts2[W + rank] = counts2[rank];  // what this rank "receives" from itself
+    }
+    __syncthreads();
+    // pass 2: the same walk hands out the positions
+    for (int t = t0; t < t1; ++t) {
+        const int* ids_t = ids + (size_t)t * K;
+        if (slot_rows) {
+            for (int k = 0; k < K; ++k) {
+                const int b = slot_bucket(ids_t[k], W, epr);
+                const int pos = base[b] + cnt[b * NT + tid]++;
+                const int e = t * S + k;
+                inv[e] = pos;
+                src[pos] = e;
+            }
+        } else {
+            unsigned m = token_mask(ids_t, K, W, epr);
+            for (int j = 0; j < S; ++j) {
+                const int b = m ? __ffs(m) - 1 : W;
+                if (m) m &= m - 1u;
+                const int pos = base[b] + cnt[b * NT + tid]++;
+                const int e = t * S + j;
+                inv[e] = pos;
+                src[pos] = e;
+            }
+        }
+    }
+}
+
+// ============================================================================ gather
+template <typename V>
+__global__ void __launch_bounds__(GATHER_THREADS)
+ep_gather_kernel(const V* __restrict__ x,            // [T, row_words]
+                 const int* __restrict__ ids,        // [T, K]
+                 const float* __restrict__ w,        // [T, K] or null
+                 const int* __restrict__ inv,        // [T S]
+                 const int* __restrict__ n_real,     // [1]
+                 V* __restrict__ x_send,             // [T S, row_words] (rows < n written)
+                 int* __restrict__ ids_send,         // token: [T S, K]; slot: [T S]
+                 float* __restrict__ w_send,         // token: [T S, K]; slot: [T S]; or null
+                 int T, int K, int S, int epr, int slot_rows, int row_words) {
+    __shared__ int pos_s[MAX_S];
+    const int t = blockIdx.x;
+    if (t >= T) return;
+    const int n = *n_real;
+    if (threadIdx.x < S) pos_s[threadIdx.x] = inv[(size_t)t * S + threadIdx.x];
+    __syncthreads();
+    const V* row = x + (size_t)t * row_words;
+    for (int c = threadIdx.x; c < row_words; c += blockDim.x) {
+        const V v = row[c];
+        for (int j = 0; j < S; ++j) {
+            const int p = pos_s[j];
+            if (p < n) x_send[(size_t)p * row_words + c] = v;
+        }
+    }
+    if (slot_rows) {
+        const int k = threadIdx.x;
+        if (k < S) {
+            const int p = pos_s[k];
+            if (p < n) {
+                ids_send[p] = ids[(size_t)t * K + k] % epr;   // sent only when in range: >= 0
+                if (w != nullptr) w_send[p] = w[(size_t)t * K + k];
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < S * K; i += blockDim.x) {
+            const int j = i / K, k = i - j * K;
+            const int p = pos_s[j];
+            if (p < n) {
+                ids_send[(size_t)p * K + k] = ids[(size_t)t * K + k];
+                if (w != nullptr) w_send[(size_t)p * K + k] = w[(size_t)t * K + k];
+            }
+        }
+    }
+}
+
+// ============================================================================ combine
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+    T v[VEC];
+};
+
+template <int VEC>
+__global__ void __launch_bounds__(COMBINE_THREADS)
+ep_combine_kernel(const SCALAR_T* __restrict__ y,      // [n, H] rows in send order
+                  const float* __restrict__ w,         // [T, S] or null (weights 1)
+                  const int* __restrict__ inv,         // [T S]
+                  SCALAR_T* __restrict__ out,          // [T, H]
+                  int T, int S, int H, int n, int chunks) {
+    const int t = blockIdx.x / chunks;
+    const int col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
+    if (t >= T || col >= H) return;  // H % VEC == 0 on this path (ep_layout.py)
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+    for (int s = 0; s < S; ++s) {
+        const int r = inv[(size_t)t * S + s];
+        if (r >= n) continue;   // "nowhere": never sent, adds nothing
+        const float ws = w != nullptr ? w[(size_t)t * S + s] : 1.0f;
+        const Pack<SCALAR_T, VEC> v =
+            *reinterpret_cast<const Pack<SCALAR_T, VEC>*>(y + (size_t)r * H + col);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(ws, to_f32(v.v[j])));
+    }
+    Pack<SCALAR_T, VEC> o;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) from_f32(acc[j], &o.v[j]);
+    *reinterpret_cast<Pack<SCALAR_T, VEC>*>(out + (size_t)t * H + col) = o;
+}
+
+// ============================================================================ EPLB load
+extern "C" __global__ void __launch_bounds__(COUNT_THREADS)
+ep_count_experts_kernel(const int* __restrict__ ids,          // [N] expert ids
+                        unsigned long long* __restrict__ counts,  // [E], accumulated into
+                        int N, int E) {
+    extern __shared__ unsigned int hist[];   // [E]
+    for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0u;
+    __syncthreads();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < N; i += gridDim.x * blockDim.x) {
+        const int e = ids[i];
+        if (e >= 0 && e < E) atomicAdd(&hist[e], 1u);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        if (hist[e]) atomicAdd(&counts[e], (unsigned long long)hist[e]);
+}

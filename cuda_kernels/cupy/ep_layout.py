@@ -1,0 +1,283 @@
+"""The expert-parallel all-to-all-v layout on the GPU (ep_layout.cu): the send order, the row
+gather and the combine of sandbox/ep/dispatch.py's fused path, in three launches and no host
+round trip (the caller's one host sync is for the counts, after the exchange).
+
+Shapes: T tokens, K top-k, W ranks (<= 32), epr experts per rank, S entries per token
+(token rows: min(W, K); slot rows: K), H hidden, n rows sent (the sum of the counts).
+
+    ep_layout(topk_ids, experts_per_rank, world_size, rank, slot_rows)
+        -> counts2 int64 [2, W] (row 0: rows sent to each rank; [1, rank] = [0, rank], the
+           rest of row 1 for the counts exchange to fill), inv int32 [T S] (entry -> send
+           position; "nowhere" entries at positions >= n), src int32 [T S] (position ->
+           entry), n_real int32 [1] (n, on the device)
+    ep_gather(x, topk_ids, topk_weights, inv, n_real, experts_per_rank, slot_rows)
+        -> x_send [T S, H] (rows < n written), ids_send (token rows: int32 [T S, K] physical
+           ids; slot rows: int32 [T S] local ids), w_send f32 (same shape as ids_send) or None
+    ep_combine(y, weights, inv, n, num_tokens) -> out [T, H]:
+        out[t] = sum_{j : inv[t S + j] < n} weights[t, j] * y[inv[t S + j]] (weights None: 1),
+        fp32 in j order, rounded once to y's dtype
+    ep_count_experts(topk_ids, counts): counts[e] += #{ids == e}, e in [0, E) (int64 [E] on
+        the device, 64-bit atomics: no host sync; others ignored)
+
+sandbox/ep/layout.py holds the NumPy twins (same names, same signatures) that the CPU
+communicator runs; tests/test_ep_layout.py checks one against the other.
+Run as a script to validate the kernels against a loop and time them:
+    python -m cuda_kernels.cupy.ep_layout
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from . import _compile as C
+
+CONFIGS = {
+    # one block does the whole layout: more threads = fewer tokens walked per thread (at
+    # T = 4096, 1024 threads walk 4 tokens each); capped so that the per-(bucket, thread)
+    # counters fit 48 KB of shared memory
+    "ep_layout_kernel": {"LAYOUT_THREADS": 1024, "SMEM_BUDGET": 48 * 1024},
+    # one block per token row: 128 threads x 16 B = 2 KB per step, 7 steps for H = 7168 bf16
+    "ep_gather_kernel": {"GATHER_THREADS": 128},
+    "ep_combine_kernel": {"COMBINE_THREADS": 128},
+    "ep_count_experts_kernel": {"COUNT_THREADS": 256, "MAX_BLOCKS": 1024},
+}
+MAX_WORLD = 32   # a token's destinations are one 32-bit mask
+MAX_S = 32       # ep_gather_kernel keeps a token's positions in shared memory
+_WORDS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
+_GATHER_NAMES = tuple(f"ep_gather_kernel<{w}>" for w in _WORDS.values())
+_VECS = (1, 2, 4, 8)
+_COMBINE_NAMES = tuple(f"ep_combine_kernel<{v}>" for v in _VECS)
+_FIXED_NAMES = ("ep_layout_kernel", "ep_count_experts_kernel") + _GATHER_NAMES
+
+
+def _defines(scalar_dtype=np.float32) -> dict:
+    return {"SCALAR_T": C.ctype_of(scalar_dtype),
+            "LAYOUT_THREADS": CONFIGS["ep_layout_kernel"]["LAYOUT_THREADS"],
+            **CONFIGS["ep_gather_kernel"], **CONFIGS["ep_combine_kernel"],
+            "COUNT_THREADS": CONFIGS["ep_count_experts_kernel"]["COUNT_THREADS"]}
+
+
+# the layout, gathers and counts do not depend on the dtype (fp32 defines); the combine is
+# compiled once per dtype
+C.register_compile_case("ep_layout.cu", _defines(), _FIXED_NAMES)
+for _dt in C.float_dtypes():
+    C.register_compile_case("ep_layout.cu", _defines(_dt), _COMBINE_NAMES)
+
+
+def entries_per_token(world_size: int, top_k: int, slot_rows: bool) -> int:
+    """S: K for slot rows, min(W, K) for token rows."""
+    return int(top_k) if slot_rows else min(int(world_size), int(top_k))
+
+
+def supported(world_size: int, top_k: int, slot_rows: bool) -> bool:
+    """Whether these kernels take the shape (else the caller keeps the stage path)."""
+    return 1 <= world_size <= MAX_WORLD and 1 <= top_k and \
+        entries_per_token(world_size, top_k, slot_rows) <= MAX_S
+
+
+def _layout_threads(T: int, NB: int) -> int:
+    cfg = CONFIGS["ep_layout_kernel"]
+    fit = (cfg["SMEM_BUDGET"] // 4 - 32 - NB - 1) // NB        # threads whose counters fit
+    nt = min(cfg["LAYOUT_THREADS"], fit, C.cdiv(max(T, 1), 32) * 32)
+    return max(32, nt // 32 * 32)
+
+
+def ep_layout(topk_ids, experts_per_rank, world_size, rank, slot_rows):
+    """The send order of the entries (see the module docstring). One launch, one block."""
+    import cupy
+
+    C.check_array("topk_ids", topk_ids, ndim=2, dtypes=(np.int32,))
+    W = C.check_int("world_size", world_size, 1, MAX_WORLD)
+    epr = C.check_int("experts_per_rank", experts_per_rank, 1)
+    r = C.check_int("rank", rank, 0, W - 1)
+    T, K = topk_ids.shape
+    S = entries_per_token(W, K, slot_rows)
+    if S > MAX_S:
+        raise ValueError(f"topk_ids: expected at most {MAX_S} slots per token, got K = {K}")
+    C.check_fits_int32("topk_ids", T * S + 1, "T * S entries")
+    C.check_fits_int32("experts_per_rank", W * epr, "W * experts_per_rank")
+    counts2 = cupy.zeros((2, W), dtype=cupy.int64)    # [2, W]
+    inv = C.empty((T * S,), np.int32)                 # [T S]
+    src = C.empty((T * S,), np.int32)                 # [T S]
+    n_real = C.empty((1,), np.int32)                  # [1]
+    NB = W + 1
+    nt = _layout_threads(T, NB)
+    smem = (NB * nt + 32 + NB + 1) * 4
+    kern = C.get_kernel("ep_layout.cu", "ep_layout_kernel", _defines(), _FIXED_NAMES)
+    kern((1,), (nt,), (topk_ids, inv, src, counts2, n_real, np.int32(T), np.int32(K),
+                       np.int32(S), np.int32(W), np.int32(epr), np.int32(1 if slot_rows else 0),
+                       np.int32(r)), shared_mem=smem)
+    return counts2, inv, src, n_real
+
+
+def _word_bytes(row_bytes: int, *arrays) -> int:
+    for w in (16, 8, 4, 2):
+        if row_bytes % w == 0 and all(a.data.ptr % w == 0 for a in arrays):
+            return w
+    raise ValueError(f"x: rows of {row_bytes} bytes cannot be copied in 2-byte words")
+
+
+def ep_gather(x, topk_ids, topk_weights, inv, n_real, experts_per_rank, slot_rows):
+    """x_send [T S, H] (rows < n: the token rows in send order) and the metadata that travels
+    with them. One launch, one block per token."""
+    C.check_array("x", x, ndim=2, dtypes=C.float_dtypes())
+    C.check_array("topk_ids", topk_ids, ndim=2, dtypes=(np.int32,))
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    if topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids: expected {T} rows to match x {x.shape}, got {topk_ids.shape}")
+    P = inv.shape[0]
+    S = P // T if T else 0
+    if T and (P != T * S or S > MAX_S):
+        raise ValueError(f"inv: expected T * S entries (S <= {MAX_S}) for T = {T}, got {P}")
+    if topk_weights is not None:
+        C.check_array("topk_weights", topk_weights, ndim=2, dtypes=(np.float32,),
+                      shape=(T, K))
+    x_send = C.empty((P, H), x.dtype)                                      # [T S, H]
+    meta_shape = (P,) if slot_rows else (P, K)
+    ids_send = C.empty(meta_shape, np.int32)
+    w_send = C.empty(meta_shape, np.float32) if topk_weights is not None else None
+    if T == 0 or H == 0:
+        return x_send, ids_send, w_send
+    itemsize = np.dtype(x.dtype).itemsize
+    wb = _word_bytes(H * itemsize, x, x_send)
+    kern = C.get_kernel("ep_layout.cu", f"ep_gather_kernel<{_WORDS[wb]}>", _defines(),
+                        _FIXED_NAMES)
+    threads = CONFIGS["ep_gather_kernel"]["GATHER_THREADS"]
+    kern((T,), (threads,), (C.raw(x), topk_ids,
+                            topk_weights if topk_weights is not None else C.null_ptr(), inv,
+                            n_real, C.raw(x_send), ids_send,
+                            w_send if w_send is not None else C.null_ptr(), np.int32(T),
+                            np.int32(K), np.int32(S), np.int32(experts_per_rank),
+                            np.int32(1 if slot_rows else 0), np.int32(H * itemsize // wb)))
+    return x_send, ids_send, w_send
+
+
+def ep_combine(y, weights, inv, n, num_tokens):
+    """out [T, H] = sum over a token's sent entries (inv < n) of weights * y, fp32 in entry
+    order, rounded once; weights [T, S] float32, or None for weights 1 (token rows)."""
+    T = C.check_int("num_tokens", num_tokens, 0)
+    n = C.check_int("n", n, 0)
+    C.check_array("y", y, ndim=2, dtypes=C.float_dtypes())
+    if y.shape[0] != n:
+        raise ValueError(f"y: expected n = {n} rows (the rows sent), got shape {y.shape}")
+    P = inv.shape[0]
+    S = P // T if T else 0
+    if T * S != P:
+        raise ValueError(f"inv: expected T * S entries for T = {T}, got {P}")
+    if weights is not None:
+        C.check_array("weights", weights, ndim=2, dtypes=(np.float32,), shape=(T, S))
+    return _combine(y, weights, inv, n, T, S)
+
+
+def _combine(y, weights, inv, n, T, S):
+    H = y.shape[1]
+    out = C.empty((T, H), y.dtype)                                         # [T, H]
+    if T == 0 or H == 0:
+        return out
+    itemsize = np.dtype(y.dtype).itemsize
+    vec = max(v for v in _VECS if v * itemsize <= 16 and H % v == 0
+              and (y.data.ptr % (v * itemsize) == 0 or n == 0)
+              and out.data.ptr % (v * itemsize) == 0)
+    threads = C.block_threads(C.cdiv(H, vec), CONFIGS["ep_combine_kernel"]["COMBINE_THREADS"])
+    chunks = C.cdiv(H, threads * vec)
+    C.check_fits_int32("y", T * chunks, "the grid size T * column chunks")
+    kern = C.get_kernel("ep_layout.cu", f"ep_combine_kernel<{vec}>", _defines(y.dtype),
+                        _COMBINE_NAMES)
+    kern((T * chunks,), (threads,),
+         (C.raw(y), weights if weights is not None else C.null_ptr(), inv, C.raw(out),
+          np.int32(T), np.int32(S), np.int32(H), np.int32(n), np.int32(chunks)))
+    return out
+
+
+def ep_count_experts(topk_ids, counts):
+    """counts[e] += #{topk_ids == e} for e in [0, E), E = len(counts); in place, no sync."""
+    C.check_array("topk_ids", topk_ids, dtypes=(np.int32,))
+    C.check_array("counts", counts, ndim=1, dtypes=(np.int64,))
+    N, E = int(topk_ids.size), int(counts.shape[0])
+    if N == 0 or E == 0:
+        return counts
+    if E * 4 > 48 * 1024:
+        raise ValueError(f"counts: expected at most {48 * 1024 // 4} experts (a shared-memory "
+                         f"histogram), got {E}")
+    cfg = CONFIGS["ep_count_experts_kernel"]
+    threads = cfg["COUNT_THREADS"]
+    blocks = max(1, min(cfg["MAX_BLOCKS"], C.cdiv(N, threads * 8)))
+    kern = C.get_kernel("ep_layout.cu", "ep_count_experts_kernel", _defines(), _FIXED_NAMES)
+    kern((blocks,), (threads,), (topk_ids, counts, np.int32(N), np.int32(E)),
+         shared_mem=E * 4)
+    return counts
+
+
+# ----------------------------------------------------------------------------- script
+def _loop_layout(ids, epr, W, slot_rows):
+    """The dumbest correct layout: (counts [W], inv [T S]) by walking buckets, then entries."""
+    T, K = ids.shape
+    S = entries_per_token(W, K, slot_rows)
+    buckets = np.full((T, S), W, dtype=np.int64)
+    for t in range(T):
+        if slot_rows:
+            for k in range(K):
+                e = ids[t, k]
+                buckets[t, k] = e // epr if 0 <= e < W * epr else W
+        else:
+            dests = sorted({int(e) // epr for e in ids[t] if 0 <= e < W * epr})
+            buckets[t, :len(dests)] = dests
+    flat = buckets.reshape(-1)
+    inv = np.empty(T * S, dtype=np.int64)
+    pos = 0
+    for b in range(W + 1):
+        for e in range(T * S):
+            if flat[e] == b:
+                inv[e] = pos
+                pos += 1
+    return np.bincount(flat, minlength=W + 1)[:W], inv
+
+
+def _main(argv=None):
+    ok, why = C.availability()
+    if not ok:
+        raise SystemExit(f"needs a CUDA GPU: {why}")
+    rng = np.random.default_rng(0)
+    bf16 = C.bf16_dtype()
+    print(f"{'case':52s} {'check':>10s} {'median us':>10s} {'GB/s':>8s}")
+    for T, E, K, W, H, slot in ((37, 16, 4, 2, 136, False), (37, 16, 4, 4, 136, True),
+                                (300, 64, 6, 8, 200, False), (4096, 256, 8, 2, 7168, False),
+                                (4096, 256, 8, 2, 7168, True)):
+        ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)   # [T, K]
+        ids[0, 0] = -1 if T > 1 else ids[0, 0]                                   # an invalid id
+        epr = E // W
+        want_counts, want_inv = _loop_layout(ids, epr, W, slot) if T <= 300 else (None, None)
+        d_ids = C.to_device(ids)
+        counts2, inv, src, n_real = ep_layout(d_ids, epr, W, 0, slot)
+        ok_layout = want_inv is None or (
+            (C.to_host(counts2)[0] == want_counts).all() and (C.to_host(inv) == want_inv).all())
+        us = C.median(C.cuda_time(lambda: ep_layout(d_ids, epr, W, 0, slot))) * 1e3
+        print(f"{f'ep_layout T={T} K={K} W={W} slot={slot}':52s} "
+              f"{'exact' if ok_layout else 'MISMATCH':>10s} {us:10.1f}")
+        x = rng.standard_normal((T, H)).astype(bf16)
+        w = rng.random((T, K)).astype(np.float32)
+        d_x, d_w = C.to_device(x), C.to_device(w)
+        x_send, _, _ = ep_gather(d_x, d_ids, d_w, inv, n_real, epr, slot)
+        n = int(C.to_host(n_real)[0])
+        S = entries_per_token(W, K, slot)
+        h_src = C.to_host(src)[:n]
+        ok_gather = (C.to_host(x_send)[:n].view(np.uint16) ==
+                     x.view(np.uint16)[h_src // S]).all()
+        us = C.median(C.cuda_time(lambda: ep_gather(d_x, d_ids, d_w, inv, n_real, epr, slot))) * 1e3
+        nbytes = (T + n) * H * 2
+        print(f"{f'ep_gather T={T} H={H} n={n}':52s} {'exact' if ok_gather else 'MISMATCH':>10s} "
+              f"{us:10.1f} {nbytes / us / 1e3:8.1f}")
+        y = x_send[:n]
+        weights = d_w if slot else C.to_device(np.ones((T, S), np.float32))
+        out = ep_combine(y, weights, inv, n, T)
+        us = C.median(C.cuda_time(lambda: ep_combine(y, weights, inv, n, T))) * 1e3
+        nbytes = (T + n) * H * 2
+        print(f"{f'ep_combine T={T} H={H} n={n}':52s} {'ran':>10s} {us:10.1f} "
+              f"{nbytes / us / 1e3:8.1f}")
+        del out
+
+
+if __name__ == "__main__":
+    _main()

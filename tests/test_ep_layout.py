@@ -1,0 +1,197 @@
+"""The fused all-to-all-v layout: the NumPy twins (sandbox/ep/layout.py) against a loop, the
+fused dispatch/combine against the stage path on the CPU communicator, and (GPU) the CuPy
+kernels (cuda_kernels/cupy/ep_layout.py) against the NumPy twins; multigpu: the two
+implementations against each other over NCCL.
+
+    T tokens, K top-k, W ranks, epr experts per rank, S entries per token
+"""
+import numpy as np
+import pytest
+
+from sandbox.ep import launch
+from sandbox.ep import layout as L
+from sandbox.ep.checks import run_impl_parity
+
+# (T, E, K, W, slot_rows): one token, T not a multiple of anything, W > K, W = 1, empty batch
+SHAPES = [(1, 8, 2, 2, False), (37, 16, 4, 2, False), (37, 16, 4, 4, True),
+          (50, 64, 3, 8, False), (50, 64, 3, 8, True), (20, 8, 4, 1, False),
+          (0, 16, 4, 2, False), (0, 16, 4, 2, True), (129, 32, 8, 4, False)]
+
+
+def _ids(T, E, K, seed):
+    rng = np.random.default_rng(seed)
+    return np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
+
+
+def _loop_layout(ids, epr, W, slot_rows):
+    """The dumbest correct layout: buckets per entry, then positions bucket by bucket."""
+    T, K = ids.shape
+    S = L.entries_per_token(W, K, slot_rows)
+    buckets = []
+    for t in range(T):
+        if slot_rows:
+            buckets += [int(e) // epr if 0 <= e < W * epr else W for e in ids[t]]
+        else:
+            dests = sorted({int(e) // epr for e in ids[t] if 0 <= e < W * epr})
+            buckets += dests + [W] * (S - len(dests))
+    inv, pos = [0] * len(buckets), 0
+    for b in range(W + 1):
+        for e, be in enumerate(buckets):
+            if be == b:
+                inv[e], pos = pos, pos + 1
+    counts = [buckets.count(p) for p in range(W)]
+    return np.array(counts), np.array(inv, dtype=np.int64)
+
+
+@pytest.mark.parametrize("T,E,K,W,slot", SHAPES)
+def test_numpy_layout_matches_loop(T, E, K, W, slot):
+    ids = _ids(T, E, K, seed=T + 7 * W)
+    if T > 2:
+        ids[1, 0] = -1            # an id no rank holds: "nowhere"
+    epr = E // W
+    counts2, inv, src, n_real = L.ep_layout(ids, epr, W, W - 1, slot)
+    want_counts, want_inv = _loop_layout(ids, epr, W, slot)
+    assert counts2.dtype == np.int64 and inv.dtype == np.int32 and src.dtype == np.int32
+    assert counts2[0].tolist() == want_counts.tolist()
+    assert counts2[1, W - 1] == counts2[0, W - 1]
+    assert inv.tolist() == want_inv.tolist()
+    assert np.array_equal(src[inv], np.arange(inv.size))
+    assert int(n_real[0]) == int(want_counts.sum())
+
+
+@pytest.mark.parametrize("slot", [False, True])
+def test_numpy_gather_and_combine(slot):
+    T, E, K, W, H = 23, 16, 4, 4, 12
+    rng = np.random.default_rng(3)
+    ids = _ids(T, E, K, seed=5)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.random((T, K)).astype(np.float32)
+    epr = E // W
+    counts2, inv, src, n_real = L.ep_layout(ids, epr, W, 0, slot)
+    n = int(n_real[0])
+    x_send, ids_send, w_send = L.ep_gather(x, ids, w, inv, n_real, epr, slot)
+    S = L.entries_per_token(W, K, slot)
+    for pos in range(n):
+        t, j = divmod(int(src[pos]), S)
+        assert np.array_equal(x_send[pos], x[t])
+        if slot:
+            assert ids_send[pos] == ids[t, j] % epr and w_send[pos] == w[t, j]
+        else:
+            assert np.array_equal(ids_send[pos], ids[t]) and np.array_equal(w_send[pos], w[t])
+    y = x_send[:n] * 3
+    weights = w if slot else None
+    out = L.ep_combine(y, weights, inv, n, T)
+    want = np.zeros((T, H))
+    for t in range(T):
+        for j in range(S):
+            p = inv[t * S + j]
+            if p < n:
+                want[t] += (w[t, j] if slot else 1.0) * y[p]
+    assert np.allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
+def test_numpy_count_experts():
+    ids = _ids(40, 16, 4, seed=1)
+    ids[0, 0] = -1
+    counts = np.zeros(16, dtype=np.int64)
+    L.ep_count_experts(ids, counts)
+    L.ep_count_experts(ids, counts)
+    want = 2 * np.bincount(ids[ids >= 0].reshape(-1), minlength=16)
+    assert counts.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fused_matches_stages_on_cpu_communicator(world_size):
+    per_rank = launch(run_impl_parity, world_size, timeout=60)
+    for res in (d for rank in per_rank for d in rank):
+        assert res["impl"] == "fused", res
+        assert res["x"] and res["ids"] and res["w"] and res["counts"], res
+        assert res["out_vs_stages"] <= 1e-6, res
+        assert not np.isnan(res["out_vs_loop"]) and res["out_vs_loop"] <= res["tolerance"], res
+
+
+# ----------------------------------------------------------------------------- GPU
+def _cupy_kernels():
+    from cuda_kernels.cupy import _compile as C
+
+    ok, why = C.availability()
+    if not ok:
+        pytest.skip(f"no CUDA GPU: {why}")
+    import cuda_kernels.cupy.ep_layout as K
+
+    return K, C
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K,W,slot", SHAPES + [(4096, 256, 8, 2, False),
+                                                  (4096, 256, 8, 2, True)])
+def test_cupy_layout_gather_combine_match_numpy(T, E, K, W, slot):
+    import ml_dtypes
+
+    kern, C = _cupy_kernels()
+    C.POISON = True
+    try:
+        bf16 = np.dtype(ml_dtypes.bfloat16)
+        rng = np.random.default_rng(T + W)
+        ids = _ids(T, E, K, seed=T + 7 * W)
+        if T > 2:
+            ids[1, 0] = -1
+        epr, H = E // W, 136
+        x = rng.standard_normal((T, H)).astype(bf16)
+        w = rng.random((T, K)).astype(np.float32)
+        want = L.ep_layout(ids, epr, W, W - 1, slot)
+        d_ids = C.to_device(ids)
+        got = kern.ep_layout(d_ids, epr, W, W - 1, slot)
+        for g, h in zip(got, want):
+            assert np.array_equal(C.to_host(g), h)
+        n = int(want[3][0])
+        gx, gi, gw = kern.ep_gather(C.to_device(x), d_ids, C.to_device(w), got[1], got[3],
+                                    epr, slot)
+        hx, hi, hw = L.ep_gather(x, ids, w, want[1], want[3], epr, slot)
+        assert np.array_equal(C.to_host(gx)[:n].view(np.uint16), hx[:n].view(np.uint16))
+        assert np.array_equal(C.to_host(gi)[:n], hi[:n])
+        assert np.array_equal(C.to_host(gw)[:n], hw[:n])
+        y = rng.standard_normal((n, H)).astype(bf16)
+        weights = w if slot else None
+        out = C.to_host(kern.ep_combine(C.to_device(y), None if weights is None else
+                                        C.to_device(weights), got[1], n, T))
+        ref = L.ep_combine(y, weights, want[1], n, T)
+        assert not np.isnan(out.astype(np.float32)).any()
+        assert np.array_equal(out.view(np.uint16), ref.view(np.uint16)) or \
+            C.rel_err(out.astype(np.float32), ref.astype(np.float32)) <= 1e-2
+    finally:
+        C.POISON = False
+
+
+@pytest.mark.gpu
+def test_cupy_count_experts_is_exact():
+    kern, C = _cupy_kernels()
+    import cupy
+
+    ids = _ids(4096, 256, 8, seed=2)
+    ids[0, 0] = -1
+    counts = cupy.zeros(256, dtype=cupy.int64)
+    kern.ep_count_experts(C.to_device(ids), counts)
+    kern.ep_count_experts(C.to_device(ids), counts)
+    assert C.to_host(counts).tolist() == (2 * np.bincount(ids[ids >= 0], minlength=256)).tolist()
+
+
+@pytest.mark.multigpu
+def test_fused_matches_stages_over_nccl():
+    try:
+        import cupy
+
+        gpus = cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        gpus = 0
+    if gpus < 2:
+        pytest.skip("needs two GPUs")
+    from sandbox.registry import get_backend
+
+    backend = "cupy" if get_backend("cupy").ok else "reference"
+    per_rank = launch(run_impl_parity, 2, backend="nccl", args=(backend,), timeout=120)
+    for res in (d for rank in per_rank for d in rank):
+        assert res["impl"] == "fused", res
+        assert res["x"] and res["ids"] and res["w"] and res["counts"], res
+        assert res["out_vs_stages"] <= 1e-6, res
+        assert not np.isnan(res["out_vs_loop"]) and res["out_vs_loop"] <= res["tolerance"], res
