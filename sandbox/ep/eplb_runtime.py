@@ -178,7 +178,8 @@ class LoadRecorder:
         device counts (cupy.bincount would read max(ids) back to the host: a sync per
         forward); the counts are read only by global_load, when rebalancing."""
         xp = self.xp
-        kern = None if xp is np else _gpu_counter()
+        # the kernel's histogram lives in 48 KB of shared memory: E <= 12288
+        kern = None if xp is np or self.num_logical > 12288 else _gpu_counter()
         if kern is not None:
             ids = topk_ids if topk_ids.dtype == np.int32 else topk_ids.astype(xp.int32)
             kern.ep_count_experts(xp.ascontiguousarray(ids), self.counts)
