@@ -17,8 +17,9 @@ groups, topk_group 4, scaling 2.5) at T in {1, 16, 64, 256, 1024, 4096}, bf16:
     gemm1       grouped_gemm(x [T, H], w13 [E, 2I, H], ...)             flops = 2 P 2I H
     gemm2       grouped_gemm(act [P, I], w2 [E, H, I], ..., top_k=1, * router weight)
                                                                          flops = 2 P H I
-                every Numba version (v1 / v2 only where one call is predicted under a second),
-                CuPy v3 (the issue's yardstick) and v4 (tensor cores, for context)
+                every Numba version (v1 / v2 only where one call is predicted under a second;
+                v3v: v3 with 16-byte loads, CuPy v3's layout), CuPy v3 (the issue's yardstick)
+                and v4 (tensor cores, for context); --gemm-versions picks a subset
 
 When `cuda_kernels.cupy` is importable and available, its kernel of the same stage runs on the
 same inputs in the same run, and the table shows numba / cupy. Targets (issue 5): route,
@@ -39,6 +40,7 @@ own disk cache after the first run ever.
 
     python benchmarks/bench_numba.py [--models deepseek-v3] [--tokens 1,4096]
                                      [--stages route,align,gemm1] [--reps 20] [--budget-s 150]
+                                     [--gemm-versions numba-v3,numba-v3v,cupy-v3]
 
 No new (model, T) point starts after --budget-s seconds (default 150: the run, JIT compiles
 included, ends inside 4 minutes on an H200); the record says when it was cut short.
@@ -249,7 +251,7 @@ class Point:
         return self.dense[name]
 
 
-def stage_calls(pt, stage, ck):
+def stage_calls(pt, stage, ck, gemm_versions=None):
     """[(backend label, fn, setup, work)] for one stage: work = bytes, or flops for GEMMs."""
     E, K, H, inter, P, T = pt.E, pt.K, pt.H, pt.I, pt.P, pt.T
     backends = [("numba", nb)] + ([("cupy", ck)] if ck is not None else [])
@@ -300,10 +302,12 @@ def stage_calls(pt, stage, ck):
         top_k = K if g1 else 1
         flops = 2 * P * N * Kd
         gg_nb = importlib.import_module("cuda_kernels.numba.grouped_gemm")
-        versions = [("numba", v, gg_nb, nb) for v in gg_nb.VERSIONS]
+        versions = [("numba", v, gg_nb, nb) for v in gg_nb.VERSIONS
+                    if gemm_versions is None or f"numba-{v}" in gemm_versions]
         if ck is not None:
             gg_ck = importlib.import_module("cuda_kernels.cupy.grouped_gemm")
-            versions += [("cupy", v, gg_ck, ck) for v in ("v3", "v4")]
+            versions += [("cupy", v, gg_ck, ck) for v in ("v3", "v4")
+                         if gemm_versions is None or f"cupy-{v}" in gemm_versions]
         for label, v, gg, mod in versions:
             if label == "numba" and v in PREDICT_TFLOPS and \
                     flops / (PREDICT_TFLOPS[v] * 1e12) > SLOW_LIMIT_S:
@@ -328,7 +332,8 @@ def stage_calls(pt, stage, ck):
 
 
 # ----------------------------------------------------------------------------- the run
-def run(models, tokens, stages, reps, budget_s, cupy_ok, log=print, save=None):
+def run(models, tokens, stages, reps, budget_s, cupy_ok, log=print, save=None,
+        gemm_versions=None):
     """Every (model, T, stage, backend) point; `save(partial result)` after each (model, T),
     so a run killed by an outer timeout still leaves its points on disk."""
     env = Env(cupy_ok)
@@ -345,7 +350,7 @@ def run(models, tokens, stages, reps, budget_s, cupy_ok, log=print, save=None):
                 break
             pt = Point(env, preset, T)
             for stage in stages:
-                for label, fn, setup, work in stage_calls(pt, stage, ck):
+                for label, fn, setup, work in stage_calls(pt, stage, ck, gemm_versions):
                     res = {"model": name, "T": T, "stage": stage, "backend": label,
                            "E": pt.E, "K": pt.K, "H": pt.H, "I": pt.I}
                     if fn is None:
@@ -448,6 +453,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=150.0,
                    help="stop starting new (model, T) points after this many seconds")
+    p.add_argument("--gemm-versions", default=None,
+                   help="GEMM rungs to time, e.g. numba-v3,numba-v3v,cupy-v3 (default: all)")
     p.add_argument("--no-cupy", action="store_true", help="time the Numba kernels only")
     p.add_argument("--out-dir", default=str(bench.RESULTS_DIR))
     args = p.parse_args(argv)
@@ -495,7 +502,9 @@ def main(argv=None):
                                    stem=stem), lines
 
     print(header())
-    res = run(models, tokens, stages, args.reps, args.budget_s, cupy_ok, save=save)
+    gemm_versions = None if args.gemm_versions is None else set(args.gemm_versions.split(","))
+    res = run(models, tokens, stages, args.reps, args.budget_s, cupy_ok, save=save,
+              gemm_versions=gemm_versions)
     path, lines = save(res)
     print("\nfirst call (JIT compile + launch), seconds:")
     for k, v in sorted(res["compile_s"].items()):

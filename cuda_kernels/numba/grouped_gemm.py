@@ -42,6 +42,16 @@ Versions (`version=`; None picks the best that fits block_size):
         x 128 columns x 16 deep on 16 x 16 threads; 32 and 16 rows x 64 columns x 32 deep on
         16 x 8 and 16 x 4 threads, for many small blocks and more weight bytes in flight.
         grid (cdiv(max_padded, BM), cdiv(N, BN)); shared = BK * (BM + BN + 2) * 4 bytes + 2 BM ints.
+    v3v v3 written as the CuPy rung is (cuda_kernels/cupy/gemm_v3_regblock.cu, line for line):
+        16-byte loads everywhere, through two small intrinsics (_vector.py): a and w as flat
+        uint32 views read 4 words (8 bf16 / fp16, 4 fp32) per ld.global.nc.v4, and a thread
+        owns TM consecutive rows and TN consecutive columns, so its k-row of each shared tile
+        is one ld.shared.v4 per 4 values (v3: one 4-byte load each). Tiles padded by 4 floats
+        (rows stay 16-byte aligned), launch bounds cap registers (occupancy), a warp whose
+        rows are all padding skips the FMAs. Needs Kd a multiple of 16 bytes' elements and
+        16-byte aligned a and w, else v3 runs. Tile table CONFIGS["v3v"] keyed by BM as v3.
+        block (BN/TN) * (BM/TM) threads, 1-D; grid as v3; shared = BK * (BM + BN + 8) * 4 bytes
+        + 12 BM bytes.
 
 BM divides B (a tile never straddles two experts, so the expert is one load per tile): v2's
 tile height is gcd(BM, B); v3 runs when one of its tile heights divides B (B a multiple of
@@ -63,12 +73,13 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 import types
 from typing import NamedTuple
 
 import numpy as np
-from numba import float32, int32, uint64
+from numba import float32, int32, int64, uint32, uint64
 
 from . import _arrays as A
 from ._device import (
@@ -82,8 +93,9 @@ from ._device import (
     kernel,
     to_f32,
 )
+from ._vector import ldg4, lds4
 
-VERSIONS = ("v1", "v2", "v3")
+VERSIONS = ("v1", "v2", "v3", "v3v")
 CONFIGS = {
     "v1": {"TX": 32, "TY": 8},
     "v2": {"BM": 16, "BN": 16, "BK": 16},
@@ -97,11 +109,21 @@ CONFIGS = {
         32: {"BN": 64, "BK": 32, "TM": 4, "TN": 4},
         16: {"BN": 64, "BK": 32, "TM": 4, "TN": 4},
     },
+    # v3v: CuPy v3's tiles (gemm_configs.json, bf16): 64 x 64 x 32 on 256 threads from 64 rows,
+    # 32 and 16 rows x 64 x 32 on 128 and 64 threads; TM x TN = 4 x 4 (one LDS.128 each)
+    # MB: launch bounds' blocks per SM, so registers stay <= 64K / (threads * MB) (72 here,
+    # what nvcc gives the CuPy kernel; without bounds numba's PTX took 93 at 16 rows)
+    "v3v": {
+        64: {"BN": 64, "BK": 32, "TM": 4, "TN": 4, "MB": 3},
+        32: {"BN": 64, "BK": 32, "TM": 4, "TN": 4, "MB": 7},
+        16: {"BN": 64, "BK": 32, "TM": 4, "TN": 4, "MB": 14},
+    },
 }
 SIM_CONFIGS = {
     "v1": {"TX": 4, "TY": 4},
     "v2": {"BM": 4, "BN": 4, "BK": 4},
     "v3": {8: {"BN": 8, "BK": 4, "TM": 2, "TN": 2}, 4: {"BN": 8, "BK": 4, "TM": 1, "TN": 2}},
+    "v3v": {8: {"BN": 8, "BK": 8, "TM": 4, "TN": 4}, 4: {"BN": 8, "BK": 8, "TM": 4, "TN": 4}},
 }
 
 
@@ -366,6 +388,201 @@ def gemm_v3(BM: int, BN: int, BK: int, TM: int, TN: int, WORD: str = ""):
     return kernel(v3)
 
 
+# ----------------------------------------------------------------------------- v3v 16-byte
+def kernel_bounded(fn, threads, min_blocks):
+    """`kernel(fn)` with launch bounds (threads, min_blocks) when min_blocks > 0, the way CUDA
+    C writes __launch_bounds__: ptxas then keeps the registers under 64K / (threads *
+    min_blocks), so that many blocks fit on an SM. Cached on disk as kernel() does."""
+    if SIMULATOR or not min_blocks:
+        return kernel(fn)
+    from ._device import _cache_class
+
+    disp = cu.jit(launch_bounds=(threads, min_blocks))(fn)
+    cls = _cache_class() if os.environ.get("MOE_SANDBOX_NUMBA_CACHE", "1") != "0" else None
+    if cls is not None:
+        try:
+            disp._cache = cls(disp.py_func)
+        except Exception:       # no writable cache dir: compile as usual
+            pass
+    return disp
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_v3v(BM: int, BN: int, BK: int, TM: int, TN: int, WORD: str, MIN_BLOCKS: int = 0):
+    """v3 as the CuPy rung writes it (gemm_v3_regblock.cu, line for line): 16-byte global loads
+    (ldg4: a and w as flat uint32 views, 4 words = VEC elements), 16-byte shared reads (lds4:
+    a thread owns TM consecutive rows and TN consecutive columns, so its values of one k-row
+    are contiguous), rows padded by 4 floats to keep them 16-byte aligned. WORD: "f32" |
+    "f16" | "bf16" (a 4-byte word holds 1 or 2 elements). MIN_BLOCKS > 0: launch bounds
+    (NT threads, MIN_BLOCKS blocks per SM), which caps registers at 64K / (NT * MIN_BLOCKS)."""
+    TX, TY = BN // TN, BM // TM
+    NT = TX * TY
+    U = 1 if WORD == "f32" else 2            # elements per 4-byte word
+    VEC = 4 * U                              # elements per 16-byte chunk
+    if BN % TN or BM % TM or BK % VEC or TM % 4 or TN % 4 or NT > 1024 or (
+            NT < 32 and not SIMULATOR):
+        raise ValueError(f"v3v config: expected TM, TN multiples of 4 dividing BM, BN, BK a "
+                         f"multiple of {VEC}, 32..1024 threads; got BM={BM} BN={BN} BK={BK} "
+                         f"TM={TM} TN={TN}")
+    A_VECS = BM * BK // VEC                  # 16-byte chunks of the a tile per k-step
+    W_VECS = BN * BK // VEC
+    A_LD = -(-A_VECS // NT)                  # per thread
+    W_LD = -(-W_VECS // NT)
+    BMP = BM + 4                             # + 4: rows stay 16-byte aligned for lds4
+    BNP = BN + 4
+    SA = BK * BMP                            # shared words of the a tile, [BK][BMP] flattened
+    SW = BK * BNP
+    ALIGN = None if SIMULATOR else 16        # the simulator takes no alignment (and needs none)
+    unpack = UNPACK[WORD]
+
+    @device_function
+    def stage(S, stride, kc, r, w0, w1, w2, w3):
+        """One 16-byte chunk (4 words, VEC elements of k) into column r of a k-major tile."""
+        for v in range(U):
+            S[ix((kc + v) * stride + r)] = unpack(uint64(w0), v)
+            S[ix((kc + U + v) * stride + r)] = unpack(uint64(w1), v)
+            S[ix((kc + 2 * U + v) * stride + r)] = unpack(uint64(w2), v)
+            S[ix((kc + 3 * U + v) * stride + r)] = unpack(uint64(w3), v)
+
+    def v3v(a, w, sorted_ids, expert_ids, num_post, topk_w, bias, c, P, top_k, N, Kd, B,
+            mul_w, has_bias):
+        """A BM x BN tile per block of NT = TX * TY threads, a TM x TN micro-tile per thread;
+        a [M_a * Kd / U] and w [E * N * Kd / U] are flat uint32 views (module docstring)."""
+        MIN_BLOCKS  # noqa: B018  (named here so the disk cache's closure key tells bounds apart)
+        tid = cu.threadIdx.x & 1023
+        p0 = cu.blockIdx.x * BM
+        n0 = cu.blockIdx.y * BN
+        if p0 >= num_post[0]:
+            return
+        Kw = Kd // U                         # words per row of a or w
+        As = cu.shared.array(SA, float32, alignment=ALIGN)   # As[k * BMP + m]
+        Ws = cu.shared.array(SW, float32, alignment=ALIGN)   # Ws[k * BNP + n]
+        s_arow = cu.shared.array(BM, int64)  # word offset of each tile row's a row, -1: padding
+        s_slot = cu.shared.array(BM, int32)  # slot s of each tile row, -1: padding
+        for r in range(tid, BM, NT):
+            s = sorted_ids[ix(p0 + r)]
+            valid = s < P and s >= 0
+            s_slot[r] = s if valid else -1
+            s_arow[r] = int64(s // top_k) * Kw if valid else int64(-1)
+        e = expert_ids[ix(p0 // B)]
+        cu.syncthreads()
+        tx = tid % TX
+        ty = tid // TX
+        E = w.shape[0] // (N * Kw)          # w is flat: E * N * Kw words (Kd > 0 here)
+        if e < 0 or e >= E:                 # another rank's expert (>= E: never read w)
+            for i in range(TM):
+                s = s_slot[ix(ty * TM + i)]
+                if s >= 0:
+                    for j in range(TN):
+                        n = n0 + tx * TN + j
+                        if n < N:
+                            c[ix(s), ix(n)] = cast_out(c, float32(0.0))
+            return
+        # a warp whose TM-row strips are all padding skips the FMAs (it still loads and syncs):
+        # decode tiles hold a few live rows, at the top (alignment pads each expert's run)
+        busy = False
+        for i in range(TM):
+            if s_slot[ix(ty * TM + i)] >= 0:
+                busy = True
+        w_e = int64(e) * N * Kw              # int64: E * N * Kd exceeds 2^31 (DeepSeek-V3)
+
+        acc = cu.local.array((TM, TN), float32)
+        for i in range(TM):
+            for j in range(TN):
+                acc[i, j] = float32(0.0)
+        ra = cu.local.array((A_LD, 4), uint32)   # the next k-step's chunks, in flight
+        rw = cu.local.array((W_LD, 4), uint32)
+        am = cu.local.array(TM, float32)
+        wn = cu.local.array(TN, float32)
+
+        # chunk idx -> (row idx % ROWS, k-chunk idx // ROWS): a warp's lanes take consecutive
+        # rows of one k-chunk, so the transposed stores As[k][row] spread over the banks
+        for q in range(A_LD):
+            idx = tid + NT * q
+            for v in range(4):
+                ra[q, v] = uint32(0)
+            if idx < A_VECS:
+                off = s_arow[ix(idx % BM)]
+                kw = (idx // BM) * 4
+                if off >= 0 and kw < Kw:
+                    ra[q, 0], ra[q, 1], ra[q, 2], ra[q, 3] = ldg4(a, off + kw)
+        for q in range(W_LD):
+            idx = tid + NT * q
+            for v in range(4):
+                rw[q, v] = uint32(0)
+            if idx < W_VECS:
+                n = n0 + idx % BN
+                kw = (idx // BN) * 4
+                if n < N and kw < Kw:
+                    rw[q, 0], rw[q, 1], rw[q, 2], rw[q, 3] = ldg4(w, w_e + int64(n) * Kw + kw)
+
+        for k0 in range(0, Kw, BK // U):     # k-steps of BK elements (BK / U words)
+            for q in range(A_LD):            # registers -> shared, transposed and unpacked
+                idx = tid + NT * q
+                if idx < A_VECS:
+                    stage(As, BMP, (idx // BM) * VEC, idx % BM,
+                          ra[q, 0], ra[q, 1], ra[q, 2], ra[q, 3])
+            for q in range(W_LD):
+                idx = tid + NT * q
+                if idx < W_VECS:
+                    stage(Ws, BNP, (idx // BN) * VEC, idx % BN,
+                          rw[q, 0], rw[q, 1], rw[q, 2], rw[q, 3])
+            cu.syncthreads()
+            k1 = k0 + BK // U
+            if k1 < Kw:                      # issue the next step's loads now
+                for q in range(A_LD):
+                    idx = tid + NT * q
+                    for v in range(4):
+                        ra[q, v] = uint32(0)
+                    if idx < A_VECS:
+                        off = s_arow[ix(idx % BM)]
+                        kw = k1 + (idx // BM) * 4
+                        if off >= 0 and kw < Kw:
+                            ra[q, 0], ra[q, 1], ra[q, 2], ra[q, 3] = ldg4(a, off + kw)
+                for q in range(W_LD):
+                    idx = tid + NT * q
+                    for v in range(4):
+                        rw[q, v] = uint32(0)
+                    if idx < W_VECS:
+                        n = n0 + idx % BN
+                        kw = k1 + (idx // BN) * 4
+                        if n < N and kw < Kw:
+                            rw[q, 0], rw[q, 1], rw[q, 2], rw[q, 3] = ldg4(
+                                w, w_e + int64(n) * Kw + kw)
+            if busy:
+                ao = ty * TM                 # As[kk * BMP + ty * TM + i]
+                wo = tx * TN                 # Ws[kk * BNP + tx * TN + j]
+                for kk in range(BK):         # (TM + TN) / 4 LDS.128, TM * TN FMAs
+                    for g in range(TM // 4):
+                        am[4 * g], am[4 * g + 1], am[4 * g + 2], am[4 * g + 3] = lds4(
+                            As, ao + 4 * g)
+                    for g in range(TN // 4):
+                        wn[4 * g], wn[4 * g + 1], wn[4 * g + 2], wn[4 * g + 3] = lds4(
+                            Ws, wo + 4 * g)
+                    for i in range(TM):
+                        for j in range(TN):
+                            acc[i, j] += am[i] * wn[j]
+                    ao += BMP
+                    wo += BNP
+            cu.syncthreads()
+
+        for i in range(TM):
+            s = s_slot[ix(ty * TM + i)]
+            if s >= 0:
+                scale = to_f32(topk_w[ix(s)]) if mul_w else float32(1.0)
+                for j in range(TN):
+                    n = n0 + tx * TN + j
+                    if n < N:
+                        v = acc[i, j]
+                        if has_bias:
+                            v += to_f32(bias[ix(e), ix(n)])
+                        if mul_w:
+                            v *= scale
+                        c[ix(s), ix(n)] = cast_out(c, v)
+
+    return kernel_bounded(v3v, NT, MIN_BLOCKS)
+
+
 # ----------------------------------------------------------------------------- launch
 class Plan(NamedTuple):
     version: str        # what runs (v3 falls back to v2 for block sizes it cannot tile)
@@ -373,17 +590,31 @@ class Plan(NamedTuple):
     block: object       # threads per block (int or (x, y))
     bm: int             # tile rows: grid x = cdiv(max_padded, bm)
     bn: int             # tile columns: grid y = cdiv(N, bn)
-    word: str           # v3's 8-byte load kind ("f32" | "f16" | "bf16") or "" (elements)
+    word: str           # v3's 8-byte / v3v's 16-byte load kind ("f32" | "f16" | "bf16"), or ""
 
 
-def plan(version, block_size, word=""):
+def plan(version, block_size, word="", vec=""):
     """The kernel and geometry of `version` for block size B (None: v3).
 
+    v3v runs when `vec` names its 16-byte load kind (the caller checked a and w allow it) and
+    one of its tile heights divides B, else v3 runs.
     v3 takes the tallest tile of its table dividing B and runs v2 when none does; v2's tile
     height is gcd(BM, B). `word` asks v3 for 8-byte loads (the caller checked it can)."""
     if version is None:
         version = "v3"
     A.check_choice("version", version, VERSIONS)
+    if version == "v3v":
+        table = config("v3v")
+        fits = [bm for bm in table if block_size % bm == 0]
+        if fits and vec:
+            bm = max(fits)
+            c = table[bm]
+            # fp32: half the depth, the same bytes per k-step (and prefetch registers; 32 deep
+            # spilled at 16 rows), as CuPy's table does
+            bk = c["BK"] // 2 if vec == "f32" and c["BK"] >= 8 else c["BK"]
+            kernel = gemm_v3v(bm, c["BN"], bk, c["TM"], c["TN"], vec, c.get("MB", 0))
+            return Plan("v3v", kernel, (c["BN"] // c["TN"]) * (bm // c["TM"]), bm, c["BN"], vec)
+        version = "v3"          # no 16-byte loads here (or no tile height fits): v3 runs
     if version == "v3":
         table = config("v3")
         fits = [bm for bm in table if block_size % bm == 0]
@@ -416,6 +647,21 @@ def _word_kind(ad, wd, Kd):
         if not x.is_c_contiguous():
             return ""
         if not SIMULATOR and x.__cuda_array_interface__["data"][0] % 8:
+            return ""
+    return kind
+
+
+def _vec_kind(ad, wd, Kd):
+    """v3v's load kind for a and w (numba views), or "" when they cannot be read in 16-byte
+    chunks: Kd > 0 a multiple of the chunk's elements (4 fp32, 8 fp16 / bf16), C-contiguous,
+    16-byte aligned bases (so every chunk of a row is aligned and inside the row)."""
+    kind = _WORD_OF.get(np.dtype(ad.dtype), "")
+    if not kind or Kd <= 0 or Kd % (16 // np.dtype(ad.dtype).itemsize):
+        return ""
+    for x in (ad, wd):
+        if not x.is_c_contiguous():
+            return ""
+        if not SIMULATOR and x.__cuda_array_interface__["data"][0] % 16:
             return ""
     return kind
 
@@ -494,9 +740,14 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
     if P and N and capacity:
         ad = call.dev("a", a)
         wd = call.dev("w", w)
-        word = _word_kind(ad, wd, Kd) if (version or "v3") == "v3" else ""
-        _, kernel, block, bm, bn, word = plan(version, B, word)
-        if word:   # 8-byte loads: the same bytes as uint64 words, VEC elements each
+        v = version or "v3"
+        word = _word_kind(ad, wd, Kd) if v in ("v3", "v3v") else ""
+        vec = _vec_kind(ad, wd, Kd) if v == "v3v" else ""
+        which, kernel, block, bm, bn, word = plan(version, B, word, vec)
+        if which == "v3v":   # 16-byte loads: flat uint32 views of the same bytes
+            ad = ad.reshape(ad.size).view(np.uint32)
+            wd = wd.reshape(wd.size).view(np.uint32)
+        elif word:   # 8-byte loads: the same bytes as uint64 words, VEC elements each
             ad, wd = ad.view(np.uint64), wd.view(np.uint64)
         sd = call.dev("sorted_token_ids", sorted_token_ids)
         ed = call.dev("expert_ids", expert_ids)
@@ -523,13 +774,18 @@ def compile_cases():
     for dt, word in ((t.float32, "f32"), (t.float16, "f16"), (t.uint16, "bf16")):
         for version in VERSIONS:
             for B in (16, 32, 64):
-                for wk in ((word, "") if version == "v3" else ("",)):
-                    pl = plan(version, B, wk)
+                for wk in ((word, "") if version == "v3" else (word,) if version == "v3v"
+                           else ("",)):
+                    pl = plan(version, B, wk, wk if version == "v3v" else "")
                     if (id(pl.kernel), dt) in seen:
                         continue
                     seen.add((id(pl.kernel), dt))
-                    io = t.uint64 if wk else dt     # word loads: a and w as uint64 views
-                    sig = ((arr(io, 2), arr(io, 3), arr(t.int32, 1), arr(t.int32, 1),
+                    if pl.version == "v3v":         # 16-byte loads: flat uint32 views
+                        ins = (arr(t.uint32, 1), arr(t.uint32, 1))
+                    else:                           # word loads: a and w as uint64 views
+                        io = t.uint64 if wk else dt
+                        ins = (arr(io, 2), arr(io, 3))
+                    sig = (ins + (arr(t.int32, 1), arr(t.int32, 1),
                             arr(t.int32, 1), arr(t.float32, 1), arr(t.float32, 2), arr(dt, 2))
                            + (t.int64,) * 7)
                     label = f"grouped_gemm {pl.version} BM={pl.bm} {dt}" + (
