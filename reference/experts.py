@@ -158,6 +158,24 @@ def _check_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, is_act_an
         check_float("w2_bias", w2_bias, ndim=2, shape=(num_local, hidden))
 
 
+def check_expert_routing(topk_ids, num_local, global_num_experts, expert_map,
+                         apply_router_weight_on_input):
+    """The routing arguments of the experts (fused_experts, quant.fused_experts_quant):
+    global_num_experts (-1 / None: num_local, which it must be without an expert_map),
+    topk_ids [T, K] in [0, global_num_experts), the router weight on the input only for
+    top-1. Returns (top_k, num_experts)."""
+    top_k = topk_ids.shape[1]
+    num_experts = num_local if global_num_experts in (-1, None) else global_num_experts
+    num_experts = check_positive_int("global_num_experts", num_experts)
+    if expert_map is None and num_experts != num_local:
+        raise ValueError(f"global_num_experts: expected {num_local} (w1's experts) without an "
+                         f"expert_map, got {num_experts}")
+    check_ids_in_range("topk_ids", topk_ids, num_experts)
+    if apply_router_weight_on_input and top_k != 1:
+        raise ValueError(f"apply_router_weight_on_input: needs top_k == 1, got top_k = {top_k}")
+    return top_k, num_experts
+
+
 def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu",
                   apply_router_weight_on_input=False, global_num_experts=-1, expert_map=None,
                   w1_bias=None, w2_bias=None, is_act_and_mul=True, block_size=None,
@@ -175,16 +193,8 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     _check_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, is_act_and_mul,
                         activation, w1_bias, w2_bias)
     num_tokens, hidden = hidden_states.shape
-    num_local = w1.shape[0]
-    top_k = topk_ids.shape[1]
-    num_experts = num_local if global_num_experts in (-1, None) else global_num_experts
-    num_experts = check_positive_int("global_num_experts", num_experts)
-    if expert_map is None and num_experts != num_local:
-        raise ValueError(f"global_num_experts: expected {num_local} (w1's experts) without an "
-                         f"expert_map, got {num_experts}")
-    check_ids_in_range("topk_ids", topk_ids, num_experts)
-    if apply_router_weight_on_input and top_k != 1:
-        raise ValueError(f"apply_router_weight_on_input: needs top_k == 1, got top_k = {top_k}")
+    top_k, num_experts = check_expert_routing(topk_ids, w1.shape[0], global_num_experts,
+                                              expert_map, apply_router_weight_on_input)
     block_size = check_positive_int("block_size",
                                     DEFAULT_BLOCK_SIZE if block_size is None else block_size)
 

@@ -68,12 +68,17 @@ from ._checks import (
     check_array,
     check_choice,
     check_float,
-    check_ids_in_range,
     check_int,
     check_positive_int,
 )
 from .activation import apply_activation
-from .experts import DEFAULT_BLOCK_SIZE, grouped_gemm, moe_sum, walk_expert_blocks
+from .experts import (
+    DEFAULT_BLOCK_SIZE,
+    check_expert_routing,
+    grouped_gemm,
+    moe_sum,
+    walk_expert_blocks,
+)
 from .permute import moe_align_block_size
 from .precision import compute_dtype
 
@@ -696,15 +701,8 @@ def fused_experts_quant(hidden_states, w1, w2, topk_weights, topk_ids, activatio
         raise ValueError(f"topk_ids: expected {num_tokens} rows to match hidden_states, "
                          f"got shape {topk_ids.shape}")
     check_float("topk_weights", topk_weights, ndim=2, shape=topk_ids.shape)
-    top_k = topk_ids.shape[1]
-    num_experts = num_local if global_num_experts in (-1, None) else global_num_experts
-    num_experts = check_positive_int("global_num_experts", num_experts)
-    if expert_map is None and num_experts != num_local:
-        raise ValueError(f"global_num_experts: expected {num_local} (w1's experts) without an "
-                         f"expert_map, got {num_experts}")
-    check_ids_in_range("topk_ids", topk_ids, num_experts)
-    if apply_router_weight_on_input and top_k != 1:
-        raise ValueError(f"apply_router_weight_on_input: needs top_k == 1, got top_k = {top_k}")
+    top_k, num_experts = check_expert_routing(topk_ids, num_local, global_num_experts,
+                                              expert_map, apply_router_weight_on_input)
     block_size = check_positive_int("block_size", block_size or DEFAULT_BLOCK_SIZE)
     if fmt in ("w8a16", "int4") and (a1_scale is not None or a2_scale is not None):
         raise ValueError("a1_scale/a2_scale: weight-only formats keep activations unquantized; "
