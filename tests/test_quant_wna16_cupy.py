@@ -227,3 +227,132 @@ def test_argument_errors(rng):
                              out=C.empty((8, 64), np.float16))
     with pytest.raises(ValueError, match="config"):
         W.grouped_gemm_wna16(*args, w_scale=up(ws), use_int4_w4a16=True, config="nope")
+
+
+# ============================================================================ CPU emulation
+# quant_gemm_wna16.cu built by g++ against tests/test_quant_cupy.py's CUDA stand-in header
+# (a std::thread per CUDA thread, mma.sync fragments as the PTX ISA lays them out), plus the
+# few features this kernel adds (uint4, 16-bit pair arithmetic rounded once, a 3D grid, the
+# split-K atomics): the lane layout, the permuted k order and the split-K reduction run on a
+# CPU. Timing, the hardware's reading of the PTX: the GPU tests stay the judge.
+W16_PRELUDE = r"""
+struct uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+#define __shared__ static
+inline void __threadfence() {}
+inline int atomicAdd(int* p, int v) {
+    std::lock_guard<std::mutex> l(g_atomic); const int o = *p; *p += v; return o; }
+inline void __stcg(float* p, float v) { *p = v; }
+inline float __ldcg(const float* p) { return *p; }
+inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
+    return {__float2bfloat16_rn(__bfloat162float(a.x) - __bfloat162float(b.x)),
+            __float2bfloat16_rn(__bfloat162float(a.y) - __bfloat162float(b.y))}; }
+inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
+    return {__float2bfloat16_rn(__bfloat162float(a.x) * __bfloat162float(b.x)),
+            __float2bfloat16_rn(__bfloat162float(a.y) * __bfloat162float(b.y))}; }
+template <typename F> void launch3(unsigned gx, unsigned gy, unsigned gz, unsigned block, F body) {
+    for (unsigned bz = 0; bz < gz; ++bz) {
+        launch(gx, gy, block, [&] { blockIdx.z = bz; body(); });
+    }
+    gridDim.z = gz;
+}
+"""
+
+
+def _w16_entries():
+    out = []
+    for i, n in enumerate(W.NAMES):
+        out.append(
+            f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned gz, unsigned block, '
+            f"const void* a, const void* w, void* c, const float* s, const unsigned char* zp, "
+            f"const int* st, const int* ex, const int* ntp, const float* tw, const float* bias, "
+            f"float* ws, int* cnt, int N, int K, int P, int top_k, int B, int L, int mul, "
+            f"int gs, int G, int dzp, int cx, int sps) {{\n"
+            f"    gridDim.z = gz;\n"
+            f"    launch3(gx, gy, gz, block, [&] {{ gridDim.z = gz; {n}((const elem_t*)a, "
+            f"(const u8*)w, (elem_t*)c, s, zp, st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, "
+            f"B, L, mul, gs, G, dzp, cx, sps); }});\n}}")
+    return "\n".join(out)
+
+
+@pytest.fixture(scope="module")
+def emulated_w16(tmp_path_factory):
+    import ctypes
+    import re
+    import shutil
+    import subprocess
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ on this machine")
+    from test_quant_cupy import QEMU_HEADER
+
+    tmp = tmp_path_factory.mktemp("w16_emulation")
+    (tmp / "qemu.h").write_text(QEMU_HEADER)
+    src = C.source_text(W.CU, {"ELEM_BF16": 1})
+    src = re.sub(r"#include <cuda_(fp16|bf16)\.h>", "", src)
+    src = re.sub(r"extern __shared__ __align__\(16\) u8 smem\[\];", "u8* smem = g_smem;", src)
+    lines = src.split("\n")
+    first = next(k for k, line in enumerate(lines) if line.startswith("#line"))
+    src = "\n".join(lines[:first] + ['#include "qemu.h"', W16_PRELUDE] + lines[first:])
+    cpp = tmp / "w16.cpp"
+    cpp.write_text(src + "\n" + _w16_entries() + "\n")
+    so = tmp / "w16.so"
+    r = subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread",
+                        "-I", str(tmp), str(cpp), "-o", str(so)], capture_output=True, text=True)
+    assert r.returncode == 0, f"{W.CU} does not build for the emulation:\n{r.stderr[:3000]}"
+    return ctypes.CDLL(str(so))
+
+
+def _emulated_gemm(lib, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, nbits, config):
+    """grouped_gemm_wna16's launch (launch_plan, arguments) on the emulation."""
+    import ctypes
+
+    def p(x):
+        return None if x is None else x.ctypes.data_as(ctypes.c_void_p)
+
+    E, N, Kw = wq.shape
+    K = a.shape[1]
+    P = a.shape[0] * top_k
+    G = ws.shape[2]
+    lp = W.launch_plan(nbits, P, E, N, K, st.size, B, config, 132)
+    gx, gy, gz = lp["grid"]
+    c = np.full((P, N), 0x7FC0, np.uint16)                        # poison: bf16 NaN
+    wsp = np.full(gx * gy * gz * lp["block"][0] * lp["cfg"]["MT"] * 4, np.nan, np.float32)
+    cnt = np.zeros(gx * gy, np.int32)
+    signed = wq.dtype == np.int8
+    dzp = 8 if nbits == 4 else 128
+    fn = getattr(lib, f"k{W.NAMES.index(lp['name'])}")
+    fn(gx, gy, gz, lp["block"][0], p(np.ascontiguousarray(a).view(np.uint16)),
+       p(wq.view(np.uint8)), p(c), p(ws.astype(np.float32)), p(wz), p(st), p(ex), p(ntp),
+       p(tw), p(bias), p(wsp), p(cnt), N, K, P, top_k, B, lp["Lg"], int(tw is not None),
+       K // G, G, dzp, 0x80 if signed else 0, lp["SPS"])
+    assert not cnt.any(), "the split-K counters come back to zero"
+    return c.view(BF16), lp
+
+
+@pytest.mark.simulator
+@pytest.mark.parametrize("cfg,ks,fmt,shape", [
+    ("m8", None, FORMATS[0], (1, 4, 2, 64, 256, 16)),
+    ("m8", 3, FORMATS[1], (5, 3, 2, 40, 384, 16)),
+    ("m16", 2, FORMATS[4], (9, 3, 2, 24, 256, 16)),
+    ("m32", None, FORMATS[6], (20, 2, 1, 16, 128, 32)),
+])
+def test_emulated_matches_reference(emulated_w16, cfg, ks, fmt, shape):
+    rng = np.random.default_rng(5)
+    name, nbits, gs, zp, signed = fmt
+    M_a, E, K, N, Kd, B = shape
+    a, wq, ws, wz = operands(rng, nbits, gs, zp, signed, M_a, E, N, Kd)
+    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+    st, ex, ntp = moe_align_block_size(ids, B, E)
+    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+    bias = rng.standard_normal((E, N)).astype(np.float32)
+    flags = dict(use_int4_w4a16=True) if nbits == 4 else dict(use_int8_w8a16=True)
+    want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, bias, w_scale=ws,
+                                 w_zp=wz, **flags)
+    config = dict(W.CONFIGS[cfg], KS=ks) if ks else cfg
+    got, lp = _emulated_gemm(emulated_w16, a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, nbits,
+                             config)
+    if ks:
+        assert lp["KS"] == ks
+    err = rel_err(got, want)
+    assert err <= TOL, f"{name} {cfg} KS={ks}: rel_err {err:.3e}"

@@ -124,16 +124,25 @@ __device__ __forceinline__ void deq_int8(u32 lo, u32 hi, float zf, float s, u32&
 
 __device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                          u32 b1) {
+#ifdef QG_EMULATED_PTX   // the CPU emulation of the tests (tests/test_quant_cupy.py's header)
+    const uint32_t a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
+    qg_mma_k16(*reinterpret_cast<float(*)[4]>(d), a, b);
+#else
     asm volatile(W16_MMA "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
 }
 
 // 16-byte streaming load: the weights are read once, keep them out of L1.
 __device__ __forceinline__ uint4 ld_stream(const u8* p) {
     uint4 v;
+#ifdef QG_EMULATED_PTX
+    memcpy(&v, p, 16);
+#else
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
     return v;
 }
 

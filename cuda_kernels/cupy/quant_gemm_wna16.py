@@ -211,6 +211,26 @@ def choose_splits(cfg: dict, P: int, E: int, N: int, K: int, Lg: int, num_sms: i
     return C.cdiv(ksteps, sps)          # no empty split
 
 
+def launch_plan(nbits: int, P: int, E: int, N: int, K: int, L: int, block_size: int,
+                config=None, num_sms: int = 132) -> dict:
+    """The kernel name, config, grid, block, dynamic shared memory, KS and SPS (steps per
+    split) of one launch; Lg = min(L, P * block_size) positions are covered (no live
+    position lies past num_tokens_post_padded <= P * block_size)."""
+    cfg = pick_config(P / max(E, 1), block_size, config)
+    bm = 8 * cfg["MT"]
+    Lg = min(L, P * block_size)
+    ks = choose_splits(cfg, P, E, N, K, Lg, num_sms)
+    sps = C.cdiv(C.cdiv(K, KSTEP), ks)
+    grid = (C.cdiv(Lg, bm), C.cdiv(N, 16 * cfg["WN"]), ks)
+    if grid[1] > 65535 or ks > 65535:
+        raise ValueError(f"w: N = {N} needs {grid[1]} column tiles, over the grid's 65535")
+    smem = bm * sps * 256
+    if smem > 200 * 1024:
+        raise ValueError(f"config: KS = {ks} leaves {smem} bytes of staged activations per CTA")
+    return dict(name=kernel_name(nbits, cfg), cfg=cfg, grid=grid, block=(32 * cfg["WN"],),
+                smem=smem, KS=ks, SPS=sps, Lg=Lg)
+
+
 # ----------------------------------------------------------------------------- the stage
 def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
                        block_size, topk_weights=None, mul_routed_weight=False, bias=None,
@@ -321,32 +341,21 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     if P == 0 or N == 0 or L == 0:
         return c
 
-    cfg = pick_config(P / max(E, 1), block_size, config)
-    bm = 8 * cfg["MT"]
-    Lg = min(L, P * block_size)       # num_tokens_post_padded <= P * block_size
-    ks = choose_splits(cfg, P, E, N, K, Lg, _num_sms())
-    ksteps = C.cdiv(K, KSTEP)
-    sps = C.cdiv(ksteps, ks)
-    grid = (C.cdiv(Lg, bm), C.cdiv(N, 16 * cfg["WN"]), ks)
-    if grid[1] > 65535 or ks > 65535:
-        raise ValueError(f"w: N = {N} needs {grid[1]} column tiles, over the grid's 65535")
-    block = (32 * cfg["WN"],)
-    smem = bm * sps * 256
-    if smem > 200 * 1024:
-        raise ValueError(f"config: KS = {ks} leaves {smem} bytes of staged activations per CTA")
+    lp = launch_plan(nbits, P, E, N, K, L, block_size, config, _num_sms())
+    grid, block, smem, ks, sps, cfg = (lp[k] for k in ("grid", "block", "smem", "KS", "SPS",
+                                                       "cfg"))
     null = C.null_ptr()
     if ks > 1:
         ws, cnt = _workspace(grid[0] * grid[1] * ks * block[0] * cfg["MT"] * 4,
                              grid[0] * grid[1])
     else:
         ws, cnt = null, null
-    name = kernel_name(nbits, cfg)
-    kern = _kernel(name, ELEMS[out_key], smem)
+    kern = _kernel(lp["name"], ELEMS[out_key], smem)
     args = (C.raw(a), w.view(cupy.uint8), C.raw(c), w_s, w_zp if w_zp is not None else null,
             sorted_token_ids, expert_ids, num_tokens_post_padded,
             tw if tw is not None else null, b32 if b32 is not None else null, ws, cnt,
             np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
-            np.int32(Lg), np.int32(bool(mul_routed_weight)), np.int32(group_size), np.int32(G),
+            np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(group_size), np.int32(G),
             np.int32(default_zp), np.int32(code_xor), np.int32(sps))
     kern(grid, block, args, shared_mem=smem)
     return c
