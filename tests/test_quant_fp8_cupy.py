@@ -288,3 +288,118 @@ def test_emulated_v4_matches_reference(emulated_v4, scale, cfg, shape):
         _ptr(st), _ptr(ex), _ptr(ntp), _ptr(tw.ravel()), _ptr(bias), N, Kd, P, K, B, L, 1,
         *kinds)
     assert rel_err(c.view(BF16), want) <= GEMM_TOL
+
+
+# v5 on the emulation: cp.async from the shared header; wgmma by its definition, reading each
+# operand element through the descriptor (start, stride byte offset, 128-byte swizzle: address
+# bits 4-6 XOR bits 7-9) and writing the accumulator fragment layout of the PTX ISA. It checks
+# the kernel's own indexing (ring slots, scales, promotion, epilogue), not the hardware's
+# reading of the descriptors (the GPU tests do).
+WGMMA_EMU = r"""
+inline unsigned fw_smem(const void* p) { return (unsigned)((const unsigned char*)p - g_smem); }
+inline void fw_cp16(unsigned dst, const void* src, bool pred) { qg_cp16(g_smem + dst, src, pred); }
+inline void fw_cp4(unsigned dst, const void* src, bool pred) { qg_cp4(g_smem + dst, src, pred); }
+inline void fw_commit() { qg_commit(); }
+template <int N> inline void fw_wait() { qg_wait<N>(); }
+inline void fw_fence_proxy_async() {}
+inline void fw_wgmma_fence() {}
+inline void fw_wgmma_commit() {}
+inline void fw_wgmma_wait0() {}
+inline float fw_operand(unsigned long long desc, int r, int k) {
+    const unsigned start = (unsigned)(desc & 0x3FFFull) << 4;
+    const unsigned sbo = (unsigned)((desc >> 32) & 0x3FFFull) << 4;
+    if (((desc >> 62) & 3ull) != 1ull) { fprintf(stderr, "not a 128B swizzle\n"); abort(); }
+    unsigned addr = start + (r / 8) * sbo + (r % 8) * 128 + k;
+    addr ^= ((addr >> 7) & 7u) << 4;
+    return e4m3_value(g_smem[addr]);
+}
+template <int NN>
+inline void fw_wgmma_emu(float* d, unsigned long long da, unsigned long long db, int acc) {
+    const int wq = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    for (int j = 0; j < NN / 8; ++j)
+        for (int i = 0; i < 4; ++i) {
+            const int row = 16 * wq + lane / 4 + 8 * (i >> 1), col = 8 * j + 2 * (lane % 4) + (i & 1);
+            float s = 0.f;
+            for (int k = 0; k < 32; ++k) s += fw_operand(da, row, k) * fw_operand(db, col, k);
+            d[4 * j + i] = (acc ? d[4 * j + i] : 0.f) + s;
+        }
+}
+inline void fw_wgmma_n64(float* d, unsigned long long da, unsigned long long db, int acc) {
+    fw_wgmma_emu<64>(d, da, db, acc); }
+inline void fw_wgmma_n128(float* d, unsigned long long da, unsigned long long db, int acc) {
+    fw_wgmma_emu<128>(d, da, db, acc); }
+"""
+
+
+def _v5_entries():
+    out = []
+    for i, n in enumerate(QG.FP8_V5_NAMES):
+        call = (f"{n}((const u8*)a, (const u8*)w, (elem_t*)c, (const float*)p3, "
+                f"(const float*)p4, st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, i0, i1)")
+        out.append(
+            f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned block, const void* a, '
+            f"const void* w, void* c, const void* p3, const void* p4, const int* st, "
+            f"const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
+            f"int P, int top_k, int B, int L, int mul, int i0, int i1) {{\n"
+            f"    launch(gx, gy, block, [&] {{ {call}; }});\n}}")
+    return "\n".join(out)
+
+
+@pytest.fixture(scope="module")
+def emulated_v5(tmp_path_factory):
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ on this machine")
+    from test_quant_cupy import QEMU_HEADER, _build_emulated
+    tmp = tmp_path_factory.mktemp("fp8_v5_emulation")
+    (tmp / "qemu.h").write_text(QEMU_HEADER + WGMMA_EMU)
+    return _build_emulated(tmp, QG.CU_FP8_WGMMA, {"ELEM_BF16": 1}, _v5_entries(), "fp8v5")
+
+
+EMU_V5_CASES = [
+    # scale, config, (M_a, E, top_k, N, Kdim, B): N not a multiple of BN, a partial last K
+    # block, more K blocks than stages, an expert with two m tiles, a padding-only tile
+    ("block", "wg64", (40, 3, 2, 136, 400, 64)),
+    ("channel", "wg64", (9, 2, 1, 64, 256, 64)),
+    ("block", "wg128", (20, 2, 2, 128, 512, 128)),
+]
+
+
+@pytest.mark.simulator
+@pytest.mark.slow
+@pytest.mark.parametrize("scale,cfg,shape", EMU_V5_CASES, ids=[f"{c[0]}-{c[1]}" for c in EMU_V5_CASES])
+def test_emulated_v5_matches_reference(emulated_v5, scale, cfg, shape):
+    import ctypes
+
+    from test_quant_cupy import _ptr
+    flags = dict(SCALES)[scale]
+    rng = np.random.default_rng(zlib.crc32(f"{scale}{cfg}".encode()))
+    M_a, E, K, N, Kd, B = shape
+    a = rng.standard_normal((M_a, Kd)).astype(BF16)
+    w = (rng.standard_normal((E, N, Kd)) * 0.05).astype(BF16)
+    aq, as_ = RQ.moe_kernel_quantize_input(a, None, "fp8", flags.get("per_act_token_quant",
+                                                                      False),
+                                           flags.get("block_shape"))
+    wq, ws = RQ.quantize_weight_fp8(w, scale)
+    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+    ids[: M_a // 2, 0] = 0                                  # a crowded expert
+    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+    bias = rng.standard_normal((E, N)).astype(np.float32)
+    st, ex, ntp = moe_align_block_size(ids, B, E)
+    want = RQ.grouped_gemm_quant(aq, wq, st, ex, ntp, K, B, tw, True, bias, a_scale=as_,
+                                 w_scale=ws, **flags)
+    P, L = M_a * K, st.size
+    Lg = min(L, P * B)
+    c = np.full((P, N), 0x7FC0, np.uint16)                 # poisoned: bf16 NaN
+    kinds = (2, 2) if scale == "block" else (int(scale == "channel"), int(scale == "channel"))
+    v5 = QG.FP8_V5_CONFIGS[cfg]
+    name = QG._v5_name(v5)
+    getattr(emulated_v5, f"k{QG.FP8_V5_NAMES.index(name)}")(
+        ctypes.c_uint(-(-N // v5["BN"])), ctypes.c_uint(-(-Lg // v5["BM"])),
+        ctypes.c_uint(v5["BM"] // 64 * 128), _ptr(np.ascontiguousarray(aq).view(np.uint8)),
+        _ptr(np.ascontiguousarray(wq).view(np.uint8)), _ptr(c),
+        _ptr(np.ascontiguousarray(as_, np.float32)), _ptr(np.ascontiguousarray(ws, np.float32)),
+        _ptr(st), _ptr(ex), _ptr(ntp), _ptr(tw.ravel()), _ptr(bias), N, Kd, P, K, B, L, 1,
+        *kinds)
+    assert rel_err(c.view(BF16), want) <= GEMM_TOL

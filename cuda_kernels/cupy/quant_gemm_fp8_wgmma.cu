@@ -68,6 +68,10 @@ __device__ __forceinline__ u32 fw_pack(float lo, float hi) {
     return *reinterpret_cast<u32*>(&v);
 }
 
+// The inline PTX of this file (to fw_wgmma_n128). tests/test_quant_fp8_cupy.py runs this
+// source on the CPU with QG_EMULATED_PTX #defined and its own versions of these helpers
+// (cp.async landing at the wait, wgmma reading the swizzled tiles through the descriptor).
+#ifndef QG_EMULATED_PTX
 __device__ __forceinline__ u32 fw_smem(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }
@@ -96,6 +100,7 @@ __device__ __forceinline__ void fw_wgmma_commit() {
 __device__ __forceinline__ void fw_wgmma_wait0() {
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
+#endif  // QG_EMULATED_PTX (1/2)
 // K-major, 128-byte swizzle descriptor: start >> 4, leading byte offset 1 (unused by swizzled
 // K-major layouts), stride byte offset 1024 >> 4, base offset 0, layout type 1 (128 B).
 __device__ __forceinline__ unsigned long long fw_desc(u32 addr) {
@@ -103,6 +108,7 @@ __device__ __forceinline__ unsigned long long fw_desc(u32 addr) {
            ((unsigned long long)(FW_SBO >> 4) << 32) | (1ull << 62);
 }
 
+#ifndef QG_EMULATED_PTX
 // d[32] (64 x 64 fp32, this thread's part) = (acc ? d : 0) + A (64 x 32) * B (32 x 64)
 __device__ __forceinline__ void fw_wgmma_n64(float* d, unsigned long long da,
                                              unsigned long long db, int acc) {
@@ -147,6 +153,8 @@ __device__ __forceinline__ void fw_wgmma_n128(float* d, unsigned long long da,
         : "l"(da), "l"(db), "r"(acc)
         : "memory");
 }
+
+#endif  // QG_EMULATED_PTX (2/2)
 
 template <int BN>
 __device__ __forceinline__ void fw_wgmma(float* d, unsigned long long da, unsigned long long db,
