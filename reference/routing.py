@@ -124,19 +124,11 @@ def fused_topk_bias(hidden_states, gating_output, e_score_correction_bias, topk,
     return topk_weights.astype(np.float32), topk_ids.astype(np.int32)
 
 
-def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,
-                 topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0,
-                 e_score_correction_bias=None):
-    """DeepSeek-V2/V3 group-limited routing.
-
-    scores = softmax or sigmoid(gating_output)              # [T, E] fp32
-    choice = scores + bias (or scores)                      # what selection sees
-    group score = max of the group's scores (no bias), or the sum of its two best choice
-                  scores (with a bias)                      # [T, G], groups of E/G experts
-    keep the topk_group best groups; other experts -> -inf; topk_ids = top-K of choice
-    topk_weights = scores[topk_ids] (unbiased), renormalized if asked, * routed_scaling_factor
-    """
-    _, num_experts, topk = _check_logits(hidden_states, gating_output, topk)
+def check_grouped_topk_args(num_experts, topk, scoring_func, num_expert_group, topk_group):
+    """grouped_topk's own arguments against E experts and top-K: a known scoring_func, G =
+    num_expert_group dividing E, topk_group <= G, and K <= topk_group * E/G (enough experts
+    in the kept groups). Returns (G, topk_group, E/G). Plain integers: every backend's
+    grouped_topk can call it before its launch."""
     check_choice("scoring_func", scoring_func, SCORING_FUNCS)
     num_expert_group = check_positive_int("num_expert_group", num_expert_group)
     topk_group = check_positive_int("topk_group", topk_group)
@@ -150,6 +142,24 @@ def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_gro
     if topk > topk_group * per_group:
         raise ValueError(f"topk: expected at most topk_group * experts per group "
                          f"({topk_group} * {per_group}), got {topk}")
+    return num_expert_group, topk_group, per_group
+
+
+def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,
+                 topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0,
+                 e_score_correction_bias=None):
+    """DeepSeek-V2/V3 group-limited routing.
+
+    scores = softmax or sigmoid(gating_output)              # [T, E] fp32
+    choice = scores + bias (or scores)                      # what selection sees
+    group score = max of the group's scores (no bias), or the sum of its two best choice
+                  scores (with a bias)                      # [T, G], groups of E/G experts
+    keep the topk_group best groups; other experts -> -inf; topk_ids = top-K of choice
+    topk_weights = scores[topk_ids] (unbiased), renormalized if asked, * routed_scaling_factor
+    """
+    _, num_experts, topk = _check_logits(hidden_states, gating_output, topk)
+    num_expert_group, topk_group, per_group = check_grouped_topk_args(
+        num_experts, topk, scoring_func, num_expert_group, topk_group)
 
     scores = softmax(gating_output) if scoring_func == "softmax" else sigmoid(gating_output)
     num_tokens = scores.shape[0]

@@ -5,7 +5,9 @@
 
 It plays two parts. It is the *outside oracle*: an independent implementation (torch's
 softmax, sort, bincount and matmul, not NumPy's) that the harness compares with the
-reference, so that a bug shared by the reference and a kernel written from it still shows.
+reference, so that a bug shared by the reference and a kernel written from it still shows
+(only what is not math comes from the reference: the dispatch of select_experts, the
+capacity of sorted_token_ids, argument checks).
 And it is the *baseline a user would otherwise pick*: `fused_experts(..., impl="loop")`
 is the per-expert Python loop of most MoE ports (gpt-fast, Hugging Face), and
 `impl="grouped_mm"` runs `torch._grouped_mm` on the contiguous layout where torch has it.
@@ -41,6 +43,12 @@ import os
 from types import SimpleNamespace
 
 import numpy as np
+
+# from the reference: what is not math (select_experts' dispatch, sorted_token_ids'
+# capacity, grouped_topk's argument checks); every number below is torch's own
+from reference.permute import max_num_tokens_padded
+from reference.routing import check_grouped_topk_args
+from reference.routing import select_experts as _dispatch
 
 from . import arrays
 
@@ -258,20 +266,7 @@ def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_gro
     hidden_states, gating_output = _t(hidden_states, "hidden_states"), _t(gating_output,
                                                                           "gating_output")
     _, e, topk = _check_logits(hidden_states, gating_output, topk)
-    if scoring_func not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring_func: expected one of ['sigmoid', 'softmax'], "
-                         f"got {scoring_func!r}")
-    g = _positive_int("num_expert_group", num_expert_group)
-    kg = _positive_int("topk_group", topk_group)
-    if e % g:
-        raise ValueError(f"num_expert_group: expected a divisor of the number of experts ({e}), "
-                         f"got {g}")
-    if kg > g:
-        raise ValueError(f"topk_group: expected at most num_expert_group ({g}), got {kg}")
-    per = e // g
-    if topk > kg * per:
-        raise ValueError(f"topk: expected at most topk_group * experts per group "
-                         f"({kg} * {per}), got {topk}")
+    g, kg, per = check_grouped_topk_args(e, topk, scoring_func, num_expert_group, topk_group)
     scores = _softmax(gating_output) if scoring_func == "softmax" else _sigmoid(gating_output)
     t = scores.shape[0]
     if e_score_correction_bias is not None:
@@ -359,9 +354,7 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
     user code written against NumPy: it is called with host NumPy arrays and its results
     come back as tensors. Returns (topk_weights f32 [T, K], topk_ids int32 [T, K],
     zero_expert_result [T, H] or None)."""
-    from reference.routing import select_experts as reference_select_experts
-
-    return reference_select_experts(
+    return _dispatch(
         _t(hidden_states, "hidden_states"), _t(router_logits, "router_logits"), top_k,
         use_grouped_topk, renormalize, topk_group=topk_group, num_expert_group=num_expert_group,
         custom_routing_function=custom_routing_function, scoring_func=scoring_func,
@@ -372,15 +365,6 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
 
 
 # ----------------------------------------------------------------------------- align
-def max_num_tokens_padded(num_slots, block_size, num_experts, pad_sorted_ids=False):
-    size = num_slots + num_experts * (block_size - 1)
-    if pad_sorted_ids:
-        size = _cdiv(size, block_size) * block_size
-    if num_slots < num_experts:
-        size = min(size, num_slots * block_size)
-    return size
-
-
 def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
                          pad_sorted_ids=False, ignore_invalid_experts=False):
     """Group the P = T*K slots by expert, each expert's run padded to a multiple of B with
