@@ -553,6 +553,17 @@ def row_geometry(name: str, rows: int, width: int, max_threads: int, *arrays,
 
 
 # ----------------------------------------------------------------------------- timing
+def script_start(argv=None):
+    """The start of a kernel module run as a script: (quick, timed). `--quick` in argv (default
+    sys.argv) asks for small shapes and timed(fn) = 1 warm-up and 3 timed calls (a run under
+    a sanitizer), else cuda_time's defaults. Exits with the reason when no GPU is usable."""
+    quick = "--quick" in (sys.argv[1:] if argv is None else argv)
+    ok, why = availability()
+    if not ok:
+        raise SystemExit(f"needs a CUDA GPU: {why}")
+    return quick, ((lambda fn: cuda_time(fn, 1, 3)) if quick else cuda_time)
+
+
 def cuda_time(fn, warmup: int = 5, reps: int = 50, setup=None) -> list[float]:
     """Milliseconds per call of `fn()`, measured with CUDA events around each call.
 

@@ -16,7 +16,6 @@ Run as a script to validate against reference/ and time: python -m cuda_kernels.
 """
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 
@@ -120,11 +119,7 @@ def apply_activation(x, activation="silu", is_act_and_mul=True):
 
 # ----------------------------------------------------------------------------- script
 def _main(argv=None):
-    quick = "--quick" in (sys.argv[1:] if argv is None else argv)  # small shapes (sanitizers)
-    timed = (lambda f: C.cuda_time(f, 1, 3)) if quick else C.cuda_time
-    ok, why = C.availability()
-    if not ok:
-        raise SystemExit(f"needs a CUDA GPU: {why}")
+    quick, timed = C.script_start(argv)  # --quick: small shapes, 3 timed calls (sanitizers)
     import reference
 
     rng = np.random.default_rng(0)

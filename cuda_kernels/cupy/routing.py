@@ -20,7 +20,6 @@ Run as a script to validate against reference/ and time: python -m cuda_kernels.
 """
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 
@@ -209,10 +208,7 @@ _THIS = _This()
 
 # ----------------------------------------------------------------------------- script
 def _main(argv=None):
-    quick = "--quick" in (sys.argv[1:] if argv is None else argv)  # small shapes (sanitizers)
-    ok, why = C.availability()
-    if not ok:
-        raise SystemExit(f"needs a CUDA GPU: {why}")
+    quick, timed = C.script_start(argv)  # --quick: small shapes, 3 timed calls (sanitizers)
     import reference
 
     rng = np.random.default_rng(0)
@@ -246,7 +242,7 @@ def _main(argv=None):
         w, ids = run()
         same = float((C.to_host(ids) == ref[1]).all(axis=1).mean())
         err = C.rel_err(C.to_host(w), ref[0])
-        ms = C.median(C.cuda_time(run, 1, 3) if quick else C.cuda_time(run))
+        ms = C.median(timed(run))
         # bytes it must move: the logits in, weights and ids out (and the bias)
         nbytes = T * E * logits.itemsize + T * K * 8 + (E * 4 if has_bias else 0)
         print(f"{name:40s} {same:9.4f} {err:9.2e} {ms * 1e3:10.1f} {nbytes / ms / 1e6:8.1f}")
