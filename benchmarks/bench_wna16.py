@@ -55,6 +55,10 @@ PEAK = 989e12
 ROUTINGS = 4
 FLUSH_BYTES = 128 << 20
 SPIN_US = 1000
+# configs outside quant_gemm_wna16.CONFIGS to try (--sweep --variants; each compiles on its own)
+VARIANTS = [dict(MT=1, WN=8, U=4, MINB=2), dict(MT=1, WN=4, U=8, MINB=2),
+            dict(MT=1, WN=2, U=4, MINB=8), dict(MT=4, WN=8, U=4, MINB=1),
+            dict(MT=2, WN=4, U=6, MINB=3)]
 
 _SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -143,6 +147,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-old", action="store_true", help="skip quant_gemm's wna16 path")
     p.add_argument("--sweep", action="store_true", help="time every config per GEMM")
+    p.add_argument("--variants", action="store_true",
+                   help="with --sweep: also time VARIANTS (configs outside the table)")
     p.add_argument("--budget-s", type=float, default=1e9)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
@@ -230,10 +236,14 @@ def main(argv=None):
 
         if args.sweep and time.time() < deadline:
             B = 32 if P / E > 8 else 16
-            for cname, cfg in W.CONFIGS.items():
+            cands = list(W.CONFIGS.items())
+            if args.variants:
+                cands += [(f"MT{v['MT']}WN{v['WN']}U{v['U']}", v) for v in VARIANTS
+                          if (T <= 16) == (v["MT"] == 1)]
+            for cname, cfg in cands:
                 if B % (8 * cfg["MT"]):
                     continue
-                for ks in ("auto", 1, 2, 4, 8):
+                for ks in (("auto", 1, 2, 4, 8) if cname in W.CONFIGS else ("auto",)):
                     if time.time() > deadline:
                         break
                     try:

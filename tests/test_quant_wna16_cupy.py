@@ -57,14 +57,14 @@ def test_config_choice_and_splits():
         cfg = W.pick_config(rows, B)
         assert B % (8 * cfg["MT"]) == 0
     # Mixtral T=1 GEMM2 (N=4096, Kdim=14336, 2 live experts) must split K; every split stages
-    # at most SMEM_BUDGET bytes of activations, and no split is empty
+    # at most smem_budget(cfg) bytes of activations, and no split is empty
     for P, N, K in ((2, 4096, 14336), (2, 28672, 4096), (128, 28672, 4096), (8192, 4096, 14336)):
         for cfg in W.CONFIGS.values():
             ks = W.choose_splits(cfg, P, 8, N, K, P * 16, 132)
             steps = C.cdiv(K, W.KSTEP)
             sps = C.cdiv(steps, ks)
             assert 1 <= ks <= steps and (ks - 1) * sps < steps
-            assert 8 * cfg["MT"] * sps * 256 <= max(W.SMEM_BUDGET, 8 * cfg["MT"] * 256)
+            assert 8 * cfg["MT"] * sps * 256 <= max(W.smem_budget(cfg), 8 * cfg["MT"] * 256)
     assert W.choose_splits(W.CONFIGS["m8"], 2, 8, 4096, 14336, 32, 132) > 1
     with pytest.raises(ValueError, match="block_size"):
         W.pick_config(2, 12)

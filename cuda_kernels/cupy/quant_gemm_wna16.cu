@@ -230,23 +230,35 @@ wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
 #pragma unroll
     for (int u = 0; u < U; ++u) load_step(s_begin + u, u);
 
-    // ---- stage this split's activations, permuted [a0 a4 a1 a5 a2 a6 a3 a7] per 8 codes
+    // ---- stage this split's activations, permuted [a0 a4 a1 a5 a2 a6 a3 a7] per 8 codes.
+    // Only live tokens: a padding column of B only reaches the same column of the
+    // accumulators, which the epilogue never stores, so its shared memory stays unwritten.
+    __shared__ int sLive[BM];
+    __shared__ int sNumLive;
+    if (tid == 0) {
+        int nl = 0;
+        for (int r = 0; r < BM; ++r)
+            if (sSlot[r] >= 0) sLive[nl++] = r;
+        sNumLive = nl;
+    }
+    __syncthreads();
+    const int num_live = sNumLive;
     const int nsteps = max(0, s_end - s_begin);
-    for (int i = tid; i < nsteps * 16 * BM; i += NT) {
-        const int tt = i & 3, r = (i >> 2) % BM, rest = (i >> 2) / BM;
+    for (int i = tid; i < nsteps * 16 * num_live; i += NT) {
+        const int tt = i & 3, q = i >> 2;
+        const int r = sLive[q % num_live], rest = q / num_live;
         const int j = rest & 3, sl = rest >> 2;
         const int k = (s_begin + sl) * 128 + tt * 32 + j * 8;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        const int s = sSlot[r];
-        if (s >= 0 && k < Kdim) {
+        uint4 v = make_uint4(0, 0, 0, 0);   // past Kdim: zeros (0 * garbage could be NaN)
+        if (k < Kdim) {
             const uint4 x = __ldg(reinterpret_cast<const uint4*>(
-                a + (size_t)(s / top_k) * Kdim + k));
+                a + (size_t)(sSlot[r] / top_k) * Kdim + k));
             v.x = __byte_perm(x.x, x.z, 0x5410);   // (a0, a4)
             v.y = __byte_perm(x.x, x.z, 0x7632);   // (a1, a5)
             v.z = __byte_perm(x.y, x.w, 0x5410);   // (a2, a6)
             v.w = __byte_perm(x.y, x.w, 0x7632);   // (a3, a7)
         }
-        sA[i] = v;
+        sA[((sl * 4 + j) * BM + r) * 4 + tt] = v;
     }
     __syncthreads();
 

@@ -65,7 +65,7 @@ CONFIGS = {
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. A measured table (CONFIG_FILE) replaces it when present.
 BY_ROWS = ((4, "m8"), (12, "m16"), (1 << 30, "m32"), (1 << 30, "m16"), (1 << 30, "m8"))
-SMEM_BUDGET = 48 * 1024         # staged activations per CTA: keeps 4 CTAs on an SM
+SMEM_PER_SM = 227 * 1024        # H100 / H200: shared memory an SM can give its CTAs
 TARGET_WARPS_PER_SM = 16        # enough 16-row streams to keep ~64 KB of loads in flight per SM
 
 
@@ -194,9 +194,14 @@ def _num_sms() -> int:
     return _SMS[dev]
 
 
+def smem_budget(cfg: dict) -> int:
+    """Staged activations per CTA that still let MINB CTAs share an SM (1 KB each reserved)."""
+    return SMEM_PER_SM // cfg["MINB"] - 1024
+
+
 def choose_splits(cfg: dict, P: int, E: int, N: int, K: int, Lg: int, num_sms: int) -> int:
     """KS: split K until the live CTAs' warps reach TARGET_WARPS_PER_SM per SM, and until one
-    split's staged activations fit SMEM_BUDGET. Live m tiles are estimated on the host (the
+    split's staged activations fit smem_budget(cfg). Live m tiles are estimated on the host (the
     alignment lives on the device): about min(P, E) experts hit, plus P / BM more tiles."""
     bm = 8 * cfg["MT"]
     ksteps = C.cdiv(K, KSTEP)
@@ -205,7 +210,7 @@ def choose_splits(cfg: dict, P: int, E: int, N: int, K: int, Lg: int, num_sms: i
     live_m = max(1, min(C.cdiv(Lg, bm), min(P, E) + P // bm))
     warps = live_m * C.cdiv(N, 16 * cfg["WN"]) * cfg["WN"]
     ks = C.cdiv(TARGET_WARPS_PER_SM * num_sms, warps)
-    ks = max(ks, C.cdiv(ksteps * bm * 256, SMEM_BUDGET))
+    ks = max(ks, C.cdiv(ksteps, max(1, smem_budget(cfg) // (bm * 256))))
     ks = min(ks, ksteps)
     sps = C.cdiv(ksteps, ks)
     return C.cdiv(ksteps, sps)          # no empty split
