@@ -415,6 +415,9 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         raise ValueError("use_*: the CuPy quantized GEMM needs one of use_fp8_w8a8, "
                          "use_int8_w8a8, use_int8_w8a16, use_int4_w4a16 (the bf16 GEMM is "
                          "cuda_kernels.cupy.grouped_gemm)")
+    # Weight-only formats (int4 / int8 w*a16): the one place to send them to another module's
+    # GEMM (e.g. `if fmt in ("int4", "w8a16") and <its rung applies>: return <that call>`);
+    # everything below is this module's own v1-v3 for them and v1-v5 for w8a8.
     if version is not None and version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
     top_k = C.check_int("top_k", top_k, 1)
