@@ -113,17 +113,23 @@ CONFIGS = {
     # 32 and 16 rows x 64 x 32 on 128 and 64 threads; TM x TN = 4 x 4 (one LDS.128 each)
     # MB: launch bounds' blocks per SM, so registers stay <= 64K / (threads * MB) (72 here,
     # what nvcc gives the CuPy kernel; without bounds numba's PTX took 93 at 16 rows)
+    # "sparse": the tile used when a tile is expected to hold few live rows (at most
+    # SPARSE_FILL of BM: decode, many experts): one row per thread (TM = 1), so only the warps
+    # that hold live rows run FMAs, the rest just load (every warp helps stream w)
     "v3v": {
         64: {"BN": 64, "BK": 32, "TM": 4, "TN": 4, "MB": 3},
         32: {"BN": 64, "BK": 32, "TM": 4, "TN": 4, "MB": 7},
-        16: {"BN": 64, "BK": 32, "TM": 4, "TN": 4, "MB": 14},
+        16: {"BN": 64, "BK": 32, "TM": 4, "TN": 4, "MB": 14,
+             "sparse": {"BN": 64, "BK": 32, "TM": 1, "TN": 4, "MB": 6}},
     },
 }
+SPARSE_FILL = 0.25
 SIM_CONFIGS = {
     "v1": {"TX": 4, "TY": 4},
     "v2": {"BM": 4, "BN": 4, "BK": 4},
     "v3": {8: {"BN": 8, "BK": 4, "TM": 2, "TN": 2}, 4: {"BN": 8, "BK": 4, "TM": 1, "TN": 2}},
-    "v3v": {8: {"BN": 8, "BK": 8, "TM": 4, "TN": 4}, 4: {"BN": 8, "BK": 8, "TM": 4, "TN": 4}},
+    "v3v": {8: {"BN": 8, "BK": 8, "TM": 4, "TN": 4, "sparse": {"BN": 8, "BK": 8, "TM": 1, "TN": 4}},
+            4: {"BN": 8, "BK": 8, "TM": 4, "TN": 4}},
 }
 
 
@@ -402,7 +408,7 @@ def kernel_bounded(fn, threads, min_blocks):
     if cls is not None:
         try:
             disp._cache = cls(disp.py_func)
-        except Exception:       # no writable cache dir: compile as usual
+        except Exception:  # noqa: BLE001, S110 - no writable cache dir: compile as usual
             pass
     return disp
 
@@ -419,9 +425,8 @@ def gemm_v3v(BM: int, BN: int, BK: int, TM: int, TN: int, WORD: str, MIN_BLOCKS:
     NT = TX * TY
     U = 1 if WORD == "f32" else 2            # elements per 4-byte word
     VEC = 4 * U                              # elements per 16-byte chunk
-    if BN % TN or BM % TM or BK % VEC or TM % 4 or TN % 4 or NT > 1024 or (
-            NT < 32 and not SIMULATOR):
-        raise ValueError(f"v3v config: expected TM, TN multiples of 4 dividing BM, BN, BK a "
+    if BN % TN or BM % TM or BK % VEC or TN % 4 or NT > 1024 or (NT < 32 and not SIMULATOR):
+        raise ValueError(f"v3v config: expected TM | BM, TN | BN (TN a multiple of 4), BK a "
                          f"multiple of {VEC}, 32..1024 threads; got BM={BM} BN={BN} BK={BK} "
                          f"TM={TM} TN={TN}")
     A_VECS = BM * BK // VEC                  # 16-byte chunks of the a tile per k-step
@@ -556,6 +561,8 @@ def gemm_v3v(BM: int, BN: int, BK: int, TM: int, TN: int, WORD: str, MIN_BLOCKS:
                     for g in range(TM // 4):
                         am[4 * g], am[4 * g + 1], am[4 * g + 2], am[4 * g + 3] = lds4(
                             As, ao + 4 * g)
+                    for i in range(TM - TM % 4, TM):   # TM = 1 or 2: 4-byte loads
+                        am[i] = As[ix(ao + i)]
                     for g in range(TN // 4):
                         wn[4 * g], wn[4 * g + 1], wn[4 * g + 2], wn[4 * g + 3] = lds4(
                             Ws, wo + 4 * g)
@@ -593,11 +600,12 @@ class Plan(NamedTuple):
     word: str           # v3's 8-byte / v3v's 16-byte load kind ("f32" | "f16" | "bf16"), or ""
 
 
-def plan(version, block_size, word="", vec=""):
+def plan(version, block_size, word="", vec="", fill=float("inf")):
     """The kernel and geometry of `version` for block size B (None: v3).
 
     v3v runs when `vec` names its 16-byte load kind (the caller checked a and w allow it) and
-    one of its tile heights divides B, else v3 runs.
+    one of its tile heights divides B, else v3 runs; `fill` (the expected live rows of a tile,
+    slots per expert) picks its "sparse" tile when at most SPARSE_FILL of the tile height.
     v3 takes the tallest tile of its table dividing B and runs v2 when none does; v2's tile
     height is gcd(BM, B). `word` asks v3 for 8-byte loads (the caller checked it can)."""
     if version is None:
@@ -609,6 +617,8 @@ def plan(version, block_size, word="", vec=""):
         if fits and vec:
             bm = max(fits)
             c = table[bm]
+            if fill <= SPARSE_FILL * bm and "sparse" in c:
+                c = c["sparse"]
             # fp32: half the depth, the same bytes per k-step (and prefetch registers; 32 deep
             # spilled at 16 rows), as CuPy's table does
             bk = c["BK"] // 2 if vec == "f32" and c["BK"] >= 8 else c["BK"]
@@ -743,7 +753,8 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
         v = version or "v3"
         word = _word_kind(ad, wd, Kd) if v in ("v3", "v3v") else ""
         vec = _vec_kind(ad, wd, Kd) if v == "v3v" else ""
-        which, kernel, block, bm, bn, word = plan(version, B, word, vec)
+        fill = min(P / max(E, 1), B)   # slots per expert: live rows of an expert's tiles
+        which, kernel, block, bm, bn, word = plan(version, B, word, vec, fill)
         if which == "v3v":   # 16-byte loads: flat uint32 views of the same bytes
             ad = ad.reshape(ad.size).view(np.uint32)
             wd = wd.reshape(wd.size).view(np.uint32)
@@ -774,9 +785,9 @@ def compile_cases():
     for dt, word in ((t.float32, "f32"), (t.float16, "f16"), (t.uint16, "bf16")):
         for version in VERSIONS:
             for B in (16, 32, 64):
-                for wk in ((word, "") if version == "v3" else (word,) if version == "v3v"
-                           else ("",)):
-                    pl = plan(version, B, wk, wk if version == "v3v" else "")
+                for wk, fill in (((word, 1e9), ("", 1e9)) if version == "v3" else
+                                 ((word, 1e9), (word, 0)) if version == "v3v" else (("", 1e9),)):
+                    pl = plan(version, B, wk, wk if version == "v3v" else "", fill)
                     if (id(pl.kernel), dt) in seen:
                         continue
                     seen.add((id(pl.kernel), dt))
@@ -789,7 +800,7 @@ def compile_cases():
                             arr(t.int32, 1), arr(t.float32, 1), arr(t.float32, 2), arr(dt, 2))
                            + (t.int64,) * 7)
                     label = f"grouped_gemm {pl.version} BM={pl.bm} {dt}" + (
-                        f" words={wk}" if wk else "")
+                        f" words={wk}" if wk else "") + (" sparse" if not fill else "")
                     cases.append((label, pl.kernel, sig))
     return cases
 

@@ -12,6 +12,7 @@ import importlib
 
 import numpy as np
 import pytest
+from oracles import BF16
 from test_numba_sim_gemm import DTYPES, check, problem, run
 
 import reference
@@ -67,3 +68,13 @@ def test_v3v_runs_when_chunks_fit_else_falls_back(dkey, Kd, vec):
 def test_v3v_empty_batch():
     args, _ = problem(0, 4, 2, 6, 8, 4, np.float32)
     assert run(args, "v3v").shape == (0, 6)
+
+
+def test_v3v_sparse_tile_for_few_rows_per_expert():
+    """Few slots per expert (decode) take the "sparse" tile (one row per thread); full tiles
+    the dense one. Both must match."""
+    assert G.plan("v3v", 8, "", "f32", fill=0.5).version == "v3v"
+    sparse, dense = G.plan("v3v", 8, "", "f32", fill=0.5), G.plan("v3v", 8, "", "f32", fill=8)
+    assert sparse.kernel is not dense.kernel and sparse.block > dense.block
+    check(*problem(1, 4, 2, 10, 8, 8, np.float32, bias=np.float32, mul=True), "v3v")   # sparse
+    check(*problem(12, 2, 2, 10, 8, 8, BF16), "v3v")                                   # dense
