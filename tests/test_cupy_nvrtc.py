@@ -105,6 +105,26 @@ def test_required_arch():
     assert C.required_arch(("--gpu-architecture", "sm_90a")) == "sm_90a"
 
 
+
+def test_row_geometry():
+    """The launch of the row-wise elementwise kernels: the widest aligned VEC, a block of whole
+    warps covering the row (at most max_threads), a flattened grid rows * chunks."""
+    from types import SimpleNamespace as NS
+
+    def arr(itemsize, ptr):  # row_geometry only reads dtype.itemsize and data.ptr
+        return NS(dtype=NS(itemsize=itemsize), data=NS(ptr=ptr))
+
+    g = C.row_geometry("x", 33, 7168, 128, arr(2, 4096), arr(2, 8192))
+    assert g == (8, 128, 7, 33 * 7)                 # bf16: 8 per 16 bytes, 896 words / 128
+    assert C.row_geometry("x", 5, 768, 256, arr(2, 0), arr(2, 0)).threads == 96
+    assert C.row_geometry("x", 5, 768, 256, arr(2, 0), arr(2, 6)).vec == 1   # misaligned out
+    assert C.row_geometry("x", 5, 6, 256, arr(4, 0), arr(4, 0)).vec == 2    # width 6
+    assert C.row_geometry("x", 1, 1, 256, arr(4, 0)).threads == 32          # at least a warp
+    assert C.row_geometry("x", 1, 64, 256, arr(4, 0), vecs=(1,)).vec == 1
+    with pytest.raises(ValueError, match=r"x: the grid size M \* column chunks"):
+        C.row_geometry("x", 2**31, 8, 256, arr(4, 0), rows_symbol="M")
+
+
 def test_package_imports_without_gpu():
     import cuda_kernels.cupy as ck
 
