@@ -155,7 +155,14 @@ def _raw_alltoall(comm, timer, opts, rows, H):
     return t, W * chunk
 
 
-def _breakdown(comm, timer, ops, opts, record, mode, impl, T, xs, routes, per_rank):
+def _impl_spec(spec):
+    """"fused" / "fused4" / "stages" -> (impl, combine_chunks or None)."""
+    if spec.startswith("fused") and spec[5:].isdigit():
+        return "fused", int(spec[5:])
+    return spec, None
+
+
+def _breakdown(comm, timer, ops, opts, record, mode, spec, T, xs, routes, per_rank):
     """Each sub-step of dispatch / combine timed alone (CUDA events from a barrier, and the
     host time inside the step): where the time of the whole goes. Routing 0, buffers kept."""
     import cupy
@@ -169,6 +176,9 @@ def _breakdown(comm, timer, ops, opts, record, mode, impl, T, xs, routes, per_ra
     slot = mode == "slot"
     st = {}
     steps = []
+    impl, chunks = _impl_spec(spec)
+    if chunks is not None:   # the steps are those of "fused"; only the whole differs
+        return
     if impl == "fused":
         lay = layout_ops(comm)
 
@@ -234,7 +244,7 @@ def _breakdown(comm, timer, ops, opts, record, mode, impl, T, xs, routes, per_ra
 
 
 def _bench_alltoall_rows(comm, timer, ops, opts, record, mode, T, xs, routes, per_rank,
-                         raw_slot_t, P, impl="fused"):
+                         raw_slot_t, P, spec="fused"):
     """dispatch / combine / both / exchange only of the all-to-all-v path with `mode` rows
     ("token": one row per (token, destination rank); "slot": one per (token, slot)), beside
     a raw all-to-all of the bytes this path actually moves."""
@@ -246,11 +256,13 @@ def _bench_alltoall_rows(comm, timer, ops, opts, record, mode, T, xs, routes, pe
     H = xs[0].shape[1]
     row_bytes = H * 2
     state = {}
+    impl, chunks = _impl_spec(spec)
 
     def dispatch(i):
         w, ids = routes[i % pool]
         state["d"] = alltoall_dispatch(comm, ops, xs[i % pool], ids, per_rank,
-                                       topk_weights=w, rows=mode, impl=impl)
+                                       topk_weights=w, rows=mode, impl=impl,
+                                       combine_chunks=chunks)
 
     def combine(i):
         x_recv, _, _, st = state["d"]     # y has x_recv's shape [R, H] in either mode
@@ -285,6 +297,7 @@ def _bench_alltoall_rows(comm, timer, ops, opts, record, mode, T, xs, routes, pe
         cache[(T, n_max)] = _raw_alltoall(comm, timer, opts, n_max, H)
     raw_t, raw_rows = cache[(T, n_max)]
     nb = n * row_bytes
+    impl = spec                      # the name the rows carry: fused, fused2, stages, ...
     tag = f" ({mode} rows, {impl})"
     ex_host = timer.last_host_ms
     raw_row = record(T, "alltoall", "raw NCCL all-to-all (same bytes)" + tag, raw_t,
@@ -624,7 +637,8 @@ def main(argv=None):
                          "per token and destination rank) and/or slot (one per routed slot)")
     ap.add_argument("--impls", default="fused",
                     help="all-to-all-v implementations (sandbox/ep/dispatch.py), the first is "
-                         "the target's: fused and/or stages")
+                         "the target's: fused, fusedC (the combine in C token chunks, e.g. "
+                         "fused2) and/or stages")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each sub-step of dispatch / combine alone (diagnostic)")
     ap.add_argument("--reps", type=int, default=20)
@@ -653,8 +667,8 @@ def main(argv=None):
         ap.error("--alltoall-rows: expected at least one of token, slot")
     impls = [m for m in args.impls.split(",") if m]
     for m in impls:
-        if m not in ("fused", "stages"):
-            ap.error(f"--impls: expected fused and/or stages, got {m!r}")
+        if m != "stages" and not (m.startswith("fused") and (m[5:] == "" or m[5:].isdigit())):
+            ap.error(f"--impls: expected fused, fusedC (C an int) and/or stages, got {m!r}")
     if not impls:
         ap.error("--impls: expected at least one of fused, stages")
     if DEEPSEEK_V3["num_experts"] % args.gpus:

@@ -119,7 +119,7 @@ def _bench_once(bench_ep):
     shape = dict(hidden_size=32, top_k=2, num_experts=8, intermediate_size=16,
                  dtype="bfloat16")
     opts = dict(shape=shape, tokens=[16], layer_tokens=[8], schemes=["alltoall", "allgather"],
-                alltoall_rows=["token", "slot"], impls=["fused", "stages"], breakdown=True,
+                alltoall_rows=["token", "slot"], impls=["fused", "stages", "fused2"], breakdown=True,
                 reps=1, warmup=1, layer_reps=1, layer_warmup=1, pool=2, layer=True,
                 stage_ops="reference", flush_mb=1)
     results = _once("bench", lambda: launch(bench_ep.bench_rank, 2, backend="nccl",
@@ -143,7 +143,8 @@ def _bench_once(bench_ep):
     t = report["target"]
     assert t["rows"] == "token" and t["impl"] == "fused" and t["tokens_per_rank"] == 16 and \
         set(t["by_rows"]) == {"token", "slot"}
-    assert set(t["other_impls"]) == {"token rows, stages", "slot rows, stages"}
+    assert set(t["other_impls"]) == {"token rows, stages", "slot rows, stages",
+                                     "token rows, fused2", "slot rows, fused2"}
     # top-2 of 8 experts over 2 ranks: a token visits at most both ranks, never more rows
     # than slots; slot rows send every slot
     assert t["by_rows"]["token"]["rows_sent"] <= t["by_rows"]["slot"]["rows_sent"] == 16 * 2

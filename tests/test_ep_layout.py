@@ -52,11 +52,24 @@ def test_numpy_layout_matches_loop(T, E, K, W, slot):
     counts2, inv, src, n_real = L.ep_layout(ids, epr, W, W - 1, slot)
     want_counts, want_inv = _loop_layout(ids, epr, W, slot)
     assert counts2.dtype == np.int64 and inv.dtype == np.int32 and src.dtype == np.int32
-    assert counts2[0].tolist() == want_counts.tolist()
-    assert counts2[1, W - 1] == counts2[0, W - 1]
+    assert counts2.shape == (2, W, 1) and counts2[0, :, 0].tolist() == want_counts.tolist()
+    assert counts2[1, W - 1, 0] == counts2[0, W - 1, 0] and counts2[1].sum() == counts2[0, W - 1, 0]
     assert inv.tolist() == want_inv.tolist()
     assert np.array_equal(src[inv], np.arange(inv.size))
     assert int(n_real[0]) == int(want_counts.sum())
+
+
+@pytest.mark.parametrize("chunks", [2, 5])
+def test_numpy_layout_chunk_counts(chunks):
+    T, E, K, W = 37, 16, 4, 4
+    ids = _ids(T, E, K, seed=9)
+    for slot in (False, True):
+        counts2, inv, src, n_real = L.ep_layout(ids, E // W, W, 1, slot, chunks)
+        bounds = L.chunk_bounds(T, chunks)
+        for c in range(chunks):
+            part, _ = _loop_layout(ids[bounds[c]:bounds[c + 1]], E // W, W, slot)
+            assert counts2[0, :, c].tolist() == part.tolist()
+        assert counts2[0].sum() == int(n_real[0])
 
 
 @pytest.mark.parametrize("slot", [False, True])
@@ -106,7 +119,8 @@ def test_fused_matches_stages_on_cpu_communicator(world_size):
     for res in (d for rank in per_rank for d in rank):
         assert res["impl"] == "fused", res
         assert res["x"] and res["ids"] and res["w"] and res["counts"], res
-        assert res["out_vs_stages"] <= 1e-6, res
+        assert res["out_vs_stages"] <= 1e-6 and res["chunked_vs_stages"] <= 1e-6, res
+        assert res["chunked_x"], res
         assert not np.isnan(res["out_vs_loop"]) and res["out_vs_loop"] <= res["tolerance"], res
 
 
@@ -139,9 +153,9 @@ def test_cupy_layout_gather_combine_match_numpy(T, E, K, W, slot):
         epr, H = E // W, 136
         x = rng.standard_normal((T, H)).astype(bf16)
         w = rng.random((T, K)).astype(np.float32)
-        want = L.ep_layout(ids, epr, W, W - 1, slot)
+        want = L.ep_layout(ids, epr, W, W - 1, slot, 3)
         d_ids = C.to_device(ids)
-        got = kern.ep_layout(d_ids, epr, W, W - 1, slot)
+        got = kern.ep_layout(d_ids, epr, W, W - 1, slot, 3)
         for g, h in zip(got, want):
             assert np.array_equal(C.to_host(g), h)
         n = int(want[3][0])
@@ -156,6 +170,13 @@ def test_cupy_layout_gather_combine_match_numpy(T, E, K, W, slot):
         out = C.to_host(kern.ep_combine(C.to_device(y), None if weights is None else
                                         C.to_device(weights), got[1], n, T))
         ref = L.ep_combine(y, weights, want[1], n, T)
+        if T > 2:   # a token range into a given output: the rest stays as it was
+            d_out = C.to_device(np.zeros((T, H), dtype=bf16))
+            kern.ep_combine(C.to_device(y), None if weights is None else C.to_device(weights),
+                            got[1], n, T, (1, T - 1), d_out)
+            part = C.to_host(d_out)
+            assert np.array_equal(part[1:T - 1].view(np.uint16), ref[1:T - 1].view(np.uint16))
+            assert not part[[0, T - 1]].view(np.uint16).any()
         assert not np.isnan(out.astype(np.float32)).any()
         assert np.array_equal(out.view(np.uint16), ref.view(np.uint16)) or \
             C.rel_err(out.astype(np.float32), ref.astype(np.float32)) <= 1e-2
@@ -193,5 +214,6 @@ def test_fused_matches_stages_over_nccl():
     for res in (d for rank in per_rank for d in rank):
         assert res["impl"] == "fused", res
         assert res["x"] and res["ids"] and res["w"] and res["counts"], res
-        assert res["out_vs_stages"] <= 1e-6, res
+        assert res["out_vs_stages"] <= 1e-6 and res["chunked_vs_stages"] <= 1e-6, res
+        assert res["chunked_x"], res
         assert not np.isnan(res["out_vs_loop"]) and res["out_vs_loop"] <= res["tolerance"], res

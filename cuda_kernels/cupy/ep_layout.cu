@@ -15,15 +15,17 @@
 //   src[pos] = e; the "nowhere" entries sit at positions >= n and are never sent.
 //
 // Kernels (ep_layout.py launches them):
-//   ep_layout_kernel        one block: counts, inv [T S], src [T S], n, and the counts vector
-//                           of the NCCL counts exchange ([2, W] int64: row 0 = the send counts,
-//                           row 1 gets counts[rank] at [1, rank]; the peers' entries come from
-//                           the exchange)
+//   ep_layout_kernel        one block: counts, inv [T S], src [T S], n, and the counts of the
+//                           NCCL counts exchange ([2, W, C] int64: [0, p, c] = rows to rank p
+//                           from token chunk c; [1, rank] = [0, rank], the rest 0 until the
+//                           exchange fills it). C chunks of tokens let the combine overlap
+//                           the exchange of chunk c + 1 with the sums of chunk c.
 //   ep_gather_kernel<V>     one block per token: its row is read ONCE and written to each of
 //                           its positions < n (x_send [T S, H] as V words), with the metadata
 //                           (token rows: the K ids and weights; slot rows: the local id
 //                           ids % epr and the slot's weight)
-//   ep_combine_kernel<VEC>  out[t] = sum_{j: inv[t S + j] < n} w[t, j] y[inv[t S + j]] in fp32,
+//   ep_combine_kernel<VEC>  for t in [t_begin, T):
+//                           out[t] = sum_{j: inv[t S + j] < n} w[t, j] y[inv[t S + j]] in fp32,
 //                           j in order (the ranks' order for token rows), rounded once
 //                           (token rows: w = 1; moe_unpermute's arithmetic otherwise)
 //   ep_count_experts_kernel counts[e] += #{(t, k) : ids[t, k] = e} for e in [0, E): per-block
@@ -41,10 +43,10 @@
 //
 // Launch geometry (ep_layout.py):
 //   ep_layout_kernel:        grid 1, block NT = min(LAYOUT_THREADS, multiple of 32 that fits
-//                            (NB NT + 32 + NB + 1) * 4 B of shared memory in 48 KB)
+//                            (NB NT + 32 + NB + 1 + W C) * 4 B of shared memory in 48 KB)
 //   ep_gather_kernel:        grid T, block GATHER_THREADS, each thread every GATHER_THREADS-th
 //                            word of the row
-//   ep_combine_kernel:       grid T * cdiv(H, block * VEC), block = min(COMBINE_THREADS,
+//   ep_combine_kernel:       grid (T - t_begin) * cdiv(H, block * VEC), block = min(COMBINE_THREADS,
 //                            cdiv(H / VEC, 32) * 32), each thread VEC columns
 //   ep_count_experts_kernel: grid min(cdiv(N, COUNT_THREADS * 8), 1024), block COUNT_THREADS,
 //                            shared memory E * 4 B
@@ -127,15 +129,18 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_THREADS)
 ep_layout_kernel(const int* __restrict__ ids,      // [T, K] physical expert ids
                  int* __restrict__ inv,            // [T S] entry -> position
                  int* __restrict__ src,            // [T S] position -> entry
-                 long long* __restrict__ counts2,  // [2, W]: [0] send counts, [1, rank] own
+                 long long* __restrict__ counts2,  // [2, W, C]: [0] send counts per token
+                                                   // chunk, [1, rank] the same, rest 0
                  int* __restrict__ n_real,         // [1]: n = sum of the counts
-                 int T, int K, int S, int W, int epr, int slot_rows, int rank) {
+                 int T, int K, int S, int W, int epr, int slot_rows, int rank, int C) {
     extern __shared__ int smem[];
     const int NT = blockDim.x, tid = threadIdx.x, NB = W + 1;
     int* cnt = smem;                // [NB, NT]: column tid is this thread's, no bank conflicts
     int* scratch = cnt + NB * NT;   // [32]
     int* base = scratch + 32;       // [NB + 1]
+    int* ccnt = base + NB + 1;      // [W, C]: entries per (destination, token chunk)
     for (int b = 0; b < NB; ++b) cnt[b * NT + tid] = 0;
+    for (int i = tid; i < W * C; i += NT) ccnt[i] = 0;
     const int per = (T + NT - 1) / NT;
     const int t0 = min(T, tid * per), t1 = min(T, t0 + per);
     // pass 1: counts per (bucket, thread)
@@ -167,16 +172,16 @@ ep_layout_kernel(const int* __restrict__ ids,      // [T, K] physical expert ids
             const int c = base[b];
             base[b] = run;
             run += c;
-            if (b < W) counts2[b] = c;
         }
         base[NB] = run;
         *n_real = base[W];
-        counts2[W + rank] = counts2[rank];  // what this rank "receives" from itself
     }
     __syncthreads();
-    // pass 2: the same walk hands out the positions
+    // pass 2: the same walk hands out the positions (and counts per token chunk: token t
+    // is in chunk (t C) / T, so chunk c holds tokens [ceil(c T / C), ceil((c + 1) T / C)))
     for (int t = t0; t < t1; ++t) {
         const int* ids_t = ids + (size_t)t * K;
+        const int chunk = (int)(((long long)t * C) / T);
         if (slot_rows) {
             for (int k = 0; k < K; ++k) {
                 const int b = slot_bucket(ids_t[k], W, epr);
@@ -184,6 +189,7 @@ ep_layout_kernel(const int* __restrict__ ids,      // [T, K] physical expert ids
                 const int e = t * S + k;
                 inv[e] = pos;
                 src[pos] = e;
+                if (b < W) atomicAdd(&ccnt[b * C + chunk], 1);
             }
         } else {
             unsigned m = token_mask(ids_t, K, W, epr);
@@ -194,8 +200,15 @@ ep_layout_kernel(const int* __restrict__ ids,      // [T, K] physical expert ids
                 const int e = t * S + j;
                 inv[e] = pos;
                 src[pos] = e;
+                if (b < W) atomicAdd(&ccnt[b * C + chunk], 1);
             }
         }
+    }
+    __syncthreads();
+    for (int i = tid; i < W * C; i += NT) {
+        const int p = i / C;
+        counts2[i] = ccnt[i];
+        counts2[W * C + i] = p == rank ? ccnt[i] : 0;   // what this rank "receives" from itself
     }
 }
 
@@ -257,9 +270,9 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
 ep_combine_kernel(const SCALAR_T* __restrict__ y,      // [n, H] rows in send order
                   const float* __restrict__ w,         // [T, S] or null (weights 1)
                   const int* __restrict__ inv,         // [T S]
-                  SCALAR_T* __restrict__ out,          // [T, H]
-                  int T, int S, int H, int n, int chunks) {
-    const int t = blockIdx.x / chunks;
+                  SCALAR_T* __restrict__ out,          // [T, H] (rows t_begin .. T - 1)
+                  int t_begin, int T, int S, int H, int n, int chunks) {
+    const int t = t_begin + blockIdx.x / chunks;
     const int col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
     if (t >= T || col >= H) return;  // H % VEC == 0 on this path (ep_layout.py)
     float acc[VEC];

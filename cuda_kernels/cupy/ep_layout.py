@@ -5,15 +5,15 @@ round trip (the caller's one host sync is for the counts, after the exchange).
 Shapes: T tokens, K top-k, W ranks (<= 32), epr experts per rank, S entries per token
 (token rows: min(W, K); slot rows: K), H hidden, n rows sent (the sum of the counts).
 
-    ep_layout(topk_ids, experts_per_rank, world_size, rank, slot_rows)
-        -> counts2 int64 [2, W] (row 0: rows sent to each rank; [1, rank] = [0, rank], the
-           rest of row 1 for the counts exchange to fill), inv int32 [T S] (entry -> send
+    ep_layout(topk_ids, experts_per_rank, world_size, rank, slot_rows, chunks=1)
+        -> counts2 int64 [2, W, C] ([0, p, c]: rows sent to rank p from token chunk c;
+           [1, rank] = [0, rank], the rest of [1] zero for the counts exchange to fill), inv int32 [T S] (entry -> send
            position; "nowhere" entries at positions >= n), src int32 [T S] (position ->
            entry), n_real int32 [1] (n, on the device)
     ep_gather(x, topk_ids, topk_weights, inv, n_real, experts_per_rank, slot_rows)
         -> x_send [T S, H] (rows < n written), ids_send (token rows: int32 [T S, K] physical
            ids; slot rows: int32 [T S] local ids), w_send f32 (same shape as ids_send) or None
-    ep_combine(y, weights, inv, n, num_tokens) -> out [T, H]:
+    ep_combine(y, weights, inv, n, num_tokens, token_range=None, out=None) -> out [T, H]:
         out[t] = sum_{j : inv[t S + j] < n} weights[t, j] * y[inv[t S + j]] (weights None: 1),
         fp32 in j order, rounded once to y's dtype
     ep_count_experts(topk_ids, counts): counts[e] += #{ids == e}, e in [0, E) (int64 [E] on
@@ -65,6 +65,23 @@ for _dt in C.float_dtypes():
     C.register_compile_case("ep_layout.cu", _defines(_dt), _COMBINE_NAMES)
 
 
+_CACHE = {}
+
+
+def _kernel(name, scalar_dtype=np.float32):
+    """get_kernel with a cache keyed by (name, dtype, device): these launches sit on the EP
+    critical path, where get_kernel's key (the defines, sorted and formatted) costs
+    microseconds per call."""
+    import cupy
+
+    key = (name, np.dtype(scalar_dtype).str, cupy.cuda.runtime.getDevice())
+    kern = _CACHE.get(key)
+    if kern is None:
+        names = _COMBINE_NAMES if name.startswith("ep_combine") else _FIXED_NAMES
+        kern = _CACHE[key] = C.get_kernel("ep_layout.cu", name, _defines(scalar_dtype), names)
+    return kern
+
+
 def entries_per_token(world_size: int, top_k: int, slot_rows: bool) -> int:
     """S: K for slot rows, min(W, K) for token rows."""
     return int(top_k) if slot_rows else min(int(world_size), int(top_k))
@@ -76,38 +93,44 @@ def supported(world_size: int, top_k: int, slot_rows: bool) -> bool:
         entries_per_token(world_size, top_k, slot_rows) <= MAX_S
 
 
-def _layout_threads(T: int, NB: int) -> int:
+MAX_CHUNKS = 64
+
+
+def _layout_threads(T: int, NB: int, C: int) -> int:
     cfg = CONFIGS["ep_layout_kernel"]
-    fit = (cfg["SMEM_BUDGET"] // 4 - 32 - NB - 1) // NB        # threads whose counters fit
+    fit = (cfg["SMEM_BUDGET"] // 4 - 32 - NB - 1 - (NB - 1) * C) // NB   # counters that fit
     nt = min(cfg["LAYOUT_THREADS"], fit, C.cdiv(max(T, 1), 32) * 32)
     return max(32, nt // 32 * 32)
 
 
-def ep_layout(topk_ids, experts_per_rank, world_size, rank, slot_rows):
-    """The send order of the entries (see the module docstring). One launch, one block."""
+def ep_layout(topk_ids, experts_per_rank, world_size, rank, slot_rows, chunks=1):
+    """The send order of the entries (see the module docstring); counts2 is [2, W, chunks]
+    (per chunk of tokens: chunk c = tokens [ceil(c T / chunks), ceil((c + 1) T / chunks))).
+    One launch, one block."""
     import cupy
 
     C.check_array("topk_ids", topk_ids, ndim=2, dtypes=(np.int32,))
     W = C.check_int("world_size", world_size, 1, MAX_WORLD)
     epr = C.check_int("experts_per_rank", experts_per_rank, 1)
     r = C.check_int("rank", rank, 0, W - 1)
+    nc = C.check_int("chunks", chunks, 1, MAX_CHUNKS)
     T, K = topk_ids.shape
     S = entries_per_token(W, K, slot_rows)
     if S > MAX_S:
         raise ValueError(f"topk_ids: expected at most {MAX_S} slots per token, got K = {K}")
     C.check_fits_int32("topk_ids", T * S + 1, "T * S entries")
     C.check_fits_int32("experts_per_rank", W * epr, "W * experts_per_rank")
-    counts2 = cupy.zeros((2, W), dtype=cupy.int64)    # [2, W]
-    inv = C.empty((T * S,), np.int32)                 # [T S]
-    src = C.empty((T * S,), np.int32)                 # [T S]
-    n_real = C.empty((1,), np.int32)                  # [1]
+    counts2 = cupy.empty((2, W, nc), dtype=cupy.int64)  # [2, W, C] (all written)
+    inv = C.empty((T * S,), np.int32)                   # [T S]
+    src = C.empty((T * S,), np.int32)                   # [T S]
+    n_real = C.empty((1,), np.int32)                    # [1]
     NB = W + 1
-    nt = _layout_threads(T, NB)
-    smem = (NB * nt + 32 + NB + 1) * 4
-    kern = C.get_kernel("ep_layout.cu", "ep_layout_kernel", _defines(), _FIXED_NAMES)
+    nt = _layout_threads(T, NB, nc)
+    smem = (NB * nt + 32 + NB + 1 + W * nc) * 4
+    kern = _kernel("ep_layout_kernel")
     kern((1,), (nt,), (topk_ids, inv, src, counts2, n_real, np.int32(T), np.int32(K),
                        np.int32(S), np.int32(W), np.int32(epr), np.int32(1 if slot_rows else 0),
-                       np.int32(r)), shared_mem=smem)
+                       np.int32(r), np.int32(nc)), shared_mem=smem)
     return counts2, inv, src, n_real
 
 
@@ -142,8 +165,7 @@ def ep_gather(x, topk_ids, topk_weights, inv, n_real, experts_per_rank, slot_row
         return x_send, ids_send, w_send
     itemsize = np.dtype(x.dtype).itemsize
     wb = _word_bytes(H * itemsize, x, x_send)
-    kern = C.get_kernel("ep_layout.cu", f"ep_gather_kernel<{_WORDS[wb]}>", _defines(),
-                        _FIXED_NAMES)
+    kern = _kernel(f"ep_gather_kernel<{_WORDS[wb]}>")
     threads = CONFIGS["ep_gather_kernel"]["GATHER_THREADS"]
     kern((T,), (threads,), (C.raw(x), topk_ids,
                             topk_weights if topk_weights is not None else C.null_ptr(), inv,
@@ -154,9 +176,11 @@ def ep_gather(x, topk_ids, topk_weights, inv, n_real, experts_per_rank, slot_row
     return x_send, ids_send, w_send
 
 
-def ep_combine(y, weights, inv, n, num_tokens):
+def ep_combine(y, weights, inv, n, num_tokens, token_range=None, out=None):
     """out [T, H] = sum over a token's sent entries (inv < n) of weights * y, fp32 in entry
-    order, rounded once; weights [T, S] float32, or None for weights 1 (token rows)."""
+    order, rounded once; weights [T, S] float32, or None for weights 1 (token rows).
+    token_range (t0, t1): only those rows of out are computed (into `out` when given, a
+    [T, H] array of y's dtype; the combine of one chunk of tokens)."""
     T = C.check_int("num_tokens", num_tokens, 0)
     n = C.check_int("n", n, 0)
     C.check_array("y", y, ndim=2, dtypes=C.float_dtypes())
@@ -168,13 +192,21 @@ def ep_combine(y, weights, inv, n, num_tokens):
         raise ValueError(f"inv: expected T * S entries for T = {T}, got {P}")
     if weights is not None:
         C.check_array("weights", weights, ndim=2, dtypes=(np.float32,), shape=(T, S))
-    return _combine(y, weights, inv, n, T, S)
+    t0, t1 = (0, T) if token_range is None else (int(token_range[0]), int(token_range[1]))
+    if not 0 <= t0 <= t1 <= T:
+        raise ValueError(f"token_range: expected 0 <= t0 <= t1 <= {T}, got {token_range}")
+    if out is None:
+        out = C.empty((T, y.shape[1]), y.dtype)                            # [T, H]
+    else:
+        C.check_array("out", out, ndim=2, shape=(T, y.shape[1]))
+        if np.dtype(out.dtype) != np.dtype(y.dtype):
+            raise TypeError(f"out: expected dtype {y.dtype} (y's), got {out.dtype}")
+    return _combine(y, weights, inv, n, S, t0, t1, out)
 
 
-def _combine(y, weights, inv, n, T, S):
+def _combine(y, weights, inv, n, S, t0, t1, out):
     H = y.shape[1]
-    out = C.empty((T, H), y.dtype)                                         # [T, H]
-    if T == 0 or H == 0:
+    if t1 == t0 or H == 0:
         return out
     itemsize = np.dtype(y.dtype).itemsize
     vec = max(v for v in _VECS if v * itemsize <= 16 and H % v == 0
@@ -182,12 +214,11 @@ def _combine(y, weights, inv, n, T, S):
               and out.data.ptr % (v * itemsize) == 0)
     threads = C.block_threads(C.cdiv(H, vec), CONFIGS["ep_combine_kernel"]["COMBINE_THREADS"])
     chunks = C.cdiv(H, threads * vec)
-    C.check_fits_int32("y", T * chunks, "the grid size T * column chunks")
-    kern = C.get_kernel("ep_layout.cu", f"ep_combine_kernel<{vec}>", _defines(y.dtype),
-                        _COMBINE_NAMES)
-    kern((T * chunks,), (threads,),
+    C.check_fits_int32("y", (t1 - t0) * chunks, "the grid size tokens * column chunks")
+    kern = _kernel(f"ep_combine_kernel<{vec}>", y.dtype)
+    kern(((t1 - t0) * chunks,), (threads,),
          (C.raw(y), weights if weights is not None else C.null_ptr(), inv, C.raw(out),
-          np.int32(T), np.int32(S), np.int32(H), np.int32(n), np.int32(chunks)))
+          np.int32(t0), np.int32(t1), np.int32(S), np.int32(H), np.int32(n), np.int32(chunks)))
     return out
 
 
@@ -204,7 +235,7 @@ def ep_count_experts(topk_ids, counts):
     cfg = CONFIGS["ep_count_experts_kernel"]
     threads = cfg["COUNT_THREADS"]
     blocks = max(1, min(cfg["MAX_BLOCKS"], C.cdiv(N, threads * 8)))
-    kern = C.get_kernel("ep_layout.cu", "ep_count_experts_kernel", _defines(), _FIXED_NAMES)
+    kern = _kernel("ep_count_experts_kernel")
     kern((blocks,), (threads,), (topk_ids, counts, np.int32(N), np.int32(E)),
          shared_mem=E * 4)
     return counts
@@ -252,7 +283,8 @@ def _main(argv=None):
         d_ids = C.to_device(ids)
         counts2, inv, src, n_real = ep_layout(d_ids, epr, W, 0, slot)
         ok_layout = want_inv is None or (
-            (C.to_host(counts2)[0] == want_counts).all() and (C.to_host(inv) == want_inv).all())
+            (C.to_host(counts2)[0, :, 0] == want_counts).all()
+            and (C.to_host(inv) == want_inv).all())
         us = C.median(C.cuda_time(lambda: ep_layout(d_ids, epr, W, 0, slot))) * 1e3
         print(f"{f'ep_layout T={T} K={K} W={W} slot={slot}':52s} "
               f"{'exact' if ok_layout else 'MISMATCH':>10s} {us:10.1f}")

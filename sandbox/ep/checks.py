@@ -216,8 +216,8 @@ IMPL_CASES = (  # (tokens on rank r: T0 + 7 r, or 0 on the last rank when empty_
 
 
 def run_impl_parity(comm, backend: str = "reference") -> list[dict]:
-    """alltoall_dispatch / alltoall_combine with impl="fused" against impl="stages", both row
-    modes: the received rows, ids, weights and counts must be identical (same send order),
+    """alltoall_dispatch / alltoall_combine with impl="fused" (combine in one go and in 3
+    token chunks) against impl="stages", both row modes: the received rows, ids, weights and counts must be identical (same send order),
     the combined outputs equal (rel. error <= 1e-6: the same fp32 sums in the same order).
     One dict per (case, rows) with the checks' booleans."""
     import ml_dtypes
@@ -252,14 +252,14 @@ def run_impl_parity(comm, backend: str = "reference") -> list[dict]:
         w = rng.random((T, K)).astype(np.float32)
         for rows in ("token", "slot"):
             got = {}
-            for impl in ("stages", "fused"):
+            for impl, chunks in (("stages", 1), ("fused", 1), ("fused", 3)):
                 x_recv, ids_recv, w_recv, st = alltoall_dispatch(
                     comm, ops, dev(x), dev(ids), E // W, topk_weights=dev(w), rows=rows,
-                    impl=impl)
+                    impl=impl, combine_chunks=chunks)
                 # the experts' stand-in: y = 2 x (token rows: one partial per token)
                 y = dev((host(x_recv).view(dtype).astype(np.float32) * 2).astype(dtype))
                 o = alltoall_combine(comm, ops, y, st, dev(w))
-                got[impl] = dict(x=host(x_recv), ids=host(ids_recv), w=host(w_recv),
+                got[impl if chunks == 1 else f"{impl}{chunks}"] = dict(x=host(x_recv), ids=host(ids_recv), w=host(w_recv),
                                  send=st.send_counts.tolist(), recv=st.recv_counts.tolist(),
                                  out=host(o).view(dtype).astype(np.float64), impl=st.impl)
             a, b = got["stages"], got["fused"]
@@ -278,6 +278,8 @@ def run_impl_parity(comm, backend: str = "reference") -> list[dict]:
                 "w": bool((a["w"] is None and b["w"] is None) or np.array_equal(a["w"], b["w"])),
                 "counts": a["send"] == b["send"] and a["recv"] == b["recv"],
                 "out_vs_stages": rel_error(b["out"], a["out"]),
+                "chunked_vs_stages": rel_error(got["fused3"]["out"], a["out"]),
+                "chunked_x": bool(np.array_equal(got["fused3"]["x"], a["x"])),
                 "out_vs_loop": rel_error(b["out"], want),
                 "tolerance": TOLERANCE[case["dtype"]]})
     comm.barrier()

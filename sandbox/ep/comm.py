@@ -74,11 +74,23 @@ def _accumulator(dtype) -> np.dtype:
 
 
 class _DeferredCounts:
-    def __init__(self, comm, counts):
-        self.comm, self.counts = comm, counts
+    """Phase one at wait(). With `both` [2, W, C] (per-chunk counts, the fused layout's),
+    one exchange per chunk column; `send_chunks` / `recv_chunks` [W, C] are kept."""
+
+    def __init__(self, comm, counts, both=None):
+        self.comm, self.counts, self.both = comm, counts, both
 
     def wait(self):
-        return self.comm.counts_phase(self.counts)
+        both = self.both
+        if both is not None and both.ndim == 3:
+            send_chunks = np.asarray(self.comm.to_host(both[0]), dtype=np.int64)   # [W, C]
+            recv_chunks = np.stack([self.comm.exchange_counts(send_chunks[:, c])
+                                    for c in range(send_chunks.shape[1])], axis=1)
+            self.send_chunks, self.recv_chunks = send_chunks, recv_chunks
+            return send_chunks.sum(axis=1), recv_chunks.sum(axis=1)
+        send, recv = self.comm.counts_phase(self.counts)
+        self.send_chunks, self.recv_chunks = send[:, None], recv[:, None]
+        return send, recv
 
 
 class Communicator:
@@ -226,10 +238,12 @@ class Communicator:
     def counts_phase_async(self, send_counts, both=None):
         """Start phase one; `.wait()` returns (send host [W], recv host [W]). The caller can
         enqueue work between the two (NCCL overlaps the exchange with it; the CPU
-        communicator exchanges at wait()). `both`: optionally an int64 [2, W] device buffer
-        whose row 0 holds send_counts and [1, rank] = send_counts[rank] (the fused layout
-        kernel writes it so): NCCL then exchanges in place, with no copies first."""
-        return _DeferredCounts(self, send_counts)
+        communicator exchanges at wait()). `both`: optionally an int64 [2, W] or [2, W, C]
+        buffer whose [0] holds the send counts (per chunk of tokens) and [1, rank] = [0, rank]
+        (the fused layout kernel writes it so): NCCL then exchanges it in place, with no
+        copies first; after wait(), `.send_chunks` / `.recv_chunks` [W, C] hold the
+        per-chunk counts (C = 1 without `both`)."""
+        return _DeferredCounts(self, send_counts, both)
 
     def counts_phase(self, send_counts):
         """Phase one from counts anywhere (host or device): (send host [W], recv host [W])."""
@@ -285,6 +299,34 @@ class Communicator:
                         self.recv(o[ro[p]:ro[p + 1]], p)
         outs = [_view_as(o, g.dtype) for o, g in zip(outs, given)]
         return (outs[0] if single else outs), recv_counts
+
+    def exchange_rows(self, send, send_offsets, send_counts, recv, recv_offsets, recv_counts):
+        """One group of sends and receives at explicit row offsets (the counts known on both
+        sides): rows send[so[p]:so[p]+sc[p]] go to rank p, rows from p land in
+        recv[ro[p]:ro[p]+rc[p]]; send and recv are C-contiguous [N, ...] arrays of one row
+        shape and dtype. What a chunked all_to_all_v needs: its chunks are not contiguous."""
+        so, sc, ro, rc = (np.asarray(a, dtype=np.int64).reshape(-1).tolist()
+                          for a in (send_offsets, send_counts, recv_offsets, recv_counts))
+        W, r = self.world_size, self.rank
+        if not (len(so) == len(sc) == len(ro) == len(rc) == W):
+            raise ValueError(f"send_offsets/send_counts/recv_offsets/recv_counts: expected "
+                             f"{W} entries each, got {len(so)}, {len(sc)}, {len(ro)}, {len(rc)}")
+        if sc[r] != rc[r]:
+            raise CommUsageError(f"rank {r}: exchange_rows sends {sc[r]} rows to itself but "
+                                 f"expects {rc[r]}")
+        a, o = _raw(send), _raw(recv)
+        for p in range(W):
+            if so[p] < 0 or sc[p] < 0 or so[p] + sc[p] > a.shape[0] or ro[p] < 0 or rc[p] < 0 \
+                    or ro[p] + rc[p] > o.shape[0]:
+                raise ValueError(f"send_offsets/recv_offsets: rank {p}'s rows fall outside "
+                                 f"send {a.shape} / recv {o.shape}")
+        with self._op("exchange_rows"), self.group():
+            for p in range(W):
+                if sc[p]:
+                    self.send(a[so[p]:so[p] + sc[p]], p)
+                if rc[p]:
+                    self.recv(o[ro[p]:ro[p] + rc[p]], p)
+        return recv
 
     def barrier(self) -> None:
         with self._op("barrier"):

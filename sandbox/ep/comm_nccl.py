@@ -92,16 +92,19 @@ def cupyx_empty_pinned(shape, dtype):
 
 
 class _PendingCounts:
-    def __init__(self, comm, done, both, main):
+    def __init__(self, comm, done, both, main, pinned):
         self.comm, self.done, self.both, self.main = comm, done, both, main
+        self.pinned = pinned
 
     def wait(self):
         comm = self.comm
         with comm._op("all_to_all_v (counts)"):
             comm._wait_event(self.done, "all_to_all_v (counts)")
         self.main.wait_event(self.done)     # the rows exchange goes after the counts
-        host = comm._pinned.copy()
-        return host[0].astype(np.int64), host[1].astype(np.int64)
+        W = comm.world_size
+        host = self.pinned.copy().reshape(2, W, -1).astype(np.int64)   # [2, W, C]
+        self.send_chunks, self.recv_chunks = host[0], host[1]
+        return host[0].sum(axis=1), host[1].sum(axis=1)
 
 
 class NcclCommunicator(Communicator):
@@ -442,7 +445,15 @@ class NcclCommunicator(Communicator):
         ready.record(main)
         if getattr(self, "_side", None) is None:
             self._side = cupy.cuda.Stream(non_blocking=True)
-            self._pinned = cupyx_empty_pinned((2, W), np.int64)
+            self._pinned = {}
+        if both is not None and (both.dtype != np.int64 or not both.flags.c_contiguous
+                                 or both.shape[:2] != (2, W) or both.ndim not in (2, 3)):
+            raise ValueError(f"both: expected a C-contiguous int64 [2, {W}] or [2, {W}, C] "
+                             f"buffer, got {both.dtype} {both.shape}")
+        C = 1 if both is None or both.ndim == 2 else both.shape[2]
+        pinned = self._pinned.get(C)
+        if pinned is None:  # page-locked, so that the copy is asynchronous; one per C
+            pinned = self._pinned[C] = cupyx_empty_pinned((2, W * C), np.int64)
         side = self._side
         side.wait_event(ready)
         with side:
@@ -450,22 +461,19 @@ class NcclCommunicator(Communicator):
                 both = cupy.empty((2, W), dtype=cupy.int64)
                 both[0] = send_counts.astype(cupy.int64)
                 both[1, r] = both[0, r]
-            elif both.shape != (2, W) or both.dtype != np.int64 or not both.flags.c_contiguous:
-                raise ValueError(f"both: expected a C-contiguous int64 [2, {W}] buffer, got "
-                                 f"{both.dtype} {both.shape}")
             # pointers, not slices: each CuPy slice costs microseconds of host time, and the
             # host time before the exchange is on the critical path
-            ptr = both.data.ptr
+            ptr, chunk = both.data.ptr, 8 * C
             with self._op("all_to_all_v (counts)"), self.group():
                 self._group_refs.append(both)
                 for p in range(W):
                     if p != r:
-                        self._p2p_ptr("send", ptr + 8 * p, 8, p)
-                        self._p2p_ptr("recv", ptr + 8 * (W + p), 8, p)
-            both.get(stream=side, out=self._pinned, blocking=False)
+                        self._p2p_ptr("send", ptr + chunk * p, chunk, p)
+                        self._p2p_ptr("recv", ptr + chunk * (W + p), chunk, p)
+            both.reshape(2, W * C).get(stream=side, out=pinned, blocking=False)
             done = cupy.cuda.Event(disable_timing=True)
             done.record(side)
-        return _PendingCounts(self, done, both, main)
+        return _PendingCounts(self, done, both, main, pinned)
 
     def all_to_all_v(self, sends, send_counts, recv_counts=None, outs=None):
         """The base class's exchange (same arguments, checks and result), with the sends and
@@ -521,6 +529,37 @@ class NcclCommunicator(Communicator):
                         self._p2p_ptr("recv", o.data.ptr + ro[p] * rb, rc[p] * rb, p)
         outs = [_view_as(o, g.dtype) for o, g in zip(outs, given)]
         return (outs[0] if single else outs), recv_counts
+
+    def exchange_rows(self, send, send_offsets, send_counts, recv, recv_offsets, recv_counts):
+        """The base class's exchange_rows from pointers (no array slices)."""
+        so, sc, ro, rc = (np.asarray(a, dtype=np.int64).reshape(-1).tolist()
+                          for a in (send_offsets, send_counts, recv_offsets, recv_counts))
+        W, r = self.world_size, self.rank
+        if not (len(so) == len(sc) == len(ro) == len(rc) == W):
+            raise ValueError(f"send_offsets/send_counts/recv_offsets/recv_counts: expected "
+                             f"{W} entries each, got {len(so)}, {len(sc)}, {len(ro)}, {len(rc)}")
+        if sc[r] != rc[r]:
+            raise CommUsageError(f"rank {r}: exchange_rows sends {sc[r]} rows to itself but "
+                                 f"expects {rc[r]}")
+        a = self._contig(_raw(send), "send")
+        o = self._contig(_raw(recv), "recv")
+        if a.shape[1:] != o.shape[1:] or a.dtype != o.dtype:
+            raise ValueError(f"recv: expected rows of shape {a.shape[1:]} {a.dtype} (send's), "
+                             f"got {o.shape[1:]} {o.dtype}")
+        for p in range(W):
+            if so[p] < 0 or sc[p] < 0 or so[p] + sc[p] > a.shape[0] or ro[p] < 0 or rc[p] < 0 \
+                    or ro[p] + rc[p] > o.shape[0]:
+                raise ValueError(f"send_offsets/recv_offsets: rank {p}'s rows fall outside "
+                                 f"send {a.shape} / recv {o.shape}")
+        rb = a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+        self._raise_if_failed()
+        with self._op("exchange_rows"), self.group():
+            for p in range(W):
+                if sc[p]:
+                    self._p2p_ptr("send", a.data.ptr + so[p] * rb, sc[p] * rb, p)
+                if rc[p]:
+                    self._p2p_ptr("recv", o.data.ptr + ro[p] * rb, rc[p] * rb, p)
+        return recv
 
     def counts_phase(self, send_counts):
         """Counts straight from the device (the permute's offsets): exchange them there, then

@@ -160,6 +160,9 @@ ALLTOALL_IMPLS = ("fused", "stages")
 # "fused": 3 launches and no array-op chain (see the module docstring); measured against
 # "stages" by benchmarks/bench_ep.py (--impls fused,stages)
 DEFAULT_IMPL = "fused"
+# the fused combine in C chunks of tokens: the exchange of chunk c + 1 overlaps the sums of
+# chunk c (a side stream on the GPU); 1 = one exchange then one combine kernel
+COMBINE_CHUNKS = 1
 
 
 @dataclasses.dataclass
@@ -173,6 +176,8 @@ class AllToAllState:
     width: int = 0            # S: K (slot rows) or min(W, K) (token rows)
     combine_weights: object = None   # token rows, stages: xp f32 [T, S], 1 where sent
     impl: str = "stages"      # which implementation made it (the combine follows it)
+    send_chunks: np.ndarray = None   # fused: host int64 [W, C] rows sent per token chunk
+    recv_chunks: np.ndarray = None   # fused: host int64 [W, C] rows received per chunk
 
 
 def _rank_counts(xp, dest, W):
@@ -205,7 +210,8 @@ def _token_table(xp, dest, W):
 
 
 def alltoall_dispatch(comm, ops, x, topk_ids, experts_per_rank: int, topk_weights=None,
-                      rows: str = "token", impl: str | None = None):
+                      rows: str = "token", impl: str | None = None,
+                      combine_chunks: int | None = None):
     """Send each rank the rows its experts need.
 
     x [T, H], topk_ids [T, K] int32 physical ids, topk_weights [T, K] f32.
@@ -224,6 +230,7 @@ def alltoall_dispatch(comm, ops, x, topk_ids, experts_per_rank: int, topk_weight
     Host syncs: exactly one, for the counts (phase one runs on a side stream while the rows
     are gathered). `ops` is the stage backend (moe_permute; impl="stages" only). impl:
     "fused" (default) or "stages" (see the module docstring); the state remembers it.
+    combine_chunks (fused only; default COMBINE_CHUNKS): the combine's token chunks.
     """
     if rows not in ALLTOALL_ROWS:
         raise ValueError(f"rows: expected one of {list(ALLTOALL_ROWS)}, got {rows!r}")
@@ -243,8 +250,13 @@ def alltoall_dispatch(comm, ops, x, topk_ids, experts_per_rank: int, topk_weight
 
         lay = layout_ops(comm)
         if lay.supported(W, K, rows == "slot"):
+            chunks = COMBINE_CHUNKS if combine_chunks is None else int(combine_chunks)
+            if chunks < 1:
+                raise ValueError(f"combine_chunks: expected an int >= 1, got {combine_chunks}")
+            if not _chunkable(comm, lay):
+                chunks = 1
             return _alltoall_dispatch_fused(comm, lay, x, ids, experts_per_rank,
-                                            topk_weights, rows)
+                                            topk_weights, rows, chunks)   # same C on every rank
     dest = ids // experts_per_rank                                   # [T, K] owning rank
     if rows == "token":
         if topk_weights is None:
@@ -296,7 +308,14 @@ def alltoall_dispatch(comm, ops, x, topk_ids, experts_per_rank: int, topk_weight
     return view_as(x_recv, x.dtype), ids_recv, w_recv, state
 
 
-def _alltoall_dispatch_fused(comm, lay, x, ids, experts_per_rank, topk_weights, rows):
+def _chunkable(comm, lay):
+    """A chunked combine needs NumPy (sequential) or the GPU kernels (a side stream); the
+    host fallback of device arrays (the fake CuPy of the CPU tests) combines in one go."""
+    return comm.xp is np or getattr(lay, "__name__", "").endswith("ep_layout")
+
+
+def _alltoall_dispatch_fused(comm, lay, x, ids, experts_per_rank, topk_weights, rows,
+                             chunks=1):
     """impl="fused": layout kernel -> counts exchange (side stream) while the gather kernel
     runs -> one host sync -> the rows exchange."""
     xp = comm.xp
@@ -304,10 +323,13 @@ def _alltoall_dispatch_fused(comm, lay, x, ids, experts_per_rank, topk_weights, 
     W, K = comm.world_size, ids.shape[1]
     slot = rows == "slot"
     ids = xp.ascontiguousarray(ids)
+    if not x.flags.c_contiguous:   # (bf16 copies go through the uint16 bytes)
+        x = view_as(xp.ascontiguousarray(raw(x)), x.dtype)
     w32 = None
     if topk_weights is not None:
         w32 = xp.ascontiguousarray(topk_weights.astype(xp.float32, copy=False))   # [T, K]
-    counts2, inv, _, n_real = lay.ep_layout(ids, experts_per_rank, W, comm.rank, slot)
+    counts2, inv, _, n_real = lay.ep_layout(ids, experts_per_rank, W, comm.rank, slot,
+                                            chunks)                 # [2, W, C], [T S], .., [1]
     # phase one starts right after the layout kernel (on a side stream for NCCL), so that
     # the exchange of the counts and its host sync overlap the row gather below
     pending = comm.counts_phase_async(counts2[0], both=counts2)
@@ -319,27 +341,75 @@ def _alltoall_dispatch_fused(comm, lay, x, ids, experts_per_rank, topk_weights, 
     x_recv, ids_recv = recvs[0], recvs[1]
     w_recv = recvs[2] if w_send is not None else None
     state = AllToAllState(rows, send_counts, recv_counts, inv, T, np.dtype(x.dtype),
-                          lay.entries_per_token(W, K, slot), None, "fused")
+                          lay.entries_per_token(W, K, slot), None, "fused",
+                          pending.send_chunks, pending.recv_chunks)
     return view_as(x_recv, x.dtype), ids_recv, w_recv, state
 
 
 def _alltoall_combine_fused(comm, y_recv, state: AllToAllState, topk_weights):
     from .layout import layout_ops
 
+    from .layout import chunk_bounds
+
     xp = comm.xp
     H = y_recv.shape[1]
     yr = raw(y_recv)
+    T = state.num_tokens
     n = int(state.send_counts.sum())
-    back = xp.empty((n, H), dtype=yr.dtype)                          # [n, H] send order
-    comm.all_to_all_v(yr, state.recv_counts, recv_counts=state.send_counts, outs=back)
     weights = None
     if state.rows == "slot":
         if topk_weights is None:
             raise ValueError("topk_weights: expected [T, K] weights to combine slot rows, "
                              "got None")
         weights = xp.ascontiguousarray(topk_weights.astype(xp.float32, copy=False))
-    return layout_ops(comm).ep_combine(view_as(back, state.dtype), weights, state.inv, n,
-                                       state.num_tokens)
+    lay = layout_ops(comm)
+    back = xp.empty((n, H), dtype=yr.dtype)                          # [n, H] send order
+    sc = state.send_chunks
+    C = 1 if sc is None else sc.shape[1]
+    if C == 1:
+        comm.all_to_all_v(yr, state.recv_counts, recv_counts=state.send_counts, outs=back)
+        return lay.ep_combine(view_as(back, state.dtype), weights, state.inv, n, T)
+    # chunk c: every rank returns the rows of my tokens [b_c, b_c+1) (at my send positions:
+    # inside the block of destination p they come in token order, so chunk c is the run
+    # after the earlier chunks'), and I return each peer's chunk c out of the rows it sent
+    rc = state.recv_chunks
+    W = comm.world_size
+    so = np.concatenate([[0], np.cumsum(state.send_counts)])[:W]           # my blocks
+    ro = np.concatenate([[0], np.cumsum(state.recv_counts)])[:W]           # peers' blocks
+    so_c = so[:, None] + np.cumsum(sc, axis=1) - sc                         # [W, C]
+    ro_c = ro[:, None] + np.cumsum(rc, axis=1) - rc                         # [W, C]
+    bounds = chunk_bounds(T, C)
+    out = view_as(xp.empty((T, H), dtype=yr.dtype), state.dtype)           # [T, H]
+    y_back = view_as(back, state.dtype)
+    if xp is np:    # the CPU: one chunk after the other
+        for c in range(C):
+            comm.exchange_rows(yr, ro_c[:, c], rc[:, c], back, so_c[:, c], sc[:, c])
+            lay.ep_combine(y_back, weights, state.inv, n, T, (bounds[c], bounds[c + 1]), out)
+        return out
+    # the GPU: exchanges on the current stream, back to back; the sums of chunk c on a side
+    # stream once chunk c has landed, overlapping the exchange of chunk c + 1
+    main = xp.cuda.get_current_stream()
+    side = _side_stream(comm)
+    for c in range(C):
+        comm.exchange_rows(yr, ro_c[:, c], rc[:, c], back, so_c[:, c], sc[:, c])
+        landed = xp.cuda.Event(disable_timing=True)
+        landed.record(main)
+        side.wait_event(landed)
+        with side:
+            lay.ep_combine(y_back, weights, state.inv, n, T, (bounds[c], bounds[c + 1]), out)
+    summed = xp.cuda.Event(disable_timing=True)
+    summed.record(side)
+    # back, out and weights were allocated on the main stream: once it waits for the side
+    # stream, any reuse of their memory (after they are freed) is ordered after the sums
+    main.wait_event(summed)
+    return out
+
+
+def _side_stream(comm):
+    side = getattr(comm, "_ep_combine_stream", None)
+    if side is None:
+        side = comm._ep_combine_stream = comm.xp.cuda.Stream(non_blocking=True)
+    return side
 
 
 def alltoall_combine(comm, ops, y_recv, state: AllToAllState, topk_weights=None):

@@ -6,7 +6,8 @@ between them for a communicator.
     min(W, K), one per distinct destination rank; slot rows: K), e = t * S + j an entry,
     b(e) its bucket (a destination rank, or W = "nowhere"), n = #{e : b(e) < W}
 
-    ep_layout   counts2 int64 [2, W] ([0] = rows sent to each rank, [1, rank] = [0, rank]),
+    ep_layout   counts2 int64 [2, W, C] ([0, p, c] = rows sent to rank p from token chunk c,
+                [1, rank] = [0, rank], the rest 0),
                 inv int32 [T S] (the entry's position in the send order: grouped by bucket,
                 increasing e inside one), src int32 [T S] (position -> entry), n_real
                 int32 [1]
@@ -27,7 +28,7 @@ import types
 
 import numpy as np
 
-__all__ = ["entries_per_token", "supported", "ep_layout", "ep_gather", "ep_combine",
+__all__ = ["entries_per_token", "supported", "chunk_bounds", "ep_layout", "ep_gather", "ep_combine",
            "ep_count_experts", "layout_ops"]
 
 MAX_WORLD = 32
@@ -64,8 +65,16 @@ def _buckets(ids, epr, W, slot_rows):
     return ranks_sorted
 
 
-def ep_layout(topk_ids, experts_per_rank, world_size, rank, slot_rows):
-    """See the module docstring. NumPy: a stable sort of the entries by bucket."""
+def chunk_bounds(num_tokens: int, chunks: int) -> list[int]:
+    """Token chunk c = [bounds[c], bounds[c + 1]), bounds[c] = ceil(c T / C) (token t is in
+    chunk floor(t C / T), the layout kernel's rule)."""
+    T, C = int(num_tokens), int(chunks)
+    return [(c * T + C - 1) // C for c in range(C + 1)]
+
+
+def ep_layout(topk_ids, experts_per_rank, world_size, rank, slot_rows, chunks=1):
+    """See the module docstring. NumPy: a stable sort of the entries by bucket.
+    counts2 [2, W, chunks]: per chunk of tokens (chunk_bounds)."""
     ids = np.asarray(topk_ids)
     if ids.ndim != 2 or ids.dtype.kind not in "iu":
         raise TypeError(f"topk_ids: expected an integer [T, K] array, got {ids.dtype} "
@@ -76,9 +85,14 @@ def ep_layout(topk_ids, experts_per_rank, world_size, rank, slot_rows):
     inv = np.empty(b.size, dtype=np.int32)
     inv[order] = np.arange(b.size, dtype=np.int32)
     counts = np.bincount(b, minlength=W + 1)[:W].astype(np.int64)
-    counts2 = np.zeros((2, W), dtype=np.int64)
-    counts2[0] = counts
-    counts2[1, r] = counts[r]
+    C = int(chunks)
+    T = ids.shape[0]
+    S = b.size // T if T else 1
+    tok_chunk = (np.arange(b.size) // S) * C // max(T, 1)               # [T S] chunk of e
+    counts2 = np.zeros((2, W, C), dtype=np.int64)
+    sent = b < W
+    np.add.at(counts2[0], (b[sent], tok_chunk[sent]), 1)
+    counts2[1, r] = counts2[0, r]
     return counts2, inv, order.astype(np.int32), np.array([counts.sum()], dtype=np.int32)
 
 
@@ -111,24 +125,29 @@ def ep_gather(x, topk_ids, topk_weights, inv, n_real, experts_per_rank, slot_row
     return x_send, ids_send, w_send
 
 
-def ep_combine(y, weights, inv, n, num_tokens):
-    """out [T, H] = sum_j [inv < n] weights * y[inv], fp32 in j order, rounded once."""
+def ep_combine(y, weights, inv, n, num_tokens, token_range=None, out=None):
+    """out [T, H] = sum_j [inv < n] weights * y[inv], fp32 in j order, rounded once; only the
+    rows token_range = (t0, t1) when given (into `out` when given)."""
     T = int(num_tokens)
     n = int(n)
     P = inv.shape[0]
     S = P // T if T else 0
     H = y.shape[1]
-    acc = np.zeros((T, H), dtype=np.float32)
-    inv2 = np.asarray(inv).reshape(T, S)
+    t0, t1 = (0, T) if token_range is None else (int(token_range[0]), int(token_range[1]))
+    if out is None:
+        out = np.zeros((T, H), dtype=y.dtype)
+    acc = np.zeros((t1 - t0, H), dtype=np.float32)
+    inv2 = np.asarray(inv).reshape(T, S)[t0:t1]
     for j in range(S):
         pos = inv2[:, j]
         sent = pos < n
-        rows = np.zeros((T, H), dtype=np.float32)
+        rows = np.zeros((t1 - t0, H), dtype=np.float32)
         rows[sent] = y[pos[sent]].astype(np.float32)
         if weights is not None:
-            rows *= np.asarray(weights, dtype=np.float32)[:, j:j + 1]
+            rows *= np.asarray(weights, dtype=np.float32)[t0:t1, j:j + 1]
         acc += rows
-    return acc.astype(y.dtype)
+    out[t0:t1] = acc.astype(y.dtype)
+    return out
 
 
 def ep_count_experts(topk_ids, counts):
@@ -179,8 +198,10 @@ def _on_host(comm):
         return a
 
     def wrap(fn):
-        def call(*args):
-            return to_dev(fn(*[to_host(a) for a in args]))
+        def call(*args, **kwargs):
+            if kwargs.get("out") is not None:    # results come back as a new array
+                raise ValueError("out: the host fallback returns new arrays, got out=")
+            return to_dev(fn(*[to_host(a) for a in args], **kwargs))
         return call
 
     def count(topk_ids, counts):
