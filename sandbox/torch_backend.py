@@ -48,7 +48,7 @@ import numpy as np
 # capacity, grouped_topk's argument checks); every number below is torch's own
 from reference.permute import max_num_tokens_padded
 from reference.routing import check_grouped_topk_args
-from reference.routing import select_experts as _dispatch
+from reference.routing import select_experts as _reference_select_experts
 
 from . import arrays
 
@@ -354,7 +354,7 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
     user code written against NumPy: it is called with host NumPy arrays and its results
     come back as tensors. Returns (topk_weights f32 [T, K], topk_ids int32 [T, K],
     zero_expert_result [T, H] or None)."""
-    return _dispatch(
+    return _reference_select_experts(
         _t(hidden_states, "hidden_states"), _t(router_logits, "router_logits"), top_k,
         use_grouped_topk, renormalize, topk_group=topk_group, num_expert_group=num_expert_group,
         custom_routing_function=custom_routing_function, scoring_func=scoring_func,
