@@ -8,6 +8,8 @@
 #   A  GPU 0: tests, then compute-sanitizer      GPU 1: GEMM tuner, stage and GEMM benchmarks
 #      then both GPUs: multi-GPU tests, EP check, EP benchmark
 #   B  GPU 0: notebooks in GPU mode               GPU 1: Numba and quantized benchmarks
+#   C  (one call, when the GEMM table and notebooks need no refresh) GPU 0: tests, then
+#      compute-sanitizer   GPU 1: stage, Numba and quantized benchmarks; then multi-GPU part
 #
 # Two GPUs let the checks and the timings run side by side without disturbing each other:
 #   GPU 0: the GPU test suite (pytest -m gpu), then compute-sanitizer memcheck/racecheck on
@@ -48,7 +50,8 @@ checks() {   # GPU 0
   say "compute-sanitizer"
   for mod in cuda_kernels.cupy.routing cuda_kernels.cupy.permute cuda_kernels.cupy.activation \
              cuda_kernels.cupy.combine cuda_kernels.cupy.grouped_gemm cuda_kernels.cupy.quant_gemm \
-             cuda_kernels.cupy.quant_act cuda_kernels.numba._sanitize; do
+             cuda_kernels.cupy.quant_act cuda_kernels.cupy.quant_gemm_wna16 cuda_kernels.cupy.ep_layout \
+             cuda_kernels.numba._sanitize; do
     tools=memcheck
     case $mod in *routing|*permute|*grouped_gemm|*_sanitize) tools="memcheck racecheck" ;; esac
     for tool in $tools; do
@@ -93,6 +96,18 @@ benches_b() {  # GPU 1 (or 0)
   timeout $(budget 170) python3 benchmarks/bench_quant.py --budget-s 150 2>&1 | tail -n 40
 }
 
+benches_c() {  # GPU 1 (or 0): everything but the GEMM tuner and the bf16 GEMM ladder
+  export CUDA_VISIBLE_DEVICES=$BENCH_GPU
+  say "bench_cupy_stages"
+  timeout $(budget 50) python3 benchmarks/bench_cupy_stages.py --budget-s 35 2>&1 | tail -n 70
+  say "bench_numba"
+  timeout $(budget 170) python3 benchmarks/bench_numba.py --budget-s 150 2>&1 | tail -n 70
+  say "bench_quant"
+  timeout $(budget 150) python3 benchmarks/bench_quant.py --budget-s 130 2>&1 | tail -n 40
+  say "bench_wna16"
+  timeout $(budget 60) python3 benchmarks/bench_wna16.py --budget-s 45 2>&1 | tail -n 40
+}
+
 multi() {    # both GPUs
   unset CUDA_VISIBLE_DEVICES
   say "multi-GPU tests"
@@ -105,14 +120,15 @@ multi() {    # both GPUs
 }
 
 part=${1:-A}
-if [ "$part" = A ]; then
+if [ "$part" = A ] || [ "$part" = C ]; then
+  bench=benches_a; [ "$part" = C ] && bench=benches_c
   if [ "$NGPU" -gt 1 ]; then
     checks >"$OUT/log_checks.txt" 2>&1 &
-    benches_a >"$OUT/log_bench_a.txt" 2>&1 &
+    $bench >"$OUT/log_bench_$part.txt" 2>&1 &
     wait
     multi >"$OUT/log_multi.txt" 2>&1
   else
-    { checks; benches_a; } >"$OUT/log_checks.txt" 2>&1
+    { checks; $bench; } >"$OUT/log_checks.txt" 2>&1
   fi
 else
   BUDGET=$(( BUDGET + 150 ))   # no multi-GPU part after B
