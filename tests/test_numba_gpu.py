@@ -61,7 +61,7 @@ if ON_GPU:
     G = importlib.import_module("cuda_kernels.numba.grouped_gemm")
 
 DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF16}
-FLAVORS = ("warp", "block")
+FLAVORS = ("keys", "warp", "block")
 FULL = os.environ.get("MOE_SANDBOX_FULL_GRID") == "1"
 
 
@@ -300,7 +300,8 @@ def test_align_expert_map(T, placement, ignore):
 
 # ============================================================================ permute
 @pytest.mark.parametrize("dkey", ALL_DTYPES)
-@pytest.mark.parametrize("T,E,K,H", grid([(1, 8, 2, 64), (256, 128, 8, 2048), (0, 8, 2, 64)],
+@pytest.mark.parametrize("T,E,K,H", grid([(1, 8, 2, 64), (256, 128, 8, 2048), (0, 8, 2, 64),
+                                          (67, 16, 3, 130)],   # rows not whole 16-byte chunks
                                          [(1, 8, 2, 64), (67, 16, 3, 130), (256, 128, 8, 2048),
                                           (4096, 256, 8, 128), (0, 8, 2, 64)]))
 def test_permute_unpermute(T, E, K, H, dkey):

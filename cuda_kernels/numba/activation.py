@@ -57,9 +57,10 @@ from ._device import (
     to_f32,
     words,
 )
+from ._wide import load16, store16, words16
 
-CONFIGS = {"act": {"THREADS": 256}}
-SIM_CONFIGS = {"act": {"THREADS": 16}}
+CONFIGS = {"act": {"THREADS": 256, "WIDE": True}}
+SIM_CONFIGS = {"act": {"THREADS": 16, "WIDE": True}}
 MAX_GRID_Y = 65535
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "relu2")
 GATED, INTERLEAVED, ELEMENTWISE = 0, 1, 2
@@ -176,6 +177,44 @@ def act_kernel(name: str, mode: int, NT: int, WORD: str = "", U: int = 4):
     return kernel(act)
 
 
+@functools.lru_cache(maxsize=None)
+def act16_kernel(name: str, mode: int, NT: int, WORD: str):
+    """The activation on 16-byte chunks (_wide.py), CuPy's geometry (activation.cu): block
+    = NT threads over a row's output chunks, grid = M * cdiv(C16, NT) (flattened: no 65535
+    limit on M), one 16-byte chunk (2 VEC outputs) per thread, its gate chunk and (GATED)
+    its up chunk C words further. GATED and ELEMENTWISE only; x and out are uint64 views
+    (words16) and C = the output row in words (even)."""
+    if mode == INTERLEAVED:
+        raise ValueError("mode: the interleaved layout (swigluoai) reads single elements")
+    f = _FUNCS[name]
+    VEC = WORD_ELEMENTS[WORD]
+    unpack, pack = UNPACK[WORD], PACK[WORD]
+
+    @device_function
+    def word_out(g, u):
+        wd = uint64(0)
+        for v in range(VEC):
+            gv = f(unpack(g, v))
+            wd = pack(wd, v, gv * unpack(u, v) if mode == GATED else gv)
+        return wd
+
+    def act16(x, out, M, C, nbx):
+        """out[m, chunk] = act(gate chunk) (* up chunk); nbx = blocks per row."""
+        m = cu.blockIdx.x // nbx
+        c = ((cu.blockIdx.x % nbx) * NT + cu.threadIdx.x) * 2   # first word of the chunk
+        if m >= M or c >= C:
+            return
+        width = 2 * C if mode == GATED else C                    # words per input row
+        g0, g1 = load16(x, m * width + c)
+        u0 = g0
+        u1 = g1
+        if mode == GATED:
+            u0, u1 = load16(x, m * width + C + c)
+        store16(out, m * C + c, word_out(g0, u0), word_out(g1, u1))
+
+    return kernel(act16)
+
+
 def _run(x, name, mode, alpha=1.702, limit=7.0):
     A.check_float("x", x, ndim=2)
     M, N = A.shape_of(x)
@@ -187,6 +226,18 @@ def _run(x, name, mode, alpha=1.702, limit=7.0):
     if M and n_out:
         NT = config("act")["THREADS"]
         xd = call.dev("x", x)
+        wide = None
+        if mode != INTERLEAVED and config("act")["WIDE"]:
+            # rows (and, gated, each half) of whole 16-byte chunks: the out view checks the half
+            wide = words16(xd, out)
+        if wide is not None:   # 16-byte chunks, one per thread (CuPy's activation)
+            word = WORD_OF[np.dtype(xd.dtype)]
+            xw, outw = wide
+            C = outw.shape[1]
+            nt = min(NT, A.cdiv(C // 2, 32) * 32)   # a narrow row leaves no idle warps
+            nbx = A.cdiv(C // 2, nt)
+            act16_kernel(name, mode, nt, word)[M * nbx, nt](xw, outw, M, C, nbx)
+            return call.result(out)
         word, cols, views = "", n_out, None
         if mode != INTERLEAVED:   # rows of whole words (and, gated, a word-aligned half)
             views = words(xd, out)
@@ -254,6 +305,14 @@ def compile_cases():
     from numba import types as t
 
     cases = []
+    w64 = t.Array(t.uint64, 2, "C")
+    for name, mode in _MODES:
+        if mode == INTERLEAVED:
+            continue
+        for word in ("f32", "f16", "bf16"):
+            cases.append((f"act16 {name} mode={mode} {word}",
+                          act16_kernel(name, mode, CONFIGS["act"]["THREADS"], word),
+                          (w64, w64, t.int64, t.int64, t.int64)))
     for name, mode in _MODES:
         for dt, word in ((t.float32, "f32"), (t.float16, "f16"), (t.uint16, "bf16")):
             for wk in ((word, "") if mode != INTERLEAVED else ("",)):

@@ -43,10 +43,11 @@ from ._device import (
     to_f32,
     words,
 )
+from ._wide import load16, store16, words16
 
-CONFIGS = {"sum": {"THREADS": 256}}
+CONFIGS = {"sum": {"THREADS": 256, "WIDE": True}}
 MAX_UNROLLED_K = 32   # K up to this is a compile-time constant (one kernel per K)
-SIM_CONFIGS = {"sum": {"THREADS": 16}}
+SIM_CONFIGS = {"sum": {"THREADS": 16, "WIDE": True}}
 MAX_GRID_Y = 65535
 
 
@@ -112,6 +113,50 @@ def moe_sum_kernel(NT: int, KC: int = 0, WORD: str = "", U: int = 4):
     return kernel(moe_sum_rows)
 
 
+@functools.lru_cache(maxsize=None)
+def moe_sum16_kernel(NT: int, KC: int, WORD: str):
+    """The combine on 16-byte chunks (_wide.py), CuPy's geometry (combine.cu): block = NT
+    threads over a token row's chunks, grid = T * cdiv(C16, NT) (flattened: no 65535 limit
+    on T), one 16-byte chunk (2 VEC elements) per thread, its K loads H apart (coalesced
+    across the warp). KC > 0 fixes K at compile time; x and out are uint64 views (words16)
+    with C words per output row, C even."""
+    VEC = WORD_ELEMENTS[WORD]
+    VEC16 = 2 * VEC           # elements per 16-byte chunk
+    unpack, pack = UNPACK[WORD], PACK[WORD]
+
+    @device_function
+    def add16(acc, x, i):
+        lo, hi = load16(x, i)
+        for v in range(VEC):
+            acc[v] += unpack(lo, v)
+            acc[VEC + v] += unpack(hi, v)
+
+    def moe_sum16(x, out, T, K, C, nbx):
+        """out[t, chunk] = sum_k x[t, k, chunk] in fp32 (k in order), rounded once;
+        nbx = blocks per token row."""
+        t = cu.blockIdx.x // nbx
+        c = ((cu.blockIdx.x % nbx) * NT + cu.threadIdx.x) * 2   # first word of the chunk
+        if t >= T or c >= C:
+            return
+        acc = cu.local.array(VEC16, float32)
+        for v in range(VEC16):
+            acc[v] = float32(0.0)
+        if KC > 0:
+            for k in range(KC):
+                add16(acc, x, (t * KC + k) * C + c)
+        else:
+            for k in range(K):
+                add16(acc, x, (t * K + k) * C + c)
+        lo = uint64(0)
+        hi = uint64(0)
+        for v in range(VEC):
+            lo = pack(lo, v, acc[v])
+            hi = pack(hi, v, acc[VEC + v])
+        store16(out, t * C + c, lo, hi)
+
+    return kernel(moe_sum16)
+
+
 def moe_sum(x):
     """The combine: out[t] = sum_k x[t, k] over the K slots, fp32, rounded once.
     [T, K, H] -> [T, H]"""
@@ -122,6 +167,16 @@ def moe_sum(x):
     if T and H:
         NT = config("sum")["THREADS"]
         xd = call.dev("x", x)
+        wide = words16(xd, out) if config("sum")["WIDE"] else None
+        if wide is not None:   # 16-byte chunks, one per thread (CuPy's combine)
+            word = WORD_OF[np.dtype(xd.dtype)]
+            xw, outw = wide
+            C = outw.shape[1]
+            nt = min(NT, A.cdiv(C // 2, 32) * 32)   # a narrow row leaves no idle warps
+            nbx = A.cdiv(C // 2, nt)
+            moe_sum16_kernel(nt, K if K <= MAX_UNROLLED_K else 0, word)[T * nbx, nt](
+                xw, outw, T, K, C, nbx)
+            return call.result(out)
         word, cols, views = "", H, words(xd, out)
         if views is not None:   # 8-byte loads: VEC columns per thread
             word = WORD_OF[np.dtype(xd.dtype)]
@@ -139,6 +194,12 @@ def compile_cases():
     from numba import types as t
 
     cases = []
+    w64 = t.uint64
+    for word in ("f32", "f16", "bf16"):
+        for kc in (8, 0):
+            cases.append((f"moe_sum16 K={kc or 'runtime'} {word}",
+                          moe_sum16_kernel(CONFIGS["sum"]["THREADS"], kc, word),
+                          (t.Array(w64, 3, "C"), t.Array(w64, 2, "C")) + (t.int64,) * 4))
     for dt, word in ((t.float32, "f32"), (t.float16, "f16"), (t.uint16, "bf16")):
         for kc in (8, 0):
             for wk in (word, ""):

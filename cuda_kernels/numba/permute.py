@@ -83,17 +83,18 @@ from ._device import (
     to_f32,
     words,
 )
+from ._wide import load16, store16, words16
 
 # Tunables are data. The simulator gets tiny blocks so that tests cover every path cheaply.
 CONFIGS = {
     "align": {"THREADS": 256, "SLOTS_PER_BLOCK": 1024, "SINGLE_BLOCK_MAX_SLOTS": 2048,
-              "RANK": "warp"},
-    "rows": {"THREADS": 128},
+              "RANK": "chunks"},
+    "rows": {"THREADS": 128, "WIDE": True, "ROW_LANES": 32},
 }
 SIM_CONFIGS = {
     "align": {"THREADS": 16, "SLOTS_PER_BLOCK": 32, "SINGLE_BLOCK_MAX_SLOTS": 32,
               "RANK": "block"},
-    "rows": {"THREADS": 16},
+    "rows": {"THREADS": 16, "WIDE": True, "ROW_LANES": 8},
 }
 SHARED_LIMIT = 48 * 1024
 MAX_GRID_Y = 65535
@@ -425,6 +426,157 @@ def align_kernels(NT, rank="block"):
             kernel(align_scatter))
 
 
+@functools.lru_cache(maxsize=None)
+def chunk_kernels(NT):
+    """(align_one, align_scatter_chunks): permute.cu's warp-chunk grouping (GPU only: it
+    needs match_any_sync), for NT threads = W warps per block.
+
+    The slots are cut into contiguous chunks, one per warp, the warps in slot order, so the
+    placement is stable without a round-by-round block barrier: each warp counts its chunk
+    into its own shared row wc[w, :] (one atomic per distinct expert per 32-slot step), a scan
+    over the warps turns the rows into each warp's first rank inside each expert, then every
+    warp walks its chunk again, 32 slots a step in order: match_any_sync groups the lanes of
+    one expert, a lane's rank is the popcount of the same-expert lanes below it, and the
+    group's lowest lane advances the warp's cursor for that expert. Two block barriers in
+    all (the "warp" ranks of align_single / align_scatter take three per NT slots).
+
+    align_one       grid = 1 (P <= SINGLE_BLOCK_MAX_SLOTS): the whole alignment, CuPy's
+                    one-block moe_align_kernel. Padding is written only where no slot goes
+                    (each expert's run tail, the array's tail), expert_ids per expert run.
+                    Shared (int32): wc [W E], tot [E], off [E + 1], red [NT].
+    align_scatter_chunks  grid = nb, the placement of the multi-block path: block b's warps
+                    start from block_counts[b, :] (its offset inside each expert, from
+                    align_scan). Shared (int32): wc [W E].
+    """
+    if NT % 32:
+        raise ValueError(f"threads: expected whole warps, got {NT}")
+    W = NT // 32
+    (expert_of, _, _, _, scan_padded, _, _, _) = _parts(NT)
+
+    @device_function
+    def warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, wc, row0, lane):
+        """wc[row0 + e] += the slots of expert e in [begin, end): one shared atomic per
+        distinct expert per 32-slot step (its lowest lane adds the group's size)."""
+        for s0 in range(begin, end, 32):   # the same trip count for every lane: full match
+            s = s0 + lane
+            e = -1
+            if s < end:
+                e = expert_of(ids, s, E, emap, use_map, ignore_invalid)
+            peers = uint32(cu.match_any_sync(FULL_MASK, e))
+            if e >= 0 and (peers & cu.lanemask_lt()) == 0:
+                cu.atomic.add(wc, row0 + e, cu.popc(peers))
+
+    @device_function
+    def warp_place(ids, begin, end, E, emap, use_map, ignore_invalid, wc, row0, off, sorted_ids,
+                   inv, write_sorted, write_inv, lane):
+        """Place the slots [begin, end) in order: pos = off[e] + cursor[e] + (same-expert
+        lanes below); the cursor row wc[row0:] starts at the warp's first rank per expert."""
+        for s0 in range(begin, end, 32):
+            s = s0 + lane
+            e = -1
+            if s < end:
+                e = expert_of(ids, s, E, emap, use_map, ignore_invalid)
+            peers = uint32(cu.match_any_sync(FULL_MASK, e))
+            below = peers & cu.lanemask_lt()
+            pos = 0
+            if e >= 0:
+                pos = off[ix(e)] + wc[ix(row0 + e)] + cu.popc(below)
+            cu.syncwarp(FULL_MASK)   # every lane has read its cursor before the leaders move it
+            if e >= 0 and below == 0:
+                wc[ix(row0 + e)] += cu.popc(peers)
+            cu.syncwarp(FULL_MASK)
+            if e >= 0:
+                if write_sorted:
+                    sorted_ids[ix(pos)] = s
+                if write_inv:
+                    inv[ix(s)] = pos
+
+    @device_function
+    def scan_warps(wc, E, tot, tid):
+        """wc[w, e] -> the exclusive prefix over warps w (in place); tot[e] = the column sum."""
+        for e in range(tid, E, NT):   # consecutive e: consecutive banks
+            run = 0
+            for w in range(W):
+                c = wc[ix(w * E + e)]
+                wc[ix(w * E + e)] = run
+                run += c
+            tot[ix(e)] = run
+
+    def align_one(ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert_ids,
+                  n_blocks, capacity, num_post, offsets, inv, do_align, write_inv):
+        """One block does it all, warp w owning slots [w * chunk, (w + 1) * chunk)."""
+        tid = cu.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        sh = cu.shared.array(0, int32)
+        wc = sh[0:W * E]
+        tot = sh[W * E:W * E + E]
+        off = sh[W * E + E:W * E + 2 * E + 1]
+        red = sh[W * E + 2 * E + 1:W * E + 2 * E + 1 + NT]
+        for i in range(tid, W * E, NT):
+            wc[i] = 0
+        cu.syncthreads()
+        chunk = (P + W * 32 - 1) // (W * 32) * 32          # whole 32-slot steps per warp
+        begin = min(P, warp * chunk)
+        end = min(P, begin + chunk)
+        warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, lane)
+        cu.syncthreads()
+        scan_warps(wc, E, tot, tid)
+        cu.syncthreads()
+        scan_padded(tot, off, E, B, red, tid)           # ends with a barrier
+        total = off[E]
+        if tid == 0:
+            num_post[0] = total
+        for e in range(tid, E + 1, NT):
+            offsets[e] = off[e]
+        if do_align:
+            for e in range(warp, E, W):                 # expert e's blocks and padding: warp e % W
+                lo = off[ix(e)]
+                hi = off[ix(e + 1)]
+                if lo < hi:
+                    eid = emap[ix(e)] if use_map else e
+                    for b in range(lo // B + lane, hi // B, 32):
+                        expert_ids[ix(b)] = eid
+                    for p in range(lo + tot[ix(e)] + lane, hi, 32):
+                        sorted_ids[ix(p)] = P
+            for p in range(total + tid, capacity, NT):  # the tail: no slot goes there
+                sorted_ids[ix(p)] = P
+            for b in range(total // B + tid, n_blocks, NT):
+                expert_ids[ix(b)] = -1
+        warp_place(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, off,
+                   sorted_ids, inv, do_align, write_inv, lane)
+
+    def align_scatter_chunks(ids, P, E, emap, use_map, ignore_invalid, block_counts, offsets,
+                             sorted_ids, inv, do_align, write_inv, CH):
+        """Block b places its CH slots, warp w owning a contiguous CH / W of them."""
+        tid = cu.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        b = cu.blockIdx.x
+        wc = cu.shared.array(0, int32)[0:W * E]
+        for i in range(tid, W * E, NT):
+            wc[i] = 0
+        cu.syncthreads()
+        lo = b * CH
+        hi = min(P, lo + CH)
+        chunk = (CH + W * 32 - 1) // (W * 32) * 32
+        begin = min(hi, lo + warp * chunk)
+        end = min(hi, begin + chunk)
+        warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, lane)
+        cu.syncthreads()
+        for e in range(tid, E, NT):   # warp w's cursor = block's offset + earlier warps
+            run = block_counts[ix(b), ix(e)]
+            for w in range(W):
+                c = wc[ix(w * E + e)]
+                wc[ix(w * E + e)] = run
+                run += c
+        cu.syncthreads()
+        warp_place(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, offsets,
+                   sorted_ids, inv, do_align, write_inv, lane)
+
+    return kernel(align_one), kernel(align_scatter_chunks)
+
+
 def _rank_words(rank, NT, E):
     """The extra shared int32 words of the warp ranks (cntw and tagw)."""
     return 2 * (NT // 32) * E if rank == "warp" else 0
@@ -522,12 +674,97 @@ def row_kernels(NT, KC=0, WORD="", U=4):
     return kernel(permute_rows), kernel(unpermute_rows)
 
 
+@functools.lru_cache(maxsize=None)
+def wide_row_kernels(NT, L=32, KC=0, WORD=""):
+    """(gather_rows, unpermute_rows16): the row kernels on 16-byte chunks (_wide.py), the
+    CuPy kernels' geometry (permute.cu's gather_rows_kernel and moe_unpermute_kernel).
+
+    gather_rows     block = NT threads = NT / L rows (L = 32: one warp per slot row), grid =
+                    cdiv(P, NT / L); lane l copies chunks l, l + L, ... of the row, four
+                    16-byte loads in flight before their four stores.
+    unpermute_rows16  block = NT threads over a token row's chunks, grid = T * cdiv(C16, NT)
+                    (flattened: no 65535 limit on T); a thread owns one 16-byte chunk (VEC16
+                    elements) and sums its K rows, the K loads unrolled (KC > 0) so that they
+                    are in flight together.
+    Arrays are uint64 views (words16) with C words per row, C even; a chunk is 2 words."""
+    ROWS = NT // L
+    if WORD:
+        VEC = WORD_ELEMENTS[WORD]
+        VEC16 = 2 * VEC           # elements per 16-byte chunk
+        unpack, pack = UNPACK[WORD], PACK[WORD]
+
+        @device_function
+        def add16(acc, y, i, wt):
+            lo, hi = load16(y, i)
+            for v in range(VEC):
+                acc[v] += unpack(lo, v) * wt
+                acc[VEC + v] += unpack(hi, v) * wt
+
+    def gather_rows(x, inv, K, x_grouped, P, C):
+        """x_grouped[inv[s], :] = x[s // K, :], L lanes per slot row, 16-byte chunks."""
+        lane = cu.threadIdx.x % L
+        s = cu.blockIdx.x * ROWS + cu.threadIdx.x // L
+        if s >= P:
+            return
+        dst = inv[ix(s)]
+        if dst < 0 or dst >= P:   # a slot the alignment skipped (an id outside [0, E))
+            return
+        src0 = (s // K) * C       # flat word index of the source row
+        dst0 = dst * C
+        for c0 in range(2 * lane, C, 8 * L):      # 4 chunks of 2 words, 2L words apart
+            c1, c2, c3 = c0 + 2 * L, c0 + 4 * L, c0 + 6 * L
+            if c3 < C:                            # the common case: all four in the row
+                a0, b0 = load16(x, src0 + c0)
+                a1, b1 = load16(x, src0 + c1)
+                a2, b2 = load16(x, src0 + c2)
+                a3, b3 = load16(x, src0 + c3)
+                store16(x_grouped, dst0 + c0, a0, b0)
+                store16(x_grouped, dst0 + c1, a1, b1)
+                store16(x_grouped, dst0 + c2, a2, b2)
+                store16(x_grouped, dst0 + c3, a3, b3)
+            else:
+                for c in range(c0, C, 2 * L):
+                    a, b = load16(x, src0 + c)
+                    store16(x_grouped, dst0 + c, a, b)
+
+    def unpermute_rows16(y, w, inv, out, T, K, C, nbx):
+        """out[t, chunk] = sum_k w[t, k] y[inv[t*K + k], chunk] in fp32 (k in order), rounded
+        once; nbx = blocks per token row. An index outside [0, P) adds nothing."""
+        P = y.shape[0]
+        t = cu.blockIdx.x // nbx
+        c = ((cu.blockIdx.x % nbx) * NT + cu.threadIdx.x) * 2   # first word of the chunk
+        if t >= T or c >= C:
+            return
+        acc = cu.local.array(VEC16, float32)
+        for v in range(VEC16):
+            acc[v] = float32(0.0)
+        if KC > 0:
+            for k in range(KC):
+                r = inv[ix(t * KC + k)]
+                if r >= 0 and r < P:
+                    add16(acc, y, r * C + c, to_f32(w[ix(t), k]))
+        else:
+            for k in range(K):
+                r = inv[ix(t * K + k)]
+                if r >= 0 and r < P:
+                    add16(acc, y, r * C + c, to_f32(w[ix(t), ix(k)]))
+        lo = uint64(0)
+        hi = uint64(0)
+        for v in range(VEC):
+            lo = pack(lo, v, acc[v])
+            hi = pack(hi, v, acc[VEC + v])
+        store16(out, t * C + c, lo, hi)
+
+    return kernel(gather_rows), (kernel(unpermute_rows16) if WORD else None)
+
+
 # ----------------------------------------------------------------------------- launchers
 def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_align,
                 write_inv, path=None, rank=None):
     """Run the align kernels. Returns (sorted_ids, expert_ids, num_post, offsets, inv) as
     numba arrays (sorted_ids / expert_ids only when do_align, inv only when write_inv).
-    path ("single" | "multi") and rank ("block" | "warp") override the config (tests)."""
+    path ("single" | "multi") and rank ("block" | "warp" | "chunks") override the config
+    (tests)."""
     cfg = config("align")
     NT = cfg["THREADS"]
     T, K = A.shape_of(topk_ids)
@@ -543,14 +780,24 @@ def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_a
     inv = call.empty((P,), np.int32) if write_inv else A.dummy(np.int32)
     if rank is None:
         rank = cfg["RANK"]
-        if (3 * E + 1 + 2 * NT + _rank_words(rank, NT, E)) * 4 > SHARED_LIMIT:
+        if rank == "chunks" and ((NT // 32) * E + 2 * E + 1 + NT) * 4 > SHARED_LIMIT:
+            rank = "warp"    # many experts: the per-warp rows do not fit
+        if rank == "warp" and (3 * E + 1 + 2 * NT + _rank_words(rank, NT, E)) * 4 > SHARED_LIMIT:
             rank = "block"   # very many experts: the warp ranks' tables do not fit
-    single, count, scan, scatter = align_kernels(NT, rank)
+    chunks = rank == "chunks"
+    single, count, scan, scatter = align_kernels(NT, "warp" if chunks else rank)
     extra = _rank_words(rank, NT, E)
     if path is None:
         path = "single" if P <= cfg["SINGLE_BLOCK_MAX_SLOTS"] else "multi"
     flags = (1 if use_map else 0, 1 if ignore_invalid else 0)
-    if path == "single":
+    if chunks:
+        one, scatter = chunk_kernels(NT)
+        rows = (NT // 32) * E          # the per-warp count rows wc [W, E]
+    if chunks and path == "single":
+        smem = (rows + 2 * E + 1 + NT) * 4
+        one[1, NT, 0, smem](ids, P, E, B, emap, *flags, sorted_ids, expert_ids, n_blocks,
+                            capacity, num_post, offsets, inv, int(do_align), int(write_inv))
+    elif path == "single":
         smem = (3 * E + 1 + 2 * NT + extra) * 4
         single[1, NT, 0, smem](ids, P, E, B, emap, *flags, sorted_ids, expert_ids, n_blocks,
                                capacity, num_post, offsets, inv, int(do_align), int(write_inv))
@@ -563,8 +810,9 @@ def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_a
         scan[1, NT, 0, (2 * E + 1 + NT) * 4](block_counts, nb, E, B, P, emap, flags[0],
                                              sorted_ids, expert_ids, n_blocks, capacity,
                                              num_post, offsets, int(do_align))
-        scatter[nb, NT, 0, (E + NT + extra) * 4](ids, P, E, emap, *flags, block_counts, offsets,
-                                         sorted_ids, inv, int(do_align), int(write_inv), CH)
+        smem = rows * 4 if chunks else (E + NT + extra) * 4
+        scatter[nb, NT, 0, smem](ids, P, E, emap, *flags, block_counts, offsets, sorted_ids, inv,
+                                 int(do_align), int(write_inv), CH)
     return sorted_ids, expert_ids, num_post, offsets, inv
 
 
@@ -623,13 +871,22 @@ def moe_permute(hidden_states, topk_ids, num_experts):
     _, _, _, offsets, inv = _sort_slots(call, topk_ids, E, 1, None, False, P, False, True)
     x_grouped = call.empty((P, H), A.dtype_of(hidden_states))              # [P, H]
     if P and H:
-        NT = config("rows")["THREADS"]
-        permute_rows, _ = row_kernels(NT)
+        cfg = config("rows")
+        NT = cfg["THREADS"]
         x = call.dev("hidden_states", hidden_states)
-        views = words(x, x_grouped)   # a copy: 8-byte words whatever the dtype, when rows allow
-        xs, xg = views if views is not None else (x, x_grouped)
-        cols = xs.shape[1]
-        permute_rows[(A.cdiv(cols, 4 * NT), min(P, MAX_GRID_Y)), NT](xs, inv, K, xg, P, cols)
+        wide = words16(x, x_grouped) if cfg["WIDE"] else None
+        if wide is not None:   # 16-byte chunks, one warp per slot row (CuPy's gather)
+            L = cfg["ROW_LANES"]
+            gather_rows, _ = wide_row_kernels(NT, L)
+            xs, xg = wide
+            gather_rows[A.cdiv(P, NT // L), NT](xs, inv, K, xg, P, xs.shape[1])
+        else:
+            permute_rows, _ = row_kernels(NT)
+            views = words(x, x_grouped)   # 8-byte words whatever the dtype, when rows allow
+            xs, xg = views if views is not None else (x, x_grouped)
+            cols = xs.shape[1]
+            permute_rows[(A.cdiv(cols, 4 * NT), min(P, MAX_GRID_Y)), NT](xs, inv, K, xg, P,
+                                                                       cols)
     return call.result(x_grouped), call.result(offsets), call.result(inv)
 
 
@@ -650,10 +907,21 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
     call = A.Call("y_grouped", y_grouped)
     out = call.empty((T, H), A.dtype_of(y_grouped))                         # [T, H]
     if T and H:
-        NT = config("rows")["THREADS"]
+        cfg = config("rows")
+        NT = cfg["THREADS"]
         y = call.dev("y_grouped", y_grouped)
         w = call.dev("topk_weights", topk_weights)
         inv = call.dev("inv_permuted_idx", inv_permuted_idx)
+        wide = words16(y, out) if cfg["WIDE"] and np.dtype(y.dtype) in WORD_OF else None
+        if wide is not None:   # 16-byte chunks, one per thread (CuPy's unpermute)
+            word = WORD_OF[np.dtype(y.dtype)]
+            yw, outw = wide
+            C = yw.shape[1]
+            nt = min(NT, A.cdiv(C // 2, 32) * 32)   # a narrow row leaves no idle warps
+            nbx = A.cdiv(C // 2, nt)
+            _, unpermute16 = wide_row_kernels(nt, 32, K if K <= MAX_UNROLLED_K else 0, word)
+            unpermute16[T * nbx, nt](yw, w, inv, outw, T, K, C, nbx)
+            return call.result(out)
         word, cols, views = "", H, words(y, out)
         if views is not None:   # 8-byte loads: VEC columns per thread
             word = WORD_OF[np.dtype(y.dtype)]
@@ -693,11 +961,28 @@ def compile_cases():
         if rank == "warp":
             cases.append(("align_scan", scan,
                           (arr(i32, 2), i64, i64, i64, i64, v, i64, v, v, i64, i64, v, v, i64)))
+    one, scatter_chunks = chunk_kernels(CONFIGS["align"]["THREADS"])
+    for ids in (i32, i64):
+        a = arr(ids, 1)
+        cases += [
+            (f"align_one ids={ids}", one,
+             (a, i64, i64, i64, v, i64, i64, v, v, i64, i64, v, v, v, i64, i64)),
+            (f"align_scatter_chunks ids={ids}", scatter_chunks,
+             (a, i64, i64, v, i64, i64, arr(i32, 2), v, v, v, i64, i64, i64)),
+        ]
     nt = CONFIGS["rows"]["THREADS"]
     permute_rows, _ = row_kernels(nt)
     for dt in (t.float32, t.float16, t.uint16, t.uint64):   # uint64: rows copied as words
         cases.append((f"permute_rows {dt}", permute_rows,
                       (arr(dt, 2), v, i64, arr(dt, 2), i64, i64)))
+    gather_rows, _ = wide_row_kernels(nt, CONFIGS["rows"]["ROW_LANES"])
+    w64 = arr(t.uint64, 2)
+    cases.append(("gather_rows 16-byte chunks", gather_rows, (w64, v, i64, w64, i64, i64)))
+    for word in ("f32", "f16", "bf16"):
+        for kc in (8, 0):
+            _, unpermute16 = wide_row_kernels(nt, 32, kc, word)
+            cases.append((f"unpermute_rows16 K={kc or 'runtime'} {word}", unpermute16,
+                          (w64, arr(t.float32, 2), v, w64, i64, i64, i64, i64)))
     for dt, word in ((t.float32, "f32"), (t.float16, "f16"), (t.uint16, "bf16")):
         for kc in (8, 0):
             for wk in (word, ""):

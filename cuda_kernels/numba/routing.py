@@ -54,7 +54,7 @@ import sys
 from types import SimpleNamespace
 
 import numpy as np
-from numba import float32, int32, int64
+from numba import float32, int32, int64, uint32, uint64
 
 from . import _arrays as A
 from ._device import (
@@ -74,9 +74,10 @@ from ._device import (
 )
 
 # Tunables are data: one dict per flavour (the simulator gets small blocks: 2,000 threads/s).
-CONFIGS = {"warp": {"WARPS_PER_BLOCK": 4}, "block": {"THREADS": 128}}
+CONFIGS = {"keys": {"WARPS_PER_BLOCK": 4}, "warp": {"WARPS_PER_BLOCK": 4},
+           "block": {"THREADS": 128}}
 SIM_CONFIGS = {"block": {"THREADS": 32}}
-DEFAULT_FLAVOR = "block" if SIMULATOR else "warp"
+DEFAULT_FLAVOR = "block" if SIMULATOR else "keys"
 SHARED_LIMIT = 48 * 1024   # bytes of dynamic shared memory without an opt-in
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -346,6 +347,214 @@ def route_kernel(flavor: str, n: int, VPT: int = 1):
     return kernel(route)
 
 
+# ----------------------------------------------------------------------------- the "keys" kernel
+# routing.cu's selection, line for line: every (value, id) pair is one 64-bit key, the
+# order-preserving bits of the value in the high word and 0xFFFFFFFF - id in the low word, so
+# "larger value, then lower id" is a plain unsigned max: one branch-free max per butterfly
+# step (the "warp" flavour compares (value, index) pairs, with branches, two shuffles each).
+def f32_bits(x):
+    """The bits of an fp32 value as uint32 (simulator: NumPy's view)."""
+    return np.float32(x).view(np.uint32)
+
+
+if not SIMULATOR:
+    from numba.cuda import libdevice
+    from numba.cuda.extending import overload
+
+    @overload(f32_bits, target="cuda", jit_options={"forceinline": True})
+    def _f32_bits_cuda(x):
+        def impl(x):
+            return uint32(libdevice.float_as_int(float32(x)))
+        return impl
+
+
+@device_function
+def order_bits(v):
+    """fp32 -> uint32 with the same order; NaN counts as -inf, -0 as +0 (selection)."""
+    if v != v:
+        v = NEG_INF32
+    if v == float32(0.0):
+        v = float32(0.0)
+    u = f32_bits(v)
+    if u & uint32(0x80000000):
+        return ~u
+    return u | uint32(0x80000000)
+
+
+@device_function
+def make_key(v, e):
+    """The selection key of value v for expert (or group) e: larger v, then lower e, wins;
+    every real key is above 0, the key of nothing."""
+    return (uint64(order_bits(v)) << uint64(32)) | (uint64(0xFFFFFFFF) - uint64(e))
+
+
+@device_function
+def key_id(key):
+    return int32(uint64(0xFFFFFFFF) - (key & uint64(0xFFFFFFFF)))
+
+
+@device_function
+def warp_max_key(k):
+    """The warp's largest key, in every lane (shuffled as int64: numba shuffles signed words)."""
+    off = 16
+    while off > 0:
+        other = uint64(cu.shfl_xor_sync(FULL_MASK, int64(k), off))
+        k = max(k, other)
+        off >>= 1
+    return k
+
+
+@functools.lru_cache(maxsize=None)
+def route_keys_kernel(WARPS: int, VPT: int):
+    """routing.cu's route_topk_kernel in Numba: one warp per token row, WARPS rows per block,
+    lane l holds experts e = 32 i + l, i < VPT (E <= 32 VPT <= 1024), K <= 32 (lane k keeps
+    the k-th winner), G <= 32 expert groups (lane g scores group g).
+    Launch: block = 32 WARPS, grid = cdiv(T, WARPS); dynamic shared memory (G > 1 only):
+    WARPS * padded_row_floats(E) * 4 bytes, one padded fp32 row of choices per warp (index
+    e + e / 32: the per-group scans of lanes g = 0, 1, ... hit different banks)."""
+    if SIMULATOR:
+        raise RuntimeError("flavor: the 'keys' routing kernel uses warp shuffles, which the "
+                           "CUDA simulator lacks; use 'block'")
+    if VPT < 1 or VPT > 32 or VPT & (VPT - 1):
+        raise ValueError(f"VPT: expected a power of two up to 32, got {VPT}")
+
+    def route_keys(logits, bias, weights, ids, tei, T, E, K, G, topk_group, scoring, renorm,
+                   has_bias, want_tei, scale):
+        warp = cu.threadIdx.x // 32
+        lane = cu.threadIdx.x % 32
+        t = cu.blockIdx.x * WARPS + warp
+        if t >= T:              # the whole warp leaves together: no block-wide barrier below
+            return
+
+        # ---- scores (every load first: all in flight together) ----------------------------
+        p = cu.local.array(VPT, float32)
+        sel = cu.local.array(VPT, float32)
+        for i in range(VPT):
+            e = 32 * i + lane
+            p[i] = to_f32(logits[ix(t), ix(e)]) if e < E else NEG_INF32
+            sel[i] = to_f32(bias[ix(e)]) if has_bias and e < E else float32(0.0)
+        row_max = float32(0.0)
+        row_sum = float32(1.0)
+        if scoring == 0:
+            m = NEG_INF32
+            for i in range(VPT):
+                m = max_nan(m, p[i])            # padding (-inf) never wins a max
+            m = _warp_max(m, None, None, lane)
+            s = float32(0.0)
+            for i in range(VPT):
+                # x - max, then exp: the reference's order (inf - inf = NaN stays NaN)
+                p[i] = exp_f32(p[i] - m) if 32 * i + lane < E else float32(0.0)
+                s += p[i]
+            s = _warp_sum(s, None, None, lane)
+            for i in range(VPT):
+                p[i] = p[i] / s
+            row_max = m
+            row_sum = s
+        else:
+            for i in range(VPT):
+                p[i] = float32(1.0) / (float32(1.0) + exp_f32(-p[i]))
+
+        # ---- selection values: the (biased) scores; make_key reads a NaN as -inf ----------
+        for i in range(VPT):
+            sel[i] = p[i] + sel[i] if has_bias else p[i]
+
+        # ---- groups: keep the topk_group best ---------------------------------------------
+        keep = uint32(0xFFFFFFFF)               # bit i: expert 32 i + lane is in a kept group
+        if G > 1:
+            stride = E + E // 32 + 1
+            row = cu.shared.array(0, float32)[warp * stride:(warp + 1) * stride]
+            for i in range(VPT):
+                e = 32 * i + lane
+                if e < E:
+                    row[ix(e + e // 32)] = sel[i]
+            cu.syncwarp(FULL_MASK)
+            per = E // G
+            gkey = uint64(0)                    # lane g < G: the key of group g
+            if lane < G:
+                e0 = lane * per
+                if has_bias:   # the two best choices (NaN ranks as -inf), summed as they are
+                    b1 = e0
+                    k1 = sel_key(row[ix(e0 + e0 // 32)])
+                    b2 = -1
+                    k2 = NEG_INF32
+                    for e in range(e0 + 1, e0 + per):
+                        k = sel_key(row[ix(e + e // 32)])
+                        if k > k1:
+                            b2 = b1
+                            k2 = k1
+                            b1 = e
+                            k1 = k
+                        elif b2 < 0 or k > k2:
+                            b2 = e
+                            k2 = k
+                    gsc = row[ix(b1 + b1 // 32)]
+                    if b2 >= 0:
+                        gsc = gsc + row[ix(b2 + b2 // 32)]
+                else:          # the max of the scores, a NaN ranking as -inf
+                    gsc = NEG_INF32
+                    for e in range(e0, e0 + per):
+                        gsc = max(gsc, sel_key(row[ix(e + e // 32)]))
+                gkey = make_key(sel_key(gsc), lane)
+            keep = uint32(0)
+            for r in range(topk_group):
+                g = key_id(warp_max_key(gkey))
+                if lane == g:
+                    gkey = uint64(0)            # taken
+                lo = g * per
+                for i in range(VPT):
+                    e = 32 * i + lane
+                    if e >= lo and e < lo + per:
+                        keep |= uint32(1) << uint32(i)
+
+        # ---- top-k over the kept selection values -----------------------------------------
+        key = cu.local.array(VPT, uint64)
+        for i in range(VPT):
+            e = 32 * i + lane
+            v = sel[i] if (keep >> uint32(i)) & uint32(1) else NEG_INF32
+            key[i] = make_key(v, e) if e < E else uint64(0)
+        taken = uint32(0)                       # bit i: expert 32 i + lane already chosen
+        my_id = int32(0)                        # lane k keeps the k-th winner
+        for k in range(K):
+            best = uint64(0)
+            for i in range(VPT):
+                if not (taken >> uint32(i)) & uint32(1):
+                    best = max(best, key[i])
+            e = key_id(warp_max_key(best))
+            if e % 32 == lane:
+                taken |= uint32(1) << uint32(e // 32)
+            if lane == k:
+                my_id = e
+
+        # ---- weights ------------------------------------------------------------------------
+        # Lane k recomputes its winner's score from the logit with the instructions that ranked
+        # it (bitwise the same value): cheaper than indexing p[] by a runtime slot, which would
+        # push the row into local memory.
+        my_w = float32(0.0)
+        if lane < K:
+            x = to_f32(logits[ix(t), ix(my_id)])
+            if scoring == 0:
+                my_w = exp_f32(x - row_max) / row_sum
+            else:
+                my_w = float32(1.0) / (float32(1.0) + exp_f32(-x))
+        if renorm:
+            total = _warp_sum(my_w, None, None, lane)   # lanes >= K add 0
+            if total > float32(0.0):
+                my_w = my_w / total
+        if lane < K:
+            weights[ix(t), ix(lane)] = my_w * scale
+            ids[ix(t), ix(lane)] = my_id
+            if want_tei:
+                tei[ix(t), ix(lane)] = lane * T + t
+
+    return kernel(route_keys)
+
+
+def _keys_fits(E, K, G):
+    """The "keys" kernel's limits: a row in one warp's registers, a winner per lane, a group
+    per lane."""
+    return E <= 1024 and K <= 32 and G <= 32
+
+
 def values_per_thread(E, lanes):
     """The smallest power of two VPT with E <= VPT * lanes (a kernel is compiled per VPT)."""
     vpt = 1
@@ -356,6 +565,10 @@ def values_per_thread(E, lanes):
 
 def _geometry(flavor, T, E, G):
     """(grid, block, shared bytes) of a launch, from the formulas in the module docstring."""
+    if flavor == "keys":
+        rows = CONFIGS["keys"]["WARPS_PER_BLOCK"]
+        smem = rows * (E + E // 32 + 1) * 4 if G > 1 else 0
+        return A.cdiv(T, rows), rows * 32, smem
     if flavor == "warp":
         stride = 2 * E + G
         rows = CONFIGS["warp"]["WARPS_PER_BLOCK"]
@@ -380,11 +593,16 @@ def _launch(call, gating_output, bias, topk, num_groups, topk_group, scoring, re
     weights = call.empty((T, topk), np.float32)     # [T, K]
     ids = call.empty((T, topk), ids_dtype)          # [T, K]
     tei = call.empty((T, topk), np.int32) if want_tei else None
+    if flavor == "keys" and not _keys_fits(E, topk, num_groups):
+        flavor = "warp"
     if T > 0:
         grid, block, smem = _geometry(flavor, T, E, num_groups)
-        lanes = 32 if flavor == "warp" else block
-        kernel = route_kernel(flavor, block // 32 if flavor == "warp" else block,
-                              values_per_thread(E, lanes))
+        lanes = 32 if flavor in ("warp", "keys") else block
+        if flavor == "keys":
+            kernel = route_keys_kernel(block // 32, values_per_thread(E, 32))
+        else:
+            kernel = route_kernel(flavor, block // 32 if flavor == "warp" else block,
+                                  values_per_thread(E, lanes))
         logits = call.dev("gating_output", gating_output)
         bias_d = (call.dev("e_score_correction_bias", bias) if bias is not None
                   else A.dummy(np.float32))
@@ -556,10 +774,14 @@ def compile_cases():
 
     warp = CONFIGS["warp"]["WARPS_PER_BLOCK"]
     block = CONFIGS["block"]["THREADS"]
+    keys = CONFIGS["keys"]["WARPS_PER_BLOCK"]
+    cases = [(f"routing keys VPT={v} logits={dt}", route_keys_kernel(keys, v), sig(dt))
+             for v, dt in ((8, t.uint16), (4, t.uint16), (1, t.float32), (32, t.float16),
+                           (8, t.float64))]
     # every logits dtype at E = 256 (VPT 8) on the default flavour; the other row widths
     # (E = 8, 128, 1024) once; the block flavour (shares all but the reductions) twice
-    cases = [(f"routing warp VPT=8 logits={dt}", route_kernel("warp", warp, 8), sig(dt))
-             for dt in (t.float32, t.float16, t.uint16, t.float64)]
+    cases += [(f"routing warp VPT=8 logits={dt}", route_kernel("warp", warp, 8), sig(dt))
+              for dt in (t.float32, t.float16, t.uint16, t.float64)]
     cases.append(("routing warp VPT=8 logits=float32 ids=int64", route_kernel("warp", warp, 8),
                   sig(t.float32, t.int64)))
     cases += [(f"routing warp VPT={v} logits=uint16", route_kernel("warp", warp, v),

@@ -77,3 +77,56 @@ def test_align_warp_ranks(warps, monkeypatch, path):
         got = Pm.moe_permute(x, ids, E)   # the config's RANK ("warp"), the multi-block path
         for g, w in zip(got, reference.moe_permute(x, ids, E)):
             np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("case", ["softmax", "grouped_bias", "grouped_softmax_nan"])
+def test_routing_keys_flavour(warps, monkeypatch, case):
+    """routing.cu's 64-bit-key selection ("keys", the GPU default) in emulated warps."""
+    monkeypatch.setitem(R.CONFIGS, "keys", {"WARPS_PER_BLOCK": 2})
+    x = uniform(rng_for("keys-route", case), (3, 40), 2.0)
+    x[2, 7] = np.nan
+    bias = uniform(rng_for("keys-bias"), (40,), 0.3)
+    call = A.Call("gating_output", x)
+    if case == "softmax":
+        got = R._launch(call, x, None, 3, 1, 1, "softmax", True, 1.0, True,
+                        np.dtype(np.int32), flavor="keys")
+        want = reference.fused_topk(None, x, 3, True)
+        np.testing.assert_array_equal(got[2], want[2])
+    elif case == "grouped_bias":
+        x[1, :10] = -np.inf
+        got = R._launch(call, x, bias, 4, 4, 2, "sigmoid", True, 2.5, False,
+                        np.dtype(np.int32), flavor="keys")
+        want = reference.grouped_topk(None, x, 4, True, 4, 2, "sigmoid", 2.5, bias)
+    else:
+        got = R._launch(call, x, None, 5, 8, 3, "softmax", False, 1.5, False,
+                        np.dtype(np.int32), flavor="keys")
+        want = reference.grouped_topk(None, x, 5, False, 8, 3, "softmax", 1.5)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(want[0]))
+    ok = ~np.isnan(want[0]).any(axis=1)
+    assert rel_err(got[0][ok], want[0][ok]) <= 1e-5
+
+
+@pytest.mark.parametrize("path", ["single", "multi"])
+def test_align_chunk_ranks(warps, monkeypatch, path):
+    """permute.cu's warp-chunk grouping ("chunks", the GPU default) in emulated warps."""
+    monkeypatch.setitem(Pm.SIM_CONFIGS, "align", {"THREADS": 64, "SLOTS_PER_BLOCK": 40,
+                                                  "SINGLE_BLOCK_MAX_SLOTS": 128,
+                                                  "RANK": "chunks"})
+    E, B = 6, 4
+    ids = distinct_topk_ids(rng_for("chunk-align", path), 45, E, 2)   # P = 90
+    ids[3] = [5, 5 - 1]
+    _, emap = reference.determine_expert_map(2, 1, E)
+    for expert_map, ignore, pad in ((None, False, False), (emap, False, True), (emap, True, False)):
+        call = A.Call("topk_ids", ids)
+        cap = Pm.max_num_tokens_padded(ids.size, B, E, pad)
+        out = Pm._sort_slots(call, ids, E, B, expert_map, ignore, cap, True, False, path=path,
+                             rank="chunks")
+        got = tuple(call.result(v) for v in out[:3])
+        want = reference.moe_align_block_size(ids, B, E, expert_map, pad, ignore)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    x = uniform(rng_for("chunk-perm"), (45, 3), 1.0)
+    got = Pm.moe_permute(x, ids, E)   # the config's RANK ("chunks")
+    for g, w in zip(got, reference.moe_permute(x, ids, E)):
+        np.testing.assert_array_equal(g, w)
