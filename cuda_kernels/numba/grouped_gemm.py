@@ -49,7 +49,9 @@ Versions (`version=`; None picks the best that fits block_size):
         is one ld.shared.v4 per 4 values (v3: one 4-byte load each). Tiles padded by 4 floats
         (rows stay 16-byte aligned), launch bounds cap registers (occupancy), a warp whose
         rows are all padding skips the FMAs. Needs Kd a multiple of 16 bytes' elements and
-        16-byte aligned a and w, else v3 runs. Tile table CONFIGS["v3v"] keyed by BM as v3.
+        16-byte aligned a and w, else v3 runs. Tile table CONFIGS["v3v"] keyed by BM as v3;
+        a "sparse" tile (TM = 1: one row per thread, so only warps holding live rows compute)
+        when the slots per expert fill at most SPARSE_FILL of the tile (decode).
         block (BN/TN) * (BM/TM) threads, 1-D; grid as v3; shared = BK * (BM + BN + 8) * 4 bytes
         + 12 BM bytes.
 
