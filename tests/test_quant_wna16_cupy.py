@@ -64,7 +64,7 @@ def test_config_choice_and_splits():
             steps = C.cdiv(K, W.KSTEP)
             sps = C.cdiv(steps, ks)
             assert 1 <= ks <= steps and (ks - 1) * sps < steps
-            assert 8 * cfg["MT"] * sps * 256 <= max(W.smem_budget(cfg), 8 * cfg["MT"] * 256)
+            assert W.smem_bytes(cfg, sps) <= max(W.smem_budget(cfg), W.smem_bytes(cfg, 1))
     assert W.choose_splits(W.CONFIGS["m8"], 2, 8, 4096, 14336, 32, 132) > 1
     with pytest.raises(ValueError, match="block_size"):
         W.pick_config(2, 12)
@@ -237,6 +237,7 @@ def test_argument_errors(rng):
 # CPU. Timing, the hardware's reading of the PTX: the GPU tests stay the judge.
 W16_PRELUDE = r"""
 struct uint4 { unsigned x, y, z, w; };
+struct float2 { float x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 #define __shared__ static
 inline void __threadfence() {}
@@ -314,7 +315,7 @@ def _emulated_gemm(lib, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, nbits, c
     K = a.shape[1]
     P = a.shape[0] * top_k
     G = ws.shape[2]
-    lp = W.launch_plan(nbits, P, E, N, K, st.size, B, config, 132)
+    lp = W.launch_plan(nbits, P, E, N, K, st.size, B, config, 132, K // G)
     gx, gy, gz = lp["grid"]
     c = np.full((P, N), 0x7FC0, np.uint16)                        # poison: bf16 NaN
     wsp = np.full(gx * gy * gz * lp["block"][0] * lp["cfg"]["MT"] * 4, np.nan, np.float32)
@@ -333,6 +334,8 @@ def _emulated_gemm(lib, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, nbits, c
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,ks,fmt,shape", [
     ("m8", None, FORMATS[0], (1, 4, 2, 64, 256, 16)),
+    ("m16", 2, FORMATS[0], (7, 3, 2, 32, 512, 16)),         # int4 post-scaled, split K
+    ("m8", None, FORMATS[3], (3, 2, 2, 24, 640, 16)),       # int4 per-channel zp, post-scaled
     ("m8", 3, FORMATS[1], (5, 3, 2, 40, 384, 16)),
     ("m16", 2, FORMATS[4], (9, 3, 2, 24, 256, 16)),
     ("m32", None, FORMATS[6], (20, 2, 1, 16, 128, 32)),
@@ -341,7 +344,7 @@ def test_emulated_matches_reference(emulated_w16, cfg, ks, fmt, shape):
     rng = np.random.default_rng(5)
     name, nbits, gs, zp, signed = fmt
     M_a, E, K, N, Kd, B = shape
-    a, wq, ws, wz = operands(rng, nbits, gs, zp, signed, M_a, E, N, Kd)
+    a, wq, ws, wz = operands(rng, nbits, gs or Kd, zp, signed, M_a, E, N, Kd)
     ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
     st, ex, ntp = moe_align_block_size(ids, B, E)
     tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)

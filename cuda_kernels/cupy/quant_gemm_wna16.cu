@@ -92,6 +92,22 @@ __device__ __forceinline__ elem_t from_f32(float v) {
 #endif
 }
 
+// The low / high 16-bit element of a pair as fp32 (exact).
+__device__ __forceinline__ float lo_f32(u32 v) {
+#if ELEM_BF16
+    return __uint_as_float(v << 16);
+#else
+    return __half2float(__ushort_as_half((unsigned short)(v & 0xFFFFu)));
+#endif
+}
+__device__ __forceinline__ float hi_f32(u32 v) {
+#if ELEM_BF16
+    return __uint_as_float(v & 0xFFFF0000u);
+#else
+    return __half2float(__ushort_as_half((unsigned short)(v >> 16)));
+#endif
+}
+
 // (x - z) * s on both halves: the subtraction of two small integers is exact, the product
 // rounds once.
 __device__ __forceinline__ u32 deq2(u32 x, u32 z2, u32 s2) {
@@ -148,7 +164,7 @@ __device__ __forceinline__ uint4 ld_stream(const u8* p) {
 
 }  // namespace w16
 
-template <int NBITS, int MT, int WN, int U, int MINB>
+template <int NBITS, int POST, int MT, int WN, int U, int MINB>
 __global__ void __launch_bounds__(WN * 32, MINB)
 wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
              const float* __restrict__ w_scale, const u8* __restrict__ w_zp,
@@ -216,12 +232,16 @@ wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
             wr[u][1][ch] = (in && ok_hi) ? w16::ld_stream(w_hi + off + 16 * ch)
                                          : make_uint4(0, 0, 0, 0);
         }
-        const int grp = in ? k / group_size : 0;
-        sr[u][0] = (in && ok_lo) ? __ldg(w_scale + sc_e + sc_lo + grp) : 0.f;
-        sr[u][1] = (in && ok_hi) ? __ldg(w_scale + sc_e + sc_hi + grp) : 0.f;
+        // POST folds the scale after the mma, which sums the step's 4 lanes: every lane takes
+        // the scale of the step's group (one per step), also a lane past Kdim in a tail step
+        const int kq = POST ? st * 128 : k;
+        const bool in_s = st < s_end && kq < Kdim;
+        const int grp = in_s ? kq / group_size : 0;
+        sr[u][0] = (in_s && ok_lo) ? __ldg(w_scale + sc_e + sc_lo + grp) : 0.f;
+        sr[u][1] = (in_s && ok_hi) ? __ldg(w_scale + sc_e + sc_hi + grp) : 0.f;
         if (w_zp != nullptr) {
-            zr[u][0] = (in && ok_lo) ? (int)__ldg(w_zp + sc_e + sc_lo + grp) : default_zp;
-            zr[u][1] = (in && ok_hi) ? (int)__ldg(w_zp + sc_e + sc_hi + grp) : default_zp;
+            zr[u][0] = (in_s && ok_lo) ? (int)__ldg(w_zp + sc_e + sc_lo + grp) : default_zp;
+            zr[u][1] = (in_s && ok_hi) ? (int)__ldg(w_zp + sc_e + sc_hi + grp) : default_zp;
         } else {
             zr[u][0] = default_zp;
             zr[u][1] = default_zp;
@@ -244,21 +264,38 @@ wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
     __syncthreads();
     const int num_live = sNumLive;
     const int nsteps = max(0, s_end - s_begin);
-    for (int i = tid; i < nsteps * 16 * num_live; i += NT) {
-        const int tt = i & 3, q = i >> 2;
-        const int r = sLive[q % num_live], rest = q / num_live;
-        const int j = rest & 3, sl = rest >> 2;
+    float* sSum = reinterpret_cast<float*>(sA + (size_t)nsteps * 16 * BM);   // [SPS][BM]
+    // 16 consecutive units = one (step, token): 4 j x 4 t. total is a multiple of 16, so a
+    // half warp is all in range or all out, and POST's shuffle sums stay inside it.
+    const int total = nsteps * 16 * num_live;
+    for (int base = (tid & ~31); base < total; base += NT) {
+        const int i = base + (tid & 31);
+        const bool ok = i < total;
+        const int tt = i & 3, j = (i >> 2) & 3, q = i >> 4;
+        const int r = ok ? sLive[q % num_live] : 0, sl = q / max(num_live, 1);
         const int k = (s_begin + sl) * 128 + tt * 32 + j * 8;
-        uint4 v = make_uint4(0, 0, 0, 0);   // past Kdim: zeros (0 * garbage could be NaN)
-        if (k < Kdim) {
-            const uint4 x = __ldg(reinterpret_cast<const uint4*>(
-                a + (size_t)(sSlot[r] / top_k) * Kdim + k));
-            v.x = __byte_perm(x.x, x.z, 0x5410);   // (a0, a4)
-            v.y = __byte_perm(x.x, x.z, 0x7632);   // (a1, a5)
-            v.z = __byte_perm(x.y, x.w, 0x5410);   // (a2, a6)
-            v.w = __byte_perm(x.y, x.w, 0x7632);   // (a3, a7)
+        float part = 0.f;
+        if (ok) {
+            uint4 v = make_uint4(0, 0, 0, 0);   // past Kdim: zeros (0 * garbage could be NaN)
+            if (k < Kdim) {
+                const uint4 x = __ldg(reinterpret_cast<const uint4*>(
+                    a + (size_t)(sSlot[r] / top_k) * Kdim + k));
+                v.x = __byte_perm(x.x, x.z, 0x5410);   // (a0, a4)
+                v.y = __byte_perm(x.x, x.z, 0x7632);   // (a1, a5)
+                v.z = __byte_perm(x.y, x.w, 0x5410);   // (a2, a6)
+                v.w = __byte_perm(x.y, x.w, 0x7632);   // (a3, a7)
+                if (POST)
+                    part = (w16::lo_f32(x.x) + w16::hi_f32(x.x)) + (w16::lo_f32(x.y) +
+                           w16::hi_f32(x.y)) + ((w16::lo_f32(x.z) + w16::hi_f32(x.z)) +
+                           (w16::lo_f32(x.w) + w16::hi_f32(x.w)));
+            }
+            sA[((sl * 4 + j) * BM + r) * 4 + tt] = v;
         }
-        sA[((sl * 4 + j) * BM + r) * 4 + tt] = v;
+        if (POST) {                             // sum of the token's 128 values of the step
+#pragma unroll
+            for (int o = 1; o < 16; o <<= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+            if (ok && (i & 15) == 0) sSum[sl * BM + r] = part;
+        }
     }
     __syncthreads();
 
@@ -282,6 +319,51 @@ wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
                 const int z_lo = zr[u][0], z_hi = zr[u][1];
                 load_step(st + U, u);             // refill the slot before the math
                 const uint4* a_st = sA + (size_t)(st - s_begin) * 16 * BM;
+                if (POST) {
+                    // int4 with one group per step: the mma sees the raw magic values
+                    // 128 + q (exact, 1024 + q for fp16), per step in fresh accumulators; then
+                    // sum_k (q - zp) a s = s (sum_k (128 + q) a - (128 + zp) sum_k a), with
+                    // sum_k a of the step staged beside the activations. One lop3 (and one
+                    // shift) per pair, nothing else: the dequantization is off the hot path.
+                    float tmp[MT][4];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) tmp[mt][i] = 0.f;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const u32 wl = j == 0 ? cw[0][0].x : j == 1 ? cw[0][0].y
+                                     : j == 2 ? cw[0][0].z : cw[0][0].w;
+                        const u32 wh = j == 0 ? cw[1][0].x : j == 1 ? cw[1][0].y
+                                     : j == 2 ? cw[1][0].z : cw[1][0].w;
+                        const u32 l0 = (wl & 0x000F000Fu) | W16_MAGIC;
+                        const u32 l1 = ((wl >> 4) & 0x000F000Fu) | W16_MAGIC;
+                        const u32 l2 = ((wl >> 8) & 0x000F000Fu) | W16_MAGIC;
+                        const u32 l3 = ((wl >> 12) & 0x000F000Fu) | W16_MAGIC;
+                        const u32 h0 = (wh & 0x000F000Fu) | W16_MAGIC;
+                        const u32 h1 = ((wh >> 4) & 0x000F000Fu) | W16_MAGIC;
+                        const u32 h2 = ((wh >> 8) & 0x000F000Fu) | W16_MAGIC;
+                        const u32 h3 = ((wh >> 12) & 0x000F000Fu) | W16_MAGIC;
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            const uint4 b = a_st[(j * BM + mt * 8 + g) * 4 + t];
+                            w16::mma16816(tmp[mt], l0, h0, l1, h1, b.x, b.y);
+                            w16::mma16816(tmp[mt], l2, h2, l3, h3, b.z, b.w);
+                        }
+                    }
+                    const float* sum_st = sSum + (size_t)(st - s_begin) * BM;
+                    const float zl = W16_MAGIC_F + z_lo, zh = W16_MAGIC_F + z_hi;
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        const float2 as = *reinterpret_cast<const float2*>(sum_st + mt * 8 +
+                                                                             2 * t);
+                        acc[mt][0] += s_lo * (tmp[mt][0] - zl * as.x);
+                        acc[mt][1] += s_lo * (tmp[mt][1] - zl * as.y);
+                        acc[mt][2] += s_hi * (tmp[mt][2] - zh * as.x);
+                        acc[mt][3] += s_hi * (tmp[mt][3] - zh * as.y);
+                    }
+                    continue;
+                }
                 u32 zl2, zh2, sl2, sh2;
                 float zfl = 0.f, zfh = 0.f;
                 if (NBITS == 4) {

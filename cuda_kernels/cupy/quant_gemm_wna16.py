@@ -83,13 +83,22 @@ if _TABLE:
     BY_ROWS = _TABLE + tuple(r for r in BY_ROWS if r[0] >= 1 << 30)
 
 
-def kernel_name(nbits: int, cfg: dict) -> str:
-    """int8 holds twice the weight registers per step: half the CTAs per SM (no spills)."""
+def kernel_name(nbits: int, cfg: dict, post: bool = False) -> str:
+    """post: int4 with one scale group per 128-K step (group_size % 128 == 0), the scales
+    applied after the mma (see the .cu). int8 holds twice the weight registers per step: half
+    the CTAs per SM (no spills)."""
     minb = cfg["MINB"] if nbits == 4 else max(1, cfg["MINB"] // 2)
-    return f"wna16_stream<{nbits}, {cfg['MT']}, {cfg['WN']}, {cfg['U']}, {minb}>"
+    post = int(bool(post) and nbits == 4)
+    return f"wna16_stream<{nbits}, {post}, {cfg['MT']}, {cfg['WN']}, {cfg['U']}, {minb}>"
 
 
-NAMES = tuple(kernel_name(b, c) for c in CONFIGS.values() for b in (4, 8))
+def smem_bytes(cfg: dict, sps: int) -> int:
+    """The staged activations [SPS][BM][128] elem, then their per-step sums [SPS][BM] fp32."""
+    return 8 * cfg["MT"] * sps * (256 + 4)
+
+
+NAMES = tuple(kernel_name(b, c, p) for c in CONFIGS.values() for b, p in
+              ((4, True), (4, False), (8, False)))
 for _ev in ELEMS.values():
     C.register_compile_case(CU, {"ELEM_BF16": _ev}, NAMES)
 
@@ -210,14 +219,14 @@ def choose_splits(cfg: dict, P: int, E: int, N: int, K: int, Lg: int, num_sms: i
     live_m = max(1, min(C.cdiv(Lg, bm), min(P, E) + P // bm))
     warps = live_m * C.cdiv(N, 16 * cfg["WN"]) * cfg["WN"]
     ks = C.cdiv(TARGET_WARPS_PER_SM * num_sms, warps)
-    ks = max(ks, C.cdiv(ksteps, max(1, smem_budget(cfg) // (bm * 256))))
+    ks = max(ks, C.cdiv(ksteps, max(1, smem_budget(cfg) // smem_bytes(cfg, 1))))
     ks = min(ks, ksteps)
     sps = C.cdiv(ksteps, ks)
     return C.cdiv(ksteps, sps)          # no empty split
 
 
 def launch_plan(nbits: int, P: int, E: int, N: int, K: int, L: int, block_size: int,
-                config=None, num_sms: int = 132) -> dict:
+                config=None, num_sms: int = 132, group_size: int = 0) -> dict:
     """The kernel name, config, grid, block, dynamic shared memory, KS and SPS (steps per
     split) of one launch; Lg = min(L, P * block_size) positions are covered (no live
     position lies past num_tokens_post_padded <= P * block_size)."""
@@ -229,10 +238,11 @@ def launch_plan(nbits: int, P: int, E: int, N: int, K: int, L: int, block_size: 
     grid = (C.cdiv(Lg, bm), C.cdiv(N, 16 * cfg["WN"]), ks)
     if grid[1] > 65535 or ks > 65535:
         raise ValueError(f"w: N = {N} needs {grid[1]} column tiles, over the grid's 65535")
-    smem = bm * sps * 256
+    smem = smem_bytes(cfg, sps)
     if smem > 200 * 1024:
         raise ValueError(f"config: KS = {ks} leaves {smem} bytes of staged activations per CTA")
-    return dict(name=kernel_name(nbits, cfg), cfg=cfg, grid=grid, block=(32 * cfg["WN"],),
+    post = nbits == 4 and group_size > 0 and group_size % KSTEP == 0
+    return dict(name=kernel_name(nbits, cfg, post), cfg=cfg, grid=grid, block=(32 * cfg["WN"],),
                 smem=smem, KS=ks, SPS=sps, Lg=Lg)
 
 
@@ -346,7 +356,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     if P == 0 or N == 0 or L == 0:
         return c
 
-    lp = launch_plan(nbits, P, E, N, K, L, block_size, config, _num_sms())
+    lp = launch_plan(nbits, P, E, N, K, L, block_size, config, _num_sms(), group_size)
     grid, block, smem, ks, sps, cfg = (lp[k] for k in ("grid", "block", "smem", "KS", "SPS",
                                                        "cfg"))
     null = C.null_ptr()
