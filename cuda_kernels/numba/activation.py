@@ -26,6 +26,11 @@ gated, their halves) are whole words, else one element (swigluoai always: its ga
 alternate inside a word). Each thread reads its gate and up words (coalesced across the warp:
 consecutive threads, consecutive columns) and writes one.
 
+When the output rows are whole 16-byte chunks (GATED, ELEMENTWISE), `act16_kernel` runs
+instead: CuPy's geometry (activation.cu), one 16-byte chunk of outputs per thread, grid =
+M * cdiv(C16, block), gate and up loads as ld.global.v2.u64 (_wide.py); config "WIDE"
+turns it off.
+
 dtypes: fp32, fp16, bf16 (uint16 bits, converted by shifts in the kernel: _device.py).
 
 Run as a script to validate against reference/ and time: python -m cuda_kernels.numba.activation

@@ -16,6 +16,10 @@ element (C = H / VEC or H). Each thread reads K words H apart (every read coales
 the warp) and writes one. K <= 32 is compiled in (one kernel per K), so the K loads are
 unrolled and in flight together: 32 K bytes per thread.
 
+When the rows are whole 16-byte chunks (the MoE shapes), `moe_sum16_kernel` runs instead:
+CuPy's geometry (combine.cu), one 16-byte chunk (8 bf16) per thread, grid = T * cdiv(H / 8,
+block), loads as ld.global.v2.u64 (_wide.py); config "WIDE" turns it off.
+
 dtypes: fp32, fp16, bf16 (uint16 bits, converted by shifts in the kernel: _device.py).
 
 Run as a script to validate against reference/ and time: python -m cuda_kernels.numba.combine

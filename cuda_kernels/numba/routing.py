@@ -23,12 +23,20 @@ The math (reference/routing.py), per token row t, all in fp32:
                          then * routed_scaling_factor
     token_expert_indices[t, k] = k * T + t
 
-One kernel serves all three functions, in two flavours that differ only in how a row's
-threads reduce (max, sum, argmax) and synchronise:
+One kernel serves all three functions, in flavours that differ in how a row's threads
+reduce (max, sum, argmax) and synchronise:
 
     kernel       threads of a row   reductions                    launch
+    "keys"       one warp           routing.cu's: 64-bit keys,     grid = cdiv(T, W), block = 32 W
+                                    one shuffled max per step      (route_keys_kernel)
     "warp"       one warp           butterfly cuda.shfl_xor_sync   grid = cdiv(T, W), block = 32 W
     "block"      one block of NT    shared-memory tree + syncthreads  grid = T, block = NT
+
+"keys" (the GPU default, E <= 1024, K <= 32, G <= 32; else "warp") is the CuPy kernel line
+for line: a (value, id) pair is one uint64 key (order-preserving value bits high, 0xFFFFFFFF
+- id low), so the argmax is a branch-free unsigned max; lane g scores group g; lane k keeps
+the k-th winner and recomputes its weight from the logit. The text below describes "warp"
+and "block".
 
 W = WARPS_PER_BLOCK rows per block. The simulator has no shuffles, so it always runs "block"
 (ENVIRONMENT.md); the GPU runs "warp" by default and tests both. Thread l of a row owns
