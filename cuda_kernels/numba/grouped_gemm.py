@@ -19,7 +19,7 @@ a [M_a, Kd], w [E, N, Kd] (Hugging Face [out, in]), bias [E, N]. Rows no positio
 left unwritten (the reference leaves them NaN). The gather of a's rows through sorted_token_ids
 is fused into the GEMM, as in vLLM: nothing is permuted in memory.
 
-Versions (`version=`; None picks the best that fits block_size):
+Versions (`version=`; None runs DEFAULT_VERSION, or the next rung down that fits):
 
     v1  naive: one thread per output element, a dot product of length Kd from global memory.
         block (TX, TY) = (32, 8) over (n, p); grid (cdiv(max_padded, TY), cdiv(N, TX)).
@@ -98,6 +98,7 @@ from ._device import (
 from ._vector import ldg4, lds4
 
 VERSIONS = ("v1", "v2", "v3", "v3v")
+DEFAULT_VERSION = "v3"      # what version=None runs (stepping down to what fits)
 CONFIGS = {
     "v1": {"TX": 32, "TY": 8},
     "v2": {"BM": 16, "BN": 16, "BK": 16},
@@ -603,7 +604,7 @@ class Plan(NamedTuple):
 
 
 def plan(version, block_size, word="", vec="", fill=float("inf")):
-    """The kernel and geometry of `version` for block size B (None: v3).
+    """The kernel and geometry of `version` for block size B (None: DEFAULT_VERSION).
 
     v3v runs when `vec` names its 16-byte load kind (the caller checked a and w allow it) and
     one of its tile heights divides B, else v3 runs; `fill` (the expected live rows of a tile,
@@ -611,7 +612,7 @@ def plan(version, block_size, word="", vec="", fill=float("inf")):
     v3 takes the tallest tile of its table dividing B and runs v2 when none does; v2's tile
     height is gcd(BM, B). `word` asks v3 for 8-byte loads (the caller checked it can)."""
     if version is None:
-        version = "v3"
+        version = DEFAULT_VERSION
     A.check_choice("version", version, VERSIONS)
     if version == "v3v":
         table = config("v3v")
@@ -693,7 +694,7 @@ def get_config(M, N, K, E, top_k, dtype, version=None):
         if slots_per_expert <= 1.5 * h:
             block = h
             break
-    return {"BLOCK_M": block, "version": version or "v3"}
+    return {"BLOCK_M": block, "version": version or DEFAULT_VERSION}
 
 
 def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_size,
@@ -703,7 +704,7 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
 
     a [M_a, Kd], w [E, N, Kd] (same dtype), sorted_token_ids / expert_ids /
     num_tokens_post_padded from moe_align_block_size -> c [M_a * top_k, N] in a.dtype.
-    version: "v1" | "v2" | "v3" | None (the best that fits block_size).
+    version: "v1" | "v2" | "v3" | "v3v" | None (DEFAULT_VERSION, or the next that fits).
     """
     A.check_float("a", a, ndim=2)
     A.check_float("w", w, ndim=3)
@@ -752,7 +753,7 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
     if P and N and capacity:
         ad = call.dev("a", a)
         wd = call.dev("w", w)
-        v = version or "v3"
+        v = version or DEFAULT_VERSION
         word = _word_kind(ad, wd, Kd) if v in ("v3", "v3v") else ""
         vec = _vec_kind(ad, wd, Kd) if v == "v3v" else ""
         fill = min(P / max(E, 1), B)   # slots per expert: live rows of an expert's tiles
