@@ -151,6 +151,27 @@ def supports(K: int, group_size: int, num_groups: int, block_size: int) -> tuple
     return True, ""
 
 
+def can_run(a, w, w_scale, block_size: int, use_int4_w4a16=False, use_int8_w8a16=False,
+            block_shape=None) -> tuple[bool, str]:
+    """(True, "") when grouped_gemm_wna16 takes these operands (a router, e.g. the weight-only
+    branch of quant_gemm.grouped_gemm_quant, falls back to its own rungs otherwise)."""
+    if bool(use_int4_w4a16) == bool(use_int8_w8a16):
+        return False, "not a weight-only format"
+    if getattr(a, "ndim", 0) != 2 or getattr(w, "ndim", 0) != 3 or \
+            getattr(w_scale, "ndim", 0) != 3:
+        return False, "a [M, Kdim], w [E, N, codes], w_scale [E, N, G] expected"
+    K, G = a.shape[1], w_scale.shape[2]
+    gs = int(list(block_shape)[1]) if block_shape is not None else (K // G if G else 0)
+    if gs < 1 or K % gs:
+        return False, "group_size does not divide Kdim"
+    ok, why = supports(K, gs, G, int(block_size))
+    if not ok:
+        return False, why
+    if a.data.ptr % 16 or w.data.ptr % 16 or not a.flags.c_contiguous:
+        return False, "a and w must be contiguous and 16-byte aligned"
+    return True, ""
+
+
 # ----------------------------------------------------------------------------- checks
 def _elem_key(dtype) -> str:
     dt = np.dtype(dtype)
