@@ -428,8 +428,8 @@ def route_keys_kernel(WARPS: int, VPT: int):
 
     def route_keys(logits, bias, weights, ids, tei, T, E, K, G, topk_group, scoring, renorm,
                    has_bias, want_tei, scale):
-        warp = cu.threadIdx.x // 32
-        lane = cu.threadIdx.x % 32
+        warp = cu.threadIdx.x >> 5
+        lane = cu.threadIdx.x & 31
         t = cu.blockIdx.x * WARPS + warp
         if t >= T:              # the whole warp leaves together: no block-wide barrier below
             return
@@ -474,7 +474,7 @@ def route_keys_kernel(WARPS: int, VPT: int):
             for i in range(VPT):
                 e = 32 * i + lane
                 if e < E:
-                    row[ix(e + e // 32)] = sel[i]
+                    row[ix(e + (e >> 5))] = sel[i]
             cu.syncwarp(FULL_MASK)
             per = E // G
             gkey = uint64(0)                    # lane g < G: the key of group g
@@ -482,11 +482,11 @@ def route_keys_kernel(WARPS: int, VPT: int):
                 e0 = lane * per
                 if has_bias:   # the two best choices (NaN ranks as -inf), summed as they are
                     b1 = e0
-                    k1 = sel_key(row[ix(e0 + e0 // 32)])
+                    k1 = sel_key(row[ix(e0 + (e0 >> 5))])
                     b2 = -1
                     k2 = NEG_INF32
                     for e in range(e0 + 1, e0 + per):
-                        k = sel_key(row[ix(e + e // 32)])
+                        k = sel_key(row[ix(e + (e >> 5))])
                         if k > k1:
                             b2 = b1
                             k2 = k1
@@ -495,13 +495,13 @@ def route_keys_kernel(WARPS: int, VPT: int):
                         elif b2 < 0 or k > k2:
                             b2 = e
                             k2 = k
-                    gsc = row[ix(b1 + b1 // 32)]
+                    gsc = row[ix(b1 + (b1 >> 5))]
                     if b2 >= 0:
-                        gsc = gsc + row[ix(b2 + b2 // 32)]
+                        gsc = gsc + row[ix(b2 + (b2 >> 5))]
                 else:          # the max of the scores, a NaN ranking as -inf
                     gsc = NEG_INF32
                     for e in range(e0, e0 + per):
-                        gsc = max(gsc, sel_key(row[ix(e + e // 32)]))
+                        gsc = max(gsc, sel_key(row[ix(e + (e >> 5))]))
                 gkey = make_key(sel_key(gsc), lane)
             keep = uint32(0)
             for r in range(topk_group):
@@ -528,8 +528,8 @@ def route_keys_kernel(WARPS: int, VPT: int):
                 if not (taken >> uint32(i)) & uint32(1):
                     best = max(best, key[i])
             e = key_id(warp_max_key(best))
-            if e % 32 == lane:
-                taken |= uint32(1) << uint32(e // 32)
+            if (e & 31) == lane:
+                taken |= uint32(1) << uint32(e >> 5)
             if lane == k:
                 my_id = e
 
