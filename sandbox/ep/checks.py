@@ -291,7 +291,7 @@ def run_impl_parity(comm, backend: str = "reference") -> list[dict]:
 # ---------------------------------------------------------------------------------------
 COLLECTIVE_CHECKS = ("all_gather", "all_gather_bf16", "reduce_scatter", "reduce_scatter_bf16",
                      "all_reduce", "all_reduce_identical", "all_to_all_v", "all_to_all_v_counts",
-                     "ring", "self_send", "counts")
+                     "ring", "self_send", "counts", "exchange_rows")
 
 
 def run_collectives(comm) -> dict:
@@ -344,6 +344,28 @@ def run_collectives(comm) -> dict:
     res["all_to_all_v"] = bool(np.array_equal(host(out), want_rows) and np.array_equal(
         host(out_meta).view(np.uint16), (want_rows[:, 0] * 0.5).astype(bf16).view(np.uint16)))
     res["all_to_all_v_counts"] = rc.tolist() == [int(counts[p][r]) for p in range(W)]
+    # explicit offsets, two arrays in one group: rank p sends rows to q from a buffer with a
+    # gap of q rows before each block, and q receives them after a gap of p + 1 rows
+    def block(p, q):   # the (p + q) % 3 + 1 rows that p sends to q
+        return np.full(((p + q) % 3 + 1, 3), 10 * p + q, dtype=np.int32)
+
+    def layout(blocks, gap):
+        offs, parts, at = [], [], 0
+        for q, b in enumerate(blocks):
+            parts += [np.full((gap(q), 3), -1, dtype=np.int32), b]
+            offs.append(at + gap(q))
+            at += gap(q) + len(b)
+        return np.concatenate(parts), offs
+
+    src, s_off = layout([block(r, q) for q in range(W)], lambda q: q)
+    dst_want, r_off = layout([block(p, r) for p in range(W)], lambda p: p + 1)
+    sc = [len(block(r, q)) for q in range(W)]
+    rc = [len(block(p, r)) for p in range(W)]
+    got = dev(np.full(dst_want.shape, -1, dtype=np.int32))
+    got2 = dev(np.full(dst_want.shape, -1, dtype=np.int32).astype(bf16))
+    comm.exchange_rows([dev(src), dev(src.astype(bf16))], s_off, sc, [got, got2], r_off, rc)
+    res["exchange_rows"] = bool(np.array_equal(host(got), dst_want) and np.array_equal(
+        host(got2).view(np.uint16), dst_want.astype(bf16).view(np.uint16)))
     # grouped send/recv in a ring, both directions at once, payloads larger than a socket
     # buffer (a blocking implementation would deadlock here)
     n = 1 << 19

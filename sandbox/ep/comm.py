@@ -235,14 +235,16 @@ class Communicator:
                     self.recv(recv[p:p + 1], p)
         return np.asarray(self.to_host(recv)).astype(np.int64)
 
-    def counts_phase_async(self, send_counts, both=None):
+    def counts_phase_async(self, send_counts, both=None, after=None):
         """Start phase one; `.wait()` returns (send host [W], recv host [W]). The caller can
         enqueue work between the two (NCCL overlaps the exchange with it; the CPU
         communicator exchanges at wait()). `both`: optionally an int64 [2, W] or [2, W, C]
         buffer whose [0] holds the send counts (per chunk of tokens) and [1, rank] = [0, rank]
         (the fused layout kernel writes it so): NCCL then exchanges it in place, with no
         copies first; after wait(), `.send_chunks` / `.recv_chunks` [W, C] hold the
-        per-chunk counts (C = 1 without `both`)."""
+        per-chunk counts (C = 1 without `both`). `after`: an event recorded when the counts
+        were ready (NCCL: the exchange waits for it instead of all the work enqueued so
+        far)."""
         return _DeferredCounts(self, send_counts, both)
 
     def counts_phase(self, send_counts):
@@ -304,7 +306,9 @@ class Communicator:
         """One group of sends and receives at explicit row offsets (the counts known on both
         sides): rows send[so[p]:so[p]+sc[p]] go to rank p, rows from p land in
         recv[ro[p]:ro[p]+rc[p]]; send and recv are C-contiguous [N, ...] arrays of one row
-        shape and dtype. What a chunked all_to_all_v needs: its chunks are not contiguous."""
+        shape and dtype, or lists of such pairs sharing the offsets and counts. What a chunked
+        all_to_all_v needs (its chunks are not contiguous), and a dispatch that sends from a
+        bigger buffer. Returns recv."""
         so, sc, ro, rc = (np.asarray(a, dtype=np.int64).reshape(-1).tolist()
                           for a in (send_offsets, send_counts, recv_offsets, recv_counts))
         W, r = self.world_size, self.rank
@@ -314,18 +318,25 @@ class Communicator:
         if sc[r] != rc[r]:
             raise CommUsageError(f"rank {r}: exchange_rows sends {sc[r]} rows to itself but "
                                  f"expects {rc[r]}")
-        a, o = _raw(send), _raw(recv)
-        for p in range(W):
-            if so[p] < 0 or sc[p] < 0 or so[p] + sc[p] > a.shape[0] or ro[p] < 0 or rc[p] < 0 \
-                    or ro[p] + rc[p] > o.shape[0]:
-                raise ValueError(f"send_offsets/recv_offsets: rank {p}'s rows fall outside "
-                                 f"send {a.shape} / recv {o.shape}")
+        sends = list(send) if isinstance(send, (list, tuple)) else [send]
+        recvs = list(recv) if isinstance(recv, (list, tuple)) else [recv]
+        if len(sends) != len(recvs):
+            raise ValueError(f"recv: expected {len(sends)} arrays (one per send), got "
+                             f"{len(recvs)}")
+        pairs = [(_raw(a), _raw(o)) for a, o in zip(sends, recvs)]
+        for i, (a, o) in enumerate(pairs):
+            for p in range(W):
+                if so[p] < 0 or sc[p] < 0 or so[p] + sc[p] > a.shape[0] or ro[p] < 0 \
+                        or rc[p] < 0 or ro[p] + rc[p] > o.shape[0]:
+                    raise ValueError(f"send_offsets/recv_offsets: rank {p}'s rows fall outside "
+                                     f"send[{i}] {a.shape} / recv[{i}] {o.shape}")
         with self._op("exchange_rows"), self.group():
             for p in range(W):
-                if sc[p]:
-                    self.send(a[so[p]:so[p] + sc[p]], p)
-                if rc[p]:
-                    self.recv(o[ro[p]:ro[p] + rc[p]], p)
+                for a, o in pairs:
+                    if sc[p]:
+                        self.send(a[so[p]:so[p] + sc[p]], p)
+                    if rc[p]:
+                        self.recv(o[ro[p]:ro[p] + rc[p]], p)
         return recv
 
     def barrier(self) -> None:

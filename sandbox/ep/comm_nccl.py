@@ -442,18 +442,20 @@ class NcclCommunicator(Communicator):
                               nccl_dtype(dtype), self._sum)
         return _view_as(out, dtype)
 
-    def counts_phase_async(self, send_counts, both=None):
+    def counts_phase_async(self, send_counts, both=None, after=None):
         """Exchange the counts on a side stream (after the work enqueued so far) and copy
         them into pinned host memory asynchronously; the caller's next kernels (the row
         gather) run meanwhile. `.wait()` polls for the copy and makes the current stream
         wait for the exchange, so the rows exchange that follows is ordered after it."""
         cupy = self._cupy
         if isinstance(send_counts, np.ndarray):
-            return super().counts_phase_async(send_counts)
+            return super().counts_phase_async(send_counts, both)
         W, r = self.world_size, self.rank
         main = cupy.cuda.get_current_stream()
-        ready = cupy.cuda.Event(disable_timing=True)
-        ready.record(main)
+        ready = after
+        if ready is None:
+            ready = cupy.cuda.Event(disable_timing=True)
+            ready.record(main)
         if getattr(self, "_side", None) is None:
             self._side = _high_priority_stream(cupy)
             self._pinned = {}
@@ -542,7 +544,8 @@ class NcclCommunicator(Communicator):
         return (outs[0] if single else outs), recv_counts
 
     def exchange_rows(self, send, send_offsets, send_counts, recv, recv_offsets, recv_counts):
-        """The base class's exchange_rows from pointers (no array slices)."""
+        """The base class's exchange_rows from pointers (no array slices); `send` / `recv`
+        may be lists of arrays sharing the row offsets and counts (one group for all)."""
         so, sc, ro, rc = (np.asarray(a, dtype=np.int64).reshape(-1).tolist()
                           for a in (send_offsets, send_counts, recv_offsets, recv_counts))
         W, r = self.world_size, self.rank
@@ -552,24 +555,33 @@ class NcclCommunicator(Communicator):
         if sc[r] != rc[r]:
             raise CommUsageError(f"rank {r}: exchange_rows sends {sc[r]} rows to itself but "
                                  f"expects {rc[r]}")
-        a = self._contig(_raw(send), "send")
-        o = self._contig(_raw(recv), "recv")
-        if a.shape[1:] != o.shape[1:] or a.dtype != o.dtype:
-            raise ValueError(f"recv: expected rows of shape {a.shape[1:]} {a.dtype} (send's), "
-                             f"got {o.shape[1:]} {o.dtype}")
-        for p in range(W):
-            if so[p] < 0 or sc[p] < 0 or so[p] + sc[p] > a.shape[0] or ro[p] < 0 or rc[p] < 0 \
-                    or ro[p] + rc[p] > o.shape[0]:
-                raise ValueError(f"send_offsets/recv_offsets: rank {p}'s rows fall outside "
-                                 f"send {a.shape} / recv {o.shape}")
-        rb = a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+        sends = list(send) if isinstance(send, (list, tuple)) else [send]
+        recvs = list(recv) if isinstance(recv, (list, tuple)) else [recv]
+        if len(sends) != len(recvs):
+            raise ValueError(f"recv: expected {len(sends)} arrays (one per send), got "
+                             f"{len(recvs)}")
+        bufs = []
+        for i, (a, o) in enumerate(zip(sends, recvs)):
+            a = self._contig(_raw(a), f"send[{i}]")
+            o = self._contig(_raw(o), f"recv[{i}]")
+            if a.shape[1:] != o.shape[1:] or a.dtype != o.dtype:
+                raise ValueError(f"recv[{i}]: expected rows of shape {a.shape[1:]} {a.dtype} "
+                                 f"(send's), got {o.shape[1:]} {o.dtype}")
+            for p in range(W):
+                if so[p] < 0 or sc[p] < 0 or so[p] + sc[p] > a.shape[0] or ro[p] < 0 \
+                        or rc[p] < 0 or ro[p] + rc[p] > o.shape[0]:
+                    raise ValueError(f"send_offsets/recv_offsets: rank {p}'s rows fall outside "
+                                     f"send[{i}] {a.shape} / recv[{i}] {o.shape}")
+            bufs.append((a.data.ptr, o.data.ptr,
+                         a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))))
         self._raise_if_failed()
         with self._op("exchange_rows"), self.group():
             for p in range(W):
-                if sc[p]:
-                    self._p2p_ptr("send", a.data.ptr + so[p] * rb, sc[p] * rb, p)
-                if rc[p]:
-                    self._p2p_ptr("recv", o.data.ptr + ro[p] * rb, rc[p] * rb, p)
+                for a_ptr, o_ptr, rb in bufs:
+                    if sc[p]:
+                        self._p2p_ptr("send", a_ptr + so[p] * rb, sc[p] * rb, p)
+                    if rc[p]:
+                        self._p2p_ptr("recv", o_ptr + ro[p] * rb, rc[p] * rb, p)
         return recv
 
     def counts_phase(self, send_counts):

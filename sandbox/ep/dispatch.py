@@ -325,19 +325,29 @@ def _alltoall_dispatch_fused(comm, lay, x, ids, experts_per_rank, topk_weights, 
     ids = xp.ascontiguousarray(ids)
     if not x.flags.c_contiguous:   # (bf16 copies go through the uint16 bytes)
         x = view_as(xp.ascontiguousarray(raw(x)), x.dtype)
+    counts2, inv, _, n_real = lay.ep_layout(ids, experts_per_rank, W, comm.rank, slot,
+                                            chunks)                 # [2, W, C], [T S], .., [1]
+    laid_out = None
+    if xp is not np:   # the counts are ready here: the exchange need not wait for the gather
+        laid_out = xp.cuda.Event(disable_timing=True)
+        laid_out.record()
     w32 = None
     if topk_weights is not None:
         w32 = xp.ascontiguousarray(topk_weights.astype(xp.float32, copy=False))   # [T, K]
-    counts2, inv, _, n_real = lay.ep_layout(ids, experts_per_rank, W, comm.rank, slot,
-                                            chunks)                 # [2, W, C], [T S], .., [1]
-    # phase one starts right after the layout kernel (on a side stream for NCCL), so that
-    # the exchange of the counts and its host sync overlap the row gather below
-    pending = comm.counts_phase_async(counts2[0], both=counts2)
+    # the gather goes first on the GPU (the host's launch work is shorter than the counts
+    # exchange's); phase one then runs on a side stream after the layout kernel only, so
+    # that the exchange of the counts and its host sync overlap the gather
     x_send, ids_send, w_send = lay.ep_gather(x, ids, w32, inv, n_real, experts_per_rank, slot)
+    pending = comm.counts_phase_async(counts2[0], both=counts2, after=laid_out)
     send_counts, recv_counts = pending.wait()
-    n = int(send_counts.sum())                # rows past n ("nowhere") are never sent
-    sends = [raw(x_send)[:n], ids_send[:n]] + ([w_send[:n]] if w_send is not None else [])
-    recvs, _ = comm.all_to_all_v(sends, send_counts, recv_counts=recv_counts)
+    # rows past n = sum(send_counts) ("nowhere") are never sent; the rows exchange goes
+    # straight from the [T S, ...] send buffers at the destinations' offsets
+    so = np.concatenate([[0], np.cumsum(send_counts)[:-1]])
+    ro = np.concatenate([[0], np.cumsum(recv_counts)[:-1]])
+    R = int(recv_counts.sum())
+    sends = [raw(x_send), ids_send] + ([w_send] if w_send is not None else [])
+    recvs = [xp.empty((R,) + a.shape[1:], dtype=a.dtype) for a in sends]
+    comm.exchange_rows(sends, so, send_counts, recvs, ro, recv_counts)
     x_recv, ids_recv = recvs[0], recvs[1]
     w_recv = recvs[2] if w_send is not None else None
     state = AllToAllState(rows, send_counts, recv_counts, inv, T, np.dtype(x.dtype),
