@@ -56,9 +56,10 @@ ROUTINGS = 4
 FLUSH_BYTES = 128 << 20
 SPIN_US = 1000
 # configs outside quant_gemm_wna16.CONFIGS to try (--sweep --variants; each compiles on its own)
-VARIANTS = [dict(MT=1, WN=8, U=4, MINB=2), dict(MT=1, WN=4, U=8, MINB=2),
-            dict(MT=1, WN=2, U=4, MINB=8), dict(MT=4, WN=8, U=4, MINB=1),
-            dict(MT=2, WN=4, U=6, MINB=3)]
+VARIANTS = [dict(KERNEL="async", MT=1, WN=8, STAGES=3, MINB=1),
+            dict(KERNEL="async", MT=1, WN=4, STAGES=6, MINB=1),
+            dict(KERNEL="async", MT=1, WN=2, STAGES=4, MINB=4),
+            dict(KERNEL="async", MT=2, WN=8, STAGES=3, MINB=1)]
 
 _SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -238,12 +239,13 @@ def main(argv=None):
             B = 32 if P / E > 8 else 16
             cands = list(W.CONFIGS.items())
             if args.variants:
-                cands += [(f"MT{v['MT']}WN{v['WN']}U{v['U']}", v) for v in VARIANTS
+                cands += [(f"MT{v['MT']}WN{v['WN']}S{v['STAGES']}", v) for v in VARIANTS
                           if (T <= 16) == (v["MT"] == 1)]
             for cname, cfg in cands:
                 if B % (8 * cfg["MT"]):
                     continue
-                for ks in (("auto", 1, 2, 4, 8) if cname in W.CONFIGS else ("auto",)):
+                sweep_ks = ("auto", 1, 2, 4, 8) if cfg.get("KERNEL") == "async" else ("auto",)
+                for ks in sweep_ks:
                     if time.time() > deadline:
                         break
                     try:

@@ -65,6 +65,7 @@ def test_config_choice_and_splits():
             sps = C.cdiv(steps, ks)
             assert 1 <= ks <= steps and (ks - 1) * sps < steps
             assert W.smem_bytes(cfg, sps) <= max(W.smem_budget(cfg), W.smem_bytes(cfg, 1))
+            assert W.smem_bytes(cfg, sps, 8) <= W.SMEM_PER_SM
     assert W.choose_splits(W.CONFIGS["m8"], 2, 8, 4096, 14336, 32, 132) > 1
     with pytest.raises(ValueError, match="block_size"):
         W.pick_config(2, 12)
@@ -187,7 +188,7 @@ def test_repeated_split_launches_reuse_counters(rng):
     st, ex, ntp = (up(v) for v in moe_align_block_size(
         rng.integers(0, E, (M_a, K)).astype(np.int32), B, E))
     args = (up(a), up(wq), st, ex, ntp, K, B)
-    kw = dict(w_scale=up(ws), use_int4_w4a16=True, config=dict(W.CONFIGS["m8"], KS=4))
+    kw = dict(w_scale=up(ws), use_int4_w4a16=True, config=dict(W.CONFIGS["a8"], KS=4))
     first = host(W.grouped_gemm_wna16(*args, **kw), BF16)
     second = host(W.grouped_gemm_wna16(*args, **kw), BF16)
     assert np.array_equal(first.view(np.uint16), second.view(np.uint16))
@@ -238,6 +239,8 @@ def test_argument_errors(rng):
 W16_PRELUDE = r"""
 struct uint4 { unsigned x, y, z, w; };
 struct float2 { float x, y; };
+inline void __syncwarp(unsigned = 0xffffffffu) {
+    int x = 0; unsigned char all[32][64]; warp_exchange(&x, sizeof(x), all); }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 #define __shared__ static
 inline void __threadfence() {}
@@ -333,6 +336,10 @@ def _emulated_gemm(lib, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, nbits, c
 
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,ks,fmt,shape", [
+    ("a8", None, FORMATS[0], (1, 4, 2, 64, 256, 16)),
+    ("a16", 2, FORMATS[0], (7, 3, 2, 32, 1536, 16)),        # several stages, split K
+    ("a8", 2, FORMATS[1], (5, 3, 2, 40, 352, 16)),          # g32 zp, a tail step
+    ("a32", None, FORMATS[4], (20, 2, 1, 24, 640, 32)),     # uint8 zp
     ("m8", None, FORMATS[0], (1, 4, 2, 64, 256, 16)),
     ("m16", 2, FORMATS[0], (7, 3, 2, 32, 512, 16)),         # int4 post-scaled, split K
     ("m8", None, FORMATS[3], (3, 2, 2, 24, 640, 16)),       # int4 per-channel zp, post-scaled

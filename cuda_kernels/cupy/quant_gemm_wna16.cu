@@ -162,7 +162,138 @@ __device__ __forceinline__ uint4 ld_stream(const u8* p) {
     return v;
 }
 
+// cp.async: 16 bytes (.cg: L2 only, the weights are read once) or 4 bytes (.ca), zero-filled
+// when pred is false (src-size 0: nothing is read).
+__device__ __forceinline__ void cp16(void* dst, const void* src, bool pred) {
+#ifdef QG_EMULATED_PTX
+    qg_cp16(dst, src, pred);
+#else
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(d), "l"(src), "r"(pred ? 16 : 0));
+#endif
+}
+__device__ __forceinline__ void cp4(void* dst, const void* src, bool pred) {
+#ifdef QG_EMULATED_PTX
+    qg_cp4(dst, src, pred);
+#else
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"(d), "l"(src), "r"(pred ? 4 : 0));
+#endif
+}
+__device__ __forceinline__ void cp_commit() {
+#ifdef QG_EMULATED_PTX
+    qg_commit();
+#else
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+#ifdef QG_EMULATED_PTX
+    qg_wait<N>();
+#else
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+#endif
+}
+
 }  // namespace w16
+
+// One 128-K step of one warp: the lane's 32 codes of rows g and g + 8 (cw), their scales and
+// zero points, the staged activations of the step (a_st, and their sums sum_st for POST),
+// accumulated into acc (the m16n8 C fragments of the MT token tiles).
+template <int NBITS, int POST, int MT>
+__device__ __forceinline__ void step_math(const uint4 (&cw)[2][NBITS / 4], float s_lo,
+                                          float s_hi, int z_lo, int z_hi, const uint4* a_st,
+                                          const float* sum_st, float (&acc)[MT][4], int g, int t,
+                                          int code_xor) {
+    constexpr int BM = 8 * MT;
+    constexpr int CH = NBITS / 4;
+    if (POST) {
+        // int4 with one group per step: the mma sees the raw magic values
+        // 128 + q (exact, 1024 + q for fp16), per step in fresh accumulators; then
+        // sum_k (q - zp) a s = s (sum_k (128 + q) a - (128 + zp) sum_k a), with
+        // sum_k a of the step staged beside the activations. One lop3 (and one
+        // shift) per pair, nothing else: the dequantization is off the hot path.
+        float tmp[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) tmp[mt][i] = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 wl = j == 0 ? cw[0][0].x : j == 1 ? cw[0][0].y
+                         : j == 2 ? cw[0][0].z : cw[0][0].w;
+            const u32 wh = j == 0 ? cw[1][0].x : j == 1 ? cw[1][0].y
+                         : j == 2 ? cw[1][0].z : cw[1][0].w;
+            const u32 l0 = (wl & 0x000F000Fu) | W16_MAGIC;
+            const u32 l1 = ((wl >> 4) & 0x000F000Fu) | W16_MAGIC;
+            const u32 l2 = ((wl >> 8) & 0x000F000Fu) | W16_MAGIC;
+            const u32 l3 = ((wl >> 12) & 0x000F000Fu) | W16_MAGIC;
+            const u32 h0 = (wh & 0x000F000Fu) | W16_MAGIC;
+            const u32 h1 = ((wh >> 4) & 0x000F000Fu) | W16_MAGIC;
+            const u32 h2 = ((wh >> 8) & 0x000F000Fu) | W16_MAGIC;
+            const u32 h3 = ((wh >> 12) & 0x000F000Fu) | W16_MAGIC;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const uint4 b = a_st[(j * BM + mt * 8 + g) * 4 + t];
+                w16::mma16816(tmp[mt], l0, h0, l1, h1, b.x, b.y);
+                w16::mma16816(tmp[mt], l2, h2, l3, h3, b.z, b.w);
+            }
+        }
+            const float zl = W16_MAGIC_F + z_lo, zh = W16_MAGIC_F + z_hi;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const float2 as = *reinterpret_cast<const float2*>(sum_st + mt * 8 +
+                                                                 2 * t);
+            acc[mt][0] += s_lo * (tmp[mt][0] - zl * as.x);
+            acc[mt][1] += s_lo * (tmp[mt][1] - zl * as.y);
+            acc[mt][2] += s_hi * (tmp[mt][2] - zh * as.x);
+            acc[mt][3] += s_hi * (tmp[mt][3] - zh * as.y);
+        }
+        return;
+    }
+    u32 zl2, zh2, sl2, sh2;
+    float zfl = 0.f, zfh = 0.f;
+    if (NBITS == 4) {
+        zl2 = w16::pack2(W16_MAGIC_F + z_lo, W16_MAGIC_F + z_lo);
+        zh2 = w16::pack2(W16_MAGIC_F + z_hi, W16_MAGIC_F + z_hi);
+        sl2 = w16::pack2(s_lo, s_lo);
+        sh2 = w16::pack2(s_hi, s_hi);
+    } else {
+        zfl = 8388608.f + z_lo;
+        zfh = 8388608.f + z_hi;
+        zl2 = zh2 = sl2 = sh2 = 0;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32 l0, l1, l2, l3, h0, h1, h2, h3;
+        if (NBITS == 4) {
+            const u32 wl = j == 0 ? cw[0][0].x : j == 1 ? cw[0][0].y
+                         : j == 2 ? cw[0][0].z : cw[0][0].w;
+            const u32 wh = j == 0 ? cw[1][0].x : j == 1 ? cw[1][0].y
+                         : j == 2 ? cw[1][0].z : cw[1][0].w;
+            w16::deq_int4(wl, zl2, sl2, l0, l1, l2, l3);
+            w16::deq_int4(wh, zh2, sh2, h0, h1, h2, h3);
+        } else {
+            // 8 codes = words 2j, 2j+1 of the lane's 32 bytes
+            const uint4 ql = cw[0][CH - 1 >= 1 ? (j >> 1) : 0];
+            const uint4 qh = cw[1][CH - 1 >= 1 ? (j >> 1) : 0];
+            u32 a0 = (j & 1) ? ql.z : ql.x, a1 = (j & 1) ? ql.w : ql.y;
+            u32 b0 = (j & 1) ? qh.z : qh.x, b1 = (j & 1) ? qh.w : qh.y;
+            const u32 xm = code_xor * 0x01010101u;
+            w16::deq_int8(a0 ^ xm, a1 ^ xm, zfl, s_lo, l0, l1, l2, l3);
+            w16::deq_int8(b0 ^ xm, b1 ^ xm, zfh, s_hi, h0, h1, h2, h3);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const uint4 b = a_st[(j * BM + mt * 8 + g) * 4 + t];
+            w16::mma16816(acc[mt], l0, h0, l1, h1, b.x, b.y);
+            w16::mma16816(acc[mt], l2, h2, l3, h3, b.z, b.w);
+        }
+    }
+}
 
 template <int NBITS, int POST, int MT, int WN, int U, int MINB>
 __global__ void __launch_bounds__(WN * 32, MINB)
@@ -319,93 +450,246 @@ wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
                 const int z_lo = zr[u][0], z_hi = zr[u][1];
                 load_step(st + U, u);             // refill the slot before the math
                 const uint4* a_st = sA + (size_t)(st - s_begin) * 16 * BM;
-                if (POST) {
-                    // int4 with one group per step: the mma sees the raw magic values
-                    // 128 + q (exact, 1024 + q for fp16), per step in fresh accumulators; then
-                    // sum_k (q - zp) a s = s (sum_k (128 + q) a - (128 + zp) sum_k a), with
-                    // sum_k a of the step staged beside the activations. One lop3 (and one
-                    // shift) per pair, nothing else: the dequantization is off the hot path.
-                    float tmp[MT][4];
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) tmp[mt][i] = 0.f;
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const u32 wl = j == 0 ? cw[0][0].x : j == 1 ? cw[0][0].y
-                                     : j == 2 ? cw[0][0].z : cw[0][0].w;
-                        const u32 wh = j == 0 ? cw[1][0].x : j == 1 ? cw[1][0].y
-                                     : j == 2 ? cw[1][0].z : cw[1][0].w;
-                        const u32 l0 = (wl & 0x000F000Fu) | W16_MAGIC;
-                        const u32 l1 = ((wl >> 4) & 0x000F000Fu) | W16_MAGIC;
-                        const u32 l2 = ((wl >> 8) & 0x000F000Fu) | W16_MAGIC;
-                        const u32 l3 = ((wl >> 12) & 0x000F000Fu) | W16_MAGIC;
-                        const u32 h0 = (wh & 0x000F000Fu) | W16_MAGIC;
-                        const u32 h1 = ((wh >> 4) & 0x000F000Fu) | W16_MAGIC;
-                        const u32 h2 = ((wh >> 8) & 0x000F000Fu) | W16_MAGIC;
-                        const u32 h3 = ((wh >> 12) & 0x000F000Fu) | W16_MAGIC;
-#pragma unroll
-                        for (int mt = 0; mt < MT; ++mt) {
-                            const uint4 b = a_st[(j * BM + mt * 8 + g) * 4 + t];
-                            w16::mma16816(tmp[mt], l0, h0, l1, h1, b.x, b.y);
-                            w16::mma16816(tmp[mt], l2, h2, l3, h3, b.z, b.w);
-                        }
-                    }
-                    const float* sum_st = sSum + (size_t)(st - s_begin) * BM;
-                    const float zl = W16_MAGIC_F + z_lo, zh = W16_MAGIC_F + z_hi;
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        const float2 as = *reinterpret_cast<const float2*>(sum_st + mt * 8 +
-                                                                             2 * t);
-                        acc[mt][0] += s_lo * (tmp[mt][0] - zl * as.x);
-                        acc[mt][1] += s_lo * (tmp[mt][1] - zl * as.y);
-                        acc[mt][2] += s_hi * (tmp[mt][2] - zh * as.x);
-                        acc[mt][3] += s_hi * (tmp[mt][3] - zh * as.y);
-                    }
-                    continue;
-                }
-                u32 zl2, zh2, sl2, sh2;
-                float zfl = 0.f, zfh = 0.f;
-                if (NBITS == 4) {
-                    zl2 = w16::pack2(W16_MAGIC_F + z_lo, W16_MAGIC_F + z_lo);
-                    zh2 = w16::pack2(W16_MAGIC_F + z_hi, W16_MAGIC_F + z_hi);
-                    sl2 = w16::pack2(s_lo, s_lo);
-                    sh2 = w16::pack2(s_hi, s_hi);
-                } else {
-                    zfl = 8388608.f + z_lo;
-                    zfh = 8388608.f + z_hi;
-                    zl2 = zh2 = sl2 = sh2 = 0;
-                }
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    u32 l0, l1, l2, l3, h0, h1, h2, h3;
-                    if (NBITS == 4) {
-                        const u32 wl = j == 0 ? cw[0][0].x : j == 1 ? cw[0][0].y
-                                     : j == 2 ? cw[0][0].z : cw[0][0].w;
-                        const u32 wh = j == 0 ? cw[1][0].x : j == 1 ? cw[1][0].y
-                                     : j == 2 ? cw[1][0].z : cw[1][0].w;
-                        w16::deq_int4(wl, zl2, sl2, l0, l1, l2, l3);
-                        w16::deq_int4(wh, zh2, sh2, h0, h1, h2, h3);
-                    } else {
-                        // 8 codes = words 2j, 2j+1 of the lane's 32 bytes
-                        const uint4 ql = cw[0][CH - 1 >= 1 ? (j >> 1) : 0];
-                        const uint4 qh = cw[1][CH - 1 >= 1 ? (j >> 1) : 0];
-                        u32 a0 = (j & 1) ? ql.z : ql.x, a1 = (j & 1) ? ql.w : ql.y;
-                        u32 b0 = (j & 1) ? qh.z : qh.x, b1 = (j & 1) ? qh.w : qh.y;
-                        const u32 xm = code_xor * 0x01010101u;
-                        w16::deq_int8(a0 ^ xm, a1 ^ xm, zfl, s_lo, l0, l1, l2, l3);
-                        w16::deq_int8(b0 ^ xm, b1 ^ xm, zfh, s_hi, h0, h1, h2, h3);
-                    }
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        const uint4 b = a_st[(j * BM + mt * 8 + g) * 4 + t];
-                        w16::mma16816(acc[mt], l0, h0, l1, h1, b.x, b.y);
-                        w16::mma16816(acc[mt], l2, h2, l3, h3, b.z, b.w);
-                    }
-                }
+                const float* sum_st = sSum + (size_t)(st - s_begin) * BM;
+                step_math<NBITS, POST, MT>(cw, s_lo, s_hi, z_lo, z_hi, a_st, sum_st, acc, g, t,
+                                           code_xor);
             }
         }
     }
+
+    // ---- split K: the last CTA of the tile to arrive adds the partials in split order
+    if (gridDim.z > 1) {
+        const size_t tile = (size_t)blockIdx.y * gridDim.x + blockIdx.x;
+        constexpr int PER = NT * MT * 4;
+        float* mine = ws + (tile * gridDim.z + blockIdx.z) * PER;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) __stcg(mine + (mt * 4 + i) * NT + tid, acc[mt][i]);
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) sLast = atomicAdd(counters + tile, 1) == (int)gridDim.z - 1;
+        __syncthreads();
+        if (!sLast) return;
+        __threadfence();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+        for (int z = 0; z < (int)gridDim.z; ++z) {
+            const float* part = ws + (tile * gridDim.z + z) * PER;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[mt][i] += __ldcg(part + (mt * 4 + i) * NT + tid);
+        }
+        if (tid == 0) counters[tile] = 0;         // ready for the next launch on this stream
+    }
+
+    // ---- epilogue: c0 c1 = (row g, tokens 2t, 2t+1), c2 c3 = (row g + 8, same tokens)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = mt * 8 + 2 * t + (i & 1);
+            const int n = (i >> 1) ? n_hi : n_lo;
+            const int s = sSlot[r];
+            if (s < 0 || n >= N) continue;
+            float v = acc[mt][i];
+            if (bias != nullptr) v += bias[(size_t)e * N + n];
+            if (mul_routed_weight) v *= topk_weights[s];
+            c[(size_t)s * N + n] = w16::from_f32(v);
+        }
+    }
+}
+
+template <int NBITS, int POST, int MT, int WN, int STAGES, int MINB>
+__global__ void __launch_bounds__(WN * 32, MINB)
+wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
+             const float* __restrict__ w_scale, const u8* __restrict__ w_zp,
+             const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
+             const int* __restrict__ num_tokens_post_padded,
+             const float* __restrict__ topk_weights, const float* __restrict__ bias,
+             float* __restrict__ ws, int* __restrict__ counters,
+             int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
+             int mul_routed_weight, int group_size, int num_groups, int default_zp,
+             int code_xor, int steps_per_split) {
+    constexpr int BM = 8 * MT;
+    constexpr int NT = WN * 32;
+    constexpr int CH = NBITS / 4;                 // 16-byte chunks per row per lane per step
+    extern __shared__ __align__(16) u8 smem[];
+    uint4* sA = reinterpret_cast<uint4*>(smem);   // [SPS][4 j][BM][4 t] 16-byte units
+    __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
+    __shared__ int sLast;
+
+    const int m0 = blockIdx.x * BM;
+    if (m0 >= num_tokens_post_padded[0] || m0 >= num_positions) return;
+    const int tid = threadIdx.x;
+    const int e = expert_ids[m0 / block_size];    // BM divides block_size: one expert
+    int live = 0;
+    if (tid < BM) {
+        const int s = sorted_token_ids[m0 + tid];
+        sSlot[tid] = (s >= 0 && s < num_slots) ? s : -1;
+        live = s >= 0 && s < num_slots;
+    }
+    if (!__syncthreads_or(live)) return;          // all padding (every split agrees)
+    const int n_cta = blockIdx.y * (16 * WN);
+    if (e < 0) {                                  // expert of another rank: zeros, once
+        if (blockIdx.z != 0) return;
+        for (int i = tid; i < BM * 16 * WN; i += NT) {
+            const int r = i / (16 * WN), n = n_cta + i % (16 * WN);
+            if (sSlot[r] >= 0 && n < N) c[(size_t)sSlot[r] * N + n] = w16::from_f32(0.f);
+        }
+        return;
+    }
+
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int ksteps = (Kdim + 127) >> 7;
+    const int s_begin = blockIdx.z * steps_per_split;
+    const int s_end = min(ksteps, s_begin + steps_per_split);
+    const int row_bytes = Kdim * NBITS / 8;
+    const int n_lo = n_cta + warp * 16 + g, n_hi = n_lo + 8;
+    const bool ok_lo = n_lo < N, ok_hi = n_hi < N;
+    const u8* w_e = w + (size_t)e * N * row_bytes;     // 64-bit expert base, 32-bit inside
+    const u8* w_lo = w_e + (size_t)(ok_lo ? n_lo : 0) * row_bytes + t * 16 * CH;
+    const u8* w_hi = w_e + (size_t)(ok_hi ? n_hi : 0) * row_bytes + t * 16 * CH;
+    const size_t sc_e = (size_t)e * N * num_groups;
+    const int sc_lo = (ok_lo ? n_lo : 0) * num_groups, sc_hi = (ok_hi ? n_hi : 0) * num_groups;
+
+    // ---- per-warp cp.async ring: STAGES stages of SB steps, 16 rows x RB bytes each, copied
+    // with whole-line requests (16 lanes read 256 contiguous bytes of one row), read back
+    // by each lane in the mma's layout; the scales of each (step, lane t) ride along (4 bytes).
+    constexpr int SB = 4;                        // 128-K steps per stage
+    constexpr int RB = SB * 64 * CH;             // bytes of one row per stage
+    constexpr int RP = RB + 16;                  // padded shared row: conflict-free 16-byte reads
+    constexpr int CPR = RB / 16;                 // 16-byte chunks per row per stage
+    constexpr int CPS = 4 * CH;                  // chunks per row per step
+    constexpr int WT = 16 * RP + 16 * SB * 4 * 4;   // one warp stage: weights, then scales
+    const int nsteps_all = max(0, s_end - s_begin);
+    const size_t act_bytes = ((size_t)BM * steps_per_split * 260 + 15) & ~(size_t)15;
+    u8* wbase = smem + act_bytes + (size_t)warp * STAGES * WT;
+    const int n_w = n_cta + warp * 16;
+    auto issue = [&](int stg) {                  // stage stg of this split into its ring slot
+        const int st0 = s_begin + stg * SB;
+        if (stg * SB < nsteps_all) {
+            u8* dst = wbase + (stg % STAGES) * WT;
+#pragma unroll
+            for (int i = 0; i < 16 * CPR / 32; ++i) {
+                const int cidx = i * 32 + lane;
+                const int row = cidx / CPR, col = cidx % CPR;
+                const int st = st0 + col / CPS;
+                const int kc = st * 128 + (col % CPS) * (128 / CPS);
+                const bool ok = st < s_end && kc < Kdim && n_w + row < N;
+                const u8* src = ok ? w_e + (size_t)(n_w + row) * row_bytes + kc * NBITS / 8 : w;
+                w16::cp16(dst + row * RP + col * 16, src, ok);
+            }
+            float* ssc = reinterpret_cast<float*>(dst + 16 * RP);   // [16 rows][SB steps][4 t]
+#pragma unroll
+            for (int i = 0; i < 16 * SB * 4 / 32; ++i) {
+                const int q = i * 32 + lane;
+                const int row = q / (SB * 4), st = st0 + (q / 4) % SB, tt = q % 4;
+                const int kq = POST ? st * 128 : st * 128 + tt * 32;
+                const bool ok = st < s_end && kq < Kdim && n_w + row < N;
+                const float* src = ok ? w_scale + sc_e + (size_t)(n_w + row) * num_groups +
+                                        kq / group_size : w_scale;
+                w16::cp4(ssc + q, src, ok);
+            }
+        }
+        w16::cp_commit();                        // an empty group past the end keeps the count
+    };
+#pragma unroll
+    for (int s0 = 0; s0 < STAGES - 1; ++s0) issue(s0);
+
+    // ---- stage this split's activations, permuted [a0 a4 a1 a5 a2 a6 a3 a7] per 8 codes.
+    // Only live tokens: a padding column of B only reaches the same column of the
+    // accumulators, which the epilogue never stores, so its shared memory stays unwritten.
+    __shared__ int sLive[BM];
+    __shared__ int sNumLive;
+    if (tid == 0) {
+        int nl = 0;
+        for (int r = 0; r < BM; ++r)
+            if (sSlot[r] >= 0) sLive[nl++] = r;
+        sNumLive = nl;
+    }
+    __syncthreads();
+    const int num_live = sNumLive;
+    const int nsteps = max(0, s_end - s_begin);
+    float* sSum = reinterpret_cast<float*>(sA + (size_t)nsteps * 16 * BM);   // [SPS][BM]
+    // 16 consecutive units = one (step, token): 4 j x 4 t. total is a multiple of 16, so a
+    // half warp is all in range or all out, and POST's shuffle sums stay inside it.
+    const int total = nsteps * 16 * num_live;
+    for (int base = (tid & ~31); base < total; base += NT) {
+        const int i = base + (tid & 31);
+        const bool ok = i < total;
+        const int tt = i & 3, j = (i >> 2) & 3, q = i >> 4;
+        const int r = ok ? sLive[q % num_live] : 0, sl = q / max(num_live, 1);
+        const int k = (s_begin + sl) * 128 + tt * 32 + j * 8;
+        float part = 0.f;
+        if (ok) {
+            uint4 v = make_uint4(0, 0, 0, 0);   // past Kdim: zeros (0 * garbage could be NaN)
+            if (k < Kdim) {
+                const uint4 x = __ldg(reinterpret_cast<const uint4*>(
+                    a + (size_t)(sSlot[r] / top_k) * Kdim + k));
+                v.x = __byte_perm(x.x, x.z, 0x5410);   // (a0, a4)
+                v.y = __byte_perm(x.x, x.z, 0x7632);   // (a1, a5)
+                v.z = __byte_perm(x.y, x.w, 0x5410);   // (a2, a6)
+                v.w = __byte_perm(x.y, x.w, 0x7632);   // (a3, a7)
+                if (POST)
+                    part = (w16::lo_f32(x.x) + w16::hi_f32(x.x)) + (w16::lo_f32(x.y) +
+                           w16::hi_f32(x.y)) + ((w16::lo_f32(x.z) + w16::hi_f32(x.z)) +
+                           (w16::lo_f32(x.w) + w16::hi_f32(x.w)));
+            }
+            sA[((sl * 4 + j) * BM + r) * 4 + tt] = v;
+        }
+        if (POST) {                             // sum of the token's 128 values of the step
+#pragma unroll
+            for (int o = 1; o < 16; o <<= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+            if (ok && (i & 15) == 0) sSum[sl * BM + r] = part;
+        }
+    }
+    __syncthreads();
+
+    float acc[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+
+    const int nstages = (nsteps_all + SB - 1) / SB;
+    for (int stg = 0; stg < nstages; ++stg) {
+        w16::cp_wait<STAGES - 2>();              // stage stg has landed (this lane's copies)
+        __syncwarp();                            // ... and every lane's; slot stg-1 is free
+        issue(stg + STAGES - 1);
+        const u8* tile = wbase + (stg % STAGES) * WT;
+        const float* ssc = reinterpret_cast<const float*>(tile + 16 * RP);
+#pragma unroll
+        for (int sb = 0; sb < SB; ++sb) {
+            const int st = s_begin + stg * SB + sb;
+            if (st >= s_end) break;
+            uint4 cw[2][CH];
+#pragma unroll
+            for (int ch = 0; ch < CH; ++ch) {
+                cw[0][ch] = *reinterpret_cast<const uint4*>(tile + g * RP + sb * 64 * CH +
+                                                            t * 16 * CH + ch * 16);
+                cw[1][ch] = *reinterpret_cast<const uint4*>(tile + (g + 8) * RP + sb * 64 * CH +
+                                                            t * 16 * CH + ch * 16);
+            }
+            const float s_lo = ssc[(g * SB + sb) * 4 + t];
+            const float s_hi = ssc[((g + 8) * SB + sb) * 4 + t];
+            int z_lo = default_zp, z_hi = default_zp;
+            if (w_zp != nullptr) {                // zero points: a plain load (rarer format)
+                const int kq = POST ? st * 128 : st * 128 + t * 32;
+                const int grp = kq < Kdim ? kq / group_size : 0;
+                if (ok_lo) z_lo = __ldg(w_zp + sc_e + sc_lo + grp);
+                if (ok_hi) z_hi = __ldg(w_zp + sc_e + sc_hi + grp);
+            }
+            const uint4* a_st = sA + (size_t)(st - s_begin) * 16 * BM;
+            const float* sum_st = sSum + (size_t)(st - s_begin) * BM;
+            step_math<NBITS, POST, MT>(cw, s_lo, s_hi, z_lo, z_hi, a_st, sum_st, acc, g, t,
+                                       code_xor);
+        }
+    }
+    w16::cp_wait<0>();                           // nothing in flight at exit
 
     // ---- split K: the last CTA of the tile to arrive adds the partials in split order
     if (gridDim.z > 1) {

@@ -58,13 +58,18 @@ CONFIG_FILE = pathlib.Path(__file__).resolve().parent / "quant_gemm_wna16_config
 # weight loads in flight per lane, MINB CTAs per SM for the register cap, KS K splits ("auto":
 # enough CTAs to fill the GPU, under a shared-memory budget for the staged activations).
 CONFIGS = {
+    # wna16_async (cp.async ring per warp, STAGES stages of 4 steps)
+    "a8": dict(KERNEL="async", MT=1, WN=4, STAGES=4, MINB=2),
+    "a16": dict(KERNEL="async", MT=2, WN=4, STAGES=4, MINB=2),
+    "a32": dict(KERNEL="async", MT=4, WN=4, STAGES=3, MINB=2),
+    # wna16_stream (register ring of U steps per lane)
     "m8": dict(MT=1, WN=4, U=4, MINB=4),
     "m16": dict(MT=2, WN=4, U=4, MINB=4),
     "m32": dict(MT=4, WN=4, U=4, MINB=2),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. A measured table (CONFIG_FILE) replaces it when present.
-BY_ROWS = ((4, "m8"), (12, "m16"), (1 << 30, "m32"), (1 << 30, "m16"), (1 << 30, "m8"))
+BY_ROWS = ((4, "a8"), (12, "a16"), (1 << 30, "a32"), (1 << 30, "a16"), (1 << 30, "a8"))
 SMEM_PER_SM = 227 * 1024        # H100 / H200: shared memory an SM can give its CTAs
 TARGET_WARPS_PER_SM = 16        # enough 16-row streams to keep ~64 KB of loads in flight per SM
 
@@ -89,12 +94,24 @@ def kernel_name(nbits: int, cfg: dict, post: bool = False) -> str:
     the CTAs per SM (no spills)."""
     minb = cfg["MINB"] if nbits == 4 else max(1, cfg["MINB"] // 2)
     post = int(bool(post) and nbits == 4)
+    if cfg.get("KERNEL") == "async":
+        return (f"wna16_async<{nbits}, {post}, {cfg['MT']}, {cfg['WN']}, {cfg['STAGES']}, "
+                f"{minb}>")
     return f"wna16_stream<{nbits}, {post}, {cfg['MT']}, {cfg['WN']}, {cfg['U']}, {minb}>"
 
 
-def smem_bytes(cfg: dict, sps: int) -> int:
-    """The staged activations [SPS][BM][128] elem, then their per-step sums [SPS][BM] fp32."""
-    return 8 * cfg["MT"] * sps * (256 + 4)
+def ring_bytes(cfg: dict, nbits: int) -> int:
+    """wna16_async's per-warp rings: STAGES x (16 rows x (4 steps of codes + 16 B pad) + 16 rows
+    x 16 scales); 0 for wna16_stream."""
+    if cfg.get("KERNEL") != "async":
+        return 0
+    return cfg["WN"] * cfg["STAGES"] * (16 * (4 * 16 * nbits + 16) + 16 * 16 * 4)
+
+
+def smem_bytes(cfg: dict, sps: int, nbits: int = 4) -> int:
+    """The staged activations [SPS][BM][128] elem and their per-step sums [SPS][BM] fp32
+    (rounded up to 16 bytes), then wna16_async's weight rings."""
+    return (8 * cfg["MT"] * sps * (256 + 4) + 15) // 16 * 16 + ring_bytes(cfg, nbits)
 
 
 NAMES = tuple(kernel_name(b, c, p) for c in CONFIGS.values() for b, p in
@@ -122,9 +139,10 @@ def pick_config(rows_per_expert: float, block_size: int, config=None) -> dict:
             cfg = dict(CONFIGS[config])
         elif isinstance(config, dict):
             cfg = dict(config)
-            missing = {"MT", "WN", "U", "MINB"} - set(cfg)
+            need = {"MT", "WN", "MINB", "STAGES" if cfg.get("KERNEL") == "async" else "U"}
+            missing = need - set(cfg)
             if missing:
-                raise ValueError(f"config: expected keys MT, WN, U, MINB (KS optional), "
+                raise ValueError(f"config: expected keys {sorted(need)} (KS, KERNEL optional), "
                                  f"missing {sorted(missing)}")
         else:
             raise TypeError(f"config: expected a name or a dict, got {type(config).__name__}")
@@ -224,12 +242,14 @@ def _num_sms() -> int:
     return _SMS[dev]
 
 
-def smem_budget(cfg: dict) -> int:
-    """Staged activations per CTA that still let MINB CTAs share an SM (1 KB each reserved)."""
-    return SMEM_PER_SM // cfg["MINB"] - 1024
+def smem_budget(cfg: dict, nbits: int = 4) -> int:
+    """Shared memory per CTA that still lets MINB CTAs share an SM (1 KB each reserved)."""
+    minb = cfg["MINB"] if nbits == 4 else max(1, cfg["MINB"] // 2)
+    return SMEM_PER_SM // minb - 1024
 
 
-def choose_splits(cfg: dict, P: int, E: int, N: int, K: int, Lg: int, num_sms: int) -> int:
+def choose_splits(cfg: dict, P: int, E: int, N: int, K: int, Lg: int, num_sms: int,
+                  nbits: int = 4) -> int:
     """KS: split K until the live CTAs' warps reach TARGET_WARPS_PER_SM per SM, and until one
     split's staged activations fit smem_budget(cfg). Live m tiles are estimated on the host (the
     alignment lives on the device): about min(P, E) experts hit, plus P / BM more tiles."""
@@ -240,7 +260,9 @@ def choose_splits(cfg: dict, P: int, E: int, N: int, K: int, Lg: int, num_sms: i
     live_m = max(1, min(C.cdiv(Lg, bm), min(P, E) + P // bm))
     warps = live_m * C.cdiv(N, 16 * cfg["WN"]) * cfg["WN"]
     ks = C.cdiv(TARGET_WARPS_PER_SM * num_sms, warps)
-    ks = max(ks, C.cdiv(ksteps, max(1, smem_budget(cfg) // smem_bytes(cfg, 1))))
+    per_step = smem_bytes(cfg, 1, nbits) - ring_bytes(cfg, nbits)
+    room = smem_budget(cfg, nbits) - ring_bytes(cfg, nbits)
+    ks = max(ks, C.cdiv(ksteps, max(1, room // per_step)))
     ks = min(ks, ksteps)
     sps = C.cdiv(ksteps, ks)
     return C.cdiv(ksteps, sps)          # no empty split
@@ -254,13 +276,13 @@ def launch_plan(nbits: int, P: int, E: int, N: int, K: int, L: int, block_size: 
     cfg = pick_config(P / max(E, 1), block_size, config)
     bm = 8 * cfg["MT"]
     Lg = min(L, P * block_size)
-    ks = choose_splits(cfg, P, E, N, K, Lg, num_sms)
+    ks = choose_splits(cfg, P, E, N, K, Lg, num_sms, nbits)
     sps = C.cdiv(C.cdiv(K, KSTEP), ks)
     grid = (C.cdiv(Lg, bm), C.cdiv(N, 16 * cfg["WN"]), ks)
     if grid[1] > 65535 or ks > 65535:
         raise ValueError(f"w: N = {N} needs {grid[1]} column tiles, over the grid's 65535")
-    smem = smem_bytes(cfg, sps)
-    if smem > 200 * 1024:
+    smem = smem_bytes(cfg, sps, nbits)
+    if smem > SMEM_PER_SM:
         raise ValueError(f"config: KS = {ks} leaves {smem} bytes of staged activations per CTA")
     post = nbits == 4 and group_size > 0 and group_size % KSTEP == 0
     return dict(name=kernel_name(nbits, cfg, post), cfg=cfg, grid=grid, block=(32 * cfg["WN"],),
@@ -412,7 +434,7 @@ def _kernel(name, elem, smem):
     if kern is None:
         kern = C.get_kernel(CU, name, {"ELEM_BF16": elem}, NAMES if name in NAMES else (name,))
         _READY[key] = kern
-    if smem > 48 * 1024 and _SMEM_SET.get(key, 0) < smem:   # opt in above the default 48 KB
+    if smem > 40 * 1024 and _SMEM_SET.get(key, 0) < smem:   # opt in (48 KB with static smem)
         kern.max_dynamic_shared_size_bytes = smem
         _SMEM_SET[key] = smem
     return kern
