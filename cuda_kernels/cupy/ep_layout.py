@@ -187,7 +187,7 @@ def ep_combine(y, weights, inv, n, num_tokens, token_range=None, out=None):
     if y.shape[0] != n:
         raise ValueError(f"y: expected n = {n} rows (the rows sent), got shape {y.shape}")
     P = inv.shape[0]
-    S = P // T if T else 0
+    S = P // T if T else (0 if weights is None else weights.shape[1])
     if T * S != P:
         raise ValueError(f"inv: expected T * S entries for T = {T}, got {P}")
     if weights is not None:
