@@ -467,44 +467,59 @@ def chunk_kernels(NT):
         raise ValueError(f"threads: expected whole warps, got {NT}")
     W = NT // 32
     (expert_of, _, _, _, scan_padded, _, _, _) = _parts(NT)
+    PREFETCH = 8   # 32-slot steps whose id loads are in flight together (permute.cu's PREFETCH)
 
     @device_function
-    def warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, wc, row0, lane):
+    def load_round(ids, base, end, E, emap, use_map, ignore_invalid, eb, lane):
+        """eb[u] = the expert of slot base + 32 u + lane (-1: dropped or past end), u <
+        PREFETCH: the round's id loads all issued before any is used (one round trip, not
+        PREFETCH)."""
+        for u in range(PREFETCH):
+            s = base + 32 * u + lane
+            eb[u] = expert_of(ids, s, E, emap, use_map, ignore_invalid) if s < end else -1
+
+    @device_function
+    def warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, wc, row0, eb, lane):
         """wc[row0 + e] += the slots of expert e in [begin, end): one shared atomic per
         distinct expert per 32-slot step (its lowest lane adds the group's size)."""
-        for s0 in range(begin, end, 32):   # the same trip count for every lane: full match
-            s = s0 + lane
-            e = -1
-            if s < end:
-                e = expert_of(ids, s, E, emap, use_map, ignore_invalid)
-            peers = uint32(cu.match_any_sync(FULL_MASK, e))
-            if e >= 0 and (peers & cu.lanemask_lt()) == 0:
-                cu.atomic.add(wc, row0 + e, cu.popc(peers))
+        for base in range(begin, end, 32 * PREFETCH):   # the same trips for every lane
+            load_round(ids, base, end, E, emap, use_map, ignore_invalid, eb, lane)
+            for u in range(PREFETCH):
+                e = eb[u]
+                peers = uint32(cu.match_any_sync(FULL_MASK, e))
+                if e >= 0 and (peers & cu.lanemask_lt()) == 0:
+                    cu.atomic.add(wc, row0 + e, cu.popc(peers))
+
+    @device_function
+    def place_one(s, e, wc, row0, off, sorted_ids, inv, write_sorted, write_inv):
+        """One 32-slot step of warp_place (every lane of the warp calls it): match_any groups
+        the lanes of one expert; rank = the same-expert lanes below; the group's lowest lane
+        advances the cursor."""
+        peers = uint32(cu.match_any_sync(FULL_MASK, e))
+        below = peers & cu.lanemask_lt()
+        pos = 0
+        if e >= 0:
+            pos = off[ix(e)] + wc[ix(row0 + e)] + cu.popc(below)
+        cu.syncwarp(FULL_MASK)   # every lane has read its cursor before the leaders move it
+        if e >= 0 and below == 0:
+            wc[ix(row0 + e)] += cu.popc(peers)
+        cu.syncwarp(FULL_MASK)
+        if e >= 0:
+            if write_sorted:
+                sorted_ids[ix(pos)] = s
+            if write_inv:
+                inv[ix(s)] = pos
 
     @device_function
     def warp_place(ids, begin, end, E, emap, use_map, ignore_invalid, wc, row0, off, sorted_ids,
-                   inv, write_sorted, write_inv, lane):
+                   inv, write_sorted, write_inv, eb, lane):
         """Place the slots [begin, end) in order: pos = off[e] + cursor[e] + (same-expert
         lanes below); the cursor row wc[row0:] starts at the warp's first rank per expert."""
-        for s0 in range(begin, end, 32):
-            s = s0 + lane
-            e = -1
-            if s < end:
-                e = expert_of(ids, s, E, emap, use_map, ignore_invalid)
-            peers = uint32(cu.match_any_sync(FULL_MASK, e))
-            below = peers & cu.lanemask_lt()
-            pos = 0
-            if e >= 0:
-                pos = off[ix(e)] + wc[ix(row0 + e)] + cu.popc(below)
-            cu.syncwarp(FULL_MASK)   # every lane has read its cursor before the leaders move it
-            if e >= 0 and below == 0:
-                wc[ix(row0 + e)] += cu.popc(peers)
-            cu.syncwarp(FULL_MASK)
-            if e >= 0:
-                if write_sorted:
-                    sorted_ids[ix(pos)] = s
-                if write_inv:
-                    inv[ix(s)] = pos
+        for base in range(begin, end, 32 * PREFETCH):
+            load_round(ids, base, end, E, emap, use_map, ignore_invalid, eb, lane)
+            for u in range(PREFETCH):
+                place_one(base + 32 * u + lane, eb[u], wc, row0, off, sorted_ids, inv,
+                          write_sorted, write_inv)
 
     @device_function
     def scan_warps(wc, E, tot, tid):
@@ -534,7 +549,8 @@ def chunk_kernels(NT):
         chunk = (P + W * 32 - 1) // (W * 32) * 32          # whole 32-slot steps per warp
         begin = min(P, warp * chunk)
         end = min(P, begin + chunk)
-        warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, lane)
+        eb = cu.local.array(PREFETCH, int32)
+        warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, eb, lane)
         cu.syncthreads()
         scan_warps(wc, E, tot, tid)
         cu.syncthreads()
@@ -559,7 +575,7 @@ def chunk_kernels(NT):
             for b in range(total // B + tid, n_blocks, NT):
                 expert_ids[ix(b)] = -1
         warp_place(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, off,
-                   sorted_ids, inv, do_align, write_inv, lane)
+                   sorted_ids, inv, do_align, write_inv, eb, lane)
 
     def align_scatter_chunks(ids, P, E, emap, use_map, ignore_invalid, block_counts, offsets,
                              sorted_ids, inv, do_align, write_inv, CH):
@@ -577,7 +593,8 @@ def chunk_kernels(NT):
         chunk = (CH + W * 32 - 1) // (W * 32) * 32
         begin = min(hi, lo + warp * chunk)
         end = min(hi, begin + chunk)
-        warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, lane)
+        eb = cu.local.array(PREFETCH, int32)
+        warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, eb, lane)
         cu.syncthreads()
         for e in range(tid, E, NT):   # warp w's cursor = block's offset + earlier warps
             run = block_counts[ix(b), ix(e)]
@@ -587,7 +604,7 @@ def chunk_kernels(NT):
                 run += c
         cu.syncthreads()
         warp_place(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, offsets,
-                   sorted_ids, inv, do_align, write_inv, lane)
+                   sorted_ids, inv, do_align, write_inv, eb, lane)
 
     return kernel(align_one), kernel(align_scatter_chunks)
 
