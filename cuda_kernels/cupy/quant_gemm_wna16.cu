@@ -11,28 +11,41 @@
 // or [E, N, K] uint8 (int8; int8 codes travel as their bytes with code_xor = 0x80);
 // w_scale [E, N, G] fp32; w_zp [E, N, G] uint8 or null (default_zp then); c [P, N].
 //
-// Kernel (one version so far; the older tile rungs live in quant_gemm.cu):
-//   wna16_stream<NBITS, MT, WN, U, MINB>
+// Two rungs (the older tile rungs live in quant_gemm.cu), sharing the lane layout, the
+// activation staging, step_math and the epilogue:
+//   wna16_stream<NBITS, POST, MT, WN, U, MINB>   weights straight from HBM into registers
+//   wna16_async<NBITS, POST, MT, WN, STAGES, MINB> weights through a per-warp cp.async ring
+//
 //     Weights are the mma's A operand (m16 = 16 weight rows), activations its B (n8 = 8
 //     tokens, MT tiles of them: BM = 8 MT positions of sorted_token_ids per CTA).
 //     A CTA owns BM positions (one expert: BM divides block_size), 16 WN weight rows (one
 //     warp per 16 rows) and one K split of SPS steps of 128 (grid.z = KS splits).
-//     Thread (g = lane / 4, t = lane % 4) of a warp loads, per 128-K step, the 32 codes
-//     k0 + 32 t .. + 31 of rows g and g + 8 (int4: one 16-byte load per row; int8: two), U
-//     steps in flight in registers, and dequantizes them in registers.
+//     Lane (g = lane / 4, t = lane % 4) of a warp works, per 128-K step, on the 32 codes
+//     k0 + 32 t .. + 31 of rows g and g + 8 (int4: 16 bytes per row; int8: 32).
+//       stream: the lane loads them itself (16-byte loads, U steps in flight in registers).
+//         Measured (slot 1): ~1.3 TB/s at most: each warp load touches 8 rows x 64 B.
+//       async: the warp copies STAGES stages of 4 steps into its own shared ring with
+//         whole-line requests (16 lanes read 256 contiguous bytes of one row), with the
+//         scales of every (step, t) alongside (4-byte copies); __syncwarp only, no CTA
+//         barrier in the main loop; each lane then reads its 16 bytes per row from shared
+//         memory (rows padded by 16 bytes: conflict-free).
 //     The order of k inside the mma is free (a dot product), so the mma's logical k is a
 //     permutation of the real one: for every 8 codes the magic-number int4 -> bf16 trick
 //     yields the pairs (k0, k4), (k1, k5), (k2, k6), (k3, k7) (one shift and one lop3 each),
 //     and the activations are staged once per CTA in shared memory in that same order
 //     [a0 a4 a1 a5 a2 a6 a3 a7] (16 bytes per lane per 8 codes, conflict-free layout).
-//     Dequantization: (128 + q) - (128 + zp) is exact in bf16 (1024 in fp16), then one
-//     multiply by the group scale rounded to elem_t (weights rounded once, as a bf16 model's).
-//     int8 goes through fp32 (2^23 + q), since bf16 has only 8 significant bits.
+//     Dequantization (POST = 0): (128 + q) - (128 + zp) is exact in bf16 (1024 in fp16),
+//     then one multiply by the group scale rounded to elem_t (weights rounded once, as a bf16
+//     model's). int8 goes through fp32 (2^23 + q), since bf16 has only 8 significant bits.
+//     POST = 1 (int4, group_size % 128 == 0: one group per step): the mma multiplies the raw
+//     magic values 128 + q, and per step s * (acc_step - (128 + zp) * sum_k a) is added in
+//     fp32, with sum_k a per (step, token) staged beside the activations.
 //     Split K (KS > 1): each CTA stores its fp32 partials to a workspace, the last CTA of a
 //     tile to arrive (a per-tile counter, reset by that CTA for the next launch) adds the KS
 //     partials in split order (deterministic) and runs the epilogue.
-//     grid (cdiv(Lg, BM), cdiv(N, 16 WN), KS), block 32 WN,
-//     dynamic shared memory BM * SPS * 256 bytes (the staged activations).
+//     grid (cdiv(Lg, BM), cdiv(N, 16 WN), KS), block 32 WN, dynamic shared memory
+//     round16(BM * SPS * 260) (activations and their step sums) + async's rings
+//     WN * STAGES * (16 * (4 * 16 * NBITS + 16) + 1024).
 //     Lg = min(L, P * block_size): no live position lies past it.
 //
 // Needs K % 32 == 0, group_size % 32 == 0 (a lane's 32 codes lie in one group), a and w
