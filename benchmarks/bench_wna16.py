@@ -59,7 +59,9 @@ SPIN_US = 1000
 VARIANTS = [dict(KERNEL="async", MT=1, WN=8, STAGES=3, MINB=1),
             dict(KERNEL="async", MT=1, WN=4, STAGES=6, MINB=1),
             dict(KERNEL="async", MT=1, WN=2, STAGES=4, MINB=4),
-            dict(KERNEL="async", MT=2, WN=8, STAGES=3, MINB=1)]
+            dict(KERNEL="async", MT=2, WN=8, STAGES=3, MINB=1),
+            dict(KERNEL="async", MT=4, WN=4, STAGES=3, MINB=1),
+            dict(KERNEL="async", MT=4, WN=8, STAGES=2, MINB=1)]
 
 _SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
