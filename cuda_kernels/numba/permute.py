@@ -522,6 +522,51 @@ def chunk_kernels(NT):
                           write_sorted, write_inv)
 
     @device_function
+    def warp_inclusive_scan(v, lane):
+        """The inclusive prefix sum of v over the warp's lanes (5 shuffle steps)."""
+        d = 1
+        while d < 32:
+            u = cu.shfl_sync(FULL_MASK, v, max(lane - d, 0))
+            if lane >= d:
+                v += u
+            d *= 2
+        return v
+
+    @device_function
+    def scan_padded_warps(cnt, off, E, B, red, tid):
+        """off[e] = sum_{e' < e} ceil(cnt[e'] / B) * B for e <= E, as permute.cu's
+        block_exclusive_scan: a chunk per thread, warp scans by shuffles, warp 0 scans the
+        warp totals (red[0:W]); two block barriers (a Hillis-Steele scan over NT takes
+        2 log2(NT)). Ends with a barrier."""
+        lane = tid & 31
+        warp = tid >> 5
+        chunk = (E + NT - 1) // NT
+        lo = min(E, tid * chunk)
+        hi = min(E, lo + chunk)
+        local = 0
+        for e in range(lo, hi):
+            local += (cnt[ix(e)] + B - 1) // B * B
+        incl = warp_inclusive_scan(local, lane)
+        if lane == 31:
+            red[ix(warp)] = incl
+        cu.syncthreads()
+        if warp == 0:
+            wt = red[ix(lane)] if lane < W else 0
+            wt = warp_inclusive_scan(wt, lane)
+            if lane < W:
+                red[ix(lane)] = wt           # inclusive warp totals
+        cu.syncthreads()
+        run = incl - local
+        if warp > 0:
+            run += red[ix(warp - 1)]
+        for e in range(lo, hi):
+            off[ix(e)] = run
+            run += (cnt[ix(e)] + B - 1) // B * B
+        if tid == NT - 1:
+            off[ix(E)] = red[ix(W - 1)]
+        cu.syncthreads()
+
+    @device_function
     def scan_warps(wc, E, tot, tid):
         """wc[w, e] -> the exclusive prefix over warps w (in place); tot[e] = the column sum."""
         for e in range(tid, E, NT):   # consecutive e: consecutive banks
@@ -554,7 +599,7 @@ def chunk_kernels(NT):
         cu.syncthreads()
         scan_warps(wc, E, tot, tid)
         cu.syncthreads()
-        scan_padded(tot, off, E, B, red, tid)           # ends with a barrier
+        scan_padded_warps(tot, off, E, B, red, tid)     # ends with a barrier
         total = off[E]
         if tid == 0:
             num_post[0] = total
