@@ -249,6 +249,9 @@ EMU_V4_CASES = [
     ("block", "gemv16", (9, 2, 2, 24, 1280, 16)),
     ("channel", "gemv8w4", (5, 3, 1, 16, 640, 16)),
     ("tensor", "gemv16", (4, 2, 2, 32, 256, 32)),
+    ("block", "gemv8p2", (3, 4, 2, 40, 2688, 16)),         # 21 blocks: odd rounds, 2 buffers
+    ("block", "gemv16p2", (9, 2, 2, 24, 1280, 16)),
+    ("channel", "gemv8w4p2u3", (5, 3, 1, 16, 640, 16)),
 ]
 
 

@@ -16,7 +16,8 @@
 //     skipped (uniform), so a padded block of 16 with one token costs one tile of mma.
 //   * No shared-memory staging and no barrier in the main loop: each thread loads its weight
 //     bytes straight into registers (ld.global.nc, L1::no_allocate: read once), U quantization
-//     blocks of loads in flight per thread before the first is used.
+//     blocks of loads in flight per thread before the first is used; PIPE = 2 double-buffers
+//     them (the next U blocks are issued before this round is consumed: no idle gap).
 //   * K split over the WARPS warps (warp w takes the 128-wide blocks w, w + WARPS, ...); the
 //     partial sums meet in shared memory at the end, added in warp order (deterministic).
 //   * Fragment k order: thread (g = lane / 4, t = lane % 4) holds, of block kb and half h,
@@ -86,7 +87,7 @@ __device__ __forceinline__ void fg_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u3
 }
 #endif  // QG_EMULATED_PTX
 
-template <int MT, int WARPS, int U, int MINB>
+template <int MT, int WARPS, int U, int MINB, int PIPE>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
 fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
             const float* __restrict__ a_scale, const float* __restrict__ w_scale,
@@ -107,6 +108,41 @@ fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
     const int n0 = blockIdx.y * 16;
     const int e = expert_ids[m0 / block_size];                     // BM divides block_size
     const int tid = threadIdx.x;
+    const bool BLOCKWISE = a_scale_kind == 2;                      // uniform over the grid
+    const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
+    const int KB = Kdim / 128;
+    const int NB = (N + 127) / 128;
+    // 64-bit expert base once, 32-bit offsets inside it (launcher: N * Kdim < 2^31). Rows past
+    // N are clamped to N - 1: read, multiplied, never stored.
+    const int ec = max(e, 0);
+    const u8* wexp = w + (long long)ec * N * Kdim;
+    const u8* w0 = wexp + min(n0 + g, N - 1) * Kdim + 16 * t;
+    const u8* w1 = wexp + min(n0 + g + 8, N - 1) * Kdim + 16 * t;
+    const float* wsrow = w_scale + ((long long)ec * NB + n0 / 128) * KB;   // kind 2 only
+
+    // U blocks of weight loads per thread, issued back to back before the first is used
+    auto issue = [&](u32 (&wq)[U][2][2][4], float (&wsc)[U], int kb0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int kb = kb0 + u * WARPS;
+            if (kb < KB) {                                         // uniform over the warp
+                fg_ld16_stream(wq[u][0][0], w0 + 128 * kb);
+                fg_ld16_stream(wq[u][1][0], w1 + 128 * kb);
+                fg_ld16_stream(wq[u][0][1], w0 + 128 * kb + 64);
+                fg_ld16_stream(wq[u][1][1], w1 + 128 * kb + 64);
+                wsc[u] = BLOCKWISE ? __ldg(wsrow + kb) : 1.f;
+            }
+        }
+    };
+    // PIPE = 2: the first round's loads go out before the tile's rows are resolved (a short
+    // CTA would otherwise stream nothing during that setup) when the tile is surely live: its
+    // first position holds a slot (alignment puts an expert's slots before its padding; if
+    // not, the loads simply go out after the setup as with PIPE = 1)
+    u32 wa[U][2][2][4], wb[U][2][2][4];
+    float sa[U], sb[U];
+    const bool early = PIPE == 2 && e >= 0 && fg_live(sorted_token_ids[m0], num_slots);
+    if (early) issue(wa, sa, warp);
+
     int live = 0;
     for (int r = tid; r < BM; r += NT) {
         const int p = m0 + r;
@@ -124,16 +160,6 @@ fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
         }
         return;
     }
-    const bool BLOCKWISE = a_scale_kind == 2;                      // uniform over the grid
-    const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
-    const int KB = Kdim / 128;
-    const int NB = (N + 127) / 128;
-    // 64-bit expert base once, 32-bit offsets inside it (launcher: N * Kdim < 2^31). Rows past
-    // N are clamped to N - 1: read, multiplied, never stored.
-    const u8* wexp = w + (long long)e * N * Kdim;
-    const u8* w0 = wexp + min(n0 + g, N - 1) * Kdim + 16 * t;
-    const u8* w1 = wexp + min(n0 + g + 8, N - 1) * Kdim + 16 * t;
-    const float* wsrow = w_scale + ((long long)e * NB + n0 / 128) * KB;   // kind 2 only
     int arow[MT];               // this thread's token row (column g of the mma's B), -1 padding
     int srow[MT][2];            // the rows of its accumulator columns 2t, 2t + 1 (a_scale)
     bool tile_live[MT];
@@ -154,21 +180,7 @@ fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
 
-    for (int kb0 = warp; kb0 < KB; kb0 += WARPS * U) {
-        // ---- U blocks of weight loads in flight before the first is used
-        u32 wq[U][2][2][4];     // [block][row g / g+8][half][word]
-        float wsc[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int kb = kb0 + u * WARPS;
-            if (kb < KB) {                                         // uniform over the warp
-                fg_ld16_stream(wq[u][0][0], w0 + 128 * kb);
-                fg_ld16_stream(wq[u][1][0], w1 + 128 * kb);
-                fg_ld16_stream(wq[u][0][1], w0 + 128 * kb + 64);
-                fg_ld16_stream(wq[u][1][1], w1 + 128 * kb + 64);
-                wsc[u] = BLOCKWISE ? __ldg(wsrow + kb) : 1.f;
-            }
-        }
+    auto consume = [&](const u32 (&wq)[U][2][2][4], const float (&wsc)[U], int kb0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int kb = kb0 + u * WARPS;
@@ -202,6 +214,26 @@ fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
                 acc[jt][2] += part[2] * s0;
                 acc[jt][3] += part[3] * s1;
             }
+        }
+    };
+    constexpr int STEP = WARPS * U;            // blocks per round of the CTA
+    if (PIPE == 1) {
+        // one buffer: the loads of a round go out, then the round is consumed
+        for (int kb0 = warp; kb0 < KB; kb0 += STEP) {
+            u32 wq[U][2][2][4];                // [block][row g / g+8][half][word]
+            float wsc[U];
+            issue(wq, wsc, kb0);
+            consume(wq, wsc, kb0);
+        }
+    } else {
+        // two buffers: the next round's loads are in flight while this one is consumed, so
+        // a warp always has U to 2U blocks of loads outstanding (no gap at each round's end)
+        if (!early) issue(wa, sa, warp);
+        for (int kb0 = warp; kb0 < KB; kb0 += 2 * STEP) {
+            issue(wb, sb, kb0 + STEP);
+            consume(wa, sa, kb0);
+            issue(wa, sa, kb0 + 2 * STEP);
+            consume(wb, sb, kb0 + STEP);
         }
     }
 
