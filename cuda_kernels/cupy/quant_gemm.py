@@ -107,6 +107,7 @@ FP8_V4_CONFIGS = {
     "gemv8w4p2": dict(BM=8, WARPS=4, U=2, MINB=4, PIPE=2),
     "gemv8w4p2u3": dict(BM=8, WARPS=4, U=3, MINB=3, PIPE=2),
     "gemv16p2": dict(BM=16, WARPS=8, U=2, MINB=2, PIPE=2),
+    "gemv8w2p2": dict(BM=8, WARPS=2, U=2, MINB=8, PIPE=2),
 }
 # v4's config by rows per expert: the first entry whose rows cover the batch and whose BM
 # divides block_size wins.
