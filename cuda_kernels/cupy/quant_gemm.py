@@ -97,7 +97,7 @@ WNA16_BY_ROWS = ((8, "gemv16"), (24, "gemv32"), (24, "gemv16"))
 # warps splitting K by 128-wide blocks, U blocks of weight loads in flight per thread, MINB
 # CTAs per SM (caps the registers).
 # PIPE = 2 double-buffers the loads in registers (the next U blocks in flight while a round is
-# consumed). Measured (H200, slot 1, DeepSeek-V3 T=1/16/64, PIPE 1): gemv8w4 fastest at
+# consumed); PF (default 0) = 1 / 2 adds the L2::128B / L2::256B prefetch hint to them. Measured (H200, slot 1, DeepSeek-V3 T=1/16/64, PIPE 1): gemv8w4 fastest at
 # T=16/64 on both GEMMs and at T=1 on GEMM2, within 5% of the best on T=1 GEMM1.
 FP8_V4_CONFIGS = {
     "gemv8": dict(BM=8, WARPS=8, U=4, MINB=2, PIPE=1),
@@ -108,6 +108,9 @@ FP8_V4_CONFIGS = {
     "gemv8w4p2u3": dict(BM=8, WARPS=4, U=3, MINB=3, PIPE=2),
     "gemv16p2": dict(BM=16, WARPS=8, U=2, MINB=2, PIPE=2),
     "gemv8w2p2": dict(BM=8, WARPS=2, U=2, MINB=8, PIPE=2),
+    "gemv8w4p2l": dict(BM=8, WARPS=4, U=2, MINB=4, PIPE=2, PF=1),
+    "gemv8w4p2ll": dict(BM=8, WARPS=4, U=2, MINB=4, PIPE=2, PF=2),
+    "gemv16p2ll": dict(BM=16, WARPS=8, U=2, MINB=2, PIPE=2, PF=2),
 }
 # v4's config by rows per expert: the first entry whose rows cover the batch and whose BM
 # divides block_size wins.
@@ -181,7 +184,7 @@ def wna16_group_ok(group_size: int, num_groups: int, bk: int) -> bool:
 
 def _v4_name(cfg: dict) -> str:
     return (f"fp8_gemv_v4<{cfg['BM'] // 8}, {cfg['WARPS']}, {cfg['U']}, {cfg['MINB']}, "
-            f"{cfg['PIPE']}>")
+            f"{cfg['PIPE']}, {cfg.get('PF', 0)}>")
 
 
 def v4_smem_bytes(cfg: dict) -> int:

@@ -56,7 +56,8 @@ __device__ __forceinline__ bool fg_live(int s, int num_slots) {
 // QG_EMULATED_PTX #defined and the helpers of tests/test_quant_cupy.py's emulation header
 // (qg_ld16*, qg_mma_k32: same semantics, fragment layouts as the PTX ISA says).
 #ifdef QG_EMULATED_PTX
-#define fg_ld16_stream qg_ld16_stream
+template <int PF>
+inline void fg_ld16_stream(u32 (&r)[4], const void* p) { qg_ld16_stream(r, p); }
 #define fg_ld16 qg_ld16
 inline void fg_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     const u32 a[4] = {a0, a1, a2, a3};
@@ -64,10 +65,21 @@ inline void fg_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1
     qg_mma_k32(d, a, b);
 }
 #else
-// 16 bytes global -> 4 registers, read-only path; weights kept out of L1 (read once)
+// 16 bytes global -> 4 registers, read-only path; weights kept out of L1 (read once). PF > 0
+// asks L2 to fetch the whole 128-byte (PF 1) / 256-byte (PF 2) span around the address: a
+// warp's load covers half of each row's 128-byte block (the other half is its next load) and
+// the CTA's other warps read the neighbouring blocks of the same rows.
+template <int PF>
 __device__ __forceinline__ void fg_ld16_stream(u32 (&r)[4], const void* p) {
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
+    if (PF == 2)
+        asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+            : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
+    else if (PF == 1)
+        asm("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+            : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
+    else
+        asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+            : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
 }
 __device__ __forceinline__ void fg_ld16(u32 (&r)[4], const void* p) {
     asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n"
@@ -87,7 +99,7 @@ __device__ __forceinline__ void fg_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u3
 }
 #endif  // QG_EMULATED_PTX
 
-template <int MT, int WARPS, int U, int MINB, int PIPE>
+template <int MT, int WARPS, int U, int MINB, int PIPE, int PF>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
 fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
             const float* __restrict__ a_scale, const float* __restrict__ w_scale,
@@ -126,10 +138,10 @@ fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
         for (int u = 0; u < U; ++u) {
             const int kb = kb0 + u * WARPS;
             if (kb < KB) {                                         // uniform over the warp
-                fg_ld16_stream(wq[u][0][0], w0 + 128 * kb);
-                fg_ld16_stream(wq[u][1][0], w1 + 128 * kb);
-                fg_ld16_stream(wq[u][0][1], w0 + 128 * kb + 64);
-                fg_ld16_stream(wq[u][1][1], w1 + 128 * kb + 64);
+                fg_ld16_stream<PF>(wq[u][0][0], w0 + 128 * kb);
+                fg_ld16_stream<PF>(wq[u][1][0], w1 + 128 * kb);
+                fg_ld16_stream<PF>(wq[u][0][1], w0 + 128 * kb + 64);
+                fg_ld16_stream<PF>(wq[u][1][1], w1 + 128 * kb + 64);
                 wsc[u] = BLOCKWISE ? __ldg(wsrow + kb) : 1.f;
             }
         }
