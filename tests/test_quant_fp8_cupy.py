@@ -257,6 +257,7 @@ EMU_V4_CASES = [
     ("block", "gemv8p2", (3, 4, 2, 40, 2688, 16)),         # 21 blocks: odd rounds, 2 buffers
     ("block", "gemv16p2", (9, 2, 2, 24, 1280, 16)),
     ("channel", "gemv8w4p2u3", (5, 3, 1, 16, 640, 16)),
+    ("block", "gemv8w4p2ll", (7, 4, 2, 48, 384, 8)),         # block_size 8: no padding tiles
 ]
 
 

@@ -110,16 +110,25 @@ fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
             int mul_routed_weight, int a_scale_kind, int w_scale_kind) {
     constexpr int BM = 8 * MT;
     constexpr int NT = WARPS * 32;
+    static_assert(BM <= NT, "v4: one thread per tile row reads the slots");
     extern __shared__ __align__(16) u8 smem[];
     float* sRed = reinterpret_cast<float*>(smem);                  // [WARPS][BM][16]
     int* sArow = reinterpret_cast<int*>(sRed + WARPS * BM * 16);   // [BM] a row, -1 padding
     int* sSlot = sArow + BM;                                       // [BM] slot s
 
     const int m0 = blockIdx.x * BM;
-    if (m0 >= num_tokens_post_padded[0] || m0 >= num_positions) return;
+    if (m0 >= num_positions) return;
     const int n0 = blockIdx.y * 16;
-    const int e = expert_ids[m0 / block_size];                     // BM divides block_size
     const int tid = threadIdx.x;
+    // The tile's header loads are independent (all in bounds: m0 < num_positions, expert_ids
+    // has cdiv(num_positions, block_size) entries): issued together, one round trip, so a
+    // padding-only CTA leaves fast (at decode half the tiles of a 16-block are padding).
+    const int ntpp = num_tokens_post_padded[0];
+    const int e = expert_ids[m0 / block_size];                     // BM divides block_size
+    const int s_mine = (tid < BM && m0 + tid < num_positions) ? sorted_token_ids[m0 + tid]
+                                                               : num_slots;   // BM <= NT
+    const int s_first = sorted_token_ids[m0];
+    if (m0 >= ntpp) return;
     const bool BLOCKWISE = a_scale_kind == 2;                      // uniform over the grid
     const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const int KB = Kdim / 128;
@@ -152,16 +161,14 @@ fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
     // not, the loads simply go out after the setup as with PIPE = 1)
     u32 wa[U][2][2][4], wb[U][2][2][4];
     float sa[U], sb[U];
-    const bool early = PIPE == 2 && e >= 0 && fg_live(sorted_token_ids[m0], num_slots);
+    const bool early = PIPE == 2 && e >= 0 && fg_live(s_first, num_slots);
     if (early) issue(wa, sa, warp);
 
     int live = 0;
-    for (int r = tid; r < BM; r += NT) {
-        const int p = m0 + r;
-        const int s = p < num_positions ? sorted_token_ids[p] : num_slots;
-        sSlot[r] = s;
-        sArow[r] = fg_live(s, num_slots) ? s / top_k : -1;
-        live |= fg_live(s, num_slots);
+    if (tid < BM) {
+        sSlot[tid] = s_mine;
+        sArow[tid] = fg_live(s_mine, num_slots) ? s_mine / top_k : -1;
+        live = fg_live(s_mine, num_slots);
     }
     if (__syncthreads_or(live) == 0) return;                      // padding-only tile
     if (e < 0) {                                                   // expert on another rank
