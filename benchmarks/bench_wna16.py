@@ -244,6 +244,7 @@ def main(argv=None):
                 cands += [(f"MT{v['MT']}WN{v['WN']}S{v['STAGES']}", v) for v in VARIANTS
                           if (T <= 16) == (v["MT"] == 1)]
             for cname, cfg in cands:
+                B = 8 * cfg["MT"] if P / E <= 8 else 32        # decode: no padding-only CTAs
                 if B % (8 * cfg["MT"]):
                     continue
                 sweep_ks = ("auto", 1, 2, 4, 8) if cfg.get("KERNEL") == "async" else ("auto",)

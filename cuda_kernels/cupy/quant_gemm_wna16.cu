@@ -328,14 +328,17 @@ wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
     __shared__ int sLast;
 
     const int m0 = blockIdx.x * BM;
-    if (m0 >= num_tokens_post_padded[0] || m0 >= num_positions) return;
+    if (m0 >= num_positions) return;
     const int tid = threadIdx.x;
+    // three independent loads in flight together: a padding CTA pays one round trip
+    const int ntp = num_tokens_post_padded[0];
     const int e = expert_ids[m0 / block_size];    // BM divides block_size: one expert
+    const int s_mine = (tid < BM && m0 + tid < num_positions) ? sorted_token_ids[m0 + tid] : -1;
+    if (m0 >= ntp) return;
     int live = 0;
     if (tid < BM) {
-        const int s = sorted_token_ids[m0 + tid];
-        sSlot[tid] = (s >= 0 && s < num_slots) ? s : -1;
-        live = s >= 0 && s < num_slots;
+        sSlot[tid] = (s_mine >= 0 && s_mine < num_slots) ? s_mine : -1;
+        live = s_mine >= 0 && s_mine < num_slots;
     }
     if (!__syncthreads_or(live)) return;          // all padding (every split agrees)
     const int n_cta = blockIdx.y * (16 * WN);
@@ -536,14 +539,17 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
     __shared__ int sLast;
 
     const int m0 = blockIdx.x * BM;
-    if (m0 >= num_tokens_post_padded[0] || m0 >= num_positions) return;
+    if (m0 >= num_positions) return;
     const int tid = threadIdx.x;
+    // three independent loads in flight together: a padding CTA pays one round trip
+    const int ntp = num_tokens_post_padded[0];
     const int e = expert_ids[m0 / block_size];    // BM divides block_size: one expert
+    const int s_mine = (tid < BM && m0 + tid < num_positions) ? sorted_token_ids[m0 + tid] : -1;
+    if (m0 >= ntp) return;
     int live = 0;
     if (tid < BM) {
-        const int s = sorted_token_ids[m0 + tid];
-        sSlot[tid] = (s >= 0 && s < num_slots) ? s : -1;
-        live = s >= 0 && s < num_slots;
+        sSlot[tid] = (s_mine >= 0 && s_mine < num_slots) ? s_mine : -1;
+        live = s_mine >= 0 && s_mine < num_slots;
     }
     if (!__syncthreads_or(live)) return;          // all padding (every split agrees)
     const int n_cta = blockIdx.y * (16 * WN);

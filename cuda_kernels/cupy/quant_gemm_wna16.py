@@ -122,10 +122,11 @@ for _ev in ELEMS.values():
 
 def block_size_for(rows_per_expert: float) -> int:
     """The alignment block_size that lets the table pick its best tile for a batch of
-    `rows_per_expert` = P / E rows (decode: 16; bigger batches: the tile's BM, at least 16)."""
+    `rows_per_expert` = P / E rows: the tile's BM (8 at decode: with block_size 16, half of
+    the CTAs would hold only padding). Any multiple of BM works too."""
     for rows, name in BY_ROWS:
         if rows_per_expert <= rows:
-            return max(16, 8 * CONFIGS[name]["MT"])
+            return 8 * CONFIGS[name]["MT"]
     return 16
 
 
