@@ -857,10 +857,14 @@ def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_a
     inv = call.empty((P,), np.int32) if write_inv else A.dummy(np.int32)
     if rank is None:
         rank = cfg["RANK"]
-        if rank == "chunks" and ((NT // 32) * E + 2 * E + 1 + NT) * 4 > SHARED_LIMIT:
-            rank = "warp"    # many experts: the per-warp rows do not fit
-        if rank == "warp" and (3 * E + 1 + 2 * NT + _rank_words(rank, NT, E)) * 4 > SHARED_LIMIT:
-            rank = "block"   # very many experts: the warp ranks' tables do not fit
+    if rank == "chunks":
+        # as many warps (up to THREADS / 32) as the per-warp count rows [W, E] allow
+        while NT > 32 and ((NT // 32) * E + 2 * E + 1 + NT) * 4 > SHARED_LIMIT:
+            NT //= 2
+        if ((NT // 32) * E + 2 * E + 1 + NT) * 4 > SHARED_LIMIT:
+            NT, rank = cfg["THREADS"], "warp"   # very many experts: even one row is too much
+    if rank == "warp" and (3 * E + 1 + 2 * NT + _rank_words(rank, NT, E)) * 4 > SHARED_LIMIT:
+        rank = "block"   # very many experts: the warp ranks' tables do not fit
     chunks = rank == "chunks"
     single, count, scan, scatter = align_kernels(NT, "warp" if chunks else rank)
     extra = _rank_words(rank, NT, E)
