@@ -98,8 +98,10 @@ from ._device import (
 from ._vector import ldg4, lds4
 
 VERSIONS = ("v1", "v2", "v3", "v3v")
-DEFAULT_VERSION = "v3v"     # what version=None runs (stepping down to what fits): v3v ran
-# faster than v3 at 23 of 24 (model, T <= 256) points on the H200 (slot 1, 2026-11-29)
+# what version=None runs (stepping down to what fits). H200, bf16, Mixtral / Qwen3 / DeepSeek-V3
+# at T = 1..4096 (benchmarks/results/bench_numba_nvidia-h200_20261129_224248.json): v3v within
+# 1.11x of CuPy v3 at all 36 GEMM points (v3: 1.40x), faster than v3 at 33 (the rest within 2%)
+DEFAULT_VERSION = "v3v"
 CONFIGS = {
     "v1": {"TX": 32, "TY": 8},
     "v2": {"BM": 16, "BN": 16, "BK": 16},
