@@ -7,7 +7,7 @@ simulated thread is a Python thread, so the 32 lanes of a warp meet at a barrier
 their values and read each other's, which is what the hardware does in one step. That runs
 the very code the GPU runs (modulo numba's compilation), at the simulator's speed.
 
-    shfl_xor_sync, shfl_sync, match_any_sync, lanemask_lt, syncwarp
+    shfl_xor_sync, shfl_sync, match_any_sync, ballot_sync, lanemask_lt, syncwarp
 """
 import contextlib
 import threading
@@ -58,6 +58,10 @@ def emulated_warps():
         seen, _ = warps.exchange(value)
         return np.uint32(sum(1 << i for i, v in enumerate(seen) if v == value))
 
+    def ballot_sync(self, mask, predicate):
+        seen, _ = warps.exchange(bool(predicate))
+        return np.uint32(sum(1 << i for i, v in enumerate(seen) if v))
+
     def lanemask_lt(self):
         return np.uint32((1 << (threading.current_thread().thread_id % 32)) - 1)
 
@@ -65,7 +69,8 @@ def emulated_warps():
         warps.exchange(None)
 
     added = dict(shfl_xor_sync=shfl_xor_sync, shfl_sync=shfl_sync,
-                 match_any_sync=match_any_sync, lanemask_lt=lanemask_lt, syncwarp=syncwarp)
+                 match_any_sync=match_any_sync, ballot_sync=ballot_sync,
+                 lanemask_lt=lanemask_lt, syncwarp=syncwarp)
     cls = kernelapi.FakeCUDAModule
     saved = {k: cls.__dict__[k] for k in added if k in cls.__dict__}
     for k, f in added.items():
