@@ -20,8 +20,13 @@ The activation between the GEMMs is not in any path (not a quantization stage): 
 pre-drawn [P, I] activation. Alignment runs on the host (reference) once per routing.
 
 Method: CUDA events around each call after warm-up, median over the repetitions; before each
-repetition (untimed) the next of 4 pre-drawn routings is selected and the L2 is flushed (a
-128 MB memset), so no repetition reads weights left in the 50 MB L2 by the previous one. Then
+repetition (untimed) the next of 4 pre-drawn routings is selected and the L2 is flushed, so
+no repetition reads weights left in the 50 MB L2 by the previous one. --flush read (default)
+evicts by reading a 128 MB buffer (a sum): the L2 is left holding clean lines. --flush write
+(the method of the results up to 2026-11-29 22:41) evicts by a 128 MB memset, which leaves
+up to 50 MB of dirty lines whose write-back can land inside the timed call: up to 50 MB of
+extra HBM traffic, noise beside the GBs read at T >= 16 but comparable to a T=1 layer's
+352 MB (fp8). The "flush" field of the JSON records the method. Then
 a one-thread spin kernel (SPIN_US) holds the GPU while Python enqueues the timed calls, so the
 events measure GPU time, not the launchers' argument checks (--no-spin to include them).
 
@@ -173,7 +178,8 @@ def time_ms(fn, setup, warmup, reps, use_spin=True):
 
 
 # ----------------------------------------------------------------------------- one model
-def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8_version=None):
+def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8_version=None,
+                flush_mode="read"):
     import cupy
 
     from reference import moe_align_block_size
@@ -237,7 +243,10 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
 
         def setup():
             cur["i"] = (cur["i"] + 1) % ROUTINGS
-            flush.fill(cur["i"])              # evict the L2 (a 128 MB write)
+            if flush_mode == "write":
+                flush.fill(cur["i"])          # evict the L2 (a 128 MB write: dirty lines)
+            else:
+                flush.sum(dtype=cupy.uint32)  # evict the L2 (a 128 MB read: clean lines)
 
         # ---- quantized path
         qal = aligned(Bq)
@@ -371,6 +380,8 @@ def main(argv=None):
     parser.add_argument("--no-spin", action="store_true",
                         help="time the launchers' host overhead too (no spin kernel ahead)")
     parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--flush", default="read", choices=("read", "write"),
+                        help="how the L2 is evicted before each timed call (see the doc)")
     parser.add_argument("--fp8-version", default=None, choices=("v1", "v2", "v4", "v5"),
                         help="force this quant_gemm rung for fp8 (default: its table's choice)")
     args = parser.parse_args(argv)
@@ -398,7 +409,8 @@ def main(argv=None):
     points = []
     for m in models:
         points += bench_model(m, tokens, args.reps, not args.no_bf16, deadline, log,
-                              use_spin=not args.no_spin, fp8_version=args.fp8_version)
+                              use_spin=not args.no_spin, fp8_version=args.fp8_version,
+                              flush_mode=args.flush)
         cupy.get_default_memory_pool().free_all_blocks()
     summary(points, log)
     log(f"total {time.time() - start:.0f} s")
@@ -410,7 +422,7 @@ def main(argv=None):
         record = dict(gpu=gpu, date=now.isoformat(timespec="seconds"), commit=git_commit(),
                       command=" ".join([pathlib.Path(sys.argv[0]).name] + sys.argv[1:]),
                       hbm_bytes_per_s=HBM, peak_flops=PEAK, routings_per_point=ROUTINGS,
-                      spin_us=0 if args.no_spin else SPIN_US,
+                      spin_us=0 if args.no_spin else SPIN_US, flush=args.flush,
                       points=points)
         path.write_text(json.dumps(record, indent=1) + "\n")
         log(f"wrote {path.relative_to(ROOT)}")

@@ -111,10 +111,18 @@ FP8_V4_CONFIGS = {
     "gemv8w4p2l": dict(BM=8, WARPS=4, U=2, MINB=4, PIPE=2, PF=1),
     "gemv8w4p2ll": dict(BM=8, WARPS=4, U=2, MINB=4, PIPE=2, PF=2),
     "gemv16p2ll": dict(BM=16, WARPS=8, U=2, MINB=2, PIPE=2, PF=2),
+    "gemv16u3": dict(BM=16, WARPS=8, U=3, MINB=2, PIPE=1),
+    "gemv16u3ll": dict(BM=16, WARPS=8, U=3, MINB=2, PIPE=1, PF=2),
+    "gemv16w4u3": dict(BM=16, WARPS=4, U=3, MINB=4, PIPE=1),
+    "gemv16u4": dict(BM=16, WARPS=8, U=4, MINB=2, PIPE=1),
 }
-# v4's config by rows per expert: the first entry whose rows cover the batch and whose BM
-# divides block_size wins.
-FP8_V4_BY_ROWS = ((8, "gemv8w4"), (16, "gemv16"), (16, "gemv8w4"))
+# v4's config by rows per expert and Kdim: the first entry (max rows per expert, min Kdim,
+# name) that covers the batch and whose BM divides block_size wins. Measured (H200, slots 1-2,
+# DeepSeek-V3, L2 flushed): at T=1 GEMM1 (Kdim 7168, 0.03 rows per expert) gemv16 77.3 / 77.8
+# us vs gemv8w4 81.4 / 82.5 us (no padding-only tiles at 2 CTAs per SM); everywhere else at
+# T <= 64 gemv8w4 is the fastest or within 2% (e.g. T=1 GEMM2 46.9 us, T=16 GEMM1 0.835 ms).
+FP8_V4_BY_ROWS = ((0.25, 4096, "gemv16"), (8, 0, "gemv8w4"), (16, 0, "gemv16"),
+                  (16, 0, "gemv8w4"))
 # fp8 w8a8 v5 (Hopper wgmma e4m3, per-block promotion): BM token rows (64 per warpgroup), BN
 # weight rows, STAGES 128-wide K blocks in the cp.async ring.
 FP8_V5_CONFIGS = {
@@ -293,8 +301,9 @@ def _pick_fp8(version, config, rows_per_expert, block_size, K, cc, a, w):
             version == "v4" or c4 is not None or rows_per_expert <= FP8_V4_MAX_ROWS):
         cfg = None
         if c4 is None:
-            for rows, name in FP8_V4_BY_ROWS:
-                if rows_per_expert <= rows and block_size % FP8_V4_CONFIGS[name]["BM"] == 0:
+            for rows, min_k, name in FP8_V4_BY_ROWS:
+                if rows_per_expert <= rows and K >= min_k and \
+                        block_size % FP8_V4_CONFIGS[name]["BM"] == 0:
                     cfg = FP8_V4_CONFIGS[name]
                     break
         if cfg is None:
