@@ -26,7 +26,6 @@ Run as a script to validate the kernels against a loop and time them:
 """
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 
@@ -96,9 +95,9 @@ def supported(world_size: int, top_k: int, slot_rows: bool) -> bool:
 MAX_CHUNKS = 64
 
 
-def _layout_threads(T: int, NB: int, C: int) -> int:
+def _layout_threads(T: int, NB: int, chunks: int) -> int:
     cfg = CONFIGS["ep_layout_kernel"]
-    fit = (cfg["SMEM_BUDGET"] // 4 - 32 - NB - 1 - (NB - 1) * C) // NB   # counters that fit
+    fit = (cfg["SMEM_BUDGET"] // 4 - 32 - NB - 1 - (NB - 1) * chunks) // NB   # counters that fit
     nt = min(cfg["LAYOUT_THREADS"], fit, C.cdiv(max(T, 1), 32) * 32)
     return max(32, nt // 32 * 32)
 
