@@ -124,7 +124,11 @@ def _need(version):
 SCALES = [("block", dict(use_fp8_w8a8=True, block_shape=[128, 128])),
           ("tensor", dict(use_fp8_w8a8=True)),
           ("channel", dict(use_fp8_w8a8=True, per_act_token_quant=True, per_channel_quant=True))]
-CASES = ([("v4", cfg, B) for cfg in sorted(QG.FP8_V4_CONFIGS) for B in (16, 64)] +
+# v4: the configs of its table plus one of each code path (PIPE 2, the L2 hint, U = 3); the
+# rest are the same template with other sizes
+V4_TESTED = sorted({name for _, _, name in QG.FP8_V4_BY_ROWS} |
+                   {"gemv8w4p2ll", "gemv16p2", "gemv16u3"})
+CASES = ([("v4", cfg, B) for cfg in V4_TESTED for B in (16, 64)] +
          [("v5", cfg, QG.FP8_V5_CONFIGS[cfg]["BM"]) for cfg in sorted(QG.FP8_V5_CONFIGS)])
 SHAPES = [
     # M_a, E, top_k, N,   Kdim   (v4: Kdim % 128 == 0)
