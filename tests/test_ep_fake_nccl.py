@@ -149,3 +149,49 @@ def _bench_once(bench_ep):
     # than slots; slot rows send every slot
     assert t["by_rows"]["token"]["rows_sent"] <= t["by_rows"]["slot"]["rows_sent"] == 16 * 2
     bench_ep.print_table(report)
+
+
+def test_fake_nccl_fused_path_through_the_gpu_launchers():
+    """The fused dispatch's GPU branch (ep_layout.py's launchers, the counts buffer exchanged
+    in place, the chunked combine's side stream) with each launch replaced by its NumPy twin
+    (tests/ep_fake_gpu/mock_ep_kernels.py): fused == stages, one-go and chunked."""
+    with fake_gpu():
+        import mock_ep_kernels
+
+        per_rank = launch(mock_ep_kernels.run_impl_parity_mocked, 2, backend="nccl", timeout=60)
+    for results, calls, load_ok in per_rank:
+        assert load_ok
+        assert "ep_layout_kernel" in calls and "ep_count_experts_kernel" in calls, calls
+        assert any(c.startswith("ep_gather_kernel") for c in calls), calls
+        assert any(c.startswith("ep_combine_kernel") for c in calls), calls
+        for res in results:
+            assert res["impl"] == "fused", res
+            assert res["x"] and res["ids"] and res["w"] and res["counts"], res
+            assert res["out_vs_stages"] <= 1e-6 and res["chunked_vs_stages"] <= 1e-6, res
+            assert res["chunked_x"], res
+            assert res["out_vs_loop"] <= res["tolerance"], res
+
+
+def test_fake_nccl_benchmark_through_the_gpu_launchers():
+    """The benchmark's fused rows and breakdown through the mocked GPU launchers."""
+    bench_dir = os.path.normpath(os.path.join(os.path.dirname(FAKE), "..", "benchmarks"))
+    shape = dict(hidden_size=32, top_k=2, num_experts=8, intermediate_size=16,
+                 dtype="bfloat16")
+    opts = dict(shape=shape, tokens=[16], layer_tokens=[8], schemes=["alltoall"],
+                alltoall_rows=["token", "slot"], impls=["fused", "fused2", "stages"],
+                breakdown=True, reps=1, warmup=1, layer_reps=1, layer_warmup=1, pool=2,
+                layer=False, stage_ops="reference", flush_mb=1)
+    sys.path.insert(0, bench_dir)
+    try:
+        with fake_gpu():
+            import mock_ep_kernels
+
+            results = launch(mock_ep_kernels.bench_rank_mocked, 2, backend="nccl",
+                             args=(opts,), timeout=60)
+    finally:
+        sys.path.remove(bench_dir)
+    phases = {r["phase"] for r in results[0]["rows"]}
+    for mode in ("token", "slot"):
+        for impl in ("fused", "fused2", "stages"):
+            assert f"dispatch+combine ({mode} rows, {impl})" in phases, phases
+        assert f"  step: layout kernel ({mode} rows, fused)" in phases, phases
