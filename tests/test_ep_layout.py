@@ -217,3 +217,129 @@ def test_fused_matches_stages_over_nccl():
         assert res["out_vs_stages"] <= 1e-6 and res["chunked_vs_stages"] <= 1e-6, res
         assert res["chunked_x"], res
         assert not np.isnan(res["out_vs_loop"]) and res["out_vs_loop"] <= res["tolerance"], res
+
+
+# ----------------------------------------------------------------------------- CPU emulation
+# ep_layout.cu compiled for the CPU with the CUDA emulation of tests/test_cupy_nvrtc.py (one
+# std::thread per CUDA thread): the kernels' logic against the NumPy twins, without a GPU.
+_EMU_ENTRY = r"""
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    std::lock_guard<std::mutex> l(g_atomic); unsigned long long o = *p; *p = o + v; return o; }
+"""
+_EMU_CALLS = r"""
+extern "C" void layout(const int* ids, int* inv, int* src, long long* counts2, int* n_real,
+                       int T, int K, int S, int W, int epr, int slot, int rank, int C, int nt,
+                       int smem) {
+    launch(1, nt, smem, [&] { ep_layout_kernel(ids, inv, src, counts2, n_real, T, K, S, W, epr,
+                                               slot, rank, C); });
+}
+extern "C" void gather(const unsigned* x, const int* ids, const float* w, const int* inv,
+                       const int* n_real, unsigned* xs, int* is, float* ws, int T, int K, int S,
+                       int epr, int slot, int words) {
+    launch(T, GATHER_THREADS, 256, [&] { ep_gather_kernel<unsigned int>(x, ids, w, inv, n_real,
+                                         xs, is, ws, T, K, S, epr, slot, words); });
+}
+extern "C" void combine(const float* y, const float* w, const int* inv, float* out, int t0,
+                        int t1, int S, int H, int n, int vec) {
+    int chunks = (H + COMBINE_THREADS * vec - 1) / (COMBINE_THREADS * vec);
+#define CB(V) if (vec == V) launch((t1 - t0) * chunks, COMBINE_THREADS, 0, [&] { \
+    ep_combine_kernel<V>(y, w, inv, out, t0, t1, S, H, n, chunks); });
+    CB(1) CB(4)
+}
+extern "C" void count(const int* ids, unsigned long long* counts, int N, int E, int blocks) {
+    launch(blocks, COUNT_THREADS, E * 4, [&] { ep_count_experts_kernel(ids, counts, N, E); });
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emulated_ep(tmp_path_factory):
+    import ctypes
+    import pathlib
+    import re
+    import subprocess
+
+    src_nvrtc = (pathlib.Path(__file__).parent / "test_cupy_nvrtc.py").read_text()
+    m = re.search(r'EMULATION_HEADER = r"""(.*?)"""', src_nvrtc, re.S)
+    if m is None:
+        pytest.skip("no CUDA emulation header in tests/test_cupy_nvrtc.py")
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ on this machine")
+    from cuda_kernels.cupy import _compile as C
+
+    tmp = tmp_path_factory.mktemp("ep_emulation")
+    (tmp / "emu.h").write_text(m.group(1))
+    defines = {"SCALAR_T": "float", "LAYOUT_THREADS": 64, "GATHER_THREADS": 32,
+               "COMBINE_THREADS": 32, "COUNT_THREADS": 32}
+    src = C.source_text("ep_layout.cu", defines)
+    src = re.sub(r"#include <cuda_(fp16|bf16)\.h>", "", src)
+    src = re.sub(r"extern __shared__ (\w+(?: \w+)?) (\w+)\[\];", r"\1* \2 = (\1*)g_shared;", src)
+    src = re.sub(r"__shared__ int pos_s\[MAX_S\];", "int* pos_s = (int*)g_shared;", src)
+    src = src.replace('extern "C" __global__', "__global__")
+    cpp = tmp / "ep_layout.cpp"
+    cpp.write_text('#include "emu.h"\n' + _EMU_ENTRY + src + _EMU_CALLS)
+    so = tmp / "ep_layout.so"
+    r = subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread", "-I",
+                        str(tmp), str(cpp), "-o", str(so)], capture_output=True, text=True)
+    if r.returncode and "barrier" in r.stderr and "No such file" in r.stderr:
+        pytest.skip("g++ without C++20 <barrier>")
+    assert r.returncode == 0, r.stderr[:3000]
+    return ctypes.CDLL(str(so))
+
+
+def _p(a):
+    import ctypes
+
+    return None if a is None else a.ctypes.data_as(ctypes.c_void_p)
+
+
+@pytest.mark.simulator
+@pytest.mark.parametrize("T,E,K,W,slot", [(1, 8, 2, 2, False), (37, 16, 4, 2, False),
+                                          (37, 16, 4, 4, True), (50, 64, 3, 8, False),
+                                          (70, 16, 4, 1, True), (0, 16, 4, 2, False)])
+def test_emulated_kernels_match_numpy(emulated_ep, T, E, K, W, slot):
+    lib = emulated_ep
+    rng = np.random.default_rng(T + W)
+    ids = _ids(T, E, K, seed=T + 3 * W)
+    if T > 2:
+        ids[1, 0] = -1
+    epr, H, C, rank = E // W, 8, 3, W - 1
+    S = L.entries_per_token(W, K, slot)
+    want = L.ep_layout(ids, epr, W, rank, slot, C)
+    counts2 = np.full((2, W, C), -7, np.int64)
+    inv, src = np.full(T * S, -7, np.int32), np.full(T * S, -7, np.int32)
+    n_real = np.full(1, -7, np.int32)
+    nt = 64
+    smem = ((W + 1) * nt + 32 + W + 2 + W * C) * 4
+    lib.layout(_p(ids), _p(inv), _p(src), _p(counts2), _p(n_real), T, K, S, W, epr, int(slot),
+               rank, C, nt, smem)
+    for g, w in zip((counts2, inv, src, n_real), want):
+        np.testing.assert_array_equal(g, w)
+    n = int(n_real[0])
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.random((T, K)).astype(np.float32)
+    xs = np.full((T * S, H), np.nan, np.float32)
+    meta = (T * S,) if slot else (T * S, K)
+    i_s, w_s = np.full(meta, -7, np.int32), np.full(meta, np.nan, np.float32)
+    lib.gather(_p(x), _p(ids), _p(w), _p(inv), _p(n_real), _p(xs), _p(i_s), _p(w_s), T, K, S,
+               epr, int(slot), H)
+    hx, hi, hw = L.ep_gather(x, ids, w, inv, n_real, epr, slot)
+    np.testing.assert_array_equal(xs[:n], hx[:n])
+    np.testing.assert_array_equal(i_s[:n], hi[:n])
+    np.testing.assert_array_equal(w_s[:n], hw[:n])
+    y = rng.standard_normal((n, H)).astype(np.float32)
+    weights = w if slot else None
+    for vec in (1, 4):
+        out = np.full((T, H), np.nan, np.float32)
+        lib.combine(_p(y), _p(weights), _p(inv), _p(out), 0, T, S, H, n, vec)
+        np.testing.assert_array_equal(out, L.ep_combine(y, weights, inv, n, T))
+    if T > 2:   # a token range: the other rows stay as they were
+        out = np.full((T, H), 5.0, np.float32)
+        lib.combine(_p(y), _p(weights), _p(inv), _p(out), 1, T - 1, S, H, n, 4)
+        np.testing.assert_array_equal(out[1:T - 1], L.ep_combine(y, weights, inv, n, T)[1:T - 1])
+        assert (out[[0, T - 1]] == 5.0).all()
+    counts = np.zeros(E, np.uint64)
+    lib.count(_p(ids), _p(counts), ids.size, E, 2)
+    np.testing.assert_array_equal(counts, np.bincount(ids[ids >= 0], minlength=E))
