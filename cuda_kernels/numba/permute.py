@@ -103,7 +103,7 @@ from ._wide import load16, store16, words16
 # Tunables are data. The simulator gets tiny blocks so that tests cover every path cheaply.
 CONFIGS = {
     "align": {"THREADS": 256, "SLOTS_PER_BLOCK": 1024, "SINGLE_BLOCK_MAX_SLOTS": 2048,
-              "RANK": "chunks"},
+              "RANK": "chunks", "LAUNCHES": 3},
     "rows": {"THREADS": 128, "WIDE": True, "ROW_LANES": 32},
 }
 SIM_CONFIGS = {
@@ -669,7 +669,115 @@ def chunk_kernels(NT):
         warp_place(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, offsets,
                    sorted_ids, inv, do_align, write_inv, eb, lane)
 
-    return kernel(align_one), kernel(align_scatter_chunks)
+    HIST_UNROLL = 8   # block-count rows a thread loads before adding any (one round trip)
+
+    def align_count_blocks(ids, P, E, emap, use_map, ignore_invalid, hist, CH):
+        """hist[b, e] = the slots of expert e in block b's CH slots (warp chunks, PREFETCH'd
+        loads, shared atomics). The first launch of the two-launch multi-block path."""
+        tid = cu.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        b = cu.blockIdx.x
+        cnt = cu.shared.array(0, int32)[0:E]
+        for e in range(tid, E, NT):
+            cnt[e] = 0
+        cu.syncthreads()
+        lo = b * CH
+        hi = min(P, lo + CH)
+        chunk = (CH + W * 32 - 1) // (W * 32) * 32
+        begin = min(hi, lo + warp * chunk)
+        end = min(hi, begin + chunk)
+        eb = cu.local.array(PREFETCH, int32)
+        warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, cnt, 0, eb, lane)
+        cu.syncthreads()
+        for e in range(tid, E, NT):
+            hist[ix(b), ix(e)] = cnt[ix(e)]
+
+    def align_place_blocks(ids, P, E, B, emap, use_map, ignore_invalid, hist, nb, sorted_ids,
+                           expert_ids, n_blocks, capacity, num_post, offsets, inv, do_align,
+                           write_inv, CH):
+        """The second launch: every block reads hist [nb, E] (its offset inside each expert:
+        the earlier blocks' counts; the totals), scans the padded totals itself (redundantly:
+        cheaper than a launch), writes its share of expert_ids and padding, and places its
+        slots like align_one. permute.cu does the same after a grid barrier.
+        Shared (int32): wc [W E], tot [E], pre [E], off [E + 1], red [NT]."""
+        tid = cu.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        b = cu.blockIdx.x
+        sh = cu.shared.array(0, int32)
+        wc = sh[0:W * E]
+        tot = sh[W * E:W * E + E]
+        pre = sh[W * E + E:W * E + 2 * E]
+        off = sh[W * E + 2 * E:W * E + 3 * E + 1]
+        red = sh[W * E + 3 * E + 1:W * E + 3 * E + 1 + NT]
+        for i in range(tid, W * E, NT):
+            wc[i] = 0
+        for e in range(tid, E, NT):
+            tot[e] = 0
+            pre[e] = 0
+        cu.syncthreads()
+        lo = b * CH
+        hi = min(P, lo + CH)
+        chunk = (CH + W * 32 - 1) // (W * 32) * 32
+        begin = min(hi, lo + warp * chunk)
+        end = min(hi, begin + chunk)
+        eb = cu.local.array(PREFETCH, int32)
+        warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, eb, lane)
+        # per threads per expert, each summing every per-th row of hist, HIST_UNROLL loads
+        # in flight at a time (the rows were written by the previous launch: L2 hits)
+        per = max(1, NT // E)
+        hv = cu.local.array(HIST_UNROLL, int32)
+        for i in range(tid, per * E, NT):
+            e = i % E
+            q = i // E
+            t_sum = 0
+            p_sum = 0
+            for j0 in range(q, nb, per * HIST_UNROLL):
+                for u in range(HIST_UNROLL):
+                    j = j0 + u * per
+                    hv[u] = hist[ix(j), ix(e)] if j < nb else 0
+                for u in range(HIST_UNROLL):
+                    t_sum += hv[u]
+                    if j0 + u * per < b:
+                        p_sum += hv[u]
+            cu.atomic.add(tot, e, t_sum)
+            cu.atomic.add(pre, e, p_sum)
+        cu.syncthreads()
+        for e in range(tid, E, NT):   # warp w's cursor = the block's offset + earlier warps
+            run = pre[ix(e)]
+            for w in range(W):
+                c = wc[ix(w * E + e)]
+                wc[ix(w * E + e)] = run
+                run += c
+        scan_padded_warps(tot, off, E, B, red, tid)     # (its first barrier orders the above)
+        total = off[E]
+        if b == 0:
+            if tid == 0:
+                num_post[0] = total
+            for e in range(tid, E + 1, NT):
+                offsets[e] = off[e]
+        if do_align:
+            gw = b * W + warp                           # this warp's place in the grid
+            for e in range(gw, E, nb * W):              # expert e's blocks and padding
+                e_lo = off[ix(e)]
+                e_hi = off[ix(e + 1)]
+                if e_lo < e_hi:
+                    eid = emap[ix(e)] if use_map else e
+                    for x in range(e_lo // B + lane, e_hi // B, 32):
+                        expert_ids[ix(x)] = eid
+                    for p in range(e_lo + tot[ix(e)] + lane, e_hi, 32):
+                        sorted_ids[ix(p)] = P
+            gt = b * NT + tid
+            for p in range(total + gt, capacity, nb * NT):
+                sorted_ids[ix(p)] = P
+            for x in range(total // B + gt, n_blocks, nb * NT):
+                expert_ids[ix(x)] = -1
+        warp_place(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, off,
+                   sorted_ids, inv, do_align, write_inv, eb, lane)
+
+    return (kernel(align_one), kernel(align_scatter_chunks), kernel(align_count_blocks),
+            kernel(align_place_blocks))
 
 
 def _rank_words(rank, NT, E):
@@ -877,9 +985,9 @@ def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_a
         rank = cfg["RANK"]
     if rank == "chunks":
         # as many warps (up to THREADS / 32) as the per-warp count rows [W, E] allow
-        while NT > 32 and ((NT // 32) * E + 2 * E + 1 + NT) * 4 > SHARED_LIMIT:
+        while NT > 32 and ((NT // 32) * E + 3 * E + 1 + NT) * 4 > SHARED_LIMIT:
             NT //= 2
-        if ((NT // 32) * E + 2 * E + 1 + NT) * 4 > SHARED_LIMIT:
+        if ((NT // 32) * E + 3 * E + 1 + NT) * 4 > SHARED_LIMIT:
             NT, rank = cfg["THREADS"], "warp"   # very many experts: even one row is too much
     if rank == "warp" and (3 * E + 1 + 2 * NT + _rank_words(rank, NT, E)) * 4 > SHARED_LIMIT:
         rank = "block"   # very many experts: the warp ranks' tables do not fit
@@ -890,9 +998,17 @@ def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_a
         path = "single" if P <= cfg["SINGLE_BLOCK_MAX_SLOTS"] else "multi"
     flags = (1 if use_map else 0, 1 if ignore_invalid else 0)
     if chunks:
-        one, scatter = chunk_kernels(NT)
+        one, scatter, count2, place2 = chunk_kernels(NT)
         rows = (NT // 32) * E          # the per-warp count rows wc [W, E]
-    if chunks and path == "single":
+    if chunks and path == "multi" and cfg.get("LAUNCHES", 3) == 2:
+        CH = cfg["SLOTS_PER_BLOCK"]
+        nb = A.cdiv(P, CH)
+        hist = call.empty((nb, E), np.int32)                              # [nb, E] scratch
+        count2[nb, NT, 0, E * 4](ids, P, E, emap, *flags, hist, CH)
+        place2[nb, NT, 0, (rows + 3 * E + 1 + NT) * 4](
+            ids, P, E, B, emap, *flags, hist, nb, sorted_ids, expert_ids, n_blocks, capacity,
+            num_post, offsets, inv, int(do_align), int(write_inv), CH)
+    elif chunks and path == "single":
         smem = (rows + 2 * E + 1 + NT) * 4
         one[1, NT, 0, smem](ids, P, E, B, emap, *flags, sorted_ids, expert_ids, n_blocks,
                             capacity, num_post, offsets, inv, int(do_align), int(write_inv))
@@ -1060,7 +1176,7 @@ def compile_cases():
         if rank == "warp":
             cases.append(("align_scan", scan,
                           (arr(i32, 2), i64, i64, i64, i64, v, i64, v, v, i64, i64, v, v, i64)))
-    one, scatter_chunks = chunk_kernels(CONFIGS["align"]["THREADS"])
+    one, scatter_chunks, count2, place2 = chunk_kernels(CONFIGS["align"]["THREADS"])
     for ids in (i32, i64):
         a = arr(ids, 1)
         cases += [
@@ -1068,6 +1184,11 @@ def compile_cases():
              (a, i64, i64, i64, v, i64, i64, v, v, i64, i64, v, v, v, i64, i64)),
             (f"align_scatter_chunks ids={ids}", scatter_chunks,
              (a, i64, i64, v, i64, i64, arr(i32, 2), v, v, v, i64, i64, i64)),
+            (f"align_count_blocks ids={ids}", count2,
+             (a, i64, i64, v, i64, i64, arr(i32, 2), i64)),
+            (f"align_place_blocks ids={ids}", place2,
+             (a, i64, i64, i64, v, i64, i64, arr(i32, 2), i64, v, v, i64, i64, v, v, v, i64,
+              i64, i64)),
         ]
     nt = CONFIGS["rows"]["THREADS"]
     permute_rows, _ = row_kernels(nt)

@@ -107,12 +107,13 @@ def test_routing_keys_flavour(warps, monkeypatch, case):
     assert rel_err(got[0][ok], want[0][ok]) <= 1e-5
 
 
-@pytest.mark.parametrize("path", ["single", "multi"])
-def test_align_chunk_ranks(warps, monkeypatch, path):
-    """permute.cu's warp-chunk grouping ("chunks", the GPU default) in emulated warps."""
+@pytest.mark.parametrize("path,launches", [("single", 1), ("multi", 3), ("multi", 2)])
+def test_align_chunk_ranks(warps, monkeypatch, path, launches):
+    """permute.cu's warp-chunk grouping ("chunks", the GPU default) in emulated warps: one
+    block, or several (count / scan / place, or count / place with the scan in every block)."""
     monkeypatch.setitem(Pm.SIM_CONFIGS, "align", {"THREADS": 64, "SLOTS_PER_BLOCK": 40,
                                                   "SINGLE_BLOCK_MAX_SLOTS": 128,
-                                                  "RANK": "chunks"})
+                                                  "RANK": "chunks", "LAUNCHES": launches})
     E, B = 6, 4
     ids = distinct_topk_ids(rng_for("chunk-align", path), 45, E, 2)   # P = 90
     ids[3] = [5, 5 - 1]
