@@ -32,6 +32,11 @@ words):
     align_one       1     NT     W E + 2E + 1  "chunks" ranks (GPU default): everything in
                                    + NT        one block, warp w owning a contiguous chunk
     align_scatter_chunks nb NT   W E           "chunks" ranks: the multi-block placement
+                                               after align_count / align_scan (LAUNCHES 3)
+    align_count_blocks   nb NT   E             "chunks", LAUNCHES 2 (default): per-block counts
+    align_place_blocks   nb NT   W E + 3E + 1  every block reads the counts [nb, E], scans the
+                                   + NT        padded totals itself, writes its share of
+                                               expert_ids / padding, places its slots
     gather_rows     cdiv(P, NT/32)      NT  -  x_grouped[inv[s]] = x[s // K], a warp per slot
                                                row, 16-byte chunks (rows of whole chunks)
     unpermute_rows16  T cdiv(C16, nt)   nt  -  one 16-byte chunk per thread, its K rows summed
@@ -103,7 +108,7 @@ from ._wide import load16, store16, words16
 # Tunables are data. The simulator gets tiny blocks so that tests cover every path cheaply.
 CONFIGS = {
     "align": {"THREADS": 256, "SLOTS_PER_BLOCK": 1024, "SINGLE_BLOCK_MAX_SLOTS": 2048,
-              "RANK": "chunks", "LAUNCHES": 3},
+              "RANK": "chunks", "LAUNCHES": 2},
     "rows": {"THREADS": 128, "WIDE": True, "ROW_LANES": 32},
 }
 SIM_CONFIGS = {
