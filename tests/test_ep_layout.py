@@ -124,6 +124,31 @@ def test_fused_matches_stages_on_cpu_communicator(world_size):
         assert not np.isnan(res["out_vs_loop"]) and res["out_vs_loop"] <= res["tolerance"], res
 
 
+# ----------------------------------------------------------------------------- NVRTC
+def _ep_compile_cases():
+    import cuda_kernels.cupy.ep_layout  # noqa: F401  (registers its cases at import)
+    from cuda_kernels.cupy import _compile as C
+
+    return [c for c in C.COMPILE_CASES if c.cu_name == "ep_layout.cu"]
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_ep_layout_compiles_with_nvrtc(arch):
+    """Every instantiation ep_layout.py launches compiles (tests/test_cupy_nvrtc.py's list of
+    kernel modules is not this task's file, so the check of this module lives here)."""
+    from cuda_kernels.cupy import _compile as C
+
+    ok, why = C.nvrtc_available()
+    if not ok:
+        pytest.skip(f"cuda.core/NVRTC unavailable: {why}")
+    cases = _ep_compile_cases()
+    assert len(cases) == 1 + len(C.float_dtypes())
+    for case in cases:
+        cubin = C.compile_check(case.cu_name, case.defines, case.name_expressions, arch,
+                                case.options)
+        assert isinstance(cubin, bytes) and len(cubin) > 0
+
+
 # ----------------------------------------------------------------------------- GPU
 def _cupy_kernels():
     from cuda_kernels.cupy import _compile as C
