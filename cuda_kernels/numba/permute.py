@@ -66,7 +66,7 @@ earlier slots of the round (config "RANK"):
              in shared memory: no warp intrinsics
     "chunks" (GPU) permute.cu's grouping: contiguous chunks per warp, counted into per-warp
              rows, a scan over the warps, then each warp places its chunk in order
-             (match_any ranks, the group's lowest lane advancing the warp's cursor): two
+             (ballot ranks, the group's lowest lane advancing the warp's cursor): two
              block barriers in all instead of three per NT slots; padding written only where
              no slot goes (chunk_kernels)
 Across blocks the scan kernel turns block_counts into each block's starting offset within
@@ -449,16 +449,17 @@ def align_kernels(NT, rank="block"):
 @functools.lru_cache(maxsize=None)
 def chunk_kernels(NT):
     """(align_one, align_scatter_chunks): permute.cu's warp-chunk grouping (GPU only: it
-    needs match_any_sync), for NT threads = W warps per block.
+    needs warp ballots), for NT threads = W warps per block.
 
     The slots are cut into contiguous chunks, one per warp, the warps in slot order, so the
     placement is stable without a round-by-round block barrier: each warp counts its chunk
-    into its own shared row wc[w, :] (one atomic per distinct expert per 32-slot step), a scan
-    over the warps turns the rows into each warp's first rank inside each expert, then every
-    warp walks its chunk again, 32 slots a step in order: match_any_sync groups the lanes of
-    one expert, a lane's rank is the popcount of the same-expert lanes below it, and the
-    group's lowest lane advances the warp's cursor for that expert. Two block barriers in
-    all (the "warp" ranks of align_single / align_scatter take three per NT slots).
+    into its own shared row wc[w, :] (a shared atomic per slot), a scan over the warps turns
+    the rows into each warp's first rank inside each expert, then every warp walks its chunk
+    again, 32 slots a step in order: peers_of (ballots, what match_any_sync returns) groups
+    the lanes of one expert, a lane's rank is the popcount of the same-expert lanes below it,
+    and the group's lowest lane advances the warp's cursor for that expert. Two block
+    barriers in all (the "warp" ranks of align_single / align_scatter take three per NT
+    slots). Each lane loads PREFETCH steps of ids before using them (one round trip).
 
     align_one       grid = 1 (P <= SINGLE_BLOCK_MAX_SLOTS): the whole alignment, CuPy's
                     one-block moe_align_kernel. Padding is written only where no slot goes
