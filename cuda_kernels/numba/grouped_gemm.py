@@ -52,8 +52,11 @@ Versions (`version=`; None runs DEFAULT_VERSION, or the next rung down that fits
         16-byte aligned a and w, else v3 runs. Tile table CONFIGS["v3v"] keyed by BM as v3;
         a "sparse" tile (TM = 1: one row per thread, so only warps holding live rows compute)
         when the slots per expert fill at most SPARSE_FILL of the tile (decode).
-        block (BN/TN) * (BM/TM) threads, 1-D; grid as v3; shared = BK * (BM + BN + 8) * 4 bytes
-        + 12 BM bytes.
+        block (BN/TN) * (BM/TM) threads, 1-D; grid (cdiv(min(max_padded, P * B), BM),
+        cdiv(N, BN)): a valid alignment never pads past P * B rows, which at decode is far
+        below max_padded = P + E (B - 1), so no blocks launch only to return; a block loops
+        over row tiles blockIdx.x + k gridDim.x below num_tokens_post_padded, so any other
+        alignment stays correct. shared = BK * (BM + BN + 8) * 4 bytes + 12 BM bytes.
 
 BM divides B (a tile never straddles two experts, so the expert is one load per tile): v2's
 tile height is gcd(BM, B); v3 runs when one of its tile heights divides B (B a multiple of
@@ -117,19 +120,21 @@ CONFIGS = {
     },
     # v3v: CuPy v3's tiles (gemm_configs.json, bf16): 64 x 64 x 32 on 256 threads from 64 rows,
     # 32 and 16 rows x 64 x 32 on 128 and 64 threads; TM x TN = 4 x 4 (one LDS.128 each)
-    # MB: launch bounds' blocks per SM, so registers stay <= 64K / (threads * MB) (72 here,
-    # what nvcc gives the CuPy kernel; without bounds numba's PTX took 93 at 16 rows)
+    # MB: launch bounds' blocks per SM, so registers stay <= 64K / (threads * MB) (72-85 here;
+    # nvcc gives the CuPy kernel 72; without bounds numba's PTX took 93 at 16 rows; 16 rows
+    # with 72 spilled once the row-tile loop came in, so 12 blocks: 79, no spills)
     # "sparse": the tile used when a tile is expected to hold few live rows (at most
     # SPARSE_FILL of BM: decode, many experts): one row per thread (TM = 1), so only the warps
     # that hold live rows run FMAs, the rest just load (every warp helps stream w)
     "v3v": {
         64: {"BN": 64, "BK": 32, "TM": 4, "TN": 4, "MB": 3},
         32: {"BN": 64, "BK": 32, "TM": 4, "TN": 4, "MB": 7},
-        16: {"BN": 64, "BK": 32, "TM": 4, "TN": 4, "MB": 14,
+        16: {"BN": 64, "BK": 32, "TM": 4, "TN": 4, "MB": 12,
              "sparse": {"BN": 64, "BK": 32, "TM": 1, "TN": 4, "MB": 6}},
     },
 }
 SPARSE_FILL = 0.25
+BOUND_GRID = True           # v3v: size the grid by P * B rows when below capacity (launch)
 SIM_CONFIGS = {
     "v1": {"TX": 4, "TY": 4},
     "v2": {"BM": 4, "BN": 4, "BK": 4},
@@ -455,21 +460,10 @@ def gemm_v3v(BM: int, BN: int, BK: int, TM: int, TN: int, WORD: str, MIN_BLOCKS:
             S[ix((kc + 2 * U + v) * stride + r)] = unpack(uint64(w2), v)
             S[ix((kc + 3 * U + v) * stride + r)] = unpack(uint64(w3), v)
 
-    def v3v(a, w, sorted_ids, expert_ids, num_post, topk_w, bias, c, P, top_k, N, Kd, B,
-            mul_w, has_bias):
-        """A BM x BN tile per block of NT = TX * TY threads, a TM x TN micro-tile per thread;
-        a [M_a * Kd / U] and w [E * N * Kd / U] are flat uint32 views (module docstring)."""
-        MIN_BLOCKS  # noqa: B018  (named here so the disk cache's closure key tells bounds apart)
-        tid = cu.threadIdx.x & 1023
-        p0 = cu.blockIdx.x * BM
-        n0 = cu.blockIdx.y * BN
-        if p0 >= num_post[0]:
-            return
-        Kw = Kd // U                         # words per row of a or w
-        As = cu.shared.array(SA, float32, alignment=ALIGN)   # As[k * BMP + m]
-        Ws = cu.shared.array(SW, float32, alignment=ALIGN)   # Ws[k * BNP + n]
-        s_arow = cu.shared.array(BM, int64)  # word offset of each tile row's a row, -1: padding
-        s_slot = cu.shared.array(BM, int32)  # slot s of each tile row, -1: padding
+    @device_function
+    def tile(a, w, sorted_ids, expert_ids, topk_w, bias, c, P, top_k, N, Kd, B, mul_w,
+             has_bias, tid, p0, n0, Kw, As, Ws, s_arow, s_slot):
+        """The output tile at rows p0..p0+BM, columns n0..n0+BN: v3v's body, per row tile."""
         for r in range(tid, BM, NT):
             s = sorted_ids[ix(p0 + r)]
             valid = s < P and s >= 0
@@ -592,6 +586,25 @@ def gemm_v3v(BM: int, BN: int, BK: int, TM: int, TN: int, WORD: str, MIN_BLOCKS:
                         if mul_w:
                             v *= scale
                         c[ix(s), ix(n)] = cast_out(c, v)
+
+    def v3v(a, w, sorted_ids, expert_ids, num_post, topk_w, bias, c, P, top_k, N, Kd, B,
+            mul_w, has_bias):
+        """A BM x BN tile per block of NT = TX * TY threads, a TM x TN micro-tile per thread;
+        a [M_a * Kd / U] and w [E * N * Kd / U] are flat uint32 views (module docstring)."""
+        MIN_BLOCKS  # noqa: B018  (named here so the disk cache's closure key tells bounds apart)
+        tid = cu.threadIdx.x & 1023
+        n0 = cu.blockIdx.y * BN
+        Kw = Kd // U                         # words per row of a or w
+        As = cu.shared.array(SA, float32, alignment=ALIGN)   # As[k * BMP + m]
+        Ws = cu.shared.array(SW, float32, alignment=ALIGN)   # Ws[k * BNP + n]
+        s_arow = cu.shared.array(BM, int64)  # word offset of each tile row's a row, -1: padding
+        s_slot = cu.shared.array(BM, int32)  # slot s of each tile row, -1: padding
+        # row tiles blockIdx.x, + gridDim.x, ... below num_post: the launch sizes the grid so
+        # that a valid alignment needs one tile per block; the loop keeps any other correct
+        for p0 in range(cu.blockIdx.x * BM, num_post[0], cu.gridDim.x * BM):
+            cu.syncthreads()                 # the previous tile is done with s_slot, s_arow
+            tile(a, w, sorted_ids, expert_ids, topk_w, bias, c, P, top_k, N, Kd, B, mul_w,
+                 has_bias, tid, p0, n0, Kw, As, Ws, s_arow, s_slot)
 
     return kernel_bounded(v3v, NT, MIN_BLOCKS)
 
@@ -772,7 +785,13 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
         tw = (call.dev("topk_weights", topk_weights).reshape(P) if mul_routed_weight
               else A.dummy(np.float32))
         bd = call.dev("bias", bias) if bias is not None else A.dummy(np.float32, 2)
-        grid = (A.cdiv(capacity, bm), A.cdiv(N, bn))
+        rows = capacity
+        if which == "v3v" and BOUND_GRID:
+            # a valid alignment pads each expert that has slots to a multiple of B and gives
+            # the others no blocks, so num_tokens_post_padded <= P + P (B - 1) = P B; at decode
+            # that is far below capacity = P + E (B - 1): no blocks that would only return
+            rows = min(capacity, P * B)
+        grid = (A.cdiv(rows, bm), A.cdiv(N, bn))
         kernel[grid, block](ad, wd, sd, ed, npd, tw, bd, c, P, top_k, N, Kd, B,
                             1 if mul_routed_weight else 0, 1 if bias is not None else 0)
     return call.result(c)

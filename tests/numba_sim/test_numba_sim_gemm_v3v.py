@@ -78,3 +78,21 @@ def test_v3v_sparse_tile_for_few_rows_per_expert():
     assert sparse.kernel is not dense.kernel and sparse.block > dense.block
     check(*problem(1, 4, 2, 10, 8, 8, np.float32, bias=np.float32, mul=True), "v3v")   # sparse
     check(*problem(12, 2, 2, 10, 8, 8, BF16), "v3v")                                   # dense
+
+
+@pytest.mark.parametrize("dkey", ["fp32", "bf16"])
+def test_v3v_rows_past_the_grid_bound(dkey):
+    """v3v launches cdiv(min(capacity, P * B), BM) row tiles (a valid alignment of P slots
+    never pads past P * B). An alignment made for more slots than a's rows * top_k (here 3
+    tokens aligned, 1 row given: P = 2) puts live rows past that bound; the blocks' loop over
+    row tiles must still reach them."""
+    from oracles import rng_for, uniform
+
+    rng = rng_for("gemm-v3v-bound", dkey)
+    ids = np.array([[3, 2], [0, 1], [0, 1]], np.int32)     # slots 0, 1 last in the order
+    align = reference.moe_align_block_size(ids, 8, 4)
+    assert int(align[2][0]) > 2 * 8                        # rows past P * B
+    a = uniform(rng, (1, 8), 1.0, DTYPES[dkey])
+    w = uniform(rng, (4, 6, 8), 0.5, DTYPES[dkey])
+    want = reference.grouped_gemm(a.astype(np.float64), w.astype(np.float64), *align, 2, 8)
+    check((a, w) + tuple(align) + (2, 8, None, False, None), want, "v3v")
