@@ -141,6 +141,26 @@ def test_v3v_misaligned_views_fall_back():
     assert rel_err(nb.to_host(got), want) <= 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason=f"needs a CUDA GPU through numba: {WHY}")
+def test_v3v_rows_past_the_grid_bound():
+    """The grid covers min(capacity, P * B) rows; an alignment made for more slots than a's
+    rows * top_k puts live rows past that (the row-tile loop must reach them)."""
+    from oracles import rng_for, uniform
+
+    rng = rng_for("gemm-v3v-bound-gpu")
+    ids = np.array([[3, 2], [0, 1], [0, 1]], np.int32)     # slots 0, 1 last in the order
+    align = reference.moe_align_block_size(ids, 16, 4)
+    assert int(align[2][0]) > 2 * 16
+    a = uniform(rng, (1, 64), 1.0, BF16)
+    w = uniform(rng, (4, 96, 64), 0.2, BF16)
+    want = reference.grouped_gemm(a.astype(np.float64), w.astype(np.float64), *align, 2, 16)
+    G = importlib.import_module("cuda_kernels.numba.grouped_gemm")
+    with nb.poisoned_outputs():
+        got = G.grouped_gemm(a, w, *align, 2, 16, version="v3v")
+    assert rel_err(got, want) <= 1e-2
+
+
 SANITIZE = """
 import numpy as np, importlib, sys
 sys.path.insert(0, "tests")
