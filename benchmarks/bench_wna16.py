@@ -56,11 +56,7 @@ ROUTINGS = 4
 FLUSH_BYTES = 128 << 20
 SPIN_US = 1000
 # configs outside quant_gemm_wna16.CONFIGS to try (--sweep --variants; each compiles on its own)
-VARIANTS = [dict(KERNEL="async", MT=1, WN=8, STAGES=3, MINB=1),
-            dict(KERNEL="async", MT=1, WN=4, STAGES=6, MINB=1),
-            dict(KERNEL="async", MT=1, WN=2, STAGES=4, MINB=4),
-            dict(KERNEL="async", MT=2, WN=8, STAGES=3, MINB=1),
-            dict(KERNEL="async", MT=4, WN=4, STAGES=3, MINB=1),
+VARIANTS = [dict(MT=1, WN=8, U=4, MINB=2), dict(MT=2, WN=8, U=4, MINB=2),
             dict(KERNEL="async", MT=4, WN=8, STAGES=2, MINB=1)]
 
 _SPIN = r"""
@@ -241,13 +237,14 @@ def main(argv=None):
             B = 32 if P / E > 8 else 16
             cands = list(W.CONFIGS.items())
             if args.variants:
-                cands += [(f"MT{v['MT']}WN{v['WN']}S{v['STAGES']}", v) for v in VARIANTS
-                          if (T <= 16) == (v["MT"] == 1)]
+                cands += [(f"MT{v['MT']}WN{v['WN']}" + (f"S{v['STAGES']}" if "STAGES" in v
+                                                          else f"U{v['U']}"), v)
+                          for v in VARIANTS if (T <= 16) == (v["MT"] == 1)]
             for cname, cfg in cands:
                 B = 8 * cfg["MT"] if P / E <= 8 else 32        # decode: no padding-only CTAs
                 if B % (8 * cfg["MT"]):
                     continue
-                sweep_ks = ("auto", 1, 2, 4, 8) if cfg.get("KERNEL") == "async" else ("auto",)
+                sweep_ks = ("auto", 2, 4, 8) if cfg.get("KERNEL") != "async" else ("auto",)
                 for ks in sweep_ks:
                     if time.time() > deadline:
                         break

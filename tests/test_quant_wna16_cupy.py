@@ -239,6 +239,7 @@ def test_argument_errors(rng):
 W16_PRELUDE = r"""
 struct uint4 { unsigned x, y, z, w; };
 struct float2 { float x, y; };
+inline int __ffs(int x) { return __builtin_ffs(x); }
 inline void __syncwarp(unsigned = 0xffffffffu) {
     int x = 0; unsigned char all[32][64]; warp_exchange(&x, sizeof(x), all); }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }

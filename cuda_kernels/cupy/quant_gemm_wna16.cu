@@ -105,6 +105,10 @@ __device__ __forceinline__ elem_t from_f32(float v) {
 #endif
 }
 
+__device__ __forceinline__ int group_of(int k, int group_size, int gs_shift, int num_groups) {
+    return num_groups == 1 ? 0 : gs_shift >= 0 ? k >> gs_shift : k / group_size;
+}
+
 // The low / high 16-bit element of a pair as fp32 (exact).
 __device__ __forceinline__ float lo_f32(u32 v) {
 #if ELEM_BF16
@@ -319,12 +323,16 @@ wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
              int mul_routed_weight, int group_size, int num_groups, int default_zp,
              int code_xor, int steps_per_split) {
+    // the group of a code: a shift for power-of-two group sizes (an integer division is
+    // ~20 instructions, per step and lane)
+    const int gs_shift = (group_size & (group_size - 1)) == 0 ? __ffs(group_size) - 1 : -1;
     constexpr int BM = 8 * MT;
     constexpr int NT = WN * 32;
     constexpr int CH = NBITS / 4;                 // 16-byte chunks per row per lane per step
     extern __shared__ __align__(16) u8 smem[];
     uint4* sA = reinterpret_cast<uint4*>(smem);   // [SPS][4 j][BM][4 t] 16-byte units
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
+    __shared__ int sArow[BM];                     // its row of a: s / top_k
     __shared__ int sLast;
 
     const int m0 = blockIdx.x * BM;
@@ -337,8 +345,9 @@ wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
     if (m0 >= ntp) return;
     int live = 0;
     if (tid < BM) {
-        sSlot[tid] = (s_mine >= 0 && s_mine < num_slots) ? s_mine : -1;
         live = s_mine >= 0 && s_mine < num_slots;
+        sSlot[tid] = live ? s_mine : -1;
+        sArow[tid] = live ? s_mine / top_k : 0;   // once per row, not per staged unit
     }
     if (!__syncthreads_or(live)) return;          // all padding (every split agrees)
     const int n_cta = blockIdx.y * (16 * WN);
@@ -383,7 +392,7 @@ wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
         // the scale of the step's group (one per step), also a lane past Kdim in a tail step
         const int kq = POST ? st * 128 : k;
         const bool in_s = st < s_end && kq < Kdim;
-        const int grp = in_s ? kq / group_size : 0;
+        const int grp = in_s ? w16::group_of(kq, group_size, gs_shift, num_groups) : 0;
         sr[u][0] = (in_s && ok_lo) ? __ldg(w_scale + sc_e + sc_lo + grp) : 0.f;
         sr[u][1] = (in_s && ok_hi) ? __ldg(w_scale + sc_e + sc_hi + grp) : 0.f;
         if (w_zp != nullptr) {
@@ -412,21 +421,23 @@ wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
     const int num_live = sNumLive;
     const int nsteps = max(0, s_end - s_begin);
     float* sSum = reinterpret_cast<float*>(sA + (size_t)nsteps * 16 * BM);   // [SPS][BM]
-    // 16 consecutive units = one (step, token): 4 j x 4 t. total is a multiple of 16, so a
-    // half warp is all in range or all out, and POST's shuffle sums stay inside it.
-    const int total = nsteps * 16 * num_live;
-    for (int base = (tid & ~31); base < total; base += NT) {
-        const int i = base + (tid & 31);
-        const bool ok = i < total;
-        const int tt = i & 3, j = (i >> 2) & 3, q = i >> 4;
-        const int r = ok ? sLive[q % num_live] : 0, sl = q / max(num_live, 1);
+    // A half warp stages one (step, live token) pair per pass: its 16 lanes take the 4 j x 4 t
+    // units of 8 codes. Both half warps of a warp run the same passes (POST's shuffle sums
+    // stay inside a half warp), and the pair index advances without a division.
+    const int npairs = nsteps * num_live;
+    const int half = (tid >> 4) & 1, j = (tid >> 2) & 3, tt = tid & 3;
+    int ri = (tid >> 5) * 2 + half, sl = 0;
+    while (ri >= num_live) { ri -= num_live; ++sl; }
+    for (int base = (tid >> 5) * 2; base < npairs; base += NT / 16) {
+        const bool ok = base + half < npairs;
         const int k = (s_begin + sl) * 128 + tt * 32 + j * 8;
         float part = 0.f;
+        const int r = ok ? sLive[ri] : 0;
         if (ok) {
             uint4 v = make_uint4(0, 0, 0, 0);   // past Kdim: zeros (0 * garbage could be NaN)
             if (k < Kdim) {
                 const uint4 x = __ldg(reinterpret_cast<const uint4*>(
-                    a + (size_t)(sSlot[r] / top_k) * Kdim + k));
+                    a + (size_t)sArow[r] * Kdim + k));
                 v.x = __byte_perm(x.x, x.z, 0x5410);   // (a0, a4)
                 v.y = __byte_perm(x.x, x.z, 0x7632);   // (a1, a5)
                 v.z = __byte_perm(x.y, x.w, 0x5410);   // (a2, a6)
@@ -438,11 +449,13 @@ wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
             }
             sA[((sl * 4 + j) * BM + r) * 4 + tt] = v;
         }
-        if (POST) {                             // sum of the token's 128 values of the step
+        if (POST) {                             // the token's sum over the step's 128 codes
 #pragma unroll
             for (int o = 1; o < 16; o <<= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-            if (ok && (i & 15) == 0) sSum[sl * BM + r] = part;
+            if (ok && (tid & 15) == 0) sSum[sl * BM + r] = part;
         }
+        ri += NT / 16;
+        while (ri >= num_live) { ri -= num_live; ++sl; }
     }
     __syncthreads();
 
@@ -530,12 +543,16 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
              int mul_routed_weight, int group_size, int num_groups, int default_zp,
              int code_xor, int steps_per_split) {
+    // the group of a code: a shift for power-of-two group sizes (an integer division is
+    // ~20 instructions, per step and lane)
+    const int gs_shift = (group_size & (group_size - 1)) == 0 ? __ffs(group_size) - 1 : -1;
     constexpr int BM = 8 * MT;
     constexpr int NT = WN * 32;
     constexpr int CH = NBITS / 4;                 // 16-byte chunks per row per lane per step
     extern __shared__ __align__(16) u8 smem[];
     uint4* sA = reinterpret_cast<uint4*>(smem);   // [SPS][4 j][BM][4 t] 16-byte units
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
+    __shared__ int sArow[BM];                     // its row of a: s / top_k
     __shared__ int sLast;
 
     const int m0 = blockIdx.x * BM;
@@ -548,8 +565,9 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
     if (m0 >= ntp) return;
     int live = 0;
     if (tid < BM) {
-        sSlot[tid] = (s_mine >= 0 && s_mine < num_slots) ? s_mine : -1;
         live = s_mine >= 0 && s_mine < num_slots;
+        sSlot[tid] = live ? s_mine : -1;
+        sArow[tid] = live ? s_mine / top_k : 0;   // once per row, not per staged unit
     }
     if (!__syncthreads_or(live)) return;          // all padding (every split agrees)
     const int n_cta = blockIdx.y * (16 * WN);
@@ -610,7 +628,8 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
                 const int kq = POST ? st * 128 : st * 128 + tt * 32;
                 const bool ok = st < s_end && kq < Kdim && n_w + row < N;
                 const float* src = ok ? w_scale + sc_e + (size_t)(n_w + row) * num_groups +
-                                        kq / group_size : w_scale;
+                                        w16::group_of(kq, group_size, gs_shift, num_groups)
+                                      : w_scale;
                 w16::cp4(ssc + q, src, ok);
             }
         }
@@ -634,21 +653,23 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
     const int num_live = sNumLive;
     const int nsteps = max(0, s_end - s_begin);
     float* sSum = reinterpret_cast<float*>(sA + (size_t)nsteps * 16 * BM);   // [SPS][BM]
-    // 16 consecutive units = one (step, token): 4 j x 4 t. total is a multiple of 16, so a
-    // half warp is all in range or all out, and POST's shuffle sums stay inside it.
-    const int total = nsteps * 16 * num_live;
-    for (int base = (tid & ~31); base < total; base += NT) {
-        const int i = base + (tid & 31);
-        const bool ok = i < total;
-        const int tt = i & 3, j = (i >> 2) & 3, q = i >> 4;
-        const int r = ok ? sLive[q % num_live] : 0, sl = q / max(num_live, 1);
+    // A half warp stages one (step, live token) pair per pass: its 16 lanes take the 4 j x 4 t
+    // units of 8 codes. Both half warps of a warp run the same passes (POST's shuffle sums
+    // stay inside a half warp), and the pair index advances without a division.
+    const int npairs = nsteps * num_live;
+    const int half = (tid >> 4) & 1, j = (tid >> 2) & 3, tt = tid & 3;
+    int ri = (tid >> 5) * 2 + half, sl = 0;
+    while (ri >= num_live) { ri -= num_live; ++sl; }
+    for (int base = (tid >> 5) * 2; base < npairs; base += NT / 16) {
+        const bool ok = base + half < npairs;
         const int k = (s_begin + sl) * 128 + tt * 32 + j * 8;
         float part = 0.f;
+        const int r = ok ? sLive[ri] : 0;
         if (ok) {
             uint4 v = make_uint4(0, 0, 0, 0);   // past Kdim: zeros (0 * garbage could be NaN)
             if (k < Kdim) {
                 const uint4 x = __ldg(reinterpret_cast<const uint4*>(
-                    a + (size_t)(sSlot[r] / top_k) * Kdim + k));
+                    a + (size_t)sArow[r] * Kdim + k));
                 v.x = __byte_perm(x.x, x.z, 0x5410);   // (a0, a4)
                 v.y = __byte_perm(x.x, x.z, 0x7632);   // (a1, a5)
                 v.z = __byte_perm(x.y, x.w, 0x5410);   // (a2, a6)
@@ -660,11 +681,13 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
             }
             sA[((sl * 4 + j) * BM + r) * 4 + tt] = v;
         }
-        if (POST) {                             // sum of the token's 128 values of the step
+        if (POST) {                             // the token's sum over the step's 128 codes
 #pragma unroll
             for (int o = 1; o < 16; o <<= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-            if (ok && (i & 15) == 0) sSum[sl * BM + r] = part;
+            if (ok && (tid & 15) == 0) sSum[sl * BM + r] = part;
         }
+        ri += NT / 16;
+        while (ri >= num_live) { ri -= num_live; ++sl; }
     }
     __syncthreads();
 
@@ -698,7 +721,7 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
             int z_lo = default_zp, z_hi = default_zp;
             if (w_zp != nullptr) {                // zero points: a plain load (rarer format)
                 const int kq = POST ? st * 128 : st * 128 + t * 32;
-                const int grp = kq < Kdim ? kq / group_size : 0;
+                const int grp = kq < Kdim ? w16::group_of(kq, group_size, gs_shift, num_groups) : 0;
                 if (ok_lo) z_lo = __ldg(w_zp + sc_e + sc_lo + grp);
                 if (ok_hi) z_hi = __ldg(w_zp + sc_e + sc_hi + grp);
             }

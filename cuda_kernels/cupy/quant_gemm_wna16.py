@@ -68,8 +68,10 @@ CONFIGS = {
     "m32": dict(MT=4, WN=4, U=4, MINB=2),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
-# whose BM divides block_size. A measured table (CONFIG_FILE) replaces it when present.
-BY_ROWS = ((4, "a8"), (12, "a16"), (1 << 30, "a32"), (1 << 30, "a16"), (1 << 30, "a8"))
+# whose BM divides block_size. Measured (slot 2, H200, Mixtral int4): the register-ring rung
+# beat the cp.async rung at every T (its 8 warps per SM hid less latency), m8 up to 4 rows per
+# expert, m16 above. A measured table (CONFIG_FILE) replaces it when present.
+BY_ROWS = ((4, "m8"), (1 << 30, "m16"), (1 << 30, "m8"))
 SMEM_PER_SM = 227 * 1024        # H100 / H200: shared memory an SM can give its CTAs
 TARGET_WARPS_PER_SM = 16        # enough 16-row streams to keep ~64 KB of loads in flight per SM
 
