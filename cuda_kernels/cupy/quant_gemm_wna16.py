@@ -20,15 +20,21 @@ L = len(sorted_token_ids), BM = 8 * MT positions per CTA, KS K splits.
     w_zp     [E, N, G]        uint8 or None (8 for int4, 128 for uint8, 0 for int8)
     c        [P, N]           a's dtype
 
-The kernel (one rung so far, `wna16_stream`; see the .cu header for the lane layout): each
-warp streams 16 weight rows with 16-byte loads, U steps of 128 codes in flight per lane,
-dequantizes in registers (magic-number int4 -> bf16) and feeds mma.sync m16n8k16 with the
-weights as A and up to 8 * MT tokens as B; activations are staged once per CTA in shared
-memory in the k order that the dequantization produces. K is split over grid.z (KS) when
-the batch alone cannot fill the GPU, reduced by the last CTA of each tile (no extra launch).
+Two rungs (see the .cu header for the lane layout), chosen by CONFIGS / BY_ROWS:
+    wna16_stream  (m8, m16, m32) each warp streams 16 weight rows with 16-byte loads straight
+                  into registers, U steps of 128 codes in flight per lane;
+    wna16_async   (a8, a16, a32) each warp copies its rows through a shared-memory cp.async
+                  ring with whole-line requests, then reads them in the mma's layout.
+Both dequantize in registers (magic-number int4 -> bf16; int4 with group_size % 128 == 0
+applies the scales after the mma, in fp32) and feed mma.sync m16n8k16 with the weights as A
+and up to 8 * MT tokens as B; activations are staged once per CTA in shared memory in the k
+order that the dequantization produces. K is split over grid.z (KS) when the batch alone
+cannot fill the GPU, reduced by the last CTA of each tile (no extra launch).
 
 Launch: grid (cdiv(Lg, BM), cdiv(N, 16 WN), KS), block 32 WN, dynamic shared memory
-BM * SPS * 256 bytes, Lg = min(L, P * block_size), SPS = cdiv(cdiv(Kdim, 128), KS).
+smem_bytes(cfg, SPS) (activations, their step sums, async's rings), Lg = min(L, P * block_size),
+SPS = cdiv(cdiv(Kdim, 128), KS). block_size_for(P / E) gives the alignment block size that the
+table wants (BM: 8 at decode, so that no CTA holds only padding).
 
 Supports: Kdim % 32 == 0, group_size % 32 == 0 (or one group per row), block_size % 8 == 0,
 16-byte aligned a and w, a contiguous. `supports(...)` says why not, and the launcher raises
