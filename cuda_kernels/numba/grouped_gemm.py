@@ -842,7 +842,7 @@ def _main():
         return 0
     rng = np.random.default_rng(0)
     # (T, E, K, N, Kd, B)
-    cases = ([(5, 4, 2, 12, 10, 8)] if SIMULATOR
+    cases = ([(5, 4, 2, 12, 10, 8), (5, 4, 2, 12, 16, 8)] if SIMULATOR
              else [(1, 8, 2, 28672, 4096, 16), (256, 128, 8, 1536, 2048, 64),
                    (4096, 128, 8, 1536, 2048, 64), (1024, 256, 8, 4096, 7168, 64)])
     failures = 0
