@@ -127,7 +127,7 @@ SCALES = [("block", dict(use_fp8_w8a8=True, block_shape=[128, 128])),
 # v4: the configs of its table plus one of each code path (PIPE 2, the L2 hint, U = 3); the
 # rest are the same template with other sizes
 V4_TESTED = sorted({name for _, _, name in QG.FP8_V4_BY_ROWS} |
-                   {"gemv8w4p2ll", "gemv16p2", "gemv16u3"})
+                   {"gemv8w4p2ll", "gemv16p2", "gemv16u3", "pgemv16", "pgemv8w4"})
 CASES = ([("v4", cfg, B) for cfg in V4_TESTED for B in (16, 64)] +
          [("v5", cfg, QG.FP8_V5_CONFIGS[cfg]["BM"]) for cfg in sorted(QG.FP8_V5_CONFIGS)])
 SHAPES = [
@@ -262,6 +262,10 @@ EMU_V4_CASES = [
     ("block", "gemv16p2", (9, 2, 2, 24, 1280, 16)),
     ("channel", "gemv8w4p2u3", (5, 3, 1, 16, 640, 16)),
     ("block", "gemv8w4p2ll", (7, 4, 2, 48, 384, 8)),         # block_size 8: no padding tiles
+    # persistent: 3 CTAs walk all tiles (live, padding-only, several per expert)
+    ("block", "pgemv16", (9, 4, 2, 40, 5120, 16)),            # 3 rounds per tile
+    ("channel", "pgemv8w4u3", (5, 3, 1, 24, 640, 16)),
+    ("block", "pgemv8w4", (3, 4, 2, 40, 2688, 16)),
 ]
 
 
@@ -293,8 +297,11 @@ def test_emulated_v4_matches_reference(emulated_v4, scale, cfg, shape):
     kinds = (2, 2) if scale == "block" else (int(scale == "channel"), int(scale == "channel"))
     v4 = QG.FP8_V4_CONFIGS[cfg]
     name = QG._v4_name(v4)
+    grid = (-(-Lg // v4["BM"]), -(-N // 16))
+    if v4.get("P"):
+        grid = (min(grid[0] * grid[1], 3), 1)
     getattr(emulated_v4, f"k{QG.FP8_V4_NAMES.index(name)}")(
-        ctypes.c_uint(-(-Lg // v4["BM"])), ctypes.c_uint(-(-N // 16)),
+        ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
         ctypes.c_uint(v4["WARPS"] * 32), _ptr(np.ascontiguousarray(aq).view(np.uint8)),
         _ptr(np.ascontiguousarray(wq).view(np.uint8)), _ptr(c),
         _ptr(np.ascontiguousarray(as_, np.float32)), _ptr(np.ascontiguousarray(ws, np.float32)),

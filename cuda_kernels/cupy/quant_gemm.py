@@ -115,6 +115,13 @@ FP8_V4_CONFIGS = {
     "gemv16u3ll": dict(BM=16, WARPS=8, U=3, MINB=2, PIPE=1, PF=2),
     "gemv16w4u3": dict(BM=16, WARPS=4, U=3, MINB=4, PIPE=1),
     "gemv16u4": dict(BM=16, WARPS=8, U=4, MINB=2, PIPE=1),
+    # persistent (fp8_gemv_v4p: P=1): a grid of SMs * MINB CTAs walks the tiles, the next
+    # tile's first round of loads in flight across this tile's reduction
+    "pgemv16": dict(BM=16, WARPS=8, U=2, MINB=2, PIPE=1, P=1),
+    "pgemv16u3": dict(BM=16, WARPS=8, U=3, MINB=2, PIPE=1, P=1),
+    "pgemv8w4": dict(BM=8, WARPS=4, U=4, MINB=4, PIPE=1, P=1),
+    "pgemv8w4u3": dict(BM=8, WARPS=4, U=3, MINB=4, PIPE=1, P=1),
+    "pgemv16ll": dict(BM=16, WARPS=8, U=2, MINB=2, PIPE=1, PF=2, P=1),
 }
 # v4's config by rows per expert and Kdim: the first entry (max rows per expert, min Kdim,
 # name) that covers the batch and whose BM divides block_size wins. Measured (H200, slots 1-2,
@@ -191,6 +198,9 @@ def wna16_group_ok(group_size: int, num_groups: int, bk: int) -> bool:
 
 
 def _v4_name(cfg: dict) -> str:
+    if cfg.get("P"):
+        return (f"fp8_gemv_v4p<{cfg['BM'] // 8}, {cfg['WARPS']}, {cfg['U']}, {cfg['MINB']}, "
+                f"{cfg.get('PF', 0)}>")
     return (f"fp8_gemv_v4<{cfg['BM'] // 8}, {cfg['WARPS']}, {cfg['U']}, {cfg['MINB']}, "
             f"{cfg['PIPE']}, {cfg.get('PF', 0)}>")
 
@@ -632,6 +642,8 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         kern = _kernel(name, FP8_V4_NAMES if name in FP8_V4_NAMES else (name,), elem, smem,
                        CU_FP8_GEMV)
         grid = (C.cdiv(Lg, fcfg["BM"]), C.cdiv(N, 16))
+        if fcfg.get("P"):        # persistent: about MINB CTAs per SM walk the tiles
+            grid = (min(grid[0] * grid[1], _num_sms() * fcfg["MINB"]),)
         block = (fcfg["WARPS"] * 32,)
     elif version == "v5":
         name = _v5_name(fcfg)
@@ -689,6 +701,17 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
 
 
 _READY: dict = {}
+_SMS: dict = {}
+
+
+def _num_sms() -> int:
+    """Streaming multiprocessors of the current device (asked once per device)."""
+    import cupy
+
+    dev = cupy.cuda.Device()
+    if dev.id not in _SMS:
+        _SMS[dev.id] = int(dev.attributes["MultiProcessorCount"])
+    return _SMS[dev.id]
 
 
 def _kernel(name, names, elem, smem, cu=CU, options=()):

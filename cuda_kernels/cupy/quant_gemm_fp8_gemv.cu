@@ -281,3 +281,198 @@ fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
         fg_store(c + (long long)s * N + n, v);
     }
 }
+
+// ============================================================================ v4 persistent
+// fp8_gemv_v4p: the same tile work as fp8_gemv_v4 (PIPE 1 rounds), but a grid of G CTAs (about
+// MINB per SM, the launcher's choice) walks the tiles: CTA b takes tiles b, b + G, ... (m tile
+// fastest, as v4's grid). What it buys: the next tile's header is loaded while this one
+// streams, and its first round of weight loads goes out *before* this tile's reduction and
+// stores (when it is surely live: e >= 0 and its first position holds a slot), so a CTA keeps
+// weight loads in flight across tile boundaries instead of idling through each tile's setup
+// and reduction (at decode a tile is only 32-115 KB of weights: those idle phases were a
+// third of a v4 CTA's life).
+// grid (G), block WARPS * 32, dynamic smem as v4. Same requirements as v4.
+template <int MT, int WARPS, int U, int MINB, int PF>
+__global__ void __launch_bounds__(WARPS * 32, MINB)
+fp8_gemv_v4p(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
+             const float* __restrict__ a_scale, const float* __restrict__ w_scale,
+             const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
+             const int* __restrict__ num_tokens_post_padded,
+             const float* __restrict__ topk_weights, const float* __restrict__ bias,
+             int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
+             int mul_routed_weight, int a_scale_kind, int w_scale_kind) {
+    constexpr int BM = 8 * MT;
+    constexpr int NT = WARPS * 32;
+    constexpr int STEP = WARPS * U;
+    static_assert(BM <= NT, "v4p: one thread per tile row reads the slots");
+    extern __shared__ __align__(16) u8 smem[];
+    float* sRed = reinterpret_cast<float*>(smem);                  // [WARPS][BM][16]
+    int* sArow = reinterpret_cast<int*>(sRed + WARPS * BM * 16);   // [BM] a row, -1 padding
+    int* sSlot = sArow + BM;                                       // [BM] slot s
+
+    // positions past num_slots * block_size hold no slot (num_tokens_post_padded <= P * B)
+    const int Lg = (int)min((long long)num_positions, (long long)num_slots * block_size);
+    const int m_tiles = (Lg + BM - 1) / BM, n_tiles = (N + 15) / 16;
+    const int items = m_tiles * n_tiles;
+    int i = blockIdx.x;
+    if (i >= items) return;
+    const int ntpp = num_tokens_post_padded[0];
+    const int tid = threadIdx.x;
+    const bool BLOCKWISE = a_scale_kind == 2;
+    const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
+    const int KB = Kdim / 128;
+    const int NB = (N + 127) / 128;
+
+    // a tile's header: independent loads, one round trip
+    int m0, n0, e, s_mine, s_first;
+    auto header = [&](int item, int& m0_, int& n0_, int& e_, int& sm_, int& sf_) {
+        m0_ = (item % m_tiles) * BM;
+        n0_ = (item / m_tiles) * 16;
+        e_ = expert_ids[m0_ / block_size];
+        sm_ = (tid < BM && m0_ + tid < num_positions) ? sorted_token_ids[m0_ + tid] : num_slots;
+        sf_ = sorted_token_ids[m0_];
+    };
+    const u8* w0;
+    const u8* w1;
+    const float* wsrow;
+    auto point = [&](int e_, int n0_) {                 // the weight rows of a tile
+        const int ec = max(e_, 0);
+        const u8* wexp = w + (long long)ec * N * Kdim;
+        w0 = wexp + min(n0_ + g, N - 1) * Kdim + 16 * t;
+        w1 = wexp + min(n0_ + g + 8, N - 1) * Kdim + 16 * t;
+        wsrow = w_scale + ((long long)ec * NB + n0_ / 128) * KB;
+    };
+    auto streams = [&](int m0_, int e_, int sf_) {      // surely live: prefetch is safe
+        return m0_ < ntpp && e_ >= 0 && fg_live(sf_, num_slots);
+    };
+    u32 wq[U][2][2][4];
+    float wsc[U];
+    auto issue = [&](int kb0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int kb = kb0 + u * WARPS;
+            if (kb < KB) {
+                fg_ld16_stream<PF>(wq[u][0][0], w0 + 128 * kb);
+                fg_ld16_stream<PF>(wq[u][1][0], w1 + 128 * kb);
+                fg_ld16_stream<PF>(wq[u][0][1], w0 + 128 * kb + 64);
+                fg_ld16_stream<PF>(wq[u][1][1], w1 + 128 * kb + 64);
+                wsc[u] = BLOCKWISE ? __ldg(wsrow + kb) : 1.f;
+            }
+        }
+    };
+    int arow[MT], srow[MT][2];
+    bool tile_live[MT];
+    float acc[MT][4];
+    auto consume = [&](int kb0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int kb = kb0 + u * WARPS;
+            if (kb >= KB) continue;
+#pragma unroll
+            for (int jt = 0; jt < MT; ++jt) {
+                if (!tile_live[jt]) continue;
+                u32 x[2][4] = {{0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}};
+                if (arow[jt] >= 0) {
+                    const u8* ap = a + (long long)arow[jt] * Kdim + 128 * kb + 16 * t;
+                    fg_ld16(x[0], ap);
+                    fg_ld16(x[1], ap + 64);
+                }
+                float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int q = 0; q < 2; ++q)
+                        fg_mma(part, wq[u][0][h][2 * q], wq[u][1][h][2 * q],
+                               wq[u][0][h][2 * q + 1], wq[u][1][h][2 * q + 1], x[h][2 * q],
+                               x[h][2 * q + 1]);
+                float s0 = 1.f, s1 = 1.f;
+                if (BLOCKWISE) {
+                    s0 = __ldg(a_scale + (long long)srow[jt][0] * KB + kb) * wsc[u];
+                    s1 = __ldg(a_scale + (long long)srow[jt][1] * KB + kb) * wsc[u];
+                }
+                acc[jt][0] += part[0] * s0;
+                acc[jt][1] += part[1] * s1;
+                acc[jt][2] += part[2] * s0;
+                acc[jt][3] += part[3] * s1;
+            }
+        }
+    };
+
+    header(i, m0, n0, e, s_mine, s_first);
+    point(e, n0);
+    bool pre = streams(m0, e, s_first);                 // wq holds this tile's first round
+    if (pre) issue(warp);
+    for (; i < items; i += gridDim.x) {
+        // the next tile's header, in flight while this one streams
+        const int i2 = i + gridDim.x;
+        int m0n = 0, n0n = 0, en = -1, smn = num_slots, sfn = num_slots;
+        if (i2 < items) header(i2, m0n, n0n, en, smn, sfn);
+
+        int live = 0;
+        if (tid < BM) {
+            const int s = m0 < ntpp ? s_mine : num_slots;
+            sSlot[tid] = s;
+            sArow[tid] = fg_live(s, num_slots) ? s / top_k : -1;
+            live = fg_live(s, num_slots);
+        }
+        const int any = __syncthreads_or(live);
+        bool pre_next = false;
+        if (any && e < 0) {                                         // expert on another rank
+            for (int k = tid; k < BM * 16; k += NT) {
+                const int r = k / 16, n = n0 + k % 16;
+                if (fg_live(sSlot[r], num_slots) && n < N)
+                    fg_store(c + (long long)sSlot[r] * N + n, 0.f);
+            }
+        } else if (any) {
+#pragma unroll
+            for (int j = 0; j < MT; ++j) {
+                arow[j] = sArow[8 * j + g];
+                srow[j][0] = max(sArow[8 * j + 2 * t], 0);
+                srow[j][1] = max(sArow[8 * j + 2 * t + 1], 0);
+                int anyj = 0;
+#pragma unroll
+                for (int r = 0; r < 8; ++r) anyj |= sArow[8 * j + r] >= 0;
+                tile_live[j] = anyj;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[j][q] = 0.f;
+            }
+            for (int kb0 = warp; kb0 < KB; kb0 += STEP) {
+                if (!(pre && kb0 == warp)) issue(kb0);
+                consume(kb0);
+            }
+            // the next tile's first round goes out now, before this tile's reduction
+            if (i2 < items && streams(m0n, en, sfn)) {
+                point(en, n0n);
+                issue(warp);
+                pre_next = true;
+            }
+#pragma unroll
+            for (int j = 0; j < MT; ++j)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int r = 8 * j + 2 * t + (q & 1), nn = g + 8 * (q >> 1);
+                    sRed[(warp * BM + r) * 16 + nn] = acc[j][q];
+                }
+            __syncthreads();
+            for (int k = tid; k < BM * 16; k += NT) {
+                const int r = k / 16, nn = k % 16, n = n0 + nn;
+                const int s = sSlot[r];
+                if (!fg_live(s, num_slots) || n >= N) continue;
+                float v = 0.f;
+                for (int wi = 0; wi < WARPS; ++wi) v += sRed[(wi * BM + r) * 16 + nn];
+                if (!BLOCKWISE) {
+                    const float sa = a_scale_kind == 0 ? a_scale[0] : a_scale[sArow[r]];
+                    const float sw = w_scale_kind == 0 ? w_scale[e] : w_scale[(long long)e * N + n];
+                    v *= sa * sw;
+                }
+                if (bias != nullptr) v += bias[(long long)e * N + n];
+                if (mul_routed_weight) v *= topk_weights[s];
+                fg_store(c + (long long)s * N + n, v);
+            }
+        }
+        __syncthreads();                    // sSlot / sRed are rewritten by the next tile
+        m0 = m0n; n0 = n0n; e = en; s_mine = smn; s_first = sfn;
+        if (!pre_next) point(e, n0);
+        pre = pre_next;
+    }
+}
