@@ -33,7 +33,9 @@ The ladder (`version=`; default: the best that applies):
     v4  fp8 w8a8 decode (up to FP8_V4_MAX_ROWS rows per expert; quant_gemm_fp8_gemv.cu): the
         same weight streaming with mma.sync m16n8k32 e4m3 (sm_89+), 16 weight rows per CTA as
         the mma's A, tiles of 8 tokens as its B (padding-only tiles skipped), K split over the
-        warps by 128-wide blocks, block scales folded per block; Kdim % 128 == 0.
+        warps by 128-wide blocks, block scales folded per block; Kdim % 128 == 0. Configs with
+        P=1 run its persistent form fp8_gemv_v4p (SMs * MINB CTAs walk the tiles; the next
+        tile's first loads go out before this tile's reduction).
     v5  fp8 w8a8 Hopper (sm_90a; quant_gemm_fp8_wgmma.cu): wgmma.m64nBNk32 e4m3 from
         128-byte-swizzled shared tiles (one 128-wide K block = one swizzled row), a cp.async
         ring with gathered A rows, per-block promotion acc += blk * a_scale * w_scale in fp32;
