@@ -56,7 +56,8 @@ ROUTINGS = 4
 FLUSH_BYTES = 128 << 20
 SPIN_US = 1000
 # configs outside quant_gemm_wna16.CONFIGS to try (--sweep --variants; each compiles on its own)
-VARIANTS = [dict(MT=1, WN=8, U=4, MINB=2), dict(MT=2, WN=8, U=4, MINB=2),
+VARIANTS = [dict(MT=1, WN=8, U=4, MINB=2), dict(MT=1, WN=4, U=4, MINB=4),
+            dict(MT=2, WN=8, U=4, MINB=2),
             dict(KERNEL="async", MT=4, WN=8, STAGES=2, MINB=1)]
 
 _SPIN = r"""

@@ -378,26 +378,27 @@ wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
     float sr[U][2];
     int zr[U][2];
     auto load_step = [&](int st, int u) {
-        const int k = st * 128 + t * 32;          // this lane's first code
-        const bool in = st < s_end && k < Kdim;   // K % 32 == 0: whole chunks
-        const int off = st * 64 * CH;
+        // No predicates, no branches: the address is clamped inside the split and the row
+        // (rows past N were clamped to row 0 above). What a clamped load brings is never
+        // stored: a slot past s_end is never consumed, rows past N only reach C rows the
+        // epilogue skips, and codes past Kdim (a tail step) meet staged zero activations.
+        const int stc = max(0, min(st, s_end - 1));
+        const int kc = min(stc * 128 + t * 32, Kdim - 32);   // this lane's first code
+        const int off = kc * CH / 2;                          // its byte offset in the row
 #pragma unroll
         for (int ch = 0; ch < CH; ++ch) {
-            wr[u][0][ch] = (in && ok_lo) ? w16::ld_stream(w_lo + off + 16 * ch)
-                                         : make_uint4(0, 0, 0, 0);
-            wr[u][1][ch] = (in && ok_hi) ? w16::ld_stream(w_hi + off + 16 * ch)
-                                         : make_uint4(0, 0, 0, 0);
+            wr[u][0][ch] = w16::ld_stream(w_lo - t * 16 * CH + off + 16 * ch);
+            wr[u][1][ch] = w16::ld_stream(w_hi - t * 16 * CH + off + 16 * ch);
         }
         // POST folds the scale after the mma, which sums the step's 4 lanes: every lane takes
-        // the scale of the step's group (one per step), also a lane past Kdim in a tail step
-        const int kq = POST ? st * 128 : k;
-        const bool in_s = st < s_end && kq < Kdim;
-        const int grp = in_s ? w16::group_of(kq, group_size, gs_shift, num_groups) : 0;
-        sr[u][0] = (in_s && ok_lo) ? __ldg(w_scale + sc_e + sc_lo + grp) : 0.f;
-        sr[u][1] = (in_s && ok_hi) ? __ldg(w_scale + sc_e + sc_hi + grp) : 0.f;
+        // the scale of the step's group (one per step)
+        const int kq = POST ? stc * 128 : kc;
+        const int grp = w16::group_of(kq, group_size, gs_shift, num_groups);
+        sr[u][0] = __ldg(w_scale + sc_e + sc_lo + grp);
+        sr[u][1] = __ldg(w_scale + sc_e + sc_hi + grp);
         if (w_zp != nullptr) {
-            zr[u][0] = (in_s && ok_lo) ? (int)__ldg(w_zp + sc_e + sc_lo + grp) : default_zp;
-            zr[u][1] = (in_s && ok_hi) ? (int)__ldg(w_zp + sc_e + sc_hi + grp) : default_zp;
+            zr[u][0] = __ldg(w_zp + sc_e + sc_lo + grp);
+            zr[u][1] = __ldg(w_zp + sc_e + sc_hi + grp);
         } else {
             zr[u][0] = default_zp;
             zr[u][1] = default_zp;

@@ -69,7 +69,7 @@ CONFIGS = {
     "a16": dict(KERNEL="async", MT=2, WN=4, STAGES=4, MINB=2),
     "a32": dict(KERNEL="async", MT=4, WN=4, STAGES=3, MINB=2),
     # wna16_stream (register ring of U steps per lane)
-    "m8": dict(MT=1, WN=4, U=4, MINB=4),
+    "m8": dict(MT=1, WN=4, U=4, MINB=5),
     "m16": dict(MT=2, WN=4, U=4, MINB=4),
     "m32": dict(MT=4, WN=4, U=4, MINB=2),
 }
@@ -168,8 +168,8 @@ def pick_config(rows_per_expert: float, block_size: int, config=None) -> dict:
 
 def supports(K: int, group_size: int, num_groups: int, block_size: int) -> tuple[bool, str]:
     """(True, "") when wna16_stream can run this problem, else (False, why)."""
-    if K % 32:
-        return False, f"Kdim must be a multiple of 32 (16-byte rows of 32 codes), got {K}"
+    if K % 32 or K <= 0:
+        return False, f"Kdim must be a positive multiple of 32 (16-byte rows of 32 codes), got {K}"
     if num_groups != 1 and group_size % 32:
         return False, (f"group_size must be a multiple of 32 (a lane's 32 codes share one "
                        f"scale), got {group_size}")
