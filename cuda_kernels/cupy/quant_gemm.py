@@ -126,21 +126,31 @@ FP8_V4_CONFIGS = {
     "pgemv16ll": dict(BM=16, WARPS=8, U=2, MINB=2, PIPE=1, PF=2, P=1),
 }
 # v4's config by rows per expert and Kdim: the first entry (max rows per expert, min Kdim,
-# name) that covers the batch and whose BM divides block_size wins. Measured (H200, slots 1-2,
+# name) that covers the batch and whose BM divides block_size wins. Measured (H200, slots 1-3,
 # DeepSeek-V3, L2 flushed): at T=1 GEMM1 (Kdim 7168, 0.03 rows per expert) gemv16 77.3 / 77.8
-# us vs gemv8w4 81.4 / 82.5 us (no padding-only tiles at 2 CTAs per SM); everywhere else at
-# T <= 64 gemv8w4 is the fastest or within 2% (e.g. T=1 GEMM2 46.9 us, T=16 GEMM1 0.835 ms).
+# / 72.2 us vs gemv8w4 81.4 / 82.5 / 75.1 us (no padding-only tiles at 2 CTAs per SM);
+# everywhere else at T <= 64 gemv8w4 is the fastest or within 2% (slot 3: T=1 GEMM2 41.0 us,
+# T=16 GEMM1 0.738 ms, T=64 GEMM1 1.774 ms). PIPE 2, the L2 hints, U 3 were no faster. The
+# persistent configs (P=1) are not measured yet (slot 3's launch had a bug since fixed).
 FP8_V4_BY_ROWS = ((0.25, 4096, "gemv16"), (8, 0, "gemv8w4"), (16, 0, "gemv16"),
                   (16, 0, "gemv8w4"))
 # fp8 w8a8 v5 (Hopper wgmma e4m3, per-block promotion): BM token rows (64 per warpgroup), BN
 # weight rows, STAGES 128-wide K blocks in the cp.async ring.
+# Measured (H200, slot 1, DeepSeek-V3): wg64 (block 64) GEMM1 / GEMM2 1.83 / 1.03 ms at
+# T=1024 and 3.72 / 2.28 ms at T=4096; wg128 (block 128) 3.00 / 1.93 and 4.38 / 2.81 ms. The
+# default is wg64 (FP8_V5_DEFAULT); wg128 runs only when asked for by name.
 FP8_V5_CONFIGS = {
     "wg64": dict(BM=64, BN=128, STAGES=4),
     "wg128": dict(BM=128, BN=128, STAGES=3),
 }
+FP8_V5_DEFAULT = "wg64"
 # The fp8 rung by rows per expert (P / E): decode batches stream the weights (v4) up to this
 # many rows per expert; above, the wgmma tiles (v5, sm_90) or mma.sync tiles (v2) elsewhere.
-FP8_V4_MAX_ROWS = 16
+# Measured (H200, slot 3, DeepSeek-V3, read flush): at T=256 (8 rows per expert) v5 wg64 with
+# block 64 takes GEMM1 1.80 ms / GEMM2 0.97 ms against v4's best 2.42 / 1.72 (v2: 2.69 /
+# 1.49); at T=64 (2 rows) v4 gemv8w4 1.77 / 1.06 ms (the bench's 72.5% of the roofline). The
+# crossover between 2 and 8 rows is not measured: 4 splits it.
+FP8_V4_MAX_ROWS = 4
 V3_KSTEP = 128                    # v3's K step: 32 codes per thread, one scale per step
 W8A8_ROW = KBLOCK + 16            # padded shared row, bytes (see quant_gemm.cu)
 
@@ -183,6 +193,8 @@ def block_size_for(fmt: str, rows_per_expert: float) -> int:
         for rows, name in WNA16_BY_ROWS:
             if rows_per_expert <= rows:
                 return max(16, WNA16_V3_CONFIGS[name]["BM"])
+    if fmt == "fp8":   # v4 (decode) takes 8 / 16-row tiles; v5 64-row tiles above its range
+        return 16 if rows_per_expert <= FP8_V4_MAX_ROWS else 64
     return 16 if rows_per_expert <= 16 else 64
 
 
@@ -323,7 +335,8 @@ def _pick_fp8(version, config, rows_per_expert, block_size, K, cc, a, w):
         if cfg is not None:
             return "v4", cfg, None
     if version in (None, "v5") and why5 is None and c4 is None:
-        cfg, why5 = fit(FP8_V5_CONFIGS, c5, "v5")
+        cfg, why5 = fit({FP8_V5_DEFAULT: FP8_V5_CONFIGS[FP8_V5_DEFAULT]} if c5 is None
+                        else FP8_V5_CONFIGS, c5, "v5")
         if cfg is not None:
             return "v5", cfg, None
     return None, None, why4 if version == "v4" else why5
@@ -645,7 +658,7 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                        CU_FP8_GEMV)
         grid = (C.cdiv(Lg, fcfg["BM"]), C.cdiv(N, 16))
         if fcfg.get("P"):        # persistent: about MINB CTAs per SM walk the tiles
-            grid = (min(grid[0] * grid[1], _num_sms() * fcfg["MINB"]),)
+            grid = (min(grid[0] * grid[1], _num_sms() * fcfg["MINB"]), 1)
         block = (fcfg["WARPS"] * 32,)
     elif version == "v5":
         name = _v5_name(fcfg)
