@@ -26,7 +26,8 @@ evicts by reading a 128 MB buffer (a sum): the L2 is left holding clean lines. -
 (the method of the results up to 2026-11-29 22:41) evicts by a 128 MB memset, which leaves
 up to 50 MB of dirty lines whose write-back can land inside the timed call: up to 50 MB of
 extra HBM traffic, noise beside the GBs read at T >= 16 but comparable to a T=1 layer's
-352 MB (fp8). The "flush" field of the JSON records the method. Then
+352 MB (fp8). Measured (H200, 2026-11-29 23:15, same commit): DeepSeek-V3 T=1 fp8 0.116 ms
+read / 0.125 ms write, bf16 0.194 / 0.202 ms. The "flush" field of the JSON records the method. Then
 a one-thread spin kernel (SPIN_US) holds the GPU while Python enqueues the timed calls, so the
 events measure GPU time, not the launchers' argument checks (--no-spin to include them).
 
