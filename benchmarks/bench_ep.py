@@ -36,9 +36,17 @@ least 80% of the raw all-to-all of the same bytes: ratio = 2 * raw(n rows) / (di
 combine), printed for the first row mode, beside the exchange-only ratio raw / exchange and
 the ratio against the raw all-to-all of the P slot rows (what token rows save).
 
+Implementations (--impls, the first is the target's): "fused" (sandbox/ep/layout.py +
+cuda_kernels/cupy/ep_layout.cu, the default), "fusedC" (the combine in C token chunks, its
+sums overlapping the next chunk's exchange), "stages" (moe_permute / moe_unpermute).
+--breakdown times each sub-step alone; every row also carries host_ms, the host's median
+time inside the timed call (the launches, the counts sync): where GPU time is host-bound.
+
 Run (two GPUs; about two minutes; results in benchmarks/results/):
     .venv/bin/python benchmarks/bench_ep.py --gpus 2
     .venv/bin/python benchmarks/bench_ep.py --gpus 8 --tokens 128,4096 --no-layer
+    .venv/bin/python benchmarks/bench_ep.py --gpus 2 --no-layer --schemes alltoall \
+        --impls fused,fused2,stages --breakdown
 """
 from __future__ import annotations
 
