@@ -33,7 +33,7 @@ words):
                                    + NT        one block, warp w owning a contiguous chunk
     align_scatter_chunks nb NT   W E           "chunks" ranks: the multi-block placement
                                                after align_count / align_scan (LAUNCHES 3)
-    align_count_blocks   nb NT   E             "chunks", LAUNCHES 2 (default): per-block counts
+    align_count_blocks   nb NT   E             "chunks", LAUNCHES 2: per-block counts
     align_place_blocks   nb NT   W E + 3E + 1  every block reads the counts [nb, E], scans the
                                    + NT        padded totals itself, writes its share of
                                                expert_ids / padding, places its slots
@@ -66,7 +66,7 @@ earlier slots of the round (config "RANK"):
              in shared memory: no warp intrinsics
     "chunks" (GPU) permute.cu's grouping: contiguous chunks per warp, counted into per-warp
              rows, a scan over the warps, then each warp places its chunk in order
-             (ballot ranks, the group's lowest lane advancing the warp's cursor): two
+             (match_any ranks, the group's lowest lane advancing the warp's cursor): two
              block barriers in all instead of three per NT slots; padding written only where
              no slot goes (chunk_kernels)
 Across blocks the scan kernel turns block_counts into each block's starting offset within
@@ -108,7 +108,7 @@ from ._wide import load16, store16, words16
 # Tunables are data. The simulator gets tiny blocks so that tests cover every path cheaply.
 CONFIGS = {
     "align": {"THREADS": 256, "SLOTS_PER_BLOCK": 1024, "SINGLE_BLOCK_MAX_SLOTS": 2048,
-              "RANK": "chunks", "LAUNCHES": 2},
+              "RANK": "chunks", "LAUNCHES": 3},
     "rows": {"THREADS": 128, "WIDE": True, "ROW_LANES": 32},
 }
 SIM_CONFIGS = {
@@ -449,14 +449,14 @@ def align_kernels(NT, rank="block"):
 @functools.lru_cache(maxsize=None)
 def chunk_kernels(NT):
     """(align_one, align_scatter_chunks): permute.cu's warp-chunk grouping (GPU only: it
-    needs warp ballots), for NT threads = W warps per block.
+    needs match_any_sync), for NT threads = W warps per block.
 
     The slots are cut into contiguous chunks, one per warp, the warps in slot order, so the
     placement is stable without a round-by-round block barrier: each warp counts its chunk
-    into its own shared row wc[w, :] (a shared atomic per slot), a scan over the warps turns
-    the rows into each warp's first rank inside each expert, then every warp walks its chunk
-    again, 32 slots a step in order: peers_of (ballots, what match_any_sync returns) groups
-    the lanes of one expert, a lane's rank is the popcount of the same-expert lanes below it,
+    into its own shared row wc[w, :] (one atomic per distinct expert per 32-slot step), a
+    scan over the warps turns the rows into each warp's first rank inside each expert, then
+    every warp walks its chunk again, 32 slots a step in order: match_any_sync groups the
+    lanes of one expert, a lane's rank is the popcount of the same-expert lanes below it,
     and the group's lowest lane advances the warp's cursor for that expert. Two block
     barriers in all (the "warp" ranks of align_single / align_scatter take three per NT
     slots). Each lane loads PREFETCH steps of ids before using them (one round trip).
@@ -486,37 +486,24 @@ def chunk_kernels(NT):
 
     @device_function
     def warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, wc, row0, eb, lane):
-        """wc[row0 + e] += the slots of expert e in [begin, end): a shared atomic per slot
-        (permute.cu's warp_count; no match_any: see peers_of)."""
+        """wc[row0 + e] += the slots of expert e in [begin, end): one shared atomic per
+        distinct expert per 32-slot step (its lowest lane adds the group's size)."""
         for base in range(begin, end, 32 * PREFETCH):   # the same trips for every lane
             load_round(ids, base, end, E, emap, use_map, ignore_invalid, eb, lane)
             for u in range(PREFETCH):
-                if eb[u] >= 0:
-                    cu.atomic.add(wc, row0 + eb[u], 1)
+                e = eb[u]
+                peers = uint32(cu.match_any_sync(FULL_MASK, e))
+                if e >= 0 and (peers & cu.lanemask_lt()) == 0:
+                    cu.atomic.add(wc, row0 + e, cu.popc(peers))
 
     @device_function
-    def peers_of(e, nbits):
-        """The lanes of this warp holding the same e (-1 <= e < 2^nbits - 1) as a bitmask:
-        what match_any_sync returns, from one ballot per bit of e + 1. On the H200 the
-        match.any instruction cost about 0.2 us a call in these kernels (a block placing
-        32768 slots took 96 us), a ballot a few cycles."""
-        v = e + 1
-        peers = uint32(FULL_MASK)
-        for bit in range(nbits):
-            on = (v >> bit) & 1
-            b = uint32(cu.ballot_sync(FULL_MASK, on))
-            if on:
-                peers &= b
-            else:
-                peers &= ~b
-        return peers
-
-    @device_function
-    def place_one(s, e, wc, row0, off, sorted_ids, inv, write_sorted, write_inv, nbits):
-        """One 32-slot step of warp_place (every lane of the warp calls it): peers_of groups
+    def place_one(s, e, wc, row0, off, sorted_ids, inv, write_sorted, write_inv):
+        """One 32-slot step of warp_place (every lane of the warp calls it): match_any groups
         the lanes of one expert; rank = the same-expert lanes below; the group's lowest lane
-        advances the cursor."""
-        peers = peers_of(e, nbits)
+        advances the cursor. (Peers from one ballot per bit of e instead of match_any were
+        tried: on the H200 bench_numba's align at T = 1 went from 11 to 19 us, the kernel
+        30% larger; its code is fetched cold after every rep's L2 flush.)"""
+        peers = uint32(cu.match_any_sync(FULL_MASK, e))
         below = peers & cu.lanemask_lt()
         pos = 0
         if e >= 0:
@@ -536,14 +523,11 @@ def chunk_kernels(NT):
                    inv, write_sorted, write_inv, eb, lane):
         """Place the slots [begin, end) in order: pos = off[e] + cursor[e] + (same-expert
         lanes below); the cursor row wc[row0:] starts at the warp's first rank per expert."""
-        nbits = 1
-        while (1 << nbits) <= E:      # e + 1 takes the values 0 .. E
-            nbits += 1
         for base in range(begin, end, 32 * PREFETCH):
             load_round(ids, base, end, E, emap, use_map, ignore_invalid, eb, lane)
             for u in range(PREFETCH):
                 place_one(base + 32 * u + lane, eb[u], wc, row0, off, sorted_ids, inv,
-                          write_sorted, write_inv, nbits)
+                          write_sorted, write_inv)
 
     @device_function
     def warp_inclusive_scan(v, lane):
