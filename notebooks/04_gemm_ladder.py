@@ -34,7 +34,7 @@ import workshop
 
 RUN = workshop.setup("04_gemm_ladder")
 CUPY_VERSIONS = ["v1", "v2", "v3", "v4"]      # "v5" (wgmma, sm_90a) is opt-in
-NUMBA_VERSIONS = ["v1", "v2", "v3"]
+NUMBA_VERSIONS = ["v1", "v2", "v3", "v3v"]   # v3v: v3 with 16-byte loads (GPU; v3 in the simulator)
 MODEL = "qwen3-30b-a3b"                       # GEMM1 of this preset: N = 2I, Kdim = H
 GPU_TOKENS = [16, 256, 4096] if RUN.gpu else []   # GPU only: tokens timed per rung
 GPU_BUDGET_S = 75                             # GPU only: no new T after this (JIT compiles count)

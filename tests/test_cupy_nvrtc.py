@@ -17,7 +17,7 @@ from cuda_kernels.cupy import _compile as C
 # The modules that register compile cases. grouped_gemm is written separately: when it is
 # missing or broken the others are still checked (its own test reports the failure).
 KERNEL_MODULES = ("routing", "permute", "activation", "combine", "grouped_gemm", "quant_act",
-                  "quant_gemm")
+                  "quant_gemm", "quant_gemm_wna16", "ep_layout")
 ARCHS = ("sm_90", "sm_80")
 
 

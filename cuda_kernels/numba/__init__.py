@@ -11,7 +11,7 @@ out) or device arrays (numba device arrays, CuPy arrays, torch CUDA tensors, any
                      swigluoai_and_mul (and the no-mul silu / gelu / gelu_tanh / relu2)
     combine.py       moe_sum
     grouped_gemm.py  grouped_gemm, a ladder of versions (v1 naive, v2 shared-memory tiles,
-                     v3 register blocking)
+                     v3 register blocking, v3v = v3 with 16-byte loads, the default)
     _arrays.py       array kinds, outputs in the caller's framework, argument checks,
                      availability(), to_device / to_host, poisoned_outputs()
     _device.py       device helpers: bf16 bits <-> fp32, 8-byte word unpacking, fp32 math,

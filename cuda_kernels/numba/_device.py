@@ -88,15 +88,19 @@ def _cache_class():
     return PackageCache
 
 
-def kernel(fn):
+def kernel(fn, launch_bounds=None):
     """`cuda.jit(fn)`, cached on disk across processes (GPU only).
 
     A kernel compiles the first time it runs with new argument types (seconds each: what a
     notebook user waits for); the cache keeps the result under this package's __pycache__
     (or numba's user cache dir), so the next process loads it instead. Set
     MOE_SANDBOX_NUMBA_CACHE=0 to compile every time.
+
+    launch_bounds=(threads, min_blocks): CUDA C's __launch_bounds__, so ptxas keeps the
+    registers under 64K / (threads * min_blocks) and that many blocks fit on an SM (ignored
+    by the simulator).
     """
-    disp = cu.jit(fn)
+    disp = cu.jit(fn) if SIMULATOR or not launch_bounds else cu.jit(launch_bounds=launch_bounds)(fn)
     if SIMULATOR or os.environ.get("MOE_SANDBOX_NUMBA_CACHE", "1") == "0":
         return disp
     cls = _cache_class()

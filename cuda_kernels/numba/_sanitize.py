@@ -5,11 +5,11 @@ racecheck when the tool is installed).
     compute-sanitizer --tool memcheck --error-exitcode 9 python -m cuda_kernels.numba._sanitize
     compute-sanitizer --tool racecheck --error-exitcode 9 python -m cuda_kernels.numba._sanitize
 
-Every kernel, flavour and load mode the stages launch: routing "warp" and "block" (softmax,
-bias, groups), alignment single-block and count/scan/scatter with "warp" and "block" ranks
+Every kernel, flavour and load mode the stages launch: routing "keys", "warp" and "block" (softmax,
+bias, groups), alignment single-block and count/scan/scatter with "chunks", "warp" and "block" ranks
 (an expert map, ignored experts), permute / unpermute (compile-time and runtime K),
 each activation, moe_sum (compile-time and runtime K), GEMM v1 / v2 / v3 (8-byte words and
-single elements, expert_ids == -1 blocks). Small shapes: the tools slow kernels ~100x.
+single elements, expert_ids == -1 blocks) / v3v (16-byte loads). Small shapes: the tools slow kernels ~100x.
 Prints one line per case; exit code 1 if any output differs from the reference.
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def cases():
             return None if rel_err(got[0], want[0]) <= 1e-5 else "weights differ"
         return run
 
-    for flavor in ("warp", "block"):
+    for flavor in ("keys", "warp", "block"):
         for dtype, bias, groups in ((np.float32, False, False), (BF16, True, False),
                                     (np.float16, True, True)):
             out.append((f"routing {flavor} {np.dtype(dtype).name} bias={bias} groups={groups}",
@@ -80,7 +80,7 @@ def cases():
         return run
 
     for path in ("single", "multi"):
-        for rank in ("warp", "block"):
+        for rank in ("chunks", "warp", "block"):
             for mapped in (False, True):
                 out.append((f"align {path} rank={rank} expert_map={mapped}",
                             align_case(path, rank, mapped)))
@@ -149,7 +149,9 @@ def cases():
                                           ("v3", BF16, 72, 16, False),     # words, BM 16
                                           ("v3", BF16, 70, 32, False),     # elements
                                           ("v3", np.float32, 72, 64, True),
-                                          ("v3", np.float16, 264, 64, False)):
+                                          ("v3", np.float16, 264, 64, False),
+                                          ("v3v", BF16, 72, 16, False),    # 16-byte loads
+                                          ("v3v", np.float32, 72, 64, True)):
         out.append((f"grouped_gemm {version} {np.dtype(dtype).name} Kd={Kd} B={B} "
                     f"expert_map={mapped}", gemm_case(version, dtype, Kd, B, mapped)))
     return out

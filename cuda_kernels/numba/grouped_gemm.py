@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import sys
 import types
 from typing import NamedTuple
@@ -406,24 +405,6 @@ def gemm_v3(BM: int, BN: int, BK: int, TM: int, TN: int, WORD: str = ""):
 
 
 # ----------------------------------------------------------------------------- v3v 16-byte
-def kernel_bounded(fn, threads, min_blocks):
-    """`kernel(fn)` with launch bounds (threads, min_blocks) when min_blocks > 0, the way CUDA
-    C writes __launch_bounds__: ptxas then keeps the registers under 64K / (threads *
-    min_blocks), so that many blocks fit on an SM. Cached on disk as kernel() does."""
-    if SIMULATOR or not min_blocks:
-        return kernel(fn)
-    from ._device import _cache_class
-
-    disp = cu.jit(launch_bounds=(threads, min_blocks))(fn)
-    cls = _cache_class() if os.environ.get("MOE_SANDBOX_NUMBA_CACHE", "1") != "0" else None
-    if cls is not None:
-        try:
-            disp._cache = cls(disp.py_func)
-        except Exception:  # noqa: BLE001, S110 - no writable cache dir: compile as usual
-            pass
-    return disp
-
-
 @functools.lru_cache(maxsize=None)
 def gemm_v3v(BM: int, BN: int, BK: int, TM: int, TN: int, WORD: str, MIN_BLOCKS: int = 0):
     """v3 as the CuPy rung writes it (gemm_v3_regblock.cu, line for line): 16-byte global loads
@@ -606,7 +587,7 @@ def gemm_v3v(BM: int, BN: int, BK: int, TM: int, TN: int, WORD: str, MIN_BLOCKS:
             tile(a, w, sorted_ids, expert_ids, topk_w, bias, c, P, top_k, N, Kd, B, mul_w,
                  has_bias, tid, p0, n0, Kw, As, Ws, s_arow, s_slot)
 
-    return kernel_bounded(v3v, NT, MIN_BLOCKS)
+    return kernel(v3v, launch_bounds=(NT, MIN_BLOCKS) if MIN_BLOCKS else None)
 
 
 # ----------------------------------------------------------------------------- launch
