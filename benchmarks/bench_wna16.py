@@ -263,7 +263,12 @@ def main(argv=None):
                         print(f"  sweep T={T} {cname} KS={ks}: {type(e).__name__}: {e}",
                               flush=True)
     stamp = datetime.datetime.now(datetime.timezone.utc)
-    res = dict(gpu=gpu, date=stamp.isoformat(timespec="seconds"),
+    try:
+        from sandbox.bench import git_commit
+        commit = git_commit()
+    except Exception:  # noqa: BLE001 - the commit is informative only
+        commit = "unknown"
+    res = dict(gpu=gpu, date=stamp.isoformat(timespec="seconds"), commit=commit,
                command="bench_wna16.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                hbm_bytes_per_s=HBM, peak_flops=PEAK, routings_per_point=ROUTINGS,
                note="expert path = GEMM1 + GEMM2; the activation between them is not timed",

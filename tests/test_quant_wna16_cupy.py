@@ -355,6 +355,8 @@ def _emulated_gemm(lib, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, nbits, c
     ("a32", None, FORMATS[4], (20, 2, 1, 24, 640, 32)),     # uint8 zp
     ("m8", None, FORMATS[0], (1, 4, 2, 64, 256, 16)),
     ("m8", 2, FORMATS[1], (5, 3, 2, 40, 352, 16)),          # g32 zp, a tail step, N % 16
+    ("w8", 3, FORMATS[6], (6, 3, 2, 136, 512, 8)),          # signed int8, 8 warps, B = 8
+    ("w16", None, FORMATS[4], (9, 2, 2, 72, 384, 32)),      # uint8 zp, 8 warps
     ("m16", 2, FORMATS[0], (7, 3, 2, 32, 512, 16)),         # int4 post-scaled, split K
     ("m8", None, FORMATS[3], (3, 2, 2, 24, 640, 16)),       # int4 per-channel zp, post-scaled
     ("m8", 3, FORMATS[1], (5, 3, 2, 40, 384, 16)),

@@ -42,6 +42,13 @@ ValueError naming the argument otherwise.
 
 Napkin math (H200, 4.8 TB/s): Mixtral int4 (E=8, top-2, H=4096, I=14336, group 128) at T=1
 reads 2 experts' w13 + w2 codes and scales, 187 MB -> 39 us.
+Measured (H200, benchmarks/results/bench_wna16_*_20261129_231628.json, commit 77717dd, the m8 /
+m16 table then; GEMM1 + GEMM2, the activation between them not timed): T=1 165 us (24% of the
+roofline; quant_gemm 154 us), T=16 558 us (28%; 595), T=64 1077 us (14.5%; 1104); T >= 256
+quant_gemm is about 2x faster. Its sweep (..._sweep_..._231634.json) gave the w8 / w16 table
+now in BY_ROWS: T=1 142 us (27%), T=16 464 us (34%), T=64 879 us (18%), per-GEMM sums, not yet
+re-measured as a whole. ncu (slot 2, T=1 GEMM1): DRAM 29%, issue ~50%, 14 warps per SM: the
+kernel is latency- and instruction-bound, far from the 60% target.
 
 Run as a script: python -m cuda_kernels.cupy.quant_gemm_wna16 [--quick] (validate every
 kernel instantiation against the reference; without --quick also time the Mixtral shape).
@@ -64,22 +71,34 @@ CONFIG_FILE = pathlib.Path(__file__).resolve().parent / "quant_gemm_wna16_config
 # weight loads in flight per lane, MINB CTAs per SM for the register cap, KS K splits ("auto":
 # enough CTAs to fill the GPU, under a shared-memory budget for the staged activations).
 CONFIGS = {
+    # wna16_stream (register ring of U steps per lane)
+    "w8": dict(MT=1, WN=8, U=4, MINB=2),
+    "w16": dict(MT=2, WN=8, U=4, MINB=2),
+    "m8": dict(MT=1, WN=4, U=4, MINB=5),
+    "m16": dict(MT=2, WN=4, U=4, MINB=4),
+    "m32": dict(MT=4, WN=4, U=4, MINB=2),
     # wna16_async (cp.async ring per warp, STAGES stages of 4 steps)
     "a8": dict(KERNEL="async", MT=1, WN=4, STAGES=4, MINB=2),
     "a16": dict(KERNEL="async", MT=2, WN=4, STAGES=4, MINB=2),
     "a32": dict(KERNEL="async", MT=4, WN=4, STAGES=3, MINB=2),
-    # wna16_stream (register ring of U steps per lane)
-    "m8": dict(MT=1, WN=4, U=4, MINB=5),
-    "m16": dict(MT=2, WN=4, U=4, MINB=4),
-    "m32": dict(MT=4, WN=4, U=4, MINB=2),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
-# whose BM divides block_size. Measured (slot 2, H200, Mixtral int4): the register-ring rung
-# beat the cp.async rung at every T (its 8 warps per SM hid less latency), m8 up to 4 rows per
-# expert, m16 above. A measured table (CONFIG_FILE) replaces it when present.
-BY_ROWS = ((4, "m8"), (1 << 30, "m16"), (1 << 30, "m8"))
+# whose BM divides block_size. Measured (H200, Mixtral int4 g128, sweeps of slots 2 and 3 in
+# .gpu_feedback, bench_wna16.py --sweep): the register-ring rung beats the cp.async rung at
+# every T (the async rings cap a CTA at 8 warps per SM), 8 warps per CTA beat 4:
+#   T=1  (0.25 rows/expert, B=8):  w8  GEMM1 82 us + GEMM2 60 us     (m8 90 + 79, a8 127 + 61)
+#   T=16 (4 rows, B=8):            w8  294 + 170 us                   (m8 329 + 248)
+#   T=64 (16 rows, B=32):          w16 578 + 301 us                   (m16 696 + 409)
+# Past ~16 rows per expert quant_gemm's tile rungs are faster (T=256: 1.79 ms vs 3.07 ms).
+# A measured table (CONFIG_FILE) replaces this one when present.
+BY_ROWS = ((4, "w8"), (1 << 30, "w16"), (1 << 30, "w8"))
+# block_size measured with each entry (any multiple of its BM works)
+MEASURED_BLOCK = {"w8": 8, "w16": 32}
+MAX_ROWS_FASTER = 16            # rows per expert up to which this module beat quant_gemm (slot 3)
 SMEM_PER_SM = 227 * 1024        # H100 / H200: shared memory an SM can give its CTAs
-TARGET_WARPS_PER_SM = 16        # enough 16-row streams to keep ~64 KB of loads in flight per SM
+TARGET_WARPS_PER_SM = 16        # K splits until this many 16-row streams per SM (the "auto"
+                                # of the sweeps; Mixtral T=1 GEMM2 measured 60 us with it (KS=5)
+                                # and 45 us with KS=4: a tuning lead, not taken unmeasured)
 
 
 def _load_table():
@@ -134,7 +153,7 @@ def block_size_for(rows_per_expert: float) -> int:
     the CTAs would hold only padding). Any multiple of BM works too."""
     for rows, name in BY_ROWS:
         if rows_per_expert <= rows:
-            return 8 * CONFIGS[name]["MT"]
+            return MEASURED_BLOCK.get(name, 8 * CONFIGS[name]["MT"])
     return 16
 
 
