@@ -203,6 +203,12 @@ def can_run(a, w, w_scale, block_size: int, use_int4_w4a16=False, use_int8_w8a16
     branch of quant_gemm.grouped_gemm_quant, falls back to its own rungs otherwise)."""
     if bool(use_int4_w4a16) == bool(use_int8_w8a16):
         return False, "not a weight-only format"
+    try:
+        import cupy
+    except ImportError:
+        return False, "no CuPy"
+    if not all(isinstance(x, cupy.ndarray) for x in (a, w, w_scale)):
+        return False, "a, w and w_scale must be CuPy arrays"
     if getattr(a, "ndim", 0) != 2 or getattr(w, "ndim", 0) != 3 or \
             getattr(w_scale, "ndim", 0) != 3:
         return False, "a [M, Kdim], w [E, N, codes], w_scale [E, N, G] expected"
