@@ -101,7 +101,7 @@ benches_c() {  # GPU 1 (or 0): everything but the GEMM tuner and the bf16 GEMM l
   say "bench_cupy_stages"
   timeout $(budget 50) python3 benchmarks/bench_cupy_stages.py --budget-s 35 2>&1 | tail -n 70
   say "bench_numba"
-  timeout $(budget 170) python3 benchmarks/bench_numba.py --budget-s 150 2>&1 | tail -n 70
+  timeout $(budget 170) python3 benchmarks/bench_numba.py --budget-s 150 --gemm-versions numba-v3,numba-v3v,cupy-v3,cupy-v4 2>&1 | tail -n 70
   say "bench_quant"
   timeout $(budget 150) python3 benchmarks/bench_quant.py --budget-s 130 2>&1 | tail -n 40
   say "bench_wna16"
