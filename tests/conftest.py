@@ -2,14 +2,23 @@
 
 `gpu` tests need a CUDA device visible to CuPy (or Numba); `multigpu` tests need two.
 The markers, not `if`s inside tests, decide what runs where (pyproject declares them
-with --strict-markers).
+with --strict-markers). The `rng` fixture gives every test its own reproducible generator.
 """
 
 from __future__ import annotations
 
 import functools
+import zlib
 
+import numpy as np
 import pytest
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded by the test's id (parameters included): stable across runs, so a
+    failure reproduces, and different for every parametrization."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,26 +33,12 @@ from cuda_kernels.cupy import quant_act as QA
 from cuda_kernels.cupy import quant_gemm as QG
 from reference import apply_activation, fused_topk, moe_align_block_size, moe_sum
 from reference import quant as RQ
+from oracles import rel_err
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = RQ.FP8_DTYPE
 VLLM_TOL = {"fp8_block": 0.035, "int8": 0.065, "wna16": 2e-2}   # vLLM's own test tolerances
 GEMM_TOL = 1e-2   # same quantized operands, other accumulation order: bf16 output rounding
-
-
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
-
-
-def rel_err(a, b):
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    assert a.shape == b.shape
-    assert not np.isnan(a).any(), "NaN in the kernel's output (poison left, or a NaN computed)"
-    assert not np.isnan(b).any()
-    den = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / den) if den else float(np.linalg.norm(a - b))
 
 
 # ----------------------------------------------------------------------------- CPU

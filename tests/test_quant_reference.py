@@ -14,7 +14,6 @@ Shape legend: T tokens, E experts, K top-k, H hidden, I intermediate, B block si
 """
 from __future__ import annotations
 
-import zlib
 
 import ml_dtypes
 import numpy as np
@@ -24,24 +23,10 @@ from reference import fused_experts, fused_topk, moe_align_block_size
 from reference import quant as Q
 from reference.activation import apply_activation
 from reference.experts import grouped_gemm
+from oracles import rel_err
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = Q.FP8_DTYPE
-
-
-def rel_err(a, b):
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    assert a.shape == b.shape
-    assert not np.isnan(a).any() and not np.isnan(b).any(), "NaN never passes"
-    den = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / den) if den else float(np.linalg.norm(a - b))
-
-
-@pytest.fixture
-def rng(request):
-    # a seed per test and parametrization (stable across runs, so a failure reproduces)
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
 # ----------------------------------------------------------------------------- casts

@@ -13,7 +13,6 @@ Shape legend: T tokens, E experts, K top-k, N output width, Kdim reduction width
 """
 from __future__ import annotations
 
-import zlib
 
 import ml_dtypes
 import numpy as np
@@ -23,24 +22,10 @@ from cuda_kernels.cupy import _compile as C
 from cuda_kernels.cupy import quant_gemm_wna16 as W
 from reference import moe_align_block_size
 from reference import quant as RQ
+from oracles import rel_err
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = 2e-2          # issue 8 / vLLM's weight-only tolerance
-
-
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
-
-
-def rel_err(a, b):
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    assert a.shape == b.shape
-    assert not np.isnan(a).any(), "NaN in the kernel's output (poison left, or a NaN computed)"
-    assert not np.isnan(b).any()
-    den = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / den) if den else float(np.linalg.norm(a - b))
 
 
 # ----------------------------------------------------------------------------- CPU
