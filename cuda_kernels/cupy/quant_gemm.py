@@ -415,6 +415,31 @@ def _f32(name, x, shape=None):
     return cupy.ascontiguousarray(x.astype(cupy.float32, copy=False))
 
 
+def epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias, out):
+    """(topk weights [P] fp32 or None, bias [E, N] fp32 or None, c [P, N]): the checked
+    epilogue operands of a quantized grouped GEMM with P slots (shared with
+    quant_gemm_wna16). c is `out` (checked: [P, N], a's element type) or a new array."""
+    if mul_routed_weight:
+        if topk_weights is None:
+            raise ValueError("topk_weights: expected an array when mul_routed_weight=True, "
+                             "got None")
+        tw = _f32("topk_weights", topk_weights).reshape(-1)
+        if tw.size != P:
+            raise ValueError(f"topk_weights: expected {P} weights (a rows * top_k), got shape "
+                             f"{topk_weights.shape}")
+    else:
+        tw = None
+    b32 = _f32("bias", bias, shape=(E, N)) if bias is not None else None
+    if out is None:
+        c = C.empty((P, N), C.bf16_dtype() if out_key == "bf16" else np.float16)
+    else:
+        C.check_array("out", out, ndim=2, shape=(P, N))
+        if _elem_key(out.dtype) != out_key:
+            raise TypeError(f"out: expected dtype {out_key}, got {out.dtype}")
+        c = out
+    return tw, b32, c
+
+
 def _block_shape(block_shape):
     if block_shape is None:
         return None
@@ -572,25 +597,7 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     P = M_a * top_k
     C.check_fits_int32("a", P, "a.shape[0] * top_k")   # slots are int32; offsets are 64-bit
 
-    if mul_routed_weight:
-        if topk_weights is None:
-            raise ValueError("topk_weights: expected an array when mul_routed_weight=True, "
-                             "got None")
-        tw = _f32("topk_weights", topk_weights).reshape(-1)
-        if tw.size != P:
-            raise ValueError(f"topk_weights: expected {P} weights (a rows * top_k), got shape "
-                             f"{topk_weights.shape}")
-    else:
-        tw = None
-    b32 = _f32("bias", bias, shape=(E, N)) if bias is not None else None
-
-    if out is None:
-        c = C.empty((P, N), C.bf16_dtype() if out_key == "bf16" else np.float16)
-    else:
-        C.check_array("out", out, ndim=2, shape=(P, N))
-        if _elem_key(out.dtype) != out_key:
-            raise TypeError(f"out: expected dtype {out_key}, got {out.dtype}")
-        c = out
+    tw, b32, c = epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias, out)
     if P == 0 or N == 0 or L == 0:
         return c
 

@@ -61,6 +61,7 @@ import pathlib
 import numpy as np
 
 from . import _compile as C
+from .quant_gemm import _elem_key, _f32, epilogue_operands
 
 CU = "quant_gemm_wna16.cu"
 KSTEP = 128                     # K codes per warp step (32 per lane)
@@ -222,26 +223,6 @@ def can_run(a, w, w_scale, block_size: int, use_int4_w4a16=False, use_int8_w8a16
     if a.data.ptr % 16 or w.data.ptr % 16 or not a.flags.c_contiguous:
         return False, "a and w must be contiguous and 16-byte aligned"
     return True, ""
-
-
-# ----------------------------------------------------------------------------- checks
-def _elem_key(dtype) -> str:
-    dt = np.dtype(dtype)
-    if dt == C.bf16_dtype() or dt == np.uint16:
-        return "bf16"
-    if dt == np.float16:
-        return "fp16"
-    raise TypeError(f"expected bfloat16 or float16, got {dt}")
-
-
-def _f32(name, x, shape=None):
-    """A float CuPy array as contiguous fp32 (bf16 widened exactly), shape-checked."""
-    import cupy
-
-    C.check_array(name, x, dtypes=C.float_dtypes(), shape=shape, contiguous=False)
-    if np.dtype(x.dtype) == C.bf16_dtype():
-        return (C.raw(x).astype(cupy.uint32) << 16).view(cupy.float32).reshape(x.shape)
-    return cupy.ascontiguousarray(x.astype(cupy.float32, copy=False))
 
 
 # ----------------------------------------------------------------------------- workspace
@@ -412,24 +393,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                          "(the kernel loads 16-byte chunks)")
     P = M_a * top_k
     C.check_fits_int32("a", P, "a.shape[0] * top_k")
-    if mul_routed_weight:
-        if topk_weights is None:
-            raise ValueError("topk_weights: expected an array when mul_routed_weight=True, "
-                             "got None")
-        tw = _f32("topk_weights", topk_weights).reshape(-1)
-        if tw.size != P:
-            raise ValueError(f"topk_weights: expected {P} weights (a rows * top_k), got shape "
-                             f"{topk_weights.shape}")
-    else:
-        tw = None
-    b32 = _f32("bias", bias, shape=(E, N)) if bias is not None else None
-    if out is None:
-        c = C.empty((P, N), C.bf16_dtype() if out_key == "bf16" else np.float16)
-    else:
-        C.check_array("out", out, ndim=2, shape=(P, N))
-        if _elem_key(out.dtype) != out_key:
-            raise TypeError(f"out: expected dtype {out_key}, got {out.dtype}")
-        c = out
+    tw, b32, c = epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias, out)
     if P == 0 or N == 0 or L == 0:
         return c
 
