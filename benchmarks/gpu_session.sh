@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything, results under $OUT.
 #
-#   MOE_SANDBOX_COMMIT=<hash> bash benchmarks/gpu_session.sh [A|B]    # on nvidia-h200-x2
+#   MOE_SANDBOX_COMMIT=<hash> bash benchmarks/gpu_session.sh [A|B|T|P]   # on nvidia-h200-x2
 #
-# A device call may run 10 minutes, so the work is two parts, called back to back (the
+# A device call may run 10 minutes, so the work comes in parts, called back to back (the
 # second finds the machine still warm):
 #   A  GPU 0: tests, then compute-sanitizer      GPU 1: GEMM tuner, stage and GEMM benchmarks
 #      then both GPUs: multi-GPU tests, EP check, EP benchmark
 #   B  GPU 0: notebooks in GPU mode               GPU 1: Numba and quantized benchmarks
-#   C  (one call, when the GEMM table and notebooks need no refresh) GPU 0: tests, then
-#      compute-sanitizer   GPU 1: stage, Numba and quantized benchmarks; then multi-GPU part
+#   T  (checks, when the GEMM table needs no refresh) the GPU test suite in four shards, two
+#      per GPU, beside compute-sanitizer; then the multi-GPU tests, EP check and EP benchmark
+#   P  (timings) GPU 0: stage and Numba benchmarks   GPU 1: quantized benchmarks
 #
 # Two GPUs let the checks and the timings run side by side without disturbing each other:
-#   GPU 0: the GPU test suite (pytest -m gpu), then compute-sanitizer memcheck/racecheck on
-#          each kernel module's --quick case, then the notebooks in GPU mode;
-#   GPU 1: the benchmarks (one process at a time, so nothing else shares that GPU);
-#   both:  afterwards, the multi-GPU tests, the EP check and the EP benchmark.
+#   A/B: GPU 0 checks (pytest -m gpu, compute-sanitizer memcheck/racecheck on each kernel
+#        module's --quick case, notebooks in GPU mode), GPU 1 times (one process at a time);
+#   T:   no timing runs, so the test shards share the GPUs (the tests are mostly host-bound:
+#        NumPy references and compiles), which is what makes the ~2,900 GPU tests fit;
+#   P:   one benchmark process per GPU, nothing else on it;
+#   both GPUs, after A or T: the multi-GPU tests, the EP check and the EP benchmark.
 # On a single-GPU machine everything runs on GPU 0, one after the other.
 #
 # Runs from the repository root on the GPU machine (the device tool's working-tree copy).
@@ -47,6 +50,10 @@ checks() {   # GPU 0
   say "GPU tests"
   timeout $(budget 300) python3 -m pytest -q --maxfail=40 --timeout 200 -m "gpu and not multigpu" \
     -p no:cacheprovider --junitxml="$OUT/junit_gpu.xml" tests 2>&1 | tail -n 80
+  sanitizer
+}
+
+sanitizer() {   # on the current CUDA_VISIBLE_DEVICES (GPU 0 unless set)
   say "compute-sanitizer"
   for mod in cuda_kernels.cupy.routing cuda_kernels.cupy.permute cuda_kernels.cupy.activation \
              cuda_kernels.cupy.combine cuda_kernels.cupy.grouped_gemm cuda_kernels.cupy.quant_gemm \
@@ -96,16 +103,48 @@ benches_b() {  # GPU 1 (or 0)
   timeout $(budget 170) python3 benchmarks/bench_quant.py --budget-s 150 2>&1 | tail -n 40
 }
 
-benches_c() {  # GPU 1 (or 0): everything but the GEMM tuner and the bf16 GEMM ladder
-  export CUDA_VISIBLE_DEVICES=$BENCH_GPU
-  say "bench_cupy_stages"
-  timeout $(budget 50) python3 benchmarks/bench_cupy_stages.py --budget-s 35 2>&1 | tail -n 70
-  say "bench_numba"
-  timeout $(budget 170) python3 benchmarks/bench_numba.py --budget-s 150 --gemm-versions numba-v3,numba-v3v,cupy-v3,cupy-v4 2>&1 | tail -n 70
-  say "bench_quant"
-  timeout $(budget 150) python3 benchmarks/bench_quant.py --budget-s 130 2>&1 | tail -n 40
-  say "bench_wna16"
-  timeout $(budget 60) python3 benchmarks/bench_wna16.py --budget-s 45 2>&1 | tail -n 40
+# the GPU test files in four shards of similar run time (measured 2026-11-29: ~5 tests/s);
+# the last shard is every other test file (the quantized ones, and any file added later)
+SHARDS=(
+  "tests/test_cupy_stages.py"
+  "tests/test_numba_gpu.py tests/test_numba_gemm_v3v.py"
+  "tests/test_cupy_gemm.py tests/test_quant_cupy.py tests/test_bench.py tests/test_layer.py tests/test_registry.py tests/test_torch_backend.py tests/test_validate.py tests/test_ep_layout.py"
+)
+
+shard() {   # shard i on GPU i % NGPU
+  export CUDA_VISIBLE_DEVICES=$(( $1 % NGPU )) OMP_NUM_THREADS=4
+  local files f
+  if [ "$1" -lt "${#SHARDS[@]}" ]; then files=${SHARDS[$1]}
+  else files=tests; for f in ${SHARDS[*]}; do files="$files --ignore=$f"; done; fi
+  say "GPU tests, shard $1 on GPU $CUDA_VISIBLE_DEVICES: $files"
+  # shellcheck disable=SC2086
+  timeout $(budget 300) python3 -m pytest -q --maxfail=40 --timeout 200 -m "gpu and not multigpu" \
+    -p no:cacheprovider $files 2>&1 | tail -n 40
+}
+
+checks_t() {   # both GPUs: the four shards and the sanitizer at once
+  say "device"; device_info
+  for i in 0 1 2 3; do shard $i >"$OUT/shard_$i.tmp" 2>&1 & done
+  ( export CUDA_VISIBLE_DEVICES=$BENCH_GPU; sanitizer ) >"$OUT/sanitizer.tmp" 2>&1 &
+  wait
+  cat "$OUT"/shard_*.tmp "$OUT/sanitizer.tmp"; rm -f "$OUT"/shard_*.tmp "$OUT/sanitizer.tmp"
+}
+
+benches_p() {  # one benchmark process per GPU (the Numba bench times CuPy's stages beside its own)
+  ( export CUDA_VISIBLE_DEVICES=0
+    say "bench_cupy_stages"
+    timeout $(budget 50) python3 benchmarks/bench_cupy_stages.py --budget-s 35 2>&1 | tail -n 70
+    say "bench_numba"
+    timeout $(budget 200) python3 benchmarks/bench_numba.py --budget-s 180 --gemm-versions numba-v3,numba-v3v,cupy-v3,cupy-v4 2>&1 | tail -n 70
+  ) >"$OUT/bench_gpu0.tmp" 2>&1 &
+  ( export CUDA_VISIBLE_DEVICES=$BENCH_GPU
+    say "bench_quant"
+    timeout $(budget 170) python3 benchmarks/bench_quant.py --budget-s 150 2>&1 | tail -n 40
+    say "bench_wna16"
+    timeout $(budget 70) python3 benchmarks/bench_wna16.py --budget-s 55 2>&1 | tail -n 40
+  ) >"$OUT/bench_gpu1.tmp" 2>&1 &
+  wait
+  cat "$OUT/bench_gpu0.tmp" "$OUT/bench_gpu1.tmp"; rm -f "$OUT"/bench_gpu?.tmp
 }
 
 multi() {    # both GPUs
@@ -120,27 +159,34 @@ multi() {    # both GPUs
 }
 
 part=${1:-A}
-if [ "$part" = A ] || [ "$part" = C ]; then
-  bench=benches_a; [ "$part" = C ] && bench=benches_c
-  if [ "$NGPU" -gt 1 ]; then
-    checks >"$OUT/log_checks.txt" 2>&1 &
-    $bench >"$OUT/log_bench_$part.txt" 2>&1 &
-    wait
-    multi >"$OUT/log_multi.txt" 2>&1
-  else
-    { checks; $bench; } >"$OUT/log_checks.txt" 2>&1
-  fi
-else
-  BUDGET=$(( BUDGET + 150 ))   # no multi-GPU part after B
-  { say "device"; device_info; } >"$OUT/log_device_b.txt" 2>&1
-  if [ "$NGPU" -gt 1 ]; then
-    notebooks >"$OUT/log_notebooks.txt" 2>&1 &
-    benches_b >"$OUT/log_bench_b.txt" 2>&1 &
-    wait
-  else
-    { notebooks; benches_b; } >"$OUT/log_notebooks.txt" 2>&1
-  fi
-fi
+case $part in
+  A)
+    if [ "$NGPU" -gt 1 ]; then
+      checks >"$OUT/log_checks.txt" 2>&1 &
+      benches_a >"$OUT/log_bench_A.txt" 2>&1 &
+      wait
+      multi >"$OUT/log_multi.txt" 2>&1
+    else
+      { checks; benches_a; } >"$OUT/log_checks.txt" 2>&1
+    fi ;;
+  B)
+    BUDGET=$(( BUDGET + 150 ))   # no multi-GPU part after B
+    { say "device"; device_info; } >"$OUT/log_device_b.txt" 2>&1
+    if [ "$NGPU" -gt 1 ]; then
+      notebooks >"$OUT/log_notebooks.txt" 2>&1 &
+      benches_b >"$OUT/log_bench_b.txt" 2>&1 &
+      wait
+    else
+      { notebooks; benches_b; } >"$OUT/log_notebooks.txt" 2>&1
+    fi ;;
+  T)
+    checks_t >"$OUT/log_checks.txt" 2>&1
+    [ "$NGPU" -gt 1 ] && multi >"$OUT/log_multi.txt" 2>&1 ;;
+  P)
+    BUDGET=$(( BUDGET + 150 ))   # no multi-GPU part after P
+    { say "device"; device_info; benches_p; } >"$OUT/log_bench_P.txt" 2>&1 ;;
+  *) echo "part: expected A, B, T or P, got $part" >&2; exit 2 ;;
+esac
 tar czf "$OUT/results.tgz" benchmarks/results 2>/dev/null
 [ -d notebooks/figures ] && tar czf "$OUT/figures.tgz" notebooks/figures
 say "done"
