@@ -88,6 +88,7 @@ import numpy as np
 from numba import float32, int32, uint32, uint64
 
 from . import _arrays as A
+from . import align as grid_align
 from ._device import (
     FULL_MASK,
     PACK,
@@ -973,6 +974,13 @@ def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_a
     inv = call.empty((P,), np.int32) if write_inv else A.dummy(np.int32)
     if rank is None:
         rank = cfg["RANK"]
+    if rank == "grid" and not SIMULATOR and grid_align.fits(E):
+        flags = (1 if use_map else 0, 1 if ignore_invalid else 0)
+        grid_align.launch(call, ids, P, E, B, emap, *flags, sorted_ids, expert_ids, n_blocks,
+                          capacity, num_post, offsets, inv, int(do_align), int(write_inv))
+        return sorted_ids, expert_ids, num_post, offsets, inv
+    if rank == "grid":
+        rank = "chunks" if not SIMULATOR else "block"
     if rank == "chunks":
         # as many warps (up to THREADS / 32) as the per-warp count rows [W, E] allow
         while NT > 32 and ((NT // 32) * E + 3 * E + 1 + NT) * 4 > SHARED_LIMIT:

@@ -1,0 +1,366 @@
+"""One-launch alignment in Numba: permute.cu's moe_align_kernel, written in numba.cuda.
+
+    T = tokens, K = top-k, P = T*K slots (s = t*K + k), E = experts, B = block size,
+    W = warps per block, G = blocks, NT = 32 W threads
+
+The math (reference/permute.py): c_e = the slots of expert e; off_e = sum_{e' < e}
+ceil(c_e' / B) B; slot s of expert e goes to off_e + (its rank among e's slots, increasing s);
+every other position of expert e's run and of the array's tail holds P; expert_ids[b] = the
+expert (through expert_map) whose run holds position b B, -1 past the last run;
+num_tokens_post_padded = off_E. With B = 1 and no padding the same kernel gives moe_permute's
+expert_offsets (off, E + 1 entries) and inverse index inv[s] = the position of slot s.
+
+How it is stable without a sort (permute.cu's grouping): the slots are cut into G W
+contiguous chunks of whole 32-slot steps, chunk g W + w owned by warp w of block g, so
+(block, warp, step, lane) is slot order.
+    1. each warp counts its chunk into its own shared row wc[w, :] (match_any_sync: one
+       shared atomic per distinct expert per step); its ids stay in registers when the chunk
+       is one round (PREFETCH steps, 256 slots);
+    2. a scan over the warps turns wc into each warp's first rank inside the block and gives
+       the block's count per expert: the total (G = 1) or hist[g, :] (G > 1);
+    3. G > 1: grid barrier; every block reads hist [G, E]: pre[e] = the counts of the
+       earlier blocks (added to its warps' first ranks), tot[e] = the sum over all blocks;
+    4. off = the exclusive scan of the padded totals (every block, redundantly: cheaper than a
+       second launch);
+    5. expert_ids, each run's padding, the tail and num_tokens_post_padded, spread over every
+       warp of the grid (positions no slot takes: no ordering needed);
+    6. each warp places its chunk again in order: match_any_sync groups the lanes of one
+       expert, the group's lowest lane reads and advances the warp's cursor, a lane's rank is
+       the popcount of the group's lanes below it.
+
+Launch geometry (align_geometry): block NT = 32 W threads, W = min(MAX_WARPS, what the
+[W, E] rows leave of SMEM_BUDGET); G = 1 up to SMALL_P slots (then W = the 32-slot steps, at
+least MIN_WARPS: idle warps cost little, and the per-expert loops of step 5 use them), else
+G = min(SMs, cdiv(P, W WARP_SLOTS), TABLE_LOADS W 32 / E) blocks, all resident at once (one
+block per SM always fits: <= 48 KB of shared memory, <= 1024 threads). Dynamic shared memory
+(W E + 3 E + 33) int32: wc [W, E], tot [E], pre [E], off [E + 1], scan scratch [32]. Global
+scratch (G > 1): hist [G, E] and the barrier word.
+
+The grid barrier (G > 1) is permute.cu's: one uint32 word per device that outlives the launch,
+zeroed once; block 0 adds 2^31 - (G - 1), the others 1, so the top bit flips when the G-th
+block arrives and the low 31 bits are 0 again for the next launch. numba's own grid sync
+(cuda.cg.this_grid().sync()) needs cudadevrt linked at compile time; this needs nothing.
+
+GPU only: match_any_sync and shuffles have no simulator twin (the simulator runs
+permute.py's "block" ranks). Run: python -m cuda_kernels.numba.permute (validates and times).
+"""
+from __future__ import annotations
+
+import functools
+
+from numba import int32, uint32
+
+from . import _arrays as A
+from ._device import FULL_MASK, cu, device_function, ix, kernel
+
+CONFIGS = {
+    # shared memory for the per-warp rows [W, E] (48 KB needs no opt-in); the one-block path
+    # up to SMALL_P slots with at least MIN_WARPS warps; above, a grid of blocks of WARP_SLOTS
+    # slots per warp, at most TABLE_LOADS loads per thread of the [G, E] table after the barrier
+    "grid": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 32, "MIN_WARPS": 8, "SMALL_P": 4096,
+             "WARP_SLOTS": 64, "TABLE_LOADS": 16, "MAX_BLOCKS": 0, "RELOAD": True},
+}
+PREFETCH = 8          # 32-slot steps whose id loads are in flight together
+STEP = 32 * PREFETCH  # slots per round of a warp
+TOP = 0x80000000      # the barrier word's phase bit
+
+
+# ----------------------------------------------------------------------------- device parts
+@device_function
+def load_round(ids, base, end, E, emap, use_map, ignore_invalid, eb, lane):
+    """eb[u] = the expert of slot base + 32 u + lane (-1: past end, outside [0, E), or not on
+    this rank when ignore_invalid), u < PREFETCH: every load issued before any is used."""
+    for u in range(PREFETCH):
+        s = base + 32 * u + lane
+        e = int32(-1)
+        if s < end:
+            v = ids[ix(s)]
+            if v >= 0 and v < E:
+                e = int32(v)
+                if use_map and ignore_invalid and emap[ix(v)] < 0:
+                    e = int32(-1)
+        eb[u] = e
+
+
+@device_function
+def count_round(eb, wc, row0):
+    """wc[row0 + e] += the round's slots of expert e: the lowest lane of each match_any group
+    adds the group's size (E = 8 would otherwise serialize 32 atomics on 8 counters)."""
+    for u in range(PREFETCH):
+        e = eb[u]
+        peers = uint32(cu.match_any_sync(FULL_MASK, e))
+        if e >= 0 and (peers & cu.lanemask_lt()) == 0:
+            cu.atomic.add(wc, ix(row0 + e), int32(cu.popc(peers)))
+
+
+@device_function
+def place_round(eb, base, end, wc, row0, off, sorted_ids, inv, write_sorted, write_inv, lane):
+    """Place the round's slots in order: the group's lowest lane reads the cursor
+    wc[row0 + e] and advances it by the group's size, the others get its value by a shuffle
+    and add the group's lanes below them."""
+    for u in range(PREFETCH):
+        if base + 32 * u < end:          # warp-uniform: steps past the chunk are skipped
+            e = eb[u]
+            peers = uint32(cu.match_any_sync(FULL_MASK, e))
+            below = peers & cu.lanemask_lt()
+            first = int32(0)
+            if e >= 0 and below == 0:
+                first = wc[ix(row0 + e)]
+                wc[ix(row0 + e)] = first + int32(cu.popc(peers))
+            cu.syncwarp(FULL_MASK)       # this step's cursor writes land before the next reads
+            leader = cu.popc((peers & (~peers + uint32(1))) - uint32(1))   # lowest set bit
+            first = cu.shfl_sync(FULL_MASK, first, leader)
+            if e >= 0:
+                pos = off[ix(e)] + first + int32(cu.popc(below))
+                s = base + 32 * u + lane
+                if write_sorted:
+                    sorted_ids[ix(pos)] = s
+                if write_inv:
+                    inv[ix(s)] = pos
+
+
+@device_function
+def warp_inclusive_scan(v, lane):
+    """The inclusive prefix sum of v over the warp's lanes (5 shuffle steps)."""
+    d = 1
+    while d < 32:
+        u = cu.shfl_sync(FULL_MASK, v, max(lane - d, 0))
+        if lane >= d:
+            v += u
+        d *= 2
+    return v
+
+
+@device_function
+def scan_padded(tot, off, E, B, red, tid, NT):
+    """off[e] = sum_{e' < e} ceil(tot[e'] / B) B for e <= E (off[E] = the total), permute.cu's
+    block_exclusive_scan: a run of entries per thread, warp scans by shuffles, warp 0 scans
+    the warp totals (red[0:W]). Unsigned 32-bit division (B > 0, counts >= 0): the int64
+    floor division of Python semantics is a long call. Ends with a barrier."""
+    lane = tid % 32
+    warp = tid // 32
+    W = NT // 32
+    per = (E + NT - 1) // NT
+    lo = min(E, tid * per)
+    hi = min(E, lo + per)
+    b = uint32(B)
+    local = int32(0)
+    for e in range(lo, hi):
+        local += int32((uint32(tot[ix(e)]) + b - uint32(1)) // b * b)
+    incl = warp_inclusive_scan(local, lane)
+    if lane == 31:
+        red[ix(warp)] = incl
+    cu.syncthreads()
+    if warp == 0:
+        wt = red[ix(lane)] if lane < W else int32(0)
+        wt = warp_inclusive_scan(wt, lane)
+        if lane < W:
+            red[ix(lane)] = wt            # inclusive warp totals
+    cu.syncthreads()
+    run = incl - local
+    if warp > 0:
+        run += red[ix(warp - 1)]
+    for e in range(lo, hi):
+        off[ix(e)] = run
+        run += int32((uint32(tot[ix(e)]) + b - uint32(1)) // b * b)
+    if tid == NT - 1:
+        off[ix(E)] = red[ix(W - 1)]
+    cu.syncthreads()
+
+
+@device_function
+def grid_barrier(bar, g, G):
+    """Every block of the grid arrives before any leaves (module docstring). Thread 0 of
+    each block: release fence, one atomic add, spin on the phase bit, acquire fence."""
+    cu.syncthreads()                     # the block's writes come before thread 0's fence
+    if cu.threadIdx.x == 0:
+        inc = uint32(1)
+        if g == 0:
+            inc = uint32(TOP) - uint32(G - 1)
+        cu.threadfence()
+        old = cu.atomic.add(bar, 0, inc)
+        while ((cu.atomic.or_(bar, 0, uint32(0)) ^ old) & uint32(TOP)) == 0:
+            cu.nanosleep(uint32(32))
+        cu.threadfence()
+    cu.syncthreads()
+
+
+# ----------------------------------------------------------------------------- the kernel
+def _align_grid(RELOAD):
+    """align_grid; RELOAD: the placement loads its round of ids again (grid_kernel)."""
+
+    def align_grid(ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids,
+                   n_blocks, capacity, num_post, offsets, inv, do_align, write_inv):
+        """The whole alignment in one launch of G blocks of NT threads (module docstring).
+
+        ids [P] any integer; emap [E] (read when use_map); hist [G E] and bar [1] (G > 1);
+        sorted_ids [capacity], expert_ids [n_blocks] (when do_align); num_post [1];
+        offsets [E + 1] (block 0 writes them: the padded starts); inv [P] (when write_inv)."""
+        tid = cu.threadIdx.x
+        NT = cu.blockDim.x
+        W = NT // 32
+        warp = tid // 32
+        lane = tid % 32
+        g = cu.blockIdx.x
+        G = cu.gridDim.x
+        sh = cu.shared.array(0, int32)
+        wc = sh[0:W * E]                          # [W, E] counts, then each warp's cursor
+        tot = sh[W * E:W * E + E]                 # [E] slots per expert
+        pre = sh[W * E + E:W * E + 2 * E]         # [E] slots in earlier blocks
+        off = sh[W * E + 2 * E:W * E + 3 * E + 1]  # [E + 1] padded starts
+        red = sh[W * E + 3 * E + 1:W * E + 3 * E + 33]   # [32] scan scratch
+
+        nwarps = G * W
+        chunk = ((P + nwarps - 1) // nwarps + 31) // 32 * 32   # whole 32-slot steps per warp
+        begin = min(P, (g * W + warp) * chunk)
+        end = min(P, begin + chunk)
+        rounds = (end - begin + STEP - 1) // STEP
+        eb = cu.local.array(PREFETCH, int32)
+        if rounds == 1:   # issued before the zeroing below, so its latency overlaps it
+            load_round(ids, begin, end, E, emap, use_map, ignore_invalid, eb, lane)
+        for i in range(tid, W * E, NT):
+            wc[ix(i)] = 0
+        for e in range(tid, E, NT):
+            tot[ix(e)] = 0
+            pre[ix(e)] = 0
+        cu.syncthreads()
+        row0 = warp * E
+        for r in range(rounds):
+            if rounds > 1:
+                load_round(ids, begin + r * STEP, end, E, emap, use_map, ignore_invalid, eb, lane)
+            count_round(eb, wc, row0)
+        cu.syncthreads()
+        for e in range(tid, E, NT):               # consecutive e: consecutive banks
+            run = int32(0)
+            for w in range(W):
+                c = wc[ix(w * E + e)]
+                wc[ix(w * E + e)] = run
+                run += c
+            if G > 1:
+                hist[ix(g * E + e)] = run
+            else:
+                tot[ix(e)] = run
+        if G > 1:
+            grid_barrier(bar, g, G)
+            # `per` threads per expert, each summing every per-th row: few loads per thread, all
+            # independent (the rows were written by other SMs in this launch: L2, after the fence)
+            per = max(1, NT // E)
+            for i in range(tid, per * E, NT):
+                e = i % E
+                q = i // E
+                t_sum = int32(0)
+                p_sum = int32(0)
+                for j in range(q, G, per):
+                    v = hist[ix(j * E + e)]
+                    t_sum += v
+                    if j < g:
+                        p_sum += v
+                cu.atomic.add(tot, ix(e), t_sum)
+                cu.atomic.add(pre, ix(e), p_sum)
+            cu.syncthreads()
+            for e in range(tid, E, NT):           # the block's offset inside e, for every warp
+                p = pre[ix(e)]
+                for w in range(W):
+                    wc[ix(w * E + e)] += p
+        cu.syncthreads()
+        scan_padded(tot, off, E, B, red, tid, NT)  # ends with a barrier
+        total = off[ix(E)]
+        if g == 0:
+            if tid == 0:
+                num_post[0] = total
+            for e in range(tid, E + 1, NT):
+                offsets[ix(e)] = off[ix(e)]
+        if do_align:
+            b = uint32(B)
+            for e in range(g * W + warp, E, nwarps):   # expert e: warp e mod (G W) of the grid
+                lo = off[ix(e)]
+                hi = off[ix(e + 1)]
+                if lo < hi:
+                    eid = emap[ix(e)] if use_map else e
+                    for x in range(int32(uint32(lo) // b) + lane, int32(uint32(hi) // b), 32):
+                        expert_ids[ix(x)] = eid
+                    for p in range(lo + tot[ix(e)] + lane, hi, 32):
+                        sorted_ids[ix(p)] = P
+            gt = g * NT + tid
+            gn = G * NT
+            for p in range(total + gt, capacity, gn):   # the tail: no slot goes there
+                sorted_ids[ix(p)] = P
+            for x in range(int32(uint32(total) // b) + gt, n_blocks, gn):
+                expert_ids[ix(x)] = -1
+        for r in range(rounds):
+            if rounds > 1 or RELOAD:
+                load_round(ids, begin + r * STEP, end, E, emap, use_map, ignore_invalid, eb, lane)
+            place_round(eb, begin + r * STEP, end, wc, row0, off, sorted_ids, inv, do_align,
+                        write_inv, lane)
+
+    return align_grid
+
+
+@functools.lru_cache(maxsize=None)
+def grid_kernel(reload=True):
+    """The compiled align_grid (one kernel for every geometry: NT and G are read at run
+    time, so a notebook waits for one compile). reload: the placement loads its ids again
+    instead of keeping one round in registers across the barriers (at 64 registers, the
+    bound of 1024 threads, keeping them spilled 28 bytes)."""
+    return kernel(_align_grid(reload), launch_bounds=(1024, 1))
+
+
+# ----------------------------------------------------------------------------- launcher
+_SM_COUNT = {}
+_BARRIER = {}
+
+
+def _sm_count() -> int:
+    dev = A.cuda().get_current_device()
+    if dev.id not in _SM_COUNT:
+        _SM_COUNT[dev.id] = int(dev.MULTIPROCESSOR_COUNT)
+    return _SM_COUNT[dev.id]
+
+
+def _barrier_word():
+    """The grid barrier's word of the current device, zeroed once (each launch leaves it ready
+    for the next; numba launches on the default stream, so launches never overlap)."""
+    import numpy as np
+
+    cuda = A.cuda()
+    dev = cuda.get_current_device().id
+    if dev not in _BARRIER:
+        _BARRIER[dev] = cuda.to_device(np.zeros(1, np.uint32))
+    return _BARRIER[dev]
+
+
+def fits(E: int) -> bool:
+    """Whether one warp's row of counters (and the rest) fits the shared-memory budget."""
+    cfg = CONFIGS["grid"]
+    return (E + 3 * E + 33) * 4 <= cfg["SMEM_BUDGET"]
+
+
+def align_geometry(P: int, E: int, sm_count: int):
+    """(G, NT, shared memory bytes) of align_grid (module docstring)."""
+    cfg = CONFIGS["grid"]
+    fixed = 3 * E + 33
+    W = max(1, min(cfg["MAX_WARPS"], (cfg["SMEM_BUDGET"] // 4 - fixed) // E))
+    if P <= cfg["SMALL_P"]:
+        G = 1
+        W = min(W, max(cfg["MIN_WARPS"], A.cdiv(max(P, 1), 32)))
+    else:
+        blocks = cfg["MAX_BLOCKS"] or sm_count
+        G = max(1, min(blocks, A.cdiv(P, W * cfg["WARP_SLOTS"]),
+                       cfg["TABLE_LOADS"] * W * 32 // E))
+    return G, 32 * W, (W * E + fixed) * 4
+
+
+def launch(call, ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert_ids, n_blocks,
+           capacity, num_post, offsets, inv, do_align, write_inv):
+    """One launch of align_grid over the numba arrays (permute._sort_slots makes them)."""
+    import numpy as np
+
+    G, NT, smem = align_geometry(P, E, _sm_count() if P > CONFIGS["grid"]["SMALL_P"] else 1)
+    if G > 1:
+        hist = call.empty((G * E,), np.int32)            # [G, E] per-block counts
+        bar = _barrier_word()
+    else:
+        hist, bar = A.dummy(np.int32), A.dummy(np.uint32)
+    grid_kernel(CONFIGS["grid"]["RELOAD"])[G, NT, 0, smem](ids, P, E, B, emap, use_map, ignore_invalid, hist, bar,
+                                  sorted_ids, expert_ids, n_blocks, capacity, num_post, offsets,
+                                  inv, do_align, write_inv)
