@@ -99,6 +99,175 @@ __device__ __forceinline__ void fg_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u3
 }
 #endif  // QG_EMULATED_PTX
 
+// ============================================================================ the tile's parts
+// One tile = 16 weight rows n0..n0+15 of expert e times BM = 8 MT token rows. fp8_gemv_v4 (one
+// tile per CTA) and fp8_gemv_v4p (a CTA walks tiles) are both made of these parts; they are
+// forceinline, so each kernel compiles as if they were written in place.
+
+// Where thread (g, t) reads its weight bytes: rows n0 + g and n0 + g + 8 (clamped to N - 1:
+// read, multiplied, never stored), bytes 16 t.. of each 128-wide block; and the block scales
+// of the tile's 128-row band (kind 2 only). A 64-bit expert base once, 32-bit offsets inside
+// it (the launcher checks N * Kdim < 2^31).
+struct FgRows {
+    const u8* w0;
+    const u8* w1;
+    const float* wsrow;
+};
+__device__ __forceinline__ FgRows fg_rows(const u8* w, const float* w_scale, int e, int n0, int N,
+                                          int Kdim, int g, int t) {
+    const int ec = max(e, 0);
+    const int KB = Kdim / 128, NB = (N + 127) / 128;
+    const u8* wexp = w + (long long)ec * N * Kdim;
+    return {wexp + min(n0 + g, N - 1) * Kdim + 16 * t, wexp + min(n0 + g + 8, N - 1) * Kdim + 16 * t,
+            w_scale + ((long long)ec * NB + n0 / 128) * KB};
+}
+
+// A round: U blocks kb0, kb0 + WARPS, ... of weight loads (and their scales), issued back to
+// back before the first is used. wq[u][row g / g + 8][half][word].
+template <int U, int WARPS, int PF>
+__device__ __forceinline__ void fg_issue(u32 (&wq)[U][2][2][4], float (&wsc)[U], const FgRows& r,
+                                         int kb0, int KB, bool blockwise) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int kb = kb0 + u * WARPS;
+        if (kb < KB) {                                             // uniform over the warp
+            fg_ld16_stream<PF>(wq[u][0][0], r.w0 + 128 * kb);
+            fg_ld16_stream<PF>(wq[u][1][0], r.w1 + 128 * kb);
+            fg_ld16_stream<PF>(wq[u][0][1], r.w0 + 128 * kb + 64);
+            fg_ld16_stream<PF>(wq[u][1][1], r.w1 + 128 * kb + 64);
+            wsc[u] = blockwise ? __ldg(r.wsrow + kb) : 1.f;
+        }
+    }
+}
+
+// This thread's token rows, from the tile's staged rows sArow [BM] (-1: padding): arow = its
+// B column g of each 8-token tile, srow = the rows of its accumulator columns 2t, 2t + 1 (for
+// a_scale), live = the 8-token tile holds a slot (uniform over the CTA: skipped otherwise).
+template <int MT>
+struct FgCols {
+    int arow[MT];
+    int srow[MT][2];
+    bool live[MT];
+};
+template <int MT>
+__device__ __forceinline__ void fg_cols(FgCols<MT>& c, const int* sArow, int g, int t) {
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+        c.arow[j] = sArow[8 * j + g];
+        c.srow[j][0] = max(sArow[8 * j + 2 * t], 0);
+        c.srow[j][1] = max(sArow[8 * j + 2 * t + 1], 0);
+        int any = 0;
+#pragma unroll
+        for (int r = 0; r < 8; ++r) any |= sArow[8 * j + r] >= 0;
+        c.live[j] = any;
+    }
+}
+
+// Consume a round: per block and live 8-token tile, the token bytes (L1 / L2 hits: every CTA
+// of the m tile reads them; zeros for padding rows), 4 mma, and (kind 2) the block's partial
+// folded into acc with a_scale * w_scale.
+template <int MT, int U, int WARPS>
+__device__ __forceinline__ void fg_consume(float (&acc)[MT][4], const u32 (&wq)[U][2][2][4],
+                                           const float (&wsc)[U], const FgCols<MT>& c,
+                                           const u8* a, const float* a_scale, int kb0, int KB,
+                                           int Kdim, int t, bool blockwise) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int kb = kb0 + u * WARPS;
+        if (kb >= KB) continue;                                    // uniform over the warp
+#pragma unroll
+        for (int jt = 0; jt < MT; ++jt) {
+            if (!c.live[jt]) continue;
+            u32 x[2][4] = {{0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}};
+            if (c.arow[jt] >= 0) {
+                const u8* ap = a + (long long)c.arow[jt] * Kdim + 128 * kb + 16 * t;
+                fg_ld16(x[0], ap);
+                fg_ld16(x[1], ap + 64);
+            }
+            float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int q = 0; q < 2; ++q)
+                    fg_mma(part, wq[u][0][h][2 * q], wq[u][1][h][2 * q], wq[u][0][h][2 * q + 1],
+                           wq[u][1][h][2 * q + 1], x[h][2 * q], x[h][2 * q + 1]);
+            float s0 = 1.f, s1 = 1.f;
+            if (blockwise) {
+                s0 = __ldg(a_scale + (long long)c.srow[jt][0] * KB + kb) * wsc[u];
+                s1 = __ldg(a_scale + (long long)c.srow[jt][1] * KB + kb) * wsc[u];
+            }
+            acc[jt][0] += part[0] * s0;
+            acc[jt][1] += part[1] * s1;
+            acc[jt][2] += part[2] * s0;
+            acc[jt][3] += part[3] * s1;
+        }
+    }
+}
+
+// Stage the tile's slots: thread r < BM holds s_mine = sorted_token_ids[m0 + r] (num_slots
+// past the end). Returns whether any row of the tile is live (a barrier: uniform).
+template <int BM>
+__device__ __forceinline__ int fg_stage(int* sSlot, int* sArow, int s_mine, int num_slots,
+                                        int top_k, int tid) {
+    int live = 0;
+    if (tid < BM) {
+        sSlot[tid] = s_mine;
+        sArow[tid] = fg_live(s_mine, num_slots) ? s_mine / top_k : -1;
+        live = fg_live(s_mine, num_slots);
+    }
+    return __syncthreads_or(live);
+}
+
+// A tile of an expert on another rank (e < 0): its live slots get zeros.
+template <int BM, int NT>
+__device__ __forceinline__ void fg_zeros(elem_t* c, const int* sSlot, int n0, int N,
+                                         int num_slots, int tid) {
+    for (int i = tid; i < BM * 16; i += NT) {
+        const int r = i / 16, n = n0 + i % 16;
+        if (fg_live(sSlot[r], num_slots) && n < N) fg_store(c + (long long)sSlot[r] * N + n, 0.f);
+    }
+}
+
+// The warps' partial sums meet in sRed [WARPS][BM][16] and are added in warp order
+// (deterministic); then the per-tensor / per-channel scales, bias, routed weight, one rounding.
+template <int MT, int WARPS>
+__device__ __forceinline__ void fg_epilogue(const float (&acc)[MT][4], float* sRed,
+                                            const int* sSlot, const int* sArow, elem_t* c,
+                                            const float* a_scale, const float* w_scale,
+                                            const float* topk_weights, const float* bias, int e,
+                                            int n0, int N, int num_slots, int mul_routed_weight,
+                                            int a_scale_kind, int w_scale_kind, int tid) {
+    constexpr int BM = 8 * MT, NT = WARPS * 32;
+    const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = 8 * j + 2 * t + (i & 1), nn = g + 8 * (i >> 1);
+            sRed[(warp * BM + r) * 16 + nn] = acc[j][i];
+        }
+    __syncthreads();
+    for (int i = tid; i < BM * 16; i += NT) {
+        const int r = i / 16, nn = i % 16, n = n0 + nn;
+        const int s = sSlot[r];
+        if (!fg_live(s, num_slots) || n >= N) continue;
+        float v = 0.f;
+        for (int wi = 0; wi < WARPS; ++wi) v += sRed[(wi * BM + r) * 16 + nn];
+        if (a_scale_kind != 2) {
+            const float sa = a_scale_kind == 0 ? a_scale[0] : a_scale[sArow[r]];
+            const float sw = w_scale_kind == 0 ? w_scale[e] : w_scale[(long long)e * N + n];
+            v *= sa * sw;
+        }
+        if (bias != nullptr) v += bias[(long long)e * N + n];
+        if (mul_routed_weight) v *= topk_weights[s];
+        fg_store(c + (long long)s * N + n, v);
+    }
+}
+
+// ============================================================================ v4
+// fp8_gemv_v4: one CTA per tile, grid (m tiles, n tiles). PIPE 1: a round's loads go out, then
+// it is consumed. PIPE 2: two register buffers, the next round in flight while this one is
+// consumed.
 template <int MT, int WARPS, int U, int MINB, int PIPE, int PF>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
 fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
@@ -110,6 +279,7 @@ fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
             int mul_routed_weight, int a_scale_kind, int w_scale_kind) {
     constexpr int BM = 8 * MT;
     constexpr int NT = WARPS * 32;
+    constexpr int STEP = WARPS * U;            // blocks per round of the CTA
     static_assert(BM <= NT, "v4: one thread per tile row reads the slots");
     extern __shared__ __align__(16) u8 smem[];
     float* sRed = reinterpret_cast<float*>(smem);                  // [WARPS][BM][16]
@@ -132,29 +302,8 @@ fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
     const bool BLOCKWISE = a_scale_kind == 2;                      // uniform over the grid
     const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const int KB = Kdim / 128;
-    const int NB = (N + 127) / 128;
-    // 64-bit expert base once, 32-bit offsets inside it (launcher: N * Kdim < 2^31). Rows past
-    // N are clamped to N - 1: read, multiplied, never stored.
-    const int ec = max(e, 0);
-    const u8* wexp = w + (long long)ec * N * Kdim;
-    const u8* w0 = wexp + min(n0 + g, N - 1) * Kdim + 16 * t;
-    const u8* w1 = wexp + min(n0 + g + 8, N - 1) * Kdim + 16 * t;
-    const float* wsrow = w_scale + ((long long)ec * NB + n0 / 128) * KB;   // kind 2 only
+    const FgRows rows = fg_rows(w, w_scale, e, n0, N, Kdim, g, t);
 
-    // U blocks of weight loads per thread, issued back to back before the first is used
-    auto issue = [&](u32 (&wq)[U][2][2][4], float (&wsc)[U], int kb0) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int kb = kb0 + u * WARPS;
-            if (kb < KB) {                                         // uniform over the warp
-                fg_ld16_stream<PF>(wq[u][0][0], w0 + 128 * kb);
-                fg_ld16_stream<PF>(wq[u][1][0], w1 + 128 * kb);
-                fg_ld16_stream<PF>(wq[u][0][1], w0 + 128 * kb + 64);
-                fg_ld16_stream<PF>(wq[u][1][1], w1 + 128 * kb + 64);
-                wsc[u] = BLOCKWISE ? __ldg(wsrow + kb) : 1.f;
-            }
-        }
-    };
     // PIPE = 2: the first round's loads go out before the tile's rows are resolved (a short
     // CTA would otherwise stream nothing during that setup) when the tile is surely live: its
     // first position holds a slot (alignment puts an expert's slots before its padding; if
@@ -162,135 +311,49 @@ fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
     u32 wa[U][2][2][4], wb[U][2][2][4];
     float sa[U], sb[U];
     const bool early = PIPE == 2 && e >= 0 && fg_live(s_first, num_slots);
-    if (early) issue(wa, sa, warp);
+    if (early) fg_issue<U, WARPS, PF>(wa, sa, rows, warp, KB, BLOCKWISE);
 
-    int live = 0;
-    if (tid < BM) {
-        sSlot[tid] = s_mine;
-        sArow[tid] = fg_live(s_mine, num_slots) ? s_mine / top_k : -1;
-        live = fg_live(s_mine, num_slots);
-    }
-    if (__syncthreads_or(live) == 0) return;                      // padding-only tile
+    if (fg_stage<BM>(sSlot, sArow, s_mine, num_slots, top_k, tid) == 0) return;  // padding only
     if (e < 0) {                                                   // expert on another rank
-        for (int i = tid; i < BM * 16; i += NT) {
-            const int r = i / 16, n = n0 + i % 16;
-            if (fg_live(sSlot[r], num_slots) && n < N)
-                fg_store(c + (long long)sSlot[r] * N + n, 0.f);
-        }
+        fg_zeros<BM, NT>(c, sSlot, n0, N, num_slots, tid);
         return;
     }
-    int arow[MT];               // this thread's token row (column g of the mma's B), -1 padding
-    int srow[MT][2];            // the rows of its accumulator columns 2t, 2t + 1 (a_scale)
-    bool tile_live[MT];
-#pragma unroll
-    for (int j = 0; j < MT; ++j) {
-        arow[j] = sArow[8 * j + g];
-        srow[j][0] = max(sArow[8 * j + 2 * t], 0);
-        srow[j][1] = max(sArow[8 * j + 2 * t + 1], 0);
-        int any = 0;
-#pragma unroll
-        for (int r = 0; r < 8; ++r) any |= sArow[8 * j + r] >= 0;
-        tile_live[j] = any;                                        // uniform over the CTA
-    }
-
+    FgCols<MT> cols;
+    fg_cols(cols, sArow, g, t);
     float acc[MT][4];
 #pragma unroll
     for (int j = 0; j < MT; ++j)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
 
-    auto consume = [&](const u32 (&wq)[U][2][2][4], const float (&wsc)[U], int kb0) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int kb = kb0 + u * WARPS;
-            if (kb >= KB) continue;                                // uniform over the warp
-#pragma unroll
-            for (int jt = 0; jt < MT; ++jt) {
-                if (!tile_live[jt]) continue;
-                // the same bytes of this thread's token row (L1 / L2 hits: every CTA of this
-                // m block reads them), zeros for padding rows
-                u32 x[2][4] = {{0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}};
-                if (arow[jt] >= 0) {
-                    const u8* ap = a + (long long)arow[jt] * Kdim + 128 * kb + 16 * t;
-                    fg_ld16(x[0], ap);
-                    fg_ld16(x[1], ap + 64);
-                }
-                float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int q = 0; q < 2; ++q)
-                        fg_mma(part, wq[u][0][h][2 * q], wq[u][1][h][2 * q],
-                               wq[u][0][h][2 * q + 1], wq[u][1][h][2 * q + 1], x[h][2 * q],
-                               x[h][2 * q + 1]);
-                float s0 = 1.f, s1 = 1.f;
-                if (BLOCKWISE) {
-                    s0 = __ldg(a_scale + (long long)srow[jt][0] * KB + kb) * wsc[u];
-                    s1 = __ldg(a_scale + (long long)srow[jt][1] * KB + kb) * wsc[u];
-                }
-                acc[jt][0] += part[0] * s0;
-                acc[jt][1] += part[1] * s1;
-                acc[jt][2] += part[2] * s0;
-                acc[jt][3] += part[3] * s1;
-            }
-        }
-    };
-    constexpr int STEP = WARPS * U;            // blocks per round of the CTA
     if (PIPE == 1) {
-        // one buffer: the loads of a round go out, then the round is consumed
         for (int kb0 = warp; kb0 < KB; kb0 += STEP) {
-            u32 wq[U][2][2][4];                // [block][row g / g+8][half][word]
-            float wsc[U];
-            issue(wq, wsc, kb0);
-            consume(wq, wsc, kb0);
+            fg_issue<U, WARPS, PF>(wa, sa, rows, kb0, KB, BLOCKWISE);
+            fg_consume<MT, U, WARPS>(acc, wa, sa, cols, a, a_scale, kb0, KB, Kdim, t, BLOCKWISE);
         }
     } else {
-        // two buffers: the next round's loads are in flight while this one is consumed, so
         // a warp always has U to 2U blocks of loads outstanding (no gap at each round's end)
-        if (!early) issue(wa, sa, warp);
+        if (!early) fg_issue<U, WARPS, PF>(wa, sa, rows, warp, KB, BLOCKWISE);
         for (int kb0 = warp; kb0 < KB; kb0 += 2 * STEP) {
-            issue(wb, sb, kb0 + STEP);
-            consume(wa, sa, kb0);
-            issue(wa, sa, kb0 + 2 * STEP);
-            consume(wb, sb, kb0 + STEP);
+            fg_issue<U, WARPS, PF>(wb, sb, rows, kb0 + STEP, KB, BLOCKWISE);
+            fg_consume<MT, U, WARPS>(acc, wa, sa, cols, a, a_scale, kb0, KB, Kdim, t, BLOCKWISE);
+            fg_issue<U, WARPS, PF>(wa, sa, rows, kb0 + 2 * STEP, KB, BLOCKWISE);
+            fg_consume<MT, U, WARPS>(acc, wb, sb, cols, a, a_scale, kb0 + STEP, KB, Kdim, t,
+                                     BLOCKWISE);
         }
     }
-
-    // ---- the warps' partial sums, added in warp order (deterministic)
-#pragma unroll
-    for (int j = 0; j < MT; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = 8 * j + 2 * t + (i & 1), nn = g + 8 * (i >> 1);
-            sRed[(warp * BM + r) * 16 + nn] = acc[j][i];
-        }
-    __syncthreads();
-    for (int i = tid; i < BM * 16; i += NT) {
-        const int r = i / 16, nn = i % 16, n = n0 + nn;
-        const int s = sSlot[r];
-        if (!fg_live(s, num_slots) || n >= N) continue;
-        float v = 0.f;
-        for (int wi = 0; wi < WARPS; ++wi) v += sRed[(wi * BM + r) * 16 + nn];
-        if (!BLOCKWISE) {
-            const float sa = a_scale_kind == 0 ? a_scale[0] : a_scale[sArow[r]];
-            const float sw = w_scale_kind == 0 ? w_scale[e] : w_scale[(long long)e * N + n];
-            v *= sa * sw;
-        }
-        if (bias != nullptr) v += bias[(long long)e * N + n];
-        if (mul_routed_weight) v *= topk_weights[s];
-        fg_store(c + (long long)s * N + n, v);
-    }
+    fg_epilogue<MT, WARPS>(acc, sRed, sSlot, sArow, c, a_scale, w_scale, topk_weights, bias, e,
+                           n0, N, num_slots, mul_routed_weight, a_scale_kind, w_scale_kind, tid);
 }
 
 // ============================================================================ v4 persistent
 // fp8_gemv_v4p: the same tile work as fp8_gemv_v4 (PIPE 1 rounds), but a grid of G CTAs (about
-// MINB per SM, the launcher's choice) walks the tiles: CTA b takes tiles b, b + G, ... (m tile
-// fastest, as v4's grid). What it buys: the next tile's header is loaded while this one
-// streams, and its first round of weight loads goes out *before* this tile's reduction and
-// stores (when it is surely live: e >= 0 and its first position holds a slot), so a CTA keeps
-// weight loads in flight across tile boundaries instead of idling through each tile's setup
-// and reduction (at decode a tile is only 32-115 KB of weights: those idle phases were a
-// third of a v4 CTA's life).
+// MINB per SM, the launcher's choice) walks the tiles: CTA b takes tiles b, b + G, ... (n tile
+// fastest, up to num_tokens_post_padded). What it buys: the next tile's header is loaded while
+// this one streams, and its first round of weight loads goes out *before* this tile's
+// reduction and stores (when it is surely live: e >= 0 and its first position holds a slot),
+// so a CTA keeps weight loads in flight across tile boundaries instead of idling through each
+// tile's setup and reduction (at decode a tile is only 32-115 KB of weights).
 // grid (G), block WARPS * 32, dynamic smem as v4. Same requirements as v4.
 template <int MT, int WARPS, int U, int MINB, int PF>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
@@ -302,9 +365,8 @@ fp8_gemv_v4p(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restr
              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
              int mul_routed_weight, int a_scale_kind, int w_scale_kind) {
     constexpr int BM = 8 * MT;
-    constexpr int NT = WARPS * 32;
     constexpr int STEP = WARPS * U;
-    static_assert(BM <= NT, "v4p: one thread per tile row reads the slots");
+    static_assert(BM <= WARPS * 32, "v4p: one thread per tile row reads the slots");
     extern __shared__ __align__(16) u8 smem[];
     float* sRed = reinterpret_cast<float*>(smem);                  // [WARPS][BM][16]
     int* sArow = reinterpret_cast<int*>(sRed + WARPS * BM * 16);   // [BM] a row, -1 padding
@@ -313,166 +375,80 @@ fp8_gemv_v4p(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restr
     // positions past num_slots * block_size hold no slot (num_tokens_post_padded <= P * B)
     const int Lg = (int)min((long long)num_positions, (long long)num_slots * block_size);
     const int m_tiles = (Lg + BM - 1) / BM, n_tiles = (N + 15) / 16;
-    const int items = m_tiles * n_tiles;
     int i = blockIdx.x;
-    if (i >= items) return;
-    const int ntpp = num_tokens_post_padded[0];
+    if (i >= m_tiles * n_tiles) return;
     const int tid = threadIdx.x;
     const bool BLOCKWISE = a_scale_kind == 2;
     const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const int KB = Kdim / 128;
-    const int NB = (N + 127) / 128;
 
-    // a tile's header: independent loads, one round trip
-    int m0, n0, e, s_mine, s_first;
-    auto header = [&](int item, int& m0_, int& n0_, int& e_, int& sm_, int& sf_) {
-        m0_ = (item % m_tiles) * BM;
-        n0_ = (item / m_tiles) * 16;
-        e_ = expert_ids[m0_ / block_size];
-        sm_ = (tid < BM && m0_ + tid < num_positions) ? sorted_token_ids[m0_ + tid] : num_slots;
-        sf_ = sorted_token_ids[m0_];
+    // a tile's header: independent loads, one round trip. Item order: n tile fastest, so a
+    // CTA's walk (b, b + G, ...) crosses the m tiles; m fastest would give CTA b only the m
+    // tiles = b mod gcd(G, m_tiles), and at decode (block 16, BM 8) every other m tile is
+    // padding: half the CTAs would walk padding only.
+    struct Head {
+        int m0, n0, e, s_mine, s_first;
     };
-    const u8* w0;
-    const u8* w1;
-    const float* wsrow;
-    auto point = [&](int e_, int n0_) {                 // the weight rows of a tile
-        const int ec = max(e_, 0);
-        const u8* wexp = w + (long long)ec * N * Kdim;
-        w0 = wexp + min(n0_ + g, N - 1) * Kdim + 16 * t;
-        w1 = wexp + min(n0_ + g + 8, N - 1) * Kdim + 16 * t;
-        wsrow = w_scale + ((long long)ec * NB + n0_ / 128) * KB;
+    auto header = [&](int item) {
+        Head h;
+        h.m0 = (item / n_tiles) * BM;
+        h.n0 = (item % n_tiles) * 16;
+        h.e = expert_ids[h.m0 / block_size];
+        h.s_mine = (tid < BM && h.m0 + tid < num_positions) ? sorted_token_ids[h.m0 + tid]
+                                                             : num_slots;
+        h.s_first = sorted_token_ids[h.m0];
+        return h;
     };
-    auto streams = [&](int m0_, int e_, int sf_) {      // surely live: prefetch is safe
-        return m0_ < ntpp && e_ >= 0 && fg_live(sf_, num_slots);
-    };
+    // surely live (e >= 0, first position a slot): its loads may go out before it is staged
+    auto streams = [&](const Head& h) { return h.e >= 0 && fg_live(h.s_first, num_slots); };
+
+    Head cur = header(i);                                // in flight with ntpp's load
+    const int ntpp = num_tokens_post_padded[0];
+    // tiles from num_tokens_post_padded on hold no slot: the walk ends before them (it is a
+    // multiple of block_size, so of BM)
+    const int items = min(m_tiles, (ntpp + BM - 1) / BM) * n_tiles;
+    if (i >= items) return;
+    FgRows rows = fg_rows(w, w_scale, cur.e, cur.n0, N, Kdim, g, t);
     u32 wq[U][2][2][4];
     float wsc[U];
-    auto issue = [&](int kb0) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int kb = kb0 + u * WARPS;
-            if (kb < KB) {
-                fg_ld16_stream<PF>(wq[u][0][0], w0 + 128 * kb);
-                fg_ld16_stream<PF>(wq[u][1][0], w1 + 128 * kb);
-                fg_ld16_stream<PF>(wq[u][0][1], w0 + 128 * kb + 64);
-                fg_ld16_stream<PF>(wq[u][1][1], w1 + 128 * kb + 64);
-                wsc[u] = BLOCKWISE ? __ldg(wsrow + kb) : 1.f;
-            }
-        }
-    };
-    int arow[MT], srow[MT][2];
-    bool tile_live[MT];
-    float acc[MT][4];
-    auto consume = [&](int kb0) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int kb = kb0 + u * WARPS;
-            if (kb >= KB) continue;
-#pragma unroll
-            for (int jt = 0; jt < MT; ++jt) {
-                if (!tile_live[jt]) continue;
-                u32 x[2][4] = {{0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}};
-                if (arow[jt] >= 0) {
-                    const u8* ap = a + (long long)arow[jt] * Kdim + 128 * kb + 16 * t;
-                    fg_ld16(x[0], ap);
-                    fg_ld16(x[1], ap + 64);
-                }
-                float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int q = 0; q < 2; ++q)
-                        fg_mma(part, wq[u][0][h][2 * q], wq[u][1][h][2 * q],
-                               wq[u][0][h][2 * q + 1], wq[u][1][h][2 * q + 1], x[h][2 * q],
-                               x[h][2 * q + 1]);
-                float s0 = 1.f, s1 = 1.f;
-                if (BLOCKWISE) {
-                    s0 = __ldg(a_scale + (long long)srow[jt][0] * KB + kb) * wsc[u];
-                    s1 = __ldg(a_scale + (long long)srow[jt][1] * KB + kb) * wsc[u];
-                }
-                acc[jt][0] += part[0] * s0;
-                acc[jt][1] += part[1] * s1;
-                acc[jt][2] += part[2] * s0;
-                acc[jt][3] += part[3] * s1;
-            }
-        }
-    };
-
-    header(i, m0, n0, e, s_mine, s_first);
-    point(e, n0);
-    bool pre = streams(m0, e, s_first);                 // wq holds this tile's first round
-    if (pre) issue(warp);
+    bool pre = streams(cur);                             // wq holds this tile's first round
+    if (pre) fg_issue<U, WARPS, PF>(wq, wsc, rows, warp, KB, BLOCKWISE);
     for (; i < items; i += gridDim.x) {
         // the next tile's header, in flight while this one streams
         const int i2 = i + gridDim.x;
-        int m0n = 0, n0n = 0, en = -1, smn = num_slots, sfn = num_slots;
-        if (i2 < items) header(i2, m0n, n0n, en, smn, sfn);
+        Head next{0, 0, -1, num_slots, num_slots};
+        if (i2 < items) next = header(i2);
 
-        int live = 0;
-        if (tid < BM) {
-            const int s = m0 < ntpp ? s_mine : num_slots;
-            sSlot[tid] = s;
-            sArow[tid] = fg_live(s, num_slots) ? s / top_k : -1;
-            live = fg_live(s, num_slots);
-        }
-        const int any = __syncthreads_or(live);
+        const int any = fg_stage<BM>(sSlot, sArow, cur.s_mine, num_slots, top_k, tid);
         bool pre_next = false;
-        if (any && e < 0) {                                         // expert on another rank
-            for (int k = tid; k < BM * 16; k += NT) {
-                const int r = k / 16, n = n0 + k % 16;
-                if (fg_live(sSlot[r], num_slots) && n < N)
-                    fg_store(c + (long long)sSlot[r] * N + n, 0.f);
-            }
+        if (any && cur.e < 0) {                                    // expert on another rank
+            fg_zeros<BM, WARPS * 32>(c, sSlot, cur.n0, N, num_slots, tid);
         } else if (any) {
-#pragma unroll
-            for (int j = 0; j < MT; ++j) {
-                arow[j] = sArow[8 * j + g];
-                srow[j][0] = max(sArow[8 * j + 2 * t], 0);
-                srow[j][1] = max(sArow[8 * j + 2 * t + 1], 0);
-                int anyj = 0;
-#pragma unroll
-                for (int r = 0; r < 8; ++r) anyj |= sArow[8 * j + r] >= 0;
-                tile_live[j] = anyj;
-#pragma unroll
-                for (int q = 0; q < 4; ++q) acc[j][q] = 0.f;
-            }
-            for (int kb0 = warp; kb0 < KB; kb0 += STEP) {
-                if (!(pre && kb0 == warp)) issue(kb0);
-                consume(kb0);
-            }
-            // the next tile's first round goes out now, before this tile's reduction
-            if (i2 < items && streams(m0n, en, sfn)) {
-                point(en, n0n);
-                issue(warp);
-                pre_next = true;
-            }
+            FgCols<MT> cols;
+            fg_cols(cols, sArow, g, t);
+            float acc[MT][4];
 #pragma unroll
             for (int j = 0; j < MT; ++j)
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const int r = 8 * j + 2 * t + (q & 1), nn = g + 8 * (q >> 1);
-                    sRed[(warp * BM + r) * 16 + nn] = acc[j][q];
-                }
-            __syncthreads();
-            for (int k = tid; k < BM * 16; k += NT) {
-                const int r = k / 16, nn = k % 16, n = n0 + nn;
-                const int s = sSlot[r];
-                if (!fg_live(s, num_slots) || n >= N) continue;
-                float v = 0.f;
-                for (int wi = 0; wi < WARPS; ++wi) v += sRed[(wi * BM + r) * 16 + nn];
-                if (!BLOCKWISE) {
-                    const float sa = a_scale_kind == 0 ? a_scale[0] : a_scale[sArow[r]];
-                    const float sw = w_scale_kind == 0 ? w_scale[e] : w_scale[(long long)e * N + n];
-                    v *= sa * sw;
-                }
-                if (bias != nullptr) v += bias[(long long)e * N + n];
-                if (mul_routed_weight) v *= topk_weights[s];
-                fg_store(c + (long long)s * N + n, v);
+                for (int q = 0; q < 4; ++q) acc[j][q] = 0.f;
+            for (int kb0 = warp; kb0 < KB; kb0 += STEP) {
+                if (!(pre && kb0 == warp)) fg_issue<U, WARPS, PF>(wq, wsc, rows, kb0, KB, BLOCKWISE);
+                fg_consume<MT, U, WARPS>(acc, wq, wsc, cols, a, a_scale, kb0, KB, Kdim, t,
+                                         BLOCKWISE);
             }
+            // the next tile's first round goes out now, before this tile's reduction
+            if (i2 < items && streams(next)) {
+                rows = fg_rows(w, w_scale, next.e, next.n0, N, Kdim, g, t);
+                fg_issue<U, WARPS, PF>(wq, wsc, rows, warp, KB, BLOCKWISE);
+                pre_next = true;
+            }
+            fg_epilogue<MT, WARPS>(acc, sRed, sSlot, sArow, c, a_scale, w_scale, topk_weights,
+                                   bias, cur.e, cur.n0, N, num_slots, mul_routed_weight,
+                                   a_scale_kind, w_scale_kind, tid);
         }
         __syncthreads();                    // sSlot / sRed are rewritten by the next tile
-        m0 = m0n; n0 = n0n; e = en; s_mine = smn; s_first = sfn;
-        if (!pre_next) point(e, n0);
+        cur = next;
+        if (!pre_next) rows = fg_rows(w, w_scale, cur.e, cur.n0, N, Kdim, g, t);
         pre = pre_next;
     }
 }
