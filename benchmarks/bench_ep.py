@@ -38,7 +38,8 @@ the ratio against the raw all-to-all of the P slot rows (what token rows save).
 
 Implementations (--impls, the first is the target's): "fused" (sandbox/ep/layout.py +
 cuda_kernels/cupy/ep_layout.cu, the default), "fusedC" (the combine in C token chunks, its
-sums overlapping the next chunk's exchange), "stages" (moe_permute / moe_unpermute).
+sums overlapping the next chunk's exchange), "fusedslow" ("fused" without its GPU plans: the
+generic launchers and communicator calls, to compare), "stages" (moe_permute / moe_unpermute).
 --breakdown times each sub-step alone; every row also carries host_ms, the host's median
 time inside the timed call (the launches, the counts sync): where GPU time is host-bound.
 
@@ -164,10 +165,30 @@ def _raw_alltoall(comm, timer, opts, rows, H):
 
 
 def _impl_spec(spec):
-    """"fused" / "fused4" / "stages" -> (impl, combine_chunks or None)."""
+    """"fused" / "fused4" / "fusedslow" / "stages" -> (impl, combine_chunks or None).
+    "fusedslow" is "fused" without the GPU plans (dispatch.GPU_PLANS off while it runs)."""
     if spec.startswith("fused") and spec[5:].isdigit():
         return "fused", int(spec[5:])
+    if spec == "fusedslow":
+        return "fused", None
     return spec, None
+
+
+class _Plans:
+    """dispatch.GPU_PLANS for one implementation's rows ("fusedslow": off), restored after."""
+
+    def __init__(self, spec):
+        self.on = spec != "fusedslow"
+
+    def __enter__(self):
+        from sandbox.ep import dispatch as D
+
+        self.old, D.GPU_PLANS = D.GPU_PLANS, self.on
+
+    def __exit__(self, *exc):
+        from sandbox.ep import dispatch as D
+
+        D.GPU_PLANS = self.old
 
 
 def _breakdown(comm, timer, ops, opts, record, mode, spec, T, xs, routes, per_rank):
@@ -372,11 +393,12 @@ def bench_rank(comm, opts):
                    raw_slot_t[1] * row_bytes, {"rows_per_rank": raw_slot_t[1]})
             for impl in opts.get("impls", ["fused"]):
                 for mode in opts.get("alltoall_rows", ["token", "slot"]):
-                    _bench_alltoall_rows(comm, timer, ops, opts, record, mode, T, xs, routes,
-                                         per_rank, raw_slot_t, P, impl)
-                    if opts.get("breakdown"):
-                        _breakdown(comm, timer, ops, opts, record, mode, impl, T, xs, routes,
-                                   per_rank)
+                    with _Plans(impl):
+                        _bench_alltoall_rows(comm, timer, ops, opts, record, mode, T, xs,
+                                             routes, per_rank, raw_slot_t, P, impl)
+                        if opts.get("breakdown"):
+                            _breakdown(comm, timer, ops, opts, record, mode, impl, T, xs,
+                                       routes, per_rank)
 
         # ---- all-gather / reduce-scatter ------------------------------------------------
         if "allgather" in opts["schemes"]:
@@ -646,7 +668,7 @@ def main(argv=None):
     ap.add_argument("--impls", default="fused",
                     help="all-to-all-v implementations (sandbox/ep/dispatch.py), the first is "
                          "the target's: fused, fusedC (the combine in C token chunks, e.g. "
-                         "fused2) and/or stages")
+                         "fused2), fusedslow (fused without the GPU plans) and/or stages")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each sub-step of dispatch / combine alone (diagnostic)")
     ap.add_argument("--reps", type=int, default=20)
@@ -675,8 +697,10 @@ def main(argv=None):
         ap.error("--alltoall-rows: expected at least one of token, slot")
     impls = [m for m in args.impls.split(",") if m]
     for m in impls:
-        if m != "stages" and not (m.startswith("fused") and (m[5:] == "" or m[5:].isdigit())):
-            ap.error(f"--impls: expected fused, fusedC (C an int) and/or stages, got {m!r}")
+        if m not in ("stages", "fusedslow") and not (m.startswith("fused") and
+                                                      (m[5:] == "" or m[5:].isdigit())):
+            ap.error(f"--impls: expected fused, fusedC (C an int), fusedslow and/or stages, "
+                     f"got {m!r}")
     if not impls:
         ap.error("--impls: expected at least one of fused, stages")
     if DEEPSEEK_V3["num_experts"] % args.gpus:

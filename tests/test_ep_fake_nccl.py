@@ -170,6 +170,9 @@ def test_fake_nccl_fused_path_through_the_gpu_launchers():
             assert res["out_vs_stages"] <= 1e-6 and res["chunked_vs_stages"] <= 1e-6, res
             assert res["chunked_x"], res
             assert res["out_vs_loop"] <= res["tolerance"], res
+            # the GPU branch's lean path (sandbox/ep/dispatch.py _GpuFused) ran; a second call
+            # of the same shape (the plan and its send buffers reused) is right to the bit
+            assert res["lean"] and res["reuse_vs_fused"] == 0.0, res
 
 
 def test_fake_nccl_benchmark_through_the_gpu_launchers():

@@ -240,6 +240,146 @@ def ep_count_experts(topk_ids, counts):
     return counts
 
 
+# ----------------------------------------------------------------------------- plans
+class DispatchPlan:
+    """The fused dispatch's launches for one shape, with the host work done once.
+
+    ep_layout / ep_gather above check every argument, allocate every output and pick the
+    kernel on each call: tens of microseconds of host time per launch, while the GPU (idle
+    after the counts sync of the previous step) waits for them. A plan does all of that once
+    per shape (T, H, K, dtype, weights or not, epr, W, rank, row mode, chunks): the checks,
+    the kernels, the launch geometry and the constant kernel arguments, and the buffers that
+    live only inside one dispatch (counts2 [2, W, C], src [T S], n_real [1], x_send [T S, H],
+    ids_send, w_send). Those are reused from call to call: every use is on the stream the
+    plan was made for, so the next call's kernels are ordered after this call's exchange
+    (the caller keys its plans by stream). inv [T S] is returned to the caller (the combine
+    needs it later), so it is a new array each call.
+
+        plan = DispatchPlan(T, H, K, dtype, has_weights, epr, W, rank, slot_rows, chunks)
+        inv = plan.layout(ids)                       # 1 launch: counts2, inv, src, n_real
+        plan.gather(x, ids, w, inv)                  # 1 launch: x_send, ids_send, w_send
+    The caller guarantees x [T, H] of `dtype`, ids int32 [T, K], w f32 [T, K] (or None), all
+    C-contiguous on this device (what the plan was made for): the plan does not look again.
+    """
+
+    def __init__(self, T, H, K, dtype, has_weights, experts_per_rank, world_size, rank,
+                 slot_rows, chunks=1):
+        import cupy
+
+        self.T = T = C.check_int("T", T, 0)
+        self.H = H = C.check_int("H", H, 0)
+        self.K = K = C.check_int("top_k", K, 1)
+        W = C.check_int("world_size", world_size, 1, MAX_WORLD)
+        epr = C.check_int("experts_per_rank", experts_per_rank, 1)
+        r = C.check_int("rank", rank, 0, W - 1)
+        nc = C.check_int("chunks", chunks, 1, MAX_CHUNKS)
+        dtype = np.dtype(dtype)
+        if dtype not in C.float_dtypes():
+            raise TypeError(f"dtype: expected one of {C.FLOAT_NAMES}, got {dtype}")
+        S = entries_per_token(W, K, slot_rows)
+        if S > MAX_S:
+            raise ValueError(f"topk_ids: expected at most {MAX_S} slots per token, got K = {K}")
+        C.check_fits_int32("topk_ids", T * S + 1, "T * S entries")
+        C.check_fits_int32("x", T * S * max(H, 1), "T * S * H send elements")
+        C.check_fits_int32("experts_per_rank", W * epr, "W * experts_per_rank")
+        self.S, self.W, self.rank, self.chunks, self.slot = S, W, r, nc, bool(slot_rows)
+        self.dtype, self.epr = dtype, epr
+        P = T * S
+        self.counts2 = cupy.zeros((2, W, nc), dtype=cupy.int64)   # [2, W, C]
+        self.src = cupy.empty((P,), dtype=cupy.int32)              # [T S]
+        self.n_real = cupy.zeros((1,), dtype=cupy.int32)           # [1]
+        self.x_send = C.empty((P, H), dtype)                       # [T S, H]
+        meta = (P,) if slot_rows else (P, K)
+        self.ids_send = cupy.empty(meta, dtype=cupy.int32)
+        self.w_send = cupy.empty(meta, dtype=cupy.float32) if has_weights else None
+        self._empty = C.empty if C.POISON else cupy.empty          # inv, new per call
+        NB = W + 1
+        nt = _layout_threads(T, NB, nc)
+        self._layout = (_kernel("ep_layout_kernel"), (1,), (nt,),
+                        (NB * nt + 32 + NB + 1 + W * nc) * 4)
+        self._layout_tail = (np.int32(T), np.int32(K), np.int32(S), np.int32(W),
+                             np.int32(epr), np.int32(1 if slot_rows else 0), np.int32(r),
+                             np.int32(nc))
+        self._gathers = {}
+        self._w_null = C.null_ptr()
+        itemsize = dtype.itemsize
+        self.row_bytes = H * itemsize
+        # the gather's word: 16 B when the row length and both row starts allow it; x_send
+        # is the plan's (pool allocations are 256-B aligned), x's start is checked per call
+        for wb in (16, 8, 4, 2):
+            if self.row_bytes % wb == 0:
+                self._gathers[wb] = (_kernel(f"ep_gather_kernel<{_WORDS[wb]}>"),
+                                     np.int32(self.row_bytes // wb))
+        self._gather_tail = (np.int32(T), np.int32(K), np.int32(S), np.int32(epr),
+                             np.int32(1 if slot_rows else 0))
+        self._x_send_raw = C.raw(self.x_send)
+
+    def layout(self, ids):
+        """One launch: the send order of ids [T, K] -> inv int32 [T S] (counts2, src and
+        n_real in the plan's buffers)."""
+        inv = self._empty((self.T * self.S,), np.int32)
+        kern, grid, block, smem = self._layout
+        kern(grid, block, (ids, inv, self.src, self.counts2, self.n_real) + self._layout_tail,
+             shared_mem=smem)
+        return inv
+
+    def gather(self, x, ids, w, inv):
+        """One launch: x_send / ids_send / w_send rows < n in send order (x [T, H], w [T, K]
+        f32 or None as the plan was made)."""
+        if self.T == 0 or self.H == 0:
+            return
+        ptr = x.data.ptr
+        for wb, (kern, words) in self._gathers.items():
+            if ptr % wb == 0:
+                break
+        else:
+            raise ValueError("x: rows cannot be copied in 2-byte words (misaligned start)")
+        kern((self.T,), (CONFIGS["ep_gather_kernel"]["GATHER_THREADS"],),
+             (C.raw(x), ids, self._w_null if w is None else w, inv, self.n_real,
+              self._x_send_raw, self.ids_send,
+              self._w_null if self.w_send is None else self.w_send) + self._gather_tail
+             + (words,))
+
+
+class CombinePlan:
+    """ep_combine for one shape (T, S, H, dtype, weights or not), its kernels and geometry
+    chosen once: out [T, H] = sum over a token's sent entries of w * y (see ep_combine).
+    The caller guarantees y [n, H] and out [T, H] of `dtype`, weights f32 [T, S] or None,
+    all C-contiguous on this device."""
+
+    def __init__(self, T, S, H, dtype):
+        self.T, self.S, self.H = C.check_int("num_tokens", T, 0), int(S), C.check_int("H", H, 0)
+        dtype = np.dtype(dtype)
+        if dtype not in C.float_dtypes():
+            raise TypeError(f"dtype: expected one of {C.FLOAT_NAMES}, got {dtype}")
+        self.dtype = dtype
+        itemsize = dtype.itemsize
+        self._launch = []   # (bytes per thread access, kernel, threads, column chunks), widest first
+        for vec in reversed(_VECS):
+            if vec * itemsize > 16 or H % vec or H == 0:
+                continue
+            threads = C.block_threads(C.cdiv(H, vec), CONFIGS["ep_combine_kernel"]["COMBINE_THREADS"])
+            chunks = C.cdiv(H, threads * vec)
+            C.check_fits_int32("y", T * chunks, "the grid size tokens * column chunks")
+            self._launch.append((vec * itemsize, _kernel(f"ep_combine_kernel<{vec}>", dtype),
+                                 threads, chunks))
+        self._null = C.null_ptr()
+        self._tail = (np.int32(S), np.int32(H))
+
+    def __call__(self, y, weights, inv, n, out, t0=0, t1=None):
+        t1 = self.T if t1 is None else t1
+        if t1 == t0 or self.H == 0:
+            return out
+        align = y.data.ptr | out.data.ptr if n else out.data.ptr
+        for vb, kern, threads, chunks in self._launch:
+            if align % vb == 0:
+                break
+        kern(((t1 - t0) * chunks,), (threads,),
+             (C.raw(y), self._null if weights is None else weights, inv, C.raw(out),
+              np.int32(t0), np.int32(t1)) + self._tail + (np.int32(n), np.int32(chunks)))
+        return out
+
+
 # ----------------------------------------------------------------------------- script
 def _loop_layout(ids, epr, W, slot_rows):
     """The dumbest correct layout: (counts [W], inv [T S]) by walking buckets, then entries."""

@@ -261,7 +261,16 @@ def run_impl_parity(comm, backend: str = "reference") -> list[dict]:
                 o = alltoall_combine(comm, ops, y, st, dev(w))
                 got[impl if chunks == 1 else f"{impl}{chunks}"] = dict(x=host(x_recv), ids=host(ids_recv), w=host(w_recv),
                                  send=st.send_counts.tolist(), recv=st.recv_counts.tolist(),
-                                 out=host(o).view(dtype).astype(np.float64), impl=st.impl)
+                                 out=host(o).view(dtype).astype(np.float64), impl=st.impl,
+                                 lean=st.gpu is not None)
+            # the same shape again with the tokens permuted: on the GPU the second call reuses
+            # the first one's plan and send buffers; each token's output must follow it
+            perm = rng.permutation(T)
+            x_recv, _, _, st = alltoall_dispatch(comm, ops, dev(x[perm]), dev(ids[perm]),
+                                                 E // W, topk_weights=dev(w[perm]), rows=rows,
+                                                 impl="fused")
+            y = dev((host(x_recv).view(dtype).astype(np.float32) * 2).astype(dtype))
+            again = host(alltoall_combine(comm, ops, y, st, dev(w[perm]))).view(dtype)
             a, b = got["stages"], got["fused"]
             want = np.zeros((T, H))      # the loop: what the combine must return
             x2 = (x.astype(np.float32) * 2).astype(dtype).astype(np.float64)   # y = 2 x
@@ -281,6 +290,8 @@ def run_impl_parity(comm, backend: str = "reference") -> list[dict]:
                 "chunked_vs_stages": rel_error(got["fused3"]["out"], a["out"]),
                 "chunked_x": bool(np.array_equal(got["fused3"]["x"], a["x"])),
                 "out_vs_loop": rel_error(b["out"], want),
+                "lean": b["lean"],                  # the GPU's plan path ran (always on a GPU)
+                "reuse_vs_fused": rel_error(again.astype(np.float64), b["out"][perm]),
                 "tolerance": TOLERANCE[case["dtype"]]})
     comm.barrier()
     return out

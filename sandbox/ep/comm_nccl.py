@@ -584,6 +584,73 @@ class NcclCommunicator(Communicator):
                         self._p2p_ptr("recv", o_ptr + ro[p] * rb, rc[p] * rb, p)
         return recv
 
+    # ---- the lean calls of the fused all-to-all-v's hot path (sandbox/ep/dispatch.py) -----------
+    def p2p_group(self, what, transfers, stream_ptr, track=True):
+        """One NCCL group of raw transfers: `transfers` is a list of (is_send, device address,
+        nbytes, peer). The caller has validated every buffer (once per shape) and keeps them
+        alive until the group has ended; nothing is checked here per transfer: this is
+        group() + send() / recv() without the array objects, the checks and the context
+        managers (each costs microseconds of host time while the GPU waits for the exchange).
+        track=False: the caller waits for the transfers itself (with the timeout)."""
+        if self._failed is not None:
+            self._raise_if_failed()
+        comm = self._comm
+        if comm is None:
+            raise CommPeerError(f"rank {self.rank}: {what} on a destroyed or aborted communicator")
+        nccl, u8 = self._nccl, self._uint8
+        send, recv = comm.send, comm.recv
+        self._blocking = (what, time.monotonic())   # the watchdog watches the group end
+        try:
+            nccl.groupStart()
+            try:
+                for is_send, ptr, nbytes, peer in transfers:
+                    (send if is_send else recv)(ptr, nbytes, u8, peer, stream_ptr)
+            finally:
+                nccl.groupEnd()
+        except nccl.NcclError as exc:
+            self._raise_if_failed()
+            raise CommPeerError(f"rank {self.rank}: NCCL error in {what}: {exc}"
+                                f"{self.describe_peer_failures()}") from exc
+        finally:
+            self._blocking = None
+        if self._failed is not None:
+            self._raise_if_failed()
+        if track:
+            self._track(what)
+
+    def side_stream(self):
+        """The high-priority side stream of the counts exchanges (made once)."""
+        if getattr(self, "_side", None) is None:
+            self._side = _high_priority_stream(self._cupy)
+            self._pinned = {}
+        return self._side
+
+    def counts_start(self, both, pinned, after, done):
+        """Phase one of the fused all-to-all-v, lean: on the side stream, after event `after`,
+        exchange the counts buffer `both` (int64 [2, W, C], [0, p] sent to p, [1, p] filled
+        from p) in place, copy it into the page-locked host array `pinned` ([2, W C] int64),
+        and record `done`. The caller waits for `done` with wait_done(done)."""
+        side = self.side_stream()
+        side.wait_event(after)
+        W, r = self.world_size, self.rank
+        C = both.shape[2]
+        ptr, chunk = both.data.ptr, 8 * C
+        self.p2p_group("all_to_all_v (counts)",
+                       [t for p in range(W) if p != r
+                        for t in ((True, ptr + chunk * p, chunk, p),
+                                  (False, ptr + chunk * (W + p), chunk, p))],
+                       side.ptr, track=False)
+        runtime = self._cupy.cuda.runtime
+        if hasattr(runtime, "memcpyAsync"):   # no array objects (the fake CuPy lacks it)
+            runtime.memcpyAsync(pinned.ctypes.data, ptr, 16 * W * C, 2, side.ptr)   # D2H
+        else:
+            both.reshape(2, W * C).get(stream=side, out=pinned, blocking=False)
+        done.record(side)
+
+    def wait_done(self, event, what):
+        """Polls `event` (never a blocking sync) with the timeout and the watchdog's verdict."""
+        self._wait_event(event, what)
+
     def counts_phase(self, send_counts):
         """Counts straight from the device (the permute's offsets): exchange them there, then
         one device-to-host copy of both vectors."""
