@@ -58,7 +58,8 @@ CONFIGS = {
     # up to SMALL_P slots with at least MIN_WARPS warps; above, a grid of blocks of WARP_SLOTS
     # slots per warp, at most TABLE_LOADS loads per thread of the [G, E] table after the barrier
     "grid": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 32, "MIN_WARPS": 8, "SMALL_P": 4096,
-             "WARP_SLOTS": 64, "TABLE_LOADS": 16, "MAX_BLOCKS": 0, "RELOAD": True},
+             "WARP_SLOTS": 64, "TABLE_LOADS": 16, "MAX_BLOCKS": 0, "RELOAD": True,
+             "COUNT": "match"},
 }
 PREFETCH = 8          # 32-slot steps whose id loads are in flight together
 STEP = 32 * PREFETCH  # slots per round of a warp
@@ -91,6 +92,16 @@ def count_round(eb, wc, row0):
         peers = uint32(cu.match_any_sync(FULL_MASK, e))
         if e >= 0 and (peers & cu.lanemask_lt()) == 0:
             cu.atomic.add(wc, ix(row0 + e), int32(cu.popc(peers)))
+
+
+@device_function
+def count_round_atomic(eb, wc, row0):
+    """count_round with one shared atomic per lane (permute.cu's count: no match_any; lanes
+    of one expert serialize on its counter)."""
+    for u in range(PREFETCH):
+        e = eb[u]
+        if e >= 0:
+            cu.atomic.add(wc, ix(row0 + e), 1)
 
 
 @device_function
@@ -186,8 +197,10 @@ def grid_barrier(bar, g, G):
 
 
 # ----------------------------------------------------------------------------- the kernel
-def _align_grid(RELOAD):
-    """align_grid; RELOAD: the placement loads its round of ids again (grid_kernel)."""
+def _align_grid(RELOAD, ATOMIC):
+    """align_grid; RELOAD: the placement loads its round of ids again; ATOMIC: the count
+    takes one atomic per lane (grid_kernel)."""
+    count = count_round_atomic if ATOMIC else count_round
 
     def align_grid(ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids,
                    n_blocks, capacity, num_post, offsets, inv, do_align, write_inv):
@@ -228,7 +241,7 @@ def _align_grid(RELOAD):
         for r in range(rounds):
             if rounds > 1:
                 load_round(ids, begin + r * STEP, end, E, emap, use_map, ignore_invalid, eb, lane)
-            count_round(eb, wc, row0)
+            count(eb, wc, row0)
         cu.syncthreads()
         for e in range(tid, E, NT):               # consecutive e: consecutive banks
             run = int32(0)
@@ -297,12 +310,12 @@ def _align_grid(RELOAD):
 
 
 @functools.lru_cache(maxsize=None)
-def grid_kernel(reload=True):
+def grid_kernel(reload=True, atomic=False):
     """The compiled align_grid (one kernel for every geometry: NT and G are read at run
     time, so a notebook waits for one compile). reload: the placement loads its ids again
     instead of keeping one round in registers across the barriers (at 64 registers, the
     bound of 1024 threads, keeping them spilled 28 bytes)."""
-    return kernel(_align_grid(reload), launch_bounds=(1024, 1))
+    return kernel(_align_grid(reload, atomic), launch_bounds=(1024, 1))
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -361,6 +374,7 @@ def launch(call, ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert
         bar = _barrier_word()
     else:
         hist, bar = A.dummy(np.int32), A.dummy(np.uint32)
-    grid_kernel(CONFIGS["grid"]["RELOAD"])[G, NT, 0, smem](ids, P, E, B, emap, use_map, ignore_invalid, hist, bar,
-                                  sorted_ids, expert_ids, n_blocks, capacity, num_post, offsets,
-                                  inv, do_align, write_inv)
+    cfg = CONFIGS["grid"]
+    grid_kernel(cfg["RELOAD"], cfg["COUNT"] == "atomic")[G, NT, 0, smem](
+        ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids, n_blocks,
+        capacity, num_post, offsets, inv, do_align, write_inv)
