@@ -354,11 +354,13 @@ class CombinePlan:
             raise TypeError(f"dtype: expected one of {C.FLOAT_NAMES}, got {dtype}")
         self.dtype = dtype
         itemsize = dtype.itemsize
-        self._launch = []   # (bytes per thread access, kernel, threads, column chunks), widest first
+        # (bytes per thread access, kernel, threads, column chunks), widest first
+        self._launch = []
         for vec in reversed(_VECS):
             if vec * itemsize > 16 or H % vec or H == 0:
                 continue
-            threads = C.block_threads(C.cdiv(H, vec), CONFIGS["ep_combine_kernel"]["COMBINE_THREADS"])
+            threads = C.block_threads(C.cdiv(H, vec),
+                                      CONFIGS["ep_combine_kernel"]["COMBINE_THREADS"])
             chunks = C.cdiv(H, threads * vec)
             C.check_fits_int32("y", T * chunks, "the grid size tokens * column chunks")
             self._launch.append((vec * itemsize, _kernel(f"ep_combine_kernel<{vec}>", dtype),
