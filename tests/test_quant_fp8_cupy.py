@@ -211,9 +211,11 @@ def test_fp8_rung_block_error_is_the_formats(rng, version):
 # mma.sync fragment exchange laid out as the PTX ISA says) and run: its fragment k order,
 # tiles, K split and reduction against the reference without a GPU. (v5's wgmma has no
 # emulation: the GPU tests judge it.)
-def _v4_entries():
+def _entries(names):
+    """extern "C" k<i>(grid, block, kernel arguments) for each template name: the same
+    arguments for v4 and v5 (pointers, sizes, scale kinds)."""
     out = []
-    for i, n in enumerate(QG.FP8_V4_NAMES):
+    for i, n in enumerate(names):
         call = (f"{n}((const u8*)a, (const u8*)w, (elem_t*)c, (const float*)p3, "
                 f"(const float*)p4, st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, i0, i1)")
         out.append(
@@ -234,7 +236,8 @@ def emulated_v4(tmp_path_factory):
     from test_quant_cupy import QEMU_HEADER, _build_emulated
     tmp = tmp_path_factory.mktemp("fp8_v4_emulation")
     (tmp / "qemu.h").write_text(QEMU_HEADER)
-    return _build_emulated(tmp, QG.CU_FP8_GEMV, {"ELEM_BF16": 1}, _v4_entries(), "fp8v4")
+    return _build_emulated(tmp, QG.CU_FP8_GEMV, {"ELEM_BF16": 1}, _entries(QG.FP8_V4_NAMES),
+                           "fp8v4")
 
 
 EMU_V4_CASES = [
@@ -255,10 +258,11 @@ EMU_V4_CASES = [
 ]
 
 
-@pytest.mark.simulator
-@pytest.mark.slow
-@pytest.mark.parametrize("scale,cfg,shape", EMU_V4_CASES, ids=[f"{c[0]}-{c[1]}" for c in EMU_V4_CASES])
-def test_emulated_v4_matches_reference(emulated_v4, scale, cfg, shape):
+def _run_emulated(lib, names, name, grid, block, scale, cfg, shape, crowded=False):
+    """One emulated launch of template `name` (index in `names` = entry k<i> of `lib`) on a
+    fresh problem of `shape` = (M_a, E, top_k, N, Kdim, B) in `scale` quantization, output
+    poisoned with NaN first; returns (out as bf16, the reference). `grid` is a function of
+    (Lg, N), the positions the launcher covers."""
     import ctypes
 
     from test_quant_cupy import _ptr
@@ -272,28 +276,40 @@ def test_emulated_v4_matches_reference(emulated_v4, scale, cfg, shape):
                                            flags.get("block_shape"))
     wq, ws = RQ.quantize_weight_fp8(w, scale)
     ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+    if crowded:
+        ids[: M_a // 2, 0] = 0                              # a crowded expert
     tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
     bias = rng.standard_normal((E, N)).astype(np.float32)
     st, ex, ntp = moe_align_block_size(ids, B, E)
     want = RQ.grouped_gemm_quant(aq, wq, st, ex, ntp, K, B, tw, True, bias, a_scale=as_,
                                  w_scale=ws, **flags)
     P, L = M_a * K, st.size
-    Lg = min(L, P * B)
+    gx, gy = grid(min(L, P * B), N)
     c = np.full((P, N), 0x7FC0, np.uint16)                 # poisoned: bf16 NaN
     kinds = (2, 2) if scale == "block" else (int(scale == "channel"), int(scale == "channel"))
-    v4 = QG.FP8_V4_CONFIGS[cfg]
-    name = QG._v4_name(v4)
-    grid = (-(-Lg // v4["BM"]), -(-N // 16))
-    if v4.get("P"):
-        grid = (min(grid[0] * grid[1], 3), 1)
-    getattr(emulated_v4, f"k{QG.FP8_V4_NAMES.index(name)}")(
-        ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]),
-        ctypes.c_uint(v4["WARPS"] * 32), _ptr(np.ascontiguousarray(aq).view(np.uint8)),
+    getattr(lib, f"k{names.index(name)}")(
+        ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(block),
+        _ptr(np.ascontiguousarray(aq).view(np.uint8)),
         _ptr(np.ascontiguousarray(wq).view(np.uint8)), _ptr(c),
         _ptr(np.ascontiguousarray(as_, np.float32)), _ptr(np.ascontiguousarray(ws, np.float32)),
         _ptr(st), _ptr(ex), _ptr(ntp), _ptr(tw.ravel()), _ptr(bias), N, Kd, P, K, B, L, 1,
         *kinds)
-    assert rel_err(c.view(BF16), want) <= GEMM_TOL
+    return c.view(BF16), want
+
+
+@pytest.mark.simulator
+@pytest.mark.slow
+@pytest.mark.parametrize("scale,cfg,shape", EMU_V4_CASES, ids=[f"{c[0]}-{c[1]}" for c in EMU_V4_CASES])
+def test_emulated_v4_matches_reference(emulated_v4, scale, cfg, shape):
+    v4 = QG.FP8_V4_CONFIGS[cfg]
+
+    def grid(Lg, N):
+        if v4.get("P"):                                     # 3 CTAs walk all the tiles
+            return min(-(-Lg // v4["BM"]) * -(-N // 16), 3), 1
+        return -(-Lg // v4["BM"]), -(-N // 16)
+    got, want = _run_emulated(emulated_v4, QG.FP8_V4_NAMES, QG._v4_name(v4), grid,
+                              v4["WARPS"] * 32, scale, cfg, shape)
+    assert rel_err(got, want) <= GEMM_TOL
 
 
 # v5 on the emulation: cp.async from the shared header; wgmma by its definition, reading each
@@ -337,20 +353,6 @@ inline void fw_wgmma_n128(float* d, unsigned long long da, unsigned long long db
 """
 
 
-def _v5_entries():
-    out = []
-    for i, n in enumerate(QG.FP8_V5_NAMES):
-        call = (f"{n}((const u8*)a, (const u8*)w, (elem_t*)c, (const float*)p3, "
-                f"(const float*)p4, st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, i0, i1)")
-        out.append(
-            f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned block, const void* a, '
-            f"const void* w, void* c, const void* p3, const void* p4, const int* st, "
-            f"const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
-            f"int P, int top_k, int B, int L, int mul, int i0, int i1) {{\n"
-            f"    launch(gx, gy, block, [&] {{ {call}; }});\n}}")
-    return "\n".join(out)
-
-
 @pytest.fixture(scope="module")
 def emulated_v5(tmp_path_factory):
     import shutil
@@ -360,7 +362,8 @@ def emulated_v5(tmp_path_factory):
     from test_quant_cupy import QEMU_HEADER, _build_emulated
     tmp = tmp_path_factory.mktemp("fp8_v5_emulation")
     (tmp / "qemu.h").write_text(QEMU_HEADER + WGMMA_EMU)
-    return _build_emulated(tmp, QG.CU_FP8_WGMMA, {"ELEM_BF16": 1}, _v5_entries(), "fp8v5")
+    return _build_emulated(tmp, QG.CU_FP8_WGMMA, {"ELEM_BF16": 1}, _entries(QG.FP8_V5_NAMES),
+                           "fp8v5")
 
 
 EMU_V5_CASES = [
@@ -376,36 +379,8 @@ EMU_V5_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("scale,cfg,shape", EMU_V5_CASES, ids=[f"{c[0]}-{c[1]}" for c in EMU_V5_CASES])
 def test_emulated_v5_matches_reference(emulated_v5, scale, cfg, shape):
-    import ctypes
-
-    from test_quant_cupy import _ptr
-    flags = dict(SCALES)[scale]
-    rng = np.random.default_rng(zlib.crc32(f"{scale}{cfg}".encode()))
-    M_a, E, K, N, Kd, B = shape
-    a = rng.standard_normal((M_a, Kd)).astype(BF16)
-    w = (rng.standard_normal((E, N, Kd)) * 0.05).astype(BF16)
-    aq, as_ = RQ.moe_kernel_quantize_input(a, None, "fp8", flags.get("per_act_token_quant",
-                                                                      False),
-                                           flags.get("block_shape"))
-    wq, ws = RQ.quantize_weight_fp8(w, scale)
-    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
-    ids[: M_a // 2, 0] = 0                                  # a crowded expert
-    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
-    bias = rng.standard_normal((E, N)).astype(np.float32)
-    st, ex, ntp = moe_align_block_size(ids, B, E)
-    want = RQ.grouped_gemm_quant(aq, wq, st, ex, ntp, K, B, tw, True, bias, a_scale=as_,
-                                 w_scale=ws, **flags)
-    P, L = M_a * K, st.size
-    Lg = min(L, P * B)
-    c = np.full((P, N), 0x7FC0, np.uint16)                 # poisoned: bf16 NaN
-    kinds = (2, 2) if scale == "block" else (int(scale == "channel"), int(scale == "channel"))
     v5 = QG.FP8_V5_CONFIGS[cfg]
-    name = QG._v5_name(v5)
-    getattr(emulated_v5, f"k{QG.FP8_V5_NAMES.index(name)}")(
-        ctypes.c_uint(-(-N // v5["BN"])), ctypes.c_uint(-(-Lg // v5["BM"])),
-        ctypes.c_uint(v5["BM"] // 64 * 128), _ptr(np.ascontiguousarray(aq).view(np.uint8)),
-        _ptr(np.ascontiguousarray(wq).view(np.uint8)), _ptr(c),
-        _ptr(np.ascontiguousarray(as_, np.float32)), _ptr(np.ascontiguousarray(ws, np.float32)),
-        _ptr(st), _ptr(ex), _ptr(ntp), _ptr(tw.ravel()), _ptr(bias), N, Kd, P, K, B, L, 1,
-        *kinds)
-    assert rel_err(c.view(BF16), want) <= GEMM_TOL
+    got, want = _run_emulated(emulated_v5, QG.FP8_V5_NAMES, QG._v5_name(v5),
+                              lambda Lg, N: (-(-N // v5["BN"]), -(-Lg // v5["BM"])),
+                              v5["BM"] // 64 * 128, scale, cfg, shape, crowded=True)
+    assert rel_err(got, want) <= GEMM_TOL
