@@ -70,17 +70,20 @@ TOP = 0x80000000      # the barrier word's phase bit
 @device_function
 def load_round(ids, base, end, E, emap, use_map, ignore_invalid, eb, lane):
     """eb[u] = the expert of slot base + 32 u + lane (-1: past end, outside [0, E), or not on
-    this rank when ignore_invalid), u < PREFETCH: every load issued before any is used."""
+    this rank when ignore_invalid), u < PREFETCH; end > base. The loads take a clamped index
+    and no branch, so all PREFETCH are in flight at once (a load under an `if` on the previous
+    slot's id waits for it: one DRAM round trip per step)."""
+    last = end - 1
     for u in range(PREFETCH):
         s = base + 32 * u + lane
-        e = int32(-1)
-        if s < end:
-            v = ids[ix(s)]
-            if v >= 0 and v < E:
-                e = int32(v)
-                if use_map and ignore_invalid and emap[ix(v)] < 0:
-                    e = int32(-1)
-        eb[u] = e
+        v = ids[ix(min(s, last))]
+        eb[u] = int32(v) if s < end and v >= 0 and v < E else int32(-1)
+    if use_map and ignore_invalid:
+        for u in range(PREFETCH):
+            e = eb[u]
+            m = emap[ix(max(e, 0))]      # clamped, unconditional: independent loads again
+            if m < 0:
+                eb[u] = -1
 
 
 @device_function

@@ -131,3 +131,28 @@ def test_align_chunk_ranks(warps, monkeypatch, path, launches):
     got = Pm.moe_permute(x, ids, E)   # the config's RANK ("chunks")
     for g, w in zip(got, reference.moe_permute(x, ids, E)):
         np.testing.assert_array_equal(g, w)
+
+
+def test_align_grid(warps, monkeypatch):
+    """align.py's one-launch alignment ("grid": permute.cu's moe_align_kernel) in emulated
+    warps, one block of two warps (the simulator runs blocks one after another, so the grid
+    barrier of G > 1 cannot run here: tests/test_numba_gpu.py covers it)."""
+    Al = importlib.import_module("cuda_kernels.numba.align")
+    monkeypatch.setitem(Al.CONFIGS, "grid", dict(Al.CONFIGS["grid"], MAX_WARPS=2, MIN_WARPS=1))
+    monkeypatch.setitem(Pm.SIM_CONFIGS, "align", dict(Pm.SIM_CONFIGS["align"], RANK="grid"))
+    E, B = 6, 4
+    ids = distinct_topk_ids(rng_for("grid-align"), 45, E, 2)   # P = 90: warps of 64 and 26
+    ids[3] = [5, 4]
+    _, emap = reference.determine_expert_map(2, 1, E)
+    for expert_map, ignore, pad in ((None, False, False), (emap, True, True)):
+        call = A.Call("topk_ids", ids)
+        cap = Pm.max_num_tokens_padded(ids.size, B, E, pad)
+        out = Pm._sort_slots(call, ids, E, B, expert_map, ignore, cap, True, False)
+        got = tuple(call.result(v) for v in out[:3])
+        want = reference.moe_align_block_size(ids, B, E, expert_map, pad, ignore)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    x = uniform(rng_for("grid-perm"), (45, 3), 1.0)
+    got = Pm.moe_permute(x, ids, E)
+    for g, w in zip(got, reference.moe_permute(x, ids, E)):
+        np.testing.assert_array_equal(g, w)
