@@ -189,7 +189,7 @@ ep_layout_kernel(const int* __restrict__ ids,      // [T, K] physical expert ids
                 const int e = t * S + k;
                 inv[e] = pos;
                 src[pos] = e;
-                if (b < W) atomicAdd(&ccnt[b * C + chunk], 1);
+                if (C > 1 && b < W) atomicAdd(&ccnt[b * C + chunk], 1);
             }
         } else {
             unsigned m = token_mask(ids_t, K, W, epr);
@@ -200,10 +200,15 @@ ep_layout_kernel(const int* __restrict__ ids,      // [T, K] physical expert ids
                 const int e = t * S + j;
                 inv[e] = pos;
                 src[pos] = e;
-                if (b < W) atomicAdd(&ccnt[b * C + chunk], 1);
+                if (C > 1 && b < W) atomicAdd(&ccnt[b * C + chunk], 1);
             }
         }
     }
+    // one chunk: the counts are the bucket sizes of the scan. (The atomics above all hit W
+    // shared words: at T = 4096, K = 8, W = 2 that is 8192 atomics on two addresses, which
+    // serialise; they are only needed to split the counts by token chunk.)
+    if (C == 1)
+        for (int p = tid; p < W; p += NT) ccnt[p] = base[p + 1] - base[p];
     __syncthreads();
     for (int i = tid; i < W * C; i += NT) {
         const int p = i / C;
