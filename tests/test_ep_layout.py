@@ -336,18 +336,19 @@ def test_emulated_kernels_match_numpy(emulated_ep, T, E, K, W, slot):
     ids = _ids(T, E, K, seed=T + 3 * W)
     if T > 2:
         ids[1, 0] = -1
-    epr, H, C, rank = E // W, 8, 3, W - 1
+    epr, H, rank = E // W, 8, W - 1
     S = L.entries_per_token(W, K, slot)
-    want = L.ep_layout(ids, epr, W, rank, slot, C)
-    counts2 = np.full((2, W, C), -7, np.int64)
-    inv, src = np.full(T * S, -7, np.int32), np.full(T * S, -7, np.int32)
-    n_real = np.full(1, -7, np.int32)
-    nt = 64
-    smem = ((W + 1) * nt + 32 + W + 2 + W * C) * 4
-    lib.layout(_p(ids), _p(inv), _p(src), _p(counts2), _p(n_real), T, K, S, W, epr, int(slot),
-               rank, C, nt, smem)
-    for g, w in zip((counts2, inv, src, n_real), want):
-        np.testing.assert_array_equal(g, w)
+    for C in (1, 3):   # one chunk: counts from the scan; more: per-chunk atomics
+        want = L.ep_layout(ids, epr, W, rank, slot, C)
+        counts2 = np.full((2, W, C), -7, np.int64)
+        inv, src = np.full(T * S, -7, np.int32), np.full(T * S, -7, np.int32)
+        n_real = np.full(1, -7, np.int32)
+        nt = 64
+        smem = ((W + 1) * nt + 32 + W + 2 + W * C) * 4
+        lib.layout(_p(ids), _p(inv), _p(src), _p(counts2), _p(n_real), T, K, S, W, epr,
+                   int(slot), rank, C, nt, smem)
+        for g, w in zip((counts2, inv, src, n_real), want):
+            np.testing.assert_array_equal(g, w)
     n = int(n_real[0])
     x = rng.standard_normal((T, H)).astype(np.float32)
     w = rng.random((T, K)).astype(np.float32)
