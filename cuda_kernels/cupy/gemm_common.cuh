@@ -1,11 +1,13 @@
 // gemm_common.cuh: what every rung of the grouped GEMM ladder shares.
 //
 // Included (inlined by _compile.source_text) by gemm_v1_naive.cu, gemm_v2_smem.cu,
-// gemm_v3_regblock.cu and gemm_v4_mma.cu. It holds:
+// gemm_v3_regblock.cu, gemm_v4_mma.cu and gemm_v5_wgmma.cu. It holds:
 //   - the element type GG_T (a #define from the launcher: float, __half or __nv_bfloat16) and
 //     its conversions to and from fp32;
 //   - gg_epilogue(): the one place where bias and router weight are applied, in fp32, in the
 //     order of docs/stages.md: c[s] = (acc + bias[e]) * topk_weights.flat[s];
+//   - gg_load_slots() and gg_zero_tile(): a tile's slot ids, and the zeros of a tile whose
+//     expert is not on this rank;
 //   - the kernel argument list, identical for every version, so that the Python launcher
 //     passes the same tuple to whichever rung it picks.
 //
@@ -78,6 +80,26 @@ __device__ __forceinline__ float gg_epilogue(float acc, int e, int n, int s, int
     }
     if (mul_routed_weight) acc *= topk_weights[s];
     return acc;
+}
+
+// The tile of an expert that is not on this rank (expert_ids == -1) is zeros: every live row
+// of the kRows x kCols tile at column n0, in 16-byte stores of 8 elements when the rows are
+// 16-byte aligned (N % 8 == 0; kCols is a multiple of 8), element by element otherwise.
+template <int kRows, int kCols, int kThreads>
+__device__ __forceinline__ void gg_zero_tile(GG_T* __restrict__ c, const int* s_slot, int n0,
+                                             int N, int num_slots, int tid) {
+    const bool vec_out = (N % 8) == 0;
+    for (int idx = tid; idx < kRows * (kCols / 8); idx += kThreads) {
+        const int r = idx / (kCols / 8), n = n0 + (idx % (kCols / 8)) * 8;
+        const int s = s_slot[r];
+        if (!gg_live(s, num_slots) || n >= N) continue;
+        GG_T* dst = c + (long long)s * N + n;
+        if (vec_out) {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+        } else {
+            for (int j = 0; j < 8 && n + j < N; ++j) dst[j] = gg_from_f32<GG_T>(0.0f);
+        }
+    }
 }
 
 // The slot of every row of the tile starting at position m0, into shared memory, once per

@@ -174,17 +174,7 @@ grouped_gemm_v4(GG_KERNEL_ARGS) {
 
     const bool vec_out = (N % 8) == 0;                    // c rows are 16-byte aligned
     if (e < 0) {                                          // expert not on this rank: zeros
-        for (int idx = tid; idx < BLOCK_M * (BLOCK_N / 8); idx += V4_THREADS) {
-            const int r = idx / (BLOCK_N / 8), n = n0 + (idx % (BLOCK_N / 8)) * 8;
-            const int s = s_slot[r];
-            if (!gg_live(s, num_slots) || n >= N) continue;
-            GG_T* dst = c + (long long)s * N + n;
-            if (vec_out) {
-                *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-            } else {
-                for (int j = 0; j < 8 && n + j < N; ++j) dst[j] = gg_from_f32<GG_T>(0.0f);
-            }
-        }
+        gg_zero_tile<BLOCK_M, BLOCK_N, V4_THREADS>(c, s_slot, n0, N, num_slots, tid);
         return;
     }
 
