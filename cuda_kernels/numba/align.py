@@ -48,10 +48,16 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 from numba import int32, uint32
 
 from . import _arrays as A
-from ._device import FULL_MASK, cu, device_function, ix, kernel
+from ._device import FULL_MASK, SIMULATOR, cu, device_function, ix, kernel
+
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba.cuda import types as nbtypes
+    from numba.cuda.extending import intrinsic, overload
 
 CONFIGS = {
     # shared memory for the per-warp rows [W, E] (48 KB needs no opt-in); the one-block path
@@ -67,6 +73,33 @@ TOP = 0x80000000      # the barrier word's phase bit
 
 
 # ----------------------------------------------------------------------------- device parts
+def udiv32(a, b):
+    """a // b for 0 <= a, b < 2^32 as one 32-bit unsigned division: numba widens integer
+    arithmetic to 64 bits, and a 64-bit division is a ~100-instruction call on the GPU."""
+    return np.uint32(np.uint32(a) // np.uint32(b))
+
+
+if not SIMULATOR:
+    @intrinsic
+    def _udiv32(typingctx, a, b):
+        if not (isinstance(a, nbtypes.Integer) and isinstance(b, nbtypes.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            x, y = (v if v.type.width == 32 else builder.trunc(v, i32) if v.type.width > 32
+                    else builder.zext(v, i32) for v in args)
+            return builder.udiv(x, y)
+
+        return nbtypes.uint32(a, b), codegen
+
+    @overload(udiv32, target="cuda", jit_options={"forceinline": True})
+    def _udiv32_cuda(a, b):
+        def impl(a, b):
+            return _udiv32(a, b)
+        return impl
+
+
 @device_function
 def load_round(ids, base, end, E, emap, use_map, ignore_invalid, eb, lane):
     """eb[u] = the expert of slot base + 32 u + lane (-1: past end, outside [0, E), or not on
@@ -154,13 +187,12 @@ def scan_padded(tot, off, E, B, red, tid, NT):
     lane = tid % 32
     warp = tid // 32
     W = NT // 32
-    per = (E + NT - 1) // NT
+    per = int32(udiv32(E + NT - 1, NT))
     lo = min(E, tid * per)
     hi = min(E, lo + per)
-    b = uint32(B)
     local = int32(0)
     for e in range(lo, hi):
-        local += int32((uint32(tot[ix(e)]) + b - uint32(1)) // b * b)
+        local += int32(udiv32(tot[ix(e)] + B - 1, B)) * int32(B)
     incl = warp_inclusive_scan(local, lane)
     if lane == 31:
         red[ix(warp)] = incl
@@ -176,7 +208,7 @@ def scan_padded(tot, off, E, B, red, tid, NT):
         run += red[ix(warp - 1)]
     for e in range(lo, hi):
         off[ix(e)] = run
-        run += int32((uint32(tot[ix(e)]) + b - uint32(1)) // b * b)
+        run += int32(udiv32(tot[ix(e)] + B - 1, B)) * int32(B)
     if tid == NT - 1:
         off[ix(E)] = red[ix(W - 1)]
     cu.syncthreads()
@@ -206,12 +238,13 @@ def _align_grid(RELOAD, ATOMIC):
     count = count_round_atomic if ATOMIC else count_round
 
     def align_grid(ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids,
-                   n_blocks, capacity, num_post, offsets, inv, do_align, write_inv):
+                   n_blocks, capacity, num_post, offsets, inv, do_align, write_inv, chunk):
         """The whole alignment in one launch of G blocks of NT threads (module docstring).
 
         ids [P] any integer; emap [E] (read when use_map); hist [G E] and bar [1] (G > 1);
         sorted_ids [capacity], expert_ids [n_blocks] (when do_align); num_post [1];
-        offsets [E + 1] (block 0 writes them: the padded starts); inv [P] (when write_inv)."""
+        offsets [E + 1] (block 0 writes them: the padded starts); inv [P] (when write_inv);
+        chunk = the slots of each warp, cdiv(cdiv(P, G W), 32) 32."""
         tid = cu.threadIdx.x
         NT = cu.blockDim.x
         W = NT // 32
@@ -226,19 +259,24 @@ def _align_grid(RELOAD, ATOMIC):
         off = sh[W * E + 2 * E:W * E + 3 * E + 1]  # [E + 1] padded starts
         red = sh[W * E + 3 * E + 1:W * E + 3 * E + 33]   # [32] scan scratch
 
+        # Strided loops are while loops and divisions unsigned 32-bit: a `range` with a run-time
+        # step computes its trip count by a signed 64-bit division (a ~100-instruction call)
         nwarps = G * W
-        chunk = ((P + nwarps - 1) // nwarps + 31) // 32 * 32   # whole 32-slot steps per warp
-        begin = min(P, (g * W + warp) * chunk)
+        begin = min(P, (g * W + warp) * chunk)   # chunk: whole 32-slot steps per warp (host)
         end = min(P, begin + chunk)
         rounds = (end - begin + STEP - 1) // STEP
         eb = cu.local.array(PREFETCH, int32)
         if rounds == 1:   # issued before the zeroing below, so its latency overlaps it
             load_round(ids, begin, end, E, emap, use_map, ignore_invalid, eb, lane)
-        for i in range(tid, W * E, NT):
+        i = tid
+        while i < W * E:
             wc[ix(i)] = 0
-        for e in range(tid, E, NT):
+            i += NT
+        e = tid
+        while e < E:
             tot[ix(e)] = 0
             pre[ix(e)] = 0
+            e += NT
         cu.syncthreads()
         row0 = warp * E
         for r in range(rounds):
@@ -246,7 +284,8 @@ def _align_grid(RELOAD, ATOMIC):
                 load_round(ids, begin + r * STEP, end, E, emap, use_map, ignore_invalid, eb, lane)
             count(eb, wc, row0)
         cu.syncthreads()
-        for e in range(tid, E, NT):               # consecutive e: consecutive banks
+        e = tid
+        while e < E:                              # consecutive e: consecutive banks
             run = int32(0)
             for w in range(W):
                 c = wc[ix(w * E + e)]
@@ -256,53 +295,70 @@ def _align_grid(RELOAD, ATOMIC):
                 hist[ix(g * E + e)] = run
             else:
                 tot[ix(e)] = run
+            e += NT
         if G > 1:
             grid_barrier(bar, g, G)
             # `per` threads per expert, each summing every per-th row: few loads per thread, all
             # independent (the rows were written by other SMs in this launch: L2, after the fence)
-            per = max(1, NT // E)
-            for i in range(tid, per * E, NT):
-                e = i % E
-                q = i // E
+            per = max(1, int32(udiv32(NT, E)))
+            i = tid
+            while i < per * E:
+                j = int32(udiv32(i, E))
+                e = i - j * E
                 t_sum = int32(0)
                 p_sum = int32(0)
-                for j in range(q, G, per):
+                while j < G:
                     v = hist[ix(j * E + e)]
                     t_sum += v
                     if j < g:
                         p_sum += v
+                    j += per
                 cu.atomic.add(tot, ix(e), t_sum)
                 cu.atomic.add(pre, ix(e), p_sum)
+                i += NT
             cu.syncthreads()
-            for e in range(tid, E, NT):           # the block's offset inside e, for every warp
+            e = tid
+            while e < E:                          # the block's offset inside e, for every warp
                 p = pre[ix(e)]
                 for w in range(W):
                     wc[ix(w * E + e)] += p
+                e += NT
         cu.syncthreads()
         scan_padded(tot, off, E, B, red, tid, NT)  # ends with a barrier
         total = off[ix(E)]
         if g == 0:
             if tid == 0:
                 num_post[0] = total
-            for e in range(tid, E + 1, NT):
+            e = tid
+            while e <= E:
                 offsets[ix(e)] = off[ix(e)]
+                e += NT
         if do_align:
-            b = uint32(B)
-            for e in range(g * W + warp, E, nwarps):   # expert e: warp e mod (G W) of the grid
+            e = g * W + warp
+            while e < E:                          # expert e: warp e mod (G W) of the grid
                 lo = off[ix(e)]
                 hi = off[ix(e + 1)]
                 if lo < hi:
                     eid = emap[ix(e)] if use_map else e
-                    for x in range(int32(uint32(lo) // b) + lane, int32(uint32(hi) // b), 32):
+                    x = int32(udiv32(lo, B)) + lane
+                    x_end = int32(udiv32(hi, B))
+                    while x < x_end:
                         expert_ids[ix(x)] = eid
-                    for p in range(lo + tot[ix(e)] + lane, hi, 32):
+                        x += 32
+                    p = lo + tot[ix(e)] + lane
+                    while p < hi:
                         sorted_ids[ix(p)] = P
-            gt = g * NT + tid
+                        p += 32
+                e += nwarps
             gn = G * NT
-            for p in range(total + gt, capacity, gn):   # the tail: no slot goes there
+            p = total + g * NT + tid
+            while p < capacity:                   # the tail: no slot goes there
                 sorted_ids[ix(p)] = P
-            for x in range(int32(uint32(total) // b) + gt, n_blocks, gn):
+                p += gn
+            x = int32(udiv32(total, B)) + g * NT + tid
+            while x < n_blocks:
                 expert_ids[ix(x)] = -1
+                x += gn
         for r in range(rounds):
             if rounds > 1 or RELOAD:
                 load_round(ids, begin + r * STEP, end, E, emap, use_map, ignore_invalid, eb, lane)
@@ -380,4 +436,5 @@ def launch(call, ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert
     cfg = CONFIGS["grid"]
     grid_kernel(cfg["RELOAD"], cfg["COUNT"] == "atomic")[G, NT, 0, smem](
         ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids, n_blocks,
-        capacity, num_post, offsets, inv, do_align, write_inv)
+        capacity, num_post, offsets, inv, do_align, write_inv,
+        A.cdiv(A.cdiv(P, G * NT // 32), 32) * 32)
