@@ -7,7 +7,8 @@ racecheck when the tool is installed).
 
 Every kernel, flavour and load mode the stages launch: routing "keys", "warp" and "block" (softmax,
 bias, groups), alignment single-block and count/scan/scatter with "chunks", "warp" and "block" ranks
-(an expert map, ignored experts), permute / unpermute (compile-time and runtime K),
+and the one-launch "grid" kernel (one block, and a grid of three blocks behind its barrier; an
+expert map, ignored experts), permute / unpermute (compile-time and runtime K),
 each activation, moe_sum (compile-time and runtime K), GEMM v1 / v2 / v3 (8-byte words and
 single elements, expert_ids == -1 blocks) / v3v (16-byte loads). Small shapes: the tools slow kernels ~100x.
 Prints one line per case; exit code 1 if any output differs from the reference.
@@ -84,6 +85,25 @@ def cases():
             for mapped in (False, True):
                 out.append((f"align {path} rank={rank} expert_map={mapped}",
                             align_case(path, rank, mapped)))
+
+    def grid_case(G, mapped):
+        """align.py's one-launch kernel: one block, or a grid of G blocks (small SMALL_P,
+        MAX_WARPS and WARP_SLOTS force the grid barrier at 360 slots)."""
+        def run():
+            Al = importlib.import_module(f"{__package__}.align")
+            saved = dict(Al.CONFIGS["grid"])
+            if G > 1:
+                Al.CONFIGS["grid"].update(SMALL_P=64, MAX_WARPS=2, WARP_SLOTS=32, MAX_BLOCKS=G)
+            try:
+                return align_case("single", "grid", mapped)()
+            finally:
+                Al.CONFIGS["grid"].clear()
+                Al.CONFIGS["grid"].update(saved)
+        return run
+
+    for G in (1, 3):
+        for mapped in (False, True):
+            out.append((f"align grid G={G} expert_map={mapped}", grid_case(G, mapped)))
 
     def permute_case(K):
         def run():
