@@ -779,3 +779,210 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
         }
     }
 }
+
+// ============================================================================ wna16_packed
+// The decode rung on prepacked int4 weights (quant_gemm_wna16.prepack_int4 writes them once,
+// at weight-load time): every warp load instruction reads 512 contiguous bytes, and each
+// lane's 16 bytes are exactly its mma A fragments for one 64-code chunk of 16 weight rows.
+//
+//   packed layout  wp [E][N / 16 tiles][Kdim / 64 chunks][32 lanes][4 words]
+//                  lane (g, t) of tile nt, chunk c: codes k = 64 c + 16 t + 0..15 of weight
+//                  rows n = 16 nt + g (words 0, 2) and 16 nt + g + 8 (words 1, 3); word 0 / 1
+//                  hold codes 0..7, words 2 / 3 codes 8..15; in a word, the pair p (p = 0..3)
+//                  of codes (2p, 2p + 1) sits in bits 4p..4p+3 and 16+4p..16+4p+3, so that
+//                  ((x >> 4p) & 0x000F000F) | MAGIC is the elem2 pair (128 + q_2p, 128 + q_2p+1)
+//                  in memory order: the activations need no permutation.
+//                  sp [E][N / 16][G][8 g] float2 = (s[16 nt + g], s[16 nt + g + 8]) of group G;
+//                  zp [E][N / 16][G][8 g] u16 = the same rows' zero points (lo byte, hi byte).
+//   mma m (m = 0..3) of a chunk covers codes 16 t + 4 m .. + 3 of the lane: A = pairs
+//   (2 (m & 1), 2 (m & 1) + 1) of the row-g / row-g+8 words (m < 2: words 0 / 1, else 2 / 3),
+//   B = the same 4 codes of the lane's token (column g of the tile), two pairs of a 16-byte
+//   load of a at k = 64 c + 16 t (+ 8): the A and B k slots hold the same codes.
+//   Dequantization: (128 + q) - (128 + zp) is exact in elem2 (one lop3, one shift, one hsub2
+//   per pair); the group scale multiplies the chunk's fp32 partial (needs group_size % 64 == 0).
+//
+// A CTA owns one m tile (BM = 8 MT positions, one expert) and tiles_per_cta consecutive 16-row
+// n tiles; its W warps split each tile's chunks (warp w takes chunks w, w + W, ...: the CTA
+// reads 512 W contiguous bytes at a time) and meet once per tile in shared memory (partials
+// added in warp order: deterministic). Each warp walks its (tile, chunk) items through a ring
+// of D 16-byte loads in flight per lane (plus their scales), across tile boundaries, so the
+// per-tile barrier does not drain the loads. Activations are read through L1 (16-byte
+// __ldg, 2 per chunk and live token tile), padding columns read a live row (never stored).
+// grid (cdiv(Lg, BM), cdiv(N / 16, tiles_per_cta)), block 32 W, static shared memory
+// 2 * W * BM * 17 * 4 + 8 BM bytes.
+// Needs int4, N % 16 == 0, Kdim % 64 == 0, group_size a multiple of 64 with
+// chunks-per-group a power of two (chunk_shift = log2; or one group per row: 30).
+template <int MT, int W, int D, int ZP, int MINB>
+__global__ void __launch_bounds__(W * 32, MINB)
+wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
+             const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
+             const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
+             const int* __restrict__ num_tokens_post_padded,
+             const float* __restrict__ topk_weights, const float* __restrict__ bias,
+             int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
+             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
+             int tiles_per_cta) {
+    constexpr int BM = 8 * MT;
+    constexpr int RS = 17;                        // padded row of the partials: fewer conflicts
+    __shared__ float sRed[2][W][BM][RS];          // [tile parity][warp][token][row]
+    __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
+    __shared__ int sArow[BM];                     // its row of a, or -1
+
+    const int m0 = blockIdx.x * BM;
+    if (m0 >= num_positions) return;
+    const int tid = threadIdx.x;
+    const int ntp = num_tokens_post_padded[0];
+    const int e = expert_ids[m0 / block_size];    // BM divides block_size: one expert
+    const int s_mine = (tid < BM && m0 + tid < num_positions) ? sorted_token_ids[m0 + tid] : -1;
+    if (m0 >= ntp) return;
+    int live = 0;
+    if (tid < BM) {
+        live = s_mine >= 0 && s_mine < num_slots;
+        sSlot[tid] = live ? s_mine : -1;
+        sArow[tid] = live ? s_mine / top_k : -1;
+    }
+    if (!__syncthreads_or(live)) return;          // padding only
+    const int ntiles = N >> 4;
+    const int t0 = blockIdx.y * tiles_per_cta;
+    const int t1 = min(ntiles, t0 + tiles_per_cta);
+    if (t0 >= t1) return;
+    if (e < 0) {                                  // expert of another rank: zeros
+        const int rows = (t1 - t0) * 16;
+        for (int i = tid; i < BM * rows; i += W * 32) {
+            const int r = i / rows, n = t0 * 16 + i % rows;
+            if (sSlot[r] >= 0) c[(size_t)sSlot[r] * N + n] = w16::from_f32(0.f);
+        }
+        return;
+    }
+
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    // this lane's token rows (column g of each tile of 8), padding -> a live row (its column
+    // of the accumulators is never stored); tiles with no live token are skipped (uniform)
+    int first = 0;
+    for (int r = BM - 1; r >= 0; --r)
+        if (sArow[r] >= 0) first = sArow[r];
+    const elem_t* arow[MT];
+    bool tlive[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int r = sArow[8 * mt + g];
+        arow[mt] = a + (size_t)(r >= 0 ? r : first) * Kdim + 16 * t;
+        int any = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) any |= sArow[8 * mt + j] >= 0;
+        tlive[mt] = any;
+    }
+
+    const int C = Kdim >> 6;                      // 64-code chunks per row
+    const int CPW = (C + W - 1) / W;              // chunks per warp per tile
+    const int nitems = (t1 - t0) * CPW;
+    // 32-bit offsets inside the expert (the launcher checks N * Kdim / 2 < 2^31)
+    const uint4* wexp = wp + (size_t)e * ntiles * C * 32 + lane;
+    const float2* sexp = sp + (size_t)e * ntiles * num_groups * 8 + g;
+    const unsigned short* zexp = zp + (ZP ? (size_t)e * ntiles * num_groups * 8 + g : 0);
+#if ELEM_BF16
+    constexpr u32 MAGIC = 0x43004300u;
+#else
+    constexpr u32 MAGIC = 0x64006400u;
+#endif
+    const u32 zdef = MAGIC | ((u32)default_zp * 0x00010001u);
+
+    // ---- the ring: D items (16 bytes of codes + the two rows' scales) in flight per lane
+    uint4 rw[D];
+    float2 rs[D];
+    u32 rz[ZP ? D : 1];
+    int l_tile = t0, l_ci = 0, l_it = 0;          // load cursor
+    auto load = [&](int u) {
+        if (l_it < nitems) {                      // uniform over the CTA
+            const int chunk = min(warp + l_ci * W, C - 1);   // past C: re-read, never used
+            rw[u] = w16::ld_stream(reinterpret_cast<const u8*>(wexp + (l_tile * C + chunk) * 32));
+            const int grp = chunk >> chunk_shift;
+            rs[u] = __ldg(sexp + (l_tile * num_groups + grp) * 8);
+            if (ZP) {
+                const u32 z = __ldg(zexp + (l_tile * num_groups + grp) * 8);
+                rz[ZP ? u : 0] = ((z & 0xFFu) << 16) | (z >> 8);   // (zp lo row, zp hi row)
+            }
+        }
+        ++l_it;
+        if (++l_ci == CPW) { l_ci = 0; ++l_tile; }
+    };
+#pragma unroll
+    for (int u = 0; u < D; ++u) load(u);
+
+    float acc[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+
+    // tiles outer, chunks in rounds of D (the launcher makes CPW a multiple of D): the ring
+    // slot of an item is a compile-time index, and the tile's reduction is written once
+    for (int tile = t0; tile < t1; ++tile) {
+        for (int ci0 = 0; ci0 < CPW; ci0 += D) {
+#pragma unroll
+            for (int u = 0; u < D; ++u) {
+                const uint4 x = rw[u];
+                const float2 s2 = rs[u];
+                u32 zl = zdef, zh = zdef;
+                if (ZP) {
+                    zl = MAGIC | ((rz[ZP ? u : 0] >> 16) * 0x00010001u);
+                    zh = MAGIC | ((rz[ZP ? u : 0] & 0xFFu) * 0x00010001u);
+                }
+                load(u);                          // refill the slot before the math
+                const int chunk = warp + (ci0 + u) * W;
+                if (chunk < C) {                  // uniform over the warp
+                    // A: pairs of row g (words x, z) and row g + 8 (words y, w), as q - zp
+                    u32 lo[8], hi[8];
+#pragma unroll
+                    for (int p = 0; p < 4; ++p) {
+                        lo[p] = w16::as_u32(__hsub2(
+                            w16::as_e2(((x.x >> (4 * p)) & 0x000F000Fu) | MAGIC), w16::as_e2(zl)));
+                        hi[p] = w16::as_u32(__hsub2(
+                            w16::as_e2(((x.y >> (4 * p)) & 0x000F000Fu) | MAGIC), w16::as_e2(zh)));
+                        lo[4 + p] = w16::as_u32(__hsub2(
+                            w16::as_e2(((x.z >> (4 * p)) & 0x000F000Fu) | MAGIC), w16::as_e2(zl)));
+                        hi[4 + p] = w16::as_u32(__hsub2(
+                            w16::as_e2(((x.w >> (4 * p)) & 0x000F000Fu) | MAGIC), w16::as_e2(zh)));
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        if (!tlive[mt]) continue;
+                        const uint4 b0 = __ldg(reinterpret_cast<const uint4*>(arow[mt] + chunk * 64));
+                        const uint4 b1 = __ldg(reinterpret_cast<const uint4*>(arow[mt] + chunk * 64 + 8));
+                        float tmp[4] = {0.f, 0.f, 0.f, 0.f};
+                        w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], b0.x, b0.y);
+                        w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
+                        w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
+                        w16::mma16816(tmp, lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
+                        acc[mt][0] += s2.x * tmp[0];
+                        acc[mt][1] += s2.x * tmp[1];
+                        acc[mt][2] += s2.y * tmp[2];
+                        acc[mt][3] += s2.y * tmp[3];
+                    }
+                }
+            }
+        }
+        // ---- the tile's partials meet in shared memory (two buffers: one barrier per tile;
+        // a buffer is rewritten two tiles later, after every thread passed the barrier between)
+        const int par = tile & 1;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                sRed[par][warp][8 * mt + 2 * t + (i & 1)][g + 8 * (i >> 1)] = acc[mt][i];
+                acc[mt][i] = 0.f;
+            }
+        __syncthreads();
+        for (int i = tid; i < BM * 16; i += W * 32) {
+            const int r = i >> 4, n = tile * 16 + (i & 15);
+            const int s = sSlot[r];
+            if (s < 0) continue;
+            float v = 0.f;
+#pragma unroll
+            for (int wi = 0; wi < W; ++wi) v += sRed[par][wi][r][i & 15];
+            if (bias != nullptr) v += bias[(size_t)e * N + n];
+            if (mul_routed_weight) v *= topk_weights[s];
+            c[(size_t)s * N + n] = w16::from_f32(v);
+        }
+    }
+}

@@ -168,7 +168,8 @@ def pick_config(rows_per_expert: float, block_size: int, config=None) -> dict:
             cfg = dict(CONFIGS[config])
         elif isinstance(config, dict):
             cfg = dict(config)
-            need = {"MT", "WN", "MINB", "STAGES" if cfg.get("KERNEL") == "async" else "U"}
+            need = ({"MT", "W", "D", "MINB"} if cfg.get("KERNEL") == "packed" else
+                    {"MT", "WN", "MINB", "STAGES" if cfg.get("KERNEL") == "async" else "U"})
             missing = need - set(cfg)
             if missing:
                 raise ValueError(f"config: expected keys {sorted(need)} (KS, KERNEL optional), "
@@ -223,6 +224,177 @@ def can_run(a, w, w_scale, block_size: int, use_int4_w4a16=False, use_int8_w8a16
     if a.data.ptr % 16 or w.data.ptr % 16 or not a.flags.c_contiguous:
         return False, "a and w must be contiguous and 16-byte aligned"
     return True, ""
+
+
+# ----------------------------------------------------------------------------- prepacked int4
+# wna16_packed: the int4 weights repacked once (at weight-load time, or on first use through
+# packed_weights' cache) so that each warp load reads 512 contiguous bytes holding exactly the
+# lanes' mma A fragments (layout in the .cu). Same math: the packed arrays are a storage
+# format of the same codes, scales and zero points (unpack_int4 inverts prepack_int4).
+PACKED_CONFIGS = {
+    "p8": dict(KERNEL="packed", MT=1, W=8, D=4, MINB=2),
+    "p8d": dict(KERNEL="packed", MT=1, W=4, D=8, MINB=3),
+    "p16": dict(KERNEL="packed", MT=2, W=8, D=4, MINB=2),
+    "p32": dict(KERNEL="packed", MT=4, W=4, D=4, MINB=3),
+}
+CONFIGS.update(PACKED_CONFIGS)
+PACK_CHUNK = 64                  # codes per row per lane group and mma chunk (16 per lane)
+PACK_CACHE_SIZE = 64             # packed weight sets kept (two per MoE layer)
+
+
+def packed_supports(N: int, K: int, group_size: int, num_groups: int) -> tuple[bool, str]:
+    """(True, "") when prepack_int4 / wna16_packed take this shape, else (False, why)."""
+    if N % 16:
+        return False, f"N must be a multiple of 16 (16-row tiles), got {N}"
+    if K % PACK_CHUNK or K <= 0:
+        return False, f"Kdim must be a positive multiple of {PACK_CHUNK}, got {K}"
+    if num_groups != 1:
+        cpg = group_size // PACK_CHUNK
+        if group_size % PACK_CHUNK or cpg & (cpg - 1):
+            return False, (f"group_size must be {PACK_CHUNK} times a power of two (one scale "
+                           f"per chunk), got {group_size}")
+    return True, ""
+
+
+def _xp(x):
+    try:
+        import cupy
+        return cupy.get_array_module(x)
+    except ImportError:
+        return np
+
+
+def prepack_int4(w, w_scale, w_zp=None):
+    """The int4 weights in wna16_packed's order (NumPy or CuPy in, the same out).
+
+    w [E, N, Kdim / 2] uint8 (k = 2j in the low nibble of byte j), w_scale [E, N, G] float,
+    w_zp [E, N, G] uint8 or None. Returns dict(wp [E, N/16, Kdim/64, 32, 4] uint32,
+    sp [E, N/16, G, 8, 2] fp32, zp [E, N/16, G, 8] uint16 or None, shape (E, N, Kdim), G).
+    Lane (g, t) of tile nt, chunk c holds words (row 16nt+g codes 64c+16t+0..7, row +8 the
+    same, row g codes +8..15, row g+8 the same); in a word, code 2p sits in bits 4p..4p+3 and
+    code 2p+1 in bits 16+4p..: the low nibbles of the word's 4 source bytes, then the high.
+    """
+    xp = _xp(w)
+    if getattr(w, "ndim", 0) != 3 or np.dtype(w.dtype) != np.uint8:
+        raise TypeError(f"w: expected uint8 codes [E, N, Kdim / 2], got "
+                        f"{getattr(w, 'dtype', type(w))} {getattr(w, 'shape', '')}")
+    E, N, Kh = w.shape
+    K = 2 * Kh
+    if getattr(w_scale, "ndim", 0) != 3 or w_scale.shape[:2] != (E, N):
+        raise ValueError(f"w_scale: expected [E, N, G] = [{E}, {N}, G], got "
+                         f"{getattr(w_scale, 'shape', None)}")
+    G = w_scale.shape[2]
+    if G < 1 or K % G:
+        raise ValueError(f"w_scale: G = {G} groups must divide Kdim = {K}")
+    ok, why = packed_supports(N, K, K // G, G)
+    if not ok:
+        raise ValueError(f"w: prepack_int4 cannot pack this shape: {why}")
+    NT, C = N // 16, K // PACK_CHUNK
+    wp = xp.empty((E, NT, C, 32, 4), dtype=xp.uint32)
+    sh = xp.arange(4, dtype=xp.uint32) * 4
+    for e in range(E):               # one expert at a time: temporaries of 4x its bytes
+        b = w[e].reshape(N, K // 8, 4)                       # the 4 bytes of 8 codes
+        lo = (b & 15).astype(xp.uint32) << sh
+        hi = (b >> 4).astype(xp.uint32) << (sh + 16)
+        words = (lo.sum(axis=-1, dtype=xp.uint32) | hi.sum(axis=-1, dtype=xp.uint32))
+        # rows (nt, h, g), k8 = 8c + 2t + vh -> [nt, c, g, t, vh, h]
+        words = words.reshape(NT, 2, 8, C, 4, 2).transpose(0, 3, 2, 4, 5, 1)
+        wp[e] = words.reshape(NT, C, 32, 4)
+    s32 = w_scale.astype(xp.float32)
+    sp = xp.ascontiguousarray(s32.reshape(E, NT, 2, 8, G).transpose(0, 1, 4, 3, 2))
+    zp = None
+    if w_zp is not None:
+        if np.dtype(w_zp.dtype) != np.uint8 or w_zp.shape != (E, N, G):
+            raise ValueError(f"w_zp: expected uint8 [{E}, {N}, {G}], got {w_zp.dtype} "
+                             f"{w_zp.shape}")
+        z = xp.ascontiguousarray(w_zp.reshape(E, NT, 2, 8, G).transpose(0, 1, 4, 3, 2))
+        zp = z.view(xp.uint16).reshape(E, NT, G, 8)        # little-endian: row g low byte
+    return dict(wp=wp, sp=sp, zp=zp, shape=(E, N, K), G=G)
+
+
+def unpack_int4(packed):
+    """prepack_int4's inverse: (w [E, N, Kdim / 2] uint8, w_scale [E, N, G] fp32, w_zp or
+    None), the same array module."""
+    wp = packed["wp"]
+    xp = _xp(wp)
+    E, N, K = packed["shape"]
+    G = packed["G"]
+    NT, C = N // 16, K // PACK_CHUNK
+    words = wp.reshape(E, NT, C, 8, 4, 2, 2).transpose(0, 1, 6, 3, 2, 4, 5)  # e nt h g c t vh
+    words = words.reshape(E, N, K // 8, 1)
+    sh = xp.arange(4, dtype=xp.uint32) * 4
+    lo = (words >> sh) & 15
+    hi = (words >> (sh + 16)) & 15
+    w = (lo | (hi << 4)).astype(xp.uint8).reshape(E, N, K // 2)
+    ws = packed["sp"].transpose(0, 1, 4, 3, 2).reshape(E, N, G)
+    zp = None
+    if packed["zp"] is not None:
+        z = packed["zp"].view(xp.uint8).reshape(E, NT, G, 8, 2)
+        zp = z.transpose(0, 1, 4, 3, 2).reshape(E, N, G)
+    return xp.ascontiguousarray(w), xp.ascontiguousarray(ws), \
+        None if zp is None else xp.ascontiguousarray(zp)
+
+
+def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
+    return (f"wna16_packed<{cfg['MT']}, {cfg['W']}, {cfg['D'] if d is None else d}, "
+            f"{int(bool(zp))}, {cfg['MINB']}>")
+
+
+PACKED_NAMES = tuple(packed_kernel_name(c, z, d) for c in PACKED_CONFIGS.values()
+                     for z in (False, True) for d in sorted({c["D"], max(1, c["D"] // 2)}))
+for _ev in ELEMS.values():
+    C.register_compile_case(CU, {"ELEM_BF16": _ev}, PACKED_NAMES)
+
+_PACKED: dict = {}
+
+
+def packed_weights(w, w_scale, w_zp=None, w_scale_f32=None):
+    """prepack_int4(w, w_scale, w_zp), cached per weight array: the source arrays are held
+    (their memory cannot be reused for other weights while cached), so the cache is right as
+    long as they are not written in place after their first use; call forget_packed() after
+    writing into them. At most PACK_CACHE_SIZE sets, least recently used dropped first.
+    w_scale_f32: w_scale already widened to fp32 (packed instead of w_scale, keyed by it)."""
+    key = tuple((id(x), x.data.ptr, x.shape, x.strides, str(x.dtype)) if x is not None else None
+                for x in (w, w_scale, w_zp))
+    hit = _PACKED.pop(key, None)
+    if hit is None:
+        hit = ((w, w_scale, w_zp), prepack_int4(w, w_scale if w_scale_f32 is None else
+                                                 w_scale_f32, w_zp))
+    _PACKED[key] = hit                  # most recent last
+    while len(_PACKED) > PACK_CACHE_SIZE:
+        _PACKED.pop(next(iter(_PACKED)))
+    return hit[1]
+
+
+def forget_packed():
+    """Drop every cached packed weight set (after writing into weights in place)."""
+    _PACKED.clear()
+
+
+def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
+                num_sms: int = 132, group_size: int = 0, num_groups: int = 1,
+                zp: bool = False) -> dict:
+    """wna16_packed's launch: grid (cdiv(Lg, BM), cdiv(N/16, TPC)), block 32 W, TPC tiles
+    per CTA so that the live CTAs make about one wave (MINB per SM), D the ring depth that
+    divides the chunks per warp CPW (the kernel's rounds), the chunk-to-group shift."""
+    bm = 8 * cfg["MT"]
+    if block_size % bm:
+        raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
+    Lg = min(L, P * block_size)
+    nt, nchunks = N // 16, K // PACK_CHUNK
+    mtiles = C.cdiv(Lg, bm)
+    live_m = max(1, min(mtiles, min(P, E) + P // bm))
+    slots = num_sms * cfg["MINB"]
+    tpc = max(1, C.cdiv(live_m * nt, slots))
+    gy = C.cdiv(nt, tpc)
+    tpc = C.cdiv(nt, gy)
+    cpw = C.cdiv(nchunks, cfg["W"])
+    d = cfg["D"]
+    while cpw % d:
+        d //= 2
+    shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
+    return dict(name=packed_kernel_name(cfg, zp, d), cfg=cfg, grid=(mtiles, gy, 1),
+                block=(32 * cfg["W"],), smem=0, TPC=tpc, D=d, shift=shift, Lg=Lg, KS=1, SPS=0)
 
 
 # ----------------------------------------------------------------------------- workspace
@@ -397,7 +569,27 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     if P == 0 or N == 0 or L == 0:
         return c
 
-    lp = launch_plan(nbits, P, E, N, K, L, block_size, config, _num_sms(), group_size)
+    cfg0 = pick_config(P / max(E, 1), block_size, config)
+    if cfg0.get("KERNEL") == "packed":
+        if nbits != 4:
+            raise ValueError("config: the packed rung streams int4 codes (use_int4_w4a16)")
+        ok, why = packed_supports(N, K, group_size, G)
+        if not ok:
+            raise ValueError(f"w: the packed rung cannot run this problem: {why}")
+        pk = packed_weights(w, w_scale, w_zp, w_s)
+        lp = packed_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G,
+                         w_zp is not None)
+        kern = _kernel(lp["name"], ELEMS[out_key], 0)
+        null = C.null_ptr()
+        args = (C.raw(a), pk["wp"], C.raw(c), pk["sp"], pk["zp"] if pk["zp"] is not None else null,
+                sorted_token_ids, expert_ids, num_tokens_post_padded,
+                tw if tw is not None else null, b32 if b32 is not None else null,
+                np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
+                np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
+                np.int32(G), np.int32(default_zp), np.int32(lp["TPC"]))
+        kern(lp["grid"], lp["block"], args)
+        return c
+    lp = launch_plan(nbits, P, E, N, K, L, block_size, cfg0, _num_sms(), group_size)
     grid, block, smem, ks, sps, cfg = (lp[k] for k in ("grid", "block", "smem", "KS", "SPS",
                                                        "cfg"))
     null = C.null_ptr()
@@ -430,7 +622,8 @@ def _kernel(name, elem, smem):
     key = (name, elem, dev)
     kern = _READY.get(key)
     if kern is None:
-        kern = C.get_kernel(CU, name, {"ELEM_BF16": elem}, NAMES if name in NAMES else (name,))
+        group = NAMES if name in NAMES else PACKED_NAMES if name in PACKED_NAMES else (name,)
+        kern = C.get_kernel(CU, name, {"ELEM_BF16": elem}, group)
         _READY[key] = kern
     if smem > 40 * 1024 and _SMEM_SET.get(key, 0) < smem:   # opt in (48 KB with static smem)
         kern.max_dynamic_shared_size_bytes = smem
