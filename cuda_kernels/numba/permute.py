@@ -1188,6 +1188,12 @@ def compile_cases():
              (a, i64, i64, i64, v, i64, i64, arr(i32, 2), i64, v, v, i64, i64, v, v, v, i64,
               i64, i64)),
         ]
+    cfg = grid_align.CONFIGS["grid"]
+    grid = grid_align.grid_kernel(cfg["RELOAD"], cfg["COUNT"] == "atomic")
+    for ids in (i32, i64):
+        cases.append((f"align_grid ids={ids}", grid,
+                      (arr(ids, 1), i64, i64, i64, v, i64, i64, v, arr(t.uint32, 1), v, v, i64,
+                       i64, v, v, v, i64, i64, i64)))
     nt = CONFIGS["rows"]["THREADS"]
     permute_rows, _ = row_kernels(nt)
     for dt in (t.float32, t.float16, t.uint16, t.uint64):   # uint64: rows copied as words
