@@ -83,6 +83,14 @@ CONFIGS = {
     "a16": dict(KERNEL="async", MT=2, WN=4, STAGES=4, MINB=2),
     "a32": dict(KERNEL="async", MT=4, WN=4, STAGES=3, MINB=2),
 }
+# wna16_packed (prepacked int4, see prepack_int4): MT token tiles of 8, W warps splitting each
+# 16-row tile's K, D 16-byte loads in flight per lane, MINB CTAs per SM.
+PACKED_CONFIGS = {
+    "p8": dict(KERNEL="packed", MT=1, W=8, D=4, MINB=2),
+    "p8d": dict(KERNEL="packed", MT=1, W=4, D=8, MINB=3),
+    "p16": dict(KERNEL="packed", MT=2, W=8, D=4, MINB=2),
+    "p32": dict(KERNEL="packed", MT=4, W=4, D=4, MINB=3),
+}
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, sweeps of slots 2 and 3 in
 # .gpu_feedback, bench_wna16.py --sweep): the register-ring rung beats the cp.async rung at
@@ -144,8 +152,6 @@ def smem_bytes(cfg: dict, sps: int, nbits: int = 4) -> int:
 
 NAMES = tuple(kernel_name(b, c, p) for c in CONFIGS.values() for b, p in
               ((4, True), (4, False), (8, False)))
-for _ev in ELEMS.values():
-    C.register_compile_case(CU, {"ELEM_BF16": _ev}, NAMES)
 
 
 def block_size_for(rows_per_expert: float) -> int:
@@ -154,7 +160,8 @@ def block_size_for(rows_per_expert: float) -> int:
     the CTAs would hold only padding). Any multiple of BM works too."""
     for rows, name in BY_ROWS:
         if rows_per_expert <= rows:
-            return MEASURED_BLOCK.get(name, 8 * CONFIGS[name]["MT"])
+            return MEASURED_BLOCK.get(name, 8 * (CONFIGS[name] if name in CONFIGS else
+                                                 PACKED_CONFIGS[name])["MT"])
     return 16
 
 
@@ -163,9 +170,10 @@ def pick_config(rows_per_expert: float, block_size: int, config=None) -> dict:
     per expert with BM dividing block_size."""
     if config is not None:
         if isinstance(config, str):
-            if config not in CONFIGS:
-                raise ValueError(f"config: expected one of {sorted(CONFIGS)}, got {config!r}")
-            cfg = dict(CONFIGS[config])
+            if config not in CONFIGS and config not in PACKED_CONFIGS:
+                raise ValueError(f"config: expected one of {sorted(CONFIGS) + sorted(PACKED_CONFIGS)},"
+                                 f" got {config!r}")
+            cfg = dict(CONFIGS[config] if config in CONFIGS else PACKED_CONFIGS[config])
         elif isinstance(config, dict):
             cfg = dict(config)
             need = ({"MT", "W", "D", "MINB"} if cfg.get("KERNEL") == "packed" else
@@ -181,7 +189,7 @@ def pick_config(rows_per_expert: float, block_size: int, config=None) -> dict:
                              f"{block_size}")
         return cfg
     for rows, name in BY_ROWS:
-        cfg = CONFIGS[name]
+        cfg = CONFIGS[name] if name in CONFIGS else PACKED_CONFIGS[name]
         if rows_per_expert <= rows and block_size % (8 * cfg["MT"]) == 0:
             return dict(cfg)
     raise ValueError(f"block_size: expected a multiple of 8, got {block_size}")
@@ -231,13 +239,6 @@ def can_run(a, w, w_scale, block_size: int, use_int4_w4a16=False, use_int8_w8a16
 # packed_weights' cache) so that each warp load reads 512 contiguous bytes holding exactly the
 # lanes' mma A fragments (layout in the .cu). Same math: the packed arrays are a storage
 # format of the same codes, scales and zero points (unpack_int4 inverts prepack_int4).
-PACKED_CONFIGS = {
-    "p8": dict(KERNEL="packed", MT=1, W=8, D=4, MINB=2),
-    "p8d": dict(KERNEL="packed", MT=1, W=4, D=8, MINB=3),
-    "p16": dict(KERNEL="packed", MT=2, W=8, D=4, MINB=2),
-    "p32": dict(KERNEL="packed", MT=4, W=4, D=4, MINB=3),
-}
-CONFIGS.update(PACKED_CONFIGS)
 PACK_CHUNK = 64                  # codes per row per lane group and mma chunk (16 per lane)
 PACK_CACHE_SIZE = 64             # packed weight sets kept (two per MoE layer)
 
@@ -342,8 +343,8 @@ def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
 
 PACKED_NAMES = tuple(packed_kernel_name(c, z, d) for c in PACKED_CONFIGS.values()
                      for z in (False, True) for d in sorted({c["D"], max(1, c["D"] // 2)}))
-for _ev in ELEMS.values():
-    C.register_compile_case(CU, {"ELEM_BF16": _ev}, PACKED_NAMES)
+for _ev in ELEMS.values():     # one NVRTC check per element type: every rung of the file
+    C.register_compile_case(CU, {"ELEM_BF16": _ev}, NAMES + PACKED_NAMES)
 
 _PACKED: dict = {}
 
