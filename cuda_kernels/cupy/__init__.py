@@ -16,6 +16,7 @@ Run a stage as a script to validate and time it: `python -m cuda_kernels.cupy.ro
 """
 from __future__ import annotations
 
+from .. import STAGE_MODULES, lazy_stages
 from ._compile import availability, to_device, to_host
 
 __all__ = [
@@ -30,13 +31,7 @@ __all__ = [
 # stage name -> module that defines it; resolved on first use (PEP 562) so that a module
 # still being written (or failing to import) never breaks the rest of the package
 _STAGES = {
-    "fused_topk": "routing", "fused_topk_bias": "routing", "grouped_topk": "routing",
-    "select_experts": "routing",
-    "moe_align_block_size": "permute", "moe_permute": "permute", "moe_unpermute": "permute",
-    "apply_activation": "activation", "silu_and_mul": "activation",
-    "gelu_and_mul": "activation", "gelu_tanh_and_mul": "activation",
-    "swigluoai_and_mul": "activation",
-    "moe_sum": "combine",
+    **STAGE_MODULES,
     "grouped_gemm_quant": "quant_gemm",
     "moe_kernel_quantize_input": "quant_act", "per_token_group_quant_fp8": "quant_act",
 }
@@ -55,16 +50,4 @@ except Exception as _gemm_error:  # noqa: BLE001 - reported when the stage is ca
         raise ImportError(f"cuda_kernels.cupy.grouped_gemm failed to import: {_GEMM_IMPORT_ERROR}")
 
 
-def __getattr__(name: str):
-    module = _STAGES.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_stages(__name__, _STAGES, globals(), __all__)

@@ -35,6 +35,7 @@ from __future__ import annotations
 # first: the shim must be in place before numba compiles anything. A submodule import runs
 # this file before its own body, so the stage modules may import numba at their top.
 from . import _compat  # noqa: F401
+from .. import STAGE_MODULES, lazy_stages
 from ._arrays import availability, poisoned_outputs, to_device, to_host
 
 __all__ = [
@@ -47,28 +48,7 @@ __all__ = [
 
 # stage name -> module that defines it, imported on first use (PEP 562): importing the
 # package never imports numba, and a failing module never breaks the others
-_STAGES = {
-    "fused_topk": "routing", "fused_topk_bias": "routing", "grouped_topk": "routing",
-    "select_experts": "routing",
-    "moe_align_block_size": "permute", "moe_permute": "permute", "moe_unpermute": "permute",
-    "apply_activation": "activation", "silu_and_mul": "activation",
-    "gelu_and_mul": "activation", "gelu_tanh_and_mul": "activation",
-    "swigluoai_and_mul": "activation",
-    "moe_sum": "combine",
-    "grouped_gemm": "grouped_gemm",
-}
+_STAGES = {**STAGE_MODULES, "grouped_gemm": "grouped_gemm"}
 
 
-def __getattr__(name: str):
-    module = _STAGES.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_stages(__name__, _STAGES, globals(), __all__)
