@@ -40,6 +40,8 @@ import sys
 import tempfile
 from typing import NamedTuple
 
+from .._checks import check_int  # noqa: F401  (the launchers call C.check_int)
+
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"\s*$')
@@ -479,20 +481,6 @@ def check_array(name, x, ndim=None, dtypes=None, shape=None, contiguous=True):
         raise ValueError(f"{name}: expected at most {INT32_MAX} elements (32-bit indexing), "
                          f"got {x.size}")
     return x
-
-
-def check_int(name, value, minimum=None, maximum=None):
-    """A Python or NumPy integer in [minimum, maximum]."""
-    import numpy as np
-
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name}: expected an int <= {maximum}, got {value}")
-    return value
 
 
 def check_fits_int32(name, value, what):

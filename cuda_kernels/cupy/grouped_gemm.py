@@ -502,14 +502,6 @@ def _check_gpu_array(name, x, cp, device_id, ndim=None, dtypes=None, contiguous=
     return x
 
 
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return int(value)
-
-
 def usable(version: str, dkey: str, K: int, block_size: int, aligned: bool,
            sm90: bool = True) -> str | None:
     """Why `version` cannot run this problem, as "argument: reason" (None when it can)."""
@@ -584,8 +576,8 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
     if Kw != K:
         raise ValueError(f"w: expected shape [E_local, N, {K}] (last dim = a.shape[1]), "
                          f"got {tuple(w.shape)}")
-    top_k = _check_int("top_k", top_k, 1)
-    block_size = _check_int("block_size", block_size, 1)
+    top_k = _compile.check_int("top_k", top_k, 1)
+    block_size = _compile.check_int("block_size", block_size, 1)
     int32 = (np.dtype(np.int32),)
     _check_gpu_array("sorted_token_ids", sorted_token_ids, cp, dev, ndim=1, dtypes=int32)
     _check_gpu_array("expert_ids", expert_ids, cp, dev, ndim=1, dtypes=int32)

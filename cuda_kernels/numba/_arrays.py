@@ -32,6 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _compat  # noqa: F401  (np.row_stack shim, before numba is imported anywhere)
+from .._checks import check_int  # noqa: F401  (the stages call A.check_int)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BF16)
@@ -337,17 +338,6 @@ def check_float(name, x, ndim=None, shape=None, with_f64=False):
 
 def check_int_array(name, x, ndim=None, shape=None):
     return check_array(name, x, ndim=ndim, dtypes=INT_DTYPES, shape=shape)
-
-
-def check_int(name, value, minimum=None, maximum=None):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name}: expected an int <= {maximum}, got {value}")
-    return value
 
 
 def check_choice(name, value, choices):
