@@ -125,6 +125,18 @@ __device__ __forceinline__ float hi_f32(u32 v) {
 #endif
 }
 
+// (a & b) | c in one instruction (the compiler splits it in two otherwise): the magic-number
+// int4 -> 16-bit float conversion of a pair of nibbles.
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
+#ifdef QG_EMULATED_PTX
+    return (a & b) | c;
+#else
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+#endif
+}
+
 // (x - z) * s on both halves: the subtraction of two small integers is exact, the product
 // rounds once.
 __device__ __forceinline__ u32 deq2(u32 x, u32 z2, u32 s2) {
@@ -887,24 +899,36 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #endif
     const u32 zdef = MAGIC | ((u32)default_zp * 0x00010001u);
 
-    // ---- the ring: D items (16 bytes of codes + the two rows' scales) in flight per lane
+    // ---- the ring: D items (16 bytes of codes + the two rows' scales) in flight per lane.
+    // The load cursor walks pointers (no index arithmetic per load): within a tile a warp's
+    // next chunk is W chunks (W * 512 bytes) on; the next tile starts C chunks after this one.
     uint4 rw[D];
     float2 rs[D];
     u32 rz[ZP ? D : 1];
-    int l_tile = t0, l_ci = 0, l_it = 0;          // load cursor
+    const uint4* lw = wexp + ((size_t)t0 * C + warp) * 32;
+    const float2* ls = sexp + (size_t)t0 * num_groups * 8;
+    const unsigned short* lz = ZP ? zexp + (size_t)t0 * num_groups * 8 : nullptr;
+    int l_chunk = warp, l_ci = 0, l_it = 0;
     auto load = [&](int u) {
-        if (l_it < nitems) {                      // uniform over the CTA
-            const int chunk = min(warp + l_ci * W, C - 1);   // past C: re-read, never used
-            rw[u] = w16::ld_stream(reinterpret_cast<const u8*>(wexp + (l_tile * C + chunk) * 32));
-            const int grp = chunk >> chunk_shift;
-            rs[u] = __ldg(sexp + (l_tile * num_groups + grp) * 8);
+        if (l_it < nitems && l_chunk < C) {       // past C (C % W != 0): never consumed
+            rw[u] = w16::ld_stream(reinterpret_cast<const u8*>(lw));
+            const int grp8 = (l_chunk >> chunk_shift) * 8;
+            rs[u] = __ldg(ls + grp8);
             if (ZP) {
-                const u32 z = __ldg(zexp + (l_tile * num_groups + grp) * 8);
+                const u32 z = __ldg(lz + grp8);
                 rz[ZP ? u : 0] = ((z & 0xFFu) << 16) | (z >> 8);   // (zp lo row, zp hi row)
             }
         }
         ++l_it;
-        if (++l_ci == CPW) { l_ci = 0; ++l_tile; }
+        l_chunk += W;
+        lw += W * 32;
+        if (++l_ci == CPW) {
+            l_ci = 0;
+            l_chunk = warp;
+            lw += (C - CPW * W) * 32;
+            ls += num_groups * 8;
+            if (ZP) lz += num_groups * 8;
+        }
     };
 #pragma unroll
     for (int u = 0; u < D; ++u) load(u);
@@ -935,14 +959,15 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                     u32 lo[8], hi[8];
 #pragma unroll
                     for (int p = 0; p < 4; ++p) {
+                        const u32 m = 0x000F000Fu;
                         lo[p] = w16::as_u32(__hsub2(
-                            w16::as_e2(((x.x >> (4 * p)) & 0x000F000Fu) | MAGIC), w16::as_e2(zl)));
+                            w16::as_e2(w16::and_or(x.x >> (4 * p), m, MAGIC)), w16::as_e2(zl)));
                         hi[p] = w16::as_u32(__hsub2(
-                            w16::as_e2(((x.y >> (4 * p)) & 0x000F000Fu) | MAGIC), w16::as_e2(zh)));
+                            w16::as_e2(w16::and_or(x.y >> (4 * p), m, MAGIC)), w16::as_e2(zh)));
                         lo[4 + p] = w16::as_u32(__hsub2(
-                            w16::as_e2(((x.z >> (4 * p)) & 0x000F000Fu) | MAGIC), w16::as_e2(zl)));
+                            w16::as_e2(w16::and_or(x.z >> (4 * p), m, MAGIC)), w16::as_e2(zl)));
                         hi[4 + p] = w16::as_u32(__hsub2(
-                            w16::as_e2(((x.w >> (4 * p)) & 0x000F000Fu) | MAGIC), w16::as_e2(zh)));
+                            w16::as_e2(w16::and_or(x.w >> (4 * p), m, MAGIC)), w16::as_e2(zh)));
                     }
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
