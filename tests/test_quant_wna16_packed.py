@@ -160,6 +160,9 @@ def emulated_packed(tmp_path_factory):
     ("p8", (3, 2, 2, 32, 576, 8), 64, False, 1),         # 9 chunks over 8 warps: dead chunks
     ("p16", (6, 2, 2, 16, 1024, 16), 1024, True, 132),   # one group per row
     ("p32", (20, 2, 1, 32, 128, 32), 128, True, 1),      # 4 token tiles, some all padding
+    ("s8", (2, 4, 2, 32, 2048, 8), 128, False, 132),     # POST: the zero point after the mma
+    ("s8d", (2, 3, 2, 48, 2048, 8), 256, True, 1),
+    ("s32", (20, 2, 1, 32, 576, 32), 64, True, 1),
 ])
 def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sms):
     import ctypes
@@ -186,6 +189,8 @@ def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sm
         gx, gy, lp["block"][0], p(np.ascontiguousarray(a).view(np.uint16)), p(pk["wp"]), p(c),
         p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), N, Kd, P, K, B,
         lp["Lg"], 1, lp["shift"], G, 8, lp["TPC"])
+    assert lp["smem"] == (4 * 8 * W.PACKED_CONFIGS[cfg]["MT"] * (Kd // 64)
+                          if W.PACKED_CONFIGS[cfg]["POST"] else 0)
     err = rel_err(c.view(BF16), want)
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e}"
 

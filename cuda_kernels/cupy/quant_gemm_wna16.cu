@@ -824,7 +824,7 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 // 2 * W * BM * 17 * 4 + 8 BM bytes.
 // Needs int4, N % 16 == 0, Kdim % 64 == 0, group_size a multiple of 64 with
 // chunks-per-group a power of two (chunk_shift = log2; or one group per row: 30).
-template <int MT, int W, int D, int ZP, int MINB>
+template <int MT, int W, int D, int ZP, int POST, int MINB>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
@@ -933,6 +933,31 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
     for (int u = 0; u < D; ++u) load(u);
 
+    // POST: the mma multiplies the raw magic values 128 + q (no subtraction per pair); the
+    // zero point comes off after it, (128 + zp) times the chunk's activation sum per token,
+    // staged once per CTA (its weight loads are already in flight): sSum [C][BM] fp32.
+    extern __shared__ __align__(16) u8 smem[];
+    float* sSum = reinterpret_cast<float*>(smem);
+    if (POST) {
+        for (int i = tid; i < C * BM; i += W * 32) {
+            const int cc = i / BM, r = i - cc * BM;
+            const int ar = sArow[r];
+            float sum = 0.f;
+            if (ar >= 0) {
+                const uint4* src = reinterpret_cast<const uint4*>(a + (size_t)ar * Kdim + cc * 64);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const uint4 v = __ldg(src + j);
+                    sum += ((w16::lo_f32(v.x) + w16::hi_f32(v.x)) + (w16::lo_f32(v.y) +
+                            w16::hi_f32(v.y))) + ((w16::lo_f32(v.z) + w16::hi_f32(v.z)) +
+                            (w16::lo_f32(v.w) + w16::hi_f32(v.w)));
+                }
+            }
+            sSum[i] = sum;                        // i = cc * BM + r
+        }
+        __syncthreads();
+    }
+
     float acc[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -948,9 +973,12 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                 const uint4 x = rw[u];
                 const float2 s2 = rs[u];
                 u32 zl = zdef, zh = zdef;
+                float zfl = W16_MAGIC_F + default_zp, zfh = zfl;
                 if (ZP) {
                     zl = MAGIC | ((rz[ZP ? u : 0] >> 16) * 0x00010001u);
                     zh = MAGIC | ((rz[ZP ? u : 0] & 0xFFu) * 0x00010001u);
+                    zfl = W16_MAGIC_F + (float)(rz[ZP ? u : 0] >> 16);
+                    zfh = W16_MAGIC_F + (float)(rz[ZP ? u : 0] & 0xFFu);
                 }
                 load(u);                          // refill the slot before the math
                 const int chunk = warp + (ci0 + u) * W;
@@ -960,6 +988,13 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                     for (int p = 0; p < 4; ++p) {
                         const u32 m = 0x000F000Fu;
+                        if (POST) {
+                            lo[p] = w16::and_or(x.x >> (4 * p), m, MAGIC);
+                            hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
+                            lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
+                            hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
+                            continue;
+                        }
                         lo[p] = w16::as_u32(__hsub2(
                             w16::as_e2(w16::and_or(x.x >> (4 * p), m, MAGIC)), w16::as_e2(zl)));
                         hi[p] = w16::as_u32(__hsub2(
@@ -979,6 +1014,14 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                         w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
                         w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
                         w16::mma16816(tmp, lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
+                        if (POST) {
+                            const float2 sm = *reinterpret_cast<const float2*>(
+                                sSum + chunk * BM + 8 * mt + 2 * t);
+                            tmp[0] = fmaf(-zfl, sm.x, tmp[0]);
+                            tmp[1] = fmaf(-zfl, sm.y, tmp[1]);
+                            tmp[2] = fmaf(-zfh, sm.x, tmp[2]);
+                            tmp[3] = fmaf(-zfh, sm.y, tmp[3]);
+                        }
                         acc[mt][0] += s2.x * tmp[0];
                         acc[mt][1] += s2.x * tmp[1];
                         acc[mt][2] += s2.y * tmp[2];

@@ -85,11 +85,16 @@ CONFIGS = {
 }
 # wna16_packed (prepacked int4, see prepack_int4): MT token tiles of 8, W warps splitting each
 # 16-row tile's K, D 16-byte loads in flight per lane, MINB CTAs per SM.
+# POST = 1 takes the zero point off after the mma (see the .cu), 0 subtracts it per pair.
 PACKED_CONFIGS = {
-    "p8": dict(KERNEL="packed", MT=1, W=8, D=4, MINB=2),
-    "p8d": dict(KERNEL="packed", MT=1, W=4, D=8, MINB=3),
-    "p16": dict(KERNEL="packed", MT=2, W=8, D=4, MINB=2),
-    "p32": dict(KERNEL="packed", MT=4, W=4, D=4, MINB=3),
+    "p8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, MINB=2),
+    "p8d": dict(KERNEL="packed", MT=1, W=4, D=8, POST=0, MINB=3),
+    "p16": dict(KERNEL="packed", MT=2, W=8, D=4, POST=0, MINB=2),
+    "p32": dict(KERNEL="packed", MT=4, W=4, D=4, POST=0, MINB=3),
+    "s8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=1, MINB=2),
+    "s8d": dict(KERNEL="packed", MT=1, W=4, D=8, POST=1, MINB=3),
+    "s16": dict(KERNEL="packed", MT=2, W=8, D=4, POST=1, MINB=2),
+    "s32": dict(KERNEL="packed", MT=4, W=4, D=4, POST=1, MINB=3),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, sweeps of slots 2 and 3 in
@@ -338,11 +343,11 @@ def unpack_int4(packed):
 
 def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
     return (f"wna16_packed<{cfg['MT']}, {cfg['W']}, {cfg['D'] if d is None else d}, "
-            f"{int(bool(zp))}, {cfg['MINB']}>")
+            f"{int(bool(zp))}, {int(cfg.get('POST', 0))}, {cfg['MINB']}>")
 
 
-PACKED_NAMES = tuple(packed_kernel_name(c, z, d) for c in PACKED_CONFIGS.values()
-                     for z in (False, True) for d in sorted({c["D"], max(1, c["D"] // 2)}))
+PACKED_NAMES = tuple(packed_kernel_name(c, z) for c in PACKED_CONFIGS.values()
+                     for z in (False, True))
 for _ev in ELEMS.values():     # one NVRTC check per element type: every rung of the file
     C.register_compile_case(CU, {"ELEM_BF16": _ev}, NAMES + PACKED_NAMES)
 
@@ -394,8 +399,12 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     while cpw % d:
         d //= 2
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
+    smem = 4 * bm * nchunks if cfg.get("POST") else 0     # POST's activation sums [C][BM]
+    if smem > SMEM_PER_SM:
+        raise ValueError(f"config: POST stages {smem} bytes of activation sums per CTA")
     return dict(name=packed_kernel_name(cfg, zp, d), cfg=cfg, grid=(mtiles, gy, 1),
-                block=(32 * cfg["W"],), smem=0, TPC=tpc, D=d, shift=shift, Lg=Lg, KS=1, SPS=0)
+                block=(32 * cfg["W"],), smem=smem, TPC=tpc, D=d, shift=shift, Lg=Lg, KS=1,
+                SPS=0)
 
 
 # ----------------------------------------------------------------------------- workspace
@@ -580,7 +589,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         pk = packed_weights(w, w_scale, w_zp, w_s)
         lp = packed_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G,
                          w_zp is not None)
-        kern = _kernel(lp["name"], ELEMS[out_key], 0)
+        kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"])
         null = C.null_ptr()
         args = (C.raw(a), pk["wp"], C.raw(c), pk["sp"], pk["zp"] if pk["zp"] is not None else null,
                 sorted_token_ids, expert_ids, num_tokens_post_padded,
@@ -588,7 +597,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
                 np.int32(G), np.int32(default_zp), np.int32(lp["TPC"]))
-        kern(lp["grid"], lp["block"], args)
+        kern(lp["grid"], lp["block"], args, shared_mem=lp["smem"])
         return c
     lp = launch_plan(nbits, P, E, N, K, L, block_size, cfg0, _num_sms(), group_size)
     grid, block, smem, ks, sps, cfg = (lp[k] for k in ("grid", "block", "smem", "KS", "SPS",
