@@ -6,6 +6,7 @@
 //     its conversions to and from fp32;
 //   - gg_epilogue(): the one place where bias and router weight are applied, in fp32, in the
 //     order of docs/stages.md: c[s] = (acc + bias[e]) * topk_weights.flat[s];
+//   - the cp.async wrappers of the pipelined rungs (v4, v5);
 //   - gg_load_slots() and gg_zero_tile(): a tile's slot ids, and the zeros of a tile whose
 //     expert is not on this rank;
 //   - the kernel argument list, identical for every version, so that the Python launcher
@@ -101,6 +102,28 @@ __device__ __forceinline__ void gg_zero_tile(GG_T* __restrict__ c, const int* s_
         }
     }
 }
+
+// ------------------------------------------------------------- cp.async (v4 and v5)
+// (the CPU emulator of tests/test_cupy_gemm.py defines GG_HOST_EMULATION and its own versions)
+#ifndef GG_HOST_EMULATION
+__device__ __forceinline__ unsigned gg_smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, bypassing L1 (.cg); src_bytes = 0 writes 16 zero bytes and
+// reads nothing (padding rows, ragged N, the Kdim tail).
+__device__ __forceinline__ void gg_cp_async16(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void gg_cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int PENDING>
+__device__ __forceinline__ void gg_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING) : "memory");
+}
+#endif  // GG_HOST_EMULATION
 
 // The slot of every row of the tile starting at position m0, into shared memory, once per
 // CTA: positions past L (a defensive check: a live tile lies below num_tokens_post_padded,

@@ -90,26 +90,9 @@ static_assert(STAGES >= 2, "v4: the pipeline needs at least two stages");
 
 // ---------------------------------------------------------------------------- PTX wrappers
 // (tests/test_cupy_gemm.py runs this file on the CPU under a small emulator that defines
-// GG_HOST_EMULATION and supplies these five instructions itself; the GPU never sees it.)
+// GG_HOST_EMULATION and supplies these instructions itself, and gemm_common.cuh's cp.async
+// ones; the GPU never sees it.)
 #ifndef GG_HOST_EMULATION
-__device__ __forceinline__ unsigned gg_smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, bypassing L1 (.cg); src_bytes = 0 writes 16 zero bytes and
-// reads nothing (padding rows, ragged N, the Kdim tail).
-__device__ __forceinline__ void gg_cp_async16(unsigned dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void gg_cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int PENDING>
-__device__ __forceinline__ void gg_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING) : "memory");
-}
-
 // Four 8x8 b16 matrices; lanes 8j..8j+7 give the row addresses of matrix j, and lane t
 // receives (row t/4, columns 2(t%4), 2(t%4)+1) of each matrix in r[j].
 __device__ __forceinline__ void gg_ldsm_x4(unsigned* r, unsigned addr) {

@@ -111,20 +111,6 @@ __device__ __forceinline__ unsigned gg_swizzle_offset(int r, int c) {
 }
 
 #ifndef GG_HOST_EMULATION
-__device__ __forceinline__ unsigned gg_smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void gg_cp_async16(unsigned dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void gg_cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int PENDING>
-__device__ __forceinline__ void gg_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING) : "memory");
-}
 // shared memory written through the generic proxy (cp.async) is read next by wgmma (async proxy)
 __device__ __forceinline__ void gg_fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
