@@ -63,12 +63,13 @@ CONFIGS = {
     # shared memory for the per-warp rows [W, E] (48 KB needs no opt-in); the one-block path
     # up to SMALL_P slots with at least MIN_WARPS warps; above, a grid of blocks of WARP_SLOTS
     # slots per warp, at most TABLE_LOADS loads per thread of the [G, E] table after the barrier
-    "grid": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 32, "MIN_WARPS": 8, "SMALL_P": 4096,
-             "WARP_SLOTS": 64, "TABLE_LOADS": 16, "MAX_BLOCKS": 0, "RELOAD": True,
-             "COUNT": "match"},
+    "grid": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 16, "MIN_WARPS": 16, "SMALL_P": 1024,
+             "WARP_SLOTS": 64, "TABLE_LOADS": 16, "MAX_BLOCKS": 0, "RELOAD": False,
+             "COUNT": "atomic", "PAD": "shfl"},
 }
 PREFETCH = 8          # 32-slot steps whose id loads are in flight together
 STEP = 32 * PREFETCH  # slots per round of a warp
+SCAN_UNROLL = 8       # rows of the per-warp counts a thread loads before storing any
 TOP = 0x80000000      # the barrier word's phase bit
 
 
@@ -179,11 +180,12 @@ def warp_inclusive_scan(v, lane):
 
 
 @device_function
-def scan_padded(tot, off, E, B, red, tid, NT):
+def scan_padded(tot, off, pre, E, B, red, tid, NT):
     """off[e] = sum_{e' < e} ceil(tot[e'] / B) B for e <= E (off[E] = the total), permute.cu's
     block_exclusive_scan: a run of entries per thread, warp scans by shuffles, warp 0 scans
-    the warp totals (red[0:W]). Unsigned 32-bit division (B > 0, counts >= 0): the int64
-    floor division of Python semantics is a long call. Ends with a barrier."""
+    the warp totals (red[0:W]); pre[e] += off[e] (the block's first position in expert e's
+    run). Unsigned 32-bit division (B > 0, counts >= 0): the int64 floor division of Python
+    semantics is a long call. Ends with a barrier."""
     lane = tid % 32
     warp = tid // 32
     W = NT // 32
@@ -208,10 +210,72 @@ def scan_padded(tot, off, E, B, red, tid, NT):
         run += red[ix(warp - 1)]
     for e in range(lo, hi):
         off[ix(e)] = run
+        pre[ix(e)] += run
         run += int32(udiv32(tot[ix(e)] + B - 1, B)) * int32(B)
     if tid == NT - 1:
         off[ix(E)] = red[ix(W - 1)]
     cu.syncthreads()
+
+
+@device_function
+def pad_runs(off, tot, E, B, P, emap, use_map, expert_ids, sorted_ids, gw, nwarps, lane):
+    """expert_ids of expert e's blocks and the padding of its run (positions no slot takes),
+    expert e by warp e mod nwarps of the grid (gw: this warp's index), lanes along the run."""
+    e = gw
+    while e < E:
+        lo = off[ix(e)]
+        hi = off[ix(e + 1)]
+        if lo < hi:
+            eid = emap[ix(e)] if use_map else e
+            x = int32(udiv32(lo, B)) + lane
+            x_end = int32(udiv32(hi, B))
+            while x < x_end:
+                expert_ids[ix(x)] = eid
+                x += 32
+            p = lo + tot[ix(e)] + lane
+            while p < hi:
+                sorted_ids[ix(p)] = P
+                p += 32
+        e += nwarps
+
+
+@device_function
+def pad_runs_shfl(off, tot, E, B, P, emap, use_map, expert_ids, sorted_ids, gw, nwarps, lane):
+    """pad_runs with the experts of a warp contiguous, cdiv(E, nwarps) of them: its lanes
+    load 32 experts' bounds at once (independent shared loads, and the divisions by B side by
+    side), then the warp walks them, each expert's bounds broadcast by shuffles (pad_runs
+    waits out two dependent shared loads and two divisions per expert)."""
+    k = int32(udiv32(E + nwarps - 1, nwarps))
+    e0 = gw * k
+    e1 = min(E, e0 + k)
+    while e0 < e1:
+        e = e0 + lane
+        lo = int32(0)
+        hi = int32(0)
+        first = int32(0)
+        eid = int32(0)
+        if e < e1:
+            lo = off[ix(e)]
+            hi = off[ix(e + 1)]
+            first = lo + tot[ix(e)]               # the run's first padding position
+            eid = int32(emap[ix(e)]) if use_map else int32(e)
+        x_lo = int32(udiv32(lo, B))
+        x_hi = int32(udiv32(hi, B))
+        for j in range(min(32, e1 - e0)):
+            j_lo = cu.shfl_sync(FULL_MASK, x_lo, j)
+            j_hi = cu.shfl_sync(FULL_MASK, x_hi, j)
+            j_first = cu.shfl_sync(FULL_MASK, first, j)
+            j_end = cu.shfl_sync(FULL_MASK, hi, j)
+            j_eid = cu.shfl_sync(FULL_MASK, eid, j)
+            x = j_lo + lane
+            while x < j_hi:
+                expert_ids[ix(x)] = j_eid
+                x += 32
+            p = j_first + lane
+            while p < j_end:
+                sorted_ids[ix(p)] = P
+                p += 32
+        e0 += 32
 
 
 @device_function
@@ -232,9 +296,9 @@ def grid_barrier(bar, g, G):
 
 
 # ----------------------------------------------------------------------------- the kernel
-def _align_grid(RELOAD, ATOMIC):
+def _align_grid(RELOAD, ATOMIC, SHFL_PAD):
     """align_grid; RELOAD: the placement loads its round of ids again; ATOMIC: the count
-    takes one atomic per lane (grid_kernel)."""
+    takes one atomic per lane; SHFL_PAD: pad_runs_shfl (grid_kernel)."""
     count = count_round_atomic if ATOMIC else count_round
 
     def align_grid(ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids,
@@ -255,7 +319,8 @@ def _align_grid(RELOAD, ATOMIC):
         sh = cu.shared.array(0, int32)
         wc = sh[0:W * E]                          # [W, E] counts, then each warp's cursor
         tot = sh[W * E:W * E + E]                 # [E] slots per expert
-        pre = sh[W * E + E:W * E + 2 * E]         # [E] slots in earlier blocks
+        pre = sh[W * E + E:W * E + 2 * E]         # [E] slots in earlier blocks, then the
+                                                  # block's first position in each run
         off = sh[W * E + 2 * E:W * E + 3 * E + 1]  # [E + 1] padded starts
         red = sh[W * E + 3 * E + 1:W * E + 3 * E + 33]   # [32] scan scratch
 
@@ -284,13 +349,17 @@ def _align_grid(RELOAD, ATOMIC):
                 load_round(ids, begin + r * STEP, end, E, emap, use_map, ignore_invalid, eb, lane)
             count(eb, wc, row0)
         cu.syncthreads()
+        cv = cu.local.array(SCAN_UNROLL, int32)
         e = tid
         while e < E:                              # consecutive e: consecutive banks
             run = int32(0)
-            for w in range(W):
-                c = wc[ix(w * E + e)]
-                wc[ix(w * E + e)] = run
-                run += c
+            for w0 in range(0, W, SCAN_UNROLL):   # the loads of a group before its stores
+                for u in range(SCAN_UNROLL):      # (a store may alias the next load)
+                    cv[u] = wc[ix((w0 + u) * E + e)] if w0 + u < W else 0
+                for u in range(SCAN_UNROLL):
+                    if w0 + u < W:
+                        wc[ix((w0 + u) * E + e)] = run
+                        run += cv[u]
             if G > 1:
                 hist[ix(g * E + e)] = run
             else:
@@ -316,15 +385,8 @@ def _align_grid(RELOAD, ATOMIC):
                 cu.atomic.add(tot, ix(e), t_sum)
                 cu.atomic.add(pre, ix(e), p_sum)
                 i += NT
-            cu.syncthreads()
-            e = tid
-            while e < E:                          # the block's offset inside e, for every warp
-                p = pre[ix(e)]
-                for w in range(W):
-                    wc[ix(w * E + e)] += p
-                e += NT
         cu.syncthreads()
-        scan_padded(tot, off, E, B, red, tid, NT)  # ends with a barrier
+        scan_padded(tot, off, pre, E, B, red, tid, NT)  # ends with a barrier; pre = starts
         total = off[ix(E)]
         if g == 0:
             if tid == 0:
@@ -334,22 +396,12 @@ def _align_grid(RELOAD, ATOMIC):
                 offsets[ix(e)] = off[ix(e)]
                 e += NT
         if do_align:
-            e = g * W + warp
-            while e < E:                          # expert e: warp e mod (G W) of the grid
-                lo = off[ix(e)]
-                hi = off[ix(e + 1)]
-                if lo < hi:
-                    eid = emap[ix(e)] if use_map else e
-                    x = int32(udiv32(lo, B)) + lane
-                    x_end = int32(udiv32(hi, B))
-                    while x < x_end:
-                        expert_ids[ix(x)] = eid
-                        x += 32
-                    p = lo + tot[ix(e)] + lane
-                    while p < hi:
-                        sorted_ids[ix(p)] = P
-                        p += 32
-                e += nwarps
+            if SHFL_PAD:
+                pad_runs_shfl(off, tot, E, B, P, emap, use_map, expert_ids, sorted_ids,
+                              g * W + warp, nwarps, lane)
+            else:
+                pad_runs(off, tot, E, B, P, emap, use_map, expert_ids, sorted_ids,
+                         g * W + warp, nwarps, lane)
             gn = G * NT
             p = total + g * NT + tid
             while p < capacity:                   # the tail: no slot goes there
@@ -362,19 +414,19 @@ def _align_grid(RELOAD, ATOMIC):
         for r in range(rounds):
             if rounds > 1 or RELOAD:
                 load_round(ids, begin + r * STEP, end, E, emap, use_map, ignore_invalid, eb, lane)
-            place_round(eb, begin + r * STEP, end, wc, row0, off, sorted_ids, inv, do_align,
+            place_round(eb, begin + r * STEP, end, wc, row0, pre, sorted_ids, inv, do_align,
                         write_inv, lane)
 
     return align_grid
 
 
 @functools.lru_cache(maxsize=None)
-def grid_kernel(reload=True, atomic=False):
+def grid_kernel(reload=False, atomic=True, shfl_pad=True):
     """The compiled align_grid (one kernel for every geometry: NT and G are read at run
     time, so a notebook waits for one compile). reload: the placement loads its ids again
     instead of keeping one round in registers across the barriers (at 64 registers, the
     bound of 1024 threads, keeping them spilled 28 bytes)."""
-    return kernel(_align_grid(reload, atomic), launch_bounds=(1024, 1))
+    return kernel(_align_grid(reload, atomic, shfl_pad), launch_bounds=(1024, 1))
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -414,7 +466,9 @@ def align_geometry(P: int, E: int, sm_count: int):
     W = max(1, min(cfg["MAX_WARPS"], (cfg["SMEM_BUDGET"] // 4 - fixed) // E))
     if P <= cfg["SMALL_P"]:
         G = 1
-        W = min(W, max(cfg["MIN_WARPS"], A.cdiv(max(P, 1), 32)))
+        # warps for the slots, but at least one per 8 experts (up to MIN_WARPS): the
+        # per-expert work (scan, padding, expert_ids) is spread over them
+        W = min(W, max(min(cfg["MIN_WARPS"], max(4, A.cdiv(E, 8))), A.cdiv(max(P, 1), 32)))
     else:
         blocks = cfg["MAX_BLOCKS"] or sm_count
         G = max(1, min(blocks, A.cdiv(P, W * cfg["WARP_SLOTS"]),
@@ -434,7 +488,7 @@ def launch(call, ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert
     else:
         hist, bar = A.dummy(np.int32), A.dummy(np.uint32)
     cfg = CONFIGS["grid"]
-    grid_kernel(cfg["RELOAD"], cfg["COUNT"] == "atomic")[G, NT, 0, smem](
+    grid_kernel(cfg["RELOAD"], cfg["COUNT"] == "atomic", cfg["PAD"] == "shfl")[G, NT, 0, smem](
         ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids, n_blocks,
         capacity, num_post, offsets, inv, do_align, write_inv,
         A.cdiv(A.cdiv(P, G * NT // 32), 32) * 32)
