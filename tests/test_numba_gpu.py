@@ -245,12 +245,20 @@ def assert_align_exact(got, want, B, P, what):
     assert_same_blocks(got, want, B, P)
 
 
-def forced_align(ids, B, E, path, expert_map=None, ignore=False):
+def forced_align(ids, B, E, path, expert_map=None, ignore=False, rank="warp"):
     call = A.Call("topk_ids", ids)
     cap = Pm.max_num_tokens_padded(ids.size, B, E)
     out = Pm._sort_slots(call, ids, E, B, expert_map, bool(ignore and expert_map is not None),
-                         cap, True, False, path=path)
+                         cap, True, False, path=path, rank=rank)
     return tuple(call.result(v) for v in out[:3])
+
+
+@pytest.fixture
+def grid_everywhere(monkeypatch):
+    """align.py's kernel as a grid of blocks behind its barrier even for a few slots (at most
+    64 per warp, at most 2 warps per block), so that small shapes cover the grid path too."""
+    Al = importlib.import_module("cuda_kernels.numba.align")
+    monkeypatch.setitem(Al.CONFIGS, "grid", dict(Al.CONFIGS["grid"], SMALL_P=0, MAX_WARPS=2))
 
 
 @pytest.mark.parametrize("B", [32, 128])
@@ -261,10 +269,31 @@ def test_align_vllm_grid(T, E, K, B):
     ids = distinct_topk_ids(rng_for("align", T, E, K), T, E, K)
     want = reference.moe_align_block_size(ids, B, E)
     assert_align_exact(Pm.moe_align_block_size(nb.to_device(ids), B, E), want, B, ids.size,
-                       "default path")
-    if ids.size <= 4096:   # the other path too
-        assert_align_exact(forced_align(ids, B, E, "multi"), want, B, ids.size, "multi")
-        assert_align_exact(forced_align(ids, B, E, "single"), want, B, ids.size, "single")
+                       "default path (grid)")
+    if ids.size <= 4096:   # the "warp" ranks, one block and several
+        assert_align_exact(forced_align(ids, B, E, "multi"), want, B, ids.size, "warp multi")
+        assert_align_exact(forced_align(ids, B, E, "single"), want, B, ids.size, "warp single")
+
+
+@pytest.mark.parametrize("B", [1, 16, 128])
+@pytest.mark.parametrize("T,E,K", [(1, 256, 8), (3, 32, 2), (40, 257, 8), (300, 8, 2),
+                                   (2256, 160, 16)])
+def test_align_grid_barrier(grid_everywhere, T, E, K, B):
+    """The one-launch kernel as a grid of several blocks (its barrier, the [G, E] count table,
+    every block's share of the padding), with and without an expert map."""
+    ids = distinct_topk_ids(rng_for("align-grid", T, E, K), T, E, K)
+    want = reference.moe_align_block_size(ids, B, E)
+    assert_align_exact(Pm.moe_align_block_size(nb.to_device(ids), B, E), want, B, ids.size,
+                       "grid of blocks")
+    _, emap = reference.determine_expert_map(4, 1, E, "round_robin")
+    for ignore in (False, True):
+        want = reference.moe_align_block_size(ids, B, E, emap, False, ignore)
+        got = Pm.moe_align_block_size(nb.to_device(ids), B, E, nb.to_device(emap), False, ignore)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(nb.to_host(g), w)
+    x = uniform(rng_for("perm-grid", T), (T, 24), 1.0, np.float32)
+    for g, w in zip(Pm.moe_permute(x, ids, E), reference.moe_permute(x, ids, E)):
+        np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.parametrize("case", ["one_token", "all_on_one_expert", "empty_experts", "int64",

@@ -6,7 +6,7 @@ racecheck when the tool is installed).
     compute-sanitizer --tool racecheck --error-exitcode 9 python -m cuda_kernels.numba._sanitize
 
 Every kernel, flavour and load mode the stages launch: routing "keys", "warp" and "block" (softmax,
-bias, groups), alignment single-block and count/scan/scatter with "chunks", "warp" and "block" ranks
+bias, groups), alignment single-block and count/scan/scatter with "warp" and "block" ranks
 and the one-launch "grid" kernel (one block, and a grid of three blocks behind its barrier; an
 expert map, ignored experts), permute / unpermute (compile-time and runtime K),
 each activation, moe_sum (compile-time and runtime K), GEMM v1 / v2 / v3 (8-byte words and
@@ -81,7 +81,7 @@ def cases():
         return run
 
     for path in ("single", "multi"):
-        for rank in ("chunks", "warp", "block"):
+        for rank in ("warp", "block"):
             for mapped in (False, True):
                 out.append((f"align {path} rank={rank} expert_map={mapped}",
                             align_case(path, rank, mapped)))

@@ -29,14 +29,10 @@ words):
                                                expert_ids, num_tokens_post_padded
     align_scatter   nb    NT     E + NT        stable rank -> sorted_token_ids / inv index
                                    (+ 2 W E)   (W = NT / 32 warps, "warp" ranks)
-    align_one       1     NT     W E + 2E + 1  "chunks" ranks (GPU default): everything in
-                                   + NT        one block, warp w owning a contiguous chunk
-    align_scatter_chunks nb NT   W E           "chunks" ranks: the multi-block placement
-                                               after align_count / align_scan (LAUNCHES 3)
-    align_count_blocks   nb NT   E             "chunks", LAUNCHES 2: per-block counts
-    align_place_blocks   nb NT   W E + 3E + 1  every block reads the counts [nb, E], scans the
-                                   + NT        padded totals itself, writes its share of
-                                               expert_ids / padding, places its slots
+    align_grid      G     32 W   W E + 3E + 33 "grid" ranks (GPU default, align.py): the whole
+                                               alignment in one launch, permute.cu's
+                                               moe_align_kernel (one block up to SMALL_P
+                                               slots, else G blocks behind a grid barrier)
     gather_rows     cdiv(P, NT/32)      NT  -  x_grouped[inv[s]] = x[s // K], a warp per slot
                                                row, 16-byte chunks (rows of whole chunks)
     unpermute_rows16  T cdiv(C16, nt)   nt  -  one 16-byte chunk per thread, its K rows summed
@@ -64,13 +60,14 @@ earlier slots of the round (config "RANK"):
              [W, E] table (tagged with the round, so it is never cleared); 2 W E more words
     "block"  (simulator, or E too large for the table) an O(NT) scan of the round's experts
              in shared memory: no warp intrinsics
-    "chunks" (GPU) permute.cu's grouping: contiguous chunks per warp, counted into per-warp
-             rows, a scan over the warps, then each warp places its chunk in order
-             (match_any ranks, the group's lowest lane advancing the warp's cursor): two
-             block barriers in all instead of three per NT slots; padding written only where
-             no slot goes (chunk_kernels)
-Across blocks the scan kernel turns block_counts into each block's starting offset within
-each expert.
+    "grid"   (GPU default) align.py's one launch: contiguous chunks per warp counted into
+             per-warp rows, a scan over the warps (and over blocks, after a grid barrier),
+             then each warp places its chunk in order (match_any ranks, the group's lowest
+             lane advancing the warp's cursor); padding written only where no slot goes.
+             It replaced "chunks" (the same grouping in one block or three launches: 1.3-1.9x
+             CuPy's time at 9 of bench_numba's 18 points on the H200)
+With "warp" and "block" ranks, the scan kernel turns block_counts into each block's starting
+offset within each expert.
 
 dtypes: topk_ids any integer dtype; hidden_states / y_grouped fp32, fp16, bf16 (copied as
 uint16 bits by permute; unpermute converts bits <-> fp32 in the kernel) or fp64 (permute only);
@@ -109,7 +106,7 @@ from ._wide import load16, store16, words16
 # Tunables are data. The simulator gets tiny blocks so that tests cover every path cheaply.
 CONFIGS = {
     "align": {"THREADS": 256, "SLOTS_PER_BLOCK": 1024, "SINGLE_BLOCK_MAX_SLOTS": 2048,
-              "RANK": "chunks", "LAUNCHES": 3},
+              "RANK": "grid"},   # grid: align.CONFIGS; the rest: the "warp" / "block" ranks
     "rows": {"THREADS": 128, "WIDE": True, "ROW_LANES": 32},
 }
 SIM_CONFIGS = {
@@ -447,330 +444,6 @@ def align_kernels(NT, rank="block"):
             kernel(align_scatter))
 
 
-@functools.lru_cache(maxsize=None)
-def chunk_kernels(NT):
-    """(align_one, align_scatter_chunks): permute.cu's warp-chunk grouping (GPU only: it
-    needs match_any_sync), for NT threads = W warps per block.
-
-    The slots are cut into contiguous chunks, one per warp, the warps in slot order, so the
-    placement is stable without a round-by-round block barrier: each warp counts its chunk
-    into its own shared row wc[w, :] (one atomic per distinct expert per 32-slot step), a
-    scan over the warps turns the rows into each warp's first rank inside each expert, then
-    every warp walks its chunk again, 32 slots a step in order: match_any_sync groups the
-    lanes of one expert, a lane's rank is the popcount of the same-expert lanes below it,
-    and the group's lowest lane advances the warp's cursor for that expert. Two block
-    barriers in all (the "warp" ranks of align_single / align_scatter take three per NT
-    slots). Each lane loads PREFETCH steps of ids before using them (one round trip).
-
-    align_one       grid = 1 (P <= SINGLE_BLOCK_MAX_SLOTS): the whole alignment, CuPy's
-                    one-block moe_align_kernel. Padding is written only where no slot goes
-                    (each expert's run tail, the array's tail), expert_ids per expert run.
-                    Shared (int32): wc [W E], tot [E], off [E + 1], red [NT].
-    align_scatter_chunks  grid = nb, the placement of the multi-block path: block b's warps
-                    start from block_counts[b, :] (its offset inside each expert, from
-                    align_scan). Shared (int32): wc [W E].
-    """
-    if NT % 32:
-        raise ValueError(f"threads: expected whole warps, got {NT}")
-    W = NT // 32
-    (expert_of, _, _, _, scan_padded, _, _, _) = _parts(NT)
-    PREFETCH = 8   # 32-slot steps whose id loads are in flight together (permute.cu's PREFETCH)
-
-    @device_function
-    def load_round(ids, base, end, E, emap, use_map, ignore_invalid, eb, lane):
-        """eb[u] = the expert of slot base + 32 u + lane (-1: dropped or past end), u <
-        PREFETCH: the round's id loads all issued before any is used (one round trip, not
-        PREFETCH)."""
-        for u in range(PREFETCH):
-            s = base + 32 * u + lane
-            eb[u] = expert_of(ids, s, E, emap, use_map, ignore_invalid) if s < end else -1
-
-    @device_function
-    def warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, wc, row0, eb, lane):
-        """wc[row0 + e] += the slots of expert e in [begin, end): one shared atomic per
-        distinct expert per 32-slot step (its lowest lane adds the group's size)."""
-        for base in range(begin, end, 32 * PREFETCH):   # the same trips for every lane
-            load_round(ids, base, end, E, emap, use_map, ignore_invalid, eb, lane)
-            for u in range(PREFETCH):
-                e = eb[u]
-                peers = uint32(cu.match_any_sync(FULL_MASK, e))
-                if e >= 0 and (peers & cu.lanemask_lt()) == 0:
-                    cu.atomic.add(wc, row0 + e, cu.popc(peers))
-
-    @device_function
-    def place_one(s, e, wc, row0, off, sorted_ids, inv, write_sorted, write_inv):
-        """One 32-slot step of warp_place (every lane of the warp calls it): match_any groups
-        the lanes of one expert; rank = the same-expert lanes below; the group's lowest lane
-        advances the cursor. (Peers from one ballot per bit of e instead of match_any were
-        tried: on the H200 bench_numba's align at T = 1 went from 11 to 19 us, the kernel
-        30% larger; its code is fetched cold after every rep's L2 flush.)"""
-        peers = uint32(cu.match_any_sync(FULL_MASK, e))
-        below = peers & cu.lanemask_lt()
-        pos = 0
-        if e >= 0:
-            pos = off[ix(e)] + wc[ix(row0 + e)] + cu.popc(below)
-        cu.syncwarp(FULL_MASK)   # every lane has read its cursor before the leaders move it
-        if e >= 0 and below == 0:
-            wc[ix(row0 + e)] += cu.popc(peers)
-        cu.syncwarp(FULL_MASK)
-        if e >= 0:
-            if write_sorted:
-                sorted_ids[ix(pos)] = s
-            if write_inv:
-                inv[ix(s)] = pos
-
-    @device_function
-    def warp_place(ids, begin, end, E, emap, use_map, ignore_invalid, wc, row0, off, sorted_ids,
-                   inv, write_sorted, write_inv, eb, lane):
-        """Place the slots [begin, end) in order: pos = off[e] + cursor[e] + (same-expert
-        lanes below); the cursor row wc[row0:] starts at the warp's first rank per expert."""
-        for base in range(begin, end, 32 * PREFETCH):
-            load_round(ids, base, end, E, emap, use_map, ignore_invalid, eb, lane)
-            for u in range(PREFETCH):
-                place_one(base + 32 * u + lane, eb[u], wc, row0, off, sorted_ids, inv,
-                          write_sorted, write_inv)
-
-    @device_function
-    def warp_inclusive_scan(v, lane):
-        """The inclusive prefix sum of v over the warp's lanes (5 shuffle steps)."""
-        d = 1
-        while d < 32:
-            u = cu.shfl_sync(FULL_MASK, v, max(lane - d, 0))
-            if lane >= d:
-                v += u
-            d *= 2
-        return v
-
-    @device_function
-    def scan_padded_warps(cnt, off, E, B, red, tid):
-        """off[e] = sum_{e' < e} ceil(cnt[e'] / B) * B for e <= E, as permute.cu's
-        block_exclusive_scan: a chunk per thread, warp scans by shuffles, warp 0 scans the
-        warp totals (red[0:W]); two block barriers (a Hillis-Steele scan over NT takes
-        2 log2(NT)). Ends with a barrier."""
-        lane = tid & 31
-        warp = tid >> 5
-        chunk = (E + NT - 1) // NT
-        lo = min(E, tid * chunk)
-        hi = min(E, lo + chunk)
-        local = 0
-        for e in range(lo, hi):
-            local += (cnt[ix(e)] + B - 1) // B * B
-        incl = warp_inclusive_scan(local, lane)
-        if lane == 31:
-            red[ix(warp)] = incl
-        cu.syncthreads()
-        if warp == 0:
-            wt = red[ix(lane)] if lane < W else 0
-            wt = warp_inclusive_scan(wt, lane)
-            if lane < W:
-                red[ix(lane)] = wt           # inclusive warp totals
-        cu.syncthreads()
-        run = incl - local
-        if warp > 0:
-            run += red[ix(warp - 1)]
-        for e in range(lo, hi):
-            off[ix(e)] = run
-            run += (cnt[ix(e)] + B - 1) // B * B
-        if tid == NT - 1:
-            off[ix(E)] = red[ix(W - 1)]
-        cu.syncthreads()
-
-    @device_function
-    def scan_warps(wc, E, tot, tid):
-        """wc[w, e] -> the exclusive prefix over warps w (in place); tot[e] = the column sum."""
-        for e in range(tid, E, NT):   # consecutive e: consecutive banks
-            run = 0
-            for w in range(W):
-                c = wc[ix(w * E + e)]
-                wc[ix(w * E + e)] = run
-                run += c
-            tot[ix(e)] = run
-
-    def align_one(ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert_ids,
-                  n_blocks, capacity, num_post, offsets, inv, do_align, write_inv):
-        """One block does it all, warp w owning slots [w * chunk, (w + 1) * chunk)."""
-        tid = cu.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        sh = cu.shared.array(0, int32)
-        wc = sh[0:W * E]
-        tot = sh[W * E:W * E + E]
-        off = sh[W * E + E:W * E + 2 * E + 1]
-        red = sh[W * E + 2 * E + 1:W * E + 2 * E + 1 + NT]
-        for i in range(tid, W * E, NT):
-            wc[i] = 0
-        cu.syncthreads()
-        chunk = (P + W * 32 - 1) // (W * 32) * 32          # whole 32-slot steps per warp
-        begin = min(P, warp * chunk)
-        end = min(P, begin + chunk)
-        eb = cu.local.array(PREFETCH, int32)
-        warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, eb, lane)
-        cu.syncthreads()
-        scan_warps(wc, E, tot, tid)
-        cu.syncthreads()
-        scan_padded_warps(tot, off, E, B, red, tid)     # ends with a barrier
-        total = off[E]
-        if tid == 0:
-            num_post[0] = total
-        for e in range(tid, E + 1, NT):
-            offsets[e] = off[e]
-        if do_align:
-            for e in range(warp, E, W):                 # expert e's blocks and padding: warp e % W
-                lo = off[ix(e)]
-                hi = off[ix(e + 1)]
-                if lo < hi:
-                    eid = emap[ix(e)] if use_map else e
-                    for b in range(lo // B + lane, hi // B, 32):
-                        expert_ids[ix(b)] = eid
-                    for p in range(lo + tot[ix(e)] + lane, hi, 32):
-                        sorted_ids[ix(p)] = P
-            for p in range(total + tid, capacity, NT):  # the tail: no slot goes there
-                sorted_ids[ix(p)] = P
-            for b in range(total // B + tid, n_blocks, NT):
-                expert_ids[ix(b)] = -1
-        warp_place(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, off,
-                   sorted_ids, inv, do_align, write_inv, eb, lane)
-
-    def align_scatter_chunks(ids, P, E, emap, use_map, ignore_invalid, block_counts, offsets,
-                             sorted_ids, inv, do_align, write_inv, CH):
-        """Block b places its CH slots, warp w owning a contiguous CH / W of them."""
-        tid = cu.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        b = cu.blockIdx.x
-        wc = cu.shared.array(0, int32)[0:W * E]
-        for i in range(tid, W * E, NT):
-            wc[i] = 0
-        cu.syncthreads()
-        lo = b * CH
-        hi = min(P, lo + CH)
-        chunk = (CH + W * 32 - 1) // (W * 32) * 32
-        begin = min(hi, lo + warp * chunk)
-        end = min(hi, begin + chunk)
-        eb = cu.local.array(PREFETCH, int32)
-        warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, eb, lane)
-        cu.syncthreads()
-        for e in range(tid, E, NT):   # warp w's cursor = block's offset + earlier warps
-            run = block_counts[ix(b), ix(e)]
-            for w in range(W):
-                c = wc[ix(w * E + e)]
-                wc[ix(w * E + e)] = run
-                run += c
-        cu.syncthreads()
-        warp_place(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, offsets,
-                   sorted_ids, inv, do_align, write_inv, eb, lane)
-
-    HIST_UNROLL = 8   # block-count rows a thread loads before adding any (one round trip)
-
-    def align_count_blocks(ids, P, E, emap, use_map, ignore_invalid, hist, CH):
-        """hist[b, e] = the slots of expert e in block b's CH slots (warp chunks, PREFETCH'd
-        loads, shared atomics). The first launch of the two-launch multi-block path."""
-        tid = cu.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        b = cu.blockIdx.x
-        cnt = cu.shared.array(0, int32)[0:E]
-        for e in range(tid, E, NT):
-            cnt[e] = 0
-        cu.syncthreads()
-        lo = b * CH
-        hi = min(P, lo + CH)
-        chunk = (CH + W * 32 - 1) // (W * 32) * 32
-        begin = min(hi, lo + warp * chunk)
-        end = min(hi, begin + chunk)
-        eb = cu.local.array(PREFETCH, int32)
-        warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, cnt, 0, eb, lane)
-        cu.syncthreads()
-        for e in range(tid, E, NT):
-            hist[ix(b), ix(e)] = cnt[ix(e)]
-
-    def align_place_blocks(ids, P, E, B, emap, use_map, ignore_invalid, hist, nb, sorted_ids,
-                           expert_ids, n_blocks, capacity, num_post, offsets, inv, do_align,
-                           write_inv, CH):
-        """The second launch: every block reads hist [nb, E] (its offset inside each expert:
-        the earlier blocks' counts; the totals), scans the padded totals itself (redundantly:
-        cheaper than a launch), writes its share of expert_ids and padding, and places its
-        slots like align_one. permute.cu does the same after a grid barrier.
-        Shared (int32): wc [W E], tot [E], pre [E], off [E + 1], red [NT]."""
-        tid = cu.threadIdx.x
-        warp = tid // 32
-        lane = tid % 32
-        b = cu.blockIdx.x
-        sh = cu.shared.array(0, int32)
-        wc = sh[0:W * E]
-        tot = sh[W * E:W * E + E]
-        pre = sh[W * E + E:W * E + 2 * E]
-        off = sh[W * E + 2 * E:W * E + 3 * E + 1]
-        red = sh[W * E + 3 * E + 1:W * E + 3 * E + 1 + NT]
-        for i in range(tid, W * E, NT):
-            wc[i] = 0
-        for e in range(tid, E, NT):
-            tot[e] = 0
-            pre[e] = 0
-        cu.syncthreads()
-        lo = b * CH
-        hi = min(P, lo + CH)
-        chunk = (CH + W * 32 - 1) // (W * 32) * 32
-        begin = min(hi, lo + warp * chunk)
-        end = min(hi, begin + chunk)
-        eb = cu.local.array(PREFETCH, int32)
-        warp_count(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, eb, lane)
-        # per threads per expert, each summing every per-th row of hist, HIST_UNROLL loads
-        # in flight at a time (the rows were written by the previous launch: L2 hits)
-        per = max(1, NT // E)
-        hv = cu.local.array(HIST_UNROLL, int32)
-        for i in range(tid, per * E, NT):
-            e = i % E
-            q = i // E
-            t_sum = 0
-            p_sum = 0
-            for j0 in range(q, nb, per * HIST_UNROLL):
-                for u in range(HIST_UNROLL):
-                    j = j0 + u * per
-                    hv[u] = hist[ix(j), ix(e)] if j < nb else 0
-                for u in range(HIST_UNROLL):
-                    t_sum += hv[u]
-                    if j0 + u * per < b:
-                        p_sum += hv[u]
-            cu.atomic.add(tot, e, t_sum)
-            cu.atomic.add(pre, e, p_sum)
-        cu.syncthreads()
-        for e in range(tid, E, NT):   # warp w's cursor = the block's offset + earlier warps
-            run = pre[ix(e)]
-            for w in range(W):
-                c = wc[ix(w * E + e)]
-                wc[ix(w * E + e)] = run
-                run += c
-        scan_padded_warps(tot, off, E, B, red, tid)     # (its first barrier orders the above)
-        total = off[E]
-        if b == 0:
-            if tid == 0:
-                num_post[0] = total
-            for e in range(tid, E + 1, NT):
-                offsets[e] = off[e]
-        if do_align:
-            gw = b * W + warp                           # this warp's place in the grid
-            for e in range(gw, E, nb * W):              # expert e's blocks and padding
-                e_lo = off[ix(e)]
-                e_hi = off[ix(e + 1)]
-                if e_lo < e_hi:
-                    eid = emap[ix(e)] if use_map else e
-                    for x in range(e_lo // B + lane, e_hi // B, 32):
-                        expert_ids[ix(x)] = eid
-                    for p in range(e_lo + tot[ix(e)] + lane, e_hi, 32):
-                        sorted_ids[ix(p)] = P
-            gt = b * NT + tid
-            for p in range(total + gt, capacity, nb * NT):
-                sorted_ids[ix(p)] = P
-            for x in range(total // B + gt, n_blocks, nb * NT):
-                expert_ids[ix(x)] = -1
-        warp_place(ids, begin, end, E, emap, use_map, ignore_invalid, wc, warp * E, off,
-                   sorted_ids, inv, do_align, write_inv, eb, lane)
-
-    return (kernel(align_one), kernel(align_scatter_chunks), kernel(align_count_blocks),
-            kernel(align_place_blocks))
-
-
 def _rank_words(rank, NT, E):
     """The extra shared int32 words of the warp ranks (cntw and tagw)."""
     return 2 * (NT // 32) * E if rank == "warp" else 0
@@ -957,8 +630,8 @@ def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_a
                 write_inv, path=None, rank=None):
     """Run the align kernels. Returns (sorted_ids, expert_ids, num_post, offsets, inv) as
     numba arrays (sorted_ids / expert_ids only when do_align, inv only when write_inv).
-    path ("single" | "multi") and rank ("block" | "warp" | "chunks") override the config
-    (tests)."""
+    rank ("grid" | "warp" | "block") and, for the warp / block ranks, path ("single" |
+    "multi") override the config (tests)."""
     cfg = config("align")
     NT = cfg["THREADS"]
     T, K = A.shape_of(topk_ids)
@@ -974,43 +647,20 @@ def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_a
     inv = call.empty((P,), np.int32) if write_inv else A.dummy(np.int32)
     if rank is None:
         rank = cfg["RANK"]
+    flags = (1 if use_map else 0, 1 if ignore_invalid else 0)
     if rank == "grid" and not SIMULATOR and grid_align.fits(E):
-        flags = (1 if use_map else 0, 1 if ignore_invalid else 0)
         grid_align.launch(call, ids, P, E, B, emap, *flags, sorted_ids, expert_ids, n_blocks,
                           capacity, num_post, offsets, inv, int(do_align), int(write_inv))
         return sorted_ids, expert_ids, num_post, offsets, inv
-    if rank == "grid":
-        rank = "chunks" if not SIMULATOR else "block"
-    if rank == "chunks":
-        # as many warps (up to THREADS / 32) as the per-warp count rows [W, E] allow
-        while NT > 32 and ((NT // 32) * E + 3 * E + 1 + NT) * 4 > SHARED_LIMIT:
-            NT //= 2
-        if ((NT // 32) * E + 3 * E + 1 + NT) * 4 > SHARED_LIMIT:
-            NT, rank = cfg["THREADS"], "warp"   # very many experts: even one row is too much
+    if rank == "grid":   # the simulator, or E too large for one warp's row of counters
+        rank = "block" if SIMULATOR else "warp"
     if rank == "warp" and (3 * E + 1 + 2 * NT + _rank_words(rank, NT, E)) * 4 > SHARED_LIMIT:
         rank = "block"   # very many experts: the warp ranks' tables do not fit
-    chunks = rank == "chunks"
-    single, count, scan, scatter = align_kernels(NT, "warp" if chunks else rank)
+    single, count, scan, scatter = align_kernels(NT, rank)
     extra = _rank_words(rank, NT, E)
     if path is None:
         path = "single" if P <= cfg["SINGLE_BLOCK_MAX_SLOTS"] else "multi"
-    flags = (1 if use_map else 0, 1 if ignore_invalid else 0)
-    if chunks:
-        one, scatter, count2, place2 = chunk_kernels(NT)
-        rows = (NT // 32) * E          # the per-warp count rows wc [W, E]
-    if chunks and path == "multi" and cfg.get("LAUNCHES", 3) == 2:
-        CH = cfg["SLOTS_PER_BLOCK"]
-        nb = A.cdiv(P, CH)
-        hist = call.empty((nb, E), np.int32)                              # [nb, E] scratch
-        count2[nb, NT, 0, E * 4](ids, P, E, emap, *flags, hist, CH)
-        place2[nb, NT, 0, (rows + 3 * E + 1 + NT) * 4](
-            ids, P, E, B, emap, *flags, hist, nb, sorted_ids, expert_ids, n_blocks, capacity,
-            num_post, offsets, inv, int(do_align), int(write_inv), CH)
-    elif chunks and path == "single":
-        smem = (rows + 2 * E + 1 + NT) * 4
-        one[1, NT, 0, smem](ids, P, E, B, emap, *flags, sorted_ids, expert_ids, n_blocks,
-                            capacity, num_post, offsets, inv, int(do_align), int(write_inv))
-    elif path == "single":
+    if path == "single":
         smem = (3 * E + 1 + 2 * NT + extra) * 4
         single[1, NT, 0, smem](ids, P, E, B, emap, *flags, sorted_ids, expert_ids, n_blocks,
                                capacity, num_post, offsets, inv, int(do_align), int(write_inv))
@@ -1023,9 +673,9 @@ def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_a
         scan[1, NT, 0, (2 * E + 1 + NT) * 4](block_counts, nb, E, B, P, emap, flags[0],
                                              sorted_ids, expert_ids, n_blocks, capacity,
                                              num_post, offsets, int(do_align))
-        smem = rows * 4 if chunks else (E + NT + extra) * 4
-        scatter[nb, NT, 0, smem](ids, P, E, emap, *flags, block_counts, offsets, sorted_ids, inv,
-                                 int(do_align), int(write_inv), CH)
+        scatter[nb, NT, 0, (E + NT + extra) * 4](ids, P, E, emap, *flags, block_counts, offsets,
+                                                 sorted_ids, inv, int(do_align), int(write_inv),
+                                                 CH)
     return sorted_ids, expert_ids, num_post, offsets, inv
 
 
@@ -1047,7 +697,8 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
     expert), expert_ids int32 [cdiv(max_num_tokens_padded, B)] (local ids through expert_map,
     -1 past the end or for experts off this rank), num_tokens_post_padded int32 [1].
     With expert_map and ignore_invalid_experts=True, experts off this rank get no blocks.
-    Kernels: align_single, or align_count + align_scan + align_scatter (module docstring).
+    Kernels: align_grid (align.py, one launch) on the GPU; align_single, or align_count +
+    align_scan + align_scatter with the simulator's "block" ranks (module docstring).
     """
     A.check_int_array("topk_ids", topk_ids, ndim=2)
     B = A.check_int("block_size", block_size, minimum=1)
@@ -1174,20 +825,6 @@ def compile_cases():
         if rank == "warp":
             cases.append(("align_scan", scan,
                           (arr(i32, 2), i64, i64, i64, i64, v, i64, v, v, i64, i64, v, v, i64)))
-    one, scatter_chunks, count2, place2 = chunk_kernels(CONFIGS["align"]["THREADS"])
-    for ids in (i32, i64):
-        a = arr(ids, 1)
-        cases += [
-            (f"align_one ids={ids}", one,
-             (a, i64, i64, i64, v, i64, i64, v, v, i64, i64, v, v, v, i64, i64)),
-            (f"align_scatter_chunks ids={ids}", scatter_chunks,
-             (a, i64, i64, v, i64, i64, arr(i32, 2), v, v, v, i64, i64, i64)),
-            (f"align_count_blocks ids={ids}", count2,
-             (a, i64, i64, v, i64, i64, arr(i32, 2), i64)),
-            (f"align_place_blocks ids={ids}", place2,
-             (a, i64, i64, i64, v, i64, i64, arr(i32, 2), i64, v, v, i64, i64, v, v, v, i64,
-              i64, i64)),
-        ]
     cfg = grid_align.CONFIGS["grid"]
     grid = grid_align.grid_kernel(cfg["RELOAD"], cfg["COUNT"] == "atomic")
     for ids in (i32, i64):

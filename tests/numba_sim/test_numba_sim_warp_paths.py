@@ -2,6 +2,7 @@
 
     routing "warp" flavour     one warp per token row, reductions by shfl_xor_sync
     alignment "warp" ranks     ranks within a round by match_any_sync + per-warp counts
+    alignment "grid"           align.py's one-launch kernel (the GPU default), one block
 
 warp_emulation.py gives the simulator's fake `cuda` module shfl_xor_sync, match_any_sync,
 lanemask_lt and syncwarp (the lanes of a warp meet at a barrier). The results must equal
@@ -105,32 +106,6 @@ def test_routing_keys_flavour(warps, monkeypatch, case):
     np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(want[0]))
     ok = ~np.isnan(want[0]).any(axis=1)
     assert rel_err(got[0][ok], want[0][ok]) <= 1e-5
-
-
-@pytest.mark.parametrize("path,launches", [("single", 1), ("multi", 3), ("multi", 2)])
-def test_align_chunk_ranks(warps, monkeypatch, path, launches):
-    """permute.cu's warp-chunk grouping ("chunks", the GPU default) in emulated warps: one
-    block, or several (count / scan / place, or count / place with the scan in every block)."""
-    monkeypatch.setitem(Pm.SIM_CONFIGS, "align", {"THREADS": 64, "SLOTS_PER_BLOCK": 40,
-                                                  "SINGLE_BLOCK_MAX_SLOTS": 128,
-                                                  "RANK": "chunks", "LAUNCHES": launches})
-    E, B = 6, 4
-    ids = distinct_topk_ids(rng_for("chunk-align", path), 45, E, 2)   # P = 90
-    ids[3] = [5, 5 - 1]
-    _, emap = reference.determine_expert_map(2, 1, E)
-    for expert_map, ignore, pad in ((None, False, False), (emap, False, True), (emap, True, False)):
-        call = A.Call("topk_ids", ids)
-        cap = Pm.max_num_tokens_padded(ids.size, B, E, pad)
-        out = Pm._sort_slots(call, ids, E, B, expert_map, ignore, cap, True, False, path=path,
-                             rank="chunks")
-        got = tuple(call.result(v) for v in out[:3])
-        want = reference.moe_align_block_size(ids, B, E, expert_map, pad, ignore)
-        for g, w in zip(got, want):
-            np.testing.assert_array_equal(g, w)
-    x = uniform(rng_for("chunk-perm"), (45, 3), 1.0)
-    got = Pm.moe_permute(x, ids, E)   # the config's RANK ("chunks")
-    for g, w in zip(got, reference.moe_permute(x, ids, E)):
-        np.testing.assert_array_equal(g, w)
 
 
 def test_align_grid(warps, monkeypatch):
