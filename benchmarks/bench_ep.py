@@ -39,8 +39,8 @@ the ratio against the raw all-to-all of the P slot rows (what token rows save).
 Implementations (--impls, the first is the target's): "fused" (sandbox/ep/layout.py +
 cuda_kernels/cupy/ep_layout.cu, the default), "fusedC" (the combine in C token chunks, its
 sums overlapping the next chunk's exchange), "fusedslow" ("fused" without its GPU plans: the
-generic launchers and communicator calls, to compare), "fusedlocal" (the rows a rank sends
-itself by a device copy beside the NCCL exchange), "stages" (moe_permute / moe_unpermute).
+generic launchers and communicator calls, to compare), "fusedgf" ("fused" with the gather
+launched before the counts exchange), "stages" (moe_permute / moe_unpermute).
 --breakdown times each sub-step alone; every row also carries host_ms, the host's median
 time inside the timed call (the launches, the counts sync): where GPU time is host-bound.
 
@@ -170,17 +170,17 @@ def _impl_spec(spec):
     "fusedslow" is "fused" without the GPU plans (dispatch.GPU_PLANS off while it runs)."""
     if spec.startswith("fused") and spec[5:].isdigit():
         return "fused", int(spec[5:])
-    if spec in ("fusedslow", "fusedlocal"):
+    if spec in ("fusedslow", "fusedgf"):
         return "fused", None
     return spec, None
 
 
 class _Plans:
-    """dispatch.GPU_PLANS / LOCAL_COPY for one implementation's rows ("fusedslow": no plans,
-    "fusedlocal": own rows by a device copy), restored after."""
+    """dispatch.GPU_PLANS / COUNTS_FIRST for one implementation's rows ("fusedslow": no
+    plans; "fusedgf": the gather launched before the counts exchange), restored after."""
 
     def __init__(self, spec):
-        self.flags = {"GPU_PLANS": spec != "fusedslow", "LOCAL_COPY": spec == "fusedlocal"}
+        self.flags = {"GPU_PLANS": spec != "fusedslow", "COUNTS_FIRST": spec != "fusedgf"}
 
     def __enter__(self):
         from sandbox.ep import dispatch as D
@@ -673,8 +673,8 @@ def main(argv=None):
     ap.add_argument("--impls", default="fused",
                     help="all-to-all-v implementations (sandbox/ep/dispatch.py), the first is "
                          "the target's: fused, fusedC (the combine in C token chunks, e.g. "
-                         "fused2), fusedslow (fused without the GPU plans), fusedlocal (own "
-                         "rows by a device copy) and/or stages")
+                         "fused2), fusedslow (fused without the GPU plans), fusedgf (gather "
+                         "launched first) and/or stages")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each sub-step of dispatch / combine alone (diagnostic)")
     ap.add_argument("--reps", type=int, default=20)
@@ -703,7 +703,7 @@ def main(argv=None):
         ap.error("--alltoall-rows: expected at least one of token, slot")
     impls = [m for m in args.impls.split(",") if m]
     for m in impls:
-        if m not in ("stages", "fusedslow", "fusedlocal") and not (m.startswith("fused") and
+        if m not in ("stages", "fusedslow", "fusedgf") and not (m.startswith("fused") and
                                                       (m[5:] == "" or m[5:].isdigit())):
             ap.error(f"--impls: expected fused, fusedC (C an int), fusedslow and/or stages, "
                      f"got {m!r}")

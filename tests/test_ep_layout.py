@@ -123,7 +123,6 @@ def test_fused_matches_stages_on_cpu_communicator(world_size):
         assert res["chunked_x"], res
         assert not np.isnan(res["out_vs_loop"]) and res["out_vs_loop"] <= res["tolerance"], res
         assert res["reuse_vs_fused"] == 0.0 and not res["lean"], res
-        assert res["local_x"] and res["local_vs_fused"] == 0.0, res
 
 
 # ----------------------------------------------------------------------------- NVRTC
@@ -247,7 +246,6 @@ def test_fused_matches_stages_over_nccl():
         # the lean GPU path (plans, reused buffers) ran, and a second call of the same shape
         # with the tokens permuted gives each token the same output, bit for bit
         assert res["lean"] and res["reuse_vs_fused"] == 0.0, res
-        assert res["local_x"] and res["local_vs_fused"] == 0.0, res
 
 
 # ----------------------------------------------------------------------------- CPU emulation

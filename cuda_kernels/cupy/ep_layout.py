@@ -313,6 +313,8 @@ class DispatchPlan:
         self._gather_tail = (np.int32(T), np.int32(K), np.int32(S), np.int32(epr),
                              np.int32(1 if slot_rows else 0))
         self._x_send_raw = C.raw(self.x_send)
+        # bf16 goes to the kernel as its uint16 bytes (C.raw, decided once here)
+        self._raw = np.uint16 if dtype == C.bf16_dtype() else None
 
     def layout(self, ids):
         """One launch: the send order of ids [T, K] -> inv int32 [T S] (counts2, src and
@@ -335,7 +337,8 @@ class DispatchPlan:
         else:
             raise ValueError("x: rows cannot be copied in 2-byte words (misaligned start)")
         kern((self.T,), (CONFIGS["ep_gather_kernel"]["GATHER_THREADS"],),
-             (C.raw(x), ids, self._w_null if w is None else w, inv, self.n_real,
+             (x if self._raw is None else x.view(self._raw), ids,
+              self._w_null if w is None else w, inv, self.n_real,
               self._x_send_raw, self.ids_send,
               self._w_null if self.w_send is None else self.w_send) + self._gather_tail
              + (words,))
@@ -367,6 +370,7 @@ class CombinePlan:
                                  threads, chunks))
         self._null = C.null_ptr()
         self._tail = (np.int32(S), np.int32(H))
+        self._raw = np.uint16 if dtype == C.bf16_dtype() else None   # bf16 as uint16
 
     def __call__(self, y, weights, inv, n, out, t0=0, t1=None):
         t1 = self.T if t1 is None else t1
@@ -377,7 +381,9 @@ class CombinePlan:
             if align % vb == 0:
                 break
         kern(((t1 - t0) * chunks,), (threads,),
-             (C.raw(y), self._null if weights is None else weights, inv, C.raw(out),
+             (y if self._raw is None else y.view(self._raw),
+              self._null if weights is None else weights, inv,
+              out if self._raw is None else out.view(self._raw),
               np.int32(t0), np.int32(t1)) + self._tail + (np.int32(n), np.int32(chunks)))
         return out
 

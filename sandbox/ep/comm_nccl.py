@@ -625,38 +625,32 @@ class NcclCommunicator(Communicator):
             self._pinned = {}
         return self._side
 
-    def counts_start(self, both, pinned, after, done):
+    def counts_transfers(self, both):
+        """The transfers of counts_start for the buffer `both` (int64 [2, W, C]): [0, p] is
+        sent to p, [1, p] received from p."""
+        W, r = self.world_size, self.rank
+        ptr, chunk = both.data.ptr, 8 * both.shape[2]
+        return [t for p in range(W) if p != r
+                for t in ((True, ptr + chunk * p, chunk, p),
+                          (False, ptr + chunk * (W + p), chunk, p))]
+
+    def counts_start(self, both, pinned, after, done, transfers=None):
         """Phase one of the fused all-to-all-v, lean: on the side stream, after event `after`,
         exchange the counts buffer `both` (int64 [2, W, C], [0, p] sent to p, [1, p] filled
         from p) in place, copy it into the page-locked host array `pinned` ([2, W C] int64),
-        and record `done`. The caller waits for `done` with wait_done(done)."""
+        and record `done`. The caller waits for `done` with wait_done(done). `transfers`:
+        counts_transfers(both), made once by the caller."""
         side = self.side_stream()
         side.wait_event(after)
-        W, r = self.world_size, self.rank
-        C = both.shape[2]
-        ptr, chunk = both.data.ptr, 8 * C
-        self.p2p_group("all_to_all_v (counts)",
-                       [t for p in range(W) if p != r
-                        for t in ((True, ptr + chunk * p, chunk, p),
-                                  (False, ptr + chunk * (W + p), chunk, p))],
-                       side.ptr, track=False)
+        if transfers is None:
+            transfers = self.counts_transfers(both)
+        self.p2p_group("all_to_all_v (counts)", transfers, side.ptr, track=False)
         runtime = self._cupy.cuda.runtime
         if hasattr(runtime, "memcpyAsync"):   # no array objects (the fake CuPy lacks it)
-            runtime.memcpyAsync(pinned.ctypes.data, ptr, 16 * W * C, 2, side.ptr)   # D2H
+            runtime.memcpyAsync(pinned.ctypes.data, both.data.ptr, both.nbytes, 2, side.ptr)
         else:
-            both.reshape(2, W * C).get(stream=side, out=pinned, blocking=False)
+            both.reshape(2, -1).get(stream=side, out=pinned, blocking=False)
         done.record(side)
-
-    def copy_async(self, dst_ptr, src_ptr, nbytes, stream):
-        """A device-to-device copy of nbytes on `stream` (the rows a rank sends itself, when
-        they bypass NCCL)."""
-        runtime = self._cupy.cuda.runtime
-        if hasattr(runtime, "memcpyAsync"):
-            runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, 3, stream.ptr)   # device to device
-        else:   # the fake CuPy of the CPU tests: host memory, synchronous
-            import ctypes
-
-            ctypes.memmove(dst_ptr, src_ptr, nbytes)
 
     def wait_done(self, event, what):
         """Polls `event` (never a blocking sync) with the timeout and the watchdog's verdict."""
