@@ -444,8 +444,6 @@ def _sm_count() -> int:
 def _barrier_word():
     """The grid barrier's word of the current device, zeroed once (each launch leaves it ready
     for the next; numba launches on the default stream, so launches never overlap)."""
-    import numpy as np
-
     cuda = A.cuda()
     dev = cuda.get_current_device().id
     if dev not in _BARRIER:
@@ -479,8 +477,6 @@ def align_geometry(P: int, E: int, sm_count: int):
 def launch(call, ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert_ids, n_blocks,
            capacity, num_post, offsets, inv, do_align, write_inv):
     """One launch of align_grid over the numba arrays (permute._sort_slots makes them)."""
-    import numpy as np
-
     G, NT, smem = align_geometry(P, E, _sm_count() if P > CONFIGS["grid"]["SMALL_P"] else 1)
     if G > 1:
         hist = call.empty((G * E,), np.int32)            # [G, E] per-block counts
@@ -488,7 +484,14 @@ def launch(call, ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert
     else:
         hist, bar = A.dummy(np.int32), A.dummy(np.uint32)
     cfg = CONFIGS["grid"]
-    grid_kernel(cfg["RELOAD"], cfg["COUNT"] == "atomic", cfg["PAD"] == "shfl")[G, NT, 0, smem](
-        ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids, n_blocks,
-        capacity, num_post, offsets, inv, do_align, write_inv,
-        A.cdiv(A.cdiv(P, G * NT // 32), 32) * 32)
+    k = grid_kernel(cfg["RELOAD"], cfg["COUNT"] == "atomic", cfg["PAD"] == "shfl")
+    args = (ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids,
+            n_blocks, capacity, num_post, offsets, inv, do_align, write_inv,
+            A.cdiv(A.cdiv(P, G * NT // 32), 32) * 32)   # chunk: whole 32-slot steps per warp
+    if G > 1 and not SIMULATOR:
+        # A cooperative launch, as permute.cu's: the driver refuses a grid that cannot be
+        # resident all at once (which the barrier needs) instead of letting it hang. numba
+        # sets the flag only on kernels that call cuda.cg (linking cudadevrt for them), so it
+        # is set here on the compiled kernel for these argument types.
+        k.compile(tuple(k.typeof_pyval(a) for a in args)).cooperative = True
+    k[G, NT, 0, smem](*args)
