@@ -13,36 +13,44 @@ expert_offsets (off, E + 1 entries) and inverse index inv[s] = the position of s
 How it is stable without a sort (permute.cu's grouping): the slots are cut into G W
 contiguous chunks of whole 32-slot steps, chunk g W + w owned by warp w of block g, so
 (block, warp, step, lane) is slot order.
-    1. each warp counts its chunk into its own shared row wc[w, :] (match_any_sync: one
-       shared atomic per distinct expert per step); its ids stay in registers when the chunk
-       is one round (PREFETCH steps, 256 slots);
+    1. each warp counts its chunk into its own shared row wc[w, :] (one shared atomic per
+       slot); its ids stay in registers when the chunk is one round (PREFETCH steps of 32
+       slots, their loads all in flight at once);
     2. a scan over the warps turns wc into each warp's first rank inside the block and gives
        the block's count per expert: the total (G = 1) or hist[g, :] (G > 1);
     3. G > 1: grid barrier; every block reads hist [G, E]: pre[e] = the counts of the
-       earlier blocks (added to its warps' first ranks), tot[e] = the sum over all blocks;
+       earlier blocks, tot[e] = the sum over all blocks;
     4. off = the exclusive scan of the padded totals (every block, redundantly: cheaper than a
-       second launch);
+       second launch), and pre[e] += off[e]: the block's first position in expert e's run;
     5. expert_ids, each run's padding, the tail and num_tokens_post_padded, spread over every
-       warp of the grid (positions no slot takes: no ordering needed);
+       warp of the grid, a contiguous range of experts per warp (positions no slot takes: no
+       ordering needed);
     6. each warp places its chunk again in order: match_any_sync groups the lanes of one
        expert, the group's lowest lane reads and advances the warp's cursor, a lane's rank is
        the popcount of the group's lanes below it.
+Numba-specific care (each measured or read off the SASS): the id loads take a clamped index
+and no branch (a load under an `if` on the previous id waits for it: one DRAM round trip per
+step); strided loops are while loops and divisions 32-bit unsigned (a `range` with a run-time
+step divides in 64 bits for its trip count, numba's integer arithmetic is 64-bit, and a 64-bit
+division is a ~100-instruction call); the kernel is bounded to 1024 threads (<= 64 registers).
 
 Launch geometry (align_geometry): block NT = 32 W threads, W = min(MAX_WARPS, what the
 [W, E] rows leave of SMEM_BUDGET); G = 1 up to SMALL_P slots (then W = the 32-slot steps, at
-least MIN_WARPS: idle warps cost little, and the per-expert loops of step 5 use them), else
-G = min(SMs, cdiv(P, W WARP_SLOTS), TABLE_LOADS W 32 / E) blocks, all resident at once (one
-block per SM always fits: <= 48 KB of shared memory, <= 1024 threads). Dynamic shared memory
-(W E + 3 E + 33) int32: wc [W, E], tot [E], pre [E], off [E + 1], scan scratch [32]. Global
-scratch (G > 1): hist [G, E] and the barrier word.
+least min(MIN_WARPS, max(4, cdiv(E, 8))): idle warps cost little in steps 1 and 6, and take
+their share of steps 2 and 5), else G = min(SMs, cdiv(P, W WARP_SLOTS), TABLE_LOADS W 32 / E)
+blocks, all resident at once (a cooperative launch). Dynamic shared memory (W E + 3 E + 33)
+int32: wc [W, E], tot [E], pre [E], off [E + 1], scan scratch [32]. Global scratch (G > 1):
+hist [G, E] and the barrier word.
 
 The grid barrier (G > 1) is permute.cu's: one uint32 word per device that outlives the launch,
 zeroed once; block 0 adds 2^31 - (G - 1), the others 1, so the top bit flips when the G-th
 block arrives and the low 31 bits are 0 again for the next launch. numba's own grid sync
 (cuda.cg.this_grid().sync()) needs cudadevrt linked at compile time; this needs nothing.
 
-GPU only: match_any_sync and shuffles have no simulator twin (the simulator runs
-permute.py's "block" ranks). Run: python -m cuda_kernels.numba.permute (validates and times).
+GPU only: match_any_sync and shuffles have no simulator twin, so the simulator runs
+permute.py's "block" ranks; tests/numba_sim runs this kernel (one block) in emulated warps.
+Config "RANK" of permute.py picks it ("grid", the GPU default) or the multi-launch "warp" /
+"block" ranks. Run: python -m cuda_kernels.numba.permute (validates and times).
 """
 from __future__ import annotations
 
