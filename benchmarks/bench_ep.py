@@ -213,8 +213,28 @@ def _breakdown(comm, timer, ops, opts, record, mode, spec, T, xs, routes, per_ra
     impl, chunks = _impl_spec(spec)
     if chunks is not None:   # the steps are those of "fused"; only the whole differs
         return
-    if impl == "fused":
-        lay = layout_ops(comm)
+    lay = layout_ops(comm) if impl == "fused" else None
+    if impl == "fused" and D.GPU_PLANS and hasattr(lay, "DispatchPlan") and \
+            hasattr(comm, "p2p_group"):
+        # the GPU plans' steps (what alltoall_dispatch runs on a GPU by default)
+        g = D._gpu_fused(comm, lay, x, ids, per_rank, w, mode, 1)
+
+        def layout(i):
+            st["inv"] = g.plan.layout(ids)
+
+        def gather(i):
+            g.plan.gather(x, ids, w, st["inv"])
+
+        def counts(i):
+            g.laid_out.record(g.stream)
+            comm.counts_start(g.plan.counts2, g.pinned, g.laid_out, g.counted,
+                              g.counts_transfers)
+            comm.wait_done(g.counted, "all_to_all_v (counts)")
+            st["c"] = g.pinned.tolist()
+
+        steps = [("layout kernel", layout), ("gather kernel", gather),
+                 ("counts exchange + host sync", counts)]
+    elif impl == "fused":
 
         def layout(i):
             st["lay"] = lay.ep_layout(ids, per_rank, W, r, slot)
@@ -262,8 +282,13 @@ def _breakdown(comm, timer, ops, opts, record, mode, spec, T, xs, routes, per_ra
                      opts["reps"], opts["warmup"])
     record(T, "alltoall", f"  step: combine exchange ({mode} rows, {impl})", t, n * H * 2,
            {"rows": mode, "impl": impl, "host_ms": timer.last_host_ms, "breakdown": True})
-    if impl == "fused":
-        lay = layout_ops(comm)
+    if impl == "fused" and s_.gpu is not None:    # the plan's combine launch
+        cp = lay.CombinePlan(T, s_.width, H, x.dtype)
+        wts = w if slot else None
+        out = cupy.empty((T, H), dtype=x.dtype)
+        fn = lambda i: cp(D.view_as(back, x.dtype), wts, s_.inv, n, out)  # noqa
+        name = "combine kernel"
+    elif impl == "fused":
         wts = w if slot else None
         fn = lambda i: lay.ep_combine(D.view_as(back, x.dtype), wts, s_.inv, n, T)  # noqa
         name = "combine kernel"
