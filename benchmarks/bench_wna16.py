@@ -25,6 +25,7 @@ frac = floor / median time.
                                      [--budget-s 120] [--out DIR]
 
 --sweep also times every config of quant_gemm_wna16.CONFIGS (and KS in {auto, 1, 2, 4, 8})
+and of PACKED_CONFIGS (the prepacked int4 rung: weights packed once, on the warm-up call)
 per GEMM at each T (for the config table). Writes DIR/bench_wna16_<gpu>_<time>.json
 (default DIR benchmarks/results).
 """
@@ -236,7 +237,7 @@ def main(argv=None):
 
         if args.sweep and time.time() < deadline:
             B = 32 if P / E > 8 else 16
-            cands = list(W.CONFIGS.items())
+            cands = list(W.CONFIGS.items()) + list(W.PACKED_CONFIGS.items())
             if args.variants:
                 cands += [(f"MT{v['MT']}WN{v['WN']}" + (f"S{v['STAGES']}" if "STAGES" in v
                                                           else f"U{v['U']}"), v)
@@ -245,12 +246,14 @@ def main(argv=None):
                 B = 8 * cfg["MT"] if P / E <= 8 else 32        # decode: no padding-only CTAs
                 if B % (8 * cfg["MT"]):
                     continue
-                sweep_ks = ("auto", 2, 4, 8) if cfg.get("KERNEL") != "async" else ("auto",)
+                # packed: no K split (its warps split K inside the CTA); async: auto only
+                sweep_ks = ("auto", 2, 4, 8) if cfg.get("KERNEL") is None else ("auto",)
                 for ks in sweep_ks:
                     if time.time() > deadline:
                         break
                     try:
-                        g1, g2 = path(W.grouped_gemm_wna16, B, config=dict(cfg, KS=ks))
+                        c2 = dict(cfg) if cfg.get("KERNEL") == "packed" else dict(cfg, KS=ks)
+                        g1, g2 = path(W.grouped_gemm_wna16, B, config=c2)
                         g1()
                         g2()
                         t1 = timer(g1, setup, 2, 10)

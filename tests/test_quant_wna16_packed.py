@@ -99,8 +99,10 @@ def test_packed_plan_one_wave_and_ring_depth():
             assert gy * lp["TPC"] >= N // 16 > (gy - 1) * lp["TPC"]          # every tile once
             cpw = C.cdiv(K // 64, cfg["W"])
             assert cpw % lp["D"] == 0 and 1 <= lp["D"] <= cfg["D"]
-            live = min(gx, min(P, 8) + P // (8 * cfg["MT"]))
+            live = W.live_m_tiles(P, 8, gx, 8 * cfg["MT"])
             assert live * gy <= 132 * cfg["MINB"] or lp["TPC"] == 1
+    assert W.live_m_tiles(2, 8, 2, 8) == 2 and W.live_m_tiles(32, 8, 19, 8) == 8
+    assert W.live_m_tiles(128, 8, 24, 16) == 16 and W.live_m_tiles(128, 8, 12, 32) == 8
     assert W.packed_plan(2, 8, 64, 256, 16, 8, W.PACKED_CONFIGS["p8"], 132, 128, 2)["shift"] == 1
     assert W.packed_plan(2, 8, 64, 256, 16, 8, W.PACKED_CONFIGS["p8"], 132, 256, 1)["shift"] == 30
 

@@ -887,7 +887,6 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 
     const int C = Kdim >> 6;                      // 64-code chunks per row
     const int CPW = (C + W - 1) / W;              // chunks per warp per tile
-    const int nitems = (t1 - t0) * CPW;
     // 32-bit offsets inside the expert (the launcher checks N * Kdim / 2 < 2^31)
     const uint4* wexp = wp + (size_t)e * ntiles * C * 32 + lane;
     const float2* sexp = sp + (size_t)e * ntiles * num_groups * 8 + g;
@@ -899,39 +898,47 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #endif
     const u32 zdef = MAGIC | ((u32)default_zp * 0x00010001u);
 
-    // ---- the ring: D items (16 bytes of codes + the two rows' scales) in flight per lane.
-    // The load cursor walks pointers (no index arithmetic per load): within a tile a warp's
-    // next chunk is W chunks (W * 512 bytes) on; the next tile starts C chunks after this one.
+    // ---- the ring: D items (16 bytes of codes + the two rows' scales) in flight per lane,
+    // walked in rounds of D items (CPW is a multiple of D: a round never crosses a tile).
+    // Item u of a round is chunk c0 + u W of the round's tile: its codes lie u W 512 bytes
+    // after the round's pointer, its activations u W 64 elements on (immediate offsets, no
+    // index arithmetic per item). Each slot is refilled right after its math, from the next
+    // round (the registers are free by then: no copies).
     uint4 rw[D];
     float2 rs[D];
     u32 rz[ZP ? D : 1];
-    const uint4* lw = wexp + ((size_t)t0 * C + warp) * 32;
-    const float2* ls = sexp + (size_t)t0 * num_groups * 8;
-    const unsigned short* lz = ZP ? zexp + (size_t)t0 * num_groups * 8 : nullptr;
-    int l_chunk = warp, l_ci = 0, l_it = 0;
-    auto load = [&](int u) {
-        if (l_it < nitems && l_chunk < C) {       // past C (C % W != 0): never consumed
-            rw[u] = w16::ld_stream(reinterpret_cast<const u8*>(lw));
-            const int grp8 = (l_chunk >> chunk_shift) * 8;
-            rs[u] = __ldg(ls + grp8);
+    const int RPT = CPW / D;                      // rounds per tile
+    // the next round to load: its tile, first chunk, code pointer, the tile's scale rows
+    int n_tile = t0, n_c0 = warp;
+    const uint4* n_w = wexp + ((size_t)t0 * C + warp) * 32;
+    const float2* n_s = sexp + (size_t)t0 * num_groups * 8;
+    const unsigned short* n_z = ZP ? zexp + (size_t)t0 * num_groups * 8 : nullptr;
+    auto load = [&](int u) {                      // slot u from the round n_*
+        const int chunk = n_c0 + u * W;
+        if (n_tile < t1 && chunk < C) {           // past C (C % W != 0): never consumed
+            rw[u] = w16::ld_stream(reinterpret_cast<const u8*>(n_w + u * W * 32));
+            const int grp8 = (chunk >> chunk_shift) * 8;
+            rs[u] = __ldg(n_s + grp8);
             if (ZP) {
-                const u32 z = __ldg(lz + grp8);
+                const u32 z = __ldg(n_z + grp8);
                 rz[ZP ? u : 0] = ((z & 0xFFu) << 16) | (z >> 8);   // (zp lo row, zp hi row)
             }
         }
-        ++l_it;
-        l_chunk += W;
-        lw += W * 32;
-        if (++l_ci == CPW) {
-            l_ci = 0;
-            l_chunk = warp;
-            lw += (C - CPW * W) * 32;
-            ls += num_groups * 8;
-            if (ZP) lz += num_groups * 8;
+    };
+    auto next_round = [&]() {
+        n_c0 += D * W;
+        n_w += D * W * 32;
+        if (n_c0 >= warp + CPW * W) {             // the tile's last round was loaded
+            n_c0 = warp;
+            ++n_tile;
+            n_w += (C - CPW * W) * 32;
+            n_s += num_groups * 8;
+            if (ZP) n_z += num_groups * 8;
         }
     };
 #pragma unroll
     for (int u = 0; u < D; ++u) load(u);
+    next_round();
 
     // POST: the mma multiplies the raw magic values 128 + q (no subtraction per pair); the
     // zero point comes off after it, (128 + zp) times the chunk's activation sum per token,
@@ -964,71 +971,75 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
 
-    // tiles outer, chunks in rounds of D (the launcher makes CPW a multiple of D): the ring
-    // slot of an item is a compile-time index, and the tile's reduction is written once
-    for (int tile = t0; tile < t1; ++tile) {
-        for (int ci0 = 0; ci0 < CPW; ci0 += D) {
+    // one item: the math of slot u (chunk c), then the slot's refill from the next round
+    auto item = [&](int u, int c, bool check) {
+        if (!check || c < C) {                    // uniform over the warp
+            const uint4 x = rw[u];
+            u32 zl = zdef, zh = zdef;
+            float zfl = W16_MAGIC_F + default_zp, zfh = zfl;
+            if (ZP) {
+                zl = MAGIC | ((rz[ZP ? u : 0] >> 16) * 0x00010001u);
+                zh = MAGIC | ((rz[ZP ? u : 0] & 0xFFu) * 0x00010001u);
+                zfl = W16_MAGIC_F + (float)(rz[ZP ? u : 0] >> 16);
+                zfh = W16_MAGIC_F + (float)(rz[ZP ? u : 0] & 0xFFu);
+            }
+            // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q (POST) or
+            // q - zp, one lop3 (and one shift) per pair
+            u32 lo[8], hi[8];
 #pragma unroll
-            for (int u = 0; u < D; ++u) {
-                const uint4 x = rw[u];
-                const float2 s2 = rs[u];
-                u32 zl = zdef, zh = zdef;
-                float zfl = W16_MAGIC_F + default_zp, zfh = zfl;
-                if (ZP) {
-                    zl = MAGIC | ((rz[ZP ? u : 0] >> 16) * 0x00010001u);
-                    zh = MAGIC | ((rz[ZP ? u : 0] & 0xFFu) * 0x00010001u);
-                    zfl = W16_MAGIC_F + (float)(rz[ZP ? u : 0] >> 16);
-                    zfh = W16_MAGIC_F + (float)(rz[ZP ? u : 0] & 0xFFu);
-                }
-                load(u);                          // refill the slot before the math
-                const int chunk = warp + (ci0 + u) * W;
-                if (chunk < C) {                  // uniform over the warp
-                    // A: pairs of row g (words x, z) and row g + 8 (words y, w), as q - zp
-                    u32 lo[8], hi[8];
-#pragma unroll
-                    for (int p = 0; p < 4; ++p) {
-                        const u32 m = 0x000F000Fu;
-                        if (POST) {
-                            lo[p] = w16::and_or(x.x >> (4 * p), m, MAGIC);
-                            hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
-                            lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
-                            hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
-                            continue;
-                        }
-                        lo[p] = w16::as_u32(__hsub2(
-                            w16::as_e2(w16::and_or(x.x >> (4 * p), m, MAGIC)), w16::as_e2(zl)));
-                        hi[p] = w16::as_u32(__hsub2(
-                            w16::as_e2(w16::and_or(x.y >> (4 * p), m, MAGIC)), w16::as_e2(zh)));
-                        lo[4 + p] = w16::as_u32(__hsub2(
-                            w16::as_e2(w16::and_or(x.z >> (4 * p), m, MAGIC)), w16::as_e2(zl)));
-                        hi[4 + p] = w16::as_u32(__hsub2(
-                            w16::as_e2(w16::and_or(x.w >> (4 * p), m, MAGIC)), w16::as_e2(zh)));
-                    }
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        if (!tlive[mt]) continue;
-                        const uint4 b0 = __ldg(reinterpret_cast<const uint4*>(arow[mt] + chunk * 64));
-                        const uint4 b1 = __ldg(reinterpret_cast<const uint4*>(arow[mt] + chunk * 64 + 8));
-                        float tmp[4] = {0.f, 0.f, 0.f, 0.f};
-                        w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], b0.x, b0.y);
-                        w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
-                        w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
-                        w16::mma16816(tmp, lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
-                        if (POST) {
-                            const float2 sm = *reinterpret_cast<const float2*>(
-                                sSum + chunk * BM + 8 * mt + 2 * t);
-                            tmp[0] = fmaf(-zfl, sm.x, tmp[0]);
-                            tmp[1] = fmaf(-zfl, sm.y, tmp[1]);
-                            tmp[2] = fmaf(-zfh, sm.x, tmp[2]);
-                            tmp[3] = fmaf(-zfh, sm.y, tmp[3]);
-                        }
-                        acc[mt][0] += s2.x * tmp[0];
-                        acc[mt][1] += s2.x * tmp[1];
-                        acc[mt][2] += s2.y * tmp[2];
-                        acc[mt][3] += s2.y * tmp[3];
-                    }
+            for (int p = 0; p < 4; ++p) {
+                const u32 m = 0x000F000Fu;
+                lo[p] = w16::and_or(x.x >> (4 * p), m, MAGIC);
+                hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
+                lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
+                hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
+                if (!POST) {
+                    lo[p] = w16::as_u32(__hsub2(w16::as_e2(lo[p]), w16::as_e2(zl)));
+                    hi[p] = w16::as_u32(__hsub2(w16::as_e2(hi[p]), w16::as_e2(zh)));
+                    lo[4 + p] = w16::as_u32(__hsub2(w16::as_e2(lo[4 + p]), w16::as_e2(zl)));
+                    hi[4 + p] = w16::as_u32(__hsub2(w16::as_e2(hi[4 + p]), w16::as_e2(zh)));
                 }
             }
+            const float2 s2 = rs[u];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (MT > 1 && !tlive[mt]) continue;   // (MT = 1: the CTA has a live token)
+                const uint4* ap = reinterpret_cast<const uint4*>(arow[mt] + c * 64);
+                const uint4 b0 = __ldg(ap);
+                const uint4 b1 = __ldg(ap + 1);
+                float tmp[4] = {0.f, 0.f, 0.f, 0.f};
+                w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], b0.x, b0.y);
+                w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
+                w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
+                w16::mma16816(tmp, lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
+                if (POST) {
+                    const float2 sm = *reinterpret_cast<const float2*>(
+                        sSum + c * BM + 8 * mt + 2 * t);
+                    tmp[0] = fmaf(-zfl, sm.x, tmp[0]);
+                    tmp[1] = fmaf(-zfl, sm.y, tmp[1]);
+                    tmp[2] = fmaf(-zfh, sm.x, tmp[2]);
+                    tmp[3] = fmaf(-zfh, sm.y, tmp[3]);
+                }
+                acc[mt][0] = fmaf(s2.x, tmp[0], acc[mt][0]);
+                acc[mt][1] = fmaf(s2.x, tmp[1], acc[mt][1]);
+                acc[mt][2] = fmaf(s2.y, tmp[2], acc[mt][2]);
+                acc[mt][3] = fmaf(s2.y, tmp[3], acc[mt][3]);
+            }
+        }
+        load(u);                                  // refill: the slot's registers are free
+    };
+
+    for (int tile = t0; tile < t1; ++tile) {
+        for (int r = 0; r < RPT; ++r) {
+            const int c0 = warp + r * D * W;
+            if (c0 + (D - 1) * W < C) {           // a full round: no per-item check
+#pragma unroll
+                for (int u = 0; u < D; ++u) item(u, c0 + u * W, false);
+            } else {
+#pragma unroll
+                for (int u = 0; u < D; ++u) item(u, c0 + u * W, true);
+            }
+            next_round();
         }
         // ---- the tile's partials meet in shared memory (two buffers: one barrier per tile;
         // a buffer is rewritten two tiles later, after every thread passed the barrier between)

@@ -95,6 +95,7 @@ PACKED_CONFIGS = {
     "s8d": dict(KERNEL="packed", MT=1, W=4, D=8, POST=1, MINB=3),
     "s16": dict(KERNEL="packed", MT=2, W=8, D=4, POST=1, MINB=2),
     "s32": dict(KERNEL="packed", MT=4, W=4, D=4, POST=1, MINB=3),
+    "s8m3": dict(KERNEL="packed", MT=1, W=8, D=4, POST=1, MINB=3),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, sweeps of slots 2 and 3 in
@@ -351,6 +352,47 @@ PACKED_NAMES = tuple(packed_kernel_name(c, z) for c in PACKED_CONFIGS.values()
 for _ev in ELEMS.values():     # one NVRTC check per element type: every rung of the file
     C.register_compile_case(CU, {"ELEM_BF16": _ev}, NAMES + PACKED_NAMES)
 
+# The packed rung's default by rows per expert (P / E), for grouped_gemm_quant's int4 route:
+# the first entry whose rows cover the batch and whose BM divides block_size (quant_gemm's
+# block_size_for gives 16 up to 8 rows, 32 up to 24). Above PACKED_MAX_ROWS, quant_gemm's own
+# rungs run.
+PACKED_BY_ROWS = ((4, "s8"), (24, "s16"))
+PACKED_MAX_ROWS = PACKED_BY_ROWS[-1][0]
+
+
+def route_int4(a, w, w_scale, w_zp, block_shape, top_k, block_size):
+    """The PACKED_CONFIGS name that grouped_gemm_quant's int4 branch should hand this call to
+    (grouped_gemm_wna16 with that config), or None (not CuPy arrays, a shape the packed rung
+    does not take, too many rows per expert, BM not dividing block_size): then quant_gemm's
+    own rungs run, and check the arguments."""
+    try:
+        import cupy
+
+        if not all(isinstance(x, cupy.ndarray) for x in (a, w, w_scale)):
+            return None
+        if w_zp is not None and not isinstance(w_zp, cupy.ndarray):
+            return None
+        if a.ndim != 2 or w.ndim != 3 or w_scale.ndim != 3 or w.dtype != np.uint8:
+            return None
+        E, N, Kh = w.shape
+        K, G = a.shape[1], w_scale.shape[2]
+        if 2 * Kh != K or G < 1 or K % G or w_scale.shape[:2] != (E, N):
+            return None
+        gs = int(list(block_shape)[1]) if block_shape is not None else K // G
+        if gs * G != K or not packed_supports(N, K, gs, G)[0]:
+            return None
+        if a.data.ptr % 16 or w.data.ptr % 16 or not a.flags.c_contiguous or \
+                not w.flags.c_contiguous:
+            return None
+        rows = a.shape[0] * int(top_k) / max(E, 1)
+        for r, name in PACKED_BY_ROWS:
+            if rows <= r and int(block_size) % (8 * PACKED_CONFIGS[name]["MT"]) == 0:
+                return name
+    except (TypeError, ValueError, AttributeError, IndexError, ImportError):
+        return None
+    return None
+
+
 _PACKED: dict = {}
 
 
@@ -377,6 +419,16 @@ def forget_packed():
     _PACKED.clear()
 
 
+def live_m_tiles(P: int, E: int, mtiles: int, bm: int) -> int:
+    """The live m tiles (BM positions with a token) to expect, from the host (the alignment
+    lives on the device): min(P, E) experts hit, each with about 1.25 P / min(P, E) rows (a
+    margin for uneven routing). Over-estimating leaves SMs idle; under-estimating puts a few
+    CTAs in a second wave."""
+    hit = max(1, min(P, E))
+    rows = -(-5 * P // (4 * hit))                  # ceil(1.25 P / hit)
+    return max(1, min(mtiles, hit * C.cdiv(rows, bm)))
+
+
 def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
                 num_sms: int = 132, group_size: int = 0, num_groups: int = 1,
                 zp: bool = False) -> dict:
@@ -389,7 +441,7 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     Lg = min(L, P * block_size)
     nt, nchunks = N // 16, K // PACK_CHUNK
     mtiles = C.cdiv(Lg, bm)
-    live_m = max(1, min(mtiles, min(P, E) + P // bm))
+    live_m = live_m_tiles(P, E, mtiles, bm)
     slots = num_sms * cfg["MINB"]
     tpc = max(1, C.cdiv(live_m * nt, slots))
     gy = C.cdiv(nt, tpc)
