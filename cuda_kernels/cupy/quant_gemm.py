@@ -497,8 +497,19 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                          "use_int8_w8a8, use_int8_w8a16, use_int4_w4a16 (the bf16 GEMM is "
                          "cuda_kernels.cupy.grouped_gemm)")
     # Weight-only formats (int4 / int8 w*a16): the one place to send them to another module's
-    # GEMM (e.g. `if fmt in ("int4", "w8a16") and <its rung applies>: return <that call>`);
-    # everything below is this module's own v1-v3 for them and v1-v5 for w8a8.
+    # GEMM; everything below is this module's own v1-v3 for them and v1-v5 for w8a8.
+    # int4 at decode goes to quant_gemm_wna16's packed rung (weights prepacked once per array,
+    # cached), when it takes the shape and no version / config of this module was asked for.
+    if fmt == "int4" and version is None and config is None:
+        from . import quant_gemm_wna16 as W16
+
+        name = W16.route_int4(a, w, w_scale, w_zp, block_shape, top_k, block_size)
+        if name is not None:
+            return W16.grouped_gemm_wna16(
+                a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_size,
+                topk_weights, mul_routed_weight, bias, a_scale, w_scale, w_zp,
+                use_int4_w4a16=True, block_shape=block_shape, out_dtype=out_dtype,
+                config=name, out=out)
     if version is not None and version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
     top_k = C.check_int("top_k", top_k, 1)
