@@ -72,7 +72,7 @@ CONFIGS = {
     # up to SMALL_P slots with at least MIN_WARPS warps; above, a grid of blocks of WARP_SLOTS
     # slots per warp, at most TABLE_LOADS loads per thread of the [G, E] table after the barrier
     "grid": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 16, "MIN_WARPS": 16, "SMALL_P": 1024,
-             "WARP_SLOTS": 64, "TABLE_LOADS": 16, "MAX_BLOCKS": 0, "RELOAD": False,
+             "WARP_SLOTS": 64, "TABLE_LOADS": 16, "MAX_BLOCKS": 0,
              "COUNT": "atomic", "PAD": "shfl"},
 }
 PREFETCH = 8          # 32-slot steps whose id loads are in flight together
@@ -304,9 +304,9 @@ def grid_barrier(bar, g, G):
 
 
 # ----------------------------------------------------------------------------- the kernel
-def _align_grid(RELOAD, ATOMIC, SHFL_PAD):
-    """align_grid; RELOAD: the placement loads its round of ids again; ATOMIC: the count
-    takes one atomic per lane; SHFL_PAD: pad_runs_shfl (grid_kernel)."""
+def _align_grid(ATOMIC, SHFL_PAD):
+    """align_grid; ATOMIC: the count takes one atomic per lane (else one per distinct expert
+    of a step, after a match_any); SHFL_PAD: pad_runs_shfl (else pad_runs)."""
     count = count_round_atomic if ATOMIC else count_round
 
     def align_grid(ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids,
@@ -420,7 +420,7 @@ def _align_grid(RELOAD, ATOMIC, SHFL_PAD):
                 expert_ids[ix(x)] = -1
                 x += gn
         for r in range(rounds):
-            if rounds > 1 or RELOAD:
+            if rounds > 1:
                 load_round(ids, begin + r * STEP, end, E, emap, use_map, ignore_invalid, eb, lane)
             place_round(eb, begin + r * STEP, end, wc, row0, pre, sorted_ids, inv, do_align,
                         write_inv, lane)
@@ -429,12 +429,17 @@ def _align_grid(RELOAD, ATOMIC, SHFL_PAD):
 
 
 @functools.lru_cache(maxsize=None)
-def grid_kernel(reload=False, atomic=True, shfl_pad=True):
+def grid_kernel(atomic=True, shfl_pad=True):
     """The compiled align_grid (one kernel for every geometry: NT and G are read at run
-    time, so a notebook waits for one compile). reload: the placement loads its ids again
-    instead of keeping one round in registers across the barriers (at 64 registers, the
-    bound of 1024 threads, keeping them spilled 28 bytes)."""
-    return kernel(_align_grid(reload, atomic, shfl_pad), launch_bounds=(1024, 1))
+    time, so a notebook waits for one compile). Bounded to 1024 threads: <= 64 registers,
+    which it fits without spilling (a round of ids in registers across the barriers)."""
+    return kernel(_align_grid(atomic, shfl_pad), launch_bounds=(1024, 1))
+
+
+def configured_kernel():
+    """grid_kernel with the flavours CONFIGS["grid"] names."""
+    cfg = CONFIGS["grid"]
+    return grid_kernel(cfg["COUNT"] == "atomic", cfg["PAD"] == "shfl")
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -491,8 +496,7 @@ def launch(call, ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert
         bar = _barrier_word()
     else:
         hist, bar = A.dummy(np.int32), A.dummy(np.uint32)
-    cfg = CONFIGS["grid"]
-    k = grid_kernel(cfg["RELOAD"], cfg["COUNT"] == "atomic", cfg["PAD"] == "shfl")
+    k = configured_kernel()
     args = (ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids,
             n_blocks, capacity, num_post, offsets, inv, do_align, write_inv,
             A.cdiv(A.cdiv(P, G * NT // 32), 32) * 32)   # chunk: whole 32-slot steps per warp
