@@ -731,34 +731,44 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
         (33, 6, 3, 256, 384, 32, 8, 64, True, None),
         (40, 3, 2, 72, 4096, 32, 8, 128, False, 5),
     ]
-    for name, cfg in CONFIGS.items():
-        for (M_a, E, K, N, Kd, B, nb, gs, zp, ks) in (cases[:2] if args.quick else cases):
-            if B % (8 * cfg["MT"]):
-                continue
-            x = rng.standard_normal((M_a, Kd)).astype(bf16)
-            wf = (rng.standard_normal((E, N, Kd)) * 0.05).astype(bf16)
-            ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
-            st, ex, ntp = moe_align_block_size(ids, B, E)
-            tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
-            wq, ws, wz = RQ.quantize_weight_wna16(wf, nb, gs, zero_point=zp)
-            flags = dict(use_int4_w4a16=True) if nb == 4 else dict(use_int8_w8a16=True)
-            want = RQ.grouped_gemm_quant(x, wq, st, ex, ntp, K, B, tw, True, w_scale=ws,
-                                         w_zp=wz, **flags)
-            outd = C.empty((M_a * K, N), bf16)
-            C.raw(outd).fill(0x7FC0)                                   # poison: bf16 NaN
-            c2 = dict(cfg, KS=ks) if ks else cfg
-            got = grouped_gemm_wna16(C.to_device(x), C.to_device(wq), C.to_device(st),
-                                     C.to_device(ex), C.to_device(ntp), K, B, C.to_device(tw),
-                                     True, w_scale=C.to_device(ws),
-                                     w_zp=None if wz is None else C.to_device(wz), config=c2,
-                                     out=outd, **flags)
-            host = C.to_host(got)
-            host = host.view(bf16) if host.dtype == np.uint16 else host
-            err = C.rel_err(host.astype(np.float32), want.astype(np.float32))
-            status = "ok" if err <= 2e-2 else "FAIL"
-            failures += status == "FAIL"
-            print(f"{name:4s} int{nb} g{gs:3d} zp={int(zp)} KS={ks} M_a={M_a:3d} E={E} K={K} "
-                  f"N={N:4d} Kdim={Kd:4d} B={B:3d} rel_err={err:.2e} {status}", flush=True)
+    packed_cases = [  # N % 16 == 0, group_size 64 * 2^i: (M_a, E, top_k, N, Kdim, B, gs, zp)
+        (1, 4, 2, 64, 256, 16, 128, False),
+        (5, 3, 2, 48, 576, 16, 64, True),                  # 9 chunks over the warps
+        (30, 2, 2, 32, 2048, 32, 256, False),
+    ]
+    runs = [(n, c, case) for n, c in CONFIGS.items() for case in
+            (cases[:2] if args.quick else cases)]
+    runs += [(n, c, (M_a, E, K, N, Kd, max(B, 8 * c["MT"]), 4, gs, zp, None))
+             for n, c in PACKED_CONFIGS.items()
+             for (M_a, E, K, N, Kd, B, gs, zp) in (packed_cases[:2] if args.quick else
+                                                   packed_cases)]
+    for name, cfg, (M_a, E, K, N, Kd, B, nb, gs, zp, ks) in runs:
+        if B % (8 * cfg["MT"]):
+            continue
+        x = rng.standard_normal((M_a, Kd)).astype(bf16)
+        wf = (rng.standard_normal((E, N, Kd)) * 0.05).astype(bf16)
+        ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+        st, ex, ntp = moe_align_block_size(ids, B, E)
+        tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+        wq, ws, wz = RQ.quantize_weight_wna16(wf, nb, gs, zero_point=zp)
+        flags = dict(use_int4_w4a16=True) if nb == 4 else dict(use_int8_w8a16=True)
+        want = RQ.grouped_gemm_quant(x, wq, st, ex, ntp, K, B, tw, True, w_scale=ws,
+                                     w_zp=wz, **flags)
+        outd = C.empty((M_a * K, N), bf16)
+        C.raw(outd).fill(0x7FC0)                                   # poison: bf16 NaN
+        c2 = dict(cfg, KS=ks) if ks else cfg
+        got = grouped_gemm_wna16(C.to_device(x), C.to_device(wq), C.to_device(st),
+                                 C.to_device(ex), C.to_device(ntp), K, B, C.to_device(tw),
+                                 True, w_scale=C.to_device(ws),
+                                 w_zp=None if wz is None else C.to_device(wz), config=c2,
+                                 out=outd, **flags)
+        host = C.to_host(got)
+        host = host.view(bf16) if host.dtype == np.uint16 else host
+        err = C.rel_err(host.astype(np.float32), want.astype(np.float32))
+        status = "ok" if err <= 2e-2 else "FAIL"
+        failures += status == "FAIL"
+        print(f"{name:4s} int{nb} g{gs:3d} zp={int(zp)} KS={ks} M_a={M_a:3d} E={E} K={K} "
+              f"N={N:4d} Kdim={Kd:4d} B={B:3d} rel_err={err:.2e} {status}", flush=True)
     if not args.quick:
         import cupy
         for label, (E, K, N, Kd) in (("Mixtral GEMM1", (8, 2, 28672, 4096)),
