@@ -96,6 +96,7 @@ PACKED_CONFIGS = {
     "s16": dict(KERNEL="packed", MT=2, W=8, D=4, POST=1, MINB=2),
     "s32": dict(KERNEL="packed", MT=4, W=4, D=4, POST=1, MINB=3),
     "s8m3": dict(KERNEL="packed", MT=1, W=8, D=4, POST=1, MINB=3),
+    "s32w8": dict(KERNEL="packed", MT=4, W=8, D=2, POST=1, MINB=2),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, sweeps of slots 2 and 3 in
