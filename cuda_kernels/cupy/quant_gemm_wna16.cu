@@ -11,10 +11,13 @@
 // or [E, N, K] uint8 (int8; int8 codes travel as their bytes with code_xor = 0x80);
 // w_scale [E, N, G] fp32; w_zp [E, N, G] uint8 or null (default_zp then); c [P, N].
 //
-// Two rungs (the older tile rungs live in quant_gemm.cu), sharing the lane layout, the
-// activation staging, step_math and the epilogue:
+// Three rungs (the older tile rungs live in quant_gemm.cu):
 //   wna16_stream<NBITS, POST, MT, WN, U, MINB>   weights straight from HBM into registers
 //   wna16_async<NBITS, POST, MT, WN, STAGES, MINB> weights through a per-warp cp.async ring
+//   wna16_packed<MT, W, D, ZP, POST, MINB>       int4 prepacked at weight-load time (its own
+//                                                header below): 512-byte warp loads that are
+//                                                the mma fragments, K split over the warps
+// The first two share the lane layout, the activation staging, step_math and the epilogue:
 //
 //     Weights are the mma's A operand (m16 = 16 weight rows), activations its B (n8 = 8
 //     tokens, MT tiles of them: BM = 8 MT positions of sorted_token_ids per CTA).
@@ -810,8 +813,14 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 //   (2 (m & 1), 2 (m & 1) + 1) of the row-g / row-g+8 words (m < 2: words 0 / 1, else 2 / 3),
 //   B = the same 4 codes of the lane's token (column g of the tile), two pairs of a 16-byte
 //   load of a at k = 64 c + 16 t (+ 8): the A and B k slots hold the same codes.
-//   Dequantization: (128 + q) - (128 + zp) is exact in elem2 (one lop3, one shift, one hsub2
-//   per pair); the group scale multiplies the chunk's fp32 partial (needs group_size % 64 == 0).
+//   Dequantization: one shift and one lop3 per pair give 128 + q. POST = 0 subtracts 128 + zp
+//   per pair (exact in elem2); POST = 1 feeds 128 + q to the mma and subtracts (128 + zp) times
+//   the chunk's activation sum per token from the fp32 partial (sums staged per CTA in
+//   dynamic shared memory, [C][BM] fp32). The group scale then multiplies the chunk's partial
+//   (needs group_size % 64 == 0).
+//   Why this shape (H200, Mixtral T=1 GEMM1, ncu of slot 1): the rung is instruction-bound
+//   (issue ~60% busy, ALU pipe ~55%, 'wait' stalls first), so the count of instructions per
+//   chunk is what the layout, the pointer-walking ring and POST minimise.
 //
 // A CTA owns one m tile (BM = 8 MT positions, one expert) and tiles_per_cta consecutive 16-row
 // n tiles; its W warps split each tile's chunks (warp w takes chunks w, w + W, ...: the CTA
@@ -821,7 +830,7 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 // per-tile barrier does not drain the loads. Activations are read through L1 (16-byte
 // __ldg, 2 per chunk and live token tile), padding columns read a live row (never stored).
 // grid (cdiv(Lg, BM), cdiv(N / 16, tiles_per_cta)), block 32 W, static shared memory
-// 2 * W * BM * 17 * 4 + 8 BM bytes.
+// 2 * W * BM * 17 * 4 + 8 BM bytes, dynamic 4 BM Kdim / 64 bytes (POST) or 0.
 // Needs int4, N % 16 == 0, Kdim % 64 == 0, group_size a multiple of 64 with
 // chunks-per-group a power of two (chunk_shift = log2; or one group per row: 30).
 template <int MT, int W, int D, int ZP, int POST, int MINB>
