@@ -133,6 +133,7 @@ class NcclCommunicator(Communicator):
         self._uint8 = int(getattr(nccl, "NCCL_UINT8", 1))
         self._sum = int(getattr(nccl, "NCCL_SUM", _NCCL_SUM))
         self._inflight: collections.deque = collections.deque()   # (event, what, t0)
+        self._spare_events: collections.deque = collections.deque()  # done, to reuse
         self._blocking = None                                      # (what, t0)
         self._failed = None                                        # (exception class, message)
         self._abort_lock = threading.Lock()
@@ -200,7 +201,8 @@ class NcclCommunicator(Communicator):
         self._raise_if_failed()
 
     def _track(self, what):
-        ev = self._cupy.cuda.Event(disable_timing=True)
+        spare = self._spare_events
+        ev = spare.pop() if spare else self._cupy.cuda.Event(disable_timing=True)
         ev.record()
         self._inflight.append((ev, what, time.monotonic()))
 
@@ -235,7 +237,9 @@ class NcclCommunicator(Communicator):
         call this; deque ends are thread-safe, a lost race only raises IndexError)."""
         try:
             while self._inflight and self._inflight[0][0].done:
-                self._inflight.popleft()
+                ev = self._inflight.popleft()[0]
+                if len(self._spare_events) < 16:   # reused by _track (creating one costs us)
+                    self._spare_events.append(ev)
         except IndexError:
             pass
 
@@ -653,7 +657,11 @@ class NcclCommunicator(Communicator):
         done.record(side)
 
     def wait_done(self, event, what):
-        """Polls `event` (never a blocking sync) with the timeout and the watchdog's verdict."""
+        """Polls `event` (never a blocking sync) with the timeout and the watchdog's verdict:
+        _wait_event without its drain of the in-flight queue (each event query costs
+        microseconds on the critical path; the watchdog drains the queue every period)."""
+        if event.done and self._failed is None:
+            return
         self._wait_event(event, what)
 
     def counts_phase(self, send_counts):

@@ -487,13 +487,15 @@ class _GpuFused:
         recvs = [xp.empty((R,) + shape, dtype=dt) for _, _, shape, dt in self.bufs]
         # my own rows travel inside the group too: NCCL copies them concurrently with the
         # peers' (measured: the exchange with them 236 us, without 232 us, at 4096 tokens)
+        bufs = [(sptr, o.data.ptr, rb) for (sptr, rb), o in zip(self.send_ptrs, recvs)]
         transfers = []
         for p in range(W):
-            for (sptr, rb), o in zip(self.send_ptrs, recvs):
-                if sc[p]:
-                    transfers.append((True, sptr + so[p] * rb, sc[p] * rb, p))
-                if rc[p]:
-                    transfers.append((False, o.data.ptr + ro[p] * rb, rc[p] * rb, p))
+            s, n_s, o, n_r = so[p], sc[p], ro[p], rc[p]
+            for sptr, rptr, rb in bufs:
+                if n_s:
+                    transfers.append((True, sptr + s * rb, n_s * rb, p))
+                if n_r:
+                    transfers.append((False, rptr + o * rb, n_r * rb, p))
         comm.p2p_group("all_to_all_v", transfers, stream.ptr)
         send_chunks = recv_chunks = None
         if C > 1:
