@@ -833,7 +833,7 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 // 2 * W * BM * 17 * 4 + 8 BM bytes, dynamic 4 BM Kdim / 64 bytes (POST) or 0.
 // Needs int4, N % 16 == 0, Kdim % 64 == 0, group_size a multiple of 64 with
 // chunks-per-group a power of two (chunk_shift = log2; or one group per row: 30).
-template <int MT, int W, int D, int ZP, int POST, int MINB>
+template <int MT, int W, int D, int ZP, int POST, int RT, int MINB>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
@@ -845,7 +845,8 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
              int tiles_per_cta) {
     constexpr int BM = 8 * MT;
     constexpr int RS = 17;                        // padded row of the partials: fewer conflicts
-    __shared__ float sRed[2][W][BM][RS];          // [tile parity][warp][token][row]
+    static_assert(2 * W * RT * BM * RS * 4 <= 40 * 1024, "wna16_packed: sRed too large");
+    __shared__ float sRed[2][W][RT][BM][RS];      // [tile parity][warp][tile of the group][token][row]
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
 
@@ -913,10 +914,11 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     // after the round's pointer, its activations u W 64 elements on (immediate offsets, no
     // index arithmetic per item). Each slot is refilled right after its math, from the next
     // round (the registers are free by then: no copies).
-    uint4 rw[D];
-    float2 rs[D];
-    u32 rz[ZP ? D : 1];
-    const int RPT = CPW / D;                      // rounds per tile
+    uint4 rw[D][RT];
+    float2 rs[D][RT];
+    u32 rz[ZP ? D : 1][RT];
+    const int RPT = CPW / D;                      // rounds per tile (group of RT tiles)
+    const int tstride = C * 32;                   // uint4 from a tile's chunk to the next tile's
     // the next round to load: its tile, first chunk, code pointer, the tile's scale rows
     int n_tile = t0, n_c0 = warp;
     const uint4* n_w = wexp + ((size_t)t0 * C + warp) * 32;
@@ -925,24 +927,28 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     auto load = [&](int u) {                      // slot u from the round n_*
         const int chunk = n_c0 + u * W;
         if (n_tile < t1 && chunk < C) {           // past C (C % W != 0): never consumed
-            rw[u] = w16::ld_stream(reinterpret_cast<const u8*>(n_w + u * W * 32));
             const int grp8 = (chunk >> chunk_shift) * 8;
-            rs[u] = __ldg(n_s + grp8);
-            if (ZP) {
-                const u32 z = __ldg(n_z + grp8);
-                rz[ZP ? u : 0] = ((z & 0xFFu) << 16) | (z >> 8);   // (zp lo row, zp hi row)
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {        // the group's RT tiles: one tile apart
+                rw[u][r] = w16::ld_stream(reinterpret_cast<const u8*>(n_w + u * W * 32 +
+                                                                      r * tstride));
+                rs[u][r] = __ldg(n_s + r * num_groups * 8 + grp8);
+                if (ZP) {
+                    const u32 z = __ldg(n_z + r * num_groups * 8 + grp8);
+                    rz[ZP ? u : 0][r] = ((z & 0xFFu) << 16) | (z >> 8);   // (row g, row g + 8)
+                }
             }
         }
     };
     auto next_round = [&]() {
         n_c0 += D * W;
         n_w += D * W * 32;
-        if (n_c0 >= warp + CPW * W) {             // the tile's last round was loaded
+        if (n_c0 >= warp + CPW * W) {             // the group's last round was loaded
             n_c0 = warp;
-            ++n_tile;
-            n_w += (C - CPW * W) * 32;
-            n_s += num_groups * 8;
-            if (ZP) n_z += num_groups * 8;
+            n_tile += RT;
+            n_w += (RT * C - CPW * W) * 32;
+            n_s += RT * num_groups * 8;
+            if (ZP) n_z += RT * num_groups * 8;
         }
     };
 #pragma unroll
@@ -974,73 +980,85 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         __syncthreads();
     }
 
-    float acc[MT][4];
+    float acc[RT][MT][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int r = 0; r < RT; ++r)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
 
     // one item: the math of slot u (chunk c), then the slot's refill from the next round
     auto item = [&](int u, int c, bool check) {
         if (!check || c < C) {                    // uniform over the warp
-            const uint4 x = rw[u];
-            u32 zl = zdef, zh = zdef;
-            float zfl = W16_MAGIC_F + default_zp, zfh = zfl;
-            if (ZP) {
-                zl = MAGIC | ((rz[ZP ? u : 0] >> 16) * 0x00010001u);
-                zh = MAGIC | ((rz[ZP ? u : 0] & 0xFFu) * 0x00010001u);
-                zfl = W16_MAGIC_F + (float)(rz[ZP ? u : 0] >> 16);
-                zfh = W16_MAGIC_F + (float)(rz[ZP ? u : 0] & 0xFFu);
-            }
-            // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q (POST) or
-            // q - zp, one lop3 (and one shift) per pair
-            u32 lo[8], hi[8];
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {
-                const u32 m = 0x000F000Fu;
-                lo[p] = w16::and_or(x.x >> (4 * p), m, MAGIC);
-                hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
-                lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
-                hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
-                if (!POST) {
-                    lo[p] = w16::as_u32(__hsub2(w16::as_e2(lo[p]), w16::as_e2(zl)));
-                    hi[p] = w16::as_u32(__hsub2(w16::as_e2(hi[p]), w16::as_e2(zh)));
-                    lo[4 + p] = w16::as_u32(__hsub2(w16::as_e2(lo[4 + p]), w16::as_e2(zl)));
-                    hi[4 + p] = w16::as_u32(__hsub2(w16::as_e2(hi[4 + p]), w16::as_e2(zh)));
-                }
-            }
-            const float2 s2 = rs[u];
+            // B: the lane's token rows, loaded once for the RT weight tiles of the group
+            uint4 b[MT][2];
+            float2 sm[MT];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 if (MT > 1 && !tlive[mt]) continue;   // (MT = 1: the CTA has a live token)
                 const uint4* ap = reinterpret_cast<const uint4*>(arow[mt] + c * 64);
-                const uint4 b0 = __ldg(ap);
-                const uint4 b1 = __ldg(ap + 1);
-                float tmp[4] = {0.f, 0.f, 0.f, 0.f};
-                w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], b0.x, b0.y);
-                w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
-                w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
-                w16::mma16816(tmp, lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
-                if (POST) {
-                    const float2 sm = *reinterpret_cast<const float2*>(
-                        sSum + c * BM + 8 * mt + 2 * t);
-                    tmp[0] = fmaf(-zfl, sm.x, tmp[0]);
-                    tmp[1] = fmaf(-zfl, sm.y, tmp[1]);
-                    tmp[2] = fmaf(-zfh, sm.x, tmp[2]);
-                    tmp[3] = fmaf(-zfh, sm.y, tmp[3]);
+                b[mt][0] = __ldg(ap);
+                b[mt][1] = __ldg(ap + 1);
+                if (POST)
+                    sm[mt] = *reinterpret_cast<const float2*>(sSum + c * BM + 8 * mt + 2 * t);
+            }
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+                const uint4 x = rw[u][r];
+                u32 zl = zdef, zh = zdef;
+                float zfl = W16_MAGIC_F + default_zp, zfh = zfl;
+                if (ZP) {
+                    zl = MAGIC | ((rz[ZP ? u : 0][r] >> 16) * 0x00010001u);
+                    zh = MAGIC | ((rz[ZP ? u : 0][r] & 0xFFu) * 0x00010001u);
+                    zfl = W16_MAGIC_F + (float)(rz[ZP ? u : 0][r] >> 16);
+                    zfh = W16_MAGIC_F + (float)(rz[ZP ? u : 0][r] & 0xFFu);
                 }
-                acc[mt][0] = fmaf(s2.x, tmp[0], acc[mt][0]);
-                acc[mt][1] = fmaf(s2.x, tmp[1], acc[mt][1]);
-                acc[mt][2] = fmaf(s2.y, tmp[2], acc[mt][2]);
-                acc[mt][3] = fmaf(s2.y, tmp[3], acc[mt][3]);
+                // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q (POST)
+                // or q - zp, one lop3 (and one shift) per pair
+                u32 lo[8], hi[8];
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    const u32 m = 0x000F000Fu;
+                    lo[p] = w16::and_or(x.x >> (4 * p), m, MAGIC);
+                    hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
+                    lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
+                    hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
+                    if (!POST) {
+                        lo[p] = w16::as_u32(__hsub2(w16::as_e2(lo[p]), w16::as_e2(zl)));
+                        hi[p] = w16::as_u32(__hsub2(w16::as_e2(hi[p]), w16::as_e2(zh)));
+                        lo[4 + p] = w16::as_u32(__hsub2(w16::as_e2(lo[4 + p]), w16::as_e2(zl)));
+                        hi[4 + p] = w16::as_u32(__hsub2(w16::as_e2(hi[4 + p]), w16::as_e2(zh)));
+                    }
+                }
+                const float2 s2 = rs[u][r];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    if (MT > 1 && !tlive[mt]) continue;
+                    float tmp[4] = {0.f, 0.f, 0.f, 0.f};
+                    w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], b[mt][0].x, b[mt][0].y);
+                    w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], b[mt][0].z, b[mt][0].w);
+                    w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], b[mt][1].x, b[mt][1].y);
+                    w16::mma16816(tmp, lo[6], hi[6], lo[7], hi[7], b[mt][1].z, b[mt][1].w);
+                    if (POST) {
+                        tmp[0] = fmaf(-zfl, sm[mt].x, tmp[0]);
+                        tmp[1] = fmaf(-zfl, sm[mt].y, tmp[1]);
+                        tmp[2] = fmaf(-zfh, sm[mt].x, tmp[2]);
+                        tmp[3] = fmaf(-zfh, sm[mt].y, tmp[3]);
+                    }
+                    acc[r][mt][0] = fmaf(s2.x, tmp[0], acc[r][mt][0]);
+                    acc[r][mt][1] = fmaf(s2.x, tmp[1], acc[r][mt][1]);
+                    acc[r][mt][2] = fmaf(s2.y, tmp[2], acc[r][mt][2]);
+                    acc[r][mt][3] = fmaf(s2.y, tmp[3], acc[r][mt][3]);
+                }
             }
         }
         load(u);                                  // refill: the slot's registers are free
     };
 
-    for (int tile = t0; tile < t1; ++tile) {
-        for (int r = 0; r < RPT; ++r) {
-            const int c0 = warp + r * D * W;
+    for (int tile = t0; tile < t1; tile += RT) {  // groups of RT tiles (the launcher: TPC % RT == 0)
+        for (int rd = 0; rd < RPT; ++rd) {
+            const int c0 = warp + rd * D * W;
             if (c0 + (D - 1) * W < C) {           // a full round: no per-item check
 #pragma unroll
                 for (int u = 0; u < D; ++u) item(u, c0 + u * W, false);
@@ -1050,24 +1068,26 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             }
             next_round();
         }
-        // ---- the tile's partials meet in shared memory (two buffers: one barrier per tile;
-        // a buffer is rewritten two tiles later, after every thread passed the barrier between)
-        const int par = tile & 1;
+        // ---- the group's partials meet in shared memory (two buffers: one barrier per group;
+        // a buffer is rewritten two groups later, after every thread passed the barrier between)
+        const int par = (tile / RT) & 1;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int r = 0; r < RT; ++r)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                sRed[par][warp][8 * mt + 2 * t + (i & 1)][g + 8 * (i >> 1)] = acc[mt][i];
-                acc[mt][i] = 0.f;
-            }
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    sRed[par][warp][r][8 * mt + 2 * t + (i & 1)][g + 8 * (i >> 1)] = acc[r][mt][i];
+                    acc[r][mt][i] = 0.f;
+                }
         __syncthreads();
-        for (int i = tid; i < BM * 16; i += W * 32) {
-            const int r = i >> 4, n = tile * 16 + (i & 15);
-            const int s = sSlot[r];
+        for (int i = tid; i < RT * BM * 16; i += W * 32) {
+            const int r = i / (BM * 16), tok = (i >> 4) % BM, n = (tile + r) * 16 + (i & 15);
+            const int s = sSlot[tok];
             if (s < 0) continue;
             float v = 0.f;
 #pragma unroll
-            for (int wi = 0; wi < W; ++wi) v += sRed[par][wi][r][i & 15];
+            for (int wi = 0; wi < W; ++wi) v += sRed[par][wi][r][tok][i & 15];
             if (bias != nullptr) v += bias[(size_t)e * N + n];
             if (mul_routed_weight) v *= topk_weights[s];
             c[(size_t)s * N + n] = w16::from_f32(v);

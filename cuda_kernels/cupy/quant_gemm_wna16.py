@@ -97,6 +97,11 @@ PACKED_CONFIGS = {
     "s32": dict(KERNEL="packed", MT=4, W=4, D=4, POST=1, MINB=3),
     "s8m3": dict(KERNEL="packed", MT=1, W=8, D=4, POST=1, MINB=3),
     "s32w8": dict(KERNEL="packed", MT=4, W=8, D=2, POST=1, MINB=2),
+    # RT = 2: each warp applies its activation fragments to two 16-row tiles (half the L1
+    # traffic of the activations per weight byte: what limits 16+ rows per expert)
+    "r16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=1, RT=2, MINB=2),
+    "r32": dict(KERNEL="packed", MT=4, W=4, D=2, POST=1, RT=2, MINB=2),
+    "r8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=1, RT=2, MINB=2),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, sweeps of slots 2 and 3 in
@@ -345,7 +350,7 @@ def unpack_int4(packed):
 
 def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
     return (f"wna16_packed<{cfg['MT']}, {cfg['W']}, {cfg['D'] if d is None else d}, "
-            f"{int(bool(zp))}, {int(cfg.get('POST', 0))}, {cfg['MINB']}>")
+            f"{int(bool(zp))}, {int(cfg.get('POST', 0))}, {cfg.get('RT', 1)}, {cfg['MINB']}>")
 
 
 PACKED_NAMES = tuple(packed_kernel_name(c, z) for c in PACKED_CONFIGS.values()
@@ -387,7 +392,9 @@ def route_int4(a, w, w_scale, w_zp, block_shape, top_k, block_size):
             return None
         rows = a.shape[0] * int(top_k) / max(E, 1)
         for r, name in PACKED_BY_ROWS:
-            if rows <= r and int(block_size) % (8 * PACKED_CONFIGS[name]["MT"]) == 0:
+            cfg = PACKED_CONFIGS[name]
+            if rows <= r and int(block_size) % (8 * cfg["MT"]) == 0 and \
+                    (N // 16) % cfg.get("RT", 1) == 0:
                 return name
     except (TypeError, ValueError, AttributeError, IndexError, ImportError):
         return None
@@ -444,9 +451,13 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     mtiles = C.cdiv(Lg, bm)
     live_m = live_m_tiles(P, E, mtiles, bm)
     slots = num_sms * cfg["MINB"]
-    tpc = max(1, C.cdiv(live_m * nt, slots))
-    gy = C.cdiv(nt, tpc)
-    tpc = C.cdiv(nt, gy)
+    rt = cfg.get("RT", 1)                        # tiles per warp group: TPC a multiple of it
+    if nt % rt:
+        raise ValueError(f"config: RT = {rt} tiles per group must divide N / 16 = {nt}")
+    groups = nt // rt
+    tpc = max(1, C.cdiv(live_m * groups, slots))
+    gy = C.cdiv(groups, tpc)
+    tpc = C.cdiv(groups, gy) * rt
     cpw = C.cdiv(nchunks, cfg["W"])
     d = cfg["D"]
     while cpw % d:
@@ -744,7 +755,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
              for (M_a, E, K, N, Kd, B, gs, zp) in (packed_cases[:2] if args.quick else
                                                    packed_cases)]
     for name, cfg, (M_a, E, K, N, Kd, B, nb, gs, zp, ks) in runs:
-        if B % (8 * cfg["MT"]):
+        if B % (8 * cfg["MT"]) or (N // 16) % cfg.get("RT", 1):
             continue
         x = rng.standard_normal((M_a, Kd)).astype(bf16)
         wf = (rng.standard_normal((E, N, Kd)) * 0.05).astype(bf16)
