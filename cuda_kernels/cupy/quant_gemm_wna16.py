@@ -20,12 +20,18 @@ L = len(sorted_token_ids), BM = 8 * MT positions per CTA, KS K splits.
     w_zp     [E, N, G]        uint8 or None (8 for int4, 128 for uint8, 0 for int8)
     c        [P, N]           a's dtype
 
-Two rungs (see the .cu header for the lane layout), chosen by CONFIGS / BY_ROWS:
-    wna16_stream  (m8, m16, m32) each warp streams 16 weight rows with 16-byte loads straight
-                  into registers, U steps of 128 codes in flight per lane;
+Three rungs (see the .cu header for the lane layouts), chosen by the config name:
+    wna16_packed  (PACKED_CONFIGS: s8, s16, r16, ...) int4 only, on weights repacked once by
+                  prepack_int4 (cached per weight array by packed_weights): each warp load
+                  reads 512 contiguous bytes that are the lanes' mma fragments; the CTA's
+                  warps split K and meet once per 16-row tile in shared memory; a register
+                  ring of D chunks per lane; about one wave of CTAs (packed_plan). What
+                  quant_gemm.grouped_gemm_quant runs for int4 decode batches (route_int4).
+    wna16_stream  (CONFIGS: w8, m8, m16, m32) each warp streams 16 weight rows with 16-byte
+                  loads straight into registers, U steps of 128 codes in flight per lane;
     wna16_async   (a8, a16, a32) each warp copies its rows through a shared-memory cp.async
                   ring with whole-line requests, then reads them in the mma's layout.
-Both dequantize in registers (magic-number int4 -> bf16; int4 with group_size % 128 == 0
+The last two dequantize in registers (magic-number int4 -> bf16; int4 with group_size % 128 == 0
 applies the scales after the mma, in fp32) and feed mma.sync m16n8k16 with the weights as A
 and up to 8 * MT tokens as B; activations are staged once per CTA in shared memory in the k
 order that the dequantization produces. K is split over grid.z (KS) when the batch alone
@@ -42,6 +48,11 @@ ValueError naming the argument otherwise.
 
 Napkin math (H200, 4.8 TB/s): Mixtral int4 (E=8, top-2, H=4096, I=14336, group 128) at T=1
 reads 2 experts' w13 + w2 codes and scales, 187 MB -> 39 us.
+wna16_packed, first version (H200, .gpu_feedback slot 1 of 2026-11-30, per GEMM, L2 flushed):
+T=1 s8 49.7 + 31.2 us = 48% of the roofline (w8 below: 27%), T=16 406 us (37%), T=64 p16
+797 us (20%); ncu (T=1 GEMM1): 109 instructions per 512-byte chunk, issue 62% busy, ALU pipe
+56%, 'wait' stalls first: instruction-bound, hence the rounds of D items with immediate
+offsets and no register copies (53 instructions per chunk in the SASS) that followed.
 Measured (H200, benchmarks/results/bench_wna16_*_20261129_231628.json, commit 77717dd, the m8 /
 m16 table then; GEMM1 + GEMM2, the activation between them not timed): T=1 165 us (24% of the
 roofline; quant_gemm 154 us), T=16 558 us (28%; 595), T=64 1077 us (14.5%; 1104); T >= 256
