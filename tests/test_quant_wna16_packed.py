@@ -304,3 +304,42 @@ def test_refuses_what_it_cannot_run(rng):
     with pytest.raises(ValueError, match="packed"):
         W.grouped_gemm_wna16(up(a), up(wq), st, ex, ntp, 1, 16, w_scale=up(ws),
                              use_int4_w4a16=True, config="p8")
+
+
+def test_route_int4_needs_cupy_arrays_and_a_packable_shape(rng):
+    wq, ws, _ = quantized(rng, 2, 32, 256, 128, False)
+    a = rng.standard_normal((2, 256)).astype(BF16)
+    assert W.route_int4(a, wq, ws, None, None, 2, 16) is None        # NumPy: not routed
+
+
+@pytest.mark.gpu
+def test_grouped_gemm_quant_routes_decode_int4(rng, monkeypatch):
+    """quant_gemm.grouped_gemm_quant sends an int4 decode batch to the packed rung (the
+    route's config name reaches grouped_gemm_wna16), matches the reference with a poisoned
+    output; version="v3" keeps quant_gemm's own rung."""
+    from cuda_kernels.cupy import quant_gemm as QG
+
+    M_a, E, K, N, Kd, B = 3, 4, 2, 64, 512, 16
+    a = rng.standard_normal((M_a, Kd)).astype(BF16)
+    wq, ws, _ = quantized(rng, E, N, Kd, 128, False)
+    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+    st, ex, ntp = moe_align_block_size(ids, B, E)
+    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+    want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, w_scale=ws,
+                                 use_int4_w4a16=True)
+    seen = []
+    real = W.grouped_gemm_wna16
+
+    def spy(*args, **kw):
+        seen.append(kw.get("config"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(W, "grouped_gemm_wna16", spy)
+    args = (up(a), up(wq), up(st), up(ex), up(ntp), K, B, up(tw), True)
+    out = poisoned((M_a * K, N), BF16)
+    got = QG.grouped_gemm_quant(*args, w_scale=up(ws), use_int4_w4a16=True, out=out)
+    assert got is out and seen and seen[0] in W.PACKED_CONFIGS
+    assert rel_err(host(got, BF16), want) <= TOL
+    seen.clear()
+    got = QG.grouped_gemm_quant(*args, w_scale=up(ws), use_int4_w4a16=True, version="v3")
+    assert not seen and rel_err(host(got, BF16), want) <= TOL
