@@ -9,8 +9,10 @@ then GEMM2 [P, I] x [H, I] (* router weight); the activation between them is not
 
     new   cuda_kernels.cupy.quant_gemm_wna16.grouped_gemm_wna16 (its config table, its
           block_size_for)
-    old   cuda_kernels.cupy.quant_gemm.grouped_gemm_quant(use_int4_w4a16=True) (its rungs,
-          its block_size_for)
+    old   cuda_kernels.cupy.quant_gemm.grouped_gemm_quant(use_int4_w4a16=True) with its own
+          rungs named (version "v3" up to 24 rows per expert, its default v2 above; without a
+          version it hands decode batches to the packed rung, the "new" path), its
+          block_size_for
 
 Method: CUDA events around each call after warm-up, median over the repetitions; before each
 repetition (untimed) the next of 4 pre-drawn routings is selected and the L2 is flushed (a
@@ -206,7 +208,13 @@ def main(argv=None):
                      floor_ms=floor)
         impls = [("new", W.grouped_gemm_wna16, W.block_size_for(P / E))]
         if not args.no_old:
-            impls.append(("old", QG.grouped_gemm_quant, QG.block_size_for("int4", P / E)))
+            # quant_gemm's own rungs (v3 up to 24 rows per expert, v2 above): version named,
+            # since its default now hands int4 decode batches to the packed rung
+            ver = "v3" if P / E <= QG.WNA16_BY_ROWS[-1][0] else None
+
+            def old(*args, ver=ver, **kw):
+                return QG.grouped_gemm_quant(*args, version=ver, **kw)
+            impls.append(("old", old, QG.block_size_for("int4", P / E)))
         for label, fn, B in impls:
             try:
                 g1, g2 = path(fn, B)
