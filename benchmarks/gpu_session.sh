@@ -30,7 +30,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/moe_sandbox_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}   # never turn NVLink multicast on (KINDS.md)
-NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l); (( NGPU < 1 )) && NGPU=1   # (no GPU: the scripts report it themselves)
 BENCH_GPU=$(( NGPU > 1 ? 1 : 0 ))
 BUDGET=${BUDGET:-540}   # seconds for the whole call (the device allows 600)
 say() { echo "== $* ($(date +%T))"; }
