@@ -255,10 +255,10 @@ def forced_align(ids, B, E, path, expert_map=None, ignore=False, rank="warp"):
 
 @pytest.fixture
 def grid_everywhere(monkeypatch):
-    """align.py's kernel as a grid of blocks behind its barrier even for a few slots (at most
-    64 per warp, at most 2 warps per block), so that small shapes cover the grid path too."""
+    """align.py's kernel as a grid of blocks behind its barrier even for a few slots (blocks
+    of 2 warps), so that small shapes cover the grid path too."""
     Al = importlib.import_module("cuda_kernels.numba.align")
-    monkeypatch.setitem(Al.CONFIGS, "grid", dict(Al.CONFIGS["grid"], SMALL_P=0, MAX_WARPS=2))
+    monkeypatch.setitem(Al.CONFIGS, "grid", dict(Al.CONFIGS["grid"], SMALL_P=0, GRID_WARPS=2))
 
 
 @pytest.mark.parametrize("B", [32, 128])

@@ -88,12 +88,12 @@ def cases():
 
     def grid_case(G, mapped):
         """align.py's one-launch kernel: one block, or a grid of G blocks (small SMALL_P,
-        MAX_WARPS and WARP_SLOTS force the grid barrier at 360 slots)."""
+        GRID_WARPS and WARP_SLOTS force the grid barrier at 360 slots)."""
         def run():
             Al = importlib.import_module(f"{__package__}.align")
             saved = dict(Al.CONFIGS["grid"])
             if G > 1:
-                Al.CONFIGS["grid"].update(SMALL_P=64, MAX_WARPS=2, WARP_SLOTS=32, MAX_BLOCKS=G)
+                Al.CONFIGS["grid"].update(SMALL_P=64, GRID_WARPS=2, WARP_SLOTS=32, MAX_BLOCKS=G)
             try:
                 return align_case("single", "grid", mapped)()
             finally:

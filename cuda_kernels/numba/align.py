@@ -68,12 +68,15 @@ if not SIMULATOR:
     from numba.cuda.extending import intrinsic, overload
 
 CONFIGS = {
-    # shared memory for the per-warp rows [W, E] (48 KB needs no opt-in); the one-block path
-    # up to SMALL_P slots with at least MIN_WARPS warps; above, a grid of blocks of WARP_SLOTS
-    # slots per warp, at most TABLE_LOADS loads per thread of the [G, E] table after the barrier
-    "grid": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 16, "MIN_WARPS": 16, "SMALL_P": 1024,
-             "WARP_SLOTS": 64, "TABLE_LOADS": 16, "MAX_BLOCKS": 0,
-             "COUNT": "atomic", "PAD": "shfl"},
+    # shared memory for the per-warp rows [W, E] (48 KB needs no opt-in). One block up to
+    # SMALL_P slots: a warp per ONE_SLOTS slots, at least min(MIN_WARPS, E / 8), at most
+    # MAX_WARPS. Above, a grid of blocks of GRID_WARPS warps, WARP_SLOTS slots per warp, at
+    # most TABLE_LOADS loads per thread of the [G, E] table after the barrier (H200, slot 1b:
+    # more and smaller blocks won at 2048 slots and up, e.g. deepseek T=256 13.8 us with
+    # 8 blocks of 8 warps vs 16.2 with 2 of 16)
+    "grid": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 16, "MIN_WARPS": 16, "ONE_SLOTS": 64,
+             "SMALL_P": 512, "GRID_WARPS": 8, "WARP_SLOTS": 32, "TABLE_LOADS": 32,
+             "MAX_BLOCKS": 0, "COUNT": "atomic", "PAD": "shfl"},
 }
 PREFETCH = 8          # 32-slot steps whose id loads are in flight together
 STEP = 32 * PREFETCH  # slots per round of a warp
@@ -474,13 +477,15 @@ def align_geometry(P: int, E: int, sm_count: int):
     """(G, NT, shared memory bytes) of align_grid (module docstring)."""
     cfg = CONFIGS["grid"]
     fixed = 3 * E + 33
-    W = max(1, min(cfg["MAX_WARPS"], (cfg["SMEM_BUDGET"] // 4 - fixed) // E))
+    fit = max(1, (cfg["SMEM_BUDGET"] // 4 - fixed) // E)   # warps whose [W, E] rows fit
     if P <= cfg["SMALL_P"]:
         G = 1
-        # warps for the slots, but at least one per 8 experts (up to MIN_WARPS): the
+        # a warp per ONE_SLOTS slots, but at least one per 8 experts (up to MIN_WARPS): the
         # per-expert work (scan, padding, expert_ids) is spread over them
-        W = min(W, max(min(cfg["MIN_WARPS"], max(4, A.cdiv(E, 8))), A.cdiv(max(P, 1), 32)))
+        W = max(min(cfg["MIN_WARPS"], max(4, A.cdiv(E, 8))), A.cdiv(max(P, 1), cfg["ONE_SLOTS"]))
+        W = min(W, cfg["MAX_WARPS"], fit)
     else:
+        W = min(cfg["GRID_WARPS"], fit)
         blocks = cfg["MAX_BLOCKS"] or sm_count
         G = max(1, min(blocks, A.cdiv(P, W * cfg["WARP_SLOTS"]),
                        cfg["TABLE_LOADS"] * W * 32 // E))
