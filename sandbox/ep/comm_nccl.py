@@ -638,20 +638,21 @@ class NcclCommunicator(Communicator):
                 for t in ((True, ptr + chunk * p, chunk, p),
                           (False, ptr + chunk * (W + p), chunk, p))]
 
-    def counts_start(self, both, pinned, after, done, transfers=None):
+    def counts_start(self, both, pinned, after, done, transfers=None, pinned_ptr=None):
         """Phase one of the fused all-to-all-v, lean: on the side stream, after event `after`,
         exchange the counts buffer `both` (int64 [2, W, C], [0, p] sent to p, [1, p] filled
         from p) in place, copy it into the page-locked host array `pinned` ([2, W C] int64),
         and record `done`. The caller waits for `done` with wait_done(done). `transfers`:
-        counts_transfers(both), made once by the caller."""
-        side = self.side_stream()
+        counts_transfers(both), made once by the caller; pinned_ptr: pinned.ctypes.data."""
+        side = self._side if getattr(self, "_side", None) is not None else self.side_stream()
         side.wait_event(after)
         if transfers is None:
             transfers = self.counts_transfers(both)
         self.p2p_group("all_to_all_v (counts)", transfers, side.ptr, track=False)
-        runtime = self._cupy.cuda.runtime
-        if hasattr(runtime, "memcpyAsync"):   # no array objects (the fake CuPy lacks it)
-            runtime.memcpyAsync(pinned.ctypes.data, both.data.ptr, both.nbytes, 2, side.ptr)
+        memcpy = getattr(self._cupy.cuda.runtime, "memcpyAsync", None)
+        if memcpy is not None:   # no array objects (the fake CuPy lacks it)
+            memcpy(pinned.ctypes.data if pinned_ptr is None else pinned_ptr, both.data.ptr,
+                   both.nbytes, 2, side.ptr)                                   # D2H
         else:
             both.reshape(2, -1).get(stream=side, out=pinned, blocking=False)
         done.record(side)

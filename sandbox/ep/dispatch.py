@@ -394,6 +394,15 @@ def _gpu_fused(comm, lay, x, ids, epr, w, rows, chunks):
     return g
 
 
+def _device_of(a):
+    """The device of a CuPy array: its memory pointer's id (ndarray.device builds a Device
+    object per call: microseconds on the hot path); the CPU tests' fake has only .device."""
+    try:
+        return a.data.device_id
+    except AttributeError:
+        return a.device.id
+
+
 class _GpuFused:
     """impl="fused" on the GPU for one shape and stream: the same steps as
     _alltoall_dispatch_fused / _alltoall_combine_fused, with every per-shape decision made
@@ -434,6 +443,7 @@ class _GpuFused:
         from .comm_nccl import cupyx_empty_pinned
 
         self.pinned = cupyx_empty_pinned((2, self.W * chunks), np.int64)
+        self.pinned_ptr = self.pinned.ctypes.data
         p = self.plan
         # (send buffer, row bytes, the received array's row shape and dtype)
         meta = p.ids_send.shape[1:]                      # () slot rows, (K,) token rows
@@ -448,7 +458,8 @@ class _GpuFused:
     def dispatch(self, x, ids, w):
         comm, xp, W = self.comm, self.xp, self.W
         dev = comm.device
-        if x.device.id != dev or ids.device.id != dev or (w is not None and w.device.id != dev):
+        if _device_of(x) != dev or _device_of(ids) != dev or \
+                (w is not None and _device_of(w) != dev):
             for name, a in (("x", x), ("topk_ids", ids), ("topk_weights", w)):
                 if a is not None:
                     comm._contig(a, name)            # raises, naming the array
@@ -464,12 +475,12 @@ class _GpuFused:
         self.laid_out.record(stream)
         if COUNTS_FIRST:   # the gather's launch then overlaps the exchange of the counts
             comm.counts_start(plan.counts2, self.pinned, self.laid_out, self.counted,
-                              self.counts_transfers)
+                              self.counts_transfers, self.pinned_ptr)
             plan.gather(x, ids, w, inv)
         else:
             plan.gather(x, ids, w, inv)
             comm.counts_start(plan.counts2, self.pinned, self.laid_out, self.counted,
-                              self.counts_transfers)
+                              self.counts_transfers, self.pinned_ptr)
         comm.wait_done(self.counted, "all_to_all_v (counts)")
         # the one host sync: seen complete, the counts exchange is ordered before anything
         # enqueued from here on (the rows exchange below, the next call's layout)
@@ -515,7 +526,7 @@ class _GpuFused:
         if y.shape != (R, H):
             raise ValueError(f"y_recv: expected shape {(R, H)} (the rows received), got "
                              f"{y.shape}")
-        if y.device.id != comm.device:
+        if _device_of(y) != comm.device:
             comm._contig(y, "y_recv")
         if not y.flags.c_contiguous:
             y = view_as(xp.ascontiguousarray(raw(y)), y.dtype)
