@@ -170,7 +170,7 @@ def _impl_spec(spec):
     "fusedslow" is "fused" without the GPU plans (dispatch.GPU_PLANS off while it runs)."""
     if spec.startswith("fused") and spec[5:].isdigit():
         return "fused", int(spec[5:])
-    if spec in ("fusedslow", "fusedgf"):
+    if spec in ("fusedslow", "fusedgf", "fusedp2p"):
         return "fused", None
     return spec, None
 
@@ -180,7 +180,8 @@ class _Plans:
     plans; "fusedgf": the gather launched before the counts exchange), restored after."""
 
     def __init__(self, spec):
-        self.flags = {"GPU_PLANS": spec != "fusedslow", "COUNTS_FIRST": spec != "fusedgf"}
+        self.flags = {"GPU_PLANS": spec != "fusedslow", "COUNTS_FIRST": spec != "fusedgf",
+                      "COUNTS_ALLGATHER": spec != "fusedp2p"}
 
     def __enter__(self):
         from sandbox.ep import dispatch as D
@@ -728,7 +729,7 @@ def main(argv=None):
         ap.error("--alltoall-rows: expected at least one of token, slot")
     impls = [m for m in args.impls.split(",") if m]
     for m in impls:
-        if m not in ("stages", "fusedslow", "fusedgf") and not (m.startswith("fused") and
+        if m not in ("stages", "fusedslow", "fusedgf", "fusedp2p") and not (m.startswith("fused") and
                                                       (m[5:] == "" or m[5:].isdigit())):
             ap.error(f"--impls: expected fused, fusedC (C an int), fusedslow and/or stages, "
                      f"got {m!r}")

@@ -171,6 +171,9 @@ GPU_PLANS = True
 # it (False); either way it runs on the side stream beside the gather. First, the GPU gets
 # the counts sooner and the host's work after the sync overlaps the gather.
 COUNTS_FIRST = True
+# with GPU_PLANS: the counts travel by one ncclAllGather of every rank's send counts (True)
+# or by a group of sends and receives of the counts buffer in place (False)
+COUNTS_ALLGATHER = True
 
 
 @dataclasses.dataclass
@@ -444,6 +447,11 @@ class _GpuFused:
 
         self.pinned = cupyx_empty_pinned((2, self.W * chunks), np.int64)
         self.pinned_ptr = self.pinned.ctypes.data
+        # COUNTS_ALLGATHER: every rank's send counts [W, W C] (device and page-locked)
+        self.gathered = xp.empty((self.W, self.W * chunks), dtype=xp.int64)
+        self.pinned_all = cupyx_empty_pinned((self.W, self.W * chunks), np.int64)
+        self.pinned_all_ptr = self.pinned_all.ctypes.data
+        self.send_counts_dev = self.plan.counts2[0].reshape(self.W * chunks)   # a view, once
         p = self.plan
         # (send buffer, row bytes, the received array's row shape and dtype)
         meta = p.ids_send.shape[1:]                      # () slot rows, (K,) token rows
@@ -473,19 +481,26 @@ class _GpuFused:
         # the counts are ready here: their exchange waits for the layout only, and runs on
         # the high-priority side stream beside the gather
         self.laid_out.record(stream)
-        if COUNTS_FIRST:   # the gather's launch then overlaps the exchange of the counts
-            comm.counts_start(plan.counts2, self.pinned, self.laid_out, self.counted,
-                              self.counts_transfers, self.pinned_ptr)
+        gathered = COUNTS_ALLGATHER
+        if not COUNTS_FIRST:
             plan.gather(x, ids, w, inv)
+        if gathered:
+            comm.counts_gather_start(self.send_counts_dev, self.gathered, self.pinned_all,
+                                     self.laid_out, self.counted, self.pinned_all_ptr)
         else:
-            plan.gather(x, ids, w, inv)
             comm.counts_start(plan.counts2, self.pinned, self.laid_out, self.counted,
                               self.counts_transfers, self.pinned_ptr)
+        if COUNTS_FIRST:   # the gather's launch then overlaps the exchange of the counts
+            plan.gather(x, ids, w, inv)
         comm.wait_done(self.counted, "all_to_all_v (counts)")
         # the one host sync: seen complete, the counts exchange is ordered before anything
         # enqueued from here on (the rows exchange below, the next call's layout)
-        c = self.pinned.tolist()                                        # [2][W C]
-        C = self.C
+        C, r = self.C, self.rank
+        if gathered:   # row p = what rank p sends; I send row r, receive column block r
+            g = self.pinned_all.tolist()                                # [W][W C]
+            c = [g[r], [v for p in range(W) for v in g[p][r * C:(r + 1) * C]]]
+        else:
+            c = self.pinned.tolist()                                    # [2][W C]
         if C == 1:
             sc, rc = c[0], c[1]
         else:
