@@ -76,7 +76,7 @@ CONFIGS = {
     # 8 blocks of 8 warps vs 16.2 with 2 of 16)
     "grid": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 16, "MIN_WARPS": 16, "ONE_SLOTS": 64,
              "SMALL_P": 512, "GRID_WARPS": 8, "WARP_SLOTS": 32, "TABLE_LOADS": 32,
-             "MAX_BLOCKS": 0, "COUNT": "atomic", "PAD": "shfl"},
+             "MAX_BLOCKS": 0, "PAD": "shfl"},
 }
 PREFETCH = 8          # 32-slot steps whose id loads are in flight together
 STEP = 32 * PREFETCH  # slots per round of a warp
@@ -133,19 +133,9 @@ def load_round(ids, base, end, E, emap, use_map, ignore_invalid, eb, lane):
 
 @device_function
 def count_round(eb, wc, row0):
-    """wc[row0 + e] += the round's slots of expert e: the lowest lane of each match_any group
-    adds the group's size (E = 8 would otherwise serialize 32 atomics on 8 counters)."""
-    for u in range(PREFETCH):
-        e = eb[u]
-        peers = uint32(cu.match_any_sync(FULL_MASK, e))
-        if e >= 0 and (peers & cu.lanemask_lt()) == 0:
-            cu.atomic.add(wc, ix(row0 + e), int32(cu.popc(peers)))
-
-
-@device_function
-def count_round_atomic(eb, wc, row0):
-    """count_round with one shared atomic per lane (permute.cu's count: no match_any; lanes
-    of one expert serialize on its counter)."""
+    """wc[row0 + e] += the round's slots of expert e: one shared atomic per lane (permute.cu's
+    count; lanes of one expert serialize on its counter). One atomic per distinct expert of a
+    step, after a match_any_sync, was slower at all 18 bench points on the H200 (slot 1b)."""
     for u in range(PREFETCH):
         e = eb[u]
         if e >= 0:
@@ -307,10 +297,8 @@ def grid_barrier(bar, g, G):
 
 
 # ----------------------------------------------------------------------------- the kernel
-def _align_grid(ATOMIC, SHFL_PAD):
-    """align_grid; ATOMIC: the count takes one atomic per lane (else one per distinct expert
-    of a step, after a match_any); SHFL_PAD: pad_runs_shfl (else pad_runs)."""
-    count = count_round_atomic if ATOMIC else count_round
+def _align_grid(SHFL_PAD):
+    """align_grid; SHFL_PAD: pad_runs_shfl (else pad_runs)."""
 
     def align_grid(ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids,
                    n_blocks, capacity, num_post, offsets, inv, do_align, write_inv, chunk):
@@ -358,7 +346,7 @@ def _align_grid(ATOMIC, SHFL_PAD):
         for r in range(rounds):
             if rounds > 1:
                 load_round(ids, begin + r * STEP, end, E, emap, use_map, ignore_invalid, eb, lane)
-            count(eb, wc, row0)
+            count_round(eb, wc, row0)
         cu.syncthreads()
         cv = cu.local.array(SCAN_UNROLL, int32)
         e = tid
@@ -432,17 +420,17 @@ def _align_grid(ATOMIC, SHFL_PAD):
 
 
 @functools.lru_cache(maxsize=None)
-def grid_kernel(atomic=True, shfl_pad=True):
+def grid_kernel(shfl_pad=True):
     """The compiled align_grid (one kernel for every geometry: NT and G are read at run
     time, so a notebook waits for one compile). Bounded to 1024 threads: <= 64 registers,
     which it fits without spilling (a round of ids in registers across the barriers)."""
-    return kernel(_align_grid(atomic, shfl_pad), launch_bounds=(1024, 1))
+    return kernel(_align_grid(shfl_pad), launch_bounds=(1024, 1))
 
 
 def configured_kernel():
     """grid_kernel with the flavours CONFIGS["grid"] names."""
     cfg = CONFIGS["grid"]
-    return grid_kernel(cfg["COUNT"] == "atomic", cfg["PAD"] == "shfl")
+    return grid_kernel(cfg["PAD"] == "shfl")
 
 
 # ----------------------------------------------------------------------------- launcher
