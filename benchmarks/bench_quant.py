@@ -39,7 +39,7 @@ faster than bf16 at T >= 1024.
 
     python benchmarks/bench_quant.py [--models deepseek-v3,mixtral] [--tokens 1,16,64]
                                      [--reps 20] [--no-bf16] [--budget-s 200]
-                                     [--fp8-version v2|v4|v5]
+                                     [--fp8-version v2|v4|v5] [--fp8-block-size B]
 
 Writes benchmarks/results/bench_quant_<gpu>_<time>.json (GPU, date, commit, command, points).
 """
@@ -180,7 +180,7 @@ def time_ms(fn, setup, warmup, reps, use_spin=True):
 
 # ----------------------------------------------------------------------------- one model
 def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8_version=None,
-                flush_mode="read"):
+                flush_mode="read", fp8_block=None):
     import cupy
 
     from reference import moe_align_block_size
@@ -228,6 +228,8 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
         P = T * K
         rows_per_expert = P / E
         Bq = QG.block_size_for(fmt, rows_per_expert)      # the kernels' config table by M
+        if fmt == "fp8" and fp8_block:
+            Bq = fp8_block                                # --fp8-block-size
         routings = [draw_routing(rng, T, E, K) for _ in range(ROUTINGS)]
         touched = float(np.mean([len(np.unique(ids)) for ids, _ in routings]))
         flops = 2.0 * P * (2 * I * H + H * I)
@@ -385,6 +387,9 @@ def main(argv=None):
                         help="how the L2 is evicted before each timed call (see the doc)")
     parser.add_argument("--fp8-version", default=None, choices=("v1", "v2", "v4", "v5"),
                         help="force this quant_gemm rung for fp8 (default: its table's choice)")
+    parser.add_argument("--fp8-block-size", type=int, default=None,
+                        help="alignment block size of the fp8 path (default: "
+                             "quant_gemm.block_size_for)")
     args = parser.parse_args(argv)
     ok, why = C.availability()
     if not ok:
@@ -411,7 +416,7 @@ def main(argv=None):
     for m in models:
         points += bench_model(m, tokens, args.reps, not args.no_bf16, deadline, log,
                               use_spin=not args.no_spin, fp8_version=args.fp8_version,
-                              flush_mode=args.flush)
+                              flush_mode=args.flush, fp8_block=args.fp8_block_size)
         cupy.get_default_memory_pool().free_all_blocks()
     summary(points, log)
     log(f"total {time.time() - start:.0f} s")

@@ -33,9 +33,7 @@ The ladder (`version=`; default: the best that applies):
     v4  fp8 w8a8 decode (up to FP8_V4_MAX_ROWS rows per expert; quant_gemm_fp8_gemv.cu): the
         same weight streaming with mma.sync m16n8k32 e4m3 (sm_89+), 16 weight rows per CTA as
         the mma's A, tiles of 8 tokens as its B (padding-only tiles skipped), K split over the
-        warps by 128-wide blocks, block scales folded per block; Kdim % 128 == 0. Configs with
-        P=1 run its persistent form fp8_gemv_v4p (SMs * MINB CTAs walk the tiles; the next
-        tile's first loads go out before this tile's reduction).
+        warps by 128-wide blocks, block scales folded per block; Kdim % 128 == 0.
     v5  fp8 w8a8 Hopper (sm_90a; quant_gemm_fp8_wgmma.cu): wgmma.m64nBNk32 e4m3 from
         128-byte-swizzled shared tiles (one 128-wide K block = one swizzled row), a cp.async
         ring with gathered A rows, per-block promotion acc += blk * a_scale * w_scale in fp32;
@@ -99,8 +97,8 @@ WNA16_BY_ROWS = ((8, "gemv16"), (24, "gemv32"), (24, "gemv16"))
 # warps splitting K by 128-wide blocks, U blocks of weight loads in flight per thread, MINB
 # CTAs per SM (caps the registers).
 # PIPE = 2 double-buffers the loads in registers (the next U blocks in flight while a round is
-# consumed); PF (default 0) = 1 / 2 adds the L2::128B / L2::256B prefetch hint to them. Measured (H200, slot 1, DeepSeek-V3 T=1/16/64, PIPE 1): gemv8w4 fastest at
-# T=16/64 on both GEMMs and at T=1 on GEMM2, within 5% of the best on T=1 GEMM1.
+# consumed); PF (default 0) = 1 / 2 adds the L2::128B / L2::256B prefetch hint to them.
+# Measured: FP8_V4_BY_ROWS below.
 FP8_V4_CONFIGS = {
     "gemv8": dict(BM=8, WARPS=8, U=4, MINB=2, PIPE=1),
     "gemv8w4": dict(BM=8, WARPS=4, U=4, MINB=4, PIPE=1),
@@ -117,23 +115,15 @@ FP8_V4_CONFIGS = {
     "gemv16u3ll": dict(BM=16, WARPS=8, U=3, MINB=2, PIPE=1, PF=2),
     "gemv16w4u3": dict(BM=16, WARPS=4, U=3, MINB=4, PIPE=1),
     "gemv16u4": dict(BM=16, WARPS=8, U=4, MINB=2, PIPE=1),
-    # persistent (fp8_gemv_v4p: P=1): a grid of SMs * MINB CTAs walks the tiles, the next
-    # tile's first round of loads in flight across this tile's reduction
-    "pgemv16": dict(BM=16, WARPS=8, U=2, MINB=2, PIPE=1, P=1),
-    "pgemv16u3": dict(BM=16, WARPS=8, U=3, MINB=2, PIPE=1, P=1),
-    "pgemv8w4": dict(BM=8, WARPS=4, U=4, MINB=4, PIPE=1, P=1),
-    "pgemv8w4u3": dict(BM=8, WARPS=4, U=3, MINB=4, PIPE=1, P=1),
-    "pgemv16ll": dict(BM=16, WARPS=8, U=2, MINB=2, PIPE=1, PF=2, P=1),
+    "gemv8w4u3": dict(BM=8, WARPS=4, U=3, MINB=4, PIPE=1),
 }
 # v4's config by rows per expert and Kdim: the first entry (max rows per expert, min Kdim,
-# name) that covers the batch and whose BM divides block_size wins. Measured (H200, slots 1-3,
-# DeepSeek-V3, L2 flushed): at T=1 GEMM1 (Kdim 7168, 0.03 rows per expert) gemv16 77.3 / 77.8
-# / 72.2 us vs gemv8w4 81.4 / 82.5 / 75.1 us (no padding-only tiles at 2 CTAs per SM);
-# everywhere else at T <= 64 gemv8w4 is the fastest or within 2% (slot 3: T=1 GEMM2 41.0 us,
-# T=16 GEMM1 0.738 ms, T=64 GEMM1 1.774 ms). PIPE 2, the L2 hints, U 3 were no faster. The
-# persistent configs (P=1) are not measured yet (slot 3's launch had a bug since fixed).
-FP8_V4_BY_ROWS = ((0.25, 4096, "gemv16"), (8, 0, "gemv8w4"), (16, 0, "gemv16"),
-                  (16, 0, "gemv8w4"))
+# name) that covers the batch and whose BM divides block_size wins. Measured (H200, 2026-11-30
+# slot 1b, DeepSeek-V3, block 16, L2 flushed, us, GEMM1 / GEMM2): gemv8w4u3 is the fastest at
+# every point: T=1 68.8 / 40.0 (gemv16 70.4 / 46.8, gemv8w4 75.2 / 40.8), T=16 695 / 429
+# (gemv8w4 720 / 437), T=64 1573 / 998 (gemv8w4 1727 / 1046), T=128 1840 / 1161 (gemv16
+# 2058 / 1512, gemv8w4 2108 / 1254). (Earlier: PIPE 2 and the L2 hints were no faster.)
+FP8_V4_BY_ROWS = ((16, 0, "gemv8w4u3"), (16, 0, "gemv16"))
 # fp8 w8a8 v5 (Hopper wgmma e4m3, per-block promotion): BM token rows (64 per warpgroup), BN
 # weight rows, STAGES 128-wide K blocks in the cp.async ring.
 # Measured (H200, slot 1, DeepSeek-V3): wg64 (block 64) GEMM1 / GEMM2 1.83 / 1.03 ms at
@@ -212,9 +202,6 @@ def wna16_group_ok(group_size: int, num_groups: int, bk: int) -> bool:
 
 
 def _v4_name(cfg: dict) -> str:
-    if cfg.get("P"):
-        return (f"fp8_gemv_v4p<{cfg['BM'] // 8}, {cfg['WARPS']}, {cfg['U']}, {cfg['MINB']}, "
-                f"{cfg.get('PF', 0)}>")
     return (f"fp8_gemv_v4<{cfg['BM'] // 8}, {cfg['WARPS']}, {cfg['U']}, {cfg['MINB']}, "
             f"{cfg['PIPE']}, {cfg.get('PF', 0)}>")
 
@@ -675,8 +662,6 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         kern = _kernel(name, FP8_V4_NAMES if name in FP8_V4_NAMES else (name,), elem, smem,
                        CU_FP8_GEMV)
         grid = (C.cdiv(Lg, fcfg["BM"]), C.cdiv(N, 16))
-        if fcfg.get("P"):        # persistent: about MINB CTAs per SM walk the tiles
-            grid = (min(grid[0] * grid[1], _num_sms() * fcfg["MINB"]), 1)
         block = (fcfg["WARPS"] * 32,)
     elif version == "v5":
         name = _v5_name(fcfg)
@@ -734,17 +719,6 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
 
 
 _READY: dict = {}
-_SMS: dict = {}
-
-
-def _num_sms() -> int:
-    """Streaming multiprocessors of the current device (asked once per device)."""
-    import cupy
-
-    dev = cupy.cuda.Device()
-    if dev.id not in _SMS:
-        _SMS[dev.id] = int(dev.attributes["MultiProcessorCount"])
-    return _SMS[dev.id]
 
 
 def _kernel(name, names, elem, smem, cu=CU, options=()):

@@ -100,9 +100,9 @@ __device__ __forceinline__ void fg_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u3
 #endif  // QG_EMULATED_PTX
 
 // ============================================================================ the tile's parts
-// One tile = 16 weight rows n0..n0+15 of expert e times BM = 8 MT token rows. fp8_gemv_v4 (one
-// tile per CTA) and fp8_gemv_v4p (a CTA walks tiles) are both made of these parts; they are
-// forceinline, so each kernel compiles as if they were written in place.
+// One tile = 16 weight rows n0..n0+15 of expert e times BM = 8 MT token rows; fp8_gemv_v4 runs
+// one per CTA, in these phases (forceinline: the kernel compiles as if they were written in
+// place; its main loop's SASS is the same as when they were).
 
 // Where thread (g, t) reads its weight bytes: rows n0 + g and n0 + g + 8 (clamped to N - 1:
 // read, multiplied, never stored), bytes 16 t.. of each 128-wide block; and the block scales
@@ -344,111 +344,4 @@ fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
     }
     fg_epilogue<MT, WARPS>(acc, sRed, sSlot, sArow, c, a_scale, w_scale, topk_weights, bias, e,
                            n0, N, num_slots, mul_routed_weight, a_scale_kind, w_scale_kind, tid);
-}
-
-// ============================================================================ v4 persistent
-// fp8_gemv_v4p: the same tile work as fp8_gemv_v4 (PIPE 1 rounds), but a grid of G CTAs (about
-// MINB per SM, the launcher's choice) walks the tiles: CTA b takes tiles b, b + G, ... (n tile
-// fastest, up to num_tokens_post_padded). What it buys: the next tile's header is loaded while
-// this one streams, and its first round of weight loads goes out *before* this tile's
-// reduction and stores (when it is surely live: e >= 0 and its first position holds a slot),
-// so a CTA keeps weight loads in flight across tile boundaries instead of idling through each
-// tile's setup and reduction (at decode a tile is only 32-115 KB of weights).
-// grid (G), block WARPS * 32, dynamic smem as v4. Same requirements as v4.
-template <int MT, int WARPS, int U, int MINB, int PF>
-__global__ void __launch_bounds__(WARPS * 32, MINB)
-fp8_gemv_v4p(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
-             const float* __restrict__ a_scale, const float* __restrict__ w_scale,
-             const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-             const int* __restrict__ num_tokens_post_padded,
-             const float* __restrict__ topk_weights, const float* __restrict__ bias,
-             int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-             int mul_routed_weight, int a_scale_kind, int w_scale_kind) {
-    constexpr int BM = 8 * MT;
-    constexpr int STEP = WARPS * U;
-    static_assert(BM <= WARPS * 32, "v4p: one thread per tile row reads the slots");
-    extern __shared__ __align__(16) u8 smem[];
-    float* sRed = reinterpret_cast<float*>(smem);                  // [WARPS][BM][16]
-    int* sArow = reinterpret_cast<int*>(sRed + WARPS * BM * 16);   // [BM] a row, -1 padding
-    int* sSlot = sArow + BM;                                       // [BM] slot s
-
-    // positions past num_slots * block_size hold no slot (num_tokens_post_padded <= P * B)
-    const int Lg = (int)min((long long)num_positions, (long long)num_slots * block_size);
-    const int m_tiles = (Lg + BM - 1) / BM, n_tiles = (N + 15) / 16;
-    int i = blockIdx.x;
-    if (i >= m_tiles * n_tiles) return;
-    const int tid = threadIdx.x;
-    const bool BLOCKWISE = a_scale_kind == 2;
-    const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
-    const int KB = Kdim / 128;
-
-    // a tile's header: independent loads, one round trip. Item order: n tile fastest, so a
-    // CTA's walk (b, b + G, ...) crosses the m tiles; m fastest would give CTA b only the m
-    // tiles = b mod gcd(G, m_tiles), and at decode (block 16, BM 8) every other m tile is
-    // padding: half the CTAs would walk padding only.
-    struct Head {
-        int m0, n0, e, s_mine, s_first;
-    };
-    auto header = [&](int item) {
-        Head h;
-        h.m0 = (item / n_tiles) * BM;
-        h.n0 = (item % n_tiles) * 16;
-        h.e = expert_ids[h.m0 / block_size];
-        h.s_mine = (tid < BM && h.m0 + tid < num_positions) ? sorted_token_ids[h.m0 + tid]
-                                                             : num_slots;
-        h.s_first = sorted_token_ids[h.m0];
-        return h;
-    };
-    // surely live (e >= 0, first position a slot): its loads may go out before it is staged
-    auto streams = [&](const Head& h) { return h.e >= 0 && fg_live(h.s_first, num_slots); };
-
-    Head cur = header(i);                                // in flight with ntpp's load
-    const int ntpp = num_tokens_post_padded[0];
-    // tiles from num_tokens_post_padded on hold no slot: the walk ends before them (it is a
-    // multiple of block_size, so of BM)
-    const int items = min(m_tiles, (ntpp + BM - 1) / BM) * n_tiles;
-    if (i >= items) return;
-    FgRows rows = fg_rows(w, w_scale, cur.e, cur.n0, N, Kdim, g, t);
-    u32 wq[U][2][2][4];
-    float wsc[U];
-    bool pre = streams(cur);                             // wq holds this tile's first round
-    if (pre) fg_issue<U, WARPS, PF>(wq, wsc, rows, warp, KB, BLOCKWISE);
-    for (; i < items; i += gridDim.x) {
-        // the next tile's header, in flight while this one streams
-        const int i2 = i + gridDim.x;
-        Head next{0, 0, -1, num_slots, num_slots};
-        if (i2 < items) next = header(i2);
-
-        const int any = fg_stage<BM>(sSlot, sArow, cur.s_mine, num_slots, top_k, tid);
-        bool pre_next = false;
-        if (any && cur.e < 0) {                                    // expert on another rank
-            fg_zeros<BM, WARPS * 32>(c, sSlot, cur.n0, N, num_slots, tid);
-        } else if (any) {
-            FgCols<MT> cols;
-            fg_cols(cols, sArow, g, t);
-            float acc[MT][4];
-#pragma unroll
-            for (int j = 0; j < MT; ++j)
-#pragma unroll
-                for (int q = 0; q < 4; ++q) acc[j][q] = 0.f;
-            for (int kb0 = warp; kb0 < KB; kb0 += STEP) {
-                if (!(pre && kb0 == warp)) fg_issue<U, WARPS, PF>(wq, wsc, rows, kb0, KB, BLOCKWISE);
-                fg_consume<MT, U, WARPS>(acc, wq, wsc, cols, a, a_scale, kb0, KB, Kdim, t,
-                                         BLOCKWISE);
-            }
-            // the next tile's first round goes out now, before this tile's reduction
-            if (i2 < items && streams(next)) {
-                rows = fg_rows(w, w_scale, next.e, next.n0, N, Kdim, g, t);
-                fg_issue<U, WARPS, PF>(wq, wsc, rows, warp, KB, BLOCKWISE);
-                pre_next = true;
-            }
-            fg_epilogue<MT, WARPS>(acc, sRed, sSlot, sArow, c, a_scale, w_scale, topk_weights,
-                                   bias, cur.e, cur.n0, N, num_slots, mul_routed_weight,
-                                   a_scale_kind, w_scale_kind, tid);
-        }
-        __syncthreads();                    // sSlot / sRed are rewritten by the next tile
-        cur = next;
-        if (!pre_next) rows = fg_rows(w, w_scale, cur.e, cur.n0, N, Kdim, g, t);
-        pre = pre_next;
-    }
 }
