@@ -494,9 +494,22 @@ def launch(call, ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert
             n_blocks, capacity, num_post, offsets, inv, do_align, write_inv,
             A.cdiv(A.cdiv(P, G * NT // 32), 32) * 32)   # chunk: whole 32-slot steps per warp
     if G > 1 and not SIMULATOR:
-        # A cooperative launch, as permute.cu's: the driver refuses a grid that cannot be
-        # resident all at once (which the barrier needs) instead of letting it hang. numba
-        # sets the flag only on kernels that call cuda.cg (linking cudadevrt for them), so it
-        # is set here on the compiled kernel for these argument types.
-        k.compile(tuple(k.typeof_pyval(a) for a in args)).cooperative = True
+        _cooperative(k, args)
     k[G, NT, 0, smem](*args)
+
+
+_MARKED = set()
+
+
+def _cooperative(k, args):
+    """Mark the kernel `k` compiles for these arguments for a cooperative launch, as
+    permute.cu's: the driver refuses a grid that cannot be resident all at once (which the
+    barrier needs) instead of letting it hang. numba sets the flag only on kernels that call
+    cuda.cg (linking cudadevrt for them), so it is set here on the compiled kernel. Only ids
+    and expert_map vary in type between calls (the rest are arrays this module makes and
+    Python ints), so typing all the arguments (~0.1 ms) happens once per such pair."""
+    ids, emap = args[0], args[4]
+    key = (id(k), ids.dtype.str, emap.dtype.str, ids.is_c_contiguous())
+    if key not in _MARKED:
+        k.compile(tuple(k.typeof_pyval(a) for a in args)).cooperative = True
+        _MARKED.add(key)
