@@ -170,6 +170,7 @@ def emulated_packed(tmp_path_factory):
     ("s32", (20, 2, 1, 32, 576, 32), 64, True, 1),
     ("r8", (2, 3, 2, 64, 2048, 8), 128, True, 1),        # RT = 2: two tiles per warp group
     ("r16", (9, 2, 2, 32, 576, 16), 64, False, 132),
+    ("q8", (3, 3, 2, 64, 1152, 8), 128, True, 1),        # RT = 2, zero point per pair
 ])
 def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sms):
     import ctypes

@@ -113,6 +113,9 @@ PACKED_CONFIGS = {
     "r16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=1, RT=2, MINB=2),
     "r32": dict(KERNEL="packed", MT=4, W=4, D=2, POST=1, RT=2, MINB=2),
     "r8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=1, RT=2, MINB=2),
+    "q8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, RT=2, MINB=2),
+    "q8d": dict(KERNEL="packed", MT=1, W=8, D=2, POST=0, RT=2, MINB=2),
+    "q16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=0, RT=2, MINB=2),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, sweeps of slots 2 and 3 in
@@ -373,7 +376,7 @@ for _ev in ELEMS.values():     # one NVRTC check per element type: every rung of
 # the first entry whose rows cover the batch and whose BM divides block_size (quant_gemm's
 # block_size_for gives 16 up to 8 rows, 32 up to 24). Above PACKED_MAX_ROWS, quant_gemm's own
 # rungs run.
-PACKED_BY_ROWS = ((4, "s8"), (24, "s16"))
+PACKED_BY_ROWS = ((24, "q8"),)
 PACKED_MAX_ROWS = PACKED_BY_ROWS[-1][0]
 
 
@@ -710,7 +713,7 @@ def _kernel(name, elem, smem):
         group = NAMES if name in NAMES else PACKED_NAMES if name in PACKED_NAMES else (name,)
         kern = C.get_kernel(CU, name, {"ELEM_BF16": elem}, group)
         _READY[key] = kern
-    if smem > 40 * 1024 and _SMEM_SET.get(key, 0) < smem:   # opt in (48 KB with static smem)
+    if smem > 0 and _SMEM_SET.get(key, 0) < smem:   # opt in: static + dynamic may pass 48 KB
         kern.max_dynamic_shared_size_bytes = smem
         _SMEM_SET[key] = smem
     return kern
