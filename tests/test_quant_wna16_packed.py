@@ -118,10 +118,11 @@ def _emulation_entries(names):
             f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned block, const void* a, '
             f"const void* wp, void* c, const void* sp, const void* zp, const int* st, "
             f"const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
-            f"int P, int top_k, int B, int L, int mul, int shift, int G, int dzp, int tpc) {{\n"
+            f"int P, int top_k, int B, int L, int mul, int shift, int G, int dzp, int tpc, "
+            f"int rg) {{\n"
             f"    launch3(gx, gy, 1, block, [&] {{ gridDim.z = 1; {n}((const elem_t*)a, "
             f"(const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, st, "
-            f"ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, shift, G, dzp, tpc); }});\n}}")
+            f"ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, shift, G, dzp, tpc, rg); }});\n}}")
     return "\n".join(out)
 
 
@@ -196,9 +197,10 @@ def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sm
     getattr(emulated_packed, f"k{EMU_NAMES.index(lp['name'])}")(
         gx, gy, lp["block"][0], p(np.ascontiguousarray(a).view(np.uint16)), p(pk["wp"]), p(c),
         p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), N, Kd, P, K, B,
-        lp["Lg"], 1, lp["shift"], G, 8, lp["TPC"])
-    assert lp["smem"] == (4 * 8 * W.PACKED_CONFIGS[cfg]["MT"] * (Kd // 64)
-                          if W.PACKED_CONFIGS[cfg]["POST"] else 0)
+        lp["Lg"], 1, lp["shift"], G, 8, lp["TPC"], lp["RG"])
+    c_ = W.PACKED_CONFIGS[cfg]
+    assert lp["smem"] == (4 * 8 * c_["MT"] * (Kd // 64) if c_["POST"] else 0) + \
+        2 * lp["RG"] * c_["W"] * c_.get("RT", 1) * 8 * c_["MT"] * 17 * 4
     err = rel_err(c.view(BF16), want)
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e}"
 

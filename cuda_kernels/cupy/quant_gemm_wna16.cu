@@ -824,13 +824,14 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 //
 // A CTA owns one m tile (BM = 8 MT positions, one expert) and tiles_per_cta consecutive 16-row
 // n tiles; its W warps split each tile's chunks (warp w takes chunks w, w + W, ...: the CTA
-// reads 512 W contiguous bytes at a time) and meet once per tile in shared memory (partials
-// added in warp order: deterministic). Each warp walks its (tile, chunk) items through a ring
+// reads 512 W contiguous bytes at a time) and meet in shared memory once per red_groups
+// groups of RT tiles (partials added in warp order: deterministic). Each warp walks its (tile, chunk) items through a ring
 // of D 16-byte loads in flight per lane (plus their scales), across tile boundaries, so the
 // per-tile barrier does not drain the loads. Activations are read through L1 (16-byte
 // __ldg, 2 per chunk and live token tile), padding columns read a live row (never stored).
-// grid (cdiv(Lg, BM), cdiv(N / 16, tiles_per_cta)), block 32 W, static shared memory
-// 2 * W * BM * 17 * 4 + 8 BM bytes, dynamic 4 BM Kdim / 64 bytes (POST) or 0.
+// grid (cdiv(Lg, BM), cdiv(N / 16, tiles_per_cta)), block 32 W, static shared memory 8 BM
+// bytes, dynamic 4 BM Kdim / 64 (POST's sums) + 2 red_groups W RT BM 17 4 bytes (the warps'
+// partials of red_groups groups of RT tiles, met at one barrier).
 // Needs int4, N % 16 == 0, Kdim % 64 == 0, group_size a multiple of 64 with
 // chunks-per-group a power of two (chunk_shift = log2; or one group per row: 30).
 template <int MT, int W, int D, int ZP, int POST, int RT, int MINB>
@@ -842,11 +843,9 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
              const float* __restrict__ topk_weights, const float* __restrict__ bias,
              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
              int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
-             int tiles_per_cta) {
+             int tiles_per_cta, int red_groups) {
     constexpr int BM = 8 * MT;
     constexpr int RS = 17;                        // padded row of the partials: fewer conflicts
-    static_assert(2 * W * RT * BM * RS * 4 <= 40 * 1024, "wna16_packed: sRed too large");
-    __shared__ float sRed[2][W][RT][BM][RS];      // [tile parity][warp][tile of the group][token][row]
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
 
@@ -960,6 +959,8 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     // staged once per CTA (its weight loads are already in flight): sSum [C][BM] fp32.
     extern __shared__ __align__(16) u8 smem[];
     float* sSum = reinterpret_cast<float*>(smem);
+    // the warps' partials, [2 halves][red_groups][W][RT][BM][RS] fp32 after the sums
+    float* sRed = sSum + (POST ? C * BM : 0);
     if (POST) {
         for (int i = tid; i < C * BM; i += W * 32) {
             const int cc = i / BM, r = i - cc * BM;
@@ -1056,6 +1057,8 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         load(u);                                  // refill: the slot's registers are free
     };
 
+    constexpr int GSZ = W * RT * BM * RS;        // floats of one group's partials
+    int grp = 0;                                  // groups of this CTA so far
     for (int tile = t0; tile < t1; tile += RT) {  // groups of RT tiles (the launcher: TPC % RT == 0)
         for (int rd = 0; rd < RPT; ++rd) {
             const int c0 = warp + rd * D * W;
@@ -1068,29 +1071,40 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             }
             next_round();
         }
-        // ---- the group's partials meet in shared memory (two buffers: one barrier per group;
-        // a buffer is rewritten two groups later, after every thread passed the barrier between)
-        const int par = (tile / RT) & 1;
+        // ---- the partials of red_groups groups meet in shared memory at one barrier (two
+        // halves: a half is rewritten after the next barrier, which every thread reaches only
+        // after reducing it); added in warp order (deterministic)
+        const int slot = grp % red_groups, half = (grp / red_groups) & 1;
+        float* red = sRed + (size_t)(half * red_groups + slot) * GSZ;
 #pragma unroll
         for (int r = 0; r < RT; ++r)
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    sRed[par][warp][r][8 * mt + 2 * t + (i & 1)][g + 8 * (i >> 1)] = acc[r][mt][i];
+                    red[((warp * RT + r) * BM + 8 * mt + 2 * t + (i & 1)) * RS + g + 8 * (i >> 1)] =
+                        acc[r][mt][i];
                     acc[r][mt][i] = 0.f;
                 }
-        __syncthreads();
-        for (int i = tid; i < RT * BM * 16; i += W * 32) {
-            const int r = i / (BM * 16), tok = (i >> 4) % BM, n = (tile + r) * 16 + (i & 15);
-            const int s = sSlot[tok];
-            if (s < 0) continue;
-            float v = 0.f;
+        ++grp;
+        if (slot == red_groups - 1 || tile + RT >= t1) {   // uniform over the CTA
+            __syncthreads();
+            const float* red0 = sRed + (size_t)half * red_groups * GSZ;
+            const int tile0 = tile - slot * RT;   // the first tile of this half's groups
+            for (int i = tid; i < (slot + 1) * RT * BM * 16; i += W * 32) {
+                const int gi = i / (RT * BM * 16), rem = i - gi * (RT * BM * 16);
+                const int r = rem / (BM * 16), tok = (rem >> 4) % BM;
+                const int n = (tile0 + gi * RT + r) * 16 + (i & 15);
+                const int s = sSlot[tok];
+                if (s < 0) continue;
+                float v = 0.f;
 #pragma unroll
-            for (int wi = 0; wi < W; ++wi) v += sRed[par][wi][r][tok][i & 15];
-            if (bias != nullptr) v += bias[(size_t)e * N + n];
-            if (mul_routed_weight) v *= topk_weights[s];
-            c[(size_t)s * N + n] = w16::from_f32(v);
+                for (int wi = 0; wi < W; ++wi)
+                    v += red0[(size_t)gi * GSZ + ((wi * RT + r) * BM + tok) * RS + (i & 15)];
+                if (bias != nullptr) v += bias[(size_t)e * N + n];
+                if (mul_routed_weight) v *= topk_weights[s];
+                c[(size_t)s * N + n] = w16::from_f32(v);
+            }
         }
     }
 }

@@ -267,6 +267,7 @@ def can_run(a, w, w_scale, block_size: int, use_int4_w4a16=False, use_int8_w8a16
 # format of the same codes, scales and zero points (unpack_int4 inverts prepack_int4).
 PACK_CHUNK = 64                  # codes per row per lane group and mma chunk (16 per lane)
 PACK_CACHE_SIZE = 64             # packed weight sets kept (two per MoE layer)
+RED_BYTES = 64 * 1024            # shared memory for the warps' partials (both halves)
 
 
 def packed_supports(N: int, K: int, group_size: int, num_groups: int) -> tuple[bool, str]:
@@ -456,7 +457,8 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
                 zp: bool = False) -> dict:
     """wna16_packed's launch: grid (cdiv(Lg, BM), cdiv(N/16, TPC)), block 32 W, TPC tiles
     per CTA so that the live CTAs make about one wave (MINB per SM), D the ring depth that
-    divides the chunks per warp CPW (the kernel's rounds), the chunk-to-group shift."""
+    divides the chunks per warp CPW (the kernel's rounds), the chunk-to-group shift, RG the
+    groups of RT tiles whose partials meet at one barrier, dynamic shared memory smem."""
     bm = 8 * cfg["MT"]
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
@@ -477,12 +479,18 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     while cpw % d:
         d //= 2
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
-    smem = 4 * bm * nchunks if cfg.get("POST") else 0     # POST's activation sums [C][BM]
-    if smem > SMEM_PER_SM:
-        raise ValueError(f"config: POST stages {smem} bytes of activation sums per CTA")
+    sums = 4 * bm * nchunks if cfg.get("POST") else 0     # POST's activation sums [C][BM]
+    # the warps' partials of red_groups groups (of RT tiles) meet at one barrier: as many as
+    # RED_BYTES (two halves) allow, no more than the CTA's groups
+    gbytes = cfg["W"] * rt * bm * 17 * 4
+    red_groups = max(1, min(tpc // rt, RED_BYTES // (2 * gbytes)))
+    smem = sums + 2 * red_groups * gbytes
+    if smem > SMEM_PER_SM // cfg["MINB"] - 1024:
+        raise ValueError(f"config: {smem} bytes of shared memory per CTA (POST's sums and the "
+                         f"partials) leave no room for MINB = {cfg['MINB']} CTAs per SM")
     return dict(name=packed_kernel_name(cfg, zp, d), cfg=cfg, grid=(mtiles, gy, 1),
                 block=(32 * cfg["W"],), smem=smem, TPC=tpc, D=d, shift=shift, Lg=Lg, KS=1,
-                SPS=0)
+                SPS=0, RG=red_groups)
 
 
 # ----------------------------------------------------------------------------- workspace
@@ -674,7 +682,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                 tw if tw is not None else null, b32 if b32 is not None else null,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
-                np.int32(G), np.int32(default_zp), np.int32(lp["TPC"]))
+                np.int32(G), np.int32(default_zp), np.int32(lp["TPC"]), np.int32(lp["RG"]))
         kern(lp["grid"], lp["block"], args, shared_mem=lp["smem"])
         return c
     lp = launch_plan(nbits, P, E, N, K, L, block_size, cfg0, _num_sms(), group_size)
