@@ -483,9 +483,10 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     # the warps' partials of red_groups groups (of RT tiles) meet at one barrier: as many as
     # RED_BYTES (two halves) allow, no more than the CTA's groups
     gbytes = cfg["W"] * rt * bm * 17 * 4
-    red_groups = max(1, min(tpc // rt, RED_BYTES // (2 * gbytes)))
+    room = SMEM_PER_SM // cfg["MINB"] - 1024                # MINB CTAs per SM
+    red_groups = max(1, min(tpc // rt, min(RED_BYTES, room - sums) // (2 * gbytes)))
     smem = sums + 2 * red_groups * gbytes
-    if smem > SMEM_PER_SM // cfg["MINB"] - 1024:
+    if smem > room:
         raise ValueError(f"config: {smem} bytes of shared memory per CTA (POST's sums and the "
                          f"partials) leave no room for MINB = {cfg['MINB']} CTAs per SM")
     return dict(name=packed_kernel_name(cfg, zp, d), cfg=cfg, grid=(mtiles, gy, 1),
