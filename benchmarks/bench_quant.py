@@ -13,8 +13,10 @@ Paths (all CuPy kernels of this repository):
            quant_gemm's default fp8 rung (v4 weight streaming for decode batches, v5 wgmma
            e4m3 above on sm_90, v2 mma.sync e4m3 elsewhere; --fp8-version forces one); the
            rung that ran is recorded as "version"
-    int4   GEMM1 int4 -> GEMM2 int4 (quant_gemm: v3 weight streaming up to 24 rows per
-           expert, v2 tiles above; dequantized in registers, mma.sync bf16)
+    int4   GEMM1 int4 -> GEMM2 int4 (quant_gemm.grouped_gemm_quant: up to 24 rows per expert
+           quant_gemm_wna16's packed rung on weights prepacked once per array (the first,
+           untimed call packs them), where it takes the shape, else v3 weight streaming;
+           v2 tiles above; dequantized in registers, mma.sync bf16)
     bf16   GEMM1 -> GEMM2 (cuda_kernels.cupy.grouped_gemm, its default version and configs)
 The activation between the GEMMs is not in any path (not a quantization stage): GEMM2 reads a
 pre-drawn [P, I] activation. Alignment runs on the host (reference) once per routing.
