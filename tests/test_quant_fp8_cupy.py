@@ -67,6 +67,12 @@ def test_fp8_rung_choice():
     # sm_89: v4 yes, v5 no
     assert QG._pick_fp8(None, None, 1.0, 16, 256, 89, x, x)[0] == "v4"
     assert QG._pick_fp8(None, None, 32.0, 64, 256, 89, x, x)[0] is None
+    # v4's table by rows per expert and Kdim (DeepSeek-V3 GEMM1 Kdim 7168, GEMM2 2048)
+    by = lambda rows, K: QG._pick_fp8(None, None, rows, 16, K, 90, x, x)[1]
+    assert by(8 / 256, 7168) == QG.FP8_V4_CONFIGS["gemv8w4u3ll"]            # T=1
+    assert by(128 / 256, 7168) == QG.FP8_V4_CONFIGS["gemv8w4u3"]            # T=16
+    assert by(512 / 256, 7168) == QG.FP8_V4_CONFIGS["gemv8w4u2m6"]          # T=64
+    assert by(8 / 256, 2048) == QG.FP8_V4_CONFIGS["gemv8w4u2m6"]            # GEMM2
     # asked for by config name
     assert QG._pick_fp8(None, "gemv16", 100.0, 64, 256, 90, x, x)[:2] == \
         ("v4", QG.FP8_V4_CONFIGS["gemv16"])
@@ -110,10 +116,8 @@ def _need(version):
 SCALES = [("block", dict(use_fp8_w8a8=True, block_shape=[128, 128])),
           ("tensor", dict(use_fp8_w8a8=True)),
           ("channel", dict(use_fp8_w8a8=True, per_act_token_quant=True, per_channel_quant=True))]
-# v4: the configs of its table plus one of each code path (PIPE 2, the L2 hint, U = 3); the
-# rest are the same template with other sizes
-V4_TESTED = sorted({name for _, _, name in QG.FP8_V4_BY_ROWS} |
-                   {"gemv8w4p2ll", "gemv16p2", "gemv16u3"})
+# v4: every config of its table (MT 1 and 2, U 2 and 3, the L2 hint)
+V4_TESTED = sorted(QG.FP8_V4_CONFIGS)
 CASES = ([("v4", cfg, B) for cfg in V4_TESTED for B in (16, 64)] +
          [("v5", cfg, QG.FP8_V5_CONFIGS[cfg]["BM"]) for cfg in sorted(QG.FP8_V5_CONFIGS)])
 SHAPES = [
@@ -243,15 +247,13 @@ def emulated_v4(tmp_path_factory):
 EMU_V4_CASES = [
     # scale, config, (M_a, E, top_k, N, Kdim, B): N not a multiple of 16, a block count not a
     # multiple of WARPS * U, padding-only tiles next to live ones, a crowded expert
-    ("block", "gemv8", (3, 4, 2, 40, 384, 16)),
+    ("block", "gemv8w4u2m6", (3, 4, 2, 40, 384, 16)),
     ("block", "gemv16", (9, 2, 2, 24, 1280, 16)),
-    ("channel", "gemv8w4", (5, 3, 1, 16, 640, 16)),
+    ("channel", "gemv8w4u3", (5, 3, 1, 16, 640, 16)),
     ("block", "gemv8w4u3", (6, 4, 2, 40, 2688, 16)),         # 21 blocks: rounds of 3, a tail
     ("tensor", "gemv16", (4, 2, 2, 32, 256, 32)),
-    ("block", "gemv8p2", (3, 4, 2, 40, 2688, 16)),         # 21 blocks: odd rounds, 2 buffers
-    ("block", "gemv16p2", (9, 2, 2, 24, 1280, 16)),
-    ("channel", "gemv8w4p2u3", (5, 3, 1, 16, 640, 16)),
-    ("block", "gemv8w4p2ll", (7, 4, 2, 48, 384, 8)),         # block_size 8: no padding tiles
+    ("channel", "gemv8w4u2m6", (5, 3, 1, 16, 2688, 16)),     # 21 blocks: rounds of 2, a tail
+    ("block", "gemv8w4u3ll", (7, 4, 2, 48, 384, 8)),         # block_size 8: no padding tiles
 ]
 
 

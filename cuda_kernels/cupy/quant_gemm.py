@@ -96,34 +96,28 @@ WNA16_BY_ROWS = ((8, "gemv16"), (24, "gemv32"), (24, "gemv16"))
 # token rows per CTA (tiles of 8, padding-only tiles skipped), 16 weight rows per CTA, WARPS
 # warps splitting K by 128-wide blocks, U blocks of weight loads in flight per thread, MINB
 # CTAs per SM (caps the registers).
-# PIPE = 2 double-buffers the loads in registers (the next U blocks in flight while a round is
-# consumed); PF (default 0) = 1 / 2 adds the L2::128B / L2::256B prefetch hint to them.
+# PF (default 0) = 1 / 2 adds the L2::128B / L2::256B prefetch hint to the weight loads.
 # Measured: FP8_V4_BY_ROWS below.
 FP8_V4_CONFIGS = {
-    "gemv8": dict(BM=8, WARPS=8, U=4, MINB=2, PIPE=1),
-    "gemv8w4": dict(BM=8, WARPS=4, U=4, MINB=4, PIPE=1),
-    "gemv16": dict(BM=16, WARPS=8, U=2, MINB=2, PIPE=1),
-    "gemv8p2": dict(BM=8, WARPS=8, U=2, MINB=2, PIPE=2),
-    "gemv8w4p2": dict(BM=8, WARPS=4, U=2, MINB=4, PIPE=2),
-    "gemv8w4p2u3": dict(BM=8, WARPS=4, U=3, MINB=3, PIPE=2),
-    "gemv16p2": dict(BM=16, WARPS=8, U=2, MINB=2, PIPE=2),
-    "gemv8w2p2": dict(BM=8, WARPS=2, U=2, MINB=8, PIPE=2),
-    "gemv8w4p2l": dict(BM=8, WARPS=4, U=2, MINB=4, PIPE=2, PF=1),
-    "gemv8w4p2ll": dict(BM=8, WARPS=4, U=2, MINB=4, PIPE=2, PF=2),
-    "gemv16p2ll": dict(BM=16, WARPS=8, U=2, MINB=2, PIPE=2, PF=2),
-    "gemv16u3": dict(BM=16, WARPS=8, U=3, MINB=2, PIPE=1),
-    "gemv16u3ll": dict(BM=16, WARPS=8, U=3, MINB=2, PIPE=1, PF=2),
-    "gemv16w4u3": dict(BM=16, WARPS=4, U=3, MINB=4, PIPE=1),
-    "gemv16u4": dict(BM=16, WARPS=8, U=4, MINB=2, PIPE=1),
-    "gemv8w4u3": dict(BM=8, WARPS=4, U=3, MINB=4, PIPE=1),
+    "gemv8w4u2m6": dict(BM=8, WARPS=4, U=2, MINB=6),
+    "gemv8w4u3": dict(BM=8, WARPS=4, U=3, MINB=4),
+    "gemv8w4u3ll": dict(BM=8, WARPS=4, U=3, MINB=4, PF=2),
+    "gemv16": dict(BM=16, WARPS=8, U=2, MINB=2),
 }
 # v4's config by rows per expert and Kdim: the first entry (max rows per expert, min Kdim,
-# name) that covers the batch and whose BM divides block_size wins. Measured (H200, 2026-11-30
-# slot 1b, DeepSeek-V3, block 16, L2 flushed, us, GEMM1 / GEMM2): gemv8w4u3 is the fastest at
-# every point: T=1 68.8 / 40.0 (gemv16 70.4 / 46.8, gemv8w4 75.2 / 40.8), T=16 695 / 429
-# (gemv8w4 720 / 437), T=64 1573 / 998 (gemv8w4 1727 / 1046), T=128 1840 / 1161 (gemv16
-# 2058 / 1512, gemv8w4 2108 / 1254). (Earlier: PIPE 2 and the L2 hints were no faster.)
-FP8_V4_BY_ROWS = ((16, 0, "gemv8w4u3"), (16, 0, "gemv16"))
+# name) that covers the batch and whose BM divides block_size wins. Measured (H200, 2026-11-30,
+# DeepSeek-V3, block 16, L2 flushed, us; GEMM1 Kdim 7168 / GEMM2 Kdim 2048), slot 2:
+#   T=1    GEMM1 u3ll 66.1, u3 68.1, u2 68.8, u2m6 70.4    GEMM2 u2m6 37.0, u2 37.0, u3 40.1
+#   T=16   GEMM1 u3 707, u2m6 768, u3ll 743                GEMM2 u2m6 399, u3 430
+#   T=64   GEMM1 u2m6 1560, u2 1560, u3 1607               GEMM2 u2m6 861, u2 884, u3 1000
+#   T=128  GEMM1 u2 1788, u2m6 1802, u3 1875               GEMM2 u2m6 1021, u3 1167
+# (u3 = gemv8w4u3, u3ll = gemv8w4u3ll, u2m6 = gemv8w4u2m6, u2 = U 2 at MINB 4; each timed twice,
+# spread <= 1%). The former defaults, in slot 1b: gemv16 70.4 / 46.8 at T=1, gemv8w4 75.2 /
+# 40.8 at T=1, 720 / 437 at T=16, 1727 / 1046 at T=64, 2108 / 1254 at T=128. Two register
+# buffers (PIPE 2, 2026-11-29) and the persistent form v4p (2026-11-30 slots 1, 1b) were
+# slower than these everywhere and were removed.
+FP8_V4_BY_ROWS = ((0.25, 4096, "gemv8w4u3ll"), (1, 4096, "gemv8w4u3"), (16, 0, "gemv8w4u2m6"),
+                  (16, 0, "gemv16"))
 # fp8 w8a8 v5 (Hopper wgmma e4m3, per-block promotion): BM token rows (64 per warpgroup), BN
 # weight rows, STAGES 128-wide K blocks in the cp.async ring.
 # Measured (H200, slot 1, DeepSeek-V3): wg64 (block 64) GEMM1 / GEMM2 1.83 / 1.03 ms at
@@ -203,7 +197,7 @@ def wna16_group_ok(group_size: int, num_groups: int, bk: int) -> bool:
 
 def _v4_name(cfg: dict) -> str:
     return (f"fp8_gemv_v4<{cfg['BM'] // 8}, {cfg['WARPS']}, {cfg['U']}, {cfg['MINB']}, "
-            f"{cfg['PIPE']}, {cfg.get('PF', 0)}>")
+            f"{cfg.get('PF', 0)}>")
 
 
 def v4_smem_bytes(cfg: dict) -> int:

@@ -16,8 +16,9 @@
 //     skipped (uniform), so a padded block of 16 with one token costs one tile of mma.
 //   * No shared-memory staging and no barrier in the main loop: each thread loads its weight
 //     bytes straight into registers (ld.global.nc, L1::no_allocate: read once), U quantization
-//     blocks of loads in flight per thread before the first is used; PIPE = 2 double-buffers
-//     them (the next U blocks are issued before this round is consumed: no idle gap).
+//     blocks of loads in flight per thread before the first is used (a round), then consumed.
+//     (Two register buffers, the next round in flight while one is consumed, were measured no
+//     faster on the H200 and were removed: fewer warps' worth of registers at the same bytes.)
 //   * K split over the WARPS warps (warp w takes the 128-wide blocks w, w + WARPS, ...); the
 //     partial sums meet in shared memory at the end, added in warp order (deterministic).
 //   * Fragment k order: thread (g = lane / 4, t = lane % 4) holds, of block kb and half h,
@@ -265,10 +266,8 @@ __device__ __forceinline__ void fg_epilogue(const float (&acc)[MT][4], float* sR
 }
 
 // ============================================================================ v4
-// fp8_gemv_v4: one CTA per tile, grid (m tiles, n tiles). PIPE 1: a round's loads go out, then
-// it is consumed. PIPE 2: two register buffers, the next round in flight while this one is
-// consumed.
-template <int MT, int WARPS, int U, int MINB, int PIPE, int PF>
+// fp8_gemv_v4: one CTA per tile, grid (m tiles, n tiles); rounds of U blocks per warp.
+template <int MT, int WARPS, int U, int MINB, int PF>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
 fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
             const float* __restrict__ a_scale, const float* __restrict__ w_scale,
@@ -297,21 +296,12 @@ fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
     const int e = expert_ids[m0 / block_size];                     // BM divides block_size
     const int s_mine = (tid < BM && m0 + tid < num_positions) ? sorted_token_ids[m0 + tid]
                                                                : num_slots;   // BM <= NT
-    const int s_first = sorted_token_ids[m0];
     if (m0 >= ntpp) return;
     const bool BLOCKWISE = a_scale_kind == 2;                      // uniform over the grid
     const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const int KB = Kdim / 128;
     const FgRows rows = fg_rows(w, w_scale, e, n0, N, Kdim, g, t);
 
-    // PIPE = 2: the first round's loads go out before the tile's rows are resolved (a short
-    // CTA would otherwise stream nothing during that setup) when the tile is surely live: its
-    // first position holds a slot (alignment puts an expert's slots before its padding; if
-    // not, the loads simply go out after the setup as with PIPE = 1)
-    u32 wa[U][2][2][4], wb[U][2][2][4];
-    float sa[U], sb[U];
-    const bool early = PIPE == 2 && e >= 0 && fg_live(s_first, num_slots);
-    if (early) fg_issue<U, WARPS, PF>(wa, sa, rows, warp, KB, BLOCKWISE);
 
     if (fg_stage<BM>(sSlot, sArow, s_mine, num_slots, top_k, tid) == 0) return;  // padding only
     if (e < 0) {                                                   // expert on another rank
@@ -326,21 +316,11 @@ fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
 
-    if (PIPE == 1) {
-        for (int kb0 = warp; kb0 < KB; kb0 += STEP) {
-            fg_issue<U, WARPS, PF>(wa, sa, rows, kb0, KB, BLOCKWISE);
-            fg_consume<MT, U, WARPS>(acc, wa, sa, cols, a, a_scale, kb0, KB, Kdim, t, BLOCKWISE);
-        }
-    } else {
-        // a warp always has U to 2U blocks of loads outstanding (no gap at each round's end)
-        if (!early) fg_issue<U, WARPS, PF>(wa, sa, rows, warp, KB, BLOCKWISE);
-        for (int kb0 = warp; kb0 < KB; kb0 += 2 * STEP) {
-            fg_issue<U, WARPS, PF>(wb, sb, rows, kb0 + STEP, KB, BLOCKWISE);
-            fg_consume<MT, U, WARPS>(acc, wa, sa, cols, a, a_scale, kb0, KB, Kdim, t, BLOCKWISE);
-            fg_issue<U, WARPS, PF>(wa, sa, rows, kb0 + 2 * STEP, KB, BLOCKWISE);
-            fg_consume<MT, U, WARPS>(acc, wb, sb, cols, a, a_scale, kb0 + STEP, KB, Kdim, t,
-                                     BLOCKWISE);
-        }
+    u32 wq[U][2][2][4];                        // [block][row g / g + 8][half][word]
+    float wsc[U];
+    for (int kb0 = warp; kb0 < KB; kb0 += STEP) {
+        fg_issue<U, WARPS, PF>(wq, wsc, rows, kb0, KB, BLOCKWISE);
+        fg_consume<MT, U, WARPS>(acc, wq, wsc, cols, a, a_scale, kb0, KB, Kdim, t, BLOCKWISE);
     }
     fg_epilogue<MT, WARPS>(acc, sRed, sSlot, sArow, c, a_scale, w_scale, topk_weights, bias, e,
                            n0, N, num_slots, mul_routed_weight, a_scale_kind, w_scale_kind, tid);
