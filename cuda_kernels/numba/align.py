@@ -70,13 +70,15 @@ if not SIMULATOR:
 CONFIGS = {
     # shared memory for the per-warp rows [W, E] (48 KB needs no opt-in). One block up to
     # SMALL_P slots: a warp per ONE_SLOTS slots, at least min(MIN_WARPS, E / 8), at most
-    # MAX_WARPS. Above, a grid of blocks of GRID_WARPS warps, WARP_SLOTS slots per warp, at
-    # most TABLE_LOADS loads per thread of the [G, E] table after the barrier (H200, slot 1b:
-    # more and smaller blocks won at 2048 slots and up, e.g. deepseek T=256 13.8 us with
-    # 8 blocks of 8 warps vs 16.2 with 2 of 16)
+    # MAX_WARPS. Above, a grid of blocks of GRID_WARPS warps, WARP_SLOTS slots per warp,
+    # unless the [G, E] table read after the barrier would take more than TABLE_LOADS loads
+    # per thread: then blocks of twice the warps and slots (align_geometry). From the H200
+    # sweeps (slots 1b, 2): small blocks won at 2048 slots (deepseek T=256: 8 blocks of 8
+    # warps 13.7 us, 2 of 16 16.3), larger ones at 32768 with E = 256 (32 blocks of 16 warps
+    # 17.2 us, of 8 warps 19.1)
     "grid": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 16, "MIN_WARPS": 16, "ONE_SLOTS": 64,
-             "SMALL_P": 512, "GRID_WARPS": 8, "WARP_SLOTS": 32, "TABLE_LOADS": 32,
-             "MAX_BLOCKS": 0, "PAD": "shfl"},
+             "SMALL_P": 512, "GRID_WARPS": 8, "WARP_SLOTS": 32, "TABLE_LOADS": 16,
+             "MAX_BLOCKS": 0},
 }
 PREFETCH = 8          # 32-slot steps whose id loads are in flight together
 STEP = 32 * PREFETCH  # slots per round of a warp
@@ -220,32 +222,12 @@ def scan_padded(tot, off, pre, E, B, red, tid, NT):
 
 @device_function
 def pad_runs(off, tot, E, B, P, emap, use_map, expert_ids, sorted_ids, gw, nwarps, lane):
-    """expert_ids of expert e's blocks and the padding of its run (positions no slot takes),
-    expert e by warp e mod nwarps of the grid (gw: this warp's index), lanes along the run."""
-    e = gw
-    while e < E:
-        lo = off[ix(e)]
-        hi = off[ix(e + 1)]
-        if lo < hi:
-            eid = emap[ix(e)] if use_map else e
-            x = int32(udiv32(lo, B)) + lane
-            x_end = int32(udiv32(hi, B))
-            while x < x_end:
-                expert_ids[ix(x)] = eid
-                x += 32
-            p = lo + tot[ix(e)] + lane
-            while p < hi:
-                sorted_ids[ix(p)] = P
-                p += 32
-        e += nwarps
-
-
-@device_function
-def pad_runs_shfl(off, tot, E, B, P, emap, use_map, expert_ids, sorted_ids, gw, nwarps, lane):
-    """pad_runs with the experts of a warp contiguous, cdiv(E, nwarps) of them: its lanes
-    load 32 experts' bounds at once (independent shared loads, and the divisions by B side by
-    side), then the warp walks them, each expert's bounds broadcast by shuffles (pad_runs
-    waits out two dependent shared loads and two divisions per expert)."""
+    """expert_ids of each expert's blocks and the padding of its run (positions no slot
+    takes). Warp gw of the grid takes cdiv(E, nwarps) consecutive experts: its lanes load 32
+    experts' bounds at once (independent shared loads, the divisions by B side by side), a
+    ballot keeps the non-empty ones, and the warp walks those, each one's bounds broadcast by
+    shuffles, its lanes along the run. (An expert per warp iteration, bounds loaded and
+    divided one expert at a time, was 1.1x slower at T = 16 and 64 on the H200, slot 2.)"""
     k = int32(udiv32(E + nwarps - 1, nwarps))
     e0 = gw * k
     e1 = min(E, e0 + k)
@@ -262,7 +244,10 @@ def pad_runs_shfl(off, tot, E, B, P, emap, use_map, expert_ids, sorted_ids, gw, 
             eid = int32(emap[ix(e)]) if use_map else int32(e)
         x_lo = int32(udiv32(lo, B))
         x_hi = int32(udiv32(hi, B))
-        for j in range(min(32, e1 - e0)):
+        todo = uint32(cu.ballot_sync(FULL_MASK, lo < hi))   # the non-empty experts
+        while todo != 0:
+            j = cu.popc((todo & (~todo + uint32(1))) - uint32(1))   # the lowest one
+            todo &= todo - uint32(1)
             j_lo = cu.shfl_sync(FULL_MASK, x_lo, j)
             j_hi = cu.shfl_sync(FULL_MASK, x_hi, j)
             j_first = cu.shfl_sync(FULL_MASK, first, j)
@@ -297,8 +282,8 @@ def grid_barrier(bar, g, G):
 
 
 # ----------------------------------------------------------------------------- the kernel
-def _align_grid(SHFL_PAD):
-    """align_grid; SHFL_PAD: pad_runs_shfl (else pad_runs)."""
+def _align_grid():
+    """align_grid (a factory, as the other modules' kernels: kernel() compiles it)."""
 
     def align_grid(ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids,
                    n_blocks, capacity, num_post, offsets, inv, do_align, write_inv, chunk):
@@ -395,12 +380,8 @@ def _align_grid(SHFL_PAD):
                 offsets[ix(e)] = off[ix(e)]
                 e += NT
         if do_align:
-            if SHFL_PAD:
-                pad_runs_shfl(off, tot, E, B, P, emap, use_map, expert_ids, sorted_ids,
-                              g * W + warp, nwarps, lane)
-            else:
-                pad_runs(off, tot, E, B, P, emap, use_map, expert_ids, sorted_ids,
-                         g * W + warp, nwarps, lane)
+            pad_runs(off, tot, E, B, P, emap, use_map, expert_ids, sorted_ids, g * W + warp,
+                     nwarps, lane)
             gn = G * NT
             p = total + g * NT + tid
             while p < capacity:                   # the tail: no slot goes there
@@ -420,17 +401,11 @@ def _align_grid(SHFL_PAD):
 
 
 @functools.lru_cache(maxsize=None)
-def grid_kernel(shfl_pad=True):
+def grid_kernel():
     """The compiled align_grid (one kernel for every geometry: NT and G are read at run
     time, so a notebook waits for one compile). Bounded to 1024 threads: <= 64 registers,
     which it fits without spilling (a round of ids in registers across the barriers)."""
-    return kernel(_align_grid(shfl_pad), launch_bounds=(1024, 1))
-
-
-def configured_kernel():
-    """grid_kernel with the flavours CONFIGS["grid"] names."""
-    cfg = CONFIGS["grid"]
-    return grid_kernel(cfg["PAD"] == "shfl")
+    return kernel(_align_grid(), launch_bounds=(1024, 1))
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -473,10 +448,13 @@ def align_geometry(P: int, E: int, sm_count: int):
         W = max(min(cfg["MIN_WARPS"], max(4, A.cdiv(E, 8))), A.cdiv(max(P, 1), cfg["ONE_SLOTS"]))
         W = min(W, cfg["MAX_WARPS"], fit)
     else:
-        W = min(cfg["GRID_WARPS"], fit)
+        W, slots = min(cfg["GRID_WARPS"], fit), cfg["WARP_SLOTS"]
+        if A.cdiv(P, W * slots) * E > cfg["TABLE_LOADS"] * 32 * W and 2 * W <= fit:
+            # the [G, E] table would cost more than TABLE_LOADS loads per thread: blocks of
+            # twice the warps, each warp twice the slots (a quarter of the blocks)
+            W, slots = 2 * W, 2 * slots
         blocks = cfg["MAX_BLOCKS"] or sm_count
-        G = max(1, min(blocks, A.cdiv(P, W * cfg["WARP_SLOTS"]),
-                       cfg["TABLE_LOADS"] * W * 32 // E))
+        G = max(1, min(blocks, A.cdiv(P, W * slots), cfg["TABLE_LOADS"] * W * 32 // E))
     return G, 32 * W, (W * E + fixed) * 4
 
 
@@ -489,7 +467,7 @@ def launch(call, ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert
         bar = _barrier_word()
     else:
         hist, bar = A.dummy(np.int32), A.dummy(np.uint32)
-    k = configured_kernel()
+    k = grid_kernel()
     args = (ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids,
             n_blocks, capacity, num_post, offsets, inv, do_align, write_inv,
             A.cdiv(A.cdiv(P, G * NT // 32), 32) * 32)   # chunk: whole 32-slot steps per warp

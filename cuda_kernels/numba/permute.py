@@ -826,7 +826,7 @@ def compile_cases():
         if rank == "warp":
             cases.append(("align_scan", scan,
                           (arr(i32, 2), i64, i64, i64, i64, v, i64, v, v, i64, i64, v, v, i64)))
-    grid = grid_align.configured_kernel()
+    grid = grid_align.grid_kernel()
     for ids in (i32, i64):
         cases.append((f"align_grid ids={ids}", grid,
                       (arr(ids, 1), i64, i64, i64, v, i64, i64, v, arr(t.uint32, 1), v, v, i64,
