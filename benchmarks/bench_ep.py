@@ -170,7 +170,7 @@ def _impl_spec(spec):
     "fusedslow" is "fused" without the GPU plans (dispatch.GPU_PLANS off while it runs)."""
     if spec.startswith("fused") and spec[5:].isdigit():
         return "fused", int(spec[5:])
-    if spec in ("fusedslow", "fusedgf", "fusedp2p"):
+    if spec in ("fusedslow", "fusedgf"):
         return "fused", None
     return spec, None
 
@@ -180,8 +180,7 @@ class _Plans:
     plans; "fusedgf": the gather launched before the counts exchange), restored after."""
 
     def __init__(self, spec):
-        self.flags = {"GPU_PLANS": spec != "fusedslow", "COUNTS_FIRST": spec != "fusedgf",
-                      "COUNTS_ALLGATHER": spec != "fusedp2p"}
+        self.flags = {"GPU_PLANS": spec != "fusedslow", "COUNTS_FIRST": spec != "fusedgf"}
 
     def __enter__(self):
         from sandbox.ep import dispatch as D
@@ -228,10 +227,10 @@ def _breakdown(comm, timer, ops, opts, record, mode, spec, T, xs, routes, per_ra
 
         def counts(i):
             g.laid_out.record(g.stream)
-            comm.counts_start(g.plan.counts2, g.pinned, g.laid_out, g.counted,
-                              g.counts_transfers)
+            comm.counts_gather_start(g.send_counts_dev, g.gathered, g.pinned_all, g.laid_out,
+                                     g.counted, g.pinned_all_ptr)
             comm.wait_done(g.counted, "all_to_all_v (counts)")
-            st["c"] = g.pinned.tolist()
+            st["c"] = g.pinned_all.tolist()
 
         steps = [("layout kernel", layout), ("gather kernel", gather),
                  ("counts exchange + host sync", counts)]
@@ -729,7 +728,7 @@ def main(argv=None):
         ap.error("--alltoall-rows: expected at least one of token, slot")
     impls = [m for m in args.impls.split(",") if m]
     for m in impls:
-        if m not in ("stages", "fusedslow", "fusedgf", "fusedp2p") and not (m.startswith("fused") and
+        if m not in ("stages", "fusedslow", "fusedgf") and not (m.startswith("fused") and
                                                       (m[5:] == "" or m[5:].isdigit())):
             ap.error(f"--impls: expected fused, fusedC (C an int), fusedslow and/or stages, "
                      f"got {m!r}")
