@@ -128,6 +128,32 @@ def random_weights(rng, num_tokens, top_k):
     return (0.05 + 0.95 * rng.random((num_tokens, top_k))).astype(np.float32)
 
 
+def gemm_problem(T, E, K, N, Kd, B, dtype, *, ids=None, expert_map=None, ignore=False,
+                 E_local=None, bias=None, mul=False, gemm2=False, seed=0):
+    """A grouped-GEMM problem drawn for these parameters, and its float64 answer.
+
+    Returns ((a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, B,
+    topk_weights, mul, bias), want): a [T, Kd] (GEMM1, top_k = K) or [T K, Kd] (gemm2: one row
+    per slot, top_k = 1), w [E_local, N, Kd], ids K distinct experts per token unless given,
+    bias [E_local, N] of dtype `bias` (None: no bias); the alignment and `want` are the
+    reference's (reference.moe_align_block_size, reference.grouped_gemm in float64)."""
+    import reference
+
+    rng = rng_for("gemm", T, E, K, N, Kd, B, str(dtype), seed)
+    E_local = E if E_local is None else E_local
+    ids = distinct_topk_ids(rng, T, E, K) if ids is None else ids
+    a = uniform(rng, (T * K if gemm2 else T, Kd), 1.0, dtype)
+    w = uniform(rng, (E_local, N, Kd), 1.7 / math.sqrt(max(Kd, 1)), dtype)
+    b = None if bias is None else uniform(rng, (E_local, N), 0.5).astype(bias)
+    tw = random_weights(rng, T, K)
+    align = reference.moe_align_block_size(ids, B, E, expert_map, False, ignore)
+    top_k = 1 if gemm2 else K
+    want = reference.grouped_gemm(a.astype(np.float64), w.astype(np.float64), *align, top_k, B,
+                                  tw.astype(np.float64), mul,
+                                  None if b is None else b.astype(np.float64))
+    return (a, w) + tuple(align) + (top_k, B, tw, mul, b), want
+
+
 # --------------------------------------------------------------------------------------------
 # Routing: one token at a time.
 # --------------------------------------------------------------------------------------------

@@ -67,7 +67,8 @@ def test_v3v_ptx_uses_16_byte_loads_and_registers_only():
 
 # ============================================================================ GPU
 def _gpu_helpers():
-    from test_numba_gpu import gemm_check, gemm_problem  # the GEMM problems of the GPU suite
+    from test_numba_gpu import gemm_check  # the GPU suite's check
+    from oracles import gemm_problem
     return gemm_check, gemm_problem
 
 
@@ -164,7 +165,8 @@ def test_v3v_rows_past_the_grid_bound():
 SANITIZE = """
 import numpy as np, importlib, sys
 sys.path.insert(0, "tests")
-from test_numba_gpu import gemm_problem, gemm_check
+from oracles import gemm_problem
+from test_numba_gpu import gemm_check
 from oracles import BF16
 for T, E, K, N, Kd, B, dt, extra in [(5, 8, 2, 72, 48, 16, BF16, {}),
                                      (40, 4, 2, 64, 64, 32, np.float32, {"mul": True}),

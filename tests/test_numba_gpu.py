@@ -28,7 +28,6 @@ Run: python -m pytest tests/test_numba_gpu.py -q
 """
 import functools
 import importlib
-import math
 import os
 
 import numpy as np
@@ -38,6 +37,7 @@ from oracles import (
     TOL,
     assert_same_blocks,
     distinct_topk_ids,
+    gemm_problem,
     random_weights,
     rel_err,
     rng_for,
@@ -396,23 +396,6 @@ def test_moe_sum(T, K, H, dkey):
 def cached_problem(*args, **kw):
     """gemm_problem, reused by the versions that run back to back on one problem."""
     return gemm_problem(*args, **kw)
-
-
-def gemm_problem(T, E, K, N, Kd, B, dtype, *, ids=None, expert_map=None, ignore=False,
-                 E_local=None, bias=None, mul=False, gemm2=False, seed=0):
-    rng = rng_for("gemm", T, E, K, N, Kd, B, str(dtype), seed)
-    E_local = E if E_local is None else E_local
-    ids = distinct_topk_ids(rng, T, E, K) if ids is None else ids
-    a = uniform(rng, (T * K if gemm2 else T, Kd), 1.0, dtype)
-    w = uniform(rng, (E_local, N, Kd), 1.7 / math.sqrt(max(Kd, 1)), dtype)
-    b = None if bias is None else uniform(rng, (E_local, N), 0.5).astype(bias)
-    tw = random_weights(rng, T, K)
-    align = reference.moe_align_block_size(ids, B, E, expert_map, False, ignore)
-    top_k = 1 if gemm2 else K
-    want = reference.grouped_gemm(a.astype(np.float64), w.astype(np.float64), *align, top_k, B,
-                                  tw.astype(np.float64), mul,
-                                  None if b is None else b.astype(np.float64))
-    return (a, w) + tuple(align) + (top_k, B, tw, mul, b), want
 
 
 def gemm_check(args, want, version):

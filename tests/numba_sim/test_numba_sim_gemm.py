@@ -12,11 +12,10 @@ one expert, Kd and N not multiples of the tiles, block sizes the v3 tile cannot 
 (fallback to v2), expert_ids == -1 blocks (zeros), rows no block names (left alone), T = 0.
 """
 import importlib
-import math
 
 import numpy as np
 import pytest
-from oracles import BF16, TOL, distinct_topk_ids, random_weights, rel_err, rng_for, uniform
+from oracles import BF16, TOL, gemm_problem, rel_err
 
 import reference
 from cuda_kernels import numba as nb
@@ -26,24 +25,6 @@ G = importlib.import_module("cuda_kernels.numba.grouped_gemm")
 pytestmark = pytest.mark.simulator
 DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF16}
 VERSIONS = ("v1", "v2", "v3")
-
-
-def problem(T, E, K, N, Kd, B, dtype, *, ids=None, expert_map=None, ignore=False,
-            E_local=None, bias=None, mul=False, gemm2=False, seed=0):
-    rng = rng_for("gemm", T, E, K, N, Kd, B, str(dtype), seed)
-    E_local = E if E_local is None else E_local
-    ids = distinct_topk_ids(rng, T, E, K) if ids is None else ids
-    a = uniform(rng, (T * K if gemm2 else T, Kd), 1.0, dtype)
-    w = uniform(rng, (E_local, N, Kd), 1.7 / math.sqrt(max(Kd, 1)), dtype)
-    b = None if bias is None else uniform(rng, (E_local, N), 0.5).astype(bias)
-    tw = random_weights(rng, T, K)
-    align = reference.moe_align_block_size(ids, B, E, expert_map, False, ignore)
-    top_k = 1 if gemm2 else K
-    want = reference.grouped_gemm(a.astype(np.float64), w.astype(np.float64), *align, top_k, B,
-                                  tw.astype(np.float64), mul,
-                                  None if b is None else b.astype(np.float64))
-    args = (a, w) + tuple(align) + (top_k, B, tw, mul, b)
-    return args, want
 
 
 def run(args, version):
@@ -78,20 +59,20 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_cases(case, dkey, version):
     T, E, K, N, Kd, B, extra = CASES[case]
-    check(*problem(T, E, K, N, Kd, B, DTYPES[dkey], **extra), version)
+    check(*gemm_problem(T, E, K, N, Kd, B, DTYPES[dkey], **extra), version)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_all_tokens_on_one_expert(version):
     ids = np.full((9, 1), 2, np.int32)
-    check(*problem(9, 4, 1, 6, 6, 4, np.float32, ids=ids, mul=True), version)
+    check(*gemm_problem(9, 4, 1, 6, 6, 4, np.float32, ids=ids, mul=True), version)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_expert_map_minus_one_blocks_are_zero(version):
     E, B = 6, 4
     _, emap = reference.determine_expert_map(2, 1, E)
-    args, want = problem(5, E, 2, 6, 5, B, np.float32, expert_map=emap, E_local=3,
+    args, want = gemm_problem(5, E, 2, 6, 5, B, np.float32, expert_map=emap, E_local=3,
                          bias=np.float32, mul=True)
     got = check(args, want, version)
     st, ex, nt = args[2], args[3], args[4]
@@ -104,7 +85,7 @@ def test_expert_map_minus_one_blocks_are_zero(version):
 def test_rows_named_by_no_block_are_left_alone(version):
     E = 6
     _, emap = reference.determine_expert_map(2, 0, E)
-    args, want = problem(5, E, 2, 6, 5, 4, np.float32, expert_map=emap, E_local=3, ignore=True)
+    args, want = gemm_problem(5, E, 2, 6, 5, 4, np.float32, expert_map=emap, E_local=3, ignore=True)
     got = run(args, version)
     live = np.isfinite(want).all(axis=1)
     assert (~live).any() and live.any()
@@ -118,7 +99,7 @@ def test_rows_named_by_no_block_are_left_alone(version):
 def test_v3_word_loads_when_kd_allows(dkey, Kd, word):
     """v3 reads a and w as 8-byte words when Kd is a multiple of the word's elements (2 fp32,
     4 fp16 / bf16), else element by element; both must match the reference."""
-    args, want = problem(3, 4, 2, 6, Kd, 8, DTYPES[dkey])
+    args, want = gemm_problem(3, 4, 2, 6, Kd, 8, DTYPES[dkey])
     ad, wd = (nb.to_device(x) for x in args[:2])
     assert G._word_kind(ad, wd, Kd) == word
     check(args, want, "v3")
@@ -126,13 +107,13 @@ def test_v3_word_loads_when_kd_allows(dkey, Kd, word):
 
 def test_plan_falls_back_and_empty_batch():
     assert G.plan(None, 8)[0] == "v3" and G.plan("v3", 2)[0] == "v2" and G.plan("v1", 3)[0] == "v1"
-    args, _ = problem(0, 4, 2, 6, 5, 4, np.float32)
+    args, _ = gemm_problem(0, 4, 2, 6, 5, 4, np.float32)
     for version in VERSIONS:
         assert run(args, version).shape == (0, 6)
 
 
 def test_bad_inputs():
-    args, _ = problem(3, 4, 2, 6, 5, 4, np.float32)
+    args, _ = gemm_problem(3, 4, 2, 6, 5, 4, np.float32)
     a, w, st, ex, nt = args[:5]
     with pytest.raises(TypeError, match=r"w: expected the dtype of a \(float32\), got float16"):
         G.grouped_gemm(a, w.astype(np.float16), st, ex, nt, 2, 4)

@@ -12,8 +12,8 @@ import importlib
 
 import numpy as np
 import pytest
-from oracles import BF16
-from test_numba_sim_gemm import DTYPES, check, problem, run
+from oracles import BF16, gemm_problem
+from test_numba_sim_gemm import DTYPES, check, run
 
 import reference
 from cuda_kernels import numba as nb
@@ -36,15 +36,15 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_v3v_cases(case, dkey):
     T, E, K, N, Kd, B, extra = CASES[case]
-    check(*problem(T, E, K, N, Kd, B, DTYPES[dkey], **extra), "v3v")
+    check(*gemm_problem(T, E, K, N, Kd, B, DTYPES[dkey], **extra), "v3v")
 
 
 def test_v3v_all_tokens_on_one_expert_and_expert_map():
     ids = np.full((9, 1), 2, np.int32)
-    check(*problem(9, 4, 1, 6, 8, 4, np.float32, ids=ids, mul=True), "v3v")
+    check(*gemm_problem(9, 4, 1, 6, 8, 4, np.float32, ids=ids, mul=True), "v3v")
     E, B = 6, 4
     _, emap = reference.determine_expert_map(2, 1, E)
-    args, want = problem(5, E, 2, 6, 8, B, np.float32, expert_map=emap, E_local=3,
+    args, want = gemm_problem(5, E, 2, 6, 8, B, np.float32, expert_map=emap, E_local=3,
                          bias=np.float32, mul=True)
     got = check(args, want, "v3v")
     st, ex, nt = args[2], args[3], args[4]
@@ -57,7 +57,7 @@ def test_v3v_all_tokens_on_one_expert_and_expert_map():
                                          ("fp16", 16, "f16"), ("bf16", 12, ""),
                                          ("bf16", 8, "bf16")])
 def test_v3v_runs_when_chunks_fit_else_falls_back(dkey, Kd, vec):
-    args, want = problem(3, 4, 2, 6, Kd, 8, DTYPES[dkey])
+    args, want = gemm_problem(3, 4, 2, 6, Kd, 8, DTYPES[dkey])
     ad, wd = (nb.to_device(x) for x in args[:2])
     assert G._vec_kind(ad, wd, Kd) == vec
     assert G.plan("v3v", 8, "", vec).version == ("v3v" if vec else "v3")
@@ -66,7 +66,7 @@ def test_v3v_runs_when_chunks_fit_else_falls_back(dkey, Kd, vec):
 
 
 def test_v3v_empty_batch():
-    args, _ = problem(0, 4, 2, 6, 8, 4, np.float32)
+    args, _ = gemm_problem(0, 4, 2, 6, 8, 4, np.float32)
     assert run(args, "v3v").shape == (0, 6)
 
 
@@ -76,8 +76,8 @@ def test_v3v_sparse_tile_for_few_rows_per_expert():
     assert G.plan("v3v", 8, "", "f32", fill=0.5).version == "v3v"
     sparse, dense = G.plan("v3v", 8, "", "f32", fill=0.5), G.plan("v3v", 8, "", "f32", fill=8)
     assert sparse.kernel is not dense.kernel and sparse.block > dense.block
-    check(*problem(1, 4, 2, 10, 8, 8, np.float32, bias=np.float32, mul=True), "v3v")   # sparse
-    check(*problem(12, 2, 2, 10, 8, 8, BF16), "v3v")                                   # dense
+    check(*gemm_problem(1, 4, 2, 10, 8, 8, np.float32, bias=np.float32, mul=True), "v3v")   # sparse
+    check(*gemm_problem(12, 2, 2, 10, 8, 8, BF16), "v3v")                                   # dense
 
 
 @pytest.mark.parametrize("dkey", ["fp32", "bf16"])
