@@ -231,17 +231,21 @@ def _entries(names):
     return "\n".join(out)
 
 
-@pytest.fixture(scope="module")
-def emulated_v4(tmp_path_factory):
+def _emulation(tmp_path_factory, cu_name, names, tag, extra_header=""):
+    """`cu_name` built by g++ with the emulation header (+ `extra_header`), entries k<i>."""
     import shutil
 
     if shutil.which("g++") is None:
         pytest.skip("no g++ on this machine")
     from test_quant_cupy import QEMU_HEADER, _build_emulated
-    tmp = tmp_path_factory.mktemp("fp8_v4_emulation")
-    (tmp / "qemu.h").write_text(QEMU_HEADER)
-    return _build_emulated(tmp, QG.CU_FP8_GEMV, {"ELEM_BF16": 1}, _entries(QG.FP8_V4_NAMES),
-                           "fp8v4")
+    tmp = tmp_path_factory.mktemp(f"{tag}_emulation")
+    (tmp / "qemu.h").write_text(QEMU_HEADER + extra_header)
+    return _build_emulated(tmp, cu_name, {"ELEM_BF16": 1}, _entries(names), tag)
+
+
+@pytest.fixture(scope="module")
+def emulated_v4(tmp_path_factory):
+    return _emulation(tmp_path_factory, QG.CU_FP8_GEMV, QG.FP8_V4_NAMES, "fp8v4")
 
 
 EMU_V4_CASES = [
@@ -301,7 +305,6 @@ def _run_emulated(lib, names, name, grid, block, scale, cfg, shape, crowded=Fals
 @pytest.mark.parametrize("scale,cfg,shape", EMU_V4_CASES, ids=[f"{c[0]}-{c[1]}" for c in EMU_V4_CASES])
 def test_emulated_v4_matches_reference(emulated_v4, scale, cfg, shape):
     v4 = QG.FP8_V4_CONFIGS[cfg]
-
     got, want = _run_emulated(emulated_v4, QG.FP8_V4_NAMES, QG._v4_name(v4),
                               lambda Lg, N: (-(-Lg // v4["BM"]), -(-N // 16)),
                               v4["WARPS"] * 32, scale, cfg, shape)
@@ -351,15 +354,7 @@ inline void fw_wgmma_n128(float* d, unsigned long long da, unsigned long long db
 
 @pytest.fixture(scope="module")
 def emulated_v5(tmp_path_factory):
-    import shutil
-
-    if shutil.which("g++") is None:
-        pytest.skip("no g++ on this machine")
-    from test_quant_cupy import QEMU_HEADER, _build_emulated
-    tmp = tmp_path_factory.mktemp("fp8_v5_emulation")
-    (tmp / "qemu.h").write_text(QEMU_HEADER + WGMMA_EMU)
-    return _build_emulated(tmp, QG.CU_FP8_WGMMA, {"ELEM_BF16": 1}, _entries(QG.FP8_V5_NAMES),
-                           "fp8v5")
+    return _emulation(tmp_path_factory, QG.CU_FP8_WGMMA, QG.FP8_V5_NAMES, "fp8v5", WGMMA_EMU)
 
 
 EMU_V5_CASES = [
