@@ -154,6 +154,70 @@ def gemm_problem(T, E, K, N, Kd, B, dtype, *, ids=None, expert_map=None, ignore=
     return (a, w) + tuple(align) + (top_k, B, tw, mul, b), want
 
 
+def selection_values(logits, scoring="softmax", bias=None, groups=1, topk_group=1):
+    """The reference's fp32 selection values [T, E] of a routing (NaN as -inf, the experts of
+    masked groups -inf): what a kernel's ids are checked against at near-ties."""
+    import reference
+
+    scores = reference.softmax(logits) if scoring == "softmax" else reference.sigmoid(logits)
+    choice = scores + bias.astype(np.float32)[None, :] if bias is not None else scores
+    if groups > 1:
+        T, E = choice.shape
+        per = E // groups
+        grouped = choice.reshape(T, groups, per)
+        if bias is not None:
+            two = reference.topk_indices(grouped, min(2, per))
+            gscore = np.take_along_axis(grouped, two, axis=-1).sum(-1)
+        else:   # a NaN score ranks as -inf: it never knocks its group out
+            gscore = np.where(np.isnan(scores), -np.inf, scores).reshape(T, groups, per).max(-1)
+        keep = np.zeros((T, groups), bool)
+        np.put_along_axis(keep, reference.topk_indices(gscore, topk_group), True, axis=-1)
+        choice = np.where(np.repeat(keep, per, axis=-1), choice, -np.inf)
+    return np.where(np.isnan(choice), -np.inf, choice)
+
+
+def assert_routing_matches(got, want, sel, what="routing", to_host=np.asarray):
+    """A kernel's (weights, ids) against the reference's: ids exact except at true near-ties
+    (selection values `sel` equal within 1e-6 relative, at most 1% of the rows), in range and
+    distinct per token; weights within 1e-5 on the rows whose ids match, NaN where and only
+    where the reference has NaN. `to_host` brings the kernel's arrays to NumPy."""
+    g_w, g_ids = to_host(got[0]), to_host(got[1])
+    w_w, w_ids = want[0], want[1]
+    assert g_ids.shape == w_ids.shape and g_w.shape == w_w.shape, what
+    assert g_ids.dtype == w_ids.dtype, f"{what}: ids dtype {g_ids.dtype} != {w_ids.dtype}"
+    assert g_w.dtype == np.float32, f"{what}: weights dtype {g_w.dtype} != float32"
+    T = w_ids.shape[0]
+    if T == 0:
+        return
+    E = sel.shape[1]
+    assert ((g_ids >= 0) & (g_ids < E)).all(), f"{what}: ids out of range (poison left?)"
+    srt = np.sort(g_ids, axis=1)
+    assert (np.diff(srt, axis=1) != 0).all(), f"{what}: a token got the same expert twice"
+    differ = (g_ids != w_ids).any(axis=1)
+    if differ.any():
+        rows = np.nonzero(differ)[0]
+        g_val = np.take_along_axis(sel[rows], g_ids[rows].astype(np.int64), axis=1)
+        w_val = np.take_along_axis(sel[rows], w_ids[rows].astype(np.int64), axis=1)
+        same_inf = np.isneginf(g_val) & np.isneginf(w_val)
+        with np.errstate(invalid="ignore"):
+            near = np.abs(g_val - w_val) <= 1e-6 * np.maximum(np.abs(w_val), 1e-30)
+        bad = ~(near | same_inf)
+        assert not bad.any(), (
+            f"{what}: ids differ beyond a near-tie in {int(bad.any(axis=1).sum())} rows, "
+            f"first row {rows[bad.any(axis=1)][0]}: got {g_ids[rows[bad.any(axis=1)][0]]}, "
+            f"want {w_ids[rows[bad.any(axis=1)][0]]}")
+        assert differ.mean() <= 0.01, f"{what}: {differ.sum()} of {T} rows at near-ties"
+    same = ~differ
+    gw, ww = g_w[same], w_w[same]
+    nan_g, nan_w = np.isnan(gw), np.isnan(ww)
+    np.testing.assert_array_equal(nan_g, nan_w, err_msg=f"{what}: NaN weights where the "
+                                                        f"reference has none, or the reverse")
+    ok_rows = ~nan_w.any(axis=1)
+    if ok_rows.any():
+        err = rel_err(gw[ok_rows], ww[ok_rows])
+        assert err <= 1e-5, f"{what}: weights relative error {err:.3e}"
+
+
 # --------------------------------------------------------------------------------------------
 # Routing: one token at a time.
 # --------------------------------------------------------------------------------------------

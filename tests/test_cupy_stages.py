@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from oracles import assert_routing_matches as routing_matches
 from oracles import (
     BF16,
     TOL,
@@ -38,6 +39,7 @@ from oracles import (
     random_weights,
     rel_err,
     rng_for,
+    selection_values,
     uniform,
 )
 
@@ -76,63 +78,9 @@ def assert_close(got, want, dtype, what):
 
 
 # ============================================================================ routing
-def selection_values(logits, scoring="softmax", bias=None, groups=1, topk_group=1):
-    """The reference's fp32 selection values [T, E] (NaN as -inf, masked groups -inf)."""
-    scores = reference.softmax(logits) if scoring == "softmax" else reference.sigmoid(logits)
-    choice = scores + bias.astype(np.float32)[None, :] if bias is not None else scores
-    if groups > 1:
-        T, E = choice.shape
-        per = E // groups
-        grouped = choice.reshape(T, groups, per)
-        if bias is not None:
-            two = reference.topk_indices(grouped, min(2, per))
-            gscore = np.take_along_axis(grouped, two, axis=-1).sum(-1)
-        else:
-            gscore = scores.reshape(T, groups, per).max(-1)
-        kept = reference.topk_indices(gscore, topk_group)
-        mask = np.zeros((T, groups), bool)
-        np.put_along_axis(mask, kept, True, axis=-1)
-        choice = np.where(np.repeat(mask, per, axis=-1), choice, -np.inf)
-    return np.where(np.isnan(choice), -np.inf, choice)
-
-
 def assert_routing_matches(got, want, sel, what="routing"):
     """ids exact up to true near-ties (module docstring), weights on the matching rows."""
-    g_w, g_ids = host(got[0]), host(got[1])
-    w_w, w_ids = want[0], want[1]
-    assert g_ids.shape == w_ids.shape and g_w.shape == w_w.shape, what
-    assert g_ids.dtype == w_ids.dtype, f"{what}: ids dtype {g_ids.dtype} != {w_ids.dtype}"
-    assert g_w.dtype == np.float32
-    T, K = w_ids.shape
-    if T == 0:
-        return
-    E = sel.shape[1]
-    assert ((g_ids >= 0) & (g_ids < E)).all(), f"{what}: ids out of range"
-    srt = np.sort(g_ids, axis=1)
-    assert (np.diff(srt, axis=1) != 0).all(), f"{what}: a token got the same expert twice"
-    differ = (g_ids != w_ids).any(axis=1)
-    if differ.any():
-        rows = np.nonzero(differ)[0]
-        g_val = np.take_along_axis(sel[rows], g_ids[rows].astype(np.int64), axis=1)
-        w_val = np.take_along_axis(sel[rows], w_ids[rows].astype(np.int64), axis=1)
-        same_inf = np.isneginf(g_val) & np.isneginf(w_val)
-        with np.errstate(invalid="ignore"):
-            near = np.abs(g_val - w_val) <= 1e-6 * np.maximum(np.abs(w_val), 1e-30)
-        bad = ~(near | same_inf)
-        assert not bad.any(), (
-            f"{what}: ids differ beyond a near-tie in {int(bad.any(axis=1).sum())} rows, "
-            f"first row {rows[bad.any(axis=1)][0]}: got {g_ids[rows[bad.any(axis=1)][0]]}, "
-            f"want {w_ids[rows[bad.any(axis=1)][0]]}")
-        assert differ.mean() <= 0.01, f"{what}: {differ.sum()} of {T} rows at near-ties"
-    same = ~differ
-    gw, ww = g_w[same], w_w[same]
-    nan_g, nan_w = np.isnan(gw), np.isnan(ww)
-    np.testing.assert_array_equal(nan_g, nan_w, err_msg=f"{what}: NaN weights where the "
-                                                        f"reference has none, or the reverse")
-    ok_rows = ~nan_w.any(axis=1)
-    if ok_rows.any():
-        err = rel_err(gw[ok_rows], ww[ok_rows])
-        assert err <= 1e-5, f"{what}: weights relative error {err:.3e}"
+    routing_matches(got, want, sel, what, to_host=host)
 
 
 def draw_logits(rng, T, E, dtype, scale=2.0):

@@ -35,12 +35,14 @@ import pytest
 from oracles import (
     BF16,
     TOL,
+    assert_routing_matches,
     assert_same_blocks,
     distinct_topk_ids,
     gemm_problem,
     random_weights,
     rel_err,
     rng_for,
+    selection_values,
     uniform,
 )
 
@@ -89,52 +91,8 @@ def assert_close(got, want, dtype, what):
 
 
 # ============================================================================ routing
-def selection_values(logits, scoring="softmax", bias=None, groups=1, topk_group=1):
-    """The reference's fp32 selection values [T, E]: NaN as -inf, masked groups -inf."""
-    scores = reference.softmax(logits) if scoring == "softmax" else reference.sigmoid(logits)
-    choice = scores + bias.astype(np.float32)[None, :] if bias is not None else scores
-    if groups > 1:
-        T, E = choice.shape
-        per = E // groups
-        grouped = choice.reshape(T, groups, per)
-        if bias is not None:
-            two = reference.topk_indices(grouped, min(2, per))
-            gscore = np.take_along_axis(grouped, two, axis=-1).sum(-1)
-        else:   # a NaN score ranks as -inf: it never knocks its group out
-            gscore = np.where(np.isnan(scores), -np.inf, scores).reshape(T, groups, per).max(-1)
-        keep = np.zeros((T, groups), bool)
-        np.put_along_axis(keep, reference.topk_indices(gscore, topk_group), True, axis=-1)
-        choice = np.where(np.repeat(keep, per, axis=-1), choice, -np.inf)
-    return np.where(np.isnan(choice), -np.inf, choice)
-
-
 def assert_routing(got, want, sel, what):
-    gw, gi = nb.to_host(got[0]), nb.to_host(got[1])
-    ww, wi = want[0], want[1]
-    assert gi.shape == wi.shape and gw.shape == ww.shape, what
-    assert gi.dtype == wi.dtype and gw.dtype == np.float32, what
-    T = wi.shape[0]
-    if T == 0:
-        return
-    E = sel.shape[1]
-    assert ((gi >= 0) & (gi < E)).all(), f"{what}: ids out of range (poison left?)"
-    assert (np.diff(np.sort(gi, axis=1), axis=1) != 0).all(), f"{what}: repeated expert"
-    differ = (gi != wi).any(axis=1)
-    if differ.any():
-        rows = np.nonzero(differ)[0]
-        gv = np.take_along_axis(sel[rows], gi[rows].astype(np.int64), axis=1)
-        wv = np.take_along_axis(sel[rows], wi[rows].astype(np.int64), axis=1)
-        with np.errstate(invalid="ignore"):
-            near = (np.abs(gv - wv) <= 1e-6 * np.maximum(np.abs(wv), 1e-30)) | (
-                np.isneginf(gv) & np.isneginf(wv))
-        assert near.all(), f"{what}: ids differ beyond a near-tie in row {rows[~near.all(1)][0]}"
-        assert differ.mean() <= 0.01, f"{what}: {differ.sum()} of {T} rows differ"
-    same = ~differ
-    np.testing.assert_array_equal(np.isnan(gw[same]), np.isnan(ww[same]),
-                                  err_msg=f"{what}: NaN weights differ")
-    ok = same & ~np.isnan(ww).any(axis=1)
-    if ok.any():
-        assert rel_err(gw[ok], ww[ok]) <= 1e-5, f"{what}: weights"
+    assert_routing_matches(got, want, sel, what, to_host=nb.to_host)
 
 
 def draw_logits(T, E, dtype, *params):
