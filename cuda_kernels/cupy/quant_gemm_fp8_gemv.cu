@@ -17,8 +17,9 @@
 //   * No shared-memory staging and no barrier in the main loop: each thread loads its weight
 //     bytes straight into registers (ld.global.nc, L1::no_allocate: read once), U quantization
 //     blocks of loads in flight per thread before the first is used (a round), then consumed.
-//     (Two register buffers, the next round in flight while one is consumed, were measured no
-//     faster on the H200 and were removed: fewer warps' worth of registers at the same bytes.)
+//     More bytes in flight come from more CTAs per SM (MINB), not from a second register
+//     buffer: double buffering and a persistent grid were measured slower on the H200 and
+//     were removed (quant_gemm.py's FP8_V4_BY_ROWS has the numbers).
 //   * K split over the WARPS warps (warp w takes the 128-wide blocks w, w + WARPS, ...); the
 //     partial sums meet in shared memory at the end, added in warp order (deterministic).
 //   * Fragment k order: thread (g = lane / 4, t = lane % 4) holds, of block kb and half h,
@@ -301,7 +302,6 @@ fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
     const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const int KB = Kdim / 128;
     const FgRows rows = fg_rows(w, w_scale, e, n0, N, Kdim, g, t);
-
 
     if (fg_stage<BM>(sSlot, sArow, s_mine, num_slots, top_k, tid) == 0) return;  // padding only
     if (e < 0) {                                                   // expert on another rank
