@@ -282,122 +282,117 @@ def grid_barrier(bar, g, G):
 
 
 # ----------------------------------------------------------------------------- the kernel
-def _align_grid():
-    """align_grid (a factory, as the other modules' kernels: kernel() compiles it)."""
+def align_grid(ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids,
+               n_blocks, capacity, num_post, offsets, inv, do_align, write_inv, chunk):
+    """The whole alignment in one launch of G blocks of NT threads (module docstring).
 
-    def align_grid(ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids,
-                   n_blocks, capacity, num_post, offsets, inv, do_align, write_inv, chunk):
-        """The whole alignment in one launch of G blocks of NT threads (module docstring).
+    ids [P] any integer; emap [E] (read when use_map); hist [G E] and bar [1] (G > 1);
+    sorted_ids [capacity], expert_ids [n_blocks] (when do_align); num_post [1];
+    offsets [E + 1] (block 0 writes them: the padded starts); inv [P] (when write_inv);
+    chunk = the slots of each warp, cdiv(cdiv(P, G W), 32) 32."""
+    tid = cu.threadIdx.x
+    NT = cu.blockDim.x
+    W = NT // 32
+    warp = tid // 32
+    lane = tid % 32
+    g = cu.blockIdx.x
+    G = cu.gridDim.x
+    sh = cu.shared.array(0, int32)
+    wc = sh[0:W * E]                          # [W, E] counts, then each warp's cursor
+    tot = sh[W * E:W * E + E]                 # [E] slots per expert
+    pre = sh[W * E + E:W * E + 2 * E]         # [E] slots in earlier blocks, then the
+                                              # block's first position in each run
+    off = sh[W * E + 2 * E:W * E + 3 * E + 1]  # [E + 1] padded starts
+    red = sh[W * E + 3 * E + 1:W * E + 3 * E + 33]   # [32] scan scratch
 
-        ids [P] any integer; emap [E] (read when use_map); hist [G E] and bar [1] (G > 1);
-        sorted_ids [capacity], expert_ids [n_blocks] (when do_align); num_post [1];
-        offsets [E + 1] (block 0 writes them: the padded starts); inv [P] (when write_inv);
-        chunk = the slots of each warp, cdiv(cdiv(P, G W), 32) 32."""
-        tid = cu.threadIdx.x
-        NT = cu.blockDim.x
-        W = NT // 32
-        warp = tid // 32
-        lane = tid % 32
-        g = cu.blockIdx.x
-        G = cu.gridDim.x
-        sh = cu.shared.array(0, int32)
-        wc = sh[0:W * E]                          # [W, E] counts, then each warp's cursor
-        tot = sh[W * E:W * E + E]                 # [E] slots per expert
-        pre = sh[W * E + E:W * E + 2 * E]         # [E] slots in earlier blocks, then the
-                                                  # block's first position in each run
-        off = sh[W * E + 2 * E:W * E + 3 * E + 1]  # [E + 1] padded starts
-        red = sh[W * E + 3 * E + 1:W * E + 3 * E + 33]   # [32] scan scratch
-
-        # Strided loops are while loops and divisions unsigned 32-bit: a `range` with a run-time
-        # step computes its trip count by a signed 64-bit division (a ~100-instruction call)
-        nwarps = G * W
-        begin = min(P, (g * W + warp) * chunk)   # chunk: whole 32-slot steps per warp (host)
-        end = min(P, begin + chunk)
-        rounds = (end - begin + STEP - 1) // STEP
-        eb = cu.local.array(PREFETCH, int32)
-        if rounds == 1:   # issued before the zeroing below, so its latency overlaps it
-            load_round(ids, begin, end, E, emap, use_map, ignore_invalid, eb, lane)
-        i = tid
-        while i < W * E:
-            wc[ix(i)] = 0
-            i += NT
-        e = tid
-        while e < E:
-            tot[ix(e)] = 0
-            pre[ix(e)] = 0
-            e += NT
-        cu.syncthreads()
-        row0 = warp * E
-        for r in range(rounds):
-            if rounds > 1:
-                load_round(ids, begin + r * STEP, end, E, emap, use_map, ignore_invalid, eb, lane)
-            count_round(eb, wc, row0)
-        cu.syncthreads()
-        cv = cu.local.array(SCAN_UNROLL, int32)
-        e = tid
-        while e < E:                              # consecutive e: consecutive banks
-            run = int32(0)
-            for w0 in range(0, W, SCAN_UNROLL):   # the loads of a group before its stores
-                for u in range(SCAN_UNROLL):      # (a store may alias the next load)
-                    cv[u] = wc[ix((w0 + u) * E + e)] if w0 + u < W else 0
-                for u in range(SCAN_UNROLL):
-                    if w0 + u < W:
-                        wc[ix((w0 + u) * E + e)] = run
-                        run += cv[u]
-            if G > 1:
-                hist[ix(g * E + e)] = run
-            else:
-                tot[ix(e)] = run
-            e += NT
+    # Strided loops are while loops and divisions unsigned 32-bit: a `range` with a run-time
+    # step computes its trip count by a signed 64-bit division (a ~100-instruction call)
+    nwarps = G * W
+    begin = min(P, (g * W + warp) * chunk)   # chunk: whole 32-slot steps per warp (host)
+    end = min(P, begin + chunk)
+    rounds = (end - begin + STEP - 1) // STEP
+    eb = cu.local.array(PREFETCH, int32)
+    if rounds == 1:   # issued before the zeroing below, so its latency overlaps it
+        load_round(ids, begin, end, E, emap, use_map, ignore_invalid, eb, lane)
+    i = tid
+    while i < W * E:
+        wc[ix(i)] = 0
+        i += NT
+    e = tid
+    while e < E:
+        tot[ix(e)] = 0
+        pre[ix(e)] = 0
+        e += NT
+    cu.syncthreads()
+    row0 = warp * E
+    for r in range(rounds):
+        if rounds > 1:
+            load_round(ids, begin + r * STEP, end, E, emap, use_map, ignore_invalid, eb, lane)
+        count_round(eb, wc, row0)
+    cu.syncthreads()
+    cv = cu.local.array(SCAN_UNROLL, int32)
+    e = tid
+    while e < E:                              # consecutive e: consecutive banks
+        run = int32(0)
+        for w0 in range(0, W, SCAN_UNROLL):   # the loads of a group before its stores
+            for u in range(SCAN_UNROLL):      # (a store may alias the next load)
+                cv[u] = wc[ix((w0 + u) * E + e)] if w0 + u < W else 0
+            for u in range(SCAN_UNROLL):
+                if w0 + u < W:
+                    wc[ix((w0 + u) * E + e)] = run
+                    run += cv[u]
         if G > 1:
-            grid_barrier(bar, g, G)
-            # `per` threads per expert, each summing every per-th row: few loads per thread, all
-            # independent (the rows were written by other SMs in this launch: L2, after the fence)
-            per = max(1, int32(udiv32(NT, E)))
-            i = tid
-            while i < per * E:
-                j = int32(udiv32(i, E))
-                e = i - j * E
-                t_sum = int32(0)
-                p_sum = int32(0)
-                while j < G:
-                    v = hist[ix(j * E + e)]
-                    t_sum += v
-                    if j < g:
-                        p_sum += v
-                    j += per
-                cu.atomic.add(tot, ix(e), t_sum)
-                cu.atomic.add(pre, ix(e), p_sum)
-                i += NT
-        cu.syncthreads()
-        scan_padded(tot, off, pre, E, B, red, tid, NT)  # ends with a barrier; pre = starts
-        total = off[ix(E)]
-        if g == 0:
-            if tid == 0:
-                num_post[0] = total
-            e = tid
-            while e <= E:
-                offsets[ix(e)] = off[ix(e)]
-                e += NT
-        if do_align:
-            pad_runs(off, tot, E, B, P, emap, use_map, expert_ids, sorted_ids, g * W + warp,
-                     nwarps, lane)
-            gn = G * NT
-            p = total + g * NT + tid
-            while p < capacity:                   # the tail: no slot goes there
-                sorted_ids[ix(p)] = P
-                p += gn
-            x = int32(udiv32(total, B)) + g * NT + tid
-            while x < n_blocks:
-                expert_ids[ix(x)] = -1
-                x += gn
-        for r in range(rounds):
-            if rounds > 1:
-                load_round(ids, begin + r * STEP, end, E, emap, use_map, ignore_invalid, eb, lane)
-            place_round(eb, begin + r * STEP, end, wc, row0, pre, sorted_ids, inv, do_align,
-                        write_inv, lane)
-
-    return align_grid
+            hist[ix(g * E + e)] = run
+        else:
+            tot[ix(e)] = run
+        e += NT
+    if G > 1:
+        grid_barrier(bar, g, G)
+        # `per` threads per expert, each summing every per-th row: few loads per thread, all
+        # independent (the rows were written by other SMs in this launch: L2, after the fence)
+        per = max(1, int32(udiv32(NT, E)))
+        i = tid
+        while i < per * E:
+            j = int32(udiv32(i, E))
+            e = i - j * E
+            t_sum = int32(0)
+            p_sum = int32(0)
+            while j < G:
+                v = hist[ix(j * E + e)]
+                t_sum += v
+                if j < g:
+                    p_sum += v
+                j += per
+            cu.atomic.add(tot, ix(e), t_sum)
+            cu.atomic.add(pre, ix(e), p_sum)
+            i += NT
+    cu.syncthreads()
+    scan_padded(tot, off, pre, E, B, red, tid, NT)  # ends with a barrier; pre = starts
+    total = off[ix(E)]
+    if g == 0:
+        if tid == 0:
+            num_post[0] = total
+        e = tid
+        while e <= E:
+            offsets[ix(e)] = off[ix(e)]
+            e += NT
+    if do_align:
+        pad_runs(off, tot, E, B, P, emap, use_map, expert_ids, sorted_ids, g * W + warp,
+                 nwarps, lane)
+        gn = G * NT
+        p = total + g * NT + tid
+        while p < capacity:                   # the tail: no slot goes there
+            sorted_ids[ix(p)] = P
+            p += gn
+        x = int32(udiv32(total, B)) + g * NT + tid
+        while x < n_blocks:
+            expert_ids[ix(x)] = -1
+            x += gn
+    for r in range(rounds):
+        if rounds > 1:
+            load_round(ids, begin + r * STEP, end, E, emap, use_map, ignore_invalid, eb, lane)
+        place_round(eb, begin + r * STEP, end, wc, row0, pre, sorted_ids, inv, do_align,
+                    write_inv, lane)
 
 
 @functools.lru_cache(maxsize=None)
@@ -405,7 +400,7 @@ def grid_kernel():
     """The compiled align_grid (one kernel for every geometry: NT and G are read at run
     time, so a notebook waits for one compile). Bounded to 1024 threads: <= 64 registers,
     which it fits without spilling (a round of ids in registers across the barriers)."""
-    return kernel(_align_grid(), launch_bounds=(1024, 1))
+    return kernel(align_grid, launch_bounds=(1024, 1))
 
 
 # ----------------------------------------------------------------------------- launcher
