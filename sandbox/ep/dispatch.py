@@ -51,6 +51,7 @@ Two schemes, both exact (they change where the work happens, never the math):
         send buffer with its metadata; one kernel combines (out[t] = sum of its sent entries,
         weighted, fp32, rounded once). Per dispatch: 2 launches, the counts exchange on a
         side stream, one host sync, the rows exchange; per combine: the exchange, 1 launch.
+        On the GPU it runs through per-shape plans (_GpuFused below; GPU_PLANS).
     "stages": the table and counts as CuPy array ops, moe_permute / moe_unpermute of the
         stage backend (the first version; kept beside it, and the fallback past W = 32).
 
@@ -187,7 +188,8 @@ class AllToAllState:
     send_chunks: np.ndarray = None   # fused: host int64 [W, C] rows sent per token chunk
     recv_chunks: np.ndarray = None   # fused: host int64 [W, C] rows received per chunk
     gpu: object = None        # fused on the GPU: the _GpuFused that made it (the combine's
-                              # plan), and the offsets (so, ro) as Python lists [W + 1]
+                              # plan), and (so, ro, counts): the send / receive offsets as
+                              # Python lists [W + 1] and the per-chunk counts [2][W C]
     offsets: tuple = None
 
 
