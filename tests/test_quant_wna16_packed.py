@@ -162,16 +162,15 @@ def emulated_packed(tmp_path_factory):
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,shape,gs,zp,sms", [
     ("p8", (2, 4, 2, 32, 2048, 8), 128, False, 132),     # D = 4 ring, K split over 8 warps
-    ("p8d", (2, 3, 2, 48, 2048, 8), 256, True, 1),       # D = 8, zero points, 3 tiles per CTA
+    ("s8", (2, 3, 2, 48, 2048, 8), 256, True, 1),        # POST with zero points, 3 tiles per CTA
     ("p8", (3, 2, 2, 32, 576, 8), 64, False, 1),         # 9 chunks over 8 warps: dead chunks
-    ("p16", (6, 2, 2, 16, 1024, 16), 1024, True, 132),   # one group per row
-    ("p32", (20, 2, 1, 32, 128, 32), 128, True, 1),      # 4 token tiles, some all padding
-    ("s8", (2, 4, 2, 32, 2048, 8), 128, False, 132),     # POST: the zero point after the mma
-    ("s8d", (2, 3, 2, 48, 2048, 8), 256, True, 1),
-    ("s32", (20, 2, 1, 32, 576, 32), 64, True, 1),
-    ("r8", (2, 3, 2, 64, 2048, 8), 128, True, 1),        # RT = 2: two tiles per warp group
-    ("r16", (9, 2, 2, 32, 576, 16), 64, False, 132),
+    ("s8", (6, 2, 2, 16, 1024, 16), 1024, True, 132),    # one group per row
+    ("s32w8", (20, 2, 1, 32, 128, 32), 128, True, 1),    # 4 token tiles, some all padding
+    ("s32w8", (20, 2, 1, 32, 576, 32), 64, False, 1),
+    ("q8d", (2, 3, 2, 64, 2048, 8), 128, True, 1),       # RT = 2: two tiles per warp group
+    ("r16", (9, 2, 2, 32, 576, 16), 64, False, 132),     # RT = 2 with POST
     ("q8", (3, 3, 2, 64, 1152, 8), 128, True, 1),        # RT = 2, zero point per pair
+    ("q16", (12, 2, 2, 64, 1024, 16), 128, True, 1),
 ])
 def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sms):
     import ctypes

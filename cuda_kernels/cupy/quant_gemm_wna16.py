@@ -96,26 +96,21 @@ CONFIGS = {
 }
 # wna16_packed (prepacked int4, see prepack_int4): MT token tiles of 8, W warps splitting each
 # 16-row tile's K, D 16-byte loads in flight per lane, MINB CTAs per SM.
-# POST = 1 takes the zero point off after the mma (see the .cu), 0 subtracts it per pair.
+# POST = 1 takes the zero point off after the mma (see the .cu), 0 subtracts it per pair; RT
+# tiles of 16 rows per warp group share the activation fragments. Measured (H200, Mixtral T=1 /
+# 16 / 64, GEMM1 + GEMM2 per config, .gpu_feedback slot 2 of 2026-11-30, B = BM): q8 71 / 232 /
+# 530 us, q8d 73 / 245 / 553, p8 73 / 251 / 602, r16 105 / 387 / 901 (B = 16), s32w8 151 /
+# 537 / 728 (B = 32); slot 1b: s8 79 / 265 / 634 (POST's activation sums cost GEMM2 more than
+# they save). Token tiles of 16 or 32 rows (q16, r16, s32w8) read each expert's weights once
+# at 16 rows per expert but run far slower per byte than q8 so far.
 PACKED_CONFIGS = {
-    "p8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, MINB=2),
-    "p8d": dict(KERNEL="packed", MT=1, W=4, D=8, POST=0, MINB=3),
-    "p16": dict(KERNEL="packed", MT=2, W=8, D=4, POST=0, MINB=2),
-    "p32": dict(KERNEL="packed", MT=4, W=4, D=4, POST=0, MINB=3),
-    "s8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=1, MINB=2),
-    "s8d": dict(KERNEL="packed", MT=1, W=4, D=8, POST=1, MINB=3),
-    "s16": dict(KERNEL="packed", MT=2, W=8, D=4, POST=1, MINB=2),
-    "s32": dict(KERNEL="packed", MT=4, W=4, D=4, POST=1, MINB=3),
-    "s8m3": dict(KERNEL="packed", MT=1, W=8, D=4, POST=1, MINB=3),
-    "s32w8": dict(KERNEL="packed", MT=4, W=8, D=2, POST=1, MINB=2),
-    # RT = 2: each warp applies its activation fragments to two 16-row tiles (half the L1
-    # traffic of the activations per weight byte: what limits 16+ rows per expert)
-    "r16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=1, RT=2, MINB=2),
-    "r32": dict(KERNEL="packed", MT=4, W=4, D=2, POST=1, RT=2, MINB=2),
-    "r8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=1, RT=2, MINB=2),
     "q8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, RT=2, MINB=2),
     "q8d": dict(KERNEL="packed", MT=1, W=8, D=2, POST=0, RT=2, MINB=2),
+    "p8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, MINB=2),
+    "s8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=1, MINB=2),
     "q16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=0, RT=2, MINB=2),
+    "r16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=1, RT=2, MINB=2),
+    "s32w8": dict(KERNEL="packed", MT=4, W=8, D=2, POST=1, MINB=2),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, sweeps of slots 2 and 3 in
