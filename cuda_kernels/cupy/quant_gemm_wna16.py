@@ -120,10 +120,13 @@ PACKED_CONFIGS = {
 #   T=16 (4 rows, B=8):            w8  294 + 170 us                   (m8 329 + 248)
 #   T=64 (16 rows, B=32):          w16 578 + 301 us                   (m16 696 + 409)
 # Past ~16 rows per expert quant_gemm's tile rungs are faster (T=256: 1.79 ms vs 3.07 ms).
+# The packed rung (PACKED_CONFIGS, int4) then beat them all up to 16 rows (slot 2 of
+# 2026-11-30: q8 71 / 232 / 530 us at T=1 / 16 / 64): it heads the table; a problem it cannot
+# take (int8, group_size 32, N % 16) names a stream config.
 # A measured table (CONFIG_FILE) replaces this one when present.
-BY_ROWS = ((4, "w8"), (1 << 30, "w16"), (1 << 30, "w8"))
+BY_ROWS = ((24, "q8"), (4, "w8"), (1 << 30, "w16"), (1 << 30, "w8"))
 # block_size measured with each entry (any multiple of its BM works)
-MEASURED_BLOCK = {"w8": 8, "w16": 32}
+MEASURED_BLOCK = {"w8": 8, "w16": 32, "q8": 8}
 MAX_ROWS_FASTER = 16            # rows per expert up to which this module beat quant_gemm (slot 3)
 SMEM_PER_SM = 227 * 1024        # H100 / H200: shared memory an SM can give its CTAs
 TARGET_WARPS_PER_SM = 16        # K splits until this many 16-row streams per SM (the "auto"
@@ -186,9 +189,10 @@ def block_size_for(rows_per_expert: float) -> int:
     return 16
 
 
-def pick_config(rows_per_expert: float, block_size: int, config=None) -> dict:
+def pick_config(rows_per_expert: float, block_size: int, config=None, n_tiles: int = 0) -> dict:
     """The config named / given by `config`, or the first BY_ROWS entry that covers the rows
-    per expert with BM dividing block_size."""
+    per expert with BM dividing block_size. Packed entries count only when n_tiles (N / 16 of
+    a problem prepack_int4 takes; 0: none) is a multiple of their RT."""
     if config is not None:
         if isinstance(config, str):
             if config not in CONFIGS and config not in PACKED_CONFIGS:
@@ -211,6 +215,8 @@ def pick_config(rows_per_expert: float, block_size: int, config=None) -> dict:
         return cfg
     for rows, name in BY_ROWS:
         cfg = CONFIGS[name] if name in CONFIGS else PACKED_CONFIGS[name]
+        if name in PACKED_CONFIGS and (n_tiles <= 0 or n_tiles % cfg.get("RT", 1)):
+            continue
         if rows_per_expert <= rows and block_size % (8 * cfg["MT"]) == 0:
             return dict(cfg)
     raise ValueError(f"block_size: expected a multiple of 8, got {block_size}")
@@ -661,7 +667,8 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     if P == 0 or N == 0 or L == 0:
         return c
 
-    cfg0 = pick_config(P / max(E, 1), block_size, config)
+    packable = nbits == 4 and packed_supports(N, K, group_size, G)[0]
+    cfg0 = pick_config(P / max(E, 1), block_size, config, N // 16 if packable else 0)
     if cfg0.get("KERNEL") == "packed":
         if nbits != 4:
             raise ValueError("config: the packed rung streams int4 codes (use_int4_w4a16)")
