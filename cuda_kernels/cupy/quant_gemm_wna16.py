@@ -53,12 +53,20 @@ T=1 s8 49.7 + 31.2 us = 48% of the roofline (w8 below: 27%), T=16 406 us (37%), 
 797 us (20%); ncu (T=1 GEMM1): 109 instructions per 512-byte chunk, issue 62% busy, ALU pipe
 56%, 'wait' stalls first: instruction-bound, hence the rounds of D items with immediate
 offsets and no register copies (53 instructions per chunk in the SASS) that followed.
-Measured (H200, benchmarks/results/bench_wna16_*_20261129_231628.json, commit 77717dd, the m8 /
-m16 table then; GEMM1 + GEMM2, the activation between them not timed): T=1 165 us (24% of the
+Then (rounds of D items, two tiles per warp group, one barrier per few tile groups; q8, the
+default; .gpu_feedback slot 2b of 2026-11-30, whole GEMM1 + GEMM2 through
+quant_gemm.grouped_gemm_quant, bench_quant.py, L2 flushed by a read): T=1 62 us (62.9% of
+the roofline), T=16 212 us (73.7%), T=64 551 us (28.3%: at 16 rows per expert the 8-token
+tiles read each expert's weights 2-3 times, and the 16 / 32-token configs run far slower per
+byte so far). bench_wna16 (same slot): 66 / 223 / 519 us against quant_gemm's v3 at
+155 / 599 / 1156 us. ncu (slot 2, T=1 GEMM1): DRAM 68% busy, issue 53%, long-scoreboard
+stalls first (the weight stream's latency).
+The stream rung, before (H200, benchmarks/results/bench_wna16_*_20261129_231628.json, commit
+77717dd, the m8 / m16 table then; GEMM1 + GEMM2, the activation between them not timed): T=1 165 us (24% of the
 roofline; quant_gemm 154 us), T=16 558 us (28%; 595), T=64 1077 us (14.5%; 1104); T >= 256
-quant_gemm is about 2x faster. Its sweep (..._sweep_..._231634.json) gave the w8 / w16 table
-now in BY_ROWS: T=1 142 us (27%), T=16 464 us (34%), T=64 879 us (18%), per-GEMM sums, not yet
-re-measured as a whole. ncu (slot 2, T=1 GEMM1): DRAM 29%, issue ~50%, 14 warps per SM: the
+quant_gemm is about 2x faster. Its sweep (..._sweep_..._231634.json) gave the w8 / w16 entries
+of BY_ROWS: T=1 142 us (27%), T=16 464 us (34%), T=64 879 us (18%), per-GEMM sums, not yet
+re-measured as a whole. ncu (2026-11-29, T=1 GEMM1): DRAM 29%, issue ~50%, 14 warps per SM: the
 kernel is latency- and instruction-bound, far from the 60% target.
 
 Run as a script: python -m cuda_kernels.cupy.quant_gemm_wna16 [--quick] (validate every
