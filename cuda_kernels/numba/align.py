@@ -75,10 +75,11 @@ CONFIGS = {
     # per thread: then blocks of twice the warps and slots (align_geometry). From the H200
     # sweeps (slots 1b, 2): small blocks won at 2048 slots (deepseek T=256: 8 blocks of 8
     # warps 13.7 us, 2 of 16 16.3), larger ones at 32768 with E = 256 (32 blocks of 16 warps
-    # 17.2 us, of 8 warps 19.1)
+    # 17.2 us, of 8 warps 19.1). moe_permute (no padding to write) takes at least
+    # PERMUTE_MIN_WARPS in one block (slot 3: qwen3 T=64 permute 14.1 -> 12.9 us with 8)
     "grid": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 16, "MIN_WARPS": 16, "ONE_SLOTS": 64,
              "SMALL_P": 512, "GRID_WARPS": 8, "WARP_SLOTS": 32, "TABLE_LOADS": 16,
-             "MAX_BLOCKS": 0},
+             "MAX_BLOCKS": 0, "PERMUTE_MIN_WARPS": 8},
 }
 PREFETCH = 8          # 32-slot steps whose id loads are in flight together
 STEP = 32 * PREFETCH  # slots per round of a warp
@@ -431,8 +432,9 @@ def fits(E: int) -> bool:
     return (E + 3 * E + 33) * 4 <= cfg["SMEM_BUDGET"]
 
 
-def align_geometry(P: int, E: int, sm_count: int):
-    """(G, NT, shared memory bytes) of align_grid (module docstring)."""
+def align_geometry(P: int, E: int, sm_count: int, pad: bool = True):
+    """(G, NT, shared memory bytes) of align_grid (module docstring); pad=False (moe_permute:
+    no padding, no expert_ids) needs fewer warps for the per-expert work of one block."""
     cfg = CONFIGS["grid"]
     fixed = 3 * E + 33
     fit = max(1, (cfg["SMEM_BUDGET"] // 4 - fixed) // E)   # warps whose [W, E] rows fit
@@ -440,7 +442,8 @@ def align_geometry(P: int, E: int, sm_count: int):
         G = 1
         # a warp per ONE_SLOTS slots, but at least one per 8 experts (up to MIN_WARPS): the
         # per-expert work (scan, padding, expert_ids) is spread over them
-        W = max(min(cfg["MIN_WARPS"], max(4, A.cdiv(E, 8))), A.cdiv(max(P, 1), cfg["ONE_SLOTS"]))
+        least = cfg["MIN_WARPS"] if pad else cfg["PERMUTE_MIN_WARPS"]
+        W = max(min(least, max(4, A.cdiv(E, 8))), A.cdiv(max(P, 1), cfg["ONE_SLOTS"]))
         W = min(W, cfg["MAX_WARPS"], fit)
     else:
         W, slots = min(cfg["GRID_WARPS"], fit), cfg["WARP_SLOTS"]
@@ -456,7 +459,8 @@ def align_geometry(P: int, E: int, sm_count: int):
 def launch(call, ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert_ids, n_blocks,
            capacity, num_post, offsets, inv, do_align, write_inv):
     """One launch of align_grid over the numba arrays (permute._sort_slots makes them)."""
-    G, NT, smem = align_geometry(P, E, _sm_count() if P > CONFIGS["grid"]["SMALL_P"] else 1)
+    G, NT, smem = align_geometry(P, E, _sm_count() if P > CONFIGS["grid"]["SMALL_P"] else 1,
+                                 bool(do_align))
     if G > 1:
         hist = call.empty((G * E,), np.int32)            # [G, E] per-block counts
         bar = _barrier_word()
