@@ -86,14 +86,15 @@ def cases():
                 out.append((f"align {path} rank={rank} expert_map={mapped}",
                             align_case(path, rank, mapped)))
 
-    def grid_case(G, mapped):
-        """align.py's one-launch kernel: one block, or a grid of G blocks (small SMALL_P,
-        GRID_WARPS and WARP_SLOTS force the grid barrier at 360 slots)."""
+    def grid_case(blocks, mapped):
+        """align.py's one-launch kernel: one block, or a grid of `blocks` blocks (small
+        SMALL_P, GRID_WARPS and WARP_SLOTS force the grid barrier at 360 slots)."""
         def run():
             Al = importlib.import_module(f"{__package__}.align")
             saved = dict(Al.CONFIGS["grid"])
-            if G > 1:
-                Al.CONFIGS["grid"].update(SMALL_P=64, GRID_WARPS=2, WARP_SLOTS=32, MAX_BLOCKS=G)
+            if blocks > 1:
+                Al.CONFIGS["grid"].update(SMALL_P=64, GRID_WARPS=2, WARP_SLOTS=32,
+                                          MAX_BLOCKS=blocks)
             try:
                 return align_case("single", "grid", mapped)()
             finally:
@@ -101,9 +102,10 @@ def cases():
                 Al.CONFIGS["grid"].update(saved)
         return run
 
-    for G in (1, 3):
+    for blocks in (1, 3):  # (not G: that name is the grouped_gemm module here)
         for mapped in (False, True):
-            out.append((f"align grid G={G} expert_map={mapped}", grid_case(G, mapped)))
+            out.append((f"align grid blocks={blocks} expert_map={mapped}",
+                        grid_case(blocks, mapped)))
 
     def permute_case(K):
         def run():
