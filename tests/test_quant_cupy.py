@@ -643,7 +643,9 @@ template <typename F> void launch(unsigned gx, unsigned gy, unsigned block, F bo
 """
 
 
-def _build_emulated(tmp, cu, defines, entry, name):
+def _build_emulated(tmp, cu, defines, entry, name, prelude=""):
+    """`cu` with `defines`, the emulation header qemu.h (written into `tmp` by the caller) and
+    `prelude` after it, plus the C entry points `entry`, built by g++ and loaded."""
     import re
     import subprocess
 
@@ -652,7 +654,7 @@ def _build_emulated(tmp, cu, defines, entry, name):
     src = re.sub(r"extern __shared__ __align__\(16\) u8 smem\[\];", "u8* smem = g_smem;", src)
     lines = src.split("\n")   # the header reads the #defines (ELEM_BF16): it goes after them
     first = next(k for k, line in enumerate(lines) if line.startswith("#line"))
-    src = "\n".join(lines[:first] + ['#include "qemu.h"'] + lines[first:])
+    src = "\n".join(lines[:first] + ['#include "qemu.h"', prelude] + lines[first:])
     cpp = tmp / f"{name}.cpp"
     cpp.write_text(src + "\n" + entry + "\n")
     so = tmp / f"{name}.so"

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from cuda_kernels.cupy import _compile as C
-from cuda_kernels.cupy import quant_act as QA
 from cuda_kernels.cupy import quant_gemm as QG
 from reference import moe_align_block_size
 from reference import quant as RQ
 from oracles import rel_err
+from test_quant_cupy import host, poisoned, up  # the quantized tests' GPU helpers
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = RQ.FP8_DTYPE
@@ -84,23 +84,6 @@ def test_fp8_rung_choice():
 
 
 # ----------------------------------------------------------------------------- GPU
-def up(x):
-    if x is None:
-        return None
-    if isinstance(x, np.ndarray) and x.dtype == FP8:
-        return QA.fp8_to_device(x)
-    return C.to_device(np.asarray(x))
-
-
-def host(x, dtype):
-    h = C.to_host(x)
-    return h.view(dtype) if h.dtype != dtype else h
-
-
-def poisoned(shape, dtype):
-    out = C.empty(shape, dtype)
-    C.raw(out).view(np.uint16).fill(0x7FC0 if np.dtype(dtype) == BF16 else 0x7E00)
-    return out
 
 
 def _need(version):

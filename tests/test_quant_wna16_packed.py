@@ -25,6 +25,7 @@ from cuda_kernels.cupy import quant_gemm_wna16 as W
 from reference import moe_align_block_size
 from reference import quant as RQ
 from oracles import rel_err
+from test_quant_cupy import host, poisoned, up  # the quantized tests' GPU helpers
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = 2e-2          # issue 8 / vLLM's weight-only tolerance
@@ -132,31 +133,17 @@ EMU_NAMES = sorted({W.packed_kernel_name(c, z, d) for c in W.PACKED_CONFIGS.valu
 
 @pytest.fixture(scope="module")
 def emulated_packed(tmp_path_factory):
-    import ctypes
-    import re
     import shutil
-    import subprocess
 
     if shutil.which("g++") is None:
         pytest.skip("no g++ on this machine")
-    from test_quant_cupy import QEMU_HEADER
+    from test_quant_cupy import QEMU_HEADER, _build_emulated
     from test_quant_wna16_cupy import W16_PRELUDE
 
     tmp = tmp_path_factory.mktemp("packed_emulation")
     (tmp / "qemu.h").write_text(QEMU_HEADER)
-    src = C.source_text(W.CU, {"ELEM_BF16": 1})
-    src = re.sub(r"#include <cuda_(fp16|bf16)\.h>", "", src)
-    src = re.sub(r"extern __shared__ __align__\(16\) u8 smem\[\];", "u8* smem = g_smem;", src)
-    lines = src.split("\n")
-    first = next(k for k, line in enumerate(lines) if line.startswith("#line"))
-    src = "\n".join(lines[:first] + ['#include "qemu.h"', W16_PRELUDE] + lines[first:])
-    cpp = tmp / "packed.cpp"
-    cpp.write_text(src + "\n" + _emulation_entries(EMU_NAMES) + "\n")
-    so = tmp / "packed.so"
-    r = subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread",
-                        "-I", str(tmp), str(cpp), "-o", str(so)], capture_output=True, text=True)
-    assert r.returncode == 0, f"{W.CU} does not build for the emulation:\n{r.stderr[:3000]}"
-    return ctypes.CDLL(str(so))
+    return _build_emulated(tmp, W.CU, {"ELEM_BF16": 1}, _emulation_entries(EMU_NAMES), "packed",
+                           prelude=W16_PRELUDE)
 
 
 @pytest.mark.simulator
@@ -205,19 +192,6 @@ def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sm
 
 
 # ----------------------------------------------------------------------------- GPU
-def up(x):
-    return None if x is None else C.to_device(np.asarray(x))
-
-
-def host(x, dtype):
-    h = C.to_host(x)
-    return h.view(dtype) if h.dtype != dtype else h
-
-
-def poisoned(shape, dtype):
-    out = C.empty(shape, dtype)
-    C.raw(out).view(np.uint16).fill(0x7FC0 if np.dtype(dtype) == BF16 else 0x7E00)
-    return out
 
 
 SHAPES = [
