@@ -48,13 +48,14 @@ ValueError naming the argument otherwise.
 
 Napkin math (H200, 4.8 TB/s): Mixtral int4 (E=8, top-2, H=4096, I=14336, group 128) at T=1
 reads 2 experts' w13 + w2 codes and scales, 187 MB -> 39 us.
-wna16_packed, first version (H200, .gpu_feedback slot 1 of 2026-11-30, per GEMM, L2 flushed):
+wna16_packed, first version (H200, benchmarks/results/dev_slots_20261130/slot1, per GEMM, L2
+flushed):
 T=1 s8 49.7 + 31.2 us = 48% of the roofline (w8 below: 27%), T=16 406 us (37%), T=64 p16
 797 us (20%); ncu (T=1 GEMM1): 109 instructions per 512-byte chunk, issue 62% busy, ALU pipe
 56%, 'wait' stalls first: instruction-bound, hence the rounds of D items with immediate
 offsets and no register copies (53 instructions per chunk in the SASS) that followed.
 Then (rounds of D items, two tiles per warp group, one barrier per few tile groups; q8, the
-default; .gpu_feedback slot 2b of 2026-11-30, whole GEMM1 + GEMM2 through
+default; benchmarks/results/dev_slots_20261130/slot2b, whole GEMM1 + GEMM2 through
 quant_gemm.grouped_gemm_quant, bench_quant.py, L2 flushed by a read): T=1 62 us (62.9% of
 the roofline), T=16 212 us (73.7%), T=64 551 us (28.3%: at 16 rows per expert the 8-token
 tiles read each expert's weights 2-3 times, and the 16 / 32-token configs run far slower per
@@ -62,9 +63,9 @@ byte so far). bench_wna16 (same slot): 66 / 223 / 519 us against quant_gemm's v3
 155 / 599 / 1156 us. ncu (slot 2, T=1 GEMM1): DRAM 68% busy, issue 53%, long-scoreboard
 stalls first (the weight stream's latency).
 The stream rung, before (H200, benchmarks/results/bench_wna16_*_20261129_231628.json, commit
-77717dd, the m8 / m16 table then; GEMM1 + GEMM2, the activation between them not timed): T=1 165 us (24% of the
-roofline; quant_gemm 154 us), T=16 558 us (28%; 595), T=64 1077 us (14.5%; 1104); T >= 256
-quant_gemm is about 2x faster. Its sweep (..._sweep_..._231634.json) gave the w8 / w16 entries
+77717dd, the m8 / m16 table then; GEMM1 + GEMM2, the activation between them not timed):
+T=1 165 us (24% of the roofline; quant_gemm 154 us), T=16 558 us (28%; 595), T=64 1077 us
+(14.5%; 1104); T >= 256 quant_gemm is about 2x faster. Its sweep (..._sweep_..._231634.json) gave the w8 / w16 entries
 of BY_ROWS: T=1 142 us (27%), T=16 464 us (34%), T=64 879 us (18%), per-GEMM sums, not yet
 re-measured as a whole. ncu (2026-11-29, T=1 GEMM1): DRAM 29%, issue ~50%, 14 warps per SM: the
 kernel is latency- and instruction-bound, far from the 60% target.
@@ -106,11 +107,11 @@ CONFIGS = {
 # 16-row tile's K, D 16-byte loads in flight per lane, MINB CTAs per SM.
 # POST = 1 takes the zero point off after the mma (see the .cu), 0 subtracts it per pair; RT
 # tiles of 16 rows per warp group share the activation fragments. Measured (H200, Mixtral T=1 /
-# 16 / 64, GEMM1 + GEMM2 per config, .gpu_feedback slot 2 of 2026-11-30, B = BM): q8 71 / 232 /
-# 530 us, q8d 73 / 245 / 553, p8 73 / 251 / 602, r16 105 / 387 / 901 (B = 16), s32w8 151 /
-# 537 / 728 (B = 32); slot 1b: s8 79 / 265 / 634 (POST's activation sums cost GEMM2 more than
-# they save). Token tiles of 16 or 32 rows (q16, r16, s32w8) read each expert's weights once
-# at 16 rows per expert but run far slower per byte than q8 so far.
+# 16 / 64, GEMM1 + GEMM2 per config, benchmarks/results/dev_slots_20261130/slot2, B = BM):
+# q8 71 / 232 / 530 us, q8d 73 / 245 / 553, p8 73 / 251 / 602, r16 105 / 387 / 901 (B = 16),
+# s32w8 151 / 537 / 728 (B = 32); slot 1b: s8 79 / 265 / 634 (POST's activation sums cost
+# GEMM2 more than they save). Token tiles of 16 or 32 rows (q16, r16, s32w8) read each
+# expert's weights once at 16 rows per expert but run far slower per byte than q8 so far.
 PACKED_CONFIGS = {
     "q8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, RT=2, MINB=2),
     "q8d": dict(KERNEL="packed", MT=1, W=8, D=2, POST=0, RT=2, MINB=2),
@@ -121,9 +122,10 @@ PACKED_CONFIGS = {
     "s32w8": dict(KERNEL="packed", MT=4, W=8, D=2, POST=1, MINB=2),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
-# whose BM divides block_size. Measured (H200, Mixtral int4 g128, sweeps of slots 2 and 3 in
-# .gpu_feedback, bench_wna16.py --sweep): the register-ring rung beats the cp.async rung at
-# every T (the async rings cap a CTA at 8 warps per SM), 8 warps per CTA beat 4:
+# whose BM divides block_size. Measured (H200, Mixtral int4 g128, bench_wna16.py --sweep,
+# benchmarks/results/bench_wna16_sweep_nvidia_h200_20261129_231634.json): the register-ring
+# rung beats the cp.async rung at every T (the async rings cap a CTA at 8 warps per SM), 8 warps
+# per CTA beat 4:
 #   T=1  (0.25 rows/expert, B=8):  w8  GEMM1 82 us + GEMM2 60 us     (m8 90 + 79, a8 127 + 61)
 #   T=16 (4 rows, B=8):            w8  294 + 170 us                   (m8 329 + 248)
 #   T=64 (16 rows, B=32):          w16 578 + 301 us                   (m16 696 + 409)
@@ -204,8 +206,8 @@ def pick_config(rows_per_expert: float, block_size: int, config=None, n_tiles: i
     if config is not None:
         if isinstance(config, str):
             if config not in CONFIGS and config not in PACKED_CONFIGS:
-                raise ValueError(f"config: expected one of {sorted(CONFIGS) + sorted(PACKED_CONFIGS)},"
-                                 f" got {config!r}")
+                names = sorted(CONFIGS) + sorted(PACKED_CONFIGS)
+                raise ValueError(f"config: expected one of {names}, got {config!r}")
             cfg = dict(CONFIGS[config] if config in CONFIGS else PACKED_CONFIGS[config])
         elif isinstance(config, dict):
             cfg = dict(config)
@@ -710,8 +712,8 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
             sorted_token_ids, expert_ids, num_tokens_post_padded,
             tw if tw is not None else null, b32 if b32 is not None else null, ws, cnt,
             np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
-            np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(group_size), np.int32(G),
-            np.int32(default_zp), np.int32(code_xor), np.int32(sps))
+            np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(group_size),
+            np.int32(G), np.int32(default_zp), np.int32(code_xor), np.int32(sps))
     kern(grid, block, args, shared_mem=smem)
     return c
 
