@@ -63,12 +63,12 @@ byte so far). bench_wna16 (same slot): 66 / 223 / 519 us against quant_gemm's v3
 155 / 599 / 1156 us. ncu (slot 2, T=1 GEMM1): DRAM 68% busy, issue 53%, long-scoreboard
 stalls first (the weight stream's latency).
 The stream rung, before (H200, benchmarks/results/bench_wna16_*_20261129_231628.json, commit
-77717dd, the m8 / m16 table then; GEMM1 + GEMM2, the activation between them not timed):
-T=1 165 us (24% of the roofline; quant_gemm 154 us), T=16 558 us (28%; 595), T=64 1077 us
-(14.5%; 1104); T >= 256 quant_gemm is about 2x faster. Its sweep (..._sweep_..._231634.json)
-gave the w8 / w16 entries of BY_ROWS: T=1 142 us (27%), T=16 464 us (34%), T=64 879 us (18%), per-GEMM sums, not yet
-re-measured as a whole. ncu (2026-11-29, T=1 GEMM1): DRAM 29%, issue ~50%, 14 warps per SM: the
-kernel is latency- and instruction-bound, far from the 60% target.
+77717dd, the m8 / m16 table then; GEMM1 + GEMM2, the activation between them not timed): T=1
+165 us (24% of the roofline; quant_gemm 154 us), T=16 558 us (28%; 595), T=64 1077 us (14.5%;
+1104); T >= 256 quant_gemm is about 2x faster. Its sweep (..._sweep_..._231634.json) gave the
+w8 / w16 entries of BY_ROWS: T=1 142 us (27%), T=16 464 us (34%), T=64 879 us (18%), per-GEMM
+sums, not yet re-measured as a whole. ncu (2026-11-29, T=1 GEMM1): DRAM 29%, issue ~50%, 14
+warps per SM: the kernel is latency- and instruction-bound, far from the 60% target.
 
 Run as a script: python -m cuda_kernels.cupy.quant_gemm_wna16 [--quick] (validate every
 kernel instantiation against the reference; without --quick also time the Mixtral shape).
