@@ -211,6 +211,7 @@ def test_launch_argument_errors():
 
 # ------------------------------------------------------------------------------- env:// without launch()
 _ENV_SCRIPT = """
+import os
 import sys
 sys.path[:0] = {path!r}
 import numpy as np
@@ -218,7 +219,9 @@ from sandbox.ep import init_process_group
 comm = init_process_group("cpu", timeout=60)
 total = comm.all_reduce(np.array([comm.rank + 1], dtype=np.int64))
 comm.barrier()
-print("RESULT", comm.rank, comm.world_size, int(total[0]), flush=True)
+# One write(2) of a short line is atomic on a pipe: ranks that share stdout (torchrun) cannot
+# interleave their words, as print()'s separate writes did under torchrun on CI.
+os.write(1, f"RESULT {{comm.rank}} {{comm.world_size}} {{int(total[0])}}\\n".encode())
 comm.destroy()
 """
 
@@ -289,4 +292,5 @@ def test_torchrun_starts_cpu_ranks(tmp_path):
     [(code, out, err)] = _run_ranks([([torchrun, "--standalone", "--nproc-per-node", "2",
                                        str(script)], env)], timeout=300)
     assert code == 0, err[-3000:]
-    assert out.count("RESULT") == 2 and " 2 3" in out, out
+    results = sorted(line for line in out.splitlines() if line.startswith("RESULT"))
+    assert results == ["RESULT 0 2 3", "RESULT 1 2 3"], out
