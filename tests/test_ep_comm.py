@@ -58,10 +58,19 @@ def test_dist_env_from_torchrun_and_slurm_variables():
                                 "MASTER_ADDR": "node0", "MASTER_PORT": "29500"})
     assert (env.rank, env.world_size, env.local_rank, env.store_port) == (3, 8, 1, 29500)
     assert not env.host_store
-    # under torchrun the agent owns MASTER_PORT: our store takes the next one
-    env = DistEnv.from_environ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h",
-                                "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x"})
-    assert env.store_port == 29501 and env.host_store and env.local_rank == 0
+    # under torchrun the agent owns MASTER_PORT: rank 0 picks a free port and announces it
+    # in the agent's store, under a key of this run and restart
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500",
+                "TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "1",
+                "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    env = DistEnv.from_environ(torchrun)
+    assert env.store_port == 0 and env.host_store and env.local_rank == 0
+    assert env.agent_store_key == "moe_sandbox/x/1/store_port"
+    # an older torchrun without the agent store leaves the next port free; EP_STORE_PORT wins
+    env = DistEnv.from_environ({**torchrun, "TORCHELASTIC_USE_AGENT_STORE": "False"})
+    assert (env.store_port, env.agent_store_key) == (29501, "")
+    env = DistEnv.from_environ({**torchrun, "EP_STORE_PORT": "4321"})
+    assert (env.store_port, env.agent_store_key) == (4321, "")
     env = DistEnv.from_environ({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
                                 "MASTER_ADDR": "h", "MASTER_PORT": "1234"})
     assert (env.rank, env.world_size, env.local_rank) == (5, 16, 1)
@@ -277,7 +286,7 @@ def test_env_rendezvous_without_the_launcher():
 
 @pytest.mark.slow
 def test_torchrun_starts_cpu_ranks(tmp_path):
-    """torchrun's agent owns MASTER_PORT: our store moves to MASTER_PORT + 1."""
+    """torchrun's agent owns MASTER_PORT: our store's port goes through the agent's store."""
     import os
     import shutil
     import sys

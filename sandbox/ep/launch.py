@@ -53,8 +53,9 @@ class DistEnv:
     local_rank: int
     master_addr: str
     master_port: int
-    store_port: int           # where the store listens (MASTER_PORT unless torchrun owns it)
+    store_port: int           # where our store listens (0: wherever rank 0's OS puts it)
     host_store: bool          # whether this process starts the store server
+    agent_store_key: str = ""  # torchrun: where rank 0 announces the port in the agent's store
 
     @classmethod
     def from_environ(cls, environ=None) -> "DistEnv":
@@ -81,16 +82,26 @@ class DistEnv:
             raise ValueError("MASTER_ADDR: expected the host of rank 0 (127.0.0.1 on one "
                              "machine), got nothing")
         port = read(["MASTER_PORT"], "port")
-        # torchrun's agent already serves its own store on MASTER_PORT: use the next port
-        # (or EP_STORE_PORT) for ours. Under launch() the parent hosts it (EP_STORE_HOSTED).
+        # torchrun's agent already serves its own store on MASTER_PORT. A fixed neighbour
+        # (MASTER_PORT + 1) is not safe: Linux hands out ephemeral source ports next to the
+        # one torchrun just picked, and CI saw that port taken. So rank 0 binds ours on a
+        # port the OS chooses and announces it in the agent's store, under a key of this run
+        # and restart. Older torchrun (no agent store) leaves the next port to us.
+        # EP_STORE_PORT overrides all of it; under launch() the parent hosts the store.
+        agent_store_key = ""
         if env.get("EP_STORE_PORT"):
-            store_port = int(env["EP_STORE_PORT"])
+            store_port = read(["EP_STORE_PORT"], "port")
+        elif env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store_port = 0
+            agent_store_key = (f"moe_sandbox/{env.get('TORCHELASTIC_RUN_ID', '')}/"
+                               f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/store_port")
         elif env.get("TORCHELASTIC_RUN_ID"):
             store_port = port + 1
         else:
             store_port = port
         host_store = rank == 0 and env.get("EP_STORE_HOSTED", "") != "1"
-        return cls(rank, world_size, local_rank, addr, port, store_port, host_store)
+        return cls(rank, world_size, local_rank, addr, port, store_port, host_store,
+                   agent_store_key)
 
 
 def validate_rank_infos(infos: list[dict]) -> None:
@@ -157,6 +168,26 @@ def _local_address_towards(host: str, port: int) -> str:
 _GENERATION = [0]
 
 
+def _agent_store_port(env: DistEnv, key: str, own_port: int | None, timeout: float) -> int:
+    """Under torchrun: rank 0 announces its store's port in the agent's store; the others
+    read it there (waiting up to `timeout`). torch is present wherever torchrun is."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        agent = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        if own_port is not None:
+            agent.set(key, str(own_port))
+        return int(agent.get(key))
+    except RuntimeError as exc:  # torch reports a store timeout or refusal as RuntimeError
+        raise StoreTimeoutError(
+            f"rank {env.rank}: could not learn the EP store's port from torchrun's store at "
+            f"{env.master_addr}:{env.master_port} within {timeout:.1f} s ({exc}); set "
+            f"EP_STORE_PORT to choose the port instead") from exc
+
+
 def init_process_group(backend: str = "cpu", *, device=None, timeout: float = 60.0,
                        init_timeout: float | None = None, environ=None):
     """This rank's communicator, from the env:// variables (see the module docstring).
@@ -178,16 +209,20 @@ def init_process_group(backend: str = "cpu", *, device=None, timeout: float = 60
     if backend == "nccl":
         # NVLink SHARP (multicast) stays off on these machines; respect it in every rank
         os.environ["NCCL_NVLS_ENABLE"] = "0"
-    server = None
-    if env.host_store:
-        bind = "127.0.0.1" if env.master_addr in ("127.0.0.1", "localhost") else "0.0.0.0"
-        server = StoreServer(bind, env.store_port)
-    store = StoreClient(env.master_addr, env.store_port, timeout=init_timeout)
-    store._server = server  # keep rank 0's server alive as long as its client
-
     gen = _GENERATION[0]
     _GENERATION[0] += 1
     ns = f"comm{gen}"
+    server = None
+    store_port = env.store_port
+    if env.host_store:
+        bind = "127.0.0.1" if env.master_addr in ("127.0.0.1", "localhost") else "0.0.0.0"
+        server = StoreServer(bind, store_port)
+        store_port = server.port
+    if env.agent_store_key:
+        store_port = _agent_store_port(env, f"{env.agent_store_key}/{ns}",
+                                       store_port if server else None, init_timeout)
+    store = StoreClient(env.master_addr, store_port, timeout=init_timeout)
+    store._server = server  # keep rank 0's server alive as long as its client
     index, dev_id = _device_info(backend, device, env.local_rank)
     info = dict(rank=env.rank, world_size=env.world_size, backend=backend,
                 host=socket.gethostname(), device=index, device_id=dev_id, pid=os.getpid())
