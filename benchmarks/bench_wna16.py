@@ -24,7 +24,7 @@ scales of the experts the routings touch (GEMM1 and GEMM2), flops = 2 P (2I H + 
 frac = floor / median time.
 
     python benchmarks/bench_wna16.py [--tokens 1,16,64] [--reps 20] [--no-old] [--sweep]
-                                     [--budget-s 120] [--out DIR]
+                                     [--configs q8,q16a] [--budget-s 120] [--out DIR]
 
 --sweep also times every config of quant_gemm_wna16.CONFIGS (and KS in {auto, 1, 2, 4, 8})
 and of PACKED_CONFIGS (the prepacked int4 rung: weights packed once, on the warm-up call)
@@ -152,6 +152,8 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true", help="time every config per GEMM")
     p.add_argument("--variants", action="store_true",
                    help="with --sweep: also time VARIANTS (configs outside the table)")
+    p.add_argument("--configs", default="",
+                   help="with --sweep: only these config names (comma-separated)")
     p.add_argument("--budget-s", type=float, default=1e9)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
@@ -246,6 +248,8 @@ def main(argv=None):
         if args.sweep and time.time() < deadline:
             B = 32 if P / E > 8 else 16
             cands = list(W.CONFIGS.items()) + list(W.PACKED_CONFIGS.items())
+            if args.configs:
+                cands = [(n, c) for n, c in cands if n in args.configs.split(",")]
             if args.variants:
                 cands += [(f"MT{v['MT']}WN{v['WN']}" + (f"S{v['STAGES']}" if "STAGES" in v
                                                           else f"U{v['U']}"), v)

@@ -158,6 +158,11 @@ def emulated_packed(tmp_path_factory):
     ("r16", (9, 2, 2, 32, 576, 16), 64, False, 132),     # RT = 2 with POST
     ("q8", (3, 3, 2, 64, 1152, 8), 128, True, 1),        # RT = 2, zero point per pair
     ("q16", (12, 2, 2, 64, 1024, 16), 128, True, 1),
+    # AR: the slot ring (8 groups of 2 tiles through 3 or 7 slots: the ring wraps), the last
+    # warp to arrive reduces; 32-token tiles with padding tiles
+    ("q16a", (12, 2, 2, 256, 576, 16), 64, True, 1),
+    ("q8a", (3, 3, 2, 256, 1152, 8), 128, False, 1),
+    ("s32a", (20, 2, 1, 128, 640, 32), 128, True, 1),
 ])
 def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sms):
     import ctypes
@@ -186,7 +191,7 @@ def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sm
         lp["Lg"], 1, lp["shift"], G, 8, lp["TPC"], lp["RG"])
     c_ = W.PACKED_CONFIGS[cfg]
     assert lp["smem"] == (4 * 8 * c_["MT"] * (Kd // 64) if c_["POST"] else 0) + \
-        2 * lp["RG"] * c_["W"] * c_.get("RT", 1) * 8 * c_["MT"] * 17 * 4
+        (1 if c_.get("AR") else 2) * lp["RG"] * c_["W"] * c_.get("RT", 1) * 8 * c_["MT"] * 17 * 4
     err = rel_err(c.view(BF16), want)
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e}"
 

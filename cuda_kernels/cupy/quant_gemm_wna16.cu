@@ -14,7 +14,7 @@
 // Three rungs (the older tile rungs live in quant_gemm.cu):
 //   wna16_stream<NBITS, POST, MT, WN, U, MINB>   weights straight from HBM into registers
 //   wna16_async<NBITS, POST, MT, WN, STAGES, MINB> weights through a per-warp cp.async ring
-//   wna16_packed<MT, W, D, ZP, POST, MINB>       int4 prepacked at weight-load time (its own
+//   wna16_packed<MT, W, D, ZP, POST, RT, AR, MINB> int4 prepacked at weight-load time (its own
 //                                                header below): 512-byte warp loads that are
 //                                                the mma fragments, K split over the warps
 // The first two share the lane layout, the activation staging, step_math and the epilogue:
@@ -228,6 +228,35 @@ __device__ __forceinline__ void cp_wait() {
 #else
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
 #endif
+}
+
+// Flags in shared memory between the warps of one CTA (wna16_packed's slot ring): a load
+// that always reads shared memory (never a register copy), and a store that lands after the
+// warp's earlier shared-memory accesses. Waiting warps nap briefly: they would otherwise take
+// issue slots from the warp they wait for.
+__device__ __forceinline__ int ld_flag(const int* p) {
+#ifdef QG_EMULATED_PTX
+    return __atomic_load_n(p, __ATOMIC_SEQ_CST);
+#else
+    return *reinterpret_cast<const volatile int*>(p);
+#endif
+}
+__device__ __forceinline__ void st_flag(int* p, int v) {
+#ifdef QG_EMULATED_PTX
+    __atomic_store_n(p, v, __ATOMIC_SEQ_CST);
+#else
+    __threadfence_block();
+    *reinterpret_cast<volatile int*>(p) = v;
+#endif
+}
+__device__ __forceinline__ void wait_flag_at_least(const int* p, int v) {
+    while (ld_flag(p) < v) {
+#ifdef QG_EMULATED_PTX
+        std::this_thread::yield();
+#else
+        __nanosleep(32);
+#endif
+    }
 }
 
 }  // namespace w16
@@ -824,17 +853,26 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 //
 // A CTA owns one m tile (BM = 8 MT positions, one expert) and tiles_per_cta consecutive 16-row
 // n tiles; its W warps split each tile's chunks (warp w takes chunks w, w + W, ...: the CTA
-// reads 512 W contiguous bytes at a time) and meet in shared memory once per red_groups
-// groups of RT tiles (partials added in warp order: deterministic). Each warp walks its (tile, chunk) items through a ring
-// of D 16-byte loads in flight per lane (plus their scales), across tile boundaries, so the
-// per-tile barrier does not drain the loads. Activations are read through L1 (16-byte
-// __ldg, 2 per chunk and live token tile), padding columns read a live row (never stored).
-// grid (cdiv(Lg, BM), cdiv(N / 16, tiles_per_cta)), block 32 W, static shared memory 8 BM
-// bytes, dynamic 4 BM Kdim / 64 (POST's sums) + 2 red_groups W RT BM 17 4 bytes (the warps'
-// partials of red_groups groups of RT tiles, met at one barrier).
+// reads 512 W contiguous bytes at a time) and their partials of each group of RT tiles meet
+// in shared memory (added in warp order: deterministic), one of two ways:
+//   AR = 0: the CTA meets at one barrier per red_groups groups (two halves of red_groups
+//           slots: a half is rewritten only after the next barrier);
+//   AR = 1: no barrier. A ring of red_groups slots; a warp that has written its partials of a
+//           group counts itself in (a shared-memory atomic), and the last of the W to arrive
+//           reduces the group and frees its slot, while the others stream on. A warp waits only
+//           when it is a whole ring ahead of the slowest (the slot's last group not reduced).
+//           Why: at 16 or 32 tokens per CTA a group's partials fill 17 or 35 KB, so few fit,
+//           the barrier comes every one or two tiles, and at each one the loads in flight drain.
+// Each warp walks its (tile, chunk) items through a ring of D 16-byte loads in flight per
+// lane (plus their scales), across tile boundaries, so a barrier does not drain the loads at
+// once. Activations are read through L1 (16-byte __ldg, 2 per chunk and live token tile),
+// padding columns read a live row (never stored).
+// grid (cdiv(Lg, BM), cdiv(N / 16, tiles_per_cta)), block 32 W, static shared memory
+// 8 BM + 64 bytes, dynamic 4 BM Kdim / 64 (POST's sums) + (2 - AR) red_groups W RT BM 17 4
+// bytes (the warps' partials; AR: red_groups <= 8 slots).
 // Needs int4, N % 16 == 0, Kdim % 64 == 0, group_size a multiple of 64 with
 // chunks-per-group a power of two (chunk_shift = log2; or one group per row: 30).
-template <int MT, int W, int D, int ZP, int POST, int RT, int MINB>
+template <int MT, int W, int D, int ZP, int POST, int RT, int AR, int MINB>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
@@ -848,6 +886,7 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     constexpr int RS = 17;                        // padded row of the partials: fewer conflicts
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
+    __shared__ int sArrive[8], sDone[8];          // AR: warps arrived at / reductions of a slot
 
     const int m0 = blockIdx.x * BM;
     if (m0 >= num_positions) return;
@@ -861,6 +900,10 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         live = s_mine >= 0 && s_mine < num_slots;
         sSlot[tid] = live ? s_mine : -1;
         sArow[tid] = live ? s_mine / top_k : -1;
+    }
+    if (AR && tid < 8) {
+        sArrive[tid] = 0;
+        sDone[tid] = 0;
     }
     if (!__syncthreads_or(live)) return;          // padding only
     const int ntiles = N >> 4;
@@ -959,7 +1002,8 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     // staged once per CTA (its weight loads are already in flight): sSum [C][BM] fp32.
     extern __shared__ __align__(16) u8 smem[];
     float* sSum = reinterpret_cast<float*>(smem);
-    // the warps' partials, [2 halves][red_groups][W][RT][BM][RS] fp32 after the sums
+    // the warps' partials after the sums: [2 halves][red_groups][W][RT][BM][RS] fp32, or
+    // (AR) [red_groups][W][RT][BM][RS]
     float* sRed = sSum + (POST ? C * BM : 0);
     if (POST) {
         for (int i = tid; i < C * BM; i += W * 32) {
@@ -1058,6 +1102,25 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     };
 
     constexpr int GSZ = W * RT * BM * RS;        // floats of one group's partials
+    // the outputs of ngroups consecutive groups from their partials at red0 (the first group
+    // starts at tile tile0), output i = first, first + step, ...: the W warps' partials added
+    // in warp order, then bias and router weight
+    auto reduce_store = [&](const float* red0, int ngroups, int tile0, int first, int step) {
+        for (int i = first; i < ngroups * RT * BM * 16; i += step) {
+            const int gi = i / (RT * BM * 16), rem = i - gi * (RT * BM * 16);
+            const int r = rem / (BM * 16), tok = (rem >> 4) % BM;
+            const int n = (tile0 + gi * RT + r) * 16 + (i & 15);
+            const int s = sSlot[tok];
+            if (s < 0) continue;
+            float v = 0.f;
+#pragma unroll
+            for (int wi = 0; wi < W; ++wi)
+                v += red0[(size_t)gi * GSZ + ((wi * RT + r) * BM + tok) * RS + (i & 15)];
+            if (bias != nullptr) v += bias[(size_t)e * N + n];
+            if (mul_routed_weight) v *= topk_weights[s];
+            c[(size_t)s * N + n] = w16::from_f32(v);
+        }
+    };
     int grp = 0;                                  // groups of this CTA so far
     for (int tile = t0; tile < t1; tile += RT) {  // groups of RT tiles (the launcher: TPC % RT == 0)
         for (int rd = 0; rd < RPT; ++rd) {
@@ -1071,11 +1134,15 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             }
             next_round();
         }
-        // ---- the partials of red_groups groups meet in shared memory at one barrier (two
-        // halves: a half is rewritten after the next barrier, which every thread reaches only
-        // after reducing it); added in warp order (deterministic)
-        const int slot = grp % red_groups, half = (grp / red_groups) & 1;
-        float* red = sRed + (size_t)(half * red_groups + slot) * GSZ;
+        // ---- this warp's partials of the group into its slot
+        const int slot = grp % red_groups, use = grp / red_groups;
+        float* red;
+        if (AR) {                                 // the slot's previous group must be reduced
+            w16::wait_flag_at_least(&sDone[slot], use);
+            red = sRed + (size_t)slot * GSZ;
+        } else {
+            red = sRed + (size_t)((use & 1) * red_groups + slot) * GSZ;
+        }
 #pragma unroll
         for (int r = 0; r < RT; ++r)
 #pragma unroll
@@ -1087,24 +1154,30 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                     acc[r][mt][i] = 0.f;
                 }
         ++grp;
-        if (slot == red_groups - 1 || tile + RT >= t1) {   // uniform over the CTA
-            __syncthreads();
-            const float* red0 = sRed + (size_t)half * red_groups * GSZ;
-            const int tile0 = tile - slot * RT;   // the first tile of this half's groups
-            for (int i = tid; i < (slot + 1) * RT * BM * 16; i += W * 32) {
-                const int gi = i / (RT * BM * 16), rem = i - gi * (RT * BM * 16);
-                const int r = rem / (BM * 16), tok = (rem >> 4) % BM;
-                const int n = (tile0 + gi * RT + r) * 16 + (i & 15);
-                const int s = sSlot[tok];
-                if (s < 0) continue;
-                float v = 0.f;
-#pragma unroll
-                for (int wi = 0; wi < W; ++wi)
-                    v += red0[(size_t)gi * GSZ + ((wi * RT + r) * BM + tok) * RS + (i & 15)];
-                if (bias != nullptr) v += bias[(size_t)e * N + n];
-                if (mul_routed_weight) v *= topk_weights[s];
-                c[(size_t)s * N + n] = w16::from_f32(v);
+        if (AR) {
+            // count this warp in (its writes ordered before the atomic by the warp sync and
+            // the fence); the last of the W reduces the group and frees the slot
+            __syncwarp();
+            int arrived = 0;
+            if (lane == 0) {
+                __threadfence_block();
+                arrived = atomicAdd(&sArrive[slot], 1);
             }
+            arrived = __shfl_sync(0xFFFFFFFFu, arrived, 0);
+            if (arrived == W - 1) {               // uniform over the warp
+                __threadfence_block();
+                reduce_store(red, 1, tile, lane, 32);
+                __syncwarp();                     // every lane's reads of the slot are done
+                if (lane == 0) {
+                    sArrive[slot] = 0;
+                    w16::st_flag(&sDone[slot], use + 1);
+                }
+            }
+        } else if (slot == red_groups - 1 || tile + RT >= t1) {   // uniform over the CTA
+            // the partials of this half's slot + 1 groups meet at one barrier
+            __syncthreads();
+            reduce_store(sRed + (size_t)(use & 1) * red_groups * GSZ, slot + 1,
+                         tile - slot * RT, tid, W * 32);
         }
     }
 }

@@ -111,7 +111,12 @@ CONFIGS = {
 # q8 71 / 232 / 530 us, q8d 73 / 245 / 553, p8 73 / 251 / 602, r16 105 / 387 / 901 (B = 16),
 # s32w8 151 / 537 / 728 (B = 32); slot 1b: s8 79 / 265 / 634 (POST's activation sums cost
 # GEMM2 more than they save). Token tiles of 16 or 32 rows (q16, r16, s32w8) read each
-# expert's weights once at 16 rows per expert but run far slower per byte than q8 so far.
+# expert's weights once at 16 rows per expert but run far slower per byte than q8 so far,
+# even at T=1 where their extra token tiles hold no token (skipped): the slower ones meet at a
+# barrier every 1 (s32w8) or 2 (q16, r16) tiles instead of every 6 (q8), since fewer groups'
+# partials fit in RED_BYTES. AR = 1 (q8a, q16a, s32a) replaces the barrier by a slot ring
+# whose last warp to arrive reduces (see the .cu). Not yet measured on a GPU (owed): the
+# default table below does not use them.
 PACKED_CONFIGS = {
     "q8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, RT=2, MINB=2),
     "q8d": dict(KERNEL="packed", MT=1, W=8, D=2, POST=0, RT=2, MINB=2),
@@ -120,6 +125,9 @@ PACKED_CONFIGS = {
     "q16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=0, RT=2, MINB=2),
     "r16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=1, RT=2, MINB=2),
     "s32w8": dict(KERNEL="packed", MT=4, W=8, D=2, POST=1, MINB=2),
+    "q8a": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, RT=2, AR=1, MINB=2),
+    "q16a": dict(KERNEL="packed", MT=2, W=8, D=2, POST=0, RT=2, AR=1, MINB=2),
+    "s32a": dict(KERNEL="packed", MT=4, W=8, D=2, POST=0, AR=1, MINB=2),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, bench_wna16.py --sweep,
@@ -278,7 +286,8 @@ def can_run(a, w, w_scale, block_size: int, use_int4_w4a16=False, use_int8_w8a16
 # format of the same codes, scales and zero points (unpack_int4 inverts prepack_int4).
 PACK_CHUNK = 64                  # codes per row per lane group and mma chunk (16 per lane)
 PACK_CACHE_SIZE = 64             # packed weight sets kept (two per MoE layer)
-RED_BYTES = 64 * 1024            # shared memory for the warps' partials (both halves)
+RED_BYTES = 64 * 1024            # shared memory for the warps' partials (a config's RED
+                                # overrides it)
 
 
 def packed_supports(N: int, K: int, group_size: int, num_groups: int) -> tuple[bool, str]:
@@ -376,7 +385,8 @@ def unpack_int4(packed):
 
 def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
     return (f"wna16_packed<{cfg['MT']}, {cfg['W']}, {cfg['D'] if d is None else d}, "
-            f"{int(bool(zp))}, {int(cfg.get('POST', 0))}, {cfg.get('RT', 1)}, {cfg['MINB']}>")
+            f"{int(bool(zp))}, {int(cfg.get('POST', 0))}, {cfg.get('RT', 1)}, "
+            f"{int(cfg.get('AR', 0))}, {cfg['MINB']}>")
 
 
 PACKED_NAMES = tuple(packed_kernel_name(c, z) for c in PACKED_CONFIGS.values()
@@ -491,12 +501,15 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
         d //= 2
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
     sums = 4 * bm * nchunks if cfg.get("POST") else 0     # POST's activation sums [C][BM]
-    # the warps' partials of red_groups groups (of RT tiles) meet at one barrier: as many as
-    # RED_BYTES (two halves) allow, no more than the CTA's groups
+    # the warps' partials: slots of one group (RT tiles) each, as many as RED bytes allow (two
+    # halves of red_groups slots met at one barrier; AR: a ring of up to 8 slots), no more
+    # than the CTA's groups
     gbytes = cfg["W"] * rt * bm * 17 * 4
     room = SMEM_PER_SM // cfg["MINB"] - 1024                # MINB CTAs per SM
-    red_groups = max(1, min(tpc // rt, min(RED_BYTES, room - sums) // (2 * gbytes)))
-    smem = sums + 2 * red_groups * gbytes
+    halves = 1 if cfg.get("AR") else 2
+    fit = min(cfg.get("RED", RED_BYTES), room - sums) // (halves * gbytes)
+    red_groups = max(1, min(tpc // rt, fit, 8 if cfg.get("AR") else fit))
+    smem = sums + halves * red_groups * gbytes
     if smem > room:
         raise ValueError(f"config: {smem} bytes of shared memory per CTA (POST's sums and the "
                          f"partials) leave no room for MINB = {cfg['MINB']} CTAs per SM")
