@@ -140,6 +140,20 @@ class Timer:
         return float(np.median(times))
 
 
+def _config_override(known: dict, spec: str):
+    """("q16+RED=114688", q16's config with RED = 114688) from --configs' "name+KEY=VALUE"."""
+    name, *overrides = spec.split("+")
+    if name not in known:
+        raise SystemExit(f"--configs: expected config names of {sorted(known)}, got {name!r}")
+    cfg = dict(known[name])
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if not value.lstrip("-").isdigit():
+            raise SystemExit(f"--configs: expected KEY=integer after {name!r}, got {o!r}")
+        cfg[key] = int(value)
+    return spec, cfg
+
+
 def main(argv=None):
     import cupy
 
@@ -153,7 +167,8 @@ def main(argv=None):
     p.add_argument("--variants", action="store_true",
                    help="with --sweep: also time VARIANTS (configs outside the table)")
     p.add_argument("--configs", default="",
-                   help="with --sweep: only these config names (comma-separated)")
+                   help="with --sweep: only these configs, comma-separated names, each with "
+                        "optional overrides: q16+RED=114688+D=4")
     p.add_argument("--budget-s", type=float, default=1e9)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
@@ -249,7 +264,7 @@ def main(argv=None):
             B = 32 if P / E > 8 else 16
             cands = list(W.CONFIGS.items()) + list(W.PACKED_CONFIGS.items())
             if args.configs:
-                cands = [(n, c) for n, c in cands if n in args.configs.split(",")]
+                cands = [_config_override(dict(cands), spec) for spec in args.configs.split(",")]
             if args.variants:
                 cands += [(f"MT{v['MT']}WN{v['WN']}" + (f"S{v['STAGES']}" if "STAGES" in v
                                                           else f"U{v['U']}"), v)

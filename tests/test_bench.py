@@ -183,3 +183,24 @@ def test_run_bench_gpu_tiny():
     assert {"torch-loop", "torch-grouped_mm"} <= {p["candidate"] for p in ok}
     for p in ok:
         assert p["rel_err"] <= 2e-2, p          # bf16 against the bf16 torch loop
+
+
+def test_bench_wna16_config_overrides():
+    """bench_wna16.py --configs "name+KEY=VALUE": a known config with integer overrides."""
+    import importlib.util
+    import pathlib
+
+    from cuda_kernels.cupy import quant_gemm_wna16 as W
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_wna16.py"
+    spec = importlib.util.spec_from_file_location("bench_wna16", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    name, cfg = mod._config_override(W.PACKED_CONFIGS, "q16+RED=114688+D=4")
+    assert name == "q16+RED=114688+D=4"
+    assert cfg == dict(W.PACKED_CONFIGS["q16"], RED=114688, D=4)
+    assert W.PACKED_CONFIGS["q16"]["D"] == 2                     # the table is untouched
+    with pytest.raises(SystemExit, match="config names"):
+        mod._config_override(W.PACKED_CONFIGS, "q99")
+    with pytest.raises(SystemExit, match="KEY=integer"):
+        mod._config_override(W.PACKED_CONFIGS, "q16+RED=big")

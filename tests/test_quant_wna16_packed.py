@@ -111,6 +111,23 @@ def test_packed_plan_one_wave_and_ring_depth():
     assert W.packed_plan(2, 8, 64, 256, 16, 8, W.PACKED_CONFIGS["p8"], 132, 256, 1)["shift"] == 30
 
 
+def test_packed_plan_partial_slots():
+    """The partials' slots: two halves of RED bytes met at a barrier, or (AR) one ring of at
+    most 8 slots; never more slots than the CTA's groups, never past MINB CTAs' shared memory."""
+    def plan(name, **over):
+        return W.packed_plan(2, 8, 28672, 4096, 32, 16, dict(W.PACKED_CONFIGS[name], **over),
+                             132, 128, 32)
+    group = 8 * 2 * 16 * 17 * 4                                  # W RT BM RS fp32 of q16
+    assert plan("q16")["RG"] == W.RED_BYTES // (2 * group) == 1
+    assert plan("q16", RED=6 * group)["RG"] == 3                  # more room, rarer barriers
+    assert plan("q16a")["RG"] == W.RED_BYTES // group == 3        # one ring, no halves
+    assert plan("q16a")["smem"] == 3 * group
+    assert plan("q16a", RED=1 << 20)["RG"] == 6                   # 2 CTAs' shared memory
+    assert plan("q8a", RED=1 << 20)["RG"] == 7 == plan("q8a", RED=1 << 20)["TPC"] // 2
+    assert W.packed_plan(2, 8, 28672, 4096, 32, 16, dict(W.PACKED_CONFIGS["q8a"], RED=1 << 20),
+                         1, 128, 32)["RG"] == 8                   # the ring's 8 flags
+
+
 # ----------------------------------------------------------------------------- emulation
 def _emulation_entries(names):
     out = []
