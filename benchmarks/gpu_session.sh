@@ -11,6 +11,8 @@
 #   T  (checks, when the GEMM table needs no refresh) the GPU test suite in four shards, two
 #      per GPU, beside compute-sanitizer; then the multi-GPU tests, EP check and EP benchmark
 #   P  (timings) GPU 0: stage and Numba benchmarks   GPU 1: quantized benchmarks
+#   W  (int4 decode development, one GPU) the packed int4 rung's GPU tests, compute-sanitizer
+#      on its module, and a sweep of its configs at T = 1, 16, 64 (barrier vs slot ring)
 #
 # Two GPUs let the checks and the timings run side by side without disturbing each other:
 #   A/B: GPU 0 checks (pytest -m gpu, compute-sanitizer memcheck/racecheck on each kernel
@@ -147,6 +149,26 @@ benches_p() {  # one benchmark process per GPU (the Numba bench times CuPy's sta
   cat "$OUT/bench_gpu0.tmp" "$OUT/bench_gpu1.tmp"; rm -f "$OUT"/bench_gpu?.tmp
 }
 
+wna16_dev() {   # GPU 0: the packed int4 rung, checked then timed config by config
+  export CUDA_VISIBLE_DEVICES=0
+  say "device"; device_info
+  say "packed int4 GPU tests"
+  timeout $(budget 120) python3 -m pytest -q --maxfail=20 --timeout 100 -m gpu -p no:cacheprovider \
+    tests/test_quant_wna16_packed.py 2>&1 | tail -n 20
+  say "compute-sanitizer on quant_gemm_wna16 --quick"
+  for tool in memcheck racecheck; do
+    printf -- "-- %s: " "$tool"
+    timeout $(budget 60) compute-sanitizer --tool $tool --error-exitcode 9 python3 -m \
+      cuda_kernels.cupy.quant_gemm_wna16 --quick >"$OUT/san.tmp" 2>&1; rc=$?
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/san.tmp" | tail -n 1 | tr -d '\n'; echo " (rc=$rc)"
+  done
+  rm -f "$OUT/san.tmp"
+  # q16+RED=104448: q16 with room for 3 groups' partials (a barrier every 6 tiles, as q8's)
+  say "bench_wna16: the packed configs"
+  timeout $(budget 160) python3 benchmarks/bench_wna16.py --tokens 1,16,64 --no-old --sweep \
+    --configs q8,q8a,q16,q16+RED=104448,q16a,s32w8,s32a --budget-s 140 2>&1 | tail -n 60
+}
+
 multi() {    # both GPUs
   unset CUDA_VISIBLE_DEVICES
   say "multi-GPU tests"
@@ -185,7 +207,10 @@ case $part in
   P)
     BUDGET=$(( BUDGET + 150 ))   # no multi-GPU part after P
     { say "device"; device_info; benches_p; } >"$OUT/log_bench_P.txt" 2>&1 ;;
-  *) echo "part: expected A, B, T or P, got $part" >&2; exit 2 ;;
+  W)
+    BUDGET=$(( BUDGET + 150 ))   # no multi-GPU part after W
+    wna16_dev >"$OUT/log_wna16_W.txt" 2>&1 ;;
+  *) echo "part: expected A, B, T, P or W, got $part" >&2; exit 2 ;;
 esac
 tar czf "$OUT/results.tgz" benchmarks/results 2>/dev/null
 [ -d notebooks/figures ] && tar czf "$OUT/figures.tgz" notebooks/figures

@@ -799,7 +799,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     runs = [(n, c, case) for n, c in CONFIGS.items() for case in
             (cases[:2] if args.quick else cases)]
     # --quick (the sanitizer's run): the route's defaults and one config of each other path
-    quick = {n for _, n in PACKED_BY_ROWS} | {"p8", "r16"}
+    quick = {n for _, n in PACKED_BY_ROWS} | {"p8", "r16", "q16a"}
     runs += [(n, c, (M_a, E, K, N, Kd, max(B, 8 * c["MT"]), 4, gs, zp, None))
              for n, c in PACKED_CONFIGS.items() if n in quick or not args.quick
              for (M_a, E, K, N, Kd, B, gs, zp) in (packed_cases[:2] if args.quick else
