@@ -71,6 +71,18 @@ def test_dist_env_from_torchrun_and_slurm_variables():
     assert (env.store_port, env.agent_store_key) == (29501, "")
     env = DistEnv.from_environ({**torchrun, "EP_STORE_PORT": "4321"})
     assert (env.store_port, env.agent_store_key) == (4321, "")
+
+
+def test_torchrun_agent_store_unreachable_names_the_way_out():
+    """A rank that cannot reach torchrun's store fails in time, naming EP_STORE_PORT."""
+    pytest.importorskip("torch")
+    from sandbox.ep import init_process_group
+
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(_free_port()), "TORCHELASTIC_RUN_ID": "x",
+               "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    with pytest.raises(StoreTimeoutError, match="torchrun's store .* EP_STORE_PORT"):
+        init_process_group("cpu", timeout=1, init_timeout=2, environ=environ)
     env = DistEnv.from_environ({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
                                 "MASTER_ADDR": "h", "MASTER_PORT": "1234"})
     assert (env.rank, env.world_size, env.local_rank) == (5, 16, 1)
