@@ -742,6 +742,16 @@ def main(argv=None):
                 breakdown=args.breakdown, reps=args.reps, warmup=args.warmup,
                 layer_reps=args.layer_reps, layer_warmup=args.layer_warmup, pool=args.pool,
                 layer=not args.no_layer, stage_ops=args.stage_ops)
+    from cuda_kernels.cupy import _compile as C
+
+    ok, why = C.availability()
+    if not ok:
+        raise SystemExit(f"no GPU here ({why}): nothing to time")
+    import cupy
+
+    found = cupy.cuda.runtime.getDeviceCount()
+    if found < args.gpus:
+        raise SystemExit(f"--gpus: expected at most the {found} GPUs here, got {args.gpus}")
     t0 = time.time()
     results = launch(bench_rank, args.gpus, backend="nccl", args=(opts,), timeout=args.timeout,
                      run_timeout=3600)

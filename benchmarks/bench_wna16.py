@@ -155,8 +155,6 @@ def _config_override(known: dict, spec: str):
 
 
 def main(argv=None):
-    import cupy
-
     from reference import moe_align_block_size
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -175,6 +173,8 @@ def main(argv=None):
     ok, why = C.availability()
     if not ok:
         raise SystemExit(f"no GPU: {why}")
+    import cupy
+
     deadline = time.time() + args.budget_s
     tokens = [int(t) for t in args.tokens.split(",") if t]
     rng = np.random.default_rng(0)
