@@ -884,9 +884,12 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
              int tiles_per_cta, int red_groups) {
     constexpr int BM = 8 * MT;
     constexpr int RS = 17;                        // padded row of the partials: fewer conflicts
+    constexpr int MAX_SLOTS = 8;                  // AR: the ring's slots at most (the launcher's
+                                                  // AR_MAX_SLOTS)
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
-    __shared__ int sArrive[8], sDone[8];          // AR: warps arrived at / reductions of a slot
+    __shared__ int sArrive[MAX_SLOTS];            // AR: warps arrived at a slot
+    __shared__ int sDone[MAX_SLOTS];              // AR: groups of a slot reduced
 
     const int m0 = blockIdx.x * BM;
     if (m0 >= num_positions) return;
@@ -901,7 +904,7 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         sSlot[tid] = live ? s_mine : -1;
         sArow[tid] = live ? s_mine / top_k : -1;
     }
-    if (AR && tid < 8) {
+    if (AR && tid < MAX_SLOTS) {
         sArrive[tid] = 0;
         sDone[tid] = 0;
     }

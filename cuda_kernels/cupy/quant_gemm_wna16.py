@@ -288,6 +288,7 @@ PACK_CHUNK = 64                  # codes per row per lane group and mma chunk (1
 PACK_CACHE_SIZE = 64             # packed weight sets kept (two per MoE layer)
 RED_BYTES = 64 * 1024            # shared memory for the warps' partials (a config's RED
                                 # overrides it)
+AR_MAX_SLOTS = 8                 # AR's ring of partials: the kernel's flags (MAX_SLOTS)
 
 
 def packed_supports(N: int, K: int, group_size: int, num_groups: int) -> tuple[bool, str]:
@@ -479,7 +480,8 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     """wna16_packed's launch: grid (cdiv(Lg, BM), cdiv(N/16, TPC)), block 32 W, TPC tiles
     per CTA so that the live CTAs make about one wave (MINB per SM), D the ring depth that
     divides the chunks per warp CPW (the kernel's rounds), the chunk-to-group shift, RG the
-    groups of RT tiles whose partials meet at one barrier, dynamic shared memory smem."""
+    partials' slots of one group of RT tiles each (AR = 0: the groups that meet at one
+    barrier; AR = 1: the ring), dynamic shared memory smem."""
     bm = 8 * cfg["MT"]
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
@@ -508,7 +510,9 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     room = SMEM_PER_SM // cfg["MINB"] - 1024                # MINB CTAs per SM
     halves = 1 if cfg.get("AR") else 2
     fit = min(cfg.get("RED", RED_BYTES), room - sums) // (halves * gbytes)
-    red_groups = max(1, min(tpc // rt, fit, 8 if cfg.get("AR") else fit))
+    if cfg.get("AR"):
+        fit = min(fit, AR_MAX_SLOTS)
+    red_groups = max(1, min(tpc // rt, fit))
     smem = sums + halves * red_groups * gbytes
     if smem > room:
         raise ValueError(f"config: {smem} bytes of shared memory per CTA (POST's sums and the "
