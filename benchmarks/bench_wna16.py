@@ -24,7 +24,7 @@ scales of the experts the routings touch (GEMM1 and GEMM2), flops = 2 P (2I H + 
 frac = floor / median time.
 
     python benchmarks/bench_wna16.py [--tokens 1,16,64] [--reps 20] [--no-old] [--sweep]
-                                     [--configs q8,q16a] [--budget-s 120] [--out DIR]
+                                     [--configs q8,q16+MT=3] [--budget-s 120] [--out DIR]
 
 --sweep also times every config of quant_gemm_wna16.CONFIGS (and KS in {auto, 1, 2, 4, 8})
 and of PACKED_CONFIGS (the prepacked int4 rung: weights packed once, on the warm-up call)
@@ -270,9 +270,8 @@ def main(argv=None):
                                                           else f"U{v['U']}"), v)
                           for v in VARIANTS if (T <= 16) == (v["MT"] == 1)]
             for cname, cfg in cands:
-                B = 8 * cfg["MT"] if P / E <= 8 else 32        # decode: no padding-only CTAs
-                if B % (8 * cfg["MT"]):
-                    continue
+                bm = 8 * cfg["MT"]                  # decode: no padding-only CTAs; else 32 or
+                B = bm if P / E <= 8 else -(-32 // bm) * bm     # the next multiple of BM
                 # packed: no K split (its warps split K inside the CTA); async: auto only
                 sweep_ks = ("auto", 2, 4, 8) if cfg.get("KERNEL") is None else ("auto",)
                 for ks in sweep_ks:

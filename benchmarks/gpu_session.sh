@@ -12,7 +12,7 @@
 #      per GPU, beside compute-sanitizer; then the multi-GPU tests, EP check and EP benchmark
 #   P  (timings) GPU 0: stage and Numba benchmarks   GPU 1: quantized benchmarks
 #   W  (int4 decode development, one GPU) the packed int4 rung's GPU tests, compute-sanitizer
-#      on its module, and a sweep of its configs at T = 1, 16, 64 (barrier vs slot ring)
+#      on its module, and a sweep of its configs at T = 1, 16, 64
 #
 # Two GPUs let the checks and the timings run side by side without disturbing each other:
 #   A/B: GPU 0 checks (pytest -m gpu, compute-sanitizer memcheck/racecheck on each kernel
@@ -161,12 +161,15 @@ wna16_dev() {   # GPU 0: the packed int4 rung, checked then timed config by conf
     timeout $(budget 60) compute-sanitizer --tool $tool --error-exitcode 9 python3 -m \
       cuda_kernels.cupy.quant_gemm_wna16 --quick >"$OUT/san.tmp" 2>&1; rc=$?
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/san.tmp" | tail -n 1 | tr -d '\n'; echo " (rc=$rc)"
+    (( rc )) && grep -m 12 -A 3 -E "^========= (Error|Warning|Race)" "$OUT/san.tmp"
   done
   rm -f "$OUT/san.tmp"
-  # q16+RED=104448: q16 with room for 3 groups' partials (a barrier every 6 tiles, as q8's)
+  # q16+MT=3 / p32+MT=3 / s32w8+MT=3: 24-token tiles (B = 48 at T = 64); q32+W=16+MINB=1:
+  # 16 warps split K in one CTA per SM (room for the registers of 4 live token tiles)
   say "bench_wna16: the packed configs"
-  timeout $(budget 160) python3 benchmarks/bench_wna16.py --tokens 1,16,64 --no-old --sweep \
-    --configs q8,q8a,q16,q16+RED=104448,q16a,s32w8,s32a --budget-s 140 2>&1 | tail -n 60
+  timeout $(budget 200) python3 benchmarks/bench_wna16.py --tokens 1,16,64 --no-old --sweep \
+    --configs q8,q16,q32,p32,s32w8,q16+MT=3,p32+MT=3,s32w8+MT=3,q32+W=16+MINB=1 \
+    --budget-s 180 2>&1 | tail -n 60
 }
 
 multi() {    # both GPUs

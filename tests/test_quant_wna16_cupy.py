@@ -215,11 +215,6 @@ inline void __syncwarp(unsigned = 0xffffffffu) {
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 #define __shared__ static
 inline void __threadfence() {}
-inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-template <typename T> inline T __shfl_sync(unsigned, T v, int src) {
-    unsigned char all[32][64]; warp_exchange(&v, sizeof(T), all);
-    T r; memcpy(&r, all[src & 31], sizeof(T)); return r;
-}
 inline int atomicAdd(int* p, int v) {
     std::lock_guard<std::mutex> l(g_atomic); const int o = *p; *p += v; return o; }
 inline void __stcg(float* p, float v) { *p = v; }

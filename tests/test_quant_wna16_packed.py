@@ -112,20 +112,21 @@ def test_packed_plan_one_wave_and_ring_depth():
 
 
 def test_packed_plan_partial_slots():
-    """The partials' slots: two halves of RED bytes met at a barrier, or (AR) one ring of at
-    most 8 slots; never more slots than the CTA's groups, never past MINB CTAs' shared memory."""
-    def plan(name, **over):
-        return W.packed_plan(2, 8, 28672, 4096, 32, 16, dict(W.PACKED_CONFIGS[name], **over),
-                             132, 128, 32)
+    """The partials' slots: two halves of as many groups as RED bytes allow (met at one
+    barrier), at least one group, never more than the CTA's groups, never past MINB CTAs'
+    shared memory."""
+    def plan(name, num_sms=132, **over):
+        cfg = dict(W.PACKED_CONFIGS[name], **over)
+        return W.packed_plan(2, 8, 28672, 4096, 32, 32, cfg, num_sms, 128, 32)
     group = 8 * 2 * 16 * 17 * 4                                  # W RT BM RS fp32 of q16
     assert plan("q16")["RG"] == W.RED_BYTES // (2 * group) == 1
+    assert plan("q16")["smem"] == 2 * group
     assert plan("q16", RED=6 * group)["RG"] == 3                  # more room, rarer barriers
-    assert plan("q16a")["RG"] == W.RED_BYTES // group == 3        # one ring, no halves
-    assert plan("q16a")["smem"] == 3 * group
-    assert plan("q16a", RED=1 << 20)["RG"] == 6                   # 2 CTAs' shared memory
-    assert plan("q8a", RED=1 << 20)["RG"] == 7 == plan("q8a", RED=1 << 20)["TPC"] // 2
-    assert W.packed_plan(2, 8, 28672, 4096, 32, 16, dict(W.PACKED_CONFIGS["q8a"], RED=1 << 20),
-                         1, 128, 32)["RG"] == W.AR_MAX_SLOTS == 8  # the kernel's flags
+    room = W.SMEM_PER_SM // 2 - 1024                             # 2 CTAs per SM
+    assert plan("q16", RED=1 << 20)["RG"] == room // (2 * group) == 3
+    assert plan("q8", RED=1 << 20)["RG"] == room // group == 6 < plan("q8")["TPC"] // 2
+    assert plan("q32")["RG"] == 1 and plan("q32")["smem"] == 4 * group > W.RED_BYTES
+    assert plan("q8", num_sms=1)["TPC"] > 2 * plan("q8", num_sms=1)["RG"]
 
 
 # ----------------------------------------------------------------------------- emulation
@@ -175,11 +176,11 @@ def emulated_packed(tmp_path_factory):
     ("r16", (9, 2, 2, 32, 576, 16), 64, False, 132),     # RT = 2 with POST
     ("q8", (3, 3, 2, 64, 1152, 8), 128, True, 1),        # RT = 2, zero point per pair
     ("q16", (12, 2, 2, 64, 1024, 16), 128, True, 1),
-    # AR: the slot ring (8 groups of 2 tiles through 3 or 7 slots: the ring wraps), the last
-    # warp to arrive reduces; 32-token tiles with padding tiles
-    ("q16a", (12, 2, 2, 256, 576, 16), 64, True, 1),
-    ("q8a", (3, 3, 2, 256, 1152, 8), 128, False, 1),
-    ("s32a", (20, 2, 1, 128, 640, 32), 128, True, 1),
+    # MT = 4: m tiles of 1 to 4 live token tiles (one code path each), a barrier per group
+    ("q32", (40, 3, 2, 64, 1024, 32), 128, True, 1),       # 3 or 4 live tiles
+    ("q32", (40, 5, 2, 64, 1024, 32), 128, True, 132),     # 2 or 3
+    ("q32", (3, 2, 2, 64, 576, 64), 64, False, 132),       # one live tile, padding m tiles
+    ("p32", (50, 3, 2, 48, 640, 32), 128, False, 1),
 ])
 def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sms):
     import ctypes
@@ -208,7 +209,7 @@ def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sm
         lp["Lg"], 1, lp["shift"], G, 8, lp["TPC"], lp["RG"])
     c_ = W.PACKED_CONFIGS[cfg]
     assert lp["smem"] == (4 * 8 * c_["MT"] * (Kd // 64) if c_["POST"] else 0) + \
-        (1 if c_.get("AR") else 2) * lp["RG"] * c_["W"] * c_.get("RT", 1) * 8 * c_["MT"] * 17 * 4
+        2 * lp["RG"] * c_["W"] * c_.get("RT", 1) * 8 * c_["MT"] * 17 * 4
     err = rel_err(c.view(BF16), want)
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e}"
 

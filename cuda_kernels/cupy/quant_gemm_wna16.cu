@@ -14,7 +14,7 @@
 // Three rungs (the older tile rungs live in quant_gemm.cu):
 //   wna16_stream<NBITS, POST, MT, WN, U, MINB>   weights straight from HBM into registers
 //   wna16_async<NBITS, POST, MT, WN, STAGES, MINB> weights through a per-warp cp.async ring
-//   wna16_packed<MT, W, D, ZP, POST, RT, AR, MINB> int4 prepacked at weight-load time (its own
+//   wna16_packed<MT, W, D, ZP, POST, RT, MINB>    int4 prepacked at weight-load time (its own
 //                                                header below): 512-byte warp loads that are
 //                                                the mma fragments, K split over the warps
 // The first two share the lane layout, the activation staging, step_math and the epilogue:
@@ -230,32 +230,17 @@ __device__ __forceinline__ void cp_wait() {
 #endif
 }
 
-// Flags in shared memory between the warps of one CTA (wna16_packed's slot ring): a load
-// that always reads shared memory (never a register copy), and a store that lands after the
-// warp's earlier shared-memory accesses. Waiting warps nap briefly: they would otherwise take
-// issue slots from the warp they wait for.
-__device__ __forceinline__ int ld_flag(const int* p) {
-#ifdef QG_EMULATED_PTX
-    return __atomic_load_n(p, __ATOMIC_SEQ_CST);
-#else
-    return *reinterpret_cast<const volatile int*>(p);
-#endif
-}
-__device__ __forceinline__ void st_flag(int* p, int v) {
-#ifdef QG_EMULATED_PTX
-    __atomic_store_n(p, v, __ATOMIC_SEQ_CST);
-#else
-    __threadfence_block();
-    *reinterpret_cast<volatile int*>(p) = v;
-#endif
-}
-__device__ __forceinline__ void wait_flag_at_least(const int* p, int v) {
-    while (ld_flag(p) < v) {
-#ifdef QG_EMULATED_PTX
-        std::this_thread::yield();
-#else
-        __nanosleep(32);
-#endif
+// f(Count<n>{}) for the n in [LO, HI] that equals `n` (n outside: the nearest end), so that
+// a loop bound known only at run time (wna16_packed's live token tiles) becomes a constant of
+// the code that runs: one instantiation of f per count, branch-free inside.
+template <int N> struct Count { static constexpr int value = N; };
+template <int LO, int HI, typename F>
+__device__ __forceinline__ void with_count(int n, F&& f) {
+    if constexpr (LO >= HI) {
+        f(Count<LO>{});
+    } else {
+        if (n <= LO) f(Count<LO>{});
+        else with_count<LO + 1, HI>(n, f);
     }
 }
 
@@ -853,26 +838,26 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 //
 // A CTA owns one m tile (BM = 8 MT positions, one expert) and tiles_per_cta consecutive 16-row
 // n tiles; its W warps split each tile's chunks (warp w takes chunks w, w + W, ...: the CTA
-// reads 512 W contiguous bytes at a time) and their partials of each group of RT tiles meet
-// in shared memory (added in warp order: deterministic), one of two ways:
-//   AR = 0: the CTA meets at one barrier per red_groups groups (two halves of red_groups
-//           slots: a half is rewritten only after the next barrier);
-//   AR = 1: no barrier. A ring of red_groups slots; a warp that has written its partials of a
-//           group counts itself in (a shared-memory atomic), and the last of the W to arrive
-//           reduces the group and frees its slot, while the others stream on. A warp waits only
-//           when it is a whole ring ahead of the slowest (the slot's last group not reduced).
-//           Why: at 16 or 32 tokens per CTA a group's partials fill 17 or 35 KB, so few fit,
-//           the barrier comes every one or two tiles, and at each one the loads in flight drain.
+// reads 512 W contiguous bytes at a time) and their partials of red_groups groups of RT tiles
+// meet in shared memory at one barrier (two halves of red_groups slots: a half is rewritten
+// only after the next barrier), added in warp order (deterministic).
+// Live token tiles: the CTA computes its first LT token tiles only, LT = 1 + the last tile
+// holding a live position (an expert's live rows are a prefix of its block), and LT is a
+// compile-time constant of the code that runs (w16::with_count: one instantiation per LT <= MT).
+// Why: with a run-time test per tile, each tile's mma chain sat in its own branch, the chains
+// could not overlap, and a 16-token CTA ran ~60% slower than an 8-token one at the same work
+// (slot 2 and bench_wna16_nvidia_h200_20261130_064714: q16 vs q8 at T=1 and 16). So one config
+// of MT = 4 reads each expert's weights once for up to 32 rows and pays per live tile only.
 // Each warp walks its (tile, chunk) items through a ring of D 16-byte loads in flight per
 // lane (plus their scales), across tile boundaries, so a barrier does not drain the loads at
 // once. Activations are read through L1 (16-byte __ldg, 2 per chunk and live token tile),
 // padding columns read a live row (never stored).
 // grid (cdiv(Lg, BM), cdiv(N / 16, tiles_per_cta)), block 32 W, static shared memory
-// 8 BM + 64 bytes, dynamic 4 BM Kdim / 64 (POST's sums) + (2 - AR) red_groups W RT BM 17 4
-// bytes (the warps' partials; AR: red_groups <= 8 slots).
+// 8 BM bytes, dynamic 4 BM Kdim / 64 (POST's sums) + 2 red_groups W RT BM 17 4 bytes (the
+// warps' partials).
 // Needs int4, N % 16 == 0, Kdim % 64 == 0, group_size a multiple of 64 with
 // chunks-per-group a power of two (chunk_shift = log2; or one group per row: 30).
-template <int MT, int W, int D, int ZP, int POST, int RT, int AR, int MINB>
+template <int MT, int W, int D, int ZP, int POST, int RT, int MINB>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
@@ -884,12 +869,8 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
              int tiles_per_cta, int red_groups) {
     constexpr int BM = 8 * MT;
     constexpr int RS = 17;                        // padded row of the partials: fewer conflicts
-    constexpr int MAX_SLOTS = 8;                  // AR: the ring's slots at most (the launcher's
-                                                  // AR_MAX_SLOTS)
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
-    __shared__ int sArrive[MAX_SLOTS];            // AR: warps arrived at a slot
-    __shared__ int sDone[MAX_SLOTS];              // AR: groups of a slot reduced
 
     const int m0 = blockIdx.x * BM;
     if (m0 >= num_positions) return;
@@ -903,10 +884,6 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         live = s_mine >= 0 && s_mine < num_slots;
         sSlot[tid] = live ? s_mine : -1;
         sArow[tid] = live ? s_mine / top_k : -1;
-    }
-    if (AR && tid < MAX_SLOTS) {
-        sArrive[tid] = 0;
-        sDone[tid] = 0;
     }
     if (!__syncthreads_or(live)) return;          // padding only
     const int ntiles = N >> 4;
@@ -924,20 +901,18 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     // this lane's token rows (column g of each tile of 8), padding -> a live row (its column
-    // of the accumulators is never stored); tiles with no live token are skipped (uniform)
-    int first = 0;
+    // of the accumulators is never stored); the live tiles: up to the last with a live row
+    int first = 0, live_tiles = 0;
     for (int r = BM - 1; r >= 0; --r)
-        if (sArow[r] >= 0) first = sArow[r];
+        if (sArow[r] >= 0) {
+            first = sArow[r];
+            if (!live_tiles) live_tiles = r / 8 + 1;
+        }
     const elem_t* arow[MT];
-    bool tlive[MT];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         const int r = sArow[8 * mt + g];
         arow[mt] = a + (size_t)(r >= 0 ? r : first) * Kdim + 16 * t;
-        int any = 0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) any |= sArow[8 * mt + j] >= 0;
-        tlive[mt] = any;
     }
 
     const int C = Kdim >> 6;                      // 64-code chunks per row
@@ -1005,8 +980,7 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     // staged once per CTA (its weight loads are already in flight): sSum [C][BM] fp32.
     extern __shared__ __align__(16) u8 smem[];
     float* sSum = reinterpret_cast<float*>(smem);
-    // the warps' partials after the sums: [2 halves][red_groups][W][RT][BM][RS] fp32, or
-    // (AR) [red_groups][W][RT][BM][RS]
+    // the warps' partials after the sums: [2 halves][red_groups][W][RT][BM][RS] fp32
     float* sRed = sSum + (POST ? C * BM : 0);
     if (POST) {
         for (int i = tid; i < C * BM; i += W * 32) {
@@ -1028,159 +1002,138 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         __syncthreads();
     }
 
-    float acc[RT][MT][4];
-#pragma unroll
-    for (int r = 0; r < RT; ++r)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
-
-    // one item: the math of slot u (chunk c), then the slot's refill from the next round
-    auto item = [&](int u, int c, bool check) {
-        if (!check || c < C) {                    // uniform over the warp
-            // B: the lane's token rows, loaded once for the RT weight tiles of the group
-            uint4 b[MT][2];
-            float2 sm[MT];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if (MT > 1 && !tlive[mt]) continue;   // (MT = 1: the CTA has a live token)
-                const uint4* ap = reinterpret_cast<const uint4*>(arow[mt] + c * 64);
-                b[mt][0] = __ldg(ap);
-                b[mt][1] = __ldg(ap + 1);
-                if (POST)
-                    sm[mt] = *reinterpret_cast<const float2*>(sSum + c * BM + 8 * mt + 2 * t);
-            }
-#pragma unroll
-            for (int r = 0; r < RT; ++r) {
-                const uint4 x = rw[u][r];
-                u32 zl = zdef, zh = zdef;
-                float zfl = W16_MAGIC_F + default_zp, zfh = zfl;
-                if (ZP) {
-                    zl = MAGIC | ((rz[ZP ? u : 0][r] >> 16) * 0x00010001u);
-                    zh = MAGIC | ((rz[ZP ? u : 0][r] & 0xFFu) * 0x00010001u);
-                    zfl = W16_MAGIC_F + (float)(rz[ZP ? u : 0][r] >> 16);
-                    zfh = W16_MAGIC_F + (float)(rz[ZP ? u : 0][r] & 0xFFu);
-                }
-                // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q (POST)
-                // or q - zp, one lop3 (and one shift) per pair
-                u32 lo[8], hi[8];
-#pragma unroll
-                for (int p = 0; p < 4; ++p) {
-                    const u32 m = 0x000F000Fu;
-                    lo[p] = w16::and_or(x.x >> (4 * p), m, MAGIC);
-                    hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
-                    lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
-                    hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
-                    if (!POST) {
-                        lo[p] = w16::as_u32(__hsub2(w16::as_e2(lo[p]), w16::as_e2(zl)));
-                        hi[p] = w16::as_u32(__hsub2(w16::as_e2(hi[p]), w16::as_e2(zh)));
-                        lo[4 + p] = w16::as_u32(__hsub2(w16::as_e2(lo[4 + p]), w16::as_e2(zl)));
-                        hi[4 + p] = w16::as_u32(__hsub2(w16::as_e2(hi[4 + p]), w16::as_e2(zh)));
-                    }
-                }
-                const float2 s2 = rs[u][r];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    if (MT > 1 && !tlive[mt]) continue;
-                    float tmp[4] = {0.f, 0.f, 0.f, 0.f};
-                    w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], b[mt][0].x, b[mt][0].y);
-                    w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], b[mt][0].z, b[mt][0].w);
-                    w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], b[mt][1].x, b[mt][1].y);
-                    w16::mma16816(tmp, lo[6], hi[6], lo[7], hi[7], b[mt][1].z, b[mt][1].w);
-                    if (POST) {
-                        tmp[0] = fmaf(-zfl, sm[mt].x, tmp[0]);
-                        tmp[1] = fmaf(-zfl, sm[mt].y, tmp[1]);
-                        tmp[2] = fmaf(-zfh, sm[mt].x, tmp[2]);
-                        tmp[3] = fmaf(-zfh, sm[mt].y, tmp[3]);
-                    }
-                    acc[r][mt][0] = fmaf(s2.x, tmp[0], acc[r][mt][0]);
-                    acc[r][mt][1] = fmaf(s2.x, tmp[1], acc[r][mt][1]);
-                    acc[r][mt][2] = fmaf(s2.y, tmp[2], acc[r][mt][2]);
-                    acc[r][mt][3] = fmaf(s2.y, tmp[3], acc[r][mt][3]);
-                }
-            }
-        }
-        load(u);                                  // refill: the slot's registers are free
-    };
-
-    constexpr int GSZ = W * RT * BM * RS;        // floats of one group's partials
-    // the outputs of ngroups consecutive groups from their partials at red0 (the first group
-    // starts at tile tile0), output i = first, first + step, ...: the W warps' partials added
-    // in warp order, then bias and router weight
-    auto reduce_store = [&](const float* red0, int ngroups, int tile0, int first, int step) {
-        for (int i = first; i < ngroups * RT * BM * 16; i += step) {
-            const int gi = i / (RT * BM * 16), rem = i - gi * (RT * BM * 16);
-            const int r = rem / (BM * 16), tok = (rem >> 4) % BM;
-            const int n = (tile0 + gi * RT + r) * 16 + (i & 15);
-            const int s = sSlot[tok];
-            if (s < 0) continue;
-            float v = 0.f;
-#pragma unroll
-            for (int wi = 0; wi < W; ++wi)
-                v += red0[(size_t)gi * GSZ + ((wi * RT + r) * BM + tok) * RS + (i & 15)];
-            if (bias != nullptr) v += bias[(size_t)e * N + n];
-            if (mul_routed_weight) v *= topk_weights[s];
-            c[(size_t)s * N + n] = w16::from_f32(v);
-        }
-    };
-    int grp = 0;                                  // groups of this CTA so far
-    for (int tile = t0; tile < t1; tile += RT) {  // groups of RT tiles (the launcher: TPC % RT == 0)
-        for (int rd = 0; rd < RPT; ++rd) {
-            const int c0 = warp + rd * D * W;
-            if (c0 + (D - 1) * W < C) {           // a full round: no per-item check
-#pragma unroll
-                for (int u = 0; u < D; ++u) item(u, c0 + u * W, false);
-            } else {
-#pragma unroll
-                for (int u = 0; u < D; ++u) item(u, c0 + u * W, true);
-            }
-            next_round();
-        }
-        // ---- this warp's partials of the group into its slot
-        const int slot = grp % red_groups, use = grp / red_groups;
-        float* red;
-        if (AR) {                                 // the slot's previous group must be reduced
-            w16::wait_flag_at_least(&sDone[slot], use);
-            red = sRed + (size_t)slot * GSZ;
-        } else {
-            red = sRed + (size_t)((use & 1) * red_groups + slot) * GSZ;
-        }
+    // the rest runs with LT, the live token tiles, a compile-time constant
+    w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
+        constexpr int LT = decltype(live_count)::value;
+        float acc[RT][LT][4];
 #pragma unroll
         for (int r = 0; r < RT; ++r)
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+            for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    red[((warp * RT + r) * BM + 8 * mt + 2 * t + (i & 1)) * RS + g + 8 * (i >> 1)] =
-                        acc[r][mt][i];
-                    acc[r][mt][i] = 0.f;
+                for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
+
+        // one item: the math of slot u (chunk c), then the slot's refill from the next round
+        auto item = [&](int u, int c, bool check) {
+            if (!check || c < C) {                    // uniform over the warp
+                // B: the lane's token rows, loaded once for the RT weight tiles of the group
+                uint4 b[LT][2];
+                float2 sm[LT];
+#pragma unroll
+                for (int mt = 0; mt < LT; ++mt) {
+                    const uint4* ap = reinterpret_cast<const uint4*>(arow[mt] + c * 64);
+                    b[mt][0] = __ldg(ap);
+                    b[mt][1] = __ldg(ap + 1);
+                    if (POST)
+                        sm[mt] = *reinterpret_cast<const float2*>(sSum + c * BM + 8 * mt + 2 * t);
                 }
-        ++grp;
-        if (AR) {
-            // count this warp in (its writes ordered before the atomic by the warp sync and
-            // the fence); the last of the W reduces the group and frees the slot
-            __syncwarp();
-            int arrived = 0;
-            if (lane == 0) {
-                __threadfence_block();
-                arrived = atomicAdd(&sArrive[slot], 1);
-            }
-            arrived = __shfl_sync(0xFFFFFFFFu, arrived, 0);
-            if (arrived == W - 1) {               // uniform over the warp
-                __threadfence_block();
-                reduce_store(red, 1, tile, lane, 32);
-                __syncwarp();                     // every lane's reads of the slot are done
-                if (lane == 0) {
-                    sArrive[slot] = 0;
-                    w16::st_flag(&sDone[slot], use + 1);
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+                    const uint4 x = rw[u][r];
+                    u32 zl = zdef, zh = zdef;
+                    float zfl = W16_MAGIC_F + default_zp, zfh = zfl;
+                    if (ZP) {
+                        zl = MAGIC | ((rz[ZP ? u : 0][r] >> 16) * 0x00010001u);
+                        zh = MAGIC | ((rz[ZP ? u : 0][r] & 0xFFu) * 0x00010001u);
+                        zfl = W16_MAGIC_F + (float)(rz[ZP ? u : 0][r] >> 16);
+                        zfh = W16_MAGIC_F + (float)(rz[ZP ? u : 0][r] & 0xFFu);
+                    }
+                    // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q (POST)
+                    // or q - zp, one lop3 (and one shift) per pair
+                    u32 lo[8], hi[8];
+#pragma unroll
+                    for (int p = 0; p < 4; ++p) {
+                        const u32 m = 0x000F000Fu;
+                        lo[p] = w16::and_or(x.x >> (4 * p), m, MAGIC);
+                        hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
+                        lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
+                        hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
+                        if (!POST) {
+                            lo[p] = w16::as_u32(__hsub2(w16::as_e2(lo[p]), w16::as_e2(zl)));
+                            hi[p] = w16::as_u32(__hsub2(w16::as_e2(hi[p]), w16::as_e2(zh)));
+                            lo[4 + p] = w16::as_u32(__hsub2(w16::as_e2(lo[4 + p]), w16::as_e2(zl)));
+                            hi[4 + p] = w16::as_u32(__hsub2(w16::as_e2(hi[4 + p]), w16::as_e2(zh)));
+                        }
+                    }
+                    const float2 s2 = rs[u][r];
+#pragma unroll
+                    for (int mt = 0; mt < LT; ++mt) {
+                        float tmp[4] = {0.f, 0.f, 0.f, 0.f};
+                        w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], b[mt][0].x, b[mt][0].y);
+                        w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], b[mt][0].z, b[mt][0].w);
+                        w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], b[mt][1].x, b[mt][1].y);
+                        w16::mma16816(tmp, lo[6], hi[6], lo[7], hi[7], b[mt][1].z, b[mt][1].w);
+                        if (POST) {
+                            tmp[0] = fmaf(-zfl, sm[mt].x, tmp[0]);
+                            tmp[1] = fmaf(-zfl, sm[mt].y, tmp[1]);
+                            tmp[2] = fmaf(-zfh, sm[mt].x, tmp[2]);
+                            tmp[3] = fmaf(-zfh, sm[mt].y, tmp[3]);
+                        }
+                        acc[r][mt][0] = fmaf(s2.x, tmp[0], acc[r][mt][0]);
+                        acc[r][mt][1] = fmaf(s2.x, tmp[1], acc[r][mt][1]);
+                        acc[r][mt][2] = fmaf(s2.y, tmp[2], acc[r][mt][2]);
+                        acc[r][mt][3] = fmaf(s2.y, tmp[3], acc[r][mt][3]);
+                    }
                 }
             }
-        } else if (slot == red_groups - 1 || tile + RT >= t1) {   // uniform over the CTA
-            // the partials of this half's slot + 1 groups meet at one barrier
-            __syncthreads();
-            reduce_store(sRed + (size_t)(use & 1) * red_groups * GSZ, slot + 1,
-                         tile - slot * RT, tid, W * 32);
+            load(u);                                  // refill: the slot's registers are free
+        };
+
+        constexpr int LM = 8 * LT;                    // the live tiles' rows
+        constexpr int GSZ = W * RT * BM * RS;        // floats of one group's partials
+        // the outputs of ngroups consecutive groups from their partials at red0 (the first group
+        // starts at tile tile0): the W warps' partials added in warp order, then bias and router
+        // weight
+        auto reduce_store = [&](const float* red0, int ngroups, int tile0) {
+            for (int i = tid; i < ngroups * RT * LM * 16; i += W * 32) {
+                const int gi = i / (RT * LM * 16), rem = i - gi * (RT * LM * 16);
+                const int r = rem / (LM * 16), tok = (rem >> 4) % LM;
+                const int n = (tile0 + gi * RT + r) * 16 + (i & 15);
+                const int s = sSlot[tok];
+                if (s < 0) continue;
+                float v = 0.f;
+#pragma unroll
+                for (int wi = 0; wi < W; ++wi)
+                    v += red0[(size_t)gi * GSZ + ((wi * RT + r) * BM + tok) * RS + (i & 15)];
+                if (bias != nullptr) v += bias[(size_t)e * N + n];
+                if (mul_routed_weight) v *= topk_weights[s];
+                c[(size_t)s * N + n] = w16::from_f32(v);
+            }
+        };
+        int grp = 0;                                  // groups of this CTA so far
+        // groups of RT tiles (the launcher makes TPC a multiple of RT)
+        for (int tile = t0; tile < t1; tile += RT) {
+            for (int rd = 0; rd < RPT; ++rd) {
+                const int c0 = warp + rd * D * W;
+                if (c0 + (D - 1) * W < C) {           // a full round: no per-item check
+#pragma unroll
+                    for (int u = 0; u < D; ++u) item(u, c0 + u * W, false);
+                } else {
+#pragma unroll
+                    for (int u = 0; u < D; ++u) item(u, c0 + u * W, true);
+                }
+                next_round();
+            }
+            // ---- this warp's partials of the group into its slot
+            const int slot = grp % red_groups, use = grp / red_groups;
+            float* red = sRed + (size_t)((use & 1) * red_groups + slot) * GSZ;
+#pragma unroll
+            for (int r = 0; r < RT; ++r)
+#pragma unroll
+                for (int mt = 0; mt < LT; ++mt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int row = 8 * mt + 2 * t + (i & 1), col = g + 8 * (i >> 1);
+                        red[((warp * RT + r) * BM + row) * RS + col] = acc[r][mt][i];
+                        acc[r][mt][i] = 0.f;
+                    }
+            ++grp;
+            if (slot == red_groups - 1 || tile + RT >= t1) {   // uniform over the CTA
+                // the partials of this half's slot + 1 groups meet at one barrier
+                __syncthreads();
+                reduce_store(sRed + (size_t)(use & 1) * red_groups * GSZ, slot + 1,
+                             tile - slot * RT);
+            }
         }
-    }
+    });
 }

@@ -125,9 +125,8 @@ PACKED_CONFIGS = {
     "q16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=0, RT=2, MINB=2),
     "r16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=1, RT=2, MINB=2),
     "s32w8": dict(KERNEL="packed", MT=4, W=8, D=2, POST=1, MINB=2),
-    "q8a": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, RT=2, AR=1, MINB=2),
-    "q16a": dict(KERNEL="packed", MT=2, W=8, D=2, POST=0, RT=2, AR=1, MINB=2),
-    "s32a": dict(KERNEL="packed", MT=4, W=8, D=2, POST=0, AR=1, MINB=2),
+    "q32": dict(KERNEL="packed", MT=4, W=8, D=2, POST=0, RT=2, MINB=2),
+    "p32": dict(KERNEL="packed", MT=4, W=8, D=4, POST=0, MINB=2),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, bench_wna16.py --sweep,
@@ -288,7 +287,6 @@ PACK_CHUNK = 64                  # codes per row per lane group and mma chunk (1
 PACK_CACHE_SIZE = 64             # packed weight sets kept (two per MoE layer)
 RED_BYTES = 64 * 1024            # shared memory for the warps' partials (a config's RED
                                 # overrides it)
-AR_MAX_SLOTS = 8                 # AR's ring of partials: the kernel's flags (MAX_SLOTS)
 
 
 def packed_supports(N: int, K: int, group_size: int, num_groups: int) -> tuple[bool, str]:
@@ -386,8 +384,7 @@ def unpack_int4(packed):
 
 def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
     return (f"wna16_packed<{cfg['MT']}, {cfg['W']}, {cfg['D'] if d is None else d}, "
-            f"{int(bool(zp))}, {int(cfg.get('POST', 0))}, {cfg.get('RT', 1)}, "
-            f"{int(cfg.get('AR', 0))}, {cfg['MINB']}>")
+            f"{int(bool(zp))}, {int(cfg.get('POST', 0))}, {cfg.get('RT', 1)}, {cfg['MINB']}>")
 
 
 PACKED_NAMES = tuple(packed_kernel_name(c, z) for c in PACKED_CONFIGS.values()
@@ -480,8 +477,8 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     """wna16_packed's launch: grid (cdiv(Lg, BM), cdiv(N/16, TPC)), block 32 W, TPC tiles
     per CTA so that the live CTAs make about one wave (MINB per SM), D the ring depth that
     divides the chunks per warp CPW (the kernel's rounds), the chunk-to-group shift, RG the
-    partials' slots of one group of RT tiles each (AR = 0: the groups that meet at one
-    barrier; AR = 1: the ring), dynamic shared memory smem."""
+    partials' slots of one group of RT tiles each (the groups that meet at one barrier),
+    dynamic shared memory smem."""
     bm = 8 * cfg["MT"]
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
@@ -504,16 +501,12 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
     sums = 4 * bm * nchunks if cfg.get("POST") else 0     # POST's activation sums [C][BM]
     # the warps' partials: slots of one group (RT tiles) each, as many as RED bytes allow (two
-    # halves of red_groups slots met at one barrier; AR: a ring of up to 8 slots), no more
-    # than the CTA's groups
+    # halves of red_groups slots met at one barrier), no more than the CTA's groups
     gbytes = cfg["W"] * rt * bm * 17 * 4
     room = SMEM_PER_SM // cfg["MINB"] - 1024                # MINB CTAs per SM
-    halves = 1 if cfg.get("AR") else 2
-    fit = min(cfg.get("RED", RED_BYTES), room - sums) // (halves * gbytes)
-    if cfg.get("AR"):
-        fit = min(fit, AR_MAX_SLOTS)
+    fit = min(cfg.get("RED", RED_BYTES), room - sums) // (2 * gbytes)
     red_groups = max(1, min(tpc // rt, fit))
-    smem = sums + halves * red_groups * gbytes
+    smem = sums + 2 * red_groups * gbytes
     if smem > room:
         raise ValueError(f"config: {smem} bytes of shared memory per CTA (POST's sums and the "
                          f"partials) leave no room for MINB = {cfg['MINB']} CTAs per SM")
@@ -803,7 +796,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     runs = [(n, c, case) for n, c in CONFIGS.items() for case in
             (cases[:2] if args.quick else cases)]
     # --quick (the sanitizer's run): the route's defaults and one config of each other path
-    quick = {n for _, n in PACKED_BY_ROWS} | {"p8", "r16", "q16a"}
+    quick = {n for _, n in PACKED_BY_ROWS} | {"p8", "r16", "q32"}
     runs += [(n, c, (M_a, E, K, N, Kd, max(B, 8 * c["MT"]), 4, gs, zp, None))
              for n, c in PACKED_CONFIGS.items() if n in quick or not args.quick
              for (M_a, E, K, N, Kd, B, gs, zp) in (packed_cases[:2] if args.quick else
