@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Nsight Compute metrics of the packed int4 rung, one config at a time (development; GPU only):
+#   bash benchmarks/dev/ncu_wna16.sh T MT:CONFIG [MT:CONFIG ...]    e.g. 64 1:q8 3:q16+MT=3
+# profiles the first two wna16_packed<MT, ...> launches of bench_wna16.py at T tokens (GEMM1
+# then GEMM2 of the first config whose MT matches) and writes $OUT/ncu_T<T>_<MT>.csv.
+set -uo pipefail
+OUT=${OUT:-/tmp/moe_sandbox_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+T=$1; shift
+M=gpu__time_duration.sum,dram__bytes_read.sum,lts__t_bytes.sum
+M=$M,lts__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__t_sector_hit_rate.pct
+M=$M,l1tex__throughput.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum
+M=$M,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
+M=$M,sm__warps_active.avg.pct_of_peak_sustained_active
+for s in long_scoreboard wait barrier math_pipe_throttle lg_throttle mio_throttle short_scoreboard; do
+  M=$M,smsp__average_warps_issue_stalled_${s}_per_issue_active.ratio
+done
+for spec in "$@"; do
+  mt=${spec%%:*} cfg=${spec#*:}
+  timeout 120 ncu --csv --log-file "$OUT/ncu_T${T}_${mt}.csv" --metrics "$M" \
+    --kernel-name-base demangled --kernel-name "regex:wna16_packed<(\(int\))?$mt," --launch-count 2 \
+    python3 benchmarks/bench_wna16.py --tokens "$T" --no-old --sweep --configs "$cfg" --reps 1 \
+    --out "$OUT" >/dev/null 2>"$OUT/ncu_T${T}_${mt}.err"
+  echo "$spec rc=$?"
+done
