@@ -2,7 +2,8 @@
 # Nsight Compute metrics of the packed int4 rung, one config at a time (development; GPU only):
 #   bash benchmarks/dev/ncu_wna16.sh T MT:CONFIG [MT:CONFIG ...]    e.g. 64 1:q8 3:q16+MT=3
 # profiles the first two wna16_packed<MT, ...> launches of bench_wna16.py at T tokens (GEMM1
-# then GEMM2 of the first config whose MT matches) and writes $OUT/ncu_T<T>_<MT>.csv.
+# then GEMM2 of the first config whose MT matches) and appends them to $OUT/ncu_T<T>.csv
+# (one file: the device tool brings back only a few).
 set -uo pipefail
 OUT=${OUT:-/tmp/moe_sandbox_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -17,9 +18,12 @@ for s in long_scoreboard wait barrier math_pipe_throttle lg_throttle mio_throttl
 done
 for spec in "$@"; do
   mt=${spec%%:*} cfg=${spec#*:}
-  timeout 120 ncu --csv --log-file "$OUT/ncu_T${T}_${mt}.csv" --metrics "$M" \
+  tmp=$(mktemp -d)
+  timeout 120 ncu --csv --log-file "$tmp/ncu.csv" --metrics "$M" \
     --kernel-name-base demangled --kernel-name "regex:wna16_packed<(\(int\))?$mt," --launch-count 2 \
     python3 benchmarks/bench_wna16.py --tokens "$T" --no-old --sweep --configs "$cfg" --reps 1 \
-    --out "$OUT" >/dev/null 2>"$OUT/ncu_T${T}_${mt}.err"
+    --out "$tmp" >/dev/null 2>"$tmp/err"
   echo "$spec rc=$?"
+  { echo "# $spec"; grep -v '^==PROF==' "$tmp/ncu.csv"; tail -n 5 "$tmp/err"; } >>"$OUT/ncu_T$T.csv"
+  rm -rf "$tmp"
 done
