@@ -89,10 +89,11 @@ def test_prepack_refuses_bad_shapes(rng):
 
 
 def test_packed_plan_one_wave_and_ring_depth():
-    for name, cfg in W.PACKED_CONFIGS.items():
+    one_per_sm = dict(W.PACKED_CONFIGS["q32"], W=16, MINB=1)      # 8 live m tiles, 132 slots
+    for cfg in list(W.PACKED_CONFIGS.values()) + [one_per_sm]:
         for P, N, K, L, B in ((2, 28672, 4096, 72, 8), (2, 4096, 14336, 72, 8),
                               (32, 28672, 4096, 88, 8), (128, 4096, 14336, 376, 32),
-                              (3, 48, 576, 40, 32)):
+                              (128, 28672, 4096, 376, 32), (3, 48, 576, 40, 32)):
             if B % (8 * cfg["MT"]):
                 continue
             if (N // 16) % cfg.get("RT", 1):
@@ -104,7 +105,7 @@ def test_packed_plan_one_wave_and_ring_depth():
             cpw = C.cdiv(K // 64, cfg["W"])
             assert cpw % lp["D"] == 0 and 1 <= lp["D"] <= cfg["D"]
             live = W.live_m_tiles(P, 8, gx, 8 * cfg["MT"])
-            assert live * gy <= 132 * cfg["MINB"] or lp["TPC"] == 1
+            assert live * gy <= 132 * cfg["MINB"] or lp["TPC"] == cfg.get("RT", 1)
     assert W.live_m_tiles(2, 8, 2, 8) == 2 and W.live_m_tiles(32, 8, 19, 8) == 8
     assert W.live_m_tiles(128, 8, 24, 16) == 16 and W.live_m_tiles(128, 8, 12, 32) == 8
     assert W.packed_plan(2, 8, 64, 256, 16, 8, W.PACKED_CONFIGS["p8"], 132, 128, 2)["shift"] == 1

@@ -491,9 +491,12 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     if nt % rt:
         raise ValueError(f"config: RT = {rt} tiles per group must divide N / 16 = {nt}")
     groups = nt // rt
-    tpc = max(1, C.cdiv(live_m * groups, slots))
+    # n splits: as many as fit beside the live m tiles in one wave (rounding tpc up first
+    # could ask for one split too many: 8 live m tiles x 17 = 136 CTAs on 132 slots)
+    gy = max(1, min(groups, slots // live_m))
+    tpc = C.cdiv(groups, gy)
     gy = C.cdiv(groups, tpc)
-    tpc = C.cdiv(groups, gy) * rt
+    tpc *= rt
     cpw = C.cdiv(nchunks, cfg["W"])
     d = cfg["D"]
     while cpw % d:
