@@ -486,7 +486,7 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     nt, nchunks = N // 16, K // PACK_CHUNK
     mtiles = C.cdiv(Lg, bm)
     live_m = live_m_tiles(P, E, mtiles, bm)
-    slots = num_sms * cfg["MINB"]
+    slots = num_sms * cfg["MINB"] * cfg.get("WAVES", 1)   # CTAs to plan for
     rt = cfg.get("RT", 1)                        # tiles per warp group: TPC a multiple of it
     if nt % rt:
         raise ValueError(f"config: RT = {rt} tiles per group must divide N / 16 = {nt}")
