@@ -103,20 +103,19 @@ CONFIGS = {
     "a16": dict(KERNEL="async", MT=2, WN=4, STAGES=4, MINB=2),
     "a32": dict(KERNEL="async", MT=4, WN=4, STAGES=3, MINB=2),
 }
-# wna16_packed (prepacked int4, see prepack_int4): MT token tiles of 8, W warps splitting each
-# 16-row tile's K, D 16-byte loads in flight per lane, MINB CTAs per SM.
+# wna16_packed (prepacked int4, see prepack_int4): MT token tiles of 8 (a CTA computes only its
+# live ones), W warps splitting each 16-row tile's K, D 16-byte loads in flight per lane, MINB
+# CTAs per SM, WAVES waves of CTAs planned (default 1).
 # POST = 1 takes the zero point off after the mma (see the .cu), 0 subtracts it per pair; RT
 # tiles of 16 rows per warp group share the activation fragments. Measured (H200, Mixtral T=1 /
-# 16 / 64, GEMM1 + GEMM2 per config, benchmarks/results/dev_slots_20261130/slot2, B = BM):
-# q8 71 / 232 / 530 us, q8d 73 / 245 / 553, p8 73 / 251 / 602, r16 105 / 387 / 901 (B = 16),
-# s32w8 151 / 537 / 728 (B = 32); slot 1b: s8 79 / 265 / 634 (POST's activation sums cost
-# GEMM2 more than they save). Token tiles of 16 or 32 rows (q16, r16, s32w8) read each
-# expert's weights once at 16 rows per expert but run far slower per byte than q8 so far,
-# even at T=1 where their extra token tiles hold no token (skipped): the slower ones meet at a
-# barrier every 1 (s32w8) or 2 (q16, r16) tiles instead of every 6 (q8), since fewer groups'
-# partials fit in RED_BYTES. AR = 1 (q8a, q16a, s32a) replaces the barrier by a slot ring
-# whose last warp to arrive reduces (see the .cu). Not yet measured on a GPU (owed): the
-# default table below does not use them.
+# 16 / 64, GEMM1 + GEMM2 per config, B = BM up to 8 rows per expert, else 32):
+#   benchmarks/results/dev_slots_20261130/slot2: q8 71 / 232 / 530 us, q8d 73 / 245 / 553,
+#     p8 73 / 251 / 602; slot 1b: s8 79 / 265 / 634 (POST's activation sums cost GEMM2 more
+#     than they save).
+#   dev_wna16_20261130 (live token tiles a compile-time count): q8 67 / 228 / 561, q16 71 /
+#     250 / 543, q32 71 / 257 / 446, s32w8 102 / 327 / 533; q32 with WAVES = 4: 75 / 257 / 413
+#     (experts of 2 and 3 live tiles evened out), 24-token tiles (MT = 3, B = 48 at T=64) 3%
+#     faster at T=64 but need a block size that is not a power of two.
 PACKED_CONFIGS = {
     "q8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, RT=2, MINB=2),
     "q8d": dict(KERNEL="packed", MT=1, W=8, D=2, POST=0, RT=2, MINB=2),
@@ -125,8 +124,7 @@ PACKED_CONFIGS = {
     "q16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=0, RT=2, MINB=2),
     "r16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=1, RT=2, MINB=2),
     "s32w8": dict(KERNEL="packed", MT=4, W=8, D=2, POST=1, MINB=2),
-    "q32": dict(KERNEL="packed", MT=4, W=8, D=2, POST=0, RT=2, MINB=2),
-    "p32": dict(KERNEL="packed", MT=4, W=8, D=4, POST=0, MINB=2),
+    "q32": dict(KERNEL="packed", MT=4, W=8, D=2, POST=0, RT=2, MINB=2, WAVES=4),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, bench_wna16.py --sweep,
@@ -137,13 +135,14 @@ PACKED_CONFIGS = {
 #   T=16 (4 rows, B=8):            w8  294 + 170 us                   (m8 329 + 248)
 #   T=64 (16 rows, B=32):          w16 578 + 301 us                   (m16 696 + 409)
 # Past ~16 rows per expert quant_gemm's tile rungs are faster (T=256: 1.79 ms vs 3.07 ms).
-# The packed rung (PACKED_CONFIGS, int4) then beat them all up to 16 rows (slot 2 of
-# 2026-11-30: q8 71 / 232 / 530 us at T=1 / 16 / 64): it heads the table; a problem it cannot
-# take (int8, group_size 32, N % 16) names a stream config.
+# The packed rung (PACKED_CONFIGS, int4) then beat them all up to 24 rows: q8 up to 8 rows per
+# expert, q32 (one pass over each expert's weights for up to 32 rows) up to 24, q8 again where
+# block_size is not a multiple of 32; a problem it cannot take (int8, group_size 32, N % 16)
+# names a stream config.
 # A measured table (CONFIG_FILE) replaces this one when present.
-BY_ROWS = ((24, "q8"), (4, "w8"), (1 << 30, "w16"), (1 << 30, "w8"))
+BY_ROWS = ((8, "q8"), (24, "q32"), (24, "q8"), (4, "w8"), (1 << 30, "w16"), (1 << 30, "w8"))
 # block_size measured with each entry (any multiple of its BM works)
-MEASURED_BLOCK = {"w8": 8, "w16": 32, "q8": 8}
+MEASURED_BLOCK = {"w8": 8, "w16": 32, "q8": 8, "q32": 32}
 MAX_ROWS_FASTER = 16            # rows per expert up to which this module beat quant_gemm (slot 3)
 SMEM_PER_SM = 227 * 1024        # H100 / H200: shared memory an SM can give its CTAs
 TARGET_WARPS_PER_SM = 16        # K splits until this many 16-row streams per SM (the "auto"
@@ -396,7 +395,7 @@ for _ev in ELEMS.values():     # one NVRTC check per element type: every rung of
 # the first entry whose rows cover the batch and whose BM divides block_size (quant_gemm's
 # block_size_for gives 16 up to 8 rows, 32 up to 24). Above PACKED_MAX_ROWS, quant_gemm's own
 # rungs run.
-PACKED_BY_ROWS = ((24, "q8"),)
+PACKED_BY_ROWS = ((8, "q8"), (24, "q32"), (24, "q8"))
 PACKED_MAX_ROWS = PACKED_BY_ROWS[-1][0]
 
 
