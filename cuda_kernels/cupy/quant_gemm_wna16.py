@@ -114,8 +114,9 @@ CONFIGS = {
 #     than they save).
 #   dev_wna16_20261130 (live token tiles a compile-time count): q8 67 / 228 / 561, q16 71 /
 #     250 / 543, q32 71 / 257 / 446, s32w8 102 / 327 / 533; q32 with WAVES = 4: 75 / 257 / 413
-#     (experts of 2 and 3 live tiles evened out), 24-token tiles (MT = 3, B = 48 at T=64) 3%
-#     faster at T=64 but need a block size that is not a power of two.
+#     (experts of 2 and 3 live tiles evened out), WAVES = 8: 408 at T=64 (071729); 24-token
+#     tiles (MT = 3, B = 48 at T=64) ~1% faster at T=64 but need a block size that is not a
+#     power of two.
 PACKED_CONFIGS = {
     "q8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, RT=2, MINB=2),
     "q8d": dict(KERNEL="packed", MT=1, W=8, D=2, POST=0, RT=2, MINB=2),
@@ -124,7 +125,7 @@ PACKED_CONFIGS = {
     "q16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=0, RT=2, MINB=2),
     "r16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=1, RT=2, MINB=2),
     "s32w8": dict(KERNEL="packed", MT=4, W=8, D=2, POST=1, MINB=2),
-    "q32": dict(KERNEL="packed", MT=4, W=8, D=2, POST=0, RT=2, MINB=2, WAVES=4),
+    "q32": dict(KERNEL="packed", MT=4, W=8, D=2, POST=0, RT=2, MINB=2, WAVES=8),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, bench_wna16.py --sweep,
@@ -135,15 +136,14 @@ PACKED_CONFIGS = {
 #   T=16 (4 rows, B=8):            w8  294 + 170 us                   (m8 329 + 248)
 #   T=64 (16 rows, B=32):          w16 578 + 301 us                   (m16 696 + 409)
 # Past ~16 rows per expert quant_gemm's tile rungs are faster (T=256: 1.79 ms vs 3.07 ms).
-# The packed rung (PACKED_CONFIGS, int4) then beat them all up to 24 rows: q8 up to 8 rows per
-# expert, q32 (one pass over each expert's weights for up to 32 rows) up to 24, q8 again where
-# block_size is not a multiple of 32; a problem it cannot take (int8, group_size 32, N % 16)
-# names a stream config.
+# The packed rung (PACKED_CONFIGS, int4) then beat them all up to 128 rows: q8 up to 8 rows
+# per expert, q32 (one pass over each expert's weights per 32 rows) up to 128, q8 up to 24
+# where block_size is not a multiple of 32; a problem it cannot take (int8, group_size 32,
+# N % 16) names a stream config.
 # A measured table (CONFIG_FILE) replaces this one when present.
-BY_ROWS = ((8, "q8"), (24, "q32"), (24, "q8"), (4, "w8"), (1 << 30, "w16"), (1 << 30, "w8"))
+BY_ROWS = ((8, "q8"), (128, "q32"), (24, "q8"), (4, "w8"), (1 << 30, "w16"), (1 << 30, "w8"))
 # block_size measured with each entry (any multiple of its BM works)
 MEASURED_BLOCK = {"w8": 8, "w16": 32, "q8": 8, "q32": 32}
-MAX_ROWS_FASTER = 16            # rows per expert up to which this module beat quant_gemm (slot 3)
 SMEM_PER_SM = 227 * 1024        # H100 / H200: shared memory an SM can give its CTAs
 TARGET_WARPS_PER_SM = 16        # K splits until this many 16-row streams per SM (the "auto"
                                 # of the sweeps; Mixtral T=1 GEMM2 measured 60 us with it (KS=5)
@@ -393,10 +393,11 @@ for _ev in ELEMS.values():     # one NVRTC check per element type: every rung of
 
 # The packed rung's default by rows per expert (P / E), for grouped_gemm_quant's int4 route:
 # the first entry whose rows cover the batch and whose BM divides block_size (quant_gemm's
-# block_size_for gives 16 up to 8 rows, 32 up to 24). Above PACKED_MAX_ROWS, quant_gemm's own
-# rungs run.
-PACKED_BY_ROWS = ((8, "q8"), (24, "q32"), (24, "q8"))
-PACKED_MAX_ROWS = PACKED_BY_ROWS[-1][0]
+# block_size_for gives 16 up to 8 rows, 32 up to 24, 64 above). Above 128 rows quant_gemm's
+# own tile rungs run: measured (H200, Mixtral, bench_wna16_nvidia_h200_20261130_071739.json,
+# GEMM1 + GEMM2) q32 0.82 / 1.48 / 2.74 / 5.71 ms vs those rungs 1.50 / 2.36 / 3.05 / 5.41 ms at
+# 32 / 64 / 128 / 256 rows per expert (T = 128 / 256 / 512 / 1024).
+PACKED_BY_ROWS = ((8, "q8"), (128, "q32"), (24, "q8"))
 
 
 def route_int4(a, w, w_scale, w_zp, block_shape, top_k, block_size):
