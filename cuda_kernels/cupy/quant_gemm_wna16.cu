@@ -944,23 +944,19 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     const uint4* n_w = wexp + ((size_t)t0 * C + warp) * 32;
     const float2* n_s = sexp + (size_t)t0 * num_groups * 8;
     const unsigned short* n_z = ZP ? zexp + (size_t)t0 * num_groups * 8 : nullptr;
-    // Branch-free: past the CTA's last tile or past C (C % W != 0) the slot reloads the
-    // expert's first lines (never consumed), so the items' math is one basic block the
-    // compiler can interleave.
     auto load = [&](int u) {                      // slot u from the round n_*
         const int chunk = n_c0 + u * W;
-        const bool used = n_tile < t1 && chunk < C;
-        const uint4* w_src = used ? n_w + u * W * 32 : wexp;
-        const float2* s_src = used ? n_s + (chunk >> chunk_shift) * 8 : sexp;
-        const unsigned short* z_src = ZP ? (used ? n_z + (chunk >> chunk_shift) * 8 : zexp)
-                                         : nullptr;
+        if (n_tile < t1 && chunk < C) {           // past C (C % W != 0): never consumed
+            const int grp8 = (chunk >> chunk_shift) * 8;
 #pragma unroll
-        for (int r = 0; r < RT; ++r) {            // the group's RT tiles: one tile apart
-            rw[u][r] = w16::ld_stream(reinterpret_cast<const u8*>(w_src + r * tstride));
-            rs[u][r] = __ldg(s_src + r * num_groups * 8);
-            if (ZP) {
-                const u32 z = __ldg(z_src + r * num_groups * 8);
-                rz[ZP ? u : 0][r] = ((z & 0xFFu) << 16) | (z >> 8);   // (row g, row g + 8)
+            for (int r = 0; r < RT; ++r) {        // the group's RT tiles: one tile apart
+                rw[u][r] = w16::ld_stream(reinterpret_cast<const u8*>(n_w + u * W * 32 +
+                                                                      r * tstride));
+                rs[u][r] = __ldg(n_s + r * num_groups * 8 + grp8);
+                if (ZP) {
+                    const u32 z = __ldg(n_z + r * num_groups * 8 + grp8);
+                    rz[ZP ? u : 0][r] = ((z & 0xFFu) << 16) | (z >> 8);   // (row g, row g + 8)
+                }
             }
         }
     };
