@@ -164,11 +164,10 @@ wna16_dev() {   # GPU 0: the packed int4 rung, checked then timed config by conf
     (( rc )) && grep -m 12 -A 3 -E "^========= (Error|Warning|Race)" "$OUT/san.tmp"
   done
   rm -f "$OUT/san.tmp"
-  # q16+MT=3+WAVES=4: 24-token tiles (B = 48 at T = 64); q32+WAVES=1: the default T=64 config
-  # planned for one wave
+  # q32+D=2: q32 with a ring of two (spills at 3-4 live tiles); q32+WAVES=1: one wave
   say "bench_wna16: the packed configs"
   timeout $(budget 200) python3 benchmarks/bench_wna16.py --tokens 1,16,64 --no-old --sweep \
-    --configs q8,q8d,q16,q32,q32+WAVES=1,q16+MT=3+WAVES=4,s32w8 \
+    --configs q8,q8d,q24,q32,q32+D=2,q32+WAVES=1,s32w8 \
     --budget-s 180 2>&1 | tail -n 60
 }
 

@@ -183,6 +183,8 @@ def emulated_packed(tmp_path_factory):
     ("q32", (40, 5, 2, 64, 1024, 32), 128, True, 132),     # 2 or 3
     ("q32", (3, 2, 2, 64, 576, 64), 64, False, 132),       # one live tile, padding m tiles
     ("q32", (50, 3, 2, 32, 640, 32), 128, False, 1),       # 1 or 4
+    ("q24", (40, 3, 2, 64, 1024, 48), 128, True, 1),       # MT = 3, a ring of one item
+    ("q24", (20, 5, 2, 32, 576, 24), 64, False, 132),
 ])
 def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sms):
     import ctypes

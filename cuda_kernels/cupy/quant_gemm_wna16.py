@@ -114,9 +114,10 @@ CONFIGS = {
 #     than they save).
 #   dev_wna16_20261130 (live token tiles a compile-time count): q8 67 / 228 / 561, q16 71 /
 #     250 / 543, q32 71 / 257 / 446, s32w8 102 / 327 / 533; q32 with WAVES = 4: 75 / 257 / 413
-#     (experts of 2 and 3 live tiles evened out), WAVES = 8: 408 at T=64 (071729); 24-token
-#     tiles (MT = 3, B = 48 at T=64) ~1% faster at T=64 but need a block size that is not a
-#     power of two.
+#     (experts of 2 and 3 live tiles evened out), WAVES = 8: 408 at T=64 (071729). At 3 or 4
+#     live tiles the ring of D = 2 spills registers (NVRTC sm_90: q32 98 spill loads, MT = 3
+#     14): with D = 1 (072403, T=64 / 256) q32 407 / 1195 us (D = 2: 407 / 1449), 24-token
+#     tiles (MT = 3, B = 48) 386 / 1089, the best, for block sizes that are multiples of 24.
 PACKED_CONFIGS = {
     "q8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, RT=2, MINB=2),
     "q8d": dict(KERNEL="packed", MT=1, W=8, D=2, POST=0, RT=2, MINB=2),
@@ -125,7 +126,8 @@ PACKED_CONFIGS = {
     "q16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=0, RT=2, MINB=2),
     "r16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=1, RT=2, MINB=2),
     "s32w8": dict(KERNEL="packed", MT=4, W=8, D=2, POST=1, MINB=2),
-    "q32": dict(KERNEL="packed", MT=4, W=8, D=2, POST=0, RT=2, MINB=2, WAVES=8),
+    "q24": dict(KERNEL="packed", MT=3, W=8, D=1, POST=0, RT=2, MINB=2, WAVES=8),
+    "q32": dict(KERNEL="packed", MT=4, W=8, D=1, POST=0, RT=2, MINB=2, WAVES=8),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, bench_wna16.py --sweep,
@@ -137,13 +139,14 @@ PACKED_CONFIGS = {
 #   T=64 (16 rows, B=32):          w16 578 + 301 us                   (m16 696 + 409)
 # Past ~16 rows per expert quant_gemm's tile rungs are faster (T=256: 1.79 ms vs 3.07 ms).
 # The packed rung (PACKED_CONFIGS, int4) then beat them all up to 128 rows: q8 up to 8 rows
-# per expert, q32 (one pass over each expert's weights per 32 rows) up to 128, q8 up to 24
-# where block_size is not a multiple of 32; a problem it cannot take (int8, group_size 32,
-# N % 16) names a stream config.
+# per expert, then q24 (block_size a multiple of 24) or q32 (of 32) up to 128, q8 up to 24 for
+# other block sizes; a problem it cannot take (int8, group_size 32, N % 16) names a stream
+# config.
 # A measured table (CONFIG_FILE) replaces this one when present.
-BY_ROWS = ((8, "q8"), (128, "q32"), (24, "q8"), (4, "w8"), (1 << 30, "w16"), (1 << 30, "w8"))
+BY_ROWS = ((8, "q8"), (128, "q24"), (128, "q32"), (24, "q8"), (4, "w8"), (1 << 30, "w16"),
+           (1 << 30, "w8"))
 # block_size measured with each entry (any multiple of its BM works)
-MEASURED_BLOCK = {"w8": 8, "w16": 32, "q8": 8, "q32": 32}
+MEASURED_BLOCK = {"w8": 8, "w16": 32, "q8": 8, "q24": 48, "q32": 32}
 SMEM_PER_SM = 227 * 1024        # H100 / H200: shared memory an SM can give its CTAs
 TARGET_WARPS_PER_SM = 16        # K splits until this many 16-row streams per SM (the "auto"
                                 # of the sweeps; Mixtral T=1 GEMM2 measured 60 us with it (KS=5)
@@ -393,11 +396,12 @@ for _ev in ELEMS.values():     # one NVRTC check per element type: every rung of
 
 # The packed rung's default by rows per expert (P / E), for grouped_gemm_quant's int4 route:
 # the first entry whose rows cover the batch and whose BM divides block_size (quant_gemm's
-# block_size_for gives 16 up to 8 rows, 32 up to 24, 64 above). Above 128 rows quant_gemm's
-# own tile rungs run: measured (H200, Mixtral, bench_wna16_nvidia_h200_20261130_071739.json,
-# GEMM1 + GEMM2) q32 0.82 / 1.48 / 2.74 / 5.71 ms vs those rungs 1.50 / 2.36 / 3.05 / 5.41 ms at
-# 32 / 64 / 128 / 256 rows per expert (T = 128 / 256 / 512 / 1024).
-PACKED_BY_ROWS = ((8, "q8"), (128, "q32"), (24, "q8"))
+# block_size_for gives 16 up to 8 rows, 32 up to 24, 64 above: q32; a block size that is a
+# multiple of 24 takes q24). Above 128 rows quant_gemm's own tile rungs run: measured (H200,
+# Mixtral, bench_wna16_nvidia_h200_20261130_071739.json, GEMM1 + GEMM2) q32 (then D = 2)
+# 0.82 / 1.48 / 2.74 / 5.71 ms vs those rungs 1.50 / 2.36 / 3.05 / 5.41 ms at 32 / 64 / 128 /
+# 256 rows per expert (T = 128 / 256 / 512 / 1024).
+PACKED_BY_ROWS = ((8, "q8"), (128, "q24"), (128, "q32"), (24, "q8"))
 
 
 def route_int4(a, w, w_scale, w_zp, block_shape, top_k, block_size):
@@ -799,7 +803,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     runs = [(n, c, case) for n, c in CONFIGS.items() for case in
             (cases[:2] if args.quick else cases)]
     # --quick (the sanitizer's run): the route's defaults and one config of each other path
-    quick = {n for _, n in PACKED_BY_ROWS} | {"p8", "r16", "q32"}
+    quick = {n for _, n in PACKED_BY_ROWS} | {"p8", "r16"}
     runs += [(n, c, (M_a, E, K, N, Kd, max(B, 8 * c["MT"]), 4, gs, zp, None))
              for n, c in PACKED_CONFIGS.items() if n in quick or not args.quick
              for (M_a, E, K, N, Kd, B, gs, zp) in (packed_cases[:2] if args.quick else
