@@ -117,7 +117,9 @@ CONFIGS = {
 #     (experts of 2 and 3 live tiles evened out), WAVES = 8: 408 at T=64 (071729). At 3 or 4
 #     live tiles the ring of D = 2 spills registers (NVRTC sm_90: q32 98 spill loads, MT = 3
 #     14): with D = 1 (072403, T=64 / 256) q32 407 / 1195 us (D = 2: 407 / 1449), 24-token
-#     tiles (MT = 3, B = 48) 386 / 1089, the best, for block sizes that are multiples of 24.
+#     tiles (MT = 3, B = 48) 386 / 1089. Four CTAs of 4 warps per SM instead of two of 8 (half
+#     the partials each output sums; 072813, 072823): q32 370 / 1042 us at T=64 / 256, 452 at
+#     T=96 (W = 8: 507), q24 375 / 1027; q8 stays at 8 warps (T=16: 259 us with 4).
 PACKED_CONFIGS = {
     "q8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, RT=2, MINB=2),
     "q8d": dict(KERNEL="packed", MT=1, W=8, D=2, POST=0, RT=2, MINB=2),
@@ -126,8 +128,8 @@ PACKED_CONFIGS = {
     "q16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=0, RT=2, MINB=2),
     "r16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=1, RT=2, MINB=2),
     "s32w8": dict(KERNEL="packed", MT=4, W=8, D=2, POST=1, MINB=2),
-    "q24": dict(KERNEL="packed", MT=3, W=8, D=1, POST=0, RT=2, MINB=2, WAVES=8),
-    "q32": dict(KERNEL="packed", MT=4, W=8, D=1, POST=0, RT=2, MINB=2, WAVES=8),
+    "q24": dict(KERNEL="packed", MT=3, W=4, D=1, POST=0, RT=2, MINB=4, WAVES=8),
+    "q32": dict(KERNEL="packed", MT=4, W=4, D=1, POST=0, RT=2, MINB=4, WAVES=8),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, bench_wna16.py --sweep,
