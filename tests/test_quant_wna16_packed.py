@@ -127,8 +127,8 @@ def test_packed_plan_partial_slots():
     room = W.SMEM_PER_SM // 2 - 1024                             # 2 CTAs per SM
     assert plan("q16", RED=1 << 20)["RG"] == room // (2 * group) == 3
     assert plan("q8", RED=1 << 20)["RG"] == room // group == 6 < plan("q8")["TPC"] // 2
-    assert plan("q32", W=8)["RG"] == 1                           # at least one group, past RED
-    assert plan("q32", W=8)["smem"] == 4 * group > W.RED_BYTES
+    assert plan("q32", W=8, MINB=2)["RG"] == 1                   # at least one group, past RED
+    assert plan("q32", W=8, MINB=2)["smem"] == 4 * group > W.RED_BYTES
     assert plan("q8", num_sms=1)["TPC"] > 2 * plan("q8", num_sms=1)["RG"]
 
 
