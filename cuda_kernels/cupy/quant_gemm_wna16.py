@@ -400,7 +400,7 @@ for _ev in ELEMS.values():     # one NVRTC check per element type: every rung of
 # the first entry whose rows cover the batch and whose BM divides block_size (quant_gemm's
 # block_size_for gives 16 up to 8 rows, 32 up to 24, 64 above: q32; a block size that is a
 # multiple of 24 takes q24). Above 128 rows quant_gemm's own tile rungs run: measured (H200,
-# Mixtral, bench_wna16_nvidia_h200_20261130_071739.json, GEMM1 + GEMM2) q32 (then D = 2)
+# Mixtral, bench_wna16_nvidia_h200_20261130_071739.json, GEMM1 + GEMM2) q32 (then D = 2, W = 8)
 # 0.82 / 1.48 / 2.74 / 5.71 ms vs those rungs 1.50 / 2.36 / 3.05 / 5.41 ms at 32 / 64 / 128 /
 # 256 rows per expert (T = 128 / 256 / 512 / 1024).
 PACKED_BY_ROWS = ((8, "q8"), (128, "q24"), (128, "q32"), (24, "q8"))
@@ -481,10 +481,11 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
                 num_sms: int = 132, group_size: int = 0, num_groups: int = 1,
                 zp: bool = False) -> dict:
     """wna16_packed's launch: grid (cdiv(Lg, BM), cdiv(N/16, TPC)), block 32 W, TPC tiles
-    per CTA so that the live CTAs make about one wave (MINB per SM), D the ring depth that
-    divides the chunks per warp CPW (the kernel's rounds), the chunk-to-group shift, RG the
-    partials' slots of one group of RT tiles each (the groups that meet at one barrier),
-    dynamic shared memory smem."""
+    per CTA so that the live CTAs make about WAVES waves (default one; MINB CTAs per SM: a
+    later wave's CTAs go to the SMs that finish first, evening out m tiles of unequal live
+    token tiles), D the ring depth that divides the chunks per warp CPW (the kernel's rounds),
+    the chunk-to-group shift, RG the partials' slots of one group of RT tiles each (the groups
+    that meet at one barrier), dynamic shared memory smem."""
     bm = 8 * cfg["MT"]
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
@@ -497,8 +498,8 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     if nt % rt:
         raise ValueError(f"config: RT = {rt} tiles per group must divide N / 16 = {nt}")
     groups = nt // rt
-    # n splits: as many as fit beside the live m tiles in one wave (rounding tpc up first
-    # could ask for one split too many: 8 live m tiles x 17 = 136 CTAs on 132 slots)
+    # n splits: as many as fit beside the live m tiles in the planned waves (rounding tpc up
+    # first could ask for one split too many: 8 live m tiles x 17 = 136 CTAs on 132 slots)
     gy = max(1, min(groups, slots // live_m))
     tpc = C.cdiv(groups, gy)
     gy = C.cdiv(groups, tpc)
