@@ -842,8 +842,9 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 // meet in shared memory at one barrier (two halves of red_groups slots: a half is rewritten
 // only after the next barrier), added in warp order (deterministic).
 // Live token tiles: the CTA computes its first LT token tiles only, LT = 1 + the last tile
-// holding a live position (an expert's live rows are a prefix of its block), and LT is a
-// compile-time constant of the code that runs (w16::with_count: one instantiation per LT <= MT).
+// holding a live position (an expert's live rows are a prefix of its block; a padding tile
+// before a live one would be computed, never stored), and LT is a compile-time constant of
+// the code that runs (w16::with_count: one instantiation per LT <= MT).
 // Why: with a run-time test per tile, each tile's mma chain sat in its own branch, the chains
 // could not overlap, and a 16-token CTA ran ~60% slower than an 8-token one at the same work
 // (slot 2 and bench_wna16_nvidia_h200_20261130_064714: q16 vs q8 at T=1 and 16). So one config
