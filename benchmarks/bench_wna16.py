@@ -261,7 +261,6 @@ def main(argv=None):
         points.append(point)
 
         if args.sweep and time.time() < deadline:
-            B = 32 if P / E > 8 else 16
             cands = list(W.CONFIGS.items()) + list(W.PACKED_CONFIGS.items())
             if args.configs:
                 cands = [_config_override(dict(cands), spec) for spec in args.configs.split(",")]

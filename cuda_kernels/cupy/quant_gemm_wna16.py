@@ -140,13 +140,18 @@ PACKED_CONFIGS = {
 #   T=16 (4 rows, B=8):            w8  294 + 170 us                   (m8 329 + 248)
 #   T=64 (16 rows, B=32):          w16 578 + 301 us                   (m16 696 + 409)
 # Past ~16 rows per expert quant_gemm's tile rungs are faster (T=256: 1.79 ms vs 3.07 ms).
-# The packed rung (PACKED_CONFIGS, int4) then beat them all up to 128 rows: q8 up to 8 rows
-# per expert, then q24 (block_size a multiple of 24) or q32 (of 32) up to 128, q8 up to 24 for
-# other block sizes; a problem it cannot take (int8, group_size 32, N % 16) names a stream
-# config.
+# The packed rung (PACKED_CONFIGS, int4) then beat them all up to 128 rows, so its table
+# PACKED_BY_ROWS heads this one and is also grouped_gemm_quant's int4 route (route_int4): q8 up
+# to 8 rows per expert, then q24 (block_size a multiple of 24) or q32 (of 32; quant_gemm's
+# block_size_for gives 16 up to 8 rows, 32 up to 24, 64 above) up to 128, q8 up to 24 for other
+# block sizes. Above 128 rows quant_gemm's own tile rungs are faster: measured (H200, Mixtral,
+# bench_wna16_nvidia_h200_20261130_071739.json, GEMM1 + GEMM2) q32 (then D = 2, W = 8) 0.82 /
+# 1.48 / 2.74 / 5.71 ms vs those rungs 1.50 / 2.36 / 3.05 / 5.41 ms at 32 / 64 / 128 / 256 rows
+# per expert (T = 128 / 256 / 512 / 1024). A problem the packed rung cannot take (int8,
+# group_size 32, N % 16) names a stream config.
+PACKED_BY_ROWS = ((8, "q8"), (128, "q24"), (128, "q32"), (24, "q8"))
 # A measured table (CONFIG_FILE) replaces this one when present.
-BY_ROWS = ((8, "q8"), (128, "q24"), (128, "q32"), (24, "q8"), (4, "w8"), (1 << 30, "w16"),
-           (1 << 30, "w8"))
+BY_ROWS = PACKED_BY_ROWS + ((4, "w8"), (1 << 30, "w16"), (1 << 30, "w8"))
 # block_size measured with each entry (any multiple of its BM works)
 MEASURED_BLOCK = {"w8": 8, "w16": 32, "q8": 8, "q24": 48, "q32": 32}
 SMEM_PER_SM = 227 * 1024        # H100 / H200: shared memory an SM can give its CTAs
@@ -395,15 +400,6 @@ PACKED_NAMES = tuple(packed_kernel_name(c, z) for c in PACKED_CONFIGS.values()
                      for z in (False, True))
 for _ev in ELEMS.values():     # one NVRTC check per element type: every rung of the file
     C.register_compile_case(CU, {"ELEM_BF16": _ev}, NAMES + PACKED_NAMES)
-
-# The packed rung's default by rows per expert (P / E), for grouped_gemm_quant's int4 route:
-# the first entry whose rows cover the batch and whose BM divides block_size (quant_gemm's
-# block_size_for gives 16 up to 8 rows, 32 up to 24, 64 above: q32; a block size that is a
-# multiple of 24 takes q24). Above 128 rows quant_gemm's own tile rungs run: measured (H200,
-# Mixtral, bench_wna16_nvidia_h200_20261130_071739.json, GEMM1 + GEMM2) q32 (then D = 2, W = 8)
-# 0.82 / 1.48 / 2.74 / 5.71 ms vs those rungs 1.50 / 2.36 / 3.05 / 5.41 ms at 32 / 64 / 128 /
-# 256 rows per expert (T = 128 / 256 / 512 / 1024).
-PACKED_BY_ROWS = ((8, "q8"), (128, "q24"), (128, "q32"), (24, "q8"))
 
 
 def route_int4(a, w, w_scale, w_zp, block_shape, top_k, block_size):
