@@ -55,19 +55,24 @@ checks() {   # GPU 0
   sanitizer
 }
 
-sanitizer() {   # on the current CUDA_VISIBLE_DEVICES (GPU 0 unless set)
+sanitizer() {   # [MODULE ...] (default: every kernel module) on the current CUDA_VISIBLE_DEVICES
   say "compute-sanitizer"
-  for mod in cuda_kernels.cupy.routing cuda_kernels.cupy.permute cuda_kernels.cupy.activation \
-             cuda_kernels.cupy.combine cuda_kernels.cupy.grouped_gemm cuda_kernels.cupy.quant_gemm \
-             cuda_kernels.cupy.quant_act cuda_kernels.cupy.quant_gemm_wna16 cuda_kernels.cupy.ep_layout \
-             cuda_kernels.numba._sanitize; do
-    tools=memcheck
-    case $mod in *routing|*permute|*grouped_gemm|*_sanitize) tools="memcheck racecheck" ;; esac
+  local mods=("$@")
+  (( ${#mods[@]} )) || mods=(cuda_kernels.cupy.routing cuda_kernels.cupy.permute
+    cuda_kernels.cupy.activation cuda_kernels.cupy.combine cuda_kernels.cupy.grouped_gemm
+    cuda_kernels.cupy.quant_gemm cuda_kernels.cupy.quant_act cuda_kernels.cupy.quant_gemm_wna16
+    cuda_kernels.cupy.ep_layout cuda_kernels.numba._sanitize)
+  for mod in "${mods[@]}"; do
+    tools=memcheck      # racecheck where the kernels share memory between warps
+    case $mod in
+      *routing|*permute|*grouped_gemm|*quant_gemm_wna16|*_sanitize) tools="memcheck racecheck" ;;
+    esac
     for tool in $tools; do
       printf -- "-- %s %s: " "$tool" "$mod"
       timeout $(budget 45) compute-sanitizer --tool $tool --error-exitcode 9 python3 -m $mod --quick \
         >"$OUT/san.tmp" 2>&1; rc=$?
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/san.tmp" | tail -n 1 | tr -d '\n'; echo " (rc=$rc)"
+      (( rc )) && grep -m 12 -A 3 -E "^========= (Error|Warning|Race)" "$OUT/san.tmp"
     done
   done
   rm -f "$OUT/san.tmp"
@@ -155,15 +160,7 @@ wna16_dev() {   # GPU 0: the packed int4 rung, checked then timed config by conf
   say "packed int4 GPU tests"
   timeout $(budget 120) python3 -m pytest -q --maxfail=20 --timeout 100 -m gpu -p no:cacheprovider \
     tests/test_quant_wna16_packed.py 2>&1 | tail -n 20
-  say "compute-sanitizer on quant_gemm_wna16 --quick"
-  for tool in memcheck racecheck; do
-    printf -- "-- %s: " "$tool"
-    timeout $(budget 60) compute-sanitizer --tool $tool --error-exitcode 9 python3 -m \
-      cuda_kernels.cupy.quant_gemm_wna16 --quick >"$OUT/san.tmp" 2>&1; rc=$?
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/san.tmp" | tail -n 1 | tr -d '\n'; echo " (rc=$rc)"
-    (( rc )) && grep -m 12 -A 3 -E "^========= (Error|Warning|Race)" "$OUT/san.tmp"
-  done
-  rm -f "$OUT/san.tmp"
+  sanitizer cuda_kernels.cupy.quant_gemm_wna16
   # q32+D=2: q32 with a ring of two (spills at 3-4 live tiles); q32+WAVES=1: one wave
   say "bench_wna16: the packed configs"
   timeout $(budget 200) python3 benchmarks/bench_wna16.py --tokens 1,16,64 --no-old --sweep \
