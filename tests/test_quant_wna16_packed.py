@@ -138,13 +138,17 @@ def _emulation_entries(names):
     for i, n in enumerate(names):
         out.append(
             f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned block, const void* a, '
-            f"const void* wp, void* c, const void* sp, const void* zp, const int* st, "
+            f"const void* wp, void* c, const void* sp, const void* zp, const unsigned* asum, "
+            f"const int* st, "
             f"const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
             f"int P, int top_k, int B, int L, int mul, int shift, int G, int dzp, int tpc, "
             f"int rg) {{\n"
             f"    launch3(gx, gy, 1, block, [&] {{ gridDim.z = 1; {n}((const elem_t*)a, "
-            f"(const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, st, "
+            f"(const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, asum, st, "
             f"ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, shift, G, dzp, tpc, rg); }});\n}}")
+    out.append(
+        'extern "C" void chunk_sums(unsigned grid, const void* a, unsigned* asum, int runs) {\n'
+        f"    launch(grid, 1, 256, [&] {{ {W.SUMS_KERNEL}((const elem_t*)a, asum, runs); }});\n}}")
     return "\n".join(out)
 
 
@@ -186,6 +190,14 @@ def emulated_packed(tmp_path_factory):
     ("q32", (50, 3, 2, 32, 640, 32), 128, False, 1),       # 1 or 4
     ("q24", (40, 3, 2, 64, 1024, 48), 128, True, 1),       # MT = 3, a ring of one item
     ("q24", (20, 5, 2, 32, 576, 24), 64, False, 132),
+    # SR = 1 (the ring in shared memory, cp.async) with POST = 1 (the zero-point mma on the
+    # chunk sums): zero points through the ring, dead chunks, 1..4 live tiles, one group per row
+    ("v8", (3, 3, 2, 64, 1152, 8), 128, True, 1),
+    ("v8", (3, 2, 2, 32, 576, 8), 64, False, 1),
+    ("v24", (40, 3, 2, 64, 1024, 48), 128, True, 1),
+    ("v32", (40, 3, 2, 64, 1024, 32), 128, True, 1),
+    ("v32", (50, 3, 2, 32, 640, 32), 128, False, 132),
+    ("v32", (6, 2, 2, 32, 1024, 32), 1024, True, 132),
 ])
 def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sms):
     import ctypes
@@ -203,6 +215,7 @@ def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sm
     want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, bias, w_scale=ws, w_zp=wz,
                                  use_int4_w4a16=True)
     pk = W.prepack_int4(wq, ws, wz)
+    asum = W.chunk_sums(a) if W.PACKED_CONFIGS[cfg].get("POST") else None
     P, G = M_a * K, ws.shape[2]
     lp = W.packed_plan(P, E, N, Kd, st.size, B, W.PACKED_CONFIGS[cfg], sms, Kd // G, G,
                        wz is not None)
@@ -210,13 +223,34 @@ def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sm
     gx, gy, _ = lp["grid"]
     getattr(emulated_packed, f"k{EMU_NAMES.index(lp['name'])}")(
         gx, gy, lp["block"][0], p(np.ascontiguousarray(a).view(np.uint16)), p(pk["wp"]), p(c),
-        p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), N, Kd, P, K, B,
+        p(pk["sp"]), p(pk["zp"]), p(asum), p(st), p(ex), p(ntp), p(tw), p(bias), N, Kd, P, K, B,
         lp["Lg"], 1, lp["shift"], G, 8, lp["TPC"], lp["RG"])
     c_ = W.PACKED_CONFIGS[cfg]
-    assert lp["smem"] == (4 * 8 * c_["MT"] * (Kd // 64) if c_["POST"] else 0) + \
-        2 * lp["RG"] * c_["W"] * c_.get("RT", 1) * 8 * c_["MT"] * 17 * 4
+    rings = c_["W"] * lp["D"] * c_.get("RT", 1) * 32 * (28 if zp else 24) if c_.get("SR") else 0
+    assert lp["smem"] == rings + 2 * lp["RG"] * c_["W"] * c_.get("RT", 1) * 8 * c_["MT"] * 17 * 4
     err = rel_err(c.view(BF16), want)
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e}"
+
+
+@pytest.mark.simulator
+def test_emulated_chunk_sums(emulated_packed, rng):
+    """wna16_chunk_sums writes chunk_sums' words bit for bit, and -(hi + lo) carries each
+    64-element sum to ~2^-16 of its size (the two bf16 halves of POST's zero-point mma)."""
+    import ctypes
+
+    a = (rng.standard_normal((5, 384)) * np.exp(rng.uniform(-6, 6, (5, 1)))).astype(BF16)
+    want = W.chunk_sums(a)
+    got = np.full(want.shape, 0xFFFFFFFF, np.uint32)                # poison: NaN pairs
+    emulated_packed.chunk_sums(C.cdiv(want.size, 256),
+                               np.ascontiguousarray(a).view(np.uint16).ctypes.data_as(
+                                   ctypes.c_void_p), got.ctypes.data_as(ctypes.c_void_p),
+                               want.size)
+    assert np.array_equal(got, want)
+    pairs = got.view(np.uint16).reshape(*got.shape, 2).view(BF16).astype(np.float64)
+    exact = a.astype(np.float64).reshape(5, 6, 64).sum(axis=-1)
+    assert np.all(np.abs(-(pairs[..., 0] + pairs[..., 1]) - exact) <=
+                  2.0 ** -15 * np.abs(exact) + 1e-30 + 64 * 2.0 ** -24 * np.abs(a.astype(
+                      np.float64)).reshape(5, 6, 64).sum(axis=-1))
 
 
 # ----------------------------------------------------------------------------- GPU

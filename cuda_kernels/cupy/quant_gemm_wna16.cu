@@ -195,7 +195,7 @@ __device__ __forceinline__ uint4 ld_stream(const u8* p) {
 }
 
 // cp.async: 16 bytes (.cg: L2 only, the weights are read once) or 4 bytes (.ca), zero-filled
-// when pred is false (src-size 0: nothing is read).
+// when pred is false (src-size 0: nothing is read); 8 bytes (.ca), always read.
 __device__ __forceinline__ void cp16(void* dst, const void* src, bool pred) {
 #ifdef QG_EMULATED_PTX
     qg_cp16(dst, src, pred);
@@ -212,6 +212,14 @@ __device__ __forceinline__ void cp4(void* dst, const void* src, bool pred) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
                  :: "r"(d), "l"(src), "r"(pred ? 4 : 0));
+#endif
+}
+__device__ __forceinline__ void cp8(void* dst, const void* src) {
+#ifdef QG_EMULATED_PTX
+    qg_cp8(dst, src);
+#else
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(d), "l"(src));
 #endif
 }
 __device__ __forceinline__ void cp_commit() {
@@ -827,11 +835,16 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 //   (2 (m & 1), 2 (m & 1) + 1) of the row-g / row-g+8 words (m < 2: words 0 / 1, else 2 / 3),
 //   B = the same 4 codes of the lane's token (column g of the tile), two pairs of a 16-byte
 //   load of a at k = 64 c + 16 t (+ 8): the A and B k slots hold the same codes.
-//   Dequantization: one shift and one lop3 per pair give 128 + q. POST = 0 subtracts 128 + zp
-//   per pair (exact in elem2); POST = 1 feeds 128 + q to the mma and subtracts (128 + zp) times
-//   the chunk's activation sum per token from the fp32 partial (sums staged per CTA in
-//   dynamic shared memory, [C][BM] fp32). The group scale then multiplies the chunk's partial
-//   (needs group_size % 64 == 0).
+//   Dequantization: one shift and one lop3 per pair give 128 + q.
+//     POST = 0 subtracts 128 + zp per pair (exact in elem2): 16 hsub2 per chunk.
+//     POST = 1 (bf16 only) feeds 128 + q to the mma and takes the zero point off with one more
+//       mma per chunk and token tile: A = 128 + zp at k slots 0, 1 (lanes t = 0; zeros
+//       elsewhere), B = (-hi, -lo) of the token's chunk sum S = sum_k a (asum, written by
+//       wna16_chunk_sums below: hi = bf16(S), lo = bf16(S - hi)), so the partial gains
+//       -(128 + zp) (hi + lo) = -(128 + zp) S to ~2^-17 relative. Products of 8-bit numbers
+//       are exact in fp32; what is left is the fp32 cancellation of sum (128 + q) a against
+//       (128 + zp) S (~2^-23 times ~30). fp16 (a chunk's sum may pass 65504) runs POST = 0.
+//   The group scale then multiplies the chunk's fp32 partial (needs group_size % 64 == 0).
 //   Why this shape (H200, Mixtral T=1 GEMM1, ncu of slot 1): the rung is instruction-bound
 //   (issue ~60% busy, ALU pipe ~55%, 'wait' stalls first), so the count of instructions per
 //   chunk is what the layout, the pointer-walking ring and POST minimise.
@@ -849,19 +862,24 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 // could not overlap, and a 16-token CTA ran ~60% slower than an 8-token one at the same work
 // (slot 2 and bench_wna16_nvidia_h200_20261130_064714: q16 vs q8 at T=1 and 16). So one config
 // of MT = 4 reads each expert's weights once for up to 32 rows and pays per live tile only.
-// Each warp walks its (tile, chunk) items through a ring of D 16-byte loads in flight per
-// lane (plus their scales), across tile boundaries, so a barrier does not drain the loads at
-// once. Activations are read through L1 (16-byte __ldg, 2 per chunk and live token tile),
-// padding columns read a live row (never stored).
+// Each warp walks its (tile, chunk) items through a ring of D items in flight per lane (16
+// bytes of codes plus the two rows' scales), across tile boundaries, so a barrier does not
+// drain the loads at once. SR = 0: the ring is registers (16-byte loads); SR = 1: it is the
+// warp's own slice of shared memory, filled by cp.async (each lane reads back only the bytes
+// it copied: cp.async.wait_group, no barrier), so that D can be deep at 3-4 live token tiles,
+// where a register ring deeper than one item spills (q24 / q32 ran with D = 1).
+// Activations are read through L1 (16-byte __ldg, 2 per chunk and live token tile), padding
+// columns read a live row (never stored).
 // grid (cdiv(Lg, BM), cdiv(N / 16, tiles_per_cta)), block 32 W, static shared memory
-// 8 BM bytes, dynamic 4 BM Kdim / 64 (POST's sums) + 2 red_groups W RT BM 17 4 bytes (the
+// 8 BM bytes, dynamic SR W D RT 768 (the rings) + 2 red_groups W RT BM 17 4 bytes (the
 // warps' partials).
 // Needs int4, N % 16 == 0, Kdim % 64 == 0, group_size a multiple of 64 with
 // chunks-per-group a power of two (chunk_shift = log2; or one group per row: 30).
-template <int MT, int W, int D, int ZP, int POST, int RT, int MINB>
+template <int MT, int W, int D, int ZP, int POST, int RT, int MINB, int SR>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
+             const u32* __restrict__ asum,
              const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
              const int* __restrict__ num_tokens_post_padded,
              const float* __restrict__ topk_weights, const float* __restrict__ bias,
@@ -870,6 +888,7 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
              int tiles_per_cta, int red_groups) {
     constexpr int BM = 8 * MT;
     constexpr int RS = 17;                        // padded row of the partials: fewer conflicts
+    constexpr bool RAW = POST && ELEM_BF16;       // the mma sees 128 + q (see above)
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
 
@@ -901,6 +920,7 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     }
 
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int C = Kdim >> 6;                      // 64-code chunks per row
     // this lane's token rows (column g of each tile of 8), padding -> a live row (its column
     // of the accumulators is never stored); the live tiles: up to the last with a live row
     int first = 0, live_tiles = 0;
@@ -910,13 +930,14 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             if (!live_tiles) live_tiles = r / 8 + 1;
         }
     const elem_t* arow[MT];
+    int srow[RAW ? MT : 1];                       // the rows' first chunk sums in asum
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        const int r = sArow[8 * mt + g];
-        arow[mt] = a + (size_t)(r >= 0 ? r : first) * Kdim + 16 * t;
+        const int r = sArow[8 * mt + g] >= 0 ? sArow[8 * mt + g] : first;
+        arow[mt] = a + (size_t)r * Kdim + 16 * t;
+        if (RAW) srow[RAW ? mt : 0] = r * C;
     }
 
-    const int C = Kdim >> 6;                      // 64-code chunks per row
     const int CPW = (C + W - 1) / W;              // chunks per warp per tile
     // 32-bit offsets inside the expert (the launcher checks N * Kdim / 2 < 2^31)
     const uint4* wexp = wp + (size_t)e * ntiles * C * 32 + lane;
@@ -929,15 +950,29 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #endif
     const u32 zdef = MAGIC | ((u32)default_zp * 0x00010001u);
 
+    // dynamic shared memory: SR's rings [W][D][RT][32] of uint4 codes, float2 scales and (ZP)
+    // the 4-byte word holding the rows' zero points, then the warps' partials
+    // [2 halves][red_groups][W][RT][BM][RS] fp32
+    extern __shared__ __align__(16) u8 smem[];
+    constexpr int SLOTS = SR ? W * D * RT * 32 : 0;          // ring entries of each kind
+    uint4* ring_w = reinterpret_cast<uint4*>(smem) + warp * D * RT * 32 + lane;
+    float2* ring_s = reinterpret_cast<float2*>(smem + SLOTS * 16) + warp * D * RT * 32 + lane;
+    u32* ring_z = reinterpret_cast<u32*>(smem + SLOTS * 24) + warp * D * RT * 32 + lane;
+    float* sRed = reinterpret_cast<float*>(smem + SLOTS * (ZP ? 28 : 24));
+    // SR: a round's D items run as a loop (slot u a run-time index into shared memory, which
+    // a register ring cannot be); unrolled, the scheduler interleaves items and 4 live token
+    // tiles spill
+    constexpr int ITEMS_UNROLLED = SR ? 1 : D;
+
     // ---- the ring: D items (16 bytes of codes + the two rows' scales) in flight per lane,
     // walked in rounds of D items (CPW is a multiple of D: a round never crosses a tile).
     // Item u of a round is chunk c0 + u W of the round's tile: its codes lie u W 512 bytes
     // after the round's pointer, its activations u W 64 elements on (immediate offsets, no
     // index arithmetic per item). Each slot is refilled right after its math, from the next
-    // round (the registers are free by then: no copies).
-    uint4 rw[D][RT];
-    float2 rs[D][RT];
-    u32 rz[ZP ? D : 1][RT];
+    // round (the registers / the lane's shared bytes are free by then: no copies).
+    uint4 rw[SR ? 1 : D][RT];
+    float2 rs[SR ? 1 : D][RT];
+    u32 rz[ZP && !SR ? D : 1][RT];
     const int RPT = CPW / D;                      // rounds per tile (group of RT tiles)
     const int tstride = C * 32;                   // uint4 from a tile's chunk to the next tile's
     // the next round to load: its tile, first chunk, code pointer, the tile's scale rows
@@ -951,15 +986,22 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             const int grp8 = (chunk >> chunk_shift) * 8;
 #pragma unroll
             for (int r = 0; r < RT; ++r) {        // the group's RT tiles: one tile apart
-                rw[u][r] = w16::ld_stream(reinterpret_cast<const u8*>(n_w + u * W * 32 +
-                                                                      r * tstride));
-                rs[u][r] = __ldg(n_s + r * num_groups * 8 + grp8);
-                if (ZP) {
-                    const u32 z = __ldg(n_z + r * num_groups * 8 + grp8);
-                    rz[ZP ? u : 0][r] = ((z & 0xFFu) << 16) | (z >> 8);   // (row g, row g + 8)
+                const uint4* src = n_w + u * W * 32 + r * tstride;
+                const float2* ssrc = n_s + r * num_groups * 8 + grp8;
+                const unsigned short* zsrc = n_z + r * num_groups * 8 + grp8;
+                if constexpr (SR) {
+                    w16::cp16(ring_w + (u * RT + r) * 32, src, true);
+                    w16::cp8(ring_s + (u * RT + r) * 32, ssrc);
+                    if (ZP)                       // the aligned word: rows g & ~1 and g | 1
+                        w16::cp4(ring_z + (u * RT + r) * 32, zsrc - (g & 1), true);
+                } else {
+                    rw[SR ? 0 : u][r] = w16::ld_stream(reinterpret_cast<const u8*>(src));
+                    rs[SR ? 0 : u][r] = __ldg(ssrc);
+                    if (ZP) rz[ZP ? u : 0][r] = __ldg(zsrc);
                 }
             }
         }
+        if constexpr (SR) w16::cp_commit();       // one group per slot, empty past the end
     };
     auto next_round = [&]() {
         n_c0 += D * W;
@@ -976,33 +1018,6 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     for (int u = 0; u < D; ++u) load(u);
     next_round();
 
-    // POST: the mma multiplies the raw magic values 128 + q (no subtraction per pair); the
-    // zero point comes off after it, (128 + zp) times the chunk's activation sum per token,
-    // staged once per CTA (its weight loads are already in flight): sSum [C][BM] fp32.
-    extern __shared__ __align__(16) u8 smem[];
-    float* sSum = reinterpret_cast<float*>(smem);
-    // the warps' partials after the sums: [2 halves][red_groups][W][RT][BM][RS] fp32
-    float* sRed = sSum + (POST ? C * BM : 0);
-    if (POST) {
-        for (int i = tid; i < C * BM; i += W * 32) {
-            const int cc = i / BM, r = i - cc * BM;
-            const int ar = sArow[r];
-            float sum = 0.f;
-            if (ar >= 0) {
-                const uint4* src = reinterpret_cast<const uint4*>(a + (size_t)ar * Kdim + cc * 64);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const uint4 v = __ldg(src + j);
-                    sum += ((w16::lo_f32(v.x) + w16::hi_f32(v.x)) + (w16::lo_f32(v.y) +
-                            w16::hi_f32(v.y))) + ((w16::lo_f32(v.z) + w16::hi_f32(v.z)) +
-                            (w16::lo_f32(v.w) + w16::hi_f32(v.w)));
-                }
-            }
-            sSum[i] = sum;                        // i = cc * BM + r
-        }
-        __syncthreads();
-    }
-
     // the rest runs with LT, the live token tiles, a compile-time constant
     w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
         constexpr int LT = decltype(live_count)::value;
@@ -1017,29 +1032,30 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         // one item: the math of slot u (chunk c), then the slot's refill from the next round
         auto item = [&](int u, int c, bool check) {
             if (!check || c < C) {                    // uniform over the warp
+                // SR: the slot's copies are the oldest of the D groups in flight
+                if constexpr (SR) w16::cp_wait<D - 1>();
                 // B: the lane's token rows, loaded once for the RT weight tiles of the group
                 uint4 b[LT][2];
-                float2 sm[LT];
+                u32 bsum[RAW ? LT : 1];
 #pragma unroll
                 for (int mt = 0; mt < LT; ++mt) {
                     const uint4* ap = reinterpret_cast<const uint4*>(arow[mt] + c * 64);
                     b[mt][0] = __ldg(ap);
                     b[mt][1] = __ldg(ap + 1);
-                    if (POST)
-                        sm[mt] = *reinterpret_cast<const float2*>(sSum + c * BM + 8 * mt + 2 * t);
+                    if (RAW) bsum[RAW ? mt : 0] = __ldg(asum + srow[RAW ? mt : 0] + c);
                 }
 #pragma unroll
                 for (int r = 0; r < RT; ++r) {
-                    const uint4 x = rw[u][r];
-                    u32 zl = zdef, zh = zdef;
-                    float zfl = W16_MAGIC_F + default_zp, zfh = zfl;
-                    if (ZP) {
-                        zl = MAGIC | ((rz[ZP ? u : 0][r] >> 16) * 0x00010001u);
-                        zh = MAGIC | ((rz[ZP ? u : 0][r] & 0xFFu) * 0x00010001u);
-                        zfl = W16_MAGIC_F + (float)(rz[ZP ? u : 0][r] >> 16);
-                        zfh = W16_MAGIC_F + (float)(rz[ZP ? u : 0][r] & 0xFFu);
+                    const uint4 x = SR ? ring_w[(u * RT + r) * 32] : rw[SR ? 0 : u][r];
+                    const float2 s2 = SR ? ring_s[(u * RT + r) * 32] : rs[SR ? 0 : u][r];
+                    u32 zl = zdef, zh = zdef;         // (128 + zp) in both halves, rows g, g + 8
+                    if (ZP) {                         // z: row g's zero point in the low byte
+                        const u32 z = SR ? ring_z[(u * RT + r) * 32] >> (16 * (g & 1))
+                                         : rz[ZP && !SR ? u : 0][r];
+                        zl = MAGIC | ((z & 0xFFu) * 0x00010001u);
+                        zh = MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u);
                     }
-                    // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q (POST)
+                    // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q (RAW)
                     // or q - zp, one lop3 (and one shift) per pair
                     u32 lo[8], hi[8];
 #pragma unroll
@@ -1049,27 +1065,24 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                         hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
                         lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
                         hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
-                        if (!POST) {
+                        if (!RAW) {
                             lo[p] = w16::as_u32(__hsub2(w16::as_e2(lo[p]), w16::as_e2(zl)));
                             hi[p] = w16::as_u32(__hsub2(w16::as_e2(hi[p]), w16::as_e2(zh)));
                             lo[4 + p] = w16::as_u32(__hsub2(w16::as_e2(lo[4 + p]), w16::as_e2(zl)));
                             hi[4 + p] = w16::as_u32(__hsub2(w16::as_e2(hi[4 + p]), w16::as_e2(zh)));
                         }
                     }
-                    const float2 s2 = rs[u][r];
+                    // RAW's zero-point mma: A = 128 + zp at k slots 0, 1 (lanes t = 0 hold them)
+                    const u32 za = t == 0 ? zl : 0u, zb = t == 0 ? zh : 0u;
 #pragma unroll
                     for (int mt = 0; mt < LT; ++mt) {
                         float tmp[4] = {0.f, 0.f, 0.f, 0.f};
+                        if (RAW)
+                            w16::mma16816(tmp, za, zb, 0u, 0u, bsum[RAW ? mt : 0], 0u);
                         w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], b[mt][0].x, b[mt][0].y);
                         w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], b[mt][0].z, b[mt][0].w);
                         w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], b[mt][1].x, b[mt][1].y);
                         w16::mma16816(tmp, lo[6], hi[6], lo[7], hi[7], b[mt][1].z, b[mt][1].w);
-                        if (POST) {
-                            tmp[0] = fmaf(-zfl, sm[mt].x, tmp[0]);
-                            tmp[1] = fmaf(-zfl, sm[mt].y, tmp[1]);
-                            tmp[2] = fmaf(-zfh, sm[mt].x, tmp[2]);
-                            tmp[3] = fmaf(-zfh, sm[mt].y, tmp[3]);
-                        }
                         acc[r][mt][0] = fmaf(s2.x, tmp[0], acc[r][mt][0]);
                         acc[r][mt][1] = fmaf(s2.x, tmp[1], acc[r][mt][1]);
                         acc[r][mt][2] = fmaf(s2.y, tmp[2], acc[r][mt][2]);
@@ -1077,9 +1090,8 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                     }
                 }
             }
-            load(u);                                  // refill: the slot's registers are free
+            load(u);                                  // refill: the slot is free
         };
-
         constexpr int LM = 8 * LT;                    // the live tiles' rows
         constexpr int GSZ = W * RT * BM * RS;        // floats of one group's partials
         // the outputs of ngroups consecutive groups from their partials at red0 (the first group
@@ -1107,10 +1119,10 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             for (int rd = 0; rd < RPT; ++rd) {
                 const int c0 = warp + rd * D * W;
                 if (c0 + (D - 1) * W < C) {           // a full round: no per-item check
-#pragma unroll
+#pragma unroll ITEMS_UNROLLED
                     for (int u = 0; u < D; ++u) item(u, c0 + u * W, false);
                 } else {
-#pragma unroll
+#pragma unroll ITEMS_UNROLLED
                     for (int u = 0; u < D; ++u) item(u, c0 + u * W, true);
                 }
                 next_round();
@@ -1137,4 +1149,28 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             }
         }
     });
+}
+
+// The chunk sums of wna16_packed's POST = 1: asum[row][c] = the elem2 pair (-hi, -lo) with
+// S = sum_{k < 64} a[row][64 c + k] in fp32 (in k order), hi = bf16(S), lo = bf16(S - hi)
+// (S - hi is exact in fp32). Rows are contiguous, so (row, c) is the 64-element run i.
+// grid cdiv(rows Kdim / 64, 256), block 256: one thread per run, eight 16-byte loads.
+__global__ void __launch_bounds__(256)
+wna16_chunk_sums(const elem_t* __restrict__ a, u32* __restrict__ asum, int runs) {
+    const int i = blockIdx.x * 256 + threadIdx.x;
+    if (i >= runs) return;
+    const uint4* src = reinterpret_cast<const uint4*>(a) + (size_t)i * 8;
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const uint4 v = __ldg(src + j);
+        const u32 w4[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {             // one add at a time: k order, as chunk_sums
+            s += w16::lo_f32(w4[q]);
+            s += w16::hi_f32(w4[q]);
+        }
+    }
+    const float hi = w16::to_f32(w16::from_f32(s));
+    asum[i] = w16::pack2(-hi, -(s - hi));
 }

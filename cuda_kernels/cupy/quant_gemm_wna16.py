@@ -130,6 +130,10 @@ PACKED_CONFIGS = {
     "s32w8": dict(KERNEL="packed", MT=4, W=8, D=2, POST=1, MINB=2),
     "q24": dict(KERNEL="packed", MT=3, W=4, D=1, POST=0, RT=2, MINB=4, WAVES=8),
     "q32": dict(KERNEL="packed", MT=4, W=4, D=1, POST=0, RT=2, MINB=4, WAVES=8),
+    # SR = 1: the ring in shared memory (cp.async), deep at 3-4 live token tiles; with POST = 1
+    "v8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=1, RT=2, MINB=2, SR=1),
+    "v24": dict(KERNEL="packed", MT=3, W=4, D=4, POST=1, RT=2, MINB=4, WAVES=8, SR=1),
+    "v32": dict(KERNEL="packed", MT=4, W=4, D=4, POST=1, RT=2, MINB=4, WAVES=8, SR=1),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, bench_wna16.py --sweep,
@@ -393,11 +397,13 @@ def unpack_int4(packed):
 
 def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
     return (f"wna16_packed<{cfg['MT']}, {cfg['W']}, {cfg['D'] if d is None else d}, "
-            f"{int(bool(zp))}, {int(cfg.get('POST', 0))}, {cfg.get('RT', 1)}, {cfg['MINB']}>")
+            f"{int(bool(zp))}, {int(cfg.get('POST', 0))}, {cfg.get('RT', 1)}, {cfg['MINB']}, "
+            f"{cfg.get('SR', 0)}>")
 
 
+SUMS_KERNEL = "wna16_chunk_sums"
 PACKED_NAMES = tuple(packed_kernel_name(c, z) for c in PACKED_CONFIGS.values()
-                     for z in (False, True))
+                     for z in (False, True)) + (SUMS_KERNEL,)
 for _ev in ELEMS.values():     # one NVRTC check per element type: every rung of the file
     C.register_compile_case(CU, {"ELEM_BF16": _ev}, NAMES + PACKED_NAMES)
 
@@ -463,6 +469,30 @@ def forget_packed():
     _PACKED.clear()
 
 
+def ring_bytes_packed(cfg: dict, d: int, zp: bool = False) -> int:
+    """SR = 1's rings in shared memory: W warps x D slots x RT tiles x 32 lanes x (16 bytes of
+    codes + 8 of scales + 4 of zero points with zp); 0 for the register ring."""
+    if not cfg.get("SR"):
+        return 0
+    return cfg["W"] * d * cfg.get("RT", 1) * 32 * (28 if zp else 24)
+
+
+def chunk_sums(a):
+    """What wna16_chunk_sums writes for POST = 1 (NumPy, bf16 a [M, Kdim]): uint32 [M, Kdim /
+    64], the bf16 pair (-hi, -lo) (low half -hi) of each 64-element run's fp32 sum S (in k
+    order), hi = bf16(S), lo = bf16(S - hi)."""
+    M, K = a.shape
+    runs = np.asarray(a, dtype=np.float32).reshape(M, K // PACK_CHUNK, PACK_CHUNK)
+    s = np.zeros(runs.shape[:2], np.float32)
+    for k in range(PACK_CHUNK):                       # fp32, in k order, as the kernel adds
+        s = s + runs[:, :, k]
+    bf = np.dtype(C.bf16_dtype())
+    hi = s.astype(bf)
+    lo = (s - hi.astype(np.float32)).astype(bf)
+    return (((-lo).view(np.uint16).astype(np.uint32) << 16) |
+            (-hi).view(np.uint16).astype(np.uint32))
+
+
 def live_m_tiles(P: int, E: int, mtiles: int, bm: int) -> int:
     """The live m tiles (BM positions with a token) to expect, from the host (the alignment
     lives on the device): min(P, E) experts hit, each with about 1.25 P / min(P, E) rows (a
@@ -505,16 +535,18 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     while cpw % d:
         d //= 2
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
-    sums = 4 * bm * nchunks if cfg.get("POST") else 0     # POST's activation sums [C][BM]
     # the warps' partials: slots of one group (RT tiles) each, as many as RED bytes allow (two
     # halves of red_groups slots met at one barrier), no more than the CTA's groups
     gbytes = cfg["W"] * rt * bm * 17 * 4
     room = SMEM_PER_SM // cfg["MINB"] - 1024                # MINB CTAs per SM
-    fit = min(cfg.get("RED", RED_BYTES), room - sums) // (2 * gbytes)
+    while d > 1 and ring_bytes_packed(cfg, d, zp) + 2 * gbytes > room:
+        d //= 2                                  # SR: a shallower ring beside one slot pair
+    rings = ring_bytes_packed(cfg, d, zp)
+    fit = min(cfg.get("RED", RED_BYTES), room - rings) // (2 * gbytes)
     red_groups = max(1, min(tpc // rt, fit))
-    smem = sums + 2 * red_groups * gbytes
+    smem = rings + 2 * red_groups * gbytes
     if smem > room:
-        raise ValueError(f"config: {smem} bytes of shared memory per CTA (POST's sums and the "
+        raise ValueError(f"config: {smem} bytes of shared memory per CTA (the rings and the "
                          f"partials) leave no room for MINB = {cfg['MINB']} CTAs per SM")
     return dict(name=packed_kernel_name(cfg, zp, d), cfg=cfg, grid=(mtiles, gy, 1),
                 block=(32 * cfg["W"],), smem=smem, TPC=tpc, D=d, shift=shift, Lg=Lg, KS=1,
@@ -706,8 +738,15 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                          w_zp is not None)
         kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"])
         null = C.null_ptr()
+        asum = null
+        if cfg0.get("POST") and out_key == "bf16":     # POST's chunk sums (fp16 runs POST = 0)
+            runs = M_a * (K // PACK_CHUNK)
+            C.check_fits_int32("a", runs, "a's 64-element runs (rows * Kdim / 64)")
+            asum = cupy.empty(runs, dtype=cupy.uint32)
+            _kernel(SUMS_KERNEL, ELEMS[out_key], 0)((C.cdiv(runs, 256),), (256,),
+                                                    (C.raw(a), asum, np.int32(runs)))
         args = (C.raw(a), pk["wp"], C.raw(c), pk["sp"], pk["zp"] if pk["zp"] is not None else null,
-                sorted_token_ids, expert_ids, num_tokens_post_padded,
+                asum, sorted_token_ids, expert_ids, num_tokens_post_padded,
                 tw if tw is not None else null, b32 if b32 is not None else null,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
@@ -802,7 +841,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     runs = [(n, c, case) for n, c in CONFIGS.items() for case in
             (cases[:2] if args.quick else cases)]
     # --quick (the sanitizer's run): the route's defaults and one config of each other path
-    quick = {n for _, n in PACKED_BY_ROWS} | {"p8", "r16"}
+    quick = {n for _, n in PACKED_BY_ROWS} | {"p8", "r16", "v8", "v32"}
     runs += [(n, c, (M_a, E, K, N, Kd, max(B, 8 * c["MT"]), 4, gs, zp, None))
              for n, c in PACKED_CONFIGS.items() if n in quick or not args.quick
              for (M_a, E, K, N, Kd, B, gs, zp) in (packed_cases[:2] if args.quick else
