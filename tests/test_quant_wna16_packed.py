@@ -198,6 +198,10 @@ def emulated_packed(tmp_path_factory):
     ("v32", (40, 3, 2, 64, 1024, 32), 128, True, 1),
     ("v32", (50, 3, 2, 32, 640, 32), 128, False, 132),
     ("v32", (6, 2, 2, 32, 1024, 32), 1024, True, 132),
+    # PF = 1: activations one item ahead (wrapping to the warp's first chunk per tile group)
+    ("f8", (3, 2, 2, 32, 576, 8), 64, False, 1),
+    ("f24", (40, 3, 2, 64, 1024, 48), 128, True, 1),
+    ("f32", (50, 3, 2, 32, 640, 32), 128, False, 132),
 ])
 def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sms):
     import ctypes

@@ -875,7 +875,7 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 // warps' partials).
 // Needs int4, N % 16 == 0, Kdim % 64 == 0, group_size a multiple of 64 with
 // chunks-per-group a power of two (chunk_shift = log2; or one group per row: 30).
-template <int MT, int W, int D, int ZP, int POST, int RT, int MINB, int SR>
+template <int MT, int W, int D, int ZP, int POST, int RT, int MINB, int SR, int PF>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
@@ -1029,6 +1029,20 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
 
+        // PF: the activations of the warp's next item (chunk c + W, or its first chunk again
+        // when the tile group ends), loaded one item ahead: their latency (L2, nothing else in
+        // flight for them) hides behind this item's math
+        uint4 b_next[PF ? LT : 1][2];
+        auto load_b = [&](int cn) {
+#pragma unroll
+            for (int mt = 0; mt < LT; ++mt) {
+                const uint4* ap = reinterpret_cast<const uint4*>(arow[mt] + cn * 64);
+                b_next[PF ? mt : 0][0] = __ldg(ap);
+                b_next[PF ? mt : 0][1] = __ldg(ap + 1);
+            }
+        };
+        if (PF && warp < C) load_b(warp);
+
         // one item: the math of slot u (chunk c), then the slot's refill from the next round
         auto item = [&](int u, int c, bool check) {
             if (!check || c < C) {                    // uniform over the warp
@@ -1040,10 +1054,11 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                 for (int mt = 0; mt < LT; ++mt) {
                     const uint4* ap = reinterpret_cast<const uint4*>(arow[mt] + c * 64);
-                    b[mt][0] = __ldg(ap);
-                    b[mt][1] = __ldg(ap + 1);
+                    b[mt][0] = PF ? b_next[PF ? mt : 0][0] : __ldg(ap);
+                    b[mt][1] = PF ? b_next[PF ? mt : 0][1] : __ldg(ap + 1);
                     if (RAW) bsum[RAW ? mt : 0] = __ldg(asum + srow[RAW ? mt : 0] + c);
                 }
+                if (PF) load_b(c + W < C ? c + W : warp);
 #pragma unroll
                 for (int r = 0; r < RT; ++r) {
                     const uint4 x = SR ? ring_w[(u * RT + r) * 32] : rw[SR ? 0 : u][r];

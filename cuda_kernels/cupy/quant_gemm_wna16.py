@@ -134,6 +134,10 @@ PACKED_CONFIGS = {
     "v8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=1, RT=2, MINB=2, SR=1),
     "v24": dict(KERNEL="packed", MT=3, W=4, D=4, POST=1, RT=2, MINB=4, WAVES=8, SR=1),
     "v32": dict(KERNEL="packed", MT=4, W=4, D=4, POST=1, RT=2, MINB=4, WAVES=8, SR=1),
+    # PF = 1: each warp loads its next item's activations one item ahead
+    "f8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, RT=2, MINB=2, PF=1),
+    "f24": dict(KERNEL="packed", MT=3, W=4, D=1, POST=0, RT=2, MINB=4, WAVES=8, PF=1),
+    "f32": dict(KERNEL="packed", MT=4, W=4, D=1, POST=0, RT=2, MINB=4, WAVES=8, PF=1),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, bench_wna16.py --sweep,
@@ -398,7 +402,7 @@ def unpack_int4(packed):
 def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
     return (f"wna16_packed<{cfg['MT']}, {cfg['W']}, {cfg['D'] if d is None else d}, "
             f"{int(bool(zp))}, {int(cfg.get('POST', 0))}, {cfg.get('RT', 1)}, {cfg['MINB']}, "
-            f"{cfg.get('SR', 0)}>")
+            f"{cfg.get('SR', 0)}, {cfg.get('PF', 0)}>")
 
 
 SUMS_KERNEL = "wna16_chunk_sums"
