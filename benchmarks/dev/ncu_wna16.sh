@@ -16,10 +16,16 @@ M=$M,sm__warps_active.avg.pct_of_peak_sustained_active
 for s in long_scoreboard wait barrier math_pipe_throttle lg_throttle mio_throttle short_scoreboard; do
   M=$M,smsp__average_warps_issue_stalled_${s}_per_issue_active.ratio
 done
+# SECTIONS=1: Nsight Compute's sections (speed of light, memory, compute, warp states, scheduler)
+# at the benchmark's clocks, instead of the metric list
+WHAT=(--metrics "$M")
+[ "${SECTIONS:-0}" = 1 ] && WHAT=(--clock-control none --section SpeedOfLight
+  --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats
+  --section SchedulerStats --section Occupancy --section LaunchStats)
 for spec in "$@"; do
   mt=${spec%%:*} cfg=${spec#*:}
   tmp=$(mktemp -d)
-  timeout 120 ncu --csv --log-file "$tmp/ncu.csv" --metrics "$M" \
+  timeout 120 ncu --csv --log-file "$tmp/ncu.csv" "${WHAT[@]}" \
     --kernel-name-base demangled --kernel-name "regex:wna16_packed<(\(int\))?$mt," --launch-count 2 \
     python3 benchmarks/bench_wna16.py --tokens "$T" --no-old --sweep --configs "$cfg" --reps 1 \
     --out "$tmp" >/dev/null 2>"$tmp/err"
