@@ -962,7 +962,7 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     // SR: a round's D items run as a loop (slot u a run-time index into shared memory, which
     // a register ring cannot be); unrolled, the scheduler interleaves items and 4 live token
     // tiles spill
-    constexpr int ITEMS_UNROLLED = SR ? 1 : D;
+    constexpr int ITEMS_UNROLLED = D;
 
     // ---- the ring: D items (16 bytes of codes + the two rows' scales) in flight per lane,
     // walked in rounds of D items (CPW is a multiple of D: a round never crosses a tile).
