@@ -161,12 +161,11 @@ wna16_dev() {   # GPU 0: the packed int4 rung, checked then timed config by conf
   timeout $(budget 120) python3 -m pytest -q --maxfail=20 --timeout 100 -m gpu -p no:cacheprovider \
     tests/test_quant_wna16_packed.py 2>&1 | tail -n 20
   sanitizer cuda_kernels.cupy.quant_gemm_wna16
-  # v*: the shared-memory ring (SR) with POST's zero-point mma, beside the register ring (q*);
-  # +POST=0 / +SR=1 / +POST=1 split the two changes; v32+MINB=3: a ring of 4 at 4 live tiles
+  # the route's q8 / q24 / q32 beside POST's zero-point mma (s8, r16, v32) and the
+  # shared-memory ring (v24, v32)
   say "bench_wna16: the packed configs"
   timeout $(budget 260) python3 benchmarks/bench_wna16.py --tokens 1,16,64,256 --no-old --sweep \
-    --configs q8,v8,q8+POST=1,q24,v24,v24+POST=0,q24+POST=1,q32,v32,v32+MINB=3 \
-    --budget-s 240 2>&1 | tail -n 60
+    --configs q8,s8,r16,q24,v24,q32,v32 --budget-s 240 2>&1 | tail -n 60
 }
 
 multi() {    # both GPUs

@@ -177,8 +177,8 @@ def emulated_packed(tmp_path_factory):
     ("s8", (2, 3, 2, 48, 2048, 8), 256, True, 1),        # POST with zero points, 3 tiles per CTA
     ("p8", (3, 2, 2, 32, 576, 8), 64, False, 1),         # 9 chunks over 8 warps: dead chunks
     ("s8", (6, 2, 2, 16, 1024, 16), 1024, True, 132),    # one group per row
-    ("s32w8", (20, 2, 1, 32, 128, 32), 128, True, 1),    # 4 token tiles, some all padding
-    ("s32w8", (20, 2, 1, 32, 576, 32), 64, False, 1),
+    ("v32", (20, 2, 1, 32, 128, 32), 128, True, 1),      # 4 token tiles, some all padding
+    ("v32", (20, 2, 1, 32, 576, 32), 64, False, 1),
     ("q8d", (2, 3, 2, 64, 2048, 8), 128, True, 1),       # RT = 2: two tiles per warp group
     ("r16", (9, 2, 2, 32, 576, 16), 64, False, 132),     # RT = 2 with POST
     ("q8", (3, 3, 2, 64, 1152, 8), 128, True, 1),        # RT = 2, zero point per pair
@@ -190,18 +190,14 @@ def emulated_packed(tmp_path_factory):
     ("q32", (50, 3, 2, 32, 640, 32), 128, False, 1),       # 1 or 4
     ("q24", (40, 3, 2, 64, 1024, 48), 128, True, 1),       # MT = 3, a ring of one item
     ("q24", (20, 5, 2, 32, 576, 24), 64, False, 132),
-    # SR = 1 (the ring in shared memory, cp.async) with POST = 1 (the zero-point mma on the
+    # SR = 1 (the ring in shared memory, cp.async; v32 with POST = 1, the zero-point mma on the
     # chunk sums): zero points through the ring, dead chunks, 1..4 live tiles, one group per row
-    ("v8", (3, 3, 2, 64, 1152, 8), 128, True, 1),
-    ("v8", (3, 2, 2, 32, 576, 8), 64, False, 1),
+    ("v24", (3, 3, 2, 64, 1152, 24), 128, True, 1),
+    ("v24", (3, 2, 2, 32, 576, 24), 64, False, 1),
     ("v24", (40, 3, 2, 64, 1024, 48), 128, True, 1),
     ("v32", (40, 3, 2, 64, 1024, 32), 128, True, 1),
     ("v32", (50, 3, 2, 32, 640, 32), 128, False, 132),
     ("v32", (6, 2, 2, 32, 1024, 32), 1024, True, 132),
-    # PF = 1: activations one item ahead (wrapping to the warp's first chunk per tile group)
-    ("f8", (3, 2, 2, 32, 576, 8), 64, False, 1),
-    ("f24", (40, 3, 2, 64, 1024, 48), 128, True, 1),
-    ("f32", (50, 3, 2, 32, 640, 32), 128, False, 132),
 ])
 def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sms):
     import ctypes

@@ -14,7 +14,7 @@
 // Three rungs (the older tile rungs live in quant_gemm.cu):
 //   wna16_stream<NBITS, POST, MT, WN, U, MINB>   weights straight from HBM into registers
 //   wna16_async<NBITS, POST, MT, WN, STAGES, MINB> weights through a per-warp cp.async ring
-//   wna16_packed<MT, W, D, ZP, POST, RT, MINB>    int4 prepacked at weight-load time (its own
+//   wna16_packed<MT, W, D, ZP, POST, RT, MINB, SR> int4 prepacked at weight-load time (its own
 //                                                header below): 512-byte warp loads that are
 //                                                the mma fragments, K split over the warps
 // The first two share the lane layout, the activation staging, step_math and the epilogue:
@@ -866,8 +866,10 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 // bytes of codes plus the two rows' scales), across tile boundaries, so a barrier does not
 // drain the loads at once. SR = 0: the ring is registers (16-byte loads); SR = 1: it is the
 // warp's own slice of shared memory, filled by cp.async (each lane reads back only the bytes
-// it copied: cp.async.wait_group, no barrier), so that D can be deep at 3-4 live token tiles,
-// where a register ring deeper than one item spills (q24 / q32 ran with D = 1).
+// it copied: cp.async.wait_group, no barrier), so that D > 1 fits at 3-4 live token tiles,
+// where a register ring deeper than one item spills (q24 / q32 run with D = 1). Measured
+// (dev_wna16_20261130b): faster at one live tile, slower at 2-3 and with D = 4 (the ring's
+// shared memory comes out of L1, which the activations are read through).
 // Activations are read through L1 (16-byte __ldg, 2 per chunk and live token tile), padding
 // columns read a live row (never stored).
 // grid (cdiv(Lg, BM), cdiv(N / 16, tiles_per_cta)), block 32 W, static shared memory
@@ -875,7 +877,7 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 // warps' partials).
 // Needs int4, N % 16 == 0, Kdim % 64 == 0, group_size a multiple of 64 with
 // chunks-per-group a power of two (chunk_shift = log2; or one group per row: 30).
-template <int MT, int W, int D, int ZP, int POST, int RT, int MINB, int SR, int PF>
+template <int MT, int W, int D, int ZP, int POST, int RT, int MINB, int SR>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
@@ -959,10 +961,6 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     float2* ring_s = reinterpret_cast<float2*>(smem + SLOTS * 16) + warp * D * RT * 32 + lane;
     u32* ring_z = reinterpret_cast<u32*>(smem + SLOTS * 24) + warp * D * RT * 32 + lane;
     float* sRed = reinterpret_cast<float*>(smem + SLOTS * (ZP ? 28 : 24));
-    // SR: a round's D items run as a loop (slot u a run-time index into shared memory, which
-    // a register ring cannot be); unrolled, the scheduler interleaves items and 4 live token
-    // tiles spill
-    constexpr int ITEMS_UNROLLED = D;
 
     // ---- the ring: D items (16 bytes of codes + the two rows' scales) in flight per lane,
     // walked in rounds of D items (CPW is a multiple of D: a round never crosses a tile).
@@ -1029,20 +1027,6 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
 
-        // PF: the activations of the warp's next item (chunk c + W, or its first chunk again
-        // when the tile group ends), loaded one item ahead: their latency (L2, nothing else in
-        // flight for them) hides behind this item's math
-        uint4 b_next[PF ? LT : 1][2];
-        auto load_b = [&](int cn) {
-#pragma unroll
-            for (int mt = 0; mt < LT; ++mt) {
-                const uint4* ap = reinterpret_cast<const uint4*>(arow[mt] + cn * 64);
-                b_next[PF ? mt : 0][0] = __ldg(ap);
-                b_next[PF ? mt : 0][1] = __ldg(ap + 1);
-            }
-        };
-        if (PF && warp < C) load_b(warp);
-
         // one item: the math of slot u (chunk c), then the slot's refill from the next round
         auto item = [&](int u, int c, bool check) {
             if (!check || c < C) {                    // uniform over the warp
@@ -1054,11 +1038,10 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                 for (int mt = 0; mt < LT; ++mt) {
                     const uint4* ap = reinterpret_cast<const uint4*>(arow[mt] + c * 64);
-                    b[mt][0] = PF ? b_next[PF ? mt : 0][0] : __ldg(ap);
-                    b[mt][1] = PF ? b_next[PF ? mt : 0][1] : __ldg(ap + 1);
+                    b[mt][0] = __ldg(ap);
+                    b[mt][1] = __ldg(ap + 1);
                     if (RAW) bsum[RAW ? mt : 0] = __ldg(asum + srow[RAW ? mt : 0] + c);
                 }
-                if (PF) load_b(c + W < C ? c + W : warp);
 #pragma unroll
                 for (int r = 0; r < RT; ++r) {
                     const uint4 x = SR ? ring_w[(u * RT + r) * 32] : rw[SR ? 0 : u][r];
@@ -1134,10 +1117,10 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             for (int rd = 0; rd < RPT; ++rd) {
                 const int c0 = warp + rd * D * W;
                 if (c0 + (D - 1) * W < C) {           // a full round: no per-item check
-#pragma unroll ITEMS_UNROLLED
+#pragma unroll
                     for (int u = 0; u < D; ++u) item(u, c0 + u * W, false);
                 } else {
-#pragma unroll ITEMS_UNROLLED
+#pragma unroll
                     for (int u = 0; u < D; ++u) item(u, c0 + u * W, true);
                 }
                 next_round();

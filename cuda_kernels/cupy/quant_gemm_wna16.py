@@ -21,11 +21,13 @@ L = len(sorted_token_ids), BM = 8 * MT positions per CTA, KS K splits.
     c        [P, N]           a's dtype
 
 Three rungs (see the .cu header for the lane layouts), chosen by the config name:
-    wna16_packed  (PACKED_CONFIGS: s8, s16, r16, ...) int4 only, on weights repacked once by
+    wna16_packed  (PACKED_CONFIGS: q8, q24, q32, ...) int4 only, on weights repacked once by
                   prepack_int4 (cached per weight array by packed_weights): each warp load
                   reads 512 contiguous bytes that are the lanes' mma fragments; the CTA's
-                  warps split K and meet once per 16-row tile in shared memory; a register
-                  ring of D chunks per lane; about one wave of CTAs (packed_plan). What
+                  warps split K and meet once per 16-row tile in shared memory; a ring of D
+                  chunks per lane (registers, or shared memory with SR); POST: the zero point
+                  off by one more mma on the chunk sums (wna16_chunk_sums, launched here);
+                  WAVES waves of CTAs (packed_plan). What
                   quant_gemm.grouped_gemm_quant runs for int4 decode batches (route_int4).
     wna16_stream  (CONFIGS: w8, m8, m16, m32) each warp streams 16 weight rows with 16-byte
                   loads straight into registers, U steps of 128 codes in flight per lane;
@@ -106,20 +108,26 @@ CONFIGS = {
 # wna16_packed (prepacked int4, see prepack_int4): MT token tiles of 8 (a CTA computes only its
 # live ones), W warps splitting each 16-row tile's K, D 16-byte loads in flight per lane, MINB
 # CTAs per SM, WAVES waves of CTAs planned (default 1).
-# POST = 1 takes the zero point off after the mma (see the .cu), 0 subtracts it per pair; RT
-# tiles of 16 rows per warp group share the activation fragments. Measured (H200, Mixtral T=1 /
-# 16 / 64, GEMM1 + GEMM2 per config, B = BM up to 8 rows per expert, else 32):
+# POST = 1 takes the zero point off with one more mma on the chunk sums (see the .cu), 0
+# subtracts it per pair; RT tiles of 16 rows per warp group share the activation fragments;
+# SR = 1 keeps the ring in shared memory (cp.async) instead of registers. Measured (H200,
+# Mixtral T=1 / 16 / 64, GEMM1 + GEMM2 per config, B = BM up to 8 rows per expert, else 32):
 #   benchmarks/results/dev_slots_20261130/slot2: q8 71 / 232 / 530 us, q8d 73 / 245 / 553,
-#     p8 73 / 251 / 602; slot 1b: s8 79 / 265 / 634 (POST's activation sums cost GEMM2 more
-#     than they save).
+#     p8 73 / 251 / 602.
 #   dev_wna16_20261130 (live token tiles a compile-time count): q8 67 / 228 / 561, q16 71 /
-#     250 / 543, q32 71 / 257 / 446, s32w8 102 / 327 / 533; q32 with WAVES = 4: 75 / 257 / 413
+#     250 / 543, q32 71 / 257 / 446; q32 with WAVES = 4: 75 / 257 / 413
 #     (experts of 2 and 3 live tiles evened out), WAVES = 8: 408 at T=64 (071729). At 3 or 4
 #     live tiles the ring of D = 2 spills registers (NVRTC sm_90: q32 98 spill loads, MT = 3
 #     14): with D = 1 (072403, T=64 / 256) q32 407 / 1195 us (D = 2: 407 / 1449), 24-token
 #     tiles (MT = 3, B = 48) 386 / 1089. Four CTAs of 4 warps per SM instead of two of 8 (half
 #     the partials each output sums; 072813, 072823): q32 370 / 1042 us at T=64 / 256, 452 at
 #     T=96 (W = 8: 507), q24 375 / 1027; q8 stays at 8 warps (T=16: 259 us with 4).
+#   dev_wna16_20261130b (T=1 / 16 / 64 / 256): POST's mma costs more than the 16 hsub2 per
+#     chunk it saves (091500: q8 vs q8+POST=1 68 / 234 / 567 / 1918 vs 75 / 239 / 573 / 1961;
+#     q24 vs q24+POST=1 at T=64 377 vs 413). SR lets MT = 3 / 4 keep 2 items in flight without
+#     spilling (092305): faster at one live tile (v24 93 / 269 vs q24 100 / 303 at T=1 / 16),
+#     slower at 2-3 (392 vs 371 at T=64; D = 4: 473); at MT = 1 slower than the register ring
+#     (q8+SR=1 77 / 252 vs 68 / 235).
 PACKED_CONFIGS = {
     "q8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, RT=2, MINB=2),
     "q8d": dict(KERNEL="packed", MT=1, W=8, D=2, POST=0, RT=2, MINB=2),
@@ -127,17 +135,11 @@ PACKED_CONFIGS = {
     "s8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=1, MINB=2),
     "q16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=0, RT=2, MINB=2),
     "r16": dict(KERNEL="packed", MT=2, W=8, D=2, POST=1, RT=2, MINB=2),
-    "s32w8": dict(KERNEL="packed", MT=4, W=8, D=2, POST=1, MINB=2),
     "q24": dict(KERNEL="packed", MT=3, W=4, D=1, POST=0, RT=2, MINB=4, WAVES=8),
     "q32": dict(KERNEL="packed", MT=4, W=4, D=1, POST=0, RT=2, MINB=4, WAVES=8),
-    # SR = 1: the ring in shared memory (cp.async), deep at 3-4 live token tiles; with POST = 1
-    "v8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=1, RT=2, MINB=2, SR=1),
-    "v24": dict(KERNEL="packed", MT=3, W=4, D=4, POST=1, RT=2, MINB=4, WAVES=8, SR=1),
-    "v32": dict(KERNEL="packed", MT=4, W=4, D=4, POST=1, RT=2, MINB=4, WAVES=8, SR=1),
-    # PF = 1: each warp loads its next item's activations one item ahead
-    "f8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, RT=2, MINB=2, PF=1),
-    "f24": dict(KERNEL="packed", MT=3, W=4, D=1, POST=0, RT=2, MINB=4, WAVES=8, PF=1),
-    "f32": dict(KERNEL="packed", MT=4, W=4, D=1, POST=0, RT=2, MINB=4, WAVES=8, PF=1),
+    # SR = 1: the ring in shared memory (cp.async), two items deep at 3-4 live token tiles
+    "v24": dict(KERNEL="packed", MT=3, W=4, D=2, POST=0, RT=2, MINB=4, WAVES=8, SR=1),
+    "v32": dict(KERNEL="packed", MT=4, W=4, D=2, POST=1, RT=2, MINB=4, WAVES=8, SR=1),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, bench_wna16.py --sweep,
@@ -402,7 +404,7 @@ def unpack_int4(packed):
 def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
     return (f"wna16_packed<{cfg['MT']}, {cfg['W']}, {cfg['D'] if d is None else d}, "
             f"{int(bool(zp))}, {int(cfg.get('POST', 0))}, {cfg.get('RT', 1)}, {cfg['MINB']}, "
-            f"{cfg.get('SR', 0)}, {cfg.get('PF', 0)}>")
+            f"{cfg.get('SR', 0)}>")
 
 
 SUMS_KERNEL = "wna16_chunk_sums"
@@ -845,7 +847,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     runs = [(n, c, case) for n, c in CONFIGS.items() for case in
             (cases[:2] if args.quick else cases)]
     # --quick (the sanitizer's run): the route's defaults and one config of each other path
-    quick = {n for _, n in PACKED_BY_ROWS} | {"p8", "r16", "v8", "v32"}
+    quick = {n for _, n in PACKED_BY_ROWS} | {"p8", "r16", "v24", "v32"}
     runs += [(n, c, (M_a, E, K, N, Kd, max(B, 8 * c["MT"]), 4, gs, zp, None))
              for n, c in PACKED_CONFIGS.items() if n in quick or not args.quick
              for (M_a, E, K, N, Kd, B, gs, zp) in (packed_cases[:2] if args.quick else
