@@ -231,14 +231,17 @@ def pick_config(rows_per_expert: float, block_size: int, config=None, n_tiles: i
     a problem prepack_int4 takes; 0: none) is a multiple of their RT."""
     if config is not None:
         if isinstance(config, str):
-            if config not in CONFIGS and config not in PACKED_CONFIGS:
-                names = sorted(CONFIGS) + sorted(PACKED_CONFIGS)
+            tables = (CONFIGS, PACKED_CONFIGS, WGMMA_CONFIGS)
+            if not any(config in t for t in tables):
+                names = sorted(n for t in tables for n in t)
                 raise ValueError(f"config: expected one of {names}, got {config!r}")
-            cfg = dict(CONFIGS[config] if config in CONFIGS else PACKED_CONFIGS[config])
+            cfg = dict(next(t[config] for t in tables if config in t))
         elif isinstance(config, dict):
             cfg = dict(config)
-            need = ({"MT", "W", "D", "MINB"} if cfg.get("KERNEL") == "packed" else
-                    {"MT", "WN", "MINB", "STAGES" if cfg.get("KERNEL") == "async" else "U"})
+            kind = cfg.get("KERNEL")
+            need = ({"MT", "W", "D", "MINB"} if kind == "packed" else
+                    {"MT", "D", "S", "MINB"} if kind == "wgmma" else
+                    {"MT", "WN", "MINB", "STAGES" if kind == "async" else "U"})
             missing = need - set(cfg)
             if missing:
                 raise ValueError(f"config: expected keys {sorted(need)} (KS, KERNEL optional), "
@@ -303,6 +306,7 @@ def can_run(a, w, w_scale, block_size: int, use_int4_w4a16=False, use_int8_w8a16
 # lanes' mma A fragments (layout in the .cu). Same math: the packed arrays are a storage
 # format of the same codes, scales and zero points (unpack_int4 inverts prepack_int4).
 PACK_CHUNK = 64                  # codes per row per lane group and mma chunk (16 per lane)
+PACK_ORDERS = ("mma", "wgmma")   # prepack_int4's lane orders: wna16_packed's, wna16_wgmma's
 PACK_CACHE_SIZE = 64             # packed weight sets kept (two per MoE layer)
 RED_BYTES = 64 * 1024            # shared memory for the warps' partials (a config's RED
                                 # overrides it)
@@ -330,16 +334,21 @@ def _xp(x):
         return np
 
 
-def prepack_int4(w, w_scale, w_zp=None):
-    """The int4 weights in wna16_packed's order (NumPy or CuPy in, the same out).
+def prepack_int4(w, w_scale, w_zp=None, order="mma"):
+    """The int4 weights in wna16_packed's order (order="mma") or wna16_wgmma's ("wgmma")
+    (NumPy or CuPy in, the same out).
 
     w [E, N, Kdim / 2] uint8 (k = 2j in the low nibble of byte j), w_scale [E, N, G] float,
     w_zp [E, N, G] uint8 or None. Returns dict(wp [E, N/16, Kdim/64, 32, 4] uint32,
-    sp [E, N/16, G, 8, 2] fp32, zp [E, N/16, G, 8] uint16 or None, shape (E, N, Kdim), G).
-    Lane (g, t) of tile nt, chunk c holds words (row 16nt+g codes 64c+16t+0..7, row +8 the
-    same, row g codes +8..15, row g+8 the same); in a word, code 2p sits in bits 4p..4p+3 and
-    code 2p+1 in bits 16+4p..: the low nibbles of the word's 4 source bytes, then the high.
+    sp [E, N/16, G, 8, 2] fp32, zp [E, N/16, G, 8] uint16 or None, shape (E, N, Kdim), G, order).
+    Lane (g, t) of tile nt, chunk c holds words v = 0..3 of rows 16nt+g (v even) and +8 (v
+    odd); in a word, pair p = codes (2j, 2j+1) of one source byte j sits in bits 4p..4p+3 and
+    16+4p..: "mma": j = 32c + 8t + 4(v >> 1) + p (codes 64c+16t+0..7, then +8..15);
+    "wgmma": j = 32c + 16(v >> 1) + 4p + t (codes 64c + 16m + 2t + 8(p & 1) of k16 step
+    m = 2(v >> 1) + (p >> 1): wgmma's register A fragment order).
     """
+    if order not in PACK_ORDERS:
+        raise ValueError(f"order: expected one of {PACK_ORDERS}, got {order!r}")
     xp = _xp(w)
     if getattr(w, "ndim", 0) != 3 or np.dtype(w.dtype) != np.uint8:
         raise TypeError(f"w: expected uint8 codes [E, N, Kdim / 2], got "
@@ -359,7 +368,10 @@ def prepack_int4(w, w_scale, w_zp=None):
     wp = xp.empty((E, NT, C, 32, 4), dtype=xp.uint32)
     sh = xp.arange(4, dtype=xp.uint32) * 4
     for e in range(E):               # one expert at a time: temporaries of 4x its bytes
-        b = w[e].reshape(N, K // 8, 4)                       # the 4 bytes of 8 codes
+        if order == "mma":                                   # the 4 bytes of 8 codes
+            b = w[e].reshape(N, K // 8, 4)
+        else:                                                # bytes (c, vh, p, t) -> (c, t, vh, p)
+            b = w[e].reshape(N, C, 2, 4, 4).transpose(0, 1, 4, 2, 3).reshape(N, K // 8, 4)
         lo = (b & 15).astype(xp.uint32) << sh
         hi = (b >> 4).astype(xp.uint32) << (sh + 16)
         words = (lo.sum(axis=-1, dtype=xp.uint32) | hi.sum(axis=-1, dtype=xp.uint32))
@@ -375,7 +387,7 @@ def prepack_int4(w, w_scale, w_zp=None):
                              f"{w_zp.shape}")
         z = xp.ascontiguousarray(w_zp.reshape(E, NT, 2, 8, G).transpose(0, 1, 4, 3, 2))
         zp = z.view(xp.uint16).reshape(E, NT, G, 8)        # little-endian: row g low byte
-    return dict(wp=wp, sp=sp, zp=zp, shape=(E, N, K), G=G)
+    return dict(wp=wp, sp=sp, zp=zp, shape=(E, N, K), G=G, order=order)
 
 
 def unpack_int4(packed):
@@ -392,6 +404,8 @@ def unpack_int4(packed):
     lo = (words >> sh) & 15
     hi = (words >> (sh + 16)) & 15
     w = (lo | (hi << 4)).astype(xp.uint8).reshape(E, N, K // 2)
+    if packed.get("order", "mma") == "wgmma":           # bytes (c, t, vh, p) -> (c, vh, p, t)
+        w = w.reshape(E, N, C, 4, 2, 4).transpose(0, 1, 2, 4, 5, 3).reshape(E, N, K // 2)
     ws = packed["sp"].transpose(0, 1, 4, 3, 2).reshape(E, N, G)
     zp = None
     if packed["zp"] is not None:
@@ -407,11 +421,29 @@ def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
             f"{cfg.get('SR', 0)}>")
 
 
+# wna16_wgmma (quant_gemm_wna16_wgmma.cu, sm_90a only; prepack_int4(order="wgmma")): one
+# warpgroup per CTA owning 64-row groups and the whole K, MT token tiles of 8 (wgmma n = 8 x the
+# live ones), D chunks of weights in flight per lane (even), S activation stages in shared
+# memory, MINB CTAs per SM, WAVES waves of CTAs planned.
+WGMMA_CONFIGS = {
+    "g32": dict(KERNEL="wgmma", MT=4, D=4, S=4, MINB=4, WAVES=8),
+    "g24": dict(KERNEL="wgmma", MT=3, D=4, S=4, MINB=4, WAVES=8),
+}
+CU_WGMMA = "quant_gemm_wna16_wgmma.cu"
+WGMMA_OPTIONS = ("-arch=sm_90a",)     # wgmma exists only in sm_90a code
+
+
+def wgmma_kernel_name(cfg: dict) -> str:
+    return f"wna16_wgmma<{cfg['MT']}, {cfg['D']}, {cfg['S']}, {cfg['MINB']}>"
+
+
+WGMMA_NAMES = tuple(wgmma_kernel_name(c) for c in WGMMA_CONFIGS.values())
 SUMS_KERNEL = "wna16_chunk_sums"
 PACKED_NAMES = tuple(packed_kernel_name(c, z) for c in PACKED_CONFIGS.values()
                      for z in (False, True)) + (SUMS_KERNEL,)
 for _ev in ELEMS.values():     # one NVRTC check per element type: every rung of the file
     C.register_compile_case(CU, {"ELEM_BF16": _ev}, NAMES + PACKED_NAMES)
+    C.register_compile_case(CU_WGMMA, {"ELEM_BF16": _ev}, WGMMA_NAMES, options=WGMMA_OPTIONS)
 
 
 def route_int4(a, w, w_scale, w_zp, block_shape, top_k, block_size):
@@ -452,18 +484,19 @@ def route_int4(a, w, w_scale, w_zp, block_shape, top_k, block_size):
 _PACKED: dict = {}
 
 
-def packed_weights(w, w_scale, w_zp=None, w_scale_f32=None):
+def packed_weights(w, w_scale, w_zp=None, w_scale_f32=None, order="mma"):
     """prepack_int4(w, w_scale, w_zp), cached per weight array: the source arrays are held
     (their memory cannot be reused for other weights while cached), so the cache is right as
     long as they are not written in place after their first use; call forget_packed() after
     writing into them. At most PACK_CACHE_SIZE sets, least recently used dropped first.
-    w_scale_f32: w_scale already widened to fp32 (packed instead of w_scale, keyed by it)."""
+    w_scale_f32: w_scale already widened to fp32 (packed instead of w_scale, keyed by it).
+    order: prepack_int4's lane order (one cached set per order)."""
     key = tuple((id(x), x.data.ptr, x.shape, x.strides, str(x.dtype)) if x is not None else None
-                for x in (w, w_scale, w_zp))
+                for x in (w, w_scale, w_zp)) + (order,)
     hit = _PACKED.pop(key, None)
     if hit is None:
         hit = ((w, w_scale, w_zp), prepack_int4(w, w_scale if w_scale_f32 is None else
-                                                 w_scale_f32, w_zp))
+                                                 w_scale_f32, w_zp, order))
     _PACKED[key] = hit                  # most recent last
     while len(_PACKED) > PACK_CACHE_SIZE:
         _PACKED.pop(next(iter(_PACKED)))
@@ -557,6 +590,44 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     return dict(name=packed_kernel_name(cfg, zp, d), cfg=cfg, grid=(mtiles, gy, 1),
                 block=(32 * cfg["W"],), smem=smem, TPC=tpc, D=d, shift=shift, Lg=Lg, KS=1,
                 SPS=0, RG=red_groups)
+
+
+def wgmma_supports(N: int, K: int, group_size: int, num_groups: int,
+                   cc: int | None = None) -> tuple[bool, str]:
+    """(True, "") when wna16_wgmma takes this shape (on a compute capability `cc` device; None:
+    the current one), else (False, why)."""
+    if cc is None:
+        import cupy
+        cc = int(cupy.cuda.Device().compute_capability)
+    if cc != 90:
+        return False, f"wgmma (built for sm_90a) runs on compute capability 9.0 only, got {cc}"
+    if N % 64:
+        return False, f"N must be a multiple of 64 (one warpgroup's rows), got {N}"
+    return packed_supports(N, K, group_size, num_groups)
+
+
+def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
+               num_sms: int = 132, group_size: int = 0, num_groups: int = 1) -> dict:
+    """wna16_wgmma's launch: grid (cdiv(Lg, BM), cdiv(N / 64, GPC)), block 128, GPC 64-row
+    groups per CTA so that the live CTAs make about WAVES waves of MINB CTAs per SM, the
+    chunk-to-group shift, dynamic shared memory S stages of BM x 64 activations."""
+    bm = 8 * cfg["MT"]
+    if block_size % bm:
+        raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
+    if cfg["D"] % 2 or cfg["S"] < 3:
+        raise ValueError(f"config: expected an even D and S >= 3, got D = {cfg['D']}, "
+                         f"S = {cfg['S']}")
+    Lg = min(L, P * block_size)
+    mtiles = C.cdiv(Lg, bm)
+    live_m = live_m_tiles(P, E, mtiles, bm)
+    groups = N // 64
+    slots = num_sms * cfg["MINB"] * cfg.get("WAVES", 1)
+    gy = max(1, min(groups, slots // live_m))
+    gpc = C.cdiv(groups, gy)
+    gy = C.cdiv(groups, gpc)
+    shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
+    return dict(name=wgmma_kernel_name(cfg), cfg=cfg, grid=(mtiles, gy, 1), block=(128,),
+                smem=cfg["S"] * bm * 128, GPC=gpc, shift=shift, Lg=Lg)
 
 
 # ----------------------------------------------------------------------------- workspace
@@ -733,6 +804,24 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
 
     packable = nbits == 4 and packed_supports(N, K, group_size, G)[0]
     cfg0 = pick_config(P / max(E, 1), block_size, config, N // 16 if packable else 0)
+    if cfg0.get("KERNEL") == "wgmma":
+        if nbits != 4:
+            raise ValueError("config: the wgmma rung streams int4 codes (use_int4_w4a16)")
+        ok, why = wgmma_supports(N, K, group_size, G)
+        if not ok:
+            raise ValueError(f"w: the wgmma rung cannot run this problem: {why}")
+        pk = packed_weights(w, w_scale, w_zp, w_s, order="wgmma")
+        lp = wgmma_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G)
+        kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_WGMMA, WGMMA_OPTIONS)
+        null = C.null_ptr()
+        args = (C.raw(a), pk["wp"], C.raw(c), pk["sp"], pk["zp"] if pk["zp"] is not None else null,
+                sorted_token_ids, expert_ids, num_tokens_post_padded,
+                tw if tw is not None else null, b32 if b32 is not None else null,
+                np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
+                np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
+                np.int32(G), np.int32(default_zp), np.int32(lp["GPC"]))
+        kern(lp["grid"], lp["block"], args, shared_mem=lp["smem"])
+        return c
     if cfg0.get("KERNEL") == "packed":
         if nbits != 4:
             raise ValueError("config: the packed rung streams int4 codes (use_int4_w4a16)")
@@ -783,17 +872,17 @@ _READY: dict = {}
 _SMEM_SET: dict = {}
 
 
-def _kernel(name, elem, smem):
+def _kernel(name, elem, smem, cu=CU, options=()):
     """The compiled kernel (one NVRTC pass per element type for the registered names; a
-    config outside CONFIGS compiles on its own), its shared-memory limit raised as needed."""
+    config outside the tables compiles on its own), its shared-memory limit raised as needed."""
     import cupy
 
     dev = cupy.cuda.Device().id
     key = (name, elem, dev)
     kern = _READY.get(key)
     if kern is None:
-        group = NAMES if name in NAMES else PACKED_NAMES if name in PACKED_NAMES else (name,)
-        kern = C.get_kernel(CU, name, {"ELEM_BF16": elem}, group)
+        group = next((g for g in (NAMES, PACKED_NAMES, WGMMA_NAMES) if name in g), (name,))
+        kern = C.get_kernel(cu, name, {"ELEM_BF16": elem}, group, options=options)
         _READY[key] = kern
     if smem > 0 and _SMEM_SET.get(key, 0) < smem:   # opt in: static + dynamic may pass 48 KB
         kern.max_dynamic_shared_size_bytes = smem

@@ -1,0 +1,332 @@
+// quant_gemm_wna16_wgmma.cu: the weight-only int4 rung for Hopper (sm_90a): wgmma with the
+// dequantized weights as its register A operand and the activations as its shared-memory B.
+//
+//   c[s, n] = (sum_k a[s / top_k, k] * w[e, n, k] + bias[e, n]) * r[s],
+//   w[e, n, k] = elem_t((q[e, n, k] - zp[e, n, k / gs]) * s[e, n, k / gs])
+//
+// for every live position p < num_tokens_post_padded (s = sorted_token_ids[p] < P, e =
+// expert_ids[p / block_size]; e == -1 writes zeros), r = topk_weights.flat when
+// mul_routed_weight. The weights are rounded once to elem_t after the scale (as a bf16 model's,
+// and wna16_stream's POST = 0); fp32 accumulation over the whole K, one rounding of the output.
+//
+// Why (dev_wna16_20261130b): wna16_packed issues one mma.sync per 8 tokens, in dependent chains
+// of 4 per chunk; at 2-3 live token tiles (Mixtral T=64) its warps wait on those chains at ~46%
+// issue with neither DRAM nor L2 saturated. Here one wgmma.m64nNk16 per 16-wide k step covers
+// all N = 8 LT live tokens of 64 weight rows, and runs while the warps dequantize the next chunk.
+//
+// Layout:
+//   weights  prepack_int4(order="wgmma"): wp [E][N / 16 tiles][Kdim / 64 chunks][32 lanes][4]
+//            words; lane (g, t), word v (v & 1: row 16 nt + g + 8 (v & 1)), pair p (bits 4p..
+//            and 16+4p..) holds codes 64 c + 16 m + 2 t + 8 (p & 1) + {0, 1} of k16 step
+//            m = 2 (v >> 1) + (p >> 1): the pairs p, p + 1 (p = 2 (m & 1)) of rows g and g + 8
+//            are the A fragment (a0, a1, a2, a3) of step m, as mma.m16n8k16 lays it out.
+//            sp, zp: as wna16_packed (float2 scales / u16 zero points of rows g, g + 8).
+//   CTA      one warpgroup: warp w owns the 16-row tile 4 j + w of each 64-row group j of the
+//            CTA's range, one m tile of BM = 8 MT positions (one expert), the whole K.
+//   B        one 64-code chunk of the live token rows per stage of a cp.async ring of S stages:
+//            [kb = 0..7][nb = 0..MT-1] core matrices of 8 token rows x 16 bytes (K-major, no
+//            swizzle); step m reads kb = 2 m, 2 m + 1: descriptor start = stage + 2 m MT 128,
+//            leading byte offset (the next 8 codes) MT 128, stride byte offset (the next 8
+//            tokens) 128. Rows that hold no live position are zero-filled.
+// Pipeline per chunk (item = one chunk of one group, in order): dequantize it from the lane's
+//   register ring (D chunks of 16-byte loads in flight) into one of two A buffers; wait for its
+//   stage (cp.async.wait_group, fence.proxy.async, barrier); 4 wgmma (the group's first with
+//   scale-d = 0), commit, wait until one batch is pending (the previous item's: its A buffer is
+//   free); copy the chunk S - 2 items ahead into the stage item - 2 read (every warp passed
+//   item - 1's wait before this item's barrier); refill the ring. At a group's last chunk: wait
+//   for all, then the epilogue from the accumulators (mma.m16n8's layout per n8 block: warp w,
+//   rows 16 w + g (+ 8), tokens 8 nb + 2 t (+ 1)) + bias, times the router weight.
+// grid (cdiv(Lg, BM), cdiv(N / 64, groups_per_cta)), block 128, dynamic shared memory
+// S MT 1024 bytes. Needs sm_90a, N % 64 == 0, Kdim % 64 == 0, group_size a multiple of 64
+// (chunk_shift = log2(group_size / 64); one group per row: 30), D even, S >= 3.
+#include "wna16_common.cuh"
+
+typedef unsigned long long u64;
+
+#if ELEM_BF16
+#define WW_AB "bf16"
+#else
+#define WW_AB "f16"
+#endif
+
+// The PTX of this rung. tests/test_quant_wna16_wgmma.py builds this file on the CPU with
+// QG_EMULATED_PTX and its own versions (wgmma by its definition, through the descriptor).
+#ifndef QG_EMULATED_PTX
+__device__ __forceinline__ u32 ww_smem(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+// cp.async writes (generic proxy) are read next by wgmma (async proxy)
+__device__ __forceinline__ void ww_fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void ww_wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void ww_wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int PENDING>
+__device__ __forceinline__ void ww_wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(PENDING) : "memory");
+}
+
+// d (this thread's NN / 2 accumulators of the 64 x NN tile) = A (the warp's 16 rows of the
+// 64 x 16 step: a0..a3) * B (16 x NN through desc) + (acc ? d : 0)
+template <int NN> struct WwMma;
+template <> struct WwMma<8> {
+    static __device__ __forceinline__ void run(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                               u64 desc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n8k16.f32." WW_AB "." WW_AB
+                     " {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc) : "memory");
+    }
+};
+template <> struct WwMma<16> {
+    static __device__ __forceinline__ void run(float (&d)[8], u32 a0, u32 a1, u32 a2, u32 a3,
+                                               u64 desc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n16k16.f32." WW_AB "." WW_AB
+                     " {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                       "+f"(d[6]), "+f"(d[7])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc) : "memory");
+    }
+};
+template <> struct WwMma<24> {
+    static __device__ __forceinline__ void run(float (&d)[12], u32 a0, u32 a1, u32 a2, u32 a3,
+                                               u64 desc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n24k16.f32." WW_AB "." WW_AB
+                     " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15},"
+                     " %16, p, 1, 1, 0;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc) : "memory");
+    }
+};
+template <> struct WwMma<32> {
+    static __device__ __forceinline__ void run(float (&d)[16], u32 a0, u32 a1, u32 a2, u32 a3,
+                                               u64 desc, int acc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n32k16.f32." WW_AB "." WW_AB
+                     " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"
+                     " {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc) : "memory");
+    }
+};
+#endif  // QG_EMULATED_PTX
+
+// The descriptor of B for k16 step m of the stage at shared address `stage` (MT token tiles):
+// bits 0-13 start >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4, 62-63
+// layout 0 (no swizzle).
+template <int MT>
+__device__ __forceinline__ u64 ww_desc_b(u32 stage, int m) {
+    const u32 start = stage + 2u * m * MT * 128u;
+    return (u64)((start & 0x3FFFFu) >> 4) | ((u64)((MT * 128u) >> 4) << 16) |
+           ((u64)(128u >> 4) << 32);
+}
+
+template <int MT, int D, int S, int MINB>
+__global__ void __launch_bounds__(128, MINB)
+wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
+            const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
+            const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
+            const int* __restrict__ num_tokens_post_padded,
+            const float* __restrict__ topk_weights, const float* __restrict__ bias,
+            int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
+            int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
+            int groups_per_cta) {
+    static_assert(D % 2 == 0 && S >= 3, "wna16_wgmma: an even ring (A buffer = slot parity), S >= 3");
+    constexpr int BM = 8 * MT;
+    constexpr int STAGE = 8 * MT * 128;           // bytes of one stage
+    __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
+    __shared__ int sArow[BM];                     // its row of a, or -1
+
+    const int m0 = blockIdx.x * BM;
+    if (m0 >= num_positions) return;
+    const int tid = threadIdx.x;
+    const int ntp = num_tokens_post_padded[0];
+    const int e = expert_ids[m0 / block_size];    // BM divides block_size: one expert
+    const int s_mine = (tid < BM && m0 + tid < num_positions) ? sorted_token_ids[m0 + tid] : -1;
+    if (m0 >= ntp) return;
+    int live = 0;
+    if (tid < BM) {
+        live = s_mine >= 0 && s_mine < num_slots;
+        sSlot[tid] = live ? s_mine : -1;
+        sArow[tid] = live ? s_mine / top_k : -1;
+    }
+    if (!__syncthreads_or(live)) return;          // padding only
+    const int j0 = blockIdx.y * groups_per_cta;
+    const int j1 = min(N >> 6, j0 + groups_per_cta);
+    if (j0 >= j1) return;
+    if (e < 0) {                                  // expert of another rank: zeros
+        const int rows = (j1 - j0) * 64;
+        for (int i = tid; i < BM * rows; i += 128) {
+            const int r = i / rows, n = j0 * 64 + i % rows;
+            if (sSlot[r] >= 0) c[(size_t)sSlot[r] * N + n] = w16::from_f32(0.f);
+        }
+        return;
+    }
+    int live_tiles = 0;                           // up to the last tile with a live row
+    for (int r = 0; r < BM; ++r)
+        if (sArow[r] >= 0) live_tiles = r / 8 + 1;
+
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int C = Kdim >> 6;                      // 64-code chunks per row
+    const int ntiles = N >> 4;
+    const uint4* wexp = wp + (size_t)e * ntiles * C * 32 + lane;
+    const float2* sexp = sp + (size_t)e * ntiles * num_groups * 8 + g;
+    const unsigned short* zexp = zp != nullptr ? zp + (size_t)e * ntiles * num_groups * 8 + g
+                                               : nullptr;
+#if ELEM_BF16
+    constexpr u32 MAGIC = 0x43004300u;
+#else
+    constexpr u32 MAGIC = 0x64006400u;
+#endif
+    const u32 zdef = MAGIC | ((u32)default_zp * 0x00010001u);
+    extern __shared__ __align__(16) u8 smem[];
+    const u32 ring_b = ww_smem(smem);
+
+    w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
+        constexpr int LT = decltype(live_count)::value;
+        constexpr int NN = 8 * LT;                // wgmma n: the live token rows
+
+        // a chunk's activations are NN x 8 pieces of 16 bytes (row r, kb); thread tid copies
+        // pieces tid + 128 q, two consecutive kb per pair of threads (whole 32-byte sectors
+        // from global): their source rows and stage offsets, once
+        constexpr int NP = (NN * 8 + 127) / 128;
+        const elem_t* p_src[NP];
+        int p_dst[NP];                            // -1: not this thread's; else the offset,
+        bool p_live[NP];                          // and whether the row is live (else zeros)
+#pragma unroll
+        for (int q = 0; q < NP; ++q) {
+            const int i = tid + 128 * q;
+            const int kb = 2 * (i / (2 * NN)) + (i & 1), r = (i >> 1) % NN;
+            const int ar = i < NN * 8 ? sArow[r] : -1;
+            p_src[q] = a + (size_t)(ar >= 0 ? ar : 0) * Kdim + kb * 8;
+            p_dst[q] = i < NN * 8 ? (kb * MT + (r >> 3)) * 128 + (r & 7) * 16 : -1;
+            p_live[q] = ar >= 0;
+        }
+        auto stage_copy = [&](int cc, int stage) {
+#pragma unroll
+            for (int q = 0; q < NP; ++q)
+                if (p_dst[q] >= 0)
+                    w16::cp16(smem + stage * STAGE + p_dst[q], p_src[q] + cc * 64, p_live[q]);
+        };
+        // the copies run S - 2 items ahead over the CTA's (group, chunk) items, chunk fastest;
+        // one cp.async group per item (empty past the last)
+        int copies_left = (j1 - j0) * C, copy_cc = 0, copy_stage = 0;
+        auto copy_next = [&]() {
+            if (copies_left > 0) {
+                stage_copy(copy_cc, copy_stage);
+                --copies_left;
+                copy_cc = copy_cc + 1 < C ? copy_cc + 1 : 0;
+                copy_stage = copy_stage + 1 < S ? copy_stage + 1 : 0;
+            }
+            w16::cp_commit();
+        };
+        // the lane's ring: slot u holds the chunks cc = u (mod D) of a group, 16 bytes of codes
+        // and the rows' scales and zero points each
+        uint4 rw[D];
+        float2 rs[D];
+        u32 rz[D];
+        // a group's first chunk, scales and zero points of this warp's tile (4 j + warp)
+        auto w_of = [&](int j) { return wexp + (size_t)(4 * j + warp) * C * 32; };
+        auto s_of = [&](int j) { return (size_t)(4 * j + warp) * num_groups * 8; };
+        auto load = [&](const uint4* wj, size_t sj, int cc, int u) {
+            if (cc < C) {
+                const int grp8 = (cc >> chunk_shift) * 8;
+                rw[u] = w16::ld_stream(reinterpret_cast<const u8*>(wj + cc * 32));
+                rs[u] = __ldg(sexp + sj + grp8);
+                rz[u] = zexp != nullptr ? (u32)__ldg(zexp + sj + grp8) : 0u;
+            }
+        };
+        float acc[NN / 2];
+#pragma unroll
+        for (int i = 0; i < NN / 2; ++i) acc[i] = 0.f;
+        u32 A[2][4][4];                           // two buffers x 4 k16 steps x a0..a3
+        int stage = 0;                            // the stage of the next item
+
+        const u64 desc0 = ww_desc_b<MT>(ring_b, 0);  // stage s, step m: + (s STAGE + 2 m MT 128) / 16
+        const uint4* w_cur = w_of(j0);
+        const uint4* w_nxt = w_of(j0 + 1);
+        size_t s_cur = s_of(j0), s_nxt = s_of(j0 + 1);
+        // one item (chunk cc of the current group, ring slot u, A buffer u & 1): dequantize,
+        // refill the slot, wait for the stage, 4 wgmma
+        auto item = [&](int cc, bool last_group, int u) {
+            {
+                const uint4 x = rw[u];
+                const float2 s2 = rs[u];
+                u32 zl = zdef, zh = zdef;         // (MAGIC + zp) in both halves, rows g, g + 8
+                if (zexp != nullptr) {
+                    zl = MAGIC | ((rz[u] & 0xFFu) * 0x00010001u);
+                    zh = MAGIC | (((rz[u] >> 8) & 0xFFu) * 0x00010001u);
+                }
+                const u32 sl = w16::pack2(s2.x, s2.x), sh = w16::pack2(s2.y, s2.y);
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {     // pairs 2 (m & 1), + 1 of words m >> 1
+                    const u32 wl = m < 2 ? x.x : x.z, wh = m < 2 ? x.y : x.w;
+                    const int p = 2 * (m & 1);
+                    const u32 mk = 0x000F000Fu;
+                    A[u & 1][m][0] = w16::deq2(w16::and_or(wl >> (4 * p), mk, MAGIC), zl, sl);
+                    A[u & 1][m][1] = w16::deq2(w16::and_or(wh >> (4 * p), mk, MAGIC), zh, sh);
+                    A[u & 1][m][2] = w16::deq2(w16::and_or(wl >> (4 * p + 4), mk, MAGIC), zl, sl);
+                    A[u & 1][m][3] = w16::deq2(w16::and_or(wh >> (4 * p + 4), mk, MAGIC), zh, sh);
+                }
+            }
+            if (cc + D < C) load(w_cur, s_cur, cc + D, u);   // the slot's next chunk
+            else if (!last_group) load(w_nxt, s_nxt, u, u);
+            // this item's stage: the lane's copies landed, then everyone's
+            w16::cp_wait<S - 3>();
+            ww_fence_proxy_async();
+            __syncthreads();
+            copy_next();                          // into the stage item - 2 read (done)
+            const u64 desc = desc0 + (u64)((stage * STAGE) >> 4);
+            stage = stage + 1 < S ? stage + 1 : 0;
+            ww_wgmma_fence();
+#pragma unroll
+            for (int m = 0; m < 4; ++m)
+                WwMma<NN>::run(acc, A[u & 1][m][0], A[u & 1][m][1], A[u & 1][m][2],
+                               A[u & 1][m][3], desc + (u64)((2 * m * MT * 128) >> 4),
+                               cc != 0 || m != 0);
+            ww_wgmma_commit();
+            ww_wgmma_wait<1>();                   // the previous item's: its A buffer is free
+        };
+
+        for (int k = 0; k < S - 2; ++k) copy_next();
+#pragma unroll
+        for (int u = 0; u < D; ++u) load(w_cur, s_cur, u, u);
+        for (int j = j0; j < j1; ++j) {
+            const bool last_group = j + 1 >= j1;
+            for (int cb = 0; cb < C; cb += D) {
+#pragma unroll
+                for (int u = 0; u < D; ++u)
+                    if (cb + u < C) item(cb + u, last_group, u);   // uniform over the CTA
+            }
+            w_cur = w_nxt;
+            s_cur = s_nxt;
+            w_nxt = w_of(j + 2);
+            s_nxt = s_of(j + 2);
+            ww_wgmma_wait<0>();                   // the group's accumulators are final
+            const int n0 = 64 * j + 16 * warp + g;
+#pragma unroll
+            for (int nb = 0; nb < LT; ++nb)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int tok = 8 * nb + 2 * t + (i & 1), n = n0 + 8 * (i >> 1);
+                    const int s = sSlot[tok];
+                    if (s < 0) continue;
+                    float v = acc[4 * nb + i];
+                    if (bias != nullptr) v += bias[(size_t)e * N + n];
+                    if (mul_routed_weight) v *= topk_weights[s];
+                    c[(size_t)s * N + n] = w16::from_f32(v);
+                }
+        }
+        w16::cp_wait<0>();                        // nothing in flight at exit
+    });
+}

@@ -1,0 +1,204 @@
+// wna16_common.cuh: what the weight-only int4 / int8 GEMMs share (quant_gemm_wna16.cu's mma.sync
+// rungs and quant_gemm_wna16_wgmma.cu's wgmma rung): the element type (ELEM_BF16), the
+// magic-number dequantization, the mma.sync and cp.async wrappers, the compile-time count.
+// Inlined by _compile.source_text; QG_EMULATED_PTX (tests) swaps the PTX for its CPU stand-ins.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef ELEM_BF16
+#error "ELEM_BF16 (1: bf16, 0: fp16) must be #defined by the launcher"
+#endif
+
+typedef unsigned char u8;
+typedef unsigned int u32;
+
+#if ELEM_BF16
+typedef __nv_bfloat16 elem_t;
+typedef __nv_bfloat162 elem2_t;
+#define W16_MMA "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+#define W16_MAGIC 0x43004300u        // bf16 128.0 in both halves: mantissa ulp is 1
+#define W16_MAGIC_F 128.0f
+#else
+typedef __half elem_t;
+typedef __half2 elem2_t;
+#define W16_MMA "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+#define W16_MAGIC 0x64006400u        // fp16 1024.0 in both halves: mantissa ulp is 1
+#define W16_MAGIC_F 1024.0f
+#endif
+
+namespace w16 {
+
+__device__ __forceinline__ u32 as_u32(elem2_t v) { return *reinterpret_cast<u32*>(&v); }
+__device__ __forceinline__ elem2_t as_e2(u32 v) { return *reinterpret_cast<elem2_t*>(&v); }
+
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+#if ELEM_BF16
+    return as_u32(__floats2bfloat162_rn(lo, hi));
+#else
+    return as_u32(__floats2half2_rn(lo, hi));
+#endif
+}
+
+__device__ __forceinline__ float to_f32(elem_t v) {
+#if ELEM_BF16
+    return __bfloat162float(v);
+#else
+    return __half2float(v);
+#endif
+}
+
+__device__ __forceinline__ elem_t from_f32(float v) {
+#if ELEM_BF16
+    return __float2bfloat16_rn(v);
+#else
+    return __float2half_rn(v);
+#endif
+}
+
+__device__ __forceinline__ int group_of(int k, int group_size, int gs_shift, int num_groups) {
+    return num_groups == 1 ? 0 : gs_shift >= 0 ? k >> gs_shift : k / group_size;
+}
+
+// The low / high 16-bit element of a pair as fp32 (exact).
+__device__ __forceinline__ float lo_f32(u32 v) {
+#if ELEM_BF16
+    return __uint_as_float(v << 16);
+#else
+    return __half2float(__ushort_as_half((unsigned short)(v & 0xFFFFu)));
+#endif
+}
+__device__ __forceinline__ float hi_f32(u32 v) {
+#if ELEM_BF16
+    return __uint_as_float(v & 0xFFFF0000u);
+#else
+    return __half2float(__ushort_as_half((unsigned short)(v >> 16)));
+#endif
+}
+
+// (a & b) | c in one instruction (the compiler splits it in two otherwise): the magic-number
+// int4 -> 16-bit float conversion of a pair of nibbles.
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
+#ifdef QG_EMULATED_PTX
+    return (a & b) | c;
+#else
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+#endif
+}
+
+// (x - z) * s on both halves: the subtraction of two small integers is exact, the product
+// rounds once.
+__device__ __forceinline__ u32 deq2(u32 x, u32 z2, u32 s2) {
+    return as_u32(__hmul2(__hsub2(as_e2(x), as_e2(z2)), as_e2(s2)));
+}
+
+// One 32-bit word of int4 codes (k0..k7, k0 in bits 0-3) -> the pairs (k0,k4) (k1,k5)
+// (k2,k6) (k3,k7) as elem2 values (q - zp) * s.
+__device__ __forceinline__ void deq_int4(u32 w, u32 z2, u32 s2, u32& p0, u32& p1, u32& p2,
+                                         u32& p3) {
+    p0 = deq2((w & 0x000F000Fu) | W16_MAGIC, z2, s2);
+    p1 = deq2(((w >> 4) & 0x000F000Fu) | W16_MAGIC, z2, s2);
+    p2 = deq2(((w >> 8) & 0x000F000Fu) | W16_MAGIC, z2, s2);
+    p3 = deq2(((w >> 12) & 0x000F000Fu) | W16_MAGIC, z2, s2);
+}
+
+// Two words of uint8 codes (lo = k0..k3, hi = k4..k7) -> the same pairs. Through fp32:
+// 0x4B000000 | q is 2^23 + q exactly; minus (2^23 + zp) is exact; times s rounds once in
+// fp32, then once more to elem2.
+__device__ __forceinline__ float u8f(u32 w, u32 sel) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, sel));
+}
+__device__ __forceinline__ void deq_int8(u32 lo, u32 hi, float zf, float s, u32& p0, u32& p1,
+                                         u32& p2, u32& p3) {
+    p0 = pack2((u8f(lo, 0x7650) - zf) * s, (u8f(hi, 0x7650) - zf) * s);
+    p1 = pack2((u8f(lo, 0x7651) - zf) * s, (u8f(hi, 0x7651) - zf) * s);
+    p2 = pack2((u8f(lo, 0x7652) - zf) * s, (u8f(hi, 0x7652) - zf) * s);
+    p3 = pack2((u8f(lo, 0x7653) - zf) * s, (u8f(hi, 0x7653) - zf) * s);
+}
+
+__device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+#ifdef QG_EMULATED_PTX   // the CPU emulation of the tests (tests/test_quant_cupy.py's header)
+    const uint32_t a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
+    qg_mma_k16(*reinterpret_cast<float(*)[4]>(d), a, b);
+#else
+    asm volatile(W16_MMA "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// 16-byte streaming load: the weights are read once, keep them out of L1.
+__device__ __forceinline__ uint4 ld_stream(const u8* p) {
+    uint4 v;
+#ifdef QG_EMULATED_PTX
+    memcpy(&v, p, 16);
+#else
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
+    return v;
+}
+
+// cp.async: 16 bytes (.cg: L2 only, the weights are read once) or 4 bytes (.ca), zero-filled
+// when pred is false (src-size 0: nothing is read); 8 bytes (.ca), always read.
+__device__ __forceinline__ void cp16(void* dst, const void* src, bool pred) {
+#ifdef QG_EMULATED_PTX
+    qg_cp16(dst, src, pred);
+#else
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(d), "l"(src), "r"(pred ? 16 : 0));
+#endif
+}
+__device__ __forceinline__ void cp4(void* dst, const void* src, bool pred) {
+#ifdef QG_EMULATED_PTX
+    qg_cp4(dst, src, pred);
+#else
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"(d), "l"(src), "r"(pred ? 4 : 0));
+#endif
+}
+__device__ __forceinline__ void cp8(void* dst, const void* src) {
+#ifdef QG_EMULATED_PTX
+    qg_cp8(dst, src);
+#else
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(d), "l"(src));
+#endif
+}
+__device__ __forceinline__ void cp_commit() {
+#ifdef QG_EMULATED_PTX
+    qg_commit();
+#else
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+#ifdef QG_EMULATED_PTX
+    qg_wait<N>();
+#else
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+#endif
+}
+
+// f(Count<n>{}) for the n in [LO, HI] that equals `n` (n outside: the nearest end), so that
+// a loop bound known only at run time (wna16_packed's live token tiles) becomes a constant of
+// the code that runs: one instantiation of f per count, branch-free inside.
+template <int N> struct Count { static constexpr int value = N; };
+template <int LO, int HI, typename F>
+__device__ __forceinline__ void with_count(int n, F&& f) {
+    if constexpr (LO >= HI) {
+        f(Count<LO>{});
+    } else {
+        if (n <= LO) f(Count<LO>{});
+        else with_count<LO + 1, HI>(n, f);
+    }
+}
+
+}  // namespace w16

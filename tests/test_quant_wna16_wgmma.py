@@ -1,0 +1,285 @@
+"""The Hopper int4 rung (quant_gemm_wna16_wgmma.cu: wgmma with the dequantized weights as the
+register A operand) against reference/quant.py.
+
+CPU (always): prepack_int4(order="wgmma") round-trips and follows the documented lane order
+(code by code with a dumb loop); wgmma_plan covers every 64-row group once; wgmma_supports
+refuses other GPUs and N % 64 clearly. Simulator: the kernel runs on the CPU emulation of
+tests/test_quant_cupy.py (g++, a std::thread per CUDA thread) with wgmma by its definition:
+each thread's A fragment from the warpgroup's registers, B through the descriptor (start,
+leading and stride byte offsets, no swizzle), the accumulator layout of the PTX ISA. It checks
+the kernel's own indexing (ring, stages, groups, epilogue), not the hardware's reading of the
+descriptor (the GPU tests do).
+GPU (`gpu` marker, compute capability 9.0): every config, group sizes 64 / 128 / one per row,
+zero points, several 64-row groups per CTA, 1-4 live token tiles, an expert on another rank,
+bias and router weights, fp16 activations, outputs poisoned first. Tolerance: the issue's
+weight-only 2e-2.
+
+Shape legend: T tokens, E experts, K top-k, N output width, Kdim reduction width, B block size.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cuda_kernels.cupy import _compile as C
+from cuda_kernels.cupy import quant_gemm_wna16 as W
+from reference import moe_align_block_size
+from reference import quant as RQ
+from oracles import rel_err
+from test_quant_cupy import host, poisoned, up  # the quantized tests' GPU helpers
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+TOL = 2e-2          # issue 8 / vLLM's weight-only tolerance
+
+
+def quantized(rng, E, N, Kd, gs, zp):
+    w = (rng.standard_normal((E, N, Kd)) * 0.05).astype(BF16)
+    return RQ.quantize_weight_wna16(w, 4, gs, zero_point=zp)
+
+
+# ----------------------------------------------------------------------------- CPU
+@pytest.mark.parametrize("E,N,Kd,gs,zp", [(1, 64, 64, 64, False), (2, 128, 384, 128, True)])
+def test_wgmma_order_round_trip_and_layout(rng, E, N, Kd, gs, zp):
+    """Lane (g, t), word v, pair p: codes 64c + 16m + 2t + 8(p & 1) + {0, 1} of row
+    16nt + g + 8(v & 1), m = 2(v >> 1) + (p >> 1)."""
+    wq, ws, wz = quantized(rng, E, N, Kd, gs, zp)
+    pk = W.prepack_int4(wq, ws, wz, order="wgmma")
+    assert pk["order"] == "wgmma"
+    w2, s2, z2 = W.unpack_int4(pk)
+    assert np.array_equal(w2, wq) and np.array_equal(s2, ws.astype(np.float32))
+    assert (z2 is None) == (wz is None) and (wz is None or np.array_equal(z2, wz))
+    codes = np.stack([wq & 15, wq >> 4], axis=-1).reshape(E, N, Kd)
+    wp = pk["wp"]
+    for e in range(E):
+        for nt in range(N // 16):
+            for c in range(Kd // 64):
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    for v in range(4):
+                        row = 16 * nt + g + 8 * (v & 1)
+                        word = int(wp[e, nt, c, lane, v])
+                        for p in range(4):
+                            k = 64 * c + 16 * (2 * (v >> 1) + (p >> 1)) + 2 * t + 8 * (p & 1)
+                            assert (word >> (4 * p)) & 15 == codes[e, row, k]
+                            assert (word >> (16 + 4 * p)) & 15 == codes[e, row, k + 1]
+    with pytest.raises(ValueError, match="order"):
+        W.prepack_int4(wq, ws, wz, order="tma")
+
+
+def test_wgmma_plan_and_supports():
+    for cfg in W.WGMMA_CONFIGS.values():
+        for P, N, K, L, B in ((16, 28672, 4096, 144, 32), (128, 4096, 14336, 376, 32),
+                              (128, 28672, 4096, 520, 48), (3, 192, 576, 40, 32)):
+            if B % (8 * cfg["MT"]):
+                continue
+            lp = W.wgmma_plan(P, 8, N, K, L, B, cfg, 132, 128, K // 128)
+            gx, gy, _ = lp["grid"]
+            assert gy * lp["GPC"] >= N // 64 > (gy - 1) * lp["GPC"]       # every group once
+            assert gx * 8 * cfg["MT"] >= min(L, P * B)
+            assert lp["smem"] == cfg["S"] * 8 * cfg["MT"] * 128
+    assert W.wgmma_supports(4096, 4096, 128, 32, cc=90) == (True, "")
+    assert "9.0" in W.wgmma_supports(4096, 4096, 128, 32, cc=80)[1]
+    assert "64" in W.wgmma_supports(4112, 4096, 128, 32, cc=90)[1]
+    with pytest.raises(ValueError, match="even D"):
+        W.wgmma_plan(2, 8, 64, 256, 16, 32, dict(W.WGMMA_CONFIGS["g32"], D=3))
+
+
+# ----------------------------------------------------------------------------- emulation
+WW_EMU = r"""
+inline unsigned ww_smem(const void* p) { return (unsigned)((const unsigned char*)p - g_smem); }
+inline void ww_fence_proxy_async() {}
+inline void ww_wgmma_fence() {}
+inline void ww_wgmma_commit() {}
+template <int P> inline void ww_wgmma_wait() {}
+static unsigned g_ww_a[128][4];              // the warpgroup's A fragments of one wgmma
+inline float ww_bf16(unsigned short h) {
+    const unsigned u = (unsigned)h << 16; float f; memcpy(&f, &u, 4); return f; }
+// A (row, k) of the 64 x 16 step: the fragment of the thread that holds it (mma's A layout)
+inline float ww_a(int row, int k) {
+    const int r = row % 16, lane = 4 * (r % 8) + (k % 8) / 2;
+    const unsigned v = g_ww_a[32 * (row / 16) + lane][(r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
+    return ww_bf16((unsigned short)((k & 1) ? v >> 16 : v & 0xFFFFu));
+}
+// B (k, n) of the 16 x NN step through the descriptor: K-major core matrices of 8 rows x 16 B
+inline float ww_b(unsigned long long desc, int k, int n) {
+    const unsigned start = (unsigned)(desc & 0x3FFFull) << 4;
+    const unsigned lbo = (unsigned)((desc >> 16) & 0x3FFFull) << 4;
+    const unsigned sbo = (unsigned)((desc >> 32) & 0x3FFFull) << 4;
+    if ((desc >> 62) & 3ull) { fprintf(stderr, "not the no-swizzle layout\n"); abort(); }
+    unsigned short h;
+    memcpy(&h, g_smem + start + (k / 8) * lbo + (n / 8) * sbo + (n % 8) * 16 + (k % 8) * 2, 2);
+    return ww_bf16(h);
+}
+template <int NN> struct WwMma {
+    static void run(float (&d)[NN / 2], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                    unsigned long long desc, int acc) {
+        const int tid = threadIdx.x, wq = tid >> 5, lane = tid & 31;
+        g_ww_a[tid][0] = a0; g_ww_a[tid][1] = a1; g_ww_a[tid][2] = a2; g_ww_a[tid][3] = a3;
+        __syncthreads();                     // the whole warpgroup's fragments are in
+        for (int j = 0; j < NN / 8; ++j)
+            for (int i = 0; i < 4; ++i) {
+                const int row = 16 * wq + lane / 4 + 8 * (i >> 1);
+                const int col = 8 * j + 2 * (lane % 4) + (i & 1);
+                float s = 0.f;
+                for (int k = 0; k < 16; ++k) s += ww_a(row, k) * ww_b(desc, k, col);
+                d[4 * j + i] = (acc ? d[4 * j + i] : 0.f) + s;
+            }
+        __syncthreads();                     // read before the next wgmma writes the table
+    }
+};
+"""
+
+
+def _entries(names):
+    out = []
+    for i, n in enumerate(names):
+        out.append(
+            f'extern "C" void k{i}(unsigned gx, unsigned gy, const void* a, const void* wp, '
+            f"void* c, const void* sp, const void* zp, const int* st, const int* ex, "
+            f"const int* ntp, const float* tw, const float* bias, int N, int K, int P, "
+            f"int top_k, int B, int L, int mul, int shift, int G, int dzp, int gpc) {{\n"
+            f"    launch3(gx, gy, 1, 128, [&] {{ gridDim.z = 1; {n}((const elem_t*)a, "
+            f"(const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, st, "
+            f"ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, shift, G, dzp, gpc); }});\n}}")
+    return "\n".join(out)
+
+
+@pytest.fixture(scope="module")
+def emulated_wgmma(tmp_path_factory):
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ on this machine")
+    from test_quant_cupy import QEMU_HEADER, _build_emulated
+    from test_quant_wna16_cupy import W16_PRELUDE
+
+    tmp = tmp_path_factory.mktemp("wgmma_emulation")
+    (tmp / "qemu.h").write_text(QEMU_HEADER)
+    return _build_emulated(tmp, W.CU_WGMMA, {"ELEM_BF16": 1}, _entries(W.WGMMA_NAMES), "ww",
+                           prelude=W16_PRELUDE + WW_EMU)
+
+
+@pytest.mark.simulator
+@pytest.mark.parametrize("cfg,shape,gs,zp,sms,waves", [
+    ("g32", (3, 2, 2, 64, 256, 32), 128, False, 132, 8),     # one live tile per expert
+    ("g32", (40, 3, 2, 128, 384, 32), 128, True, 1, 1),      # 3-4 live tiles, 2 groups a CTA
+    ("g32", (50, 3, 2, 64, 640, 32), 64, False, 1, 8),       # 1 or 4 live tiles, g64
+    ("g24", (40, 3, 2, 64, 512, 48), 128, True, 132, 8),     # padding m tiles between experts
+    ("g24", (6, 2, 2, 192, 256, 24), 256, True, 1, 1),       # one group per row, 3 groups a CTA
+])
+def test_emulated_matches_reference(emulated_wgmma, rng, cfg, shape, gs, zp, sms, waves):
+    import ctypes
+
+    def p(x):
+        return None if x is None else x.ctypes.data_as(ctypes.c_void_p)
+
+    M_a, E, K, N, Kd, B = shape
+    a = rng.standard_normal((M_a, Kd)).astype(BF16)
+    wq, ws, wz = quantized(rng, E, N, Kd, gs, zp)
+    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+    st, ex, ntp = moe_align_block_size(ids, B, E)
+    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+    bias = rng.standard_normal((E, N)).astype(np.float32)
+    want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, bias, w_scale=ws, w_zp=wz,
+                                 use_int4_w4a16=True)
+    pk = W.prepack_int4(wq, ws, wz, order="wgmma")
+    P, G = M_a * K, ws.shape[2]
+    lp = W.wgmma_plan(P, E, N, Kd, st.size, B, dict(W.WGMMA_CONFIGS[cfg], WAVES=waves), sms,
+                      Kd // G, G)
+    if waves == 1:
+        assert lp["GPC"] > 1                                      # several groups a CTA
+    c = np.full((P, N), 0x7FC0, np.uint16)                         # poison: bf16 NaN
+    gx, gy, _ = lp["grid"]
+    getattr(emulated_wgmma, f"k{W.WGMMA_NAMES.index(lp['name'])}")(
+        gx, gy, p(np.ascontiguousarray(a).view(np.uint16)), p(pk["wp"]), p(c), p(pk["sp"]),
+        p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), N, Kd, P, K, B, lp["Lg"], 1,
+        lp["shift"], G, 8, lp["GPC"])
+    err = rel_err(c.view(BF16), want)
+    assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e}"
+
+
+# ----------------------------------------------------------------------------- GPU
+def _hopper():
+    ok, why = C.availability()
+    if not ok:
+        return False, why
+    import cupy
+    cc = int(cupy.cuda.Device().compute_capability)
+    return cc == 90, f"wgmma needs compute capability 9.0, got {cc}"
+
+
+SHAPES = [
+    # M_a, E, top_k, N,   Kdim, gs,  zp     (one token; many rows per expert; long K; g64)
+    (1,   4, 2, 128, 256,  128,  False),
+    (29,  6, 2, 192, 576,  64,   True),
+    (70,  3, 1, 64,  384,  384,  True),
+    (40,  2, 2, 128, 4096, 128,  False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("cfg", sorted(W.WGMMA_CONFIGS))
+def test_matches_reference(rng, shape, cfg):
+    ok, why = _hopper()
+    if not ok:
+        pytest.skip(why)
+    M_a, E, K, N, Kd, gs, zp = shape
+    B = 8 * W.WGMMA_CONFIGS[cfg]["MT"] * 2
+    a = rng.standard_normal((M_a, Kd)).astype(BF16)
+    wq, ws, wz = quantized(rng, E, N, Kd, gs, zp)
+    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+    if E > 2:
+        ids[ids == E - 1] = 0                    # expert E-1 gets no tokens
+    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+    bias = rng.standard_normal((E, N)).astype(np.float32)
+    st, ex, ntp = moe_align_block_size(ids, B, E)
+    want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, bias, w_scale=ws,
+                                 w_zp=wz, use_int4_w4a16=True)
+    out = poisoned((M_a * K, N), BF16)
+    got = W.grouped_gemm_wna16(up(a), up(wq), up(st), up(ex), up(ntp), K, B, up(tw), True,
+                               up(bias), w_scale=up(ws), w_zp=up(wz), config=cfg, out=out,
+                               use_int4_w4a16=True)
+    assert got is out
+    err = rel_err(host(got, BF16), want)
+    assert err <= TOL, f"{cfg}: rel_err {err:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", sorted(W.WGMMA_CONFIGS))
+def test_fp16_and_other_rank(rng, cfg):
+    """fp16 activations, experts on another rank (zeros), no router weights."""
+    ok, why = _hopper()
+    if not ok:
+        pytest.skip(why)
+    M_a, E, K, N, Kd = 21, 4, 2, 128, 512
+    B = 8 * W.WGMMA_CONFIGS[cfg]["MT"]
+    a = rng.standard_normal((M_a, Kd)).astype(np.float16)
+    wq, ws, wz = quantized(rng, 2, N, Kd, 128, True)
+    emap = np.array([0, -1, 1, -1], dtype=np.int32)
+    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+    ids[:, 0] = 0
+    st, ex, ntp = moe_align_block_size(ids, B, E, expert_map=emap)
+    want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, w_scale=ws, w_zp=wz,
+                                 use_int4_w4a16=True)
+    out = poisoned((M_a * K, N), np.float16)
+    got = host(W.grouped_gemm_wna16(up(a), up(wq), up(st), up(ex), up(ntp), K, B,
+                                    w_scale=up(ws), w_zp=up(wz), use_int4_w4a16=True,
+                                    config=cfg, out=out), np.float16)
+    assert (got.reshape(M_a, K, N)[np.isin(ids, [1, 3])] == 0).all()
+    assert rel_err(got, want) <= TOL
+
+
+@pytest.mark.gpu
+def test_refuses_what_it_cannot_run(rng):
+    ok, why = C.availability()
+    if not ok:
+        pytest.skip(why)
+    wq, ws, _ = quantized(rng, 2, 48, 256, 128, False)             # N % 64 != 0
+    a = rng.standard_normal((2, 256)).astype(BF16)
+    st, ex, ntp = (up(v) for v in moe_align_block_size(
+        rng.integers(0, 2, (2, 1)).astype(np.int32), 32, 2))
+    with pytest.raises(ValueError, match="wgmma"):
+        W.grouped_gemm_wna16(up(a), up(wq), st, ex, ntp, 1, 32, w_scale=up(ws),
+                             use_int4_w4a16=True, config="g32")
