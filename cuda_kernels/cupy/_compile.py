@@ -193,13 +193,16 @@ def _nvrtc_compile(src: str, name_expressions, arch: str, options: tuple[str, ..
 
     extra = _strip_arch(tuple(options))
     unknown = [o for o in extra if o not in ("-std=c++17", "--std=c++17", "-ftz=true", "-lineinfo",
-                                             "--use_fast_math", "-use_fast_math")]
+                                             "--use_fast_math", "-use_fast_math",
+                                             "-default-device")]
     kwargs = dict(arch=arch, std="c++17", include_path=cuda_include_dirs() or None, ftz=True,
                   name=cu_name)
     if "-lineinfo" in extra:
         kwargs["lineinfo"] = True
     if "--use_fast_math" in extra or "-use_fast_math" in extra:
         kwargs["use_fast_math"] = True
+    if "-default-device" in extra:    # unannotated functions (a kernel's generic lambdas) are
+        kwargs["device_as_default_execution_space"] = True    # device code, as CuPy's NVRTC
     for o in unknown:  # -DNAME=VALUE is the only other kind we translate
         if o.startswith("-D"):
             kwargs.setdefault("define_macro", []).append(

@@ -430,7 +430,9 @@ WGMMA_CONFIGS = {
     "g24": dict(KERNEL="wgmma", MT=3, D=4, S=4, MINB=4, WAVES=8),
 }
 CU_WGMMA = "quant_gemm_wna16_wgmma.cu"
-WGMMA_OPTIONS = ("-arch=sm_90a",)     # wgmma exists only in sm_90a code
+# wgmma exists only in sm_90a code (built through cuda.core, whose NVRTC takes the generic
+# lambda of w16::with_count for host code unless told otherwise)
+WGMMA_OPTIONS = ("-arch=sm_90a", "-default-device")
 
 
 def wgmma_kernel_name(cfg: dict) -> str:
