@@ -680,7 +680,7 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 // warps' partials).
 // Needs int4, N % 16 == 0, Kdim % 64 == 0, group_size a multiple of 64 with
 // chunks-per-group a power of two (chunk_shift = log2; or one group per row: 30).
-template <int MT, int W, int D, int ZP, int POST, int RT, int MINB, int SR, int PFD>
+template <int MT, int W, int D, int ZP, int POST, int RT, int MINB, int SR>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
@@ -800,9 +800,6 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                     rs[SR ? 0 : u][r] = __ldg(ssrc);
                     if (ZP) rz[ZP ? u : 0][r] = __ldg(zsrc);
                 }
-                // PFD: lane 0 pulls the slot's chunk PFD rounds on (same tile group) into L2
-                if (PFD && lane == 0 && chunk + PFD * D * W < min(C, warp + CPW * W))
-                    w16::prefetch_l2(src + PFD * D * W * 32, 512);
             }
         }
         if constexpr (SR) w16::cp_commit();       // one group per slot, empty past the end

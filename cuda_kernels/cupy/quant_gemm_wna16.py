@@ -418,7 +418,7 @@ def unpack_int4(packed):
 def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
     return (f"wna16_packed<{cfg['MT']}, {cfg['W']}, {cfg['D'] if d is None else d}, "
             f"{int(bool(zp))}, {int(cfg.get('POST', 0))}, {cfg.get('RT', 1)}, {cfg['MINB']}, "
-            f"{cfg.get('SR', 0)}, {cfg.get('PFD', 0)}>")
+            f"{cfg.get('SR', 0)}>")
 
 
 # wna16_wgmma (quant_gemm_wna16_wgmma.cu, sm_90a only; prepack_int4(order="wgmma")): one

@@ -171,13 +171,6 @@ __device__ __forceinline__ void cp8(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(d), "l"(src));
 #endif
 }
-// Pull `bytes` (a multiple of 16, 16-byte aligned) into L2 ahead of their loads (no register,
-// no shared memory: the register ring's loads then wait for L2, not HBM).
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-#ifndef QG_EMULATED_PTX
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(p), "r"(bytes) : "memory");
-#endif
-}
 __device__ __forceinline__ void cp_commit() {
 #ifdef QG_EMULATED_PTX
     qg_commit();
