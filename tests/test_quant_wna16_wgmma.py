@@ -77,12 +77,12 @@ def test_wgmma_plan_and_supports():
             gx, gy, _ = lp["grid"]
             assert gy * lp["GPC"] >= N // 64 > (gy - 1) * lp["GPC"]       # every group once
             assert gx * 8 * cfg["MT"] >= min(L, P * B)
-            assert lp["smem"] == cfg["S"] * 8 * cfg["MT"] * 128
+            assert lp["smem"] == cfg["S"] * 8 * cfg["MT"] * 128 + 4 * cfg["D"] * 32 * 28
     assert W.wgmma_supports(4096, 4096, 128, 32, cc=90) == (True, "")
     assert "9.0" in W.wgmma_supports(4096, 4096, 128, 32, cc=80)[1]
     assert "64" in W.wgmma_supports(4112, 4096, 128, 32, cc=90)[1]
-    with pytest.raises(ValueError, match="even D"):
-        W.wgmma_plan(2, 8, 64, 256, 16, 32, dict(W.WGMMA_CONFIGS["g32"], D=3))
+    with pytest.raises(ValueError, match="D > S - 2"):
+        W.wgmma_plan(2, 8, 64, 256, 16, 32, dict(W.WGMMA_CONFIGS["g32"], D=2))
 
 
 # ----------------------------------------------------------------------------- emulation

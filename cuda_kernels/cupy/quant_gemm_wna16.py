@@ -423,11 +423,11 @@ def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
 
 # wna16_wgmma (quant_gemm_wna16_wgmma.cu, sm_90a only; prepack_int4(order="wgmma")): one
 # warpgroup per CTA owning 64-row groups and the whole K, MT token tiles of 8 (wgmma n = 8 x the
-# live ones), D chunks of weights in flight per lane (even), S activation stages in shared
-# memory, MINB CTAs per SM, WAVES waves of CTAs planned.
+# live ones), D chunks of weights in flight per lane (a shared-memory ring, D > S - 2), S
+# activation stages, MINB CTAs per SM, WAVES waves of CTAs planned.
 WGMMA_CONFIGS = {
-    "g32": dict(KERNEL="wgmma", MT=4, D=4, S=4, MINB=4, WAVES=8),
-    "g24": dict(KERNEL="wgmma", MT=3, D=4, S=4, MINB=4, WAVES=8),
+    "g32": dict(KERNEL="wgmma", MT=4, D=8, S=4, MINB=4, WAVES=8),
+    "g24": dict(KERNEL="wgmma", MT=3, D=8, S=4, MINB=4, WAVES=8),
 }
 CU_WGMMA = "quant_gemm_wna16_wgmma.cu"
 # wgmma exists only in sm_90a code (built through cuda.core, whose NVRTC takes the generic
@@ -612,12 +612,13 @@ def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dic
                num_sms: int = 132, group_size: int = 0, num_groups: int = 1) -> dict:
     """wna16_wgmma's launch: grid (cdiv(Lg, BM), cdiv(N / 64, GPC)), block 128, GPC 64-row
     groups per CTA so that the live CTAs make about WAVES waves of MINB CTAs per SM, the
-    chunk-to-group shift, dynamic shared memory S stages of BM x 64 activations."""
+    chunk-to-group shift, dynamic shared memory: S stages of BM x 64 activations, then the 4
+    warps' rings of D x 32 lanes x (16 bytes of codes + 8 of scales + 4 of zero points)."""
     bm = 8 * cfg["MT"]
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
-    if cfg["D"] % 2 or cfg["S"] < 3:
-        raise ValueError(f"config: expected an even D and S >= 3, got D = {cfg['D']}, "
+    if cfg["S"] < 3 or cfg["D"] <= cfg["S"] - 2:
+        raise ValueError(f"config: expected S >= 3 and D > S - 2, got D = {cfg['D']}, "
                          f"S = {cfg['S']}")
     Lg = min(L, P * block_size)
     mtiles = C.cdiv(Lg, bm)
@@ -629,7 +630,7 @@ def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dic
     gy = C.cdiv(groups, gpc)
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
     return dict(name=wgmma_kernel_name(cfg), cfg=cfg, grid=(mtiles, gy, 1), block=(128,),
-                smem=cfg["S"] * bm * 128, GPC=gpc, shift=shift, Lg=Lg)
+                smem=cfg["S"] * bm * 128 + 4 * cfg["D"] * 32 * 28, GPC=gpc, shift=shift, Lg=Lg)
 
 
 # ----------------------------------------------------------------------------- workspace

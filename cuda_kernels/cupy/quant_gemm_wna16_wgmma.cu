@@ -141,9 +141,10 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
             int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
             int groups_per_cta) {
-    static_assert(D % 2 == 0 && S >= 3, "wna16_wgmma: an even ring (A buffer = slot parity), S >= 3");
+    static_assert(D > S - 2 && S >= 3, "wna16_wgmma: the weights run further ahead than the "
+                  "activations (one cp.async group per item covers both), S >= 3");
     constexpr int BM = 8 * MT;
-    constexpr int STAGE = 8 * MT * 128;           // bytes of one stage
+    constexpr int STAGE = 8 * MT * 128;           // bytes of one activation stage
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
 
@@ -181,16 +182,24 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
     const int ntiles = N >> 4;
     const uint4* wexp = wp + (size_t)e * ntiles * C * 32 + lane;
     const float2* sexp = sp + (size_t)e * ntiles * num_groups * 8 + g;
-    const unsigned short* zexp = zp != nullptr ? zp + (size_t)e * ntiles * num_groups * 8 + g
-                                               : nullptr;
+    // the aligned word holding rows g & ~1 and g | 1's zero points (cp.async takes 4 bytes)
+    const unsigned short* zexp = zp != nullptr ? zp + (size_t)e * ntiles * num_groups * 8 +
+                                                 (g & ~1) : nullptr;
 #if ELEM_BF16
     constexpr u32 MAGIC = 0x43004300u;
 #else
     constexpr u32 MAGIC = 0x64006400u;
 #endif
     const u32 zdef = MAGIC | ((u32)default_zp * 0x00010001u);
+    // dynamic shared memory: S activation stages, then the warps' weight rings:
+    // [4 warps][D][32 lanes] uint4 codes, float2 scales, u32 zero-point words
     extern __shared__ __align__(16) u8 smem[];
     const u32 ring_b = ww_smem(smem);
+    uint4* ring_w = reinterpret_cast<uint4*>(smem + S * STAGE) + warp * D * 32 + lane;
+    float2* ring_s = reinterpret_cast<float2*>(smem + S * STAGE + 4 * D * 32 * 16) +
+                     warp * D * 32 + lane;
+    u32* ring_z = reinterpret_cast<u32*>(smem + S * STAGE + 4 * D * 32 * 24) + warp * D * 32 +
+                  lane;
 
     w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
         constexpr int LT = decltype(live_count)::value;
@@ -212,60 +221,58 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
             p_dst[q] = i < NN * 8 ? (kb * MT + (r >> 3)) * 128 + (r & 7) * 16 : -1;
             p_live[q] = ar >= 0;
         }
-        auto stage_copy = [&](int cc, int stage) {
-#pragma unroll
-            for (int q = 0; q < NP; ++q)
-                if (p_dst[q] >= 0)
-                    w16::cp16(smem + stage * STAGE + p_dst[q], p_src[q] + cc * 64, p_live[q]);
-        };
-        // the copies run S - 2 items ahead over the CTA's (group, chunk) items, chunk fastest;
-        // one cp.async group per item (empty past the last)
-        int copies_left = (j1 - j0) * C, copy_cc = 0, copy_stage = 0;
+        // the CTA's items are (group j, chunk cc), chunk fastest; the next item to copy the
+        // activations of (S - 2 ahead) and the next to load the weights of (D ahead)
+        const int items = (j1 - j0) * C;
+        int cp_left = items, cp_cc = 0, cp_stage = 0;
+        int ld_left = items, ld_j = j0, ld_cc = 0, ld_slot = 0;
         auto copy_next = [&]() {
-            if (copies_left > 0) {
-                stage_copy(copy_cc, copy_stage);
-                --copies_left;
-                copy_cc = copy_cc + 1 < C ? copy_cc + 1 : 0;
-                copy_stage = copy_stage + 1 < S ? copy_stage + 1 : 0;
+            if (cp_left > 0) {
+#pragma unroll
+                for (int q = 0; q < NP; ++q)
+                    if (p_dst[q] >= 0)
+                        w16::cp16(smem + cp_stage * STAGE + p_dst[q], p_src[q] + cp_cc * 64,
+                                  p_live[q]);
+                --cp_left;
+                cp_cc = cp_cc + 1 < C ? cp_cc + 1 : 0;
+                cp_stage = cp_stage + 1 < S ? cp_stage + 1 : 0;
             }
-            w16::cp_commit();
         };
-        // the lane's ring: slot u holds the chunks cc = u (mod D) of a group, 16 bytes of codes
-        // and the rows' scales and zero points each
-        uint4 rw[D];
-        float2 rs[D];
-        u32 rz[D];
-        // a group's first chunk, scales and zero points of this warp's tile (4 j + warp)
-        auto w_of = [&](int j) { return wexp + (size_t)(4 * j + warp) * C * 32; };
-        auto s_of = [&](int j) { return (size_t)(4 * j + warp) * num_groups * 8; };
-        auto load = [&](const uint4* wj, size_t sj, int cc, int u) {
-            if (cc < C) {
-                const int grp8 = (cc >> chunk_shift) * 8;
-                rw[u] = w16::ld_stream(reinterpret_cast<const u8*>(wj + cc * 32));
-                rs[u] = __ldg(sexp + sj + grp8);
-                rz[u] = zexp != nullptr ? (u32)__ldg(zexp + sj + grp8) : 0u;
+        auto load_next = [&]() {                  // the lane's 16 bytes, scales, zero points
+            if (ld_left > 0) {
+                const int tile = 4 * ld_j + warp;
+                const size_t grp8 = ((size_t)tile * num_groups + (ld_cc >> chunk_shift)) * 8;
+                w16::cp16(ring_w + ld_slot * 32, wexp + ((size_t)tile * C + ld_cc) * 32, true);
+                w16::cp8(ring_s + ld_slot * 32, sexp + grp8);
+                if (zexp != nullptr) w16::cp4(ring_z + ld_slot * 32, zexp + grp8, true);
+                --ld_left;
+                if (++ld_cc == C) {
+                    ld_cc = 0;
+                    ++ld_j;
+                }
+                ld_slot = ld_slot + 1 < D ? ld_slot + 1 : 0;
             }
         };
         float acc[NN / 2];
 #pragma unroll
         for (int i = 0; i < NN / 2; ++i) acc[i] = 0.f;
         u32 A[2][4][4];                           // two buffers x 4 k16 steps x a0..a3
-        int stage = 0;                            // the stage of the next item
-
         const u64 desc0 = ww_desc_b<MT>(ring_b, 0);  // stage s, step m: + (s STAGE + 2 m MT 128) / 16
-        const uint4* w_cur = w_of(j0);
-        const uint4* w_nxt = w_of(j0 + 1);
-        size_t s_cur = s_of(j0), s_nxt = s_of(j0 + 1);
-        // one item (chunk cc of the current group, ring slot u, A buffer u & 1): dequantize,
-        // refill the slot, wait for the stage, 4 wgmma
-        auto item = [&](int cc, bool last_group, int u) {
+        int stage = 0, slot = 0;                  // this item's activation stage, weight slot
+
+        // one item (chunk cc, A buffer b): wait for its copies (its weights are older than its
+        // activations: one cp.async group per item holds the weights D ahead and the
+        // activations S - 2 ahead), dequantize, refill, barrier, 4 wgmma
+        auto item = [&](int cc, int b) {
+            w16::cp_wait<S - 3>();
             {
-                const uint4 x = rw[u];
-                const float2 s2 = rs[u];
+                const uint4 x = ring_w[slot * 32];
+                const float2 s2 = ring_s[slot * 32];
                 u32 zl = zdef, zh = zdef;         // (MAGIC + zp) in both halves, rows g, g + 8
                 if (zexp != nullptr) {
-                    zl = MAGIC | ((rz[u] & 0xFFu) * 0x00010001u);
-                    zh = MAGIC | (((rz[u] >> 8) & 0xFFu) * 0x00010001u);
+                    const u32 z = ring_z[slot * 32] >> (16 * (g & 1));
+                    zl = MAGIC | ((z & 0xFFu) * 0x00010001u);
+                    zh = MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u);
                 }
                 const u32 sl = w16::pack2(s2.x, s2.x), sh = w16::pack2(s2.y, s2.y);
 #pragma unroll
@@ -273,45 +280,41 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                     const u32 wl = m < 2 ? x.x : x.z, wh = m < 2 ? x.y : x.w;
                     const int p = 2 * (m & 1);
                     const u32 mk = 0x000F000Fu;
-                    A[u & 1][m][0] = w16::deq2(w16::and_or(wl >> (4 * p), mk, MAGIC), zl, sl);
-                    A[u & 1][m][1] = w16::deq2(w16::and_or(wh >> (4 * p), mk, MAGIC), zh, sh);
-                    A[u & 1][m][2] = w16::deq2(w16::and_or(wl >> (4 * p + 4), mk, MAGIC), zl, sl);
-                    A[u & 1][m][3] = w16::deq2(w16::and_or(wh >> (4 * p + 4), mk, MAGIC), zh, sh);
+                    A[b][m][0] = w16::deq2(w16::and_or(wl >> (4 * p), mk, MAGIC), zl, sl);
+                    A[b][m][1] = w16::deq2(w16::and_or(wh >> (4 * p), mk, MAGIC), zh, sh);
+                    A[b][m][2] = w16::deq2(w16::and_or(wl >> (4 * p + 4), mk, MAGIC), zl, sl);
+                    A[b][m][3] = w16::deq2(w16::and_or(wh >> (4 * p + 4), mk, MAGIC), zh, sh);
                 }
             }
-            if (cc + D < C) load(w_cur, s_cur, cc + D, u);   // the slot's next chunk
-            else if (!last_group) load(w_nxt, s_nxt, u, u);
-            // this item's stage: the lane's copies landed, then everyone's
-            w16::cp_wait<S - 3>();
+            slot = slot + 1 < D ? slot + 1 : 0;
+            load_next();                          // into the slot just read (D items on)
+            // everyone's activation copies of this item, visible to wgmma's async proxy
             ww_fence_proxy_async();
             __syncthreads();
             copy_next();                          // into the stage item - 2 read (done)
+            w16::cp_commit();
             const u64 desc = desc0 + (u64)((stage * STAGE) >> 4);
             stage = stage + 1 < S ? stage + 1 : 0;
             ww_wgmma_fence();
 #pragma unroll
             for (int m = 0; m < 4; ++m)
-                WwMma<NN>::run(acc, A[u & 1][m][0], A[u & 1][m][1], A[u & 1][m][2],
-                               A[u & 1][m][3], desc + (u64)((2 * m * MT * 128) >> 4),
-                               cc != 0 || m != 0);
+                WwMma<NN>::run(acc, A[b][m][0], A[b][m][1], A[b][m][2], A[b][m][3],
+                               desc + (u64)((2 * m * MT * 128) >> 4), cc != 0 || m != 0);
             ww_wgmma_commit();
             ww_wgmma_wait<1>();                   // the previous item's: its A buffer is free
         };
 
-        for (int k = 0; k < S - 2; ++k) copy_next();
-#pragma unroll
-        for (int u = 0; u < D; ++u) load(w_cur, s_cur, u, u);
+        // the first D items' weights and S - 2 items' activations, one group per item
+        for (int k = 0; k < D; ++k) {
+            load_next();
+            if (k < S - 2) copy_next();
+            w16::cp_commit();
+        }
         for (int j = j0; j < j1; ++j) {
-            const bool last_group = j + 1 >= j1;
-            for (int cb = 0; cb < C; cb += D) {
-#pragma unroll
-                for (int u = 0; u < D; ++u)
-                    if (cb + u < C) item(cb + u, last_group, u);   // uniform over the CTA
+            for (int cb = 0; cb < C; cb += 2) {
+                item(cb, 0);
+                if (cb + 1 < C) item(cb + 1, 1);  // uniform over the CTA
             }
-            w_cur = w_nxt;
-            s_cur = s_nxt;
-            w_nxt = w_of(j + 2);
-            s_nxt = s_of(j + 2);
             ww_wgmma_wait<0>();                   // the group's accumulators are final
             const int n0 = 64 * j + 16 * warp + g;
 #pragma unroll
