@@ -20,7 +20,11 @@ L = len(sorted_token_ids), BM = 8 * MT positions per CTA, KS K splits.
     w_zp     [E, N, G]        uint8 or None (8 for int4, 128 for uint8, 0 for int8)
     c        [P, N]           a's dtype
 
-Three rungs (see the .cu header for the lane layouts), chosen by the config name:
+Four rungs (see the .cu headers for the lane layouts), chosen by the config name:
+    wna16_wgmma   (WGMMA_CONFIGS: g24, g32; quant_gemm_wna16_wgmma.cu, sm_90a) int4 on weights
+                  prepacked in wgmma's register-A order: one warpgroup per CTA, the
+                  dequantized weights as wgmma's A, the activations staged as its B; opt-in
+                  (slower than wna16_packed so far, see its header).
     wna16_packed  (PACKED_CONFIGS: q8, q24, q32, ...) int4 only, on weights repacked once by
                   prepack_int4 (cached per weight array by packed_weights): each warp load
                   reads 512 contiguous bytes that are the lanes' mma fragments; the CTA's
@@ -944,6 +948,11 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
              for n, c in PACKED_CONFIGS.items() if n in quick or not args.quick
              for (M_a, E, K, N, Kd, B, gs, zp) in (packed_cases[:2] if args.quick else
                                                    packed_cases)]
+    import cupy
+    if int(cupy.cuda.Device().compute_capability) == 90:          # the wgmma rung: Hopper
+        runs += [(n, c, (M_a, E, K, 128, Kd, max(B, 8 * c["MT"]), 4, gs, zp, None))
+                 for n, c in WGMMA_CONFIGS.items() if n == "g32" or not args.quick
+                 for (M_a, E, K, N, Kd, B, gs, zp) in packed_cases]
     for name, cfg, (M_a, E, K, N, Kd, B, nb, gs, zp, ks) in runs:
         if B % (8 * cfg["MT"]) or (N // 16) % cfg.get("RT", 1):
             continue
@@ -972,7 +981,6 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
         print(f"{name:4s} int{nb} g{gs:3d} zp={int(zp)} KS={ks} M_a={M_a:3d} E={E} K={K} "
               f"N={N:4d} Kdim={Kd:4d} B={B:3d} rel_err={err:.2e} {status}", flush=True)
     if not args.quick:
-        import cupy
         for label, (E, K, N, Kd) in (("Mixtral GEMM1", (8, 2, 28672, 4096)),
                                      ("Mixtral GEMM2", (8, 2, 4096, 14336))):
             w = cupy.full((E, N, Kd // 2), 0x88, dtype=cupy.uint8)

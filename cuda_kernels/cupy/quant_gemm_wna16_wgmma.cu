@@ -13,6 +13,14 @@
 // of 4 per chunk; at 2-3 live token tiles (Mixtral T=64) its warps wait on those chains at ~46%
 // issue with neither DRAM nor L2 saturated. Here one wgmma.m64nNk16 per 16-wide k step covers
 // all N = 8 LT live tokens of 64 weight rows, and runs while the warps dequantize the next chunk.
+// Measured (H200, Mixtral int4 g128, GEMM1 + GEMM2, bench_wna16_nvidia_h200_20261130_094642):
+// slower than wna16_packed at every T so far: g32 176 / 431 / 512 / 1346 us at T = 1 / 16 / 64 /
+// 256 against q8 68 / 227 and q32 368 / 1034. Each warpgroup walks its K alone, one 64-code
+// chunk at a time, and every chunk waits on a cp.async group, a CTA barrier and the previous
+// chunk's wgmma: a latency chain per chunk that the few warps of an SM cannot hide, and GEMM2
+// (N = 4096: 64 groups per expert) has too few CTAs to cover it at all.
+// Not routed (quant_gemm's int4 route takes wna16_packed); the leads: K split over 2
+// warpgroups or CTAs, 128-code items (half the barriers and waits), deeper activation stages.
 //
 // Layout:
 //   weights  prepack_int4(order="wgmma"): wp [E][N / 16 tiles][Kdim / 64 chunks][32 lanes][4]
@@ -28,17 +36,20 @@
 //            swizzle); step m reads kb = 2 m, 2 m + 1: descriptor start = stage + 2 m MT 128,
 //            leading byte offset (the next 8 codes) MT 128, stride byte offset (the next 8
 //            tokens) 128. Rows that hold no live position are zero-filled.
-// Pipeline per chunk (item = one chunk of one group, in order): dequantize it from the lane's
-//   register ring (D chunks of 16-byte loads in flight) into one of two A buffers; wait for its
-//   stage (cp.async.wait_group, fence.proxy.async, barrier); 4 wgmma (the group's first with
-//   scale-d = 0), commit, wait until one batch is pending (the previous item's: its A buffer is
-//   free); copy the chunk S - 2 items ahead into the stage item - 2 read (every warp passed
-//   item - 1's wait before this item's barrier); refill the ring. At a group's last chunk: wait
-//   for all, then the epilogue from the accumulators (mma.m16n8's layout per n8 block: warp w,
-//   rows 16 w + g (+ 8), tokens 8 nb + 2 t (+ 1)) + bias, times the router weight.
+// Pipeline per chunk (item = one chunk of one group, in order; one cp.async group per item
+//   holds the weights D items ahead and the activations S - 2 ahead, so waiting for an item's
+//   activations covers its older weights): wait for the item's copies; dequantize its weights
+//   from the warp's shared-memory ring (each lane reads back the 16 bytes, scales and zero
+//   points it copied itself) into one of two A buffers; refill that slot; fence.proxy.async and
+//   a barrier (everyone's activation copies of the item); copy the chunk S - 2 items ahead into
+//   the stage item - 2 read (every warp passed item - 1's wgmma wait before this barrier);
+//   4 wgmma (the group's first with scale-d = 0), commit, wait until one batch is pending (the
+//   previous item's: its A buffer is free). At a group's end: wait for all, then the epilogue
+//   from the accumulators (mma.m16n8's layout per n8 block: warp w, rows 16 w + g (+ 8),
+//   tokens 8 nb + 2 t (+ 1)) + bias, times the router weight.
 // grid (cdiv(Lg, BM), cdiv(N / 64, groups_per_cta)), block 128, dynamic shared memory
-// S MT 1024 bytes. Needs sm_90a, N % 64 == 0, Kdim % 64 == 0, group_size a multiple of 64
-// (chunk_shift = log2(group_size / 64); one group per row: 30), D even, S >= 3.
+// S MT 1024 + 4 D 32 28 bytes. Needs sm_90a, N % 64 == 0, Kdim % 64 == 0, group_size a multiple
+// of 64 (chunk_shift = log2(group_size / 64); one group per row: 30), S >= 3, D > S - 2.
 #include "wna16_common.cuh"
 
 typedef unsigned long long u64;
