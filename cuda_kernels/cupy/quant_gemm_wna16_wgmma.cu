@@ -160,19 +160,11 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
     __shared__ int sArow[BM];                     // its row of a, or -1
 
     const int m0 = blockIdx.x * BM;
-    if (m0 >= num_positions) return;
+    if (!w16::load_m_tile<BM>(m0, sorted_token_ids, num_tokens_post_padded, num_slots, top_k,
+                              num_positions, sSlot, sArow))
+        return;                                   // padding only
     const int tid = threadIdx.x;
-    const int ntp = num_tokens_post_padded[0];
     const int e = expert_ids[m0 / block_size];    // BM divides block_size: one expert
-    const int s_mine = (tid < BM && m0 + tid < num_positions) ? sorted_token_ids[m0 + tid] : -1;
-    if (m0 >= ntp) return;
-    int live = 0;
-    if (tid < BM) {
-        live = s_mine >= 0 && s_mine < num_slots;
-        sSlot[tid] = live ? s_mine : -1;
-        sArow[tid] = live ? s_mine / top_k : -1;
-    }
-    if (!__syncthreads_or(live)) return;          // padding only
     const int j0 = blockIdx.y * groups_per_cta;
     const int j1 = min(N >> 6, j0 + groups_per_cta);
     if (j0 >= j1) return;

@@ -187,6 +187,27 @@ __device__ __forceinline__ void cp_wait() {
 #endif
 }
 
+// The m tile of BM positions from m0 (one expert: BM divides block_size): sSlot[r] = the slot
+// of position m0 + r or -1 (padding, or past the positions), sArow[r] = its row of a (slot /
+// top_k) or -1. False, in every thread alike, when no position of the tile is live: the CTA
+// has nothing to compute. Every thread of the CTA calls it (it ends in a barrier).
+template <int BM>
+__device__ __forceinline__ bool load_m_tile(int m0, const int* __restrict__ sorted_token_ids,
+                                            const int* __restrict__ num_tokens_post_padded,
+                                            int num_slots, int top_k, int num_positions,
+                                            int* sSlot, int* sArow) {
+    const int tid = threadIdx.x;
+    const int s = (tid < BM && m0 + tid < num_positions) ? sorted_token_ids[m0 + tid] : -1;
+    if (m0 >= num_positions || m0 >= num_tokens_post_padded[0]) return false;
+    int live = 0;
+    if (tid < BM) {
+        live = s >= 0 && s < num_slots;
+        sSlot[tid] = live ? s : -1;
+        sArow[tid] = live ? s / top_k : -1;
+    }
+    return __syncthreads_or(live);
+}
+
 // f(Count<n>{}) for the n in [LO, HI] that equals `n` (n outside: the nearest end), so that
 // a loop bound known only at run time (wna16_packed's live token tiles) becomes a constant of
 // the code that runs: one instantiation of f per count, branch-free inside.
