@@ -159,13 +159,13 @@ wna16_dev() {   # GPU 0: the packed int4 rung, checked then timed config by conf
   say "device"; device_info
   say "packed int4 GPU tests"
   timeout $(budget 120) python3 -m pytest -q --maxfail=20 --timeout 100 -m gpu -p no:cacheprovider \
-    tests/test_quant_wna16_packed.py 2>&1 | tail -n 20
+    tests/test_quant_wna16_packed.py tests/test_quant_wna16_wgmma.py 2>&1 | tail -n 20
   sanitizer cuda_kernels.cupy.quant_gemm_wna16
-  # the route's q8 / q24 / q32 beside POST's zero-point mma (s8, r16, v32) and the
-  # shared-memory ring (v24, v32)
+  # the route's q8 / q24 / q32 beside POST's zero-point mma (s8, r16, v32), the shared-memory
+  # ring (v24, v32) and the wgmma rung (g32)
   say "bench_wna16: the packed configs"
   timeout $(budget 260) python3 benchmarks/bench_wna16.py --tokens 1,16,64,256 --no-old --sweep \
-    --configs q8,s8,r16,q24,v24,q32,v32 --budget-s 240 2>&1 | tail -n 60
+    --configs q8,s8,r16,q24,v24,q32,v32,g32 --budget-s 240 2>&1 | tail -n 60
 }
 
 multi() {    # both GPUs
