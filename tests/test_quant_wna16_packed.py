@@ -266,14 +266,11 @@ SHAPES = [
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("cfg", sorted(W.PACKED_CONFIGS))
-def test_matches_reference(rng, shape, cfg):
+def check_matches_reference(rng, shape, cfg, B):
+    """grouped_gemm_wna16 with config `cfg` and block size B against the reference on `shape`
+    (M_a, E, top_k, N, Kdim, gs, zp): an expert with no tokens, bias and router weights, the
+    output poisoned first (also the wgmma rung's check, tests/test_quant_wna16_wgmma.py)."""
     M_a, E, K, N, Kd, gs, zp = shape
-    if (N // 16) % W.PACKED_CONFIGS[cfg].get("RT", 1):
-        pytest.skip(f"{cfg}: its RT tiles per group do not divide N / 16 = {N // 16}")
-    B = max(16, 8 * W.PACKED_CONFIGS[cfg]["MT"])
     a = rng.standard_normal((M_a, Kd)).astype(BF16)
     wq, ws, wz = quantized(rng, E, N, Kd, gs, zp)
     ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
@@ -291,6 +288,16 @@ def test_matches_reference(rng, shape, cfg):
     assert got is out
     err = rel_err(host(got, BF16), want)
     assert err <= TOL, f"{cfg}: rel_err {err:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("cfg", sorted(W.PACKED_CONFIGS))
+def test_matches_reference(rng, shape, cfg):
+    M_a, E, K, N, Kd, gs, zp = shape
+    if (N // 16) % W.PACKED_CONFIGS[cfg].get("RT", 1):
+        pytest.skip(f"{cfg}: its RT tiles per group do not divide N / 16 = {N // 16}")
+    check_matches_reference(rng, shape, cfg, max(16, 8 * W.PACKED_CONFIGS[cfg]["MT"]))
 
 
 @pytest.mark.gpu

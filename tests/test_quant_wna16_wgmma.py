@@ -28,14 +28,10 @@ from reference import moe_align_block_size
 from reference import quant as RQ
 from oracles import rel_err
 from test_quant_cupy import host, poisoned, up  # the quantized tests' GPU helpers
+from test_quant_wna16_packed import check_matches_reference, quantized
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = 2e-2          # issue 8 / vLLM's weight-only tolerance
-
-
-def quantized(rng, E, N, Kd, gs, zp):
-    w = (rng.standard_normal((E, N, Kd)) * 0.05).astype(BF16)
-    return RQ.quantize_weight_wna16(w, 4, gs, zero_point=zp)
 
 
 # ----------------------------------------------------------------------------- CPU
@@ -225,25 +221,7 @@ def test_matches_reference(rng, shape, cfg):
     ok, why = _hopper()
     if not ok:
         pytest.skip(why)
-    M_a, E, K, N, Kd, gs, zp = shape
-    B = 8 * W.WGMMA_CONFIGS[cfg]["MT"] * 2
-    a = rng.standard_normal((M_a, Kd)).astype(BF16)
-    wq, ws, wz = quantized(rng, E, N, Kd, gs, zp)
-    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
-    if E > 2:
-        ids[ids == E - 1] = 0                    # expert E-1 gets no tokens
-    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
-    bias = rng.standard_normal((E, N)).astype(np.float32)
-    st, ex, ntp = moe_align_block_size(ids, B, E)
-    want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, bias, w_scale=ws,
-                                 w_zp=wz, use_int4_w4a16=True)
-    out = poisoned((M_a * K, N), BF16)
-    got = W.grouped_gemm_wna16(up(a), up(wq), up(st), up(ex), up(ntp), K, B, up(tw), True,
-                               up(bias), w_scale=up(ws), w_zp=up(wz), config=cfg, out=out,
-                               use_int4_w4a16=True)
-    assert got is out
-    err = rel_err(host(got, BF16), want)
-    assert err <= TOL, f"{cfg}: rel_err {err:.3e}"
+    check_matches_reference(rng, shape, cfg, 8 * W.WGMMA_CONFIGS[cfg]["MT"] * 2)
 
 
 @pytest.mark.gpu
