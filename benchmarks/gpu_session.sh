@@ -161,11 +161,12 @@ wna16_dev() {   # GPU 0: the packed int4 rung, checked then timed config by conf
   timeout $(budget 120) python3 -m pytest -q --maxfail=20 --timeout 100 -m gpu -p no:cacheprovider \
     tests/test_quant_wna16_packed.py tests/test_quant_wna16_wgmma.py 2>&1 | tail -n 20
   sanitizer cuda_kernels.cupy.quant_gemm_wna16
-  # the route's q8 / q24 / q32 beside POST's zero-point mma (s8, r16, v32), the shared-memory
-  # ring (v24, v32) and the wgmma rung (g32)
-  say "bench_wna16: the packed configs"
-  timeout $(budget 260) python3 benchmarks/bench_wna16.py --tokens 1,16,64,256 --no-old --sweep \
-    --configs q8,s8,r16,q24,v24,q32,v32,g32 --budget-s 240 2>&1 | tail -n 60
+  # the route's q8 / q24 / q32 beside the wgmma rung: one row group an item (g32), RB of them
+  # (h32, h24), and WGMMA_EXTRA (more of its variants, name+KEY=VALUE)
+  say "bench_wna16: the packed and wgmma configs"
+  timeout $(budget 300) python3 benchmarks/bench_wna16.py --tokens ${WNA16_TOKENS:-1,16,64,256} \
+    --no-old --sweep --configs q8,q24,q32,g32,h32,h24${WGMMA_EXTRA:+,$WGMMA_EXTRA} \
+    --budget-s 280 2>&1 | tail -n 80
 }
 
 multi() {    # both GPUs

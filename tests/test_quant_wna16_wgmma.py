@@ -73,11 +73,13 @@ def test_wgmma_plan_and_supports():
             gx, gy, _ = lp["grid"]
             assert gy * lp["GPC"] >= N // 64 > (gy - 1) * lp["GPC"]       # every group once
             assert gx * 8 * cfg["MT"] >= min(L, P * B)
-            assert lp["smem"] == cfg["S"] * 8 * cfg["MT"] * 128 + 4 * cfg["D"] * 32 * 28
+            assert lp["GPC"] % cfg.get("RB", 1) == 0                     # whole items
+            assert lp["smem"] == (cfg["S"] * 8 * cfg["MT"] * 128 +
+                                  4 * cfg["D"] * cfg.get("RB", 1) * 32 * 28)
     assert W.wgmma_supports(4096, 4096, 128, 32, cc=90) == (True, "")
     assert "9.0" in W.wgmma_supports(4096, 4096, 128, 32, cc=80)[1]
     assert "64" in W.wgmma_supports(4112, 4096, 128, 32, cc=90)[1]
-    with pytest.raises(ValueError, match="D > S - 2"):
+    with pytest.raises(ValueError, match="D >= S - 1"):
         W.wgmma_plan(2, 8, 64, 256, 16, 32, dict(W.WGMMA_CONFIGS["g32"], D=2))
 
 
@@ -163,6 +165,11 @@ def emulated_wgmma(tmp_path_factory):
     ("g32", (50, 3, 2, 64, 640, 32), 64, False, 1, 8),       # 1 or 4 live tiles, g64
     ("g24", (40, 3, 2, 64, 512, 48), 128, True, 132, 8),     # padding m tiles between experts
     ("g24", (6, 2, 2, 192, 256, 24), 256, True, 1, 1),       # one group per row, 3 groups a CTA
+    # RB = 4 row groups an item: fewer groups than RB (repeated, never stored), several items'
+    # blocks a CTA with a ragged last one, g64
+    ("h32", (40, 3, 2, 128, 384, 32), 128, True, 132, 4),
+    ("h24", (40, 3, 2, 576, 256, 48), 128, False, 1, 1),
+    ("h32", (3, 2, 2, 320, 256, 32), 64, False, 1, 1),
 ])
 def test_emulated_matches_reference(emulated_wgmma, rng, cfg, shape, gs, zp, sms, waves):
     import ctypes

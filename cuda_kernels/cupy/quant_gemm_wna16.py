@@ -432,6 +432,10 @@ def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
 WGMMA_CONFIGS = {
     "g32": dict(KERNEL="wgmma", MT=4, D=8, S=4, MINB=4, WAVES=8),
     "g24": dict(KERNEL="wgmma", MT=3, D=8, S=4, MINB=4, WAVES=8),
+    # RB = 4: each item is one chunk of 4 row groups (256 rows), so each staged activation
+    # chunk feeds 4 times the weights and each barrier covers 4 times the work
+    "h32": dict(KERNEL="wgmma", MT=4, D=4, S=4, MINB=2, WAVES=4, RB=4),
+    "h24": dict(KERNEL="wgmma", MT=3, D=4, S=4, MINB=3, WAVES=4, RB=4),
 }
 CU_WGMMA = "quant_gemm_wna16_wgmma.cu"
 # wgmma exists only in sm_90a code (built through cuda.core, whose NVRTC takes the generic
@@ -440,7 +444,7 @@ WGMMA_OPTIONS = ("-arch=sm_90a", "-default-device")
 
 
 def wgmma_kernel_name(cfg: dict) -> str:
-    return f"wna16_wgmma<{cfg['MT']}, {cfg['D']}, {cfg['S']}, {cfg['MINB']}>"
+    return f"wna16_wgmma<{cfg['MT']}, {cfg['D']}, {cfg['S']}, {cfg['MINB']}, {cfg.get('RB', 1)}>"
 
 
 WGMMA_NAMES = tuple(wgmma_kernel_name(c) for c in WGMMA_CONFIGS.values())
@@ -615,26 +619,31 @@ def wgmma_supports(N: int, K: int, group_size: int, num_groups: int,
 def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
                num_sms: int = 132, group_size: int = 0, num_groups: int = 1) -> dict:
     """wna16_wgmma's launch: grid (cdiv(Lg, BM), cdiv(N / 64, GPC)), block 128, GPC 64-row
-    groups per CTA so that the live CTAs make about WAVES waves of MINB CTAs per SM, the
-    chunk-to-group shift, dynamic shared memory: S stages of BM x 64 activations, then the 4
-    warps' rings of D x 32 lanes x (16 bytes of codes + 8 of scales + 4 of zero points)."""
+    groups per CTA (a multiple of RB, the row groups of one item) so that the live CTAs make
+    about WAVES waves of MINB CTAs per SM, the chunk-to-group shift, dynamic shared memory:
+    S stages of BM x 64 activations, then the 4 warps' rings of D x RB x 32 lanes x (16 bytes
+    of codes + 8 of scales + 4 of zero points)."""
     bm = 8 * cfg["MT"]
+    rb = cfg.get("RB", 1)
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
-    if cfg["S"] < 3 or cfg["D"] <= cfg["S"] - 2:
-        raise ValueError(f"config: expected S >= 3 and D > S - 2, got D = {cfg['D']}, "
+    if cfg["S"] < 2 or cfg["D"] < cfg["S"] - 1:
+        raise ValueError(f"config: expected S >= 2 and D >= S - 1, got D = {cfg['D']}, "
                          f"S = {cfg['S']}")
+    if rb < 1:
+        raise ValueError(f"config: expected RB >= 1 row groups per item, got {rb}")
     Lg = min(L, P * block_size)
     mtiles = C.cdiv(Lg, bm)
     live_m = live_m_tiles(P, E, mtiles, bm)
-    groups = N // 64
+    blocks = C.cdiv(N // 64, rb)             # items' row blocks (the last may be ragged)
     slots = num_sms * cfg["MINB"] * cfg.get("WAVES", 1)
-    gy = max(1, min(groups, slots // live_m))
-    gpc = C.cdiv(groups, gy)
-    gy = C.cdiv(groups, gpc)
+    gy = max(1, min(blocks, slots // live_m))
+    gpc = C.cdiv(blocks, gy) * rb
+    gy = C.cdiv(N // 64, gpc)
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
     return dict(name=wgmma_kernel_name(cfg), cfg=cfg, grid=(mtiles, gy, 1), block=(128,),
-                smem=cfg["S"] * bm * 128 + 4 * cfg["D"] * 32 * 28, GPC=gpc, shift=shift, Lg=Lg)
+                smem=cfg["S"] * bm * 128 + 4 * cfg["D"] * rb * 32 * 28, GPC=gpc, shift=shift,
+                Lg=Lg)
 
 
 # ----------------------------------------------------------------------------- workspace
@@ -951,7 +960,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     import cupy
     if int(cupy.cuda.Device().compute_capability) == 90:          # the wgmma rung: Hopper
         runs += [(n, c, (M_a, E, K, 128, Kd, max(B, 8 * c["MT"]), 4, gs, zp, None))
-                 for n, c in WGMMA_CONFIGS.items() if n == "g32" or not args.quick
+                 for n, c in WGMMA_CONFIGS.items() if n in ("g32", "h32") or not args.quick
                  for (M_a, E, K, N, Kd, B, gs, zp) in packed_cases]
     for name, cfg, (M_a, E, K, N, Kd, B, nb, gs, zp, ks) in runs:
         if B % (8 * cfg["MT"]) or (N // 16) % cfg.get("RT", 1):

@@ -81,6 +81,35 @@ __device__ __forceinline__ void ww_wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(PENDING) : "memory");
 }
 
+#endif  // QG_EMULATED_PTX
+
+// Pin registers in place for ptxas: an empty asm that "rewrites" them. Without it the compiler
+// computes the A fragments (and moves the accumulators) right before each wgmma, inside the
+// pipeline stage, and ptxas then serializes every wgmma (its C7513 warning: a wait after each
+// one, measured ~2-3x slower on Mixtral); with it, each value is final before wgmma.fence.
+template <int N>
+__device__ __forceinline__ void ww_pin(u32 (&r)[N]) {
+#ifndef QG_EMULATED_PTX
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void ww_pin(u64 (&r)[N]) {
+#ifndef QG_EMULATED_PTX
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+l"(r[i])::"memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void ww_pin(float (&r)[N]) {
+#ifndef QG_EMULATED_PTX
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+#endif
+}
+
+#ifndef QG_EMULATED_PTX
 // d (this thread's NN / 2 accumulators of the 64 x NN tile) = A (the warp's 16 rows of the
 // 64 x 16 step: a0..a3) * B (16 x NN through desc) + (acc ? d : 0)
 template <int NN> struct WwMma;
@@ -142,7 +171,7 @@ __device__ __forceinline__ u64 ww_desc_b(u32 stage, int m) {
            ((u64)(128u >> 4) << 32);
 }
 
-template <int MT, int D, int S, int MINB>
+template <int MT, int D, int S, int MINB, int RB>
 __global__ void __launch_bounds__(128, MINB)
 wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
             const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
@@ -152,8 +181,8 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
             int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
             int groups_per_cta) {
-    static_assert(D > S - 2 && S >= 3, "wna16_wgmma: the weights run further ahead than the "
-                  "activations (one cp.async group per item covers both), S >= 3");
+    static_assert(D >= S - 1 && S >= 2, "wna16_wgmma: the weights run at least as far ahead "
+                  "as the activations (one cp.async group per item covers both), S >= 2");
     constexpr int BM = 8 * MT;
     constexpr int STAGE = 8 * MT * 128;           // bytes of one activation stage
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
@@ -195,13 +224,14 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
 #endif
     const u32 zdef = MAGIC | ((u32)default_zp * 0x00010001u);
     // dynamic shared memory: S activation stages, then the warps' weight rings:
-    // [4 warps][D][32 lanes] uint4 codes, float2 scales, u32 zero-point words
+    // [4 warps][D][RB][32 lanes] uint4 codes, float2 scales, u32 zero-point words
     extern __shared__ __align__(16) u8 smem[];
+    constexpr int RING = 4 * D * RB * 32;         // ring entries of each kind
     const u32 ring_b = ww_smem(smem);
-    uint4* ring_w = reinterpret_cast<uint4*>(smem + S * STAGE) + warp * D * 32 + lane;
-    float2* ring_s = reinterpret_cast<float2*>(smem + S * STAGE + 4 * D * 32 * 16) +
-                     warp * D * 32 + lane;
-    u32* ring_z = reinterpret_cast<u32*>(smem + S * STAGE + 4 * D * 32 * 24) + warp * D * 32 +
+    uint4* ring_w = reinterpret_cast<uint4*>(smem + S * STAGE) + warp * D * RB * 32 + lane;
+    float2* ring_s = reinterpret_cast<float2*>(smem + S * STAGE + RING * 16) +
+                     warp * D * RB * 32 + lane;
+    u32* ring_z = reinterpret_cast<u32*>(smem + S * STAGE + RING * 24) + warp * D * RB * 32 +
                   lane;
 
     w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
@@ -224,9 +254,11 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
             p_dst[q] = i < NN * 8 ? (kb * MT + (r >> 3)) * 128 + (r & 7) * 16 : -1;
             p_live[q] = ar >= 0;
         }
-        // the CTA's items are (group j, chunk cc), chunk fastest; the next item to copy the
-        // activations of (S - 2 ahead) and the next to load the weights of (D ahead)
-        const int items = (j1 - j0) * C;
+        // the CTA's items are (block of RB row groups from jb, chunk cc), chunk fastest; a
+        // block's groups past j1 repeat group j1 - 1 (computed, never stored), so that every
+        // item has the same wgmma batch. The next item to copy the activations of (S - 1
+        // ahead) and the next to load the weights of (D ahead).
+        const int items = (j1 - j0 + RB - 1) / RB * C;
         int cp_left = items, cp_cc = 0, cp_stage = 0;
         int ld_left = items, ld_j = j0, ld_cc = 0, ld_slot = 0;
         auto copy_next = [&]() {
@@ -243,95 +275,126 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
         };
         auto load_next = [&]() {                  // the lane's 16 bytes, scales, zero points
             if (ld_left > 0) {
-                const int tile = 4 * ld_j + warp;
-                const size_t grp8 = ((size_t)tile * num_groups + (ld_cc >> chunk_shift)) * 8;
-                w16::cp16(ring_w + ld_slot * 32, wexp + ((size_t)tile * C + ld_cc) * 32, true);
-                w16::cp8(ring_s + ld_slot * 32, sexp + grp8);
-                if (zexp != nullptr) w16::cp4(ring_z + ld_slot * 32, zexp + grp8, true);
+#pragma unroll
+                for (int r = 0; r < RB; ++r) {
+                    const int tile = 4 * min(ld_j + r, j1 - 1) + warp;
+                    const size_t grp8 = ((size_t)tile * num_groups + (ld_cc >> chunk_shift)) * 8;
+                    const int at = (ld_slot * RB + r) * 32;
+                    w16::cp16(ring_w + at, wexp + ((size_t)tile * C + ld_cc) * 32, true);
+                    w16::cp8(ring_s + at, sexp + grp8);
+                    if (zexp != nullptr) w16::cp4(ring_z + at, zexp + grp8, true);
+                }
                 --ld_left;
                 if (++ld_cc == C) {
                     ld_cc = 0;
-                    ++ld_j;
+                    ld_j += RB;
                 }
                 ld_slot = ld_slot + 1 < D ? ld_slot + 1 : 0;
             }
         };
-        float acc[NN / 2];
+        float acc[RB][NN / 2];
 #pragma unroll
-        for (int i = 0; i < NN / 2; ++i) acc[i] = 0.f;
-        u32 A[2][4][4];                           // two buffers x 4 k16 steps x a0..a3
+        for (int r = 0; r < RB; ++r)
+#pragma unroll
+            for (int i = 0; i < NN / 2; ++i) acc[r][i] = 0.f;
+        u32 A[RB][4][4];                          // row groups x k16 steps x a0..a3
         const u64 desc0 = ww_desc_b<MT>(ring_b, 0);  // stage s, step m: + (s STAGE + 2 m MT 128) / 16
         int stage = 0, slot = 0;                  // this item's activation stage, weight slot
 
-        // one item (chunk cc, A buffer b): wait for its copies (its weights are older than its
-        // activations: one cp.async group per item holds the weights D ahead and the
-        // activations S - 2 ahead), dequantize, refill, barrier, 4 wgmma
-        auto item = [&](int cc, int b) {
-            w16::cp_wait<S - 3>();
-            {
-                const uint4 x = ring_w[slot * 32];
-                const float2 s2 = ring_s[slot * 32];
-                u32 zl = zdef, zh = zdef;         // (MAGIC + zp) in both halves, rows g, g + 8
-                if (zexp != nullptr) {
-                    const u32 z = ring_z[slot * 32] >> (16 * (g & 1));
-                    zl = MAGIC | ((z & 0xFFu) * 0x00010001u);
-                    zh = MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u);
-                }
-                const u32 sl = w16::pack2(s2.x, s2.x), sh = w16::pack2(s2.y, s2.y);
-#pragma unroll
-                for (int m = 0; m < 4; ++m) {     // pairs 2 (m & 1), + 1 of words m >> 1
-                    const u32 wl = m < 2 ? x.x : x.z, wh = m < 2 ? x.y : x.w;
-                    const int p = 2 * (m & 1);
-                    const u32 mk = 0x000F000Fu;
-                    A[b][m][0] = w16::deq2(w16::and_or(wl >> (4 * p), mk, MAGIC), zl, sl);
-                    A[b][m][1] = w16::deq2(w16::and_or(wh >> (4 * p), mk, MAGIC), zh, sh);
-                    A[b][m][2] = w16::deq2(w16::and_or(wl >> (4 * p + 4), mk, MAGIC), zl, sl);
-                    A[b][m][3] = w16::deq2(w16::and_or(wh >> (4 * p + 4), mk, MAGIC), zh, sh);
-                }
+        // row group r of the item in slot `slot` -> A[r]: 128 + q minus 128 + zp, times s
+        auto dequantize = [&](int r) {
+            const int at = (slot * RB + r) * 32;
+            const uint4 x = ring_w[at];
+            const float2 s2 = ring_s[at];
+            u32 zl = zdef, zh = zdef;             // (MAGIC + zp) in both halves, rows g, g + 8
+            if (zexp != nullptr) {
+                const u32 z = ring_z[at] >> (16 * (g & 1));
+                zl = MAGIC | ((z & 0xFFu) * 0x00010001u);
+                zh = MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u);
             }
-            slot = slot + 1 < D ? slot + 1 : 0;
-            load_next();                          // into the slot just read (D items on)
-            // everyone's activation copies of this item, visible to wgmma's async proxy
-            ww_fence_proxy_async();
-            __syncthreads();
-            copy_next();                          // into the stage item - 2 read (done)
-            w16::cp_commit();
+            const u32 sl = w16::pack2(s2.x, s2.x), sh = w16::pack2(s2.y, s2.y);
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {         // pairs 2 (m & 1), + 1 of words m >> 1
+                const u32 wl = m < 2 ? x.x : x.z, wh = m < 2 ? x.y : x.w;
+                const int p = 2 * (m & 1);
+                const u32 mk = 0x000F000Fu;
+                A[r][m][0] = w16::deq2(w16::and_or(wl >> (4 * p), mk, MAGIC), zl, sl);
+                A[r][m][1] = w16::deq2(w16::and_or(wh >> (4 * p), mk, MAGIC), zh, sh);
+                A[r][m][2] = w16::deq2(w16::and_or(wl >> (4 * p + 4), mk, MAGIC), zl, sl);
+                A[r][m][3] = w16::deq2(w16::and_or(wh >> (4 * p + 4), mk, MAGIC), zh, sh);
+            }
+        };
+        // one item (chunk cc): its copies, the previous item's wgmma batch done (A is free, and
+        // the stage it read is refilled below), a barrier, dequantize the RB row groups, one
+        // batch of 4 RB wgmma. The batch runs while this item's refills are issued and the next
+        // item waits for its copies and meets at its barrier: ptxas keeps wgmma asynchronous
+        // only when no wgmma operand is defined while a batch is in flight (else C7513: it
+        // waits after every wgmma), so the dequantization cannot overlap the previous batch.
+        auto item = [&](int cc) {
+            w16::cp_wait<S - 2>();                // the item's copies (its weights are older)
+            ww_wgmma_wait<0>();
+            ww_fence_proxy_async();               // everyone's activation copies of the item,
+            __syncthreads();                      // visible to wgmma's async proxy
+#pragma unroll
+            for (int r = 0; r < RB; ++r) {
+                dequantize(r);
+#pragma unroll
+                for (int m = 0; m < 4; ++m) ww_pin(A[r][m]);
+                ww_pin(acc[r]);
+            }
             const u64 desc = desc0 + (u64)((stage * STAGE) >> 4);
-            stage = stage + 1 < S ? stage + 1 : 0;
+            u64 dm[4];                            // every operand final before the fence
+            u32 keep[4];
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                dm[m] = desc + (u64)((2 * m * MT * 128) >> 4);
+                keep[m] = cc != 0 || m != 0;
+            }
+            ww_pin(dm);
+            ww_pin(keep);
             ww_wgmma_fence();
 #pragma unroll
-            for (int m = 0; m < 4; ++m)
-                WwMma<NN>::run(acc, A[b][m][0], A[b][m][1], A[b][m][2], A[b][m][3],
-                               desc + (u64)((2 * m * MT * 128) >> 4), cc != 0 || m != 0);
+            for (int r = 0; r < RB; ++r)
+#pragma unroll
+                for (int m = 0; m < 4; ++m)
+                    WwMma<NN>::run(acc[r], A[r][m][0], A[r][m][1], A[r][m][2], A[r][m][3], dm[m],
+                                   keep[m]);
             ww_wgmma_commit();
-            ww_wgmma_wait<1>();                   // the previous item's: its A buffer is free
+            stage = stage + 1 < S ? stage + 1 : 0;
+            slot = slot + 1 < D ? slot + 1 : 0;
+            load_next();                          // into the slot just read (D items on)
+            copy_next();                          // into the stage item - 1 read (done)
+            w16::cp_commit();
         };
 
-        // the first D items' weights and S - 2 items' activations, one group per item
+        // the first D items' weights and S - 1 items' activations, one group per item
         for (int k = 0; k < D; ++k) {
             load_next();
-            if (k < S - 2) copy_next();
+            if (k < S - 1) copy_next();
             w16::cp_commit();
         }
-        for (int j = j0; j < j1; ++j) {
-            for (int cb = 0; cb < C; cb += 2) {
-                item(cb, 0);
-                if (cb + 1 < C) item(cb + 1, 1);  // uniform over the CTA
+        for (int jb = j0; jb < j1; jb += RB) {
+            for (int cc = 0; cc < C; ++cc) item(cc);
+            ww_wgmma_wait<0>();                   // the block's accumulators are final
+#pragma unroll
+            for (int r = 0; r < RB; ++r) ww_pin(acc[r]);
+#pragma unroll
+            for (int r = 0; r < RB; ++r) {
+                if (jb + r >= j1) break;          // a repeated group: never stored
+                const int n0 = 64 * (jb + r) + 16 * warp + g;
+#pragma unroll
+                for (int nb = 0; nb < LT; ++nb)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int tok = 8 * nb + 2 * t + (i & 1), n = n0 + 8 * (i >> 1);
+                        const int s = sSlot[tok];
+                        if (s < 0) continue;
+                        float v = acc[r][4 * nb + i];
+                        if (bias != nullptr) v += bias[(size_t)e * N + n];
+                        if (mul_routed_weight) v *= topk_weights[s];
+                        c[(size_t)s * N + n] = w16::from_f32(v);
+                    }
             }
-            ww_wgmma_wait<0>();                   // the group's accumulators are final
-            const int n0 = 64 * j + 16 * warp + g;
-#pragma unroll
-            for (int nb = 0; nb < LT; ++nb)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int tok = 8 * nb + 2 * t + (i & 1), n = n0 + 8 * (i >> 1);
-                    const int s = sSlot[tok];
-                    if (s < 0) continue;
-                    float v = acc[4 * nb + i];
-                    if (bias != nullptr) v += bias[(size_t)e * N + n];
-                    if (mul_routed_weight) v *= topk_weights[s];
-                    c[(size_t)s * N + n] = w16::from_f32(v);
-                }
         }
         w16::cp_wait<0>();                        // nothing in flight at exit
     });
