@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute metrics of the packed int4 rung, one config at a time (development; GPU only):
 #   bash benchmarks/dev/ncu_wna16.sh T MT:CONFIG [MT:CONFIG ...]    e.g. 64 1:q8 3:q16+MT=3
-# profiles the first two wna16_packed<MT, ...> launches of bench_wna16.py at T tokens (GEMM1
+# (KERNEL=wna16_wgmma for the wgmma rung's configs) profiles the first two KERNEL<MT, ...> launches of bench_wna16.py at T tokens (GEMM1
 # then GEMM2 of the first config whose MT matches) and appends them to $OUT/ncu_T<T>.csv
 # (one file: the device tool brings back only a few).
 set -uo pipefail
@@ -26,7 +26,7 @@ for spec in "$@"; do
   mt=${spec%%:*} cfg=${spec#*:}
   tmp=$(mktemp -d)
   timeout 120 ncu --csv --log-file "$tmp/ncu.csv" "${WHAT[@]}" \
-    --kernel-name-base demangled --kernel-name "regex:wna16_packed<(\(int\))?$mt," --launch-count 2 \
+    --kernel-name-base demangled --kernel-name "regex:${KERNEL:-wna16_packed}<(\(int\))?$mt," --launch-count 2 \
     python3 benchmarks/bench_wna16.py --tokens "$T" --no-old --sweep --configs "$cfg" --reps 1 \
     --out "$tmp" >/dev/null 2>"$tmp/err"
   echo "$spec rc=$?"
