@@ -132,14 +132,20 @@ template <int NN> struct WwMma {
 def _entries(names):
     out = []
     for i, n in enumerate(names):
+        if n == W.GROUP_SUMS_KERNEL:
+            out.append(
+                f'extern "C" void k{i}(unsigned gx, const void* a, float* gsum, int rows, '
+                f"int K, int G) {{\n    launch3(gx, 1, 1, 256, [&] {{ gridDim.y = gridDim.z = 1; "
+                f"{n}((const elem_t*)a, gsum, rows, K, G); }});\n}}")
+            continue
         out.append(
             f'extern "C" void k{i}(unsigned gx, unsigned gy, const void* a, const void* wp, '
-            f"void* c, const void* sp, const void* zp, const int* st, const int* ex, "
-            f"const int* ntp, const float* tw, const float* bias, int N, int K, int P, "
-            f"int top_k, int B, int L, int mul, int shift, int G, int dzp, int gpc) {{\n"
+            f"void* c, const void* sp, const void* zp, const float* gsum, const int* st, "
+            f"const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
+            f"int P, int top_k, int B, int L, int mul, int shift, int G, int dzp, int gpc) {{\n"
             f"    launch3(gx, gy, 1, 128, [&] {{ gridDim.z = 1; {n}((const elem_t*)a, "
-            f"(const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, st, "
-            f"ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, shift, G, dzp, gpc); }});\n}}")
+            f"(const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, gsum, "
+            f"st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, shift, G, dzp, gpc); }});\n}}")
     return "\n".join(out)
 
 
@@ -170,6 +176,10 @@ def emulated_wgmma(tmp_path_factory):
     ("h32", (40, 3, 2, 128, 384, 32), 128, True, 132, 4),
     ("h24", (40, 3, 2, 576, 256, 48), 128, False, 1, 1),
     ("h32", (3, 2, 2, 320, 256, 32), 64, False, 1, 1),
+    # POST: raw codes, scale and zero point per group in fp32 (g64, g128, one group per row)
+    ("p32", (40, 3, 2, 192, 384, 32), 128, True, 1, 1),
+    ("p32", (3, 2, 2, 128, 256, 32), 64, False, 132, 4),
+    ("p24", (6, 2, 2, 128, 256, 24), 256, True, 1, 1),
 ])
 def test_emulated_matches_reference(emulated_wgmma, rng, cfg, shape, gs, zp, sms, waves):
     import ctypes
@@ -193,11 +203,18 @@ def test_emulated_matches_reference(emulated_wgmma, rng, cfg, shape, gs, zp, sms
     if waves == 1:
         assert lp["GPC"] > 1                                      # several groups a CTA
     c = np.full((P, N), 0x7FC0, np.uint16)                         # poison: bf16 NaN
+    a16 = np.ascontiguousarray(a).view(np.uint16)
+    gsum = None
+    if W.WGMMA_CONFIGS[cfg].get("POST"):
+        gsum = np.full((M_a, G), np.nan, np.float32)
+        getattr(emulated_wgmma, f"k{W.WGMMA_NAMES.index(W.GROUP_SUMS_KERNEL)}")(
+            -(-M_a * G // 8), p(a16), p(gsum), M_a, Kd, G)
+        want_sums = a.astype(np.float64).reshape(M_a, G, Kd // G).sum(-1)
+        assert np.allclose(gsum, want_sums, rtol=1e-5, atol=1e-4)
     gx, gy, _ = lp["grid"]
     getattr(emulated_wgmma, f"k{W.WGMMA_NAMES.index(lp['name'])}")(
-        gx, gy, p(np.ascontiguousarray(a).view(np.uint16)), p(pk["wp"]), p(c), p(pk["sp"]),
-        p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), N, Kd, P, K, B, lp["Lg"], 1,
-        lp["shift"], G, 8, lp["GPC"])
+        gx, gy, p(a16), p(pk["wp"]), p(c), p(pk["sp"]), p(pk["zp"]), p(gsum), p(st), p(ex),
+        p(ntp), p(tw), p(bias), N, Kd, P, K, B, lp["Lg"], 1, lp["shift"], G, 8, lp["GPC"])
     err = rel_err(c.view(BF16), want)
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e}"
 

@@ -1,5 +1,5 @@
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
-python3 benchmarks/bench_wna16.py --tokens 16,64 --no-old --sweep --configs "q32,h32+RB=2+MINB=4,h32+RB=2+MINB=2+S=8+D=7,h32+RB=2+MINB=3+S=6+D=5,g32+S=8+D=7+MINB=3,h32+RB=4+MINB=2+S=6+D=5" --out $OUT 2>&1 | grep -E "sweep|floor|wrote" 
-KERNEL=wna16_wgmma bash benchmarks/dev/ncu_wna16.sh 64 "4:h32+RB=2+MINB=4" "4:h32+RB=2+MINB=2+S=8+D=7"
+timeout 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quant_wna16_wgmma.py 2>&1 | tail -5
+python3 benchmarks/bench_wna16.py --tokens 1,16,64 --no-old --sweep --configs "q8,q32,h32,p32,p24,p32+MINB=2,p32+RB=4+MINB=2,p32+RB=1+MINB=4,g32+POST=1" --out $OUT 2>&1 | grep -E "sweep|floor|wrote"
+KERNEL=wna16_wgmma bash benchmarks/dev/ncu_wna16.sh 64 "4:p32"

@@ -432,10 +432,13 @@ def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
 WGMMA_CONFIGS = {
     "g32": dict(KERNEL="wgmma", MT=4, D=8, S=4, MINB=4, WAVES=8),
     "g24": dict(KERNEL="wgmma", MT=3, D=8, S=4, MINB=4, WAVES=8),
-    # RB = 4: each item is one chunk of 4 row groups (256 rows), so each staged activation
-    # chunk feeds 4 times the weights and each barrier covers 4 times the work
-    "h32": dict(KERNEL="wgmma", MT=4, D=4, S=4, MINB=2, WAVES=4, RB=4),
+    # RB row groups an item (256 rows at RB = 4): each staged activation chunk feeds RB times
+    # the weights, each barrier and wgmma wait covers RB times the work
+    "h32": dict(KERNEL="wgmma", MT=4, D=4, S=4, MINB=4, WAVES=4, RB=2),
     "h24": dict(KERNEL="wgmma", MT=3, D=4, S=4, MINB=3, WAVES=4, RB=4),
+    # POST = 1: wgmma multiplies the raw 128 + q; scale and zero point per group in fp32
+    "p32": dict(KERNEL="wgmma", MT=4, D=4, S=4, MINB=3, WAVES=4, RB=2, POST=1),
+    "p24": dict(KERNEL="wgmma", MT=3, D=4, S=4, MINB=3, WAVES=4, RB=2, POST=1),
 }
 CU_WGMMA = "quant_gemm_wna16_wgmma.cu"
 # wgmma exists only in sm_90a code (built through cuda.core, whose NVRTC takes the generic
@@ -444,10 +447,12 @@ WGMMA_OPTIONS = ("-arch=sm_90a", "-default-device")
 
 
 def wgmma_kernel_name(cfg: dict) -> str:
-    return f"wna16_wgmma<{cfg['MT']}, {cfg['D']}, {cfg['S']}, {cfg['MINB']}, {cfg.get('RB', 1)}>"
+    return (f"wna16_wgmma<{cfg['MT']}, {cfg['D']}, {cfg['S']}, {cfg['MINB']}, {cfg.get('RB', 1)}, "
+            f"{cfg.get('POST', 0)}>")
 
 
-WGMMA_NAMES = tuple(wgmma_kernel_name(c) for c in WGMMA_CONFIGS.values())
+GROUP_SUMS_KERNEL = "wna16_group_sums"
+WGMMA_NAMES = tuple(wgmma_kernel_name(c) for c in WGMMA_CONFIGS.values()) + (GROUP_SUMS_KERNEL,)
 SUMS_KERNEL = "wna16_chunk_sums"
 PACKED_NAMES = tuple(packed_kernel_name(c, z) for c in PACKED_CONFIGS.values()
                      for z in (False, True)) + (SUMS_KERNEL,)
@@ -830,8 +835,14 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         lp = wgmma_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G)
         kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_WGMMA, WGMMA_OPTIONS)
         null = C.null_ptr()
+        gsum = null
+        if cfg0.get("POST"):                 # POST's activation sums per (row, group)
+            gsum = cupy.empty((M_a, G), dtype=cupy.float32)
+            _kernel(GROUP_SUMS_KERNEL, ELEMS[out_key], 0, CU_WGMMA, WGMMA_OPTIONS)(
+                (C.cdiv(M_a * G, 8),), (256,), (C.raw(a), gsum, np.int32(M_a), np.int32(K),
+                                                np.int32(G)))
         args = (C.raw(a), pk["wp"], C.raw(c), pk["sp"], pk["zp"] if pk["zp"] is not None else null,
-                sorted_token_ids, expert_ids, num_tokens_post_padded,
+                gsum, sorted_token_ids, expert_ids, num_tokens_post_padded,
                 tw if tw is not None else null, b32 if b32 is not None else null,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),

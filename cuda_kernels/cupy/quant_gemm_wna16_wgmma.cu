@@ -171,10 +171,11 @@ __device__ __forceinline__ u64 ww_desc_b(u32 stage, int m) {
            ((u64)(128u >> 4) << 32);
 }
 
-template <int MT, int D, int S, int MINB, int RB>
+template <int MT, int D, int S, int MINB, int RB, int POST>
 __global__ void __launch_bounds__(128, MINB)
 wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
             const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
+            const float* __restrict__ gsum,
             const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
             const int* __restrict__ num_tokens_post_padded,
             const float* __restrict__ topk_weights, const float* __restrict__ bias,
@@ -223,6 +224,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
     constexpr u32 MAGIC = 0x64006400u;
 #endif
     const u32 zdef = MAGIC | ((u32)default_zp * 0x00010001u);
+    const int cpg_mask = (1 << chunk_shift) - 1;  // chunk & cpg_mask == 0: a group's first
     // dynamic shared memory: S activation stages, then the warps' weight rings:
     // [4 warps][D][RB][32 lanes] uint4 codes, float2 scales, u32 zero-point words
     extern __shared__ __align__(16) u8 smem[];
@@ -292,15 +294,70 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                 ld_slot = ld_slot + 1 < D ? ld_slot + 1 : 0;
             }
         };
-        float acc[RB][NN / 2];
+        float acc[RB][NN / 2];                    // wgmma's (POST: of the current group)
 #pragma unroll
         for (int r = 0; r < RB; ++r)
 #pragma unroll
             for (int i = 0; i < NN / 2; ++i) acc[r][i] = 0.f;
         u32 A[RB][4][4];                          // row groups x k16 steps x a0..a3
+        // POST: the block's totals, the current group's scales and 128 + zp (rows g, g + 8 of
+        // each row group), its activation sums (the lane's token columns 8 nb + 2 t + {0, 1})
+        constexpr int PR = POST ? RB : 1, PL = POST ? 2 * LT : 1;
+        float tot[PR][POST ? NN / 2 : 1];
+        float2 gscale[PR], gzero[PR];
+        float gsa[PL];
+        int gs_row[PL];                           // the columns' rows of gsum (offsets)
+#pragma unroll
+        for (int q = 0; q < PL; ++q) {
+            const int ar = sArow[8 * (q >> 1) + 2 * t + (q & 1)];
+            gs_row[q] = (ar >= 0 ? ar : 0) * num_groups;
+        }
         const u64 desc0 = ww_desc_b<MT>(ring_b, 0);  // stage s, step m: + (s STAGE + 2 m MT 128) / 16
         int stage = 0, slot = 0;                  // this item's activation stage, weight slot
 
+        // POST: row group r of the item in slot `slot` -> A[r] = 128 + q as they come (one
+        // shift and one lop3 per pair); at a group's first chunk, its scales and 128 + zp
+        auto raw_codes = [&](int r, bool first) {
+            const int at = (slot * RB + r) * 32;
+            const uint4 x = ring_w[at];
+            if (first) {
+                gscale[POST ? r : 0] = ring_s[at];
+                float zl = W16_MAGIC_F + default_zp, zh = zl;
+                if (zexp != nullptr) {
+                    const u32 z = ring_z[at] >> (16 * (g & 1));
+                    zl = W16_MAGIC_F + (float)(z & 0xFFu);
+                    zh = W16_MAGIC_F + (float)((z >> 8) & 0xFFu);
+                }
+                gzero[POST ? r : 0].x = zl;
+                gzero[POST ? r : 0].y = zh;
+            }
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const u32 wl = m < 2 ? x.x : x.z, wh = m < 2 ? x.y : x.w;
+                const int p = 2 * (m & 1);
+                const u32 mk = 0x000F000Fu;
+                A[r][m][0] = w16::and_or(wl >> (4 * p), mk, MAGIC);
+                A[r][m][1] = w16::and_or(wh >> (4 * p), mk, MAGIC);
+                A[r][m][2] = w16::and_or(wl >> (4 * p + 4), mk, MAGIC);
+                A[r][m][3] = w16::and_or(wh >> (4 * p + 4), mk, MAGIC);
+            }
+        };
+        // POST, at a group's end (its wgmma done): tot += s (acc - (128 + zp) sum_k a)
+        auto fold_group = [&]() {
+#pragma unroll
+            for (int r = 0; r < PR; ++r)
+#pragma unroll
+                for (int nb = 0; nb < LT; ++nb)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float sc = i < 2 ? gscale[r].x : gscale[r].y;
+                        const float zc = i < 2 ? gzero[r].x : gzero[r].y;
+                        const int q = POST ? 2 * nb + (i & 1) : 0;
+                        tot[r][POST ? 4 * nb + i : 0] =
+                            fmaf(sc, fmaf(-zc, gsa[q], acc[r][4 * nb + i]),
+                                 tot[r][POST ? 4 * nb + i : 0]);
+                    }
+        };
         // row group r of the item in slot `slot` -> A[r]: 128 + q minus 128 + zp, times s
         auto dequantize = [&](int r) {
             const int at = (slot * RB + r) * 32;
@@ -331,13 +388,26 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
         // only when no wgmma operand is defined while a batch is in flight (else C7513: it
         // waits after every wgmma), so the dequantization cannot overlap the previous batch.
         auto item = [&](int cc) {
+            const bool first = (cc & cpg_mask) == 0;   // of its group (POST)
             w16::cp_wait<S - 2>();                // the item's copies (its weights are older)
             ww_wgmma_wait<0>();
+            if (POST && first) {                  // the previous group (if any) is complete
+                if (cc != 0) {
+#pragma unroll
+                    for (int r = 0; r < RB; ++r) ww_pin(acc[r]);
+                    fold_group();
+                }
+#pragma unroll
+                for (int q = 0; q < PL; ++q) gsa[q] = __ldg(gsum + gs_row[q] + (cc >> chunk_shift));
+            }
             ww_fence_proxy_async();               // everyone's activation copies of the item,
             __syncthreads();                      // visible to wgmma's async proxy
 #pragma unroll
             for (int r = 0; r < RB; ++r) {
-                dequantize(r);
+                if (POST)
+                    raw_codes(r, first);
+                else
+                    dequantize(r);
 #pragma unroll
                 for (int m = 0; m < 4; ++m) ww_pin(A[r][m]);
                 ww_pin(acc[r]);
@@ -348,7 +418,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
 #pragma unroll
             for (int m = 0; m < 4; ++m) {
                 dm[m] = desc + (u64)((2 * m * MT * 128) >> 4);
-                keep[m] = cc != 0 || m != 0;
+                keep[m] = (POST ? !first : cc != 0) || m != 0;
             }
             ww_pin(dm);
             ww_pin(keep);
@@ -374,10 +444,17 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
             w16::cp_commit();
         }
         for (int jb = j0; jb < j1; jb += RB) {
+            if (POST) {
+#pragma unroll
+                for (int r = 0; r < PR; ++r)
+#pragma unroll
+                    for (int i = 0; i < (POST ? NN / 2 : 1); ++i) tot[r][i] = 0.f;
+            }
             for (int cc = 0; cc < C; ++cc) item(cc);
             ww_wgmma_wait<0>();                   // the block's accumulators are final
 #pragma unroll
             for (int r = 0; r < RB; ++r) ww_pin(acc[r]);
+            if (POST) fold_group();               // the last group
 #pragma unroll
             for (int r = 0; r < RB; ++r) {
                 if (jb + r >= j1) break;          // a repeated group: never stored
@@ -389,7 +466,8 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                         const int tok = 8 * nb + 2 * t + (i & 1), n = n0 + 8 * (i >> 1);
                         const int s = sSlot[tok];
                         if (s < 0) continue;
-                        float v = acc[r][4 * nb + i];
+                        float v = POST ? tot[POST ? r : 0][POST ? 4 * nb + i : 0]
+                                       : acc[r][4 * nb + i];
                         if (bias != nullptr) v += bias[(size_t)e * N + n];
                         if (mul_routed_weight) v *= topk_weights[s];
                         c[(size_t)s * N + n] = w16::from_f32(v);
@@ -398,4 +476,26 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
         }
         w16::cp_wait<0>();                        // nothing in flight at exit
     });
+}
+
+// POST's activation sums: gsum[row][G] = sum of a[row][G gs .. G gs + gs - 1] in fp32, G <
+// num_groups (gs = Kdim / num_groups, a multiple of 8). One warp per (row, group): 16-byte loads
+// strided over the group, then a butterfly. grid cdiv(rows num_groups, 8), block 256.
+__global__ void __launch_bounds__(256)
+wna16_group_sums(const elem_t* __restrict__ a, float* __restrict__ gsum, int rows, int Kdim,
+                 int num_groups) {
+    const int w = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (w >= rows * num_groups) return;           // whole warps
+    const int row = w / num_groups, gi = w - row * num_groups, gs = Kdim / num_groups;
+    const elem_t* src = a + (size_t)row * Kdim + (size_t)gi * gs;
+    float s = 0.f;
+    for (int k = 8 * lane; k < gs; k += 256) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + k));
+        const u32 w4[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) s += w16::lo_f32(w4[q]) + w16::hi_f32(w4[q]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+    if (lane == 0) gsum[w] = s;
 }
