@@ -12,7 +12,9 @@ M=gpu__time_duration.sum,dram__bytes_read.sum,lts__t_bytes.sum
 M=$M,lts__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__t_sector_hit_rate.pct
 M=$M,l1tex__throughput.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum
 M=$M,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
-M=$M,sm__warps_active.avg.pct_of_peak_sustained_active
+M=$M,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed
+M=$M,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+M=$M,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active${EXTRA_METRICS:+,$EXTRA_METRICS}
 for s in long_scoreboard wait barrier math_pipe_throttle lg_throttle mio_throttle short_scoreboard; do
   M=$M,smsp__average_warps_issue_stalled_${s}_per_issue_active.ratio
 done
