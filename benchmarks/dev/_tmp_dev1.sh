@@ -1,7 +1,5 @@
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-ncu --query-metrics 2>/dev/null | grep -E "pipe_tensor|gmma" | head -20
-KERNEL=wna16_packed bash benchmarks/dev/ncu_wna16.sh 64 "4:q32"
+timeout 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_quant_wna16_wgmma.py 2>&1 | tail -3
+python3 benchmarks/bench_wna16.py --tokens 1,16,64 --no-old --sweep --configs "q8,q32,h32,h24,p32,p24,p32+MINB=2,h32+RB=3+MINB=3,h32+RB=1+MINB=4" --out $OUT 2>&1 | grep -E "sweep|floor|wrote"
 KERNEL=wna16_wgmma bash benchmarks/dev/ncu_wna16.sh 64 "4:h32"
-KERNEL=wna16_packed bash benchmarks/dev/ncu_wna16.sh 16 "1:q8"
-cat $OUT/ncu_T*.csv | grep -E "^#|tensor|dram__throughput|duration|rc=" | cut -c1-200 | grep -v "^\"ID" | awk -F'","' '{print $1, $(NF-2), $NF}' | head -40

@@ -432,10 +432,10 @@ def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
 WGMMA_CONFIGS = {
     "g32": dict(KERNEL="wgmma", MT=4, D=8, S=4, MINB=4, WAVES=8),
     "g24": dict(KERNEL="wgmma", MT=3, D=8, S=4, MINB=4, WAVES=8),
-    # RB row groups an item (256 rows at RB = 4): each staged activation chunk feeds RB times
+    # RB row groups an item (128 rows at RB = 2): each staged activation chunk feeds RB times
     # the weights, each barrier and wgmma wait covers RB times the work
     "h32": dict(KERNEL="wgmma", MT=4, D=4, S=4, MINB=4, WAVES=4, RB=2),
-    "h24": dict(KERNEL="wgmma", MT=3, D=4, S=4, MINB=3, WAVES=4, RB=4),
+    "h24": dict(KERNEL="wgmma", MT=3, D=4, S=4, MINB=4, WAVES=4, RB=2),
     # POST = 1: wgmma multiplies the raw 128 + q; scale and zero point per group in fp32
     "p32": dict(KERNEL="wgmma", MT=4, D=4, S=4, MINB=3, WAVES=4, RB=2, POST=1),
     "p24": dict(KERNEL="wgmma", MT=3, D=4, S=4, MINB=3, WAVES=4, RB=2, POST=1),

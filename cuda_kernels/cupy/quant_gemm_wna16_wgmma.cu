@@ -275,21 +275,41 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                 cp_stage = cp_stage + 1 < S ? cp_stage + 1 : 0;
             }
         };
-        auto load_next = [&]() {                  // the lane's 16 bytes, scales, zero points
+        // the weights' walk, per row group r: the lane's codes of the next chunk to load, and
+        // its group's scales / zero points (offset in groups of 8 rows): set when a block
+        // starts, stepped by one chunk (one group) otherwise: no index arithmetic per item
+        const uint4* ld_w[RB];
+        int ld_g[RB];
+        auto ld_block = [&]() {
+#pragma unroll
+            for (int r = 0; r < RB; ++r) {
+                const int tile = 4 * min(ld_j + r, j1 - 1) + warp;
+                ld_w[r] = wexp + (size_t)tile * C * 32;
+                ld_g[r] = tile * num_groups * 8;
+            }
+        };
+        ld_block();
+        // the lane's 16 bytes of codes; at a group's first chunk only, its scales and zero
+        // points (the item that dequantizes that chunk keeps them in registers for the group)
+        auto load_next = [&]() {
             if (ld_left > 0) {
+                const bool group_first = (ld_cc & cpg_mask) == 0;
 #pragma unroll
                 for (int r = 0; r < RB; ++r) {
-                    const int tile = 4 * min(ld_j + r, j1 - 1) + warp;
-                    const size_t grp8 = ((size_t)tile * num_groups + (ld_cc >> chunk_shift)) * 8;
                     const int at = (ld_slot * RB + r) * 32;
-                    w16::cp16(ring_w + at, wexp + ((size_t)tile * C + ld_cc) * 32, true);
-                    w16::cp8(ring_s + at, sexp + grp8);
-                    if (zexp != nullptr) w16::cp4(ring_z + at, zexp + grp8, true);
+                    w16::cp16(ring_w + at, ld_w[r], true);
+                    ld_w[r] += 32;
+                    if (group_first) {
+                        w16::cp8(ring_s + at, sexp + ld_g[r]);
+                        if (zexp != nullptr) w16::cp4(ring_z + at, zexp + ld_g[r], true);
+                        ld_g[r] += 8;
+                    }
                 }
                 --ld_left;
                 if (++ld_cc == C) {
                     ld_cc = 0;
                     ld_j += RB;
+                    if (ld_left > 0) ld_block();
                 }
                 ld_slot = ld_slot + 1 < D ? ld_slot + 1 : 0;
             }
@@ -358,18 +378,29 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                                  tot[r][POST ? 4 * nb + i : 0]);
                     }
         };
-        // row group r of the item in slot `slot` -> A[r]: 128 + q minus 128 + zp, times s
-        auto dequantize = [&](int r) {
+        // row group r of the item in slot `slot` -> A[r]: 128 + q minus 128 + zp, times s (at
+        // a group's first chunk, its scales and zero points: (s, s) and (MAGIC + zp) pairs of
+        // rows g and g + 8, kept for the group)
+        constexpr int QR = POST ? 1 : RB;
+        u32 dq[QR][4];
+        auto dequantize = [&](int r, bool first) {
             const int at = (slot * RB + r) * 32;
             const uint4 x = ring_w[at];
-            const float2 s2 = ring_s[at];
-            u32 zl = zdef, zh = zdef;             // (MAGIC + zp) in both halves, rows g, g + 8
-            if (zexp != nullptr) {
-                const u32 z = ring_z[at] >> (16 * (g & 1));
-                zl = MAGIC | ((z & 0xFFu) * 0x00010001u);
-                zh = MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u);
+            if (first) {
+                const float2 s2 = ring_s[at];
+                u32 zl = zdef, zh = zdef;
+                if (zexp != nullptr) {
+                    const u32 z = ring_z[at] >> (16 * (g & 1));
+                    zl = MAGIC | ((z & 0xFFu) * 0x00010001u);
+                    zh = MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u);
+                }
+                dq[POST ? 0 : r][0] = w16::pack2(s2.x, s2.x);
+                dq[POST ? 0 : r][1] = w16::pack2(s2.y, s2.y);
+                dq[POST ? 0 : r][2] = zl;
+                dq[POST ? 0 : r][3] = zh;
             }
-            const u32 sl = w16::pack2(s2.x, s2.x), sh = w16::pack2(s2.y, s2.y);
+            const u32 sl = dq[POST ? 0 : r][0], sh = dq[POST ? 0 : r][1];
+            const u32 zl = dq[POST ? 0 : r][2], zh = dq[POST ? 0 : r][3];
 #pragma unroll
             for (int m = 0; m < 4; ++m) {         // pairs 2 (m & 1), + 1 of words m >> 1
                 const u32 wl = m < 2 ? x.x : x.z, wh = m < 2 ? x.y : x.w;
@@ -388,7 +419,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
         // only when no wgmma operand is defined while a batch is in flight (else C7513: it
         // waits after every wgmma), so the dequantization cannot overlap the previous batch.
         auto item = [&](int cc) {
-            const bool first = (cc & cpg_mask) == 0;   // of its group (POST)
+            const bool first = (cc & cpg_mask) == 0;   // of its group
             w16::cp_wait<S - 2>();                // the item's copies (its weights are older)
             ww_wgmma_wait<0>();
             if (POST && first) {                  // the previous group (if any) is complete
@@ -407,7 +438,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                 if (POST)
                     raw_codes(r, first);
                 else
-                    dequantize(r);
+                    dequantize(r, first);
 #pragma unroll
                 for (int m = 0; m < 4; ++m) ww_pin(A[r][m]);
                 ww_pin(acc[r]);
