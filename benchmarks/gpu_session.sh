@@ -11,8 +11,9 @@
 #   T  (checks, when the GEMM table needs no refresh) the GPU test suite in four shards, two
 #      per GPU, beside compute-sanitizer; then the multi-GPU tests, EP check and EP benchmark
 #   P  (timings) GPU 0: stage and Numba benchmarks   GPU 1: quantized benchmarks
-#   W  (int4 decode development, one GPU) the packed int4 rung's GPU tests, compute-sanitizer
-#      on its module, and a sweep of its configs at T = 1, 16, 64
+#   W  (int4 decode development, one GPU) the packed and wgmma int4 rungs' GPU tests,
+#      compute-sanitizer on their module, and a sweep of their configs (WNA16_TOKENS, default
+#      1, 16, 64, 256; WGMMA_EXTRA: more configs)
 #
 # Two GPUs let the checks and the timings run side by side without disturbing each other:
 #   A/B: GPU 0 checks (pytest -m gpu, compute-sanitizer memcheck/racecheck on each kernel
@@ -162,10 +163,10 @@ wna16_dev() {   # GPU 0: the packed int4 rung, checked then timed config by conf
     tests/test_quant_wna16_packed.py tests/test_quant_wna16_wgmma.py 2>&1 | tail -n 20
   sanitizer cuda_kernels.cupy.quant_gemm_wna16
   # the route's q8 / q24 / q32 beside the wgmma rung: one row group an item (g32), RB of them
-  # (h32, h24), and WGMMA_EXTRA (more of its variants, name+KEY=VALUE)
+  # (h32, h24), POST (p32), and WGMMA_EXTRA (more of its variants, name+KEY=VALUE)
   say "bench_wna16: the packed and wgmma configs"
   timeout $(budget 300) python3 benchmarks/bench_wna16.py --tokens ${WNA16_TOKENS:-1,16,64,256} \
-    --no-old --sweep --configs q8,q24,q32,g32,h32,h24${WGMMA_EXTRA:+,$WGMMA_EXTRA} \
+    --no-old --sweep --configs q8,q24,q32,g32,h32,h24,p32${WGMMA_EXTRA:+,$WGMMA_EXTRA} \
     --budget-s 280 2>&1 | tail -n 80
 }
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Nsight Compute metrics of the packed int4 rung, one config at a time (development; GPU only):
 #   bash benchmarks/dev/ncu_wna16.sh T MT:CONFIG [MT:CONFIG ...]    e.g. 64 1:q8 3:q16+MT=3
-# (KERNEL=wna16_wgmma for the wgmma rung's configs) profiles the first two KERNEL<MT, ...> launches of bench_wna16.py at T tokens (GEMM1
-# then GEMM2 of the first config whose MT matches) and appends them to $OUT/ncu_T<T>.csv
+# (KERNEL=wna16_wgmma for the wgmma rung's configs; EXTRA_METRICS=a,b adds metrics) profiles
+# the first two KERNEL<MT, ...> launches of bench_wna16.py at T tokens (GEMM1 then GEMM2 of
+# the first config whose MT matches) and appends them to $OUT/ncu_T<T>.csv
 # (one file: the device tool brings back only a few).
 set -uo pipefail
 OUT=${OUT:-/tmp/moe_sandbox_out}; mkdir -p "$OUT"

@@ -21,10 +21,11 @@ L = len(sorted_token_ids), BM = 8 * MT positions per CTA, KS K splits.
     c        [P, N]           a's dtype
 
 Four rungs (see the .cu headers for the lane layouts), chosen by the config name:
-    wna16_wgmma   (WGMMA_CONFIGS: g24, g32; quant_gemm_wna16_wgmma.cu, sm_90a) int4 on weights
-                  prepacked in wgmma's register-A order: one warpgroup per CTA, the
-                  dequantized weights as wgmma's A, the activations staged as its B; opt-in
-                  (slower than wna16_packed so far, see its header).
+    wna16_wgmma   (WGMMA_CONFIGS: g32, h32, p32, ...; quant_gemm_wna16_wgmma.cu, sm_90a) int4
+                  on weights prepacked in wgmma's register-A order: one warpgroup per CTA, the
+                  dequantized weights of RB 64-row groups as wgmma's A, the activations staged
+                  as its B; POST: raw codes, scale and zero point per group in fp32 on the
+                  activation sums (wna16_group_sums, launched here). Opt-in (see its header).
     wna16_packed  (PACKED_CONFIGS: q8, q24, q32, ...) int4 only, on weights repacked once by
                   prepack_int4 (cached per weight array by packed_weights): each warp load
                   reads 512 contiguous bytes that are the lanes' mma fragments; the CTA's
@@ -426,9 +427,11 @@ def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
 
 
 # wna16_wgmma (quant_gemm_wna16_wgmma.cu, sm_90a only; prepack_int4(order="wgmma")): one
-# warpgroup per CTA owning 64-row groups and the whole K, MT token tiles of 8 (wgmma n = 8 x the
-# live ones), D chunks of weights in flight per lane (a shared-memory ring, D > S - 2), S
-# activation stages, MINB CTAs per SM, WAVES waves of CTAs planned.
+# warpgroup per CTA owning 64-row groups (RB of them per item) and the whole K, MT token tiles
+# of 8 (wgmma n = 8 x the live ones), D chunks of weights in flight per lane (a shared-memory
+# ring, D >= S - 1), S activation stages, MINB CTAs per SM, WAVES waves of CTAs planned, POST
+# (0 or 1). Measured (H200, Mixtral T = 64, dev_wna16_20261130c): h32 is the fastest GEMM1 of
+# any int4 kernel here (230 us against q32's 245), its GEMM2 is not (185 against 124).
 WGMMA_CONFIGS = {
     "g32": dict(KERNEL="wgmma", MT=4, D=8, S=4, MINB=4, WAVES=8),
     "g24": dict(KERNEL="wgmma", MT=3, D=8, S=4, MINB=4, WAVES=8),
@@ -837,6 +840,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         null = C.null_ptr()
         gsum = null
         if cfg0.get("POST"):                 # POST's activation sums per (row, group)
+            C.check_fits_int32("a", M_a * G, "a.shape[0] * the groups per row")
             gsum = cupy.empty((M_a, G), dtype=cupy.float32)
             _kernel(GROUP_SUMS_KERNEL, ELEMS[out_key], 0, CU_WGMMA, WGMMA_OPTIONS)(
                 (C.cdiv(M_a * G, 8),), (256,), (C.raw(a), gsum, np.int32(M_a), np.int32(K),

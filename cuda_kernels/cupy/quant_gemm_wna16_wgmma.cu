@@ -6,21 +6,30 @@
 //
 // for every live position p < num_tokens_post_padded (s = sorted_token_ids[p] < P, e =
 // expert_ids[p / block_size]; e == -1 writes zeros), r = topk_weights.flat when
-// mul_routed_weight. The weights are rounded once to elem_t after the scale (as a bf16 model's,
-// and wna16_stream's POST = 0); fp32 accumulation over the whole K, one rounding of the output.
+// mul_routed_weight. POST = 0: the weights are rounded once to elem_t after the scale (as a
+// bf16 model's, and wna16_stream's POST = 0), fp32 accumulation over the whole K. POST = 1:
+// wgmma multiplies the raw 128 + q (exact; 1024 + q for fp16) and each group's fp32 partial P
+// becomes s (P - (128 + zp) A), A = sum_k a over the group (wna16_group_sums, below, in fp32),
+// added in fp32. One rounding of the output.
 //
-// Why (dev_wna16_20261130b): wna16_packed issues one mma.sync per 8 tokens, in dependent chains
-// of 4 per chunk; at 2-3 live token tiles (Mixtral T=64) its warps wait on those chains at ~46%
-// issue with neither DRAM nor L2 saturated. Here one wgmma.m64nNk16 per 16-wide k step covers
-// all N = 8 LT live tokens of 64 weight rows, and runs while the warps dequantize the next chunk.
-// Measured (H200, Mixtral int4 g128, GEMM1 + GEMM2, bench_wna16_nvidia_h200_20261130_094642):
-// slower than wna16_packed at every T so far: g32 176 / 431 / 512 / 1346 us at T = 1 / 16 / 64 /
-// 256 against q8 68 / 227 and q32 368 / 1034. Each warpgroup walks its K alone, one 64-code
-// chunk at a time, and every chunk waits on a cp.async group, a CTA barrier and the previous
-// chunk's wgmma: a latency chain per chunk that the few warps of an SM cannot hide, and GEMM2
-// (N = 4096: 64 groups per expert) has too few CTAs to cover it at all.
-// Not routed (quant_gemm's int4 route takes wna16_packed); the leads: K split over 2
-// warpgroups or CTAs, 128-code items (half the barriers and waits), deeper activation stages.
+// Why (dev_wna16_20261130b): wna16_packed issues one mma.sync per 8 tokens; at 2-3 live token
+// tiles (Mixtral T=64) its instruction count grows with the tiles. Here one wgmma.m64nNk16 per
+// 16-wide k step covers all N = 8 LT live tokens of 64 weight rows.
+// ptxas and register A (dev_wna16_20261130c): ptxas keeps wgmma asynchronous only when no
+// operand of a wgmma (A fragments, accumulators, descriptors, the scale-d flag) is defined by
+// another instruction inside a pipeline stage, i.e. between a wgmma.fence and the wait that
+// retires the batch; otherwise it serializes every wgmma of the kernel (warning C7513: a wait
+// after each one). The first version of this rung (a second A buffer dequantized while the
+// previous batch ran) was serialized that way. So: every operand is computed, then pinned
+// (ww_pin), then the fence and one batch of 4 RB wgmma, and the next item's dequantization
+// starts after wgmma.wait_group 0; the overlap comes from the other CTAs of the SM.
+// Measured (H200, Mixtral int4 g128, GEMM1 / GEMM2 at T = 64, dev_wna16_20261130c): h32 230 /
+// 185 us against the routed q32 245 / 124 (GEMM1 of the rung is the fastest int4 kernel at
+// T = 64, GEMM2 is not: 64 row groups per expert make too few CTAs); POST (p32) 299 / 213: fewer
+// instructions per item but 168 registers (3 CTAs per SM). Nsight Compute: the rung is
+// issue-bound (126 M warp instructions for GEMM1, issue 65% of the active cycles, DRAM 37%):
+// the dequantization is 4 instructions per pair of codes, ~128 of the ~255 per warp and item.
+// Not routed (quant_gemm's int4 route takes wna16_packed).
 //
 // Layout:
 //   weights  prepack_int4(order="wgmma"): wp [E][N / 16 tiles][Kdim / 64 chunks][32 lanes][4]
@@ -30,26 +39,30 @@
 //            are the A fragment (a0, a1, a2, a3) of step m, as mma.m16n8k16 lays it out.
 //            sp, zp: as wna16_packed (float2 scales / u16 zero points of rows g, g + 8).
 //   CTA      one warpgroup: warp w owns the 16-row tile 4 j + w of each 64-row group j of the
-//            CTA's range, one m tile of BM = 8 MT positions (one expert), the whole K.
+//            CTA's range, one m tile of BM = 8 MT positions (one expert), the whole K. Its
+//            groups come in blocks of RB (the last block's missing groups repeat the last
+//            group: computed, never stored).
 //   B        one 64-code chunk of the live token rows per stage of a cp.async ring of S stages:
 //            [kb = 0..7][nb = 0..MT-1] core matrices of 8 token rows x 16 bytes (K-major, no
 //            swizzle); step m reads kb = 2 m, 2 m + 1: descriptor start = stage + 2 m MT 128,
 //            leading byte offset (the next 8 codes) MT 128, stride byte offset (the next 8
 //            tokens) 128. Rows that hold no live position are zero-filled.
-// Pipeline per chunk (item = one chunk of one group, in order; one cp.async group per item
-//   holds the weights D items ahead and the activations S - 2 ahead, so waiting for an item's
-//   activations covers its older weights): wait for the item's copies; dequantize its weights
-//   from the warp's shared-memory ring (each lane reads back the 16 bytes, scales and zero
-//   points it copied itself) into one of two A buffers; refill that slot; fence.proxy.async and
-//   a barrier (everyone's activation copies of the item); copy the chunk S - 2 items ahead into
-//   the stage item - 2 read (every warp passed item - 1's wgmma wait before this barrier);
-//   4 wgmma (the group's first with scale-d = 0), commit, wait until one batch is pending (the
-//   previous item's: its A buffer is free). At a group's end: wait for all, then the epilogue
-//   from the accumulators (mma.m16n8's layout per n8 block: warp w, rows 16 w + g (+ 8),
-//   tokens 8 nb + 2 t (+ 1)) + bias, times the router weight.
+// Pipeline (item = one chunk of one block of RB groups, chunk fastest; one cp.async group per
+//   item holds the weights D items ahead and the activations S - 1 ahead, so waiting for an
+//   item's activations covers its older weights): wait for the item's copies and for the
+//   previous item's wgmma batch; fence.proxy.async and a barrier (everyone's activation copies
+//   of the item; every batch that read the stage refilled below is done); dequantize the RB row
+//   groups from the warp's shared-memory ring (each lane reads back the 16 bytes it copied; a
+//   group's scales and zero points come with its first chunk and stay in registers); one batch
+//   of 4 RB wgmma (a group's first chunk with scale-d = 0 under POST, a block's first without);
+//   refill the weight slot (D items on) and the previous item's stage (S - 1 items on). At a
+//   block's end: wait for all, then the epilogue from the accumulators (mma.m16n8's layout per
+//   n8 block: warp w, rows 16 w + g (+ 8), tokens 8 nb + 2 t (+ 1)) + bias, times the router
+//   weight.
 // grid (cdiv(Lg, BM), cdiv(N / 64, groups_per_cta)), block 128, dynamic shared memory
-// S MT 1024 + 4 D 32 28 bytes. Needs sm_90a, N % 64 == 0, Kdim % 64 == 0, group_size a multiple
-// of 64 (chunk_shift = log2(group_size / 64); one group per row: 30), S >= 3, D > S - 2.
+// S MT 1024 + 4 D RB 32 28 bytes. Needs sm_90a, N % 64 == 0, Kdim % 64 == 0, group_size a
+// multiple of 64 with chunks-per-group a power of two (chunk_shift = log2(group_size / 64); one
+// group per row: 30), groups_per_cta a multiple of RB, S >= 2, D >= S - 1.
 #include "wna16_common.cuh"
 
 typedef unsigned long long u64;
