@@ -74,11 +74,8 @@ def test_wgmma_plan_and_supports():
             assert gy * lp["GPC"] >= N // 64 > (gy - 1) * lp["GPC"]       # every group once
             assert gx * 8 * cfg["MT"] >= min(L, P * B)
             assert lp["GPC"] % cfg.get("RB", 1) == 0                     # whole items
-            rb, stages = cfg.get("RB", 1), cfg["S"]
-            if cfg.get("TMA"):   # stages of activations, codes, scales, zero points; mbarriers
-                assert lp["smem"] == stages * (8 * cfg["MT"] * 128 + rb * 2368) + 16 * stages
-            else:
-                assert lp["smem"] == stages * 8 * cfg["MT"] * 128 + 4 * cfg["D"] * rb * 32 * 28
+            assert lp["smem"] == (cfg["S"] * 8 * cfg["MT"] * 128 +
+                                  4 * cfg["D"] * cfg.get("RB", 1) * 32 * 28)
     assert W.wgmma_supports(4096, 4096, 128, 32, cc=90) == (True, "")
     assert "9.0" in W.wgmma_supports(4096, 4096, 128, 32, cc=80)[1]
     assert "64" in W.wgmma_supports(4112, 4096, 128, 32, cc=90)[1]
@@ -88,40 +85,7 @@ def test_wgmma_plan_and_supports():
 
 # ----------------------------------------------------------------------------- emulation
 WW_EMU = r"""
-#include <map>
 inline unsigned ww_smem(const void* p) { return (unsigned)((const unsigned char*)p - g_smem); }
-// mbarriers in a side table (arrivals and bytes pending, the phase); a bulk copy is queued on
-// its barrier and lands when the phase completes, before any waiter can return
-struct WwBulk { void* dst; const void* src; unsigned n; };
-struct WwBar { int count = 0, pending = 0; long tx = 0; unsigned phase = 0;
-               std::vector<WwBulk> queued; };
-static std::mutex g_ww_m;
-static std::map<const void*, WwBar> g_ww_bars;
-inline void ww_mb_done(WwBar& b) {
-    if (b.pending > 0 || b.tx > 0) return;
-    if (b.pending < 0 || b.tx < 0) { fprintf(stderr, "mbarrier over-arrived\n"); abort(); }
-    for (auto& q : b.queued) memcpy(q.dst, q.src, q.n);
-    b.queued.clear(); b.phase ^= 1u; b.pending = b.count;
-}
-inline void ww_mb_init(unsigned long long* bar, int count) {
-    std::lock_guard<std::mutex> l(g_ww_m); g_ww_bars[bar] = WwBar{count, count, 0, 0, {}}; }
-inline void ww_mb_init_fence() {}
-inline void ww_mb_arrive(unsigned long long* bar) {
-    std::lock_guard<std::mutex> l(g_ww_m); WwBar& b = g_ww_bars.at(bar); --b.pending;
-    ww_mb_done(b); }
-inline void ww_mb_arrive_tx(unsigned long long* bar, unsigned bytes) {
-    std::lock_guard<std::mutex> l(g_ww_m); WwBar& b = g_ww_bars.at(bar); b.tx += bytes;
-    --b.pending; ww_mb_done(b); }
-inline void ww_bulk(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-    if (bytes % 16 || ((size_t)dst | (size_t)src) % 16) { fprintf(stderr, "bulk copy alignment\n"); abort(); }
-    std::lock_guard<std::mutex> l(g_ww_m); WwBar& b = g_ww_bars.at(bar);
-    b.queued.push_back({dst, src, bytes}); b.tx -= bytes; ww_mb_done(b); }
-inline void ww_mb_wait(unsigned long long* bar, unsigned parity) {
-    for (;;) {
-        { std::lock_guard<std::mutex> l(g_ww_m); if (g_ww_bars.at(bar).phase != parity) return; }
-        std::this_thread::yield();
-    }
-}
 inline void ww_fence_proxy_async() {}
 inline void ww_wgmma_fence() {}
 inline void ww_wgmma_commit() {}
@@ -168,23 +132,6 @@ template <int NN> struct WwMma {
 def _entries(names):
     out = []
     for i, n in enumerate(names):
-        if n.startswith("wna16_gather_tiles"):
-            out.append(
-                f'extern "C" void k{i}(unsigned gx, unsigned gy, const void* a, void* at, '
-                f"const int* st, const int* ntp, int P, int top_k, int K, int L) {{\n"
-                f"    launch3(gx, gy, 1, 128, [&] {{ gridDim.z = 1; {n}((const elem_t*)a, "
-                f"(uint4*)at, st, ntp, P, top_k, K, L); }});\n}}")
-            continue
-        if n.startswith("wna16_wgmma_tma"):
-            out.append(
-                f'extern "C" void k{i}(unsigned gx, unsigned gy, const void* at, const void* wp, '
-                f"void* c, const void* sp, const void* zp, const int* st, const int* ex, "
-                f"const int* ntp, const float* tw, const float* bias, int N, int K, int P, "
-                f"int top_k, int B, int L, int mul, int shift, int G, int dzp, int gpc) {{\n"
-                f"    launch3(gx, gy, 1, 128, [&] {{ gridDim.z = 1; {n}((const uint4*)at, "
-                f"(const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
-                f"st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, shift, G, dzp, gpc); }});\n}}")
-            continue
         if n == W.GROUP_SUMS_KERNEL:
             out.append(
                 f'extern "C" void k{i}(unsigned gx, const void* a, float* gsum, int rows, '
@@ -233,10 +180,6 @@ def emulated_wgmma(tmp_path_factory):
     ("p32", (40, 3, 2, 192, 384, 32), 128, True, 1, 1),
     ("p32", (3, 2, 2, 128, 256, 32), 64, False, 132, 4),
     ("p24", (6, 2, 2, 128, 256, 24), 256, True, 1, 1),
-    # TMA: bulk copies on mbarriers, the activations gathered into stage images first
-    ("t32", (40, 3, 2, 192, 384, 32), 128, True, 1, 1),
-    ("t32", (3, 2, 2, 128, 256, 32), 64, False, 132, 4),
-    ("t24", (6, 2, 2, 128, 320, 24), 320, True, 1, 1),
 ])
 def test_emulated_matches_reference(emulated_wgmma, rng, cfg, shape, gs, zp, sms, waves):
     import ctypes
@@ -269,18 +212,9 @@ def test_emulated_matches_reference(emulated_wgmma, rng, cfg, shape, gs, zp, sms
         want_sums = a.astype(np.float64).reshape(M_a, G, Kd // G).sum(-1)
         assert np.allclose(gsum, want_sums, rtol=1e-5, atol=1e-4)
     gx, gy, _ = lp["grid"]
-    kernel = getattr(emulated_wgmma, f"k{W.WGMMA_NAMES.index(lp['name'])}")
-    if W.WGMMA_CONFIGS[cfg].get("TMA"):
-        mt = W.WGMMA_CONFIGS[cfg]["MT"]
-        tiles = np.full(gx * Kd * 8 * mt, 0x7FC0, np.uint16)        # poison: every piece written
-        getattr(emulated_wgmma, f"k{W.WGMMA_NAMES.index(W.gather_kernel_name(mt))}")(
-            gx, Kd // 64, p(a16), p(tiles), p(st), p(ntp), P, K, Kd, lp["Lg"])
-        assert not (tiles == 0x7FC0).any()
-        kernel(gx, gy, p(tiles), p(pk["wp"]), p(c), p(pk["sp"]), p(pk["zp"]), p(st), p(ex),
-               p(ntp), p(tw), p(bias), N, Kd, P, K, B, lp["Lg"], 1, lp["shift"], G, 8, lp["GPC"])
-    else:
-        kernel(gx, gy, p(a16), p(pk["wp"]), p(c), p(pk["sp"]), p(pk["zp"]), p(gsum), p(st), p(ex),
-               p(ntp), p(tw), p(bias), N, Kd, P, K, B, lp["Lg"], 1, lp["shift"], G, 8, lp["GPC"])
+    getattr(emulated_wgmma, f"k{W.WGMMA_NAMES.index(lp['name'])}")(
+        gx, gy, p(a16), p(pk["wp"]), p(c), p(pk["sp"]), p(pk["zp"]), p(gsum), p(st), p(ex),
+        p(ntp), p(tw), p(bias), N, Kd, P, K, B, lp["Lg"], 1, lp["shift"], G, 8, lp["GPC"])
     err = rel_err(c.view(BF16), want)
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e}"
 

@@ -442,10 +442,6 @@ WGMMA_CONFIGS = {
     # POST = 1: wgmma multiplies the raw 128 + q; scale and zero point per group in fp32
     "p32": dict(KERNEL="wgmma", MT=4, D=4, S=4, MINB=3, WAVES=4, RB=2, POST=1),
     "p24": dict(KERNEL="wgmma", MT=3, D=4, S=4, MINB=3, WAVES=4, RB=2, POST=1),
-    # TMA = 1 (wna16_wgmma_tma): one thread feeds S stages with bulk copies on mbarriers, the
-    # activations pre-arranged per m tile (wna16_gather_tiles); D unused
-    "t32": dict(KERNEL="wgmma", TMA=1, MT=4, D=0, S=4, MINB=4, WAVES=4, RB=2),
-    "t24": dict(KERNEL="wgmma", TMA=1, MT=3, D=0, S=4, MINB=4, WAVES=4, RB=2),
 }
 CU_WGMMA = "quant_gemm_wna16_wgmma.cu"
 # wgmma exists only in sm_90a code (built through cuda.core, whose NVRTC takes the generic
@@ -454,22 +450,12 @@ WGMMA_OPTIONS = ("-arch=sm_90a", "-default-device")
 
 
 def wgmma_kernel_name(cfg: dict) -> str:
-    if cfg.get("TMA"):
-        return f"wna16_wgmma_tma<{cfg['MT']}, {cfg['S']}, {cfg['MINB']}, {cfg.get('RB', 1)}>"
     return (f"wna16_wgmma<{cfg['MT']}, {cfg['D']}, {cfg['S']}, {cfg['MINB']}, {cfg.get('RB', 1)}, "
             f"{cfg.get('POST', 0)}>")
 
 
 GROUP_SUMS_KERNEL = "wna16_group_sums"
-
-
-def gather_kernel_name(mt: int) -> str:
-    return f"wna16_gather_tiles<{mt}>"
-
-
-WGMMA_NAMES = (tuple(wgmma_kernel_name(c) for c in WGMMA_CONFIGS.values()) + (GROUP_SUMS_KERNEL,) +
-               tuple(gather_kernel_name(mt) for mt in sorted({c["MT"] for c in WGMMA_CONFIGS.values()
-                                                             if c.get("TMA")})))
+WGMMA_NAMES = tuple(wgmma_kernel_name(c) for c in WGMMA_CONFIGS.values()) + (GROUP_SUMS_KERNEL,)
 SUMS_KERNEL = "wna16_chunk_sums"
 PACKED_NAMES = tuple(packed_kernel_name(c, z) for c in PACKED_CONFIGS.values()
                      for z in (False, True)) + (SUMS_KERNEL,)
@@ -649,7 +635,7 @@ def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dic
     rb = cfg.get("RB", 1)
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
-    if cfg["S"] < 2 or (not cfg.get("TMA") and cfg["D"] < cfg["S"] - 1):
+    if cfg["S"] < 2 or cfg["D"] < cfg["S"] - 1:
         raise ValueError(f"config: expected S >= 2 and D >= S - 1, got D = {cfg['D']}, "
                          f"S = {cfg['S']}")
     if rb < 1:
@@ -663,12 +649,9 @@ def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dic
     gpc = C.cdiv(blocks, gy) * rb
     gy = C.cdiv(N // 64, gpc)
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
-    if cfg.get("TMA"):     # S stages of activations, codes, scales, zero points; 2 S mbarriers
-        smem = cfg["S"] * (bm * 128 + rb * (2048 + 256 + 64)) + 16 * cfg["S"]
-    else:
-        smem = cfg["S"] * bm * 128 + 4 * cfg["D"] * rb * 32 * 28
     return dict(name=wgmma_kernel_name(cfg), cfg=cfg, grid=(mtiles, gy, 1), block=(128,),
-                smem=smem, GPC=gpc, shift=shift, Lg=Lg)
+                smem=cfg["S"] * bm * 128 + 4 * cfg["D"] * rb * 32 * 28, GPC=gpc, shift=shift,
+                Lg=Lg)
 
 
 # ----------------------------------------------------------------------------- workspace
@@ -862,22 +845,6 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
             _kernel(GROUP_SUMS_KERNEL, ELEMS[out_key], 0, CU_WGMMA, WGMMA_OPTIONS)(
                 (C.cdiv(M_a * G, 8),), (256,), (C.raw(a), gsum, np.int32(M_a), np.int32(K),
                                                 np.int32(G)))
-        if cfg0.get("TMA"):                  # the activations as stage images per m tile
-            mtiles = lp["grid"][0]
-            tiles = cupy.empty(mtiles * K * 16 * cfg0["MT"], dtype=cupy.uint8)   # K BM 2 bytes each
-            _kernel(gather_kernel_name(cfg0["MT"]), ELEMS[out_key], 0, CU_WGMMA, WGMMA_OPTIONS)(
-                (mtiles, K // PACK_CHUNK), (128,),
-                (C.raw(a), tiles, sorted_token_ids, num_tokens_post_padded, np.int32(P),
-                 np.int32(top_k), np.int32(K), np.int32(lp["Lg"])))
-            args = (tiles, pk["wp"], C.raw(c), pk["sp"],
-                    pk["zp"] if pk["zp"] is not None else null, sorted_token_ids, expert_ids,
-                    num_tokens_post_padded, tw if tw is not None else null,
-                    b32 if b32 is not None else null, np.int32(N), np.int32(K), np.int32(P),
-                    np.int32(top_k), np.int32(block_size), np.int32(lp["Lg"]),
-                    np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]), np.int32(G),
-                    np.int32(default_zp), np.int32(lp["GPC"]))
-            kern(lp["grid"], lp["block"], args, shared_mem=lp["smem"])
-            return c
         args = (C.raw(a), pk["wp"], C.raw(c), pk["sp"], pk["zp"] if pk["zp"] is not None else null,
                 gsum, sorted_token_ids, expert_ids, num_tokens_post_padded,
                 tw if tw is not None else null, b32 if b32 is not None else null,
@@ -1008,7 +975,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     import cupy
     if int(cupy.cuda.Device().compute_capability) == 90:          # the wgmma rung: Hopper
         runs += [(n, c, (M_a, E, K, 128, Kd, max(B, 8 * c["MT"]), 4, gs, zp, None))
-                 for n, c in WGMMA_CONFIGS.items() if n in ("g32", "h32", "t32") or not args.quick
+                 for n, c in WGMMA_CONFIGS.items() if n in ("g32", "h32") or not args.quick
                  for (M_a, E, K, N, Kd, B, gs, zp) in packed_cases]
     for name, cfg, (M_a, E, K, N, Kd, B, nb, gs, zp, ks) in runs:
         if B % (8 * cfg["MT"]) or (N // 16) % cfg.get("RT", 1):

@@ -174,39 +174,6 @@ template <> struct WwMma<32> {
 };
 #endif  // QG_EMULATED_PTX
 
-// mbarriers and bulk copies (the TMA engine's 1-D copies) of wna16_wgmma_tma. The tests build
-// this file with their own versions (QG_EMULATED_PTX).
-#ifndef QG_EMULATED_PTX
-__device__ __forceinline__ void ww_mb_init(u64* bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(ww_smem(bar)), "r"(count)
-                 : "memory");
-}
-// the inits visible to the async proxy (the copies complete on these barriers)
-__device__ __forceinline__ void ww_mb_init_fence() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void ww_mb_arrive(u64* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(ww_smem(bar)) : "memory");
-}
-// one arrival that also announces `bytes` of copies completing on the barrier
-__device__ __forceinline__ void ww_mb_arrive_tx(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                 :: "r"(ww_smem(bar)), "r"(bytes) : "memory");
-}
-// until the phase of parity `parity` has completed
-__device__ __forceinline__ void ww_mb_wait(u64* bar, u32 parity) {
-    asm volatile("{\n.reg .pred p;\nWW_WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "@!p bra WW_WAIT;\n}\n" :: "r"(ww_smem(bar)), "r"(parity) : "memory");
-}
-// `bytes` (a multiple of 16, 16-byte aligned ends) from global to shared, completing on bar
-__device__ __forceinline__ void ww_bulk(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 " [%0], [%1], %2, [%3];\n"
-                 :: "r"(ww_smem(dst)), "l"(src), "r"(bytes), "r"(ww_smem(bar)) : "memory");
-}
-#endif  // QG_EMULATED_PTX
-
 // The descriptor of B for k16 step m of the stage at shared address `stage` (MT token tiles):
 // bits 0-13 start >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4, 62-63
 // layout 0 (no swizzle).
@@ -215,23 +182,6 @@ __device__ __forceinline__ u64 ww_desc_b(u32 stage, int m) {
     const u32 start = stage + 2u * m * MT * 128u;
     return (u64)((start & 0x3FFFFu) >> 4) | ((u64)((MT * 128u) >> 4) << 16) |
            ((u64)(128u >> 4) << 32);
-}
-
-// One lane's 16 bytes of codes x (one 64-code chunk of rows g, g + 8) -> its A fragments of the
-// chunk's 4 k16 steps: (128 + q - (128 + zp)) * s per pair, (sl, sh) = (s, s) pairs and
-// (zl, zh) = (MAGIC + zp) pairs of rows g and g + 8.
-__device__ __forceinline__ void ww_dequant(const uint4 x, u32 sl, u32 sh, u32 zl, u32 zh,
-                                           u32 (&A)[4][4]) {
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {                 // pairs 2 (m & 1), + 1 of words m >> 1
-        const u32 wl = m < 2 ? x.x : x.z, wh = m < 2 ? x.y : x.w;
-        const int p = 2 * (m & 1);
-        const u32 mk = 0x000F000Fu;
-        A[m][0] = w16::deq2(w16::and_or(wl >> (4 * p), mk, W16_MAGIC), zl, sl);
-        A[m][1] = w16::deq2(w16::and_or(wh >> (4 * p), mk, W16_MAGIC), zh, sh);
-        A[m][2] = w16::deq2(w16::and_or(wl >> (4 * p + 4), mk, W16_MAGIC), zl, sl);
-        A[m][3] = w16::deq2(w16::and_or(wh >> (4 * p + 4), mk, W16_MAGIC), zh, sh);
-    }
 }
 
 template <int MT, int D, int S, int MINB, int RB, int POST>
@@ -462,8 +412,18 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                 dq[POST ? 0 : r][2] = zl;
                 dq[POST ? 0 : r][3] = zh;
             }
-            ww_dequant(x, dq[POST ? 0 : r][0], dq[POST ? 0 : r][1], dq[POST ? 0 : r][2],
-                       dq[POST ? 0 : r][3], A[r]);
+            const u32 sl = dq[POST ? 0 : r][0], sh = dq[POST ? 0 : r][1];
+            const u32 zl = dq[POST ? 0 : r][2], zh = dq[POST ? 0 : r][3];
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {         // pairs 2 (m & 1), + 1 of words m >> 1
+                const u32 wl = m < 2 ? x.x : x.z, wh = m < 2 ? x.y : x.w;
+                const int p = 2 * (m & 1);
+                const u32 mk = 0x000F000Fu;
+                A[r][m][0] = w16::deq2(w16::and_or(wl >> (4 * p), mk, MAGIC), zl, sl);
+                A[r][m][1] = w16::deq2(w16::and_or(wh >> (4 * p), mk, MAGIC), zh, sh);
+                A[r][m][2] = w16::deq2(w16::and_or(wl >> (4 * p + 4), mk, MAGIC), zl, sl);
+                A[r][m][3] = w16::deq2(w16::and_or(wh >> (4 * p + 4), mk, MAGIC), zh, sh);
+            }
         };
         // one item (chunk cc): its copies, the previous item's wgmma batch done (A is free, and
         // the stage it read is refilled below), a barrier, dequantize the RB row groups, one
@@ -582,229 +542,4 @@ wna16_group_sums(const elem_t* __restrict__ a, float* __restrict__ gsum, int row
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
     if (lane == 0) gsum[w] = s;
-}
-
-// ====================================================================== wna16_wgmma_tma
-// wna16_wgmma's math (POST = 0) with the copies moved off the warps: one thread feeds a ring of
-// S stages with bulk copies (the TMA engine) that complete on the stage's "full" mbarrier, and
-// each warp frees a stage by one arrival on its "empty" mbarrier, so an item costs the warps
-// a barrier wait, the dequantization and the wgmma batch: no cp.async (3 padding instructions
-// each on sm_90) and no per-item address arithmetic in 128 threads. The activations come
-// pre-arranged (wna16_gather_tiles, below): one m tile's chunk is one contiguous stage image.
-//
-//   stage s   activations [8 kb][MT nb][8 rows][16 B] (the B layout of wna16_wgmma), then
-//             the codes [RB][4 warps][32 lanes][16 B] (one 512-byte bulk copy per 16-row
-//             tile), then the scales [RB][4][8 g] float2 and the zero points [RB][4][8 g] u16
-//             (64 and 16 bytes per tile, copied with a group's first chunk only).
-//   item i    (block of RB row groups, chunk), chunk fastest, in stage i % S; thread 0 issues
-//             item i + S - 1 during item i, into the stage item i - 1 used, once the 4 warps
-//             have arrived on its empty barrier (each after its wgmma wait for item i - 1).
-// grid (cdiv(Lg, BM), cdiv(N / 64, groups_per_cta)), block 128, dynamic shared memory
-// S (MT 1024 + RB 2048 + RB 320) + 16 S bytes. Needs what wna16_wgmma needs, S >= 2.
-template <int MT, int S, int MINB, int RB>
-__global__ void __launch_bounds__(128, MINB)
-wna16_wgmma_tma(const uint4* __restrict__ at, const uint4* __restrict__ wp,
-                elem_t* __restrict__ c, const float2* __restrict__ sp,
-                const unsigned short* __restrict__ zp, const int* __restrict__ sorted_token_ids,
-                const int* __restrict__ expert_ids, const int* __restrict__ num_tokens_post_padded,
-                const float* __restrict__ topk_weights, const float* __restrict__ bias,
-                int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-                int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
-                int groups_per_cta) {
-    static_assert(S >= 2, "wna16_wgmma_tma: S >= 2 stages");
-    constexpr int BM = 8 * MT;
-    constexpr int ACT = 8 * MT * 128;             // bytes of a stage's activations
-    constexpr int W_OFF = ACT, S_OFF = W_OFF + RB * 2048, Z_OFF = S_OFF + RB * 256;
-    constexpr int STAGE = Z_OFF + RB * 64;        // bytes of a stage
-    __shared__ int sSlot[BM];
-    __shared__ int sArow[BM];
-
-    const int m0 = blockIdx.x * BM;
-    if (!w16::load_m_tile<BM>(m0, sorted_token_ids, num_tokens_post_padded, num_slots, top_k,
-                              num_positions, sSlot, sArow))
-        return;
-    const int tid = threadIdx.x;
-    const int e = expert_ids[m0 / block_size];
-    const int j0 = blockIdx.y * groups_per_cta;
-    const int j1 = min(N >> 6, j0 + groups_per_cta);
-    if (j0 >= j1) return;
-    if (e < 0) {
-        const int rows = (j1 - j0) * 64;
-        for (int i = tid; i < BM * rows; i += 128) {
-            const int r = i / rows, n = j0 * 64 + i % rows;
-            if (sSlot[r] >= 0) c[(size_t)sSlot[r] * N + n] = w16::from_f32(0.f);
-        }
-        return;
-    }
-    int live_tiles = 0;
-    for (int r = 0; r < BM; ++r)
-        if (sArow[r] >= 0) live_tiles = r / 8 + 1;
-
-    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int C = Kdim >> 6;
-    const int ntiles = N >> 4;
-    const int cpg_mask = (1 << chunk_shift) - 1;
-    const u32 zdef = W16_MAGIC | ((u32)default_zp * 0x00010001u);
-    extern __shared__ __align__(16) u8 smem[];
-    u64* full = reinterpret_cast<u64*>(smem + S * STAGE);
-    u64* empty = full + S;
-    if (tid == 0) {
-        for (int k = 0; k < S; ++k) {
-            ww_mb_init(full + k, 1);
-            ww_mb_init(empty + k, 4);
-        }
-        ww_mb_init_fence();
-    }
-    __syncthreads();
-
-    const int items = (j1 - j0 + RB - 1) / RB * C;
-    // thread 0's walk: the next item to issue (block ld_j, chunk ld_cc), its tiles' code
-    // pointers, and the group offset of their scales
-    const uint4* aexp = at + (size_t)blockIdx.x * C * (ACT / 16);
-    const uint4* wexp = wp + (size_t)e * ntiles * C * 32;
-    const float2* sexp = sp + (size_t)e * ntiles * num_groups * 8;
-    const unsigned short* zexp = zp != nullptr ? zp + (size_t)e * ntiles * num_groups * 8
-                                               : nullptr;
-    int ld_next = 0, ld_j = j0, ld_cc = 0;
-    auto issue = [&]() {                          // thread 0: item ld_next into its stage
-        const int i = ld_next++;
-        u8* st = smem + (i % S) * STAGE;
-        if (i >= S) ww_mb_wait(empty + i % S, ((i / S) - 1) & 1);
-        const bool group_first = (ld_cc & cpg_mask) == 0;
-        u32 bytes = ACT + RB * 2048;
-        if (group_first) bytes += RB * (256 + (zexp != nullptr ? 64 : 0));
-        ww_mb_arrive_tx(full + i % S, bytes);
-        ww_bulk(st, aexp + (size_t)ld_cc * (ACT / 16), ACT, full + i % S);
-        const int grp = ld_cc >> chunk_shift;
-        for (int r = 0; r < RB; ++r)
-            for (int w = 0; w < 4; ++w) {
-                const int tile = 4 * min(ld_j + r, j1 - 1) + w;
-                ww_bulk(st + W_OFF + (r * 4 + w) * 512, wexp + ((size_t)tile * C + ld_cc) * 32,
-                        512, full + i % S);
-                if (group_first) {
-                    const size_t g8 = ((size_t)tile * num_groups + grp) * 8;
-                    ww_bulk(st + S_OFF + (r * 4 + w) * 64, sexp + g8, 64, full + i % S);
-                    if (zexp != nullptr)
-                        ww_bulk(st + Z_OFF + (r * 4 + w) * 16, zexp + g8, 16, full + i % S);
-                }
-            }
-        if (++ld_cc == C) {
-            ld_cc = 0;
-            ld_j += RB;
-        }
-    };
-    if (tid == 0)
-        for (int k = 0; k < S - 1 && k < items; ++k) issue();
-
-    w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
-        constexpr int LT = decltype(live_count)::value;
-        constexpr int NN = 8 * LT;
-        float acc[RB][NN / 2];
-#pragma unroll
-        for (int r = 0; r < RB; ++r)
-#pragma unroll
-            for (int i = 0; i < NN / 2; ++i) acc[r][i] = 0.f;
-        u32 A[RB][4][4];
-        u32 dq[RB][4];                            // the group's (s, s) and (MAGIC + zp) pairs
-        const u64 desc0 = ww_desc_b<MT>(ww_smem(smem), 0);
-        int i = 0;                                // the item
-        for (int jb = j0; jb < j1; jb += RB) {
-            for (int cc = 0; cc < C; ++cc, ++i) {
-                const int s = i % S;
-                const u8* st = smem + s * STAGE;
-                const bool first = (cc & cpg_mask) == 0;
-                ww_mb_wait(full + s, (i / S) & 1);
-                ww_wgmma_wait<0>();               // item i - 1's batch: its stage is free
-                if (i > 0 && lane == 0) ww_mb_arrive(empty + (i - 1) % S);
-                if (tid == 0 && ld_next < items) issue();
-#pragma unroll
-                for (int r = 0; r < RB; ++r) {
-                    const uint4 x = reinterpret_cast<const uint4*>(st + W_OFF)[(r * 4 + warp) * 32 +
-                                                                               lane];
-                    if (first) {
-                        const float2 s2 = reinterpret_cast<const float2*>(st + S_OFF)[(r * 4 + warp) *
-                                                                                      8 + g];
-                        u32 zl = zdef, zh = zdef;
-                        if (zexp != nullptr) {
-                            const unsigned short z = reinterpret_cast<const unsigned short*>(
-                                st + Z_OFF)[(r * 4 + warp) * 8 + g];
-                            zl = W16_MAGIC | ((u32)(z & 0xFFu) * 0x00010001u);
-                            zh = W16_MAGIC | ((u32)(z >> 8) * 0x00010001u);
-                        }
-                        dq[r][0] = w16::pack2(s2.x, s2.x);
-                        dq[r][1] = w16::pack2(s2.y, s2.y);
-                        dq[r][2] = zl;
-                        dq[r][3] = zh;
-                    }
-                    ww_dequant(x, dq[r][0], dq[r][1], dq[r][2], dq[r][3], A[r]);
-#pragma unroll
-                    for (int m = 0; m < 4; ++m) ww_pin(A[r][m]);
-                    ww_pin(acc[r]);
-                }
-                const u64 desc = desc0 + (u64)((s * STAGE) >> 4);
-                u64 dm[4];
-                u32 keep[4];
-#pragma unroll
-                for (int m = 0; m < 4; ++m) {
-                    dm[m] = desc + (u64)((2 * m * MT * 128) >> 4);
-                    keep[m] = cc != 0 || m != 0;
-                }
-                ww_pin(dm);
-                ww_pin(keep);
-                ww_wgmma_fence();
-#pragma unroll
-                for (int r = 0; r < RB; ++r)
-#pragma unroll
-                    for (int m = 0; m < 4; ++m)
-                        WwMma<NN>::run(acc[r], A[r][m][0], A[r][m][1], A[r][m][2], A[r][m][3],
-                                       dm[m], keep[m]);
-                ww_wgmma_commit();
-            }
-            ww_wgmma_wait<0>();
-#pragma unroll
-            for (int r = 0; r < RB; ++r) ww_pin(acc[r]);
-#pragma unroll
-            for (int r = 0; r < RB; ++r) {
-                if (jb + r >= j1) break;
-                const int n0 = 64 * (jb + r) + 16 * warp + g;
-#pragma unroll
-                for (int nb = 0; nb < LT; ++nb)
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        const int tok = 8 * nb + 2 * t + (q & 1), n = n0 + 8 * (q >> 1);
-                        const int slot_s = sSlot[tok];
-                        if (slot_s < 0) continue;
-                        float v = acc[r][4 * nb + q];
-                        if (bias != nullptr) v += bias[(size_t)e * N + n];
-                        if (mul_routed_weight) v *= topk_weights[slot_s];
-                        c[(size_t)slot_s * N + n] = w16::from_f32(v);
-                    }
-            }
-        }
-    });
-}
-
-// wna16_wgmma_tma's activations: at[mt][c] = the stage image of m tile mt (BM = 8 MT positions
-// from mt BM) and 64-code chunk c: [8 kb][MT nb][8 rows][16 bytes] of a[row of position
-// 8 nb + row][64 c + 8 kb ..], zeros for a position that is padding (or past the positions).
-// grid (cdiv(Lg, BM), C), block 128: one 16-byte piece per thread and step.
-template <int MT>
-__global__ void __launch_bounds__(128)
-wna16_gather_tiles(const elem_t* __restrict__ a, uint4* __restrict__ at,
-                   const int* __restrict__ sorted_token_ids,
-                   const int* __restrict__ num_tokens_post_padded, int num_slots, int top_k,
-                   int Kdim, int num_positions) {
-    constexpr int BM = 8 * MT;
-    const int mt = blockIdx.x, cc = blockIdx.y, C = Kdim >> 6;
-    const int live_end = min(num_positions, num_tokens_post_padded[0]);
-    uint4* dst = at + ((size_t)mt * C + cc) * (BM * 8);
-    for (int i = threadIdx.x; i < BM * 8; i += 128) {
-        const int kb = i / BM, r = i - kb * BM, p = mt * BM + r;
-        const int s = p < live_end ? sorted_token_ids[p] : -1;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (s >= 0 && s < num_slots)
-            v = __ldg(reinterpret_cast<const uint4*>(a + (size_t)(s / top_k) * Kdim + cc * 64 +
-                                                     kb * 8));
-        dst[i] = v;                               // piece (kb, r): kb MT 128 + r 16 bytes
-    }
 }
