@@ -24,12 +24,13 @@
 // (ww_pin), then the fence and one batch of 4 RB wgmma, and the next item's dequantization
 // starts after wgmma.wait_group 0; the overlap comes from the other CTAs of the SM.
 // Measured (H200, Mixtral int4 g128, GEMM1 / GEMM2 at T = 64, dev_wna16_20261130c): h32 230 /
-// 185 us against the routed q32 245 / 124 (GEMM1 of the rung is the fastest int4 kernel at
-// T = 64, GEMM2 is not: 64 row groups per expert make too few CTAs); POST (p32) 299 / 213: fewer
-// instructions per item but 168 registers (3 CTAs per SM). Nsight Compute: the rung is
-// issue-bound (126 M warp instructions for GEMM1, issue 65% of the active cycles, DRAM 37%):
-// the dequantization is 4 instructions per pair of codes, ~128 of the ~255 per warp and item.
-// Not routed (quant_gemm's int4 route takes wna16_packed).
+// 185 us against the routed q32 248 / 125 (the rung's GEMM1 is the fastest of the configs
+// swept at T >= 64, its GEMM2 is not: 64 row groups per expert make too few CTAs); POST (p32)
+// 298 / 213: fewer instructions per item but 168 registers (3 CTAs per SM). Nsight Compute: the
+// rung is issue-bound (126 M warp instructions for GEMM1, issue 65% of the active cycles, DRAM
+// 37%): the dequantization is 4 instructions per pair of codes, ~128 of the ~255 per warp and
+// item. Not routed (quant_gemm's int4 route takes wna16_packed: routing GEMM1 here would cache
+// a second prepacked copy of w13, in this lane order, beside the one the decode batches use).
 //
 // Layout:
 //   weights  prepack_int4(order="wgmma"): wp [E][N / 16 tiles][Kdim / 64 chunks][32 lanes][4]
