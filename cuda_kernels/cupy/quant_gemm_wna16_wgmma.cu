@@ -98,9 +98,9 @@ __device__ __forceinline__ void ww_wgmma_wait() {
 #endif  // QG_EMULATED_PTX
 
 // Pin registers in place for ptxas: an empty asm that "rewrites" them. Without it the compiler
-// computes the A fragments (and moves the accumulators) right before each wgmma, inside the
-// pipeline stage, and ptxas then serializes every wgmma (its C7513 warning: a wait after each
-// one, measured ~2-3x slower on Mixtral); with it, each value is final before wgmma.fence.
+// computes the A fragments (and the descriptors) right before each wgmma, inside the pipeline
+// stage, and ptxas then serializes every wgmma (its C7513 warning: a wait after each one); with
+// it, each value is final before wgmma.fence.
 template <int N>
 __device__ __forceinline__ void ww_pin(u32 (&r)[N]) {
 #ifndef QG_EMULATED_PTX
@@ -443,7 +443,8 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                     fold_group();
                 }
 #pragma unroll
-                for (int q = 0; q < PL; ++q) gsa[q] = __ldg(gsum + gs_row[q] + (cc >> chunk_shift));
+                for (int q = 0; q < PL; ++q)
+                    gsa[q] = __ldg(gsum + gs_row[q] + (cc >> chunk_shift));
             }
             ww_fence_proxy_async();               // everyone's activation copies of the item,
             __syncthreads();                      // visible to wgmma's async proxy
