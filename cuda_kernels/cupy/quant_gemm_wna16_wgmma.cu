@@ -101,26 +101,25 @@ __device__ __forceinline__ void ww_wgmma_wait() {
 // computes the A fragments (and the descriptors) right before each wgmma, inside the pipeline
 // stage, and ptxas then serializes every wgmma (its C7513 warning: a wait after each one); with
 // it, each value is final before wgmma.fence.
-template <int N>
-__device__ __forceinline__ void ww_pin(u32 (&r)[N]) {
+__device__ __forceinline__ void ww_pin1(u32& v) {
 #ifndef QG_EMULATED_PTX
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+    asm volatile("" : "+r"(v)::"memory");
 #endif
 }
-template <int N>
-__device__ __forceinline__ void ww_pin(u64 (&r)[N]) {
+__device__ __forceinline__ void ww_pin1(u64& v) {
 #ifndef QG_EMULATED_PTX
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+l"(r[i])::"memory");
+    asm volatile("" : "+l"(v)::"memory");
 #endif
 }
-template <int N>
-__device__ __forceinline__ void ww_pin(float (&r)[N]) {
+__device__ __forceinline__ void ww_pin1(float& v) {
 #ifndef QG_EMULATED_PTX
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+    asm volatile("" : "+f"(v)::"memory");
 #endif
+}
+template <typename T, int N>
+__device__ __forceinline__ void ww_pin(T (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) ww_pin1(r[i]);
 }
 
 #ifndef QG_EMULATED_PTX
