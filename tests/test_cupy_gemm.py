@@ -746,8 +746,8 @@ inline void gg_mma(float* d, const unsigned* a, const unsigned* b, __nv_bfloat16
 //     A = start + (r/8) SBO + (r%8) W + 2k, then bits [4, 4+log2(W/16)) of A XORed with
 //     bits [7, ...) of A (absolute addresses: the atoms must be 1024-byte aligned, base
 //     offset 0); a k16 slice must stay inside one W-byte row.
-inline void gg_fence_proxy_async() {}
-inline void gg_wgmma_fence() {}
+inline void wg_fence_proxy_async() {}
+inline void wg_fence() {}
 struct EmuWgmma { float* d; unsigned long long da, db; int n; };
 thread_local std::vector<EmuWgmma> emu_wg_open;
 thread_local std::vector<std::vector<EmuWgmma>> emu_wg_groups;
@@ -788,11 +788,11 @@ inline void emu_wgmma_run(const EmuWgmma& m) {
             m.d[4 * j + i] += s;
         }
 }
-inline void gg_wgmma_commit() {
+inline void wg_commit() {
     emu_wg_groups.push_back(std::move(emu_wg_open));
     emu_wg_open.clear();
 }
-template <int PENDING> inline void gg_wgmma_wait() {
+template <int PENDING> inline void wg_wait() {
     if (!emu_wg_open.empty()) emu_fail("wgmma.wait_group with uncommitted wgmma", 0);
     while ((int)emu_wg_groups.size() > PENDING) {
         for (const EmuWgmma& m : emu_wg_groups.front()) emu_wgmma_run(m);

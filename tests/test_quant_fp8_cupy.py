@@ -305,10 +305,10 @@ inline void fw_cp16(unsigned dst, const void* src, bool pred) { qg_cp16(g_smem +
 inline void fw_cp4(unsigned dst, const void* src, bool pred) { qg_cp4(g_smem + dst, src, pred); }
 inline void fw_commit() { qg_commit(); }
 template <int N> inline void fw_wait() { qg_wait<N>(); }
-inline void fw_fence_proxy_async() {}
-inline void fw_wgmma_fence() {}
-inline void fw_wgmma_commit() {}
-inline void fw_wgmma_wait0() {}
+inline void wg_fence_proxy_async() {}
+inline void wg_fence() {}
+inline void wg_commit() {}
+template <int PENDING> inline void wg_wait() {}
 inline float fw_operand(unsigned long long desc, int r, int k) {
     const unsigned start = (unsigned)(desc & 0x3FFFull) << 4;
     const unsigned sbo = (unsigned)((desc >> 32) & 0x3FFFull) << 4;

@@ -265,16 +265,9 @@ def _w16_entries():
 
 @pytest.fixture(scope="module")
 def emulated_w16(tmp_path_factory):
-    import shutil
+    from test_quant_cupy import build_emulation
 
-    if shutil.which("g++") is None:
-        pytest.skip("no g++ on this machine")
-    from test_quant_cupy import QEMU_HEADER, _build_emulated
-
-    tmp = tmp_path_factory.mktemp("w16_emulation")
-    (tmp / "qemu.h").write_text(QEMU_HEADER)
-    return _build_emulated(tmp, W.CU, {"ELEM_BF16": 1}, _w16_entries(), "w16",
-                           prelude=W16_PRELUDE)
+    return build_emulation(tmp_path_factory, "w16", W.CU, _w16_entries(), prelude=W16_PRELUDE)
 
 
 def _emulated_gemm(lib, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, nbits, config):

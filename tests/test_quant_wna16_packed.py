@@ -158,17 +158,27 @@ EMU_NAMES = sorted({W.packed_kernel_name(c, z, d) for c in W.PACKED_CONFIGS.valu
 
 @pytest.fixture(scope="module")
 def emulated_packed(tmp_path_factory):
-    import shutil
-
-    if shutil.which("g++") is None:
-        pytest.skip("no g++ on this machine")
-    from test_quant_cupy import QEMU_HEADER, _build_emulated
+    from test_quant_cupy import build_emulation
     from test_quant_wna16_cupy import W16_PRELUDE
 
-    tmp = tmp_path_factory.mktemp("packed_emulation")
-    (tmp / "qemu.h").write_text(QEMU_HEADER)
-    return _build_emulated(tmp, W.CU, {"ELEM_BF16": 1}, _emulation_entries(EMU_NAMES), "packed",
+    return build_emulation(tmp_path_factory, "packed", W.CU, _emulation_entries(EMU_NAMES),
                            prelude=W16_PRELUDE)
+
+
+def emulation_case(rng, shape, gs, zp):
+    """Fresh inputs of an emulated int4 GEMM (shape = (M_a, E, top_k, N, Kdim, block_size)):
+    a, the quantized weights (wq, ws, wz), the alignment (st, ex, ntp), router weights tw,
+    bias, and the reference output (router weights and bias applied)."""
+    M_a, E, K, N, Kd, B = shape
+    a = rng.standard_normal((M_a, Kd)).astype(BF16)
+    wq, ws, wz = quantized(rng, E, N, Kd, gs, zp)
+    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+    st, ex, ntp = moe_align_block_size(ids, B, E)
+    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+    bias = rng.standard_normal((E, N)).astype(np.float32)
+    want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, bias, w_scale=ws, w_zp=wz,
+                                 use_int4_w4a16=True)
+    return a, wq, ws, wz, st, ex, ntp, tw, bias, want
 
 
 @pytest.mark.simulator
@@ -206,14 +216,7 @@ def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sm
         return None if x is None else x.ctypes.data_as(ctypes.c_void_p)
 
     M_a, E, K, N, Kd, B = shape
-    a = rng.standard_normal((M_a, Kd)).astype(BF16)
-    wq, ws, wz = quantized(rng, E, N, Kd, gs, zp)
-    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
-    st, ex, ntp = moe_align_block_size(ids, B, E)
-    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
-    bias = rng.standard_normal((E, N)).astype(np.float32)
-    want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, bias, w_scale=ws, w_zp=wz,
-                                 use_int4_w4a16=True)
+    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
     pk = W.prepack_int4(wq, ws, wz)
     asum = W.chunk_sums(a) if W.PACKED_CONFIGS[cfg].get("POST") else None
     P, G = M_a * K, ws.shape[2]
@@ -300,13 +303,10 @@ def test_matches_reference(rng, shape, cfg):
     check_matches_reference(rng, shape, cfg, max(16, 8 * W.PACKED_CONFIGS[cfg]["MT"]))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", sorted(W.PACKED_CONFIGS))
-def test_fp16_other_rank_and_cache(rng, cfg):
-    """fp16 activations, experts on another rank (zeros), no router weights; the second call
-    reuses the packed weights, forget_packed() drops them, a new array is packed anew."""
-    M_a, E, K, N, Kd = 21, 4, 2, 64, 512
-    B = max(16, 8 * W.PACKED_CONFIGS[cfg]["MT"])
+def other_rank_case(rng, M_a, E, K, N, Kd, B):
+    """fp16 activations over E experts of which 0 and 2 are this rank's (every token routes
+    to expert 0 first), int4 g128 weights with zero points, no router weights: (a, wq, ws, wz,
+    ids, st, ex, ntp, the reference output)."""
     a = rng.standard_normal((M_a, Kd)).astype(np.float16)
     wq, ws, wz = quantized(rng, 2, N, Kd, 128, True)
     emap = np.array([0, -1, 1, -1], dtype=np.int32)
@@ -315,6 +315,17 @@ def test_fp16_other_rank_and_cache(rng, cfg):
     st, ex, ntp = moe_align_block_size(ids, B, E, expert_map=emap)
     want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, w_scale=ws, w_zp=wz,
                                  use_int4_w4a16=True)
+    return a, wq, ws, wz, ids, st, ex, ntp, want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", sorted(W.PACKED_CONFIGS))
+def test_fp16_other_rank_and_cache(rng, cfg):
+    """fp16 activations, experts on another rank (zeros), no router weights; the second call
+    reuses the packed weights, forget_packed() drops them, a new array is packed anew."""
+    M_a, E, K, N, Kd = 21, 4, 2, 64, 512
+    B = max(16, 8 * W.PACKED_CONFIGS[cfg]["MT"])
+    a, wq, ws, wz, ids, st, ex, ntp, want = other_rank_case(rng, M_a, E, K, N, Kd, B)
     dw, ds, dz = up(wq), up(ws), up(wz)
     args = (up(a), dw, up(st), up(ex), up(ntp), K, B)
     W.forget_packed()

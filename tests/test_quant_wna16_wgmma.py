@@ -25,10 +25,10 @@ import pytest
 from cuda_kernels.cupy import _compile as C
 from cuda_kernels.cupy import quant_gemm_wna16 as W
 from reference import moe_align_block_size
-from reference import quant as RQ
 from oracles import rel_err
 from test_quant_cupy import host, poisoned, up  # the quantized tests' GPU helpers
-from test_quant_wna16_packed import check_matches_reference, quantized
+from test_quant_wna16_packed import (check_matches_reference, emulation_case, other_rank_case,
+                                     quantized)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = 2e-2          # issue 8 / vLLM's weight-only tolerance
@@ -86,10 +86,10 @@ def test_wgmma_plan_and_supports():
 # ----------------------------------------------------------------------------- emulation
 WW_EMU = r"""
 inline unsigned ww_smem(const void* p) { return (unsigned)((const unsigned char*)p - g_smem); }
-inline void ww_fence_proxy_async() {}
-inline void ww_wgmma_fence() {}
-inline void ww_wgmma_commit() {}
-template <int P> inline void ww_wgmma_wait() {}
+inline void wg_fence_proxy_async() {}
+inline void wg_fence() {}
+inline void wg_commit() {}
+template <int P> inline void wg_wait() {}
 static unsigned g_ww_a[128][4];              // the warpgroup's A fragments of one wgmma
 inline float ww_bf16(unsigned short h) {
     const unsigned u = (unsigned)h << 16; float f; memcpy(&f, &u, 4); return f; }
@@ -151,16 +151,10 @@ def _entries(names):
 
 @pytest.fixture(scope="module")
 def emulated_wgmma(tmp_path_factory):
-    import shutil
-
-    if shutil.which("g++") is None:
-        pytest.skip("no g++ on this machine")
-    from test_quant_cupy import QEMU_HEADER, _build_emulated
+    from test_quant_cupy import build_emulation
     from test_quant_wna16_cupy import W16_PRELUDE
 
-    tmp = tmp_path_factory.mktemp("wgmma_emulation")
-    (tmp / "qemu.h").write_text(QEMU_HEADER)
-    return _build_emulated(tmp, W.CU_WGMMA, {"ELEM_BF16": 1}, _entries(W.WGMMA_NAMES), "ww",
+    return build_emulation(tmp_path_factory, "ww", W.CU_WGMMA, _entries(W.WGMMA_NAMES),
                            prelude=W16_PRELUDE + WW_EMU)
 
 
@@ -188,14 +182,7 @@ def test_emulated_matches_reference(emulated_wgmma, rng, cfg, shape, gs, zp, sms
         return None if x is None else x.ctypes.data_as(ctypes.c_void_p)
 
     M_a, E, K, N, Kd, B = shape
-    a = rng.standard_normal((M_a, Kd)).astype(BF16)
-    wq, ws, wz = quantized(rng, E, N, Kd, gs, zp)
-    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
-    st, ex, ntp = moe_align_block_size(ids, B, E)
-    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
-    bias = rng.standard_normal((E, N)).astype(np.float32)
-    want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, bias, w_scale=ws, w_zp=wz,
-                                 use_int4_w4a16=True)
+    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
     pk = W.prepack_int4(wq, ws, wz, order="wgmma")
     P, G = M_a * K, ws.shape[2]
     lp = W.wgmma_plan(P, E, N, Kd, st.size, B, dict(W.WGMMA_CONFIGS[cfg], WAVES=waves), sms,
@@ -257,14 +244,7 @@ def test_fp16_and_other_rank(rng, cfg):
         pytest.skip(why)
     M_a, E, K, N, Kd = 21, 4, 2, 128, 512
     B = 8 * W.WGMMA_CONFIGS[cfg]["MT"]
-    a = rng.standard_normal((M_a, Kd)).astype(np.float16)
-    wq, ws, wz = quantized(rng, 2, N, Kd, 128, True)
-    emap = np.array([0, -1, 1, -1], dtype=np.int32)
-    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
-    ids[:, 0] = 0
-    st, ex, ntp = moe_align_block_size(ids, B, E, expert_map=emap)
-    want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, w_scale=ws, w_zp=wz,
-                                 use_int4_w4a16=True)
+    a, wq, ws, wz, ids, st, ex, ntp, want = other_rank_case(rng, M_a, E, K, N, Kd, B)
     out = poisoned((M_a * K, N), np.float16)
     got = host(W.grouped_gemm_wna16(up(a), up(wq), up(st), up(ex), up(ntp), K, B,
                                     w_scale=up(ws), w_zp=up(wz), use_int4_w4a16=True,

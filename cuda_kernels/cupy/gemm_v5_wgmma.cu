@@ -111,21 +111,6 @@ __device__ __forceinline__ unsigned gg_swizzle_offset(int r, int c) {
 }
 
 #ifndef GG_HOST_EMULATION
-// shared memory written through the generic proxy (cp.async) is read next by wgmma (async proxy)
-__device__ __forceinline__ void gg_fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void gg_wgmma_fence() {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void gg_wgmma_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int PENDING>
-__device__ __forceinline__ void gg_wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(PENDING) : "memory");
-}
-
 // d[32] (this thread's part of the 64 x 64 fp32 accumulator) += A (64 x 16) * B (16 x 64)
 __device__ __forceinline__ void gg_wgmma_n64(float* d, unsigned long long desc_a,
                                               unsigned long long desc_b) {
@@ -278,7 +263,7 @@ grouped_gemm_v5(GG_KERNEL_ARGS) {
     }
     for (int t = 0; t < num_k_tiles; ++t) {
         gg_cp_async_wait<STAGES - 3>();       // this thread's copies of tile t have landed
-        gg_fence_proxy_async();               // ... and are visible to the async proxy
+        wg_fence_proxy_async();               // ... and are visible to the async proxy
         __syncthreads();                      // everyone's copies; batch t - 2 done everywhere
         if (t + STAGES - 2 < num_k_tiles) load_tile(t + STAGES - 2, (t + STAGES - 2) % STAGES);
         gg_cp_async_commit();
@@ -286,7 +271,7 @@ grouped_gemm_v5(GG_KERNEL_ARGS) {
         const unsigned slot = sm_base + (t % STAGES) * STAGE_BYTES;
         const unsigned a_base = slot + wg * 8 * SBO_BYTES;       // this warpgroup's 64 rows
         const unsigned b_base = slot + TILE_A_BYTES;
-        gg_wgmma_fence();
+        wg_fence();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
             // a k step of 16 elements = 32 bytes further along the swizzled rows (the
@@ -299,10 +284,10 @@ grouped_gemm_v5(GG_KERNEL_ARGS) {
             gg_wgmma_n256(acc, gg_desc(a_base + kk * 32), gg_desc(b_base + kk * 32));
 #endif
         }
-        gg_wgmma_commit();
-        gg_wgmma_wait<1>();                   // batch t - 1 has completed in this warpgroup
+        wg_commit();
+        wg_wait<1>();                   // batch t - 1 has completed in this warpgroup
     }
-    gg_wgmma_wait<0>();
+    wg_wait<0>();
     gg_cp_async_wait<0>();
     __syncthreads();                          // the ring is free: reuse it for the output tile
 

@@ -89,18 +89,6 @@ template <int N>
 __device__ __forceinline__ void fw_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
 }
-__device__ __forceinline__ void fw_fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void fw_wgmma_fence() {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void fw_wgmma_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void fw_wgmma_wait0() {
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
 #endif  // QG_EMULATED_PTX (1/2)
 // K-major, 128-byte swizzle descriptor: start >> 4, leading byte offset 1 (unused by swizzled
 // K-major layouts), stride byte offset 1024 >> 4, base offset 0, layout type 1 (128 B).
@@ -266,7 +254,7 @@ fp8_gemm_v5(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
     }
     for (int kb = 0; kb < KB; ++kb) {
         fw_wait<STAGES - 2>();                         // block kb has landed (this thread)
-        fw_fence_proxy_async();                        // ... visible to the async proxy
+        wg_fence_proxy_async();                        // ... visible to the async proxy
         __syncthreads();                               // everyone's; slot kb - 1 is free
         {
             const int nk = kb + STAGES - 1;
@@ -276,12 +264,12 @@ fp8_gemm_v5(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
         const int st = kb % STAGES;
         const u32 a_base = base + st * STAGE + wg * 64 * FW_ROW;
         const u32 b_base = base + st * STAGE + TILE_A;
-        fw_wgmma_fence();
+        wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)      // k32 steps: 32 bytes along the swizzled rows
             fw_wgmma<BN>(blk, fw_desc(a_base + kk * 32), fw_desc(b_base + kk * 32), kk > 0);
-        fw_wgmma_commit();
-        fw_wgmma_wait0();
+        wg_commit();
+        wg_wait<0>();
         float s0 = 1.f, s1 = 1.f;
         if (BLOCKWISE) {
             const float ws = sWs[st];

@@ -192,11 +192,7 @@ wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
     if (!__syncthreads_or(live)) return;          // all padding (every split agrees)
     const int n_cta = blockIdx.y * (16 * WN);
     if (e < 0) {                                  // expert of another rank: zeros, once
-        if (blockIdx.z != 0) return;
-        for (int i = tid; i < BM * 16 * WN; i += NT) {
-            const int r = i / (16 * WN), n = n_cta + i % (16 * WN);
-            if (sSlot[r] >= 0 && n < N) c[(size_t)sSlot[r] * N + n] = w16::from_f32(0.f);
-        }
+        if (blockIdx.z == 0) w16::store_zeros<BM>(c, sSlot, N, n_cta, 16 * WN, NT);
         return;
     }
 
@@ -413,11 +409,7 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
     if (!__syncthreads_or(live)) return;          // all padding (every split agrees)
     const int n_cta = blockIdx.y * (16 * WN);
     if (e < 0) {                                  // expert of another rank: zeros, once
-        if (blockIdx.z != 0) return;
-        for (int i = tid; i < BM * 16 * WN; i += NT) {
-            const int r = i / (16 * WN), n = n_cta + i % (16 * WN);
-            if (sSlot[r] >= 0 && n < N) c[(size_t)sSlot[r] * N + n] = w16::from_f32(0.f);
-        }
+        if (blockIdx.z == 0) w16::store_zeros<BM>(c, sSlot, N, n_cta, 16 * WN, NT);
         return;
     }
 
@@ -708,11 +700,7 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     const int t1 = min(ntiles, t0 + tiles_per_cta);
     if (t0 >= t1) return;
     if (e < 0) {                                  // expert of another rank: zeros
-        const int rows = (t1 - t0) * 16;
-        for (int i = tid; i < BM * rows; i += W * 32) {
-            const int r = i / rows, n = t0 * 16 + i % rows;
-            if (sSlot[r] >= 0) c[(size_t)sSlot[r] * N + n] = w16::from_f32(0.f);
-        }
+        w16::store_zeros<BM>(c, sSlot, N, t0 * 16, (t1 - t0) * 16, W * 32);
         return;
     }
 

@@ -65,6 +65,7 @@
 // multiple of 64 with chunks-per-group a power of two (chunk_shift = log2(group_size / 64); one
 // group per row: 30), groups_per_cta a multiple of RB, S >= 2, D >= S - 1.
 #include "wna16_common.cuh"
+#include "wgmma_operands.cuh"
 
 typedef unsigned long long u64;
 
@@ -79,20 +80,6 @@ typedef unsigned long long u64;
 #ifndef QG_EMULATED_PTX
 __device__ __forceinline__ u32 ww_smem(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
-}
-// cp.async writes (generic proxy) are read next by wgmma (async proxy)
-__device__ __forceinline__ void ww_fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void ww_wgmma_fence() {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void ww_wgmma_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int PENDING>
-__device__ __forceinline__ void ww_wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(PENDING) : "memory");
 }
 
 #endif  // QG_EMULATED_PTX
@@ -212,11 +199,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
     const int j1 = min(N >> 6, j0 + groups_per_cta);
     if (j0 >= j1) return;
     if (e < 0) {                                  // expert of another rank: zeros
-        const int rows = (j1 - j0) * 64;
-        for (int i = tid; i < BM * rows; i += 128) {
-            const int r = i / rows, n = j0 * 64 + i % rows;
-            if (sSlot[r] >= 0) c[(size_t)sSlot[r] * N + n] = w16::from_f32(0.f);
-        }
+        w16::store_zeros<BM>(c, sSlot, N, j0 * 64, (j1 - j0) * 64, 128);
         return;
     }
     int live_tiles = 0;                           // up to the last tile with a live row
@@ -434,7 +417,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
         auto item = [&](int cc) {
             const bool first = (cc & cpg_mask) == 0;   // of its group
             w16::cp_wait<S - 2>();                // the item's copies (its weights are older)
-            ww_wgmma_wait<0>();
+            wg_wait<0>();
             if (POST && first) {                  // the previous group (if any) is complete
                 if (cc != 0) {
 #pragma unroll
@@ -445,7 +428,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                 for (int q = 0; q < PL; ++q)
                     gsa[q] = __ldg(gsum + gs_row[q] + (cc >> chunk_shift));
             }
-            ww_fence_proxy_async();               // everyone's activation copies of the item,
+            wg_fence_proxy_async();               // everyone's activation copies of the item,
             __syncthreads();                      // visible to wgmma's async proxy
 #pragma unroll
             for (int r = 0; r < RB; ++r) {
@@ -467,14 +450,14 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
             }
             ww_pin(dm);
             ww_pin(keep);
-            ww_wgmma_fence();
+            wg_fence();
 #pragma unroll
             for (int r = 0; r < RB; ++r)
 #pragma unroll
                 for (int m = 0; m < 4; ++m)
                     WwMma<NN>::run(acc[r], A[r][m][0], A[r][m][1], A[r][m][2], A[r][m][3], dm[m],
                                    keep[m]);
-            ww_wgmma_commit();
+            wg_commit();
             stage = stage + 1 < S ? stage + 1 : 0;
             slot = slot + 1 < D ? slot + 1 : 0;
             load_next();                          // into the slot just read (D items on)
@@ -496,7 +479,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                     for (int i = 0; i < (POST ? NN / 2 : 1); ++i) tot[r][i] = 0.f;
             }
             for (int cc = 0; cc < C; ++cc) item(cc);
-            ww_wgmma_wait<0>();                   // the block's accumulators are final
+            wg_wait<0>();                   // the block's accumulators are final
 #pragma unroll
             for (int r = 0; r < RB; ++r) ww_pin(acc[r]);
             if (POST) fold_group();               // the last group

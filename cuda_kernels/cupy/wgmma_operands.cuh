@@ -1,4 +1,5 @@
-// wgmma_operands.cuh: the accumulator operands of Hopper's wgmma.mma_async, written once.
+// wgmma_operands.cuh: the accumulator operands of Hopper's wgmma.mma_async and the
+// synchronisation around it, written once.
 //
 // An m64nN wgmma keeps its 64 x N fp32 tile in R = N / 2 registers per thread, and inline PTX
 // must name every one of them twice: "%0, ..., %(R-1)" in the instruction text and one "+f"
@@ -6,7 +7,8 @@
 // that a wrapper states only what is its own: the shape, the types, and the operands after
 // the accumulator (numbered from R: the two descriptors %R and %R+1, then the scale-d flag).
 //
-// Included (inlined by _compile.source_text) by gemm_v5_wgmma.cu and quant_gemm_fp8_wgmma.cu.
+// Included (inlined by _compile.source_text) by gemm_v5_wgmma.cu, quant_gemm_fp8_wgmma.cu and
+// quant_gemm_wna16_wgmma.cu.
 #pragma once
 
 // "+f" operands d[i] .. d[i + 7], .. d[i + 31], .. d[i + 63], and d[0] .. d[127]
@@ -25,3 +27,24 @@
                    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
                    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
                    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+
+// The pipeline's fences and waits. The CPU emulations of the tests (GG_HOST_EMULATION in
+// tests/test_cupy_gemm.py, QG_EMULATED_PTX in the quantized ones) bring their own versions.
+#if !defined(GG_HOST_EMULATION) && !defined(QG_EMULATED_PTX)
+// shared memory written through the generic proxy (cp.async) is read next by wgmma (async proxy)
+__device__ __forceinline__ void wg_fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// the registers (A fragments, accumulators) are final before the wgmma that reads them
+__device__ __forceinline__ void wg_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// until at most PENDING committed batches of this warpgroup are still running
+template <int PENDING>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(PENDING) : "memory");
+}
+#endif

@@ -208,6 +208,16 @@ __device__ __forceinline__ bool load_m_tile(int m0, const int* __restrict__ sort
     return __syncthreads_or(live);
 }
 
+// An expert of another rank (expert id -1): zeros in columns n0 .. n0 + cols (those below N) of
+// the rows of c that the tile's live positions own, written by the CTA's nthreads threads.
+template <int BM>
+__device__ __forceinline__ void store_zeros(elem_t* __restrict__ c, const int* sSlot, int N,
+                                            int n0, int cols, int nthreads) {
+    for (int i = threadIdx.x; i < BM * cols; i += nthreads) {
+        const int r = i / cols, n = n0 + i % cols;
+        if (sSlot[r] >= 0 && n < N) c[(size_t)sSlot[r] * N + n] = from_f32(0.f);
+    }
+}
 // f(Count<n>{}) for the n in [LO, HI] that equals `n` (n outside: the nearest end), so that
 // a loop bound known only at run time (wna16_packed's live token tiles) becomes a constant of
 // the code that runs: one instantiation of f per count, branch-free inside.
