@@ -139,13 +139,15 @@ def _entries(names):
                 f"{n}((const elem_t*)a, gsum, rows, K, G); }});\n}}")
             continue
         out.append(
-            f'extern "C" void k{i}(unsigned gx, unsigned gy, const void* a, const void* wp, '
-            f"void* c, const void* sp, const void* zp, const float* gsum, const int* st, "
-            f"const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
-            f"int P, int top_k, int B, int L, int mul, int shift, int G, int dzp, int gpc) {{\n"
-            f"    launch3(gx, gy, 1, 128, [&] {{ gridDim.z = 1; {n}((const elem_t*)a, "
+            f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned gz, const void* a, '
+            f"const void* wp, void* c, const void* sp, const void* zp, const float* gsum, "
+            f"const int* st, const int* ex, const int* ntp, const float* tw, const float* bias, "
+            f"int N, int K, int P, int top_k, int B, int L, int mul, int shift, int G, int dzp, "
+            f"int gpc, int cps, float* ws, int* cnt) {{\n"
+            f"    launch3(gx, gy, gz, 128, [&] {{ gridDim.z = gz; {n}((const elem_t*)a, "
             f"(const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, gsum, "
-            f"st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, shift, G, dzp, gpc); }});\n}}")
+            f"st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, shift, G, dzp, gpc, cps, ws, "
+            f"cnt); }});\n}}")
     return "\n".join(out)
 
 
@@ -159,23 +161,34 @@ def emulated_wgmma(tmp_path_factory):
 
 
 @pytest.mark.simulator
-@pytest.mark.parametrize("cfg,shape,gs,zp,sms,waves", [
-    ("g32", (3, 2, 2, 64, 256, 32), 128, False, 132, 8),     # one live tile per expert
-    ("g32", (40, 3, 2, 128, 384, 32), 128, True, 1, 1),      # 3-4 live tiles, 2 groups a CTA
-    ("g32", (50, 3, 2, 64, 640, 32), 64, False, 1, 8),       # 1 or 4 live tiles, g64
-    ("g24", (40, 3, 2, 64, 512, 48), 128, True, 132, 8),     # padding m tiles between experts
-    ("g24", (6, 2, 2, 192, 256, 24), 256, True, 1, 1),       # one group per row, 3 groups a CTA
-    # RB = 4 row groups an item: fewer groups than RB (repeated, never stored), several items'
+@pytest.mark.parametrize("cfg,shape,gs,zp,sms,waves,ks", [
+    ("g32", (3, 2, 2, 64, 256, 32), 128, False, 132, 8, None),    # one live tile per expert
+    ("g32", (40, 3, 2, 128, 384, 32), 128, True, 1, 1, None),     # 3-4 live tiles, 2 groups a CTA
+    ("g32", (50, 3, 2, 64, 640, 32), 64, False, 1, 8, None),      # 1 or 4 live tiles, g64
+    ("g24", (40, 3, 2, 64, 512, 48), 128, True, 132, 8, None),    # padding m tiles between experts
+    ("g24", (6, 2, 2, 192, 256, 24), 256, True, 1, 1, None),      # one group per row, 3 groups a CTA
+    # RB = 2 row groups an item: fewer groups than RB (repeated, never stored), several items'
     # blocks a CTA with a ragged last one, g64
-    ("h32", (40, 3, 2, 128, 384, 32), 128, True, 132, 4),
-    ("h24", (40, 3, 2, 576, 256, 48), 128, False, 1, 1),
-    ("h32", (3, 2, 2, 320, 256, 32), 64, False, 1, 1),
-    # POST: raw codes, scale and zero point per group in fp32 (g64, g128, one group per row)
-    ("p32", (40, 3, 2, 192, 384, 32), 128, True, 1, 1),
-    ("p32", (3, 2, 2, 128, 256, 32), 64, False, 132, 4),
-    ("p24", (6, 2, 2, 128, 256, 24), 256, True, 1, 1),
+    ("h32", (40, 3, 2, 128, 384, 32), 128, True, 132, 4, None),
+    ("h24", (40, 3, 2, 576, 256, 48), 128, False, 1, 1, None),
+    ("h32", (3, 2, 2, 320, 256, 32), 64, False, 1, 1, None),
+    # POST = 1: raw codes, scale and zero point per group in fp32 (g64, g128, one group per row)
+    ("p32", (40, 3, 2, 192, 384, 32), 128, True, 1, 1, None),
+    ("p32", (3, 2, 2, 128, 256, 32), 64, False, 132, 4, None),
+    ("p24", (6, 2, 2, 128, 256, 24), 256, True, 1, 1, None),
+    # POST = 2: one fma per pair, the bias's rounding error off in the epilogue
+    ("f32", (40, 3, 2, 192, 384, 32), 128, True, 1, 1, None),
+    ("f32", (3, 2, 2, 320, 256, 32), 64, False, 132, 4, None),
+    ("f24", (6, 2, 2, 128, 256, 24), 256, True, 1, 1, None),
+    # split K (whole groups a split; the last CTA of a tile adds the partials in split order),
+    # with every way of applying the scales, several blocks a CTA
+    ("h32", (40, 3, 2, 320, 384, 32), 128, True, 1, 1, 3),
+    ("g24", (6, 2, 2, 128, 640, 24), 64, False, 132, 8, 3),
+    ("p32", (40, 3, 2, 192, 384, 32), 128, True, 1, 1, 2),
+    ("f32", (3, 2, 2, 320, 640, 32), 64, True, 1, 1, 4),
+    ("f24", (40, 3, 2, 128, 512, 48), 128, False, 132, 4, 2),
 ])
-def test_emulated_matches_reference(emulated_wgmma, rng, cfg, shape, gs, zp, sms, waves):
+def test_emulated_matches_reference(emulated_wgmma, rng, cfg, shape, gs, zp, sms, waves, ks):
     import ctypes
 
     def p(x):
@@ -185,8 +198,8 @@ def test_emulated_matches_reference(emulated_wgmma, rng, cfg, shape, gs, zp, sms
     a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
     pk = W.prepack_int4(wq, ws, wz, order="wgmma")
     P, G = M_a * K, ws.shape[2]
-    lp = W.wgmma_plan(P, E, N, Kd, st.size, B, dict(W.WGMMA_CONFIGS[cfg], WAVES=waves), sms,
-                      Kd // G, G)
+    lp = W.wgmma_plan(P, E, N, Kd, st.size, B,
+                      dict(W.WGMMA_CONFIGS[cfg], WAVES=waves, KS=ks or 1), sms, Kd // G, G)
     if waves == 1:
         assert lp["GPC"] > 1                                      # several groups a CTA
     c = np.full((P, N), 0x7FC0, np.uint16)                         # poison: bf16 NaN
@@ -198,10 +211,15 @@ def test_emulated_matches_reference(emulated_wgmma, rng, cfg, shape, gs, zp, sms
             -(-M_a * G // 8), p(a16), p(gsum), M_a, Kd, G)
         want_sums = a.astype(np.float64).reshape(M_a, G, Kd // G).sum(-1)
         assert np.allclose(gsum, want_sums, rtol=1e-5, atol=1e-4)
-    gx, gy, _ = lp["grid"]
+    gx, gy, gz = lp["grid"]
+    assert gz == (ks or 1) == lp["KS"]
+    wsp = np.full(max(lp["WS"], 1), np.nan, np.float32)          # split K's partials
+    cnt = np.zeros(max(lp["TILES"], 1), np.int32)
     getattr(emulated_wgmma, f"k{W.WGMMA_NAMES.index(lp['name'])}")(
-        gx, gy, p(a16), p(pk["wp"]), p(c), p(pk["sp"]), p(pk["zp"]), p(gsum), p(st), p(ex),
-        p(ntp), p(tw), p(bias), N, Kd, P, K, B, lp["Lg"], 1, lp["shift"], G, 8, lp["GPC"])
+        gx, gy, gz, p(a16), p(pk["wp"]), p(c), p(pk["sp"]), p(pk["zp"]), p(gsum), p(st), p(ex),
+        p(ntp), p(tw), p(bias), N, Kd, P, K, B, lp["Lg"], 1, lp["shift"], G, 8, lp["GPC"],
+        lp["CPS"], p(wsp), p(cnt))
+    assert not cnt.any(), "the split-K counters come back to zero"
     err = rel_err(c.view(BF16), want)
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e}"
 

@@ -442,6 +442,10 @@ WGMMA_CONFIGS = {
     # POST = 1: wgmma multiplies the raw 128 + q; scale and zero point per group in fp32
     "p32": dict(KERNEL="wgmma", MT=4, D=4, S=4, MINB=3, WAVES=4, RB=2, POST=1),
     "p24": dict(KERNEL="wgmma", MT=3, D=4, S=4, MINB=3, WAVES=4, RB=2, POST=1),
+    # POST = 2: one fma per pair, (128 + q) s + elem(-(128 + zp) s); that bias's rounding error
+    # (one number per row and group) taken off in the epilogue on the activation sums
+    "f32": dict(KERNEL="wgmma", MT=4, D=4, S=4, MINB=4, WAVES=4, RB=2, POST=2),
+    "f24": dict(KERNEL="wgmma", MT=3, D=4, S=4, MINB=4, WAVES=4, RB=2, POST=2),
 }
 CU_WGMMA = "quant_gemm_wna16_wgmma.cu"
 # wgmma exists only in sm_90a code (built through cuda.core, whose NVRTC takes the generic
@@ -626,11 +630,15 @@ def wgmma_supports(N: int, K: int, group_size: int, num_groups: int,
 
 def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
                num_sms: int = 132, group_size: int = 0, num_groups: int = 1) -> dict:
-    """wna16_wgmma's launch: grid (cdiv(Lg, BM), cdiv(N / 64, GPC)), block 128, GPC 64-row
+    """wna16_wgmma's launch: grid (cdiv(Lg, BM), cdiv(N / 64, GPC), KS), block 128, GPC 64-row
     groups per CTA (a multiple of RB, the row groups of one item) so that the live CTAs make
     about WAVES waves of MINB CTAs per SM, the chunk-to-group shift, dynamic shared memory:
     S stages of BM x 64 activations, then the 4 warps' rings of D x RB x 32 lanes x (16 bytes
-    of codes + 8 of scales + 4 of zero points)."""
+    of codes + 8 of scales + 4 of zero points).
+    KS K splits of CPS 64-code chunks (whole groups; cfg "KS", default "auto": when the live
+    CTAs fill less than one wave of MINB per SM, enough splits for one wave, e.g. GEMM2, whose
+    N = H gives few row groups), reduced by the last CTA of each of the TILES (m tile, row
+    block) through a workspace of WS floats."""
     bm = 8 * cfg["MT"]
     rb = cfg.get("RB", 1)
     if block_size % bm:
@@ -649,9 +657,20 @@ def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dic
     gpc = C.cdiv(blocks, gy) * rb
     gy = C.cdiv(N // 64, gpc)
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
-    return dict(name=wgmma_kernel_name(cfg), cfg=cfg, grid=(mtiles, gy, 1), block=(128,),
+    chunks = K // PACK_CHUNK
+    cpg = chunks if num_groups == 1 else group_size // PACK_CHUNK
+    ks = cfg.get("KS", "auto")
+    if ks == "auto":
+        ks = max(1, C.cdiv(num_sms * cfg["MINB"], live_m * gy))
+    if not isinstance(ks, int) or ks < 1:
+        raise ValueError(f"config: expected KS a positive int or 'auto', got {ks!r}")
+    cps = C.cdiv(C.cdiv(chunks, min(ks, chunks // cpg)), cpg) * cpg
+    ks = C.cdiv(chunks, cps)
+    tiles = mtiles * gy * (gpc // rb)
+    return dict(name=wgmma_kernel_name(cfg), cfg=cfg, grid=(mtiles, gy, ks), block=(128,),
                 smem=cfg["S"] * bm * 128 + 4 * cfg["D"] * rb * 32 * 28, GPC=gpc, shift=shift,
-                Lg=Lg)
+                Lg=Lg, KS=ks, CPS=cps, TILES=tiles,
+                WS=tiles * ks * rb * (bm // 2) * 128 if ks > 1 else 0)
 
 
 # ----------------------------------------------------------------------------- workspace
@@ -839,7 +858,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_WGMMA, WGMMA_OPTIONS)
         null = C.null_ptr()
         gsum = null
-        if cfg0.get("POST"):                 # POST's activation sums per (row, group)
+        if cfg0.get("POST"):                 # POST 1 / 2's activation sums per (row, group)
             C.check_fits_int32("a", M_a * G, "a.shape[0] * the groups per row")
             gsum = cupy.empty((M_a, G), dtype=cupy.float32)
             _kernel(GROUP_SUMS_KERNEL, ELEMS[out_key], 0, CU_WGMMA, WGMMA_OPTIONS)(
@@ -850,7 +869,8 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                 tw if tw is not None else null, b32 if b32 is not None else null,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
-                np.int32(G), np.int32(default_zp), np.int32(lp["GPC"]))
+                np.int32(G), np.int32(default_zp), np.int32(lp["GPC"]), np.int32(lp["CPS"]))
+        args += _workspace(lp["WS"], lp["TILES"]) if lp["KS"] > 1 else (null, null)
         kern(lp["grid"], lp["block"], args, shared_mem=lp["smem"])
         return c
     if cfg0.get("KERNEL") == "packed":
