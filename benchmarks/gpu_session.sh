@@ -162,11 +162,11 @@ wna16_dev() {   # GPU 0: the packed int4 rung, checked then timed config by conf
   timeout $(budget 120) python3 -m pytest -q --maxfail=20 --timeout 100 -m gpu -p no:cacheprovider \
     tests/test_quant_wna16_packed.py tests/test_quant_wna16_wgmma.py 2>&1 | tail -n 20
   sanitizer cuda_kernels.cupy.quant_gemm_wna16
-  # the route's q8 / q24 / q32 beside the wgmma rung: RB = 2 row groups an item (h32), its
-  # fused dequantization (f32, f24), and WGMMA_EXTRA (more variants, name+KEY=VALUE)
+  # the route's q8 / q24 / q32 beside the wgmma rung: RB = 2 row groups an item (h32, h24),
+  # and WGMMA_EXTRA (more variants, name+KEY=VALUE)
   say "bench_wna16: the packed and wgmma configs"
   timeout $(budget 300) python3 benchmarks/bench_wna16.py --tokens ${WNA16_TOKENS:-1,16,64,256} \
-    --no-old --sweep --configs q8,q24,q32,h32,f32,f24${WGMMA_EXTRA:+,$WGMMA_EXTRA} \
+    --no-old --sweep --configs q8,q24,q32,h32,h24${WGMMA_EXTRA:+,$WGMMA_EXTRA} \
     --budget-s 280 2>&1 | tail -n 80
 }
 

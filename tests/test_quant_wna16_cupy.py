@@ -238,11 +238,6 @@ inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
 inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
     return {__float2bfloat16_rn(__bfloat162float(a.x) * __bfloat162float(b.x)),
             __float2bfloat16_rn(__bfloat162float(a.y) * __bfloat162float(b.y))}; }
-inline __nv_bfloat162 __hfma2(__nv_bfloat162 a, __nv_bfloat162 b, __nv_bfloat162 c) {
-    return {__float2bfloat16_rn((float)((double)__bfloat162float(a.x) * __bfloat162float(b.x) +
-                                        __bfloat162float(c.x))),
-            __float2bfloat16_rn((float)((double)__bfloat162float(a.y) * __bfloat162float(b.y) +
-                                        __bfloat162float(c.y)))}; }
 template <typename F> void launch3(unsigned gx, unsigned gy, unsigned gz, unsigned block, F body) {
     for (unsigned bz = 0; bz < gz; ++bz) {
         launch(gx, gy, block, [&] { blockIdx.z = bz; body(); });

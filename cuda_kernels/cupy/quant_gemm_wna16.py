@@ -442,10 +442,6 @@ WGMMA_CONFIGS = {
     # POST = 1: wgmma multiplies the raw 128 + q; scale and zero point per group in fp32
     "p32": dict(KERNEL="wgmma", MT=4, D=4, S=4, MINB=3, WAVES=4, RB=2, POST=1),
     "p24": dict(KERNEL="wgmma", MT=3, D=4, S=4, MINB=3, WAVES=4, RB=2, POST=1),
-    # POST = 2: one fma per pair, (128 + q) s + elem(-(128 + zp) s); that bias's rounding error
-    # (one number per row and group) taken off in the epilogue on the activation sums
-    "f32": dict(KERNEL="wgmma", MT=4, D=4, S=4, MINB=4, WAVES=4, RB=2, POST=2),
-    "f24": dict(KERNEL="wgmma", MT=3, D=4, S=4, MINB=4, WAVES=4, RB=2, POST=2),
 }
 CU_WGMMA = "quant_gemm_wna16_wgmma.cu"
 # wgmma exists only in sm_90a code (built through cuda.core, whose NVRTC takes the generic
@@ -858,7 +854,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_WGMMA, WGMMA_OPTIONS)
         null = C.null_ptr()
         gsum = null
-        if cfg0.get("POST"):                 # POST 1 / 2's activation sums per (row, group)
+        if cfg0.get("POST"):                 # POST's activation sums per (row, group)
             C.check_fits_int32("a", M_a * G, "a.shape[0] * the groups per row")
             gsum = cupy.empty((M_a, G), dtype=cupy.float32)
             _kernel(GROUP_SUMS_KERNEL, ELEMS[out_key], 0, CU_WGMMA, WGMMA_OPTIONS)(

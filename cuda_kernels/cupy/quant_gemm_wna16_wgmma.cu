@@ -171,15 +171,6 @@ __device__ __forceinline__ u64 ww_desc_b(u32 stage, int m) {
            ((u64)(128u >> 4) << 32);
 }
 
-// POST = 2's per-group error: the fused dequantization adds b = elem(-(128 + zp) s') to
-// (128 + q) s' (s' = elem(s)) where (q - zp) s' wants -(128 + zp) s'; the difference
-// eps = b + (128 + zp) s' is exact in fp32 ((128 + zp) s' has at most 16 significant bits, b is
-// within one rounding of its negation).
-__device__ __forceinline__ float bias_error(float s, u32 zp) {
-    const float sq = w16::lo_f32(w16::pack2(s, s)), m = W16_MAGIC_F + (float)zp;
-    return fmaf(m, sq, w16::lo_f32(w16::pack2(-m * sq, -m * sq)));
-}
-
 template <int MT, int D, int S, int MINB, int RB, int POST>
 __global__ void __launch_bounds__(128, MINB)
 wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
@@ -194,7 +185,6 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
             int* __restrict__ counters) {
     static_assert(D >= S - 1 && S >= 2, "wna16_wgmma: the weights run at least as far ahead "
                   "as the activations (one cp.async group per item covers both), S >= 2");
-    static_assert(POST >= 0 && POST <= 2, "wna16_wgmma: POST is 0, 1 or 2");
     constexpr int BM = 8 * MT;
     constexpr int STAGE = 8 * MT * 128;           // bytes of one activation stage
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
@@ -233,6 +223,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
 #else
     constexpr u32 MAGIC = 0x64006400u;
 #endif
+    const u32 zdef = MAGIC | ((u32)default_zp * 0x00010001u);
     const int cpg_mask = (1 << chunk_shift) - 1;  // chunk & cpg_mask == 0: a group's first
     // dynamic shared memory: S activation stages, then the warps' weight rings:
     // [4 warps][D][RB][32 lanes] uint4 codes, float2 scales, u32 zero-point words
@@ -323,17 +314,16 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                 ld_slot = ld_slot + 1 < D ? ld_slot + 1 : 0;
             }
         };
-        constexpr bool RAW = POST == 1, FUSED = POST == 2;
-        float acc[RB][NN / 2];                    // wgmma's (RAW: of the current group)
+        float acc[RB][NN / 2];                    // wgmma's (POST: of the current group)
 #pragma unroll
         for (int r = 0; r < RB; ++r)
 #pragma unroll
             for (int i = 0; i < NN / 2; ++i) acc[r][i] = 0.f;
         u32 A[RB][4][4];                          // row groups x k16 steps x a0..a3
-        // RAW: the block's totals, the current group's scales and 128 + zp (rows g, g + 8 of
+        // POST: the block's totals, the current group's scales and 128 + zp (rows g, g + 8 of
         // each row group), its activation sums (the lane's token columns 8 nb + 2 t + {0, 1})
-        constexpr int PR = RAW ? RB : 1, PL = RAW ? 2 * LT : 1;
-        float tot[PR][RAW ? NN / 2 : 1];
+        constexpr int PR = POST ? RB : 1, PL = POST ? 2 * LT : 1;
+        float tot[PR][POST ? NN / 2 : 1];
         float2 gscale[PR], gzero[PR];
         float gsa[PL];
         int gs_row[PL];                           // the columns' rows of gsum (offsets)
@@ -345,21 +335,21 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
         const u64 desc0 = ww_desc_b<MT>(ring_b, 0);  // stage s, step m: + (s STAGE + 2 m MT 128) / 16
         int stage = 0, slot = 0;                  // this item's activation stage, weight slot
 
-        // RAW: row group r of the item in slot `slot` -> A[r] = 128 + q as they come (one
+        // POST: row group r of the item in slot `slot` -> A[r] = 128 + q as they come (one
         // shift and one lop3 per pair); at a group's first chunk, its scales and 128 + zp
         auto raw_codes = [&](int r, bool first) {
             const int at = (slot * RB + r) * 32;
             const uint4 x = ring_w[at];
             if (first) {
-                gscale[RAW ? r : 0] = ring_s[at];
+                gscale[POST ? r : 0] = ring_s[at];
                 float zl = W16_MAGIC_F + default_zp, zh = zl;
                 if (zexp != nullptr) {
                     const u32 z = ring_z[at] >> (16 * (g & 1));
                     zl = W16_MAGIC_F + (float)(z & 0xFFu);
                     zh = W16_MAGIC_F + (float)((z >> 8) & 0xFFu);
                 }
-                gzero[RAW ? r : 0].x = zl;
-                gzero[RAW ? r : 0].y = zh;
+                gzero[POST ? r : 0].x = zl;
+                gzero[POST ? r : 0].y = zh;
             }
 #pragma unroll
             for (int m = 0; m < 4; ++m) {
@@ -372,7 +362,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                 A[r][m][3] = w16::and_or(wh >> (4 * p + 4), mk, MAGIC);
             }
         };
-        // RAW, at a group's end (its wgmma done): tot += s (acc - (128 + zp) sum_k a)
+        // POST, at a group's end (its wgmma done): tot += s (acc - (128 + zp) sum_k a)
         auto fold_group = [&]() {
 #pragma unroll
             for (int r = 0; r < PR; ++r)
@@ -382,54 +372,44 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                     for (int i = 0; i < 4; ++i) {
                         const float sc = i < 2 ? gscale[r].x : gscale[r].y;
                         const float zc = i < 2 ? gzero[r].x : gzero[r].y;
-                        const int q = RAW ? 2 * nb + (i & 1) : 0;
-                        tot[r][RAW ? 4 * nb + i : 0] =
+                        const int q = POST ? 2 * nb + (i & 1) : 0;
+                        tot[r][POST ? 4 * nb + i : 0] =
                             fmaf(sc, fmaf(-zc, gsa[q], acc[r][4 * nb + i]),
-                                 tot[r][RAW ? 4 * nb + i : 0]);
+                                 tot[r][POST ? 4 * nb + i : 0]);
                     }
         };
-        // row group r of the item in slot `slot` -> A[r] (at a group's first chunk, its scales
-        // and zero points, kept in registers for the group: pairs for rows g and g + 8).
-        //   POST = 0: (128 + q) - (128 + zp), times s: exact, then rounded once, per pair.
-        //   FUSED:    (128 + q) s + b with b = elem(-(128 + zp) s): one fma per pair. b's
-        //             rounding error eps = b + (128 + zp) s (exact in fp32) is the same for the
-        //             whole group, so the epilogue takes eps * sum_k a off (correct_bias).
-        constexpr int QR = RAW ? 1 : RB;
+        // row group r of the item in slot `slot` -> A[r]: 128 + q minus 128 + zp, times s (at
+        // a group's first chunk, its scales and zero points: (s, s) and (MAGIC + zp) pairs of
+        // rows g and g + 8, kept for the group)
+        constexpr int QR = POST ? 1 : RB;
         u32 dq[QR][4];
         auto dequantize = [&](int r, bool first) {
             const int at = (slot * RB + r) * 32;
             const uint4 x = ring_w[at];
             if (first) {
                 const float2 s2 = ring_s[at];
-                const u32 sl = w16::pack2(s2.x, s2.x), sh = w16::pack2(s2.y, s2.y);
-                u32 z = (u32)default_zp * 0x0101u;    // rows g, g + 8: low, high byte
-                if (zexp != nullptr) z = ring_z[at] >> (16 * (g & 1));
-                dq[RAW ? 0 : r][0] = sl;
-                dq[RAW ? 0 : r][1] = sh;
-                if (FUSED) {
-                    const float bl = -(W16_MAGIC_F + (float)(z & 0xFFu)) * w16::lo_f32(sl);
-                    const float bh = -(W16_MAGIC_F + (float)((z >> 8) & 0xFFu)) * w16::lo_f32(sh);
-                    dq[RAW ? 0 : r][2] = w16::pack2(bl, bl);
-                    dq[RAW ? 0 : r][3] = w16::pack2(bh, bh);
-                } else {
-                    dq[RAW ? 0 : r][2] = MAGIC | ((z & 0xFFu) * 0x00010001u);
-                    dq[RAW ? 0 : r][3] = MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u);
+                u32 zl = zdef, zh = zdef;
+                if (zexp != nullptr) {
+                    const u32 z = ring_z[at] >> (16 * (g & 1));
+                    zl = MAGIC | ((z & 0xFFu) * 0x00010001u);
+                    zh = MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u);
                 }
+                dq[POST ? 0 : r][0] = w16::pack2(s2.x, s2.x);
+                dq[POST ? 0 : r][1] = w16::pack2(s2.y, s2.y);
+                dq[POST ? 0 : r][2] = zl;
+                dq[POST ? 0 : r][3] = zh;
             }
-            const u32 sl = dq[RAW ? 0 : r][0], sh = dq[RAW ? 0 : r][1];
-            const u32 zl = dq[RAW ? 0 : r][2], zh = dq[RAW ? 0 : r][3];
-            auto deq = [&](u32 codes, u32 z2, u32 s2) {
-                return FUSED ? w16::fma2(codes, s2, z2) : w16::deq2(codes, z2, s2);
-            };
+            const u32 sl = dq[POST ? 0 : r][0], sh = dq[POST ? 0 : r][1];
+            const u32 zl = dq[POST ? 0 : r][2], zh = dq[POST ? 0 : r][3];
 #pragma unroll
             for (int m = 0; m < 4; ++m) {         // pairs 2 (m & 1), + 1 of words m >> 1
                 const u32 wl = m < 2 ? x.x : x.z, wh = m < 2 ? x.y : x.w;
                 const int p = 2 * (m & 1);
                 const u32 mk = 0x000F000Fu;
-                A[r][m][0] = deq(w16::and_or(wl >> (4 * p), mk, MAGIC), zl, sl);
-                A[r][m][1] = deq(w16::and_or(wh >> (4 * p), mk, MAGIC), zh, sh);
-                A[r][m][2] = deq(w16::and_or(wl >> (4 * p + 4), mk, MAGIC), zl, sl);
-                A[r][m][3] = deq(w16::and_or(wh >> (4 * p + 4), mk, MAGIC), zh, sh);
+                A[r][m][0] = w16::deq2(w16::and_or(wl >> (4 * p), mk, MAGIC), zl, sl);
+                A[r][m][1] = w16::deq2(w16::and_or(wh >> (4 * p), mk, MAGIC), zh, sh);
+                A[r][m][2] = w16::deq2(w16::and_or(wl >> (4 * p + 4), mk, MAGIC), zl, sl);
+                A[r][m][3] = w16::deq2(w16::and_or(wh >> (4 * p + 4), mk, MAGIC), zh, sh);
             }
         };
         // one item (chunk cc): its copies, the previous item's wgmma batch done (A is free, and
@@ -442,7 +422,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
             const bool first = (cc & cpg_mask) == 0 || cc == c0;   // of its group (split)
             w16::cp_wait<S - 2>();                // the item's copies (its weights are older)
             wg_wait<0>();
-            if (RAW && first) {                  // the previous group (if any) is complete
+            if (POST && first) {                  // the previous group (if any) is complete
                 if (cc != c0) {
 #pragma unroll
                     for (int r = 0; r < RB; ++r) ww_pin(acc[r]);
@@ -456,7 +436,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
             __syncthreads();                      // visible to wgmma's async proxy
 #pragma unroll
             for (int r = 0; r < RB; ++r) {
-                if (RAW)
+                if (POST)
                     raw_codes(r, first);
                 else
                     dequantize(r, first);
@@ -470,7 +450,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
 #pragma unroll
             for (int m = 0; m < 4; ++m) {
                 dm[m] = desc + (u64)((2 * m * MT * 128) >> 4);
-                keep[m] = (RAW ? !first : cc != c0) || m != 0;
+                keep[m] = (POST ? !first : cc != c0) || m != 0;
             }
             ww_pin(dm);
             ww_pin(keep);
@@ -496,22 +476,22 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
             w16::cp_commit();
         }
         for (int jb = j0; jb < j1; jb += RB) {
-            if (RAW) {
+            if (POST) {
 #pragma unroll
                 for (int r = 0; r < PR; ++r)
 #pragma unroll
-                    for (int i = 0; i < (RAW ? NN / 2 : 1); ++i) tot[r][i] = 0.f;
+                    for (int i = 0; i < (POST ? NN / 2 : 1); ++i) tot[r][i] = 0.f;
             }
             for (int cc = c0; cc < c1; ++cc) item(cc);
             wg_wait<0>();                   // the block's accumulators are final
 #pragma unroll
             for (int r = 0; r < RB; ++r) ww_pin(acc[r]);
-            if (RAW) {                            // the last group; then the totals
+            if (POST) {                           // the last group; then the totals
                 fold_group();
 #pragma unroll
                 for (int r = 0; r < RB; ++r)
 #pragma unroll
-                    for (int i = 0; i < NN / 2; ++i) acc[r][i] = tot[RAW ? r : 0][RAW ? i : 0];
+                    for (int i = 0; i < NN / 2; ++i) acc[r][i] = tot[POST ? r : 0][POST ? i : 0];
             }
             if (gridDim.z > 1) {                  // split K: the last CTA adds the partials
                 const size_t tile = ((size_t)blockIdx.x * gridDim.y + blockIdx.y) *
@@ -542,36 +522,6 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                             acc[r][i] += __ldcg(part + (r * (BM / 2) + i) * 128);
                 }
                 if (tid == 0) counters[tile] = 0;  // ready for the next launch on this stream
-            }
-            if (FUSED) {                          // take sum_g eps_g sum_k a off, every group
-                const float* ga_row[2 * LT];      // the lane's token columns' rows of gsum
-#pragma unroll
-                for (int q = 0; q < 2 * LT; ++q) {
-                    const int ar = sArow[8 * (q >> 1) + 2 * t + (q & 1)];
-                    ga_row[q] = gsum + (size_t)(ar >= 0 ? ar : 0) * num_groups;
-                }
-                for (int gi = 0; gi < num_groups; ++gi) {
-                    float ga[2 * LT];
-#pragma unroll
-                    for (int q = 0; q < 2 * LT; ++q) ga[q] = __ldg(ga_row[q] + gi);
-#pragma unroll
-                    for (int r = 0; r < RB; ++r) {
-                        const int at = (4 * min(jb + r, j1 - 1) + warp) * num_groups * 8 + gi * 8;
-                        const float2 s2 = __ldg(sexp + at);
-                        u32 z = (u32)default_zp * 0x0101u;
-                        if (zexp != nullptr)
-                            z = __ldg(reinterpret_cast<const u32*>(zexp + at)) >> (16 * (g & 1));
-                        const float el = bias_error(s2.x, z & 0xFFu);
-                        const float eh = bias_error(s2.y, (z >> 8) & 0xFFu);
-#pragma unroll
-                        for (int nb = 0; nb < LT; ++nb)
-#pragma unroll
-                            for (int i = 0; i < 4; ++i)
-                                acc[r][4 * nb + i] = fmaf(-(i < 2 ? el : eh),
-                                                          ga[2 * nb + (i & 1)],
-                                                          acc[r][4 * nb + i]);
-                    }
-                }
             }
 #pragma unroll
             for (int r = 0; r < RB; ++r) {

@@ -95,12 +95,6 @@ __device__ __forceinline__ u32 deq2(u32 x, u32 z2, u32 s2) {
     return as_u32(__hmul2(__hsub2(as_e2(x), as_e2(z2)), as_e2(s2)));
 }
 
-// x * s + b on both halves, rounded once (the fused dequantization: x = 128 + q exact,
-// b = elem(-(128 + zp) s); see quant_gemm_wna16_wgmma.cu's POST = 2).
-__device__ __forceinline__ u32 fma2(u32 x, u32 s2, u32 b2) {
-    return as_u32(__hfma2(as_e2(x), as_e2(s2), as_e2(b2)));
-}
-
 // One 32-bit word of int4 codes (k0..k7, k0 in bits 0-3) -> the pairs (k0,k4) (k1,k5)
 // (k2,k6) (k3,k7) as elem2 values (q - zp) * s.
 __device__ __forceinline__ void deq_int4(u32 w, u32 z2, u32 s2, u32& p0, u32& p1, u32& p2,
