@@ -439,7 +439,7 @@ using std::min; using std::max;
 struct Idx3 { unsigned x = 0, y = 0, z = 0; };
 thread_local Idx3 threadIdx, blockIdx;
 Idx3 blockDim, gridDim;
-alignas(16) static unsigned char g_smem[1 << 20];
+alignas(128) static unsigned char g_smem[1 << 20];
 inline void __trap() { fprintf(stderr, "__trap\n"); abort(); }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
@@ -663,7 +663,7 @@ def _build_emulated(tmp, cu, defines, entry, name, prelude=""):
 
     src = C.source_text(cu, defines)
     src = re.sub(r"#include <cuda_(fp16|bf16|fp8)\.h>", "", src)
-    src = re.sub(r"extern __shared__ __align__\(16\) u8 smem\[\];", "u8* smem = g_smem;", src)
+    src = re.sub(r"extern __shared__ __align__\(\d+\) u8 smem\[\];", "u8* smem = g_smem;", src)
     lines = src.split("\n")   # the header reads the #defines (ELEM_BF16): it goes after them
     first = next(k for k, line in enumerate(lines) if line.startswith("#line"))
     src = "\n".join(lines[:first] + ['#include "qemu.h"', prelude] + lines[first:])

@@ -76,6 +76,17 @@ def test_wgmma_plan_and_supports():
             assert lp["GPC"] % cfg.get("RB", 1) == 0                     # whole items
             assert lp["smem"] == (cfg["S"] * 8 * cfg["MT"] * 128 +
                                   4 * cfg["D"] * cfg.get("RB", 1) * 32 * 28)
+            chunks, ks, cps = K // 64, lp["KS"], lp["CPS"]
+            assert cps % 2 == 0 and ks * cps >= chunks > (ks - 1) * cps   # whole groups, all K
+            assert (lp["WS"] > 0) == (ks > 1) and lp["grid"][2] == ks
+    # GEMM2 of Mixtral at T=64 (few row groups) splits K; GEMM1 fills the GPU without
+    auto = dict(W.WGMMA_CONFIGS["h32"])
+    assert W.wgmma_plan(128, 8, 4096, 14336, 376, 32, auto, 132, 128, 112)["KS"] > 1
+    assert W.wgmma_plan(128, 8, 28672, 4096, 376, 32, auto, 132, 128, 32)["KS"] == 1
+    one = W.wgmma_plan(3, 2, 128, 512, 40, 32, dict(auto, KS=4), 132, 512, 1)
+    assert one["KS"] == 1 and one["CPS"] == 8                  # one group per row: no split
+    with pytest.raises(ValueError, match="KS"):
+        W.wgmma_plan(2, 8, 64, 256, 16, 32, dict(auto, KS=0))
     assert W.wgmma_supports(4096, 4096, 128, 32, cc=90) == (True, "")
     assert "9.0" in W.wgmma_supports(4096, 4096, 128, 32, cc=80)[1]
     assert "64" in W.wgmma_supports(4112, 4096, 128, 32, cc=90)[1]
@@ -263,6 +274,28 @@ def test_fp16_and_other_rank(rng, cfg):
                                     config=cfg, out=out), np.float16)
     assert (got.reshape(M_a, K, N)[np.isin(ids, [1, 3])] == 0).all()
     assert rel_err(got, want) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg,ks", [("h32", 2), ("g24", 3), ("p32", 4)])
+def test_split_k_matches_reference_and_repeats(rng, cfg, ks):
+    """K split over grid.z: parity with the reference, and the same bits on a second launch
+    (the last CTA adds the partials in split order and resets the tile counters)."""
+    ok, why = _hopper()
+    if not ok:
+        pytest.skip(why)
+    M_a, E, K, N, Kd, gs = 30, 3, 2, 128, 1024, 128
+    B = 16 * W.WGMMA_CONFIGS[cfg]["MT"]
+    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, (M_a, E, K, N, Kd, B), gs,
+                                                                True)
+    config = dict(W.WGMMA_CONFIGS[cfg], KS=ks)
+    args = (up(a), up(wq), up(st), up(ex), up(ntp), K, B)
+    kw = dict(w_scale=up(ws), w_zp=up(wz), use_int4_w4a16=True, config=config,
+              topk_weights=up(tw), mul_routed_weight=True, bias=up(bias))
+    first = host(W.grouped_gemm_wna16(*args, **kw, out=poisoned((M_a * K, N), BF16)), BF16)
+    second = host(W.grouped_gemm_wna16(*args, **kw, out=poisoned((M_a * K, N), BF16)), BF16)
+    assert rel_err(first, want) <= TOL
+    assert np.array_equal(first.view(np.uint16), second.view(np.uint16))
 
 
 @pytest.mark.gpu

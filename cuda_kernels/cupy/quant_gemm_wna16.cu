@@ -169,7 +169,7 @@ wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
     constexpr int BM = 8 * MT;
     constexpr int NT = WN * 32;
     constexpr int CH = NBITS / 4;                 // 16-byte chunks per row per lane per step
-    extern __shared__ __align__(16) u8 smem[];
+    extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
     uint4* sA = reinterpret_cast<uint4*>(smem);   // [SPS][4 j][BM][4 t] 16-byte units
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a: s / top_k
@@ -386,7 +386,7 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
     constexpr int BM = 8 * MT;
     constexpr int NT = WN * 32;
     constexpr int CH = NBITS / 4;                 // 16-byte chunks per row per lane per step
-    extern __shared__ __align__(16) u8 smem[];
+    extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
     uint4* sA = reinterpret_cast<uint4*>(smem);   // [SPS][4 j][BM][4 t] 16-byte units
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a: s / top_k
@@ -738,7 +738,7 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     // dynamic shared memory: SR's rings [W][D][RT][32] of uint4 codes, float2 scales and (ZP)
     // the 4-byte word holding the rows' zero points, then the warps' partials
     // [2 halves][red_groups][W][RT][BM][RS] fp32
-    extern __shared__ __align__(16) u8 smem[];
+    extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
     constexpr int SLOTS = SR ? W * D * RT * 32 : 0;          // ring entries of each kind
     uint4* ring_w = reinterpret_cast<uint4*>(smem) + warp * D * RT * 32 + lane;
     float2* ring_s = reinterpret_cast<float2*>(smem + SLOTS * 16) + warp * D * RT * 32 + lane;

@@ -25,7 +25,9 @@ Four rungs (see the .cu headers for the lane layouts), chosen by the config name
                   on weights prepacked in wgmma's register-A order: one warpgroup per CTA, the
                   dequantized weights of RB 64-row groups as wgmma's A, the activations staged
                   as its B; POST: raw codes, scale and zero point per group in fp32 on the
-                  activation sums (wna16_group_sums, launched here). Opt-in (see its header).
+                  activation sums (wna16_group_sums, launched here); K split over grid.z when
+                  the row groups alone fill less than a wave (wgmma_plan). Opt-in (see its
+                  header).
     wna16_packed  (PACKED_CONFIGS: q8, q24, q32, ...) int4 only, on weights repacked once by
                   prepack_int4 (cached per weight array by packed_weights): each warp load
                   reads 512 contiguous bytes that are the lanes' mma fragments; the CTA's

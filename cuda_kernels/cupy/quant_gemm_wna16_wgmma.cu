@@ -60,10 +60,17 @@
 //   block's end: wait for all, then the epilogue from the accumulators (mma.m16n8's layout per
 //   n8 block: warp w, rows 16 w + g (+ 8), tokens 8 nb + 2 t (+ 1)) + bias, times the router
 //   weight.
-// grid (cdiv(Lg, BM), cdiv(N / 64, groups_per_cta)), block 128, dynamic shared memory
+// Split K (gridDim.z = KS > 1; GEMM2's N = H gives too few row groups to fill the GPU): CTA z
+//   walks chunks [z cps, (z + 1) cps) (whole groups), stores its fp32 block to the workspace
+//   ws [tile][z][RB][BM / 2][128 threads], and the last CTA of the tile to arrive (a per-tile
+//   counter, reset by that CTA for the next launch) adds the KS partials in split order
+//   (deterministic) and runs the epilogue. Measured (H200, Mixtral int4 g128, h32, GEMM2,
+//   dev_wna16_20261130d): 185 -> 144 us at T=64 (KS = 2), 92 -> 39 us at T=1 (KS = 6).
+// grid (cdiv(Lg, BM), cdiv(N / 64, groups_per_cta), KS), block 128, dynamic shared memory
 // S MT 1024 + 4 D RB 32 28 bytes. Needs sm_90a, N % 64 == 0, Kdim % 64 == 0, group_size a
 // multiple of 64 with chunks-per-group a power of two (chunk_shift = log2(group_size / 64); one
-// group per row: 30), groups_per_cta a multiple of RB, S >= 2, D >= S - 1.
+// group per row: 30), groups_per_cta a multiple of RB, chunks_per_split a multiple of the
+// chunks per group when KS > 1, S >= 2, D >= S - 1.
 #include "wna16_common.cuh"
 #include "wgmma_operands.cuh"
 
@@ -227,7 +234,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
     const int cpg_mask = (1 << chunk_shift) - 1;  // chunk & cpg_mask == 0: a group's first
     // dynamic shared memory: S activation stages, then the warps' weight rings:
     // [4 warps][D][RB][32 lanes] uint4 codes, float2 scales, u32 zero-point words
-    extern __shared__ __align__(16) u8 smem[];
+    extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
     constexpr int RING = 4 * D * RB * 32;         // ring entries of each kind
     const u32 ring_b = ww_smem(smem);
     uint4* ring_w = reinterpret_cast<uint4*>(smem + S * STAGE) + warp * D * RB * 32 + lane;
