@@ -135,6 +135,10 @@ CONFIGS = {
 #     spilling (092305): faster at one live tile (v24 93 / 269 vs q24 100 / 303 at T=1 / 16),
 #     slower at 2-3 (392 vs 371 at T=64; D = 4: 473); at MT = 1 slower than the register ring
 #     (q8+SR=1 77 / 252 vs 68 / 235).
+#   dev_wna16_20261130d (GEMM1 / GEMM2 at T=64): the routed configs stall on long_scoreboard
+#     (the next chunk's loads, ~2 cycles per issue); a second chunk in flight at 3 CTAs per SM
+#     (q32+D=2+MINB=3 235 / 124, q24+D=2+MINB=3 238 / 128) is within 3-5% of q32 242 / 123 and
+#     q24 250 / 120, and no faster at T=256: the table stays.
 PACKED_CONFIGS = {
     "q8": dict(KERNEL="packed", MT=1, W=8, D=4, POST=0, RT=2, MINB=2),
     "q8d": dict(KERNEL="packed", MT=1, W=8, D=2, POST=0, RT=2, MINB=2),

@@ -25,12 +25,15 @@
 // starts after wgmma.wait_group 0; the overlap comes from the other CTAs of the SM.
 // Measured (H200, Mixtral int4 g128, GEMM1 / GEMM2 at T = 64, dev_wna16_20261130c): h32 230 /
 // 185 us against the routed q32 248 / 125 (the rung's GEMM1 is the fastest of the configs
-// swept at T >= 64, its GEMM2 is not: 64 row groups per expert make too few CTAs); POST (p32)
-// 298 / 213: fewer instructions per item but 168 registers (3 CTAs per SM). Nsight Compute: the
-// rung is issue-bound (126 M warp instructions for GEMM1, issue 65% of the active cycles, DRAM
-// 37%): the dequantization is 4 instructions per pair of codes, ~128 of the ~255 per warp and
-// item. Not routed (quant_gemm's int4 route takes wna16_packed: routing GEMM1 here would cache
-// a second prepacked copy of w13, in this lane order, beside the one the decode batches use).
+// swept at T >= 64, its GEMM2 was not: 64 row groups per expert made too few CTAs, hence the
+// split K below: 235 / 143, dev_wna16_20261130d); POST (p32) 298 / 213: fewer instructions per
+// item but 168 registers (3 CTAs per SM). Nsight Compute: the rung is issue-bound (126 M warp
+// instructions for GEMM1, issue 65% of the active cycles, DRAM 37%): the dequantization is 4
+// instructions per pair of codes, ~128 of the ~255 per warp and item. One fma per pair instead
+// (the bias's rounding error taken off per group in the epilogue) saved 25 instructions per
+// item but its epilogue cost more (20261130d: 296 / 207 against 263 / 164). Not routed
+// (quant_gemm's int4 route takes wna16_packed: routing GEMM1 here would cache a second
+// prepacked copy of w13, in this lane order, beside the one the decode batches use).
 //
 // Layout:
 //   weights  prepack_int4(order="wgmma"): wp [E][N / 16 tiles][Kdim / 64 chunks][32 lanes][4]
@@ -65,7 +68,7 @@
 //   ws [tile][z][RB][BM / 2][128 threads], and the last CTA of the tile to arrive (a per-tile
 //   counter, reset by that CTA for the next launch) adds the KS partials in split order
 //   (deterministic) and runs the epilogue. Measured (H200, Mixtral int4 g128, h32, GEMM2,
-//   dev_wna16_20261130d): 185 -> 144 us at T=64 (KS = 2), 92 -> 39 us at T=1 (KS = 6).
+//   dev_wna16_20261130d): 185 -> 143 us at T=64 (KS = 3), 92 -> 38 us at T=1 (KS = 9).
 // grid (cdiv(Lg, BM), cdiv(N / 64, groups_per_cta), KS), block 128, dynamic shared memory
 // S MT 1024 + 4 D RB 32 28 bytes. Needs sm_90a, N % 64 == 0, Kdim % 64 == 0, group_size a
 // multiple of 64 with chunks-per-group a power of two (chunk_shift = log2(group_size / 64); one
