@@ -793,8 +793,8 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     const uint4* ap = reinterpret_cast<const uint4*>(arow[mt] + chunk * 64);
-                    w16::cp16_ca(ring_a + (u * MT + mt) * 64, ap, mt < live_tiles);
-                    w16::cp16_ca(ring_a + (u * MT + mt) * 64 + 32, ap + 1, mt < live_tiles);
+                    w16::cp16(ring_a + (u * MT + mt) * 64, ap, mt < live_tiles);
+                    w16::cp16(ring_a + (u * MT + mt) * 64 + 32, ap + 1, mt < live_tiles);
                 }
             }
         }

@@ -160,16 +160,6 @@ __device__ __forceinline__ void cp16(void* dst, const void* src, bool pred) {
                  :: "r"(d), "l"(src), "r"(pred ? 16 : 0));
 #endif
 }
-// 16 bytes through L1 (.ca): data that other warps of the SM read again (the activations)
-__device__ __forceinline__ void cp16_ca(void* dst, const void* src, bool pred) {
-#ifdef QG_EMULATED_PTX
-    qg_cp16(dst, src, pred);
-#else
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(d), "l"(src), "r"(pred ? 16 : 0));
-#endif
-}
 __device__ __forceinline__ void cp4(void* dst, const void* src, bool pred) {
 #ifdef QG_EMULATED_PTX
     qg_cp4(dst, src, pred);
