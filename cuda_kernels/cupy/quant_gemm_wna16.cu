@@ -665,15 +665,11 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 // where a register ring deeper than one item spills (q24 / q32 run with D = 1). Measured
 // (dev_wna16_20261130b): faster at one live tile, slower at 2-3 and with D = 4 (the ring's
 // shared memory comes out of L1, which the activations are read through).
-// Activations: SR < 2 reads them through L1 when the item runs (16-byte __ldg, 2 per chunk and
-// live token tile; padding columns read a live row, never stored). SR = 2 copies them into the
-// ring with the slot's weights (cp.async, D items ahead, zero-filled past the live tiles).
-// Why: with the activations made L1-resident (a probe with wrong results, 20261130d), v24 ran
-// 204 / 104 us instead of 247 / 132 at T=64: their L2 latency, paid inside each item, was what
-// the deeper weight ring left.
+// Activations are read through L1 (16-byte __ldg, 2 per chunk and live token tile), padding
+// columns read a live row (never stored).
 // grid (cdiv(Lg, BM), cdiv(N / 16, tiles_per_cta)), block 32 W, static shared memory
-// 8 BM bytes, dynamic SR W D RT 768 (the rings) + (SR = 2) W D MT 1024 (the activations' ring)
-// + 2 red_groups W RT BM 17 4 bytes (the warps' partials).
+// 8 BM bytes, dynamic SR W D RT 768 (the rings) + 2 red_groups W RT BM 17 4 bytes (the
+// warps' partials).
 // Needs int4, N % 16 == 0, Kdim % 64 == 0, group_size a multiple of 64 with
 // chunks-per-group a power of two (chunk_shift = log2; or one group per row: 30).
 template <int MT, int W, int D, int ZP, int POST, int RT, int MINB, int SR>
@@ -740,18 +736,14 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     const u32 zdef = MAGIC | ((u32)default_zp * 0x00010001u);
 
     // dynamic shared memory: SR's rings [W][D][RT][32] of uint4 codes, float2 scales and (ZP)
-    // the 4-byte word holding the rows' zero points; SR = 2's ring of activations
-    // [W][D][MT][2][32] uint4 (the lane's two 16-byte pieces of each token tile); then the
-    // warps' partials [2 halves][red_groups][W][RT][BM][RS] fp32
+    // the 4-byte word holding the rows' zero points, then the warps' partials
+    // [2 halves][red_groups][W][RT][BM][RS] fp32
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
     constexpr int SLOTS = SR ? W * D * RT * 32 : 0;          // ring entries of each kind
-    constexpr int ASLOTS = SR == 2 ? W * D * MT * 64 : 0;    // activation pieces
     uint4* ring_w = reinterpret_cast<uint4*>(smem) + warp * D * RT * 32 + lane;
     float2* ring_s = reinterpret_cast<float2*>(smem + SLOTS * 16) + warp * D * RT * 32 + lane;
     u32* ring_z = reinterpret_cast<u32*>(smem + SLOTS * 24) + warp * D * RT * 32 + lane;
-    uint4* ring_a = reinterpret_cast<uint4*>(smem + SLOTS * (ZP ? 28 : 24)) +
-                    warp * D * MT * 64 + lane;
-    float* sRed = reinterpret_cast<float*>(smem + SLOTS * (ZP ? 28 : 24) + ASLOTS * 16);
+    float* sRed = reinterpret_cast<float*>(smem + SLOTS * (ZP ? 28 : 24));
 
     // ---- the ring: D items (16 bytes of codes + the two rows' scales) in flight per lane,
     // walked in rounds of D items (CPW is a multiple of D: a round never crosses a tile).
@@ -787,14 +779,6 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                     rw[SR ? 0 : u][r] = w16::ld_stream(reinterpret_cast<const u8*>(src));
                     rs[SR ? 0 : u][r] = __ldg(ssrc);
                     if (ZP) rz[ZP ? u : 0][r] = __ldg(zsrc);
-                }
-            }
-            if constexpr (SR == 2) {              // the chunk's activations, live tiles only
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    const uint4* ap = reinterpret_cast<const uint4*>(arow[mt] + chunk * 64);
-                    w16::cp16(ring_a + (u * MT + mt) * 64, ap, mt < live_tiles);
-                    w16::cp16(ring_a + (u * MT + mt) * 64 + 32, ap + 1, mt < live_tiles);
                 }
             }
         }
@@ -836,14 +820,9 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                 u32 bsum[RAW ? LT : 1];
 #pragma unroll
                 for (int mt = 0; mt < LT; ++mt) {
-                    if constexpr (SR == 2) {      // staged with the slot's weights
-                        b[mt][0] = ring_a[(u * MT + mt) * 64];
-                        b[mt][1] = ring_a[(u * MT + mt) * 64 + 32];
-                    } else {
-                        const uint4* ap = reinterpret_cast<const uint4*>(arow[mt] + c * 64);
-                        b[mt][0] = __ldg(ap);
-                        b[mt][1] = __ldg(ap + 1);
-                    }
+                    const uint4* ap = reinterpret_cast<const uint4*>(arow[mt] + c * 64);
+                    b[mt][0] = __ldg(ap);
+                    b[mt][1] = __ldg(ap + 1);
                     if (RAW) bsum[RAW ? mt : 0] = __ldg(asum + srow[RAW ? mt : 0] + c);
                 }
 #pragma unroll

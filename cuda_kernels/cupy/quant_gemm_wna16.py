@@ -151,9 +151,6 @@ PACKED_CONFIGS = {
     # SR = 1: the ring in shared memory (cp.async), two items deep at 3-4 live token tiles
     "v24": dict(KERNEL="packed", MT=3, W=4, D=2, POST=0, RT=2, MINB=4, WAVES=8, SR=1),
     "v32": dict(KERNEL="packed", MT=4, W=4, D=2, POST=1, RT=2, MINB=4, WAVES=8, SR=1),
-    # SR = 2: the activations ride in the same ring (cp.async, D items ahead)
-    "u24": dict(KERNEL="packed", MT=3, W=4, D=2, POST=0, RT=2, MINB=3, WAVES=8, SR=2),
-    "u32": dict(KERNEL="packed", MT=4, W=4, D=2, POST=0, RT=2, MINB=3, WAVES=8, SR=2),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
 # whose BM divides block_size. Measured (H200, Mixtral int4 g128, bench_wna16.py --sweep,
@@ -536,14 +533,11 @@ def forget_packed():
 
 
 def ring_bytes_packed(cfg: dict, d: int, zp: bool = False) -> int:
-    """SR's rings in shared memory: W warps x D slots x RT tiles x 32 lanes x (16 bytes of
-    codes + 8 of scales + 4 of zero points with zp), and for SR = 2 the activations, W x D x MT
-    token tiles x 32 lanes x 32 bytes; 0 for the register ring."""
-    sr = cfg.get("SR", 0)
-    if not sr:
+    """SR = 1's rings in shared memory: W warps x D slots x RT tiles x 32 lanes x (16 bytes of
+    codes + 8 of scales + 4 of zero points with zp); 0 for the register ring."""
+    if not cfg.get("SR"):
         return 0
-    weights = cfg["W"] * d * cfg.get("RT", 1) * 32 * (28 if zp else 24)
-    return weights + (cfg["W"] * d * cfg["MT"] * 32 * 32 if sr == 2 else 0)
+    return cfg["W"] * d * cfg.get("RT", 1) * 32 * (28 if zp else 24)
 
 
 def chunk_sums(a):
