@@ -324,33 +324,11 @@ wna16_stream(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
     }
 
     // ---- split K: the last CTA of the tile to arrive adds the partials in split order
-    if (gridDim.z > 1) {
-        const size_t tile = (size_t)blockIdx.y * gridDim.x + blockIdx.x;
-        constexpr int PER = NT * MT * 4;
-        float* mine = ws + (tile * gridDim.z + blockIdx.z) * PER;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) __stcg(mine + (mt * 4 + i) * NT + tid, acc[mt][i]);
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) sLast = atomicAdd(counters + tile, 1) == (int)gridDim.z - 1;
-        __syncthreads();
-        if (!sLast) return;
-        __threadfence();
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
-        for (int z = 0; z < (int)gridDim.z; ++z) {
-            const float* part = ws + (tile * gridDim.z + z) * PER;
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[mt][i] += __ldcg(part + (mt * 4 + i) * NT + tid);
-        }
-        if (tid == 0) counters[tile] = 0;         // ready for the next launch on this stream
-    }
+    if (gridDim.z > 1 &&
+        !w16::split_k_last<MT * 4, NT>(&acc[0][0], ws, counters,
+                                       (size_t)blockIdx.y * gridDim.x + blockIdx.x, NT * MT * 4,
+                                       sLast))
+        return;
 
     // ---- epilogue: c0 c1 = (row g, tokens 2t, 2t+1), c2 c3 = (row g + 8, same tokens)
 #pragma unroll
@@ -567,33 +545,11 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
     w16::cp_wait<0>();                           // nothing in flight at exit
 
     // ---- split K: the last CTA of the tile to arrive adds the partials in split order
-    if (gridDim.z > 1) {
-        const size_t tile = (size_t)blockIdx.y * gridDim.x + blockIdx.x;
-        constexpr int PER = NT * MT * 4;
-        float* mine = ws + (tile * gridDim.z + blockIdx.z) * PER;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) __stcg(mine + (mt * 4 + i) * NT + tid, acc[mt][i]);
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) sLast = atomicAdd(counters + tile, 1) == (int)gridDim.z - 1;
-        __syncthreads();
-        if (!sLast) return;
-        __threadfence();
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[mt][i] = 0.f;
-        for (int z = 0; z < (int)gridDim.z; ++z) {
-            const float* part = ws + (tile * gridDim.z + z) * PER;
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[mt][i] += __ldcg(part + (mt * 4 + i) * NT + tid);
-        }
-        if (tid == 0) counters[tile] = 0;         // ready for the next launch on this stream
-    }
+    if (gridDim.z > 1 &&
+        !w16::split_k_last<MT * 4, NT>(&acc[0][0], ws, counters,
+                                       (size_t)blockIdx.y * gridDim.x + blockIdx.x, NT * MT * 4,
+                                       sLast))
+        return;
 
     // ---- epilogue: c0 c1 = (row g, tokens 2t, 2t+1), c2 c3 = (row g + 8, same tokens)
 #pragma unroll

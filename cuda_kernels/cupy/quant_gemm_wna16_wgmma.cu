@@ -303,7 +303,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
         // points (the item that dequantizes that chunk keeps them in registers for the group)
         auto load_next = [&]() {
             if (ld_left > 0) {
-                const bool group_first = (ld_cc & cpg_mask) == 0 || ld_cc == c0;
+                const bool group_first = (ld_cc & cpg_mask) == 0 || ld_cc == c0;  // or split's
 #pragma unroll
                 for (int r = 0; r < RB; ++r) {
                     const int at = (ld_slot * RB + r) * 32;
@@ -429,7 +429,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
         // only when no wgmma operand is defined while a batch is in flight (else C7513: it
         // waits after every wgmma), so the dequantization cannot overlap the previous batch.
         auto item = [&](int cc) {
-            const bool first = (cc & cpg_mask) == 0 || cc == c0;   // of its group (split)
+            const bool first = (cc & cpg_mask) == 0 || cc == c0;   // a group's (split's) first
             w16::cp_wait<S - 2>();                // the item's copies (its weights are older)
             wg_wait<0>();
             if (POST && first) {                  // the previous group (if any) is complete
@@ -503,36 +503,14 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
 #pragma unroll
                     for (int i = 0; i < NN / 2; ++i) acc[r][i] = tot[POST ? r : 0][POST ? i : 0];
             }
-            if (gridDim.z > 1) {                  // split K: the last CTA adds the partials
-                const size_t tile = ((size_t)blockIdx.x * gridDim.y + blockIdx.y) *
-                                    (groups_per_cta / RB) + (jb - j0) / RB;
-                constexpr int PER = RB * (BM / 2) * 128;
-                float* mine = ws + (tile * gridDim.z + blockIdx.z) * PER + tid;
-#pragma unroll
-                for (int r = 0; r < RB; ++r)
-#pragma unroll
-                    for (int i = 0; i < NN / 2; ++i)
-                        __stcg(mine + (r * (BM / 2) + i) * 128, acc[r][i]);
-                __threadfence();
-                __syncthreads();
-                if (tid == 0) sLast = atomicAdd(counters + tile, 1) == (int)gridDim.z - 1;
-                __syncthreads();
-                if (!sLast) continue;
-                __threadfence();
-#pragma unroll
-                for (int r = 0; r < RB; ++r)
-#pragma unroll
-                    for (int i = 0; i < NN / 2; ++i) acc[r][i] = 0.f;
-                for (int z = 0; z < (int)gridDim.z; ++z) {   // in split order: deterministic
-                    const float* part = ws + (tile * gridDim.z + z) * PER + tid;
-#pragma unroll
-                    for (int r = 0; r < RB; ++r)
-#pragma unroll
-                        for (int i = 0; i < NN / 2; ++i)
-                            acc[r][i] += __ldcg(part + (r * (BM / 2) + i) * 128);
-                }
-                if (tid == 0) counters[tile] = 0;  // ready for the next launch on this stream
-            }
+            // split K: the last CTA of the block's tile adds the partials (the others go on)
+            if (gridDim.z > 1 &&
+                !w16::split_k_last<RB * NN / 2, 128>(
+                    &acc[0][0], ws, counters,
+                    ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * (groups_per_cta / RB) +
+                        (jb - j0) / RB,
+                    RB * (BM / 2) * 128, sLast))
+                continue;
 #pragma unroll
             for (int r = 0; r < RB; ++r) {
                 if (jb + r >= j1) break;          // a repeated group: never stored
