@@ -177,7 +177,7 @@ def emulated_wgmma(tmp_path_factory):
     ("g32", (40, 3, 2, 128, 384, 32), 128, True, 1, 1, None),     # 3-4 live tiles, 2 groups a CTA
     ("g32", (50, 3, 2, 64, 640, 32), 64, False, 1, 8, None),      # 1 or 4 live tiles, g64
     ("g24", (40, 3, 2, 64, 512, 48), 128, True, 132, 8, None),    # padding m tiles between experts
-    ("g24", (6, 2, 2, 192, 256, 24), 256, True, 1, 1, None),      # one group per row, 3 groups a CTA
+    ("g24", (6, 2, 2, 192, 256, 24), 256, True, 1, 1, None),      # one group per row, 3 a CTA
     # RB = 2 row groups an item: fewer groups than RB (repeated, never stored), several items'
     # blocks a CTA with a ragged last one, g64
     ("h32", (40, 3, 2, 128, 384, 32), 128, True, 132, 4, None),

@@ -433,11 +433,12 @@ def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
 
 
 # wna16_wgmma (quant_gemm_wna16_wgmma.cu, sm_90a only; prepack_int4(order="wgmma")): one
-# warpgroup per CTA owning 64-row groups (RB of them per item) and the whole K, MT token tiles
-# of 8 (wgmma n = 8 x the live ones), D chunks of weights in flight per lane (a shared-memory
-# ring, D >= S - 1), S activation stages, MINB CTAs per SM, WAVES waves of CTAs planned, POST
-# (0 or 1). Measured (H200, Mixtral T = 64, dev_wna16_20261130c): h32 runs the fastest GEMM1 of
-# the configs swept (230 us against q32's 248), not the fastest GEMM2 (185 against 125).
+# warpgroup per CTA owning 64-row groups (RB of them per item) and the whole K (or one of KS
+# splits), MT token tiles of 8 (wgmma n = 8 x the live ones), D chunks of weights in flight
+# per lane (a shared-memory ring, D >= S - 1), S activation stages, MINB CTAs per SM, WAVES
+# waves of CTAs planned, POST (0 or 1). Measured (H200, Mixtral T = 64, dev_wna16_20261130c):
+# h32 runs the fastest GEMM1 of the configs swept (230 us against q32's 248), not the fastest
+# GEMM2 (185 against 125; 143 with K split over the grid, dev_wna16_20261130d).
 WGMMA_CONFIGS = {
     "g32": dict(KERNEL="wgmma", MT=4, D=8, S=4, MINB=4, WAVES=8),
     "g24": dict(KERNEL="wgmma", MT=3, D=8, S=4, MINB=4, WAVES=8),

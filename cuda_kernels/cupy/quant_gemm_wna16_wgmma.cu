@@ -43,9 +43,9 @@
 //            are the A fragment (a0, a1, a2, a3) of step m, as mma.m16n8k16 lays it out.
 //            sp, zp: as wna16_packed (float2 scales / u16 zero points of rows g, g + 8).
 //   CTA      one warpgroup: warp w owns the 16-row tile 4 j + w of each 64-row group j of the
-//            CTA's range, one m tile of BM = 8 MT positions (one expert), the whole K. Its
-//            groups come in blocks of RB (the last block's missing groups repeat the last
-//            group: computed, never stored).
+//            CTA's range, one m tile of BM = 8 MT positions (one expert), the whole K (or one
+//            split of it, below). Its groups come in blocks of RB (the last block's missing
+//            groups repeat the last group: computed, never stored).
 //   B        one 64-code chunk of the live token rows per stage of a cp.async ring of S stages:
 //            [kb = 0..7][nb = 0..MT-1] core matrices of 8 token rows x 16 bytes (K-major, no
 //            swizzle); step m reads kb = 2 m, 2 m + 1: descriptor start = stage + 2 m MT 128,
