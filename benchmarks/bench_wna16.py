@@ -262,7 +262,7 @@ def main(argv=None):
 
         if args.sweep and time.time() < deadline:
             cands = (list(W.CONFIGS.items()) + list(W.PACKED_CONFIGS.items()) +
-                     list(W.WGMMA_CONFIGS.items()))
+                     list(W.WGMMA_CONFIGS.items()) + list(W.STAGED_CONFIGS.items()))
             if args.configs:
                 cands = [_config_override(dict(cands), spec) for spec in args.configs.split(",")]
             if args.variants:
@@ -278,7 +278,7 @@ def main(argv=None):
                     if time.time() > deadline:
                         break
                     try:
-                        c2 = dict(cfg) if cfg.get("KERNEL") in ("packed", "wgmma") else \
+                        c2 = dict(cfg) if cfg.get("KERNEL") in ("packed", "wgmma", "staged") else \
                             dict(cfg, KS=ks)
                         g1, g2 = path(W.grouped_gemm_wna16, B, config=c2)
                         g1()

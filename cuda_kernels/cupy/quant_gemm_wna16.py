@@ -242,7 +242,7 @@ def pick_config(rows_per_expert: float, block_size: int, config=None, n_tiles: i
     a problem prepack_int4 takes; 0: none) is a multiple of their RT."""
     if config is not None:
         if isinstance(config, str):
-            tables = (CONFIGS, PACKED_CONFIGS, WGMMA_CONFIGS)
+            tables = (CONFIGS, PACKED_CONFIGS, WGMMA_CONFIGS, STAGED_CONFIGS)
             if not any(config in t for t in tables):
                 names = sorted(n for t in tables for n in t)
                 raise ValueError(f"config: expected one of {names}, got {config!r}")
@@ -252,6 +252,7 @@ def pick_config(rows_per_expert: float, block_size: int, config=None, n_tiles: i
             kind = cfg.get("KERNEL")
             need = ({"MT", "W", "D", "MINB"} if kind == "packed" else
                     {"MT", "D", "S", "MINB"} if kind == "wgmma" else
+                    {"MT", "W", "TPW", "KC", "S", "MINB"} if kind == "staged" else
                     {"MT", "WN", "MINB", "STAGES" if kind == "async" else "U"})
             missing = need - set(cfg)
             if missing:
@@ -676,6 +677,86 @@ def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dic
                 WS=tiles * ks * rb * (bm // 2) * 128 if ks > 1 else 0)
 
 
+# wna16_staged (quant_gemm_wna16_staged.cu; prepack_int4's "mma" order, the packed rung's
+# weights): the CTA's weights and activations staged together through one shared-memory
+# cp.async pipeline of S stages (KC 64-code chunks each), W warps of TPW 16-row tiles (a row
+# block of NB = W TPW tiles), MT token tiles of 8, MINB CTAs per SM; RAW (bf16): the zero point
+# off by one more mma on the chunk sums (wna16_chunk_sums). The CTAs of an m tile split its
+# (row block, K stage) units into contiguous runs (staged_plan).
+STAGED_CONFIGS = {
+    "t8": dict(KERNEL="staged", MT=1, W=4, TPW=4, KC=2, S=4, MINB=2, RAW=1),
+    "t16": dict(KERNEL="staged", MT=2, W=4, TPW=4, KC=2, S=4, MINB=2, RAW=1),
+    "t24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, RAW=1),
+    "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2, RAW=1),
+    # 8 warps of 2 tiles: twice the warps per SM, each token fetch from shared memory feeds 2
+    "u24": dict(KERNEL="staged", MT=3, W=8, TPW=2, KC=2, S=4, MINB=2, RAW=1),
+    # the zero point subtracted per pair (hsub2), no chunk sums
+    "n24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, RAW=0),
+}
+CU_STAGED = "quant_gemm_wna16_staged.cu"
+
+
+def staged_kernel_name(cfg: dict, zp: bool) -> str:
+    return (f"wna16_staged<{cfg['MT']}, {cfg['W']}, {cfg['TPW']}, {cfg['KC']}, {cfg['S']}, "
+            f"{int(bool(zp))}, {int(cfg.get('RAW', 0))}, {cfg['MINB']}>")
+
+
+def staged_stage_bytes(cfg: dict, zp: bool, raw: bool) -> int:
+    """One pipeline stage (the .cu's StagedStage): weights NB KC 512, scales NB KC 64, zero
+    points NB KC 16 (zp), activations BM KC 128, chunk sums BM KC 4 (raw), each rounded up to
+    128 bytes."""
+    nb, kc, bm = cfg["W"] * cfg["TPW"], cfg["KC"], 8 * cfg["MT"]
+
+    def r(x):
+        return C.cdiv(x, 128) * 128
+    return (r(nb * kc * 512) + r(nb * kc * 64) + (r(nb * kc * 16) if zp else 0) +
+            r(bm * kc * 128) + (r(bm * kc * 4) if raw else 0))
+
+
+def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
+                num_sms: int = 132, group_size: int = 0, num_groups: int = 1,
+                zp: bool = False, raw: bool = True) -> dict:
+    """wna16_staged's launch: grid (m tiles, Q), block 32 W, dynamic shared memory S stages.
+    An m tile's U = blocks x SPB units (row blocks of NB tiles x K stages of KC chunks) go in
+    contiguous runs to its Q CTAs, Q = the CTAs of MINB per SM (times WAVES) shared among the
+    live m tiles expected (live_m_tiles); the partial blocks meet in a workspace of WS floats
+    ([m tiles][Q][2 parts][32 W TPW MT 4]) with TILES counters. raw: RAW's chunk sums are
+    staged (bf16 with cfg RAW)."""
+    bm = 8 * cfg["MT"]
+    if block_size % bm:
+        raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
+    for key in ("W", "TPW", "KC", "S", "MINB"):
+        if not isinstance(cfg.get(key), int) or cfg[key] < 1:
+            raise ValueError(f"config: expected {key} a positive int, got {cfg.get(key)!r}")
+    if cfg["S"] < 2:
+        raise ValueError(f"config: expected S >= 2 pipeline stages, got {cfg['S']}")
+    Lg = min(L, P * block_size)
+    mtiles = C.cdiv(Lg, bm)
+    nb = cfg["W"] * cfg["TPW"]
+    blocks = C.cdiv(N // 16, nb)
+    spb = C.cdiv(K // PACK_CHUNK, cfg["KC"])
+    units = blocks * spb
+    live_m = live_m_tiles(P, E, mtiles, bm)
+    slots = num_sms * cfg["MINB"] * cfg.get("WAVES", 1)
+    q = max(1, min(units, slots // live_m, 65535))
+    smem = cfg["S"] * staged_stage_bytes(cfg, zp, raw)
+    room = SMEM_PER_SM // cfg["MINB"] - 1024
+    if smem > room:
+        raise ValueError(f"config: {smem} bytes of pipeline stages per CTA leave no room for "
+                         f"MINB = {cfg['MINB']} CTAs per SM ({room} bytes each)")
+    shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
+    per = 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
+    return dict(name=staged_kernel_name(cfg, zp), cfg=cfg, grid=(mtiles, q, 1),
+                block=(32 * cfg["W"],), smem=smem, shift=shift, Lg=Lg, Q=q, U=units,
+                WS=mtiles * q * 2 * per, TILES=mtiles * blocks)
+
+
+STAGED_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values()
+                     for z in (False, True))
+for _ev in ELEMS.values():
+    C.register_compile_case(CU_STAGED, {"ELEM_BF16": _ev}, STAGED_NAMES)
+
+
 # ----------------------------------------------------------------------------- workspace
 _WS: dict = {}
 
@@ -876,6 +957,28 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         args += _workspace(lp["WS"], lp["TILES"]) if lp["KS"] > 1 else (null, null)
         kern(lp["grid"], lp["block"], args, shared_mem=lp["smem"])
         return c
+    if cfg0.get("KERNEL") == "staged":
+        if nbits != 4:
+            raise ValueError("config: the staged rung streams int4 codes (use_int4_w4a16)")
+        ok, why = packed_supports(N, K, group_size, G)
+        if not ok:
+            raise ValueError(f"w: the staged rung cannot run this problem: {why}")
+        pk = packed_weights(w, w_scale, w_zp, w_s)
+        raw = bool(cfg0.get("RAW")) and out_key == "bf16"    # fp16: hsub2 (sums may overflow)
+        lp = staged_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G,
+                         w_zp is not None, raw)
+        kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_STAGED)
+        null = C.null_ptr()
+        ws, cnt = _workspace(lp["WS"], lp["TILES"])
+        args = (C.raw(a), pk["wp"], C.raw(c), pk["sp"], pk["zp"] if pk["zp"] is not None else null,
+                _device_chunk_sums(a) if raw else null, sorted_token_ids, expert_ids,
+                num_tokens_post_padded, tw if tw is not None else null,
+                b32 if b32 is not None else null, ws, cnt,
+                np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
+                np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
+                np.int32(G), np.int32(default_zp))
+        kern(lp["grid"], lp["block"], args, shared_mem=lp["smem"])
+        return c
     if cfg0.get("KERNEL") == "packed":
         if nbits != 4:
             raise ValueError("config: the packed rung streams int4 codes (use_int4_w4a16)")
@@ -887,13 +990,8 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                          w_zp is not None)
         kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"])
         null = C.null_ptr()
-        asum = null
-        if cfg0.get("POST") and out_key == "bf16":     # POST's chunk sums (fp16 runs POST = 0)
-            runs = M_a * (K // PACK_CHUNK)
-            C.check_fits_int32("a", runs, "a's 64-element runs (rows * Kdim / 64)")
-            asum = cupy.empty(runs, dtype=cupy.uint32)
-            _kernel(SUMS_KERNEL, ELEMS[out_key], 0)((C.cdiv(runs, 256),), (256,),
-                                                    (C.raw(a), asum, np.int32(runs)))
+        # POST's chunk sums (fp16 runs POST = 0)
+        asum = _device_chunk_sums(a) if cfg0.get("POST") and out_key == "bf16" else null
         args = (C.raw(a), pk["wp"], C.raw(c), pk["sp"], pk["zp"] if pk["zp"] is not None else null,
                 asum, sorted_token_ids, expert_ids, num_tokens_post_padded,
                 tw if tw is not None else null, b32 if b32 is not None else null,
@@ -922,6 +1020,20 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     return c
 
 
+def _device_chunk_sums(a):
+    """wna16_chunk_sums on the GPU: the (-hi, -lo) bf16 pairs of a's 64-element run sums
+    (chunk_sums is the NumPy twin), for the packed and staged rungs' raw-code mma."""
+    import cupy
+
+    M_a, K = a.shape
+    runs = M_a * (K // PACK_CHUNK)
+    C.check_fits_int32("a", runs, "a's 64-element runs (rows * Kdim / 64)")
+    asum = cupy.empty(runs, dtype=cupy.uint32)
+    _kernel(SUMS_KERNEL, ELEMS["bf16"], 0)((C.cdiv(runs, 256),), (256,),
+                                           (C.raw(a), asum, np.int32(runs)))
+    return asum
+
+
 _READY: dict = {}
 _SMEM_SET: dict = {}
 
@@ -935,6 +1047,8 @@ def _kernel(name, elem, smem, cu=CU, options=()):
     key = (name, elem, dev)
     kern = _READY.get(key)
     if kern is None:
+        # the staged rung compiles one name at a time (~10 s each: a sweep or a test asks for
+        # one or two of its configs, not all of them)
         group = next((g for g in (NAMES, PACKED_NAMES, WGMMA_NAMES) if name in g), (name,))
         kern = C.get_kernel(cu, name, {"ELEM_BF16": elem}, group, options=options)
         _READY[key] = kern
@@ -995,6 +1109,9 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
              for n, c in PACKED_CONFIGS.items() if n in quick or not args.quick
              for (M_a, E, K, N, Kd, B, gs, zp) in (packed_cases[:2] if args.quick else
                                                    packed_cases)]
+    runs += [(n, c, (M_a, E, K, N, Kd, max(B, 8 * c["MT"]), 4, gs, zp, None))
+             for n, c in STAGED_CONFIGS.items() if n in ("t8", "t24") or not args.quick
+             for (M_a, E, K, N, Kd, B, gs, zp) in packed_cases]
     import cupy
     if int(cupy.cuda.Device().compute_capability) == 90:          # the wgmma rung: Hopper
         runs += [(n, c, (M_a, E, K, 128, Kd, max(B, 8 * c["MT"]), 4, gs, zp, None))

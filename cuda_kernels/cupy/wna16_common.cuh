@@ -224,35 +224,45 @@ __device__ __forceinline__ void store_zeros(elem_t* __restrict__ c, const int* s
         if (sSlot[r] >= 0 && n < N) c[(size_t)sSlot[r] * N + n] = from_f32(0.f);
     }
 }
-// Split K (gridDim.z splits): the N fp32 values v of thread threadIdx.x (of NT) go to this
-// split's slot of the tile's workspace, ws [tile][split][per floats] (v[j] at j NT + thread);
-// the last CTA of the tile to arrive (a per-tile counter, reset by that CTA for the next
-// launch on the stream) gets true back, with v = the splits' partials added in split order
-// (deterministic); the others get false. Every thread of the CTA calls it (two barriers);
-// s_last is a __shared__ int of the caller.
-template <int N, int NT>
-__device__ __forceinline__ bool split_k_last(float* v, float* __restrict__ ws,
-                                             int* __restrict__ counters, size_t tile, int per,
-                                             int& s_last) {
+// A tile computed in parts by several CTAs: the N fp32 values v of thread threadIdx.x (of NT)
+// are this CTA's part; they go to the workspace at slot `mine` (ws [slot][per], v[j] at
+// j NT + thread); the last CTA of the tile to arrive (counters[tile], reset by that CTA for
+// the next launch on the stream) gets true back, with v = the `parts` parts added in part
+// order, part z read from slot slot_of(z) (deterministic); the others get false. Every thread
+// of the CTA calls it (two barriers); s_last is a __shared__ int of the caller.
+template <int N, int NT, typename SlotOf>
+__device__ __forceinline__ bool last_of_parts(float* v, float* __restrict__ ws,
+                                              int* __restrict__ counters, size_t tile, int per,
+                                              int& s_last, size_t mine, int parts,
+                                              SlotOf&& slot_of) {
     const int tid = threadIdx.x;
-    float* mine = ws + (tile * gridDim.z + blockIdx.z) * per + tid;
 #pragma unroll
-    for (int j = 0; j < N; ++j) __stcg(mine + j * NT, v[j]);
+    for (int j = 0; j < N; ++j) __stcg(ws + mine * per + tid + j * NT, v[j]);
     __threadfence();
     __syncthreads();
-    if (tid == 0) s_last = atomicAdd(counters + tile, 1) == (int)gridDim.z - 1;
+    if (tid == 0) s_last = atomicAdd(counters + tile, 1) == parts - 1;
     __syncthreads();
     if (!s_last) return false;
     __threadfence();
 #pragma unroll
     for (int j = 0; j < N; ++j) v[j] = 0.f;
-    for (int z = 0; z < (int)gridDim.z; ++z) {
-        const float* part = ws + (tile * gridDim.z + z) * per + tid;
+    for (int z = 0; z < parts; ++z) {
+        const float* part = ws + (size_t)slot_of(z) * per + tid;
 #pragma unroll
         for (int j = 0; j < N; ++j) v[j] += __ldcg(part + j * NT);
     }
     if (tid == 0) counters[tile] = 0;
     return true;
+}
+
+// Split K over grid.z: part blockIdx.z of the gridDim.z parts of `tile`, ws [tile][split][per].
+template <int N, int NT>
+__device__ __forceinline__ bool split_k_last(float* v, float* __restrict__ ws,
+                                             int* __restrict__ counters, size_t tile, int per,
+                                             int& s_last) {
+    return last_of_parts<N, NT>(v, ws, counters, tile, per, s_last,
+                                tile * gridDim.z + blockIdx.z, (int)gridDim.z,
+                                [&](int z) { return tile * gridDim.z + z; });
 }
 
 // f(Count<n>{}) for the n in [LO, HI] that equals `n` (n outside: the nearest end), so that

@@ -1,0 +1,217 @@
+"""The staged int4 rung (quant_gemm_wna16_staged.cu: weights and activations through one
+shared-memory cp.async pipeline, each CTA a contiguous run of (row block, K stage) units)
+against reference/quant.py.
+
+CPU (always): staged_plan's runs cover every unit once, its workspace holds two parts per CTA,
+its shared memory matches the kernel's stage layout and fits MINB CTAs per SM, and it refuses
+bad configs clearly. Simulator: the kernel on the CPU emulation of tests/test_quant_cupy.py
+(g++, a std::thread per CUDA thread, cp.async landing only at its wait): runs that start and
+end inside row blocks (blocks finished from 2-3 parts, in CTA order), a ragged last block, a
+short last K stage, group sizes 64 / 128 / one per row, zero points, RAW on and off, 1-3 live
+token tiles, an expert of another rank; the split counters come back to zero.
+GPU (`gpu` marker): every config on the packed rung's shapes, fp16 and other ranks, and the
+same bits on a second launch. Tolerance: the issue's weight-only 2e-2.
+
+Shape legend: T tokens, E experts, K top-k, N output width, Kdim reduction width, B block size.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cuda_kernels.cupy import _compile as C
+from cuda_kernels.cupy import quant_gemm_wna16 as W
+from oracles import rel_err
+from reference import moe_align_block_size
+from reference import quant as RQ
+from test_quant_cupy import host, poisoned, up  # the quantized tests' GPU helpers
+from test_quant_wna16_packed import (SHAPES, check_matches_reference, emulation_case,
+                                     other_rank_case, quantized)
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+TOL = 2e-2          # issue 8 / vLLM's weight-only tolerance
+
+
+# ----------------------------------------------------------------------------- CPU
+def _runs(U, Q):
+    return [(q * U // Q, (q + 1) * U // Q) for q in range(Q)]
+
+
+@pytest.mark.parametrize("name", sorted(W.STAGED_CONFIGS))
+def test_plan_covers_every_unit_once(name):
+    cfg = W.STAGED_CONFIGS[name]
+    bm, nb = 8 * cfg["MT"], cfg["W"] * cfg["TPW"]
+    for P, N, K, L, B, sms in ((2, 28672, 4096, 58, bm, 132), (128, 4096, 14336, 376, 3 * bm, 132),
+                               (128, 28672, 4096, 520, 2 * bm, 132), (6, 288, 576, 40, bm, 3)):
+        lp = W.staged_plan(P, 8, N, K, L, B, cfg, sms, 128, K // 128)
+        mt, q, _ = lp["grid"]
+        assert mt * bm >= min(L, P * B) > (mt - 1) * bm
+        spb = -(-K // 64 // cfg["KC"])
+        assert lp["U"] == -(-(N // 16) // nb) * spb and 1 <= q <= lp["U"]
+        runs = _runs(lp["U"], q)
+        assert runs[0][0] == 0 and runs[-1][1] == lp["U"]
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(runs, runs[1:]))
+        assert lp["WS"] == mt * q * 2 * 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
+        assert lp["TILES"] == mt * -(-(N // 16) // nb)
+        assert lp["smem"] == cfg["S"] * W.staged_stage_bytes(cfg, False, True)
+        assert lp["smem"] <= W.SMEM_PER_SM // cfg["MINB"] - 1024
+        # the owner of a unit (the kernel's formula) is the run that holds it
+        for u in range(0, lp["U"], max(1, lp["U"] // 50)):
+            owner = ((u + 1) * q - 1) // lp["U"]
+            assert runs[owner][0] <= u < runs[owner][1]
+
+
+def test_plan_refuses_bad_configs():
+    t24 = W.STAGED_CONFIGS["t24"]
+    with pytest.raises(ValueError, match="BM = 24 must divide block_size 16"):
+        W.staged_plan(4, 8, 256, 256, 40, 16, t24)
+    with pytest.raises(ValueError, match="S >= 2"):
+        W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, S=1))
+    with pytest.raises(ValueError, match="TPW a positive int"):
+        W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, TPW=0))
+    with pytest.raises(ValueError, match="no room for MINB = 2"):
+        W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, S=8, KC=4))
+    with pytest.raises(ValueError, match="config: expected keys"):
+        W.pick_config(2.0, 24, dict(KERNEL="staged", MT=3, W=4))
+
+
+# ----------------------------------------------------------------------------- emulation
+def _entries(names):
+    out = []
+    for i, n in enumerate(names):
+        out.append(
+            f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned block, const void* a, '
+            f"const void* wp, void* c, const void* sp, const void* zp, const unsigned* asum, "
+            f"const int* st, const int* ex, const int* ntp, const float* tw, const float* bias, "
+            f"float* ws, int* cnt, int N, int K, int P, int top_k, int B, int L, int mul, "
+            f"int shift, int G, int dzp) {{\n"
+            f"    launch3(gx, gy, 1, block, [&] {{ gridDim.z = 1; {n}((const elem_t*)a, "
+            f"(const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, asum, "
+            f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp); }});\n}}")
+    return "\n".join(out)
+
+
+@pytest.fixture(scope="module")
+def emulated_staged(tmp_path_factory):
+    from test_quant_cupy import build_emulation
+    from test_quant_wna16_cupy import W16_PRELUDE
+
+    return build_emulation(tmp_path_factory, "wst", W.CU_STAGED, _entries(W.STAGED_NAMES),
+                           prelude=W16_PRELUDE)
+
+
+def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms):
+    import ctypes
+
+    def p(x):
+        return None if x is None else x.ctypes.data_as(ctypes.c_void_p)
+
+    cfg = W.STAGED_CONFIGS[cfg_name]
+    M_a, Kd = a.shape
+    E, N = wq.shape[:2]
+    P, G = M_a * top_k, ws.shape[2]
+    raw = bool(cfg.get("RAW"))
+    pk = W.prepack_int4(wq, ws, wz)
+    lp = W.staged_plan(P, E, N, Kd, st.size, B, cfg, sms, Kd // G, G, wz is not None, raw)
+    asum = W.chunk_sums(a) if raw else None
+    c = np.full((P, N), 0x7FC0, np.uint16)                         # poison: bf16 NaN
+    wsp = np.full(lp["WS"], np.nan, np.float32)                     # the parts' workspace
+    cnt = np.zeros(lp["TILES"], np.int32)
+    gx, gy, _ = lp["grid"]
+    getattr(lib, f"k{W.STAGED_NAMES.index(lp['name'])}")(
+        gx, gy, lp["block"][0], p(np.ascontiguousarray(a).view(np.uint16)), p(pk["wp"]), p(c),
+        p(pk["sp"]), p(pk["zp"]), p(asum), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
+        N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
+    assert not cnt.any(), "the part counters come back to zero"
+    return c.view(BF16), lp
+
+
+@pytest.mark.simulator
+@pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [
+    # two row blocks (the second of 2 tiles), 9 chunks (a short last stage), g64: runs of 2-3
+    # units inside blocks of 5, so blocks are finished from 2-3 parts
+    ("t8", (2, 4, 2, 288, 576, 8), 64, False, 8, 4),
+    ("t16", (5, 3, 2, 288, 640, 16), 128, True, 8, 5),
+    # 1-3 live token tiles per m tile; hsub2 dequantization (RAW = 0) with zero points
+    ("n24", (20, 2, 2, 256, 512, 24), 128, True, 4, 2),
+    ("t24", (20, 2, 2, 64, 768, 48), 256, False, 4, 2),        # padding m tiles, g256
+    ("t32", (30, 2, 2, 128, 384, 32), 384, True, 1, 1),        # one group per row, one run
+    ("u24", (9, 3, 2, 320, 256, 24), 64, False, 8, 4),         # 8 warps, one unit per CTA
+])
+def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
+    M_a, E, K, N, Kd, B = shape
+    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
+    got, lp = _run_emulated(emulated_staged, cfg, a, wq, ws, wz, st, ex, ntp, K, B, tw, bias,
+                            sms)
+    assert lp["Q"] == q, "the case covers the runs it was written for"
+    err = rel_err(got, want)
+    assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e} (Q = {lp['Q']}, U = {lp['U']})"
+
+
+@pytest.mark.simulator
+def test_emulated_other_rank(emulated_staged, rng):
+    """Experts 1 and 3 live on another rank (expert id -1): their rows are zeros."""
+    M_a, E, K, N, Kd, B = 6, 4, 2, 64, 256, 8
+    a = rng.standard_normal((M_a, Kd)).astype(BF16)
+    wq, ws, wz = quantized(rng, 2, N, Kd, 128, True)
+    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+    ids[:, 0] = 0
+    st, ex, ntp = moe_align_block_size(ids, B, E, expert_map=np.array([0, -1, 1, -1], np.int32))
+    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+    bias = rng.standard_normal((2, N)).astype(np.float32)
+    want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, bias, w_scale=ws, w_zp=wz,
+                                 use_int4_w4a16=True)
+    got, _ = _run_emulated(emulated_staged, "t8", a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, 2)
+    assert (got.astype(np.float32).reshape(M_a, K, N)[np.isin(ids, [1, 3])] == 0).all()
+    assert rel_err(got, want) <= TOL
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("cfg", sorted(W.STAGED_CONFIGS))
+def test_matches_reference(rng, shape, cfg):
+    ok, why = C.availability()
+    if not ok:
+        pytest.skip(why)
+    check_matches_reference(rng, shape, cfg, 16 * W.STAGED_CONFIGS[cfg]["MT"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", ["t8", "t24", "n24"])
+def test_fp16_and_other_rank(rng, cfg):
+    """fp16 activations (RAW falls back to hsub2), experts on another rank, no router weights."""
+    ok, why = C.availability()
+    if not ok:
+        pytest.skip(why)
+    M_a, E, K, N, Kd = 21, 4, 2, 272, 512
+    B = 8 * W.STAGED_CONFIGS[cfg]["MT"]
+    a, wq, ws, wz, ids, st, ex, ntp, want = other_rank_case(rng, M_a, E, K, N, Kd, B)
+    out = poisoned((M_a * K, N), np.float16)
+    got = host(W.grouped_gemm_wna16(up(a), up(wq), up(st), up(ex), up(ntp), K, B,
+                                    w_scale=up(ws), w_zp=up(wz), use_int4_w4a16=True,
+                                    config=cfg, out=out), np.float16)
+    assert (got.reshape(M_a, K, N)[np.isin(ids, [1, 3])] == 0).all()
+    assert rel_err(got, want) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", ["t8", "t32"])
+def test_parts_match_reference_and_repeat(rng, cfg):
+    """Many CTAs per m tile (blocks finished from several parts): parity with the reference,
+    and the same bits on a second launch (parts added in CTA order, counters reset)."""
+    ok, why = C.availability()
+    if not ok:
+        pytest.skip(why)
+    M_a, E, K, N, Kd, gs = 3, 2, 2, 512, 4096, 128
+    B = 8 * W.STAGED_CONFIGS[cfg]["MT"]
+    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, (M_a, E, K, N, Kd, B), gs,
+                                                                True)
+    args = (up(a), up(wq), up(st), up(ex), up(ntp), K, B)
+    kw = dict(w_scale=up(ws), w_zp=up(wz), use_int4_w4a16=True, config=cfg,
+              topk_weights=up(tw), mul_routed_weight=True, bias=up(bias))
+    first = host(W.grouped_gemm_wna16(*args, **kw, out=poisoned((M_a * K, N), BF16)), BF16)
+    second = host(W.grouped_gemm_wna16(*args, **kw, out=poisoned((M_a * K, N), BF16)), BF16)
+    assert rel_err(first, want) <= TOL
+    assert np.array_equal(first.view(np.uint16), second.view(np.uint16))
