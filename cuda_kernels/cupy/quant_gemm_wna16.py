@@ -680,48 +680,43 @@ def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dic
 # wna16_staged (quant_gemm_wna16_staged.cu; prepack_int4's "mma" order, the packed rung's
 # weights): the CTA's weights and activations staged together through one shared-memory
 # cp.async pipeline of S stages (KC 64-code chunks each), W warps of TPW 16-row tiles (a row
-# block of NB = W TPW tiles), MT token tiles of 8, MINB CTAs per SM; RAW (bf16): the zero point
-# off by one more mma on the chunk sums (wna16_chunk_sums). The CTAs of an m tile split its
-# (row block, K stage) units into contiguous runs (staged_plan).
+# block of NB = W TPW tiles), MT token tiles of 8, MINB CTAs per SM; the mma multiplies the raw
+# 128 + q and the zero point comes off by 4 more mma per chunk on the activations. The CTAs of
+# an m tile split its (row block, K stage) units into contiguous runs (staged_plan).
 STAGED_CONFIGS = {
-    "t8": dict(KERNEL="staged", MT=1, W=4, TPW=4, KC=2, S=4, MINB=2, RAW=1),
-    "t16": dict(KERNEL="staged", MT=2, W=4, TPW=4, KC=2, S=4, MINB=2, RAW=1),
-    "t24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, RAW=1),
-    "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2, RAW=1),
+    "t8": dict(KERNEL="staged", MT=1, W=4, TPW=4, KC=2, S=4, MINB=2),
+    "t16": dict(KERNEL="staged", MT=2, W=4, TPW=4, KC=2, S=4, MINB=2),
+    "t24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2),
+    "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2),
     # 8 warps of 2 tiles: twice the warps per SM, each token fetch from shared memory feeds 2
-    "u24": dict(KERNEL="staged", MT=3, W=8, TPW=2, KC=2, S=4, MINB=2, RAW=1),
-    # the zero point subtracted per pair (hsub2), no chunk sums
-    "n24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, RAW=0),
+    "u24": dict(KERNEL="staged", MT=3, W=8, TPW=2, KC=2, S=4, MINB=2),
 }
 CU_STAGED = "quant_gemm_wna16_staged.cu"
 
 
 def staged_kernel_name(cfg: dict, zp: bool) -> str:
     return (f"wna16_staged<{cfg['MT']}, {cfg['W']}, {cfg['TPW']}, {cfg['KC']}, {cfg['S']}, "
-            f"{int(bool(zp))}, {int(cfg.get('RAW', 0))}, {cfg['MINB']}>")
+            f"{int(bool(zp))}, {cfg['MINB']}>")
 
 
-def staged_stage_bytes(cfg: dict, zp: bool, raw: bool) -> int:
+def staged_stage_bytes(cfg: dict, zp: bool) -> int:
     """One pipeline stage (the .cu's StagedStage): weights NB KC 512, scales NB KC 64, zero
-    points NB KC 16 (zp), activations BM KC 128, chunk sums BM KC 4 (raw), each rounded up to
-    128 bytes."""
+    points NB KC 16 (zp), activations BM KC 128, each rounded up to 128 bytes."""
     nb, kc, bm = cfg["W"] * cfg["TPW"], cfg["KC"], 8 * cfg["MT"]
 
     def r(x):
         return C.cdiv(x, 128) * 128
-    return (r(nb * kc * 512) + r(nb * kc * 64) + (r(nb * kc * 16) if zp else 0) +
-            r(bm * kc * 128) + (r(bm * kc * 4) if raw else 0))
+    return r(nb * kc * 512) + r(nb * kc * 64) + (r(nb * kc * 16) if zp else 0) + r(bm * kc * 128)
 
 
 def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
                 num_sms: int = 132, group_size: int = 0, num_groups: int = 1,
-                zp: bool = False, raw: bool = True) -> dict:
+                zp: bool = False) -> dict:
     """wna16_staged's launch: grid (m tiles, Q), block 32 W, dynamic shared memory S stages.
     An m tile's U = blocks x SPB units (row blocks of NB tiles x K stages of KC chunks) go in
     contiguous runs to its Q CTAs, Q = the CTAs of MINB per SM (times WAVES) shared among the
     live m tiles expected (live_m_tiles); the partial blocks meet in a workspace of WS floats
-    ([m tiles][Q][2 parts][32 W TPW MT 4]) with TILES counters. raw: RAW's chunk sums are
-    staged (bf16 with cfg RAW)."""
+    ([m tiles][Q][2 parts][32 W TPW MT 4]) with TILES counters."""
     bm = 8 * cfg["MT"]
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
@@ -730,6 +725,9 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
             raise ValueError(f"config: expected {key} a positive int, got {cfg.get(key)!r}")
     if cfg["S"] < 2:
         raise ValueError(f"config: expected S >= 2 pipeline stages, got {cfg['S']}")
+    if cfg["W"] % cfg["KC"]:
+        raise ValueError(f"config: expected KC to divide W (a thread's weight copies whole "
+                         f"tiles apart), got W = {cfg['W']}, KC = {cfg['KC']}")
     Lg = min(L, P * block_size)
     mtiles = C.cdiv(Lg, bm)
     nb = cfg["W"] * cfg["TPW"]
@@ -739,7 +737,7 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     live_m = live_m_tiles(P, E, mtiles, bm)
     slots = num_sms * cfg["MINB"] * cfg.get("WAVES", 1)
     q = max(1, min(units, slots // live_m, 65535))
-    smem = cfg["S"] * staged_stage_bytes(cfg, zp, raw)
+    smem = cfg["S"] * staged_stage_bytes(cfg, zp)
     room = SMEM_PER_SM // cfg["MINB"] - 1024
     if smem > room:
         raise ValueError(f"config: {smem} bytes of pipeline stages per CTA leave no room for "
@@ -964,16 +962,14 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         if not ok:
             raise ValueError(f"w: the staged rung cannot run this problem: {why}")
         pk = packed_weights(w, w_scale, w_zp, w_s)
-        raw = bool(cfg0.get("RAW")) and out_key == "bf16"    # fp16: hsub2 (sums may overflow)
         lp = staged_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G,
-                         w_zp is not None, raw)
+                         w_zp is not None)
         kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_STAGED)
         null = C.null_ptr()
         ws, cnt = _workspace(lp["WS"], lp["TILES"])
         args = (C.raw(a), pk["wp"], C.raw(c), pk["sp"], pk["zp"] if pk["zp"] is not None else null,
-                _device_chunk_sums(a) if raw else null, sorted_token_ids, expert_ids,
-                num_tokens_post_padded, tw if tw is not None else null,
-                b32 if b32 is not None else null, ws, cnt,
+                sorted_token_ids, expert_ids, num_tokens_post_padded,
+                tw if tw is not None else null, b32 if b32 is not None else null, ws, cnt,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
                 np.int32(G), np.int32(default_zp))
@@ -1022,7 +1018,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
 
 def _device_chunk_sums(a):
     """wna16_chunk_sums on the GPU: the (-hi, -lo) bf16 pairs of a's 64-element run sums
-    (chunk_sums is the NumPy twin), for the packed and staged rungs' raw-code mma."""
+    (chunk_sums is the NumPy twin), for the packed rung's POST."""
     import cupy
 
     M_a, K = a.shape

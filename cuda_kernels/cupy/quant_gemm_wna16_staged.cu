@@ -31,17 +31,25 @@
 //            g + 1 would share banks; with it the 8 lanes of a phase hit 8 distinct 16-byte
 //            banks, and each copy stays inside its 128-byte line (see wna16_common.cuh: a
 //            destination off its source's line costs twice the L2 requests)
-//   sums     [BM][KC] u32                            (RAW) the chunk sums of wna16_chunk_sums
 // Only the live token tiles' rows are copied (padding rows inside them copy a live row).
 //
 // Warp w owns tiles w TPW .. + TPW - 1 of the block and all LT live token tiles: per chunk it
 // reads each token's 32 bytes once (2 LDS.128 per token tile) and feeds them to TPW tiles.
 // The mma is m16n8k16 with the weights as A (rows g, g + 8), the tokens as B (column g).
-// Dequantization (wna16_packed's): one shift and one lop3 per pair give 128 + q; RAW (bf16)
-// feeds those raw values to the mma and takes (128 + zp) S off with one more mma per chunk
-// and token tile (A = 128 + zp in k slots 0, 1, B = (-hi, -lo) of the chunk sum S); else
-// (fp16, or RAW = 0) one hsub2 per pair subtracts 128 + zp. The chunk's fp32 partial is then
-// scaled by its group's scale into the accumulators.
+// Dequantization: one shift and one lop3 per pair give the raw 128 + q (1024 + q in fp16),
+// which the mma multiplies as they are; the zero point comes off in the accumulator, which
+// starts each chunk at -(128 + zp) S, S = the token's sum over the chunk's 64 codes, computed
+// by the tensor cores too: 4 mma with A = -(128 + zp) in every slot and B = the token's own
+// fragments. Without per-group zero points (ZP = 0) that start is one per token tile and
+// chunk, shared by the warp's TPW tiles; with them, one per tile. The chunk's fp32 partial
+// sum_k (q - zp) a is then scaled by its group's scale into the accumulators. Why: a
+// subtraction per pair (16 hsub2 per tile and chunk) cost more than these mma, and a chunk-sum
+// kernel before the GEMM cost a launch (RAW of wna16_packed; measured slower here, 262 / 142
+// against 247 / 132 us at T = 64, bench_wna16_nvidia_h200_20261130_163547.json). Exactness:
+// products of 8-bit integers and bf16 are exact in fp32; what is left is the fp32 cancellation
+// of sum (128 + q) a against (128 + zp) S (~2^-23 times ~30 relative).
+// The copies: every thread's share of a stage (its weight units, scale and activation units)
+// is fixed for the CTA, so the offsets are computed once and a stage only moves the bases.
 //
 // grid (m tiles, Q), block 32 W, dynamic shared memory S x stage bytes (staged_stage_bytes in
 // the launcher). LT, the live token tiles, is a compile-time constant of the code that runs
@@ -50,38 +58,21 @@
 // one group per row: chunk_shift = log2(chunks per group), 30 for one group).
 #include "wna16_common.cuh"
 
-namespace w16 {
-
-// f(i) for the units i = threadIdx.x + j NT < UNITS, all j: the CTA's share of one copy.
-template <int UNITS, int NT, typename F>
-__device__ __forceinline__ void for_units(F&& f) {
-#pragma unroll
-    for (int j = 0; j < (UNITS + NT - 1) / NT; ++j) {
-        const int i = threadIdx.x + j * NT;
-        if (UNITS % NT == 0 || i < UNITS) f(i);
-    }
-}
-
-}  // namespace w16
-
 // Bytes of one pipeline stage (each part rounded to 128 bytes), as the launcher computes them.
-template <int MT, int NB, int KC, int ZP, int RAW>
+template <int MT, int NB, int KC, int ZP>
 struct StagedStage {
-    static constexpr int BM = 8 * MT;
     __host__ __device__ static constexpr int round(int x) { return (x + 127) / 128 * 128; }
     static constexpr int W_OFF = 0;
     static constexpr int S_OFF = W_OFF + round(NB * KC * 512);
     static constexpr int Z_OFF = S_OFF + round(NB * KC * 64);
     static constexpr int A_OFF = Z_OFF + (ZP ? round(NB * KC * 16) : 0);
-    static constexpr int Q_OFF = A_OFF + round(BM * KC * 128);
-    static constexpr int BYTES = Q_OFF + (RAW ? round(BM * KC * 4) : 0);
+    static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
 };
 
-template <int MT, int W, int TPW, int KC, int S, int ZP, int RAW, int MINB>
+template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
-             const u32* __restrict__ asum,
              const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
              const int* __restrict__ num_tokens_post_padded,
              const float* __restrict__ topk_weights, const float* __restrict__ bias,
@@ -89,8 +80,8 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
              int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
-    constexpr bool USE_RAW = RAW && ELEM_BF16;     // fp16: a chunk's sum may pass 65504
-    using St = StagedStage<MT, NB, KC, ZP, USE_RAW>;
+    static_assert(W % KC == 0, "a thread's weight units sit whole tiles apart: W % KC == 0");
+    using St = StagedStage<MT, NB, KC, ZP>;
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
@@ -124,59 +115,76 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         }
     const int live_rows = 8 * live_tiles;
 
-    const uint4* wexp = wp + (size_t)e * ntiles * C * 32;
-    const float2* sexp = sp + (size_t)e * ntiles * num_groups * 8;
-    const unsigned short* zexp = ZP ? zp + (size_t)e * ntiles * num_groups * 8 : nullptr;
+    // ---- this thread's copy units, fixed for the CTA
+    // weights: TPW KC units of 16 bytes, W / KC tiles apart, all in chunk w_chunk of a stage
+    constexpr int W_PER = TPW * KC, W_TSTEP = W / KC;
+    const int w_tile0 = tid / (KC * 32), w_rem = tid % (KC * 32), w_chunk = w_rem / 32;
+    const size_t w_jstride = (size_t)W_TSTEP * C * 32;                 // uint4 between units
+    const uint4* w_base = wp + ((size_t)e * ntiles + w_tile0) * C * 32 + w_rem;
+    // scales (4 units of 16 bytes per tile and group) and zero points (1 unit)
+    constexpr int S_UNITS = NB * KC * 4, S_PER = (S_UNITS + NT - 1) / NT;
+    constexpr int Z_UNITS = NB * KC, Z_PER = (Z_UNITS + NT - 1) / NT;
+    const float2* s_base = sp + (size_t)e * ntiles * num_groups * 8;
+    const unsigned short* z_base = ZP ? zp + (size_t)e * ntiles * num_groups * 8 : nullptr;
+    // activations: BM rows x KC chunks x 8 units; row r's unit j lands at j ^ (r & 1)
+    constexpr int A_UNITS = BM * KC * 8, A_PER = (A_UNITS + NT - 1) / NT;
+    long long a_off[A_PER];                       // element offset of the unit in chunk 0
+    int a_dst[A_PER];                             // byte offset in the stage, or -1: no copy
+    int a_chunk[A_PER];                           // its chunk in the stage
+#pragma unroll
+    for (int j = 0; j < A_PER; ++j) {
+        const int k = tid + j * NT, r = k / (KC * 8), u = k % (KC * 8);
+        const bool ok = k < A_UNITS && r < live_rows;   // rows past the live tiles: never read
+        const int ar = ok ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
+        a_off[j] = (long long)ar * Kdim + u * 8;
+        a_dst[j] = ok ? St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1))) : -1;
+        a_chunk[j] = u / 8;
+    }
 
-    // ---- stage i of the run (unit u0 + i) into ring slot i % S; one commit group per stage
-    // (empty past the run: the wait counts stay right)
-    auto issue = [&](int i) {
-        const int u = u0 + i;
-        if (u < u1) {
-            const int b = u / SPB, s = u - b * SPB;
+    // ---- stage i of the run (unit u0 + i, row block b, K stage s) into ring slot i % S; one
+    // commit group per stage (empty past the run: the wait counts stay right)
+    auto issue = [&](int i, int b, int s) {
+        if (u0 + i < u1) {
             const int tb = b * NB, c0 = s * KC, kcn = min(KC, C - c0);
             const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
+            const int tiles_left = ntiles - tb;         // tiles of the block that exist
             u8* st = smem + (size_t)(i % S) * St::BYTES;
-            w16::for_units<NB * KC * 32, NT>([&](int k) {
-                const int tile = k / (KC * 32), rem = k % (KC * 32);
-                const bool ok = tb + tile < ntiles && rem / 32 < kcn;
-                const uint4* src = ok ? wexp + ((size_t)(tb + tile) * C + c0) * 32 + rem : wp;
-                w16::cp16(st + St::W_OFF + 16 * k, src, ok);
-            });
-            w16::for_units<NB * KC * 4, NT>([&](int k) {      // 64 bytes per (tile, group)
-                const int tile = k / (KC * 4), gi = (k / 4) % KC;
-                const bool ok = tb + tile < ntiles && gi < ngr;
-                const float2* src = ok ? sexp + ((size_t)(tb + tile) * num_groups + g0 + gi) * 8 +
-                                         (k & 3) * 2 : sp;
-                w16::cp16(st + St::S_OFF + 16 * k, src, ok);
-            });
-            if (ZP)
-                w16::for_units<NB * KC, NT>([&](int k) {      // 16 bytes per (tile, group)
-                    const int tile = k / KC, gi = k % KC;
-                    const bool ok = tb + tile < ntiles && gi < ngr;
-                    const unsigned short* src =
-                        ok ? zexp + ((size_t)(tb + tile) * num_groups + g0 + gi) * 8 : zp;
-                    w16::cp16(st + St::Z_OFF + 16 * k, src, ok);
-                });
-            w16::for_units<BM * KC * 8, NT>([&](int k) {
-                const int r = k / (KC * 8), j = k % (KC * 8);
-                if (r < live_rows) {                  // rows past the live tiles: never read
-                    const int ar = sArow[r] >= 0 ? sArow[r] : first;
-                    const bool ok = j / 8 < kcn;
-                    const elem_t* src = ok ? a + (size_t)ar * Kdim + c0 * 64 + j * 8 : a;
-                    w16::cp16(st + St::A_OFF + 16 * (r * KC * 8 + (j ^ (r & 1))), src, ok);
+            const uint4* wsrc = w_base + ((size_t)tb * C + c0) * 32;
+#pragma unroll
+            for (int j = 0; j < W_PER; ++j) {
+                const bool ok = w_tile0 + j * W_TSTEP < tiles_left && w_chunk < kcn;
+                w16::cp16(st + St::W_OFF + 16 * (tid + j * NT), ok ? wsrc + j * w_jstride : wp,
+                          ok);
+            }
+            const float2* ssrc = s_base + ((size_t)tb * num_groups + g0) * 8;
+#pragma unroll
+            for (int j = 0; j < S_PER; ++j) {
+                const int k = tid + j * NT, tile = k / (KC * 4), gi = (k / 4) % KC;
+                if (S_UNITS % NT == 0 || k < S_UNITS) {
+                    const bool ok = tile < tiles_left && gi < ngr;
+                    w16::cp16(st + St::S_OFF + 16 * k,
+                              ok ? ssrc + (tile * num_groups + gi) * 8 + (k & 3) * 2 : sp, ok);
                 }
-            });
-            if (USE_RAW)
-                w16::for_units<BM * KC, NT>([&](int k) {
-                    const int r = k / KC, kc = k % KC;
-                    if (r < live_rows) {
-                        const int ar = sArow[r] >= 0 ? sArow[r] : first;
-                        const bool ok = kc < kcn;
-                        w16::cp4(st + St::Q_OFF + 4 * k, ok ? asum + (size_t)ar * C + c0 + kc
-                                                            : asum, ok);
+            }
+            if (ZP) {
+                const unsigned short* zsrc = z_base + ((size_t)tb * num_groups + g0) * 8;
+#pragma unroll
+                for (int j = 0; j < Z_PER; ++j) {
+                    const int k = tid + j * NT, tile = k / KC, gi = k % KC;
+                    if (Z_UNITS % NT == 0 || k < Z_UNITS) {
+                        const bool ok = tile < tiles_left && gi < ngr;
+                        w16::cp16(st + St::Z_OFF + 16 * k,
+                                  ok ? zsrc + (tile * num_groups + gi) * 8 : zp, ok);
                     }
-                });
+                }
+            }
+            const elem_t* asrc = a + (size_t)c0 * 64;
+#pragma unroll
+            for (int j = 0; j < A_PER; ++j)
+                if (a_dst[j] >= 0) {
+                    const bool ok = a_chunk[j] < kcn;
+                    w16::cp16(st + a_dst[j], ok ? asrc + a_off[j] : a, ok);
+                }
         }
         w16::cp_commit();
     };
@@ -186,10 +194,17 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #else
     constexpr u32 MAGIC = 0x64006400u;
 #endif
-    const u32 zdef = MAGIC | ((u32)default_zp * 0x00010001u);
+    // -(MAGIC + zp) in both halves: the A operand of the zero-point mma (sign bits flipped)
+    const u32 nzdef = (MAGIC | ((u32)default_zp * 0x00010001u)) ^ 0x80008000u;
     const int n_units = u1 - u0;
+    {
+        int b = u0 / SPB, s = u0 - b * SPB;
 #pragma unroll
-    for (int i = 0; i < S - 1; ++i) issue(i);
+        for (int i = 0; i < S - 1; ++i) {
+            issue(i, b, s);
+            if (++s == SPB) { s = 0; ++b; }
+        }
+    }
 
     w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
         constexpr int LT = decltype(live_count)::value;
@@ -223,11 +238,13 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             }
         };
 
+        int b = u0 / SPB, s = u0 - b * SPB;           // the unit being computed
+        int ib = (u0 + S - 1) / SPB, is = u0 + S - 1 - ib * SPB;   // the unit being issued
         for (int i = 0; i < n_units; ++i) {
-            w16::cp_wait<S - 2>();                // stage i has landed (this thread's copies)
-            __syncthreads();                      // ... and everyone's; slot i - 1 is free
-            issue(i + S - 1);
-            const int u = u0 + i, b = u / SPB, s = u - b * SPB;
+            w16::cp_wait<S - 2>();                    // stage i has landed (this thread's copies)
+            __syncthreads();                          // ... and everyone's; slot i - 1 is free
+            issue(i + S - 1, ib, is);
+            if (++is == SPB) { is = 0; ++ib; }
             const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
             const u8* st = smem + (size_t)(i % S) * St::BYTES;
             const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
@@ -237,31 +254,42 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             const unsigned short* sz = reinterpret_cast<const unsigned short*>(st + St::Z_OFF) +
                                        warp * TPW * KC * 8 + g;
             const uint4* sa = reinterpret_cast<const uint4*>(st + St::A_OFF);
-            const u32* sq = reinterpret_cast<const u32*>(st + St::Q_OFF);
 #pragma unroll
             for (int kc = 0; kc < KC; ++kc) {
-                if (kc >= kcn) break;             // uniform: a short last stage
+                if (kc >= kcn) break;                 // uniform: a short last stage
                 const int gi = ((c0 + kc) >> chunk_shift) - g0;
                 // B: the lane's token (column g of each tile), codes 16 t .. + 15 of the chunk
                 uint4 bv[LT][2];
-                u32 bsum[USE_RAW ? LT : 1];
 #pragma unroll
                 for (int mt = 0; mt < LT; ++mt) {
                     const int r = 8 * mt + g;
                     bv[mt][0] = sa[r * KC * 8 + ((kc * 8 + 2 * t) ^ (g & 1))];
                     bv[mt][1] = sa[r * KC * 8 + ((kc * 8 + 2 * t + 1) ^ (g & 1))];
-                    if (USE_RAW) bsum[USE_RAW ? mt : 0] = sq[r * KC + kc];
+                }
+                // the accumulator's start: -(MAGIC + zp) S per token, by the tensor cores
+                auto zero_point_start = [&](float (&z)[4], u32 nzl, u32 nzh, int mt) {
+                    z[0] = z[1] = z[2] = z[3] = 0.f;
+                    w16::mma16816(z, nzl, nzh, nzl, nzh, bv[mt][0].x, bv[mt][0].y);
+                    w16::mma16816(z, nzl, nzh, nzl, nzh, bv[mt][0].z, bv[mt][0].w);
+                    w16::mma16816(z, nzl, nzh, nzl, nzh, bv[mt][1].x, bv[mt][1].y);
+                    w16::mma16816(z, nzl, nzh, nzl, nzh, bv[mt][1].z, bv[mt][1].w);
+                };
+                float zs[ZP ? 1 : LT][4];             // shared by the TPW tiles (ZP = 0)
+                if (!ZP) {
+#pragma unroll
+                    for (int mt = 0; mt < LT; ++mt) zero_point_start(zs[ZP ? 0 : mt], nzdef, nzdef, mt);
                 }
 #pragma unroll
                 for (int r = 0; r < TPW; ++r) {
                     const uint4 x = sw[(r * KC + kc) * 32];
                     const float2 s2 = ss[(r * KC + gi) * 8];
-                    u32 zl = zdef, zh = zdef;     // (128 + zp) in both halves, rows g, g + 8
-                    if (ZP) {
+                    u32 nzl = nzdef, nzh = nzdef;
+                    if (ZP) {                         // row g's zero point in the low byte
                         const u32 z = sz[(r * KC + gi) * 8];
-                        zl = MAGIC | ((z & 0xFFu) * 0x00010001u);
-                        zh = MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u);
+                        nzl = (MAGIC | ((z & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
+                        nzh = (MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
                     }
+                    // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q
                     u32 lo[8], hi[8];
 #pragma unroll
                     for (int p = 0; p < 4; ++p) {
@@ -270,19 +298,16 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                         hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
                         lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
                         hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
-                        if (!USE_RAW) {
-                            lo[p] = w16::as_u32(__hsub2(w16::as_e2(lo[p]), w16::as_e2(zl)));
-                            hi[p] = w16::as_u32(__hsub2(w16::as_e2(hi[p]), w16::as_e2(zh)));
-                            lo[4 + p] = w16::as_u32(__hsub2(w16::as_e2(lo[4 + p]), w16::as_e2(zl)));
-                            hi[4 + p] = w16::as_u32(__hsub2(w16::as_e2(hi[4 + p]), w16::as_e2(zh)));
-                        }
                     }
-                    const u32 za = t == 0 ? zl : 0u, zb = t == 0 ? zh : 0u;
 #pragma unroll
                     for (int mt = 0; mt < LT; ++mt) {
-                        float tmp[4] = {0.f, 0.f, 0.f, 0.f};
-                        if (USE_RAW)
-                            w16::mma16816(tmp, za, zb, 0u, 0u, bsum[USE_RAW ? mt : 0], 0u);
+                        float tmp[4];
+                        if (ZP) {
+                            zero_point_start(tmp, nzl, nzh, mt);
+                        } else {
+#pragma unroll
+                            for (int q = 0; q < 4; ++q) tmp[q] = zs[ZP ? 0 : mt][q];
+                        }
                         w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x, bv[mt][0].y);
                         w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], bv[mt][0].z, bv[mt][0].w);
                         w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], bv[mt][1].x, bv[mt][1].y);
@@ -320,6 +345,7 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                         for (int k = 0; k < 4; ++k) acc[r][mt][k] = 0.f;
             }
+            if (++s == SPB) { s = 0; ++b; }
         }
     });
     w16::cp_wait<0>();                            // nothing in flight at exit
