@@ -5,7 +5,8 @@ against reference/quant.py.
 CPU (always): staged_plan's runs cover every unit once, its workspace holds two parts per CTA,
 its shared memory matches the kernel's stage layout and fits MINB CTAs per SM, and it refuses
 bad configs clearly. Simulator: the kernel on the CPU emulation of tests/test_quant_cupy.py
-(g++, a std::thread per CUDA thread, cp.async landing only at its wait): runs that start and
+(g++, a std::thread per CUDA thread, bulk copies landing only when their mbarrier's phase
+completes): runs that start and
 end inside row blocks (blocks finished from 2-3 parts, in CTA order), a ragged last block, a
 short last K stage, group sizes 64 / 128 / one per row, with and without zero points, 1-3 live
 token tiles, an expert of another rank; the split counters come back to zero.
@@ -62,6 +63,36 @@ def test_plan_covers_every_unit_once(name):
             assert runs[owner][0] <= u < runs[owner][1]
 
 
+@pytest.mark.parametrize("E,N,Kd,gs,zp,nb,kc", [(2, 288, 576, 64, True, 16, 2),
+                                                (1, 64, 512, 128, False, 8, 4),
+                                                (3, 256, 256, 256, True, 16, 2)])
+def test_stage_blocks_layout(rng, E, N, Kd, gs, zp, nb, kc):
+    """Stage (b, s) of stage_blocks holds tiles b NB .. and chunks s KC .. of the "mma" packing,
+    zeros past the weights; the scales and zero points of tile b NB + i at [b, group, i]."""
+    wq, ws, wz = quantized(rng, E, N, Kd, gs, zp)
+    pk = W.prepack_int4(wq, ws, wz)
+    sb = W.stage_blocks(pk, nb, kc)
+    NT, C, G = N // 16, Kd // 64, Kd // gs
+    blocks, spb = -(-NT // nb), -(-C // kc)
+    assert sb["order"] == ("staged", nb, kc) and (sb["blocks"], sb["SPB"]) == (blocks, spb)
+    assert sb["wp"].shape == (E, blocks, spb, nb, kc, 32, 4)
+    for b in range(blocks):
+        for i in range(nb):
+            tile = b * nb + i
+            for st in range(spb):
+                for j in range(kc):
+                    c = st * kc + j
+                    want = pk["wp"][:, tile, c] if tile < NT and c < C else 0
+                    assert np.array_equal(sb["wp"][:, b, st, i, j], np.broadcast_to(want, (E, 32, 4)))
+            want_s = pk["sp"][:, tile] if tile < NT else 0
+            assert np.array_equal(sb["sp"][:, b, :, i], np.broadcast_to(want_s, (E, G, 8, 2)))
+            if zp:
+                want_z = pk["zp"][:, tile] if tile < NT else 0
+                assert np.array_equal(sb["zp"][:, b, :, i], np.broadcast_to(want_z, (E, G, 8)))
+    with pytest.raises(ValueError, match="mma"):
+        W.stage_blocks(W.prepack_int4(wq, ws, wz, order="wgmma"), nb, kc)
+
+
 def test_plan_refuses_bad_configs():
     t24 = W.STAGED_CONFIGS["t24"]
     with pytest.raises(ValueError, match="BM = 24 must divide block_size 16"):
@@ -94,13 +125,67 @@ def _entries(names):
     return "\n".join(out)
 
 
+# mbarriers and bulk copies on the CPU: a barrier's phase completes when its expected arrivals
+# have come and the bytes announced equal the bytes copied; its copies land only then (a read
+# before the wait sees the emulation's garbage), and a misaligned copy aborts.
+STAGED_EMU = r"""
+#include <map>
+#define __align__(n) __attribute__((aligned(n)))
+struct QgMbar { std::mutex m; unsigned count = 0, pending = 0, phase = 0; long tx = 0;
+                std::vector<Copy> copies; };
+static std::mutex g_mbar_lock;
+static std::map<const void*, QgMbar*> g_mbars;
+inline QgMbar& qg_mbar(const void* bar) {
+    std::lock_guard<std::mutex> l(g_mbar_lock);
+    QgMbar*& p = g_mbars[bar];
+    if (!p) p = new QgMbar;
+    return *p;
+}
+inline void qg_mbar_done(QgMbar& b) {             // the caller holds b.m
+    if (b.pending || b.tx) return;
+    for (const Copy& c : b.copies) memcpy(c.dst, c.src, c.n);
+    b.copies.clear();
+    b.phase ^= 1u;
+    b.pending = b.count;
+}
+inline void qg_mbar_init(unsigned long long* bar, unsigned count) {
+    QgMbar& b = qg_mbar(bar);
+    std::lock_guard<std::mutex> l(b.m);
+    b.count = b.pending = count; b.phase = 0; b.tx = 0; b.copies.clear();
+}
+inline void qg_mbar_arrive(unsigned long long* bar, unsigned bytes) {
+    QgMbar& b = qg_mbar(bar);
+    std::lock_guard<std::mutex> l(b.m);
+    if (!b.pending) { fprintf(stderr, "mbarrier: an arrival too many\n"); abort(); }
+    b.tx += bytes; --b.pending;
+    qg_mbar_done(b);
+}
+inline void qg_bulk_copy(void* dst, const void* src, unsigned n, unsigned long long* bar) {
+    if (n % 16 || ((uintptr_t)dst | (uintptr_t)src) % 16) {
+        fprintf(stderr, "bulk copy: size or address not a multiple of 16\n"); abort(); }
+    QgMbar& b = qg_mbar(bar);
+    std::lock_guard<std::mutex> l(b.m);
+    b.copies.push_back({dst, src, (int)n, (int)n});
+    b.tx -= n;
+    qg_mbar_done(b);
+}
+inline void qg_mbar_wait(unsigned long long* bar, unsigned parity) {
+    QgMbar& b = qg_mbar(bar);
+    for (;;) {
+        { std::lock_guard<std::mutex> l(b.m); if (b.phase != parity) return; }
+        std::this_thread::yield();
+    }
+}
+"""
+
+
 @pytest.fixture(scope="module")
 def emulated_staged(tmp_path_factory):
     from test_quant_cupy import build_emulation
     from test_quant_wna16_cupy import W16_PRELUDE
 
     return build_emulation(tmp_path_factory, "wst", W.CU_STAGED, _entries(W.STAGED_NAMES),
-                           prelude=W16_PRELUDE)
+                           prelude=W16_PRELUDE + STAGED_EMU)
 
 
 def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms):
@@ -113,7 +198,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     M_a, Kd = a.shape
     E, N = wq.shape[:2]
     P, G = M_a * top_k, ws.shape[2]
-    pk = W.prepack_int4(wq, ws, wz)
+    pk = W.stage_blocks(W.prepack_int4(wq, ws, wz), cfg["W"] * cfg["TPW"], cfg["KC"])
     lp = W.staged_plan(P, E, N, Kd, st.size, B, cfg, sms, Kd // G, G, wz is not None)
     c = np.full((P, N), 0x7FC0, np.uint16)                         # poison: bf16 NaN
     wsp = np.full(lp["WS"], np.nan, np.float32)                     # the parts' workspace

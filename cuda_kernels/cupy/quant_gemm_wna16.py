@@ -427,6 +427,42 @@ def unpack_int4(packed):
         None if zp is None else xp.ascontiguousarray(zp)
 
 
+def stage_blocks(packed, nb: int, kc: int):
+    """prepack_int4's "mma" packing laid out for wna16_staged's bulk copies: one pipeline stage
+    (row block b of NB tiles, K stage s of KC chunks) is one contiguous run of each array.
+
+        wp [E, blocks, SPB, NB, KC, 32, 4] uint32  (tile b NB + i, chunk s KC + j)
+        sp [E, blocks, G, NB, 8, 2] fp32           zp [E, blocks, G, NB, 8] uint16 or None
+
+    blocks = cdiv(N / 16, NB), SPB = cdiv(Kdim / 64, KC); tiles and chunks past the weights
+    are zeros (computed, never stored or, for chunks, never multiplied). Same array module."""
+    if packed.get("order", "mma") != "mma":
+        raise ValueError(f"packed: expected prepack_int4's \"mma\" order, got "
+                         f"{packed.get('order')!r}")
+    wp = packed["wp"]
+    xp = _xp(wp)
+    E, N, K = packed["shape"]
+    G = packed["G"]
+    NT, C = N // 16, K // PACK_CHUNK
+    blocks, spb = -(-NT // nb), -(-C // kc)
+
+    def pad(x, axis, size):
+        if x.shape[axis] == size:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, size - x.shape[axis])
+        return xp.pad(x, widths)
+    w = pad(pad(wp, 1, blocks * nb), 2, spb * kc).reshape(E, blocks, nb, spb, kc, 32, 4)
+    out = dict(packed, order=("staged", nb, kc), blocks=blocks, SPB=spb)
+    out["wp"] = xp.ascontiguousarray(w.transpose(0, 1, 3, 2, 4, 5, 6))
+    sp = pad(packed["sp"], 1, blocks * nb).reshape(E, blocks, nb, G, 8, 2)
+    out["sp"] = xp.ascontiguousarray(sp.transpose(0, 1, 3, 2, 4, 5))
+    if packed["zp"] is not None:
+        zp = pad(packed["zp"], 1, blocks * nb).reshape(E, blocks, nb, G, 8)
+        out["zp"] = xp.ascontiguousarray(zp.transpose(0, 1, 3, 2, 4))
+    return out
+
+
 def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
     return (f"wna16_packed<{cfg['MT']}, {cfg['W']}, {cfg['D'] if d is None else d}, "
             f"{int(bool(zp))}, {int(cfg.get('POST', 0))}, {cfg.get('RT', 1)}, {cfg['MINB']}, "
@@ -516,13 +552,16 @@ def packed_weights(w, w_scale, w_zp=None, w_scale_f32=None, order="mma"):
     long as they are not written in place after their first use; call forget_packed() after
     writing into them. At most PACK_CACHE_SIZE sets, least recently used dropped first.
     w_scale_f32: w_scale already widened to fp32 (packed instead of w_scale, keyed by it).
-    order: prepack_int4's lane order (one cached set per order)."""
+    order: prepack_int4's lane order, or ("staged", NB, KC) for stage_blocks' layout (one
+    cached set per order)."""
     key = tuple((id(x), x.data.ptr, x.shape, x.strides, str(x.dtype)) if x is not None else None
                 for x in (w, w_scale, w_zp)) + (order,)
     hit = _PACKED.pop(key, None)
     if hit is None:
-        hit = ((w, w_scale, w_zp), prepack_int4(w, w_scale if w_scale_f32 is None else
-                                                 w_scale_f32, w_zp, order))
+        staged = isinstance(order, tuple)           # ("staged", NB, KC): stage_blocks' layout
+        pk = prepack_int4(w, w_scale if w_scale_f32 is None else w_scale_f32, w_zp,
+                          "mma" if staged else order)
+        hit = ((w, w_scale, w_zp), stage_blocks(pk, order[1], order[2]) if staged else pk)
     _PACKED[key] = hit                  # most recent last
     while len(_PACKED) > PACK_CACHE_SIZE:
         _PACKED.pop(next(iter(_PACKED)))
@@ -701,12 +740,13 @@ def staged_kernel_name(cfg: dict, zp: bool) -> str:
 
 def staged_stage_bytes(cfg: dict, zp: bool) -> int:
     """One pipeline stage (the .cu's StagedStage): weights NB KC 512, scales NB KC 64, zero
-    points NB KC 16 (zp), activations BM KC 128, each rounded up to 128 bytes."""
+    points NB KC 16 (zp), activations BM (KC 128 + 16), each rounded up to 128 bytes."""
     nb, kc, bm = cfg["W"] * cfg["TPW"], cfg["KC"], 8 * cfg["MT"]
 
     def r(x):
         return C.cdiv(x, 128) * 128
-    return r(nb * kc * 512) + r(nb * kc * 64) + (r(nb * kc * 16) if zp else 0) + r(bm * kc * 128)
+    return (r(nb * kc * 512) + r(nb * kc * 64) + (r(nb * kc * 16) if zp else 0) +
+            r(bm * (kc * 128 + 16)))
 
 
 def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
@@ -961,7 +1001,8 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         ok, why = packed_supports(N, K, group_size, G)
         if not ok:
             raise ValueError(f"w: the staged rung cannot run this problem: {why}")
-        pk = packed_weights(w, w_scale, w_zp, w_s)
+        pk = packed_weights(w, w_scale, w_zp, w_s,
+                            order=("staged", cfg0["W"] * cfg0["TPW"], cfg0["KC"]))
         lp = staged_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G,
                          w_zp is not None)
         kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_STAGED)

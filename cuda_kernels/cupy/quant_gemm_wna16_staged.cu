@@ -1,10 +1,11 @@
 // wna16_staged: the weight-only int4 grouped GEMM for decode batches of 8-32 rows per expert,
-// with the CTA's weights AND activations staged together through one shared-memory cp.async
-// pipeline, and each CTA's work a contiguous run of (row block, K stage) units.
+// with the CTA's weights AND activations staged together through one shared-memory pipeline of
+// bulk copies (Hopper's 1D TMA), and each CTA's work a contiguous run of (row block, K stage)
+// units. sm_90 (cp.async.bulk, mbarrier expect_tx).
 //
 //   c[s, n] = (sum_k a[s / top_k, k] (q[e, n, k] - zp[e, n, k / gs]) s[e, n, k / gs] + bias[e, n])
 //             * r[s]      (the same contract as quant_gemm_wna16.cu's rungs; weights prepacked by
-//                          quant_gemm_wna16.prepack_int4(order="mma"), wna16_packed's layout)
+//                          quant_gemm_wna16.prepack_int4(order="mma") then stage_blocks)
 //
 // Why (H200, Mixtral int4 at T = 64, benchmarks/results/dev_wna16_20261130d): wna16_packed reads
 // the activations through L1 once per 32 weight rows, so GEMM1 moved 1.56 GB through L2 for
@@ -22,16 +23,20 @@
 // ws [m tiles][Q][2][NT TPW MT 4] fp32 (a CTA hands in at most two parts: its first block and
 // its last), counters [m tiles][blocks] (zero, and left zero).
 //
-// One stage in shared memory (S stages in a ring, one __syncthreads per stage):
+// One stage in shared memory (S stages in a ring; a __syncthreads per stage frees the slot to
+// refill, an mbarrier per slot says when its bytes have landed):
 //   weights  [NB tiles][KC chunks][32 lanes] uint4   the packed fragments, 512 B per tile-chunk
-//   scales   [NB][KC groups][8 g] float2             (s[row g], s[row g + 8]) of each group met
-//   zps      [NB][KC][8] u16                         (ZP) the same rows' zero points
-//   acts     [BM rows][KC chunks][8 units] uint4     row r's 16-byte unit j at j ^ (r & 1):
-//            lane (g, t) reads units 2t, 2t + 1 of its row g: without the swizzle rows g and
-//            g + 1 would share banks; with it the 8 lanes of a phase hit 8 distinct 16-byte
-//            banks, and each copy stays inside its 128-byte line (see wna16_common.cuh: a
-//            destination off its source's line costs twice the L2 requests)
-// Only the live token tiles' rows are copied (padding rows inside them copy a live row).
+//   scales   [KC groups][NB][8 g] float2             (s[row g], s[row g + 8]) of each group met
+//   zps      [KC groups][NB][8] u16                  (ZP) the same rows' zero points
+//   acts     [BM rows][KC 128 + 16 bytes]            a token row, padded by 16 bytes: lane
+//            (g, t) reads 32 bytes at 32 t of its row g, so rows g and g + 1 fall 16 bytes
+//            apart in the banks and the 8 lanes of a 16-byte phase hit 8 distinct bank groups
+// The weights come in stage_blocks' layout (quant_gemm_wna16.py), where a stage's codes (NB KC
+// 512 bytes), scales and zero points are one contiguous run each: one bulk copy apiece, plus
+// one per live token row (padding rows inside the live tiles copy a live row; rows past them
+// are never read). Why bulk copies: with 16-byte cp.async every thread spent ~25 instructions
+// per stage on addresses and predicates, ~30% of the kernel's instructions (SASS of 690c15c);
+// here one lane per warp issues a stage's few copies.
 //
 // Warp w owns tiles w TPW .. + TPW - 1 of the block and all LT live token tiles: per chunk it
 // reads each token's 32 bytes once (2 LDS.128 per token tile) and feeds them to TPW tiles.
@@ -48,15 +53,75 @@
 // against 247 / 132 us at T = 64, bench_wna16_nvidia_h200_20261130_163547.json). Exactness:
 // products of 8-bit integers and bf16 are exact in fp32; what is left is the fp32 cancellation
 // of sum (128 + q) a against (128 + zp) S (~2^-23 times ~30 relative).
-// The copies: every thread's share of a stage (its weight units, scale and activation units)
-// is fixed for the CTA, so the offsets are computed once and a stage only moves the bases.
 //
 // grid (m tiles, Q), block 32 W, dynamic shared memory S x stage bytes (staged_stage_bytes in
 // the launcher). LT, the live token tiles, is a compile-time constant of the code that runs
 // (w16::with_count), as in wna16_packed.
-// Needs int4 prepacked (N % 16 == 0, Kdim % 64 == 0, group_size 64 times a power of two or
-// one group per row: chunk_shift = log2(chunks per group), 30 for one group).
+// Needs int4 prepacked and staged (N % 16 == 0, Kdim % 64 == 0, group_size 64 times a power of
+// two or one group per row: chunk_shift = log2(chunks per group), 30 for one group).
 #include "wna16_common.cuh"
+
+namespace w16 {
+
+// Hopper's bulk copy (cp.async.bulk, the 1D form of TMA) into shared memory, its completion
+// counted in bytes on an mbarrier. QG_EMULATED_PTX (tests) swaps in CPU stand-ins: the copies
+// land only when the barrier's phase completes.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+#ifdef QG_EMULATED_PTX
+    return 0;
+#else
+    return (unsigned)__cvta_generic_to_shared(p);
+#endif
+}
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+#ifdef QG_EMULATED_PTX
+    qg_mbar_init(bar, count);
+#else
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_u32(bar)), "r"(count)
+                 : "memory");
+#endif
+}
+// the initialised barriers visible to the async proxy (the bulk copies) before their first use
+__device__ __forceinline__ void mbar_init_fence() {
+#ifndef QG_EMULATED_PTX
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+// one arrival, and `bytes` more to expect from bulk copies in this phase
+__device__ __forceinline__ void mbar_arrive_expect(unsigned long long* bar, unsigned bytes) {
+#ifdef QG_EMULATED_PTX
+    qg_mbar_arrive(bar, bytes);
+#else
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
+#endif
+}
+// until the phase of parity `parity` has completed
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+#ifdef QG_EMULATED_PTX
+    qg_mbar_wait(bar, parity);
+#else
+    unsigned done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+    } while (!done);
+#endif
+}
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes,
+                                          unsigned long long* bar) {
+#ifdef QG_EMULATED_PTX
+    qg_bulk_copy(dst, src, bytes, bar);
+#else
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];\n"
+                 :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+#endif
+}
+
+}  // namespace w16
 
 // Bytes of one pipeline stage (each part rounded to 128 bytes), as the launcher computes them.
 template <int MT, int NB, int KC, int ZP>
@@ -66,7 +131,8 @@ struct StagedStage {
     static constexpr int S_OFF = W_OFF + round(NB * KC * 512);
     static constexpr int Z_OFF = S_OFF + round(NB * KC * 64);
     static constexpr int A_OFF = Z_OFF + (ZP ? round(NB * KC * 16) : 0);
-    static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
+    static constexpr int A_ROW = KC * 128 + 16;   // a staged token row, padded (see above)
+    static constexpr int BYTES = A_OFF + round(8 * MT * A_ROW);
 };
 
 template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB>
@@ -115,78 +181,42 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         }
     const int live_rows = 8 * live_tiles;
 
-    // ---- this thread's copy units, fixed for the CTA
-    // weights: TPW KC units of 16 bytes, W / KC tiles apart, all in chunk w_chunk of a stage
-    constexpr int W_PER = TPW * KC, W_TSTEP = W / KC;
-    const int w_tile0 = tid / (KC * 32), w_rem = tid % (KC * 32), w_chunk = w_rem / 32;
-    const size_t w_jstride = (size_t)W_TSTEP * C * 32;                 // uint4 between units
-    const uint4* w_base = wp + ((size_t)e * ntiles + w_tile0) * C * 32 + w_rem;
-    // scales (4 units of 16 bytes per tile and group) and zero points (1 unit)
-    constexpr int S_UNITS = NB * KC * 4, S_PER = (S_UNITS + NT - 1) / NT;
-    constexpr int Z_UNITS = NB * KC, Z_PER = (Z_UNITS + NT - 1) / NT;
-    const float2* s_base = sp + (size_t)e * ntiles * num_groups * 8;
-    const unsigned short* z_base = ZP ? zp + (size_t)e * ntiles * num_groups * 8 : nullptr;
-    // activations: BM rows x KC chunks x 8 units; row r's unit j lands at j ^ (r & 1)
-    constexpr int A_UNITS = BM * KC * 8, A_PER = (A_UNITS + NT - 1) / NT;
-    long long a_off[A_PER];                       // element offset of the unit in chunk 0
-    int a_dst[A_PER];                             // byte offset in the stage, or -1: no copy
-    int a_chunk[A_PER];                           // its chunk in the stage
-#pragma unroll
-    for (int j = 0; j < A_PER; ++j) {
-        const int k = tid + j * NT, r = k / (KC * 8), u = k % (KC * 8);
-        const bool ok = k < A_UNITS && r < live_rows;   // rows past the live tiles: never read
-        const int ar = ok ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
-        a_off[j] = (long long)ar * Kdim + u * 8;
-        a_dst[j] = ok ? St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1))) : -1;
-        a_chunk[j] = u / 8;
-    }
+    // ---- the copies (weights in stage_blocks' layout: a stage's codes, scales and zero points
+    // are one contiguous run each): lane 0 of warp 0 copies those three, lane 0 of warp w the
+    // live token rows w, w + W, ... (KC 128 bytes each). One mbarrier per ring slot completes
+    // when the W warps have arrived and the bytes announced have landed.
+    __shared__ __align__(8) unsigned long long sFull[S];
+    __shared__ int sSrc[BM];                           // the row of a each staged row copies
+    if (tid < S) w16::mbar_init(&sFull[tid], W);
+    if (tid < BM) sSrc[tid] = sArow[tid] >= 0 ? sArow[tid] : first;
+    w16::mbar_init_fence();
+    __syncthreads();
+    const size_t blk_e = (size_t)e * nblocks;          // this expert's first row block
 
-    // ---- stage i of the run (unit u0 + i, row block b, K stage s) into ring slot i % S; one
-    // commit group per stage (empty past the run: the wait counts stay right)
+    // stage i of the run (unit u0 + i: row block b, K stage s) into ring slot i % S
     auto issue = [&](int i, int b, int s) {
-        if (u0 + i < u1) {
-            const int tb = b * NB, c0 = s * KC, kcn = min(KC, C - c0);
-            const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
-            const int tiles_left = ntiles - tb;         // tiles of the block that exist
-            u8* st = smem + (size_t)(i % S) * St::BYTES;
-            const uint4* wsrc = w_base + ((size_t)tb * C + c0) * 32;
-#pragma unroll
-            for (int j = 0; j < W_PER; ++j) {
-                const bool ok = w_tile0 + j * W_TSTEP < tiles_left && w_chunk < kcn;
-                w16::cp16(st + St::W_OFF + 16 * (tid + j * NT), ok ? wsrc + j * w_jstride : wp,
-                          ok);
-            }
-            const float2* ssrc = s_base + ((size_t)tb * num_groups + g0) * 8;
-#pragma unroll
-            for (int j = 0; j < S_PER; ++j) {
-                const int k = tid + j * NT, tile = k / (KC * 4), gi = (k / 4) % KC;
-                if (S_UNITS % NT == 0 || k < S_UNITS) {
-                    const bool ok = tile < tiles_left && gi < ngr;
-                    w16::cp16(st + St::S_OFF + 16 * k,
-                              ok ? ssrc + (tile * num_groups + gi) * 8 + (k & 3) * 2 : sp, ok);
-                }
-            }
-            if (ZP) {
-                const unsigned short* zsrc = z_base + ((size_t)tb * num_groups + g0) * 8;
-#pragma unroll
-                for (int j = 0; j < Z_PER; ++j) {
-                    const int k = tid + j * NT, tile = k / KC, gi = k % KC;
-                    if (Z_UNITS % NT == 0 || k < Z_UNITS) {
-                        const bool ok = tile < tiles_left && gi < ngr;
-                        w16::cp16(st + St::Z_OFF + 16 * k,
-                                  ok ? zsrc + (tile * num_groups + gi) * 8 : zp, ok);
-                    }
-                }
-            }
-            const elem_t* asrc = a + (size_t)c0 * 64;
-#pragma unroll
-            for (int j = 0; j < A_PER; ++j)
-                if (a_dst[j] >= 0) {
-                    const bool ok = a_chunk[j] < kcn;
-                    w16::cp16(st + a_dst[j], ok ? asrc + a_off[j] : a, ok);
-                }
+        if (u0 + i >= u1 || lane != 0) return;
+        const int c0 = s * KC, kcn = min(KC, C - c0);
+        const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
+        u8* st = smem + (size_t)(i % S) * St::BYTES;
+        unsigned long long* bar = &sFull[i % S];
+        unsigned bytes = 0;
+        if (warp == 0) {
+            bytes = NB * KC * 512 + ngr * NB * (ZP ? 80 : 64);
+            w16::bulk_copy(st + St::W_OFF, wp + ((blk_e + b) * SPB + s) * (NB * KC * 32),
+                           NB * KC * 512, bar);
+            w16::bulk_copy(st + St::S_OFF, sp + ((blk_e + b) * num_groups + g0) * (NB * 8),
+                           ngr * NB * 64, bar);
+            if (ZP)
+                w16::bulk_copy(st + St::Z_OFF, zp + ((blk_e + b) * num_groups + g0) * (NB * 8),
+                               ngr * NB * 16, bar);
         }
-        w16::cp_commit();
+        for (int r = warp; r < live_rows; r += W) {
+            w16::bulk_copy(st + St::A_OFF + r * St::A_ROW,
+                           a + (size_t)sSrc[r] * Kdim + (size_t)c0 * 64, kcn * 128, bar);
+            bytes += kcn * 128;
+        }
+        w16::mbar_arrive_expect(bar, bytes);
     };
 
 #if ELEM_BF16
@@ -241,19 +271,19 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         int b = u0 / SPB, s = u0 - b * SPB;           // the unit being computed
         int ib = (u0 + S - 1) / SPB, is = u0 + S - 1 - ib * SPB;   // the unit being issued
         for (int i = 0; i < n_units; ++i) {
-            w16::cp_wait<S - 2>();                    // stage i has landed (this thread's copies)
-            __syncthreads();                          // ... and everyone's; slot i - 1 is free
-            issue(i + S - 1, ib, is);
+            __syncthreads();                          // everyone is done with slot (i - 1) % S
+            issue(i + S - 1, ib, is);                 // ... refill it
             if (++is == SPB) { is = 0; ++ib; }
+            w16::mbar_wait(&sFull[i % S], (i / S) & 1);   // stage i has landed
             const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
             const u8* st = smem + (size_t)(i % S) * St::BYTES;
             const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
                               warp * TPW * KC * 32 + lane;
             const float2* ss = reinterpret_cast<const float2*>(st + St::S_OFF) +
-                               warp * TPW * KC * 8 + g;
+                               warp * TPW * 8 + g;
             const unsigned short* sz = reinterpret_cast<const unsigned short*>(st + St::Z_OFF) +
-                                       warp * TPW * KC * 8 + g;
-            const uint4* sa = reinterpret_cast<const uint4*>(st + St::A_OFF);
+                                       warp * TPW * 8 + g;
+            const u8* sa = st + St::A_OFF;
 #pragma unroll
             for (int kc = 0; kc < KC; ++kc) {
                 if (kc >= kcn) break;                 // uniform: a short last stage
@@ -263,8 +293,10 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                 for (int mt = 0; mt < LT; ++mt) {
                     const int r = 8 * mt + g;
-                    bv[mt][0] = sa[r * KC * 8 + ((kc * 8 + 2 * t) ^ (g & 1))];
-                    bv[mt][1] = sa[r * KC * 8 + ((kc * 8 + 2 * t + 1) ^ (g & 1))];
+                    const uint4* ap = reinterpret_cast<const uint4*>(sa + r * St::A_ROW +
+                                                                     kc * 128) + 2 * t;
+                    bv[mt][0] = ap[0];
+                    bv[mt][1] = ap[1];
                 }
                 // the accumulator's start: -(MAGIC + zp) S per token, by the tensor cores
                 auto zero_point_start = [&](float (&z)[4], u32 nzl, u32 nzh, int mt) {
@@ -282,10 +314,10 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                 for (int r = 0; r < TPW; ++r) {
                     const uint4 x = sw[(r * KC + kc) * 32];
-                    const float2 s2 = ss[(r * KC + gi) * 8];
+                    const float2 s2 = ss[(gi * NB + r) * 8];
                     u32 nzl = nzdef, nzh = nzdef;
                     if (ZP) {                         // row g's zero point in the low byte
-                        const u32 z = sz[(r * KC + gi) * 8];
+                        const u32 z = sz[(gi * NB + r) * 8];
                         nzl = (MAGIC | ((z & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
                         nzh = (MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
                     }
@@ -348,5 +380,4 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             if (++s == SPB) { s = 0; ++b; }
         }
     });
-    w16::cp_wait<0>();                            // nothing in flight at exit
 }
