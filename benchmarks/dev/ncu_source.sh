@@ -10,7 +10,7 @@ tmp=$(mktemp -d)
 (cd "$SRC" && PYTHONPATH=$SRC timeout 200 ncu --section SourceCounters --section InstructionStats \
   --kernel-name-base demangled --kernel-name "regex:$RX" --launch-count 1 -o "$tmp/prof" \
   python3 benchmarks/bench_wna16.py --tokens "$T" --no-old --sweep --configs "$CFG" --reps 1 \
-  --out "$tmp" >"$tmp/log" 2>&1) || tail -n 20 "$tmp/log"
+  --out "$tmp" >"$tmp/log" 2>&1); grep -E "==PROF==|==ERROR==|Error" "$tmp/log" | tail -n 5
 ncu --import "$tmp/prof.ncu-rep" --page source --csv --print-source sass >"$OUT/$NAME.csv" 2>"$tmp/err" || cat "$tmp/err"
 ls -la "$OUT/$NAME.csv"; head -c 600 "$OUT/$NAME.csv"; echo
 rm -rf "$tmp"
