@@ -1,7 +1,6 @@
 // wna16_staged: the weight-only int4 grouped GEMM for decode batches of 8-32 rows per expert,
-// with the CTA's weights AND activations staged together through one shared-memory pipeline of
-// bulk copies (Hopper's 1D TMA), and each CTA's work a contiguous run of (row block, K stage)
-// units. sm_90 (cp.async.bulk, mbarrier expect_tx).
+// with the CTA's weights AND activations staged together through one shared-memory cp.async
+// pipeline, and each CTA's work a contiguous run of (row block, K stage) units.
 //
 //   c[s, n] = (sum_k a[s / top_k, k] (q[e, n, k] - zp[e, n, k / gs]) s[e, n, k / gs] + bias[e, n])
 //             * r[s]      (the same contract as quant_gemm_wna16.cu's rungs; weights prepacked by
@@ -23,20 +22,23 @@
 // ws [m tiles][Q][2][NT TPW MT 4] fp32 (a CTA hands in at most two parts: its first block and
 // its last), counters [m tiles][blocks] (zero, and left zero).
 //
-// One stage in shared memory (S stages in a ring; a __syncthreads per stage frees the slot to
-// refill, an mbarrier per slot says when its bytes have landed):
+// One stage in shared memory (S stages in a ring, one __syncthreads per stage):
 //   weights  [NB tiles][KC chunks][32 lanes] uint4   the packed fragments, 512 B per tile-chunk
 //   scales   [KC groups][NB][8 g] float2             (s[row g], s[row g + 8]) of each group met
 //   zps      [KC groups][NB][8] u16                  (ZP) the same rows' zero points
-//   acts     [BM rows][KC 128 + 16 bytes]            a token row, padded by 16 bytes: lane
-//            (g, t) reads 32 bytes at 32 t of its row g, so rows g and g + 1 fall 16 bytes
-//            apart in the banks and the 8 lanes of a 16-byte phase hit 8 distinct bank groups
-// The weights come in stage_blocks' layout (quant_gemm_wna16.py), where a stage's codes (NB KC
-// 512 bytes), scales and zero points are one contiguous run each: one bulk copy apiece, plus
-// one per live token row (padding rows inside the live tiles copy a live row; rows past them
-// are never read). Why bulk copies: with 16-byte cp.async every thread spent ~25 instructions
-// per stage on addresses and predicates, ~30% of the kernel's instructions (SASS of 690c15c);
-// here one lane per warp issues a stage's few copies.
+//   acts     [BM rows][KC chunks][8 units] uint4     row r's 16-byte unit j at j ^ (r & 1):
+//            lane (g, t) reads units 2t, 2t + 1 of its row g: without the swizzle rows g and
+//            g + 1 would share banks; with it the 8 lanes of a phase hit 8 distinct 16-byte
+//            banks, and each copy stays inside its 128-byte line (see wna16_common.cuh: a
+//            destination off its source's line costs twice the L2 requests)
+// The weights come in stage_blocks' layout (quant_gemm_wna16.py): a stage's codes (NB KC 512
+// bytes), scales and zero points are one contiguous run each, zero-padded past the weights,
+// so thread tid copies 16-byte units tid, tid + NT, ... of each run with no bounds to check
+// and constant offsets. Only the live token tiles' rows are copied (padding rows inside them
+// copy a live row; rows past them are never read). Measured (T = 64, Nsight Compute source
+// counters, dev_wna16_20261130e): 1D bulk copies (TMA) with an mbarrier per slot executed as
+// many instructions as cp.async with per-thread address arithmetic and ran slower (243 / 135
+// against 217 / 121 us): one lane per warp issuing the row copies serialises them.
 //
 // Warp w owns tiles w TPW .. + TPW - 1 of the block and all LT live token tiles: per chunk it
 // reads each token's 32 bytes once (2 LDS.128 per token tile) and feeds them to TPW tiles.
@@ -61,68 +63,6 @@
 // two or one group per row: chunk_shift = log2(chunks per group), 30 for one group).
 #include "wna16_common.cuh"
 
-namespace w16 {
-
-// Hopper's bulk copy (cp.async.bulk, the 1D form of TMA) into shared memory, its completion
-// counted in bytes on an mbarrier. QG_EMULATED_PTX (tests) swaps in CPU stand-ins: the copies
-// land only when the barrier's phase completes.
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-#ifdef QG_EMULATED_PTX
-    return 0;
-#else
-    return (unsigned)__cvta_generic_to_shared(p);
-#endif
-}
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
-#ifdef QG_EMULATED_PTX
-    qg_mbar_init(bar, count);
-#else
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_u32(bar)), "r"(count)
-                 : "memory");
-#endif
-}
-// the initialised barriers visible to the async proxy (the bulk copies) before their first use
-__device__ __forceinline__ void mbar_init_fence() {
-#ifndef QG_EMULATED_PTX
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-// one arrival, and `bytes` more to expect from bulk copies in this phase
-__device__ __forceinline__ void mbar_arrive_expect(unsigned long long* bar, unsigned bytes) {
-#ifdef QG_EMULATED_PTX
-    qg_mbar_arrive(bar, bytes);
-#else
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                 :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
-#endif
-}
-// until the phase of parity `parity` has completed
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-#ifdef QG_EMULATED_PTX
-    qg_mbar_wait(bar, parity);
-#else
-    unsigned done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-    } while (!done);
-#endif
-}
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes,
-                                          unsigned long long* bar) {
-#ifdef QG_EMULATED_PTX
-    qg_bulk_copy(dst, src, bytes, bar);
-#else
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                 "[%0], [%1], %2, [%3];\n"
-                 :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-#endif
-}
-
-}  // namespace w16
-
 // Bytes of one pipeline stage (each part rounded to 128 bytes), as the launcher computes them.
 template <int MT, int NB, int KC, int ZP>
 struct StagedStage {
@@ -131,8 +71,7 @@ struct StagedStage {
     static constexpr int S_OFF = W_OFF + round(NB * KC * 512);
     static constexpr int Z_OFF = S_OFF + round(NB * KC * 64);
     static constexpr int A_OFF = Z_OFF + (ZP ? round(NB * KC * 16) : 0);
-    static constexpr int A_ROW = KC * 128 + 16;   // a staged token row, padded (see above)
-    static constexpr int BYTES = A_OFF + round(8 * MT * A_ROW);
+    static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
 };
 
 template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB>
@@ -146,7 +85,6 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
              int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
-    static_assert(W % KC == 0, "a thread's weight units sit whole tiles apart: W % KC == 0");
     using St = StagedStage<MT, NB, KC, ZP>;
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
@@ -181,42 +119,61 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         }
     const int live_rows = 8 * live_tiles;
 
-    // ---- the copies (weights in stage_blocks' layout: a stage's codes, scales and zero points
-    // are one contiguous run each): lane 0 of warp 0 copies those three, lane 0 of warp w the
-    // live token rows w, w + W, ... (KC 128 bytes each). One mbarrier per ring slot completes
-    // when the W warps have arrived and the bytes announced have landed.
-    __shared__ __align__(8) unsigned long long sFull[S];
-    __shared__ int sSrc[BM];                           // the row of a each staged row copies
-    if (tid < S) w16::mbar_init(&sFull[tid], W);
-    if (tid < BM) sSrc[tid] = sArow[tid] >= 0 ? sArow[tid] : first;
-    w16::mbar_init_fence();
-    __syncthreads();
+    // ---- this thread's copy units: 16-byte units tid + j NT of the stage's contiguous runs
+    // (stage_blocks: codes, then scales and zero points of the groups met), and its share of
+    // the token rows, fixed for the CTA: BM rows x KC chunks x 8 units, unit u of row r at
+    // u ^ (r & 1)
+    constexpr int W_PER = TPW * KC;                    // NB KC 32 units / NT threads
+    constexpr int S_PER = (NB * KC * 4 + NT - 1) / NT, Z_PER = (NB * KC + NT - 1) / NT;
+    constexpr int A_UNITS = BM * KC * 8, A_PER = (A_UNITS + NT - 1) / NT;
+    long long a_off[A_PER];                            // element offset of the unit in chunk 0
+    int a_dst[A_PER];                                  // byte offset in the stage, or -1
+    int a_chunk[A_PER];                                // its chunk in the stage
+#pragma unroll
+    for (int j = 0; j < A_PER; ++j) {
+        const int k = tid + j * NT, r = k / (KC * 8), u = k % (KC * 8);
+        const bool ok = k < A_UNITS && r < live_rows;   // rows past the live tiles: never read
+        const int ar = ok ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
+        a_off[j] = (long long)ar * Kdim + u * 8;
+        a_dst[j] = ok ? St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1))) : -1;
+        a_chunk[j] = u / 8;
+    }
     const size_t blk_e = (size_t)e * nblocks;          // this expert's first row block
 
-    // stage i of the run (unit u0 + i: row block b, K stage s) into ring slot i % S
+    // ---- stage i of the run (unit u0 + i, row block b, K stage s) into ring slot i % S; one
+    // commit group per stage (empty past the run: the wait counts stay right)
     auto issue = [&](int i, int b, int s) {
-        if (u0 + i >= u1 || lane != 0) return;
-        const int c0 = s * KC, kcn = min(KC, C - c0);
-        const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
-        u8* st = smem + (size_t)(i % S) * St::BYTES;
-        unsigned long long* bar = &sFull[i % S];
-        unsigned bytes = 0;
-        if (warp == 0) {
-            bytes = NB * KC * 512 + ngr * NB * (ZP ? 80 : 64);
-            w16::bulk_copy(st + St::W_OFF, wp + ((blk_e + b) * SPB + s) * (NB * KC * 32),
-                           NB * KC * 512, bar);
-            w16::bulk_copy(st + St::S_OFF, sp + ((blk_e + b) * num_groups + g0) * (NB * 8),
-                           ngr * NB * 64, bar);
-            if (ZP)
-                w16::bulk_copy(st + St::Z_OFF, zp + ((blk_e + b) * num_groups + g0) * (NB * 8),
-                               ngr * NB * 16, bar);
+        if (u0 + i < u1) {
+            const int c0 = s * KC, kcn = min(KC, C - c0);
+            const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
+            u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
+            const uint4* wsrc = wp + ((blk_e + b) * SPB + s) * (NB * KC * 32) + tid;
+#pragma unroll
+            for (int j = 0; j < W_PER; ++j)
+                w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
+            const float2* ssrc = sp + ((blk_e + b) * num_groups + g0) * (NB * 8) + 2 * tid;
+#pragma unroll
+            for (int j = 0; j < S_PER; ++j)
+                if (tid + j * NT < ngr * NB * 4)
+                    w16::cp16(st + St::S_OFF + 16 * j * NT, ssrc + 2 * j * NT, true);
+            if (ZP) {
+                const unsigned short* zsrc = zp + ((blk_e + b) * num_groups + g0) * (NB * 8) +
+                                             8 * tid;
+#pragma unroll
+                for (int j = 0; j < Z_PER; ++j)
+                    if (tid + j * NT < ngr * NB)
+                        w16::cp16(st + St::Z_OFF + 16 * j * NT, zsrc + 8 * j * NT, true);
+            }
+            u8* sa = smem + (size_t)(i % S) * St::BYTES;
+            const elem_t* asrc = a + (size_t)c0 * 64;
+#pragma unroll
+            for (int j = 0; j < A_PER; ++j)
+                if (a_dst[j] >= 0) {
+                    const bool ok = a_chunk[j] < kcn;
+                    w16::cp16(sa + a_dst[j], ok ? asrc + a_off[j] : a, ok);
+                }
         }
-        for (int r = warp; r < live_rows; r += W) {
-            w16::bulk_copy(st + St::A_OFF + r * St::A_ROW,
-                           a + (size_t)sSrc[r] * Kdim + (size_t)c0 * 64, kcn * 128, bar);
-            bytes += kcn * 128;
-        }
-        w16::mbar_arrive_expect(bar, bytes);
+        w16::cp_commit();
     };
 
 #if ELEM_BF16
@@ -271,10 +228,10 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         int b = u0 / SPB, s = u0 - b * SPB;           // the unit being computed
         int ib = (u0 + S - 1) / SPB, is = u0 + S - 1 - ib * SPB;   // the unit being issued
         for (int i = 0; i < n_units; ++i) {
-            __syncthreads();                          // everyone is done with slot (i - 1) % S
-            issue(i + S - 1, ib, is);                 // ... refill it
+            w16::cp_wait<S - 2>();                    // stage i has landed (this thread's copies)
+            __syncthreads();                          // ... and everyone's; slot i - 1 is free
+            issue(i + S - 1, ib, is);
             if (++is == SPB) { is = 0; ++ib; }
-            w16::mbar_wait(&sFull[i % S], (i / S) & 1);   // stage i has landed
             const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
             const u8* st = smem + (size_t)(i % S) * St::BYTES;
             const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
@@ -283,7 +240,7 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                                warp * TPW * 8 + g;
             const unsigned short* sz = reinterpret_cast<const unsigned short*>(st + St::Z_OFF) +
                                        warp * TPW * 8 + g;
-            const u8* sa = st + St::A_OFF;
+            const uint4* sa = reinterpret_cast<const uint4*>(st + St::A_OFF);
 #pragma unroll
             for (int kc = 0; kc < KC; ++kc) {
                 if (kc >= kcn) break;                 // uniform: a short last stage
@@ -293,10 +250,8 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                 for (int mt = 0; mt < LT; ++mt) {
                     const int r = 8 * mt + g;
-                    const uint4* ap = reinterpret_cast<const uint4*>(sa + r * St::A_ROW +
-                                                                     kc * 128) + 2 * t;
-                    bv[mt][0] = ap[0];
-                    bv[mt][1] = ap[1];
+                    bv[mt][0] = sa[r * KC * 8 + ((kc * 8 + 2 * t) ^ (g & 1))];
+                    bv[mt][1] = sa[r * KC * 8 + ((kc * 8 + 2 * t + 1) ^ (g & 1))];
                 }
                 // the accumulator's start: -(MAGIC + zp) S per token, by the tensor cores
                 auto zero_point_start = [&](float (&z)[4], u32 nzl, u32 nzh, int mt) {
@@ -336,11 +291,12 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                         float tmp[4];
                         if (ZP) {
                             zero_point_start(tmp, nzl, nzh, mt);
-                        } else {
-#pragma unroll
-                            for (int q = 0; q < 4; ++q) tmp[q] = zs[ZP ? 0 : mt][q];
+                            w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
+                                          bv[mt][0].y);
+                        } else {                      // from the shared start, kept
+                            w16::mma16816_c(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
+                                            bv[mt][0].y, zs[ZP ? 0 : mt]);
                         }
-                        w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x, bv[mt][0].y);
                         w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], bv[mt][0].z, bv[mt][0].w);
                         w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], bv[mt][1].x, bv[mt][1].y);
                         w16::mma16816(tmp, lo[6], hi[6], lo[7], hi[7], bv[mt][1].z, bv[mt][1].w);
@@ -380,4 +336,5 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             if (++s == SPB) { s = 0; ++b; }
         }
     });
+    w16::cp_wait<0>();                            // nothing in flight at exit
 }
