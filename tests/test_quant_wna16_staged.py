@@ -34,32 +34,58 @@ TOL = 2e-2          # issue 8 / vLLM's weight-only tolerance
 
 
 # ----------------------------------------------------------------------------- CPU
-def _runs(U, Q):
-    return [(q * U // Q, (q + 1) * U // Q) for q in range(Q)]
+def _runs(costs, Q):
+    """The kernel's split (wna16_staged): m tile m of cost costs[m] per unit (0: none) and U
+    units; CTA q's units of each m tile, as {q: [(m, ua, ub), ...]}."""
+    U = costs["U"]
+    cum = np.concatenate([[0], np.cumsum([U * w for w in costs["w"]])])
+    Wt = int(cum[-1])
+    out = {}
+    for q in range(Q):
+        lo, hi = q * Wt // Q, (q + 1) * Wt // Q
+        for m, w in enumerate(costs["w"]):
+            if not w or cum[m + 1] <= lo or cum[m] >= hi:
+                continue
+            ua = max(0, -(-(lo - int(cum[m])) // w))
+            ub = min(U, -(-(hi - int(cum[m])) // w))
+            if ua < ub:
+                out.setdefault(q, []).append((m, ua, ub))
+    return out, cum, Wt
 
 
 @pytest.mark.parametrize("name", sorted(W.STAGED_CONFIGS))
-def test_plan_covers_every_unit_once(name):
+def test_plan_and_runs(name):
+    """staged_plan's geometry; the kernel's runs (written out in _runs) cover every unit of every
+    live m tile once, in order, each CTA's units of an m tile owned by it (the owner formula
+    the partial blocks use) and at most two partial blocks per CTA (its workspace slots)."""
     cfg = W.STAGED_CONFIGS[name]
     bm, nb = 8 * cfg["MT"], cfg["W"] * cfg["TPW"]
     for P, N, K, L, B, sms in ((2, 28672, 4096, 58, bm, 132), (128, 4096, 14336, 376, 3 * bm, 132),
                                (128, 28672, 4096, 520, 2 * bm, 132), (6, 288, 576, 40, bm, 3)):
         lp = W.staged_plan(P, 8, N, K, L, B, cfg, sms, 128, K // 128)
-        mt, q, _ = lp["grid"]
-        assert mt * bm >= min(L, P * B) > (mt - 1) * bm
+        q = lp["grid"][0]
+        assert lp["MTILES"] * bm >= min(L, P * B) > (lp["MTILES"] - 1) * bm
         spb = -(-K // 64 // cfg["KC"])
-        assert lp["U"] == -(-(N // 16) // nb) * spb and 1 <= q <= lp["U"]
-        runs = _runs(lp["U"], q)
-        assert runs[0][0] == 0 and runs[-1][1] == lp["U"]
-        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(runs, runs[1:]))
-        assert lp["WS"] == mt * q * 2 * 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
-        assert lp["TILES"] == mt * -(-(N // 16) // nb)
-        assert lp["smem"] == cfg["S"] * W.staged_stage_bytes(cfg, False)
+        assert lp["U"] == -(-(N // 16) // nb) * spb and q == min(sms * cfg["MINB"],
+                                                                  lp["MTILES"] * lp["U"])
+        assert lp["WS"] == q * 2 * 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
+        assert lp["TILES"] == lp["MTILES"] * -(-(N // 16) // nb)
+        assert lp["smem"] == cfg["S"] * W.staged_stage_bytes(cfg, False) + 8 * (lp["MTILES"] + 1)
         assert lp["smem"] <= W.SMEM_PER_SM // cfg["MINB"] - 1024
-        # the owner of a unit (the kernel's formula) is the run that holds it
-        for u in range(0, lp["U"], max(1, lp["U"] // 50)):
-            owner = ((u + 1) * q - 1) // lp["U"]
-            assert runs[owner][0] <= u < runs[owner][1]
+        rng = np.random.default_rng(P)
+        costs = dict(U=lp["U"], w=[int(x) for x in rng.choice([0, 6, 7, 8, 9], lp["MTILES"])])
+        runs, cum, Wt = _runs(costs, q)
+        seen = [(m, u) for r in runs.values() for m, ua, ub in r for u in range(ua, ub)]
+        want = [(m, u) for m, w in enumerate(costs["w"]) if w for u in range(lp["U"])]
+        assert sorted(seen) == want and len(seen) == len(set(seen))
+        for qq, r in runs.items():
+            partial = 0
+            for m, ua, ub in r:
+                w = costs["w"][m]
+                for u in (ua, ub - 1):                      # owner(p) = ((p + 1) Q - 1) // Wt
+                    assert ((int(cum[m]) + u * w + 1) * q - 1) // Wt == qq
+                partial += (ua % spb != 0) + (ub % spb != 0)
+            assert partial <= 2
 
 
 @pytest.mark.parametrize("E,N,Kd,gs,zp,nb,kc", [(2, 288, 576, 64, True, 16, 2),
@@ -159,13 +185,14 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
 @pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [
     # two row blocks (the second of 2 tiles), 9 chunks (a short last stage), g64: runs of 2-3
     # units inside blocks of 5, so blocks are finished from 2-3 parts
-    ("t8", (2, 4, 2, 288, 576, 8), 64, False, 8, 4),
-    ("t16", (5, 3, 2, 288, 640, 16), 128, True, 8, 5),
-    # 1-3 live token tiles per m tile, zero points
-    ("t24", (20, 2, 2, 256, 512, 24), 128, True, 4, 2),
-    ("t24", (20, 2, 2, 64, 768, 48), 256, False, 4, 2),        # padding m tiles, g256
-    ("t32", (30, 2, 2, 128, 384, 32), 384, True, 1, 1),        # one group per row, one run
-    ("u24", (9, 3, 2, 320, 256, 24), 64, False, 8, 4),         # 8 warps, one unit per CTA
+    ("t8", (2, 4, 2, 288, 576, 8), 64, False, 8, 16),
+    ("t16", (5, 3, 2, 288, 640, 16), 128, True, 8, 16),
+    # 1-3 live token tiles per m tile (runs of unequal length: costs LT + 5), zero points
+    ("t24", (20, 2, 2, 256, 512, 24), 128, True, 4, 8),
+    ("t24", (20, 2, 2, 64, 768, 48), 256, False, 4, 8),        # padding m tiles, g256
+    ("t32", (30, 2, 2, 128, 384, 32), 384, True, 1, 2),        # one group per row; runs that
+                                                               # cross m tiles
+    ("u24", (9, 3, 2, 320, 256, 24), 64, False, 8, 16),        # 8 warps
 ])
 def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
     M_a, E, K, N, Kd, B = shape

@@ -720,8 +720,8 @@ def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dic
 # weights): the CTA's weights and activations staged together through one shared-memory
 # cp.async pipeline of S stages (KC 64-code chunks each), W warps of TPW 16-row tiles (a row
 # block of NB = W TPW tiles), MT token tiles of 8, MINB CTAs per SM; the mma multiplies the raw
-# 128 + q and the zero point comes off by 4 more mma per chunk on the activations. The CTAs of
-# an m tile split its (row block, K stage) units into contiguous runs (staged_plan).
+# 128 + q and the zero point comes off by 4 more mma per chunk on the activations. One wave of
+# CTAs splits all m tiles' (row block, K stage) units into runs of equal cost (staged_plan).
 STAGED_CONFIGS = {
     "t8": dict(KERNEL="staged", MT=1, W=4, TPW=4, KC=2, S=4, MINB=2),
     "t16": dict(KERNEL="staged", MT=2, W=4, TPW=4, KC=2, S=4, MINB=2),
@@ -751,11 +751,12 @@ def staged_stage_bytes(cfg: dict, zp: bool) -> int:
 def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
                 num_sms: int = 132, group_size: int = 0, num_groups: int = 1,
                 zp: bool = False) -> dict:
-    """wna16_staged's launch: grid (m tiles, Q), block 32 W, dynamic shared memory S stages.
-    An m tile's U = blocks x SPB units (row blocks of NB tiles x K stages of KC chunks) go in
-    contiguous runs to its Q CTAs, Q = the CTAs of MINB per SM (times WAVES) shared among the
-    live m tiles expected (live_m_tiles); the partial blocks meet in a workspace of WS floats
-    ([m tiles][Q][2 parts][32 W TPW MT 4]) with TILES counters."""
+    """wna16_staged's launch: grid (Q,), block 32 W, dynamic shared memory S stages then the m
+    tiles' prefix costs (8 (MTILES + 1) bytes). Every live m tile has U = blocks x SPB units
+    (row blocks of NB tiles x K stages of KC chunks), each costing LT + 5 (LT: its live token
+    tiles, found on the device); the Q = MINB CTAs per SM (times WAVES) take contiguous runs of
+    equal cost over all m tiles in order. The partial blocks meet in a workspace of WS floats
+    ([Q][2 parts][32 W TPW MT 4]) with TILES counters ([m tiles][blocks])."""
     bm = 8 * cfg["MT"]
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
@@ -768,21 +769,19 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     mtiles = C.cdiv(Lg, bm)
     nb = cfg["W"] * cfg["TPW"]
     blocks = C.cdiv(N // 16, nb)
-    spb = C.cdiv(K // PACK_CHUNK, cfg["KC"])
-    units = blocks * spb
-    live_m = live_m_tiles(P, E, mtiles, bm)
-    slots = num_sms * cfg["MINB"] * cfg.get("WAVES", 1)
-    q = max(1, min(units, slots // live_m, 65535))
-    smem = cfg["S"] * staged_stage_bytes(cfg, zp)
+    units = blocks * C.cdiv(K // PACK_CHUNK, cfg["KC"])
+    q = max(1, min(num_sms * cfg["MINB"] * cfg.get("WAVES", 1), mtiles * units))
+    smem = cfg["S"] * staged_stage_bytes(cfg, zp) + 8 * (mtiles + 1)
     room = SMEM_PER_SM // cfg["MINB"] - 1024
     if smem > room:
-        raise ValueError(f"config: {smem} bytes of pipeline stages per CTA leave no room for "
-                         f"MINB = {cfg['MINB']} CTAs per SM ({room} bytes each)")
+        raise ValueError(f"config: {smem} bytes of pipeline stages and m tile costs per CTA "
+                         f"leave no room for MINB = {cfg['MINB']} CTAs per SM ({room} bytes "
+                         f"each)")
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
     per = 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
-    return dict(name=staged_kernel_name(cfg, zp), cfg=cfg, grid=(mtiles, q, 1),
+    return dict(name=staged_kernel_name(cfg, zp), cfg=cfg, grid=(q, 1, 1),
                 block=(32 * cfg["W"],), smem=smem, shift=shift, Lg=Lg, Q=q, U=units,
-                WS=mtiles * q * 2 * per, TILES=mtiles * blocks)
+                MTILES=mtiles, WS=q * 2 * per, TILES=mtiles * blocks)
 
 
 STAGED_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values()

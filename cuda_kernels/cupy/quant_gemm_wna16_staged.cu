@@ -91,250 +91,306 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     __shared__ int sLast;
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
-    const int m0 = blockIdx.x * BM;
-    if (!w16::load_m_tile<BM>(m0, sorted_token_ids, num_tokens_post_padded, num_slots, top_k,
-                              num_positions, sSlot, sArow))
-        return;                                   // padding only
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int e = expert_ids[m0 / block_size];    // BM divides block_size: one expert
     const int ntiles = N >> 4, C = Kdim >> 6;
-    if (e < 0) {                                  // expert of another rank: zeros, once
-        if (blockIdx.y == 0) w16::store_zeros<BM>(c, sSlot, N, 0, N, NT);
-        return;
-    }
-    // this CTA's run of units [u0, u1) of the m tile's U (64-bit products: U Q can pass 2^31)
-    const int SPB = (C + KC - 1) / KC, nblocks = (ntiles + NB - 1) / NB;
-    const long long U = (long long)nblocks * SPB, Q = gridDim.y;
-    const int u0 = (int)(blockIdx.y * U / Q), u1 = (int)((blockIdx.y + 1) * U / Q);
-    if (u0 >= u1) return;
-    auto owner = [&](long long u) { return (int)(((u + 1) * Q - 1) / U); };   // CTA of unit u
+    const int SPB = (C + KC - 1) / KC, nblocks = (ntiles + NB - 1) / NB, U = nblocks * SPB;
+    const int mtiles = (num_positions + BM - 1) / BM;
+    const int Q = gridDim.x, q = blockIdx.x;
 
-    // the live token tiles (an expert's live rows are a prefix of its block), and the row of a
-    // each staged row copies (padding rows inside the live tiles: a live row, never stored)
-    int first = -1, live_tiles = 0;
-    for (int r = BM - 1; r >= 0; --r)
-        if (sArow[r] >= 0) {
-            first = sArow[r];
-            if (!live_tiles) live_tiles = r / 8 + 1;
-        }
-    const int live_rows = 8 * live_tiles;
-
-    // ---- this thread's copy units: 16-byte units tid + j NT of the stage's contiguous runs
-    // (stage_blocks: codes, then scales and zero points of the groups met), and its share of
-    // the token rows, fixed for the CTA: BM rows x KC chunks x 8 units, unit u of row r at
-    // u ^ (r & 1)
-    constexpr int W_PER = TPW * KC;                    // NB KC 32 units / NT threads
-    constexpr int S_PER = (NB * KC * 4 + NT - 1) / NT, Z_PER = (NB * KC + NT - 1) / NT;
-    constexpr int A_UNITS = BM * KC * 8, A_PER = (A_UNITS + NT - 1) / NT;
-    long long a_off[A_PER];                            // element offset of the unit in chunk 0
-    int a_dst[A_PER];                                  // byte offset in the stage, or -1
-    int a_chunk[A_PER];                                // its chunk in the stage
+    // ---- the m tiles' costs: U units each, weighted by LT + 5 (the instructions of a stage
+    // grow about so with the live token tiles: ~590 at LT = 2, ~680 at LT = 3), 0 for an m tile
+    // without live rows or of another rank's expert; cum[m] = the weighted position where m
+    // tile m starts, cum[mtiles] = the total. Every CTA computes the same (a few hundred loads).
+    long long* cum = reinterpret_cast<long long*>(smem + (size_t)S * St::BYTES);
+    const int ntp = num_tokens_post_padded[0];
+    for (int m = tid; m < mtiles; m += NT) {
+        int lt = 0;                                    // 1 + the last live row's tile
+        if (m * BM < ntp) {
 #pragma unroll
-    for (int j = 0; j < A_PER; ++j) {
-        const int k = tid + j * NT, r = k / (KC * 8), u = k % (KC * 8);
-        const bool ok = k < A_UNITS && r < live_rows;   // rows past the live tiles: never read
-        const int ar = ok ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
-        a_off[j] = (long long)ar * Kdim + u * 8;
-        a_dst[j] = ok ? St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1))) : -1;
-        a_chunk[j] = u / 8;
-    }
-    const size_t blk_e = (size_t)e * nblocks;          // this expert's first row block
-
-    // ---- stage i of the run (unit u0 + i, row block b, K stage s) into ring slot i % S; one
-    // commit group per stage (empty past the run: the wait counts stay right)
-    auto issue = [&](int i, int b, int s) {
-        if (u0 + i < u1) {
-            const int c0 = s * KC, kcn = min(KC, C - c0);
-            const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
-            u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
-            const uint4* wsrc = wp + ((blk_e + b) * SPB + s) * (NB * KC * 32) + tid;
-#pragma unroll
-            for (int j = 0; j < W_PER; ++j)
-                w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
-            const float2* ssrc = sp + ((blk_e + b) * num_groups + g0) * (NB * 8) + 2 * tid;
-#pragma unroll
-            for (int j = 0; j < S_PER; ++j)
-                if (tid + j * NT < ngr * NB * 4)
-                    w16::cp16(st + St::S_OFF + 16 * j * NT, ssrc + 2 * j * NT, true);
-            if (ZP) {
-                const unsigned short* zsrc = zp + ((blk_e + b) * num_groups + g0) * (NB * 8) +
-                                             8 * tid;
-#pragma unroll
-                for (int j = 0; j < Z_PER; ++j)
-                    if (tid + j * NT < ngr * NB)
-                        w16::cp16(st + St::Z_OFF + 16 * j * NT, zsrc + 8 * j * NT, true);
+            for (int r = 0; r < BM; ++r) {             // independent loads, in flight together
+                const int p = m * BM + r;
+                const int sl = p < num_positions ? sorted_token_ids[p] : -1;
+                if (sl >= 0 && sl < num_slots) lt = r / 8 + 1;
             }
-            u8* sa = smem + (size_t)(i % S) * St::BYTES;
-            const elem_t* asrc = a + (size_t)c0 * 64;
-#pragma unroll
-            for (int j = 0; j < A_PER; ++j)
-                if (a_dst[j] >= 0) {
-                    const bool ok = a_chunk[j] < kcn;
-                    w16::cp16(sa + a_dst[j], ok ? asrc + a_off[j] : a, ok);
-                }
         }
-        w16::cp_commit();
-    };
-
-#if ELEM_BF16
-    constexpr u32 MAGIC = 0x43004300u;
-#else
-    constexpr u32 MAGIC = 0x64006400u;
-#endif
-    // -(MAGIC + zp) in both halves: the A operand of the zero-point mma (sign bits flipped)
-    const u32 nzdef = (MAGIC | ((u32)default_zp * 0x00010001u)) ^ 0x80008000u;
-    const int n_units = u1 - u0;
-    {
-        int b = u0 / SPB, s = u0 - b * SPB;
-#pragma unroll
-        for (int i = 0; i < S - 1; ++i) {
-            issue(i, b, s);
-            if (++s == SPB) { s = 0; ++b; }
-        }
+        cum[m + 1] = lt && expert_ids[m * BM / block_size] >= 0 ? (long long)U * (lt + 5) : 0;
     }
+    __syncthreads();
+    if (tid == 0) {
+        cum[0] = 0;
+        for (int m = 0; m < mtiles; ++m) cum[m + 1] += cum[m];
+    }
+    __syncthreads();
+    const long long Wt = cum[mtiles];
+    // CTA q's run: weighted positions [run_start(q), run_start(q + 1)); the owner of position p
+    auto run_start = [&](long long qq) { return qq * Wt / Q; };
+    auto owner = [&](long long p) { return (int)(((p + 1) * Q - 1) / Wt); };
 
-    w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
-        constexpr int LT = decltype(live_count)::value;
-        float acc[TPW][LT][4];
-#pragma unroll
-        for (int r = 0; r < TPW; ++r)
-#pragma unroll
-            for (int mt = 0; mt < LT; ++mt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
+    // ---- experts of another rank: zeros, m tile m by CTA m % Q
+    for (int m = q; m < mtiles; m += Q) {
+        if (m * BM >= ntp || expert_ids[m * BM / block_size] >= 0) continue;
+        if (w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots,
+                                 top_k, num_positions, sSlot, sArow))
+            w16::store_zeros<BM>(c, sSlot, N, 0, N, NT);
+        __syncthreads();                               // sSlot is read before it is reused
+    }
+    if (Wt == 0 || run_start(q) >= run_start(q + 1)) return;
 
-        // the block's outputs: c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8, same)
-        auto store = [&](int b) {
+    // ---- the segments of the run, one m tile each: units [ua, ub) of m tile m
+    for (int m = 0; m < mtiles; ++m) {
+        const long long w = (cum[m + 1] - cum[m]) / U;  // the m tile's cost per unit
+        if (w == 0 || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1)) continue;
+        const int ua = (int)max(0LL, (run_start(q) - cum[m] + w - 1) / w);
+        const int ub = (int)min((long long)U, (run_start(q + 1) - cum[m] + w - 1) / w);
+        if (ua >= ub) continue;
+        const long long cm = cum[m];
+        const int u0 = ua, u1 = ub, m0 = m * BM;
+        w16::load_m_tile<BM>(m0, sorted_token_ids, num_tokens_post_padded, num_slots, top_k,
+                             num_positions, sSlot, sArow);
+        const int e = expert_ids[m0 / block_size];
+
+        // the live token tiles (an expert's live rows are a prefix of its block), and the row of a
+        // each staged row copies (padding rows inside the live tiles: a live row, never stored)
+        int first = -1, live_tiles = 0;
+        for (int r = BM - 1; r >= 0; --r)
+            if (sArow[r] >= 0) {
+                first = sArow[r];
+                if (!live_tiles) live_tiles = r / 8 + 1;
+            }
+        const int live_rows = 8 * live_tiles;
+
+        // ---- this thread's copy units: 16-byte units tid + j NT of the stage's contiguous runs
+        // (stage_blocks: codes, then scales and zero points of the groups met), and its share of
+        // the token rows, fixed for the CTA: BM rows x KC chunks x 8 units, unit u of row r at
+        // u ^ (r & 1)
+        constexpr int W_PER = TPW * KC;                    // NB KC 32 units / NT threads
+        constexpr int S_PER = (NB * KC * 4 + NT - 1) / NT, Z_PER = (NB * KC + NT - 1) / NT;
+        constexpr int A_UNITS = BM * KC * 8, A_PER = (A_UNITS + NT - 1) / NT;
+        long long a_off[A_PER];                            // element offset of the unit in chunk 0
+        int a_dst[A_PER];                                  // byte offset in the stage, or -1
+        int a_chunk[A_PER];                                // its chunk in the stage
 #pragma unroll
-            for (int r = 0; r < TPW; ++r) {
-                const int tile = b * NB + warp * TPW + r;
-                if (tile >= ntiles) continue;
+        for (int j = 0; j < A_PER; ++j) {
+            const int k = tid + j * NT, r = k / (KC * 8), u = k % (KC * 8);
+            const bool ok = k < A_UNITS && r < live_rows;   // rows past the live tiles: never read
+            const int ar = ok ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
+            a_off[j] = (long long)ar * Kdim + u * 8;
+            a_dst[j] = ok ? St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1))) : -1;
+            a_chunk[j] = u / 8;
+        }
+        const size_t blk_e = (size_t)e * nblocks;          // this expert's first row block
+
+        // ---- stage i of the run (unit u0 + i, row block b, K stage s) into ring slot i % S; one
+        // commit group per stage (empty past the run: the wait counts stay right)
+        auto issue = [&](int i, int b, int s) {
+            if (u0 + i < u1) {
+                const int c0 = s * KC, kcn = min(KC, C - c0);
+                const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
+                u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
+                const uint4* wsrc = wp + ((blk_e + b) * SPB + s) * (NB * KC * 32) + tid;
+#pragma unroll
+                for (int j = 0; j < W_PER; ++j)
+                    w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
+                const float2* ssrc = sp + ((blk_e + b) * num_groups + g0) * (NB * 8) + 2 * tid;
+#pragma unroll
+                for (int j = 0; j < S_PER; ++j)
+                    if (tid + j * NT < ngr * NB * 4)
+                        w16::cp16(st + St::S_OFF + 16 * j * NT, ssrc + 2 * j * NT, true);
+                if (ZP) {
+                    const unsigned short* zsrc = zp + ((blk_e + b) * num_groups + g0) * (NB * 8) +
+                                                 8 * tid;
+#pragma unroll
+                    for (int j = 0; j < Z_PER; ++j)
+                        if (tid + j * NT < ngr * NB)
+                            w16::cp16(st + St::Z_OFF + 16 * j * NT, zsrc + 8 * j * NT, true);
+                }
+                u8* sa = smem + (size_t)(i % S) * St::BYTES;
+                const elem_t* asrc = a + (size_t)c0 * 64;
+#pragma unroll
+                for (int j = 0; j < A_PER; ++j)
+                    if (a_dst[j] >= 0) {
+                        const bool ok = a_chunk[j] < kcn;
+                        w16::cp16(sa + a_dst[j], ok ? asrc + a_off[j] : a, ok);
+                    }
+            }
+            w16::cp_commit();
+        };
+
+    #if ELEM_BF16
+        constexpr u32 MAGIC = 0x43004300u;
+    #else
+        constexpr u32 MAGIC = 0x64006400u;
+    #endif
+        // -(MAGIC + zp) in both halves: the A operand of the zero-point mma (sign bits flipped)
+        const u32 nzdef = (MAGIC | ((u32)default_zp * 0x00010001u)) ^ 0x80008000u;
+        const int n_units = u1 - u0;
+        {
+            int b = u0 / SPB, s = u0 - b * SPB;
+#pragma unroll
+            for (int i = 0; i < S - 1; ++i) {
+                issue(i, b, s);
+                if (++s == SPB) { s = 0; ++b; }
+            }
+        }
+
+        w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
+            constexpr int LT = decltype(live_count)::value;
+            float acc[TPW][LT][4];
+#pragma unroll
+            for (int r = 0; r < TPW; ++r)
 #pragma unroll
                 for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int row = 8 * mt + 2 * t + (i & 1);
-                        const int n = tile * 16 + g + 8 * (i >> 1);
-                        const int s = sSlot[row];
-                        if (s < 0) continue;
-                        float v = acc[r][mt][i];
-                        if (bias != nullptr) v += bias[(size_t)e * N + n];
-                        if (mul_routed_weight) v *= topk_weights[s];
-                        c[(size_t)s * N + n] = w16::from_f32(v);
-                    }
-            }
-        };
+                    for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
 
-        int b = u0 / SPB, s = u0 - b * SPB;           // the unit being computed
-        int ib = (u0 + S - 1) / SPB, is = u0 + S - 1 - ib * SPB;   // the unit being issued
-        for (int i = 0; i < n_units; ++i) {
-            w16::cp_wait<S - 2>();                    // stage i has landed (this thread's copies)
-            __syncthreads();                          // ... and everyone's; slot i - 1 is free
-            issue(i + S - 1, ib, is);
-            if (++is == SPB) { is = 0; ++ib; }
-            const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
-            const u8* st = smem + (size_t)(i % S) * St::BYTES;
-            const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
-                              warp * TPW * KC * 32 + lane;
-            const float2* ss = reinterpret_cast<const float2*>(st + St::S_OFF) +
-                               warp * TPW * 8 + g;
-            const unsigned short* sz = reinterpret_cast<const unsigned short*>(st + St::Z_OFF) +
-                                       warp * TPW * 8 + g;
-            const uint4* sa = reinterpret_cast<const uint4*>(st + St::A_OFF);
-#pragma unroll
-            for (int kc = 0; kc < KC; ++kc) {
-                if (kc >= kcn) break;                 // uniform: a short last stage
-                const int gi = ((c0 + kc) >> chunk_shift) - g0;
-                // B: the lane's token (column g of each tile), codes 16 t .. + 15 of the chunk
-                uint4 bv[LT][2];
-#pragma unroll
-                for (int mt = 0; mt < LT; ++mt) {
-                    const int r = 8 * mt + g;
-                    bv[mt][0] = sa[r * KC * 8 + ((kc * 8 + 2 * t) ^ (g & 1))];
-                    bv[mt][1] = sa[r * KC * 8 + ((kc * 8 + 2 * t + 1) ^ (g & 1))];
-                }
-                // the accumulator's start: -(MAGIC + zp) S per token, by the tensor cores
-                auto zero_point_start = [&](float (&z)[4], u32 nzl, u32 nzh, int mt) {
-                    z[0] = z[1] = z[2] = z[3] = 0.f;
-                    w16::mma16816(z, nzl, nzh, nzl, nzh, bv[mt][0].x, bv[mt][0].y);
-                    w16::mma16816(z, nzl, nzh, nzl, nzh, bv[mt][0].z, bv[mt][0].w);
-                    w16::mma16816(z, nzl, nzh, nzl, nzh, bv[mt][1].x, bv[mt][1].y);
-                    w16::mma16816(z, nzl, nzh, nzl, nzh, bv[mt][1].z, bv[mt][1].w);
-                };
-                float zs[ZP ? 1 : LT][4];             // shared by the TPW tiles (ZP = 0)
-                if (!ZP) {
-#pragma unroll
-                    for (int mt = 0; mt < LT; ++mt) zero_point_start(zs[ZP ? 0 : mt], nzdef, nzdef, mt);
-                }
+            // the block's outputs: c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8, same)
+            auto store = [&](int b) {
 #pragma unroll
                 for (int r = 0; r < TPW; ++r) {
-                    const uint4 x = sw[(r * KC + kc) * 32];
-                    const float2 s2 = ss[(gi * NB + r) * 8];
-                    u32 nzl = nzdef, nzh = nzdef;
-                    if (ZP) {                         // row g's zero point in the low byte
-                        const u32 z = sz[(gi * NB + r) * 8];
-                        nzl = (MAGIC | ((z & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
-                        nzh = (MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
-                    }
-                    // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q
-                    u32 lo[8], hi[8];
-#pragma unroll
-                    for (int p = 0; p < 4; ++p) {
-                        const u32 m = 0x000F000Fu;
-                        lo[p] = w16::and_or(x.x >> (4 * p), m, MAGIC);
-                        hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
-                        lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
-                        hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
-                    }
-#pragma unroll
-                    for (int mt = 0; mt < LT; ++mt) {
-                        float tmp[4];
-                        if (ZP) {
-                            zero_point_start(tmp, nzl, nzh, mt);
-                            w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
-                                          bv[mt][0].y);
-                        } else {                      // from the shared start, kept
-                            w16::mma16816_c(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
-                                            bv[mt][0].y, zs[ZP ? 0 : mt]);
-                        }
-                        w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], bv[mt][0].z, bv[mt][0].w);
-                        w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], bv[mt][1].x, bv[mt][1].y);
-                        w16::mma16816(tmp, lo[6], hi[6], lo[7], hi[7], bv[mt][1].z, bv[mt][1].w);
-                        acc[r][mt][0] = fmaf(s2.x, tmp[0], acc[r][mt][0]);
-                        acc[r][mt][1] = fmaf(s2.x, tmp[1], acc[r][mt][1]);
-                        acc[r][mt][2] = fmaf(s2.y, tmp[2], acc[r][mt][2]);
-                        acc[r][mt][3] = fmaf(s2.y, tmp[3], acc[r][mt][3]);
-                    }
-                }
-            }
-            // ---- the end of a block (or of the run): store it, or hand in this CTA's part
-            if (s == SPB - 1 || i == n_units - 1) {          // uniform over the CTA
-                const long long ub = (long long)b * SPB;
-                if (u0 <= ub && s == SPB - 1) {
-                    store(b);                               // the whole block was this CTA's
-                } else {
-                    // parts of the block: CTAs q0 .. q1, each at slot 2 q + (b is not q's
-                    // first block), per m tile
-                    const int q0 = owner(ub), parts = owner(ub + SPB - 1) - q0 + 1;
-                    auto slot_of = [&](int z) {
-                        const long long q = q0 + z;
-                        return (size_t)(blockIdx.x * Q + q) * 2 + (q * U / Q / SPB != b);
-                    };
-                    if (w16::last_of_parts<TPW * LT * 4, NT>(
-                            &acc[0][0][0], ws, counters, (size_t)blockIdx.x * nblocks + b,
-                            NT * TPW * MT * 4, sLast, slot_of((int)blockIdx.y - q0), parts,
-                            slot_of))
-                        store(b);
-                }
-#pragma unroll
-                for (int r = 0; r < TPW; ++r)
+                    const int tile = b * NB + warp * TPW + r;
+                    if (tile >= ntiles) continue;
 #pragma unroll
                     for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
-                        for (int k = 0; k < 4; ++k) acc[r][mt][k] = 0.f;
+                        for (int i = 0; i < 4; ++i) {
+                            const int row = 8 * mt + 2 * t + (i & 1);
+                            const int n = tile * 16 + g + 8 * (i >> 1);
+                            const int s = sSlot[row];
+                            if (s < 0) continue;
+                            float v = acc[r][mt][i];
+                            if (bias != nullptr) v += bias[(size_t)e * N + n];
+                            if (mul_routed_weight) v *= topk_weights[s];
+                            c[(size_t)s * N + n] = w16::from_f32(v);
+                        }
+                }
+            };
+
+            int b = u0 / SPB, s = u0 - b * SPB;           // the unit being computed
+            int ib = (u0 + S - 1) / SPB, is = u0 + S - 1 - ib * SPB;   // the unit being issued
+            for (int i = 0; i < n_units; ++i) {
+                w16::cp_wait<S - 2>();                    // stage i has landed (this thread's)
+                __syncthreads();                          // ... and everyone's; slot i - 1 is free
+                issue(i + S - 1, ib, is);
+                if (++is == SPB) { is = 0; ++ib; }
+                const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
+                const u8* st = smem + (size_t)(i % S) * St::BYTES;
+                const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
+                                  warp * TPW * KC * 32 + lane;
+                const float2* ss = reinterpret_cast<const float2*>(st + St::S_OFF) +
+                                   warp * TPW * 8 + g;
+                const unsigned short* sz = reinterpret_cast<const unsigned short*>(st + St::Z_OFF) +
+                                           warp * TPW * 8 + g;
+                const uint4* sa = reinterpret_cast<const uint4*>(st + St::A_OFF);
+#pragma unroll
+                for (int kc = 0; kc < KC; ++kc) {
+                    if (kc >= kcn) break;                 // uniform: a short last stage
+                    const int gi = ((c0 + kc) >> chunk_shift) - g0;
+                    // B: the lane's token (column g of each tile), codes 16 t .. + 15 of the chunk
+                    uint4 bv[LT][2];
+#pragma unroll
+                    for (int mt = 0; mt < LT; ++mt) {
+                        const int r = 8 * mt + g;
+                        bv[mt][0] = sa[r * KC * 8 + ((kc * 8 + 2 * t) ^ (g & 1))];
+                        bv[mt][1] = sa[r * KC * 8 + ((kc * 8 + 2 * t + 1) ^ (g & 1))];
+                    }
+                    // the accumulator's start: -(MAGIC + zp) S per token, by the tensor cores
+                    auto zero_point_start = [&](float (&z)[4], u32 nzl, u32 nzh, int mt) {
+                        z[0] = z[1] = z[2] = z[3] = 0.f;
+                        w16::mma16816(z, nzl, nzh, nzl, nzh, bv[mt][0].x, bv[mt][0].y);
+                        w16::mma16816(z, nzl, nzh, nzl, nzh, bv[mt][0].z, bv[mt][0].w);
+                        w16::mma16816(z, nzl, nzh, nzl, nzh, bv[mt][1].x, bv[mt][1].y);
+                        w16::mma16816(z, nzl, nzh, nzl, nzh, bv[mt][1].z, bv[mt][1].w);
+                    };
+                    float zs[ZP ? 1 : LT][4];             // shared by the TPW tiles (ZP = 0)
+                    if (!ZP) {
+#pragma unroll
+                        for (int mt = 0; mt < LT; ++mt)
+                            zero_point_start(zs[ZP ? 0 : mt], nzdef, nzdef, mt);
+                    }
+#pragma unroll
+                    for (int r = 0; r < TPW; ++r) {
+                        const uint4 x = sw[(r * KC + kc) * 32];
+                        const float2 s2 = ss[(gi * NB + r) * 8];
+                        u32 nzl = nzdef, nzh = nzdef;
+                        if (ZP) {                         // row g's zero point in the low byte
+                            const u32 z = sz[(gi * NB + r) * 8];
+                            nzl = (MAGIC | ((z & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
+                            nzh = (MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
+                        }
+                        // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q
+                        u32 lo[8], hi[8];
+#pragma unroll
+                        for (int p = 0; p < 4; ++p) {
+                            const u32 m = 0x000F000Fu;
+                            lo[p] = w16::and_or(x.x >> (4 * p), m, MAGIC);
+                            hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
+                            lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
+                            hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
+                        }
+#pragma unroll
+                        for (int mt = 0; mt < LT; ++mt) {
+                            float tmp[4];
+                            if (ZP) {
+                                zero_point_start(tmp, nzl, nzh, mt);
+                                w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
+                                              bv[mt][0].y);
+                            } else {                      // from the shared start, kept
+                                w16::mma16816_c(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
+                                                bv[mt][0].y, zs[ZP ? 0 : mt]);
+                            }
+                            w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], bv[mt][0].z,
+                                          bv[mt][0].w);
+                            w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], bv[mt][1].x,
+                                          bv[mt][1].y);
+                            w16::mma16816(tmp, lo[6], hi[6], lo[7], hi[7], bv[mt][1].z,
+                                          bv[mt][1].w);
+                            acc[r][mt][0] = fmaf(s2.x, tmp[0], acc[r][mt][0]);
+                            acc[r][mt][1] = fmaf(s2.x, tmp[1], acc[r][mt][1]);
+                            acc[r][mt][2] = fmaf(s2.y, tmp[2], acc[r][mt][2]);
+                            acc[r][mt][3] = fmaf(s2.y, tmp[3], acc[r][mt][3]);
+                        }
+                    }
+                }
+                // ---- the end of a block (or of the run): store it, or hand in this CTA's part
+                if (s == SPB - 1 || i == n_units - 1) {          // uniform over the CTA
+                    if (u0 <= b * SPB && s == SPB - 1) {
+                        store(b);                               // the whole block was this CTA's
+                    } else {
+                        // the block's parts: the distinct owners of its units, in order (a
+                        // CTA whose run is shorter than a unit's cost owns none). Part 0's CTA
+                        // ends its run here (its last partial block), a later one starts it
+                        // here (its first): slots 2 q + 1 and 2 q + 0 (one of each per CTA)
+                        auto part_owner = [&](int z) {          // z < 0: the number of parts
+                            int prev = -1, n = -1;
+                            for (int k = 0; k < SPB; ++k) {
+                                const int o = owner(cm + ((long long)b * SPB + k) * w);
+                                if (o != prev && ++n == z) return o;
+                                prev = o;
+                            }
+                            return n + 1;
+                        };
+                        const int parts = part_owner(-1);
+                        int mine = 0;
+                        while (part_owner(mine) != q) ++mine;
+                        auto slot_of = [&](int z) {
+                            return (size_t)(2 * part_owner(z) + (z == 0));
+                        };
+                        if (w16::last_of_parts<TPW * LT * 4, NT>(
+                                &acc[0][0][0], ws, counters, (size_t)m * nblocks + b,
+                                NT * TPW * MT * 4, sLast, slot_of(mine), parts, slot_of))
+                            store(b);
+                    }
+#pragma unroll
+                    for (int r = 0; r < TPW; ++r)
+#pragma unroll
+                        for (int mt = 0; mt < LT; ++mt)
+#pragma unroll
+                            for (int k = 0; k < 4; ++k) acc[r][mt][k] = 0.f;
+                }
+                if (++s == SPB) { s = 0; ++b; }
             }
-            if (++s == SPB) { s = 0; ++b; }
-        }
-    });
-    w16::cp_wait<0>();                            // nothing in flight at exit
+        });
+        w16::cp_wait<0>();                             // the ring is empty ...
+        __syncthreads();                               // ... and read: the next segment refills it
+    }
 }
