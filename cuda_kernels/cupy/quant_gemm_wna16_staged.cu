@@ -356,25 +356,30 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                     if (u0 <= b * SPB && s == SPB - 1) {
                         store(b);                               // the whole block was this CTA's
                     } else {
-                        // the block's parts: the distinct owners of its units, in order (a
-                        // CTA whose run is shorter than a unit's cost owns none). Part 0's CTA
-                        // ends its run here (its last partial block), a later one starts it
-                        // here (its first): slots 2 q + 1 and 2 q + 0 (one of each per CTA)
-                        auto part_owner = [&](int z) {          // z < 0: the number of parts
-                            int prev = -1, n = -1;
-                            for (int k = 0; k < SPB; ++k) {
-                                const int o = owner(cm + ((long long)b * SPB + k) * w);
-                                if (o != prev && ++n == z) return o;
-                                prev = o;
+                        // the block's parts: the CTAs q0 .. q1 (owners of its first and last
+                        // units) that own one of its units (a CTA whose run is shorter than a
+                        // unit's cost may own none). Part 0's CTA ends its run here (its last
+                        // partial block), a later one starts it here (its first): slots 2 q + 1
+                        // and 2 q + 0 (one of each per CTA)
+                        const long long p0 = cm + (long long)b * SPB * w, p1 = p0 + (SPB - 1) * w;
+                        const int q0 = owner(p0), q1 = owner(p1);
+                        auto owns = [&](int qq) {           // a unit position in qq's run
+                            const long long lo = max(run_start(qq), p0);
+                            const long long hi = min(run_start(qq + 1), p1 + 1);
+                            return lo < hi && p0 + (lo - p0 + w - 1) / w * w < hi;
+                        };
+                        auto part_cta = [&](int z) {        // the CTA of part z
+                            int qq = q0;
+                            for (int n = owns(qq) ? 0 : -1; n < z; n += owns(++qq)) {}
+                            return qq;
+                        };
+                        int parts = 0, mine = 0;
+                        for (int qq = q0; qq <= q1; ++qq)
+                            if (owns(qq)) {
+                                mine = qq == q ? parts : mine;
+                                ++parts;
                             }
-                            return n + 1;
-                        };
-                        const int parts = part_owner(-1);
-                        int mine = 0;
-                        while (part_owner(mine) != q) ++mine;
-                        auto slot_of = [&](int z) {
-                            return (size_t)(2 * part_owner(z) + (z == 0));
-                        };
+                        auto slot_of = [&](int z) { return (size_t)(2 * part_cta(z) + (z == 0)); };
                         if (w16::last_of_parts<TPW * LT * 4, NT>(
                                 &acc[0][0][0], ws, counters, (size_t)m * nblocks + b,
                                 NT * TPW * MT * 4, sLast, slot_of(mine), parts, slot_of))
