@@ -313,66 +313,50 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                         for (int mt = 0; mt < LT; ++mt)
                             zero_point_start(zs[ZP ? 0 : mt], nzq, mt);
                     }
-                    // the warp's TPW tiles: codes, scales, (ZP) -(MAGIC + zp) quads
-                    uint4 x[TPW];
-                    float2 s2[TPW];
-                    u32 nzt[ZP ? TPW : 1][4];
 #pragma unroll
                     for (int r = 0; r < TPW; ++r) {
-                        x[r] = sw[(r * KC + kc) * 32];
-                        s2[r] = ss[(gi * NB + r) * 8];
+                        const uint4 x = sw[(r * KC + kc) * 32];
+                        const float2 s2 = ss[(gi * NB + r) * 8];
+                        u32 nzt[4] = {0u, 0u, 0u, 0u};    // ZP: this tile's -(MAGIC + zp)
                         if (ZP) {                         // row g's zero point in the low byte
                             const u32 z = sz[(gi * NB + r) * 8];
-                            nzt[ZP ? r : 0][0] = nzt[ZP ? r : 0][2] =
-                                (MAGIC | ((z & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
-                            nzt[ZP ? r : 0][1] = nzt[ZP ? r : 0][3] =
+                            nzt[0] = nzt[2] = (MAGIC | ((z & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
+                            nzt[1] = nzt[3] =
                                 (MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
                         }
-                    }
-                    // the chunk's partials, k16 step by k16 step over all tiles and token
-                    // tiles: consecutive mma are independent (a tile's chain of 4 would wait
-                    // on each accumulator; measured: 'wait' stalls first, 1.4 per issue)
-                    float tmp[TPW][LT][4];
+                        // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q
+                        u32 lo[8], hi[8];
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {         // k16 step: the lane's codes 4j .. 4j+3
-#pragma unroll
-                        for (int r = 0; r < TPW; ++r) {
-                            // A: pairs (2p, 2p + 1), p = 2 (j & 1) and + 1, of rows g (word
-                            // x / z) and g + 8 (y / w): 128 + q
-                            const u32 wl = j < 2 ? x[r].x : x[r].z, wh = j < 2 ? x[r].y : x[r].w;
-                            const int sh = 8 * (j & 1);
+                        for (int p = 0; p < 4; ++p) {
                             const u32 m = 0x000F000Fu;
-                            const u32 a0 = w16::and_or(wl >> sh, m, MAGIC);
-                            const u32 a1 = w16::and_or(wh >> sh, m, MAGIC);
-                            const u32 a2 = w16::and_or(wl >> (sh + 4), m, MAGIC);
-                            const u32 a3 = w16::and_or(wh >> (sh + 4), m, MAGIC);
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt) {
-                                const uint4& bq = bv[mt][j >> 1];
-                                const u32 b0 = j & 1 ? bq.z : bq.x, b1 = j & 1 ? bq.w : bq.y;
-                                if (j == 0) {
-                                    if (ZP) {
-                                        zero_point_start(tmp[r][mt], nzt[ZP ? r : 0], mt);
-                                        w16::mma16816(tmp[r][mt], a0, a1, a2, a3, b0, b1);
-                                    } else {              // from the shared start, kept
-                                        w16::mma16816_c(tmp[r][mt], a0, a1, a2, a3, b0, b1,
-                                                        zs[ZP ? 0 : mt]);
-                                    }
-                                } else {
-                                    w16::mma16816(tmp[r][mt], a0, a1, a2, a3, b0, b1);
-                                }
-                            }
+                            lo[p] = w16::and_or(x.x >> (4 * p), m, MAGIC);
+                            hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
+                            lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
+                            hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
                         }
-                    }
-#pragma unroll
-                    for (int r = 0; r < TPW; ++r)
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt) {
-                            acc[r][mt][0] = fmaf(s2[r].x, tmp[r][mt][0], acc[r][mt][0]);
-                            acc[r][mt][1] = fmaf(s2[r].x, tmp[r][mt][1], acc[r][mt][1]);
-                            acc[r][mt][2] = fmaf(s2[r].y, tmp[r][mt][2], acc[r][mt][2]);
-                            acc[r][mt][3] = fmaf(s2[r].y, tmp[r][mt][3], acc[r][mt][3]);
+                            float tmp[4];
+                            if (ZP) {
+                                zero_point_start(tmp, nzt, mt);
+                                w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
+                                              bv[mt][0].y);
+                            } else {                      // from the shared start, kept
+                                w16::mma16816_c(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
+                                                bv[mt][0].y, zs[ZP ? 0 : mt]);
+                            }
+                            w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], bv[mt][0].z,
+                                          bv[mt][0].w);
+                            w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], bv[mt][1].x,
+                                          bv[mt][1].y);
+                            w16::mma16816(tmp, lo[6], hi[6], lo[7], hi[7], bv[mt][1].z,
+                                          bv[mt][1].w);
+                            acc[r][mt][0] = fmaf(s2.x, tmp[0], acc[r][mt][0]);
+                            acc[r][mt][1] = fmaf(s2.x, tmp[1], acc[r][mt][1]);
+                            acc[r][mt][2] = fmaf(s2.y, tmp[2], acc[r][mt][2]);
+                            acc[r][mt][3] = fmaf(s2.y, tmp[3], acc[r][mt][3]);
                         }
+                    }
                 }
                 // ---- the end of a block (or of the run): store it, or hand in this CTA's part
                 if (s == SPB - 1 || i == n_units - 1) {          // uniform over the CTA
