@@ -55,18 +55,19 @@ def test_config_choice_and_splits():
     assert W.choose_splits(W.CONFIGS["m8"], 2, 8, 4096, 14336, 32, 132) > 1
     with pytest.raises(ValueError, match="block_size"):
         W.pick_config(2, 12)
-    # int4 on packable weights: 8 token rows up to 8 rows per expert, then 24 or 32 (one pass
-    # over each expert's weights per 24 / 32 rows) up to 128, 8 up to 24 for other block sizes
+    # int4 on packable weights: the packed rung's 8 token rows up to 8 rows per expert, then
+    # the staged rung's 24 or 32 (one pass over each expert's weights per 24 / 32 rows) up to
+    # 128, 8 up to 24 for other block sizes
     tiles = 28672 // 16
     assert W.pick_config(4, 16, n_tiles=tiles) == W.PACKED_CONFIGS["q8"]
-    assert W.pick_config(16, 48, n_tiles=tiles) == W.PACKED_CONFIGS["q24"]
-    assert W.pick_config(16, 32, n_tiles=tiles) == W.PACKED_CONFIGS["q32"]
-    assert W.pick_config(100, 64, n_tiles=tiles) == W.PACKED_CONFIGS["q32"]
+    assert W.pick_config(16, 48, n_tiles=tiles) == W.STAGED_CONFIGS["t24"]
+    assert W.pick_config(16, 32, n_tiles=tiles) == W.STAGED_CONFIGS["t32"]
+    assert W.pick_config(100, 64, n_tiles=tiles) == W.STAGED_CONFIGS["t32"]
     assert W.pick_config(16, 16, n_tiles=tiles) == W.PACKED_CONFIGS["q8"]
     for rows in (16, 100):
         assert W.pick_config(rows, W.block_size_for(rows), n_tiles=tiles)["MT"] == 3
-    assert W.pick_config(256, 64, n_tiles=tiles).get("KERNEL") != "packed"
-    assert W.pick_config(64, 16, n_tiles=tiles).get("KERNEL") != "packed"
+    assert W.pick_config(256, 64, n_tiles=tiles).get("KERNEL") not in ("packed", "staged")
+    assert W.pick_config(64, 16, n_tiles=tiles).get("KERNEL") not in ("packed", "staged")
 
 
 def test_supports_says_why():

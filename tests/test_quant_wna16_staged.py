@@ -270,3 +270,38 @@ def test_parts_match_reference_and_repeat(rng, cfg):
     second = host(W.grouped_gemm_wna16(*args, **kw, out=poisoned((M_a * K, N), BF16)), BF16)
     assert rel_err(first, want) <= TOL
     assert np.array_equal(first.view(np.uint16), second.view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_grouped_gemm_quant_routes_int4_to_staged(rng, monkeypatch):
+    """quant_gemm.grouped_gemm_quant hands an int4 batch of 16 rows per expert (block size 32,
+    quant_gemm.block_size_for's) to the staged rung's t32, which matches the reference with a
+    poisoned output."""
+    ok, why = C.availability()
+    if not ok:
+        pytest.skip(why)
+    from cuda_kernels.cupy import quant_gemm as QG
+
+    M_a, E, K, N, Kd = 32, 4, 2, 256, 512
+    B = QG.block_size_for("int4", M_a * K / E)
+    assert B == 32
+    a = rng.standard_normal((M_a, Kd)).astype(BF16)
+    wq, ws, _ = quantized(rng, E, N, Kd, 128, False)
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(M_a)]).astype(np.int32)
+    st, ex, ntp = moe_align_block_size(ids, B, E)
+    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+    want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, w_scale=ws,
+                                 use_int4_w4a16=True)
+    seen = []
+    real = W.grouped_gemm_wna16
+
+    def spy(*args, **kw):
+        seen.append(kw.get("config"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(W, "grouped_gemm_wna16", spy)
+    out = poisoned((M_a * K, N), BF16)
+    got = QG.grouped_gemm_quant(up(a), up(wq), up(st), up(ex), up(ntp), K, B, up(tw), True,
+                                w_scale=up(ws), use_int4_w4a16=True, out=out)
+    assert got is out and seen == ["t32"]
+    assert rel_err(host(got, BF16), want) <= TOL

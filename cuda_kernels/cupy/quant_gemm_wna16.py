@@ -20,7 +20,16 @@ L = len(sorted_token_ids), BM = 8 * MT positions per CTA, KS K splits.
     w_zp     [E, N, G]        uint8 or None (8 for int4, 128 for uint8, 0 for int8)
     c        [P, N]           a's dtype
 
-Four rungs (see the .cu headers for the lane layouts), chosen by the config name:
+Five rungs (see the .cu headers for the lane layouts), chosen by the config name:
+    wna16_staged  (STAGED_CONFIGS: t8, t16, t24, t32, u24; quant_gemm_wna16_staged.cu) int4 on
+                  the packed rung's weights laid out a pipeline stage per contiguous run
+                  (stage_blocks): a CTA stages the codes, scales and its tokens' activations
+                  of NB = W TPW 16-row tiles x KC 64-code chunks per stage through one
+                  cp.async ring, each warp feeds TPW tiles from one read of the activations;
+                  raw 128 + q into the mma, the zero point off by 4 more mma on the
+                  activations; one wave of CTAs splits all m tiles' (row block, K stage)
+                  units into runs of equal cost (staged_plan), partial blocks added in CTA
+                  order. What grouped_gemm_quant runs for 8-128 rows per expert (route_int4).
     wna16_wgmma   (WGMMA_CONFIGS: g32, h32, p32, ...; quant_gemm_wna16_wgmma.cu, sm_90a) int4
                   on weights prepacked in wgmma's register-A order: one warpgroup per CTA, the
                   dequantized weights of RB 64-row groups as wgmma's A, the activations staged
@@ -35,7 +44,8 @@ Four rungs (see the .cu headers for the lane layouts), chosen by the config name
                   chunks per lane (registers, or shared memory with SR); POST: the zero point
                   off by one more mma on the chunk sums (wna16_chunk_sums, launched here);
                   WAVES waves of CTAs (packed_plan). What
-                  quant_gemm.grouped_gemm_quant runs for int4 decode batches (route_int4).
+                  quant_gemm.grouped_gemm_quant runs for int4 batches of up to 8 rows per
+                  expert (route_int4).
     wna16_stream  (CONFIGS: w8, m8, m16, m32) each warp streams 16 weight rows with 16-byte
                   loads straight into registers, U steps of 128 codes in flight per lane;
     wna16_async   (a8, a16, a32) each warp copies its rows through a shared-memory cp.async
@@ -170,11 +180,16 @@ PACKED_CONFIGS = {
 # 1.48 / 2.74 / 5.71 ms vs those rungs 1.50 / 2.36 / 3.05 / 5.41 ms at 32 / 64 / 128 / 256 rows
 # per expert (T = 128 / 256 / 512 / 1024). A problem the packed rung cannot take (int8,
 # group_size 32, N % 16) names a stream config.
-PACKED_BY_ROWS = ((8, "q8"), (128, "q24"), (128, "q32"), (24, "q8"))
+# The staged rung (STAGED_CONFIGS) then took the 8-128 rows from q24 / q32 (H200, Mixtral,
+# GEMM1 / GEMM2 us, benchmarks/results/dev_wna16_20261130e/bench_wna16_..._170246.json):
+# T = 64 t24 200 / 116 and t32 210 / 122 against q24 253 / 121 and q32 242 / 122; T = 256 t24
+# 590 / 316 and t32 598 / 315 against q24 702 / 334 and q32 730 / 352. Up to 8 rows q8 stays
+# (T = 1: q8 43 / 25 against t8 51 / 37; T = 16: q8 152 / 79 against t16 154 / 92).
+PACKED_BY_ROWS = ((8, "q8"), (128, "t24"), (128, "t32"), (24, "q8"))
 # A measured table (CONFIG_FILE) replaces this one when present.
 BY_ROWS = PACKED_BY_ROWS + ((4, "w8"), (1 << 30, "w16"), (1 << 30, "w8"))
 # block_size measured with each entry (any multiple of its BM works)
-MEASURED_BLOCK = {"w8": 8, "w16": 32, "q8": 8, "q24": 48, "q32": 32}
+MEASURED_BLOCK = {"w8": 8, "w16": 32, "q8": 8, "q24": 48, "q32": 32, "t24": 48, "t32": 32}
 SMEM_PER_SM = 227 * 1024        # H100 / H200: shared memory an SM can give its CTAs
 TARGET_WARPS_PER_SM = 16        # K splits until this many 16-row streams per SM (the "auto"
                                 # of the sweeps; Mixtral T=1 GEMM2 measured 60 us with it (KS=5)
@@ -225,14 +240,21 @@ NAMES = tuple(kernel_name(b, c, p) for c in CONFIGS.values() for b, p in
               ((4, True), (4, False), (8, False)))
 
 
+def named_config(name: str) -> dict:
+    """The config `name` of any rung's table (CONFIGS, PACKED_, STAGED_, WGMMA_CONFIGS)."""
+    for table in (CONFIGS, PACKED_CONFIGS, STAGED_CONFIGS, WGMMA_CONFIGS):
+        if name in table:
+            return table[name]
+    raise KeyError(name)
+
+
 def block_size_for(rows_per_expert: float) -> int:
     """The alignment block_size that lets the table pick its best tile for a batch of
     `rows_per_expert` = P / E rows: the tile's BM (8 at decode: with block_size 16, half of
     the CTAs would hold only padding). Any multiple of BM works too."""
     for rows, name in BY_ROWS:
         if rows_per_expert <= rows:
-            return MEASURED_BLOCK.get(name, 8 * (CONFIGS[name] if name in CONFIGS else
-                                                 PACKED_CONFIGS[name])["MT"])
+            return MEASURED_BLOCK.get(name, 8 * named_config(name)["MT"])
     return 16
 
 
@@ -265,8 +287,9 @@ def pick_config(rows_per_expert: float, block_size: int, config=None, n_tiles: i
                              f"{block_size}")
         return cfg
     for rows, name in BY_ROWS:
-        cfg = CONFIGS[name] if name in CONFIGS else PACKED_CONFIGS[name]
-        if name in PACKED_CONFIGS and (n_tiles <= 0 or n_tiles % cfg.get("RT", 1)):
+        cfg = named_config(name)
+        if cfg.get("KERNEL") in ("packed", "staged") and (n_tiles <= 0 or
+                                                          n_tiles % cfg.get("RT", 1)):
             continue
         if rows_per_expert <= rows and block_size % (8 * cfg["MT"]) == 0:
             return dict(cfg)
@@ -509,10 +532,10 @@ for _ev in ELEMS.values():     # one NVRTC check per element type: every rung of
 
 
 def route_int4(a, w, w_scale, w_zp, block_shape, top_k, block_size):
-    """The PACKED_CONFIGS name that grouped_gemm_quant's int4 branch should hand this call to
-    (grouped_gemm_wna16 with that config), or None (not CuPy arrays, a shape the packed rung
-    does not take, too many rows per expert, BM not dividing block_size): then quant_gemm's
-    own rungs run, and check the arguments."""
+    """The PACKED_BY_ROWS name (a packed or staged config) that grouped_gemm_quant's int4
+    branch should hand this call to (grouped_gemm_wna16 with that config), or None (not CuPy
+    arrays, a shape the prepacked rungs do not take, too many rows per expert, BM not dividing
+    block_size): then quant_gemm's own rungs run, and check the arguments."""
     try:
         import cupy
 
@@ -534,7 +557,7 @@ def route_int4(a, w, w_scale, w_zp, block_shape, top_k, block_size):
             return None
         rows = a.shape[0] * int(top_k) / max(E, 1)
         for r, name in PACKED_BY_ROWS:
-            cfg = PACKED_CONFIGS[name]
+            cfg = named_config(name)
             if rows <= r and int(block_size) % (8 * cfg["MT"]) == 0 and \
                     (N // 16) % cfg.get("RT", 1) == 0:
                 return name
@@ -1136,7 +1159,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     runs = [(n, c, case) for n, c in CONFIGS.items() for case in
             (cases[:2] if args.quick else cases)]
     # --quick (the sanitizer's run): the route's defaults and one config of each other path
-    quick = {n for _, n in PACKED_BY_ROWS} | {"p8", "r16", "v24", "v32"}
+    quick = {"q8", "q24", "q32", "p8", "r16", "v24", "v32"}
     runs += [(n, c, (M_a, E, K, N, Kd, max(B, 8 * c["MT"]), 4, gs, zp, None))
              for n, c in PACKED_CONFIGS.items() if n in quick or not args.quick
              for (M_a, E, K, N, Kd, B, gs, zp) in (packed_cases[:2] if args.quick else
