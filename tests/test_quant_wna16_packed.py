@@ -303,6 +303,49 @@ def test_matches_reference(rng, shape, cfg):
     check_matches_reference(rng, shape, cfg, max(16, 8 * W.PACKED_CONFIGS[cfg]["MT"]))
 
 
+def check_other_rank(rng, config, B, N):
+    """fp16 activations, experts 1 and 3 of 4 on another rank (their rows come back zero), no
+    router weights: grouped_gemm_wna16 with `config` and block size B against the reference,
+    the output poisoned first (the wgmma and staged rungs' check)."""
+    M_a, E, K, Kd = 21, 4, 2, 512
+    a, wq, ws, wz, ids, st, ex, ntp, want = other_rank_case(rng, M_a, E, K, N, Kd, B)
+    out = poisoned((M_a * K, N), np.float16)
+    got = host(W.grouped_gemm_wna16(up(a), up(wq), up(st), up(ex), up(ntp), K, B,
+                                    w_scale=up(ws), w_zp=up(wz), use_int4_w4a16=True,
+                                    config=config, out=out), np.float16)
+    assert (got.reshape(M_a, K, N)[np.isin(ids, [1, 3])] == 0).all()
+    assert rel_err(got, want) <= TOL
+
+
+def check_repeats(rng, config, shape, gs):
+    """grouped_gemm_wna16 with `config` on shape (M_a, E, top_k, N, Kdim, B), zero points, bias
+    and router weights: parity with the reference, and the same bits on a second launch (a
+    rung whose CTAs meet in a workspace adds the parts in a fixed order and resets its
+    counters)."""
+    M_a, E, K, N, Kd, B = shape
+    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, True)
+    args = (up(a), up(wq), up(st), up(ex), up(ntp), K, B)
+    kw = dict(w_scale=up(ws), w_zp=up(wz), use_int4_w4a16=True, config=config,
+              topk_weights=up(tw), mul_routed_weight=True, bias=up(bias))
+    first = host(W.grouped_gemm_wna16(*args, **kw, out=poisoned((M_a * K, N), BF16)), BF16)
+    second = host(W.grouped_gemm_wna16(*args, **kw, out=poisoned((M_a * K, N), BF16)), BF16)
+    assert rel_err(first, want) <= TOL
+    assert np.array_equal(first.view(np.uint16), second.view(np.uint16))
+
+
+def spy_configs(monkeypatch):
+    """The configs grouped_gemm_wna16 is called with from now on (a list that fills)."""
+    seen = []
+    real = W.grouped_gemm_wna16
+
+    def spy(*args, **kw):
+        seen.append(kw.get("config"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(W, "grouped_gemm_wna16", spy)
+    return seen
+
+
 def other_rank_case(rng, M_a, E, K, N, Kd, B):
     """fp16 activations over E experts of which 0 and 2 are this rank's (every token routes
     to expert 0 first), int4 g128 weights with zero points, no router weights: (a, wq, ws, wz,
@@ -383,14 +426,7 @@ def test_grouped_gemm_quant_routes_decode_int4(rng, monkeypatch):
     tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
     want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, w_scale=ws,
                                  use_int4_w4a16=True)
-    seen = []
-    real = W.grouped_gemm_wna16
-
-    def spy(*args, **kw):
-        seen.append(kw.get("config"))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(W, "grouped_gemm_wna16", spy)
+    seen = spy_configs(monkeypatch)
     args = (up(a), up(wq), up(st), up(ex), up(ntp), K, B, up(tw), True)
     out = poisoned((M_a * K, N), BF16)
     got = QG.grouped_gemm_quant(*args, w_scale=up(ws), use_int4_w4a16=True, out=out)

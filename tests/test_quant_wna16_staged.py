@@ -26,8 +26,8 @@ from oracles import rel_err
 from reference import moe_align_block_size
 from reference import quant as RQ
 from test_quant_cupy import host, poisoned, up  # the quantized tests' GPU helpers
-from test_quant_wna16_packed import (SHAPES, check_matches_reference, emulation_case,
-                                     other_rank_case, quantized)
+from test_quant_wna16_packed import (SHAPES, check_matches_reference, check_other_rank,
+                                     check_repeats, emulation_case, quantized, spy_configs)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = 2e-2          # issue 8 / vLLM's weight-only tolerance
@@ -108,7 +108,8 @@ def test_stage_blocks_layout(rng, E, N, Kd, gs, zp, nb, kc):
                 for j in range(kc):
                     c = st * kc + j
                     want = pk["wp"][:, tile, c] if tile < NT and c < C else 0
-                    assert np.array_equal(sb["wp"][:, b, st, i, j], np.broadcast_to(want, (E, 32, 4)))
+                    assert np.array_equal(sb["wp"][:, b, st, i, j],
+                                          np.broadcast_to(want, (E, 32, 4)))
             want_s = pk["sp"][:, tile] if tile < NT else 0
             assert np.array_equal(sb["sp"][:, b, :, i], np.broadcast_to(want_s, (E, G, 8, 2)))
             if zp:
@@ -240,15 +241,7 @@ def test_fp16_and_other_rank(rng, cfg):
     ok, why = C.availability()
     if not ok:
         pytest.skip(why)
-    M_a, E, K, N, Kd = 21, 4, 2, 272, 512
-    B = 8 * W.STAGED_CONFIGS[cfg]["MT"]
-    a, wq, ws, wz, ids, st, ex, ntp, want = other_rank_case(rng, M_a, E, K, N, Kd, B)
-    out = poisoned((M_a * K, N), np.float16)
-    got = host(W.grouped_gemm_wna16(up(a), up(wq), up(st), up(ex), up(ntp), K, B,
-                                    w_scale=up(ws), w_zp=up(wz), use_int4_w4a16=True,
-                                    config=cfg, out=out), np.float16)
-    assert (got.reshape(M_a, K, N)[np.isin(ids, [1, 3])] == 0).all()
-    assert rel_err(got, want) <= TOL
+    check_other_rank(rng, cfg, 8 * W.STAGED_CONFIGS[cfg]["MT"], 272)
 
 
 @pytest.mark.gpu
@@ -259,17 +252,7 @@ def test_parts_match_reference_and_repeat(rng, cfg):
     ok, why = C.availability()
     if not ok:
         pytest.skip(why)
-    M_a, E, K, N, Kd, gs = 3, 2, 2, 512, 4096, 128
-    B = 8 * W.STAGED_CONFIGS[cfg]["MT"]
-    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, (M_a, E, K, N, Kd, B), gs,
-                                                                True)
-    args = (up(a), up(wq), up(st), up(ex), up(ntp), K, B)
-    kw = dict(w_scale=up(ws), w_zp=up(wz), use_int4_w4a16=True, config=cfg,
-              topk_weights=up(tw), mul_routed_weight=True, bias=up(bias))
-    first = host(W.grouped_gemm_wna16(*args, **kw, out=poisoned((M_a * K, N), BF16)), BF16)
-    second = host(W.grouped_gemm_wna16(*args, **kw, out=poisoned((M_a * K, N), BF16)), BF16)
-    assert rel_err(first, want) <= TOL
-    assert np.array_equal(first.view(np.uint16), second.view(np.uint16))
+    check_repeats(rng, cfg, (3, 2, 2, 512, 4096, 8 * W.STAGED_CONFIGS[cfg]["MT"]), 128)
 
 
 @pytest.mark.gpu
@@ -292,14 +275,7 @@ def test_grouped_gemm_quant_routes_int4_to_staged(rng, monkeypatch):
     tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
     want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, w_scale=ws,
                                  use_int4_w4a16=True)
-    seen = []
-    real = W.grouped_gemm_wna16
-
-    def spy(*args, **kw):
-        seen.append(kw.get("config"))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(W, "grouped_gemm_wna16", spy)
+    seen = spy_configs(monkeypatch)
     out = poisoned((M_a * K, N), BF16)
     got = QG.grouped_gemm_quant(up(a), up(wq), up(st), up(ex), up(ntp), K, B, up(tw), True,
                                 w_scale=up(ws), use_int4_w4a16=True, out=out)

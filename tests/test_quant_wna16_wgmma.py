@@ -26,9 +26,9 @@ from cuda_kernels.cupy import _compile as C
 from cuda_kernels.cupy import quant_gemm_wna16 as W
 from reference import moe_align_block_size
 from oracles import rel_err
-from test_quant_cupy import host, poisoned, up  # the quantized tests' GPU helpers
-from test_quant_wna16_packed import (check_matches_reference, emulation_case, other_rank_case,
-                                     quantized)
+from test_quant_cupy import up  # the quantized tests' GPU helpers
+from test_quant_wna16_packed import (check_matches_reference, check_other_rank, check_repeats,
+                                     emulation_case, quantized)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = 2e-2          # issue 8 / vLLM's weight-only tolerance
@@ -265,15 +265,7 @@ def test_fp16_and_other_rank(rng, cfg):
     ok, why = _hopper()
     if not ok:
         pytest.skip(why)
-    M_a, E, K, N, Kd = 21, 4, 2, 128, 512
-    B = 8 * W.WGMMA_CONFIGS[cfg]["MT"]
-    a, wq, ws, wz, ids, st, ex, ntp, want = other_rank_case(rng, M_a, E, K, N, Kd, B)
-    out = poisoned((M_a * K, N), np.float16)
-    got = host(W.grouped_gemm_wna16(up(a), up(wq), up(st), up(ex), up(ntp), K, B,
-                                    w_scale=up(ws), w_zp=up(wz), use_int4_w4a16=True,
-                                    config=cfg, out=out), np.float16)
-    assert (got.reshape(M_a, K, N)[np.isin(ids, [1, 3])] == 0).all()
-    assert rel_err(got, want) <= TOL
+    check_other_rank(rng, cfg, 8 * W.WGMMA_CONFIGS[cfg]["MT"], 128)
 
 
 @pytest.mark.gpu
@@ -284,18 +276,8 @@ def test_split_k_matches_reference_and_repeats(rng, cfg, ks):
     ok, why = _hopper()
     if not ok:
         pytest.skip(why)
-    M_a, E, K, N, Kd, gs = 30, 3, 2, 128, 1024, 128
-    B = 16 * W.WGMMA_CONFIGS[cfg]["MT"]
-    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, (M_a, E, K, N, Kd, B), gs,
-                                                                True)
-    config = dict(W.WGMMA_CONFIGS[cfg], KS=ks)
-    args = (up(a), up(wq), up(st), up(ex), up(ntp), K, B)
-    kw = dict(w_scale=up(ws), w_zp=up(wz), use_int4_w4a16=True, config=config,
-              topk_weights=up(tw), mul_routed_weight=True, bias=up(bias))
-    first = host(W.grouped_gemm_wna16(*args, **kw, out=poisoned((M_a * K, N), BF16)), BF16)
-    second = host(W.grouped_gemm_wna16(*args, **kw, out=poisoned((M_a * K, N), BF16)), BF16)
-    assert rel_err(first, want) <= TOL
-    assert np.array_equal(first.view(np.uint16), second.view(np.uint16))
+    check_repeats(rng, dict(W.WGMMA_CONFIGS[cfg], KS=ks),
+                  (30, 3, 2, 128, 1024, 16 * W.WGMMA_CONFIGS[cfg]["MT"]), 128)
 
 
 @pytest.mark.gpu

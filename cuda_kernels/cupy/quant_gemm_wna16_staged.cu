@@ -1,4 +1,4 @@
-// wna16_staged: the weight-only int4 grouped GEMM for decode batches of 8-32 rows per expert,
+// wna16_staged: the weight-only int4 grouped GEMM for batches of 8-128 rows per expert,
 // with the CTA's weights AND activations staged together through one shared-memory cp.async
 // pipeline, and each CTA's work a contiguous run of (row block, K stage) units.
 //
@@ -13,14 +13,19 @@
 // 16 NB weight rows, and nothing in the main loop waits on global memory but the pipeline.
 //
 // Layout of the work. Units u = b SPB + s of an m tile: row block b (NB tiles), K stage s (KC
-// 64-code chunks; SPB = cdiv(C, KC) stages per block, C = Kdim / 64). The gridDim.y CTAs of an
-// m tile take contiguous, near-equal runs [q U / Q, (q + 1) U / Q) of its U = blocks SPB units
-// (the stream-K idea: no wave of CTAs is left half full, and a CTA's pipeline runs across
-// block boundaries without draining). A CTA that covers a whole block stores it; a block
-// shared by several CTAs (runs that start or end inside it) is finished by the last of them to
-// arrive, which adds every part in CTA order (deterministic; w16::last_of_parts). Workspace:
-// ws [m tiles][Q][2][NT TPW MT 4] fp32 (a CTA hands in at most two parts: its first block and
-// its last), counters [m tiles][blocks] (zero, and left zero).
+// 64-code chunks; SPB = cdiv(C, KC) stages per block, C = Kdim / 64). Every live m tile has
+// U = blocks SPB units, each costing LT + 5 (LT: its live token tiles; a stage's instructions
+// grow about so with them). The Q CTAs (one wave: MINB per SM) take contiguous runs of equal
+// cost [q Wt / Q, (q + 1) Wt / Q) of all m tiles' units in order (Wt: the total cost), each m
+// tile's part of a run a segment of its own (the stream-K idea: no wave is left part full, the
+// m tiles of 3 live token tiles do not finish last, and a segment's pipeline runs across block
+// boundaries without draining). A CTA that covers a whole block stores it; a block shared by
+// several CTAs (runs that start or end inside it) is finished by the last of them to arrive,
+// which adds every part in CTA order (deterministic; w16::last_of_parts). Workspace:
+// ws [Q][2][NT TPW MT 4] fp32 (a CTA hands in at most two parts: its last partial block, as
+// the first CTA of a block, and its first, as a later one), counters [m tiles][blocks] (zero,
+// and left zero). Measured (T = 64 GEMM1, dev_wna16_20261130e): with the same number of CTAs
+// per m tile the SMs were busy 86% of the kernel, with runs of equal cost 94-97%.
 //
 // One stage in shared memory (S stages in a ring, one __syncthreads per stage):
 //   weights  [NB tiles][KC chunks][32 lanes] uint4   the packed fragments, 512 B per tile-chunk
@@ -56,9 +61,9 @@
 // products of 8-bit integers and bf16 are exact in fp32; what is left is the fp32 cancellation
 // of sum (128 + q) a against (128 + zp) S (~2^-23 times ~30 relative).
 //
-// grid (m tiles, Q), block 32 W, dynamic shared memory S x stage bytes (staged_stage_bytes in
-// the launcher). LT, the live token tiles, is a compile-time constant of the code that runs
-// (w16::with_count), as in wna16_packed.
+// grid (Q), block 32 W, dynamic shared memory S x stage bytes (staged_stage_bytes in the
+// launcher) + 8 (m tiles + 1) (the costs' prefix sums). LT is a compile-time constant of the
+// code that runs (w16::with_count), as in wna16_packed.
 // Needs int4 prepacked and staged (N % 16 == 0, Kdim % 64 == 0, group_size 64 times a power of
 // two or one group per row: chunk_shift = log2(chunks per group), 30 for one group).
 #include "wna16_common.cuh"
@@ -146,7 +151,7 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         const long long cm = cum[m];
         const int u0 = ua, u1 = ub, m0 = m * BM;
         w16::load_m_tile<BM>(m0, sorted_token_ids, num_tokens_post_padded, num_slots, top_k,
-                             num_positions, sSlot, sArow);
+                             num_positions, sSlot, sArow);   // live: its cost is not 0
         const int e = expert_ids[m0 / block_size];
 
         // the live token tiles (an expert's live rows are a prefix of its block), and the row of a
@@ -160,9 +165,9 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         const int live_rows = 8 * live_tiles;
 
         // ---- this thread's copy units: 16-byte units tid + j NT of the stage's contiguous runs
-        // (stage_blocks: codes, then scales and zero points of the groups met), and its share of
-        // the token rows, fixed for the CTA: BM rows x KC chunks x 8 units, unit u of row r at
-        // u ^ (r & 1)
+        // (stage_blocks: codes, then scales and zero points of the groups met), and its share
+        // of the token rows, fixed for the segment: BM rows x KC chunks x 8 units, unit u of
+        // row r at u ^ (r & 1)
         constexpr int W_PER = TPW * KC;                    // NB KC 32 units / NT threads
         constexpr int S_PER = (NB * KC * 4 + NT - 1) / NT, Z_PER = (NB * KC + NT - 1) / NT;
         constexpr int A_UNITS = BM * KC * 8, A_PER = (A_UNITS + NT - 1) / NT;
@@ -216,11 +221,11 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             w16::cp_commit();
         };
 
-    #if ELEM_BF16
+#if ELEM_BF16
         constexpr u32 MAGIC = 0x43004300u;
-    #else
+#else
         constexpr u32 MAGIC = 0x64006400u;
-    #endif
+#endif
         // -(MAGIC + zp) in both halves: the A operand of the zero-point mma (sign bits flipped)
         const u32 nzdef = (MAGIC | ((u32)default_zp * 0x00010001u)) ^ 0x80008000u;
         // the zero-point mma's A fragment: four registers held for the whole segment (four
