@@ -987,12 +987,14 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
 
     packable = nbits == 4 and packed_supports(N, K, group_size, G)[0]
     cfg0 = pick_config(P / max(E, 1), block_size, config, N // 16 if packable else 0)
-    if cfg0.get("KERNEL") == "wgmma":
+    rung = cfg0.get("KERNEL")
+    if rung in ("wgmma", "staged", "packed"):       # the int4 rungs on prepacked weights
         if nbits != 4:
-            raise ValueError("config: the wgmma rung streams int4 codes (use_int4_w4a16)")
-        ok, why = wgmma_supports(N, K, group_size, G)
+            raise ValueError(f"config: the {rung} rung streams int4 codes (use_int4_w4a16)")
+        ok, why = (wgmma_supports if rung == "wgmma" else packed_supports)(N, K, group_size, G)
         if not ok:
-            raise ValueError(f"w: the wgmma rung cannot run this problem: {why}")
+            raise ValueError(f"w: the {rung} rung cannot run this problem: {why}")
+    if rung == "wgmma":
         pk = packed_weights(w, w_scale, w_zp, w_s, order="wgmma")
         lp = wgmma_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G)
         kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_WGMMA, WGMMA_OPTIONS)
@@ -1013,12 +1015,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         args += _workspace(lp["WS"], lp["TILES"]) if lp["KS"] > 1 else (null, null)
         kern(lp["grid"], lp["block"], args, shared_mem=lp["smem"])
         return c
-    if cfg0.get("KERNEL") == "staged":
-        if nbits != 4:
-            raise ValueError("config: the staged rung streams int4 codes (use_int4_w4a16)")
-        ok, why = packed_supports(N, K, group_size, G)
-        if not ok:
-            raise ValueError(f"w: the staged rung cannot run this problem: {why}")
+    if rung == "staged":
         pk = packed_weights(w, w_scale, w_zp, w_s,
                             order=("staged", cfg0["W"] * cfg0["TPW"], cfg0["KC"]))
         lp = staged_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G,
@@ -1034,12 +1031,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                 np.int32(G), np.int32(default_zp))
         kern(lp["grid"], lp["block"], args, shared_mem=lp["smem"])
         return c
-    if cfg0.get("KERNEL") == "packed":
-        if nbits != 4:
-            raise ValueError("config: the packed rung streams int4 codes (use_int4_w4a16)")
-        ok, why = packed_supports(N, K, group_size, G)
-        if not ok:
-            raise ValueError(f"w: the packed rung cannot run this problem: {why}")
+    if rung == "packed":
         pk = packed_weights(w, w_scale, w_zp, w_s)
         lp = packed_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G,
                          w_zp is not None)
