@@ -91,9 +91,11 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
              int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
     using St = StagedStage<MT, NB, KC, ZP>;
+    static_assert(S >= 3, "the chunk sums of stage i + 1 are made while stage i is computed");
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
+    __shared__ float sSum[2][KC][BM];             // the tokens' sums S over a stage's chunks
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -171,19 +173,23 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         constexpr int W_PER = TPW * KC;                    // NB KC 32 units / NT threads
         constexpr int S_PER = (NB * KC * 4 + NT - 1) / NT, Z_PER = (NB * KC + NT - 1) / NT;
         constexpr int A_UNITS = BM * KC * 8, A_PER = (A_UNITS + NT - 1) / NT;
-        long long a_off[A_PER];                            // element offset of the unit in chunk 0
-        int a_dst[A_PER];                                  // byte offset in the stage, or -1
+        const elem_t* a_src[A_PER];                        // the unit's source in K stage 0
+        bool a_on[A_PER];                                  // copied (rows past the live tiles:
+        int a_dst[A_PER];                                  //   never read), to this stage offset
         int a_chunk[A_PER];                                // its chunk in the stage
 #pragma unroll
         for (int j = 0; j < A_PER; ++j) {
             const int k = tid + j * NT, r = k / (KC * 8), u = k % (KC * 8);
-            const bool ok = k < A_UNITS && r < live_rows;   // rows past the live tiles: never read
-            const int ar = ok ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
-            a_off[j] = (long long)ar * Kdim + u * 8;
-            a_dst[j] = ok ? St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1))) : -1;
+            a_on[j] = k < A_UNITS && r < live_rows;
+            const int ar = a_on[j] ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
+            a_src[j] = a + (size_t)ar * Kdim + u * 8;
+            a_dst[j] = St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1)));
             a_chunk[j] = u / 8;
         }
         const size_t blk_e = (size_t)e * nblocks;          // this expert's first row block
+        // the run's codes: unit u = b SPB + s of the m tile is stage (blk_e + b) SPB + s of
+        // stage_blocks' layout, so stage i of the run is i stages past its first
+        const uint4* w_run = wp + (blk_e * SPB + u0) * (NB * KC * 32) + tid;
 
         // ---- stage i of the run (unit u0 + i, row block b, K stage s) into ring slot i % S; one
         // commit group per stage (empty past the run: the wait counts stay right)
@@ -192,7 +198,7 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                 const int c0 = s * KC, kcn = min(KC, C - c0);
                 const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
                 u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
-                const uint4* wsrc = wp + ((blk_e + b) * SPB + s) * (NB * KC * 32) + tid;
+                const uint4* wsrc = w_run + i * (NB * KC * 32);
 #pragma unroll
                 for (int j = 0; j < W_PER; ++j)
                     w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
@@ -210,31 +216,31 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                             w16::cp16(st + St::Z_OFF + 16 * j * NT, zsrc + 8 * j * NT, true);
                 }
                 u8* sa = smem + (size_t)(i % S) * St::BYTES;
-                const elem_t* asrc = a + (size_t)c0 * 64;
 #pragma unroll
-                for (int j = 0; j < A_PER; ++j)
-                    if (a_dst[j] >= 0) {
-                        const bool ok = a_chunk[j] < kcn;
-                        w16::cp16(sa + a_dst[j], ok ? asrc + a_off[j] : a, ok);
-                    }
+                for (int j = 0; j < A_PER; ++j) {
+                    const bool ok = a_chunk[j] < kcn;     // a short last stage: zeros
+                    w16::cp16_if(a_on[j], sa + a_dst[j], ok ? a_src[j] + c0 * 64 : a, ok);
+                }
             }
             w16::cp_commit();
         };
 
 #if ELEM_BF16
-        constexpr u32 MAGIC = 0x43004300u;
+        constexpr u32 MAGIC = 0x43004300u, ONES = 0x3F803F80u;   // 128 + q; 1.0 in both halves
+        constexpr float MAGIC_F = 128.f;
 #else
-        constexpr u32 MAGIC = 0x64006400u;
+        constexpr u32 MAGIC = 0x64006400u, ONES = 0x3C003C00u;   // 1024 + q
+        constexpr float MAGIC_F = 1024.f;
 #endif
-        // -(MAGIC + zp) in both halves: the A operand of the zero-point mma (sign bits flipped)
-        const u32 nzdef = (MAGIC | ((u32)default_zp * 0x00010001u)) ^ 0x80008000u;
-        // the zero-point mma's A fragment: four registers held for the whole segment (four
+        const float nz_default = -(MAGIC_F + (float)default_zp);
+        // the sums' mma A fragment, 1 in every slot: four registers held for the segment (four
         // copies of one value are merged by the compiler, and the mma's register quad then
-        // costs four moves per use: a third of the loop's moves, SASS of fcf9bc8)
-        u32 nzq[4];
+        // costs four moves per use, SASS of fcf9bc8)
+        u32 ones[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) nzq[k] = w16::opaque(nzdef);
+        for (int k = 0; k < 4; ++k) ones[k] = w16::opaque(ONES);
         const int n_units = u1 - u0;
+        auto chunks_of = [&](int s) { return min(KC, C - s * KC); };   // K stage s's chunks
         {
             int b = u0 / SPB, s = u0 - b * SPB;
 #pragma unroll
@@ -276,13 +282,44 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                 }
             };
 
+            // S[j & 1][kc][token] = sum over chunk kc of stage j of the live token's 64 codes,
+            // by the tensor cores (A = 1: exact products, fp32 sums), the (token tile, chunk)
+            // pairs dealt to the warps: 4 mma each, once per CTA (every warp's tiles start
+            // from them)
+            auto chunk_sums = [&](int j, int kcn) {
+                const uint4* sa = reinterpret_cast<const uint4*>(
+                    smem + (size_t)(j % S) * St::BYTES + St::A_OFF);
+#pragma unroll
+                for (int v = warp; v < LT * KC; v += W) {   // uniform over the warp
+                    const int mt = v / KC, kc = v % KC, r = 8 * mt + g;
+                    if (kc >= kcn) continue;
+                    const uint4 b0 = sa[r * KC * 8 + ((kc * 8 + 2 * t) ^ (g & 1))];
+                    const uint4 b1 = sa[r * KC * 8 + ((kc * 8 + 2 * t + 1) ^ (g & 1))];
+                    float z[4] = {0.f, 0.f, 0.f, 0.f};
+                    w16::mma16816(z, ones[0], ones[1], ones[2], ones[3], b0.x, b0.y);
+                    w16::mma16816(z, ones[0], ones[1], ones[2], ones[3], b0.z, b0.w);
+                    w16::mma16816(z, ones[0], ones[1], ones[2], ones[3], b1.x, b1.y);
+                    w16::mma16816(z, ones[0], ones[1], ones[2], ones[3], b1.z, b1.w);
+                    if (g == 0)                           // row 0: tokens 2 t, 2 t + 1
+                        *reinterpret_cast<float2*>(&sSum[j & 1][kc][8 * mt + 2 * t]) =
+                            float2{z[0], z[1]};
+                }
+            };
+            // The sums of stage i + 1 are made while stage i is computed, so each iteration
+            // waits for one stage more than it computes (S - 3 groups left in flight): stage
+            // 0's are made first, before the loop
+            w16::cp_wait<S - 2>();
+            __syncthreads();
+            chunk_sums(0, chunks_of(u0 % SPB));
+
             int b = u0 / SPB, s = u0 - b * SPB;           // the unit being computed
             int ib = (u0 + S - 1) / SPB, is = u0 + S - 1 - ib * SPB;   // the unit being issued
             for (int i = 0; i < n_units; ++i) {
-                w16::cp_wait<S - 2>();                    // stage i has landed (this thread's)
-                __syncthreads();                          // ... and everyone's; slot i - 1 is free
-                issue(i + S - 1, ib, is);
+                w16::cp_wait<S - 3>();                    // stage i + 1 has landed (this thread's)
+                __syncthreads();                          // ... and everyone's; slot i - 1 is free,
+                issue(i + S - 1, ib, is);                 // so is sSum[(i + 1) & 1]
                 if (++is == SPB) { is = 0; ++ib; }
+                if (i + 1 < n_units) chunk_sums(i + 1, chunks_of(s + 1 == SPB ? 0 : s + 1));
                 const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
                 const u8* st = smem + (size_t)(i % S) * St::BYTES;
                 const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
@@ -304,30 +341,34 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                         bv[mt][0] = sa[r * KC * 8 + ((kc * 8 + 2 * t) ^ (g & 1))];
                         bv[mt][1] = sa[r * KC * 8 + ((kc * 8 + 2 * t + 1) ^ (g & 1))];
                     }
-                    // the accumulator's start: -(MAGIC + zp) S per token, by the tensor cores
-                    auto zero_point_start = [&](float (&z)[4], const u32 (&nz)[4], int mt) {
-                        z[0] = z[1] = z[2] = z[3] = 0.f;
-                        w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], bv[mt][0].x, bv[mt][0].y);
-                        w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], bv[mt][0].z, bv[mt][0].w);
-                        w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], bv[mt][1].x, bv[mt][1].y);
-                        w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], bv[mt][1].z, bv[mt][1].w);
+                    // the accumulators' start: -(MAGIC + zp) S per (row, token); c0 c1 = row g,
+                    // tokens 2 t, 2 t + 1; c2 c3 = row g + 8
+                    float2 sum2[LT];
+#pragma unroll
+                    for (int mt = 0; mt < LT; ++mt)
+                        sum2[mt] = *reinterpret_cast<const float2*>(
+                            &sSum[i & 1][kc][8 * mt + 2 * t]);
+                    auto start_of = [&](float (&z)[4], int mt, float nz_g, float nz_g8) {
+                        z[0] = nz_g * sum2[mt].x;
+                        z[1] = nz_g * sum2[mt].y;
+                        z[2] = nz_g8 * sum2[mt].x;
+                        z[3] = nz_g8 * sum2[mt].y;
                     };
                     float zs[ZP ? 1 : LT][4];             // shared by the TPW tiles (ZP = 0)
                     if (!ZP) {
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt)
-                            zero_point_start(zs[ZP ? 0 : mt], nzq, mt);
+                            start_of(zs[ZP ? 0 : mt], mt, nz_default, nz_default);
                     }
 #pragma unroll
                     for (int r = 0; r < TPW; ++r) {
                         const uint4 x = sw[(r * KC + kc) * 32];
                         const float2 s2 = ss[(gi * NB + r) * 8];
-                        u32 nzt[4] = {0u, 0u, 0u, 0u};    // ZP: this tile's -(MAGIC + zp)
+                        float nz_g = 0.f, nz_g8 = 0.f;    // ZP: this tile's rows' -(MAGIC + zp)
                         if (ZP) {                         // row g's zero point in the low byte
                             const u32 z = sz[(gi * NB + r) * 8];
-                            nzt[0] = nzt[2] = (MAGIC | ((z & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
-                            nzt[1] = nzt[3] =
-                                (MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
+                            nz_g = -(MAGIC_F + (float)(z & 0xFFu));
+                            nz_g8 = -(MAGIC_F + (float)((z >> 8) & 0xFFu));
                         }
                         // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q
                         u32 lo[8], hi[8];
@@ -341,15 +382,10 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                         }
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt) {
-                            float tmp[4];
-                            if (ZP) {
-                                zero_point_start(tmp, nzt, mt);
-                                w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
-                                              bv[mt][0].y);
-                            } else {                      // from the shared start, kept
-                                w16::mma16816_c(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
-                                                bv[mt][0].y, zs[ZP ? 0 : mt]);
-                            }
+                            float tmp[4], zt[4];
+                            if (ZP) start_of(zt, mt, nz_g, nz_g8);
+                            w16::mma16816_c(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
+                                            bv[mt][0].y, ZP ? zt : zs[ZP ? 0 : mt]);
                             w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], bv[mt][0].z,
                                           bv[mt][0].w);
                             w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], bv[mt][1].x,

@@ -188,6 +188,17 @@ __device__ __forceinline__ void cp16(void* dst, const void* src, bool pred) {
                  :: "r"(d), "l"(src), "r"(pred ? 16 : 0));
 #endif
 }
+// cp16 issued only when issue is true (a predicated instruction: no branch around it).
+__device__ __forceinline__ void cp16_if(bool issue, void* dst, const void* src, bool pred) {
+#ifdef QG_EMULATED_PTX
+    if (issue) qg_cp16(dst, src, pred);
+#else
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n"
+                 " @p cp.async.cg.shared.global [%1], [%2], 16, %3;\n}\n"
+                 :: "r"((int)issue), "r"(d), "l"(src), "r"(pred ? 16 : 0));
+#endif
+}
 __device__ __forceinline__ void cp4(void* dst, const void* src, bool pred) {
 #ifdef QG_EMULATED_PTX
     qg_cp4(dst, src, pred);
