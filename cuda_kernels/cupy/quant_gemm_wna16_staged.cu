@@ -95,7 +95,7 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
-    __shared__ float sSum[2][KC][BM];             // the tokens' sums S over a stage's chunks
+    __shared__ __align__(16) float sSum[2][KC][BM];  // the tokens' sums over a stage's chunks (float2 reads)
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
