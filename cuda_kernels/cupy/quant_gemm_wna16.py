@@ -752,13 +752,18 @@ STAGED_CONFIGS = {
     "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2),
     # 8 warps of 2 tiles: twice the warps per SM, each token fetch from shared memory feeds 2
     "u24": dict(KERNEL="staged", MT=3, W=8, TPW=2, KC=2, S=4, MINB=2),
+    # one CTA of 8 warps per SM, 512-row blocks, 5 stages
+    "x24": dict(KERNEL="staged", MT=3, W=8, TPW=4, KC=2, S=5, MINB=1),
+    # CS: the tokens' chunk sums made once per CTA, a stage ahead
+    "t24s": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, CS=1),
+    "t32s": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2, CS=1),
 }
 CU_STAGED = "quant_gemm_wna16_staged.cu"
 
 
 def staged_kernel_name(cfg: dict, zp: bool) -> str:
     return (f"wna16_staged<{cfg['MT']}, {cfg['W']}, {cfg['TPW']}, {cfg['KC']}, {cfg['S']}, "
-            f"{int(bool(zp))}, {cfg['MINB']}>")
+            f"{int(bool(zp))}, {cfg['MINB']}, {cfg.get('CS', 0)}>")
 
 
 def staged_stage_bytes(cfg: dict, zp: bool) -> int:
@@ -786,8 +791,12 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     for key in ("W", "TPW", "KC", "S", "MINB"):
         if not isinstance(cfg.get(key), int) or cfg[key] < 1:
             raise ValueError(f"config: expected {key} a positive int, got {cfg.get(key)!r}")
-    if cfg["S"] < 2:
-        raise ValueError(f"config: expected S >= 2 pipeline stages, got {cfg['S']}")
+    cs = cfg.get("CS", 0)
+    if cs not in (0, 1):
+        raise ValueError(f"config: expected CS 0 or 1, got {cs!r}")
+    if cfg["S"] < 2 + cs:
+        raise ValueError(f"config: expected S >= {2 + cs} pipeline stages (CS = {cs}), "
+                         f"got {cfg['S']}")
     Lg = min(L, P * block_size)
     mtiles = C.cdiv(Lg, bm)
     nb = cfg["W"] * cfg["TPW"]

@@ -79,7 +79,7 @@ struct StagedStage {
     static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
 };
 
-template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB>
+template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int CS>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
@@ -91,11 +91,11 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
              int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
     using St = StagedStage<MT, NB, KC, ZP>;
-    static_assert(S >= 3, "the chunk sums of stage i + 1 are made while stage i is computed");
+    static_assert(S >= 2 + CS, "CS: the chunk sums of stage i + 1 are made as stage i's run");
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
-    __shared__ __align__(16) float sSum[2][KC][BM];  // the tokens' sums over a stage's chunks (float2 reads)
+    __shared__ __align__(16) float sSum[CS ? 2 : 1][KC][BM];   // CS: the chunk sums (float2)
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -233,12 +233,14 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         constexpr float MAGIC_F = 1024.f;
 #endif
         const float nz_default = -(MAGIC_F + (float)default_zp);
-        // the sums' mma A fragment, 1 in every slot: four registers held for the segment (four
-        // copies of one value are merged by the compiler, and the mma's register quad then
-        // costs four moves per use, SASS of fcf9bc8)
+        // the zero-point mma's A fragment (CS: the sums', 1 in every slot; else -(MAGIC + zp),
+        // sign bits flipped): four registers held for the segment (four copies of one value
+        // are merged by the compiler, and the mma's register quad then costs four moves per
+        // use: a third of the loop's moves, SASS of fcf9bc8)
+        const u32 nzdef = (MAGIC | ((u32)default_zp * 0x00010001u)) ^ 0x80008000u;
         u32 ones[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) ones[k] = w16::opaque(ONES);
+        for (int k = 0; k < 4; ++k) ones[k] = w16::opaque(CS ? ONES : nzdef);
         const int n_units = u1 - u0;
         auto chunks_of = [&](int s) { return min(KC, C - s * KC); };   // K stage s's chunks
         {
@@ -308,18 +310,21 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             // The sums of stage i + 1 are made while stage i is computed, so each iteration
             // waits for one stage more than it computes (S - 3 groups left in flight): stage
             // 0's are made first, before the loop
-            w16::cp_wait<S - 2>();
-            __syncthreads();
-            chunk_sums(0, chunks_of(u0 % SPB));
+            if (CS) {
+                w16::cp_wait<S - 2>();
+                __syncthreads();
+                chunk_sums(0, chunks_of(u0 % SPB));
+            }
 
             int b = u0 / SPB, s = u0 - b * SPB;           // the unit being computed
             int ib = (u0 + S - 1) / SPB, is = u0 + S - 1 - ib * SPB;   // the unit being issued
             for (int i = 0; i < n_units; ++i) {
-                w16::cp_wait<S - 3>();                    // stage i + 1 has landed (this thread's)
-                __syncthreads();                          // ... and everyone's; slot i - 1 is free,
-                issue(i + S - 1, ib, is);                 // so is sSum[(i + 1) & 1]
+                w16::cp_wait<S - 2 - CS>();               // stage i (+ 1) has landed (this
+                __syncthreads();                          // thread's), and everyone's; slot i - 1
+                issue(i + S - 1, ib, is);                 // is free, so is sSum[(i + 1) & 1]
                 if (++is == SPB) { is = 0; ++ib; }
-                if (i + 1 < n_units) chunk_sums(i + 1, chunks_of(s + 1 == SPB ? 0 : s + 1));
+                if (CS && i + 1 < n_units)
+                    chunk_sums(i + 1, chunks_of(s + 1 == SPB ? 0 : s + 1));
                 const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
                 const u8* st = smem + (size_t)(i % S) * St::BYTES;
                 const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
@@ -346,8 +351,17 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                     float2 sum2[LT];
 #pragma unroll
                     for (int mt = 0; mt < LT; ++mt)
-                        sum2[mt] = *reinterpret_cast<const float2*>(
-                            &sSum[i & 1][kc][8 * mt + 2 * t]);
+                        sum2[mt] = CS ? *reinterpret_cast<const float2*>(
+                                            &sSum[CS ? i & 1 : 0][kc][8 * mt + 2 * t])
+                                      : float2{0.f, 0.f};
+                    // CS = 0: -(MAGIC + zp) S by 4 mma with A = -(MAGIC + zp) in every slot
+                    auto zero_point_start = [&](float (&z)[4], const u32 (&nz)[4], int mt) {
+                        z[0] = z[1] = z[2] = z[3] = 0.f;
+                        w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], bv[mt][0].x, bv[mt][0].y);
+                        w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], bv[mt][0].z, bv[mt][0].w);
+                        w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], bv[mt][1].x, bv[mt][1].y);
+                        w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], bv[mt][1].z, bv[mt][1].w);
+                    };
                     auto start_of = [&](float (&z)[4], int mt, float nz_g, float nz_g8) {
                         z[0] = nz_g * sum2[mt].x;
                         z[1] = nz_g * sum2[mt].y;
@@ -357,18 +371,24 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                     float zs[ZP ? 1 : LT][4];             // shared by the TPW tiles (ZP = 0)
                     if (!ZP) {
 #pragma unroll
-                        for (int mt = 0; mt < LT; ++mt)
-                            start_of(zs[ZP ? 0 : mt], mt, nz_default, nz_default);
+                        for (int mt = 0; mt < LT; ++mt) {
+                            if (CS) start_of(zs[ZP ? 0 : mt], mt, nz_default, nz_default);
+                            else zero_point_start(zs[ZP ? 0 : mt], ones, mt);
+                        }
                     }
 #pragma unroll
                     for (int r = 0; r < TPW; ++r) {
                         const uint4 x = sw[(r * KC + kc) * 32];
                         const float2 s2 = ss[(gi * NB + r) * 8];
                         float nz_g = 0.f, nz_g8 = 0.f;    // ZP: this tile's rows' -(MAGIC + zp)
+                        u32 nzt[4] = {0u, 0u, 0u, 0u};    // (CS = 0: as mma A, sign bits flipped)
                         if (ZP) {                         // row g's zero point in the low byte
                             const u32 z = sz[(gi * NB + r) * 8];
                             nz_g = -(MAGIC_F + (float)(z & 0xFFu));
                             nz_g8 = -(MAGIC_F + (float)((z >> 8) & 0xFFu));
+                            nzt[0] = nzt[2] = (MAGIC | ((z & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
+                            nzt[1] = nzt[3] =
+                                (MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
                         }
                         // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q
                         u32 lo[8], hi[8];
@@ -383,7 +403,8 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt) {
                             float tmp[4], zt[4];
-                            if (ZP) start_of(zt, mt, nz_g, nz_g8);
+                            if (ZP && CS) start_of(zt, mt, nz_g, nz_g8);
+                            if (ZP && !CS) zero_point_start(zt, nzt, mt);
                             w16::mma16816_c(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
                                             bv[mt][0].y, ZP ? zt : zs[ZP ? 0 : mt]);
                             w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], bv[mt][0].z,
