@@ -757,13 +757,18 @@ STAGED_CONFIGS = {
     # CS: the tokens' chunk sums made once per CTA, a stage ahead
     "t24s": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, CS=1),
     "t32s": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2, CS=1),
+    # PF: the codes PF stages past the ring's into L2; one chunk a stage, a deeper ring
+    "t24p2": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, PF=2),
+    "t24p4": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, PF=4),
+    "t24k": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=1, S=9, MINB=2),
+    "t24kp": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=1, S=9, MINB=2, PF=4),
 }
 CU_STAGED = "quant_gemm_wna16_staged.cu"
 
 
 def staged_kernel_name(cfg: dict, zp: bool) -> str:
     return (f"wna16_staged<{cfg['MT']}, {cfg['W']}, {cfg['TPW']}, {cfg['KC']}, {cfg['S']}, "
-            f"{int(bool(zp))}, {cfg['MINB']}, {cfg.get('CS', 0)}>")
+            f"{int(bool(zp))}, {cfg['MINB']}, {cfg.get('CS', 0)}, {cfg.get('PF', 0)}>")
 
 
 def staged_stage_bytes(cfg: dict, zp: bool) -> int:
@@ -791,9 +796,11 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     for key in ("W", "TPW", "KC", "S", "MINB"):
         if not isinstance(cfg.get(key), int) or cfg[key] < 1:
             raise ValueError(f"config: expected {key} a positive int, got {cfg.get(key)!r}")
-    cs = cfg.get("CS", 0)
+    cs, pf = cfg.get("CS", 0), cfg.get("PF", 0)
     if cs not in (0, 1):
         raise ValueError(f"config: expected CS 0 or 1, got {cs!r}")
+    if not isinstance(pf, int) or pf < 0:
+        raise ValueError(f"config: expected PF a non-negative int, got {pf!r}")
     if cfg["S"] < 2 + cs:
         raise ValueError(f"config: expected S >= {2 + cs} pipeline stages (CS = {cs}), "
                          f"got {cfg['S']}")

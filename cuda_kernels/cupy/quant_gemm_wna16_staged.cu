@@ -79,7 +79,7 @@ struct StagedStage {
     static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
 };
 
-template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int CS>
+template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int CS, int PF>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
@@ -202,6 +202,14 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                 for (int j = 0; j < W_PER; ++j)
                     w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
+                // PF: the codes of the stage PF on into L2, one 128-byte line per thread and
+                // step of NT lines (the run's stages: no bounds past its weights)
+                if (PF && u0 + i + PF < u1) {
+                    const uint4* pf = w_run - tid + (i + PF) * (NB * KC * 32) + 8 * tid;
+#pragma unroll
+                    for (int j = 0; j < (NB * KC * 32 / 8 + NT - 1) / NT; ++j)
+                        if (8 * (tid + j * NT) < NB * KC * 32) w16::prefetch_l2(pf + 8 * j * NT);
+                }
                 const float2* ssrc = sp + ((blk_e + b) * num_groups + g0) * (NB * 8) + 2 * tid;
 #pragma unroll
                 for (int j = 0; j < S_PER; ++j)
