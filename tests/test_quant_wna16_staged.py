@@ -194,11 +194,6 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     ("t32", (30, 2, 2, 128, 384, 32), 384, True, 1, 2),        # one group per row; runs that
                                                                # cross m tiles
     ("u24", (9, 3, 2, 320, 256, 24), 64, False, 8, 16),        # 8 warps
-    ("x24", (9, 3, 2, 576, 256, 24), 64, True, 8, 8),          # 8 warps of 4 tiles, 5 stages
-    # CS: the chunk sums made a stage ahead, once per CTA
-    ("t24s", (20, 2, 2, 256, 512, 24), 128, True, 4, 8),
-    ("t32s", (5, 3, 2, 288, 576, 32), 64, False, 8, 16),
-    ("t24kp", (20, 2, 2, 256, 640, 24), 128, True, 4, 8),      # one chunk a stage, 9 stages
 ])
 def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
     M_a, E, K, N, Kd, B = shape

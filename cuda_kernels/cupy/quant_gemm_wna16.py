@@ -752,23 +752,13 @@ STAGED_CONFIGS = {
     "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2),
     # 8 warps of 2 tiles: twice the warps per SM, each token fetch from shared memory feeds 2
     "u24": dict(KERNEL="staged", MT=3, W=8, TPW=2, KC=2, S=4, MINB=2),
-    # one CTA of 8 warps per SM, 512-row blocks, 5 stages
-    "x24": dict(KERNEL="staged", MT=3, W=8, TPW=4, KC=2, S=5, MINB=1),
-    # CS: the tokens' chunk sums made once per CTA, a stage ahead
-    "t24s": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, CS=1),
-    "t32s": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2, CS=1),
-    # PF: the codes PF stages past the ring's into L2; one chunk a stage, a deeper ring
-    "t24p2": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, PF=2),
-    "t24p4": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, PF=4),
-    "t24k": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=1, S=9, MINB=2),
-    "t24kp": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=1, S=9, MINB=2, PF=4),
 }
 CU_STAGED = "quant_gemm_wna16_staged.cu"
 
 
 def staged_kernel_name(cfg: dict, zp: bool) -> str:
     return (f"wna16_staged<{cfg['MT']}, {cfg['W']}, {cfg['TPW']}, {cfg['KC']}, {cfg['S']}, "
-            f"{int(bool(zp))}, {cfg['MINB']}, {cfg.get('CS', 0)}, {cfg.get('PF', 0)}>")
+            f"{int(bool(zp))}, {cfg['MINB']}>")
 
 
 def staged_stage_bytes(cfg: dict, zp: bool) -> int:
@@ -796,14 +786,8 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     for key in ("W", "TPW", "KC", "S", "MINB"):
         if not isinstance(cfg.get(key), int) or cfg[key] < 1:
             raise ValueError(f"config: expected {key} a positive int, got {cfg.get(key)!r}")
-    cs, pf = cfg.get("CS", 0), cfg.get("PF", 0)
-    if cs not in (0, 1):
-        raise ValueError(f"config: expected CS 0 or 1, got {cs!r}")
-    if not isinstance(pf, int) or pf < 0:
-        raise ValueError(f"config: expected PF a non-negative int, got {pf!r}")
-    if cfg["S"] < 2 + cs:
-        raise ValueError(f"config: expected S >= {2 + cs} pipeline stages (CS = {cs}), "
-                         f"got {cfg['S']}")
+    if cfg["S"] < 2:
+        raise ValueError(f"config: expected S >= 2 pipeline stages, got {cfg['S']}")
     Lg = min(L, P * block_size)
     mtiles = C.cdiv(Lg, bm)
     nb = cfg["W"] * cfg["TPW"]

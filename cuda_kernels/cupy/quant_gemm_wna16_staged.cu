@@ -79,7 +79,7 @@ struct StagedStage {
     static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
 };
 
-template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int CS, int PF>
+template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
@@ -91,11 +91,10 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
              int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
     using St = StagedStage<MT, NB, KC, ZP>;
-    static_assert(S >= 2 + CS, "CS: the chunk sums of stage i + 1 are made as stage i's run");
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
-    __shared__ __align__(16) float sSum[CS ? 2 : 1][KC][BM];   // CS: the chunk sums (float2)
+    __shared__ uint4 sNZ;                         // the zero-point mma's A quad (see below)
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -103,6 +102,20 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     const int SPB = (C + KC - 1) / KC, nblocks = (ntiles + NB - 1) / NB, U = nblocks * SPB;
     const int mtiles = (num_positions + BM - 1) / BM;
     const int Q = gridDim.x, q = blockIdx.x;
+#if ELEM_BF16
+    constexpr u32 MAGIC = 0x43004300u;
+#else
+    constexpr u32 MAGIC = 0x64006400u;
+#endif
+    // -(MAGIC + zp) in both halves: the A operand of the zero-point mma (sign bits flipped),
+    // the same in its four registers. Read back from shared memory per stage: ptxas sees four
+    // copies of one value as one register and rebuilds the mma's register quad with moves at
+    // each use (copies through an asm mov too: 16 moves a stage, SASS of cfad067); a load it
+    // cannot see through
+    if (tid == 0) {
+        const u32 nzdef = (MAGIC | ((u32)default_zp * 0x00010001u)) ^ 0x80008000u;
+        sNZ = make_uint4(nzdef, nzdef, nzdef, nzdef);
+    }                                              // (read after the barriers below)
 
     // ---- the m tiles' costs: U units each, weighted by LT + 5 (the instructions of a stage
     // grow about so with the live token tiles: ~590 at LT = 2, ~680 at LT = 3), 0 for an m tile
@@ -190,6 +203,8 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         // the run's codes: unit u = b SPB + s of the m tile is stage (blk_e + b) SPB + s of
         // stage_blocks' layout, so stage i of the run is i stages past its first
         const uint4* w_run = wp + (blk_e * SPB + u0) * (NB * KC * 32) + tid;
+        // the expert's scales and zero points: group gr of row block b at (b G + gr) NB 8
+        const size_t sz_e = blk_e * num_groups * (NB * 8);
 
         // ---- stage i of the run (unit u0 + i, row block b, K stage s) into ring slot i % S; one
         // commit group per stage (empty past the run: the wait counts stay right)
@@ -202,22 +217,14 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                 for (int j = 0; j < W_PER; ++j)
                     w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
-                // PF: the codes of the stage PF on into L2, one 128-byte line per thread and
-                // step of NT lines (the run's stages: no bounds past its weights)
-                if (PF && u0 + i + PF < u1) {
-                    const uint4* pf = w_run - tid + (i + PF) * (NB * KC * 32) + 8 * tid;
-#pragma unroll
-                    for (int j = 0; j < (NB * KC * 32 / 8 + NT - 1) / NT; ++j)
-                        if (8 * (tid + j * NT) < NB * KC * 32) w16::prefetch_l2(pf + 8 * j * NT);
-                }
-                const float2* ssrc = sp + ((blk_e + b) * num_groups + g0) * (NB * 8) + 2 * tid;
+                const int sz_off = (b * num_groups + g0) * (NB * 8);   // < 2^31: one expert's
+                const float2* ssrc = sp + sz_e + sz_off + 2 * tid;
 #pragma unroll
                 for (int j = 0; j < S_PER; ++j)
                     if (tid + j * NT < ngr * NB * 4)
                         w16::cp16(st + St::S_OFF + 16 * j * NT, ssrc + 2 * j * NT, true);
                 if (ZP) {
-                    const unsigned short* zsrc = zp + ((blk_e + b) * num_groups + g0) * (NB * 8) +
-                                                 8 * tid;
+                    const unsigned short* zsrc = zp + sz_e + sz_off + 8 * tid;
 #pragma unroll
                     for (int j = 0; j < Z_PER; ++j)
                         if (tid + j * NT < ngr * NB)
@@ -225,32 +232,15 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                 }
                 u8* sa = smem + (size_t)(i % S) * St::BYTES;
 #pragma unroll
-                for (int j = 0; j < A_PER; ++j) {
-                    const bool ok = a_chunk[j] < kcn;     // a short last stage: zeros
-                    w16::cp16_if(a_on[j], sa + a_dst[j], ok ? a_src[j] + c0 * 64 : a, ok);
+                for (int j = 0; j < A_PER; ++j) {           // a short last stage: zeros
+                    const bool ok = a_chunk[j] < kcn;
+                    w16::cp16_if(a_on[j], sa + a_dst[j], a_src[j] + (ok ? c0 * 64 : 0), ok);
                 }
             }
             w16::cp_commit();
         };
 
-#if ELEM_BF16
-        constexpr u32 MAGIC = 0x43004300u, ONES = 0x3F803F80u;   // 128 + q; 1.0 in both halves
-        constexpr float MAGIC_F = 128.f;
-#else
-        constexpr u32 MAGIC = 0x64006400u, ONES = 0x3C003C00u;   // 1024 + q
-        constexpr float MAGIC_F = 1024.f;
-#endif
-        const float nz_default = -(MAGIC_F + (float)default_zp);
-        // the zero-point mma's A fragment (CS: the sums', 1 in every slot; else -(MAGIC + zp),
-        // sign bits flipped): four registers held for the segment (four copies of one value
-        // are merged by the compiler, and the mma's register quad then costs four moves per
-        // use: a third of the loop's moves, SASS of fcf9bc8)
-        const u32 nzdef = (MAGIC | ((u32)default_zp * 0x00010001u)) ^ 0x80008000u;
-        u32 ones[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) ones[k] = w16::opaque(CS ? ONES : nzdef);
         const int n_units = u1 - u0;
-        auto chunks_of = [&](int s) { return min(KC, C - s * KC); };   // K stage s's chunks
         {
             int b = u0 / SPB, s = u0 - b * SPB;
 #pragma unroll
@@ -292,47 +282,13 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                 }
             };
 
-            // S[j & 1][kc][token] = sum over chunk kc of stage j of the live token's 64 codes,
-            // by the tensor cores (A = 1: exact products, fp32 sums), the (token tile, chunk)
-            // pairs dealt to the warps: 4 mma each, once per CTA (every warp's tiles start
-            // from them)
-            auto chunk_sums = [&](int j, int kcn) {
-                const uint4* sa = reinterpret_cast<const uint4*>(
-                    smem + (size_t)(j % S) * St::BYTES + St::A_OFF);
-#pragma unroll
-                for (int v = warp; v < LT * KC; v += W) {   // uniform over the warp
-                    const int mt = v / KC, kc = v % KC, r = 8 * mt + g;
-                    if (kc >= kcn) continue;
-                    const uint4 b0 = sa[r * KC * 8 + ((kc * 8 + 2 * t) ^ (g & 1))];
-                    const uint4 b1 = sa[r * KC * 8 + ((kc * 8 + 2 * t + 1) ^ (g & 1))];
-                    float z[4] = {0.f, 0.f, 0.f, 0.f};
-                    w16::mma16816(z, ones[0], ones[1], ones[2], ones[3], b0.x, b0.y);
-                    w16::mma16816(z, ones[0], ones[1], ones[2], ones[3], b0.z, b0.w);
-                    w16::mma16816(z, ones[0], ones[1], ones[2], ones[3], b1.x, b1.y);
-                    w16::mma16816(z, ones[0], ones[1], ones[2], ones[3], b1.z, b1.w);
-                    if (g == 0)                           // row 0: tokens 2 t, 2 t + 1
-                        *reinterpret_cast<float2*>(&sSum[j & 1][kc][8 * mt + 2 * t]) =
-                            float2{z[0], z[1]};
-                }
-            };
-            // The sums of stage i + 1 are made while stage i is computed, so each iteration
-            // waits for one stage more than it computes (S - 3 groups left in flight): stage
-            // 0's are made first, before the loop
-            if (CS) {
-                w16::cp_wait<S - 2>();
-                __syncthreads();
-                chunk_sums(0, chunks_of(u0 % SPB));
-            }
-
             int b = u0 / SPB, s = u0 - b * SPB;           // the unit being computed
             int ib = (u0 + S - 1) / SPB, is = u0 + S - 1 - ib * SPB;   // the unit being issued
             for (int i = 0; i < n_units; ++i) {
-                w16::cp_wait<S - 2 - CS>();               // stage i (+ 1) has landed (this
-                __syncthreads();                          // thread's), and everyone's; slot i - 1
-                issue(i + S - 1, ib, is);                 // is free, so is sSum[(i + 1) & 1]
+                w16::cp_wait<S - 2>();                    // stage i has landed (this thread's)
+                __syncthreads();                          // ... and everyone's; slot i - 1 is free
+                issue(i + S - 1, ib, is);
                 if (++is == SPB) { is = 0; ++ib; }
-                if (CS && i + 1 < n_units)
-                    chunk_sums(i + 1, chunks_of(s + 1 == SPB ? 0 : s + 1));
                 const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
                 const u8* st = smem + (size_t)(i % S) * St::BYTES;
                 const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
@@ -354,15 +310,7 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                         bv[mt][0] = sa[r * KC * 8 + ((kc * 8 + 2 * t) ^ (g & 1))];
                         bv[mt][1] = sa[r * KC * 8 + ((kc * 8 + 2 * t + 1) ^ (g & 1))];
                     }
-                    // the accumulators' start: -(MAGIC + zp) S per (row, token); c0 c1 = row g,
-                    // tokens 2 t, 2 t + 1; c2 c3 = row g + 8
-                    float2 sum2[LT];
-#pragma unroll
-                    for (int mt = 0; mt < LT; ++mt)
-                        sum2[mt] = CS ? *reinterpret_cast<const float2*>(
-                                            &sSum[CS ? i & 1 : 0][kc][8 * mt + 2 * t])
-                                      : float2{0.f, 0.f};
-                    // CS = 0: -(MAGIC + zp) S by 4 mma with A = -(MAGIC + zp) in every slot
+                    // the accumulator's start: -(MAGIC + zp) S per token, by the tensor cores
                     auto zero_point_start = [&](float (&z)[4], const u32 (&nz)[4], int mt) {
                         z[0] = z[1] = z[2] = z[3] = 0.f;
                         w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], bv[mt][0].x, bv[mt][0].y);
@@ -370,30 +318,21 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                         w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], bv[mt][1].x, bv[mt][1].y);
                         w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], bv[mt][1].z, bv[mt][1].w);
                     };
-                    auto start_of = [&](float (&z)[4], int mt, float nz_g, float nz_g8) {
-                        z[0] = nz_g * sum2[mt].x;
-                        z[1] = nz_g * sum2[mt].y;
-                        z[2] = nz_g8 * sum2[mt].x;
-                        z[3] = nz_g8 * sum2[mt].y;
-                    };
                     float zs[ZP ? 1 : LT][4];             // shared by the TPW tiles (ZP = 0)
                     if (!ZP) {
+                        const uint4 nz4 = sNZ;
+                        const u32 nzq[4] = {nz4.x, nz4.y, nz4.z, nz4.w};
 #pragma unroll
-                        for (int mt = 0; mt < LT; ++mt) {
-                            if (CS) start_of(zs[ZP ? 0 : mt], mt, nz_default, nz_default);
-                            else zero_point_start(zs[ZP ? 0 : mt], ones, mt);
-                        }
+                        for (int mt = 0; mt < LT; ++mt)
+                            zero_point_start(zs[ZP ? 0 : mt], nzq, mt);
                     }
 #pragma unroll
                     for (int r = 0; r < TPW; ++r) {
                         const uint4 x = sw[(r * KC + kc) * 32];
                         const float2 s2 = ss[(gi * NB + r) * 8];
-                        float nz_g = 0.f, nz_g8 = 0.f;    // ZP: this tile's rows' -(MAGIC + zp)
-                        u32 nzt[4] = {0u, 0u, 0u, 0u};    // (CS = 0: as mma A, sign bits flipped)
+                        u32 nzt[4] = {0u, 0u, 0u, 0u};    // ZP: this tile's -(MAGIC + zp)
                         if (ZP) {                         // row g's zero point in the low byte
                             const u32 z = sz[(gi * NB + r) * 8];
-                            nz_g = -(MAGIC_F + (float)(z & 0xFFu));
-                            nz_g8 = -(MAGIC_F + (float)((z >> 8) & 0xFFu));
                             nzt[0] = nzt[2] = (MAGIC | ((z & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
                             nzt[1] = nzt[3] =
                                 (MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
@@ -410,11 +349,15 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                         }
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt) {
-                            float tmp[4], zt[4];
-                            if (ZP && CS) start_of(zt, mt, nz_g, nz_g8);
-                            if (ZP && !CS) zero_point_start(zt, nzt, mt);
-                            w16::mma16816_c(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
-                                            bv[mt][0].y, ZP ? zt : zs[ZP ? 0 : mt]);
+                            float tmp[4];
+                            if (ZP) {
+                                zero_point_start(tmp, nzt, mt);
+                                w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
+                                              bv[mt][0].y);
+                            } else {                      // from the shared start, kept
+                                w16::mma16816_c(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
+                                                bv[mt][0].y, zs[ZP ? 0 : mt]);
+                            }
                             w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], bv[mt][0].z,
                                           bv[mt][0].w);
                             w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], bv[mt][1].x,

@@ -188,13 +188,6 @@ __device__ __forceinline__ void cp16(void* dst, const void* src, bool pred) {
                  :: "r"(d), "l"(src), "r"(pred ? 16 : 0));
 #endif
 }
-// Bring the 128-byte line at p into L2 (no register, no wait): a load further ahead than the
-// shared-memory ring holds.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#ifndef QG_EMULATED_PTX
-    asm volatile("prefetch.global.L2 [%0];\n" :: "l"(p));
-#endif
-}
 // cp16 issued only when issue is true (a predicated instruction: no branch around it).
 __device__ __forceinline__ void cp16_if(bool issue, void* dst, const void* src, bool pred) {
 #ifdef QG_EMULATED_PTX
