@@ -67,6 +67,7 @@
 // Needs int4 prepacked and staged (N % 16 == 0, Kdim % 64 == 0, group_size 64 times a power of
 // two or one group per row: chunk_shift = log2(chunks per group), 30 for one group).
 #include "wna16_common.cuh"
+#include "wna16_wgmma.cuh"
 
 // Bytes of one pipeline stage (each part rounded to 128 bytes), as the launcher computes them.
 template <int MT, int NB, int KC, int ZP>
@@ -79,7 +80,7 @@ struct StagedStage {
     static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
 };
 
-template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB>
+template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int WG>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
@@ -91,10 +92,12 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
              int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
     using St = StagedStage<MT, NB, KC, ZP>;
+    static_assert(!WG || W == 4, "WG: the CTA is one warpgroup");
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
     __shared__ uint4 sNZ;                         // the zero-point mma's A quad (see below)
+    __shared__ uint4 sOnes;                       // WG: the token sums' wgmma A quad, 1.0
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -103,10 +106,13 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     const int mtiles = (num_positions + BM - 1) / BM;
     const int Q = gridDim.x, q = blockIdx.x;
 #if ELEM_BF16
-    constexpr u32 MAGIC = 0x43004300u;
+    constexpr u32 MAGIC = 0x43004300u;             // 128 + q in both halves
+    constexpr float MAGIC_F = 128.f;
 #else
-    constexpr u32 MAGIC = 0x64006400u;
+    constexpr u32 MAGIC = 0x64006400u;             // 1024 + q
+    constexpr float MAGIC_F = 1024.f;
 #endif
+    const float nz_default = -(MAGIC_F + (float)default_zp);
     // -(MAGIC + zp) in both halves: the A operand of the zero-point mma (sign bits flipped),
     // the same in its four registers. Read back from shared memory per stage: ptxas sees four
     // copies of one value as one register and rebuilds the mma's register quad with moves at
@@ -115,6 +121,12 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     if (tid == 0) {
         const u32 nzdef = (MAGIC | ((u32)default_zp * 0x00010001u)) ^ 0x80008000u;
         sNZ = make_uint4(nzdef, nzdef, nzdef, nzdef);
+#if ELEM_BF16
+        constexpr u32 ONES = 0x3F803F80u;
+#else
+        constexpr u32 ONES = 0x3C003C00u;
+#endif
+        sOnes = make_uint4(ONES, ONES, ONES, ONES);
     }                                              // (read after the barriers below)
 
     // ---- the m tiles' costs: U units each, weighted by LT + 5 (the instructions of a stage
@@ -196,7 +208,9 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             a_on[j] = k < A_UNITS && r < live_rows;
             const int ar = a_on[j] ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
             a_src[j] = a + (size_t)ar * Kdim + u * 8;
-            a_dst[j] = St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1)));
+            a_dst[j] = St::A_OFF + (WG ? (u / 8) * MT * 1024 + (u % 8) * MT * 128 +
+                                             (r / 8) * 128 + (r % 8) * 16
+                                       : 16 * (r * KC * 8 + (u ^ (r & 1))));
             a_chunk[j] = u / 8;
         }
         const size_t blk_e = (size_t)e * nblocks;          // this expert's first row block
@@ -259,12 +273,22 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                 for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
                     for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
+            // WG: wgmma's accumulators of the chunk (the m64nN tile's layout per n8 block is
+            // mma.m16n8's: tmp[r][4 mt + i] is acc[r][mt][i]'s), and the tokens' sums
+            constexpr int NN = 8 * LT;
+            float tmp_wg[WG ? TPW : 1][NN / 2], sum_wg[NN / 2];
+#pragma unroll
+            for (int i = 0; i < NN / 2; ++i) {
+                sum_wg[i] = 0.f;
+#pragma unroll
+                for (int r = 0; r < (WG ? TPW : 1); ++r) tmp_wg[r][i] = 0.f;
+            }
 
             // the block's outputs: c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8, same)
             auto store = [&](int b) {
 #pragma unroll
                 for (int r = 0; r < TPW; ++r) {
-                    const int tile = b * NB + warp * TPW + r;
+                    const int tile = b * NB + (WG ? r * W + warp : warp * TPW + r);
                     if (tile >= ntiles) continue;
 #pragma unroll
                     for (int mt = 0; mt < LT; ++mt)
@@ -286,6 +310,7 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             int ib = (u0 + S - 1) / SPB, is = u0 + S - 1 - ib * SPB;   // the unit being issued
             for (int i = 0; i < n_units; ++i) {
                 w16::cp_wait<S - 2>();                    // stage i has landed (this thread's)
+                if constexpr (WG) wg_fence_proxy_async();   // (WG: read by wgmma's proxy)
                 __syncthreads();                          // ... and everyone's; slot i - 1 is free
                 issue(i + S - 1, ib, is);
                 if (++is == SPB) { is = 0; ++ib; }
@@ -298,6 +323,95 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                 const unsigned short* sz = reinterpret_cast<const unsigned short*>(st + St::Z_OFF) +
                                            warp * TPW * 8 + g;
                 const uint4* sa = reinterpret_cast<const uint4*>(st + St::A_OFF);
+                if constexpr (WG) {
+                    // WG: per chunk, the 64-row group r (the warps' tiles r W + warp) is one
+                    // m64nNk16 wgmma per k16 step (A: the dequantized 128 + q, pinned; B: the
+                    // staged tokens); a fifth batch row with A = 1 gives the tokens' sums S.
+                    // ptxas keeps wgmma asynchronous only when no operand is defined between
+                    // the fence and the wait (quant_gemm_wna16_wgmma.cu): all of the chunk's
+                    // A first, then one batch, then the scaling, c += s (P - (128 + zp) S)
+                    const u32 a_stage = ww_smem(st + St::A_OFF);
+                    const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
+                                      warp * KC * 32 + lane;
+                    const float2* ss = reinterpret_cast<const float2*>(st + St::S_OFF) +
+                                       warp * 8 + g;
+                    const unsigned short* sz =
+                        reinterpret_cast<const unsigned short*>(st + St::Z_OFF) + warp * 8 + g;
+#pragma unroll
+                    for (int kc = 0; kc < KC; ++kc) {
+                        if (kc >= kcn) break;             // uniform: a short last stage
+                        const int gi = ((c0 + kc) >> chunk_shift) - g0;
+                        u32 A[TPW][4][4];                 // [tile][k16 step][fragment]
+#pragma unroll
+                        for (int r = 0; r < TPW; ++r) {
+                            const uint4 x = sw[(r * W * KC + kc) * 32];
+                            const u32 m = 0x000F000Fu;
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {   // words x, y (steps 0, 1); z, w
+                                const u32 lo = h ? x.z : x.x, hi = h ? x.w : x.y;
+#pragma unroll
+                                for (int p = 0; p < 2; ++p) {
+                                    A[r][2 * h + p][0] = w16::and_or(lo >> (8 * p), m, MAGIC);
+                                    A[r][2 * h + p][1] = w16::and_or(hi >> (8 * p), m, MAGIC);
+                                    A[r][2 * h + p][2] = w16::and_or(lo >> (8 * p + 4), m, MAGIC);
+                                    A[r][2 * h + p][3] = w16::and_or(hi >> (8 * p + 4), m, MAGIC);
+                                }
+                            }
+#pragma unroll
+                            for (int k = 0; k < 4; ++k) ww_pin(A[r][k]);
+                        }
+                        const uint4 o4 = sOnes;
+                        u32 ones[4] = {o4.x, o4.y, o4.z, o4.w};
+                        u64 desc[4];
+                        u32 keep[4];
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) {
+                            desc[k] = ww_desc_b<MT>(a_stage + kc * MT * 1024, k);
+                            keep[k] = k != 0;
+                        }
+                        ww_pin(ones);
+                        ww_pin(desc);
+                        ww_pin(keep);
+#pragma unroll
+                        for (int r = 0; r < TPW; ++r) ww_pin(tmp_wg[WG ? r : 0]);
+                        ww_pin(sum_wg);
+                        wg_fence();
+#pragma unroll
+                        for (int r = 0; r < TPW; ++r)
+#pragma unroll
+                            for (int k = 0; k < 4; ++k)
+                                WwMma<NN>::run(tmp_wg[WG ? r : 0], A[r][k][0], A[r][k][1],
+                                               A[r][k][2], A[r][k][3], desc[k], keep[k]);
+#pragma unroll
+                        for (int k = 0; k < 4; ++k)
+                            WwMma<NN>::run(sum_wg, ones[0], ones[1], ones[2], ones[3], desc[k],
+                                           keep[k]);
+                        wg_commit();
+                        wg_wait<0>();
+#pragma unroll
+                        for (int r = 0; r < TPW; ++r) ww_pin(tmp_wg[WG ? r : 0]);
+                        ww_pin(sum_wg);
+#pragma unroll
+                        for (int r = 0; r < TPW; ++r) {
+                            const float2 s2 = ss[(gi * NB + r * W) * 8];
+                            float nz_g = nz_default, nz_g8 = nz_default;   // -(MAGIC + zp)
+                            if (ZP) {
+                                const u32 z = sz[(gi * NB + r * W) * 8];
+                                nz_g = -(MAGIC_F + (float)(z & 0xFFu));
+                                nz_g8 = -(MAGIC_F + (float)((z >> 8) & 0xFFu));
+                            }
+#pragma unroll
+                            for (int mt = 0; mt < LT; ++mt)
+#pragma unroll
+                                for (int k = 0; k < 4; ++k) {
+                                    const float v = fmaf(k < 2 ? nz_g : nz_g8,
+                                                         sum_wg[4 * mt + k],
+                                                         tmp_wg[WG ? r : 0][4 * mt + k]);
+                                    acc[r][mt][k] = fmaf(k < 2 ? s2.x : s2.y, v, acc[r][mt][k]);
+                                }
+                        }
+                    }
+                } else {
 #pragma unroll
                 for (int kc = 0; kc < KC; ++kc) {
                     if (kc >= kcn) break;                 // uniform: a short last stage
@@ -371,6 +485,7 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                         }
                     }
                 }
+                }  // WG
                 // ---- the end of a block (or of the run): store it, or hand in this CTA's part
                 if (s == SPB - 1 || i == n_units - 1) {          // uniform over the CTA
                     if (u0 <= b * SPB && s == SPB - 1) {
