@@ -434,7 +434,6 @@ QEMU_HEADER = r"""
 #define __forceinline__ inline
 #define __restrict__
 #define __launch_bounds__(...)
-#define __align__(n) __attribute__((aligned(n)))
 #define QG_EMULATED_PTX 1
 using std::min; using std::max;
 struct Idx3 { unsigned x = 0, y = 0, z = 0; };

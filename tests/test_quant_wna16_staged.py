@@ -115,10 +115,8 @@ def test_stage_blocks_layout(rng, E, N, Kd, gs, zp, nb, kc):
             if zp:
                 want_z = pk["zp"][:, tile] if tile < NT else 0
                 assert np.array_equal(sb["zp"][:, b, :, i], np.broadcast_to(want_z, (E, G, 8)))
-    wg = W.stage_blocks(W.prepack_int4(wq, ws, wz, order="wgmma"), nb, kc)   # WG's lanes
-    assert wg["order"] == ("staged", nb, kc, "wgmma") and wg["wp"].shape == sb["wp"].shape
     with pytest.raises(ValueError, match="mma"):
-        W.stage_blocks(dict(pk, order="rows"), nb, kc)
+        W.stage_blocks(W.prepack_int4(wq, ws, wz, order="wgmma"), nb, kc)
 
 
 def test_plan_refuses_bad_configs():
@@ -155,10 +153,9 @@ def _entries(names):
 def emulated_staged(tmp_path_factory):
     from test_quant_cupy import build_emulation
     from test_quant_wna16_cupy import W16_PRELUDE
-    from test_quant_wna16_wgmma import WW_EMU
 
     return build_emulation(tmp_path_factory, "wst", W.CU_STAGED, _entries(W.STAGED_NAMES),
-                           prelude=W16_PRELUDE + WW_EMU)
+                           prelude=W16_PRELUDE)
 
 
 def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms):
@@ -171,8 +168,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     M_a, Kd = a.shape
     E, N = wq.shape[:2]
     P, G = M_a * top_k, ws.shape[2]
-    order = "wgmma" if cfg.get("WG") else "mma"
-    pk = W.stage_blocks(W.prepack_int4(wq, ws, wz, order), cfg["W"] * cfg["TPW"], cfg["KC"])
+    pk = W.stage_blocks(W.prepack_int4(wq, ws, wz), cfg["W"] * cfg["TPW"], cfg["KC"])
     lp = W.staged_plan(P, E, N, Kd, st.size, B, cfg, sms, Kd // G, G, wz is not None)
     c = np.full((P, N), 0x7FC0, np.uint16)                         # poison: bf16 NaN
     wsp = np.full(lp["WS"], np.nan, np.float32)                     # the parts' workspace
@@ -198,9 +194,6 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     ("t32", (30, 2, 2, 128, 384, 32), 384, True, 1, 2),        # one group per row; runs that
                                                                # cross m tiles
     ("u24", (9, 3, 2, 320, 256, 24), 64, False, 8, 16),        # 8 warps
-    # wgmma (WG): 1-3 live token tiles, zero points, blocks from several parts, g64 / g128
-    ("y24", (20, 2, 2, 256, 512, 24), 128, True, 4, 8),
-    ("y16", (5, 3, 2, 288, 640, 16), 64, False, 8, 16),
 ])
 def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
     M_a, E, K, N, Kd, B = shape

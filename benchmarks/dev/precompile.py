@@ -16,7 +16,7 @@ def _one(job):
     from cuda_kernels.cupy import quant_gemm_wna16 as W
     t = time.time()
     cu = W.CU_STAGED if name in W.STAGED_NAMES else W.CU
-    W._kernel(name, W.ELEMS[elem], 0, cu, W.staged_options(name))
+    W._kernel(name, W.ELEMS[elem], 0, cu)
     return f"{name} {elem}: {time.time() - t:.1f} s"
 
 

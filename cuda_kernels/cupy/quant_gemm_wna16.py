@@ -451,17 +451,16 @@ def unpack_int4(packed):
 
 
 def stage_blocks(packed, nb: int, kc: int):
-    """prepack_int4's packing ("mma", or "wgmma" for the WG configs) laid out for
-    wna16_staged's bulk copies: one pipeline stage (row block b of NB tiles, K stage s of KC
-    chunks) is one contiguous run of each array (the lane order inside is kept).
+    """prepack_int4's "mma" packing laid out for wna16_staged's bulk copies: one pipeline stage
+    (row block b of NB tiles, K stage s of KC chunks) is one contiguous run of each array.
 
         wp [E, blocks, SPB, NB, KC, 32, 4] uint32  (tile b NB + i, chunk s KC + j)
         sp [E, blocks, G, NB, 8, 2] fp32           zp [E, blocks, G, NB, 8] uint16 or None
 
     blocks = cdiv(N / 16, NB), SPB = cdiv(Kdim / 64, KC); tiles and chunks past the weights
     are zeros (computed, never stored or, for chunks, never multiplied). Same array module."""
-    if packed.get("order", "mma") not in ("mma", "wgmma"):
-        raise ValueError(f"packed: expected prepack_int4's \"mma\" or \"wgmma\" order, got "
+    if packed.get("order", "mma") != "mma":
+        raise ValueError(f"packed: expected prepack_int4's \"mma\" order, got "
                          f"{packed.get('order')!r}")
     wp = packed["wp"]
     xp = _xp(wp)
@@ -477,8 +476,7 @@ def stage_blocks(packed, nb: int, kc: int):
         widths[axis] = (0, size - x.shape[axis])
         return xp.pad(x, widths)
     w = pad(pad(wp, 1, blocks * nb), 2, spb * kc).reshape(E, blocks, nb, spb, kc, 32, 4)
-    lanes = () if packed.get("order", "mma") == "mma" else (packed["order"],)
-    out = dict(packed, order=("staged", nb, kc) + lanes, blocks=blocks, SPB=spb)
+    out = dict(packed, order=("staged", nb, kc), blocks=blocks, SPB=spb)
     out["wp"] = xp.ascontiguousarray(w.transpose(0, 1, 3, 2, 4, 5, 6))
     sp = pad(packed["sp"], 1, blocks * nb).reshape(E, blocks, nb, G, 8, 2)
     out["sp"] = xp.ascontiguousarray(sp.transpose(0, 1, 3, 2, 4, 5))
@@ -577,15 +575,15 @@ def packed_weights(w, w_scale, w_zp=None, w_scale_f32=None, order="mma"):
     long as they are not written in place after their first use; call forget_packed() after
     writing into them. At most PACK_CACHE_SIZE sets, least recently used dropped first.
     w_scale_f32: w_scale already widened to fp32 (packed instead of w_scale, keyed by it).
-    order: prepack_int4's lane order, or ("staged", NB, KC) for stage_blocks' layout of the
-    "mma" order (("staged", NB, KC, "wgmma") of the "wgmma" order; one cached set per order)."""
+    order: prepack_int4's lane order, or ("staged", NB, KC) for stage_blocks' layout (one
+    cached set per order)."""
     key = tuple((id(x), x.data.ptr, x.shape, x.strides, str(x.dtype)) if x is not None else None
                 for x in (w, w_scale, w_zp)) + (order,)
     hit = _PACKED.pop(key, None)
     if hit is None:
-        staged = isinstance(order, tuple)   # ("staged", NB, KC[, lane order]): stage_blocks'
+        staged = isinstance(order, tuple)           # ("staged", NB, KC): stage_blocks' layout
         pk = prepack_int4(w, w_scale if w_scale_f32 is None else w_scale_f32, w_zp,
-                          (order[3] if len(order) > 3 else "mma") if staged else order)
+                          "mma" if staged else order)
         hit = ((w, w_scale, w_zp), stage_blocks(pk, order[1], order[2]) if staged else pk)
     _PACKED[key] = hit                  # most recent last
     while len(_PACKED) > PACK_CACHE_SIZE:
@@ -754,18 +752,13 @@ STAGED_CONFIGS = {
     "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2),
     # 8 warps of 2 tiles: twice the warps per SM, each token fetch from shared memory feeds 2
     "u24": dict(KERNEL="staged", MT=3, W=8, TPW=2, KC=2, S=4, MINB=2),
-    # WG: Hopper's wgmma (sm_90a), one warpgroup per CTA: the weights of each 64-row group as
-    # its register A, the staged token rows as its B (weights in prepack_int4's "wgmma" order)
-    "y16": dict(KERNEL="staged", MT=2, W=4, TPW=4, KC=2, S=4, MINB=2, WG=1),
-    "y24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, WG=1),
-    "y32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2, WG=1),
 }
 CU_STAGED = "quant_gemm_wna16_staged.cu"
 
 
 def staged_kernel_name(cfg: dict, zp: bool) -> str:
     return (f"wna16_staged<{cfg['MT']}, {cfg['W']}, {cfg['TPW']}, {cfg['KC']}, {cfg['S']}, "
-            f"{int(bool(zp))}, {cfg['MINB']}, {cfg.get('WG', 0)}>")
+            f"{int(bool(zp))}, {cfg['MINB']}>")
 
 
 def staged_stage_bytes(cfg: dict, zp: bool) -> int:
@@ -795,9 +788,6 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
             raise ValueError(f"config: expected {key} a positive int, got {cfg.get(key)!r}")
     if cfg["S"] < 2:
         raise ValueError(f"config: expected S >= 2 pipeline stages, got {cfg['S']}")
-    if cfg.get("WG", 0) not in (0, 1) or (cfg.get("WG") and (cfg["W"] != 4 or cfg["MT"] > 4)):
-        raise ValueError(f"config: WG = 1 (wgmma) needs W = 4 warps and MT <= 4, got "
-                         f"WG = {cfg.get('WG')!r}, W = {cfg['W']}, MT = {cfg['MT']}")
     Lg = min(L, P * block_size)
     mtiles = C.cdiv(Lg, bm)
     nb = cfg["W"] * cfg["TPW"]
@@ -819,22 +809,8 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
 
 STAGED_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values()
                      for z in (False, True))
-STAGED_WG_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values()
-                        if c.get("WG") for z in (False, True))
-
-
-def staged_options(name_or_cfg) -> tuple:
-    """The compile options of a staged kernel (its name, or its config): sm_90a for WG."""
-    wg = (name_or_cfg.get("WG") if isinstance(name_or_cfg, dict)
-          else name_or_cfg in STAGED_WG_NAMES)
-    return WGMMA_OPTIONS if wg else ()
-
-
 for _ev in ELEMS.values():
-    C.register_compile_case(CU_STAGED, {"ELEM_BF16": _ev},
-                            tuple(n for n in STAGED_NAMES if n not in STAGED_WG_NAMES))
-    C.register_compile_case(CU_STAGED, {"ELEM_BF16": _ev}, STAGED_WG_NAMES,
-                            options=WGMMA_OPTIONS)
+    C.register_compile_case(CU_STAGED, {"ELEM_BF16": _ev}, STAGED_NAMES)
 
 
 # ----------------------------------------------------------------------------- workspace
@@ -1016,10 +992,6 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         if nbits != 4:
             raise ValueError(f"config: the {rung} rung streams int4 codes (use_int4_w4a16)")
         ok, why = (wgmma_supports if rung == "wgmma" else packed_supports)(N, K, group_size, G)
-        if ok and rung == "staged" and cfg0.get("WG"):
-            cc = int(cupy.cuda.Device().compute_capability)
-            ok, why = cc == 90, ("a WG config (wgmma, built for sm_90a) runs on compute "
-                                 f"capability 9.0 only, got {cc}")
         if not ok:
             raise ValueError(f"w: the {rung} rung cannot run this problem: {why}")
     if rung == "wgmma":
@@ -1045,11 +1017,10 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         return c
     if rung == "staged":
         pk = packed_weights(w, w_scale, w_zp, w_s,
-                            order=("staged", cfg0["W"] * cfg0["TPW"], cfg0["KC"]) +
-                            (("wgmma",) if cfg0.get("WG") else ()))
+                            order=("staged", cfg0["W"] * cfg0["TPW"], cfg0["KC"]))
         lp = staged_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G,
                          w_zp is not None)
-        kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_STAGED, staged_options(cfg0))
+        kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_STAGED)
         null = C.null_ptr()
         ws, cnt = _workspace(lp["WS"], lp["TILES"])
         args = (C.raw(a), pk["wp"], C.raw(c), pk["sp"], pk["zp"] if pk["zp"] is not None else null,

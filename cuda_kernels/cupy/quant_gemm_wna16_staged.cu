@@ -67,7 +67,6 @@
 // Needs int4 prepacked and staged (N % 16 == 0, Kdim % 64 == 0, group_size 64 times a power of
 // two or one group per row: chunk_shift = log2(chunks per group), 30 for one group).
 #include "wna16_common.cuh"
-#include "wna16_wgmma.cuh"
 
 // Bytes of one pipeline stage (each part rounded to 128 bytes), as the launcher computes them.
 template <int MT, int NB, int KC, int ZP>
@@ -80,7 +79,7 @@ struct StagedStage {
     static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
 };
 
-template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int WG>
+template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
@@ -92,12 +91,10 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
              int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
     using St = StagedStage<MT, NB, KC, ZP>;
-    static_assert(!WG || W == 4, "WG: the CTA is one warpgroup");
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
     __shared__ uint4 sNZ;                         // the zero-point mma's A quad (see below)
-    __shared__ uint4 sOnes;                       // WG: the token sums' wgmma A quad, 1.0
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -106,13 +103,10 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     const int mtiles = (num_positions + BM - 1) / BM;
     const int Q = gridDim.x, q = blockIdx.x;
 #if ELEM_BF16
-    constexpr u32 MAGIC = 0x43004300u;             // 128 + q in both halves
-    constexpr float MAGIC_F = 128.f;
+    constexpr u32 MAGIC = 0x43004300u;
 #else
-    constexpr u32 MAGIC = 0x64006400u;             // 1024 + q
-    constexpr float MAGIC_F = 1024.f;
+    constexpr u32 MAGIC = 0x64006400u;
 #endif
-    const float nz_default = -(MAGIC_F + (float)default_zp);
     // -(MAGIC + zp) in both halves: the A operand of the zero-point mma (sign bits flipped),
     // the same in its four registers. Read back from shared memory per stage: ptxas sees four
     // copies of one value as one register and rebuilds the mma's register quad with moves at
@@ -121,12 +115,6 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     if (tid == 0) {
         const u32 nzdef = (MAGIC | ((u32)default_zp * 0x00010001u)) ^ 0x80008000u;
         sNZ = make_uint4(nzdef, nzdef, nzdef, nzdef);
-#if ELEM_BF16
-        constexpr u32 ONES = 0x3F803F80u;
-#else
-        constexpr u32 ONES = 0x3C003C00u;
-#endif
-        sOnes = make_uint4(ONES, ONES, ONES, ONES);
     }                                              // (read after the barriers below)
 
     // ---- the m tiles' costs: U units each, weighted by LT + 5 (the instructions of a stage
@@ -208,9 +196,7 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             a_on[j] = k < A_UNITS && r < live_rows;
             const int ar = a_on[j] ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
             a_src[j] = a + (size_t)ar * Kdim + u * 8;
-            a_dst[j] = St::A_OFF + (WG ? (u / 8) * MT * 1024 + (u % 8) * MT * 128 +
-                                             (r / 8) * 128 + (r % 8) * 16
-                                       : 16 * (r * KC * 8 + (u ^ (r & 1))));
+            a_dst[j] = St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1)));
             a_chunk[j] = u / 8;
         }
         const size_t blk_e = (size_t)e * nblocks;          // this expert's first row block
@@ -273,22 +259,12 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                 for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
                     for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
-            // WG: wgmma's accumulators of the chunk (the m64nN tile's layout per n8 block is
-            // mma.m16n8's: tmp[r][4 mt + i] is acc[r][mt][i]'s), and the tokens' sums
-            constexpr int NN = 8 * LT;
-            float tmp_wg[WG ? TPW : 1][NN / 2], sum_wg[NN / 2];
-#pragma unroll
-            for (int i = 0; i < NN / 2; ++i) {
-                sum_wg[i] = 0.f;
-#pragma unroll
-                for (int r = 0; r < (WG ? TPW : 1); ++r) tmp_wg[r][i] = 0.f;
-            }
 
             // the block's outputs: c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8, same)
             auto store = [&](int b) {
 #pragma unroll
                 for (int r = 0; r < TPW; ++r) {
-                    const int tile = b * NB + (WG ? r * W + warp : warp * TPW + r);
+                    const int tile = b * NB + warp * TPW + r;
                     if (tile >= ntiles) continue;
 #pragma unroll
                     for (int mt = 0; mt < LT; ++mt)
@@ -310,7 +286,6 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
             int ib = (u0 + S - 1) / SPB, is = u0 + S - 1 - ib * SPB;   // the unit being issued
             for (int i = 0; i < n_units; ++i) {
                 w16::cp_wait<S - 2>();                    // stage i has landed (this thread's)
-                if constexpr (WG) wg_fence_proxy_async();   // (WG: read by wgmma's proxy)
                 __syncthreads();                          // ... and everyone's; slot i - 1 is free
                 issue(i + S - 1, ib, is);
                 if (++is == SPB) { is = 0; ++ib; }
@@ -323,114 +298,33 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                 const unsigned short* sz = reinterpret_cast<const unsigned short*>(st + St::Z_OFF) +
                                            warp * TPW * 8 + g;
                 const uint4* sa = reinterpret_cast<const uint4*>(st + St::A_OFF);
-                if constexpr (WG) {
-                    // WG: per chunk, the 64-row group r (the warps' tiles r W + warp) is one
-                    // m64nNk16 wgmma per k16 step (A: the dequantized 128 + q, pinned; B: the
-                    // staged tokens); a fifth batch row with A = 1 gives the tokens' sums S.
-                    // ptxas keeps wgmma asynchronous only when no operand is defined between
-                    // the fence and the wait (quant_gemm_wna16_wgmma.cu): all of the chunk's
-                    // A first, then one batch, then the scaling, c += s (P - (128 + zp) S)
-                    const u32 a_stage = ww_smem(st + St::A_OFF);
-                    const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
-                                      warp * KC * 32 + lane;
-                    const float2* ss = reinterpret_cast<const float2*>(st + St::S_OFF) +
-                                       warp * 8 + g;
-                    const unsigned short* sz =
-                        reinterpret_cast<const unsigned short*>(st + St::Z_OFF) + warp * 8 + g;
+                // CG chunks from chunk kc0 of the stage, all of one scale group: the mma chain
+                // of a (tile, token tile) runs over all of them and is scaled once
+                auto chunks = [&](auto cg, int kc0) {
+                    constexpr int CG = decltype(cg)::value;
+                    const int gi = ((c0 + kc0) >> chunk_shift) - g0;
+                    // B: the lane's token (column g of each tile), codes 16 t .. + 15 of a chunk
+                    uint4 bv[CG][LT][2];
 #pragma unroll
-                    for (int kc = 0; kc < KC; ++kc) {
-                        if (kc >= kcn) break;             // uniform: a short last stage
-                        const int gi = ((c0 + kc) >> chunk_shift) - g0;
-                        u32 A[TPW][4][4];                 // [tile][k16 step][fragment]
+                    for (int j = 0; j < CG; ++j)
 #pragma unroll
-                        for (int r = 0; r < TPW; ++r) {
-                            const uint4 x = sw[(r * W * KC + kc) * 32];
-                            const u32 m = 0x000F000Fu;
-#pragma unroll
-                            for (int h = 0; h < 2; ++h) {   // words x, y (steps 0, 1); z, w
-                                const u32 lo = h ? x.z : x.x, hi = h ? x.w : x.y;
-#pragma unroll
-                                for (int p = 0; p < 2; ++p) {
-                                    A[r][2 * h + p][0] = w16::and_or(lo >> (8 * p), m, MAGIC);
-                                    A[r][2 * h + p][1] = w16::and_or(hi >> (8 * p), m, MAGIC);
-                                    A[r][2 * h + p][2] = w16::and_or(lo >> (8 * p + 4), m, MAGIC);
-                                    A[r][2 * h + p][3] = w16::and_or(hi >> (8 * p + 4), m, MAGIC);
-                                }
-                            }
-#pragma unroll
-                            for (int k = 0; k < 4; ++k) ww_pin(A[r][k]);
+                        for (int mt = 0; mt < LT; ++mt) {
+                            const int r = 8 * mt + g, u = (kc0 + j) * 8 + 2 * t;
+                            bv[j][mt][0] = sa[r * KC * 8 + (u ^ (g & 1))];
+                            bv[j][mt][1] = sa[r * KC * 8 + ((u + 1) ^ (g & 1))];
                         }
-                        const uint4 o4 = sOnes;
-                        u32 ones[4] = {o4.x, o4.y, o4.z, o4.w};
-                        u64 desc[4];
-                        u32 keep[4];
-#pragma unroll
-                        for (int k = 0; k < 4; ++k) {
-                            desc[k] = ww_desc_b<MT>(a_stage + kc * MT * 1024, k);
-                            keep[k] = k != 0;
-                        }
-                        ww_pin(ones);
-                        ww_pin(desc);
-                        ww_pin(keep);
-#pragma unroll
-                        for (int r = 0; r < TPW; ++r) ww_pin(tmp_wg[WG ? r : 0]);
-                        ww_pin(sum_wg);
-                        wg_fence();
-#pragma unroll
-                        for (int r = 0; r < TPW; ++r)
-#pragma unroll
-                            for (int k = 0; k < 4; ++k)
-                                WwMma<NN>::run(tmp_wg[WG ? r : 0], A[r][k][0], A[r][k][1],
-                                               A[r][k][2], A[r][k][3], desc[k], keep[k]);
-#pragma unroll
-                        for (int k = 0; k < 4; ++k)
-                            WwMma<NN>::run(sum_wg, ones[0], ones[1], ones[2], ones[3], desc[k],
-                                           keep[k]);
-                        wg_commit();
-                        wg_wait<0>();
-#pragma unroll
-                        for (int r = 0; r < TPW; ++r) ww_pin(tmp_wg[WG ? r : 0]);
-                        ww_pin(sum_wg);
-#pragma unroll
-                        for (int r = 0; r < TPW; ++r) {
-                            const float2 s2 = ss[(gi * NB + r * W) * 8];
-                            float nz_g = nz_default, nz_g8 = nz_default;   // -(MAGIC + zp)
-                            if (ZP) {
-                                const u32 z = sz[(gi * NB + r * W) * 8];
-                                nz_g = -(MAGIC_F + (float)(z & 0xFFu));
-                                nz_g8 = -(MAGIC_F + (float)((z >> 8) & 0xFFu));
-                            }
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt)
-#pragma unroll
-                                for (int k = 0; k < 4; ++k) {
-                                    const float v = fmaf(k < 2 ? nz_g : nz_g8,
-                                                         sum_wg[4 * mt + k],
-                                                         tmp_wg[WG ? r : 0][4 * mt + k]);
-                                    acc[r][mt][k] = fmaf(k < 2 ? s2.x : s2.y, v, acc[r][mt][k]);
-                                }
-                        }
-                    }
-                } else {
-#pragma unroll
-                for (int kc = 0; kc < KC; ++kc) {
-                    if (kc >= kcn) break;                 // uniform: a short last stage
-                    const int gi = ((c0 + kc) >> chunk_shift) - g0;
-                    // B: the lane's token (column g of each tile), codes 16 t .. + 15 of the chunk
-                    uint4 bv[LT][2];
-#pragma unroll
-                    for (int mt = 0; mt < LT; ++mt) {
-                        const int r = 8 * mt + g;
-                        bv[mt][0] = sa[r * KC * 8 + ((kc * 8 + 2 * t) ^ (g & 1))];
-                        bv[mt][1] = sa[r * KC * 8 + ((kc * 8 + 2 * t + 1) ^ (g & 1))];
-                    }
-                    // the accumulator's start: -(MAGIC + zp) S per token, by the tensor cores
+                    // the accumulator's start: -(MAGIC + zp) S per token (S: its sum over the
+                    // CG chunks), by the tensor cores
                     auto zero_point_start = [&](float (&z)[4], const u32 (&nz)[4], int mt) {
                         z[0] = z[1] = z[2] = z[3] = 0.f;
-                        w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], bv[mt][0].x, bv[mt][0].y);
-                        w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], bv[mt][0].z, bv[mt][0].w);
-                        w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], bv[mt][1].x, bv[mt][1].y);
-                        w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], bv[mt][1].z, bv[mt][1].w);
+#pragma unroll
+                        for (int j = 0; j < CG; ++j) {
+                            const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];
+                            w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], b0.x, b0.y);
+                            w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], b0.z, b0.w);
+                            w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], b1.x, b1.y);
+                            w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], b1.z, b1.w);
+                        }
                     };
                     float zs[ZP ? 1 : LT][4];             // shared by the TPW tiles (ZP = 0)
                     if (!ZP) {
@@ -442,50 +336,61 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                     }
 #pragma unroll
                     for (int r = 0; r < TPW; ++r) {
-                        const uint4 x = sw[(r * KC + kc) * 32];
                         const float2 s2 = ss[(gi * NB + r) * 8];
-                        u32 nzt[4] = {0u, 0u, 0u, 0u};    // ZP: this tile's -(MAGIC + zp)
+                        float tmp[LT][4];
                         if (ZP) {                         // row g's zero point in the low byte
                             const u32 z = sz[(gi * NB + r) * 8];
+                            u32 nzt[4];                   // this tile's -(MAGIC + zp)
                             nzt[0] = nzt[2] = (MAGIC | ((z & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
                             nzt[1] = nzt[3] =
                                 (MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
-                        }
-                        // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q
-                        u32 lo[8], hi[8];
 #pragma unroll
-                        for (int p = 0; p < 4; ++p) {
-                            const u32 m = 0x000F000Fu;
-                            lo[p] = w16::and_or(x.x >> (4 * p), m, MAGIC);
-                            hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
-                            lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
-                            hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
+                            for (int mt = 0; mt < LT; ++mt) zero_point_start(tmp[mt], nzt, mt);
+                        }
+#pragma unroll
+                        for (int j = 0; j < CG; ++j) {
+                            const uint4 x = sw[(r * KC + kc0 + j) * 32];
+                            // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q
+                            u32 lo[8], hi[8];
+#pragma unroll
+                            for (int p = 0; p < 4; ++p) {
+                                const u32 m = 0x000F000Fu;
+                                lo[p] = w16::and_or(x.x >> (4 * p), m, MAGIC);
+                                hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
+                                lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
+                                hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
+                            }
+#pragma unroll
+                            for (int mt = 0; mt < LT; ++mt) {
+                                const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];
+                                if (!ZP && j == 0)        // from the shared start, kept
+                                    w16::mma16816_c(tmp[mt], lo[0], hi[0], lo[1], hi[1], b0.x,
+                                                    b0.y, zs[ZP ? 0 : mt]);
+                                else
+                                    w16::mma16816(tmp[mt], lo[0], hi[0], lo[1], hi[1], b0.x, b0.y);
+                                w16::mma16816(tmp[mt], lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
+                                w16::mma16816(tmp[mt], lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
+                                w16::mma16816(tmp[mt], lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
+                            }
                         }
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt) {
-                            float tmp[4];
-                            if (ZP) {
-                                zero_point_start(tmp, nzt, mt);
-                                w16::mma16816(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
-                                              bv[mt][0].y);
-                            } else {                      // from the shared start, kept
-                                w16::mma16816_c(tmp, lo[0], hi[0], lo[1], hi[1], bv[mt][0].x,
-                                                bv[mt][0].y, zs[ZP ? 0 : mt]);
-                            }
-                            w16::mma16816(tmp, lo[2], hi[2], lo[3], hi[3], bv[mt][0].z,
-                                          bv[mt][0].w);
-                            w16::mma16816(tmp, lo[4], hi[4], lo[5], hi[5], bv[mt][1].x,
-                                          bv[mt][1].y);
-                            w16::mma16816(tmp, lo[6], hi[6], lo[7], hi[7], bv[mt][1].z,
-                                          bv[mt][1].w);
-                            acc[r][mt][0] = fmaf(s2.x, tmp[0], acc[r][mt][0]);
-                            acc[r][mt][1] = fmaf(s2.x, tmp[1], acc[r][mt][1]);
-                            acc[r][mt][2] = fmaf(s2.y, tmp[2], acc[r][mt][2]);
-                            acc[r][mt][3] = fmaf(s2.y, tmp[3], acc[r][mt][3]);
+                            acc[r][mt][0] = fmaf(s2.x, tmp[mt][0], acc[r][mt][0]);
+                            acc[r][mt][1] = fmaf(s2.x, tmp[mt][1], acc[r][mt][1]);
+                            acc[r][mt][2] = fmaf(s2.y, tmp[mt][2], acc[r][mt][2]);
+                            acc[r][mt][3] = fmaf(s2.y, tmp[mt][3], acc[r][mt][3]);
                         }
                     }
+                };
+                if (kcn == KC && g0 == (c0 + KC - 1) >> chunk_shift) {   // one group
+                    chunks(w16::Count<KC>{}, 0);
+                } else {
+#pragma unroll
+                    for (int kc = 0; kc < KC; ++kc) {
+                        if (kc >= kcn) break;             // uniform: a short last stage
+                        chunks(w16::Count<1>{}, kc);
+                    }
                 }
-                }  // WG
                 // ---- the end of a block (or of the run): store it, or hand in this CTA's part
                 if (s == SPB - 1 || i == n_units - 1) {          // uniform over the CTA
                     if (u0 <= b * SPB && s == SPB - 1) {
