@@ -52,8 +52,9 @@ def test_launchers_import_and_register_cases():
 
 
 def test_config_tables_choose_by_rows_per_expert():
-    assert QG.block_size_for("int4", 0.25) == 16 and QG.block_size_for("int4", 16) == 32
-    assert QG.block_size_for("int4", 100) == 64 and QG.block_size_for("fp8", 2) == 16
+    assert QG.block_size_for("int4", 0.25) == 16 and QG.block_size_for("int4", 16) == 48
+    assert QG.block_size_for("int4", 100) == 48 and QG.block_size_for("int4", 200) == 64
+    assert QG.block_size_for("fp8", 2) == 16
     for cfg in QG.WNA16_V3_CONFIGS.values():
         assert QG.v3_smem_bytes(cfg) <= 48 * 1024 and cfg["BM"] % 8 == 0
 

@@ -256,18 +256,19 @@ def test_parts_match_reference_and_repeat(rng, cfg):
 
 
 @pytest.mark.gpu
-def test_grouped_gemm_quant_routes_int4_to_staged(rng, monkeypatch):
-    """quant_gemm.grouped_gemm_quant hands an int4 batch of 16 rows per expert (block size 32,
-    quant_gemm.block_size_for's) to the staged rung's t32, which matches the reference with a
-    poisoned output."""
+@pytest.mark.parametrize("block,cfg", [(None, "t24"), (32, "t32")])
+def test_grouped_gemm_quant_routes_int4_to_staged(rng, monkeypatch, block, cfg):
+    """quant_gemm.grouped_gemm_quant hands an int4 batch of 16 rows per expert to the staged
+    rung: t24 at quant_gemm.block_size_for's block size (48), t32 at 32; each matches the
+    reference with a poisoned output."""
     ok, why = C.availability()
     if not ok:
         pytest.skip(why)
     from cuda_kernels.cupy import quant_gemm as QG
 
     M_a, E, K, N, Kd = 32, 4, 2, 256, 512
-    B = QG.block_size_for("int4", M_a * K / E)
-    assert B == 32
+    B = block or QG.block_size_for("int4", M_a * K / E)
+    assert B == (block or 48)
     a = rng.standard_normal((M_a, Kd)).astype(BF16)
     wq, ws, _ = quantized(rng, E, N, Kd, 128, False)
     ids = np.stack([rng.permutation(E)[:K] for _ in range(M_a)]).astype(np.int32)
@@ -279,5 +280,5 @@ def test_grouped_gemm_quant_routes_int4_to_staged(rng, monkeypatch):
     out = poisoned((M_a * K, N), BF16)
     got = QG.grouped_gemm_quant(up(a), up(wq), up(st), up(ex), up(ntp), K, B, up(tw), True,
                                 w_scale=up(ws), use_int4_w4a16=True, out=out)
-    assert got is out and seen == ["t32"]
+    assert got is out and seen == [cfg]
     assert rel_err(host(got, BF16), want) <= TOL

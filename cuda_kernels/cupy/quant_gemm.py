@@ -174,9 +174,14 @@ def block_size_for(fmt: str, rows_per_expert: float) -> int:
     """The alignment block_size that lets the config tables pick their best rung for a batch
     of `rows_per_expert` = P / E rows ("fp8" / "int8" / "int4" / "w8a16")."""
     if fmt == "int4":
-        for rows, name in WNA16_BY_ROWS:
-            if rows_per_expert <= rows:
-                return max(16, WNA16_V3_CONFIGS[name]["BM"])
+        # up to 8 rows: 16 (gemv16's tiles; the packed q8 route's divide it). Up to 128 rows
+        # (the int4 route's range, quant_gemm_wna16.PACKED_BY_ROWS): 48, the staged t24's
+        # measured block (its 24-row tiles, and the fallback gemv16's, divide it); 32 routed
+        # to t32, slower (H200, Mixtral T = 64, GEMM1 / GEMM2: t24 188 / 110 us against t32
+        # 198 / 118, benchmarks/results/dev_wna16_20261130f). Above: the tile rungs' 64.
+        if rows_per_expert <= WNA16_BY_ROWS[0][0]:
+            return max(16, WNA16_V3_CONFIGS[WNA16_BY_ROWS[0][1]]["BM"])
+        return 48 if rows_per_expert <= 128 else 64
     if fmt == "fp8":   # v4 (decode) takes 8 / 16-row tiles; v5 64-row tiles above its range
         return 16 if rows_per_expert <= FP8_V4_MAX_ROWS else 64
     return 16 if rows_per_expert <= 16 else 64

@@ -50,16 +50,26 @@
 // The mma is m16n8k16 with the weights as A (rows g, g + 8), the tokens as B (column g).
 // Dequantization: one shift and one lop3 per pair give the raw 128 + q (1024 + q in fp16),
 // which the mma multiplies as they are; the zero point comes off in the accumulator, which
-// starts each chunk at -(128 + zp) S, S = the token's sum over the chunk's 64 codes, computed
-// by the tensor cores too: 4 mma with A = -(128 + zp) in every slot and B = the token's own
-// fragments. Without per-group zero points (ZP = 0) that start is one per token tile and
-// chunk, shared by the warp's TPW tiles; with them, one per tile. The chunk's fp32 partial
-// sum_k (q - zp) a is then scaled by its group's scale into the accumulators. Why: a
-// subtraction per pair (16 hsub2 per tile and chunk) cost more than these mma, and a chunk-sum
-// kernel before the GEMM cost a launch (RAW of wna16_packed; measured slower here, 262 / 142
-// against 247 / 132 us at T = 64, bench_wna16_nvidia_h200_20261130_163547.json). Exactness:
-// products of 8-bit integers and bf16 are exact in fp32; what is left is the fp32 cancellation
-// of sum (128 + q) a against (128 + zp) S (~2^-23 times ~30 relative).
+// starts at -(128 + zp) S, S = the token's sum over the chunks of one scale group met in the
+// stage, computed by the tensor cores too: 4 mma per chunk with A = -(128 + zp) in every slot
+// and B = the token's own fragments. Without per-group zero points (ZP = 0) that start is one
+// per token tile, shared by the warp's TPW tiles; with them, one per tile. The fp32 partial
+// sum_k (q - zp) a is then scaled by the group's scale into the accumulators: once per stage
+// when its KC chunks share a group (g128 and wider at KC = 2: each mma chain runs over both
+// chunks), else once per chunk. Why: a subtraction per pair (16 hsub2 per tile and chunk)
+// cost more than these mma, and a chunk-sum kernel before the GEMM cost a launch (RAW of
+// wna16_packed; measured slower here, 262 / 142 against 247 / 132 us at T = 64,
+// bench_wna16_nvidia_h200_20261130_163547.json); one scaling per stage instead of per chunk
+// took T = 64 from 196 / 114 to 188 / 110 us (dev_wna16_20261130f). Exactness: products of
+// 8-bit integers and bf16 are exact in fp32; what is left is the fp32 cancellation of
+// sum (128 + q) a against (128 + zp) S (~2^-23 times ~30 relative).
+// Measured and taken out (T = 64 t24, dev_wna16_20261130f, against 197 / 115 us in the same
+// runs): the sums S made once per CTA, a stage ahead, instead of by every warp (212 / 122:
+// one stage less in flight); the codes prefetched into L2 2 or 4 stages past the ring (207 /
+// 122, 210 / 130); one chunk per stage with 9 stages (211 / 121); one CTA of 8 warps x 4
+// tiles with 5 stages (207 / 122); Hopper's wgmma with the staged codes as register A and the
+// tokens as B, a fifth wgmma for S (224 / 126: ~12% more instructions, the scaling per chunk
+// no longer folded into the mma's C, and the batch waited for per chunk).
 //
 // grid (Q), block 32 W, dynamic shared memory S x stage bytes (staged_stage_bytes in the
 // launcher) + 8 (m tiles + 1) (the costs' prefix sums). LT is a compile-time constant of the

@@ -147,18 +147,6 @@ __device__ __forceinline__ void mma16816_c(float* d, u32 a0, u32 a1, u32 a2, u32
 #endif
 }
 
-// v, as a value the compiler cannot see through (so that copies of one value stay distinct
-// registers, e.g. an mma operand quad held across a loop).
-__device__ __forceinline__ u32 opaque(u32 v) {
-#ifdef QG_EMULATED_PTX
-    return v;
-#else
-    u32 r;
-    asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(v));
-    return r;
-#endif
-}
-
 // 16-byte streaming load: the weights are read once, keep them out of L1.
 __device__ __forceinline__ uint4 ld_stream(const u8* p) {
     uint4 v;
