@@ -105,7 +105,6 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
     __shared__ uint4 sNZ;                         // the zero-point mma's A quad (see below)
-    __shared__ uint4 sShr;                        // 2^(32 - 4 p): x >> 4 p as an IMAD.HI
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -126,7 +125,6 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     if (tid == 0) {
         const u32 nzdef = (MAGIC | ((u32)default_zp * 0x00010001u)) ^ 0x80008000u;
         sNZ = make_uint4(nzdef, nzdef, nzdef, nzdef);
-        sShr = make_uint4(0u, 1u << 28, 1u << 24, 1u << 20);
     }                                              // (read after the barriers below)
 
     // ---- the m tiles' costs: U units each, weighted by LT + 5 (the instructions of a stage
@@ -312,8 +310,6 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                 const uint4* sa = reinterpret_cast<const uint4*>(st + St::A_OFF);
                 // CG chunks from chunk kc0 of the stage, all of one scale group: the mma chain
                 // of a (tile, token tile) runs over all of them and is scaled once
-                const uint4 shr4 = sShr;                  // read back per stage (see sShr)
-                const u32 shr[4] = {shr4.x, shr4.y, shr4.z, shr4.w};
                 auto chunks = [&](auto cg, int kc0) {
                     constexpr int CG = decltype(cg)::value;
                     const int gi = ((c0 + kc0) >> chunk_shift) - g0;
@@ -369,12 +365,10 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                             for (int p = 0; p < 4; ++p) {
                                 const u32 m = 0x000F000Fu;
-                                // the shifts as IMAD.HI (sShr): see w16::shr_by_mul
-                                auto sh = [&](u32 v) { return p ? w16::shr_by_mul(v, shr[p]) : v; };
-                                lo[p] = w16::and_or(sh(x.x), m, MAGIC);
-                                hi[p] = w16::and_or(sh(x.y), m, MAGIC);
-                                lo[4 + p] = w16::and_or(sh(x.z), m, MAGIC);
-                                hi[4 + p] = w16::and_or(sh(x.w), m, MAGIC);
+                                lo[p] = w16::and_or(x.x >> (4 * p), m, MAGIC);
+                                hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
+                                lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
+                                hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
                             }
 #pragma unroll
                             for (int mt = 0; mt < LT; ++mt) {

@@ -147,19 +147,6 @@ __device__ __forceinline__ void mma16816_c(float* d, u32 a0, u32 a1, u32 a2, u32
 #endif
 }
 
-// x >> (32 - log2(mul)) for mul a power of two held in a register (not a constant: ptxas
-// would make it a shift again): the high word of x * mul, an IMAD.HI on the FMA pipe instead of
-// a shift on the ALU pipe, which the dequantization's lop3 keep busy.
-__device__ __forceinline__ u32 shr_by_mul(u32 x, u32 mul) {
-#ifdef QG_EMULATED_PTX
-    return (u32)(((unsigned long long)x * mul) >> 32);
-#else
-    u32 r;
-    asm("mul.hi.u32 %0, %1, %2;\n" : "=r"(r) : "r"(x), "r"(mul));
-    return r;
-#endif
-}
-
 // 16-byte streaming load: the weights are read once, keep them out of L1.
 __device__ __forceinline__ uint4 ld_stream(const u8* p) {
     uint4 v;
