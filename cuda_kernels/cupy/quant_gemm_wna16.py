@@ -174,7 +174,7 @@ PACKED_CONFIGS = {
 # The packed rung (PACKED_CONFIGS, int4) then beat them all up to 128 rows, so its table
 # PACKED_BY_ROWS heads this one and is also grouped_gemm_quant's int4 route (route_int4): q8 up
 # to 8 rows per expert, then q24 (block_size a multiple of 24) or q32 (of 32) up to 128, q8 up
-# to 24 for other block sizes (quant_gemm's block_size_for now gives 16 up to 8 rows, 48 up to
+# to 24 for other block sizes (quant_gemm's block_size_for gives 16 up to 8 rows, 48 up to
 # 128, 64 above). Above 128 rows quant_gemm's own tile rungs are faster: measured (H200, Mixtral,
 # bench_wna16_nvidia_h200_20261130_071739.json, GEMM1 + GEMM2) q32 (then D = 2, W = 8) 0.82 /
 # 1.48 / 2.74 / 5.71 ms vs those rungs 1.50 / 2.36 / 3.05 / 5.41 ms at 32 / 64 / 128 / 256 rows

@@ -128,9 +128,10 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     }                                              // (read after the barriers below)
 
     // ---- the m tiles' costs: U units each, weighted by LT + 5 (the instructions of a stage
-    // grow about so with the live token tiles: ~590 at LT = 2, ~680 at LT = 3), 0 for an m tile
-    // without live rows or of another rank's expert; cum[m] = the weighted position where m
-    // tile m starts, cum[mtiles] = the total. Every CTA computes the same (a few hundred loads).
+    // grow about so with the live token tiles: ~430, ~500, ~575 SASS instructions per warp at
+    // LT = 1, 2, 3, g128, 0e53f21), 0 for an m tile without live rows or of another rank's
+    // expert; cum[m] = the weighted position where m tile m starts, cum[mtiles] = the total.
+    // Every CTA computes the same (a few hundred loads).
     long long* cum = reinterpret_cast<long long*>(smem + (size_t)S * St::BYTES);
     const int ntp = num_tokens_post_padded[0];
     for (int m = tid; m < mtiles; m += NT) {
