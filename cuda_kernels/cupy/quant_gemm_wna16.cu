@@ -795,18 +795,12 @@ wna16_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                     // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q (RAW)
                     // or q - zp, one lop3 (and one shift) per pair
                     u32 lo[8], hi[8];
+                    w16::raw_pairs(x, MAGIC, lo, hi);
+                    if (!RAW) {
 #pragma unroll
-                    for (int p = 0; p < 4; ++p) {
-                        const u32 m = 0x000F000Fu;
-                        lo[p] = w16::and_or(x.x >> (4 * p), m, MAGIC);
-                        hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
-                        lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
-                        hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
-                        if (!RAW) {
-                            lo[p] = w16::as_u32(__hsub2(w16::as_e2(lo[p]), w16::as_e2(zl)));
-                            hi[p] = w16::as_u32(__hsub2(w16::as_e2(hi[p]), w16::as_e2(zh)));
-                            lo[4 + p] = w16::as_u32(__hsub2(w16::as_e2(lo[4 + p]), w16::as_e2(zl)));
-                            hi[4 + p] = w16::as_u32(__hsub2(w16::as_e2(hi[4 + p]), w16::as_e2(zh)));
+                        for (int i = 0; i < 8; ++i) {
+                            lo[i] = w16::as_u32(__hsub2(w16::as_e2(lo[i]), w16::as_e2(zl)));
+                            hi[i] = w16::as_u32(__hsub2(w16::as_e2(hi[i]), w16::as_e2(zh)));
                         }
                     }
                     // RAW's zero-point mma: A = 128 + zp at k slots 0, 1 (lanes t = 0 hold them)

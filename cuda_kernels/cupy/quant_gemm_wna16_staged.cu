@@ -361,16 +361,8 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                         for (int j = 0; j < CG; ++j) {
                             const uint4 x = sw[(r * KC + kc0 + j) * 32];
-                            // A: pairs of row g (words x, z) and row g + 8 (words y, w): 128 + q
-                            u32 lo[8], hi[8];
-#pragma unroll
-                            for (int p = 0; p < 4; ++p) {
-                                const u32 m = 0x000F000Fu;
-                                lo[p] = w16::and_or(x.x >> (4 * p), m, MAGIC);
-                                hi[p] = w16::and_or(x.y >> (4 * p), m, MAGIC);
-                                lo[4 + p] = w16::and_or(x.z >> (4 * p), m, MAGIC);
-                                hi[4 + p] = w16::and_or(x.w >> (4 * p), m, MAGIC);
-                            }
+                            u32 lo[8], hi[8];             // A: rows g, g + 8: 128 + q
+                            w16::raw_pairs(x, MAGIC, lo, hi);
 #pragma unroll
                             for (int mt = 0; mt < LT; ++mt) {
                                 const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];

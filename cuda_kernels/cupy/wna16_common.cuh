@@ -89,6 +89,22 @@ __device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
 #endif
 }
 
+// The raw 128 + q pairs (1024 + q for fp16: magic = the 16-bit float 128 or 1024 in both
+// halves) of a lane's 16 bytes in prepack_int4's "mma" order: lo[p] of row g (words x, z),
+// hi[p] of row g + 8 (words y, w); pair p of a word sits in bits 4p.. and 16 + 4p.. One shift
+// and one lop3 per pair.
+__device__ __forceinline__ void raw_pairs(const uint4& x, u32 magic, u32 (&lo)[8],
+                                          u32 (&hi)[8]) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const u32 m = 0x000F000Fu;
+        lo[p] = and_or(x.x >> (4 * p), m, magic);
+        hi[p] = and_or(x.y >> (4 * p), m, magic);
+        lo[4 + p] = and_or(x.z >> (4 * p), m, magic);
+        hi[4 + p] = and_or(x.w >> (4 * p), m, magic);
+    }
+}
+
 // (x - z) * s on both halves: the subtraction of two small integers is exact, the product
 // rounds once.
 __device__ __forceinline__ u32 deq2(u32 x, u32 z2, u32 s2) {
