@@ -752,7 +752,6 @@ STAGED_CONFIGS = {
     "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2),
     # 8 warps of 2 tiles: twice the warps per SM, each token fetch from shared memory feeds 2
     "u24": dict(KERNEL="staged", MT=3, W=8, TPW=2, KC=2, S=4, MINB=2),
-    "t24m3": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=3, MINB=3),
 }
 CU_STAGED = "quant_gemm_wna16_staged.cu"
 
