@@ -505,6 +505,10 @@ template <typename T> inline T __shfl_xor_sync(unsigned, T v, int o) {
     unsigned char all[32][64]; warp_exchange(&v, sizeof(T), all);
     T r; memcpy(&r, all[(threadIdx.x & 31) ^ o], sizeof(T)); return r;
 }
+template <typename T> inline T __shfl_sync(unsigned, T v, int src) {
+    unsigned char all[32][64]; warp_exchange(&v, sizeof(T), all);
+    T r; memcpy(&r, all[src & 31], sizeof(T)); return r;
+}
 // ---- blocks
 static std::barrier<>* g_bar = nullptr;
 inline void __syncthreads() { g_bar->arrive_and_wait(); }

@@ -104,7 +104,7 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
-    __shared__ uint4 sNZ;                         // the zero-point mma's A quad (see below)
+    __shared__ uint4 sConst;                      // the token sums' mma B pair, -(128 + zp)
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -113,19 +113,21 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     const int mtiles = (num_positions + BM - 1) / BM;
     const int Q = gridDim.x, q = blockIdx.x;
 #if ELEM_BF16
-    constexpr u32 MAGIC = 0x43004300u;
+    constexpr u32 MAGIC = 0x43004300u, ONES = 0x3F803F80u;   // 128 + q; 1.0 in both halves
+    constexpr float MAGIC_F = 128.f;
 #else
-    constexpr u32 MAGIC = 0x64006400u;
+    constexpr u32 MAGIC = 0x64006400u, ONES = 0x3C003C00u;   // 1024 + q
+    constexpr float MAGIC_F = 1024.f;
 #endif
-    // -(MAGIC + zp) in both halves: the A operand of the zero-point mma (sign bits flipped),
-    // the same in its four registers. Read back from shared memory per stage: ptxas sees four
-    // copies of one value as one register and rebuilds the mma's register quad with moves at
-    // each use (copies through an asm mov too: 16 moves a stage, SASS of cfad067); a load it
-    // cannot see through
-    if (tid == 0) {
-        const u32 nzdef = (MAGIC | ((u32)default_zp * 0x00010001u)) ^ 0x80008000u;
-        sNZ = make_uint4(nzdef, nzdef, nzdef, nzdef);
-    }                                              // (read after the barriers below)
+    const float nz_default = -(MAGIC_F + (float)default_zp);
+    // 1.0 in both halves of both registers (the B operand of the token sums' mma), then
+    // -(128 + zp) twice (the zero-point start of rows g and g + 8 without per-group zero
+    // points). Read back from shared memory per stage: ptxas sees copies of one value as one
+    // register and rebuilds an mma's operand registers with moves at each use (16 moves a
+    // stage for an A quad held in registers, SASS of cfad067, 8 for the start's C quad); a
+    // load it cannot see through
+    if (tid == 0)                                  // (read after the barriers below)
+        sConst = make_uint4(ONES, ONES, __float_as_uint(nz_default), __float_as_uint(nz_default));
 
     // ---- the m tiles' costs: U units each, weighted by LT + 5 (the instructions of a stage
     // grow about so with the live token tiles: ~430, ~500, ~575 SASS instructions per warp at
@@ -324,26 +326,44 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                             bv[j][mt][0] = sa[r * KC * 8 + (u ^ (g & 1))];
                             bv[j][mt][1] = sa[r * KC * 8 + ((u + 1) ^ (g & 1))];
                         }
-                    // the accumulator's start: -(MAGIC + zp) S per token (S: its sum over the
-                    // CG chunks), by the tensor cores
-                    auto zero_point_start = [&](float (&z)[4], const u32 (&nz)[4], int mt) {
-                        z[0] = z[1] = z[2] = z[3] = 0.f;
+                    // The tokens' sums S over the CG chunks, as the main mma's C holds its
+                    // tokens: sum2[mt] = S of tokens 8 mt + 2 t, 8 mt + 2 t + 1. By the tensor
+                    // cores, 2 mma per chunk: the token's 16-byte units as A (the lane's 4
+                    // registers of a unit: row g gets 2 of them, row g + 8 the other 2), B = 1,
+                    // so c0 + c2 = the sum of token 8 mt + g; each lane then takes its tokens'
+                    // from lanes 8 t and 8 t + 4 (g = 2 t, 2 t + 1)
+                    float2 sum2[LT];
+                    {
+                        const uint4 ones = sConst;
 #pragma unroll
-                        for (int j = 0; j < CG; ++j) {
-                            const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];
-                            w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], b0.x, b0.y);
-                            w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], b0.z, b0.w);
-                            w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], b1.x, b1.y);
-                            w16::mma16816(z, nz[0], nz[1], nz[2], nz[3], b1.z, b1.w);
+                        for (int mt = 0; mt < LT; ++mt) {
+                            float z[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                            for (int j = 0; j < CG; ++j)
+#pragma unroll
+                                for (int v = 0; v < 2; ++v) {
+                                    const uint4 u = bv[j][mt][v];
+                                    w16::mma16816(z, u.x, u.y, u.z, u.w, ones.x, ones.y);
+                                }
+                            const float sg = z[0] + z[2];
+                            sum2[mt].x = __shfl_sync(0xFFFFFFFFu, sg, 8 * t);
+                            sum2[mt].y = __shfl_sync(0xFFFFFFFFu, sg, 8 * t + 4);
                         }
+                    }
+                    // the accumulator's start: -(MAGIC + zp) S, zp of rows g and g + 8
+                    auto zero_point_start = [&](float (&z)[4], int mt, float nz_g, float nz_g8) {
+                        z[0] = nz_g * sum2[mt].x;
+                        z[1] = nz_g * sum2[mt].y;
+                        z[2] = nz_g8 * sum2[mt].x;
+                        z[3] = nz_g8 * sum2[mt].y;
                     };
                     float zs[ZP ? 1 : LT][4];             // shared by the TPW tiles (ZP = 0)
                     if (!ZP) {
-                        const uint4 nz4 = sNZ;
-                        const u32 nzq[4] = {nz4.x, nz4.y, nz4.z, nz4.w};
+                        const uint4 nz = sConst;
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt)
-                            zero_point_start(zs[ZP ? 0 : mt], nzq, mt);
+                            zero_point_start(zs[ZP ? 0 : mt], mt, __uint_as_float(nz.z),
+                                             __uint_as_float(nz.w));
                     }
 #pragma unroll
                     for (int r = 0; r < TPW; ++r) {
@@ -351,12 +371,11 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                         float tmp[LT][4];
                         if (ZP) {                         // row g's zero point in the low byte
                             const u32 z = sz[(gi * NB + r) * 8];
-                            u32 nzt[4];                   // this tile's -(MAGIC + zp)
-                            nzt[0] = nzt[2] = (MAGIC | ((z & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
-                            nzt[1] = nzt[3] =
-                                (MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u)) ^ 0x80008000u;
+                            const float nz_g = -(MAGIC_F + (float)(z & 0xFFu));
+                            const float nz_g8 = -(MAGIC_F + (float)((z >> 8) & 0xFFu));
 #pragma unroll
-                            for (int mt = 0; mt < LT; ++mt) zero_point_start(tmp[mt], nzt, mt);
+                            for (int mt = 0; mt < LT; ++mt)
+                                zero_point_start(tmp[mt], mt, nz_g, nz_g8);
                         }
 #pragma unroll
                         for (int j = 0; j < CG; ++j) {
