@@ -168,6 +168,8 @@ def main(argv=None):
                    help="with --sweep: only these configs, comma-separated names, each with "
                         "optional overrides: q16+RED=114688+D=4")
     p.add_argument("--budget-s", type=float, default=1e9)
+    p.add_argument("--zp", action="store_true",
+                   help="per-group zero points (uint8 0..15), as AWQ-style asymmetric int4")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     ok, why = C.availability()
@@ -182,6 +184,10 @@ def main(argv=None):
     w2 = random_bytes((E, H, I // 2), 2)
     s1 = cupy.random.uniform(1e-3, 2e-3, (E, 2 * I, H // GROUP), dtype=cupy.float32)
     s2 = cupy.random.uniform(1e-3, 2e-3, (E, H, I // GROUP), dtype=cupy.float32)
+    zp1 = zp2 = None
+    if args.zp:
+        zp1 = cupy.random.randint(0, 16, (E, 2 * I, H // GROUP), dtype=cupy.int32).astype(cupy.uint8)
+        zp2 = cupy.random.randint(0, 16, (E, H, I // GROUP), dtype=cupy.int32).astype(cupy.uint8)
     per_expert = W.weight_bytes(4, 1, 2 * I, H, GROUP) + W.weight_bytes(4, 1, H, I, GROUP)
     timer = Timer()
     gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
@@ -213,11 +219,12 @@ def main(argv=None):
 
             def g1():
                 st, ex, ntp, tw = al[cur["i"]]
-                return fn(x, w1, st, ex, ntp, K, B, w_scale=s1, use_int4_w4a16=True, **kw)
+                return fn(x, w1, st, ex, ntp, K, B, w_scale=s1, w_zp=zp1, use_int4_w4a16=True,
+                          **kw)
 
             def g2():
                 st, ex, ntp, tw = al[cur["i"]]
-                return fn(act, w2, st, ex, ntp, 1, B, tw, True, w_scale=s2,
+                return fn(act, w2, st, ex, ntp, 1, B, tw, True, w_scale=s2, w_zp=zp2,
                           use_int4_w4a16=True, **kw)
             return g1, g2
 
