@@ -51,12 +51,15 @@
 // Dequantization: one shift and one lop3 per pair give the raw 128 + q (1024 + q in fp16),
 // which the mma multiplies as they are; the zero point comes off in the accumulator, which
 // starts at -(128 + zp) S, S = the token's sum over the chunks of one scale group met in the
-// stage, computed by the tensor cores too: 4 mma per chunk with A = -(128 + zp) in every slot
-// and B = the token's own fragments. Without per-group zero points (ZP = 0) that start is one
-// per token tile, shared by the warp's TPW tiles; with them, one per tile. The fp32 partial
-// sum_k (q - zp) a is then scaled by the group's scale into the accumulators: once per stage
-// when its KC chunks share a group (g128 and wider at KC = 2: each mma chain runs over both
-// chunks), else once per chunk. Why: a subtraction per pair (16 hsub2 per tile and chunk)
+// stage, computed by the tensor cores too: 2 mma per token tile and chunk with the token's
+// 16-byte units as A and B = 1, then two shuffles put each token's S where the mma's C holds
+// the token. Without per-group zero points (ZP = 0) the start is one per token tile, shared by
+// the warp's TPW tiles; with them, an fmul per row and token (before: 4 mma per token tile and
+// chunk with A = -(128 + zp), per tile with zero points; with zero points T = 64 went from
+// 248 / 140 to 195 / 115 us, dev_wna16_20261130f). The fp32 partial sum_k (q - zp) a is then
+// scaled by the group's scale into the accumulators: once per stage when its KC chunks share
+// a group (g128 and wider at KC = 2: each mma chain runs over both chunks), else once per
+// chunk. Why: a subtraction per pair (16 hsub2 per tile and chunk)
 // cost more than these mma, and a chunk-sum kernel before the GEMM cost a launch (RAW of
 // wna16_packed; measured slower here, 262 / 142 against 247 / 132 us at T = 64,
 // bench_wna16_nvidia_h200_20261130_163547.json); one scaling per stage instead of per chunk
