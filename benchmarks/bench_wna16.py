@@ -24,12 +24,14 @@ scales of the experts the routings touch (GEMM1 and GEMM2), flops = 2 P (2I H + 
 frac = floor / median time.
 
     python benchmarks/bench_wna16.py [--tokens 1,16,64] [--reps 20] [--no-old] [--sweep]
-                                     [--configs q8,q16+MT=3] [--budget-s 120] [--out DIR]
+                                     [--configs q8,q16+MT=3] [--budget-s 120] [--zp]
+                                     [--out DIR]
 
 --sweep also times every config of quant_gemm_wna16.CONFIGS (and KS in {auto, 1, 2, 4, 8})
 and of PACKED_CONFIGS (the prepacked int4 rung: weights packed once, on the warm-up call)
-per GEMM at each T (for the config table). Writes DIR/bench_wna16_<gpu>_<time>.json
-(default DIR benchmarks/results).
+per GEMM at each T (for the config table). --zp gives the weights per-group zero points
+(uint8 0..15; the command line in the JSON says so). Writes
+DIR/bench_wna16_<gpu>_<time>.json (default DIR benchmarks/results).
 """
 from __future__ import annotations
 
