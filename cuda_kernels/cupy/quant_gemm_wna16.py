@@ -26,10 +26,11 @@ Five rungs (see the .cu headers for the lane layouts), chosen by the config name
                   (stage_blocks): a CTA stages the codes, scales and its tokens' activations
                   of NB = W TPW 16-row tiles x KC 64-code chunks per stage through one
                   cp.async ring, each warp feeds TPW tiles from one read of the activations;
-                  raw 128 + q into the mma, the zero point off by 4 more mma on the
-                  activations; one wave of CTAs splits all m tiles' (row block, K stage)
-                  units into runs of equal cost (staged_plan), partial blocks added in CTA
-                  order. What grouped_gemm_quant runs for 8-128 rows per expert (route_int4).
+                  raw 128 + q into the mma, the zero point off from the tokens' sums (2
+                  more mma per token tile and chunk); one wave of CTAs splits all m tiles'
+                  (row block, K stage) units into runs of equal cost (staged_plan), partial
+                  blocks added in CTA order. What grouped_gemm_quant runs for 8-128 rows
+                  per expert (route_int4).
     wna16_wgmma   (WGMMA_CONFIGS: g32, h32, p32, ...; quant_gemm_wna16_wgmma.cu, sm_90a) int4
                   on weights prepacked in wgmma's register-A order: one warpgroup per CTA, the
                   dequantized weights of RB 64-row groups as wgmma's A, the activations staged
@@ -743,8 +744,9 @@ def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dic
 # weights): the CTA's weights and activations staged together through one shared-memory
 # cp.async pipeline of S stages (KC 64-code chunks each), W warps of TPW 16-row tiles (a row
 # block of NB = W TPW tiles), MT token tiles of 8, MINB CTAs per SM; the mma multiplies the raw
-# 128 + q and the zero point comes off by 4 more mma per chunk on the activations. One wave of
-# CTAs splits all m tiles' (row block, K stage) units into runs of equal cost (staged_plan).
+# 128 + q and the zero point comes off the accumulators' start, -(128 + zp) times the tokens'
+# sums (2 more mma per token tile and chunk). One wave of CTAs splits all m tiles' (row block,
+# K stage) units into runs of equal cost (staged_plan).
 STAGED_CONFIGS = {
     "t8": dict(KERNEL="staged", MT=1, W=4, TPW=4, KC=2, S=4, MINB=2),
     "t16": dict(KERNEL="staged", MT=2, W=4, TPW=4, KC=2, S=4, MINB=2),

@@ -107,7 +107,7 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
-    __shared__ uint4 sConst;                      // the token sums' mma B pair, -(128 + zp)
+    __shared__ uint4 sConst;                      // the token sums' mma B pair, -(MAGIC + zp)
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -124,7 +124,7 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #endif
     const float nz_default = -(MAGIC_F + (float)default_zp);
     // 1.0 in both halves of both registers (the B operand of the token sums' mma), then
-    // -(128 + zp) twice (the zero-point start of rows g and g + 8 without per-group zero
+    // -(MAGIC + zp) twice (the zero-point start of rows g and g + 8 without per-group zero
     // points). Read back from shared memory per stage: ptxas sees copies of one value as one
     // register and rebuilds an mma's operand registers with moves at each use (16 moves a
     // stage for an A quad held in registers, SASS of cfad067, 8 for the start's C quad); a
