@@ -574,13 +574,11 @@ inline void qg_mma_k32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b
 inline void qg_mma_k32(int (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
     mma_8bit(d, a, b, [](unsigned c) { return (int)(signed char)c; });
 }
-inline float dec16(unsigned h) {
-#if ELEM_BF16
-    return __bfloat162float({(uint16_t)h});
-#else
-    return __half2float({(uint16_t)h});
-#endif
+template <bool H> inline float dec16(unsigned h) {   // H: fp16, else bf16
+    if constexpr (H) return __half2float({(uint16_t)h});
+    else return __bfloat162float({(uint16_t)h});
 }
+template <bool H = !ELEM_BF16>
 inline void qg_mma_k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
     MmaIn in; memcpy(in.a, a, 16); memcpy(in.b, b, 8);
     unsigned char all[32][64]; warp_exchange(&in, sizeof(in), all);
@@ -588,12 +586,12 @@ inline void qg_mma_k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b
         const int lane = (row & 7) * 4 + ((col & 7) >> 1);
         const int reg = (row >= 8 ? 1 : 0) + (col >= 8 ? 2 : 0);
         MmaIn x; memcpy(&x, all[lane], sizeof(x));
-        return dec16((x.a[reg] >> (16 * (col & 1))) & 0xffffu);
+        return dec16<H>((x.a[reg] >> (16 * (col & 1))) & 0xffffu);
     };
     auto B = [&](int k, int col) {
         const int lane = col * 4 + ((k & 7) >> 1);
         MmaIn x; memcpy(&x, all[lane], sizeof(x));
-        return dec16((x.b[k >= 8 ? 1 : 0] >> (16 * (k & 1))) & 0xffffu);
+        return dec16<H>((x.b[k >= 8 ? 1 : 0] >> (16 * (k & 1))) & 0xffffu);
     };
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     for (int i = 0; i < 4; ++i) {
@@ -620,8 +618,8 @@ inline unsigned enc16(float f) {
 #endif
 }
 inline uint32_t qg_sub2(uint32_t x, uint32_t y) {
-    const float lo = dec16(x & 0xffffu) - dec16(y & 0xffffu);
-    const float hi = dec16(x >> 16) - dec16(y >> 16);
+    const float lo = dec16<!ELEM_BF16>(x & 0xffffu) - dec16<!ELEM_BF16>(y & 0xffffu);
+    const float hi = dec16<!ELEM_BF16>(x >> 16) - dec16<!ELEM_BF16>(y >> 16);
     return enc16(lo) | (enc16(hi) << 16);
 }
 // ---- a launch: the blocks one after another, a std::thread per CUDA thread

@@ -221,7 +221,11 @@ def test_argument_errors(rng):
 # CPU. Timing, the hardware's reading of the PTX: the GPU tests stay the judge.
 W16_PRELUDE = r"""
 struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
 struct float2 { float x, y; };
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+inline unsigned short __half_as_ushort(__half h) { return h.b; }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.b; }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline void __syncwarp(unsigned = 0xffffffffu) {
     int x = 0; unsigned char all[32][64]; warp_exchange(&x, sizeof(x), all); }

@@ -135,16 +135,21 @@ def test_plan_refuses_bad_configs():
 
 # ----------------------------------------------------------------------------- emulation
 def _entries(names):
-    out = []
+    out = [
+        'extern "C" void f16rows(unsigned M, const void* a, void* a16, float* scale, int K) {\n'
+        f"    launch(M, 1, 256, [&] {{ {W.F16_ROWS_KERNEL}((const elem_t*)a, "
+        "(unsigned short*)a16, scale, K); });\n}"]
     for i, n in enumerate(names):
+        if n == W.F16_ROWS_KERNEL:
+            continue
         out.append(
             f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned block, const void* a, '
-            f"const void* wp, void* c, const void* sp, const void* zp, "
+            f"const float* as, const void* wp, void* c, const void* sp, const void* zp, "
             f"const int* st, const int* ex, const int* ntp, const float* tw, const float* bias, "
             f"float* ws, int* cnt, int N, int K, int P, int top_k, int B, int L, int mul, "
             f"int shift, int G, int dzp) {{\n"
-            f"    launch3(gx, gy, 1, block, [&] {{ gridDim.z = 1; {n}((const elem_t*)a, "
-            f"(const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
+            f"    launch3(gx, gy, 1, block, [&] {{ gridDim.z = 1; {n}((const unsigned short*)a, "
+            f"as, (const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
             f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp); }});\n}}")
     return "\n".join(out)
 
@@ -170,16 +175,75 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     P, G = M_a * top_k, ws.shape[2]
     pk = W.stage_blocks(W.prepack_int4(wq, ws, wz), cfg["W"] * cfg["TPW"], cfg["KC"])
     lp = W.staged_plan(P, E, N, Kd, st.size, B, cfg, sms, Kd // G, G, wz is not None)
+    a_in, a_scale = np.ascontiguousarray(a).view(np.uint16), None
+    if cfg.get("FA"):                                               # the conversion, emulated
+        a_in, a_scale = _emulated_f16_rows(lib, a)
+        a_in = a_in.view(np.uint16)
     c = np.full((P, N), 0x7FC0, np.uint16)                         # poison: bf16 NaN
     wsp = np.full(lp["WS"], np.nan, np.float32)                     # the parts' workspace
     cnt = np.zeros(lp["TILES"], np.int32)
     gx, gy, _ = lp["grid"]
     getattr(lib, f"k{W.STAGED_NAMES.index(lp['name'])}")(
-        gx, gy, lp["block"][0], p(np.ascontiguousarray(a).view(np.uint16)), p(pk["wp"]), p(c),
+        gx, gy, lp["block"][0], p(a_in), p(a_scale), p(pk["wp"]), p(c),
         p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
         N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
     assert not cnt.any(), "the part counters come back to zero"
     return c.view(BF16), lp
+
+
+def _emulated_f16_rows(lib, a):
+    import ctypes
+
+    M, K = a.shape
+    a16 = np.full((M, K), 0x7E00, np.uint16)                       # poison: fp16 NaN
+    scale = np.full(M, np.nan, np.float32)
+    lib.f16rows(M, np.ascontiguousarray(a).view(np.uint16).ctypes.data_as(ctypes.c_void_p),
+                a16.ctypes.data_as(ctypes.c_void_p), scale.ctypes.data_as(ctypes.c_void_p), K)
+    return a16.view(np.float16), scale
+
+
+def _f16_rows_case(rng):
+    """Rows of every kind: ordinary, huge, tiny, zeros, with NaN, with an infinity."""
+    a = (rng.standard_normal((7, 520)) * 3).astype(np.float32)
+    a[1] *= 1e30                                      # s = 15 - e < 0
+    a[2] *= 1e-20                                     # s > 15
+    a[2, :8] = 1e-30                                  # 2^-28 of the row's largest and below
+    a[3] = 0.0
+    a[4, 5] = np.nan
+    a[5, 9] = np.inf
+    a[6, 0] = 3e38                                    # near bf16's largest: s = -113
+    return a.astype(BF16)
+
+
+def test_f16_rows(rng):
+    """f16_rows (the NumPy twin of wna16_f16_rows): a16 row_scale gives a back exactly down
+    to 2^-28 of the row's largest when that is finite, NaN where a is NaN; each scaled row's
+    largest in [2^14, 2^15); rows of zeros or with an infinity keep scale 1."""
+    a = _f16_rows_case(rng)
+    a16, scale = W.f16_rows(a)
+    x = a.astype(np.float32)
+    back = a16.astype(np.float32) * scale[:, None]
+    with np.errstate(invalid="ignore"):
+        big = np.nanmax(np.abs(x), 1, keepdims=True)
+    exact = np.isfinite(x) & (np.abs(x) >= 2.0 ** -28 * big)
+    exact[5] = False                                  # the row with an infinity: scale 1
+    np.testing.assert_array_equal(back[exact], x[exact])
+    assert np.isnan(back[4, 5]) and np.isinf(back[5, 9])
+    assert scale[3] == 1.0 and scale[5] == 1.0 and (a16[3] == 0).all()
+    top = np.abs(a16[[0, 1, 2, 4, 6]].astype(np.float32))
+    top = np.nanmax(top, 1)
+    assert (top >= 2.0 ** 14).all() and (top < 2.0 ** 15).all()
+    assert W.f16_rows(np.zeros((0, 64), BF16))[0].shape == (0, 64)
+
+
+@pytest.mark.simulator
+def test_emulated_f16_rows(emulated_staged, rng):
+    """wna16_f16_rows on the emulation matches its NumPy twin bit for bit (poisoned outputs)."""
+    a = _f16_rows_case(rng)
+    a16, scale = W.f16_rows(a)
+    got16, got_scale = _emulated_f16_rows(emulated_staged, a)
+    np.testing.assert_array_equal(got16.view(np.uint16), a16.view(np.uint16))
+    np.testing.assert_array_equal(got_scale, scale)
 
 
 @pytest.mark.simulator
@@ -194,6 +258,12 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     ("t32", (30, 2, 2, 128, 384, 32), 384, True, 1, 2),        # one group per row; runs that
                                                                # cross m tiles
     ("u24", (9, 3, 2, 320, 256, 24), 64, False, 8, 16),        # 8 warps
+    # FA: the activations as fp16 with row scales (wna16_f16_rows), the codes as fp16 pairs
+    ("h8", (2, 4, 2, 288, 576, 8), 64, False, 8, 16),
+    ("h16", (5, 3, 2, 288, 640, 16), 128, True, 8, 16),
+    ("h24", (20, 2, 2, 256, 512, 24), 128, True, 4, 8),
+    ("h24", (20, 2, 2, 64, 768, 48), 256, False, 4, 8),
+    ("h32", (30, 2, 2, 128, 384, 32), 384, True, 1, 2),
 ])
 def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
     M_a, E, K, N, Kd, B = shape

@@ -755,12 +755,20 @@ STAGED_CONFIGS = {
     # 8 warps of 2 tiles: twice the warps per SM, each token fetch from shared memory feeds 2
     "u24": dict(KERNEL="staged", MT=3, W=8, TPW=2, KC=2, S=4, MINB=2),
 }
+# FA = 1: bf16 activations go in as fp16 with a power-of-two scale per row (wna16_f16_rows, one
+# launch before the GEMM; f16_rows is its NumPy twin), so the codes dequantize as fp16: a
+# third of the shifts (w16::raw_pairs_f16). fp16 activations (an fp16 model) take that path
+# as they are, in any config.
+STAGED_CONFIGS.update({f"h{n[1:]}": dict(STAGED_CONFIGS[n], FA=1)
+                       for n in ("t8", "t16", "t24", "t32")})
 CU_STAGED = "quant_gemm_wna16_staged.cu"
 
 
-def staged_kernel_name(cfg: dict, zp: bool) -> str:
+def staged_kernel_name(cfg: dict, zp: bool, fa: bool | None = None) -> str:
+    """fa: the FA mode (default: the config's)."""
+    fa = cfg.get("FA", 0) if fa is None else fa
     return (f"wna16_staged<{cfg['MT']}, {cfg['W']}, {cfg['TPW']}, {cfg['KC']}, {cfg['S']}, "
-            f"{int(bool(zp))}, {cfg['MINB']}>")
+            f"{int(bool(zp))}, {cfg['MINB']}, {int(bool(fa))}>")
 
 
 def staged_stage_bytes(cfg: dict, zp: bool) -> int:
@@ -775,8 +783,8 @@ def staged_stage_bytes(cfg: dict, zp: bool) -> int:
 
 def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
                 num_sms: int = 132, group_size: int = 0, num_groups: int = 1,
-                zp: bool = False) -> dict:
-    """wna16_staged's launch: grid (Q,), block 32 W, dynamic shared memory S stages then the m
+                zp: bool = False, fa: bool | None = None) -> dict:
+    """wna16_staged's launch (fa: the FA mode, default the config's): grid (Q,), block 32 W, dynamic shared memory S stages then the m
     tiles' prefix costs (8 (MTILES + 1) bytes). Every live m tile has U = blocks x SPB units
     (row blocks of NB tiles x K stages of KC chunks), each costing LT + 5 (LT: its live token
     tiles, found on the device); the Q = MINB CTAs per SM (times WAVES) take contiguous runs of
@@ -804,13 +812,14 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
                          f"each)")
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
     per = 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
-    return dict(name=staged_kernel_name(cfg, zp), cfg=cfg, grid=(q, 1, 1),
+    return dict(name=staged_kernel_name(cfg, zp, fa), cfg=cfg, grid=(q, 1, 1),
                 block=(32 * cfg["W"],), smem=smem, shift=shift, Lg=Lg, Q=q, U=units,
                 MTILES=mtiles, WS=q * 2 * per, TILES=mtiles * blocks)
 
 
+F16_ROWS_KERNEL = "wna16_f16_rows"
 STAGED_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values()
-                     for z in (False, True))
+                     for z in (False, True)) + (F16_ROWS_KERNEL,)
 for _ev in ELEMS.values():
     C.register_compile_case(CU_STAGED, {"ELEM_BF16": _ev}, STAGED_NAMES)
 
@@ -1020,12 +1029,15 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     if rung == "staged":
         pk = packed_weights(w, w_scale, w_zp, w_s,
                             order=("staged", cfg0["W"] * cfg0["TPW"], cfg0["KC"]))
+        fa = bool(cfg0.get("FA")) and out_key == "bf16"      # fp16 activations run as they are
         lp = staged_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G,
-                         w_zp is not None)
+                         w_zp is not None, fa)
         kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_STAGED)
         null = C.null_ptr()
+        a16, a_scale = _device_f16_rows(a) if fa else (C.raw(a), null)
         ws, cnt = _workspace(lp["WS"], lp["TILES"])
-        args = (C.raw(a), pk["wp"], C.raw(c), pk["sp"], pk["zp"] if pk["zp"] is not None else null,
+        args = (a16, a_scale, pk["wp"], C.raw(c), pk["sp"],
+                pk["zp"] if pk["zp"] is not None else null,
                 sorted_token_ids, expert_ids, num_tokens_post_padded,
                 tw if tw is not None else null, b32 if b32 is not None else null, ws, cnt,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
@@ -1067,6 +1079,33 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
             np.int32(G), np.int32(default_zp), np.int32(code_xor), np.int32(sps))
     kern(grid, block, args, shared_mem=smem)
     return c
+
+
+def f16_rows(a):
+    """wna16_f16_rows' NumPy twin: (a16 [M, K] float16, row_scale [M] float32) with a16 =
+    fp16(a 2^s) and row_scale = 2^-s per row, s = min(15 - e, 126) where the row's largest
+    finite nonzero |a| is in [2^(e-1), 2^e) (else s = 0): a16 row_scale is a, exactly for every
+    element down to 2^-28 of its row's largest."""
+    x = np.asarray(a, dtype=np.float32)
+    with np.errstate(invalid="ignore"):
+        m = np.nanmax(np.abs(x), axis=1, initial=0.0) if x.size else np.zeros(x.shape[0])
+    e = np.frexp(m)[1]
+    s = np.where((m > 0) & np.isfinite(m), np.minimum(15 - e, 126), 0).astype(np.int32)
+    a16 = np.ldexp(x, s[:, None]).astype(np.float16)
+    return a16, np.ldexp(np.float32(1), -s).astype(np.float32)
+
+
+def _device_f16_rows(a):
+    """wna16_f16_rows on the GPU: (a16 [M, K] uint16 (fp16 bits), row_scale [M] float32)."""
+    import cupy
+
+    M_a, K = a.shape
+    a16 = cupy.empty((M_a, K), dtype=cupy.uint16)
+    scale = cupy.empty(M_a, dtype=cupy.float32)
+    if M_a:
+        _kernel(F16_ROWS_KERNEL, ELEMS[_elem_key(a.dtype)], 0, CU_STAGED)(
+            (M_a,), (256,), (C.raw(a), a16, scale, np.int32(K)))
+    return a16, scale
 
 
 def _device_chunk_sums(a):

@@ -92,9 +92,10 @@ struct StagedStage {
     static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
 };
 
-template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB>
+template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int FA>
 __global__ void __launch_bounds__(W * 32, MINB)
-wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
+wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_scale,
+             const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
              const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
              const int* __restrict__ num_tokens_post_padded,
@@ -107,7 +108,7 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
-    __shared__ uint4 sConst;                      // the token sums' mma B pair, -(MAGIC + zp)
+    __shared__ uint2 sSumB[2];                    // the tokens' sums mma: B of even, odd columns
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -115,22 +116,24 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
     const int SPB = (C + KC - 1) / KC, nblocks = (ntiles + NB - 1) / NB, U = nblocks * SPB;
     const int mtiles = (num_positions + BM - 1) / BM;
     const int Q = gridDim.x, q = blockIdx.x;
-#if ELEM_BF16
-    constexpr u32 MAGIC = 0x43004300u, ONES = 0x3F803F80u;   // 128 + q; 1.0 in both halves
-    constexpr float MAGIC_F = 128.f;
-#else
-    constexpr u32 MAGIC = 0x64006400u, ONES = 0x3C003C00u;   // 1024 + q
-    constexpr float MAGIC_F = 1024.f;
-#endif
-    const float nz_default = -(MAGIC_F + (float)default_zp);
-    // 1.0 in both halves of both registers (the B operand of the token sums' mma), then
-    // -(MAGIC + zp) twice (the zero-point start of rows g and g + 8 without per-group zero
-    // points). Read back from shared memory per stage: ptxas sees copies of one value as one
-    // register and rebuilds an mma's operand registers with moves at each use (16 moves a
-    // stage for an A quad held in registers, SASS of cfad067, 8 for the start's C quad); a
-    // load it cannot see through
-    if (tid == 0)                                  // (read after the barriers below)
-        sConst = make_uint4(ONES, ONES, __float_as_uint(nz_default), __float_as_uint(nz_default));
+    // The codes the mma reads: bf16 128 + q (one per half-word); fp16 (FA, or an fp16 build)
+    // 1024 + q for even pairs, 64 + q for odd ones (w16::raw_pairs_f16: a third of the shifts)
+    constexpr bool F16 = FA || !ELEM_BF16;
+    constexpr float OFF_EVEN = F16 ? 1024.f : 128.f, OFF_ODD = F16 ? 64.f : 128.f;
+    // B of the tokens' sums mma (the token's even-pair elements meet B's first register, the
+    // odd-pair ones its second): without per-group zero points -(offset + zp) in every column,
+    // so the sum is the accumulators' start; with them -offset in even columns (-T) and -1 in
+    // odd ones (-S), the start of row r then -T - zp_r S. Read back from shared memory per
+    // stage: ptxas sees copies of one value as one register and rebuilds an mma's operand
+    // registers with moves at each use (16 moves a stage for an A quad held in registers, SASS
+    // of cfad067); a load it cannot see through
+    if (tid < 2) {                                 // (read after the barriers below)
+        const float zo = ZP ? 0.f : (float)default_zp;
+        sSumB[tid] = ZP && tid == 1
+                         ? make_uint2(w16::pair_of<F16>(-1.f), w16::pair_of<F16>(-1.f))
+                         : make_uint2(w16::pair_of<F16>(-(OFF_EVEN + zo)),
+                                      w16::pair_of<F16>(-(OFF_ODD + zo)));
+    }
 
     // ---- the m tiles' costs: U units each, weighted by LT + 5 (the instructions of a stage
     // grow about so with the live token tiles: ~430, ~500, ~575 SASS instructions per warp at
@@ -202,7 +205,7 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         constexpr int W_PER = TPW * KC;                    // NB KC 32 units / NT threads
         constexpr int S_PER = (NB * KC * 4 + NT - 1) / NT, Z_PER = (NB * KC + NT - 1) / NT;
         constexpr int A_UNITS = BM * KC * 8, A_PER = (A_UNITS + NT - 1) / NT;
-        const elem_t* a_src[A_PER];                        // the unit's source in K stage 0
+        const unsigned short* a_src[A_PER];                // the unit's source in K stage 0
         bool a_on[A_PER];                                  // copied (rows past the live tiles:
         int a_dst[A_PER];                                  //   never read), to this stage offset
         int a_chunk[A_PER];                                // its chunk in the stage
@@ -291,6 +294,7 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                             const int s = sSlot[row];
                             if (s < 0) continue;
                             float v = acc[r][mt][i];
+                            if (FA) v *= a_scale[sArow[row]];   // back from a 2^s
                             if (bias != nullptr) v += bias[(size_t)e * N + n];
                             if (mul_routed_weight) v *= topk_weights[s];
                             c[(size_t)s * N + n] = w16::from_f32(v);
@@ -329,15 +333,17 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                             bv[j][mt][0] = sa[r * KC * 8 + (u ^ (g & 1))];
                             bv[j][mt][1] = sa[r * KC * 8 + ((u + 1) ^ (g & 1))];
                         }
-                    // The tokens' sums S over the CG chunks, as the main mma's C holds its
-                    // tokens: sum2[mt] = S of tokens 8 mt + 2 t, 8 mt + 2 t + 1. By the tensor
-                    // cores, 2 mma per chunk: the token's 16-byte units as A (the lane's 4
-                    // registers of a unit: row g gets 2 of them, row g + 8 the other 2), B = 1,
-                    // so c0 + c2 = the sum of token 8 mt + g; each lane then takes its tokens'
-                    // from lanes 8 t and 8 t + 4 (g = 2 t, 2 t + 1)
-                    float2 sum2[LT];
+                    // The tokens' sums over the CG chunks, where the main mma's C holds their
+                    // tokens (x: token 8 mt + 2 t, y: + 1), by the tensor cores: 2 mma per chunk
+                    // with the token's 16-byte units as A (the lane's registers of a unit: its
+                    // even-pair elements x, z as row g and g + 8 at k 2t.., the odd-pair ones y,
+                    // w at k 2t + 8..) and sSumB as B, so c0 + c2 (c1 + c3) = token g's sum
+                    // with even (odd) columns' B; each lane then takes its tokens' from lanes
+                    // 8 t and 8 t + 4 (g = 2 t, 2 t + 1). start2: the start (ZP = 0) or -T (ZP);
+                    // neg_s2: -S (ZP)
+                    float2 start2[LT], neg_s2[ZP ? LT : 1];
                     {
-                        const uint4 ones = sConst;
+                        const uint2 sb = sSumB[g & 1];
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt) {
                             float z[4] = {0.f, 0.f, 0.f, 0.f};
@@ -346,27 +352,25 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
 #pragma unroll
                                 for (int v = 0; v < 2; ++v) {
                                     const uint4 u = bv[j][mt][v];
-                                    w16::mma16816(z, u.x, u.y, u.z, u.w, ones.x, ones.y);
+                                    w16::mma16816<F16>(z, u.x, u.z, u.y, u.w, sb.x, sb.y);
                                 }
-                            const float sg = z[0] + z[2];
-                            sum2[mt].x = __shfl_sync(0xFFFFFFFFu, sg, 8 * t);
-                            sum2[mt].y = __shfl_sync(0xFFFFFFFFu, sg, 8 * t + 4);
+                            const float even = z[0] + z[2];
+                            start2[mt].x = __shfl_sync(0xFFFFFFFFu, even, 8 * t);
+                            start2[mt].y = __shfl_sync(0xFFFFFFFFu, even, 8 * t + 4);
+                            if (ZP) {
+                                const float odd = z[1] + z[3];
+                                neg_s2[ZP ? mt : 0].x = __shfl_sync(0xFFFFFFFFu, odd, 8 * t);
+                                neg_s2[ZP ? mt : 0].y = __shfl_sync(0xFFFFFFFFu, odd, 8 * t + 4);
+                            }
                         }
                     }
-                    // the accumulator's start: -(MAGIC + zp) S, zp of rows g and g + 8
-                    auto zero_point_start = [&](float (&z)[4], int mt, float nz_g, float nz_g8) {
-                        z[0] = nz_g * sum2[mt].x;
-                        z[1] = nz_g * sum2[mt].y;
-                        z[2] = nz_g8 * sum2[mt].x;
-                        z[3] = nz_g8 * sum2[mt].y;
-                    };
-                    float zs[ZP ? 1 : LT][4];             // shared by the TPW tiles (ZP = 0)
+                    float zs[ZP ? 1 : LT][4];             // the start, shared by the TPW tiles
                     if (!ZP) {
-                        const uint4 nz = sConst;
 #pragma unroll
-                        for (int mt = 0; mt < LT; ++mt)
-                            zero_point_start(zs[ZP ? 0 : mt], mt, __uint_as_float(nz.z),
-                                             __uint_as_float(nz.w));
+                        for (int mt = 0; mt < LT; ++mt) {
+                            zs[ZP ? 0 : mt][0] = zs[ZP ? 0 : mt][2] = start2[mt].x;
+                            zs[ZP ? 0 : mt][1] = zs[ZP ? 0 : mt][3] = start2[mt].y;
+                        }
                     }
 #pragma unroll
                     for (int r = 0; r < TPW; ++r) {
@@ -374,28 +378,36 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
                         float tmp[LT][4];
                         if (ZP) {                         // row g's zero point in the low byte
                             const u32 z = sz[(gi * NB + r) * 8];
-                            const float nz_g = -(MAGIC_F + (float)(z & 0xFFu));
-                            const float nz_g8 = -(MAGIC_F + (float)((z >> 8) & 0xFFu));
+                            const float zp_g = (float)(z & 0xFFu), zp_g8 = (float)(z >> 8);
 #pragma unroll
-                            for (int mt = 0; mt < LT; ++mt)
-                                zero_point_start(tmp[mt], mt, nz_g, nz_g8);
+                            for (int mt = 0; mt < LT; ++mt) {
+                                const float2 ns = neg_s2[ZP ? mt : 0];
+                                tmp[mt][0] = fmaf(zp_g, ns.x, start2[mt].x);
+                                tmp[mt][1] = fmaf(zp_g, ns.y, start2[mt].y);
+                                tmp[mt][2] = fmaf(zp_g8, ns.x, start2[mt].x);
+                                tmp[mt][3] = fmaf(zp_g8, ns.y, start2[mt].y);
+                            }
                         }
 #pragma unroll
                         for (int j = 0; j < CG; ++j) {
                             const uint4 x = sw[(r * KC + kc0 + j) * 32];
-                            u32 lo[8], hi[8];             // A: rows g, g + 8: 128 + q
-                            w16::raw_pairs(x, MAGIC, lo, hi);
+                            u32 lo[8], hi[8];             // A: rows g, g + 8: offset + q
+                            if constexpr (F16)
+                                w16::raw_pairs_f16(x, lo, hi);
+                            else
+                                w16::raw_pairs(x, 0x43004300u, lo, hi);   // bf16 128
 #pragma unroll
                             for (int mt = 0; mt < LT; ++mt) {
                                 const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];
                                 if (!ZP && j == 0)        // from the shared start, kept
-                                    w16::mma16816_c(tmp[mt], lo[0], hi[0], lo[1], hi[1], b0.x,
-                                                    b0.y, zs[ZP ? 0 : mt]);
+                                    w16::mma16816_c<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1],
+                                                         b0.x, b0.y, zs[ZP ? 0 : mt]);
                                 else
-                                    w16::mma16816(tmp[mt], lo[0], hi[0], lo[1], hi[1], b0.x, b0.y);
-                                w16::mma16816(tmp[mt], lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
-                                w16::mma16816(tmp[mt], lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
-                                w16::mma16816(tmp[mt], lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
+                                    w16::mma16816<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1], b0.x,
+                                                       b0.y);
+                                w16::mma16816<F16>(tmp[mt], lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
+                                w16::mma16816<F16>(tmp[mt], lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
+                                w16::mma16816<F16>(tmp[mt], lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
                             }
                         }
 #pragma unroll
@@ -462,5 +474,59 @@ wna16_staged(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t*
         });
         w16::cp_wait<0>();                             // the ring is empty ...
         __syncthreads();                               // ... and read: the next segment refills it
+    }
+}
+
+// wna16_f16_rows: the activations of wna16_staged's FA mode. Row m of a [M][K] (elem_t) becomes
+//   a16[m, k] = fp16(a[m, k] 2^s_m),   row_scale[m] = 2^-s_m,
+// s_m putting the row's largest |a| in [2^14, 2^15) (fp16's largest finite is 65504). A bf16
+// value's 8 significant bits fit fp16's 11, so every element at most 2^-28 of its row's
+// largest below it converts exactly (smaller ones round to fp16's subnormals); the GEMM
+// multiplies row_scale back in its epilogue. s_m is held to [-113, 126] (2^s and 2^-s normal
+// fp32). A row of zeros, or with an infinity, keeps s_m = 0 (an infinity, and with it finite
+// values past 65504, then reads as infinite: that row's outputs are not finite, as they are
+// in the reference); NaN is ignored by the maximum and converts to NaN.
+// grid (M), block 256: the row's largest |a| (16-byte loads, a block reduction), then the
+// conversion, 8 elements per 16-byte store. Needs K % 8 == 0 and 16-byte aligned rows.
+__global__ void __launch_bounds__(256)
+wna16_f16_rows(const elem_t* __restrict__ a, unsigned short* __restrict__ a16,
+               float* __restrict__ row_scale, int K) {
+    __shared__ float sMax[8];
+    const size_t row = blockIdx.x;
+    const uint4* src = reinterpret_cast<const uint4*>(a + row * K);
+    uint4* dst = reinterpret_cast<uint4*>(a16 + row * K);
+    const int units = K / 8, tid = threadIdx.x;
+    float m = 0.f;
+    for (int u = tid; u < units; u += 256) {
+        const uint4 x = src[u];
+        const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            m = fmaxf(m, fmaxf(fabsf(w16::lo_f32(w[i])), fabsf(w16::hi_f32(w[i]))));
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    if ((tid & 31) == 0) sMax[tid >> 5] = m;
+    __syncthreads();
+    m = sMax[0];
+#pragma unroll
+    for (int i = 1; i < 8; ++i) m = fmaxf(m, sMax[i]);
+    int s = 0;
+    if (m > 0.f && m <= 3.402823466e38f) {           // finite and not 0: m in [2^(E-1), 2^E)
+        int e;
+        frexpf(m, &e);
+        s = min(15 - e, 126);
+    }
+    const float up = __uint_as_float((u32)(127 + s) << 23);   // 2^s, exact products
+    if (tid == 0) row_scale[row] = __uint_as_float((u32)(127 - s) << 23);
+    for (int u = tid; u < units; u += 256) {
+        const uint4 x = src[u];
+        const u32 w[4] = {x.x, x.y, x.z, x.w};
+        u32 h[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            h[i] = (u32)__half_as_ushort(__float2half_rn(w16::lo_f32(w[i]) * up)) |
+                   (u32)__half_as_ushort(__float2half_rn(w16::hi_f32(w[i]) * up)) << 16;
+        dst[u] = make_uint4(h[0], h[1], h[2], h[3]);
     }
 }

@@ -17,13 +17,11 @@ typedef unsigned int u32;
 #if ELEM_BF16
 typedef __nv_bfloat16 elem_t;
 typedef __nv_bfloat162 elem2_t;
-#define W16_MMA "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
 #define W16_MAGIC 0x43004300u        // bf16 128.0 in both halves: mantissa ulp is 1
 #define W16_MAGIC_F 128.0f
 #else
 typedef __half elem_t;
 typedef __half2 elem2_t;
-#define W16_MMA "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
 #define W16_MAGIC 0x64006400u        // fp16 1024.0 in both halves: mantissa ulp is 1
 #define W16_MAGIC_F 1024.0f
 #endif
@@ -55,6 +53,17 @@ __device__ __forceinline__ elem_t from_f32(float v) {
 #else
     return __float2half_rn(v);
 #endif
+}
+
+// v in both halves of a pair, as fp16 (H) or bf16 (for the mma operands of either type).
+template <bool H>
+__device__ __forceinline__ u32 pair_of(float v) {
+    u32 h;
+    if constexpr (H)
+        h = __half_as_ushort(__float2half_rn(v));
+    else
+        h = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    return h | h << 16;
 }
 
 __device__ __forceinline__ int group_of(int k, int group_size, int gs_shift, int num_groups) {
@@ -105,6 +114,32 @@ __device__ __forceinline__ void raw_pairs(const uint4& x, u32 magic, u32 (&lo)[8
     }
 }
 
+// The same pairs as fp16 with two codes per half-word read in place: fp16's 10-bit mantissa
+// holds a code at bits 0-3 (under 1024: ulp 1, 1024 + q) and one at bits 4-7 (under 64: ulp
+// 1/16, so bit 4 weighs 1: 64 + q). One shift (by 8) per word and one lop3 per pair, against 3
+// shifts per word above (bf16's 7-bit mantissa holds one code per half-word). Even pairs p are
+// 1024 + q, odd ones 64 + q: the zero point's start must take each offset (wna16_staged).
+__device__ __forceinline__ void raw_pairs_f16(const uint4& x, u32 (&lo)[8], u32 (&hi)[8]) {
+    constexpr u32 LO = 0x000F000Fu, HI = 0x00F000F0u, M1024 = 0x64006400u, M64 = 0x54005400u;
+    const u32 w[4] = {x.x, x.y, x.z, x.w};
+    u32 r[4][4];
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+        const u32 y = w[v] >> 8;
+        r[v][0] = and_or(w[v], LO, M1024);
+        r[v][1] = and_or(w[v], HI, M64);
+        r[v][2] = and_or(y, LO, M1024);
+        r[v][3] = and_or(y, HI, M64);
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        lo[p] = r[0][p];
+        hi[p] = r[1][p];
+        lo[4 + p] = r[2][p];
+        hi[4 + p] = r[3][p];
+    }
+}
+
 // (x - z) * s on both halves: the subtraction of two small integers is exact, the product
 // rounds once.
 __device__ __forceinline__ u32 deq2(u32 x, u32 z2, u32 s2) {
@@ -135,31 +170,48 @@ __device__ __forceinline__ void deq_int8(u32 lo, u32 hi, float zf, float s, u32&
     p3 = pack2((u8f(lo, 0x7653) - zf) * s, (u8f(hi, 0x7653) - zf) * s);
 }
 
+// mma.sync m16n8k16 with fp32 accumulation; H: the operands are fp16 (1) or bf16 (0); by default
+// the build's element type. wna16_staged runs fp16 operands in a bf16 build too (its FA mode).
+#define W16_MMA_F16 "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+#define W16_MMA_BF16 "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+template <bool H = !ELEM_BF16>
 __device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                          u32 b1) {
 #ifdef QG_EMULATED_PTX   // the CPU emulation of the tests (tests/test_quant_cupy.py's header)
     const uint32_t a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
-    qg_mma_k16(*reinterpret_cast<float(*)[4]>(d), a, b);
+    qg_mma_k16<H>(*reinterpret_cast<float(*)[4]>(d), a, b);
 #else
-    asm volatile(W16_MMA "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    if constexpr (H)
+        asm volatile(W16_MMA_F16 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    else
+        asm volatile(W16_MMA_BF16 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 #endif
 }
 
 // d = A B + c with c kept (d and c distinct): a chain that starts from a value needed again
 // (wna16_staged's zero-point start, shared by several tiles) needs no register copies, which
 // the in-place form above costs (4 moves per chain).
+template <bool H = !ELEM_BF16>
 __device__ __forceinline__ void mma16816_c(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                            u32 b1, const float* c) {
 #ifdef QG_EMULATED_PTX
     for (int i = 0; i < 4; ++i) d[i] = c[i];
-    mma16816(d, a0, a1, a2, a3, b0, b1);
+    mma16816<H>(d, a0, a1, a2, a3, b0, b1);
 #else
-    asm volatile(W16_MMA "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
-                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1),
-                   "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+    if constexpr (H)
+        asm volatile(W16_MMA_F16 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1),
+                       "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+    else
+        asm volatile(W16_MMA_BF16 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1),
+                       "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 #endif
 }
 
