@@ -259,11 +259,11 @@ def test_emulated_f16_rows(emulated_staged, rng):
                                                                # cross m tiles
     ("u24", (9, 3, 2, 320, 256, 24), 64, False, 8, 16),        # 8 warps
     # FA: the activations as fp16 with row scales (wna16_f16_rows), the codes as fp16 pairs
-    ("h8", (2, 4, 2, 288, 576, 8), 64, False, 8, 16),
-    ("h16", (5, 3, 2, 288, 640, 16), 128, True, 8, 16),
-    ("h24", (20, 2, 2, 256, 512, 24), 128, True, 4, 8),
-    ("h24", (20, 2, 2, 64, 768, 48), 256, False, 4, 8),
-    ("h32", (30, 2, 2, 128, 384, 32), 384, True, 1, 2),
+    ("f8", (2, 4, 2, 288, 576, 8), 64, False, 8, 16),
+    ("f16", (5, 3, 2, 288, 640, 16), 128, True, 8, 16),
+    ("f24", (20, 2, 2, 256, 512, 24), 128, True, 4, 8),
+    ("f24", (20, 2, 2, 64, 768, 48), 256, False, 4, 8),
+    ("f32", (30, 2, 2, 128, 384, 32), 384, True, 1, 2),
 ])
 def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
     M_a, E, K, N, Kd, B = shape

@@ -759,7 +759,7 @@ STAGED_CONFIGS = {
 # launch before the GEMM; f16_rows is its NumPy twin), so the codes dequantize as fp16: a
 # third of the shifts (w16::raw_pairs_f16). fp16 activations (an fp16 model) take that path
 # as they are, in any config.
-STAGED_CONFIGS.update({f"h{n[1:]}": dict(STAGED_CONFIGS[n], FA=1)
+STAGED_CONFIGS.update({f"f{n[1:]}": dict(STAGED_CONFIGS[n], FA=1)
                        for n in ("t8", "t16", "t24", "t32")})
 CU_STAGED = "quant_gemm_wna16_staged.cu"
 

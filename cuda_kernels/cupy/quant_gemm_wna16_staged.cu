@@ -120,19 +120,16 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // 1024 + q for even pairs, 64 + q for odd ones (w16::raw_pairs_f16: a third of the shifts)
     constexpr bool F16 = FA || !ELEM_BF16;
     constexpr float OFF_EVEN = F16 ? 1024.f : 128.f, OFF_ODD = F16 ? 64.f : 128.f;
-    // B of the tokens' sums mma (the token's even-pair elements meet B's first register, the
-    // odd-pair ones its second): without per-group zero points -(offset + zp) in every column,
-    // so the sum is the accumulators' start; with them -offset in even columns (-T) and -1 in
-    // odd ones (-S), the start of row r then -T - zp_r S. Read back from shared memory per
-    // stage: ptxas sees copies of one value as one register and rebuilds an mma's operand
-    // registers with moves at each use (16 moves a stage for an A quad held in registers, SASS
-    // of cfad067); a load it cannot see through
+    // B of the tokens' sums mma: column n of lane g = n, even columns -(OFF_EVEN + zo), odd ones
+    // -(OFF_ODD + zo), zo = the default zero point without per-group ones (ZP = 0), else 0
+    // (exact in both formats: integers below 2^8 in bf16, 2^11 in fp16). Read back from shared
+    // memory per stage: ptxas sees copies of one value as one register and rebuilds an mma's
+    // operand registers with moves at each use (16 moves a stage for an A quad held in
+    // registers, SASS of cfad067); a load it cannot see through
     if (tid < 2) {                                 // (read after the barriers below)
         const float zo = ZP ? 0.f : (float)default_zp;
-        sSumB[tid] = ZP && tid == 1
-                         ? make_uint2(w16::pair_of<F16>(-1.f), w16::pair_of<F16>(-1.f))
-                         : make_uint2(w16::pair_of<F16>(-(OFF_EVEN + zo)),
-                                      w16::pair_of<F16>(-(OFF_ODD + zo)));
+        const u32 b = w16::pair_of<F16>(-((tid ? OFF_ODD : OFF_EVEN) + zo));
+        sSumB[tid] = make_uint2(b, b);
     }
 
     // ---- the m tiles' costs: U units each, weighted by LT + 5 (the instructions of a stage
@@ -335,12 +332,14 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                         }
                     // The tokens' sums over the CG chunks, where the main mma's C holds their
                     // tokens (x: token 8 mt + 2 t, y: + 1), by the tensor cores: 2 mma per chunk
-                    // with the token's 16-byte units as A (the lane's registers of a unit: its
-                    // even-pair elements x, z as row g and g + 8 at k 2t.., the odd-pair ones y,
-                    // w at k 2t + 8..) and sSumB as B, so c0 + c2 (c1 + c3) = token g's sum
-                    // with even (odd) columns' B; each lane then takes its tokens' from lanes
-                    // 8 t and 8 t + 4 (g = 2 t, 2 t + 1). start2: the start (ZP = 0) or -T (ZP);
-                    // neg_s2: -S (ZP)
+                    // with the token's 16-byte units as A (the lane's 4 registers of a unit:
+                    // row g gets x, z: elements that meet even code pairs, row g + 8 gets y, w:
+                    // odd pairs) and sSumB as B. Of token g (rows g and g + 8 both), with Se, So
+                    // its sums over even and odd pairs' elements and OE = OFF_EVEN + zo,
+                    // OO = OFF_ODD + zo: c0 = -OE Se, c3 = -OO So, c1 = -OO Se, c2 = -OE So. So
+                    // c0 + c3 is the start (ZP = 0) or -T, T = sum offset a (ZP, zo = 0), and
+                    // c1 / OO + c2 / OE is -S (ZP: the start of row r is -T - zp_r S). Each lane
+                    // then takes its tokens' from lanes 8 t and 8 t + 4 (g = 2 t, 2 t + 1).
                     float2 start2[LT], neg_s2[ZP ? LT : 1];
                     {
                         const uint2 sb = sSumB[g & 1];
@@ -352,15 +351,15 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                                 for (int v = 0; v < 2; ++v) {
                                     const uint4 u = bv[j][mt][v];
-                                    w16::mma16816<F16>(z, u.x, u.z, u.y, u.w, sb.x, sb.y);
+                                    w16::mma16816<F16>(z, u.x, u.y, u.z, u.w, sb.x, sb.y);
                                 }
-                            const float even = z[0] + z[2];
-                            start2[mt].x = __shfl_sync(0xFFFFFFFFu, even, 8 * t);
-                            start2[mt].y = __shfl_sync(0xFFFFFFFFu, even, 8 * t + 4);
+                            const float st = z[0] + z[3];
+                            start2[mt].x = __shfl_sync(0xFFFFFFFFu, st, 8 * t);
+                            start2[mt].y = __shfl_sync(0xFFFFFFFFu, st, 8 * t + 4);
                             if (ZP) {
-                                const float odd = z[1] + z[3];
-                                neg_s2[ZP ? mt : 0].x = __shfl_sync(0xFFFFFFFFu, odd, 8 * t);
-                                neg_s2[ZP ? mt : 0].y = __shfl_sync(0xFFFFFFFFu, odd, 8 * t + 4);
+                                const float ns = fmaf(z[1], 1.f / OFF_ODD, z[2] * (1.f / OFF_EVEN));
+                                neg_s2[ZP ? mt : 0].x = __shfl_sync(0xFFFFFFFFu, ns, 8 * t);
+                                neg_s2[ZP ? mt : 0].y = __shfl_sync(0xFFFFFFFFu, ns, 8 * t + 4);
                             }
                         }
                     }
