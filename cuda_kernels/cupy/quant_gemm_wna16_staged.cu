@@ -80,6 +80,9 @@
 // Needs int4 prepacked and staged (N % 16 == 0, Kdim % 64 == 0, group_size 64 times a power of
 // two or one group per row: chunk_shift = log2(chunks per group), 30 for one group).
 #include "wna16_common.cuh"
+#ifndef STAGED_PROBE     // dev probe (benchmarks/dev/probe_staged.py): 1 no math, 2 no activation
+#define STAGED_PROBE 0   // copies, 3 no weight copies (results are garbage but for 0)
+#endif
 
 // Bytes of one pipeline stage (each part rounded to 128 bytes), as the launcher computes them.
 template <int MT, int NB, int KC, int ZP>
@@ -232,6 +235,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 const uint4* wsrc = w_run + i * (NB * KC * 32);
 #pragma unroll
                 for (int j = 0; j < W_PER; ++j)
+                    if (STAGED_PROBE != 3)
                     w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
                 const int sz_off = (b * num_groups + g0) * (NB * 8);   // < 2^31: one expert's
                 const float2* ssrc = sp + sz_e + sz_off + 2 * tid;
@@ -249,6 +253,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 u8* sa = smem + (size_t)(i % S) * St::BYTES;
 #pragma unroll
                 for (int j = 0; j < A_PER; ++j) {           // a short last stage: zeros
+                    if (STAGED_PROBE == 2) break;
                     const bool ok = a_chunk[j] < kcn;
                     w16::cp16_if(a_on[j], sa + a_dst[j], a_src[j] + (ok ? c0 * 64 : 0), ok);
                 }
@@ -418,7 +423,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                         }
                     }
                 };
-                if (kcn == KC && g0 == (c0 + KC - 1) >> chunk_shift) {   // one group
+                if (STAGED_PROBE == 1) {
+                } else if (kcn == KC && g0 == (c0 + KC - 1) >> chunk_shift) {   // one group
                     chunks(w16::Count<KC>{}, 0);
                 } else {
 #pragma unroll
