@@ -1,8 +1,12 @@
-"""Dev probe of wna16_staged (T = 64 Mixtral, GEMM1 / GEMM2): the same launches with the kernel
-compiled under STAGED_PROBE = 1 (no math), 2 (no activation copies), 3 (no weight copies),
-beside the real one (0), each with STAGED_BULK = 0 / 1 (the weights by cp.async / one bulk
-copy per stage). Times only; the probes' outputs are garbage.
-    python benchmarks/dev/probe_staged.py [--configs t24,f24] [--tokens 64] [--variants 0:0,1:0]"""
+"""Dev probe of wna16_staged (Mixtral GEMM1 / GEMM2): the same launches with the kernel compiled
+under the .cu's dev macros, beside the real one:
+    STAGED_PROBE = 1 no math, 2 no activation copies, 3 no weight copies (garbage results)
+    STAGED_BULK = 1  the weights by one bulk copy per stage on an mbarrier per ring slot
+    STAGED_LATE = 1  the main mma chains start from 0, the zero point's start added after them
+and a plain read of the same bytes (uint4 loads, grid-stride) as the streaming calibration.
+Times only (CUDA events, median, L2 flushed before each repetition).
+    python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3] [--tokens 64]
+                                          [--variants base,PROBE=1,LATE=1+PROBE=3]"""
 import argparse
 import json
 import sys
@@ -10,9 +14,22 @@ import sys
 import numpy as np
 
 sys.path.insert(0, ".")
-from benchmarks.bench_wna16 import E, GROUP, H, I, K, Timer, draw_routing, random_bf16, random_bytes  # noqa
-from cuda_kernels.cupy import _compile as C
-from cuda_kernels.cupy import quant_gemm_wna16 as W
+from benchmarks.bench_wna16 import (E, GROUP, H, I, K, Timer, _config_override,  # noqa: E402
+                                    draw_routing, random_bf16, random_bytes)
+from cuda_kernels.cupy import _compile as C  # noqa: E402
+from cuda_kernels.cupy import quant_gemm_wna16 as W  # noqa: E402
+
+READ = r"""
+extern "C" __global__ void read_all(const uint4* __restrict__ p, size_t n, unsigned* out) {
+    unsigned x = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const uint4 v = p[i];
+        x ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (x == 0x12345678u) out[0] = x;
+}
+"""
 
 
 def main():
@@ -21,41 +38,52 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--configs", default="t24")
     p.add_argument("--tokens", default="64")
+    p.add_argument("--variants", default="base,PROBE=1,PROBE=3")
     p.add_argument("--out", default="/tmp")
-    p.add_argument("--variants", default="0:0,0:1,0:2,0:3", help="BULK:PROBE pairs")
     args = p.parse_args()
     w1 = random_bytes((E, 2 * I, H // 2), 1)
     w2 = random_bytes((E, H, I // 2), 2)
     s1 = cupy.random.uniform(1e-3, 2e-3, (E, 2 * I, H // GROUP), dtype=cupy.float32)
     s2 = cupy.random.uniform(1e-3, 2e-3, (E, H, I // GROUP), dtype=cupy.float32)
     timer, rows = Timer(), []
+    fl = lambda: timer.flush.fill(1)  # noqa: E731
+    read = cupy.RawKernel(READ, "read_all")
+    sink = cupy.zeros(1, cupy.uint32)
+    for w in (w1, w2):
+        n = w.nbytes // 16
+        for blocks in (132 * 4, 132 * 8, 132 * 16):
+            t = timer(lambda: read((blocks,), (512,), (w, np.uint64(n), sink)), fl, 3, 20)
+            rows.append(dict(read_bytes=w.nbytes, blocks=blocks, us=t * 1e3, TBps=w.nbytes / t / 1e9))
+            print(f"read {w.nbytes / 1e6:.0f} MB, {blocks} x 512: {t * 1e3:7.1f} us, "
+                  f"{w.nbytes / t / 1e9:.2f} TB/s", flush=True)
     rng = np.random.default_rng(0)
+    dev = cupy.cuda.Device().id
     for T in map(int, args.tokens.split(",")):
         ids, tw = draw_routing(rng, T)
         x, act = random_bf16((T, H), 10 + T), random_bf16((T * K, I), 20 + T)
-        for cname in args.configs.split(","):
-            cfg = W.STAGED_CONFIGS[cname]
+        for spec in args.configs.split(","):
+            cname, cfg = _config_override(dict(W.STAGED_CONFIGS), spec)
             B = -(-32 // (8 * cfg["MT"])) * 8 * cfg["MT"]
             st, ex, ntp = (C.to_device(v) for v in moe_align_block_size(ids, B, E))
             twd = C.to_device(tw)
-            g1 = lambda: W.grouped_gemm_wna16(x, w1, st, ex, ntp, K, B, w_scale=s1, use_int4_w4a16=True, config=cname)  # noqa
-            g2 = lambda: W.grouped_gemm_wna16(act, w2, st, ex, ntp, 1, B, twd, True, w_scale=s2, use_int4_w4a16=True, config=cname)  # noqa
+            g1 = lambda: W.grouped_gemm_wna16(x, w1, st, ex, ntp, K, B, w_scale=s1,  # noqa: E731
+                                              use_int4_w4a16=True, config=cfg)
+            g2 = lambda: W.grouped_gemm_wna16(act, w2, st, ex, ntp, 1, B, twd, True,  # noqa: E731
+                                              w_scale=s2, use_int4_w4a16=True, config=cfg)
             for var in args.variants.split(","):
-                bulk, probe = map(int, var.split(":"))
+                defs = {} if var == "base" else {f"STAGED_{k}": int(v) for k, v in
+                                                 (kv.split("=") for kv in var.split("+"))}
                 W._READY.clear()
-                if probe or bulk:
-                    for zp in (False,):
-                        name = W.staged_kernel_name(cfg, zp)
-                        kern = C.get_kernel(W.CU_STAGED, name, {"ELEM_BF16": 1, "STAGED_PROBE": probe,
-                                                                   "STAGED_BULK": bulk},
-                                            (name,))
-                        W._READY[(name, 1, cupy.cuda.Device().id)] = kern
-                        W._SMEM_SET.pop((name, 1, cupy.cuda.Device().id), None)
+                W._SMEM_SET.clear()
+                name = W.staged_kernel_name(cfg, False)
+                W._READY[(name, 1, dev)] = C.get_kernel(W.CU_STAGED, name,
+                                                        dict(ELEM_BF16=1, **defs), (name,))
                 g1(), g2()
-                fl = lambda: timer.flush.fill(1)
                 t1, t2 = timer(g1, fl, 3, 20), timer(g2, fl, 3, 20)
-                rows.append(dict(T=T, config=cname, bulk=bulk, probe=probe, gemm1_us=t1 * 1e3, gemm2_us=t2 * 1e3))
-                print(f"T={T} {cname} bulk {bulk} probe {probe}: g1 {t1 * 1e3:7.1f} us g2 {t2 * 1e3:7.1f} us", flush=True)
+                rows.append(dict(T=T, config=spec, variant=var, gemm1_us=t1 * 1e3,
+                                 gemm2_us=t2 * 1e3))
+                print(f"T={T} {spec} {var}: g1 {t1 * 1e3:7.1f} us g2 {t2 * 1e3:7.1f} us",
+                      flush=True)
     json.dump(rows, open(f"{args.out}/probe_staged.json", "w"), indent=1)
 
 

@@ -83,6 +83,9 @@
 #ifndef STAGED_PROBE     // dev probe (benchmarks/dev/probe_staged.py): 1 no math, 2 no activation
 #define STAGED_PROBE 0   // copies, 3 no weight copies (results are garbage but for 0)
 #endif
+#ifndef STAGED_LATE      // dev: the main mma chains start from 0, the start added after them
+#define STAGED_LATE 0
+#endif
 #ifndef STAGED_BULK      // dev: the weights by one bulk copy per stage (mbarrier per slot)
 #define STAGED_BULK 0
 #endif
@@ -397,17 +400,24 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                     for (int r = 0; r < TPW; ++r) {
                         const float2 s2 = ss[(gi * NB + r) * 8];
-                        float tmp[LT][4];
+                        float tmp[LT][4], late[ZP && STAGED_LATE ? LT : 1][4];
+                        if (STAGED_LATE)
+#pragma unroll
+                            for (int mt = 0; mt < LT; ++mt)
+#pragma unroll
+                                for (int k = 0; k < 4; ++k) tmp[mt][k] = 0.f;
                         if (ZP) {                         // row g's zero point in the low byte
                             const u32 z = sz[(gi * NB + r) * 8];
                             const float zp_g = (float)(z & 0xFFu), zp_g8 = (float)(z >> 8);
 #pragma unroll
                             for (int mt = 0; mt < LT; ++mt) {
                                 const float2 ns = neg_s2[ZP ? mt : 0];
-                                tmp[mt][0] = fmaf(zp_g, ns.x, start2[mt].x);
-                                tmp[mt][1] = fmaf(zp_g, ns.y, start2[mt].y);
-                                tmp[mt][2] = fmaf(zp_g8, ns.x, start2[mt].x);
-                                tmp[mt][3] = fmaf(zp_g8, ns.y, start2[mt].y);
+                                float (&d)[4] = STAGED_LATE ? late[ZP && STAGED_LATE ? mt : 0]
+                                                            : tmp[mt];
+                                d[0] = fmaf(zp_g, ns.x, start2[mt].x);
+                                d[1] = fmaf(zp_g, ns.y, start2[mt].y);
+                                d[2] = fmaf(zp_g8, ns.x, start2[mt].x);
+                                d[3] = fmaf(zp_g8, ns.y, start2[mt].y);
                             }
                         }
 #pragma unroll
@@ -421,7 +431,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                             for (int mt = 0; mt < LT; ++mt) {
                                 const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];
-                                if (!ZP && j == 0)        // from the shared start, kept
+                                if (!ZP && !STAGED_LATE && j == 0)   // from the shared start
                                     w16::mma16816_c<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1],
                                                          b0.x, b0.y, zs[ZP ? 0 : mt]);
                                 else
@@ -432,6 +442,13 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                                 w16::mma16816<F16>(tmp[mt], lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
                             }
                         }
+                        if (STAGED_LATE)
+#pragma unroll
+                            for (int mt = 0; mt < LT; ++mt)
+#pragma unroll
+                                for (int k = 0; k < 4; ++k)
+                                    tmp[mt][k] += ZP ? late[ZP && STAGED_LATE ? mt : 0][k]
+                                                     : zs[ZP ? 0 : mt][k];
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt) {
                             acc[r][mt][0] = fmaf(s2.x, tmp[mt][0], acc[r][mt][0]);
