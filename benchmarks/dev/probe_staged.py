@@ -3,6 +3,7 @@ under the .cu's dev macros, beside the real one:
     STAGED_PROBE = 1 no math, 2 no activation copies, 3 no weight copies (garbage results)
     STAGED_BULK = 1  the weights by one bulk copy per stage on an mbarrier per ring slot
     STAGED_LATE = 1  the main mma chains start from 0, the zero point's start added after them
+    STAGED_TIMES = 1 each CTA's start / end (globaltimer): their spread is printed
 and a plain read of the same bytes (uint4 loads, grid-stride) as the streaming calibration.
 Times only (CUDA events, median, L2 flushed before each repetition).
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3] [--tokens 64]
@@ -76,9 +77,32 @@ def main():
                 W._READY.clear()
                 W._SMEM_SET.clear()
                 name = W.staged_kernel_name(cfg, False)
-                W._READY[(name, 1, dev)] = C.get_kernel(W.CU_STAGED, name,
-                                                        dict(ELEM_BF16=1, **defs), (name,))
+                mod = cupy.RawModule(code=C.source_text(W.CU_STAGED, dict(ELEM_BF16=1, **defs)),
+                                     options=C._BASE_OPTIONS + tuple(
+                                         f"-I{d}" for d in C.cuda_include_dirs()),
+                                     name_expressions=(name,))
+                W._READY[(name, 1, dev)] = mod.get_function(name)
                 g1(), g2()
+                if defs.get("STAGED_TIMES"):
+                    ptr = mod.get_global("g_cta_times")
+                    tt = cupy.ndarray((4096, 3), cupy.uint64, memptr=ptr)
+                    for label, g in (("g1", g1), ("g2", g2)):
+                        tt.fill(0)
+                        fl()
+                        cupy.cuda.runtime.deviceSynchronize()
+                        g()
+                        cupy.cuda.runtime.deviceSynchronize()
+                        h = cupy.asnumpy(tt)
+                        h = h[h[:, 1] > 0].astype(np.float64)
+                        t0 = h[:, 0].min()
+                        st, en = (h[:, 0] - t0) / 1e3, (h[:, 1] - t0) / 1e3
+                        q = np.percentile(en, [0, 10, 50, 90, 100])
+                        print(f"  {label}: {len(h)} CTAs, start max {st.max():.1f} us, end "
+                              f"p0/10/50/90/100 " + " ".join(f"{v:.1f}" for v in q) +
+                              f" us; duration p50 {np.median(en - st):.1f}", flush=True)
+                        rows.append(dict(T=T, config=spec, variant=var, gemm=label,
+                                         start_us=st.round(2).tolist(), end_us=en.round(2).tolist(),
+                                         sm=h[:, 2].astype(int).tolist()))
                 t1, t2 = timer(g1, fl, 3, 20), timer(g2, fl, 3, 20)
                 rows.append(dict(T=T, config=spec, variant=var, gemm1_us=t1 * 1e3,
                                  gemm2_us=t2 * 1e3))

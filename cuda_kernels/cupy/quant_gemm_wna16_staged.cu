@@ -86,6 +86,17 @@
 #ifndef STAGED_LATE      // dev: the main mma chains start from 0, the start added after them
 #define STAGED_LATE 0
 #endif
+#ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns) and SM in g_cta_times
+#define STAGED_TIMES 0
+#endif
+#if STAGED_TIMES
+__device__ unsigned long long g_cta_times[4096][3];
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#endif
 #ifndef STAGED_BULK      // dev: the weights by one bulk copy per stage (mbarrier per slot)
 #define STAGED_BULK 0
 #endif
@@ -121,6 +132,14 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+#if STAGED_TIMES
+    if (tid == 0) {
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        g_cta_times[blockIdx.x][0] = global_ns();
+        g_cta_times[blockIdx.x][2] = sm;
+    }
+#endif
     const int ntiles = N >> 4, C = Kdim >> 6;
     const int SPB = (C + KC - 1) / KC, nblocks = (ntiles + NB - 1) / NB, U = nblocks * SPB;
     const int mtiles = (num_positions + BM - 1) / BM;
@@ -516,6 +535,9 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         w16::cp_wait<0>();                             // the ring is empty ...
         __syncthreads();                               // ... and read: the next segment refills it
     }
+#if STAGED_TIMES
+    if (tid == 0) g_cta_times[blockIdx.x][1] = global_ns();
+#endif
 }
 
 // wna16_f16_rows: the activations of wna16_staged's FA mode. Row m of a [M][K] (elem_t) becomes
