@@ -85,7 +85,7 @@ def main():
                 g1(), g2()
                 if defs.get("STAGED_TIMES"):
                     ptr = mod.get_global("g_cta_times")
-                    tt = cupy.ndarray((4096, 3), cupy.uint64, memptr=ptr)
+                    tt = cupy.ndarray((4096, 5), cupy.uint64, memptr=ptr)
                     for label, g in (("g1", g1), ("g2", g2)):
                         tt.fill(0)
                         fl()
@@ -95,14 +95,21 @@ def main():
                         h = cupy.asnumpy(tt)
                         h = h[h[:, 1] > 0].astype(np.float64)
                         t0 = h[:, 0].min()
-                        st, en = (h[:, 0] - t0) / 1e3, (h[:, 1] - t0) / 1e3
-                        q = np.percentile(en, [0, 10, 50, 90, 100])
-                        print(f"  {label}: {len(h)} CTAs, start max {st.max():.1f} us, end "
+                        t_s, t_e = (h[:, 0] - t0) / 1e3, (h[:, 1] - t0) / 1e3
+                        q = np.percentile(t_e, [0, 10, 50, 90, 100])
+                        lt = h[:, 4] / np.maximum(h[:, 3], 1)
+                        r = np.corrcoef(lt, t_e - t_s)[0, 1] if lt.std() > 0 else 0.0
+                        print(f"  {label}: {len(h)} CTAs, start max {t_s.max():.1f} us, end "
                               f"p0/10/50/90/100 " + " ".join(f"{v:.1f}" for v in q) +
-                              f" us; duration p50 {np.median(en - st):.1f}", flush=True)
+                              f" us; duration p50 {np.median(t_e - t_s):.1f}; units "
+                              f"{h[:, 3].min():.0f}-{h[:, 3].max():.0f}, mean LT {lt.min():.2f}-"
+                              f"{lt.max():.2f}, corr(LT, duration) {r:.2f}", flush=True)
                         rows.append(dict(T=T, config=spec, variant=var, gemm=label,
-                                         start_us=st.round(2).tolist(), end_us=en.round(2).tolist(),
-                                         sm=h[:, 2].astype(int).tolist()))
+                                         start_us=t_s.round(2).tolist(),
+                                         end_us=t_e.round(2).tolist(),
+                                         sm=h[:, 2].astype(int).tolist(),
+                                         units=h[:, 3].astype(int).tolist(),
+                                         lt_units=h[:, 4].astype(int).tolist()))
                 t1, t2 = timer(g1, fl, 3, 20), timer(g2, fl, 3, 20)
                 rows.append(dict(T=T, config=spec, variant=var, gemm1_us=t1 * 1e3,
                                  gemm2_us=t2 * 1e3))

@@ -90,7 +90,7 @@
 #define STAGED_TIMES 0
 #endif
 #if STAGED_TIMES
-__device__ unsigned long long g_cta_times[4096][3];
+__device__ unsigned long long g_cta_times[4096][5];   // start, end, SM, units, units x LT
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -532,6 +532,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             }
         });
         ring += n_units;
+#if STAGED_TIMES
+        if (tid == 0) {
+            g_cta_times[blockIdx.x][3] += n_units;
+            g_cta_times[blockIdx.x][4] += (unsigned long long)n_units * live_tiles;
+        }
+#endif
         w16::cp_wait<0>();                             // the ring is empty ...
         __syncthreads();                               // ... and read: the next segment refills it
     }
