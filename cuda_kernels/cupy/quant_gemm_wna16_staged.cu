@@ -517,21 +517,25 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                             const long long hi = min(run_start(qq + 1), p1 + 1);
                             return lo < hi && p0 + (lo - p0 + w - 1) / w * w < hi;
                         };
-                        auto part_cta = [&](int z) {        // the CTA of part z
-                            int qq = q0;
-                            for (int n = owns(qq) ? 0 : -1; n < z; n += owns(++qq)) {}
-                            return qq;
-                        };
                         int parts = 0, mine = 0;
                         for (int qq = q0; qq <= q1; ++qq)
                             if (owns(qq)) {
                                 mine = qq == q ? parts : mine;
                                 ++parts;
                             }
-                        auto slot_of = [&](int z) { return (size_t)(2 * part_cta(z) + (z == 0)); };
+                        // the ticket of part z: last_of_parts asks for z = 0, 1, ... in order,
+                        // so a walk that goes on from the last part found (a block split into
+                        // many tickets: searching from q0 each time was quadratic in them)
+                        int walk_z = -1, walk_q = q0 - 1;
+                        auto slot_of = [&](int z) {
+                            if (z < walk_z) walk_z = -1, walk_q = q0 - 1;
+                            while (walk_z < z) walk_z += owns(++walk_q);
+                            return (size_t)(2 * walk_q + (z == 0));
+                        };
                         if (w16::last_of_parts<TPW * LT * 4, NT>(
                                 &acc[0][0][0], ws, counters, (size_t)m * nblocks + b,
-                                NT * TPW * MT * 4, sLast, slot_of(mine), parts, slot_of))
+                                NT * TPW * MT * 4, sLast, (size_t)(2 * q + (mine == 0)), parts,
+                                slot_of))
                             store(b);
                     }
 #pragma unroll
