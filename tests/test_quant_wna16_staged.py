@@ -174,67 +174,13 @@ def _entries(names):
     return "\n".join(out)
 
 
-# mbarriers and bulk copies on the CPU: a barrier's phase completes when its expected arrivals
-# have come and the bytes announced equal the bytes copied; its copies land only then (a read
-# before the wait sees the emulation's garbage), and a misaligned copy aborts.
-STAGED_EMU = r"""
-#include <map>
-#define __align__(n) __attribute__((aligned(n)))
-struct QgMbar { std::mutex m; unsigned count = 0, pending = 0, phase = 0; long tx = 0;
-                std::vector<Copy> copies; };
-static std::mutex g_mbar_lock;
-static std::map<const void*, QgMbar*> g_mbars;
-inline QgMbar& qg_mbar(const void* bar) {
-    std::lock_guard<std::mutex> l(g_mbar_lock);
-    QgMbar*& p = g_mbars[bar];
-    if (!p) p = new QgMbar;
-    return *p;
-}
-inline void qg_mbar_done(QgMbar& b) {             // the caller holds b.m
-    if (b.pending || b.tx) return;
-    for (const Copy& c : b.copies) memcpy(c.dst, c.src, c.n);
-    b.copies.clear();
-    b.phase ^= 1u;
-    b.pending = b.count;
-}
-inline void qg_mbar_init(unsigned long long* bar, unsigned count) {
-    QgMbar& b = qg_mbar(bar);
-    std::lock_guard<std::mutex> l(b.m);
-    b.count = b.pending = count; b.phase = 0; b.tx = 0; b.copies.clear();
-}
-inline void qg_mbar_arrive(unsigned long long* bar, unsigned bytes) {
-    QgMbar& b = qg_mbar(bar);
-    std::lock_guard<std::mutex> l(b.m);
-    if (!b.pending) { fprintf(stderr, "mbarrier: an arrival too many\n"); abort(); }
-    b.tx += bytes; --b.pending;
-    qg_mbar_done(b);
-}
-inline void qg_bulk_copy(void* dst, const void* src, unsigned n, unsigned long long* bar) {
-    if (n % 16 || ((uintptr_t)dst | (uintptr_t)src) % 16) {
-        fprintf(stderr, "bulk copy: size or address not a multiple of 16\n"); abort(); }
-    QgMbar& b = qg_mbar(bar);
-    std::lock_guard<std::mutex> l(b.m);
-    b.copies.push_back({dst, src, (int)n, (int)n});
-    b.tx -= n;
-    qg_mbar_done(b);
-}
-inline void qg_mbar_wait(unsigned long long* bar, unsigned parity) {
-    QgMbar& b = qg_mbar(bar);
-    for (;;) {
-        { std::lock_guard<std::mutex> l(b.m); if (b.phase != parity) return; }
-        std::this_thread::yield();
-    }
-}
-"""
-
-
 @pytest.fixture(scope="module")
 def emulated_staged(tmp_path_factory):
     from test_quant_cupy import build_emulation
     from test_quant_wna16_cupy import W16_PRELUDE
 
     return build_emulation(tmp_path_factory, "wst", W.CU_STAGED, _entries(W.STAGED_NAMES),
-                           prelude=W16_PRELUDE + STAGED_EMU)
+                           prelude=W16_PRELUDE)
 
 
 def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms):

@@ -83,9 +83,6 @@
 #ifndef STAGED_PROBE     // dev probe (benchmarks/dev/probe_staged.py): 1 no math, 2 no activation
 #define STAGED_PROBE 0   // copies, 3 no weight copies (results are garbage but for 0)
 #endif
-#ifndef STAGED_LATE      // dev: the main mma chains start from 0, the start added after them
-#define STAGED_LATE 0
-#endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns) and SM in g_cta_times
 #define STAGED_TIMES 0
 #endif
@@ -96,9 +93,6 @@ __device__ __forceinline__ unsigned long long global_ns() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-#endif
-#ifndef STAGED_BULK      // dev: the weights by one bulk copy per stage (mbarrier per slot)
-#define STAGED_BULK 0
 #endif
 
 // Bytes of one pipeline stage (each part rounded to 128 bytes), as the launcher computes them.
@@ -155,10 +149,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // memory per stage: ptxas sees copies of one value as one register and rebuilds an mma's
     // operand registers with moves at each use (16 moves a stage for an A quad held in
     // registers, SASS of cfad067); a load it cannot see through
-    __shared__ __align__(8) unsigned long long sFull[S];   // STAGED_BULK: the weights landed
-    if (STAGED_BULK && tid < S) w16::mbar_init(&sFull[tid], 1);
-    if (STAGED_BULK) w16::mbar_init_fence();
-    int ring = 0;                                  // stages through the ring before this segment
     if (tid < 2) {                                 // (read after the barriers below)
         const float zo = ZP ? 0.f : (float)default_zp;
         const u32 b = w16::pair_of<F16>(-((tid ? OFF_ODD : OFF_EVEN) + zo));
@@ -264,7 +254,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         // the run's codes: unit u = b SPB + s of the m tile is stage (blk_e + b) SPB + s of
         // stage_blocks' layout, so stage i of the run is i stages past its first
         const uint4* w_run = wp + (blk_e * SPB + u0) * (NB * KC * 32) + tid;
-        const uint4* w_bulk = wp + (blk_e * SPB + u0) * (NB * KC * 32);
         // the expert's scales and zero points: group gr of row block b at (b G + gr) NB 8
         const size_t sz_e = blk_e * num_groups * (NB * 8);
 
@@ -274,21 +263,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             if (u0 + i < u1) {
                 const int c0 = s * KC, kcn = min(KC, C - c0);
                 const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
-                u8* st = smem + (size_t)((ring + i) % S) * St::BYTES + 16 * tid;
+                u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
                 const uint4* wsrc = w_run + i * (NB * KC * 32);
-                if (STAGED_BULK) {
-                    if (tid == 0) {
-                        unsigned long long* bar = &sFull[(ring + i) % S];
-                        w16::mbar_arrive_expect(bar, NB * KC * 512);
-                        w16::bulk_copy(smem + (size_t)((ring + i) % S) * St::BYTES + St::W_OFF,
-                                       w_bulk + i * (NB * KC * 32), NB * KC * 512, bar);
-                    }
-                } else {
 #pragma unroll
                 for (int j = 0; j < W_PER; ++j)
                     if (STAGED_PROBE != 3)
-                    w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
-                }
+                        w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
                 const int sz_off = (b * num_groups + g0) * (NB * 8);   // < 2^31: one expert's
                 const float2* ssrc = sp + sz_e + sz_off + 2 * tid;
 #pragma unroll
@@ -302,7 +282,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                         if (tid + j * NT < ngr * NB)
                             w16::cp16(st + St::Z_OFF + 16 * j * NT, zsrc + 8 * j * NT, true);
                 }
-                u8* sa = smem + (size_t)((ring + i) % S) * St::BYTES;
+                u8* sa = smem + (size_t)(i % S) * St::BYTES;
 #pragma unroll
                 for (int j = 0; j < A_PER; ++j) {           // a short last stage: zeros
                     if (STAGED_PROBE == 2) break;
@@ -360,12 +340,11 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             int ib = (u0 + S - 1) / SPB, is = u0 + S - 1 - ib * SPB;   // the unit being issued
             for (int i = 0; i < n_units; ++i) {
                 w16::cp_wait<S - 2>();                    // stage i has landed (this thread's)
-                if (STAGED_BULK) w16::mbar_wait(&sFull[(ring + i) % S], ((ring + i) / S) & 1);
                 __syncthreads();                          // ... and everyone's; slot i - 1 is free
                 issue(i + S - 1, ib, is);
                 if (++is == SPB) { is = 0; ++ib; }
                 const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
-                const u8* st = smem + (size_t)((ring + i) % S) * St::BYTES;
+                const u8* st = smem + (size_t)(i % S) * St::BYTES;
                 const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
                                   warp * TPW * KC * 32 + lane;
                 const float2* ss = reinterpret_cast<const float2*>(st + St::S_OFF) +
@@ -432,24 +411,17 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                     for (int r = 0; r < TPW; ++r) {
                         const float2 s2 = ss[(gi * NB + r) * 8];
-                        float tmp[LT][4], late[ZP && STAGED_LATE ? LT : 1][4];
-                        if (STAGED_LATE)
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt)
-#pragma unroll
-                                for (int k = 0; k < 4; ++k) tmp[mt][k] = 0.f;
+                        float tmp[LT][4];
                         if (ZP) {                         // row g's zero point in the low byte
                             const u32 z = sz[(gi * NB + r) * 8];
                             const float zp_g = (float)(z & 0xFFu), zp_g8 = (float)(z >> 8);
 #pragma unroll
                             for (int mt = 0; mt < LT; ++mt) {
                                 const float2 ns = neg_s2[ZP ? mt : 0];
-                                float (&d)[4] = STAGED_LATE ? late[ZP && STAGED_LATE ? mt : 0]
-                                                            : tmp[mt];
-                                d[0] = fmaf(zp_g, ns.x, start2[mt].x);
-                                d[1] = fmaf(zp_g, ns.y, start2[mt].y);
-                                d[2] = fmaf(zp_g8, ns.x, start2[mt].x);
-                                d[3] = fmaf(zp_g8, ns.y, start2[mt].y);
+                                tmp[mt][0] = fmaf(zp_g, ns.x, start2[mt].x);
+                                tmp[mt][1] = fmaf(zp_g, ns.y, start2[mt].y);
+                                tmp[mt][2] = fmaf(zp_g8, ns.x, start2[mt].x);
+                                tmp[mt][3] = fmaf(zp_g8, ns.y, start2[mt].y);
                             }
                         }
 #pragma unroll
@@ -463,7 +435,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                             for (int mt = 0; mt < LT; ++mt) {
                                 const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];
-                                if (!ZP && !STAGED_LATE && j == 0)   // from the shared start
+                                if (!ZP && j == 0)        // from the shared start, kept
                                     w16::mma16816_c<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1],
                                                          b0.x, b0.y, zs[ZP ? 0 : mt]);
                                 else
@@ -474,13 +446,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                                 w16::mma16816<F16>(tmp[mt], lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
                             }
                         }
-                        if (STAGED_LATE)
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt)
-#pragma unroll
-                                for (int k = 0; k < 4; ++k)
-                                    tmp[mt][k] += ZP ? late[ZP && STAGED_LATE ? mt : 0][k]
-                                                     : zs[ZP ? 0 : mt][k];
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt) {
                             acc[r][mt][0] = fmaf(s2.x, tmp[mt][0], acc[r][mt][0]);
@@ -548,7 +513,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 if (++s == SPB) { s = 0; ++b; }
             }
         });
-        ring += n_units;
 #if STAGED_TIMES
         if (tid == 0) {
             g_cta_times[blockIdx.x][3] += n_units;

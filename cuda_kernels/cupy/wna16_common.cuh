@@ -341,7 +341,20 @@ __device__ __forceinline__ bool last_of_parts(float* v, float* __restrict__ ws,
     __threadfence();
 #pragma unroll
     for (int j = 0; j < N; ++j) v[j] = 0.f;
-    for (int z = 0; z < parts; ++z) {
+    // four parts at a time, their loads in flight together (one part per L2 round trip was
+    // ~1 us a part: a block of many parts held its last CTA for tens of us)
+    int z = 0;
+    for (; z + 4 <= parts; z += 4) {
+        const float* p0 = ws + (size_t)slot_of(z) * per + tid;
+        const float* p1 = ws + (size_t)slot_of(z + 1) * per + tid;
+        const float* p2 = ws + (size_t)slot_of(z + 2) * per + tid;
+        const float* p3 = ws + (size_t)slot_of(z + 3) * per + tid;
+#pragma unroll
+        for (int j = 0; j < N; ++j)
+            v[j] += (__ldcg(p0 + j * NT) + __ldcg(p1 + j * NT)) +
+                    (__ldcg(p2 + j * NT) + __ldcg(p3 + j * NT));
+    }
+    for (; z < parts; ++z) {
         const float* part = ws + (size_t)slot_of(z) * per + tid;
 #pragma unroll
         for (int j = 0; j < N; ++j) v[j] += __ldcg(part + j * NT);
@@ -372,64 +385,6 @@ __device__ __forceinline__ void with_count(int n, F&& f) {
         if (n <= LO) f(Count<LO>{});
         else with_count<LO + 1, HI>(n, f);
     }
-}
-
-// Hopper's bulk copy (cp.async.bulk, the 1D form of TMA) into shared memory, its completion
-// counted in bytes on an mbarrier. QG_EMULATED_PTX (tests) swaps in CPU stand-ins: the copies
-// land only when the barrier's phase completes.
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-#ifdef QG_EMULATED_PTX
-    return 0;
-#else
-    return (unsigned)__cvta_generic_to_shared(p);
-#endif
-}
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
-#ifdef QG_EMULATED_PTX
-    qg_mbar_init(bar, count);
-#else
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_u32(bar)), "r"(count)
-                 : "memory");
-#endif
-}
-// the initialised barriers visible to the async proxy (the bulk copies) before their first use
-__device__ __forceinline__ void mbar_init_fence() {
-#ifndef QG_EMULATED_PTX
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-// one arrival, and `bytes` more to expect from bulk copies in this phase
-__device__ __forceinline__ void mbar_arrive_expect(unsigned long long* bar, unsigned bytes) {
-#ifdef QG_EMULATED_PTX
-    qg_mbar_arrive(bar, bytes);
-#else
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                 :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
-#endif
-}
-// until the phase of parity `parity` has completed
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-#ifdef QG_EMULATED_PTX
-    qg_mbar_wait(bar, parity);
-#else
-    unsigned done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-    } while (!done);
-#endif
-}
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes,
-                                          unsigned long long* bar) {
-#ifdef QG_EMULATED_PTX
-    qg_bulk_copy(dst, src, bytes, bar);
-#else
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                 "[%0], [%1], %2, [%3];\n"
-                 :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-#endif
 }
 
 }  // namespace w16
