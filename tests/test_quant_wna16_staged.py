@@ -34,30 +34,15 @@ TOL = 2e-2          # issue 8 / vLLM's weight-only tolerance
 
 
 # ----------------------------------------------------------------------------- CPU
-def _split(Wt, Q, NQ, sf):
-    """The kernel's run_start and owner: tickets 0 .. Q - 1 split sf / 1024 of Wt, the other
-    NQ - Q the rest (all of it to the first Q when NQ = Q)."""
-    D = NQ - Q
-    Ws = Wt * sf // 1024 if D > 0 else Wt
-
-    def run_start(q):
-        return q * Ws // Q if q <= Q else Ws + (q - Q) * (Wt - Ws) // D
-
-    def owner(p):
-        return ((p + 1) * Q - 1) // Ws if p < Ws else Q + ((p - Ws + 1) * D - 1) // (Wt - Ws)
-    return run_start, owner
-
-
-def _runs(costs, Q, NQ=None, sf=768):
+def _runs(costs, Q):
     """The kernel's split (wna16_staged): m tile m of cost costs[m] per unit (0: none) and U
-    units; ticket q's units of each m tile, as {q: [(m, ua, ub), ...]}."""
+    units; CTA q's units of each m tile, as {q: [(m, ua, ub), ...]}."""
     U = costs["U"]
     cum = np.concatenate([[0], np.cumsum([U * w for w in costs["w"]])])
     Wt = int(cum[-1])
-    run_start, _ = _split(Wt, Q, NQ or Q, sf)
     out = {}
-    for q in range(NQ or Q):
-        lo, hi = run_start(q), run_start(q + 1)
+    for q in range(Q):
+        lo, hi = q * Wt // Q, (q + 1) * Wt // Q
         for m, w in enumerate(costs["w"]):
             if not w or cum[m + 1] <= lo or cum[m] >= hi:
                 continue
@@ -68,13 +53,12 @@ def _runs(costs, Q, NQ=None, sf=768):
     return out, cum, Wt
 
 
-@pytest.mark.parametrize("tickets", [{}, {"TK": 3}, {"TK": 2, "SF": 512}])
 @pytest.mark.parametrize("name", sorted(W.STAGED_CONFIGS))
-def test_plan_and_runs(name, tickets):
+def test_plan_and_runs(name):
     """staged_plan's geometry; the kernel's runs (written out in _runs) cover every unit of every
-    live m tile once, in order, each ticket's units of an m tile owned by it (the owner formula
-    the partial blocks use) and at most two partial blocks per ticket (its workspace slots)."""
-    cfg = dict(W.STAGED_CONFIGS[name], **tickets)
+    live m tile once, in order, each CTA's units of an m tile owned by it (the owner formula
+    the partial blocks use) and at most two partial blocks per CTA (its workspace slots)."""
+    cfg = W.STAGED_CONFIGS[name]
     bm, nb = 8 * cfg["MT"], cfg["W"] * cfg["TPW"]
     for P, N, K, L, B, sms in ((2, 28672, 4096, 58, bm, 132), (128, 4096, 14336, 376, 3 * bm, 132),
                                (128, 28672, 4096, 520, 2 * bm, 132), (6, 288, 576, 40, bm, 3)):
@@ -84,16 +68,13 @@ def test_plan_and_runs(name, tickets):
         spb = -(-K // 64 // cfg["KC"])
         assert lp["U"] == -(-(N // 16) // nb) * spb and q == min(sms * cfg["MINB"],
                                                                   lp["MTILES"] * lp["U"])
-        nq = q * (1 + cfg.get("TK", 0))
-        assert lp["NQ"] == nq and lp["SF"] == cfg.get("SF", 768)
-        assert lp["WS"] == nq * 2 * 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
-        assert lp["TILES"] == lp["MTILES"] * -(-(N // 16) // nb) + 2     # + the ticket counters
+        assert lp["WS"] == q * 2 * 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
+        assert lp["TILES"] == lp["MTILES"] * -(-(N // 16) // nb)
         assert lp["smem"] == cfg["S"] * W.staged_stage_bytes(cfg, False) + 8 * (lp["MTILES"] + 1)
         assert lp["smem"] <= W.SMEM_PER_SM // cfg["MINB"] - 1024
         rng = np.random.default_rng(P)
         costs = dict(U=lp["U"], w=[int(x) for x in rng.choice([0, 6, 7, 8, 9], lp["MTILES"])])
-        runs, cum, Wt = _runs(costs, q, nq, lp["SF"])
-        owner = _split(Wt, q, nq, lp["SF"])[1]
+        runs, cum, Wt = _runs(costs, q)
         seen = [(m, u) for r in runs.values() for m, ua, ub in r for u in range(ua, ub)]
         want = [(m, u) for m, w in enumerate(costs["w"]) if w for u in range(lp["U"])]
         assert sorted(seen) == want and len(seen) == len(set(seen))
@@ -101,8 +82,8 @@ def test_plan_and_runs(name, tickets):
             partial = 0
             for m, ua, ub in r:
                 w = costs["w"][m]
-                for u in (ua, ub - 1):
-                    assert owner(int(cum[m]) + u * w) == qq
+                for u in (ua, ub - 1):                      # owner(p) = ((p + 1) Q - 1) // Wt
+                    assert ((int(cum[m]) + u * w + 1) * q - 1) // Wt == qq
                 partial += (ua % spb != 0) + (ub % spb != 0)
             assert partial <= 2
 
@@ -166,11 +147,10 @@ def _entries(names):
             f"const float* as, const void* wp, void* c, const void* sp, const void* zp, "
             f"const int* st, const int* ex, const int* ntp, const float* tw, const float* bias, "
             f"float* ws, int* cnt, int N, int K, int P, int top_k, int B, int L, int mul, "
-            f"int shift, int G, int dzp, int nq, int sf) {{\n"
+            f"int shift, int G, int dzp) {{\n"
             f"    launch3(gx, gy, 1, block, [&] {{ gridDim.z = 1; {n}((const unsigned short*)a, "
             f"as, (const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
-            f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp, nq, sf); "
-            f"}});\n}}")
+            f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp); }});\n}}")
     return "\n".join(out)
 
 
@@ -189,8 +169,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     def p(x):
         return None if x is None else x.ctypes.data_as(ctypes.c_void_p)
 
-    name, *over = cfg_name.split("+")                  # "t24+TK=3": a config with overrides
-    cfg = dict(W.STAGED_CONFIGS[name], **{k: int(v) for k, v in (o.split("=") for o in over)})
+    cfg = W.STAGED_CONFIGS[cfg_name]
     M_a, Kd = a.shape
     E, N = wq.shape[:2]
     P, G = M_a * top_k, ws.shape[2]
@@ -207,7 +186,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     getattr(lib, f"k{W.STAGED_NAMES.index(lp['name'])}")(
         gx, gy, lp["block"][0], p(a_in), p(a_scale), p(pk["wp"]), p(c),
         p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
-        N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8, lp["NQ"], lp["SF"])
+        N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
     assert not cnt.any(), "the part counters come back to zero"
     return c.view(BF16), lp
 
@@ -285,10 +264,6 @@ def test_emulated_f16_rows(emulated_staged, rng):
     ("f24", (20, 2, 2, 256, 512, 24), 128, True, 4, 8),
     ("f24", (20, 2, 2, 64, 768, 48), 256, False, 4, 8),
     ("f32", (30, 2, 2, 128, 384, 32), 384, True, 1, 2),
-    # tickets: 3 more per CTA over the last quarter of the work, taken as CTAs finish
-    ("t8+TK=3", (2, 4, 2, 288, 576, 8), 64, False, 8, 16),
-    ("t24+TK=3", (20, 2, 2, 256, 512, 24), 128, True, 4, 8),
-    ("f24+TK=2+SF=512", (20, 2, 2, 64, 768, 48), 256, False, 4, 8),
 ])
 def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
     M_a, E, K, N, Kd, B = shape

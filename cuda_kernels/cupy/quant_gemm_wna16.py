@@ -757,8 +757,10 @@ STAGED_CONFIGS = {
 }
 # FA = 1: bf16 activations go in as fp16 with a power-of-two scale per row (wna16_f16_rows, one
 # launch before the GEMM; f16_rows is its NumPy twin), so the codes dequantize as fp16: a
-# third of the shifts (w16::raw_pairs_f16). fp16 activations (an fp16 model) take that path
-# as they are, in any config.
+# third of the shifts (w16::raw_pairs_f16; the LT = 2 stage 341 SASS instructions against 403).
+# fp16 activations (an fp16 model) take that path as they are, in any config. Opt-in: measured
+# (H200, Mixtral T = 64, dev_wna16_20261130g) f24 189 / 114 us against t24 187 / 110: the
+# kernel is not bound by its instruction count, and the conversion costs ~7 us a GEMM.
 STAGED_CONFIGS.update({f"f{n[1:]}": dict(STAGED_CONFIGS[n], FA=1)
                        for n in ("t8", "t16", "t24", "t32")})
 CU_STAGED = "quant_gemm_wna16_staged.cu"
@@ -812,12 +814,9 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
                          f"each)")
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
     per = 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
-    # TK > 0: TK tickets per CTA more, over the 1 - SF / 1024 of the work past the CTAs' first
-    nq = q * (1 + cfg.get("TK", 0))
     return dict(name=staged_kernel_name(cfg, zp, fa), cfg=cfg, grid=(q, 1, 1),
                 block=(32 * cfg["W"],), smem=smem, shift=shift, Lg=Lg, Q=q, U=units,
-                MTILES=mtiles, WS=nq * 2 * per, TILES=mtiles * blocks + 2, NQ=nq,
-                SF=cfg.get("SF", 768))
+                MTILES=mtiles, WS=q * 2 * per, TILES=mtiles * blocks)
 
 
 F16_ROWS_KERNEL = "wna16_f16_rows"
@@ -1045,7 +1044,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                 tw if tw is not None else null, b32 if b32 is not None else null, ws, cnt,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
-                np.int32(G), np.int32(default_zp), np.int32(lp["NQ"]), np.int32(lp["SF"]))
+                np.int32(G), np.int32(default_zp))
         kern(lp["grid"], lp["block"], args, shared_mem=lp["smem"])
         return c
     if rung == "packed":

@@ -74,14 +74,25 @@
 // tokens as B, a fifth wgmma for S (224 / 126: ~12% more instructions, the scaling per chunk
 // no longer folded into the mma's C, and the batch waited for per chunk).
 //
+// FA: the activations come in as fp16 with a power-of-two scale per row (wna16_f16_rows below,
+// a_scale), the codes dequantize as fp16 (w16::raw_pairs_f16: two codes per half-word in place,
+// a third of the shifts) and the epilogue multiplies the row's scale back; an fp16 build
+// dequantizes so always. Measured no faster in a bf16 model (T = 64: f24 189 / 114 against t24
+// 187 / 110 us; the conversion costs ~7 us a GEMM). Where the time goes (T = 64 GEMM1 t24, the
+// dev macros below, benchmarks/results/dev_wna16_20261130g): 183 us whole, 142 without the math
+// (the pipeline streaming alone; a plain read of the same 470 MB takes 118), 163 without the
+// weight copies (the math alone: mma.sync at ~36% of the 650 TFLOP/s it reaches on its own),
+// and the CTAs' equal-cost runs end anywhere from 145 to 180 us.
+//
 // grid (Q), block 32 W, dynamic shared memory S x stage bytes (staged_stage_bytes in the
 // launcher) + 8 (m tiles + 1) (the costs' prefix sums). LT is a compile-time constant of the
 // code that runs (w16::with_count), as in wna16_packed.
 // Needs int4 prepacked and staged (N % 16 == 0, Kdim % 64 == 0, group_size 64 times a power of
 // two or one group per row: chunk_shift = log2(chunks per group), 30 for one group).
 #include "wna16_common.cuh"
-#ifndef STAGED_PROBE     // dev probe (benchmarks/dev/probe_staged.py): 1 no math, 2 no activation
-#define STAGED_PROBE 0   // copies, 3 no weight copies (results are garbage but for 0)
+// Dev instruments (benchmarks/dev/probe_staged.py compiles them in; off in every launcher build)
+#ifndef STAGED_PROBE     // 1: no math, 2: no activation copies, 3: no weight copies (timing
+#define STAGED_PROBE 0   // only: the results are garbage but at 0)
 #endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns) and SM in g_cta_times
 #define STAGED_TIMES 0
@@ -116,8 +127,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
              const float* __restrict__ topk_weights, const float* __restrict__ bias,
              float* __restrict__ ws, int* __restrict__ counters,
              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
-             int num_tickets, int static_share) {
+             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
     using St = StagedStage<MT, NB, KC, ZP>;
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
@@ -138,7 +148,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     const int ntiles = N >> 4, C = Kdim >> 6;
     const int SPB = (C + KC - 1) / KC, nblocks = (ntiles + NB - 1) / NB, U = nblocks * SPB;
     const int mtiles = (num_positions + BM - 1) / BM;
-    const int Q = gridDim.x;
+    const int Q = gridDim.x, q = blockIdx.x;
     // The codes the mma reads: bf16 128 + q (one per half-word); fp16 (FA, or an fp16 build)
     // 1024 + q for even pairs, 64 + q for odd ones (w16::raw_pairs_f16: a third of the shifts)
     constexpr bool F16 = FA || !ELEM_BF16;
@@ -181,33 +191,25 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     }
     __syncthreads();
     const long long Wt = cum[mtiles];
-    // Ticket q's run: weighted positions [run_start(q), run_start(q + 1)); owner(p): the ticket
-    // of position p. Tickets 0 .. Q - 1 (CTA q's first) split static_share / 1024 of the work Wt
-    // into equal runs; the D = num_tickets - Q others split the rest, and each CTA takes the
-    // next of them when it is done (counters[tick_at]): the CTAs end together even when some
-    // run slower (measured, T = 64 GEMM1 with one run each: CTA ends from 145 to 180 us)
-    const int D = num_tickets - Q, tick_at = mtiles * ((ntiles + NB - 1) / NB);
-    const long long Ws = D > 0 ? Wt * static_share / 1024 : Wt;
-    auto run_start = [&](long long qq) {
-        return qq <= Q ? qq * Ws / Q : Ws + (qq - Q) * (Wt - Ws) / D;
-    };
-    auto owner = [&](long long p) {
-        return p < Ws ? (int)(((p + 1) * Q - 1) / Ws)
-                      : Q + (int)(((p - Ws + 1) * D - 1) / (Wt - Ws));
-    };
+    // CTA q's run: weighted positions [run_start(q), run_start(q + 1)); the owner of position p.
+    // Runs of equal cost, fixed before the launch: measured (T = 64 GEMM1, STAGED_TIMES) the
+    // CTAs end from 145 to 180 us all the same (the SMs do not stream at one speed); runs taken
+    // from a queue of smaller tickets as CTAs finish ended them together but ran slower (208 /
+    // 137 against 194 / 116 us with one ticket more per CTA, dev_wna16_20261130g)
+    auto run_start = [&](long long qq) { return qq * Wt / Q; };
+    auto owner = [&](long long p) { return (int)(((p + 1) * Q - 1) / Wt); };
 
     // ---- experts of another rank: zeros, m tile m by CTA m % Q
-    for (int m = blockIdx.x; m < mtiles; m += Q) {
+    for (int m = q; m < mtiles; m += Q) {
         if (m * BM >= ntp || expert_ids[m * BM / block_size] >= 0) continue;
         if (w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots,
                                  top_k, num_positions, sSlot, sArow))
             w16::store_zeros<BM>(c, sSlot, N, 0, N, NT);
         __syncthreads();                               // sSlot is read before it is reused
     }
-    if (Wt == 0) return;
-    __shared__ int sTicket;
-    for (int q = blockIdx.x; q < num_tickets;) {
-    // ---- the segments of ticket q's run, one m tile each: units [ua, ub) of m tile m
+    if (Wt == 0 || run_start(q) >= run_start(q + 1)) return;
+
+    // ---- the segments of the run, one m tile each: units [ua, ub) of m tile m
     for (int m = 0; m < mtiles; ++m) {
         const long long w = (cum[m + 1] - cum[m]) / U;  // the m tile's cost per unit
         if (w == 0 || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1)) continue;
@@ -521,17 +523,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #endif
         w16::cp_wait<0>();                             // the ring is empty ...
         __syncthreads();                               // ... and read: the next segment refills it
-    }
-        if (D <= 0) break;
-        if (tid == 0) sTicket = Q + atomicAdd(counters + tick_at, 1);
-        __syncthreads();
-        q = sTicket;
-        __syncthreads();                               // read before the next ticket's write
-    }
-    // the last CTA out resets the ticket counters for the next launch on the stream
-    if (D > 0 && tid == 0 && atomicAdd(counters + tick_at + 1, 1) == Q - 1) {
-        counters[tick_at] = 0;
-        counters[tick_at + 1] = 0;
     }
 #if STAGED_TIMES
     if (tid == 0) g_cta_times[blockIdx.x][1] = global_ns();
