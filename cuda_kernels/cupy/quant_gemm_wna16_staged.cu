@@ -94,6 +94,9 @@
 #ifndef STAGED_PROBE     // 1: no math, 2: no activation copies, 3: no weight copies (timing
 #define STAGED_PROBE 0   // only: the results are garbage but at 0)
 #endif
+#ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
+#define STAGED_LT_COST 5
+#endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns) and SM in g_cta_times
 #define STAGED_TIMES 0
 #endif
@@ -182,7 +185,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 if (sl >= 0 && sl < num_slots) lt = r / 8 + 1;
             }
         }
-        cum[m + 1] = lt && expert_ids[m * BM / block_size] >= 0 ? (long long)U * (lt + 5) : 0;
+        cum[m + 1] = lt && expert_ids[m * BM / block_size] >= 0
+                         ? (long long)U * (lt + STAGED_LT_COST) : 0;
     }
     __syncthreads();
     if (tid == 0) {
