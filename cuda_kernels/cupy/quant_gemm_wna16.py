@@ -21,7 +21,7 @@ L = len(sorted_token_ids), BM = 8 * MT positions per CTA, KS K splits.
     c        [P, N]           a's dtype
 
 Five rungs (see the .cu headers for the lane layouts), chosen by the config name:
-    wna16_staged  (STAGED_CONFIGS: t8, t16, t24, t32, u24; quant_gemm_wna16_staged.cu) int4 on
+    wna16_staged  (STAGED_CONFIGS: t8 .. t32, u24, f8 .. f32; quant_gemm_wna16_staged.cu) int4 on
                   the packed rung's weights laid out a pipeline stage per contiguous run
                   (stage_blocks): a CTA stages the codes, scales and its tokens' activations
                   of NB = W TPW 16-row tiles x KC 64-code chunks per stage through one
@@ -30,7 +30,9 @@ Five rungs (see the .cu headers for the lane layouts), chosen by the config name
                   more mma per token tile and chunk); one wave of CTAs splits all m tiles'
                   (row block, K stage) units into runs of equal cost (staged_plan), partial
                   blocks added in CTA order. What grouped_gemm_quant runs for 8-128 rows
-                  per expert (route_int4).
+                  per expert (route_int4). The f configs (FA) first turn bf16 activations
+                  into fp16 with power-of-two row scales (wna16_f16_rows, launched here) and
+                  dequantize two codes per half-word (opt-in: measured no faster).
     wna16_wgmma   (WGMMA_CONFIGS: g32, h32, p32, ...; quant_gemm_wna16_wgmma.cu, sm_90a) int4
                   on weights prepacked in wgmma's register-A order: one warpgroup per CTA, the
                   dequantized weights of RB 64-row groups as wgmma's A, the activations staged
@@ -1102,8 +1104,8 @@ def _device_f16_rows(a):
     import cupy
 
     M_a, K = a.shape
-    a16 = cupy.empty((M_a, K), dtype=cupy.uint16)
-    scale = cupy.empty(M_a, dtype=cupy.float32)
+    a16 = C.empty((M_a, K), np.float16).view(cupy.uint16)     # poisoned when tests ask
+    scale = C.empty((M_a,), np.float32)
     if M_a:
         _kernel(F16_ROWS_KERNEL, ELEMS[_elem_key(a.dtype)], 0, CU_STAGED)(
             (M_a,), (256,), (C.raw(a), a16, scale, np.int32(K)))

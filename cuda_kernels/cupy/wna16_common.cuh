@@ -341,20 +341,7 @@ __device__ __forceinline__ bool last_of_parts(float* v, float* __restrict__ ws,
     __threadfence();
 #pragma unroll
     for (int j = 0; j < N; ++j) v[j] = 0.f;
-    // four parts at a time, their loads in flight together (one part per L2 round trip was
-    // ~1 us a part: a block of many parts held its last CTA for tens of us)
-    int z = 0;
-    for (; z + 4 <= parts; z += 4) {
-        const float* p0 = ws + (size_t)slot_of(z) * per + tid;
-        const float* p1 = ws + (size_t)slot_of(z + 1) * per + tid;
-        const float* p2 = ws + (size_t)slot_of(z + 2) * per + tid;
-        const float* p3 = ws + (size_t)slot_of(z + 3) * per + tid;
-#pragma unroll
-        for (int j = 0; j < N; ++j)
-            v[j] += (__ldcg(p0 + j * NT) + __ldcg(p1 + j * NT)) +
-                    (__ldcg(p2 + j * NT) + __ldcg(p3 + j * NT));
-    }
-    for (; z < parts; ++z) {
+    for (int z = 0; z < parts; ++z) {
         const float* part = ws + (size_t)slot_of(z) * per + tid;
 #pragma unroll
         for (int j = 0; j < N; ++j) v[j] += __ldcg(part + j * NT);
