@@ -34,29 +34,15 @@ TOL = 2e-2          # issue 8 / vLLM's weight-only tolerance
 
 
 # ----------------------------------------------------------------------------- CPU
-def _split(Wt, Q, wave1, w1):
-    """The kernel's run_start and owner: CTAs 0 .. wave1 - 1 weigh w1 / 64 of the others."""
-    SQ = w1 * wave1 + 64 * (Q - wave1)
-
-    def run_start(q):
-        return Wt * (q * w1 if q <= wave1 else wave1 * w1 + (q - wave1) * 64) // SQ
-
-    def owner(p):
-        sh = ((p + 1) * SQ - 1) // Wt
-        return sh // w1 if sh < wave1 * w1 else wave1 + (sh - wave1 * w1) // 64
-    return run_start, owner
-
-
-def _runs(costs, Q, wave1=None, w1=64):
+def _runs(costs, Q):
     """The kernel's split (wna16_staged): m tile m of cost costs[m] per unit (0: none) and U
     units; CTA q's units of each m tile, as {q: [(m, ua, ub), ...]}."""
     U = costs["U"]
     cum = np.concatenate([[0], np.cumsum([U * w for w in costs["w"]])])
     Wt = int(cum[-1])
-    run_start, _ = _split(Wt, Q, Q if wave1 is None else wave1, w1)
     out = {}
     for q in range(Q):
-        lo, hi = run_start(q), run_start(q + 1)
+        lo, hi = q * Wt // Q, (q + 1) * Wt // Q
         for m, w in enumerate(costs["w"]):
             if not w or cum[m + 1] <= lo or cum[m] >= hi:
                 continue
@@ -67,14 +53,12 @@ def _runs(costs, Q, wave1=None, w1=64):
     return out, cum, Wt
 
 
-@pytest.mark.parametrize("w1", [64, 72, 100])
 @pytest.mark.parametrize("name", sorted(W.STAGED_CONFIGS))
-def test_plan_and_runs(name, w1):
+def test_plan_and_runs(name):
     """staged_plan's geometry; the kernel's runs (written out in _runs) cover every unit of every
     live m tile once, in order, each CTA's units of an m tile owned by it (the owner formula
-    the partial blocks use) and at most two partial blocks per CTA (its workspace slots); the
-    first wave's share is w1 / 64 of the second's when the grid is two CTAs per SM."""
-    cfg = dict(W.STAGED_CONFIGS[name], W1=w1)
+    the partial blocks use) and at most two partial blocks per CTA (its workspace slots)."""
+    cfg = W.STAGED_CONFIGS[name]
     bm, nb = 8 * cfg["MT"], cfg["W"] * cfg["TPW"]
     for P, N, K, L, B, sms in ((2, 28672, 4096, 58, bm, 132), (128, 4096, 14336, 376, 3 * bm, 132),
                                (128, 28672, 4096, 520, 2 * bm, 132), (6, 288, 576, 40, bm, 3)):
@@ -86,17 +70,11 @@ def test_plan_and_runs(name, w1):
                                                                   lp["MTILES"] * lp["U"])
         assert lp["WS"] == q * 2 * 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
         assert lp["TILES"] == lp["MTILES"] * -(-(N // 16) // nb)
-        two_per_sm = cfg["MINB"] == 2 and q == 2 * sms
-        assert lp["WAVE1"] == (sms if two_per_sm else q) and lp["W1"] == w1
         assert lp["smem"] == cfg["S"] * W.staged_stage_bytes(cfg, False) + 8 * (lp["MTILES"] + 1)
         assert lp["smem"] <= W.SMEM_PER_SM // cfg["MINB"] - 1024
         rng = np.random.default_rng(P)
         costs = dict(U=lp["U"], w=[int(x) for x in rng.choice([0, 6, 7, 8, 9], lp["MTILES"])])
-        runs, cum, Wt = _runs(costs, q, lp["WAVE1"], w1)
-        run_start, owner = _split(Wt, q, lp["WAVE1"], w1)
-        if two_per_sm and Wt:                        # the first wave's runs are w1 / 64 longer
-            last = run_start(q) - run_start(q - 1)            # (floors: within a unit of it)
-            assert abs(run_start(1) - last * w1 / 64) <= 1 + w1 / 64
+        runs, cum, Wt = _runs(costs, q)
         seen = [(m, u) for r in runs.values() for m, ua, ub in r for u in range(ua, ub)]
         want = [(m, u) for m, w in enumerate(costs["w"]) if w for u in range(lp["U"])]
         assert sorted(seen) == want and len(seen) == len(set(seen))
@@ -104,8 +82,8 @@ def test_plan_and_runs(name, w1):
             partial = 0
             for m, ua, ub in r:
                 w = costs["w"][m]
-                for u in (ua, ub - 1):
-                    assert owner(int(cum[m]) + u * w) == qq
+                for u in (ua, ub - 1):                      # owner(p) = ((p + 1) Q - 1) // Wt
+                    assert ((int(cum[m]) + u * w + 1) * q - 1) // Wt == qq
                 partial += (ua % spb != 0) + (ub % spb != 0)
             assert partial <= 2
 
@@ -151,8 +129,6 @@ def test_plan_refuses_bad_configs():
         W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, TPW=0))
     with pytest.raises(ValueError, match="no room for MINB = 2"):
         W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, S=8, KC=4))
-    with pytest.raises(ValueError, match="W1 an int in"):
-        W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, W1=200))
     with pytest.raises(ValueError, match="config: expected keys"):
         W.pick_config(2.0, 24, dict(KERNEL="staged", MT=3, W=4))
 
@@ -171,11 +147,10 @@ def _entries(names):
             f"const float* as, const void* wp, void* c, const void* sp, const void* zp, "
             f"const int* st, const int* ex, const int* ntp, const float* tw, const float* bias, "
             f"float* ws, int* cnt, int N, int K, int P, int top_k, int B, int L, int mul, "
-            f"int shift, int G, int dzp, int wave1, int w1) {{\n"
+            f"int shift, int G, int dzp) {{\n"
             f"    launch3(gx, gy, 1, block, [&] {{ gridDim.z = 1; {n}((const unsigned short*)a, "
             f"as, (const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
-            f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp, wave1, "
-            f"w1); }});\n}}")
+            f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp); }});\n}}")
     return "\n".join(out)
 
 
@@ -194,8 +169,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     def p(x):
         return None if x is None else x.ctypes.data_as(ctypes.c_void_p)
 
-    name, *over = cfg_name.split("+")                  # "t24+W1=80": a config with overrides
-    cfg = dict(W.STAGED_CONFIGS[name], **{k: int(v) for k, v in (o.split("=") for o in over)})
+    cfg = W.STAGED_CONFIGS[cfg_name]
     M_a, Kd = a.shape
     E, N = wq.shape[:2]
     P, G = M_a * top_k, ws.shape[2]
@@ -212,7 +186,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     getattr(lib, f"k{W.STAGED_NAMES.index(lp['name'])}")(
         gx, gy, lp["block"][0], p(a_in), p(a_scale), p(pk["wp"]), p(c),
         p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
-        N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8, lp["WAVE1"], lp["W1"])
+        N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
     assert not cnt.any(), "the part counters come back to zero"
     return c.view(BF16), lp
 
@@ -290,10 +264,6 @@ def test_emulated_f16_rows(emulated_staged, rng):
     ("f24", (20, 2, 2, 256, 512, 24), 128, True, 4, 8),
     ("f24", (20, 2, 2, 64, 768, 48), 256, False, 4, 8),
     ("f32", (30, 2, 2, 128, 384, 32), 384, True, 1, 2),
-    # the first wave's runs longer (W1 / 64 of the second's): other run and part boundaries
-    ("t8+W1=100", (2, 4, 2, 288, 576, 8), 64, False, 8, 16),
-    ("t24+W1=80", (20, 2, 2, 256, 512, 24), 128, True, 4, 8),
-    ("f24+W1=72", (20, 2, 2, 64, 768, 48), 256, False, 4, 8),
 ])
 def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
     M_a, E, K, N, Kd, B = shape

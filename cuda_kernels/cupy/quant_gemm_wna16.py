@@ -766,10 +766,6 @@ STAGED_CONFIGS = {
 STAGED_CONFIGS.update({f"f{n[1:]}": dict(STAGED_CONFIGS[n], FA=1)
                        for n in ("t8", "t16", "t24", "t32")})
 CU_STAGED = "quant_gemm_wna16_staged.cu"
-# The first wave's share of work per CTA, in 64ths of the second wave's (staged_plan's W1): the
-# warp schedulers favour the older of an SM's two CTAs (measured 9-13% faster a unit with equal
-# shares, dev_wna16_20261130g).
-STAGED_W1 = 76
 
 
 def staged_kernel_name(cfg: dict, zp: bool, fa: bool | None = None) -> str:
@@ -820,14 +816,9 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
                          f"each)")
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
     per = 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
-    # two CTAs per SM: the first wave's runs weigh W1 / 64 of the second's (the .cu says why)
-    wave1 = num_sms if cfg["MINB"] == 2 and q == 2 * num_sms else q
-    w1 = cfg.get("W1", STAGED_W1)
-    if not isinstance(w1, int) or not 32 <= w1 <= 128:
-        raise ValueError(f"config: expected W1 an int in [32, 128] (64ths), got {w1!r}")
     return dict(name=staged_kernel_name(cfg, zp, fa), cfg=cfg, grid=(q, 1, 1),
                 block=(32 * cfg["W"],), smem=smem, shift=shift, Lg=Lg, Q=q, U=units,
-                MTILES=mtiles, WS=q * 2 * per, TILES=mtiles * blocks, WAVE1=wave1, W1=w1)
+                MTILES=mtiles, WS=q * 2 * per, TILES=mtiles * blocks)
 
 
 F16_ROWS_KERNEL = "wna16_f16_rows"
@@ -1055,7 +1046,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                 tw if tw is not None else null, b32 if b32 is not None else null, ws, cnt,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
-                np.int32(G), np.int32(default_zp), np.int32(lp["WAVE1"]), np.int32(lp["W1"]))
+                np.int32(G), np.int32(default_zp))
         kern(lp["grid"], lp["block"], args, shared_mem=lp["smem"])
         return c
     if rung == "packed":

@@ -130,8 +130,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
              const float* __restrict__ topk_weights, const float* __restrict__ bias,
              float* __restrict__ ws, int* __restrict__ counters,
              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
-             int wave1, int weight1) {
+             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
     using St = StagedStage<MT, NB, KC, ZP>;
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
@@ -196,25 +195,13 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     }
     __syncthreads();
     const long long Wt = cum[mtiles];
-    // CTA q's run: weighted positions [run_start(q), run_start(q + 1)); owner(p): the CTA of
-    // position p. The first wave1 CTAs (the first of each SM, when the grid is 2 per SM) get a
-    // share weight1 / 64 of the others': where two CTAs share an SM the warp schedulers favour
-    // the older one's warps, and with equal shares it ended first and left the other alone on
-    // the SM (T = 16 GEMM1, every CTA 108-109 units: the second of each pair 13% slower a
-    // unit, 16 us later on average; dev_wna16_20261130g, STAGED_TIMES). S(q): the shares of
-    // CTAs 0 .. q - 1, in 64ths.
-    // Measured too: the CTAs' ends spread 145-180 us (T = 64 GEMM1); runs taken from a queue
-    // of smaller tickets as CTAs finish ended them together but ran slower (208 / 137 against
-    // 194 / 116 us with one ticket more per CTA).
-    const long long w1 = weight1, SQ = w1 * wave1 + 64LL * (Q - wave1);
-    auto share_before = [&](long long qq) {
-        return qq <= wave1 ? qq * w1 : wave1 * w1 + (qq - wave1) * 64;
-    };
-    auto run_start = [&](long long qq) { return Wt * share_before(qq) / SQ; };
-    auto owner = [&](long long p) {               // the last q with run_start(q) <= p
-        const long long sh = ((p + 1) * SQ - 1) / Wt;
-        return (int)(sh < wave1 * w1 ? sh / w1 : wave1 + (sh - wave1 * w1) / 64);
-    };
+    // CTA q's run: weighted positions [run_start(q), run_start(q + 1)); the owner of position p.
+    // Runs of equal cost, fixed before the launch: measured (T = 64 GEMM1, STAGED_TIMES) the
+    // CTAs end from 145 to 180 us all the same (the SMs do not stream at one speed); runs taken
+    // from a queue of smaller tickets as CTAs finish ended them together but ran slower (208 /
+    // 137 against 194 / 116 us with one ticket more per CTA, dev_wna16_20261130g)
+    auto run_start = [&](long long qq) { return qq * Wt / Q; };
+    auto owner = [&](long long p) { return (int)(((p + 1) * Q - 1) / Wt); };
 
     // ---- experts of another rank: zeros, m tile m by CTA m % Q
     for (int m = q; m < mtiles; m += Q) {
