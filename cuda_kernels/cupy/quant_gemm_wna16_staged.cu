@@ -197,9 +197,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     const long long Wt = cum[mtiles];
     // CTA q's run: weighted positions [run_start(q), run_start(q + 1)); the owner of position p.
     // Runs of equal cost, fixed before the launch: measured (T = 64 GEMM1, STAGED_TIMES) the
-    // CTAs end from 145 to 180 us all the same (the SMs do not stream at one speed); runs taken
-    // from a queue of smaller tickets as CTAs finish ended them together but ran slower (208 /
-    // 137 against 194 / 116 us with one ticket more per CTA, dev_wna16_20261130g)
+    // CTAs end from 145 to 180 us all the same (the SMs do not stream at one speed, and of an
+    // SM's two CTAs the older runs 9-13% faster a unit: the schedulers favour its warps); runs
+    // taken from a queue of smaller tickets as CTAs finish ended them together but ran slower
+    // (208 / 137 against 194 / 116 us with one ticket more per CTA), and the older CTAs' runs
+    // made longer were slower too (W1 = 70 / 64: 189 / 109, 76: 190 / 115, 92: 204 / 117
+    // against 184 / 112 us; dev_wna16_20261130g)
     auto run_start = [&](long long qq) { return qq * Wt / Q; };
     auto owner = [&](long long p) { return (int)(((p + 1) * Q - 1) / Wt); };
 
