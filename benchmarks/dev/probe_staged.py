@@ -1,13 +1,13 @@
 """Dev probe of wna16_staged (Mixtral GEMM1 / GEMM2): the same launches with the kernel compiled
 under the .cu's dev macros, beside the real one:
     STAGED_PROBE = 1 no math, 2 no activation copies, 3 no weight copies (garbage results)
-    STAGED_BULK = 1  the weights by one bulk copy per stage on an mbarrier per ring slot
-    STAGED_LATE = 1  the main mma chains start from 0, the zero point's start added after them
-    STAGED_TIMES = 1 each CTA's start / end (globaltimer): their spread is printed
+    STAGED_TIMES = 1 each CTA's start / end (globaltimer), SM, units: their spread is printed
+    STAGED_LT_COST = c  a unit's cost LT + c in the run split (5 in the kernel)
+(Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, since taken out.)
 and a plain read of the same bytes (uint4 loads, grid-stride) as the streaming calibration.
 Times only (CUDA events, median, L2 flushed before each repetition).
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3] [--tokens 64]
-                                          [--variants base,PROBE=1,LATE=1+PROBE=3]"""
+                                          [--variants base,PROBE=1,TIMES=1+PROBE=3]"""
 import argparse
 import json
 import sys
