@@ -497,9 +497,9 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                                 mine = qq == q ? parts : mine;
                                 ++parts;
                             }
-                        // the ticket of part z: last_of_parts asks for z = 0, 1, ... in order,
-                        // so a walk that goes on from the last part found (a block split into
-                        // many tickets: searching from q0 each time was quadratic in them)
+                        // the CTA of part z: last_of_parts asks for z = 0, 1, ... in order,
+                        // so one walk goes on from the last part found (a search from q0 for
+                        // each part would be quadratic in a block's parts)
                         int walk_z = -1, walk_q = q0 - 1;
                         auto slot_of = [&](int z) {
                             if (z < walk_z) walk_z = -1, walk_q = q0 - 1;
