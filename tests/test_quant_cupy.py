@@ -574,11 +574,16 @@ inline void qg_mma_k32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b
 inline void qg_mma_k32(int (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
     mma_8bit(d, a, b, [](unsigned c) { return (int)(signed char)c; });
 }
+#if ELEM_BF16
+#define QG_ELEM_H 0      // the build's 16-bit element is bf16
+#else
+#define QG_ELEM_H 1      // fp16 (also where no ELEM_BF16 is defined: quant_act.cu)
+#endif
 template <bool H> inline float dec16(unsigned h) {   // H: fp16, else bf16
     if constexpr (H) return __half2float({(uint16_t)h});
     else return __bfloat162float({(uint16_t)h});
 }
-template <bool H = !ELEM_BF16>
+template <bool H = QG_ELEM_H>
 inline void qg_mma_k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
     MmaIn in; memcpy(in.a, a, 16); memcpy(in.b, b, 8);
     unsigned char all[32][64]; warp_exchange(&in, sizeof(in), all);
@@ -618,8 +623,8 @@ inline unsigned enc16(float f) {
 #endif
 }
 inline uint32_t qg_sub2(uint32_t x, uint32_t y) {
-    const float lo = dec16<!ELEM_BF16>(x & 0xffffu) - dec16<!ELEM_BF16>(y & 0xffffu);
-    const float hi = dec16<!ELEM_BF16>(x >> 16) - dec16<!ELEM_BF16>(y >> 16);
+    const float lo = dec16<QG_ELEM_H>(x & 0xffffu) - dec16<QG_ELEM_H>(y & 0xffffu);
+    const float hi = dec16<QG_ELEM_H>(x >> 16) - dec16<QG_ELEM_H>(y >> 16);
     return enc16(lo) | (enc16(hi) << 16);
 }
 // ---- a launch: the blocks one after another, a std::thread per CUDA thread
