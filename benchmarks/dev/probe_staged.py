@@ -54,7 +54,8 @@ def main():
         n = w.nbytes // 16
         for blocks in (132 * 4, 132 * 8, 132 * 16):
             t = timer(lambda: read((blocks,), (512,), (w, np.uint64(n), sink)), fl, 3, 20)
-            rows.append(dict(read_bytes=w.nbytes, blocks=blocks, us=t * 1e3, TBps=w.nbytes / t / 1e9))
+            rows.append(dict(read_bytes=w.nbytes, blocks=blocks, us=t * 1e3,
+                             TBps=w.nbytes / t / 1e9))
             print(f"read {w.nbytes / 1e6:.0f} MB, {blocks} x 512: {t * 1e3:7.1f} us, "
                   f"{w.nbytes / t / 1e9:.2f} TB/s", flush=True)
     rng = np.random.default_rng(0)

@@ -788,12 +788,13 @@ def staged_stage_bytes(cfg: dict, zp: bool) -> int:
 def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
                 num_sms: int = 132, group_size: int = 0, num_groups: int = 1,
                 zp: bool = False, fa: bool | None = None) -> dict:
-    """wna16_staged's launch (fa: the FA mode, default the config's): grid (Q,), block 32 W, dynamic shared memory S stages then the m
+    """wna16_staged's launch: grid (Q,), block 32 W, dynamic shared memory S stages then the m
     tiles' prefix costs (8 (MTILES + 1) bytes). Every live m tile has U = blocks x SPB units
     (row blocks of NB tiles x K stages of KC chunks), each costing LT + 5 (LT: its live token
     tiles, found on the device); the Q = MINB CTAs per SM (times WAVES) take contiguous runs of
     equal cost over all m tiles in order. The partial blocks meet in a workspace of WS floats
-    ([Q][2 parts][32 W TPW MT 4]) with TILES counters ([m tiles][blocks])."""
+    ([Q][2 parts][32 W TPW MT 4]) with TILES counters ([m tiles][blocks]). fa: the FA mode
+    (default: the config's)."""
     bm = 8 * cfg["MT"]
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
@@ -1092,7 +1093,7 @@ def f16_rows(a):
     element down to 2^-28 of its row's largest."""
     x = np.asarray(a, dtype=np.float32)
     with np.errstate(invalid="ignore"):
-        m = np.nanmax(np.abs(x), axis=1, initial=0.0) if x.size else np.zeros(x.shape[0])
+        m = np.nanmax(np.abs(x), axis=1, initial=0.0)      # 0 for empty or all-NaN rows
     e = np.frexp(m)[1]
     s = np.where((m > 0) & np.isfinite(m), np.minimum(15 - e, 126), 0).astype(np.int32)
     a16 = np.ldexp(x, s[:, None]).astype(np.float16)
@@ -1101,10 +1102,8 @@ def f16_rows(a):
 
 def _device_f16_rows(a):
     """wna16_f16_rows on the GPU: (a16 [M, K] uint16 (fp16 bits), row_scale [M] float32)."""
-    import cupy
-
     M_a, K = a.shape
-    a16 = C.empty((M_a, K), np.float16).view(cupy.uint16)     # poisoned when tests ask
+    a16 = C.empty((M_a, K), np.float16).view(np.uint16)       # poisoned when tests ask
     scale = C.empty((M_a,), np.float32)
     if M_a:
         _kernel(F16_ROWS_KERNEL, ELEMS[_elem_key(a.dtype)], 0, CU_STAGED)(
