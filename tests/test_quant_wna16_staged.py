@@ -9,8 +9,8 @@ bad configs clearly. Simulator: the kernel on the CPU emulation of tests/test_qu
 end inside row blocks (blocks finished from 2-3 parts, in CTA order), a ragged last block, a
 short last K stage, group sizes 64 / 128 / one per row, with and without zero points, 1-3 live
 token tiles, an expert of another rank; the split counters come back to zero.
-GPU (`gpu` marker): every config on the packed rung's shapes, fp16 and other ranks, and the
-same bits on a second launch. Tolerance: the issue's weight-only 2e-2.
+GPU (`gpu` marker): every config on the packed rung's shapes, fp16 and other ranks, runs long
+enough to be stolen from, and the same bits on a second launch without steals (r24). Tolerance: the issue's weight-only 2e-2.
 
 Shape legend: T tokens, E experts, K top-k, N output width, Kdim reduction width, B block size.
 """
@@ -68,9 +68,12 @@ def test_plan_and_runs(name):
         spb = -(-K // 64 // cfg["KC"])
         assert lp["U"] == -(-(N // 16) // nb) * spb and q == min(sms * cfg["MINB"],
                                                                   lp["MTILES"] * lp["U"])
-        assert lp["WS"] == q * 2 * 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
-        assert lp["TILES"] == lp["MTILES"] * -(-(N // 16) // nb)
-        assert lp["smem"] == cfg["S"] * W.staged_stage_bytes(cfg, False) + 8 * (lp["MTILES"] + 1)
+        slots = 2 * (1 + cfg["ST"])                    # two partial blocks per walk
+        assert lp["WS"] == q * slots * 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
+        assert lp["TILES"] == lp["MTILES"] * -(-(N // 16) // nb) and lp["SPB"] == spb
+        assert lp["COUNTERS"] == 3 * q + 2 + lp["TILES"] * (1 + spb)
+        assert lp["smem"] == (cfg["S"] * W.staged_stage_bytes(cfg, False) +
+                              8 * (lp["MTILES"] + 1) + 4 * spb)
         assert lp["smem"] <= W.SMEM_PER_SM // cfg["MINB"] - 1024
         rng = np.random.default_rng(P)
         costs = dict(U=lp["U"], w=[int(x) for x in rng.choice([0, 6, 7, 8, 9], lp["MTILES"])])
@@ -129,6 +132,8 @@ def test_plan_refuses_bad_configs():
         W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, TPW=0))
     with pytest.raises(ValueError, match="no room for MINB = 2"):
         W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, S=8, KC=4))
+    with pytest.raises(ValueError, match="ST .steals per CTA. an int >= 0, got -1"):
+        W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, ST=-1))
     with pytest.raises(ValueError, match="config: expected keys"):
         W.pick_config(2.0, 24, dict(KERNEL="staged", MT=3, W=4))
 
@@ -181,7 +186,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
         a_in = a_in.view(np.uint16)
     c = np.full((P, N), 0x7FC0, np.uint16)                         # poison: bf16 NaN
     wsp = np.full(lp["WS"], np.nan, np.float32)                     # the parts' workspace
-    cnt = np.zeros(lp["TILES"], np.int32)
+    cnt = np.zeros(lp["COUNTERS"], np.int32)
     gx, gy, _ = lp["grid"]
     getattr(lib, f"k{W.STAGED_NAMES.index(lp['name'])}")(
         gx, gy, lp["block"][0], p(a_in), p(a_scale), p(pk["wp"]), p(c),
@@ -275,6 +280,42 @@ def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sm
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e} (Q = {lp['Q']}, U = {lp['U']})"
 
 
+@pytest.fixture(scope="module", params=["cap2", "whole"])
+def emulated_steals(request, tmp_path_factory):
+    """The emulation with steals forced: its CTAs run one after another, so each CTA, its own
+    run done, steals from the next one's run before that one starts (a thief on any run with a
+    unit left: STAGED_STEAL_MIN 1). cap2: a steal claims at most 2 units and the owner, later,
+    claims up to them (the two sides meet inside the run); whole: the thief takes the whole
+    run and its owner's first claim fails."""
+    from test_quant_cupy import build_emulation
+    from test_quant_wna16_cupy import W16_PRELUDE
+
+    defines = "#define STAGED_STEAL_MIN 1\n"
+    if request.param == "cap2":
+        defines += "#define STAGED_STEAL_CAP 2\n"
+    return build_emulation(tmp_path_factory, f"wst_{request.param}", W.CU_STAGED,
+                           _entries(W.STAGED_NAMES), prelude=defines + W16_PRELUDE)
+
+
+@pytest.mark.simulator
+@pytest.mark.parametrize("cfg,shape,gs,zp,sms", [
+    ("t8", (2, 4, 2, 288, 576, 8), 64, False, 8),     # runs of 2-3 units inside blocks of 5
+    ("t24", (20, 2, 2, 256, 512, 24), 128, True, 4),  # 1-3 live token tiles, zero points
+    ("t32", (30, 2, 2, 128, 384, 32), 384, True, 1),  # runs that cross m tiles
+    ("f16", (5, 3, 2, 288, 640, 16), 128, True, 8),   # FA, a short last stage
+    ("r24", (20, 2, 2, 64, 768, 48), 256, False, 4),  # no steals (ST = 0): the static runs
+])
+def test_emulated_steals_match_reference(emulated_steals, rng, cfg, shape, gs, zp, sms):
+    """Runs walked by their owners forward and by thieves backward: every unit once (the
+    blocks' parts tile their K stages), parity with the reference, counters back to zero."""
+    M_a, E, K, N, Kd, B = shape
+    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
+    got, lp = _run_emulated(emulated_steals, cfg, a, wq, ws, wz, st, ex, ntp, K, B, tw, bias,
+                            sms)
+    err = rel_err(got, want)
+    assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e} (Q = {lp['Q']}, U = {lp['U']})"
+
+
 @pytest.mark.simulator
 def test_emulated_other_rank(emulated_staged, rng):
     """Experts 1 and 3 live on another rank (expert id -1): their rows are zeros."""
@@ -334,14 +375,29 @@ def test_fp16_and_other_rank(rng, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["t8", "t32"])
+@pytest.mark.parametrize("cfg", ["t8", "t32", "r24"])
 def test_parts_match_reference_and_repeat(rng, cfg):
     """Many CTAs per m tile (blocks finished from several parts): parity with the reference,
-    and the same bits on a second launch (parts added in CTA order, counters reset)."""
+    and on a second launch the same bits where nothing is stolen (ST = 0: parts added in the
+    order of their K stages, counters reset), the same values to rounding otherwise."""
     ok, why = C.availability()
     if not ok:
         pytest.skip(why)
-    check_repeats(rng, cfg, (3, 2, 2, 512, 4096, 8 * W.STAGED_CONFIGS[cfg]["MT"]), 128)
+    check_repeats(rng, cfg, (3, 2, 2, 512, 4096, 8 * W.STAGED_CONFIGS[cfg]["MT"]), 128,
+                  same_bits=W.STAGED_CONFIGS[cfg]["ST"] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", ["t24", "t8"])
+def test_steals_match_reference(rng, cfg):
+    """Runs of ~20 units (4096 x 8192, 4 experts): CTAs that end early steal the ends of slow
+    ones' runs (the timing decides which); parity with the reference on a poisoned output,
+    twice (the claims and counters left at zero by the first launch)."""
+    ok, why = C.availability()
+    if not ok:
+        pytest.skip(why)
+    check_repeats(rng, cfg, (48, 4, 2, 4096, 8192, 8 * W.STAGED_CONFIGS[cfg]["MT"]), 128,
+                  same_bits=False)
 
 
 @pytest.mark.gpu

@@ -750,12 +750,14 @@ def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dic
 # sums (2 more mma per token tile and chunk). One wave of CTAs splits all m tiles' (row block,
 # K stage) units into runs of equal cost (staged_plan).
 STAGED_CONFIGS = {
-    "t8": dict(KERNEL="staged", MT=1, W=4, TPW=4, KC=2, S=4, MINB=2),
-    "t16": dict(KERNEL="staged", MT=2, W=4, TPW=4, KC=2, S=4, MINB=2),
-    "t24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2),
-    "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2),
+    "t8": dict(KERNEL="staged", MT=1, W=4, TPW=4, KC=2, S=4, MINB=2, ST=1),
+    "t16": dict(KERNEL="staged", MT=2, W=4, TPW=4, KC=2, S=4, MINB=2, ST=1),
+    "t24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, ST=1),
+    "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2, ST=1),
     # 8 warps of 2 tiles: twice the warps per SM, each token fetch from shared memory feeds 2
-    "u24": dict(KERNEL="staged", MT=3, W=8, TPW=2, KC=2, S=4, MINB=2),
+    "u24": dict(KERNEL="staged", MT=3, W=8, TPW=2, KC=2, S=4, MINB=2, ST=1),
+    # no steals (ST = 0): the runs as planned, so the same inputs give the same bits
+    "r24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, ST=0),
 }
 # FA = 1: bf16 activations go in as fp16 with a power-of-two scale per row (wna16_f16_rows, one
 # launch before the GEMM; f16_rows is its NumPy twin), so the codes dequantize as fp16: a
@@ -772,7 +774,7 @@ def staged_kernel_name(cfg: dict, zp: bool, fa: bool | None = None) -> str:
     """fa: the FA mode (default: the config's)."""
     fa = cfg.get("FA", 0) if fa is None else fa
     return (f"wna16_staged<{cfg['MT']}, {cfg['W']}, {cfg['TPW']}, {cfg['KC']}, {cfg['S']}, "
-            f"{int(bool(zp))}, {cfg['MINB']}, {int(bool(fa))}>")
+            f"{int(bool(zp))}, {cfg['MINB']}, {int(bool(fa))}, {cfg.get('ST', 0)}>")
 
 
 def staged_stage_bytes(cfg: dict, zp: bool) -> int:
@@ -809,7 +811,11 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     blocks = C.cdiv(N // 16, nb)
     units = blocks * C.cdiv(K // PACK_CHUNK, cfg["KC"])
     q = max(1, min(num_sms * cfg["MINB"] * cfg.get("WAVES", 1), mtiles * units))
-    smem = cfg["S"] * staged_stage_bytes(cfg, zp) + 8 * (mtiles + 1)
+    spb = C.cdiv(K // PACK_CHUNK, cfg["KC"])
+    st = cfg.get("ST", 0)
+    if not isinstance(st, int) or st < 0:
+        raise ValueError(f"config: expected ST (steals per CTA) an int >= 0, got {st!r}")
+    smem = cfg["S"] * staged_stage_bytes(cfg, zp) + 8 * (mtiles + 1) + 4 * spb
     room = SMEM_PER_SM // cfg["MINB"] - 1024
     if smem > room:
         raise ValueError(f"config: {smem} bytes of pipeline stages and m tile costs per CTA "
@@ -817,9 +823,14 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
                          f"each)")
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
     per = 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
+    slots = 2 * (1 + st)
+    if q * slots >= 1 << 16 or spb >= 1 << 15:
+        raise ValueError(f"config: {q} CTAs x {slots} parts or {spb} K stages per block are "
+                         f"past the part records' 16-bit fields")
     return dict(name=staged_kernel_name(cfg, zp, fa), cfg=cfg, grid=(q, 1, 1),
-                block=(32 * cfg["W"],), smem=smem, shift=shift, Lg=Lg, Q=q, U=units,
-                MTILES=mtiles, WS=q * 2 * per, TILES=mtiles * blocks)
+                block=(32 * cfg["W"],), smem=smem, shift=shift, Lg=Lg, Q=q, U=units, SPB=spb,
+                MTILES=mtiles, WS=q * slots * per, TILES=mtiles * blocks,
+                COUNTERS=3 * q + 2 + mtiles * blocks * (1 + spb))
 
 
 F16_ROWS_KERNEL = "wna16_f16_rows"
@@ -1040,7 +1051,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_STAGED)
         null = C.null_ptr()
         a16, a_scale = _device_f16_rows(a) if fa else (C.raw(a), null)
-        ws, cnt = _workspace(lp["WS"], lp["TILES"])
+        ws, cnt = _workspace(lp["WS"], lp["COUNTERS"])
         args = (a16, a_scale, pk["wp"], C.raw(c), pk["sp"],
                 pk["zp"] if pk["zp"] is not None else null,
                 sorted_token_ids, expert_ids, num_tokens_post_padded,

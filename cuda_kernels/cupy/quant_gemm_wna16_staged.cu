@@ -97,6 +97,12 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
+#ifndef STAGED_STEAL_MIN // the fewest units left in a run that a thief takes on
+#define STAGED_STEAL_MIN 10
+#endif
+#ifndef STAGED_STEAL_CAP // the most units one steal claims (tests: a thief that leaves the owner
+#define STAGED_STEAL_CAP (1 << 30)   // some, on the emulation, whose CTAs run one by one)
+#endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns) and SM in g_cta_times
 #define STAGED_TIMES 0
 #endif
@@ -120,7 +126,49 @@ struct StagedStage {
     static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
 };
 
-template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int FA>
+// A block's part: this CTA's walk computed `count` of its SPB K stages from stage `first` (the N
+// fp32 values v of each of the NT threads). It goes to workspace slot `slot` (ws [slot][per],
+// v[j] at j NT + thread), and part_at[tile][first] = count << 16 | slot + 1 says so; the CTA
+// whose units complete the block's SPB (units_done[tile]) gets true back, with v = the parts
+// added in the order of their first stages (deterministic for a given split), and leaves both
+// at zero; the others get false. Every thread of the CTA calls it; s_last is a __shared__ int.
+template <int N, int NT>
+__device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
+                                             int* __restrict__ units_done,
+                                             int* __restrict__ part_at, int* by_first, int SPB,
+                                             size_t tile, int per, int slot, int first,
+                                             int count, int& s_last) {
+    const int tid = threadIdx.x;
+    int* at = part_at + tile * SPB;
+#pragma unroll
+    for (int j = 0; j < N; ++j) __stcg(ws + (size_t)slot * per + tid + j * NT, v[j]);
+    if (tid == 0) __stcg(at + first, count << 16 | (slot + 1));
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) s_last = atomicAdd(units_done + tile, count) + count == SPB;
+    __syncthreads();
+    if (!s_last) return false;
+    __threadfence();
+    for (int x = tid; x < SPB; x += NT) {              // one load per stage, then shared memory
+        by_first[x] = __ldcg(at + x);
+        at[x] = 0;
+    }
+    if (tid == 0) units_done[tile] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] = 0.f;
+    for (int x = 0; x < SPB;) {                        // the parts tile [0, SPB) in order
+        const int p = by_first[x];
+        if (p == 0) break;                             // (cannot happen: every unit is done)
+        const float* part = ws + (size_t)((p & 0xFFFF) - 1) * per + tid;
+#pragma unroll
+        for (int j = 0; j < N; ++j) v[j] += __ldcg(part + j * NT);
+        x += p >> 16;
+    }
+    return true;
+}
+
+template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int FA, int ST>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_scale,
              const uint4* __restrict__ wp, elem_t* __restrict__ c,
@@ -195,16 +243,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     }
     __syncthreads();
     const long long Wt = cum[mtiles];
-    // CTA q's run: weighted positions [run_start(q), run_start(q + 1)); the owner of position p.
-    // Runs of equal cost, fixed before the launch: measured (T = 64 GEMM1, STAGED_TIMES) the
-    // CTAs end from 145 to 180 us all the same (the SMs do not stream at one speed, and of an
-    // SM's two CTAs the older runs 9-13% faster a unit: the schedulers favour its warps); runs
-    // taken from a queue of smaller tickets as CTAs finish ended them together but ran slower
-    // (208 / 137 against 194 / 116 us with one ticket more per CTA), and the older CTAs' runs
-    // made longer were slower too (W1 = 70 / 64: 189 / 109, 76: 190 / 115, 92: 204 / 117
-    // against 184 / 112 us; dev_wna16_20261130g)
+    // CTA q's run: weighted positions [run_start(q), run_start(q + 1)), fixed before the launch.
+    // Measured (T = 64 GEMM1, STAGED_TIMES, dev_wna16_20261130g): equal-cost runs end anywhere
+    // from 145 to 180 us. The SMs do not stream at one speed, and of an SM's two CTAs the
+    // older runs 9-13% faster a unit; once one of them is done the SM's other CTA runs alone
+    // at ~40% of the pair's rate. Hence the steals below.
     auto run_start = [&](long long qq) { return qq * Wt / Q; };
-    auto owner = [&](long long p) { return (int)(((p + 1) * Q - 1) / Wt); };
 
     // ---- experts of another rank: zeros, m tile m by CTA m % Q
     for (int m = q; m < mtiles; m += Q) {
@@ -214,322 +258,459 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             w16::store_zeros<BM>(c, sSlot, N, 0, N, NT);
         __syncthreads();                               // sSlot is read before it is reused
     }
-    if (Wt == 0 || run_start(q) >= run_start(q + 1)) return;
+    if (Wt == 0 || (ST == 0 && run_start(q) >= run_start(q + 1))) return;   // uniform
 
-    // ---- the segments of the run, one m tile each: units [ua, ub) of m tile m
-    for (int m = 0; m < mtiles; ++m) {
-        const long long w = (cum[m + 1] - cum[m]) / U;  // the m tile's cost per unit
-        if (w == 0 || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1)) continue;
-        const int ua = (int)max(0LL, (run_start(q) - cum[m] + w - 1) / w);
-        const int ub = (int)min((long long)U, (run_start(q + 1) - cum[m] + w - 1) / w);
-        if (ua >= ub) continue;
-        const long long cm = cum[m];
-        const int u0 = ua, u1 = ub, m0 = m * BM;
-        w16::load_m_tile<BM>(m0, sorted_token_ids, num_tokens_post_padded, num_slots, top_k,
-                             num_positions, sSlot, sArow);   // live: its cost is not 0
-        const int e = expert_ids[m0 / block_size];
+    // ---- the workspace (staged_plan's COUNTERS ints, zero between launches; WS floats)
+    constexpr int SLOTS = 2 * (1 + ST), PER = NT * TPW * MT * 4;
+    unsigned long long* claims = reinterpret_cast<unsigned long long*>(counters);   // [Q]
+    int* thieves = counters + 2 * Q;                   // [Q] the run's thief + 1, 0: none
+    int* exits = counters + 3 * Q;                     // [1] CTAs done (then one int of pad)
+    int* units_done = counters + 3 * Q + 2;            // [m tiles][blocks]
+    int* part_at = units_done + (size_t)mtiles * nblocks;   // [m tiles][blocks][SPB]
+    int* by_first = reinterpret_cast<int*>(cum + mtiles + 1);   // shared [SPB]
 
-        // the live token tiles (an expert's live rows are a prefix of its block), and the row of a
-        // each staged row copies (padding rows inside the live tiles: a live row, never stored)
-        int first = -1, live_tiles = 0;
-        for (int r = BM - 1; r >= 0; --r)
-            if (sArow[r] >= 0) {
-                first = sArow[r];
-                if (!live_tiles) live_tiles = r / 8 + 1;
-            }
-        const int live_rows = 8 * live_tiles;
-
-        // ---- this thread's copy units: 16-byte units tid + j NT of the stage's contiguous runs
-        // (stage_blocks: codes, then scales and zero points of the groups met), and its share
-        // of the token rows, fixed for the segment: BM rows x KC chunks x 8 units, unit u of
-        // row r at u ^ (r & 1)
-        constexpr int W_PER = TPW * KC;                    // NB KC 32 units / NT threads
-        constexpr int S_PER = (NB * KC * 4 + NT - 1) / NT, Z_PER = (NB * KC + NT - 1) / NT;
-        constexpr int A_UNITS = BM * KC * 8, A_PER = (A_UNITS + NT - 1) / NT;
-        const unsigned short* a_src[A_PER];                // the unit's source in K stage 0
-        bool a_on[A_PER];                                  // copied (rows past the live tiles:
-        int a_dst[A_PER];                                  //   never read), to this stage offset
-        int a_chunk[A_PER];                                // its chunk in the stage
-#pragma unroll
-        for (int j = 0; j < A_PER; ++j) {
-            const int k = tid + j * NT, r = k / (KC * 8), u = k % (KC * 8);
-            a_on[j] = k < A_UNITS && r < live_rows;
-            const int ar = a_on[j] ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
-            a_src[j] = a + (size_t)ar * Kdim + u * 8;
-            a_dst[j] = St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1)));
-            a_chunk[j] = u / 8;
+    // The segments of run v: m tile m's units [ua, ub) that the run's positions own
+    auto segment = [&](int v, int m, int& ua, int& ub) {
+        const long long w = (cum[m + 1] - cum[m]) / U, lo = run_start(v), hi = run_start(v + 1);
+        if (w == 0 || cum[m + 1] <= lo || cum[m] >= hi) return false;
+        ua = (int)max(0LL, (lo - cum[m] + w - 1) / w);
+        ub = (int)min((long long)U, (hi - cum[m] + w - 1) / w);
+        return ua < ub;
+    };
+    auto first_m = [&](long long pos) {                // the first m tile with cum[m + 1] > pos
+        int lo = 0, hi = mtiles;
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (cum[mid + 1] > pos) hi = mid; else lo = mid + 1;
         }
-        const size_t blk_e = (size_t)e * nblocks;          // this expert's first row block
-        // the run's codes: unit u = b SPB + s of the m tile is stage (blk_e + b) SPB + s of
-        // stage_blocks' layout, so stage i of the run is i stages past its first
-        const uint4* w_run = wp + (blk_e * SPB + u0) * (NB * KC * 32) + tid;
-        // the expert's scales and zero points: group gr of row block b at (b G + gr) NB 8
-        const size_t sz_e = blk_e * num_groups * (NB * 8);
+        return lo;
+    };
+    auto last_m = [&](int v) {                         // the last m tile run v reaches
+        int m = first_m(run_start(v));
+        while (m + 1 < mtiles && cum[m + 1] < run_start(v + 1)) ++m;
+        return m;
+    };
+    auto run_units = [&](int v) {
+        int n = 0, ua, ub;
+        for (int m = first_m(run_start(v)), ml = last_m(v); m <= ml; ++m)
+            if (segment(v, m, ua, ub)) n += ub - ua;
+        return n;
+    };
 
-        // ---- stage i of the run (unit u0 + i, row block b, K stage s) into ring slot i % S; one
-        // commit group per stage (empty past the run: the wait counts stay right)
-        auto issue = [&](int i, int b, int s) {
-            if (u0 + i < u1) {
-                const int c0 = s * KC, kcn = min(KC, C - c0);
-                const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
-                u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
-                const uint4* wsrc = w_run + i * (NB * KC * 32);
-#pragma unroll
-                for (int j = 0; j < W_PER; ++j)
-                    if (STAGED_PROBE != 3)
-                        w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
-                const int sz_off = (b * num_groups + g0) * (NB * 8);   // < 2^31: one expert's
-                const float2* ssrc = sp + sz_e + sz_off + 2 * tid;
-#pragma unroll
-                for (int j = 0; j < S_PER; ++j)
-                    if (tid + j * NT < ngr * NB * 4)
-                        w16::cp16(st + St::S_OFF + 16 * j * NT, ssrc + 2 * j * NT, true);
-                if (ZP) {
-                    const unsigned short* zsrc = zp + sz_e + sz_off + 8 * tid;
-#pragma unroll
-                    for (int j = 0; j < Z_PER; ++j)
-                        if (tid + j * NT < ngr * NB)
-                            w16::cp16(st + St::Z_OFF + 16 * j * NT, zsrc + 8 * j * NT, true);
-                }
-                u8* sa = smem + (size_t)(i % S) * St::BYTES;
-#pragma unroll
-                for (int j = 0; j < A_PER; ++j) {           // a short last stage: zeros
-                    if (STAGED_PROBE == 2) break;
-                    const bool ok = a_chunk[j] < kcn;
-                    w16::cp16_if(a_on[j], sa + a_dst[j], a_src[j] + (ok ? c0 * 64 : 0), ok);
-                }
-            }
-            w16::cp_commit();
-        };
+    // ---- claims. Run v's units go to its owner (CTA v, from the front) and to at most one
+    // thief (from the back) through one 64-bit word, claims[v] = (thief's claims << 32) + the
+    // owner's: a claim adds 1 to its half and holds iff the two halves were below the run's n
+    // units before it (a failed claim ends that walk). Every unit is claimed once, and each
+    // side's units are contiguous: the owner's [0, x), the thief's [x, n). Claims run S
+    // stages ahead of the math (a stage is claimed when it is copied), one atomic per stage.
+    auto claim = [&](int v, int dir) {
+        return atomicAdd(claims + v, dir > 0 ? 1ull : 1ull << 32);
+    };
+    auto holds = [](unsigned long long old, int n) {
+        return (long long)(old & 0xFFFFFFFFull) + (long long)(old >> 32) < n;
+    };
+    __shared__ int sClaimed[2];      // the walk's units of this segment claimed so far
+    __shared__ int sVictim;
+    __shared__ long long sBest[W];
 
-        const int n_units = u1 - u0;
-        {
-            int b = u0 / SPB, s = u0 - b * SPB;
-#pragma unroll
-            for (int i = 0; i < S - 1; ++i) {
-                issue(i, b, s);
-                if (++s == SPB) { s = 0; ++b; }
+    // A victim: the run, not this CTA's and without a thief, with the most units left (at
+    // least STAGED_STEAL_MIN: a steal costs a segment start, ~2 stages of work); -1: none
+    auto pick_victim = [&]() {
+        for (int attempt = 0; attempt < 4; ++attempt) {
+            long long key = -1;                       // units left << 20 | (2^20 - 1 - v)
+            for (int v = tid; v < Q; v += NT) {
+                if (v == q || __ldcg(thieves + v) != 0) continue;
+                const unsigned long long cw = __ldcg(claims + v);
+                const long long left = run_units(v) - (long long)(cw & 0xFFFFFFFFull) -
+                                       (long long)(cw >> 32);
+                if (left >= STAGED_STEAL_MIN)
+                    key = max(key, (left << 20) | ((1 << 20) - 1 - v));
             }
+#pragma unroll
+            for (int o = 16; o; o >>= 1) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, o));
+            if (lane == 0) sBest[warp] = key;
+            __syncthreads();
+            if (tid == 0) {
+                for (int i = 1; i < W; ++i) key = max(key, sBest[i]);
+                int v = -1;
+                if (key >= 0) {
+                    v = (1 << 20) - 1 - (int)(key & ((1 << 20) - 1));
+                    if (atomicCAS(thieves + v, 0, q + 1) != 0) v = -2;   // taken: look again
+                }
+                sVictim = v;
+            }
+            __syncthreads();
+            const int v = sVictim;
+            __syncthreads();                          // sVictim / sBest reused
+            if (v != -2) return v;
         }
+        return -1;
+    };
 
-        w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
-            constexpr int LT = decltype(live_count)::value;
-            float acc[TPW][LT][4];
-#pragma unroll
-            for (int r = 0; r < TPW; ++r)
-#pragma unroll
-                for (int mt = 0; mt < LT; ++mt)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
+    // ---- walk 0: the own run, forward; walks 1 .. ST: a stolen run, backward from its end
+    int parts_used = 0;                                // this CTA's workspace slots used
+    for (int walk = 0; walk <= ST; ++walk) {
+        const int v = walk == 0 ? q : pick_victim();
+        if (v < 0) break;
+        const int dir = walk == 0 ? 1 : -1, n_v = run_units(v);
+        const int mf = first_m(run_start(v)), ml = last_m(v);
+        int cap = walk == 0 ? n_v : STAGED_STEAL_CAP;  // units this walk may still claim
+        bool stopped = n_v == 0;
+        for (int mi = 0; mi <= ml - mf && !stopped; ++mi) {
+            const int m = dir > 0 ? mf + mi : ml - mi;
+            int ua, ub;
+            if (!segment(v, m, ua, ub)) continue;
+            const int seg_len = ub - ua;
+            // walk unit i of the segment: unit ua + i (forward) or ub - 1 - i (backward)
+            auto unit_of = [&](int i) { return dir > 0 ? ua + i : ub - 1 - i; };
 
-            // the block's outputs: c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8, same)
-            auto store = [&](int b) {
+            // the first S units' claims (independent atomics, in flight together), and the
+            // next one's, pending; then each iteration i settles the claim of unit i + S and
+            // makes the one of unit i + S + 1 (a stage of time for its round trip)
+            unsigned long long pending = 0;
+            bool has_pending = false;
+            if (tid == 0) {
+                int ok = min(seg_len, cap);
+                if (ST) {
+                    unsigned long long old[S];
+                    const int k0 = min(S, ok);
 #pragma unroll
-                for (int r = 0; r < TPW; ++r) {
-                    const int tile = b * NB + warp * TPW + r;
-                    if (tile >= ntiles) continue;
+                    for (int j = 0; j < S; ++j)
+                        if (j < k0) old[j] = claim(v, dir);
+                    ok = 0;
+#pragma unroll
+                    for (int j = 0; j < S; ++j)
+                        if (j < k0 && ok == j && holds(old[j], n_v)) ++ok;
+                    cap -= ok;
+                    if (ok == S && S < seg_len && cap > 0) {
+                        pending = claim(v, dir);
+                        has_pending = true;
+                    }
+                }
+                sClaimed[0] = sClaimed[1] = ok;
+            }
+            w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots,
+                                 top_k, num_positions, sSlot, sArow);   // (its barrier)
+            if (sClaimed[0] == 0) {                    // the other side has the rest
+                stopped = true;
+                __syncthreads();                       // sClaimed is read before it is reused
+                break;
+            }
+            const int e = expert_ids[m * BM / block_size];
+
+            // the live token tiles (an expert's live rows are a prefix of its block), and the
+            // row of a each staged row copies (padding rows inside the live tiles: a live row,
+            // never stored)
+            int first = -1, live_tiles = 0;
+            for (int r = BM - 1; r >= 0; --r)
+                if (sArow[r] >= 0) {
+                    first = sArow[r];
+                    if (!live_tiles) live_tiles = r / 8 + 1;
+                }
+            const int live_rows = 8 * live_tiles;
+
+            // ---- this thread's copy units: 16-byte units tid + j NT of the stage's contiguous
+            // runs (stage_blocks: codes, then scales and zero points of the groups met), and
+            // its share of the token rows, fixed for the segment: BM rows x KC chunks x 8
+            // units, unit u of row r at u ^ (r & 1)
+            constexpr int W_PER = TPW * KC;                // NB KC 32 units / NT threads
+            constexpr int S_PER = (NB * KC * 4 + NT - 1) / NT, Z_PER = (NB * KC + NT - 1) / NT;
+            constexpr int A_UNITS = BM * KC * 8, A_PER = (A_UNITS + NT - 1) / NT;
+            const unsigned short* a_src[A_PER];            // the unit's source in K stage 0
+            bool a_on[A_PER];                              // copied (rows past the live tiles:
+            int a_dst[A_PER];                              //   never read), to this stage offset
+            int a_chunk[A_PER];                            // its chunk in the stage
+#pragma unroll
+            for (int j = 0; j < A_PER; ++j) {
+                const int k = tid + j * NT, r = k / (KC * 8), u = k % (KC * 8);
+                a_on[j] = k < A_UNITS && r < live_rows;
+                const int ar = a_on[j] ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
+                a_src[j] = a + (size_t)ar * Kdim + u * 8;
+                a_dst[j] = St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1)));
+                a_chunk[j] = u / 8;
+            }
+            const size_t blk_e = (size_t)e * nblocks;      // this expert's first row block
+            // unit u = b SPB + s of the m tile is stage (blk_e + b) SPB + s of stage_blocks'
+            // layout: its codes are one contiguous run
+            const uint4* w_tile = wp + blk_e * SPB * (NB * KC * 32) + tid;
+            // the expert's scales and zero points: group gr of row block b at (b G + gr) NB 8
+            const size_t sz_e = blk_e * num_groups * (NB * 8);
+
+            // ---- walk unit i (claimed: i < claimed) into ring slot i % S; one commit group
+            // per call (empty past the claimed units: the wait counts stay right)
+            auto issue = [&](int i, int claimed) {
+                if (i < claimed) {
+                    const int u = unit_of(i), b = u / SPB, s = u - b * SPB;
+                    const int c0 = s * KC, kcn = min(KC, C - c0);
+                    const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
+                    u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
+                    const uint4* wsrc = w_tile + (size_t)u * (NB * KC * 32);
+#pragma unroll
+                    for (int j = 0; j < W_PER; ++j)
+                        if (STAGED_PROBE != 3)
+                            w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
+                    const int sz_off = (b * num_groups + g0) * (NB * 8);   // < 2^31: one expert's
+                    const float2* ssrc = sp + sz_e + sz_off + 2 * tid;
+#pragma unroll
+                    for (int j = 0; j < S_PER; ++j)
+                        if (tid + j * NT < ngr * NB * 4)
+                            w16::cp16(st + St::S_OFF + 16 * j * NT, ssrc + 2 * j * NT, true);
+                    if (ZP) {
+                        const unsigned short* zsrc = zp + sz_e + sz_off + 8 * tid;
+#pragma unroll
+                        for (int j = 0; j < Z_PER; ++j)
+                            if (tid + j * NT < ngr * NB)
+                                w16::cp16(st + St::Z_OFF + 16 * j * NT, zsrc + 8 * j * NT, true);
+                    }
+                    u8* sa = smem + (size_t)(i % S) * St::BYTES;
+#pragma unroll
+                    for (int j = 0; j < A_PER; ++j) {           // a short last stage: zeros
+                        if (STAGED_PROBE == 2) break;
+                        const bool ok = a_chunk[j] < kcn;
+                        w16::cp16_if(a_on[j], sa + a_dst[j], a_src[j] + (ok ? c0 * 64 : 0), ok);
+                    }
+                }
+                w16::cp_commit();
+            };
+
+            {
+                const int claimed = sClaimed[0];
+#pragma unroll
+                for (int i = 0; i < S - 1; ++i) issue(i, claimed);
+            }
+
+            int claimed = 0;                               // units of the segment walked
+            w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
+                constexpr int LT = decltype(live_count)::value;
+                float acc[TPW][LT][4];
+#pragma unroll
+                for (int r = 0; r < TPW; ++r)
 #pragma unroll
                     for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const int row = 8 * mt + 2 * t + (i & 1);
-                            const int n = tile * 16 + g + 8 * (i >> 1);
-                            const int s = sSlot[row];
-                            if (s < 0) continue;
-                            float v = acc[r][mt][i];
-                            if (FA) v *= a_scale[sArow[row]];   // back from a 2^s
-                            if (bias != nullptr) v += bias[(size_t)e * N + n];
-                            if (mul_routed_weight) v *= topk_weights[s];
-                            c[(size_t)s * N + n] = w16::from_f32(v);
-                        }
-                }
-            };
+                        for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
 
-            int b = u0 / SPB, s = u0 - b * SPB;           // the unit being computed
-            int ib = (u0 + S - 1) / SPB, is = u0 + S - 1 - ib * SPB;   // the unit being issued
-            for (int i = 0; i < n_units; ++i) {
-                w16::cp_wait<S - 2>();                    // stage i has landed (this thread's)
-                __syncthreads();                          // ... and everyone's; slot i - 1 is free
-                issue(i + S - 1, ib, is);
-                if (++is == SPB) { is = 0; ++ib; }
-                const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
-                const u8* st = smem + (size_t)(i % S) * St::BYTES;
-                const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
-                                  warp * TPW * KC * 32 + lane;
-                const float2* ss = reinterpret_cast<const float2*>(st + St::S_OFF) +
-                                   warp * TPW * 8 + g;
-                const unsigned short* sz = reinterpret_cast<const unsigned short*>(st + St::Z_OFF) +
-                                           warp * TPW * 8 + g;
-                const uint4* sa = reinterpret_cast<const uint4*>(st + St::A_OFF);
-                // CG chunks from chunk kc0 of the stage, all of one scale group: the mma chain
-                // of a (tile, token tile) runs over all of them and is scaled once
-                auto chunks = [&](auto cg, int kc0) {
-                    constexpr int CG = decltype(cg)::value;
-                    const int gi = ((c0 + kc0) >> chunk_shift) - g0;
-                    // B: the lane's token (column g of each tile), codes 16 t .. + 15 of a chunk
-                    uint4 bv[CG][LT][2];
-#pragma unroll
-                    for (int j = 0; j < CG; ++j)
-#pragma unroll
-                        for (int mt = 0; mt < LT; ++mt) {
-                            const int r = 8 * mt + g, u = (kc0 + j) * 8 + 2 * t;
-                            bv[j][mt][0] = sa[r * KC * 8 + (u ^ (g & 1))];
-                            bv[j][mt][1] = sa[r * KC * 8 + ((u + 1) ^ (g & 1))];
-                        }
-                    // The tokens' sums over the CG chunks, where the main mma's C holds their
-                    // tokens (x: token 8 mt + 2 t, y: + 1), by the tensor cores: 2 mma per chunk
-                    // with the token's 16-byte units as A (the lane's 4 registers of a unit:
-                    // row g gets x, z: elements that meet even code pairs, row g + 8 gets y, w:
-                    // odd pairs) and sSumB as B. Of token g (rows g and g + 8 both), with Se, So
-                    // its sums over even and odd pairs' elements and OE = OFF_EVEN + zo,
-                    // OO = OFF_ODD + zo: c0 = -OE Se, c3 = -OO So, c1 = -OO Se, c2 = -OE So. So
-                    // c0 + c3 is the start (ZP = 0) or -T, T = sum offset a (ZP, zo = 0), and
-                    // c1 / OO + c2 / OE is -S (ZP: the start of row r is -T - zp_r S). Each lane
-                    // then takes its tokens' from lanes 8 t and 8 t + 4 (g = 2 t, 2 t + 1).
-                    float2 start2[LT], neg_s2[ZP ? LT : 1];
-                    {
-                        const uint2 sb = sSumB[g & 1];
-#pragma unroll
-                        for (int mt = 0; mt < LT; ++mt) {
-                            float z[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                            for (int j = 0; j < CG; ++j)
-#pragma unroll
-                                for (int v = 0; v < 2; ++v) {
-                                    const uint4 u = bv[j][mt][v];
-                                    w16::mma16816<F16>(z, u.x, u.y, u.z, u.w, sb.x, sb.y);
-                                }
-                            const float st = z[0] + z[3];
-                            start2[mt].x = __shfl_sync(0xFFFFFFFFu, st, 8 * t);
-                            start2[mt].y = __shfl_sync(0xFFFFFFFFu, st, 8 * t + 4);
-                            if (ZP) {
-                                const float ns = fmaf(z[1], 1.f / OFF_ODD, z[2] * (1.f / OFF_EVEN));
-                                neg_s2[ZP ? mt : 0].x = __shfl_sync(0xFFFFFFFFu, ns, 8 * t);
-                                neg_s2[ZP ? mt : 0].y = __shfl_sync(0xFFFFFFFFu, ns, 8 * t + 4);
-                            }
-                        }
-                    }
-                    float zs[ZP ? 1 : LT][4];             // the start, shared by the TPW tiles
-                    if (!ZP) {
-#pragma unroll
-                        for (int mt = 0; mt < LT; ++mt) {
-                            zs[ZP ? 0 : mt][0] = zs[ZP ? 0 : mt][2] = start2[mt].x;
-                            zs[ZP ? 0 : mt][1] = zs[ZP ? 0 : mt][3] = start2[mt].y;
-                        }
-                    }
+                // the block's outputs: c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8)
+                auto store = [&](int b) {
 #pragma unroll
                     for (int r = 0; r < TPW; ++r) {
-                        const float2 s2 = ss[(gi * NB + r) * 8];
-                        float tmp[LT][4];
-                        if (ZP) {                         // row g's zero point in the low byte
-                            const u32 z = sz[(gi * NB + r) * 8];
-                            const float zp_g = (float)(z & 0xFFu), zp_g8 = (float)(z >> 8);
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt) {
-                                const float2 ns = neg_s2[ZP ? mt : 0];
-                                tmp[mt][0] = fmaf(zp_g, ns.x, start2[mt].x);
-                                tmp[mt][1] = fmaf(zp_g, ns.y, start2[mt].y);
-                                tmp[mt][2] = fmaf(zp_g8, ns.x, start2[mt].x);
-                                tmp[mt][3] = fmaf(zp_g8, ns.y, start2[mt].y);
-                            }
-                        }
-#pragma unroll
-                        for (int j = 0; j < CG; ++j) {
-                            const uint4 x = sw[(r * KC + kc0 + j) * 32];
-                            u32 lo[8], hi[8];             // A: rows g, g + 8: offset + q
-                            if constexpr (F16)
-                                w16::raw_pairs_f16(x, lo, hi);
-                            else
-                                w16::raw_pairs(x, 0x43004300u, lo, hi);   // bf16 128
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt) {
-                                const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];
-                                if (!ZP && j == 0)        // from the shared start, kept
-                                    w16::mma16816_c<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1],
-                                                         b0.x, b0.y, zs[ZP ? 0 : mt]);
-                                else
-                                    w16::mma16816<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1], b0.x,
-                                                       b0.y);
-                                w16::mma16816<F16>(tmp[mt], lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
-                                w16::mma16816<F16>(tmp[mt], lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
-                                w16::mma16816<F16>(tmp[mt], lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
-                            }
-                        }
-#pragma unroll
-                        for (int mt = 0; mt < LT; ++mt) {
-                            acc[r][mt][0] = fmaf(s2.x, tmp[mt][0], acc[r][mt][0]);
-                            acc[r][mt][1] = fmaf(s2.x, tmp[mt][1], acc[r][mt][1]);
-                            acc[r][mt][2] = fmaf(s2.y, tmp[mt][2], acc[r][mt][2]);
-                            acc[r][mt][3] = fmaf(s2.y, tmp[mt][3], acc[r][mt][3]);
-                        }
-                    }
-                };
-                if (STAGED_PROBE == 1) {
-                } else if (kcn == KC && g0 == (c0 + KC - 1) >> chunk_shift) {   // one group
-                    chunks(w16::Count<KC>{}, 0);
-                } else {
-#pragma unroll
-                    for (int kc = 0; kc < KC; ++kc) {
-                        if (kc >= kcn) break;             // uniform: a short last stage
-                        chunks(w16::Count<1>{}, kc);
-                    }
-                }
-                // ---- the end of a block (or of the run): store it, or hand in this CTA's part
-                if (s == SPB - 1 || i == n_units - 1) {          // uniform over the CTA
-                    if (u0 <= b * SPB && s == SPB - 1) {
-                        store(b);                               // the whole block was this CTA's
-                    } else {
-                        // the block's parts: the CTAs q0 .. q1 (owners of its first and last
-                        // units) that own one of its units (a CTA whose run is shorter than a
-                        // unit's cost may own none). Part 0's CTA ends its run here (its last
-                        // partial block), a later one starts it here (its first): slots 2 q + 1
-                        // and 2 q + 0 (one of each per CTA)
-                        const long long p0 = cm + (long long)b * SPB * w, p1 = p0 + (SPB - 1) * w;
-                        const int q0 = owner(p0), q1 = owner(p1);
-                        auto owns = [&](int qq) {           // a unit position in qq's run
-                            const long long lo = max(run_start(qq), p0);
-                            const long long hi = min(run_start(qq + 1), p1 + 1);
-                            return lo < hi && p0 + (lo - p0 + w - 1) / w * w < hi;
-                        };
-                        int parts = 0, mine = 0;
-                        for (int qq = q0; qq <= q1; ++qq)
-                            if (owns(qq)) {
-                                mine = qq == q ? parts : mine;
-                                ++parts;
-                            }
-                        // the CTA of part z: last_of_parts asks for z = 0, 1, ... in order,
-                        // so one walk goes on from the last part found (a search from q0 for
-                        // each part would be quadratic in a block's parts)
-                        int walk_z = -1, walk_q = q0 - 1;
-                        auto slot_of = [&](int z) {
-                            if (z < walk_z) walk_z = -1, walk_q = q0 - 1;
-                            while (walk_z < z) walk_z += owns(++walk_q);
-                            return (size_t)(2 * walk_q + (z == 0));
-                        };
-                        if (w16::last_of_parts<TPW * LT * 4, NT>(
-                                &acc[0][0][0], ws, counters, (size_t)m * nblocks + b,
-                                NT * TPW * MT * 4, sLast, (size_t)(2 * q + (mine == 0)), parts,
-                                slot_of))
-                            store(b);
-                    }
-#pragma unroll
-                    for (int r = 0; r < TPW; ++r)
+                        const int tile = b * NB + warp * TPW + r;
+                        if (tile >= ntiles) continue;
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
-                            for (int k = 0; k < 4; ++k) acc[r][mt][k] = 0.f;
+                            for (int i = 0; i < 4; ++i) {
+                                const int row = 8 * mt + 2 * t + (i & 1);
+                                const int n = tile * 16 + g + 8 * (i >> 1);
+                                const int s = sSlot[row];
+                                if (s < 0) continue;
+                                float v = acc[r][mt][i];
+                                if (FA) v *= a_scale[sArow[row]];   // back from a 2^s
+                                if (bias != nullptr) v += bias[(size_t)e * N + n];
+                                if (mul_routed_weight) v *= topk_weights[s];
+                                c[(size_t)s * N + n] = w16::from_f32(v);
+                            }
+                    }
+                };
+
+                int blk_n = 0;                             // units of the current block walked
+                for (int i = 0;; ++i) {
+                    w16::cp_wait<S - 2>();                 // stage i has landed (this thread's)
+                    __syncthreads();                       // ... and everyone's; slot i - 1 free
+                    claimed = sClaimed[i & 1];             // settled up to unit i + S - 1
+                    if (i >= claimed) break;
+                    if (ST && tid == 0) {                  // unit i + S's claim, unit i + S + 1's
+                        int next = claimed;
+                        if (has_pending) {
+                            has_pending = false;
+                            if (next == i + S && holds(pending, n_v)) {
+                                next = i + S + 1;
+                                --cap;
+                                if (next < seg_len && cap > 0) {
+                                    pending = claim(v, dir);
+                                    has_pending = true;
+                                }
+                            }
+                        }
+                        sClaimed[(i + 1) & 1] = next;      // read after the next barrier
+                    }
+                    issue(i + S - 1, claimed);
+                    const int u = unit_of(i), b = u / SPB, s = u - b * SPB;
+                    const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
+                    const u8* st = smem + (size_t)(i % S) * St::BYTES;
+                    const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
+                                      warp * TPW * KC * 32 + lane;
+                    const float2* ss = reinterpret_cast<const float2*>(st + St::S_OFF) +
+                                       warp * TPW * 8 + g;
+                    const unsigned short* sz =
+                        reinterpret_cast<const unsigned short*>(st + St::Z_OFF) + warp * TPW * 8 + g;
+                    const uint4* sa = reinterpret_cast<const uint4*>(st + St::A_OFF);
+                    // CG chunks from chunk kc0 of the stage, all of one scale group: the mma chain
+                    // of a (tile, token tile) runs over all of them and is scaled once
+                    auto chunks = [&](auto cg, int kc0) {
+                        constexpr int CG = decltype(cg)::value;
+                        const int gi = ((c0 + kc0) >> chunk_shift) - g0;
+                        // B: the lane's token (column g of each tile), codes 16 t .. + 15 of a chunk
+                        uint4 bv[CG][LT][2];
+#pragma unroll
+                        for (int j = 0; j < CG; ++j)
+#pragma unroll
+                            for (int mt = 0; mt < LT; ++mt) {
+                                const int r = 8 * mt + g, u = (kc0 + j) * 8 + 2 * t;
+                                bv[j][mt][0] = sa[r * KC * 8 + (u ^ (g & 1))];
+                                bv[j][mt][1] = sa[r * KC * 8 + ((u + 1) ^ (g & 1))];
+                            }
+                        // The tokens' sums over the CG chunks, where the main mma's C holds their
+                        // tokens (x: token 8 mt + 2 t, y: + 1), by the tensor cores: 2 mma per chunk
+                        // with the token's 16-byte units as A (the lane's 4 registers of a unit:
+                        // row g gets x, z: elements that meet even code pairs, row g + 8 gets y, w:
+                        // odd pairs) and sSumB as B. Of token g (rows g and g + 8 both), with Se, So
+                        // its sums over even and odd pairs' elements and OE = OFF_EVEN + zo,
+                        // OO = OFF_ODD + zo: c0 = -OE Se, c3 = -OO So, c1 = -OO Se, c2 = -OE So. So
+                        // c0 + c3 is the start (ZP = 0) or -T, T = sum offset a (ZP, zo = 0), and
+                        // c1 / OO + c2 / OE is -S (ZP: the start of row r is -T - zp_r S). Each lane
+                        // then takes its tokens' from lanes 8 t and 8 t + 4 (g = 2 t, 2 t + 1).
+                        float2 start2[LT], neg_s2[ZP ? LT : 1];
+                        {
+                            const uint2 sb = sSumB[g & 1];
+#pragma unroll
+                            for (int mt = 0; mt < LT; ++mt) {
+                                float z[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                                for (int j = 0; j < CG; ++j)
+#pragma unroll
+                                    for (int v = 0; v < 2; ++v) {
+                                        const uint4 u = bv[j][mt][v];
+                                        w16::mma16816<F16>(z, u.x, u.y, u.z, u.w, sb.x, sb.y);
+                                    }
+                                const float st = z[0] + z[3];
+                                start2[mt].x = __shfl_sync(0xFFFFFFFFu, st, 8 * t);
+                                start2[mt].y = __shfl_sync(0xFFFFFFFFu, st, 8 * t + 4);
+                                if (ZP) {
+                                    const float ns = fmaf(z[1], 1.f / OFF_ODD, z[2] * (1.f / OFF_EVEN));
+                                    neg_s2[ZP ? mt : 0].x = __shfl_sync(0xFFFFFFFFu, ns, 8 * t);
+                                    neg_s2[ZP ? mt : 0].y = __shfl_sync(0xFFFFFFFFu, ns, 8 * t + 4);
+                                }
+                            }
+                        }
+                        float zs[ZP ? 1 : LT][4];             // the start, shared by the TPW tiles
+                        if (!ZP) {
+#pragma unroll
+                            for (int mt = 0; mt < LT; ++mt) {
+                                zs[ZP ? 0 : mt][0] = zs[ZP ? 0 : mt][2] = start2[mt].x;
+                                zs[ZP ? 0 : mt][1] = zs[ZP ? 0 : mt][3] = start2[mt].y;
+                            }
+                        }
+#pragma unroll
+                        for (int r = 0; r < TPW; ++r) {
+                            const float2 s2 = ss[(gi * NB + r) * 8];
+                            float tmp[LT][4];
+                            if (ZP) {                         // row g's zero point in the low byte
+                                const u32 z = sz[(gi * NB + r) * 8];
+                                const float zp_g = (float)(z & 0xFFu), zp_g8 = (float)(z >> 8);
+#pragma unroll
+                                for (int mt = 0; mt < LT; ++mt) {
+                                    const float2 ns = neg_s2[ZP ? mt : 0];
+                                    tmp[mt][0] = fmaf(zp_g, ns.x, start2[mt].x);
+                                    tmp[mt][1] = fmaf(zp_g, ns.y, start2[mt].y);
+                                    tmp[mt][2] = fmaf(zp_g8, ns.x, start2[mt].x);
+                                    tmp[mt][3] = fmaf(zp_g8, ns.y, start2[mt].y);
+                                }
+                            }
+#pragma unroll
+                            for (int j = 0; j < CG; ++j) {
+                                const uint4 x = sw[(r * KC + kc0 + j) * 32];
+                                u32 lo[8], hi[8];             // A: rows g, g + 8: offset + q
+                                if constexpr (F16)
+                                    w16::raw_pairs_f16(x, lo, hi);
+                                else
+                                    w16::raw_pairs(x, 0x43004300u, lo, hi);   // bf16 128
+#pragma unroll
+                                for (int mt = 0; mt < LT; ++mt) {
+                                    const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];
+                                    if (!ZP && j == 0)        // from the shared start, kept
+                                        w16::mma16816_c<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1],
+                                                             b0.x, b0.y, zs[ZP ? 0 : mt]);
+                                    else
+                                        w16::mma16816<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1], b0.x,
+                                                           b0.y);
+                                    w16::mma16816<F16>(tmp[mt], lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
+                                    w16::mma16816<F16>(tmp[mt], lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
+                                    w16::mma16816<F16>(tmp[mt], lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
+                                }
+                            }
+#pragma unroll
+                            for (int mt = 0; mt < LT; ++mt) {
+                                acc[r][mt][0] = fmaf(s2.x, tmp[mt][0], acc[r][mt][0]);
+                                acc[r][mt][1] = fmaf(s2.x, tmp[mt][1], acc[r][mt][1]);
+                                acc[r][mt][2] = fmaf(s2.y, tmp[mt][2], acc[r][mt][2]);
+                                acc[r][mt][3] = fmaf(s2.y, tmp[mt][3], acc[r][mt][3]);
+                            }
+                        }
+                    };
+                    if (STAGED_PROBE == 1) {
+                    } else if (kcn == KC && g0 == (c0 + KC - 1) >> chunk_shift) {   // one group
+                        chunks(w16::Count<KC>{}, 0);
+                    } else {
+#pragma unroll
+                        for (int kc = 0; kc < KC; ++kc) {
+                            if (kc >= kcn) break;             // uniform: a short last stage
+                            chunks(w16::Count<1>{}, kc);
+                        }
+                    }
+                    // ---- the end of this walk's units of block b (the next unit is in another
+                    // block, or not the walk's: claimed is settled up to unit i + 1): store it
+                    // whole, or hand in this part
+                    ++blk_n;
+                    if (i + 1 >= claimed || s == (dir > 0 ? SPB - 1 : 0)) {   // uniform
+                        if (blk_n == SPB) {
+                            store(b);
+                        } else {
+                            const int slot = q * SLOTS + parts_used++;
+                            if (finish_parts<TPW * LT * 4, NT>(
+                                    &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
+                                    (size_t)m * nblocks + b, PER, slot,
+                                    dir > 0 ? s - blk_n + 1 : s, blk_n, sLast))
+                                store(b);
+                        }
+                        blk_n = 0;
+#pragma unroll
+                        for (int r = 0; r < TPW; ++r)
+#pragma unroll
+                            for (int mt = 0; mt < LT; ++mt)
+#pragma unroll
+                                for (int k = 0; k < 4; ++k) acc[r][mt][k] = 0.f;
+                    }
                 }
-                if (++s == SPB) { s = 0; ++b; }
-            }
-        });
+            });
 #if STAGED_TIMES
-        if (tid == 0) {
-            g_cta_times[blockIdx.x][3] += n_units;
-            g_cta_times[blockIdx.x][4] += (unsigned long long)n_units * live_tiles;
-        }
+            if (tid == 0) {
+                g_cta_times[blockIdx.x][3] += claimed;
+                g_cta_times[blockIdx.x][4] += (unsigned long long)claimed * live_tiles;
+            }
 #endif
-        w16::cp_wait<0>();                             // the ring is empty ...
-        __syncthreads();                               // ... and read: the next segment refills it
+            w16::cp_wait<0>();                         // the ring is empty ...
+            __syncthreads();                           // ... and read: the next segment refills
+            stopped = claimed < seg_len;               // the other side has the rest
+        }
+    }
+
+    // ---- the last CTA out leaves the claims and thieves at zero for the next launch
+    if (ST) {
+        __syncthreads();
+        if (tid == 0) {
+            __threadfence();
+            sLast = atomicAdd(exits, 1) == Q - 1;
+        }
+        __syncthreads();
+        if (sLast) {
+            __threadfence();
+            for (int v = tid; v < Q; v += NT) {
+                claims[v] = 0;
+                thieves[v] = 0;
+            }
+            if (tid == 0) *exits = 0;
+        }
     }
 #if STAGED_TIMES
     if (tid == 0) g_cta_times[blockIdx.x][1] = global_ns();

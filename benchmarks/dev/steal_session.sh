@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call for the staged rung's steals (ST), results under $OUT: the staged GPU tests,
+# then the probe (CUDA events, L2 flushed) of t24 (ST = 1) beside r24 (ST = 0, the runs as
+# planned) and PROBE_CONFIGS, with each CTA's end (TIMES) at T = 64, then bench_quant's int4 row.
+#   MOE_SANDBOX_COMMIT=<hash> bash benchmarks/dev/steal_session.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/moe_sandbox_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0
+say() { echo "== $* ($(date +%T))"; }
+{
+  say "device"; nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+  echo "commit ${MOE_SANDBOX_COMMIT:-unknown}"
+  timeout 150 python3 benchmarks/dev/precompile.py --elems bf16 staged 2>&1 | tail -n 2
+  if [ -z "${SKIP_TESTS:-}" ]; then
+    say "staged GPU tests"
+    timeout ${TEST_S:-150} python3 -m pytest -q --maxfail=10 --timeout 100 -m gpu -p no:cacheprovider \
+      tests/test_quant_wna16_staged.py 2>&1 | tail -n 12
+  fi
+  say "probe"
+  timeout ${PROBE_S:-200} python3 benchmarks/dev/probe_staged.py --configs ${PROBE_CONFIGS:-t24,r24} \
+    --tokens ${PROBE_TOKENS:-64,16,256} --variants ${PROBE_VARIANTS:-base} --out "$OUT" 2>&1 \
+    | grep -v "^read" | tail -n 40
+  say "probe: each CTA's end at T = 64"
+  mkdir -p "$OUT/times"
+  timeout 100 python3 benchmarks/dev/probe_staged.py --configs ${TIMES_CONFIGS:-t24,r24} --tokens 64 \
+    --variants TIMES=1 --out "$OUT/times" 2>&1 | grep -v "^read" | tail -n 20
+  if [ -z "${SKIP_BENCH:-}" ]; then
+    say "bench_quant mixtral"
+    timeout 110 python3 benchmarks/bench_quant.py --models mixtral --tokens ${BENCH_TOKENS:-1,16,64} \
+      --no-bf16 --budget-s 95 2>&1 | tail -n 8
+    cp "$(ls -t benchmarks/results/bench_quant_*.json | head -n 1)" "$OUT"/
+  fi
+  say "done"
+} >"$OUT/log_steal.txt" 2>&1
