@@ -300,6 +300,7 @@ def emulated_steals(request, tmp_path_factory):
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,shape,gs,zp,sms", [
     ("t8", (2, 4, 2, 288, 576, 8), 64, False, 8),     # runs of 2-3 units inside blocks of 5
+    ("t8", (9, 4, 2, 288, 576, 8), 64, True, 1),      # two runs of ~25 units, across m tiles
     ("t24", (20, 2, 2, 256, 512, 24), 128, True, 4),  # 1-3 live token tiles, zero points
     ("t32", (30, 2, 2, 128, 384, 32), 384, True, 1),  # runs that cross m tiles
     ("f16", (5, 3, 2, 288, 640, 16), 128, True, 8),   # FA, a short last stage

@@ -6,8 +6,9 @@ under the .cu's dev macros, beside the real one:
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, since taken out.)
 and a plain read of the same bytes (uint4 loads, grid-stride) as the streaming calibration.
 Times only (CUDA events, median, L2 flushed before each repetition).
-    python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3] [--tokens 64]
-                                          [--variants base,PROBE=1,TIMES=1+PROBE=3]"""
+    python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3,base:t24] [--tokens 64]
+                                          [--variants base,PROBE=1,TIMES=1+PROBE=3]
+                                          [--base-cu quant_gemm_wna16_staged_base.cu]"""
 import argparse
 import json
 import sys
@@ -41,6 +42,8 @@ def main():
     p.add_argument("--tokens", default="64")
     p.add_argument("--variants", default="base,PROBE=1,PROBE=3")
     p.add_argument("--out", default="/tmp")
+    p.add_argument("--base-cu", default="quant_gemm_wna16_staged_base.cu",
+                   help="the kernel of the base: configs (in cuda_kernels/cupy)")
     args = p.parse_args()
     w1 = random_bytes((E, 2 * I, H // 2), 1)
     w2 = random_bytes((E, H, I // 2), 2)
@@ -64,7 +67,10 @@ def main():
         ids, tw = draw_routing(rng, T)
         x, act = random_bf16((T, H), 10 + T), random_bf16((T * K, I), 20 + T)
         for spec in args.configs.split(","):
-            cname, cfg = _config_override(dict(W.STAGED_CONFIGS), spec)
+            # "base:t24": t24's launch with the kernel of --base-cu (an earlier version of the
+            # .cu beside it, same arguments, template without ST), for a same-call baseline
+            base = spec.startswith("base:")
+            cname, cfg = _config_override(dict(W.STAGED_CONFIGS), spec[5:] if base else spec)
             B = -(-32 // (8 * cfg["MT"])) * 8 * cfg["MT"]
             st, ex, ntp = (C.to_device(v) for v in moe_align_block_size(ids, B, E))
             twd = C.to_device(tw)
@@ -78,11 +84,13 @@ def main():
                 W._READY.clear()
                 W._SMEM_SET.clear()
                 name = W.staged_kernel_name(cfg, False)
-                mod = cupy.RawModule(code=C.source_text(W.CU_STAGED, dict(ELEM_BF16=1, **defs)),
+                src_name = name.rsplit(",", 1)[0] + ">" if base else name
+                mod = cupy.RawModule(code=C.source_text(args.base_cu if base else W.CU_STAGED,
+                                                        dict(ELEM_BF16=1, **defs)),
                                      options=C._BASE_OPTIONS + tuple(
                                          f"-I{d}" for d in C.cuda_include_dirs()),
-                                     name_expressions=(name,))
-                W._READY[(name, 1, dev)] = mod.get_function(name)
+                                     name_expressions=(src_name,))
+                W._READY[(name, 1, dev)] = mod.get_function(src_name)
                 g1(), g2()
                 if defs.get("STAGED_TIMES"):
                     ptr = mod.get_global("g_cta_times")

@@ -297,19 +297,25 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         return n;
     };
 
-    // ---- claims. Run v's units go to its owner (CTA v, from the front) and to at most one
-    // thief (from the back) through one 64-bit word, claims[v] = (thief's claims << 32) + the
-    // owner's: a claim adds 1 to its half and holds iff the two halves were below the run's n
-    // units before it (a failed claim ends that walk). Every unit is claimed once, and each
-    // side's units are contiguous: the owner's [0, x), the thief's [x, n). Claims run S
-    // stages ahead of the math (a stage is claimed when it is copied), one atomic per stage.
-    auto claim = [&](int v, int dir) {
-        return atomicAdd(claims + v, dir > 0 ? 1ull : 1ull << 32);
+    // ---- claims. Run v's n units go to its owner (CTA v, from the front) and to at most one
+    // thief (from the back) through one 64-bit word, claims[v] = (thief's units << 32) + the
+    // owner's: a claim of k units adds k to its half and gets min(k, n - both halves before
+    // it) of them (fewer than k: the other side has the rest, and the walk claims no more).
+    // Every unit goes once, and each side's units are contiguous: the owner's [0, x), the
+    // thief's [x, n). A claim's answer takes a loaded round trip (~5 us while the weights
+    // stream: every CTA's S - 1 stages in flight over the bandwidth), so claims take CK = S
+    // units at a time, one claim ahead: each is settled S stages after it was made. Measured
+    // (H200, T = 64, a090d77): a claim per stage, settled one stage later, took GEMM1 from 197
+    // to 233 us.
+    constexpr int CK = S;
+    auto claim = [&](int v, int dir, int k) {
+        return atomicAdd(claims + v, (unsigned long long)k << (dir > 0 ? 0 : 32));
     };
-    auto holds = [](unsigned long long old, int n) {
-        return (long long)(old & 0xFFFFFFFFull) + (long long)(old >> 32) < n;
+    auto granted = [](unsigned long long old, int k, int n) {
+        const long long left = n - (long long)(old & 0xFFFFFFFFull) - (long long)(old >> 32);
+        return (int)max(0LL, min((long long)k, left));
     };
-    __shared__ int sClaimed[2];      // the walk's units of this segment claimed so far
+    __shared__ int sGranted[2];      // the walk's units granted so far (by walk step parity)
     __shared__ int sVictim;
     __shared__ long long sBest[W];
 
@@ -354,49 +360,52 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         if (v < 0) break;
         const int dir = walk == 0 ? 1 : -1, n_v = run_units(v);
         const int mf = first_m(run_start(v)), ml = last_m(v);
-        int cap = walk == 0 ? n_v : STAGED_STEAL_CAP;  // units this walk may still claim
+        const int cap = walk == 0 ? n_v : STAGED_STEAL_CAP;   // units this walk may claim
+        // tid 0's claims: `got` units granted (every claim made so far settled but one), a
+        // claim of pend_k units in flight (0: none; the walk claims no more). Two claims in
+        // one round trip to start, a third in flight; then step w settles it when step w + 1
+        // needs more than got (unit w + S) and makes the next
+        unsigned long long pending = 0;
+        int got = n_v, pend_k = 0;
+        if (tid == 0) {
+            if (ST && n_v > 0) {
+                const int k0 = min(CK, cap), k1 = min(CK, cap - k0);
+                const unsigned long long o0 = claim(v, dir, k0);
+                const unsigned long long o1 = k1 > 0 ? claim(v, dir, k1) : 0ull;
+                got = granted(o0, k0, n_v);
+                if (got == k0 && k1 > 0) got += granted(o1, k1, n_v);
+                if (got == k0 + k1 && got < cap) {
+                    pend_k = min(CK, cap - got);
+                    pending = claim(v, dir, pend_k);
+                }
+            }
+            sGranted[0] = sGranted[1] = got;
+        }
+        int wbase = 0;                                 // walk steps of the segments before
         bool stopped = n_v == 0;
         for (int mi = 0; mi <= ml - mf && !stopped; ++mi) {
             const int m = dir > 0 ? mf + mi : ml - mi;
             int ua, ub;
             if (!segment(v, m, ua, ub)) continue;
             const int seg_len = ub - ua;
-            // walk unit i of the segment: unit ua + i (forward) or ub - 1 - i (backward)
-            auto unit_of = [&](int i) { return dir > 0 ? ua + i : ub - 1 - i; };
-
-            // the first S units' claims (independent atomics, in flight together), and the
-            // next one's, pending; then each iteration i settles the claim of unit i + S and
-            // makes the one of unit i + S + 1 (a stage of time for its round trip)
-            unsigned long long pending = 0;
-            bool has_pending = false;
-            if (tid == 0) {
-                int ok = min(seg_len, cap);
-                if (ST) {
-                    unsigned long long old[S];
-                    const int k0 = min(S, ok);
-#pragma unroll
-                    for (int j = 0; j < S; ++j)
-                        if (j < k0) old[j] = claim(v, dir);
-                    ok = 0;
-#pragma unroll
-                    for (int j = 0; j < S; ++j)
-                        if (j < k0 && ok == j && holds(old[j], n_v)) ++ok;
-                    cap -= ok;
-                    if (ok == S && S < seg_len && cap > 0) {
-                        pending = claim(v, dir);
-                        has_pending = true;
-                    }
-                }
-                sClaimed[0] = sClaimed[1] = ok;
-            }
             w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots,
                                  top_k, num_positions, sSlot, sArow);   // (its barrier)
-            if (sClaimed[0] == 0) {                    // the other side has the rest
+            if (sGranted[wbase & 1] <= wbase) {        // the other side has the rest
                 stopped = true;
-                __syncthreads();                       // sClaimed is read before it is reused
+                __syncthreads();                       // sGranted is read before it is reused
                 break;
             }
             const int e = expert_ids[m * BM / block_size];
+            // the segment's units in walk order: ua, ua + 1, ... (owner) or ub - 1, ub - 2, ...
+            // (thief), each (row block b, K stage s), stepped without divisions
+            const int u_first = dir > 0 ? ua : ub - 1;
+            auto step = [&](int& b, int& s) {
+                if (dir > 0) {
+                    if (++s == SPB) s = 0, ++b;
+                } else if (s-- == 0) {
+                    s = SPB - 1, --b;
+                }
+            };
 
             // the live token tiles (an expert's live rows are a prefix of its block), and the
             // row of a each staged row copies (padding rows inside the live tiles: a live row,
@@ -436,15 +445,14 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             // the expert's scales and zero points: group gr of row block b at (b G + gr) NB 8
             const size_t sz_e = blk_e * num_groups * (NB * 8);
 
-            // ---- walk unit i (claimed: i < claimed) into ring slot i % S; one commit group
-            // per call (empty past the claimed units: the wait counts stay right)
-            auto issue = [&](int i, int claimed) {
-                if (i < claimed) {
-                    const int u = unit_of(i), b = u / SPB, s = u - b * SPB;
+            // ---- segment unit i = (b, s) into ring slot i % S if it is the walk's (live); one
+            // commit group per call (empty past the walk's units: the wait counts stay right)
+            auto issue = [&](int i, int b, int s, bool live) {
+                if (live) {
                     const int c0 = s * KC, kcn = min(KC, C - c0);
                     const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
                     u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
-                    const uint4* wsrc = w_tile + (size_t)u * (NB * KC * 32);
+                    const uint4* wsrc = w_tile + (size_t)(b * SPB + s) * (NB * KC * 32);
 #pragma unroll
                     for (int j = 0; j < W_PER; ++j)
                         if (STAGED_PROBE != 3)
@@ -473,13 +481,20 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 w16::cp_commit();
             };
 
+            // the walk's units of this segment: those below `end` (units granted, known up to
+            // step w + S - 1 at step w)
+            int ib = u_first / SPB, is = u_first - ib * SPB;   // the unit being issued
+            const int b_first = ib, s_first = is;
             {
-                const int claimed = sClaimed[0];
+                const int end = min(seg_len, sGranted[wbase & 1] - wbase);
 #pragma unroll
-                for (int i = 0; i < S - 1; ++i) issue(i, claimed);
+                for (int i = 0; i < S - 1; ++i) {
+                    issue(i, ib, is, i < end);
+                    step(ib, is);
+                }
             }
 
-            int claimed = 0;                               // units of the segment walked
+            int end = 0;
             w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
                 constexpr int LT = decltype(live_count)::value;
                 float acc[TPW][LT][4];
@@ -514,28 +529,24 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 };
 
                 int blk_n = 0;                             // units of the current block walked
+                int b = b_first, s = s_first;              // the unit being computed
                 for (int i = 0;; ++i) {
                     w16::cp_wait<S - 2>();                 // stage i has landed (this thread's)
                     __syncthreads();                       // ... and everyone's; slot i - 1 free
-                    claimed = sClaimed[i & 1];             // settled up to unit i + S - 1
-                    if (i >= claimed) break;
-                    if (ST && tid == 0) {                  // unit i + S's claim, unit i + S + 1's
-                        int next = claimed;
-                        if (has_pending) {
-                            has_pending = false;
-                            if (next == i + S && holds(pending, n_v)) {
-                                next = i + S + 1;
-                                --cap;
-                                if (next < seg_len && cap > 0) {
-                                    pending = claim(v, dir);
-                                    has_pending = true;
-                                }
-                            }
+                    const int w = wbase + i;               // the walk step
+                    end = min(seg_len, sGranted[w & 1] - wbase);
+                    if (i >= end) break;
+                    if (ST && tid == 0) {                  // settle and claim on, one ahead
+                        if (pend_k && got <= w + S) {
+                            const int k = granted(pending, pend_k, n_v);
+                            got += k;
+                            pend_k = k == pend_k && got < cap ? min(CK, cap - got) : 0;
+                            if (pend_k) pending = claim(v, dir, pend_k);
                         }
-                        sClaimed[(i + 1) & 1] = next;      // read after the next barrier
+                        sGranted[(w + 1) & 1] = got;       // read after the next barrier
                     }
-                    issue(i + S - 1, claimed);
-                    const int u = unit_of(i), b = u / SPB, s = u - b * SPB;
+                    issue(i + S - 1, ib, is, i + S - 1 < end);
+                    step(ib, is);
                     const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
                     const u8* st = smem + (size_t)(i % S) * St::BYTES;
                     const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
@@ -659,10 +670,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                         }
                     }
                     // ---- the end of this walk's units of block b (the next unit is in another
-                    // block, or not the walk's: claimed is settled up to unit i + 1): store it
+                    // block, or not the walk's: end is known up to unit i + S - 1): store it
                     // whole, or hand in this part
                     ++blk_n;
-                    if (i + 1 >= claimed || s == (dir > 0 ? SPB - 1 : 0)) {   // uniform
+                    if (i + 1 >= end || s == (dir > 0 ? SPB - 1 : 0)) {   // uniform
                         if (blk_n == SPB) {
                             store(b);
                         } else {
@@ -681,17 +692,19 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                                 for (int k = 0; k < 4; ++k) acc[r][mt][k] = 0.f;
                     }
+                    step(b, s);
                 }
             });
 #if STAGED_TIMES
             if (tid == 0) {
-                g_cta_times[blockIdx.x][3] += claimed;
-                g_cta_times[blockIdx.x][4] += (unsigned long long)claimed * live_tiles;
+                g_cta_times[blockIdx.x][3] += end;
+                g_cta_times[blockIdx.x][4] += (unsigned long long)end * live_tiles;
             }
 #endif
             w16::cp_wait<0>();                         // the ring is empty ...
             __syncthreads();                           // ... and read: the next segment refills
-            stopped = claimed < seg_len;               // the other side has the rest
+            stopped = end < seg_len;                   // the other side has the rest
+            wbase += seg_len;
         }
     }
 
