@@ -9,8 +9,8 @@ bad configs clearly. Simulator: the kernel on the CPU emulation of tests/test_qu
 end inside row blocks (blocks finished from 2-3 parts, in CTA order), a ragged last block, a
 short last K stage, group sizes 64 / 128 / one per row, with and without zero points, 1-3 live
 token tiles, an expert of another rank; the split counters come back to zero.
-GPU (`gpu` marker): every config on the packed rung's shapes, fp16 and other ranks, runs long
-enough to be stolen from, and the same bits on a second launch without steals (r24). Tolerance: the issue's weight-only 2e-2.
+GPU (`gpu` marker): every config on the packed rung's shapes, fp16 and other ranks, long runs
+walked by SM pairs, and the same bits on a second launch when each run has one CTA (r24). Tolerance: the issue's weight-only 2e-2.
 
 Shape legend: T tokens, E experts, K top-k, N output width, Kdim reduction width, B block size.
 """
@@ -68,10 +68,10 @@ def test_plan_and_runs(name):
         spb = -(-K // 64 // cfg["KC"])
         assert lp["U"] == -(-(N // 16) // nb) * spb and q == min(sms * cfg["MINB"],
                                                                   lp["MTILES"] * lp["U"])
-        slots = 2 * (1 + cfg["ST"])                    # two partial blocks per walk
-        assert lp["WS"] == q * slots * 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
+        slots = 4 * -(-q // 2)                         # two partial blocks per walk
+        assert lp["WS"] == slots * 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
         assert lp["TILES"] == lp["MTILES"] * -(-(N // 16) // nb) and lp["SPB"] == spb
-        assert lp["COUNTERS"] == 3 * q + 2 + lp["TILES"] * (1 + spb)
+        assert lp["COUNTERS"] == 2 * q + 2 + 1024 * 9 + lp["TILES"] * (1 + spb)
         assert lp["smem"] == (cfg["S"] * W.staged_stage_bytes(cfg, False) +
                               8 * (lp["MTILES"] + 1) + 4 * spb)
         assert lp["smem"] <= W.SMEM_PER_SM // cfg["MINB"] - 1024
@@ -132,8 +132,8 @@ def test_plan_refuses_bad_configs():
         W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, TPW=0))
     with pytest.raises(ValueError, match="no room for MINB = 2"):
         W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, S=8, KC=4))
-    with pytest.raises(ValueError, match="ST .steals per CTA. an int >= 0, got -1"):
-        W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, ST=-1))
+    with pytest.raises(ValueError, match="ST .SM pairs share runs. 0 or 1, got 2"):
+        W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, ST=2))
     with pytest.raises(ValueError, match="config: expected keys"):
         W.pick_config(2.0, 24, dict(KERNEL="staged", MT=3, W=4))
 
@@ -280,38 +280,36 @@ def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sm
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e} (Q = {lp['Q']}, U = {lp['U']})"
 
 
-@pytest.fixture(scope="module", params=["cap2", "whole"])
-def emulated_steals(request, tmp_path_factory):
-    """The emulation with steals forced: its CTAs run one after another, so each CTA, its own
-    run done, steals from the next one's run before that one starts (a thief on any run with a
-    unit left: STAGED_STEAL_MIN 1). cap2: a steal claims at most 2 units and the owner, later,
-    claims up to them (the two sides meet inside the run); whole: the thief takes the whole
-    run and its owner's first claim fails."""
+@pytest.fixture(scope="module", params=["front2", "whole"])
+def emulated_pairs(request, tmp_path_factory):
+    """The emulation, whose CTAs run one after another (CTAs 2 i and 2 i + 1 "on" SM i): the
+    first of each pair walks its run whole and the second's first claim gets nothing (whole),
+    or the first claims at most 2 units (STAGED_FRONT_CAP, a test-only cap) and the second
+    walks the rest backward, the two sides meeting inside the run (front2)."""
     from test_quant_cupy import build_emulation
     from test_quant_wna16_cupy import W16_PRELUDE
 
-    defines = "#define STAGED_STEAL_MIN 1\n"
-    if request.param == "cap2":
-        defines += "#define STAGED_STEAL_CAP 2\n"
+    defines = "#define STAGED_FRONT_CAP 2\n" if request.param == "front2" else ""
     return build_emulation(tmp_path_factory, f"wst_{request.param}", W.CU_STAGED,
                            _entries(W.STAGED_NAMES), prelude=defines + W16_PRELUDE)
 
 
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,shape,gs,zp,sms", [
-    ("t8", (2, 4, 2, 288, 576, 8), 64, False, 8),     # runs of 2-3 units inside blocks of 5
-    ("t8", (9, 4, 2, 288, 576, 8), 64, True, 1),      # two runs of ~25 units, across m tiles
+    ("t8", (2, 4, 2, 288, 576, 8), 64, False, 8),     # runs of 4-6 units inside blocks of 5
+    ("t8", (9, 4, 2, 288, 576, 8), 64, True, 1),      # one run of ~50 units, across m tiles
     ("t24", (20, 2, 2, 256, 512, 24), 128, True, 4),  # 1-3 live token tiles, zero points
-    ("t32", (30, 2, 2, 128, 384, 32), 384, True, 1),  # runs that cross m tiles
-    ("f16", (5, 3, 2, 288, 640, 16), 128, True, 8),   # FA, a short last stage
-    ("r24", (20, 2, 2, 64, 768, 48), 256, False, 4),  # no steals (ST = 0): the static runs
+    ("t32", (30, 2, 2, 128, 384, 32), 384, True, 1),  # one group per row
+    ("f16", (5, 3, 2, 288, 640, 16), 128, True, 3),   # FA, a short last stage
+    ("r24", (20, 2, 2, 64, 768, 48), 256, False, 4),  # ST = 0: one CTA a run
 ])
-def test_emulated_steals_match_reference(emulated_steals, rng, cfg, shape, gs, zp, sms):
-    """Runs walked by their owners forward and by thieves backward: every unit once (the
-    blocks' parts tile their K stages), parity with the reference, counters back to zero."""
+def test_emulated_pairs_match_reference(emulated_pairs, rng, cfg, shape, gs, zp, sms):
+    """Runs walked by the first CTA of a pair forward and by the second backward: every unit
+    once (the blocks' parts tile their K stages), parity with the reference, the counters and
+    the pairs' records back to zero."""
     M_a, E, K, N, Kd, B = shape
     a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
-    got, lp = _run_emulated(emulated_steals, cfg, a, wq, ws, wz, st, ex, ntp, K, B, tw, bias,
+    got, lp = _run_emulated(emulated_pairs, cfg, a, wq, ws, wz, st, ex, ntp, K, B, tw, bias,
                             sms)
     err = rel_err(got, want)
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e} (Q = {lp['Q']}, U = {lp['U']})"
@@ -390,10 +388,10 @@ def test_parts_match_reference_and_repeat(rng, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", ["t24", "t8"])
-def test_steals_match_reference(rng, cfg):
-    """Runs of ~20 units (4096 x 8192, 4 experts): CTAs that end early steal the ends of slow
-    ones' runs (the timing decides which); parity with the reference on a poisoned output,
-    twice (the claims and counters left at zero by the first launch)."""
+def test_pairs_match_reference(rng, cfg):
+    """Runs of ~45 units (4096 x 8192, 4 experts), each walked from both ends by the two CTAs
+    of an SM (the timing decides where they meet): parity with the reference on a poisoned
+    output, twice (the claims, the pairs' records and the counters left at zero)."""
     ok, why = C.availability()
     if not ok:
         pytest.skip(why)

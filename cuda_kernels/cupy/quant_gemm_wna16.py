@@ -756,7 +756,7 @@ STAGED_CONFIGS = {
     "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2, ST=1),
     # 8 warps of 2 tiles: twice the warps per SM, each token fetch from shared memory feeds 2
     "u24": dict(KERNEL="staged", MT=3, W=8, TPW=2, KC=2, S=4, MINB=2, ST=1),
-    # no steals (ST = 0): the runs as planned, so the same inputs give the same bits
+    # one CTA a run (ST = 0): the parts split as planned, so the same inputs give the same bits
     "r24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, ST=0),
 }
 # FA = 1: bf16 activations go in as fp16 with a power-of-two scale per row (wna16_f16_rows, one
@@ -768,6 +768,7 @@ STAGED_CONFIGS = {
 STAGED_CONFIGS.update({f"f{n[1:]}": dict(STAGED_CONFIGS[n], FA=1)
                        for n in ("t8", "t16", "t24", "t32")})
 CU_STAGED = "quant_gemm_wna16_staged.cu"
+STAGED_MAX_SMS, STAGED_PAIRS_PER_SM = 1024, 8   # the .cu's records of the pairs per SM
 
 
 def staged_kernel_name(cfg: dict, zp: bool, fa: bool | None = None) -> str:
@@ -813,8 +814,8 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     q = max(1, min(num_sms * cfg["MINB"] * cfg.get("WAVES", 1), mtiles * units))
     spb = C.cdiv(K // PACK_CHUNK, cfg["KC"])
     st = cfg.get("ST", 0)
-    if not isinstance(st, int) or st < 0:
-        raise ValueError(f"config: expected ST (steals per CTA) an int >= 0, got {st!r}")
+    if st not in (0, 1):
+        raise ValueError(f"config: expected ST (SM pairs share runs) 0 or 1, got {st!r}")
     smem = cfg["S"] * staged_stage_bytes(cfg, zp) + 8 * (mtiles + 1) + 4 * spb
     room = SMEM_PER_SM // cfg["MINB"] - 1024
     if smem > room:
@@ -823,14 +824,15 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
                          f"each)")
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
     per = 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
-    slots = 2 * (1 + st)
-    if q * slots >= 1 << 16 or spb >= 1 << 15:
-        raise ValueError(f"config: {q} CTAs x {slots} parts or {spb} K stages per block are "
-                         f"past the part records' 16-bit fields")
+    slots = 4 * C.cdiv(q, 2)                   # [pairs][2 sides][2 partial blocks]
+    if slots >= 1 << 16 or spb >= 1 << 15:
+        raise ValueError(f"config: {slots} part slots or {spb} K stages per block are past the "
+                         f"part records' 16-bit fields")
     return dict(name=staged_kernel_name(cfg, zp, fa), cfg=cfg, grid=(q, 1, 1),
                 block=(32 * cfg["W"],), smem=smem, shift=shift, Lg=Lg, Q=q, U=units, SPB=spb,
-                MTILES=mtiles, WS=q * slots * per, TILES=mtiles * blocks,
-                COUNTERS=3 * q + 2 + mtiles * blocks * (1 + spb))
+                MTILES=mtiles, WS=slots * per, TILES=mtiles * blocks,
+                COUNTERS=2 * q + 2 + STAGED_MAX_SMS * (1 + STAGED_PAIRS_PER_SM) +
+                mtiles * blocks * (1 + spb))
 
 
 F16_ROWS_KERNEL = "wna16_f16_rows"

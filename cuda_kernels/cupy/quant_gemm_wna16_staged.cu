@@ -97,12 +97,11 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
-#ifndef STAGED_STEAL_MIN // the fewest units left in a run that a thief takes on
-#define STAGED_STEAL_MIN 10
-#endif
-#ifndef STAGED_STEAL_CAP // the most units one steal claims (tests: a thief that leaves the owner
-#define STAGED_STEAL_CAP (1 << 30)   // some, on the emulation, whose CTAs run one by one)
-#endif
+#ifndef STAGED_FRONT_CAP // tests only: the most units the first of a pair claims, so that its
+#define STAGED_FRONT_CAP (1 << 30)   // second takes the rest on the emulation, whose CTAs run
+#endif                               // one after another
+#define STAGED_MAX_SMS 1024          // the pairs' records (staged_plan's COUNTERS)
+#define STAGED_PAIRS_PER_SM 8
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns) and SM in g_cta_times
 #define STAGED_TIMES 0
 #endif
@@ -243,12 +242,14 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     }
     __syncthreads();
     const long long Wt = cum[mtiles];
-    // CTA q's run: weighted positions [run_start(q), run_start(q + 1)), fixed before the launch.
-    // Measured (T = 64 GEMM1, STAGED_TIMES, dev_wna16_20261130g): equal-cost runs end anywhere
-    // from 145 to 180 us. The SMs do not stream at one speed, and of an SM's two CTAs the
-    // older runs 9-13% faster a unit; once one of them is done the SM's other CTA runs alone
-    // at ~40% of the pair's rate. Hence the steals below.
-    auto run_start = [&](long long qq) { return qq * Wt / Q; };
+    // The runs: R of equal cost, run r = weighted positions [run_start(r), run_start(r + 1)).
+    // ST = 0: R = Q, CTA q walks run q. ST = 1: R = cdiv(Q, 2), each walked by the two CTAs
+    // of one SM from its two ends (below). Why: measured (T = 64 GEMM1, STAGED_TIMES,
+    // dev_wna16_20261130g) equal-cost runs of one CTA each end anywhere from 145 to 180 us; of
+    // an SM's two CTAs the older runs 9-13% faster a unit, and once it is done the other runs
+    // alone at ~40% of the pair's rate (4.7 + 5.0 units / us together, 3.7 alone).
+    const int R = ST ? (Q + 1) / 2 : Q;
+    auto run_start = [&](long long r) { return r * Wt / R; };
 
     // ---- experts of another rank: zeros, m tile m by CTA m % Q
     for (int m = q; m < mtiles; m += Q) {
@@ -260,12 +261,15 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     }
     if (Wt == 0 || (ST == 0 && run_start(q) >= run_start(q + 1))) return;   // uniform
 
-    // ---- the workspace (staged_plan's COUNTERS ints, zero between launches; WS floats)
-    constexpr int SLOTS = 2 * (1 + ST), PER = NT * TPW * MT * 4;
-    unsigned long long* claims = reinterpret_cast<unsigned long long*>(counters);   // [Q]
-    int* thieves = counters + 2 * Q;                   // [Q] the run's thief + 1, 0: none
-    int* exits = counters + 3 * Q;                     // [1] CTAs done (then one int of pad)
-    int* units_done = counters + 3 * Q + 2;            // [m tiles][blocks]
+    // ---- the workspace (staged_plan's COUNTERS ints, zero between launches; WS floats:
+    // 4 part slots per pair of CTAs, [cdiv(Q, 2)][2 sides][2 parts][PER])
+    constexpr int PER = NT * TPW * MT * 4;
+    unsigned long long* claims = reinterpret_cast<unsigned long long*>(counters);   // [R]
+    int* exits = counters + 2 * Q;                     // [1] CTAs done
+    int* next_run = counters + 2 * Q + 1;              // [1] runs handed out
+    int* sm_roles = counters + 2 * Q + 2;              // [MAX_SMS] CTAs that came to the SM
+    int* sm_runs = sm_roles + STAGED_MAX_SMS;          // [MAX_SMS][PAIRS_PER_SM] run + 1
+    int* units_done = sm_runs + STAGED_MAX_SMS * STAGED_PAIRS_PER_SM;   // [m tiles][blocks]
     int* part_at = units_done + (size_t)mtiles * nblocks;   // [m tiles][blocks][SPB]
     int* by_first = reinterpret_cast<int*>(cum + mtiles + 1);   // shared [SPB]
 
@@ -316,51 +320,44 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         return (int)max(0LL, min((long long)k, left));
     };
     __shared__ int sGranted[2];      // the walk's units granted so far (by walk step parity)
-    __shared__ int sVictim;
-    __shared__ long long sBest[W];
+    __shared__ int sRun, sDir;
 
-    // A victim: the run, not this CTA's and without a thief, with the most units left (at
-    // least STAGED_STEAL_MIN: a steal costs a segment start, ~2 stages of work); -1: none
-    auto pick_victim = [&]() {
-        for (int attempt = 0; attempt < 4; ++attempt) {
-            long long key = -1;                       // units left << 20 | (2^20 - 1 - v)
-            for (int v = tid; v < Q; v += NT) {
-                if (v == q || __ldcg(thieves + v) != 0) continue;
-                const unsigned long long cw = __ldcg(claims + v);
-                const long long left = run_units(v) - (long long)(cw & 0xFFFFFFFFull) -
-                                       (long long)(cw >> 32);
-                if (left >= STAGED_STEAL_MIN)
-                    key = max(key, (left << 20) | ((1 << 20) - 1 - v));
+    // ---- the pairs (ST = 1): the CTAs that come to one SM pair up in their order there; the
+    // first of a pair takes the next run and walks it forward, the second walks it backward.
+    // Every run is taken (an SM's odd CTAs never outnumber its even ones, so at least R CTAs
+    // take a run), and a run whose second CTA never comes is walked whole by its first. The
+    // second waits for the first's run (a CTA on its own SM, running: no deadlock).
+    int v = q, dir = 1;
+    if (ST) {
+        if (tid == 0) {
+            const int sm = w16::sm_id(), role = sm < STAGED_MAX_SMS ? atomicAdd(sm_roles + sm, 1)
+                                                                   : 2 * STAGED_PAIRS_PER_SM;
+            int* pair = role < 2 * STAGED_PAIRS_PER_SM
+                            ? sm_runs + sm * STAGED_PAIRS_PER_SM + role / 2 : nullptr;
+            int r = -1, d = 1;
+            if (role % 2 == 0 || pair == nullptr) {
+                r = atomicAdd(next_run, 1);
+                if (pair) atomicExch(pair, r + 1);
+            } else {
+                int x;
+                while ((x = atomicAdd(pair, 0)) == 0) w16::nap();
+                r = x - 1;
+                d = -1;
             }
-#pragma unroll
-            for (int o = 16; o; o >>= 1) key = max(key, __shfl_xor_sync(0xFFFFFFFFu, key, o));
-            if (lane == 0) sBest[warp] = key;
-            __syncthreads();
-            if (tid == 0) {
-                for (int i = 1; i < W; ++i) key = max(key, sBest[i]);
-                int v = -1;
-                if (key >= 0) {
-                    v = (1 << 20) - 1 - (int)(key & ((1 << 20) - 1));
-                    if (atomicCAS(thieves + v, 0, q + 1) != 0) v = -2;   // taken: look again
-                }
-                sVictim = v;
-            }
-            __syncthreads();
-            const int v = sVictim;
-            __syncthreads();                          // sVictim / sBest reused
-            if (v != -2) return v;
+            sRun = r < R ? r : -1;
+            sDir = d;
         }
-        return -1;
-    };
+        __syncthreads();
+        v = sRun;
+        dir = sDir;
+    }
 
-    // ---- walk 0: the own run, forward; walks 1 .. ST: a stolen run, backward from its end
-    int parts_used = 0;                                // this CTA's workspace slots used
-    for (int walk = 0; walk <= ST; ++walk) {
-        const int v = walk == 0 ? q : pick_victim();
-        if (v < 0) break;
-        const int dir = walk == 0 ? 1 : -1, n_v = run_units(v);
+    // ---- the walk of run v (none: v < 0), forward from its start or backward from its end
+    int parts_used = 0;                                // this walk's part slots used (2 at most)
+    if (v >= 0) {
+        const int n_v = run_units(v);
         const int mf = first_m(run_start(v)), ml = last_m(v);
-        const int cap = walk == 0 ? n_v : STAGED_STEAL_CAP;   // units this walk may claim
+        const int cap = dir > 0 ? STAGED_FRONT_CAP : 1 << 30;   // units this walk may claim
         // tid 0's claims: `got` units granted (every claim made so far settled but one), a
         // claim of pend_k units in flight (0: none; the walk claims no more). Two claims in
         // one round trip to start, a third in flight; then step w settles it when step w + 1
@@ -677,7 +674,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                         if (blk_n == SPB) {
                             store(b);
                         } else {
-                            const int slot = q * SLOTS + parts_used++;
+                            const int slot = 4 * (ST ? v : q / 2) + 2 * (ST ? dir < 0 : q % 2) +
+                                             parts_used++;
                             if (finish_parts<TPW * LT * 4, NT>(
                                     &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
                                     (size_t)m * nblocks + b, PER, slot,
@@ -708,7 +706,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         }
     }
 
-    // ---- the last CTA out leaves the claims and thieves at zero for the next launch
+    // ---- the last CTA out leaves the claims and the pairs' records at zero for the next launch
     if (ST) {
         __syncthreads();
         if (tid == 0) {
@@ -718,11 +716,11 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         __syncthreads();
         if (sLast) {
             __threadfence();
-            for (int v = tid; v < Q; v += NT) {
-                claims[v] = 0;
-                thieves[v] = 0;
-            }
-            if (tid == 0) *exits = 0;
+            const int sms = min(w16::sm_count(), STAGED_MAX_SMS);
+            for (int i = tid; i < R; i += NT) claims[i] = 0;
+            for (int i = tid; i < sms; i += NT) sm_roles[i] = 0;
+            for (int i = tid; i < sms * STAGED_PAIRS_PER_SM; i += NT) sm_runs[i] = 0;
+            if (tid == 0) *exits = *next_run = 0;
         }
     }
 #if STAGED_TIMES
