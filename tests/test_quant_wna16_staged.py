@@ -10,7 +10,8 @@ end inside row blocks (blocks finished from 2-3 parts, in CTA order), a ragged l
 short last K stage, group sizes 64 / 128 / one per row, with and without zero points, 1-3 live
 token tiles, an expert of another rank; the split counters come back to zero.
 GPU (`gpu` marker): every config on the packed rung's shapes, fp16 and other ranks, long runs
-walked by SM pairs, and the same bits on a second launch when each run has one CTA (r24). Tolerance: the issue's weight-only 2e-2.
+walked by SM pairs, and the same bits on a second launch when each run has one CTA (d24).
+Tolerance: the issue's weight-only 2e-2.
 
 Shape legend: T tokens, E experts, K top-k, N output width, Kdim reduction width, B block size.
 """
@@ -301,7 +302,7 @@ def emulated_pairs(request, tmp_path_factory):
     ("t24", (20, 2, 2, 256, 512, 24), 128, True, 4),  # 1-3 live token tiles, zero points
     ("t32", (30, 2, 2, 128, 384, 32), 384, True, 1),  # one group per row
     ("f16", (5, 3, 2, 288, 640, 16), 128, True, 3),   # FA, a short last stage
-    ("r24", (20, 2, 2, 64, 768, 48), 256, False, 4),  # ST = 0: one CTA a run
+    ("d24", (20, 2, 2, 64, 768, 48), 256, False, 4),  # ST = 0: one CTA a run
 ])
 def test_emulated_pairs_match_reference(emulated_pairs, rng, cfg, shape, gs, zp, sms):
     """Runs walked by the first CTA of a pair forward and by the second backward: every unit
@@ -374,7 +375,7 @@ def test_fp16_and_other_rank(rng, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["t8", "t32", "r24"])
+@pytest.mark.parametrize("cfg", ["t8", "t32", "d24"])
 def test_parts_match_reference_and_repeat(rng, cfg):
     """Many CTAs per m tile (blocks finished from several parts): parity with the reference,
     and on a second launch the same bits where nothing is stolen (ST = 0: parts added in the

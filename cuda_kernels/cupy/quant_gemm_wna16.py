@@ -757,7 +757,7 @@ STAGED_CONFIGS = {
     # 8 warps of 2 tiles: twice the warps per SM, each token fetch from shared memory feeds 2
     "u24": dict(KERNEL="staged", MT=3, W=8, TPW=2, KC=2, S=4, MINB=2, ST=1),
     # one CTA a run (ST = 0): the parts split as planned, so the same inputs give the same bits
-    "r24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, ST=0),
+    "d24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, ST=0),
 }
 # FA = 1: bf16 activations go in as fp16 with a power-of-two scale per row (wna16_f16_rows, one
 # launch before the GEMM; f16_rows is its NumPy twin), so the codes dequantize as fp16: a
