@@ -100,6 +100,9 @@
 #ifndef STAGED_FRONT_CAP // tests only: the most units the first of a pair claims, so that its
 #define STAGED_FRONT_CAP (1 << 30)   // second takes the rest on the emulation, whose CTAs run
 #endif                               // one after another
+#ifndef STAGED_CLAIM     // dev: units per claim (0: S); -1: pairs split their runs in halves,
+#define STAGED_CLAIM 0   // no claims
+#endif
 #define STAGED_MAX_SMS 1024          // the pairs' records (staged_plan's COUNTERS)
 #define STAGED_PAIRS_PER_SM 8
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns) and SM in g_cta_times
@@ -311,7 +314,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // units at a time, one claim ahead: each is settled S stages after it was made. Measured
     // (H200, T = 64, a090d77): a claim per stage, settled one stage later, took GEMM1 from 197
     // to 233 us.
-    constexpr int CK = S;
+    constexpr int CK = STAGED_CLAIM > 0 ? STAGED_CLAIM : S;
     auto claim = [&](int v, int dir, int k) {
         return atomicAdd(claims + v, (unsigned long long)k << (dir > 0 ? 0 : 32));
     };
@@ -365,7 +368,9 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         unsigned long long pending = 0;
         int got = n_v, pend_k = 0;
         if (tid == 0) {
-            if (ST && n_v > 0) {
+            if (ST && STAGED_CLAIM < 0) {
+                got = dir > 0 ? n_v / 2 : n_v - n_v / 2;
+            } else if (ST && n_v > 0) {
                 const int k0 = min(CK, cap), k1 = min(CK, cap - k0);
                 const unsigned long long o0 = claim(v, dir, k0);
                 const unsigned long long o1 = k1 > 0 ? claim(v, dir, k1) : 0ull;
