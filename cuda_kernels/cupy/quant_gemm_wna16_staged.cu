@@ -103,6 +103,9 @@
 #ifndef STAGED_CLAIM     // dev: units per claim (0: S); -1: pairs split their runs in halves,
 #define STAGED_CLAIM 0   // no claims
 #endif
+#ifndef STAGED_REVERSE   // dev: ST = 0 runs walked backward
+#define STAGED_REVERSE 0
+#endif
 #define STAGED_MAX_SMS 1024          // the pairs' records (staged_plan's COUNTERS)
 #define STAGED_PAIRS_PER_SM 8
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns) and SM in g_cta_times
@@ -330,7 +333,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // Every run is taken (an SM's odd CTAs never outnumber its even ones, so at least R CTAs
     // take a run), and a run whose second CTA never comes is walked whole by its first. The
     // second waits for the first's run (a CTA on its own SM, running: no deadlock).
-    int v = q, dir = 1;
+    int v = q, dir = STAGED_REVERSE ? -1 : 1;
     if (ST) {
         if (tid == 0) {
             const int sm = w16::sm_id(), role = sm < STAGED_MAX_SMS ? atomicAdd(sm_roles + sm, 1)
