@@ -103,6 +103,9 @@
 #ifndef STAGED_CLAIM     // dev: units per claim (0: S); -1: pairs split their runs in halves,
 #define STAGED_CLAIM 0   // no claims
 #endif
+#ifndef STAGED_PAIRS     // dev: 0 = ST = 1's code with one CTA a run, no claims
+#define STAGED_PAIRS 1
+#endif
 #ifndef STAGED_REVERSE   // dev: ST = 0 runs walked backward
 #define STAGED_REVERSE 0
 #endif
@@ -254,7 +257,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // dev_wna16_20261130g) equal-cost runs of one CTA each end anywhere from 145 to 180 us; of
     // an SM's two CTAs the older runs 9-13% faster a unit, and once it is done the other runs
     // alone at ~40% of the pair's rate (4.7 + 5.0 units / us together, 3.7 alone).
-    const int R = ST ? (Q + 1) / 2 : Q;
+    const int R = ST && STAGED_PAIRS ? (Q + 1) / 2 : Q;
     auto run_start = [&](long long r) { return r * Wt / R; };
 
     // ---- experts of another rank: zeros, m tile m by CTA m % Q
@@ -334,7 +337,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // take a run), and a run whose second CTA never comes is walked whole by its first. The
     // second waits for the first's run (a CTA on its own SM, running: no deadlock).
     int v = q, dir = STAGED_REVERSE ? -1 : 1;
-    if (ST) {
+    if (ST && STAGED_PAIRS) {
         if (tid == 0) {
             const int sm = w16::sm_id(), role = sm < STAGED_MAX_SMS ? atomicAdd(sm_roles + sm, 1)
                                                                    : 2 * STAGED_PAIRS_PER_SM;
@@ -371,7 +374,9 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         unsigned long long pending = 0;
         int got = n_v, pend_k = 0;
         if (tid == 0) {
-            if (ST && STAGED_CLAIM < 0) {
+            if (ST && !STAGED_PAIRS) {
+                got = n_v;
+            } else if (ST && STAGED_CLAIM < 0) {
                 got = dir > 0 ? n_v / 2 : n_v - n_v / 2;
             } else if (ST && n_v > 0) {
                 const int k0 = min(CK, cap), k1 = min(CK, cap - k0);
