@@ -687,8 +687,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                         if (blk_n == SPB) {
                             store(b);
                         } else {
-                            const int slot = 4 * (ST ? v : q / 2) + 2 * (ST ? dir < 0 : q % 2) +
-                                             parts_used++;
+                            const int slot = ST && STAGED_PAIRS ? 4 * v + 2 * (dir < 0) + parts_used++
+                                                                : 2 * q + parts_used++;
                             if (finish_parts<TPW * LT * 4, NT>(
                                     &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
                                     (size_t)m * nblocks + b, PER, slot,
