@@ -337,7 +337,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // take a run), and a run whose second CTA never comes is walked whole by its first. The
     // second waits for the first's run (a CTA on its own SM, running: no deadlock).
     int v = q, dir = STAGED_REVERSE ? -1 : 1;
-    if (ST && STAGED_PAIRS) {
+    if (ST && STAGED_PAIRS == 2) {                     // dev: CTAs 2 p and 2 p + 1 (two SMs)
+        v = q / 2;
+        dir = q % 2 ? -1 : 1;
+    } else if (ST && STAGED_PAIRS) {
         if (tid == 0) {
             const int sm = w16::sm_id(), role = sm < STAGED_MAX_SMS ? atomicAdd(sm_roles + sm, 1)
                                                                    : 2 * STAGED_PAIRS_PER_SM;
