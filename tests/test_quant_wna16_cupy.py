@@ -237,13 +237,8 @@ inline int atomicAdd(int* p, int v) {
     std::lock_guard<std::mutex> l(g_atomic); const int o = *p; *p += v; return o; }
 inline void __stcg(float* p, float v) { *p = v; }
 inline float __ldcg(const float* p) { return *p; }
-inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
-    std::lock_guard<std::mutex> l(g_atomic); const unsigned long long o = *p; *p += v; return o; }
-inline int atomicExch(int* p, int v) {
-    std::lock_guard<std::mutex> l(g_atomic); const int o = *p; *p = v; return o; }
 inline void __stcg(int* p, int v) { *p = v; }
 inline int __ldcg(const int* p) { return *p; }
-inline unsigned long long __ldcg(const unsigned long long* p) { return *p; }
 inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
     return {__float2bfloat16_rn(__bfloat162float(a.x) - __bfloat162float(b.x)),
             __float2bfloat16_rn(__bfloat162float(a.y) - __bfloat162float(b.y))}; }

@@ -68,7 +68,7 @@ def main():
         x, act = random_bf16((T, H), 10 + T), random_bf16((T * K, I), 20 + T)
         for spec in args.configs.split(","):
             # "base:t24": t24's launch with the kernel of --base-cu (an earlier version of the
-            # .cu beside it, same arguments, template without ST), for a same-call baseline
+            # .cu beside it, same arguments and template), for a same-call baseline
             base = spec.startswith("base:")
             cname, cfg = _config_override(dict(W.STAGED_CONFIGS), spec[5:] if base else spec)
             B = -(-32 // (8 * cfg["MT"])) * 8 * cfg["MT"]
@@ -84,13 +84,12 @@ def main():
                 W._READY.clear()
                 W._SMEM_SET.clear()
                 name = W.staged_kernel_name(cfg, False)
-                src_name = name.rsplit(",", 1)[0] + ">" if base else name
                 mod = cupy.RawModule(code=C.source_text(args.base_cu if base else W.CU_STAGED,
                                                         dict(ELEM_BF16=1, **defs)),
                                      options=C._BASE_OPTIONS + tuple(
                                          f"-I{d}" for d in C.cuda_include_dirs()),
-                                     name_expressions=(src_name,))
-                W._READY[(name, 1, dev)] = mod.get_function(src_name)
+                                     name_expressions=(name,))
+                W._READY[(name, 1, dev)] = mod.get_function(name)
                 g1(), g2()
                 if defs.get("STAGED_TIMES"):
                     ptr = mod.get_global("g_cta_times")

@@ -29,7 +29,7 @@ Five rungs (see the .cu headers for the lane layouts), chosen by the config name
                   raw 128 + q into the mma, the zero point off from the tokens' sums (2
                   more mma per token tile and chunk); one wave of CTAs splits all m tiles'
                   (row block, K stage) units into runs of equal cost (staged_plan), partial
-                  blocks added in CTA order. What grouped_gemm_quant runs for 8-128 rows
+                  blocks added in K-stage order. What grouped_gemm_quant runs for 8-128 rows
                   per expert (route_int4). The f configs (FA) first turn bf16 activations
                   into fp16 with power-of-two row scales (wna16_f16_rows, launched here) and
                   dequantize two codes per half-word (opt-in: measured no faster).
@@ -750,14 +750,12 @@ def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dic
 # sums (2 more mma per token tile and chunk). One wave of CTAs splits all m tiles' (row block,
 # K stage) units into runs of equal cost (staged_plan).
 STAGED_CONFIGS = {
-    "t8": dict(KERNEL="staged", MT=1, W=4, TPW=4, KC=2, S=4, MINB=2, ST=1),
-    "t16": dict(KERNEL="staged", MT=2, W=4, TPW=4, KC=2, S=4, MINB=2, ST=1),
-    "t24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, ST=1),
-    "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2, ST=1),
+    "t8": dict(KERNEL="staged", MT=1, W=4, TPW=4, KC=2, S=4, MINB=2),
+    "t16": dict(KERNEL="staged", MT=2, W=4, TPW=4, KC=2, S=4, MINB=2),
+    "t24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2),
+    "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2),
     # 8 warps of 2 tiles: twice the warps per SM, each token fetch from shared memory feeds 2
-    "u24": dict(KERNEL="staged", MT=3, W=8, TPW=2, KC=2, S=4, MINB=2, ST=1),
-    # one CTA a run (ST = 0): the parts split as planned, so the same inputs give the same bits
-    "d24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=4, MINB=2, ST=0),
+    "u24": dict(KERNEL="staged", MT=3, W=8, TPW=2, KC=2, S=4, MINB=2),
 }
 # FA = 1: bf16 activations go in as fp16 with a power-of-two scale per row (wna16_f16_rows, one
 # launch before the GEMM; f16_rows is its NumPy twin), so the codes dequantize as fp16: a
@@ -768,14 +766,13 @@ STAGED_CONFIGS = {
 STAGED_CONFIGS.update({f"f{n[1:]}": dict(STAGED_CONFIGS[n], FA=1)
                        for n in ("t8", "t16", "t24", "t32")})
 CU_STAGED = "quant_gemm_wna16_staged.cu"
-STAGED_MAX_SMS, STAGED_PAIRS_PER_SM = 1024, 8   # the .cu's records of the pairs per SM
 
 
 def staged_kernel_name(cfg: dict, zp: bool, fa: bool | None = None) -> str:
     """fa: the FA mode (default: the config's)."""
     fa = cfg.get("FA", 0) if fa is None else fa
     return (f"wna16_staged<{cfg['MT']}, {cfg['W']}, {cfg['TPW']}, {cfg['KC']}, {cfg['S']}, "
-            f"{int(bool(zp))}, {cfg['MINB']}, {int(bool(fa))}, {cfg.get('ST', 0)}>")
+            f"{int(bool(zp))}, {cfg['MINB']}, {int(bool(fa))}>")
 
 
 def staged_stage_bytes(cfg: dict, zp: bool) -> int:
@@ -791,13 +788,13 @@ def staged_stage_bytes(cfg: dict, zp: bool) -> int:
 def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
                 num_sms: int = 132, group_size: int = 0, num_groups: int = 1,
                 zp: bool = False, fa: bool | None = None) -> dict:
-    """wna16_staged's launch: grid (Q,), block 32 W, dynamic shared memory S stages then the m
-    tiles' prefix costs (8 (MTILES + 1) bytes). Every live m tile has U = blocks x SPB units
-    (row blocks of NB tiles x K stages of KC chunks), each costing LT + 5 (LT: its live token
-    tiles, found on the device); the Q = MINB CTAs per SM (times WAVES) take contiguous runs of
+    """wna16_staged's launch: grid (Q,), block 32 W, dynamic shared memory S stages, then the
+    m tiles' prefix costs (8 (MTILES + 1) bytes) and a block's parts by first stage (4 SPB).
+    Every live m tile has U = blocks x SPB units (row blocks of NB tiles x K stages of KC
+    chunks), each costing LT + 5 (LT: its live token tiles, found on the device); the Q = MINB CTAs per SM (times WAVES) take contiguous runs of
     equal cost over all m tiles in order. The partial blocks meet in a workspace of WS floats
-    ([Q][2 parts][32 W TPW MT 4]) with TILES counters ([m tiles][blocks]). fa: the FA mode
-    (default: the config's)."""
+    ([Q][2 parts][32 W TPW MT 4]) with COUNTERS ints ([TILES] units done, [TILES][SPB] parts by
+    their first K stage; TILES = m tiles x blocks). fa: the FA mode (default: the config's)."""
     bm = 8 * cfg["MT"]
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
@@ -813,9 +810,6 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     units = blocks * C.cdiv(K // PACK_CHUNK, cfg["KC"])
     q = max(1, min(num_sms * cfg["MINB"] * cfg.get("WAVES", 1), mtiles * units))
     spb = C.cdiv(K // PACK_CHUNK, cfg["KC"])
-    st = cfg.get("ST", 0)
-    if st not in (0, 1):
-        raise ValueError(f"config: expected ST (SM pairs share runs) 0 or 1, got {st!r}")
     smem = cfg["S"] * staged_stage_bytes(cfg, zp) + 8 * (mtiles + 1) + 4 * spb
     room = SMEM_PER_SM // cfg["MINB"] - 1024
     if smem > room:
@@ -824,15 +818,14 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
                          f"each)")
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
     per = 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
-    slots = 4 * C.cdiv(q, 2)                   # [pairs][2 sides][2 partial blocks]
+    slots = 2 * q                              # [Q][2 partial blocks]
     if slots >= 1 << 16 or spb >= 1 << 15:
         raise ValueError(f"config: {slots} part slots or {spb} K stages per block are past the "
                          f"part records' 16-bit fields")
     return dict(name=staged_kernel_name(cfg, zp, fa), cfg=cfg, grid=(q, 1, 1),
                 block=(32 * cfg["W"],), smem=smem, shift=shift, Lg=Lg, Q=q, U=units, SPB=spb,
                 MTILES=mtiles, WS=slots * per, TILES=mtiles * blocks,
-                COUNTERS=2 * q + 2 + STAGED_MAX_SMS * (1 + STAGED_PAIRS_PER_SM) +
-                mtiles * blocks * (1 + spb))
+                COUNTERS=mtiles * blocks * (1 + spb))
 
 
 F16_ROWS_KERNEL = "wna16_f16_rows"

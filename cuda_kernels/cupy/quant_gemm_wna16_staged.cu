@@ -20,12 +20,15 @@
 // tile's part of a run a segment of its own (the stream-K idea: no wave is left part full, the
 // m tiles of 3 live token tiles do not finish last, and a segment's pipeline runs across block
 // boundaries without draining). A CTA that covers a whole block stores it; a block shared by
-// several CTAs (runs that start or end inside it) is finished by the last of them to arrive,
-// which adds every part in CTA order (deterministic; w16::last_of_parts). Workspace:
-// ws [Q][2][NT TPW MT 4] fp32 (a CTA hands in at most two parts: its last partial block, as
-// the first CTA of a block, and its first, as a later one), counters [m tiles][blocks] (zero,
-// and left zero). Measured (T = 64 GEMM1, dev_wna16_20261130e): with the same number of CTAs
-// per m tile the SMs were busy 86% of the kernel, with runs of equal cost 94-97%.
+// several CTAs (runs that start or end inside it) is finished by the CTA whose units complete
+// it, which adds every part in the order of their first K stages (deterministic; finish_parts
+// below). Workspace: ws [Q][2][NT TPW MT 4] fp32 (a run has at most two partial blocks, its
+// first and its last), and the ints units_done [m tiles][blocks] and part_at [m tiles][blocks]
+// [SPB] (each part by its first stage; zero, and left zero). Measured (T = 64 GEMM1,
+// dev_wna16_20261130e): with the same number of CTAs per m tile the SMs were busy 86% of the
+// kernel, with runs of equal cost 94-97%. The part records by first stage replaced a walk
+// over the CTAs that own a block's units (dev_wna16_20261130h, same calls: 179 / 99 against
+// 181 / 103 us at T = 64; 219 registers against 235).
 //
 // One stage in shared memory (S stages in a ring, one __syncthreads per stage):
 //   weights  [NB tiles][KC chunks][32 lanes] uint4   the packed fragments, 512 B per tile-chunk
@@ -97,20 +100,6 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
-#ifndef STAGED_FRONT_CAP // tests only: the most units the first of a pair claims, so that its
-#define STAGED_FRONT_CAP (1 << 30)   // second takes the rest on the emulation, whose CTAs run
-#endif                               // one after another
-#ifndef STAGED_CLAIM     // dev: units per claim (0: S); -1: pairs split their runs in halves,
-#define STAGED_CLAIM 0   // no claims
-#endif
-#ifndef STAGED_PAIRS     // dev: 0 = ST = 1's code with one CTA a run, no claims
-#define STAGED_PAIRS 1
-#endif
-#ifndef STAGED_REVERSE   // dev: ST = 0 runs walked backward
-#define STAGED_REVERSE 0
-#endif
-#define STAGED_MAX_SMS 1024          // the pairs' records (staged_plan's COUNTERS)
-#define STAGED_PAIRS_PER_SM 8
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns) and SM in g_cta_times
 #define STAGED_TIMES 0
 #endif
@@ -176,7 +165,7 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
     return true;
 }
 
-template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int FA, int ST>
+template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int FA>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_scale,
              const uint4* __restrict__ wp, elem_t* __restrict__ c,
@@ -251,14 +240,16 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     }
     __syncthreads();
     const long long Wt = cum[mtiles];
-    // The runs: R of equal cost, run r = weighted positions [run_start(r), run_start(r + 1)).
-    // ST = 0: R = Q, CTA q walks run q. ST = 1: R = cdiv(Q, 2), each walked by the two CTAs
-    // of one SM from its two ends (below). Why: measured (T = 64 GEMM1, STAGED_TIMES,
-    // dev_wna16_20261130g) equal-cost runs of one CTA each end anywhere from 145 to 180 us; of
-    // an SM's two CTAs the older runs 9-13% faster a unit, and once it is done the other runs
-    // alone at ~40% of the pair's rate (4.7 + 5.0 units / us together, 3.7 alone).
-    const int R = ST && STAGED_PAIRS ? (Q + 1) / 2 : Q;
-    auto run_start = [&](long long r) { return r * Wt / R; };
+    // CTA q's run: weighted positions [run_start(q), run_start(q + 1)), fixed before the launch.
+    // Measured (T = 64 GEMM1, STAGED_TIMES, dev_wna16_20261130g): the runs end anywhere from
+    // 145 to 180 us (the SMs do not stream at one speed, and of an SM's two CTAs the older runs
+    // 9-13% faster a unit). Every dynamic balance tried ran slower (dev_wna16_20261130g / h):
+    // tickets from a queue (208 / 137 against 194 / 116 us), runs stolen from their ends by
+    // early CTAs (233 / 132 against 197 / 108: a thief starts ~25 us late, each step a loaded
+    // round trip), and runs shared from both ends by two CTAs (of one SM or not), even when
+    // split in fixed halves with no atomics (193 / 108 against 183 / 103): a run per CTA,
+    // walked in one direction, streams faster.
+    auto run_start = [&](long long qq) { return qq * Wt / Q; };
 
     // ---- experts of another rank: zeros, m tile m by CTA m % Q
     for (int m = q; m < mtiles; m += Q) {
@@ -268,476 +259,306 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             w16::store_zeros<BM>(c, sSlot, N, 0, N, NT);
         __syncthreads();                               // sSlot is read before it is reused
     }
-    if (Wt == 0 || (ST == 0 && run_start(q) >= run_start(q + 1))) return;   // uniform
+    if (Wt == 0 || run_start(q) >= run_start(q + 1)) return;
 
-    // ---- the workspace (staged_plan's COUNTERS ints, zero between launches; WS floats:
-    // 4 part slots per pair of CTAs, [cdiv(Q, 2)][2 sides][2 parts][PER])
+    // ---- the partial blocks' records (staged_plan's COUNTERS ints, zero between launches) and
+    // parts (WS floats: [Q][2 parts][PER], a run has two partial blocks at most)
     constexpr int PER = NT * TPW * MT * 4;
-    unsigned long long* claims = reinterpret_cast<unsigned long long*>(counters);   // [R]
-    int* exits = counters + 2 * Q;                     // [1] CTAs done
-    int* next_run = counters + 2 * Q + 1;              // [1] runs handed out
-    int* sm_roles = counters + 2 * Q + 2;              // [MAX_SMS] CTAs that came to the SM
-    int* sm_runs = sm_roles + STAGED_MAX_SMS;          // [MAX_SMS][PAIRS_PER_SM] run + 1
-    int* units_done = sm_runs + STAGED_MAX_SMS * STAGED_PAIRS_PER_SM;   // [m tiles][blocks]
-    int* part_at = units_done + (size_t)mtiles * nblocks;   // [m tiles][blocks][SPB]
+    int* units_done = counters;                            // [m tiles][blocks]
+    int* part_at = counters + (size_t)mtiles * nblocks;    // [m tiles][blocks][SPB]
     int* by_first = reinterpret_cast<int*>(cum + mtiles + 1);   // shared [SPB]
+    int parts_used = 0;
 
-    // The segments of run v: m tile m's units [ua, ub) that the run's positions own
-    auto segment = [&](int v, int m, int& ua, int& ub) {
-        const long long w = (cum[m + 1] - cum[m]) / U, lo = run_start(v), hi = run_start(v + 1);
-        if (w == 0 || cum[m + 1] <= lo || cum[m] >= hi) return false;
-        ua = (int)max(0LL, (lo - cum[m] + w - 1) / w);
-        ub = (int)min((long long)U, (hi - cum[m] + w - 1) / w);
-        return ua < ub;
-    };
-    auto first_m = [&](long long pos) {                // the first m tile with cum[m + 1] > pos
-        int lo = 0, hi = mtiles;
-        while (lo < hi) {
-            const int mid = (lo + hi) >> 1;
-            if (cum[mid + 1] > pos) hi = mid; else lo = mid + 1;
+    // ---- the segments of the run, one m tile each: units [ua, ub) of m tile m
+    for (int m = 0; m < mtiles; ++m) {
+        const long long w = (cum[m + 1] - cum[m]) / U;  // the m tile's cost per unit
+        if (w == 0 || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1)) continue;
+        const int ua = (int)max(0LL, (run_start(q) - cum[m] + w - 1) / w);
+        const int ub = (int)min((long long)U, (run_start(q + 1) - cum[m] + w - 1) / w);
+        if (ua >= ub) continue;
+        const int n_units = ub - ua;
+        w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots, top_k,
+                             num_positions, sSlot, sArow);   // live: its cost is not 0
+        const int e = expert_ids[m * BM / block_size];
+
+        // the live token tiles (an expert's live rows are a prefix of its block), and the row of a
+        // each staged row copies (padding rows inside the live tiles: a live row, never stored)
+        int first = -1, live_tiles = 0;
+        for (int r = BM - 1; r >= 0; --r)
+            if (sArow[r] >= 0) {
+                first = sArow[r];
+                if (!live_tiles) live_tiles = r / 8 + 1;
+            }
+        const int live_rows = 8 * live_tiles;
+
+        // ---- this thread's copy units: 16-byte units tid + j NT of the stage's contiguous runs
+        // (stage_blocks: codes, then scales and zero points of the groups met), and its share
+        // of the token rows, fixed for the segment: BM rows x KC chunks x 8 units, unit u of
+        // row r at u ^ (r & 1)
+        constexpr int W_PER = TPW * KC;                    // NB KC 32 units / NT threads
+        constexpr int S_PER = (NB * KC * 4 + NT - 1) / NT, Z_PER = (NB * KC + NT - 1) / NT;
+        constexpr int A_UNITS = BM * KC * 8, A_PER = (A_UNITS + NT - 1) / NT;
+        const unsigned short* a_src[A_PER];                // the unit's source in K stage 0
+        bool a_on[A_PER];                                  // copied (rows past the live tiles:
+        int a_dst[A_PER];                                  //   never read), to this stage offset
+        int a_chunk[A_PER];                                // its chunk in the stage
+#pragma unroll
+        for (int j = 0; j < A_PER; ++j) {
+            const int k = tid + j * NT, r = k / (KC * 8), u = k % (KC * 8);
+            a_on[j] = k < A_UNITS && r < live_rows;
+            const int ar = a_on[j] ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
+            a_src[j] = a + (size_t)ar * Kdim + u * 8;
+            a_dst[j] = St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1)));
+            a_chunk[j] = u / 8;
         }
-        return lo;
-    };
-    auto last_m = [&](int v) {                         // the last m tile run v reaches
-        int m = first_m(run_start(v));
-        while (m + 1 < mtiles && cum[m + 1] < run_start(v + 1)) ++m;
-        return m;
-    };
-    auto run_units = [&](int v) {
-        int n = 0, ua, ub;
-        for (int m = first_m(run_start(v)), ml = last_m(v); m <= ml; ++m)
-            if (segment(v, m, ua, ub)) n += ub - ua;
-        return n;
-    };
+        const size_t blk_e = (size_t)e * nblocks;          // this expert's first row block
+        // unit u = b SPB + s of the m tile is stage (blk_e + b) SPB + s of stage_blocks'
+        // layout: its codes are one contiguous run
+        const uint4* w_tile = wp + blk_e * SPB * (NB * KC * 32) + tid;
+        // the expert's scales and zero points: group gr of row block b at (b G + gr) NB 8
+        const size_t sz_e = blk_e * num_groups * (NB * 8);
 
-    // ---- claims. Run v's n units go to its owner (CTA v, from the front) and to at most one
-    // thief (from the back) through one 64-bit word, claims[v] = (thief's units << 32) + the
-    // owner's: a claim of k units adds k to its half and gets min(k, n - both halves before
-    // it) of them (fewer than k: the other side has the rest, and the walk claims no more).
-    // Every unit goes once, and each side's units are contiguous: the owner's [0, x), the
-    // thief's [x, n). A claim's answer takes a loaded round trip (~5 us while the weights
-    // stream: every CTA's S - 1 stages in flight over the bandwidth), so claims take CK = S
-    // units at a time, one claim ahead: each is settled S stages after it was made. Measured
-    // (H200, T = 64, a090d77): a claim per stage, settled one stage later, took GEMM1 from 197
-    // to 233 us.
-    constexpr int CK = STAGED_CLAIM > 0 ? STAGED_CLAIM : S;
-    auto claim = [&](int v, int dir, int k) {
-        return atomicAdd(claims + v, (unsigned long long)k << (dir > 0 ? 0 : 32));
-    };
-    auto granted = [](unsigned long long old, int k, int n) {
-        const long long left = n - (long long)(old & 0xFFFFFFFFull) - (long long)(old >> 32);
-        return (int)max(0LL, min((long long)k, left));
-    };
-    __shared__ int sGranted[2];      // the walk's units granted so far (by walk step parity)
-    __shared__ int sRun, sDir;
-
-    // ---- the pairs (ST = 1): the CTAs that come to one SM pair up in their order there; the
-    // first of a pair takes the next run and walks it forward, the second walks it backward.
-    // Every run is taken (an SM's odd CTAs never outnumber its even ones, so at least R CTAs
-    // take a run), and a run whose second CTA never comes is walked whole by its first. The
-    // second waits for the first's run (a CTA on its own SM, running: no deadlock).
-    int v = q, dir = STAGED_REVERSE ? -1 : 1;
-    if (ST && STAGED_PAIRS == 2) {                     // dev: CTAs 2 p and 2 p + 1 (two SMs)
-        v = q / 2;
-        dir = q % 2 ? -1 : 1;
-    } else if (ST && STAGED_PAIRS) {
-        if (tid == 0) {
-            const int sm = w16::sm_id(), role = sm < STAGED_MAX_SMS ? atomicAdd(sm_roles + sm, 1)
-                                                                   : 2 * STAGED_PAIRS_PER_SM;
-            int* pair = role < 2 * STAGED_PAIRS_PER_SM
-                            ? sm_runs + sm * STAGED_PAIRS_PER_SM + role / 2 : nullptr;
-            int r = -1, d = 1;
-            if (role % 2 == 0 || pair == nullptr) {
-                r = atomicAdd(next_run, 1);
-                if (pair) atomicExch(pair, r + 1);
-            } else {
-                int x;
-                while ((x = atomicAdd(pair, 0)) == 0) w16::nap();
-                r = x - 1;
-                d = -1;
+        // ---- segment unit i = (b, s) into ring slot i % S if it is the run's (live); one
+        // commit group per call (empty past the run: the wait counts stay right)
+        auto issue = [&](int i, int b, int s, bool live) {
+            if (live) {
+                const int c0 = s * KC, kcn = min(KC, C - c0);
+                const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
+                u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
+                const uint4* wsrc = w_tile + (size_t)(b * SPB + s) * (NB * KC * 32);
+#pragma unroll
+                for (int j = 0; j < W_PER; ++j)
+                    if (STAGED_PROBE != 3)
+                        w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
+                const int sz_off = (b * num_groups + g0) * (NB * 8);   // < 2^31: one expert's
+                const float2* ssrc = sp + sz_e + sz_off + 2 * tid;
+#pragma unroll
+                for (int j = 0; j < S_PER; ++j)
+                    if (tid + j * NT < ngr * NB * 4)
+                        w16::cp16(st + St::S_OFF + 16 * j * NT, ssrc + 2 * j * NT, true);
+                if (ZP) {
+                    const unsigned short* zsrc = zp + sz_e + sz_off + 8 * tid;
+#pragma unroll
+                    for (int j = 0; j < Z_PER; ++j)
+                        if (tid + j * NT < ngr * NB)
+                            w16::cp16(st + St::Z_OFF + 16 * j * NT, zsrc + 8 * j * NT, true);
+                }
+                u8* sa = smem + (size_t)(i % S) * St::BYTES;
+#pragma unroll
+                for (int j = 0; j < A_PER; ++j) {           // a short last stage: zeros
+                    if (STAGED_PROBE == 2) break;
+                    const bool ok = a_chunk[j] < kcn;
+                    w16::cp16_if(a_on[j], sa + a_dst[j], a_src[j] + (ok ? c0 * 64 : 0), ok);
+                }
             }
-            sRun = r < R ? r : -1;
-            sDir = d;
+            w16::cp_commit();
+        };
+
+        // the units (b, s) = (row block, K stage) in order, stepped without divisions
+        auto step = [&](int& b, int& s) {
+            if (++s == SPB) s = 0, ++b;
+        };
+        int ib = ua / SPB, is = ua - ib * SPB;             // the unit being issued
+        const int b_first = ib, s_first = is;
+#pragma unroll
+        for (int i = 0; i < S - 1; ++i) {
+            issue(i, ib, is, i < n_units);
+            step(ib, is);
         }
-        __syncthreads();
-        v = sRun;
-        dir = sDir;
-    }
 
-    // ---- the walk of run v (none: v < 0), forward from its start or backward from its end
-    int parts_used = 0;                                // this walk's part slots used (2 at most)
-    if (v >= 0) {
-        const int n_v = run_units(v);
-        const int mf = first_m(run_start(v)), ml = last_m(v);
-        const int cap = dir > 0 ? STAGED_FRONT_CAP : 1 << 30;   // units this walk may claim
-        // tid 0's claims: `got` units granted (every claim made so far settled but one), a
-        // claim of pend_k units in flight (0: none; the walk claims no more). Two claims in
-        // one round trip to start, a third in flight; then step w settles it when step w + 1
-        // needs more than got (unit w + S) and makes the next
-        unsigned long long pending = 0;
-        int got = n_v, pend_k = 0;
-        if (tid == 0) {
-            if (ST && !STAGED_PAIRS) {
-                got = n_v;
-            } else if (ST && STAGED_CLAIM < 0) {
-                got = dir > 0 ? n_v / 2 : n_v - n_v / 2;
-            } else if (ST && n_v > 0) {
-                const int k0 = min(CK, cap), k1 = min(CK, cap - k0);
-                const unsigned long long o0 = claim(v, dir, k0);
-                const unsigned long long o1 = k1 > 0 ? claim(v, dir, k1) : 0ull;
-                got = granted(o0, k0, n_v);
-                if (got == k0 && k1 > 0) got += granted(o1, k1, n_v);
-                if (got == k0 + k1 && got < cap) {
-                    pend_k = min(CK, cap - got);
-                    pending = claim(v, dir, pend_k);
-                }
-            }
-            sGranted[0] = sGranted[1] = got;
-        }
-        int wbase = 0;                                 // walk steps of the segments before
-        bool stopped = n_v == 0;
-        for (int mi = 0; mi <= ml - mf && !stopped; ++mi) {
-            const int m = dir > 0 ? mf + mi : ml - mi;
-            int ua, ub;
-            if (!segment(v, m, ua, ub)) continue;
-            const int seg_len = ub - ua;
-            w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots,
-                                 top_k, num_positions, sSlot, sArow);   // (its barrier)
-            if (sGranted[wbase & 1] <= wbase) {        // the other side has the rest
-                stopped = true;
-                __syncthreads();                       // sGranted is read before it is reused
-                break;
-            }
-            const int e = expert_ids[m * BM / block_size];
-            // the segment's units in walk order: ua, ua + 1, ... (owner) or ub - 1, ub - 2, ...
-            // (thief), each (row block b, K stage s), stepped without divisions
-            const int u_first = dir > 0 ? ua : ub - 1;
-            auto step = [&](int& b, int& s) {
-                if (dir > 0) {
-                    if (++s == SPB) s = 0, ++b;
-                } else if (s-- == 0) {
-                    s = SPB - 1, --b;
-                }
-            };
+        w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
+            constexpr int LT = decltype(live_count)::value;
+            float acc[TPW][LT][4];
+#pragma unroll
+            for (int r = 0; r < TPW; ++r)
+#pragma unroll
+                for (int mt = 0; mt < LT; ++mt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
 
-            // the live token tiles (an expert's live rows are a prefix of its block), and the
-            // row of a each staged row copies (padding rows inside the live tiles: a live row,
-            // never stored)
-            int first = -1, live_tiles = 0;
-            for (int r = BM - 1; r >= 0; --r)
-                if (sArow[r] >= 0) {
-                    first = sArow[r];
-                    if (!live_tiles) live_tiles = r / 8 + 1;
-                }
-            const int live_rows = 8 * live_tiles;
-
-            // ---- this thread's copy units: 16-byte units tid + j NT of the stage's contiguous
-            // runs (stage_blocks: codes, then scales and zero points of the groups met), and
-            // its share of the token rows, fixed for the segment: BM rows x KC chunks x 8
-            // units, unit u of row r at u ^ (r & 1)
-            constexpr int W_PER = TPW * KC;                // NB KC 32 units / NT threads
-            constexpr int S_PER = (NB * KC * 4 + NT - 1) / NT, Z_PER = (NB * KC + NT - 1) / NT;
-            constexpr int A_UNITS = BM * KC * 8, A_PER = (A_UNITS + NT - 1) / NT;
-            const unsigned short* a_src[A_PER];            // the unit's source in K stage 0
-            bool a_on[A_PER];                              // copied (rows past the live tiles:
-            int a_dst[A_PER];                              //   never read), to this stage offset
-            int a_chunk[A_PER];                            // its chunk in the stage
+            // the block's outputs: c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8)
+            auto store = [&](int b) {
 #pragma unroll
-            for (int j = 0; j < A_PER; ++j) {
-                const int k = tid + j * NT, r = k / (KC * 8), u = k % (KC * 8);
-                a_on[j] = k < A_UNITS && r < live_rows;
-                const int ar = a_on[j] ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
-                a_src[j] = a + (size_t)ar * Kdim + u * 8;
-                a_dst[j] = St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1)));
-                a_chunk[j] = u / 8;
-            }
-            const size_t blk_e = (size_t)e * nblocks;      // this expert's first row block
-            // unit u = b SPB + s of the m tile is stage (blk_e + b) SPB + s of stage_blocks'
-            // layout: its codes are one contiguous run
-            const uint4* w_tile = wp + blk_e * SPB * (NB * KC * 32) + tid;
-            // the expert's scales and zero points: group gr of row block b at (b G + gr) NB 8
-            const size_t sz_e = blk_e * num_groups * (NB * 8);
-
-            // ---- segment unit i = (b, s) into ring slot i % S if it is the walk's (live); one
-            // commit group per call (empty past the walk's units: the wait counts stay right)
-            auto issue = [&](int i, int b, int s, bool live) {
-                if (live) {
-                    const int c0 = s * KC, kcn = min(KC, C - c0);
-                    const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
-                    u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
-                    const uint4* wsrc = w_tile + (size_t)(b * SPB + s) * (NB * KC * 32);
-#pragma unroll
-                    for (int j = 0; j < W_PER; ++j)
-                        if (STAGED_PROBE != 3)
-                            w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
-                    const int sz_off = (b * num_groups + g0) * (NB * 8);   // < 2^31: one expert's
-                    const float2* ssrc = sp + sz_e + sz_off + 2 * tid;
-#pragma unroll
-                    for (int j = 0; j < S_PER; ++j)
-                        if (tid + j * NT < ngr * NB * 4)
-                            w16::cp16(st + St::S_OFF + 16 * j * NT, ssrc + 2 * j * NT, true);
-                    if (ZP) {
-                        const unsigned short* zsrc = zp + sz_e + sz_off + 8 * tid;
-#pragma unroll
-                        for (int j = 0; j < Z_PER; ++j)
-                            if (tid + j * NT < ngr * NB)
-                                w16::cp16(st + St::Z_OFF + 16 * j * NT, zsrc + 8 * j * NT, true);
-                    }
-                    u8* sa = smem + (size_t)(i % S) * St::BYTES;
-#pragma unroll
-                    for (int j = 0; j < A_PER; ++j) {           // a short last stage: zeros
-                        if (STAGED_PROBE == 2) break;
-                        const bool ok = a_chunk[j] < kcn;
-                        w16::cp16_if(a_on[j], sa + a_dst[j], a_src[j] + (ok ? c0 * 64 : 0), ok);
-                    }
-                }
-                w16::cp_commit();
-            };
-
-            // the walk's units of this segment: those below `end` (units granted, known up to
-            // step w + S - 1 at step w)
-            int ib = u_first / SPB, is = u_first - ib * SPB;   // the unit being issued
-            const int b_first = ib, s_first = is;
-            {
-                const int end = min(seg_len, sGranted[wbase & 1] - wbase);
-#pragma unroll
-                for (int i = 0; i < S - 1; ++i) {
-                    issue(i, ib, is, i < end);
-                    step(ib, is);
-                }
-            }
-
-            int end = 0;
-            w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
-                constexpr int LT = decltype(live_count)::value;
-                float acc[TPW][LT][4];
-#pragma unroll
-                for (int r = 0; r < TPW; ++r)
+                for (int r = 0; r < TPW; ++r) {
+                    const int tile = b * NB + warp * TPW + r;
+                    if (tile >= ntiles) continue;
 #pragma unroll
                     for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
-                        for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
+                        for (int i = 0; i < 4; ++i) {
+                            const int row = 8 * mt + 2 * t + (i & 1);
+                            const int n = tile * 16 + g + 8 * (i >> 1);
+                            const int s = sSlot[row];
+                            if (s < 0) continue;
+                            float v = acc[r][mt][i];
+                            if (FA) v *= a_scale[sArow[row]];   // back from a 2^s
+                            if (bias != nullptr) v += bias[(size_t)e * N + n];
+                            if (mul_routed_weight) v *= topk_weights[s];
+                            c[(size_t)s * N + n] = w16::from_f32(v);
+                        }
+                }
+            };
 
-                // the block's outputs: c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8)
-                auto store = [&](int b) {
+            int blk_n = 0;                                 // units of the current block done
+            int b = b_first, s = s_first;                  // the unit being computed
+            for (int i = 0; i < n_units; ++i) {
+                w16::cp_wait<S - 2>();                     // stage i has landed (this thread's)
+                __syncthreads();                           // ... and everyone's; slot i - 1 free
+                issue(i + S - 1, ib, is, i + S - 1 < n_units);
+                step(ib, is);
+                const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
+                const u8* st = smem + (size_t)(i % S) * St::BYTES;
+                const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
+                                  warp * TPW * KC * 32 + lane;
+                const float2* ss = reinterpret_cast<const float2*>(st + St::S_OFF) +
+                                   warp * TPW * 8 + g;
+                const unsigned short* sz =
+                    reinterpret_cast<const unsigned short*>(st + St::Z_OFF) + warp * TPW * 8 + g;
+                const uint4* sa = reinterpret_cast<const uint4*>(st + St::A_OFF);
+                // CG chunks from chunk kc0 of the stage, all of one scale group: the mma chain
+                // of a (tile, token tile) runs over all of them and is scaled once
+                auto chunks = [&](auto cg, int kc0) {
+                    constexpr int CG = decltype(cg)::value;
+                    const int gi = ((c0 + kc0) >> chunk_shift) - g0;
+                    // B: the lane's token (column g of each tile), codes 16 t .. + 15 of a chunk
+                    uint4 bv[CG][LT][2];
+#pragma unroll
+                    for (int j = 0; j < CG; ++j)
+#pragma unroll
+                        for (int mt = 0; mt < LT; ++mt) {
+                            const int r = 8 * mt + g, u = (kc0 + j) * 8 + 2 * t;
+                            bv[j][mt][0] = sa[r * KC * 8 + (u ^ (g & 1))];
+                            bv[j][mt][1] = sa[r * KC * 8 + ((u + 1) ^ (g & 1))];
+                        }
+                    // The tokens' sums over the CG chunks, where the main mma's C holds their
+                    // tokens (x: token 8 mt + 2 t, y: + 1), by the tensor cores: 2 mma per chunk
+                    // with the token's 16-byte units as A (the lane's 4 registers of a unit:
+                    // row g gets x, z: elements that meet even code pairs, row g + 8 gets y, w:
+                    // odd pairs) and sSumB as B. Of token g (rows g and g + 8 both), with Se, So
+                    // its sums over even and odd pairs' elements and OE = OFF_EVEN + zo,
+                    // OO = OFF_ODD + zo: c0 = -OE Se, c3 = -OO So, c1 = -OO Se, c2 = -OE So. So
+                    // c0 + c3 is the start (ZP = 0) or -T, T = sum offset a (ZP, zo = 0), and
+                    // c1 / OO + c2 / OE is -S (ZP: the start of row r is -T - zp_r S). Each lane
+                    // then takes its tokens' from lanes 8 t and 8 t + 4 (g = 2 t, 2 t + 1).
+                    float2 start2[LT], neg_s2[ZP ? LT : 1];
+                    {
+                        const uint2 sb = sSumB[g & 1];
+#pragma unroll
+                        for (int mt = 0; mt < LT; ++mt) {
+                            float z[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                            for (int j = 0; j < CG; ++j)
+#pragma unroll
+                                for (int v = 0; v < 2; ++v) {
+                                    const uint4 u = bv[j][mt][v];
+                                    w16::mma16816<F16>(z, u.x, u.y, u.z, u.w, sb.x, sb.y);
+                                }
+                            const float st = z[0] + z[3];
+                            start2[mt].x = __shfl_sync(0xFFFFFFFFu, st, 8 * t);
+                            start2[mt].y = __shfl_sync(0xFFFFFFFFu, st, 8 * t + 4);
+                            if (ZP) {
+                                const float ns = fmaf(z[1], 1.f / OFF_ODD, z[2] * (1.f / OFF_EVEN));
+                                neg_s2[ZP ? mt : 0].x = __shfl_sync(0xFFFFFFFFu, ns, 8 * t);
+                                neg_s2[ZP ? mt : 0].y = __shfl_sync(0xFFFFFFFFu, ns, 8 * t + 4);
+                            }
+                        }
+                    }
+                    float zs[ZP ? 1 : LT][4];             // the start, shared by the TPW tiles
+                    if (!ZP) {
+#pragma unroll
+                        for (int mt = 0; mt < LT; ++mt) {
+                            zs[ZP ? 0 : mt][0] = zs[ZP ? 0 : mt][2] = start2[mt].x;
+                            zs[ZP ? 0 : mt][1] = zs[ZP ? 0 : mt][3] = start2[mt].y;
+                        }
+                    }
 #pragma unroll
                     for (int r = 0; r < TPW; ++r) {
-                        const int tile = b * NB + warp * TPW + r;
-                        if (tile >= ntiles) continue;
+                        const float2 s2 = ss[(gi * NB + r) * 8];
+                        float tmp[LT][4];
+                        if (ZP) {                         // row g's zero point in the low byte
+                            const u32 z = sz[(gi * NB + r) * 8];
+                            const float zp_g = (float)(z & 0xFFu), zp_g8 = (float)(z >> 8);
+#pragma unroll
+                            for (int mt = 0; mt < LT; ++mt) {
+                                const float2 ns = neg_s2[ZP ? mt : 0];
+                                tmp[mt][0] = fmaf(zp_g, ns.x, start2[mt].x);
+                                tmp[mt][1] = fmaf(zp_g, ns.y, start2[mt].y);
+                                tmp[mt][2] = fmaf(zp_g8, ns.x, start2[mt].x);
+                                tmp[mt][3] = fmaf(zp_g8, ns.y, start2[mt].y);
+                            }
+                        }
+#pragma unroll
+                        for (int j = 0; j < CG; ++j) {
+                            const uint4 x = sw[(r * KC + kc0 + j) * 32];
+                            u32 lo[8], hi[8];             // A: rows g, g + 8: offset + q
+                            if constexpr (F16)
+                                w16::raw_pairs_f16(x, lo, hi);
+                            else
+                                w16::raw_pairs(x, 0x43004300u, lo, hi);   // bf16 128
+#pragma unroll
+                            for (int mt = 0; mt < LT; ++mt) {
+                                const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];
+                                if (!ZP && j == 0)        // from the shared start, kept
+                                    w16::mma16816_c<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1],
+                                                         b0.x, b0.y, zs[ZP ? 0 : mt]);
+                                else
+                                    w16::mma16816<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1], b0.x,
+                                                       b0.y);
+                                w16::mma16816<F16>(tmp[mt], lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
+                                w16::mma16816<F16>(tmp[mt], lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
+                                w16::mma16816<F16>(tmp[mt], lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
+                            }
+                        }
+#pragma unroll
+                        for (int mt = 0; mt < LT; ++mt) {
+                            acc[r][mt][0] = fmaf(s2.x, tmp[mt][0], acc[r][mt][0]);
+                            acc[r][mt][1] = fmaf(s2.x, tmp[mt][1], acc[r][mt][1]);
+                            acc[r][mt][2] = fmaf(s2.y, tmp[mt][2], acc[r][mt][2]);
+                            acc[r][mt][3] = fmaf(s2.y, tmp[mt][3], acc[r][mt][3]);
+                        }
+                    }
+                };
+                if (STAGED_PROBE == 1) {
+                } else if (kcn == KC && g0 == (c0 + KC - 1) >> chunk_shift) {   // one group
+                    chunks(w16::Count<KC>{}, 0);
+                } else {
+#pragma unroll
+                    for (int kc = 0; kc < KC; ++kc) {
+                        if (kc >= kcn) break;             // uniform: a short last stage
+                        chunks(w16::Count<1>{}, kc);
+                    }
+                }
+                // ---- the end of the run's units of block b: store it whole, or hand in this
+                // part (finish_parts: the CTA that completes the block adds the parts)
+                ++blk_n;
+                if (i + 1 == n_units || s == SPB - 1) {   // uniform over the CTA
+                    if (blk_n == SPB) {
+                        store(b);
+                    } else if (finish_parts<TPW * LT * 4, NT>(
+                                   &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
+                                   (size_t)m * nblocks + b, PER, 2 * q + parts_used++,
+                                   s - blk_n + 1, blk_n, sLast)) {
+                        store(b);
+                    }
+                    blk_n = 0;
+#pragma unroll
+                    for (int r = 0; r < TPW; ++r)
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
-                            for (int i = 0; i < 4; ++i) {
-                                const int row = 8 * mt + 2 * t + (i & 1);
-                                const int n = tile * 16 + g + 8 * (i >> 1);
-                                const int s = sSlot[row];
-                                if (s < 0) continue;
-                                float v = acc[r][mt][i];
-                                if (FA) v *= a_scale[sArow[row]];   // back from a 2^s
-                                if (bias != nullptr) v += bias[(size_t)e * N + n];
-                                if (mul_routed_weight) v *= topk_weights[s];
-                                c[(size_t)s * N + n] = w16::from_f32(v);
-                            }
-                    }
-                };
-
-                int blk_n = 0;                             // units of the current block walked
-                int b = b_first, s = s_first;              // the unit being computed
-                for (int i = 0;; ++i) {
-                    w16::cp_wait<S - 2>();                 // stage i has landed (this thread's)
-                    __syncthreads();                       // ... and everyone's; slot i - 1 free
-                    const int w = wbase + i;               // the walk step
-                    end = min(seg_len, sGranted[w & 1] - wbase);
-                    if (i >= end) break;
-                    if (ST && tid == 0) {                  // settle and claim on, one ahead
-                        if (pend_k && got <= w + S) {
-                            const int k = granted(pending, pend_k, n_v);
-                            got += k;
-                            pend_k = k == pend_k && got < cap ? min(CK, cap - got) : 0;
-                            if (pend_k) pending = claim(v, dir, pend_k);
-                        }
-                        sGranted[(w + 1) & 1] = got;       // read after the next barrier
-                    }
-                    issue(i + S - 1, ib, is, i + S - 1 < end);
-                    step(ib, is);
-                    const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
-                    const u8* st = smem + (size_t)(i % S) * St::BYTES;
-                    const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
-                                      warp * TPW * KC * 32 + lane;
-                    const float2* ss = reinterpret_cast<const float2*>(st + St::S_OFF) +
-                                       warp * TPW * 8 + g;
-                    const unsigned short* sz =
-                        reinterpret_cast<const unsigned short*>(st + St::Z_OFF) + warp * TPW * 8 + g;
-                    const uint4* sa = reinterpret_cast<const uint4*>(st + St::A_OFF);
-                    // CG chunks from chunk kc0 of the stage, all of one scale group: the mma chain
-                    // of a (tile, token tile) runs over all of them and is scaled once
-                    auto chunks = [&](auto cg, int kc0) {
-                        constexpr int CG = decltype(cg)::value;
-                        const int gi = ((c0 + kc0) >> chunk_shift) - g0;
-                        // B: the lane's token (column g of each tile), codes 16 t .. + 15 of a chunk
-                        uint4 bv[CG][LT][2];
-#pragma unroll
-                        for (int j = 0; j < CG; ++j)
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt) {
-                                const int r = 8 * mt + g, u = (kc0 + j) * 8 + 2 * t;
-                                bv[j][mt][0] = sa[r * KC * 8 + (u ^ (g & 1))];
-                                bv[j][mt][1] = sa[r * KC * 8 + ((u + 1) ^ (g & 1))];
-                            }
-                        // The tokens' sums over the CG chunks, where the main mma's C holds their
-                        // tokens (x: token 8 mt + 2 t, y: + 1), by the tensor cores: 2 mma per chunk
-                        // with the token's 16-byte units as A (the lane's 4 registers of a unit:
-                        // row g gets x, z: elements that meet even code pairs, row g + 8 gets y, w:
-                        // odd pairs) and sSumB as B. Of token g (rows g and g + 8 both), with Se, So
-                        // its sums over even and odd pairs' elements and OE = OFF_EVEN + zo,
-                        // OO = OFF_ODD + zo: c0 = -OE Se, c3 = -OO So, c1 = -OO Se, c2 = -OE So. So
-                        // c0 + c3 is the start (ZP = 0) or -T, T = sum offset a (ZP, zo = 0), and
-                        // c1 / OO + c2 / OE is -S (ZP: the start of row r is -T - zp_r S). Each lane
-                        // then takes its tokens' from lanes 8 t and 8 t + 4 (g = 2 t, 2 t + 1).
-                        float2 start2[LT], neg_s2[ZP ? LT : 1];
-                        {
-                            const uint2 sb = sSumB[g & 1];
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt) {
-                                float z[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                                for (int j = 0; j < CG; ++j)
-#pragma unroll
-                                    for (int v = 0; v < 2; ++v) {
-                                        const uint4 u = bv[j][mt][v];
-                                        w16::mma16816<F16>(z, u.x, u.y, u.z, u.w, sb.x, sb.y);
-                                    }
-                                const float st = z[0] + z[3];
-                                start2[mt].x = __shfl_sync(0xFFFFFFFFu, st, 8 * t);
-                                start2[mt].y = __shfl_sync(0xFFFFFFFFu, st, 8 * t + 4);
-                                if (ZP) {
-                                    const float ns = fmaf(z[1], 1.f / OFF_ODD, z[2] * (1.f / OFF_EVEN));
-                                    neg_s2[ZP ? mt : 0].x = __shfl_sync(0xFFFFFFFFu, ns, 8 * t);
-                                    neg_s2[ZP ? mt : 0].y = __shfl_sync(0xFFFFFFFFu, ns, 8 * t + 4);
-                                }
-                            }
-                        }
-                        float zs[ZP ? 1 : LT][4];             // the start, shared by the TPW tiles
-                        if (!ZP) {
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt) {
-                                zs[ZP ? 0 : mt][0] = zs[ZP ? 0 : mt][2] = start2[mt].x;
-                                zs[ZP ? 0 : mt][1] = zs[ZP ? 0 : mt][3] = start2[mt].y;
-                            }
-                        }
-#pragma unroll
-                        for (int r = 0; r < TPW; ++r) {
-                            const float2 s2 = ss[(gi * NB + r) * 8];
-                            float tmp[LT][4];
-                            if (ZP) {                         // row g's zero point in the low byte
-                                const u32 z = sz[(gi * NB + r) * 8];
-                                const float zp_g = (float)(z & 0xFFu), zp_g8 = (float)(z >> 8);
-#pragma unroll
-                                for (int mt = 0; mt < LT; ++mt) {
-                                    const float2 ns = neg_s2[ZP ? mt : 0];
-                                    tmp[mt][0] = fmaf(zp_g, ns.x, start2[mt].x);
-                                    tmp[mt][1] = fmaf(zp_g, ns.y, start2[mt].y);
-                                    tmp[mt][2] = fmaf(zp_g8, ns.x, start2[mt].x);
-                                    tmp[mt][3] = fmaf(zp_g8, ns.y, start2[mt].y);
-                                }
-                            }
-#pragma unroll
-                            for (int j = 0; j < CG; ++j) {
-                                const uint4 x = sw[(r * KC + kc0 + j) * 32];
-                                u32 lo[8], hi[8];             // A: rows g, g + 8: offset + q
-                                if constexpr (F16)
-                                    w16::raw_pairs_f16(x, lo, hi);
-                                else
-                                    w16::raw_pairs(x, 0x43004300u, lo, hi);   // bf16 128
-#pragma unroll
-                                for (int mt = 0; mt < LT; ++mt) {
-                                    const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];
-                                    if (!ZP && j == 0)        // from the shared start, kept
-                                        w16::mma16816_c<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1],
-                                                             b0.x, b0.y, zs[ZP ? 0 : mt]);
-                                    else
-                                        w16::mma16816<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1], b0.x,
-                                                           b0.y);
-                                    w16::mma16816<F16>(tmp[mt], lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
-                                    w16::mma16816<F16>(tmp[mt], lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
-                                    w16::mma16816<F16>(tmp[mt], lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
-                                }
-                            }
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt) {
-                                acc[r][mt][0] = fmaf(s2.x, tmp[mt][0], acc[r][mt][0]);
-                                acc[r][mt][1] = fmaf(s2.x, tmp[mt][1], acc[r][mt][1]);
-                                acc[r][mt][2] = fmaf(s2.y, tmp[mt][2], acc[r][mt][2]);
-                                acc[r][mt][3] = fmaf(s2.y, tmp[mt][3], acc[r][mt][3]);
-                            }
-                        }
-                    };
-                    if (STAGED_PROBE == 1) {
-                    } else if (kcn == KC && g0 == (c0 + KC - 1) >> chunk_shift) {   // one group
-                        chunks(w16::Count<KC>{}, 0);
-                    } else {
-#pragma unroll
-                        for (int kc = 0; kc < KC; ++kc) {
-                            if (kc >= kcn) break;             // uniform: a short last stage
-                            chunks(w16::Count<1>{}, kc);
-                        }
-                    }
-                    // ---- the end of this walk's units of block b (the next unit is in another
-                    // block, or not the walk's: end is known up to unit i + S - 1): store it
-                    // whole, or hand in this part
-                    ++blk_n;
-                    if (i + 1 >= end || s == (dir > 0 ? SPB - 1 : 0)) {   // uniform
-                        if (blk_n == SPB) {
-                            store(b);
-                        } else {
-                            const int slot = ST && STAGED_PAIRS ? 4 * v + 2 * (dir < 0) + parts_used++
-                                                                : 2 * q + parts_used++;
-                            if (finish_parts<TPW * LT * 4, NT>(
-                                    &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
-                                    (size_t)m * nblocks + b, PER, slot,
-                                    dir > 0 ? s - blk_n + 1 : s, blk_n, sLast))
-                                store(b);
-                        }
-                        blk_n = 0;
-#pragma unroll
-                        for (int r = 0; r < TPW; ++r)
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt)
-#pragma unroll
-                                for (int k = 0; k < 4; ++k) acc[r][mt][k] = 0.f;
-                    }
-                    step(b, s);
+                            for (int k = 0; k < 4; ++k) acc[r][mt][k] = 0.f;
                 }
-            });
-#if STAGED_TIMES
-            if (tid == 0) {
-                g_cta_times[blockIdx.x][3] += end;
-                g_cta_times[blockIdx.x][4] += (unsigned long long)end * live_tiles;
+                step(b, s);
             }
-#endif
-            w16::cp_wait<0>();                         // the ring is empty ...
-            __syncthreads();                           // ... and read: the next segment refills
-            stopped = end < seg_len;                   // the other side has the rest
-            wbase += seg_len;
-        }
-    }
-
-    // ---- the last CTA out leaves the claims and the pairs' records at zero for the next launch
-    if (ST) {
-        __syncthreads();
+        });
+#if STAGED_TIMES
         if (tid == 0) {
-            __threadfence();
-            sLast = atomicAdd(exits, 1) == Q - 1;
+            g_cta_times[blockIdx.x][3] += n_units;
+            g_cta_times[blockIdx.x][4] += (unsigned long long)n_units * live_tiles;
         }
-        __syncthreads();
-        if (sLast) {
-            __threadfence();
-            const int sms = min(w16::sm_count(), STAGED_MAX_SMS);
-            for (int i = tid; i < R; i += NT) claims[i] = 0;
-            for (int i = tid; i < sms; i += NT) sm_roles[i] = 0;
-            for (int i = tid; i < sms * STAGED_PAIRS_PER_SM; i += NT) sm_runs[i] = 0;
-            if (tid == 0) *exits = *next_run = 0;
-        }
+#endif
+        w16::cp_wait<0>();                             // the ring is empty ...
+        __syncthreads();                               // ... and read: the next segment refills it
     }
 #if STAGED_TIMES
     if (tid == 0) g_cta_times[blockIdx.x][1] = global_ns();

@@ -288,33 +288,6 @@ __device__ __forceinline__ void cp_wait() {
 #endif
 }
 
-// The SM this CTA runs on and the number of SMs (%smid < %nsmid). On the emulation, whose CTAs
-// run one after another, CTAs 2 i and 2 i + 1 are "on" SM i.
-__device__ __forceinline__ int sm_id() {
-#ifdef QG_EMULATED_PTX
-    return (int)blockIdx.x / 2;
-#else
-    unsigned v;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(v));
-    return (int)v;
-#endif
-}
-__device__ __forceinline__ int sm_count() {
-#ifdef QG_EMULATED_PTX
-    return ((int)gridDim.x + 1) / 2;
-#else
-    unsigned v;
-    asm volatile("mov.u32 %0, %%nsmid;" : "=r"(v));
-    return (int)v;
-#endif
-}
-// A short pause in a wait on another CTA (the memory system is left to the others meanwhile).
-__device__ __forceinline__ void nap() {
-#ifndef QG_EMULATED_PTX
-    __nanosleep(200);
-#endif
-}
-
 // The m tile of BM positions from m0 (one expert: BM divides block_size): sSlot[r] = the slot
 // of position m0 + r or -1 (padding, or past the positions), sArow[r] = its row of a (slot /
 // top_k) or -1. False, in every thread alike, when no position of the tile is live: the CTA
