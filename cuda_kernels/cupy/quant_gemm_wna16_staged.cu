@@ -103,6 +103,9 @@
 #ifndef STAGED_ROLES     // dev: 1 = runs by the CTAs' order of arrival on their SM (role 0, 1):
 #define STAGED_ROLES 0   // role 0 takes the even runs, role 1 the odd ones
 #endif
+#ifndef STAGED_PERM      // dev: CTA q walks run (q PERM) mod Q (PERM coprime with Q, else q)
+#define STAGED_PERM 0
+#endif
 #ifndef STAGED_SKEW      // dev (ROLES): the even runs are 1 + SKEW / 1000 long, the odd ones
 #define STAGED_SKEW 0    // 1 - SKEW / 1000 (in units of Wt / Q)
 #endif
@@ -213,7 +216,11 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         const int role = atomicAdd(dev_roles + (sm & 1023), 1) & 1;
         const int n_even = (Q + 1) / 2, n_odd = Q / 2;
         int r = atomicAdd(dev_roles + 1024 + role, 1);
-        if (r < (role ? n_odd : n_even)) {
+        if (STAGED_ROLES == 2) {                       // role 0: the first half, 1: the second
+            r = r < (role ? n_odd : n_even) ? r + role * n_even
+                                            : atomicAdd(dev_roles + 1025 - role, 1) +
+                                                  (role ^ 1) * n_even;
+        } else if (r < (role ? n_odd : n_even)) {
             r = 2 * r + role;
         } else {                                       // this list is taken: the other one
             r = 2 * atomicAdd(dev_roles + 1024 + (role ^ 1), 1) + (role ^ 1);
@@ -277,10 +284,15 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // split in fixed halves with no atomics (193 / 108 against 183 / 103): a run per CTA,
     // walked in one direction, streams faster.
     auto run_start = [&](long long qq) {
-        if (!STAGED_ROLES || (qq & 1) == 0) return qq * Wt / Q;
+        if (STAGED_ROLES != 1 || (qq & 1) == 0) return qq * Wt / Q;
         return min(Wt, ((qq - 1) * 1000 + 1000 + STAGED_SKEW) * Wt / (1000LL * Q));
     };
-    const int run = STAGED_ROLES ? sRun : q;           // (sRun: read after the barriers above)
+    int run = STAGED_ROLES ? sRun : q;                 // (sRun: read after the barriers above)
+    if (STAGED_PERM > 0) {
+        int x = STAGED_PERM, y = Q;                    // gcd(PERM, Q)
+        while (y) { const int t2 = x % y; x = y; y = t2; }
+        if (x == 1) run = (int)((long long)q * STAGED_PERM % Q);
+    }
 
     // ---- experts of another rank: zeros, m tile m by CTA m % Q
     for (int m = q; m < mtiles; m += Q) {
