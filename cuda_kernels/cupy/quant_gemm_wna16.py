@@ -825,7 +825,7 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     return dict(name=staged_kernel_name(cfg, zp, fa), cfg=cfg, grid=(q, 1, 1),
                 block=(32 * cfg["W"],), smem=smem, shift=shift, Lg=Lg, Q=q, U=units, SPB=spb,
                 MTILES=mtiles, WS=slots * per, TILES=mtiles * blocks,
-                COUNTERS=mtiles * blocks * (1 + spb) + 1028)   # + the dev STAGED_ROLES' ints
+                COUNTERS=mtiles * blocks * (1 + spb))
 
 
 F16_ROWS_KERNEL = "wna16_f16_rows"

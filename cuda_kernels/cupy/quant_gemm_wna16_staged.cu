@@ -100,15 +100,6 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
-#ifndef STAGED_ROLES     // dev: 1 = runs by the CTAs' order of arrival on their SM (role 0, 1):
-#define STAGED_ROLES 0   // role 0 takes the even runs, role 1 the odd ones
-#endif
-#ifndef STAGED_PERM      // dev: CTA q walks run (q PERM) mod Q (PERM coprime with Q, else q)
-#define STAGED_PERM 0
-#endif
-#ifndef STAGED_SKEW      // dev (ROLES): the even runs are 1 + SKEW / 1000 long, the odd ones
-#define STAGED_SKEW 0    // 1 - SKEW / 1000 (in units of Wt / Q)
-#endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns) and SM in g_cta_times
 #define STAGED_TIMES 0
 #endif
@@ -206,31 +197,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     const int SPB = (C + KC - 1) / KC, nblocks = (ntiles + NB - 1) / NB, U = nblocks * SPB;
     const int mtiles = (num_positions + BM - 1) / BM;
     const int Q = gridDim.x, q = blockIdx.x;
-    // dev (STAGED_ROLES): the run this CTA takes, by its order of arrival on its SM
-    __shared__ int sRun;
-    int* dev_roles = counters + (size_t)mtiles * nblocks * (1 + SPB);   // [1024], next[2], exits
-#if STAGED_ROLES
-    if (tid == 0) {
-        unsigned sm;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        const int role = atomicAdd(dev_roles + (sm & 1023), 1) & 1;
-        const int n_even = (Q + 1) / 2, n_odd = Q / 2;
-        int r = atomicAdd(dev_roles + 1024 + role, 1);
-        if (STAGED_ROLES == 2) {                       // role 0: the first half, 1: the second
-            r = r < (role ? n_odd : n_even) ? r + role * n_even
-                                            : atomicAdd(dev_roles + 1025 - role, 1) +
-                                                  (role ^ 1) * n_even;
-        } else if (r < (role ? n_odd : n_even)) {
-            r = 2 * r + role;
-        } else {                                       // this list is taken: the other one
-            r = 2 * atomicAdd(dev_roles + 1024 + (role ^ 1), 1) + (role ^ 1);
-        }
-        sRun = r;
-#if STAGED_TIMES
-        g_cta_times[blockIdx.x][2] = sm + 1000 * role;
-#endif
-    }
-#endif
     // The codes the mma reads: bf16 128 + q (one per half-word); fp16 (FA, or an fp16 build)
     // 1024 + q for even pairs, 64 + q for odd ones (w16::raw_pairs_f16: a third of the shifts)
     constexpr bool F16 = FA || !ELEM_BF16;
@@ -283,16 +249,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // round trip), and runs shared from both ends by two CTAs (of one SM or not), even when
     // split in fixed halves with no atomics (193 / 108 against 183 / 103): a run per CTA,
     // walked in one direction, streams faster.
-    auto run_start = [&](long long qq) {
-        if (STAGED_ROLES != 1 || (qq & 1) == 0) return qq * Wt / Q;
-        return min(Wt, ((qq - 1) * 1000 + 1000 + STAGED_SKEW) * Wt / (1000LL * Q));
-    };
-    int run = STAGED_ROLES ? sRun : q;                 // (sRun: read after the barriers above)
-    if (STAGED_PERM > 0) {
-        int x = STAGED_PERM, y = Q;                    // gcd(PERM, Q)
-        while (y) { const int t2 = x % y; x = y; y = t2; }
-        if (x == 1) run = (int)((long long)q * STAGED_PERM % Q);
-    }
+    auto run_start = [&](long long qq) { return qq * Wt / Q; };
 
     // ---- experts of another rank: zeros, m tile m by CTA m % Q
     for (int m = q; m < mtiles; m += Q) {
@@ -302,15 +259,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             w16::store_zeros<BM>(c, sSlot, N, 0, N, NT);
         __syncthreads();                               // sSlot is read before it is reused
     }
-    if (Wt == 0 || run_start(run) >= run_start(run + 1)) {
-        if (STAGED_ROLES && Wt > 0 && tid == 0) {
-            __threadfence();
-            if (atomicAdd(dev_roles + 1026, 1) == Q - 1) {
-                for (int i = 0; i < 1027; ++i) dev_roles[i] = 0;
-            }
-        }
-        return;
-    }
+    if (Wt == 0 || run_start(q) >= run_start(q + 1)) return;
 
     // ---- the partial blocks' records (staged_plan's COUNTERS ints, zero between launches) and
     // parts (WS floats: [Q][2 parts][PER], a run has two partial blocks at most)
@@ -323,9 +272,9 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // ---- the segments of the run, one m tile each: units [ua, ub) of m tile m
     for (int m = 0; m < mtiles; ++m) {
         const long long w = (cum[m + 1] - cum[m]) / U;  // the m tile's cost per unit
-        if (w == 0 || cum[m + 1] <= run_start(run) || cum[m] >= run_start(run + 1)) continue;
-        const int ua = (int)max(0LL, (run_start(run) - cum[m] + w - 1) / w);
-        const int ub = (int)min((long long)U, (run_start(run + 1) - cum[m] + w - 1) / w);
+        if (w == 0 || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1)) continue;
+        const int ua = (int)max(0LL, (run_start(q) - cum[m] + w - 1) / w);
+        const int ub = (int)min((long long)U, (run_start(q + 1) - cum[m] + w - 1) / w);
         if (ua >= ub) continue;
         const int n_units = ub - ua;
         w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots, top_k,
@@ -587,7 +536,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                         store(b);
                     } else if (finish_parts<TPW * LT * 4, NT>(
                                    &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
-                                   (size_t)m * nblocks + b, PER, 2 * run + parts_used++,
+                                   (size_t)m * nblocks + b, PER, 2 * q + parts_used++,
                                    s - blk_n + 1, blk_n, sLast)) {
                         store(b);
                     }
@@ -610,12 +559,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #endif
         w16::cp_wait<0>();                             // the ring is empty ...
         __syncthreads();                               // ... and read: the next segment refills it
-    }
-    if (STAGED_ROLES && tid == 0) {                    // the last CTA out resets the roles
-        __threadfence();
-        if (atomicAdd(dev_roles + 1026, 1) == Q - 1) {
-            for (int i = 0; i < 1027; ++i) dev_roles[i] = 0;
-        }
     }
 #if STAGED_TIMES
     if (tid == 0) g_cta_times[blockIdx.x][1] = global_ns();
