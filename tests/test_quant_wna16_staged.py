@@ -6,8 +6,8 @@ CPU (always): staged_plan's runs cover every unit once, its workspace holds two 
 its shared memory matches the kernel's stage layout and fits MINB CTAs per SM, and it refuses
 bad configs clearly. Simulator: the kernel on the CPU emulation of tests/test_quant_cupy.py
 (g++, a std::thread per CUDA thread, cp.async landing only at its wait): runs that start and
-end inside row blocks (blocks finished from 2-3 parts, in K-stage order), a ragged last block, a
-short last K stage, group sizes 64 / 128 / one per row, with and without zero points, 1-3 live
+end inside row blocks (blocks finished from 2-3 parts, in K-stage order), a ragged last block,
+a short last K stage, group sizes 64 / 128 / one per row, with and without zero points, 1-3 live
 token tiles, an expert of another rank; the split counters come back to zero.
 GPU (`gpu` marker): every config on the packed rung's shapes, fp16 and other ranks, long runs,
 and the same bits on a second launch. Tolerance: the issue's weight-only 2e-2.

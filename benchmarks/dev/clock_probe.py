@@ -41,9 +41,9 @@ def main():
                              use_int4_w4a16=True, config=cfg)
     pair()
     cupy.cuda.runtime.deviceSynchronize()
-    smi = ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,power.draw,clocks_throttle_reasons.active",
-           "--format=csv,noheader,nounits", "-lms", "20"]
-    idle = subprocess.run(smi[:-2], capture_output=True, text=True).stdout.strip()
+    smi = ["nvidia-smi", "--format=csv,noheader,nounits", "-lms", "20",
+           "--query-gpu=clocks.sm,clocks.mem,power.draw,clocks_throttle_reasons.active"]
+    idle = subprocess.run(smi[:2] + smi[4:], capture_output=True, text=True).stdout.strip()
     print(f"idle: {idle}", flush=True)
     ev0, ev1 = cupy.cuda.Event(), cupy.cuda.Event()
     n = 0

@@ -791,10 +791,11 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     """wna16_staged's launch: grid (Q,), block 32 W, dynamic shared memory S stages, then the
     m tiles' prefix costs (8 (MTILES + 1) bytes) and a block's parts by first stage (4 SPB).
     Every live m tile has U = blocks x SPB units (row blocks of NB tiles x K stages of KC
-    chunks), each costing LT + 5 (LT: its live token tiles, found on the device); the Q = MINB CTAs per SM (times WAVES) take contiguous runs of
-    equal cost over all m tiles in order. The partial blocks meet in a workspace of WS floats
-    ([Q][2 parts][32 W TPW MT 4]) with COUNTERS ints ([TILES] units done, [TILES][SPB] parts by
-    their first K stage; TILES = m tiles x blocks). fa: the FA mode (default: the config's)."""
+    chunks), each costing LT + 5 (LT: its live token tiles, found on the device); the Q = MINB
+    CTAs per SM (times WAVES) take contiguous runs of equal cost over all m tiles in order.
+    The partial blocks meet in a workspace of WS floats ([Q][2 parts][32 W TPW MT 4]) with
+    COUNTERS ints ([TILES] units done, [TILES][SPB] parts by their first K stage; TILES = m
+    tiles x blocks). fa: the FA mode (default: the config's)."""
     bm = 8 * cfg["MT"]
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
@@ -806,10 +807,9 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     Lg = min(L, P * block_size)
     mtiles = C.cdiv(Lg, bm)
     nb = cfg["W"] * cfg["TPW"]
-    blocks = C.cdiv(N // 16, nb)
-    units = blocks * C.cdiv(K // PACK_CHUNK, cfg["KC"])
+    blocks, spb = C.cdiv(N // 16, nb), C.cdiv(K // PACK_CHUNK, cfg["KC"])
+    units = blocks * spb
     q = max(1, min(num_sms * cfg["MINB"] * cfg.get("WAVES", 1), mtiles * units))
-    spb = C.cdiv(K // PACK_CHUNK, cfg["KC"])
     smem = cfg["S"] * staged_stage_bytes(cfg, zp) + 8 * (mtiles + 1) + 4 * spb
     room = SMEM_PER_SM // cfg["MINB"] - 1024
     if smem > room:
