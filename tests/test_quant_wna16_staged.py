@@ -56,8 +56,8 @@ def _runs(costs, Q):
 @pytest.mark.parametrize("name", sorted(W.STAGED_CONFIGS))
 def test_plan_and_runs(name):
     """staged_plan's geometry; the kernel's runs (written out in _runs) cover every unit of every
-    live m tile once, in order, each CTA's units of an m tile owned by it (the owner formula
-    the partial blocks use) and at most two partial blocks per CTA (its workspace slots)."""
+    live m tile once, in order, each CTA's units of an m tile inside its weighted range, and at
+    most two partial blocks per CTA (its workspace slots)."""
     cfg = W.STAGED_CONFIGS[name]
     bm, nb = 8 * cfg["MT"], cfg["W"] * cfg["TPW"]
     for P, N, K, L, B, sms in ((2, 28672, 4096, 58, bm, 132), (128, 4096, 14336, 376, 3 * bm, 132),
@@ -84,7 +84,7 @@ def test_plan_and_runs(name):
             partial = 0
             for m, ua, ub in r:
                 w = costs["w"][m]
-                for u in (ua, ub - 1):                      # owner(p) = ((p + 1) Q - 1) // Wt
+                for u in (ua, ub - 1):                      # position p in run (p+1)Q-1 // Wt
                     assert ((int(cum[m]) + u * w + 1) * q - 1) // Wt == qq
                 partial += (ua % spb != 0) + (ub % spb != 0)
             assert partial <= 2

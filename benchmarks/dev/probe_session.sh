@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call for a staged-rung change, results under $OUT: the staged GPU tests, then the
-# probe (CUDA events, L2 flushed) of PROBE_CONFIGS (default: base:t24, the kernel of
-# quant_gemm_wna16_staged_base.cu, an earlier version carried beside the .cu, against t24) at
-# T = 64, 16, 256, each CTA's end (TIMES) at T = 64, then bench_quant's int4 row.
+# probe (CUDA events, L2 flushed) of PROBE_CONFIGS (default t24) at T = 64, 16, 256, each CTA's
+# end (TIMES) at T = 64, then bench_quant's int4 row. For a baseline in the same call, copy an
+# earlier version of the .cu to cuda_kernels/cupy/quant_gemm_wna16_staged_base.cu, carry it to
+# the device, and add base:t24 (PROBE_CONFIGS=base:t24,t24 TIMES_CONFIGS=base:t24,t24).
 #   MOE_SANDBOX_COMMIT=<hash> bash benchmarks/dev/probe_session.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/moe_sandbox_out}; mkdir -p "$OUT"
@@ -18,12 +19,12 @@ say() { echo "== $* ($(date +%T))"; }
       tests/test_quant_wna16_staged.py 2>&1 | tail -n 12
   fi
   say "probe"
-  timeout ${PROBE_S:-200} python3 benchmarks/dev/probe_staged.py --configs ${PROBE_CONFIGS:-base:t24,t24} \
+  timeout ${PROBE_S:-200} python3 benchmarks/dev/probe_staged.py --configs ${PROBE_CONFIGS:-t24} \
     --tokens ${PROBE_TOKENS:-64,16,256} --variants ${PROBE_VARIANTS:-base} --out "$OUT" 2>&1 \
     | grep -v "^read" | tail -n 40
   say "probe: each CTA's end at T = 64"
   mkdir -p "$OUT/times"
-  timeout 100 python3 benchmarks/dev/probe_staged.py --configs ${TIMES_CONFIGS:-base:t24,t24} --tokens 64 \
+  timeout 100 python3 benchmarks/dev/probe_staged.py --configs ${TIMES_CONFIGS:-t24} --tokens 64 \
     --variants TIMES=1 --out "$OUT/times" 2>&1 | grep -v "^read" | tail -n 20
   if [ -z "${SKIP_BENCH:-}" ]; then
     say "bench_quant mixtral"

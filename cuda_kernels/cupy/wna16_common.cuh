@@ -319,20 +319,20 @@ __device__ __forceinline__ void store_zeros(elem_t* __restrict__ c, const int* s
         if (sSlot[r] >= 0 && n < N) c[(size_t)sSlot[r] * N + n] = from_f32(0.f);
     }
 }
-// A tile computed in parts by several CTAs: the N fp32 values v of thread threadIdx.x (of NT)
-// are this CTA's part; they go to the workspace at slot `mine` (ws [slot][per], v[j] at
-// j NT + thread); the last CTA of the tile to arrive (counters[tile], reset by that CTA for
-// the next launch on the stream) gets true back, with v = the `parts` parts added in part
-// order, part z read from slot slot_of(z) (deterministic); the others get false. Every thread
-// of the CTA calls it (two barriers); s_last is a __shared__ int of the caller.
-template <int N, int NT, typename SlotOf>
-__device__ __forceinline__ bool last_of_parts(float* v, float* __restrict__ ws,
-                                              int* __restrict__ counters, size_t tile, int per,
-                                              int& s_last, size_t mine, int parts,
-                                              SlotOf&& slot_of) {
-    const int tid = threadIdx.x;
+// Split K over grid.z: the N fp32 values v of thread threadIdx.x (of NT) are part blockIdx.z of
+// the gridDim.z parts of `tile`; they go to ws [tile][split][per] (v[j] at j NT + thread). The
+// last CTA of the tile to arrive (counters[tile], reset by that CTA for the next launch on the
+// stream) gets true back, with v = the parts added in split order (deterministic); the others
+// get false. Every thread of the CTA calls it (two barriers); s_last is a __shared__ int of the
+// caller. (wna16_staged's parts, split where runs end, meet in its own finish_parts.)
+template <int N, int NT>
+__device__ __forceinline__ bool split_k_last(float* v, float* __restrict__ ws,
+                                             int* __restrict__ counters, size_t tile, int per,
+                                             int& s_last) {
+    const int tid = threadIdx.x, parts = (int)gridDim.z;
+    float* mine = ws + (tile * parts + blockIdx.z) * per + tid;
 #pragma unroll
-    for (int j = 0; j < N; ++j) __stcg(ws + mine * per + tid + j * NT, v[j]);
+    for (int j = 0; j < N; ++j) __stcg(mine + j * NT, v[j]);
     __threadfence();
     __syncthreads();
     if (tid == 0) s_last = atomicAdd(counters + tile, 1) == parts - 1;
@@ -342,22 +342,12 @@ __device__ __forceinline__ bool last_of_parts(float* v, float* __restrict__ ws,
 #pragma unroll
     for (int j = 0; j < N; ++j) v[j] = 0.f;
     for (int z = 0; z < parts; ++z) {
-        const float* part = ws + (size_t)slot_of(z) * per + tid;
+        const float* part = ws + (tile * parts + z) * per + tid;
 #pragma unroll
         for (int j = 0; j < N; ++j) v[j] += __ldcg(part + j * NT);
     }
     if (tid == 0) counters[tile] = 0;
     return true;
-}
-
-// Split K over grid.z: part blockIdx.z of the gridDim.z parts of `tile`, ws [tile][split][per].
-template <int N, int NT>
-__device__ __forceinline__ bool split_k_last(float* v, float* __restrict__ ws,
-                                             int* __restrict__ counters, size_t tile, int per,
-                                             int& s_last) {
-    return last_of_parts<N, NT>(v, ws, counters, tile, per, s_last,
-                                tile * gridDim.z + blockIdx.z, (int)gridDim.z,
-                                [&](int z) { return tile * gridDim.z + z; });
 }
 
 // f(Count<n>{}) for the n in [LO, HI] that equals `n` (n outside: the nearest end), so that
