@@ -103,6 +103,23 @@
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns) and SM in g_cta_times
 #define STAGED_TIMES 0
 #endif
+#ifndef STAGED_CACHE     // dev: L2 hints on the codes' copies (read once): 1 evict_first,
+#define STAGED_CACHE 0   // 2 a 256-byte prefetch size, 3 both
+#endif
+#if STAGED_CACHE
+__device__ __forceinline__ void cp16_codes(void* dst, const void* src, unsigned long long pol) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+#if STAGED_CACHE == 1
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n"
+                 :: "r"(d), "l"(src), "l"(pol));
+#elif STAGED_CACHE == 2
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" :: "r"(d), "l"(src));
+#else
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;\n"
+                 :: "r"(d), "l"(src), "l"(pol));
+#endif
+}
+#endif
 #if STAGED_TIMES
 __device__ unsigned long long g_cta_times[4096][5];   // start, end, SM, units, units x LT
 __device__ __forceinline__ unsigned long long global_ns() {
@@ -185,6 +202,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+#if STAGED_CACHE
+    unsigned long long l2_policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(l2_policy));
+#endif
 #if STAGED_TIMES
     if (tid == 0) {
         unsigned sm;
@@ -328,8 +349,13 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 const uint4* wsrc = w_tile + (size_t)(b * SPB + s) * (NB * KC * 32);
 #pragma unroll
                 for (int j = 0; j < W_PER; ++j)
-                    if (STAGED_PROBE != 3)
+                    if (STAGED_PROBE != 3) {
+#if STAGED_CACHE
+                        cp16_codes(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, l2_policy);
+#else
                         w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
+#endif
+                    }
                 const int sz_off = (b * num_groups + g0) * (NB * 8);   // < 2^31: one expert's
                 const float2* ssrc = sp + sz_e + sz_off + 2 * tid;
 #pragma unroll
