@@ -34,6 +34,19 @@ extern "C" __global__ void read_all(const uint4* __restrict__ p, size_t n, unsig
 """
 
 
+def _module(cupy, cu, cfg, var):
+    """(kernel name, compiled RawModule, macros) of config cfg under variant var ("base", or
+    "PROBE=1+TIMES=1": the STAGED_ dev macros)."""
+    defs = {} if var == "base" else {f"STAGED_{k}": int(v) for k, v in
+                                     (kv.split("=") for kv in var.split("+"))}
+    name = W.staged_kernel_name(cfg, False)
+    mod = cupy.RawModule(code=C.source_text(cu, dict(ELEM_BF16=1, **defs)),
+                         options=C._BASE_OPTIONS + tuple(f"-I{d}" for d in C.cuda_include_dirs()),
+                         name_expressions=(name,))
+    mod.get_function(name)                      # compiles (or loads CuPy's cached cubin)
+    return name, mod, defs
+
+
 def main():
     import cupy
     from reference import moe_align_block_size
@@ -44,7 +57,17 @@ def main():
     p.add_argument("--out", default="/tmp")
     p.add_argument("--base-cu", default="quant_gemm_wna16_staged_base.cu",
                    help="the kernel of the base: configs (in cuda_kernels/cupy)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="only build the modules (CuPy's disk cache): run several in parallel "
+                        "before the timed call")
     args = p.parse_args()
+    if args.compile_only:
+        for spec in args.configs.split(","):
+            base = spec.startswith("base:")
+            _, cfg = _config_override(dict(W.STAGED_CONFIGS), spec[5:] if base else spec)
+            for var in args.variants.split(","):
+                _module(cupy, args.base_cu if base else W.CU_STAGED, cfg, var)
+        return
     w1 = random_bytes((E, 2 * I, H // 2), 1)
     w2 = random_bytes((E, H, I // 2), 2)
     s1 = cupy.random.uniform(1e-3, 2e-3, (E, 2 * I, H // GROUP), dtype=cupy.float32)
@@ -79,16 +102,9 @@ def main():
             g2 = lambda: W.grouped_gemm_wna16(act, w2, st, ex, ntp, 1, B, twd, True,  # noqa: E731
                                               w_scale=s2, use_int4_w4a16=True, config=cfg)
             for var in args.variants.split(","):
-                defs = {} if var == "base" else {f"STAGED_{k}": int(v) for k, v in
-                                                 (kv.split("=") for kv in var.split("+"))}
                 W._READY.clear()
                 W._SMEM_SET.clear()
-                name = W.staged_kernel_name(cfg, False)
-                mod = cupy.RawModule(code=C.source_text(args.base_cu if base else W.CU_STAGED,
-                                                        dict(ELEM_BF16=1, **defs)),
-                                     options=C._BASE_OPTIONS + tuple(
-                                         f"-I{d}" for d in C.cuda_include_dirs()),
-                                     name_expressions=(name,))
+                name, mod, defs = _module(cupy, args.base_cu if base else W.CU_STAGED, cfg, var)
                 W._READY[(name, 1, dev)] = mod.get_function(name)
                 g1(), g2()
                 if defs.get("STAGED_TIMES"):
