@@ -109,7 +109,7 @@ def main():
                 g1(), g2()
                 if defs.get("STAGED_TIMES"):
                     ptr = mod.get_global("g_cta_times")
-                    tt = cupy.ndarray((4096, 5), cupy.uint64, memptr=ptr)
+                    tt = cupy.ndarray((4096, 8), cupy.uint64, memptr=ptr)
                     for label, g in (("g1", g1), ("g2", g2)):
                         tt.fill(0)
                         fl()
@@ -128,12 +128,21 @@ def main():
                               f" us; duration p50 {np.median(t_e - t_s):.1f}; units "
                               f"{h[:, 3].min():.0f}-{h[:, 3].max():.0f}, mean LT {lt.min():.2f}-"
                               f"{lt.max():.2f}, corr(LT, duration) {r:.2f}", flush=True)
+                        first = (h[:, 5] - t0) / 1e3
+                        ends = h[:, 6] / 1.8e3          # SM cycles at ~1.8 GHz
+                        print(f"      first stage landed p0/50/100 {first.min():.1f} "
+                              f"{np.median(first):.1f} {first.max():.1f} us; ending blocks "
+                              f"p50/100 ~{np.median(ends):.1f} {ends.max():.1f} us; parts "
+                              f"{h[:, 7].min():.0f}-{h[:, 7].max():.0f}", flush=True)
                         rows.append(dict(T=T, config=spec, variant=var, gemm=label,
                                          start_us=t_s.round(2).tolist(),
                                          end_us=t_e.round(2).tolist(),
                                          sm=h[:, 2].astype(int).tolist(),
                                          units=h[:, 3].astype(int).tolist(),
-                                         lt_units=h[:, 4].astype(int).tolist()))
+                                         lt_units=h[:, 4].astype(int).tolist(),
+                                         first_us=first.round(2).tolist(),
+                                         end_blocks_cycles=h[:, 6].astype(int).tolist(),
+                                         parts=h[:, 7].astype(int).tolist()))
                 t1, t2 = timer(g1, fl, 3, 20), timer(g2, fl, 3, 20)
                 rows.append(dict(T=T, config=spec, variant=var, gemm1_us=t1 * 1e3,
                                  gemm2_us=t2 * 1e3))

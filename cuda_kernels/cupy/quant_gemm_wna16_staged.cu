@@ -100,7 +100,8 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
-#ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns) and SM in g_cta_times
+#ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
+                         // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
 #endif
 #ifndef STAGED_CACHE     // dev: L2 hints on the codes' copies (read once): 1 evict_first,
@@ -121,7 +122,8 @@ __device__ __forceinline__ void cp16_codes(void* dst, const void* src, unsigned 
 }
 #endif
 #if STAGED_TIMES
-__device__ unsigned long long g_cta_times[4096][5];   // start, end, SM, units, units x LT
+__device__ unsigned long long g_cta_times[4096][8];   // start, end, SM, units, units x LT,
+                                                      // first landed, end cycles, parts
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -430,6 +432,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             for (int i = 0; i < n_units; ++i) {
                 w16::cp_wait<S - 2>();                     // stage i has landed (this thread's)
                 __syncthreads();                           // ... and everyone's; slot i - 1 free
+#if STAGED_TIMES
+                if (tid == 0 && g_cta_times[blockIdx.x][5] == 0)
+                    g_cta_times[blockIdx.x][5] = global_ns();
+#endif
                 issue(i + S - 1, ib, is, i + S - 1 < n_units);
                 step(ib, is);
                 const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
@@ -558,6 +564,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 // part (finish_parts: the CTA that completes the block adds the parts)
                 ++blk_n;
                 if (i + 1 == n_units || s == SPB - 1) {   // uniform over the CTA
+#if STAGED_TIMES
+                    const long long c_end0 = clock64();
+                    if (tid == 0 && blk_n != SPB) ++g_cta_times[blockIdx.x][7];
+#endif
                     if (blk_n == SPB) {
                         store(b);
                     } else if (finish_parts<TPW * LT * 4, NT>(
@@ -573,6 +583,9 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                         for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
                             for (int k = 0; k < 4; ++k) acc[r][mt][k] = 0.f;
+#if STAGED_TIMES
+                    if (tid == 0) g_cta_times[blockIdx.x][6] += clock64() - c_end0;
+#endif
                 }
                 step(b, s);
             }
