@@ -109,7 +109,7 @@ def main():
                 g1(), g2()
                 if defs.get("STAGED_TIMES"):
                     ptr = mod.get_global("g_cta_times")
-                    tt = cupy.ndarray((4096, 8), cupy.uint64, memptr=ptr)
+                    tt = cupy.ndarray((4096, 10), cupy.uint64, memptr=ptr)
                     for label, g in (("g1", g1), ("g2", g2)):
                         tt.fill(0)
                         fl()
@@ -133,7 +133,9 @@ def main():
                         print(f"      first stage landed p0/50/100 {first.min():.1f} "
                               f"{np.median(first):.1f} {first.max():.1f} us; ending blocks "
                               f"p50/100 ~{np.median(ends):.1f} {ends.max():.1f} us; parts "
-                              f"{h[:, 7].min():.0f}-{h[:, 7].max():.0f}", flush=True)
+                              f"{h[:, 7].min():.0f}-{h[:, 7].max():.0f}; of them whole stores "
+                              f"p50/100 ~{np.median(h[:, 8]) / 1.8e3:.1f} "
+                              f"{h[:, 8].max() / 1.8e3:.1f} us", flush=True)
                         rows.append(dict(T=T, config=spec, variant=var, gemm=label,
                                          start_us=t_s.round(2).tolist(),
                                          end_us=t_e.round(2).tolist(),

@@ -122,8 +122,8 @@ __device__ __forceinline__ void cp16_codes(void* dst, const void* src, unsigned 
 }
 #endif
 #if STAGED_TIMES
-__device__ unsigned long long g_cta_times[4096][8];   // start, end, SM, units, units x LT,
-                                                      // first landed, end cycles, parts
+__device__ unsigned long long g_cta_times[4096][10];  // start, end, SM, units, units x LT,
+                                  // first landed, end cycles, parts, of them in whole stores
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -570,6 +570,9 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #endif
                     if (blk_n == SPB) {
                         store(b);
+#if STAGED_TIMES
+                        if (tid == 0) g_cta_times[blockIdx.x][8] += clock64() - c_end0;
+#endif
                     } else if (finish_parts<TPW * LT * 4, NT>(
                                    &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
                                    (size_t)m * nblocks + b, PER, 2 * q + parts_used++,
