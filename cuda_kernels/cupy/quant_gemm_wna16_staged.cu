@@ -104,23 +104,6 @@
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
 #endif
-#ifndef STAGED_CACHE     // dev: L2 hints on the codes' copies (read once): 1 evict_first,
-#define STAGED_CACHE 0   // 2 a 256-byte prefetch size, 3 both
-#endif
-#if STAGED_CACHE
-__device__ __forceinline__ void cp16_codes(void* dst, const void* src, unsigned long long pol) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-#if STAGED_CACHE == 1
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n"
-                 :: "r"(d), "l"(src), "l"(pol));
-#elif STAGED_CACHE == 2
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" :: "r"(d), "l"(src));
-#else
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;\n"
-                 :: "r"(d), "l"(src), "l"(pol));
-#endif
-}
-#endif
 #if STAGED_TIMES
 __device__ unsigned long long g_cta_times[4096][10];  // start, end, SM, units, units x LT,
                                   // first landed, end cycles, parts, of them in whole stores
@@ -204,10 +187,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-#if STAGED_CACHE
-    unsigned long long l2_policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(l2_policy));
-#endif
+    const unsigned long long codes_policy = w16::evict_first_policy();   // read once
 #if STAGED_TIMES
     if (tid == 0) {
         unsigned sm;
@@ -351,13 +331,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 const uint4* wsrc = w_tile + (size_t)(b * SPB + s) * (NB * KC * 32);
 #pragma unroll
                 for (int j = 0; j < W_PER; ++j)
-                    if (STAGED_PROBE != 3) {
-#if STAGED_CACHE
-                        cp16_codes(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, l2_policy);
-#else
-                        w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
-#endif
-                    }
+                    if (STAGED_PROBE != 3)
+                        w16::cp16_once(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, codes_policy);
                 const int sz_off = (b * num_groups + g0) * (NB * 8);   // < 2^31: one expert's
                 const float2* ssrc = sp + sz_e + sz_off + 2 * tid;
 #pragma unroll
@@ -404,8 +379,18 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                     for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
 
-            // the block's outputs: c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8)
-            auto store = [&](int b) {
+            // Block b's outputs (c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8)) go
+            // through shared memory: each thread puts its values, finished (row scale, bias,
+            // router weight) and rounded, into a tile [live rows][NB 16] in `slot` (the ring
+            // slot just computed: free until the next iteration's barrier), then the CTA
+            // copies each live token's 32 NB bytes of its row of c in 16-byte units. Why:
+            // 2-byte stores scattered over 4 rows per warp instruction queued behind the weight
+            // stream, ~1.7 us a block (T = 64, STAGED_TIMES, dev_wna16_20261201). Rows are
+            // PITCH bytes apart (+16: the rows 2t of a warp's store fall in distinct banks).
+            constexpr int PITCH = NB * 32 + 16;
+            static_assert(BM * PITCH <= St::BYTES, "the output tile fits in one ring slot");
+            auto store = [&](int b, u8* slot) {
+                __syncthreads();                           // every warp is done with the slot
 #pragma unroll
                 for (int r = 0; r < TPW; ++r) {
                     const int tile = b * NB + warp * TPW + r;
@@ -415,15 +400,24 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             const int row = 8 * mt + 2 * t + (i & 1);
-                            const int n = tile * 16 + g + 8 * (i >> 1);
+                            const int col = (warp * TPW + r) * 16 + g + 8 * (i >> 1);
                             const int s = sSlot[row];
                             if (s < 0) continue;
                             float v = acc[r][mt][i];
                             if (FA) v *= a_scale[sArow[row]];   // back from a 2^s
-                            if (bias != nullptr) v += bias[(size_t)e * N + n];
+                            if (bias != nullptr) v += bias[(size_t)e * N + b * NB * 16 + col];
                             if (mul_routed_weight) v *= topk_weights[s];
-                            c[(size_t)s * N + n] = w16::from_f32(v);
+                            reinterpret_cast<elem_t*>(slot + row * PITCH)[col] = w16::from_f32(v);
                         }
+                }
+                __syncthreads();
+                const int units = min(NB * 16, N - b * NB * 16) / 8;   // 16-byte units a row
+                for (int k = tid; k < LT * 8 * (NB * 2); k += NT) {
+                    const int row = k / (NB * 2), u = k - row * (NB * 2);
+                    const int s = sSlot[row];
+                    if (u >= units || s < 0) continue;
+                    *reinterpret_cast<uint4*>(c + (size_t)s * N + b * NB * 16 + u * 8) =
+                        *reinterpret_cast<const uint4*>(slot + row * PITCH + u * 16);
                 }
             };
 
@@ -568,8 +562,9 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                     const long long c_end0 = clock64();
                     if (tid == 0 && blk_n != SPB) ++g_cta_times[blockIdx.x][7];
 #endif
+                    u8* slot = smem + (size_t)(i % S) * St::BYTES;
                     if (blk_n == SPB) {
-                        store(b);
+                        store(b, slot);
 #if STAGED_TIMES
                         if (tid == 0) g_cta_times[blockIdx.x][8] += clock64() - c_end0;
 #endif
@@ -577,7 +572,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                                    &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
                                    (size_t)m * nblocks + b, PER, 2 * q + parts_used++,
                                    s - blk_n + 1, blk_n, sLast)) {
-                        store(b);
+                        store(b, slot);
                     }
                     blk_n = 0;
 #pragma unroll
