@@ -100,6 +100,9 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
+#ifndef STAGED_LATE_START   // dev: the mma chains start at 0 and the zero-point start is added
+#define STAGED_LATE_START 0  // before the scaling (off the sums' latency), ZP = 0 only
+#endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
@@ -379,18 +382,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                     for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
 
-            // Block b's outputs (c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8)) go
-            // through shared memory: each thread puts its values, finished (row scale, bias,
-            // router weight) and rounded, into a tile [live rows][NB 16] in `slot` (the ring
-            // slot just computed: free until the next iteration's barrier), then the CTA
-            // copies each live token's 32 NB bytes of its row of c in 16-byte units. Why:
-            // 2-byte stores scattered over 4 rows per warp instruction queued behind the weight
-            // stream, ~1.7 us a block (T = 64, STAGED_TIMES, dev_wna16_20261201). Rows are
-            // PITCH bytes apart (+16: the rows 2t of a warp's store fall in distinct banks).
-            constexpr int PITCH = NB * 32 + 16;
-            static_assert(BM * PITCH <= St::BYTES, "the output tile fits in one ring slot");
-            auto store = [&](int b, u8* slot) {
-                __syncthreads();                           // every warp is done with the slot
+            // the block's outputs: c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8)
+            auto store = [&](int b) {
 #pragma unroll
                 for (int r = 0; r < TPW; ++r) {
                     const int tile = b * NB + warp * TPW + r;
@@ -400,24 +393,15 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                         for (int i = 0; i < 4; ++i) {
                             const int row = 8 * mt + 2 * t + (i & 1);
-                            const int col = (warp * TPW + r) * 16 + g + 8 * (i >> 1);
+                            const int n = tile * 16 + g + 8 * (i >> 1);
                             const int s = sSlot[row];
                             if (s < 0) continue;
                             float v = acc[r][mt][i];
                             if (FA) v *= a_scale[sArow[row]];   // back from a 2^s
-                            if (bias != nullptr) v += bias[(size_t)e * N + b * NB * 16 + col];
+                            if (bias != nullptr) v += bias[(size_t)e * N + n];
                             if (mul_routed_weight) v *= topk_weights[s];
-                            reinterpret_cast<elem_t*>(slot + row * PITCH)[col] = w16::from_f32(v);
+                            c[(size_t)s * N + n] = w16::from_f32(v);
                         }
-                }
-                __syncthreads();
-                const int units = min(NB * 16, N - b * NB * 16) / 8;   // 16-byte units a row
-                for (int k = tid; k < LT * 8 * (NB * 2); k += NT) {
-                    const int row = k / (NB * 2), u = k - row * (NB * 2);
-                    const int s = sSlot[row];
-                    if (u >= units || s < 0) continue;
-                    *reinterpret_cast<uint4*>(c + (size_t)s * N + b * NB * 16 + u * 8) =
-                        *reinterpret_cast<const uint4*>(slot + row * PITCH + u * 16);
                 }
             };
 
@@ -501,6 +485,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                     for (int r = 0; r < TPW; ++r) {
                         const float2 s2 = ss[(gi * NB + r) * 8];
                         float tmp[LT][4];
+                        if (!ZP && STAGED_LATE_START) {
+#pragma unroll
+                            for (int mt = 0; mt < LT; ++mt)
+#pragma unroll
+                                for (int k = 0; k < 4; ++k) tmp[mt][k] = 0.f;
+                        }
                         if (ZP) {                         // row g's zero point in the low byte
                             const u32 z = sz[(gi * NB + r) * 8];
                             const float zp_g = (float)(z & 0xFFu), zp_g8 = (float)(z >> 8);
@@ -524,7 +514,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                             for (int mt = 0; mt < LT; ++mt) {
                                 const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];
-                                if (!ZP && j == 0)        // from the shared start, kept
+                                if (!ZP && j == 0 && !STAGED_LATE_START)   // from the start
                                     w16::mma16816_c<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1],
                                                          b0.x, b0.y, zs[ZP ? 0 : mt]);
                                 else
@@ -534,6 +524,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                                 w16::mma16816<F16>(tmp[mt], lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
                                 w16::mma16816<F16>(tmp[mt], lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
                             }
+                        }
+                        if (!ZP && STAGED_LATE_START) {
+#pragma unroll
+                            for (int mt = 0; mt < LT; ++mt)
+#pragma unroll
+                                for (int k = 0; k < 4; ++k) tmp[mt][k] += zs[ZP ? 0 : mt][k];
                         }
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt) {
@@ -562,9 +558,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                     const long long c_end0 = clock64();
                     if (tid == 0 && blk_n != SPB) ++g_cta_times[blockIdx.x][7];
 #endif
-                    u8* slot = smem + (size_t)(i % S) * St::BYTES;
                     if (blk_n == SPB) {
-                        store(b, slot);
+                        store(b);
 #if STAGED_TIMES
                         if (tid == 0) g_cta_times[blockIdx.x][8] += clock64() - c_end0;
 #endif
@@ -572,7 +567,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                                    &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
                                    (size_t)m * nblocks + b, PER, 2 * q + parts_used++,
                                    s - blk_n + 1, blk_n, sLast)) {
-                        store(b, slot);
+                        store(b);
                     }
                     blk_n = 0;
 #pragma unroll
