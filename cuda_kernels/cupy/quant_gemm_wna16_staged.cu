@@ -100,8 +100,8 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
-#ifndef STAGED_LATE_START   // dev: the mma chains start at 0 and the zero-point start is added
-#define STAGED_LATE_START 0  // before the scaling (off the sums' latency), ZP = 0 only
+#ifndef STAGED_SPLIT     // dev: each mma chain split in two accumulators (added at the end)
+#define STAGED_SPLIT 0
 #endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
@@ -473,36 +473,20 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                             }
                         }
                     }
-                    float zs[ZP ? 1 : LT][4];             // the start, shared by the TPW tiles
-                    if (!ZP) {
-#pragma unroll
-                        for (int mt = 0; mt < LT; ++mt) {
-                            zs[ZP ? 0 : mt][0] = zs[ZP ? 0 : mt][2] = start2[mt].x;
-                            zs[ZP ? 0 : mt][1] = zs[ZP ? 0 : mt][3] = start2[mt].y;
-                        }
-                    }
+                    // Each (tile, token tile) chain of mma starts at 0, and the start (shared by
+                    // the TPW tiles without per-group zero points, -T - zp_r S with them) is
+                    // added after it: the chains do not wait on the sums' mma and shuffles.
+                    // Measured (T = 64, dev_wna16_20261201): 174.6 / 95.6 against 176.3 /
+                    // 97.3 us with the start as the first mma's C; T = 256 525 / 274 against
+                    // 535 / 279.
 #pragma unroll
                     for (int r = 0; r < TPW; ++r) {
                         const float2 s2 = ss[(gi * NB + r) * 8];
-                        float tmp[LT][4];
-                        if (!ZP && STAGED_LATE_START) {
+                        float tmp[LT][4], tmp2[STAGED_SPLIT ? LT : 1][4];
 #pragma unroll
-                            for (int mt = 0; mt < LT; ++mt)
+                        for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
-                                for (int k = 0; k < 4; ++k) tmp[mt][k] = 0.f;
-                        }
-                        if (ZP) {                         // row g's zero point in the low byte
-                            const u32 z = sz[(gi * NB + r) * 8];
-                            const float zp_g = (float)(z & 0xFFu), zp_g8 = (float)(z >> 8);
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt) {
-                                const float2 ns = neg_s2[ZP ? mt : 0];
-                                tmp[mt][0] = fmaf(zp_g, ns.x, start2[mt].x);
-                                tmp[mt][1] = fmaf(zp_g, ns.y, start2[mt].y);
-                                tmp[mt][2] = fmaf(zp_g8, ns.x, start2[mt].x);
-                                tmp[mt][3] = fmaf(zp_g8, ns.y, start2[mt].y);
-                            }
-                        }
+                            for (int k = 0; k < 4; ++k) tmp[mt][k] = tmp2[STAGED_SPLIT ? mt : 0][k] = 0.f;
 #pragma unroll
                         for (int j = 0; j < CG; ++j) {
                             const uint4 x = sw[(r * KC + kc0 + j) * 32];
@@ -514,22 +498,38 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                             for (int mt = 0; mt < LT; ++mt) {
                                 const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];
-                                if (!ZP && j == 0 && !STAGED_LATE_START)   // from the start
-                                    w16::mma16816_c<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1],
-                                                         b0.x, b0.y, zs[ZP ? 0 : mt]);
-                                else
-                                    w16::mma16816<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1], b0.x,
-                                                       b0.y);
-                                w16::mma16816<F16>(tmp[mt], lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
+                                float* t2 = STAGED_SPLIT ? tmp2[STAGED_SPLIT ? mt : 0] : tmp[mt];
+                                w16::mma16816<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1], b0.x, b0.y);
+                                w16::mma16816<F16>(t2, lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
                                 w16::mma16816<F16>(tmp[mt], lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
-                                w16::mma16816<F16>(tmp[mt], lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
+                                w16::mma16816<F16>(t2, lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
                             }
                         }
-                        if (!ZP && STAGED_LATE_START) {
+                        if (STAGED_SPLIT) {
 #pragma unroll
                             for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
-                                for (int k = 0; k < 4; ++k) tmp[mt][k] += zs[ZP ? 0 : mt][k];
+                                for (int k = 0; k < 4; ++k) tmp[mt][k] += tmp2[STAGED_SPLIT ? mt : 0][k];
+                        }
+                        if (ZP) {                         // row g's zero point in the low byte
+                            const u32 z = sz[(gi * NB + r) * 8];
+                            const float zp_g = (float)(z & 0xFFu), zp_g8 = (float)(z >> 8);
+#pragma unroll
+                            for (int mt = 0; mt < LT; ++mt) {
+                                const float2 ns = neg_s2[ZP ? mt : 0];
+                                tmp[mt][0] += fmaf(zp_g, ns.x, start2[mt].x);
+                                tmp[mt][1] += fmaf(zp_g, ns.y, start2[mt].y);
+                                tmp[mt][2] += fmaf(zp_g8, ns.x, start2[mt].x);
+                                tmp[mt][3] += fmaf(zp_g8, ns.y, start2[mt].y);
+                            }
+                        } else {
+#pragma unroll
+                            for (int mt = 0; mt < LT; ++mt) {
+                                tmp[mt][0] += start2[mt].x;
+                                tmp[mt][1] += start2[mt].y;
+                                tmp[mt][2] += start2[mt].x;
+                                tmp[mt][3] += start2[mt].y;
+                            }
                         }
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt) {
