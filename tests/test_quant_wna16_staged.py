@@ -72,7 +72,7 @@ def test_plan_and_runs(name):
         assert lp["TILES"] == lp["MTILES"] * -(-(N // 16) // nb) and lp["SPB"] == spb
         assert lp["COUNTERS"] == lp["TILES"] * (1 + spb)   # units done, parts by first stage
         assert lp["smem"] == (cfg["S"] * W.staged_stage_bytes(cfg, False) +
-                              8 * (lp["MTILES"] + 1) + 4 * spb)
+                              8 * (lp["MTILES"] + 1) + 4 * spb + 4 * lp["MTILES"])
         assert lp["smem"] <= W.SMEM_PER_SM // cfg["MINB"] - 1024
         rng = np.random.default_rng(P)
         costs = dict(U=lp["U"], w=[int(x) for x in rng.choice([0, 6, 7, 8, 9], lp["MTILES"])])

@@ -789,7 +789,8 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
                 num_sms: int = 132, group_size: int = 0, num_groups: int = 1,
                 zp: bool = False, fa: bool | None = None) -> dict:
     """wna16_staged's launch: grid (Q,), block 32 W, dynamic shared memory S stages, then the
-    m tiles' prefix costs (8 (MTILES + 1) bytes) and a block's parts by first stage (4 SPB).
+    m tiles' prefix costs (8 (MTILES + 1) bytes), a block's parts by first stage (4 SPB) and the
+    m tiles' experts (4 MTILES).
     Every live m tile has U = blocks x SPB units (row blocks of NB tiles x K stages of KC
     chunks), each costing LT + 5 (LT: its live token tiles, found on the device); the Q = MINB
     CTAs per SM (times WAVES) take contiguous runs of equal cost over all m tiles in order.
@@ -810,7 +811,7 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     blocks, spb = C.cdiv(N // 16, nb), C.cdiv(K // PACK_CHUNK, cfg["KC"])
     units = blocks * spb
     q = max(1, min(num_sms * cfg["MINB"] * cfg.get("WAVES", 1), mtiles * units))
-    smem = cfg["S"] * staged_stage_bytes(cfg, zp) + 8 * (mtiles + 1) + 4 * spb
+    smem = cfg["S"] * staged_stage_bytes(cfg, zp) + 8 * (mtiles + 1) + 4 * spb + 4 * mtiles
     room = SMEM_PER_SM // cfg["MINB"] - 1024
     if smem > room:
         raise ValueError(f"config: {smem} bytes of pipeline stages and m tile costs per CTA "

@@ -88,7 +88,8 @@
 // and the CTAs' equal-cost runs end anywhere from 145 to 180 us.
 //
 // grid (Q), block 32 W, dynamic shared memory S x stage bytes (staged_stage_bytes in the
-// launcher) + 8 (m tiles + 1) (the costs' prefix sums). LT is a compile-time constant of the
+// launcher) + 8 (m tiles + 1) (the costs' prefix sums) + 4 SPB (finish_parts) + 4 m tiles (their
+// experts). LT is a compile-time constant of the
 // code that runs (w16::with_count), as in wna16_packed.
 // Needs int4 prepacked and staged (N % 16 == 0, Kdim % 64 == 0, group_size 64 times a power of
 // two or one group per row: chunk_shift = log2(chunks per group), 30 for one group).
@@ -225,6 +226,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // expert; cum[m] = the weighted position where m tile m starts, cum[mtiles] = the total.
     // Every CTA computes the same (a few hundred loads).
     long long* cum = reinterpret_cast<long long*>(smem + (size_t)S * St::BYTES);
+    int* by_first = reinterpret_cast<int*>(cum + mtiles + 1);   // [SPB] (finish_parts)
+    int* m_expert = by_first + SPB;                               // [m tiles] their experts
     const int ntp = num_tokens_post_padded[0];
     for (int m = tid; m < mtiles; m += NT) {
         int lt = 0;                                    // 1 + the last live row's tile
@@ -236,8 +239,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 if (sl >= 0 && sl < num_slots) lt = r / 8 + 1;
             }
         }
-        cum[m + 1] = lt && expert_ids[m * BM / block_size] >= 0
-                         ? (long long)U * (lt + STAGED_LT_COST) : 0;
+        // the m tile's expert, loaded beside its rows (not after them: one round trip less)
+        const int ex = m * BM < ntp ? expert_ids[m * BM / block_size] : -1;
+        m_expert[m] = ex;
+        cum[m + 1] = lt && ex >= 0 ? (long long)U * (lt + STAGED_LT_COST) : 0;
     }
     __syncthreads();
     if (tid == 0) {
@@ -259,7 +264,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 
     // ---- experts of another rank: zeros, m tile m by CTA m % Q
     for (int m = q; m < mtiles; m += Q) {
-        if (m * BM >= ntp || expert_ids[m * BM / block_size] >= 0) continue;
+        if (m * BM >= ntp || m_expert[m] >= 0) continue;
         if (w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots,
                                  top_k, num_positions, sSlot, sArow))
             w16::store_zeros<BM>(c, sSlot, N, 0, N, NT);
@@ -272,8 +277,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     constexpr int PER = NT * TPW * MT * 4;
     int* units_done = counters;                            // [m tiles][blocks]
     int* part_at = counters + (size_t)mtiles * nblocks;    // [m tiles][blocks][SPB]
-    int* by_first = reinterpret_cast<int*>(cum + mtiles + 1);   // shared [SPB]
     int parts_used = 0;
+    bool first_segment = true;
 
     // ---- the segments of the run, one m tile each: units [ua, ub) of m tile m
     for (int m = 0; m < mtiles; ++m) {
@@ -283,9 +288,61 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         const int ub = (int)min((long long)U, (run_start(q + 1) - cum[m] + w - 1) / w);
         if (ua >= ub) continue;
         const int n_units = ub - ua;
+        const int e = m_expert[m];
+        const size_t blk_e = (size_t)e * nblocks;          // this expert's first row block
+        // unit u = b SPB + s of the m tile is stage (blk_e + b) SPB + s of stage_blocks'
+        // layout: its codes are one contiguous run
+        const uint4* w_tile = wp + blk_e * SPB * (NB * KC * 32) + tid;
+        // the expert's scales and zero points: group gr of row block b at (b G + gr) NB 8
+        const size_t sz_e = blk_e * num_groups * (NB * 8);
+        constexpr int W_PER = TPW * KC;                    // NB KC 32 units / NT threads
+        constexpr int S_PER = (NB * KC * 4 + NT - 1) / NT, Z_PER = (NB * KC + NT - 1) / NT;
+
+        // ---- the weights of segment unit i = (b, s) into ring slot i % S if it is the run's
+        // (live): codes, then scales and zero points of the groups met, each a contiguous run
+        // of stage_blocks' layout, so thread tid copies 16-byte units tid, tid + NT, ...
+        auto issue_weights = [&](int i, int b, int s, bool live) {
+            if (!live) return;
+            const int c0 = s * KC, kcn = min(KC, C - c0);
+            const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
+            u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
+            const uint4* wsrc = w_tile + (size_t)(b * SPB + s) * (NB * KC * 32);
+#pragma unroll
+            for (int j = 0; j < W_PER; ++j)
+                if (STAGED_PROBE != 3)
+                    w16::cp16_once(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, codes_policy);
+            const int sz_off = (b * num_groups + g0) * (NB * 8);   // < 2^31: one expert's
+            const float2* ssrc = sp + sz_e + sz_off + 2 * tid;
+#pragma unroll
+            for (int j = 0; j < S_PER; ++j)
+                if (tid + j * NT < ngr * NB * 4)
+                    w16::cp16(st + St::S_OFF + 16 * j * NT, ssrc + 2 * j * NT, true);
+            if (ZP) {
+                const unsigned short* zsrc = zp + sz_e + sz_off + 8 * tid;
+#pragma unroll
+                for (int j = 0; j < Z_PER; ++j)
+                    if (tid + j * NT < ngr * NB)
+                        w16::cp16(st + St::Z_OFF + 16 * j * NT, zsrc + 8 * j * NT, true);
+            }
+        };
+        // the units (b, s) = (row block, K stage) in order, stepped without divisions
+        auto step = [&](int& b, int& s) {
+            if (++s == SPB) s = 0, ++b;
+        };
+        int ib = ua / SPB, is = ua - ib * SPB;             // the unit being issued
+        const int b_first = ib, s_first = is;
+        // The run's first stages: their weights before the m tile's rows are read (the rows'
+        // round trip and the weights' overlap), their activations after.
+        if (first_segment) {
+            int b = ib, s = is;
+#pragma unroll
+            for (int i = 0; i < S - 1; ++i) {
+                issue_weights(i, b, s, i < n_units);
+                step(b, s);
+            }
+        }
         w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots, top_k,
                              num_positions, sSlot, sArow);   // live: its cost is not 0
-        const int e = expert_ids[m * BM / block_size];
 
         // the live token tiles (an expert's live rows are a prefix of its block), and the row of a
         // each staged row copies (padding rows inside the live tiles: a live row, never stored)
@@ -297,12 +354,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             }
         const int live_rows = 8 * live_tiles;
 
-        // ---- this thread's copy units: 16-byte units tid + j NT of the stage's contiguous runs
-        // (stage_blocks: codes, then scales and zero points of the groups met), and its share
-        // of the token rows, fixed for the segment: BM rows x KC chunks x 8 units, unit u of
-        // row r at u ^ (r & 1)
-        constexpr int W_PER = TPW * KC;                    // NB KC 32 units / NT threads
-        constexpr int S_PER = (NB * KC * 4 + NT - 1) / NT, Z_PER = (NB * KC + NT - 1) / NT;
+        // ---- this thread's share of the token rows' copies, fixed for the segment: BM rows x
+        // KC chunks x 8 16-byte units, unit u of row r at u ^ (r & 1)
         constexpr int A_UNITS = BM * KC * 8, A_PER = (A_UNITS + NT - 1) / NT;
         const unsigned short* a_src[A_PER];                // the unit's source in K stage 0
         bool a_on[A_PER];                                  // copied (rows past the live tiles:
@@ -317,41 +370,16 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             a_dst[j] = St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1)));
             a_chunk[j] = u / 8;
         }
-        const size_t blk_e = (size_t)e * nblocks;          // this expert's first row block
-        // unit u = b SPB + s of the m tile is stage (blk_e + b) SPB + s of stage_blocks'
-        // layout: its codes are one contiguous run
-        const uint4* w_tile = wp + blk_e * SPB * (NB * KC * 32) + tid;
-        // the expert's scales and zero points: group gr of row block b at (b G + gr) NB 8
-        const size_t sz_e = blk_e * num_groups * (NB * 8);
-
-        // ---- segment unit i = (b, s) into ring slot i % S if it is the run's (live); one
-        // commit group per call (empty past the run: the wait counts stay right)
-        auto issue = [&](int i, int b, int s, bool live) {
+        // ---- segment unit i = (b, s): its weights (unless issued early) and the activations
+        // of its K stage (a short last stage: zeros), one commit group per call (empty past
+        // the run: the wait counts stay right)
+        auto issue = [&](int i, int b, int s, bool live, bool with_weights) {
             if (live) {
+                if (with_weights) issue_weights(i, b, s, true);
                 const int c0 = s * KC, kcn = min(KC, C - c0);
-                const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
-                u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
-                const uint4* wsrc = w_tile + (size_t)(b * SPB + s) * (NB * KC * 32);
-#pragma unroll
-                for (int j = 0; j < W_PER; ++j)
-                    if (STAGED_PROBE != 3)
-                        w16::cp16_once(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, codes_policy);
-                const int sz_off = (b * num_groups + g0) * (NB * 8);   // < 2^31: one expert's
-                const float2* ssrc = sp + sz_e + sz_off + 2 * tid;
-#pragma unroll
-                for (int j = 0; j < S_PER; ++j)
-                    if (tid + j * NT < ngr * NB * 4)
-                        w16::cp16(st + St::S_OFF + 16 * j * NT, ssrc + 2 * j * NT, true);
-                if (ZP) {
-                    const unsigned short* zsrc = zp + sz_e + sz_off + 8 * tid;
-#pragma unroll
-                    for (int j = 0; j < Z_PER; ++j)
-                        if (tid + j * NT < ngr * NB)
-                            w16::cp16(st + St::Z_OFF + 16 * j * NT, zsrc + 8 * j * NT, true);
-                }
                 u8* sa = smem + (size_t)(i % S) * St::BYTES;
 #pragma unroll
-                for (int j = 0; j < A_PER; ++j) {           // a short last stage: zeros
+                for (int j = 0; j < A_PER; ++j) {
                     if (STAGED_PROBE == 2) break;
                     const bool ok = a_chunk[j] < kcn;
                     w16::cp16_if(a_on[j], sa + a_dst[j], a_src[j] + (ok ? c0 * 64 : 0), ok);
@@ -359,18 +387,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             }
             w16::cp_commit();
         };
-
-        // the units (b, s) = (row block, K stage) in order, stepped without divisions
-        auto step = [&](int& b, int& s) {
-            if (++s == SPB) s = 0, ++b;
-        };
-        int ib = ua / SPB, is = ua - ib * SPB;             // the unit being issued
-        const int b_first = ib, s_first = is;
 #pragma unroll
         for (int i = 0; i < S - 1; ++i) {
-            issue(i, ib, is, i < n_units);
+            issue(i, ib, is, i < n_units, !first_segment);
             step(ib, is);
         }
+        first_segment = false;
 
         w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
             constexpr int LT = decltype(live_count)::value;
@@ -414,7 +436,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 if (tid == 0 && g_cta_times[blockIdx.x][5] == 0)
                     g_cta_times[blockIdx.x][5] = global_ns();
 #endif
-                issue(i + S - 1, ib, is, i + S - 1 < n_units);
+                issue(i + S - 1, ib, is, i + S - 1 < n_units, true);
                 step(ib, is);
                 const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
                 const u8* st = smem + (size_t)(i % S) * St::BYTES;
