@@ -52,8 +52,9 @@
 // reads each token's 32 bytes once (2 LDS.128 per token tile) and feeds them to TPW tiles.
 // The mma is m16n8k16 with the weights as A (rows g, g + 8), the tokens as B (column g).
 // Dequantization: one shift and one lop3 per pair give the raw 128 + q (1024 + q in fp16),
-// which the mma multiplies as they are; the zero point comes off in the accumulator, which
-// starts at -(128 + zp) S, S = the token's sum over the chunks of one scale group met in the
+// which the mma multiplies as they are; the zero point comes off as a start -(128 + zp) S added
+// to each chain of mma after it (not its first C: the chains then wait on nothing but their
+// operands), S = the token's sum over the chunks of one scale group met in the
 // stage, computed by the tensor cores too: 2 mma per token tile and chunk with the token's
 // 16-byte units as A and B = 1, then two shuffles put each token's S where the mma's C holds
 // the token. Without per-group zero points (ZP = 0) the start is one per token tile, shared by
@@ -100,9 +101,6 @@
 #endif
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
-#endif
-#ifndef STAGED_SPLIT     // dev: each mma chain split in two accumulators (added at the end)
-#define STAGED_SPLIT 0
 #endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
@@ -500,15 +498,16 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                     // added after it: the chains do not wait on the sums' mma and shuffles.
                     // Measured (T = 64, dev_wna16_20261201): 174.6 / 95.6 against 176.3 /
                     // 97.3 us with the start as the first mma's C; T = 256 525 / 274 against
-                    // 535 / 279.
+                    // 535 / 279. Each chain split in two accumulators (8 -> 4 dependent mma)
+                    // took 247 registers and ran slower (191 / 106 against 178 / 99 us).
 #pragma unroll
                     for (int r = 0; r < TPW; ++r) {
                         const float2 s2 = ss[(gi * NB + r) * 8];
-                        float tmp[LT][4], tmp2[STAGED_SPLIT ? LT : 1][4];
+                        float tmp[LT][4];
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
-                            for (int k = 0; k < 4; ++k) tmp[mt][k] = tmp2[STAGED_SPLIT ? mt : 0][k] = 0.f;
+                            for (int k = 0; k < 4; ++k) tmp[mt][k] = 0.f;
 #pragma unroll
                         for (int j = 0; j < CG; ++j) {
                             const uint4 x = sw[(r * KC + kc0 + j) * 32];
@@ -520,18 +519,11 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                             for (int mt = 0; mt < LT; ++mt) {
                                 const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];
-                                float* t2 = STAGED_SPLIT ? tmp2[STAGED_SPLIT ? mt : 0] : tmp[mt];
                                 w16::mma16816<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1], b0.x, b0.y);
-                                w16::mma16816<F16>(t2, lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
+                                w16::mma16816<F16>(tmp[mt], lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
                                 w16::mma16816<F16>(tmp[mt], lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
-                                w16::mma16816<F16>(t2, lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
+                                w16::mma16816<F16>(tmp[mt], lo[6], hi[6], lo[7], hi[7], b1.z, b1.w);
                             }
-                        }
-                        if (STAGED_SPLIT) {
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt)
-#pragma unroll
-                                for (int k = 0; k < 4; ++k) tmp[mt][k] += tmp2[STAGED_SPLIT ? mt : 0][k];
                         }
                         if (ZP) {                         // row g's zero point in the low byte
                             const u32 z = sz[(gi * NB + r) * 8];

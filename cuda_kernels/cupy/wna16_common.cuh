@@ -192,29 +192,6 @@ __device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a
 #endif
 }
 
-// d = A B + c with c kept (d and c distinct): a chain that starts from a value needed again
-// (wna16_staged's zero-point start, shared by several tiles) needs no register copies, which
-// the in-place form above costs (4 moves per chain).
-template <bool H = !ELEM_BF16>
-__device__ __forceinline__ void mma16816_c(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
-                                           u32 b1, const float* c) {
-#ifdef QG_EMULATED_PTX
-    for (int i = 0; i < 4; ++i) d[i] = c[i];
-    mma16816<H>(d, a0, a1, a2, a3, b0, b1);
-#else
-    if constexpr (H)
-        asm volatile(W16_MMA_F16 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
-                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1),
-                       "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-    else
-        asm volatile(W16_MMA_BF16 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
-                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1),
-                       "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-#endif
-}
-
 // 16-byte streaming load: the weights are read once, keep them out of L1.
 __device__ __forceinline__ uint4 ld_stream(const u8* p) {
     uint4 v;
