@@ -189,7 +189,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const unsigned long long codes_policy = w16::evict_first_policy();   // read once
 #if STAGED_TIMES
     if (tid == 0) {
         unsigned sm;
@@ -308,7 +307,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
             for (int j = 0; j < W_PER; ++j)
                 if (STAGED_PROBE != 3)
-                    w16::cp16_once(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, codes_policy);
+                    w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
             const int sz_off = (b * num_groups + g0) * (NB * 8);   // < 2^31: one expert's
             const float2* ssrc = sp + sz_e + sz_off + 2 * tid;
 #pragma unroll
@@ -330,7 +329,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         int ib = ua / SPB, is = ua - ib * SPB;             // the unit being issued
         const int b_first = ib, s_first = is;
         // The run's first stages: their weights before the m tile's rows are read (the rows'
-        // round trip and the weights' overlap), their activations after.
+        // round trip and the weights' overlap), their activations after. (Measured and taken
+        // out: the codes' copies with an L2 evict_first policy, createpolicy + cp.async
+        // .L2::cache_hint: GEMM2 at T = 64 99.6 against 101.7 us, but with these early copies
+        // the f32 config failed its GPU test with an illegal instruction, dev_wna16_20261201.)
         if (first_segment) {
             int b = ib, s = is;
 #pragma unroll

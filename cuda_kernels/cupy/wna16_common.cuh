@@ -221,27 +221,6 @@ __device__ __forceinline__ void cp16(void* dst, const void* src, bool pred) {
                  :: "r"(d), "l"(src), "r"(pred ? 16 : 0));
 #endif
 }
-// cp16 of bytes read once (streamed weights), with an L2 policy from evict_first_policy(): their
-// lines go first when L2 needs room, so the lines read again (activations, a GEMM's inputs
-// shared by its CTAs) stay. Measured (H200, wna16_staged t24, Mixtral T = 64, GEMM2, whose
-// 3.7 MB of activations each of 16 row blocks reads again: dev_wna16_20261201): 99.6 against
-// 101.7 us; GEMM1 (0.5 MB of activations) unchanged.
-__device__ __forceinline__ unsigned long long evict_first_policy() {
-    unsigned long long policy = 0;
-#ifndef QG_EMULATED_PTX
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-#endif
-    return policy;
-}
-__device__ __forceinline__ void cp16_once(void* dst, const void* src, unsigned long long policy) {
-#ifdef QG_EMULATED_PTX
-    qg_cp16(dst, src, true);
-#else
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n"
-                 :: "r"(d), "l"(src), "l"(policy));
-#endif
-}
 // cp16 issued only when issue is true (a predicated instruction: no branch around it).
 __device__ __forceinline__ void cp16_if(bool issue, void* dst, const void* src, bool pred) {
 #ifdef QG_EMULATED_PTX
