@@ -1,9 +1,13 @@
 """Dev probe of wna16_staged (Mixtral GEMM1 / GEMM2): the same launches with the kernel compiled
 under the .cu's dev macros, beside the real one:
     STAGED_PROBE = 1 no math, 2 no activation copies, 3 no weight copies (garbage results)
-    STAGED_TIMES = 1 each CTA's start / end (globaltimer), SM, units: their spread is printed
+    STAGED_TIMES = 1 each CTA's start / end (globaltimer), SM, units, when its first stage
+                     landed, the SM cycles it spent ending blocks (of them in whole stores) and
+                     its partial blocks: their spread is printed
     STAGED_LT_COST = c  a unit's cost LT + c in the run split (5 in the kernel)
-(Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, since taken out.)
+(Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
+STAGED_CACHE, STAGED_LATE_START and STAGED_SPLIT, since taken out.) --compile-only builds the
+modules into CuPy's cache (run several at once before the timed call).
 and a plain read of the same bytes (uint4 loads, grid-stride) as the streaming calibration.
 Times only (CUDA events, median, L2 flushed before each repetition).
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3,base:t24] [--tokens 64]
