@@ -19,7 +19,9 @@ Paths (all CuPy kernels of this repository):
            v2 tiles above; dequantized in registers, mma.sync bf16)
     bf16   GEMM1 -> GEMM2 (cuda_kernels.cupy.grouped_gemm, its default version and configs)
 The activation between the GEMMs is not in any path (not a quantization stage): GEMM2 reads a
-pre-drawn [P, I] activation. Alignment runs on the host (reference) once per routing.
+pre-drawn [P, I] activation. The int4 GEMM2 is launched programmatically (PDL: its CTAs read the
+routing and copy their first weights under GEMM1's tail, then wait for GEMM1 to finish before
+they read their activations; --no-pdl launches it plainly); the JSON's "programmatic" says which. Alignment runs on the host (reference) once per routing.
 
 Method: CUDA events around each call after warm-up, median over the repetitions; before each
 repetition (untimed) the next of 4 pre-drawn routings is selected and the L2 is flushed, so
@@ -41,7 +43,7 @@ faster than bf16 at T >= 1024.
 
     python benchmarks/bench_quant.py [--models deepseek-v3,mixtral] [--tokens 1,16,64]
                                      [--reps 20] [--no-bf16] [--budget-s 200]
-                                     [--fp8-version v2|v4|v5] [--fp8-block-size B]
+                                     [--fp8-version v2|v4|v5] [--fp8-block-size B] [--no-pdl]
 
 Writes benchmarks/results/bench_quant_<gpu>_<time>.json (GPU, date, commit, command, points).
 """
@@ -182,7 +184,7 @@ def time_ms(fn, setup, warmup, reps, use_spin=True):
 
 # ----------------------------------------------------------------------------- one model
 def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8_version=None,
-                flush_mode="read", fp8_block=None):
+                flush_mode="read", fp8_block=None, programmatic=True):
     import cupy
 
     from reference import moe_align_block_size
@@ -271,7 +273,7 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
                 return QG.grouped_gemm_quant(a2, w2, st, ex, ntp, 1, Bq, tw, True, a_scale=as2,
                                              w_scale=s2, version=fp8_version, **qflags)
             return QG.grouped_gemm_quant(act, w2, st, ex, ntp, 1, Bq, tw, True, w_scale=s2,
-                                         **qflags)
+                                         programmatic=programmatic, **qflags)
 
         def q_layer():
             q_gemm1()
@@ -392,6 +394,8 @@ def main(argv=None):
     parser.add_argument("--fp8-block-size", type=int, default=None,
                         help="alignment block size of the fp8 path (default: "
                              "quant_gemm.block_size_for)")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="launch the int4 GEMM2 plainly (default: programmatic, see the doc)")
     args = parser.parse_args(argv)
     ok, why = C.availability()
     if not ok:
@@ -418,7 +422,8 @@ def main(argv=None):
     for m in models:
         points += bench_model(m, tokens, args.reps, not args.no_bf16, deadline, log,
                               use_spin=not args.no_spin, fp8_version=args.fp8_version,
-                              flush_mode=args.flush, fp8_block=args.fp8_block_size)
+                              flush_mode=args.flush, fp8_block=args.fp8_block_size,
+                              programmatic=not args.no_pdl)
         cupy.get_default_memory_pool().free_all_blocks()
     summary(points, log)
     log(f"total {time.time() - start:.0f} s")
@@ -431,7 +436,7 @@ def main(argv=None):
                       command=" ".join([pathlib.Path(sys.argv[0]).name] + sys.argv[1:]),
                       hbm_bytes_per_s=HBM, peak_flops=PEAK, routings_per_point=ROUTINGS,
                       spin_us=0 if args.no_spin else SPIN_US, flush=args.flush,
-                      points=points)
+                      programmatic=not args.no_pdl, points=points)
         path.write_text(json.dumps(record, indent=1) + "\n")
         log(f"wrote {path.relative_to(ROOT)}")
 

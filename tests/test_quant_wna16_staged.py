@@ -385,3 +385,43 @@ def test_grouped_gemm_quant_routes_int4_to_staged(rng, monkeypatch, block, cfg):
                                 w_scale=up(ws), use_int4_w4a16=True, out=out)
     assert got is out and seen == [cfg]
     assert rel_err(host(got, BF16), want) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", ["t24", "f24"])
+def test_programmatic_launch_waits_for_its_input(rng, cfg):
+    """GEMM2 launched programmatically (PDL) right after GEMM1 reads GEMM1's output as its
+    activations: its CTAs start under GEMM1's tail, and must wait before they read it. The
+    chain matches the reference chain (GEMM2's input poisoned with NaN before GEMM1 writes it,
+    so an early read cannot pass), and the plain launch bit for bit."""
+    ok, why = C.availability()
+    if not ok:
+        pytest.skip(why)
+    M_a, E, K, N1, Kd, B = 64, 8, 2, 2048, 4096, 48
+    P = M_a * K
+    a = rng.standard_normal((M_a, Kd)).astype(BF16)
+    wq1, ws1, _ = quantized(rng, E, N1, Kd, 128, False)
+    wq2, ws2, _ = quantized(rng, E, Kd, N1, 128, False)
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(M_a)]).astype(np.int32)
+    st, ex, ntp = moe_align_block_size(ids, B, E)
+    c1 = RQ.grouped_gemm_quant(a, wq1, st, ex, ntp, K, B, w_scale=ws1, use_int4_w4a16=True)
+    want = RQ.grouped_gemm_quant(c1.astype(BF16), wq2, st, ex, ntp, 1, B, w_scale=ws2,
+                                 use_int4_w4a16=True)
+    d = dict(a=up(a), w1=up(wq1), s1=up(ws1), w2=up(wq2), s2=up(ws2), st=up(st), ex=up(ex),
+             ntp=up(ntp))
+
+    def chain(programmatic):
+        mid = poisoned((P, N1), BF16)
+        W.grouped_gemm_wna16(d["a"], d["w1"], d["st"], d["ex"], d["ntp"], K, B,
+                             w_scale=d["s1"], use_int4_w4a16=True, config=cfg, out=mid)
+        out = poisoned((P, Kd), BF16)
+        return host(W.grouped_gemm_wna16(mid, d["w2"], d["st"], d["ex"], d["ntp"], 1, B,
+                                         w_scale=d["s2"], use_int4_w4a16=True, config=cfg,
+                                         out=out, programmatic=programmatic), BF16)
+
+    plain = chain(False)
+    for _ in range(3):
+        got = chain(True)
+        assert np.isfinite(got.astype(np.float32)).all()
+        assert rel_err(got, want) <= TOL
+        assert np.array_equal(got.view(np.uint16), plain.view(np.uint16))

@@ -467,13 +467,16 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                        a_scale=None, w_scale=None, w_zp=None, use_fp8_w8a8=False,
                        use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
                        per_act_token_quant=False, per_channel_quant=False, block_shape=None,
-                       out_dtype=None, *, version=None, config=None, out=None):
+                       out_dtype=None, *, version=None, config=None, out=None,
+                       programmatic=False):
     """c [a.shape[0] * top_k, N] on the GPU (see the module doc and reference/quant.py).
 
     version "v1" | "v2" | None (best that applies: v2 needs block_size % 16 == 0, 16-byte
     aligned rows (Kdim % 16 w8a8, % 32 weight-only), sm_89+ for fp8, group sizes that are a
     multiple of 16 and nest with the K tile). config: a name of W8A8_CONFIGS / WNA16_CONFIGS
     or a dict. out: a [P, N] array to write (tests poison it first); else one is allocated.
+    programmatic: int4 on quant_gemm_wna16's staged rung starts under the previous kernel's
+    tail (see grouped_gemm_wna16); every other path launches as usual.
     """
     import cupy
 
@@ -495,7 +498,7 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                 a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_size,
                 topk_weights, mul_routed_weight, bias, a_scale, w_scale, w_zp,
                 use_int4_w4a16=True, block_shape=block_shape, out_dtype=out_dtype,
-                config=name, out=out)
+                config=name, out=out, programmatic=programmatic)
     if version is not None and version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
     top_k = C.check_int("top_k", top_k, 1)

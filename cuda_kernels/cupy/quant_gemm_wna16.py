@@ -103,6 +103,7 @@ import pathlib
 import numpy as np
 
 from . import _compile as C
+from ._launch import launch
 from .quant_gemm import _elem_key, _f32, epilogue_operands
 
 CU = "quant_gemm_wna16.cu"
@@ -921,13 +922,19 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                        a_scale=None, w_scale=None, w_zp=None, use_fp8_w8a8=False,
                        use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
                        per_act_token_quant=False, per_channel_quant=False, block_shape=None,
-                       out_dtype=None, *, config=None, out=None):
+                       out_dtype=None, *, config=None, out=None, programmatic=False):
     """c [a.shape[0] * top_k, N] in a's dtype on the GPU (see the module doc).
 
     The arguments of quant_gemm.grouped_gemm_quant; exactly one of use_int4_w4a16 /
     use_int8_w8a16 must be set (a_scale, per_act_token_quant, per_channel_quant are unused by
     weight-only formats, as in the reference). config: a name of CONFIGS or a dict with MT,
     WN, U, MINB (and optionally KS). out: a [P, N] array to write (tests poison it first).
+    programmatic: the staged rung is launched with programmatic stream serialization
+    (_launch.py), so that its CTAs read the routing and copy their first weights while the
+    kernel before it on the stream finishes, and wait for it before they read `a` or write
+    anything. The caller promises that only `a` comes from that kernel: the routing, weights,
+    scales, bias and router weights must be final before it started (in a MoE layer, GEMM2
+    after GEMM1 or the activation). Other rungs launch as usual.
     """
     import cupy
 
@@ -1055,7 +1062,8 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
                 np.int32(G), np.int32(default_zp))
-        kern(lp["grid"], lp["block"], args, shared_mem=lp["smem"])
+        launch(kern, lp["grid"], lp["block"], args, shared_mem=lp["smem"],
+               programmatic=programmatic)
         return c
     if rung == "packed":
         pk = packed_weights(w, w_scale, w_zp, w_s)

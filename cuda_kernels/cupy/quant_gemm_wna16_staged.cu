@@ -259,9 +259,25 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // walked in one direction, streams faster.
     auto run_start = [&](long long qq) { return qq * Wt / Q; };
 
+    // Programmatic dependent launch (grouped_gemm_wna16(..., programmatic=True)): this grid
+    // may start while the kernel before it on the stream still runs, and that kernel may only
+    // have written a (the activations). So everything up to the run's first weight copies
+    // reads only what was final before it (routing, weights), nothing is written to global
+    // memory, and the CTA waits here before its first read of a or write of any output; then
+    // it lets the next grid launch (its CTAs take the SMs this grid's CTAs leave). In a plain
+    // launch both are no-ops.
+    bool inputs_ready = false;
+    auto wait_for_inputs = [&] {
+        if (inputs_ready) return;
+        w16::grid_dependency_wait();
+        w16::launch_dependents();
+        inputs_ready = true;
+    };
+
     // ---- experts of another rank: zeros, m tile m by CTA m % Q
     for (int m = q; m < mtiles; m += Q) {
         if (m * BM >= ntp || m_expert[m] >= 0) continue;
+        wait_for_inputs();
         if (w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots,
                                  top_k, num_positions, sSlot, sArow))
             w16::store_zeros<BM>(c, sSlot, N, 0, N, NT);
@@ -387,6 +403,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             }
             w16::cp_commit();
         };
+        wait_for_inputs();
 #pragma unroll
         for (int i = 0; i < S - 1; ++i) {
             issue(i, ib, is, i < n_units, !first_segment);

@@ -221,6 +221,20 @@ __device__ __forceinline__ void cp16(void* dst, const void* src, bool pred) {
                  :: "r"(d), "l"(src), "r"(pred ? 16 : 0));
 #endif
 }
+// Programmatic dependent launch (sm_90; no-ops in a plain launch): grid_dependency_wait blocks
+// until the grid this one was launched after (with programmatic stream serialization) has
+// finished and its writes are visible; launch_dependents lets the grid launched after this one
+// start its CTAs once every CTA of this grid has issued it or exited.
+__device__ __forceinline__ void grid_dependency_wait() {
+#ifndef QG_EMULATED_PTX
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void launch_dependents() {
+#ifndef QG_EMULATED_PTX
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 // cp16 issued only when issue is true (a predicated instruction: no branch around it).
 __device__ __forceinline__ void cp16_if(bool issue, void* dst, const void* src, bool pred) {
 #ifdef QG_EMULATED_PTX

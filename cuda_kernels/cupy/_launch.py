@@ -1,0 +1,102 @@
+"""Kernel launches with programmatic stream serialization (programmatic dependent launch, PDL).
+
+A kernel launched this way may start while the kernel before it on the stream still runs, once
+every CTA of that kernel has executed `griddepcontrol.launch_dependents` (or exited). It must
+then execute `griddepcontrol.wait` before it reads anything the earlier kernel writes, or
+writes anything that kernel reads (wna16_common.cuh: w16::grid_dependency_wait). What it does
+before the wait (loads of data final before both kernels, copies of weights) overlaps the
+earlier kernel's last CTAs. Without the attribute both instructions are no-ops, so a kernel
+written for it also runs in a plain launch.
+
+CuPy launches through cuLaunchKernel, which takes no launch attributes; `launch` calls the
+driver's cuLaunchKernelEx through ctypes with a CUlaunchConfig that holds one attribute,
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (the layouts of cuda.h, CUDA 12 and 13).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, 4 bytes of padding, a 64-byte value union (an int here)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_int), ("value_pad", ctypes.c_char * 60)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+# numpy scalar dtypes -> the C type the kernel parameter has
+_SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
+            np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint64): ctypes.c_uint64,
+            np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
+
+
+def kernel_params(args) -> list:
+    """The ctypes value of each kernel argument, as CuPy would pass it: a device array by its
+    pointer, a numpy scalar by its dtype's C type (the kernel's parameter types must match, as
+    for CuPy). Anything else (a Python int or float, whose C type would be a guess) is refused."""
+    values = []
+    for i, x in enumerate(args):
+        data = getattr(x, "data", None)
+        if hasattr(data, "ptr"):                       # a cupy.ndarray
+            values.append(ctypes.c_void_p(data.ptr))
+        elif isinstance(x, np.generic) and x.dtype in _SCALARS:
+            values.append(_SCALARS[x.dtype](x.item()))
+        else:
+            raise TypeError(f"args[{i}]: expected a device array or a numpy scalar of "
+                            f"{sorted(str(d) for d in _SCALARS)}, got {type(x).__name__}")
+    return values
+
+
+_DRIVER: dict = {}
+
+
+def _driver():
+    if "lib" not in _DRIVER:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
+                                         ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        lib.cuLaunchKernelEx.restype = ctypes.c_int
+        lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuGetErrorString.restype = ctypes.c_int
+        _DRIVER["lib"] = lib
+    return _DRIVER["lib"]
+
+
+def launch(kernel, grid, block, args, shared_mem: int = 0, programmatic: bool = False):
+    """kernel(grid, block, args, shared_mem=...) on the current CuPy stream; with programmatic,
+    through cuLaunchKernelEx with programmatic stream serialization (see the module doc: the
+    kernel must wait with griddepcontrol.wait before it touches what the kernel before it on
+    the stream writes). kernel: a CuPy RawKernel or module Function."""
+    if not programmatic:
+        kernel(grid, block, args, shared_mem=shared_mem)
+        return
+    import cupy
+
+    fn = getattr(kernel, "kernel", kernel)             # a RawKernel holds its Function
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    block = tuple(block) + (1,) * (3 - len(block))
+    attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    cfg = LaunchConfig(*grid, *block, int(shared_mem), cupy.cuda.get_current_stream().ptr,
+                       ctypes.pointer(attr), 1)
+    values = kernel_params(args)
+    params = (ctypes.c_void_p * max(1, len(values)))(
+        *[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+    lib = _driver()
+    status = lib.cuLaunchKernelEx(ctypes.byref(cfg), fn.ptr, params, None)
+    if status != 0:
+        msg = ctypes.c_char_p()
+        lib.cuGetErrorString(status, ctypes.byref(msg))
+        raise RuntimeError(f"cuLaunchKernelEx (programmatic launch of {grid} x {block}): "
+                           f"{(msg.value or b'?').decode()} ({status})")

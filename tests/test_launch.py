@@ -1,0 +1,42 @@
+"""cuda_kernels/cupy/_launch.py, the programmatic (PDL) launch through cuLaunchKernelEx.
+
+CPU (always): the ctypes structures have cuda.h's layout (CUlaunchAttribute 72 bytes, its value
+at 8; CUlaunchConfig 56 bytes, hStream at 32, attrs at 40, numAttrs at 48), and kernel
+arguments turn into the C types CuPy would pass, or a clear error. GPU: the chained launch
+is tested on the kernel that uses it (tests/test_quant_wna16_staged.py).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from cuda_kernels.cupy import _launch as L
+
+
+def test_structures_have_the_driver_layout():
+    assert ctypes.sizeof(L.LaunchAttribute) == 72 and L.LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(L.LaunchConfig) == 56
+    assert (L.LaunchConfig.sharedMemBytes.offset, L.LaunchConfig.hStream.offset,
+            L.LaunchConfig.attrs.offset, L.LaunchConfig.numAttrs.offset) == (24, 32, 40, 48)
+
+
+class _DeviceArray:                       # what the marshalling reads of a cupy.ndarray
+    class data:
+        ptr = 0x7F0012345600
+
+
+def test_kernel_params_follow_the_argument_types():
+    vals = L.kernel_params((_DeviceArray(), np.int32(-3), np.uint64(0), np.float32(1.5),
+                            np.int64(1 << 40)))
+    assert [type(v) for v in vals] == [ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint64,
+                                       ctypes.c_float, ctypes.c_int64]
+    assert vals[0].value == 0x7F0012345600 and vals[1].value == -3 and vals[3].value == 1.5
+    assert vals[4].value == 1 << 40
+
+
+@pytest.mark.parametrize("bad", [3, 1.5, None, np.int8(1)])
+def test_kernel_params_refuse_what_has_no_fixed_c_type(bad):
+    with pytest.raises(TypeError, match=r"args\[1\]: expected a device array or a numpy scalar"):
+        L.kernel_params((np.int32(1), bad))
