@@ -9,6 +9,7 @@ Every stage has the name, the arguments and the returns of its NumPy twin in `re
     combine.py      moe_sum                                                     (combine.cu)
     grouped_gemm.py grouped_gemm, a ladder of versions                          (grouped_gemm.cu)
     _compile.py     source text, CuPy compile + cache, NVRTC compile checks without a GPU
+    _launch.py      launches with programmatic stream serialization (PDL: cuLaunchKernelEx)
 
 Importing this package needs neither a GPU nor CuPy: `availability()` says whether the
 kernels can run here, and the stage modules import CuPy only when a stage is called.
