@@ -263,9 +263,11 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // may start while the kernel before it on the stream still runs, and that kernel may only
     // have written a (the activations). So everything up to the run's first weight copies
     // reads only what was final before it (routing, weights), nothing is written to global
-    // memory, and the CTA waits here before its first read of a or write of any output; then
-    // it lets the next grid launch (its CTAs take the SMs this grid's CTAs leave). In a plain
-    // launch both are no-ops.
+    // memory, and the CTA calls wait_for_inputs before its first read of a or write of any
+    // output (an other rank's zeros, or its first segment's activation copies); that also lets
+    // the next grid launch (its CTAs take the SMs this grid's CTAs leave). In a plain launch
+    // both instructions are no-ops. Measured (Mixtral T = 64, GEMM2 so after GEMM1,
+    // dev_wna16_20261201): the layer 0.271 against 0.276 ms.
     bool inputs_ready = false;
     auto wait_for_inputs = [&] {
         if (inputs_ready) return;
