@@ -78,11 +78,13 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, programmatic: bool = 
     """kernel(grid, block, args, shared_mem=...) on the current CuPy stream; with programmatic,
     through cuLaunchKernelEx with programmatic stream serialization (see the module doc: the
     kernel must wait with griddepcontrol.wait before it touches what the kernel before it on
-    the stream writes). kernel: a CuPy RawKernel or module Function."""
-    if not programmatic:
+    the stream writes). kernel: a CuPy RawKernel or module Function. Below sm_90, which has no
+    programmatic launch (and whose kernels compile the wait out), it launches plainly."""
+    import cupy
+
+    if not programmatic or int(cupy.cuda.Device().compute_capability) < 90:
         kernel(grid, block, args, shared_mem=shared_mem)
         return
-    import cupy
 
     fn = getattr(kernel, "kernel", kernel)             # a RawKernel holds its Function
     grid = tuple(grid) + (1,) * (3 - len(grid))

@@ -221,17 +221,21 @@ __device__ __forceinline__ void cp16(void* dst, const void* src, bool pred) {
                  :: "r"(d), "l"(src), "r"(pred ? 16 : 0));
 #endif
 }
-// Programmatic dependent launch (sm_90; no-ops in a plain launch): grid_dependency_wait blocks
-// until the grid this one was launched after (with programmatic stream serialization) has
-// finished and its writes are visible; launch_dependents lets the grid launched after this one
-// start its CTAs once every CTA of this grid has issued it or exited.
+// Programmatic dependent launch (sm_90 and later; no-ops in a plain launch, and compiled out
+// below sm_90, where _launch.launch launches plainly): grid_dependency_wait blocks until the
+// grid this one was launched after (with programmatic stream serialization) has finished and
+// its writes are visible; launch_dependents lets the grid launched after this one start its
+// CTAs once every CTA of this grid has issued it or exited.
+#if !defined(QG_EMULATED_PTX) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define W16_GRID_DEPENDENCIES 1
+#endif
 __device__ __forceinline__ void grid_dependency_wait() {
-#ifndef QG_EMULATED_PTX
+#ifdef W16_GRID_DEPENDENCIES
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void launch_dependents() {
-#ifndef QG_EMULATED_PTX
+#ifdef W16_GRID_DEPENDENCIES
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
