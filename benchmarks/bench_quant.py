@@ -21,7 +21,8 @@ Paths (all CuPy kernels of this repository):
 The activation between the GEMMs is not in any path (not a quantization stage): GEMM2 reads a
 pre-drawn [P, I] activation. The int4 GEMM2 is launched programmatically (PDL: its CTAs read the
 routing and copy their first weights under GEMM1's tail, then wait for GEMM1 to finish before
-they read their activations; --no-pdl launches it plainly); the JSON's "programmatic" says which. Alignment runs on the host (reference) once per routing.
+they read their activations; --no-pdl launches it plainly); the JSON's "programmatic" says
+which. Alignment runs on the host (reference) once per routing.
 
 Method: CUDA events around each call after warm-up, median over the repetitions; before each
 repetition (untimed) the next of 4 pre-drawn routings is selected and the L2 is flushed, so

@@ -10,7 +10,8 @@ end inside row blocks (blocks finished from 2-3 parts, in K-stage order), a ragg
 a short last K stage, group sizes 64 / 128 / one per row, with and without zero points, 1-3 live
 token tiles, an expert of another rank; the split counters come back to zero.
 GPU (`gpu` marker): every config on the packed rung's shapes, fp16 and other ranks, long runs,
-and the same bits on a second launch. Tolerance: the issue's weight-only 2e-2.
+the same bits on a second launch, and a GEMM1 -> GEMM2 chain whose GEMM2 is launched
+programmatically (PDL) and reads GEMM1's output. Tolerance: the issue's weight-only 2e-2.
 
 Shape legend: T tokens, E experts, K top-k, N output width, Kdim reduction width, B block size.
 """

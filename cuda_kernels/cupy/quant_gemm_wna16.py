@@ -35,7 +35,7 @@ Five rungs (see the .cu headers for the lane layouts), chosen by the config name
                   dequantize two codes per half-word (opt-in: measured no faster).
                   programmatic=True launches it with PDL (_launch.py): its CTAs read the
                   routing and copy their first weights under the previous kernel's tail
-                  (GEMM2 after GEMM1: Mixtral T = 64 layer 0.274 against 0.280 ms,
+                  (GEMM2 after GEMM1: Mixtral T = 64 layer 0.271 against 0.276 ms,
                   benchmarks/results/dev_wna16_20261201).
     wna16_wgmma   (WGMMA_CONFIGS: g32, h32, p32, ...; quant_gemm_wna16_wgmma.cu, sm_90a) int4
                   on weights prepacked in wgmma's register-A order: one warpgroup per CTA, the
