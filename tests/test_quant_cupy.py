@@ -409,7 +409,8 @@ def test_layer_matches_reference_within_vllm_tolerance(rng, scheme, tol, T, B):
 # CUDA features the kernels use: a std::thread per CUDA thread, block after block; barriers;
 # warp shuffles and the mma.sync fragment exchange through a per-warp rendezvous; cp.async
 # copies that land only when a wait_group retires their group (a read before the wait sees the
-# 0xAB garbage shared memory starts with); fp8 / bf16 conversions by their definitions. The
+# 0xAB garbage shared memory starts with); griddepcontrol.wait as the contract of a
+# programmatic launch (arm_programmatic); fp8 / bf16 conversions by their definitions. The
 # only code not run as written is quant_gemm.cu's block of inline-PTX helpers (replaced under
 # QG_EMULATED_PTX by the header's versions, whose fragment layouts follow the PTX ISA). It
 # cannot see timing, bank conflicts or the hardware's own reading of the PTX: the GPU tests
@@ -419,6 +420,7 @@ QEMU_HEADER = r"""
 #pragma once
 #include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -530,10 +532,12 @@ inline unsigned atomicMax(unsigned* p, unsigned v) {
 struct Copy { void* dst; const void* src; int n, valid; };
 thread_local std::vector<Copy> t_open;
 thread_local std::deque<std::vector<Copy>> t_groups;
-inline void qg_cp16(void* dst, const void* src, bool pred) {
-    t_open.push_back({dst, src, 16, pred ? 16 : 0}); }
-inline void qg_cp4(void* dst, const void* src, bool pred) {
-    t_open.push_back({dst, src, 4, pred ? 4 : 0}); }
+inline void qg_pdl_read(const void* src, int n);   // (programmatic launches, below)
+inline void qg_copy(void* dst, const void* src, int n, bool pred) {
+    if (pred) qg_pdl_read(src, n);
+    t_open.push_back({dst, src, n, pred ? n : 0}); }
+inline void qg_cp16(void* dst, const void* src, bool pred) { qg_copy(dst, src, 16, pred); }
+inline void qg_cp4(void* dst, const void* src, bool pred) { qg_copy(dst, src, 4, pred); }
 inline void qg_commit() { t_groups.push_back(t_open); t_open.clear(); }
 template <int N> inline void qg_wait() {
     while ((int)t_groups.size() > N) {
@@ -542,6 +546,59 @@ template <int N> inline void qg_wait() {
         }
         t_groups.pop_front();
     }
+}
+// ---- programmatic dependent launch (griddepcontrol), armed for one launch by qg_pdl_arm: the
+// worst case of a grid started while the grid before it still runs. Until every thread of a CTA
+// has reached qg_grid_dependency_wait (or exited), the ranges the earlier grid writes (`inputs`)
+// hold 0xFF bytes (NaN in every float format; the real bytes come back at the wait) and a
+// cp.async from them counts as an early read; the ranges this grid writes (`outputs`) must be
+// as the CTA found them when its threads meet there. The emulated wait is a CTA-wide
+// rendezvous (the hardware's is per thread): every emulated kernel calls it uniformly, and a
+// rendezvous that does not fill within a minute opens anyway and counts as `stuck`.
+struct PdlRange { unsigned char* p; size_t n; std::vector<unsigned char> kept; };
+struct Pdl {
+    bool armed = false, ignore_waits = false;       // ignore_waits: the checks' own test
+    std::vector<PdlRange> inputs, outputs;
+    std::mutex m; std::condition_variable cv;
+    unsigned arrived = 0, exited = 0, block = 0; bool open = true;
+    int early_reads = 0, early_writes = 0, stuck = 0;
+};
+static Pdl g_pdl;
+thread_local bool t_dep_waited = false;
+inline void qg_pdl_read(const void* src, int n) {
+    if (!g_pdl.armed || t_dep_waited) return;
+    const unsigned char* s = static_cast<const unsigned char*>(src);
+    for (const PdlRange& r : g_pdl.inputs)
+        if (s < r.p + r.n && s + n > r.p) {
+            std::lock_guard<std::mutex> l(g_pdl.m); ++g_pdl.early_reads; return; }
+}
+inline void qg_pdl_cta_begin(unsigned block) {      // before the CTA's threads start
+    g_pdl.arrived = g_pdl.exited = 0; g_pdl.block = block; g_pdl.open = !g_pdl.armed;
+    if (!g_pdl.armed) return;
+    for (PdlRange& r : g_pdl.inputs) {
+        r.kept.assign(r.p, r.p + r.n); memset(r.p, 0xFF, r.n); }
+    for (PdlRange& r : g_pdl.outputs) r.kept.assign(r.p, r.p + r.n);
+}
+inline void qg_pdl_open() {                         // under g_pdl.m: the earlier grid is done
+    for (const PdlRange& r : g_pdl.outputs)
+        if (memcmp(r.p, r.kept.data(), r.n) != 0) ++g_pdl.early_writes;
+    for (const PdlRange& r : g_pdl.inputs) memcpy(r.p, r.kept.data(), r.n);
+    g_pdl.open = true; g_pdl.cv.notify_all();
+}
+inline void qg_grid_dependency_wait() {
+    if (!g_pdl.armed || t_dep_waited || g_pdl.ignore_waits) return;
+    std::unique_lock<std::mutex> l(g_pdl.m);
+    t_dep_waited = true;
+    if (++g_pdl.arrived + g_pdl.exited == g_pdl.block) qg_pdl_open();
+    else if (!g_pdl.cv.wait_for(l, std::chrono::seconds(60), [] { return g_pdl.open; })) {
+        ++g_pdl.stuck; qg_pdl_open(); }
+}
+inline void qg_pdl_thread_exit() {                  // a thread leaves the kernel
+    if (g_pdl.armed && !t_dep_waited) {
+        std::lock_guard<std::mutex> l(g_pdl.m);
+        if (++g_pdl.exited + g_pdl.arrived == g_pdl.block && !g_pdl.open) qg_pdl_open();
+    }
+    t_dep_waited = false;
 }
 // ---- mma.sync: the fragments of all 32 lanes, multiplied by the PTX ISA's layouts
 struct MmaIn { uint32_t a[4], b[2]; };
@@ -635,6 +692,7 @@ template <typename F> void launch(unsigned gx, unsigned gy, unsigned block, F bo
             memset(g_smem, 0xAB, sizeof(g_smem));     // garbage, as a fresh CTA's shared memory
             std::vector<WarpRv> warps((block + 31) / 32); g_warps = &warps;
             std::barrier<> bar((std::ptrdiff_t)block); g_bar = &bar;
+            qg_pdl_cta_begin(block);
             std::vector<std::thread> ts;
             for (unsigned t = 0; t < block; ++t)
                 ts.emplace_back([&, t, bx, by] {
@@ -643,11 +701,28 @@ template <typename F> void launch(unsigned gx, unsigned gy, unsigned block, F bo
                     for (auto& g : t_groups)           // a copy nobody waited for is a bug
                         if (!g.empty()) { fprintf(stderr, "cp.async never waited\n"); abort(); }
                     t_open.clear(); t_groups.clear();
+                    qg_pdl_thread_exit();
                     bar.arrive_and_drop();
                 });
             for (auto& t : ts) t.join();
         }
+    g_pdl.armed = g_pdl.ignore_waits = false;          // armed for one launch
+    g_pdl.inputs.clear(); g_pdl.outputs.clear();
 }
+// The C entry points of every emulation: arm the next launch (a list of (pointer, bytes) pairs
+// for the inputs, then the outputs), and read what it counted.
+extern "C" void qg_pdl_arm(int n_in, void** in, const size_t* in_bytes, int n_out, void** out,
+                           const size_t* out_bytes, int ignore_waits) {
+    g_pdl.inputs.clear(); g_pdl.outputs.clear();
+    for (int i = 0; i < n_in; ++i)
+        g_pdl.inputs.push_back({static_cast<unsigned char*>(in[i]), in_bytes[i], {}});
+    for (int i = 0; i < n_out; ++i)
+        g_pdl.outputs.push_back({static_cast<unsigned char*>(out[i]), out_bytes[i], {}});
+    g_pdl.armed = true; g_pdl.ignore_waits = ignore_waits != 0; g_pdl.early_reads = 0;
+    g_pdl.early_writes = g_pdl.stuck = 0;
+}
+extern "C" void qg_pdl_counts(int* counts) {
+    counts[0] = g_pdl.early_reads; counts[1] = g_pdl.early_writes; counts[2] = g_pdl.stuck; }
 """
 
 
@@ -741,6 +816,32 @@ def _ptr(a):
     import ctypes
 
     return None if a is None else a.ctypes.data_as(ctypes.c_void_p)
+
+
+def arm_programmatic(lib, inputs, outputs, ignore_waits=False):
+    """Arms the emulation's model of a programmatic launch (QEMU_HEADER, qg_pdl_arm) for the
+    next launch of `lib`: `inputs`, the arrays the grid before it writes, read NaN until a CTA's
+    wait; `outputs`, the arrays the launch writes, must not change before it. ignore_waits: the
+    kernel's waits do nothing (the checks' own test)."""
+    import ctypes
+
+    def pairs(arrays):
+        ptrs = (ctypes.c_void_p * max(1, len(arrays)))(*[x.ctypes.data for x in arrays])
+        sizes = (ctypes.c_size_t * max(1, len(arrays)))(*[x.nbytes for x in arrays])
+        return len(arrays), ptrs, sizes
+
+    lib.qg_pdl_arm(*pairs(inputs), *pairs(outputs), int(ignore_waits))
+
+
+def programmatic_counts(lib) -> dict:
+    """What the last armed launch counted: copies issued from its inputs before their CTA's
+    wait, outputs found changed at a CTA's wait (one count per array and CTA), and waits that
+    not all of a CTA's threads met."""
+    import ctypes
+
+    counts = (ctypes.c_int * 3)()
+    lib.qg_pdl_counts(counts)
+    return dict(early_reads=counts[0], early_writes=counts[1], stuck=counts[2])
 
 
 def emulated_act_quant(lib, x, qd, group_size, eps, min_scale, ue8m0, static=None,

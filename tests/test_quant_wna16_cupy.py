@@ -232,7 +232,7 @@ inline void __syncwarp(unsigned = 0xffffffffu) {
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 #define __shared__ static
 inline void __threadfence() {}
-inline void qg_cp8(void* dst, const void* src) { t_open.push_back({dst, src, 8, 8}); }
+inline void qg_cp8(void* dst, const void* src) { qg_copy(dst, src, 8, true); }
 inline int atomicAdd(int* p, int v) {
     std::lock_guard<std::mutex> l(g_atomic); const int o = *p; *p += v; return o; }
 inline void __stcg(float* p, float v) { *p = v; }

@@ -8,7 +8,9 @@ bad configs clearly. Simulator: the kernel on the CPU emulation of tests/test_qu
 (g++, a std::thread per CUDA thread, cp.async landing only at its wait): runs that start and
 end inside row blocks (blocks finished from 2-3 parts, in K-stage order), a ragged last block,
 a short last K stage, group sizes 64 / 128 / one per row, with and without zero points, 1-3 live
-token tiles, an expert of another rank; the split counters come back to zero.
+token tiles, an expert of another rank; the split counters come back to zero; and, launched
+as a programmatic launch would start it (the activations NaN until a CTA's griddepcontrol.wait),
+no activation copy or output write before the wait.
 GPU (`gpu` marker): every config on the packed rung's shapes, fp16 and other ranks, long runs,
 the same bits on a second launch, and a GEMM1 -> GEMM2 chain whose GEMM2 is launched
 programmatically (PDL) and reads GEMM1's output. Tolerance: the issue's weight-only 2e-2.
@@ -166,8 +168,15 @@ def emulated_staged(tmp_path_factory):
                            prelude=W16_PRELUDE)
 
 
-def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms):
+def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms,
+                  programmatic=None):
+    """The staged launch (staged_plan, arguments) on the emulation: (c, the plan). programmatic:
+    None, a plain launch; "wait" or "ignore_waits", the emulation's model of a programmatic
+    launch (test_quant_cupy.arm_programmatic: the activations are the grid before's output, c and
+    the workspace this launch's), whose counts come back as the plan's "programmatic"."""
     import ctypes
+
+    from test_quant_cupy import arm_programmatic, programmatic_counts
 
     def p(x):
         return None if x is None else x.ctypes.data_as(ctypes.c_void_p)
@@ -186,11 +195,16 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     wsp = np.full(lp["WS"], np.nan, np.float32)                     # the parts' workspace
     cnt = np.zeros(lp["COUNTERS"], np.int32)
     gx, gy, _ = lp["grid"]
+    if programmatic is not None:
+        arm_programmatic(lib, [x for x in (a_in, a_scale) if x is not None], [c, wsp, cnt],
+                         ignore_waits=programmatic == "ignore_waits")
     getattr(lib, f"k{W.STAGED_NAMES.index(lp['name'])}")(
         gx, gy, lp["block"][0], p(a_in), p(a_scale), p(pk["wp"]), p(c),
         p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
         N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
     assert not cnt.any(), "the part counters come back to zero"
+    if programmatic is not None:
+        lp["programmatic"] = programmatic_counts(lib)
     return c.view(BF16), lp
 
 
@@ -278,9 +292,9 @@ def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sm
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e} (Q = {lp['Q']}, U = {lp['U']})"
 
 
-@pytest.mark.simulator
-def test_emulated_other_rank(emulated_staged, rng):
-    """Experts 1 and 3 live on another rank (expert id -1): their rows are zeros."""
+def _other_rank_case(rng):
+    """Experts 1 and 3 of 4 live on another rank (expert id -1): (ids, the launch's arguments
+    after the config name, the reference)."""
     M_a, E, K, N, Kd, B = 6, 4, 2, 64, 256, 8
     a = rng.standard_normal((M_a, Kd)).astype(BF16)
     wq, ws, wz = quantized(rng, 2, N, Kd, 128, True)
@@ -291,9 +305,43 @@ def test_emulated_other_rank(emulated_staged, rng):
     bias = rng.standard_normal((2, N)).astype(np.float32)
     want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, bias, w_scale=ws, w_zp=wz,
                                  use_int4_w4a16=True)
-    got, _ = _run_emulated(emulated_staged, "t8", a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, 2)
-    assert (got.astype(np.float32).reshape(M_a, K, N)[np.isin(ids, [1, 3])] == 0).all()
+    return ids, (a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, 2), want
+
+
+@pytest.mark.simulator
+def test_emulated_other_rank(emulated_staged, rng):
+    """Experts 1 and 3 live on another rank (expert id -1): their rows are zeros."""
+    ids, args, want = _other_rank_case(rng)
+    got, _ = _run_emulated(emulated_staged, "t8", *args)
+    assert (got.astype(np.float32).reshape(*ids.shape, -1)[np.isin(ids, [1, 3])] == 0).all()
     assert rel_err(got, want) <= TOL
+
+
+@pytest.mark.simulator
+@pytest.mark.parametrize("cfg,case", [
+    ("t24", ((20, 2, 2, 256, 512, 24), 128, True, 4)),   # runs across m tiles, blocks in parts
+    ("f24", ((20, 2, 2, 64, 768, 48), 256, False, 4)),   # FA: a16 and the row scales as inputs
+    ("t8", "other rank"),                                # zeros stored for another rank
+], ids=["t24-parts", "f24-fa", "t8-other-rank"])
+def test_emulated_programmatic_launch(emulated_staged, rng, cfg, case):
+    """Launched programmatically (grouped_gemm_wna16(..., programmatic=True)), the kernel may
+    start while the grid before it still writes the activations. On the emulation's model of
+    that (the activations read NaN until a CTA's wait), no CTA copies an activation or changes
+    an output before its wait, and the result is the reference's. With the kernel's waits
+    ignored, the same checks count early copies and writes (they can fail)."""
+    if case == "other rank":
+        _, args, want = _other_rank_case(rng)
+    else:
+        shape, gs, zp, sms = case
+        a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
+        args = (a, wq, ws, wz, st, ex, ntp, shape[2], shape[5], tw, bias, sms)
+    got, lp = _run_emulated(emulated_staged, cfg, *args, programmatic="wait")
+    assert lp["programmatic"] == dict(early_reads=0, early_writes=0, stuck=0)
+    assert rel_err(got, want) <= TOL
+
+    _, lp = _run_emulated(emulated_staged, cfg, *args, programmatic="ignore_waits")
+    counts = lp["programmatic"]
+    assert counts["early_reads"] > 0 and counts["early_writes"] > 0 and counts["stuck"] == 0
 
 
 # ----------------------------------------------------------------------------- GPU
