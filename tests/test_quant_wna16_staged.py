@@ -8,9 +8,10 @@ bad configs clearly. Simulator: the kernel on the CPU emulation of tests/test_qu
 (g++, a std::thread per CUDA thread, cp.async landing only at its wait): runs that start and
 end inside row blocks (blocks finished from 2-3 parts, in K-stage order), a ragged last block,
 a short last K stage, group sizes 64 / 128 / one per row, with and without zero points, 1-3 live
-token tiles, an expert of another rank; the split counters come back to zero; and, launched
-as a programmatic launch would start it (the activations NaN until a CTA's griddepcontrol.wait),
-no activation copy or output write before the wait.
+token tiles, an expert of another rank; the split counters come back to zero; the dev macro
+STAGED_DEFER (a run's first block counted later) gives the same bits; and, launched as a
+programmatic launch would start it (the activations NaN until a CTA's griddepcontrol.wait), no
+activation copy or output write before the wait.
 GPU (`gpu` marker): every config on the packed rung's shapes, fp16 and other ranks, long runs,
 the same bits on a second launch, and a GEMM1 -> GEMM2 chain whose GEMM2 is launched
 programmatically (PDL) and reads GEMM1's output. Tolerance: the issue's weight-only 2e-2.
@@ -122,6 +123,18 @@ def test_stage_blocks_layout(rng, E, N, Kd, gs, zp, nb, kc):
                 assert np.array_equal(sb["zp"][:, b, :, i], np.broadcast_to(want_z, (E, G, 8)))
     with pytest.raises(ValueError, match="mma"):
         W.stage_blocks(W.prepack_int4(wq, ws, wz, order="wgmma"), nb, kc)
+
+
+@pytest.mark.parametrize("macros", [{"STAGED_DEFER": 1}, {"STAGED_TIMES": 1, "STAGED_DEFER": 1}])
+def test_dev_variants_compile(macros):
+    """The variants benchmarks/dev/probe_staged.py builds (dev macros the launcher never sets)
+    compile for sm_90 with NVRTC, so a GPU call is not spent finding out."""
+    ok, why = C.nvrtc_available()
+    if not ok:
+        pytest.skip(f"cuda.core/NVRTC unavailable: {why}")
+    name = W.staged_kernel_name(W.STAGED_CONFIGS["t24"], False)
+    cubin = C.compile_check(W.CU_STAGED, {"ELEM_BF16": 1, **macros}, (name,), "sm_90")
+    assert isinstance(cubin, bytes) and len(cubin) > 0
 
 
 def test_plan_refuses_bad_configs():
@@ -263,8 +276,8 @@ def test_emulated_f16_rows(emulated_staged, rng):
     np.testing.assert_array_equal(got_scale, scale)
 
 
-@pytest.mark.simulator
-@pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [
+# (config, shape, group size, zero points, SMs, the CTAs Q the case was written for)
+EMULATION_CASES = [
     # two row blocks (the second of 2 tiles), 9 chunks (a short last stage), g64: runs of 2-3
     # units inside blocks of 5, so blocks are finished from 2-3 parts
     ("t8", (2, 4, 2, 288, 576, 8), 64, False, 8, 16),
@@ -281,7 +294,11 @@ def test_emulated_f16_rows(emulated_staged, rng):
     ("f24", (20, 2, 2, 256, 512, 24), 128, True, 4, 8),
     ("f24", (20, 2, 2, 64, 768, 48), 256, False, 4, 8),
     ("f32", (30, 2, 2, 128, 384, 32), 384, True, 1, 2),
-])
+]
+
+
+@pytest.mark.simulator
+@pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", EMULATION_CASES)
 def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
     M_a, E, K, N, Kd, B = shape
     a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
@@ -290,6 +307,34 @@ def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sm
     assert lp["Q"] == q, "the case covers the runs it was written for"
     err = rel_err(got, want)
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e} (Q = {lp['Q']}, U = {lp['U']})"
+
+
+@pytest.fixture(scope="module")
+def emulated_staged_deferred(tmp_path_factory):
+    """The kernel with the dev macro STAGED_DEFER = 1 (a run's first block counted at the end of
+    its segment; benchmarks/dev/probe_staged.py times it)."""
+    from test_quant_cupy import build_emulation
+    from test_quant_wna16_cupy import W16_PRELUDE
+
+    return build_emulation(tmp_path_factory, "wst_defer", W.CU_STAGED,
+                           _entries(W.STAGED_NAMES), prelude=W16_PRELUDE + "#define STAGED_DEFER 1")
+
+
+@pytest.mark.simulator
+@pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [c for c in EMULATION_CASES if c[-1] > 2])
+def test_emulated_deferred_count_same_bits(emulated_staged, emulated_staged_deferred, rng, cfg,
+                                           shape, gs, zp, sms, q):
+    """STAGED_DEFER moves when a run's first block is counted, not how its parts add up (in the
+    order of their first K stages, whichever CTA completes the block): the same bits as the
+    kernel without it, on the cases whose blocks are finished from parts."""
+    M_a, E, K, N, Kd, B = shape
+    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
+    args = (a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, sms)
+    plain, _ = _run_emulated(emulated_staged, cfg, *args)
+    got, lp = _run_emulated(emulated_staged_deferred, cfg, *args)
+    assert lp["Q"] == q
+    np.testing.assert_array_equal(got.view(np.uint16), plain.view(np.uint16))
+    assert rel_err(got, want) <= TOL
 
 
 def _other_rank_case(rng):

@@ -1,15 +1,19 @@
 """Dev probe of wna16_staged (Mixtral GEMM1 / GEMM2): the same launches with the kernel compiled
-under the .cu's dev macros, beside the real one:
+under the .cu's dev macros, beside the real one, and a plain read of the same bytes (uint4
+loads, grid-stride) as the streaming calibration. Times (CUDA events, median, L2 flushed before
+each repetition), and for variants that keep the math (not PROBE) whether their outputs have the
+bits of the "base" variant's (the parts of a block add in a fixed order, so they do not depend
+on which CTA finishes it). The macros:
     STAGED_PROBE = 1 no math, 2 no activation copies, 3 no weight copies (garbage results)
     STAGED_TIMES = 1 each CTA's start / end (globaltimer), SM, units, when its first stage
                      landed, the SM cycles it spent ending blocks (of them in whole stores) and
                      its partial blocks: their spread is printed
     STAGED_LT_COST = c  a unit's cost LT + c in the run split (5 in the kernel)
+    STAGED_DEFER = 1  a run's first block counted at its segment's end (one fence and counter
+                      round trip less mid-run)
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
 STAGED_CACHE, STAGED_LATE_START and STAGED_SPLIT, since taken out.) --compile-only builds the
 modules into CuPy's cache (run several at once before the timed call).
-and a plain read of the same bytes (uint4 loads, grid-stride) as the streaming calibration.
-Times only (CUDA events, median, L2 flushed before each repetition).
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3,base:t24] [--tokens 64]
                                           [--variants base,PROBE=1,TIMES=1+PROBE=3]
                                           [--base-cu quant_gemm_wna16_staged_base.cu]"""
@@ -105,12 +109,20 @@ def main():
                                               use_int4_w4a16=True, config=cfg)
             g2 = lambda: W.grouped_gemm_wna16(act, w2, st, ex, ntp, 1, B, twd, True,  # noqa: E731
                                               w_scale=s2, use_int4_w4a16=True, config=cfg)
+            base_bits = None                      # the "base" variant's outputs (if it ran)
             for var in args.variants.split(","):
                 W._READY.clear()
                 W._SMEM_SET.clear()
                 name, mod, defs = _module(cupy, args.base_cu if base else W.CU_STAGED, cfg, var)
                 W._READY[(name, 1, dev)] = mod.get_function(name)
-                g1(), g2()
+                bits = [cupy.asnumpy(g().view(cupy.uint16)) for g in (g1, g2)]
+                same = None                       # a variant that keeps the math: same bits?
+                if var == "base":
+                    base_bits = bits
+                elif base_bits is not None and not defs.get("STAGED_PROBE"):
+                    same = all(np.array_equal(x, y) for x, y in zip(bits, base_bits))
+                    print(f"T={T} {spec} {var}: {'the same' if same else 'OTHER'} bits as base",
+                          flush=True)
                 if defs.get("STAGED_TIMES"):
                     ptr = mod.get_global("g_cta_times")
                     tt = cupy.ndarray((4096, 10), cupy.uint64, memptr=ptr)
@@ -151,7 +163,7 @@ def main():
                                          parts=h[:, 7].astype(int).tolist()))
                 t1, t2 = timer(g1, fl, 3, 20), timer(g2, fl, 3, 20)
                 rows.append(dict(T=T, config=spec, variant=var, gemm1_us=t1 * 1e3,
-                                 gemm2_us=t2 * 1e3))
+                                 gemm2_us=t2 * 1e3, same_bits_as_base=same))
                 print(f"T={T} {spec} {var}: g1 {t1 * 1e3:7.1f} us g2 {t2 * 1e3:7.1f} us",
                       flush=True)
     json.dump(rows, open(f"{args.out}/probe_staged.json", "w"), indent=1)

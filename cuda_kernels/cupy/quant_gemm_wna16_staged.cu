@@ -102,6 +102,11 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
+#ifndef STAGED_DEFER     // 1: a segment's first block, when it is partial and not its last,
+#define STAGED_DEFER 0   // is handed in at its end but counted after the segment's last unit:
+#endif                   // one fence and counter round trip less in the middle of the run
+                         // (ending partial blocks took a median 3.4 us of a CTA's 87 in GEMM2
+                         // at T = 64, dev_wna16_20261201; this variant is not yet timed)
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
@@ -129,21 +134,29 @@ struct StagedStage {
 
 // A block's part: this CTA's walk computed `count` of its SPB K stages from stage `first` (the N
 // fp32 values v of each of the NT threads). It goes to workspace slot `slot` (ws [slot][per],
-// v[j] at j NT + thread), and part_at[tile][first] = count << 16 | slot + 1 says so; the CTA
-// whose units complete the block's SPB (units_done[tile]) gets true back, with v = the parts
-// added in the order of their first stages (deterministic for a given split), and leaves both
-// at zero; the others get false. Every thread of the CTA calls it; s_last is a __shared__ int.
+// v[j] at j NT + thread), and part_at[tile][first] = count << 16 | slot + 1 says so
+// (hand_in_part); then the CTA counts its units into units_done[tile], and the CTA whose units
+// complete the block's SPB gets true back, with v = the parts added in the order of their first
+// stages (deterministic for a given split, whichever CTA completes it), and leaves both at zero;
+// the others get false (count_part). Every thread of the CTA calls them; s_last is a __shared__
+// int. finish_parts is the two in a row.
 template <int N, int NT>
-__device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
-                                             int* __restrict__ units_done,
-                                             int* __restrict__ part_at, int* by_first, int SPB,
-                                             size_t tile, int per, int slot, int first,
-                                             int count, int& s_last) {
+__device__ __forceinline__ void hand_in_part(const float* v, float* __restrict__ ws,
+                                             int* __restrict__ part_at, int SPB, size_t tile,
+                                             int per, int slot, int first, int count) {
     const int tid = threadIdx.x;
     int* at = part_at + tile * SPB;
 #pragma unroll
     for (int j = 0; j < N; ++j) __stcg(ws + (size_t)slot * per + tid + j * NT, v[j]);
     if (tid == 0) __stcg(at + first, count << 16 | (slot + 1));
+}
+template <int N, int NT>
+__device__ __forceinline__ bool count_part(float* v, float* __restrict__ ws,
+                                           int* __restrict__ units_done,
+                                           int* __restrict__ part_at, int* by_first, int SPB,
+                                           size_t tile, int per, int count, int& s_last) {
+    const int tid = threadIdx.x;
+    int* at = part_at + tile * SPB;
     __threadfence();
     __syncthreads();
     if (tid == 0) s_last = atomicAdd(units_done + tile, count) + count == SPB;
@@ -167,6 +180,16 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
         x += p >> 16;
     }
     return true;
+}
+template <int N, int NT>
+__device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
+                                             int* __restrict__ units_done,
+                                             int* __restrict__ part_at, int* by_first, int SPB,
+                                             size_t tile, int per, int slot, int first,
+                                             int count, int& s_last) {
+    hand_in_part<N, NT>(v, ws, part_at, SPB, tile, per, slot, first, count);
+    return count_part<N, NT>(v, ws, units_done, part_at, by_first, SPB, tile, per, count,
+                             s_last);
 }
 
 template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int FA>
@@ -448,6 +471,9 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 
             int blk_n = 0;                                 // units of the current block done
             int b = b_first, s = s_first;                  // the unit being computed
+#if STAGED_DEFER
+            int deferred_b = -1, deferred_n = 0;           // the block handed in, its units
+#endif
             for (int i = 0; i < n_units; ++i) {
                 w16::cp_wait<S - 2>();                     // stage i has landed (this thread's)
                 __syncthreads();                           // ... and everyone's; slot i - 1 free
@@ -598,6 +624,17 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #if STAGED_TIMES
                         if (tid == 0) g_cta_times[blockIdx.x][8] += clock64() - c_end0;
 #endif
+#if STAGED_DEFER
+                    } else if (i + 1 < n_units) {
+                        // a partial block before the segment's end is its first one: its part
+                        // goes in now, its units are counted after the segment's last unit
+                        hand_in_part<TPW * LT * 4, NT>(&acc[0][0][0], ws, part_at, SPB,
+                                                       (size_t)m * nblocks + b, PER,
+                                                       2 * q + parts_used++, s - blk_n + 1,
+                                                       blk_n);
+                        deferred_b = b;
+                        deferred_n = blk_n;
+#endif
                     } else if (finish_parts<TPW * LT * 4, NT>(
                                    &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
                                    (size_t)m * nblocks + b, PER, 2 * q + parts_used++,
@@ -617,6 +654,20 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 }
                 step(b, s);
             }
+#if STAGED_DEFER
+            if (deferred_b >= 0) {                         // uniform over the CTA
+#if STAGED_TIMES
+                const long long c_end0 = clock64();
+#endif
+                if (count_part<TPW * LT * 4, NT>(&acc[0][0][0], ws, units_done, part_at,
+                                                 by_first, SPB, (size_t)m * nblocks + deferred_b,
+                                                 PER, deferred_n, sLast))
+                    store(deferred_b);
+#if STAGED_TIMES
+                if (tid == 0) g_cta_times[blockIdx.x][6] += clock64() - c_end0;
+#endif
+            }
+#endif
         });
 #if STAGED_TIMES
         if (tid == 0) {
