@@ -3,7 +3,9 @@
 # probe (CUDA events, L2 flushed) of PROBE_CONFIGS (default t24) at T = 64, 16, 256, each CTA's
 # end (TIMES) at T = 64, then bench_quant's int4 row. For a baseline in the same call, copy an
 # earlier version of the .cu to cuda_kernels/cupy/quant_gemm_wna16_staged_base.cu, carry it to
-# the device, and add base:t24 (PROBE_CONFIGS=base:t24,t24 TIMES_CONFIGS=base:t24,t24).
+# the device, and add base:t24 (PROBE_CONFIGS=base:t24,t24 TIMES_CONFIGS=base:t24,t24). A dev
+# macro against the kernel without it, alternating: PROBE_VARIANTS=base,DEFER=1,base,DEFER=1
+# TIMES_VARIANTS=TIMES=1,TIMES=1+DEFER=1.
 #   MOE_SANDBOX_COMMIT=<hash> bash benchmarks/dev/probe_session.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/moe_sandbox_out}; mkdir -p "$OUT"
@@ -25,7 +27,7 @@ say() { echo "== $* ($(date +%T))"; }
   say "probe: each CTA's end at T = 64"
   mkdir -p "$OUT/times"
   timeout 100 python3 benchmarks/dev/probe_staged.py --configs ${TIMES_CONFIGS:-t24} --tokens 64 \
-    --variants TIMES=1 --out "$OUT/times" 2>&1 | grep -v "^read" | tail -n 20
+    --variants ${TIMES_VARIANTS:-TIMES=1} --out "$OUT/times" 2>&1 | grep -v "^read" | tail -n 20
   if [ -z "${SKIP_BENCH:-}" ]; then
     say "bench_quant mixtral"
     timeout 110 python3 benchmarks/bench_quant.py --models mixtral --tokens ${BENCH_TOKENS:-1,16,64} \
