@@ -685,30 +685,34 @@ inline uint32_t qg_sub2(uint32_t x, uint32_t y) {
     return enc16(lo) | (enc16(hi) << 16);
 }
 // ---- a launch: the blocks one after another, a std::thread per CUDA thread
+// (in ascending order, or descending after qg_block_order(1): a GPU runs them in any order, and
+// kernels whose blocks hand work to each other finish it in whichever block comes last)
+static int g_descending = 0;
 template <typename F> void launch(unsigned gx, unsigned gy, unsigned block, F body) {
     gridDim.x = gx; gridDim.y = gy; blockDim.x = block;
-    for (unsigned by = 0; by < gy; ++by)
-        for (unsigned bx = 0; bx < gx; ++bx) {
-            memset(g_smem, 0xAB, sizeof(g_smem));     // garbage, as a fresh CTA's shared memory
-            std::vector<WarpRv> warps((block + 31) / 32); g_warps = &warps;
-            std::barrier<> bar((std::ptrdiff_t)block); g_bar = &bar;
-            qg_pdl_cta_begin(block);
-            std::vector<std::thread> ts;
-            for (unsigned t = 0; t < block; ++t)
-                ts.emplace_back([&, t, bx, by] {
-                    threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by;
-                    body();
-                    for (auto& g : t_groups)           // a copy nobody waited for is a bug
-                        if (!g.empty()) { fprintf(stderr, "cp.async never waited\n"); abort(); }
-                    t_open.clear(); t_groups.clear();
-                    qg_pdl_thread_exit();
-                    bar.arrive_and_drop();
-                });
-            for (auto& t : ts) t.join();
-        }
+    for (unsigned i = 0; i < gx * gy; ++i) {
+        const unsigned b = g_descending ? gx * gy - 1 - i : i, bx = b % gx, by = b / gx;
+        memset(g_smem, 0xAB, sizeof(g_smem));     // garbage, as a fresh CTA's shared memory
+        std::vector<WarpRv> warps((block + 31) / 32); g_warps = &warps;
+        std::barrier<> bar((std::ptrdiff_t)block); g_bar = &bar;
+        qg_pdl_cta_begin(block);
+        std::vector<std::thread> ts;
+        for (unsigned t = 0; t < block; ++t)
+            ts.emplace_back([&, t, bx, by] {
+                threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by;
+                body();
+                for (auto& g : t_groups)           // a copy nobody waited for is a bug
+                    if (!g.empty()) { fprintf(stderr, "cp.async never waited\n"); abort(); }
+                t_open.clear(); t_groups.clear();
+                qg_pdl_thread_exit();
+                bar.arrive_and_drop();
+            });
+        for (auto& t : ts) t.join();
+    }
     g_pdl.armed = g_pdl.ignore_waits = false;          // armed for one launch
     g_pdl.inputs.clear(); g_pdl.outputs.clear();
 }
+extern "C" void qg_block_order(int descending) { g_descending = descending; }
 // The C entry points of every emulation: arm the next launch (a list of (pointer, bytes) pairs
 // for the inputs, then the outputs), and read what it counted.
 extern "C" void qg_pdl_arm(int n_in, void** in, const size_t* in_bytes, int n_out, void** out,

@@ -6,10 +6,11 @@ CPU (always): staged_plan's runs cover every unit once, its workspace holds two 
 its shared memory matches the kernel's stage layout and fits MINB CTAs per SM, and it refuses
 bad configs clearly. Simulator: the kernel on the CPU emulation of tests/test_quant_cupy.py
 (g++, a std::thread per CUDA thread, cp.async landing only at its wait): runs that start and
-end inside row blocks (blocks finished from 2-3 parts, in K-stage order), a ragged last block,
-a short last K stage, group sizes 64 / 128 / one per row, with and without zero points, 1-3 live
-token tiles, an expert of another rank; the split counters come back to zero; the dev macro
-STAGED_DEFER (a run's first block counted later) gives the same bits; and, launched as a
+end inside row blocks (blocks finished from 2-3 parts, in K-stage order, by whichever CTA comes
+last: the CTAs also run last to first, with the same bits), a ragged last block, a short last
+K stage, group sizes 64 / 128 / one per row, with and without zero points, 1-3 live token
+tiles, an expert of another rank; the split counters come back to zero; the dev macro
+STAGED_DEFER (a run's partial blocks counted later) gives the same bits; and, launched as a
 programmatic launch would start it (the activations NaN until a CTA's griddepcontrol.wait), no
 activation copy or output write before the wait.
 GPU (`gpu` marker): every config on the packed rung's shapes, fp16 and other ranks, long runs,
@@ -125,7 +126,8 @@ def test_stage_blocks_layout(rng, E, N, Kd, gs, zp, nb, kc):
         W.stage_blocks(W.prepack_int4(wq, ws, wz, order="wgmma"), nb, kc)
 
 
-@pytest.mark.parametrize("macros", [{"STAGED_DEFER": 1}, {"STAGED_TIMES": 1, "STAGED_DEFER": 1}])
+@pytest.mark.parametrize("macros", [{"STAGED_DEFER": 1}, {"STAGED_DEFER": 2},
+                                    {"STAGED_TIMES": 1, "STAGED_DEFER": 2}])
 def test_dev_variants_compile(macros):
     """The variants benchmarks/dev/probe_staged.py builds (dev macros the launcher never sets)
     compile for sm_90 with NVRTC, so a GPU call is not spent finding out."""
@@ -182,11 +184,13 @@ def emulated_staged(tmp_path_factory):
 
 
 def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms,
-                  programmatic=None):
+                  programmatic=None, descending=False):
     """The staged launch (staged_plan, arguments) on the emulation: (c, the plan). programmatic:
     None, a plain launch; "wait" or "ignore_waits", the emulation's model of a programmatic
     launch (test_quant_cupy.arm_programmatic: the activations are the grid before's output, c and
-    the workspace this launch's), whose counts come back as the plan's "programmatic"."""
+    the workspace this launch's), whose counts come back as the plan's "programmatic".
+    descending: the CTAs run last to first (a block's parts are then completed by the CTA whose
+    run ends in it, where in ascending order the CTA whose run starts in it completes it)."""
     import ctypes
 
     from test_quant_cupy import arm_programmatic, programmatic_counts
@@ -211,10 +215,14 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     if programmatic is not None:
         arm_programmatic(lib, [x for x in (a_in, a_scale) if x is not None], [c, wsp, cnt],
                          ignore_waits=programmatic == "ignore_waits")
-    getattr(lib, f"k{W.STAGED_NAMES.index(lp['name'])}")(
-        gx, gy, lp["block"][0], p(a_in), p(a_scale), p(pk["wp"]), p(c),
-        p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
-        N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
+    lib.qg_block_order(int(descending))
+    try:
+        getattr(lib, f"k{W.STAGED_NAMES.index(lp['name'])}")(
+            gx, gy, lp["block"][0], p(a_in), p(a_scale), p(pk["wp"]), p(c),
+            p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
+            N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
+    finally:
+        lib.qg_block_order(0)
     assert not cnt.any(), "the part counters come back to zero"
     if programmatic is not None:
         lp["programmatic"] = programmatic_counts(lib)
@@ -309,31 +317,49 @@ def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sm
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e} (Q = {lp['Q']}, U = {lp['U']})"
 
 
-@pytest.fixture(scope="module")
-def emulated_staged_deferred(tmp_path_factory):
+@pytest.mark.simulator
+@pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [c for c in EMULATION_CASES if c[-1] > 2])
+def test_emulated_any_block_order_same_bits(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
+    """The CTAs run last to first: the blocks split between runs are then completed by the CTA
+    whose run ends in them (the other order of the GPU's), with the same bits (the parts add in
+    the order of their first K stages) and the counters back at zero."""
+    M_a, E, K, N, Kd, B = shape
+    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
+    args = (a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, sms)
+    ascending, _ = _run_emulated(emulated_staged, cfg, *args)
+    descending, _ = _run_emulated(emulated_staged, cfg, *args, descending=True)
+    np.testing.assert_array_equal(descending.view(np.uint16), ascending.view(np.uint16))
+    assert rel_err(descending, want) <= TOL
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["defer1", "defer2"])
+def emulated_staged_deferred(tmp_path_factory, request):
     """The kernel with the dev macro STAGED_DEFER = 1 (a run's first block counted at the end of
-    its segment; benchmarks/dev/probe_staged.py times it)."""
+    its segment) or 2 (and together with a partial last block); benchmarks/dev/probe_staged.py
+    times them."""
     from test_quant_cupy import build_emulation
     from test_quant_wna16_cupy import W16_PRELUDE
 
-    return build_emulation(tmp_path_factory, "wst_defer", W.CU_STAGED,
-                           _entries(W.STAGED_NAMES), prelude=W16_PRELUDE + "#define STAGED_DEFER 1")
+    return build_emulation(tmp_path_factory, f"wst_defer{request.param}", W.CU_STAGED,
+                           _entries(W.STAGED_NAMES),
+                           prelude=W16_PRELUDE + f"#define STAGED_DEFER {request.param}")
 
 
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [c for c in EMULATION_CASES if c[-1] > 2])
 def test_emulated_deferred_count_same_bits(emulated_staged, emulated_staged_deferred, rng, cfg,
                                            shape, gs, zp, sms, q):
-    """STAGED_DEFER moves when a run's first block is counted, not how its parts add up (in the
+    """STAGED_DEFER moves when a run's blocks are counted, not how their parts add up (in the
     order of their first K stages, whichever CTA completes the block): the same bits as the
     kernel without it, on the cases whose blocks are finished from parts."""
     M_a, E, K, N, Kd, B = shape
     a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
     args = (a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, sms)
     plain, _ = _run_emulated(emulated_staged, cfg, *args)
-    got, lp = _run_emulated(emulated_staged_deferred, cfg, *args)
-    assert lp["Q"] == q
-    np.testing.assert_array_equal(got.view(np.uint16), plain.view(np.uint16))
+    for descending in (False, True):                  # either CTA of a split block completes it
+        got, lp = _run_emulated(emulated_staged_deferred, cfg, *args, descending=descending)
+        assert lp["Q"] == q
+        np.testing.assert_array_equal(got.view(np.uint16), plain.view(np.uint16))
     assert rel_err(got, want) <= TOL
 
 

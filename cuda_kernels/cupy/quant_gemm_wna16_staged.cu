@@ -104,9 +104,11 @@
 #endif
 #ifndef STAGED_DEFER     // 1: a segment's first block, when it is partial and not its last,
 #define STAGED_DEFER 0   // is handed in at its end but counted after the segment's last unit:
-#endif                   // one fence and counter round trip less in the middle of the run
-                         // (ending partial blocks took a median 3.4 us of a CTA's 87 in GEMM2
-                         // at T = 64, dev_wna16_20261201; this variant is not yet timed)
+#endif                   // one fence and counter round trip less in the middle of the run;
+                         // 2: and counted together with a partial last block (one round trip
+                         // less at the end). A partial block cost ~6 us of a CTA's ~87 in
+                         // GEMM2 at T = 64 (dev_wna16_20261201/analysis_times_regression.txt);
+                         // neither variant is timed yet
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
@@ -137,9 +139,9 @@ struct StagedStage {
 // v[j] at j NT + thread), and part_at[tile][first] = count << 16 | slot + 1 says so
 // (hand_in_part); then the CTA counts its units into units_done[tile], and the CTA whose units
 // complete the block's SPB gets true back, with v = the parts added in the order of their first
-// stages (deterministic for a given split, whichever CTA completes it), and leaves both at zero;
-// the others get false (count_part). Every thread of the CTA calls them; s_last is a __shared__
-// int. finish_parts is the two in a row.
+// stages (gather_parts: deterministic for a given split, whichever CTA completes it), and
+// leaves both at zero; the others get false (count_part). Every thread of the CTA calls them;
+// s_last is a __shared__ int. finish_parts is the two in a row.
 template <int N, int NT>
 __device__ __forceinline__ void hand_in_part(const float* v, float* __restrict__ ws,
                                              int* __restrict__ part_at, int SPB, size_t tile,
@@ -150,18 +152,14 @@ __device__ __forceinline__ void hand_in_part(const float* v, float* __restrict__
     for (int j = 0; j < N; ++j) __stcg(ws + (size_t)slot * per + tid + j * NT, v[j]);
     if (tid == 0) __stcg(at + first, count << 16 | (slot + 1));
 }
+// (after a barrier that follows every thread's last read of by_first)
 template <int N, int NT>
-__device__ __forceinline__ bool count_part(float* v, float* __restrict__ ws,
-                                           int* __restrict__ units_done,
-                                           int* __restrict__ part_at, int* by_first, int SPB,
-                                           size_t tile, int per, int count, int& s_last) {
+__device__ __forceinline__ void gather_parts(float* v, const float* __restrict__ ws,
+                                             int* __restrict__ units_done,
+                                             int* __restrict__ part_at, int* by_first, int SPB,
+                                             size_t tile, int per) {
     const int tid = threadIdx.x;
     int* at = part_at + tile * SPB;
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) s_last = atomicAdd(units_done + tile, count) + count == SPB;
-    __syncthreads();
-    if (!s_last) return false;
     __threadfence();
     for (int x = tid; x < SPB; x += NT) {              // one load per stage, then shared memory
         by_first[x] = __ldcg(at + x);
@@ -179,6 +177,18 @@ __device__ __forceinline__ bool count_part(float* v, float* __restrict__ ws,
         for (int j = 0; j < N; ++j) v[j] += __ldcg(part + j * NT);
         x += p >> 16;
     }
+}
+template <int N, int NT>
+__device__ __forceinline__ bool count_part(float* v, float* __restrict__ ws,
+                                           int* __restrict__ units_done,
+                                           int* __restrict__ part_at, int* by_first, int SPB,
+                                           size_t tile, int per, int count, int& s_last) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(units_done + tile, count) + count == SPB;
+    __syncthreads();
+    if (!s_last) return false;
+    gather_parts<N, NT>(v, ws, units_done, part_at, by_first, SPB, tile, per);
     return true;
 }
 template <int N, int NT>
@@ -634,6 +644,38 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                                                        blk_n);
                         deferred_b = b;
                         deferred_n = blk_n;
+#if STAGED_DEFER >= 2
+                    } else if (deferred_b >= 0) {
+                        // the segment's last block too is partial: both counted together (one
+                        // fence, one barrier pair, tid 0's two atomics in flight at once)
+                        const size_t t_end = (size_t)m * nblocks + b,
+                                     t_first = (size_t)m * nblocks + deferred_b;
+                        hand_in_part<TPW * LT * 4, NT>(&acc[0][0][0], ws, part_at, SPB, t_end,
+                                                       PER, 2 * q + parts_used++, s - blk_n + 1,
+                                                       blk_n);
+                        __threadfence();
+                        __syncthreads();
+                        if (tid == 0) {
+                            const int done_end = atomicAdd(units_done + t_end, blk_n) + blk_n;
+                            const int done_first = atomicAdd(units_done + t_first, deferred_n) +
+                                                   deferred_n;
+                            sLast = (done_end == SPB) | (done_first == SPB) << 1;
+                        }
+                        __syncthreads();
+                        const int last = sLast;
+                        if (last & 1) {
+                            gather_parts<TPW * LT * 4, NT>(&acc[0][0][0], ws, units_done,
+                                                           part_at, by_first, SPB, t_end, PER);
+                            store(b);
+                        }
+                        if (last & 2) {
+                            __syncthreads();              // by_first is read before it is reused
+                            gather_parts<TPW * LT * 4, NT>(&acc[0][0][0], ws, units_done,
+                                                           part_at, by_first, SPB, t_first, PER);
+                            store(deferred_b);
+                        }
+                        deferred_b = -1;
+#endif
 #endif
                     } else if (finish_parts<TPW * LT * 4, NT>(
                                    &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
