@@ -246,7 +246,8 @@ inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
     return {__float2bfloat16_rn(__bfloat162float(a.x) * __bfloat162float(b.x)),
             __float2bfloat16_rn(__bfloat162float(a.y) * __bfloat162float(b.y))}; }
 template <typename F> void launch3(unsigned gx, unsigned gy, unsigned gz, unsigned block, F body) {
-    for (unsigned bz = 0; bz < gz; ++bz) {
+    for (unsigned i = 0; i < gz; ++i) {                 // (z descending too: qg_block_order)
+        const unsigned bz = g_descending ? gz - 1 - i : i;
         launch(gx, gy, block, [&] { blockIdx.z = bz; body(); });
     }
     gridDim.z = gz;
@@ -277,8 +278,10 @@ def emulated_w16(tmp_path_factory):
     return build_emulation(tmp_path_factory, "w16", W.CU, _w16_entries(), prelude=W16_PRELUDE)
 
 
-def _emulated_gemm(lib, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, nbits, config):
-    """grouped_gemm_wna16's launch (launch_plan, arguments) on the emulation."""
+def _emulated_gemm(lib, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, nbits, config,
+                   descending=False):
+    """grouped_gemm_wna16's launch (launch_plan, arguments) on the emulation; descending: the
+    CTAs run last to first (the first K split then completes each tile)."""
     import ctypes
 
     def p(x):
@@ -296,10 +299,14 @@ def _emulated_gemm(lib, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, nbits, c
     signed = wq.dtype == np.int8
     dzp = 8 if nbits == 4 else 128
     fn = getattr(lib, f"k{W.NAMES.index(lp['name'])}")
-    fn(gx, gy, gz, lp["block"][0], p(np.ascontiguousarray(a).view(np.uint16)),
-       p(wq.view(np.uint8)), p(c), p(ws.astype(np.float32)), p(wz), p(st), p(ex), p(ntp),
-       p(tw), p(bias), p(wsp), p(cnt), N, K, P, top_k, B, lp["Lg"], int(tw is not None),
-       K // G, G, dzp, 0x80 if signed else 0, lp["SPS"])
+    lib.qg_block_order(int(descending))
+    try:
+        fn(gx, gy, gz, lp["block"][0], p(np.ascontiguousarray(a).view(np.uint16)),
+           p(wq.view(np.uint8)), p(c), p(ws.astype(np.float32)), p(wz), p(st), p(ex), p(ntp),
+           p(tw), p(bias), p(wsp), p(cnt), N, K, P, top_k, B, lp["Lg"], int(tw is not None),
+           K // G, G, dzp, 0x80 if signed else 0, lp["SPS"])
+    finally:
+        lib.qg_block_order(0)
     assert not cnt.any(), "the split-K counters come back to zero"
     return c.view(BF16), lp
 
@@ -337,5 +344,10 @@ def test_emulated_matches_reference(emulated_w16, cfg, ks, fmt, shape):
                              config)
     if ks:
         assert lp["KS"] == ks
+        # the CTAs last to first: another split completes each tile, adding the partials in
+        # split order all the same
+        back, _ = _emulated_gemm(emulated_w16, a, wq, ws, wz, st, ex, ntp, K, B, tw, bias,
+                                 nbits, config, descending=True)
+        np.testing.assert_array_equal(back.view(np.uint16), got.view(np.uint16))
     err = rel_err(got, want)
     assert err <= TOL, f"{name} {cfg} KS={ks}: rel_err {err:.3e}"

@@ -207,7 +207,6 @@ def test_emulated_matches_reference(emulated_wgmma, rng, cfg, shape, gs, zp, sms
                       dict(W.WGMMA_CONFIGS[cfg], WAVES=waves, KS=ks or 1), sms, Kd // G, G)
     if waves == 1:
         assert lp["GPC"] > 1                                      # several groups a CTA
-    c = np.full((P, N), 0x7FC0, np.uint16)                         # poison: bf16 NaN
     a16 = np.ascontiguousarray(a).view(np.uint16)
     gsum = None
     if W.WGMMA_CONFIGS[cfg].get("POST"):
@@ -218,14 +217,24 @@ def test_emulated_matches_reference(emulated_wgmma, rng, cfg, shape, gs, zp, sms
         assert np.allclose(gsum, want_sums, rtol=1e-5, atol=1e-4)
     gx, gy, gz = lp["grid"]
     assert gz == (ks or 1) == lp["KS"]
-    wsp = np.full(max(lp["WS"], 1), np.nan, np.float32)          # split K's partials
-    cnt = np.zeros(max(lp["TILES"], 1), np.int32)
-    getattr(emulated_wgmma, f"k{W.WGMMA_NAMES.index(lp['name'])}")(
-        gx, gy, gz, p(a16), p(pk["wp"]), p(c), p(pk["sp"]), p(pk["zp"]), p(gsum), p(st), p(ex),
-        p(ntp), p(tw), p(bias), N, Kd, P, K, B, lp["Lg"], 1, lp["shift"], G, 8, lp["GPC"],
-        lp["CPS"], p(wsp), p(cnt))
-    assert not cnt.any(), "the split-K counters come back to zero"
-    err = rel_err(c.view(BF16), want)
+    outs = []
+    for descending in (False, True) if ks else (False,):    # split K: either split completes
+        c = np.full((P, N), 0x7FC0, np.uint16)                     # poison: bf16 NaN
+        wsp = np.full(max(lp["WS"], 1), np.nan, np.float32)      # split K's partials
+        cnt = np.zeros(max(lp["TILES"], 1), np.int32)
+        emulated_wgmma.qg_block_order(int(descending))
+        try:
+            getattr(emulated_wgmma, f"k{W.WGMMA_NAMES.index(lp['name'])}")(
+                gx, gy, gz, p(a16), p(pk["wp"]), p(c), p(pk["sp"]), p(pk["zp"]), p(gsum), p(st),
+                p(ex), p(ntp), p(tw), p(bias), N, Kd, P, K, B, lp["Lg"], 1, lp["shift"], G, 8,
+                lp["GPC"], lp["CPS"], p(wsp), p(cnt))
+        finally:
+            emulated_wgmma.qg_block_order(0)
+        assert not cnt.any(), "the split-K counters come back to zero"
+        outs.append(c)
+    if ks:                          # the partials add in split order whichever split is last
+        np.testing.assert_array_equal(outs[1], outs[0])
+    err = rel_err(outs[0].view(BF16), want)
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e}"
 
 
