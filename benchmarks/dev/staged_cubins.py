@@ -1,0 +1,73 @@
+"""The staged rung's launcher instantiations built for sm_90 by nvcc (no GPU needed): registers,
+spills and an md5 of each cubin, to tell on the CPU whether a change of the .cu changes the code
+a GPU would run (a build is deterministic: the same source gives the same bytes, and moving
+lines does not change them).
+    python benchmarks/dev/staged_cubins.py [--tree DIR] [--macros STAGED_DEFER=1,ELEM_BF16=0]
+                                           [--configs t24,f24]
+--tree: another checkout (`git worktree add DIR COMMIT`) whose .cu and package to build.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+# the kernel's parameter list, for the explicit instantiation nvcc needs (NVRTC takes names)
+PARAMS = ("const unsigned short*, const float*, const uint4*, elem_t*, const float2*, "
+          "const unsigned short*, const int*, const int*, const int*, const float*, const float*, "
+          "float*, int*, int, int, int, int, int, int, int, int, int, int")
+
+
+def build(C, W, cfg_name: str, defines: dict, tree: str) -> tuple[str, str]:
+    """(md5 of the cubin, ptxas's register / spill lines) of one config."""
+    name = W.staged_kernel_name(W.STAGED_CONFIGS[cfg_name], False)
+    src = C.source_text(W.CU_STAGED, defines)
+    src += f"\ntemplate __global__ void wna16_staged{name[name.index('<'):]}({PARAMS});\n"
+    with tempfile.TemporaryDirectory() as d:
+        cu, cubin = os.path.join(d, "k.cu"), os.path.join(d, "k.cubin")
+        open(cu, "w").write(src)
+        inc = [f"-I{x}" for x in C.cuda_include_dirs()] + [f"-I{tree}/cuda_kernels/cupy"]
+        r = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v",
+                            *inc, cu, "-o", cubin], capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"{cfg_name}: nvcc failed\n{r.stderr[-3000:]}")
+        md5 = hashlib.md5(open(cubin, "rb").read()).hexdigest()[:12]
+    info, fn = [], ""
+    for ln in (r.stdout + r.stderr).splitlines():     # ptxas -v: per entry function
+        m = re.search(r"Compiling entry function '([^']+)'", ln)
+        if m:
+            fn = m.group(1)
+        elif "wna16_staged" in fn and re.search(r"Used \d+ registers|spill stores", ln):
+            info.append(ln.split("info    :")[-1].strip())
+    return md5, "; ".join(info)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--tree", default=".")
+    p.add_argument("--macros", default="")
+    p.add_argument("--configs", default="")
+    args = p.parse_args(argv)
+    if shutil.which("nvcc") is None:
+        raise SystemExit("needs nvcc on the PATH")
+    tree = os.path.abspath(args.tree)
+    sys.path.insert(0, tree)
+    from cuda_kernels.cupy import _compile as C
+    from cuda_kernels.cupy import quant_gemm_wna16 as W
+
+    defines = {"ELEM_BF16": 1}
+    for kv in filter(None, args.macros.split(",")):
+        k, v = kv.split("=")
+        defines[k] = int(v)
+    for cfg_name in (args.configs.split(",") if args.configs else sorted(W.STAGED_CONFIGS)):
+        md5, info = build(C, W, cfg_name, defines, tree)
+        print(f"{cfg_name:4s} {md5}  {info}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
