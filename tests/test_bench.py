@@ -204,3 +204,50 @@ def test_bench_wna16_config_overrides():
         mod._config_override(W.PACKED_CONFIGS, "q99")
     with pytest.raises(SystemExit, match="KEY=integer"):
         mod._config_override(W.PACKED_CONFIGS, "q16+RED=big")
+
+
+def test_times_regression_recovers_a_known_model(tmp_path, capsys):
+    """benchmarks/dev/times_regression.py on synthetic TIMES launches: CTAs whose durations are
+    a known function of their runs (and noise that follows the SM they land on, drawn afresh
+    per launch) give a pace that correlates by run and not by SM, and a fit with R2 ~1 that
+    returns the coefficients."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "dev"
+    path = path / "times_regression.py"
+    spec = importlib.util.spec_from_file_location("times_regression", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rng = np.random.default_rng(3)
+    Q = 256
+    units = rng.integers(40, 60, Q)
+    lt_units = units * rng.integers(1, 4, Q)
+    parts = rng.integers(1, 3, Q)
+    young = np.arange(Q) >= Q // 2
+    cost = lt_units + 5 * units
+    want = dict(c0=10.0, units=0.5, lt=0.25, parts=6.0, young=0.02)
+    files = []
+    for k in range(3):
+        sm = rng.permutation(np.repeat(np.arange(Q // 2), 2))     # two CTAs an SM, anywhere
+        start = np.where(young, 0.2, 0.0)                         # the second half starts later
+        per_sm = rng.normal(0, 1e-3, Q // 2)[sm]                  # an SM's noise, this launch's
+        d = (want["c0"] + want["units"] * units + want["lt"] * lt_units +
+             want["parts"] * parts + want["young"] * young * cost) * (1 + per_sm)
+        rows = [dict(T=64, config="t24", variant="TIMES=1", gemm="g1", sm=sm.tolist(),
+                     start_us=start.tolist(), end_us=(start + d).tolist(),
+                     units=units.tolist(), lt_units=lt_units.tolist(), parts=parts.tolist())]
+        f = tmp_path / f"probe_{k}.json"
+        f.write_text(json.dumps(rows))
+        files.append(f"{f}:TIMES=1")
+    mod.main(files)
+    out = capsys.readouterr().out
+    by_run = float(out.split("pace by run (CTA q), mean correlation between launches: ")[1][:4])
+    by_sm = float(out.split("pace by SM, older CTA: ")[1].split(",")[0])
+    assert by_run > 0.95 and abs(by_sm) < 0.4
+    last = [line for line in out.splitlines() if line.strip().startswith("R2")][-1]
+    assert float(last.split()[1].rstrip(",")) > 0.99
+    got = dict(zip(["c0", "units", "lt", "parts", "young"],
+                   (float(t.split()[-1]) for t in last.split(": ", 1)[1].split(", "))))
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=0.02, abs=1e-3), (k, got)
