@@ -10,7 +10,8 @@ on which CTA finishes it). The macros:
                      its partial blocks: their spread is printed
     STAGED_LT_COST = c  a unit's cost LT + c in the run split (5 in the kernel)
     STAGED_DEFER = 1  a run's first block counted at its segment's end (one fence and counter
-                      round trip less mid-run)
+                      round trip less mid-run); 2: and counted together with a partial last
+                      block (one round trip less at the run's end)
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
 STAGED_CACHE, STAGED_LATE_START and STAGED_SPLIT, since taken out.) --compile-only builds the
 modules into CuPy's cache (run several at once before the timed call).
