@@ -21,6 +21,7 @@ width, Kdim reduction width.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
@@ -835,6 +836,17 @@ def arm_programmatic(lib, inputs, outputs, ignore_waits=False):
         return len(arrays), ptrs, sizes
 
     lib.qg_pdl_arm(*pairs(inputs), *pairs(outputs), int(ignore_waits))
+
+
+@contextlib.contextmanager
+def blocks_descending(lib, descending=True):
+    """Launches of `lib` inside run their CTAs last to first (QEMU_HEADER, qg_block_order): a
+    GPU runs them in any order, so work that CTAs hand each other must come out the same."""
+    lib.qg_block_order(int(descending))
+    try:
+        yield
+    finally:
+        lib.qg_block_order(0)
 
 
 def programmatic_counts(lib) -> dict:

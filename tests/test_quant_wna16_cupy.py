@@ -23,7 +23,7 @@ from cuda_kernels.cupy import quant_gemm_wna16 as W
 from reference import moe_align_block_size
 from reference import quant as RQ
 from oracles import rel_err
-from test_quant_cupy import host, poisoned, up  # the quantized tests' GPU helpers
+from test_quant_cupy import blocks_descending, host, poisoned, up  # the quantized tests' helpers
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = 2e-2          # issue 8 / vLLM's weight-only tolerance
@@ -299,14 +299,11 @@ def _emulated_gemm(lib, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, nbits, c
     signed = wq.dtype == np.int8
     dzp = 8 if nbits == 4 else 128
     fn = getattr(lib, f"k{W.NAMES.index(lp['name'])}")
-    lib.qg_block_order(int(descending))
-    try:
+    with blocks_descending(lib, descending):
         fn(gx, gy, gz, lp["block"][0], p(np.ascontiguousarray(a).view(np.uint16)),
            p(wq.view(np.uint8)), p(c), p(ws.astype(np.float32)), p(wz), p(st), p(ex), p(ntp),
            p(tw), p(bias), p(wsp), p(cnt), N, K, P, top_k, B, lp["Lg"], int(tw is not None),
            K // G, G, dzp, 0x80 if signed else 0, lp["SPS"])
-    finally:
-        lib.qg_block_order(0)
     assert not cnt.any(), "the split-K counters come back to zero"
     return c.view(BF16), lp
 

@@ -193,7 +193,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     run ends in it, where in ascending order the CTA whose run starts in it completes it)."""
     import ctypes
 
-    from test_quant_cupy import arm_programmatic, programmatic_counts
+    from test_quant_cupy import arm_programmatic, blocks_descending, programmatic_counts
 
     def p(x):
         return None if x is None else x.ctypes.data_as(ctypes.c_void_p)
@@ -215,14 +215,11 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     if programmatic is not None:
         arm_programmatic(lib, [x for x in (a_in, a_scale) if x is not None], [c, wsp, cnt],
                          ignore_waits=programmatic == "ignore_waits")
-    lib.qg_block_order(int(descending))
-    try:
+    with blocks_descending(lib, descending):
         getattr(lib, f"k{W.STAGED_NAMES.index(lp['name'])}")(
             gx, gy, lp["block"][0], p(a_in), p(a_scale), p(pk["wp"]), p(c),
             p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
             N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
-    finally:
-        lib.qg_block_order(0)
     assert not cnt.any(), "the part counters come back to zero"
     if programmatic is not None:
         lp["programmatic"] = programmatic_counts(lib)

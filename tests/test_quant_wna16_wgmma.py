@@ -26,7 +26,7 @@ from cuda_kernels.cupy import _compile as C
 from cuda_kernels.cupy import quant_gemm_wna16 as W
 from reference import moe_align_block_size
 from oracles import rel_err
-from test_quant_cupy import up  # the quantized tests' GPU helpers
+from test_quant_cupy import blocks_descending, up  # the quantized tests' helpers
 from test_quant_wna16_packed import (check_matches_reference, check_other_rank, check_repeats,
                                      emulation_case, quantized)
 
@@ -222,14 +222,11 @@ def test_emulated_matches_reference(emulated_wgmma, rng, cfg, shape, gs, zp, sms
         c = np.full((P, N), 0x7FC0, np.uint16)                     # poison: bf16 NaN
         wsp = np.full(max(lp["WS"], 1), np.nan, np.float32)      # split K's partials
         cnt = np.zeros(max(lp["TILES"], 1), np.int32)
-        emulated_wgmma.qg_block_order(int(descending))
-        try:
+        with blocks_descending(emulated_wgmma, descending):
             getattr(emulated_wgmma, f"k{W.WGMMA_NAMES.index(lp['name'])}")(
                 gx, gy, gz, p(a16), p(pk["wp"]), p(c), p(pk["sp"]), p(pk["zp"]), p(gsum), p(st),
                 p(ex), p(ntp), p(tw), p(bias), N, Kd, P, K, B, lp["Lg"], 1, lp["shift"], G, 8,
                 lp["GPC"], lp["CPS"], p(wsp), p(cnt))
-        finally:
-            emulated_wgmma.qg_block_order(0)
         assert not cnt.any(), "the split-K counters come back to zero"
         outs.append(c)
     if ks:                          # the partials add in split order whichever split is last

@@ -191,6 +191,22 @@ __device__ __forceinline__ bool count_part(float* v, float* __restrict__ ws,
     gather_parts<N, NT>(v, ws, units_done, part_at, by_first, SPB, tile, per);
     return true;
 }
+// STAGED_DEFER >= 2: a run's first and last blocks (tiles t0, t1, this run's units of each
+// c0, c1) counted together: one fence, one barrier pair, tid 0's two atomics in flight at once.
+// Bit i of the result: the CTA completed block i (then gather_parts, one block after the other,
+// with a barrier between them: by_first is reused).
+__device__ __forceinline__ int count_two_parts(int* __restrict__ units_done, int SPB, size_t t0,
+                                               int c0, size_t t1, int c1, int& s_last) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int done0 = atomicAdd(units_done + t0, c0) + c0;
+        const int done1 = atomicAdd(units_done + t1, c1) + c1;
+        s_last = (done0 == SPB) | (done1 == SPB) << 1;
+    }
+    __syncthreads();
+    return s_last;
+}
 template <int N, int NT>
 __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
                                              int* __restrict__ units_done,
@@ -646,23 +662,14 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                         deferred_n = blk_n;
 #if STAGED_DEFER >= 2
                     } else if (deferred_b >= 0) {
-                        // the segment's last block too is partial: both counted together (one
-                        // fence, one barrier pair, tid 0's two atomics in flight at once)
+                        // the segment's last block too is partial: both counted together
                         const size_t t_end = (size_t)m * nblocks + b,
                                      t_first = (size_t)m * nblocks + deferred_b;
                         hand_in_part<TPW * LT * 4, NT>(&acc[0][0][0], ws, part_at, SPB, t_end,
                                                        PER, 2 * q + parts_used++, s - blk_n + 1,
                                                        blk_n);
-                        __threadfence();
-                        __syncthreads();
-                        if (tid == 0) {
-                            const int done_end = atomicAdd(units_done + t_end, blk_n) + blk_n;
-                            const int done_first = atomicAdd(units_done + t_first, deferred_n) +
-                                                   deferred_n;
-                            sLast = (done_end == SPB) | (done_first == SPB) << 1;
-                        }
-                        __syncthreads();
-                        const int last = sLast;
+                        const int last = count_two_parts(units_done, SPB, t_end, blk_n, t_first,
+                                                         deferred_n, sLast);
                         if (last & 1) {
                             gather_parts<TPW * LT * 4, NT>(&acc[0][0][0], ws, units_done,
                                                            part_at, by_first, SPB, t_end, PER);
