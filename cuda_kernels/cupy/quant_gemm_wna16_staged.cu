@@ -109,6 +109,12 @@
                          // less at the end). A partial block cost ~6 us of a CTA's ~87 in
                          // GEMM2 at T = 64 (dev_wna16_20261201/analysis_times_regression.txt);
                          // neither variant is timed yet
+#ifndef STAGED_EARLY     // 1: only the run's first stage's weights go out before the m tile's
+#define STAGED_EARLY 0   // rows, then its activations, then the next stages (the first stage
+#endif                   // lands behind a third of the start's burst, not all of it)
+#ifndef STAGED_REVERSE   // 1: CTA q takes run Q - 1 - q (is a slow run slow for its blockIdx
+#define STAGED_REVERSE 0 // or for its units?)
+#endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
@@ -249,7 +255,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     const int ntiles = N >> 4, C = Kdim >> 6;
     const int SPB = (C + KC - 1) / KC, nblocks = (ntiles + NB - 1) / NB, U = nblocks * SPB;
     const int mtiles = (num_positions + BM - 1) / BM;
-    const int Q = gridDim.x, q = blockIdx.x;
+    const int Q = gridDim.x, q = STAGED_REVERSE ? Q - 1 - blockIdx.x : blockIdx.x;
     // The codes the mma reads: bf16 128 + q (one per half-word); fp16 (FA, or an fp16 build)
     // 1024 + q for even pairs, 64 + q for odd ones (w16::raw_pairs_f16: a third of the shifts)
     constexpr bool F16 = FA || !ELEM_BF16;
@@ -403,7 +409,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         if (first_segment) {
             int b = ib, s = is;
 #pragma unroll
-            for (int i = 0; i < S - 1; ++i) {
+            for (int i = 0; i < (STAGED_EARLY ? 1 : S - 1); ++i) {
                 issue_weights(i, b, s, i < n_units);
                 step(b, s);
             }
@@ -457,7 +463,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         wait_for_inputs();
 #pragma unroll
         for (int i = 0; i < S - 1; ++i) {
-            issue(i, ib, is, i < n_units, !first_segment);
+            issue(i, ib, is, i < n_units, !first_segment || (STAGED_EARLY && i > 0));
             step(ib, is);
         }
         first_segment = false;
