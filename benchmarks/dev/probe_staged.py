@@ -9,6 +9,10 @@ on which CTA finishes it). The macros:
                      landed, the SM cycles it spent ending blocks (of them in whole stores) and
                      its partial blocks: their spread is printed
     STAGED_LT_COST = c  a unit's cost LT + c in the run split (5 in the kernel)
+    STAGED_EARLY = 1  only the first stage's weights before the m tile's rows
+    STAGED_REVERSE = 1  CTA q takes run Q - 1 - q
+    STAGED_AGE = 1  a CTA takes its run by its arrival on its SM (first: an even run, second:
+                    an odd one), the even runs STAGED_SKEW permille longer, the odd shorter
     STAGED_DEFER = 1  a run's first block counted at its segment's end (one fence and counter
                       round trip less mid-run); 2: and counted together with a partial last
                       block (one round trip less at the run's end)
@@ -54,6 +58,12 @@ def _module(cupy, cu, cfg, var):
                          name_expressions=(name,))
     mod.get_function(name)                      # compiles (or loads CuPy's cached cubin)
     return name, mod, defs
+
+
+def _rel_diff(x16, y16) -> float:
+    """||x - y|| / ||y|| of two bf16 arrays given as their uint16 bits (NaN if either is.)"""
+    f = [(v.astype(np.uint32) << 16).view(np.float32).astype(np.float64) for v in (x16, y16)]
+    return float(np.linalg.norm(f[0] - f[1]) / np.linalg.norm(f[1]))
 
 
 def main():
@@ -122,8 +132,12 @@ def main():
                     base_bits = bits
                 elif base_bits is not None and not defs.get("STAGED_PROBE"):
                     same = all(np.array_equal(x, y) for x, y in zip(bits, base_bits))
-                    print(f"T={T} {spec} {var}: {'the same' if same else 'OTHER'} bits as base",
-                          flush=True)
+                    # other bits (a variant that splits the work otherwise): how far, by the
+                    # relative Frobenius difference of each GEMM's output (bf16 rounding ~1e-3)
+                    diff = "" if same else " (relative difference g1 / g2 " + " / ".join(
+                        f"{_rel_diff(x, y):.1e}" for x, y in zip(bits, base_bits)) + ")"
+                    print(f"T={T} {spec} {var}: {'the same' if same else 'OTHER'} bits as "
+                          f"base{diff}", flush=True)
                 if defs.get("STAGED_TIMES"):
                     ptr = mod.get_global("g_cta_times")
                     tt = cupy.ndarray((4096, 10), cupy.uint64, memptr=ptr)

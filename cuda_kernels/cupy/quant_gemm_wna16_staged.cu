@@ -115,6 +115,15 @@
 #ifndef STAGED_REVERSE   // 1: CTA q takes run Q - 1 - q (is a slow run slow for its blockIdx
 #define STAGED_REVERSE 0 // or for its units?)
 #endif
+#ifndef STAGED_AGE       // 1: runs by age on the SM: a CTA's arrival on its SM (an atomic on
+#define STAGED_AGE 0     // %smid) picks the pool it takes a run from, the first-come the even
+#endif                   // runs, STAGED_SKEW permille longer, the second the odd ones, as much
+#ifndef STAGED_SKEW      // shorter (an SM's older CTA runs faster a unit; the grid's order
+#define STAGED_SKEW 0    // says which is older for only ~86% of them)
+#endif
+#if STAGED_AGE
+__device__ int g_age_sm[1024], g_age_pool[2], g_age_done;   // zero between launches
+#endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
@@ -255,7 +264,33 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     const int ntiles = N >> 4, C = Kdim >> 6;
     const int SPB = (C + KC - 1) / KC, nblocks = (ntiles + NB - 1) / NB, U = nblocks * SPB;
     const int mtiles = (num_positions + BM - 1) / BM;
-    const int Q = gridDim.x, q = STAGED_REVERSE ? Q - 1 - blockIdx.x : blockIdx.x;
+    const int Q = gridDim.x;
+    int q = STAGED_REVERSE ? Q - 1 - blockIdx.x : blockIdx.x;
+#if STAGED_AGE
+    __shared__ int sRun;
+    if (tid == 0) {
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        int pool = atomicAdd(&g_age_sm[sm & 1023], 1) & 1;
+        const int size = pool ? Q / 2 : (Q + 1) / 2;
+        int tk = atomicAdd(&g_age_pool[pool], 1);
+        if (tk >= size) {
+            pool ^= 1;
+            tk = atomicAdd(&g_age_pool[pool], 1);
+        }
+        sRun = 2 * tk + pool;
+    }
+    auto age_done = [&] {
+        if (tid != 0) return;
+        __threadfence();
+        if (atomicAdd(&g_age_done, 1) == Q - 1) {
+            for (int i = 0; i < 1024; ++i) g_age_sm[i] = 0;
+            g_age_pool[0] = g_age_pool[1] = 0;
+            g_age_done = 0;
+            __threadfence();
+        }
+    };
+#endif
     // The codes the mma reads: bf16 128 + q (one per half-word); fp16 (FA, or an fp16 build)
     // 1024 + q for even pairs, 64 + q for odd ones (w16::raw_pairs_f16: a third of the shifts)
     constexpr bool F16 = FA || !ELEM_BF16;
@@ -303,6 +338,9 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     }
     __syncthreads();
     const long long Wt = cum[mtiles];
+#if STAGED_AGE
+    q = sRun;
+#endif
     // CTA q's run: weighted positions [run_start(q), run_start(q + 1)), fixed before the launch.
     // Measured (T = 64 GEMM1, STAGED_TIMES, dev_wna16_20261130g): the runs end anywhere from
     // 145 to 180 us (the SMs do not stream at one speed, and of an SM's two CTAs the older runs
@@ -312,7 +350,13 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // round trip), and runs shared from both ends by two CTAs (of one SM or not), even when
     // split in fixed halves with no atomics (193 / 108 against 183 / 103): a run per CTA,
     // walked in one direction, streams faster.
+#if STAGED_AGE
+    auto run_start = [&](long long qq) {
+        return (1000 * qq + STAGED_SKEW * (qq & 1)) * Wt / (1000LL * Q + STAGED_SKEW * (Q & 1));
+    };
+#else
     auto run_start = [&](long long qq) { return qq * Wt / Q; };
+#endif
 
     // Programmatic dependent launch (grouped_gemm_wna16(..., programmatic=True)): this grid
     // may start while the kernel before it on the stream still runs, and that kernel may only
@@ -340,7 +384,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             w16::store_zeros<BM>(c, sSlot, N, 0, N, NT);
         __syncthreads();                               // sSlot is read before it is reused
     }
-    if (Wt == 0 || run_start(q) >= run_start(q + 1)) return;
+    if (Wt == 0 || run_start(q) >= run_start(q + 1)) {
+#if STAGED_AGE
+        age_done();
+#endif
+        return;
+    }
 
     // ---- the partial blocks' records (staged_plan's COUNTERS ints, zero between launches) and
     // parts (WS floats: [Q][2 parts][PER], a run has two partial blocks at most)
@@ -733,6 +782,9 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         w16::cp_wait<0>();                             // the ring is empty ...
         __syncthreads();                               // ... and read: the next segment refills it
     }
+#if STAGED_AGE
+    age_done();
+#endif
 #if STAGED_TIMES
     if (tid == 0) g_cta_times[blockIdx.x][1] = global_ns();
 #endif
