@@ -124,6 +124,9 @@
 #if STAGED_AGE
 __device__ int g_age_sm[1024], g_age_pool[2], g_age_done;   // zero between launches
 #endif
+#ifndef STAGED_BLOCK_COST  // a row block's fixed cost in the run split, on top of its units'
+#define STAGED_BLOCK_COST 0  // (LT + 5 each): the cost of ending it (a partial block's part
+#endif                       // handed in, counted, added; a whole block's stores)
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
@@ -329,7 +332,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         // the m tile's expert, loaded beside its rows (not after them: one round trip less)
         const int ex = m * BM < ntp ? expert_ids[m * BM / block_size] : -1;
         m_expert[m] = ex;
-        cum[m + 1] = lt && ex >= 0 ? (long long)U * (lt + STAGED_LT_COST) : 0;
+        cum[m + 1] = lt && ex >= 0 ? (long long)U * (lt + STAGED_LT_COST) +
+                                         (long long)nblocks * STAGED_BLOCK_COST : 0;
     }
     __syncthreads();
     if (tid == 0) {
@@ -401,10 +405,28 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 
     // ---- the segments of the run, one m tile each: units [ua, ub) of m tile m
     for (int m = 0; m < mtiles; ++m) {
+#if STAGED_BLOCK_COST
+        constexpr long long BC = STAGED_BLOCK_COST;
+        const long long w = (cum[m + 1] - cum[m] - nblocks * BC) / U;  // cost per unit
+        if (cum[m + 1] == cum[m] || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1))
+            continue;
+        // unit u = b SPB + j starts at weighted position b (SPB w + BC) + BC + j w (the block's
+        // cost before its first unit); the run takes the units whose starts lie in it: the
+        // first unit at or past x
+        auto first_unit = [&](long long x) {
+            if (x <= 0) return 0LL;
+            const long long bw = SPB * w + BC, b = x / bw, rem = x - b * bw;
+            const long long j = rem <= BC ? 0 : min((long long)SPB, (rem - BC + w - 1) / w);
+            return min((long long)U, b * SPB + j);
+        };
+        const int ua = (int)first_unit(run_start(q) - cum[m]);
+        const int ub = (int)first_unit(run_start(q + 1) - cum[m]);
+#else
         const long long w = (cum[m + 1] - cum[m]) / U;  // the m tile's cost per unit
         if (w == 0 || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1)) continue;
         const int ua = (int)max(0LL, (run_start(q) - cum[m] + w - 1) / w);
         const int ub = (int)min((long long)U, (run_start(q + 1) - cum[m] + w - 1) / w);
+#endif
         if (ua >= ub) continue;
         const int n_units = ub - ua;
         const int e = m_expert[m];
