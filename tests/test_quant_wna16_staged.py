@@ -9,8 +9,7 @@ bad configs clearly. Simulator: the kernel on the CPU emulation of tests/test_qu
 end inside row blocks (blocks finished from 2-3 parts, in K-stage order, by whichever CTA comes
 last: the CTAs also run last to first, with the same bits), a ragged last block, a short last
 K stage, group sizes 64 / 128 / one per row, with and without zero points, 1-3 live token
-tiles, an expert of another rank; the split counters come back to zero; the dev macro
-STAGED_DEFER (a run's partial blocks counted later) gives the same bits; and, launched as a
+tiles, an expert of another rank; the split counters come back to zero; and, launched as a
 programmatic launch would start it (the activations NaN until a CTA's griddepcontrol.wait), no
 activation copy or output write before the wait.
 GPU (`gpu` marker): every config on the packed rung's shapes, fp16 and other ranks, long runs,
@@ -126,8 +125,8 @@ def test_stage_blocks_layout(rng, E, N, Kd, gs, zp, nb, kc):
         W.stage_blocks(W.prepack_int4(wq, ws, wz, order="wgmma"), nb, kc)
 
 
-@pytest.mark.parametrize("macros", [{"STAGED_DEFER": 1}, {"STAGED_DEFER": 2},
-                                    {"STAGED_TIMES": 1, "STAGED_DEFER": 2}])
+@pytest.mark.parametrize("macros", [{"STAGED_TIMES": 1}, {"STAGED_PROBE": 1},
+                                    {"STAGED_TIMES": 1, "STAGED_LT_COST": 3}])
 def test_dev_variants_compile(macros):
     """The variants benchmarks/dev/probe_staged.py builds (dev macros the launcher never sets)
     compile for sm_90 with NVRTC, so a GPU call is not spent finding out."""
@@ -327,37 +326,6 @@ def test_emulated_any_block_order_same_bits(emulated_staged, rng, cfg, shape, gs
     descending, _ = _run_emulated(emulated_staged, cfg, *args, descending=True)
     np.testing.assert_array_equal(descending.view(np.uint16), ascending.view(np.uint16))
     assert rel_err(descending, want) <= TOL
-
-
-@pytest.fixture(scope="module", params=[1, 2], ids=["defer1", "defer2"])
-def emulated_staged_deferred(tmp_path_factory, request):
-    """The kernel with the dev macro STAGED_DEFER = 1 (a run's first block counted at the end of
-    its segment) or 2 (and together with a partial last block); benchmarks/dev/probe_staged.py
-    times them."""
-    from test_quant_cupy import build_emulation
-    from test_quant_wna16_cupy import W16_PRELUDE
-
-    return build_emulation(tmp_path_factory, f"wst_defer{request.param}", W.CU_STAGED,
-                           _entries(W.STAGED_NAMES),
-                           prelude=W16_PRELUDE + f"#define STAGED_DEFER {request.param}")
-
-
-@pytest.mark.simulator
-@pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [c for c in EMULATION_CASES if c[-1] > 2])
-def test_emulated_deferred_count_same_bits(emulated_staged, emulated_staged_deferred, rng, cfg,
-                                           shape, gs, zp, sms, q):
-    """STAGED_DEFER moves when a run's blocks are counted, not how their parts add up (in the
-    order of their first K stages, whichever CTA completes the block): the same bits as the
-    kernel without it, on the cases whose blocks are finished from parts."""
-    M_a, E, K, N, Kd, B = shape
-    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
-    args = (a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, sms)
-    plain, _ = _run_emulated(emulated_staged, cfg, *args)
-    for descending in (False, True):                  # either CTA of a split block completes it
-        got, lp = _run_emulated(emulated_staged_deferred, cfg, *args, descending=descending)
-        assert lp["Q"] == q
-        np.testing.assert_array_equal(got.view(np.uint16), plain.view(np.uint16))
-    assert rel_err(got, want) <= TOL
 
 
 def _other_rank_case(rng):

@@ -4,8 +4,9 @@
 # end (TIMES) at T = 64, then bench_quant's int4 row. For a baseline in the same call, copy an
 # earlier version of the .cu to cuda_kernels/cupy/quant_gemm_wna16_staged_base.cu, carry it to
 # the device, and add base:t24 (PROBE_CONFIGS=base:t24,t24 TIMES_CONFIGS=base:t24,t24). A dev
-# macro against the kernel without it, alternating: PROBE_VARIANTS=base,DEFER=1,base,DEFER=1
-# TIMES_VARIANTS=TIMES=1,TIMES=1+DEFER=1.
+# macro against the kernel without it, alternating: PROBE_VARIANTS=base,LT_COST=3,base,LT_COST=3
+# TIMES_VARIANTS=TIMES=1,TIMES=1+LT_COST=3. SKIP_TESTS=1 / SKIP_BENCH=1 leave out the tests /
+# bench_quant (a dev macro off leaves the launcher's build as it was: see staged_cubins.py).
 #   MOE_SANDBOX_COMMIT=<hash> bash benchmarks/dev/probe_session.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/moe_sandbox_out}; mkdir -p "$OUT"

@@ -9,15 +9,10 @@ on which CTA finishes it). The macros:
                      landed, the SM cycles it spent ending blocks (of them in whole stores) and
                      its partial blocks: their spread is printed
     STAGED_LT_COST = c  a unit's cost LT + c in the run split (5 in the kernel)
-    STAGED_EARLY = 1  only the first stage's weights before the m tile's rows
-    STAGED_REVERSE = 1  CTA q takes run Q - 1 - q
-    STAGED_AGE = 1  a CTA takes its run by its arrival on its SM (first: an even run, second:
-                    an odd one), the even runs STAGED_SKEW permille longer, the odd shorter
-    STAGED_DEFER = 1  a run's first block counted at its segment's end (one fence and counter
-                      round trip less mid-run); 2: and counted together with a partial last
-                      block (one round trip less at the run's end)
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
-STAGED_CACHE, STAGED_LATE_START and STAGED_SPLIT, since taken out.) --compile-only builds the
+STAGED_CACHE, STAGED_LATE_START, STAGED_SPLIT and STAGED_DEFER, those of dev_wna16_20261201b
+STAGED_EARLY, STAGED_REVERSE, STAGED_AGE / STAGED_SKEW and STAGED_BLOCK_COST, since taken out
+or made the code.) --compile-only builds the
 modules into CuPy's cache (run several at once before the timed call).
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3,base:t24] [--tokens 64]
                                           [--variants base,PROBE=1,TIMES=1+PROBE=3]

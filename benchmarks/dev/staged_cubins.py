@@ -2,7 +2,7 @@
 spills and an md5 of each cubin, to tell on the CPU whether a change of the .cu changes the code
 a GPU would run (a build is deterministic: the same source gives the same bytes, and moving
 lines does not change them).
-    python benchmarks/dev/staged_cubins.py [--tree DIR] [--macros STAGED_DEFER=1,ELEM_BF16=0]
+    python benchmarks/dev/staged_cubins.py [--tree DIR] [--macros STAGED_LT_COST=3,ELEM_BF16=0]
                                            [--configs t24,f24]
 --tree: another checkout (`git worktree add DIR COMMIT`) whose .cu and package to build.
 """

@@ -9,6 +9,12 @@ mean over the launches) by least squares on what the run holds:
     duration ~ c0 + c1 units + c2 (units x LT) + c3 partial blocks + c4 younger x cost
 where "younger" is a CTA of the second half of the grid (q >= Q / 2), which the block scheduler
 puts second on its SM in ~90% of the SMs (the arrival order the probes record says so).
+Then two views that need no common split: every launch's CTAs by grid half and by the order
+they started on their SM (the younger one started second), their mean pace each (normalized by
+the launch's median); and the SMs' pairs: an SM's end (its later CTA's) against the units of
+live-token-tile count LT = 2 and 3 that its two CTAs ran, t = n2 tau2 + n3 tau3 by least
+squares (after a fixed start and end of OVERHEAD_US), whose ratio tau3 / tau2 = (3 + c) / (2 + c)
+names the unit cost LT + c that would even the SMs out if the pairs were what they are.
     python benchmarks/dev/times_regression.py FILE[:VARIANT] ... [--tokens 64] [--config t24]
 """
 from __future__ import annotations
@@ -41,7 +47,7 @@ def features(r: dict) -> dict:
     cost = lt_units + 5 * units
     parts = np.array(r["parts"], float) if "parts" in r else None   # (recorded from eddde14)
     return dict(duration=end - start, pace=(end - start) / cost, cost=cost, units=units,
-                lt_units=lt_units, parts=parts, sm=sm, older=older)
+                lt_units=lt_units, parts=parts, sm=sm, older=older, end=end)
 
 
 def mean_pairwise_corr(rows: list[np.ndarray]) -> float:
@@ -62,6 +68,40 @@ def per_sm(f: dict, which: bool) -> np.ndarray:
     return out
 
 
+OVERHEAD_US = 10.0     # a CTA's first stage lands ~8 us in, its last block ends ~2 us
+
+
+def age_table(fs: list[dict]) -> dict:
+    """{(second half of the grid, started second on its SM): mean normalized pace}."""
+    acc: dict = {}
+    for f in fs:
+        Q = len(f["pace"])
+        half = np.arange(Q) >= Q // 2
+        pace = f["pace"] / np.median(f["pace"])
+        for h in (False, True):
+            for y in (False, True):
+                acc.setdefault((h, y), []).extend(pace[(half == h) & (f["older"] != y)])
+    return {k: (len(v), float(np.mean(v))) for k, v in acc.items() if v}
+
+
+def pair_fit(f: dict) -> tuple[float, float, float] | None:
+    """(tau2, tau3, c) of one launch's SMs with two CTAs (LT 2 and 3 units), None without any
+    LT = 3 units."""
+    n3 = f["lt_units"] - 2 * f["units"]              # LT in {2, 3}: lt_units = 2 n2 + 3 n3
+    n2 = f["units"] - n3
+    rows = []
+    for s in np.unique(f["sm"]):
+        on = np.flatnonzero(f["sm"] == s)
+        if len(on) == 2:
+            rows.append((n2[on].sum(), n3[on].sum(), f["end"][on].max() - OVERHEAD_US))
+    a = np.array(rows, float)
+    if not len(a) or a[:, 1].max() <= 0 or np.any(n3 < 0):
+        return None
+    tau2, tau3 = np.linalg.lstsq(a[:, :2], a[:, 2], rcond=None)[0]
+    r = tau3 / tau2
+    return float(tau2), float(tau3), float((3 - 2 * r) / (r - 1))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("files", nargs="+", help="probe JSON files, FILE or FILE:VARIANT")
@@ -71,12 +111,20 @@ def main(argv=None):
     launches = [load(s, args.tokens, args.config) for s in args.files]
     for gemm in sorted({g for rows in launches for g in rows}):
         fs = [features(rows[gemm]) for rows in launches if gemm in rows]
+        print(f"{gemm}: {len(fs)} launches at T = {args.tokens}")
+        for (h, y), (n, pace) in sorted(age_table(fs).items()):
+            print(f"  pace of the {'second' if h else 'first'} half's CTAs that started "
+                  f"{'second' if y else 'first'} on their SM: {pace:.3f} ({n} CTAs)")
+        for i, f in enumerate(fs):
+            fit = pair_fit(f)
+            if fit:
+                print(f"  launch {i}: SM pairs tau2 {fit[0]:.3f} tau3 {fit[1]:.3f} us a unit, "
+                      f"the even unit cost LT + {fit[2]:.2f}")
         if len(fs) < 2 or len({len(f["duration"]) for f in fs}) != 1:
-            print(f"{gemm}: needs two launches or more of one grid")
+            print("  correlations and the fit need two launches or more of one grid")
             continue
         Q = len(fs[0]["duration"])
         young = (np.arange(Q) >= Q // 2).astype(float)
-        print(f"{gemm}: {len(fs)} launches of {Q} CTAs at T = {args.tokens}")
         print(f"  pace by run (CTA q), mean correlation between launches: "
               f"{mean_pairwise_corr([f['pace'] for f in fs]):.2f}")
         print(f"  pace by SM, older CTA: {mean_pairwise_corr([per_sm(f, True) for f in fs]):.2f}"

@@ -102,31 +102,6 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
-#ifndef STAGED_DEFER     // 1: a segment's first block, when it is partial and not its last,
-#define STAGED_DEFER 0   // is handed in at its end but counted after the segment's last unit:
-#endif                   // one fence and counter round trip less in the middle of the run;
-                         // 2: and counted together with a partial last block (one round trip
-                         // less at the end). A partial block cost ~6 us of a CTA's ~87 in
-                         // GEMM2 at T = 64 (dev_wna16_20261201/analysis_times_regression.txt);
-                         // neither variant is timed yet
-#ifndef STAGED_EARLY     // 1: only the run's first stage's weights go out before the m tile's
-#define STAGED_EARLY 0   // rows, then its activations, then the next stages (the first stage
-#endif                   // lands behind a third of the start's burst, not all of it)
-#ifndef STAGED_REVERSE   // 1: CTA q takes run Q - 1 - q (is a slow run slow for its blockIdx
-#define STAGED_REVERSE 0 // or for its units?)
-#endif
-#ifndef STAGED_AGE       // 1: runs by age on the SM: a CTA's arrival on its SM (an atomic on
-#define STAGED_AGE 0     // %smid) picks the pool it takes a run from, the first-come the even
-#endif                   // runs, STAGED_SKEW permille longer, the second the odd ones, as much
-#ifndef STAGED_SKEW      // shorter (an SM's older CTA runs faster a unit; the grid's order
-#define STAGED_SKEW 0    // says which is older for only ~86% of them)
-#endif
-#if STAGED_AGE
-__device__ int g_age_sm[1024], g_age_pool[2], g_age_done;   // zero between launches
-#endif
-#ifndef STAGED_BLOCK_COST  // a row block's fixed cost in the run split, on top of its units'
-#define STAGED_BLOCK_COST 0  // (LT + 5 each): the cost of ending it (a partial block's part
-#endif                       // handed in, counted, added; a whole block's stores)
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
@@ -209,22 +184,6 @@ __device__ __forceinline__ bool count_part(float* v, float* __restrict__ ws,
     gather_parts<N, NT>(v, ws, units_done, part_at, by_first, SPB, tile, per);
     return true;
 }
-// STAGED_DEFER >= 2: a run's first and last blocks (tiles t0, t1, this run's units of each
-// c0, c1) counted together: one fence, one barrier pair, tid 0's two atomics in flight at once.
-// Bit i of the result: the CTA completed block i (then gather_parts, one block after the other,
-// with a barrier between them: by_first is reused).
-__device__ __forceinline__ int count_two_parts(int* __restrict__ units_done, int SPB, size_t t0,
-                                               int c0, size_t t1, int c1, int& s_last) {
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int done0 = atomicAdd(units_done + t0, c0) + c0;
-        const int done1 = atomicAdd(units_done + t1, c1) + c1;
-        s_last = (done0 == SPB) | (done1 == SPB) << 1;
-    }
-    __syncthreads();
-    return s_last;
-}
 template <int N, int NT>
 __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
                                              int* __restrict__ units_done,
@@ -267,33 +226,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     const int ntiles = N >> 4, C = Kdim >> 6;
     const int SPB = (C + KC - 1) / KC, nblocks = (ntiles + NB - 1) / NB, U = nblocks * SPB;
     const int mtiles = (num_positions + BM - 1) / BM;
-    const int Q = gridDim.x;
-    int q = STAGED_REVERSE ? Q - 1 - blockIdx.x : blockIdx.x;
-#if STAGED_AGE
-    __shared__ int sRun;
-    if (tid == 0) {
-        unsigned sm;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        int pool = atomicAdd(&g_age_sm[sm & 1023], 1) & 1;
-        const int size = pool ? Q / 2 : (Q + 1) / 2;
-        int tk = atomicAdd(&g_age_pool[pool], 1);
-        if (tk >= size) {
-            pool ^= 1;
-            tk = atomicAdd(&g_age_pool[pool], 1);
-        }
-        sRun = 2 * tk + pool;
-    }
-    auto age_done = [&] {
-        if (tid != 0) return;
-        __threadfence();
-        if (atomicAdd(&g_age_done, 1) == Q - 1) {
-            for (int i = 0; i < 1024; ++i) g_age_sm[i] = 0;
-            g_age_pool[0] = g_age_pool[1] = 0;
-            g_age_done = 0;
-            __threadfence();
-        }
-    };
-#endif
+    const int Q = gridDim.x, q = blockIdx.x;
     // The codes the mma reads: bf16 128 + q (one per half-word); fp16 (FA, or an fp16 build)
     // 1024 + q for even pairs, 64 + q for odd ones (w16::raw_pairs_f16: a third of the shifts)
     constexpr bool F16 = FA || !ELEM_BF16;
@@ -332,8 +265,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         // the m tile's expert, loaded beside its rows (not after them: one round trip less)
         const int ex = m * BM < ntp ? expert_ids[m * BM / block_size] : -1;
         m_expert[m] = ex;
-        cum[m + 1] = lt && ex >= 0 ? (long long)U * (lt + STAGED_LT_COST) +
-                                         (long long)nblocks * STAGED_BLOCK_COST : 0;
+        cum[m + 1] = lt && ex >= 0 ? (long long)U * (lt + STAGED_LT_COST) : 0;
     }
     __syncthreads();
     if (tid == 0) {
@@ -342,9 +274,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     }
     __syncthreads();
     const long long Wt = cum[mtiles];
-#if STAGED_AGE
-    q = sRun;
-#endif
     // CTA q's run: weighted positions [run_start(q), run_start(q + 1)), fixed before the launch.
     // Measured (T = 64 GEMM1, STAGED_TIMES, dev_wna16_20261130g): the runs end anywhere from
     // 145 to 180 us (the SMs do not stream at one speed, and of an SM's two CTAs the older runs
@@ -354,13 +283,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // round trip), and runs shared from both ends by two CTAs (of one SM or not), even when
     // split in fixed halves with no atomics (193 / 108 against 183 / 103): a run per CTA,
     // walked in one direction, streams faster.
-#if STAGED_AGE
-    auto run_start = [&](long long qq) {
-        return (1000 * qq + STAGED_SKEW * (qq & 1)) * Wt / (1000LL * Q + STAGED_SKEW * (Q & 1));
-    };
-#else
     auto run_start = [&](long long qq) { return qq * Wt / Q; };
-#endif
 
     // Programmatic dependent launch (grouped_gemm_wna16(..., programmatic=True)): this grid
     // may start while the kernel before it on the stream still runs, and that kernel may only
@@ -388,12 +311,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             w16::store_zeros<BM>(c, sSlot, N, 0, N, NT);
         __syncthreads();                               // sSlot is read before it is reused
     }
-    if (Wt == 0 || run_start(q) >= run_start(q + 1)) {
-#if STAGED_AGE
-        age_done();
-#endif
-        return;
-    }
+    if (Wt == 0 || run_start(q) >= run_start(q + 1)) return;
 
     // ---- the partial blocks' records (staged_plan's COUNTERS ints, zero between launches) and
     // parts (WS floats: [Q][2 parts][PER], a run has two partial blocks at most)
@@ -405,28 +323,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 
     // ---- the segments of the run, one m tile each: units [ua, ub) of m tile m
     for (int m = 0; m < mtiles; ++m) {
-#if STAGED_BLOCK_COST
-        constexpr long long BC = STAGED_BLOCK_COST;
-        const long long w = (cum[m + 1] - cum[m] - nblocks * BC) / U;  // cost per unit
-        if (cum[m + 1] == cum[m] || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1))
-            continue;
-        // unit u = b SPB + j starts at weighted position b (SPB w + BC) + BC + j w (the block's
-        // cost before its first unit); the run takes the units whose starts lie in it: the
-        // first unit at or past x
-        auto first_unit = [&](long long x) {
-            if (x <= 0) return 0LL;
-            const long long bw = SPB * w + BC, b = x / bw, rem = x - b * bw;
-            const long long j = rem <= BC ? 0 : min((long long)SPB, (rem - BC + w - 1) / w);
-            return min((long long)U, b * SPB + j);
-        };
-        const int ua = (int)first_unit(run_start(q) - cum[m]);
-        const int ub = (int)first_unit(run_start(q + 1) - cum[m]);
-#else
         const long long w = (cum[m + 1] - cum[m]) / U;  // the m tile's cost per unit
         if (w == 0 || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1)) continue;
         const int ua = (int)max(0LL, (run_start(q) - cum[m] + w - 1) / w);
         const int ub = (int)min((long long)U, (run_start(q + 1) - cum[m] + w - 1) / w);
-#endif
         if (ua >= ub) continue;
         const int n_units = ub - ua;
         const int e = m_expert[m];
@@ -472,19 +372,15 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         };
         int ib = ua / SPB, is = ua - ib * SPB;             // the unit being issued
         const int b_first = ib, s_first = is;
-        // The run's first stages: their weights before the m tile's rows are read (the rows'
-        // round trip and the weights' overlap), their activations after. (Measured and taken
+        // The run's first stage: its weights go out before the m tile's rows are read (the
+        // rows' round trip and the weights' overlap), its activations after, then the next
+        // stages whole. Measured (Mixtral, dev_wna16_20261201b): with all S - 1 first stages'
+        // weights early (the first stage's activations queued behind them) T = 256 took 531 /
+        // 279 us against 520 / 274; T = 16 and 64 the same either way. (Measured and taken
         // out: the codes' copies with an L2 evict_first policy, createpolicy + cp.async
-        // .L2::cache_hint: GEMM2 at T = 64 99.6 against 101.7 us, but with these early copies
-        // the f32 config failed its GPU test with an illegal instruction, dev_wna16_20261201.)
-        if (first_segment) {
-            int b = ib, s = is;
-#pragma unroll
-            for (int i = 0; i < (STAGED_EARLY ? 1 : S - 1); ++i) {
-                issue_weights(i, b, s, i < n_units);
-                step(b, s);
-            }
-        }
+        // .L2::cache_hint: GEMM2 at T = 64 99.6 against 101.7 us, but with early copies the f32
+        // config failed its GPU test with an illegal instruction, dev_wna16_20261201.)
+        if (first_segment) issue_weights(0, ib, is, n_units > 0);
         w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots, top_k,
                              num_positions, sSlot, sArow);   // live: its cost is not 0
 
@@ -534,7 +430,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         wait_for_inputs();
 #pragma unroll
         for (int i = 0; i < S - 1; ++i) {
-            issue(i, ib, is, i < n_units, !first_segment || (STAGED_EARLY && i > 0));
+            issue(i, ib, is, i < n_units, !first_segment || i > 0);   // (else went out above)
             step(ib, is);
         }
         first_segment = false;
@@ -574,9 +470,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 
             int blk_n = 0;                                 // units of the current block done
             int b = b_first, s = s_first;                  // the unit being computed
-#if STAGED_DEFER
-            int deferred_b = -1, deferred_n = 0;           // the block handed in, its units
-#endif
             for (int i = 0; i < n_units; ++i) {
                 w16::cp_wait<S - 2>();                     // stage i has landed (this thread's)
                 __syncthreads();                           // ... and everyone's; slot i - 1 free
@@ -727,40 +620,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #if STAGED_TIMES
                         if (tid == 0) g_cta_times[blockIdx.x][8] += clock64() - c_end0;
 #endif
-#if STAGED_DEFER
-                    } else if (i + 1 < n_units) {
-                        // a partial block before the segment's end is its first one: its part
-                        // goes in now, its units are counted after the segment's last unit
-                        hand_in_part<TPW * LT * 4, NT>(&acc[0][0][0], ws, part_at, SPB,
-                                                       (size_t)m * nblocks + b, PER,
-                                                       2 * q + parts_used++, s - blk_n + 1,
-                                                       blk_n);
-                        deferred_b = b;
-                        deferred_n = blk_n;
-#if STAGED_DEFER >= 2
-                    } else if (deferred_b >= 0) {
-                        // the segment's last block too is partial: both counted together
-                        const size_t t_end = (size_t)m * nblocks + b,
-                                     t_first = (size_t)m * nblocks + deferred_b;
-                        hand_in_part<TPW * LT * 4, NT>(&acc[0][0][0], ws, part_at, SPB, t_end,
-                                                       PER, 2 * q + parts_used++, s - blk_n + 1,
-                                                       blk_n);
-                        const int last = count_two_parts(units_done, SPB, t_end, blk_n, t_first,
-                                                         deferred_n, sLast);
-                        if (last & 1) {
-                            gather_parts<TPW * LT * 4, NT>(&acc[0][0][0], ws, units_done,
-                                                           part_at, by_first, SPB, t_end, PER);
-                            store(b);
-                        }
-                        if (last & 2) {
-                            __syncthreads();              // by_first is read before it is reused
-                            gather_parts<TPW * LT * 4, NT>(&acc[0][0][0], ws, units_done,
-                                                           part_at, by_first, SPB, t_first, PER);
-                            store(deferred_b);
-                        }
-                        deferred_b = -1;
-#endif
-#endif
                     } else if (finish_parts<TPW * LT * 4, NT>(
                                    &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
                                    (size_t)m * nblocks + b, PER, 2 * q + parts_used++,
@@ -780,20 +639,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 }
                 step(b, s);
             }
-#if STAGED_DEFER
-            if (deferred_b >= 0) {                         // uniform over the CTA
-#if STAGED_TIMES
-                const long long c_end0 = clock64();
-#endif
-                if (count_part<TPW * LT * 4, NT>(&acc[0][0][0], ws, units_done, part_at,
-                                                 by_first, SPB, (size_t)m * nblocks + deferred_b,
-                                                 PER, deferred_n, sLast))
-                    store(deferred_b);
-#if STAGED_TIMES
-                if (tid == 0) g_cta_times[blockIdx.x][6] += clock64() - c_end0;
-#endif
-            }
-#endif
         });
 #if STAGED_TIMES
         if (tid == 0) {
@@ -804,9 +649,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         w16::cp_wait<0>();                             // the ring is empty ...
         __syncthreads();                               // ... and read: the next segment refills it
     }
-#if STAGED_AGE
-    age_done();
-#endif
 #if STAGED_TIMES
     if (tid == 0) g_cta_times[blockIdx.x][1] = global_ns();
 #endif
