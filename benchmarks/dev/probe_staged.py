@@ -3,12 +3,14 @@ under the .cu's dev macros, beside the real one, and a plain read of the same by
 loads, grid-stride) as the streaming calibration. Times (CUDA events, median, L2 flushed before
 each repetition), and for variants that keep the math (not PROBE) whether their outputs have the
 bits of the "base" variant's (the parts of a block add in a fixed order, so they do not depend
-on which CTA finishes it). The macros:
+on which CTA finishes it), and the layer as bench_quant times it (GEMM1, then GEMM2 launched
+programmatically). The macros:
     STAGED_PROBE = 1 no math, 2 no activation copies, 3 no weight copies (garbage results)
     STAGED_TIMES = 1 each CTA's start / end (globaltimer), SM, units, when its first stage
                      landed, the SM cycles it spent ending blocks (of them in whole stores) and
                      its partial blocks: their spread is printed
     STAGED_LT_COST = c  a unit's cost LT + c in the run split (5 in the kernel)
+    STAGED_PDL_EARLY = 1  the first S - 2 stages' weights after the first before the inputs' wait
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
 STAGED_CACHE, STAGED_LATE_START, STAGED_SPLIT and STAGED_DEFER, those of dev_wna16_20261201b
 STAGED_EARLY, STAGED_REVERSE, STAGED_AGE / STAGED_SKEW and STAGED_BLOCK_COST, since taken out
@@ -115,6 +117,11 @@ def main():
                                               use_int4_w4a16=True, config=cfg)
             g2 = lambda: W.grouped_gemm_wna16(act, w2, st, ex, ntp, 1, B, twd, True,  # noqa: E731
                                               w_scale=s2, use_int4_w4a16=True, config=cfg)
+
+            def layer():            # GEMM1, then GEMM2 launched programmatically (bench_quant's)
+                g1()
+                W.grouped_gemm_wna16(act, w2, st, ex, ntp, 1, B, twd, True, w_scale=s2,
+                                     use_int4_w4a16=True, config=cfg, programmatic=True)
             base_bits = None                      # the "base" variant's outputs (if it ran)
             for var in args.variants.split(","):
                 W._READY.clear()
@@ -172,10 +179,12 @@ def main():
                                          end_blocks_cycles=h[:, 6].astype(int).tolist(),
                                          parts=h[:, 7].astype(int).tolist()))
                 t1, t2 = timer(g1, fl, 3, 20), timer(g2, fl, 3, 20)
+                tl = timer(layer, fl, 3, 20)
                 rows.append(dict(T=T, config=spec, variant=var, gemm1_us=t1 * 1e3,
-                                 gemm2_us=t2 * 1e3, same_bits_as_base=same))
-                print(f"T={T} {spec} {var}: g1 {t1 * 1e3:7.1f} us g2 {t2 * 1e3:7.1f} us",
-                      flush=True)
+                                 gemm2_us=t2 * 1e3, layer_pdl_us=tl * 1e3,
+                                 same_bits_as_base=same))
+                print(f"T={T} {spec} {var}: g1 {t1 * 1e3:7.1f} us g2 {t2 * 1e3:7.1f} us, "
+                      f"layer (GEMM2 programmatic) {tl * 1e3:7.1f} us", flush=True)
     json.dump(rows, open(f"{args.out}/probe_staged.json", "w"), indent=1)
 
 
