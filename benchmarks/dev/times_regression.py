@@ -9,12 +9,13 @@ mean over the launches) by least squares on what the run holds:
     duration ~ c0 + c1 units + c2 (units x LT) + c3 partial blocks + c4 younger x cost
 where "younger" is a CTA of the second half of the grid (q >= Q / 2), which the block scheduler
 puts second on its SM in ~90% of the SMs (the arrival order the probes record says so).
-Then two views that need no common split: every launch's CTAs by grid half and by the order
+Then views that need no common split: every launch's CTAs by grid half and by the order
 they started on their SM (the younger one started second), their mean pace each (normalized by
 the launch's median); and the SMs' pairs: an SM's end (its later CTA's) against the units of
 live-token-tile count LT = 2 and 3 that its two CTAs ran, t = n2 tau2 + n3 tau3 by least
 squares (after a fixed start and end of OVERHEAD_US), whose ratio tau3 / tau2 = (3 + c) / (2 + c)
-names the unit cost LT + c that would even the SMs out if the pairs were what they are.
+names the unit cost LT + c that would even the SMs out if the pairs were what they are; and
+per launch where the last CTA ends against the worst mean of an SM's two ends.
     python benchmarks/dev/times_regression.py FILE[:VARIANT] ... [--tokens 64] [--config t24]
 """
 from __future__ import annotations
@@ -84,6 +85,23 @@ def age_table(fs: list[dict]) -> dict:
     return {k: (len(v), float(np.mean(v))) for k, v in acc.items() if v}
 
 
+def sm_ends(f: dict) -> dict:
+    """One launch's SMs with two CTAs: the last CTA's end, the worst mean of a pair's two ends
+    (where the kernel would end if each SM's two CTAs shared their work perfectly), and the SMs
+    whose two CTAs ran mostly LT = 3 units (mean LT summed over the pair >= 5.5) against the
+    others (their mean end, NaN if none)."""
+    lt = f["lt_units"] / np.maximum(f["units"], 1)
+    pairs = [np.flatnonzero(f["sm"] == s) for s in np.unique(f["sm"])]
+    pairs = [on for on in pairs if len(on) == 2]
+    mean = np.array([f["end"][on].mean() for on in pairs])
+    last = np.array([f["end"][on].max() for on in pairs])
+    heavy = np.array([lt[on].sum() >= 5.5 for on in pairs])
+    return dict(last=float(f["end"].max()), worst_mean=float(mean.max()),
+                heavy=int(heavy.sum()),
+                heavy_end=float(last[heavy].mean()) if heavy.any() else float("nan"),
+                other_end=float(last[~heavy].mean()) if (~heavy).any() else float("nan"))
+
+
 def pair_fit(f: dict) -> tuple[float, float, float] | None:
     """(tau2, tau3, c) of one launch's SMs with two CTAs (LT 2 and 3 units), None without any
     LT = 3 units."""
@@ -117,9 +135,13 @@ def main(argv=None):
                   f"{'second' if y else 'first'} on their SM: {pace:.3f} ({n} CTAs)")
         for i, f in enumerate(fs):
             fit = pair_fit(f)
-            if fit:
-                print(f"  launch {i}: SM pairs tau2 {fit[0]:.3f} tau3 {fit[1]:.3f} us a unit, "
-                      f"the even unit cost LT + {fit[2]:.2f}")
+            ends = sm_ends(f)
+            print(f"  launch {i}: last CTA ends {ends['last']:.1f} us, the SMs' worst pair mean "
+                  f"{ends['worst_mean']:.1f}; SMs of two mostly-LT-3 CTAs (LT sum >= 5.5): "
+                  f"{ends['heavy']}, ending at {ends['heavy_end']:.1f} us against "
+                  f"{ends['other_end']:.1f}" + (f"; SM pairs tau2 {fit[0]:.3f} tau3 {fit[1]:.3f}"
+                                                f" us a unit, the even unit cost LT + "
+                                                f"{fit[2]:.2f}" if fit else ""))
         if len(fs) < 2 or len({len(f["duration"]) for f in fs}) != 1:
             print("  correlations and the fit need two launches or more of one grid")
             continue

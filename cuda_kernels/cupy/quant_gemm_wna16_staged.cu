@@ -102,9 +102,6 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
-#ifndef STAGED_PDL_EARLY  // 1: the run's next S - 2 stages' weights too before the wait for
-#define STAGED_PDL_EARLY 0   // the inputs (under a programmatic launch, the wait is long)
-#endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
@@ -430,22 +427,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             }
             w16::cp_commit();
         };
-#if STAGED_PDL_EARLY
-        if (first_segment) {
-            int b = ib, s = is;
-            step(b, s);
-#pragma unroll
-            for (int i = 1; i < S - 1; ++i) {
-                issue_weights(i, b, s, i < n_units);
-                step(b, s);
-            }
-        }
-#endif
         wait_for_inputs();
 #pragma unroll
         for (int i = 0; i < S - 1; ++i) {
-            issue(i, ib, is, i < n_units,
-                  !first_segment || (i > 0 && !STAGED_PDL_EARLY));   // (else went out above)
+            issue(i, ib, is, i < n_units, !first_segment || i > 0);   // (else went out above)
             step(ib, is);
         }
         first_segment = false;
