@@ -94,6 +94,18 @@ def random_bytes(shape, seed):
     return out
 
 
+def mixtral_weights():
+    """Random Mixtral int4 weights on the GPU, (w1, w2, s1, s2): packed codes [E, 2I, H/2] and
+    [E, H, I/2] (two codes a byte), fp32 group scales [E, 2I, H/GROUP] and [E, H, I/GROUP]."""
+    import cupy
+
+    w1 = random_bytes((E, 2 * I, H // 2), 1)
+    w2 = random_bytes((E, H, I // 2), 2)
+    s1 = cupy.random.uniform(1e-3, 2e-3, (E, 2 * I, H // GROUP), dtype=cupy.float32)
+    s2 = cupy.random.uniform(1e-3, 2e-3, (E, H, I // GROUP), dtype=cupy.float32)
+    return w1, w2, s1, s2
+
+
 def random_bf16(shape, seed):
     import cupy
 
@@ -182,10 +194,7 @@ def main(argv=None):
     deadline = time.time() + args.budget_s
     tokens = [int(t) for t in args.tokens.split(",") if t]
     rng = np.random.default_rng(0)
-    w1 = random_bytes((E, 2 * I, H // 2), 1)
-    w2 = random_bytes((E, H, I // 2), 2)
-    s1 = cupy.random.uniform(1e-3, 2e-3, (E, 2 * I, H // GROUP), dtype=cupy.float32)
-    s2 = cupy.random.uniform(1e-3, 2e-3, (E, H, I // GROUP), dtype=cupy.float32)
+    w1, w2, s1, s2 = mixtral_weights()
     zp1 = zp2 = None
     if args.zp:
         zp1 = cupy.random.randint(0, 16, (E, 2 * I, H // GROUP), dtype=cupy.int32).astype(cupy.uint8)

@@ -16,8 +16,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, ".")
-from benchmarks.bench_wna16 import (E, GROUP, H, I, K, Timer, draw_routing,  # noqa: E402
-                                    random_bf16, random_bytes)
+from benchmarks.bench_wna16 import (E, H, I, K, Timer, draw_routing,  # noqa: E402
+                                    mixtral_weights, random_bf16)
 from cuda_kernels.cupy import _compile as C  # noqa: E402
 from cuda_kernels.cupy import quant_gemm_wna16 as W  # noqa: E402
 
@@ -31,10 +31,7 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default="/tmp")
     args = p.parse_args()
-    w1 = random_bytes((E, 2 * I, H // 2), 1)
-    w2 = random_bytes((E, H, I // 2), 2)
-    s1 = cupy.random.uniform(1e-3, 2e-3, (E, 2 * I, H // GROUP), dtype=cupy.float32)
-    s2 = cupy.random.uniform(1e-3, 2e-3, (E, H, I // GROUP), dtype=cupy.float32)
+    w1, w2, s1, s2 = mixtral_weights()
     timer, rows = Timer(), []
     fl = lambda: timer.flush.fill(1)  # noqa: E731
     rng = np.random.default_rng(0)
