@@ -57,7 +57,7 @@ def _module(cupy, cu, cfg, var):
 
 
 def _rel_diff(x16, y16) -> float:
-    """||x - y|| / ||y|| of two bf16 arrays given as their uint16 bits (NaN if either is.)"""
+    """||x - y|| / ||y|| of two bf16 arrays given as their uint16 bits (NaN where one is)."""
     f = [(v.astype(np.uint32) << 16).view(np.float32).astype(np.float64) for v in (x16, y16)]
     return float(np.linalg.norm(f[0] - f[1]) / np.linalg.norm(f[1]))
 
