@@ -12,8 +12,8 @@ programmatically). The macros:
     STAGED_LT_COST = c  a unit's cost LT + c in the run split (5 in the kernel)
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
 STAGED_CACHE, STAGED_LATE_START, STAGED_SPLIT and STAGED_DEFER, those of dev_wna16_20261201b
-STAGED_EARLY, STAGED_REVERSE, STAGED_AGE / STAGED_SKEW, STAGED_BLOCK_COST and STAGED_PDL_EARLY,
-since taken out or made the code.) --compile-only builds the modules into CuPy's cache (run
+STAGED_EARLY, STAGED_REVERSE, STAGED_AGE / STAGED_SKEW, STAGED_BLOCK_COST, STAGED_PDL_EARLY and
+STAGED_HALVES, since taken out or made the code.) --compile-only builds the modules into CuPy's cache (run
 several at once before the timed call).
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3,base:t24] [--tokens 64]
                                           [--variants base,PROBE=1,TIMES=1+PROBE=3]

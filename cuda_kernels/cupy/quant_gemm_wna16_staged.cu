@@ -102,15 +102,6 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
-#ifndef STAGED_HALVES    // 1: a CTA's arrival on its SM (an atomic on %smid) picks the half of
-#define STAGED_HALVES 0  // the runs it takes one from (tickets in arrival order): the first-come
-#endif                   // the first half, STAGED_SKEW permille longer, the second the second
-#ifndef STAGED_SKEW      // half, as much shorter (the older CTA of an SM runs faster a unit)
-#define STAGED_SKEW 0
-#endif
-#if STAGED_HALVES
-__device__ int g_age_sm[1024], g_age_pool[2], g_age_done;   // zero between launches
-#endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
@@ -235,33 +226,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     const int ntiles = N >> 4, C = Kdim >> 6;
     const int SPB = (C + KC - 1) / KC, nblocks = (ntiles + NB - 1) / NB, U = nblocks * SPB;
     const int mtiles = (num_positions + BM - 1) / BM;
-    const int Q = gridDim.x;
-    int q = blockIdx.x;
-#if STAGED_HALVES
-    __shared__ int sRun;
-    if (tid == 0) {
-        unsigned sm;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        int pool = atomicAdd(&g_age_sm[sm & 1023], 1) & 1;
-        const int first = (Q + 1) / 2;
-        int tk = atomicAdd(&g_age_pool[pool], 1);
-        if (tk >= (pool ? Q - first : first)) {
-            pool ^= 1;
-            tk = atomicAdd(&g_age_pool[pool], 1);
-        }
-        sRun = pool ? first + tk : tk;
-    }
-    auto age_done = [&] {
-        if (tid != 0) return;
-        __threadfence();
-        if (atomicAdd(&g_age_done, 1) == Q - 1) {
-            for (int i = 0; i < 1024; ++i) g_age_sm[i] = 0;
-            g_age_pool[0] = g_age_pool[1] = 0;
-            g_age_done = 0;
-            __threadfence();
-        }
-    };
-#endif
+    const int Q = gridDim.x, q = blockIdx.x;
     // The codes the mma reads: bf16 128 + q (one per half-word); fp16 (FA, or an fp16 build)
     // 1024 + q for even pairs, 64 + q for odd ones (w16::raw_pairs_f16: a third of the shifts)
     constexpr bool F16 = FA || !ELEM_BF16;
@@ -309,9 +274,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     }
     __syncthreads();
     const long long Wt = cum[mtiles];
-#if STAGED_HALVES
-    q = sRun;
-#endif
     // CTA q's run: weighted positions [run_start(q), run_start(q + 1)), fixed before the launch.
     // Measured (T = 64 GEMM1, STAGED_TIMES, dev_wna16_20261130g): the runs end anywhere from
     // 145 to 180 us (the SMs do not stream at one speed, and of an SM's two CTAs the older runs
@@ -321,18 +283,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // round trip), and runs shared from both ends by two CTAs (of one SM or not), even when
     // split in fixed halves with no atomics (193 / 108 against 183 / 103): a run per CTA,
     // walked in one direction, streams faster.
-#if STAGED_HALVES
-    const long long H1 = (Q + 1) / 2;      // runs of the first half weigh 1000 + SKEW, then
-    auto run_start = [&](long long qq) {   // 1000 - SKEW' so that the total stays 1000 Q
-        const long long f = qq <= H1 ? (1000 + STAGED_SKEW) * qq
-                                     : (1000 + STAGED_SKEW) * H1 +
-                                       (1000 * Q - (1000 + STAGED_SKEW) * H1) * (qq - H1) /
-                                       max(1LL, Q - H1);
-        return f * Wt / (1000LL * Q);
-    };
-#else
     auto run_start = [&](long long qq) { return qq * Wt / Q; };
-#endif
 
     // Programmatic dependent launch (grouped_gemm_wna16(..., programmatic=True)): this grid
     // may start while the kernel before it on the stream still runs, and that kernel may only
@@ -360,12 +311,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             w16::store_zeros<BM>(c, sSlot, N, 0, N, NT);
         __syncthreads();                               // sSlot is read before it is reused
     }
-    if (Wt == 0 || run_start(q) >= run_start(q + 1)) {
-#if STAGED_HALVES
-        age_done();
-#endif
-        return;
-    }
+    if (Wt == 0 || run_start(q) >= run_start(q + 1)) return;
 
     // ---- the partial blocks' records (staged_plan's COUNTERS ints, zero between launches) and
     // parts (WS floats: [Q][2 parts][PER], a run has two partial blocks at most)
@@ -703,9 +649,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         w16::cp_wait<0>();                             // the ring is empty ...
         __syncthreads();                               // ... and read: the next segment refills it
     }
-#if STAGED_HALVES
-    age_done();
-#endif
 #if STAGED_TIMES
     if (tid == 0) g_cta_times[blockIdx.x][1] = global_ns();
 #endif
