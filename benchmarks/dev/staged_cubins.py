@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 
+
 def build(C, W, cfg_name: str, defines: dict, tree: str) -> tuple[str, str]:
     """(md5 of the cubin, ptxas's register / spill lines) of one config."""
     name = W.staged_kernel_name(W.STAGED_CONFIGS[cfg_name], False)

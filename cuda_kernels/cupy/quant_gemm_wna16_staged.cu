@@ -129,30 +129,26 @@ struct StagedStage {
 
 // A block's part: this CTA's walk computed `count` of its SPB K stages from stage `first` (the N
 // fp32 values v of each of the NT threads). It goes to workspace slot `slot` (ws [slot][per],
-// v[j] at j NT + thread), and part_at[tile][first] = count << 16 | slot + 1 says so
-// (hand_in_part); then the CTA counts its units into units_done[tile], and the CTA whose units
-// complete the block's SPB gets true back, with v = the parts added in the order of their first
-// stages (gather_parts: deterministic for a given split, whichever CTA completes it), and
-// leaves both at zero; the others get false (count_part). Every thread of the CTA calls them;
-// s_last is a __shared__ int. finish_parts is the two in a row.
+// v[j] at j NT + thread), and part_at[tile][first] = count << 16 | slot + 1 says so; the CTA
+// whose units complete the block's SPB (units_done[tile]) gets true back, with v = the parts
+// added in the order of their first stages (deterministic for a given split), and leaves both
+// at zero; the others get false. Every thread of the CTA calls it; s_last is a __shared__ int.
 template <int N, int NT>
-__device__ __forceinline__ void hand_in_part(const float* v, float* __restrict__ ws,
-                                             int* __restrict__ part_at, int SPB, size_t tile,
-                                             int per, int slot, int first, int count) {
+__device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
+                                             int* __restrict__ units_done,
+                                             int* __restrict__ part_at, int* by_first, int SPB,
+                                             size_t tile, int per, int slot, int first,
+                                             int count, int& s_last) {
     const int tid = threadIdx.x;
     int* at = part_at + tile * SPB;
 #pragma unroll
     for (int j = 0; j < N; ++j) __stcg(ws + (size_t)slot * per + tid + j * NT, v[j]);
     if (tid == 0) __stcg(at + first, count << 16 | (slot + 1));
-}
-// (after a barrier that follows every thread's last read of by_first)
-template <int N, int NT>
-__device__ __forceinline__ void gather_parts(float* v, const float* __restrict__ ws,
-                                             int* __restrict__ units_done,
-                                             int* __restrict__ part_at, int* by_first, int SPB,
-                                             size_t tile, int per) {
-    const int tid = threadIdx.x;
-    int* at = part_at + tile * SPB;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) s_last = atomicAdd(units_done + tile, count) + count == SPB;
+    __syncthreads();
+    if (!s_last) return false;
     __threadfence();
     for (int x = tid; x < SPB; x += NT) {              // one load per stage, then shared memory
         by_first[x] = __ldcg(at + x);
@@ -170,29 +166,7 @@ __device__ __forceinline__ void gather_parts(float* v, const float* __restrict__
         for (int j = 0; j < N; ++j) v[j] += __ldcg(part + j * NT);
         x += p >> 16;
     }
-}
-template <int N, int NT>
-__device__ __forceinline__ bool count_part(float* v, float* __restrict__ ws,
-                                           int* __restrict__ units_done,
-                                           int* __restrict__ part_at, int* by_first, int SPB,
-                                           size_t tile, int per, int count, int& s_last) {
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(units_done + tile, count) + count == SPB;
-    __syncthreads();
-    if (!s_last) return false;
-    gather_parts<N, NT>(v, ws, units_done, part_at, by_first, SPB, tile, per);
     return true;
-}
-template <int N, int NT>
-__device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
-                                             int* __restrict__ units_done,
-                                             int* __restrict__ part_at, int* by_first, int SPB,
-                                             size_t tile, int per, int slot, int first,
-                                             int count, int& s_last) {
-    hand_in_part<N, NT>(v, ws, part_at, SPB, tile, per, slot, first, count);
-    return count_part<N, NT>(v, ws, units_done, part_at, by_first, SPB, tile, per, count,
-                             s_last);
 }
 
 template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int FA>
