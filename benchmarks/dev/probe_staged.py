@@ -13,8 +13,10 @@ programmatically). The macros:
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
 STAGED_CACHE, STAGED_LATE_START, STAGED_SPLIT and STAGED_DEFER, those of dev_wna16_20261201b
 STAGED_EARLY, STAGED_REVERSE, STAGED_AGE / STAGED_SKEW, STAGED_BLOCK_COST, STAGED_PDL_EARLY and
-STAGED_HALVES, since taken out or made the code.) --compile-only builds the modules into CuPy's cache (run
-several at once before the timed call).
+STAGED_HALVES, since taken out or made the code.)
+    STAGED_SUMS = 1    no sums mma: a float2 per token tile from shared memory (garbage results)
+--compile-only builds the modules into CuPy's cache (run several at once before the timed
+call).
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3,base:t24] [--tokens 64]
                                           [--variants base,PROBE=1,TIMES=1+PROBE=3]
                                           [--base-cu quant_gemm_wna16_staged_base.cu]"""
@@ -128,7 +130,8 @@ def main():
                 same = None                       # a variant that keeps the math: same bits?
                 if var == "base":
                     base_bits = bits
-                elif base_bits is not None and not defs.get("STAGED_PROBE"):
+                elif base_bits is not None and not (defs.get("STAGED_PROBE")
+                                                    or defs.get("STAGED_SUMS")):
                     same = all(np.array_equal(x, y) for x, y in zip(bits, base_bits))
                     # other bits (a variant that splits the work otherwise): how far, by the
                     # relative Frobenius difference of each GEMM's output (bf16 rounding ~1e-3)
