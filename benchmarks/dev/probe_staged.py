@@ -8,7 +8,8 @@ programmatically). The macros:
     STAGED_PROBE = 1 no math, 2 no activation copies, 3 no weight copies (garbage results)
     STAGED_TIMES = 1 each CTA's start / end (globaltimer), SM, units, when its first stage
                      landed, the SM cycles it spent ending blocks (of them in whole stores) and
-                     its partial blocks: their spread is printed
+                     its partial blocks, with the parts' fences, counts and adds: their spread
+                     is printed
     STAGED_LT_COST = c  a unit's cost LT + c in the run split (5 in the kernel)
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
 STAGED_CACHE, STAGED_LATE_START, STAGED_SPLIT and STAGED_DEFER, those of dev_wna16_20261201b
@@ -141,7 +142,7 @@ def main():
                           f"base{diff}", flush=True)
                 if defs.get("STAGED_TIMES"):
                     ptr = mod.get_global("g_cta_times")
-                    tt = cupy.ndarray((4096, 10), cupy.uint64, memptr=ptr)
+                    tt = cupy.ndarray((4096, 16), cupy.uint64, memptr=ptr)
                     for label, g in (("g1", g1), ("g2", g2)):
                         tt.fill(0)
                         fl()
@@ -168,6 +169,14 @@ def main():
                               f"{h[:, 7].min():.0f}-{h[:, 7].max():.0f}; of them whole stores "
                               f"p50/100 ~{np.median(h[:, 8]) / 1.8e3:.1f} "
                               f"{h[:, 8].max() / 1.8e3:.1f} us", flush=True)
+                        two = h[:, 7] == 2               # a part mid-run, and one at the end
+                        every = np.ones(len(h), bool)
+                        us = lambda col, m=two: np.median(h[m, col]) / 1.8e3  # noqa: E731
+                        print(f"      parts p50 (us): fences {us(9, every):.1f}, count "
+                              f"{us(10, every):.1f}, adding {us(11, every):.1f}; of runs with "
+                              f"two ({two.sum()}), the first part {us(12):.1f} (fence "
+                              f"{us(14):.1f}), the last {us(13):.1f} (fence {us(15):.1f})",
+                              flush=True)
                         rows.append(dict(T=T, config=spec, variant=var, gemm=label,
                                          start_us=t_s.round(2).tolist(),
                                          end_us=t_e.round(2).tolist(),
@@ -176,7 +185,8 @@ def main():
                                          lt_units=h[:, 4].astype(int).tolist(),
                                          first_us=first.round(2).tolist(),
                                          end_blocks_cycles=h[:, 6].astype(int).tolist(),
-                                         parts=h[:, 7].astype(int).tolist()))
+                                         parts=h[:, 7].astype(int).tolist(),
+                                         part_cycles=h[:, 9:16].astype(int).tolist()))
                 t1, t2 = timer(g1, fl, 3, 20), timer(g2, fl, 3, 20)
                 tl = timer(layer, fl, 3, 20)
                 rows.append(dict(T=T, config=spec, variant=var, gemm1_us=t1 * 1e3,

@@ -3,8 +3,9 @@ spills and an md5 of each cubin, to tell on the CPU whether a change of the .cu 
 a GPU would run (a build is deterministic: the same source gives the same bytes, and moving
 lines does not change them).
     python benchmarks/dev/staged_cubins.py [--tree DIR] [--macros STAGED_LT_COST=3,ELEM_BF16=0]
-                                           [--configs t24,f24]
+                                           [--configs t24,f24] [--sass DIR]
 --tree: another checkout (`git worktree add DIR COMMIT`) whose .cu and package to build.
+--sass: also write each cubin's SASS to DIR/<config>.sass (cuobjdump, on the device image).
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import sys
 import tempfile
 
 
-def build(C, W, cfg_name: str, defines: dict, tree: str) -> tuple[str, str]:
-    """(md5 of the cubin, ptxas's register / spill lines) of one config."""
+def build(C, W, cfg_name: str, defines: dict, tree: str,
+          sass: str | None = None) -> tuple[str, str]:
+    """(md5 of the cubin, ptxas's register / spill lines) of one config; its SASS to sass."""
     name = W.staged_kernel_name(W.STAGED_CONFIGS[cfg_name], False)
     src = C.source_text(W.CU_STAGED, defines)
     # nvcc builds the kernels a host function refers to (NVRTC takes the names instead)
@@ -33,6 +35,9 @@ def build(C, W, cfg_name: str, defines: dict, tree: str) -> tuple[str, str]:
         if r.returncode:
             raise SystemExit(f"{cfg_name}: nvcc failed\n{r.stderr[-3000:]}")
         md5 = hashlib.md5(open(cubin, "rb").read()).hexdigest()[:12]
+        if sass:
+            with open(sass, "w") as f:
+                subprocess.run(["cuobjdump", "-sass", cubin], stdout=f, check=True)
     info, fn = [], ""
     for ln in (r.stdout + r.stderr).splitlines():     # ptxas -v: per entry function
         m = re.search(r"Compiling entry function '([^']+)'", ln)
@@ -48,6 +53,7 @@ def main(argv=None):
     p.add_argument("--tree", default=".")
     p.add_argument("--macros", default="")
     p.add_argument("--configs", default="")
+    p.add_argument("--sass", default="")
     args = p.parse_args(argv)
     if shutil.which("nvcc") is None:
         raise SystemExit("needs nvcc on the PATH")
@@ -61,7 +67,8 @@ def main(argv=None):
         k, v = kv.split("=")
         defines[k] = int(v)
     for cfg_name in (args.configs.split(",") if args.configs else sorted(W.STAGED_CONFIGS)):
-        md5, info = build(C, W, cfg_name, defines, tree)
+        sass = os.path.join(args.sass, f"{cfg_name}.sass") if args.sass else None
+        md5, info = build(C, W, cfg_name, defines, tree, sass)
         print(f"{cfg_name:4s} {md5}  {info}", flush=True)
 
 

@@ -110,8 +110,10 @@
 #define STAGED_TIMES 0
 #endif
 #if STAGED_TIMES
-__device__ unsigned long long g_cta_times[4096][10];  // start, end, SM, units, units x LT,
-                                  // first landed, end cycles, parts, of them in whole stores
+__device__ unsigned long long g_cta_times[4096][16];  // start, end, SM, units, units x LT,
+        // first landed, end cycles, parts, of them in whole stores; the parts' (finish_parts)
+        // cycles in fences, in the count's atomic and barriers, in adding the parts; part 0's
+        // and part 1's cycles from entry to the count, and in their fences
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -144,13 +146,32 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
                                              int count, int& s_last) {
     const int tid = threadIdx.x;
     int* at = part_at + tile * SPB;
+#if STAGED_TIMES
+    unsigned long long* rec = g_cta_times[blockIdx.x];
+    const long long c0 = clock64();
+#endif
 #pragma unroll
     for (int j = 0; j < N; ++j) __stcg(ws + (size_t)slot * per + tid + j * NT, v[j]);
     if (tid == 0) __stcg(at + first, count << 16 | (slot + 1));
+#if STAGED_TIMES
+    const long long c1 = clock64();
+#endif
     __threadfence();
+#if STAGED_TIMES
+    const long long c2 = clock64();
+#endif
     __syncthreads();
     if (tid == 0) s_last = atomicAdd(units_done + tile, count) + count == SPB;
     __syncthreads();
+#if STAGED_TIMES
+    const long long c3 = clock64();
+    if (tid == 0) {
+        rec[9] += c2 - c1;
+        rec[10] += c3 - c2;
+        rec[12 + (slot & 1)] = c3 - c0;
+        rec[14 + (slot & 1)] = c2 - c1;
+    }
+#endif
     if (!s_last) return false;
     __threadfence();
     for (int x = tid; x < SPB; x += NT) {              // one load per stage, then shared memory
@@ -169,6 +190,9 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
         for (int j = 0; j < N; ++j) v[j] += __ldcg(part + j * NT);
         x += p >> 16;
     }
+#if STAGED_TIMES
+    if (tid == 0) rec[11] += clock64() - c3;   // (issued: the adds wait at their first use)
+#endif
     return true;
 }
 
