@@ -1,5 +1,5 @@
 """Dev probe: does a fence wait for the thread's cp.async copies still in flight? Each thread of
-264 CTAs x 128 keeps R stages of 16-byte cp.async in flight over a 1 GB buffer (the memory
+264 CTAs x 128 keeps 3 stages of 4 16-byte cp.async in flight over a 1 GB buffer (the memory
 system loaded as in the staged GEMM), optionally stores 48 floats (st.cg, a part's share), then
 times with clock64 (tid 0 of each CTA, at stage 10 of 20): the fence variant, then the
 cp.async.wait_all after it. A fence that waits for the copies takes the time the wait would.
@@ -13,13 +13,13 @@ SRC = r"""
 extern "C" __global__ void __launch_bounds__(128)
 probe(const uint4* __restrict__ src, size_t n16, float* __restrict__ ws, long long* out,
       int variant, int store) {
-    __shared__ __align__(16) uint4 ring[4][8][128];
+    __shared__ __align__(16) uint4 ring[4][4][128];
     const int tid = threadIdx.x;
     size_t at = ((size_t)blockIdx.x * 977 * 1024 + tid) % n16;
     long long t_fence = 0, t_wait = 0;
     for (int it = 0; it < 20; ++it) {
         #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < 4; ++j) {
             unsigned d = (unsigned)__cvta_generic_to_shared(&ring[it & 3][j][tid]);
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d),
                          "l"(src + at) : "memory");
