@@ -14,10 +14,11 @@ programmatically). The macros:
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
 STAGED_CACHE, STAGED_LATE_START, STAGED_SPLIT and STAGED_DEFER, those of dev_wna16_20261201b
 STAGED_EARLY, STAGED_REVERSE, STAGED_AGE / STAGED_SKEW, STAGED_BLOCK_COST, STAGED_PDL_EARLY and
-STAGED_HALVES, since taken out or made the code.)
+STAGED_HALVES, and of dev_wna16_20261201c STAGED_L2_AHEAD, since taken out or made the code.)
     STAGED_SUMS = 1    no sums mma: a float2 per token tile from shared memory (garbage results)
-    STAGED_L2_AHEAD = d  the run's next d units' weights prefetched into L2 before the wait for
-                     the inputs (the layer's programmatic GEMM2 does so under GEMM1's tail)
+    STAGED_HALF_SKEW = k  the runs of the grid's first half k permille longer, the second
+                     half's k shorter (the first-come CTA of an SM runs faster: it is mostly of
+                     the first half)
 --compile-only builds the modules into CuPy's cache (run several at once before the timed
 call).
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3,base:t24] [--tokens 64]

@@ -102,8 +102,8 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
-#ifndef STAGED_L2_AHEAD  // dev: the run's next units' weights prefetched into L2 before the
-#define STAGED_L2_AHEAD 0  // wait for the inputs (so many units)
+#ifndef STAGED_HALF_SKEW  // dev: the runs of the grid's first half this many permille longer
+#define STAGED_HALF_SKEW 0   // than the mean, the second half's as much shorter (Q even)
 #endif
 #ifndef STAGED_SUMS      // 1: the tokens' sums not by mma but read from shared memory (timing
 #define STAGED_SUMS 0    // only: the bound of precomputed sums; garbage results)
@@ -287,7 +287,15 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // round trip), and runs shared from both ends by two CTAs (of one SM or not), even when
     // split in fixed halves with no atomics (193 / 108 against 183 / 103): a run per CTA,
     // walked in one direction, streams faster.
+#if STAGED_HALF_SKEW
+    auto run_start = [&](long long qq) {
+        const long long h = Q / 2, hi = 1000 + STAGED_HALF_SKEW, lo = 1000 - STAGED_HALF_SKEW;
+        const long long p = qq <= h ? qq * hi : h * hi + (qq - h) * lo;
+        return qq >= Q ? Wt : Wt * p / (Q * 1000LL);
+    };
+#else
     auto run_start = [&](long long qq) { return qq * Wt / Q; };
+#endif
 
     // Programmatic dependent launch (grouped_gemm_wna16(..., programmatic=True)): this grid
     // may start while the kernel before it on the stream still runs, and that kernel may only
@@ -385,28 +393,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         // .L2::cache_hint: GEMM2 at T = 64 99.6 against 101.7 us, but with early copies the f32
         // config failed its GPU test with an illegal instruction, dev_wna16_20261201.)
         if (first_segment) issue_weights(0, ib, is, n_units > 0);
-#if STAGED_L2_AHEAD && defined(W16_GRID_DEPENDENCIES)
-        // dev: the weights of the run's next STAGED_L2_AHEAD units into L2 (bulk prefetches:
-        // a segment's codes, scales and zero points are contiguous runs), before the wait for
-        // the inputs: a programmatic GEMM2 fetches them under GEMM1's tail
-        if (first_segment && tid == 0 && n_units > 1) {
-            const int u1 = ua + 1, u2 = min(ub, u1 + STAGED_L2_AHEAD) - 1;   // units u1 .. u2
-            auto group_at = [&](int u, bool last) {   // first / last group of unit u, in layout
-                const int b = u / SPB, c0 = (u - b * SPB) * KC;
-                const int c = last ? min(C, c0 + KC) - 1 : c0;
-                return (size_t)b * num_groups + (c >> chunk_shift);
-            };
-            auto prefetch = [](const void* p, size_t bytes) {
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p),
-                             "r"((unsigned)bytes) : "memory");
-            };
-            prefetch(w_tile - tid + (size_t)u1 * (NB * KC * 32),
-                     (size_t)(u2 - u1 + 1) * NB * KC * 512);
-            const size_t ga = group_at(u1, false), gb = group_at(u2, true);
-            prefetch(sp + sz_e + ga * (NB * 8), (gb - ga + 1) * NB * 8 * 8);
-            if (ZP) prefetch(zp + sz_e + ga * (NB * 8), (gb - ga + 1) * NB * 8 * 2);
-        }
-#endif
         w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots, top_k,
                              num_positions, sSlot, sArow);   // live: its cost is not 0
 
