@@ -26,7 +26,9 @@ which. Alignment runs on the host (reference) once per routing.
 
 Method: CUDA events around each call after warm-up, median over the repetitions; before each
 repetition (untimed) the next of 4 pre-drawn routings is selected and the L2 is flushed, so
-no repetition reads weights left in the 50 MB L2 by the previous one. --flush read (default)
+no repetition reads weights left in the 50 MB L2 by the previous one. The quantized layer's
+median per routing is kept too ("by_routing", with the routing's busiest expert's rows: one past
+the rung's m tile reads that expert's weights twice). --flush read (default)
 evicts by reading a 128 MB buffer (a sum): the L2 is left holding clean lines. --flush write
 (the method of the results up to 2026-11-29 22:41) evicts by a 128 MB memset, which leaves
 up to 50 MB of dirty lines whose write-back can land inside the timed call: up to 50 MB of
@@ -247,10 +249,11 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
                 st, ex, ntp = moe_align_block_size(ids, B, E)
                 out.append(tuple(C.to_device(v) for v in (st, ex, ntp)) + (C.to_device(tw),))
             return out
-        cur = {"i": 0}
+        cur = {"i": 0, "used": []}   # the routing of each setup() (each repetition)
 
         def setup():
             cur["i"] = (cur["i"] + 1) % ROUTINGS
+            cur["used"].append(cur["i"])
             if flush_mode == "write":
                 flush.fill(cur["i"])          # evict the L2 (a 128 MB write: dirty lines)
             else:
@@ -286,14 +289,22 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
             c2 = q_gemm2()
             finite = _all_finite(c1) and _all_finite(c2)   # garbage shows up as inf / NaN
             n_rep = reps if T < 4096 else max(5, reps // 2)
-            ms, _ = time_ms(q_layer, setup, 3, n_rep, use_spin)
+            ms, times = time_ms(q_layer, setup, 3, n_rep, use_spin)
+            # the layer's median per routing (the repetitions cycle through them): a routing
+            # whose busiest expert overflows one m tile reads that expert's weights twice
+            used = cur["used"][-n_rep:]
+            by_routing = [dict(ms=float(np.median([t for t, u in zip(times, used) if u == r])),
+                               max_rows=int(np.bincount(routings[r][0].ravel(),
+                                                        minlength=E).max()))
+                          for r in range(ROUTINGS) if r in used]
             ms1, _ = time_ms(q_gemm1, setup, 2, n_rep, use_spin)
             ms2, _ = time_ms(q_gemm2, setup, 2, n_rep, use_spin)
             nbytes = touched * qbytes_expert
             floor = max(nbytes / HBM, flops / PEAK[fmt]) * 1e3
             # fp8: gemm1_ms / gemm2_ms include the activation quantization before each GEMM
             point[fmt] = dict(ms=ms, gemm1_ms=ms1, gemm2_ms=ms2, bytes=nbytes, floor_ms=floor,
-                              frac=floor / ms, block_size=Bq, finite=finite)
+                              frac=floor / ms, block_size=Bq, finite=finite,
+                              by_routing=by_routing)
             if fmt == "fp8":
                 cc = int(cupy.cuda.Device().compute_capability)
                 point[fmt]["version"] = fp8_version or QG.fp8_rung(rows_per_expert, Bq, H, cc)
@@ -349,7 +360,8 @@ def _row(p, fmt):
     else:
         qtxt = (f"{fmt}{' ' + q['version'] if 'version' in q else ''} {q['ms']:8.3f} ms "
                 f"(g1 {q['gemm1_ms']:.3f}, g2 {q['gemm2_ms']:.3f}) "
-                f"floor {q['floor_ms']:.3f} frac {q['frac']:5.1%}")
+                f"floor {q['floor_ms']:.3f} frac {q['frac']:5.1%} [by routing " +
+                " ".join(f"{r['ms']:.3f}" for r in q.get("by_routing", [])) + "]")
     if not b:
         btxt = ""
     elif "error" in b:
