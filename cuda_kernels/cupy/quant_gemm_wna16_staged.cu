@@ -102,12 +102,6 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
-#ifndef STAGED_EARLY_IDS  // dev: 1 the m tiles' rows and experts loaded beside
-#define STAGED_EARLY_IDS 0    // num_tokens_post_padded, not after it
-#endif
-#ifndef STAGED_STORE     // dev: 1 the outputs in pairs of adjacent n (a shuffle, 32-bit stores),
-#define STAGED_STORE 0   // 2 no output stores (timing only: garbage results)
-#endif
 #ifndef STAGED_SUMS      // 1: the tokens' sums not by mma but read from shared memory (timing
 #define STAGED_SUMS 0    // only: the bound of precomputed sums; garbage results)
 #endif
@@ -261,11 +255,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     const int ntp = num_tokens_post_padded[0];
     for (int m = tid; m < mtiles; m += NT) {
         int lt = 0;                                    // 1 + the last live row's tile
-#if STAGED_EARLY_IDS    // dev: the rows and expert loaded beside ntp, not after it
-        {
-#else
         if (m * BM < ntp) {
-#endif
 #pragma unroll
             for (int r = 0; r < BM; ++r) {             // independent loads, in flight together
                 const int p = m * BM + r;
@@ -274,13 +264,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             }
         }
         // the m tile's expert, loaded beside its rows (not after them: one round trip less)
-#if STAGED_EARLY_IDS
-        const int ex_any = expert_ids[m * BM / block_size];
-        const int ex = m * BM < ntp ? ex_any : -1;
-        if (m * BM >= ntp) lt = 0;
-#else
         const int ex = m * BM < ntp ? expert_ids[m * BM / block_size] : -1;
-#endif
         m_expert[m] = ex;
         cum[m + 1] = lt && ex >= 0 ? (long long)U * (lt + STAGED_LT_COST) : 0;
     }
@@ -464,43 +448,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 
             // the block's outputs: c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8)
             auto store = [&](int b) {
-#if STAGED_STORE == 2
-                if (b >= 0) return;
-#elif STAGED_STORE == 1
-                // lanes g and g ^ 1 (lane ^ 4) swap a value: even g then holds n = g, g + 1 of
-                // token 2 t, odd g n = g - 1, g of token 2 t + 1, one 32-bit store each
-#pragma unroll
-                for (int r = 0; r < TPW; ++r) {
-                    const int tile = b * NB + warp * TPW + r;
-                    const bool odd = g & 1;
-#pragma unroll
-                    for (int mt = 0; mt < LT; ++mt) {
-                        const int row = 8 * mt + 2 * t + odd;
-                        const int sl = sSlot[row];
-                        float v[4];
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const int n = tile * 16 + g + 8 * (i >> 1);
-                            const int sr = sSlot[8 * mt + 2 * t + (i & 1)];
-                            v[i] = acc[r][mt][i];
-                            if (FA && sr >= 0) v[i] *= a_scale[sArow[8 * mt + 2 * t + (i & 1)]];
-                            if (bias != nullptr && tile < ntiles) v[i] += bias[(size_t)e * N + n];
-                            if (mul_routed_weight && sr >= 0) v[i] *= topk_weights[sr];
-                        }
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {          // rows g (h 0), g + 8 (h 1)
-                            const float mine = odd ? v[2 * h + 1] : v[2 * h];
-                            const float other = __shfl_xor_sync(0xFFFFFFFFu,
-                                                                odd ? v[2 * h] : v[2 * h + 1], 4);
-                            const int n0 = tile * 16 + (g & ~1) + 8 * h;
-                            if (tile < ntiles && sl >= 0)
-                                *reinterpret_cast<u32*>(c + (size_t)sl * N + n0) =
-                                    odd ? w16::pack2(other, mine) : w16::pack2(mine, other);
-                        }
-                    }
-                }
-                if (b >= 0) return;
-#endif
 #pragma unroll
                 for (int r = 0; r < TPW; ++r) {
                     const int tile = b * NB + warp * TPW + r;
