@@ -180,20 +180,14 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
     }
     if (tid == 0) units_done[tile] = 0;
     __syncthreads();
-    float mine[N];                                     // this CTA's part: the values it stored
 #pragma unroll
-    for (int j = 0; j < N; ++j) mine[j] = v[j], v[j] = 0.f;
+    for (int j = 0; j < N; ++j) v[j] = 0.f;
     for (int x = 0; x < SPB;) {                        // the parts tile [0, SPB) in order
         const int p = by_first[x];
         if (p == 0) break;                             // (cannot happen: every unit is done)
-        if ((p & 0xFFFF) - 1 == slot) {                // (not read back: a round trip less)
+        const float* part = ws + (size_t)((p & 0xFFFF) - 1) * per + tid;
 #pragma unroll
-            for (int j = 0; j < N; ++j) v[j] += mine[j];
-        } else {
-            const float* part = ws + (size_t)((p & 0xFFFF) - 1) * per + tid;
-#pragma unroll
-            for (int j = 0; j < N; ++j) v[j] += __ldcg(part + j * NT);
-        }
+        for (int j = 0; j < N; ++j) v[j] += __ldcg(part + j * NT);
         x += p >> 16;
     }
 #if STAGED_TIMES
@@ -216,7 +210,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
     using St = StagedStage<MT, NB, KC, ZP>;
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
-    __shared__ float sRouted[BM];                 // topk_weights[s] (mul_routed_weight)
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
     __shared__ uint2 sSumB[2];                    // the tokens' sums mma: B of even, odd columns
@@ -442,11 +435,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             step(ib, is);
         }
         first_segment = false;
-        // the rows' routing weights, read once here (under the first stages' copies; the loop's
-        // barriers publish them) and not at each store: a block's end, often the run's last
-        // work, then waits on one round trip less
-        if (mul_routed_weight && tid < BM)
-            sRouted[tid] = sSlot[tid] >= 0 ? topk_weights[sSlot[tid]] : 0.f;
 
         w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
             constexpr int LT = decltype(live_count)::value;
@@ -475,7 +463,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                             float v = acc[r][mt][i];
                             if (FA) v *= a_scale[sArow[row]];   // back from a 2^s
                             if (bias != nullptr) v += bias[(size_t)e * N + n];
-                            if (mul_routed_weight) v *= sRouted[row];
+                            if (mul_routed_weight) v *= topk_weights[s];
                             c[(size_t)s * N + n] = w16::from_f32(v);
                         }
                 }
