@@ -14,9 +14,8 @@ programmatically). The macros:
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
 STAGED_CACHE, STAGED_LATE_START, STAGED_SPLIT and STAGED_DEFER, those of dev_wna16_20261201b
 STAGED_EARLY, STAGED_REVERSE, STAGED_AGE / STAGED_SKEW, STAGED_BLOCK_COST, STAGED_PDL_EARLY and
-STAGED_HALVES, and of dev_wna16_20261201c STAGED_L2_AHEAD, STAGED_HALF_SKEW, STAGED_STORE and
-STAGED_EARLY_IDS, since taken out or made the code.)
-    STAGED_SUMS = 1    no sums mma: a float2 per token tile from shared memory (garbage results)
+STAGED_HALVES, and of dev_wna16_20261201c STAGED_SUMS, STAGED_L2_AHEAD, STAGED_HALF_SKEW,
+STAGED_STORE and STAGED_EARLY_IDS, since taken out or made the code.)
 --compile-only builds the modules into CuPy's cache (run several at once before the timed
 call).
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3,base:t24] [--tokens 64]
@@ -132,8 +131,7 @@ def main():
                 same = None                       # a variant that keeps the math: same bits?
                 if var == "base":
                     base_bits = bits
-                elif base_bits is not None and not (defs.get("STAGED_PROBE")
-                                                    or defs.get("STAGED_SUMS")):
+                elif base_bits is not None and not defs.get("STAGED_PROBE"):
                     same = all(np.array_equal(x, y) for x, y in zip(bits, base_bits))
                     # other bits (a variant that splits the work otherwise): how far, by the
                     # relative Frobenius difference of each GEMM's output (bf16 rounding ~1e-3)

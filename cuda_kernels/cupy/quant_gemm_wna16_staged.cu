@@ -57,10 +57,11 @@
 // operands), S = the token's sum over the chunks of one scale group met in the
 // stage, computed by the tensor cores too: 2 mma per token tile and chunk with the token's
 // 16-byte units as A and B = 1, then two shuffles put each token's S where the mma's C holds
-// the token. Without per-group zero points (ZP = 0) the start is one per token tile, shared by
-// the warp's TPW tiles; with them, an fmul per row and token (before: 4 mma per token tile and
-// chunk with A = -(128 + zp), per tile with zero points; with zero points T = 64 went from
-// 248 / 140 to 195 / 115 us, dev_wna16_20261130f). The fp32 partial sum_k (q - zp) a is then
+// the token (these mma cost little: with the sums read for free the layer at T = 64 took 255
+// against 259 us, dev_wna16_20261201c). Without per-group zero points (ZP = 0) the start is one
+// per token tile, shared by the warp's TPW tiles; with them, an fmul per row and token (before:
+// 4 mma per token tile and chunk with A = -(128 + zp), per tile with zero points; with zero
+// points T = 64 went from 248 / 140 to 195 / 115 us, dev_wna16_20261130f). The fp32 partial sum_k (q - zp) a is then
 // scaled by the group's scale into the accumulators: once per stage when its KC chunks share
 // a group (g128 and wider at KC = 2: each mma chain runs over both chunks), else once per
 // chunk. Why: a subtraction per pair (16 hsub2 per tile and chunk)
@@ -101,9 +102,6 @@
 #endif
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
-#endif
-#ifndef STAGED_SUMS      // 1: the tokens' sums not by mma but read from shared memory (timing
-#define STAGED_SUMS 0    // only: the bound of precomputed sums; garbage results)
 #endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
@@ -283,7 +281,9 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // early CTAs (233 / 132 against 197 / 108: a thief starts ~25 us late, each step a loaded
     // round trip), and runs shared from both ends by two CTAs (of one SM or not), even when
     // split in fixed halves with no atomics (193 / 108 against 183 / 103): a run per CTA,
-    // walked in one direction, streams faster.
+    // walked in one direction, streams faster. Static skews are slower too: the first half's
+    // runs 1.5 / 3 / 5% longer took the layer from 261 to 268 / 269 / 282 us
+    // (dev_wna16_20261201c).
     auto run_start = [&](long long qq) { return qq * Wt / Q; };
 
     // Programmatic dependent launch (grouped_gemm_wna16(..., programmatic=True)): this grid
@@ -515,13 +515,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                     // c1 / OO + c2 / OE is -S (ZP: the start of row r is -T - zp_r S). Each lane
                     // then takes its tokens' from lanes 8 t and 8 t + 4 (g = 2 t, 2 t + 1).
                     float2 start2[LT], neg_s2[ZP ? LT : 1];
-#if STAGED_SUMS                          // dev: no sums mma, a float2 per token tile from
-                    for (int mt = 0; mt < LT; ++mt) {   // shared memory in their place
-                        start2[mt] = reinterpret_cast<const float2*>(sa)[(mt * 8 + t) * 2];
-                        if (ZP) neg_s2[ZP ? mt : 0] = start2[mt];
-                    }
-                    if (false)
-#endif
                     {
                         const uint2 sb = sSumB[g & 1];
 #pragma unroll
