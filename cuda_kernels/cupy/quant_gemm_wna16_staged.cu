@@ -61,10 +61,10 @@
 // against 259 us, dev_wna16_20261201c). Without per-group zero points (ZP = 0) the start is one
 // per token tile, shared by the warp's TPW tiles; with them, an fmul per row and token (before:
 // 4 mma per token tile and chunk with A = -(128 + zp), per tile with zero points; with zero
-// points T = 64 went from 248 / 140 to 195 / 115 us, dev_wna16_20261130f). The fp32 partial sum_k (q - zp) a is then
-// scaled by the group's scale into the accumulators: once per stage when its KC chunks share
-// a group (g128 and wider at KC = 2: each mma chain runs over both chunks), else once per
-// chunk. Why: a subtraction per pair (16 hsub2 per tile and chunk)
+// points T = 64 went from 248 / 140 to 195 / 115 us, dev_wna16_20261130f). The fp32 partial
+// sum_k (q - zp) a is then scaled by the group's scale into the accumulators: once per stage
+// when its KC chunks share a group (g128 and wider at KC = 2: each mma chain runs over both
+// chunks), else once per chunk. Why: a subtraction per pair (16 hsub2 per tile and chunk)
 // cost more than these mma, and a chunk-sum kernel before the GEMM cost a launch (RAW of
 // wna16_packed; measured slower here, 262 / 142 against 247 / 132 us at T = 64,
 // bench_wna16_nvidia_h200_20261130_163547.json); one scaling per stage instead of per chunk
