@@ -58,7 +58,7 @@
 // stage, computed by the tensor cores too: 2 mma per token tile and chunk with the token's
 // 16-byte units as A and B = 1, then two shuffles put each token's S where the mma's C holds
 // the token (these mma cost little: with the sums read for free the layer at T = 64 took 255
-// against 259 us, dev_wna16_20261201c). Without per-group zero points (ZP = 0) the start is one
+// against 258-260 us, dev_wna16_20261201c). Without per-group zero points (ZP = 0) the start is one
 // per token tile, shared by the warp's TPW tiles; with them, an fmul per row and token (before:
 // 4 mma per token tile and chunk with A = -(128 + zp), per tile with zero points; with zero
 // points T = 64 went from 248 / 140 to 195 / 115 us, dev_wna16_20261130f). The fp32 partial
@@ -282,7 +282,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // round trip), and runs shared from both ends by two CTAs (of one SM or not), even when
     // split in fixed halves with no atomics (193 / 108 against 183 / 103): a run per CTA,
     // walked in one direction, streams faster. Static skews are slower too: the first half's
-    // runs 1.5 / 3 / 5% longer took the layer from 261 to 268 / 269 / 282 us
+    // runs 1.5 / 3 / 5% longer took the layer from 262 to 268 / 269-270 / 280-284 us
     // (dev_wna16_20261201c).
     auto run_start = [&](long long qq) { return qq * Wt / Q; };
 
