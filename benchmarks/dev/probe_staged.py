@@ -11,6 +11,8 @@ programmatically). The macros:
                      its partial blocks, with the parts' fences, counts and adds: their spread
                      is printed
     STAGED_LT_COST = c  a unit's cost LT + c in the run split (5 in the kernel)
+    STAGED_MINE_FIRST = 1  a finishing CTA whose part comes first keeps it (not read back)
+    STAGED_ROUTED_SMEM = 1  the rows' routing weights read once a segment into shared memory
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
 STAGED_CACHE, STAGED_LATE_START, STAGED_SPLIT and STAGED_DEFER, those of dev_wna16_20261201b
 STAGED_EARLY, STAGED_REVERSE, STAGED_AGE / STAGED_SKEW, STAGED_BLOCK_COST, STAGED_PDL_EARLY and
