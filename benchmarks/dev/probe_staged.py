@@ -11,13 +11,13 @@ programmatically). The macros:
                      its partial blocks, with the parts' fences, counts and adds: their spread
                      is printed
     STAGED_LT_COST = c  a unit's cost LT + c in the run split (5 in the kernel)
-    STAGED_MINE_FIRST = 1  a finishing CTA whose part comes first keeps it (not read back)
-    STAGED_ROUTED_SMEM = 1  the rows' routing weights read once a segment into shared memory
+    MAXREG = n, PTXO = n   compiler options, not macros: --maxrregcount=n, ptxas -On
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
 STAGED_CACHE, STAGED_LATE_START, STAGED_SPLIT and STAGED_DEFER, those of dev_wna16_20261201b
 STAGED_EARLY, STAGED_REVERSE, STAGED_AGE / STAGED_SKEW, STAGED_BLOCK_COST, STAGED_PDL_EARLY and
 STAGED_HALVES, and of dev_wna16_20261201c STAGED_SUMS, STAGED_L2_AHEAD, STAGED_HALF_SKEW,
-STAGED_STORE and STAGED_EARLY_IDS, since taken out or made the code.)
+STAGED_STORE, STAGED_EARLY_IDS, STAGED_MINE_FIRST and STAGED_ROUTED_SMEM, since taken out or
+made the code.)
 --compile-only builds the modules into CuPy's cache (run several at once before the timed
 call).
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3,base:t24] [--tokens 64]
@@ -48,14 +48,21 @@ extern "C" __global__ void read_all(const uint4* __restrict__ p, size_t n, unsig
 """
 
 
+# variant keys that are compiler options, not macros: MAXREG=n (--maxrregcount), PTXO=n
+# (ptxas -On)
+_OPTIONS = {"MAXREG": "--maxrregcount={}", "PTXO": "--ptxas-options=-O{}"}
+
+
 def _module(cupy, cu, cfg, var):
     """(kernel name, compiled RawModule, macros) of config cfg under variant var ("base", or
-    "PROBE=1+TIMES=1": the STAGED_ dev macros)."""
-    defs = {} if var == "base" else {f"STAGED_{k}": int(v) for k, v in
-                                     (kv.split("=") for kv in var.split("+"))}
+    "PROBE=1+TIMES=1": the STAGED_ dev macros, and the compiler options of _OPTIONS)."""
+    pairs = [] if var == "base" else [kv.split("=") for kv in var.split("+")]
+    defs = {f"STAGED_{k}": int(v) for k, v in pairs if k not in _OPTIONS}
+    opts = tuple(_OPTIONS[k].format(int(v)) for k, v in pairs if k in _OPTIONS)
     name = W.staged_kernel_name(cfg, False)
     mod = cupy.RawModule(code=C.source_text(cu, dict(ELEM_BF16=1, **defs)),
-                         options=C._BASE_OPTIONS + tuple(f"-I{d}" for d in C.cuda_include_dirs()),
+                         options=C._BASE_OPTIONS + opts +
+                         tuple(f"-I{d}" for d in C.cuda_include_dirs()),
                          name_expressions=(name,))
     mod.get_function(name)                      # compiles (or loads CuPy's cached cubin)
     return name, mod, defs

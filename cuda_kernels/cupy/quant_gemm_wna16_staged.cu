@@ -103,12 +103,6 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
-#ifndef STAGED_MINE_FIRST   // dev: 1 a finishing CTA whose part comes first keeps it (no
-#define STAGED_MINE_FIRST 0  // read back)
-#endif
-#ifndef STAGED_ROUTED_SMEM  // dev: 1 the rows' routing weights read once a segment into
-#define STAGED_ROUTED_SMEM 0 // shared memory, not at each store
-#endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
@@ -184,24 +178,14 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
     }
     if (tid == 0) units_done[tile] = 0;
     __syncthreads();
-#if STAGED_MINE_FIRST   // dev: this CTA's part first in order stays in v (0 + v is v: v is
-                        // never -0, its sums start at +0), and is not read back
-    const bool mine_first = (by_first[0] & 0xFFFF) - 1 == slot;
-#else
-    const bool mine_first = false;
-#endif
-    if (!mine_first) {
 #pragma unroll
-        for (int j = 0; j < N; ++j) v[j] = 0.f;
-    }
+    for (int j = 0; j < N; ++j) v[j] = 0.f;
     for (int x = 0; x < SPB;) {                        // the parts tile [0, SPB) in order
         const int p = by_first[x];
         if (p == 0) break;                             // (cannot happen: every unit is done)
-        if (x > 0 || !mine_first) {
-            const float* part = ws + (size_t)((p & 0xFFFF) - 1) * per + tid;
+        const float* part = ws + (size_t)((p & 0xFFFF) - 1) * per + tid;
 #pragma unroll
-            for (int j = 0; j < N; ++j) v[j] += __ldcg(part + j * NT);
-        }
+        for (int j = 0; j < N; ++j) v[j] += __ldcg(part + j * NT);
         x += p >> 16;
     }
 #if STAGED_TIMES
@@ -224,9 +208,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
     using St = StagedStage<MT, NB, KC, ZP>;
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
-#if STAGED_ROUTED_SMEM
-    __shared__ float sRouted[BM];                 // dev: topk_weights[s], read once a segment
-#endif
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
     __shared__ uint2 sSumB[2];                    // the tokens' sums mma: B of even, odd columns
@@ -454,10 +435,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             step(ib, is);
         }
         first_segment = false;
-#if STAGED_ROUTED_SMEM
-        if (mul_routed_weight && tid < BM)
-            sRouted[tid] = sSlot[tid] >= 0 ? topk_weights[sSlot[tid]] : 0.f;
-#endif
 
         w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
             constexpr int LT = decltype(live_count)::value;
@@ -486,11 +463,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                             float v = acc[r][mt][i];
                             if (FA) v *= a_scale[sArow[row]];   // back from a 2^s
                             if (bias != nullptr) v += bias[(size_t)e * N + n];
-#if STAGED_ROUTED_SMEM
-                            if (mul_routed_weight) v *= sRouted[row];
-#else
                             if (mul_routed_weight) v *= topk_weights[s];
-#endif
                             c[(size_t)s * N + n] = w16::from_f32(v);
                         }
                 }
