@@ -28,8 +28,8 @@ Method: CUDA events around each call after warm-up, median over the repetitions;
 repetition (untimed) the next of 4 pre-drawn routings is selected and the L2 is flushed, so
 no repetition reads weights left in the 50 MB L2 by the previous one. The quantized layer's
 median per routing is kept too ("by_routing", with the routing's busiest expert's rows: one past
-the rung's m tile reads that expert's weights twice). --flush read (default)
-evicts by reading a 128 MB buffer (a sum): the L2 is left holding clean lines. --flush write
+the rung's m tile reads that expert's weights twice). --flush read (default) evicts by reading
+a 128 MB buffer (a sum): the L2 is left holding clean lines. --flush write
 (the method of the results up to 2026-11-29 22:41) evicts by a 128 MB memset, which leaves
 up to 50 MB of dirty lines whose write-back can land inside the timed call: up to 50 MB of
 extra HBM traffic, noise beside the GBs read at T >= 16 but comparable to a T=1 layer's
