@@ -38,25 +38,22 @@ TOL = 2e-2          # issue 8 / vLLM's weight-only tolerance
 
 
 # ----------------------------------------------------------------------------- CPU
-def _runs(costs, Q, tail=0):
+def _runs(costs, Q):
     """The kernel's split (wna16_staged): m tile m of cost costs[m] per unit (0: none) and U
-    units; each CTA's run cut into its head and a tail of `tail` per mille; the units of each m
-    tile of run q's head and tail, as {(q, "head" or "tail"): [(m, ua, ub), ...]}."""
+    units; CTA q's units of each m tile, as {q: [(m, ua, ub), ...]}."""
     U = costs["U"]
     cum = np.concatenate([[0], np.cumsum([U * w for w in costs["w"]])])
     Wt = int(cum[-1])
     out = {}
     for q in range(Q):
         lo, hi = q * Wt // Q, (q + 1) * Wt // Q
-        cut = hi - (hi - lo) * tail // 1000
-        for piece, (a, b) in (("head", (lo, cut)), ("tail", (cut, hi))):
-            for m, w in enumerate(costs["w"]):
-                if not w or cum[m + 1] <= a or cum[m] >= b:
-                    continue
-                ua = max(0, -(-(a - int(cum[m])) // w))
-                ub = min(U, -(-(b - int(cum[m])) // w))
-                if ua < ub:
-                    out.setdefault((q, piece), []).append((m, ua, ub))
+        for m, w in enumerate(costs["w"]):
+            if not w or cum[m + 1] <= lo or cum[m] >= hi:
+                continue
+            ua = max(0, -(-(lo - int(cum[m])) // w))
+            ub = min(U, -(-(hi - int(cum[m])) // w))
+            if ua < ub:
+                out.setdefault(q, []).append((m, ua, ub))
     return out, cum, Wt
 
 
@@ -64,8 +61,7 @@ def _runs(costs, Q, tail=0):
 def test_plan_and_runs(name):
     """staged_plan's geometry; the kernel's runs (written out in _runs) cover every unit of every
     live m tile once, in order, each CTA's units of an m tile inside its weighted range, and at
-    most two partial blocks per piece of a run (its head and its tail: its workspace slots),
-    with and without tails."""
+    most two partial blocks per CTA (its workspace slots)."""
     cfg = W.STAGED_CONFIGS[name]
     bm, nb = 8 * cfg["MT"], cfg["W"] * cfg["TPW"]
     for P, N, K, L, B, sms in ((2, 28672, 4096, 58, bm, 132), (128, 4096, 14336, 376, 3 * bm, 132),
@@ -76,29 +72,26 @@ def test_plan_and_runs(name):
         spb = -(-K // 64 // cfg["KC"])
         assert lp["U"] == -(-(N // 16) // nb) * spb and q == min(sms * cfg["MINB"],
                                                                   lp["MTILES"] * lp["U"])
-        assert lp["WS"] == q * 4 * 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
+        assert lp["WS"] == q * 2 * 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
         assert lp["TILES"] == lp["MTILES"] * -(-(N // 16) // nb) and lp["SPB"] == spb
-        # units done, parts by first stage, the tails' asks
-        assert lp["COUNTERS"] == lp["TILES"] * (1 + spb) + q
-        assert lp["TAIL"] == W.STAGED_TAIL and lp["LTC"] == W.STAGED_LT_COST
+        assert lp["COUNTERS"] == lp["TILES"] * (1 + spb)   # units done, parts by first stage
         assert lp["smem"] == (cfg["S"] * W.staged_stage_bytes(cfg, False) +
                               8 * (lp["MTILES"] + 1) + 4 * spb + 4 * lp["MTILES"])
         assert lp["smem"] <= W.SMEM_PER_SM // cfg["MINB"] - 1024
         rng = np.random.default_rng(P)
         costs = dict(U=lp["U"], w=[int(x) for x in rng.choice([0, 6, 7, 8, 9], lp["MTILES"])])
-        for tail in (0, 60, 400):
-            runs, cum, Wt = _runs(costs, q, tail)
-            seen = [(m, u) for r in runs.values() for m, ua, ub in r for u in range(ua, ub)]
-            want = [(m, u) for m, w in enumerate(costs["w"]) if w for u in range(lp["U"])]
-            assert sorted(seen) == want and len(seen) == len(set(seen))
-            for (qq, _), r in runs.items():
-                partial = 0
-                for m, ua, ub in r:
-                    w = costs["w"][m]
-                    for u in (ua, ub - 1):                  # position p in run (p+1)Q-1 // Wt
-                        assert ((int(cum[m]) + u * w + 1) * q - 1) // Wt == qq
-                    partial += (ua % spb != 0) + (ub % spb != 0)
-                assert partial <= 2
+        runs, cum, Wt = _runs(costs, q)
+        seen = [(m, u) for r in runs.values() for m, ua, ub in r for u in range(ua, ub)]
+        want = [(m, u) for m, w in enumerate(costs["w"]) if w for u in range(lp["U"])]
+        assert sorted(seen) == want and len(seen) == len(set(seen))
+        for qq, r in runs.items():
+            partial = 0
+            for m, ua, ub in r:
+                w = costs["w"][m]
+                for u in (ua, ub - 1):                      # position p in run (p+1)Q-1 // Wt
+                    assert ((int(cum[m]) + u * w + 1) * q - 1) // Wt == qq
+                partial += (ua % spb != 0) + (ub % spb != 0)
+            assert partial <= 2
 
 
 @pytest.mark.parametrize("E,N,Kd,gs,zp,nb,kc", [(2, 288, 576, 64, True, 16, 2),
@@ -157,10 +150,6 @@ def test_plan_refuses_bad_configs():
         W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, S=8, KC=4))
     with pytest.raises(ValueError, match="config: expected keys"):
         W.pick_config(2.0, 24, dict(KERNEL="staged", MT=3, W=4))
-    with pytest.raises(ValueError, match=r"TAIL an int in \[0, 1000\).*got 1000"):
-        W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, TAIL=1000))
-    with pytest.raises(ValueError, match=r"LTC an int in \[0, 64\).*got -1"):
-        W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, LTC=-1))
 
 
 # ----------------------------------------------------------------------------- emulation
@@ -177,11 +166,10 @@ def _entries(names):
             f"const float* as, const void* wp, void* c, const void* sp, const void* zp, "
             f"const int* st, const int* ex, const int* ntp, const float* tw, const float* bias, "
             f"float* ws, int* cnt, int N, int K, int P, int top_k, int B, int L, int mul, "
-            f"int shift, int G, int dzp, int ltc, int tail) {{\n"
+            f"int shift, int G, int dzp) {{\n"
             f"    launch3(gx, gy, 1, block, [&] {{ gridDim.z = 1; {n}((const unsigned short*)a, "
             f"as, (const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
-            f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp, ltc, "
-            f"tail); }});\n}}")
+            f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp); }});\n}}")
     return "\n".join(out)
 
 
@@ -195,14 +183,13 @@ def emulated_staged(tmp_path_factory):
 
 
 def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms,
-                  programmatic=None, descending=False, tail=None):
+                  programmatic=None, descending=False):
     """The staged launch (staged_plan, arguments) on the emulation: (c, the plan). programmatic:
     None, a plain launch; "wait" or "ignore_waits", the emulation's model of a programmatic
     launch (test_quant_cupy.arm_programmatic: the activations are the grid before's output, c and
     the workspace this launch's), whose counts come back as the plan's "programmatic".
     descending: the CTAs run last to first (a block's parts are then completed by the CTA whose
-    run ends in it, where in ascending order the CTA whose run starts in it completes it; and
-    each run's tail is walked by the other of its two CTAs). tail: TAIL for the config's."""
+    run ends in it, where in ascending order the CTA whose run starts in it completes it)."""
     import ctypes
 
     from test_quant_cupy import arm_programmatic, blocks_descending, programmatic_counts
@@ -210,7 +197,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     def p(x):
         return None if x is None else x.ctypes.data_as(ctypes.c_void_p)
 
-    cfg = dict(W.STAGED_CONFIGS[cfg_name], **({} if tail is None else dict(TAIL=tail)))
+    cfg = W.STAGED_CONFIGS[cfg_name]
     M_a, Kd = a.shape
     E, N = wq.shape[:2]
     P, G = M_a * top_k, ws.shape[2]
@@ -231,7 +218,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
         getattr(lib, f"k{W.STAGED_NAMES.index(lp['name'])}")(
             gx, gy, lp["block"][0], p(a_in), p(a_scale), p(pk["wp"]), p(c),
             p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
-            N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8, lp["LTC"], lp["TAIL"])
+            N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
     assert not cnt.any(), "the part counters come back to zero"
     if programmatic is not None:
         lp["programmatic"] = programmatic_counts(lib)
@@ -339,27 +326,6 @@ def test_emulated_any_block_order_same_bits(emulated_staged, rng, cfg, shape, gs
     descending, _ = _run_emulated(emulated_staged, cfg, *args, descending=True)
     np.testing.assert_array_equal(descending.view(np.uint16), ascending.view(np.uint16))
     assert rel_err(descending, want) <= TOL
-
-
-@pytest.mark.simulator
-@pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [
-    ("t24", (20, 2, 2, 256, 512, 24), 128, True, 4, 8),        # runs across m tiles
-    ("t8", (2, 4, 2, 288, 576, 8), 64, False, 8, 16),          # blocks from 2-3 parts
-    ("t16", (5, 2, 2, 96, 384, 16), 128, False, 8, 9),         # Q odd: the last run alone
-])
-def test_emulated_tails(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
-    """Runs cut into head and tail (TAIL = 0.4 of each run): ascending, CTA q (q < Q / 2) walks
-    its partner's tail too; descending, the partner walks q's. Either way every unit is walked
-    once (the reference's result, the counters and the tails' asks back at zero) and the bits
-    are the same (the cut is fixed: a tail's parts are its own)."""
-    M_a, E, K, N, Kd, B = shape
-    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
-    args = (a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, sms)
-    ascending, lp = _run_emulated(emulated_staged, cfg, *args, tail=400)
-    assert lp["Q"] == q and lp["TAIL"] == 400, "the case covers the runs it was written for"
-    descending, _ = _run_emulated(emulated_staged, cfg, *args, descending=True, tail=400)
-    np.testing.assert_array_equal(descending.view(np.uint16), ascending.view(np.uint16))
-    assert rel_err(ascending, want) <= TOL
 
 
 def _other_rank_case(rng):

@@ -754,9 +754,6 @@ def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dic
 # 128 + q and the zero point comes off the accumulators' start, -(128 + zp) times the tokens'
 # sums (2 more mma per token tile and chunk). One wave of CTAs splits all m tiles' (row block,
 # K stage) units into runs of equal cost (staged_plan).
-# TAIL: the per mille of each run cut off as its tail, which the first of the run's CTA and its
-# partner to get there walks (wna16_staged's pieces); LTC: a unit's cost LT + LTC in the split.
-STAGED_TAIL, STAGED_LT_COST = 0, 5
 STAGED_CONFIGS = {
     "t8": dict(KERNEL="staged", MT=1, W=4, TPW=4, KC=2, S=4, MINB=2),
     "t16": dict(KERNEL="staged", MT=2, W=4, TPW=4, KC=2, S=4, MINB=2),
@@ -800,26 +797,17 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     m tiles' prefix costs (8 (MTILES + 1) bytes), a block's parts by first stage (4 SPB) and the
     m tiles' experts (4 MTILES).
     Every live m tile has U = blocks x SPB units (row blocks of NB tiles x K stages of KC
-    chunks), each costing LT + LTC (LT: its live token tiles, found on the device); the Q =
-    MINB CTAs per SM (times WAVES) take contiguous runs of equal cost over all m tiles in order,
-    each cut into a head and a tail of TAIL per mille (the tail walked by the run's CTA or its
-    partner, whichever comes first). The partial blocks meet in a workspace of WS floats
-    ([Q][head, tail][2 parts][32 W TPW MT 4]) with COUNTERS ints ([TILES] units done,
-    [TILES][SPB] parts by their first K stage, [Q] the tails' asks; TILES = m tiles x
-    blocks). fa: the FA mode (default: the config's)."""
+    chunks), each costing LT + 5 (LT: its live token tiles, found on the device); the Q = MINB
+    CTAs per SM (times WAVES) take contiguous runs of equal cost over all m tiles in order.
+    The partial blocks meet in a workspace of WS floats ([Q][2 parts][32 W TPW MT 4]) with
+    COUNTERS ints ([TILES] units done, [TILES][SPB] parts by their first K stage; TILES = m
+    tiles x blocks). fa: the FA mode (default: the config's)."""
     bm = 8 * cfg["MT"]
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
     for key in ("W", "TPW", "KC", "S", "MINB"):
         if not isinstance(cfg.get(key), int) or cfg[key] < 1:
             raise ValueError(f"config: expected {key} a positive int, got {cfg.get(key)!r}")
-    tail, ltc = cfg.get("TAIL", STAGED_TAIL), cfg.get("LTC", STAGED_LT_COST)
-    if not isinstance(tail, int) or not 0 <= tail < 1000:
-        raise ValueError(f"config: expected TAIL an int in [0, 1000) (per mille of a run), got "
-                         f"{tail!r}")
-    if not isinstance(ltc, int) or not 0 <= ltc < 64:
-        raise ValueError(f"config: expected LTC an int in [0, 64) (a unit's cost LT + LTC), got "
-                         f"{ltc!r}")
     if cfg["S"] < 2:
         raise ValueError(f"config: expected S >= 2 pipeline stages, got {cfg['S']}")
     Lg = min(L, P * block_size)
@@ -836,14 +824,14 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
                          f"each)")
     shift = 30 if num_groups == 1 else (group_size // PACK_CHUNK).bit_length() - 1
     per = 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
-    slots = 4 * q                              # [Q][head, tail][2 partial blocks]
+    slots = 2 * q                              # [Q][2 partial blocks]
     if slots >= 1 << 16 or spb >= 1 << 15:
         raise ValueError(f"config: {slots} part slots or {spb} K stages per block are past the "
                          f"part records' 16-bit fields")
     return dict(name=staged_kernel_name(cfg, zp, fa), cfg=cfg, grid=(q, 1, 1),
                 block=(32 * cfg["W"],), smem=smem, shift=shift, Lg=Lg, Q=q, U=units, SPB=spb,
-                MTILES=mtiles, WS=slots * per, TILES=mtiles * blocks, TAIL=tail, LTC=ltc,
-                COUNTERS=mtiles * blocks * (1 + spb) + q)
+                MTILES=mtiles, WS=slots * per, TILES=mtiles * blocks,
+                COUNTERS=mtiles * blocks * (1 + spb))
 
 
 F16_ROWS_KERNEL = "wna16_f16_rows"
@@ -1077,7 +1065,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                 tw if tw is not None else null, b32 if b32 is not None else null, ws, cnt,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
-                np.int32(G), np.int32(default_zp), np.int32(lp["LTC"]), np.int32(lp["TAIL"]))
+                np.int32(G), np.int32(default_zp))
         launch(kern, lp["grid"], lp["block"], args, shared_mem=lp["smem"],
                programmatic=programmatic)
         return c

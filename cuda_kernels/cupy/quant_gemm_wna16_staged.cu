@@ -100,6 +100,9 @@
 #ifndef STAGED_PROBE     // 1: no math, 2: no activation copies, 3: no weight copies (timing
 #define STAGED_PROBE 0   // only: the results are garbage but at 0)
 #endif
+#ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
+#define STAGED_LT_COST 5
+#endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
@@ -201,13 +204,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
              const float* __restrict__ topk_weights, const float* __restrict__ bias,
              float* __restrict__ ws, int* __restrict__ counters,
              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
-             int lt_cost, int tail_permille) {
+             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
     using St = StagedStage<MT, NB, KC, ZP>;
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
-    __shared__ int sLast, sClaimed;
+    __shared__ int sLast;
     __shared__ uint2 sSumB[2];                    // the tokens' sums mma: B of even, odd columns
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
@@ -262,7 +264,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         // the m tile's expert, loaded beside its rows (not after them: one round trip less)
         const int ex = m * BM < ntp ? expert_ids[m * BM / block_size] : -1;
         m_expert[m] = ex;
-        cum[m + 1] = lt && ex >= 0 ? (long long)U * (lt + lt_cost) : 0;
+        cum[m + 1] = lt && ex >= 0 ? (long long)U * (lt + STAGED_LT_COST) : 0;
     }
     __syncthreads();
     if (tid == 0) {
@@ -310,69 +312,22 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             w16::store_zeros<BM>(c, sSlot, N, 0, N, NT);
         __syncthreads();                               // sSlot is read before it is reused
     }
-    if (Wt == 0) return;                               // (uniform: no CTA asks for a tail)
+    if (Wt == 0 || run_start(q) >= run_start(q + 1)) return;
 
     // ---- the partial blocks' records (staged_plan's COUNTERS ints, zero between launches) and
-    // parts (WS floats: [Q][4 parts][PER]: a piece has two partial blocks at most)
+    // parts (WS floats: [Q][2 parts][PER], a run has two partial blocks at most)
     constexpr int PER = NT * TPW * MT * 4;
     int* units_done = counters;                            // [m tiles][blocks]
     int* part_at = counters + (size_t)mtiles * nblocks;    // [m tiles][blocks][SPB]
-    int* tail_asks = part_at + (size_t)mtiles * nblocks * SPB;   // [Q] (tails, below)
+    int parts_used = 0;
     bool first_segment = true;
 
-    // ---- the pieces. Run r is cut at a fixed point into its head and its tail (the last
-    // tail_permille of its cost). CTA q walks its head, then its own tail, then its partner's
-    // (q +- Q / 2: with the grid's order of dispatch, usually the other CTA of its SM) unless
-    // that CTA got there first: a tail goes to whichever of its two CTAs asks first (one
-    // atomicAdd each on tail_asks[r]: 0 = the first, who walks it; 1 = the second, who leaves
-    // the count at zero again. Both always ask, so nothing waits and the counts need no reset
-    // launch). Why: of an SM's two CTAs the older runs ~11% faster a unit, and a CTA left
-    // alone on its SM runs no faster than with its partner (T = 64 GEMM1, dev_wna16_20261201c:
-    // 5.1 / 4.5 cost a us together, 4.2-4.9 alone), so the SM's second half-rate tail is
-    // waste. The cut is fixed and a piece's parts are its own, so the bits do not depend on
-    // who walks which tail (the parts add in the order of their first K stages).
-    const int half = Q / 2, partner = q < half ? q + half : (q < 2 * half ? q - half : -1);
-    auto tail_start = [&](long long r) {
-        const long long lo = run_start(r), hi = run_start(r + 1);
-        return hi - (hi - lo) * tail_permille / 1000;
-    };
-    auto ask_for_tail = [&](int r) {                   // every thread; true: walk it
-        __syncthreads();                               // (sClaimed is read before reuse)
-        if (tid == 0) {
-            const int before = atomicAdd(tail_asks + r, 1);
-            if (before) tail_asks[r] = 0;              // the second: leave it at zero
-            sClaimed = before == 0;
-        }
-        __syncthreads();
-        return sClaimed != 0;
-    };
-    long long lo = 0, hi = 0;                          // the piece: weighted positions [lo, hi)
-    int slot = 0;                                      // its next part's workspace slot
-    auto start_piece = [&](int piece) {                // false: no piece to walk
-        if (piece == 0) {
-            lo = run_start(q), hi = tail_start(q), slot = 4 * q;
-            return true;
-        }
-        const int r = piece == 1 ? q : partner;
-        if (tail_permille == 0 || r < 0) return false;   // (uniform over the CTA)
-        wait_for_inputs();              // (a programmatic launch: tail_asks is the grid
-        if (partner >= 0 && !ask_for_tail(r)) return false;   // before's until the wait; a
-        lo = tail_start(r), hi = run_start(r + 1), slot = 4 * r + 2;   // run alone: its own)
-        return true;
-    };
-
-    // ---- the segments of the pieces, one m tile each: units [ua, ub) of m tile m
-#pragma unroll 1
-    for (int seg = 0; seg < 3 * mtiles; ++seg) {
-        const int m = seg % mtiles;
-        if (m == 0 && !start_piece(seg / mtiles)) {
-            seg += mtiles - 1;                         // (the next piece)
-            continue;
-        }
+    // ---- the segments of the run, one m tile each: units [ua, ub) of m tile m
+    for (int m = 0; m < mtiles; ++m) {
         const long long w = (cum[m + 1] - cum[m]) / U;  // the m tile's cost per unit
-        if (w == 0 || cum[m + 1] <= lo || cum[m] >= hi) continue;
-        const int ua = (int)max(0LL, (lo - cum[m] + w - 1) / w);
-        const int ub = (int)min((long long)U, (hi - cum[m] + w - 1) / w);
+        if (w == 0 || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1)) continue;
+        const int ua = (int)max(0LL, (run_start(q) - cum[m] + w - 1) / w);
+        const int ub = (int)min((long long)U, (run_start(q + 1) - cum[m] + w - 1) / w);
         if (ua >= ub) continue;
         const int n_units = ub - ua;
         const int e = m_expert[m];
@@ -668,7 +623,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #endif
                     } else if (finish_parts<TPW * LT * 4, NT>(
                                    &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
-                                   (size_t)m * nblocks + b, PER, slot++,
+                                   (size_t)m * nblocks + b, PER, 2 * q + parts_used++,
                                    s - blk_n + 1, blk_n, sLast)) {
                         store(b);
                     }
