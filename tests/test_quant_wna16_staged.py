@@ -166,11 +166,10 @@ def _entries(names):
             f"const float* as, const void* wp, void* c, const void* sp, const void* zp, "
             f"const int* st, const int* ex, const int* ntp, const float* tw, const float* bias, "
             f"float* ws, int* cnt, int N, int K, int P, int top_k, int B, int L, int mul, "
-            f"int shift, int G, int dzp, const int* runs) {{\n"
+            f"int shift, int G, int dzp) {{\n"
             f"    launch3(gx, gy, 1, block, [&] {{ gridDim.z = 1; {n}((const unsigned short*)a, "
             f"as, (const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
-            f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp, runs); "
-            f"}});\n}}")
+            f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp); }});\n}}")
     return "\n".join(out)
 
 
@@ -184,14 +183,13 @@ def emulated_staged(tmp_path_factory):
 
 
 def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms,
-                  programmatic=None, descending=False, runs=None):
+                  programmatic=None, descending=False):
     """The staged launch (staged_plan, arguments) on the emulation: (c, the plan). programmatic:
     None, a plain launch; "wait" or "ignore_waits", the emulation's model of a programmatic
     launch (test_quant_cupy.arm_programmatic: the activations are the grid before's output, c and
     the workspace this launch's), whose counts come back as the plan's "programmatic".
     descending: the CTAs run last to first (a block's parts are then completed by the CTA whose
-    run ends in it, where in ascending order the CTA whose run starts in it completes it).
-    runs: the run table (Q + 1 int32, the runs' starts in 2^-24 of the total cost)."""
+    run ends in it, where in ascending order the CTA whose run starts in it completes it)."""
     import ctypes
 
     from test_quant_cupy import arm_programmatic, blocks_descending, programmatic_counts
@@ -220,7 +218,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
         getattr(lib, f"k{W.STAGED_NAMES.index(lp['name'])}")(
             gx, gy, lp["block"][0], p(a_in), p(a_scale), p(pk["wp"]), p(c),
             p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
-            N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8, p(runs))
+            N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
     assert not cnt.any(), "the part counters come back to zero"
     if programmatic is not None:
         lp["programmatic"] = programmatic_counts(lib)
@@ -328,27 +326,6 @@ def test_emulated_any_block_order_same_bits(emulated_staged, rng, cfg, shape, gs
     descending, _ = _run_emulated(emulated_staged, cfg, *args, descending=True)
     np.testing.assert_array_equal(descending.view(np.uint16), ascending.view(np.uint16))
     assert rel_err(descending, want) <= TOL
-
-
-@pytest.mark.simulator
-@pytest.mark.parametrize("descending", [False, True])
-def test_emulated_run_table(emulated_staged, rng, descending):
-    """Runs from a table (the dev key RUN_TABLE, staged_run_table: here every other run 3x as
-    long as its neighbours): every unit walked once (the reference's result, the counters back
-    at zero) in either CTA order, with the same bits."""
-    shape, gs, zp, sms = (20, 2, 2, 256, 512, 24), 128, True, 4
-    M_a, E, K, N, Kd, B = shape
-    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
-    args = (a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, sms)
-    runs = W.staged_run_table([3.0, 1.0] * 4)
-    assert runs[0] == 0 and runs[-1] == 1 << 24 and (np.diff(runs) > 0).all()
-    got, lp = _run_emulated(emulated_staged, "t24", *args, descending=descending, runs=runs)
-    assert lp["Q"] == len(runs) - 1 == 8
-    ascending, _ = _run_emulated(emulated_staged, "t24", *args, runs=runs)
-    np.testing.assert_array_equal(got.view(np.uint16), ascending.view(np.uint16))
-    assert rel_err(got, want) <= TOL
-    with pytest.raises(ValueError, match="positive weights"):
-        W.staged_run_table([1.0, 0.0])
 
 
 def _other_rank_case(rng):

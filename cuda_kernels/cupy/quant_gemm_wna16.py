@@ -834,19 +834,6 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
                 COUNTERS=mtiles * blocks * (1 + spb))
 
 
-def staged_run_table(weights) -> np.ndarray:
-    """A dev run table for wna16_staged (config key RUN_TABLE, a device copy): CTA q's run is
-    [F[q], F[q + 1]) in 2^-24 of the total cost, F the prefix sums of `weights` (one per CTA,
-    positive) scaled to 2^24 (int32 [Q + 1], F[0] = 0, F[Q] = 2^24). Without a table the runs
-    are equal (F[q] = q 2^24 / Q, up to rounding)."""
-    w = np.asarray(weights, dtype=np.float64)
-    if w.ndim != 1 or w.size == 0 or not (w > 0).all():
-        raise ValueError(f"weights: expected a non-empty 1-D array of positive weights, got "
-                         f"shape {w.shape}")
-    f = np.concatenate([[0.0], np.cumsum(w)])
-    return np.round(f / f[-1] * (1 << 24)).astype(np.int32)
-
-
 F16_ROWS_KERNEL = "wna16_f16_rows"
 STAGED_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values()
                      for z in (False, True)) + (F16_ROWS_KERNEL,)
@@ -1072,17 +1059,13 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         null = C.null_ptr()
         a16, a_scale = _device_f16_rows(a) if fa else (C.raw(a), null)
         ws, cnt = _workspace(lp["WS"], lp["COUNTERS"])
-        runs = cfg0.get("RUN_TABLE")
-        if runs is not None:
-            C.check_array("config RUN_TABLE", runs, ndim=1, dtypes=(np.int32,),
-                          shape=(lp["Q"] + 1,))
         args = (a16, a_scale, pk["wp"], C.raw(c), pk["sp"],
                 pk["zp"] if pk["zp"] is not None else null,
                 sorted_token_ids, expert_ids, num_tokens_post_padded,
                 tw if tw is not None else null, b32 if b32 is not None else null, ws, cnt,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
-                np.int32(G), np.int32(default_zp), null if runs is None else runs)
+                np.int32(G), np.int32(default_zp))
         launch(kern, lp["grid"], lp["block"], args, shared_mem=lp["smem"],
                programmatic=programmatic)
         return c

@@ -204,8 +204,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
              const float* __restrict__ topk_weights, const float* __restrict__ bias,
              float* __restrict__ ws, int* __restrict__ counters,
              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
-             const int* __restrict__ run_table) {
+             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
     using St = StagedStage<MT, NB, KC, ZP>;
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
@@ -285,9 +284,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // walked in one direction, streams faster. Static skews are slower too: the first half's
     // runs 1.5 / 3 / 5% longer took the layer from 262 to 268 / 269-270 / 280-284 us
     // (dev_wna16_20261201c).
-    auto run_start = [&](long long qq) {
-        return run_table ? Wt * run_table[qq] >> 24 : qq * Wt / Q;
-    };
+    auto run_start = [&](long long qq) { return qq * Wt / Q; };
 
     // Programmatic dependent launch (grouped_gemm_wna16(..., programmatic=True)): this grid
     // may start while the kernel before it on the stream still runs, and that kernel may only
