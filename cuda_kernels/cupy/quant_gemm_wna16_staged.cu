@@ -283,7 +283,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // split in fixed halves with no atomics (193 / 108 against 183 / 103): a run per CTA,
     // walked in one direction, streams faster. Static skews are slower too: the first half's
     // runs 1.5 / 3 / 5% longer took the layer from 262 to 268 / 269-270 / 280-284 us
-    // (dev_wna16_20261201c).
+    // (dev_wna16_20261201c; the halves are not the SMs' first and second CTAs). With the roles
+    // read from the GPU, 3% gained ~1% of the layer, and a run's tail left to whichever of two
+    // CTAs came first cost ~10 us a CTA in ring restarts (dev_wna16_20261201d): the last CTA
+    // is on a slow SM, and the SMs' speeds do not repeat from launch to launch.
     auto run_start = [&](long long qq) { return qq * Wt / Q; };
 
     // Programmatic dependent launch (grouped_gemm_wna16(..., programmatic=True)): this grid
