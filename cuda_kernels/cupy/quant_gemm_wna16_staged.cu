@@ -107,12 +107,6 @@
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
 #endif
-#ifndef STAGED_A_SMEM     // dev: 1: the activation copies' sources and destinations recomputed
-#define STAGED_A_SMEM 0     // each stage from tid and sArow, not kept in registers
-#endif
-#ifndef STAGED_SMEM_BOUNDS  // dev: 1: the run's bounds read from shared memory in the segment
-#define STAGED_SMEM_BOUNDS 0  // loop, not recomputed from Wt, q and Q
-#endif
 #if STAGED_TIMES
 __device__ unsigned long long g_cta_times[4096][16];  // start, end, SM, units, units x LT,
         // first landed, end cycles, parts, of them in whole stores; the parts' (finish_parts)
@@ -332,21 +326,11 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     bool first_segment = true;
 
     // ---- the segments of the run, one m tile each: units [ua, ub) of m tile m
-#if STAGED_SMEM_BOUNDS
-    __shared__ long long sRun[2];
-    if (tid == 0) sRun[0] = run_start(q), sRun[1] = run_start(q + 1);
-    __syncthreads();
-#define RUN_LO sRun[0]
-#define RUN_HI sRun[1]
-#else
-#define RUN_LO run_start(q)
-#define RUN_HI run_start(q + 1)
-#endif
     for (int m = 0; m < mtiles; ++m) {
         const long long w = (cum[m + 1] - cum[m]) / U;  // the m tile's cost per unit
-        if (w == 0 || cum[m + 1] <= RUN_LO || cum[m] >= RUN_HI) continue;
-        const int ua = (int)max(0LL, (RUN_LO - cum[m] + w - 1) / w);
-        const int ub = (int)min((long long)U, (RUN_HI - cum[m] + w - 1) / w);
+        if (w == 0 || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1)) continue;
+        const int ua = (int)max(0LL, (run_start(q) - cum[m] + w - 1) / w);
+        const int ub = (int)min((long long)U, (run_start(q + 1) - cum[m] + w - 1) / w);
         if (ua >= ub) continue;
         const int n_units = ub - ua;
         const int e = m_expert[m];
@@ -423,7 +407,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         int a_chunk[A_PER];                                // its chunk in the stage
 #pragma unroll
         for (int j = 0; j < A_PER; ++j) {
-            if (STAGED_A_SMEM) break;
             const int k = tid + j * NT, r = k / (KC * 8), u = k % (KC * 8);
             a_on[j] = k < A_UNITS && r < live_rows;
             const int ar = a_on[j] ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
@@ -442,17 +425,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                 for (int j = 0; j < A_PER; ++j) {
                     if (STAGED_PROBE == 2) break;
-#if STAGED_A_SMEM
-                    const int k = tid + j * NT, r = k / (KC * 8), u = k % (KC * 8);
-                    const bool on = k < A_UNITS && r < live_rows;
-                    const int sr = on ? sArow[r] : 0, ar = sr >= 0 ? sr : first;
-                    const bool ok = u / 8 < kcn;
-                    w16::cp16_if(on, sa + St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1))),
-                                 a + (size_t)ar * Kdim + u * 8 + (ok ? c0 * 64 : 0), ok);
-#else
                     const bool ok = a_chunk[j] < kcn;
                     w16::cp16_if(a_on[j], sa + a_dst[j], a_src[j] + (ok ? c0 * 64 : 0), ok);
-#endif
                 }
             }
             w16::cp_commit();
