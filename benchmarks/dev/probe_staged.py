@@ -17,8 +17,9 @@ STAGED_CACHE, STAGED_LATE_START, STAGED_SPLIT and STAGED_DEFER, those of dev_wna
 STAGED_EARLY, STAGED_REVERSE, STAGED_AGE / STAGED_SKEW, STAGED_BLOCK_COST, STAGED_PDL_EARLY and
 STAGED_HALVES, and of dev_wna16_20261201c STAGED_SUMS, STAGED_L2_AHEAD, STAGED_HALF_SKEW,
 STAGED_STORE, STAGED_EARLY_IDS, STAGED_MINE_FIRST and STAGED_ROUTED_SMEM, since taken out or
-made the code. Those of dev_wna16_20261201d were config keys, TAIL / LTC (6ea9ba9) and RUN_TABLE
-with benchmarks/dev/role_skew.py (ccb4bdd), taken out too.)
+made the code. Those of dev_wna16_20261201d: config keys TAIL / LTC (6ea9ba9) and RUN_TABLE with
+benchmarks/dev/role_skew.py (ccb4bdd), and STAGED_A_SMEM / STAGED_SMEM_BOUNDS (53c21cf), taken
+out too.)
 --compile-only builds the modules into CuPy's cache (run several at once before the timed
 call).
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3,base:t24] [--tokens 64]
