@@ -22,6 +22,8 @@ benchmarks/dev/role_skew.py (ccb4bdd), and STAGED_A_SMEM / STAGED_SMEM_BOUNDS (5
 out too.)
 --compile-only builds the modules into CuPy's cache (run several at once before the timed
 call).
+A config may name the one variant it runs after "@" (t24+TEAMS=2+MINB=1@TEAMS=2: a launch that
+needs its macro); its bits are checked against the first config's base.
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3,base:t24] [--tokens 64]
                                           [--variants base,PROBE=1,TIMES=1+PROBE=3]
                                           [--base-cu quant_gemm_wna16_staged_base.cu]"""
@@ -70,6 +72,13 @@ def _module(cupy, cu, cfg, var):
     return name, mod, defs
 
 
+def _own_variants(spec: str, variants: str):
+    """("t24+TEAMS=2+MINB=1", ["TEAMS=2"]) from "t24+TEAMS=2+MINB=1@TEAMS=2": a config that
+    runs only its own variant (a launch that needs its macro), else --variants."""
+    spec, _, own = spec.partition("@")
+    return spec, [own] if own else variants.split(",")
+
+
 def _rel_diff(x16, y16) -> float:
     """||x - y|| / ||y|| of two bf16 arrays given as their uint16 bits (NaN where one is)."""
     f = [(v.astype(np.uint32) << 16).view(np.float32).astype(np.float64) for v in (x16, y16)]
@@ -91,10 +100,11 @@ def main():
                         "before the timed call")
     args = p.parse_args()
     if args.compile_only:
-        for spec in args.configs.split(","):
+        for spec0 in args.configs.split(","):
+            spec, variants = _own_variants(spec0, args.variants)
             base = spec.startswith("base:")
             _, cfg = _config_override(dict(W.STAGED_CONFIGS), spec[5:] if base else spec)
-            for var in args.variants.split(","):
+            for var in variants:
                 _module(cupy, args.base_cu if base else W.CU_STAGED, cfg, var)
         return
     w1, w2, s1, s2 = mixtral_weights()
@@ -115,7 +125,9 @@ def main():
     for T in map(int, args.tokens.split(",")):
         ids, tw = draw_routing(rng, T)
         x, act = random_bf16((T, H), 10 + T), random_bf16((T * K, I), 20 + T)
-        for spec in args.configs.split(","):
+        base_bits = None        # the first config's "base" outputs: every other variant's bits
+        for spec0 in args.configs.split(","):    # are checked against them
+            spec, variants = _own_variants(spec0, args.variants)
             # "base:t24": t24's launch with the kernel of --base-cu (an earlier version of the
             # .cu beside it, same arguments and template), for a same-call baseline
             base = spec.startswith("base:")
@@ -134,15 +146,14 @@ def main():
             def layer():            # GEMM1, then GEMM2 launched programmatically (bench_quant's)
                 g1()
                 g2(programmatic=True)
-            base_bits = None                      # the "base" variant's outputs (if it ran)
-            for var in args.variants.split(","):
+            for var in variants:
                 W._READY.clear()
                 W._SMEM_SET.clear()
                 name, mod, defs = _module(cupy, args.base_cu if base else W.CU_STAGED, cfg, var)
                 W._READY[(name, 1, dev)] = mod.get_function(name)
                 bits = [cupy.asnumpy(g().view(cupy.uint16)) for g in (g1, g2)]
                 same = None                       # a variant that keeps the math: same bits?
-                if var == "base":
+                if var == "base" and base_bits is None:
                     base_bits = bits
                 elif base_bits is not None and not defs.get("STAGED_PROBE"):
                     same = all(np.array_equal(x, y) for x, y in zip(bits, base_bits))
