@@ -815,15 +815,8 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     nb = cfg["W"] * cfg["TPW"]
     blocks, spb = C.cdiv(N // 16, nb), C.cdiv(K // PACK_CHUNK, cfg["KC"])
     units = blocks * spb
-    # TEAMS (dev, STAGED_TEAMS in the .cu): each CTA holds TEAMS teams of W warps, each one
-    # logical CTA with its own ring: Q = grid x TEAMS logical CTAs
-    teams = cfg.get("TEAMS", 1)
-    grid = C.cdiv(max(1, min(num_sms * cfg["MINB"] * cfg.get("WAVES", 1) * teams,
-                             mtiles * units)), teams)
-    q = grid * teams
+    q = max(1, min(num_sms * cfg["MINB"] * cfg.get("WAVES", 1), mtiles * units))
     smem = cfg["S"] * staged_stage_bytes(cfg, zp) + 8 * (mtiles + 1) + 4 * spb + 4 * mtiles
-    if teams > 1:
-        smem = teams * C.cdiv(smem, 128) * 128
     room = SMEM_PER_SM // cfg["MINB"] - 1024
     if smem > room:
         raise ValueError(f"config: {smem} bytes of pipeline stages and m tile costs per CTA "
@@ -835,8 +828,8 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     if slots >= 1 << 16 or spb >= 1 << 15:
         raise ValueError(f"config: {slots} part slots or {spb} K stages per block are past the "
                          f"part records' 16-bit fields")
-    return dict(name=staged_kernel_name(cfg, zp, fa), cfg=cfg, grid=(grid, 1, 1),
-                block=(32 * cfg["W"] * teams,), smem=smem, shift=shift, Lg=Lg, Q=q, U=units, SPB=spb,
+    return dict(name=staged_kernel_name(cfg, zp, fa), cfg=cfg, grid=(q, 1, 1),
+                block=(32 * cfg["W"],), smem=smem, shift=shift, Lg=Lg, Q=q, U=units, SPB=spb,
                 MTILES=mtiles, WS=slots * per, TILES=mtiles * blocks,
                 COUNTERS=mtiles * blocks * (1 + spb))
 

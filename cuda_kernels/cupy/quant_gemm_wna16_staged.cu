@@ -119,54 +119,6 @@ __device__ __forceinline__ unsigned long long global_ns() {
 }
 #endif
 
-#ifndef STAGED_TEAMS     // dev: a CTA of TEAMS teams of W warps, each team a CTA of its own
-#define STAGED_TEAMS 1   // (own ring, named barrier 1 + team): logical CTA blockIdx.x + team
-#endif                   // gridDim.x of gridDim.x TEAMS (config key TEAMS launches it)
-#if STAGED_TEAMS > 1
-// The team's barrier (bar.sync 1 + team over its NT threads) and its barrier-or.
-template <int NT>
-__device__ __forceinline__ void team_sync() {
-    asm volatile("bar.sync %0, %1;\n" :: "r"(1 + (int)(threadIdx.x / NT)), "n"(NT) : "memory");
-}
-template <int NT>
-__device__ __forceinline__ int team_sync_or(int p) {
-    int r;
-    asm volatile("{\n .reg .pred p, q;\n setp.ne.b32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n"
-                 " selp.b32 %0, 1, 0, q;\n}\n"
-                 : "=r"(r) : "r"(p), "r"(1 + (int)(threadIdx.x / NT)), "n"(NT) : "memory");
-    return r;
-}
-// w16::load_m_tile and w16::store_zeros for one team (its thread index, its barrier)
-template <int BM, int NT>
-__device__ __forceinline__ bool team_load_m_tile(int m0, const int* __restrict__ sorted_token_ids,
-                                                 const int* __restrict__ num_tokens_post_padded,
-                                                 int num_slots, int top_k, int num_positions,
-                                                 int* sSlot, int* sArow) {
-    const int tid = threadIdx.x % NT;
-    const int s = (tid < BM && m0 + tid < num_positions) ? sorted_token_ids[m0 + tid] : -1;
-    if (m0 >= num_positions || m0 >= num_tokens_post_padded[0]) return false;
-    int live = 0;
-    if (tid < BM) {
-        live = s >= 0 && s < num_slots;
-        sSlot[tid] = live ? s : -1;
-        sArow[tid] = live ? s / top_k : -1;
-    }
-    return team_sync_or<NT>(live);
-}
-template <int BM, int NT>
-__device__ __forceinline__ void team_store_zeros(elem_t* __restrict__ c, const int* sSlot, int N) {
-    for (int i = threadIdx.x % NT; i < BM * N; i += NT) {
-        const int r = i / N, n = i % N;
-        if (sSlot[r] >= 0) c[(size_t)sSlot[r] * N + n] = w16::from_f32(0.f);
-    }
-}
-#define STAGED_SYNC(NT) team_sync<NT>()
-#define STAGED_TID(NT) ((int)(threadIdx.x % (NT)))
-#else
-#define STAGED_SYNC(NT) __syncthreads()
-#define STAGED_TID(NT) ((int)threadIdx.x)
-#endif
-
 // Bytes of one pipeline stage (each part rounded to 128 bytes), as the launcher computes them.
 template <int MT, int NB, int KC, int ZP>
 struct StagedStage {
@@ -177,14 +129,6 @@ struct StagedStage {
     static constexpr int A_OFF = Z_OFF + (ZP ? round(NB * KC * 16) : 0);
     static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
 };
-
-// One team's dynamic shared memory (STAGED_TEAMS > 1: the launcher's TEAMS times this): its
-// ring, then the m tiles' prefix costs, a block's parts by first stage and the m tiles' experts
-// (the kernel's layout below), rounded up to 128 bytes.
-template <typename St>
-__host__ __device__ constexpr size_t staged_team_bytes(int S, int mtiles, int SPB) {
-    return ((size_t)S * St::BYTES + 8 * (mtiles + 1) + 4 * SPB + 4 * mtiles + 127) / 128 * 128;
-}
 
 // A block's part: this CTA's walk computed `count` of its SPB K stages from stage `first` (the N
 // fp32 values v of each of the NT threads). It goes to workspace slot `slot` (ws [slot][per],
@@ -197,11 +141,11 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
                                              int* __restrict__ units_done,
                                              int* __restrict__ part_at, int* by_first, int SPB,
                                              size_t tile, int per, int slot, int first,
-                                             int count, int& s_last, int cta) {
-    const int tid = STAGED_TID(NT);
+                                             int count, int& s_last) {
+    const int tid = threadIdx.x;
     int* at = part_at + tile * SPB;
 #if STAGED_TIMES
-    unsigned long long* rec = g_cta_times[cta];
+    unsigned long long* rec = g_cta_times[blockIdx.x];
     const long long c0 = clock64();
 #endif
 #pragma unroll
@@ -214,9 +158,9 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
 #if STAGED_TIMES
     const long long c2 = clock64();
 #endif
-    STAGED_SYNC(NT);
+    __syncthreads();
     if (tid == 0) s_last = atomicAdd(units_done + tile, count) + count == SPB;
-    STAGED_SYNC(NT);
+    __syncthreads();
 #if STAGED_TIMES
     const long long c3 = clock64();
     if (tid == 0) {
@@ -233,7 +177,7 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
         at[x] = 0;
     }
     if (tid == 0) units_done[tile] = 0;
-    STAGED_SYNC(NT);
+    __syncthreads();
 #pragma unroll
     for (int j = 0; j < N; ++j) v[j] = 0.f;
     for (int x = 0; x < SPB;) {                        // the parts tile [0, SPB) in order
@@ -251,7 +195,7 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
 }
 
 template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int FA>
-__global__ void __launch_bounds__(W * 32 * STAGED_TEAMS, MINB)
+__global__ void __launch_bounds__(W * 32, MINB)
 wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_scale,
              const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
@@ -263,43 +207,25 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
              int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
     using St = StagedStage<MT, NB, KC, ZP>;
-#if STAGED_TEAMS > 1
-    const int team = threadIdx.x / NT;
-    __shared__ int sSlotT[STAGED_TEAMS][BM], sArowT[STAGED_TEAMS][BM], sLastT[STAGED_TEAMS];
-    __shared__ uint2 sSumBT[STAGED_TEAMS][2];
-    int* sSlot = sSlotT[team];
-    int* sArow = sArowT[team];
-    int& sLast = sLastT[team];
-    uint2* sSumB = sSumBT[team];
-    extern __shared__ __align__(128) u8 smem_all[];
-    u8* smem = smem_all + (size_t)team * staged_team_bytes<St>(S, (num_positions + BM - 1) / BM,
-                                                               ((Kdim >> 6) + KC - 1) / KC);
-#else
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
     __shared__ uint2 sSumB[2];                    // the tokens' sums mma: B of even, odd columns
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
-#endif
 
-    const int tid = STAGED_TID(NT), warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 #if STAGED_TIMES
     if (tid == 0) {
         unsigned sm;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        const int cta = blockIdx.x + (STAGED_TEAMS > 1 ? (int)(threadIdx.x / NT) * gridDim.x : 0);
-        g_cta_times[cta][0] = global_ns();
-        g_cta_times[cta][2] = sm;
+        g_cta_times[blockIdx.x][0] = global_ns();
+        g_cta_times[blockIdx.x][2] = sm;
     }
 #endif
     const int ntiles = N >> 4, C = Kdim >> 6;
     const int SPB = (C + KC - 1) / KC, nblocks = (ntiles + NB - 1) / NB, U = nblocks * SPB;
     const int mtiles = (num_positions + BM - 1) / BM;
-#if STAGED_TEAMS > 1
-    const int Q = gridDim.x * STAGED_TEAMS, q = blockIdx.x + team * gridDim.x;
-#else
     const int Q = gridDim.x, q = blockIdx.x;
-#endif
     // The codes the mma reads: bf16 128 + q (one per half-word); fp16 (FA, or an fp16 build)
     // 1024 + q for even pairs, 64 + q for odd ones (w16::raw_pairs_f16: a third of the shifts)
     constexpr bool F16 = FA || !ELEM_BF16;
@@ -340,12 +266,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         m_expert[m] = ex;
         cum[m + 1] = lt && ex >= 0 ? (long long)U * (lt + STAGED_LT_COST) : 0;
     }
-    STAGED_SYNC(NT);
+    __syncthreads();
     if (tid == 0) {
         cum[0] = 0;
         for (int m = 0; m < mtiles; ++m) cum[m + 1] += cum[m];
     }
-    STAGED_SYNC(NT);
+    __syncthreads();
     const long long Wt = cum[mtiles];
     // CTA q's run: weighted positions [run_start(q), run_start(q + 1)), fixed before the launch.
     // Measured (T = 64 GEMM1, STAGED_TIMES, dev_wna16_20261130g): the runs end anywhere from
@@ -384,16 +310,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     for (int m = q; m < mtiles; m += Q) {
         if (m * BM >= ntp || m_expert[m] >= 0) continue;
         wait_for_inputs();
-#if STAGED_TEAMS > 1
-        if (team_load_m_tile<BM, NT>(m * BM, sorted_token_ids, num_tokens_post_padded,
-                                     num_slots, top_k, num_positions, sSlot, sArow))
-            team_store_zeros<BM, NT>(c, sSlot, N);
-#else
         if (w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots,
                                  top_k, num_positions, sSlot, sArow))
             w16::store_zeros<BM>(c, sSlot, N, 0, N, NT);
-#endif
-        STAGED_SYNC(NT);                               // sSlot is read before it is reused
+        __syncthreads();                               // sSlot is read before it is reused
     }
     if (Wt == 0 || run_start(q) >= run_start(q + 1)) return;
 
@@ -465,13 +385,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         // .L2::cache_hint: GEMM2 at T = 64 99.6 against 101.7 us, but with early copies the f32
         // config failed its GPU test with an illegal instruction, dev_wna16_20261201.)
         if (first_segment) issue_weights(0, ib, is, n_units > 0);
-#if STAGED_TEAMS > 1
-        team_load_m_tile<BM, NT>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots,
-                                 top_k, num_positions, sSlot, sArow);   // live: cost not 0
-#else
         w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots, top_k,
                              num_positions, sSlot, sArow);   // live: its cost is not 0
-#endif
 
         // the live token tiles (an expert's live rows are a prefix of its block), and the row of a
         // each staged row copies (padding rows inside the live tiles: a live row, never stored)
@@ -561,10 +476,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             int b = b_first, s = s_first;                  // the unit being computed
             for (int i = 0; i < n_units; ++i) {
                 w16::cp_wait<S - 2>();                     // stage i has landed (this thread's)
-                STAGED_SYNC(NT);                           // ... and everyone's; slot i - 1 free
+                __syncthreads();                           // ... and everyone's; slot i - 1 free
 #if STAGED_TIMES
-                if (tid == 0 && g_cta_times[q][5] == 0)
-                    g_cta_times[q][5] = global_ns();
+                if (tid == 0 && g_cta_times[blockIdx.x][5] == 0)
+                    g_cta_times[blockIdx.x][5] = global_ns();
 #endif
                 issue(i + S - 1, ib, is, i + S - 1 < n_units, true);
                 step(ib, is);
@@ -702,17 +617,17 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 if (i + 1 == n_units || s == SPB - 1) {   // uniform over the CTA
 #if STAGED_TIMES
                     const long long c_end0 = clock64();
-                    if (tid == 0 && blk_n != SPB) ++g_cta_times[q][7];
+                    if (tid == 0 && blk_n != SPB) ++g_cta_times[blockIdx.x][7];
 #endif
                     if (blk_n == SPB) {
                         store(b);
 #if STAGED_TIMES
-                        if (tid == 0) g_cta_times[q][8] += clock64() - c_end0;
+                        if (tid == 0) g_cta_times[blockIdx.x][8] += clock64() - c_end0;
 #endif
                     } else if (finish_parts<TPW * LT * 4, NT>(
                                    &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
                                    (size_t)m * nblocks + b, PER, 2 * q + parts_used++,
-                                   s - blk_n + 1, blk_n, sLast, q)) {
+                                   s - blk_n + 1, blk_n, sLast)) {
                         store(b);
                     }
                     blk_n = 0;
@@ -723,7 +638,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                             for (int k = 0; k < 4; ++k) acc[r][mt][k] = 0.f;
 #if STAGED_TIMES
-                    if (tid == 0) g_cta_times[q][6] += clock64() - c_end0;
+                    if (tid == 0) g_cta_times[blockIdx.x][6] += clock64() - c_end0;
 #endif
                 }
                 step(b, s);
@@ -731,15 +646,15 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         });
 #if STAGED_TIMES
         if (tid == 0) {
-            g_cta_times[q][3] += n_units;
-            g_cta_times[q][4] += (unsigned long long)n_units * live_tiles;
+            g_cta_times[blockIdx.x][3] += n_units;
+            g_cta_times[blockIdx.x][4] += (unsigned long long)n_units * live_tiles;
         }
 #endif
         w16::cp_wait<0>();                             // the ring is empty ...
-        STAGED_SYNC(NT);                               // ... and read: the next segment refills it
+        __syncthreads();                               // ... and read: the next segment refills it
     }
 #if STAGED_TIMES
-    if (tid == 0) g_cta_times[q][1] = global_ns();
+    if (tid == 0) g_cta_times[blockIdx.x][1] = global_ns();
 #endif
 }
 
