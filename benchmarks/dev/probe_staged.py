@@ -26,7 +26,8 @@ A config may name the one variant it runs after "@" (t24+TEAMS=2+MINB=1@TEAMS=2:
 needs its macro); its bits are checked against the first config's base.
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3,base:t24] [--tokens 64]
                                           [--variants base,PROBE=1,TIMES=1+PROBE=3]
-                                          [--base-cu quant_gemm_wna16_staged_base.cu]"""
+                                          [--base-cu quant_gemm_wna16_staged_base.cu]
+                                          [--bench-routing 1,16,64,256:1]"""
 import argparse
 import json
 import sys
@@ -79,6 +80,25 @@ def _own_variants(spec: str, variants: str):
     return spec, [own] if own else variants.split(",")
 
 
+def _bench_routing_spec(spec: str):
+    """([1, 16, 64], 2) from "1,16,64:2"."""
+    tokens, _, j = spec.partition(":")
+    try:
+        return [int(t) for t in tokens.split(",")], int(j)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected T0,T1,..,T:j, got {spec!r}") from None
+
+
+def bench_quant_routing(tokens, j):
+    """bench_quant's routing j at the last T of a Mixtral run of these tokens: its generator
+    (default_rng(0)) draws ROUTINGS routings per T, in order."""
+    from benchmarks import bench_quant as BQ
+    rng = np.random.default_rng(0)
+    for T in tokens:
+        routings = [BQ.draw_routing(rng, T, E, K) for _ in range(BQ.ROUTINGS)]
+    return routings[j]
+
+
 def _rel_diff(x16, y16) -> float:
     """||x - y|| / ||y|| of two bf16 arrays given as their uint16 bits (NaN where one is)."""
     f = [(v.astype(np.uint32) << 16).view(np.float32).astype(np.float64) for v in (x16, y16)]
@@ -93,6 +113,9 @@ def main():
     p.add_argument("--tokens", default="64")
     p.add_argument("--variants", default="base,PROBE=1,PROBE=3")
     p.add_argument("--out", default="/tmp")
+    p.add_argument("--bench-routing", type=_bench_routing_spec, default=None,
+                   help="T0,T1,..,T:j: at T, bench_quant's routing j of a run of --tokens "
+                        "T0,T1,..,T (its draws in order), in place of the probe's own")
     p.add_argument("--base-cu", default="quant_gemm_wna16_staged_base.cu",
                    help="the kernel of the base: configs (in cuda_kernels/cupy)")
     p.add_argument("--compile-only", action="store_true",
@@ -124,6 +147,8 @@ def main():
     dev = cupy.cuda.Device().id
     for T in map(int, args.tokens.split(",")):
         ids, tw = draw_routing(rng, T)
+        if args.bench_routing and T == args.bench_routing[0][-1]:
+            ids, tw = bench_quant_routing(*args.bench_routing)
         x, act = random_bf16((T, H), 10 + T), random_bf16((T * K, I), 20 + T)
         base_bits = None        # the first config's "base" outputs: every other variant's bits
         for spec0 in args.configs.split(","):    # are checked against them
@@ -165,7 +190,7 @@ def main():
                           f"base{diff}", flush=True)
                 if defs.get("STAGED_TIMES"):
                     ptr = mod.get_global("g_cta_times")
-                    tt = cupy.ndarray((4096, 16), cupy.uint64, memptr=ptr)
+                    tt = cupy.ndarray((4096, 18), cupy.uint64, memptr=ptr)
                     for label, g in (("g1", g1), ("g2", g2)):
                         tt.fill(0)
                         fl()
@@ -185,6 +210,10 @@ def main():
                               f"{h[:, 3].min():.0f}-{h[:, 3].max():.0f}, mean LT {lt.min():.2f}-"
                               f"{lt.max():.2f}, corr(LT, duration) {r:.2f}", flush=True)
                         first = (h[:, 5] - t0) / 1e3
+                        mhz = (h[:, 17] - h[:, 16]) / np.maximum(h[:, 1] - h[:, 0], 1) * 1e3
+                        print(f"      SM clock (cycles / ns of each CTA) p0/50/100 "
+                              f"{mhz.min():.0f} {np.median(mhz):.0f} {mhz.max():.0f} MHz",
+                              flush=True)
                         ends = h[:, 6] / 1.8e3          # SM cycles at ~1.8 GHz
                         print(f"      first stage landed p0/50/100 {first.min():.1f} "
                               f"{np.median(first):.1f} {first.max():.1f} us; ending blocks "
@@ -209,7 +238,8 @@ def main():
                                          first_us=first.round(2).tolist(),
                                          end_blocks_cycles=h[:, 6].astype(int).tolist(),
                                          parts=h[:, 7].astype(int).tolist(),
-                                         part_cycles=h[:, 9:16].astype(int).tolist()))
+                                         part_cycles=h[:, 9:16].astype(int).tolist(),
+                                         sm_mhz=mhz.round(1).tolist()))
                 t1, t2 = timer(g1, fl, 3, 20), timer(g2, fl, 3, 20)
                 tl = timer(layer, fl, 3, 20)
                 rows.append(dict(T=T, config=spec, variant=var, gemm1_us=t1 * 1e3,

@@ -108,16 +108,63 @@
 #define STAGED_TIMES 0
 #endif
 #if STAGED_TIMES
-__device__ unsigned long long g_cta_times[4096][16];  // start, end, SM, units, units x LT,
+__device__ unsigned long long g_cta_times[4096][18];  // start, end, SM, units, units x LT,
         // first landed, end cycles, parts, of them in whole stores; the parts' (finish_parts)
         // cycles in fences, in the count's atomic and barriers, in adding the parts; part 0's
-        // and part 1's cycles from entry to the count, and in their fences
+        // and part 1's cycles from entry to the count, and in their fences; clock64 at the
+        // start and the end (the SM clock: cycles / ns)
 __device__ __forceinline__ unsigned long long global_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
 #endif
+
+#ifndef STAGED_BULK_A    // dev: each token row's activations of a stage by one bulk copy
+#define STAGED_BULK_A 0  // (cp.async.bulk on an mbarrier per ring slot), not 16-byte cp.async
+#endif
+#if STAGED_BULK_A
+__device__ __forceinline__ void bulk_a_init(unsigned long long* bar, int n) {
+    for (int i = 0; i < n; ++i)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n"
+                     :: "r"((unsigned)__cvta_generic_to_shared(bar + i)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_a_expect(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_a_copy(void* dst, const void* src, unsigned bytes,
+                                            unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1], %2, [%3];\n"
+                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes),
+                    "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
+}
+__device__ __forceinline__ void bulk_a_wait(unsigned long long* bar, unsigned parity) {
+    asm volatile("{\n .reg .pred p;\n WAIT_%=:\n"
+                 " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 " @!p bra WAIT_%=;\n}\n"
+                 :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
+}
+#endif
+#ifndef STAGED_PAD_ZERO
+#define STAGED_PAD_ZERO 0
+#endif
+#if STAGED_PAD_ZERO == 3
+#define STAGED_ZERO_ROW 65536
+__device__ __align__(16) unsigned short g_zero_row[STAGED_ZERO_ROW];
+#endif
+#ifndef STAGED_FENCE     // dev: the parts' fences: 0 __threadfence (fence.sc.gpu), 1
+#define STAGED_FENCE 0   // fence.acq_rel.gpu (release before the count, acquire after it)
+#endif
+__device__ __forceinline__ void parts_fence() {
+#if STAGED_FENCE == 1 && !defined(QG_EMULATED_PTX)
+    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+#else
+    __threadfence();
+#endif
+}
 
 // Bytes of one pipeline stage (each part rounded to 128 bytes), as the launcher computes them.
 template <int MT, int NB, int KC, int ZP>
@@ -127,7 +174,10 @@ struct StagedStage {
     static constexpr int S_OFF = W_OFF + round(NB * KC * 512);
     static constexpr int Z_OFF = S_OFF + round(NB * KC * 64);
     static constexpr int A_OFF = Z_OFF + (ZP ? round(NB * KC * 16) : 0);
-    static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
+    // a token row's KC chunks (STAGED_BULK_A: one bulk copy per row, 16 bytes of padding
+    // between rows instead of the unit swizzle)
+    static constexpr int A_ROW = KC * 128 + (STAGED_BULK_A ? 16 : 0);
+    static constexpr int BYTES = A_OFF + round(8 * MT * A_ROW);
 };
 
 // A block's part: this CTA's walk computed `count` of its SPB K stages from stage `first` (the N
@@ -154,7 +204,7 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
 #if STAGED_TIMES
     const long long c1 = clock64();
 #endif
-    __threadfence();
+    parts_fence();
 #if STAGED_TIMES
     const long long c2 = clock64();
 #endif
@@ -171,7 +221,7 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
     }
 #endif
     if (!s_last) return false;
-    __threadfence();
+    parts_fence();
     for (int x = tid; x < SPB; x += NT) {              // one load per stage, then shared memory
         by_first[x] = __ldcg(at + x);
         at[x] = 0;
@@ -211,6 +261,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
     __shared__ uint2 sSumB[2];                    // the tokens' sums mma: B of even, odd columns
+#if STAGED_BULK_A
+    __shared__ unsigned long long sBarA[S];        // each ring slot's activations landed
+    unsigned a_phase = 0;                          // the parity each slot waits for next
+#endif
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -219,6 +273,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         unsigned sm;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
         g_cta_times[blockIdx.x][0] = global_ns();
+        g_cta_times[blockIdx.x][16] = clock64();
         g_cta_times[blockIdx.x][2] = sm;
     }
 #endif
@@ -236,6 +291,9 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // memory per stage: ptxas sees copies of one value as one register and rebuilds an mma's
     // operand registers with moves at each use (16 moves a stage for an A quad held in
     // registers, SASS of cfad067); a load it cannot see through
+#if STAGED_BULK_A
+    if (tid == 0) bulk_a_init(sBarA, S);           // (used after the barriers below)
+#endif
     if (tid < 2) {                                 // (read after the barriers below)
         const float zo = ZP ? 0.f : (float)default_zp;
         const u32 b = w16::pair_of<F16>(-((tid ? OFF_ODD : OFF_EVEN) + zo));
@@ -409,11 +467,35 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         for (int j = 0; j < A_PER; ++j) {
             const int k = tid + j * NT, r = k / (KC * 8), u = k % (KC * 8);
             a_on[j] = k < A_UNITS && r < live_rows;
+#if STAGED_PAD_ZERO == 3  // dev: padding rows copy a row of zeros (a static buffer)
+            a_src[j] = (a_on[j] && sArow[r] >= 0 ? a + (size_t)sArow[r] * Kdim
+                        : Kdim <= STAGED_ZERO_ROW ? g_zero_row : a + (size_t)max(first, 0) * Kdim) + u * 8;
+#else
             const int ar = a_on[j] ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
             a_src[j] = a + (size_t)ar * Kdim + u * 8;
+#endif
             a_dst[j] = St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1)));
+#if STAGED_PAD_ZERO == 1 // dev: padding rows inside the live tiles zero-filled (src-size 0:
+            a_chunk[j] = sArow[r] >= 0 ? u / 8 : KC;   // no read), not a live row's copy
+#else
             a_chunk[j] = u / 8;
+#endif
+#if STAGED_PAD_ZERO == 2 // dev: padding rows zeroed once in every slot, then never copied
+            if (a_on[j] && sArow[r] < 0) {
+                a_on[j] = false;
+#pragma unroll
+                for (int i = 0; i < S; ++i)
+                    *reinterpret_cast<uint4*>(smem + (size_t)i * St::BYTES + a_dst[j]) =
+                        make_uint4(0u, 0u, 0u, 0u);
+            }
+#endif
         }
+#if STAGED_BULK_A
+        // lane r of warp 0: token row r's source (a padding row: the first live row's)
+        const unsigned short* a_row =
+            a + (size_t)(tid < BM && tid < live_rows ? (sArow[tid] >= 0 ? sArow[tid] : first)
+                                                     : 0) * Kdim;
+#endif
         // ---- segment unit i = (b, s): its weights (unless issued early) and the activations
         // of its K stage (a short last stage: zeros), one commit group per call (empty past
         // the run: the wait counts stay right)
@@ -422,12 +504,25 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 if (with_weights) issue_weights(i, b, s, true);
                 const int c0 = s * KC, kcn = min(KC, C - c0);
                 u8* sa = smem + (size_t)(i % S) * St::BYTES;
+#if STAGED_BULK_A
+                // warp 0: lane r copies token row r's kcn chunks (the live tiles' rows; a
+                // padding row copies a live row), after lane 0 has set the slot's byte count
+                if (tid < 32) {
+                    if (tid == 0) bulk_a_expect(sBarA + i % S, (unsigned)(live_rows * kcn * 128));
+                    __syncwarp();
+                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                    if (tid < live_rows)
+                        bulk_a_copy(sa + St::A_OFF + tid * St::A_ROW, a_row + c0 * 64,
+                                    (unsigned)(kcn * 128), sBarA + i % S);
+                }
+#else
 #pragma unroll
                 for (int j = 0; j < A_PER; ++j) {
                     if (STAGED_PROBE == 2) break;
                     const bool ok = a_chunk[j] < kcn;
                     w16::cp16_if(a_on[j], sa + a_dst[j], a_src[j] + (ok ? c0 * 64 : 0), ok);
                 }
+#endif
             }
             w16::cp_commit();
         };
@@ -475,6 +570,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             int blk_n = 0;                                 // units of the current block done
             int b = b_first, s = s_first;                  // the unit being computed
             for (int i = 0; i < n_units; ++i) {
+#if STAGED_BULK_A
+                bulk_a_wait(sBarA + i % S, (a_phase >> (i % S)) & 1u);
+                a_phase ^= 1u << (i % S);
+#endif
                 w16::cp_wait<S - 2>();                     // stage i has landed (this thread's)
                 __syncthreads();                           // ... and everyone's; slot i - 1 free
 #if STAGED_TIMES
@@ -504,8 +603,13 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt) {
                             const int r = 8 * mt + g, u = (kc0 + j) * 8 + 2 * t;
+#if STAGED_BULK_A
+                            bv[j][mt][0] = sa[r * (St::A_ROW / 16) + u];
+                            bv[j][mt][1] = sa[r * (St::A_ROW / 16) + u + 1];
+#else
                             bv[j][mt][0] = sa[r * KC * 8 + (u ^ (g & 1))];
                             bv[j][mt][1] = sa[r * KC * 8 + ((u + 1) ^ (g & 1))];
+#endif
                         }
                     // The tokens' sums over the CG chunks, where the main mma's C holds their
                     // tokens (x: token 8 mt + 2 t, y: + 1), by the tensor cores: 2 mma per chunk
@@ -654,7 +758,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         __syncthreads();                               // ... and read: the next segment refills it
     }
 #if STAGED_TIMES
-    if (tid == 0) g_cta_times[blockIdx.x][1] = global_ns();
+    if (tid == 0) {
+        g_cta_times[blockIdx.x][1] = global_ns();
+        g_cta_times[blockIdx.x][17] = clock64();
+    }
 #endif
 }
 
