@@ -1,7 +1,9 @@
-"""Dev: bench_quant's int4 row with a longer spin ahead of each timed call (SPIN_US), and the
-host time Python takes to enqueue one layer (GEMM1 + programmatic GEMM2), to tell whether the
-layer's events measure GPU time or wait on the launchers.
-    python benchmarks/dev/bench_spin.py SPIN_US [bench_quant arguments]"""
+"""Dev: bench_quant with another spin ahead of each timed call (SPIN_US) and, with ROUTINGS=n in
+the environment, n routings per point instead of 4 (ROUTINGS=1: the same routing every
+repetition); it also prints the host time Python takes to enqueue one call, to tell whether
+the events measure GPU time or wait on the launchers.
+    [ROUTINGS=1] python benchmarks/dev/bench_spin.py SPIN_US [bench_quant arguments]"""
+import os
 import sys
 import time
 
@@ -11,6 +13,7 @@ from benchmarks import bench_quant as BQ  # noqa: E402
 
 def main():
     BQ.SPIN_US = int(sys.argv[1])
+    BQ.ROUTINGS = int(os.environ.get("ROUTINGS", BQ.ROUTINGS))
     BQ._SPIN_STATE.update(cycles=None, kernel=None)
     real = BQ.time_ms
 

@@ -116,6 +116,9 @@ def main():
     p.add_argument("--bench-routing", type=_bench_routing_spec, default=None,
                    help="T0,T1,..,T:j: at T, bench_quant's routing j of a run of --tokens "
                         "T0,T1,..,T (its draws in order), in place of the probe's own")
+    p.add_argument("--flush", choices=("write", "read"), default="write",
+                   help="how the L2 is flushed before each repetition: a 128 MB memset (write) "
+                        "or bench_quant's 128 MB read")
     p.add_argument("--base-cu", default="quant_gemm_wna16_staged_base.cu",
                    help="the kernel of the base: configs (in cuda_kernels/cupy)")
     p.add_argument("--compile-only", action="store_true",
@@ -132,7 +135,10 @@ def main():
         return
     w1, w2, s1, s2 = mixtral_weights()
     timer, rows = Timer(), []
-    fl = lambda: timer.flush.fill(1)  # noqa: E731
+    if args.flush == "read":         # bench_quant's default: a 128 MB read leaves clean lines
+        fl = lambda: timer.flush.sum(dtype=cupy.uint32)  # noqa: E731
+    else:                            # a 128 MB memset (this probe's method until 2026-12-01)
+        fl = lambda: timer.flush.fill(1)  # noqa: E731
     read = cupy.RawKernel(READ, "read_all")
     sink = cupy.zeros(1, cupy.uint32)
     for w in (w1, w2):

@@ -787,8 +787,7 @@ def staged_stage_bytes(cfg: dict, zp: bool) -> int:
 
     def r(x):
         return C.cdiv(x, 128) * 128
-    a_row = kc * 128 + (16 if cfg.get("BULK_A") else 0)     # (dev: STAGED_BULK_A's rows)
-    return r(nb * kc * 512) + r(nb * kc * 64) + (r(nb * kc * 16) if zp else 0) + r(bm * a_row)
+    return r(nb * kc * 512) + r(nb * kc * 64) + (r(nb * kc * 16) if zp else 0) + r(bm * kc * 128)
 
 
 def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,

@@ -97,8 +97,11 @@
 // two or one group per row: chunk_shift = log2(chunks per group), 30 for one group).
 #include "wna16_common.cuh"
 // Dev instruments (benchmarks/dev/probe_staged.py compiles them in; off in every launcher build)
-#ifndef STAGED_PROBE     // 1: no math, 2: no activation copies, 3: no weight copies (timing
-#define STAGED_PROBE 0   // only: the results are garbage but at 0)
+#ifndef STAGED_PROBE     // 1: no math, 2: no activation copies, 3: no weight copies, 4: no
+#define STAGED_PROBE 0   // main mma (the codes' pairs xor-ed into the chain), 5: no sums mma
+#endif                   // (timing only: the results are garbage but at 0)
+#ifndef STAGED_LEAN_ISSUE  // dev: the copies' sources a fixed stride on per stage (one scale
+#define STAGED_LEAN_ISSUE 0  // group a stage; every chunk in bounds), not recomputed from (b, s)
 #endif
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
@@ -120,52 +123,6 @@ __device__ __forceinline__ unsigned long long global_ns() {
 }
 #endif
 
-#ifndef STAGED_BULK_A    // dev: each token row's activations of a stage by one bulk copy
-#define STAGED_BULK_A 0  // (cp.async.bulk on an mbarrier per ring slot), not 16-byte cp.async
-#endif
-#if STAGED_BULK_A
-__device__ __forceinline__ void bulk_a_init(unsigned long long* bar, int n) {
-    for (int i = 0; i < n; ++i)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n"
-                     :: "r"((unsigned)__cvta_generic_to_shared(bar + i)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void bulk_a_expect(unsigned long long* bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                 :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_a_copy(void* dst, const void* src, unsigned bytes,
-                                            unsigned long long* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 " [%0], [%1], %2, [%3];\n"
-                 :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes),
-                    "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
-}
-__device__ __forceinline__ void bulk_a_wait(unsigned long long* bar, unsigned parity) {
-    asm volatile("{\n .reg .pred p;\n WAIT_%=:\n"
-                 " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 " @!p bra WAIT_%=;\n}\n"
-                 :: "r"((unsigned)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
-}
-#endif
-#ifndef STAGED_PAD_ZERO
-#define STAGED_PAD_ZERO 0
-#endif
-#if STAGED_PAD_ZERO == 3
-#define STAGED_ZERO_ROW 65536
-__device__ __align__(16) unsigned short g_zero_row[STAGED_ZERO_ROW];
-#endif
-#ifndef STAGED_FENCE     // dev: the parts' fences: 0 __threadfence (fence.sc.gpu), 1
-#define STAGED_FENCE 0   // fence.acq_rel.gpu (release before the count, acquire after it)
-#endif
-__device__ __forceinline__ void parts_fence() {
-#if STAGED_FENCE == 1 && !defined(QG_EMULATED_PTX)
-    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-#else
-    __threadfence();
-#endif
-}
-
 // Bytes of one pipeline stage (each part rounded to 128 bytes), as the launcher computes them.
 template <int MT, int NB, int KC, int ZP>
 struct StagedStage {
@@ -174,10 +131,7 @@ struct StagedStage {
     static constexpr int S_OFF = W_OFF + round(NB * KC * 512);
     static constexpr int Z_OFF = S_OFF + round(NB * KC * 64);
     static constexpr int A_OFF = Z_OFF + (ZP ? round(NB * KC * 16) : 0);
-    // a token row's KC chunks (STAGED_BULK_A: one bulk copy per row, 16 bytes of padding
-    // between rows instead of the unit swizzle)
-    static constexpr int A_ROW = KC * 128 + (STAGED_BULK_A ? 16 : 0);
-    static constexpr int BYTES = A_OFF + round(8 * MT * A_ROW);
+    static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
 };
 
 // A block's part: this CTA's walk computed `count` of its SPB K stages from stage `first` (the N
@@ -204,7 +158,7 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
 #if STAGED_TIMES
     const long long c1 = clock64();
 #endif
-    parts_fence();
+    __threadfence();
 #if STAGED_TIMES
     const long long c2 = clock64();
 #endif
@@ -221,7 +175,7 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
     }
 #endif
     if (!s_last) return false;
-    parts_fence();
+    __threadfence();
     for (int x = tid; x < SPB; x += NT) {              // one load per stage, then shared memory
         by_first[x] = __ldcg(at + x);
         at[x] = 0;
@@ -261,10 +215,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
     __shared__ uint2 sSumB[2];                    // the tokens' sums mma: B of even, odd columns
-#if STAGED_BULK_A
-    __shared__ unsigned long long sBarA[S];        // each ring slot's activations landed
-    unsigned a_phase = 0;                          // the parity each slot waits for next
-#endif
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -291,9 +241,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // memory per stage: ptxas sees copies of one value as one register and rebuilds an mma's
     // operand registers with moves at each use (16 moves a stage for an A quad held in
     // registers, SASS of cfad067); a load it cannot see through
-#if STAGED_BULK_A
-    if (tid == 0) bulk_a_init(sBarA, S);           // (used after the barriers below)
-#endif
     if (tid < 2) {                                 // (read after the barriers below)
         const float zo = ZP ? 0.f : (float)default_zp;
         const u32 b = w16::pair_of<F16>(-((tid ? OFF_ODD : OFF_EVEN) + zo));
@@ -404,8 +351,39 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         // ---- the weights of segment unit i = (b, s) into ring slot i % S if it is the run's
         // (live): codes, then scales and zero points of the groups met, each a contiguous run
         // of stage_blocks' layout, so thread tid copies 16-byte units tid, tid + NT, ...
+#if STAGED_LEAN_ISSUE == 1
+        // segment unit i is unit ua + i of the m tile: its codes (and, with one scale group per
+        // K stage, its scales and zero points) sit a fixed stride on from the segment's first
+        const uint4* w_seg = w_tile + (size_t)ua * (NB * KC * 32);
+        const bool one_group = (1 << chunk_shift) == KC && C % KC == 0;   // then G = SPB
+        const size_t sz_seg = sz_e + (size_t)ua * (NB * 8);
+#endif
         auto issue_weights = [&](int i, int b, int s, bool live) {
             if (!live) return;
+#if STAGED_LEAN_ISSUE == 1
+            if (one_group) {
+                u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
+                const uint4* wsrc = w_seg + (size_t)i * (NB * KC * 32);
+#pragma unroll
+                for (int j = 0; j < W_PER; ++j)
+                    if (STAGED_PROBE != 3)
+                        w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
+                const size_t sz = sz_seg + (size_t)i * (NB * 8);
+#pragma unroll
+                for (int j = 0; j < S_PER; ++j)
+                    if (tid + j * NT < NB * 4)
+                        w16::cp16(st + St::S_OFF + 16 * j * NT, sp + sz + 2 * tid + 2 * j * NT,
+                                  true);
+                if (ZP) {
+#pragma unroll
+                    for (int j = 0; j < Z_PER; ++j)
+                        if (tid + j * NT < NB)
+                            w16::cp16(st + St::Z_OFF + 16 * j * NT, zp + sz + 8 * tid + 8 * j * NT,
+                                      true);
+                }
+                return;
+            }
+#endif
             const int c0 = s * KC, kcn = min(KC, C - c0);
             const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
             u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
@@ -467,35 +445,11 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         for (int j = 0; j < A_PER; ++j) {
             const int k = tid + j * NT, r = k / (KC * 8), u = k % (KC * 8);
             a_on[j] = k < A_UNITS && r < live_rows;
-#if STAGED_PAD_ZERO == 3  // dev: padding rows copy a row of zeros (a static buffer)
-            a_src[j] = (a_on[j] && sArow[r] >= 0 ? a + (size_t)sArow[r] * Kdim
-                        : Kdim <= STAGED_ZERO_ROW ? g_zero_row : a + (size_t)max(first, 0) * Kdim) + u * 8;
-#else
             const int ar = a_on[j] ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
             a_src[j] = a + (size_t)ar * Kdim + u * 8;
-#endif
             a_dst[j] = St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1)));
-#if STAGED_PAD_ZERO == 1 // dev: padding rows inside the live tiles zero-filled (src-size 0:
-            a_chunk[j] = sArow[r] >= 0 ? u / 8 : KC;   // no read), not a live row's copy
-#else
             a_chunk[j] = u / 8;
-#endif
-#if STAGED_PAD_ZERO == 2 // dev: padding rows zeroed once in every slot, then never copied
-            if (a_on[j] && sArow[r] < 0) {
-                a_on[j] = false;
-#pragma unroll
-                for (int i = 0; i < S; ++i)
-                    *reinterpret_cast<uint4*>(smem + (size_t)i * St::BYTES + a_dst[j]) =
-                        make_uint4(0u, 0u, 0u, 0u);
-            }
-#endif
         }
-#if STAGED_BULK_A
-        // lane r of warp 0: token row r's source (a padding row: the first live row's)
-        const unsigned short* a_row =
-            a + (size_t)(tid < BM && tid < live_rows ? (sArow[tid] >= 0 ? sArow[tid] : first)
-                                                     : 0) * Kdim;
-#endif
         // ---- segment unit i = (b, s): its weights (unless issued early) and the activations
         // of its K stage (a short last stage: zeros), one commit group per call (empty past
         // the run: the wait counts stay right)
@@ -504,25 +458,22 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 if (with_weights) issue_weights(i, b, s, true);
                 const int c0 = s * KC, kcn = min(KC, C - c0);
                 u8* sa = smem + (size_t)(i % S) * St::BYTES;
-#if STAGED_BULK_A
-                // warp 0: lane r copies token row r's kcn chunks (the live tiles' rows; a
-                // padding row copies a live row), after lane 0 has set the slot's byte count
-                if (tid < 32) {
-                    if (tid == 0) bulk_a_expect(sBarA + i % S, (unsigned)(live_rows * kcn * 128));
-                    __syncwarp();
-                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                    if (tid < live_rows)
-                        bulk_a_copy(sa + St::A_OFF + tid * St::A_ROW, a_row + c0 * 64,
-                                    (unsigned)(kcn * 128), sBarA + i % S);
-                }
-#else
+#if STAGED_LEAN_ISSUE
+                if (kcn == KC) {                          // (uniform) every chunk in bounds
+                    const size_t off = (size_t)c0 * 64;
+#pragma unroll
+                    for (int j = 0; j < A_PER; ++j) {
+                        if (STAGED_PROBE == 2) break;
+                        w16::cp16_if(a_on[j], sa + a_dst[j], a_src[j] + off, true);
+                    }
+                } else
+#endif
 #pragma unroll
                 for (int j = 0; j < A_PER; ++j) {
                     if (STAGED_PROBE == 2) break;
                     const bool ok = a_chunk[j] < kcn;
                     w16::cp16_if(a_on[j], sa + a_dst[j], a_src[j] + (ok ? c0 * 64 : 0), ok);
                 }
-#endif
             }
             w16::cp_commit();
         };
@@ -570,10 +521,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             int blk_n = 0;                                 // units of the current block done
             int b = b_first, s = s_first;                  // the unit being computed
             for (int i = 0; i < n_units; ++i) {
-#if STAGED_BULK_A
-                bulk_a_wait(sBarA + i % S, (a_phase >> (i % S)) & 1u);
-                a_phase ^= 1u << (i % S);
-#endif
                 w16::cp_wait<S - 2>();                     // stage i has landed (this thread's)
                 __syncthreads();                           // ... and everyone's; slot i - 1 free
 #if STAGED_TIMES
@@ -603,13 +550,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt) {
                             const int r = 8 * mt + g, u = (kc0 + j) * 8 + 2 * t;
-#if STAGED_BULK_A
-                            bv[j][mt][0] = sa[r * (St::A_ROW / 16) + u];
-                            bv[j][mt][1] = sa[r * (St::A_ROW / 16) + u + 1];
-#else
                             bv[j][mt][0] = sa[r * KC * 8 + (u ^ (g & 1))];
                             bv[j][mt][1] = sa[r * KC * 8 + ((u + 1) ^ (g & 1))];
-#endif
                         }
                     // The tokens' sums over the CG chunks, where the main mma's C holds their
                     // tokens (x: token 8 mt + 2 t, y: + 1), by the tensor cores: 2 mma per chunk
@@ -632,7 +574,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                                 for (int v = 0; v < 2; ++v) {
                                     const uint4 u = bv[j][mt][v];
-                                    w16::mma16816<F16>(z, u.x, u.y, u.z, u.w, sb.x, sb.y);
+                                    if (STAGED_PROBE == 5)
+                                        z[v] += __uint_as_float(u.x ^ sb.x);
+                                    else
+                                        w16::mma16816<F16>(z, u.x, u.y, u.z, u.w, sb.x, sb.y);
                                 }
                             const float st = z[0] + z[3];
                             start2[mt].x = __shfl_sync(0xFFFFFFFFu, st, 8 * t);
@@ -670,6 +615,13 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                             for (int mt = 0; mt < LT; ++mt) {
                                 const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];
+                                if (STAGED_PROBE == 4) {
+                                    u32 x8 = b0.x ^ b1.w;
+#pragma unroll
+                                    for (int p = 0; p < 8; ++p) x8 ^= lo[p] ^ hi[p];
+                                    tmp[mt][0] += __uint_as_float(x8 & 0x3F00FFFFu);
+                                    continue;
+                                }
                                 w16::mma16816<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1], b0.x, b0.y);
                                 w16::mma16816<F16>(tmp[mt], lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
                                 w16::mma16816<F16>(tmp[mt], lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
