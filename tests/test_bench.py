@@ -251,3 +251,50 @@ def test_times_regression_recovers_a_known_model(tmp_path, capsys):
                    (float(t.split()[-1]) for t in last.split(": ", 1)[1].split(", "))))
     for k, v in want.items():
         assert got[k] == pytest.approx(v, rel=0.02, abs=1e-3), (k, got)
+
+
+def _dev_module(name):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "dev" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_balance_bound_spans_last_end_to_mean():
+    """times_regression.balance_bound: with no sharing (k = 1) a launch ends at its last SM's
+    end, with all SMs sharing at their mean, and in between the bound falls as k grows; two
+    SMs of equal ends whatever the grouping give that end at every k."""
+    mod = _dev_module("times_regression")
+    rng = np.random.default_rng(5)
+    ends = rng.normal(170.0, 3.0, 132)
+    sm = np.repeat(np.arange(132), 2)
+    end = np.repeat(ends, 2) - np.tile([12.0, 0.0], 132)       # the SM ends with its later CTA
+    b = mod.balance_bound(dict(sm=sm, end=end))
+    assert b[1] == pytest.approx(ends.max()) and b[132] == pytest.approx(ends.mean())
+    vals = [b[k] for k in (1, 2, 4, 8, 16, 132)]
+    assert all(x >= y - 1e-9 for x, y in zip(vals, vals[1:])) and vals[0] > vals[-1] + 3
+    flat = mod.balance_bound(dict(sm=sm, end=np.full(264, 150.0)))
+    assert all(v == pytest.approx(150.0) for v in flat.values())
+
+
+def test_probe_staged_specs_and_bench_routings():
+    """probe_staged's own-variant configs ("CFG@VARIANT"), its --bench-routing spec, and the
+    routing it rebuilds: bench_quant's draws for a run of those tokens, in order."""
+    mod = _dev_module("probe_staged")
+    assert mod._own_variants("t24+TEAMS=2+MINB=1@TEAMS=2+TIMES=1", "base,X=1") == (
+        "t24+TEAMS=2+MINB=1", ["TEAMS=2+TIMES=1"])
+    assert mod._own_variants("t24", "base,X=1") == ("t24", ["base", "X=1"])
+    assert mod._bench_routing_spec("1,16,64:2") == ([1, 16, 64], 2)
+    with pytest.raises(Exception, match="T0,T1"):
+        mod._bench_routing_spec("64")
+    from benchmarks import bench_quant as BQ
+    rng = np.random.default_rng(0)
+    for T in (1, 16, 64):
+        want = [BQ.draw_routing(rng, T, 8, 2) for _ in range(BQ.ROUTINGS)]
+    ids, tw = mod.bench_quant_routing([1, 16, 64], 2)
+    assert ids.shape == (64, 2) and np.array_equal(ids, want[2][0])
+    assert np.array_equal(tw, want[2][1])

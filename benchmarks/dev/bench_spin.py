@@ -21,9 +21,8 @@ def main():
         import cupy
         out = real(fn, setup, warmup, reps, use_spin)
         host = []
-        for _ in range(5):               # enqueue time alone: the GPU busy behind a spin
-            setup()
-            BQ.spin()
+        for _ in range(5):               # enqueue time alone: the GPU busy behind a spin (no
+            BQ.spin()                    # setup(): it would shift bench_quant's by_routing)
             t0 = time.perf_counter()
             fn()
             host.append((time.perf_counter() - t0) * 1e3)

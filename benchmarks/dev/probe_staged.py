@@ -8,8 +8,8 @@ programmatically). The macros:
     STAGED_PROBE = 1 no math, 2 no activation copies, 3 no weight copies (garbage results)
     STAGED_TIMES = 1 each CTA's start / end (globaltimer), SM, units, when its first stage
                      landed, the SM cycles it spent ending blocks (of them in whole stores) and
-                     its partial blocks, with the parts' fences, counts and adds: their spread
-                     is printed
+                     its partial blocks, with the parts' fences, counts and adds, and its
+                     SM clock (clock64 cycles over globaltimer ns): their spread is printed
     STAGED_LT_COST = c  a unit's cost LT + c in the run split (5 in the kernel)
     MAXREG = n, PTXO = n   compiler options, not macros: --maxrregcount=n, ptxas -On
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
@@ -19,15 +19,20 @@ STAGED_HALVES, and of dev_wna16_20261201c STAGED_SUMS, STAGED_L2_AHEAD, STAGED_H
 STAGED_STORE, STAGED_EARLY_IDS, STAGED_MINE_FIRST and STAGED_ROUTED_SMEM, since taken out or
 made the code. Those of dev_wna16_20261201d: config keys TAIL / LTC (6ea9ba9) and RUN_TABLE with
 benchmarks/dev/role_skew.py (ccb4bdd), and STAGED_A_SMEM / STAGED_SMEM_BOUNDS (53c21cf), taken
-out too.)
+out too. Those of dev_wna16_20261201e: STAGED_TEAMS with config key TEAMS (a5ef20b),
+STAGED_FENCE, STAGED_PAD_ZERO and STAGED_BULK_A with config key BULK_A (9bd430f), STAGED_PROBE
+= 4 / 5 and STAGED_LEAN_ISSUE (560934b), taken out as well.)
 --compile-only builds the modules into CuPy's cache (run several at once before the timed
 call).
 A config may name the one variant it runs after "@" (t24+TEAMS=2+MINB=1@TEAMS=2: a launch that
-needs its macro); its bits are checked against the first config's base.
+needs its macro); every variant's bits are checked against the first config's base.
+--bench-routing T0,..,T:j times, at T, bench_quant's routing j of a run of those tokens instead
+of the probe's own draw; --flush read flushes the L2 as bench_quant does (a 128 MB read; the
+default is a 128 MB memset: the same times within 1-2%, dev_wna16_20261201e).
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3,base:t24] [--tokens 64]
                                           [--variants base,PROBE=1,TIMES=1+PROBE=3]
                                           [--base-cu quant_gemm_wna16_staged_base.cu]
-                                          [--bench-routing 1,16,64,256:1]"""
+                                          [--bench-routing 1,16,64,256:1] [--flush read]"""
 import argparse
 import json
 import sys

@@ -15,7 +15,10 @@ the launch's median); and the SMs' pairs: an SM's end (its later CTA's) against 
 live-token-tile count LT = 2 and 3 that its two CTAs ran, t = n2 tau2 + n3 tau3 by least
 squares (after a fixed start and end of OVERHEAD_US), whose ratio tau3 / tau2 = (3 + c) / (2 + c)
 names the unit cost LT + c that would even the SMs out if the pairs were what they are; and
-per launch where the last CTA ends against the worst mean of an SM's two ends.
+per launch where the last CTA ends against the worst mean of an SM's two ends; and the SMs'
+ends against where the launch would end if every k SMs shared their work perfectly
+(balance_bound: the bound of balancing inside groups of k SMs), with the SM clock the CTAs ran
+at (cycles / ns, from dev_wna16_20261201e's probes).
     python benchmarks/dev/times_regression.py FILE[:VARIANT] ... [--tokens 64] [--config t24]
 """
 from __future__ import annotations
@@ -47,8 +50,9 @@ def features(r: dict) -> dict:
         older[on[np.argmin(start[on])]] = True
     cost = lt_units + 5 * units
     parts = np.array(r["parts"], float) if "parts" in r else None   # (recorded from eddde14)
+    mhz = np.array(r["sm_mhz"], float) if "sm_mhz" in r else None   # (recorded from 20261201e)
     return dict(duration=end - start, pace=(end - start) / cost, cost=cost, units=units,
-                lt_units=lt_units, parts=parts, sm=sm, older=older, end=end)
+                lt_units=lt_units, parts=parts, sm=sm, older=older, end=end, mhz=mhz)
 
 
 def mean_pairwise_corr(rows: list[np.ndarray]) -> float:
@@ -102,6 +106,24 @@ def sm_ends(f: dict) -> dict:
                 other_end=float(last[~heavy].mean()) if (~heavy).any() else float("nan"))
 
 
+def balance_bound(f: dict, ks=(1, 2, 4, 8, 16), draws: int = 200, seed: int = 0) -> dict:
+    """{k: where the launch would end if the work of every k SMs (drawn at random, `draws`
+    times) were shared perfectly among them}: the mean over the draws of the worst group's mean
+    SM end (an SM's end: its last CTA's). k = 1 is the launch's last end; k = all the SMs' mean
+    end, the bound of any balance across the GPU. Dynamic schemes that move work only inside
+    groups of k SMs (a cluster's, say) can at best reach k's figure."""
+    sms = np.unique(f["sm"])
+    ends = np.array([f["end"][f["sm"] == s].max() for s in sms])
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k in (*ks, len(ends)):
+        n = len(ends) // k * k
+        out[k] = float(np.mean([ends[rng.permutation(len(ends))[:n]].reshape(-1, k).mean(1).max()
+                                for _ in range(draws)])) if 1 < k < len(ends) else \
+            float(ends.max() if k == 1 else ends.mean())
+    return out
+
+
 def pair_fit(f: dict) -> tuple[float, float, float] | None:
     """(tau2, tau3, c) of one launch's SMs with two CTAs (LT 2 and 3 units), None without any
     LT = 3 units."""
@@ -142,6 +164,14 @@ def main(argv=None):
                   f"{ends['other_end']:.1f}" + (f"; SM pairs tau2 {fit[0]:.3f} tau3 {fit[1]:.3f}"
                                                 f" us a unit, the even unit cost LT + "
                                                 f"{fit[2]:.2f}" if fit else ""))
+            bound = balance_bound(f)
+            print(f"  launch {i}: SMs' ends p0/50/100 " +
+                  " ".join(f"{v:.1f}" for v in np.percentile(
+                      [f["end"][f["sm"] == s].max() for s in np.unique(f["sm"])], [0, 50, 100])) +
+                  " us; the work of every k SMs shared perfectly: " +
+                  ", ".join(f"k={k} {v:.1f}" for k, v in bound.items()) +
+                  (f"; SM clock p50 {np.median(f['mhz']):.0f} MHz" if f.get("mhz") is not None
+                   else ""))
         if len(fs) < 2 or len({len(f["duration"]) for f in fs}) != 1:
             print("  correlations and the fit need two launches or more of one grid")
             continue

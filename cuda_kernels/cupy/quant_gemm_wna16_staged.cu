@@ -87,7 +87,10 @@
 // dev macros below, benchmarks/results/dev_wna16_20261130g): 183 us whole, 142 without the math
 // (the pipeline streaming alone; a plain read of the same 470 MB takes 118), 163 without the
 // weight copies (the math alone: mma.sync at ~36% of the 650 TFLOP/s it reaches on its own),
-// and the CTAs' equal-cost runs end anywhere from 145 to 180 us.
+// and the CTAs' equal-cost runs end anywhere from 145 to 180 us. The kernel runs power-capped
+// (dev_wna16_20261201e, STAGED_TIMES' clock): the SMs clock at 1675-1730 MHz under it against
+// 1980 with the GPU idle, and at 1943-1965 MHz with the math left out, so the math's energy,
+// not only its issue slots, sets the pace.
 //
 // grid (Q), block 32 W, dynamic shared memory S x stage bytes (staged_stage_bytes in the
 // launcher) + 8 (m tiles + 1) (the costs' prefix sums) + 4 SPB (finish_parts) + 4 m tiles (their
@@ -97,11 +100,8 @@
 // two or one group per row: chunk_shift = log2(chunks per group), 30 for one group).
 #include "wna16_common.cuh"
 // Dev instruments (benchmarks/dev/probe_staged.py compiles them in; off in every launcher build)
-#ifndef STAGED_PROBE     // 1: no math, 2: no activation copies, 3: no weight copies, 4: no
-#define STAGED_PROBE 0   // main mma (the codes' pairs xor-ed into the chain), 5: no sums mma
-#endif                   // (timing only: the results are garbage but at 0)
-#ifndef STAGED_LEAN_ISSUE  // dev: the copies' sources a fixed stride on per stage (one scale
-#define STAGED_LEAN_ISSUE 0  // group a stage; every chunk in bounds), not recomputed from (b, s)
+#ifndef STAGED_PROBE     // 1: no math, 2: no activation copies, 3: no weight copies (timing
+#define STAGED_PROBE 0   // only: the results are garbage but at 0)
 #endif
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
@@ -351,39 +351,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         // ---- the weights of segment unit i = (b, s) into ring slot i % S if it is the run's
         // (live): codes, then scales and zero points of the groups met, each a contiguous run
         // of stage_blocks' layout, so thread tid copies 16-byte units tid, tid + NT, ...
-#if STAGED_LEAN_ISSUE == 1
-        // segment unit i is unit ua + i of the m tile: its codes (and, with one scale group per
-        // K stage, its scales and zero points) sit a fixed stride on from the segment's first
-        const uint4* w_seg = w_tile + (size_t)ua * (NB * KC * 32);
-        const bool one_group = (1 << chunk_shift) == KC && C % KC == 0;   // then G = SPB
-        const size_t sz_seg = sz_e + (size_t)ua * (NB * 8);
-#endif
         auto issue_weights = [&](int i, int b, int s, bool live) {
             if (!live) return;
-#if STAGED_LEAN_ISSUE == 1
-            if (one_group) {
-                u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
-                const uint4* wsrc = w_seg + (size_t)i * (NB * KC * 32);
-#pragma unroll
-                for (int j = 0; j < W_PER; ++j)
-                    if (STAGED_PROBE != 3)
-                        w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
-                const size_t sz = sz_seg + (size_t)i * (NB * 8);
-#pragma unroll
-                for (int j = 0; j < S_PER; ++j)
-                    if (tid + j * NT < NB * 4)
-                        w16::cp16(st + St::S_OFF + 16 * j * NT, sp + sz + 2 * tid + 2 * j * NT,
-                                  true);
-                if (ZP) {
-#pragma unroll
-                    for (int j = 0; j < Z_PER; ++j)
-                        if (tid + j * NT < NB)
-                            w16::cp16(st + St::Z_OFF + 16 * j * NT, zp + sz + 8 * tid + 8 * j * NT,
-                                      true);
-                }
-                return;
-            }
-#endif
             const int c0 = s * KC, kcn = min(KC, C - c0);
             const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
             u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
@@ -458,16 +427,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 if (with_weights) issue_weights(i, b, s, true);
                 const int c0 = s * KC, kcn = min(KC, C - c0);
                 u8* sa = smem + (size_t)(i % S) * St::BYTES;
-#if STAGED_LEAN_ISSUE
-                if (kcn == KC) {                          // (uniform) every chunk in bounds
-                    const size_t off = (size_t)c0 * 64;
-#pragma unroll
-                    for (int j = 0; j < A_PER; ++j) {
-                        if (STAGED_PROBE == 2) break;
-                        w16::cp16_if(a_on[j], sa + a_dst[j], a_src[j] + off, true);
-                    }
-                } else
-#endif
 #pragma unroll
                 for (int j = 0; j < A_PER; ++j) {
                     if (STAGED_PROBE == 2) break;
@@ -574,10 +533,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                                 for (int v = 0; v < 2; ++v) {
                                     const uint4 u = bv[j][mt][v];
-                                    if (STAGED_PROBE == 5)
-                                        z[v] += __uint_as_float(u.x ^ sb.x);
-                                    else
-                                        w16::mma16816<F16>(z, u.x, u.y, u.z, u.w, sb.x, sb.y);
+                                    w16::mma16816<F16>(z, u.x, u.y, u.z, u.w, sb.x, sb.y);
                                 }
                             const float st = z[0] + z[3];
                             start2[mt].x = __shfl_sync(0xFFFFFFFFu, st, 8 * t);
@@ -615,13 +571,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                             for (int mt = 0; mt < LT; ++mt) {
                                 const uint4 b0 = bv[j][mt][0], b1 = bv[j][mt][1];
-                                if (STAGED_PROBE == 4) {
-                                    u32 x8 = b0.x ^ b1.w;
-#pragma unroll
-                                    for (int p = 0; p < 8; ++p) x8 ^= lo[p] ^ hi[p];
-                                    tmp[mt][0] += __uint_as_float(x8 & 0x3F00FFFFu);
-                                    continue;
-                                }
                                 w16::mma16816<F16>(tmp[mt], lo[0], hi[0], lo[1], hi[1], b0.x, b0.y);
                                 w16::mma16816<F16>(tmp[mt], lo[2], hi[2], lo[3], hi[3], b0.z, b0.w);
                                 w16::mma16816<F16>(tmp[mt], lo[4], hi[4], lo[5], hi[5], b1.x, b1.y);
