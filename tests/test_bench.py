@@ -206,19 +206,24 @@ def test_bench_wna16_config_overrides():
         mod._config_override(W.PACKED_CONFIGS, "q16+RED=big")
 
 
+def _dev_module(name):
+    """benchmarks/dev/<name>.py, imported from its file (the folder is no package)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "dev" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_times_regression_recovers_a_known_model(tmp_path, capsys):
     """benchmarks/dev/times_regression.py on synthetic TIMES launches: CTAs whose durations are
     a known function of their runs (and noise that follows the SM they land on, drawn afresh
     per launch) give a pace that correlates by run and not by SM, and a fit with R2 ~1 that
     returns the coefficients."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "dev"
-    path = path / "times_regression.py"
-    spec = importlib.util.spec_from_file_location("times_regression", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _dev_module("times_regression")
     rng = np.random.default_rng(3)
     Q = 256
     units = rng.integers(40, 60, Q)
@@ -253,21 +258,10 @@ def test_times_regression_recovers_a_known_model(tmp_path, capsys):
         assert got[k] == pytest.approx(v, rel=0.02, abs=1e-3), (k, got)
 
 
-def _dev_module(name):
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "dev" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_balance_bound_spans_last_end_to_mean():
     """times_regression.balance_bound: with no sharing (k = 1) a launch ends at its last SM's
-    end, with all SMs sharing at their mean, and in between the bound falls as k grows; two
-    SMs of equal ends whatever the grouping give that end at every k."""
+    end, with all SMs sharing at their mean, and in between the bound falls as k grows; SMs
+    that all end together give that end at every k."""
     mod = _dev_module("times_regression")
     rng = np.random.default_rng(5)
     ends = rng.normal(170.0, 3.0, 132)
