@@ -26,13 +26,13 @@ STAGED_FENCE, STAGED_PAD_ZERO and STAGED_BULK_A with config key BULK_A (9bd430f)
 call).
 A config may name the one variant it runs after "@" (t24+TEAMS=2+MINB=1@TEAMS=2: a launch that
 needs its macro); every variant's bits are checked against the first config's base.
---bench-routing T0,..,T:j times, at T, bench_quant's routing j of a run of those tokens instead
-of the probe's own draw; --flush read flushes the L2 as bench_quant does (a 128 MB read; the
+--bench-routing T0,..,T:j times, at T (the last count named, one of --tokens), bench_quant's
+routing j of a run of those tokens instead of the probe's own draw; --flush read flushes the L2 as bench_quant does (a 128 MB read; the
 default is a 128 MB memset: the same times within 1-2%, dev_wna16_20261201e).
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3,base:t24] [--tokens 64]
                                           [--variants base,PROBE=1,TIMES=1+PROBE=3]
                                           [--base-cu quant_gemm_wna16_staged_base.cu]
-                                          [--bench-routing 1,16,64,256:1] [--flush read]"""
+                                          [--bench-routing 1,16,64:1] [--flush read]"""
 import argparse
 import json
 import sys
@@ -130,6 +130,9 @@ def main():
                    help="only build the modules (CuPy's disk cache): run several in parallel "
                         "before the timed call")
     args = p.parse_args()
+    if args.bench_routing and args.bench_routing[0][-1] not in map(int, args.tokens.split(",")):
+        raise SystemExit(f"--bench-routing: names the routing at T = {args.bench_routing[0][-1]}"
+                         f" (its last token count), not among --tokens {args.tokens}")
     if args.compile_only:
         for spec0 in args.configs.split(","):
             spec, variants = _own_variants(spec0, args.variants)
