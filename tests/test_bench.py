@@ -276,8 +276,8 @@ def test_balance_bound_spans_last_end_to_mean():
 
 
 def test_probe_staged_specs_and_bench_routings():
-    """probe_staged's own-variant configs ("CFG@VARIANT"), its --bench-routing spec, and the
-    routing it rebuilds: bench_quant's draws for a run of those tokens, in order."""
+    """probe_staged's own-variant configs ("CFG@VARIANT") and --bench-routing spec, and
+    bench_quant.routings_of, the routings they rebuild: a run's draws at its last point."""
     mod = _dev_module("probe_staged")
     assert mod._own_variants("t24+TEAMS=2+MINB=1@TEAMS=2+TIMES=1", "base,X=1") == (
         "t24+TEAMS=2+MINB=1", ["TEAMS=2+TIMES=1"])
@@ -289,6 +289,7 @@ def test_probe_staged_specs_and_bench_routings():
     rng = np.random.default_rng(0)
     for T in (1, 16, 64):
         want = [BQ.draw_routing(rng, T, 8, 2) for _ in range(BQ.ROUTINGS)]
-    ids, tw = mod.bench_quant_routing([1, 16, 64], 2)
-    assert ids.shape == (64, 2) and np.array_equal(ids, want[2][0])
-    assert np.array_equal(tw, want[2][1])
+    got = BQ.routings_of([1, 16, 64], 8, 2)
+    assert len(got) == BQ.ROUTINGS and got[2][0].shape == (64, 2)
+    for (ids, tw), (ids0, tw0) in zip(got, want):
+        assert np.array_equal(ids, ids0) and np.array_equal(tw, tw0)

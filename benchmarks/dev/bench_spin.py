@@ -1,11 +1,10 @@
 """Dev: bench_quant with another spin ahead of each timed call (SPIN_US) and, with ROUTINGS=n in
 the environment, n routings per point instead of 4 (ROUTINGS=1: the same routing every
-repetition); with ROUTINGS_OF=T0,T1,..,T, the routings at T (the last count, one of --tokens)
-are those a run of those tokens draws there (to time them without the points before them). It also prints the host time
-Python takes to enqueue one call, to tell whether the events measure GPU time or wait on the
-launchers.
-    [ROUTINGS=1] [ROUTINGS_OF=1,16,64] python benchmarks/dev/bench_spin.py SPIN_US [bench_quant
-                                                                                 arguments]"""
+repetition); with ROUTINGS_OF=T0,T1,..,T, the Mixtral routings at T (the last count, one of
+--tokens) are those a run of those tokens draws there (bench_quant.routings_of: to time them
+without the points before them). It also prints the host time Python takes to enqueue one
+call, to tell whether the events measure GPU time or wait on the launchers.
+    [ROUTINGS=1] [ROUTINGS_OF=1,16,64] python benchmarks/dev/bench_spin.py SPIN_US [args]"""
 import os
 import sys
 import time
@@ -20,12 +19,9 @@ def main():
     BQ._SPIN_STATE.update(cycles=None, kernel=None)
     queue = tokens = None
     if os.environ.get("ROUTINGS_OF"):
-        import numpy as np
         tokens = [int(t) for t in os.environ["ROUTINGS_OF"].split(",")]
-        rng = np.random.default_rng(0)
-        for T in tokens:                 # bench_quant's draws for a run of these tokens
-            theirs = [BQ.draw_routing(rng, T, 8, 2) for _ in range(BQ.ROUTINGS)]
-        draw, queue = BQ.draw_routing, list(theirs)
+        E, K = BQ.MODELS["mixtral"][:2]
+        draw, queue = BQ.draw_routing, list(BQ.routings_of(tokens, E, K))
         BQ.draw_routing = lambda rng, T, E, K: (queue.pop(0) if T == tokens[-1] and queue
                                                 else draw(rng, T, E, K))
     real = BQ.time_ms
@@ -45,7 +41,7 @@ def main():
         return out
     BQ.time_ms = timed
     BQ.main(sys.argv[2:])
-    if os.environ.get("ROUTINGS_OF") and queue:
+    if queue:
         raise SystemExit(f"ROUTINGS_OF: no point at T = {tokens[-1]} (its last token count) "
                          f"took the routings")
 

@@ -94,16 +94,6 @@ def _bench_routing_spec(spec: str):
         raise argparse.ArgumentTypeError(f"expected T0,T1,..,T:j, got {spec!r}") from None
 
 
-def bench_quant_routing(tokens, j):
-    """bench_quant's routing j at the last T of a Mixtral run of these tokens: its generator
-    (default_rng(0)) draws ROUTINGS routings per T, in order."""
-    from benchmarks import bench_quant as BQ
-    rng = np.random.default_rng(0)
-    for T in tokens:
-        routings = [BQ.draw_routing(rng, T, E, K) for _ in range(BQ.ROUTINGS)]
-    return routings[j]
-
-
 def _rel_diff(x16, y16) -> float:
     """||x - y|| / ||y|| of two bf16 arrays given as their uint16 bits (NaN where one is)."""
     f = [(v.astype(np.uint32) << 16).view(np.float32).astype(np.float64) for v in (x16, y16)]
@@ -162,7 +152,9 @@ def main():
     for T in map(int, args.tokens.split(",")):
         ids, tw = draw_routing(rng, T)
         if args.bench_routing and T == args.bench_routing[0][-1]:
-            ids, tw = bench_quant_routing(*args.bench_routing)
+            from benchmarks import bench_quant as BQ
+            tokens, j = args.bench_routing
+            ids, tw = BQ.routings_of(tokens, E, K)[j]
         x, act = random_bf16((T, H), 10 + T), random_bf16((T * K, I), 20 + T)
         base_bits = None        # the first config's "base" outputs: every other variant's bits
         for spec0 in args.configs.split(","):    # are checked against them

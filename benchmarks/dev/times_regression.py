@@ -106,21 +106,26 @@ def sm_ends(f: dict) -> dict:
                 other_end=float(last[~heavy].mean()) if (~heavy).any() else float("nan"))
 
 
+def sm_last_ends(f: dict) -> np.ndarray:
+    """Each SM's end in one launch: its last CTA's."""
+    return np.array([f["end"][f["sm"] == s].max() for s in np.unique(f["sm"])])
+
+
 def balance_bound(f: dict, ks=(1, 2, 4, 8, 16), draws: int = 200, seed: int = 0) -> dict:
     """{k: where the launch would end if the work of every k SMs (drawn at random, `draws`
     times) were shared perfectly among them}: the mean over the draws of the worst group's mean
     SM end (an SM's end: its last CTA's). k = 1 is the launch's last end; k = all the SMs' mean
     end, the bound of any balance across the GPU. Dynamic schemes that move work only inside
     groups of k SMs (a cluster's, say) can at best reach k's figure."""
-    sms = np.unique(f["sm"])
-    ends = np.array([f["end"][f["sm"] == s].max() for s in sms])
+    ends = sm_last_ends(f)
     rng = np.random.default_rng(seed)
-    out = {}
-    for k in (*ks, len(ends)):
-        n = len(ends) // k * k
-        out[k] = float(np.mean([ends[rng.permutation(len(ends))[:n]].reshape(-1, k).mean(1).max()
-                                for _ in range(draws)])) if 1 < k < len(ends) else \
-            float(ends.max() if k == 1 else ends.mean())
+    out = {1: float(ends.max())}
+    for k in ks:
+        if 1 < k < len(ends):
+            n = len(ends) // k * k
+            out[k] = float(np.mean([ends[rng.permutation(len(ends))[:n]].reshape(-1, k)
+                                    .mean(1).max() for _ in range(draws)]))
+    out[len(ends)] = float(ends.mean())
     return out
 
 
@@ -166,8 +171,7 @@ def main(argv=None):
                                                 f"{fit[2]:.2f}" if fit else ""))
             bound = balance_bound(f)
             print(f"  launch {i}: SMs' ends p0/50/100 " +
-                  " ".join(f"{v:.1f}" for v in np.percentile(
-                      [f["end"][f["sm"] == s].max() for s in np.unique(f["sm"])], [0, 50, 100])) +
+                  " ".join(f"{v:.1f}" for v in np.percentile(sm_last_ends(f), [0, 50, 100])) +
                   " us; the work of every k SMs shared perfectly: " +
                   ", ".join(f"k={k} {v:.1f}" for k, v in bound.items()) +
                   (f"; SM clock p50 {np.median(f['mhz']):.0f} MHz" if f.get("mhz") is not None
