@@ -27,8 +27,9 @@ call).
 A config may name the one variant it runs after "@" (t24+TEAMS=2+MINB=1@TEAMS=2: a launch that
 needs its macro); every variant's bits are checked against the first config's base.
 --bench-routing T0,..,T:j times, at T (the last count named, one of --tokens), bench_quant's
-routing j of a run of those tokens instead of the probe's own draw; --flush read flushes the L2 as bench_quant does (a 128 MB read; the
-default is a 128 MB memset: the same times within 1-2%, dev_wna16_20261201e).
+routing j of a run of those tokens instead of the probe's own draw (bench_quant.routings_of);
+--flush read flushes the L2 as bench_quant does (a 128 MB read; the default is a 128 MB memset:
+the same times within 1-2%, dev_wna16_20261201e).
     python benchmarks/dev/probe_staged.py [--configs t24,t24+S=3,base:t24] [--tokens 64]
                                           [--variants base,PROBE=1,TIMES=1+PROBE=3]
                                           [--base-cu quant_gemm_wna16_staged_base.cu]
