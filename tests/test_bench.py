@@ -293,3 +293,29 @@ def test_probe_staged_specs_and_bench_routings():
     assert len(got) == BQ.ROUTINGS and got[2][0].shape == (64, 2)
     for (ids, tw), (ids0, tw0) in zip(got, want):
         assert np.array_equal(ids, ids0) and np.array_equal(tw, tw0)
+
+
+def test_sass_mix_runs_opcodes_and_chains(tmp_path, capsys):
+    """sass_mix on a hand-written listing: two runs of HMMA (split where they are more than the
+    gap apart), predicated and dotted opcodes counted by their base, and each chain link's HMMA
+    in between (R8 accumulates onto itself with one other mma between; a C of RZ starts a
+    chain)."""
+    mod = _dev_module("sass_mix")
+    lines = ["HMMA.16816.F32.BF16 R8, R20, R30, RZ", "LOP3.LUT R20, R1, 0xf, R2, 0xf8, !PT",
+             "HMMA.16816.F32.BF16 R12, R22, R30, RZ", "@!P4 SHF.R.U32.HI R21, RZ, 0x4, R1",
+             "HMMA.16816.F32.BF16 R8, R20, R31, R8", "HMMA.16816.F32.BF16 R12, R22, R31, R12"]
+    lines += ["NOP"] * 5 + ["HMMA.16816.F32.BF16 R8, R24, R32, R8", "BAR.SYNC.DEFER_BLOCKING 0x0"]
+    text = "\n".join(f"        /*{16 * k:04x}*/                   {s} ;  /* 0x0 */"
+                     for k, s in enumerate(lines))
+    ins = mod.parse(text)
+    assert len(ins) == len(lines) and ins[3].startswith("@!P4 SHF")
+    assert [mod.opcode(s) for s in ins[:4]] == ["HMMA", "LOP3", "HMMA", "SHF"]
+    assert mod.hmma_runs(ins, gap=60) == [(0, 11)]
+    assert mod.hmma_runs(ins, gap=4) == [(0, 5), (11, 11)]
+    assert mod.chain_gaps(ins, 0, 11) == [1, 1, 1]     # R8 <- R8, R12 <- R12, R8 <- R8
+    assert mod.chain_gaps(ins, 11, 11) == []           # its C was written outside the run
+    path = tmp_path / "k.sass"
+    path.write_text(text)
+    mod.main([str(path), "--gap", "4"])
+    out = capsys.readouterr().out
+    assert "run 0-5: 6 instructions, 4 HMMA" in out and "1:2" in out

@@ -5,7 +5,9 @@ lines does not change them).
     python benchmarks/dev/staged_cubins.py [--tree DIR] [--macros STAGED_LT_COST=3,ELEM_BF16=0]
                                            [--configs t24,f24] [--sass DIR]
 --tree: another checkout (`git worktree add DIR COMMIT`) whose .cu and package to build.
---sass: also write each cubin's SASS to DIR/<config>.sass (cuobjdump, on the device image).
+--sass: also write each cubin's SASS to DIR/<config>.sass (cuobjdump and nvdisasm: on the device
+image, or on the CPU from the nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels' bin/ on the
+PATH); benchmarks/dev/sass_mix.py reads it.
 """
 from __future__ import annotations
 

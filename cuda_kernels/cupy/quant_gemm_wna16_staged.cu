@@ -106,12 +106,6 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
-#ifndef STAGED_RP1       // tiles dequantized and their mma interleaved together at LT = 1
-#define STAGED_RP1 1     // (and STAGED_RP2 at LT = 2); 1: one tile at a time
-#endif
-#ifndef STAGED_RP2
-#define STAGED_RP2 1
-#endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
@@ -558,79 +552,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                     // 97.3 us with the start as the first mma's C; T = 256 525 / 274 against
                     // 535 / 279. Each chain split in two accumulators (8 -> 4 dependent mma)
                     // took 247 registers and ran slower (191 / 106 against 178 / 99 us).
-                    constexpr int RP = LT == 1 ? STAGED_RP1 : LT == 2 ? STAGED_RP2 : 1;
-                    static_assert(TPW % RP == 0, "STAGED_RP*: tiles at once must divide TPW");
-                    if constexpr (RP > 1) {
-                    // dev (STAGED_RP1 / RP2): RP tiles' codes dequantized together and their
-                    // chains' mma interleaved k16 step by k16 step (each chain in its own order)
-#pragma unroll
-                    for (int r0 = 0; r0 < TPW; r0 += RP) {
-                        float tmp[RP][LT][4];
-#pragma unroll
-                        for (int rr = 0; rr < RP; ++rr)
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt)
-#pragma unroll
-                                for (int k = 0; k < 4; ++k) tmp[rr][mt][k] = 0.f;
-#pragma unroll
-                        for (int j = 0; j < CG; ++j) {
-                            u32 lo[RP][8], hi[RP][8];
-#pragma unroll
-                            for (int rr = 0; rr < RP; ++rr) {
-                                const uint4 x = sw[((r0 + rr) * KC + kc0 + j) * 32];
-                                if constexpr (F16)
-                                    w16::raw_pairs_f16(x, lo[rr], hi[rr]);
-                                else
-                                    w16::raw_pairs(x, 0x43004300u, lo[rr], hi[rr]);
-                            }
-#pragma unroll
-                            for (int qk = 0; qk < 4; ++qk)
-#pragma unroll
-                                for (int rr = 0; rr < RP; ++rr)
-#pragma unroll
-                                    for (int mt = 0; mt < LT; ++mt) {
-                                        const uint4 bb = bv[j][mt][qk >> 1];
-                                        const u32 bx = qk & 1 ? bb.z : bb.x;
-                                        const u32 by = qk & 1 ? bb.w : bb.y;
-                                        w16::mma16816<F16>(tmp[rr][mt], lo[rr][2 * qk],
-                                                           hi[rr][2 * qk], lo[rr][2 * qk + 1],
-                                                           hi[rr][2 * qk + 1], bx, by);
-                                    }
-                        }
-#pragma unroll
-                        for (int rr = 0; rr < RP; ++rr) {
-                            const int r = r0 + rr;
-                            const float2 s2 = ss[(gi * NB + r) * 8];
-                            if (ZP) {
-                                const u32 z = sz[(gi * NB + r) * 8];
-                                const float zp_g = (float)(z & 0xFFu), zp_g8 = (float)(z >> 8);
-#pragma unroll
-                                for (int mt = 0; mt < LT; ++mt) {
-                                    const float2 ns = neg_s2[ZP ? mt : 0];
-                                    tmp[rr][mt][0] += fmaf(zp_g, ns.x, start2[mt].x);
-                                    tmp[rr][mt][1] += fmaf(zp_g, ns.y, start2[mt].y);
-                                    tmp[rr][mt][2] += fmaf(zp_g8, ns.x, start2[mt].x);
-                                    tmp[rr][mt][3] += fmaf(zp_g8, ns.y, start2[mt].y);
-                                }
-                            } else {
-#pragma unroll
-                                for (int mt = 0; mt < LT; ++mt) {
-                                    tmp[rr][mt][0] += start2[mt].x;
-                                    tmp[rr][mt][1] += start2[mt].y;
-                                    tmp[rr][mt][2] += start2[mt].x;
-                                    tmp[rr][mt][3] += start2[mt].y;
-                                }
-                            }
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt) {
-                                acc[r][mt][0] = fmaf(s2.x, tmp[rr][mt][0], acc[r][mt][0]);
-                                acc[r][mt][1] = fmaf(s2.x, tmp[rr][mt][1], acc[r][mt][1]);
-                                acc[r][mt][2] = fmaf(s2.y, tmp[rr][mt][2], acc[r][mt][2]);
-                                acc[r][mt][3] = fmaf(s2.y, tmp[rr][mt][3], acc[r][mt][3]);
-                            }
-                        }
-                    }
-                    } else {
 #pragma unroll
                     for (int r = 0; r < TPW; ++r) {
                         const float2 s2 = ss[(gi * NB + r) * 8];
@@ -683,7 +604,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                             acc[r][mt][2] = fmaf(s2.y, tmp[mt][2], acc[r][mt][2]);
                             acc[r][mt][3] = fmaf(s2.y, tmp[mt][3], acc[r][mt][3]);
                         }
-                    }
                     }
                 };
                 if (STAGED_PROBE == 1) {
