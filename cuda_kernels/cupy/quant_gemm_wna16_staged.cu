@@ -106,9 +106,6 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
-#ifndef STAGED_SUMS      // 1: the tokens' sums not by mma but read from shared memory (timing
-#define STAGED_SUMS 0    // only: the bound of precomputed sums; garbage results)
-#endif
 #ifndef STAGED_NO_WAIT   // dev bound, 1: a programmatic launch never waits for the grid before
 #define STAGED_NO_WAIT 0 // it (wrong in a layer; with the probe's pre-drawn GEMM2 input, what
 #endif                   // perfect overlap with GEMM1's tail would buy)
@@ -529,13 +526,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                     // c1 / OO + c2 / OE is -S (ZP: the start of row r is -T - zp_r S). Each lane
                     // then takes its tokens' from lanes 8 t and 8 t + 4 (g = 2 t, 2 t + 1).
                     float2 start2[LT], neg_s2[ZP ? LT : 1];
-#if STAGED_SUMS                          // dev: no sums mma, a float2 per token tile from
-                    for (int mt = 0; mt < LT; ++mt) {   // shared memory in their place
-                        start2[mt] = reinterpret_cast<const float2*>(sa)[(mt * 8 + t) * 2];
-                        if (ZP) neg_s2[ZP ? mt : 0] = start2[mt];
-                    }
-                    if (false)
-#endif
                     {
                         const uint2 sb = sSumB[g & 1];
 #pragma unroll
