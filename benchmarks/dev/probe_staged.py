@@ -11,8 +11,6 @@ programmatically). The macros:
                      its partial blocks, with the parts' fences, counts and adds, and its
                      SM clock (clock64 cycles over globaltimer ns): their spread is printed
     STAGED_LT_COST = c  a unit's cost LT + c in the run split (5 in the kernel)
-    STAGED_NO_WAIT = 1  the programmatic GEMM2 never waits for GEMM1 (a bound: GEMM2's input
-                     is pre-drawn here; the layer's GEMM2 then gets a workspace of its own)
     MAXREG = n, PTXO = n   compiler options, not macros: --maxrregcount=n, ptxas -On
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
 STAGED_CACHE, STAGED_LATE_START, STAGED_SPLIT and STAGED_DEFER, those of dev_wna16_20261201b
@@ -160,7 +158,6 @@ def main():
             tokens, j = args.bench_routing
             ids, tw = BQ.routings_of(tokens, E, K)[j]
         x, act = random_bf16((T, H), 10 + T), random_bf16((T * K, I), 20 + T)
-        own_ws = {}             # NO_WAIT's second workspace (see layer)
         base_bits = None        # the first config's "base" outputs: every other variant's bits
         for spec0 in args.configs.split(","):    # are checked against them
             spec, variants = _own_variants(spec0, args.variants)
@@ -181,21 +178,11 @@ def main():
 
             def layer():            # GEMM1, then GEMM2 launched programmatically (bench_quant's)
                 g1()
-                if not no_wait:
-                    g2(programmatic=True)
-                    return
-                # NO_WAIT: GEMM2 may run beside GEMM1, so it gets a workspace of its own
-                mine = W._WS.get(dev)
-                W._WS[dev] = own_ws.get(dev, (None, None))
-                try:
-                    g2(programmatic=True)
-                finally:
-                    own_ws[dev], W._WS[dev] = W._WS[dev], mine
+                g2(programmatic=True)
             for var in variants:
                 W._READY.clear()
                 W._SMEM_SET.clear()
                 name, mod, defs = _module(cupy, args.base_cu if base else W.CU_STAGED, cfg, var)
-                no_wait = bool(defs.get("STAGED_NO_WAIT"))
                 W._READY[(name, 1, dev)] = mod.get_function(name)
                 bits = [cupy.asnumpy(g().view(cupy.uint16)) for g in (g1, g2)]
                 same = None                       # a variant that keeps the math: same bits?

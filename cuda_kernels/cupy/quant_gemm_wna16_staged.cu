@@ -106,9 +106,6 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
-#ifndef STAGED_NO_WAIT   // dev bound, 1: a programmatic launch never waits for the grid before
-#define STAGED_NO_WAIT 0 // it (wrong in a layer; with the probe's pre-drawn GEMM2 input, what
-#endif                   // perfect overlap with GEMM1's tail would buy)
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
@@ -309,7 +306,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     bool inputs_ready = false;
     auto wait_for_inputs = [&] {
         if (inputs_ready) return;
-        if (!STAGED_NO_WAIT) w16::grid_dependency_wait();
+        w16::grid_dependency_wait();
         w16::launch_dependents();
         inputs_ready = true;
     };
