@@ -121,9 +121,6 @@ def main():
     p.add_argument("--layer2", default="",
                    help="the layer's GEMM2 in this config (e.g. t24) instead of each config's "
                         "own (GEMM1 and GEMM2 alone still run the config's)")
-    p.add_argument("--ps-cached", action="store_true",
-                   help="PS configs: the chunk sums made once, outside the timings (the GEMM "
-                        "alone, still launched programmatically)")
     p.add_argument("--compile-only", action="store_true",
                    help="only build the modules (CuPy's disk cache): run several in parallel "
                         "before the timed call")
@@ -156,7 +153,6 @@ def main():
             print(f"read {w.nbytes / 1e6:.0f} MB, {blocks} x 512: {t * 1e3:7.1f} us, "
                   f"{w.nbytes / t / 1e9:.2f} TB/s", flush=True)
     rng = np.random.default_rng(0)
-    make_sums = W._device_row_chunk_sums
     dev = cupy.cuda.Device().id
     for T in map(int, args.tokens.split(",")):
         ids, tw = draw_routing(rng, T)
@@ -165,9 +161,6 @@ def main():
             tokens, j = args.bench_routing
             ids, tw = BQ.routings_of(tokens, E, K)[j]
         x, act = random_bf16((T, H), 10 + T), random_bf16((T * K, I), 20 + T)
-        if args.ps_cached:                 # the sums of x and act, made once (untimed)
-            cache = {id(v): make_sums(v) for v in (x, act)}
-            W._device_row_chunk_sums = lambda a, programmatic=False: cache[id(a)]  # noqa: E731
         base_bits = None        # the first config's "base" outputs: every other variant's bits
         for spec0 in args.configs.split(","):    # are checked against them
             spec, variants = _own_variants(spec0, args.variants)
