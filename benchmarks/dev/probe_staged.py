@@ -118,9 +118,6 @@ def main():
                         "or bench_quant's 128 MB read")
     p.add_argument("--base-cu", default="quant_gemm_wna16_staged_base.cu",
                    help="the kernel of the base: configs (in cuda_kernels/cupy)")
-    p.add_argument("--layer2", default="",
-                   help="the layer's GEMM2 in this config (e.g. t24) instead of each config's "
-                        "own (GEMM1 and GEMM2 alone still run the config's)")
     p.add_argument("--compile-only", action="store_true",
                    help="only build the modules (CuPy's disk cache): run several in parallel "
                         "before the timed call")
@@ -179,13 +176,9 @@ def main():
                                             use_int4_w4a16=True, config=cfg,
                                             programmatic=programmatic)
 
-            cfg2 = _config_override(dict(W.STAGED_CONFIGS), args.layer2)[1] if args.layer2 \
-                else cfg
-
             def layer():            # GEMM1, then GEMM2 launched programmatically (bench_quant's)
                 g1()
-                W.grouped_gemm_wna16(act, w2, st, ex, ntp, 1, B, twd, True, w_scale=s2,
-                                     use_int4_w4a16=True, config=cfg2, programmatic=True)
+                g2(programmatic=True)
             for var in variants:
                 W._READY.clear()
                 W._SMEM_SET.clear()

@@ -777,19 +777,17 @@ def staged_kernel_name(cfg: dict, zp: bool, fa: bool | None = None) -> str:
     """fa: the FA mode (default: the config's)."""
     fa = cfg.get("FA", 0) if fa is None else fa
     return (f"wna16_staged<{cfg['MT']}, {cfg['W']}, {cfg['TPW']}, {cfg['KC']}, {cfg['S']}, "
-            f"{int(bool(zp))}, {cfg['MINB']}, {int(bool(fa))}, {int(bool(cfg.get('PS')))}>")
+            f"{int(bool(zp))}, {cfg['MINB']}, {int(bool(fa))}>")
 
 
 def staged_stage_bytes(cfg: dict, zp: bool) -> int:
     """One pipeline stage (the .cu's StagedStage): weights NB KC 512, scales NB KC 64, zero
-    points NB KC 16 (zp), activations BM KC 128, the rows' chunk sums BM KC 4 (PS), each
-    rounded up to 128 bytes."""
+    points NB KC 16 (zp), activations BM KC 128, each rounded up to 128 bytes."""
     nb, kc, bm = cfg["W"] * cfg["TPW"], cfg["KC"], 8 * cfg["MT"]
 
     def r(x):
         return C.cdiv(x, 128) * 128
-    return (r(nb * kc * 512) + r(nb * kc * 64) + (r(nb * kc * 16) if zp else 0) +
-            r(bm * kc * 128) + (r(bm * kc * 4) if cfg.get("PS") else 0))
+    return r(nb * kc * 512) + r(nb * kc * 64) + (r(nb * kc * 16) if zp else 0) + r(bm * kc * 128)
 
 
 def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
@@ -837,9 +835,8 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
 
 
 F16_ROWS_KERNEL = "wna16_f16_rows"
-ROW_SUMS_KERNEL = "wna16_row_chunk_sums"
 STAGED_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values()
-                     for z in (False, True)) + (F16_ROWS_KERNEL, ROW_SUMS_KERNEL)
+                     for z in (False, True)) + (F16_ROWS_KERNEL,)
 for _ev in ELEMS.values():
     C.register_compile_case(CU_STAGED, {"ELEM_BF16": _ev}, STAGED_NAMES)
 
@@ -1061,10 +1058,6 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_STAGED)
         null = C.null_ptr()
         a16, a_scale = _device_f16_rows(a) if fa else (C.raw(a), null)
-        # PS (bf16 codes): the rows' chunk sums, launched first (programmatically where `a` is
-        # the previous kernel's output); the GEMM then follows them programmatically
-        ps = bool(cfg0.get("PS")) and out_key == "bf16" and not fa
-        sums = _device_row_chunk_sums(a, programmatic) if ps else null
         ws, cnt = _workspace(lp["WS"], lp["COUNTERS"])
         args = (a16, a_scale, pk["wp"], C.raw(c), pk["sp"],
                 pk["zp"] if pk["zp"] is not None else null,
@@ -1072,9 +1065,9 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                 tw if tw is not None else null, b32 if b32 is not None else null, ws, cnt,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
-                np.int32(G), np.int32(default_zp), sums)
+                np.int32(G), np.int32(default_zp))
         launch(kern, lp["grid"], lp["block"], args, shared_mem=lp["smem"],
-               programmatic=programmatic or ps)
+               programmatic=programmatic)
         return c
     if rung == "packed":
         pk = packed_weights(w, w_scale, w_zp, w_s)
@@ -1124,33 +1117,6 @@ def f16_rows(a):
     s = np.where((m > 0) & np.isfinite(m), np.minimum(15 - e, 126), 0).astype(np.int32)
     a16 = np.ldexp(x, s[:, None]).astype(np.float16)
     return a16, np.ldexp(np.float32(1), -s).astype(np.float32)
-
-
-def row_chunk_sums(a):
-    """wna16_row_chunk_sums' NumPy twin: [M, K / 64] float32, the sum of each row's 64-element
-    chunks in the kernel's order (each 8 elements in k order, then the 8 partials pairwise)."""
-    x = np.asarray(a, dtype=np.float32)
-    M, K = x.shape
-    u = x.reshape(M, K // PACK_CHUNK, 8, 8)
-    s = np.zeros(u.shape[:3], np.float32)
-    for j in range(8):
-        s = s + u[..., j]
-    s = s[..., 0::2] + s[..., 1::2]
-    s = s[..., 0::2] + s[..., 1::2]
-    return (s[..., 0] + s[..., 1]).astype(np.float32)
-
-
-def _device_row_chunk_sums(a, programmatic=False):
-    """wna16_row_chunk_sums on the GPU: [M, K / 64] float32 (row_chunk_sums is its twin)."""
-    M_a, K = a.shape
-    chunks = M_a * (K // PACK_CHUNK)
-    C.check_fits_int32("a", chunks * 8, "a's 16-byte units (rows * Kdim / 8)")
-    sums = C.empty((M_a, K // PACK_CHUNK), np.float32)       # poisoned when tests ask
-    if chunks:
-        launch(_kernel(ROW_SUMS_KERNEL, ELEMS[_elem_key(a.dtype)], 0, CU_STAGED),
-               (C.cdiv(chunks * 8, 256), 1, 1), (256,), (C.raw(a), sums, np.int32(chunks)),
-               programmatic=programmatic)
-    return sums
 
 
 def _device_f16_rows(a):

@@ -124,15 +124,14 @@ __device__ __forceinline__ unsigned long long global_ns() {
 #endif
 
 // Bytes of one pipeline stage (each part rounded to 128 bytes), as the launcher computes them.
-template <int MT, int NB, int KC, int ZP, int PS>
+template <int MT, int NB, int KC, int ZP>
 struct StagedStage {
     __host__ __device__ static constexpr int round(int x) { return (x + 127) / 128 * 128; }
     static constexpr int W_OFF = 0;
     static constexpr int S_OFF = W_OFF + round(NB * KC * 512);
     static constexpr int Z_OFF = S_OFF + round(NB * KC * 64);
     static constexpr int A_OFF = Z_OFF + (ZP ? round(NB * KC * 16) : 0);
-    static constexpr int P_OFF = A_OFF + round(8 * MT * KC * 128);   // (PS) the rows' chunk sums
-    static constexpr int BYTES = P_OFF + (PS ? round(8 * MT * KC * 4) : 0);
+    static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
 };
 
 // A block's part: this CTA's walk computed `count` of its SPB K stages from stage `first` (the N
@@ -199,7 +198,7 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
     return true;
 }
 
-template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int FA, int PS>
+template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int FA>
 __global__ void __launch_bounds__(W * 32, MINB)
 wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_scale,
              const uint4* __restrict__ wp, elem_t* __restrict__ c,
@@ -209,10 +208,9 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
              const float* __restrict__ topk_weights, const float* __restrict__ bias,
              float* __restrict__ ws, int* __restrict__ counters,
              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
-             const float* __restrict__ a_sums) {
+             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
-    using St = StagedStage<MT, NB, KC, ZP, PS>;
+    using St = StagedStage<MT, NB, KC, ZP>;
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
     __shared__ int sLast;
@@ -236,11 +234,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // The codes the mma reads: bf16 128 + q (one per half-word); fp16 (FA, or an fp16 build)
     // 1024 + q for even pairs, 64 + q for odd ones (w16::raw_pairs_f16: a third of the shifts)
     constexpr bool F16 = FA || !ELEM_BF16;
-    // PS: the tokens' sums come precomputed (a_sums [rows of a][C], wna16_row_chunk_sums) and
-    // staged with the activations, not made by the sums mma; bf16 codes only (fp16 pairs take
-    // two offsets, so they keep the mma). An fp16 build of a PS config runs without it.
-    constexpr bool PSUMS = PS && !F16;
-    static_assert(!PS || 8 * MT * KC <= 32 * W, "PS: one chunk sum copy per thread a stage");
     constexpr float OFF_EVEN = F16 ? 1024.f : 128.f, OFF_ODD = F16 ? 64.f : 128.f;
     // B of the tokens' sums mma: column n of lane g = n, even columns -(OFF_EVEN + zo), odd ones
     // -(OFF_ODD + zo), zo = the default zero point without per-group ones (ZP = 0), else 0
@@ -426,13 +419,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             a_dst[j] = St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1)));
             a_chunk[j] = u / 8;
         }
-        // ---- (PSUMS) this thread's chunk sum of the stage: row r = tid % BM, chunk tid / BM,
-        // stored [chunk][BM] so that lane (g, t) reads its tokens 2 t, 2 t + 1 as one float2
-        const int p_row = tid % BM, p_chunk = tid / BM;
-        const bool p_on = PSUMS && p_chunk < KC && p_row < live_rows;
-        const float* p_src = p_on
-            ? a_sums + (size_t)(sArow[p_row] >= 0 ? sArow[p_row] : first) * C + p_chunk : nullptr;
-        const int p_dst = St::P_OFF + 4 * (p_chunk * BM + p_row);
         // ---- segment unit i = (b, s): its weights (unless issued early) and the activations
         // of its K stage (a short last stage: zeros), one commit group per call (empty past
         // the run: the wait counts stay right)
@@ -446,10 +432,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                     if (STAGED_PROBE == 2) break;
                     const bool ok = a_chunk[j] < kcn;
                     w16::cp16_if(a_on[j], sa + a_dst[j], a_src[j] + (ok ? c0 * 64 : 0), ok);
-                }
-                if (p_on) {                        // (a short last stage's missing chunk: 0)
-                    const bool ok = p_chunk < kcn;
-                    w16::cp4(sa + p_dst, p_src + (ok ? c0 : 0), ok);
                 }
             }
             w16::cp_commit();
@@ -541,24 +523,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                     // c1 / OO + c2 / OE is -S (ZP: the start of row r is -T - zp_r S). Each lane
                     // then takes its tokens' from lanes 8 t and 8 t + 4 (g = 2 t, 2 t + 1).
                     float2 start2[LT], neg_s2[ZP ? LT : 1];
-                    if constexpr (PSUMS) {            // S of tokens 8 mt + 2 t, + 1 over the CG
-                        const float* sps = reinterpret_cast<const float*>(st + St::P_OFF);
-                        // bf16: OFF_EVEN = OFF_ODD, so the start is -(OFF + zo) S and -T = -OFF S
-                        const float start = -(OFF_EVEN + (ZP ? 0.f : (float)default_zp));
-#pragma unroll
-                        for (int mt = 0; mt < LT; ++mt) {
-                            float2 sum = make_float2(0.f, 0.f);
-#pragma unroll
-                            for (int j = 0; j < CG; ++j) {
-                                const float2 v = *reinterpret_cast<const float2*>(
-                                    sps + (kc0 + j) * BM + 8 * mt + 2 * t);
-                                sum.x += v.x;
-                                sum.y += v.y;
-                            }
-                            start2[mt] = make_float2(start * sum.x, start * sum.y);
-                            if (ZP) neg_s2[ZP ? mt : 0] = make_float2(-sum.x, -sum.y);
-                        }
-                    } else {
+                    {
                         const uint2 sb = sSumB[g & 1];
 #pragma unroll
                         for (int mt = 0; mt < LT; ++mt) {
@@ -753,35 +718,4 @@ wna16_f16_rows(const elem_t* __restrict__ a, unsigned short* __restrict__ a16,
                    (u32)__half_as_ushort(__float2half_rn(w16::hi_f32(w[i]) * up)) << 16;
         dst[u] = make_uint4(h[0], h[1], h[2], h[3]);
     }
-}
-
-// wna16_row_chunk_sums: wna16_staged's PS sums. For each row m of a [M][K] (elem_t) and each
-// 64-element chunk c of it,
-//   sums[m, c] = sum_{k < 64} a[m, 64 c + k]   in fp32: each 8 elements in k order, then the
-//                chunk's 8 partials as a pairwise tree (row_chunk_sums is its NumPy twin).
-// Launched before the GEMM that reads them, that GEMM launched programmatically after it. It
-// lets that GEMM launch at once (its CTAs' prologue overlaps this kernel), and, launched
-// programmatically itself (a is the output of the kernel before it), waits for its input first.
-// grid (cdiv(M C 8, 256)), block 256: 8 threads per chunk, one 16-byte load each, 3 shuffles.
-// Needs K % 64 == 0 and 16-byte aligned rows.
-__global__ void __launch_bounds__(256)
-wna16_row_chunk_sums(const elem_t* __restrict__ a, float* __restrict__ sums, int chunks) {
-    w16::launch_dependents();
-    w16::grid_dependency_wait();
-    const long long i = (long long)blockIdx.x * 256 + threadIdx.x;   // chunk i / 8, unit i % 8
-    float s = 0.f;
-    if (i < (long long)chunks * 8) {
-        const uint4 x = reinterpret_cast<const uint4*>(a)[i];
-        const u32 w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            s += w16::lo_f32(w[j]);
-            s += w16::hi_f32(w[j]);
-        }
-    }
-    // the 8 threads of a chunk are 8 aligned lanes of one warp (256 is a multiple of 8)
-    s += __shfl_xor_sync(0xFFFFFFFFu, s, 1);
-    s += __shfl_xor_sync(0xFFFFFFFFu, s, 2);
-    s += __shfl_xor_sync(0xFFFFFFFFu, s, 4);
-    if (i < (long long)chunks * 8 && (i & 7) == 0) sums[i >> 3] = s;
 }
