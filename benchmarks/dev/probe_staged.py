@@ -22,7 +22,8 @@ benchmarks/dev/role_skew.py (ccb4bdd), and STAGED_A_SMEM / STAGED_SMEM_BOUNDS (5
 out too. Those of dev_wna16_20261201e: STAGED_TEAMS with config key TEAMS (a5ef20b),
 STAGED_FENCE, STAGED_PAD_ZERO and STAGED_BULK_A with config key BULK_A (9bd430f), STAGED_PROBE
 = 4 / 5 and STAGED_LEAN_ISSUE (560934b), taken out as well, and those of dev_wna16_20261201f,
-STAGED_RP1 / STAGED_RP2 (2c293b0), and of dev_wna16_20261202 STAGED_NO_WAIT (04126d9).)
+STAGED_RP1 / STAGED_RP2 (2c293b0), and of dev_wna16_20261202 STAGED_NO_WAIT (04126d9),
+STAGED_SUMS again (8f64e3a), and config key PS with --layer2 and --ps-cached (99c22cc, 35cc965).)
 --compile-only builds the modules into CuPy's cache (run several at once before the timed
 call).
 A config may name the one variant it runs after "@" (t24+TEAMS=2+MINB=1@TEAMS=2: a launch that
