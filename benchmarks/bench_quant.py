@@ -85,6 +85,17 @@ FLUSH_BYTES = 128 << 20
 SPIN_US = 1000       # longer than Python takes to enqueue one timed call (~0.1-0.4 ms)
 
 
+def compilers() -> dict:
+    """What built the kernels that ran: CuPy's NVRTC (the run-time builds) and the kernels taken
+    from prebuilt cubins, with the NVRTC that made those (the speed depends on it)."""
+    from cupy.cuda import nvrtc
+
+    from cuda_kernels.cupy import _compile as C
+    return dict(cupy_nvrtc=".".join(map(str, nvrtc.getVersion())),
+                prebuilt_nvrtc=C.prebuilt_manifest().get("nvrtc"),
+                prebuilt_loaded=sorted(f"{cu} {name}" for cu, name in C.PREBUILT_LOADED))
+
+
 def git_commit() -> str:
     from sandbox.bench import git_commit as commit   # one source of truth (MOE_SANDBOX_COMMIT on the GPU)
     return commit()
@@ -459,7 +470,7 @@ def main(argv=None):
                       command=" ".join([pathlib.Path(sys.argv[0]).name] + sys.argv[1:]),
                       hbm_bytes_per_s=HBM, peak_flops=PEAK, routings_per_point=ROUTINGS,
                       spin_us=0 if args.no_spin else SPIN_US, flush=args.flush,
-                      programmatic=not args.no_pdl, points=points)
+                      programmatic=not args.no_pdl, compilers=compilers(), points=points)
         path.write_text(json.dumps(record, indent=1) + "\n")
         log(f"wrote {path.relative_to(ROOT)}")
 

@@ -11,6 +11,10 @@ programmatically). The macros:
                      its partial blocks, with the parts' fences, counts and adds, and its
                      SM clock (clock64 cycles over globaltimer ns): their spread is printed
     STAGED_LT_COST = c  a unit's cost LT + c in the run split (5 in the kernel)
+"base" is the launcher's kernel: for a config with a prebuilt cubin (t24, cuda_kernels/cupy/
+prebuilt) that cubin, else the .cu built by CuPy's NVRTC like every macro variant (on the H200
+image CUDA 13.0's, whose build of t24 runs 2-3% slower: dev_wna16_20261202b); `cubin=PATH`
+loads a cubin built elsewhere (benchmarks/dev/ptxas_cubins.py), its mangled name in PATH.name.
     MAXREG = n, PTXO = n   compiler options, not macros: --maxrregcount=n, ptxas -On
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
 STAGED_CACHE, STAGED_LATE_START, STAGED_SPLIT and STAGED_DEFER, those of dev_wna16_20261201b
@@ -69,16 +73,52 @@ _OPTIONS = {"MAXREG": "--maxrregcount={}", "PTXO": "--ptxas-options=-O{}"}
 def _module(cupy, cu, cfg, var):
     """(kernel name, compiled RawModule, macros) of config cfg under variant var ("base", or
     "PROBE=1+TIMES=1": the STAGED_ dev macros, and the compiler options of _OPTIONS)."""
+    if var.startswith("cubin="):                # a cubin built elsewhere (another ptxas, say)
+        return _cubin_module(cupy, cfg, var[6:])   # beside it the kernel's mangled name, PATH.name
+    name = W.staged_kernel_name(cfg, False)
+    if var == "base" and cu == W.CU_STAGED:     # the launcher's kernel: its prebuilt cubin
+        src = C.source_text(cu, dict(ELEM_BF16=1))  # where it has one (cuda_kernels/cupy/prebuilt)
+        key = C.prebuilt_key(src, name, "sm_" + cupy.cuda.Device().compute_capability, ())
+        entry = C.prebuilt_manifest()["entries"].get(key)
+        if entry is not None:
+            mod = _Cubin(_cubin_raw_module(cupy, C.prebuilt_cubin(entry)), entry["mangled"])
+            return name, mod, {}
     pairs = [] if var == "base" else [kv.split("=") for kv in var.split("+")]
     defs = {f"STAGED_{k}": int(v) for k, v in pairs if k not in _OPTIONS}
     opts = tuple(_OPTIONS[k].format(int(v)) for k, v in pairs if k in _OPTIONS)
-    name = W.staged_kernel_name(cfg, False)
     mod = cupy.RawModule(code=C.source_text(cu, dict(ELEM_BF16=1, **defs)),
                          options=C._BASE_OPTIONS + opts +
                          tuple(f"-I{d}" for d in C.cuda_include_dirs()),
                          name_expressions=(name,))
     mod.get_function(name)                      # compiles (or loads CuPy's cached cubin)
     return name, mod, defs
+
+
+class _Cubin:
+    """A cubin's module that hands out its kernel by the name the launcher uses."""
+
+    def __init__(self, mod, mangled):
+        self.mod, self.mangled = mod, mangled
+
+    def get_function(self, _name):
+        return self.mod.get_function(self.mangled)
+
+    def get_global(self, name):
+        return self.mod.get_global(name)
+
+
+def _cubin_raw_module(cupy, cubin: bytes):
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    return cupy.RawModule(path=f.name)
+
+
+def _cubin_module(cupy, cfg, path):
+    """("cubin=PATH"): the kernel of config cfg from a cubin built elsewhere (benchmarks/dev/
+    ptxas_cubins.py: another ptxas on the same PTX), its mangled name in PATH.name."""
+    mangled = open(path + ".name").read().strip()
+    return W.staged_kernel_name(cfg, False), _Cubin(cupy.RawModule(path=path), mangled), {}
 
 
 def _own_variants(spec: str, variants: str):

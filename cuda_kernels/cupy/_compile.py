@@ -1,7 +1,8 @@
 """Compile the `.cu` files of this folder: on the GPU through CuPy, on a CPU through NVRTC.
 
-One source text feeds both paths, so the kernel that CPU CI compiles is byte for byte the
-kernel that runs on the GPU:
+One source text feeds both paths, so CPU CI compiles the source the GPU runs (the same bytes
+when both use one NVRTC version: CuPy's NVRTC on a GPU machine can be older than the
+nvidia-cuda-nvrtc wheel CI compiles with, and its cubin then differs):
 
     source_text(cu_name, defines)   '#define NAME VALUE' lines, then '#line 1 "<cu_name>"' and
                                     the file, with local `#include "x.cuh"` inlined (CuPy's disk
@@ -14,6 +15,18 @@ kernel that runs on the GPU:
                                     import with `register_compile_case`; tests/test_cupy_nvrtc.py
                                     compiles them all for sm_90 and sm_80.
     availability()                  (True, "") when CuPy imports and a CUDA device is usable.
+    register_prebuilt(...)          an instantiation shipped compiled (prebuilt/, made by
+                                    `python -m cuda_kernels.cupy.prebuild`): get_kernel loads
+                                    its cubin when the source text, options and the device's
+                                    architecture are exactly those it was built from, and
+                                    compiles as usual otherwise (an edited .cu, another GPU).
+
+Why prebuilt cubins: the SASS, and so the speed, of a kernel depends on the NVRTC that builds
+it. The staged int4 rung built by NVRTC 13.5 runs its Mixtral layers 2-3% faster on an H200
+than the same source built by the CUDA 13.0 NVRTC of the H200 image (T = 64: 267-269 against
+273-276 us over bench_quant's four routings; T = 256: 758 against 786 us;
+benchmarks/results/dev_wna16_20261202b). Shipping the cubin makes that build the one every
+machine runs, and the one CPU CI checks byte for byte (tests/test_prebuilt.py).
 
 Architecture: by default a kernel is built for the current device (CuPy picks `sm_XY`). A
 kernel that needs an architecture-specific target (`wgmma` needs `sm_90a`) passes it in
@@ -33,6 +46,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
+import lzma
 import os
 import pathlib
 import re
@@ -43,6 +58,7 @@ from typing import NamedTuple
 from .._checks import check_int  # noqa: F401  (the launchers call C.check_int)
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
+PREBUILT_DIR = KERNEL_DIR / "prebuilt"
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"\s*$')
 _BASE_OPTIONS = ("-std=c++17",)
@@ -145,6 +161,57 @@ def register_compile_case(cu_name: str, defines: dict | None = None,
            for c in COMPILE_CASES):
         COMPILE_CASES.append(case)
     return case
+
+
+# ----------------------------------------------------------------------------- prebuilt cubins
+class PrebuiltSpec(NamedTuple):
+    cu_name: str
+    defines: dict
+    name: str                   # one name expression: the cubin holds that instantiation only
+    options: tuple[str, ...]
+    arch: str
+
+
+PREBUILT_SPECS: list[PrebuiltSpec] = []
+
+
+def register_prebuilt(cu_name: str, defines: dict, name: str, options: tuple[str, ...] = (),
+                      arch: str = "sm_90") -> PrebuiltSpec:
+    """Ship the instantiation `name` of `cu_name` compiled for `arch` (the prebuild script
+    builds every registered one; get_kernel loads it where it fits)."""
+    spec = PrebuiltSpec(cu_name, dict(defines), name, tuple(options),
+                        required_arch(options) or arch)
+    if spec not in PREBUILT_SPECS:
+        PREBUILT_SPECS.append(spec)
+    return spec
+
+
+def prebuilt_key(src: str, name: str, arch: str, options: tuple[str, ...]) -> str:
+    """What a prebuilt cubin was built from: the full source text (defines inlined), the name
+    expression, the architecture and the options, hashed."""
+    blob = json.dumps([src, name, arch, list(_BASE_OPTIONS) + list(options)])
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def prebuilt_manifest() -> dict:
+    """prebuilt/manifest.json ({"nvrtc": ..., "entries": {key: entry}}), or no entries."""
+    path = PREBUILT_DIR / "manifest.json"
+    if not path.is_file():
+        return {"entries": {}}
+    return json.loads(path.read_text())
+
+
+def prebuilt_cubin(entry: dict) -> bytes:
+    """The cubin of a manifest entry (stored xz-compressed), checked against its md5."""
+    cubin = lzma.decompress((PREBUILT_DIR / entry["file"]).read_bytes())
+    if hashlib.md5(cubin).hexdigest() != entry["md5"]:
+        raise RuntimeError(f"prebuilt/{entry['file']}: the cubin does not match its manifest "
+                           f"md5 (rebuild: python -m cuda_kernels.cupy.prebuild)")
+    return cubin
+
+
+PREBUILT_LOADED: set = set()      # (cu_name, name) of the kernels get_kernel took prebuilt
 
 
 # ----------------------------------------------------------------------------- CPU: NVRTC
@@ -267,7 +334,6 @@ def _device_key():
 
 def _load_with_cuda_core(src, cu_name, kernel_name, name_expressions, arch, options):
     """Build an architecture-specific cubin with cuda.core and load it into CuPy."""
-    import cupy
     try:
         obj = _nvrtc_compile(src, name_expressions, arch, options, cu_name)
     except ImportError as e:
@@ -275,12 +341,18 @@ def _load_with_cuda_core(src, cu_name, kernel_name, name_expressions, arch, opti
                            f"install cuda-core ({e})") from e
     except Exception as e:
         raise CompileError(f"NVRTC failed to compile {cu_name} for {arch}:\n{e}") from e
-    cubin = bytes(obj.code)
     mangled = kernel_name
     if name_expressions:
         mangled = obj.symbol_mapping.get(kernel_name, kernel_name)
         if isinstance(mangled, bytes):
             mangled = mangled.decode()
+    return _function_of_cubin(bytes(obj.code), mangled)
+
+
+def _function_of_cubin(cubin: bytes, mangled: str):
+    """Kernel `mangled` of a cubin, loaded into CuPy through a file of CuPy's cache folder."""
+    import cupy
+
     cache = pathlib.Path(os.environ.get("CUPY_CACHE_DIR", pathlib.Path.home() / ".cupy"))
     cache = cache / "moe_sandbox_cubins"
     cache.mkdir(parents=True, exist_ok=True)
@@ -314,7 +386,15 @@ def get_kernel(cu_name: str, kernel_name: str, defines: dict | None = None,
 
     src = source_text(cu_name, defines)
     arch = required_arch(options)
-    if arch is not None:
+    entry = None
+    if name_expressions and len(name_expressions) == 1:
+        cc = cupy.cuda.Device().compute_capability              # "90" on an H100 / H200
+        key = prebuilt_key(src, kernel_name, arch or f"sm_{cc}", tuple(options))
+        entry = prebuilt_manifest()["entries"].get(key)
+    if entry is not None:
+        kern = _function_of_cubin(prebuilt_cubin(entry), entry["mangled"])
+        PREBUILT_LOADED.add((cu_name, kernel_name))
+    elif arch is not None:
         kern = _load_with_cuda_core(src, cu_name, kernel_name, name_expressions, arch,
                                     tuple(options))
     else:

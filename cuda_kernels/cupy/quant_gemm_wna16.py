@@ -839,6 +839,16 @@ STAGED_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values()
                      for z in (False, True)) + (F16_ROWS_KERNEL,)
 for _ev in ELEMS.values():
     C.register_compile_case(CU_STAGED, {"ELEM_BF16": _ev}, STAGED_NAMES)
+# The config the router takes for 9-128 rows per expert ships compiled by NVRTC 13.5 for the
+# H100 / H200 (prebuilt/, python -m cuda_kernels.cupy.prebuild): the same source built by the
+# CUDA 13.0 NVRTC of the H200 image ran Mixtral's T = 64 layer 2-3% slower, T = 256 3.5%
+# (benchmarks/results/dev_wna16_20261202b; the module docstring of _compile says how it loads)
+PREBUILT_CONFIGS = ("t24",)
+for _ev in ELEMS.values():
+    for _c in PREBUILT_CONFIGS:
+        for _z in (False, True):
+            C.register_prebuilt(CU_STAGED, {"ELEM_BF16": _ev},
+                                staged_kernel_name(STAGED_CONFIGS[_c], _z))
 
 
 # ----------------------------------------------------------------------------- workspace

@@ -106,15 +106,6 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
-#ifndef STAGED_PMAX      // a finishing CTA loads this many parts of the block at a time
-#define STAGED_PMAX 1
-#endif
-#ifndef STAGED_DERIVED   // 1: a part's slot a function of the split, so a finishing CTA finds
-#define STAGED_DERIVED 0 // the parts without reading records first (one round trip less)
-#endif
-#ifndef STAGED_RW_PREFETCH   // 1: a finishing CTA's routing weights loaded beside the parts
-#define STAGED_RW_PREFETCH 0
-#endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
@@ -149,13 +140,12 @@ struct StagedStage {
 // whose units complete the block's SPB (units_done[tile]) gets true back, with v = the parts
 // added in the order of their first stages (deterministic for a given split), and leaves both
 // at zero; the others get false. Every thread of the CTA calls it; s_last is a __shared__ int.
-template <int N, int NT, int PMAX, class NextSlot, class Prefetch>
+template <int N, int NT>
 __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
                                              int* __restrict__ units_done,
                                              int* __restrict__ part_at, int* by_first, int SPB,
                                              size_t tile, int per, int slot, int first,
-                                             int count, int& s_last, NextSlot&& next_slot,
-                                             Prefetch&& prefetch) {
+                                             int count, int& s_last) {
     const int tid = threadIdx.x;
     int* at = part_at + tile * SPB;
 #if STAGED_TIMES
@@ -164,7 +154,7 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
 #endif
 #pragma unroll
     for (int j = 0; j < N; ++j) __stcg(ws + (size_t)slot * per + tid + j * NT, v[j]);
-    if (!STAGED_DERIVED && tid == 0) __stcg(at + first, count << 16 | (slot + 1));
+    if (tid == 0) __stcg(at + first, count << 16 | (slot + 1));
 #if STAGED_TIMES
     const long long c1 = clock64();
 #endif
@@ -185,49 +175,22 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
     }
 #endif
     if (!s_last) return false;
-    prefetch();
     __threadfence();
-#if !STAGED_DERIVED
     for (int x = tid; x < SPB; x += NT) {              // one load per stage, then shared memory
         by_first[x] = __ldcg(at + x);
         at[x] = 0;
     }
-#endif
     if (tid == 0) units_done[tile] = 0;
-#if !STAGED_DERIVED
     __syncthreads();
-#endif
 #pragma unroll
     for (int j = 0; j < N; ++j) v[j] = 0.f;
-    // The parts tile [0, SPB) in order; PMAX of them are loaded before any is added, so a
-    // batch costs one loaded round trip (one a part, in a loop over them one by one)
-    for (int x = 0; x < SPB;) {
-        const float* part[PMAX];
-        bool on[PMAX];
+    for (int x = 0; x < SPB;) {                        // the parts tile [0, SPB) in order
+        const int p = by_first[x];
+        if (p == 0) break;                             // (cannot happen: every unit is done)
+        const float* part = ws + (size_t)((p & 0xFFFF) - 1) * per + tid;
 #pragma unroll
-        for (int p = 0; p < PMAX; ++p) {
-#if STAGED_DERIVED
-            const int sl = x < SPB ? next_slot() : -1;
-            on[p] = sl >= 0;
-            part[p] = ws + (size_t)max(sl, 0) * per + tid;
-            x = on[p] ? 0 : SPB;
-#else
-            const int rec = x < SPB ? by_first[x] : 0;   // (0 past the last: every unit is done)
-            on[p] = rec != 0;
-            part[p] = ws + (size_t)max((rec & 0xFFFF) - 1, 0) * per + tid;
-            x = on[p] ? x + (rec >> 16) : SPB;
-#endif
-        }
-        float got[PMAX][N];
-#pragma unroll
-        for (int p = 0; p < PMAX; ++p)
-#pragma unroll
-            for (int j = 0; j < N; ++j) got[p][j] = on[p] ? __ldcg(part[p] + j * NT) : 0.f;
-#pragma unroll
-        for (int p = 0; p < PMAX; ++p)
-            if (on[p])
-#pragma unroll
-                for (int j = 0; j < N; ++j) v[j] += got[p][j];
+        for (int j = 0; j < N; ++j) v[j] += __ldcg(part + j * NT);
+        x += p >> 16;
     }
 #if STAGED_TIMES
     if (tid == 0) rec[11] += clock64() - c3;   // (issued: the adds wait at their first use)
@@ -330,17 +293,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // CTAs came first cost ~10 us a CTA in ring restarts (dev_wna16_20261201d): the last CTA
     // is on a slow SM, and the SMs' speeds do not repeat from launch to launch.
     auto run_start = [&](long long qq) { return qq * Wt / Q; };
-    // the run that holds weighted position pos (the last qq with run_start(qq) <= pos)
-    auto owner = [&](long long pos) {
-        int qq = (int)(pos * Q / Wt);
-        while (qq + 1 < Q && run_start(qq + 1) <= pos) ++qq;
-        return qq;
-    };
-    // STAGED_DERIVED: run qq's part of a block whose next unit is at weighted position next is in
-    // slot 2 qq + 1 if the run goes on past the block (its first block), else 2 qq (its last)
-    auto part_slot = [&](int qq, long long next) {
-        return 2 * qq + (run_start(qq + 1) > next ? 1 : 0);
-    };
 
     // Programmatic dependent launch (grouped_gemm_wna16(..., programmatic=True)): this grid
     // may start while the kernel before it on the stream still runs, and that kernel may only
@@ -503,7 +455,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                     for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
 
             // the block's outputs: c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8)
-            auto store_with = [&](int b, auto&& routed_weight) {
+            auto store = [&](int b) {
 #pragma unroll
                 for (int r = 0; r < TPW; ++r) {
                     const int tile = b * NB + warp * TPW + r;
@@ -519,13 +471,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                             float v = acc[r][mt][i];
                             if (FA) v *= a_scale[sArow[row]];   // back from a 2^s
                             if (bias != nullptr) v += bias[(size_t)e * N + n];
-                            if (mul_routed_weight) v *= routed_weight(mt, i & 1, s);
+                            if (mul_routed_weight) v *= topk_weights[s];
                             c[(size_t)s * N + n] = w16::from_f32(v);
                         }
                 }
-            };
-            auto store = [&](int b) {
-                store_with(b, [&](int, int, int s) { return topk_weights[s]; });
             };
 
             int blk_n = 0;                                 // units of the current block done
@@ -680,47 +629,11 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #if STAGED_TIMES
                         if (tid == 0) g_cta_times[blockIdx.x][8] += clock64() - c_end0;
 #endif
-                    } else {
-                        // the block's units sit at weighted positions p0, p0 + w, .., p1
-                        const long long p0 = cum[m] + (long long)b * SPB * w,
-                                        p1 = p0 + (long long)(SPB - 1) * w;
-                        int qq = -1, q_hi = -1;
-                        // the slots of the block's parts in order: the runs from the one that
-                        // holds p0 to the one that holds p1 that hold a unit of it
-                        auto next_slot = [&]() {
-                            if (qq < 0) qq = owner(p0), q_hi = owner(p1);
-                            for (; qq <= q_hi; ++qq) {
-                                const long long rs = max(p0, run_start(qq));
-                                const long long u0 = p0 + (rs - p0 + w - 1) / w * w;
-                                if (u0 <= p1 && u0 < run_start(qq + 1))
-                                    return part_slot(qq++, p1 + w);
-                            }
-                            return -1;
-                        };
-                        const int slot = STAGED_DERIVED ? part_slot(q, p1 + w)
-                                                        : 2 * q + parts_used++;
-                        // STAGED_RW_PREFETCH: a finishing CTA loads its rows' routing weights
-                        // beside the parts, not after them at the store
-                        float rw[LT][2];
-                        auto prefetch = [&] {
-                            if (!STAGED_RW_PREFETCH || !mul_routed_weight) return;
-#pragma unroll
-                            for (int mt = 0; mt < LT; ++mt)
-#pragma unroll
-                                for (int h = 0; h < 2; ++h) {
-                                    const int sl = sSlot[8 * mt + 2 * t + h];
-                                    rw[mt][h] = sl >= 0 ? __ldg(topk_weights + sl) : 0.f;
-                                }
-                        };
-                        if (finish_parts<TPW * LT * 4, NT, STAGED_PMAX>(
-                                &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
-                                (size_t)m * nblocks + b, PER, slot, s - blk_n + 1, blk_n, sLast,
-                                next_slot, prefetch)) {
-                            if (STAGED_RW_PREFETCH)
-                                store_with(b, [&](int mt, int h, int) { return rw[mt][h]; });
-                            else
-                                store(b);
-                        }
+                    } else if (finish_parts<TPW * LT * 4, NT>(
+                                   &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
+                                   (size_t)m * nblocks + b, PER, 2 * q + parts_used++,
+                                   s - blk_n + 1, blk_n, sLast)) {
+                        store(b);
                     }
                     blk_n = 0;
 #pragma unroll

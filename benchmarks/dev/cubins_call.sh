@@ -1,0 +1,21 @@
+# One device call timing prebuilt cubins of the staged rung (benchmarks/dev/probe_staged.py's
+# cubin=PATH variants) beside the .cu of the tree before (base:t24, built by the device's NVRTC):
+# at T = 64 and 256 on the probe's routing, and on bench_quant's four T = 64 routings of 1,16,64.
+#   CUBINS="a.cubin b.cubin" bash benchmarks/dev/ptxas_call.sh   (results under $OUT)
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0
+P=benchmarks/dev/probe_staged.py
+CF="base:t24@base"
+for c in $CUBINS; do CF="$CF,t24@cubin=$c"; done
+CF="$CF,base:t24@base"
+{
+  date; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  timeout 100 python3 $P --configs base:t24@base --compile-only
+  echo "== probe"; mkdir -p $OUT/probe
+  timeout 150 python3 $P --configs "$CF" --tokens ${TOKENS:-64,256} --out $OUT/probe 2>&1 | grep -v "^read"
+  for j in 0 1 2 3; do
+    echo "== routing $j of 1,16,64"; mkdir -p $OUT/routing$j
+    timeout 90 python3 $P --configs "$CF" --tokens 64 --bench-routing 1,16,64:$j --flush read --out $OUT/routing$j 2>&1 | grep -v "^read"
+  done
+  date
+} > $OUT/log_cubins.txt 2>&1
