@@ -1,7 +1,11 @@
 """The staged rung's launcher instantiations built for sm_90 by nvcc (no GPU needed): registers,
 spills and an md5 of each cubin, to tell on the CPU whether a change of the .cu changes the code
-a GPU would run (a build is deterministic: the same source gives the same bytes, and moving
-lines does not change them).
+nvcc builds (a build is deterministic: the same source gives the same bytes, and moving lines
+does not change them). The GPU runs another build: t24 from its NVRTC 13.5 prebuilt cubin
+(cuda_kernels/cupy/prebuilt; tests/test_prebuilt.py fails when the .cu changed since), the other
+configs built by CuPy's NVRTC. nvcc 13.0 schedules the main loops as NVRTC 13.0-13.2 do, not as
+NVRTC 13.5 (dev_wna16_20261202b): `python -m cuda_kernels.cupy.prebuild --sass DIR` gives the
+SASS the GPU runs.
     python benchmarks/dev/staged_cubins.py [--tree DIR] [--macros STAGED_LT_COST=3,ELEM_BF16=0]
                                            [--configs t24,f24] [--sass DIR]
 --tree: another checkout (`git worktree add DIR COMMIT`) whose .cu and package to build.

@@ -24,7 +24,8 @@ nvidia-cuda-nvrtc wheel CI compiles with, and its cubin then differs):
 Why prebuilt cubins: the SASS, and so the speed, of a kernel depends on the NVRTC that builds
 it. The staged int4 rung built by NVRTC 13.5 runs its Mixtral layers 2-3% faster on an H200
 than the same source built by the CUDA 13.0 NVRTC of the H200 image (T = 64: 267-269 against
-273-276 us over bench_quant's four routings; T = 256: 758 against 786 us;
+273-276 us on three of bench_quant's four routings, 287 against 295 on the fourth; T = 256: 758
+against 786 us;
 benchmarks/results/dev_wna16_20261202b). Shipping the cubin makes that build the one every
 machine runs, and the one CPU CI checks byte for byte (tests/test_prebuilt.py).
 

@@ -841,7 +841,7 @@ for _ev in ELEMS.values():
     C.register_compile_case(CU_STAGED, {"ELEM_BF16": _ev}, STAGED_NAMES)
 # The config the router takes for 9-128 rows per expert ships compiled by NVRTC 13.5 for the
 # H100 / H200 (prebuilt/, python -m cuda_kernels.cupy.prebuild): the same source built by the
-# CUDA 13.0 NVRTC of the H200 image ran Mixtral's T = 64 layer 2-3% slower, T = 256 3.5%
+# CUDA 13.0 NVRTC of the H200 image ran Mixtral's T = 64 layer 2-3% slower, T = 256 3-4%
 # (benchmarks/results/dev_wna16_20261202b; the module docstring of _compile says how it loads)
 PREBUILT_CONFIGS = ("t24",)
 for _ev in ELEMS.values():
