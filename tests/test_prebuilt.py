@@ -116,3 +116,11 @@ def test_launcher_takes_the_prebuilt_t24():
     C.PREBUILT_LOADED.discard((W.CU_STAGED, name))
     W._kernel(name, W.ELEMS["bf16"], 0, W.CU_STAGED)
     assert (W.CU_STAGED, name) in C.PREBUILT_LOADED
+    # get_kernel keeps it like any kernel: a second call does not load the cubin again
+    C._KERNELS.clear()
+    C.PREBUILT_LOADED.clear()
+    first = C.get_kernel(W.CU_STAGED, name, {"ELEM_BF16": 1}, (name,))
+    assert (W.CU_STAGED, name) in C.PREBUILT_LOADED
+    C.PREBUILT_LOADED.clear()
+    assert C.get_kernel(W.CU_STAGED, name, {"ELEM_BF16": 1}, (name,)) is first
+    assert not C.PREBUILT_LOADED

@@ -22,12 +22,13 @@ nvidia-cuda-nvrtc wheel CI compiles with, and its cubin then differs):
                                     compiles as usual otherwise (an edited .cu, another GPU).
 
 Why prebuilt cubins: the SASS, and so the speed, of a kernel depends on the NVRTC that builds
-it. The staged int4 rung built by NVRTC 13.5 runs its Mixtral layers 2-3% faster on an H200
+it. The staged int4 rung built by NVRTC 13.5 runs its Mixtral layers 2-4% faster on an H200
 than the same source built by the CUDA 13.0 NVRTC of the H200 image (T = 64: 267-269 against
-273-276 us on three of bench_quant's four routings, 287 against 295 on the fourth; T = 256: 758
-against 786 us;
-benchmarks/results/dev_wna16_20261202b). Shipping the cubin makes that build the one every
-machine runs, and the one CPU CI checks byte for byte (tests/test_prebuilt.py).
+273-276 us on three of bench_quant's four routings, 287 against 295 on the fourth; T = 256:
+758 against 786 us; benchmarks/results/dev_wna16_20261202b). Shipping the cubin makes that
+build the one every machine runs, and the one CPU CI checks byte for byte
+(tests/test_prebuilt.py). A cubin the driver refuses (older than the CUDA 13.0 it needs) is
+passed over with a warning, and the source compiles as usual.
 
 Architecture: by default a kernel is built for the current device (CuPy picks `sm_XY`). A
 kernel that needs an architecture-specific target (`wgmma` needs `sm_90a`) passes it in
@@ -54,6 +55,7 @@ import pathlib
 import re
 import sys
 import tempfile
+import warnings
 from typing import NamedTuple
 
 from .._checks import check_int  # noqa: F401  (the launchers call C.check_int)
@@ -367,6 +369,27 @@ def _function_of_cubin(cubin: bytes, mangled: str):
     return module.get_function(mangled)
 
 
+def _prebuilt_kernel(src, cu_name, kernel_name, arch, options):
+    """The kernel from its prebuilt cubin when one was built from exactly these inputs for
+    this device's architecture, else None."""
+    import cupy
+
+    cc = cupy.cuda.Device().compute_capability                   # "90" on an H100 / H200
+    entry = prebuilt_manifest()["entries"].get(
+        prebuilt_key(src, kernel_name, arch or f"sm_{cc}", options))
+    if entry is None:
+        return None
+    try:
+        kern = _function_of_cubin(prebuilt_cubin(entry), entry["mangled"])
+    except cupy.cuda.driver.CUDADriverError as e:
+        warnings.warn(f"prebuilt/{entry['file']} ({kernel_name}, NVRTC "
+                      f"{prebuilt_manifest().get('nvrtc')}) does not load here ({e}): "
+                      f"compiling {cu_name} instead", RuntimeWarning, stacklevel=3)
+        return None
+    PREBUILT_LOADED.add((cu_name, kernel_name))
+    return kern
+
+
 def get_kernel(cu_name: str, kernel_name: str, defines: dict | None = None,
                name_expressions: tuple[str, ...] | None = None,
                options: tuple[str, ...] = ()):
@@ -374,7 +397,8 @@ def get_kernel(cu_name: str, kernel_name: str, defines: dict | None = None,
 
     `kernel_name` is an `extern "C"` name, or one of `name_expressions` for templates.
     Cached in-process per (cu_name, defines, name_expressions, options, device); CuPy also
-    caches the cubin on disk keyed by the source text.
+    caches the cubin on disk keyed by the source text. A single name expression with a prebuilt
+    cubin for exactly this source, options and the device's architecture loads that cubin.
     """
     if name_expressions and kernel_name not in name_expressions:
         raise ValueError(f"kernel_name: expected one of name_expressions {name_expressions}, "
@@ -387,18 +411,13 @@ def get_kernel(cu_name: str, kernel_name: str, defines: dict | None = None,
 
     src = source_text(cu_name, defines)
     arch = required_arch(options)
-    entry = None
-    if name_expressions and len(name_expressions) == 1:
-        cc = cupy.cuda.Device().compute_capability              # "90" on an H100 / H200
-        key = prebuilt_key(src, kernel_name, arch or f"sm_{cc}", tuple(options))
-        entry = prebuilt_manifest()["entries"].get(key)
-    if entry is not None:
-        kern = _function_of_cubin(prebuilt_cubin(entry), entry["mangled"])
-        PREBUILT_LOADED.add((cu_name, kernel_name))
-    elif arch is not None:
+    kern = None
+    if name_expressions and len(name_expressions) == 1:   # (a cubin holds one instantiation)
+        kern = _prebuilt_kernel(src, cu_name, kernel_name, arch, tuple(options))
+    if kern is None and arch is not None:
         kern = _load_with_cuda_core(src, cu_name, kernel_name, name_expressions, arch,
                                     tuple(options))
-    else:
+    elif kern is None:
         opts = _BASE_OPTIONS + tuple(options)
         names = tuple(name_expressions) if name_expressions else None
         try:  # RawModule compiles lazily: get_function is where NVRTC runs
