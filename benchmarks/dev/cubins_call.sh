@@ -1,7 +1,9 @@
-# One device call timing prebuilt cubins of the staged rung (benchmarks/dev/probe_staged.py's
-# cubin=PATH variants) beside the .cu of the tree before (base:t24, built by the device's NVRTC):
-# at T = 64 and 256 on the probe's routing, and on bench_quant's four T = 64 routings of 1,16,64.
-#   CUBINS="a.cubin b.cubin" bash benchmarks/dev/ptxas_call.sh   (results under $OUT)
+# One device call timing cubins of the staged rung built elsewhere (benchmarks/dev/
+# probe_staged.py's cubin=PATH variants; benchmarks/dev/ptxas_cubins.py builds some) beside an
+# earlier .cu (base:t24: carry it as cuda_kernels/cupy/quant_gemm_wna16_staged_base.cu; built by
+# the device's CuPy NVRTC), at T = 64 and 256 on the probe's routing (TOKENS), then on
+# bench_quant's four T = 64 routings of 1,16,64.
+#   CUBINS="a.cubin b.cubin" bash benchmarks/dev/cubins_call.sh   (results under $OUT)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0
 P=benchmarks/dev/probe_staged.py

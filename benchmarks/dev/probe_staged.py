@@ -11,11 +11,11 @@ programmatically). The macros:
                      its partial blocks, with the parts' fences, counts and adds, and its
                      SM clock (clock64 cycles over globaltimer ns): their spread is printed
     STAGED_LT_COST = c  a unit's cost LT + c in the run split (5 in the kernel)
+    MAXREG = n, PTXO = n   compiler options, not macros: --maxrregcount=n, ptxas -On
 "base" is the launcher's kernel: for a config with a prebuilt cubin (t24, cuda_kernels/cupy/
 prebuilt) that cubin, else the .cu built by CuPy's NVRTC like every macro variant (on the H200
 image CUDA 13.0's, whose build of t24 runs 2-3% slower: dev_wna16_20261202b); `cubin=PATH`
 loads a cubin built elsewhere (benchmarks/dev/ptxas_cubins.py), its mangled name in PATH.name.
-    MAXREG = n, PTXO = n   compiler options, not macros: --maxrregcount=n, ptxas -On
 (Runs of dev_wna16_20261130g also used STAGED_BULK and STAGED_LATE, those of dev_wna16_20261201
 STAGED_CACHE, STAGED_LATE_START, STAGED_SPLIT and STAGED_DEFER, those of dev_wna16_20261201b
 STAGED_EARLY, STAGED_REVERSE, STAGED_AGE / STAGED_SKEW, STAGED_BLOCK_COST, STAGED_PDL_EARLY and
@@ -27,7 +27,8 @@ out too. Those of dev_wna16_20261201e: STAGED_TEAMS with config key TEAMS (a5ef2
 STAGED_FENCE, STAGED_PAD_ZERO and STAGED_BULK_A with config key BULK_A (9bd430f), STAGED_PROBE
 = 4 / 5 and STAGED_LEAN_ISSUE (560934b), taken out as well, and those of dev_wna16_20261201f,
 STAGED_RP1 / STAGED_RP2 (2c293b0), and of dev_wna16_20261202 STAGED_NO_WAIT (04126d9),
-STAGED_SUMS again (8f64e3a), and config key PS with --layer2 and --ps-cached (99c22cc, 35cc965).)
+STAGED_SUMS again (8f64e3a), and config key PS with --layer2 and --ps-cached (99c22cc, 35cc965),
+and of dev_wna16_20261202b STAGED_PMAX, STAGED_DERIVED and STAGED_RW_PREFETCH (582ad70).)
 --compile-only builds the modules into CuPy's cache (run several at once before the timed
 call).
 A config may name the one variant it runs after "@" (t24+TEAMS=2+MINB=1@TEAMS=2: a launch that
