@@ -74,16 +74,15 @@ _OPTIONS = {"MAXREG": "--maxrregcount={}", "PTXO": "--ptxas-options=-O{}"}
 def _module(cupy, cu, cfg, var):
     """(kernel name, compiled RawModule, macros) of config cfg under variant var ("base", or
     "PROBE=1+TIMES=1": the STAGED_ dev macros, and the compiler options of _OPTIONS)."""
-    if var.startswith("cubin="):                # a cubin built elsewhere (another ptxas, say)
-        return _cubin_module(cupy, cfg, var[6:])   # beside it the kernel's mangled name, PATH.name
+    if var.startswith("cubin="):                # a cubin built elsewhere (another ptxas, say),
+        path = var[6:]                          # beside it the kernel's mangled name, PATH.name
+        fn = C._function_of_cubin(open(path, "rb").read(), open(path + ".name").read().strip())
+        return W.staged_kernel_name(cfg, False), _Loaded(fn), {}
     name = W.staged_kernel_name(cfg, False)
-    if var == "base" and cu == W.CU_STAGED:     # the launcher's kernel: its prebuilt cubin
-        src = C.source_text(cu, dict(ELEM_BF16=1))  # where it has one (cuda_kernels/cupy/prebuilt)
-        key = C.prebuilt_key(src, name, "sm_" + cupy.cuda.Device().compute_capability, ())
-        entry = C.prebuilt_manifest()["entries"].get(key)
-        if entry is not None:
-            mod = _Cubin(_cubin_raw_module(cupy, C.prebuilt_cubin(entry)), entry["mangled"])
-            return name, mod, {}
+    if var == "base" and cu == W.CU_STAGED:     # the launcher's kernel: its prebuilt cubin where
+        fn = C._prebuilt_kernel(C.source_text(cu, dict(ELEM_BF16=1)), cu, name, None, ())
+        if fn is not None:                      # it has one (cuda_kernels/cupy/prebuilt)
+            return name, _Loaded(fn), {}
     pairs = [] if var == "base" else [kv.split("=") for kv in var.split("+")]
     defs = {f"STAGED_{k}": int(v) for k, v in pairs if k not in _OPTIONS}
     opts = tuple(_OPTIONS[k].format(int(v)) for k, v in pairs if k in _OPTIONS)
@@ -95,31 +94,14 @@ def _module(cupy, cu, cfg, var):
     return name, mod, defs
 
 
-class _Cubin:
-    """A cubin's module that hands out its kernel by the name the launcher uses."""
+class _Loaded:
+    """A kernel loaded from a cubin, handed out as a module's get_function would."""
 
-    def __init__(self, mod, mangled):
-        self.mod, self.mangled = mod, mangled
+    def __init__(self, fn):
+        self.fn = fn
 
     def get_function(self, _name):
-        return self.mod.get_function(self.mangled)
-
-    def get_global(self, name):
-        return self.mod.get_global(name)
-
-
-def _cubin_raw_module(cupy, cubin: bytes):
-    import tempfile
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    return cupy.RawModule(path=f.name)
-
-
-def _cubin_module(cupy, cfg, path):
-    """("cubin=PATH"): the kernel of config cfg from a cubin built elsewhere (benchmarks/dev/
-    ptxas_cubins.py: another ptxas on the same PTX), its mangled name in PATH.name."""
-    mangled = open(path + ".name").read().strip()
-    return W.staged_kernel_name(cfg, False), _Cubin(cupy.RawModule(path=path), mangled), {}
+        return self.fn
 
 
 def _own_variants(spec: str, variants: str):
