@@ -1,0 +1,116 @@
+"""The staged rung built by this machine's NVRTC (cuda.core: the prebuilt cubins' compiler)
+under other compiler options and configs: a cubin per build for benchmarks/dev/probe_staged.py's
+`cubin=PATH` variants (benchmarks/dev/cubins_call.sh times them on the GPU).
+
+    python benchmarks/dev/nvrtc_sweep.py --out DIR [--builds plain,rul0,s3kc1] [--list]
+
+Each build is a config of quant_gemm_wna16.STAGED_CONFIGS with overrides (the probe's
+`t24+S=3` spelling) and a set of cuda.core ProgramOptions. Writes DIR/<build>.cubin, beside it
+.name (the kernel's mangled name) and .config (the probe's config spec), and prints per build
+its registers, spill bytes and the md5 of its code section: two builds of the same md5 run the
+same instructions, so only one of them needs timing (--unique writes only the first).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import os
+import re
+import struct
+import sys
+
+# build name -> (config spec, ProgramOptions fields beside _compile's own, and "defines": the
+# .cu's macros)
+BUILDS = {
+    "plain": ("t24", {}),
+    "expensive": ("t24", dict(ptxas_options="--allow-expensive-optimizations=true")),
+    **{f"rul{n}": ("t24", dict(ptxas_options=f"--register-usage-level={n}"))
+       for n in (0, 2, 4, 6, 8, 10)},
+    **{f"maxreg{n}": ("t24", dict(max_register_count=n)) for n in (216, 224, 240, 255)},
+    "nomerge": ("t24", dict(ptxas_options="--dont-merge-basicblocks")),
+    "noconst": ("t24", dict(ptxas_options="--disable-optimizer-constants")),
+    "vector": ("t24", dict(extra_device_vectorization=True)),
+    "ptxO2": ("t24", dict(ptxas_options="-O2")),
+    "restrict": ("t24", dict(restrict=True)),
+    "s4": ("t24+S=4", {}),
+    "s3": ("t24+S=3", {}),
+    "s2": ("t24+S=2", {}),
+    "kc3s3": ("t24+KC=3+S=3", {}),
+    "kc3s2": ("t24+KC=3+S=2", {}),
+    "kc1s8": ("t24+KC=1+S=8", {}),
+    "kc1s6": ("t24+KC=1+S=6", {}),
+    "kc4s2": ("t24+KC=4+S=2", {}),
+    "kc1s7": ("t24+KC=1+S=7", {}),
+    "u24": ("u24", {}),
+    **{f"{b}_rul{n}": (spec, dict(ptxas_options=f"--register-usage-level={n}"))
+       for b, spec in (("s3", "t24+S=3"), ("kc1s8", "t24+KC=1+S=8"), ("kc1s6", "t24+KC=1+S=6"))
+       for n in (0, 6)},
+    "ptxmaxreg216": ("t24", dict(ptxas_options="--maxrregcount=216")),
+    # the dev macros of the .cu (STAGED_*): here a unit's cost in the runs' split, LT + n
+    **{f"cost{n}": ("t24", dict(defines={"STAGED_LT_COST": n})) for n in (3, 4, 6, 7)},
+    **{f"s3_cost{n}": ("t24+S=3", dict(defines={"STAGED_LT_COST": n})) for n in (4, 6)},
+}
+
+
+def text_md5(cubin: bytes, mangled: str) -> str:
+    """md5 of the kernel's .text section in an ELF64 cubin (what the SM executes)."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    stroff = heads[shstrndx][4]
+    for name_off, _type, _flags, _addr, off, size in heads:
+        end = cubin.index(b"\0", stroff + name_off)
+        if cubin[stroff + name_off:end].decode() == f".text.{mangled}":
+            return hashlib.md5(cubin[off:off + size]).hexdigest()[:12]
+    raise ValueError(f"no .text.{mangled} in the cubin")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--builds", default=",".join(BUILDS))
+    p.add_argument("--unique", action="store_true", help="skip a build whose code repeats one's")
+    args = p.parse_args(argv)
+    sys.path.insert(0, ".")
+    from cuda.core import Program, ProgramOptions
+
+    from benchmarks.bench_wna16 import _config_override
+    from cuda_kernels.cupy import _compile as C
+    from cuda_kernels.cupy import quant_gemm_wna16 as W
+
+    os.makedirs(args.out, exist_ok=True)
+    seen = {}
+    for build in args.builds.split(","):
+        spec, extra = BUILDS[build]
+        extra = dict(extra)
+        src = C.source_text(W.CU_STAGED, {"ELEM_BF16": 1, **extra.pop("defines", {})})
+        _, cfg = _config_override(dict(W.STAGED_CONFIGS), spec)
+        name = W.staged_kernel_name(cfg, False)
+        ptxas = ["-v"] + ([extra["ptxas_options"]] if "ptxas_options" in extra else [])
+        opts = dict(arch="sm_90", std="c++17", include_path=C.cuda_include_dirs() or None,
+                    ftz=True, name=W.CU_STAGED, **dict(extra, ptxas_options=ptxas))
+        logs = io.StringIO()
+        obj = Program(src, "c++", ProgramOptions(**opts)).compile("cubin", (name,), logs)
+        mangled = obj.symbol_mapping[name]
+        mangled = mangled.decode() if isinstance(mangled, bytes) else mangled
+        cubin = bytes(obj.code)
+        log = logs.getvalue().split(mangled)[-1]     # ptxas -v: the staged kernel's lines
+        md5 = text_md5(cubin, mangled)
+        regs = re.findall(r"Used (\d+) registers", log)
+        spill = re.findall(r"(\d+) bytes spill stores", log)
+        same = seen.get(md5)
+        print(f"{build:10s} {spec:14s} text {md5} regs {regs[0] if regs else '?'} spill "
+              f"{spill[0] if spill else '?'}" + (f"  (the code of {same})" if same else ""),
+              flush=True)
+        if same and args.unique:
+            continue
+        seen.setdefault(md5, build)
+        path = os.path.join(args.out, f"{build}.cubin")
+        open(path, "wb").write(cubin)
+        open(path + ".name", "w").write(mangled + "\n")
+        open(path + ".config", "w").write(spec + "\n")
+
+
+if __name__ == "__main__":
+    main()
