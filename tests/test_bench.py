@@ -319,3 +319,31 @@ def test_sass_mix_runs_opcodes_and_chains(tmp_path, capsys):
     mod.main([str(path), "--gap", "4"])
     out = capsys.readouterr().out
     assert "run 0-5: 6 instructions, 4 HMMA" in out and "1:2" in out
+
+
+def test_nvrtc_sweep_builds_and_text_md5():
+    """benchmarks/dev/nvrtc_sweep.py: every build names a config the probe can launch, and
+    text_md5 reads the kernel's code section out of a cubin: the prebuilt bf16 / fp16 builds of
+    t24 (one kernel, other code) differ, and a name the cubin lacks is an error."""
+    import lzma
+
+    from benchmarks.bench_wna16 import _config_override
+    from cuda_kernels.cupy import _compile as C
+    from cuda_kernels.cupy import quant_gemm_wna16 as W
+
+    mod = _dev_module("nvrtc_sweep")
+    for build, (spec, extra) in mod.BUILDS.items():
+        _, cfg = _config_override(dict(W.STAGED_CONFIGS), spec)
+        assert cfg["KERNEL"] == "staged", build
+        assert set(extra) <= {"ptxas_options", "max_register_count", "extra_device_vectorization",
+                              "restrict", "defines"}, build
+    entries = C.prebuilt_manifest()["entries"]
+    md5 = {}
+    for key, e in entries.items():
+        if e["name"] == W.staged_kernel_name(W.STAGED_CONFIGS["t24"], False):
+            cubin = lzma.decompress((C.PREBUILT_DIR / f"{key[:16]}.cubin.xz").read_bytes())
+            md5[e["defines"]["ELEM_BF16"]] = mod.text_md5(cubin, e["mangled"])
+            with pytest.raises(ValueError, match="no .text"):
+                mod.text_md5(cubin, e["mangled"] + "x")
+    assert set(md5) == {0, 1} and md5[0] != md5[1]
+    assert all(len(v) == 12 and int(v, 16) >= 0 for v in md5.values())

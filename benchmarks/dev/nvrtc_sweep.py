@@ -2,7 +2,7 @@
 under other compiler options and configs: a cubin per build for benchmarks/dev/probe_staged.py's
 `cubin=PATH` variants (benchmarks/dev/cubins_call.sh times them on the GPU).
 
-    python benchmarks/dev/nvrtc_sweep.py --out DIR [--builds plain,rul0,s3kc1] [--list]
+    python benchmarks/dev/nvrtc_sweep.py --out DIR [--builds s4,rul0,kc1s8] [--unique]
 
 Each build is a config of quant_gemm_wna16.STAGED_CONFIGS with overrides (the probe's
 `t24+S=3` spelling) and a set of cuda.core ProgramOptions. Writes DIR/<build>.cubin, beside it
@@ -54,7 +54,8 @@ BUILDS = {
 
 
 def text_md5(cubin: bytes, mangled: str) -> str:
-    """md5 of the kernel's .text section in an ELF64 cubin (what the SM executes)."""
+    """md5 (12 hex digits) of the kernel's .text section in an ELF64 cubin: what the SM
+    executes (the rest of the file also holds names, options and line tables)."""
     shoff, = struct.unpack_from("<Q", cubin, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
     heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]

@@ -757,8 +757,8 @@ def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dic
 STAGED_CONFIGS = {
     "t8": dict(KERNEL="staged", MT=1, W=4, TPW=4, KC=2, S=4, MINB=2),
     "t16": dict(KERNEL="staged", MT=2, W=4, TPW=4, KC=2, S=4, MINB=2),
-    # t24 with 3 stages: its NVRTC 13.5 build (prebuilt/) ran Mixtral's T = 64 layer 1.2-2.7 us
-    # faster than with 4, T = 256 2-6 us (H200, benchmarks/results/dev_wna16_20261202c)
+    # t24 with 3 stages: its NVRTC 13.5 build (prebuilt/) ran Mixtral's T = 64 layer 0.6-2.8 us
+    # faster than with 4, T = 256 4-6 us, the same bits (H200, dev_wna16_20261202c)
     "t24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=3, MINB=2),
     "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2),
     # 8 warps of 2 tiles: twice the warps per SM, each token fetch from shared memory feeds 2
