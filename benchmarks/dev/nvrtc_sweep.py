@@ -43,6 +43,14 @@ BUILDS = {
     "kc4s2": ("t24+KC=4+S=2", {}),
     "kc1s7": ("t24+KC=1+S=7", {}),
     "u24": ("u24", {}),
+    # one CTA of 8 warps per SM (the same warps per SM): each activation stage feeds 512 rows
+    **{f"w8s{n}": (f"t24+W=8+MINB=1+S={n}", {}) for n in (3, 4, 5)},
+    # 3 tiles a warp (fewer accumulators): 8 or 10 warps of one CTA per SM
+    "w8tpw3": ("t24+W=8+TPW=3+MINB=1+S=4", {}),
+    "w10tpw3": ("t24+W=10+TPW=3+MINB=1+S=4", {}),
+    **{f"w8s4_cost{n}": ("t24+W=8+MINB=1+S=4", dict(defines={"STAGED_LT_COST": n}))
+       for n in (4, 7)},
+    "w8s4_rul6": ("t24+W=8+MINB=1+S=4", dict(ptxas_options="--register-usage-level=6")),
     **{f"{b}_rul{n}": (spec, dict(ptxas_options=f"--register-usage-level={n}"))
        for b, spec in (("s3", "t24+S=3"), ("kc1s8", "t24+KC=1+S=8"), ("kc1s6", "t24+KC=1+S=6"))
        for n in (0, 6)},
