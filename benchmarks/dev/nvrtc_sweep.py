@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import io
 import os
+import pathlib
 import re
 import struct
 import sys
@@ -82,8 +83,6 @@ def main(argv=None):
     p.add_argument("--unique", action="store_true", help="skip a build whose code repeats one's")
     args = p.parse_args(argv)
     sys.path.insert(0, ".")
-    from cuda.core import Program, ProgramOptions
-
     from benchmarks.bench_wna16 import _config_override
     from cuda_kernels.cupy import _compile as C
     from cuda_kernels.cupy import quant_gemm_wna16 as W
@@ -96,11 +95,11 @@ def main(argv=None):
         src = C.source_text(W.CU_STAGED, {"ELEM_BF16": 1, **extra.pop("defines", {})})
         _, cfg = _config_override(dict(W.STAGED_CONFIGS), spec)
         name = W.staged_kernel_name(cfg, False)
+        # the prebuilt cubins' compile (prebuild.build), plus this build's fields and ptxas -v
         ptxas = ["-v"] + ([extra["ptxas_options"]] if "ptxas_options" in extra else [])
-        opts = dict(arch="sm_90", std="c++17", include_path=C.cuda_include_dirs() or None,
-                    ftz=True, name=W.CU_STAGED, **dict(extra, ptxas_options=ptxas))
         logs = io.StringIO()
-        obj = Program(src, "c++", ProgramOptions(**opts)).compile("cubin", (name,), logs)
+        obj = C._nvrtc_compile(src, (name,), "sm_90", C._BASE_OPTIONS, W.CU_STAGED,
+                               program_options=dict(extra, ptxas_options=ptxas), logs=logs)
         mangled = obj.symbol_mapping[name]
         mangled = mangled.decode() if isinstance(mangled, bytes) else mangled
         cubin = bytes(obj.code)
@@ -115,10 +114,10 @@ def main(argv=None):
         if same and args.unique:
             continue
         seen.setdefault(md5, build)
-        path = os.path.join(args.out, f"{build}.cubin")
-        open(path, "wb").write(cubin)
-        open(path + ".name", "w").write(mangled + "\n")
-        open(path + ".config", "w").write(spec + "\n")
+        path = pathlib.Path(args.out) / f"{build}.cubin"
+        path.write_bytes(cubin)
+        pathlib.Path(f"{path}.name").write_text(mangled + "\n")
+        pathlib.Path(f"{path}.config").write_text(spec + "\n")
 
 
 if __name__ == "__main__":

@@ -258,7 +258,10 @@ def nvrtc_available() -> tuple[bool, str]:
 
 
 def _nvrtc_compile(src: str, name_expressions, arch: str, options: tuple[str, ...],
-                   cu_name: str):
+                   cu_name: str, *, program_options: dict | None = None, logs=None):
+    """A cubin (cuda.core ObjectCode) of `src` by cuda.core's NVRTC, `options` translated to
+    ProgramOptions. program_options: more ProgramOptions fields, as they are (the dev sweeps'
+    ptxas options); logs: an object with .write for NVRTC's log."""
     from cuda.core import Program, ProgramOptions
 
     extra = _strip_arch(tuple(options))
@@ -279,8 +282,9 @@ def _nvrtc_compile(src: str, name_expressions, arch: str, options: tuple[str, ..
                 tuple(o[2:].split("=", 1)) if "=" in o else o[2:])
         else:
             raise ValueError(f"options: cannot translate {o!r} for cuda.core's ProgramOptions")
+    kwargs.update(program_options or {})
     prog = Program(src, "c++", ProgramOptions(**kwargs))
-    return prog.compile("cubin", name_expressions=tuple(name_expressions or ()))
+    return prog.compile("cubin", name_expressions=tuple(name_expressions or ()), logs=logs)
 
 
 def compile_check(cu_name: str, defines: dict | None = None,
