@@ -336,7 +336,9 @@ def test_nvrtc_sweep_builds_and_text_md5():
         _, cfg = _config_override(dict(W.STAGED_CONFIGS), spec)
         assert cfg["KERNEL"] == "staged", build
         assert set(extra) <= {"ptxas_options", "max_register_count", "extra_device_vectorization",
-                              "restrict", "defines"}, build
+                              "restrict", "defines", "arch"}, build
+        # a warp-specialized config (setmaxnreg) builds for sm_90a, every other for sm_90
+        assert extra.get("arch", "sm_90") == ("sm_90a" if cfg.get("WS") else "sm_90"), build
     entries = C.prebuilt_manifest()["entries"]
     md5 = {}
     for key, e in entries.items():

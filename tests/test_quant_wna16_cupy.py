@@ -57,10 +57,11 @@ def test_config_choice_and_splits():
         W.pick_config(2, 12)
     # int4 on packable weights: the packed rung's 8 token rows up to 8 rows per expert, then
     # the staged rung's 24 or 32 (one pass over each expert's weights per 24 / 32 rows) up to
-    # 128, 8 up to 24 for other block sizes
+    # 128, 8 up to 24 for other block sizes; 24 warp-specialized where the GPU runs it (sm_90)
     tiles = 28672 // 16
     assert W.pick_config(4, 16, n_tiles=tiles) == W.PACKED_CONFIGS["q8"]
-    assert W.pick_config(16, 48, n_tiles=tiles) == W.STAGED_CONFIGS["t24"]
+    assert W.pick_config(16, 48, n_tiles=tiles) == W.STAGED_CONFIGS["t24ws"]
+    assert W.pick_config(16, 48, n_tiles=tiles, ws=False) == W.STAGED_CONFIGS["t24"]
     assert W.pick_config(16, 32, n_tiles=tiles) == W.STAGED_CONFIGS["t32"]
     assert W.pick_config(100, 64, n_tiles=tiles) == W.STAGED_CONFIGS["t32"]
     assert W.pick_config(16, 16, n_tiles=tiles) == W.PACKED_CONFIGS["q8"]
@@ -229,6 +230,41 @@ inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.b; }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline void __syncwarp(unsigned = 0xffffffffu) {
     int x = 0; unsigned char all[32][64]; warp_exchange(&x, sizeof(x), all); }
+#include <unordered_map>
+// mbarriers (wna16_staged's WS ring): arrivals counted down to a phase's end; a wait for
+// parity p returns once the phase of that parity is over; a thread's cp.async copies land at
+// its cp.async.mbarrier.arrive (the latest moment the hardware allows)
+struct QgMbar { int expected = 0, pending = 0; long phase = 0; };
+static std::mutex g_mbar_m;
+static std::condition_variable g_mbar_cv;
+static std::unordered_map<const void*, QgMbar> g_mbars;
+inline void qg_mbar_init(const void* b, unsigned count) {
+    std::lock_guard<std::mutex> l(g_mbar_m); g_mbars[b] = QgMbar{(int)count, (int)count, 0}; }
+inline void qg_mbar_arrive(const void* b) {
+    std::lock_guard<std::mutex> l(g_mbar_m);
+    QgMbar& m = g_mbars.at(b);
+    if (--m.pending == 0) { m.pending = m.expected; ++m.phase; g_mbar_cv.notify_all(); }
+}
+inline void qg_mbar_arrive_on_copies(const void* b) {
+    qg_commit();
+    qg_wait<0>();
+    qg_mbar_arrive(b);
+}
+inline void qg_mbar_wait(const void* b, unsigned parity) {
+    std::unique_lock<std::mutex> l(g_mbar_m);
+    g_mbar_cv.wait(l, [&] { return (unsigned)(g_mbars.at(b).phase & 1) != (parity & 1u); });
+}
+// bar.sync 1, n: the n first threads of the CTA (one barrier per count, reused CTA after CTA)
+inline void qg_bar_team(int n) {
+    static std::mutex m;
+    static std::unordered_map<int, std::barrier<>*> bars;
+    std::barrier<>* bar;
+    { std::lock_guard<std::mutex> l(m);
+      auto& slot = bars[n];
+      if (!slot) slot = new std::barrier<>(n);
+      bar = slot; }
+    bar->arrive_and_wait();
+}
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 #define __shared__ static
 inline void __threadfence() {}

@@ -76,7 +76,9 @@ def test_plan_and_runs(name):
         assert lp["TILES"] == lp["MTILES"] * -(-(N // 16) // nb) and lp["SPB"] == spb
         assert lp["COUNTERS"] == lp["TILES"] * (1 + spb)   # units done, parts by first stage
         assert lp["smem"] == (cfg["S"] * W.staged_stage_bytes(cfg, False) +
+                              (16 * cfg["S"] if cfg.get("WS") else 0) +   # the mbarriers
                               8 * (lp["MTILES"] + 1) + 4 * spb + 4 * lp["MTILES"])
+        assert lp["block"] == (32 * cfg["W"] + (128 if cfg.get("WS") else 0),)
         assert lp["smem"] <= W.SMEM_PER_SM // cfg["MINB"] - 1024
         rng = np.random.default_rng(P)
         costs = dict(U=lp["U"], w=[int(x) for x in rng.choice([0, 6, 7, 8, 9], lp["MTILES"])])
@@ -153,6 +155,9 @@ def test_plan_refuses_bad_configs():
 
 
 # ----------------------------------------------------------------------------- emulation
+EMULATED_NAMES = W.STAGED_NAMES + W.STAGED_WS_NAMES     # (WS: its mbarriers emulated too)
+
+
 def _entries(names):
     out = [
         'extern "C" void f16rows(unsigned M, const void* a, void* a16, float* scale, int K) {\n'
@@ -178,7 +183,7 @@ def emulated_staged(tmp_path_factory):
     from test_quant_cupy import build_emulation
     from test_quant_wna16_cupy import W16_PRELUDE
 
-    return build_emulation(tmp_path_factory, "wst", W.CU_STAGED, _entries(W.STAGED_NAMES),
+    return build_emulation(tmp_path_factory, "wst", W.CU_STAGED, _entries(EMULATED_NAMES),
                            prelude=W16_PRELUDE)
 
 
@@ -215,7 +220,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
         arm_programmatic(lib, [x for x in (a_in, a_scale) if x is not None], [c, wsp, cnt],
                          ignore_waits=programmatic == "ignore_waits")
     with blocks_descending(lib, descending):
-        getattr(lib, f"k{W.STAGED_NAMES.index(lp['name'])}")(
+        getattr(lib, f"k{EMULATED_NAMES.index(lp['name'])}")(
             gx, gy, lp["block"][0], p(a_in), p(a_scale), p(pk["wp"]), p(c),
             p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
             N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
@@ -292,6 +297,10 @@ EMULATION_CASES = [
     ("t32", (30, 2, 2, 128, 384, 32), 384, True, 1, 2),        # one group per row; runs that
                                                                # cross m tiles
     ("u24", (9, 3, 2, 320, 256, 24), 64, False, 8, 16),        # 8 warps
+    # warp-specialized (8 consumer warps, a producer warpgroup, mbarriers): two 512-row blocks,
+    # runs of 2-3 units (parts); then runs across m tiles that wrap the 4-slot ring, g256
+    ("t24ws", (20, 2, 2, 1024, 512, 24), 128, True, 8, 8),
+    ("t24ws", (30, 2, 2, 512, 768, 48), 256, False, 2, 2),
     # FA: the activations as fp16 with row scales (wna16_f16_rows), the codes as fp16 pairs
     ("f8", (2, 4, 2, 288, 576, 8), 64, False, 8, 16),
     ("f16", (5, 3, 2, 288, 640, 16), 128, True, 8, 16),

@@ -56,6 +56,16 @@ BUILDS = {
        for b, spec in (("s3", "t24+S=3"), ("kc1s8", "t24+KC=1+S=8"), ("kc1s6", "t24+KC=1+S=6"))
        for n in (0, 6)},
     "ptxmaxreg216": ("t24", dict(ptxas_options="--maxrregcount=216")),
+    # warp-specialized (WS = the producers' registers): a producer warpgroup for the copies,
+    # mbarriers between the roles (setmaxnreg: sm_90a); 4 consumer warps, 2 CTAs per SM, or 8 of
+    # one CTA per SM (a stage's activations feed 512 rows)
+    **{f"ws_s{n}_p{r}": (f"t24+WS={r}+W=4+MINB=2+S={n}", dict(arch="sm_90a"))
+       for n in (3, 4) for r in (24, 32, 40, 56, 72)},
+    **{f"ws_w8_s{n}_p{r}": (f"t24+WS={r}+W=8+MINB=1+S={n}", dict(arch="sm_90a"))
+       for n in (3, 4, 5) for r in (40, 48, 56, 64, 72, 80)},
+    **{f"ws_w8_s4_p56_cost{n}": ("t24+WS=56+W=8+MINB=1+S=4",
+                                 dict(arch="sm_90a", defines={"STAGED_LT_COST": n}))
+       for n in (3, 4, 6, 7)},
     # the dev macros of the .cu (STAGED_*): here a unit's cost in the runs' split, LT + n
     **{f"cost{n}": ("t24", dict(defines={"STAGED_LT_COST": n})) for n in (3, 4, 6, 7)},
     **{f"s3_cost{n}": ("t24+S=3", dict(defines={"STAGED_LT_COST": n})) for n in (4, 6)},
@@ -93,12 +103,13 @@ def main(argv=None):
         spec, extra = BUILDS[build]
         extra = dict(extra)
         src = C.source_text(W.CU_STAGED, {"ELEM_BF16": 1, **extra.pop("defines", {})})
+        arch = extra.pop("arch", "sm_90")
         _, cfg = _config_override(dict(W.STAGED_CONFIGS), spec)
         name = W.staged_kernel_name(cfg, False)
         # the prebuilt cubins' compile (prebuild.build), plus this build's fields and ptxas -v
         ptxas = ["-v"] + ([extra["ptxas_options"]] if "ptxas_options" in extra else [])
         logs = io.StringIO()
-        obj = C._nvrtc_compile(src, (name,), "sm_90", C._BASE_OPTIONS, W.CU_STAGED,
+        obj = C._nvrtc_compile(src, (name,), arch, C._BASE_OPTIONS, W.CU_STAGED,
                                program_options=dict(extra, ptxas_options=ptxas), logs=logs)
         mangled = obj.symbol_mapping[name]
         mangled = mangled.decode() if isinstance(mangled, bytes) else mangled

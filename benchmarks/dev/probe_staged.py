@@ -79,13 +79,19 @@ def _module(cupy, cu, cfg, var):
         fn = C._function_of_cubin(open(path, "rb").read(), open(path + ".name").read().strip())
         return W.staged_kernel_name(cfg, False), _Loaded(fn), {}
     name = W.staged_kernel_name(cfg, False)
+    ws_opts = W.staged_options(cfg)             # (sm_90a for a warp-specialized config)
     if var == "base" and cu == W.CU_STAGED:     # the launcher's kernel: its prebuilt cubin where
-        fn = C._prebuilt_kernel(C.source_text(cu, dict(ELEM_BF16=1)), cu, name, None, ())
+        fn = C._prebuilt_kernel(C.source_text(cu, dict(ELEM_BF16=1)), cu, name,
+                                C.required_arch(ws_opts), ws_opts)
         if fn is not None:                      # it has one (cuda_kernels/cupy/prebuilt)
             return name, _Loaded(fn), {}
     pairs = [] if var == "base" else [kv.split("=") for kv in var.split("+")]
     defs = {f"STAGED_{k}": int(v) for k, v in pairs if k not in _OPTIONS}
     opts = tuple(_OPTIONS[k].format(int(v)) for k, v in pairs if k in _OPTIONS)
+    if ws_opts:                                 # built by cuda.core (no TIMES records: their
+        src = C.source_text(cu, dict(ELEM_BF16=1, **defs))     # global needs a RawModule)
+        return name, _Loaded(C._load_with_cuda_core(src, cu, name, (name,), "sm_90a",
+                                                    ws_opts + opts)), defs
     mod = cupy.RawModule(code=C.source_text(cu, dict(ELEM_BF16=1, **defs)),
                          options=C._BASE_OPTIONS + opts +
                          tuple(f"-I{d}" for d in C.cuda_include_dirs()),
@@ -188,7 +194,11 @@ def main():
             # "base:t24": t24's launch with the kernel of --base-cu (an earlier version of the
             # .cu beside it, same arguments and template), for a same-call baseline
             base = spec.startswith("base:")
+            # "A%B": GEMM1 runs config A (and the variant), GEMM2 the launcher's kernel of B
+            spec, _, spec2 = spec.partition("%")
+            cfg_label = f"{spec}%{spec2}" if spec2 else spec
             cname, cfg = _config_override(dict(W.STAGED_CONFIGS), spec[5:] if base else spec)
+            cfg2 = _config_override(dict(W.STAGED_CONFIGS), spec2)[1] if spec2 else cfg
             B = -(-32 // (8 * cfg["MT"])) * 8 * cfg["MT"]
             st, ex, ntp = (C.to_device(v) for v in moe_align_block_size(ids, B, E))
             twd = C.to_device(tw)
@@ -197,7 +207,7 @@ def main():
 
             def g2(programmatic=False):
                 return W.grouped_gemm_wna16(act, w2, st, ex, ntp, 1, B, twd, True, w_scale=s2,
-                                            use_int4_w4a16=True, config=cfg,
+                                            use_int4_w4a16=True, config=cfg2,
                                             programmatic=programmatic)
 
             def layer():            # GEMM1, then GEMM2 launched programmatically (bench_quant's)
@@ -218,7 +228,7 @@ def main():
                     # relative Frobenius difference of each GEMM's output (bf16 rounding ~1e-3)
                     diff = "" if same else " (relative difference g1 / g2 " + " / ".join(
                         f"{_rel_diff(x, y):.1e}" for x, y in zip(bits, base_bits)) + ")"
-                    print(f"T={T} {spec} {var}: {'the same' if same else 'OTHER'} bits as "
+                    print(f"T={T} {cfg_label} {var}: {'the same' if same else 'OTHER'} bits as "
                           f"base{diff}", flush=True)
                 if defs.get("STAGED_TIMES"):
                     ptr = mod.get_global("g_cta_times")
@@ -261,7 +271,7 @@ def main():
                               f"two ({two.sum()}), the first part {us(12):.1f} (fence "
                               f"{us(14):.1f}), the last {us(13):.1f} (fence {us(15):.1f})",
                               flush=True)
-                        rows.append(dict(T=T, config=spec, variant=var, gemm=label,
+                        rows.append(dict(T=T, config=cfg_label, variant=var, gemm=label,
                                          start_us=t_s.round(2).tolist(),
                                          end_us=t_e.round(2).tolist(),
                                          sm=h[:, 2].astype(int).tolist(),
@@ -274,10 +284,10 @@ def main():
                                          sm_mhz=mhz.round(1).tolist()))
                 t1, t2 = timer(g1, fl, 3, 20), timer(g2, fl, 3, 20)
                 tl = timer(layer, fl, 3, 20)
-                rows.append(dict(T=T, config=spec, variant=var, gemm1_us=t1 * 1e3,
+                rows.append(dict(T=T, config=cfg_label, variant=var, gemm1_us=t1 * 1e3,
                                  gemm2_us=t2 * 1e3, layer_pdl_us=tl * 1e3,
                                  same_bits_as_base=same))
-                print(f"T={T} {spec} {var}: g1 {t1 * 1e3:7.1f} us g2 {t2 * 1e3:7.1f} us, "
+                print(f"T={T} {cfg_label} {var}: g1 {t1 * 1e3:7.1f} us g2 {t2 * 1e3:7.1f} us, "
                       f"layer (GEMM2 programmatic) {tl * 1e3:7.1f} us", flush=True)
     json.dump(rows, open(f"{args.out}/probe_staged.json", "w"), indent=1)
 

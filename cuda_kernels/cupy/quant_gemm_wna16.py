@@ -193,11 +193,15 @@ PACKED_CONFIGS = {
 # T = 64 t24 200 / 116 and t32 210 / 122 against q24 253 / 121 and q32 242 / 122; T = 256 t24
 # 590 / 316 and t32 598 / 315 against q24 702 / 334 and q32 730 / 352. Up to 8 rows q8 stays
 # (T = 1: q8 43 / 25 against t8 51 / 37; T = 16: q8 152 / 79 against t16 154 / 92).
-PACKED_BY_ROWS = ((8, "q8"), (128, "t24"), (128, "t32"), (24, "q8"))
+# On sm_90 its warp-specialized t24ws (STAGED_CONFIGS) heads t24: Mixtral's T = 64 layer 0.5-3%
+# faster on bench_quant's four routings, T = 128 / 256 3% / 4.5% (dev_wna16_20261202d); other
+# GPUs take t24 (setmaxnreg is sm_90a's).
+PACKED_BY_ROWS = ((8, "q8"), (128, "t24ws"), (128, "t24"), (128, "t32"), (24, "q8"))
 # A measured table (CONFIG_FILE) replaces this one when present.
 BY_ROWS = PACKED_BY_ROWS + ((4, "w8"), (1 << 30, "w16"), (1 << 30, "w8"))
 # block_size measured with each entry (any multiple of its BM works)
-MEASURED_BLOCK = {"w8": 8, "w16": 32, "q8": 8, "q24": 48, "q32": 32, "t24": 48, "t32": 32}
+MEASURED_BLOCK = {"w8": 8, "w16": 32, "q8": 8, "q24": 48, "q32": 32, "t24": 48, "t24ws": 48,
+                  "t32": 32}
 SMEM_PER_SM = 227 * 1024        # H100 / H200: shared memory an SM can give its CTAs
 TARGET_WARPS_PER_SM = 16        # K splits until this many 16-row streams per SM (the "auto"
                                 # of the sweeps; Mixtral T=1 GEMM2 measured 60 us with it (KS=5)
@@ -266,10 +270,13 @@ def block_size_for(rows_per_expert: float) -> int:
     return 16
 
 
-def pick_config(rows_per_expert: float, block_size: int, config=None, n_tiles: int = 0) -> dict:
+def pick_config(rows_per_expert: float, block_size: int, config=None, n_tiles: int = 0,
+                ws: bool = True) -> dict:
     """The config named / given by `config`, or the first BY_ROWS entry that covers the rows
     per expert with BM dividing block_size. Packed entries count only when n_tiles (N / 16 of
-    a problem prepack_int4 takes; 0: none) is a multiple of their RT."""
+    a problem prepack_int4 takes; 0: none) is a multiple of their RT; warp-specialized (WS)
+    ones only when ws (the launcher passes device_runs_ws(); the default is the table as
+    measured on the H200)."""
     if config is not None:
         if isinstance(config, str):
             tables = (CONFIGS, PACKED_CONFIGS, WGMMA_CONFIGS, STAGED_CONFIGS)
@@ -298,6 +305,8 @@ def pick_config(rows_per_expert: float, block_size: int, config=None, n_tiles: i
         cfg = named_config(name)
         if cfg.get("KERNEL") in ("packed", "staged") and (n_tiles <= 0 or
                                                           n_tiles % cfg.get("RT", 1)):
+            continue
+        if cfg.get("WS") and not ws:
             continue
         if rows_per_expert <= rows and block_size % (8 * cfg["MT"]) == 0:
             return dict(cfg)
@@ -566,6 +575,8 @@ def route_int4(a, w, w_scale, w_zp, block_shape, top_k, block_size):
         rows = a.shape[0] * int(top_k) / max(E, 1)
         for r, name in PACKED_BY_ROWS:
             cfg = named_config(name)
+            if cfg.get("WS") and not device_runs_ws():
+                continue
             if rows <= r and int(block_size) % (8 * cfg["MT"]) == 0 and \
                     (N // 16) % cfg.get("RT", 1) == 0:
                 return name
@@ -763,6 +774,14 @@ STAGED_CONFIGS = {
     "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2),
     # 8 warps of 2 tiles: twice the warps per SM, each token fetch from shared memory feeds 2
     "u24": dict(KERNEL="staged", MT=3, W=8, TPW=2, KC=2, S=4, MINB=2),
+    # WS: warp-specialized, WS the producers' registers. One CTA per SM: 8 consumer warps (a
+    # 512-row block: each stage's activations feed 512 rows) at 224 registers, and a producer
+    # warpgroup at 56 that issues the copies, the ring's slots handed over by mbarriers.
+    # Measured (H200, Mixtral T = 64 / 128 / 256, dev_wna16_20261202d, the same call): layer
+    # 256.2 / 441.5 / 720.8 us against t24's 258.5 / 455.6 / 753.7; producers at 40-48 or
+    # 64-80 registers (consumers at 232 or 208-216), 3 or 5 stages, and 4 consumer warps in
+    # 2 CTAs per SM were slower or no faster.
+    "t24ws": dict(KERNEL="staged", MT=3, W=8, TPW=4, KC=2, S=4, MINB=1, WS=56),
 }
 # FA = 1: bf16 activations go in as fp16 with a power-of-two scale per row (wna16_f16_rows, one
 # launch before the GEMM; f16_rows is its NumPy twin), so the codes dequantize as fp16: a
@@ -773,13 +792,34 @@ STAGED_CONFIGS = {
 STAGED_CONFIGS.update({f"f{n[1:]}": dict(STAGED_CONFIGS[n], FA=1)
                        for n in ("t8", "t16", "t24", "t32")})
 CU_STAGED = "quant_gemm_wna16_staged.cu"
+# setmaxnreg exists only in sm_90a code (built through cuda.core)
+STAGED_WS_OPTIONS = ("-arch=sm_90a",)
+
+
+def staged_options(cfg: dict) -> tuple[str, ...]:
+    """The compile options of a staged config: sm_90a for the warp-specialized (WS) ones."""
+    return STAGED_WS_OPTIONS if cfg.get("WS") else ()
+
+
+_SM90: dict = {}
+
+
+def device_runs_ws() -> bool:
+    """Whether the current GPU runs the warp-specialized staged configs (sm_90: H100 / H200)."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    if dev not in _SM90:
+        _SM90[dev] = cupy.cuda.Device(dev).compute_capability == "90"
+    return _SM90[dev]
 
 
 def staged_kernel_name(cfg: dict, zp: bool, fa: bool | None = None) -> str:
     """fa: the FA mode (default: the config's)."""
     fa = cfg.get("FA", 0) if fa is None else fa
+    ws = f", {int(cfg['WS'])}" if cfg.get("WS") else ""
     return (f"wna16_staged<{cfg['MT']}, {cfg['W']}, {cfg['TPW']}, {cfg['KC']}, {cfg['S']}, "
-            f"{int(bool(zp))}, {cfg['MINB']}, {int(bool(fa))}>")
+            f"{int(bool(zp))}, {cfg['MINB']}, {int(bool(fa))}{ws}>")
 
 
 def staged_stage_bytes(cfg: dict, zp: bool) -> int:
@@ -795,8 +835,8 @@ def staged_stage_bytes(cfg: dict, zp: bool) -> int:
 def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
                 num_sms: int = 132, group_size: int = 0, num_groups: int = 1,
                 zp: bool = False, fa: bool | None = None) -> dict:
-    """wna16_staged's launch: grid (Q,), block 32 W, dynamic shared memory S stages, then the
-    m tiles' prefix costs (8 (MTILES + 1) bytes), a block's parts by first stage (4 SPB) and the
+    """wna16_staged's launch: grid (Q,), block 32 W (+ 128 producers with WS), dynamic shared
+    memory S stages (WS: then 2 S mbarriers), then the m tiles' prefix costs (8 (MTILES + 1) bytes), a block's parts by first stage (4 SPB) and the
     m tiles' experts (4 MTILES).
     Every live m tile has U = blocks x SPB units (row blocks of NB tiles x K stages of KC
     chunks), each costing LT + 5 (LT: its live token tiles, found on the device); the Q = MINB
@@ -818,7 +858,12 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     blocks, spb = C.cdiv(N // 16, nb), C.cdiv(K // PACK_CHUNK, cfg["KC"])
     units = blocks * spb
     q = max(1, min(num_sms * cfg["MINB"] * cfg.get("WAVES", 1), mtiles * units))
-    smem = cfg["S"] * staged_stage_bytes(cfg, zp) + 8 * (mtiles + 1) + 4 * spb + 4 * mtiles
+    ws = bool(cfg.get("WS"))
+    if ws and cfg["W"] % 4:
+        raise ValueError(f"config: WS = 1 takes consumer warpgroups (W a multiple of 4), got "
+                         f"W = {cfg['W']}")
+    smem = (cfg["S"] * staged_stage_bytes(cfg, zp) + (16 * cfg["S"] if ws else 0) +
+            8 * (mtiles + 1) + 4 * spb + 4 * mtiles)
     room = SMEM_PER_SM // cfg["MINB"] - 1024
     if smem > room:
         raise ValueError(f"config: {smem} bytes of pipeline stages and m tile costs per CTA "
@@ -831,26 +876,31 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
         raise ValueError(f"config: {slots} part slots or {spb} K stages per block are past the "
                          f"part records' 16-bit fields")
     return dict(name=staged_kernel_name(cfg, zp, fa), cfg=cfg, grid=(q, 1, 1),
-                block=(32 * cfg["W"],), smem=smem, shift=shift, Lg=Lg, Q=q, U=units, SPB=spb,
+                block=(32 * cfg["W"] + (128 if ws else 0),), smem=smem, shift=shift, Lg=Lg, Q=q, U=units, SPB=spb,
                 MTILES=mtiles, WS=slots * per, TILES=mtiles * blocks,
                 COUNTERS=mtiles * blocks * (1 + spb))
 
 
 F16_ROWS_KERNEL = "wna16_f16_rows"
-STAGED_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values()
+STAGED_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values() if not c.get("WS")
                      for z in (False, True)) + (F16_ROWS_KERNEL,)
+STAGED_WS_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values() if c.get("WS")
+                        for z in (False, True))
 for _ev in ELEMS.values():
     C.register_compile_case(CU_STAGED, {"ELEM_BF16": _ev}, STAGED_NAMES)
-# The config the router takes for 9-128 rows per expert ships compiled by NVRTC 13.5 for the
+    C.register_compile_case(CU_STAGED, {"ELEM_BF16": _ev}, STAGED_WS_NAMES,
+                            options=STAGED_WS_OPTIONS)
+# The configs the router takes for 9-128 rows per expert ship compiled by NVRTC 13.5 for the
 # H100 / H200 (prebuilt/, python -m cuda_kernels.cupy.prebuild): the same source built by the
 # CUDA 13.0 NVRTC of the H200 image ran Mixtral's T = 64 layer 2-3% slower, T = 256 3-4%
 # (benchmarks/results/dev_wna16_20261202b; the module docstring of _compile says how it loads)
-PREBUILT_CONFIGS = ("t24",)
+PREBUILT_CONFIGS = ("t24", "t24ws")
 for _ev in ELEMS.values():
     for _c in PREBUILT_CONFIGS:
         for _z in (False, True):
             C.register_prebuilt(CU_STAGED, {"ELEM_BF16": _ev},
-                                staged_kernel_name(STAGED_CONFIGS[_c], _z))
+                                staged_kernel_name(STAGED_CONFIGS[_c], _z),
+                                options=staged_options(STAGED_CONFIGS[_c]))
 
 
 # ----------------------------------------------------------------------------- workspace
@@ -1032,7 +1082,8 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         return c
 
     packable = nbits == 4 and packed_supports(N, K, group_size, G)[0]
-    cfg0 = pick_config(P / max(E, 1), block_size, config, N // 16 if packable else 0)
+    cfg0 = pick_config(P / max(E, 1), block_size, config, N // 16 if packable else 0,
+                       ws=device_runs_ws())
     rung = cfg0.get("KERNEL")
     if rung in ("wgmma", "staged", "packed"):       # the int4 rungs on prepacked weights
         if nbits != 4:
@@ -1062,12 +1113,16 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         kern(lp["grid"], lp["block"], args, shared_mem=lp["smem"])
         return c
     if rung == "staged":
+        if cfg0.get("WS") and not device_runs_ws():
+            raise ValueError(f"config: warp-specialized staged configs (WS) need an sm_90 GPU "
+                             f"(H100 / H200: setmaxnreg is sm_90a's), this one is sm_"
+                             f"{cupy.cuda.Device().compute_capability}")
         pk = packed_weights(w, w_scale, w_zp, w_s,
                             order=("staged", cfg0["W"] * cfg0["TPW"], cfg0["KC"]))
         fa = bool(cfg0.get("FA")) and out_key == "bf16"      # fp16 activations run as they are
         lp = staged_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G,
                          w_zp is not None, fa)
-        kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_STAGED)
+        kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_STAGED, staged_options(cfg0))
         null = C.null_ptr()
         a16, a_scale = _device_f16_rows(a) if fa else (C.raw(a), null)
         ws, cnt = _workspace(lp["WS"], lp["COUNTERS"])
@@ -1232,7 +1287,9 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
              for (M_a, E, K, N, Kd, B, gs, zp) in (packed_cases[:2] if args.quick else
                                                    packed_cases)]
     runs += [(n, c, (M_a, E, K, N, Kd, max(B, 8 * c["MT"]), 4, gs, zp, None))
-             for n, c in STAGED_CONFIGS.items() if n in ("t8", "t24") or not args.quick
+             for n, c in STAGED_CONFIGS.items()
+             if (n in ("t8", "t24", "t24ws") or not args.quick) and
+             (not c.get("WS") or device_runs_ws())
              for (M_a, E, K, N, Kd, B, gs, zp) in packed_cases]
     import cupy
     if int(cupy.cuda.Device().compute_capability) == 90:          # the wgmma rung: Hopper

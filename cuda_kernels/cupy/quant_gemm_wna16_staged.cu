@@ -92,10 +92,23 @@
 // 1980 with the GPU idle, and at 1943-1965 MHz with the math left out, so the math's energy,
 // not only its issue slots, sets the pace.
 //
-// grid (Q), block 32 W, dynamic shared memory S x stage bytes (staged_stage_bytes in the
-// launcher) + 8 (m tiles + 1) (the costs' prefix sums) + 4 SPB (finish_parts) + 4 m tiles (their
-// experts). LT is a compile-time constant of the
-// code that runs (w16::with_count), as in wna16_packed.
+// WS > 0, the warp-specialized CTA (config t24ws: W = 8, one CTA per SM): the W consumer warps
+// only compute, and a warpgroup of 128 producers, at WS registers each (setmaxnreg; the
+// consumers get the rest, 224 at W = 8), issues every copy of the ring as the 128 threads of a
+// plain CTA would. Each slot goes round by two mbarriers: full (each producer's copies of the
+// slot have landed: cp.async.mbarrier.arrive) and empty (each consumer warp is done reading
+// it), so no barrier holds all the CTA's warps at each stage, and the consumers' instruction
+// stream holds no copies. Both roles walk the same segments and meet only at load_m_tile and
+// at each segment's end, where the ring drains and its barriers start again; the parts' and
+// stores' barriers are the consumers' own (named barrier 1). Measured (H200, Mixtral,
+// dev_wna16_20261202d, same call): T = 64 / 256 layer 256 / 721 us against t24's 259 / 754;
+// with 4 consumer warps in 2 CTAs per SM it was no faster than t24 (GEMM1 the same, GEMM2
+// 1-4 us slower), and 8 warps of one plain CTA 8-16% slower (dev_wna16_20261202c).
+//
+// grid (Q), block 32 W (+ 128 with WS), dynamic shared memory S x stage bytes
+// (staged_stage_bytes in the launcher) + 16 S (WS: the mbarriers) + 8 (m tiles + 1) (the costs'
+// prefix sums) + 4 SPB (finish_parts) + 4 m tiles (their experts). LT is a compile-time
+// constant of the code that runs (w16::with_count), as in wna16_packed.
 // Needs int4 prepacked and staged (N % 16 == 0, Kdim % 64 == 0, group_size 64 times a power of
 // two or one group per row: chunk_shift = log2(chunks per group), 30 for one group).
 #include "wna16_common.cuh"
@@ -134,13 +147,94 @@ struct StagedStage {
     static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
 };
 
+// WS (> 0: the producers' registers), the warp-specialized CTA: a warpgroup of producers issues
+// the ring's copies and the W consumer warps compute, each slot handed over by two mbarriers
+// (full: every producer's copies of the slot have landed, empty: every consumer warp is done
+// reading it) instead of one CTA barrier per stage, and setmaxnreg moves registers from the
+// producers, which hold only addresses, to the consumers. The pattern of CUTLASS's cp.async
+// warp-specialized mainloops (PTX ISA 8.0: sm_90a). The CPU emulation (QG_EMULATED_PTX,
+// tests/test_quant_cupy.py) has stand-ins with the same semantics: a slot's copies land at
+// its producer's arrival, the latest moment the hardware allows.
+namespace staged_ws {
+#ifndef QG_EMULATED_PTX
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+#endif
+__device__ __forceinline__ void bar_init(unsigned long long* b, unsigned count) {
+#ifdef QG_EMULATED_PTX
+    qg_mbar_init(b, count);
+#else
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_u32(b)), "r"(count)
+                 : "memory");
+#endif
+}
+// one of the barrier's arrivals, made when every cp.async this thread issued before has landed
+__device__ __forceinline__ void arrive_on_copies(unsigned long long* b) {
+#ifdef QG_EMULATED_PTX
+    qg_mbar_arrive_on_copies(b);
+#else
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(smem_u32(b))
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void arrive(unsigned long long* b) {
+#ifdef QG_EMULATED_PTX
+    qg_mbar_arrive(b);
+#else
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_u32(b)) : "memory");
+#endif
+}
+// until the barrier's phase of this parity has completed
+__device__ __forceinline__ void wait(unsigned long long* b, unsigned parity) {
+#ifdef QG_EMULATED_PTX
+    qg_mbar_wait(b, parity);
+#else
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{\n .reg .pred p;\n"
+                     " mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(smem_u32(b)), "r"(parity) : "memory");
+#endif
+}
+// the warp's registers, down or up to R (every warp of a warpgroup alike)
+template <int R>
+__device__ __forceinline__ void regs_down() {
+#ifndef QG_EMULATED_PTX
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(R));
+#endif
+}
+template <int R>
+__device__ __forceinline__ void regs_up() {
+#ifndef QG_EMULATED_PTX
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(R));
+#endif
+}
+}  // namespace staged_ws
+
+// A barrier of the TEAM first threads of the CTA (named barrier 1), or of all (TEAM = 0)
+template <int TEAM>
+__device__ __forceinline__ void team_sync() {
+    if constexpr (TEAM == 0) {
+        __syncthreads();
+    } else {
+#ifdef QG_EMULATED_PTX
+        qg_bar_team(TEAM);
+#else
+        asm volatile("bar.sync 1, %0;\n" :: "n"(TEAM) : "memory");
+#endif
+    }
+}
+
 // A block's part: this CTA's walk computed `count` of its SPB K stages from stage `first` (the N
 // fp32 values v of each of the NT threads). It goes to workspace slot `slot` (ws [slot][per],
 // v[j] at j NT + thread), and part_at[tile][first] = count << 16 | slot + 1 says so; the CTA
 // whose units complete the block's SPB (units_done[tile]) gets true back, with v = the parts
 // added in the order of their first stages (deterministic for a given split), and leaves both
-// at zero; the others get false. Every thread of the CTA calls it; s_last is a __shared__ int.
-template <int N, int NT>
+// at zero; the others get false. Every thread of the team calls it (the CTA's NT first threads,
+// which are all of it unless TEAM = NT: WS's consumers); s_last is a __shared__ int.
+template <int N, int NT, int TEAM = 0>
 __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
                                              int* __restrict__ units_done,
                                              int* __restrict__ part_at, int* by_first, int SPB,
@@ -162,9 +256,9 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
 #if STAGED_TIMES
     const long long c2 = clock64();
 #endif
-    __syncthreads();
+    team_sync<TEAM>();
     if (tid == 0) s_last = atomicAdd(units_done + tile, count) + count == SPB;
-    __syncthreads();
+    team_sync<TEAM>();
 #if STAGED_TIMES
     const long long c3 = clock64();
     if (tid == 0) {
@@ -181,7 +275,7 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
         at[x] = 0;
     }
     if (tid == 0) units_done[tile] = 0;
-    __syncthreads();
+    team_sync<TEAM>();
 #pragma unroll
     for (int j = 0; j < N; ++j) v[j] = 0.f;
     for (int x = 0; x < SPB;) {                        // the parts tile [0, SPB) in order
@@ -198,8 +292,8 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
     return true;
 }
 
-template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int FA>
-__global__ void __launch_bounds__(W * 32, MINB)
+template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int FA, int WS = 0>
+__global__ void __launch_bounds__(W * 32 + (WS ? 128 : 0), MINB)
 wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_scale,
              const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
@@ -210,6 +304,15 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
              int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
+    // WS: the NT consumer threads (whole warpgroups, for setmaxnreg), then a warpgroup of
+    // producers; NC threads copy a stage (thread ctid of NC)
+    constexpr int NTT = NT + (WS ? 128 : 0), NC = WS ? 128 : NT;
+    static_assert(!WS || W % 4 == 0, "WS: consumer warpgroups of 4 warps");
+    // the registers each role keeps of the CTA's NTT x (65536 / MINB / NTT): producers WS,
+    // consumers the rest (W = 8, MINB = 1, WS = 56: 224; W = 4, MINB = 2, WS = 40: 216)
+    constexpr int WS_CREGS = WS ? ((65536 / MINB / NTT / 8 * 8) * NTT - 128 * WS) / NT / 8 * 8 : 0;
+    static_assert(!WS || (WS >= 24 && WS % 8 == 0 && WS_CREGS <= 256),
+                  "WS: setmaxnreg counts are multiples of 8 in [24, 256]");
     using St = StagedStage<MT, NB, KC, ZP>;
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
     __shared__ int sArow[BM];                     // its row of a, or -1
@@ -218,6 +321,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int ctid = WS ? tid - NT : tid;            // a copying thread's index (WS: producers)
 #if STAGED_TIMES
     if (tid == 0) {
         unsigned sm;
@@ -252,11 +356,14 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // LT = 1, 2, 3, g128, 0e53f21), 0 for an m tile without live rows or of another rank's
     // expert; cum[m] = the weighted position where m tile m starts, cum[mtiles] = the total.
     // Every CTA computes the same (a few hundred loads).
-    long long* cum = reinterpret_cast<long long*>(smem + (size_t)S * St::BYTES);
+    // (WS: the ring's mbarriers first, full[S] then empty[S])
+    unsigned long long* bar_full = reinterpret_cast<unsigned long long*>(smem + (size_t)S * St::BYTES);
+    unsigned long long* bar_empty = bar_full + S;
+    long long* cum = reinterpret_cast<long long*>(smem + (size_t)S * St::BYTES + (WS ? 16 * S : 0));
     int* by_first = reinterpret_cast<int*>(cum + mtiles + 1);   // [SPB] (finish_parts)
     int* m_expert = by_first + SPB;                               // [m tiles] their experts
     const int ntp = num_tokens_post_padded[0];
-    for (int m = tid; m < mtiles; m += NT) {
+    for (int m = tid; m < mtiles; m += NTT) {
         int lt = 0;                                    // 1 + the last live row's tile
         if (m * BM < ntp) {
 #pragma unroll
@@ -276,6 +383,14 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         cum[0] = 0;
         for (int m = 0; m < mtiles; ++m) cum[m + 1] += cum[m];
     }
+    auto init_ring_barriers = [&] {                    // (WS) every slot's phases from 0
+        if (WS && tid == 0)
+            for (int i = 0; i < S; ++i) {
+                staged_ws::bar_init(bar_full + i, 128);   // each producer's copies
+                staged_ws::bar_init(bar_empty + i, W);    // each consumer warp
+            }
+    };
+    init_ring_barriers();
     __syncthreads();
     const long long Wt = cum[mtiles];
     // CTA q's run: weighted positions [run_start(q), run_start(q + 1)), fixed before the launch.
@@ -317,7 +432,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         wait_for_inputs();
         if (w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots,
                                  top_k, num_positions, sSlot, sArow))
-            w16::store_zeros<BM>(c, sSlot, N, 0, N, NT);
+            w16::store_zeros<BM>(c, sSlot, N, 0, N, NTT);
         __syncthreads();                               // sSlot is read before it is reused
     }
     if (Wt == 0 || run_start(q) >= run_start(q + 1)) return;
@@ -330,7 +445,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     int parts_used = 0;
     bool first_segment = true;
 
-    // ---- the segments of the run, one m tile each: units [ua, ub) of m tile m
+    // ---- the segments of the run, one m tile each: units [ua, ub) of m tile m. ROLE 0: the
+    // plain CTA, every thread copying and computing; WS: 1 the producers, 2 the consumers (each
+    // role walks the same segments; both meet at load_m_tile's barrier and at a segment's end)
+    auto segments = [&](auto role) {
+    constexpr int ROLE = decltype(role)::value;
+    constexpr bool COPIES = ROLE != 2, MATH = ROLE != 1;
     for (int m = 0; m < mtiles; ++m) {
         const long long w = (cum[m + 1] - cum[m]) / U;  // the m tile's cost per unit
         if (w == 0 || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1)) continue;
@@ -342,11 +462,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         const size_t blk_e = (size_t)e * nblocks;          // this expert's first row block
         // unit u = b SPB + s of the m tile is stage (blk_e + b) SPB + s of stage_blocks'
         // layout: its codes are one contiguous run
-        const uint4* w_tile = wp + blk_e * SPB * (NB * KC * 32) + tid;
+        const uint4* w_tile = wp + blk_e * SPB * (NB * KC * 32) + ctid;
         // the expert's scales and zero points: group gr of row block b at (b G + gr) NB 8
         const size_t sz_e = blk_e * num_groups * (NB * 8);
-        constexpr int W_PER = TPW * KC;                    // NB KC 32 units / NT threads
-        constexpr int S_PER = (NB * KC * 4 + NT - 1) / NT, Z_PER = (NB * KC + NT - 1) / NT;
+        constexpr int W_PER = NB * KC * 32 / NC;           // NB KC 32 units / NC threads
+        static_assert(NB * KC * 32 % NC == 0, "whole weight units per copying thread");
+        constexpr int S_PER = (NB * KC * 4 + NC - 1) / NC, Z_PER = (NB * KC + NC - 1) / NC;
 
         // ---- the weights of segment unit i = (b, s) into ring slot i % S if it is the run's
         // (live): codes, then scales and zero points of the groups met, each a contiguous run
@@ -355,24 +476,24 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             if (!live) return;
             const int c0 = s * KC, kcn = min(KC, C - c0);
             const int g0 = c0 >> chunk_shift, ngr = ((c0 + kcn - 1) >> chunk_shift) - g0 + 1;
-            u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * tid;
+            u8* st = smem + (size_t)(i % S) * St::BYTES + 16 * ctid;
             const uint4* wsrc = w_tile + (size_t)(b * SPB + s) * (NB * KC * 32);
 #pragma unroll
             for (int j = 0; j < W_PER; ++j)
                 if (STAGED_PROBE != 3)
-                    w16::cp16(st + St::W_OFF + 16 * j * NT, wsrc + j * NT, true);
+                    w16::cp16(st + St::W_OFF + 16 * j * NC, wsrc + j * NC, true);
             const int sz_off = (b * num_groups + g0) * (NB * 8);   // < 2^31: one expert's
-            const float2* ssrc = sp + sz_e + sz_off + 2 * tid;
+            const float2* ssrc = sp + sz_e + sz_off + 2 * ctid;
 #pragma unroll
             for (int j = 0; j < S_PER; ++j)
-                if (tid + j * NT < ngr * NB * 4)
-                    w16::cp16(st + St::S_OFF + 16 * j * NT, ssrc + 2 * j * NT, true);
+                if (ctid + j * NC < ngr * NB * 4)
+                    w16::cp16(st + St::S_OFF + 16 * j * NC, ssrc + 2 * j * NC, true);
             if (ZP) {
-                const unsigned short* zsrc = zp + sz_e + sz_off + 8 * tid;
+                const unsigned short* zsrc = zp + sz_e + sz_off + 8 * ctid;
 #pragma unroll
                 for (int j = 0; j < Z_PER; ++j)
-                    if (tid + j * NT < ngr * NB)
-                        w16::cp16(st + St::Z_OFF + 16 * j * NT, zsrc + 8 * j * NT, true);
+                    if (ctid + j * NC < ngr * NB)
+                        w16::cp16(st + St::Z_OFF + 16 * j * NC, zsrc + 8 * j * NC, true);
             }
         };
         // the units (b, s) = (row block, K stage) in order, stepped without divisions
@@ -389,7 +510,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         // out: the codes' copies with an L2 evict_first policy, createpolicy + cp.async
         // .L2::cache_hint: GEMM2 at T = 64 99.6 against 101.7 us, but with early copies the f32
         // config failed its GPU test with an illegal instruction, dev_wna16_20261201.)
-        if (first_segment) issue_weights(0, ib, is, n_units > 0);
+        if (COPIES && first_segment) issue_weights(0, ib, is, n_units > 0);
         w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots, top_k,
                              num_positions, sSlot, sArow);   // live: its cost is not 0
 
@@ -405,14 +526,15 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 
         // ---- this thread's share of the token rows' copies, fixed for the segment: BM rows x
         // KC chunks x 8 16-byte units, unit u of row r at u ^ (r & 1)
-        constexpr int A_UNITS = BM * KC * 8, A_PER = (A_UNITS + NT - 1) / NT;
+        constexpr int A_UNITS = BM * KC * 8, A_PER = (A_UNITS + NC - 1) / NC;
         const unsigned short* a_src[A_PER];                // the unit's source in K stage 0
         bool a_on[A_PER];                                  // copied (rows past the live tiles:
         int a_dst[A_PER];                                  //   never read), to this stage offset
         int a_chunk[A_PER];                                // its chunk in the stage
 #pragma unroll
         for (int j = 0; j < A_PER; ++j) {
-            const int k = tid + j * NT, r = k / (KC * 8), u = k % (KC * 8);
+            if (!COPIES) break;
+            const int k = ctid + j * NC, r = k / (KC * 8), u = k % (KC * 8);
             a_on[j] = k < A_UNITS && r < live_rows;
             const int ar = a_on[j] ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
             a_src[j] = a + (size_t)ar * Kdim + u * 8;
@@ -437,14 +559,26 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             w16::cp_commit();
         };
         wait_for_inputs();
-#pragma unroll
-        for (int i = 0; i < S - 1; ++i) {
-            issue(i, ib, is, i < n_units, !first_segment || i > 0);   // (else went out above)
-            step(ib, is);
-        }
+        const bool early = first_segment;              // stage 0's weights went out above
         first_segment = false;
+        if constexpr (ROLE == 0) {
+#pragma unroll
+            for (int i = 0; i < S - 1; ++i) {
+                issue(i, ib, is, i < n_units, !early || i > 0);
+                step(ib, is);
+            }
+        } else if constexpr (ROLE == 1) {
+            // slot i % S once the consumers have read its unit i - S, then its copies, whose
+            // landing is the slot's full arrival of this thread
+            for (int i = 0; i < n_units; ++i) {
+                if (i >= S) staged_ws::wait(bar_empty + i % S, (i / S - 1) & 1);
+                issue(i, ib, is, true, !early || i > 0);
+                staged_ws::arrive_on_copies(bar_full + i % S);
+                step(ib, is);
+            }
+        }
 
-        w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
+        if constexpr (MATH) w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
             constexpr int LT = decltype(live_count)::value;
             float acc[TPW][LT][4];
 #pragma unroll
@@ -480,14 +614,20 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             int blk_n = 0;                                 // units of the current block done
             int b = b_first, s = s_first;                  // the unit being computed
             for (int i = 0; i < n_units; ++i) {
-                w16::cp_wait<S - 2>();                     // stage i has landed (this thread's)
-                __syncthreads();                           // ... and everyone's; slot i - 1 free
+                if constexpr (ROLE == 0) {
+                    w16::cp_wait<S - 2>();                 // stage i has landed (this thread's)
+                    __syncthreads();                       // ... and everyone's; slot i - 1 free
+                } else {
+                    staged_ws::wait(bar_full + i % S, (i / S) & 1);
+                }
 #if STAGED_TIMES
                 if (tid == 0 && g_cta_times[blockIdx.x][5] == 0)
                     g_cta_times[blockIdx.x][5] = global_ns();
 #endif
-                issue(i + S - 1, ib, is, i + S - 1 < n_units, true);
-                step(ib, is);
+                if constexpr (ROLE == 0) {
+                    issue(i + S - 1, ib, is, i + S - 1 < n_units, true);
+                    step(ib, is);
+                }
                 const int c0 = s * KC, kcn = min(KC, C - c0), g0 = c0 >> chunk_shift;
                 const u8* st = smem + (size_t)(i % S) * St::BYTES;
                 const uint4* sw = reinterpret_cast<const uint4*>(st + St::W_OFF) +
@@ -616,6 +756,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                         chunks(w16::Count<1>{}, kc);
                     }
                 }
+                if constexpr (ROLE == 2) {                 // this warp is done with slot i % S
+                    __syncwarp();
+                    if (lane == 0) staged_ws::arrive(bar_empty + i % S);
+                }
                 // ---- the end of the run's units of block b: store it whole, or hand in this
                 // part (finish_parts: the CTA that completes the block adds the parts)
                 ++blk_n;
@@ -629,7 +773,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #if STAGED_TIMES
                         if (tid == 0) g_cta_times[blockIdx.x][8] += clock64() - c_end0;
 #endif
-                    } else if (finish_parts<TPW * LT * 4, NT>(
+                    } else if (finish_parts<TPW * LT * 4, NT, ROLE == 2 ? NT : 0>(
                                    &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
                                    (size_t)m * nblocks + b, PER, 2 * q + parts_used++,
                                    s - blk_n + 1, blk_n, sLast)) {
@@ -655,8 +799,21 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             g_cta_times[blockIdx.x][4] += (unsigned long long)n_units * live_tiles;
         }
 #endif
-        w16::cp_wait<0>();                             // the ring is empty ...
+        if constexpr (ROLE == 0) w16::cp_wait<0>();    // the ring is empty ...
         __syncthreads();                               // ... and read: the next segment refills it
+        init_ring_barriers();                          // (WS: before load_m_tile's barrier)
+    }
+    };
+    if constexpr (WS) {
+        if (tid >= NT) {
+            staged_ws::regs_down<WS>();
+            segments(w16::Count<1>{});
+        } else {
+            staged_ws::regs_up<WS_CREGS>();
+            segments(w16::Count<2>{});
+        }
+    } else {
+        segments(w16::Count<0>{});
     }
 #if STAGED_TIMES
     if (tid == 0) {
