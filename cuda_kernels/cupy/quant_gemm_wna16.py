@@ -835,9 +835,10 @@ def staged_stage_bytes(cfg: dict, zp: bool) -> int:
 def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
                 num_sms: int = 132, group_size: int = 0, num_groups: int = 1,
                 zp: bool = False, fa: bool | None = None) -> dict:
-    """wna16_staged's launch: grid (Q,), block 32 W (+ 128 producers with WS), dynamic shared
-    memory S stages (WS: then 2 S mbarriers), then the m tiles' prefix costs (8 (MTILES + 1) bytes), a block's parts by first stage (4 SPB) and the
-    m tiles' experts (4 MTILES).
+    """wna16_staged's launch: grid (Q,), block 32 W (+ 128 producers with the config's WS),
+    dynamic shared memory S stages (WS: then 2 S mbarriers), then the m tiles' prefix costs
+    (8 (MTILES + 1) bytes), a block's parts by first stage (4 SPB) and the m tiles' experts
+    (4 MTILES).
     Every live m tile has U = blocks x SPB units (row blocks of NB tiles x K stages of KC
     chunks), each costing LT + 5 (LT: its live token tiles, found on the device); the Q = MINB
     CTAs per SM (times WAVES) take contiguous runs of equal cost over all m tiles in order.
@@ -876,8 +877,8 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
         raise ValueError(f"config: {slots} part slots or {spb} K stages per block are past the "
                          f"part records' 16-bit fields")
     return dict(name=staged_kernel_name(cfg, zp, fa), cfg=cfg, grid=(q, 1, 1),
-                block=(32 * cfg["W"] + (128 if ws else 0),), smem=smem, shift=shift, Lg=Lg, Q=q, U=units, SPB=spb,
-                MTILES=mtiles, WS=slots * per, TILES=mtiles * blocks,
+                block=(32 * cfg["W"] + (128 if ws else 0),), smem=smem, shift=shift, Lg=Lg,
+                Q=q, U=units, SPB=spb, MTILES=mtiles, WS=slots * per, TILES=mtiles * blocks,
                 COUNTERS=mtiles * blocks * (1 + spb))
 
 
