@@ -25,7 +25,10 @@ MANIFEST = C.prebuilt_manifest()
 def test_specs_registered():
     names = {s.name for s in SPECS}
     for zp in (False, True):
-        assert W.staged_kernel_name(W.STAGED_CONFIGS["t24"], zp) in names
+        for cfg in ("t24", "t24ws"):
+            assert W.staged_kernel_name(W.STAGED_CONFIGS[cfg], zp) in names
+    ws = [s for s in SPECS if s.name.startswith("wna16_staged") and "56>" in s.name]
+    assert ws and all(s.arch == "sm_90a" and s.options == W.STAGED_WS_OPTIONS for s in ws)
     assert {s.defines["ELEM_BF16"] for s in SPECS} == {0, 1}, "bf16 and fp16 builds"
 
 
@@ -110,12 +113,13 @@ def test_launcher_takes_the_prebuilt_t24():
     import cupy
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the cubins are sm_90's")
-    name = W.staged_kernel_name(W.STAGED_CONFIGS["t24"], False)
-    W._READY.clear()
-    C._KERNELS.clear()
-    C.PREBUILT_LOADED.discard((W.CU_STAGED, name))
-    W._kernel(name, W.ELEMS["bf16"], 0, W.CU_STAGED)
-    assert (W.CU_STAGED, name) in C.PREBUILT_LOADED
+    for cfg in ("t24ws", "t24"):                  # (the warp-specialized one for sm_90a)
+        name = W.staged_kernel_name(W.STAGED_CONFIGS[cfg], False)
+        W._READY.clear()
+        C._KERNELS.clear()
+        C.PREBUILT_LOADED.discard((W.CU_STAGED, name))
+        W._kernel(name, W.ELEMS["bf16"], 0, W.CU_STAGED, W.staged_options(W.STAGED_CONFIGS[cfg]))
+        assert (W.CU_STAGED, name) in C.PREBUILT_LOADED
     # get_kernel keeps it like any kernel: a second call does not load the cubin again
     C._KERNELS.clear()
     C.PREBUILT_LOADED.clear()

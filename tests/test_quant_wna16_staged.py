@@ -367,7 +367,8 @@ def test_emulated_other_rank(emulated_staged, rng):
     ("t24", ((20, 2, 2, 256, 512, 24), 128, True, 4)),   # runs across m tiles, blocks in parts
     ("f24", ((20, 2, 2, 64, 768, 48), 256, False, 4)),   # FA: a16 and the row scales as inputs
     ("t8", "other rank"),                                # zeros stored for another rank
-], ids=["t24-parts", "f24-fa", "t8-other-rank"])
+    ("t24ws", ((20, 2, 2, 1024, 512, 24), 128, True, 8)),  # producers and consumers both wait
+], ids=["t24-parts", "f24-fa", "t8-other-rank", "t24ws-roles"])
 def test_emulated_programmatic_launch(emulated_staged, rng, cfg, case):
     """Launched programmatically (grouped_gemm_wna16(..., programmatic=True)), the kernel may
     start while the grid before it still writes the activations. On the emulation's model of
@@ -420,7 +421,7 @@ def test_f16_rows_on_gpu(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["t8", "t24"])
+@pytest.mark.parametrize("cfg", ["t8", "t24", "t24ws"])
 def test_fp16_and_other_rank(rng, cfg):
     """fp16 activations (magic 1024), experts on another rank, no router weights."""
     ok, why = C.availability()
@@ -430,7 +431,7 @@ def test_fp16_and_other_rank(rng, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["t8", "t32"])
+@pytest.mark.parametrize("cfg", ["t8", "t32", "t24ws"])
 def test_parts_match_reference_and_repeat(rng, cfg):
     """Many CTAs per m tile (blocks finished from several parts): parity with the reference,
     and the same bits on a second launch (parts added in the order of their K stages, the
@@ -442,7 +443,7 @@ def test_parts_match_reference_and_repeat(rng, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["t24", "t8"])
+@pytest.mark.parametrize("cfg", ["t24", "t8", "t24ws"])
 def test_long_runs_match_reference(rng, cfg):
     """Runs of ~20 units across m tiles and row blocks (4096 x 8192, 4 experts): parity with
     the reference on a poisoned output, and the same bits on a second launch."""
@@ -456,11 +457,13 @@ def test_long_runs_match_reference(rng, cfg):
 @pytest.mark.parametrize("block,cfg", [(None, "t24"), (32, "t32")])
 def test_grouped_gemm_quant_routes_int4_to_staged(rng, monkeypatch, block, cfg):
     """quant_gemm.grouped_gemm_quant hands an int4 batch of 16 rows per expert to the staged
-    rung: t24 at quant_gemm.block_size_for's block size (48), t32 at 32; each matches the
-    reference with a poisoned output."""
+    rung: t24 at quant_gemm.block_size_for's block size (48; t24ws, warp-specialized, on an
+    sm_90 GPU), t32 at 32; each matches the reference with a poisoned output."""
     ok, why = C.availability()
     if not ok:
         pytest.skip(why)
+    if cfg == "t24" and W.device_runs_ws():
+        cfg = "t24ws"
     from cuda_kernels.cupy import quant_gemm as QG
 
     M_a, E, K, N, Kd = 32, 4, 2, 256, 512
@@ -482,7 +485,7 @@ def test_grouped_gemm_quant_routes_int4_to_staged(rng, monkeypatch, block, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["t24", "f24"])
+@pytest.mark.parametrize("cfg", ["t24", "f24", "t24ws"])
 def test_programmatic_launch_waits_for_its_input(rng, cfg):
     """GEMM2 launched programmatically (PDL) right after GEMM1 reads GEMM1's output as its
     activations: its CTAs start under GEMM1's tail, and must wait before they read it. The
