@@ -32,7 +32,10 @@ and of dev_wna16_20261202b STAGED_PMAX, STAGED_DERIVED and STAGED_RW_PREFETCH (5
 --compile-only builds the modules into CuPy's cache (run several at once before the timed
 call).
 A config may name the one variant it runs after "@" (t24+TEAMS=2+MINB=1@TEAMS=2: a launch that
-needs its macro); every variant's bits are checked against the first config's base.
+needs its macro); every variant's bits are checked against the first config's base. "A%B" runs
+GEMM1 with config A (and the variant) and GEMM2 with the launcher's kernel of config B. A
+warp-specialized config (WS, sm_90a) builds its macro variants through cuda.core, without the
+TIMES records.
 --bench-routing T0,..,T:j times, at T (the last count named, one of --tokens), bench_quant's
 routing j of a run of those tokens instead of the probe's own draw (bench_quant.routings_of);
 --flush read flushes the L2 as bench_quant does (a 128 MB read; the default is a 128 MB memset:
