@@ -310,7 +310,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     static_assert(!WS || W % 4 == 0, "WS: consumer warpgroups of 4 warps");
     // the registers each role keeps of the CTA's NTT x (65536 / MINB / NTT): producers WS,
     // consumers the rest (W = 8, MINB = 1, WS = 56: 224; W = 4, MINB = 2, WS = 40: 216)
-    constexpr int WS_CREGS = WS ? ((65536 / MINB / NTT / 8 * 8) * NTT - 128 * WS) / NT / 8 * 8 : 0;
+    constexpr int WS_CREGS =
+        WS ? ((65536 / MINB / NTT / 8 * 8) * NTT - 128 * WS) / NT / 8 * 8 : 0;
     static_assert(!WS || (WS >= 24 && WS % 8 == 0 && WS_CREGS <= 256),
                   "WS: setmaxnreg counts are multiples of 8 in [24, 256]");
     using St = StagedStage<MT, NB, KC, ZP>;
@@ -357,9 +358,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // expert; cum[m] = the weighted position where m tile m starts, cum[mtiles] = the total.
     // Every CTA computes the same (a few hundred loads).
     // (WS: the ring's mbarriers first, full[S] then empty[S])
-    unsigned long long* bar_full = reinterpret_cast<unsigned long long*>(smem + (size_t)S * St::BYTES);
+    u8* const after_ring = smem + (size_t)S * St::BYTES;
+    unsigned long long* bar_full = reinterpret_cast<unsigned long long*>(after_ring);
     unsigned long long* bar_empty = bar_full + S;
-    long long* cum = reinterpret_cast<long long*>(smem + (size_t)S * St::BYTES + (WS ? 16 * S : 0));
+    long long* cum = reinterpret_cast<long long*>(after_ring + (WS ? 16 * S : 0));
     int* by_first = reinterpret_cast<int*>(cum + mtiles + 1);   // [SPB] (finish_parts)
     int* m_expert = by_first + SPB;                               // [m tiles] their experts
     const int ntp = num_tokens_post_padded[0];
@@ -447,7 +449,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 
     // ---- the segments of the run, one m tile each: units [ua, ub) of m tile m. ROLE 0: the
     // plain CTA, every thread copying and computing; WS: 1 the producers, 2 the consumers (each
-    // role walks the same segments; both meet at load_m_tile's barrier and at a segment's end)
+    // role walks the same segments; both meet at load_m_tile's barrier and at a segment's end).
+    // (The lambda's body keeps the loop's indentation, that of the plain CTA before WS.)
     auto segments = [&](auto role) {
     constexpr int ROLE = decltype(role)::value;
     constexpr bool COPIES = ROLE != 2, MATH = ROLE != 1;
