@@ -67,6 +67,9 @@ BUILDS = {
     **{f"ws_w8_s4_p56_cost{n}": ("t24+WS=56+W=8+MINB=1+S=4",
                                  dict(arch="sm_90a", defines={"STAGED_LT_COST": n}))
        for n in (3, 4, 6, 7)},
+    **{f"ws_w8_s4_p56_seg{n}": ("t24+WS=56+W=8+MINB=1+S=4",
+                                dict(arch="sm_90a", defines={"STAGED_SEG_COST": n}))
+       for n in (0, 8, 16, 32, 64)},
     # the dev macros of the .cu (STAGED_*): here a unit's cost in the runs' split, LT + n
     **{f"cost{n}": ("t24", dict(defines={"STAGED_LT_COST": n})) for n in (3, 4, 6, 7)},
     **{f"s3_cost{n}": ("t24+S=3", dict(defines={"STAGED_LT_COST": n})) for n in (4, 6)},

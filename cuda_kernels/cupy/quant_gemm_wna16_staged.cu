@@ -119,6 +119,9 @@
 #ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
 #define STAGED_LT_COST 5
 #endif
+#ifndef STAGED_SEG_COST  // dev: a fixed cost at each live m tile's start (a segment's start)
+#define STAGED_SEG_COST 0
+#endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
 #define STAGED_TIMES 0
@@ -378,7 +381,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         // the m tile's expert, loaded beside its rows (not after them: one round trip less)
         const int ex = m * BM < ntp ? expert_ids[m * BM / block_size] : -1;
         m_expert[m] = ex;
-        cum[m + 1] = lt && ex >= 0 ? (long long)U * (lt + STAGED_LT_COST) : 0;
+        cum[m + 1] = lt && ex >= 0 ? (long long)U * (lt + STAGED_LT_COST) + STAGED_SEG_COST : 0;
     }
     __syncthreads();
     if (tid == 0) {
@@ -455,10 +458,15 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     constexpr int ROLE = decltype(role)::value;
     constexpr bool COPIES = ROLE != 2, MATH = ROLE != 1;
     for (int m = 0; m < mtiles; ++m) {
-        const long long w = (cum[m + 1] - cum[m]) / U;  // the m tile's cost per unit
-        if (w == 0 || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1)) continue;
-        const int ua = (int)max(0LL, (run_start(q) - cum[m] + w - 1) / w);
-        const int ub = (int)min((long long)U, (run_start(q + 1) - cum[m] + w - 1) / w);
+        // (Measured, dev_wna16_20261202d calls 9-10: STAGED_SEG_COST 8-32 no faster. This form
+        // of the split, the same units and bits as the one before it, ptxas schedules otherwise:
+        // the T = 64 layer ran 2-4 us faster, T = 256 5-6 us, t24's 1-4 us.)
+        const long long span = cum[m + 1] - cum[m];
+        if (span == 0 || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1)) continue;
+        const long long w = (span - STAGED_SEG_COST) / U;  // the m tile's cost per unit
+        const long long u0 = cum[m] + STAGED_SEG_COST;      // where its first unit starts
+        const int ua = (int)max(0LL, (run_start(q) - u0 + w - 1) / w);
+        const int ub = (int)min((long long)U, (run_start(q + 1) - u0 + w - 1) / w);
         if (ua >= ub) continue;
         const int n_units = ub - ua;
         const int e = m_expert[m];
