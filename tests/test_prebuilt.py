@@ -27,7 +27,7 @@ def test_specs_registered():
     for zp in (False, True):
         for cfg in ("t24", "t24ws"):
             assert W.staged_kernel_name(W.STAGED_CONFIGS[cfg], zp) in names
-    ws = [s for s in SPECS if s.name.startswith("wna16_staged") and "56>" in s.name]
+    ws = [s for s in SPECS if s.name in W.STAGED_WS_NAMES]
     assert ws and all(s.arch == "sm_90a" and s.options == W.STAGED_WS_OPTIONS for s in ws)
     assert {s.defines["ELEM_BF16"] for s in SPECS} == {0, 1}, "bf16 and fp16 builds"
 

@@ -6,10 +6,11 @@ under other compiler options and configs: a cubin per build for benchmarks/dev/p
 
 Each build is a config of quant_gemm_wna16.STAGED_CONFIGS with overrides (the probe's
 `t24+S=3` spelling) and a set of cuda.core ProgramOptions (its "arch": sm_90a for the
-warp-specialized configs, whose setmaxnreg needs it; sm_90 by default). Writes DIR/<build>.cubin, beside it
-.name (the kernel's mangled name) and .config (the probe's config spec), and prints per build
-its registers, spill bytes and the md5 of its code section: two builds of the same md5 run the
-same instructions, so only one of them needs timing (--unique writes only the first).
+warp-specialized configs, whose setmaxnreg needs it; sm_90 by default). Writes
+DIR/<build>.cubin, beside it .name (the kernel's mangled name) and .config (the probe's config
+spec), and prints per build its registers, spill bytes and the md5 of its code section: two
+builds of the same md5 run the same instructions, so only one of them needs timing (--unique
+writes only the first).
 """
 from __future__ import annotations
 

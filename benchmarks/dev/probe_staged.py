@@ -93,8 +93,8 @@ def _module(cupy, cu, cfg, var):
     opts = tuple(_OPTIONS[k].format(int(v)) for k, v in pairs if k in _OPTIONS)
     if ws_opts:                                 # built by cuda.core (no TIMES records: their
         src = C.source_text(cu, dict(ELEM_BF16=1, **defs))     # global needs a RawModule)
-        return name, _Loaded(C._load_with_cuda_core(src, cu, name, (name,), "sm_90a",
-                                                    ws_opts + opts)), defs
+        return name, _Loaded(C._load_with_cuda_core(src, cu, name, (name,),
+                                                    C.required_arch(ws_opts), ws_opts + opts)), defs
     mod = cupy.RawModule(code=C.source_text(cu, dict(ELEM_BF16=1, **defs)),
                          options=C._BASE_OPTIONS + opts +
                          tuple(f"-I{d}" for d in C.cuda_include_dirs()),

@@ -339,6 +339,21 @@ def _device_key():
     return dev.id, dev.compute_capability
 
 
+@functools.lru_cache(maxsize=64)
+def _sm90_of(dev: int) -> bool:
+    import cupy
+    return cupy.cuda.Device(dev).compute_capability == "90"
+
+
+def is_sm90(dev: int | None = None) -> bool:
+    """Whether device `dev` (default: the current one) is an sm_90 GPU (H100 / H200), whose
+    sm_90a kernels (wgmma, setmaxnreg) it runs; asked once per device."""
+    if dev is None:
+        import cupy
+        dev = cupy.cuda.Device().id
+    return _sm90_of(dev)
+
+
 def _load_with_cuda_core(src, cu_name, kernel_name, name_expressions, arch, options):
     """Build an architecture-specific cubin with cuda.core and load it into CuPy."""
     try:

@@ -661,9 +661,8 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
     return c
 
 
-@functools.lru_cache(maxsize=64)
 def _sm90_of(dev: int) -> bool:
-    return _cupy().cuda.Device(dev).compute_capability == "90"
+    return _compile.is_sm90(dev)
 
 
 def _is_sm90(cp, dev) -> bool:

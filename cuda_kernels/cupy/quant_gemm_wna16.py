@@ -801,17 +801,9 @@ def staged_options(cfg: dict) -> tuple[str, ...]:
     return STAGED_WS_OPTIONS if cfg.get("WS") else ()
 
 
-_SM90: dict = {}
-
-
 def device_runs_ws() -> bool:
     """Whether the current GPU runs the warp-specialized staged configs (sm_90: H100 / H200)."""
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    if dev not in _SM90:
-        _SM90[dev] = cupy.cuda.Device(dev).compute_capability == "90"
-    return _SM90[dev]
+    return C.is_sm90()
 
 
 def staged_kernel_name(cfg: dict, zp: bool, fa: bool | None = None) -> str:
@@ -1293,7 +1285,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
              (not c.get("WS") or device_runs_ws())
              for (M_a, E, K, N, Kd, B, gs, zp) in packed_cases]
     import cupy
-    if int(cupy.cuda.Device().compute_capability) == 90:          # the wgmma rung: Hopper
+    if C.is_sm90():                                               # the wgmma rung: Hopper
         runs += [(n, c, (M_a, E, K, 128, Kd, max(B, 8 * c["MT"]), 4, gs, zp, None))
                  for n, c in WGMMA_CONFIGS.items() if n in ("g32", "h32") or not args.quick
                  for (M_a, E, K, N, Kd, B, gs, zp) in packed_cases]

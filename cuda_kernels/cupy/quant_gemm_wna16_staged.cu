@@ -150,14 +150,11 @@ struct StagedStage {
     static constexpr int BYTES = A_OFF + round(8 * MT * KC * 128);
 };
 
-// WS (> 0: the producers' registers), the warp-specialized CTA: a warpgroup of producers issues
-// the ring's copies and the W consumer warps compute, each slot handed over by two mbarriers
-// (full: every producer's copies of the slot have landed, empty: every consumer warp is done
-// reading it) instead of one CTA barrier per stage, and setmaxnreg moves registers from the
-// producers, which hold only addresses, to the consumers. The pattern of CUTLASS's cp.async
-// warp-specialized mainloops (PTX ISA 8.0: sm_90a). The CPU emulation (QG_EMULATED_PTX,
-// tests/test_quant_cupy.py) has stand-ins with the same semantics: a slot's copies land at
-// its producer's arrival, the latest moment the hardware allows.
+// The warp-specialized CTA's primitives (WS > 0, see the header): the ring's mbarriers,
+// setmaxnreg (PTX ISA 8.0, sm_90a; the pattern of CUTLASS's cp.async warp-specialized
+// mainloops). The CPU emulation (QG_EMULATED_PTX, tests/test_quant_wna16_cupy.py) has stand-ins
+// with the same semantics: a slot's copies land at its producer's arrival, the latest moment
+// the hardware allows.
 namespace staged_ws {
 #ifndef QG_EMULATED_PTX
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
