@@ -323,12 +323,13 @@ def test_sass_mix_runs_opcodes_and_chains(tmp_path, capsys):
 
 def test_nvrtc_sweep_builds_and_text_md5():
     """benchmarks/dev/nvrtc_sweep.py: every build names a config the probe can launch, and
-    text_md5 reads the kernel's code section out of a cubin: the prebuilt bf16 / fp16 builds of
-    t24 (one kernel, other code) differ, and a name the cubin lacks is an error."""
+    prebuild.text_md5 reads the kernel's code section out of a cubin: the prebuilt bf16 / fp16
+    builds of t24 (one kernel, other code) differ, and a name the cubin lacks is an error."""
     import lzma
 
     from benchmarks.bench_wna16 import _config_override
     from cuda_kernels.cupy import _compile as C
+    from cuda_kernels.cupy import prebuild
     from cuda_kernels.cupy import quant_gemm_wna16 as W
 
     mod = _dev_module("nvrtc_sweep")
@@ -336,16 +337,32 @@ def test_nvrtc_sweep_builds_and_text_md5():
         _, cfg = _config_override(dict(W.STAGED_CONFIGS), spec)
         assert cfg["KERNEL"] == "staged", build
         assert set(extra) <= {"ptxas_options", "max_register_count", "extra_device_vectorization",
-                              "restrict", "defines", "arch"}, build
+                              "restrict", "defines", "arch", "act", "awaits"}, build
         # a warp-specialized config (setmaxnreg) builds for sm_90a, every other for sm_90
         assert extra.get("arch", "sm_90") == ("sm_90a" if cfg.get("WS") else "sm_90"), build
+        W.staged_kernel_name(cfg, False, act=extra.get("act", False),    # a role it can take
+                             awaits=extra.get("awaits", False))
     entries = C.prebuilt_manifest()["entries"]
     md5 = {}
     for key, e in entries.items():
         if e["name"] == W.staged_kernel_name(W.STAGED_CONFIGS["t24"], False):
             cubin = lzma.decompress((C.PREBUILT_DIR / f"{key[:16]}.cubin.xz").read_bytes())
-            md5[e["defines"]["ELEM_BF16"]] = mod.text_md5(cubin, e["mangled"])
+            md5[e["defines"]["ELEM_BF16"]] = prebuild.text_md5(cubin, e["mangled"])
+            assert md5[e["defines"]["ELEM_BF16"]] == e["text_md5"]
             with pytest.raises(ValueError, match="no .text"):
-                mod.text_md5(cubin, e["mangled"] + "x")
+                prebuild.text_md5(cubin, e["mangled"] + "x")
     assert set(md5) == {0, 1} and md5[0] != md5[1]
     assert all(len(v) == 12 and int(v, 16) >= 0 for v in md5.values())
+
+
+def test_device_call_scripts_parse():
+    """The device-call scripts (benchmarks/**/*.sh) parse as bash: a syntax error would only
+    show on the GPU machine, and cost that call."""
+    import pathlib
+    import subprocess
+
+    scripts = sorted((pathlib.Path(__file__).resolve().parents[1] / "benchmarks").rglob("*.sh"))
+    assert any(p.name == "dataflow_call.sh" for p in scripts)
+    for path in scripts:
+        r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{path.name}: {r.stderr}"

@@ -60,6 +60,7 @@ def test_cubin_matches_its_md5(key):
     entry = MANIFEST["entries"][key]
     cubin = C.prebuilt_cubin(entry)
     assert len(cubin) == entry["bytes"] and cubin[:4] == b"\x7fELF"
+    assert prebuild.text_md5(cubin, entry["mangled"]) == entry["text_md5"]
 
 
 def test_corrupted_cubin_is_refused():

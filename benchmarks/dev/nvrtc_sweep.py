@@ -6,21 +6,20 @@ under other compiler options and configs: a cubin per build for benchmarks/dev/p
 
 Each build is a config of quant_gemm_wna16.STAGED_CONFIGS with overrides (the probe's
 `t24+S=3` spelling) and a set of cuda.core ProgramOptions (its "arch": sm_90a for the
-warp-specialized configs, whose setmaxnreg needs it; sm_90 by default). Writes
-DIR/<build>.cubin, beside it .name (the kernel's mangled name) and .config (the probe's config
-spec), and prints per build its registers, spill bytes and the md5 of its code section: two
-builds of the same md5 run the same instructions, so only one of them needs timing (--unique
-writes only the first).
+warp-specialized configs, whose setmaxnreg needs it; sm_90 by default), and optionally one of
+the dataflow's roles ("act": GEMM1 with silu_and_mul fused, "awaits": its GEMM2). Writes
+DIR/<build>.cubin, beside it .name (the kernel's mangled name), .config (the probe's config
+spec) and .kernel (the launcher's name of the kernel), and prints per build its registers,
+spill bytes and the md5 of its code section (prebuild.text_md5): two builds of the same md5
+run the same instructions, so only one of them needs timing (--unique writes only the first).
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import os
 import pathlib
 import re
-import struct
 import sys
 
 # build name -> (config spec, ProgramOptions fields beside _compile's own, and "defines": the
@@ -71,24 +70,24 @@ BUILDS = {
     **{f"ws_w8_s4_p56_seg{n}": ("t24+WS=56+W=8+MINB=1+S=4",
                                 dict(arch="sm_90a", defines={"STAGED_SEG_COST": n}))
        for n in (0, 8, 16, 32, 64)},
+    # silu_and_mul fused (ACT: the dataflow's GEMM1): the store at one site or two, the silu
+    # exact or by __expf / __fdividef
+    **{f"act_sites{n}{('', '_fast', '_nomath')[f]}": ("t24+WS=56+W=8+MINB=1+S=4", dict(
+        arch="sm_90a", act=True, defines={"STAGED_ACT_SITES": n, "STAGED_ACT_FAST": f}))
+       for n in (1, 2) for f in (0, 1, 2)},
+    # the dataflow's GEMM2 (awaits) with its runs skewed by CTA order (per mille: the first
+    # CTAs', which start earliest, that much longer, the last ones' shorter)
+    **{f"flow_skew{n}": ("t24+WS=56+W=8+MINB=1+S=4",
+                         dict(arch="sm_90a", awaits=True, defines={"STAGED_FLOW_SKEW": n}))
+       for n in (0, 40, 80, 120, 160)},
+    # the dataflow's GEMM2 with its last CTA's run shorter by n per mille (it starts last)
+    **{f"last_short{n}": ("t24+WS=56+W=8+MINB=1+S=4",
+                          dict(arch="sm_90a", awaits=True, defines={"STAGED_LAST_SHORT": n}))
+       for n in (0, 20, 40, 80)},
     # the dev macros of the .cu (STAGED_*): here a unit's cost in the runs' split, LT + n
     **{f"cost{n}": ("t24", dict(defines={"STAGED_LT_COST": n})) for n in (3, 4, 6, 7)},
     **{f"s3_cost{n}": ("t24+S=3", dict(defines={"STAGED_LT_COST": n})) for n in (4, 6)},
 }
-
-
-def text_md5(cubin: bytes, mangled: str) -> str:
-    """md5 (12 hex digits) of the kernel's .text section in an ELF64 cubin: what the SM
-    executes (the rest of the file also holds names, options and line tables)."""
-    shoff, = struct.unpack_from("<Q", cubin, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-    heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
-    stroff = heads[shstrndx][4]
-    for name_off, _type, _flags, _addr, off, size in heads:
-        end = cubin.index(b"\0", stroff + name_off)
-        if cubin[stroff + name_off:end].decode() == f".text.{mangled}":
-            return hashlib.md5(cubin[off:off + size]).hexdigest()[:12]
-    raise ValueError(f"no .text.{mangled} in the cubin")
 
 
 def main(argv=None):
@@ -100,6 +99,7 @@ def main(argv=None):
     sys.path.insert(0, ".")
     from benchmarks.bench_wna16 import _config_override
     from cuda_kernels.cupy import _compile as C
+    from cuda_kernels.cupy import prebuild
     from cuda_kernels.cupy import quant_gemm_wna16 as W
 
     os.makedirs(args.out, exist_ok=True)
@@ -109,8 +109,9 @@ def main(argv=None):
         extra = dict(extra)
         src = C.source_text(W.CU_STAGED, {"ELEM_BF16": 1, **extra.pop("defines", {})})
         arch = extra.pop("arch", "sm_90")
+        role = dict(act=extra.pop("act", False), awaits=extra.pop("awaits", False))
         _, cfg = _config_override(dict(W.STAGED_CONFIGS), spec)
-        name = W.staged_kernel_name(cfg, False)
+        name = W.staged_kernel_name(cfg, False, **role)
         # the prebuilt cubins' compile (prebuild.build), plus this build's fields and ptxas -v
         ptxas = ["-v"] + ([extra["ptxas_options"]] if "ptxas_options" in extra else [])
         logs = io.StringIO()
@@ -120,7 +121,7 @@ def main(argv=None):
         mangled = mangled.decode() if isinstance(mangled, bytes) else mangled
         cubin = bytes(obj.code)
         log = logs.getvalue().split(mangled)[-1]     # ptxas -v: the staged kernel's lines
-        md5 = text_md5(cubin, mangled)
+        md5 = prebuild.text_md5(cubin, mangled)
         regs = re.findall(r"Used (\d+) registers", log)
         spill = re.findall(r"(\d+) bytes spill stores", log)
         same = seen.get(md5)
@@ -134,6 +135,7 @@ def main(argv=None):
         path.write_bytes(cubin)
         pathlib.Path(f"{path}.name").write_text(mangled + "\n")
         pathlib.Path(f"{path}.config").write_text(spec + "\n")
+        pathlib.Path(f"{path}.kernel").write_text(name + "\n")
 
 
 if __name__ == "__main__":

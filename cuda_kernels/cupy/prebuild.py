@@ -5,10 +5,12 @@ with `_compile.register_prebuilt`, on any machine: NVRTC through cuda.core, no G
 
 Each cubin is stored xz-compressed under the first 16 hex digits of its key (the hash of the
 source text, name, architecture and options it was built from), beside manifest.json: the
-NVRTC version, and per key the spec, the kernel's mangled name and the cubin's md5. Files no
-spec needs any more are removed. --check builds nothing and exits 1 when a spec has no cubin
-for the current source (a .cu edited since the last build). --sass writes each cubin's SASS
-(cuobjdump on the PATH) to DIR/<key>.sass: what the GPU runs, instruction for instruction.
+NVRTC version, and per key the spec, the kernel's mangled name, the cubin's md5 and the md5
+of the kernel's code alone (text_md5: an edit of the source that leaves it unchanged leaves
+what the GPU runs unchanged, instruction for instruction). Files no spec needs any more are
+removed. --check builds nothing and exits 1 when a spec has no cubin for the current source
+(a .cu edited since the last build). --sass writes each cubin's SASS (cuobjdump on the PATH)
+to DIR/<key>.sass.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import argparse
 import hashlib
 import json
 import lzma
+import struct
 import subprocess
 import sys
 import tempfile
@@ -41,6 +44,20 @@ def nvrtc_version() -> str:
     except Exception:  # noqa: BLE001 - no wheel: the toolkit's NVRTC
         pass
     return f"{major}.{minor}"
+
+
+def text_md5(cubin: bytes, mangled: str) -> str:
+    """md5 (12 hex digits) of the kernel's .text section in an ELF64 cubin: what the SM
+    executes (the rest of the file also holds names, parameters, options and line tables)."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    stroff = heads[shstrndx][4]
+    for name_off, _type, _flags, _addr, off, size in heads:
+        end = cubin.index(b"\0", stroff + name_off)
+        if cubin[stroff + name_off:end].decode() == f".text.{mangled}":
+            return hashlib.md5(cubin[off:off + size]).hexdigest()[:12]
+    raise ValueError(f"no .text.{mangled} in the cubin")
 
 
 def spec_key(spec: C.PrebuiltSpec) -> str:
@@ -78,9 +95,10 @@ def main(argv=None) -> int:
         (C.PREBUILT_DIR / name).write_bytes(lzma.compress(cubin, preset=9))
         entries[key] = dict(cu_name=spec.cu_name, defines=spec.defines, name=spec.name,
                             arch=spec.arch, options=list(spec.options), mangled=mangled,
-                            file=name, md5=hashlib.md5(cubin).hexdigest(), bytes=len(cubin))
-        print(f"{spec.name} {spec.defines} {spec.arch}: {name}, md5 {entries[key]['md5'][:12]}",
-              flush=True)
+                            file=name, md5=hashlib.md5(cubin).hexdigest(), bytes=len(cubin),
+                            text_md5=text_md5(cubin, mangled))
+        print(f"{spec.name} {spec.defines} {spec.arch}: {name}, md5 {entries[key]['md5'][:12]}, "
+              f"text {entries[key]['text_md5']}", flush=True)
         if args.sass:
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(cubin)
