@@ -40,6 +40,7 @@ evicts everything; re-drawing the routing makes each rep touch a different set o
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
@@ -48,6 +49,7 @@ import pathlib
 import platform
 import subprocess
 import time
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -57,7 +59,34 @@ PEAK_BANDWIDTH = 4.8e12   # bytes/s, H200 HBM3e datasheet
 PEAK_FLOPS = 989e12       # flop/s, H200 dense bf16 datasheet
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 CPU_TOKENS = (1, 16, 64, 256)
-RESULTS_DIR = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+# the committed results behind the README's tables: written only when asked (--out)
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+# where a run writes by default: the current folder, never the source tree
+DEFAULT_OUT_DIR = pathlib.Path("moe-sandbox-results")
+
+# Datasheet limits of the cards whose limits are known: (name fragment, HBM bytes/s, dense
+# bf16 flop/s). The first fragment found in the device name wins, so the PCIe / NVL parts
+# come before the SXM ones. A card not listed gets no floor (its points carry none).
+KNOWN_CARDS = (
+    ("H100 PCIe", 2.0e12, 756e12),
+    ("H100 NVL", 3.9e12, 835e12),
+    ("H100", 3.35e12, 989e12),          # H100 SXM5 80GB HBM3
+    ("H200", 4.8e12, 989e12),           # H200 SXM 141GB HBM3e (and NVL: the same HBM)
+    ("A100-SXM4-80GB", 2.039e12, 312e12),
+    ("A100", 1.555e12, 312e12),
+)
+
+
+def card_limits(device_name: str | None) -> tuple[float, float] | None:
+    """(HBM bytes/s, dense bf16 flop/s) of a card from its datasheet, or None when the card
+    is not one whose limits this project knows (then no floor is printed)."""
+    if not device_name:
+        return None
+    for fragment, bandwidth, flops in KNOWN_CARDS:
+        if fragment.lower() in device_name.lower():
+            return bandwidth, flops
+    return None
 
 
 # ----------------------------------------------------------------------------- presets
@@ -83,6 +112,9 @@ PRESETS = {
     "tiny": ModelPreset("tiny", 8, 2, 256, 512),   # a laptop-size point for --cpu
 }
 GPU_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
+# what `moe-sandbox bench` times on a GPU unless told: our best rung and the two peers a
+# researcher would pick instead
+GPU_CANDIDATES = ("cupy", "vllm-triton", "torch-grouped_mm")
 
 
 # ----------------------------------------------------------------------------- pure math
@@ -221,8 +253,16 @@ class _Api:
                 fn()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with torch.cuda.graph(graph):
+                    fn()
+            for w in caught:
+                if "empty" in str(w.message).lower():
+                    # the work ran on another stream than the capture's: a replay does
+                    # nothing, and timing it would time nothing
+                    raise EmptyGraph("the CUDA graph captured no work (torch: "
+                                     f"{str(w.message).strip()[:120]})")
             return graph.replay
         cupy = self.lib
         stream = cupy.cuda.Stream(non_blocking=True)
@@ -236,6 +276,10 @@ class _Api:
         def replay():
             graph.launch(stream=cupy.cuda.get_current_stream())
         return replay
+
+
+class EmptyGraph(RuntimeError):
+    """A CUDA graph capture that recorded no work (a replay would time nothing)."""
 
 
 def cuda_api(prefer: str | None = None) -> _Api | None:
@@ -290,6 +334,24 @@ def time_cuda(fn: Callable[[], Any], warmup: int = 10, reps: int = 50,
         pairs.append((start, end))
     api.synchronize()
     return summarize(api.elapsed_ms(s, e) for s, e in pairs)
+
+
+def time_host(fn: Callable[[], Any], reps: int = 20,
+              rotate: Callable[[int], Any] | None = None, api: _Api | None = None) -> Stats:
+    """The host's time per call of an eager `fn` (launch parameters, checks, Python), with the
+    GPU idle before each call: synchronize, then `perf_counter` around the call alone (its
+    kernels are queued, not waited for). Returns Stats in microseconds."""
+    api = api or cuda_api()
+    samples = []
+    for i in range(reps):
+        if rotate:
+            rotate(i)
+        api.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    api.synchronize()
+    return summarize(samples)
 
 
 def time_cpu(fn: Callable[[], Any], warmup: int = 1, reps: int = 5,
@@ -547,7 +609,7 @@ _MOVED_WEIGHTS: dict = {}   # backend -> (torch w13, torch w2, its w13, its w2)
 
 
 def _stages_fn(case: Case, backend: str):
-    from sandbox import arrays, registry
+    from sandbox import arrays, registry, streams
 
     be = registry.get_backend(backend)
     if not be.ok:
@@ -585,12 +647,18 @@ def _stages_fn(case: Case, backend: str):
     align, gemm = be.stage_fn("align"), be.stage_fn("gemm1")
     act, combine = be.stage_fn("activation"), be.stage_fn("combine")
 
+    # the case is torch's: the GPU backends run on torch's stream and allocator, which is
+    # what a torch caller and a torch.cuda.graph capture need (sandbox.streams)
+    on_stream = (streams.torch_stream_for_cupy if case.device != "cpu" and not be.is_host
+                 else contextlib.nullcontext)
+
     def fn():
-        sorted_ids, expert_ids, ntpp = align(ti, block, E)
-        c1 = gemm(x, w13, sorted_ids, expert_ids, ntpp, K, block, tw, False, None)  # [P, 2I]
-        c2 = act(c1, "silu", True)                                                  # [P, I]
-        c3 = gemm(c2, w2, sorted_ids, expert_ids, ntpp, 1, block, tw, True, None)   # [P, H]
-        return combine(c3.reshape(T, K, H))                                         # [T, H]
+        with on_stream():
+            sorted_ids, expert_ids, ntpp = align(ti, block, E)
+            c1 = gemm(x, w13, sorted_ids, expert_ids, ntpp, K, block, tw, False, None)  # [P, 2I]
+            c2 = act(c1, "silu", True)                                                  # [P, I]
+            c3 = gemm(c2, w2, sorted_ids, expert_ids, ntpp, 1, block, tw, True, None)   # [P, H]
+            return combine(c3.reshape(T, K, H))                                         # [T, H]
     fn.to_host = be.to_host      # the check reads the output the backend's way (bf16 bits)
     return fn
 
@@ -598,6 +666,62 @@ def _stages_fn(case: Case, backend: str):
 for _name in ("cupy", "numba"):
     register_candidate(_name, backend_candidate(_name))
 register_candidate("torch-stages", backend_candidate("torch"))
+
+
+# ----------------------------------------------------------------------------- the vLLM peer
+
+def default_peers_dir() -> pathlib.Path | None:
+    """Where the measuring instruments live: `.peers/` in the checkout (a copy, as on the GPU
+    machine), else `../shared/peers` beside it; None when neither exists."""
+    for path in (REPO_ROOT / ".peers", REPO_ROOT.parent / "shared" / "peers"):
+        if (path / "vllm_triton" / "peer.py").is_file():
+            return path
+    return None
+
+
+PEERS_DIR: list = [None]     # set by `moe-sandbox bench --peers DIR` (None: the default)
+
+
+def load_vllm_triton(peers_dir=None):
+    """vLLM's Triton fused-MoE kernel, the peer every vLLM user runs, imported at run time
+    from `peers_dir/vllm_triton/peer.py` (never copied into this project). Raises
+    Unavailable with the reason when it cannot be imported here."""
+    import importlib.util
+    import sys
+
+    root = pathlib.Path(peers_dir or PEERS_DIR[0] or default_peers_dir() or "")
+    path = root / "vllm_triton" / "peer.py"
+    if not path.is_file():
+        raise Unavailable(f"no vLLM Triton peer at {path} (pass --peers DIR)")
+    name = "moe_sandbox_peer_vllm_triton"
+    mod = sys.modules.get(name)
+    if mod is not None and getattr(mod, "__file__", None) == str(path):
+        return mod
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as exc:          # triton missing or too old, most often
+        raise Unavailable(f"the vLLM Triton peer does not import here: {_err(exc)}") from None
+    sys.modules[name] = mod
+    return mod
+
+
+def _vllm_triton_factory(case: Case):
+    """vLLM's fused_experts kernels on the case (bf16/fp16 on CUDA only). As the peer's README
+    says, its expert assignment is made once, when the runner is made, and is not timed: the
+    timed call is its GEMM1, silu_and_mul, GEMM2 and top-k sum. Ours is timed from align on."""
+    if case.device == "cpu":
+        raise Unavailable("the vLLM Triton peer runs on CUDA only")
+    peer = load_vllm_triton()
+    run = peer.fused_experts_runner(case.x, case.w13, case.w2, case.topk_weights,
+                                    case.topk_ids32)
+    fn = lambda: run()  # noqa: E731
+    fn.config_source = getattr(run, "config_source", "")
+    return fn
+
+
+register_candidate("vllm-triton", _vllm_triton_factory)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -618,6 +742,8 @@ def run_bench(presets=GPU_PRESETS, tokens=DEFAULT_TOKENS, candidates=None, devic
     api = cuda_api() if device != "cpu" else None
     if device != "cpu" and api is None:
         raise RuntimeError("run_bench: expected a CUDA device, found none")
+    device_name = "cpu" if device == "cpu" else torch.cuda.get_device_name()
+    limits = None if device == "cpu" else card_limits(device_name)
     points = []
     plan = [(PRESETS[p] if isinstance(p, str) else p, t) for p in presets for t in tokens]
     bar = progress(total=len(plan) * len(candidates)) if progress else None
@@ -650,7 +776,7 @@ def run_bench(presets=GPU_PRESETS, tokens=DEFAULT_TOKENS, candidates=None, devic
             case.topk_ids.copy_(first[1])
             case.topk_ids32.copy_(first[1])
             point = _time_candidate(case, name, expected, api, warmup, reps, graph, flush_l2,
-                                    wbytes)
+                                    wbytes, limits)
             points.append(point)
             if bar:
                 bar.update(1)
@@ -659,17 +785,37 @@ def run_bench(presets=GPU_PRESETS, tokens=DEFAULT_TOKENS, candidates=None, devic
     _MOVED_WEIGHTS.clear()
     if bar:
         bar.close()
+    add_ratios(points)
     return {"benchmark": "fused MoE experts (no routing), end to end",
-            "device": device, "card": card, "dtype": str(dtype or
-                                                        ("bfloat16" if device != "cpu"
-                                                         else "float32")).replace("torch.", ""),
+            "device": device_name, "card": card,
+            "dtype": str(dtype or ("bfloat16" if device != "cpu"
+                                   else "float32")).replace("torch.", ""),
             "routing": routing, "seed": seed, "warmup": warmup, "reps": reps, "graph": graph,
-            "flush_l2": flush_l2, "peak_bandwidth": PEAK_BANDWIDTH, "peak_flops": PEAK_FLOPS,
+            "flush_l2": flush_l2,
+            "peak_bandwidth": limits[0] if limits else None,
+            "peak_flops": limits[1] if limits else None,
             "points": points}
 
 
+RATIO_PEERS = ("vllm-triton", "torch-grouped_mm")
+
+
+def add_ratios(points: list) -> None:
+    """Each timed point's median over the median of each peer of RATIO_PEERS at the same
+    (model, T), as `vs_<peer>` (< 1: faster than the peer)."""
+    medians = {(p["model"], p["T"], p["candidate"]): p["stats"]["median"]
+               for p in points if "stats" in p}
+    for p in points:
+        if "stats" not in p:
+            continue
+        for peer in RATIO_PEERS:
+            ref = medians.get((p["model"], p["T"], peer))
+            if ref:
+                p[f"vs_{peer}"] = p["stats"]["median"] / ref
+
+
 def _time_candidate(case: Case, name: str, expected, api, warmup, reps, graph, flush_l2,
-                    wbytes) -> dict:
+                    wbytes, limits=None) -> dict:
     import torch
 
     preset, T = case.preset, case.num_tokens
@@ -689,23 +835,38 @@ def _time_candidate(case: Case, name: str, expected, api, warmup, reps, graph, f
         rel = float(torch.linalg.vector_norm(got - expected)
                     / torch.linalg.vector_norm(expected).clamp_min(1e-30))
         case.touched.clear()
+        if not rel <= 5e-2:               # NaN fails too: a wrong answer is never timed
+            return _point(preset, T, name, rel_err=rel,
+                          error=f"check: relative error {rel:.3g} against the torch loop")
+        host = None
         with torch.inference_mode():
             if api is None:
                 stats = time_cpu(fn, warmup=min(warmup, 2), reps=reps, rotate=case.redraw)
             else:
                 stats = time_cuda(fn, warmup=warmup, reps=reps, rotate=case.redraw,
                                   flush_l2=flush_l2, graph=graph, api=api)
+                if not graph:
+                    host = time_host(fn, reps=min(reps, 20), rotate=case.redraw, api=api)
     except Exception as exc:
         return _point(preset, T, name, error=f"run: {_err(exc)}")
     touched = float(np.mean(case.touched[-reps:])) if case.touched else float("nan")
     nbytes = touched * expert_bytes(preset.hidden_size, preset.intermediate_size, wbytes)
     flops = moe_flops(T, preset.top_k, preset.hidden_size, preset.intermediate_size)
-    floor = roofline_floor(nbytes, flops)
     sec = stats.median * 1e-3
-    return _point(preset, T, name, stats=stats.as_dict(), rel_err=rel, touched_experts=touched,
-                  bytes=nbytes, flops=flops, floor_ms=floor * 1e3,
-                  fraction_of_floor=fraction_of_floor(sec, floor),
-                  TBps=nbytes / sec / 1e12, TFLOPs=flops / sec / 1e12)
+    fields = dict(stats=stats.as_dict(), rel_err=rel, touched_experts=touched, bytes=nbytes,
+                  flops=flops, TBps=nbytes / sec / 1e12, TFLOPs=flops / sec / 1e12)
+    if host is not None:
+        fields["host_us"] = host.median
+    if limits is not None:              # a floor only for a card whose limits are known
+        floor = roofline_floor(nbytes, flops, *limits)
+        fields.update(floor_ms=floor * 1e3, fraction_of_floor=fraction_of_floor(sec, floor))
+        if sec < floor:
+            # nothing runs faster than the card's datasheet limits: the timing is broken
+            # (work on another stream, a graph that captured nothing), not a result
+            return _point(preset, T, name, **fields,
+                          error=f"timing: {stats.median:.4f} ms is faster than the roofline "
+                                f"floor {floor * 1e3:.4f} ms (a broken measurement)")
+    return _point(preset, T, name, **fields)
 
 
 def _point(preset: ModelPreset, T: int, name: str, **fields) -> dict:
@@ -759,15 +920,22 @@ def git_commit() -> str:
         return ""
 
 
-def write_results(record: dict, out_dir: pathlib.Path = RESULTS_DIR, command: str = "",
+def results_stem(record: dict) -> str:
+    """bench_<card>_<eager|graph>: one current file per card and mode (a new run of the same
+    card and mode replaces it)."""
+    card = record.get("card") or {}
+    gpu = card.get("gpu") or record.get("device") or "gpu"
+    return f"bench_{_slug(gpu)}_{'graph' if record.get('graph') else 'eager'}"
+
+
+def write_results(record: dict, out_dir: pathlib.Path = DEFAULT_OUT_DIR, command: str = "",
                   stem: str | None = None) -> pathlib.Path:
-    """Write the record (plus date, commit, command, machine) to `out_dir/<stem>.json`."""
+    """Write the record (plus date, commit, command, machine) to `out_dir/<stem>.json`
+    (default stem: `results_stem`)."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     now = _dt.datetime.now(_dt.timezone.utc)
-    card = record.get("card") or {}
-    gpu = card.get("gpu") or ("cpu" if record.get("device") == "cpu" else "gpu")
-    stem = stem or f"bench_{_slug(gpu)}_{now:%Y%m%d_%H%M%S}"
+    stem = stem or results_stem(record)
     full = {"date": now.isoformat(timespec="seconds"), "commit": git_commit(),
             "command": command, "machine": f"{platform.node()} {platform.machine()}",
             **record}
@@ -787,19 +955,21 @@ def _slug(s: str) -> str:
 
 
 def plot_results(record: dict, path: pathlib.Path) -> pathlib.Path | None:
-    """One column per model: time (ms, log-log over T) of each candidate with the roofline
-    floor dashed, and below it the fraction of the floor. Returns the path, or None when
-    matplotlib is missing."""
+    """One column per model: time (ms, log-log over T) of each candidate, with the roofline
+    floor dashed where the card's limits are known; below it each candidate's time over
+    vLLM's (its ratio: under 1 is faster than vLLM), or the fraction of the floor when the
+    vLLM peer did not run. Returns the path, or None when matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    ok = [p for p in record["points"] if "stats" in p]
+    ok = [p for p in record["points"] if "stats" in p and "error" not in p]
     models = list(dict.fromkeys(p["model"] for p in ok))
     if not models:
         return None
+    ratio_key = "vs_vllm-triton" if any("vs_vllm-triton" in p for p in ok) else None
     fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 7), squeeze=False)
     for col, model in enumerate(models):
         pts = [p for p in ok if p["model"] == model]
@@ -810,20 +980,35 @@ def plot_results(record: dict, path: pathlib.Path) -> pathlib.Path | None:
             top.plot(ts, [p["stats"]["median"] for p in q], marker="o", label=name)
             top.fill_between(ts, [p["stats"]["p20"] for p in q],
                              [p["stats"]["p80"] for p in q], alpha=0.2)
-            bottom.plot(ts, [p["fraction_of_floor"] for p in q], marker="o", label=name)
-        floor = sorted({(p["T"], p["floor_ms"]) for p in pts})
-        top.plot([f[0] for f in floor], [f[1] for f in floor], "k--", label="roofline floor")
+            key = ratio_key or "fraction_of_floor"
+            r = [(p["T"], p[key]) for p in q if key in p]
+            if r:
+                bottom.plot([t for t, _ in r], [v for _, v in r], marker="o", label=name)
+        floor = sorted({(p["T"], p["floor_ms"]) for p in pts if "floor_ms" in p})
+        if floor:
+            top.plot([f[0] for f in floor], [f[1] for f in floor], "k--",
+                     label="roofline floor")
         top.set(xscale="log", yscale="log", title=model, xlabel="tokens T",
                 ylabel="time (ms, median, p20-p80)")
-        bottom.set(xscale="log", ylim=(0, 1.05), xlabel="tokens T", ylabel="fraction of floor")
+        if ratio_key:
+            bottom.axhline(1.0, color="k", lw=0.8)
+            bottom.set(xscale="log", xlabel="tokens T", ylabel="time / vLLM Triton's")
+        else:
+            bottom.set(xscale="log", ylim=(0, 1.05), xlabel="tokens T",
+                       ylabel="fraction of floor")
         top.legend(fontsize=7)
+        bottom.legend(fontsize=7)
         top.grid(True, which="both", alpha=0.3)
         bottom.grid(True, alpha=0.3)
     card = record.get("card") or {}
+    title = f"{record.get('device', '')}, {'CUDA graph' if record.get('graph') else 'eager'}"
     if card:
-        fig.suptitle(f"{card.get('gpu', '')}: copy {card.get('copy_TBps', 0):.2f} TB/s, "
-                     f"matmul {card.get('matmul_TFLOPs', 0):.0f} TFLOP/s measured; floor at "
-                     f"{PEAK_BANDWIDTH / 1e12:.1f} TB/s, {PEAK_FLOPS / 1e12:.0f} TFLOP/s")
+        title += (f": copy {card.get('copy_TBps', 0):.2f} TB/s, matmul "
+                  f"{card.get('matmul_TFLOPs', 0):.0f} TFLOP/s measured")
+    if record.get("peak_bandwidth"):
+        title += (f"; floor at {record['peak_bandwidth'] / 1e12:.2f} TB/s, "
+                  f"{record['peak_flops'] / 1e12:.0f} TFLOP/s")
+    fig.suptitle(title)
     fig.tight_layout()
     path = pathlib.Path(path)
     fig.savefig(path, dpi=120)
@@ -832,18 +1017,29 @@ def plot_results(record: dict, path: pathlib.Path) -> pathlib.Path | None:
 
 
 def format_table(record: dict) -> str:
-    """The points as a text table: median [p20, p80] ms, floor, fraction, rel. error."""
+    """The points as a text table: median [p20, p80] ms, the ratios to the peers (vs vLLM,
+    vs torch._grouped_mm), floor and fraction of it (blank on a card of unknown limits),
+    host microseconds per eager call, relative error."""
     rows = [(f"{'model':14s} {'T':>6s} {'candidate':18s} {'median ms':>10s} "
-             f"{'[p20, p80]':>20s} {'floor ms':>9s} {'frac':>5s} {'rel err':>8s}")]
+             f"{'[p20, p80]':>20s} {'vs vLLM':>7s} {'vs gmm':>7s} {'floor ms':>9s} "
+             f"{'frac':>5s} {'host us':>8s} {'rel err':>8s}")]
+
+    def num(v, fmt, width):
+        return f"{v:{width}{fmt}}" if isinstance(v, (int, float)) else " " * width
+
     for p in record["points"]:
         head = f"{p['model']:14s} {p['T']:6d} {p['candidate']:18s}"
-        if "stats" not in p:
+        if "stats" not in p or "error" in p:
             rows.append(f"{head} {p.get('error', '')}")
             continue
         s = p["stats"]
         spread = f"[{s['p20']:.4f}, {s['p80']:.4f}]"
         rows.append(f"{head} {s['median']:10.4f} {spread:>20s} "
-                    f"{p['floor_ms']:9.4f} {p['fraction_of_floor']:5.2f} {p['rel_err']:8.1e}")
+                    f"{num(p.get('vs_vllm-triton'), '.2f', 7)} "
+                    f"{num(p.get('vs_torch-grouped_mm'), '.2f', 7)} "
+                    f"{num(p.get('floor_ms'), '.4f', 9)} "
+                    f"{num(p.get('fraction_of_floor'), '.2f', 5)} "
+                    f"{num(p.get('host_us'), '.1f', 8)} {p['rel_err']:8.1e}")
     return "\n".join(rows)
 
 

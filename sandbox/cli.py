@@ -292,8 +292,12 @@ def cmd_bench(args) -> int:
                            f"got {m!r}")
     tokens = args.tokens or bench.default_tokens(device)
     candidates = args.candidates or (["reference", "torch-loop", "torch-grouped_mm"]
-                                     if device == "cpu" else
-                                     [c for c in bench.CANDIDATES if c != "reference"])
+                                     if device == "cpu" else list(bench.GPU_CANDIDATES))
+    if args.peers is not None:
+        if not (pathlib.Path(args.peers) / "vllm_triton" / "peer.py").is_file():
+            raise CliError(f"--peers: expected a folder holding vllm_triton/peer.py, got "
+                           f"{args.peers!r}")
+        bench.PEERS_DIR[0] = pathlib.Path(args.peers)
     for c in candidates:
         if c not in bench.CANDIDATES:
             raise CliError(f"--candidates: expected names from {', '.join(bench.CANDIDATES)}, "
@@ -395,14 +399,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT")
     v.set_defaults(func=cmd_validate)
 
-    b = sub.add_parser("bench", help="time candidates against the roofline and torch peers")
+    b = sub.add_parser("bench", help="time candidates against vLLM's kernel, torch and the "
+                                     "roofline")
     b.add_argument("--model", nargs="+", metavar="NAME",
                    help="presets: mixtral-8x7b qwen3-30b-a3b deepseek-v3 tiny, or all "
                         "(default: the three models; tiny with --cpu)")
     b.add_argument("--tokens", type=_int_list, help="comma-separated T values (default "
                                                     "1,16,64,256,1024,4096,16384)")
     b.add_argument("--candidates", nargs="+", metavar="NAME",
-                   help="what to time (default: every registered candidate)")
+                   help="what to time (default: cupy vllm-triton torch-grouped_mm; "
+                        "reference torch-loop torch-grouped_mm with --cpu)")
     b.add_argument("--dtype", choices=DTYPES, help="default bfloat16 (float32 with --cpu)")
     b.add_argument("--reps", type=int, default=50)
     b.add_argument("--warmup", type=int, default=10)
@@ -410,7 +416,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-flush", action="store_true", help="do not flush L2 between reps")
     b.add_argument("--routing", choices=("uniform", "zipf"), default="uniform")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--out", default=str(_results_dir()), help="results folder")
+    b.add_argument("--out", default=str(bench_out_default()),
+                   help="results folder (default ./moe-sandbox-results; pass "
+                        "benchmarks/results to update the committed files)")
+    b.add_argument("--peers", metavar="DIR", default=None,
+                   help="the measuring instruments (vllm_triton/peer.py); default .peers/ "
+                        "in the checkout, else ../shared/peers beside it")
     b.add_argument("--no-save", action="store_true", help="print only")
     b.add_argument("--no-plot", action="store_true")
     b.add_argument("--no-card", action="store_true", help="skip measuring the card")
@@ -436,8 +447,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _results_dir() -> pathlib.Path:
-    return pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+def bench_out_default() -> pathlib.Path:
+    """Where `bench` writes unless told: a folder of the current directory, never the
+    package's own tree (only an explicit --out benchmarks/results updates those files)."""
+    return pathlib.Path("moe-sandbox-results")
 
 
 def _run_ep(args) -> int:

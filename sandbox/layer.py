@@ -61,6 +61,7 @@ import numpy as np
 
 from . import arrays
 from .registry import STAGES, get_backend, resolve_stage_mapping
+from .streams import caller_stream
 
 _FLOATS = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16),
            np.dtype(ml_dtypes.bfloat16))
@@ -582,7 +583,8 @@ class FusedMoE:
         (topk_weights f32 [T, K], topk_ids int32 [T, K], zero_expert_result [T, H] or None)."""
         run = self._start(self.stage_backends, trace=None)
         x, logits = self._inputs(hidden_states, router_logits, exact=False)
-        out = self._route(run, x, logits, exact=False)
+        with caller_stream(hidden_states, router_logits):
+            out = self._route(run, x, logits, exact=False)
         b = run.backends["route"]
         return tuple(None if v is None else b.get(v) for v in out)
 
@@ -595,7 +597,8 @@ class FusedMoE:
         With tp_size > 1 / ep_size > 1 this is the rank's partial output.
         """
         run = self._start(self.stage_backends, trace=None)
-        out = self._forward(run, hidden_states, router_logits, exact=False)
+        with caller_stream(hidden_states, router_logits):
+            out = self._forward(run, hidden_states, router_logits, exact=False)
         if return_device:
             return out
         return run.backends["combine"].get(out)
@@ -614,7 +617,9 @@ class FusedMoE:
         if exact and set(mapping.values()) != {"reference"}:
             raise ValueError(f"exact: runs on the reference only, got the mapping {mapping}")
         run = self._start(mapping, trace=[])
-        out = self._forward(run, hidden_states, router_logits, exact=exact, block=block_size)
+        with caller_stream(hidden_states, router_logits):
+            out = self._forward(run, hidden_states, router_logits, exact=exact,
+                                block=block_size)
         return run.backends["combine"].get(out), run.trace
 
     # --- internals
@@ -682,6 +687,20 @@ class FusedMoE:
         self._device_params[key] = (self._version, getattr(self, name), dev)
         return dev
 
+    def _constant(self, name, value, backend):
+        """A host constant of the layer (the router's correction bias, the expert map) as
+        `backend` reads it, copied to a device once per load instead of at every call (a
+        copy from the host inside a CUDA graph capture would fail)."""
+        if value is None or backend.is_host:
+            return value
+        key = (backend.name, name)
+        hit = self._device_params.get(key)
+        if hit is not None and hit[0] == self._version and hit[1] is value:
+            return hit[2]
+        dev = arrays.transfer(value, get_backend("reference"), backend)
+        self._device_params[key] = (self._version, value, dev)
+        return dev
+
     def _call(self, run, stage, args, kwargs, sources, trace=True):
         """Run `stage` on its backend: move the arguments there, call, remember the outputs."""
         b = run.backends[stage]
@@ -714,13 +733,13 @@ class FusedMoE:
 
     def _route(self, run, x, logits, exact):
         b = run.backends["route"]
-        ref = get_backend("reference")
         bias = self.e_score_correction_bias
         kwargs = dict(topk_group=self.topk_group, num_expert_group=self.num_expert_group,
                       custom_routing_function=self.custom_routing_function,
                       scoring_func=self.scoring_func,
                       routed_scaling_factor=self.routed_scaling_factor,
-                      e_score_correction_bias=arrays.transfer(bias, ref, b),
+                      e_score_correction_bias=self._constant("e_score_correction_bias",
+                                                             bias, b),
                       global_num_experts=self.num_experts,
                       zero_expert_num=self.zero_expert_num,
                       zero_expert_type=self.zero_expert_type)
@@ -734,13 +753,12 @@ class FusedMoE:
         bk = run.backends
         if block is None:
             block = self._block({s: b.name for s, b in bk.items()}, t)
-        ref = get_backend("reference")
         src_x = self._source(x)
 
         topk_weights, topk_ids, zero_result = self._route(run, x, logits, exact)
         sorted_ids, expert_ids, ntpp = self._call(
             run, "align", (topk_ids, block, self.num_experts),
-            {"expert_map": arrays.transfer(self.expert_map, ref, bk["align"])},
+            {"expert_map": self._constant("expert_map", self.expert_map, bk["align"])},
             (bk["route"], None, None))
         align_src = (bk["align"],) * 3
         cache1 = self._call(

@@ -132,16 +132,72 @@ def test_run_bench_cpu_record_and_files(tmp_path):
     assert len(pts) == 6
     for p in pts:
         if p["candidate"] in ("reference", "torch-loop"):
-            assert p["rel_err"] <= 1e-5 and p["floor_ms"] > 0 and 0 < p["fraction_of_floor"]
+            assert p["rel_err"] <= 1e-5
             assert p["bytes"] == p["touched_experts"] * bench.expert_bytes(256, 512, 4)
+            # a CPU point gets no GPU floor, and no ratio to a peer that did not run
+            assert "floor_ms" not in p and "fraction_of_floor" not in p
+            assert "vs_vllm-triton" not in p
         elif "stats" not in p:
             assert p["error"].startswith(bench.UNAVAILABLE)
+    assert rec["device"] == "cpu" and rec["peak_bandwidth"] is None
     path = bench.write_results(rec, tmp_path, command="moe-sandbox bench --cpu")
+    assert path.name == "bench_cpu_eager.json"
     data = json.loads(path.read_text())
-    assert {"date", "commit", "command", "points", "peak_bandwidth"} <= set(data)
+    assert {"date", "commit", "command", "points", "peak_bandwidth", "graph",
+            "device"} <= set(data)
+    assert all({"model", "T", "candidate"} <= set(p) for p in data["points"])
     png = bench.plot_results(rec, path.with_suffix(".png"))
     assert png is None or png.stat().st_size > 0
     assert "tiny" in bench.format_table(rec)
+
+
+def test_card_limits_only_for_known_cards():
+    assert bench.card_limits("NVIDIA H100 80GB HBM3") == (3.35e12, 989e12)
+    assert bench.card_limits("NVIDIA H200") == (4.8e12, 989e12)
+    assert bench.card_limits("NVIDIA H100 PCIe")[0] == 2.0e12      # not the SXM part's
+    assert bench.card_limits("NVIDIA GeForce RTX 4090") is None
+    assert bench.card_limits("cpu") is None and bench.card_limits(None) is None
+
+
+def test_add_ratios_to_both_peers():
+    def pt(cand, med, T=64):
+        return {"model": "m", "T": T, "candidate": cand,
+                "stats": {"median": med, "p20": med, "p80": med}, "rel_err": 0.0}
+    pts = [pt("cupy", 1.0), pt("vllm-triton", 2.0), pt("torch-grouped_mm", 4.0),
+           pt("cupy", 3.0, T=1), {"model": "m", "T": 1, "candidate": "vllm-triton",
+                                   "error": "run: boom"}]
+    bench.add_ratios(pts)
+    assert pts[0]["vs_vllm-triton"] == 0.5 and pts[0]["vs_torch-grouped_mm"] == 0.25
+    assert pts[1]["vs_vllm-triton"] == 1.0
+    assert "vs_vllm-triton" not in pts[3]        # the peer failed at T=1: no ratio
+    table = bench.format_table({"points": pts})
+    assert "vs vLLM" in table and " 0.50 " in table
+
+
+def test_vllm_triton_peer_is_found_or_unavailable(tmp_path):
+    """The peer is loaded from a folder at run time; a folder without it says so."""
+    with pytest.raises(bench.Unavailable, match="no vLLM Triton peer"):
+        bench.load_vllm_triton(tmp_path)
+    found = bench.default_peers_dir()
+    if found is not None:
+        assert (found / "vllm_triton" / "peer.py").is_file()
+
+
+def test_cli_bench_refuses_a_peers_folder_without_the_peer(tmp_path, capsys):
+    pytest.importorskip("torch")
+    from sandbox import cli
+
+    code = cli.main(["bench", "--cpu", "--peers", str(tmp_path), "--no-save", "--tokens", "1",
+                     "--no-progress"])
+    assert code == 2 and "--peers" in capsys.readouterr().err
+
+
+def test_bench_writes_outside_the_source_tree_by_default():
+    from sandbox import cli
+
+    assert not bench.DEFAULT_OUT_DIR.is_absolute()
+    assert cli.bench_out_default() == bench.DEFAULT_OUT_DIR
+    assert bench.RESULTS_DIR != bench.DEFAULT_OUT_DIR.resolve()
 
 
 def test_run_bench_rejects_unknown_candidates():

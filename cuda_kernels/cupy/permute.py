@@ -127,16 +127,38 @@ def _max_blocks() -> int:
     return _SM_COUNT[dev.id]
 
 
+_BARRIER_POOL = {}          # device -> [zeroed words, next free index]
+BARRIER_POOL_WORDS = 256
+
+
 def _barrier_word():
-    """The grid barrier's word for the current device and stream, zeroed once. A launch leaves
-    it ready for the next (permute.cu: its low bits return to 0), and launches on one stream
-    never overlap; another stream gets its own word."""
+    """The grid barrier's word for the current device and stream. A launch leaves it ready
+    for the next (permute.cu: its low bits return to 0), and launches on one stream never
+    overlap; another stream gets its own word.
+
+    The words come from one block per device zeroed when it is made, never by a launch on
+    the caller's stream: a stream that is being captured into a CUDA graph runs nothing, so
+    a word zeroed there would only be zeroed by the graph's replays, and an eager launch on
+    that stream would find garbage in it (a grid barrier that never opens)."""
     import cupy
 
-    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    stream = cupy.cuda.get_current_stream()
+    dev = cupy.cuda.Device().id
+    key = (dev, stream.ptr)
     word = _BARRIER_WORDS.get(key)
-    if word is None:
-        word = _BARRIER_WORDS[key] = cupy.zeros((1,), cupy.uint32)
+    if word is not None:
+        return word
+    pool = _BARRIER_POOL.get(dev)
+    if pool is None or pool[1] == BARRIER_POOL_WORDS:
+        if cupy.cuda.runtime.streamIsCapturing(stream.ptr):
+            raise RuntimeError("moe_align_block_size: its first call on a device must not be "
+                               "inside a CUDA graph capture (a zeroed grid-barrier word is "
+                               "made then); run the layer once before capturing")
+        words = cupy.zeros((BARRIER_POOL_WORDS,), cupy.uint32)
+        cupy.cuda.runtime.streamSynchronize(stream.ptr)   # zeroed before any stream uses it
+        pool = _BARRIER_POOL[dev] = [words, 0]
+    word = _BARRIER_WORDS[key] = pool[0][pool[1]:pool[1] + 1]
+    pool[1] += 1
     return word
 
 

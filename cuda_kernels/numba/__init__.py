@@ -22,7 +22,9 @@ out) or device arrays (numba device arrays, CuPy arrays, torch CUDA tensors, any
     _script.py       parity and CUDA-event timing for the modules run as scripts
 
 Kernels launch on the legacy default stream (ordered with CuPy's and torch's default
-streams). bf16 outputs use cvt.rn.bf16.f32 (sm_80+).
+streams), or on the stream a caller names with `using_stream(ptr)` (sandbox.streams passes
+torch's current stream, so that torch streams and CUDA graph captures see the kernels).
+bf16 outputs use cvt.rn.bf16.f32 (sm_80+).
 
 The kernels also run in the CUDA simulator (`NUMBA_ENABLE_CUDASIM=1` set before numba is
 imported): slowly (about 2,000 threads a second), but on any CPU, which is how CI checks them.
@@ -36,10 +38,10 @@ from __future__ import annotations
 # this file before its own body, so the stage modules may import numba at their top.
 from . import _compat  # noqa: F401
 from .. import STAGE_MODULES, lazy_stages
-from ._arrays import availability, poisoned_outputs, to_device, to_host
+from ._arrays import availability, poisoned_outputs, to_device, to_host, using_stream
 
 __all__ = [
-    "availability", "to_device", "to_host", "poisoned_outputs",
+    "availability", "to_device", "to_host", "poisoned_outputs", "using_stream",
     "fused_topk", "fused_topk_bias", "grouped_topk", "select_experts",
     "moe_align_block_size", "moe_permute", "moe_unpermute",
     "apply_activation", "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul",

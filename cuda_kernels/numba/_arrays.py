@@ -174,9 +174,42 @@ def _view(x):
     CuPy's interface (v3) names its stream, and numba's default is to synchronize that stream
     on the host before every use: a full stall per argument. Every kernel here runs on the
     legacy default stream, which is ordered with CuPy's and torch's default (blocking)
-    streams anyway, so the sync is skipped.
+    streams anyway, or on the caller's own stream (`using_stream`), so the sync is skipped.
     """
     return cuda().as_cuda_array(x, sync=False)
+
+
+# ----------------------------------------------------------------------------- streams
+# The stream every kernel of the package launches on: 0 (the legacy default stream) unless a
+# caller sets one with `using_stream` (sandbox.streams does, with torch's current stream, so
+# that a torch caller's work and a torch.cuda.graph capture see the kernels).
+_STREAM: list = [0]
+
+
+@contextlib.contextmanager
+def using_stream(ptr: int):
+    """Launch this package's kernels on the CUDA stream `ptr` (a cudaStream_t as an int)
+    inside the block."""
+    prev = _STREAM[0]
+    _STREAM[0] = int(ptr)
+    try:
+        yield
+    finally:
+        _STREAM[0] = prev
+
+
+@functools.lru_cache(maxsize=16)
+def _numba_stream(ptr: int):
+    return cuda().external_stream(ptr)
+
+
+def launch_stream():
+    """What a launch passes as its stream: 0, or numba's handle on the stream set by
+    `using_stream` (the simulator has no streams: always 0 there)."""
+    ptr = _STREAM[0]
+    if ptr == 0 or is_simulator():
+        return 0
+    return _numba_stream(ptr)
 
 
 class Call:

@@ -241,7 +241,7 @@ def _run(x, name, mode, alpha=1.702, limit=7.0):
             C = outw.shape[1]
             nt = min(NT, A.cdiv(C // 2, 32) * 32)   # a narrow row leaves no idle warps
             nbx = A.cdiv(C // 2, nt)
-            act16_kernel(name, mode, nt, word)[M * nbx, nt](xw, outw, M, C, nbx)
+            act16_kernel(name, mode, nt, word)[M * nbx, nt, A.launch_stream()](xw, outw, M, C, nbx)
             return call.result(out)
         word, cols, views = "", n_out, None
         if mode != INTERLEAVED:   # rows of whole words (and, gated, a word-aligned half)
@@ -253,8 +253,8 @@ def _run(x, name, mode, alpha=1.702, limit=7.0):
         else:
             out_k = out
         grid = (A.cdiv(cols, 4 * NT), min(M, MAX_GRID_Y))
-        act_kernel(name, mode, NT, word)[grid, NT](xd, out_k, M, cols, np.float32(alpha),
-                                                   np.float32(limit))
+        act_kernel(name, mode, NT, word)[grid, NT, A.launch_stream()](
+            xd, out_k, M, cols, np.float32(alpha), np.float32(limit))
     return call.result(out)
 
 

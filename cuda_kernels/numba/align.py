@@ -417,13 +417,14 @@ def _sm_count() -> int:
 
 
 def _barrier_word():
-    """The grid barrier's word of the current device, zeroed once (each launch leaves it ready
-    for the next; numba launches on the default stream, so launches never overlap)."""
+    """The grid barrier's word of the current device and launch stream, zeroed once by a
+    synchronous copy (each launch leaves it ready for the next, and launches on one stream
+    never overlap; another stream, `A.using_stream`, gets its own word)."""
     cuda = A.cuda()
-    dev = cuda.get_current_device().id
-    if dev not in _BARRIER:
-        _BARRIER[dev] = cuda.to_device(np.zeros(1, np.uint32))
-    return _BARRIER[dev]
+    key = (cuda.get_current_device().id, A._STREAM[0])
+    if key not in _BARRIER:
+        _BARRIER[key] = cuda.to_device(np.zeros(1, np.uint32))
+    return _BARRIER[key]
 
 
 def fits(E: int) -> bool:
@@ -472,7 +473,7 @@ def launch(call, ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert
             A.cdiv(A.cdiv(P, G * NT // 32), 32) * 32)   # chunk: whole 32-slot steps per warp
     if G > 1 and not SIMULATOR:
         _cooperative(k, args)
-    k[G, NT, 0, smem](*args)
+    k[G, NT, A.launch_stream(), smem](*args)
 
 
 _MARKED = set()

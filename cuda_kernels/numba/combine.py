@@ -178,8 +178,8 @@ def moe_sum(x):
             C = outw.shape[1]
             nt = min(NT, A.cdiv(C // 2, 32) * 32)   # a narrow row leaves no idle warps
             nbx = A.cdiv(C // 2, nt)
-            moe_sum16_kernel(nt, K if K <= MAX_UNROLLED_K else 0, word)[T * nbx, nt](
-                xw, outw, T, K, C, nbx)
+            kernel16 = moe_sum16_kernel(nt, K if K <= MAX_UNROLLED_K else 0, word)
+            kernel16[T * nbx, nt, A.launch_stream()](xw, outw, T, K, C, nbx)
             return call.result(out)
         word, cols, views = "", H, words(xd, out)
         if views is not None:   # 8-byte loads: VEC columns per thread
@@ -189,7 +189,8 @@ def moe_sum(x):
         else:
             out_k = out
         kernel = moe_sum_kernel(NT, K if K <= MAX_UNROLLED_K else 0, word)
-        kernel[(A.cdiv(cols, 4 * NT), min(T, MAX_GRID_Y)), NT](xd, out_k, T, K, cols)
+        grid = (A.cdiv(cols, 4 * NT), min(T, MAX_GRID_Y))
+        kernel[grid, NT, A.launch_stream()](xd, out_k, T, K, cols)
     return call.result(out)
 
 

@@ -773,7 +773,7 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
             # that is far below capacity = P + E (B - 1): no blocks that would only return
             rows = min(capacity, P * B)
         grid = (A.cdiv(rows, bm), A.cdiv(N, bn))
-        kernel[grid, block](ad, wd, sd, ed, npd, tw, bd, c, P, top_k, N, Kd, B,
+        kernel[grid, block, A.launch_stream()](ad, wd, sd, ed, npd, tw, bd, c, P, top_k, N, Kd, B,
                             1 if mul_routed_weight else 0, 1 if bias is not None else 0)
     return call.result(c)
 

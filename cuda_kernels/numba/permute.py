@@ -663,20 +663,22 @@ def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_a
         path = "single" if P <= cfg["SINGLE_BLOCK_MAX_SLOTS"] else "multi"
     if path == "single":
         smem = (3 * E + 1 + 2 * NT + extra) * 4
-        single[1, NT, 0, smem](ids, P, E, B, emap, *flags, sorted_ids, expert_ids, n_blocks,
-                               capacity, num_post, offsets, inv, int(do_align), int(write_inv))
+        single[1, NT, A.launch_stream(), smem](
+            ids, P, E, B, emap, *flags, sorted_ids, expert_ids, n_blocks, capacity, num_post,
+            offsets, inv, int(do_align), int(write_inv))
     else:
         CH = cfg["SLOTS_PER_BLOCK"]
         nb = A.cdiv(P, CH)
         block_counts = call.empty((nb, E), np.int32)                      # [nb, E] scratch
-        count[nb, NT, 0, E * 4](ids, P, E, emap, *flags, block_counts, CH, sorted_ids,
-                                capacity, int(do_align))
-        scan[1, NT, 0, (2 * E + 1 + NT) * 4](block_counts, nb, E, B, P, emap, flags[0],
-                                             sorted_ids, expert_ids, n_blocks, capacity,
-                                             num_post, offsets, int(do_align))
-        scatter[nb, NT, 0, (E + NT + extra) * 4](ids, P, E, emap, *flags, block_counts, offsets,
-                                                 sorted_ids, inv, int(do_align), int(write_inv),
-                                                 CH)
+        stream = A.launch_stream()
+        count[nb, NT, stream, E * 4](ids, P, E, emap, *flags, block_counts, CH, sorted_ids,
+                                     capacity, int(do_align))
+        scan[1, NT, stream, (2 * E + 1 + NT) * 4](block_counts, nb, E, B, P, emap, flags[0],
+                                                  sorted_ids, expert_ids, n_blocks, capacity,
+                                                  num_post, offsets, int(do_align))
+        scatter[nb, NT, stream, (E + NT + extra) * 4](ids, P, E, emap, *flags, block_counts,
+                                                      offsets, sorted_ids, inv, int(do_align),
+                                                      int(write_inv), CH)
     return sorted_ids, expert_ids, num_post, offsets, inv
 
 
@@ -744,14 +746,14 @@ def moe_permute(hidden_states, topk_ids, num_experts):
             L = cfg["ROW_LANES"]
             gather_rows, _ = wide_row_kernels(NT, L)
             xs, xg = wide
-            gather_rows[A.cdiv(P, NT // L), NT](xs, inv, K, xg, P, xs.shape[1])
+            gather_rows[A.cdiv(P, NT // L), NT, A.launch_stream()](xs, inv, K, xg, P, xs.shape[1])
         else:
             permute_rows, _ = row_kernels(NT)
             views = words(x, x_grouped)   # 8-byte words whatever the dtype, when rows allow
             xs, xg = views if views is not None else (x, x_grouped)
             cols = xs.shape[1]
-            permute_rows[(A.cdiv(cols, 4 * NT), min(P, MAX_GRID_Y)), NT](xs, inv, K, xg, P,
-                                                                       cols)
+            grid = (A.cdiv(cols, 4 * NT), min(P, MAX_GRID_Y))
+            permute_rows[grid, NT, A.launch_stream()](xs, inv, K, xg, P, cols)
     return call.result(x_grouped), call.result(offsets), call.result(inv)
 
 
@@ -785,7 +787,7 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
             nt = min(NT, A.cdiv(C // 2, 32) * 32)   # a narrow row leaves no idle warps
             nbx = A.cdiv(C // 2, nt)
             _, unpermute16 = wide_row_kernels(nt, 32, K if K <= MAX_UNROLLED_K else 0, word)
-            unpermute16[T * nbx, nt](yw, w, inv, outw, T, K, C, nbx)
+            unpermute16[T * nbx, nt, A.launch_stream()](yw, w, inv, outw, T, K, C, nbx)
             return call.result(out)
         word, cols, views = "", H, words(y, out)
         if views is not None:   # 8-byte loads: VEC columns per thread
@@ -795,8 +797,8 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
         else:
             out_k = out
         _, unpermute_rows = row_kernels(NT, K if K <= MAX_UNROLLED_K else 0, word)
-        unpermute_rows[(A.cdiv(cols, 4 * NT), min(T, MAX_GRID_Y)), NT](y, w, inv, out_k, T, K,
-                                                                     cols)
+        grid = (A.cdiv(cols, 4 * NT), min(T, MAX_GRID_Y))
+        unpermute_rows[grid, NT, A.launch_stream()](y, w, inv, out_k, T, K, cols)
     return call.result(out)
 
 

@@ -614,7 +614,7 @@ def _launch(call, gating_output, bias, topk, num_groups, topk_group, scoring, re
         logits = call.dev("gating_output", gating_output)
         bias_d = (call.dev("e_score_correction_bias", bias) if bias is not None
                   else A.dummy(np.float32))
-        kernel[grid, block, 0, smem](
+        kernel[grid, block, A.launch_stream(), smem](
             logits, bias_d, weights, ids, tei if tei is not None else A.dummy(np.int32, 2),
             T, E, topk, num_groups, topk_group, 0 if scoring == "softmax" else 1,
             1 if renormalize else 0, 1 if bias is not None else 0, 1 if want_tei else 0,
