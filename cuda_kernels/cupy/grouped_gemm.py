@@ -17,7 +17,7 @@ P = a.shape[0] * top_k slots, L = len(sorted_token_ids).
     num_tokens_post_padded  [1]    int32        read on the device, never synchronised
     c (returned)            [P, N]              a.dtype
 
-The ladder (all kept, `version="v1".."v5"`; the default is the table's "default_version":
+The ladder (all kept, `version="v1".."v6"`; the default is the table's "default_version":
 v4 for fp16/bf16 and v3 for fp32 as shipped, stepping down to the fastest rung that applies):
     v1  gemm_v1_naive.cu     one thread per output element
     v2  gemm_v2_smem.cu      shared-memory tiles, one output per thread
@@ -27,6 +27,10 @@ v4 for fp16/bf16 and v3 for fp32 as shipped, stepping down to the fastest rung t
     v5  gemm_v5_wgmma.cu     (stretch, opt-in) Hopper wgmma.m64nNk16 from shared-memory
                              descriptors, sm_90a only, block_size a multiple of 64; not the
                              default until a GPU run has validated and timed it
+    v6  gemm_v6_tma_ws.cu    (opt-in) the Hopper GEMM done properly: w by TMA (a CUtensorMap
+                             from extra_args), a gathered by cp.async, an mbarrier ring between a
+                             producer warpgroup and two consumer warpgroups (setmaxnreg), a
+                             persistent grid of one CTA per SM; sm_90a, block_size % 64 == 0
 
 Tunables are data: gemm_configs.json maps (version, dtype, bucket of m = tokens per expert,
 N, Kdim) to BLOCK_M, BLOCK_N, BLOCK_K, warps, stages (v3: TM, TN), injected as #defines.
@@ -37,12 +41,18 @@ alignment with its own config, shrunk to fit when needed. tune.py regenerates th
 
 Run as a script to validate every version against reference.grouped_gemm and time it
 (TFLOP/s, GB/s and the fraction of the H200 roofline floor):
-    python -m cuda_kernels.cupy.grouped_gemm [--versions v1,v2,v3,v4,v5] [--dtype bf16]
+    python -m cuda_kernels.cupy.grouped_gemm [--versions v1,v2,v3,v4,v5,v6] [--dtype bf16]
     python -m cuda_kernels.cupy.grouped_gemm --quick      # tiny, for compute-sanitizer
+The benchmark's models (GEMM1 and GEMM2 at T tokens, uniform random routing, L2 flushed,
+TFLOP/s per rung, each checked against v4), and a sweep of v6's configs on them:
+    python -m cuda_kernels.cupy.grouped_gemm --shapes mixtral,qwen3,deepseek \
+        --tokens 1024,4096,16384 --versions v4,v5,v6 [--sweep]
 
 Verification without a GPU: tests/test_cupy_gemm.py compiles every .cu with g++ against a
-small emulator of __syncthreads, cp.async, ldmatrix, mma.sync and wgmma and runs them on
-the CPU against the reference (and the launcher itself with NumPy-backed arrays).
+small emulator of __syncthreads, cp.async, ldmatrix, mma.sync, wgmma (and for v6 the
+mbarriers, the tensor-map copy with its swizzle, named barriers, with a checker of the ring's
+protocol) and runs them on the CPU against the reference (and the launcher itself with
+NumPy-backed arrays).
 """
 from __future__ import annotations
 
@@ -56,14 +66,16 @@ import numpy as np
 from . import _compile
 from ._compile import bf16_dtype, get_kernel, raw, register_compile_case
 
-VERSIONS = ("v1", "v2", "v3", "v4", "v5")
+VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6")
 CU_FILES = {"v1": "gemm_v1_naive.cu", "v2": "gemm_v2_smem.cu",
-            "v3": "gemm_v3_regblock.cu", "v4": "gemm_v4_mma.cu", "v5": "gemm_v5_wgmma.cu"}
+            "v3": "gemm_v3_regblock.cu", "v4": "gemm_v4_mma.cu", "v5": "gemm_v5_wgmma.cu",
+            "v6": "gemm_v6_tma_ws.cu"}
 KERNEL_NAMES = {v: f"grouped_gemm_{v}" for v in VERSIONS}
 # wgmma exists only on the architecture-specific target; _compile builds such kernels through
 # cuda.core (CuPy would add its own -arch) and CPU CI compiles them for sm_90a only
-KERNEL_OPTIONS = {"v5": ("-arch=sm_90a",)}
-TENSOR_CORE_VERSIONS = ("v4", "v5")
+KERNEL_OPTIONS = {"v5": ("-arch=sm_90a",), "v6": ("-arch=sm_90a",)}
+TENSOR_CORE_VERSIONS = ("v4", "v5", "v6")
+SM90A_VERSIONS = ("v5", "v6")     # built for sm_90a: they run on compute capability 9.0 only
 CONFIG_PATH = pathlib.Path(__file__).resolve().with_name("gemm_configs.json")
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 DTYPE_KEYS = ("fp32", "fp16", "bf16")
@@ -150,6 +162,35 @@ def v5_smem_bytes(cfg: dict) -> int:
     return 2 * max(ring, out) + V5_SMEM_ALIGN
 
 
+V6_EPI_BYTES = 64 * (64 + 8) * 2   # a consumer's epilogue staging: 64 rows x 64 columns (+8)
+V6_EXTRA_KEYS = ("GROUP_M", "PRODUCER_REGS")   # v6's tunables beside CONFIG_KEYS
+V6_DEFAULT_SMS = 132              # H100 / H200 SXM: launch_geometry's grid when none is given
+
+
+def v6_consumers(cfg: dict) -> int:
+    """Consumer warpgroups of a v6 config: warps = 4 (the producer) + 4 per consumer."""
+    return cfg["warps"] // 4 - 1
+
+
+def v6_smem_bytes(cfg: dict) -> int:
+    """Dynamic shared memory of v6: 1024 (alignment of the swizzle atoms) + the ring of
+    STAGES x (a tile + w tile) + one epilogue staging tile per consumer + 2 mbarriers a stage."""
+    ring = cfg["stages"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+    return 1024 + ring + v6_consumers(cfg) * V6_EPI_BYTES + 16 * cfg["stages"]
+
+
+def v6_consumer_regs(cfg: dict) -> int:
+    """setmaxnreg of v6's consumers: what the CTA entered with (the cap of __launch_bounds__
+    (threads, 1): 65536 / threads, rounded down to 8) less the producer's share, split among
+    the consumers, rounded down to 8, at most 256 (one consumer: no split, 256)."""
+    threads = cfg["warps"] * 32
+    entry = 65536 // threads // 8 * 8
+    cons = v6_consumers(cfg)
+    if cons == 1:
+        return 256
+    return min(256, (entry * threads - 128 * cfg["PRODUCER_REGS"]) // (128 * cons) // 8 * 8)
+
+
 # per-CTA opt-in limit on sm_90 (227 KB; sm_80: 163 KB), less room for the static slots
 V4_SMEM_LIMIT = 227 * 1024 - 1024
 
@@ -163,6 +204,8 @@ def check_config(version: str, dtype, cfg: dict) -> dict:
         raise TypeError(f"config: expected a dict, got {type(cfg).__name__}")
     for k in CONFIG_KEYS:
         v = cfg.get(k)
+        if k == "warps" and version == "v6":   # a producer warpgroup + 1 or 2 consumers: 8, 12
+            continue
         if not (_is_pow2(v) or (k == "stages" and isinstance(v, int) and 1 <= v <= 8)):
             raise ValueError(f"config: expected {k} a power of two (stages: 1 to 8), "
                              f"got {v!r} in {cfg}")
@@ -202,6 +245,30 @@ def check_config(version: str, dtype, cfg: dict) -> dict:
                              f">= 3 stages, whole copy rounds of w, got {cfg}")
         if v5_smem_bytes(cfg) > V4_SMEM_LIMIT:
             raise ValueError(f"config: v5 shared memory {v5_smem_bytes(cfg)} B over "
+                             f"{V4_SMEM_LIMIT} B for {cfg}")
+    elif version == "v6":
+        if dkey == "fp32":
+            raise ValueError("config: v6 takes fp16 or bf16 (fp32 uses v3)")
+        if bm not in (64, 128) or bn not in (64, 128, 256) or bk != 64:
+            raise ValueError(f"config: v6 needs BLOCK_M in (64, 128), BLOCK_N in (64, 128, "
+                             f"256), BLOCK_K 64 (one 128-byte swizzled row), got {cfg}")
+        if warps not in (8, 12) or (bm == 128 and warps != 12) or \
+                (warps == 12 and bm == 64 and bn < 128):
+            raise ValueError(f"config: v6 runs a producer warpgroup and consumers (warps = 4 + "
+                             f"4 per consumer): 12 warps for BLOCK_M 128; 8 or 12 for BLOCK_M "
+                             f"64 (two consumers split BLOCK_N >= 128), got {cfg}")
+        group, preg = cfg.get("GROUP_M"), cfg.get("PRODUCER_REGS")
+        if not (_is_pow2(group) and group <= 64):
+            raise ValueError(f"config: v6 GROUP_M (m tiles per group of the tile order) must "
+                             f"be a power of two <= 64, got {cfg}")
+        if not (isinstance(preg, int) and 24 <= preg <= 256 and preg % 8 == 0):
+            raise ValueError(f"config: v6 PRODUCER_REGS (setmaxnreg) must be a multiple of 8 "
+                             f"in [24, 256], got {cfg}")
+        if cfg["stages"] < 2 or v6_consumer_regs(cfg) < 128:
+            raise ValueError(f"config: v6 needs >= 2 stages and leaves its consumers >= 128 "
+                             f"registers, got {cfg}")
+        if v6_smem_bytes(cfg) > V4_SMEM_LIMIT:
+            raise ValueError(f"config: v6 shared memory {v6_smem_bytes(cfg)} B over "
                              f"{V4_SMEM_LIMIT} B for {cfg}")
     else:
         if dkey == "fp32":
@@ -274,6 +341,23 @@ def heuristic_config(version: str, dkey: str, m: int, N: int | None = None,
             return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 8, "stages": 6}
         # 128 x 256: 85 flops per byte of tile; 6 x 24 KB in flight
         return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "warps": 8, "stages": 8}
+    if version == "v6":
+        if dkey == "fp32":
+            return heuristic_config("v3", dkey, m, N, K)
+        # a producer warpgroup (56 registers: no spills at BLOCK_M 128) and 1 or 2 consumer
+        # warpgroups; the ring holds 160-200 KB (STAGES - 1 stages of copies in flight)
+        if m <= 32:   # decode: one consumer, narrow tiles, a deep ring
+            return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "warps": 8, "stages": 8,
+                    "GROUP_M": 8, "PRODUCER_REGS": 56}
+        if m <= 128:  # short m tiles (little padding), two consumers splitting 256 columns
+            return {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "warps": 12, "stages": 5,
+                    "GROUP_M": 8, "PRODUCER_REGS": 56}
+        if m <= 512:
+            return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 12, "stages": 6,
+                    "GROUP_M": 8, "PRODUCER_REGS": 56}
+        # 128 x 256 x 64: 85 flops per byte of tile, 4 x 48 KB stages
+        return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "warps": 12, "stages": 4,
+                "GROUP_M": 8, "PRODUCER_REGS": 56}
     raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
 
 
@@ -288,7 +372,7 @@ def load_table(path: str = str(CONFIG_PATH)) -> dict:
 
 def _row_config(row: dict) -> dict:
     cfg = {k: row[k] for k in CONFIG_KEYS}
-    for k in ("TM", "TN", "WARPS_M"):
+    for k in ("TM", "TN", "WARPS_M") + V6_EXTRA_KEYS:
         if k in row:
             cfg[k] = row[k]
     return cfg
@@ -402,6 +486,14 @@ def fit_config(version: str, dkey: str, cfg: dict, block_size: int) -> dict:
             raise ValueError(f"block_size: v5 needs a multiple of 64 (a warpgroup's wgmma "
                              f"covers 64 rows), got {block_size}")
         cfg["warps"] = bm // 16
+    elif version == "v6":
+        if bm < 64:
+            raise ValueError(f"block_size: v6 needs a multiple of 64 (a warpgroup's wgmma "
+                             f"covers 64 rows), got {block_size}")
+        if bm == 128:
+            cfg["warps"] = 12           # two consumers of 64 rows each
+        elif cfg["warps"] == 12 and cfg["BLOCK_N"] < 128:
+            cfg["warps"] = 8            # 64 rows: two consumers would split N below 64
     return check_config(version, dkey, cfg)
 
 
@@ -419,6 +511,11 @@ def kernel_defines(version: str, dkey: str, cfg: dict) -> dict:
         d.update(GG_AB="bf16" if dkey == "bf16" else "f16", BLOCK_M=cfg["BLOCK_M"],
                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["stages"],
                  GROUP_M=GROUP_M)
+    elif version == "v6":
+        d.update(GG_AB="bf16" if dkey == "bf16" else "f16", BLOCK_M=cfg["BLOCK_M"],
+                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["stages"],
+                 CONSUMERS=v6_consumers(cfg), GROUP_M=cfg["GROUP_M"],
+                 PRODUCER_REGS=cfg["PRODUCER_REGS"], CONSUMER_REGS=v6_consumer_regs(cfg))
     else:
         wm = cfg.get("WARPS_M") or v4_warp_grid(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["warps"])[0]
         d.update(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
@@ -426,9 +523,17 @@ def kernel_defines(version: str, dkey: str, cfg: dict) -> dict:
     return d
 
 
-def launch_geometry(version: str, cfg: dict, L: int, N: int) -> tuple[tuple, tuple, int]:
-    """(grid, block, dynamic shared bytes) for a fitted config, L positions and N columns."""
+def launch_geometry(version: str, cfg: dict, L: int, N: int, num_sms: int | None = None
+                    ) -> tuple[tuple, tuple, int]:
+    """(grid, block, dynamic shared bytes) for a fitted config, L positions and N columns.
+
+    num_sms (v6 only, persistent: one CTA per SM, never more CTAs than tiles): the device's
+    multiprocessor count (grouped_gemm passes sm_count(dev); V6_DEFAULT_SMS when None)."""
     cdiv = lambda x, y: -(-x // y)  # noqa: E731
+    if version == "v6":
+        tiles = cdiv(L, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
+        return (max(1, min(num_sms or V6_DEFAULT_SMS, tiles)),), (cfg["warps"] * 32,), \
+            v6_smem_bytes(cfg)
     if version == "v1":
         rows = cfg["warps"] * 32 // cfg["BLOCK_N"]
         return (cdiv(L, rows), cdiv(N, cfg["BLOCK_N"])), (cfg["BLOCK_N"], rows), 0
@@ -505,21 +610,24 @@ def _check_gpu_array(name, x, cp, device_id, ndim=None, dtypes=None, contiguous=
 def usable(version: str, dkey: str, K: int, block_size: int, aligned: bool,
            sm90: bool = True) -> str | None:
     """Why `version` cannot run this problem, as "argument: reason" (None when it can)."""
-    if version == "v5":
+    if version in SM90A_VERSIONS:
         if not sm90:
-            return "a: v5 (wgmma, built for sm_90a) runs on compute capability 9.0 only"
+            return (f"a: {version} (wgmma, built for sm_90a) runs on compute capability 9.0 "
+                    f"only")
         if dkey == "fp32":
-            return "a: v5 takes fp16 or bf16 (fp32 uses v3)"
+            return f"a: {version} takes fp16 or bf16 (fp32 uses v3)"
         if block_size % 64:
-            return (f"block_size: v5 needs a multiple of 64 (a warpgroup's wgmma covers 64 "
-                    f"rows), got {block_size}")
+            return (f"block_size: {version} needs a multiple of 64 (a warpgroup's wgmma covers "
+                    f"64 rows), got {block_size}")
+    if version == "v6" and K == 0:
+        return "a: v6 needs a.shape[1] (Kdim) > 0 (its tensor map of w has no empty dimension)"
     if version == "v4":
         if dkey == "fp32":
             return "a: v4 takes fp16 or bf16 (fp32 uses v3)"
         if block_size % 16:
             return (f"block_size: v4 needs a multiple of 16 (its mma tiles are 16 rows), "
                     f"got {block_size}")
-    if version in ("v3", "v4", "v5"):
+    if version in ("v3", "v4", "v5", "v6"):
         vec = vec_elems(dkey)
         if K % vec:
             return (f"a: {version} loads 16-byte chunks, so a.shape[1] (Kdim) must be a multiple "
@@ -543,7 +651,8 @@ def _as_f32(x):
     return x.astype(cp.float32)
 
 
-_FALLBACK = {"v5": ("v5", "v4", "v3", "v2"), "v4": ("v4", "v3", "v2"), "v3": ("v3", "v2"),
+_FALLBACK = {"v6": ("v6", "v5", "v4", "v3", "v2"), "v5": ("v5", "v4", "v3", "v2"),
+             "v4": ("v4", "v3", "v2"), "v3": ("v3", "v2"),
              "v2": ("v2",), "v1": ("v1",)}
 
 
@@ -553,9 +662,9 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
                  config=None, out=None):
     """c [a.shape[0] * top_k, N] = the grouped GEMM of docs/stages.md on the GPU (see module doc).
 
-    version: "v1".."v5" (None: v4 for fp16/bf16, v3 for fp32, stepping down to v3/v2 when
-    Kdim is not a multiple of 16 bytes or block_size not of 16; "v4"/"v5" on fp32 run v3;
-    "v5" needs an sm_90 device and block_size % 64 == 0).
+    version: "v1".."v6" (None: v4 for fp16/bf16, v3 for fp32, stepping down to v3/v2 when
+    Kdim is not a multiple of 16 bytes or block_size not of 16; "v4"/"v5"/"v6" on fp32 run v3;
+    "v5" and "v6" need an sm_90 device and block_size % 64 == 0).
     config: a dict as returned by get_config (None: looked up in gemm_configs.json); its
     BLOCK_M is shrunk to divide block_size when needed. out: an optional [P, N] C-contiguous
     array of a.dtype to write into (only the rows of live slots are written; tests poison it).
@@ -642,7 +751,8 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
         return c
     if L == 0:  # no positions, no live slot: nothing to write
         return c
-    grid, block, smem = launch_geometry(version, cfg, L, N)
+    grid, block, smem = launch_geometry(version, cfg, L, N,
+                                        sm_count(dev) if version == "v6" else None)
     if len(grid) == 2 and grid[1] > GRID_Y_MAX:
         raise ValueError(f"w.shape[1] (N): {version} launches cdiv(N, BLOCK_N) = {grid[1]} CTAs "
                          f"along grid y, more than {GRID_Y_MAX}")
@@ -656,13 +766,85 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
                (raw(a), raw(w), raw(c), sorted_token_ids, expert_ids, num_tokens_post_padded,
                 tw if tw is not None else dummy, bias_arg if bias_arg is not None else dummy,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
-                np.int32(L), np.int32(mul_routed_weight), np.int32(bias_kind)),
+                np.int32(L), np.int32(mul_routed_weight), np.int32(bias_kind))
+               + extra_args(version, cfg, a, w),
                shared_mem=smem)
     return c
 
 
 def _sm90_of(dev: int) -> bool:
     return _compile.is_sm90(dev)
+
+
+# ----------------------------------------------------------------------------- v6's arguments
+_SM_COUNTS: dict = {}
+
+
+def sm_count(dev: int) -> int:
+    """Multiprocessors of device `dev` (v6's persistent grid: one CTA each), asked once."""
+    n = _SM_COUNTS.get(dev)
+    if n is None:
+        n = _SM_COUNTS[dev] = int(
+            _cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
+    return n
+
+
+def v6_tensor_map_fields(w_shape, dkey: str, cfg: dict) -> dict:
+    """The cuTensorMapEncodeTiled arguments of v6's weight tile, w [E, N, Kdim] viewed 3-D
+    (innermost first: Kdim, N, E): a box of BLOCK_K x BLOCK_N x 1 (one expert's BLOCK_N rows,
+    BLOCK_K = 64 columns = 128 bytes), 128-byte swizzle (wgmma's layout type 1), zeros outside
+    (the ragged N and Kdim tails; 3-D, so a tile never reads the next expert's rows)."""
+    E, N, K = (int(x) for x in w_shape)
+    item = _ITEMSIZE[dkey]
+    return {"dtype": dkey, "rank": 3, "dims": (K, N, E), "strides": (K * item, N * K * item),
+            "box": (cfg["BLOCK_K"], cfg["BLOCK_N"], 1), "element_strides": (1, 1, 1),
+            "elem_bytes": item, "swizzle_bytes": 128}
+
+
+def _encode_tensor_map(fields: dict, ptr: int):
+    """A CUtensorMap of `fields` at device address `ptr` (cuda.bindings' driver API, host
+    only: nothing is enqueued, so a capture may follow), as a one-element NumPy array of its
+    128 bytes: CuPy passes a size-one NumPy array to a kernel by value."""
+    from cuda.bindings import driver
+
+    dtypes = {"bf16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+              "fp16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}
+    assert fields["swizzle_bytes"] == 128
+    err, tmap = driver.cuTensorMapEncodeTiled(
+        dtypes[fields["dtype"]], fields["rank"], ptr,
+        [driver.cuuint64_t(x) for x in fields["dims"]],
+        [driver.cuuint64_t(x) for x in fields["strides"]],
+        [driver.cuuint32_t(x) for x in fields["box"]],
+        [driver.cuuint32_t(x) for x in fields["element_strides"]],
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"w: cuTensorMapEncodeTiled failed ({err}) for {fields} at "
+                           f"{ptr:#x}")
+    words = np.array([int(x) for x in tmap.opaque], dtype=np.uint64)
+    return words.view(np.dtype((np.void, 128)))          # shape (1,): 128 bytes by value
+
+
+_TENSOR_MAPS: dict = {}
+
+
+def extra_args(version: str, cfg: dict, a, w) -> tuple:
+    """The kernel arguments `version` takes after GG_KERNEL_ARGS: () for v1..v5; for v6 its
+    CUtensorMap of w (cached per w pointer, shape, dtype, BLOCK_N and BLOCK_K: the map holds
+    the address, so a new array at the same address with the same shape reuses it)."""
+    if version != "v6":
+        return ()
+    dkey = dtype_key(w.dtype)
+    key = (w.data.ptr, tuple(w.shape), dkey, cfg["BLOCK_N"], cfg["BLOCK_K"], w.device.id)
+    tmap = _TENSOR_MAPS.get(key)
+    if tmap is None:
+        if len(_TENSOR_MAPS) > 256:        # weights come and go: keep the cache bounded
+            _TENSOR_MAPS.clear()
+        tmap = _TENSOR_MAPS[key] = _encode_tensor_map(
+            v6_tensor_map_fields(w.shape, dkey, cfg), w.data.ptr)
+    return (tmap,)
 
 
 def _is_sm90(cp, dev) -> bool:
@@ -700,11 +882,11 @@ def _kernel(version, dkey, cfg, dev):
     kern = _READY.get(key)
     if kern is None:
         options = KERNEL_OPTIONS.get(version, ())
-        if version == "v5":
+        if version in SM90A_VERSIONS:
             cc = _cupy().cuda.Device(dev).compute_capability
             if cc != "90":
-                raise ValueError(f"version: v5 (wgmma) runs on compute capability 9.0 only "
-                                 f"(built for sm_90a), this device is {cc}")
+                raise ValueError(f"version: {version} (wgmma) runs on compute capability 9.0 "
+                                 f"only (built for sm_90a), this device is {cc}")
         register_compile_case(CU_FILES[version], defines, options=options)
         kern = get_kernel(CU_FILES[version], KERNEL_NAMES[version], defines, options=options)
         if version in TENSOR_CORE_VERSIONS:
@@ -732,7 +914,7 @@ def prebuild(dtypes=DTYPE_KEYS, versions=VERSIONS, max_workers: int | None = Non
     by_file = {f: v for v, f in CU_FILES.items()}
     todo = [(cu, d, o) for cu, d, o in compile_cases()
             if by_file[cu] in versions and d["GG_T"] in ctypes_
-            and not (by_file[cu] == "v5" and cc != "90")]
+            and not (by_file[cu] in SM90A_VERSIONS and cc != "90")]
 
     def build(case):
         cu, d, options = case

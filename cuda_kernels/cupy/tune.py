@@ -11,19 +11,20 @@ The table (see grouped_gemm.lookup) holds two kinds of rows, each a config for o
     benchmark's models (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3); lookup uses them for
     shapes within a factor of two.
 
-How a shape is tuned on the GPU (--versions v4 by default, or v4,v5; bf16, the fp16 rows
+How a shape is tuned on the GPU (--versions v4 by default, or v4,v5,v6; bf16, the fp16 rows
 copy bf16's: the kernels are the same but for the mma's type): for each bucket m,
 T = m * E / top_k tokens are routed uniformly at random; GEMM1 and GEMM2 must share one
-alignment block_size B, so for each B in {16, 32, 64, 128} (v5: {64, 128}; B <= 2m, past
+alignment block_size B, so for each B in {16, 32, 64, 128} (v5, v6: {64, 128}; B <= 2m, past
 that padding only costs), the fastest GEMM1 config with BLOCK_M = B and the fastest GEMM2
 config with BLOCK_M = B are timed, and the B with the smallest sum wins. A candidate whose
 output disagrees with v4's default config (relative error > 1e-2) is reported and dropped.
 Timing: CUDA events around one call, L2 flushed before each (a 128 MB memset outside the
 events), 3 warm-ups, median of --reps.
 
-With --versions v4,v5 the table also gets "version_by_m": for each bucket where every tuned
-model's best v5 (GEMM1 + GEMM2) beat its best v4, v5 becomes the default rung of that bucket
-(grouped_gemm.default_version); elsewhere the default stays v4. --budget-s is checked before
+With --versions v4,v5 (or v4,v5,v6) the table also gets "version_by_m": for each bucket, the
+rungs whose best (GEMM1 + GEMM2) beat v4's best on every tuned model, the fastest of them in
+total becomes the default rung of that bucket (grouped_gemm.default_version); elsewhere the
+default stays v4. --budget-s is checked before
 every candidate, so a short budget ends on time (buckets not reached keep the generic rows:
 lookup uses a shape row only at its own bucket). A two-minute run on the buckets of the
 compute-bound points (the H200 misses of issue 4):
@@ -72,8 +73,28 @@ V5_CANDIDATES = [
     (64, 64, 64, 4, 6), (64, 128, 32, 4, 8), (64, 128, 64, 4, 4), (64, 256, 32, 4, 6),
     (128, 128, 64, 8, 6), (128, 128, 32, 8, 8), (128, 256, 32, 8, 8), (128, 256, 64, 8, 4),
 ]
-CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES}
-BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128)}
+# v6 candidates (TMA + cp.async, warp-specialized, persistent): (BLOCK_M, BLOCK_N, BLOCK_K,
+# warps, stages, GROUP_M, PRODUCER_REGS). warps = 4 (producer) + 4 per consumer: 12 for two
+# consumers (128 rows, or 64 rows with BLOCK_N split), 8 for one; the ring fills ~200 KB;
+# GROUP_M: m tiles walked before the next n tile (the L2 reuse of a w panel); 56 producer
+# registers (40 spills at BLOCK_M 128), the consumers get 224
+V6_CANDIDATES = [
+    (128, 256, 64, 12, 4, 8, 56), (128, 256, 64, 12, 4, 16, 56), (128, 256, 64, 12, 3, 8, 56),
+    (128, 256, 64, 12, 4, 4, 56), (128, 128, 64, 12, 6, 8, 56), (128, 128, 64, 12, 6, 16, 56),
+    (128, 128, 64, 12, 4, 8, 56), (64, 256, 64, 12, 5, 8, 56), (64, 256, 64, 8, 5, 8, 56),
+    (64, 128, 64, 8, 8, 8, 56), (64, 128, 64, 12, 6, 8, 56), (64, 64, 64, 8, 8, 8, 56),
+]
+CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES, "v6": V6_CANDIDATES}
+BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128), "v6": (64, 128)}
+
+
+def candidate_config(version: str, cand: tuple) -> dict:
+    """A candidate tuple as a config dict (v6's carry GROUP_M and PRODUCER_REGS too)."""
+    keys = gg.CONFIG_KEYS + (gg.V6_EXTRA_KEYS if version == "v6" else ())
+    if len(cand) != len(keys):
+        raise ValueError(f"candidate: expected {len(keys)} values {keys} for {version}, "
+                         f"got {cand}")
+    return dict(zip(keys, cand))
 # the buckets and models of issue 4's missed points, the worst first (DeepSeek-V3 m = 128,
 # 512, 32 are T = 4096, 16384, 1024; Mixtral m = 256, 64 are T = 1024, 256)
 DEFAULT_BUCKETS = (128, 256, 512, 64, 32)
@@ -213,7 +234,7 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
                             continue
                         if time.time() - t_start > budget_s:
                             break
-                        cfg = dict(zip(gg.CONFIG_KEYS, cand))
+                        cfg = candidate_config(version, cand)
                         try:
                             gg.check_config(version, dkey, cfg)
 
@@ -246,7 +267,7 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
             for (t, cand), (N, K) in zip(best[1], ((2 * I, H), (H, I))):
                 for dk in (dkey, "fp16" if dkey == "bf16" else "bf16"):
                     rows.append({"version": version, "dtype": dk, "m": m, "N": N, "K": K,
-                                 **dict(zip(gg.CONFIG_KEYS, cand)),
+                                 **candidate_config(version, cand),
                                  "us": round(t * 1e6, 1), "model": name})
         del w13, w2
         cp.get_default_memory_pool().free_all_blocks()
@@ -254,15 +275,20 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
 
 
 def version_by_m(best_by_version: dict, dkey: str = "bf16") -> dict:
-    """{dtype: {str(m): "v5"}} for the buckets where v5 beat v4 on every model timed with both."""
+    """{dtype: {str(m): rung}} for the buckets where a rung other than v4 beat v4 on every
+    model timed with both (several such rungs: the least total time over those models)."""
     out = {}
     for m in sorted({m for (_, m, _) in best_by_version}):
         models = {k for (k, mm, v) in best_by_version if mm == m}
-        both = [k for k in models if (k, m, "v4") in best_by_version and (k, m, "v5") in
-                best_by_version]
-        if both and all(best_by_version[(k, m, "v5")] < best_by_version[(k, m, "v4")]
-                         for k in both):
-            out[str(m)] = "v5"
+        winners = []
+        for v in sorted({v for (_, mm, v) in best_by_version if mm == m and v != "v4"}):
+            both = [k for k in models if (k, m, "v4") in best_by_version and (k, m, v) in
+                    best_by_version]
+            if both and all(best_by_version[(k, m, v)] < best_by_version[(k, m, "v4")]
+                            for k in both):
+                winners.append((sum(best_by_version[(k, m, v)] for k in both), v))
+        if winners:
+            out[str(m)] = min(winners)[1]
     if not out:
         return {}
     return {dkey: out, ("fp16" if dkey == "bf16" else "bf16"): dict(out)}
@@ -275,7 +301,7 @@ def main(argv=None):
     p.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)))
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=1800.0)
-    p.add_argument("--versions", default="v4", help="rungs to tune: v4, v5 or v4,v5")
+    p.add_argument("--versions", default="v4", help="rungs to tune: v4, v5, v6 or a list")
     p.add_argument("--out", default=str(gg.CONFIG_PATH))
     args = p.parse_args(argv)
     table = heuristic_table()
@@ -309,7 +335,7 @@ def main(argv=None):
         table["command"] = " ".join([sys.executable, "-m", "cuda_kernels.cupy.tune"] +
                                     list(argv if argv is not None else sys.argv[1:]))
         table["configs"] += rows
-        if "v4" in args.versions and "v5" in args.versions:
+        if "v4" in args.versions and ("v5" in args.versions or "v6" in args.versions):
             table["version_by_m"] = version_by_m(BEST_BY_VERSION)
             print(f"version_by_m: {table['version_by_m']} (times: "
                   f"{ {f'{k} m={m} {v}': round(t * 1e6) for (k, m, v), t in BEST_BY_VERSION.items()} } us)")
