@@ -36,7 +36,14 @@ def test_kernel_params_follow_the_argument_types():
     assert vals[4].value == 1 << 40
 
 
-@pytest.mark.parametrize("bad", [3, 1.5, None, np.int8(1)])
+def test_kernel_params_pass_a_one_element_host_array_by_value():
+    """v6's CUtensorMap: 128 bytes by value, as CuPy passes a size-one NumPy array."""
+    tmap = np.arange(16, dtype=np.uint64).view(np.dtype((np.void, 128)))
+    vals = L.kernel_params((np.int32(1), tmap))
+    assert ctypes.sizeof(vals[1]) == 128 and bytes(vals[1]) == tmap.tobytes()
+
+
+@pytest.mark.parametrize("bad", [3, 1.5, None, np.int8(1), np.zeros(2, np.float32)])
 def test_kernel_params_refuse_what_has_no_fixed_c_type(bad):
     with pytest.raises(TypeError, match=r"args\[1\]: expected a device array or a numpy scalar"):
         L.kernel_params((np.int32(1), bad))

@@ -45,12 +45,16 @@ _SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_ui
 def kernel_params(args) -> list:
     """The ctypes value of each kernel argument, as CuPy would pass it: a device array by its
     pointer, a numpy scalar by its dtype's C type (the kernel's parameter types must match, as
-    for CuPy). Anything else (a Python int or float, whose C type would be a guess) is refused."""
+    for CuPy), a one-element host numpy array by its bytes (a struct passed by value: v6's
+    CUtensorMap). Anything else (a Python int or float, whose C type would be a guess) is
+    refused."""
     values = []
     for i, x in enumerate(args):
         data = getattr(x, "data", None)
         if hasattr(data, "ptr"):                       # a cupy.ndarray
             values.append(ctypes.c_void_p(data.ptr))
+        elif isinstance(x, np.ndarray) and x.size == 1:
+            values.append((ctypes.c_char * x.nbytes).from_buffer_copy(x.tobytes()))
         elif isinstance(x, np.generic) and x.dtype in _SCALARS:
             values.append(_SCALARS[x.dtype](x.item()))
         else:
