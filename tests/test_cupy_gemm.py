@@ -82,7 +82,8 @@ def test_get_config_covers_every_bucket(version, dkey):
 def test_fit_config_divides_block_size(version, dkey):
     if version in gg.TENSOR_CORE_VERSIONS and dkey == "fp32":
         pytest.skip("fp32 runs v3")
-    sizes = {"v4": (16, 32, 48, 64, 128, 256), "v5": (64, 128, 192, 256)}.get(
+    sizes = {"v4": (16, 32, 48, 64, 128, 256), "v5": (64, 128, 192, 256),
+             "v6": (64, 128, 192, 256)}.get(
         version, (1, 3, 8, 16, 24, 64, 128))
     for m in gg.M_BUCKETS:
         cfg = gg.heuristic_config(version, dkey, m)
@@ -100,6 +101,11 @@ def test_tensor_core_rungs_reject_short_blocks():
     with pytest.raises(ValueError, match="block_size: v5 needs a multiple of 64"):
         gg.fit_config("v5", "bf16", gg.heuristic_config("v5", "bf16", 1), 32)
     assert "block_size" in gg.usable("v5", "bf16", 128, 16, True)
+    with pytest.raises(ValueError, match="block_size: v6 needs a multiple of 64"):
+        gg.fit_config("v6", "bf16", gg.heuristic_config("v6", "bf16", 4096), 32)
+    assert "block_size" in gg.usable("v6", "bf16", 128, 16, True)
+    assert "compute capability 9.0" in gg.usable("v6", "bf16", 128, 64, True, sm90=False)
+    assert "Kdim" in gg.usable("v6", "bf16", 0, 64, True)
 
 
 def test_m_bucket_and_lookup():
@@ -180,6 +186,61 @@ def test_every_table_config_is_registered_for_nvrtc():
         assert options == gg.KERNEL_OPTIONS.get(
             next(v for v, f in gg.CU_FILES.items() if f == cu), ())
     assert {case[0] for case in gg.compile_cases()} == set(gg.CU_FILES.values())
+
+
+def test_v6_configs_and_register_split():
+    """v6's heuristic and tuning candidates are launchable at both block sizes, and the
+    setmaxnreg split never asks for more registers than the CTA entered with."""
+    cands = [tune.candidate_config("v6", c) for c in tune.V6_CANDIDATES]
+    for cfg in [gg.heuristic_config("v6", "bf16", m) for m in gg.M_BUCKETS] + cands:
+        for B in (64, 128, 256):
+            f = gg.fit_config("v6", "bf16", cfg, B)
+            d = gg.kernel_defines("v6", "bf16", f)
+            threads = f["warps"] * 32
+            assert d["CONSUMERS"] == f["warps"] // 4 - 1 and B % f["BLOCK_M"] == 0
+            if d["CONSUMERS"] == 2:
+                entry = 65536 // threads // 8 * 8
+                assert 128 * d["PRODUCER_REGS"] + 256 * d["CONSUMER_REGS"] <= entry * threads
+            grid, block, smem = gg.launch_geometry("v6", f, 5000, 4096, num_sms=132)
+            assert grid == (132,) and block == (threads,) and smem <= gg.V4_SMEM_LIMIT
+    assert gg.launch_geometry("v6", gg.fit_config("v6", "bf16", cands[0], 128), 100, 100,
+                              num_sms=132)[0] == (1,)           # never more CTAs than tiles
+    with pytest.raises(ValueError, match="warps"):
+        gg.check_config("v6", "bf16", dict(cands[0], warps=8))  # 128 rows need two consumers
+    with pytest.raises(ValueError, match="BLOCK_K 64"):
+        gg.check_config("v6", "bf16", dict(cands[0], BLOCK_K=32))
+    assert gg.extra_args("v5", {}, None, None) == ()
+
+
+def test_v6_tensor_map_encoding(monkeypatch):
+    """extra_args' CUtensorMap: w [E, N, Kdim] viewed 3-D (Kdim, N, E innermost first), strides
+    in bytes, a box of 64 x BLOCK_N x 1, 128-byte swizzle, zero fill; encoded once per (w, shape,
+    tile), passed as a one-element array of its 128 bytes (by value)."""
+    driver = pytest.importorskip("cuda.bindings.driver")
+    calls = []
+
+    def fake_encode(dtype, rank, ptr, dims, strides, box, estrides, interleave, swizzle, l2,
+                    oob):
+        calls.append((dtype, rank, ptr, [int(x) for x in dims], [int(x) for x in strides],
+                      [int(x) for x in box], [int(x) for x in estrides], swizzle, oob))
+        tmap = driver.CUtensorMap()
+        return driver.CUresult.CUDA_SUCCESS, tmap
+
+    monkeypatch.setattr(driver, "cuTensorMapEncodeTiled", fake_encode)
+    monkeypatch.setattr(gg, "_TENSOR_MAPS", {})
+    w = np.zeros((8, 300, 200), BF16).view(_FakeArray)          # [E, N, Kdim]
+    cfg = gg.fit_config("v6", "bf16", gg.heuristic_config("v6", "bf16", 4096), 128)
+    (tmap,) = gg.extra_args("v6", cfg, None, w)
+    assert gg.extra_args("v6", cfg, None, w)[0] is tmap and len(calls) == 1   # cached
+    assert isinstance(tmap, np.ndarray) and tmap.size == 1 and tmap.nbytes == 128
+    dtype, rank, ptr, dims, strides, box, estrides, swizzle, oob = calls[0]
+    assert dtype == driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 and rank == 3
+    assert ptr == w.ctypes.data and dims == [200, 300, 8] and strides == [400, 400 * 300]
+    assert box == [64, cfg["BLOCK_N"], 1] and estrides == [1, 1, 1]
+    assert swizzle == driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
+    assert oob == driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
+    gg.extra_args("v6", dict(cfg, BLOCK_N=128), None, w)
+    assert len(calls) == 2                                      # another tile: another map
 
 
 def test_kernel_sources_open_with_a_header():
@@ -606,7 +667,11 @@ EMU_HEADER = r"""
 #include <cuda_bf16.h>
 #include <algorithm>
 #include <barrier>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <unordered_map>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -621,6 +686,7 @@ EMU_HEADER = r"""
 #define __launch_bounds__(...)
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
+#define __grid_constant__
 using std::min;
 using std::max;
 
@@ -656,6 +722,79 @@ struct EmuCopy { unsigned dst; const unsigned char* src; int bytes; };
 thread_local std::vector<EmuCopy> emu_open;
 thread_local std::vector<std::vector<EmuCopy>> emu_groups;
 
+// ---- v6's ring: mbarriers, and a checker of the protocol around them. Every 16 bytes of
+// shared memory that a copy (cp.async, the tensor-map copy) writes and a wgmma reads carry:
+//   the barrier phase its copy completes on (the full barrier, the phase current when the copy
+//   landed: a cp.async lands at its thread's cp.async.mbarrier.arrive, a tensor copy at its
+//   issue; both as early as the hardware may, so a missing wait cannot hide behind a late copy);
+//   the wgmma reads issued on it and not yet released (released at the reader's next
+//   mbarrier.arrive after its wgmma.wait_group completed them), and the barrier phase of that
+//   release (the empty barrier).
+// A wgmma (checked at issue, by lane 0 of each warp: the warpgroup's read) must find every
+// piece landed, in a phase its thread has waited for (mbarrier.try_wait), and cp.async's pieces
+// behind a fence.proxy.async of that thread after that wait. A copy (checked at issue, when the
+// hardware may start writing) must find no unreleased read, and the release in a phase its
+// thread has waited for. Either missing wait (consumer on full, producer on empty) fails here
+// deterministically, whatever the threads' timing. The checks switch on at the first
+// mbarrier.init (v6); the other rungs never use mbarriers.
+struct EmuMbar { long gen = 0; int expected = 0, pending = 0; long long tx = 0; long phase = 0; };
+struct EmuSeen { long gen = -1, phase = 0, seq = 0; };    // a thread's view of one mbarrier
+struct EmuChunk {
+    int state = 0;                // 0 never written, 1 a copy in flight, 2 landed
+    unsigned bar = 0; long gen = 0, phase = 0; bool generic = false;   // the landing's phase
+    int readers = 0;              // wgmma reads issued and not yet released
+    bool rel = false; unsigned rel_bar = 0; long rel_gen = 0, rel_phase = 0;   // last release
+};
+std::mutex emu_mb_m;              // guards the mbarriers and the chunks
+std::condition_variable emu_mb_cv;
+std::unordered_map<unsigned, EmuMbar> emu_mbars;
+long emu_mb_gen = 0;
+bool emu_ring_checks = false;
+EmuChunk emu_chunks[sizeof(emu_smem) / 16];
+thread_local std::unordered_map<unsigned, EmuSeen> emu_seen;
+thread_local long emu_seq = 0, emu_fence_seq = -1;
+thread_local std::vector<unsigned> emu_read_done;   // chunks of completed, unreleased reads
+
+inline EmuMbar& emu_mbar(unsigned bar) {   // (under emu_mb_m)
+    auto it = emu_mbars.find(bar);
+    if (it == emu_mbars.end()) emu_fail("mbarrier used before mbarrier.init", bar);
+    return it->second;
+}
+inline bool emu_seen_past(unsigned bar, long gen, long phase) {   // waited past `phase`?
+    auto it = emu_seen.find(bar);
+    return it != emu_seen.end() && it->second.gen == gen && it->second.phase > phase;
+}
+inline void emu_check_write(unsigned off, const char* who) {   // (under emu_mb_m)
+    EmuChunk& c = emu_chunks[off / 16];
+    if (c.readers > 0) {
+        std::fprintf(stderr, "EMULATOR: %s overwrites shared memory that an issued wgmma has "
+                     "not released (a missing wait on the empty barrier?)\n", who);
+        emu_fail("write while read", off);
+    }
+    if (c.rel && !emu_seen_past(c.rel_bar, c.rel_gen, c.rel_phase)) {
+        std::fprintf(stderr, "EMULATOR: %s overwrites shared memory released in an empty-barrier "
+                     "phase this thread has not waited for\n", who);
+        emu_fail("write before the release is observed", off);
+    }
+    c.state = 1;
+}
+inline void emu_land(unsigned off, unsigned bar, const EmuMbar& m, bool generic) {
+    EmuChunk& c = emu_chunks[off / 16];
+    c.state = 2; c.bar = bar; c.gen = m.gen; c.phase = m.phase; c.generic = generic;
+}
+inline void emu_mbar_complete(EmuMbar& m) {   // (under emu_mb_m)
+    if (m.pending == 0 && m.tx == 0) {
+        ++m.phase;
+        m.pending = m.expected;
+        emu_mb_cv.notify_all();
+    }
+}
+inline void emu_mbar_arrive_locked(unsigned bar, EmuMbar& m) {
+    if (m.pending <= 0) emu_fail("mbarrier: arrival with no pending count", bar);
+    --m.pending;
+    emu_mbar_complete(m);
+}
+
 inline unsigned gg_smem_addr(const void* p) {
     return (unsigned)((const unsigned char*)p - emu_smem);
 }
@@ -671,6 +810,10 @@ inline void gg_cp_async16(unsigned dst, const void* src, int src_bytes) {
         bool inside = false;
         for (int i = 0; i < 2; ++i) inside |= s >= emu_lo[i] && s + 16 <= emu_hi[i];
         if (!inside) emu_fail("cp.async: reads outside a and w", (long long)(uintptr_t)s);
+    }
+    if (emu_ring_checks) {
+        std::lock_guard<std::mutex> l(emu_mb_m);
+        emu_check_write(dst, "cp.async");
     }
     emu_open.push_back({dst, s, src_bytes});
 }
@@ -746,12 +889,17 @@ inline void gg_mma(float* d, const unsigned* a, const unsigned* b, __nv_bfloat16
 //     A = start + (r/8) SBO + (r%8) W + 2k, then bits [4, 4+log2(W/16)) of A XORed with
 //     bits [7, ...) of A (absolute addresses: the atoms must be 1024-byte aligned, base
 //     offset 0); a k16 slice must stay inside one W-byte row.
-inline void wg_fence_proxy_async() {}
-inline void wg_fence() {}
-struct EmuWgmma { float* d; unsigned long long da, db; int n; };
+inline void wg_fence_proxy_async() { emu_fence_seq = ++emu_seq; }
+// wgmma.fence / wait_group are .sync.aligned: the warp's lanes execute them together (the
+// threads of the emulator run freely otherwise: v6's consumer lanes, which each spin on an
+// mbarrier, converge here, and a wait_group returns once every lane's share of the batches it
+// completes has read its operands: then lane 0 arrives on the empty barrier for all of them)
+inline void emu_warp_converge() { emu_warps[emu_tid / 32].bar.arrive_and_wait(); }
+inline void wg_fence() { emu_warp_converge(); }
+struct EmuWgmma { float* d; unsigned long long da, db; int n; std::vector<unsigned> chunks; };
 thread_local std::vector<EmuWgmma> emu_wg_open;
 thread_local std::vector<std::vector<EmuWgmma>> emu_wg_groups;
-inline float emu_operand(unsigned long long desc, int r, int k) {
+inline unsigned emu_operand_offset(unsigned long long desc, int r, int k) {
     const int type = (int)(desc >> 62);
     if (((desc >> 49) & 7) != 0) emu_fail("wgmma: base offset != 0 is not emulated", 0);
     if (((desc >> 46) & 7) != 0 || ((desc >> 52) & 0x3FF) != 0 || ((desc >> 14) & 3) != 0 ||
@@ -774,6 +922,10 @@ inline float emu_operand(unsigned long long desc, int r, int k) {
     if (start % 16) emu_fail("wgmma: descriptor start not 16-byte aligned", start);
     if (off + 2 > emu_smem_limit) emu_fail("wgmma: operand past the dynamic shared memory", off);
     if (off < EMU_SMEM_SHIFT) emu_fail("wgmma: operand before the dynamic shared memory", off);
+    return off;
+}
+inline float emu_operand(unsigned long long desc, int r, int k) {
+    const unsigned off = emu_operand_offset(desc, r, k);
     GG_T h;
     std::memcpy(&h, emu_smem + off, sizeof(h));
     return emu_f32(h);
@@ -787,25 +939,183 @@ inline void emu_wgmma_run(const EmuWgmma& m) {
             for (int k = 0; k < 16; ++k) s += emu_operand(m.da, r, k) * emu_operand(m.db, n, k);
             m.d[4 * j + i] += s;
         }
+    emu_read_done.insert(emu_read_done.end(), m.chunks.begin(), m.chunks.end());
+}
+// the 16-byte pieces a wgmma reads (A: 64 rows, B: n rows, 16 k each), checked (see above)
+inline void emu_track_reads(EmuWgmma& m) {
+    for (int r = 0; r < 64; ++r)
+        for (int k = 0; k < 16; k += 8) m.chunks.push_back(emu_operand_offset(m.da, r, k) / 16);
+    for (int r = 0; r < m.n; ++r)
+        for (int k = 0; k < 16; k += 8) m.chunks.push_back(emu_operand_offset(m.db, r, k) / 16);
+    std::sort(m.chunks.begin(), m.chunks.end());
+    m.chunks.erase(std::unique(m.chunks.begin(), m.chunks.end()), m.chunks.end());
+    std::lock_guard<std::mutex> l(emu_mb_m);
+    for (unsigned ci : m.chunks) {
+        EmuChunk& c = emu_chunks[ci];
+        if (c.state != 2)
+            emu_fail("wgmma reads shared memory no copy has landed in (a missing wait on the "
+                     "full barrier?)", ci * 16);
+        if (!emu_seen_past(c.bar, c.gen, c.phase))
+            emu_fail("wgmma reads a copy whose full-barrier phase this thread has not waited "
+                     "for", ci * 16);
+        if (c.generic && emu_fence_seq < emu_seen[c.bar].seq)
+            emu_fail("wgmma reads cp.async data with no fence.proxy.async after the wait", ci * 16);
+        ++c.readers;
+    }
 }
 inline void wg_commit() {
     emu_wg_groups.push_back(std::move(emu_wg_open));
     emu_wg_open.clear();
 }
 template <int PENDING> inline void wg_wait() {
+    emu_warp_converge();
     if (!emu_wg_open.empty()) emu_fail("wgmma.wait_group with uncommitted wgmma", 0);
     while ((int)emu_wg_groups.size() > PENDING) {
         for (const EmuWgmma& m : emu_wg_groups.front()) emu_wgmma_run(m);
         emu_wg_groups.erase(emu_wg_groups.begin());
     }
+    emu_warp_converge();    // every lane's share of the completed batches has read its operands
 }
 #define EMU_WGMMA(N)                                                                      \
     inline void gg_wgmma_n##N(float* d, unsigned long long da, unsigned long long db) {   \
-        emu_wg_open.push_back({d, da, db, N});                                            \
+        EmuWgmma m{d, da, db, N, {}};                                                     \
+        if (emu_ring_checks && emu_tid % 32 == 0) emu_track_reads(m);                     \
+        emu_wg_open.push_back(std::move(m));                                              \
     }
 EMU_WGMMA(64)
 EMU_WGMMA(128)
 EMU_WGMMA(256)
+
+#ifndef EMU_WAIT_S
+#define EMU_WAIT_S 120      // a wait this long is a deadlock
+#endif
+// mbarriers (v6): a pending count and a transaction count; a phase completes when both are
+// zero, and a try_wait.parity(p) returns once the phase of parity p is over (the current
+// phase's parity differs from p). Shared addresses are offsets into emu_smem.
+inline void gg_mbar_init(unsigned bar, unsigned count) {
+    std::lock_guard<std::mutex> l(emu_mb_m);
+    if (bar % 8) emu_fail("mbarrier.init: not 8-byte aligned", bar);
+    if (bar + 8 > emu_smem_limit || bar < EMU_SMEM_SHIFT)
+        emu_fail("mbarrier.init: outside the dynamic shared memory", bar);
+    for (EmuChunk& c : emu_chunks) c = EmuChunk{};   // a new CTA's ring: nothing landed or read
+    emu_ring_checks = true;
+    EmuMbar& m = emu_mbars[bar];
+    m.gen = ++emu_mb_gen;
+    m.expected = m.pending = (int)count;
+    m.tx = 0;
+    m.phase = 0;
+}
+inline void gg_fence_mbar_init() {}
+inline void gg_mbar_arrive(unsigned bar) {
+    std::lock_guard<std::mutex> l(emu_mb_m);
+    EmuMbar& m = emu_mbar(bar);
+    for (unsigned ci : emu_read_done) {   // this thread's completed reads are released here
+        EmuChunk& c = emu_chunks[ci];
+        --c.readers;
+        c.rel = true; c.rel_bar = bar; c.rel_gen = m.gen; c.rel_phase = m.phase;
+    }
+    emu_read_done.clear();
+    emu_mbar_arrive_locked(bar, m);
+}
+inline void gg_mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+    std::lock_guard<std::mutex> l(emu_mb_m);
+    EmuMbar& m = emu_mbar(bar);
+    m.tx += bytes;
+    emu_mbar_arrive_locked(bar, m);
+}
+inline void gg_mbar_wait(unsigned bar, unsigned parity) {
+    std::unique_lock<std::mutex> l(emu_mb_m);
+    EmuMbar* m = &emu_mbar(bar);
+    if (!emu_mb_cv.wait_for(l, std::chrono::seconds(EMU_WAIT_S),
+                            [&] { return (unsigned)(m->phase & 1) != (parity & 1u); })) {
+        std::fprintf(stderr, "EMULATOR: waiting for parity %u of the mbarrier at %u: %ld phases "
+                     "completed, %d arrivals and %lld bytes pending\n", parity, bar, m->phase,
+                     m->pending, m->tx);
+        emu_fail("mbarrier.try_wait: no phase completed in time (a deadlock)", bar);
+    }
+    EmuSeen& s = emu_seen[bar];
+    if (s.gen != m->gen) s = EmuSeen{m->gen, 0, 0};
+    s.phase = std::max(s.phase, m->phase);
+    s.seq = ++emu_seq;
+}
+// cp.async.mbarrier.arrive.noinc: this thread's copies land (now, as early as allowed once
+// they were issued), then its arrival counts
+inline void gg_cp_async_mbar_arrive(unsigned bar) {
+    std::lock_guard<std::mutex> l(emu_mb_m);
+    EmuMbar& m = emu_mbar(bar);
+    emu_groups.push_back(std::move(emu_open));
+    emu_open.clear();
+    for (const auto& g : emu_groups)
+        for (const EmuCopy& c : g) {
+            std::memset(emu_smem + c.dst, 0, 16);
+            if (c.bytes) std::memcpy(emu_smem + c.dst, c.src, 16);
+            emu_land(c.dst, bar, m, true);
+        }
+    emu_groups.clear();
+    emu_mbar_arrive_locked(bar, m);
+}
+inline void gg_cp_async_wait_all() {
+    gg_cp_async_commit();
+    gg_cp_async_wait<0>();
+}
+// cp.async.bulk.tensor.3d with an emulated CUtensorMap (EMU_MAIN fills it from the launcher's
+// v6_tensor_map_fields): words[0] the global base, [1..3] dims (innermost first), [4..5] the
+// strides of dims 1 and 2 in bytes, [6..8] the box, [9] element bytes, [10] swizzle bytes
+// (128: 16-byte chunk bits [4, 7) XORed with address bits [7, 10), the destination 1024-byte
+// aligned), [11] a magic word. Out-of-bounds elements are zeros; the box's bytes count down
+// the barrier's transactions (all of them, filled or not, as on the hardware).
+inline void gg_tma_load_3d(unsigned dst, const void* map, int c0, int c1, int c2, unsigned bar) {
+    const unsigned long long* v = static_cast<const unsigned long long*>(map);
+    if (v[11] != 0x7E45A0C0FFEEull) emu_fail("tensor copy: not an emulated tensor map", 0);
+    const unsigned char* base = reinterpret_cast<const unsigned char*>(v[0]);
+    const long long dim[3] = {(long long)v[1], (long long)v[2], (long long)v[3]};
+    const long long stride[3] = {0, (long long)v[4], (long long)v[5]};   // (dim 0: elements)
+    const int box[3] = {(int)v[6], (int)v[7], (int)v[8]};
+    const int elem = (int)v[9], sw = (int)v[10];
+    const long long row_bytes = (long long)box[0] * elem;
+    if (sw != 128 || row_bytes > sw || row_bytes % 16)
+        emu_fail("tensor copy: the box's inner extent must be a multiple of 16 bytes <= the "
+                 "128-byte swizzle", row_bytes);
+    if (dst % 1024) emu_fail("tensor copy: 128-byte swizzle needs a 1024-byte aligned box", dst);
+    const long long bytes = row_bytes * box[1] * box[2];
+    if (dst < EMU_SMEM_SHIFT || dst + bytes > emu_smem_limit)
+        emu_fail("tensor copy: box outside the dynamic shared memory", dst);
+    std::lock_guard<std::mutex> l(emu_mb_m);
+    EmuMbar& m = emu_mbar(bar);
+    for (int z = 0; z < box[2]; ++z)
+        for (int y = 0; y < box[1]; ++y)
+            for (long long x = 0; x < row_bytes; x += 16) {
+                const unsigned lin = (unsigned)(((long long)z * box[1] + y) * row_bytes + x);
+                const unsigned o = dst + (lin ^ (((lin >> 7) & 7) << 4));
+                emu_check_write(o, "the tensor copy");
+                for (int b = 0; b < 16; b += elem) {
+                    const long long i0 = c0 + (x + b) / elem, i1 = c1 + y, i2 = c2 + z;
+                    unsigned char* d = emu_smem + o + b;
+                    if (i0 < 0 || i0 >= dim[0] || i1 < 0 || i1 >= dim[1] || i2 < 0 || i2 >= dim[2])
+                        std::memset(d, 0, elem);
+                    else
+                        std::memcpy(d, base + i0 * elem + i1 * stride[1] + i2 * stride[2], elem);
+                }
+                emu_land(o, bar, m, false);
+            }
+    m.tx -= bytes;
+    emu_mbar_complete(m);
+}
+// bar.sync id, count: one std::barrier per (id, count), reused CTA after CTA
+inline void gg_bar_named(int id, int count) {
+    static std::mutex mu;
+    static std::unordered_map<long, std::barrier<>*> bars;
+    std::barrier<>* b;
+    {
+        std::lock_guard<std::mutex> l(mu);
+        auto& slot = bars[(long)id << 20 | count];
+        if (!slot) slot = new std::barrier<>(count);
+        b = slot;
+    }
+    b->arrive_and_wait();
+}
+template <int R> inline void gg_setmaxnreg_dec() {}
+template <int R> inline void gg_setmaxnreg_inc() {}
 """
 
 EMU_MAIN = r"""
@@ -816,6 +1126,9 @@ int main(int argc, char** argv) {
     if (std::fread(h, 8, 24, f) != 24) return 2;
     const int N = h[0], Kd = h[1], P = h[2], top_k = h[3], B = h[4], L = h[5], mul = h[6],
               bias_kind = h[7], gx = h[8], gy = h[9], bx = h[10], by = h[11];
+    // h[21]: words after the header for the kernel's extra arguments (v6: its tensor map)
+    std::vector<long long> extra(h[21]);
+    if (h[21] && std::fread(extra.data(), 8, h[21], f) != (size_t)h[21]) return 2;
     emu_smem_limit = EMU_SMEM_SHIFT + h[12];   // the dynamic buffer's end
     // byte sizes of a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
     // bias, c
@@ -834,6 +1147,16 @@ int main(int argc, char** argv) {
     unsigned char* c = cbuf.data() + guard;
     if (cbytes && std::fread(c, 1, cbytes, f) != cbytes) return 2;   // the caller's c (poisoned)
     std::fclose(f);
+#ifdef GG_KERNEL_TAKES_TMAP
+    GgTmap emu_tmap{};
+    if (extra.size() != 10) return 5;
+    emu_tmap.words[0] = (unsigned long long)(uintptr_t)buf[1].data();   // the map of w
+    for (int i = 0; i < 10; ++i) emu_tmap.words[1 + i] = (unsigned long long)extra[i];
+    emu_tmap.words[11] = 0x7E45A0C0FFEEull;
+#define GG_EMU_EXTRA_ARGS , emu_tmap
+#else
+#define GG_EMU_EXTRA_ARGS
+#endif
     const int nthreads = bx * by;
     std::barrier<> cta_bar(nthreads);
     emu_cta_bar = &cta_bar;
@@ -852,13 +1175,16 @@ int main(int argc, char** argv) {
                                    (const int*)buf[2].data(), (const int*)buf[3].data(),
                                    (const int*)buf[4].data(), (const float*)buf[5].data(),
                                    (const void*)buf[6].data(), N, Kd, P, top_k, B, L, mul,
-                                   bias_kind);
+                                   bias_kind GG_EMU_EXTRA_ARGS);
                     if (!emu_open.empty() || !emu_groups.empty())
                         emu_fail("a CTA ended with cp.async copies never waited for",
                                  emu_groups.size());
                     if (!emu_wg_open.empty() || !emu_wg_groups.empty())
                         emu_fail("a CTA ended with wgmma batches never waited for",
                                  emu_wg_groups.size());
+                    if (!emu_read_done.empty())
+                        emu_fail("a CTA ended with wgmma reads never released on a barrier",
+                                 emu_read_done.size());
                     cta_bar.arrive_and_wait();
                 }
         });
@@ -890,6 +1216,9 @@ emulated = pytest.mark.skipif(_GXX is None or _HDR is None,
                               reason="needs g++ and the CUDA headers (cuda_fp16.h)")
 
 
+EMU_FLAGS: list = []     # more g++ flags (-DEMU_WAIT_S=10: a shorter deadlock timeout)
+
+
 @functools.lru_cache(maxsize=None)
 def _emu_binary(cu, kernel_name, define_items):
     """g++ build of one kernel instantiation under the emulator (cached per process)."""
@@ -902,7 +1231,7 @@ def _emu_binary(cu, kernel_name, define_items):
     cpp = out_dir / "k.cpp"
     cpp.write_text(src)
     exe = out_dir / "k"
-    res = subprocess.run([_GXX, "-std=c++20", "-O1", "-pthread", "-w", f"-I{_HDR}", str(cpp),
+    res = subprocess.run([_GXX, "-std=c++20", "-O1", "-pthread", "-w", *EMU_FLAGS, f"-I{_HDR}", str(cpp),
                           "-o", str(exe)], capture_output=True, text=True)
     assert res.returncode == 0, f"g++ failed for {cu} {define_items}:\n{res.stderr[-3000:]}"
     return exe
@@ -911,17 +1240,21 @@ def _emu_binary(cu, kernel_name, define_items):
 def _emu_launch(exe, grid, block, smem, args):
     """Run the emulated kernel with the launcher's exact argument tuple; c (args[2]) is
     updated in place (rows the kernel does not write keep their bytes). Arrays are NumPy (or
-    NumPy-backed) arrays, sizes are NumPy ints."""
+    NumPy-backed) arrays, sizes are NumPy ints; arguments after the 16 common ones (v6: its
+    tensor map) come as int64 words (_emu_tensor_map)."""
     arrays = [np.ascontiguousarray(args[i]) for i in (0, 1, 3, 4, 5, 6, 7)]
     c = args[2]
+    extra = np.concatenate([np.asarray(x, np.int64).ravel() for x in args[16:]] or
+                           [np.zeros(0, np.int64)])
     gx, gy = (tuple(grid) + (1,))[:2]
     bx, by = (tuple(block) + (1,))[:2]
     head = np.array([int(args[i]) for i in range(8, 16)] + [gx, gy, bx, by, smem]
-                    + [x.nbytes for x in arrays] + [c.nbytes, 0, 0, 0], dtype=np.int64)
+                    + [x.nbytes for x in arrays] + [c.nbytes, extra.size, 0, 0], dtype=np.int64)
     with tempfile.TemporaryDirectory() as d:
         inp, outp = pathlib.Path(d) / "in.bin", pathlib.Path(d) / "out.bin"
         with open(inp, "wb") as f:
             f.write(head.tobytes())
+            f.write(extra.tobytes())
             for x in arrays:
                 f.write(x.tobytes())
             f.write(np.ascontiguousarray(c).tobytes())
@@ -932,7 +1265,18 @@ def _emu_launch(exe, grid, block, smem, args):
     np.asarray(c).reshape(-1).view(np.uint8)[...] = out
 
 
-def _emulate(prob, version, cfg):
+def _emu_tensor_map(fields):
+    """v6's tensor map as the emulator takes it (EMU_HEADER's gg_tma_load_3d): the words of
+    grouped_gemm.v6_tensor_map_fields, which the launcher hands to cuTensorMapEncodeTiled."""
+    assert fields["rank"] == 3 and fields["element_strides"] == (1, 1, 1)
+    return np.array([*fields["dims"], *fields["strides"], *fields["box"], fields["elem_bytes"],
+                     fields["swizzle_bytes"]], dtype=np.int64)
+
+
+EMU_SMS = 3     # v6's persistent grid in the emulator: few CTAs, each walking many tiles
+
+
+def _emulate(prob, version, cfg, num_sms=EMU_SMS):
     """Run one instantiation on the CPU on `prob` (as built by _problem); return c [P, N]."""
     dkey = gg.dtype_key(prob["dtype"])
     fitted = gg.fit_config(version, dkey, cfg, prob["B"])
@@ -940,7 +1284,10 @@ def _emulate(prob, version, cfg):
     exe = _emu_binary(gg.CU_FILES[version], gg.KERNEL_NAMES[version],
                       tuple(sorted(defines.items())))
     P, N, K = prob["P"], prob["N"], prob["a"].shape[1]
-    grid, block, smem = gg.launch_geometry(version, fitted, prob["st"].size, N)
+    grid, block, smem = gg.launch_geometry(version, fitted, prob["st"].size, N, num_sms)
+    extra = ()
+    if version == "v6":
+        extra = (_emu_tensor_map(gg.v6_tensor_map_fields(prob["w"].shape, dkey, fitted)),)
     bias = prob["bias"]
     bias_kind = 0 if bias is None else (1 if bias.dtype == prob["dtype"] else 2)
     bias_arr = np.zeros(1, np.float32) if bias is None else \
@@ -949,7 +1296,7 @@ def _emulate(prob, version, cfg):
     args = (prob["a"], prob["w"], c, prob["st"].astype(np.int32), prob["ex"].astype(np.int32),
             np.asarray(prob["nt"], np.int32).ravel()[:1], prob["tw"].astype(np.float32), bias_arr,
             np.int32(N), np.int32(K), np.int32(P), np.int32(prob["top_k"]), np.int32(prob["B"]),
-            np.int32(prob["st"].size), np.int32(prob["mul"]), np.int32(bias_kind))
+            np.int32(prob["st"].size), np.int32(prob["mul"]), np.int32(bias_kind)) + extra
     _emu_launch(exe, grid, block, smem, args)
     return c
 
@@ -1004,6 +1351,37 @@ EMU_CASES = {
     "v5_swizzle128_6_stages": ("v5", "bf16", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
                                                   warps=8, stages=6),
                                (60, 2, 2, 136, 456, 128), dict(bias=np.float32)),
+    # v6 (TMA + cp.async, mbarrier ring, warp-specialized, persistent over EMU_SMS = 3 CTAs),
+    # its ring protocol checked as it runs (EMU_HEADER): one consumer (BLOCK_M 64), two
+    # consumers over 128 rows, two splitting 256 columns of 64 rows; the nasty shapes
+    "v6_one_token": ("v6", "bf16", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, warps=8, stages=3,
+                                        GROUP_M=8, PRODUCER_REGS=56),
+                     (1, 4, 2, 72, 136, 64), dict(mul=True, bias="same")),
+    "v6_ragged_expert_map_fp16": ("v6", "fp16", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                                                     warps=12, stages=3, GROUP_M=8,
+                                                     PRODUCER_REGS=56),
+                                  (45, 8, 2, 200, 200, 128),
+                                  dict(expert_map=True, mul=True, bias=np.float32)),
+    "v6_experts_without_tokens_split_n": ("v6", "bf16", dict(BLOCK_M=64, BLOCK_N=128,
+                                                             BLOCK_K=64, warps=12, stages=2,
+                                                             GROUP_M=4, PRODUCER_REGS=56),
+                                          (3, 16, 2, 136, 72, 64), dict(mul=True)),
+    # 4 live m tiles x 3 n tiles over 3 CTAs, 6 k tiles a tile: the walk and the ring wrap
+    "v6_persistent_wrap": ("v6", "bf16", dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, warps=8,
+                                              stages=3, GROUP_M=2, PRODUCER_REGS=56),
+                           (100, 2, 2, 264, 328, 64), dict(mul=True)),
+    "v6_n256_two_consumers": ("v6", "bf16", dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                                                 warps=12, stages=2, GROUP_M=8,
+                                                 PRODUCER_REGS=56),
+                              (70, 2, 2, 264, 136, 128), dict(bias="same")),
+    # N = 300: not a multiple of 8 (the element-wise stores), two consumers splitting 256
+    "v6_split_n_gemm2_n300": ("v6", "fp16", dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, warps=12,
+                                                 stages=3, GROUP_M=8, PRODUCER_REGS=56),
+                              (31, 4, 2, 300, 200, 64), dict(gemm2=True, mul=True)),
+    # block_size 128 with 64-row tiles: two tiles of one alignment block
+    "v6_block128_tile64": ("v6", "bf16", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, warps=8,
+                                              stages=4, GROUP_M=8, PRODUCER_REGS=56),
+                           (90, 4, 2, 136, 72, 128), dict(mul=True)),
     "v3_fp32": ("v3", "fp32", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, warps=2, stages=1, TM=4,
                                    TN=4),
                 (9, 4, 2, 72, 52, 16), dict(mul=True, bias="same")),
@@ -1054,6 +1432,9 @@ class _FakeArray(np.ndarray):
 
 
 class _FakeDevice:
+    compute_capability = "90"                               # (v5 / v6 check it)
+    attributes = {"MultiProcessorCount": EMU_SMS}           # v6's persistent grid
+
     def __init__(self, dev=0):
         self.id = dev
 
@@ -1089,13 +1470,24 @@ class _EmuKernel:
 
 @pytest.mark.slow
 @emulated
-@pytest.mark.parametrize("case", ("v4_bf16_bias_weights_out", "default_fp16_k100", "v3_fp32_gemm2"))
+@pytest.mark.parametrize("case", ("v4_bf16_bias_weights_out", "default_fp16_k100", "v3_fp32_gemm2",
+                                  "v6_bf16_bias_weights_out", "v6_fp16_gemm2_block128"))
 def test_launcher_on_cpu_emulator(case, monkeypatch):
     """grouped_gemm() itself (checks, config, geometry, the argument tuple) with CuPy replaced
-    by NumPy-backed arrays and the kernel by its emulated build."""
+    by NumPy-backed arrays and the kernel by its emulated build (v6: extra_args' tensor map
+    from the fields the launcher would encode, the SM count of the fake device)."""
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
     monkeypatch.setattr(gg, "_READY", {})
     monkeypatch.setattr(gg, "_DUMMIES", {})
+    monkeypatch.setattr(gg, "_SM_COUNTS", {})
+    monkeypatch.setattr(gg, "_TENSOR_MAPS", {})
+    encoded = []
+
+    def fake_encode(fields, ptr):
+        encoded.append((fields, ptr))
+        return _emu_tensor_map(fields)
+
+    monkeypatch.setattr(gg, "_encode_tensor_map", fake_encode)
     monkeypatch.setattr(gg, "_sm90_of", lambda dev: True)
     made = []
 
@@ -1108,18 +1500,28 @@ def test_launcher_on_cpu_emulator(case, monkeypatch):
         version, prob = "v4", _host_problem(11, 4, 2, 80, 136, BF16, 16, mul=True, bias=BF16)
     elif case == "default_fp16_k100":
         version, prob = None, _host_problem(6, 4, 2, 48, 100, np.dtype(np.float16), 16, mul=True)
+    elif case == "v6_bf16_bias_weights_out":
+        version, prob = "v6", _host_problem(37, 4, 2, 200, 136, BF16, 64, mul=True, bias=BF16)
+    elif case == "v6_fp16_gemm2_block128":
+        version, prob = "v6", _host_problem(50, 4, 2, 136, 200, np.dtype(np.float16), 128,
+                                            gemm2=True, mul=True, bias=np.float32)
     else:
         version, prob = "v3", _host_problem(7, 4, 3, 64, 40, np.dtype(np.float32), 16,
                                             gemm2=True, mul=True, bias=np.float32)
     dev = {k: None if v is None else np.ascontiguousarray(v).view(_FakeArray)
            for k, v in prob.items() if k in ("a", "w", "st", "ex", "nt", "tw", "bias")}
     out = None
-    if version == "v4":
+    if version in ("v4", "v6"):
         out = np.full((prob["P"], prob["N"]), np.nan, prob["dtype"]).view(_FakeArray)
     got = gg.grouped_gemm(dev["a"], dev["w"], dev["st"].astype(np.int32),
                           dev["ex"].astype(np.int32), dev["nt"].astype(np.int32), prob["top_k"],
                           prob["B"], dev["tw"], prob["mul"], dev["bias"], version=version, out=out)
     assert out is None or got is out
     assert len(made) == 1 and len(made[0].launches) == 1
+    if version == "v6":
+        (grid, block, smem), = made[0].launches
+        assert grid == (EMU_SMS,) and block[0] in (256, 384)
+        (fields, ptr), = encoded
+        assert ptr == dev["w"].ctypes.data and fields["dims"] == tuple(reversed(dev["w"].shape))
     err = rel_err(np.asarray(got), prob["want"])
     assert err <= TOL[prob["dtype"]], f"{case}: relative error {err:.3e}"

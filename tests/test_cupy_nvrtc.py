@@ -99,6 +99,35 @@ def test_source_text_defines_and_includes(tmp_path, monkeypatch):
         C.source_text("missing.cu")
 
 
+V6_CASES = [c for c in CASES if c.cu_name == "gemm_v6_tma_ws.cu"]
+
+
+@pytest.mark.skipif(not NVRTC_OK, reason=f"cuda.core/NVRTC unavailable: {NVRTC_WHY}")
+@pytest.mark.parametrize("case", V6_CASES, ids=[_case_id(c) for c in V6_CASES])
+def test_v6_resources(case):
+    """Every v6 config the table and heuristic can launch, built as the GPU builds it, with
+    ptxas's report (-v): no stack frame, no spills (a warp-specialized kernel's registers are
+    its budget: the producer's PRODUCER_REGS, the consumers' CONSUMER_REGS), setmaxnreg not
+    ignored (warning C7508), and with two consumers the kernel enters with the cap of
+    __launch_bounds__(threads, 1) (65536 / threads, to 8): the pool setmaxnreg redistributes."""
+    import io
+    import re
+
+    src = C.source_text(case.cu_name, case.defines)
+    logs = io.StringIO()
+    C._nvrtc_compile(src, None, C.required_arch(case.options), C._BASE_OPTIONS, case.cu_name,
+                     program_options=dict(ptxas_options=["-v"]), logs=logs)
+    log = logs.getvalue()
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in log, log
+    assert "C7508" not in log and "setmaxnreg" not in log.lower(), log
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    threads = 128 * (1 + case.defines["CONSUMERS"])
+    if case.defines["CONSUMERS"] == 2:
+        assert regs == 65536 // threads // 8 * 8, log
+        assert 128 * case.defines["PRODUCER_REGS"] + 256 * case.defines["CONSUMER_REGS"] <= \
+            regs * threads
+
+
 def test_required_arch():
     assert C.required_arch(()) is None
     assert C.required_arch(("-arch=sm_90a",)) == "sm_90a"
