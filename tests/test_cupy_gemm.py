@@ -519,6 +519,100 @@ def test_v5_wgmma(case, dkey):
     _check(prob, "v5", **({"config": cfg} if cfg else {}))
 
 
+# v6 (TMA + cp.async, warp-specialized, persistent; opt-in): the grid of v5 and the nasty
+# cases, each under the table's config and under every kind of CTA v6 has (two consumers of
+# 64 rows, two splitting 256 columns, one consumer; deep and shallow rings, GROUP_M 4 / 16)
+V6_CASES = {
+    # name: (T, E, top_k, N, K, B, extra)
+    "vllm_33_2048_128": (33, 8, 2, 4096, 128, 64, {}),
+    "vllm_222_1024_1024_gemm1": (222, 64, 6, 2048, 1024, 64, {}),
+    "vllm_222_1024_1024_gemm2": (222, 8, 6, 1024, 1024, 64, {"gemm2": True, "mul": True}),
+    "one_token": (1, 8, 2, 256, 128, 64, {}),
+    "N200_K136_bias_weights": (37, 8, 3, 200, 136, 64, {"bias": np.float32, "mul": True}),
+    "block_128_bias_same": (300, 4, 2, 512, 256, 128, {"bias": "same"}),
+    "experts_without_tokens": (3, 64, 2, 128, 128, 64, {}),
+    "all_tokens_on_one_expert": (77, 8, 1, 192, 256, 64, {"one_expert": 5, "mul": True}),
+    "expert_map": (29, 8, 2, 160, 128, 64, {"expert_map": True, "bias": np.float32, "mul": True}),
+    "N124_gemm2": (41, 16, 4, 124, 96, 64, {"gemm2": True, "mul": True}),
+    # ~70 m tiles x 8 n tiles, far more than the SMs: the persistent walk wraps many times
+    "persistent_many_tiles": (4096, 8, 2, 1024, 512, 128, {"mul": True}),
+}
+V6_CONFIGS = {
+    "table": None,
+    "128x256_s4": (128, 256, 64, 12, 4, 8, 56),
+    "128x128_s6_g16": (128, 128, 64, 12, 6, 16, 56),
+    "64x256_split_n": (64, 256, 64, 12, 5, 4, 56),
+    "64x128_one_consumer_s2": (64, 128, 64, 8, 2, 8, 56),
+}
+
+
+def _v6_problem(case, dkey):
+    T, E, top_k, N, K, B, extra = V6_CASES[case]
+    extra = dict(extra)
+    if extra.get("bias") == "same":
+        extra["bias"] = DTYPES[dkey]
+    if extra.pop("expert_map", False):
+        E_local, emap = reference.determine_expert_map(2, 1, E)
+        extra.update(expert_map=emap, E_local=E_local)
+    if "one_expert" in extra:
+        extra["ids"] = np.full((T, top_k), extra.pop("one_expert"), dtype=np.int32)
+    return _problem(T, E, top_k, N, K, DTYPES[dkey], B, **extra)
+
+
+def _need_sm90():
+    if _cp().cuda.Device().compute_capability != "90":
+        pytest.skip("v6 (wgmma, setmaxnreg: sm_90a) needs a compute capability 9.0 GPU")
+
+
+@gpu
+@pytest.mark.parametrize("config", tuple(V6_CONFIGS))
+@pytest.mark.parametrize("dkey", ("fp16", "bf16"))
+@pytest.mark.parametrize("case", tuple(V6_CASES))
+def test_v6_tma_ws(case, dkey, config):
+    _need_sm90()
+    cand = V6_CONFIGS[config]
+    kw = {} if cand is None else {"config": tune.candidate_config("v6", cand)}
+    _check(_v6_problem(case, dkey), "v6", **kw)
+
+
+@gpu
+def test_v6_rows_named_by_no_block_are_left_alone():
+    """ignore_invalid_experts: the rows of non-local slots keep their poison under v6 too."""
+    _need_sm90()
+    T, E, top_k = 21, 8, 2
+    _, emap = reference.determine_expert_map(2, 0, E)
+    prob = _problem(T, E, top_k, 128, 128, np.dtype(np.float16), 64, expert_map=emap,
+                    E_local=4, ignore_invalid=True)
+    got = _run(prob, "v6").astype(np.float64)
+    live = np.isfinite(prob["want"]).all(axis=1)
+    assert (~live).any() and live.any()
+    assert np.isnan(got[~live]).all()
+    assert rel_err(got[live], prob["want"][live]) <= TOL[np.dtype(np.float16)]
+
+
+@gpu
+def test_v6_deterministic_and_graph_capturable():
+    """No atomics: two calls give the same bits; and a CUDA graph captured around the call
+    (after a warm-up that compiles, encodes the tensor map and reads the SM count) replays
+    to the same bits, with num_tokens_post_padded read on the device."""
+    _need_sm90()
+    cp = _cp()
+    prob = _problem(300, 8, 2, 384, 512, BF16, 128, mul=True)
+    first = _run(prob, "v6")
+    assert (first.view(np.uint16) == _run(prob, "v6").view(np.uint16)).all()
+    d = prob["dev"]
+    out = _poisoned((prob["P"], prob["N"]), prob["dtype"])
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        gg.grouped_gemm(d["a"], d["w"], d["st"], d["ex"], d["nt"], prob["top_k"], prob["B"],
+                        d["tw"], True, version="v6", out=out)
+        graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    assert (_host(out, BF16).view(np.uint16) == first.view(np.uint16)).all()
+
+
 # ============================================================================ GPU: end to end
 def _stage(name):
     """The CuPy stage when the backend has it, else None (the test then runs it on the host)."""
@@ -571,6 +665,44 @@ def test_fused_experts_end_to_end(version, dkey, case):
         out = _host(msum(c3.reshape(T, top_k, H)), dt)
     else:
         out = reference.moe_sum(_host(c3, dt).reshape(T, top_k, H))
+    err = rel_err(out, want)
+    assert err <= TOL[dt], f"fused experts with {version} ({dkey}): rel err {err:.3e}"
+
+
+@gpu
+@pytest.mark.parametrize("version", ("v5", "v6"))
+@pytest.mark.parametrize("dkey", ("fp16", "bf16"))
+@pytest.mark.parametrize("case", ("plain", "bias_ep"))
+def test_fused_experts_end_to_end_wgmma(version, dkey, case):
+    """The layer of test_fused_experts_end_to_end with the sm_90a rungs, aligned to their own
+    BLOCK_M (a multiple of 64)."""
+    _need_sm90()
+    dt = DTYPES[dkey]
+    T, E, top_k, H, I = 45, 16, 4, 256, 192  # noqa: E741
+    rng = rng_for("e2e-wgmma", version, dkey, case)
+    x = uniform(rng, (T, H), 1.0, dt)
+    w1 = uniform(rng, (E, 2 * I, H), 1.7 / math.sqrt(H), dt)
+    w2 = uniform(rng, (E, H, I), 1.7 / math.sqrt(I), dt)
+    ids = distinct_topk_ids(rng, T, E, top_k)
+    tw = random_weights(rng, T, top_k)
+    emap, b1, b2, E_local = None, None, None, E
+    if case == "bias_ep":
+        E_local, emap = reference.determine_expert_map(2, 1, E)
+        w1, w2 = w1[emap >= 0].copy(), w2[emap >= 0].copy()
+        b1 = uniform(rng, (E_local, 2 * I), 0.5, dt)
+        b2 = uniform(rng, (E_local, H), 0.5, dt)
+    want = reference.fused_experts(x, w1, w2, tw, ids, global_num_experts=E, expert_map=emap,
+                                   w1_bias=b1, w2_bias=b2, precision="exact")
+    B = gg.get_config(T, 2 * I, H, E_local, top_k, dt, version)["BLOCK_M"]
+    st, ex, nt = reference.moe_align_block_size(ids, B, E, expert_map=emap)
+    d = {k: _dev(v) for k, v in dict(x=x, w1=w1, w2=w2, tw=tw, st=st, ex=ex, nt=nt,
+                                         b1=b1, b2=b2).items()}
+    c1 = gg.grouped_gemm(d["x"], d["w1"], d["st"], d["ex"], d["nt"], top_k, B, d["tw"], False,
+                         d["b1"], version=version)                               # [P, 2I]
+    c2 = _dev(reference.apply_activation(_host(c1, dt), "silu", True))          # [P, I]
+    c3 = gg.grouped_gemm(c2, d["w2"], d["st"], d["ex"], d["nt"], 1, B, d["tw"], True, d["b2"],
+                         version=version)                                        # [P, H]
+    out = reference.moe_sum(_host(c3, dt).reshape(T, top_k, H))
     err = rel_err(out, want)
     assert err <= TOL[dt], f"fused experts with {version} ({dkey}): rel err {err:.3e}"
 
