@@ -490,6 +490,8 @@ def fit_config(version: str, dkey: str, cfg: dict, block_size: int) -> dict:
         if bm < 64:
             raise ValueError(f"block_size: v6 needs a multiple of 64 (a warpgroup's wgmma "
                              f"covers 64 rows), got {block_size}")
+        cfg.setdefault("GROUP_M", 8)             # a config written for v4 / v5 lacks them
+        cfg.setdefault("PRODUCER_REGS", 56)
         if bm == 128:
             cfg["warps"] = 12           # two consumers of 64 rows each
         elif cfg["warps"] == 12 and cfg["BLOCK_N"] < 128:
