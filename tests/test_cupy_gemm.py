@@ -1511,6 +1511,9 @@ EMU_CASES = {
     "v6_split_n_gemm2_n300": ("v6", "fp16", dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, warps=12,
                                                  stages=3, GROUP_M=8, PRODUCER_REGS=56),
                               (31, 4, 2, 300, 200, 64), dict(gemm2=True, mul=True)),
+    # the shipped prefill tile (the heuristic from m = 512): 128 x 256, 4 stages, 6 k tiles
+    "v6_shipped_128x256": ("v6", "bf16", gg.heuristic_config("v6", "bf16", 4096),
+                           (70, 2, 2, 264, 328, 128), dict(mul=True, bias=np.float32)),
     # block_size 128 with 64-row tiles: two tiles of one alignment block
     "v6_block128_tile64": ("v6", "bf16", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, warps=8,
                                               stages=4, GROUP_M=8, PRODUCER_REGS=56),
