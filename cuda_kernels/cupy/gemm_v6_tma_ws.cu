@@ -98,10 +98,10 @@
 #define GROUP_M 8
 #endif
 #ifndef PRODUCER_REGS
-#define PRODUCER_REGS 40
+#define PRODUCER_REGS 56
 #endif
 #ifndef CONSUMER_REGS
-#define CONSUMER_REGS 232
+#define CONSUMER_REGS 224
 #endif
 #ifndef GG_AB
 #define GG_AB bf16                           // the PTX type of the operands: bf16 or f16
