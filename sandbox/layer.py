@@ -756,6 +756,17 @@ class FusedMoE:
         src_x = self._source(x)
 
         topk_weights, topk_ids, zero_result = self._route(run, x, logits, exact)
+        fused = None if exact or run.trace is not None else self._fused_experts(bk)
+        if fused is not None:
+            # the experts in one call of the backend's fused_experts: the same kernels as the
+            # stages below, launched from a plan cached per shape (host time of a decode step)
+            out = fused(arrays.transfer(x, src_x, bk["gemm1"]),
+                        self._param("w13_weight", bk["gemm1"], exact),
+                        self._param("w2_weight", bk["gemm2"], exact),
+                        topk_weights, topk_ids, self.activation,
+                        self.apply_router_weight_on_input, block_size=block,
+                        expert_map=self._constant("expert_map", self.expert_map, bk["align"]))
+            return self._extras(run, out, x, src_x, zero_result, block, exact)
         sorted_ids, expert_ids, ntpp = self._call(
             run, "align", (topk_ids, block, self.num_experts),
             {"expert_map": self._constant("expert_map", self.expert_map, bk["align"])},
@@ -779,7 +790,25 @@ class FusedMoE:
         cache3 = arrays.transfer(cache3, bk["gemm2"], bk["combine"])
         cache3 = cache3.reshape(t, self.top_k, self.hidden_size)               # [T, K, H]
         out = self._call(run, "combine", (cache3,), {}, (bk["combine"],))
+        return self._extras(run, out, x, src_x, zero_result, block, exact)
 
+    def _fused_experts(self, bk):
+        """The backend's `fused_experts` when one backend runs align .. combine and has one
+        for this layer (gated silu / gelu, no biases, a half dtype), else None."""
+        names = {bk[s].name for s in ("align", "gemm1", "activation", "gemm2", "combine")}
+        if len(names) != 1 or self.has_bias or not self.is_act_and_mul:
+            return None
+        b = bk["gemm1"]
+        if b.is_host or self.params_dtype not in (np.dtype(np.float16), arrays.BF16):
+            return None
+        fn = getattr(b.module, "fused_experts", None)
+        if fn is None or self.activation not in getattr(fn, "activations", ()):
+            return None
+        return fn
+
+    def _extras(self, run, out, x, src_x, zero_result, block, exact):
+        """The zero experts' and the shared experts' outputs added to the routed ones."""
+        bk = run.backends
         extras = []
         if zero_result is not None and self.tp_rank == 0 and self.ep_rank == 0:
             extras.append((zero_result, bk["route"]))
