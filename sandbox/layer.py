@@ -593,13 +593,17 @@ class FusedMoE:
 
         hidden_states: NumPy (cast to params_dtype) or a device array of params_dtype;
         router_logits [T, E+Z] any float dtype. Returns NumPy, or with return_device=True
-        the combine backend's own array (no copy to the host).
+        a device array without a copy to the host: of hidden_states' library when that is a
+        GPU array (torch in, torch out; a zero-copy view), else the combine backend's own.
         With tp_size > 1 / ep_size > 1 this is the rank's partial output.
         """
         run = self._start(self.stage_backends, trace=None)
         with caller_stream(hidden_states, router_logits):
             out = self._forward(run, hidden_states, router_logits, exact=False)
         if return_device:
+            if arrays.is_device(hidden_states) and arrays.kind(out) != arrays.kind(hidden_states):
+                view = arrays.zero_copy(out, arrays.kind(hidden_states))
+                return out if view is None else view
             return out
         return run.backends["combine"].get(out)
 
@@ -760,7 +764,7 @@ class FusedMoE:
         if fused is not None:
             # the experts in one call of the backend's fused_experts: the same kernels as the
             # stages below, launched from a plan cached per shape (host time of a decode step)
-            out = fused(arrays.transfer(x, src_x, bk["gemm1"]),
+            out = fused(x if arrays.is_device(x) else arrays.transfer(x, src_x, bk["gemm1"]),
                         self._param("w13_weight", bk["gemm1"], exact),
                         self._param("w2_weight", bk["gemm2"], exact),
                         topk_weights, topk_ids, self.activation,

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import numpy as np
 
@@ -42,7 +41,7 @@ from . import _compile as C
 from . import activation as act_mod
 from . import combine as sum_mod
 from . import permute as perm_mod
-from ._stream import external_stream
+from ._launch import FastLaunch
 
 # intermediates (sorted ids .. c3) up to this many bytes are kept per (plan, stream)
 WORKSPACE_CACHE_BYTES = 64 << 20
@@ -114,6 +113,13 @@ class _Allocator:
             self.tdtypes = {np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32,
                             np.dtype(np.float16): torch.float16, C.bf16_dtype(): torch.bfloat16}
             self.dev = torch.device("cuda", device)
+            # the raw cudaStream_t of torch's current stream: the call Triton's launcher makes
+            # (torch.cuda.current_stream() builds a Stream object, several us on a slow host)
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            self._torch_stream = raw if raw is not None else (
+                lambda d: torch.cuda.current_stream(d).cuda_stream)
+            self._torch_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
+                                            torch.cuda.is_current_stream_capturing)
 
     def empty(self, shape, dtype):
         if self.kind == "torch":
@@ -125,42 +131,34 @@ class _Allocator:
         a = C.empty(shape, dtype)
         return a, a.data.ptr
 
+    def raw(self, nbytes: int):
+        """(owner, pointer) of `nbytes` of scratch (never poisoned: intermediates)."""
+        if self.kind == "torch":
+            t = self.torch.empty((nbytes,), dtype=self.torch.uint8, device=self.dev)
+            return t, t.data_ptr()
+        import cupy
+
+        a = cupy.empty((nbytes,), dtype=cupy.uint8)
+        return a, a.data.ptr
+
     def stream(self):
-        """(CuPy stream handle to launch on, its pointer, whether it is capturing)."""
+        """(the stream pointer to launch on, whether it is being captured): torch's current
+        stream for torch callers, CuPy's current stream otherwise."""
         import cupy
 
         if self.kind == "torch":
-            s = self.torch.cuda.current_stream(self.device)
-            return (external_stream(s.cuda_stream, self.device), s.cuda_stream,
-                    self.torch.cuda.is_current_stream_capturing())
-        s = cupy.cuda.get_current_stream()
-        return s, s.ptr, bool(cupy.cuda.runtime.streamIsCapturing(s.ptr))
+            return self._torch_stream(self.device), self._torch_capturing()
+        ptr = cupy.cuda.get_current_stream().ptr
+        return ptr, bool(cupy.cuda.runtime.streamIsCapturing(ptr))
 
 
 # ----------------------------------------------------------------------------- the plan
-@dataclasses.dataclass
-class _Launch:
-    fn: Any          # the compiled kernel (CuPy Function)
-    grid: tuple
-    block: tuple
-    smem: int
-    cooperative: bool = False
-
-    def __call__(self, args, stream):
-        if self.cooperative:
-            self.fn(self.grid, self.block, args, shared_mem=self.smem, stream=stream,
-                    enable_cooperative_groups=True)
-        else:
-            self.fn(self.grid, self.block, args, shared_mem=self.smem, stream=stream)
-
-
-def _function(kernel):
-    """The CuPy Function under a RawKernel (a launch skips one Python layer)."""
-    return getattr(kernel, "kernel", kernel)
-
-
-_U64 = np.uint64
-_I32 = np.int32
+# kernel signatures for FastLaunch: p pointer, i int32 (permute.cu, gemm_common.cuh's
+# GG_KERNEL_ARGS, elementwise kernels of activation.cu / combine.cu)
+ALIGN_SIG = "ppppppp" + "iiiiii"
+GEMM_SIG = "pppppppp" + "iiiiiiii"
+ROWS_SIG = "pp" + "iii"
+SUM_SIG = "pp" + "iiii"
 
 
 class ExpertsPlan:
@@ -178,8 +176,9 @@ class ExpertsPlan:
         self.dtype = np.dtype(dtype)
         self.device = device
         dkey = gg.dtype_key(dtype)
+        card = gg.device_name(device)
         if block_size is None:
-            block_size = int(gg.get_config(T, N1, H, E, K, dtype)["BLOCK_M"])
+            block_size = int(gg.get_config(T, N1, H, E, K, dtype, device=card)["BLOCK_M"])
         self.B = B = C.check_int("block_size", block_size, 1)
         # align bins by global ids (E_align = the expert map's length, else E)
         self.E_align = E_align
@@ -197,23 +196,23 @@ class ExpertsPlan:
                              perm_mod._FIXED_NAMES)
             if smem > 48 * 1024:
                 k.max_dynamic_shared_size_bytes = smem
-            self.align = _Launch(_function(k), (G,), (W * 32,), smem, cooperative=G > 1)
+            self.align = FastLaunch(k, (G,), (W * 32,), smem, ALIGN_SIG, cooperative=G > 1)
             self.align_G = G
             # the two GEMMs: the rung and config grouped_gemm would pick
             self.gemms = []
             for n, kd, aligned in ((N1, H, a_aligned and w1_aligned), (H, I, w2_aligned)):
-                version, cfg = gg._plan(None, dkey, bucket, n, kd, B, aligned, sm90, None)
+                version, cfg = gg._plan(None, dkey, bucket, n, kd, B, aligned, sm90, None, card)
                 grid, block, gsmem = gg.launch_geometry(version, cfg, L, n)
                 kern = gg._kernel(version, dkey, cfg, device)
-                self.gemms.append((version, _Launch(_function(kern), grid, block, gsmem)))
+                self.gemms.append((version, FastLaunch(kern, grid, block, gsmem, GEMM_SIG)))
             self.versions = tuple(v for v, _ in self.gemms)
             # activation and combine: the workspaces are 256-byte aligned, so the vector
             # width depends on the row widths only
             name_fmt = f"act_and_mul_kernel<{act_mod._AND_MUL[activation]}, {{vec}}>"
             self.act = self._rows(act_mod, "activation.cu", name_fmt, P, I, "ACT_THREADS",
-                                  "activation", act_mod._NAMES)
+                                  "activation", act_mod._NAMES, ROWS_SIG)
             self.combine = self._rows(sum_mod, "combine.cu", "moe_sum_kernel<{vec}>", T, H,
-                                      "SUM_THREADS", "moe_sum_kernel", sum_mod._NAMES)
+                                      "SUM_THREADS", "moe_sum_kernel", sum_mod._NAMES, SUM_SIG)
             self.dummy = gg._dummy(cupy, device).data.ptr
         # workspace layout: [sorted L][expert_ids L/B][ntpp 1][hist G*E], then c1, c2, c3
         isz = self.dtype.itemsize
@@ -223,7 +222,7 @@ class ExpertsPlan:
         self._workspaces: dict = {}
         self._captured: list = []
 
-    def _rows(self, mod, cu, name_fmt, rows, width, threads_key, cfg_key, names):
+    def _rows(self, mod, cu, name_fmt, rows, width, threads_key, cfg_key, names, sig):
         threads_max = mod.CONFIGS[cfg_key][threads_key]
         isz = self.dtype.itemsize
         vec = max(v for v in C.ROW_VECS if v * isz <= 16 and width % v == 0)
@@ -231,7 +230,7 @@ class ExpertsPlan:
         chunks = C.cdiv(width, threads * vec)
         C.check_fits_int32("x", rows * chunks, "the grid size rows * column chunks")
         k = C.get_kernel(cu, name_fmt.format(vec=vec), mod._defines(self.dtype), names)
-        return _Launch(_function(k), (max(rows * chunks, 1),), (threads,), 0), chunks
+        return FastLaunch(k, (max(rows * chunks, 1),), (threads,), 0, sig), chunks
 
     # --- per call
     def _workspace(self, alloc, stream_ptr, capturing):
@@ -242,8 +241,7 @@ class ExpertsPlan:
             hit = self._workspaces.get(key)
             if hit is not None:
                 return hit
-        owner, base = alloc.empty((self.ws_bytes,), np.uint8) if alloc.kind == "cupy" else \
-            alloc.empty((self.ws_bytes // 4,), np.int32)
+        owner, base = alloc.raw(self.ws_bytes)
         ptrs, off = [], 0
         isz = self.dtype.itemsize
         for nbytes in (4 * self.n_ints, self.P * self.N1 * isz, self.P * self.I * isz,
@@ -264,29 +262,24 @@ class ExpertsPlan:
         out, out_ptr = alloc.empty((self.T, self.H), self.dtype)
         if self.P == 0 or self.H == 0:
             return out
-        stream, stream_ptr, capturing = alloc.stream()
+        stream_ptr, capturing = alloc.stream()
         ints, c1, c2, c3, _owner = self._workspace(alloc, stream_ptr, capturing)
         L, B, P, E = self.L, self.B, self.P, self.E_align
         sorted_ids, expert_ids = ints, ints + 4 * L
         ntpp = expert_ids + 4 * self.num_blocks
         hist = ntpp + 4 if self.align_G > 1 else 0
         bar = perm_mod._barrier_word(stream_ptr).data.ptr if self.align_G > 1 else 0
-        self.align((_U64(ids.ptr), _U64(emap_ptr), _U64(sorted_ids), _U64(expert_ids),
-                    _U64(ntpp), _U64(hist), _U64(bar), _I32(P), _I32(E), _I32(B), _I32(L),
-                    _I32(self.num_blocks), _I32(0)), stream)
-        common = (_U64(sorted_ids), _U64(expert_ids), _U64(ntpp), _U64(tw.ptr), _U64(self.dummy))
+        self.align(stream_ptr, ids.ptr, emap_ptr, sorted_ids, expert_ids, ntpp, hist, bar,
+                   P, E, B, L, self.num_blocks, 0)
         (_, g1), (_, g2) = self.gemms
-        g1((_U64(x.ptr), _U64(w1.ptr), _U64(c1)) + common
-           + (_I32(self.N1), _I32(self.H), _I32(P), _I32(self.K), _I32(B), _I32(L),
-              _I32(self.mul_on_input), _I32(0)), stream)
+        g1(stream_ptr, x.ptr, w1.ptr, c1, sorted_ids, expert_ids, ntpp, tw.ptr, self.dummy,
+           self.N1, self.H, P, self.K, B, L, int(self.mul_on_input), 0)
         act, act_chunks = self.act
-        act((_U64(c1), _U64(c2), _I32(P), _I32(self.I), _I32(act_chunks)), stream)
-        g2((_U64(c2), _U64(w2.ptr), _U64(c3)) + common
-           + (_I32(self.H), _I32(self.I), _I32(P), _I32(1), _I32(B), _I32(L),
-              _I32(not self.mul_on_input), _I32(0)), stream)
+        act(stream_ptr, c1, c2, P, self.I, act_chunks)
+        g2(stream_ptr, c2, w2.ptr, c3, sorted_ids, expert_ids, ntpp, tw.ptr, self.dummy,
+           self.H, self.I, P, 1, B, L, int(not self.mul_on_input), 0)
         comb, sum_chunks = self.combine
-        comb((_U64(c3), _U64(out_ptr), _I32(self.T), _I32(self.K), _I32(self.H),
-              _I32(sum_chunks)), stream)
+        comb(stream_ptr, c3, out_ptr, self.T, self.K, self.H, sum_chunks)
         return out
 
 
@@ -319,8 +312,9 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     """out [T, H] = the MoE layer's experts (module docstring) for routed tokens.
 
     hidden_states [T, H] bf16/fp16, w1 [E, 2I, H] (gate rows then up rows), w2 [E, H, I],
-    topk_weights [T, K] fp32, topk_ids [T, K] int32 (ids outside [0, E) are dropped), all
-    CuPy arrays or all CUDA torch tensors on one device, contiguous; expert_map [E_global]
+    topk_weights [T, K] fp32, topk_ids [T, K] int32 (ids outside [0, E) are dropped), CuPy
+    arrays or CUDA torch tensors on one device, contiguous (the output, its allocator and
+    stream are hidden_states' library's); expert_map [E_global]
     int32 (global -> local id or -1; topk_ids then hold global ids) or None; block_size:
     the alignment block (None: the GEMM config's BLOCK_M for this shape). Returns the
     caller's kind of array.
@@ -331,10 +325,7 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     args = {}
     for name, v in (("hidden_states", hidden_states), ("w1", w1), ("w2", w2),
                     ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if _kind(v) != kind:
-            raise TypeError(f"{name}: expected a {kind} array like hidden_states, got "
-                            f"{type(v).__name__}")
-        args[name] = a = _describe(name, v, kind)
+        args[name] = a = _describe(name, v, _kind(v))
         if not a.contiguous:
             raise ValueError(f"{name}: expected a contiguous array, got shape {a.shape}")
         if a.device != args["hidden_states"].device:
