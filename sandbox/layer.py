@@ -13,7 +13,8 @@ The layer computes, for every token t (modelled on vLLM's FusedMoE, NumPy parame
              + W2s @ act(W13s @ x[t])             (shared experts, every token)
 
 as six stages, each through the backend the mapping assigns (`backend="torch"`, or
-`{"route": "numba", "gemm1": "cupy"}`; stages left out use "reference"):
+`{"route": "numba", "gemm1": "cupy"}`; stages left out use "reference"; the constructor's
+argument, or `layer.backend = ...` at any time):
 
     route       select_experts          logits [T, E+Z] -> topk_weights f32, topk_ids [T, K]
     align       moe_align_block_size    topk_ids -> sorted_token_ids, expert_ids, num_post_padded
@@ -52,7 +53,7 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,21 @@ def _int_arg(name, value, minimum):
     return int(value)
 
 
+class _StageMapping(dict):
+    """A layer's resolved {stage: backend}: a dict that refuses writes, so that a change
+    goes through `FusedMoE.backend` (checked names, stale device copies dropped)."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("stage_backends: read-only; assign layer.backend = {stage: backend} "
+                        "(or a backend name) to change the mapping")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    update = pop = popitem = clear = setdefault = _refuse
+
+    def __reduce__(self):            # copy, deepcopy and pickle build it from a plain dict
+        return type(self), (dict(self),)
+
+
 @dataclass
 class StageCall:
     """One stage as the layer ran it: what went in and what came out (for the harness)."""
@@ -127,7 +143,9 @@ class FusedMoE:
         shared_w13  [2*I_sp, H], shared_w2 [H, I_sp]   (n_shared_experts; I_s =
                     shared_intermediate_size or n_shared_experts * I, I_sp = I_s / tp_size)
 
-    `backend`: a backend name or a {stage: backend} dict (see sandbox.registry).
+    `backend`: a backend name or a {stage: backend} dict (see sandbox.registry); assigning
+    `layer.backend` later takes effect at the next forward (`stage_backends` is the resolved,
+    read-only mapping).
     `block_size`: the alignment block (= the GEMM's BLOCK_M); None asks the GEMM backend's
     `get_config`, else 64.
     """
@@ -233,12 +251,45 @@ class FusedMoE:
                                  f"({self.tp_size}), got {i_s}")
             self.shared_intermediate_size = i_s
 
-        self._backend_spec = backend
-        self.stage_backends = resolve_stage_mapping(backend)
+        self.backend = backend           # checked and resolved by the property's setter
         self.block_size = (None if block_size is None
                            else _int_arg("block_size", block_size, 1))
         self.expert_mapping = None       # (param_name, weight_name, expert_id, shard_id) list
         self._allocate()
+
+    # ------------------------------------------------------------------------- backends
+    @property
+    def backend(self):
+        """The stage mapping as given: a backend name, or a {stage: backend} dict (stages
+        left out run on "reference"). Assigning it takes effect at the next forward:
+
+            layer.backend = {"route": "numba", "gemm1": "cupy"}
+
+        The setter resolves the mapping through registry.resolve_stage_mapping (ValueError
+        for an unknown stage or backend, TypeError for anything else; the layer is then left
+        as it was) and drops the cached device copies of the parameters for backends no
+        stage uses any more. Availability is checked on forward."""
+        spec = self._backend_spec
+        return dict(spec) if isinstance(spec, dict) else spec
+
+    @backend.setter
+    def backend(self, backend):
+        mapping = resolve_stage_mapping(backend)          # raises before anything changes
+        self._backend_spec = dict(backend) if isinstance(backend, Mapping) else backend
+        self._stage_backends = _StageMapping(mapping)
+        in_use = set(mapping.values())
+        for key in [k for k in self._device_params if k[0] not in in_use]:
+            del self._device_params[key]
+
+    @property
+    def stage_backends(self) -> dict:
+        """{stage: backend name} for all six stages, resolved from `backend` (read-only;
+        assigning a mapping here is the same as assigning `backend`)."""
+        return self._stage_backends
+
+    @stage_backends.setter
+    def stage_backends(self, mapping):
+        self.backend = mapping
 
     # ------------------------------------------------------------------------- parameters
     def _allocate(self):
@@ -551,11 +602,12 @@ class FusedMoE:
         return other
 
     def with_backend(self, backend) -> FusedMoE:
-        """A shallow copy of the layer (sharing the parameters) with another stage mapping."""
+        """A shallow copy of the layer (sharing the parameters) with another stage mapping
+        (set through the `backend` property: the same checks); its device copies start
+        empty."""
         other = copy.copy(self)
-        other._backend_spec = backend
-        other.stage_backends = resolve_stage_mapping(backend)
         other._device_params = {}
+        other.backend = backend
         return other
 
     def __repr__(self):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -306,18 +307,20 @@ def available_backends() -> dict[str, tuple[bool, str]]:
 
 
 def resolve_stage_mapping(backend=None) -> dict[str, str]:
-    """{stage: backend name} for all STAGES.
+    """{stage: backend name} for all STAGES (a new dict: the caller's is never kept).
 
-    `backend` is None (all "reference"), a backend name (every stage), or a dict naming
-    some stages (the others "reference"). Unknown stage or backend names raise ValueError
-    naming the valid ones. Availability is not checked here (the layer checks on forward).
+    `backend` is None (all "reference"), a backend name (every stage), or a dict (any
+    mapping) naming some stages (the others "reference"). Unknown stage or backend names
+    raise ValueError naming the valid ones; any other type raises TypeError. Availability
+    is not checked here (the layer checks on forward). `FusedMoE.backend = ...`,
+    `FusedMoE(backend=...)` and `FusedMoE.with_backend` all resolve through this.
     """
     if backend is None:
         return {s: "reference" for s in STAGES}
     if isinstance(backend, str):
         _check_backend_name(backend)
         return {s: backend for s in STAGES}
-    if isinstance(backend, dict):
+    if isinstance(backend, Mapping):
         mapping = {s: "reference" for s in STAGES}
         for stage, name in backend.items():
             if stage not in STAGES:

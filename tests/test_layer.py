@@ -159,6 +159,58 @@ def test_backend_mappings_agree(backend, dtype):
     assert np.array_equal(moe(x, logits), got)
 
 
+def test_assigning_backend_takes_effect():
+    """`layer.backend = {...}` re-resolves the stage mapping (it used to be a plain attribute
+    that the forward never read)."""
+    layer = FusedMoE.random(seed=2)
+    x, logits = inputs(layer, 9, "assign")
+    layer.backend = {"route": "torch", "gemm1": "torch"}
+    assert layer.backend == {"route": "torch", "gemm1": "torch"}
+    assert layer.stage_backends == {"route": "torch", "align": "reference", "gemm1": "torch",
+                                    "activation": "reference", "gemm2": "reference",
+                                    "combine": "reference"}
+    _, trace = layer.run_stages(x, logits)
+    assert [c.backend for c in trace] == ["torch", "reference", "torch", "reference",
+                                          "reference", "reference"]
+    assert "backend={'route': 'torch', 'gemm1': 'torch'}" in repr(layer)
+    layer.backend = "torch"
+    assert set(layer.stage_backends.values()) == {"torch"}
+    assert {c.backend for c in layer.run_stages(x, logits)[1]} == {"torch"}
+
+
+def test_backend_assignment_errors_leave_the_layer_unchanged():
+    layer = FusedMoE.random(seed=2, backend="torch")
+    with pytest.raises(ValueError, match=r"backend: unknown stage 'gemm'.*'gemm1'"):
+        layer.backend = {"gemm": "torch"}
+    with pytest.raises(ValueError, match=r"backend: unknown backend 'tpu' for stage 'route'"):
+        layer.backend = {"route": "tpu"}
+    with pytest.raises(ValueError, match=r"backend: expected one of \['reference'.*got 'jax'"):
+        layer.backend = "jax"
+    with pytest.raises(TypeError, match="backend: expected a backend name"):
+        layer.backend = 3
+    assert layer.backend == "torch" and set(layer.stage_backends.values()) == {"torch"}
+    # the resolved mapping is read-only: writing into it would bypass the checks
+    with pytest.raises(TypeError, match="layer.backend"):
+        layer.stage_backends["gemm1"] = "reference"
+    # a dict given to the setter is copied: changing it later changes nothing
+    spec = {"gemm1": "torch"}
+    layer.backend = spec
+    spec["gemm2"] = "torch"
+    assert layer.stage_backends["gemm2"] == "reference"
+
+
+def test_backend_change_drops_device_copies_of_unused_backends():
+    layer = FusedMoE.random(seed=2, backend={"gemm1": "cupy", "gemm2": "numba"})
+    layer._device_params[("cupy", "w13_weight")] = (layer._version, layer.w13_weight, "dev")
+    layer._device_params[("numba", "w2_weight")] = (layer._version, layer.w2_weight, "dev")
+    layer.backend = {"gemm2": "numba"}
+    assert list(layer._device_params) == [("numba", "w2_weight")]
+    other = layer.with_backend("cupy")               # the copy starts with no device copies
+    assert other._device_params == {} and other.stage_backends["route"] == "cupy"
+    assert layer.stage_backends["route"] == "reference"
+    assert list(layer._device_params) == [("numba", "w2_weight")]
+
+
 def test_select_experts_method():
     layer = FusedMoE.random(seed=3, zero_expert_num=2, zero_expert_type="identity")
     x, logits = inputs(layer, 11, "select")
