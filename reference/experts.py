@@ -220,7 +220,21 @@ def fused_moe(hidden_states, w1, w2, gating_output, topk, renormalize, activatio
               e_score_correction_bias=None, apply_router_weight_on_input=False,
               global_num_experts=-1, expert_map=None, w1_bias=None, w2_bias=None,
               is_act_and_mul=True, block_size=None, precision="engine"):
-    """Route, then run the experts: select_experts followed by fused_experts."""
+    """Route, then run the experts: select_experts followed by fused_experts.
+
+    gating_output [T, E]: one column per global expert, i.e. global_num_experts when given,
+    else expert_map's length with an expert_map, else w1.shape[0] (ValueError naming
+    gating_output otherwise: 6 columns for 8 experts must not route to experts 0..5)."""
+    check_float("gating_output", gating_output, ndim=2)
+    if global_num_experts not in (-1, None):
+        num_experts, source = global_num_experts, "global_num_experts"
+    elif expert_map is not None:
+        num_experts, source = len(expert_map), "expert_map's length"
+    else:
+        num_experts, source = w1.shape[0] if hasattr(w1, "shape") else None, "w1.shape[0]"
+    if num_experts is not None and gating_output.shape[1] != num_experts:
+        raise ValueError(f"gating_output: expected {num_experts} columns (one per expert, "
+                         f"{source}), got shape {gating_output.shape}")
     topk_weights, topk_ids, _ = select_experts(
         hidden_states, gating_output, topk, use_grouped_topk, renormalize,
         topk_group=topk_group, num_expert_group=num_expert_group,

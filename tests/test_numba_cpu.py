@@ -135,6 +135,8 @@ def test_bad_arguments_fail_before_any_launch():
                R.fused_topk, None, x, 9, True)
         raises(TypeError, "gating_output: expected dtype in", R.fused_topk, None, x.astype(int),
                2, True)
+        raises(ValueError, "router_logits: expected 8 columns", R.select_experts, None,
+               x[:, :6], 2, False, True, global_num_experts=8)
         raises(ValueError, "block_size: expected an int >= 1, got 0",
                Pm.moe_align_block_size, np.zeros((2, 2), np.int32), 0, 4)
         raises(TypeError, "a: expected a NumPy array or a CUDA array", G.grouped_gemm,
