@@ -220,16 +220,24 @@ def cmd_validate(args) -> int:
         title = (f" (Numba under the CUDA simulator: first {n} tokens, block size "
                  f"{args.sim_block}, stages only)")
         runs.append((title, ["reference"] + slow, sim_layer, x[:n], logits[:n], False))
-    ok, reports = True, []
+    diverged, compared, reports = False, names == ["reference"], []
     for title, backends, lyr, xs, ls, e2e in runs:
         print(f"\n== {', '.join(backends)}{title}, T={xs.shape[0]}", flush=True)
         report = validate(lyr, xs, ls, backends=backends, end_to_end=e2e)
         print(report.table(), flush=True)
-        ok = ok and bool(report.ok)
+        diverged = diverged or report.diverged
+        compared = compared or bool(report.compared)
         reports.append({"backends": backends, "tokens": int(xs.shape[0]),
                         "report": report.to_json()})
-    print("\nPASS: every backend that ran is within tolerance at every stage" if ok else
-          "\nFAIL: a backend diverged (see 'first divergence' above)")
+    # a divergence anywhere fails; so does a job in which no backend but the reference ran
+    ok = compared and not diverged
+    if diverged:
+        print("\nFAIL: a backend diverged (see 'first divergence' above)")
+    elif not compared:
+        print("\nFAIL: no backend but the reference ran here, so nothing was compared (see "
+              "the 'skipped' lines above; `moe-sandbox info` says why)")
+    else:
+        print("\nPASS: every backend that ran is within tolerance at every stage")
     if args.json:
         out = {"checkpoint": str(ckpt), "layer": info.get("layer_idx"), "family": family,
                "dtype": args.dtype, "trace": trace_label, "ok": ok, "runs": reports}

@@ -27,7 +27,10 @@ How it judges (T tokens, K top-k, P = T*K slots, B block size):
   block is a per-block set), because kernels may order slots within an expert freely
   (docs/stages.md); everything after num_tokens_post_padded must be the padding value P.
 * Backends not available here are listed with the reason and skipped, never failed; so is a
-  stage a backend does not implement yet.
+  stage a backend does not implement yet (a backend that ran no stage at all is listed in
+  `skipped` too). But a report in which nothing but the reference ran is not ok: it
+  compared nothing (`ValidationReport.nothing_compared`), unless the reference alone was
+  asked for.
 """
 
 from __future__ import annotations
@@ -69,7 +72,12 @@ class ValidationReport:
     rows: dicts with backend, stage, status ("ok", "fail", "error", "skipped"), dtype, tol,
     max_abs_err, rel_err, ids (a summary for id outputs), near_ties, detail.
     first_divergence: {backend: the first stage whose status is fail/error, or None}.
-    skipped: {backend: why it did not run}.
+    skipped: {backend: why it did not run} (unavailable here, or no asked stage implemented).
+
+    ok: no row failed, *and* something was compared: at least one backend other than the
+    reference ran a stage (a report where nothing but the reference ran is not ok), unless
+    the reference alone was asked for (its rounding against the exact answer is then the
+    point). `diverged` and `compared` tell the two reasons apart.
     """
 
     rows: list = field(default_factory=list)
@@ -78,8 +86,43 @@ class ValidationReport:
     meta: dict = field(default_factory=dict)
 
     @property
+    def diverged(self) -> bool:
+        """Whether a row failed (a backend left its tolerance, or raised)."""
+        return any(r["status"] in _FAILING for r in self.rows)
+
+    @property
+    def compared(self) -> list:
+        """The backends other than the reference that ran at least one stage."""
+        ran = [r["backend"] for r in self.rows
+               if r["backend"] != "reference" and r["status"] != "skipped"]
+        return list(dict.fromkeys(ran))
+
+    @property
+    def only_reference_asked(self) -> bool:
+        asked = self.meta.get("backends") or list(dict.fromkeys(r["backend"]
+                                                                for r in self.rows))
+        return list(asked) == ["reference"]
+
+    @property
+    def nothing_compared(self) -> bool:
+        """True when no backend but the reference ran although others were asked for."""
+        if self.only_reference_asked:
+            return not any(r["status"] != "skipped" for r in self.rows)
+        return not self.compared
+
+    @property
     def ok(self) -> bool:
-        return not any(r["status"] in _FAILING for r in self.rows)
+        return not self.diverged and not self.nothing_compared
+
+    @property
+    def verdict(self) -> str:
+        """"OK", "DIVERGENCE", or "NOTHING COMPARED (why)"."""
+        if self.diverged:
+            return "DIVERGENCE"
+        if self.nothing_compared:
+            why = "; ".join(f"{n}: {w}" for n, w in self.skipped.items()) or "nothing ran"
+            return f"NOTHING COMPARED (no backend but the reference ran: {why})"
+        return "OK"
 
     def row(self, backend, stage):
         """The row of (backend, stage), or None."""
@@ -134,6 +177,9 @@ class ValidationReport:
                                       else f"first divergence at {stage}"))
         for name, why in self.skipped.items():
             out.append(f"{name}: skipped ({why})")
+        if self.nothing_compared and not self.diverged:
+            out.append("nothing compared: no backend but the reference ran, so this report "
+                       "vouches for none (see the skipped lines above)")
         m = self.meta
         if m:
             blocks = m.get("block_sizes") or {}
@@ -143,7 +189,7 @@ class ValidationReport:
                 bs = str(m.get("block_size"))
             out.append(f"T={m.get('T')} E={m.get('E')} K={m.get('K')} H={m.get('H')} "
                        f"I={m.get('I')} dtype={m.get('dtype')} block_size={bs}"
-                       f"  -> {'OK' if self.ok else 'DIVERGENCE'}")
+                       f"  -> {self.verdict.split(' (')[0]}")
         return "\n".join(out)
 
     def __str__(self):
@@ -518,6 +564,12 @@ def validate(layer, hidden_states, router_logits, backends=None, *, stages=STAGE
                 if first is None and fields["status"] in _FAILING:
                     first = END_TO_END
         report.first_divergence[name] = first
+        if not any(r["backend"] == name and r["status"] != "skipped" for r in report.rows):
+            del report.first_divergence[name]          # it ran nothing: no verdict of its own
+            missing = [STAGE_FUNCTIONS[s] for s in stages if not b.has_stage(s)]
+            report.skipped[name] = (f"no stage asked for is implemented "
+                                    f"({', '.join(dict.fromkeys(missing))} missing)"
+                                    if missing else "no stage asked for")
     return report
 
 

@@ -81,6 +81,23 @@ def test_validate_forced_divergence_exits_nonzero():
     assert "first divergence at combine" in r.stdout and "FAIL" in r.stdout
 
 
+def test_validate_with_nothing_to_compare_fails():
+    """No backend but the reference available: every other one is listed as skipped with
+    the reason, and the job fails (it used to PASS having compared nothing)."""
+    code = textwrap.dedent("""
+        import sys
+        from sandbox import registry
+        for name in ("torch", "cupy", "numba"):
+            registry._MODULE[name] = "no_such_backend_module"
+        from sandbox.cli import main
+        sys.exit(main(sys.argv[1:]))
+    """)
+    r = run("validate", "--tokens", "4", code=code)
+    assert r.returncode == cli.EXIT_DIVERGENCE, r.stdout + r.stderr
+    assert "torch: skipped (no_such_backend_module is not importable" in r.stdout
+    assert "FAIL: no backend but the reference ran" in r.stdout and "PASS" not in r.stdout
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
 def test_validate_other_families_and_traces(family):
     r = run("validate", "--checkpoint", str(ROOT / "data" / family), "--trace", "nan_rows",
