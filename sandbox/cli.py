@@ -6,7 +6,8 @@
         The main job: the default layer of data/ (or --checkpoint) and a router trace go
         through every backend available here, stage by stage, against the reference; prints
         the parity table. On a machine without a GPU the Numba kernels run under the CUDA
-        simulator (NUMBA_ENABLE_CUDASIM=1 is set before Numba is imported) in a second,
+        simulator (NUMBA_ENABLE_CUDASIM=1 is set before Numba is imported: sandbox.registry's
+        use_numba_simulator_if_no_gpu) in a second,
         small run: the first --sim-tokens tokens, alignment block --sim-block, stage rows
         only (the simulator runs one Python thread per CUDA thread).
     moe-sandbox bench [--model NAME ...] [--tokens 1,16,...] [--candidates ...] [--cpu] ...
@@ -22,7 +23,6 @@ on stderr, never a traceback (`MOE_SANDBOX_DEBUG=1` re-raises them).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import pathlib
@@ -50,49 +50,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ----------------------------------------------------------------------------- devices
-
-def cuda_devices() -> list[str]:
-    """Names of the CUDA devices the driver sees, asked through libcuda directly so that no
-    GPU library (and above all not Numba) is imported to find out. [] without a driver."""
-    for lib in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
-        try:
-            cuda = ctypes.CDLL(lib)
-            break
-        except OSError:
-            continue
-    else:
-        return []
-    try:
-        if cuda.cuInit(0) != 0:
-            return []
-        count = ctypes.c_int(0)
-        if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-            return []
-        names = []
-        for i in range(count.value):
-            dev = ctypes.c_int(0)
-            buf = ctypes.create_string_buffer(256)
-            if cuda.cuDeviceGet(ctypes.byref(dev), i) == 0 and \
-                    cuda.cuDeviceGetName(buf, 256, dev) == 0:
-                names.append(buf.value.decode(errors="replace"))
-            else:
-                names.append(f"device {i}")
-        return names
-    except Exception:
-        return []
-
-
-def use_numba_simulator_if_no_gpu() -> bool:
-    """Set NUMBA_ENABLE_CUDASIM=1 when no GPU is visible and Numba is not imported yet (the
-    variable is read once, at import). Returns whether the simulator is (or will be) on."""
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        return True
-    if cuda_devices():
-        return False
-    if "numba" not in sys.modules:
-        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-        return True
-    return False
+# cuda_devices() asks libcuda directly (no GPU library imported); use_numba_simulator_if_no_gpu()
+# sets NUMBA_ENABLE_CUDASIM=1 on a machine without a GPU while numba.cuda is not imported yet.
+# Both live in the registry, which calls the latter itself before it imports the numba backend.
+from sandbox.registry import cuda_devices, use_numba_simulator_if_no_gpu  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------- validate
