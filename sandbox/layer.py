@@ -644,7 +644,9 @@ class FusedMoE:
         hidden_states: NumPy (cast to params_dtype) or a device array of params_dtype;
         router_logits [T, E+Z] any float dtype. Returns NumPy, or with return_device=True
         the combine backend's own array (no copy to the host).
-        With tp_size > 1 / ep_size > 1 this is the rank's partial output.
+        With tp_size > 1 / ep_size > 1 this is the rank's partial output. A batch whose
+        intermediates cannot fit where the stages keep them fails before the first stage
+        (MemoryError naming T and the bytes; see _check_memory).
         """
         run = self._start(self.stage_backends, trace=None)
         out = self._forward(run, hidden_states, router_logits, exact=False)
@@ -708,6 +710,33 @@ class FusedMoE:
         if exact and arrays.kind(router_logits) != "numpy":
             router_logits = arrays.to_numpy(router_logits)
         return hidden_states, router_logits
+
+    def _check_memory(self, run, num_tokens, exact):
+        """MemoryError naming T and the bytes, before any stage, when the intermediates
+        cannot fit: gemm1's [P, N1], the activation's [P, I_p] and gemm2's [P, H] (P = T*K),
+        each counted where the backend that makes it keeps its arrays: host memory for a
+        host backend (at least fp32: the reference computes there before it rounds), the
+        backend's free device memory for a GPU backend (params_dtype). A lower bound of the
+        peak, so it refuses only what cannot fit; free below _checks.CHECK_ABOVE_BYTES."""
+        from reference._checks import check_working_set
+
+        dtype = np.dtype(np.float64) if exact else self.params_dtype
+        widths = (("gemm1", self.w13_weight.shape[1]),
+                  ("activation", self.intermediate_size_per_partition),
+                  ("gemm2", self.hidden_size))
+        pools = {}                        # where -> (backend, bytes, shapes)
+        for stage, width in widths:
+            b = run.backends[stage]
+            host = b.is_host
+            item = max(dtype.itemsize, 4) if host else dtype.itemsize
+            where = "host memory" if host else f"{b.name} device memory"
+            _, nbytes, shapes = pools.get(where, (b, 0, []))
+            pools[where] = (b, nbytes + num_tokens * self.top_k * width * item,
+                            shapes + [f"[T*K, {width}]"])
+        for where, (b, nbytes, shapes) in pools.items():
+            what = f"intermediates ({' + '.join(shapes)}, K={self.top_k})"
+            check_working_set(num_tokens, nbytes, what, where,
+                              available=None if where == "host memory" else b.free_memory)
 
     def _source(self, x):
         """The backend an input array belongs to."""
@@ -783,6 +812,7 @@ class FusedMoE:
     def _forward(self, run, hidden_states, router_logits, exact, block=None):
         x, logits = self._inputs(hidden_states, router_logits, exact)
         t = x.shape[0]
+        self._check_memory(run, t, exact)
         bk = run.backends
         if block is None:
             block = self._block({s: b.name for s, b in bk.items()}, t)

@@ -189,6 +189,39 @@ class Backend:
             fn = getattr(fn, fn_name)
         return fn
 
+    def free_memory(self):
+        """Bytes free where this backend's arrays live, or None when unknown (never raises):
+        host memory for a host backend (reference's available_host_memory); for a GPU
+        backend the device's free memory plus what its library's pool holds unused (CuPy's
+        memory pool, torch's caching allocator; numba: the context's free memory). The
+        layer checks its intermediates against it before a forward."""
+        if not self.ok:
+            return None
+        try:
+            if self.is_host:
+                from reference import _checks
+
+                return _checks.available_host_memory()
+            if self.name == "cupy":
+                import cupy
+
+                free, _ = cupy.cuda.runtime.memGetInfo()
+                return int(free + cupy.get_default_memory_pool().free_bytes())
+            if self.name == "torch":
+                import torch
+
+                dev = self.module.device()
+                free, _ = torch.cuda.mem_get_info(dev)
+                return int(free + torch.cuda.memory_reserved(dev)
+                           - torch.cuda.memory_allocated(dev))
+            if self.name == "numba":
+                from numba import cuda
+
+                return int(cuda.current_context().get_memory_info()[0])
+        except Exception:
+            return None
+        return None
+
     def gemm_config(self, M, N, K, E, top_k, dtype):
         """The GEMM's tuned config for a shape when the backend offers `get_config`
         (e.g. `cuda_kernels.cupy.grouped_gemm.get_config`), else None."""

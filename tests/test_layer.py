@@ -247,6 +247,37 @@ def test_input_errors():
         FusedMoE(8, 2, 16, 32, backend={"gemm": "torch"})
 
 
+def test_a_batch_that_cannot_fit_fails_before_any_stage(monkeypatch):
+    """The layer checks its intermediates ([P, 2I_p], [P, I_p], [P, H]) against the memory of
+    the backends that hold them (host: available memory; a GPU backend: its free memory)."""
+    from reference import _checks
+    from sandbox import registry
+    from sandbox.registry import STAGES
+
+    monkeypatch.setattr(_checks, "CHECK_ABOVE_BYTES", 0, raising=False)
+    monkeypatch.setattr(_checks, "available_host_memory", lambda: 1000, raising=False)
+    layer = FusedMoE.random(seed=6)                         # E=8 K=2 H=64 I=96, fp32
+    x, logits = inputs(layer, 64, "memory")
+    need = 64 * 2 * (2 * 96 + 96 + 64) * 4
+    calls = []
+    monkeypatch.setattr(registry.Backend, "stage_fn",
+                        lambda self, stage: calls.append(stage) or (lambda *a, **k: None))
+    for run in (lambda: layer(x, logits), lambda: layer.run_stages(x, logits)):
+        with pytest.raises(MemoryError, match=rf"^hidden_states: expected .*host memory.* got "
+                                              rf"T=64 tokens, which need at least .*\({need:,} "
+                                              rf"bytes\)"):
+            run()
+    assert calls == list(STAGES) * 2        # _start's look-up of each stage; none ran
+    # a device backend: its own free memory, not the host's
+    monkeypatch.setattr(_checks, "available_host_memory", lambda: 1 << 40, raising=False)
+    monkeypatch.setattr(registry.Backend, "is_host",
+                        property(lambda self: self.name == "reference"))
+    monkeypatch.setattr(registry.Backend, "free_memory", lambda self: 1000, raising=False)
+    layer.backend = {"gemm1": "torch"}
+    with pytest.raises(MemoryError, match=r"torch device memory.*T=64 tokens"):
+        layer(x, logits)
+
+
 # ----------------------------------------------------------------------------- NaN params
 def test_unloaded_params_make_forward_nan():
     layer = FusedMoE(num_experts=4, top_k=2, hidden_size=16, intermediate_size=24)

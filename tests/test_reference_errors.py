@@ -218,6 +218,40 @@ def test_cupy_select_experts_checks_the_width_before_any_device():
 
 
 # --------------------------------------------------------------------------------------------
+# Batches too big for memory: refused before the first intermediate is allocated
+# --------------------------------------------------------------------------------------------
+
+def _tiny_memory(monkeypatch, nbytes):
+    from reference import _checks
+
+    monkeypatch.setattr(_checks, "CHECK_ABOVE_BYTES", 0, raising=False)   # check any size
+    monkeypatch.setattr(_checks, "available_host_memory", lambda: nbytes, raising=False)
+
+
+def test_a_batch_that_cannot_fit_fails_at_once_naming_T_and_the_bytes(monkeypatch):
+    """A huge T used to run for seconds and end in NumPy's bare MemoryError: the working set
+    ([P, 2I] + [P, I] + [P, H] in fp32, P = T*K) is checked first."""
+    _tiny_memory(monkeypatch, 1000)
+    need = T * K * (2 * I + I + H) * 4
+    for call in (experts(), lambda: fused_moe(X, W1, W2, LOGITS, K, True)):
+        with pytest.raises(MemoryError, match=rf"^hidden_states: expected .* got T={T} tokens, "
+                                              rf"which need at least .*\({need:,} bytes\)"):
+            call()
+    with pytest.raises(MemoryError, match=rf"\({2 * need:,} bytes\)"):
+        experts(precision="exact")()                        # float64 intermediates
+    assert fused_experts(X0, W1, W2, WEIGHTS0, IDS0).shape == (0, H)   # T = 0 needs nothing
+    _tiny_memory(monkeypatch, need)
+    assert experts()().shape == (T, H)                       # exactly enough is enough
+
+
+def test_available_host_memory_is_a_plausible_number():
+    from reference import _checks
+
+    n = _checks.available_host_memory()
+    assert n is None or (isinstance(n, int) and 0 <= n < 1 << 60)
+
+
+# --------------------------------------------------------------------------------------------
 # Empty batches
 # --------------------------------------------------------------------------------------------
 
