@@ -15,6 +15,8 @@
         JSON + plot under benchmarks/results/ (sandbox/bench.py has the pieces).
     moe-sandbox info       which backends and devices are available here, and why not
     moe-sandbox data make [--out data] [--seed 0]    regenerate the small files of data/
+        (written into a temporary folder and moved into place at the end: a failure leaves
+        the folder as it was)
 
 Exit codes: 0 success; 1 a divergence (validate) or failed points (bench --strict);
 2 a usage error, a bad checkpoint or trace, or no GPU for `bench`. Errors are one sentence
@@ -329,7 +331,16 @@ def cmd_info(args) -> int:
 def cmd_data_make(args) -> int:
     from sandbox import datagen
 
+    # arguments first, by their names: nothing is written for a bad one
+    if args.seed < 0:
+        raise CliError(f"--seed: expected an int >= 0, got {args.seed}")
+    if args.seed >= datagen.SEED_LIMIT:
+        raise CliError(f"--seed: expected an int < 2**63 (the traces store it as int64), "
+                       f"got {args.seed}")
     out = pathlib.Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out: expected a folder (existing or to create), got {args.out!r}, "
+                       f"which is a file")
     written = datagen.make_all(out, args.seed, progress=lambda m: print(f"  {m}", flush=True))
     total = sum(p.stat().st_size for p in written)
     print(f"wrote {len(written)} files under {_rel(out)} ({total / 1e6:.2f} MB, seed "

@@ -152,6 +152,27 @@ def test_data_make(tmp_path, capsys):
     assert len(list((tmp_path / "d" / "traces").glob("*.npz"))) == 16
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--seed", "-1"], "--seed: expected an int >= 0, got -1"),
+    (["--seed", "x"], "--seed"),
+    (["--seed", str(2 ** 63)], "--seed: expected an int < 2**63"),
+])
+def test_data_make_bad_arguments_are_named_and_nothing_is_written(tmp_path, capsys, args,
+                                                                    needle):
+    out = tmp_path / "d"
+    assert cli.main(["data", "make", "--out", str(out), *args]) == cli.EXIT_ERROR
+    assert needle in one_line_error(capsys.readouterr().err)
+    assert list(tmp_path.iterdir()) == []           # no folder, not even a temporary one
+
+
+def test_data_make_out_must_be_a_folder(tmp_path, capsys):
+    out = tmp_path / "file"
+    out.write_text("mine")
+    assert cli.main(["data", "make", "--out", str(out)]) == cli.EXIT_ERROR
+    assert "--out: expected a folder" in one_line_error(capsys.readouterr().err)
+    assert [p.name for p in tmp_path.iterdir()] == ["file"] and out.read_text() == "mine"
+
+
 @pytest.mark.skipif(bool(cli.cuda_devices()), reason="this machine has a GPU")
 def test_bench_without_gpu_says_so(capsys):
     assert cli.main(["bench"]) == cli.EXIT_ERROR
