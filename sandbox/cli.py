@@ -2,10 +2,12 @@
 
     moe-sandbox validate [--checkpoint PATH] [--layer N] [--trace NAME|PATH] [--tokens N]
                          [--backend NAME ...] [--dtype float32|bfloat16|float16]
-                         [--sim-tokens N] [--json OUT]
+                         [--sim-tokens N] [--json OUT] [--quiet]
         The main job: the default layer of data/ (or --checkpoint) and a router trace go
         through every backend available here, stage by stage, against the reference; prints
-        the parity table. On a machine without a GPU the Numba kernels run under the CUDA
+        the parity table (a backend running longer than a few seconds prints a line per
+        stage on stderr, unless --quiet). A backend that cannot run is listed as skipped
+        with the reason; a job in which no backend but the reference ran FAILS. On a machine without a GPU the Numba kernels run under the CUDA
         simulator (NUMBA_ENABLE_CUDASIM=1 is set before Numba is imported: sandbox.registry's
         use_numba_simulator_if_no_gpu) in a second,
         small run: the first --sim-tokens tokens, alignment block --sim-block, stage rows
@@ -186,7 +188,7 @@ def cmd_validate(args) -> int:
     diverged, compared, reports = False, names == ["reference"], []
     for title, backends, lyr, xs, ls, e2e in runs:
         print(f"\n== {', '.join(backends)}{title}, T={xs.shape[0]}", flush=True)
-        report = validate(lyr, xs, ls, backends=backends, end_to_end=e2e)
+        report = validate(lyr, xs, ls, backends=backends, end_to_end=e2e, quiet=args.quiet)
         print(report.table(), flush=True)
         diverged = diverged or report.diverged
         compared = compared or bool(report.compared)
@@ -373,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--sim-block", type=int, default=SIM_BLOCK_SIZE,
                    help=f"alignment block size of the simulator run (default {SIM_BLOCK_SIZE})")
     v.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT")
+    v.add_argument("--quiet", action="store_true",
+                   help="no progress lines on stderr (otherwise printed for a backend that "
+                        "runs longer than a few seconds, e.g. Numba in the CUDA simulator)")
     v.set_defaults(func=cmd_validate)
 
     b = sub.add_parser("bench", help="time candidates against the roofline and torch peers")

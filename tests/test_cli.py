@@ -64,6 +64,25 @@ def test_validate_reference_and_torch_passes():
     r = run("validate", "--backend", "torch", "--trace", "one_expert")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "torch: all stages within tolerance" in r.stdout
+    assert "validate: " not in r.stderr                  # fast: no progress lines
+
+
+def test_validate_progress_lines_and_quiet():
+    """A backend past the mark prints a line per stage on stderr; --quiet none."""
+    code = textwrap.dedent("""
+        import sys
+        import sandbox.validate as v
+        v.PROGRESS_AFTER_S = 0.0
+        from sandbox.cli import main
+        sys.exit(main(sys.argv[1:]))
+    """)
+    r = run("validate", "--backend", "torch", "--tokens", "8", code=code)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "validate: torch: gemm1 (" in r.stderr and "validate: torch: done in" in r.stderr
+    assert "validate: " not in r.stdout                  # the table stays clean
+    r = run("validate", "--backend", "torch", "--tokens", "8", "--quiet", code=code)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "validate: " not in r.stderr
 
 
 def test_validate_forced_divergence_exits_nonzero():

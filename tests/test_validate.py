@@ -364,6 +364,44 @@ def test_backend_that_runs_no_asked_stage_is_skipped_with_the_reason(monkeypatch
     assert "torch: skipped (" in report.table()
 
 
+def test_progress_only_for_slow_backends_and_never_when_quiet(monkeypatch, capsys):
+    """A backend that runs past PROGRESS_AFTER_S seconds gets a line per stage on stderr
+    (the CUDA simulator takes minutes); a fast run prints nothing; quiet=True never does."""
+    from sandbox import validate as v  # the (callable) module
+
+    layer, x, logits = make(seed=24, t=5)
+    assert validate(layer, x, logits, backends=["torch"]).ok
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(v, "PROGRESS_AFTER_S", 0.0, raising=False)   # everything is "slow"
+    assert validate(layer, x, logits, backends=["torch"]).ok
+    err = capsys.readouterr().err
+    for stage in STAGES + ("end_to_end",):
+        assert f"validate: torch: {stage} (" in err, err
+    assert "validate: torch: done in" in err
+    assert validate(layer, x, logits, backends=["torch"], quiet=True).ok
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_line_while_a_long_stage_runs(monkeypatch, capsys):
+    """The first line comes when the mark passes, even in the middle of a stage."""
+    import time
+
+    from sandbox import validate as v
+
+    monkeypatch.setattr(v, "PROGRESS_AFTER_S", 0.05, raising=False)
+    real = torch_backend.moe_sum
+
+    def slow_sum(x):
+        time.sleep(0.3)
+        return real(x)
+
+    monkeypatch.setattr(torch_backend, "moe_sum", slow_sum)
+    layer, x, logits = make(seed=25, t=5)
+    assert validate(layer, x, logits, backends=["torch"], end_to_end=False).ok
+    err = capsys.readouterr().err
+    assert "validate: torch: combine (" in err and "still running" in err, err
+
+
 def test_missing_stage_is_skipped(monkeypatch):
     monkeypatch.delattr(torch_backend, "moe_sum")
     layer, x, logits = make(seed=16)
