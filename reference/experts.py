@@ -22,8 +22,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import (check_choice, check_float, check_ids_in_range, check_int,
-                      check_positive_int, check_working_set)
+from ._checks import (
+    check_choice,
+    check_float,
+    check_ids_in_range,
+    check_int,
+    check_positive_int,
+    check_working_set,
+)
 from .activation import apply_activation
 from .permute import moe_align_block_size
 from .precision import compute_dtype, exact, to_compute

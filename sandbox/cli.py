@@ -33,6 +33,11 @@ import pathlib
 import platform
 import sys
 
+# cuda_devices() asks libcuda directly (no GPU library imported); use_numba_simulator_if_no_gpu()
+# sets NUMBA_ENABLE_CUDASIM=1 on a machine without a GPU while numba.cuda is not imported yet.
+# Both live in the registry, which calls the latter itself before it imports the numba backend.
+from sandbox.registry import cuda_devices, use_numba_simulator_if_no_gpu
+
 EXIT_OK, EXIT_DIVERGENCE, EXIT_ERROR = 0, 1, 2
 DTYPES = ("float32", "bfloat16", "float16")
 # The CUDA simulator runs one Python thread per CUDA thread and every array access in Python
@@ -51,13 +56,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise CliError(f"{self.prog}: {message} (see {self.prog} --help)")
-
-
-# ----------------------------------------------------------------------------- devices
-# cuda_devices() asks libcuda directly (no GPU library imported); use_numba_simulator_if_no_gpu()
-# sets NUMBA_ENABLE_CUDASIM=1 on a machine without a GPU while numba.cuda is not imported yet.
-# Both live in the registry, which calls the latter itself before it imports the numba backend.
-from sandbox.registry import cuda_devices, use_numba_simulator_if_no_gpu  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------- validate

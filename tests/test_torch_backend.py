@@ -141,7 +141,7 @@ def test_select_experts_checks_the_logits_width():
     of routing to the first columns' experts."""
     x = torch.zeros((3, 4))
     for cols, want, kw in ((6, 8, {}),
-                           (8, 10, dict(zero_expert_num=2, zero_expert_type="identity"))):
+                           (8, 10, {"zero_expert_num": 2, "zero_expert_type": "identity"})):
         with pytest.raises(ValueError,
                            match=rf"^router_logits: expected {want} columns.*got shape \(3, {cols}\)"):
             tb.select_experts(x, torch.zeros((3, cols)), 2, False, True, global_num_experts=8,
