@@ -148,6 +148,8 @@ class FusedMoE:
     read-only mapping).
     `block_size`: the alignment block (= the GEMM's BLOCK_M); None asks the GEMM backend's
     `get_config`, else 64.
+    A forward whose intermediates cannot fit where the stages keep them fails before the
+    first stage (MemoryError naming T and the bytes; see _check_memory).
     """
 
     def __init__(self, num_experts, top_k, hidden_size, intermediate_size,
@@ -644,9 +646,7 @@ class FusedMoE:
         hidden_states: NumPy (cast to params_dtype) or a device array of params_dtype;
         router_logits [T, E+Z] any float dtype. Returns NumPy, or with return_device=True
         the combine backend's own array (no copy to the host).
-        With tp_size > 1 / ep_size > 1 this is the rank's partial output. A batch whose
-        intermediates cannot fit where the stages keep them fails before the first stage
-        (MemoryError naming T and the bytes; see _check_memory).
+        With tp_size > 1 / ep_size > 1 this is the rank's partial output.
         """
         run = self._start(self.stage_backends, trace=None)
         out = self._forward(run, hidden_states, router_logits, exact=False)
