@@ -163,16 +163,6 @@ def draw_routing(rng, T, E, K):
     return ids, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
-def routings_of(tokens, E, K):
-    """The ROUTINGS routings a run of these token counts draws for one model at the last of them:
-    bench_model draws from default_rng(0) point after point, so a point's routings depend on the
-    points before it (the dev probes time a table point's routings alone with this)."""
-    rng = np.random.default_rng(0)
-    for T in tokens:
-        routings = [draw_routing(rng, T, E, K) for _ in range(ROUTINGS)]
-    return routings
-
-
 # ----------------------------------------------------------------------------- timing
 _SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
