@@ -20,8 +20,6 @@ Shape legend: T tokens, E experts, K top-k, N output width, Kdim reduction width
 """
 from __future__ import annotations
 
-import contextlib
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -156,34 +154,6 @@ def test_plan_refuses_bad_configs():
         W.pick_config(2.0, 24, dict(KERNEL="staged", MT=3, W=4))
 
 
-def test_dataflow_roles_and_checks():
-    """The dataflow's kernel roles: GEMM1 with silu_and_mul fused (ACT) for the configs routed
-    for 9-128 rows per expert, the GEMM2 that awaits it (AWAIT) only where warp-specialized,
-    never both in one kernel; activation= takes activation.py's *_and_mul names on an even N."""
-    from cuda_kernels.cupy.quant_gemm import check_activation
-
-    t24, t24ws = W.STAGED_CONFIGS["t24"], W.STAGED_CONFIGS["t24ws"]
-    assert W.staged_kernel_name(t24, False, act=True) == \
-        "wna16_staged<3, 4, 4, 2, 3, 0, 2, 0, 0, 1>"
-    assert W.staged_kernel_name(t24ws, True, awaits=True).endswith(", 1, 1, 0, 56, 0, 1>")
-    assert W.staged_kernel_name(t24ws, True) == W.staged_kernel_name(t24ws, True, act=False,
-                                                                     awaits=False)
-    assert W.staged_kernel_name(t24ws, False, awaits=True) in W.STAGED_WS_NAMES
-    assert W.staged_kernel_name(t24, False, act=True) in W.STAGED_NAMES
-    assert W.staged_roles("t24", t24) == [{}, dict(act=True)]
-    assert W.staged_roles("t8", W.STAGED_CONFIGS["t8"]) == [{}]
-    with pytest.raises(ValueError, match="not both"):
-        W.staged_kernel_name(t24ws, False, act=True, awaits=True)
-    with pytest.raises(ValueError, match="warp-specialized"):
-        W.staged_kernel_name(t24, False, awaits=True)
-    check_activation(None, 7)
-    check_activation("gelu", 8)
-    with pytest.raises(ValueError, match="activation: expected None or one of"):
-        check_activation("relu2", 8)              # no *_and_mul form
-    with pytest.raises(ValueError, match="even N"):
-        check_activation("silu", 7)
-
-
 # ----------------------------------------------------------------------------- emulation
 EMULATED_NAMES = W.STAGED_NAMES + W.STAGED_WS_NAMES     # (WS: its mbarriers emulated too)
 
@@ -201,11 +171,10 @@ def _entries(names):
             f"const float* as, const void* wp, void* c, const void* sp, const void* zp, "
             f"const int* st, const int* ex, const int* ntp, const float* tw, const float* bias, "
             f"float* ws, int* cnt, int N, int K, int P, int top_k, int B, int L, int mul, "
-            f"int shift, int G, int dzp, int* ready, int epoch, int cols, int stride) {{\n"
+            f"int shift, int G, int dzp) {{\n"
             f"    launch3(gx, gy, 1, block, [&] {{ gridDim.z = 1; {n}((const unsigned short*)a, "
             f"as, (const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
-            f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp, ready, "
-            f"epoch, cols, stride); }});\n}}")
+            f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp); }});\n}}")
     return "\n".join(out)
 
 
@@ -219,19 +188,13 @@ def emulated_staged(tmp_path_factory):
 
 
 def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms,
-                  programmatic=None, descending=False, act=False, flow=None, out=None):
+                  programmatic=None, descending=False):
     """The staged launch (staged_plan, arguments) on the emulation: (c, the plan). programmatic:
     None, a plain launch; "wait" or "ignore_waits", the emulation's model of a programmatic
     launch (test_quant_cupy.arm_programmatic: the activations are the grid before's output, c and
     the workspace this launch's), whose counts come back as the plan's "programmatic".
     descending: the CTAs run last to first (a block's parts are then completed by the CTA whose
-    run ends in it, where in ascending order the CTA whose run starts in it completes it).
-    act: silu_and_mul fused (w13's rows interleaved as the launcher packs them; c [P, N / 2]).
-    flow: the dataflow's flags: (ready int32, epoch) for an act launch, which publishes them
-    in the launcher's geometry (8 TPW columns a flag, W flags per row block and m tile) and
-    returns (ready, epoch, columns, stride) as the plan's "flow"; that tuple for the GEMM2
-    that awaits them (its AWAIT kernel). out: the output array (bf16, poisoned by the caller)
-    instead of a new one."""
+    run ends in it, where in ascending order the CTA whose run starts in it completes it)."""
     import ctypes
 
     from test_quant_cupy import arm_programmatic, blocks_descending, programmatic_counts
@@ -243,27 +206,16 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     M_a, Kd = a.shape
     E, N = wq.shape[:2]
     P, G = M_a * top_k, ws.shape[2]
-    rows = W.gate_up_rows(N) if act else slice(None)
-    pk = W.stage_blocks(W.prepack_int4(wq[:, rows], ws[:, rows], None if wz is None else
-                                       wz[:, rows]), cfg["W"] * cfg["TPW"], cfg["KC"])
-    awaits = flow is not None and len(flow) == 4               # the dataflow's GEMM2
-    lp = W.staged_plan(P, E, N, Kd, st.size, B, cfg, sms, Kd // G, G, wz is not None, act=act,
-                       awaits=awaits)
+    pk = W.stage_blocks(W.prepack_int4(wq, ws, wz), cfg["W"] * cfg["TPW"], cfg["KC"])
+    lp = W.staged_plan(P, E, N, Kd, st.size, B, cfg, sms, Kd // G, G, wz is not None)
     a_in, a_scale = np.ascontiguousarray(a).view(np.uint16), None
     if cfg.get("FA"):                                               # the conversion, emulated
         a_in, a_scale = _emulated_f16_rows(lib, a)
         a_in = a_in.view(np.uint16)
-    c = np.full((P, N // 2 if act else N), 0x7FC0, np.uint16) if out is None else \
-        out.view(np.uint16)                                         # poison: bf16 NaN
+    c = np.full((P, N), 0x7FC0, np.uint16)                         # poison: bf16 NaN
     wsp = np.full(lp["WS"], np.nan, np.float32)                     # the parts' workspace
     cnt = np.zeros(lp["COUNTERS"], np.int32)
     gx, gy, _ = lp["grid"]
-    flow_args = (None, 0, 0, 0)
-    if flow is not None:
-        flow_args = flow if awaits else (flow[0], flow[1], 8 * cfg["TPW"],
-                                         lp["BLOCKS"] * cfg["W"])
-        lp["flow"] = flow_args
-        flow_args = (p(flow_args[0]),) + tuple(flow_args[1:])
     if programmatic is not None:
         arm_programmatic(lib, [x for x in (a_in, a_scale) if x is not None], [c, wsp, cnt],
                          ignore_waits=programmatic == "ignore_waits")
@@ -271,7 +223,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
         getattr(lib, f"k{EMULATED_NAMES.index(lp['name'])}")(
             gx, gy, lp["block"][0], p(a_in), p(a_scale), p(pk["wp"]), p(c),
             p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
-            N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8, *flow_args)
+            N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
     assert not cnt.any(), "the part counters come back to zero"
     if programmatic is not None:
         lp["programmatic"] = programmatic_counts(lib)
@@ -438,154 +390,6 @@ def test_emulated_programmatic_launch(emulated_staged, rng, cfg, case):
     assert counts["early_reads"] > 0 and counts["early_writes"] > 0 and counts["stuck"] == 0
 
 
-def _live_m_tiles(st, ex, ntp, P, bm, B):
-    """The m tiles with a live position and an expert of this rank."""
-    L = min(st.size, int(ntp[0]))
-    return [m for m in range(-(-L // bm))
-            if ex[m * bm // B] >= 0 and (st[m * bm:min(L, (m + 1) * bm)] < P).any()]
-
-
-def _m_tile_slots(st, m, bm, P):
-    """The live slots (rows of c) of m tile m."""
-    rows = st[m * bm:(m + 1) * bm]
-    return rows[rows < P]
-
-
-@contextlib.contextmanager
-def flow_model(lib, ready, late=None, check=None):
-    """The emulation's model of the dataflow (W16_PRELUDE's qg_flow_arm) for the launches
-    inside: late(i, v) when an await finds flag ready[i] unset (it must set it), check(i, v)
-    before each publish of ready[i] = v. What they raise is raised after the launches, and
-    no await may have spun without end."""
-    import ctypes
-
-    errors = []
-    hook_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int)
-
-    def wrap(fn):
-        def hook(f, v):
-            try:
-                fn((f - ready.ctypes.data) // 4, v)
-            except BaseException as e:  # noqa: BLE001 - a C thread: keep it for the test
-                errors.append(e)
-        return None if fn is None else hook_type(hook)
-
-    hooks = (wrap(late), wrap(check))           # (alive until disarmed)
-    lib.qg_flow_arm(*hooks)
-    try:
-        yield
-    finally:
-        lib.qg_flow_arm(None, None)
-    if errors:
-        raise errors[0]
-    assert lib.qg_flow_stuck() == 0, "an await spun without end"
-
-
-# (config, shape, group size, zero points, SMs): GEMM1 shapes, N = 2 I
-ACT_CASES = [("t24", (20, 2, 2, 256, 512, 24), 128, True, 4),
-             ("t24ws", (20, 2, 2, 1024, 512, 24), 128, True, 8)]
-
-
-@pytest.mark.simulator
-@pytest.mark.parametrize("cfg,shape,gs,zp,sms", ACT_CASES)
-def test_emulated_fused_activation(emulated_staged, rng, cfg, shape, gs, zp, sms):
-    """ACT: silu_and_mul in the epilogue (w13's rows interleaved by gate_up_rows) on a poisoned
-    [P, I] output: the reference's GEMM1 then silu_and_mul, within rounding of the emulated
-    plain GEMM then the activation. Its flags: each (live m tile, flag) published once, in
-    this launch's epoch, and only once the columns it covers are stored for every live row
-    of the m tile (checked at the publish); no other flag touched."""
-    from reference import silu_and_mul
-
-    M_a, E, K, N, Kd, B = shape
-    P, bm, cfg_d = M_a * K, 8 * W.STAGED_CONFIGS[cfg]["MT"], W.STAGED_CONFIGS[cfg]
-    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
-    args = (a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, sms)
-    ready = np.full(1 << 12, 3, np.int32)             # an older epoch's flags
-    out = np.full((P, N // 2), 0x7FC0, np.uint16).view(BF16)
-    cols, published = 8 * cfg_d["TPW"], {}
-    stride = W.staged_plan(P, E, N, Kd, st.size, B, cfg_d, sms, gs, Kd // gs, zp,
-                           act=True)["BLOCKS"] * cfg_d["W"]
-
-    def check(i, v):
-        m, j = divmod(i, stride)
-        assert v == 4, f"flag {i} published as epoch {v}"
-        stored = out.view(np.uint16)[_m_tile_slots(st, m, bm, P), j * cols:(j + 1) * cols]
-        assert (stored != 0x7FC0).all(), f"flag {i} published before its columns are stored"
-        published[i] = published.get(i, 0) + 1
-
-    with flow_model(emulated_staged, ready, check=check):
-        got, lp = _run_emulated(emulated_staged, cfg, *args, act=True, flow=(ready, 4), out=out)
-    plain, _ = _run_emulated(emulated_staged, cfg, *args)
-    assert got.shape == (P, N // 2)
-    assert rel_err(got, silu_and_mul(want.astype(BF16))) <= TOL
-    assert rel_err(got, silu_and_mul(plain)) <= 1e-3
-    assert lp["flow"][2:] == (cols, stride) and stride * cols >= N // 2
-    live = _live_m_tiles(st, ex, ntp, P, bm, B)
-    assert live and published == {m * stride + j: 1 for m in live for j in range(stride)}
-    flags = ready[:lp["MTILES"] * stride].reshape(lp["MTILES"], stride)
-    assert (flags[live] == 4).all()
-    assert (np.delete(flags, live, axis=0) == 3).all() and (ready[flags.size:] == 3).all()
-
-
-@pytest.mark.simulator
-def test_emulated_dataflow_chain(emulated_staged, rng):
-    """t24ws GEMM1 with the activation fused publishes its flags; the dataflow's GEMM2 (its
-    producers await each stage's columns instead of the whole grid) computes the bits of the
-    plain GEMM2 and the reference chain's result. Then the GEMM1 still running, modelled: the
-    GEMM2 starts on a NaN input with every flag unset, and a flag's columns of its m tile's
-    rows land only when an await first meets it. It must read nothing before its await (the
-    same bits again) and await exactly the live m tiles' flags of its K columns; a GEMM1
-    that set its flags without storing is caught (NaN comes through)."""
-    from reference import silu_and_mul
-
-    M_a, E, K, N1, Kd, B = 20, 2, 2, 1024, 512, 24
-    P, bm = M_a * K, 8 * W.STAGED_CONFIGS["t24ws"]["MT"]
-    a, wq1, ws1, wz1, st, ex, ntp, tw, bias, c1 = emulation_case(rng, (M_a, E, K, N1, Kd, B),
-                                                                 128, True)
-    wq2, ws2, wz2 = quantized(rng, E, Kd, N1 // 2, 128, False)
-    bias2 = rng.standard_normal((E, Kd)).astype(np.float32)
-    ready = np.zeros(1 << 12, np.int32)
-    mid, lp1 = _run_emulated(emulated_staged, "t24ws", a, wq1, ws1, wz1, st, ex, ntp, K, B, tw,
-                             bias, 8, act=True, flow=(ready, 1))
-    _, epoch, cols, stride = lp1["flow"]
-
-    def gemm2(x, flow=None):
-        return _run_emulated(emulated_staged, "t24ws", x, wq2, ws2, wz2, st, ex, ntp, 1, B,
-                             tw.reshape(-1, 1), bias2, 8, flow=flow)[0]
-
-    plain = gemm2(mid)
-    np.testing.assert_array_equal(gemm2(mid, lp1["flow"]).view(np.uint16),
-                                  plain.view(np.uint16))
-    want = RQ.grouped_gemm_quant(silu_and_mul(c1.astype(BF16)), wq2, st, ex, ntp, 1, B,
-                                 tw.reshape(-1, 1), True, bias2, w_scale=ws2,
-                                 use_int4_w4a16=True)
-    assert rel_err(plain, want) <= TOL
-
-    def late_run(stores):
-        x = np.full_like(mid, np.nan)
-        flags = np.zeros_like(ready)
-        met = []
-
-        def late(i, v):
-            m, j = divmod(i, stride)
-            rows = _m_tile_slots(st, m, bm, P)
-            if stores:
-                x[rows, j * cols:(j + 1) * cols] = mid[rows, j * cols:(j + 1) * cols]
-            met.append(i)
-            flags[i] = v
-
-        with flow_model(emulated_staged, flags, late=late):
-            got = gemm2(x, (flags, epoch, cols, stride))
-        return got, met
-
-    got, met = late_run(True)
-    np.testing.assert_array_equal(got.view(np.uint16), plain.view(np.uint16))
-    live = _live_m_tiles(st, ex, ntp, P, bm, B)
-    assert sorted(met) == [m * stride + j for m in live for j in range(-(-(N1 // 2) // cols))]
-    got, _ = late_run(False)
-    assert np.isnan(got.astype(np.float32)).any()
-
-
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -718,124 +522,3 @@ def test_programmatic_launch_waits_for_its_input(rng, cfg):
         assert np.isfinite(got.astype(np.float32)).all()
         assert rel_err(got, want) <= TOL
         assert np.array_equal(got.view(np.uint16), plain.view(np.uint16))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg,activation", [("t24", "silu"), ("t24ws", "silu"), ("q8", "silu"),
-                                            ("t24", "gelu")])
-def test_activation_matches_unfused(rng, cfg, activation):
-    """activation= on a poisoned [P, N / 2] output: silu on the staged rung is fused into the
-    epilogue (w13's rows interleaved when packed), anything else runs activation.py after the
-    GEMM; either way the bits of the plain GEMM then activation.py's *_and_mul (zero points,
-    bias and router weights in the epilogue), and the reference chain's within TOL."""
-    ok, why = C.availability()
-    if not ok:
-        pytest.skip(why)
-    if cfg == "t24ws" and not W.device_runs_ws():
-        pytest.skip("t24ws needs an sm_90 GPU")
-    from cuda_kernels.cupy import activation as A
-    from reference import apply_activation
-
-    M_a, E, K, N, Kd = 40, 4, 2, 1024, 1024
-    B = 8 * W.named_config(cfg)["MT"] * (2 if cfg != "q8" else 1)
-    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, (M_a, E, K, N, Kd, B), 128,
-                                                                True)
-    args = (up(a), up(wq), up(st), up(ex), up(ntp), K, B)
-    kw = dict(w_scale=up(ws), w_zp=up(wz), use_int4_w4a16=True, config=cfg,
-              topk_weights=up(tw), mul_routed_weight=True, bias=up(bias))
-    out = poisoned((M_a * K, N // 2), BF16)
-    got = W.grouped_gemm_wna16(*args, **kw, out=out, activation=activation)
-    assert got is out
-    plain = A.apply_activation(W.grouped_gemm_wna16(*args, **kw), activation)
-    np.testing.assert_array_equal(host(got, BF16).view(np.uint16),
-                                  host(plain, BF16).view(np.uint16))
-    assert rel_err(host(got, BF16), apply_activation(want.astype(BF16), activation)) <= TOL
-
-
-@pytest.mark.gpu
-def test_activation_and_flow_errors(rng):
-    """activation= and flow= refuse what they cannot take, naming the argument: an unknown
-    activation, an odd N, an output of the GEMM's width or of another dtype, a flow that is
-    no BlockFlow."""
-    ok, why = C.availability()
-    if not ok:
-        pytest.skip(why)
-    M_a, E, K, N, Kd, B = 8, 2, 2, 256, 256, 24
-    a, wq, ws, wz, st, ex, ntp, tw, bias, _ = emulation_case(rng, (M_a, E, K, N, Kd, B), 128,
-                                                             False)
-    args = (up(a), up(wq), up(st), up(ex), up(ntp), K, B)
-    kw = dict(w_scale=up(ws), use_int4_w4a16=True, config="t24")
-    with pytest.raises(ValueError, match="activation: expected None or one of"):
-        W.grouped_gemm_wna16(*args, **kw, activation="relu2")
-    with pytest.raises(ValueError, match="even N"):
-        W.grouped_gemm_wna16(up(a), up(wq[:, :N - 1]), *args[2:], w_scale=up(ws[:, :N - 1]),
-                             use_int4_w4a16=True, activation="silu")
-    with pytest.raises(ValueError, match="out"):
-        W.grouped_gemm_wna16(*args, **kw, activation="silu", out=C.empty((M_a * K, N), BF16))
-    with pytest.raises(TypeError, match="out"):
-        W.grouped_gemm_wna16(*args, **kw, activation="silu",
-                             out=C.empty((M_a * K, N // 2), np.float16))
-    with pytest.raises(TypeError, match="out"):             # the unfused path checks it too
-        W.grouped_gemm_wna16(*args, w_scale=up(ws), use_int4_w4a16=True, config="q8",
-                             activation="gelu", out=C.empty((M_a * K, N // 2), np.float16))
-    with pytest.raises(TypeError, match="flow: expected a BlockFlow"):
-        W.grouped_gemm_wna16(*args, **kw, activation="silu", flow=object())
-
-
-@pytest.mark.gpu
-def test_dataflow_chain(rng, monkeypatch):
-    """GEMM1 (t24ws, silu fused) publishes its columns in a BlockFlow; GEMM2 launched
-    programmatically with the same flow starts under GEMM1 and waits only for the columns it
-    copies. GEMM2's input is poisoned (NaN) before GEMM1 writes it, so an early read cannot
-    pass: the chain has the bits of the chain without the flow, launch after launch (a new
-    epoch each, the flags never reset), and the reference chain's within TOL. A GEMM2 that
-    reads another array, or a chain in a graph capture, does not take the handshake (and is
-    right all the same)."""
-    ok, why = C.availability()
-    if not ok:
-        pytest.skip(why)
-    if not W.device_runs_ws():
-        pytest.skip("the dataflow runs on the warp-specialized rung (sm_90)")
-    from reference import silu_and_mul
-
-    M_a, E, K, N1, Kd, B = 64, 8, 2, 4096, 4096, 48
-    P = M_a * K
-    a = rng.standard_normal((M_a, Kd)).astype(BF16)
-    wq1, ws1, _ = quantized(rng, E, N1, Kd, 128, False)
-    wq2, ws2, _ = quantized(rng, E, Kd, N1 // 2, 128, False)
-    ids = np.stack([rng.permutation(E)[:K] for _ in range(M_a)]).astype(np.int32)
-    st, ex, ntp = moe_align_block_size(ids, B, E)
-    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
-    c1 = RQ.grouped_gemm_quant(a, wq1, st, ex, ntp, K, B, w_scale=ws1, use_int4_w4a16=True)
-    want = RQ.grouped_gemm_quant(silu_and_mul(c1.astype(BF16)), wq2, st, ex, ntp, 1, B, tw,
-                                 True, w_scale=ws2, use_int4_w4a16=True)
-    d = dict(a=up(a), w1=up(wq1), s1=up(ws1), w2=up(wq2), s2=up(ws2), st=up(st), ex=up(ex),
-             ntp=up(ntp), tw=up(tw))
-
-    def chain(flow, other=False):
-        mid = poisoned((P, N1 // 2), BF16)
-        W.grouped_gemm_wna16(d["a"], d["w1"], d["st"], d["ex"], d["ntp"], K, B,
-                             w_scale=d["s1"], use_int4_w4a16=True, config="t24ws", out=mid,
-                             activation="silu", flow=flow)
-        if other:                                       # GEMM2 on a copy: not what was published
-            mid = mid.copy()
-        out = poisoned((P, Kd), BF16)
-        return host(W.grouped_gemm_wna16(mid, d["w2"], d["st"], d["ex"], d["ntp"], 1, B,
-                                         d["tw"], True, w_scale=d["s2"], use_int4_w4a16=True,
-                                         config="t24ws", out=out, programmatic=True, flow=flow),
-                    BF16)
-
-    plain = chain(None)
-    assert rel_err(plain, want) <= TOL
-    flow = W.BlockFlow()
-    for i in range(4):
-        got = chain(flow)
-        assert flow.taken == i + 1 and flow.epoch == i + 1 and flow.pending is None
-        np.testing.assert_array_equal(got.view(np.uint16), plain.view(np.uint16))
-    got = chain(flow, other=True)
-    assert flow.taken == 4 and flow.pending is None
-    np.testing.assert_array_equal(got.view(np.uint16), plain.view(np.uint16))
-    monkeypatch.setattr(W, "_capturing", lambda: True)
-    got = chain(flow)
-    assert flow.taken == 4 and flow.epoch == 5
-    np.testing.assert_array_equal(got.view(np.uint16), plain.view(np.uint16))

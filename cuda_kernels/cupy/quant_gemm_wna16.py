@@ -108,7 +108,7 @@ import numpy as np
 
 from . import _compile as C
 from ._launch import launch
-from .quant_gemm import _elem_key, _f32, activated, check_activation, epilogue_operands
+from .quant_gemm import _elem_key, _f32, epilogue_operands
 
 CU = "quant_gemm_wna16.cu"
 KSTEP = 128                     # K codes per warp step (32 per lane)
@@ -594,32 +594,20 @@ def packed_weights(w, w_scale, w_zp=None, w_scale_f32=None, order="mma"):
     long as they are not written in place after their first use; call forget_packed() after
     writing into them. At most PACK_CACHE_SIZE sets, least recently used dropped first.
     w_scale_f32: w_scale already widened to fp32 (packed instead of w_scale, keyed by it).
-    order: prepack_int4's lane order, or ("staged", NB, KC) for stage_blocks' layout, or
-    ("staged", NB, KC, "gate_up") for that of w13's rows interleaved by gate_up_rows (one
+    order: prepack_int4's lane order, or ("staged", NB, KC) for stage_blocks' layout (one
     cached set per order)."""
     key = tuple((id(x), x.data.ptr, x.shape, x.strides, str(x.dtype)) if x is not None else None
                 for x in (w, w_scale, w_zp)) + (order,)
     hit = _PACKED.pop(key, None)
     if hit is None:
         staged = isinstance(order, tuple)           # ("staged", NB, KC): stage_blocks' layout
-        src = (w, w_scale if w_scale_f32 is None else w_scale_f32, w_zp)
-        if staged and order[3:] == ("gate_up",):
-            rows = _xp(w).asarray(gate_up_rows(w.shape[1]))
-            src = tuple(x[:, rows] if x is not None else None for x in src)
-        pk = prepack_int4(*src, "mma" if staged else order)
+        pk = prepack_int4(w, w_scale if w_scale_f32 is None else w_scale_f32, w_zp,
+                          "mma" if staged else order)
         hit = ((w, w_scale, w_zp), stage_blocks(pk, order[1], order[2]) if staged else pk)
     _PACKED[key] = hit                  # most recent last
     while len(_PACKED) > PACK_CACHE_SIZE:
         _PACKED.pop(next(iter(_PACKED)))
     return hit[1]
-
-
-def gate_up_rows(N: int) -> np.ndarray:
-    """The source row of each row of w13 [E, N = 2 I, ...] as the fused activation reads it:
-    16-row tile j holds gate rows 8 j .. 8 j + 7, then up rows I + 8 j .. I + 8 j + 7, so that
-    each mma lane holds the gate and the up of one output column (rows g and g + 8)."""
-    j, i = np.arange(N // 16)[:, None], np.arange(16)[None, :]
-    return np.where(i < 8, 8 * j + i, N // 2 + 8 * j + i - 8).reshape(-1)
 
 
 def forget_packed():
@@ -818,24 +806,12 @@ def device_runs_ws() -> bool:
     return C.is_sm90()
 
 
-def staged_kernel_name(cfg: dict, zp: bool, fa: bool | None = None, act: bool = False,
-                       awaits: bool = False) -> str:
-    """fa: the FA mode (default: the config's); act: silu_and_mul fused into the epilogue
-    (ACT = 1: gate and up rows interleaved by 8, see grouped_gemm_wna16's activation);
-    awaits: the dataflow's GEMM2 (AWAIT = 1: its producers wait for an ACT GEMM1's flags,
-    see BlockFlow; warp-specialized configs only)."""
-    if act and awaits:
-        raise ValueError("staged_kernel_name: a kernel is the dataflow's GEMM1 (act) or its "
-                         "GEMM2 (awaits), not both")
-    if awaits and not cfg.get("WS"):
-        raise ValueError("config: the dataflow's GEMM2 (awaits) needs a warp-specialized "
-                         "config (WS)")
+def staged_kernel_name(cfg: dict, zp: bool, fa: bool | None = None) -> str:
+    """fa: the FA mode (default: the config's)."""
     fa = cfg.get("FA", 0) if fa is None else fa
-    tail = ([int(cfg.get("WS", 0))] if cfg.get("WS") or act or awaits else []) + \
-        ([int(act)] if act or awaits else []) + ([1] if awaits else [])
+    ws = f", {int(cfg['WS'])}" if cfg.get("WS") else ""
     return (f"wna16_staged<{cfg['MT']}, {cfg['W']}, {cfg['TPW']}, {cfg['KC']}, {cfg['S']}, "
-            f"{int(bool(zp))}, {cfg['MINB']}, {int(bool(fa))}"
-            f"{''.join(f', {x}' for x in tail)}>")
+            f"{int(bool(zp))}, {cfg['MINB']}, {int(bool(fa))}{ws}>")
 
 
 def staged_stage_bytes(cfg: dict, zp: bool) -> int:
@@ -850,8 +826,7 @@ def staged_stage_bytes(cfg: dict, zp: bool) -> int:
 
 def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
                 num_sms: int = 132, group_size: int = 0, num_groups: int = 1,
-                zp: bool = False, fa: bool | None = None, act: bool = False,
-                awaits: bool = False) -> dict:
+                zp: bool = False, fa: bool | None = None) -> dict:
     """wna16_staged's launch: grid (Q,), block 32 W (+ 128 producers with the config's WS),
     dynamic shared memory S stages (WS: then 2 S mbarriers), then the m tiles' prefix costs
     (8 (MTILES + 1) bytes), a block's parts by first stage (4 SPB) and the m tiles' experts
@@ -861,8 +836,7 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     CTAs per SM (times WAVES) take contiguous runs of equal cost over all m tiles in order.
     The partial blocks meet in a workspace of WS floats ([Q][2 parts][32 W TPW MT 4]) with
     COUNTERS ints ([TILES] units done, [TILES][SPB] parts by their first K stage; TILES = m
-    tiles x blocks). fa: the FA mode (default: the config's); act: silu_and_mul fused;
-    awaits: the dataflow's GEMM2 (staged_kernel_name)."""
+    tiles x blocks). fa: the FA mode (default: the config's)."""
     bm = 8 * cfg["MT"]
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
@@ -894,34 +868,17 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     if slots >= 1 << 16 or spb >= 1 << 15:
         raise ValueError(f"config: {slots} part slots or {spb} K stages per block are past the "
                          f"part records' 16-bit fields")
-    return dict(name=staged_kernel_name(cfg, zp, fa, act, awaits), cfg=cfg, grid=(q, 1, 1),
+    return dict(name=staged_kernel_name(cfg, zp, fa), cfg=cfg, grid=(q, 1, 1),
                 block=(32 * cfg["W"] + (128 if ws else 0),), smem=smem, shift=shift, Lg=Lg,
-                Q=q, U=units, SPB=spb, MTILES=mtiles, BLOCKS=blocks, WS=slots * per,
-                TILES=mtiles * blocks,
+                Q=q, U=units, SPB=spb, MTILES=mtiles, WS=slots * per, TILES=mtiles * blocks,
                 COUNTERS=mtiles * blocks * (1 + spb))
 
 
 F16_ROWS_KERNEL = "wna16_f16_rows"
-# The kernels each staged config is built as: the plain GEMM, and for the configs routed for
-# 9-128 rows per expert the dataflow's roles too, GEMM1 with silu_and_mul fused (act) and,
-# warp-specialized, the GEMM2 that awaits its flags (awaits; see BlockFlow)
-STAGED_FLOW_CONFIGS = ("t24", "t24ws")
-
-
-def staged_roles(name: str, cfg: dict) -> list[dict]:
-    """staged_kernel_name's keywords of each kernel config `name` is built as."""
-    if name not in STAGED_FLOW_CONFIGS:
-        return [{}]
-    return [{}, dict(act=True)] + ([dict(awaits=True)] if cfg.get("WS") else [])
-
-
-def _staged_names(ws: bool) -> tuple:
-    return tuple(staged_kernel_name(c, z, **role) for n, c in STAGED_CONFIGS.items()
-                 if bool(c.get("WS")) == ws for z in (False, True) for role in staged_roles(n, c))
-
-
-STAGED_NAMES = _staged_names(False) + (F16_ROWS_KERNEL,)
-STAGED_WS_NAMES = _staged_names(True)
+STAGED_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values() if not c.get("WS")
+                     for z in (False, True)) + (F16_ROWS_KERNEL,)
+STAGED_WS_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values() if c.get("WS")
+                        for z in (False, True))
 for _ev in ELEMS.values():
     C.register_compile_case(CU_STAGED, {"ELEM_BF16": _ev}, STAGED_NAMES)
     C.register_compile_case(CU_STAGED, {"ELEM_BF16": _ev}, STAGED_WS_NAMES,
@@ -931,100 +888,32 @@ for _ev in ELEMS.values():
 # CUDA 13.0 NVRTC of the H200 image ran Mixtral's T = 64 layer 2-3% slower, T = 256 3-4%
 # (benchmarks/results/dev_wna16_20261202b; the module docstring of _compile says how it loads)
 PREBUILT_CONFIGS = ("t24", "t24ws")
-# (the dataflow's roles too where the config is warp-specialized: t24 routes only where WS
-# cannot run, off sm_90, and the cubins are sm_90's)
 for _ev in ELEMS.values():
     for _c in PREBUILT_CONFIGS:
-        _cfg = STAGED_CONFIGS[_c]
         for _z in (False, True):
-            for _role in staged_roles(_c, _cfg) if _cfg.get("WS") else [{}]:
-                C.register_prebuilt(CU_STAGED, {"ELEM_BF16": _ev},
-                                    staged_kernel_name(_cfg, _z, **_role),
-                                    options=staged_options(_cfg))
+            C.register_prebuilt(CU_STAGED, {"ELEM_BF16": _ev},
+                                staged_kernel_name(STAGED_CONFIGS[_c], _z),
+                                options=staged_options(STAGED_CONFIGS[_c]))
 
 
 # ----------------------------------------------------------------------------- workspace
 _WS: dict = {}
 
 
-def _workspace(floats: int, tiles: int, which: int = 0):
+def _workspace(floats: int, tiles: int):
     """Split-K partials and per-tile arrival counters, cached per device and grown on demand.
     The counters start at zero and the last CTA of each tile resets its own, so launches on
-    one stream reuse them; concurrent launches on two streams must not share a device's.
-    which: 1 is a second set, for a GEMM2 that runs beside its GEMM1 (BlockFlow)."""
+    one stream reuse them; concurrent launches on two streams must not share a device's."""
     import cupy
 
-    key = cupy.cuda.Device().id if which == 0 else (cupy.cuda.Device().id, which)
-    ws, cnt = _WS.get(key, (None, None))
+    dev = cupy.cuda.Device().id
+    ws, cnt = _WS.get(dev, (None, None))
     if ws is None or ws.size < floats:
         ws = cupy.empty(max(floats, 1 << 16), dtype=cupy.float32)
     if cnt is None or cnt.size < tiles:
         cnt = cupy.zeros(max(tiles, 1 << 12), dtype=cupy.int32)
-    _WS[key] = (ws, cnt)
+    _WS[dev] = (ws, cnt)
     return ws, cnt
-
-
-class BlockFlow:
-    """The handshake that lets a GEMM2 start under its GEMM1 (grouped_gemm_wna16's flow).
-
-    A GEMM1 with activation="silu" on the warp-specialized staged rung (sm_90) publishes, per
-    m tile and per warp's 8 TPW columns of its [P, N / 2] output, ready[m][b W + warp] =
-    epoch once those columns are stored; the GEMM2 given the same flow and that output as its
-    `a`, launched programmatically, skips the wait for the whole GEMM1 and lets each producer
-    wait for the columns it copies (the first time it meets them). The same bits either way.
-    One epoch per GEMM1, so the flags are never reset: a flag of an earlier GEMM1 holds an
-    older epoch. The flow holds every array the GEMM1 reads until its GEMM2 is launched: that
-    GEMM2 writes while the GEMM1 still runs, so none of their memory may go back to CuPy's
-    pool (which reuses it at once, as stream order would make safe) for the GEMM2's output.
-    A GEMM2 takes the handshake only when it reads exactly what the GEMM1 published (the same
-    output array, routing arrays and m tiles, the WS rung without FA, the same device and
-    stream: a GEMM2 spinning on another stream could hold the SMs its GEMM1 needs); otherwise,
-    or in a CUDA graph capture (whose replays would all reuse one epoch), it waits for the
-    GEMM1 as a plain programmatic launch does. A GEMM1 whose launch fails publishes nothing.
-    """
-
-    def __init__(self):
-        self.ready = None                  # int32 flags (cupy), grown on demand
-        self.epoch = 0
-        self.pending = None                # what the last GEMM1 published, for one GEMM2
-        self.taken = 0                     # GEMM2s that took the handshake
-
-    def publish(self, flags: int, key: tuple, cols: int, stride: int, keep: tuple = ()):
-        """(ready array, epoch) for a GEMM1 that publishes `flags` flags, each for `cols`
-        columns, `stride` per m tile; key: what its GEMM2 must read (see take); keep: the
-        arrays the GEMM1 reads, held until then."""
-        import cupy
-
-        if (self.ready is None or self.ready.size < flags or self.epoch >= (1 << 31) - 1 or
-                self.ready.device.id != cupy.cuda.Device().id):
-            self.ready = cupy.zeros(max(flags, 1 << 12), dtype=cupy.int32)
-            self.epoch = 0
-        self.epoch += 1
-        self.pending = (key, cols, stride, keep)
-        return self.ready, self.epoch
-
-    def take(self, key: tuple):
-        """(ready array, epoch, cols, stride, the GEMM1's arrays to hold until this GEMM2 is
-        launched) when key is what the last GEMM1 published (then no more: one GEMM2 per
-        GEMM1), else None."""
-        hit, self.pending = self.pending, None
-        if hit is None or hit[0] != key:
-            return None
-        self.taken += 1
-        return (self.ready, self.epoch) + hit[1:]
-
-    def clear(self):
-        self.pending = None
-
-
-def _capturing() -> bool:
-    """Whether the current stream is capturing a CUDA graph."""
-    import cupy
-
-    try:
-        return bool(cupy.cuda.get_current_stream().is_capturing())
-    except Exception:  # noqa: BLE001 - no way to ask: assume not
-        return False
 
 
 _SMS: dict = {}
@@ -1092,10 +981,8 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                        a_scale=None, w_scale=None, w_zp=None, use_fp8_w8a8=False,
                        use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
                        per_act_token_quant=False, per_channel_quant=False, block_shape=None,
-                       out_dtype=None, *, config=None, out=None, programmatic=False,
-                       activation=None, flow=None):
-    """c [a.shape[0] * top_k, N] in a's dtype on the GPU (see the module doc), or with an
-    activation act(c[:, :N / 2]) * c[:, N / 2:], [P, N / 2].
+                       out_dtype=None, *, config=None, out=None, programmatic=False):
+    """c [a.shape[0] * top_k, N] in a's dtype on the GPU (see the module doc).
 
     The arguments of quant_gemm.grouped_gemm_quant; exactly one of use_int4_w4a16 /
     use_int8_w8a16 must be set (a_scale, per_act_token_quant, per_channel_quant are unused by
@@ -1107,13 +994,6 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     anything. The caller promises that only `a` comes from that kernel: the routing, weights,
     scales, bias and router weights must be final before it started (in a MoE layer, GEMM2
     after GEMM1 or the activation). Other rungs launch as usual.
-    activation: one of activation.py's *_and_mul names, applied to this GEMM's output,
-    GEMM1's gate | up halves. "silu" on the staged rung is fused into its epilogue (w13's
-    rows interleaved when it is packed, gate_up_rows; the bits of the GEMM, then
-    silu_and_mul); otherwise activation.py's kernel runs after the GEMM.
-    flow: a BlockFlow shared by a GEMM1 (activation="silu") and the GEMM2 that reads its
-    output, launched programmatically: where both run the warp-specialized staged rung, GEMM2
-    waits for each of its stages' columns of GEMM1 instead of the whole of GEMM1.
     """
     import cupy
 
@@ -1190,31 +1070,14 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                          "(the kernel loads 16-byte chunks)")
     P = M_a * top_k
     C.check_fits_int32("a", P, "a.shape[0] * top_k")
-    check_activation(activation, N)
-    if flow is not None and not isinstance(flow, BlockFlow):
-        raise TypeError(f"flow: expected a BlockFlow or None, got {type(flow).__name__}")
+    tw, b32, c = epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias, out)
+    if P == 0 or N == 0 or L == 0:
+        return c
+
     packable = nbits == 4 and packed_supports(N, K, group_size, G)[0]
     cfg0 = pick_config(P / max(E, 1), block_size, config, N // 16 if packable else 0,
                        ws=device_runs_ws())
     rung = cfg0.get("KERNEL")
-    fused = activation == "silu" and rung == "staged"      # else activation.py's kernel after
-    if activation is not None and not fused:
-        if flow is not None:
-            flow.clear()
-        return activated(grouped_gemm_wna16(
-            a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_size,
-            topk_weights, mul_routed_weight, bias, None, w_scale, w_zp,
-            use_int8_w8a16=use_int8_w8a16, use_int4_w4a16=use_int4_w4a16,
-            block_shape=block_shape, config=config, programmatic=programmatic),
-            activation, out)
-    tw, b32, c = epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias, out,
-                                   N // 2 if fused else N)
-    if P == 0 or N == 0 or L == 0:
-        if flow is not None:
-            flow.clear()
-        return c
-    if rung != "staged" and flow is not None:
-        flow.clear()
     if rung in ("wgmma", "staged", "packed"):       # the int4 rungs on prepacked weights
         if nbits != 4:
             raise ValueError(f"config: the {rung} rung streams int4 codes (use_int4_w4a16)")
@@ -1248,55 +1111,23 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                              f"(H100 / H200: setmaxnreg is sm_90a's), this one is sm_"
                              f"{cupy.cuda.Device().compute_capability}")
         pk = packed_weights(w, w_scale, w_zp, w_s,
-                            order=("staged", cfg0["W"] * cfg0["TPW"], cfg0["KC"]) +
-                            (("gate_up",) if fused else ()))
+                            order=("staged", cfg0["W"] * cfg0["TPW"], cfg0["KC"]))
         fa = bool(cfg0.get("FA")) and out_key == "bf16"      # fp16 activations run as they are
-        # the dataflow (BlockFlow): a GEMM1 publishes what its GEMM2 must read, the same m
-        # tiles on the same stream; a GEMM2 that reads exactly that awaits its flags. Not for
-        # FA (GEMM2 would read a conversion of a, made by a kernel between them), nor in a
-        # graph capture (its replays would all publish one epoch).
-        hit, routing = None, None
-        if flow is not None:
-            routing = (sorted_token_ids.data.ptr, expert_ids.data.ptr,
-                       num_tokens_post_padded.data.ptr, L, block_size, 8 * cfg0["MT"],
-                       cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
-            if not (cfg0.get("WS") and not fa and not _capturing()):
-                flow.clear()
-                routing = None
-            elif not fused:
-                hit = flow.take((a.data.ptr, a.shape) + routing)
-                routing = None
         lp = staged_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G,
-                         w_zp is not None, fa, fused, awaits=hit is not None)
+                         w_zp is not None, fa)
         kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_STAGED, staged_options(cfg0))
         null = C.null_ptr()
         a16, a_scale = _device_f16_rows(a) if fa else (C.raw(a), null)
-        ready, epoch, cols, stride = null, 0, 0, 0
-        if routing is not None:                              # GEMM1: publishes
-            cols, stride = 8 * cfg0["TPW"], lp["BLOCKS"] * cfg0["W"]
-            ready, epoch = flow.publish(
-                lp["MTILES"] * stride, (c.data.ptr, c.shape) + routing, cols, stride,
-                keep=(a, a16, a_scale, tw, b32, c, pk, sorted_token_ids, expert_ids,
-                      num_tokens_post_padded))
-        elif hit is not None:                                # GEMM2: awaits (the GEMM1's
-            ready, epoch, cols, stride, _ = hit              #   arrays held until launched)
-        # a GEMM2 beside its GEMM1 takes a second workspace: the GEMM1 may still use its own
-        ws, cnt = _workspace(lp["WS"], lp["COUNTERS"], 1 if hit is not None else 0)
+        ws, cnt = _workspace(lp["WS"], lp["COUNTERS"])
         args = (a16, a_scale, pk["wp"], C.raw(c), pk["sp"],
                 pk["zp"] if pk["zp"] is not None else null,
                 sorted_token_ids, expert_ids, num_tokens_post_padded,
                 tw if tw is not None else null, b32 if b32 is not None else null, ws, cnt,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
-                np.int32(G), np.int32(default_zp), ready, np.int32(epoch), np.int32(cols),
-                np.int32(stride))
-        try:
-            launch(kern, lp["grid"], lp["block"], args, shared_mem=lp["smem"],
-                   programmatic=programmatic)
-        except BaseException:
-            if flow is not None:         # a GEMM2 must never await flags nobody will publish
-                flow.clear()
-            raise
+                np.int32(G), np.int32(default_zp))
+        launch(kern, lp["grid"], lp["block"], args, shared_mem=lp["smem"],
+               programmatic=programmatic)
         return c
     if rung == "packed":
         pk = packed_weights(w, w_scale, w_zp, w_s)
@@ -1485,7 +1316,6 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
         failures += status == "FAIL"
         print(f"{name:4s} int{nb} g{gs:3d} zp={int(zp)} KS={ks} M_a={M_a:3d} E={E} K={K} "
               f"N={N:4d} Kdim={Kd:4d} B={B:3d} rel_err={err:.2e} {status}", flush=True)
-    failures += _check_dataflow(rng)
     if not args.quick:
         for label, (E, K, N, Kd) in (("Mixtral GEMM1", (8, 2, 28672, 4096)),
                                      ("Mixtral GEMM2", (8, 2, 4096, 14336))):
@@ -1505,48 +1335,6 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
                 print(f"{label} T={T:3d}: {t * 1e6:8.1f} us  {nbytes / t / 1e12:5.2f} TB/s  "
                       f"roofline {nbytes / HBM_BYTES_PER_S / t:5.1%}", flush=True)
     raise SystemExit(1 if failures else 0)
-
-
-def _check_dataflow(rng) -> int:  # pragma: no cover - needs a GPU
-    """The dataflow's roles (_main's last case, so compute-sanitizer sees them): GEMM1 with
-    silu_and_mul fused and a BlockFlow, then GEMM2 launched programmatically with it (on
-    sm_90 the warp-specialized pair, which takes the handshake; t24 elsewhere, which does
-    not), against the reference's GEMM1, silu_and_mul and GEMM2. Returns the failures."""
-    import ml_dtypes
-
-    from reference import moe_align_block_size, silu_and_mul
-    from reference import quant as RQ
-
-    bf16 = ml_dtypes.bfloat16
-    name = "t24ws" if device_runs_ws() else "t24"
-    M_a, E, K, N1, Kd, B = 20, 4, 2, 512, 256, 24
-    x = rng.standard_normal((M_a, Kd)).astype(bf16)
-    ids = np.stack([rng.permutation(E)[:K] for _ in range(M_a)]).astype(np.int32)
-    st, ex, ntp = moe_align_block_size(ids, B, E)
-    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
-    w1, s1, _ = RQ.quantize_weight_wna16((rng.standard_normal((E, N1, Kd)) * 0.05).astype(bf16),
-                                          4, 128)
-    w2, s2, _ = RQ.quantize_weight_wna16(
-        (rng.standard_normal((E, Kd, N1 // 2)) * 0.05).astype(bf16), 4, 128)
-    mid = RQ.grouped_gemm_quant(x, w1, st, ex, ntp, K, B, w_scale=s1, use_int4_w4a16=True)
-    want = RQ.grouped_gemm_quant(silu_and_mul(mid.astype(bf16)), w2, st, ex, ntp, 1, B, tw,
-                                 True, w_scale=s2, use_int4_w4a16=True)
-    d = [C.to_device(v) for v in (st, ex, ntp)]
-    flow = BlockFlow()
-    kw = dict(use_int4_w4a16=True, config=name, flow=flow)
-    act = grouped_gemm_wna16(C.to_device(x), C.to_device(w1), *d, K, B, w_scale=C.to_device(s1),
-                             activation="silu", **kw)
-    out = C.empty((M_a * K, Kd), bf16)
-    C.raw(out).fill(0x7FC0)                                        # poison: bf16 NaN
-    got = grouped_gemm_wna16(act, C.to_device(w2), *d, 1, B, C.to_device(tw), True,
-                             w_scale=C.to_device(s2), out=out, programmatic=True, **kw)
-    host = C.to_host(got)
-    host = host.view(bf16) if host.dtype == np.uint16 else host
-    err = C.rel_err(host.astype(np.float32), want.astype(np.float32))
-    ok = err <= 2e-2 and flow.taken == (name == "t24ws")
-    print(f"{name} dataflow: GEMM1 + silu_and_mul -> GEMM2 (handshakes {flow.taken}) "
-          f"rel_err={err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
-    return int(not ok)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -105,21 +105,6 @@
 // with 4 consumer warps in 2 CTAs per SM it was no faster than t24 (GEMM1 the same, GEMM2
 // 1-4 us slower), and 8 warps of one plain CTA 8-16% slower (dev_wna16_20261202c).
 //
-// The dataflow between the two GEMMs of a layer (quant_gemm_wna16.BlockFlow; neither role is
-// routed by default yet: both are built, emulated and compiled, not yet timed on a GPU).
-// ACT = 1, GEMM1 with silu_and_mul fused: w13's rows come interleaved (the launcher's
-// gate_up_rows: 16-row tile j holds gate rows 8 j .. 8 j + 7, then up rows I + 8 j ..), so a
-// lane's c0 / c2 are the gate and up of one output column, and the epilogue writes c [slots]
-// [N / 2] = silu(gate) up of the values the plain store would round (the bits of the plain
-// GEMM, then activation.cu). Given `ready`, each warp then publishes ready[m][b W + warp] =
-// ready_epoch once its 8 TPW columns of m tile m are stored. AWAIT = 1 (WS only), the GEMM2
-// launched programmatically after it: no griddepcontrol.wait; each producer waits for the
-// flag of the 8 columns it copies, the first time its segment meets a K stage. It cannot
-// wait forever: a programmatic launch starts once every CTA of the grid before it has
-// started (issued launch_dependents or exited), and no GEMM1 CTA waits on the GEMM2. Why:
-// on t24, a GEMM2 that never waits took 5.6-8.6 us off the T = 64 layer (a bound,
-// dev_wna16_20261202).
-//
 // grid (Q), block 32 W (+ 128 with WS), dynamic shared memory S x stage bytes
 // (staged_stage_bytes in the launcher) + 16 S (WS: the mbarriers) + 8 (m tiles + 1) (the costs'
 // prefix sums) + 4 SPB (finish_parts) + 4 m tiles (their experts). LT is a compile-time
@@ -136,18 +121,6 @@
 #endif
 #ifndef STAGED_SEG_COST  // dev: a fixed cost at each live m tile's start (a segment's start)
 #define STAGED_SEG_COST 0
-#endif
-#ifndef STAGED_ACT_SITES // dev: ACT's store inlined at 2 sites (whole blocks, finished parts)
-#define STAGED_ACT_SITES 2 //   or 1 (one, after either)
-#endif
-#ifndef STAGED_ACT_FAST  // dev: ACT's silu by __expf and __fdividef
-#define STAGED_ACT_FAST 0
-#endif
-#ifndef STAGED_LAST_SHORT // dev: a GEMM2's last CTA's run shorter (per mille)
-#define STAGED_LAST_SHORT 0
-#endif
-#ifndef STAGED_FLOW_SKEW // dev: runs skewed by CTA order in a dataflow GEMM2 (per mille)
-#define STAGED_FLOW_SKEW 0
 #endif
 #ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
                          // first stage landed, SM cycles spent ending blocks, parts handed in
@@ -254,46 +227,6 @@ __device__ __forceinline__ void team_sync() {
     }
 }
 
-// The dataflow between an ACT GEMM1 and the GEMM2 after it (launched programmatically): the
-// GEMM1's warps publish each block's columns, the GEMM2's producers observe them.
-namespace staged_flow {
-__device__ __forceinline__ float silu_mul(float g, float u) {   // activation.cu's ACT 0
-#if STAGED_ACT_FAST == 2
-    return g * u;                                   // (dev bound: no activation math)
-#elif STAGED_ACT_FAST
-    return __fdividef(g, 1.0f + __expf(-g)) * u;
-#else
-    return g / (1.0f + expf(-g)) * u;
-#endif
-}
-// *f = v once every lane's stores before it are visible to the GPU: the warp's barrier orders
-// them before lane 0's release store (cumulative, as CUTLASS's semaphores release after a CTA
-// barrier), so no lane needs a fence of its own.
-__device__ __forceinline__ void publish(int* f, int v) {
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) {
-#ifdef QG_EMULATED_PTX
-        qg_publish(f, v);
-#else
-        asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(f), "r"(v) : "memory");
-#endif
-    }
-}
-// Returns once *f == v, and every later load of this thread (its cp.async copies too) sees
-// what the publisher stored before it (acquire loads, spun on: the GEMM1 it waits for is
-// resident, since a programmatic launch starts only once all of its CTAs have started)
-__device__ __forceinline__ void await_flag(const int* f, int v) {
-#ifdef QG_EMULATED_PTX
-    qg_await_flag(f, v);
-#else
-    int x;
-    do {
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(x) : "l"(f) : "memory");
-    } while (x != v);
-#endif
-}
-}  // namespace staged_flow
-
 // A block's part: this CTA's walk computed `count` of its SPB K stages from stage `first` (the N
 // fp32 values v of each of the NT threads). It goes to workspace slot `slot` (ws [slot][per],
 // v[j] at j NT + thread), and part_at[tile][first] = count << 16 | slot + 1 says so; the CTA
@@ -359,8 +292,7 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
     return true;
 }
 
-template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int FA, int WS = 0,
-          int ACT = 0, int AWAIT = 0>
+template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int FA, int WS = 0>
 __global__ void __launch_bounds__(W * 32 + (WS ? 128 : 0), MINB)
 wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_scale,
              const uint4* __restrict__ wp, elem_t* __restrict__ c,
@@ -370,21 +302,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
              const float* __restrict__ topk_weights, const float* __restrict__ bias,
              float* __restrict__ ws, int* __restrict__ counters,
              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
-             int* ready, int ready_epoch, int ready_cols, int ready_stride) {
+             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
     // WS: the NT consumer threads (whole warpgroups, for setmaxnreg), then a warpgroup of
     // producers; NC threads copy a stage (thread ctid of NC)
     constexpr int NTT = NT + (WS ? 128 : 0), NC = WS ? 128 : NT;
     static_assert(!WS || W % 4 == 0, "WS: consumer warpgroups of 4 warps");
-    static_assert(!WS || NC % (KC * 8) == 0, "WS: a producer copies one column unit a stage");
-    // AWAIT, the dataflow (a GEMM2 after an ACT GEMM1 that publishes `ready`): the producers
-    // wait for each stage's columns of a instead of the whole grid before. A template
-    // argument, so that every other instantiation builds the instructions it built before
-    // the dataflow existed (the same .text: the prebuilt t24 / t24ws that were timed).
-    static_assert(!AWAIT || (WS && !ACT), "AWAIT: a warp-specialized CTA (a wait in a plain "
-                                          "CTA would hold its math), not itself ACT");
-    constexpr bool dataflow = AWAIT;
     // the registers each role keeps of the CTA's NTT x (65536 / MINB / NTT): producers WS,
     // consumers the rest (W = 8, MINB = 1, WS = 56: 224; W = 4, MINB = 2, WS = 40: 216)
     constexpr int WS_CREGS =
@@ -486,19 +409,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // read from the GPU, 3% gained ~1% of the layer, and a run's tail left to whichever of two
     // CTAs came first cost ~10 us a CTA in ring restarts (dev_wna16_20261201d): the last CTA
     // is on a slow SM, and the SMs' speeds do not repeat from launch to launch.
-    // (dev, STAGED_FLOW_SKEW: a dataflow GEMM2's CTAs start as GEMM1's leave their SMs, CTA q
-    // about q-th: its run is 1 + skew (1 - 2 q / Q) / 1000 times the mean, so they end together)
-    auto run_start = [&](long long qq) {
-        // (dev, STAGED_LAST_SHORT: in a GEMM2 (mul_routed_weight) the last CTA's run that
-        // much shorter (per mille), the others' longer: under PDL it starts last, on the SM
-        // GEMM1's last CTA leaves, and reads the routing after the others have)
-        if (STAGED_LAST_SHORT && mul_routed_weight && Q > 1)
-            return qq >= Q ? Wt : qq * Wt / Q * (1000 * (Q - 1) + STAGED_LAST_SHORT) /
-                                  (1000LL * (Q - 1));
-        if (STAGED_FLOW_SKEW && dataflow)
-            return qq * Wt / Q + STAGED_FLOW_SKEW * (qq * (Q - qq) * (Wt / Q) / Q) / 1000;
-        return qq * Wt / Q;
-    };
+    auto run_start = [&](long long qq) { return qq * Wt / Q; };
 
     // Programmatic dependent launch (grouped_gemm_wna16(..., programmatic=True)): this grid
     // may start while the kernel before it on the stream still runs, and that kernel may only
@@ -512,7 +423,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     bool inputs_ready = false;
     auto wait_for_inputs = [&] {
         if (inputs_ready) return;
-        if (!dataflow) w16::grid_dependency_wait();
+        w16::grid_dependency_wait();
         w16::launch_dependents();
         inputs_ready = true;
     };
@@ -523,7 +434,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         wait_for_inputs();
         if (w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots,
                                  top_k, num_positions, sSlot, sArow))
-            w16::store_zeros<BM>(c, sSlot, ACT ? N / 2 : N, 0, ACT ? N / 2 : N, NTT);
+            w16::store_zeros<BM>(c, sSlot, N, 0, N, NTT);
         __syncthreads();                               // sSlot is read before it is reused
     }
     if (Wt == 0 || run_start(q) >= run_start(q + 1)) return;
@@ -628,13 +539,11 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         bool a_on[A_PER];                                  // copied (rows past the live tiles:
         int a_dst[A_PER];                                  //   never read), to this stage offset
         int a_chunk[A_PER];                                // its chunk in the stage
-        bool a_any = false;                                // any unit copied
 #pragma unroll
         for (int j = 0; j < A_PER; ++j) {
             if (!COPIES) break;
             const int k = ctid + j * NC, r = k / (KC * 8), u = k % (KC * 8);
             a_on[j] = k < A_UNITS && r < live_rows;
-            a_any |= a_on[j];
             const int ar = a_on[j] ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
             a_src[j] = a + (size_t)ar * Kdim + u * 8;
             a_dst[j] = St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1)));
@@ -643,19 +552,9 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         // ---- segment unit i = (b, s): its weights (unless issued early) and the activations
         // of its K stage (a short last stage: zeros), one commit group per call (empty past
         // the run: the wait counts stay right)
-        // dataflow: this thread's columns of a in K stage s are final (WS: a producer copies
-        // the same 8-column unit ctid % (KC 8) of every stage's rows). Each stage is met first
-        // within the segment's first SPB units, after which every flag it needs has been seen.
-        auto await_columns = [&](int i, int s) {
-            const int u = ctid % (KC * 8), c0 = s * KC;
-            if (i >= SPB || !a_any || u / 8 >= min(KC, C - c0)) return;
-            staged_flow::await_flag(
-                ready + (size_t)m * ready_stride + (c0 * 64 + u * 8) / ready_cols, ready_epoch);
-        };
         auto issue = [&](int i, int b, int s, bool live, bool with_weights) {
             if (live) {
                 if (with_weights) issue_weights(i, b, s, true);
-                if constexpr (ROLE == 1 && dataflow) await_columns(i, s);   // (weights out)
                 const int c0 = s * KC, kcn = min(KC, C - c0);
                 u8* sa = smem + (size_t)(i % S) * St::BYTES;
 #pragma unroll
@@ -698,10 +597,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                     for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
 
             // the block's outputs: c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8)
-            // ACT: rows g, g + 8 of a tile are gate and up of column 8 tile + g (the launcher
-            // interleaves them), so c [slots][N / 2] gets act(gate) up of the values the plain
-            // store would write, each rounded as it would be (activation.cu's act_and_mul on
-            // them: the same bits); `ready` then says the warp's 8 TPW columns are final.
             auto store = [&](int b) {
 #pragma unroll
                 for (int r = 0; r < TPW; ++r) {
@@ -710,39 +605,17 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                     for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
-                        for (int i = 0; i < (ACT ? 2 : 4); ++i) {
+                        for (int i = 0; i < 4; ++i) {
                             const int row = 8 * mt + 2 * t + (i & 1);
                             const int n = tile * 16 + g + 8 * (i >> 1);
                             const int s = sSlot[row];
                             if (s < 0) continue;
-                            if constexpr (ACT) {
-                                const int col = tile * 8 + g;     // gate row col, up N / 2 + col
-                                float gv = acc[r][mt][i], uv = acc[r][mt][i + 2];
-                                if (FA) gv *= a_scale[sArow[row]], uv *= a_scale[sArow[row]];
-                                if (bias != nullptr) {
-                                    gv += bias[(size_t)e * N + col];
-                                    uv += bias[(size_t)e * N + N / 2 + col];
-                                }
-                                if (mul_routed_weight)
-                                    gv *= topk_weights[s], uv *= topk_weights[s];
-                                // each rounded as the plain store would, then activation.cu
-                                const float gr = w16::to_f32(w16::from_f32(gv));
-                                const float ur = w16::to_f32(w16::from_f32(uv));
-                                c[(size_t)s * (N / 2) + col] =
-                                    w16::from_f32(staged_flow::silu_mul(gr, ur));
-                                continue;
-                            }
                             float v = acc[r][mt][i];
                             if (FA) v *= a_scale[sArow[row]];   // back from a 2^s
                             if (bias != nullptr) v += bias[(size_t)e * N + n];
                             if (mul_routed_weight) v *= topk_weights[s];
                             c[(size_t)s * N + n] = w16::from_f32(v);
                         }
-                }
-                if constexpr (ACT) {
-                    if (ready != nullptr)
-                        staged_flow::publish(ready + (size_t)m * ready_stride + b * W + warp,
-                                             ready_epoch);
                 }
             };
 
@@ -903,13 +776,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                     const long long c_end0 = clock64();
                     if (tid == 0 && blk_n != SPB) ++g_cta_times[blockIdx.x][7];
 #endif
-                    if (ACT && STAGED_ACT_SITES == 1) {
-                        if (blk_n == SPB || finish_parts<TPW * LT * 4, NT, ROLE == 2 ? NT : 0>(
-                                &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
-                                (size_t)m * nblocks + b, PER, 2 * q + parts_used++,
-                                s - blk_n + 1, blk_n, sLast))
-                            store(b);
-                    } else if (blk_n == SPB) {
+                    if (blk_n == SPB) {
                         store(b);
 #if STAGED_TIMES
                         if (tid == 0) g_cta_times[blockIdx.x][8] += clock64() - c_end0;
