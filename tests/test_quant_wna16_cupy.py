@@ -281,6 +281,14 @@ inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
 inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
     return {__float2bfloat16_rn(__bfloat162float(a.x) * __bfloat162float(b.x)),
             __float2bfloat16_rn(__bfloat162float(a.y) * __bfloat162float(b.y))}; }
+// (the fp16 build's)
+inline __half __ushort_as_half(unsigned short u) { return {u}; }
+inline __half2 __hsub2(__half2 a, __half2 b) {
+    return {__float2half_rn(__half2float(a.x) - __half2float(b.x)),
+            __float2half_rn(__half2float(a.y) - __half2float(b.y))}; }
+inline __half2 __hmul2(__half2 a, __half2 b) {
+    return {__float2half_rn(__half2float(a.x) * __half2float(b.x)),
+            __float2half_rn(__half2float(a.y) * __half2float(b.y))}; }
 template <typename F> void launch3(unsigned gx, unsigned gy, unsigned gz, unsigned block, F body) {
     for (unsigned i = 0; i < gz; ++i) {                 // (z descending too: qg_block_order)
         const unsigned bz = g_descending ? gz - 1 - i : i;

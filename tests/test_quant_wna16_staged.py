@@ -9,9 +9,9 @@ bad configs clearly. Simulator: the kernel on the CPU emulation of tests/test_qu
 end inside row blocks (blocks finished from 2-3 parts, in K-stage order, by whichever CTA comes
 last: the CTAs also run last to first, with the same bits), a ragged last block, a short last
 K stage, group sizes 64 / 128 / one per row, with and without zero points, 1-3 live token
-tiles, an expert of another rank; the split counters come back to zero; and, launched as a
-programmatic launch would start it (the activations NaN until a CTA's griddepcontrol.wait), no
-activation copy or output write before the wait.
+tiles, an expert of another rank, the fp16 build; the split counters come back to zero; and,
+launched as a programmatic launch would start it (the activations NaN until a CTA's
+griddepcontrol.wait), no activation copy or output write before the wait.
 GPU (`gpu` marker): every config on the packed rung's shapes, fp16 and other ranks, long runs,
 the same bits on a second launch, and a GEMM1 -> GEMM2 chain whose GEMM2 is launched
 programmatically (PDL) and reads GEMM1's output. Tolerance: the issue's weight-only 2e-2.
@@ -159,21 +159,16 @@ EMULATED_NAMES = W.STAGED_NAMES + W.STAGED_WS_NAMES     # (WS: its mbarriers emu
 
 
 def _entries(names):
-    out = [
-        'extern "C" void f16rows(unsigned M, const void* a, void* a16, float* scale, int K) {\n'
-        f"    launch(M, 1, 256, [&] {{ {W.F16_ROWS_KERNEL}((const elem_t*)a, "
-        "(unsigned short*)a16, scale, K); });\n}"]
+    out = []
     for i, n in enumerate(names):
-        if n == W.F16_ROWS_KERNEL:
-            continue
         out.append(
             f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned block, const void* a, '
-            f"const float* as, const void* wp, void* c, const void* sp, const void* zp, "
+            f"const void* wp, void* c, const void* sp, const void* zp, "
             f"const int* st, const int* ex, const int* ntp, const float* tw, const float* bias, "
             f"float* ws, int* cnt, int N, int K, int P, int top_k, int B, int L, int mul, "
             f"int shift, int G, int dzp) {{\n"
             f"    launch3(gx, gy, 1, block, [&] {{ gridDim.z = 1; {n}((const unsigned short*)a, "
-            f"as, (const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
+            f"nullptr, (const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
             f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp); }});\n}}")
     return "\n".join(out)
 
@@ -187,14 +182,25 @@ def emulated_staged(tmp_path_factory):
                            prelude=W16_PRELUDE)
 
 
+@pytest.fixture(scope="module")
+def emulated_staged_fp16(tmp_path_factory):
+    """The fp16 build (ELEM_BF16 = 0), whose codes dequantize as fp16 pairs."""
+    from test_quant_cupy import build_emulation
+    from test_quant_wna16_cupy import W16_PRELUDE
+
+    return build_emulation(tmp_path_factory, "wst16", W.CU_STAGED, _entries(EMULATED_NAMES),
+                           prelude=W16_PRELUDE, defines={"ELEM_BF16": 0})
+
+
 def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms,
-                  programmatic=None, descending=False):
+                  programmatic=None, descending=False, dtype=BF16):
     """The staged launch (staged_plan, arguments) on the emulation: (c, the plan). programmatic:
     None, a plain launch; "wait" or "ignore_waits", the emulation's model of a programmatic
     launch (test_quant_cupy.arm_programmatic: the activations are the grid before's output, c and
     the workspace this launch's), whose counts come back as the plan's "programmatic".
     descending: the CTAs run last to first (a block's parts are then completed by the CTA whose
-    run ends in it, where in ascending order the CTA whose run starts in it completes it)."""
+    run ends in it, where in ascending order the CTA whose run starts in it completes it).
+    dtype: the build's element type (a goes in as it, c comes back as it)."""
     import ctypes
 
     from test_quant_cupy import arm_programmatic, blocks_descending, programmatic_counts
@@ -208,81 +214,23 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     P, G = M_a * top_k, ws.shape[2]
     pk = W.stage_blocks(W.prepack_int4(wq, ws, wz), cfg["W"] * cfg["TPW"], cfg["KC"])
     lp = W.staged_plan(P, E, N, Kd, st.size, B, cfg, sms, Kd // G, G, wz is not None)
-    a_in, a_scale = np.ascontiguousarray(a).view(np.uint16), None
-    if cfg.get("FA"):                                               # the conversion, emulated
-        a_in, a_scale = _emulated_f16_rows(lib, a)
-        a_in = a_in.view(np.uint16)
-    c = np.full((P, N), 0x7FC0, np.uint16)                         # poison: bf16 NaN
+    a_in = np.ascontiguousarray(a.astype(dtype)).view(np.uint16)
+    c = np.full((P, N), 0x7FC0 if dtype == BF16 else 0x7E00, np.uint16)   # poison: NaN
     wsp = np.full(lp["WS"], np.nan, np.float32)                     # the parts' workspace
     cnt = np.zeros(lp["COUNTERS"], np.int32)
     gx, gy, _ = lp["grid"]
     if programmatic is not None:
-        arm_programmatic(lib, [x for x in (a_in, a_scale) if x is not None], [c, wsp, cnt],
+        arm_programmatic(lib, [a_in], [c, wsp, cnt],
                          ignore_waits=programmatic == "ignore_waits")
     with blocks_descending(lib, descending):
         getattr(lib, f"k{EMULATED_NAMES.index(lp['name'])}")(
-            gx, gy, lp["block"][0], p(a_in), p(a_scale), p(pk["wp"]), p(c),
+            gx, gy, lp["block"][0], p(a_in), p(pk["wp"]), p(c),
             p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
             N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
     assert not cnt.any(), "the part counters come back to zero"
     if programmatic is not None:
         lp["programmatic"] = programmatic_counts(lib)
-    return c.view(BF16), lp
-
-
-def _emulated_f16_rows(lib, a):
-    import ctypes
-
-    M, K = a.shape
-    a16 = np.full((M, K), 0x7E00, np.uint16)                       # poison: fp16 NaN
-    scale = np.full(M, np.nan, np.float32)
-    lib.f16rows(M, np.ascontiguousarray(a).view(np.uint16).ctypes.data_as(ctypes.c_void_p),
-                a16.ctypes.data_as(ctypes.c_void_p), scale.ctypes.data_as(ctypes.c_void_p), K)
-    return a16.view(np.float16), scale
-
-
-def _f16_rows_case(rng):
-    """Rows of every kind: ordinary, huge, tiny, zeros, with NaN, with an infinity."""
-    a = (rng.standard_normal((7, 520)) * 3).astype(np.float32)
-    a[1] *= 1e30                                      # s = 15 - e < 0
-    a[2] *= 1e-20                                     # s > 15
-    a[2, :8] = 1e-30                                  # 2^-28 of the row's largest and below
-    a[3] = 0.0
-    a[4, 5] = np.nan
-    a[5, 9] = np.inf
-    a[6, 0] = 3e38                                    # near bf16's largest: s = -113
-    return a.astype(BF16)
-
-
-def test_f16_rows(rng):
-    """f16_rows (the NumPy twin of wna16_f16_rows): a16 row_scale gives a back exactly down
-    to 2^-28 of the row's largest when that is finite, NaN where a is NaN; each scaled row's
-    largest in [2^14, 2^15); rows of zeros or with an infinity keep scale 1."""
-    a = _f16_rows_case(rng)
-    a16, scale = W.f16_rows(a)
-    x = a.astype(np.float32)
-    back = a16.astype(np.float32) * scale[:, None]
-    with np.errstate(invalid="ignore"):
-        big = np.nanmax(np.abs(x), 1, keepdims=True)
-    exact = np.isfinite(x) & (np.abs(x) >= 2.0 ** -28 * big)
-    exact[5] = False                                  # the row with an infinity: scale 1
-    np.testing.assert_array_equal(back[exact], x[exact])
-    assert np.isnan(back[4, 5]) and np.isinf(back[5, 9])
-    assert scale[3] == 1.0 and scale[5] == 1.0 and (a16[3] == 0).all()
-    top = np.abs(a16[[0, 1, 2, 4, 6]].astype(np.float32))
-    top = np.nanmax(top, 1)
-    assert (top >= 2.0 ** 14).all() and (top < 2.0 ** 15).all()
-    assert W.f16_rows(np.zeros((0, 64), BF16))[0].shape == (0, 64)
-
-
-@pytest.mark.simulator
-def test_emulated_f16_rows(emulated_staged, rng):
-    """wna16_f16_rows on the emulation matches its NumPy twin bit for bit (poisoned outputs)."""
-    a = _f16_rows_case(rng)
-    a16, scale = W.f16_rows(a)
-    got16, got_scale = _emulated_f16_rows(emulated_staged, a)
-    np.testing.assert_array_equal(got16.view(np.uint16), a16.view(np.uint16))
-    np.testing.assert_array_equal(got_scale, scale)
+    return c.view(dtype), lp
 
 
 # (config, shape, group size, zero points, SMs, the CTAs Q the case was written for)
@@ -301,12 +249,6 @@ EMULATION_CASES = [
     # runs of 2-3 units (parts); then runs across m tiles that wrap the 4-slot ring, g256
     ("t24ws", (20, 2, 2, 1024, 512, 24), 128, True, 8, 8),
     ("t24ws", (30, 2, 2, 512, 768, 48), 256, False, 2, 2),
-    # FA: the activations as fp16 with row scales (wna16_f16_rows), the codes as fp16 pairs
-    ("f8", (2, 4, 2, 288, 576, 8), 64, False, 8, 16),
-    ("f16", (5, 3, 2, 288, 640, 16), 128, True, 8, 16),
-    ("f24", (20, 2, 2, 256, 512, 24), 128, True, 4, 8),
-    ("f24", (20, 2, 2, 64, 768, 48), 256, False, 4, 8),
-    ("f32", (30, 2, 2, 128, 384, 32), 384, True, 1, 2),
 ]
 
 
@@ -320,6 +262,20 @@ def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sm
     assert lp["Q"] == q, "the case covers the runs it was written for"
     err = rel_err(got, want)
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e} (Q = {lp['Q']}, U = {lp['U']})"
+
+
+@pytest.mark.simulator
+@pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [EMULATION_CASES[i] for i in (1, 3, 6)])
+def test_emulated_fp16_build(emulated_staged_fp16, rng, cfg, shape, gs, zp, sms, q):
+    """The fp16 build: fp16 activations and output, the codes dequantized as fp16 pairs
+    (1024 + q and 64 + q, w16::raw_pairs_f16) and the sums mma's offsets to match."""
+    M_a, E, K, N, Kd, B = shape
+    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
+    got, lp = _run_emulated(emulated_staged_fp16, cfg, a, wq, ws, wz, st, ex, ntp, K, B, tw,
+                            bias, sms, dtype=np.dtype(np.float16))
+    assert lp["Q"] == q
+    err = rel_err(got, want)          # a: bf16 values, exact in fp16
+    assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e}"
 
 
 @pytest.mark.simulator
@@ -365,10 +321,9 @@ def test_emulated_other_rank(emulated_staged, rng):
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,case", [
     ("t24", ((20, 2, 2, 256, 512, 24), 128, True, 4)),   # runs across m tiles, blocks in parts
-    ("f24", ((20, 2, 2, 64, 768, 48), 256, False, 4)),   # FA: a16 and the row scales as inputs
     ("t8", "other rank"),                                # zeros stored for another rank
     ("t24ws", ((20, 2, 2, 1024, 512, 24), 128, True, 8)),  # producers and consumers both wait
-], ids=["t24-parts", "f24-fa", "t8-other-rank", "t24ws-roles"])
+], ids=["t24-parts", "t8-other-rank", "t24ws-roles"])
 def test_emulated_programmatic_launch(emulated_staged, rng, cfg, case):
     """Launched programmatically (grouped_gemm_wna16(..., programmatic=True)), the kernel may
     start while the grid before it still writes the activations. On the emulation's model of
@@ -399,25 +354,6 @@ def test_matches_reference(rng, shape, cfg):
     if not ok:
         pytest.skip(why)
     check_matches_reference(rng, shape, cfg, 16 * W.STAGED_CONFIGS[cfg]["MT"])
-
-
-@pytest.mark.gpu
-def test_f16_rows_on_gpu(rng):
-    """wna16_f16_rows on the GPU matches its NumPy twin bit for bit but for NaN's payload
-    (poisoned outputs), and an empty batch launches nothing."""
-    ok, why = C.availability()
-    if not ok:
-        pytest.skip(why)
-    a = _f16_rows_case(rng)
-    a16, scale = W.f16_rows(a)
-    got16, got_scale = W._device_f16_rows(up(a))
-    got = host(got16).view(np.float16)
-    nan = np.isnan(a16)              # the GPU's NaN keeps a payload (0x7FFF), NumPy's is 0x7E00
-    assert (np.isnan(got) == nan).all() and nan.sum() == 1
-    np.testing.assert_array_equal(got.view(np.uint16)[~nan], a16.view(np.uint16)[~nan])
-    np.testing.assert_array_equal(host(got_scale), scale)
-    e16, escale = W._device_f16_rows(up(np.zeros((0, 64), BF16)))
-    assert e16.shape == (0, 64) and escale.shape == (0,)
 
 
 @pytest.mark.gpu
@@ -485,7 +421,7 @@ def test_grouped_gemm_quant_routes_int4_to_staged(rng, monkeypatch, block, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["t24", "f24", "t24ws"])
+@pytest.mark.parametrize("cfg", ["t24", "t24ws"])
 def test_programmatic_launch_waits_for_its_input(rng, cfg):
     """GEMM2 launched programmatically (PDL) right after GEMM1 reads GEMM1's output as its
     activations: its CTAs start under GEMM1's tail, and must wait before they read it. The

@@ -21,7 +21,7 @@ L = len(sorted_token_ids), BM = 8 * MT positions per CTA, KS K splits.
     c        [P, N]           a's dtype
 
 Five rungs (see the .cu headers for the lane layouts), chosen by the config name:
-    wna16_staged  (STAGED_CONFIGS: t8 .. t32, u24, f8 .. f32; quant_gemm_wna16_staged.cu) int4 on
+    wna16_staged  (STAGED_CONFIGS: t8 .. t32, u24, t24ws; quant_gemm_wna16_staged.cu) int4 on
                   the packed rung's weights laid out a pipeline stage per contiguous run
                   (stage_blocks): a CTA stages the codes, scales and its tokens' activations
                   of NB = W TPW 16-row tiles x KC 64-code chunks per stage through one
@@ -30,9 +30,7 @@ Five rungs (see the .cu headers for the lane layouts), chosen by the config name
                   more mma per token tile and chunk); one wave of CTAs splits all m tiles'
                   (row block, K stage) units into runs of equal cost (staged_plan), partial
                   blocks added in K-stage order. What grouped_gemm_quant runs for 8-128 rows
-                  per expert (route_int4). The f configs (FA) first turn bf16 activations
-                  into fp16 with power-of-two row scales (wna16_f16_rows, launched here) and
-                  dequantize two codes per half-word (opt-in: measured no faster).
+                  per expert (route_int4).
                   programmatic=True launches it with PDL (_launch.py): its CTAs read the
                   routing and copy their first weights under the previous kernel's tail
                   (GEMM2 after GEMM1: Mixtral T = 64 layer 0.271 against 0.276 ms,
@@ -783,14 +781,6 @@ STAGED_CONFIGS = {
     # 2 CTAs per SM were slower or no faster.
     "t24ws": dict(KERNEL="staged", MT=3, W=8, TPW=4, KC=2, S=4, MINB=1, WS=56),
 }
-# FA = 1: bf16 activations go in as fp16 with a power-of-two scale per row (wna16_f16_rows, one
-# launch before the GEMM; f16_rows is its NumPy twin), so the codes dequantize as fp16: a
-# third of the shifts (w16::raw_pairs_f16; the LT = 2 stage 341 SASS instructions against 403).
-# fp16 activations (an fp16 model) take that path as they are, in any config. Opt-in: measured
-# (H200, Mixtral T = 64, dev_wna16_20261130g) f24 189 / 114 us against t24 187 / 110: the
-# kernel is not bound by its instruction count, and the conversion costs ~7 us a GEMM.
-STAGED_CONFIGS.update({f"f{n[1:]}": dict(STAGED_CONFIGS[n], FA=1)
-                       for n in ("t8", "t16", "t24", "t32")})
 CU_STAGED = "quant_gemm_wna16_staged.cu"
 # setmaxnreg exists only in sm_90a code (built through cuda.core)
 STAGED_WS_OPTIONS = ("-arch=sm_90a",)
@@ -806,12 +796,11 @@ def device_runs_ws() -> bool:
     return C.is_sm90()
 
 
-def staged_kernel_name(cfg: dict, zp: bool, fa: bool | None = None) -> str:
-    """fa: the FA mode (default: the config's)."""
-    fa = cfg.get("FA", 0) if fa is None else fa
+def staged_kernel_name(cfg: dict, zp: bool) -> str:
+    """The kernel instantiation of a staged config, with per-group zero points or not."""
     ws = f", {int(cfg['WS'])}" if cfg.get("WS") else ""
     return (f"wna16_staged<{cfg['MT']}, {cfg['W']}, {cfg['TPW']}, {cfg['KC']}, {cfg['S']}, "
-            f"{int(bool(zp))}, {cfg['MINB']}, {int(bool(fa))}{ws}>")
+            f"{int(bool(zp))}, {cfg['MINB']}{ws}>")
 
 
 def staged_stage_bytes(cfg: dict, zp: bool) -> int:
@@ -826,7 +815,7 @@ def staged_stage_bytes(cfg: dict, zp: bool) -> int:
 
 def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
                 num_sms: int = 132, group_size: int = 0, num_groups: int = 1,
-                zp: bool = False, fa: bool | None = None) -> dict:
+                zp: bool = False) -> dict:
     """wna16_staged's launch: grid (Q,), block 32 W (+ 128 producers with the config's WS),
     dynamic shared memory S stages (WS: then 2 S mbarriers), then the m tiles' prefix costs
     (8 (MTILES + 1) bytes), a block's parts by first stage (4 SPB) and the m tiles' experts
@@ -836,7 +825,7 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     CTAs per SM (times WAVES) take contiguous runs of equal cost over all m tiles in order.
     The partial blocks meet in a workspace of WS floats ([Q][2 parts][32 W TPW MT 4]) with
     COUNTERS ints ([TILES] units done, [TILES][SPB] parts by their first K stage; TILES = m
-    tiles x blocks). fa: the FA mode (default: the config's)."""
+    tiles x blocks)."""
     bm = 8 * cfg["MT"]
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
@@ -868,15 +857,14 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     if slots >= 1 << 16 or spb >= 1 << 15:
         raise ValueError(f"config: {slots} part slots or {spb} K stages per block are past the "
                          f"part records' 16-bit fields")
-    return dict(name=staged_kernel_name(cfg, zp, fa), cfg=cfg, grid=(q, 1, 1),
+    return dict(name=staged_kernel_name(cfg, zp), cfg=cfg, grid=(q, 1, 1),
                 block=(32 * cfg["W"] + (128 if ws else 0),), smem=smem, shift=shift, Lg=Lg,
                 Q=q, U=units, SPB=spb, MTILES=mtiles, WS=slots * per, TILES=mtiles * blocks,
                 COUNTERS=mtiles * blocks * (1 + spb))
 
 
-F16_ROWS_KERNEL = "wna16_f16_rows"
 STAGED_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values() if not c.get("WS")
-                     for z in (False, True)) + (F16_ROWS_KERNEL,)
+                     for z in (False, True))
 STAGED_WS_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values() if c.get("WS")
                         for z in (False, True))
 for _ev in ELEMS.values():
@@ -1112,14 +1100,12 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                              f"{cupy.cuda.Device().compute_capability}")
         pk = packed_weights(w, w_scale, w_zp, w_s,
                             order=("staged", cfg0["W"] * cfg0["TPW"], cfg0["KC"]))
-        fa = bool(cfg0.get("FA")) and out_key == "bf16"      # fp16 activations run as they are
         lp = staged_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G,
-                         w_zp is not None, fa)
+                         w_zp is not None)
         kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_STAGED, staged_options(cfg0))
         null = C.null_ptr()
-        a16, a_scale = _device_f16_rows(a) if fa else (C.raw(a), null)
         ws, cnt = _workspace(lp["WS"], lp["COUNTERS"])
-        args = (a16, a_scale, pk["wp"], C.raw(c), pk["sp"],
+        args = (C.raw(a), null, pk["wp"], C.raw(c), pk["sp"],         # (null: `unused`)
                 pk["zp"] if pk["zp"] is not None else null,
                 sorted_token_ids, expert_ids, num_tokens_post_padded,
                 tw if tw is not None else null, b32 if b32 is not None else null, ws, cnt,
@@ -1163,31 +1149,6 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
             np.int32(G), np.int32(default_zp), np.int32(code_xor), np.int32(sps))
     kern(grid, block, args, shared_mem=smem)
     return c
-
-
-def f16_rows(a):
-    """wna16_f16_rows' NumPy twin: (a16 [M, K] float16, row_scale [M] float32) with a16 =
-    fp16(a 2^s) and row_scale = 2^-s per row, s = min(15 - e, 126) where the row's largest
-    finite nonzero |a| is in [2^(e-1), 2^e) (else s = 0): a16 row_scale is a, exactly for every
-    element down to 2^-28 of its row's largest."""
-    x = np.asarray(a, dtype=np.float32)
-    with np.errstate(invalid="ignore"):
-        m = np.nanmax(np.abs(x), axis=1, initial=0.0)      # 0 for empty or all-NaN rows
-    e = np.frexp(m)[1]
-    s = np.where((m > 0) & np.isfinite(m), np.minimum(15 - e, 126), 0).astype(np.int32)
-    a16 = np.ldexp(x, s[:, None]).astype(np.float16)
-    return a16, np.ldexp(np.float32(1), -s).astype(np.float32)
-
-
-def _device_f16_rows(a):
-    """wna16_f16_rows on the GPU: (a16 [M, K] uint16 (fp16 bits), row_scale [M] float32)."""
-    M_a, K = a.shape
-    a16 = C.empty((M_a, K), np.float16).view(np.uint16)       # poisoned when tests ask
-    scale = C.empty((M_a,), np.float32)
-    if M_a:
-        _kernel(F16_ROWS_KERNEL, ELEMS[_elem_key(a.dtype)], 0, CU_STAGED)(
-            (M_a,), (256,), (C.raw(a), a16, scale, np.int32(K)))
-    return a16, scale
 
 
 def _device_chunk_sums(a):

@@ -171,7 +171,7 @@ __device__ __forceinline__ void deq_int8(u32 lo, u32 hi, float zf, float s, u32&
 }
 
 // mma.sync m16n8k16 with fp32 accumulation; H: the operands are fp16 (1) or bf16 (0); by default
-// the build's element type. wna16_staged runs fp16 operands in a bf16 build too (its FA mode).
+// the build's element type.
 #define W16_MMA_F16 "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
 #define W16_MMA_BF16 "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
 template <bool H = !ELEM_BF16>
