@@ -251,7 +251,8 @@ NAMES = tuple(kernel_name(b, c, p) for c in CONFIGS.values() for b, p in
 
 
 def named_config(name: str) -> dict:
-    """The config `name` of any rung's table (CONFIGS, PACKED_, STAGED_, WGMMA_CONFIGS)."""
+    """The config `name` of any rung's table (CONFIGS, PACKED_CONFIGS, STAGED_CONFIGS,
+    WGMMA_CONFIGS)."""
     for table in (CONFIGS, PACKED_CONFIGS, STAGED_CONFIGS, WGMMA_CONFIGS):
         if name in table:
             return table[name]

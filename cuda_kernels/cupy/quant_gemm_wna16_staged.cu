@@ -79,12 +79,12 @@
 // tokens as B, a fifth wgmma for S (224 / 126: ~12% more instructions, the scaling per chunk
 // no longer folded into the mma's C, and the batch waited for per chunk).
 //
-// Where the time goes (T = 64 GEMM1 t24, the
-// dev macros below, benchmarks/results/dev_wna16_20261130g): 183 us whole, 142 without the math
+// Where the time goes (T = 64 GEMM1 t24, builds that leave parts of the work out,
+// benchmarks/results/dev_wna16_20261130g): 183 us whole, 142 without the math
 // (the pipeline streaming alone; a plain read of the same 470 MB takes 118), 163 without the
 // weight copies (the math alone: mma.sync at ~36% of the 650 TFLOP/s it reaches on its own),
 // and the CTAs' equal-cost runs end anywhere from 145 to 180 us. The kernel runs power-capped
-// (dev_wna16_20261201e, STAGED_TIMES' clock): the SMs clock at 1675-1730 MHz under it against
+// (dev_wna16_20261201e, the SM clock read per CTA): the SMs clock at 1675-1730 MHz under it against
 // 1980 with the GPU idle, and at 1943-1965 MHz with the math left out, so the math's energy,
 // not only its issue slots, sets the pace.
 //
@@ -108,32 +108,6 @@
 // Needs int4 prepacked and staged (N % 16 == 0, Kdim % 64 == 0, group_size 64 times a power of
 // two or one group per row: chunk_shift = log2(chunks per group), 30 for one group).
 #include "wna16_common.cuh"
-// Dev instruments (benchmarks/dev/probe_staged.py compiles them in; off in every launcher build)
-#ifndef STAGED_PROBE     // 1: no math, 2: no activation copies, 3: no weight copies (timing
-#define STAGED_PROBE 0   // only: the results are garbage but at 0)
-#endif
-#ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
-#define STAGED_LT_COST 5
-#endif
-#ifndef STAGED_SEG_COST  // dev: a fixed cost at each live m tile's start (a segment's start)
-#define STAGED_SEG_COST 0
-#endif
-#ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
-                         // first stage landed, SM cycles spent ending blocks, parts handed in
-#define STAGED_TIMES 0
-#endif
-#if STAGED_TIMES
-__device__ unsigned long long g_cta_times[4096][18];  // start, end, SM, units, units x LT,
-        // first landed, end cycles, parts, of them in whole stores; the parts' (finish_parts)
-        // cycles in fences, in the count's atomic and barriers, in adding the parts; part 0's
-        // and part 1's cycles from entry to the count, and in their fences; clock64 at the
-        // start and the end (the SM clock: cycles / ns)
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-#endif
 
 // Bytes of one pipeline stage (each part rounded to 128 bytes), as the launcher computes them.
 template <int MT, int NB, int KC, int ZP>
@@ -238,32 +212,13 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
                                              int count, int& s_last) {
     const int tid = threadIdx.x;
     int* at = part_at + tile * SPB;
-#if STAGED_TIMES
-    unsigned long long* rec = g_cta_times[blockIdx.x];
-    const long long c0 = clock64();
-#endif
 #pragma unroll
     for (int j = 0; j < N; ++j) __stcg(ws + (size_t)slot * per + tid + j * NT, v[j]);
     if (tid == 0) __stcg(at + first, count << 16 | (slot + 1));
-#if STAGED_TIMES
-    const long long c1 = clock64();
-#endif
     __threadfence();
-#if STAGED_TIMES
-    const long long c2 = clock64();
-#endif
     team_sync<TEAM>();
     if (tid == 0) s_last = atomicAdd(units_done + tile, count) + count == SPB;
     team_sync<TEAM>();
-#if STAGED_TIMES
-    const long long c3 = clock64();
-    if (tid == 0) {
-        rec[9] += c2 - c1;
-        rec[10] += c3 - c2;
-        rec[12 + (slot & 1)] = c3 - c0;
-        rec[14 + (slot & 1)] = c2 - c1;
-    }
-#endif
     if (!s_last) return false;
     __threadfence();
     for (int x = tid; x < SPB; x += NT) {              // one load per stage, then shared memory
@@ -282,9 +237,6 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
         for (int j = 0; j < N; ++j) v[j] += __ldcg(part + j * NT);
         x += p >> 16;
     }
-#if STAGED_TIMES
-    if (tid == 0) rec[11] += clock64() - c3;   // (issued: the adds wait at their first use)
-#endif
     return true;
 }
 
@@ -322,15 +274,6 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int ctid = WS ? tid - NT : tid;            // a copying thread's index (WS: producers)
-#if STAGED_TIMES
-    if (tid == 0) {
-        unsigned sm;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        g_cta_times[blockIdx.x][0] = global_ns();
-        g_cta_times[blockIdx.x][16] = clock64();
-        g_cta_times[blockIdx.x][2] = sm;
-    }
-#endif
     const int ntiles = N >> 4, C = Kdim >> 6;
     const int SPB = (C + KC - 1) / KC, nblocks = (ntiles + NB - 1) / NB, U = nblocks * SPB;
     const int mtiles = (num_positions + BM - 1) / BM;
@@ -377,7 +320,7 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
         // the m tile's expert, loaded beside its rows (not after them: one round trip less)
         const int ex = m * BM < ntp ? expert_ids[m * BM / block_size] : -1;
         m_expert[m] = ex;
-        cum[m + 1] = lt && ex >= 0 ? (long long)U * (lt + STAGED_LT_COST) + STAGED_SEG_COST : 0;
+        cum[m + 1] = lt && ex >= 0 ? (long long)U * (lt + 5) : 0;
     }
     __syncthreads();
     if (tid == 0) {
@@ -395,7 +338,7 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
     __syncthreads();
     const long long Wt = cum[mtiles];
     // CTA q's run: weighted positions [run_start(q), run_start(q + 1)), fixed before the launch.
-    // Measured (T = 64 GEMM1, STAGED_TIMES, dev_wna16_20261130g): the runs end anywhere from
+    // Measured (T = 64 GEMM1, each CTA's end read, dev_wna16_20261130g): the runs end anywhere from
     // 145 to 180 us (the SMs do not stream at one speed, and of an SM's two CTAs the older runs
     // 9-13% faster a unit). Every dynamic balance tried ran slower (dev_wna16_20261130g / h):
     // tickets from a queue (208 / 137 against 194 / 116 us), runs stolen from their ends by
@@ -454,13 +397,13 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
     constexpr int ROLE = decltype(role)::value;
     constexpr bool COPIES = ROLE != 2, MATH = ROLE != 1;
     for (int m = 0; m < mtiles; ++m) {
-        // (Measured, dev_wna16_20261202d calls 9-10: STAGED_SEG_COST 8-32 no faster. This form
-        // of the split, the same units and bits as the one before it, ptxas schedules otherwise:
-        // the T = 64 layer ran 2-4 us faster, T = 256 5-6 us, t24's 1-4 us.)
+        // (Measured, dev_wna16_20261202d calls 9-10: a fixed cost per segment start, 8-32, no
+        // faster. This form of the split, the same units and bits as the one before it, ptxas
+        // schedules otherwise: the T = 64 layer ran 2-4 us faster, T = 256 5-6 us, t24's 1-4 us.)
         const long long span = cum[m + 1] - cum[m];
         if (span == 0 || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1)) continue;
-        const long long w = (span - STAGED_SEG_COST) / U;  // the m tile's cost per unit
-        const long long u0 = cum[m] + STAGED_SEG_COST;      // where its first unit starts
+        const long long w = span / U;                      // the m tile's cost per unit
+        const long long u0 = cum[m];                       // where its first unit starts
         const int ua = (int)max(0LL, (run_start(q) - u0 + w - 1) / w);
         const int ub = (int)min((long long)U, (run_start(q + 1) - u0 + w - 1) / w);
         if (ua >= ub) continue;
@@ -487,8 +430,7 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
             const uint4* wsrc = w_tile + (size_t)(b * SPB + s) * (NB * KC * 32);
 #pragma unroll
             for (int j = 0; j < W_PER; ++j)
-                if (STAGED_PROBE != 3)
-                    w16::cp16(st + St::W_OFF + 16 * j * NC, wsrc + j * NC, true);
+                w16::cp16(st + St::W_OFF + 16 * j * NC, wsrc + j * NC, true);
             const int sz_off = (b * num_groups + g0) * (NB * 8);   // < 2^31: one expert's
             const float2* ssrc = sp + sz_e + sz_off + 2 * ctid;
 #pragma unroll
@@ -558,7 +500,6 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
                 u8* sa = smem + (size_t)(i % S) * St::BYTES;
 #pragma unroll
                 for (int j = 0; j < A_PER; ++j) {
-                    if (STAGED_PROBE == 2) break;
                     const bool ok = a_chunk[j] < kcn;
                     w16::cp16_if(a_on[j], sa + a_dst[j], a_src[j] + (ok ? c0 * 64 : 0), ok);
                 }
@@ -626,10 +567,6 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
                 } else {
                     staged_ws::wait(bar_full + i % S, (i / S) & 1);
                 }
-#if STAGED_TIMES
-                if (tid == 0 && g_cta_times[blockIdx.x][5] == 0)
-                    g_cta_times[blockIdx.x][5] = global_ns();
-#endif
                 if constexpr (ROLE == 0) {
                     issue(i + S - 1, ib, is, i + S - 1 < n_units, true);
                     step(ib, is);
@@ -752,8 +689,7 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
                         }
                     }
                 };
-                if (STAGED_PROBE == 1) {
-                } else if (kcn == KC && g0 == (c0 + KC - 1) >> chunk_shift) {   // one group
+                if (kcn == KC && g0 == (c0 + KC - 1) >> chunk_shift) {   // one group
                     chunks(w16::Count<KC>{}, 0);
                 } else {
 #pragma unroll
@@ -770,15 +706,8 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
                 // part (finish_parts: the CTA that completes the block adds the parts)
                 ++blk_n;
                 if (i + 1 == n_units || s == SPB - 1) {   // uniform over the CTA
-#if STAGED_TIMES
-                    const long long c_end0 = clock64();
-                    if (tid == 0 && blk_n != SPB) ++g_cta_times[blockIdx.x][7];
-#endif
                     if (blk_n == SPB) {
                         store(b);
-#if STAGED_TIMES
-                        if (tid == 0) g_cta_times[blockIdx.x][8] += clock64() - c_end0;
-#endif
                     } else if (finish_parts<TPW * LT * 4, NT, ROLE == 2 ? NT : 0>(
                                    &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
                                    (size_t)m * nblocks + b, PER, 2 * q + parts_used++,
@@ -792,19 +721,10 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
                         for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
                             for (int k = 0; k < 4; ++k) acc[r][mt][k] = 0.f;
-#if STAGED_TIMES
-                    if (tid == 0) g_cta_times[blockIdx.x][6] += clock64() - c_end0;
-#endif
                 }
                 step(b, s);
             }
         });
-#if STAGED_TIMES
-        if (tid == 0) {
-            g_cta_times[blockIdx.x][3] += n_units;
-            g_cta_times[blockIdx.x][4] += (unsigned long long)n_units * live_tiles;
-        }
-#endif
         if constexpr (ROLE == 0) w16::cp_wait<0>();    // the ring is empty ...
         __syncthreads();                               // ... and read: the next segment refills it
         init_ring_barriers();                          // (WS: before load_m_tile's barrier)
@@ -821,10 +741,4 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
     } else {
         segments(w16::Count<0>{});
     }
-#if STAGED_TIMES
-    if (tid == 0) {
-        g_cta_times[blockIdx.x][1] = global_ns();
-        g_cta_times[blockIdx.x][17] = clock64();
-    }
-#endif
 }
