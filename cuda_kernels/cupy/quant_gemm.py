@@ -178,7 +178,7 @@ def block_size_for(fmt: str, rows_per_expert: float) -> int:
         # (the int4 route's range, quant_gemm_wna16.PACKED_BY_ROWS): 48, the staged t24's
         # measured block (its 24-row tiles, and the fallback gemv16's, divide it); 32 routed
         # to t32, slower (H200, Mixtral T = 64, GEMM1 / GEMM2: t24 188 / 110 us against t32
-        # 198 / 118, benchmarks/results/dev_wna16_20261130f). Above: the tile rungs' 64.
+        # 198 / 118). Above: the tile rungs' 64.
         if rows_per_expert <= WNA16_BY_ROWS[0][0]:
             return max(16, WNA16_V3_CONFIGS[WNA16_BY_ROWS[0][1]]["BM"])
         return 48 if rows_per_expert <= 128 else 64

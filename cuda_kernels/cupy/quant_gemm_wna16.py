@@ -33,8 +33,7 @@ Five rungs (see the .cu headers for the lane layouts), chosen by the config name
                   per expert (route_int4).
                   programmatic=True launches it with PDL (_launch.py): its CTAs read the
                   routing and copy their first weights under the previous kernel's tail
-                  (GEMM2 after GEMM1: Mixtral T = 64 layer 0.271 against 0.276 ms,
-                  benchmarks/results/dev_wna16_20261201).
+                  (GEMM2 after GEMM1: Mixtral T = 64 layer 0.271 against 0.276 ms, H200).
     wna16_wgmma   (WGMMA_CONFIGS: g32, h32, p32, ...; quant_gemm_wna16_wgmma.cu, sm_90a) int4
                   on weights prepacked in wgmma's register-A order: one warpgroup per CTA, the
                   dequantized weights of RB 64-row groups as wgmma's A, the activations staged
@@ -72,27 +71,24 @@ ValueError naming the argument otherwise.
 
 Napkin math (H200, 4.8 TB/s): Mixtral int4 (E=8, top-2, H=4096, I=14336, group 128) at T=1
 reads 2 experts' w13 + w2 codes and scales, 187 MB -> 39 us.
-wna16_packed, first version (H200, benchmarks/results/dev_slots_20261130/slot1, per GEMM, L2
-flushed):
+wna16_packed, first version (H200, per GEMM, L2 flushed):
 T=1 s8 49.7 + 31.2 us = 48% of the roofline (w8 below: 27%), T=16 406 us (37%), T=64 p16
 797 us (20%); ncu (T=1 GEMM1): 109 instructions per 512-byte chunk, issue 62% busy, ALU pipe
 56%, 'wait' stalls first: instruction-bound, hence the rounds of D items with immediate
 offsets and no register copies (53 instructions per chunk in the SASS) that followed.
 Then (rounds of D items, two tiles per warp group, one barrier per few tile groups; q8, the
-default; benchmarks/results/dev_slots_20261130/slot2b, whole GEMM1 + GEMM2 through
-quant_gemm.grouped_gemm_quant, bench_quant.py, L2 flushed by a read): T=1 62 us (62.9% of
-the roofline), T=16 212 us (73.7%), T=64 551 us (28.3%: at 16 rows per expert the 8-token
-tiles read each expert's weights 2-3 times, and the 16 / 32-token configs run far slower per
-byte so far). bench_wna16 (same slot): 66 / 223 / 519 us against quant_gemm's v3 at
-155 / 599 / 1156 us. ncu (slot 2, T=1 GEMM1): DRAM 68% busy, issue 53%, long-scoreboard
-stalls first (the weight stream's latency).
-The stream rung, before (H200, benchmarks/results/bench_wna16_*_20261129_231628.json, commit
-77717dd, the m8 / m16 table then; GEMM1 + GEMM2, the activation between them not timed): T=1
-165 us (24% of the roofline; quant_gemm 154 us), T=16 558 us (28%; 595), T=64 1077 us (14.5%;
-1104); T >= 256 quant_gemm is about 2x faster. Its sweep (..._sweep_..._231634.json) gave the
-w8 / w16 entries of BY_ROWS: T=1 142 us (27%), T=16 464 us (34%), T=64 879 us (18%), per-GEMM
-sums, not yet re-measured as a whole. ncu (2026-11-29, T=1 GEMM1): DRAM 29%, issue ~50%, 14
-warps per SM: the kernel is latency- and instruction-bound, far from the 60% target.
+default; whole GEMM1 + GEMM2 through quant_gemm.grouped_gemm_quant, bench_quant.py, L2
+flushed by a read): T=1 62 us (62.9% of the roofline), T=16 212 us (73.7%), T=64 551 us
+(28.3%: at 16 rows per expert the 8-token tiles read each expert's weights 2-3 times, and the
+16 / 32-token configs run far slower per byte so far). bench_wna16 (same machine): 66 / 223 /
+519 us against quant_gemm's v3 at 155 / 599 / 1156 us. ncu (T=1 GEMM1): DRAM 68% busy, issue
+53%, long-scoreboard stalls first (the weight stream's latency).
+The stream rung, before (H200, the m8 / m16 table then; GEMM1 + GEMM2, the activation between
+them not timed): T=1 165 us (24% of the roofline; quant_gemm 154 us), T=16 558 us (28%; 595),
+T=64 1077 us (14.5%; 1104); T >= 256 quant_gemm is about 2x faster. Its sweep (bench_wna16.py
+--sweep) gave the w8 / w16 entries of BY_ROWS: T=1 142 us (27%), T=16 464 us (34%), T=64 879 us
+(18%), per-GEMM sums, not yet re-measured as a whole. ncu (T=1 GEMM1): DRAM 29%, issue ~50%,
+14 warps per SM: the kernel is latency- and instruction-bound, far from the 60% target.
 
 Run as a script: python -m cuda_kernels.cupy.quant_gemm_wna16 [--quick] (validate every
 kernel instantiation against the reference; without --quick also time the Mixtral shape).
@@ -135,24 +131,22 @@ CONFIGS = {
 # subtracts it per pair; RT tiles of 16 rows per warp group share the activation fragments;
 # SR = 1 keeps the ring in shared memory (cp.async) instead of registers. Measured (H200,
 # Mixtral T=1 / 16 / 64, GEMM1 + GEMM2 per config, B = BM up to 8 rows per expert, else 32):
-#   benchmarks/results/dev_slots_20261130/slot2: q8 71 / 232 / 530 us, q8d 73 / 245 / 553,
-#     p8 73 / 251 / 602.
-#   dev_wna16_20261130 (live token tiles a compile-time count): q8 67 / 228 / 561, q16 71 /
-#     250 / 543, q32 71 / 257 / 446; q32 with WAVES = 4: 75 / 257 / 413
-#     (experts of 2 and 3 live tiles evened out), WAVES = 8: 408 at T=64 (071729). At 3 or 4
-#     live tiles the ring of D = 2 spills registers (NVRTC sm_90: q32 98 spill loads, MT = 3
-#     14): with D = 1 (072403, T=64 / 256) q32 407 / 1195 us (D = 2: 407 / 1449), 24-token
-#     tiles (MT = 3, B = 48) 386 / 1089. Four CTAs of 4 warps per SM instead of two of 8 (half
-#     the partials each output sums; 072813, 072823): q32 370 / 1042 us at T=64 / 256, 452 at
-#     T=96 (W = 8: 507), q24 375 / 1027; q8 stays at 8 warps (T=16: 259 us with 4).
-#   dev_wna16_20261130b (T=1 / 16 / 64 / 256): POST's mma costs more than the 16 hsub2 per
-#     chunk it saves (091500: q8 vs q8+POST=1 68 / 234 / 567 / 1918 vs 75 / 239 / 573 / 1961;
-#     q24 vs q24+POST=1 at T=64 377 vs 413). SR lets MT = 3 / 4 keep 2 items in flight without
-#     spilling (092305): faster at one live tile (v24 93 / 269 vs q24 100 / 303 at T=1 / 16),
-#     slower at 2-3 (392 vs 371 at T=64; D = 4: 473); at MT = 1 slower than the register ring
-#     (q8+SR=1 77 / 252 vs 68 / 235).
-#   dev_wna16_20261130d (GEMM1 / GEMM2 at T=64): the routed configs stall on long_scoreboard
-#     (the next chunk's loads, ~2 cycles per issue); a second chunk in flight at 3 CTAs per SM
+#   first: q8 71 / 232 / 530 us, q8d 73 / 245 / 553, p8 73 / 251 / 602.
+#   with live token tiles a compile-time count: q8 67 / 228 / 561, q16 71 / 250 / 543, q32
+#     71 / 257 / 446; q32 with WAVES = 4: 75 / 257 / 413 (experts of 2 and 3 live tiles
+#     evened out), WAVES = 8: 408 at T=64. At 3 or 4 live tiles the ring of D = 2 spills
+#     registers (NVRTC sm_90: q32 98 spill loads, MT = 3 14): with D = 1 (T=64 / 256) q32
+#     407 / 1195 us (D = 2: 407 / 1449), 24-token tiles (MT = 3, B = 48) 386 / 1089. Four CTAs
+#     of 4 warps per SM instead of two of 8 (half the partials each output sums): q32 370 /
+#     1042 us at T=64 / 256, 452 at T=96 (W = 8: 507), q24 375 / 1027; q8 stays at 8 warps
+#     (T=16: 259 us with 4).
+#   T=1 / 16 / 64 / 256: POST's mma costs more than the 16 hsub2 per chunk it saves (q8 vs
+#     q8+POST=1 68 / 234 / 567 / 1918 vs 75 / 239 / 573 / 1961; q24 vs q24+POST=1 at T=64 377
+#     vs 413). SR lets MT = 3 / 4 keep 2 items in flight without spilling: faster at one live
+#     tile (v24 93 / 269 vs q24 100 / 303 at T=1 / 16), slower at 2-3 (392 vs 371 at T=64;
+#     D = 4: 473); at MT = 1 slower than the register ring (q8+SR=1 77 / 252 vs 68 / 235).
+#   GEMM1 / GEMM2 at T=64: the routed configs stall on long_scoreboard (the next chunk's
+#     loads, ~2 cycles per issue); a second chunk in flight at 3 CTAs per SM
 #     (q32+D=2+MINB=3 235 / 124, q24+D=2+MINB=3 238 / 128) is within 3-5% of q32 242 / 123 and
 #     q24 250 / 120, and no faster at T=256: the table stays.
 PACKED_CONFIGS = {
@@ -169,10 +163,9 @@ PACKED_CONFIGS = {
     "v32": dict(KERNEL="packed", MT=4, W=4, D=2, POST=1, RT=2, MINB=4, WAVES=8, SR=1),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
-# whose BM divides block_size. Measured (H200, Mixtral int4 g128, bench_wna16.py --sweep,
-# benchmarks/results/bench_wna16_sweep_nvidia_h200_20261129_231634.json): the register-ring
-# rung beats the cp.async rung at every T (the async rings cap a CTA at 8 warps per SM), 8 warps
-# per CTA beat 4:
+# whose BM divides block_size. Measured (H200, Mixtral int4 g128, bench_wna16.py --sweep): the
+# register-ring rung beats the cp.async rung at every T (the async rings cap a CTA at 8 warps
+# per SM), 8 warps per CTA beat 4:
 #   T=1  (0.25 rows/expert, B=8):  w8  GEMM1 82 us + GEMM2 60 us     (m8 90 + 79, a8 127 + 61)
 #   T=16 (4 rows, B=8):            w8  294 + 170 us                   (m8 329 + 248)
 #   T=64 (16 rows, B=32):          w16 578 + 301 us                   (m16 696 + 409)
@@ -182,17 +175,17 @@ PACKED_CONFIGS = {
 # to 8 rows per expert, then q24 (block_size a multiple of 24) or q32 (of 32) up to 128, q8 up
 # to 24 for other block sizes (quant_gemm's block_size_for gives 16 up to 8 rows, 48 up to
 # 128, 64 above). Above 128 rows quant_gemm's own tile rungs are faster: measured (H200, Mixtral,
-# bench_wna16_nvidia_h200_20261130_071739.json, GEMM1 + GEMM2) q32 (then D = 2, W = 8) 0.82 /
+# GEMM1 + GEMM2) q32 (then D = 2, W = 8) 0.82 /
 # 1.48 / 2.74 / 5.71 ms vs those rungs 1.50 / 2.36 / 3.05 / 5.41 ms at 32 / 64 / 128 / 256 rows
 # per expert (T = 128 / 256 / 512 / 1024). A problem the packed rung cannot take (int8,
 # group_size 32, N % 16) names a stream config.
 # The staged rung (STAGED_CONFIGS) then took the 8-128 rows from q24 / q32 (H200, Mixtral,
-# GEMM1 / GEMM2 us, benchmarks/results/dev_wna16_20261130e/bench_wna16_..._170246.json):
+# GEMM1 / GEMM2 us):
 # T = 64 t24 200 / 116 and t32 210 / 122 against q24 253 / 121 and q32 242 / 122; T = 256 t24
 # 590 / 316 and t32 598 / 315 against q24 702 / 334 and q32 730 / 352. Up to 8 rows q8 stays
 # (T = 1: q8 43 / 25 against t8 51 / 37; T = 16: q8 152 / 79 against t16 154 / 92).
 # On sm_90 its warp-specialized t24ws (STAGED_CONFIGS) heads t24: Mixtral's T = 64 layer 0.5-3%
-# faster on bench_quant's four routings, T = 128 / 256 3% / 4.5% (dev_wna16_20261202d); other
+# faster on bench_quant's four routings, T = 128 / 256 3% / 4.5%; other
 # GPUs take t24 (setmaxnreg is sm_90a's).
 PACKED_BY_ROWS = ((8, "q8"), (128, "t24ws"), (128, "t24"), (128, "t32"), (24, "q8"))
 # A measured table (CONFIG_FILE) replaces this one when present.
@@ -512,9 +505,9 @@ def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
 # warpgroup per CTA owning 64-row groups (RB of them per item) and the whole K (or one of KS
 # splits), MT token tiles of 8 (wgmma n = 8 x the live ones), D chunks of weights in flight
 # per lane (a shared-memory ring, D >= S - 1), S activation stages, MINB CTAs per SM, WAVES
-# waves of CTAs planned, POST (0 or 1). Measured (H200, Mixtral T = 64, dev_wna16_20261130c):
+# waves of CTAs planned, POST (0 or 1). Measured (H200, Mixtral T = 64):
 # h32 runs the fastest GEMM1 of the configs swept (230 us against q32's 248), not the fastest
-# GEMM2 (185 against 125; 143 with K split over the grid, dev_wna16_20261130d).
+# GEMM2 (185 against 125; 143 with K split over the grid).
 WGMMA_CONFIGS = {
     "g32": dict(KERNEL="wgmma", MT=4, D=8, S=4, MINB=4, WAVES=8),
     "g24": dict(KERNEL="wgmma", MT=3, D=8, S=4, MINB=4, WAVES=8),
@@ -768,7 +761,7 @@ STAGED_CONFIGS = {
     "t8": dict(KERNEL="staged", MT=1, W=4, TPW=4, KC=2, S=4, MINB=2),
     "t16": dict(KERNEL="staged", MT=2, W=4, TPW=4, KC=2, S=4, MINB=2),
     # t24 with 3 stages: its NVRTC 13.5 build (prebuilt/) ran Mixtral's T = 64 layer 0.6-2.8 us
-    # faster than with 4, T = 256 4-6 us, the same bits (H200, dev_wna16_20261202c)
+    # faster than with 4, T = 256 4-6 us, the same bits (H200)
     "t24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=3, MINB=2),
     "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2),
     # 8 warps of 2 tiles: twice the warps per SM, each token fetch from shared memory feeds 2
@@ -776,7 +769,7 @@ STAGED_CONFIGS = {
     # WS: warp-specialized, WS the producers' registers. One CTA per SM: 8 consumer warps (a
     # 512-row block: each stage's activations feed 512 rows) at 224 registers, and a producer
     # warpgroup at 56 that issues the copies, the ring's slots handed over by mbarriers.
-    # Measured (H200, Mixtral T = 64 / 128 / 256, dev_wna16_20261202d, the same call): layer
+    # Measured (H200, Mixtral T = 64 / 128 / 256, the same run): layer
     # 256.2 / 441.5 / 720.8 us against t24's 258.5 / 455.6 / 753.7; producers at 40-48 or
     # 64-80 registers (consumers at 232 or 208-216), 3 or 5 stages, and 4 consumer warps in
     # 2 CTAs per SM were slower or no faster.
@@ -875,7 +868,7 @@ for _ev in ELEMS.values():
 # The configs the router takes for 9-128 rows per expert ship compiled by NVRTC 13.5 for the
 # H100 / H200 (prebuilt/, python -m cuda_kernels.cupy.prebuild): the same source built by the
 # CUDA 13.0 NVRTC of the H200 image ran Mixtral's T = 64 layer 2-3% slower, T = 256 3-4%
-# (benchmarks/results/dev_wna16_20261202b; the module docstring of _compile says how it loads)
+# (the module docstring of _compile says how it loads)
 PREBUILT_CONFIGS = ("t24", "t24ws")
 for _ev in ELEMS.values():
     for _c in PREBUILT_CONFIGS:

@@ -6,7 +6,7 @@
 //             * r[s]      (the same contract as quant_gemm_wna16.cu's rungs; weights prepacked by
 //                          quant_gemm_wna16.prepack_int4(order="mma") then stage_blocks)
 //
-// Why (H200, Mixtral int4 at T = 64, benchmarks/results/dev_wna16_20261130d): wna16_packed reads
+// Why (H200, Mixtral int4 at T = 64, as every measurement below): wna16_packed reads
 // the activations through L1 once per 32 weight rows, so GEMM1 moved 1.56 GB through L2 for
 // 0.50 GB of weights, and its warps waited on those loads. Here a CTA owns NB = W TPW 16-row
 // tiles (256 rows at W = 4, TPW = 4): each 16-byte activation copied into shared memory feeds
@@ -24,11 +24,10 @@
 // it, which adds every part in the order of their first K stages (deterministic; finish_parts
 // below). Workspace: ws [Q][2][NT TPW MT 4] fp32 (a run has at most two partial blocks, its
 // first and its last), and the ints units_done [m tiles][blocks] and part_at [m tiles][blocks]
-// [SPB] (each part by its first stage; zero, and left zero). Measured (T = 64 GEMM1,
-// dev_wna16_20261130e): with the same number of CTAs per m tile the SMs were busy 86% of the
-// kernel, with runs of equal cost 94-97%. The part records by first stage replaced a walk
-// over the CTAs that own a block's units (dev_wna16_20261130h, same calls: 179 / 99 against
-// 181 / 103 us at T = 64; 219 registers against 235).
+// [SPB] (each part by its first stage; zero, and left zero). Measured (T = 64 GEMM1): with the
+// same number of CTAs per m tile the SMs were busy 86% of the kernel, with runs of equal cost
+// 94-97%. The part records by first stage replaced a walk over the CTAs that own a block's
+// units (same runs: 179 / 99 against 181 / 103 us at T = 64; 219 registers against 235).
 //
 // One stage in shared memory (S stages in a ring, one __syncthreads per stage):
 //   weights  [NB tiles][KC chunks][32 lanes] uint4   the packed fragments, 512 B per tile-chunk
@@ -44,9 +43,9 @@
 // so thread tid copies 16-byte units tid, tid + NT, ... of each run with no bounds to check
 // and constant offsets. Only the live token tiles' rows are copied (padding rows inside them
 // copy a live row; rows past them are never read). Measured (T = 64, Nsight Compute source
-// counters, dev_wna16_20261130e): 1D bulk copies (TMA) with an mbarrier per slot executed as
-// many instructions as cp.async with per-thread address arithmetic and ran slower (243 / 135
-// against 217 / 121 us): one lane per warp issuing the row copies serialises them.
+// counters): 1D bulk copies (TMA) with an mbarrier per slot executed as many instructions as
+// cp.async with per-thread address arithmetic and ran slower (243 / 135 against 217 / 121 us):
+// one lane per warp issuing the row copies serialises them.
 //
 // Warp w owns tiles w TPW .. + TPW - 1 of the block and all LT live token tiles: per chunk it
 // reads each token's 32 bytes once (2 LDS.128 per token tile) and feeds them to TPW tiles.
@@ -58,35 +57,33 @@
 // stage, computed by the tensor cores too: 2 mma per token tile and chunk with the token's
 // 16-byte units as A and B = 1, then two shuffles put each token's S where the mma's C holds
 // the token (these mma cost little: with the sums read for free the layer at T = 64 took 255
-// against 258-260 us, dev_wna16_20261201c). Without per-group zero points (ZP = 0) the start is one
-// per token tile, shared by the warp's TPW tiles; with them, an fmul per row and token (before:
-// 4 mma per token tile and chunk with A = -(128 + zp), per tile with zero points; with zero
-// points T = 64 went from 248 / 140 to 195 / 115 us, dev_wna16_20261130f). The fp32 partial
-// sum_k (q - zp) a is then scaled by the group's scale into the accumulators: once per stage
-// when its KC chunks share a group (g128 and wider at KC = 2: each mma chain runs over both
-// chunks), else once per chunk. Why: a subtraction per pair (16 hsub2 per tile and chunk)
-// cost more than these mma, and a chunk-sum kernel before the GEMM cost a launch (RAW of
-// wna16_packed; measured slower here, 262 / 142 against 247 / 132 us at T = 64,
-// bench_wna16_nvidia_h200_20261130_163547.json); one scaling per stage instead of per chunk
-// took T = 64 from 196 / 114 to 188 / 110 us (dev_wna16_20261130f). Exactness: products of
-// 8-bit integers and bf16 are exact in fp32; what is left is the fp32 cancellation of
-// sum (128 + q) a against (128 + zp) S (~2^-23 times ~30 relative).
-// Measured and taken out (T = 64 t24, dev_wna16_20261130f, against 197 / 115 us in the same
-// runs): the sums S made once per CTA, a stage ahead, instead of by every warp (212 / 122:
-// one stage less in flight); the codes prefetched into L2 2 or 4 stages past the ring (207 /
-// 122, 210 / 130); one chunk per stage with 9 stages (211 / 121); one CTA of 8 warps x 4
-// tiles with 5 stages (207 / 122); Hopper's wgmma with the staged codes as register A and the
-// tokens as B, a fifth wgmma for S (224 / 126: ~12% more instructions, the scaling per chunk
-// no longer folded into the mma's C, and the batch waited for per chunk).
+// against 258-260 us). Without per-group zero points (ZP = 0) the start is one per token tile,
+// shared by the warp's TPW tiles; with them, an fmul per row and token (before: 4 mma per
+// token tile and chunk with A = -(128 + zp), per tile with zero points; with zero points
+// T = 64 went from 248 / 140 to 195 / 115 us). The fp32 partial sum_k (q - zp) a is then
+// scaled by the group's scale into the accumulators: once per stage when its KC chunks share
+// a group (g128 and wider at KC = 2: each mma chain runs over both chunks), else once per
+// chunk. Why: a subtraction per pair (16 hsub2 per tile and chunk) cost more than these mma,
+// and a chunk-sum kernel before the GEMM cost a launch (RAW of wna16_packed; measured slower
+// here, 262 / 142 against 247 / 132 us at T = 64); one scaling per stage instead of per chunk
+// took T = 64 from 196 / 114 to 188 / 110 us. Exactness: products of 8-bit integers and bf16
+// are exact in fp32; what is left is the fp32 cancellation of sum (128 + q) a against
+// (128 + zp) S (~2^-23 times ~30 relative).
+// Measured and taken out (T = 64 t24, against 197 / 115 us in the same runs): the sums S made
+// once per CTA, a stage ahead, instead of by every warp (212 / 122: one stage less in flight);
+// the codes prefetched into L2 2 or 4 stages past the ring (207 / 122, 210 / 130); one chunk
+// per stage with 9 stages (211 / 121); one CTA of 8 warps x 4 tiles with 5 stages (207 / 122);
+// Hopper's wgmma with the staged codes as register A and the tokens as B, a fifth wgmma for S
+// (224 / 126: ~12% more instructions, the scaling per chunk no longer folded into the mma's C,
+// and the batch waited for per chunk).
 //
-// Where the time goes (T = 64 GEMM1 t24, builds that leave parts of the work out,
-// benchmarks/results/dev_wna16_20261130g): 183 us whole, 142 without the math
-// (the pipeline streaming alone; a plain read of the same 470 MB takes 118), 163 without the
-// weight copies (the math alone: mma.sync at ~36% of the 650 TFLOP/s it reaches on its own),
-// and the CTAs' equal-cost runs end anywhere from 145 to 180 us. The kernel runs power-capped
-// (dev_wna16_20261201e, the SM clock read per CTA): the SMs clock at 1675-1730 MHz under it against
-// 1980 with the GPU idle, and at 1943-1965 MHz with the math left out, so the math's energy,
-// not only its issue slots, sets the pace.
+// Where the time goes (T = 64 GEMM1 t24, builds that leave parts of the work out): 183 us
+// whole, 142 without the math (the pipeline streaming alone; a plain read of the same 470 MB
+// takes 118), 163 without the weight copies (the math alone: mma.sync at ~36% of the 650
+// TFLOP/s it reaches on its own), and the CTAs' equal-cost runs end anywhere from 145 to 180
+// us. The kernel runs power-capped (the SM clock read per CTA): the SMs clock at 1675-1730 MHz
+// under it against 1980 with the GPU idle, and at 1943-1965 MHz with the math left out, so the
+// math's energy, not only its issue slots, sets the pace.
 //
 // WS > 0, the warp-specialized CTA (config t24ws: W = 8, one CTA per SM): the W consumer warps
 // only compute, and a warpgroup of 128 producers, at WS registers each (setmaxnreg; the
@@ -96,10 +93,10 @@
 // it), so no barrier holds all the CTA's warps at each stage, and the consumers' instruction
 // stream holds no copies. Both roles walk the same segments and meet only at load_m_tile and
 // at each segment's end, where the ring drains and its barriers start again; the parts' and
-// stores' barriers are the consumers' own (named barrier 1). Measured (H200, Mixtral,
-// dev_wna16_20261202d, same call): T = 64 / 256 layer 256 / 721 us against t24's 259 / 754;
-// with 4 consumer warps in 2 CTAs per SM it was no faster than t24 (GEMM1 the same, GEMM2
-// 1-4 us slower), and 8 warps of one plain CTA 8-16% slower (dev_wna16_20261202c).
+// stores' barriers are the consumers' own (named barrier 1). Measured (in one run): T = 64 /
+// 256 layer 256 / 721 us against t24's 259 / 754; with 4 consumer warps in 2 CTAs per SM it
+// was no faster than t24 (GEMM1 the same, GEMM2 1-4 us slower), and 8 warps of one plain CTA
+// 8-16% slower.
 //
 // grid (Q), block 32 W (+ 128 with WS), dynamic shared memory S x stage bytes
 // (staged_stage_bytes in the launcher) + 16 S (WS: the mbarriers) + 8 (m tiles + 1) (the costs'
@@ -338,18 +335,18 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
     __syncthreads();
     const long long Wt = cum[mtiles];
     // CTA q's run: weighted positions [run_start(q), run_start(q + 1)), fixed before the launch.
-    // Measured (T = 64 GEMM1, each CTA's end read, dev_wna16_20261130g): the runs end anywhere from
-    // 145 to 180 us (the SMs do not stream at one speed, and of an SM's two CTAs the older runs
-    // 9-13% faster a unit). Every dynamic balance tried ran slower (dev_wna16_20261130g / h):
+    // Measured (T = 64 GEMM1, each CTA's end read): the runs end anywhere from 145 to 180 us
+    // (the SMs do not stream at one speed, and of an SM's two CTAs the older runs 9-13% faster a
+    // unit). Every dynamic balance tried ran slower:
     // tickets from a queue (208 / 137 against 194 / 116 us), runs stolen from their ends by
     // early CTAs (233 / 132 against 197 / 108: a thief starts ~25 us late, each step a loaded
     // round trip), and runs shared from both ends by two CTAs (of one SM or not), even when
     // split in fixed halves with no atomics (193 / 108 against 183 / 103): a run per CTA,
     // walked in one direction, streams faster. Static skews are slower too: the first half's
     // runs 1.5 / 3 / 5% longer took the layer from 262 to 268 / 269-270 / 280-284 us
-    // (dev_wna16_20261201c; the halves are not the SMs' first and second CTAs). With the roles
+    // (the halves are not the SMs' first and second CTAs). With the roles
     // read from the GPU, 3% gained ~1% of the layer, and a run's tail left to whichever of two
-    // CTAs came first cost ~10 us a CTA in ring restarts (dev_wna16_20261201d): the last CTA
+    // CTAs came first cost ~10 us a CTA in ring restarts: the last CTA
     // is on a slow SM, and the SMs' speeds do not repeat from launch to launch.
     auto run_start = [&](long long qq) { return qq * Wt / Q; };
 
@@ -360,8 +357,8 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
     // memory, and the CTA calls wait_for_inputs before its first read of a or write of any
     // output (an other rank's zeros, or its first segment's activation copies); that also lets
     // the next grid launch (its CTAs take the SMs this grid's CTAs leave). In a plain launch
-    // both instructions are no-ops. Measured (Mixtral T = 64, GEMM2 so after GEMM1,
-    // dev_wna16_20261201): the layer 0.271 against 0.276 ms.
+    // both instructions are no-ops. Measured (Mixtral T = 64, GEMM2 so after GEMM1): the layer
+    // 0.271 against 0.276 ms.
     bool inputs_ready = false;
     auto wait_for_inputs = [&] {
         if (inputs_ready) return;
@@ -397,9 +394,9 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
     constexpr int ROLE = decltype(role)::value;
     constexpr bool COPIES = ROLE != 2, MATH = ROLE != 1;
     for (int m = 0; m < mtiles; ++m) {
-        // (Measured, dev_wna16_20261202d calls 9-10: a fixed cost per segment start, 8-32, no
-        // faster. This form of the split, the same units and bits as the one before it, ptxas
-        // schedules otherwise: the T = 64 layer ran 2-4 us faster, T = 256 5-6 us, t24's 1-4 us.)
+        // (Measured: a fixed cost per segment start, 8-32, was no faster. This form of the split,
+        // the same units and bits as the one before it, ptxas schedules otherwise: the T = 64
+        // layer ran 2-4 us faster, T = 256 5-6 us, t24's 1-4 us.)
         const long long span = cum[m + 1] - cum[m];
         if (span == 0 || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1)) continue;
         const long long w = span / U;                      // the m tile's cost per unit
@@ -453,12 +450,12 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
         const int b_first = ib, s_first = is;
         // The run's first stage: its weights go out before the m tile's rows are read (the
         // rows' round trip and the weights' overlap), its activations after, then the next
-        // stages whole. Measured (Mixtral, dev_wna16_20261201b): with all S - 1 first stages'
+        // stages whole. Measured (Mixtral): with all S - 1 first stages'
         // weights early (the first stage's activations queued behind them) T = 256 took 531 /
         // 279 us against 520 / 274; T = 16 and 64 the same either way. (Measured and taken
         // out: the codes' copies with an L2 evict_first policy, createpolicy + cp.async
-        // .L2::cache_hint: GEMM2 at T = 64 99.6 against 101.7 us, but with early copies the f32
-        // config failed its GPU test with an illegal instruction, dev_wna16_20261201.)
+        // .L2::cache_hint: GEMM2 at T = 64 99.6 against 101.7 us, but with early copies one
+        // config failed its GPU test with an illegal instruction.)
         if (COPIES && first_segment) issue_weights(0, ib, is, n_units > 0);
         w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots, top_k,
                              num_positions, sSlot, sArow);   // live: its cost is not 0
@@ -631,7 +628,7 @@ wna16_staged(const unsigned short* __restrict__ a, const void* unused,
                     // Each (tile, token tile) chain of mma starts at 0, and the start (shared by
                     // the TPW tiles without per-group zero points, -T - zp_r S with them) is
                     // added after it: the chains do not wait on the sums' mma and shuffles.
-                    // Measured (T = 64, dev_wna16_20261201): 174.6 / 95.6 against 176.3 /
+                    // Measured (T = 64): 174.6 / 95.6 against 176.3 /
                     // 97.3 us with the start as the first mma's C; T = 256 525 / 274 against
                     // 535 / 279. Each chain split in two accumulators (8 -> 4 dependent mma)
                     // took 247 registers and ran slower (191 / 106 against 178 / 99 us).

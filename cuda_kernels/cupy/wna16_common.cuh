@@ -209,7 +209,7 @@ __device__ __forceinline__ uint4 ld_stream(const u8* p) {
 // The kernels' dynamic shared memory is declared __align__(128): it starts after their static
 // __shared__ arrays, and a cp.async whose destination is not aligned like its source's
 // 128-byte line costs twice the L2 requests. Measured (H200, wna16_wgmma h32, Mixtral GEMM1 at
-// T=64, benchmarks/results/dev_wna16_20261130d): 4 more bytes of static shared memory put the
+// T=64): 4 more bytes of static shared memory put the
 // rings 16 bytes off, and L2 read sectors went from 27.2 M to 42.1 M (the weights' 470 MB read
 // a second time from L2), 230 -> 250 us; __align__(1024) brought back 27.2 M and 236 us.
 __device__ __forceinline__ void cp16(void* dst, const void* src, bool pred) {
