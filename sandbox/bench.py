@@ -1022,7 +1022,8 @@ def plot_results(record: dict, path: pathlib.Path) -> pathlib.Path | None:
             bottom.set(xscale="log", ylim=(0, 1.05), xlabel="tokens T",
                        ylabel="fraction of floor")
         top.legend(fontsize=7)
-        bottom.legend(fontsize=7)
+        if bottom.get_lines():
+            bottom.legend(fontsize=7)
         top.grid(True, which="both", alpha=0.3)
         bottom.grid(True, alpha=0.3)
     card = record.get("card") or {}

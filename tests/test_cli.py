@@ -117,6 +117,7 @@ def test_validate_with_nothing_to_compare_fails():
     assert "FAIL: no backend but the reference ran" in r.stdout and "PASS" not in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
 def test_validate_other_families_and_traces(family):
     r = run("validate", "--checkpoint", str(ROOT / "data" / family), "--trace", "nan_rows",

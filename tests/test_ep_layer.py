@@ -111,6 +111,7 @@ def test_bad_config_raises(kwargs, match):
         EPConfig(**{**base, **kwargs})
 
 
+@pytest.mark.slow
 def test_cli_eplb_and_check(capsys):
     from sandbox.ep import cli_main
 

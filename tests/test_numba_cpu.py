@@ -71,6 +71,7 @@ def _nvvm_or_skip():
         pytest.skip(f"numba cannot compile PTX here (no libNVVM?): {r.stderr.strip()[-300:]}")
 
 
+@pytest.mark.slow
 def test_numpy_without_row_stack_is_shimmed():
     """numba-cuda 0.30.4 overloads np.row_stack, which NumPy 2.5 removed (the GPU image has
     2.5.2): without the shim the first compile fails; importing cuda_kernels.numba first fixes

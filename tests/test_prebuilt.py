@@ -100,6 +100,7 @@ def test_key_misses_on_any_change():
     assert not any(k in MANIFEST["entries"] for k in changed)
 
 
+@pytest.mark.slow
 def test_rebuild_is_byte_for_byte():
     """The cubins are what the committed source gives with the manifest's NVRTC (so the GPU
     runs the kernel CI compiles); with another NVRTC the bytes may differ, and that is skipped."""

@@ -368,6 +368,7 @@ def _emulated_gemm(lib, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, nbits, c
     ("m16", 2, FORMATS[4], (9, 3, 2, 24, 256, 16)),
     ("m32", None, FORMATS[6], (20, 2, 1, 16, 128, 32)),
 ])
+@pytest.mark.slow
 def test_emulated_matches_reference(emulated_w16, cfg, ks, fmt, shape):
     rng = np.random.default_rng(5)
     name, nbits, gs, zp, signed = fmt

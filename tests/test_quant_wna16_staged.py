@@ -239,6 +239,7 @@ EMULATION_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", EMULATION_CASES)
 def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
@@ -251,6 +252,7 @@ def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sm
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e} (Q = {lp['Q']}, U = {lp['U']})"
 
 
+@pytest.mark.slow
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [EMULATION_CASES[i] for i in (1, 3, 6)])
 def test_emulated_fp16_build(emulated_staged_fp16, rng, cfg, shape, gs, zp, sms, q):
@@ -265,6 +267,7 @@ def test_emulated_fp16_build(emulated_staged_fp16, rng, cfg, shape, gs, zp, sms,
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e}"
 
 
+@pytest.mark.slow
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [c for c in EMULATION_CASES if c[-1] > 2])
 def test_emulated_any_block_order_same_bits(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
@@ -296,6 +299,7 @@ def _other_rank_case(rng):
     return ids, (a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, 2), want
 
 
+@pytest.mark.slow
 @pytest.mark.simulator
 def test_emulated_other_rank(emulated_staged, rng):
     """Experts 1 and 3 live on another rank (expert id -1): their rows are zeros."""
@@ -311,6 +315,7 @@ def test_emulated_other_rank(emulated_staged, rng):
     ("t8", "other rank"),                                # zeros stored for another rank
     ("t24ws", ((20, 2, 2, 1024, 512, 24), 128, True, 8)),  # producers and consumers both wait
 ], ids=["t24-parts", "t8-other-rank", "t24ws-roles"])
+@pytest.mark.slow
 def test_emulated_programmatic_launch(emulated_staged, rng, cfg, case):
     """Launched programmatically (grouped_gemm_wna16(..., programmatic=True)), the kernel may
     start while the grid before it still writes the activations. On the emulation's model of

@@ -452,6 +452,7 @@ for dt, t in ((np.float32, 5), (ml_dtypes.bfloat16, 3)):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.simulator
 def test_numba_simulator_through_harness():
     """The numba backend under the CUDA simulator (which must be switched on before numba is
