@@ -7,16 +7,20 @@
         through every backend available here, stage by stage, against the reference; prints
         the parity table (a backend running longer than a few seconds prints a line per
         stage on stderr, unless --quiet). A backend that cannot run is listed as skipped
-        with the reason; a job in which no backend but the reference ran FAILS. On a machine without a GPU the Numba kernels run under the CUDA
-        simulator (NUMBA_ENABLE_CUDASIM=1 is set before Numba is imported: sandbox.registry's
-        use_numba_simulator_if_no_gpu) in a second,
-        small run: the first --sim-tokens tokens, alignment block --sim-block, stage rows
-        only (the simulator runs one Python thread per CUDA thread).
-    moe-sandbox bench [--model NAME ...] [--tokens 1,16,...] [--candidates ...] [--cpu] ...
-        CUDA-event timings of every candidate against the roofline floor and the torch peers;
-        JSON + plot under benchmarks/results/ (sandbox/bench.py has the pieces).
+        with the reason; a job in which no backend but the reference ran FAILS. On a machine
+        without a GPU the Numba kernels run under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1
+        is set before Numba is imported: sandbox.registry's use_numba_simulator_if_no_gpu)
+        in a second, small run: the first --sim-tokens tokens, alignment block --sim-block,
+        stage rows only (the simulator runs one Python thread per CUDA thread).
+    moe-sandbox bench [--model NAME ...] [--tokens 1,16,...] [--candidates ...] [--graph]
+                      [--peers DIR] [--out DIR] [--cpu] ...
+        Our fused experts against vLLM's Triton kernel and torch._grouped_mm (CUDA events or
+        graph replays, L2 flushed, new routing each rep): medians, ratios to the peers, the
+        roofline floor of the card (known cards only), host microseconds per eager call; JSON
+        + plot in ./moe-sandbox-results (--out benchmarks/results updates the committed ones).
     moe-sandbox info       which backends and devices are available here, and why not
-    moe-sandbox data make [--out data] [--seed 0]    regenerate the small files of data/
+    moe-sandbox data make [--out DIR] [--seed 0]     the small files of data/ (--out data
+                                                     in the checkout replaces them)
         (written into a temporary folder and moved into place at the end: a failure leaves
         the folder as it was)
 
@@ -134,7 +138,8 @@ def cmd_validate(args) -> int:
     ckpt = pathlib.Path(args.checkpoint) if args.checkpoint else \
         checkpoint.default_checkpoint_path()
     if not ckpt.exists():
-        hint = "" if args.checkpoint else " (run `moe-sandbox data make` to write data/)"
+        hint = "" if args.checkpoint else (" (run `moe-sandbox data make --out data` in the "
+                                           "checkout to write data/)")
         raise CliError(f"--checkpoint: expected a checkpoint file or folder, got "
                        f"{str(ckpt)!r}, which does not exist{hint}")
 
@@ -424,7 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="the small files of data/")
     dsub = d.add_subparsers(dest="data_command", metavar="{make}", parser_class=_Parser)
     m = dsub.add_parser("make", help="write the checkpoints and traces from a seed")
-    m.add_argument("--out", default="data")
+    m.add_argument("--out", default="moe-sandbox-results/data",
+                   help="the folder to write (default ./moe-sandbox-results/data; pass "
+                        "--out data in the checkout to regenerate the committed files)")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_data_make)
     return p

@@ -1,7 +1,9 @@
 """Small reproducible MoE checkpoints and router-logit traces, from one seed.
 
-`moe-sandbox data make [--out data] [--seed 0]` writes, under `out/` (through a temporary
-folder moved into place at the end: a failure leaves `out/` as it was; see make_all):
+`moe-sandbox data make [--out DIR] [--seed 0]` writes, under DIR (default
+./moe-sandbox-results/data; `--out data` in the checkout regenerates the committed files),
+through a temporary folder moved into place at the end (a failure leaves DIR as it was; see
+make_all):
 
     mixtral/      config.json + model.safetensors   Mixtral naming, E=8  K=2 H=64 I=128
     qwen3_moe/    config.json + model.safetensors   Qwen3-MoE naming, E=16 K=4 H=64 I=64

@@ -37,7 +37,7 @@ def test_same_seed_same_bytes(made, tmp_path):
 
 def test_committed_data_is_what_make_writes(made):
     """data/ must be regenerated (and committed) whenever datagen changes."""
-    assert DATA.is_dir(), "data/ is missing: run `moe-sandbox data make`"
+    assert DATA.is_dir(), "data/ is missing: run `moe-sandbox data make --out data`"
     assert _digests(DATA) == _digests(made)
 
 
