@@ -112,6 +112,10 @@ class _StageMapping(dict):
         return type(self), (dict(self),)
 
 
+_CHECKED_MAPPINGS: dict = {}    # stage -> backend names, checked once: {stage: Backend}
+_AS_IS = object()               # a source that tells _call to pass the argument unmoved
+
+
 @dataclass
 class StageCall:
     """One stage as the layer ran it: what went in and what came out (for the harness)."""
@@ -682,15 +686,24 @@ class FusedMoE:
 
     # --- internals
     def _start(self, mapping, trace):
-        backends = {}
-        for stage in STAGES:
-            b = get_backend(mapping[stage])
-            if not b.ok:
-                raise RuntimeError(f"backend {b.name!r} (stage {stage!r}) is not available "
-                                   f"here: {b.reason}")
-            b.stage_fn(stage)           # NotImplementedError now rather than mid-forward
-            backends[stage] = b
-        return _Run(backends, trace)
+        # the checks below depend on the mapping only: done once per mapping (a decode step
+        # pays the host time of every forward)
+        key = tuple(mapping[stage] for stage in STAGES)
+        backends = _CHECKED_MAPPINGS.get(key)
+        if backends is not None and any(get_backend(n) is not backends[s]
+                                        for n, s in zip(key, STAGES)):
+            backends = None                 # the registry was reset (registry.clear_cache)
+        if backends is None:
+            backends = {}
+            for stage in STAGES:
+                b = get_backend(mapping[stage])
+                if not b.ok:
+                    raise RuntimeError(f"backend {b.name!r} (stage {stage!r}) is not available "
+                                       f"here: {b.reason}")
+                b.stage_fn(stage)           # NotImplementedError now rather than mid-forward
+                backends[stage] = b
+            _CHECKED_MAPPINGS[key] = backends
+        return _Run(dict(backends), trace)
 
     def _inputs(self, hidden_states, router_logits, exact):
         for name, v in (("hidden_states", hidden_states), ("router_logits", router_logits)):
@@ -789,7 +802,8 @@ class FusedMoE:
     def _call(self, run, stage, args, kwargs, sources, trace=True):
         """Run `stage` on its backend: move the arguments there, call, remember the outputs."""
         b = run.backends[stage]
-        moved = tuple(arrays.transfer(a, src, b) for a, src in zip(args, sources))
+        moved = tuple(a if src is _AS_IS else arrays.transfer(a, src, b)
+                      for a, src in zip(args, sources))
         out = b.stage_fn(stage)(*moved, **kwargs)
         if trace and run.trace is not None:
             run.trace.append(StageCall(stage, b.name, moved, dict(kwargs), out))
@@ -828,9 +842,12 @@ class FusedMoE:
                       global_num_experts=self.num_experts,
                       zero_expert_num=self.zero_expert_num,
                       zero_expert_type=self.zero_expert_type)
+        # hidden_states only gives the routing its row count on a GPU backend (zero experts,
+        # which read it, run on the host): it is not moved there
+        src_x = _AS_IS if (not b.is_host and not self.zero_expert_num) else self._source(x)
         return self._call(run, "route",
                           (x, logits, self.top_k, self.use_grouped_topk, self.renormalize),
-                          kwargs, (self._source(x), self._source(logits), None, None, None))
+                          kwargs, (src_x, self._source(logits), None, None, None))
 
     def _forward(self, run, hidden_states, router_logits, exact, block=None):
         x, logits = self._inputs(hidden_states, router_logits, exact)
