@@ -605,12 +605,15 @@ EMU_HEADER = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <random>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -652,6 +655,8 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 const unsigned char* emu_lo[2];
 const unsigned char* emu_hi[2];
 
+std::atomic<long long> emu_w_bytes{0};   // bytes cp.async read from w (v7 reads each once)
+
 struct EmuCopy { unsigned dst; const unsigned char* src; int bytes; };
 thread_local std::vector<EmuCopy> emu_open;
 thread_local std::vector<std::vector<EmuCopy>> emu_groups;
@@ -671,6 +676,7 @@ inline void gg_cp_async16(unsigned dst, const void* src, int src_bytes) {
         bool inside = false;
         for (int i = 0; i < 2; ++i) inside |= s >= emu_lo[i] && s + 16 <= emu_hi[i];
         if (!inside) emu_fail("cp.async: reads outside a and w", (long long)(uintptr_t)s);
+        if (s >= emu_lo[1] && s + 16 <= emu_hi[1]) emu_w_bytes += 16;
     }
     emu_open.push_back({dst, s, src_bytes});
 }
@@ -686,8 +692,36 @@ template <int PENDING> inline void gg_cp_async_wait() {
     }
 }
 
-struct EmuWarp { std::barrier<> bar{32}; unsigned addr[32]; unsigned a[32][4]; unsigned b[32][2]; };
+struct EmuWarp {
+    std::barrier<> bar{32}; unsigned addr[32]; unsigned a[32][4]; unsigned b[32][2]; unsigned vote[32];
+};
 EmuWarp* emu_warps;
+
+// v7's warp vote, counters and fences. CTAs run one after another here (in an order the test
+// may shuffle), so a global atomic needs no more than a lock; fences and the .cg loads and
+// stores are plain memory operations.
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+    if (mask != 0xffffffffu) emu_fail("__ballot_sync: only full-warp votes are emulated", mask);
+    EmuWarp& w = emu_warps[emu_tid / 32];
+    w.vote[emu_tid % 32] = pred ? 1u : 0u;
+    w.bar.arrive_and_wait();
+    unsigned r = 0;
+    for (int i = 0; i < 32; ++i) r |= w.vote[i] << i;
+    w.bar.arrive_and_wait();
+    return r;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+std::mutex emu_atomic_lock;
+inline int atomicAdd(int* p, int v) {
+    std::lock_guard<std::mutex> l(emu_atomic_lock);
+    const int old = *p;
+    *p = old + v;
+    return old;
+}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+template <typename T> inline T __ldcg(const T* p) { return *p; }
+template <typename T> inline void __stcg(T* p, T v) { *p = v; }
 
 inline void gg_ldsm_x4(unsigned* r, unsigned addr) {
     EmuWarp& w = emu_warps[emu_tid / 32];
@@ -809,11 +843,18 @@ EMU_WGMMA(256)
 """
 
 EMU_MAIN = r"""
-// ---- the launcher: argv[1] = input file (header, then the arrays), argv[2] = output file (c)
+// ---- the launcher: argv[1] = input file (header, then the arrays), argv[2] = output file (c,
+// then the extra arrays). Extra kernel arguments (v7's workspace): up to two arrays, passed
+// after the common ones by GG_EMU_EXTRA_ARGS, then up to two ints.
+unsigned char* emu_x[2];
+int emu_xi[2];
+#ifndef GG_EMU_EXTRA_ARGS
+#define GG_EMU_EXTRA_ARGS
+#endif
 int main(int argc, char** argv) {
     FILE* f = std::fopen(argv[1], "rb");
-    long long h[24];
-    if (std::fread(h, 8, 24, f) != 24) return 2;
+    long long h[32];
+    if (std::fread(h, 8, 32, f) != 32) return 2;
     const int N = h[0], Kd = h[1], P = h[2], top_k = h[3], B = h[4], L = h[5], mul = h[6],
               bias_kind = h[7], gx = h[8], gy = h[9], bx = h[10], by = h[11];
     emu_smem_limit = EMU_SMEM_SHIFT + h[12];   // the dynamic buffer's end
@@ -833,34 +874,52 @@ int main(int argc, char** argv) {
     std::vector<unsigned char> cbuf(cbytes + 2 * guard, 0xAB);   // canaries on both sides
     unsigned char* c = cbuf.data() + guard;
     if (cbytes && std::fread(c, 1, cbytes, f) != cbytes) return 2;   // the caller's c (poisoned)
+    // h[21] gz, h[22] CTA order seed (0: x fastest, then y, then z), h[23] extra arrays,
+    // h[24..25] their bytes, h[26..27] extra ints
+    const int gz = h[21] > 0 ? (int)h[21] : 1, n_extra = (int)h[23];
+    std::vector<std::vector<unsigned char>> xbuf(2);
+    for (int i = 0; i < 2; ++i) {
+        xbuf[i].assign((i < n_extra ? h[24 + i] : 16) + 2 * guard, 0xAB);
+        emu_x[i] = xbuf[i].data() + guard;
+        if (i < n_extra && h[24 + i] &&
+            std::fread(emu_x[i], 1, h[24 + i], f) != (size_t)h[24 + i]) return 2;
+        emu_xi[i] = (int)h[26 + i];
+    }
     std::fclose(f);
+    std::vector<EmuDim> order;
+    for (int cz = 0; cz < gz; ++cz)
+        for (int cy = 0; cy < gy; ++cy)
+            for (int cx = 0; cx < gx; ++cx) order.push_back({(unsigned)cx, (unsigned)cy, (unsigned)cz});
+    if (h[22]) {
+        std::mt19937 gen((unsigned)h[22]);
+        std::shuffle(order.begin(), order.end(), gen);
+    }
     const int nthreads = bx * by;
     std::barrier<> cta_bar(nthreads);
     emu_cta_bar = &cta_bar;
     emu_warps = new EmuWarp[(nthreads + 31) / 32];
     blockDim = {(unsigned)bx, (unsigned)by, 1};
-    gridDim = {(unsigned)gx, (unsigned)gy, 1};
+    gridDim = {(unsigned)gx, (unsigned)gy, (unsigned)gz};
     std::vector<std::thread> ts;
     for (int t = 0; t < nthreads; ++t) {
         ts.emplace_back([&, t] {
             emu_tid = t;
             threadIdx = {(unsigned)(t % bx), (unsigned)(t / bx), 0};
-            for (int cy = 0; cy < gy; ++cy)
-                for (int cx = 0; cx < gx; ++cx) {
-                    blockIdx = {(unsigned)cx, (unsigned)cy, 0};
-                    GG_KERNEL_NAME((const GG_T*)buf[0].data(), (const GG_T*)buf[1].data(), (GG_T*)c,
-                                   (const int*)buf[2].data(), (const int*)buf[3].data(),
-                                   (const int*)buf[4].data(), (const float*)buf[5].data(),
-                                   (const void*)buf[6].data(), N, Kd, P, top_k, B, L, mul,
-                                   bias_kind);
-                    if (!emu_open.empty() || !emu_groups.empty())
-                        emu_fail("a CTA ended with cp.async copies never waited for",
-                                 emu_groups.size());
-                    if (!emu_wg_open.empty() || !emu_wg_groups.empty())
-                        emu_fail("a CTA ended with wgmma batches never waited for",
-                                 emu_wg_groups.size());
-                    cta_bar.arrive_and_wait();
-                }
+            for (const EmuDim& cta : order) {
+                blockIdx = cta;
+                GG_KERNEL_NAME((const GG_T*)buf[0].data(), (const GG_T*)buf[1].data(), (GG_T*)c,
+                               (const int*)buf[2].data(), (const int*)buf[3].data(),
+                               (const int*)buf[4].data(), (const float*)buf[5].data(),
+                               (const void*)buf[6].data(), N, Kd, P, top_k, B, L, mul,
+                               bias_kind GG_EMU_EXTRA_ARGS);
+                if (!emu_open.empty() || !emu_groups.empty())
+                    emu_fail("a CTA ended with cp.async copies never waited for",
+                             emu_groups.size());
+                if (!emu_wg_open.empty() || !emu_wg_groups.empty())
+                    emu_fail("a CTA ended with wgmma batches never waited for",
+                             emu_wg_groups.size());
+                cta_bar.arrive_and_wait();
+            }
         });
     }
     for (auto& t : ts) t.join();
@@ -869,8 +928,17 @@ int main(int argc, char** argv) {
             std::fprintf(stderr, "EMULATOR: write outside c\n");
             return 4;
         }
+    for (int x = 0; x < n_extra; ++x)
+        for (size_t i = 0; i < guard; ++i)
+            if (xbuf[x][i] != 0xAB || xbuf[x][guard + h[24 + x] + i] != 0xAB) {
+                std::fprintf(stderr, "EMULATOR: write outside extra array %d\n", x);
+                return 4;
+            }
     FILE* o = std::fopen(argv[2], "wb");
     std::fwrite(c, 1, cbytes, o);
+    for (int x = 0; x < n_extra; ++x) std::fwrite(emu_x[x], 1, h[24 + x], o);
+    const long long w_bytes = emu_w_bytes;
+    std::fwrite(&w_bytes, 8, 1, o);
     std::fclose(o);
     return 0;
 }
@@ -890,14 +958,20 @@ emulated = pytest.mark.skipif(_GXX is None or _HDR is None,
                               reason="needs g++ and the CUDA headers (cuda_fp16.h)")
 
 
+# the arguments a kernel takes after GG_KERNEL_ARGS, as the emulator's main passes them
+EMU_EXTRA_ARGS = {"gemm_v7_decode.cu": ", (float*)emu_x[0], (int*)emu_x[1], emu_xi[0]"}
+
+
 @functools.lru_cache(maxsize=None)
 def _emu_binary(cu, kernel_name, define_items):
     """g++ build of one kernel instantiation under the emulator (cached per process)."""
     # the emulator goes between the #defines (it needs GG_T) and the kernel file
     text = C.source_text(cu, dict(define_items))
     cut = text.index(f'#line 1 "{cu}"')
+    extra = EMU_EXTRA_ARGS.get(cu)
     src = (text[:cut] + EMU_HEADER + "\n" + text[cut:] + "\n"
-           + f"#define GG_KERNEL_NAME {kernel_name}\n" + EMU_MAIN)
+           + f"#define GG_KERNEL_NAME {kernel_name}\n"
+           + (f"#define GG_EMU_EXTRA_ARGS {extra}\n" if extra else "") + EMU_MAIN)
     out_dir = pathlib.Path(tempfile.mkdtemp(prefix="gg_emu_"))
     cpp = out_dir / "k.cpp"
     cpp.write_text(src)
@@ -908,16 +982,27 @@ def _emu_binary(cu, kernel_name, define_items):
     return exe
 
 
-def _emu_launch(exe, grid, block, smem, args):
-    """Run the emulated kernel with the launcher's exact argument tuple; c (args[2]) is
-    updated in place (rows the kernel does not write keep their bytes). Arrays are NumPy (or
-    NumPy-backed) arrays, sizes are NumPy ints."""
+def _emu_launch(exe, grid, block, smem, args, order_seed=0):
+    """Run the emulated kernel with the launcher's exact argument tuple; c (args[2]) and the
+    extra arrays after the common 16 arguments (v7's workspace) are updated in place, as a
+    GPU launch leaves them (rows the kernel does not write keep their bytes). Arrays are NumPy
+    (or NumPy-backed) arrays, sizes are NumPy ints. order_seed != 0 runs the CTAs in a
+    shuffled order (v7's last split is then not always the last z). Returns the bytes the
+    kernel's cp.async read from w."""
     arrays = [np.ascontiguousarray(args[i]) for i in (0, 1, 3, 4, 5, 6, 7)]
     c = args[2]
-    gx, gy = (tuple(grid) + (1,))[:2]
+    extra = list(args[16:])
+    x_arrays = [x for x in extra if isinstance(x, np.ndarray) and x.ndim > 0]
+    x_ints = [int(x) for x in extra if not (isinstance(x, np.ndarray) and x.ndim > 0)]
+    assert len(x_arrays) <= 2 and len(x_ints) <= 2, "the emulator passes 2 arrays, 2 ints"
+    gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     bx, by = (tuple(block) + (1,))[:2]
+    xa = x_arrays + [None] * (2 - len(x_arrays))
     head = np.array([int(args[i]) for i in range(8, 16)] + [gx, gy, bx, by, smem]
-                    + [x.nbytes for x in arrays] + [c.nbytes, 0, 0, 0], dtype=np.int64)
+                    + [x.nbytes for x in arrays] + [c.nbytes, gz, order_seed, len(x_arrays)]
+                    + [0 if x is None else x.nbytes for x in xa]
+                    + (x_ints + [0, 0])[:2] + [0, 0, 0, 0], dtype=np.int64)
+    assert head.size == 32
     with tempfile.TemporaryDirectory() as d:
         inp, outp = pathlib.Path(d) / "in.bin", pathlib.Path(d) / "out.bin"
         with open(inp, "wb") as f:
@@ -925,11 +1010,18 @@ def _emu_launch(exe, grid, block, smem, args):
             for x in arrays:
                 f.write(x.tobytes())
             f.write(np.ascontiguousarray(c).tobytes())
+            for x in x_arrays:
+                f.write(np.ascontiguousarray(x).tobytes())
         res = subprocess.run([str(exe), str(inp), str(outp)], capture_output=True, text=True,
                              timeout=900)
         assert res.returncode == 0, f"emulator exit {res.returncode}: {res.stderr[-2000:]}"
         out = np.fromfile(outp, dtype=np.uint8)
-    np.asarray(c).reshape(-1).view(np.uint8)[...] = out
+    np.asarray(c).reshape(-1).view(np.uint8)[...] = out[:c.nbytes]
+    at = c.nbytes
+    for x in x_arrays:   # (the same array twice, as v7's dummy pointers, reads back the same)
+        np.asarray(x).reshape(-1).view(np.uint8)[...] = out[at:at + x.nbytes]
+        at += x.nbytes
+    return int(out[at:at + 8].view(np.int64)[0])
 
 
 def _emulate(prob, version, cfg):
@@ -1064,27 +1156,37 @@ class _FakeDevice:
         return False
 
 
+def _fake_empty(shape, dtype=np.float32):
+    """np.empty, poisoned: NaN for floats, 0x5A bytes otherwise (nothing may read it unwritten)."""
+    out = np.empty(shape, dtype)
+    out.view(np.uint8)[...] = 0xFF if np.dtype(dtype).kind == "f" else 0x5A
+    return out.view(_FakeArray)
+
+
 def _fake_cupy():
     fake = types.ModuleType("cupy")
     fake.ndarray = _FakeArray
     fake.asarray = lambda x, dtype=None: np.array(x, dtype=dtype).view(_FakeArray)
-    fake.empty = lambda shape, dtype=np.float32: np.empty(shape, dtype).view(_FakeArray)
+    fake.empty = _fake_empty
     fake.zeros = lambda shape, dtype=np.float32: np.zeros(shape, dtype).view(_FakeArray)
     fake.ascontiguousarray = lambda x: np.ascontiguousarray(x).view(_FakeArray)
     for name in ("uint8", "uint16", "uint32", "int32", "float16", "float32"):
         setattr(fake, name, getattr(np, name))
-    fake.cuda = types.SimpleNamespace(Device=_FakeDevice)
+    fake.cuda = types.SimpleNamespace(
+        Device=_FakeDevice, get_current_stream=lambda: types.SimpleNamespace(ptr=0),
+        runtime=types.SimpleNamespace(streamIsCapturing=lambda ptr: False))
     return fake
 
 
 class _EmuKernel:
-    def __init__(self, cu, name, defines):
+    def __init__(self, cu, name, defines, order_seed=0):
         self.exe = _emu_binary(cu, name, tuple(sorted(defines.items())))
         self.launches = []
+        self.order_seed = order_seed
 
     def __call__(self, grid, block, args, shared_mem=0):
-        self.launches.append((grid, block, shared_mem))
-        _emu_launch(self.exe, grid, block, shared_mem, args)
+        w_bytes = _emu_launch(self.exe, grid, block, shared_mem, args, self.order_seed)
+        self.launches.append((grid, block, shared_mem, w_bytes))
 
 
 @pytest.mark.slow
@@ -1123,3 +1225,150 @@ def test_launcher_on_cpu_emulator(case, monkeypatch):
     assert len(made) == 1 and len(made[0].launches) == 1
     err = rel_err(np.asarray(got), prob["want"])
     assert err <= TOL[prob["dtype"]], f"{case}: relative error {err:.3e}"
+
+
+# ---------------------------------------------------------------------------- v7 on the emulator
+# v7 (decode) through the launcher, as test_launcher_on_cpu_emulator: the split of K, the
+# workspace (poisoned with NaN when made), the extra arguments and the counter protocol. Each
+# case runs two launches in a row on one workspace, the second on a new routing of the same
+# shapes (what a replayed CUDA graph does), with the CTAs in a shuffled order (the last split
+# to arrive is then not always z = S - 1); after each the counters must be back at zero.
+V7_EMU_CASES = {
+    # name: (dtype, config, (T, E, top_k, N, K, B), problem kwargs, SMs for the auto split)
+    # one token: 2 blocks of one live row each; N = 72 ragged against BLOCK_N = 32, Kdim = 136
+    # not a multiple of BLOCK_K (a zero-filled tail); 3 k-tiles split 2 ways (2 + 1)
+    "t1_split2_ragged": ("bf16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, warps=2, stages=3,
+                                      COLS=16, SPLIT_K=2),
+                         (1, 8, 2, 72, 136, 16), dict(mul=True, bias="same"), None),
+    # experts with no token, blocks of another rank's experts (e == -1: zeros), fp32 bias; the
+    # auto split on 2 SMs; 2 warps along k (WARPS_K = 2) whose sums meet in the epilogue
+    "ep_auto_split_warps_k": ("bf16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, warps=4,
+                                           stages=4, COLS=16),
+                              (5, 8, 2, 64, 256, 16), dict(expert_map=True, mul=True,
+                                                           bias=np.float32), 2),
+    # ~20 live rows per expert with 16 columns per pass: two passes per run, each streams the
+    # tile again; split 3 ways, so the last CTA reduces both passes' slots
+    "two_passes_split3_gemm2": ("fp16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, warps=2,
+                                             stages=2, COLS=16, SPLIT_K=3),
+                                (20, 2, 2, 40, 96, 16), dict(gemm2=True, mul=True), None),
+    # block size 8 (v4 could not take it), N = 100 (rows of c not 16-byte aligned: element
+    # stores), no split
+    "block8_N100_no_split": ("bf16", dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=32, warps=4, stages=3,
+                                          COLS=32, SPLIT_K=1),
+                             (9, 4, 2, 100, 64, 8), dict(mul=True, bias=np.float32), None),
+    # block size 1: runs of ~40 blocks (the run's end is found past the first 32 blocks) and
+    # ~40 live slots (three passes of 16, compacted from several 32-position chunks)
+    "block1_long_runs": ("bf16", dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=32, warps=2, stages=2,
+                                      COLS=16, SPLIT_K=2),
+                         (40, 2, 2, 32, 64, 1), dict(mul=True), None),
+}
+
+
+def _v7_launcher(monkeypatch, sms, order_seed):
+    """grouped_gemm with CuPy faked, kernels emulated, SM count `sms`; returns the kernels made."""
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(gg, "_READY", {})
+    monkeypatch.setattr(gg, "_DUMMIES", {})
+    monkeypatch.setattr(gg, "_V7_WS", {})
+    monkeypatch.setattr(gg, "_V7_RETIRED", [])
+    monkeypatch.setattr(gg, "_sm90_of", lambda dev: True)
+    monkeypatch.setattr(gg, "_device_limits", lambda dev: (sms, gg.SMEM_PER_SM))
+    made = []
+
+    def fake_get_kernel(cu, name, defines=None, name_expressions=None, options=()):
+        made.append(_EmuKernel(cu, name, defines, order_seed))
+        return made[-1]
+
+    monkeypatch.setattr(gg, "get_kernel", fake_get_kernel)
+    return made
+
+
+def _v7_call(prob, cfg):
+    dev = {k: None if v is None else np.ascontiguousarray(v).view(_FakeArray)
+           for k, v in prob.items() if k in ("a", "w", "st", "ex", "nt", "tw", "bias")}
+    out = np.full((prob["P"], prob["N"]), np.nan, prob["dtype"]).view(_FakeArray)
+    got = gg.grouped_gemm(dev["a"], dev["w"], dev["st"].astype(np.int32),
+                          dev["ex"].astype(np.int32), dev["nt"].astype(np.int32), prob["top_k"],
+                          prob["B"], dev["tw"], prob["mul"], dev["bias"], version="v7",
+                          config=cfg, out=out)
+    assert got is out
+    return np.asarray(got)
+
+
+def _v7_weight_passes(prob, cols):
+    """Passes over expert weights v7 must make: per run of blocks of one local expert (below
+    num_tokens_post_padded), cdiv(live slots, COLS)."""
+    B, P = prob["B"], prob["P"]
+    ex = prob["ex"][: int(np.asarray(prob["nt"]).ravel()[0]) // B]
+    passes, b = 0, 0
+    while b < len(ex):
+        e, live = ex[b], 0
+        while b < len(ex) and ex[b] == e:
+            live += int((prob["st"][b * B:(b + 1) * B] < P).sum())
+            b += 1
+        passes += -(-live // cols) if e >= 0 else 0
+    return passes
+
+
+def _v7_problem(dkey, args, kw, seed):
+    T, E, top_k, N, K, B = args
+    dt = DTYPES[dkey]
+    kw = dict(kw)
+    if kw.get("bias") == "same":
+        kw["bias"] = dt
+    if kw.pop("expert_map", False):
+        E_local, emap = reference.determine_expert_map(2, 1, E)
+        kw.update(expert_map=emap, E_local=E_local)
+    return _host_problem(T, E, top_k, N, K, dt, B, seed=seed, **kw)
+
+
+@pytest.mark.slow
+@emulated
+@pytest.mark.parametrize("case", tuple(V7_EMU_CASES))
+def test_v7_on_cpu_emulator(case, monkeypatch):
+    dkey, cfg, args, kw, sms = V7_EMU_CASES[case]
+    made = _v7_launcher(monkeypatch, sms or 132, order_seed=7)
+    splits, dirty = set(), []
+    for launch in range(2):                    # one workspace, two routings
+        prob = _v7_problem(dkey, args, kw, seed=launch)
+        got = _v7_call(prob, cfg)
+        err = rel_err(got, prob["want"])
+        grid = made[0].launches[-1][0]
+        splits.add(grid[2])
+        assert err <= TOL[prob["dtype"]], (
+            f"{case} launch {launch} (grid {grid}): relative error {err:.3e}, NaN rows "
+            f"{int(np.isnan(got.astype(np.float64)).any(1).sum())}")
+        # every weight byte of a touched expert once per pass of its run, none other
+        w_bytes = made[0].launches[-1][3]
+        want_bytes = _v7_weight_passes(prob, cfg["COLS"]) * prob["N"] * prob["a"].shape[1] * 2
+        assert w_bytes == want_bytes, f"{case}: read {w_bytes} B of w, expected {want_bytes}"
+        dirty += [launch for _, cnt in gg._V7_WS.values() if np.asarray(cnt).any()]
+    assert not dirty, f"{case}: counters not back at zero after launch(es) {dirty}"
+    assert len(made) == 1, "one kernel for both launches"
+    want_split = cfg.get("SPLIT_K")
+    if want_split is not None:
+        assert splits == {want_split}, splits
+    else:
+        assert max(splits) > 1, f"{case}: the auto split did not split ({splits})"
+    if max(splits) > 1:
+        assert gg._V7_WS, "split K ran without a workspace"
+
+
+def test_v7_split_k_rule():
+    """v7_split_k: the tiles fill V7_TARGET_WAVES waves of slots, whole k-tile ranges, no
+    empty split, a forced SPLIT_K taken as it is (bounded by the k-tiles)."""
+    cfg = gg.heuristic_config("v7", "bf16", 1)                 # BLOCK_N 64, BLOCK_K 128
+    slots = 132 * gg.v7_ctas_per_sm(cfg)
+    assert slots == 264
+    # Mixtral T=1 GEMM2 (2 experts, N 4096, K 14336): 128 tiles -> 3 splits of 38 k-tiles
+    assert gg.v7_split_k(cfg, 2, 4096, 14336, 132) == (3, 38)
+    # Mixtral T=1 GEMM1 (N 28672): 896 tiles fill the SMs: no split
+    assert gg.v7_split_k(cfg, 2, 28672, 4096, 132) == (1, 32)
+    # Qwen3 T=1 GEMM1 (8 experts, N 1536, K 2048): 192 tiles -> 2 splits of 8
+    assert gg.v7_split_k(cfg, 8, 1536, 2048, 132) == (2, 8)
+    # Qwen3 GEMM2 (K 768: 6 k-tiles): too short to split
+    assert gg.v7_split_k(cfg, 8, 2048, 768, 132) == (1, 6)
+    for ks in range(1, 40):                                    # never an empty split
+        s, per = gg.v7_split_k(dict(cfg, SPLIT_K=5), 1, 64, ks * 128, 132)
+        assert s <= 5 and (s - 1) * per < ks <= s * per
+    assert gg.v7_split_k(dict(cfg, SPLIT_K=3), 100, 1 << 20, 128, 132) == (1, 1)
