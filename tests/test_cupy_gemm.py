@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import io
 import math
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -182,6 +184,35 @@ def test_every_table_config_is_registered_for_nvrtc():
     assert {case[0] for case in gg.compile_cases()} == set(gg.CU_FILES.values())
 
 
+def _v7_builds():
+    """Every v7 instantiation that can be launched: the table's (and heuristic's) compile cases
+    and the tuner's candidates (grouped_gemm --sweep builds those on the GPU)."""
+    cu = gg.CU_FILES["v7"]
+    out = {tuple(sorted(d.items())) for c, d, _ in gg.compile_cases() if c == cu}
+    for cand in tune.V7_CANDIDATES:
+        cfg = gg.fit_config("v7", "bf16", dict(zip(tune.CANDIDATE_KEYS["v7"], cand)), 16)
+        out.add(tuple(sorted(gg.kernel_defines("v7", "bf16", cfg).items())))
+    return sorted(out)
+
+
+@pytest.mark.skipif(not C.nvrtc_available()[0], reason="cuda.core/NVRTC unavailable")
+@pytest.mark.parametrize("arch", ("sm_90", "sm_80"))
+def test_v7_builds_without_spills(arch):
+    """v7 streams weights with its accumulators, fragments and copy addresses in registers:
+    ptxas (NVRTC's -Xptxas -v log) reports no stack frame and no spills for every build."""
+    cu = gg.CU_FILES["v7"]
+    for items in _v7_builds():
+        logs = io.StringIO()
+        C._nvrtc_compile(C.source_text(cu, dict(items)), None, arch, C._BASE_OPTIONS, cu,
+                         program_options={"ptxas_options": ["-v"]}, logs=logs)
+        log = logs.getvalue()
+        regs = re.findall(r"Used (\d+) registers", log)
+        frame = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes "
+                           r"spill loads", log)
+        assert regs and frame, f"no ptxas report for {dict(items)}:\n{log[-2000:]}"
+        assert frame[0] == ("0", "0", "0"), f"{arch} {dict(items)}: {frame[0]} ({regs[0]} regs)"
+
+
 def test_kernel_sources_open_with_a_header():
     for cu in gg.CU_FILES.values():
         text = (C.KERNEL_DIR / cu).read_text()
@@ -261,7 +292,7 @@ def _check(prob, version, tol=None, **kw):
     return got
 
 
-VERSIONS_ALL = ("v1", "v2", "v3", "v4")
+VERSIONS_ALL = ("v1", "v2", "v3", "v4", "v7")
 
 
 @pytest.fixture(scope="module")
@@ -386,7 +417,7 @@ def test_kdim_not_multiple_of_16_bytes(dkey):
     prob = _problem(13, 8, 2, 96, 100, dt, 16, mul=True)
     _check(prob, None)
     if dkey != "fp32":
-        for v in ("v3", "v4"):
+        for v in ("v3", "v4", "v7"):
             with pytest.raises(ValueError, match=r"a: v\d loads 16-byte chunks.*multiple of 8"):
                 _run(prob, v)
 
@@ -458,6 +489,90 @@ def test_v5_wgmma(case, dkey):
     _check(prob, "v5", **({"config": cfg} if cfg else {}))
 
 
+# v7 (decode, opt-in): forced splits and passes beyond the table's choice, a CUDA graph
+V7_CASES = {
+    # name: (T, E, top_k, N, K, B, extra, config overrides of the m = 1 heuristic)
+    "t1_split4": (1, 8, 2, 4096, 1024, 16, {"mul": True}, {"SPLIT_K": 4}),
+    "t3_ragged_split3": (3, 64, 4, 200, 1288, 16, {"bias": np.float32, "mul": True},
+                         {"SPLIT_K": 3}),
+    "gemm2_split2": (16, 8, 2, 1024, 512, 16, {"gemm2": True, "mul": True}, {"SPLIT_K": 2}),
+    "two_passes": (40, 2, 1, 256, 512, 16, {"mul": True}, {"COLS": 16}),
+    "two_passes_split5": (40, 2, 1, 256, 1280, 16, {}, {"COLS": 16, "SPLIT_K": 5}),
+    "cols64_block8": (33, 4, 2, 320, 256, 8, {"bias": "same"},
+                      {"BLOCK_N": 128, "BLOCK_K": 64, "warps": 8, "stages": 4, "COLS": 64}),
+    "warps_k2_expert_map": (29, 8, 2, 160, 640, 16, {"expert_map": True, "bias": np.float32},
+                            {"BLOCK_N": 32, "BLOCK_K": 128, "warps": 4, "SPLIT_K": 2}),
+}
+
+
+def _v7_case(case, dkey):
+    T, E, top_k, N, K, B, extra, over = V7_CASES[case]
+    extra = dict(extra)
+    if extra.get("bias") == "same":
+        extra["bias"] = DTYPES[dkey]
+    if extra.pop("expert_map", False):
+        E_local, emap = reference.determine_expert_map(2, 1, E)
+        extra.update(expert_map=emap, E_local=E_local)
+    return _problem(T, E, top_k, N, K, DTYPES[dkey], B, **extra), \
+        dict(gg.heuristic_config("v7", dkey, 1), **over)
+
+
+@gpu
+@pytest.mark.parametrize("dkey", ("fp16", "bf16"))
+@pytest.mark.parametrize("case", tuple(V7_CASES))
+def test_v7_decode(case, dkey):
+    prob, cfg = _v7_case(case, dkey)
+    got = _check(prob, "v7", config=cfg)
+    # split K adds the partials in split order: the same bits on every run
+    again = _run(prob, "v7", config=cfg)
+    assert (got.view(np.uint16) == again.view(np.uint16)).all(), "v7 is not deterministic"
+
+
+@gpu
+@pytest.mark.parametrize("split", (1, 3))
+def test_v7_cuda_graph_replays(split):
+    """A v7 launch captured into a CUDA graph (CuPy stream capture) and replayed twice gives
+    the eager result bit for bit, the output poisoned before each replay; then the routing
+    arrays are refilled in place with another routing and a replay gives its result (the
+    split-K counters were left at zero by every replay)."""
+    cp = _cp()
+    prob, cfg = _v7_case("t3_ragged_split3", "bf16")
+    cfg["SPLIT_K"] = split
+    d = prob["dev"]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out = _poisoned((prob["P"], prob["N"]), BF16)
+
+        def call():
+            return gg.grouped_gemm(d["a"], d["w"], d["st"], d["ex"], d["nt"], prob["top_k"],
+                                   prob["B"], d["tw"], True, d["bias"], version="v7",
+                                   config=cfg, out=out)
+        call()                                 # eager: the workspace is made outside capture
+        stream.synchronize()
+        eager = _host(out, BF16).copy()
+        assert rel_err(eager, prob["want"]) <= TOL[BF16]
+        stream.begin_capture()
+        call()
+        graph = stream.end_capture()
+        for _ in range(2):
+            C.raw(out).view(cp.uint8).fill(255)
+            graph.launch(stream=stream)
+            stream.synchronize()
+            assert (_host(out, BF16).view(np.uint16) == eager.view(np.uint16)).all()
+        other = _problem(3, 64, 4, 200, 1288, BF16, 16, seed=5, bias=np.float32, mul=True)
+        for k in ("st", "ex", "nt"):
+            d[k][...] = other["dev"][k]
+        C.raw(out).view(cp.uint8).fill(255)
+        graph.launch(stream=stream)
+        stream.synchronize()
+        # the same a, w, bias, weights: the reference with the other routing
+        want = reference.grouped_gemm(prob["a"].astype(np.float64), prob["w"].astype(np.float64),
+                                      other["st"], other["ex"], other["nt"], prob["top_k"],
+                                      prob["B"], prob["tw"].astype(np.float64), True,
+                                      prob["bias"].astype(np.float64))
+        assert rel_err(_host(out, BF16), want) <= TOL[BF16]
+
+
 # ============================================================================ GPU: end to end
 def _stage(name):
     """The CuPy stage when the backend has it, else None (the test then runs it on the host)."""
@@ -470,7 +585,7 @@ def _stage(name):
 
 
 @gpu
-@pytest.mark.parametrize("version", ("v2", "v3", "v4"))
+@pytest.mark.parametrize("version", ("v2", "v3", "v4", "v7"))
 @pytest.mark.parametrize("dkey", ("fp32", "bf16"))
 @pytest.mark.parametrize("case", ("plain", "bias_ep"))
 def test_fused_experts_end_to_end(version, dkey, case):

@@ -25,6 +25,8 @@
 //     dynamic shared memory = max(STAGES * (BLOCK_N + COLS) * (BLOCK_K + 8) * 2,
 //                                 WARPS_K * COLS * (BLOCK_N + 4) * 4) bytes
 //     static shared memory  = 8 * COLS + 16 bytes (the pass's slots and a rows)
+//     registers: __launch_bounds__(threads, MINB), MINB = the CTAs per SM that shared memory
+//             allows (1 or 2: grouped_gemm.v7_ctas_per_sm)
 //
 // What changes against v4:
 //  - A and B swapped: the weight rows are the mma's M (16 per m16n8k16, MT per warp), the few
@@ -92,6 +94,9 @@
 #endif
 #ifndef STAGES
 #define STAGES 5
+#endif
+#ifndef MINB
+#define MINB 2              // CTAs per SM for the register budget (the launcher: 1 or 2)
 #endif
 
 #define V7_THREADS (WARPS_N * WARPS_K * 32)
@@ -219,7 +224,10 @@ __device__ __forceinline__ int v7_compact(int* s_slot, int* s_arow,
 //   ws               [S, P, NP] fp32   split-K partials (NP = N rounded up to 8); unused if S == 1
 //   counters         [cdiv(L, B) * cdiv(N, BLOCK_N)] int32, zero before the launch and after it
 //   steps_per_split  k-tiles (of BLOCK_K) per split: split z takes [z, z + 1) * steps_per_split
-extern "C" __global__ void __launch_bounds__(V7_THREADS)
+// (MINB in the launch bounds: the CTAs per SM that shared memory allows, 1 or 2; without it
+// NVRTC 13.5's ptxas aimed at more CTAs than that and spilled: 80 registers and 12 bytes of
+// spills for BLOCK_N 128 / BLOCK_K 64 / COLS 16, 152 registers and none with MINB = 2)
+extern "C" __global__ void __launch_bounds__(V7_THREADS, MINB)
 grouped_gemm_v7(GG_KERNEL_ARGS, float* __restrict__ ws, int* __restrict__ counters,
                 int steps_per_split) {
     GG_DYNAMIC_SMEM(gg_smem);                 // the cp.async ring, then the fp32 output tile

@@ -193,6 +193,15 @@ def v7_static_smem_bytes(cfg: dict) -> int:
     return 8 * cfg["COLS"] + 16
 
 
+SMEM_PER_SM = 228 * 1024          # sm_90 (the device's value is read when there is one)
+
+
+def v7_ctas_per_sm(cfg: dict, smem_per_sm: int = SMEM_PER_SM) -> int:
+    """CTAs of this config an SM holds: shared memory (1 KB reserved per CTA) and threads."""
+    per_cta = v7_smem_bytes(cfg) + v7_static_smem_bytes(cfg) + 1024
+    return max(1, min(smem_per_sm // per_cta, 2048 // (cfg["warps"] * 32), 32))
+
+
 def check_config(version: str, dtype, cfg: dict) -> dict:
     """Raise ValueError unless `cfg` is a launchable config of `version`; return it."""
     if version not in VERSIONS:
@@ -508,7 +517,7 @@ def kernel_defines(version: str, dkey: str, cfg: dict) -> dict:
     elif version == "v7":   # (no BLOCK_M: the block size is a kernel argument)
         wn, wk = v7_warp_grid(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["warps"])
         d.update(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], COLS=cfg["COLS"], WARPS_N=wn,
-                 WARPS_K=wk, STAGES=cfg["stages"])
+                 WARPS_K=wk, STAGES=cfg["stages"], MINB=min(2, v7_ctas_per_sm(cfg)))
     else:
         wm = cfg.get("WARPS_M") or v4_warp_grid(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["warps"])[0]
         d.update(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
@@ -650,13 +659,6 @@ _FALLBACK = {"v7": ("v7", "v4", "v3", "v2"), "v5": ("v5", "v4", "v3", "v2"),
 V7_TARGET_WAVES = 1.0
 V7_MIN_SPLIT_STEPS = 4
 V7_MAX_SPLITS = 8
-SMEM_PER_SM = 228 * 1024          # sm_90 (the device's value is read when there is one)
-
-
-def v7_ctas_per_sm(cfg: dict, smem_per_sm: int = SMEM_PER_SM) -> int:
-    """CTAs of this config an SM holds: shared memory (1 KB reserved per CTA) and threads."""
-    per_cta = v7_smem_bytes(cfg) + v7_static_smem_bytes(cfg) + 1024
-    return max(1, min(smem_per_sm // per_cta, 2048 // (cfg["warps"] * 32), 32))
 
 
 def v7_split_k(cfg: dict, live_blocks: int, N: int, K: int, num_sms: int,
