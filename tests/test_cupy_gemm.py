@@ -808,7 +808,8 @@ template <int PENDING> inline void gg_cp_async_wait() {
 }
 
 struct EmuWarp {
-    std::barrier<> bar{32}; unsigned addr[32]; unsigned a[32][4]; unsigned b[32][2]; unsigned vote[32];
+    std::barrier<> bar{32};
+    unsigned addr[32]; unsigned a[32][4]; unsigned b[32][2]; unsigned vote[32];
 };
 EmuWarp* emu_warps;
 
@@ -1004,7 +1005,8 @@ int main(int argc, char** argv) {
     std::vector<EmuDim> order;
     for (int cz = 0; cz < gz; ++cz)
         for (int cy = 0; cy < gy; ++cy)
-            for (int cx = 0; cx < gx; ++cx) order.push_back({(unsigned)cx, (unsigned)cy, (unsigned)cz});
+            for (int cx = 0; cx < gx; ++cx)
+                order.push_back({(unsigned)cx, (unsigned)cy, (unsigned)cz});
     if (h[22]) {
         std::mt19937 gen((unsigned)h[22]);
         std::shuffle(order.begin(), order.end(), gen);
@@ -1487,3 +1489,73 @@ def test_v7_split_k_rule():
         s, per = gg.v7_split_k(dict(cfg, SPLIT_K=5), 1, 64, ks * 128, 132)
         assert s <= 5 and (s - 1) * per < ks <= s * per
     assert gg.v7_split_k(dict(cfg, SPLIT_K=3), 100, 1 << 20, 128, 132) == (1, 1)
+
+
+# ---------------------------------------------------------------------------- decode_bench's host
+def _numpy_as_cupy():
+    """NumPy behind CuPy's names (what decode_bench and tune's helpers call), CUDA events on
+    the host clock, an H100 as the device."""
+    fake = types.ModuleType("cupy")
+    fake.__getattr__ = lambda name: getattr(np, name)
+    fake.ndarray = np.ndarray
+
+    class Event:
+        t = 0.0
+
+        def record(self):
+            self.t = __import__("time").perf_counter()
+
+        def synchronize(self):
+            pass
+
+    fake.cuda = types.SimpleNamespace(
+        Event=Event, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3 + 1e-3,
+        Device=lambda *a: types.SimpleNamespace(id=0),
+        runtime=types.SimpleNamespace(getDeviceProperties=lambda d: {
+            "name": b"NVIDIA H100 80GB HBM3"}))
+    fake.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    return fake
+
+
+def test_decode_bench_host_logic(monkeypatch):
+    """decode_bench end to end on the host: routings, alignment per block size, the check
+    against v4, timing plumbing, GB/s and floor columns, the sweep (candidates, forced splits,
+    summary) and the layer totals; the GEMM itself is the reference, each config checked."""
+    monkeypatch.setitem(sys.modules, "cupy", _numpy_as_cupy())
+    calls = []
+
+    def fake_gemm(a, w, st, ex, nt, top_k, B, tw, mul, *, version, config, out):
+        dkey = gg.dtype_key(a.dtype)
+        cfg = gg.get_config(1, w.shape[1], w.shape[2], w.shape[0], 1, a.dtype, version) \
+            if config is None else config
+        gg.fit_config(version, dkey, {k: v for k, v in cfg.items() if k != "version"}, B)
+        calls.append((version, None if config is None else gg._v7_label(config), B))
+        c = reference.grouped_gemm(a.astype(np.float32), w.astype(np.float32), st, ex, nt,
+                                   top_k, B, tw, mul)
+        out[...] = c.astype(out.dtype)
+        return out
+
+    monkeypatch.setattr(gg, "grouped_gemm", fake_gemm)
+    monkeypatch.setattr(gg, "_device_limits", lambda dev: (132, gg.SMEM_PER_SM))
+    lines = []
+    res = gg.decode_bench(sys.modules["cupy"], {"tiny": ("Tiny-MoE", 8, 2, 64, 32)}, (1, 5),
+                          ("v4", "v7"), reps=3, sweep=True, log=lines.append)
+    text = "\n".join(lines)
+    assert "3.35 TB/s" in lines[0] and "FAIL" not in text and "skip" not in text, text
+    assert "card: NVIDIA H100 80GB HBM3" in lines[0]
+    assert all(("split" in r["runs"]) == (r["version"] == "v7") for r in res if "runs" in r)
+    per_gemm = [r for r in res if r["gemm"] != "layer"]
+    assert all(r["ok"] and r["rel_err"] <= 1e-2 and 0 < r["floor_fraction"] for r in per_gemm)
+    n_sweep = len(tune.V7_CANDIDATES)
+    for T in (1, 5):
+        for gemm in ("gemm1", "gemm2"):
+            rows = [r for r in per_gemm if r["T"] == T and r["gemm"] == gemm]
+            assert [r["label"] for r in rows[:2]] == ["v4", "v7"]
+            forced = [r for r in rows if r["config"] and r["config"].get("SPLIT_K")]
+            assert len(rows) == 2 + n_sweep + len(forced) and forced
+        layer = [r["label"] for r in res if r["gemm"] == "layer" and r["T"] == T]
+        assert {"v4", "v7"} <= set(layer) and len(layer) >= 2 + n_sweep
+    assert sum("geometric mean" in line for line in lines) == 5
+    assert {v for v, _, _ in calls} == {"v4", "v7"} and {B for _, _, B in calls} == {16}
+    assert gg.card_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert gg.card_bandwidth(b"NVIDIA H200") == 4.8e12 and gg.card_bandwidth("RTX") is None

@@ -59,6 +59,7 @@ import functools
 import json
 import math
 import pathlib
+import time
 
 import numpy as np
 
@@ -183,7 +184,7 @@ def v7_warp_grid(block_n: int, block_k: int, warps: int) -> tuple[int, int]:
 def v7_smem_bytes(cfg: dict) -> int:
     """Dynamic shared memory of v7: the ring of weight + token rows (padded by 8 elements),
     reused for the fp32 output tile of the WARPS_K partial sums."""
-    wn, wk = v7_warp_grid(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["warps"])
+    _, wk = v7_warp_grid(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["warps"])
     ring = cfg["stages"] * (cfg["BLOCK_N"] + cfg["COLS"]) * (cfg["BLOCK_K"] + 8) * 2
     out = wk * cfg["COLS"] * (cfg["BLOCK_N"] + 4) * 4
     return max(ring, out)
@@ -1033,12 +1034,212 @@ def roofline_floor_s(nbytes: float, flops: float) -> float:
     return max(nbytes / HBM_BYTES_PER_S, flops / PEAK_FLOPS)
 
 
+# ----------------------------------------------------------------------------- decode timing
+# HBM bandwidth of the cards whose datasheets this module knows (the first fragment found in
+# the device name wins: the PCIe / NVL parts come first); the decode floor is the touched
+# experts' weight bytes over it. Another card gets no floor.
+CARD_HBM_BYTES_PER_S = (("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12),
+                        ("H200", 4.8e12))
+V7_SWEEP_SPLITS = (1, 2, 3, 4, 6, 8)   # forced SPLIT_K timed on the best v7 candidate
+
+
+def card_bandwidth(device_name) -> float | None:
+    """Datasheet HBM bytes/s of a card by its name, None when unknown."""
+    name = device_name.decode() if isinstance(device_name, bytes) else str(device_name or "")
+    for fragment, bandwidth in CARD_HBM_BYTES_PER_S:
+        if fragment.lower() in name.lower():
+            return bandwidth
+    return None
+
+
+def _v7_label(cfg: dict) -> str:
+    split = cfg.get("SPLIT_K")
+    return (f"v7 {cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['warps']} s{cfg['stages']} "
+            f"c{cfg['COLS']}" + (f" k{split}" if split else ""))
+
+
+def decode_bench(cp, models, tokens, versions=("v4", "v7"), reps=20, sweep=False,
+                 dkey="bf16", budget_s=480.0, log=print, seed=0) -> list[dict]:
+    """Time GEMM1 and GEMM2 of `models` ({key: (name, E, top_k, H, I)}, tune.MODELS) at each T
+    of `tokens` for every version (and, with sweep, every tune.V7_CANDIDATES config with v7's
+    own split, then SPLIT_K forced to V7_SWEEP_SPLITS on the best candidate of each GEMM).
+
+    Each rep routes the T tokens anew (uniform: top_k distinct experts per token, drawn on the
+    GPU, aligned outside the timing with each version's block size), flushes L2 (a 256 MB
+    memset) and times one call with CUDA events; the median is reported. Each version is first
+    checked against v4 on the first routing (relative Frobenius error <= 1e-2, else FAIL).
+    GB/s counts the touched experts' weights, a and c once; "floor" is the touched weight bytes
+    over the card's datasheet bandwidth divided by the time (the fraction of the floor reached).
+    Returns one dict per (model, T, GEMM or "layer", label)."""
+    dt = {"bf16": bf16_dtype(), "fp16": np.dtype(np.float16)}[dkey]
+    dev = cp.cuda.Device().id
+    card = cp.cuda.runtime.getDeviceProperties(dev)["name"]
+    card = card.decode() if isinstance(card, bytes) else str(card)
+    env = dict(cp=cp, dt=dt, dev=dev, bw=card_bandwidth(card), reps=reps, log=log,
+               flush=cp.empty(256 * 2**20, dtype=cp.uint8), events=(cp.cuda.Event(),
+                                                                      cp.cuda.Event()),
+               deadline=time.time() + budget_s)
+    bw = env["bw"]
+    rng = cp.random.default_rng(seed)
+    log(f"{'model':8s} {'gemm':5s} {'T':>4s} {'version / config':34s} {'us':>9s} {'GB/s':>7s} "
+        f"{'floor':>6s} {'rel err':>8s}  (card: {card}, floor at "
+        f"{'?' if bw is None else f'{bw / 1e12:.2f} TB/s'})")
+    results = []
+    for key in models:
+        name, E, top_k, H, I = models[key]  # noqa: E741
+        w13 = random_device((E, 2 * I, H), dt, 1 / math.sqrt(H), rng)     # [E, 2I, H]
+        w2 = random_device((E, H, I), dt, 1 / math.sqrt(I), rng)           # [E, H, I]
+        for T in tokens:
+            pt = _decode_point(cp, rng, dt, name, T, E, top_k, H, I, reps)
+            timed = []
+            for gemm, a, w, tk, N, K, mul in (("gemm1", pt["x"], w13, top_k, 2 * I, H, False),
+                                              ("gemm2", pt["act"], w2, 1, H, I, True)):
+                timed += _decode_gemm(env, pt, gemm, a, w, tk, N, K, mul, versions, sweep)
+            results += timed
+            results += _decode_layer(env, pt, timed, H, I)
+        del w13, w2
+        cp.get_default_memory_pool().free_all_blocks()
+    if sweep:   # the candidates with the best geometric means of the floor fractions
+        by_label: dict = {}
+        for r in results:
+            if r["gemm"] != "layer" and r.get("version") == "v7" and r["floor_fraction"]:
+                by_label.setdefault(r["label"], []).append(r["floor_fraction"])
+        n = max((len(v) for v in by_label.values()), default=0)
+        scored = sorted((math.exp(sum(map(math.log, v)) / len(v)), k)
+                        for k, v in by_label.items() if len(v) == n)
+        for score, label in scored[-5:]:
+            log(f"sweep: {label:34s} geometric mean {score:6.1%} of the floor over {n} GEMMs")
+    return results
+
+
+def _median(xs) -> float:
+    return float(np.median(np.asarray(xs, dtype=np.float64)))
+
+
+def _decode_point(cp, rng, dt, name, T, E, top_k, H, I, reps) -> dict:  # noqa: E741
+    """One (model, T): the inputs and `reps` routings (aligned per block size on demand)."""
+    P = T * top_k
+    routings = [cp.argsort(rng.random((T, E)), axis=1)[:, :top_k].astype(cp.int32)
+                for _ in range(reps)]                                      # reps x [T, top_k]
+    return dict(name=name, T=T, E=E, top_k=top_k, P=P, routings=routings, aligned={},
+                touched=[int(cp.unique(r).size) for r in routings],
+                x=random_device((T, H), dt, 1.0, rng),                     # [T, H]
+                act=random_device((P, I), dt, 1.0, rng),                   # [P, I]
+                tw=rng.random(P, dtype=cp.float32) + cp.float32(0.05))     # [P]
+
+
+def _decode_gemm(env, pt, gemm, a, w, tk, N, K, mul, versions, sweep) -> list[dict]:
+    """decode_bench's lines for one GEMM of one (model, T)."""
+    from . import tune
+
+    cp, dt, log, bw, reps = env["cp"], env["dt"], env["log"], env["bw"], env["reps"]
+    itemsize = dt.itemsize
+    wbytes = [n * N * K * itemsize for n in pt["touched"]]
+    other = itemsize * (a.shape[0] * K + pt["P"] * N)
+    out = _compile.empty((pt["P"], N), dt)
+    start, stop = env["events"]
+    head = f"{pt['name'][:8]:8s} {gemm:5s} {pt['T']:4d}"
+
+    def call(v, cfg, r):
+        B = (cfg or get_config(pt["T"], N, K, pt["E"], pt["top_k"], dt, v))["BLOCK_M"]
+        if B not in pt["aligned"]:
+            pt["aligned"][B] = [tune._align_gpu(cp, ids, B, pt["E"]) for ids in pt["routings"]]
+        st, ex, nt = pt["aligned"][B][r]
+        return grouped_gemm(a, w, st, ex, nt, tk, B, pt["tw"], mul, version=v, config=cfg,
+                            out=out)
+
+    want = call("v4", None, 0).copy()
+    results = []
+
+    def v7_note(cfg):
+        """What v7 runs (the table's config unless given) and its split, as the launcher
+        picks them for the first routing."""
+        cfg = cfg or get_config(pt["T"], N, K, pt["E"], pt["top_k"], dt, "v7")
+        fitted = fit_config("v7", dtype_key(dt), cfg, cfg["BLOCK_M"])
+        L = pt["aligned"][cfg["BLOCK_M"]][0][0].shape[0]
+        call_cfg = v7_call_config(fitted, pt["P"], pt["E"], L, N, K, env["dev"])
+        return f"[{_v7_label(fitted)}, split {call_cfg['SPLIT_K']} x {call_cfg['SPLIT_STEPS']}]"
+
+    def timed(label, v, cfg):
+        if time.time() > env["deadline"]:
+            return None
+        try:
+            err = tune._rel_err(cp, call(v, cfg, 0), want)
+            for r in range(min(3, reps)):
+                call(v, cfg, r)
+            times = []
+            for r in range(reps):
+                env["flush"].fill(0)
+                start.record()
+                call(v, cfg, r)
+                stop.record()
+                stop.synchronize()
+                times.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3)
+        except Exception as e:  # a config this card cannot run: reported, skipped
+            log(f"{head} {label:34s} skip: {type(e).__name__}: {str(e)[:100]}")
+            return None
+        t = _median(times)
+        gbs = _median([(wb + other) / s / 1e9 for wb, s in zip(wbytes, times)])
+        frac = _median([wb / bw / s for wb, s in zip(wbytes, times)]) if bw else None
+        ok = err <= 1e-2
+        note = v7_note(cfg) if v == "v7" else ""
+        log(f"{head} {label:34s} {t * 1e6:9.1f} {gbs:7.0f} "
+            f"{'' if frac is None else f'{frac:6.1%}':>6s} {err:8.1e}{'' if ok else '  FAIL'}"
+            f"  {note}")
+        res = dict(model=pt["name"], gemm=gemm, T=pt["T"], label=label, version=v, config=cfg,
+                   us=t * 1e6, gbs=gbs, floor_fraction=frac, rel_err=err, ok=ok,
+                   touched=_median(pt["touched"]), runs=note)
+        results.append(res)
+        return res
+
+    for v in versions:
+        timed(v, v, None)
+    if sweep:
+        best = None
+        for cand in tune.V7_CANDIDATES:
+            cfg = dict(zip(tune.CANDIDATE_KEYS["v7"], cand))
+            res = timed(_v7_label(cfg), "v7", cfg)
+            if res is not None and res["ok"] and (best is None or res["us"] < best["us"]):
+                best = res
+        if best is not None:
+            ksteps = -(-K // best["config"]["BLOCK_K"])
+            for s in V7_SWEEP_SPLITS:
+                if s <= ksteps:
+                    cfg = dict(best["config"], SPLIT_K=s)
+                    timed(_v7_label(cfg), "v7", cfg)
+            log(f"{head} best v7 candidate: {best['label']} {best['us']:.1f} us")
+    return results
+
+
+def _decode_layer(env, pt, timed, H, I) -> list[dict]:  # noqa: E741
+    """GEMM1 + GEMM2 of one (model, T) for every label timed on both."""
+    bw, itemsize = env["bw"], env["dt"].itemsize
+    floors = [n * (2 * I * H + H * I) * itemsize / bw for n in pt["touched"]] if bw else None
+    by_label: dict = {}
+    for r in timed:
+        by_label.setdefault(r["label"], {})[r["gemm"]] = r["us"]
+    out = []
+    for label, us in by_label.items():
+        if len(us) != 2:
+            continue
+        t = (us["gemm1"] + us["gemm2"]) * 1e-6
+        frac = _median(floors) / t if floors else None
+        env["log"](f"{pt['name'][:8]:8s} layer {pt['T']:4d} {label:34s} {t * 1e6:9.1f} {'':7s} "
+                   f"{'' if frac is None else f'{frac:6.1%}':>6s}")
+        out.append(dict(model=pt["name"], gemm="layer", T=pt["T"], label=label, us=t * 1e6,
+                        floor_fraction=frac))
+    return out
+
+
 # ----------------------------------------------------------------------------- script
 def _main(argv=None):  # pragma: no cover - needs a GPU
     """Validate every version against reference.grouped_gemm (float64 inputs), then time it.
 
     --quick: one tiny problem per version and dtype, one timed call (for compute-sanitizer).
     Prints one PASS/FAIL line per (shape, version); exits 1 when any check fails.
+    --shapes mixtral,qwen3,deepseek --tokens 1,16,64: decode_bench instead (GEMM1 and GEMM2
+    of those models at those T, checked against v4; --sweep adds v7's candidates and splits;
+    --json PATH writes the results).
     """
     import argparse
 
@@ -1050,11 +1251,30 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     p.add_argument("--dtype", default="bf16", choices=DTYPE_KEYS)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="tiny shapes, one rep (sanitizers)")
+    p.add_argument("--shapes", default=None,
+                   help="decode timing of these models' GEMMs: mixtral,qwen3,deepseek")
+    p.add_argument("--tokens", default="1,16,64", help="T values of --shapes")
+    p.add_argument("--sweep", action="store_true", help="--shapes: also v7's candidates")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="--shapes: time after which further configs are skipped")
+    p.add_argument("--json", default=None, help="--shapes: write the results to this file")
     args = p.parse_args(argv)
     ok, why = _compile.availability()
     if not ok:
         raise SystemExit(f"no GPU: {why}")
     cp = _cupy()
+    if args.shapes:
+        from .tune import MODELS
+
+        models = {k: MODELS[k] for k in args.shapes.split(",")}
+        res = decode_bench(cp, models, [int(x) for x in args.tokens.split(",")],
+                           tuple(args.versions.split(",")), args.reps, args.sweep, args.dtype,
+                           args.budget_s)
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
+        bad = [r for r in res if r.get("ok") is False]
+        print("ok" if not bad else f"{len(bad)} check(s) FAILED")
+        return 1 if bad else 0
     dts = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": bf16_dtype()}
     rng = np.random.default_rng(0)
     # (name, T, E, top_k, N, Kdim, dtype key)
