@@ -1559,3 +1559,26 @@ def test_decode_bench_host_logic(monkeypatch):
     assert {v for v, _, _ in calls} == {"v4", "v7"} and {B for _, _, B in calls} == {16}
     assert gg.card_bandwidth("NVIDIA H100 PCIe") == 2.0e12
     assert gg.card_bandwidth(b"NVIDIA H200") == 4.8e12 and gg.card_bandwidth("RTX") is None
+
+
+@pytest.mark.slow
+@emulated
+def test_v7_workspace_outside_capture(monkeypatch):
+    """The split-K counters are zeroed when made, so they must not be made inside a CUDA graph
+    capture (the zeroing would only run on replays): a first split call while capturing raises;
+    after one eager call the capture reuses the workspace; S == 1 needs none."""
+    made = _v7_launcher(monkeypatch, 132, order_seed=3)
+    capturing = {"now": True}
+    sys.modules["cupy"].cuda.runtime = types.SimpleNamespace(
+        streamIsCapturing=lambda ptr: capturing["now"])
+    dkey, cfg, args, kw, _ = V7_EMU_CASES["t1_split2_ragged"]
+    prob = _v7_problem(dkey, args, kw, seed=0)
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        _v7_call(prob, cfg)
+    assert not gg._V7_WS and made[0].launches == []
+    assert rel_err(_v7_call(prob, dict(cfg, SPLIT_K=1)), prob["want"]) <= TOL[prob["dtype"]]
+    capturing["now"] = False
+    _v7_call(prob, cfg)                                  # eager: the workspace is made
+    capturing["now"] = True
+    assert rel_err(_v7_call(prob, cfg), prob["want"]) <= TOL[prob["dtype"]]
+    assert [launch[0][2] for launch in made[0].launches] == [1, 2, 2]
