@@ -143,26 +143,61 @@ def test_version_by_m_picks_v5_per_bucket(monkeypatch):
              ("deepseek", 256, "v4"): 1.0, ("deepseek", 256, "v5"): 2.0,
              ("mixtral", 512, "v4"): 1.0}                       # v5 not timed: no promotion
     by_m = tune.version_by_m(times)
-    assert by_m == {"bf16": {"128": "v5"}, "fp16": {"128": "v5"}}
+    # m=128: v5 faster on both models; m=256: v4; m=512: one rung timed, nothing to choose
+    assert by_m == {"bf16": {"128": "v5", "256": "v4"}, "fp16": {"128": "v5", "256": "v4"}}
+    # the sum over the models decides: 1.5 for v5 against 2.0 for v4
     assert tune.version_by_m({("deepseek", 64, "v4"): 1.0, ("deepseek", 64, "v5"): 0.5,
-                              ("mixtral", 64, "v4"): 1.0, ("mixtral", 64, "v5"): 1.5}) == {}
-    table = dict(gg.load_table(), version_by_m=by_m)
+                              ("mixtral", 64, "v4"): 1.0, ("mixtral", 64, "v5"): 1.0}) == \
+        {"bf16": {"64": "v5"}, "fp16": {"64": "v5"}}
+    card = "Card X"
+    table = tune.merge_device_section({"configs": gg.load_table()["configs"]}, card, [],
+                                      by_m, {"date": "today"})
     monkeypatch.setattr(gg, "load_table", lambda *a: table)
     gg._plan.cache_clear()
     try:
-        assert gg.default_version(BF16) == "v4"
-        assert gg.default_version(BF16, 100) == "v5" and gg.default_version(BF16, 300) == "v4"
+        assert gg.default_version(BF16, device=card) == "v4"
+        assert gg.default_version(BF16, 100, card) == "v5"
+        assert gg.default_version(BF16, 300, card) == "v4"
+        assert gg.default_version(BF16, 100, "Another card") == "v4"    # not its section
         E, top_k = 256, 8
-        cfg = gg.get_config(128 * E // top_k, 4096, 7168, E, top_k, BF16)
+        cfg = gg.get_config(128 * E // top_k, 4096, 7168, E, top_k, BF16, device=card)
         assert cfg["version"] == "v5" and cfg["BLOCK_M"] % 64 == 0
-        assert gg.get_config(64 * E // top_k, 4096, 7168, E, top_k, BF16)["version"] == "v4"
+        assert gg.get_config(64 * E // top_k, 4096, 7168, E, top_k, BF16,
+                             device=card)["version"] == "v4"
         plan = gg._plan.__wrapped__
-        assert plan(None, "bf16", 128, 4096, 7168, 64, True, True, None)[0] == "v5"
-        assert plan(None, "bf16", 128, 4096, 7168, 16, True, True, None)[0] == "v4"  # B % 64
-        assert plan(None, "bf16", 128, 4096, 7168, 64, True, False, None)[0] == "v4"  # sm_80
-        assert plan(None, "fp32", 128, 4096, 7168, 64, True, True, None)[0] == "v3"
+        assert plan(None, "bf16", 128, 4096, 7168, 64, True, True, None, card)[0] == "v5"
+        assert plan(None, "bf16", 128, 4096, 7168, 16, True, True, None, card)[0] == "v4"
+        assert plan(None, "bf16", 128, 4096, 7168, 64, True, False, None, card)[0] == "v4"
+        assert plan(None, "fp32", 128, 4096, 7168, 64, True, True, None, card)[0] == "v3"
+        assert plan(None, "bf16", 128, 4096, 7168, 64, True, True, None, None)[0] == "v4"
     finally:
         gg._plan.cache_clear()
+
+
+def test_card_sections_are_read_on_their_card_only():
+    """A row tuned on one card applies on that card; another card gets the generic rows."""
+    generic = {"version": "v4", "dtype": "bf16", "m": 16, "BLOCK_M": 16, "BLOCK_N": 64,
+               "BLOCK_K": 64, "warps": 4, "stages": 4}
+    tuned = dict(generic, N=4096, K=7168, BLOCK_N=128, BLOCK_K=128, stages=3)
+    table = tune.merge_device_section({"configs": [generic]}, "Card A", [tuned], {}, {})
+    assert gg.lookup("v4", "bf16", 10, 4096, 7168, table, device="Card A")["BLOCK_N"] == 128
+    assert gg.lookup("v4", "bf16", 10, 4096, 7168, table, device="Card B")["BLOCK_N"] == 64
+    assert gg.lookup("v4", "bf16", 10, 4096, 7168, table)["BLOCK_N"] == 64
+    # a re-tune replaces the row of the same key and keeps the others
+    again = tune.merge_device_section(table, "Card A", [dict(tuned, stages=5)], {}, {})
+    rows = again["devices"]["Card A"]["configs"]
+    assert len(rows) == 1 and rows[0]["stages"] == 5
+
+
+def test_shipped_table_has_the_cards_sections():
+    table = gg.load_table()
+    assert not any("N" in r for r in table["configs"]), "shape rows belong to a card's section"
+    for name, sec in table.get("devices", {}).items():
+        assert name.startswith("NVIDIA"), name
+        for row in sec.get("configs", []):
+            gg.check_config(row["version"], row["dtype"], gg._row_config(row))
+        for dk, by_m in sec.get("version_by_m", {}).items():
+            assert all(v in gg.VERSIONS and int(m) in gg.M_BUCKETS for m, v in by_m.items())
 
 
 def test_shape_rows_apply_at_their_own_bucket_only():
@@ -1291,7 +1326,8 @@ def _fake_cupy():
         setattr(fake, name, getattr(np, name))
     fake.cuda = types.SimpleNamespace(
         Device=_FakeDevice, get_current_stream=lambda: types.SimpleNamespace(ptr=0),
-        runtime=types.SimpleNamespace(streamIsCapturing=lambda ptr: False))
+        runtime=types.SimpleNamespace(streamIsCapturing=lambda ptr: False,
+                                      getDeviceProperties=lambda dev: {"name": b"CPU emulator"}))
     return fake
 
 
@@ -1569,8 +1605,7 @@ def test_v7_workspace_outside_capture(monkeypatch):
     after one eager call the capture reuses the workspace; S == 1 needs none."""
     made = _v7_launcher(monkeypatch, 132, order_seed=3)
     capturing = {"now": True}
-    sys.modules["cupy"].cuda.runtime = types.SimpleNamespace(
-        streamIsCapturing=lambda ptr: capturing["now"])
+    sys.modules["cupy"].cuda.runtime.streamIsCapturing = lambda ptr: capturing["now"]
     dkey, cfg, args, kw, _ = V7_EMU_CASES["t1_split2_ragged"]
     prob = _v7_problem(dkey, args, kw, seed=0)
     with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):

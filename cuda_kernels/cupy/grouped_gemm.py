@@ -388,19 +388,50 @@ def _row_config(row: dict) -> dict:
     return cfg
 
 
-def lookup(version: str, dkey: str, m: float, N: int, K: int, table: dict | None = None) -> dict:
+# ----------------------------------------------------------------------------- devices
+# A card's tuned rows live in the table's "devices" section under the name the driver gives
+# it (e.g. "NVIDIA H100 80GB HBM3", "NVIDIA H200"): tune.py writes the section of the card it
+# ran on, and a lookup on that card reads it first. Other cards get the generic rows.
+@functools.lru_cache(maxsize=16)
+def device_name(dev: int) -> str:
+    """The CUDA device's name as the driver reports it (the key of its table section)."""
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(dev)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def current_device_name() -> str | None:
+    """The current CuPy device's name, or None where there is no GPU (CPU CI)."""
+    try:
+        import cupy
+
+        return device_name(cupy.cuda.Device().id)
+    except Exception:          # no CuPy, no driver, no device: no card-specific rows
+        return None
+
+
+def _device_section(table: dict, device: str | None) -> dict:
+    return table.get("devices", {}).get(device or "", {}) if device else {}
+
+
+def lookup(version: str, dkey: str, m: float, N: int, K: int, table: dict | None = None,
+           device: str | None = None) -> dict:
     """The table's config for (version, dtype, bucket of m, N, K); the heuristic when none.
 
-    Rows with N and K are shape-specific (written by the tuner); rows without are generic.
-    The nearest shape-specific shape is used when it is within a factor of 2 overall
-    (|log2 N/N'| + |log2 K/K'| <= 1) and was tuned at this very m bucket (a tuner cut short
-    by its budget leaves other buckets to the generic rows, not to a far bucket's tiles),
-    else the generic rows; then the nearest m bucket.
+    Rows with N and K are shape-specific (written by the tuner on a card, in the table's
+    "devices" section under the card's name); rows without are generic. The nearest
+    shape-specific shape of `device`'s section is used when it is within a factor of 2
+    overall (|log2 N/N'| + |log2 K/K'| <= 1) and was tuned at this very m bucket (a tuner cut
+    short by its budget leaves other buckets to the generic rows, not to a far bucket's
+    tiles), else the generic rows; then the nearest m bucket.
     """
     table = load_table() if table is None else table
     bucket = m_bucket(m)
     rows = [r for r in table.get("configs", []) if r["version"] == version and r["dtype"] == dkey]
-    shaped = [r for r in rows if r.get("N") and r.get("K") and r["m"] == bucket]
+    tuned = [r for r in _device_section(table, device).get("configs", [])
+             if r["version"] == version and r["dtype"] == dkey]
+    shaped = [r for r in tuned + rows if r.get("N") and r.get("K") and r["m"] == bucket]
 
     def shape_dist(r):
         return abs(math.log2(max(N, 1) / r["N"])) + abs(math.log2(max(K, 1) / r["K"]))
@@ -421,43 +452,47 @@ def lookup(version: str, dkey: str, m: float, N: int, K: int, table: dict | None
 BUILTIN_DEFAULTS = {"fp32": "v3", "fp16": "v4", "bf16": "v4"}
 
 
-def default_version_key(dkey: str, m: float | None = None) -> str:
+def default_version_key(dkey: str, m: float | None = None, device: str | None = None) -> str:
     return default_version({"fp32": np.float32, "fp16": np.float16, "bf16": bf16_dtype()}[dkey],
-                           m)
+                           m, device)
 
 
-def default_version(dtype, m: float | None = None) -> str:
+def default_version(dtype, m: float | None = None, device: str | None = None) -> str:
     """The rung used when none is named: the table's "default_version" for the dtype (v4 on
-    fp16/bf16 and v3 on fp32 as shipped), unless "version_by_m" names one for the bucket of m
-    tokens per expert (written by tune.py --versions v4,v5 where v5 measured faster), stepping
-    down when a problem rules it out."""
+    fp16/bf16 and v3 on fp32 as shipped), unless the card's section (`device`'s, see
+    `lookup`) names one in its "version_by_m" for the bucket of m tokens per expert (written
+    by tune.py where the rung measured fastest on that card), stepping down when a problem
+    rules it out."""
     dkey = dtype_key(dtype)
     table = load_table()
     v = table.get("default_version", {}).get(dkey, BUILTIN_DEFAULTS[dkey])
     if m is not None:
-        v = table.get("version_by_m", {}).get(dkey, {}).get(str(m_bucket(m)), v)
+        by_m = _device_section(table, device).get("version_by_m", {})
+        v = by_m.get(dkey, {}).get(str(m_bucket(m)), v)
     if v not in VERSIONS or (v in TENSOR_CORE_VERSIONS and dkey == "fp32"):
         return BUILTIN_DEFAULTS[dkey]
     return v
 
 
-def get_config(M: int, N: int, K: int, E: int, top_k: int, dtype, version: str | None = None
-               ) -> dict:
+def get_config(M: int, N: int, K: int, E: int, top_k: int, dtype, version: str | None = None,
+               device: str | None = None) -> dict:
     """The kernel config for a GEMM with M tokens, before alignment runs.
 
     M tokens routed to top_k of E (local) experts gives m = M * top_k / E tokens per expert
     (GEMM2 has M = P slots and top_k = 1: the same m). The returned dict holds "version",
     BLOCK_M (the block_size to give moe_align_block_size), BLOCK_N, BLOCK_K, warps, stages
-    (and TM, TN for v3). fp32 with v4 returns v3's config.
+    (and TM, TN for v3). fp32 with v4 returns v3's config. device: the card whose tuned rows
+    apply (None: the current CuPy device's, none without a GPU).
     """
     dkey = dtype_key(dtype)
     m = max(1.0, M * top_k / max(E, 1))
-    version = default_version(dtype, m) if version is None else version
+    device = current_device_name() if device is None else device
+    version = default_version(dtype, m, device) if version is None else version
     if version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
     if version in TENSOR_CORE_VERSIONS and dkey == "fp32":
         version = "v3"
-    cfg = dict(lookup(version, dkey, m, N, K))
+    cfg = dict(lookup(version, dkey, m, N, K, device=device))
     cfg["version"] = version
     return cfg
 
@@ -548,11 +583,14 @@ def launch_geometry(version: str, cfg: dict, L: int, N: int) -> tuple[tuple, tup
 def compile_cases(table: dict | None = None) -> list[tuple[str, dict, tuple]]:
     """(cu_name, defines, options) of every instantiation the table can launch, for CPU CI.
 
-    Each table row (and the heuristic of every bucket) fitted to the usual block sizes.
+    Each table row (the cards' sections too, and the heuristic of every bucket) fitted to the
+    usual block sizes.
     """
     table = load_table() if table is None else table
     seen, out = set(), []
-    rows = [(r["version"], r["dtype"], _row_config(r)) for r in table.get("configs", [])]
+    every = table.get("configs", []) + [r for sec in table.get("devices", {}).values()
+                                        for r in sec.get("configs", [])]
+    rows = [(r["version"], r["dtype"], _row_config(r)) for r in every]
     for v in VERSIONS:
         for dkey in DTYPE_KEYS:
             for b in M_BUCKETS:
@@ -843,7 +881,8 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
     aligned = a.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
     version, cfg = _plan(version, dkey, m_bucket(max(1.0, P / max(E_local, 1))), N, K,
                          block_size, aligned, _is_sm90(cp, dev),
-                         None if config is None else tuple(sorted(config.items())))
+                         None if config is None else tuple(sorted(config.items())),
+                         device_name(dev))
 
     if out is None:
         c = _compile.empty((P, N), a.dtype)
@@ -888,13 +927,14 @@ def _is_sm90(cp, dev) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(version, dkey, bucket, N, K, block_size, aligned, sm90, config_items):
-    """(version, fitted config) for a call: the rung, the table lookup and the fit, cached
-    (a decode step calls the GEMM twice per layer: the host work must stay small)."""
+def _plan(version, dkey, bucket, N, K, block_size, aligned, sm90, config_items, device=None):
+    """(version, fitted config) for a call on card `device`: the rung, the table lookup and
+    the fit, cached (a decode step calls the GEMM twice per layer: the host work must stay
+    small)."""
     if version in TENSOR_CORE_VERSIONS and dkey == "fp32":
         version = "v3"          # the tensor-core rungs take half types; fp32 uses FFMA
     if version is None:
-        chain = _FALLBACK[default_version_key(dkey, bucket)]
+        chain = _FALLBACK[default_version_key(dkey, bucket, device)]
         version = next(v for v in chain if usable(v, dkey, K, block_size, aligned, sm90) is None)
     elif version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS} or None, got {version!r}")
@@ -903,7 +943,8 @@ def _plan(version, dkey, bucket, N, K, block_size, aligned, sm90, config_items):
         if why is not None:
             raise ValueError(f"{why} (version={version!r} was asked for; version=None picks "
                              f"a rung that can run this)")
-    config = lookup(version, dkey, bucket, N, K) if config_items is None else dict(config_items)
+    config = (lookup(version, dkey, bucket, N, K, device=device) if config_items is None
+              else dict(config_items))
     return version, fit_config(version, dkey, config, block_size)
 
 
