@@ -230,6 +230,7 @@ def _v7_builds():
     return sorted(out)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not C.nvrtc_available()[0], reason="cuda.core/NVRTC unavailable")
 @pytest.mark.parametrize("arch", ("sm_90", "sm_80"))
 def test_v7_builds_without_spills(arch):
@@ -1553,6 +1554,7 @@ def _numpy_as_cupy():
     return fake
 
 
+@pytest.mark.slow
 def test_decode_bench_host_logic(monkeypatch):
     """decode_bench end to end on the host: routings, alignment per block size, the check
     against v4, timing plumbing, GB/s and floor columns, the sweep (candidates, forced splits,
