@@ -157,6 +157,10 @@ class _Allocator:
 # GG_KERNEL_ARGS, elementwise kernels of activation.cu / combine.cu)
 ALIGN_SIG = "ppppppp" + "iiiiii"
 GEMM_SIG = "pppppppp" + "iiiiiiii"
+# the GEMM rungs launched here with GEMM_SIG: v7 (decode) takes three more arguments (its
+# split-K workspace, grouped_gemm.extra_args) and a per-call split, not wired into this plan
+# yet, so where the table names v7 this path runs v4 (grouped_gemm itself runs v7)
+FAST_GEMM_VERSIONS = ("v1", "v2", "v3", "v4", "v5")
 ROWS_SIG = "pp" + "iii"
 SUM_SIG = "pp" + "iiii"
 
@@ -202,6 +206,11 @@ class ExpertsPlan:
             self.gemms = []
             for n, kd, aligned in ((N1, H, a_aligned and w1_aligned), (H, I, w2_aligned)):
                 version, cfg = gg._plan(None, dkey, bucket, n, kd, B, aligned, sm90, None, card)
+                if version not in FAST_GEMM_VERSIONS:    # v7 where a table promotes it
+                    version = next(v for v in ("v4", "v3", "v2")
+                                   if gg.usable(v, dkey, kd, B, aligned, sm90) is None)
+                    version, cfg = gg._plan(version, dkey, bucket, n, kd, B, aligned, sm90, None,
+                                            card)
                 grid, block, gsmem = gg.launch_geometry(version, cfg, L, n)
                 kern = gg._kernel(version, dkey, cfg, device)
                 self.gemms.append((version, FastLaunch(kern, grid, block, gsmem, GEMM_SIG)))

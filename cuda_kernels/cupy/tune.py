@@ -11,8 +11,9 @@ The table (see grouped_gemm.lookup) holds two kinds of rows, each a config for o
     benchmark's models (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3); lookup uses them for
     shapes within a factor of two.
 
-How a shape is tuned on the GPU (--versions v4 by default, or v4,v5; bf16, the fp16 rows
-copy bf16's: the kernels are the same but for the mma's type): for each bucket m,
+How a shape is tuned on the GPU (--versions v4 by default, or v4,v5, or v7, the decode rung,
+whose block size is 16; bf16, the fp16 rows copy bf16's: the kernels are the same but for the
+mma's type): for each bucket m,
 T = m * E / top_k tokens are routed uniformly at random; GEMM1 and GEMM2 must share one
 alignment block_size B, so for each B in {16, 32, 64, 128} (v5: {64, 128}; B <= 2m, past
 that padding only costs), the fastest GEMM1 config with BLOCK_M = B and the fastest GEMM2
@@ -73,8 +74,21 @@ V5_CANDIDATES = [
     (128, 128, 64, 8, 6), (128, 128, 32, 8, 8), (128, 256, 32, 8, 8), (128, 256, 64, 8, 4),
     (128, 256, 32, 8, 6), (128, 128, 64, 8, 4), (64, 256, 64, 4, 4),
 ]
-CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES}
-BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128)}
+# v7 candidates (decode, weights streamed): (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, COLS).
+# BLOCK_M is the alignment block (v7 takes any; 16 keeps v4 able to share it); the rest trade
+# weight bytes in flight per SM ((stages - 1) * BLOCK_N * BLOCK_K * 2 per CTA, 1 or 2 CTAs per
+# SM by shared memory), CTAs per expert (N / BLOCK_N) and token columns per pass (COLS). The
+# split of K is v7_split_k's unless a config names SPLIT_K (grouped_gemm --sweep times both).
+V7_CANDIDATES = [
+    (16, 64, 128, 4, 5, 16), (16, 64, 128, 4, 4, 16), (16, 64, 128, 8, 5, 16),
+    (16, 32, 256, 4, 4, 16), (16, 32, 128, 2, 8, 16), (16, 128, 64, 4, 5, 16),
+    (16, 128, 128, 8, 4, 16), (16, 64, 64, 4, 6, 32), (16, 64, 128, 4, 4, 32),
+    (16, 128, 64, 4, 4, 32), (16, 128, 64, 8, 4, 32), (16, 128, 64, 8, 4, 64),
+]
+CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES, "v7": V7_CANDIDATES}
+# the config keys of a candidate tuple, in order
+CANDIDATE_KEYS = {"v4": gg.CONFIG_KEYS, "v5": gg.CONFIG_KEYS, "v7": gg.CONFIG_KEYS + ("COLS",)}
+BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128), "v7": (16,)}
 # the buckets and models of issue 4's missed points, the worst first (DeepSeek-V3 m = 128,
 # 512, 32 are T = 4096, 16384, 1024; Mixtral m = 256, 64 are T = 1024, 256)
 DEFAULT_BUCKETS = (128, 256, 512, 64, 32)
@@ -234,7 +248,7 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
                             continue
                         if time.time() - t_start > budget_s:
                             break
-                        cfg = dict(zip(gg.CONFIG_KEYS, cand))
+                        cfg = dict(zip(CANDIDATE_KEYS[version], cand))
                         try:
                             gg.check_config(version, dkey, cfg)
 
@@ -267,7 +281,7 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
             for (t, cand), (N, K) in zip(best[1], ((2 * I, H), (H, I))):
                 for dk in (dkey, "fp16" if dkey == "bf16" else "bf16"):
                     rows.append({"version": version, "dtype": dk, "m": m, "N": N, "K": K,
-                                 **dict(zip(gg.CONFIG_KEYS, cand)),
+                                 **dict(zip(CANDIDATE_KEYS[version], cand)),
                                  "us": round(t * 1e6, 1), "model": name})
         del w13, w2
         cp.get_default_memory_pool().free_all_blocks()
@@ -317,7 +331,7 @@ def main(argv=None):
     p.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)))
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=1800.0)
-    p.add_argument("--versions", default="v4", help="rungs to tune: v4, v5 or v4,v5")
+    p.add_argument("--versions", default="v4", help="rungs to tune: v4, v5, v7 or a list")
     p.add_argument("--out", default=str(gg.CONFIG_PATH))
     args = p.parse_args(argv)
     table = heuristic_table()
