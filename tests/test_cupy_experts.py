@@ -178,3 +178,37 @@ def test_cupy_stream_capture_of_the_plan(rng):
     stream.synchronize()
     np.testing.assert_array_equal(C.to_host(out).view(np.uint16),
                                   C.to_host(eager).view(np.uint16))
+
+
+@pytest.mark.parametrize("rung", ["v5", "v7"])
+def test_fused_experts_runs_the_rung_the_card_table_names(rung, rng, monkeypatch):
+    """Where the card's section names a rung for the bucket (v7 with its split-K workspace,
+    v5 with block sizes of 64), the plan launches it and still equals the stage path."""
+    from cuda_kernels.cupy import experts
+    gg = __import__("importlib").import_module("cuda_kernels.cupy.grouped_gemm")
+    from cuda_kernels.cupy import tune
+
+    card = gg.current_device_name()
+    if rung == "v5" and not gg._compile.is_sm90(0):
+        pytest.skip("v5 runs on sm_90 only")
+    by_m = {dk: {str(b): rung for b in gg.M_BUCKETS} for dk in ("bf16", "fp16")}
+    table = tune.merge_device_section({k: v for k, v in gg.load_table().items()
+                                       if k != "devices"}, card, [], by_m, {})
+    monkeypatch.setattr(gg, "load_table", lambda *a: table)
+    monkeypatch.setattr(experts, "_PLANS", {})
+    gg._plan.cache_clear()
+    try:
+        T, E, K, H, I = 3, 8, 2, 256, 384  # noqa: E741
+        host = _problem(rng, T, E, K, H, I)
+        x, w1, w2, tw, ids = (C.to_device(a) for a in host)
+        got = experts.fused_experts(x, w1, w2, tw, ids)
+        plan = experts.plan_for(T, H, E, 2 * I, I, K, BF16, device=x.device.id)
+        assert plan.versions == (rung, rung)
+        want = _stages(x, w1, w2, tw, ids, plan.B)
+        np.testing.assert_array_equal(C.to_host(got).view(np.uint16),
+                                      C.to_host(want).view(np.uint16))
+        again = experts.fused_experts(x, w1, w2, tw, ids)       # the workspace reused
+        np.testing.assert_array_equal(C.to_host(again).view(np.uint16),
+                                      C.to_host(got).view(np.uint16))
+    finally:
+        gg._plan.cache_clear()

@@ -157,10 +157,9 @@ class _Allocator:
 # GG_KERNEL_ARGS, elementwise kernels of activation.cu / combine.cu)
 ALIGN_SIG = "ppppppp" + "iiiiii"
 GEMM_SIG = "pppppppp" + "iiiiiiii"
-# the GEMM rungs launched here with GEMM_SIG: v7 (decode) takes three more arguments (its
-# split-K workspace, grouped_gemm.extra_args) and a per-call split, not wired into this plan
-# yet, so where the table names v7 this path runs v4 (grouped_gemm itself runs v7)
-FAST_GEMM_VERSIONS = ("v1", "v2", "v3", "v4", "v5")
+# v7 (decode) takes three more: its split-K partials and tile counters (per stream, made
+# outside any capture: grouped_gemm._v7_workspace) and the k-tiles of a split
+GEMM_EXTRA_SIG = {"v7": "ppi"}
 ROWS_SIG = "pp" + "iii"
 SUM_SIG = "pp" + "iiii"
 
@@ -206,15 +205,14 @@ class ExpertsPlan:
             self.gemms = []
             for n, kd, aligned in ((N1, H, a_aligned and w1_aligned), (H, I, w2_aligned)):
                 version, cfg = gg._plan(None, dkey, bucket, n, kd, B, aligned, sm90, None, card)
-                if version not in FAST_GEMM_VERSIONS:    # v7 where a table promotes it
-                    version = next(v for v in ("v4", "v3", "v2")
-                                   if gg.usable(v, dkey, kd, B, aligned, sm90) is None)
-                    version, cfg = gg._plan(version, dkey, bucket, n, kd, B, aligned, sm90, None,
-                                            card)
+                if version == "v7":   # the split of K, as grouped_gemm picks it for the call
+                    cfg = gg.v7_call_config(cfg, P, E, L, n, kd, device)
                 grid, block, gsmem = gg.launch_geometry(version, cfg, L, n)
                 kern = gg._kernel(version, dkey, cfg, device)
-                self.gemms.append((version, FastLaunch(kern, grid, block, gsmem, GEMM_SIG)))
-            self.versions = tuple(v for v, _ in self.gemms)
+                launch = FastLaunch(kern, grid, block, gsmem,
+                                    GEMM_SIG + GEMM_EXTRA_SIG.get(version, ""))
+                self.gemms.append(_Gemm(version, cfg, launch, n))
+            self.versions = tuple(g.version for g in self.gemms)
             # activation and combine: the workspaces are 256-byte aligned, so the vector
             # width depends on the row widths only
             name_fmt = f"act_and_mul_kernel<{act_mod._AND_MUL[activation]}, {{vec}}>"
@@ -280,16 +278,45 @@ class ExpertsPlan:
         bar = perm_mod._barrier_word(stream_ptr).data.ptr if self.align_G > 1 else 0
         self.align(stream_ptr, ids.ptr, emap_ptr, sorted_ids, expert_ids, ntpp, hist, bar,
                    P, E, B, L, self.num_blocks, 0)
-        (_, g1), (_, g2) = self.gemms
-        g1(stream_ptr, x.ptr, w1.ptr, c1, sorted_ids, expert_ids, ntpp, tw.ptr, self.dummy,
-           self.N1, self.H, P, self.K, B, L, int(self.mul_on_input), 0)
+        g1, g2 = self.gemms
+        g1.launch(stream_ptr, x.ptr, w1.ptr, c1, sorted_ids, expert_ids, ntpp, tw.ptr,
+                  self.dummy, self.N1, self.H, P, self.K, B, L, int(self.mul_on_input), 0,
+                  *self._extra(g1, stream_ptr))
         act, act_chunks = self.act
         act(stream_ptr, c1, c2, P, self.I, act_chunks)
-        g2(stream_ptr, c2, w2.ptr, c3, sorted_ids, expert_ids, ntpp, tw.ptr, self.dummy,
-           self.H, self.I, P, 1, B, L, int(not self.mul_on_input), 0)
+        g2.launch(stream_ptr, c2, w2.ptr, c3, sorted_ids, expert_ids, ntpp, tw.ptr,
+                  self.dummy, self.H, self.I, P, 1, B, L, int(not self.mul_on_input), 0,
+                  *self._extra(g2, stream_ptr))
         comb, sum_chunks = self.combine
         comb(stream_ptr, c3, out_ptr, self.T, self.K, self.H, sum_chunks)
         return out
+
+
+    def _extra(self, g, stream_ptr):
+        """The arguments `g`'s rung takes after the common ones (v7: its split-K workspace
+        for this stream, made on first use outside any capture)."""
+        if g.version != "v7":
+            return ()
+        steps = g.cfg["SPLIT_STEPS"]
+        grid = g.launch.grid
+        if grid[2] == 1:
+            return self.dummy, self.dummy, steps
+        import cupy
+
+        gg = _gemm()
+        ws, cnt = gg._v7_workspace(cupy, self.device, grid[2] * self.P * ((g.n + 7) // 8 * 8),
+                                   grid[0] * grid[1], stream_ptr)
+        return ws.data.ptr, cnt.data.ptr, steps
+
+
+@dataclasses.dataclass
+class _Gemm:
+    """One of the plan's two GEMMs: its rung, fitted config, launch, output width."""
+
+    version: str
+    cfg: dict
+    launch: FastLaunch
+    n: int
 
 
 def _round256(n: int) -> int:

@@ -755,12 +755,14 @@ _V7_WS: dict = {}
 _V7_RETIRED: list = []
 
 
-def _v7_workspace(cp, dev: int, floats: int, counters: int):
-    stream = cp.cuda.get_current_stream()
-    key = (dev, stream.ptr)
+def _v7_workspace(cp, dev: int, floats: int, counters: int, stream_ptr: int | None = None):
+    """(partials, counters) of the stream `stream_ptr` (default CuPy's current stream)."""
+    if stream_ptr is None:
+        stream_ptr = cp.cuda.get_current_stream().ptr
+    key = (dev, stream_ptr)
     ws, cnt = _V7_WS.get(key, (None, None))
     if (floats and (ws is None or ws.size < floats)) or cnt is None or cnt.size < counters:
-        if cp.cuda.runtime.streamIsCapturing(stream.ptr):
+        if cp.cuda.runtime.streamIsCapturing(stream_ptr):
             raise RuntimeError("grouped_gemm v7: its split-K workspace must grow, which cannot "
                                "happen inside a CUDA graph capture (its counters are zeroed when "
                                "made); call it once with the same shapes before capturing")
@@ -775,6 +777,7 @@ def _v7_workspace(cp, dev: int, floats: int, counters: int):
                     _V7_RETIRED.append(cnt)
                 cnt = cp.zeros(max(counters, 2 * (0 if cnt is None else cnt.size), 1 << 12),
                                dtype=cp.int32)
+                cp.cuda.get_current_stream().synchronize()   # zeroed before any stream uses it
         _V7_WS[key] = (ws, cnt)
     return ws, cnt
 
