@@ -18,17 +18,11 @@ Paths (all CuPy kernels of this repository):
            untimed call packs them), where it takes the shape, else v3 weight streaming;
            v2 tiles above; dequantized in registers, mma.sync bf16)
     bf16   GEMM1 -> GEMM2 (cuda_kernels.cupy.grouped_gemm, its default version and configs)
-The activation between the GEMMs is not timed (not a quantization stage: GEMM2 reads a
-pre-drawn [P, I] activation). The int4 GEMM2 is launched programmatically (PDL: its CTAs read
-the routing and copy their first weights under GEMM1's tail, then wait for GEMM1 to finish
-before they read their activations; --no-pdl launches it plainly); the JSON's "programmatic"
-says which. --fuse-activation (int4; not yet timed on a GPU, so not the default): where
-GEMM1 runs the staged rung (9-128 rows per expert), it applies silu_and_mul in its epilogue
-and GEMM2 reads its output (the point's "activation": "fused", else "not timed"); where both
-run the warp-specialized staged rung (sm_90) they share a BlockFlow, and GEMM2's producers
-wait for each stage's columns of GEMM1's output instead of the whole GEMM1 (the point's
-"dataflow"; --no-dataflow keeps the wait for the whole GEMM1). Alignment runs on the host
-(reference) once per routing.
+The activation between the GEMMs is not in any path (not a quantization stage): GEMM2 reads a
+pre-drawn [P, I] activation. The int4 GEMM2 is launched programmatically (PDL: its CTAs read the
+routing and copy their first weights under GEMM1's tail, then wait for GEMM1 to finish before
+they read their activations; --no-pdl launches it plainly); the JSON's "programmatic" says
+which. Alignment runs on the host (reference) once per routing.
 
 Method: CUDA events around each call after warm-up, median over the repetitions; before each
 repetition (untimed) the next of 4 pre-drawn routings is selected and the L2 is flushed, so
@@ -53,7 +47,6 @@ faster than bf16 at T >= 1024.
     python benchmarks/bench_quant.py [--models deepseek-v3,mixtral] [--tokens 1,16,64]
                                      [--reps 20] [--no-bf16] [--budget-s 200]
                                      [--fp8-version v2|v4|v5] [--fp8-block-size B] [--no-pdl]
-                                     [--fuse-activation [--no-dataflow]]
 
 Writes benchmarks/results/bench_quant_<gpu>_<time>.json (GPU, date, commit, command, points).
 """
@@ -76,7 +69,6 @@ if str(ROOT) not in sys.path:
 from cuda_kernels.cupy import _compile as C  # noqa: E402
 from cuda_kernels.cupy import quant_act as QA  # noqa: E402
 from cuda_kernels.cupy import quant_gemm as QG  # noqa: E402
-from cuda_kernels.cupy import quant_gemm_wna16 as W16  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MODELS = {
@@ -163,16 +155,6 @@ def draw_routing(rng, T, E, K):
     return ids, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
-def routings_of(tokens, E, K):
-    """The ROUTINGS routings a run of these token counts draws for one model at the last of them:
-    bench_model draws from default_rng(0) point after point, so a point's routings depend on the
-    points before it (the dev probes time a table point's routings alone with this)."""
-    rng = np.random.default_rng(0)
-    for T in tokens:
-        routings = [draw_routing(rng, T, E, K) for _ in range(ROUTINGS)]
-    return routings
-
-
 # ----------------------------------------------------------------------------- timing
 _SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -216,8 +198,7 @@ def time_ms(fn, setup, warmup, reps, use_spin=True):
 
 # ----------------------------------------------------------------------------- one model
 def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8_version=None,
-                flush_mode="read", fp8_block=None, programmatic=True, dataflow=True,
-                fuse_activation=False):
+                flush_mode="read", fp8_block=None, programmatic=True):
     import cupy
 
     from reference import moe_align_block_size
@@ -291,12 +272,6 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
 
         # ---- quantized path
         qal = aligned(Bq)
-        # int4: silu_and_mul fused into GEMM1 where its rung does it (the staged rung), then
-        # GEMM2 reads GEMM1's output (q_out), with the dataflow handshake where both take it
-        fused = fuse_activation and fmt == "int4" and \
-            W16.route_int4(x, w1, s1, None, None, K, Bq) in W16.STAGED_CONFIGS
-        flow = W16.BlockFlow() if fused and dataflow else None
-        q_out = {}
 
         def q_gemm1():
             st, ex, ntp, tw = qal[cur["i"]]
@@ -304,10 +279,7 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
                 a1, as1 = QA.per_token_group_quant_fp8(x, 128)
                 return QG.grouped_gemm_quant(a1, w1, st, ex, ntp, K, Bq, a_scale=as1,
                                              w_scale=s1, version=fp8_version, **qflags)
-            q_out["act"] = QG.grouped_gemm_quant(x, w1, st, ex, ntp, K, Bq, w_scale=s1,
-                                                 activation="silu" if fused else None,
-                                                 flow=flow, **qflags)
-            return q_out["act"]
+            return QG.grouped_gemm_quant(x, w1, st, ex, ntp, K, Bq, w_scale=s1, **qflags)
 
         def q_gemm2():
             st, ex, ntp, tw = qal[cur["i"]]
@@ -315,9 +287,8 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
                 a2, as2 = QA.per_token_group_quant_fp8(act, 128)
                 return QG.grouped_gemm_quant(a2, w2, st, ex, ntp, 1, Bq, tw, True, a_scale=as2,
                                              w_scale=s2, version=fp8_version, **qflags)
-            return QG.grouped_gemm_quant(q_out["act"] if fused else act, w2, st, ex, ntp, 1, Bq,
-                                         tw, True, w_scale=s2, programmatic=programmatic,
-                                         flow=flow, **qflags)
+            return QG.grouped_gemm_quant(act, w2, st, ex, ntp, 1, Bq, tw, True, w_scale=s2,
+                                         programmatic=programmatic, **qflags)
 
         def q_layer():
             q_gemm1()
@@ -345,9 +316,6 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
             point[fmt] = dict(ms=ms, gemm1_ms=ms1, gemm2_ms=ms2, bytes=nbytes, floor_ms=floor,
                               frac=floor / ms, block_size=Bq, finite=finite,
                               by_routing=by_routing)
-            if fmt == "int4":
-                point[fmt].update(activation="fused" if fused else "not timed",
-                                  dataflow=flow is not None and flow.taken > 0)
             if fmt == "fp8":
                 cc = int(cupy.cuda.Device().compute_capability)
                 point[fmt]["version"] = fp8_version or QG.fp8_rung(rows_per_expert, Bq, H, cc)
@@ -450,11 +418,6 @@ def main(argv=None):
     parser.add_argument("--fp8-block-size", type=int, default=None,
                         help="alignment block size of the fp8 path (default: "
                              "quant_gemm.block_size_for)")
-    parser.add_argument("--fuse-activation", action="store_true",
-                        help="int4: silu_and_mul fused into the staged GEMM1, and the dataflow "
-                             "to GEMM2 (see the doc)")
-    parser.add_argument("--no-dataflow", action="store_true",
-                        help="with --fuse-activation: GEMM2 waits for the whole GEMM1")
     parser.add_argument("--no-pdl", action="store_true",
                         help="launch the int4 GEMM2 plainly (default: programmatic, see the doc)")
     args = parser.parse_args(argv)
@@ -484,8 +447,7 @@ def main(argv=None):
         points += bench_model(m, tokens, args.reps, not args.no_bf16, deadline, log,
                               use_spin=not args.no_spin, fp8_version=args.fp8_version,
                               flush_mode=args.flush, fp8_block=args.fp8_block_size,
-                              programmatic=not args.no_pdl, dataflow=not args.no_dataflow,
-                              fuse_activation=args.fuse_activation)
+                              programmatic=not args.no_pdl)
         cupy.get_default_memory_pool().free_all_blocks()
     summary(points, log)
     log(f"total {time.time() - start:.0f} s")
@@ -498,9 +460,7 @@ def main(argv=None):
                       command=" ".join([pathlib.Path(sys.argv[0]).name] + sys.argv[1:]),
                       hbm_bytes_per_s=HBM, peak_flops=PEAK, routings_per_point=ROUTINGS,
                       spin_us=0 if args.no_spin else SPIN_US, flush=args.flush,
-                      programmatic=not args.no_pdl, fuse_activation=args.fuse_activation,
-                      dataflow=args.fuse_activation and not args.no_dataflow,
-                      compilers=compilers(), points=points)
+                      programmatic=not args.no_pdl, compilers=compilers(), points=points)
         path.write_text(json.dumps(record, indent=1) + "\n")
         log(f"wrote {path.relative_to(ROOT)}")
 

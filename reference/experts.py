@@ -22,10 +22,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import check_choice, check_float, check_ids_in_range, check_int, check_positive_int
+from ._checks import (
+    check_choice,
+    check_float,
+    check_ids_in_range,
+    check_int,
+    check_positive_int,
+    check_working_set,
+)
 from .activation import apply_activation
 from .permute import moe_align_block_size
-from .precision import exact, to_compute
+from .precision import compute_dtype, exact, to_compute
 from .routing import select_experts
 
 DEFAULT_BLOCK_SIZE = 64
@@ -176,6 +183,19 @@ def check_expert_routing(topk_ids, num_local, global_num_experts, expert_map,
     return top_k, num_experts
 
 
+def check_experts_working_set(num_tokens, top_k, n1, inter, hidden, dtype):
+    """MemoryError naming T and the bytes when the intermediates of the experts cannot fit
+    in host memory: at least cache1 [P, N1] + cache2 [P, I] + cache3 [P, H] (P = T*K) in
+    the compute dtype (fp32, fp64 for fp64), which the stages allocate before they round.
+    A lower bound of the peak (the GEMMs' gathered rows come on top): it refuses only what
+    cannot fit, and costs nothing below _checks.CHECK_ABOVE_BYTES."""
+    item = np.dtype(compute_dtype(np.dtype(dtype))).itemsize
+    nbytes = num_tokens * top_k * (n1 + inter + hidden) * item
+    check_working_set(num_tokens, nbytes,
+                      f"intermediates ([T*K, {n1}] + [T*K, {inter}] + [T*K, {hidden}] in "
+                      f"{np.dtype(compute_dtype(np.dtype(dtype)))}, K={top_k})")
+
+
 def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu",
                   apply_router_weight_on_input=False, global_num_experts=-1, expert_map=None,
                   w1_bias=None, w2_bias=None, is_act_and_mul=True, block_size=None,
@@ -188,6 +208,8 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     nothing, so the ranks' partial outputs sum to the whole layer. The router weight scales
     GEMM2's output (and so the down-projection bias), or with apply_router_weight_on_input
     (top-1 only) GEMM1's. Returns [T, H] in hidden_states' dtype (float64 when exact).
+    A batch whose intermediates cannot fit in host memory is refused before any of them is
+    allocated (MemoryError naming T and the bytes: check_experts_working_set).
     """
     check_choice("precision", precision, PRECISIONS)
     _check_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, is_act_and_mul,
@@ -197,6 +219,8 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
                                               expert_map, apply_router_weight_on_input)
     block_size = check_positive_int("block_size",
                                     DEFAULT_BLOCK_SIZE if block_size is None else block_size)
+    check_experts_working_set(num_tokens, top_k, w1.shape[1], w2.shape[2], hidden,
+                              np.float64 if precision == "exact" else hidden_states.dtype)
 
     if precision == "exact":
         hidden_states, w1, w2, topk_weights, w1_bias, w2_bias = (
@@ -220,7 +244,28 @@ def fused_moe(hidden_states, w1, w2, gating_output, topk, renormalize, activatio
               e_score_correction_bias=None, apply_router_weight_on_input=False,
               global_num_experts=-1, expert_map=None, w1_bias=None, w2_bias=None,
               is_act_and_mul=True, block_size=None, precision="engine"):
-    """Route, then run the experts: select_experts followed by fused_experts."""
+    """Route, then run the experts: select_experts followed by fused_experts.
+
+    gating_output [T, E]: one column per global expert, i.e. global_num_experts when given,
+    else expert_map's length with an expert_map, else w1.shape[0] (ValueError naming
+    gating_output otherwise: 6 columns for 8 experts must not route to experts 0..5)."""
+    check_float("gating_output", gating_output, ndim=2)
+    if all(isinstance(a, np.ndarray) and a.ndim == n
+           for a, n in ((hidden_states, 2), (w1, 3), (w2, 3))) and \
+            isinstance(topk, (int, np.integer)) and topk >= 1:
+        # before the routing, whose [T, E] scores come first (bad arguments: checked later)
+        check_experts_working_set(hidden_states.shape[0], topk, w1.shape[1], w2.shape[2],
+                                  hidden_states.shape[1],
+                                  np.float64 if precision == "exact" else hidden_states.dtype)
+    if global_num_experts not in (-1, None):
+        num_experts, source = global_num_experts, "global_num_experts"
+    elif expert_map is not None:
+        num_experts, source = len(expert_map), "expert_map's length"
+    else:
+        num_experts, source = w1.shape[0] if hasattr(w1, "shape") else None, "w1.shape[0]"
+    if num_experts is not None and gating_output.shape[1] != num_experts:
+        raise ValueError(f"gating_output: expected {num_experts} columns (one per expert, "
+                         f"{source}), got shape {gating_output.shape}")
     topk_weights, topk_ids, _ = select_experts(
         hidden_states, gating_output, topk, use_grouped_topk, renormalize,
         topk_group=topk_group, num_expert_group=num_expert_group,

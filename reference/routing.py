@@ -79,6 +79,23 @@ def _check_logits(hidden_states, gating_output, topk):
     return num_tokens, num_experts, topk
 
 
+def check_router_width(name, logits, num_experts, zero_expert_num=0):
+    """The router's columns against the experts: `num_experts` (+ `zero_expert_num`) when
+    num_experts is known (None or -1: unknown, no check). Any array with a 2-D `.shape`
+    (NumPy, torch, CuPy, numba); other shapes are left to the routing functions' checks."""
+    if num_experts is None or num_experts == -1:
+        return
+    shape = tuple(getattr(logits, "shape", ()))
+    if len(shape) != 2:
+        return
+    zero = int(zero_expert_num or 0)
+    want = int(num_experts) + zero
+    if shape[1] != want:
+        why = (f"global_num_experts={num_experts} + zero_expert_num={zero}" if zero
+               else f"one per expert, global_num_experts={num_experts}")
+        raise ValueError(f"{name}: expected {want} columns ({why}), got shape {shape}")
+
+
 def _check_bias(e_score_correction_bias, num_experts):
     return check_float("e_score_correction_bias", e_score_correction_bias, ndim=1,
                        shape=(num_experts,)).astype(np.float32)
@@ -247,6 +264,12 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
     grouped_topk from another backend, and optionally the array handling of the tail
     (call_custom_routing, ids_astype, copy, zero_experts_compute; see _REFERENCE_OPS):
     the dispatch logic is shared.
+
+    With global_num_experts given, router_logits must have global_num_experts +
+    zero_expert_num columns (ValueError naming router_logits): a narrower router would
+    otherwise route silently to the first experts only. Every backend's select_experts comes
+    through here, so the check is the same everywhere; the routing functions themselves
+    take no number of experts (vLLM's signatures) and check only a correction bias' width.
     """
     ops = ops or _REFERENCE_OPS
 
@@ -254,6 +277,7 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
         return getattr(ops, name, getattr(_REFERENCE_OPS, name))
 
     check_choice("scoring_func", scoring_func, SCORING_FUNCS)
+    check_router_width("router_logits", router_logits, global_num_experts, zero_expert_num)
     if use_grouped_topk or (scoring_func == "sigmoid" and custom_routing_function is None):
         if use_grouped_topk and (topk_group is None or num_expert_group is None):
             raise ValueError("use_grouped_topk: expected topk_group and num_expert_group, "

@@ -17,8 +17,10 @@ The pieces the kernel issues reuse:
                                  limits; fraction of floor = floor / measured time (<= 1)
     measure_card()               the card's measured copy bandwidth and bf16 matmul peak
     PRESETS                      Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 (+ "tiny" for CPUs)
-    CANDIDATES                   name -> factory(case) -> fn(); peers: torch per-expert loop,
-                                 torch._grouped_mm where present; `register_candidate` adds more
+    CANDIDATES                   name -> factory(case) -> fn(): cupy (our fused_experts), numba,
+                                 torch-stages (a backend's stages composed); the peers:
+                                 vllm-triton (vLLM's kernel, loaded from --peers), torch
+                                 per-expert loop, torch._grouped_mm; `register_candidate` adds more
     run_bench(...)               every (preset, T, candidate) point: check against the torch loop
                                  once, then time; returns the JSON-able record
     write_results / plot_results benchmarks/results/bench_<gpu>_<time>.{json,png}
@@ -30,8 +32,10 @@ datasheet limits are 4.8 TB/s and 989 dense bf16 TFLOP/s; on that card we measur
 4.18 TB/s and cuBLAS bf16 757 TFLOP/s, which `measure_card` re-measures each run.
 
 CUDA graphs (`graph=True`, `moe-sandbox bench --graph`) suit candidates with static shapes and
-no host synchronisation; the torch peers have both (torch.where, bincount), so their points
-record the capture error instead of a time. Weights are drawn once per preset and moved once
+no host synchronisation: the CuPy backend (on torch's stream, sandbox.streams), vLLM's Triton
+peer and torch._grouped_mm capture; the torch per-expert loop (torch.where) records the
+capture error instead of a time. A capture that records nothing is an error, never a time.
+Weights are drawn once per preset and moved once
 per backend; x and the routing are drawn per token count.
 
 Why flush and rotate: a small problem fits in the 50 MB L2 of an H200, so timing the same
@@ -441,7 +445,11 @@ def torch_grouped_mm_moe(x, w13, w2, topk_weights, topk_ids, activation: str = "
     E, K, inter = w13.shape[0], topk_ids.shape[1], w2.shape[2]
     flat = topk_ids.reshape(-1)                                             # [P]
     order = torch.argsort(flat, stable=True)                                # [P] slots by expert
-    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)  # [E]
+    # rows per expert by a scatter-add, not bincount: bincount sizes its output from a max
+    # read back to the host, which a CUDA graph capture refuses
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))    # [E]
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)                       # [E]
     token = order // K                                                      # [P]
     x_grouped = x[token]                                                    # [P, H]
     h = torch._grouped_mm(x_grouped, w13.transpose(1, 2), offs=offs)        # [P, 2I]
@@ -663,8 +671,25 @@ def _stages_fn(case: Case, backend: str):
     return fn
 
 
-for _name in ("cupy", "numba"):
-    register_candidate(_name, backend_candidate(_name))
+def _cupy_factory(case: Case):
+    """Our best rung: the CuPy backend's fused_experts (align .. combine, the stages' own
+    kernels launched from a plan cached per shape) on the case's torch tensors, on torch's
+    stream: no copies, no routing."""
+    if case.device == "cpu":
+        raise Unavailable("the CuPy kernels run on CUDA only")
+    from sandbox import registry
+
+    be = registry.get_backend("cupy")
+    if not be.ok:
+        raise Unavailable(be.reason)
+    from cuda_kernels.cupy.experts import fused_experts
+
+    args = (case.x, case.w13, case.w2, case.topk_weights, case.topk_ids32)
+    return lambda: fused_experts(*args)
+
+
+register_candidate("cupy", _cupy_factory)
+register_candidate("numba", backend_candidate("numba"))
 register_candidate("torch-stages", backend_candidate("torch"))
 
 
@@ -997,7 +1022,8 @@ def plot_results(record: dict, path: pathlib.Path) -> pathlib.Path | None:
             bottom.set(xscale="log", ylim=(0, 1.05), xlabel="tokens T",
                        ylabel="fraction of floor")
         top.legend(fontsize=7)
-        bottom.legend(fontsize=7)
+        if bottom.get_lines():
+            bottom.legend(fontsize=7)
         top.grid(True, which="both", alpha=0.3)
         bottom.grid(True, alpha=0.3)
     card = record.get("card") or {}

@@ -2,18 +2,27 @@
 
     moe-sandbox validate [--checkpoint PATH] [--layer N] [--trace NAME|PATH] [--tokens N]
                          [--backend NAME ...] [--dtype float32|bfloat16|float16]
-                         [--sim-tokens N] [--json OUT]
+                         [--sim-tokens N] [--json OUT] [--quiet]
         The main job: the default layer of data/ (or --checkpoint) and a router trace go
         through every backend available here, stage by stage, against the reference; prints
-        the parity table. On a machine without a GPU the Numba kernels run under the CUDA
-        simulator (NUMBA_ENABLE_CUDASIM=1 is set before Numba is imported) in a second,
-        small run: the first --sim-tokens tokens, alignment block --sim-block, stage rows
-        only (the simulator runs one Python thread per CUDA thread).
-    moe-sandbox bench [--model NAME ...] [--tokens 1,16,...] [--candidates ...] [--cpu] ...
-        CUDA-event timings of every candidate against the roofline floor and the torch peers;
-        JSON + plot under benchmarks/results/ (sandbox/bench.py has the pieces).
+        the parity table (a backend running longer than a few seconds prints a line per
+        stage on stderr, unless --quiet). A backend that cannot run is listed as skipped
+        with the reason; a job in which no backend but the reference ran FAILS. On a machine
+        without a GPU the Numba kernels run under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1
+        is set before Numba is imported: sandbox.registry's use_numba_simulator_if_no_gpu)
+        in a second, small run: the first --sim-tokens tokens, alignment block --sim-block,
+        stage rows only (the simulator runs one Python thread per CUDA thread).
+    moe-sandbox bench [--model NAME ...] [--tokens 1,16,...] [--candidates ...] [--graph]
+                      [--peers DIR] [--out DIR] [--cpu] ...
+        Our fused experts against vLLM's Triton kernel and torch._grouped_mm (CUDA events or
+        graph replays, L2 flushed, new routing each rep): medians, ratios to the peers, the
+        roofline floor of the card (known cards only), host microseconds per eager call; JSON
+        + plot in ./moe-sandbox-results (--out benchmarks/results updates the committed ones).
     moe-sandbox info       which backends and devices are available here, and why not
-    moe-sandbox data make [--out data] [--seed 0]    regenerate the small files of data/
+    moe-sandbox data make [--out DIR] [--seed 0]     the small files of data/ (--out data
+                                                     in the checkout replaces them)
+        (written into a temporary folder and moved into place at the end: a failure leaves
+        the folder as it was)
 
 Exit codes: 0 success; 1 a divergence (validate) or failed points (bench --strict);
 2 a usage error, a bad checkpoint or trace, or no GPU for `bench`. Errors are one sentence
@@ -22,12 +31,16 @@ on stderr, never a traceback (`MOE_SANDBOX_DEBUG=1` re-raises them).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import pathlib
 import platform
 import sys
+
+# cuda_devices() asks libcuda directly (no GPU library imported); use_numba_simulator_if_no_gpu()
+# sets NUMBA_ENABLE_CUDASIM=1 on a machine without a GPU while numba.cuda is not imported yet.
+# Both live in the registry, which calls the latter itself before it imports the numba backend.
+from sandbox.registry import cuda_devices, use_numba_simulator_if_no_gpu
 
 EXIT_OK, EXIT_DIVERGENCE, EXIT_ERROR = 0, 1, 2
 DTYPES = ("float32", "bfloat16", "float16")
@@ -47,52 +60,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise CliError(f"{self.prog}: {message} (see {self.prog} --help)")
-
-
-# ----------------------------------------------------------------------------- devices
-
-def cuda_devices() -> list[str]:
-    """Names of the CUDA devices the driver sees, asked through libcuda directly so that no
-    GPU library (and above all not Numba) is imported to find out. [] without a driver."""
-    for lib in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
-        try:
-            cuda = ctypes.CDLL(lib)
-            break
-        except OSError:
-            continue
-    else:
-        return []
-    try:
-        if cuda.cuInit(0) != 0:
-            return []
-        count = ctypes.c_int(0)
-        if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-            return []
-        names = []
-        for i in range(count.value):
-            dev = ctypes.c_int(0)
-            buf = ctypes.create_string_buffer(256)
-            if cuda.cuDeviceGet(ctypes.byref(dev), i) == 0 and \
-                    cuda.cuDeviceGetName(buf, 256, dev) == 0:
-                names.append(buf.value.decode(errors="replace"))
-            else:
-                names.append(f"device {i}")
-        return names
-    except Exception:
-        return []
-
-
-def use_numba_simulator_if_no_gpu() -> bool:
-    """Set NUMBA_ENABLE_CUDASIM=1 when no GPU is visible and Numba is not imported yet (the
-    variable is read once, at import). Returns whether the simulator is (or will be) on."""
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        return True
-    if cuda_devices():
-        return False
-    if "numba" not in sys.modules:
-        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-        return True
-    return False
 
 
 # ----------------------------------------------------------------------------- validate
@@ -171,7 +138,8 @@ def cmd_validate(args) -> int:
     ckpt = pathlib.Path(args.checkpoint) if args.checkpoint else \
         checkpoint.default_checkpoint_path()
     if not ckpt.exists():
-        hint = "" if args.checkpoint else " (run `moe-sandbox data make` to write data/)"
+        hint = "" if args.checkpoint else (" (run `moe-sandbox data make --out data` in the "
+                                           "checkout to write data/)")
         raise CliError(f"--checkpoint: expected a checkpoint file or folder, got "
                        f"{str(ckpt)!r}, which does not exist{hint}")
 
@@ -220,16 +188,24 @@ def cmd_validate(args) -> int:
         title = (f" (Numba under the CUDA simulator: first {n} tokens, block size "
                  f"{args.sim_block}, stages only)")
         runs.append((title, ["reference"] + slow, sim_layer, x[:n], logits[:n], False))
-    ok, reports = True, []
+    diverged, compared, reports = False, names == ["reference"], []
     for title, backends, lyr, xs, ls, e2e in runs:
         print(f"\n== {', '.join(backends)}{title}, T={xs.shape[0]}", flush=True)
-        report = validate(lyr, xs, ls, backends=backends, end_to_end=e2e)
+        report = validate(lyr, xs, ls, backends=backends, end_to_end=e2e, quiet=args.quiet)
         print(report.table(), flush=True)
-        ok = ok and bool(report.ok)
+        diverged = diverged or report.diverged
+        compared = compared or bool(report.compared)
         reports.append({"backends": backends, "tokens": int(xs.shape[0]),
                         "report": report.to_json()})
-    print("\nPASS: every backend that ran is within tolerance at every stage" if ok else
-          "\nFAIL: a backend diverged (see 'first divergence' above)")
+    # a divergence anywhere fails; so does a job in which no backend but the reference ran
+    ok = compared and not diverged
+    if diverged:
+        print("\nFAIL: a backend diverged (see 'first divergence' above)")
+    elif not compared:
+        print("\nFAIL: no backend but the reference ran here, so nothing was compared (see "
+              "the 'skipped' lines above; `moe-sandbox info` says why)")
+    else:
+        print("\nPASS: every backend that ran is within tolerance at every stage")
     if args.json:
         out = {"checkpoint": str(ckpt), "layer": info.get("layer_idx"), "family": family,
                "dtype": args.dtype, "trace": trace_label, "ok": ok, "runs": reports}
@@ -364,7 +340,16 @@ def cmd_info(args) -> int:
 def cmd_data_make(args) -> int:
     from sandbox import datagen
 
+    # arguments first, by their names: nothing is written for a bad one
+    if args.seed < 0:
+        raise CliError(f"--seed: expected an int >= 0, got {args.seed}")
+    if args.seed >= datagen.SEED_LIMIT:
+        raise CliError(f"--seed: expected an int < 2**63 (the traces store it as int64), "
+                       f"got {args.seed}")
     out = pathlib.Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out: expected a folder (existing or to create), got {args.out!r}, "
+                       f"which is a file")
     written = datagen.make_all(out, args.seed, progress=lambda m: print(f"  {m}", flush=True))
     total = sum(p.stat().st_size for p in written)
     print(f"wrote {len(written)} files under {_rel(out)} ({total / 1e6:.2f} MB, seed "
@@ -397,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--sim-block", type=int, default=SIM_BLOCK_SIZE,
                    help=f"alignment block size of the simulator run (default {SIM_BLOCK_SIZE})")
     v.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT")
+    v.add_argument("--quiet", action="store_true",
+                   help="no progress lines on stderr (otherwise printed for a backend that "
+                        "runs longer than a few seconds, e.g. Numba in the CUDA simulator)")
     v.set_defaults(func=cmd_validate)
 
     b = sub.add_parser("bench", help="time candidates against vLLM's kernel, torch and the "
@@ -441,7 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="the small files of data/")
     dsub = d.add_subparsers(dest="data_command", metavar="{make}", parser_class=_Parser)
     m = dsub.add_parser("make", help="write the checkpoints and traces from a seed")
-    m.add_argument("--out", default="data")
+    m.add_argument("--out", default="moe-sandbox-results/data",
+                   help="the folder to write (default ./moe-sandbox-results/data; pass "
+                        "--out data in the checkout to regenerate the committed files)")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_data_make)
     return p

@@ -1,6 +1,9 @@
 """Small reproducible MoE checkpoints and router-logit traces, from one seed.
 
-`moe-sandbox data make [--out data] [--seed 0]` writes, under `out/`:
+`moe-sandbox data make [--out DIR] [--seed 0]` writes, under DIR (default
+./moe-sandbox-results/data; `--out data` in the checkout regenerates the committed files),
+through a temporary folder moved into place at the end (a failure leaves DIR as it was; see
+make_all):
 
     mixtral/      config.json + model.safetensors   Mixtral naming, E=8  K=2 H=64 I=128
     qwen3_moe/    config.json + model.safetensors   Qwen3-MoE naming, E=16 K=4 H=64 I=64
@@ -39,7 +42,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import pathlib
+import shutil
+import tempfile
 import zipfile
 
 import ml_dtypes
@@ -291,24 +297,96 @@ def load_trace(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
 
 # ----------------------------------------------------------------------------- all of data/
 
+SEED_LIMIT = 2 ** 63   # the traces store their seed as int64
+
+
+def check_seed(seed) -> int:
+    """`seed` as an int in [0, 2**63) (SeedSequence needs >= 0; the traces store int64)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    if seed < 0:
+        raise ValueError(f"seed: expected an int >= 0, got {seed}")
+    if seed >= SEED_LIMIT:
+        raise ValueError(f"seed: expected an int < 2**63 (the traces store it as int64), "
+                         f"got {seed}")
+    return int(seed)
+
+
+def check_out(out) -> pathlib.Path:
+    """`out` as a Path to a folder, existing or not (ValueError when it is a file)."""
+    out = pathlib.Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out: expected a folder (existing or to create), got {str(out)!r}, "
+                         f"which is a file")
+    return out
+
+
 def make_all(out: pathlib.Path = pathlib.Path("data"), seed: int = 0,
              progress=None) -> list[pathlib.Path]:
     """Write every family's checkpoint and every trace under `out`; returns the files written.
-    `progress(message)` is called once per item when given."""
-    out = pathlib.Path(out)
-    written = []
-    for name, spec in FAMILIES.items():
-        if progress:
-            progress(f"checkpoint {name}")
-        d = write_checkpoint(spec, out / name, seed)
-        written += [d / "config.json", d / "model.safetensors"]
-        for dist in DISTRIBUTIONS:
-            trace = make_trace(dist, TRACE_TOKENS[dist], spec.hidden_size, spec.num_experts,
-                               spec.top_k, seed, family=name)
-            path = out / "traces" / f"{name}_{dist}.npz"
-            save_npz(path, trace)
-            written.append(path)
-    return written
+    `progress(message)` is called once per item when given.
+
+    Everything is written into a temporary folder beside `out` first and moved into place
+    at the end (a new `out`: one rename; an existing one: a rename per file, undone if one
+    fails), so a failure anywhere leaves `out` as it was: never half-written. Files of `out`
+    that make_all does not write (data/README.md) are kept."""
+    seed = check_seed(seed)
+    out = check_out(out)
+    anchor = out.parent
+    while not anchor.exists():       # the temporary folder must be on out's file system
+        anchor = anchor.parent
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=anchor))
+    try:
+        staged = tmp / "new"
+        relative = []
+        for name, spec in FAMILIES.items():
+            if progress:
+                progress(f"checkpoint {name}")
+            write_checkpoint(spec, staged / name, seed)
+            relative += [pathlib.Path(name, "config.json"), pathlib.Path(name, "model.safetensors")]
+            for dist in DISTRIBUTIONS:
+                trace = make_trace(dist, TRACE_TOKENS[dist], spec.hidden_size,
+                                   spec.num_experts, spec.top_k, seed, family=name)
+                rel = pathlib.Path("traces", f"{name}_{dist}.npz")
+                save_npz(staged / rel, trace)
+                relative.append(rel)
+        _install(staged, relative, out, tmp / "old")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [out / rel for rel in relative]
+
+
+def _install(staged: pathlib.Path, relative: list, out: pathlib.Path,
+             backup: pathlib.Path) -> None:
+    """Move the files `relative` of `staged` into `out`: all of them or, on a failure, none
+    (the files they replace wait in `backup` until every move is done)."""
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged, out)
+        return
+    moved, saved, made = [], [], []
+    try:
+        for rel in relative:
+            dst = out / rel
+            if not dst.parent.exists():
+                missing = [p for p in [dst.parent, *dst.parent.parents]
+                           if out in p.parents and not p.exists()]
+                dst.parent.mkdir(parents=True)
+                made += sorted(missing, key=lambda p: len(p.parts))
+            if dst.exists():
+                (backup / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(dst, backup / rel)
+                saved.append(rel)
+            os.replace(staged / rel, dst)
+            moved.append(rel)
+    except BaseException:
+        for rel in reversed(moved):
+            os.replace(out / rel, staged / rel)
+        for rel in reversed(saved):
+            os.replace(backup / rel, out / rel)
+        for d in reversed(made):
+            d.rmdir()
+        raise
 
 
 def _write_text(path: pathlib.Path, text: str) -> None:

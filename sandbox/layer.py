@@ -13,7 +13,8 @@ The layer computes, for every token t (modelled on vLLM's FusedMoE, NumPy parame
              + W2s @ act(W13s @ x[t])             (shared experts, every token)
 
 as six stages, each through the backend the mapping assigns (`backend="torch"`, or
-`{"route": "numba", "gemm1": "cupy"}`; stages left out use "reference"):
+`{"route": "numba", "gemm1": "cupy"}`; stages left out use "reference"; the constructor's
+argument, or `layer.backend = ...` at any time):
 
     route       select_experts          logits [T, E+Z] -> topk_weights f32, topk_ids [T, K]
     align       moe_align_block_size    topk_ids -> sorted_token_ids, expert_ids, num_post_padded
@@ -52,7 +53,7 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +97,25 @@ def _int_arg(name, value, minimum):
     return int(value)
 
 
+class _StageMapping(dict):
+    """A layer's resolved {stage: backend}: a dict that refuses writes, so that a change
+    goes through `FusedMoE.backend` (checked names, stale device copies dropped)."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("stage_backends: read-only; assign layer.backend = {stage: backend} "
+                        "(or a backend name) to change the mapping")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    update = pop = popitem = clear = setdefault = _refuse
+
+    def __reduce__(self):            # copy, deepcopy and pickle build it from a plain dict
+        return type(self), (dict(self),)
+
+
+_CHECKED_MAPPINGS: dict = {}    # stage -> backend names, checked once: {stage: Backend}
+_AS_IS = object()               # a source that tells _call to pass the argument unmoved
+
+
 @dataclass
 class StageCall:
     """One stage as the layer ran it: what went in and what came out (for the harness)."""
@@ -128,9 +148,13 @@ class FusedMoE:
         shared_w13  [2*I_sp, H], shared_w2 [H, I_sp]   (n_shared_experts; I_s =
                     shared_intermediate_size or n_shared_experts * I, I_sp = I_s / tp_size)
 
-    `backend`: a backend name or a {stage: backend} dict (see sandbox.registry).
+    `backend`: a backend name or a {stage: backend} dict (see sandbox.registry); assigning
+    `layer.backend` later takes effect at the next forward (`stage_backends` is the resolved,
+    read-only mapping).
     `block_size`: the alignment block (= the GEMM's BLOCK_M); None asks the GEMM backend's
     `get_config`, else 64.
+    A forward whose intermediates cannot fit where the stages keep them fails before the
+    first stage (MemoryError naming T and the bytes; see _check_memory).
     """
 
     def __init__(self, num_experts, top_k, hidden_size, intermediate_size,
@@ -234,12 +258,45 @@ class FusedMoE:
                                  f"({self.tp_size}), got {i_s}")
             self.shared_intermediate_size = i_s
 
-        self._backend_spec = backend
-        self.stage_backends = resolve_stage_mapping(backend)
+        self.backend = backend           # checked and resolved by the property's setter
         self.block_size = (None if block_size is None
                            else _int_arg("block_size", block_size, 1))
         self.expert_mapping = None       # (param_name, weight_name, expert_id, shard_id) list
         self._allocate()
+
+    # ------------------------------------------------------------------------- backends
+    @property
+    def backend(self):
+        """The stage mapping as given: a backend name, or a {stage: backend} dict (stages
+        left out run on "reference"). Assigning it takes effect at the next forward:
+
+            layer.backend = {"route": "numba", "gemm1": "cupy"}
+
+        The setter resolves the mapping through registry.resolve_stage_mapping (ValueError
+        for an unknown stage or backend, TypeError for anything else; the layer is then left
+        as it was) and drops the cached device copies of the parameters for backends no
+        stage uses any more. Availability is checked on forward."""
+        spec = self._backend_spec
+        return dict(spec) if isinstance(spec, dict) else spec
+
+    @backend.setter
+    def backend(self, backend):
+        mapping = resolve_stage_mapping(backend)          # raises before anything changes
+        self._backend_spec = dict(backend) if isinstance(backend, Mapping) else backend
+        self._stage_backends = _StageMapping(mapping)
+        in_use = set(mapping.values())
+        for key in [k for k in self._device_params if k[0] not in in_use]:
+            del self._device_params[key]
+
+    @property
+    def stage_backends(self) -> dict:
+        """{stage: backend name} for all six stages, resolved from `backend` (read-only;
+        assigning a mapping here is the same as assigning `backend`)."""
+        return self._stage_backends
+
+    @stage_backends.setter
+    def stage_backends(self, mapping):
+        self.backend = mapping
 
     # ------------------------------------------------------------------------- parameters
     def _allocate(self):
@@ -552,11 +609,12 @@ class FusedMoE:
         return other
 
     def with_backend(self, backend) -> FusedMoE:
-        """A shallow copy of the layer (sharing the parameters) with another stage mapping."""
+        """A shallow copy of the layer (sharing the parameters) with another stage mapping
+        (set through the `backend` property: the same checks); its device copies start
+        empty."""
         other = copy.copy(self)
-        other._backend_spec = backend
-        other.stage_backends = resolve_stage_mapping(backend)
         other._device_params = {}
+        other.backend = backend
         return other
 
     def __repr__(self):
@@ -593,13 +651,17 @@ class FusedMoE:
 
         hidden_states: NumPy (cast to params_dtype) or a device array of params_dtype;
         router_logits [T, E+Z] any float dtype. Returns NumPy, or with return_device=True
-        the combine backend's own array (no copy to the host).
+        a device array without a copy to the host: of hidden_states' library when that is a
+        GPU array (torch in, torch out; a zero-copy view), else the combine backend's own.
         With tp_size > 1 / ep_size > 1 this is the rank's partial output.
         """
         run = self._start(self.stage_backends, trace=None)
         with caller_stream(hidden_states, router_logits):
             out = self._forward(run, hidden_states, router_logits, exact=False)
         if return_device:
+            if arrays.is_device(hidden_states) and arrays.kind(out) != arrays.kind(hidden_states):
+                view = arrays.zero_copy(out, arrays.kind(hidden_states))
+                return out if view is None else view
             return out
         return run.backends["combine"].get(out)
 
@@ -624,15 +686,24 @@ class FusedMoE:
 
     # --- internals
     def _start(self, mapping, trace):
-        backends = {}
-        for stage in STAGES:
-            b = get_backend(mapping[stage])
-            if not b.ok:
-                raise RuntimeError(f"backend {b.name!r} (stage {stage!r}) is not available "
-                                   f"here: {b.reason}")
-            b.stage_fn(stage)           # NotImplementedError now rather than mid-forward
-            backends[stage] = b
-        return _Run(backends, trace)
+        # the checks below depend on the mapping only: done once per mapping (a decode step
+        # pays the host time of every forward)
+        key = tuple(mapping[stage] for stage in STAGES)
+        backends = _CHECKED_MAPPINGS.get(key)
+        if backends is not None and any(get_backend(n) is not backends[s]
+                                        for n, s in zip(key, STAGES)):
+            backends = None                 # the registry was reset (registry.clear_cache)
+        if backends is None:
+            backends = {}
+            for stage in STAGES:
+                b = get_backend(mapping[stage])
+                if not b.ok:
+                    raise RuntimeError(f"backend {b.name!r} (stage {stage!r}) is not available "
+                                       f"here: {b.reason}")
+                b.stage_fn(stage)           # NotImplementedError now rather than mid-forward
+                backends[stage] = b
+            _CHECKED_MAPPINGS[key] = backends
+        return _Run(dict(backends), trace)
 
     def _inputs(self, hidden_states, router_logits, exact):
         for name, v in (("hidden_states", hidden_states), ("router_logits", router_logits)):
@@ -661,6 +732,33 @@ class FusedMoE:
         if exact and arrays.kind(router_logits) != "numpy":
             router_logits = arrays.to_numpy(router_logits)
         return hidden_states, router_logits
+
+    def _check_memory(self, run, num_tokens, exact):
+        """MemoryError naming T and the bytes, before any stage, when the intermediates
+        cannot fit: gemm1's [P, N1], the activation's [P, I_p] and gemm2's [P, H] (P = T*K),
+        each counted where the backend that makes it keeps its arrays: host memory for a
+        host backend (at least fp32: the reference computes there before it rounds), the
+        backend's free device memory for a GPU backend (params_dtype). A lower bound of the
+        peak, so it refuses only what cannot fit; free below _checks.CHECK_ABOVE_BYTES."""
+        from reference._checks import check_working_set
+
+        dtype = np.dtype(np.float64) if exact else self.params_dtype
+        widths = (("gemm1", self.w13_weight.shape[1]),
+                  ("activation", self.intermediate_size_per_partition),
+                  ("gemm2", self.hidden_size))
+        pools = {}                        # where -> (backend, bytes, shapes)
+        for stage, width in widths:
+            b = run.backends[stage]
+            host = b.is_host
+            item = max(dtype.itemsize, 4) if host else dtype.itemsize
+            where = "host memory" if host else f"{b.name} device memory"
+            _, nbytes, shapes = pools.get(where, (b, 0, []))
+            pools[where] = (b, nbytes + num_tokens * self.top_k * width * item,
+                            shapes + [f"[T*K, {width}]"])
+        for where, (b, nbytes, shapes) in pools.items():
+            what = f"intermediates ({' + '.join(shapes)}, K={self.top_k})"
+            check_working_set(num_tokens, nbytes, what, where,
+                              available=None if where == "host memory" else b.free_memory)
 
     def _source(self, x):
         """The backend an input array belongs to."""
@@ -704,7 +802,8 @@ class FusedMoE:
     def _call(self, run, stage, args, kwargs, sources, trace=True):
         """Run `stage` on its backend: move the arguments there, call, remember the outputs."""
         b = run.backends[stage]
-        moved = tuple(arrays.transfer(a, src, b) for a, src in zip(args, sources))
+        moved = tuple(a if src is _AS_IS else arrays.transfer(a, src, b)
+                      for a, src in zip(args, sources))
         out = b.stage_fn(stage)(*moved, **kwargs)
         if trace and run.trace is not None:
             run.trace.append(StageCall(stage, b.name, moved, dict(kwargs), out))
@@ -743,19 +842,34 @@ class FusedMoE:
                       global_num_experts=self.num_experts,
                       zero_expert_num=self.zero_expert_num,
                       zero_expert_type=self.zero_expert_type)
+        # hidden_states only gives the routing its row count on a GPU backend (zero experts,
+        # which read it, run on the host): it is not moved there
+        src_x = _AS_IS if (not b.is_host and not self.zero_expert_num) else self._source(x)
         return self._call(run, "route",
                           (x, logits, self.top_k, self.use_grouped_topk, self.renormalize),
-                          kwargs, (self._source(x), self._source(logits), None, None, None))
+                          kwargs, (src_x, self._source(logits), None, None, None))
 
     def _forward(self, run, hidden_states, router_logits, exact, block=None):
         x, logits = self._inputs(hidden_states, router_logits, exact)
         t = x.shape[0]
+        self._check_memory(run, t, exact)
         bk = run.backends
         if block is None:
             block = self._block({s: b.name for s, b in bk.items()}, t)
         src_x = self._source(x)
 
         topk_weights, topk_ids, zero_result = self._route(run, x, logits, exact)
+        fused = None if exact or run.trace is not None else self._fused_experts(bk)
+        if fused is not None:
+            # the experts in one call of the backend's fused_experts: the same kernels as the
+            # stages below, launched from a plan cached per shape (host time of a decode step)
+            out = fused(x if arrays.is_device(x) else arrays.transfer(x, src_x, bk["gemm1"]),
+                        self._param("w13_weight", bk["gemm1"], exact),
+                        self._param("w2_weight", bk["gemm2"], exact),
+                        topk_weights, topk_ids, self.activation,
+                        self.apply_router_weight_on_input, block_size=block,
+                        expert_map=self._constant("expert_map", self.expert_map, bk["align"]))
+            return self._extras(run, out, x, src_x, zero_result, block, exact)
         sorted_ids, expert_ids, ntpp = self._call(
             run, "align", (topk_ids, block, self.num_experts),
             {"expert_map": self._constant("expert_map", self.expert_map, bk["align"])},
@@ -779,7 +893,25 @@ class FusedMoE:
         cache3 = arrays.transfer(cache3, bk["gemm2"], bk["combine"])
         cache3 = cache3.reshape(t, self.top_k, self.hidden_size)               # [T, K, H]
         out = self._call(run, "combine", (cache3,), {}, (bk["combine"],))
+        return self._extras(run, out, x, src_x, zero_result, block, exact)
 
+    def _fused_experts(self, bk):
+        """The backend's `fused_experts` when one backend runs align .. combine and has one
+        for this layer (gated silu / gelu, no biases, a half dtype), else None."""
+        names = {bk[s].name for s in ("align", "gemm1", "activation", "gemm2", "combine")}
+        if len(names) != 1 or self.has_bias or not self.is_act_and_mul:
+            return None
+        b = bk["gemm1"]
+        if b.is_host or self.params_dtype not in (np.dtype(np.float16), arrays.BF16):
+            return None
+        fn = getattr(b.module, "fused_experts", None)
+        if fn is None or self.activation not in getattr(fn, "activations", ()):
+            return None
+        return fn
+
+    def _extras(self, run, out, x, src_x, zero_result, block, exact):
+        """The zero experts' and the shared experts' outputs added to the routed ones."""
+        bk = run.backends
         extras = []
         if zero_result is not None and self.tp_rank == 0 and self.ep_rank == 0:
             extras.append((zero_result, bk["route"]))

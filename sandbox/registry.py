@@ -12,8 +12,9 @@ Backends and their modules:
     reference   the NumPy oracle, `reference/`                     host
     torch       `sandbox/torch_backend.py` (CPU or CUDA)          host on the CPU
     cupy        `cuda_kernels.cupy`   (CUDA C++ through CuPy)      GPU
-    numba       `cuda_kernels.numba`  (numba.cuda; the CUDA simulator counts when
-                                       NUMBA_ENABLE_CUDASIM=1)
+    numba       `cuda_kernels.numba`  (numba.cuda; on a machine without a GPU the CUDA
+                                       simulator, switched on by get_backend: see
+                                       use_numba_simulator_if_no_gpu)
 
 Each backend module provides the stage functions by their docs/stages.md names plus
 `availability() -> (ok, reason)`, `to_device(np_array)` and `to_host(array)`. The GPU
@@ -23,9 +24,13 @@ to import, or lacks `availability` is reported unavailable with the reason, neve
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import inspect
+import os
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -184,6 +189,39 @@ class Backend:
             fn = getattr(fn, fn_name)
         return fn
 
+    def free_memory(self):
+        """Bytes free where this backend's arrays live, or None when unknown (never raises):
+        host memory for a host backend (reference's available_host_memory); for a GPU
+        backend the device's free memory plus what its library's pool holds unused (CuPy's
+        memory pool, torch's caching allocator; numba: the context's free memory). The
+        layer checks its intermediates against it before a forward."""
+        if not self.ok:
+            return None
+        try:
+            if self.is_host:
+                from reference import _checks
+
+                return _checks.available_host_memory()
+            if self.name == "cupy":
+                import cupy
+
+                free, _ = cupy.cuda.runtime.memGetInfo()
+                return int(free + cupy.get_default_memory_pool().free_bytes())
+            if self.name == "torch":
+                import torch
+
+                dev = self.module.device()
+                free, _ = torch.cuda.mem_get_info(dev)
+                return int(free + torch.cuda.memory_reserved(dev)
+                           - torch.cuda.memory_allocated(dev))
+            if self.name == "numba":
+                from numba import cuda
+
+                return int(cuda.current_context().get_memory_info()[0])
+        except Exception:
+            return None
+        return None
+
     def gemm_config(self, M, N, K, E, top_k, dtype):
         """The GEMM's tuned config for a shape when the backend offers `get_config`
         (e.g. `cuda_kernels.cupy.grouped_gemm.get_config`), else None."""
@@ -253,9 +291,83 @@ def _bf16_carrier(a):
 
 
 def _numba_simulator() -> bool:
-    import os
-
+    """Whether numba runs kernels in the CUDA simulator (asked of numba once numba.cuda is
+    imported: the environment may say otherwise after the fact)."""
+    if "numba.cuda" in sys.modules:
+        try:
+            return importlib.import_module("cuda_kernels.numba._arrays").is_simulator()
+        except Exception:
+            pass
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "") == "1"
+
+
+# ----------------------------------------------------------------------------- the simulator
+def cuda_devices() -> list[str]:
+    """Names of the CUDA devices the driver sees, asked through libcuda directly so that no
+    GPU library (and above all not Numba) is imported to find out. [] without a driver."""
+    for lib in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            cuda = ctypes.CDLL(lib)
+            break
+        except OSError:
+            continue
+    else:
+        return []
+    try:
+        if cuda.cuInit(0) != 0:
+            return []
+        count = ctypes.c_int(0)
+        if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+            return []
+        names = []
+        for i in range(count.value):
+            dev = ctypes.c_int(0)
+            buf = ctypes.create_string_buffer(256)
+            if cuda.cuDeviceGet(ctypes.byref(dev), i) == 0 and \
+                    cuda.cuDeviceGetName(buf, 256, dev) == 0:
+                names.append(buf.value.decode(errors="replace"))
+            else:
+                names.append(f"device {i}")
+        return names
+    except Exception:
+        return []
+
+
+def use_numba_simulator_if_no_gpu() -> bool:
+    """Switch Numba to its CUDA simulator when no GPU is visible, if that can still be done.
+    Returns whether the simulator is (or will be) on.
+
+    Numba fixes the mode when `numba.cuda` is first imported (NUMBA_ENABLE_CUDASIM, read
+    into numba.core.config). So: a NUMBA_ENABLE_CUDASIM the user set is left alone; with a
+    GPU nothing changes; without one the variable is set to 1 (and numba's config reloaded
+    if numba, but not numba.cuda, is imported already). Once numba.cuda is imported nothing
+    is touched: flipping the variable then would leave numba half in each mode.
+    get_backend("numba") calls this before importing the backend, so the numba backend
+    runs in the simulator on a machine without a GPU with nothing set by hand."""
+    return _choose_numba_mode()[0]
+
+
+def _choose_numba_mode() -> tuple[bool, str]:
+    """(simulator on, why the simulator is not on where it would be wanted, or "")."""
+    value = os.environ.get("NUMBA_ENABLE_CUDASIM", "")
+    if "numba.cuda" in sys.modules:
+        sim = _numba_simulator()
+        if sim or cuda_devices():
+            return sim, ""
+        return False, ("no CUDA GPU here, and numba.cuda was imported before the CUDA "
+                       "simulator could be switched on: set NUMBA_ENABLE_CUDASIM=1 in the "
+                       "environment before Python starts (e.g. `NUMBA_ENABLE_CUDASIM=1 python "
+                       "...`), or use the numba backend before anything imports numba.cuda")
+    if value.strip():
+        return value.strip() == "1", ("" if value.strip() == "1" else
+                                      f"NUMBA_ENABLE_CUDASIM={value} was set by hand")
+    if cuda_devices():
+        return False, ""
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    config = sys.modules.get("numba.core.config")
+    if config is not None:      # numba (not numba.cuda) is imported: it read the old value
+        config.reload_config()
+    return True, ""
 
 
 def _check_stage(stage: str) -> str:
@@ -282,6 +394,7 @@ def get_backend(name: str) -> Backend:
         except Exception as e:  # the reference is being written: say so rather than crash
             return Backend(name, None, False, f"reference is not importable "
                                               f"({type(e).__name__}: {e})", kind)
+    sim_note = _choose_numba_mode()[1] if name == "numba" else ""
     try:
         module = importlib.import_module(_MODULE[name])
     except Exception as e:
@@ -296,6 +409,8 @@ def get_backend(name: str) -> Backend:
     for fn in ("to_device", "to_host"):
         if ok and not _has(module, fn):
             ok, reason = False, f"{_MODULE[name]} has no {fn}() yet"
+    if not ok and sim_note:
+        reason = f"{sim_note} ({reason})"
     return Backend(name, module, bool(ok), str(reason or ""), kind)
 
 
@@ -306,18 +421,20 @@ def available_backends() -> dict[str, tuple[bool, str]]:
 
 
 def resolve_stage_mapping(backend=None) -> dict[str, str]:
-    """{stage: backend name} for all STAGES.
+    """{stage: backend name} for all STAGES (a new dict: the caller's is never kept).
 
-    `backend` is None (all "reference"), a backend name (every stage), or a dict naming
-    some stages (the others "reference"). Unknown stage or backend names raise ValueError
-    naming the valid ones. Availability is not checked here (the layer checks on forward).
+    `backend` is None (all "reference"), a backend name (every stage), or a dict (any
+    mapping) naming some stages (the others "reference"). Unknown stage or backend names
+    raise ValueError naming the valid ones; any other type raises TypeError. Availability
+    is not checked here (the layer checks on forward). `FusedMoE.backend = ...`,
+    `FusedMoE(backend=...)` and `FusedMoE.with_backend` all resolve through this.
     """
     if backend is None:
         return {s: "reference" for s in STAGES}
     if isinstance(backend, str):
         _check_backend_name(backend)
         return {s: backend for s in STAGES}
-    if isinstance(backend, dict):
+    if isinstance(backend, Mapping):
         mapping = {s: "reference" for s in STAGES}
         for stage, name in backend.items():
             if stage not in STAGES:

@@ -11,7 +11,7 @@ call of the layer and of the benchmark runs inside
         ...
 
 which, when torch is the caller, makes torch's current stream CuPy's current stream
-(`cupy.cuda.ExternalStream`) and CuPy's allocations come from torch's allocator (under a
+(`cupy.cuda.Stream.from_external`) and CuPy's allocations come from torch's allocator (under a
 capture, from the graph's private pool, which is what makes a replay's buffers stay valid),
 and sets the same stream for the Numba kernels (`cuda_kernels.numba.using_stream`). Without
 torch in play it changes nothing: CuPy's current stream and pool stay in charge.
@@ -74,18 +74,10 @@ def torch_stream_for_cupy():
         yield stream
 
 
-_EXTERNAL: dict = {}      # (device, stream pointer) -> cupy.cuda.ExternalStream
-
-
 def _external_stream(ptr: int, device: int):
-    """CuPy's handle on a torch stream, made once per stream (a call's host time counts)."""
-    key = (device, ptr)
-    hit = _EXTERNAL.get(key)
-    if hit is None:
-        import cupy
+    from cuda_kernels.cupy._stream import external_stream
 
-        hit = _EXTERNAL[key] = cupy.cuda.ExternalStream(ptr, device)
-    return hit
+    return external_stream(ptr, device)
 
 
 def _cupy_importable() -> bool:

@@ -27,7 +27,10 @@ How it judges (T tokens, K top-k, P = T*K slots, B block size):
   block is a per-block set), because kernels may order slots within an expert freely
   (docs/stages.md); everything after num_tokens_post_padded must be the padding value P.
 * Backends not available here are listed with the reason and skipped, never failed; so is a
-  stage a backend does not implement yet.
+  stage a backend does not implement yet (a backend that ran no stage at all is listed in
+  `skipped` too). But a report in which nothing but the reference ran is not ok: it
+  compared nothing (`ValidationReport.nothing_compared`), unless the reference alone was
+  asked for.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import functools
 import json
 import math
 import sys
+import threading
+import time
 import types
 from dataclasses import dataclass, field
 
@@ -46,6 +51,9 @@ from . import arrays
 from .registry import BACKENDS, STAGE_FUNCTIONS, STAGES, get_backend
 
 END_TO_END = "end_to_end"
+# a backend that has run this long gets progress lines on stderr (the CUDA simulator runs
+# ~2,000 threads a second: minutes for a stage), a faster one none
+PROGRESS_AFTER_S = 3.0
 TOLERANCES = {
     np.dtype(np.float64): 1e-12,
     np.dtype(np.float32): 1e-5,
@@ -69,7 +77,12 @@ class ValidationReport:
     rows: dicts with backend, stage, status ("ok", "fail", "error", "skipped"), dtype, tol,
     max_abs_err, rel_err, ids (a summary for id outputs), near_ties, detail.
     first_divergence: {backend: the first stage whose status is fail/error, or None}.
-    skipped: {backend: why it did not run}.
+    skipped: {backend: why it did not run} (unavailable here, or no asked stage implemented).
+
+    ok: no row failed, *and* something was compared: at least one backend other than the
+    reference ran a stage (a report where nothing but the reference ran is not ok), unless
+    the reference alone was asked for (its rounding against the exact answer is then the
+    point). `diverged` and `compared` tell the two reasons apart.
     """
 
     rows: list = field(default_factory=list)
@@ -78,8 +91,43 @@ class ValidationReport:
     meta: dict = field(default_factory=dict)
 
     @property
+    def diverged(self) -> bool:
+        """Whether a row failed (a backend left its tolerance, or raised)."""
+        return any(r["status"] in _FAILING for r in self.rows)
+
+    @property
+    def compared(self) -> list:
+        """The backends other than the reference that ran at least one stage."""
+        ran = [r["backend"] for r in self.rows
+               if r["backend"] != "reference" and r["status"] != "skipped"]
+        return list(dict.fromkeys(ran))
+
+    @property
+    def only_reference_asked(self) -> bool:
+        asked = self.meta.get("backends") or list(dict.fromkeys(r["backend"]
+                                                                for r in self.rows))
+        return list(asked) == ["reference"]
+
+    @property
+    def nothing_compared(self) -> bool:
+        """True when no backend but the reference ran although others were asked for."""
+        if self.only_reference_asked:
+            return not any(r["status"] != "skipped" for r in self.rows)
+        return not self.compared
+
+    @property
     def ok(self) -> bool:
-        return not any(r["status"] in _FAILING for r in self.rows)
+        return not self.diverged and not self.nothing_compared
+
+    @property
+    def verdict(self) -> str:
+        """"OK", "DIVERGENCE", or "NOTHING COMPARED (why)"."""
+        if self.diverged:
+            return "DIVERGENCE"
+        if self.nothing_compared:
+            why = "; ".join(f"{n}: {w}" for n, w in self.skipped.items()) or "nothing ran"
+            return f"NOTHING COMPARED (no backend but the reference ran: {why})"
+        return "OK"
 
     def row(self, backend, stage):
         """The row of (backend, stage), or None."""
@@ -134,6 +182,9 @@ class ValidationReport:
                                       else f"first divergence at {stage}"))
         for name, why in self.skipped.items():
             out.append(f"{name}: skipped ({why})")
+        if self.nothing_compared and not self.diverged:
+            out.append("nothing compared: no backend but the reference ran, so this report "
+                       "vouches for none (see the skipped lines above)")
         m = self.meta
         if m:
             blocks = m.get("block_sizes") or {}
@@ -143,7 +194,7 @@ class ValidationReport:
                 bs = str(m.get("block_size"))
             out.append(f"T={m.get('T')} E={m.get('E')} K={m.get('K')} H={m.get('H')} "
                        f"I={m.get('I')} dtype={m.get('dtype')} block_size={bs}"
-                       f"  -> {'OK' if self.ok else 'DIVERGENCE'}")
+                       f"  -> {self.verdict.split(' (')[0]}")
         return "\n".join(out)
 
     def __str__(self):
@@ -349,6 +400,71 @@ def compare_align(got, want, num_slots, block_size) -> dict:
             "detail": ""}
 
 
+# ----------------------------------------------------------------------------- progress
+class _Progress:
+    """Lines on stderr for a backend that runs longer than PROGRESS_AFTER_S seconds: one
+    when it passes the mark (from a timer, even in the middle of a stage), then one per
+    stage it starts, and one when it is done. Nothing for a faster backend, nothing at all
+    when quiet."""
+
+    def __init__(self, quiet):
+        self.quiet = quiet
+        self.after = PROGRESS_AFTER_S          # read per call: tests and users may change it
+        self.lock = threading.Lock()
+        self.timer = None
+        self.name = self.current = None
+        self.t0 = 0.0
+        self.loud = False
+        self.token = 0
+
+    def _say(self, text):
+        print(f"validate: {self.name}: {text}", file=sys.stderr, flush=True)
+
+    def _elapsed(self):
+        return time.perf_counter() - self.t0
+
+    def _cancel(self):
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def backend(self, name):
+        self.done()
+        self.name, self.t0, self.loud, self.current = name, time.perf_counter(), False, None
+
+    def stage(self, stage):
+        if self.quiet:
+            return
+        with self.lock:
+            self._cancel()
+            self.current = stage
+            self.token += 1
+            if not self.loud and self._elapsed() >= self.after:
+                self.loud = True
+            if self.loud:
+                self._say(f"{stage} ({self._elapsed():.1f} s so far)")
+                return
+            self.timer = threading.Timer(self.after - self._elapsed(), self._wake,
+                                         args=(self.token,))
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _wake(self, token):
+        with self.lock:
+            if token != self.token or self.loud or self.name is None:
+                return                      # that stage is over: the next one will tell
+            self.loud = True
+            self._say(f"{self.current} ({self._elapsed():.1f} s so far, still running)")
+
+    def done(self):
+        with self.lock:
+            self._cancel()
+            self.token += 1
+            if self.loud and not self.quiet:
+                self._say(f"done in {self._elapsed():.1f} s")
+            self.name, self.loud = None, False
+
+
 # ----------------------------------------------------------------------------- the harness
 def _host(backend, v):
     return None if v is None else backend.get(v)
@@ -411,14 +527,19 @@ def _judge_stage(stage, got, want_exact, want_engine, call, scores, layer):
 
 
 def validate(layer, hidden_states, router_logits, backends=None, *, stages=STAGES, dtype=None,
-             end_to_end=True) -> ValidationReport:
+             end_to_end=True, quiet=False) -> ValidationReport:
     """Run `layer` on the inputs through each backend, stage by stage and end to end.
 
     layer: a sandbox.FusedMoE (its own stage mapping is ignored: each backend runs every
     stage). backends: names (default: all of sandbox.registry.BACKENDS, the reference
-    included: its row shows the engine's rounding against the exact answer).
+    included: its row shows the engine's rounding against the exact answer). A backend
+    that cannot run here is listed in `skipped` with the reason; the report is not ok when
+    no backend but the reference ran. On a machine without a GPU the numba backend runs in
+    the CUDA simulator (about 2,000 threads a second): give it a few tokens, as the CLI does.
     stages: the stages to judge. dtype: run the layer (and hidden_states) in this dtype
     instead of params_dtype; router_logits keep theirs.
+    quiet: no progress lines. Otherwise a backend that runs longer than PROGRESS_AFTER_S
+    (3 s) prints a line per stage to stderr; a fast run prints nothing.
     """
     backends = list(BACKENDS if backends is None else backends)
     for name in backends:
@@ -438,16 +559,33 @@ def validate(layer, hidden_states, router_logits, backends=None, *, stages=STAGE
     ref.require()
     t = int(x.shape[0])
 
+    progress = _Progress(quiet)
+
     @functools.lru_cache(maxsize=None)
     def reference_at(block):
         """The reference's stage calls and their exact outputs, at one block size."""
+        progress.stage(f"the reference's stages at block size {block}")
         _, trace = layer.run_stages(x, logits, backend="reference", block_size=block)
         calls = {c.stage: c for c in trace}
         return calls, {s: _exact_call(calls[s]) for s in STAGES}
 
-    exact_e2e = None
-    if end_to_end:
-        exact_e2e, _ = layer.run_stages(x, logits, backend="reference", exact=True)
+    try:                                  # no progress timer outlives the call
+        exact_e2e = None
+        if end_to_end:
+            progress.backend("reference")
+            progress.stage("the exact end-to-end answer")
+            exact_e2e, _ = layer.run_stages(x, logits, backend="reference", exact=True)
+            progress.done()
+        return _validate_backends(layer, x, logits, backends, stages, end_to_end, t,
+                                  reference_at, exact_e2e, progress)
+    finally:
+        progress.done()
+
+
+def _validate_backends(layer, x, logits, backends, stages, end_to_end, t, reference_at,
+                       exact_e2e, progress) -> ValidationReport:
+    """validate's loop over the backends (its arguments already checked)."""
+    ref = get_backend("reference")
     scores = selection_scores(layer, logits)
     ref_block = layer.block_size_for("reference", t)
 
@@ -464,6 +602,7 @@ def validate(layer, hidden_states, router_logits, backends=None, *, stages=STAGE
             report.skipped[name] = b.reason
             report.rows.append(_stage_row(name, "*", status="skipped", detail=b.reason))
             continue
+        progress.backend(name)
         # each backend is judged at its own block size (its GEMM's BLOCK_M): the reference
         # is re-run there, so the alignment it is compared with is the one it must produce
         block = layer.block_size_for(name, t)
@@ -483,6 +622,7 @@ def validate(layer, hidden_states, router_logits, backends=None, *, stages=STAGE
             if stage not in stages:
                 continue
             call = calls[stage]
+            progress.stage(stage)
             try:
                 args = tuple(arrays.transfer(a, ref, b) for a in call.args)
                 kwargs = {k: arrays.transfer(v, ref, b) for k, v in call.kwargs.items()}
@@ -504,6 +644,7 @@ def validate(layer, hidden_states, router_logits, backends=None, *, stages=STAGE
                 report.rows.append(_stage_row(name, END_TO_END, status="skipped",
                                               detail="not every stage is implemented"))
             else:
+                progress.stage(END_TO_END)
                 try:
                     got = layer.with_backend(name).forward(x, logits)
                     res = compare_float(got, exact_e2e, layer.params_dtype,
@@ -518,6 +659,12 @@ def validate(layer, hidden_states, router_logits, backends=None, *, stages=STAGE
                 if first is None and fields["status"] in _FAILING:
                     first = END_TO_END
         report.first_divergence[name] = first
+        if not any(r["backend"] == name and r["status"] != "skipped" for r in report.rows):
+            del report.first_divergence[name]          # it ran nothing: no verdict of its own
+            missing = [STAGE_FUNCTIONS[s] for s in stages if not b.has_stage(s)]
+            report.skipped[name] = (f"no stage asked for is implemented "
+                                    f"({', '.join(dict.fromkeys(missing))} missing)"
+                                    if missing else "no stage asked for")
     return report
 
 

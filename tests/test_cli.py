@@ -64,6 +64,25 @@ def test_validate_reference_and_torch_passes():
     r = run("validate", "--backend", "torch", "--trace", "one_expert")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "torch: all stages within tolerance" in r.stdout
+    assert "validate: " not in r.stderr                  # fast: no progress lines
+
+
+def test_validate_progress_lines_and_quiet():
+    """A backend past the mark prints a line per stage on stderr; --quiet none."""
+    code = textwrap.dedent("""
+        import sys
+        import sandbox.validate as v
+        v.PROGRESS_AFTER_S = 0.0
+        from sandbox.cli import main
+        sys.exit(main(sys.argv[1:]))
+    """)
+    r = run("validate", "--backend", "torch", "--tokens", "8", code=code)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "validate: torch: gemm1 (" in r.stderr and "validate: torch: done in" in r.stderr
+    assert "validate: " not in r.stdout                  # the table stays clean
+    r = run("validate", "--backend", "torch", "--tokens", "8", "--quiet", code=code)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "validate: " not in r.stderr
 
 
 def test_validate_forced_divergence_exits_nonzero():
@@ -81,6 +100,24 @@ def test_validate_forced_divergence_exits_nonzero():
     assert "first divergence at combine" in r.stdout and "FAIL" in r.stdout
 
 
+def test_validate_with_nothing_to_compare_fails():
+    """No backend but the reference available: every other one is listed as skipped with
+    the reason, and the job fails (it used to PASS having compared nothing)."""
+    code = textwrap.dedent("""
+        import sys
+        from sandbox import registry
+        for name in ("torch", "cupy", "numba"):
+            registry._MODULE[name] = "no_such_backend_module"
+        from sandbox.cli import main
+        sys.exit(main(sys.argv[1:]))
+    """)
+    r = run("validate", "--tokens", "4", code=code)
+    assert r.returncode == cli.EXIT_DIVERGENCE, r.stdout + r.stderr
+    assert "torch: skipped (no_such_backend_module is not importable" in r.stdout
+    assert "FAIL: no backend but the reference ran" in r.stdout and "PASS" not in r.stdout
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
 def test_validate_other_families_and_traces(family):
     r = run("validate", "--checkpoint", str(ROOT / "data" / family), "--trace", "nan_rows",
@@ -133,6 +170,27 @@ def test_data_make(tmp_path, capsys):
     assert cli.main(["data", "make", "--out", str(tmp_path / "d"), "--seed", "3"]) == 0
     assert (tmp_path / "d" / "gpt_oss" / "model.safetensors").exists()
     assert len(list((tmp_path / "d" / "traces").glob("*.npz"))) == 16
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--seed", "-1"], "--seed: expected an int >= 0, got -1"),
+    (["--seed", "x"], "--seed"),
+    (["--seed", str(2 ** 63)], "--seed: expected an int < 2**63"),
+])
+def test_data_make_bad_arguments_are_named_and_nothing_is_written(tmp_path, capsys, args,
+                                                                    needle):
+    out = tmp_path / "d"
+    assert cli.main(["data", "make", "--out", str(out), *args]) == cli.EXIT_ERROR
+    assert needle in one_line_error(capsys.readouterr().err)
+    assert list(tmp_path.iterdir()) == []           # no folder, not even a temporary one
+
+
+def test_data_make_out_must_be_a_folder(tmp_path, capsys):
+    out = tmp_path / "file"
+    out.write_text("mine")
+    assert cli.main(["data", "make", "--out", str(out)]) == cli.EXIT_ERROR
+    assert "--out: expected a folder" in one_line_error(capsys.readouterr().err)
+    assert [p.name for p in tmp_path.iterdir()] == ["file"] and out.read_text() == "mine"
 
 
 @pytest.mark.skipif(bool(cli.cuda_devices()), reason="this machine has a GPU")

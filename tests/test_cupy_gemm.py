@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import io
 import math
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -147,26 +149,61 @@ def test_version_by_m_picks_v5_per_bucket(monkeypatch):
              ("deepseek", 256, "v4"): 1.0, ("deepseek", 256, "v5"): 2.0,
              ("mixtral", 512, "v4"): 1.0}                       # v5 not timed: no promotion
     by_m = tune.version_by_m(times)
-    assert by_m == {"bf16": {"128": "v5"}, "fp16": {"128": "v5"}}
+    # m=128: v5 faster on both models; m=256: v4; m=512: one rung timed, nothing to choose
+    assert by_m == {"bf16": {"128": "v5", "256": "v4"}, "fp16": {"128": "v5", "256": "v4"}}
+    # the sum over the models decides: 1.5 for v5 against 2.0 for v4
     assert tune.version_by_m({("deepseek", 64, "v4"): 1.0, ("deepseek", 64, "v5"): 0.5,
-                              ("mixtral", 64, "v4"): 1.0, ("mixtral", 64, "v5"): 1.5}) == {}
-    table = dict(gg.load_table(), version_by_m=by_m)
+                              ("mixtral", 64, "v4"): 1.0, ("mixtral", 64, "v5"): 1.0}) == \
+        {"bf16": {"64": "v5"}, "fp16": {"64": "v5"}}
+    card = "Card X"
+    table = tune.merge_device_section({"configs": gg.load_table()["configs"]}, card, [],
+                                      by_m, {"date": "today"})
     monkeypatch.setattr(gg, "load_table", lambda *a: table)
     gg._plan.cache_clear()
     try:
-        assert gg.default_version(BF16) == "v4"
-        assert gg.default_version(BF16, 100) == "v5" and gg.default_version(BF16, 300) == "v4"
+        assert gg.default_version(BF16, device=card) == "v4"
+        assert gg.default_version(BF16, 100, card) == "v5"
+        assert gg.default_version(BF16, 300, card) == "v4"
+        assert gg.default_version(BF16, 100, "Another card") == "v4"    # not its section
         E, top_k = 256, 8
-        cfg = gg.get_config(128 * E // top_k, 4096, 7168, E, top_k, BF16)
+        cfg = gg.get_config(128 * E // top_k, 4096, 7168, E, top_k, BF16, device=card)
         assert cfg["version"] == "v5" and cfg["BLOCK_M"] % 64 == 0
-        assert gg.get_config(64 * E // top_k, 4096, 7168, E, top_k, BF16)["version"] == "v4"
+        assert gg.get_config(64 * E // top_k, 4096, 7168, E, top_k, BF16,
+                             device=card)["version"] == "v4"
         plan = gg._plan.__wrapped__
-        assert plan(None, "bf16", 128, 4096, 7168, 64, True, True, None)[0] == "v5"
-        assert plan(None, "bf16", 128, 4096, 7168, 16, True, True, None)[0] == "v4"  # B % 64
-        assert plan(None, "bf16", 128, 4096, 7168, 64, True, False, None)[0] == "v4"  # sm_80
-        assert plan(None, "fp32", 128, 4096, 7168, 64, True, True, None)[0] == "v3"
+        assert plan(None, "bf16", 128, 4096, 7168, 64, True, True, None, card)[0] == "v5"
+        assert plan(None, "bf16", 128, 4096, 7168, 16, True, True, None, card)[0] == "v4"
+        assert plan(None, "bf16", 128, 4096, 7168, 64, True, False, None, card)[0] == "v4"
+        assert plan(None, "fp32", 128, 4096, 7168, 64, True, True, None, card)[0] == "v3"
+        assert plan(None, "bf16", 128, 4096, 7168, 64, True, True, None, None)[0] == "v4"
     finally:
         gg._plan.cache_clear()
+
+
+def test_card_sections_are_read_on_their_card_only():
+    """A row tuned on one card applies on that card; another card gets the generic rows."""
+    generic = {"version": "v4", "dtype": "bf16", "m": 16, "BLOCK_M": 16, "BLOCK_N": 64,
+               "BLOCK_K": 64, "warps": 4, "stages": 4}
+    tuned = dict(generic, N=4096, K=7168, BLOCK_N=128, BLOCK_K=128, stages=3)
+    table = tune.merge_device_section({"configs": [generic]}, "Card A", [tuned], {}, {})
+    assert gg.lookup("v4", "bf16", 10, 4096, 7168, table, device="Card A")["BLOCK_N"] == 128
+    assert gg.lookup("v4", "bf16", 10, 4096, 7168, table, device="Card B")["BLOCK_N"] == 64
+    assert gg.lookup("v4", "bf16", 10, 4096, 7168, table)["BLOCK_N"] == 64
+    # a re-tune replaces the row of the same key and keeps the others
+    again = tune.merge_device_section(table, "Card A", [dict(tuned, stages=5)], {}, {})
+    rows = again["devices"]["Card A"]["configs"]
+    assert len(rows) == 1 and rows[0]["stages"] == 5
+
+
+def test_shipped_table_has_the_cards_sections():
+    table = gg.load_table()
+    assert not any("N" in r for r in table["configs"]), "shape rows belong to a card's section"
+    for name, sec in table.get("devices", {}).items():
+        assert name.startswith("NVIDIA"), name
+        for row in sec.get("configs", []):
+            gg.check_config(row["version"], row["dtype"], gg._row_config(row))
+        for dk, by_m in sec.get("version_by_m", {}).items():
+            assert all(v in gg.VERSIONS and int(m) in gg.M_BUCKETS for m, v in by_m.items())
 
 
 def test_shape_rows_apply_at_their_own_bucket_only():
@@ -191,7 +228,7 @@ def test_every_table_config_is_registered_for_nvrtc():
 def test_v6_configs_and_register_split():
     """v6's heuristic and tuning candidates are launchable at both block sizes, and the
     setmaxnreg split never asks for more registers than the CTA entered with."""
-    cands = [tune.candidate_config("v6", c) for c in tune.V6_CANDIDATES]
+    cands = [dict(zip(tune.CANDIDATE_KEYS["v6"], c)) for c in tune.V6_CANDIDATES]
     for cfg in [gg.heuristic_config("v6", "bf16", m) for m in gg.M_BUCKETS] + cands:
         for B in (64, 128, 256):
             f = gg.fit_config("v6", "bf16", cfg, B)
@@ -209,7 +246,7 @@ def test_v6_configs_and_register_split():
         gg.check_config("v6", "bf16", dict(cands[0], warps=8))  # 128 rows need two consumers
     with pytest.raises(ValueError, match="BLOCK_K 64"):
         gg.check_config("v6", "bf16", dict(cands[0], BLOCK_K=32))
-    assert gg.extra_args("v5", {}, None, None) == ()
+    assert gg.extra_args("v5", {}, P=1, N=1, grid=(1,), dev=0) == ()
 
 
 def test_v6_tensor_map_encoding(monkeypatch):
@@ -230,8 +267,9 @@ def test_v6_tensor_map_encoding(monkeypatch):
     monkeypatch.setattr(gg, "_TENSOR_MAPS", {})
     w = np.zeros((8, 300, 200), BF16).view(_FakeArray)          # [E, N, Kdim]
     cfg = gg.fit_config("v6", "bf16", gg.heuristic_config("v6", "bf16", 4096), 128)
-    (tmap,) = gg.extra_args("v6", cfg, None, w)
-    assert gg.extra_args("v6", cfg, None, w)[0] is tmap and len(calls) == 1   # cached
+    (tmap,) = gg.extra_args("v6", cfg, P=1, N=300, grid=(1,), dev=0, w=w)
+    assert gg.v6_tensor_map(w.ctypes.data, w.shape, "bf16", cfg, 0) is tmap   # cached
+    assert len(calls) == 1
     assert isinstance(tmap, np.ndarray) and tmap.size == 1 and tmap.nbytes == 128
     dtype, rank, ptr, dims, strides, box, estrides, swizzle, oob = calls[0]
     assert dtype == driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 and rank == 3
@@ -239,8 +277,38 @@ def test_v6_tensor_map_encoding(monkeypatch):
     assert box == [64, cfg["BLOCK_N"], 1] and estrides == [1, 1, 1]
     assert swizzle == driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
     assert oob == driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
-    gg.extra_args("v6", dict(cfg, BLOCK_N=128), None, w)
+    gg.extra_args("v6", dict(cfg, BLOCK_N=128), P=1, N=300, grid=(1,), dev=0, w=w)
     assert len(calls) == 2                                      # another tile: another map
+
+
+def _v7_builds():
+    """Every v7 instantiation that can be launched: the table's (and heuristic's) compile cases
+    and the tuner's candidates (grouped_gemm --sweep builds those on the GPU)."""
+    cu = gg.CU_FILES["v7"]
+    out = {tuple(sorted(d.items())) for c, d, _ in gg.compile_cases() if c == cu}
+    for cand in tune.V7_CANDIDATES:
+        cfg = gg.fit_config("v7", "bf16", dict(zip(tune.CANDIDATE_KEYS["v7"], cand)), 16)
+        out.add(tuple(sorted(gg.kernel_defines("v7", "bf16", cfg).items())))
+    return sorted(out)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not C.nvrtc_available()[0], reason="cuda.core/NVRTC unavailable")
+@pytest.mark.parametrize("arch", ("sm_90", "sm_80"))
+def test_v7_builds_without_spills(arch):
+    """v7 streams weights with its accumulators, fragments and copy addresses in registers:
+    ptxas (NVRTC's -Xptxas -v log) reports no stack frame and no spills for every build."""
+    cu = gg.CU_FILES["v7"]
+    for items in _v7_builds():
+        logs = io.StringIO()
+        C._nvrtc_compile(C.source_text(cu, dict(items)), None, arch, C._BASE_OPTIONS, cu,
+                         program_options={"ptxas_options": ["-v"]}, logs=logs)
+        log = logs.getvalue()
+        regs = re.findall(r"Used (\d+) registers", log)
+        frame = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes "
+                           r"spill loads", log)
+        assert regs and frame, f"no ptxas report for {dict(items)}:\n{log[-2000:]}"
+        assert frame[0] == ("0", "0", "0"), f"{arch} {dict(items)}: {frame[0]} ({regs[0]} regs)"
 
 
 def test_kernel_sources_open_with_a_header():
@@ -322,7 +390,7 @@ def _check(prob, version, tol=None, **kw):
     return got
 
 
-VERSIONS_ALL = ("v1", "v2", "v3", "v4")
+VERSIONS_ALL = ("v1", "v2", "v3", "v4", "v7")
 
 
 @pytest.fixture(scope="module")
@@ -447,7 +515,7 @@ def test_kdim_not_multiple_of_16_bytes(dkey):
     prob = _problem(13, 8, 2, 96, 100, dt, 16, mul=True)
     _check(prob, None)
     if dkey != "fp32":
-        for v in ("v3", "v4"):
+        for v in ("v3", "v4", "v7"):
             with pytest.raises(ValueError, match=r"a: v\d loads 16-byte chunks.*multiple of 8"):
                 _run(prob, v)
 
@@ -519,6 +587,90 @@ def test_v5_wgmma(case, dkey):
     _check(prob, "v5", **({"config": cfg} if cfg else {}))
 
 
+# v7 (decode, opt-in): forced splits and passes beyond the table's choice, a CUDA graph
+V7_CASES = {
+    # name: (T, E, top_k, N, K, B, extra, config overrides of the m = 1 heuristic)
+    "t1_split4": (1, 8, 2, 4096, 1024, 16, {"mul": True}, {"SPLIT_K": 4}),
+    "t3_ragged_split3": (3, 64, 4, 200, 1288, 16, {"bias": np.float32, "mul": True},
+                         {"SPLIT_K": 3}),
+    "gemm2_split2": (16, 8, 2, 1024, 512, 16, {"gemm2": True, "mul": True}, {"SPLIT_K": 2}),
+    "two_passes": (40, 2, 1, 256, 512, 16, {"mul": True}, {"COLS": 16}),
+    "two_passes_split5": (40, 2, 1, 256, 1280, 16, {}, {"COLS": 16, "SPLIT_K": 5}),
+    "cols64_block8": (33, 4, 2, 320, 256, 8, {"bias": "same"},
+                      {"BLOCK_N": 128, "BLOCK_K": 64, "warps": 8, "stages": 4, "COLS": 64}),
+    "warps_k2_expert_map": (29, 8, 2, 160, 640, 16, {"expert_map": True, "bias": np.float32},
+                            {"BLOCK_N": 32, "BLOCK_K": 128, "warps": 4, "SPLIT_K": 2}),
+}
+
+
+def _v7_case(case, dkey):
+    T, E, top_k, N, K, B, extra, over = V7_CASES[case]
+    extra = dict(extra)
+    if extra.get("bias") == "same":
+        extra["bias"] = DTYPES[dkey]
+    if extra.pop("expert_map", False):
+        E_local, emap = reference.determine_expert_map(2, 1, E)
+        extra.update(expert_map=emap, E_local=E_local)
+    return _problem(T, E, top_k, N, K, DTYPES[dkey], B, **extra), \
+        dict(gg.heuristic_config("v7", dkey, 1), **over)
+
+
+@gpu
+@pytest.mark.parametrize("dkey", ("fp16", "bf16"))
+@pytest.mark.parametrize("case", tuple(V7_CASES))
+def test_v7_decode(case, dkey):
+    prob, cfg = _v7_case(case, dkey)
+    got = _check(prob, "v7", config=cfg)
+    # split K adds the partials in split order: the same bits on every run
+    again = _run(prob, "v7", config=cfg)
+    assert (got.view(np.uint16) == again.view(np.uint16)).all(), "v7 is not deterministic"
+
+
+@gpu
+@pytest.mark.parametrize("split", (1, 3))
+def test_v7_cuda_graph_replays(split):
+    """A v7 launch captured into a CUDA graph (CuPy stream capture) and replayed twice gives
+    the eager result bit for bit, the output poisoned before each replay; then the routing
+    arrays are refilled in place with another routing and a replay gives its result (the
+    split-K counters were left at zero by every replay)."""
+    cp = _cp()
+    prob, cfg = _v7_case("t3_ragged_split3", "bf16")
+    cfg["SPLIT_K"] = split
+    d = prob["dev"]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out = _poisoned((prob["P"], prob["N"]), BF16)
+
+        def call():
+            return gg.grouped_gemm(d["a"], d["w"], d["st"], d["ex"], d["nt"], prob["top_k"],
+                                   prob["B"], d["tw"], True, d["bias"], version="v7",
+                                   config=cfg, out=out)
+        call()                                 # eager: the workspace is made outside capture
+        stream.synchronize()
+        eager = _host(out, BF16).copy()
+        assert rel_err(eager, prob["want"]) <= TOL[BF16]
+        stream.begin_capture()
+        call()
+        graph = stream.end_capture()
+        for _ in range(2):
+            C.raw(out).view(cp.uint8).fill(255)
+            graph.launch(stream=stream)
+            stream.synchronize()
+            assert (_host(out, BF16).view(np.uint16) == eager.view(np.uint16)).all()
+        other = _problem(3, 64, 4, 200, 1288, BF16, 16, seed=5, bias=np.float32, mul=True)
+        for k in ("st", "ex", "nt"):
+            d[k][...] = other["dev"][k]
+        C.raw(out).view(cp.uint8).fill(255)
+        graph.launch(stream=stream)
+        stream.synchronize()
+        # the same a, w, bias, weights: the reference with the other routing
+        want = reference.grouped_gemm(prob["a"].astype(np.float64), prob["w"].astype(np.float64),
+                                      other["st"], other["ex"], other["nt"], prob["top_k"],
+                                      prob["B"], prob["tw"].astype(np.float64), True,
+                                      prob["bias"].astype(np.float64))
+        assert rel_err(_host(out, BF16), want) <= TOL[BF16]
+
+
 # v6 (TMA + cp.async, warp-specialized, persistent; opt-in): the grid of v5 and the nasty
 # cases, each under the table's config and under every kind of CTA v6 has (two consumers of
 # 64 rows, two splitting 256 columns, one consumer; deep and shallow rings, GROUP_M 4 / 16)
@@ -572,7 +724,7 @@ def _need_sm90():
 def test_v6_tma_ws(case, dkey, config):
     _need_sm90()
     cand = V6_CONFIGS[config]
-    kw = {} if cand is None else {"config": tune.candidate_config("v6", cand)}
+    kw = {} if cand is None else {"config": dict(zip(tune.CANDIDATE_KEYS["v6"], cand))}
     _check(_v6_problem(case, dkey), "v6", **kw)
 
 
@@ -626,7 +778,7 @@ def _stage(name):
 
 
 @gpu
-@pytest.mark.parametrize("version", ("v2", "v3", "v4"))
+@pytest.mark.parametrize("version", ("v2", "v3", "v4", "v7"))
 @pytest.mark.parametrize("dkey", ("fp32", "bf16"))
 @pytest.mark.parametrize("case", ("plain", "bias_ep"))
 def test_fused_experts_end_to_end(version, dkey, case):
@@ -799,6 +951,7 @@ EMU_HEADER = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <chrono>
 #include <cmath>
@@ -809,6 +962,8 @@ EMU_HEADER = r"""
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <random>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -850,6 +1005,8 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 // global ranges a cp.async may read: a and w
 const unsigned char* emu_lo[2];
 const unsigned char* emu_hi[2];
+
+std::atomic<long long> emu_w_bytes{0};   // bytes cp.async read from w (v7 reads each once)
 
 struct EmuCopy { unsigned dst; const unsigned char* src; int bytes; };
 thread_local std::vector<EmuCopy> emu_open;
@@ -943,6 +1100,7 @@ inline void gg_cp_async16(unsigned dst, const void* src, int src_bytes) {
         bool inside = false;
         for (int i = 0; i < 2; ++i) inside |= s >= emu_lo[i] && s + 16 <= emu_hi[i];
         if (!inside) emu_fail("cp.async: reads outside a and w", (long long)(uintptr_t)s);
+        if (s >= emu_lo[1] && s + 16 <= emu_hi[1]) emu_w_bytes += 16;
     }
     if (emu_ring_checks) {
         std::lock_guard<std::mutex> l(emu_mb_m);
@@ -962,8 +1120,37 @@ template <int PENDING> inline void gg_cp_async_wait() {
     }
 }
 
-struct EmuWarp { std::barrier<> bar{32}; unsigned addr[32]; unsigned a[32][4]; unsigned b[32][2]; };
+struct EmuWarp {
+    std::barrier<> bar{32};
+    unsigned addr[32]; unsigned a[32][4]; unsigned b[32][2]; unsigned vote[32];
+};
 EmuWarp* emu_warps;
+
+// v7's warp vote, counters and fences. CTAs run one after another here (in an order the test
+// may shuffle), so a global atomic needs no more than a lock; fences and the .cg loads and
+// stores are plain memory operations.
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+    if (mask != 0xffffffffu) emu_fail("__ballot_sync: only full-warp votes are emulated", mask);
+    EmuWarp& w = emu_warps[emu_tid / 32];
+    w.vote[emu_tid % 32] = pred ? 1u : 0u;
+    w.bar.arrive_and_wait();
+    unsigned r = 0;
+    for (int i = 0; i < 32; ++i) r |= w.vote[i] << i;
+    w.bar.arrive_and_wait();
+    return r;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+std::mutex emu_atomic_lock;
+inline int atomicAdd(int* p, int v) {
+    std::lock_guard<std::mutex> l(emu_atomic_lock);
+    const int old = *p;
+    *p = old + v;
+    return old;
+}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+template <typename T> inline T __ldcg(const T* p) { return *p; }
+template <typename T> inline void __stcg(T* p, T v) { *p = v; }
 
 inline void gg_ldsm_x4(unsigned* r, unsigned addr) {
     EmuWarp& w = emu_warps[emu_tid / 32];
@@ -1252,16 +1439,31 @@ template <int R> inline void gg_setmaxnreg_inc() {}
 """
 
 EMU_MAIN = r"""
-// ---- the launcher: argv[1] = input file (header, then the arrays), argv[2] = output file (c)
+// ---- the launcher: argv[1] = input file (header, then the arrays), argv[2] = output file (c,
+// then the extra arrays). Extra kernel arguments (v7's workspace): up to two arrays, passed
+// after the common ones by GG_EMU_EXTRA_ARGS, then up to two ints.
+unsigned char* emu_x[2];
+int emu_xi[2];
+#ifndef GG_EMU_EXTRA_ARGS
+#define GG_EMU_EXTRA_ARGS
+#endif
+#ifdef GG_KERNEL_TAKES_TMAP
+// v6's CUtensorMap, emulated: w's base address, then the words of the launcher's
+// v6_tensor_map_fields (the first extra array, _emu_tensor_map), then EMU_HEADER's magic word
+GgTmap emu_tmap() {
+    GgTmap m{};
+    m.words[0] = (unsigned long long)(uintptr_t)emu_lo[1];
+    std::memcpy(&m.words[1], emu_x[0], 10 * 8);
+    m.words[11] = 0x7E45A0C0FFEEull;
+    return m;
+}
+#endif
 int main(int argc, char** argv) {
     FILE* f = std::fopen(argv[1], "rb");
-    long long h[24];
-    if (std::fread(h, 8, 24, f) != 24) return 2;
+    long long h[32];
+    if (std::fread(h, 8, 32, f) != 32) return 2;
     const int N = h[0], Kd = h[1], P = h[2], top_k = h[3], B = h[4], L = h[5], mul = h[6],
               bias_kind = h[7], gx = h[8], gy = h[9], bx = h[10], by = h[11];
-    // h[21]: words after the header for the kernel's extra arguments (v6: its tensor map)
-    std::vector<long long> extra(h[21]);
-    if (h[21] && std::fread(extra.data(), 8, h[21], f) != (size_t)h[21]) return 2;
     emu_smem_limit = EMU_SMEM_SHIFT + h[12];   // the dynamic buffer's end
     // byte sizes of a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
     // bias, c
@@ -1279,47 +1481,56 @@ int main(int argc, char** argv) {
     std::vector<unsigned char> cbuf(cbytes + 2 * guard, 0xAB);   // canaries on both sides
     unsigned char* c = cbuf.data() + guard;
     if (cbytes && std::fread(c, 1, cbytes, f) != cbytes) return 2;   // the caller's c (poisoned)
+    // h[21] gz, h[22] CTA order seed (0: x fastest, then y, then z), h[23] extra arrays,
+    // h[24..25] their bytes, h[26..27] extra ints
+    const int gz = h[21] > 0 ? (int)h[21] : 1, n_extra = (int)h[23];
+    std::vector<std::vector<unsigned char>> xbuf(2);
+    for (int i = 0; i < 2; ++i) {
+        xbuf[i].assign((i < n_extra ? h[24 + i] : 16) + 2 * guard, 0xAB);
+        emu_x[i] = xbuf[i].data() + guard;
+        if (i < n_extra && h[24 + i] &&
+            std::fread(emu_x[i], 1, h[24 + i], f) != (size_t)h[24 + i]) return 2;
+        emu_xi[i] = (int)h[26 + i];
+    }
     std::fclose(f);
-#ifdef GG_KERNEL_TAKES_TMAP
-    GgTmap emu_tmap{};
-    if (extra.size() != 10) return 5;
-    emu_tmap.words[0] = (unsigned long long)(uintptr_t)buf[1].data();   // the map of w
-    for (int i = 0; i < 10; ++i) emu_tmap.words[1 + i] = (unsigned long long)extra[i];
-    emu_tmap.words[11] = 0x7E45A0C0FFEEull;
-#define GG_EMU_EXTRA_ARGS , emu_tmap
-#else
-#define GG_EMU_EXTRA_ARGS
-#endif
+    std::vector<EmuDim> order;
+    for (int cz = 0; cz < gz; ++cz)
+        for (int cy = 0; cy < gy; ++cy)
+            for (int cx = 0; cx < gx; ++cx)
+                order.push_back({(unsigned)cx, (unsigned)cy, (unsigned)cz});
+    if (h[22]) {
+        std::mt19937 gen((unsigned)h[22]);
+        std::shuffle(order.begin(), order.end(), gen);
+    }
     const int nthreads = bx * by;
     std::barrier<> cta_bar(nthreads);
     emu_cta_bar = &cta_bar;
     emu_warps = new EmuWarp[(nthreads + 31) / 32];
     blockDim = {(unsigned)bx, (unsigned)by, 1};
-    gridDim = {(unsigned)gx, (unsigned)gy, 1};
+    gridDim = {(unsigned)gx, (unsigned)gy, (unsigned)gz};
     std::vector<std::thread> ts;
     for (int t = 0; t < nthreads; ++t) {
         ts.emplace_back([&, t] {
             emu_tid = t;
             threadIdx = {(unsigned)(t % bx), (unsigned)(t / bx), 0};
-            for (int cy = 0; cy < gy; ++cy)
-                for (int cx = 0; cx < gx; ++cx) {
-                    blockIdx = {(unsigned)cx, (unsigned)cy, 0};
-                    GG_KERNEL_NAME((const GG_T*)buf[0].data(), (const GG_T*)buf[1].data(), (GG_T*)c,
-                                   (const int*)buf[2].data(), (const int*)buf[3].data(),
-                                   (const int*)buf[4].data(), (const float*)buf[5].data(),
-                                   (const void*)buf[6].data(), N, Kd, P, top_k, B, L, mul,
-                                   bias_kind GG_EMU_EXTRA_ARGS);
-                    if (!emu_open.empty() || !emu_groups.empty())
-                        emu_fail("a CTA ended with cp.async copies never waited for",
-                                 emu_groups.size());
-                    if (!emu_wg_open.empty() || !emu_wg_groups.empty())
-                        emu_fail("a CTA ended with wgmma batches never waited for",
-                                 emu_wg_groups.size());
-                    if (!emu_read_done.empty())
-                        emu_fail("a CTA ended with wgmma reads never released on a barrier",
-                                 emu_read_done.size());
-                    cta_bar.arrive_and_wait();
-                }
+            for (const EmuDim& cta : order) {
+                blockIdx = cta;
+                GG_KERNEL_NAME((const GG_T*)buf[0].data(), (const GG_T*)buf[1].data(), (GG_T*)c,
+                               (const int*)buf[2].data(), (const int*)buf[3].data(),
+                               (const int*)buf[4].data(), (const float*)buf[5].data(),
+                               (const void*)buf[6].data(), N, Kd, P, top_k, B, L, mul,
+                               bias_kind GG_EMU_EXTRA_ARGS);
+                if (!emu_open.empty() || !emu_groups.empty())
+                    emu_fail("a CTA ended with cp.async copies never waited for",
+                             emu_groups.size());
+                if (!emu_wg_open.empty() || !emu_wg_groups.empty())
+                    emu_fail("a CTA ended with wgmma batches never waited for",
+                             emu_wg_groups.size());
+                if (!emu_read_done.empty())
+                    emu_fail("a CTA ended with wgmma reads never released on a barrier",
+                             emu_read_done.size());
+                cta_bar.arrive_and_wait();
+            }
         });
     }
     for (auto& t : ts) t.join();
@@ -1328,8 +1539,17 @@ int main(int argc, char** argv) {
             std::fprintf(stderr, "EMULATOR: write outside c\n");
             return 4;
         }
+    for (int x = 0; x < n_extra; ++x)
+        for (size_t i = 0; i < guard; ++i)
+            if (xbuf[x][i] != 0xAB || xbuf[x][guard + h[24 + x] + i] != 0xAB) {
+                std::fprintf(stderr, "EMULATOR: write outside extra array %d\n", x);
+                return 4;
+            }
     FILE* o = std::fopen(argv[2], "wb");
     std::fwrite(c, 1, cbytes, o);
+    for (int x = 0; x < n_extra; ++x) std::fwrite(emu_x[x], 1, h[24 + x], o);
+    const long long w_bytes = emu_w_bytes;
+    std::fwrite(&w_bytes, 8, 1, o);
     std::fclose(o);
     return 0;
 }
@@ -1351,6 +1571,10 @@ emulated = pytest.mark.skipif(_GXX is None or _HDR is None,
 
 EMU_FLAGS: list = []     # more g++ flags (-DEMU_WAIT_S=10: a shorter deadlock timeout)
 
+# the arguments a kernel takes after GG_KERNEL_ARGS, as the emulator's main passes them
+EMU_EXTRA_ARGS = {"gemm_v7_decode.cu": ", (float*)emu_x[0], (int*)emu_x[1], emu_xi[0]",
+                  "gemm_v6_tma_ws.cu": ", emu_tmap()"}
+
 
 @functools.lru_cache(maxsize=None)
 def _emu_binary(cu, kernel_name, define_items):
@@ -1358,8 +1582,10 @@ def _emu_binary(cu, kernel_name, define_items):
     # the emulator goes between the #defines (it needs GG_T) and the kernel file
     text = C.source_text(cu, dict(define_items))
     cut = text.index(f'#line 1 "{cu}"')
+    extra = EMU_EXTRA_ARGS.get(cu)
     src = (text[:cut] + EMU_HEADER + "\n" + text[cut:] + "\n"
-           + f"#define GG_KERNEL_NAME {kernel_name}\n" + EMU_MAIN)
+           + f"#define GG_KERNEL_NAME {kernel_name}\n"
+           + (f"#define GG_EMU_EXTRA_ARGS {extra}\n" if extra else "") + EMU_MAIN)
     out_dir = pathlib.Path(tempfile.mkdtemp(prefix="gg_emu_"))
     cpp = out_dir / "k.cpp"
     cpp.write_text(src)
@@ -1370,32 +1596,46 @@ def _emu_binary(cu, kernel_name, define_items):
     return exe
 
 
-def _emu_launch(exe, grid, block, smem, args):
-    """Run the emulated kernel with the launcher's exact argument tuple; c (args[2]) is
-    updated in place (rows the kernel does not write keep their bytes). Arrays are NumPy (or
-    NumPy-backed) arrays, sizes are NumPy ints; arguments after the 16 common ones (v6: its
-    tensor map) come as int64 words (_emu_tensor_map)."""
+def _emu_launch(exe, grid, block, smem, args, order_seed=0):
+    """Run the emulated kernel with the launcher's exact argument tuple; c (args[2]) and the
+    extra arrays after the common 16 arguments (v7's workspace) are updated in place, as a
+    GPU launch leaves them (rows the kernel does not write keep their bytes). Arrays are NumPy
+    (or NumPy-backed) arrays, sizes are NumPy ints. order_seed != 0 runs the CTAs in a
+    shuffled order (v7's last split is then not always the last z). Returns the bytes the
+    kernel's cp.async read from w."""
     arrays = [np.ascontiguousarray(args[i]) for i in (0, 1, 3, 4, 5, 6, 7)]
     c = args[2]
-    extra = np.concatenate([np.asarray(x, np.int64).ravel() for x in args[16:]] or
-                           [np.zeros(0, np.int64)])
-    gx, gy = (tuple(grid) + (1,))[:2]
+    extra = list(args[16:])
+    x_arrays = [x for x in extra if isinstance(x, np.ndarray) and x.ndim > 0]
+    x_ints = [int(x) for x in extra if not (isinstance(x, np.ndarray) and x.ndim > 0)]
+    assert len(x_arrays) <= 2 and len(x_ints) <= 2, "the emulator passes 2 arrays, 2 ints"
+    gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     bx, by = (tuple(block) + (1,))[:2]
+    xa = x_arrays + [None] * (2 - len(x_arrays))
     head = np.array([int(args[i]) for i in range(8, 16)] + [gx, gy, bx, by, smem]
-                    + [x.nbytes for x in arrays] + [c.nbytes, extra.size, 0, 0], dtype=np.int64)
+                    + [x.nbytes for x in arrays] + [c.nbytes, gz, order_seed, len(x_arrays)]
+                    + [0 if x is None else x.nbytes for x in xa]
+                    + (x_ints + [0, 0])[:2] + [0, 0, 0, 0], dtype=np.int64)
+    assert head.size == 32
     with tempfile.TemporaryDirectory() as d:
         inp, outp = pathlib.Path(d) / "in.bin", pathlib.Path(d) / "out.bin"
         with open(inp, "wb") as f:
             f.write(head.tobytes())
-            f.write(extra.tobytes())
             for x in arrays:
                 f.write(x.tobytes())
             f.write(np.ascontiguousarray(c).tobytes())
+            for x in x_arrays:
+                f.write(np.ascontiguousarray(x).tobytes())
         res = subprocess.run([str(exe), str(inp), str(outp)], capture_output=True, text=True,
                              timeout=900)
         assert res.returncode == 0, f"emulator exit {res.returncode}: {res.stderr[-2000:]}"
         out = np.fromfile(outp, dtype=np.uint8)
-    np.asarray(c).reshape(-1).view(np.uint8)[...] = out
+    np.asarray(c).reshape(-1).view(np.uint8)[...] = out[:c.nbytes]
+    at = c.nbytes
+    for x in x_arrays:   # (the same array twice, as v7's dummy pointers, reads back the same)
+        np.asarray(x).reshape(-1).view(np.uint8)[...] = out[at:at + x.nbytes]
+        at += x.nbytes
+    return int(out[at:at + 8].view(np.int64)[0])
 
 
 def _emu_tensor_map(fields):
@@ -1581,27 +1821,38 @@ class _FakeDevice:
         return False
 
 
+def _fake_empty(shape, dtype=np.float32):
+    """np.empty, poisoned: NaN for floats, 0x5A bytes otherwise (nothing may read it unwritten)."""
+    out = np.empty(shape, dtype)
+    out.view(np.uint8)[...] = 0xFF if np.dtype(dtype).kind == "f" else 0x5A
+    return out.view(_FakeArray)
+
+
 def _fake_cupy():
     fake = types.ModuleType("cupy")
     fake.ndarray = _FakeArray
     fake.asarray = lambda x, dtype=None: np.array(x, dtype=dtype).view(_FakeArray)
-    fake.empty = lambda shape, dtype=np.float32: np.empty(shape, dtype).view(_FakeArray)
+    fake.empty = _fake_empty
     fake.zeros = lambda shape, dtype=np.float32: np.zeros(shape, dtype).view(_FakeArray)
     fake.ascontiguousarray = lambda x: np.ascontiguousarray(x).view(_FakeArray)
     for name in ("uint8", "uint16", "uint32", "int32", "float16", "float32"):
         setattr(fake, name, getattr(np, name))
-    fake.cuda = types.SimpleNamespace(Device=_FakeDevice)
+    fake.cuda = types.SimpleNamespace(
+        Device=_FakeDevice, get_current_stream=lambda: types.SimpleNamespace(ptr=0),
+        runtime=types.SimpleNamespace(streamIsCapturing=lambda ptr: False,
+                                      getDeviceProperties=lambda dev: {"name": b"CPU emulator"}))
     return fake
 
 
 class _EmuKernel:
-    def __init__(self, cu, name, defines):
+    def __init__(self, cu, name, defines, order_seed=0):
         self.exe = _emu_binary(cu, name, tuple(sorted(defines.items())))
         self.launches = []
+        self.order_seed = order_seed
 
     def __call__(self, grid, block, args, shared_mem=0):
-        self.launches.append((grid, block, shared_mem))
-        _emu_launch(self.exe, grid, block, shared_mem, args)
+        w_bytes = _emu_launch(self.exe, grid, block, shared_mem, args, self.order_seed)
+        self.launches.append((grid, block, shared_mem, w_bytes))
 
 
 @pytest.mark.slow
@@ -1615,7 +1866,7 @@ def test_launcher_on_cpu_emulator(case, monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
     monkeypatch.setattr(gg, "_READY", {})
     monkeypatch.setattr(gg, "_DUMMIES", {})
-    monkeypatch.setattr(gg, "_SM_COUNTS", {})
+    monkeypatch.setattr(gg, "_DEVICE_LIMITS", {})
     monkeypatch.setattr(gg, "_TENSOR_MAPS", {})
     encoded = []
 
@@ -1655,9 +1906,249 @@ def test_launcher_on_cpu_emulator(case, monkeypatch):
     assert out is None or got is out
     assert len(made) == 1 and len(made[0].launches) == 1
     if version == "v6":
-        (grid, block, _), = made[0].launches
+        (grid, block, _, _), = made[0].launches
         assert grid == (EMU_SMS,) and block[0] in (256, 384)
         (fields, ptr), = encoded
         assert ptr == dev["w"].ctypes.data and fields["dims"] == tuple(reversed(dev["w"].shape))
     err = rel_err(np.asarray(got), prob["want"])
     assert err <= TOL[prob["dtype"]], f"{case}: relative error {err:.3e}"
+
+
+# ---------------------------------------------------------------------------- v7 on the emulator
+# v7 (decode) through the launcher, as test_launcher_on_cpu_emulator: the split of K, the
+# workspace (poisoned with NaN when made), the extra arguments and the counter protocol. Each
+# case runs two launches in a row on one workspace, the second on a new routing of the same
+# shapes (what a replayed CUDA graph does), with the CTAs in a shuffled order (the last split
+# to arrive is then not always z = S - 1); after each the counters must be back at zero.
+V7_EMU_CASES = {
+    # name: (dtype, config, (T, E, top_k, N, K, B), problem kwargs, SMs for the auto split)
+    # one token: 2 blocks of one live row each; N = 72 ragged against BLOCK_N = 32, Kdim = 136
+    # not a multiple of BLOCK_K (a zero-filled tail); 3 k-tiles split 2 ways (2 + 1)
+    "t1_split2_ragged": ("bf16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, warps=2, stages=3,
+                                      COLS=16, SPLIT_K=2),
+                         (1, 8, 2, 72, 136, 16), dict(mul=True, bias="same"), None),
+    # experts with no token, blocks of another rank's experts (e == -1: zeros), fp32 bias; the
+    # auto split on 2 SMs; 2 warps along k (WARPS_K = 2) whose sums meet in the epilogue
+    "ep_auto_split_warps_k": ("bf16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, warps=4,
+                                           stages=4, COLS=16),
+                              (5, 8, 2, 64, 256, 16), dict(expert_map=True, mul=True,
+                                                           bias=np.float32), 2),
+    # ~20 live rows per expert with 16 columns per pass: two passes per run, each streams the
+    # tile again; split 3 ways, so the last CTA reduces both passes' slots
+    "two_passes_split3_gemm2": ("fp16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, warps=2,
+                                             stages=2, COLS=16, SPLIT_K=3),
+                                (20, 2, 2, 40, 96, 16), dict(gemm2=True, mul=True), None),
+    # block size 8 (v4 could not take it), N = 100 (rows of c not 16-byte aligned: element
+    # stores), no split
+    "block8_N100_no_split": ("bf16", dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=32, warps=4, stages=3,
+                                          COLS=32, SPLIT_K=1),
+                             (9, 4, 2, 100, 64, 8), dict(mul=True, bias=np.float32), None),
+    # block size 1: runs of ~40 blocks (the run's end is found past the first 32 blocks) and
+    # ~40 live slots (three passes of 16, compacted from several 32-position chunks)
+    "block1_long_runs": ("bf16", dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=32, warps=2, stages=2,
+                                      COLS=16, SPLIT_K=2),
+                         (40, 2, 2, 32, 64, 1), dict(mul=True), None),
+}
+
+
+def _v7_launcher(monkeypatch, sms, order_seed):
+    """grouped_gemm with CuPy faked, kernels emulated, SM count `sms`; returns the kernels made."""
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(gg, "_READY", {})
+    monkeypatch.setattr(gg, "_DUMMIES", {})
+    monkeypatch.setattr(gg, "_V7_WS", {})
+    monkeypatch.setattr(gg, "_V7_RETIRED", [])
+    monkeypatch.setattr(gg, "_sm90_of", lambda dev: True)
+    monkeypatch.setattr(gg, "_device_limits", lambda dev: (sms, gg.SMEM_PER_SM))
+    made = []
+
+    def fake_get_kernel(cu, name, defines=None, name_expressions=None, options=()):
+        made.append(_EmuKernel(cu, name, defines, order_seed))
+        return made[-1]
+
+    monkeypatch.setattr(gg, "get_kernel", fake_get_kernel)
+    return made
+
+
+def _v7_call(prob, cfg):
+    dev = {k: None if v is None else np.ascontiguousarray(v).view(_FakeArray)
+           for k, v in prob.items() if k in ("a", "w", "st", "ex", "nt", "tw", "bias")}
+    out = np.full((prob["P"], prob["N"]), np.nan, prob["dtype"]).view(_FakeArray)
+    got = gg.grouped_gemm(dev["a"], dev["w"], dev["st"].astype(np.int32),
+                          dev["ex"].astype(np.int32), dev["nt"].astype(np.int32), prob["top_k"],
+                          prob["B"], dev["tw"], prob["mul"], dev["bias"], version="v7",
+                          config=cfg, out=out)
+    assert got is out
+    return np.asarray(got)
+
+
+def _v7_weight_passes(prob, cols):
+    """Passes over expert weights v7 must make: per run of blocks of one local expert (below
+    num_tokens_post_padded), cdiv(live slots, COLS)."""
+    B, P = prob["B"], prob["P"]
+    ex = prob["ex"][: int(np.asarray(prob["nt"]).ravel()[0]) // B]
+    passes, b = 0, 0
+    while b < len(ex):
+        e, live = ex[b], 0
+        while b < len(ex) and ex[b] == e:
+            live += int((prob["st"][b * B:(b + 1) * B] < P).sum())
+            b += 1
+        passes += -(-live // cols) if e >= 0 else 0
+    return passes
+
+
+def _v7_problem(dkey, args, kw, seed):
+    T, E, top_k, N, K, B = args
+    dt = DTYPES[dkey]
+    kw = dict(kw)
+    if kw.get("bias") == "same":
+        kw["bias"] = dt
+    if kw.pop("expert_map", False):
+        E_local, emap = reference.determine_expert_map(2, 1, E)
+        kw.update(expert_map=emap, E_local=E_local)
+    return _host_problem(T, E, top_k, N, K, dt, B, seed=seed, **kw)
+
+
+@pytest.mark.slow
+@emulated
+@pytest.mark.parametrize("case", tuple(V7_EMU_CASES))
+def test_v7_on_cpu_emulator(case, monkeypatch):
+    dkey, cfg, args, kw, sms = V7_EMU_CASES[case]
+    made = _v7_launcher(monkeypatch, sms or 132, order_seed=7)
+    splits, dirty = set(), []
+    for launch in range(2):                    # one workspace, two routings
+        prob = _v7_problem(dkey, args, kw, seed=launch)
+        got = _v7_call(prob, cfg)
+        err = rel_err(got, prob["want"])
+        grid = made[0].launches[-1][0]
+        splits.add(grid[2])
+        assert err <= TOL[prob["dtype"]], (
+            f"{case} launch {launch} (grid {grid}): relative error {err:.3e}, NaN rows "
+            f"{int(np.isnan(got.astype(np.float64)).any(1).sum())}")
+        # every weight byte of a touched expert once per pass of its run, none other
+        w_bytes = made[0].launches[-1][3]
+        want_bytes = _v7_weight_passes(prob, cfg["COLS"]) * prob["N"] * prob["a"].shape[1] * 2
+        assert w_bytes == want_bytes, f"{case}: read {w_bytes} B of w, expected {want_bytes}"
+        dirty += [launch for _, cnt in gg._V7_WS.values() if np.asarray(cnt).any()]
+    assert not dirty, f"{case}: counters not back at zero after launch(es) {dirty}"
+    assert len(made) == 1, "one kernel for both launches"
+    want_split = cfg.get("SPLIT_K")
+    if want_split is not None:
+        assert splits == {want_split}, splits
+    else:
+        assert max(splits) > 1, f"{case}: the auto split did not split ({splits})"
+    if max(splits) > 1:
+        assert gg._V7_WS, "split K ran without a workspace"
+
+
+def test_v7_split_k_rule():
+    """v7_split_k: the tiles fill V7_TARGET_WAVES waves of slots, whole k-tile ranges, no
+    empty split, a forced SPLIT_K taken as it is (bounded by the k-tiles)."""
+    cfg = gg.heuristic_config("v7", "bf16", 1)                 # BLOCK_N 64, BLOCK_K 128
+    slots = 132 * gg.v7_ctas_per_sm(cfg)
+    assert slots == 264
+    # Mixtral T=1 GEMM2 (2 experts, N 4096, K 14336): 128 tiles -> 3 splits of 38 k-tiles
+    assert gg.v7_split_k(cfg, 2, 4096, 14336, 132) == (3, 38)
+    # Mixtral T=1 GEMM1 (N 28672): 896 tiles fill the SMs: no split
+    assert gg.v7_split_k(cfg, 2, 28672, 4096, 132) == (1, 32)
+    # Qwen3 T=1 GEMM1 (8 experts, N 1536, K 2048): 192 tiles -> 2 splits of 8
+    assert gg.v7_split_k(cfg, 8, 1536, 2048, 132) == (2, 8)
+    # Qwen3 GEMM2 (K 768: 6 k-tiles): too short to split
+    assert gg.v7_split_k(cfg, 8, 2048, 768, 132) == (1, 6)
+    for ks in range(1, 40):                                    # never an empty split
+        s, per = gg.v7_split_k(dict(cfg, SPLIT_K=5), 1, 64, ks * 128, 132)
+        assert s <= 5 and (s - 1) * per < ks <= s * per
+    assert gg.v7_split_k(dict(cfg, SPLIT_K=3), 100, 1 << 20, 128, 132) == (1, 1)
+
+
+# ---------------------------------------------------------------------------- decode_bench's host
+def _numpy_as_cupy():
+    """NumPy behind CuPy's names (what decode_bench and tune's helpers call), CUDA events on
+    the host clock, an H100 as the device."""
+    fake = types.ModuleType("cupy")
+    fake.__getattr__ = lambda name: getattr(np, name)
+    fake.ndarray = np.ndarray
+
+    class Event:
+        t = 0.0
+
+        def record(self):
+            self.t = __import__("time").perf_counter()
+
+        def synchronize(self):
+            pass
+
+    fake.cuda = types.SimpleNamespace(
+        Event=Event, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3 + 1e-3,
+        Device=lambda *a: types.SimpleNamespace(id=0),
+        runtime=types.SimpleNamespace(getDeviceProperties=lambda d: {
+            "name": b"NVIDIA H100 80GB HBM3"}))
+    fake.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    return fake
+
+
+@pytest.mark.slow
+def test_decode_bench_host_logic(monkeypatch):
+    """decode_bench end to end on the host: routings, alignment per block size, the check
+    against v4, timing plumbing, GB/s and floor columns, the sweep (candidates, forced splits,
+    summary) and the layer totals; the GEMM itself is the reference, each config checked."""
+    monkeypatch.setitem(sys.modules, "cupy", _numpy_as_cupy())
+    calls = []
+
+    def fake_gemm(a, w, st, ex, nt, top_k, B, tw, mul, *, version, config, out):
+        dkey = gg.dtype_key(a.dtype)
+        cfg = gg.get_config(1, w.shape[1], w.shape[2], w.shape[0], 1, a.dtype, version) \
+            if config is None else config
+        gg.fit_config(version, dkey, {k: v for k, v in cfg.items() if k != "version"}, B)
+        calls.append((version, None if config is None else gg._v7_label(config), B))
+        c = reference.grouped_gemm(a.astype(np.float32), w.astype(np.float32), st, ex, nt,
+                                   top_k, B, tw, mul)
+        out[...] = c.astype(out.dtype)
+        return out
+
+    monkeypatch.setattr(gg, "grouped_gemm", fake_gemm)
+    monkeypatch.setattr(gg, "_device_limits", lambda dev: (132, gg.SMEM_PER_SM))
+    lines = []
+    res = gg.decode_bench(sys.modules["cupy"], {"tiny": ("Tiny-MoE", 8, 2, 64, 32)}, (1, 5),
+                          ("v4", "v7"), reps=3, sweep=True, log=lines.append)
+    text = "\n".join(lines)
+    assert "3.35 TB/s" in lines[0] and "FAIL" not in text and "skip" not in text, text
+    assert "card: NVIDIA H100 80GB HBM3" in lines[0]
+    assert all(("split" in r["runs"]) == (r["version"] == "v7") for r in res if "runs" in r)
+    per_gemm = [r for r in res if r["gemm"] != "layer"]
+    assert all(r["ok"] and r["rel_err"] <= 1e-2 and 0 < r["floor_fraction"] for r in per_gemm)
+    n_sweep = len(tune.V7_CANDIDATES)
+    for T in (1, 5):
+        for gemm in ("gemm1", "gemm2"):
+            rows = [r for r in per_gemm if r["T"] == T and r["gemm"] == gemm]
+            assert [r["label"] for r in rows[:2]] == ["v4", "v7"]
+            forced = [r for r in rows if r["config"] and r["config"].get("SPLIT_K")]
+            assert len(rows) == 2 + n_sweep + len(forced) and forced
+        layer = [r["label"] for r in res if r["gemm"] == "layer" and r["T"] == T]
+        assert {"v4", "v7"} <= set(layer) and len(layer) >= 2 + n_sweep
+    assert sum("geometric mean" in line for line in lines) == 5
+    assert {v for v, _, _ in calls} == {"v4", "v7"} and {B for _, _, B in calls} == {16}
+    assert gg.card_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert gg.card_bandwidth(b"NVIDIA H200") == 4.8e12 and gg.card_bandwidth("RTX") is None
+
+
+@pytest.mark.slow
+@emulated
+def test_v7_workspace_outside_capture(monkeypatch):
+    """The split-K counters are zeroed when made, so they must not be made inside a CUDA graph
+    capture (the zeroing would only run on replays): a first split call while capturing raises;
+    after one eager call the capture reuses the workspace; S == 1 needs none."""
+    made = _v7_launcher(monkeypatch, 132, order_seed=3)
+    capturing = {"now": True}
+    sys.modules["cupy"].cuda.runtime.streamIsCapturing = lambda ptr: capturing["now"]
+    dkey, cfg, args, kw, _ = V7_EMU_CASES["t1_split2_ragged"]
+    prob = _v7_problem(dkey, args, kw, seed=0)
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        _v7_call(prob, cfg)
+    assert not gg._V7_WS and made[0].launches == []
+    assert rel_err(_v7_call(prob, dict(cfg, SPLIT_K=1)), prob["want"]) <= TOL[prob["dtype"]]
+    capturing["now"] = False
+    _v7_call(prob, cfg)                                  # eager: the workspace is made
+    capturing["now"] = True
+    assert rel_err(_v7_call(prob, cfg), prob["want"]) <= TOL[prob["dtype"]]
+    assert [launch[0][2] for launch in made[0].launches] == [1, 2, 2]

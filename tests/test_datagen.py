@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -36,8 +37,71 @@ def test_same_seed_same_bytes(made, tmp_path):
 
 def test_committed_data_is_what_make_writes(made):
     """data/ must be regenerated (and committed) whenever datagen changes."""
-    assert DATA.is_dir(), "data/ is missing: run `moe-sandbox data make`"
+    assert DATA.is_dir(), "data/ is missing: run `moe-sandbox data make --out data`"
     assert _digests(DATA) == _digests(made)
+
+
+def test_make_all_writes_everything_or_nothing(tmp_path, monkeypatch):
+    """make_all writes into a temporary folder and moves the files into place at the end:
+    a failure half-way leaves `out` as it was (and no temporary folder behind); success
+    replaces the generated files and keeps the others (data/README.md)."""
+    out = tmp_path / "d"
+    (out / "traces").mkdir(parents=True)
+    (out / "README.md").write_text("mine")
+    (out / "traces" / "mixtral_zipf.npz").write_bytes(b"old")
+    before = _digests_all(tmp_path)
+    real, calls = datagen.save_npz, []
+
+    def flaky(path, arrays):
+        if len(calls) == 5:
+            raise OSError("disk full")
+        calls.append(path)
+        real(path, arrays)
+
+    monkeypatch.setattr(datagen, "save_npz", flaky)
+    with pytest.raises(OSError, match="disk full"):
+        datagen.make_all(out, seed=0)
+    assert _digests_all(tmp_path) == before
+    calls.clear()
+    with pytest.raises(OSError, match="disk full"):
+        datagen.make_all(tmp_path / "fresh", seed=0)
+    assert _digests_all(tmp_path) == before and not (tmp_path / "fresh").exists()
+    # a move that fails while the files go into place: the moves before it are undone
+    monkeypatch.undo()
+    real_replace, moves = os.replace, []
+
+    def flaky_replace(src, dst):
+        moves.append(dst)
+        if len(moves) == 7:
+            raise OSError("rename failed")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(datagen.os, "replace", flaky_replace)
+    with pytest.raises(OSError, match="rename failed"):
+        datagen.make_all(out, seed=0)
+    assert len(moves) > 7 and _digests_all(tmp_path) == before      # rolled back
+    monkeypatch.undo()
+    written = datagen.make_all(out, seed=0)
+    assert (out / "README.md").read_text() == "mine"
+    assert all(p.is_file() and out in p.parents for p in written) and len(written) == 24
+    assert (out / "traces" / "mixtral_zipf.npz").read_bytes() != b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+def test_make_all_checks_its_arguments(tmp_path):
+    with pytest.raises(ValueError, match=r"^seed: expected an int >= 0, got -1"):
+        datagen.make_all(tmp_path / "d", seed=-1)
+    with pytest.raises(TypeError, match=r"^seed: expected an int, got float"):
+        datagen.make_all(tmp_path / "d", seed=1.5)
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match=r"^out: expected a folder"):
+        datagen.make_all(tmp_path / "f", seed=0)
+    assert [p.name for p in tmp_path.iterdir()] == ["f"]
+
+
+def _digests_all(root):
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            if p.is_file() else "dir" for p in sorted(root.rglob("*"))}
 
 
 def test_other_seed_other_weights(tmp_path):

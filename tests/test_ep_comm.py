@@ -73,6 +73,7 @@ def test_dist_env_from_torchrun_and_slurm_variables():
     assert (env.store_port, env.agent_store_key) == (4321, "")
 
 
+@pytest.mark.slow
 def test_torchrun_agent_store_unreachable_names_the_way_out():
     """A rank that cannot reach torchrun's store fails in time, naming EP_STORE_PORT."""
     pytest.importorskip("torch")
@@ -214,6 +215,7 @@ def test_cpu_collectives(collective_results, check):
         [res[check] for res in collective_results]
 
 
+@pytest.mark.slow
 def test_size_mismatch_is_a_clear_error():
     from sandbox.ep import LaunchError
 
@@ -273,6 +275,7 @@ def _run_ranks(cmds_envs, timeout=120):
     return outs
 
 
+@pytest.mark.slow
 def test_env_rendezvous_without_the_launcher():
     """Ranks started by someone else (srun, a shell loop): rank 0 serves the store on
     MASTER_PORT; SLURM's variables stand in for RANK / WORLD_SIZE / LOCAL_RANK."""

@@ -81,6 +81,7 @@ def test_fake_nccl_parity(name):
     ("hang", r"rank 0: CommTimeoutError: rank 0: all_to_all_v \(counts\) (blocked for more "
              r"than|did not complete within) 4.0 s"),
 ])
+@pytest.mark.slow
 def test_fake_nccl_faults(fault, pattern, tmp_path):
     with fake_gpu(), pytest.raises(LaunchError) as info:
         launch(fault_and_report_pid, 2, backend="nccl", args=(fault, 1, str(tmp_path)),
@@ -91,6 +92,7 @@ def test_fake_nccl_faults(fault, pattern, tmp_path):
         assert re.search(r"rank 0: CommPeerError: rank 0: .*rank 1", message), message
 
 
+@pytest.mark.slow
 def test_fake_nccl_refusals_and_devices():
     results = _once("refusals", lambda: launch(run_refusals, 2, backend="nccl", timeout=30))
     for res in results:
@@ -104,6 +106,7 @@ def test_fake_nccl_refusals_and_devices():
                timeout=10, grace=2)
 
 
+@pytest.mark.slow
 def test_fake_nccl_benchmark_harness_runs_end_to_end():
     bench_dir = os.path.normpath(os.path.join(os.path.dirname(FAKE), "..", "benchmarks"))
     sys.path.insert(0, bench_dir)  # the spawned ranks import bench_ep by name too

@@ -49,6 +49,7 @@ def _pids(pid_dir, world_size):
               r"4.0 s, still waiting to receive from ranks \[1\]",
               r"rank 1: still running .* killed"]),
 ])
+@pytest.mark.slow
 def test_a_failing_rank_stops_the_others_with_a_clear_error(fault, expect, tmp_path):
     import re
 
@@ -64,6 +65,7 @@ def test_a_failing_rank_stops_the_others_with_a_clear_error(fault, expect, tmp_p
     assert not any(_alive(p) for p in pids), "a rank outlived the launch"
 
 
+@pytest.mark.slow
 def test_children_die_with_a_killed_launcher(tmp_path):
     """SIGKILL the process that called launch(): its ranks must not be left running."""
     script = textwrap.dedent(f"""

@@ -111,6 +111,7 @@ def test_bad_config_raises(kwargs, match):
         EPConfig(**{**base, **kwargs})
 
 
+@pytest.mark.slow
 def test_cli_eplb_and_check(capsys):
     from sandbox.ep import cli_main
 
@@ -171,3 +172,30 @@ def test_device_parameters_without_host_weights():
     assert np.linalg.norm(out - want) <= 1e-6 * np.linalg.norm(want)
     with pytest.raises(RuntimeError, match="host_weights=False"):
         layer.load_from(ref)
+
+
+def test_backend_assignment_goes_through_the_constructor_checks():
+    """`layer.backend = name` re-runs the constructor's checks and drops the cached copies
+    made from the host weights; arrays handed over by set_device_parameters stay."""
+    from sandbox.ep.comm_cpu import CpuCommunicator
+    from sandbox.ep.layer import EPConfig, EPMoE
+    from sandbox.layer import FusedMoE
+
+    comm = CpuCommunicator(0, 1, store=None)
+    ref = FusedMoE.random(2, num_experts=4, top_k=2, hidden_size=8, intermediate_size=8)
+    layer = EPMoE(comm, EPConfig(num_experts=4, top_k=2, hidden_size=8, intermediate_size=8,
+                                 dtype="float32"))
+    layer.load_from(ref)
+    x, logits = ref.random_inputs(5, seed=1)
+    want = layer.forward(x, logits)
+    with pytest.raises(ValueError, match=r"backend: expected one of \['reference'.*got 'tpu'"):
+        layer.backend = "tpu"
+    with pytest.raises((RuntimeError, ValueError), match="backend: "):
+        layer.backend = "cupy"           # no GPU here, or not a host backend for the CPU comm
+    assert layer.backend == "reference" and np.array_equal(layer.forward(x, logits), want)
+    assert "w13_weight" in layer._dev
+    given = ref.w2_weight.copy()
+    layer.set_device_parameters(w2_weight=given)
+    layer.backend = "reference"
+    assert "w13_weight" not in layer._dev and layer._dev["w2_weight"] is given
+    assert np.array_equal(layer.forward(x, logits), want)

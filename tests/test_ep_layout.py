@@ -113,6 +113,7 @@ def test_numpy_count_experts():
     assert counts.tolist() == want.tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fused_matches_stages_on_cpu_communicator(world_size):
     per_rank = launch(run_impl_parity, world_size, timeout=60)
@@ -133,6 +134,7 @@ def _ep_compile_cases():
     return [c for c in C.COMPILE_CASES if c.cu_name == "ep_layout.cu"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_ep_layout_compiles_with_nvrtc(arch):
     """Every instantiation ep_layout.py launches compiles (tests/test_cupy_nvrtc.py's list of
@@ -324,6 +326,7 @@ def _p(a):
     return None if a is None else a.ctypes.data_as(ctypes.c_void_p)
 
 
+@pytest.mark.slow
 @pytest.mark.simulator
 @pytest.mark.parametrize("T,E,K,W,slot", [(1, 8, 2, 2, False), (37, 16, 4, 2, False),
                                           (37, 16, 4, 4, True), (50, 64, 3, 8, False),

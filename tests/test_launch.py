@@ -43,6 +43,16 @@ def test_kernel_params_pass_a_one_element_host_array_by_value():
     assert ctypes.sizeof(vals[1]) == 128 and bytes(vals[1]) == tmap.tobytes()
 
 
+def test_fast_launch_slot_of_128_bytes():
+    """FastLaunch's 't' slot (v6's CUtensorMap): the array's 128 bytes, copied in place."""
+    slot = L.FastLaunch._CTYPES["t"]()
+    tmap = np.arange(16, dtype=np.uint64).view(np.dtype((np.void, 128)))
+    slot.value = tmap
+    assert ctypes.sizeof(slot) == 128 and slot.value == tmap.tobytes()
+    with pytest.raises(ValueError, match="128 bytes"):
+        slot.value = np.zeros(4, np.uint64)
+
+
 @pytest.mark.parametrize("bad", [3, 1.5, None, np.int8(1), np.zeros(2, np.float32)])
 def test_kernel_params_refuse_what_has_no_fixed_c_type(bad):
     with pytest.raises(TypeError, match=r"args\[1\]: expected a device array or a numpy scalar"):

@@ -159,6 +159,58 @@ def test_backend_mappings_agree(backend, dtype):
     assert np.array_equal(moe(x, logits), got)
 
 
+def test_assigning_backend_takes_effect():
+    """`layer.backend = {...}` re-resolves the stage mapping (it used to be a plain attribute
+    that the forward never read)."""
+    layer = FusedMoE.random(seed=2)
+    x, logits = inputs(layer, 9, "assign")
+    layer.backend = {"route": "torch", "gemm1": "torch"}
+    assert layer.backend == {"route": "torch", "gemm1": "torch"}
+    assert layer.stage_backends == {"route": "torch", "align": "reference", "gemm1": "torch",
+                                    "activation": "reference", "gemm2": "reference",
+                                    "combine": "reference"}
+    _, trace = layer.run_stages(x, logits)
+    assert [c.backend for c in trace] == ["torch", "reference", "torch", "reference",
+                                          "reference", "reference"]
+    assert "backend={'route': 'torch', 'gemm1': 'torch'}" in repr(layer)
+    layer.backend = "torch"
+    assert set(layer.stage_backends.values()) == {"torch"}
+    assert {c.backend for c in layer.run_stages(x, logits)[1]} == {"torch"}
+
+
+def test_backend_assignment_errors_leave_the_layer_unchanged():
+    layer = FusedMoE.random(seed=2, backend="torch")
+    with pytest.raises(ValueError, match=r"backend: unknown stage 'gemm'.*'gemm1'"):
+        layer.backend = {"gemm": "torch"}
+    with pytest.raises(ValueError, match=r"backend: unknown backend 'tpu' for stage 'route'"):
+        layer.backend = {"route": "tpu"}
+    with pytest.raises(ValueError, match=r"backend: expected one of \['reference'.*got 'jax'"):
+        layer.backend = "jax"
+    with pytest.raises(TypeError, match="backend: expected a backend name"):
+        layer.backend = 3
+    assert layer.backend == "torch" and set(layer.stage_backends.values()) == {"torch"}
+    # the resolved mapping is read-only: writing into it would bypass the checks
+    with pytest.raises(TypeError, match="layer.backend"):
+        layer.stage_backends["gemm1"] = "reference"
+    # a dict given to the setter is copied: changing it later changes nothing
+    spec = {"gemm1": "torch"}
+    layer.backend = spec
+    spec["gemm2"] = "torch"
+    assert layer.stage_backends["gemm2"] == "reference"
+
+
+def test_backend_change_drops_device_copies_of_unused_backends():
+    layer = FusedMoE.random(seed=2, backend={"gemm1": "cupy", "gemm2": "numba"})
+    layer._device_params[("cupy", "w13_weight")] = (layer._version, layer.w13_weight, "dev")
+    layer._device_params[("numba", "w2_weight")] = (layer._version, layer.w2_weight, "dev")
+    layer.backend = {"gemm2": "numba"}
+    assert list(layer._device_params) == [("numba", "w2_weight")]
+    other = layer.with_backend("cupy")               # the copy starts with no device copies
+    assert other._device_params == {} and other.stage_backends["route"] == "cupy"
+    assert layer.stage_backends["route"] == "reference"
+    assert list(layer._device_params) == [("numba", "w2_weight")]
+
+
 def test_select_experts_method():
     layer = FusedMoE.random(seed=3, zero_expert_num=2, zero_expert_type="identity")
     x, logits = inputs(layer, 11, "select")
@@ -193,6 +245,40 @@ def test_input_errors():
         FusedMoE(8, 2, 16, 32, apply_router_weight_on_input=True)
     with pytest.raises(ValueError, match="backend"):
         FusedMoE(8, 2, 16, 32, backend={"gemm": "torch"})
+
+
+def test_a_batch_that_cannot_fit_fails_before_any_stage(monkeypatch):
+    """The layer checks its intermediates ([P, 2I_p], [P, I_p], [P, H]) against the memory of
+    the backends that hold them (host: available memory; a GPU backend: its free memory)."""
+    import sandbox.layer as layer_module
+    from reference import _checks
+    from sandbox import registry
+    from sandbox.registry import STAGES
+
+    monkeypatch.setattr(_checks, "CHECK_ABOVE_BYTES", 0, raising=False)
+    monkeypatch.setattr(_checks, "available_host_memory", lambda: 1000, raising=False)
+    layer = FusedMoE.random(seed=6)                         # E=8 K=2 H=64 I=96, fp32
+    x, logits = inputs(layer, 64, "memory")
+    need = 64 * 2 * (2 * 96 + 96 + 64) * 4
+    calls = []
+    monkeypatch.setattr(registry.Backend, "stage_fn",
+                        lambda self, stage: calls.append(stage) or (lambda *a, **k: None))
+    monkeypatch.setattr(layer_module, "_CHECKED_MAPPINGS", {})
+    for run in (lambda: layer(x, logits), lambda: layer.run_stages(x, logits)):
+        with pytest.raises(MemoryError, match=rf"^hidden_states: expected .*host memory.* got "
+                                              rf"T=64 tokens, which need at least .*\({need:,} "
+                                              rf"bytes\)"):
+            run()
+    # _start's look-up of each stage, once per mapping; no stage ran
+    assert calls == list(STAGES)
+    # a device backend: its own free memory, not the host's
+    monkeypatch.setattr(_checks, "available_host_memory", lambda: 1 << 40, raising=False)
+    monkeypatch.setattr(registry.Backend, "is_host",
+                        property(lambda self: self.name == "reference"))
+    monkeypatch.setattr(registry.Backend, "free_memory", lambda self: 1000, raising=False)
+    layer.backend = {"gemm1": "torch"}
+    with pytest.raises(MemoryError, match=r"torch device memory.*T=64 tokens"):
+        layer(x, logits)
 
 
 # ----------------------------------------------------------------------------- NaN params

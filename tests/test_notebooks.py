@@ -60,6 +60,7 @@ def test_pair_in_sync_and_without_outputs(source):
                               f"got {len(params)}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES, ids=IDS)
 def test_notebook_runs_on_the_cpu(source, monkeypatch):
     pytest.importorskip("ipykernel")

@@ -71,6 +71,7 @@ def _nvvm_or_skip():
         pytest.skip(f"numba cannot compile PTX here (no libNVVM?): {r.stderr.strip()[-300:]}")
 
 
+@pytest.mark.slow
 def test_numpy_without_row_stack_is_shimmed():
     """numba-cuda 0.30.4 overloads np.row_stack, which NumPy 2.5 removed (the GPU image has
     2.5.2): without the shim the first compile fails; importing cuda_kernels.numba first fixes
@@ -135,6 +136,8 @@ def test_bad_arguments_fail_before_any_launch():
                R.fused_topk, None, x, 9, True)
         raises(TypeError, "gating_output: expected dtype in", R.fused_topk, None, x.astype(int),
                2, True)
+        raises(ValueError, "router_logits: expected 8 columns", R.select_experts, None,
+               x[:, :6], 2, False, True, global_num_experts=8)
         raises(ValueError, "block_size: expected an int >= 1, got 0",
                Pm.moe_align_block_size, np.zeros((2, 2), np.int32), 0, 4)
         raises(TypeError, "a: expected a NumPy array or a CUDA array", G.grouped_gemm,
@@ -142,3 +145,70 @@ def test_bad_arguments_fail_before_any_launch():
                np.zeros(1, np.int32), np.zeros(1, np.int32), 1, 1)
     """)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+_NO_GPU = """
+        from sandbox.cli import cuda_devices    # libcuda asked directly: numba not imported
+        if cuda_devices():
+            print("HAS_GPU"); raise SystemExit(0)
+"""   # indented as the scripts it opens, for run_py's dedent
+
+
+def test_numba_backend_runs_in_the_simulator_without_being_told():
+    """From Python on a machine without a GPU, with NUMBA_ENABLE_CUDASIM unset: the registry
+    switches numba to the CUDA simulator before it imports numba.cuda (the layer used to
+    refuse the backend until the variable was set by hand)."""
+    pytest.importorskip("numba_cuda")
+    r = run_py(_NO_GPU + """
+        import os, numpy as np
+        from sandbox import FusedMoE
+        layer = FusedMoE.random(seed=1, num_experts=4, top_k=2, hidden_size=8,
+                                intermediate_size=8, block_size=4)
+        x, logits = layer.random_inputs(2, seed=2)
+        want = layer(x, logits)
+        layer.backend = "numba"
+        got = layer(x, logits)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (got, want)
+        assert os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
+        import numba
+        assert numba.config.ENABLE_CUDASIM
+        print("SIMULATED")
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "HAS_GPU" in r.stdout or "SIMULATED" in r.stdout, r.stdout
+
+
+def test_numba_imported_first_switches_too_numba_cuda_imported_says_what_to_set():
+    """`import numba` before the registry: numba's config is reloaded and the simulator is
+    still chosen. `import numba.cuda` before it: the mode is fixed, and the backend is
+    unavailable with a reason that says exactly what to set (nothing is flipped behind
+    numba's back)."""
+    pytest.importorskip("numba_cuda")
+    r = run_py(_NO_GPU + """
+        import numba
+        from sandbox.registry import get_backend
+        b = get_backend("numba")
+        assert b.ok and "simulator" in b.reason, b.reason
+        print("SWITCHED")
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "HAS_GPU" in r.stdout or "SWITCHED" in r.stdout, r.stdout
+    r = run_py(_NO_GPU + """
+        import os
+        import numba.cuda
+        from sandbox import FusedMoE
+        from sandbox.registry import get_backend
+        b = get_backend("numba")
+        assert not b.ok and "NUMBA_ENABLE_CUDASIM" not in os.environ
+        layer = FusedMoE.random(seed=1, num_experts=4, top_k=2, hidden_size=8,
+                                intermediate_size=8, backend="numba")
+        try:
+            layer(*layer.random_inputs(2))
+        except RuntimeError as e:
+            print("ERROR", e)
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    if "HAS_GPU" not in r.stdout:
+        assert "ERROR backend 'numba' (stage 'route') is not available here" in r.stdout
+        assert ("numba.cuda was imported before the CUDA simulator could be switched on: set "
+                "NUMBA_ENABLE_CUDASIM=1 in the environment before Python starts") in r.stdout

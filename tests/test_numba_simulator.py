@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.simulator
+pytestmark = [pytest.mark.simulator, pytest.mark.slow]
 TESTS = pathlib.Path(__file__).resolve().parent
 
 

@@ -63,6 +63,21 @@ def test_cubin_matches_its_md5(key):
     assert prebuild.text_md5(cubin, entry["mangled"]) == entry["text_md5"]
 
 
+def test_text_md5_is_the_kernel_code():
+    """prebuild.text_md5 reads one kernel's code section out of a cubin: the bf16 and fp16
+    builds of t24 (one kernel, other code) differ, and a name the cubin lacks is an error."""
+    name = W.staged_kernel_name(W.STAGED_CONFIGS["t24"], False)
+    md5 = {}
+    for entry in MANIFEST["entries"].values():
+        if entry["name"] == name:
+            cubin = C.prebuilt_cubin(entry)
+            md5[entry["defines"]["ELEM_BF16"]] = prebuild.text_md5(cubin, entry["mangled"])
+            with pytest.raises(ValueError, match="no .text"):
+                prebuild.text_md5(cubin, entry["mangled"] + "x")
+    assert set(md5) == {0, 1} and md5[0] != md5[1]
+    assert all(len(v) == 12 and int(v, 16) >= 0 for v in md5.values())
+
+
 def test_corrupted_cubin_is_refused():
     entry = dict(next(iter(MANIFEST["entries"].values())))
     entry["md5"] = "0" * 32
@@ -80,11 +95,12 @@ def test_key_misses_on_any_change():
                               spec.options),
                C.prebuilt_key(src, spec.name, "sm_80", spec.options),
                C.prebuilt_key(src, spec.name, spec.arch, ("-lineinfo",)),
-               C.prebuilt_key(C.source_text(spec.cu_name, dict(spec.defines, STAGED_PROBE=1)),
+               C.prebuilt_key(C.source_text(spec.cu_name, dict(spec.defines, NDEBUG=1)),
                               spec.name, spec.arch, spec.options)]
     assert not any(k in MANIFEST["entries"] for k in changed)
 
 
+@pytest.mark.slow
 def test_rebuild_is_byte_for_byte():
     """The cubins are what the committed source gives with the manifest's NVRTC (so the GPU
     runs the kernel CI compiles); with another NVRTC the bytes may differ, and that is skipped."""

@@ -731,16 +731,17 @@ extern "C" void qg_pdl_counts(int* counts) {
 """
 
 
-def build_emulation(tmp_path_factory, tag, cu, entry, prelude=""):
-    """`cu` with bf16 elements, built by g++ with the emulation header in a fresh folder (the
-    C entry points `entry`, then `prelude` after the header); skips where g++ is missing."""
+def build_emulation(tmp_path_factory, tag, cu, entry, prelude="", defines=None):
+    """`cu` with bf16 elements (or `defines`), built by g++ with the emulation header in a fresh
+    folder (the C entry points `entry`, then `prelude` after the header); skips where g++ is
+    missing."""
     import shutil
 
     if shutil.which("g++") is None:
         pytest.skip("no g++ on this machine")
     tmp = tmp_path_factory.mktemp(f"{tag}_emulation")
     (tmp / "qemu.h").write_text(QEMU_HEADER)
-    return _build_emulated(tmp, cu, {"ELEM_BF16": 1}, entry, tag, prelude=prelude)
+    return _build_emulated(tmp, cu, defines or {"ELEM_BF16": 1}, entry, tag, prelude=prelude)
 
 
 def _build_emulated(tmp, cu, defines, entry, name, prelude=""):

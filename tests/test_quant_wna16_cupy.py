@@ -281,35 +281,14 @@ inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
 inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
     return {__float2bfloat16_rn(__bfloat162float(a.x) * __bfloat162float(b.x)),
             __float2bfloat16_rn(__bfloat162float(a.y) * __bfloat162float(b.y))}; }
-// the dataflow's flags (wna16_staged's ACT GEMM1 publishes, its AWAIT GEMM2 awaits): a
-// release store and spun acquire loads. qg_flow_arm(late, check) models the GEMM1 still
-// running: a flag an await finds unset calls late(flag, value), which stands in for the GEMM1
-// storing those columns and setting it; each publish first calls check(flag, value), which
-// checks the columns are stored. A spin that no publish ends in 60 s gives up, counted stuck.
-using QgFlowHook = void (*)(const int*, int);
-static QgFlowHook g_flow_late = nullptr, g_flow_check = nullptr;
-static std::mutex g_flow_m;
-static int g_flow_stuck = 0;
-inline void qg_publish(int* f, int v) {
-    if (g_flow_check) { std::lock_guard<std::mutex> l(g_flow_m); g_flow_check(f, v); }
-    __atomic_store_n(f, v, __ATOMIC_RELEASE);
-}
-inline void qg_await_flag(const int* f, int v) {
-    if (__atomic_load_n(f, __ATOMIC_ACQUIRE) == v) return;
-    if (g_flow_late) {
-        std::lock_guard<std::mutex> l(g_flow_m);
-        if (__atomic_load_n(f, __ATOMIC_ACQUIRE) != v) g_flow_late(f, v);
-    }
-    const auto t0 = std::chrono::steady_clock::now();
-    while (__atomic_load_n(f, __ATOMIC_ACQUIRE) != v) {
-        if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(60)) {
-            std::lock_guard<std::mutex> l(g_flow_m); ++g_flow_stuck; return; }
-        std::this_thread::yield();
-    }
-}
-extern "C" void qg_flow_arm(QgFlowHook late, QgFlowHook check) {
-    g_flow_late = late; g_flow_check = check; g_flow_stuck = 0; }
-extern "C" int qg_flow_stuck() { return g_flow_stuck; }
+// (the fp16 build's)
+inline __half __ushort_as_half(unsigned short u) { return {u}; }
+inline __half2 __hsub2(__half2 a, __half2 b) {
+    return {__float2half_rn(__half2float(a.x) - __half2float(b.x)),
+            __float2half_rn(__half2float(a.y) - __half2float(b.y))}; }
+inline __half2 __hmul2(__half2 a, __half2 b) {
+    return {__float2half_rn(__half2float(a.x) * __half2float(b.x)),
+            __float2half_rn(__half2float(a.y) * __half2float(b.y))}; }
 template <typename F> void launch3(unsigned gx, unsigned gy, unsigned gz, unsigned block, F body) {
     for (unsigned i = 0; i < gz; ++i) {                 // (z descending too: qg_block_order)
         const unsigned bz = g_descending ? gz - 1 - i : i;
@@ -389,6 +368,7 @@ def _emulated_gemm(lib, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, nbits, c
     ("m16", 2, FORMATS[4], (9, 3, 2, 24, 256, 16)),
     ("m32", None, FORMATS[6], (20, 2, 1, 16, 128, 32)),
 ])
+@pytest.mark.slow
 def test_emulated_matches_reference(emulated_w16, cfg, ks, fmt, shape):
     rng = np.random.default_rng(5)
     name, nbits, gs, zp, signed = fmt

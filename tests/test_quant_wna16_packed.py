@@ -209,6 +209,7 @@ def emulation_case(rng, shape, gs, zp):
     ("v32", (50, 3, 2, 32, 640, 32), 128, False, 132),
     ("v32", (6, 2, 2, 32, 1024, 32), 1024, True, 132),
 ])
+@pytest.mark.slow
 def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sms):
     import ctypes
 
@@ -235,6 +236,7 @@ def test_emulated_matches_reference(emulated_packed, rng, cfg, shape, gs, zp, sm
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e}"
 
 
+@pytest.mark.slow
 @pytest.mark.simulator
 def test_emulated_chunk_sums(emulated_packed, rng):
     """wna16_chunk_sums writes chunk_sums' words bit for bit, and -(hi + lo) carries each

@@ -9,9 +9,9 @@ bad configs clearly. Simulator: the kernel on the CPU emulation of tests/test_qu
 end inside row blocks (blocks finished from 2-3 parts, in K-stage order, by whichever CTA comes
 last: the CTAs also run last to first, with the same bits), a ragged last block, a short last
 K stage, group sizes 64 / 128 / one per row, with and without zero points, 1-3 live token
-tiles, an expert of another rank; the split counters come back to zero; and, launched as a
-programmatic launch would start it (the activations NaN until a CTA's griddepcontrol.wait), no
-activation copy or output write before the wait.
+tiles, an expert of another rank, the fp16 build; the split counters come back to zero; and,
+launched as a programmatic launch would start it (the activations NaN until a CTA's
+griddepcontrol.wait), no activation copy or output write before the wait.
 GPU (`gpu` marker): every config on the packed rung's shapes, fp16 and other ranks, long runs,
 the same bits on a second launch, and a GEMM1 -> GEMM2 chain whose GEMM2 is launched
 programmatically (PDL) and reads GEMM1's output. Tolerance: the issue's weight-only 2e-2.
@@ -19,8 +19,6 @@ programmatically (PDL) and reads GEMM1's output. Tolerance: the issue's weight-o
 Shape legend: T tokens, E experts, K top-k, N output width, Kdim reduction width, B block size.
 """
 from __future__ import annotations
-
-import contextlib
 
 import ml_dtypes
 import numpy as np
@@ -129,19 +127,6 @@ def test_stage_blocks_layout(rng, E, N, Kd, gs, zp, nb, kc):
         W.stage_blocks(W.prepack_int4(wq, ws, wz, order="wgmma"), nb, kc)
 
 
-@pytest.mark.parametrize("macros", [{"STAGED_TIMES": 1}, {"STAGED_PROBE": 1},
-                                    {"STAGED_TIMES": 1, "STAGED_LT_COST": 3}])
-def test_dev_variants_compile(macros):
-    """The variants benchmarks/dev/probe_staged.py builds (dev macros the launcher never sets)
-    compile for sm_90 with NVRTC, so a GPU call is not spent finding out."""
-    ok, why = C.nvrtc_available()
-    if not ok:
-        pytest.skip(f"cuda.core/NVRTC unavailable: {why}")
-    name = W.staged_kernel_name(W.STAGED_CONFIGS["t24"], False)
-    cubin = C.compile_check(W.CU_STAGED, {"ELEM_BF16": 1, **macros}, (name,), "sm_90")
-    assert isinstance(cubin, bytes) and len(cubin) > 0
-
-
 def test_plan_refuses_bad_configs():
     t24 = W.STAGED_CONFIGS["t24"]
     with pytest.raises(ValueError, match="BM = 24 must divide block_size 16"):
@@ -156,56 +141,22 @@ def test_plan_refuses_bad_configs():
         W.pick_config(2.0, 24, dict(KERNEL="staged", MT=3, W=4))
 
 
-def test_dataflow_roles_and_checks():
-    """The dataflow's kernel roles: GEMM1 with silu_and_mul fused (ACT) for the configs routed
-    for 9-128 rows per expert, the GEMM2 that awaits it (AWAIT) only where warp-specialized,
-    never both in one kernel; activation= takes activation.py's *_and_mul names on an even N."""
-    from cuda_kernels.cupy.quant_gemm import check_activation
-
-    t24, t24ws = W.STAGED_CONFIGS["t24"], W.STAGED_CONFIGS["t24ws"]
-    assert W.staged_kernel_name(t24, False, act=True) == \
-        "wna16_staged<3, 4, 4, 2, 3, 0, 2, 0, 0, 1>"
-    assert W.staged_kernel_name(t24ws, True, awaits=True).endswith(", 1, 1, 0, 56, 0, 1>")
-    assert W.staged_kernel_name(t24ws, True) == W.staged_kernel_name(t24ws, True, act=False,
-                                                                     awaits=False)
-    assert W.staged_kernel_name(t24ws, False, awaits=True) in W.STAGED_WS_NAMES
-    assert W.staged_kernel_name(t24, False, act=True) in W.STAGED_NAMES
-    assert W.staged_roles("t24", t24) == [{}, dict(act=True)]
-    assert W.staged_roles("t8", W.STAGED_CONFIGS["t8"]) == [{}]
-    with pytest.raises(ValueError, match="not both"):
-        W.staged_kernel_name(t24ws, False, act=True, awaits=True)
-    with pytest.raises(ValueError, match="warp-specialized"):
-        W.staged_kernel_name(t24, False, awaits=True)
-    check_activation(None, 7)
-    check_activation("gelu", 8)
-    with pytest.raises(ValueError, match="activation: expected None or one of"):
-        check_activation("relu2", 8)              # no *_and_mul form
-    with pytest.raises(ValueError, match="even N"):
-        check_activation("silu", 7)
-
-
 # ----------------------------------------------------------------------------- emulation
 EMULATED_NAMES = W.STAGED_NAMES + W.STAGED_WS_NAMES     # (WS: its mbarriers emulated too)
 
 
 def _entries(names):
-    out = [
-        'extern "C" void f16rows(unsigned M, const void* a, void* a16, float* scale, int K) {\n'
-        f"    launch(M, 1, 256, [&] {{ {W.F16_ROWS_KERNEL}((const elem_t*)a, "
-        "(unsigned short*)a16, scale, K); });\n}"]
+    out = []
     for i, n in enumerate(names):
-        if n == W.F16_ROWS_KERNEL:
-            continue
         out.append(
             f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned block, const void* a, '
-            f"const float* as, const void* wp, void* c, const void* sp, const void* zp, "
+            f"const void* wp, void* c, const void* sp, const void* zp, "
             f"const int* st, const int* ex, const int* ntp, const float* tw, const float* bias, "
             f"float* ws, int* cnt, int N, int K, int P, int top_k, int B, int L, int mul, "
-            f"int shift, int G, int dzp, int* ready, int epoch, int cols, int stride) {{\n"
+            f"int shift, int G, int dzp) {{\n"
             f"    launch3(gx, gy, 1, block, [&] {{ gridDim.z = 1; {n}((const unsigned short*)a, "
-            f"as, (const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
-            f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp, ready, "
-            f"epoch, cols, stride); }});\n}}")
+            f"nullptr, (const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
+            f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp); }});\n}}")
     return "\n".join(out)
 
 
@@ -218,20 +169,25 @@ def emulated_staged(tmp_path_factory):
                            prelude=W16_PRELUDE)
 
 
+@pytest.fixture(scope="module")
+def emulated_staged_fp16(tmp_path_factory):
+    """The fp16 build (ELEM_BF16 = 0), whose codes dequantize as fp16 pairs."""
+    from test_quant_cupy import build_emulation
+    from test_quant_wna16_cupy import W16_PRELUDE
+
+    return build_emulation(tmp_path_factory, "wst16", W.CU_STAGED, _entries(EMULATED_NAMES),
+                           prelude=W16_PRELUDE, defines={"ELEM_BF16": 0})
+
+
 def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms,
-                  programmatic=None, descending=False, act=False, flow=None, out=None):
+                  programmatic=None, descending=False, dtype=BF16):
     """The staged launch (staged_plan, arguments) on the emulation: (c, the plan). programmatic:
     None, a plain launch; "wait" or "ignore_waits", the emulation's model of a programmatic
     launch (test_quant_cupy.arm_programmatic: the activations are the grid before's output, c and
     the workspace this launch's), whose counts come back as the plan's "programmatic".
     descending: the CTAs run last to first (a block's parts are then completed by the CTA whose
     run ends in it, where in ascending order the CTA whose run starts in it completes it).
-    act: silu_and_mul fused (w13's rows interleaved as the launcher packs them; c [P, N / 2]).
-    flow: the dataflow's flags: (ready int32, epoch) for an act launch, which publishes them
-    in the launcher's geometry (8 TPW columns a flag, W flags per row block and m tile) and
-    returns (ready, epoch, columns, stride) as the plan's "flow"; that tuple for the GEMM2
-    that awaits them (its AWAIT kernel). out: the output array (bf16, poisoned by the caller)
-    instead of a new one."""
+    dtype: the build's element type (a goes in as it, c comes back as it)."""
     import ctypes
 
     from test_quant_cupy import arm_programmatic, blocks_descending, programmatic_counts
@@ -243,94 +199,25 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     M_a, Kd = a.shape
     E, N = wq.shape[:2]
     P, G = M_a * top_k, ws.shape[2]
-    rows = W.gate_up_rows(N) if act else slice(None)
-    pk = W.stage_blocks(W.prepack_int4(wq[:, rows], ws[:, rows], None if wz is None else
-                                       wz[:, rows]), cfg["W"] * cfg["TPW"], cfg["KC"])
-    awaits = flow is not None and len(flow) == 4               # the dataflow's GEMM2
-    lp = W.staged_plan(P, E, N, Kd, st.size, B, cfg, sms, Kd // G, G, wz is not None, act=act,
-                       awaits=awaits)
-    a_in, a_scale = np.ascontiguousarray(a).view(np.uint16), None
-    if cfg.get("FA"):                                               # the conversion, emulated
-        a_in, a_scale = _emulated_f16_rows(lib, a)
-        a_in = a_in.view(np.uint16)
-    c = np.full((P, N // 2 if act else N), 0x7FC0, np.uint16) if out is None else \
-        out.view(np.uint16)                                         # poison: bf16 NaN
+    pk = W.stage_blocks(W.prepack_int4(wq, ws, wz), cfg["W"] * cfg["TPW"], cfg["KC"])
+    lp = W.staged_plan(P, E, N, Kd, st.size, B, cfg, sms, Kd // G, G, wz is not None)
+    a_in = np.ascontiguousarray(a.astype(dtype)).view(np.uint16)
+    c = np.full((P, N), 0x7FC0 if dtype == BF16 else 0x7E00, np.uint16)   # poison: NaN
     wsp = np.full(lp["WS"], np.nan, np.float32)                     # the parts' workspace
     cnt = np.zeros(lp["COUNTERS"], np.int32)
     gx, gy, _ = lp["grid"]
-    flow_args = (None, 0, 0, 0)
-    if flow is not None:
-        flow_args = flow if awaits else (flow[0], flow[1], 8 * cfg["TPW"],
-                                         lp["BLOCKS"] * cfg["W"])
-        lp["flow"] = flow_args
-        flow_args = (p(flow_args[0]),) + tuple(flow_args[1:])
     if programmatic is not None:
-        arm_programmatic(lib, [x for x in (a_in, a_scale) if x is not None], [c, wsp, cnt],
+        arm_programmatic(lib, [a_in], [c, wsp, cnt],
                          ignore_waits=programmatic == "ignore_waits")
     with blocks_descending(lib, descending):
         getattr(lib, f"k{EMULATED_NAMES.index(lp['name'])}")(
-            gx, gy, lp["block"][0], p(a_in), p(a_scale), p(pk["wp"]), p(c),
+            gx, gy, lp["block"][0], p(a_in), p(pk["wp"]), p(c),
             p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
-            N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8, *flow_args)
+            N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
     assert not cnt.any(), "the part counters come back to zero"
     if programmatic is not None:
         lp["programmatic"] = programmatic_counts(lib)
-    return c.view(BF16), lp
-
-
-def _emulated_f16_rows(lib, a):
-    import ctypes
-
-    M, K = a.shape
-    a16 = np.full((M, K), 0x7E00, np.uint16)                       # poison: fp16 NaN
-    scale = np.full(M, np.nan, np.float32)
-    lib.f16rows(M, np.ascontiguousarray(a).view(np.uint16).ctypes.data_as(ctypes.c_void_p),
-                a16.ctypes.data_as(ctypes.c_void_p), scale.ctypes.data_as(ctypes.c_void_p), K)
-    return a16.view(np.float16), scale
-
-
-def _f16_rows_case(rng):
-    """Rows of every kind: ordinary, huge, tiny, zeros, with NaN, with an infinity."""
-    a = (rng.standard_normal((7, 520)) * 3).astype(np.float32)
-    a[1] *= 1e30                                      # s = 15 - e < 0
-    a[2] *= 1e-20                                     # s > 15
-    a[2, :8] = 1e-30                                  # 2^-28 of the row's largest and below
-    a[3] = 0.0
-    a[4, 5] = np.nan
-    a[5, 9] = np.inf
-    a[6, 0] = 3e38                                    # near bf16's largest: s = -113
-    return a.astype(BF16)
-
-
-def test_f16_rows(rng):
-    """f16_rows (the NumPy twin of wna16_f16_rows): a16 row_scale gives a back exactly down
-    to 2^-28 of the row's largest when that is finite, NaN where a is NaN; each scaled row's
-    largest in [2^14, 2^15); rows of zeros or with an infinity keep scale 1."""
-    a = _f16_rows_case(rng)
-    a16, scale = W.f16_rows(a)
-    x = a.astype(np.float32)
-    back = a16.astype(np.float32) * scale[:, None]
-    with np.errstate(invalid="ignore"):
-        big = np.nanmax(np.abs(x), 1, keepdims=True)
-    exact = np.isfinite(x) & (np.abs(x) >= 2.0 ** -28 * big)
-    exact[5] = False                                  # the row with an infinity: scale 1
-    np.testing.assert_array_equal(back[exact], x[exact])
-    assert np.isnan(back[4, 5]) and np.isinf(back[5, 9])
-    assert scale[3] == 1.0 and scale[5] == 1.0 and (a16[3] == 0).all()
-    top = np.abs(a16[[0, 1, 2, 4, 6]].astype(np.float32))
-    top = np.nanmax(top, 1)
-    assert (top >= 2.0 ** 14).all() and (top < 2.0 ** 15).all()
-    assert W.f16_rows(np.zeros((0, 64), BF16))[0].shape == (0, 64)
-
-
-@pytest.mark.simulator
-def test_emulated_f16_rows(emulated_staged, rng):
-    """wna16_f16_rows on the emulation matches its NumPy twin bit for bit (poisoned outputs)."""
-    a = _f16_rows_case(rng)
-    a16, scale = W.f16_rows(a)
-    got16, got_scale = _emulated_f16_rows(emulated_staged, a)
-    np.testing.assert_array_equal(got16.view(np.uint16), a16.view(np.uint16))
-    np.testing.assert_array_equal(got_scale, scale)
+    return c.view(dtype), lp
 
 
 # (config, shape, group size, zero points, SMs, the CTAs Q the case was written for)
@@ -349,15 +236,10 @@ EMULATION_CASES = [
     # runs of 2-3 units (parts); then runs across m tiles that wrap the 4-slot ring, g256
     ("t24ws", (20, 2, 2, 1024, 512, 24), 128, True, 8, 8),
     ("t24ws", (30, 2, 2, 512, 768, 48), 256, False, 2, 2),
-    # FA: the activations as fp16 with row scales (wna16_f16_rows), the codes as fp16 pairs
-    ("f8", (2, 4, 2, 288, 576, 8), 64, False, 8, 16),
-    ("f16", (5, 3, 2, 288, 640, 16), 128, True, 8, 16),
-    ("f24", (20, 2, 2, 256, 512, 24), 128, True, 4, 8),
-    ("f24", (20, 2, 2, 64, 768, 48), 256, False, 4, 8),
-    ("f32", (30, 2, 2, 128, 384, 32), 384, True, 1, 2),
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", EMULATION_CASES)
 def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
@@ -370,6 +252,22 @@ def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sm
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e} (Q = {lp['Q']}, U = {lp['U']})"
 
 
+@pytest.mark.slow
+@pytest.mark.simulator
+@pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [EMULATION_CASES[i] for i in (1, 3, 6)])
+def test_emulated_fp16_build(emulated_staged_fp16, rng, cfg, shape, gs, zp, sms, q):
+    """The fp16 build: fp16 activations and output, the codes dequantized as fp16 pairs
+    (1024 + q and 64 + q, w16::raw_pairs_f16) and the sums mma's offsets to match."""
+    M_a, E, K, N, Kd, B = shape
+    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
+    got, lp = _run_emulated(emulated_staged_fp16, cfg, a, wq, ws, wz, st, ex, ntp, K, B, tw,
+                            bias, sms, dtype=np.dtype(np.float16))
+    assert lp["Q"] == q
+    err = rel_err(got, want)          # a: bf16 values, exact in fp16
+    assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e}"
+
+
+@pytest.mark.slow
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [c for c in EMULATION_CASES if c[-1] > 2])
 def test_emulated_any_block_order_same_bits(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
@@ -401,6 +299,7 @@ def _other_rank_case(rng):
     return ids, (a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, 2), want
 
 
+@pytest.mark.slow
 @pytest.mark.simulator
 def test_emulated_other_rank(emulated_staged, rng):
     """Experts 1 and 3 live on another rank (expert id -1): their rows are zeros."""
@@ -413,10 +312,10 @@ def test_emulated_other_rank(emulated_staged, rng):
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,case", [
     ("t24", ((20, 2, 2, 256, 512, 24), 128, True, 4)),   # runs across m tiles, blocks in parts
-    ("f24", ((20, 2, 2, 64, 768, 48), 256, False, 4)),   # FA: a16 and the row scales as inputs
     ("t8", "other rank"),                                # zeros stored for another rank
     ("t24ws", ((20, 2, 2, 1024, 512, 24), 128, True, 8)),  # producers and consumers both wait
-], ids=["t24-parts", "f24-fa", "t8-other-rank", "t24ws-roles"])
+], ids=["t24-parts", "t8-other-rank", "t24ws-roles"])
+@pytest.mark.slow
 def test_emulated_programmatic_launch(emulated_staged, rng, cfg, case):
     """Launched programmatically (grouped_gemm_wna16(..., programmatic=True)), the kernel may
     start while the grid before it still writes the activations. On the emulation's model of
@@ -438,154 +337,6 @@ def test_emulated_programmatic_launch(emulated_staged, rng, cfg, case):
     assert counts["early_reads"] > 0 and counts["early_writes"] > 0 and counts["stuck"] == 0
 
 
-def _live_m_tiles(st, ex, ntp, P, bm, B):
-    """The m tiles with a live position and an expert of this rank."""
-    L = min(st.size, int(ntp[0]))
-    return [m for m in range(-(-L // bm))
-            if ex[m * bm // B] >= 0 and (st[m * bm:min(L, (m + 1) * bm)] < P).any()]
-
-
-def _m_tile_slots(st, m, bm, P):
-    """The live slots (rows of c) of m tile m."""
-    rows = st[m * bm:(m + 1) * bm]
-    return rows[rows < P]
-
-
-@contextlib.contextmanager
-def flow_model(lib, ready, late=None, check=None):
-    """The emulation's model of the dataflow (W16_PRELUDE's qg_flow_arm) for the launches
-    inside: late(i, v) when an await finds flag ready[i] unset (it must set it), check(i, v)
-    before each publish of ready[i] = v. What they raise is raised after the launches, and
-    no await may have spun without end."""
-    import ctypes
-
-    errors = []
-    hook_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int)
-
-    def wrap(fn):
-        def hook(f, v):
-            try:
-                fn((f - ready.ctypes.data) // 4, v)
-            except BaseException as e:  # noqa: BLE001 - a C thread: keep it for the test
-                errors.append(e)
-        return None if fn is None else hook_type(hook)
-
-    hooks = (wrap(late), wrap(check))           # (alive until disarmed)
-    lib.qg_flow_arm(*hooks)
-    try:
-        yield
-    finally:
-        lib.qg_flow_arm(None, None)
-    if errors:
-        raise errors[0]
-    assert lib.qg_flow_stuck() == 0, "an await spun without end"
-
-
-# (config, shape, group size, zero points, SMs): GEMM1 shapes, N = 2 I
-ACT_CASES = [("t24", (20, 2, 2, 256, 512, 24), 128, True, 4),
-             ("t24ws", (20, 2, 2, 1024, 512, 24), 128, True, 8)]
-
-
-@pytest.mark.simulator
-@pytest.mark.parametrize("cfg,shape,gs,zp,sms", ACT_CASES)
-def test_emulated_fused_activation(emulated_staged, rng, cfg, shape, gs, zp, sms):
-    """ACT: silu_and_mul in the epilogue (w13's rows interleaved by gate_up_rows) on a poisoned
-    [P, I] output: the reference's GEMM1 then silu_and_mul, within rounding of the emulated
-    plain GEMM then the activation. Its flags: each (live m tile, flag) published once, in
-    this launch's epoch, and only once the columns it covers are stored for every live row
-    of the m tile (checked at the publish); no other flag touched."""
-    from reference import silu_and_mul
-
-    M_a, E, K, N, Kd, B = shape
-    P, bm, cfg_d = M_a * K, 8 * W.STAGED_CONFIGS[cfg]["MT"], W.STAGED_CONFIGS[cfg]
-    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
-    args = (a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, sms)
-    ready = np.full(1 << 12, 3, np.int32)             # an older epoch's flags
-    out = np.full((P, N // 2), 0x7FC0, np.uint16).view(BF16)
-    cols, published = 8 * cfg_d["TPW"], {}
-    stride = W.staged_plan(P, E, N, Kd, st.size, B, cfg_d, sms, gs, Kd // gs, zp,
-                           act=True)["BLOCKS"] * cfg_d["W"]
-
-    def check(i, v):
-        m, j = divmod(i, stride)
-        assert v == 4, f"flag {i} published as epoch {v}"
-        stored = out.view(np.uint16)[_m_tile_slots(st, m, bm, P), j * cols:(j + 1) * cols]
-        assert (stored != 0x7FC0).all(), f"flag {i} published before its columns are stored"
-        published[i] = published.get(i, 0) + 1
-
-    with flow_model(emulated_staged, ready, check=check):
-        got, lp = _run_emulated(emulated_staged, cfg, *args, act=True, flow=(ready, 4), out=out)
-    plain, _ = _run_emulated(emulated_staged, cfg, *args)
-    assert got.shape == (P, N // 2)
-    assert rel_err(got, silu_and_mul(want.astype(BF16))) <= TOL
-    assert rel_err(got, silu_and_mul(plain)) <= 1e-3
-    assert lp["flow"][2:] == (cols, stride) and stride * cols >= N // 2
-    live = _live_m_tiles(st, ex, ntp, P, bm, B)
-    assert live and published == {m * stride + j: 1 for m in live for j in range(stride)}
-    flags = ready[:lp["MTILES"] * stride].reshape(lp["MTILES"], stride)
-    assert (flags[live] == 4).all()
-    assert (np.delete(flags, live, axis=0) == 3).all() and (ready[flags.size:] == 3).all()
-
-
-@pytest.mark.simulator
-def test_emulated_dataflow_chain(emulated_staged, rng):
-    """t24ws GEMM1 with the activation fused publishes its flags; the dataflow's GEMM2 (its
-    producers await each stage's columns instead of the whole grid) computes the bits of the
-    plain GEMM2 and the reference chain's result. Then the GEMM1 still running, modelled: the
-    GEMM2 starts on a NaN input with every flag unset, and a flag's columns of its m tile's
-    rows land only when an await first meets it. It must read nothing before its await (the
-    same bits again) and await exactly the live m tiles' flags of its K columns; a GEMM1
-    that set its flags without storing is caught (NaN comes through)."""
-    from reference import silu_and_mul
-
-    M_a, E, K, N1, Kd, B = 20, 2, 2, 1024, 512, 24
-    P, bm = M_a * K, 8 * W.STAGED_CONFIGS["t24ws"]["MT"]
-    a, wq1, ws1, wz1, st, ex, ntp, tw, bias, c1 = emulation_case(rng, (M_a, E, K, N1, Kd, B),
-                                                                 128, True)
-    wq2, ws2, wz2 = quantized(rng, E, Kd, N1 // 2, 128, False)
-    bias2 = rng.standard_normal((E, Kd)).astype(np.float32)
-    ready = np.zeros(1 << 12, np.int32)
-    mid, lp1 = _run_emulated(emulated_staged, "t24ws", a, wq1, ws1, wz1, st, ex, ntp, K, B, tw,
-                             bias, 8, act=True, flow=(ready, 1))
-    _, epoch, cols, stride = lp1["flow"]
-
-    def gemm2(x, flow=None):
-        return _run_emulated(emulated_staged, "t24ws", x, wq2, ws2, wz2, st, ex, ntp, 1, B,
-                             tw.reshape(-1, 1), bias2, 8, flow=flow)[0]
-
-    plain = gemm2(mid)
-    np.testing.assert_array_equal(gemm2(mid, lp1["flow"]).view(np.uint16),
-                                  plain.view(np.uint16))
-    want = RQ.grouped_gemm_quant(silu_and_mul(c1.astype(BF16)), wq2, st, ex, ntp, 1, B,
-                                 tw.reshape(-1, 1), True, bias2, w_scale=ws2,
-                                 use_int4_w4a16=True)
-    assert rel_err(plain, want) <= TOL
-
-    def late_run(stores):
-        x = np.full_like(mid, np.nan)
-        flags = np.zeros_like(ready)
-        met = []
-
-        def late(i, v):
-            m, j = divmod(i, stride)
-            rows = _m_tile_slots(st, m, bm, P)
-            if stores:
-                x[rows, j * cols:(j + 1) * cols] = mid[rows, j * cols:(j + 1) * cols]
-            met.append(i)
-            flags[i] = v
-
-        with flow_model(emulated_staged, flags, late=late):
-            got = gemm2(x, (flags, epoch, cols, stride))
-        return got, met
-
-    got, met = late_run(True)
-    np.testing.assert_array_equal(got.view(np.uint16), plain.view(np.uint16))
-    live = _live_m_tiles(st, ex, ntp, P, bm, B)
-    assert sorted(met) == [m * stride + j for m in live for j in range(-(-(N1 // 2) // cols))]
-    got, _ = late_run(False)
-    assert np.isnan(got.astype(np.float32)).any()
-
-
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -595,25 +346,6 @@ def test_matches_reference(rng, shape, cfg):
     if not ok:
         pytest.skip(why)
     check_matches_reference(rng, shape, cfg, 16 * W.STAGED_CONFIGS[cfg]["MT"])
-
-
-@pytest.mark.gpu
-def test_f16_rows_on_gpu(rng):
-    """wna16_f16_rows on the GPU matches its NumPy twin bit for bit but for NaN's payload
-    (poisoned outputs), and an empty batch launches nothing."""
-    ok, why = C.availability()
-    if not ok:
-        pytest.skip(why)
-    a = _f16_rows_case(rng)
-    a16, scale = W.f16_rows(a)
-    got16, got_scale = W._device_f16_rows(up(a))
-    got = host(got16).view(np.float16)
-    nan = np.isnan(a16)              # the GPU's NaN keeps a payload (0x7FFF), NumPy's is 0x7E00
-    assert (np.isnan(got) == nan).all() and nan.sum() == 1
-    np.testing.assert_array_equal(got.view(np.uint16)[~nan], a16.view(np.uint16)[~nan])
-    np.testing.assert_array_equal(host(got_scale), scale)
-    e16, escale = W._device_f16_rows(up(np.zeros((0, 64), BF16)))
-    assert e16.shape == (0, 64) and escale.shape == (0,)
 
 
 @pytest.mark.gpu
@@ -681,7 +413,7 @@ def test_grouped_gemm_quant_routes_int4_to_staged(rng, monkeypatch, block, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["t24", "f24", "t24ws"])
+@pytest.mark.parametrize("cfg", ["t24", "t24ws"])
 def test_programmatic_launch_waits_for_its_input(rng, cfg):
     """GEMM2 launched programmatically (PDL) right after GEMM1 reads GEMM1's output as its
     activations: its CTAs start under GEMM1's tail, and must wait before they read it. The
@@ -718,124 +450,3 @@ def test_programmatic_launch_waits_for_its_input(rng, cfg):
         assert np.isfinite(got.astype(np.float32)).all()
         assert rel_err(got, want) <= TOL
         assert np.array_equal(got.view(np.uint16), plain.view(np.uint16))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg,activation", [("t24", "silu"), ("t24ws", "silu"), ("q8", "silu"),
-                                            ("t24", "gelu")])
-def test_activation_matches_unfused(rng, cfg, activation):
-    """activation= on a poisoned [P, N / 2] output: silu on the staged rung is fused into the
-    epilogue (w13's rows interleaved when packed), anything else runs activation.py after the
-    GEMM; either way the bits of the plain GEMM then activation.py's *_and_mul (zero points,
-    bias and router weights in the epilogue), and the reference chain's within TOL."""
-    ok, why = C.availability()
-    if not ok:
-        pytest.skip(why)
-    if cfg == "t24ws" and not W.device_runs_ws():
-        pytest.skip("t24ws needs an sm_90 GPU")
-    from cuda_kernels.cupy import activation as A
-    from reference import apply_activation
-
-    M_a, E, K, N, Kd = 40, 4, 2, 1024, 1024
-    B = 8 * W.named_config(cfg)["MT"] * (2 if cfg != "q8" else 1)
-    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, (M_a, E, K, N, Kd, B), 128,
-                                                                True)
-    args = (up(a), up(wq), up(st), up(ex), up(ntp), K, B)
-    kw = dict(w_scale=up(ws), w_zp=up(wz), use_int4_w4a16=True, config=cfg,
-              topk_weights=up(tw), mul_routed_weight=True, bias=up(bias))
-    out = poisoned((M_a * K, N // 2), BF16)
-    got = W.grouped_gemm_wna16(*args, **kw, out=out, activation=activation)
-    assert got is out
-    plain = A.apply_activation(W.grouped_gemm_wna16(*args, **kw), activation)
-    np.testing.assert_array_equal(host(got, BF16).view(np.uint16),
-                                  host(plain, BF16).view(np.uint16))
-    assert rel_err(host(got, BF16), apply_activation(want.astype(BF16), activation)) <= TOL
-
-
-@pytest.mark.gpu
-def test_activation_and_flow_errors(rng):
-    """activation= and flow= refuse what they cannot take, naming the argument: an unknown
-    activation, an odd N, an output of the GEMM's width or of another dtype, a flow that is
-    no BlockFlow."""
-    ok, why = C.availability()
-    if not ok:
-        pytest.skip(why)
-    M_a, E, K, N, Kd, B = 8, 2, 2, 256, 256, 24
-    a, wq, ws, wz, st, ex, ntp, tw, bias, _ = emulation_case(rng, (M_a, E, K, N, Kd, B), 128,
-                                                             False)
-    args = (up(a), up(wq), up(st), up(ex), up(ntp), K, B)
-    kw = dict(w_scale=up(ws), use_int4_w4a16=True, config="t24")
-    with pytest.raises(ValueError, match="activation: expected None or one of"):
-        W.grouped_gemm_wna16(*args, **kw, activation="relu2")
-    with pytest.raises(ValueError, match="even N"):
-        W.grouped_gemm_wna16(up(a), up(wq[:, :N - 1]), *args[2:], w_scale=up(ws[:, :N - 1]),
-                             use_int4_w4a16=True, activation="silu")
-    with pytest.raises(ValueError, match="out"):
-        W.grouped_gemm_wna16(*args, **kw, activation="silu", out=C.empty((M_a * K, N), BF16))
-    with pytest.raises(TypeError, match="out"):
-        W.grouped_gemm_wna16(*args, **kw, activation="silu",
-                             out=C.empty((M_a * K, N // 2), np.float16))
-    with pytest.raises(TypeError, match="out"):             # the unfused path checks it too
-        W.grouped_gemm_wna16(*args, w_scale=up(ws), use_int4_w4a16=True, config="q8",
-                             activation="gelu", out=C.empty((M_a * K, N // 2), np.float16))
-    with pytest.raises(TypeError, match="flow: expected a BlockFlow"):
-        W.grouped_gemm_wna16(*args, **kw, activation="silu", flow=object())
-
-
-@pytest.mark.gpu
-def test_dataflow_chain(rng, monkeypatch):
-    """GEMM1 (t24ws, silu fused) publishes its columns in a BlockFlow; GEMM2 launched
-    programmatically with the same flow starts under GEMM1 and waits only for the columns it
-    copies. GEMM2's input is poisoned (NaN) before GEMM1 writes it, so an early read cannot
-    pass: the chain has the bits of the chain without the flow, launch after launch (a new
-    epoch each, the flags never reset), and the reference chain's within TOL. A GEMM2 that
-    reads another array, or a chain in a graph capture, does not take the handshake (and is
-    right all the same)."""
-    ok, why = C.availability()
-    if not ok:
-        pytest.skip(why)
-    if not W.device_runs_ws():
-        pytest.skip("the dataflow runs on the warp-specialized rung (sm_90)")
-    from reference import silu_and_mul
-
-    M_a, E, K, N1, Kd, B = 64, 8, 2, 4096, 4096, 48
-    P = M_a * K
-    a = rng.standard_normal((M_a, Kd)).astype(BF16)
-    wq1, ws1, _ = quantized(rng, E, N1, Kd, 128, False)
-    wq2, ws2, _ = quantized(rng, E, Kd, N1 // 2, 128, False)
-    ids = np.stack([rng.permutation(E)[:K] for _ in range(M_a)]).astype(np.int32)
-    st, ex, ntp = moe_align_block_size(ids, B, E)
-    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
-    c1 = RQ.grouped_gemm_quant(a, wq1, st, ex, ntp, K, B, w_scale=ws1, use_int4_w4a16=True)
-    want = RQ.grouped_gemm_quant(silu_and_mul(c1.astype(BF16)), wq2, st, ex, ntp, 1, B, tw,
-                                 True, w_scale=ws2, use_int4_w4a16=True)
-    d = dict(a=up(a), w1=up(wq1), s1=up(ws1), w2=up(wq2), s2=up(ws2), st=up(st), ex=up(ex),
-             ntp=up(ntp), tw=up(tw))
-
-    def chain(flow, other=False):
-        mid = poisoned((P, N1 // 2), BF16)
-        W.grouped_gemm_wna16(d["a"], d["w1"], d["st"], d["ex"], d["ntp"], K, B,
-                             w_scale=d["s1"], use_int4_w4a16=True, config="t24ws", out=mid,
-                             activation="silu", flow=flow)
-        if other:                                       # GEMM2 on a copy: not what was published
-            mid = mid.copy()
-        out = poisoned((P, Kd), BF16)
-        return host(W.grouped_gemm_wna16(mid, d["w2"], d["st"], d["ex"], d["ntp"], 1, B,
-                                         d["tw"], True, w_scale=d["s2"], use_int4_w4a16=True,
-                                         config="t24ws", out=out, programmatic=True, flow=flow),
-                    BF16)
-
-    plain = chain(None)
-    assert rel_err(plain, want) <= TOL
-    flow = W.BlockFlow()
-    for i in range(4):
-        got = chain(flow)
-        assert flow.taken == i + 1 and flow.epoch == i + 1 and flow.pending is None
-        np.testing.assert_array_equal(got.view(np.uint16), plain.view(np.uint16))
-    got = chain(flow, other=True)
-    assert flow.taken == 4 and flow.pending is None
-    np.testing.assert_array_equal(got.view(np.uint16), plain.view(np.uint16))
-    monkeypatch.setattr(W, "_capturing", lambda: True)
-    got = chain(flow)
-    assert flow.taken == 4 and flow.epoch == 5
-    np.testing.assert_array_equal(got.view(np.uint16), plain.view(np.uint16))

@@ -193,6 +193,7 @@ def emulated_wgmma(tmp_path_factory):
     ("g24", (6, 2, 2, 128, 640, 24), 64, False, 132, 8, 3),
     ("p32", (40, 3, 2, 192, 384, 32), 128, True, 1, 1, 2),
 ])
+@pytest.mark.slow
 def test_emulated_matches_reference(emulated_wgmma, rng, cfg, shape, gs, zp, sms, waves, ks):
     import ctypes
 

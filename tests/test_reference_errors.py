@@ -158,6 +158,25 @@ BAD = [
     ("fused_moe_topk_over_E", lambda: fused_moe(X, W1, W2, LOGITS, E + 1, True), ValueError, "topk"),
     ("fused_moe_logits_rows", lambda: fused_moe(X, W1, W2, LOGITS[:2], K, True), ValueError,
      "hidden_states"),
+    # the router's width against the experts: 6 columns for 8 experts used to route silently
+    # to experts 0..5, 10 columns to fail at topk_ids
+    ("fused_moe_logits_narrow", lambda: fused_moe(X, W1, W2, LOGITS[:, :6], K, True), ValueError,
+     "gating_output"),
+    ("fused_moe_logits_wide", lambda: fused_moe(X, W1, W2, np.tile(LOGITS, 2), K, True),
+     ValueError, "gating_output"),
+    ("fused_moe_logits_vs_global", lambda: fused_moe(
+        X, W1[:4], W2[:4], LOGITS[:, :6], K, True, global_num_experts=E,
+        expert_map=np.r_[np.arange(4), np.full(4, -1)].astype(np.int32)), ValueError,
+     "gating_output"),
+    ("select_logits_vs_global", lambda: select_experts(X, LOGITS[:, :6], K, False, True,
+                                                       global_num_experts=E),
+     ValueError, "router_logits"),
+    ("select_logits_vs_zero_experts", lambda: select_experts(
+        X, LOGITS, K, False, True, global_num_experts=E, zero_expert_num=2,
+        zero_expert_type="identity"), ValueError, "router_logits"),
+    ("select_grouped_logits_vs_global", lambda: select_experts(
+        X, LOGITS[:, :4], K, True, True, topk_group=1, num_expert_group=2,
+        global_num_experts=E), ValueError, "router_logits"),
     # expert map
     ("ep_rank_over", lambda: determine_expert_map(4, 4, E), ValueError, "ep_rank"),
     ("ep_size_0", lambda: determine_expert_map(0, 0, E), ValueError, "ep_size"),
@@ -186,6 +205,50 @@ def test_bad_input_names_the_argument(call, exc, name):
     message = str(info.value)
     assert re.search(r"expected|needs", message), f"does not say what was expected: {message}"
     assert re.search(r"got|'", message), f"does not say what came: {message}"
+
+
+def test_cupy_select_experts_checks_the_width_before_any_device():
+    """The CuPy backend's dispatcher is the reference's: a router of the wrong width is
+    refused by name before anything touches CuPy (none is needed to see it)."""
+    import importlib
+
+    routing = importlib.import_module("cuda_kernels.cupy.routing")
+    with pytest.raises(ValueError, match=r"^router_logits: expected 8 columns"):
+        routing.select_experts(None, LOGITS[:, :6], K, False, True, global_num_experts=E)
+
+
+# --------------------------------------------------------------------------------------------
+# Batches too big for memory: refused before the first intermediate is allocated
+# --------------------------------------------------------------------------------------------
+
+def _tiny_memory(monkeypatch, nbytes):
+    from reference import _checks
+
+    monkeypatch.setattr(_checks, "CHECK_ABOVE_BYTES", 0, raising=False)   # check any size
+    monkeypatch.setattr(_checks, "available_host_memory", lambda: nbytes, raising=False)
+
+
+def test_a_batch_that_cannot_fit_fails_at_once_naming_T_and_the_bytes(monkeypatch):
+    """A huge T used to run for seconds and end in NumPy's bare MemoryError: the working set
+    ([P, 2I] + [P, I] + [P, H] in fp32, P = T*K) is checked first."""
+    _tiny_memory(monkeypatch, 1000)
+    need = T * K * (2 * I + I + H) * 4
+    for call in (experts(), lambda: fused_moe(X, W1, W2, LOGITS, K, True)):
+        with pytest.raises(MemoryError, match=rf"^hidden_states: expected .* got T={T} tokens, "
+                                              rf"which need at least .*\({need:,} bytes\)"):
+            call()
+    with pytest.raises(MemoryError, match=rf"\({2 * need:,} bytes\)"):
+        experts(precision="exact")()                        # float64 intermediates
+    assert fused_experts(X0, W1, W2, WEIGHTS0, IDS0).shape == (0, H)   # T = 0 needs nothing
+    _tiny_memory(monkeypatch, need)
+    assert experts()().shape == (T, H)                       # exactly enough is enough
+
+
+def test_available_host_memory_is_a_plausible_number():
+    from reference import _checks
+
+    n = _checks.available_host_memory()
+    assert n is None or (isinstance(n, int) and 0 <= n < 1 << 60)
 
 
 # --------------------------------------------------------------------------------------------

@@ -136,6 +136,18 @@ def test_select_experts_custom_function():
 
 
 
+def test_select_experts_checks_the_logits_width():
+    """6 logit columns for 8 experts (or 8 for 8 + 2 zero experts) name router_logits instead
+    of routing to the first columns' experts."""
+    x = torch.zeros((3, 4))
+    for cols, want, kw in ((6, 8, {}),
+                           (8, 10, {"zero_expert_num": 2, "zero_expert_type": "identity"})):
+        with pytest.raises(ValueError,
+                           match=rf"^router_logits: expected {want} columns.*got shape \(3, {cols}\)"):
+            tb.select_experts(x, torch.zeros((3, cols)), 2, False, True, global_num_experts=8,
+                              **kw)
+
+
 def test_select_experts_ops_and_indices_type():
     """The dispatch is the reference's: a caller's ops supply the routing functions, this
     backend's tensor handling fills in the rest of the tail (ids cast, copies, zero experts)."""

@@ -326,6 +326,82 @@ def test_unavailable_backends_listed_with_reason(monkeypatch):
     assert "cupy" not in report.first_divergence
 
 
+def test_nothing_but_the_reference_ran_is_not_ok(monkeypatch):
+    """Asked for cupy and numba on a machine with neither: both are listed as skipped with
+    the reason, and the report is not ok (nothing was compared), the table says why."""
+    from sandbox import validate as v  # the (callable) module
+
+    real = v.get_backend
+    fakes = {"cupy": registry.Backend("cupy", None, False, "no CUDA device here", "cupy"),
+             "numba": registry.Backend("numba", None, False, "no GPU and no simulator",
+                                       "numba")}
+    monkeypatch.setattr(v, "get_backend", lambda n: fakes.get(n) or real(n))
+    layer, x, logits = make(seed=22, t=5)
+    report = validate(layer, x, logits, backends=["cupy", "numba"])
+    assert not report.ok and not report.diverged and report.compared == []
+    assert report.skipped == {"cupy": "no CUDA device here", "numba": "no GPU and no simulator"}
+    table = report.table()
+    assert "cupy: skipped (no CUDA device here)" in table
+    assert "numba: skipped (no GPU and no simulator)" in table
+    assert "NOTHING COMPARED" in table and "no backend but the reference ran" in table
+    back = ValidationReport.from_json(json.loads(json.dumps(report.to_json())))
+    assert report.to_json()["ok"] is False and not back.ok
+    # with one backend that ran, the same skips do not spoil the verdict
+    both = validate(layer, x, logits, backends=["torch", "cupy"])
+    assert both.ok and both.compared == ["torch"] and "cupy" in both.skipped
+    # the reference alone, asked for: its rounding against the exact answer is the point
+    own = validate(layer, x, logits, backends=["reference"], end_to_end=False)
+    assert own.ok and own.compared == []
+
+
+def test_backend_that_runs_no_asked_stage_is_skipped_with_the_reason(monkeypatch):
+    monkeypatch.delattr(torch_backend, "moe_sum")
+    layer, x, logits = make(seed=23, t=5)
+    report = validate(layer, x, logits, backends=["torch"], stages=("combine",),
+                      end_to_end=False)
+    assert not report.ok and report.compared == []
+    assert "moe_sum" in report.skipped["torch"]
+    assert "torch: skipped (" in report.table()
+
+
+def test_progress_only_for_slow_backends_and_never_when_quiet(monkeypatch, capsys):
+    """A backend that runs past PROGRESS_AFTER_S seconds gets a line per stage on stderr
+    (the CUDA simulator takes minutes); a fast run prints nothing; quiet=True never does."""
+    from sandbox import validate as v  # the (callable) module
+
+    layer, x, logits = make(seed=24, t=5)
+    assert validate(layer, x, logits, backends=["torch"]).ok
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(v, "PROGRESS_AFTER_S", 0.0, raising=False)   # everything is "slow"
+    assert validate(layer, x, logits, backends=["torch"]).ok
+    err = capsys.readouterr().err
+    for stage in STAGES + ("end_to_end",):
+        assert f"validate: torch: {stage} (" in err, err
+    assert "validate: torch: done in" in err
+    assert validate(layer, x, logits, backends=["torch"], quiet=True).ok
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_line_while_a_long_stage_runs(monkeypatch, capsys):
+    """The first line comes when the mark passes, even in the middle of a stage."""
+    import time
+
+    from sandbox import validate as v
+
+    monkeypatch.setattr(v, "PROGRESS_AFTER_S", 0.05, raising=False)
+    real = torch_backend.moe_sum
+
+    def slow_sum(x):
+        time.sleep(0.3)
+        return real(x)
+
+    monkeypatch.setattr(torch_backend, "moe_sum", slow_sum)
+    layer, x, logits = make(seed=25, t=5)
+    assert validate(layer, x, logits, backends=["torch"], end_to_end=False).ok
+    err = capsys.readouterr().err
+    assert "validate: torch: combine (" in err and "still running" in err, err
+
+
 def test_missing_stage_is_skipped(monkeypatch):
     monkeypatch.delattr(torch_backend, "moe_sum")
     layer, x, logits = make(seed=16)
@@ -376,6 +452,7 @@ for dt, t in ((np.float32, 5), (ml_dtypes.bfloat16, 3)):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.simulator
 def test_numba_simulator_through_harness():
     """The numba backend under the CUDA simulator (which must be switched on before numba is

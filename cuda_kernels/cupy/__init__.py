@@ -7,9 +7,12 @@ Every stage has the name, the arguments and the returns of its NumPy twin in `re
     permute.py      moe_align_block_size, moe_permute, moe_unpermute            (permute.cu)
     activation.py   apply_activation, silu_and_mul, gelu_and_mul, ...           (activation.cu)
     combine.py      moe_sum                                                     (combine.cu)
-    grouped_gemm.py grouped_gemm, a ladder of versions                          (grouped_gemm.cu)
+    grouped_gemm.py grouped_gemm, a ladder of versions                          (gemm_v*.cu)
+    experts.py      fused_experts: align .. combine from a plan cached per shape (the host
+                    work of a decode step done once; torch tensors and CUDA graphs welcome)
     _compile.py     source text, CuPy compile + cache, NVRTC compile checks without a GPU
     _launch.py      launches with programmatic stream serialization (PDL: cuLaunchKernelEx)
+    _stream.py      CuPy's handle on another library's stream (torch's current stream)
 
 Importing this package needs neither a GPU nor CuPy: `availability()` says whether the
 kernels can run here, and the stage modules import CuPy only when a stage is called.
@@ -25,7 +28,7 @@ __all__ = [
     "fused_topk", "fused_topk_bias", "grouped_topk", "select_experts",
     "moe_align_block_size", "moe_permute", "moe_unpermute",
     "apply_activation", "silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul",
-    "swigluoai_and_mul", "moe_sum", "grouped_gemm",
+    "swigluoai_and_mul", "moe_sum", "grouped_gemm", "fused_experts",
     "grouped_gemm_quant", "moe_kernel_quantize_input", "per_token_group_quant_fp8",
 ]
 
@@ -33,6 +36,7 @@ __all__ = [
 # still being written (or failing to import) never breaks the rest of the package
 _STAGES = {
     **STAGE_MODULES,
+    "fused_experts": "experts",
     "grouped_gemm_quant": "quant_gemm",
     "moe_kernel_quantize_input": "quant_act", "per_token_group_quant_fp8": "quant_act",
 }

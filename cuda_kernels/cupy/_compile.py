@@ -25,7 +25,7 @@ Why prebuilt cubins: the SASS, and so the speed, of a kernel depends on the NVRT
 it. The staged int4 rung built by NVRTC 13.5 runs its Mixtral layers 2-4% faster on an H200
 than the same source built by the CUDA 13.0 NVRTC of the H200 image (T = 64: 267-269 against
 273-276 us on three of bench_quant's four routings, 287 against 295 on the fourth; T = 256:
-758 against 786 us; benchmarks/results/dev_wna16_20261202b). Shipping the cubin makes that
+758 against 786 us). Shipping the cubin makes that
 build the one every machine runs, and the one CPU CI checks byte for byte
 (tests/test_prebuilt.py). A cubin the driver refuses (older than the CUDA 13.0 it needs) is
 passed over with a warning, and the source compiles as usual.

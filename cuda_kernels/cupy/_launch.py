@@ -1,4 +1,4 @@
-"""Kernel launches with programmatic stream serialization (programmatic dependent launch, PDL).
+"""Kernel launches through the driver: programmatic dependent launch (PDL), and FastLaunch.
 
 A kernel launched this way may start while the kernel before it on the stream still runs, once
 every CTA of that kernel has executed `griddepcontrol.launch_dependents` (or exited). It must
@@ -11,6 +11,10 @@ written for it also runs in a plain launch.
 CuPy launches through cuLaunchKernel, which takes no launch attributes; `launch` calls the
 driver's cuLaunchKernelEx through ctypes with a CUlaunchConfig that holds one attribute,
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (the layouts of cuda.h, CUDA 12 and 13).
+
+`FastLaunch` is a launch whose configuration and parameter block are built once and whose
+argument values are rewritten in place at each call (the host's share of a decode step:
+cuda_kernels/cupy/experts.py).
 """
 from __future__ import annotations
 
@@ -74,6 +78,14 @@ def _driver():
         lib.cuLaunchKernelEx.restype = ctypes.c_int
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.cuGetErrorString.restype = ctypes.c_int
+        u = ctypes.c_uint
+        lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p,
+                                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        lib.cuLaunchKernel.restype = ctypes.c_int
+        lib.cuLaunchCooperativeKernel.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u,
+                                                  ctypes.c_void_p,
+                                                  ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuLaunchCooperativeKernel.restype = ctypes.c_int
         _DRIVER["lib"] = lib
     return _DRIVER["lib"]
 
@@ -106,3 +118,72 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, programmatic: bool = 
         lib.cuGetErrorString(status, ctypes.byref(msg))
         raise RuntimeError(f"cuLaunchKernelEx (programmatic launch of {grid} x {block}): "
                            f"{(msg.value or b'?').decode()} ({status})")
+
+
+# ----------------------------------------------------------------------------- fast launches
+class _Bytes128(ctypes.Structure):
+    """A 128-byte kernel parameter passed by value (v6's CUtensorMap): `.value = array` copies
+    the bytes of a 128-byte host NumPy array into the slot."""
+    _fields_ = [("raw", ctypes.c_char * 128)]
+
+    @property
+    def value(self):
+        return ctypes.string_at(ctypes.addressof(self), 128)
+
+    @value.setter
+    def value(self, array):
+        if array.nbytes != 128:
+            raise ValueError(f"a 't' argument: expected 128 bytes, got {array.nbytes}")
+        ctypes.memmove(ctypes.addressof(self), array.ctypes.data, 128)
+
+
+class FastLaunch:
+    """One kernel's launch with everything but the argument values fixed: the driver's
+    cuLaunchKernel (or cuLaunchCooperativeKernel) called through ctypes with a prebuilt
+    parameter block, whose slots are rewritten in place at each call.
+
+        launch = FastLaunch(kernel, grid, block, shared_mem, "pppiif")   # p pointer, i int32,
+        launch(stream_ptr, x_ptr, y_ptr, z_ptr, n, m, 0.5)               # f float32, t 128
+                                                                          # bytes (a NumPy array)
+
+    Why: CuPy's launcher converts each argument into a C value at every call, which took
+    8-10 us per 16-argument launch on the H100 machine's host (its own measurement); a
+    decode step launches five kernels whose GPU work is tens of microseconds. Here a launch is
+    the slot stores and one ctypes call. The stream is a raw cudaStream_t (torch's or
+    CuPy's), so a CUDA graph capture on that stream records the launch like any other."""
+
+    _CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "f": ctypes.c_float, "t": _Bytes128}
+
+    def __init__(self, kernel, grid, block, shared_mem: int, signature: str,
+                 cooperative: bool = False):
+        fn = getattr(kernel, "kernel", kernel)         # a RawKernel holds its Function
+        self.fn = ctypes.c_void_p(int(fn.ptr))
+        self._keep = fn
+        self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        self.block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
+        self.shared_mem = int(shared_mem)
+        self.cooperative = bool(cooperative)
+        self.slots = [self._CTYPES[c]() for c in signature]
+        self.params = (ctypes.c_void_p * max(1, len(self.slots)))(
+            *[ctypes.cast(ctypes.pointer(s), ctypes.c_void_p) for s in self.slots])
+        self.signature = signature
+        lib = _driver()
+        self._launch = lib.cuLaunchCooperativeKernel if cooperative else lib.cuLaunchKernel
+
+    def __call__(self, stream_ptr: int, *values):
+        for slot, v in zip(self.slots, values):
+            slot.value = v
+        gx, gy, gz = self.grid
+        bx, by, bz = self.block
+        if self.cooperative:
+            status = self._launch(self.fn, gx, gy, gz, bx, by, bz, self.shared_mem, stream_ptr,
+                                  self.params)
+        else:
+            status = self._launch(self.fn, gx, gy, gz, bx, by, bz, self.shared_mem, stream_ptr,
+                                  self.params, None)
+        if status != 0:
+            msg = ctypes.c_char_p()
+            _driver().cuGetErrorString(status, ctypes.byref(msg))
+            raise RuntimeError(f"cuLaunchKernel ({self.grid} x {self.block}, "
+                               f"{self.shared_mem} B shared): "
+                               f"{(msg.value or b'?').decode()} ({status})")

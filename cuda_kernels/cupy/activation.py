@@ -97,7 +97,6 @@ def _no_mul(x, activation):
 
 _WITH_MUL = {"silu": silu_and_mul, "gelu": gelu_and_mul, "gelu_tanh": gelu_tanh_and_mul,
              "swigluoai": swigluoai_and_mul}
-AND_MUL_ACTIVATIONS = tuple(_WITH_MUL)   # apply_activation's names with is_act_and_mul=True
 
 
 def apply_activation(x, activation="silu", is_act_and_mul=True):

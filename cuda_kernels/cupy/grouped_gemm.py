@@ -17,7 +17,7 @@ P = a.shape[0] * top_k slots, L = len(sorted_token_ids).
     num_tokens_post_padded  [1]    int32        read on the device, never synchronised
     c (returned)            [P, N]              a.dtype
 
-The ladder (all kept, `version="v1".."v6"`; the default is the table's "default_version":
+The ladder (all kept, `version="v1".."v7"`; the default is the table's "default_version":
 v4 for fp16/bf16 and v3 for fp32 as shipped, stepping down to the fastest rung that applies):
     v1  gemm_v1_naive.cu     one thread per output element
     v2  gemm_v2_smem.cu      shared-memory tiles, one output per thread
@@ -27,10 +27,15 @@ v4 for fp16/bf16 and v3 for fp32 as shipped, stepping down to the fastest rung t
     v5  gemm_v5_wgmma.cu     (stretch, opt-in) Hopper wgmma.m64nNk16 from shared-memory
                              descriptors, sm_90a only, block_size a multiple of 64; not the
                              default until a GPU run has validated and timed it
-    v6  gemm_v6_tma_ws.cu    (opt-in) the Hopper GEMM done properly: w by TMA (a CUtensorMap
-                             from extra_args), a gathered by cp.async, an mbarrier ring between a
-                             producer warpgroup and two consumer warpgroups (setmaxnreg), a
-                             persistent grid of one CTA per SM; sm_90a, block_size % 64 == 0
+    v6  gemm_v6_tma_ws.cu    (opt-in) prefill, the Hopper GEMM done properly: w by TMA (a
+                             CUtensorMap from extra_args), a gathered by cp.async, an mbarrier
+                             ring between a producer warpgroup and two consumer warpgroups
+                             (setmaxnreg), a persistent grid of one CTA per SM; sm_90a,
+                             block_size % 64 == 0
+    v7  gemm_v7_decode.cu    (opt-in) decode: the weight rows are the mma's M and the few tokens
+                             its N, each expert's rows gathered into one CTA so its weights
+                             stream once, a deep cp.async ring, split K (v7_split_k) with a
+                             self-resetting counter; takes any block_size
 
 Tunables are data: gemm_configs.json maps (version, dtype, bucket of m = tokens per expert,
 N, Kdim) to BLOCK_M, BLOCK_N, BLOCK_K, warps, stages (v3: TM, TN), injected as #defines.
@@ -43,10 +48,14 @@ Run as a script to validate every version against reference.grouped_gemm and tim
 (TFLOP/s, GB/s and the fraction of the H200 roofline floor):
     python -m cuda_kernels.cupy.grouped_gemm [--versions v1,v2,v3,v4,v5,v6] [--dtype bf16]
     python -m cuda_kernels.cupy.grouped_gemm --quick      # tiny, for compute-sanitizer
-The benchmark's models (GEMM1 and GEMM2 at T tokens, uniform random routing, L2 flushed,
-TFLOP/s per rung, each checked against v4), and a sweep of v6's configs on them:
-    python -m cuda_kernels.cupy.grouped_gemm --shapes mixtral,qwen3,deepseek \
-        --tokens 1024,4096,16384 --versions v4,v5,v6 [--sweep]
+Decode and prefill (issue 40): GEMM1 and GEMM2 of the benchmark's models at T tokens, a new
+uniform routing per rep, L2 flushed, validated against v4, TFLOP/s, GB/s and the fraction of
+the card's datasheet floor (touched expert bytes / HBM bandwidth), the layer against vLLM's
+time where issue 40 measured it; --sweep also times the candidates of v6 / v7 when listed:
+    python -m cuda_kernels.cupy.grouped_gemm --versions v4,v7 --shapes mixtral,qwen3,deepseek \
+        --tokens 1,16,64 [--sweep]
+    python -m cuda_kernels.cupy.grouped_gemm --versions v4,v5,v6 --shapes mixtral,qwen3,deepseek \
+        --tokens 1024,4096,16384 [--sweep]
 
 Verification without a GPU: tests/test_cupy_gemm.py compiles every .cu with g++ against a
 small emulator of __syncthreads, cp.async, ldmatrix, mma.sync, wgmma (and for v6 the
@@ -60,21 +69,22 @@ import functools
 import json
 import math
 import pathlib
+import time
 
 import numpy as np
 
 from . import _compile
 from ._compile import bf16_dtype, get_kernel, raw, register_compile_case
 
-VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6")
+VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6", "v7")
 CU_FILES = {"v1": "gemm_v1_naive.cu", "v2": "gemm_v2_smem.cu",
             "v3": "gemm_v3_regblock.cu", "v4": "gemm_v4_mma.cu", "v5": "gemm_v5_wgmma.cu",
-            "v6": "gemm_v6_tma_ws.cu"}
+            "v6": "gemm_v6_tma_ws.cu", "v7": "gemm_v7_decode.cu"}
 KERNEL_NAMES = {v: f"grouped_gemm_{v}" for v in VERSIONS}
 # wgmma exists only on the architecture-specific target; _compile builds such kernels through
 # cuda.core (CuPy would add its own -arch) and CPU CI compiles them for sm_90a only
 KERNEL_OPTIONS = {"v5": ("-arch=sm_90a",), "v6": ("-arch=sm_90a",)}
-TENSOR_CORE_VERSIONS = ("v4", "v5", "v6")
+TENSOR_CORE_VERSIONS = ("v4", "v5", "v6", "v7")
 SM90A_VERSIONS = ("v5", "v6")     # built for sm_90a: they run on compute capability 9.0 only
 CONFIG_PATH = pathlib.Path(__file__).resolve().with_name("gemm_configs.json")
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -194,6 +204,44 @@ def v6_consumer_regs(cfg: dict) -> int:
 # per-CTA opt-in limit on sm_90 (227 KB; sm_80: 163 KB), less room for the static slots
 V4_SMEM_LIMIT = 227 * 1024 - 1024
 
+V7_COLS = (16, 32, 64)    # v7's token columns per pass (ldmatrix.x4 loads tokens in pairs of 8)
+
+
+def v7_warp_grid(block_n: int, block_k: int, warps: int) -> tuple[int, int]:
+    """(WARPS_N, WARPS_K) of v7: as many warps along the weight rows as whole m16 tiles allow
+    (a power of two), the rest along the k16 steps of a stage (their sums meet in the epilogue)."""
+    wn = 1
+    while wn * 2 <= warps and block_n % (16 * wn * 2) == 0:
+        wn *= 2
+    wk = warps // wn
+    if block_n % (16 * wn) or warps % wn or (block_k // 16) % wk:
+        raise ValueError(f"config: v7 with {warps} warps needs BLOCK_N = {block_n} in whole m16 "
+                         f"tiles per warp and BLOCK_K / 16 = {block_k // 16} k16 steps divisible "
+                         f"by the {wk} warps along k")
+    return wn, wk
+
+
+def v7_smem_bytes(cfg: dict) -> int:
+    """Dynamic shared memory of v7: the ring of weight + token rows (padded by 8 elements),
+    reused for the fp32 output tile of the WARPS_K partial sums."""
+    _, wk = v7_warp_grid(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["warps"])
+    ring = cfg["stages"] * (cfg["BLOCK_N"] + cfg["COLS"]) * (cfg["BLOCK_K"] + 8) * 2
+    out = wk * cfg["COLS"] * (cfg["BLOCK_N"] + 4) * 4
+    return max(ring, out)
+
+
+def v7_static_smem_bytes(cfg: dict) -> int:
+    return 8 * cfg["COLS"] + 16
+
+
+SMEM_PER_SM = 228 * 1024          # sm_90 (the device's value is read when there is one)
+
+
+def v7_ctas_per_sm(cfg: dict, smem_per_sm: int = SMEM_PER_SM) -> int:
+    """CTAs of this config an SM holds: shared memory (1 KB reserved per CTA) and threads."""
+    per_cta = v7_smem_bytes(cfg) + v7_static_smem_bytes(cfg) + 1024
+    return max(1, min(smem_per_sm // per_cta, 2048 // (cfg["warps"] * 32), 32))
+
 
 def check_config(version: str, dtype, cfg: dict) -> dict:
     """Raise ValueError unless `cfg` is a launchable config of `version`; return it."""
@@ -205,6 +253,10 @@ def check_config(version: str, dtype, cfg: dict) -> dict:
     for k in CONFIG_KEYS:
         v = cfg.get(k)
         if k == "warps" and version == "v6":   # a producer warpgroup + 1 or 2 consumers: 8, 12
+            continue
+        if version == "v7" and k == "BLOCK_M":   # v7's BLOCK_M is the block size, any >= 1
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"config: expected BLOCK_M a positive int, got {v!r} in {cfg}")
             continue
         if not (_is_pow2(v) or (k == "stages" and isinstance(v, int) and 1 <= v <= 8)):
             raise ValueError(f"config: expected {k} a power of two (stages: 1 to 8), "
@@ -269,6 +321,29 @@ def check_config(version: str, dtype, cfg: dict) -> dict:
                              f"registers, got {cfg}")
         if v6_smem_bytes(cfg) > V4_SMEM_LIMIT:
             raise ValueError(f"config: v6 shared memory {v6_smem_bytes(cfg)} B over "
+                             f"{V4_SMEM_LIMIT} B for {cfg}")
+    elif version == "v7":
+        if dkey == "fp32":
+            raise ValueError("config: v7 takes fp16 or bf16 (fp32 uses v3)")
+        if cfg.get("COLS") not in V7_COLS:
+            raise ValueError(f"config: v7 needs COLS (token columns per pass) in {V7_COLS}, "
+                             f"got {cfg}")
+        if bn < 16 or bk < 16 or warps * 32 > 1024:
+            raise ValueError(f"config: v7 needs BLOCK_N, BLOCK_K >= 16 and <= 1024 threads, "
+                             f"got {cfg}")
+        v7_warp_grid(bn, bk, warps)
+        threads, kc = warps * 32, bk // 8
+        if threads % kc or bn % (threads // kc):
+            raise ValueError(f"config: v7 copies whole rounds: threads ({threads}) a multiple of "
+                             f"BLOCK_K / 8 and BLOCK_N a multiple of threads / (BLOCK_K / 8), "
+                             f"got {cfg}")
+        if cfg["stages"] < 2:
+            raise ValueError(f"config: v7 needs stages >= 2, got {cfg}")
+        split = cfg.get("SPLIT_K")
+        if split is not None and not (isinstance(split, int) and split >= 1):
+            raise ValueError(f"config: v7's SPLIT_K (optional) must be a positive int, got {cfg}")
+        if v7_smem_bytes(cfg) > V4_SMEM_LIMIT:
+            raise ValueError(f"config: v7 shared memory {v7_smem_bytes(cfg)} B over "
                              f"{V4_SMEM_LIMIT} B for {cfg}")
     else:
         if dkey == "fp32":
@@ -358,6 +433,24 @@ def heuristic_config(version: str, dkey: str, m: int, N: int | None = None,
         # 128 x 256 x 64: 85 flops per byte of tile (the L2's bandwidth is the limit), 4 x 48 KB
         return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "warps": 12, "stages": 4,
                 "GROUP_M": 8, "PRODUCER_REGS": 56}
+    if version == "v7":
+        if dkey == "fp32":
+            return heuristic_config("v3", dkey, m, N, K)
+        # BLOCK_M: the alignment block v7 suggests (it takes any); COLS covers the live rows of
+        # the busiest expert at this m (more take a second pass). Each config fits 2 CTAs per
+        # SM (<= 110 KB) with 3-4 stages of 16 KB of weights in flight per CTA (96-128 KB per
+        # SM). Untimed: tune.py's V7_CANDIDATES and --sweep pick from timings.
+        if m <= 4:
+            return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "warps": 4, "stages": 5,
+                    "COLS": 16}
+        if m <= 8:
+            return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "warps": 4, "stages": 4,
+                    "COLS": 32}
+        if m <= 16:   # 128 weight rows per token row: half the L2 reads of the activations
+            return {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 4, "stages": 4,
+                    "COLS": 32}
+        return {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 8, "stages": 4,
+                "COLS": 64}
     raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
 
 
@@ -372,25 +465,56 @@ def load_table(path: str = str(CONFIG_PATH)) -> dict:
 
 def _row_config(row: dict) -> dict:
     cfg = {k: row[k] for k in CONFIG_KEYS}
-    for k in ("TM", "TN", "WARPS_M") + V6_EXTRA_KEYS:
+    for k in ("TM", "TN", "WARPS_M", "COLS", "SPLIT_K") + V6_EXTRA_KEYS:
         if k in row:
             cfg[k] = row[k]
     return cfg
 
 
-def lookup(version: str, dkey: str, m: float, N: int, K: int, table: dict | None = None) -> dict:
+# ----------------------------------------------------------------------------- devices
+# A card's tuned rows live in the table's "devices" section under the name the driver gives
+# it (e.g. "NVIDIA H100 80GB HBM3", "NVIDIA H200"): tune.py writes the section of the card it
+# ran on, and a lookup on that card reads it first. Other cards get the generic rows.
+@functools.lru_cache(maxsize=16)
+def device_name(dev: int) -> str:
+    """The CUDA device's name as the driver reports it (the key of its table section)."""
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(dev)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def current_device_name() -> str | None:
+    """The current CuPy device's name, or None where there is no GPU (CPU CI)."""
+    try:
+        import cupy
+
+        return device_name(cupy.cuda.Device().id)
+    except Exception:          # no CuPy, no driver, no device: no card-specific rows
+        return None
+
+
+def _device_section(table: dict, device: str | None) -> dict:
+    return table.get("devices", {}).get(device or "", {}) if device else {}
+
+
+def lookup(version: str, dkey: str, m: float, N: int, K: int, table: dict | None = None,
+           device: str | None = None) -> dict:
     """The table's config for (version, dtype, bucket of m, N, K); the heuristic when none.
 
-    Rows with N and K are shape-specific (written by the tuner); rows without are generic.
-    The nearest shape-specific shape is used when it is within a factor of 2 overall
-    (|log2 N/N'| + |log2 K/K'| <= 1) and was tuned at this very m bucket (a tuner cut short
-    by its budget leaves other buckets to the generic rows, not to a far bucket's tiles),
-    else the generic rows; then the nearest m bucket.
+    Rows with N and K are shape-specific (written by the tuner on a card, in the table's
+    "devices" section under the card's name); rows without are generic. The nearest
+    shape-specific shape of `device`'s section is used when it is within a factor of 2
+    overall (|log2 N/N'| + |log2 K/K'| <= 1) and was tuned at this very m bucket (a tuner cut
+    short by its budget leaves other buckets to the generic rows, not to a far bucket's
+    tiles), else the generic rows; then the nearest m bucket.
     """
     table = load_table() if table is None else table
     bucket = m_bucket(m)
     rows = [r for r in table.get("configs", []) if r["version"] == version and r["dtype"] == dkey]
-    shaped = [r for r in rows if r.get("N") and r.get("K") and r["m"] == bucket]
+    tuned = [r for r in _device_section(table, device).get("configs", [])
+             if r["version"] == version and r["dtype"] == dkey]
+    shaped = [r for r in tuned + rows if r.get("N") and r.get("K") and r["m"] == bucket]
 
     def shape_dist(r):
         return abs(math.log2(max(N, 1) / r["N"])) + abs(math.log2(max(K, 1) / r["K"]))
@@ -411,43 +535,47 @@ def lookup(version: str, dkey: str, m: float, N: int, K: int, table: dict | None
 BUILTIN_DEFAULTS = {"fp32": "v3", "fp16": "v4", "bf16": "v4"}
 
 
-def default_version_key(dkey: str, m: float | None = None) -> str:
+def default_version_key(dkey: str, m: float | None = None, device: str | None = None) -> str:
     return default_version({"fp32": np.float32, "fp16": np.float16, "bf16": bf16_dtype()}[dkey],
-                           m)
+                           m, device)
 
 
-def default_version(dtype, m: float | None = None) -> str:
+def default_version(dtype, m: float | None = None, device: str | None = None) -> str:
     """The rung used when none is named: the table's "default_version" for the dtype (v4 on
-    fp16/bf16 and v3 on fp32 as shipped), unless "version_by_m" names one for the bucket of m
-    tokens per expert (written by tune.py --versions v4,v5 where v5 measured faster), stepping
-    down when a problem rules it out."""
+    fp16/bf16 and v3 on fp32 as shipped), unless the card's section (`device`'s, see
+    `lookup`) names one in its "version_by_m" for the bucket of m tokens per expert (written
+    by tune.py where the rung measured fastest on that card), stepping down when a problem
+    rules it out."""
     dkey = dtype_key(dtype)
     table = load_table()
     v = table.get("default_version", {}).get(dkey, BUILTIN_DEFAULTS[dkey])
     if m is not None:
-        v = table.get("version_by_m", {}).get(dkey, {}).get(str(m_bucket(m)), v)
+        by_m = _device_section(table, device).get("version_by_m", {})
+        v = by_m.get(dkey, {}).get(str(m_bucket(m)), v)
     if v not in VERSIONS or (v in TENSOR_CORE_VERSIONS and dkey == "fp32"):
         return BUILTIN_DEFAULTS[dkey]
     return v
 
 
-def get_config(M: int, N: int, K: int, E: int, top_k: int, dtype, version: str | None = None
-               ) -> dict:
+def get_config(M: int, N: int, K: int, E: int, top_k: int, dtype, version: str | None = None,
+               device: str | None = None) -> dict:
     """The kernel config for a GEMM with M tokens, before alignment runs.
 
     M tokens routed to top_k of E (local) experts gives m = M * top_k / E tokens per expert
     (GEMM2 has M = P slots and top_k = 1: the same m). The returned dict holds "version",
     BLOCK_M (the block_size to give moe_align_block_size), BLOCK_N, BLOCK_K, warps, stages
-    (and TM, TN for v3). fp32 with v4 returns v3's config.
+    (and TM, TN for v3). fp32 with v4 returns v3's config. device: the card whose tuned rows
+    apply (None: the current CuPy device's, none without a GPU).
     """
     dkey = dtype_key(dtype)
     m = max(1.0, M * top_k / max(E, 1))
-    version = default_version(dtype, m) if version is None else version
+    device = current_device_name() if device is None else device
+    version = default_version(dtype, m, device) if version is None else version
     if version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
     if version in TENSOR_CORE_VERSIONS and dkey == "fp32":
         version = "v3"
-    cfg = dict(lookup(version, dkey, m, N, K))
+    cfg = dict(lookup(version, dkey, m, N, K, device=device))
     cfg["version"] = version
     return cfg
 
@@ -496,6 +624,8 @@ def fit_config(version: str, dkey: str, cfg: dict, block_size: int) -> dict:
             cfg["warps"] = 12           # two consumers of 64 rows each
         elif cfg["warps"] == 12 and cfg["BLOCK_N"] < 128:
             cfg["warps"] = 8            # 64 rows: two consumers would split N below 64
+    elif version == "v7":
+        cfg["BLOCK_M"] = block_size   # one CTA per alignment block: any size works
     return check_config(version, dkey, cfg)
 
 
@@ -518,6 +648,10 @@ def kernel_defines(version: str, dkey: str, cfg: dict) -> dict:
                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["stages"],
                  CONSUMERS=v6_consumers(cfg), GROUP_M=cfg["GROUP_M"],
                  PRODUCER_REGS=cfg["PRODUCER_REGS"], CONSUMER_REGS=v6_consumer_regs(cfg))
+    elif version == "v7":   # (no BLOCK_M: the block size is a kernel argument)
+        wn, wk = v7_warp_grid(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["warps"])
+        d.update(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], COLS=cfg["COLS"], WARPS_N=wn,
+                 WARPS_K=wk, STAGES=cfg["stages"], MINB=min(2, v7_ctas_per_sm(cfg)))
     else:
         wm = cfg.get("WARPS_M") or v4_warp_grid(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["warps"])[0]
         d.update(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
@@ -530,8 +664,9 @@ def launch_geometry(version: str, cfg: dict, L: int, N: int, num_sms: int | None
     """(grid, block, dynamic shared bytes) for a fitted config, L positions and N columns.
 
     num_sms (v6 only, persistent: one CTA per SM, never more CTAs than tiles): the device's
-    multiprocessor count (grouped_gemm passes sm_count(dev); V6_DEFAULT_SMS when None)."""
-    cdiv = lambda x, y: -(-x // y)
+    multiprocessor count (grouped_gemm passes _device_limits(dev)[0]; V6_DEFAULT_SMS when
+    None)."""
+    cdiv = lambda x, y: -(-x // y)  # noqa: E731
     if version == "v6":
         tiles = cdiv(L, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
         return (max(1, min(num_sms or V6_DEFAULT_SMS, tiles)),), (cfg["warps"] * 32,), \
@@ -545,6 +680,9 @@ def launch_geometry(version: str, cfg: dict, L: int, N: int, num_sms: int | None
     if version == "v3":
         threads = (cfg["BLOCK_M"] // cfg["TM"]) * (cfg["BLOCK_N"] // cfg["TN"])
         return (cdiv(L, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"])), (threads,), 0
+    if version == "v7":   # (alignment blocks, weight-row tiles, K splits); BLOCK_M = block size
+        return (cdiv(L, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"]), cfg.get("SPLIT_K", 1)), \
+            (cfg["warps"] * 32,), v7_smem_bytes(cfg)
     smem = v5_smem_bytes(cfg) if version == "v5" else v4_smem_bytes(cfg)
     return (cdiv(L, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),), (cfg["warps"] * 32,), smem
 
@@ -552,11 +690,14 @@ def launch_geometry(version: str, cfg: dict, L: int, N: int, num_sms: int | None
 def compile_cases(table: dict | None = None) -> list[tuple[str, dict, tuple]]:
     """(cu_name, defines, options) of every instantiation the table can launch, for CPU CI.
 
-    Each table row (and the heuristic of every bucket) fitted to the usual block sizes.
+    Each table row (the cards' sections too, and the heuristic of every bucket) fitted to the
+    usual block sizes.
     """
     table = load_table() if table is None else table
     seen, out = set(), []
-    rows = [(r["version"], r["dtype"], _row_config(r)) for r in table.get("configs", [])]
+    every = table.get("configs", []) + [r for sec in table.get("devices", {}).values()
+                                        for r in sec.get("configs", [])]
+    rows = [(r["version"], r["dtype"], _row_config(r)) for r in every]
     for v in VERSIONS:
         for dkey in DTYPE_KEYS:
             for b in M_BUCKETS:
@@ -629,7 +770,9 @@ def usable(version: str, dkey: str, K: int, block_size: int, aligned: bool,
         if block_size % 16:
             return (f"block_size: v4 needs a multiple of 16 (its mma tiles are 16 rows), "
                     f"got {block_size}")
-    if version in ("v3", "v4", "v5", "v6"):
+    if version == "v7" and dkey == "fp32":
+        return "a: v7 takes fp16 or bf16 (fp32 uses v3)"
+    if version in ("v3", "v4", "v5", "v6", "v7"):
         vec = vec_elems(dkey)
         if K % vec:
             return (f"a: {version} loads 16-byte chunks, so a.shape[1] (Kdim) must be a multiple "
@@ -653,9 +796,180 @@ def _as_f32(x):
     return x.astype(cp.float32)
 
 
-_FALLBACK = {"v6": ("v6", "v5", "v4", "v3", "v2"), "v5": ("v5", "v4", "v3", "v2"),
-             "v4": ("v4", "v3", "v2"), "v3": ("v3", "v2"),
-             "v2": ("v2",), "v1": ("v1",)}
+_FALLBACK = {"v7": ("v7", "v4", "v3", "v2"), "v6": ("v6", "v5", "v4", "v3", "v2"),
+             "v5": ("v5", "v4", "v3", "v2"),
+             "v4": ("v4", "v3", "v2"), "v3": ("v3", "v2"), "v2": ("v2",), "v1": ("v1",)}
+
+
+# ----------------------------------------------------------------------------- v7: split K
+# v7_split_k's rule: split K until the CTAs that stream weights fill V7_TARGET_WAVES waves of
+# resident CTAs (SMs x CTAs per SM, from v7's shared memory), each split keeping at least
+# V7_MIN_SPLIT_STEPS k-tiles (its ring reaches its steady state) and at most V7_MAX_SPLITS
+# splits. Untimed: --sweep times SPLIT_K 1..8 forced, and the lead sets these from it.
+V7_TARGET_WAVES = 1.0
+V7_MIN_SPLIT_STEPS = 4
+V7_MAX_SPLITS = 8
+
+
+def v7_split_k(cfg: dict, live_blocks: int, N: int, K: int, num_sms: int,
+               smem_per_sm: int = SMEM_PER_SM) -> tuple[int, int]:
+    """(S, k-tiles per split) for v7: S = cdiv(waves * slots, tiles) when the weight tiles
+    (live_blocks x cdiv(N, BLOCK_N), live_blocks an upper bound of the expert runs that stream
+    weights, min(E_local, P, blocks)) fill fewer than V7_TARGET_WAVES waves of slots (num_sms x
+    v7_ctas_per_sm), else 1; at most V7_MAX_SPLITS and cdiv(K, BLOCK_K) / V7_MIN_SPLIT_STEPS;
+    then evened so that no split is empty. A config's SPLIT_K, when set, replaces the rule."""
+    ksteps = -(-K // cfg["BLOCK_K"])
+    if ksteps <= 1:
+        return 1, max(ksteps, 1)
+    if cfg.get("SPLIT_K"):
+        s = min(int(cfg["SPLIT_K"]), ksteps)
+    else:
+        tiles = max(1, live_blocks) * -(-N // cfg["BLOCK_N"])
+        slots = V7_TARGET_WAVES * num_sms * v7_ctas_per_sm(cfg, smem_per_sm)
+        s = max(1, math.ceil(slots / tiles)) if tiles < slots else 1
+        s = min(s, V7_MAX_SPLITS, max(1, ksteps // V7_MIN_SPLIT_STEPS))
+    per = -(-ksteps // s)
+    return -(-ksteps // per), per
+
+
+_DEVICE_LIMITS: dict = {}
+
+
+def _device_limits(dev: int) -> tuple[int, int]:
+    """(SM count, shared memory per SM) of device `dev`, asked once."""
+    lim = _DEVICE_LIMITS.get(dev)
+    if lim is None:
+        attrs = _cupy().cuda.Device(dev).attributes
+        lim = _DEVICE_LIMITS[dev] = (int(attrs["MultiProcessorCount"]),
+                                     int(attrs.get("MaxSharedMemoryPerMultiprocessor",
+                                                   SMEM_PER_SM)))
+    return lim
+
+
+def v7_call_config(cfg: dict, P: int, E_local: int, L: int, N: int, K: int, dev: int) -> dict:
+    """The fitted config of one v7 call with its split: SPLIT_K (gridDim.z) and SPLIT_STEPS."""
+    num_sms, smem_per_sm = _device_limits(dev)
+    live_blocks = min(E_local, P, -(-L // cfg["BLOCK_M"]))
+    s, per = v7_split_k(cfg, live_blocks, N, K, num_sms, smem_per_sm)
+    return dict(cfg, SPLIT_K=s, SPLIT_STEPS=per)
+
+
+# The split-K workspace of v7, per (device, stream): fp32 partials [S, P, NP] and one counter
+# per (alignment block, weight-row tile). The counters are zeroed when made (on the caller's
+# stream, before any launch that uses them) and every launch leaves them at zero (the last
+# CTA of a tile resets its own), so eager calls and CUDA graph replays on one stream reuse
+# them; another stream gets its own (concurrent launches must not share counters). A
+# workspace that grows keeps the old one alive in _V7_RETIRED: a graph captured with it, or a
+# launch still queued, may point at it. Made outside a capture only: a zeroing captured into a
+# graph would not run on the eager path.
+_V7_WS: dict = {}
+_V7_RETIRED: list = []
+
+
+def _v7_workspace(cp, dev: int, floats: int, counters: int, stream_ptr: int | None = None):
+    """(partials, counters) of the stream `stream_ptr` (default CuPy's current stream)."""
+    if stream_ptr is None:
+        stream_ptr = cp.cuda.get_current_stream().ptr
+    key = (dev, stream_ptr)
+    ws, cnt = _V7_WS.get(key, (None, None))
+    if (floats and (ws is None or ws.size < floats)) or cnt is None or cnt.size < counters:
+        if cp.cuda.runtime.streamIsCapturing(stream_ptr):
+            raise RuntimeError("grouped_gemm v7: its split-K workspace must grow, which cannot "
+                               "happen inside a CUDA graph capture (its counters are zeroed when "
+                               "made); call it once with the same shapes before capturing")
+        with cp.cuda.Device(dev):
+            if floats and (ws is None or ws.size < floats):
+                if ws is not None:
+                    _V7_RETIRED.append(ws)
+                ws = cp.empty(max(floats, 2 * (0 if ws is None else ws.size), 1 << 16),
+                              dtype=cp.float32)
+            if cnt is None or cnt.size < counters:
+                if cnt is not None:
+                    _V7_RETIRED.append(cnt)
+                cnt = cp.zeros(max(counters, 2 * (0 if cnt is None else cnt.size), 1 << 12),
+                               dtype=cp.int32)
+                cp.cuda.get_current_stream().synchronize()   # zeroed before any stream uses it
+        _V7_WS[key] = (ws, cnt)
+    return ws, cnt
+
+
+def _v7_extra_args(cfg: dict, P: int, N: int, grid: tuple, dev: int) -> tuple:
+    """v7's arguments after GG_KERNEL_ARGS: ws, counters, steps_per_split (S == 1: no
+    workspace, the dummy stands for both pointers)."""
+    cp = _cupy()
+    s = grid[2]
+    if s == 1:
+        d = _dummy(cp, dev)
+        return d, d, np.int32(cfg["SPLIT_STEPS"])
+    ws, cnt = _v7_workspace(cp, dev, s * P * ((N + 7) // 8 * 8), grid[0] * grid[1])
+    return ws, cnt, np.int32(cfg["SPLIT_STEPS"])
+
+
+# ----------------------------------------------------------------------------- v6: the tensor map
+def v6_tensor_map_fields(w_shape, dkey: str, cfg: dict) -> dict:
+    """The cuTensorMapEncodeTiled arguments of v6's weight tile, w [E, N, Kdim] viewed 3-D
+    (innermost first: Kdim, N, E): a box of BLOCK_K x BLOCK_N x 1 (one expert's BLOCK_N rows,
+    BLOCK_K = 64 columns = 128 bytes), 128-byte swizzle (wgmma's layout type 1), zeros outside
+    (the ragged N and Kdim tails; 3-D, so a tile never reads the next expert's rows)."""
+    E, N, K = (int(x) for x in w_shape)
+    item = _ITEMSIZE[dkey]
+    return {"dtype": dkey, "rank": 3, "dims": (K, N, E), "strides": (K * item, N * K * item),
+            "box": (cfg["BLOCK_K"], cfg["BLOCK_N"], 1), "element_strides": (1, 1, 1),
+            "elem_bytes": item, "swizzle_bytes": 128}
+
+
+def _encode_tensor_map(fields: dict, ptr: int):
+    """A CUtensorMap of `fields` at device address `ptr` (cuda.bindings' driver API, host
+    only: nothing is enqueued, so a capture may follow), as a one-element NumPy array of its
+    128 bytes: CuPy passes a size-one NumPy array to a kernel by value."""
+    from cuda.bindings import driver
+
+    dtypes = {"bf16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+              "fp16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}
+    assert fields["swizzle_bytes"] == 128
+    err, tmap = driver.cuTensorMapEncodeTiled(
+        dtypes[fields["dtype"]], fields["rank"], ptr,
+        [driver.cuuint64_t(x) for x in fields["dims"]],
+        [driver.cuuint64_t(x) for x in fields["strides"]],
+        [driver.cuuint32_t(x) for x in fields["box"]],
+        [driver.cuuint32_t(x) for x in fields["element_strides"]],
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"w: cuTensorMapEncodeTiled failed ({err}) for {fields} at "
+                           f"{ptr:#x}")
+    words = np.array([int(x) for x in tmap.opaque], dtype=np.uint64)
+    return words.view(np.dtype((np.void, 128)))          # shape (1,): 128 bytes by value
+
+
+_TENSOR_MAPS: dict = {}
+
+
+def v6_tensor_map(ptr: int, w_shape, dkey: str, cfg: dict, dev: int):
+    """v6's CUtensorMap of the weights [E, N, Kdim] at device address `ptr`, cached per
+    (pointer, shape, dtype, BLOCK_N, BLOCK_K, device): the map holds the address, so another
+    array at the same address with the same shape reuses it. Host work only (capturable)."""
+    key = (int(ptr), tuple(int(x) for x in w_shape), dkey, cfg["BLOCK_N"], cfg["BLOCK_K"], dev)
+    tmap = _TENSOR_MAPS.get(key)
+    if tmap is None:
+        if len(_TENSOR_MAPS) > 256:        # weights come and go: keep the cache bounded
+            _TENSOR_MAPS.clear()
+        tmap = _TENSOR_MAPS[key] = _encode_tensor_map(
+            v6_tensor_map_fields(w_shape, dkey, cfg), int(ptr))
+    return tmap
+
+
+def extra_args(version: str, cfg: dict, *, P: int, N: int, grid: tuple, dev: int,
+               w=None) -> tuple:
+    """What `version` takes after the common GG_KERNEL_ARGS (empty for v1-v5): v6 its
+    CUtensorMap of the weights `w` (v6_tensor_map, cached), v7 its split-K workspace."""
+    if version == "v7":
+        return _v7_extra_args(cfg, P, N, grid, dev)
+    if version == "v6":
+        return (v6_tensor_map(w.data.ptr, w.shape, dtype_key(w.dtype), cfg, dev),)
+    return ()
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -664,11 +978,13 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
                  config=None, out=None):
     """c [a.shape[0] * top_k, N] = the grouped GEMM of docs/stages.md on the GPU (see module doc).
 
-    version: "v1".."v6" (None: v4 for fp16/bf16, v3 for fp32, stepping down to v3/v2 when
-    Kdim is not a multiple of 16 bytes or block_size not of 16; "v4"/"v5"/"v6" on fp32 run v3;
-    "v5" and "v6" need an sm_90 device and block_size % 64 == 0).
+    version: "v1".."v7" (None: v4 for fp16/bf16, v3 for fp32, stepping down to v3/v2
+    when Kdim is not a multiple of 16 bytes or block_size not of 16; "v4"/"v5"/"v6"/"v7" on
+    fp32 run v3; "v5" and "v6" need an sm_90 device and block_size % 64 == 0; "v7" takes any
+    block_size).
     config: a dict as returned by get_config (None: looked up in gemm_configs.json); its
-    BLOCK_M is shrunk to divide block_size when needed. out: an optional [P, N] C-contiguous
+    BLOCK_M is shrunk to divide block_size when needed (v7: set to it; v7 also reads COLS
+    and an optional SPLIT_K that replaces v7_split_k's choice). out: an optional [P, N] C-contiguous
     array of a.dtype to write into (only the rows of live slots are written; tests poison it).
     num_tokens_post_padded is read on the device: nothing here waits for the GPU.
     """
@@ -740,7 +1056,8 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
     aligned = a.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
     version, cfg = _plan(version, dkey, m_bucket(max(1.0, P / max(E_local, 1))), N, K,
                          block_size, aligned, _is_sm90(cp, dev),
-                         None if config is None else tuple(sorted(config.items())))
+                         None if config is None else tuple(sorted(config.items())),
+                         device_name(dev))
 
     if out is None:
         c = _compile.empty((P, N), a.dtype)
@@ -753,9 +1070,11 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
         return c
     if L == 0:  # no positions, no live slot: nothing to write
         return c
+    if version == "v7":   # the split of K depends on the call (experts, slots, SMs)
+        cfg = v7_call_config(cfg, P, E_local, L, N, K, dev)
     grid, block, smem = launch_geometry(version, cfg, L, N,
-                                        sm_count(dev) if version == "v6" else None)
-    if len(grid) == 2 and grid[1] > GRID_Y_MAX:
+                                        _device_limits(dev)[0] if version == "v6" else None)
+    if len(grid) >= 2 and grid[1] > GRID_Y_MAX:
         raise ValueError(f"w.shape[1] (N): {version} launches cdiv(N, BLOCK_N) = {grid[1]} CTAs "
                          f"along grid y, more than {GRID_Y_MAX}")
     if math.prod(grid) > INT32_MAX:
@@ -769,7 +1088,7 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
                 tw if tw is not None else dummy, bias_arg if bias_arg is not None else dummy,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(L), np.int32(mul_routed_weight), np.int32(bias_kind))
-               + extra_args(version, cfg, a, w),
+               + extra_args(version, cfg, P=P, N=N, grid=grid, dev=dev, w=w),
                shared_mem=smem)
     return c
 
@@ -778,90 +1097,20 @@ def _sm90_of(dev: int) -> bool:
     return _compile.is_sm90(dev)
 
 
-# ----------------------------------------------------------------------------- v6's arguments
-_SM_COUNTS: dict = {}
-
-
-def sm_count(dev: int) -> int:
-    """Multiprocessors of device `dev` (v6's persistent grid: one CTA each), asked once."""
-    n = _SM_COUNTS.get(dev)
-    if n is None:
-        n = _SM_COUNTS[dev] = int(
-            _cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
-    return n
-
-
-def v6_tensor_map_fields(w_shape, dkey: str, cfg: dict) -> dict:
-    """The cuTensorMapEncodeTiled arguments of v6's weight tile, w [E, N, Kdim] viewed 3-D
-    (innermost first: Kdim, N, E): a box of BLOCK_K x BLOCK_N x 1 (one expert's BLOCK_N rows,
-    BLOCK_K = 64 columns = 128 bytes), 128-byte swizzle (wgmma's layout type 1), zeros outside
-    (the ragged N and Kdim tails; 3-D, so a tile never reads the next expert's rows)."""
-    E, N, K = (int(x) for x in w_shape)
-    item = _ITEMSIZE[dkey]
-    return {"dtype": dkey, "rank": 3, "dims": (K, N, E), "strides": (K * item, N * K * item),
-            "box": (cfg["BLOCK_K"], cfg["BLOCK_N"], 1), "element_strides": (1, 1, 1),
-            "elem_bytes": item, "swizzle_bytes": 128}
-
-
-def _encode_tensor_map(fields: dict, ptr: int):
-    """A CUtensorMap of `fields` at device address `ptr` (cuda.bindings' driver API, host
-    only: nothing is enqueued, so a capture may follow), as a one-element NumPy array of its
-    128 bytes: CuPy passes a size-one NumPy array to a kernel by value."""
-    from cuda.bindings import driver
-
-    dtypes = {"bf16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-              "fp16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}
-    assert fields["swizzle_bytes"] == 128
-    err, tmap = driver.cuTensorMapEncodeTiled(
-        dtypes[fields["dtype"]], fields["rank"], ptr,
-        [driver.cuuint64_t(x) for x in fields["dims"]],
-        [driver.cuuint64_t(x) for x in fields["strides"]],
-        [driver.cuuint32_t(x) for x in fields["box"]],
-        [driver.cuuint32_t(x) for x in fields["element_strides"]],
-        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"w: cuTensorMapEncodeTiled failed ({err}) for {fields} at "
-                           f"{ptr:#x}")
-    words = np.array([int(x) for x in tmap.opaque], dtype=np.uint64)
-    return words.view(np.dtype((np.void, 128)))          # shape (1,): 128 bytes by value
-
-
-_TENSOR_MAPS: dict = {}
-
-
-def extra_args(version: str, cfg: dict, a, w) -> tuple:
-    """The kernel arguments `version` takes after GG_KERNEL_ARGS: () for v1..v5; for v6 its
-    CUtensorMap of w (cached per w pointer, shape, dtype, BLOCK_N and BLOCK_K: the map holds
-    the address, so a new array at the same address with the same shape reuses it)."""
-    if version != "v6":
-        return ()
-    dkey = dtype_key(w.dtype)
-    key = (w.data.ptr, tuple(w.shape), dkey, cfg["BLOCK_N"], cfg["BLOCK_K"], w.device.id)
-    tmap = _TENSOR_MAPS.get(key)
-    if tmap is None:
-        if len(_TENSOR_MAPS) > 256:        # weights come and go: keep the cache bounded
-            _TENSOR_MAPS.clear()
-        tmap = _TENSOR_MAPS[key] = _encode_tensor_map(
-            v6_tensor_map_fields(w.shape, dkey, cfg), w.data.ptr)
-    return (tmap,)
-
-
 def _is_sm90(cp, dev) -> bool:
-    """Whether device `dev` runs sm_90a code (v5), asked once per device."""
+    """Whether device `dev` runs sm_90a code (v5, v6), asked once per device."""
     return _sm90_of(dev)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(version, dkey, bucket, N, K, block_size, aligned, sm90, config_items):
-    """(version, fitted config) for a call: the rung, the table lookup and the fit, cached
-    (a decode step calls the GEMM twice per layer: the host work must stay small)."""
+def _plan(version, dkey, bucket, N, K, block_size, aligned, sm90, config_items, device=None):
+    """(version, fitted config) for a call on card `device`: the rung, the table lookup and
+    the fit, cached (a decode step calls the GEMM twice per layer: the host work must stay
+    small)."""
     if version in TENSOR_CORE_VERSIONS and dkey == "fp32":
         version = "v3"          # the tensor-core rungs take half types; fp32 uses FFMA
     if version is None:
-        chain = _FALLBACK[default_version_key(dkey, bucket)]
+        chain = _FALLBACK[default_version_key(dkey, bucket, device)]
         version = next(v for v in chain if usable(v, dkey, K, block_size, aligned, sm90) is None)
     elif version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS} or None, got {version!r}")
@@ -870,7 +1119,8 @@ def _plan(version, dkey, bucket, N, K, block_size, aligned, sm90, config_items):
         if why is not None:
             raise ValueError(f"{why} (version={version!r} was asked for; version=None picks "
                              f"a rung that can run this)")
-    config = lookup(version, dkey, bucket, N, K) if config_items is None else dict(config_items)
+    config = (lookup(version, dkey, bucket, N, K, device=device) if config_items is None
+              else dict(config_items))
     return version, fit_config(version, dkey, config, block_size)
 
 
@@ -1001,122 +1251,246 @@ def roofline_floor_s(nbytes: float, flops: float) -> float:
     return max(nbytes / HBM_BYTES_PER_S, flops / PEAK_FLOPS)
 
 
-# ----------------------------------------------------------------------------- script
+# ----------------------------------------------------------------------------- decode timing
+# HBM bandwidth of the cards whose datasheets this module knows (the first fragment found in
+# the device name wins: the PCIe / NVL parts come first); the decode floor is the touched
+# experts' weight bytes over it. Another card gets no floor.
+CARD_HBM_BYTES_PER_S = (("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12),
+                        ("H200", 4.8e12))
+V7_SWEEP_SPLITS = (1, 2, 3, 4, 6, 8)   # forced SPLIT_K timed on the best v7 candidate
+
+
+def card_bandwidth(device_name) -> float | None:
+    """Datasheet HBM bytes/s of a card by its name, None when unknown."""
+    name = device_name.decode() if isinstance(device_name, bytes) else str(device_name or "")
+    for fragment, bandwidth in CARD_HBM_BYTES_PER_S:
+        if fragment.lower() in name.lower():
+            return bandwidth
+    return None
+
+
 # vLLM's Triton fused_moe_kernel, both GEMMs of a layer (ms, bf16, one H100, kernels only,
-# measured 2026-12-06 for issue 40): the --shapes table prints the time to beat (10% under it)
-VLLM_H100_MS = {("mixtral", 4096): 5.66, ("mixtral", 16384): 22.2, ("qwen3", 1024): 0.46,
-                ("qwen3", 4096): 0.77, ("qwen3", 16384): 2.56, ("deepseek", 16384): 25.9}
+# measured 2026-12-06 for issue 40): the layer lines of decode_bench give the ratio to it
+VLLM_H100_LAYER_MS = {("Mixtral-8x7B", 4096): 5.66, ("Mixtral-8x7B", 16384): 22.2,
+                      ("Qwen3-30B-A3B", 1024): 0.46, ("Qwen3-30B-A3B", 4096): 0.77,
+                      ("Qwen3-30B-A3B", 16384): 2.56, ("DeepSeek-V3", 16384): 25.9}
 
 
-def _bench_models(args) -> int:  # pragma: no cover - needs a GPU
-    """GEMM1 and GEMM2 of the benchmark's models at T tokens: uniform random top-k routing
-    (distinct experts a token), random activations, each rung aligned to its own BLOCK_M,
-    L2 flushed before every timed call (a 256 MB memset outside the events), median of
-    --reps. Every rung's output is checked against v4's on the same inputs (relative Frobenius
-    error <= 1e-2: v4 is checked against the reference by the GPU tests). --sweep also times
-    every v6 candidate of tune.V6_CANDIDATES (each aligned to its BLOCK_M) and prints the best
-    GEMM1 + GEMM2 pair per block size. Returns the number of failed checks."""
-    import importlib
+def _v6_label(cfg: dict) -> str:
+    return (f"v6 {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['warps']} s{cfg['stages']} "
+            f"g{cfg['GROUP_M']} p{cfg['PRODUCER_REGS']}")
 
-    tune = importlib.import_module(".tune", __package__)
-    cp = _cupy()
-    dt = bf16_dtype() if args.dtype == "bf16" else np.dtype(np.float16)
-    flush = cp.empty(256 * 2**20, dtype=cp.uint8)
-    rng = cp.random.default_rng(0)
-    failed = 0
-    built = prebuild(dtypes=(args.dtype,), versions=tuple(set(args.versions.split(",")) | {"v4"}))
-    if built["failed"]:
-        print(f"prebuild failures: {built['failed']}")
-    print(f"{'model':9s} {'T':>6s} {'rung':16s} {'B':>4s} {'gemm1 us':>9s} {'TF/s':>6s} "
-          f"{'gemm2 us':>9s} {'TF/s':>6s} {'layer ms':>9s} {'TF/s':>6s} {'err1':>8s} "
-          f"{'err2':>8s}  vs vLLM's H100 time (target: 10% under it)")
-    for key in args.shapes.split(","):
-        _, E, top_k, H, I = tune.MODELS[key]
-        w13 = random_device((E, 2 * I, H), dt, 1 / math.sqrt(H), rng)       # [E, 2I, H]
-        w2 = random_device((E, H, I), dt, 1 / math.sqrt(I), rng)            # [E, H, I]
-        for T in (int(t) for t in args.tokens.split(",")):
-            failed += _bench_point(args, tune, cp, rng, flush, key, T, w13, w2, top_k)
-            cp.get_default_memory_pool().free_all_blocks()
+
+def _v7_label(cfg: dict) -> str:
+    split = cfg.get("SPLIT_K")
+    return (f"v7 {cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['warps']} s{cfg['stages']} "
+            f"c{cfg['COLS']}" + (f" k{split}" if split else ""))
+
+
+def decode_bench(cp, models, tokens, versions=("v4", "v7"), reps=20, sweep=False,
+                 dkey="bf16", budget_s=480.0, log=print, seed=0) -> list[dict]:
+    """Time GEMM1 and GEMM2 of `models` ({key: (name, E, top_k, H, I)}, tune.MODELS) at each T
+    of `tokens` for every version (and, with sweep: for v7 in `versions`, every
+    tune.V7_CANDIDATES config with v7's own split, then SPLIT_K forced to V7_SWEEP_SPLITS on
+    the best candidate of each GEMM; for v6 in `versions`, every tune.V6_CANDIDATES config,
+    each aligned to its own BLOCK_M).
+
+    Each rep routes the T tokens anew (uniform: top_k distinct experts per token, drawn on the
+    GPU, aligned outside the timing with each version's block size), flushes L2 (a 256 MB
+    memset) and times one call with CUDA events; the median is reported. Each version is first
+    checked against v4 on the first routing (relative Frobenius error <= 1e-2, else FAIL).
+    GB/s counts the touched experts' weights, a and c once; "floor" is the touched weight bytes
+    over the card's datasheet bandwidth divided by the time (the fraction of the floor reached);
+    TF/s the 2 P N Kdim flops of the live slots over the time. A layer line (GEMM1 + GEMM2)
+    gives the ratio to vLLM's time where issue 40 measured it (VLLM_H100_LAYER_MS, an H100)
+    and whether it is 10% under it. Returns one dict per (model, T, GEMM or "layer", label)."""
+    dt = {"bf16": bf16_dtype(), "fp16": np.dtype(np.float16)}[dkey]
+    dev = cp.cuda.Device().id
+    card = cp.cuda.runtime.getDeviceProperties(dev)["name"]
+    card = card.decode() if isinstance(card, bytes) else str(card)
+    env = dict(cp=cp, dt=dt, dev=dev, bw=card_bandwidth(card), reps=reps, log=log,
+               flush=cp.empty(256 * 2**20, dtype=cp.uint8), events=(cp.cuda.Event(),
+                                                                      cp.cuda.Event()),
+               deadline=time.time() + budget_s)
+    bw = env["bw"]
+    rng = cp.random.default_rng(seed)
+    log(f"{'model':8s} {'gemm':5s} {'T':>5s} {'version / config':34s} {'us':>9s} {'GB/s':>7s} "
+        f"{'floor':>6s} {'TF/s':>6s} {'rel err':>8s}  (card: {card}, floor at "
+        f"{'?' if bw is None else f'{bw / 1e12:.2f} TB/s'})")
+    results = []
+    for key in models:
+        name, E, top_k, H, I = models[key]  # noqa: E741
+        w13 = random_device((E, 2 * I, H), dt, 1 / math.sqrt(H), rng)     # [E, 2I, H]
+        w2 = random_device((E, H, I), dt, 1 / math.sqrt(I), rng)           # [E, H, I]
+        for T in tokens:
+            pt = _decode_point(cp, rng, dt, name, T, E, top_k, H, I, reps)
+            timed = []
+            for gemm, a, w, tk, N, K, mul in (("gemm1", pt["x"], w13, top_k, 2 * I, H, False),
+                                              ("gemm2", pt["act"], w2, 1, H, I, True)):
+                timed += _decode_gemm(env, pt, gemm, a, w, tk, N, K, mul, versions, sweep)
+            results += timed
+            results += _decode_layer(env, pt, timed, H, I)
         del w13, w2
         cp.get_default_memory_pool().free_all_blocks()
-    print("ok" if not failed else f"{failed} check(s) FAILED")
-    return failed
+    if sweep and "v7" in versions:   # the candidates with the best geometric means of the
+        by_label: dict = {}            # floor fractions
+        for r in results:
+            if r["gemm"] != "layer" and r.get("version") == "v7" and r["floor_fraction"]:
+                by_label.setdefault(r["label"], []).append(r["floor_fraction"])
+        n = max((len(v) for v in by_label.values()), default=0)
+        scored = sorted((math.exp(sum(map(math.log, v)) / len(v)), k)
+                        for k, v in by_label.items() if len(v) == n)
+        for score, label in scored[-5:]:
+            log(f"sweep: {label:34s} geometric mean {score:6.1%} of the floor over {n} GEMMs")
+    return results
 
 
-def _bench_point(args, tune, cp, rng, flush, key, T, w13, w2, top_k) -> int:  # pragma: no cover
-    """One (model, T) of _bench_models: every rung of --versions (and --sweep's v6 configs)."""
-    E, I2, H = w13.shape
-    I = I2 // 2
-    dt = w13.dtype
+def _median(xs) -> float:
+    return float(np.median(np.asarray(xs, dtype=np.float64)))
+
+
+def _decode_point(cp, rng, dt, name, T, E, top_k, H, I, reps) -> dict:  # noqa: E741
+    """One (model, T): the inputs and `reps` routings (aligned per block size on demand)."""
     P = T * top_k
-    x = random_device((T, H), dt, 1.0, rng)                          # [T, H]
-    act = random_device((P, I), dt, 1.0, rng)                        # [P, I]
-    ids = cp.argsort(rng.random((T, E)), axis=1)[:, :top_k].astype(cp.int32)   # [T, K]
-    tw = (rng.random((T, top_k), dtype=cp.float32) + 0.05).ravel()   # [P]
-    flops1, flops2 = gemm_flops(P, 2 * I, H), gemm_flops(P, H, I)
-    aligned = {}
-    vllm = VLLM_H100_MS.get((key, T))
-    failed = 0
+    routings = [cp.argsort(rng.random((T, E)), axis=1)[:, :top_k].astype(cp.int32)
+                for _ in range(reps)]                                      # reps x [T, top_k]
+    return dict(name=name, T=T, E=E, top_k=top_k, P=P, routings=routings, aligned={},
+                touched=[int(cp.unique(r).size) for r in routings],
+                x=random_device((T, H), dt, 1.0, rng),                     # [T, H]
+                act=random_device((P, I), dt, 1.0, rng),                   # [P, I]
+                tw=rng.random(P, dtype=cp.float32) + cp.float32(0.05))     # [P]
 
-    def gemms(v, B, cfg=None):
-        if B not in aligned:
-            aligned[B] = tune._align_gpu(cp, ids, B, E)
-        st, ex, nt = aligned[B]
-        kw = {} if cfg is None else {"config": cfg}
-        return (lambda: grouped_gemm(x, w13, st, ex, nt, top_k, B, version=v, **kw),
-                lambda: grouped_gemm(act, w2, st, ex, nt, 1, B, tw, True, version=v, **kw))
 
-    B4 = get_config(T, 2 * I, H, E, top_k, dt, "v4")["BLOCK_M"]
-    g1, g2 = gemms("v4", B4)
-    want1, want2 = g1(), g2()
+def _decode_gemm(env, pt, gemm, a, w, tk, N, K, mul, versions, sweep) -> list[dict]:
+    """decode_bench's lines for one GEMM of one (model, T)."""
+    from . import tune
 
-    def report(name, B, g1, g2):
-        nonlocal failed
-        try:
-            e1, e2 = tune._rel_err(cp, g1(), want1), tune._rel_err(cp, g2(), want2)
-        except ValueError as e:
-            print(f"{key:9s} {T:6d} {name:16s} skip: {e}")
+    cp, dt, log, bw, reps = env["cp"], env["dt"], env["log"], env["bw"], env["reps"]
+    itemsize = dt.itemsize
+    wbytes = [n * N * K * itemsize for n in pt["touched"]]
+    other = itemsize * (a.shape[0] * K + pt["P"] * N)
+    out = _compile.empty((pt["P"], N), dt)
+    start, stop = env["events"]
+    head = f"{pt['name'][:8]:8s} {gemm:5s} {pt['T']:5d}"
+    flops = gemm_flops(pt["P"], N, K)
+
+    def call(v, cfg, r):
+        B = (cfg or get_config(pt["T"], N, K, pt["E"], pt["top_k"], dt, v))["BLOCK_M"]
+        if B not in pt["aligned"]:
+            pt["aligned"][B] = [tune._align_gpu(cp, ids, B, pt["E"]) for ids in pt["routings"]]
+        st, ex, nt = pt["aligned"][B][r]
+        return grouped_gemm(a, w, st, ex, nt, tk, B, pt["tw"], mul, version=v, config=cfg,
+                            out=out)
+
+    want = call("v4", None, 0).copy()
+    results = []
+
+    def v7_note(cfg):
+        """What v7 runs (the table's config unless given) and its split, as the launcher
+        picks them for the first routing."""
+        cfg = cfg or get_config(pt["T"], N, K, pt["E"], pt["top_k"], dt, "v7")
+        fitted = fit_config("v7", dtype_key(dt), cfg, cfg["BLOCK_M"])
+        L = pt["aligned"][cfg["BLOCK_M"]][0][0].shape[0]
+        call_cfg = v7_call_config(fitted, pt["P"], pt["E"], L, N, K, env["dev"])
+        return f"[{_v7_label(fitted)}, split {call_cfg['SPLIT_K']} x {call_cfg['SPLIT_STEPS']}]"
+
+    def timed(label, v, cfg):
+        if time.time() > env["deadline"]:
             return None
-        bad = e1 > 1e-2 or e2 > 1e-2
-        failed += bad
-        t1 = tune._time(cp, g1, args.reps, flush)
-        t2 = tune._time(cp, g2, args.reps, flush)
-        tot = t1 + t2
-        vs = "" if vllm is None else (f"{vllm / (tot * 1e3):5.2f}x vLLM's {vllm:.2f} ms "
-                                      f"({'MET' if tot * 1e3 <= vllm / 1.1 else 'missed'})")
-        print(f"{key:9s} {T:6d} {name:16s} {B:4d} {t1 * 1e6:9.1f} {flops1 / t1 / 1e12:6.1f} "
-              f"{t2 * 1e6:9.1f} {flops2 / t2 / 1e12:6.1f} {tot * 1e3:9.3f} "
-              f"{(flops1 + flops2) / tot / 1e12:6.1f} {e1:8.1e} {e2:8.1e}  "
-              f"{'WRONG ' if bad else ''}{vs}", flush=True)
-        return None if bad else (t1, t2)
+        try:
+            err = tune._rel_err(cp, call(v, cfg, 0), want)
+            for r in range(min(3, reps)):
+                call(v, cfg, r)
+            times = []
+            for r in range(reps):
+                env["flush"].fill(0)
+                start.record()
+                call(v, cfg, r)
+                stop.record()
+                stop.synchronize()
+                times.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3)
+        except Exception as e:  # a config this card cannot run: reported, skipped
+            log(f"{head} {label:34s} skip: {type(e).__name__}: {str(e)[:100]}")
+            return None
+        t = _median(times)
+        gbs = _median([(wb + other) / s / 1e9 for wb, s in zip(wbytes, times)])
+        frac = _median([wb / bw / s for wb, s in zip(wbytes, times)]) if bw else None
+        ok = err <= 1e-2
+        note = v7_note(cfg) if v == "v7" else ""
+        log(f"{head} {label:34s} {t * 1e6:9.1f} {gbs:7.0f} "
+            f"{'' if frac is None else f'{frac:6.1%}':>6s} {flops / t / 1e12:6.1f} "
+            f"{err:8.1e}{'' if ok else '  FAIL'}  {note}")
+        res = dict(model=pt["name"], gemm=gemm, T=pt["T"], label=label, version=v, config=cfg,
+                   us=t * 1e6, gbs=gbs, floor_fraction=frac, tflops=flops / t / 1e12,
+                   rel_err=err, ok=ok, touched=_median(pt["touched"]), runs=note)
+        results.append(res)
+        return res
 
-    for v in args.versions.split(","):
-        B = B4 if v == "v4" else get_config(T, 2 * I, H, E, top_k, dt, v)["BLOCK_M"]
-        report(v, B, *gemms(v, B))
-    if args.sweep:
-        best = {}                                   # B -> (gemm1 (t, cand), gemm2 (t, cand))
+    for v in versions:
+        timed(v, v, None)
+    if sweep and "v6" in versions:
+        best = None
         for cand in tune.V6_CANDIDATES:
-            cfg = tune.candidate_config("v6", cand)
-            B = cfg["BLOCK_M"]
-            name = "v6 " + "/".join(str(c) for c in (cand[0], cand[1], cand[4], cand[5]))
-            got = report(name, B, *gemms("v6", B, cfg))
-            if got is None:
-                continue
-            b1, b2 = best.get(B, ((math.inf, None), (math.inf, None)))
-            best[B] = (min(b1, (got[0], cand)), min(b2, (got[1], cand)))
-        for B, ((t1, c1), (t2, c2)) in sorted(best.items()):
-            print(f"{key:9s} {T:6d} best v6 at B={B}: gemm1 {c1} {t1 * 1e6:.1f} us, gemm2 {c2} "
-                  f"{t2 * 1e6:.1f} us, layer {(t1 + t2) * 1e3:.3f} ms "
-                  f"{(flops1 + flops2) / (t1 + t2) / 1e12:.1f} TFLOP/s", flush=True)
-    return failed
+            cfg = dict(zip(tune.CANDIDATE_KEYS["v6"], cand))
+            res = timed(_v6_label(cfg), "v6", cfg)
+            if res is not None and res["ok"] and (best is None or res["us"] < best["us"]):
+                best = res
+        if best is not None:
+            log(f"{head} best v6 candidate: {best['label']} {best['us']:.1f} us "
+                f"{best['tflops']:.1f} TFLOP/s")
+    if sweep and "v7" in versions:
+        best = None
+        for cand in tune.V7_CANDIDATES:
+            cfg = dict(zip(tune.CANDIDATE_KEYS["v7"], cand))
+            res = timed(_v7_label(cfg), "v7", cfg)
+            if res is not None and res["ok"] and (best is None or res["us"] < best["us"]):
+                best = res
+        if best is not None:
+            ksteps = -(-K // best["config"]["BLOCK_K"])
+            for s in V7_SWEEP_SPLITS:
+                if s <= ksteps:
+                    cfg = dict(best["config"], SPLIT_K=s)
+                    timed(_v7_label(cfg), "v7", cfg)
+            log(f"{head} best v7 candidate: {best['label']} {best['us']:.1f} us")
+    return results
 
 
+def _decode_layer(env, pt, timed, H, I) -> list[dict]:  # noqa: E741
+    """GEMM1 + GEMM2 of one (model, T) for every label timed on both."""
+    bw, itemsize = env["bw"], env["dt"].itemsize
+    floors = [n * (2 * I * H + H * I) * itemsize / bw for n in pt["touched"]] if bw else None
+    by_label: dict = {}
+    for r in timed:
+        by_label.setdefault(r["label"], {})[r["gemm"]] = r["us"]
+    out = []
+    flops = gemm_flops(pt["P"], 2 * I, H) + gemm_flops(pt["P"], H, I)
+    vllm_ms = VLLM_H100_LAYER_MS.get((pt["name"], pt["T"]))
+    for label, us in by_label.items():
+        if len(us) != 2:
+            continue
+        t = (us["gemm1"] + us["gemm2"]) * 1e-6
+        frac = _median(floors) / t if floors else None
+        vs = "" if vllm_ms is None else \
+            (f"  {vllm_ms * 1e-3 / t:5.2f}x vLLM's {vllm_ms:.2f} ms (H100), target "
+             f"{vllm_ms / 1.1:.2f} ms: {'MET' if t * 1e3 <= vllm_ms / 1.1 else 'missed'}")
+        env["log"](f"{pt['name'][:8]:8s} layer {pt['T']:5d} {label:34s} {t * 1e6:9.1f} {'':7s} "
+                   f"{'' if frac is None else f'{frac:6.1%}':>6s} {flops / t / 1e12:6.1f}{vs}")
+        out.append(dict(model=pt["name"], gemm="layer", T=pt["T"], label=label, us=t * 1e6,
+                        floor_fraction=frac, tflops=flops / t / 1e12,
+                        vllm_h100_ms=vllm_ms))
+    return out
+
+
+# ----------------------------------------------------------------------------- script
 def _main(argv=None):  # pragma: no cover - needs a GPU
     """Validate every version against reference.grouped_gemm (float64 inputs), then time it.
 
     --quick: one tiny problem per version and dtype, one timed call (for compute-sanitizer).
-    --shapes: the benchmark's models instead (_bench_models), --sweep: v6's configs on them.
     Prints one PASS/FAIL line per (shape, version); exits 1 when any check fails.
+    --shapes mixtral,qwen3,deepseek --tokens 1,16,64: decode_bench instead (GEMM1 and GEMM2
+    of those models at those T, checked against v4; --sweep adds the candidates of v6 / v7
+    when listed in --versions, v7's splits; --json PATH writes the results). Prefill:
+    --versions v4,v5,v6 --tokens 1024,4096,16384.
     """
     import argparse
 
@@ -1129,18 +1503,30 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="tiny shapes, one rep (sanitizers)")
     p.add_argument("--shapes", default=None,
-                   help="models (mixtral,qwen3,deepseek): GEMM1 and GEMM2 at --tokens")
-    p.add_argument("--tokens", default="1024,4096,16384")
-    p.add_argument("--sweep", action="store_true", help="with --shapes: every v6 candidate")
+                   help="decode timing of these models' GEMMs: mixtral,qwen3,deepseek")
+    p.add_argument("--tokens", default="1,16,64", help="T values of --shapes")
+    p.add_argument("--sweep", action="store_true",
+                   help="--shapes: also the candidates of v6 / v7 (those in --versions)")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="--shapes: time after which further configs are skipped")
+    p.add_argument("--json", default=None, help="--shapes: write the results to this file")
     args = p.parse_args(argv)
     ok, why = _compile.availability()
     if not ok:
         raise SystemExit(f"no GPU: {why}")
-    if args.shapes:
-        if args.dtype == "fp32":
-            raise SystemExit("--shapes times the half types (bf16, fp16)")
-        return 1 if _bench_models(args) else 0
     cp = _cupy()
+    if args.shapes:
+        from .tune import MODELS
+
+        models = {k: MODELS[k] for k in args.shapes.split(",")}
+        res = decode_bench(cp, models, [int(x) for x in args.tokens.split(",")],
+                           tuple(args.versions.split(",")), args.reps, args.sweep, args.dtype,
+                           args.budget_s)
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
+        bad = [r for r in res if r.get("ok") is False]
+        print("ok" if not bad else f"{len(bad)} check(s) FAILED")
+        return 1 if bad else 0
     dts = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": bf16_dtype()}
     rng = np.random.default_rng(0)
     # (name, T, E, top_k, N, Kdim, dtype key)

@@ -35,7 +35,8 @@ CONFIGS = {
     # WARP_SLOTS slots (two 32-slot steps: its ids stay in registers across the grid barrier);
     # after the barrier each block reads the [G, E] count table, so G is also capped to keep
     # that at TABLE_LOADS loads per thread (matters for large E, where W is small)
-    "align": {"SMALL_P": 4096, "WARP_SLOTS": 64, "MAX_BLOCKS": 0, "TABLE_LOADS": 16},
+    "align": {"SMALL_P": 4096, "WARP_SLOTS": 64, "MAX_BLOCKS": 0, "TABLE_LOADS": 16,
+              "EXPERTS_PER_WARP": 8},
     "gather_rows_kernel": {"ROW_WARPS": 4},
     "moe_unpermute_kernel": {"UNPERMUTE_THREADS": 128},
 }
@@ -91,9 +92,12 @@ def _align_geometry(P: int, E: int, max_blocks: int):
     """(G, W, shared memory bytes) of moe_align_kernel: G blocks of W warps.
 
     W: as many warps (up to MAX_WARPS) as the per-warp counters allow in SMEM_BUDGET, at least
-    one (then more than 48 KB if E needs it). G = 1 up to SMALL_P slots (W cut to the 32-slot
-    steps: idle warps only cost scan time), else cdiv(P, W * WARP_SLOTS), at most max_blocks
-    and at most TABLE_LOADS W 32 / E (the count table read after the grid barrier).
+    one (then more than 48 KB if E needs it). G = 1 up to SMALL_P slots, W cut to the 32-slot
+    steps (idle warps only cost scan time) but kept at one warp per EXPERTS_PER_WARP experts:
+    the per-expert steps (the scans, expert_ids, the padding) run one expert per warp at a
+    time, and a lone warp walking E = 256 experts took 20 us of a decode step (H100,
+    T = 1). Else G = cdiv(P, W * WARP_SLOTS), at most max_blocks and at most TABLE_LOADS W 32
+    / E (the count table read after the grid barrier).
     """
     cfg, group = CONFIGS["align"], CONFIGS["group"]
     fixed = 2 * E + 33  # off [E + 1], tot [E], scan scratch [32]
@@ -103,7 +107,7 @@ def _align_geometry(P: int, E: int, max_blocks: int):
                          f"{SMEM_OPTIN_MAX} bytes of shared memory")
     if P <= cfg["SMALL_P"]:
         G = 1
-        W = max(1, min(W, C.cdiv(max(P, 1), 32)))
+        W = max(1, min(W, max(C.cdiv(max(P, 1), 32), C.cdiv(E, cfg["EXPERTS_PER_WARP"]))))
     else:
         G = max(1, min(max_blocks, C.cdiv(P, W * cfg["WARP_SLOTS"]),
                        cfg["TABLE_LOADS"] * W * 32 // E))
@@ -131,8 +135,9 @@ _BARRIER_POOL = {}          # device -> [zeroed words, next free index]
 BARRIER_POOL_WORDS = 256
 
 
-def _barrier_word():
-    """The grid barrier's word for the current device and stream. A launch leaves it ready
+def _barrier_word(stream_ptr: int | None = None):
+    """The grid barrier's word for the current device and stream (`stream_ptr`, default
+    CuPy's current stream). A launch leaves it ready
     for the next (permute.cu: its low bits return to 0), and launches on one stream never
     overlap; another stream gets its own word.
 
@@ -142,20 +147,21 @@ def _barrier_word():
     that stream would find garbage in it (a grid barrier that never opens)."""
     import cupy
 
-    stream = cupy.cuda.get_current_stream()
+    if stream_ptr is None:
+        stream_ptr = cupy.cuda.get_current_stream().ptr
     dev = cupy.cuda.Device().id
-    key = (dev, stream.ptr)
+    key = (dev, stream_ptr)
     word = _BARRIER_WORDS.get(key)
     if word is not None:
         return word
     pool = _BARRIER_POOL.get(dev)
     if pool is None or pool[1] == BARRIER_POOL_WORDS:
-        if cupy.cuda.runtime.streamIsCapturing(stream.ptr):
+        if cupy.cuda.runtime.streamIsCapturing(stream_ptr):
             raise RuntimeError("moe_align_block_size: its first call on a device must not be "
                                "inside a CUDA graph capture (a zeroed grid-barrier word is "
                                "made then); run the layer once before capturing")
         words = cupy.zeros((BARRIER_POOL_WORDS,), cupy.uint32)
-        cupy.cuda.runtime.streamSynchronize(stream.ptr)   # zeroed before any stream uses it
+        cupy.cuda.get_current_stream().synchronize()   # zeroed before any stream uses it
         pool = _BARRIER_POOL[dev] = [words, 0]
     word = _BARRIER_WORDS[key] = pool[0][pool[1]:pool[1] + 1]
     pool[1] += 1

@@ -178,7 +178,7 @@ def block_size_for(fmt: str, rows_per_expert: float) -> int:
         # (the int4 route's range, quant_gemm_wna16.PACKED_BY_ROWS): 48, the staged t24's
         # measured block (its 24-row tiles, and the fallback gemv16's, divide it); 32 routed
         # to t32, slower (H200, Mixtral T = 64, GEMM1 / GEMM2: t24 188 / 110 us against t32
-        # 198 / 118, benchmarks/results/dev_wna16_20261130f). Above: the tile rungs' 64.
+        # 198 / 118). Above: the tile rungs' 64.
         if rows_per_expert <= WNA16_BY_ROWS[0][0]:
             return max(16, WNA16_V3_CONFIGS[WNA16_BY_ROWS[0][1]]["BM"])
         return 48 if rows_per_expert <= 128 else 64
@@ -401,44 +401,10 @@ def _f32(name, x, shape=None):
     return cupy.ascontiguousarray(x.astype(cupy.float32, copy=False))
 
 
-def check_activation(activation, N):
-    """activation= of a quantized GEMM1 (shared with quant_gemm_wna16): None or one of
-    activation.py's *_and_mul names, on gate | up halves (N even)."""
-    from .activation import AND_MUL_ACTIVATIONS
-
-    if activation is None:
-        return
-    if activation not in AND_MUL_ACTIVATIONS:
-        raise ValueError(f"activation: expected None or one of {AND_MUL_ACTIVATIONS}, got "
-                         f"{activation!r}")
-    if N % 2:
-        raise ValueError(f"w: an activation takes gate | up halves, expected an even N, got "
-                         f"N = {N}")
-
-
-def activated(c, activation, out=None):
-    """activation.py's `activation`_and_mul of a GEMM's output c [P, N]: [P, N / 2], into
-    `out` when given (checked: that shape, c's dtype)."""
-    from .activation import apply_activation
-
-    if out is not None:
-        C.check_array("out", out, ndim=2, shape=(c.shape[0], c.shape[1] // 2))
-        if out.dtype != c.dtype:
-            raise TypeError(f"out: expected dtype {c.dtype}, got {out.dtype}")
-    y = apply_activation(c, activation, True)
-    if out is None:
-        return y
-    out[...] = y
-    return out
-
-
-def epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias, out,
-                      width=None):
-    """(topk weights [P] fp32 or None, bias [E, N] fp32 or None, c [P, width]): the checked
+def epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias, out):
+    """(topk weights [P] fp32 or None, bias [E, N] fp32 or None, c [P, N]): the checked
     epilogue operands of a quantized grouped GEMM with P slots (shared with
-    quant_gemm_wna16). c is `out` (checked: [P, width], a's element type) or a new array;
-    width: N unless an activation halves it."""
-    width = N if width is None else width
+    quant_gemm_wna16). c is `out` (checked: [P, N], a's element type) or a new array."""
     if mul_routed_weight:
         if topk_weights is None:
             raise ValueError("topk_weights: expected an array when mul_routed_weight=True, "
@@ -451,9 +417,9 @@ def epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias, o
         tw = None
     b32 = _f32("bias", bias, shape=(E, N)) if bias is not None else None
     if out is None:
-        c = C.empty((P, width), C.bf16_dtype() if out_key == "bf16" else np.float16)
+        c = C.empty((P, N), C.bf16_dtype() if out_key == "bf16" else np.float16)
     else:
-        C.check_array("out", out, ndim=2, shape=(P, width))
+        C.check_array("out", out, ndim=2, shape=(P, N))
         if _elem_key(out.dtype) != out_key:
             raise TypeError(f"out: expected dtype {out_key}, got {out.dtype}")
         c = out
@@ -502,7 +468,7 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                        use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
                        per_act_token_quant=False, per_channel_quant=False, block_shape=None,
                        out_dtype=None, *, version=None, config=None, out=None,
-                       programmatic=False, activation=None, flow=None):
+                       programmatic=False):
     """c [a.shape[0] * top_k, N] on the GPU (see the module doc and reference/quant.py).
 
     version "v1" | "v2" | None (best that applies: v2 needs block_size % 16 == 0, 16-byte
@@ -511,10 +477,6 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     or a dict. out: a [P, N] array to write (tests poison it first); else one is allocated.
     programmatic: int4 on quant_gemm_wna16's staged rung starts under the previous kernel's
     tail (see grouped_gemm_wna16); every other path launches as usual.
-    activation: one of activation.py's *_and_mul names applied to the output (GEMM1's gate |
-    up halves): [P, N / 2]; int4's staged rung fuses "silu", every other path runs
-    activation.py after the GEMM. flow: a quant_gemm_wna16.BlockFlow (int4's staged rung: see
-    grouped_gemm_wna16); other paths ignore it.
     """
     import cupy
 
@@ -536,22 +498,7 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                 a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_size,
                 topk_weights, mul_routed_weight, bias, a_scale, w_scale, w_zp,
                 use_int4_w4a16=True, block_shape=block_shape, out_dtype=out_dtype,
-                config=name, out=out, programmatic=programmatic, activation=activation,
-                flow=flow)
-    if flow is not None:                            # (no dataflow here: GEMM2 waits as usual)
-        from .quant_gemm_wna16 import BlockFlow
-
-        if not isinstance(flow, BlockFlow):
-            raise TypeError(f"flow: expected a BlockFlow or None, got {type(flow).__name__}")
-        flow.clear()
-    if activation is not None:                      # this module's GEMM, then the activation
-        check_activation(activation, w.shape[1] if getattr(w, "ndim", 0) == 3 else 0)
-        return activated(grouped_gemm_quant(
-            a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_size,
-            topk_weights, mul_routed_weight, bias, a_scale, w_scale, w_zp, use_fp8_w8a8,
-            use_int8_w8a8, use_int8_w8a16, use_int4_w4a16, per_act_token_quant,
-            per_channel_quant, block_shape, out_dtype, version=version, config=config),
-            activation, out)
+                config=name, out=out, programmatic=programmatic)
     if version is not None and version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
     top_k = C.check_int("top_k", top_k, 1)

@@ -611,15 +611,15 @@ wna16_async(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __re
 // the code that runs (w16::with_count: one instantiation per LT <= MT).
 // Why: with a run-time test per tile, each tile's mma chain sat in its own branch, the chains
 // could not overlap, and a 16-token CTA ran ~60% slower than an 8-token one at the same work
-// (slot 2 and bench_wna16_nvidia_h200_20261130_064714: q16 vs q8 at T=1 and 16). So one config
+// (H200, Mixtral: q16 vs q8 at T=1 and 16). So one config
 // of MT = 4 reads each expert's weights once for up to 32 rows and pays per live tile only.
 // Each warp walks its (tile, chunk) items through a ring of D items in flight per lane (16
 // bytes of codes plus the two rows' scales), across tile boundaries, so a barrier does not
 // drain the loads at once. SR = 0: the ring is registers (16-byte loads); SR = 1: it is the
 // warp's own slice of shared memory, filled by cp.async (each lane reads back only the bytes
 // it copied: cp.async.wait_group, no barrier), so that D > 1 fits at 3-4 live token tiles,
-// where a register ring deeper than one item spills (q24 / q32 run with D = 1). Measured
-// (dev_wna16_20261130b): faster at one live tile, slower at 2-3 and with D = 4 (the ring's
+// where a register ring deeper than one item spills (q24 / q32 run with D = 1). Measured:
+// faster at one live tile, slower at 2-3 and with D = 4 (the ring's
 // shared memory comes out of L1, which the activations are read through).
 // Activations are read through L1 (16-byte __ldg, 2 per chunk and live token tile), padding
 // columns read a live row (never stored).

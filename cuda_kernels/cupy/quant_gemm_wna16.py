@@ -21,7 +21,7 @@ L = len(sorted_token_ids), BM = 8 * MT positions per CTA, KS K splits.
     c        [P, N]           a's dtype
 
 Five rungs (see the .cu headers for the lane layouts), chosen by the config name:
-    wna16_staged  (STAGED_CONFIGS: t8 .. t32, u24, f8 .. f32; quant_gemm_wna16_staged.cu) int4 on
+    wna16_staged  (STAGED_CONFIGS: t8 .. t32, u24, t24ws; quant_gemm_wna16_staged.cu) int4 on
                   the packed rung's weights laid out a pipeline stage per contiguous run
                   (stage_blocks): a CTA stages the codes, scales and its tokens' activations
                   of NB = W TPW 16-row tiles x KC 64-code chunks per stage through one
@@ -30,13 +30,10 @@ Five rungs (see the .cu headers for the lane layouts), chosen by the config name
                   more mma per token tile and chunk); one wave of CTAs splits all m tiles'
                   (row block, K stage) units into runs of equal cost (staged_plan), partial
                   blocks added in K-stage order. What grouped_gemm_quant runs for 8-128 rows
-                  per expert (route_int4). The f configs (FA) first turn bf16 activations
-                  into fp16 with power-of-two row scales (wna16_f16_rows, launched here) and
-                  dequantize two codes per half-word (opt-in: measured no faster).
+                  per expert (route_int4).
                   programmatic=True launches it with PDL (_launch.py): its CTAs read the
                   routing and copy their first weights under the previous kernel's tail
-                  (GEMM2 after GEMM1: Mixtral T = 64 layer 0.271 against 0.276 ms,
-                  benchmarks/results/dev_wna16_20261201).
+                  (GEMM2 after GEMM1: Mixtral T = 64 layer 0.271 against 0.276 ms, H200).
     wna16_wgmma   (WGMMA_CONFIGS: g32, h32, p32, ...; quant_gemm_wna16_wgmma.cu, sm_90a) int4
                   on weights prepacked in wgmma's register-A order: one warpgroup per CTA, the
                   dequantized weights of RB 64-row groups as wgmma's A, the activations staged
@@ -74,27 +71,24 @@ ValueError naming the argument otherwise.
 
 Napkin math (H200, 4.8 TB/s): Mixtral int4 (E=8, top-2, H=4096, I=14336, group 128) at T=1
 reads 2 experts' w13 + w2 codes and scales, 187 MB -> 39 us.
-wna16_packed, first version (H200, benchmarks/results/dev_slots_20261130/slot1, per GEMM, L2
-flushed):
+wna16_packed, first version (H200, per GEMM, L2 flushed):
 T=1 s8 49.7 + 31.2 us = 48% of the roofline (w8 below: 27%), T=16 406 us (37%), T=64 p16
 797 us (20%); ncu (T=1 GEMM1): 109 instructions per 512-byte chunk, issue 62% busy, ALU pipe
 56%, 'wait' stalls first: instruction-bound, hence the rounds of D items with immediate
 offsets and no register copies (53 instructions per chunk in the SASS) that followed.
 Then (rounds of D items, two tiles per warp group, one barrier per few tile groups; q8, the
-default; benchmarks/results/dev_slots_20261130/slot2b, whole GEMM1 + GEMM2 through
-quant_gemm.grouped_gemm_quant, bench_quant.py, L2 flushed by a read): T=1 62 us (62.9% of
-the roofline), T=16 212 us (73.7%), T=64 551 us (28.3%: at 16 rows per expert the 8-token
-tiles read each expert's weights 2-3 times, and the 16 / 32-token configs run far slower per
-byte so far). bench_wna16 (same slot): 66 / 223 / 519 us against quant_gemm's v3 at
-155 / 599 / 1156 us. ncu (slot 2, T=1 GEMM1): DRAM 68% busy, issue 53%, long-scoreboard
-stalls first (the weight stream's latency).
-The stream rung, before (H200, benchmarks/results/bench_wna16_*_20261129_231628.json, commit
-77717dd, the m8 / m16 table then; GEMM1 + GEMM2, the activation between them not timed): T=1
-165 us (24% of the roofline; quant_gemm 154 us), T=16 558 us (28%; 595), T=64 1077 us (14.5%;
-1104); T >= 256 quant_gemm is about 2x faster. Its sweep (..._sweep_..._231634.json) gave the
-w8 / w16 entries of BY_ROWS: T=1 142 us (27%), T=16 464 us (34%), T=64 879 us (18%), per-GEMM
-sums, not yet re-measured as a whole. ncu (2026-11-29, T=1 GEMM1): DRAM 29%, issue ~50%, 14
-warps per SM: the kernel is latency- and instruction-bound, far from the 60% target.
+default; whole GEMM1 + GEMM2 through quant_gemm.grouped_gemm_quant, bench_quant.py, L2
+flushed by a read): T=1 62 us (62.9% of the roofline), T=16 212 us (73.7%), T=64 551 us
+(28.3%: at 16 rows per expert the 8-token tiles read each expert's weights 2-3 times, and the
+16 / 32-token configs run far slower per byte so far). bench_wna16 (same machine): 66 / 223 /
+519 us against quant_gemm's v3 at 155 / 599 / 1156 us. ncu (T=1 GEMM1): DRAM 68% busy, issue
+53%, long-scoreboard stalls first (the weight stream's latency).
+The stream rung, before (H200, the m8 / m16 table then; GEMM1 + GEMM2, the activation between
+them not timed): T=1 165 us (24% of the roofline; quant_gemm 154 us), T=16 558 us (28%; 595),
+T=64 1077 us (14.5%; 1104); T >= 256 quant_gemm is about 2x faster. Its sweep (bench_wna16.py
+--sweep) gave the w8 / w16 entries of BY_ROWS: T=1 142 us (27%), T=16 464 us (34%), T=64 879 us
+(18%), per-GEMM sums, not yet re-measured as a whole. ncu (T=1 GEMM1): DRAM 29%, issue ~50%,
+14 warps per SM: the kernel is latency- and instruction-bound, far from the 60% target.
 
 Run as a script: python -m cuda_kernels.cupy.quant_gemm_wna16 [--quick] (validate every
 kernel instantiation against the reference; without --quick also time the Mixtral shape).
@@ -108,7 +102,7 @@ import numpy as np
 
 from . import _compile as C
 from ._launch import launch
-from .quant_gemm import _elem_key, _f32, activated, check_activation, epilogue_operands
+from .quant_gemm import _elem_key, _f32, epilogue_operands
 
 CU = "quant_gemm_wna16.cu"
 KSTEP = 128                     # K codes per warp step (32 per lane)
@@ -137,24 +131,22 @@ CONFIGS = {
 # subtracts it per pair; RT tiles of 16 rows per warp group share the activation fragments;
 # SR = 1 keeps the ring in shared memory (cp.async) instead of registers. Measured (H200,
 # Mixtral T=1 / 16 / 64, GEMM1 + GEMM2 per config, B = BM up to 8 rows per expert, else 32):
-#   benchmarks/results/dev_slots_20261130/slot2: q8 71 / 232 / 530 us, q8d 73 / 245 / 553,
-#     p8 73 / 251 / 602.
-#   dev_wna16_20261130 (live token tiles a compile-time count): q8 67 / 228 / 561, q16 71 /
-#     250 / 543, q32 71 / 257 / 446; q32 with WAVES = 4: 75 / 257 / 413
-#     (experts of 2 and 3 live tiles evened out), WAVES = 8: 408 at T=64 (071729). At 3 or 4
-#     live tiles the ring of D = 2 spills registers (NVRTC sm_90: q32 98 spill loads, MT = 3
-#     14): with D = 1 (072403, T=64 / 256) q32 407 / 1195 us (D = 2: 407 / 1449), 24-token
-#     tiles (MT = 3, B = 48) 386 / 1089. Four CTAs of 4 warps per SM instead of two of 8 (half
-#     the partials each output sums; 072813, 072823): q32 370 / 1042 us at T=64 / 256, 452 at
-#     T=96 (W = 8: 507), q24 375 / 1027; q8 stays at 8 warps (T=16: 259 us with 4).
-#   dev_wna16_20261130b (T=1 / 16 / 64 / 256): POST's mma costs more than the 16 hsub2 per
-#     chunk it saves (091500: q8 vs q8+POST=1 68 / 234 / 567 / 1918 vs 75 / 239 / 573 / 1961;
-#     q24 vs q24+POST=1 at T=64 377 vs 413). SR lets MT = 3 / 4 keep 2 items in flight without
-#     spilling (092305): faster at one live tile (v24 93 / 269 vs q24 100 / 303 at T=1 / 16),
-#     slower at 2-3 (392 vs 371 at T=64; D = 4: 473); at MT = 1 slower than the register ring
-#     (q8+SR=1 77 / 252 vs 68 / 235).
-#   dev_wna16_20261130d (GEMM1 / GEMM2 at T=64): the routed configs stall on long_scoreboard
-#     (the next chunk's loads, ~2 cycles per issue); a second chunk in flight at 3 CTAs per SM
+#   first: q8 71 / 232 / 530 us, q8d 73 / 245 / 553, p8 73 / 251 / 602.
+#   with live token tiles a compile-time count: q8 67 / 228 / 561, q16 71 / 250 / 543, q32
+#     71 / 257 / 446; q32 with WAVES = 4: 75 / 257 / 413 (experts of 2 and 3 live tiles
+#     evened out), WAVES = 8: 408 at T=64. At 3 or 4 live tiles the ring of D = 2 spills
+#     registers (NVRTC sm_90: q32 98 spill loads, MT = 3 14): with D = 1 (T=64 / 256) q32
+#     407 / 1195 us (D = 2: 407 / 1449), 24-token tiles (MT = 3, B = 48) 386 / 1089. Four CTAs
+#     of 4 warps per SM instead of two of 8 (half the partials each output sums): q32 370 /
+#     1042 us at T=64 / 256, 452 at T=96 (W = 8: 507), q24 375 / 1027; q8 stays at 8 warps
+#     (T=16: 259 us with 4).
+#   T=1 / 16 / 64 / 256: POST's mma costs more than the 16 hsub2 per chunk it saves (q8 vs
+#     q8+POST=1 68 / 234 / 567 / 1918 vs 75 / 239 / 573 / 1961; q24 vs q24+POST=1 at T=64 377
+#     vs 413). SR lets MT = 3 / 4 keep 2 items in flight without spilling: faster at one live
+#     tile (v24 93 / 269 vs q24 100 / 303 at T=1 / 16), slower at 2-3 (392 vs 371 at T=64;
+#     D = 4: 473); at MT = 1 slower than the register ring (q8+SR=1 77 / 252 vs 68 / 235).
+#   GEMM1 / GEMM2 at T=64: the routed configs stall on long_scoreboard (the next chunk's
+#     loads, ~2 cycles per issue); a second chunk in flight at 3 CTAs per SM
 #     (q32+D=2+MINB=3 235 / 124, q24+D=2+MINB=3 238 / 128) is within 3-5% of q32 242 / 123 and
 #     q24 250 / 120, and no faster at T=256: the table stays.
 PACKED_CONFIGS = {
@@ -171,10 +163,9 @@ PACKED_CONFIGS = {
     "v32": dict(KERNEL="packed", MT=4, W=4, D=2, POST=1, RT=2, MINB=4, WAVES=8, SR=1),
 }
 # The default choice by rows per expert (P / E): the first entry whose rows cover the batch and
-# whose BM divides block_size. Measured (H200, Mixtral int4 g128, bench_wna16.py --sweep,
-# benchmarks/results/bench_wna16_sweep_nvidia_h200_20261129_231634.json): the register-ring
-# rung beats the cp.async rung at every T (the async rings cap a CTA at 8 warps per SM), 8 warps
-# per CTA beat 4:
+# whose BM divides block_size. Measured (H200, Mixtral int4 g128, bench_wna16.py --sweep): the
+# register-ring rung beats the cp.async rung at every T (the async rings cap a CTA at 8 warps
+# per SM), 8 warps per CTA beat 4:
 #   T=1  (0.25 rows/expert, B=8):  w8  GEMM1 82 us + GEMM2 60 us     (m8 90 + 79, a8 127 + 61)
 #   T=16 (4 rows, B=8):            w8  294 + 170 us                   (m8 329 + 248)
 #   T=64 (16 rows, B=32):          w16 578 + 301 us                   (m16 696 + 409)
@@ -184,17 +175,17 @@ PACKED_CONFIGS = {
 # to 8 rows per expert, then q24 (block_size a multiple of 24) or q32 (of 32) up to 128, q8 up
 # to 24 for other block sizes (quant_gemm's block_size_for gives 16 up to 8 rows, 48 up to
 # 128, 64 above). Above 128 rows quant_gemm's own tile rungs are faster: measured (H200, Mixtral,
-# bench_wna16_nvidia_h200_20261130_071739.json, GEMM1 + GEMM2) q32 (then D = 2, W = 8) 0.82 /
+# GEMM1 + GEMM2) q32 (then D = 2, W = 8) 0.82 /
 # 1.48 / 2.74 / 5.71 ms vs those rungs 1.50 / 2.36 / 3.05 / 5.41 ms at 32 / 64 / 128 / 256 rows
 # per expert (T = 128 / 256 / 512 / 1024). A problem the packed rung cannot take (int8,
 # group_size 32, N % 16) names a stream config.
 # The staged rung (STAGED_CONFIGS) then took the 8-128 rows from q24 / q32 (H200, Mixtral,
-# GEMM1 / GEMM2 us, benchmarks/results/dev_wna16_20261130e/bench_wna16_..._170246.json):
+# GEMM1 / GEMM2 us):
 # T = 64 t24 200 / 116 and t32 210 / 122 against q24 253 / 121 and q32 242 / 122; T = 256 t24
 # 590 / 316 and t32 598 / 315 against q24 702 / 334 and q32 730 / 352. Up to 8 rows q8 stays
 # (T = 1: q8 43 / 25 against t8 51 / 37; T = 16: q8 152 / 79 against t16 154 / 92).
 # On sm_90 its warp-specialized t24ws (STAGED_CONFIGS) heads t24: Mixtral's T = 64 layer 0.5-3%
-# faster on bench_quant's four routings, T = 128 / 256 3% / 4.5% (dev_wna16_20261202d); other
+# faster on bench_quant's four routings, T = 128 / 256 3% / 4.5%; other
 # GPUs take t24 (setmaxnreg is sm_90a's).
 PACKED_BY_ROWS = ((8, "q8"), (128, "t24ws"), (128, "t24"), (128, "t32"), (24, "q8"))
 # A measured table (CONFIG_FILE) replaces this one when present.
@@ -253,7 +244,8 @@ NAMES = tuple(kernel_name(b, c, p) for c in CONFIGS.values() for b, p in
 
 
 def named_config(name: str) -> dict:
-    """The config `name` of any rung's table (CONFIGS, PACKED_, STAGED_, WGMMA_CONFIGS)."""
+    """The config `name` of any rung's table (CONFIGS, PACKED_CONFIGS, STAGED_CONFIGS,
+    WGMMA_CONFIGS)."""
     for table in (CONFIGS, PACKED_CONFIGS, STAGED_CONFIGS, WGMMA_CONFIGS):
         if name in table:
             return table[name]
@@ -513,9 +505,9 @@ def packed_kernel_name(cfg: dict, zp: bool, d: int | None = None) -> str:
 # warpgroup per CTA owning 64-row groups (RB of them per item) and the whole K (or one of KS
 # splits), MT token tiles of 8 (wgmma n = 8 x the live ones), D chunks of weights in flight
 # per lane (a shared-memory ring, D >= S - 1), S activation stages, MINB CTAs per SM, WAVES
-# waves of CTAs planned, POST (0 or 1). Measured (H200, Mixtral T = 64, dev_wna16_20261130c):
+# waves of CTAs planned, POST (0 or 1). Measured (H200, Mixtral T = 64):
 # h32 runs the fastest GEMM1 of the configs swept (230 us against q32's 248), not the fastest
-# GEMM2 (185 against 125; 143 with K split over the grid, dev_wna16_20261130d).
+# GEMM2 (185 against 125; 143 with K split over the grid).
 WGMMA_CONFIGS = {
     "g32": dict(KERNEL="wgmma", MT=4, D=8, S=4, MINB=4, WAVES=8),
     "g24": dict(KERNEL="wgmma", MT=3, D=8, S=4, MINB=4, WAVES=8),
@@ -594,32 +586,20 @@ def packed_weights(w, w_scale, w_zp=None, w_scale_f32=None, order="mma"):
     long as they are not written in place after their first use; call forget_packed() after
     writing into them. At most PACK_CACHE_SIZE sets, least recently used dropped first.
     w_scale_f32: w_scale already widened to fp32 (packed instead of w_scale, keyed by it).
-    order: prepack_int4's lane order, or ("staged", NB, KC) for stage_blocks' layout, or
-    ("staged", NB, KC, "gate_up") for that of w13's rows interleaved by gate_up_rows (one
+    order: prepack_int4's lane order, or ("staged", NB, KC) for stage_blocks' layout (one
     cached set per order)."""
     key = tuple((id(x), x.data.ptr, x.shape, x.strides, str(x.dtype)) if x is not None else None
                 for x in (w, w_scale, w_zp)) + (order,)
     hit = _PACKED.pop(key, None)
     if hit is None:
         staged = isinstance(order, tuple)           # ("staged", NB, KC): stage_blocks' layout
-        src = (w, w_scale if w_scale_f32 is None else w_scale_f32, w_zp)
-        if staged and order[3:] == ("gate_up",):
-            rows = _xp(w).asarray(gate_up_rows(w.shape[1]))
-            src = tuple(x[:, rows] if x is not None else None for x in src)
-        pk = prepack_int4(*src, "mma" if staged else order)
+        pk = prepack_int4(w, w_scale if w_scale_f32 is None else w_scale_f32, w_zp,
+                          "mma" if staged else order)
         hit = ((w, w_scale, w_zp), stage_blocks(pk, order[1], order[2]) if staged else pk)
     _PACKED[key] = hit                  # most recent last
     while len(_PACKED) > PACK_CACHE_SIZE:
         _PACKED.pop(next(iter(_PACKED)))
     return hit[1]
-
-
-def gate_up_rows(N: int) -> np.ndarray:
-    """The source row of each row of w13 [E, N = 2 I, ...] as the fused activation reads it:
-    16-row tile j holds gate rows 8 j .. 8 j + 7, then up rows I + 8 j .. I + 8 j + 7, so that
-    each mma lane holds the gate and the up of one output column (rows g and g + 8)."""
-    j, i = np.arange(N // 16)[:, None], np.arange(16)[None, :]
-    return np.where(i < 8, 8 * j + i, N // 2 + 8 * j + i - 8).reshape(-1)
 
 
 def forget_packed():
@@ -781,7 +761,7 @@ STAGED_CONFIGS = {
     "t8": dict(KERNEL="staged", MT=1, W=4, TPW=4, KC=2, S=4, MINB=2),
     "t16": dict(KERNEL="staged", MT=2, W=4, TPW=4, KC=2, S=4, MINB=2),
     # t24 with 3 stages: its NVRTC 13.5 build (prebuilt/) ran Mixtral's T = 64 layer 0.6-2.8 us
-    # faster than with 4, T = 256 4-6 us, the same bits (H200, dev_wna16_20261202c)
+    # faster than with 4, T = 256 4-6 us, the same bits (H200)
     "t24": dict(KERNEL="staged", MT=3, W=4, TPW=4, KC=2, S=3, MINB=2),
     "t32": dict(KERNEL="staged", MT=4, W=4, TPW=4, KC=2, S=4, MINB=2),
     # 8 warps of 2 tiles: twice the warps per SM, each token fetch from shared memory feeds 2
@@ -789,20 +769,12 @@ STAGED_CONFIGS = {
     # WS: warp-specialized, WS the producers' registers. One CTA per SM: 8 consumer warps (a
     # 512-row block: each stage's activations feed 512 rows) at 224 registers, and a producer
     # warpgroup at 56 that issues the copies, the ring's slots handed over by mbarriers.
-    # Measured (H200, Mixtral T = 64 / 128 / 256, dev_wna16_20261202d, the same call): layer
+    # Measured (H200, Mixtral T = 64 / 128 / 256, the same run): layer
     # 256.2 / 441.5 / 720.8 us against t24's 258.5 / 455.6 / 753.7; producers at 40-48 or
     # 64-80 registers (consumers at 232 or 208-216), 3 or 5 stages, and 4 consumer warps in
     # 2 CTAs per SM were slower or no faster.
     "t24ws": dict(KERNEL="staged", MT=3, W=8, TPW=4, KC=2, S=4, MINB=1, WS=56),
 }
-# FA = 1: bf16 activations go in as fp16 with a power-of-two scale per row (wna16_f16_rows, one
-# launch before the GEMM; f16_rows is its NumPy twin), so the codes dequantize as fp16: a
-# third of the shifts (w16::raw_pairs_f16; the LT = 2 stage 341 SASS instructions against 403).
-# fp16 activations (an fp16 model) take that path as they are, in any config. Opt-in: measured
-# (H200, Mixtral T = 64, dev_wna16_20261130g) f24 189 / 114 us against t24 187 / 110: the
-# kernel is not bound by its instruction count, and the conversion costs ~7 us a GEMM.
-STAGED_CONFIGS.update({f"f{n[1:]}": dict(STAGED_CONFIGS[n], FA=1)
-                       for n in ("t8", "t16", "t24", "t32")})
 CU_STAGED = "quant_gemm_wna16_staged.cu"
 # setmaxnreg exists only in sm_90a code (built through cuda.core)
 STAGED_WS_OPTIONS = ("-arch=sm_90a",)
@@ -818,24 +790,11 @@ def device_runs_ws() -> bool:
     return C.is_sm90()
 
 
-def staged_kernel_name(cfg: dict, zp: bool, fa: bool | None = None, act: bool = False,
-                       awaits: bool = False) -> str:
-    """fa: the FA mode (default: the config's); act: silu_and_mul fused into the epilogue
-    (ACT = 1: gate and up rows interleaved by 8, see grouped_gemm_wna16's activation);
-    awaits: the dataflow's GEMM2 (AWAIT = 1: its producers wait for an ACT GEMM1's flags,
-    see BlockFlow; warp-specialized configs only)."""
-    if act and awaits:
-        raise ValueError("staged_kernel_name: a kernel is the dataflow's GEMM1 (act) or its "
-                         "GEMM2 (awaits), not both")
-    if awaits and not cfg.get("WS"):
-        raise ValueError("config: the dataflow's GEMM2 (awaits) needs a warp-specialized "
-                         "config (WS)")
-    fa = cfg.get("FA", 0) if fa is None else fa
-    tail = ([int(cfg.get("WS", 0))] if cfg.get("WS") or act or awaits else []) + \
-        ([int(act)] if act or awaits else []) + ([1] if awaits else [])
+def staged_kernel_name(cfg: dict, zp: bool) -> str:
+    """The kernel instantiation of a staged config, with per-group zero points or not."""
+    ws = f", {int(cfg['WS'])}" if cfg.get("WS") else ""
     return (f"wna16_staged<{cfg['MT']}, {cfg['W']}, {cfg['TPW']}, {cfg['KC']}, {cfg['S']}, "
-            f"{int(bool(zp))}, {cfg['MINB']}, {int(bool(fa))}"
-            f"{''.join(f', {x}' for x in tail)}>")
+            f"{int(bool(zp))}, {cfg['MINB']}{ws}>")
 
 
 def staged_stage_bytes(cfg: dict, zp: bool) -> int:
@@ -850,8 +809,7 @@ def staged_stage_bytes(cfg: dict, zp: bool) -> int:
 
 def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
                 num_sms: int = 132, group_size: int = 0, num_groups: int = 1,
-                zp: bool = False, fa: bool | None = None, act: bool = False,
-                awaits: bool = False) -> dict:
+                zp: bool = False) -> dict:
     """wna16_staged's launch: grid (Q,), block 32 W (+ 128 producers with the config's WS),
     dynamic shared memory S stages (WS: then 2 S mbarriers), then the m tiles' prefix costs
     (8 (MTILES + 1) bytes), a block's parts by first stage (4 SPB) and the m tiles' experts
@@ -861,8 +819,7 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     CTAs per SM (times WAVES) take contiguous runs of equal cost over all m tiles in order.
     The partial blocks meet in a workspace of WS floats ([Q][2 parts][32 W TPW MT 4]) with
     COUNTERS ints ([TILES] units done, [TILES][SPB] parts by their first K stage; TILES = m
-    tiles x blocks). fa: the FA mode (default: the config's); act: silu_and_mul fused;
-    awaits: the dataflow's GEMM2 (staged_kernel_name)."""
+    tiles x blocks)."""
     bm = 8 * cfg["MT"]
     if block_size % bm:
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
@@ -894,34 +851,16 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     if slots >= 1 << 16 or spb >= 1 << 15:
         raise ValueError(f"config: {slots} part slots or {spb} K stages per block are past the "
                          f"part records' 16-bit fields")
-    return dict(name=staged_kernel_name(cfg, zp, fa, act, awaits), cfg=cfg, grid=(q, 1, 1),
+    return dict(name=staged_kernel_name(cfg, zp), cfg=cfg, grid=(q, 1, 1),
                 block=(32 * cfg["W"] + (128 if ws else 0),), smem=smem, shift=shift, Lg=Lg,
-                Q=q, U=units, SPB=spb, MTILES=mtiles, BLOCKS=blocks, WS=slots * per,
-                TILES=mtiles * blocks,
+                Q=q, U=units, SPB=spb, MTILES=mtiles, WS=slots * per, TILES=mtiles * blocks,
                 COUNTERS=mtiles * blocks * (1 + spb))
 
 
-F16_ROWS_KERNEL = "wna16_f16_rows"
-# The kernels each staged config is built as: the plain GEMM, and for the configs routed for
-# 9-128 rows per expert the dataflow's roles too, GEMM1 with silu_and_mul fused (act) and,
-# warp-specialized, the GEMM2 that awaits its flags (awaits; see BlockFlow)
-STAGED_FLOW_CONFIGS = ("t24", "t24ws")
-
-
-def staged_roles(name: str, cfg: dict) -> list[dict]:
-    """staged_kernel_name's keywords of each kernel config `name` is built as."""
-    if name not in STAGED_FLOW_CONFIGS:
-        return [{}]
-    return [{}, dict(act=True)] + ([dict(awaits=True)] if cfg.get("WS") else [])
-
-
-def _staged_names(ws: bool) -> tuple:
-    return tuple(staged_kernel_name(c, z, **role) for n, c in STAGED_CONFIGS.items()
-                 if bool(c.get("WS")) == ws for z in (False, True) for role in staged_roles(n, c))
-
-
-STAGED_NAMES = _staged_names(False) + (F16_ROWS_KERNEL,)
-STAGED_WS_NAMES = _staged_names(True)
+STAGED_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values() if not c.get("WS")
+                     for z in (False, True))
+STAGED_WS_NAMES = tuple(staged_kernel_name(c, z) for c in STAGED_CONFIGS.values() if c.get("WS")
+                        for z in (False, True))
 for _ev in ELEMS.values():
     C.register_compile_case(CU_STAGED, {"ELEM_BF16": _ev}, STAGED_NAMES)
     C.register_compile_case(CU_STAGED, {"ELEM_BF16": _ev}, STAGED_WS_NAMES,
@@ -929,102 +868,34 @@ for _ev in ELEMS.values():
 # The configs the router takes for 9-128 rows per expert ship compiled by NVRTC 13.5 for the
 # H100 / H200 (prebuilt/, python -m cuda_kernels.cupy.prebuild): the same source built by the
 # CUDA 13.0 NVRTC of the H200 image ran Mixtral's T = 64 layer 2-3% slower, T = 256 3-4%
-# (benchmarks/results/dev_wna16_20261202b; the module docstring of _compile says how it loads)
+# (the module docstring of _compile says how it loads)
 PREBUILT_CONFIGS = ("t24", "t24ws")
-# (the dataflow's roles too where the config is warp-specialized: t24 routes only where WS
-# cannot run, off sm_90, and the cubins are sm_90's)
 for _ev in ELEMS.values():
     for _c in PREBUILT_CONFIGS:
-        _cfg = STAGED_CONFIGS[_c]
         for _z in (False, True):
-            for _role in staged_roles(_c, _cfg) if _cfg.get("WS") else [{}]:
-                C.register_prebuilt(CU_STAGED, {"ELEM_BF16": _ev},
-                                    staged_kernel_name(_cfg, _z, **_role),
-                                    options=staged_options(_cfg))
+            C.register_prebuilt(CU_STAGED, {"ELEM_BF16": _ev},
+                                staged_kernel_name(STAGED_CONFIGS[_c], _z),
+                                options=staged_options(STAGED_CONFIGS[_c]))
 
 
 # ----------------------------------------------------------------------------- workspace
 _WS: dict = {}
 
 
-def _workspace(floats: int, tiles: int, which: int = 0):
+def _workspace(floats: int, tiles: int):
     """Split-K partials and per-tile arrival counters, cached per device and grown on demand.
     The counters start at zero and the last CTA of each tile resets its own, so launches on
-    one stream reuse them; concurrent launches on two streams must not share a device's.
-    which: 1 is a second set, for a GEMM2 that runs beside its GEMM1 (BlockFlow)."""
+    one stream reuse them; concurrent launches on two streams must not share a device's."""
     import cupy
 
-    key = cupy.cuda.Device().id if which == 0 else (cupy.cuda.Device().id, which)
-    ws, cnt = _WS.get(key, (None, None))
+    dev = cupy.cuda.Device().id
+    ws, cnt = _WS.get(dev, (None, None))
     if ws is None or ws.size < floats:
         ws = cupy.empty(max(floats, 1 << 16), dtype=cupy.float32)
     if cnt is None or cnt.size < tiles:
         cnt = cupy.zeros(max(tiles, 1 << 12), dtype=cupy.int32)
-    _WS[key] = (ws, cnt)
+    _WS[dev] = (ws, cnt)
     return ws, cnt
-
-
-class BlockFlow:
-    """The handshake that lets a GEMM2 start under its GEMM1 (grouped_gemm_wna16's flow).
-
-    A GEMM1 with activation="silu" on the warp-specialized staged rung (sm_90) publishes, per
-    m tile and per warp's 8 TPW columns of its [P, N / 2] output, ready[m][b W + warp] =
-    epoch once those columns are stored; the GEMM2 given the same flow and that output as its
-    `a`, launched programmatically, skips the wait for the whole GEMM1 and lets each producer
-    wait for the columns it copies (the first time it meets them). The same bits either way.
-    One epoch per GEMM1, so the flags are never reset: a flag of an earlier GEMM1 holds an
-    older epoch. The flow holds every array the GEMM1 reads until its GEMM2 is launched: that
-    GEMM2 writes while the GEMM1 still runs, so none of their memory may go back to CuPy's
-    pool (which reuses it at once, as stream order would make safe) for the GEMM2's output.
-    A GEMM2 takes the handshake only when it reads exactly what the GEMM1 published (the same
-    output array, routing arrays and m tiles, the WS rung without FA, the same device and
-    stream: a GEMM2 spinning on another stream could hold the SMs its GEMM1 needs); otherwise,
-    or in a CUDA graph capture (whose replays would all reuse one epoch), it waits for the
-    GEMM1 as a plain programmatic launch does. A GEMM1 whose launch fails publishes nothing.
-    """
-
-    def __init__(self):
-        self.ready = None                  # int32 flags (cupy), grown on demand
-        self.epoch = 0
-        self.pending = None                # what the last GEMM1 published, for one GEMM2
-        self.taken = 0                     # GEMM2s that took the handshake
-
-    def publish(self, flags: int, key: tuple, cols: int, stride: int, keep: tuple = ()):
-        """(ready array, epoch) for a GEMM1 that publishes `flags` flags, each for `cols`
-        columns, `stride` per m tile; key: what its GEMM2 must read (see take); keep: the
-        arrays the GEMM1 reads, held until then."""
-        import cupy
-
-        if (self.ready is None or self.ready.size < flags or self.epoch >= (1 << 31) - 1 or
-                self.ready.device.id != cupy.cuda.Device().id):
-            self.ready = cupy.zeros(max(flags, 1 << 12), dtype=cupy.int32)
-            self.epoch = 0
-        self.epoch += 1
-        self.pending = (key, cols, stride, keep)
-        return self.ready, self.epoch
-
-    def take(self, key: tuple):
-        """(ready array, epoch, cols, stride, the GEMM1's arrays to hold until this GEMM2 is
-        launched) when key is what the last GEMM1 published (then no more: one GEMM2 per
-        GEMM1), else None."""
-        hit, self.pending = self.pending, None
-        if hit is None or hit[0] != key:
-            return None
-        self.taken += 1
-        return (self.ready, self.epoch) + hit[1:]
-
-    def clear(self):
-        self.pending = None
-
-
-def _capturing() -> bool:
-    """Whether the current stream is capturing a CUDA graph."""
-    import cupy
-
-    try:
-        return bool(cupy.cuda.get_current_stream().is_capturing())
-    except Exception:  # noqa: BLE001 - no way to ask: assume not
-        return False
 
 
 _SMS: dict = {}
@@ -1092,10 +963,8 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                        a_scale=None, w_scale=None, w_zp=None, use_fp8_w8a8=False,
                        use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
                        per_act_token_quant=False, per_channel_quant=False, block_shape=None,
-                       out_dtype=None, *, config=None, out=None, programmatic=False,
-                       activation=None, flow=None):
-    """c [a.shape[0] * top_k, N] in a's dtype on the GPU (see the module doc), or with an
-    activation act(c[:, :N / 2]) * c[:, N / 2:], [P, N / 2].
+                       out_dtype=None, *, config=None, out=None, programmatic=False):
+    """c [a.shape[0] * top_k, N] in a's dtype on the GPU (see the module doc).
 
     The arguments of quant_gemm.grouped_gemm_quant; exactly one of use_int4_w4a16 /
     use_int8_w8a16 must be set (a_scale, per_act_token_quant, per_channel_quant are unused by
@@ -1107,13 +976,6 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     anything. The caller promises that only `a` comes from that kernel: the routing, weights,
     scales, bias and router weights must be final before it started (in a MoE layer, GEMM2
     after GEMM1 or the activation). Other rungs launch as usual.
-    activation: one of activation.py's *_and_mul names, applied to this GEMM's output,
-    GEMM1's gate | up halves. "silu" on the staged rung is fused into its epilogue (w13's
-    rows interleaved when it is packed, gate_up_rows; the bits of the GEMM, then
-    silu_and_mul); otherwise activation.py's kernel runs after the GEMM.
-    flow: a BlockFlow shared by a GEMM1 (activation="silu") and the GEMM2 that reads its
-    output, launched programmatically: where both run the warp-specialized staged rung, GEMM2
-    waits for each of its stages' columns of GEMM1 instead of the whole of GEMM1.
     """
     import cupy
 
@@ -1190,31 +1052,14 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                          "(the kernel loads 16-byte chunks)")
     P = M_a * top_k
     C.check_fits_int32("a", P, "a.shape[0] * top_k")
-    check_activation(activation, N)
-    if flow is not None and not isinstance(flow, BlockFlow):
-        raise TypeError(f"flow: expected a BlockFlow or None, got {type(flow).__name__}")
+    tw, b32, c = epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias, out)
+    if P == 0 or N == 0 or L == 0:
+        return c
+
     packable = nbits == 4 and packed_supports(N, K, group_size, G)[0]
     cfg0 = pick_config(P / max(E, 1), block_size, config, N // 16 if packable else 0,
                        ws=device_runs_ws())
     rung = cfg0.get("KERNEL")
-    fused = activation == "silu" and rung == "staged"      # else activation.py's kernel after
-    if activation is not None and not fused:
-        if flow is not None:
-            flow.clear()
-        return activated(grouped_gemm_wna16(
-            a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_size,
-            topk_weights, mul_routed_weight, bias, None, w_scale, w_zp,
-            use_int8_w8a16=use_int8_w8a16, use_int4_w4a16=use_int4_w4a16,
-            block_shape=block_shape, config=config, programmatic=programmatic),
-            activation, out)
-    tw, b32, c = epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias, out,
-                                   N // 2 if fused else N)
-    if P == 0 or N == 0 or L == 0:
-        if flow is not None:
-            flow.clear()
-        return c
-    if rung != "staged" and flow is not None:
-        flow.clear()
     if rung in ("wgmma", "staged", "packed"):       # the int4 rungs on prepacked weights
         if nbits != 4:
             raise ValueError(f"config: the {rung} rung streams int4 codes (use_int4_w4a16)")
@@ -1248,55 +1093,21 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                              f"(H100 / H200: setmaxnreg is sm_90a's), this one is sm_"
                              f"{cupy.cuda.Device().compute_capability}")
         pk = packed_weights(w, w_scale, w_zp, w_s,
-                            order=("staged", cfg0["W"] * cfg0["TPW"], cfg0["KC"]) +
-                            (("gate_up",) if fused else ()))
-        fa = bool(cfg0.get("FA")) and out_key == "bf16"      # fp16 activations run as they are
-        # the dataflow (BlockFlow): a GEMM1 publishes what its GEMM2 must read, the same m
-        # tiles on the same stream; a GEMM2 that reads exactly that awaits its flags. Not for
-        # FA (GEMM2 would read a conversion of a, made by a kernel between them), nor in a
-        # graph capture (its replays would all publish one epoch).
-        hit, routing = None, None
-        if flow is not None:
-            routing = (sorted_token_ids.data.ptr, expert_ids.data.ptr,
-                       num_tokens_post_padded.data.ptr, L, block_size, 8 * cfg0["MT"],
-                       cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
-            if not (cfg0.get("WS") and not fa and not _capturing()):
-                flow.clear()
-                routing = None
-            elif not fused:
-                hit = flow.take((a.data.ptr, a.shape) + routing)
-                routing = None
+                            order=("staged", cfg0["W"] * cfg0["TPW"], cfg0["KC"]))
         lp = staged_plan(P, E, N, K, L, block_size, cfg0, _num_sms(), group_size, G,
-                         w_zp is not None, fa, fused, awaits=hit is not None)
+                         w_zp is not None)
         kern = _kernel(lp["name"], ELEMS[out_key], lp["smem"], CU_STAGED, staged_options(cfg0))
         null = C.null_ptr()
-        a16, a_scale = _device_f16_rows(a) if fa else (C.raw(a), null)
-        ready, epoch, cols, stride = null, 0, 0, 0
-        if routing is not None:                              # GEMM1: publishes
-            cols, stride = 8 * cfg0["TPW"], lp["BLOCKS"] * cfg0["W"]
-            ready, epoch = flow.publish(
-                lp["MTILES"] * stride, (c.data.ptr, c.shape) + routing, cols, stride,
-                keep=(a, a16, a_scale, tw, b32, c, pk, sorted_token_ids, expert_ids,
-                      num_tokens_post_padded))
-        elif hit is not None:                                # GEMM2: awaits (the GEMM1's
-            ready, epoch, cols, stride, _ = hit              #   arrays held until launched)
-        # a GEMM2 beside its GEMM1 takes a second workspace: the GEMM1 may still use its own
-        ws, cnt = _workspace(lp["WS"], lp["COUNTERS"], 1 if hit is not None else 0)
-        args = (a16, a_scale, pk["wp"], C.raw(c), pk["sp"],
+        ws, cnt = _workspace(lp["WS"], lp["COUNTERS"])
+        args = (C.raw(a), null, pk["wp"], C.raw(c), pk["sp"],         # (null: `unused`)
                 pk["zp"] if pk["zp"] is not None else null,
                 sorted_token_ids, expert_ids, num_tokens_post_padded,
                 tw if tw is not None else null, b32 if b32 is not None else null, ws, cnt,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(lp["Lg"]), np.int32(bool(mul_routed_weight)), np.int32(lp["shift"]),
-                np.int32(G), np.int32(default_zp), ready, np.int32(epoch), np.int32(cols),
-                np.int32(stride))
-        try:
-            launch(kern, lp["grid"], lp["block"], args, shared_mem=lp["smem"],
-                   programmatic=programmatic)
-        except BaseException:
-            if flow is not None:         # a GEMM2 must never await flags nobody will publish
-                flow.clear()
-            raise
+                np.int32(G), np.int32(default_zp))
+        launch(kern, lp["grid"], lp["block"], args, shared_mem=lp["smem"],
+               programmatic=programmatic)
         return c
     if rung == "packed":
         pk = packed_weights(w, w_scale, w_zp, w_s)
@@ -1332,31 +1143,6 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
             np.int32(G), np.int32(default_zp), np.int32(code_xor), np.int32(sps))
     kern(grid, block, args, shared_mem=smem)
     return c
-
-
-def f16_rows(a):
-    """wna16_f16_rows' NumPy twin: (a16 [M, K] float16, row_scale [M] float32) with a16 =
-    fp16(a 2^s) and row_scale = 2^-s per row, s = min(15 - e, 126) where the row's largest
-    finite nonzero |a| is in [2^(e-1), 2^e) (else s = 0): a16 row_scale is a, exactly for every
-    element down to 2^-28 of its row's largest."""
-    x = np.asarray(a, dtype=np.float32)
-    with np.errstate(invalid="ignore"):
-        m = np.nanmax(np.abs(x), axis=1, initial=0.0)      # 0 for empty or all-NaN rows
-    e = np.frexp(m)[1]
-    s = np.where((m > 0) & np.isfinite(m), np.minimum(15 - e, 126), 0).astype(np.int32)
-    a16 = np.ldexp(x, s[:, None]).astype(np.float16)
-    return a16, np.ldexp(np.float32(1), -s).astype(np.float32)
-
-
-def _device_f16_rows(a):
-    """wna16_f16_rows on the GPU: (a16 [M, K] uint16 (fp16 bits), row_scale [M] float32)."""
-    M_a, K = a.shape
-    a16 = C.empty((M_a, K), np.float16).view(np.uint16)       # poisoned when tests ask
-    scale = C.empty((M_a,), np.float32)
-    if M_a:
-        _kernel(F16_ROWS_KERNEL, ELEMS[_elem_key(a.dtype)], 0, CU_STAGED)(
-            (M_a,), (256,), (C.raw(a), a16, scale, np.int32(K)))
-    return a16, scale
 
 
 def _device_chunk_sums(a):
@@ -1485,7 +1271,6 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
         failures += status == "FAIL"
         print(f"{name:4s} int{nb} g{gs:3d} zp={int(zp)} KS={ks} M_a={M_a:3d} E={E} K={K} "
               f"N={N:4d} Kdim={Kd:4d} B={B:3d} rel_err={err:.2e} {status}", flush=True)
-    failures += _check_dataflow(rng)
     if not args.quick:
         for label, (E, K, N, Kd) in (("Mixtral GEMM1", (8, 2, 28672, 4096)),
                                      ("Mixtral GEMM2", (8, 2, 4096, 14336))):
@@ -1505,48 +1290,6 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
                 print(f"{label} T={T:3d}: {t * 1e6:8.1f} us  {nbytes / t / 1e12:5.2f} TB/s  "
                       f"roofline {nbytes / HBM_BYTES_PER_S / t:5.1%}", flush=True)
     raise SystemExit(1 if failures else 0)
-
-
-def _check_dataflow(rng) -> int:  # pragma: no cover - needs a GPU
-    """The dataflow's roles (_main's last case, so compute-sanitizer sees them): GEMM1 with
-    silu_and_mul fused and a BlockFlow, then GEMM2 launched programmatically with it (on
-    sm_90 the warp-specialized pair, which takes the handshake; t24 elsewhere, which does
-    not), against the reference's GEMM1, silu_and_mul and GEMM2. Returns the failures."""
-    import ml_dtypes
-
-    from reference import moe_align_block_size, silu_and_mul
-    from reference import quant as RQ
-
-    bf16 = ml_dtypes.bfloat16
-    name = "t24ws" if device_runs_ws() else "t24"
-    M_a, E, K, N1, Kd, B = 20, 4, 2, 512, 256, 24
-    x = rng.standard_normal((M_a, Kd)).astype(bf16)
-    ids = np.stack([rng.permutation(E)[:K] for _ in range(M_a)]).astype(np.int32)
-    st, ex, ntp = moe_align_block_size(ids, B, E)
-    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
-    w1, s1, _ = RQ.quantize_weight_wna16((rng.standard_normal((E, N1, Kd)) * 0.05).astype(bf16),
-                                          4, 128)
-    w2, s2, _ = RQ.quantize_weight_wna16(
-        (rng.standard_normal((E, Kd, N1 // 2)) * 0.05).astype(bf16), 4, 128)
-    mid = RQ.grouped_gemm_quant(x, w1, st, ex, ntp, K, B, w_scale=s1, use_int4_w4a16=True)
-    want = RQ.grouped_gemm_quant(silu_and_mul(mid.astype(bf16)), w2, st, ex, ntp, 1, B, tw,
-                                 True, w_scale=s2, use_int4_w4a16=True)
-    d = [C.to_device(v) for v in (st, ex, ntp)]
-    flow = BlockFlow()
-    kw = dict(use_int4_w4a16=True, config=name, flow=flow)
-    act = grouped_gemm_wna16(C.to_device(x), C.to_device(w1), *d, K, B, w_scale=C.to_device(s1),
-                             activation="silu", **kw)
-    out = C.empty((M_a * K, Kd), bf16)
-    C.raw(out).fill(0x7FC0)                                        # poison: bf16 NaN
-    got = grouped_gemm_wna16(act, C.to_device(w2), *d, 1, B, C.to_device(tw), True,
-                             w_scale=C.to_device(s2), out=out, programmatic=True, **kw)
-    host = C.to_host(got)
-    host = host.view(bf16) if host.dtype == np.uint16 else host
-    err = C.rel_err(host.astype(np.float32), want.astype(np.float32))
-    ok = err <= 2e-2 and flow.taken == (name == "t24ws")
-    print(f"{name} dataflow: GEMM1 + silu_and_mul -> GEMM2 (handshakes {flow.taken}) "
-          f"rel_err={err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
-    return int(not ok)
 
 
 if __name__ == "__main__":  # pragma: no cover

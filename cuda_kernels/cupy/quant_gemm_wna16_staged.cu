@@ -6,7 +6,7 @@
 //             * r[s]      (the same contract as quant_gemm_wna16.cu's rungs; weights prepacked by
 //                          quant_gemm_wna16.prepack_int4(order="mma") then stage_blocks)
 //
-// Why (H200, Mixtral int4 at T = 64, benchmarks/results/dev_wna16_20261130d): wna16_packed reads
+// Why (H200, Mixtral int4 at T = 64, as every measurement below): wna16_packed reads
 // the activations through L1 once per 32 weight rows, so GEMM1 moved 1.56 GB through L2 for
 // 0.50 GB of weights, and its warps waited on those loads. Here a CTA owns NB = W TPW 16-row
 // tiles (256 rows at W = 4, TPW = 4): each 16-byte activation copied into shared memory feeds
@@ -24,11 +24,10 @@
 // it, which adds every part in the order of their first K stages (deterministic; finish_parts
 // below). Workspace: ws [Q][2][NT TPW MT 4] fp32 (a run has at most two partial blocks, its
 // first and its last), and the ints units_done [m tiles][blocks] and part_at [m tiles][blocks]
-// [SPB] (each part by its first stage; zero, and left zero). Measured (T = 64 GEMM1,
-// dev_wna16_20261130e): with the same number of CTAs per m tile the SMs were busy 86% of the
-// kernel, with runs of equal cost 94-97%. The part records by first stage replaced a walk
-// over the CTAs that own a block's units (dev_wna16_20261130h, same calls: 179 / 99 against
-// 181 / 103 us at T = 64; 219 registers against 235).
+// [SPB] (each part by its first stage; zero, and left zero). Measured (T = 64 GEMM1): with the
+// same number of CTAs per m tile the SMs were busy 86% of the kernel, with runs of equal cost
+// 94-97%. The part records by first stage replaced a walk over the CTAs that own a block's
+// units (same runs: 179 / 99 against 181 / 103 us at T = 64; 219 registers against 235).
 //
 // One stage in shared memory (S stages in a ring, one __syncthreads per stage):
 //   weights  [NB tiles][KC chunks][32 lanes] uint4   the packed fragments, 512 B per tile-chunk
@@ -44,9 +43,9 @@
 // so thread tid copies 16-byte units tid, tid + NT, ... of each run with no bounds to check
 // and constant offsets. Only the live token tiles' rows are copied (padding rows inside them
 // copy a live row; rows past them are never read). Measured (T = 64, Nsight Compute source
-// counters, dev_wna16_20261130e): 1D bulk copies (TMA) with an mbarrier per slot executed as
-// many instructions as cp.async with per-thread address arithmetic and ran slower (243 / 135
-// against 217 / 121 us): one lane per warp issuing the row copies serialises them.
+// counters): 1D bulk copies (TMA) with an mbarrier per slot executed as many instructions as
+// cp.async with per-thread address arithmetic and ran slower (243 / 135 against 217 / 121 us):
+// one lane per warp issuing the row copies serialises them.
 //
 // Warp w owns tiles w TPW .. + TPW - 1 of the block and all LT live token tiles: per chunk it
 // reads each token's 32 bytes once (2 LDS.128 per token tile) and feeds them to TPW tiles.
@@ -58,39 +57,33 @@
 // stage, computed by the tensor cores too: 2 mma per token tile and chunk with the token's
 // 16-byte units as A and B = 1, then two shuffles put each token's S where the mma's C holds
 // the token (these mma cost little: with the sums read for free the layer at T = 64 took 255
-// against 258-260 us, dev_wna16_20261201c). Without per-group zero points (ZP = 0) the start is one
-// per token tile, shared by the warp's TPW tiles; with them, an fmul per row and token (before:
-// 4 mma per token tile and chunk with A = -(128 + zp), per tile with zero points; with zero
-// points T = 64 went from 248 / 140 to 195 / 115 us, dev_wna16_20261130f). The fp32 partial
-// sum_k (q - zp) a is then scaled by the group's scale into the accumulators: once per stage
-// when its KC chunks share a group (g128 and wider at KC = 2: each mma chain runs over both
-// chunks), else once per chunk. Why: a subtraction per pair (16 hsub2 per tile and chunk)
-// cost more than these mma, and a chunk-sum kernel before the GEMM cost a launch (RAW of
-// wna16_packed; measured slower here, 262 / 142 against 247 / 132 us at T = 64,
-// bench_wna16_nvidia_h200_20261130_163547.json); one scaling per stage instead of per chunk
-// took T = 64 from 196 / 114 to 188 / 110 us (dev_wna16_20261130f). Exactness: products of
-// 8-bit integers and bf16 are exact in fp32; what is left is the fp32 cancellation of
-// sum (128 + q) a against (128 + zp) S (~2^-23 times ~30 relative).
-// Measured and taken out (T = 64 t24, dev_wna16_20261130f, against 197 / 115 us in the same
-// runs): the sums S made once per CTA, a stage ahead, instead of by every warp (212 / 122:
-// one stage less in flight); the codes prefetched into L2 2 or 4 stages past the ring (207 /
-// 122, 210 / 130); one chunk per stage with 9 stages (211 / 121); one CTA of 8 warps x 4
-// tiles with 5 stages (207 / 122); Hopper's wgmma with the staged codes as register A and the
-// tokens as B, a fifth wgmma for S (224 / 126: ~12% more instructions, the scaling per chunk
-// no longer folded into the mma's C, and the batch waited for per chunk).
+// against 258-260 us). Without per-group zero points (ZP = 0) the start is one per token tile,
+// shared by the warp's TPW tiles; with them, an fmul per row and token (before: 4 mma per
+// token tile and chunk with A = -(128 + zp), per tile with zero points; with zero points
+// T = 64 went from 248 / 140 to 195 / 115 us). The fp32 partial sum_k (q - zp) a is then
+// scaled by the group's scale into the accumulators: once per stage when its KC chunks share
+// a group (g128 and wider at KC = 2: each mma chain runs over both chunks), else once per
+// chunk. Why: a subtraction per pair (16 hsub2 per tile and chunk) cost more than these mma,
+// and a chunk-sum kernel before the GEMM cost a launch (RAW of wna16_packed; measured slower
+// here, 262 / 142 against 247 / 132 us at T = 64); one scaling per stage instead of per chunk
+// took T = 64 from 196 / 114 to 188 / 110 us. Exactness: products of 8-bit integers and bf16
+// are exact in fp32; what is left is the fp32 cancellation of sum (128 + q) a against
+// (128 + zp) S (~2^-23 times ~30 relative).
+// Measured and taken out (T = 64 t24, against 197 / 115 us in the same runs): the sums S made
+// once per CTA, a stage ahead, instead of by every warp (212 / 122: one stage less in flight);
+// the codes prefetched into L2 2 or 4 stages past the ring (207 / 122, 210 / 130); one chunk
+// per stage with 9 stages (211 / 121); one CTA of 8 warps x 4 tiles with 5 stages (207 / 122);
+// Hopper's wgmma with the staged codes as register A and the tokens as B, a fifth wgmma for S
+// (224 / 126: ~12% more instructions, the scaling per chunk no longer folded into the mma's C,
+// and the batch waited for per chunk).
 //
-// FA: the activations come in as fp16 with a power-of-two scale per row (wna16_f16_rows below,
-// a_scale), the codes dequantize as fp16 (w16::raw_pairs_f16: two codes per half-word in place,
-// a third of the shifts) and the epilogue multiplies the row's scale back; an fp16 build
-// dequantizes so always. Measured no faster in a bf16 model (T = 64: f24 189 / 114 against t24
-// 187 / 110 us; the conversion costs ~7 us a GEMM). Where the time goes (T = 64 GEMM1 t24, the
-// dev macros below, benchmarks/results/dev_wna16_20261130g): 183 us whole, 142 without the math
-// (the pipeline streaming alone; a plain read of the same 470 MB takes 118), 163 without the
-// weight copies (the math alone: mma.sync at ~36% of the 650 TFLOP/s it reaches on its own),
-// and the CTAs' equal-cost runs end anywhere from 145 to 180 us. The kernel runs power-capped
-// (dev_wna16_20261201e, STAGED_TIMES' clock): the SMs clock at 1675-1730 MHz under it against
-// 1980 with the GPU idle, and at 1943-1965 MHz with the math left out, so the math's energy,
-// not only its issue slots, sets the pace.
+// Where the time goes (T = 64 GEMM1 t24, builds that leave parts of the work out): 183 us
+// whole, 142 without the math (the pipeline streaming alone; a plain read of the same 470 MB
+// takes 118), 163 without the weight copies (the math alone: mma.sync at ~36% of the 650
+// TFLOP/s it reaches on its own), and the CTAs' equal-cost runs end anywhere from 145 to 180
+// us. The kernel runs power-capped (the SM clock read per CTA): the SMs clock at 1675-1730 MHz
+// under it against 1980 with the GPU idle, and at 1943-1965 MHz with the math left out, so the
+// math's energy, not only its issue slots, sets the pace.
 //
 // WS > 0, the warp-specialized CTA (config t24ws: W = 8, one CTA per SM): the W consumer warps
 // only compute, and a warpgroup of 128 producers, at WS registers each (setmaxnreg; the
@@ -100,25 +93,10 @@
 // it), so no barrier holds all the CTA's warps at each stage, and the consumers' instruction
 // stream holds no copies. Both roles walk the same segments and meet only at load_m_tile and
 // at each segment's end, where the ring drains and its barriers start again; the parts' and
-// stores' barriers are the consumers' own (named barrier 1). Measured (H200, Mixtral,
-// dev_wna16_20261202d, same call): T = 64 / 256 layer 256 / 721 us against t24's 259 / 754;
-// with 4 consumer warps in 2 CTAs per SM it was no faster than t24 (GEMM1 the same, GEMM2
-// 1-4 us slower), and 8 warps of one plain CTA 8-16% slower (dev_wna16_20261202c).
-//
-// The dataflow between the two GEMMs of a layer (quant_gemm_wna16.BlockFlow; neither role is
-// routed by default yet: both are built, emulated and compiled, not yet timed on a GPU).
-// ACT = 1, GEMM1 with silu_and_mul fused: w13's rows come interleaved (the launcher's
-// gate_up_rows: 16-row tile j holds gate rows 8 j .. 8 j + 7, then up rows I + 8 j ..), so a
-// lane's c0 / c2 are the gate and up of one output column, and the epilogue writes c [slots]
-// [N / 2] = silu(gate) up of the values the plain store would round (the bits of the plain
-// GEMM, then activation.cu). Given `ready`, each warp then publishes ready[m][b W + warp] =
-// ready_epoch once its 8 TPW columns of m tile m are stored. AWAIT = 1 (WS only), the GEMM2
-// launched programmatically after it: no griddepcontrol.wait; each producer waits for the
-// flag of the 8 columns it copies, the first time its segment meets a K stage. It cannot
-// wait forever: a programmatic launch starts once every CTA of the grid before it has
-// started (issued launch_dependents or exited), and no GEMM1 CTA waits on the GEMM2. Why:
-// on t24, a GEMM2 that never waits took 5.6-8.6 us off the T = 64 layer (a bound,
-// dev_wna16_20261202).
+// stores' barriers are the consumers' own (named barrier 1). Measured (in one run): T = 64 /
+// 256 layer 256 / 721 us against t24's 259 / 754; with 4 consumer warps in 2 CTAs per SM it
+// was no faster than t24 (GEMM1 the same, GEMM2 1-4 us slower), and 8 warps of one plain CTA
+// 8-16% slower.
 //
 // grid (Q), block 32 W (+ 128 with WS), dynamic shared memory S x stage bytes
 // (staged_stage_bytes in the launcher) + 16 S (WS: the mbarriers) + 8 (m tiles + 1) (the costs'
@@ -127,44 +105,6 @@
 // Needs int4 prepacked and staged (N % 16 == 0, Kdim % 64 == 0, group_size 64 times a power of
 // two or one group per row: chunk_shift = log2(chunks per group), 30 for one group).
 #include "wna16_common.cuh"
-// Dev instruments (benchmarks/dev/probe_staged.py compiles them in; off in every launcher build)
-#ifndef STAGED_PROBE     // 1: no math, 2: no activation copies, 3: no weight copies (timing
-#define STAGED_PROBE 0   // only: the results are garbage but at 0)
-#endif
-#ifndef STAGED_LT_COST   // a unit's cost is LT + this (see the m tiles' costs below)
-#define STAGED_LT_COST 5
-#endif
-#ifndef STAGED_SEG_COST  // dev: a fixed cost at each live m tile's start (a segment's start)
-#define STAGED_SEG_COST 0
-#endif
-#ifndef STAGED_ACT_SITES // dev: ACT's store inlined at 2 sites (whole blocks, finished parts)
-#define STAGED_ACT_SITES 2 //   or 1 (one, after either)
-#endif
-#ifndef STAGED_ACT_FAST  // dev: ACT's silu by __expf and __fdividef
-#define STAGED_ACT_FAST 0
-#endif
-#ifndef STAGED_LAST_SHORT // dev: a GEMM2's last CTA's run shorter (per mille)
-#define STAGED_LAST_SHORT 0
-#endif
-#ifndef STAGED_FLOW_SKEW // dev: runs skewed by CTA order in a dataflow GEMM2 (per mille)
-#define STAGED_FLOW_SKEW 0
-#endif
-#ifndef STAGED_TIMES     // dev: each CTA's start and end (globaltimer ns), SM, units, when its
-                         // first stage landed, SM cycles spent ending blocks, parts handed in
-#define STAGED_TIMES 0
-#endif
-#if STAGED_TIMES
-__device__ unsigned long long g_cta_times[4096][18];  // start, end, SM, units, units x LT,
-        // first landed, end cycles, parts, of them in whole stores; the parts' (finish_parts)
-        // cycles in fences, in the count's atomic and barriers, in adding the parts; part 0's
-        // and part 1's cycles from entry to the count, and in their fences; clock64 at the
-        // start and the end (the SM clock: cycles / ns)
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-#endif
 
 // Bytes of one pipeline stage (each part rounded to 128 bytes), as the launcher computes them.
 template <int MT, int NB, int KC, int ZP>
@@ -254,46 +194,6 @@ __device__ __forceinline__ void team_sync() {
     }
 }
 
-// The dataflow between an ACT GEMM1 and the GEMM2 after it (launched programmatically): the
-// GEMM1's warps publish each block's columns, the GEMM2's producers observe them.
-namespace staged_flow {
-__device__ __forceinline__ float silu_mul(float g, float u) {   // activation.cu's ACT 0
-#if STAGED_ACT_FAST == 2
-    return g * u;                                   // (dev bound: no activation math)
-#elif STAGED_ACT_FAST
-    return __fdividef(g, 1.0f + __expf(-g)) * u;
-#else
-    return g / (1.0f + expf(-g)) * u;
-#endif
-}
-// *f = v once every lane's stores before it are visible to the GPU: the warp's barrier orders
-// them before lane 0's release store (cumulative, as CUTLASS's semaphores release after a CTA
-// barrier), so no lane needs a fence of its own.
-__device__ __forceinline__ void publish(int* f, int v) {
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) {
-#ifdef QG_EMULATED_PTX
-        qg_publish(f, v);
-#else
-        asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(f), "r"(v) : "memory");
-#endif
-    }
-}
-// Returns once *f == v, and every later load of this thread (its cp.async copies too) sees
-// what the publisher stored before it (acquire loads, spun on: the GEMM1 it waits for is
-// resident, since a programmatic launch starts only once all of its CTAs have started)
-__device__ __forceinline__ void await_flag(const int* f, int v) {
-#ifdef QG_EMULATED_PTX
-    qg_await_flag(f, v);
-#else
-    int x;
-    do {
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(x) : "l"(f) : "memory");
-    } while (x != v);
-#endif
-}
-}  // namespace staged_flow
-
 // A block's part: this CTA's walk computed `count` of its SPB K stages from stage `first` (the N
 // fp32 values v of each of the NT threads). It goes to workspace slot `slot` (ws [slot][per],
 // v[j] at j NT + thread), and part_at[tile][first] = count << 16 | slot + 1 says so; the CTA
@@ -309,32 +209,13 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
                                              int count, int& s_last) {
     const int tid = threadIdx.x;
     int* at = part_at + tile * SPB;
-#if STAGED_TIMES
-    unsigned long long* rec = g_cta_times[blockIdx.x];
-    const long long c0 = clock64();
-#endif
 #pragma unroll
     for (int j = 0; j < N; ++j) __stcg(ws + (size_t)slot * per + tid + j * NT, v[j]);
     if (tid == 0) __stcg(at + first, count << 16 | (slot + 1));
-#if STAGED_TIMES
-    const long long c1 = clock64();
-#endif
     __threadfence();
-#if STAGED_TIMES
-    const long long c2 = clock64();
-#endif
     team_sync<TEAM>();
     if (tid == 0) s_last = atomicAdd(units_done + tile, count) + count == SPB;
     team_sync<TEAM>();
-#if STAGED_TIMES
-    const long long c3 = clock64();
-    if (tid == 0) {
-        rec[9] += c2 - c1;
-        rec[10] += c3 - c2;
-        rec[12 + (slot & 1)] = c3 - c0;
-        rec[14 + (slot & 1)] = c2 - c1;
-    }
-#endif
     if (!s_last) return false;
     __threadfence();
     for (int x = tid; x < SPB; x += NT) {              // one load per stage, then shared memory
@@ -353,16 +234,15 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
         for (int j = 0; j < N; ++j) v[j] += __ldcg(part + j * NT);
         x += p >> 16;
     }
-#if STAGED_TIMES
-    if (tid == 0) rec[11] += clock64() - c3;   // (issued: the adds wait at their first use)
-#endif
     return true;
 }
 
-template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int FA, int WS = 0,
-          int ACT = 0, int AWAIT = 0>
+// unused (pass null): a placeholder that keeps every other parameter at the offset it has in
+// the builds that were timed (without it each parameter load's constant-bank offset moves by
+// 8 bytes: other instruction bytes, the prebuilt manifest's text_md5).
+template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int WS = 0>
 __global__ void __launch_bounds__(W * 32 + (WS ? 128 : 0), MINB)
-wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_scale,
+wna16_staged(const unsigned short* __restrict__ a, const void* unused,
              const uint4* __restrict__ wp, elem_t* __restrict__ c,
              const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
              const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
@@ -370,21 +250,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
              const float* __restrict__ topk_weights, const float* __restrict__ bias,
              float* __restrict__ ws, int* __restrict__ counters,
              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
-             int* ready, int ready_epoch, int ready_cols, int ready_stride) {
+             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
     // WS: the NT consumer threads (whole warpgroups, for setmaxnreg), then a warpgroup of
     // producers; NC threads copy a stage (thread ctid of NC)
     constexpr int NTT = NT + (WS ? 128 : 0), NC = WS ? 128 : NT;
     static_assert(!WS || W % 4 == 0, "WS: consumer warpgroups of 4 warps");
-    static_assert(!WS || NC % (KC * 8) == 0, "WS: a producer copies one column unit a stage");
-    // AWAIT, the dataflow (a GEMM2 after an ACT GEMM1 that publishes `ready`): the producers
-    // wait for each stage's columns of a instead of the whole grid before. A template
-    // argument, so that every other instantiation builds the instructions it built before
-    // the dataflow existed (the same .text: the prebuilt t24 / t24ws that were timed).
-    static_assert(!AWAIT || (WS && !ACT), "AWAIT: a warp-specialized CTA (a wait in a plain "
-                                          "CTA would hold its math), not itself ACT");
-    constexpr bool dataflow = AWAIT;
     // the registers each role keeps of the CTA's NTT x (65536 / MINB / NTT): producers WS,
     // consumers the rest (W = 8, MINB = 1, WS = 56: 224; W = 4, MINB = 2, WS = 40: 216)
     constexpr int WS_CREGS =
@@ -400,22 +271,13 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int ctid = WS ? tid - NT : tid;            // a copying thread's index (WS: producers)
-#if STAGED_TIMES
-    if (tid == 0) {
-        unsigned sm;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        g_cta_times[blockIdx.x][0] = global_ns();
-        g_cta_times[blockIdx.x][16] = clock64();
-        g_cta_times[blockIdx.x][2] = sm;
-    }
-#endif
     const int ntiles = N >> 4, C = Kdim >> 6;
     const int SPB = (C + KC - 1) / KC, nblocks = (ntiles + NB - 1) / NB, U = nblocks * SPB;
     const int mtiles = (num_positions + BM - 1) / BM;
     const int Q = gridDim.x, q = blockIdx.x;
-    // The codes the mma reads: bf16 128 + q (one per half-word); fp16 (FA, or an fp16 build)
-    // 1024 + q for even pairs, 64 + q for odd ones (w16::raw_pairs_f16: a third of the shifts)
-    constexpr bool F16 = FA || !ELEM_BF16;
+    // The codes the mma reads: bf16 128 + q (one per half-word); fp16 1024 + q for even pairs,
+    // 64 + q for odd ones (w16::raw_pairs_f16: a third of the shifts)
+    constexpr bool F16 = !ELEM_BF16;
     constexpr float OFF_EVEN = F16 ? 1024.f : 128.f, OFF_ODD = F16 ? 64.f : 128.f;
     // B of the tokens' sums mma: column n of lane g = n, even columns -(OFF_EVEN + zo), odd ones
     // -(OFF_ODD + zo), zo = the default zero point without per-group ones (ZP = 0), else 0
@@ -455,7 +317,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         // the m tile's expert, loaded beside its rows (not after them: one round trip less)
         const int ex = m * BM < ntp ? expert_ids[m * BM / block_size] : -1;
         m_expert[m] = ex;
-        cum[m + 1] = lt && ex >= 0 ? (long long)U * (lt + STAGED_LT_COST) + STAGED_SEG_COST : 0;
+        cum[m + 1] = lt && ex >= 0 ? (long long)U * (lt + 5) : 0;
     }
     __syncthreads();
     if (tid == 0) {
@@ -473,32 +335,20 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     __syncthreads();
     const long long Wt = cum[mtiles];
     // CTA q's run: weighted positions [run_start(q), run_start(q + 1)), fixed before the launch.
-    // Measured (T = 64 GEMM1, STAGED_TIMES, dev_wna16_20261130g): the runs end anywhere from
-    // 145 to 180 us (the SMs do not stream at one speed, and of an SM's two CTAs the older runs
-    // 9-13% faster a unit). Every dynamic balance tried ran slower (dev_wna16_20261130g / h):
+    // Measured (T = 64 GEMM1, each CTA's end read): the runs end anywhere from 145 to 180 us
+    // (the SMs do not stream at one speed, and of an SM's two CTAs the older runs 9-13% faster a
+    // unit). Every dynamic balance tried ran slower:
     // tickets from a queue (208 / 137 against 194 / 116 us), runs stolen from their ends by
     // early CTAs (233 / 132 against 197 / 108: a thief starts ~25 us late, each step a loaded
     // round trip), and runs shared from both ends by two CTAs (of one SM or not), even when
     // split in fixed halves with no atomics (193 / 108 against 183 / 103): a run per CTA,
     // walked in one direction, streams faster. Static skews are slower too: the first half's
     // runs 1.5 / 3 / 5% longer took the layer from 262 to 268 / 269-270 / 280-284 us
-    // (dev_wna16_20261201c; the halves are not the SMs' first and second CTAs). With the roles
+    // (the halves are not the SMs' first and second CTAs). With the roles
     // read from the GPU, 3% gained ~1% of the layer, and a run's tail left to whichever of two
-    // CTAs came first cost ~10 us a CTA in ring restarts (dev_wna16_20261201d): the last CTA
+    // CTAs came first cost ~10 us a CTA in ring restarts: the last CTA
     // is on a slow SM, and the SMs' speeds do not repeat from launch to launch.
-    // (dev, STAGED_FLOW_SKEW: a dataflow GEMM2's CTAs start as GEMM1's leave their SMs, CTA q
-    // about q-th: its run is 1 + skew (1 - 2 q / Q) / 1000 times the mean, so they end together)
-    auto run_start = [&](long long qq) {
-        // (dev, STAGED_LAST_SHORT: in a GEMM2 (mul_routed_weight) the last CTA's run that
-        // much shorter (per mille), the others' longer: under PDL it starts last, on the SM
-        // GEMM1's last CTA leaves, and reads the routing after the others have)
-        if (STAGED_LAST_SHORT && mul_routed_weight && Q > 1)
-            return qq >= Q ? Wt : qq * Wt / Q * (1000 * (Q - 1) + STAGED_LAST_SHORT) /
-                                  (1000LL * (Q - 1));
-        if (STAGED_FLOW_SKEW && dataflow)
-            return qq * Wt / Q + STAGED_FLOW_SKEW * (qq * (Q - qq) * (Wt / Q) / Q) / 1000;
-        return qq * Wt / Q;
-    };
+    auto run_start = [&](long long qq) { return qq * Wt / Q; };
 
     // Programmatic dependent launch (grouped_gemm_wna16(..., programmatic=True)): this grid
     // may start while the kernel before it on the stream still runs, and that kernel may only
@@ -507,12 +357,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     // memory, and the CTA calls wait_for_inputs before its first read of a or write of any
     // output (an other rank's zeros, or its first segment's activation copies); that also lets
     // the next grid launch (its CTAs take the SMs this grid's CTAs leave). In a plain launch
-    // both instructions are no-ops. Measured (Mixtral T = 64, GEMM2 so after GEMM1,
-    // dev_wna16_20261201): the layer 0.271 against 0.276 ms.
+    // both instructions are no-ops. Measured (Mixtral T = 64, GEMM2 so after GEMM1): the layer
+    // 0.271 against 0.276 ms.
     bool inputs_ready = false;
     auto wait_for_inputs = [&] {
         if (inputs_ready) return;
-        if (!dataflow) w16::grid_dependency_wait();
+        w16::grid_dependency_wait();
         w16::launch_dependents();
         inputs_ready = true;
     };
@@ -523,7 +373,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         wait_for_inputs();
         if (w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots,
                                  top_k, num_positions, sSlot, sArow))
-            w16::store_zeros<BM>(c, sSlot, ACT ? N / 2 : N, 0, ACT ? N / 2 : N, NTT);
+            w16::store_zeros<BM>(c, sSlot, N, 0, N, NTT);
         __syncthreads();                               // sSlot is read before it is reused
     }
     if (Wt == 0 || run_start(q) >= run_start(q + 1)) return;
@@ -544,13 +394,13 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
     constexpr int ROLE = decltype(role)::value;
     constexpr bool COPIES = ROLE != 2, MATH = ROLE != 1;
     for (int m = 0; m < mtiles; ++m) {
-        // (Measured, dev_wna16_20261202d calls 9-10: STAGED_SEG_COST 8-32 no faster. This form
-        // of the split, the same units and bits as the one before it, ptxas schedules otherwise:
-        // the T = 64 layer ran 2-4 us faster, T = 256 5-6 us, t24's 1-4 us.)
+        // (Measured: a fixed cost per segment start, 8-32, was no faster. This form of the split,
+        // the same units and bits as the one before it, ptxas schedules otherwise: the T = 64
+        // layer ran 2-4 us faster, T = 256 5-6 us, t24's 1-4 us.)
         const long long span = cum[m + 1] - cum[m];
         if (span == 0 || cum[m + 1] <= run_start(q) || cum[m] >= run_start(q + 1)) continue;
-        const long long w = (span - STAGED_SEG_COST) / U;  // the m tile's cost per unit
-        const long long u0 = cum[m] + STAGED_SEG_COST;      // where its first unit starts
+        const long long w = span / U;                      // the m tile's cost per unit
+        const long long u0 = cum[m];                       // where its first unit starts
         const int ua = (int)max(0LL, (run_start(q) - u0 + w - 1) / w);
         const int ub = (int)min((long long)U, (run_start(q + 1) - u0 + w - 1) / w);
         if (ua >= ub) continue;
@@ -577,8 +427,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
             const uint4* wsrc = w_tile + (size_t)(b * SPB + s) * (NB * KC * 32);
 #pragma unroll
             for (int j = 0; j < W_PER; ++j)
-                if (STAGED_PROBE != 3)
-                    w16::cp16(st + St::W_OFF + 16 * j * NC, wsrc + j * NC, true);
+                w16::cp16(st + St::W_OFF + 16 * j * NC, wsrc + j * NC, true);
             const int sz_off = (b * num_groups + g0) * (NB * 8);   // < 2^31: one expert's
             const float2* ssrc = sp + sz_e + sz_off + 2 * ctid;
 #pragma unroll
@@ -601,12 +450,12 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         const int b_first = ib, s_first = is;
         // The run's first stage: its weights go out before the m tile's rows are read (the
         // rows' round trip and the weights' overlap), its activations after, then the next
-        // stages whole. Measured (Mixtral, dev_wna16_20261201b): with all S - 1 first stages'
+        // stages whole. Measured (Mixtral): with all S - 1 first stages'
         // weights early (the first stage's activations queued behind them) T = 256 took 531 /
         // 279 us against 520 / 274; T = 16 and 64 the same either way. (Measured and taken
         // out: the codes' copies with an L2 evict_first policy, createpolicy + cp.async
-        // .L2::cache_hint: GEMM2 at T = 64 99.6 against 101.7 us, but with early copies the f32
-        // config failed its GPU test with an illegal instruction, dev_wna16_20261201.)
+        // .L2::cache_hint: GEMM2 at T = 64 99.6 against 101.7 us, but with early copies one
+        // config failed its GPU test with an illegal instruction.)
         if (COPIES && first_segment) issue_weights(0, ib, is, n_units > 0);
         w16::load_m_tile<BM>(m * BM, sorted_token_ids, num_tokens_post_padded, num_slots, top_k,
                              num_positions, sSlot, sArow);   // live: its cost is not 0
@@ -628,13 +477,11 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         bool a_on[A_PER];                                  // copied (rows past the live tiles:
         int a_dst[A_PER];                                  //   never read), to this stage offset
         int a_chunk[A_PER];                                // its chunk in the stage
-        bool a_any = false;                                // any unit copied
 #pragma unroll
         for (int j = 0; j < A_PER; ++j) {
             if (!COPIES) break;
             const int k = ctid + j * NC, r = k / (KC * 8), u = k % (KC * 8);
             a_on[j] = k < A_UNITS && r < live_rows;
-            a_any |= a_on[j];
             const int ar = a_on[j] ? (sArow[r] >= 0 ? sArow[r] : first) : 0;
             a_src[j] = a + (size_t)ar * Kdim + u * 8;
             a_dst[j] = St::A_OFF + 16 * (r * KC * 8 + (u ^ (r & 1)));
@@ -643,24 +490,13 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         // ---- segment unit i = (b, s): its weights (unless issued early) and the activations
         // of its K stage (a short last stage: zeros), one commit group per call (empty past
         // the run: the wait counts stay right)
-        // dataflow: this thread's columns of a in K stage s are final (WS: a producer copies
-        // the same 8-column unit ctid % (KC 8) of every stage's rows). Each stage is met first
-        // within the segment's first SPB units, after which every flag it needs has been seen.
-        auto await_columns = [&](int i, int s) {
-            const int u = ctid % (KC * 8), c0 = s * KC;
-            if (i >= SPB || !a_any || u / 8 >= min(KC, C - c0)) return;
-            staged_flow::await_flag(
-                ready + (size_t)m * ready_stride + (c0 * 64 + u * 8) / ready_cols, ready_epoch);
-        };
         auto issue = [&](int i, int b, int s, bool live, bool with_weights) {
             if (live) {
                 if (with_weights) issue_weights(i, b, s, true);
-                if constexpr (ROLE == 1 && dataflow) await_columns(i, s);   // (weights out)
                 const int c0 = s * KC, kcn = min(KC, C - c0);
                 u8* sa = smem + (size_t)(i % S) * St::BYTES;
 #pragma unroll
                 for (int j = 0; j < A_PER; ++j) {
-                    if (STAGED_PROBE == 2) break;
                     const bool ok = a_chunk[j] < kcn;
                     w16::cp16_if(a_on[j], sa + a_dst[j], a_src[j] + (ok ? c0 * 64 : 0), ok);
                 }
@@ -698,10 +534,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                     for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
 
             // the block's outputs: c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8)
-            // ACT: rows g, g + 8 of a tile are gate and up of column 8 tile + g (the launcher
-            // interleaves them), so c [slots][N / 2] gets act(gate) up of the values the plain
-            // store would write, each rounded as it would be (activation.cu's act_and_mul on
-            // them: the same bits); `ready` then says the warp's 8 TPW columns are final.
             auto store = [&](int b) {
 #pragma unroll
                 for (int r = 0; r < TPW; ++r) {
@@ -710,39 +542,16 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
 #pragma unroll
                     for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
-                        for (int i = 0; i < (ACT ? 2 : 4); ++i) {
+                        for (int i = 0; i < 4; ++i) {
                             const int row = 8 * mt + 2 * t + (i & 1);
                             const int n = tile * 16 + g + 8 * (i >> 1);
                             const int s = sSlot[row];
                             if (s < 0) continue;
-                            if constexpr (ACT) {
-                                const int col = tile * 8 + g;     // gate row col, up N / 2 + col
-                                float gv = acc[r][mt][i], uv = acc[r][mt][i + 2];
-                                if (FA) gv *= a_scale[sArow[row]], uv *= a_scale[sArow[row]];
-                                if (bias != nullptr) {
-                                    gv += bias[(size_t)e * N + col];
-                                    uv += bias[(size_t)e * N + N / 2 + col];
-                                }
-                                if (mul_routed_weight)
-                                    gv *= topk_weights[s], uv *= topk_weights[s];
-                                // each rounded as the plain store would, then activation.cu
-                                const float gr = w16::to_f32(w16::from_f32(gv));
-                                const float ur = w16::to_f32(w16::from_f32(uv));
-                                c[(size_t)s * (N / 2) + col] =
-                                    w16::from_f32(staged_flow::silu_mul(gr, ur));
-                                continue;
-                            }
                             float v = acc[r][mt][i];
-                            if (FA) v *= a_scale[sArow[row]];   // back from a 2^s
                             if (bias != nullptr) v += bias[(size_t)e * N + n];
                             if (mul_routed_weight) v *= topk_weights[s];
                             c[(size_t)s * N + n] = w16::from_f32(v);
                         }
-                }
-                if constexpr (ACT) {
-                    if (ready != nullptr)
-                        staged_flow::publish(ready + (size_t)m * ready_stride + b * W + warp,
-                                             ready_epoch);
                 }
             };
 
@@ -755,10 +564,6 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 } else {
                     staged_ws::wait(bar_full + i % S, (i / S) & 1);
                 }
-#if STAGED_TIMES
-                if (tid == 0 && g_cta_times[blockIdx.x][5] == 0)
-                    g_cta_times[blockIdx.x][5] = global_ns();
-#endif
                 if constexpr (ROLE == 0) {
                     issue(i + S - 1, ib, is, i + S - 1 < n_units, true);
                     step(ib, is);
@@ -823,7 +628,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                     // Each (tile, token tile) chain of mma starts at 0, and the start (shared by
                     // the TPW tiles without per-group zero points, -T - zp_r S with them) is
                     // added after it: the chains do not wait on the sums' mma and shuffles.
-                    // Measured (T = 64, dev_wna16_20261201): 174.6 / 95.6 against 176.3 /
+                    // Measured (T = 64): 174.6 / 95.6 against 176.3 /
                     // 97.3 us with the start as the first mma's C; T = 256 525 / 274 against
                     // 535 / 279. Each chain split in two accumulators (8 -> 4 dependent mma)
                     // took 247 registers and ran slower (191 / 106 against 178 / 99 us).
@@ -881,8 +686,7 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                         }
                     }
                 };
-                if (STAGED_PROBE == 1) {
-                } else if (kcn == KC && g0 == (c0 + KC - 1) >> chunk_shift) {   // one group
+                if (kcn == KC && g0 == (c0 + KC - 1) >> chunk_shift) {   // one group
                     chunks(w16::Count<KC>{}, 0);
                 } else {
 #pragma unroll
@@ -899,21 +703,8 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                 // part (finish_parts: the CTA that completes the block adds the parts)
                 ++blk_n;
                 if (i + 1 == n_units || s == SPB - 1) {   // uniform over the CTA
-#if STAGED_TIMES
-                    const long long c_end0 = clock64();
-                    if (tid == 0 && blk_n != SPB) ++g_cta_times[blockIdx.x][7];
-#endif
-                    if (ACT && STAGED_ACT_SITES == 1) {
-                        if (blk_n == SPB || finish_parts<TPW * LT * 4, NT, ROLE == 2 ? NT : 0>(
-                                &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
-                                (size_t)m * nblocks + b, PER, 2 * q + parts_used++,
-                                s - blk_n + 1, blk_n, sLast))
-                            store(b);
-                    } else if (blk_n == SPB) {
+                    if (blk_n == SPB) {
                         store(b);
-#if STAGED_TIMES
-                        if (tid == 0) g_cta_times[blockIdx.x][8] += clock64() - c_end0;
-#endif
                     } else if (finish_parts<TPW * LT * 4, NT, ROLE == 2 ? NT : 0>(
                                    &acc[0][0][0], ws, units_done, part_at, by_first, SPB,
                                    (size_t)m * nblocks + b, PER, 2 * q + parts_used++,
@@ -927,19 +718,10 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
                         for (int mt = 0; mt < LT; ++mt)
 #pragma unroll
                             for (int k = 0; k < 4; ++k) acc[r][mt][k] = 0.f;
-#if STAGED_TIMES
-                    if (tid == 0) g_cta_times[blockIdx.x][6] += clock64() - c_end0;
-#endif
                 }
                 step(b, s);
             }
         });
-#if STAGED_TIMES
-        if (tid == 0) {
-            g_cta_times[blockIdx.x][3] += n_units;
-            g_cta_times[blockIdx.x][4] += (unsigned long long)n_units * live_tiles;
-        }
-#endif
         if constexpr (ROLE == 0) w16::cp_wait<0>();    // the ring is empty ...
         __syncthreads();                               // ... and read: the next segment refills it
         init_ring_barriers();                          // (WS: before load_m_tile's barrier)
@@ -955,65 +737,5 @@ wna16_staged(const unsigned short* __restrict__ a, const float* __restrict__ a_s
         }
     } else {
         segments(w16::Count<0>{});
-    }
-#if STAGED_TIMES
-    if (tid == 0) {
-        g_cta_times[blockIdx.x][1] = global_ns();
-        g_cta_times[blockIdx.x][17] = clock64();
-    }
-#endif
-}
-
-// wna16_f16_rows: the activations of wna16_staged's FA mode. Row m of a [M][K] (elem_t) becomes
-//   a16[m, k] = fp16(a[m, k] 2^s_m),   row_scale[m] = 2^-s_m,
-// s_m putting the row's largest |a| in [2^14, 2^15) (fp16's largest finite is 65504). A bf16
-// value's 8 significant bits fit fp16's 11, so every element at most 2^-28 of its row's
-// largest below it converts exactly (smaller ones round to fp16's subnormals); the GEMM
-// multiplies row_scale back in its epilogue. s_m is held to [-113, 126] (2^s and 2^-s normal
-// fp32). A row of zeros, or with an infinity, keeps s_m = 0 (an infinity, and with it finite
-// values past 65504, then reads as infinite: that row's outputs are not finite, as they are
-// in the reference); NaN is ignored by the maximum and converts to NaN.
-// grid (M), block 256: the row's largest |a| (16-byte loads, a block reduction), then the
-// conversion, 8 elements per 16-byte store. Needs K % 8 == 0 and 16-byte aligned rows.
-__global__ void __launch_bounds__(256)
-wna16_f16_rows(const elem_t* __restrict__ a, unsigned short* __restrict__ a16,
-               float* __restrict__ row_scale, int K) {
-    __shared__ float sMax[8];
-    const size_t row = blockIdx.x;
-    const uint4* src = reinterpret_cast<const uint4*>(a + row * K);
-    uint4* dst = reinterpret_cast<uint4*>(a16 + row * K);
-    const int units = K / 8, tid = threadIdx.x;
-    float m = 0.f;
-    for (int u = tid; u < units; u += 256) {
-        const uint4 x = src[u];
-        const u32 w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            m = fmaxf(m, fmaxf(fabsf(w16::lo_f32(w[i])), fabsf(w16::hi_f32(w[i]))));
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-    if ((tid & 31) == 0) sMax[tid >> 5] = m;
-    __syncthreads();
-    m = sMax[0];
-#pragma unroll
-    for (int i = 1; i < 8; ++i) m = fmaxf(m, sMax[i]);
-    int s = 0;
-    if (m > 0.f && m <= 3.402823466e38f) {           // finite and not 0: m in [2^(E-1), 2^E)
-        int e;
-        frexpf(m, &e);
-        s = min(15 - e, 126);
-    }
-    const float up = __uint_as_float((u32)(127 + s) << 23);   // 2^s, exact products
-    if (tid == 0) row_scale[row] = __uint_as_float((u32)(127 - s) << 23);
-    for (int u = tid; u < units; u += 256) {
-        const uint4 x = src[u];
-        const u32 w[4] = {x.x, x.y, x.z, x.w};
-        u32 h[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            h[i] = (u32)__half_as_ushort(__float2half_rn(w16::lo_f32(w[i]) * up)) |
-                   (u32)__half_as_ushort(__float2half_rn(w16::hi_f32(w[i]) * up)) << 16;
-        dst[u] = make_uint4(h[0], h[1], h[2], h[3]);
     }
 }

@@ -12,10 +12,10 @@
 // becomes s (P - (128 + zp) A), A = sum_k a over the group (wna16_group_sums, below, in fp32),
 // added in fp32. One rounding of the output.
 //
-// Why (dev_wna16_20261130b): wna16_packed issues one mma.sync per 8 tokens; at 2-3 live token
+// Why: wna16_packed issues one mma.sync per 8 tokens; at 2-3 live token
 // tiles (Mixtral T=64) its instruction count grows with the tiles. Here one wgmma.m64nNk16 per
 // 16-wide k step covers all N = 8 LT live tokens of 64 weight rows.
-// ptxas and register A (dev_wna16_20261130c): ptxas keeps wgmma asynchronous only when no
+// ptxas and register A: ptxas keeps wgmma asynchronous only when no
 // operand of a wgmma (A fragments, accumulators, descriptors, the scale-d flag) is defined by
 // another instruction inside a pipeline stage, i.e. between a wgmma.fence and the wait that
 // retires the batch; otherwise it serializes every wgmma of the kernel (warning C7513: a wait
@@ -23,10 +23,10 @@
 // previous batch ran) was serialized that way. So: every operand is computed, then pinned
 // (ww_pin), then the fence and one batch of 4 RB wgmma, and the next item's dequantization
 // starts after wgmma.wait_group 0; the overlap comes from the other CTAs of the SM.
-// Measured (H200, Mixtral int4 g128, GEMM1 / GEMM2 at T = 64, dev_wna16_20261130c): h32 230 /
+// Measured (H200, Mixtral int4 g128, GEMM1 / GEMM2 at T = 64): h32 230 /
 // 185 us against the routed q32 248 / 125 (the rung's GEMM1 is the fastest of the configs
 // swept at T >= 64, its GEMM2 was not: 64 row groups per expert made too few CTAs, hence the
-// split K below: 235 / 143, dev_wna16_20261130d); POST (p32) 298 / 213: fewer instructions per
+// split K below: 235 / 143); POST (p32) 298 / 213: fewer instructions per
 // item but 168 registers (3 CTAs per SM). Nsight Compute: the rung is issue-bound (126 M warp
 // instructions for GEMM1, issue 65% of the active cycles, DRAM 37%): the dequantization is 4
 // instructions per pair of codes, ~128 of the ~255 per warp and item. One fma per pair instead
@@ -67,8 +67,8 @@
 //   walks chunks [z cps, (z + 1) cps) (whole groups), stores its fp32 block to the workspace
 //   ws [tile][z][RB][BM / 2][128 threads], and the last CTA of the tile to arrive (a per-tile
 //   counter, reset by that CTA for the next launch) adds the KS partials in split order
-//   (deterministic) and runs the epilogue. Measured (H200, Mixtral int4 g128, h32, GEMM2,
-//   dev_wna16_20261130d): 185 -> 143 us at T=64 (KS = 3), 92 -> 38 us at T=1 (KS = 9).
+//   (deterministic) and runs the epilogue. Measured (H200, Mixtral int4 g128, h32, GEMM2):
+//   185 -> 143 us at T=64 (KS = 3), 92 -> 38 us at T=1 (KS = 9).
 // grid (cdiv(Lg, BM), cdiv(N / 64, groups_per_cta), KS), block 128, dynamic shared memory
 // S MT 1024 + 4 D RB 32 28 bytes. Needs sm_90a, N % 64 == 0, Kdim % 64 == 0, group_size a
 // multiple of 64 with chunks-per-group a power of two (chunk_shift = log2(group_size / 64); one

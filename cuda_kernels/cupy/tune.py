@@ -11,8 +11,9 @@ The table (see grouped_gemm.lookup) holds two kinds of rows, each a config for o
     benchmark's models (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3); lookup uses them for
     shapes within a factor of two.
 
-How a shape is tuned on the GPU (--versions v4 by default, or v4,v5,v6; bf16, the fp16 rows
-copy bf16's: the kernels are the same but for the mma's type): for each bucket m,
+How a shape is tuned on the GPU (--versions v4 by default, or v4,v5,v6 for prefill, or v7, the
+decode rung, whose block size is 16; bf16, the fp16 rows copy bf16's: the kernels are the same
+but for the mma's type): for each bucket m,
 T = m * E / top_k tokens are routed uniformly at random; GEMM1 and GEMM2 must share one
 alignment block_size B, so for each B in {16, 32, 64, 128} (v5, v6: {64, 128}; B <= 2m, past
 that padding only costs), the fastest GEMM1 config with BLOCK_M = B and the fastest GEMM2
@@ -21,10 +22,9 @@ output disagrees with v4's default config (relative error > 1e-2) is reported an
 Timing: CUDA events around one call, L2 flushed before each (a 128 MB memset outside the
 events), 3 warm-ups, median of --reps.
 
-With --versions v4,v5 (or v4,v5,v6) the table also gets "version_by_m": for each bucket, the
-rungs whose best (GEMM1 + GEMM2) beat v4's best on every tuned model, the fastest of them in
-total becomes the default rung of that bucket (grouped_gemm.default_version); elsewhere the
-default stays v4. --budget-s is checked before
+With --versions v4,v5 the table also gets "version_by_m": for each bucket where every tuned
+model's best v5 (GEMM1 + GEMM2) beat its best v4, v5 becomes the default rung of that bucket
+(grouped_gemm.default_version); elsewhere the default stays v4. --budget-s is checked before
 every candidate, so a short budget ends on time (buckets not reached keep the generic rows:
 lookup uses a shape row only at its own bucket). A two-minute run on the buckets of the
 compute-bound points (the H200 misses of issue 4):
@@ -72,6 +72,18 @@ V4_CANDIDATES = [
 V5_CANDIDATES = [
     (64, 64, 64, 4, 6), (64, 128, 32, 4, 8), (64, 128, 64, 4, 4), (64, 256, 32, 4, 6),
     (128, 128, 64, 8, 6), (128, 128, 32, 8, 8), (128, 256, 32, 8, 8), (128, 256, 64, 8, 4),
+    (128, 256, 32, 8, 6), (128, 128, 64, 8, 4), (64, 256, 64, 4, 4),
+]
+# v7 candidates (decode, weights streamed): (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, COLS).
+# BLOCK_M is the alignment block (v7 takes any; 16 keeps v4 able to share it); the rest trade
+# weight bytes in flight per SM ((stages - 1) * BLOCK_N * BLOCK_K * 2 per CTA, 1 or 2 CTAs per
+# SM by shared memory), CTAs per expert (N / BLOCK_N) and token columns per pass (COLS). The
+# split of K is v7_split_k's unless a config names SPLIT_K (grouped_gemm --sweep times both).
+V7_CANDIDATES = [
+    (16, 64, 128, 4, 5, 16), (16, 64, 128, 4, 4, 16), (16, 64, 128, 8, 5, 16),
+    (16, 32, 256, 4, 4, 16), (16, 32, 128, 2, 8, 16), (16, 128, 64, 4, 5, 16),
+    (16, 128, 128, 8, 4, 16), (16, 64, 64, 4, 6, 32), (16, 64, 128, 4, 4, 32),
+    (16, 128, 64, 4, 4, 32), (16, 128, 64, 8, 4, 32), (16, 128, 64, 8, 4, 64),
 ]
 # v6 candidates (TMA + cp.async, warp-specialized, persistent): (BLOCK_M, BLOCK_N, BLOCK_K,
 # warps, stages, GROUP_M, PRODUCER_REGS). warps = 4 (producer) + 4 per consumer: 12 for two
@@ -84,17 +96,12 @@ V6_CANDIDATES = [
     (128, 128, 64, 12, 4, 8, 56), (64, 256, 64, 12, 5, 8, 56), (64, 256, 64, 8, 5, 8, 56),
     (64, 128, 64, 8, 8, 8, 56), (64, 128, 64, 12, 6, 8, 56), (64, 64, 64, 8, 8, 8, 56),
 ]
-CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES, "v6": V6_CANDIDATES}
-BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128), "v6": (64, 128)}
-
-
-def candidate_config(version: str, cand: tuple) -> dict:
-    """A candidate tuple as a config dict (v6's carry GROUP_M and PRODUCER_REGS too)."""
-    keys = gg.CONFIG_KEYS + (gg.V6_EXTRA_KEYS if version == "v6" else ())
-    if len(cand) != len(keys):
-        raise ValueError(f"candidate: expected {len(keys)} values {keys} for {version}, "
-                         f"got {cand}")
-    return dict(zip(keys, cand))
+CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES, "v6": V6_CANDIDATES,
+              "v7": V7_CANDIDATES}
+# the config keys of a candidate tuple, in order
+CANDIDATE_KEYS = {"v4": gg.CONFIG_KEYS, "v5": gg.CONFIG_KEYS,
+                  "v6": gg.CONFIG_KEYS + gg.V6_EXTRA_KEYS, "v7": gg.CONFIG_KEYS + ("COLS",)}
+BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128), "v6": (64, 128), "v7": (16,)}
 # the buckets and models of issue 4's missed points, the worst first (DeepSeek-V3 m = 128,
 # 512, 32 are T = 4096, 16384, 1024; Mixtral m = 256, 64 are T = 1024, 256)
 DEFAULT_BUCKETS = (128, 256, 512, 64, 32)
@@ -116,11 +123,11 @@ def heuristic_table() -> dict:
         "_doc": "Grouped GEMM configs: see cuda_kernels/cupy/grouped_gemm.py (lookup) and "
                 "tune.py. m = tokens per expert bucket; rows without N, K apply to any shape; "
                 "BLOCK_M is the alignment block_size the caller should use. default_version: "
-                "the rung used when none is named (set bf16/fp16 to v5 once a GPU run has "
-                "validated and timed it).",
-        "source": "heuristic (grouped_gemm.heuristic_config), not timed",
-        "gpu": None,
-        "date": None,
+                "the rung used when none is named; devices[card name]: the rows tuned on that "
+                "card and its version_by_m (the measured fastest rung per bucket), read first "
+                "on that card.",
+        "source": "generic rows: the heuristic (grouped_gemm.heuristic_config), not timed; "
+                  "each card's timed rows and rung per bucket: its section under devices",
         "default_version": dict(gg.BUILTIN_DEFAULTS),
         "m_buckets": list(gg.M_BUCKETS),
         "configs": rows,
@@ -128,13 +135,33 @@ def heuristic_table() -> dict:
 
 
 def write_table(table: dict, path: pathlib.Path = gg.CONFIG_PATH) -> None:
-    """One row per line: the table stays readable and diffs stay small."""
-    head = {k: v for k, v in table.items() if k != "configs"}
+    """One row per line (the cards' sections too): the table stays readable, diffs small."""
+    def rows_block(rows, indent):
+        pad = " " * indent
+        lines = [f"{pad}{json.dumps(r)}," for r in rows]
+        if lines:
+            lines[-1] = lines[-1][:-1]
+        return lines
+
+    head = {k: v for k, v in table.items() if k not in ("configs", "devices")}
     lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
     lines.append('  "configs": [')
-    rows = [json.dumps(r) for r in table["configs"]]
-    lines += [f"    {r}," for r in rows[:-1]] + ([f"    {rows[-1]}"] if rows else [])
-    lines += ["  ]", "}"]
+    lines += rows_block(table["configs"], 4)
+    devices = table.get("devices", {})
+    lines.append("  ]," if devices else "  ]")
+    if devices:
+        lines.append('  "devices": {')
+        for i, (name, sec) in enumerate(devices.items()):
+            lines.append(f"    {json.dumps(name)}: {{")
+            for k, v in sec.items():
+                if k != "configs":
+                    lines.append(f"      {json.dumps(k)}: {json.dumps(v)},")
+            lines.append('      "configs": [')
+            lines += rows_block(sec.get("configs", []), 8)
+            lines.append("      ]")
+            lines.append("    }," if i + 1 < len(devices) else "    }")
+        lines.append("  }")
+    lines.append("}")
     path.write_text("\n".join(lines) + "\n")
     gg.load_table.cache_clear()
     gg._plan.cache_clear()
@@ -234,7 +261,7 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
                             continue
                         if time.time() - t_start > budget_s:
                             break
-                        cfg = candidate_config(version, cand)
+                        cfg = dict(zip(CANDIDATE_KEYS[version], cand))
                         try:
                             gg.check_config(version, dkey, cfg)
 
@@ -267,7 +294,7 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
             for (t, cand), (N, K) in zip(best[1], ((2 * I, H), (H, I))):
                 for dk in (dkey, "fp16" if dkey == "bf16" else "bf16"):
                     rows.append({"version": version, "dtype": dk, "m": m, "N": N, "K": K,
-                                 **candidate_config(version, cand),
+                                 **dict(zip(CANDIDATE_KEYS[version], cand)),
                                  "us": round(t * 1e6, 1), "model": name})
         del w13, w2
         cp.get_default_memory_pool().free_all_blocks()
@@ -275,23 +302,39 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
 
 
 def version_by_m(best_by_version: dict, dkey: str = "bf16") -> dict:
-    """{dtype: {str(m): rung}} for the buckets where a rung other than v4 beat v4 on every
-    model timed with both (several such rungs: the least total time over those models)."""
+    """{dtype: {str(m): version}}: for each bucket where two or more rungs were timed on the
+    same models, the rung whose GEMM1 + GEMM2 summed over those models is the smallest (the
+    rung is chosen by measurement on the card, bucket by bucket)."""
     out = {}
     for m in sorted({m for (_, m, _) in best_by_version}):
-        models = {k for (k, mm, v) in best_by_version if mm == m}
-        winners = []
-        for v in sorted({v for (_, mm, v) in best_by_version if mm == m and v != "v4"}):
-            both = [k for k in models if (k, m, "v4") in best_by_version and (k, m, v) in
-                    best_by_version]
-            if both and all(best_by_version[(k, m, v)] < best_by_version[(k, m, "v4")]
-                            for k in both):
-                winners.append((sum(best_by_version[(k, m, v)] for k in both), v))
-        if winners:
-            out[str(m)] = min(winners)[1]
+        versions = sorted({v for (_, mm, v) in best_by_version if mm == m})
+        models = [k for k in sorted({k for (k, mm, _) in best_by_version if mm == m})
+                  if all((k, m, v) in best_by_version for v in versions)]
+        if len(versions) < 2 or not models:
+            continue
+        total = {v: sum(best_by_version[(k, m, v)] for k in models) for v in versions}
+        out[str(m)] = min(versions, key=lambda v: total[v])
     if not out:
         return {}
     return {dkey: out, ("fp16" if dkey == "bf16" else "bf16"): dict(out)}
+
+
+def merge_device_section(table: dict, device: str, rows: list[dict], by_m: dict,
+                         meta: dict) -> dict:
+    """Put the rows tuned on `device` into its section of the table: a new row replaces the
+    one of the same (version, dtype, m, N, K); buckets of `by_m` replace those of the
+    section's version_by_m; the section records where its numbers came from (`meta`)."""
+    sec = table.setdefault("devices", {}).setdefault(device, {})
+    key = (lambda r: (r["version"], r["dtype"], r["m"], r.get("N"), r.get("K")))
+    new = {key(r) for r in rows}
+    sec["configs"] = [r for r in sec.get("configs", []) if key(r) not in new] + rows
+    merged = sec.get("version_by_m", {})
+    for dk, buckets in by_m.items():
+        merged.setdefault(dk, {}).update(buckets)
+    if merged:
+        sec["version_by_m"] = merged
+    sec.update(meta)
+    return table
 
 
 def main(argv=None):
@@ -301,20 +344,18 @@ def main(argv=None):
     p.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)))
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=1800.0)
-    p.add_argument("--versions", default="v4", help="rungs to tune: v4, v5, v6 or a list")
+    p.add_argument("--versions", default="v4", help="rungs to tune: v4, v5, v6, v7 or a list")
     p.add_argument("--out", default=str(gg.CONFIG_PATH))
     args = p.parse_args(argv)
     table = heuristic_table()
-    try:   # keep a default_version that someone promoted (v5) across regenerations
+    try:   # the generic rows are regenerated; the cards' sections and defaults are kept
         old = json.loads(pathlib.Path(args.out).read_text())
         table["default_version"].update(old.get("default_version", {}))
-        if old.get("version_by_m"):
-            table["version_by_m"] = old["version_by_m"]
+        if old.get("devices"):
+            table["devices"] = old["devices"]
     except (OSError, ValueError):
         pass
     if not args.heuristic:
-        import cupy as cp
-
         from ._compile import availability
 
         ok, why = availability()
@@ -322,25 +363,24 @@ def main(argv=None):
             raise SystemExit(f"tuning needs a GPU: {why} (use --heuristic)")
         rows = tune(args.models.split(","), [int(b) for b in args.buckets.split(",")], args.reps,
                     budget_s=args.budget_s, versions=tuple(args.versions.split(",")))
-        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         try:
             commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                     text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
         except OSError:
             commit = None
-        table["source"] = (f"timed by tune.py ({args.versions} shape rows, commit {commit}); "
-                           f"generic rows are the heuristic")
-        table["gpu"] = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-        table["date"] = datetime.date.today().isoformat()
-        table["command"] = " ".join([sys.executable, "-m", "cuda_kernels.cupy.tune"] +
-                                    list(argv if argv is not None else sys.argv[1:]))
-        table["configs"] += rows
-        if "v4" in args.versions and ("v5" in args.versions or "v6" in args.versions):
-            table["version_by_m"] = version_by_m(BEST_BY_VERSION)
-            print(f"version_by_m: {table['version_by_m']} (times: "
-                  f"{ {f'{k} m={m} {v}': round(t * 1e6) for (k, m, v), t in BEST_BY_VERSION.items()} } us)")
+        by_m = version_by_m(BEST_BY_VERSION)
+        device = gg.current_device_name()
+        merge_device_section(table, device, rows, by_m, {
+            "source": f"timed by tune.py ({args.versions}, commit {commit})",
+            "date": datetime.date.today().isoformat(),
+            "command": " ".join([sys.executable, "-m", "cuda_kernels.cupy.tune"] +
+                                list(argv if argv is not None else sys.argv[1:]))})
+        print(f"{device}: version_by_m {by_m} (times: "
+              f"{ {f'{k} m={m} {v}': round(t * 1e6) for (k, m, v), t in BEST_BY_VERSION.items()} }"
+              f" us)")
     write_table(table, pathlib.Path(args.out))
-    print(f"wrote {len(table['configs'])} rows to {args.out}")
+    n_dev = sum(len(sec.get("configs", [])) for sec in table.get("devices", {}).values())
+    print(f"wrote {len(table['configs'])} generic rows and {n_dev} card rows to {args.out}")
 
 
 if __name__ == "__main__":

@@ -171,7 +171,7 @@ __device__ __forceinline__ void deq_int8(u32 lo, u32 hi, float zf, float s, u32&
 }
 
 // mma.sync m16n8k16 with fp32 accumulation; H: the operands are fp16 (1) or bf16 (0); by default
-// the build's element type. wna16_staged runs fp16 operands in a bf16 build too (its FA mode).
+// the build's element type.
 #define W16_MMA_F16 "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
 #define W16_MMA_BF16 "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
 template <bool H = !ELEM_BF16>
@@ -209,7 +209,7 @@ __device__ __forceinline__ uint4 ld_stream(const u8* p) {
 // The kernels' dynamic shared memory is declared __align__(128): it starts after their static
 // __shared__ arrays, and a cp.async whose destination is not aligned like its source's
 // 128-byte line costs twice the L2 requests. Measured (H200, wna16_wgmma h32, Mixtral GEMM1 at
-// T=64, benchmarks/results/dev_wna16_20261130d): 4 more bytes of static shared memory put the
+// T=64): 4 more bytes of static shared memory put the
 // rings 16 bytes off, and L2 read sectors went from 27.2 M to 42.1 M (the weights' 470 MB read
 // a second time from L2), 230 -> 250 us; __align__(1024) brought back 27.2 M and 236 us.
 __device__ __forceinline__ void cp16(void* dst, const void* src, bool pred) {

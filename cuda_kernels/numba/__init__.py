@@ -28,6 +28,9 @@ bf16 outputs use cvt.rn.bf16.f32 (sm_80+).
 
 The kernels also run in the CUDA simulator (`NUMBA_ENABLE_CUDASIM=1` set before numba is
 imported): slowly (about 2,000 threads a second), but on any CPU, which is how CI checks them.
+This package never switches the simulator on by itself (the PTX checks need numba's real
+CUDA target on a CPU); `sandbox.registry.get_backend("numba")` does, on a machine without a
+GPU, as long as numba.cuda is not imported yet.
 Importing this package needs neither numba nor a GPU: `availability()` says whether the kernels
 can run here and why not. Run a stage as a script to validate and time it:
 `python -m cuda_kernels.numba.grouped_gemm`.

@@ -101,7 +101,7 @@ from ._vector import ldg4, lds4
 
 VERSIONS = ("v1", "v2", "v3", "v3v")
 # what version=None runs (stepping down to what fits). H200, bf16, Mixtral / Qwen3 / DeepSeek-V3
-# at T = 1..4096 (benchmarks/results/bench_numba_nvidia-h200_20261129_231712.json): v3v within
+# at T = 1..4096 (benchmarks/bench_numba.py): v3v within
 # 1.09x of CuPy v3 at all 36 GEMM points (0.67x to 1.09x; v3: 0.83x to 1.40x)
 DEFAULT_VERSION = "v3v"
 CONFIGS = {

@@ -169,7 +169,6 @@ class EPMoE:
     def __init__(self, comm, config: EPConfig, backend: str = "reference",
                  placement: ExpertPlacement | None = None, host_weights: bool = True):
         from sandbox.layer import FusedMoE
-        from sandbox.registry import get_backend
 
         if not isinstance(config, EPConfig):
             raise TypeError(f"config: expected an EPConfig, got {type(config).__name__}")
@@ -188,20 +187,9 @@ class EPMoE:
                                        "backend_kind": comm.backend,
                                        "placement": placement.phys2log.tolist()})
 
-        b = get_backend(backend)
-        if not b.ok:
-            raise RuntimeError(f"backend: {backend!r} is not available here: {b.reason}")
-        if comm.backend == "cpu" and not b.is_host:
-            raise ValueError(f"backend: the CPU communicator needs a host backend "
-                             f"('reference'), got {backend!r}")
-        if comm.backend == "nccl":
-            self.ops = b if backend == "cupy" else _OnHost(b, comm)
-            if backend not in ("cupy", "reference"):
-                raise ValueError(f"backend: expected 'cupy' or 'reference' with NCCL, "
-                                 f"got {backend!r}")
-        else:
-            self.ops = b
-        self.backend = backend
+        self._dev: dict = {}
+        self._given: set = set()         # names of the arrays set_device_parameters handed over
+        self.backend = backend           # checked, and the ops chosen, by the property's setter
         self.placement = placement
         self.dtype = config.np_dtype
         self.experts_per_rank = placement.per_rank
@@ -214,8 +202,38 @@ class EPMoE:
         self.e_score_correction_bias = None
         self.load = LoadRecorder(config.num_experts, comm.xp)
         self.record_load = config.num_redundant_experts > 0
-        self._dev: dict = {}
         self.last_stats: dict = {}
+
+    # ---- backend ----------------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        """The stage backend's name. Assigning it runs the constructor's checks (ValueError
+        or RuntimeError, the layer left as it was), picks the stage functions again and drops
+        the device copies made from the host weights (arrays given to set_device_parameters
+        stay)."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend):
+        from sandbox.registry import get_backend
+
+        comm = self.comm
+        b = get_backend(backend)
+        if not b.ok:
+            raise RuntimeError(f"backend: {backend!r} is not available here: {b.reason}")
+        if comm.backend == "cpu" and not b.is_host:
+            raise ValueError(f"backend: the CPU communicator needs a host backend "
+                             f"('reference'), got {backend!r}")
+        if comm.backend == "nccl":
+            if backend not in ("cupy", "reference"):
+                raise ValueError(f"backend: expected 'cupy' or 'reference' with NCCL, "
+                                 f"got {backend!r}")
+            self.ops = b if backend == "cupy" else _OnHost(b, comm)
+        else:
+            self.ops = b
+        self._backend = backend
+        for key in [k for k in self._dev if k not in self._given]:
+            del self._dev[key]
 
     # ---- parameters -------------------------------------------------------------------------
     def param_shapes(self) -> dict:
@@ -260,6 +278,7 @@ class EPMoE:
 
     def _invalidate(self):
         self._dev.clear()
+        self._given.clear()
         if self.experts is not None:
             self.experts.invalidate_device_cache()
 
@@ -355,6 +374,7 @@ class EPMoE:
                 raise ValueError(f"{name}: expected shape {shapes[name]}, "
                                  f"got {tuple(arr.shape)}")
             self._dev[name] = arr
+            self._given.add(name)
 
     def _param(self, name):
         """A parameter as the stage backend reads it (device copy cached)."""

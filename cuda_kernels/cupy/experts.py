@@ -1,0 +1,432 @@
+"""vLLM's `fused_experts` on the GPU: the five expert stages, launched from a plan per shape.
+
+    out[t] = sum_k topk_weights[t, k] * (W2[e] @ act(W13[e] @ x[t]))      e = topk_ids[t, k]
+
+    T tokens, E local experts, K top-k, H hidden, I intermediate, N1 = 2I (gated) or I,
+    B block size, P = T*K slots, L = max_num_tokens_padded(P, E, B)
+
+    align       moe_align_kernel        topk_ids [T, K]   -> sorted [L], expert_ids [L/B], ntpp [1]
+    gemm1       grouped_gemm_<v>        x [T, H], w1 [E, N1, H] -> c1 [P, N1]   (router weight
+                                        here when apply_router_weight_on_input)
+    activation  act_and_mul_kernel      c1 -> c2 [P, I]
+    gemm2       grouped_gemm_<v>        c2, w2 [E, H, I]   -> c3 [P, H]    (* router weight)
+    combine     moe_sum_kernel          c3 [T, K, H]       -> out [T, H]
+
+These are the stage modules' own kernels with the configs and arguments the stage functions
+would pick (grouped_gemm._plan, permute._align_geometry, _compile.row_geometry): a call
+gives the same bits as calling `moe_align_block_size`, `grouped_gemm`, `apply_activation`,
+`grouped_gemm` and `moe_sum` one after the other (tests/test_cupy_experts.py checks it on the
+GPU). What changes is the host's share. A decode step's GPU work is tens of microseconds, and
+the stage functions spend about as much again each on checks, config look-ups and argument
+conversions, so the layer would wait on Python. Here that work is done once per shape and
+kept in an `ExpertsPlan`; a call then checks what can change between calls (contiguity,
+device), allocates, and launches five kernels with their arguments as raw pointers.
+
+Streams and graphs: the arrays may be CuPy arrays (launched on CuPy's current stream, outputs
+from CuPy's allocator) or torch CUDA tensors (torch's current stream and allocator, so a
+`torch.cuda.graph` capture records the five launches). Nothing is synchronised and nothing is
+read back; the grids come from host-known upper bounds (L), and kernels past
+num_tokens_post_padded exit at once. Small plans keep their intermediates between eager calls
+on one stream (a stream runs its kernels in order, so reusing them is safe); inside a capture
+every buffer is a fresh allocation from the graph's pool.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from . import _compile as C
+from . import activation as act_mod
+from . import combine as sum_mod
+from . import permute as perm_mod
+from ._launch import FastLaunch
+
+# intermediates (sorted ids .. c3) up to this many bytes are kept per (plan, stream)
+WORKSPACE_CACHE_BYTES = 64 << 20
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")      # the gated kinds with one kernel template
+
+
+def _gemm():
+    import importlib
+
+    return importlib.import_module(".grouped_gemm", __package__)
+
+
+# ----------------------------------------------------------------------------- arrays
+@dataclasses.dataclass(frozen=True)
+class _Arg:
+    """What a launch needs of an input: its pointer, and what the plan is keyed on."""
+
+    ptr: int
+    shape: tuple
+    dtype: np.dtype
+    contiguous: bool
+    device: int
+
+
+def _describe(name: str, x, kind: str) -> _Arg:
+    if kind == "torch":
+        if x.device.type != "cuda":
+            raise ValueError(f"{name}: expected a CUDA tensor, got one on {x.device}")
+        return _Arg(x.data_ptr(), tuple(x.shape), _torch_np_dtype(x.dtype), x.is_contiguous(),
+                    x.device.index)
+    if kind == "cupy":
+        return _Arg(x.data.ptr, tuple(x.shape), np.dtype(x.dtype), x.flags.c_contiguous,
+                    x.device.id)
+    raise TypeError(f"{name}: expected a cupy.ndarray or a CUDA torch.Tensor, got "
+                    f"{type(x).__name__}")
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_np_dtype(tdt) -> np.dtype:
+    import torch
+
+    table = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
+             torch.bfloat16: C.bf16_dtype(), torch.int32: np.dtype(np.int32),
+             torch.int64: np.dtype(np.int64), torch.float64: np.dtype(np.float64)}
+    if tdt not in table:
+        raise TypeError(f"expected a float or int tensor, got {tdt}")
+    return table[tdt]
+
+
+def _kind(x) -> str:
+    mod = type(x).__module__ or ""
+    if mod.startswith("torch"):
+        return "torch"
+    if mod.startswith("cupy"):
+        return "cupy"
+    return "other"
+
+
+class _Allocator:
+    """Outputs in the caller's library: torch tensors (torch's allocator and stream) or CuPy
+    arrays (CuPy's pool and current stream). `empty` returns (array, pointer)."""
+
+    def __init__(self, kind: str, device: int):
+        self.kind, self.device = kind, device
+        if kind == "torch":
+            import torch
+
+            self.torch = torch
+            self.tdtypes = {np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32,
+                            np.dtype(np.float16): torch.float16, C.bf16_dtype(): torch.bfloat16}
+            self.dev = torch.device("cuda", device)
+            # the raw cudaStream_t of torch's current stream: the call Triton's launcher makes
+            # (torch.cuda.current_stream() builds a Stream object, several us on a slow host)
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            self._torch_stream = raw if raw is not None else (
+                lambda d: torch.cuda.current_stream(d).cuda_stream)
+            self._torch_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
+                                            torch.cuda.is_current_stream_capturing)
+
+    def empty(self, shape, dtype):
+        if self.kind == "torch":
+            t = self.torch.empty(shape, dtype=self.tdtypes[np.dtype(dtype)], device=self.dev)
+            if C.POISON and t.numel():
+                t.fill_(float("nan") if np.dtype(dtype).kind == "f" or np.dtype(dtype) ==
+                        C.bf16_dtype() else C.POISON_INT)
+            return t, t.data_ptr()
+        a = C.empty(shape, dtype)
+        return a, a.data.ptr
+
+    def raw(self, nbytes: int):
+        """(owner, pointer) of `nbytes` of scratch (never poisoned: intermediates)."""
+        if self.kind == "torch":
+            t = self.torch.empty((nbytes,), dtype=self.torch.uint8, device=self.dev)
+            return t, t.data_ptr()
+        import cupy
+
+        a = cupy.empty((nbytes,), dtype=cupy.uint8)
+        return a, a.data.ptr
+
+    def stream(self):
+        """(the stream pointer to launch on, whether it is being captured): torch's current
+        stream for torch callers, CuPy's current stream otherwise."""
+        import cupy
+
+        if self.kind == "torch":
+            return self._torch_stream(self.device), self._torch_capturing()
+        ptr = cupy.cuda.get_current_stream().ptr
+        return ptr, bool(cupy.cuda.runtime.streamIsCapturing(ptr))
+
+
+# ----------------------------------------------------------------------------- the plan
+# kernel signatures for FastLaunch: p pointer, i int32 (permute.cu, gemm_common.cuh's
+# GG_KERNEL_ARGS, elementwise kernels of activation.cu / combine.cu)
+ALIGN_SIG = "ppppppp" + "iiiiii"
+GEMM_SIG = "pppppppp" + "iiiiiiii"
+# v7 (decode) takes three more: its split-K partials and tile counters (per stream, made
+# outside any capture: grouped_gemm._v7_workspace) and the k-tiles of a split; v6 (prefill)
+# one: the CUtensorMap of its weights, 128 bytes by value (grouped_gemm.v6_tensor_map)
+GEMM_EXTRA_SIG = {"v7": "ppi", "v6": "t"}
+ROWS_SIG = "pp" + "iii"
+SUM_SIG = "pp" + "iiii"
+
+
+class ExpertsPlan:
+    """Everything about a `fused_experts` call that depends only on its shapes, dtypes,
+    options and device: the block size, the five kernels, their grids and fixed arguments.
+    Made by `plan_for` (cached); `__call__` does the per-call work."""
+
+    def __init__(self, T, H, E, N1, I, K, dtype, activation, mul_on_input, block_size,  # noqa: E741
+                 device, a_aligned, w1_aligned, w2_aligned, E_align):
+        import cupy
+
+        gg = _gemm()
+        self.T, self.H, self.E, self.N1, self.I, self.K = T, H, E, N1, I, K  # noqa: E741
+        self.P = P = T * K
+        self.dtype = np.dtype(dtype)
+        self.device = device
+        dkey = gg.dtype_key(dtype)
+        card = gg.device_name(device)
+        if block_size is None:
+            block_size = int(gg.get_config(T, N1, H, E, K, dtype, device=card)["BLOCK_M"])
+        self.B = B = C.check_int("block_size", block_size, 1)
+        # align bins by global ids (E_align = the expert map's length, else E)
+        self.E_align = E_align
+        self.L = L = perm_mod.max_num_tokens_padded(P, E_align, B)
+        self.num_blocks = C.cdiv(L, B)
+        self.mul_on_input = bool(mul_on_input)
+        with cupy.cuda.Device(device):
+            sm90 = gg._is_sm90(cupy, device)
+            bucket = gg.m_bucket(max(1.0, P / max(E, 1)))
+            # align: one launch (cooperative above SMALL_P slots)
+            G, W, smem = perm_mod._align_geometry(
+                P, E_align,
+                perm_mod._max_blocks() if P > perm_mod.CONFIGS["align"]["SMALL_P"] else 1)
+            k = C.get_kernel("permute.cu", "moe_align_kernel", perm_mod._defines(),
+                             perm_mod._FIXED_NAMES)
+            if smem > 48 * 1024:
+                k.max_dynamic_shared_size_bytes = smem
+            self.align = FastLaunch(k, (G,), (W * 32,), smem, ALIGN_SIG, cooperative=G > 1)
+            self.align_G = G
+            # the two GEMMs: the rung and config grouped_gemm would pick
+            self.gemms = []
+            for n, kd, aligned in ((N1, H, a_aligned and w1_aligned), (H, I, w2_aligned)):
+                version, cfg = gg._plan(None, dkey, bucket, n, kd, B, aligned, sm90, None, card)
+                if version == "v7":   # the split of K, as grouped_gemm picks it for the call
+                    cfg = gg.v7_call_config(cfg, P, E, L, n, kd, device)
+                grid, block, gsmem = gg.launch_geometry(
+                    version, cfg, L, n, gg._device_limits(device)[0] if version == "v6" else None)
+                kern = gg._kernel(version, dkey, cfg, device)
+                launch = FastLaunch(kern, grid, block, gsmem,
+                                    GEMM_SIG + GEMM_EXTRA_SIG.get(version, ""))
+                self.gemms.append(_Gemm(version, cfg, launch, n, kd))
+            self.versions = tuple(g.version for g in self.gemms)
+            # activation and combine: the workspaces are 256-byte aligned, so the vector
+            # width depends on the row widths only
+            name_fmt = f"act_and_mul_kernel<{act_mod._AND_MUL[activation]}, {{vec}}>"
+            self.act = self._rows(act_mod, "activation.cu", name_fmt, P, I, "ACT_THREADS",
+                                  "activation", act_mod._NAMES, ROWS_SIG)
+            self.combine = self._rows(sum_mod, "combine.cu", "moe_sum_kernel<{vec}>", T, H,
+                                      "SUM_THREADS", "moe_sum_kernel", sum_mod._NAMES, SUM_SIG)
+            self.dummy = gg._dummy(cupy, device).data.ptr
+        # workspace layout: [sorted L][expert_ids L/B][ntpp 1][hist G*E], then c1, c2, c3
+        isz = self.dtype.itemsize
+        self.n_ints = L + self.num_blocks + 1 + (G * E_align if G > 1 else 0)
+        self.ws_bytes = _round256(4 * self.n_ints) + sum(
+            _round256(P * w * isz) for w in (N1, I, H))
+        self._workspaces: dict = {}
+        self._captured: list = []
+
+    def _rows(self, mod, cu, name_fmt, rows, width, threads_key, cfg_key, names, sig):
+        threads_max = mod.CONFIGS[cfg_key][threads_key]
+        isz = self.dtype.itemsize
+        vec = max(v for v in C.ROW_VECS if v * isz <= 16 and width % v == 0)
+        threads = C.block_threads(C.cdiv(width, vec), threads_max)
+        chunks = C.cdiv(width, threads * vec)
+        C.check_fits_int32("x", rows * chunks, "the grid size rows * column chunks")
+        k = C.get_kernel(cu, name_fmt.format(vec=vec), mod._defines(self.dtype), names)
+        return FastLaunch(k, (max(rows * chunks, 1),), (threads,), 0, sig), chunks
+
+    # --- per call
+    def _workspace(self, alloc, stream_ptr, capturing):
+        """(ints pointer, c1, c2, c3 pointers, owner): cached per stream for small plans
+        outside a capture (a capture gets fresh buffers from the graph's pool)."""
+        key = (alloc.kind, stream_ptr)
+        if not capturing:
+            hit = self._workspaces.get(key)
+            if hit is not None:
+                return hit
+        owner, base = alloc.raw(self.ws_bytes)
+        ptrs, off = [], 0
+        isz = self.dtype.itemsize
+        for nbytes in (4 * self.n_ints, self.P * self.N1 * isz, self.P * self.I * isz,
+                       self.P * self.H * isz):
+            ptrs.append(base + off)
+            off += _round256(nbytes)
+        ws = (*ptrs, owner)
+        if capturing:
+            # the graph keeps these addresses: the buffers must outlive it, so they live as
+            # long as the plan (a capture is rare; torch's come from the graph's own pool)
+            self._captured.append(owner)
+        elif self.ws_bytes <= WORKSPACE_CACHE_BYTES:
+            self._workspaces[key] = ws
+        return ws
+
+    def __call__(self, x: _Arg, w1: _Arg, w2: _Arg, tw: _Arg, ids: _Arg, emap_ptr: int,
+                 alloc: _Allocator):
+        out, out_ptr = alloc.empty((self.T, self.H), self.dtype)
+        if self.P == 0 or self.H == 0:
+            return out
+        stream_ptr, capturing = alloc.stream()
+        ints, c1, c2, c3, _owner = self._workspace(alloc, stream_ptr, capturing)
+        L, B, P, E = self.L, self.B, self.P, self.E_align
+        sorted_ids, expert_ids = ints, ints + 4 * L
+        ntpp = expert_ids + 4 * self.num_blocks
+        hist = ntpp + 4 if self.align_G > 1 else 0
+        bar = perm_mod._barrier_word(stream_ptr).data.ptr if self.align_G > 1 else 0
+        self.align(stream_ptr, ids.ptr, emap_ptr, sorted_ids, expert_ids, ntpp, hist, bar,
+                   P, E, B, L, self.num_blocks, 0)
+        g1, g2 = self.gemms
+        g1.launch(stream_ptr, x.ptr, w1.ptr, c1, sorted_ids, expert_ids, ntpp, tw.ptr,
+                  self.dummy, self.N1, self.H, P, self.K, B, L, int(self.mul_on_input), 0,
+                  *self._extra(g1, stream_ptr, w1.ptr))
+        act, act_chunks = self.act
+        act(stream_ptr, c1, c2, P, self.I, act_chunks)
+        g2.launch(stream_ptr, c2, w2.ptr, c3, sorted_ids, expert_ids, ntpp, tw.ptr,
+                  self.dummy, self.H, self.I, P, 1, B, L, int(not self.mul_on_input), 0,
+                  *self._extra(g2, stream_ptr, w2.ptr))
+        comb, sum_chunks = self.combine
+        comb(stream_ptr, c3, out_ptr, self.T, self.K, self.H, sum_chunks)
+        return out
+
+
+    def _extra(self, g, stream_ptr, w_ptr):
+        """The arguments `g`'s rung takes after the common ones (v7: its split-K workspace
+        for this stream, made on first use outside any capture; v6: the tensor map of its
+        weights at w_ptr, [E, n, kd], cached per pointer by grouped_gemm.v6_tensor_map)."""
+        if g.version == "v6":
+            gg = _gemm()
+            return (gg.v6_tensor_map(w_ptr, (self.E, g.n, g.kd), gg.dtype_key(self.dtype),
+                                     g.cfg, self.device),)
+        if g.version != "v7":
+            return ()
+        steps = g.cfg["SPLIT_STEPS"]
+        grid = g.launch.grid
+        if grid[2] == 1:
+            return self.dummy, self.dummy, steps
+        import cupy
+
+        gg = _gemm()
+        ws, cnt = gg._v7_workspace(cupy, self.device, grid[2] * self.P * ((g.n + 7) // 8 * 8),
+                                   grid[0] * grid[1], stream_ptr)
+        return ws.data.ptr, cnt.data.ptr, steps
+
+
+@dataclasses.dataclass
+class _Gemm:
+    """One of the plan's two GEMMs: its rung, fitted config, launch, output and reduction
+    widths."""
+
+    version: str
+    cfg: dict
+    launch: FastLaunch
+    n: int
+    kd: int
+
+
+def _round256(n: int) -> int:
+    return (int(n) + 255) // 256 * 256
+
+
+_PLANS: dict = {}
+
+
+def plan_for(T, H, E, N1, I, K, dtype, activation="silu", mul_on_input=False,  # noqa: E741
+             block_size=None, device=0, a_aligned=True, w1_aligned=True, w2_aligned=True,
+             E_align=None) -> ExpertsPlan:
+    """The cached ExpertsPlan of a shape (made on first use: compiles the kernels).
+    E_align: the number of global experts when an expert map is used (None: E)."""
+    E_align = E if E_align is None else E_align
+    key = (T, H, E, N1, I, K, np.dtype(dtype).str, activation, bool(mul_on_input), block_size,
+           device, a_aligned, w1_aligned, w2_aligned, E_align)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = ExpertsPlan(T, H, E, N1, I, K, dtype, activation, mul_on_input,
+                                         block_size, device, a_aligned, w1_aligned, w2_aligned,
+                                         E_align)
+    return plan
+
+
+# ----------------------------------------------------------------------------- the entry point
+def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu",
+                  apply_router_weight_on_input=False, *, block_size=None, expert_map=None):
+    """out [T, H] = the MoE layer's experts (module docstring) for routed tokens.
+
+    hidden_states [T, H] bf16/fp16, w1 [E, 2I, H] (gate rows then up rows), w2 [E, H, I],
+    topk_weights [T, K] fp32, topk_ids [T, K] int32 (ids outside [0, E) are dropped), CuPy
+    arrays or CUDA torch tensors on one device, contiguous (the output, its allocator and
+    stream are hidden_states' library's); expert_map [E_global]
+    int32 (global -> local id or -1; topk_ids then hold global ids) or None; block_size:
+    the alignment block (None: the GEMM config's BLOCK_M for this shape). Returns the
+    caller's kind of array.
+    The gated activations silu / gelu / gelu_tanh; anything else (swigluoai, no-mul, biases)
+    goes through the stage functions one by one.
+    """
+    kind = _kind(hidden_states)
+    args = {}
+    for name, v in (("hidden_states", hidden_states), ("w1", w1), ("w2", w2),
+                    ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        args[name] = a = _describe(name, v, _kind(v))
+        if not a.contiguous:
+            raise ValueError(f"{name}: expected a contiguous array, got shape {a.shape}")
+        if a.device != args["hidden_states"].device:
+            raise ValueError(f"{name}: expected an array on device "
+                             f"{args['hidden_states'].device} (hidden_states'), got device "
+                             f"{a.device}")
+    x, a1, a2, tw, ids = args.values()
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS} (others run stage by "
+                         f"stage), got {activation!r}")
+    if len(x.shape) != 2:
+        raise ValueError(f"hidden_states: expected [T, H], got shape {x.shape}")
+    T, H = x.shape
+    if x.dtype not in (np.dtype(np.float16), C.bf16_dtype()):
+        raise TypeError(f"hidden_states: expected bfloat16 or float16, got {x.dtype}")
+    if len(a1.shape) != 3 or a1.shape[2] != H or a1.shape[1] % 2:
+        raise ValueError(f"w1: expected [E, 2I, {H}] (gate and up rows), got shape {a1.shape}")
+    E, N1 = a1.shape[0], a1.shape[1]
+    I = N1 // 2  # noqa: E741
+    if a2.shape != (E, H, I):
+        raise ValueError(f"w2: expected shape ({E}, {H}, {I}) = [E, H, I], got {a2.shape}")
+    for name, a in (("w1", a1), ("w2", a2)):
+        if a.dtype != x.dtype:
+            raise TypeError(f"{name}: expected dtype {x.dtype} (hidden_states'), got {a.dtype}")
+    if len(ids.shape) != 2 or ids.shape[0] != T:
+        raise ValueError(f"topk_ids: expected [{T}, K], got shape {ids.shape}")
+    K = ids.shape[1]
+    if ids.dtype != np.dtype(np.int32):
+        raise TypeError(f"topk_ids: expected int32, got {ids.dtype}")
+    if tw.shape != ids.shape or tw.dtype != np.dtype(np.float32):
+        raise ValueError(f"topk_weights: expected float32 of shape {ids.shape}, got "
+                         f"{tw.dtype} {tw.shape}")
+    if apply_router_weight_on_input and K != 1:
+        raise ValueError(f"apply_router_weight_on_input: needs top_k == 1 (as vLLM), got "
+                         f"top_k={K}")
+    emap_ptr, E_align = 0, E
+    if expert_map is not None:
+        m = _describe("expert_map", expert_map, _kind(expert_map))
+        if m.dtype != np.dtype(np.int32) or len(m.shape) != 1 or not m.contiguous:
+            raise TypeError(f"expert_map: expected a contiguous 1-D int32 array, got "
+                            f"{m.dtype} {m.shape}")
+        emap_ptr, E_align = m.ptr, m.shape[0]    # align bins by the global ids
+    plan = plan_for(T, H, E, N1, I, K, x.dtype, activation, apply_router_weight_on_input,
+                    block_size, x.device, x.ptr % 16 == 0, a1.ptr % 16 == 0, a2.ptr % 16 == 0,
+                    E_align)
+    return plan(x, a1, a2, tw, ids, emap_ptr, _allocator(kind, x.device))
+
+
+_ALLOCATORS: dict = {}
+
+
+def _allocator(kind: str, device: int) -> _Allocator:
+    a = _ALLOCATORS.get((kind, device))
+    if a is None:
+        a = _ALLOCATORS[(kind, device)] = _Allocator(kind, device)
+    return a
+
+
+fused_experts.activations = ACTIVATIONS     # what a caller may route here (sandbox.layer)
