@@ -2133,6 +2133,45 @@ def test_decode_bench_host_logic(monkeypatch):
 
 
 @pytest.mark.slow
+def test_decode_bench_prefill_v6_sweep_host_logic(monkeypatch):
+    """decode_bench as the prefill bench: v6 aligned to its own BLOCK_M (64 or 128), TF/s per
+    GEMM and layer, --sweep over every v6 candidate (each fitted to its block size and
+    checked against v4), the layer against vLLM's time where one is known."""
+    monkeypatch.setitem(sys.modules, "cupy", _numpy_as_cupy())
+    calls = []
+
+    def fake_gemm(a, w, st, ex, nt, top_k, B, tw, mul, *, version, config, out):
+        dkey = gg.dtype_key(a.dtype)
+        cfg = gg.get_config(1, w.shape[1], w.shape[2], w.shape[0], 1, a.dtype, version) \
+            if config is None else config
+        gg.fit_config(version, dkey, {k: v for k, v in cfg.items() if k != "version"}, B)
+        calls.append((version, B))
+        c = reference.grouped_gemm(a.astype(np.float32), w.astype(np.float32), st, ex, nt,
+                                   top_k, B, tw, mul)
+        out[...] = c.astype(out.dtype)
+        return out
+
+    monkeypatch.setattr(gg, "grouped_gemm", fake_gemm)
+    monkeypatch.setattr(gg, "VLLM_H100_LAYER_MS", {("Tiny-MoE", 40): 1e3})
+    lines = []
+    res = gg.decode_bench(sys.modules["cupy"], {"tiny": ("Tiny-MoE", 4, 2, 64, 32)}, (40,),
+                          ("v4", "v6"), reps=2, sweep=True, log=lines.append)
+    text = "\n".join(lines)
+    assert "FAIL" not in text and "skip" not in text, text
+    per_gemm = [r for r in res if r["gemm"] != "layer"]
+    assert all(r["ok"] and r["tflops"] > 0 for r in per_gemm)
+    for gemm in ("gemm1", "gemm2"):
+        rows = [r for r in per_gemm if r["gemm"] == gemm]
+        assert [r["label"] for r in rows[:2]] == ["v4", "v6"]
+        assert len(rows) == 2 + len(tune.V6_CANDIDATES)
+    assert sum("best v6 candidate" in line for line in lines) == 2
+    layer = [r for r in res if r["gemm"] == "layer"]
+    assert len(layer) == 2 + len(tune.V6_CANDIDATES) and all(r["vllm_h100_ms"] for r in layer)
+    assert sum("MET" in line for line in lines) == len(layer)
+    assert {B for v, B in calls if v == "v6"} == {64, 128}
+
+
+@pytest.mark.slow
 @emulated
 def test_v7_workspace_outside_capture(monkeypatch):
     """The split-K counters are zeroed when made, so they must not be made inside a CUDA graph
