@@ -1838,7 +1838,8 @@ def _fake_cupy():
     for name in ("uint8", "uint16", "uint32", "int32", "float16", "float32"):
         setattr(fake, name, getattr(np, name))
     fake.cuda = types.SimpleNamespace(
-        Device=_FakeDevice, get_current_stream=lambda: types.SimpleNamespace(ptr=0),
+        Device=_FakeDevice,
+        get_current_stream=lambda: types.SimpleNamespace(ptr=0, synchronize=lambda: None),
         runtime=types.SimpleNamespace(streamIsCapturing=lambda ptr: False,
                                       getDeviceProperties=lambda dev: {"name": b"CPU emulator"}))
     return fake
