@@ -293,7 +293,6 @@ class ExpertsPlan:
         comb(stream_ptr, c3, out_ptr, self.T, self.K, self.H, sum_chunks)
         return out
 
-
     def _extra(self, g, stream_ptr, w_ptr):
         """The arguments `g`'s rung takes after the common ones (v7: its split-K workspace
         for this stream, made on first use outside any capture; v6: the tensor map of its
