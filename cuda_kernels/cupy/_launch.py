@@ -86,6 +86,7 @@ def _driver():
                                                   ctypes.c_void_p,
                                                   ctypes.POINTER(ctypes.c_void_p)]
         lib.cuLaunchCooperativeKernel.restype = ctypes.c_int
+        lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
         _DRIVER["lib"] = lib
     return _DRIVER["lib"]
 

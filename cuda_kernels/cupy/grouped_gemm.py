@@ -918,29 +918,42 @@ def v6_tensor_map_fields(w_shape, dkey: str, cfg: dict) -> dict:
             "elem_bytes": item, "swizzle_bytes": 128}
 
 
-def _encode_tensor_map(fields: dict, ptr: int):
-    """A CUtensorMap of `fields` at device address `ptr` (cuda.bindings' driver API, host
-    only: nothing is enqueued, so a capture may follow), as a one-element NumPy array of its
-    128 bytes: CuPy passes a size-one NumPy array to a kernel by value."""
-    from cuda.bindings import driver
+# cuda.h's enum values for the map (CUtensorMapDataType, ...Swizzle, ...L2promotion)
+_TMAP_DTYPE = {"fp16": 6, "bf16": 9}          # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+_TMAP_SWIZZLE_128B = 3
+_TMAP_L2_PROMOTION_256B = 3
 
-    dtypes = {"bf16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-              "fp16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}
+
+def _encode_tensor_map(fields: dict, ptr: int):
+    """A CUtensorMap of `fields` at device address `ptr`, as a one-element NumPy array of its
+    128 bytes (CuPy passes a size-one NumPy array to a kernel by value). The driver's
+    cuTensorMapEncodeTiled, called through ctypes as _launch calls cuLaunchKernelEx: host work
+    only, nothing is enqueued, so a capture may follow; interleave none, 128-byte swizzle,
+    256-byte L2 promotion, zeros outside the tensor."""
+    import ctypes
+
+    from ._launch import _driver
+
     assert fields["swizzle_bytes"] == 128
-    err, tmap = driver.cuTensorMapEncodeTiled(
-        dtypes[fields["dtype"]], fields["rank"], ptr,
-        [driver.cuuint64_t(x) for x in fields["dims"]],
-        [driver.cuuint64_t(x) for x in fields["strides"]],
-        [driver.cuuint32_t(x) for x in fields["box"]],
-        [driver.cuuint32_t(x) for x in fields["element_strides"]],
-        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"w: cuTensorMapEncodeTiled failed ({err}) for {fields} at "
-                           f"{ptr:#x}")
-    words = np.array([int(x) for x in tmap.opaque], dtype=np.uint64)
+    lib = _driver()
+    rank = fields["rank"]
+    tmap = (ctypes.c_uint64 * 16)()                     # 128 bytes (the driver wants 64-aligned:
+    if ctypes.addressof(tmap) % 64:                     # ctypes gives 16; realign in a spare)
+        spare = (ctypes.c_uint64 * 24)()
+        base = (ctypes.addressof(spare) + 63) // 64 * 64
+        tmap = (ctypes.c_uint64 * 16).from_address(base)
+        tmap._keep = spare
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    status = lib.cuTensorMapEncodeTiled(
+        ctypes.byref(tmap), ctypes.c_int(_TMAP_DTYPE[fields["dtype"]]), u32(rank),
+        ctypes.c_void_p(ptr), (u64 * rank)(*fields["dims"]),
+        (u64 * (rank - 1))(*fields["strides"]), (u32 * rank)(*fields["box"]),
+        (u32 * rank)(*fields["element_strides"]), ctypes.c_int(0),
+        ctypes.c_int(_TMAP_SWIZZLE_128B), ctypes.c_int(_TMAP_L2_PROMOTION_256B), ctypes.c_int(0))
+    if status != 0:
+        raise RuntimeError(f"w: cuTensorMapEncodeTiled failed (CUresult {status}) for {fields} "
+                           f"at {ptr:#x}")
+    words = np.array(tmap[:], dtype=np.uint64)
     return words.view(np.dtype((np.void, 128)))          # shape (1,): 128 bytes by value
 
 
