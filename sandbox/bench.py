@@ -13,8 +13,9 @@ The pieces the kernel issues reuse:
     touched_experts(topk_ids)    how many distinct experts a routing touches
     touched_expert_bytes(...)    their weight bytes: n_touched * (2I*H + H*I) * bytes/weight
     moe_flops(T, K, H, I)        2 * P * (2I*H + I*H) (gated activation; 2 * P * 2*I*H without)
-    roofline_floor(bytes, flops) max(bytes / 4.8 TB/s, flops / 989 TFLOP/s): the H200 datasheet
-                                 limits; fraction of floor = floor / measured time (<= 1)
+    roofline_floor(bytes, flops, bandwidth, peak_flops)  max(bytes / bandwidth, flops / peak):
+                                 the card's datasheet limits (card_limits: H100, H200, A100;
+                                 no floor on other cards or a CPU); fraction = floor / time
     measure_card()               the card's measured copy bandwidth and bf16 matmul peak
     PRESETS                      Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 (+ "tiny" for CPUs)
     CANDIDATES                   name -> factory(case) -> fn(): cupy (our fused_experts), numba,
@@ -23,20 +24,24 @@ The pieces the kernel issues reuse:
                                  per-expert loop, torch._grouped_mm; `register_candidate` adds more
     run_bench(...)               every (preset, T, candidate) point: check against the torch loop
                                  once, then time; returns the JSON-able record
-    write_results / plot_results benchmarks/results/bench_<gpu>_<time>.{json,png}
+    time_host(fn)                the host's microseconds per eager call, the GPU idle before it
+    add_ratios(points)           each point's median over vllm-triton's and torch-grouped_mm's
+    write_results / plot_results <out>/bench_<card>_<eager|graph>.{json,png}: one file per card
+                                 and mode (./moe-sandbox-results unless --out says otherwise)
 
 The floor counts the bytes of the experts that this rep's routing touches (every rep draws a
 new routing: random normal logits, or Zipf-skewed with `routing="zipf"`) and the flops of the
-P slots; activations (x in, out) are left out, as the issue's definition says. The H200's
-datasheet limits are 4.8 TB/s and 989 dense bf16 TFLOP/s; on that card we measured copy
-4.18 TB/s and cuBLAS bf16 757 TFLOP/s, which `measure_card` re-measures each run.
+P slots; activations (x in, out) are left out. The limits are the card's datasheet's
+(H200 4.8 TB/s, H100 SXM 3.35 TB/s, 989 dense bf16 TFLOP/s); `measure_card` measures the
+copy bandwidth and the bf16 matmul rate of the card each run (an H100 read 3.0 TB/s and
+790-810 TFLOP/s). A time under the floor is reported as an error, never as a result.
 
 CUDA graphs (`graph=True`, `moe-sandbox bench --graph`) suit candidates with static shapes and
 no host synchronisation: the CuPy backend (on torch's stream, sandbox.streams), vLLM's Triton
 peer and torch._grouped_mm capture; the torch per-expert loop (torch.where) records the
 capture error instead of a time. A capture that records nothing is an error, never a time.
-Weights are drawn once per preset and moved once
-per backend; x and the routing are drawn per token count.
+Weights are drawn once per preset and moved once per backend; x and the routing are drawn
+per token count.
 
 Why flush and rotate: a small problem fits in the 50 MB L2 of an H200, so timing the same
 inputs back to back measures L2, not HBM. Writing a buffer of twice the L2 size between reps
