@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import functools
 import importlib
-import io
 import math
 import pathlib
-import re
 import shutil
 import subprocess
 import sys
@@ -246,7 +244,7 @@ def test_v6_configs_and_register_split():
         gg.check_config("v6", "bf16", dict(cands[0], warps=8))  # 128 rows need two consumers
     with pytest.raises(ValueError, match="BLOCK_K 64"):
         gg.check_config("v6", "bf16", dict(cands[0], BLOCK_K=32))
-    assert gg.extra_args("v5", {}, P=1, N=1, grid=(1,), dev=0) == ()
+    assert gg.extra_args("v5", {}, dev=0) == ()
 
 
 def test_v6_tensor_map_encoding(monkeypatch):
@@ -273,7 +271,7 @@ def test_v6_tensor_map_encoding(monkeypatch):
     monkeypatch.setattr(gg, "_TENSOR_MAPS", {})
     w = np.zeros((8, 300, 200), BF16).view(_FakeArray)          # [E, N, Kdim]
     cfg = gg.fit_config("v6", "bf16", gg.heuristic_config("v6", "bf16", 4096), 128)
-    (tmap,) = gg.extra_args("v6", cfg, P=1, N=300, grid=(1,), dev=0, w=w)
+    (tmap,) = gg.extra_args("v6", cfg, dev=0, w=w)
     assert gg.v6_tensor_map(w.ctypes.data, w.shape, "bf16", cfg, 0) is tmap   # cached
     assert len(calls) == 1
     assert isinstance(tmap, np.ndarray) and tmap.size == 1 and tmap.nbytes == 128
@@ -283,38 +281,8 @@ def test_v6_tensor_map_encoding(monkeypatch):
     assert ptr == w.ctypes.data and dims == [200, 300, 8] and strides == [400, 400 * 300]
     assert box == [64, cfg["BLOCK_N"], 1] and estrides == [1, 1, 1]
     assert (interleave, swizzle, oob) == (0, 3, 0)              # none, 128-byte swizzle, zeros
-    gg.extra_args("v6", dict(cfg, BLOCK_N=128), P=1, N=300, grid=(1,), dev=0, w=w)
+    gg.extra_args("v6", dict(cfg, BLOCK_N=128), dev=0, w=w)
     assert len(calls) == 2                                      # another tile: another map
-
-
-def _v7_builds():
-    """Every v7 instantiation that can be launched: the table's (and heuristic's) compile cases
-    and the tuner's candidates (grouped_gemm --sweep builds those on the GPU)."""
-    cu = gg.CU_FILES["v7"]
-    out = {tuple(sorted(d.items())) for c, d, _ in gg.compile_cases() if c == cu}
-    for cand in tune.V7_CANDIDATES:
-        cfg = gg.fit_config("v7", "bf16", dict(zip(tune.CANDIDATE_KEYS["v7"], cand)), 16)
-        out.add(tuple(sorted(gg.kernel_defines("v7", "bf16", cfg).items())))
-    return sorted(out)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not C.nvrtc_available()[0], reason="cuda.core/NVRTC unavailable")
-@pytest.mark.parametrize("arch", ("sm_90", "sm_80"))
-def test_v7_builds_without_spills(arch):
-    """v7 streams weights with its accumulators, fragments and copy addresses in registers:
-    ptxas (NVRTC's -Xptxas -v log) reports no stack frame and no spills for every build."""
-    cu = gg.CU_FILES["v7"]
-    for items in _v7_builds():
-        logs = io.StringIO()
-        C._nvrtc_compile(C.source_text(cu, dict(items)), None, arch, C._BASE_OPTIONS, cu,
-                         program_options={"ptxas_options": ["-v"]}, logs=logs)
-        log = logs.getvalue()
-        regs = re.findall(r"Used (\d+) registers", log)
-        frame = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes "
-                           r"spill loads", log)
-        assert regs and frame, f"no ptxas report for {dict(items)}:\n{log[-2000:]}"
-        assert frame[0] == ("0", "0", "0"), f"{arch} {dict(items)}: {frame[0]} ({regs[0]} regs)"
 
 
 def test_kernel_sources_open_with_a_header():
@@ -396,7 +364,7 @@ def _check(prob, version, tol=None, **kw):
     return got
 
 
-VERSIONS_ALL = ("v1", "v2", "v3", "v4", "v7")
+VERSIONS_ALL = ("v1", "v2", "v3", "v4")
 
 
 @pytest.fixture(scope="module")
@@ -521,7 +489,7 @@ def test_kdim_not_multiple_of_16_bytes(dkey):
     prob = _problem(13, 8, 2, 96, 100, dt, 16, mul=True)
     _check(prob, None)
     if dkey != "fp32":
-        for v in ("v3", "v4", "v7"):
+        for v in ("v3", "v4"):
             with pytest.raises(ValueError, match=r"a: v\d loads 16-byte chunks.*multiple of 8"):
                 _run(prob, v)
 
@@ -591,90 +559,6 @@ def test_v5_wgmma(case, dkey):
         extra.update(expert_map=emap, E_local=E_local)
     prob = _problem(T, E, top_k, N, K, DTYPES[dkey], B, **extra)
     _check(prob, "v5", **({"config": cfg} if cfg else {}))
-
-
-# v7 (decode, opt-in): forced splits and passes beyond the table's choice, a CUDA graph
-V7_CASES = {
-    # name: (T, E, top_k, N, K, B, extra, config overrides of the m = 1 heuristic)
-    "t1_split4": (1, 8, 2, 4096, 1024, 16, {"mul": True}, {"SPLIT_K": 4}),
-    "t3_ragged_split3": (3, 64, 4, 200, 1288, 16, {"bias": np.float32, "mul": True},
-                         {"SPLIT_K": 3}),
-    "gemm2_split2": (16, 8, 2, 1024, 512, 16, {"gemm2": True, "mul": True}, {"SPLIT_K": 2}),
-    "two_passes": (40, 2, 1, 256, 512, 16, {"mul": True}, {"COLS": 16}),
-    "two_passes_split5": (40, 2, 1, 256, 1280, 16, {}, {"COLS": 16, "SPLIT_K": 5}),
-    "cols64_block8": (33, 4, 2, 320, 256, 8, {"bias": "same"},
-                      {"BLOCK_N": 128, "BLOCK_K": 64, "warps": 8, "stages": 4, "COLS": 64}),
-    "warps_k2_expert_map": (29, 8, 2, 160, 640, 16, {"expert_map": True, "bias": np.float32},
-                            {"BLOCK_N": 32, "BLOCK_K": 128, "warps": 4, "SPLIT_K": 2}),
-}
-
-
-def _v7_case(case, dkey):
-    T, E, top_k, N, K, B, extra, over = V7_CASES[case]
-    extra = dict(extra)
-    if extra.get("bias") == "same":
-        extra["bias"] = DTYPES[dkey]
-    if extra.pop("expert_map", False):
-        E_local, emap = reference.determine_expert_map(2, 1, E)
-        extra.update(expert_map=emap, E_local=E_local)
-    return _problem(T, E, top_k, N, K, DTYPES[dkey], B, **extra), \
-        dict(gg.heuristic_config("v7", dkey, 1), **over)
-
-
-@gpu
-@pytest.mark.parametrize("dkey", ("fp16", "bf16"))
-@pytest.mark.parametrize("case", tuple(V7_CASES))
-def test_v7_decode(case, dkey):
-    prob, cfg = _v7_case(case, dkey)
-    got = _check(prob, "v7", config=cfg)
-    # split K adds the partials in split order: the same bits on every run
-    again = _run(prob, "v7", config=cfg)
-    assert (got.view(np.uint16) == again.view(np.uint16)).all(), "v7 is not deterministic"
-
-
-@gpu
-@pytest.mark.parametrize("split", (1, 3))
-def test_v7_cuda_graph_replays(split):
-    """A v7 launch captured into a CUDA graph (CuPy stream capture) and replayed twice gives
-    the eager result bit for bit, the output poisoned before each replay; then the routing
-    arrays are refilled in place with another routing and a replay gives its result (the
-    split-K counters were left at zero by every replay)."""
-    cp = _cp()
-    prob, cfg = _v7_case("t3_ragged_split3", "bf16")
-    cfg["SPLIT_K"] = split
-    d = prob["dev"]
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        out = _poisoned((prob["P"], prob["N"]), BF16)
-
-        def call():
-            return gg.grouped_gemm(d["a"], d["w"], d["st"], d["ex"], d["nt"], prob["top_k"],
-                                   prob["B"], d["tw"], True, d["bias"], version="v7",
-                                   config=cfg, out=out)
-        call()                                 # eager: the workspace is made outside capture
-        stream.synchronize()
-        eager = _host(out, BF16).copy()
-        assert rel_err(eager, prob["want"]) <= TOL[BF16]
-        stream.begin_capture()
-        call()
-        graph = stream.end_capture()
-        for _ in range(2):
-            C.raw(out).view(cp.uint8).fill(255)
-            graph.launch(stream=stream)
-            stream.synchronize()
-            assert (_host(out, BF16).view(np.uint16) == eager.view(np.uint16)).all()
-        other = _problem(3, 64, 4, 200, 1288, BF16, 16, seed=5, bias=np.float32, mul=True)
-        for k in ("st", "ex", "nt"):
-            d[k][...] = other["dev"][k]
-        C.raw(out).view(cp.uint8).fill(255)
-        graph.launch(stream=stream)
-        stream.synchronize()
-        # the same a, w, bias, weights: the reference with the other routing
-        want = reference.grouped_gemm(prob["a"].astype(np.float64), prob["w"].astype(np.float64),
-                                      other["st"], other["ex"], other["nt"], prob["top_k"],
-                                      prob["B"], prob["tw"].astype(np.float64), True,
-                                      prob["bias"].astype(np.float64))
-        assert rel_err(_host(out, BF16), want) <= TOL[BF16]
 
 
 # v6 (TMA + cp.async, warp-specialized, persistent; opt-in): the grid of v5 and the nasty
@@ -784,7 +668,7 @@ def _stage(name):
 
 
 @gpu
-@pytest.mark.parametrize("version", ("v2", "v3", "v4", "v7"))
+@pytest.mark.parametrize("version", ("v2", "v3", "v4"))
 @pytest.mark.parametrize("dkey", ("fp32", "bf16"))
 @pytest.mark.parametrize("case", ("plain", "bias_ep"))
 def test_fused_experts_end_to_end(version, dkey, case):
@@ -1012,8 +896,6 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 const unsigned char* emu_lo[2];
 const unsigned char* emu_hi[2];
 
-std::atomic<long long> emu_w_bytes{0};   // bytes cp.async read from w (v7 reads each once)
-
 struct EmuCopy { unsigned dst; const unsigned char* src; int bytes; };
 thread_local std::vector<EmuCopy> emu_open;
 thread_local std::vector<std::vector<EmuCopy>> emu_groups;
@@ -1106,7 +988,6 @@ inline void gg_cp_async16(unsigned dst, const void* src, int src_bytes) {
         bool inside = false;
         for (int i = 0; i < 2; ++i) inside |= s >= emu_lo[i] && s + 16 <= emu_hi[i];
         if (!inside) emu_fail("cp.async: reads outside a and w", (long long)(uintptr_t)s);
-        if (s >= emu_lo[1] && s + 16 <= emu_hi[1]) emu_w_bytes += 16;
     }
     if (emu_ring_checks) {
         std::lock_guard<std::mutex> l(emu_mb_m);
@@ -1132,9 +1013,10 @@ struct EmuWarp {
 };
 EmuWarp* emu_warps;
 
-// v7's warp vote, counters and fences. CTAs run one after another here (in an order the test
-// may shuffle), so a global atomic needs no more than a lock; fences and the .cg loads and
-// stores are plain memory operations.
+// A warp vote, global atomics and fences (for a kernel whose CTAs meet through counters, as a
+// split-K reduction's do). CTAs run one after another here (in an order the test may shuffle),
+// so a global atomic needs no more than a lock; fences and the .cg loads and stores are plain
+// memory operations.
 inline unsigned __ballot_sync(unsigned mask, int pred) {
     if (mask != 0xffffffffu) emu_fail("__ballot_sync: only full-warp votes are emulated", mask);
     EmuWarp& w = emu_warps[emu_tid / 32];
@@ -1446,7 +1328,7 @@ template <int R> inline void gg_setmaxnreg_inc() {}
 
 EMU_MAIN = r"""
 // ---- the launcher: argv[1] = input file (header, then the arrays), argv[2] = output file (c,
-// then the extra arrays). Extra kernel arguments (v7's workspace): up to two arrays, passed
+// then the extra arrays). Extra kernel arguments (v6's tensor map): up to two arrays, passed
 // after the common ones by GG_EMU_EXTRA_ARGS, then up to two ints.
 unsigned char* emu_x[2];
 int emu_xi[2];
@@ -1554,8 +1436,6 @@ int main(int argc, char** argv) {
     FILE* o = std::fopen(argv[2], "wb");
     std::fwrite(c, 1, cbytes, o);
     for (int x = 0; x < n_extra; ++x) std::fwrite(emu_x[x], 1, h[24 + x], o);
-    const long long w_bytes = emu_w_bytes;
-    std::fwrite(&w_bytes, 8, 1, o);
     std::fclose(o);
     return 0;
 }
@@ -1578,8 +1458,7 @@ emulated = pytest.mark.skipif(_GXX is None or _HDR is None,
 EMU_FLAGS: list = []     # more g++ flags (-DEMU_WAIT_S=10: a shorter deadlock timeout)
 
 # the arguments a kernel takes after GG_KERNEL_ARGS, as the emulator's main passes them
-EMU_EXTRA_ARGS = {"gemm_v7_decode.cu": ", (float*)emu_x[0], (int*)emu_x[1], emu_xi[0]",
-                  "gemm_v6_tma_ws.cu": ", emu_tmap()"}
+EMU_EXTRA_ARGS = {"gemm_v6_tma_ws.cu": ", emu_tmap()"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -1604,11 +1483,10 @@ def _emu_binary(cu, kernel_name, define_items):
 
 def _emu_launch(exe, grid, block, smem, args, order_seed=0):
     """Run the emulated kernel with the launcher's exact argument tuple; c (args[2]) and the
-    extra arrays after the common 16 arguments (v7's workspace) are updated in place, as a
+    extra arrays after the common 16 arguments (v6's tensor map) are updated in place, as a
     GPU launch leaves them (rows the kernel does not write keep their bytes). Arrays are NumPy
     (or NumPy-backed) arrays, sizes are NumPy ints. order_seed != 0 runs the CTAs in a
-    shuffled order (v7's last split is then not always the last z). Returns the bytes the
-    kernel's cp.async read from w."""
+    shuffled order (x fastest, then y, then z otherwise)."""
     arrays = [np.ascontiguousarray(args[i]) for i in (0, 1, 3, 4, 5, 6, 7)]
     c = args[2]
     extra = list(args[16:])
@@ -1638,10 +1516,9 @@ def _emu_launch(exe, grid, block, smem, args, order_seed=0):
         out = np.fromfile(outp, dtype=np.uint8)
     np.asarray(c).reshape(-1).view(np.uint8)[...] = out[:c.nbytes]
     at = c.nbytes
-    for x in x_arrays:   # (the same array twice, as v7's dummy pointers, reads back the same)
+    for x in x_arrays:
         np.asarray(x).reshape(-1).view(np.uint8)[...] = out[at:at + x.nbytes]
         at += x.nbytes
-    return int(out[at:at + 8].view(np.int64)[0])
 
 
 def _emu_tensor_map(fields):
@@ -1845,9 +1722,7 @@ def _fake_cupy():
         setattr(fake, name, getattr(np, name))
     fake.cuda = types.SimpleNamespace(
         Device=_FakeDevice,
-        get_current_stream=lambda: types.SimpleNamespace(ptr=0, synchronize=lambda: None),
-        runtime=types.SimpleNamespace(streamIsCapturing=lambda ptr: False,
-                                      getDeviceProperties=lambda dev: {"name": b"CPU emulator"}))
+        runtime=types.SimpleNamespace(getDeviceProperties=lambda dev: {"name": b"CPU emulator"}))
     return fake
 
 
@@ -1858,8 +1733,8 @@ class _EmuKernel:
         self.order_seed = order_seed
 
     def __call__(self, grid, block, args, shared_mem=0):
-        w_bytes = _emu_launch(self.exe, grid, block, shared_mem, args, self.order_seed)
-        self.launches.append((grid, block, shared_mem, w_bytes))
+        _emu_launch(self.exe, grid, block, shared_mem, args, self.order_seed)
+        self.launches.append((grid, block, shared_mem))
 
 
 @pytest.mark.slow
@@ -1873,7 +1748,7 @@ def test_launcher_on_cpu_emulator(case, monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
     monkeypatch.setattr(gg, "_READY", {})
     monkeypatch.setattr(gg, "_DUMMIES", {})
-    monkeypatch.setattr(gg, "_DEVICE_LIMITS", {})
+    monkeypatch.setattr(gg, "_DEVICE_SMS", {})
     monkeypatch.setattr(gg, "_TENSOR_MAPS", {})
     encoded = []
 
@@ -1913,159 +1788,12 @@ def test_launcher_on_cpu_emulator(case, monkeypatch):
     assert out is None or got is out
     assert len(made) == 1 and len(made[0].launches) == 1
     if version == "v6":
-        (grid, block, _, _), = made[0].launches
+        (grid, block, _), = made[0].launches
         assert grid == (EMU_SMS,) and block[0] in (256, 384)
         (fields, ptr), = encoded
         assert ptr == dev["w"].ctypes.data and fields["dims"] == tuple(reversed(dev["w"].shape))
     err = rel_err(np.asarray(got), prob["want"])
     assert err <= TOL[prob["dtype"]], f"{case}: relative error {err:.3e}"
-
-
-# ---------------------------------------------------------------------------- v7 on the emulator
-# v7 (decode) through the launcher, as test_launcher_on_cpu_emulator: the split of K, the
-# workspace (poisoned with NaN when made), the extra arguments and the counter protocol. Each
-# case runs two launches in a row on one workspace, the second on a new routing of the same
-# shapes (what a replayed CUDA graph does), with the CTAs in a shuffled order (the last split
-# to arrive is then not always z = S - 1); after each the counters must be back at zero.
-V7_EMU_CASES = {
-    # name: (dtype, config, (T, E, top_k, N, K, B), problem kwargs, SMs for the auto split)
-    # one token: 2 blocks of one live row each; N = 72 ragged against BLOCK_N = 32, Kdim = 136
-    # not a multiple of BLOCK_K (a zero-filled tail); 3 k-tiles split 2 ways (2 + 1)
-    "t1_split2_ragged": ("bf16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, warps=2, stages=3,
-                                      COLS=16, SPLIT_K=2),
-                         (1, 8, 2, 72, 136, 16), dict(mul=True, bias="same"), None),
-    # experts with no token, blocks of another rank's experts (e == -1: zeros), fp32 bias; the
-    # auto split on 2 SMs; 2 warps along k (WARPS_K = 2) whose sums meet in the epilogue
-    "ep_auto_split_warps_k": ("bf16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, warps=4,
-                                           stages=4, COLS=16),
-                              (5, 8, 2, 64, 256, 16), dict(expert_map=True, mul=True,
-                                                           bias=np.float32), 2),
-    # ~20 live rows per expert with 16 columns per pass: two passes per run, each streams the
-    # tile again; split 3 ways, so the last CTA reduces both passes' slots
-    "two_passes_split3_gemm2": ("fp16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, warps=2,
-                                             stages=2, COLS=16, SPLIT_K=3),
-                                (20, 2, 2, 40, 96, 16), dict(gemm2=True, mul=True), None),
-    # block size 8 (v4 could not take it), N = 100 (rows of c not 16-byte aligned: element
-    # stores), no split
-    "block8_N100_no_split": ("bf16", dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=32, warps=4, stages=3,
-                                          COLS=32, SPLIT_K=1),
-                             (9, 4, 2, 100, 64, 8), dict(mul=True, bias=np.float32), None),
-    # block size 1: runs of ~40 blocks (the run's end is found past the first 32 blocks) and
-    # ~40 live slots (three passes of 16, compacted from several 32-position chunks)
-    "block1_long_runs": ("bf16", dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=32, warps=2, stages=2,
-                                      COLS=16, SPLIT_K=2),
-                         (40, 2, 2, 32, 64, 1), dict(mul=True), None),
-}
-
-
-def _v7_launcher(monkeypatch, sms, order_seed):
-    """grouped_gemm with CuPy faked, kernels emulated, SM count `sms`; returns the kernels made."""
-    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
-    monkeypatch.setattr(gg, "_READY", {})
-    monkeypatch.setattr(gg, "_DUMMIES", {})
-    monkeypatch.setattr(gg, "_V7_WS", {})
-    monkeypatch.setattr(gg, "_V7_RETIRED", [])
-    monkeypatch.setattr(gg, "_sm90_of", lambda dev: True)
-    monkeypatch.setattr(gg, "_device_limits", lambda dev: (sms, gg.SMEM_PER_SM))
-    made = []
-
-    def fake_get_kernel(cu, name, defines=None, name_expressions=None, options=()):
-        made.append(_EmuKernel(cu, name, defines, order_seed))
-        return made[-1]
-
-    monkeypatch.setattr(gg, "get_kernel", fake_get_kernel)
-    return made
-
-
-def _v7_call(prob, cfg):
-    dev = {k: None if v is None else np.ascontiguousarray(v).view(_FakeArray)
-           for k, v in prob.items() if k in ("a", "w", "st", "ex", "nt", "tw", "bias")}
-    out = np.full((prob["P"], prob["N"]), np.nan, prob["dtype"]).view(_FakeArray)
-    got = gg.grouped_gemm(dev["a"], dev["w"], dev["st"].astype(np.int32),
-                          dev["ex"].astype(np.int32), dev["nt"].astype(np.int32), prob["top_k"],
-                          prob["B"], dev["tw"], prob["mul"], dev["bias"], version="v7",
-                          config=cfg, out=out)
-    assert got is out
-    return np.asarray(got)
-
-
-def _v7_weight_passes(prob, cols):
-    """Passes over expert weights v7 must make: per run of blocks of one local expert (below
-    num_tokens_post_padded), cdiv(live slots, COLS)."""
-    B, P = prob["B"], prob["P"]
-    ex = prob["ex"][: int(np.asarray(prob["nt"]).ravel()[0]) // B]
-    passes, b = 0, 0
-    while b < len(ex):
-        e, live = ex[b], 0
-        while b < len(ex) and ex[b] == e:
-            live += int((prob["st"][b * B:(b + 1) * B] < P).sum())
-            b += 1
-        passes += -(-live // cols) if e >= 0 else 0
-    return passes
-
-
-def _v7_problem(dkey, args, kw, seed):
-    T, E, top_k, N, K, B = args
-    dt = DTYPES[dkey]
-    kw = dict(kw)
-    if kw.get("bias") == "same":
-        kw["bias"] = dt
-    if kw.pop("expert_map", False):
-        E_local, emap = reference.determine_expert_map(2, 1, E)
-        kw.update(expert_map=emap, E_local=E_local)
-    return _host_problem(T, E, top_k, N, K, dt, B, seed=seed, **kw)
-
-
-@pytest.mark.slow
-@emulated
-@pytest.mark.parametrize("case", tuple(V7_EMU_CASES))
-def test_v7_on_cpu_emulator(case, monkeypatch):
-    dkey, cfg, args, kw, sms = V7_EMU_CASES[case]
-    made = _v7_launcher(monkeypatch, sms or 132, order_seed=7)
-    splits, dirty = set(), []
-    for launch in range(2):                    # one workspace, two routings
-        prob = _v7_problem(dkey, args, kw, seed=launch)
-        got = _v7_call(prob, cfg)
-        err = rel_err(got, prob["want"])
-        grid = made[0].launches[-1][0]
-        splits.add(grid[2])
-        assert err <= TOL[prob["dtype"]], (
-            f"{case} launch {launch} (grid {grid}): relative error {err:.3e}, NaN rows "
-            f"{int(np.isnan(got.astype(np.float64)).any(1).sum())}")
-        # every weight byte of a touched expert once per pass of its run, none other
-        w_bytes = made[0].launches[-1][3]
-        want_bytes = _v7_weight_passes(prob, cfg["COLS"]) * prob["N"] * prob["a"].shape[1] * 2
-        assert w_bytes == want_bytes, f"{case}: read {w_bytes} B of w, expected {want_bytes}"
-        dirty += [launch for _, cnt in gg._V7_WS.values() if np.asarray(cnt).any()]
-    assert not dirty, f"{case}: counters not back at zero after launch(es) {dirty}"
-    assert len(made) == 1, "one kernel for both launches"
-    want_split = cfg.get("SPLIT_K")
-    if want_split is not None:
-        assert splits == {want_split}, splits
-    else:
-        assert max(splits) > 1, f"{case}: the auto split did not split ({splits})"
-    if max(splits) > 1:
-        assert gg._V7_WS, "split K ran without a workspace"
-
-
-def test_v7_split_k_rule():
-    """v7_split_k: the tiles fill V7_TARGET_WAVES waves of slots, whole k-tile ranges, no
-    empty split, a forced SPLIT_K taken as it is (bounded by the k-tiles)."""
-    cfg = gg.heuristic_config("v7", "bf16", 1)                 # BLOCK_N 64, BLOCK_K 128
-    slots = 132 * gg.v7_ctas_per_sm(cfg)
-    assert slots == 264
-    # Mixtral T=1 GEMM2 (2 experts, N 4096, K 14336): 128 tiles -> 3 splits of 38 k-tiles
-    assert gg.v7_split_k(cfg, 2, 4096, 14336, 132) == (3, 38)
-    # Mixtral T=1 GEMM1 (N 28672): 896 tiles fill the SMs: no split
-    assert gg.v7_split_k(cfg, 2, 28672, 4096, 132) == (1, 32)
-    # Qwen3 T=1 GEMM1 (8 experts, N 1536, K 2048): 192 tiles -> 2 splits of 8
-    assert gg.v7_split_k(cfg, 8, 1536, 2048, 132) == (2, 8)
-    # Qwen3 GEMM2 (K 768: 6 k-tiles): too short to split
-    assert gg.v7_split_k(cfg, 8, 2048, 768, 132) == (1, 6)
-    for ks in range(1, 40):                                    # never an empty split
-        s, per = gg.v7_split_k(dict(cfg, SPLIT_K=5), 1, 64, ks * 128, 132)
-        assert s <= 5 and (s - 1) * per < ks <= s * per
-    assert gg.v7_split_k(dict(cfg, SPLIT_K=3), 100, 1 << 20, 128, 132) == (1, 1)
 
 
 # ---------------------------------------------------------------------------- decode_bench's host
@@ -2096,9 +1824,10 @@ def _numpy_as_cupy():
 
 @pytest.mark.slow
 def test_decode_bench_host_logic(monkeypatch):
-    """decode_bench end to end on the host: routings, alignment per block size, the check
-    against v4, timing plumbing, GB/s and floor columns, the sweep (candidates, forced splits,
-    summary) and the layer totals; the GEMM itself is the reference, each config checked."""
+    """decode_bench end to end on the host at decode: routings, alignment per block size (v4
+    at 16, v5 at 64), the check against v4, timing plumbing, GB/s and floor columns, --sweep
+    adding nothing without v6, and the layer totals; the GEMM itself is the reference, each
+    config checked."""
     monkeypatch.setitem(sys.modules, "cupy", _numpy_as_cupy())
     calls = []
 
@@ -2107,34 +1836,30 @@ def test_decode_bench_host_logic(monkeypatch):
         cfg = gg.get_config(1, w.shape[1], w.shape[2], w.shape[0], 1, a.dtype, version) \
             if config is None else config
         gg.fit_config(version, dkey, {k: v for k, v in cfg.items() if k != "version"}, B)
-        calls.append((version, None if config is None else gg._v7_label(config), B))
+        calls.append((version, B))
         c = reference.grouped_gemm(a.astype(np.float32), w.astype(np.float32), st, ex, nt,
                                    top_k, B, tw, mul)
         out[...] = c.astype(out.dtype)
         return out
 
     monkeypatch.setattr(gg, "grouped_gemm", fake_gemm)
-    monkeypatch.setattr(gg, "_device_limits", lambda dev: (132, gg.SMEM_PER_SM))
     lines = []
     res = gg.decode_bench(sys.modules["cupy"], {"tiny": ("Tiny-MoE", 8, 2, 64, 32)}, (1, 5),
-                          ("v4", "v7"), reps=3, sweep=True, log=lines.append)
+                          ("v4", "v5"), reps=3, sweep=True, log=lines.append)
     text = "\n".join(lines)
     assert "3.35 TB/s" in lines[0] and "FAIL" not in text and "skip" not in text, text
     assert "card: NVIDIA H100 80GB HBM3" in lines[0]
-    assert all(("split" in r["runs"]) == (r["version"] == "v7") for r in res if "runs" in r)
     per_gemm = [r for r in res if r["gemm"] != "layer"]
-    assert all(r["ok"] and r["rel_err"] <= 1e-2 and 0 < r["floor_fraction"] for r in per_gemm)
-    n_sweep = len(tune.V7_CANDIDATES)
+    assert all(r["ok"] and r["rel_err"] <= 1e-2 and 0 < r["floor_fraction"] and r["gbs"] > 0
+               for r in per_gemm)
     for T in (1, 5):
         for gemm in ("gemm1", "gemm2"):
             rows = [r for r in per_gemm if r["T"] == T and r["gemm"] == gemm]
-            assert [r["label"] for r in rows[:2]] == ["v4", "v7"]
-            forced = [r for r in rows if r["config"] and r["config"].get("SPLIT_K")]
-            assert len(rows) == 2 + n_sweep + len(forced) and forced
-        layer = [r["label"] for r in res if r["gemm"] == "layer" and r["T"] == T]
-        assert {"v4", "v7"} <= set(layer) and len(layer) >= 2 + n_sweep
-    assert sum("geometric mean" in line for line in lines) == 5
-    assert {v for v, _, _ in calls} == {"v4", "v7"} and {B for _, _, B in calls} == {16}
+            assert [r["label"] for r in rows] == ["v4", "v5"]
+        layer = [r for r in res if r["gemm"] == "layer" and r["T"] == T]
+        assert [r["label"] for r in layer] == ["v4", "v5"]
+        assert all(0 < r["floor_fraction"] and r["vllm_h100_ms"] is None for r in layer)
+    assert set(calls) == {("v4", 16), ("v5", 64)}
     assert gg.card_bandwidth("NVIDIA H100 PCIe") == 2.0e12
     assert gg.card_bandwidth(b"NVIDIA H200") == 4.8e12 and gg.card_bandwidth("RTX") is None
 
@@ -2176,28 +1901,6 @@ def test_decode_bench_prefill_v6_sweep_host_logic(monkeypatch):
     assert len(layer) == 2 + len(tune.V6_CANDIDATES) and all(r["vllm_h100_ms"] for r in layer)
     assert sum("MET" in line for line in lines) == len(layer)
     assert {B for v, B in calls if v == "v6"} == {64, 128}
-
-
-@pytest.mark.slow
-@emulated
-def test_v7_workspace_outside_capture(monkeypatch):
-    """The split-K counters are zeroed when made, so they must not be made inside a CUDA graph
-    capture (the zeroing would only run on replays): a first split call while capturing raises;
-    after one eager call the capture reuses the workspace; S == 1 needs none."""
-    made = _v7_launcher(monkeypatch, 132, order_seed=3)
-    capturing = {"now": True}
-    sys.modules["cupy"].cuda.runtime.streamIsCapturing = lambda ptr: capturing["now"]
-    dkey, cfg, args, kw, _ = V7_EMU_CASES["t1_split2_ragged"]
-    prob = _v7_problem(dkey, args, kw, seed=0)
-    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
-        _v7_call(prob, cfg)
-    assert not gg._V7_WS and made[0].launches == []
-    assert rel_err(_v7_call(prob, dict(cfg, SPLIT_K=1)), prob["want"]) <= TOL[prob["dtype"]]
-    capturing["now"] = False
-    _v7_call(prob, cfg)                                  # eager: the workspace is made
-    capturing["now"] = True
-    assert rel_err(_v7_call(prob, cfg), prob["want"]) <= TOL[prob["dtype"]]
-    assert [launch[0][2] for launch in made[0].launches] == [1, 2, 2]
 
 
 @pytest.mark.gpu

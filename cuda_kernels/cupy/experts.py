@@ -157,10 +157,9 @@ class _Allocator:
 # GG_KERNEL_ARGS, elementwise kernels of activation.cu / combine.cu)
 ALIGN_SIG = "ppppppp" + "iiiiii"
 GEMM_SIG = "pppppppp" + "iiiiiiii"
-# v7 (decode) takes three more: its split-K partials and tile counters (per stream, made
-# outside any capture: grouped_gemm._v7_workspace) and the k-tiles of a split; v6 (prefill)
-# one: the CUtensorMap of its weights, 128 bytes by value (grouped_gemm.v6_tensor_map)
-GEMM_EXTRA_SIG = {"v7": "ppi", "v6": "t"}
+# v6 (prefill) takes one more: the CUtensorMap of its weights, 128 bytes by value
+# (grouped_gemm.v6_tensor_map)
+GEMM_EXTRA_SIG = {"v6": "t"}
 ROWS_SIG = "pp" + "iii"
 SUM_SIG = "pp" + "iiii"
 
@@ -206,10 +205,8 @@ class ExpertsPlan:
             self.gemms = []
             for n, kd, aligned in ((N1, H, a_aligned and w1_aligned), (H, I, w2_aligned)):
                 version, cfg = gg._plan(None, dkey, bucket, n, kd, B, aligned, sm90, None, card)
-                if version == "v7":   # the split of K, as grouped_gemm picks it for the call
-                    cfg = gg.v7_call_config(cfg, P, E, L, n, kd, device)
                 grid, block, gsmem = gg.launch_geometry(
-                    version, cfg, L, n, gg._device_limits(device)[0] if version == "v6" else None)
+                    version, cfg, L, n, gg._sm_count(device) if version == "v6" else None)
                 kern = gg._kernel(version, dkey, cfg, device)
                 launch = FastLaunch(kern, grid, block, gsmem,
                                     GEMM_SIG + GEMM_EXTRA_SIG.get(version, ""))
@@ -283,36 +280,24 @@ class ExpertsPlan:
         g1, g2 = self.gemms
         g1.launch(stream_ptr, x.ptr, w1.ptr, c1, sorted_ids, expert_ids, ntpp, tw.ptr,
                   self.dummy, self.N1, self.H, P, self.K, B, L, int(self.mul_on_input), 0,
-                  *self._extra(g1, stream_ptr, w1.ptr))
+                  *self._extra(g1, w1.ptr))
         act, act_chunks = self.act
         act(stream_ptr, c1, c2, P, self.I, act_chunks)
         g2.launch(stream_ptr, c2, w2.ptr, c3, sorted_ids, expert_ids, ntpp, tw.ptr,
                   self.dummy, self.H, self.I, P, 1, B, L, int(not self.mul_on_input), 0,
-                  *self._extra(g2, stream_ptr, w2.ptr))
+                  *self._extra(g2, w2.ptr))
         comb, sum_chunks = self.combine
         comb(stream_ptr, c3, out_ptr, self.T, self.K, self.H, sum_chunks)
         return out
 
-    def _extra(self, g, stream_ptr, w_ptr):
-        """The arguments `g`'s rung takes after the common ones (v7: its split-K workspace
-        for this stream, made on first use outside any capture; v6: the tensor map of its
+    def _extra(self, g, w_ptr):
+        """The arguments `g`'s rung takes after the common ones (v6: the tensor map of its
         weights at w_ptr, [E, n, kd], cached per pointer by grouped_gemm.v6_tensor_map)."""
         if g.version == "v6":
             gg = _gemm()
             return (gg.v6_tensor_map(w_ptr, (self.E, g.n, g.kd), gg.dtype_key(self.dtype),
                                      g.cfg, self.device),)
-        if g.version != "v7":
-            return ()
-        steps = g.cfg["SPLIT_STEPS"]
-        grid = g.launch.grid
-        if grid[2] == 1:
-            return self.dummy, self.dummy, steps
-        import cupy
-
-        gg = _gemm()
-        ws, cnt = gg._v7_workspace(cupy, self.device, grid[2] * self.P * ((g.n + 7) // 8 * 8),
-                                   grid[0] * grid[1], stream_ptr)
-        return ws.data.ptr, cnt.data.ptr, steps
+        return ()
 
 
 @dataclasses.dataclass

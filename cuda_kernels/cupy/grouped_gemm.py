@@ -17,25 +17,22 @@ P = a.shape[0] * top_k slots, L = len(sorted_token_ids).
     num_tokens_post_padded  [1]    int32        read on the device, never synchronised
     c (returned)            [P, N]              a.dtype
 
-The ladder (all kept, `version="v1".."v7"`; the default is the table's "default_version":
-v4 for fp16/bf16 and v3 for fp32 as shipped, stepping down to the fastest rung that applies):
+The ladder (all kept, `version="v1".."v6"`; the default is the table's "default_version":
+v4 for fp16/bf16 and v3 for fp32 as shipped, or the rung a card's measured "version_by_m"
+names for the bucket, stepping down to the fastest rung that applies):
     v1  gemm_v1_naive.cu     one thread per output element
     v2  gemm_v2_smem.cu      shared-memory tiles, one output per thread
     v3  gemm_v3_regblock.cu  TM x TN register micro-tiles, 16-byte loads, register prefetch
     v4  gemm_v4_mma.cu       mma.sync m16n8k16 (fp16/bf16, fp32 accumulators), ldmatrix,
                              cp.async ring of STAGES tiles; fp32 inputs fall back to v3
-    v5  gemm_v5_wgmma.cu     (stretch, opt-in) Hopper wgmma.m64nNk16 from shared-memory
-                             descriptors, sm_90a only, block_size a multiple of 64; not the
-                             default until a GPU run has validated and timed it
-    v6  gemm_v6_tma_ws.cu    (opt-in) prefill, the Hopper GEMM done properly: w by TMA (a
-                             CUtensorMap from extra_args), a gathered by cp.async, an mbarrier
-                             ring between a producer warpgroup and two consumer warpgroups
-                             (setmaxnreg), a persistent grid of one CTA per SM; sm_90a,
-                             block_size % 64 == 0
-    v7  gemm_v7_decode.cu    (opt-in) decode: the weight rows are the mma's M and the few tokens
-                             its N, each expert's rows gathered into one CTA so its weights
-                             stream once, a deep cp.async ring, split K (v7_split_k) with a
-                             self-resetting counter; takes any block_size
+    v5  gemm_v5_wgmma.cu     Hopper wgmma.m64nNk16 from shared-memory descriptors, sm_90a
+                             only, block_size a multiple of 64; chosen per bucket where a
+                             card's "version_by_m" (gemm_configs.json) names it
+    v6  gemm_v6_tma_ws.cu    prefill, the Hopper GEMM done properly: w by TMA (a CUtensorMap
+                             from extra_args), a gathered by cp.async, an mbarrier ring between
+                             a producer warpgroup and two consumer warpgroups (setmaxnreg), a
+                             persistent grid of one CTA per SM; sm_90a, block_size % 64 == 0;
+                             chosen per bucket where a card's "version_by_m" names it
 
 Tunables are data: gemm_configs.json maps (version, dtype, bucket of m = tokens per expert,
 N, Kdim) to BLOCK_M, BLOCK_N, BLOCK_K, warps, stages (v3: TM, TN), injected as #defines.
@@ -51,9 +48,9 @@ Run as a script to validate every version against reference.grouped_gemm and tim
 Decode and prefill (issue 40): GEMM1 and GEMM2 of the benchmark's models at T tokens, a new
 uniform routing per rep, L2 flushed, validated against v4, TFLOP/s, GB/s and the fraction of
 the card's datasheet floor (touched expert bytes / HBM bandwidth), the layer against vLLM's
-time where issue 40 measured it; --sweep also times the candidates of v6 / v7 when listed:
-    python -m cuda_kernels.cupy.grouped_gemm --versions v4,v7 --shapes mixtral,qwen3,deepseek \
-        --tokens 1,16,64 [--sweep]
+time where issue 40 measured it; --sweep also times v6's candidates when v6 is listed:
+    python -m cuda_kernels.cupy.grouped_gemm --versions v4 --shapes mixtral,qwen3,deepseek \
+        --tokens 1,16,64
     python -m cuda_kernels.cupy.grouped_gemm --versions v4,v5,v6 --shapes mixtral,qwen3,deepseek \
         --tokens 1024,4096,16384 [--sweep]
 
@@ -76,15 +73,15 @@ import numpy as np
 from . import _compile
 from ._compile import bf16_dtype, get_kernel, raw, register_compile_case
 
-VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6", "v7")
+VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6")
 CU_FILES = {"v1": "gemm_v1_naive.cu", "v2": "gemm_v2_smem.cu",
             "v3": "gemm_v3_regblock.cu", "v4": "gemm_v4_mma.cu", "v5": "gemm_v5_wgmma.cu",
-            "v6": "gemm_v6_tma_ws.cu", "v7": "gemm_v7_decode.cu"}
+            "v6": "gemm_v6_tma_ws.cu"}
 KERNEL_NAMES = {v: f"grouped_gemm_{v}" for v in VERSIONS}
 # wgmma exists only on the architecture-specific target; _compile builds such kernels through
 # cuda.core (CuPy would add its own -arch) and CPU CI compiles them for sm_90a only
 KERNEL_OPTIONS = {"v5": ("-arch=sm_90a",), "v6": ("-arch=sm_90a",)}
-TENSOR_CORE_VERSIONS = ("v4", "v5", "v6", "v7")
+TENSOR_CORE_VERSIONS = ("v4", "v5", "v6")
 SM90A_VERSIONS = ("v5", "v6")     # built for sm_90a: they run on compute capability 9.0 only
 CONFIG_PATH = pathlib.Path(__file__).resolve().with_name("gemm_configs.json")
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -204,45 +201,6 @@ def v6_consumer_regs(cfg: dict) -> int:
 # per-CTA opt-in limit on sm_90 (227 KB; sm_80: 163 KB), less room for the static slots
 V4_SMEM_LIMIT = 227 * 1024 - 1024
 
-V7_COLS = (16, 32, 64)    # v7's token columns per pass (ldmatrix.x4 loads tokens in pairs of 8)
-
-
-def v7_warp_grid(block_n: int, block_k: int, warps: int) -> tuple[int, int]:
-    """(WARPS_N, WARPS_K) of v7: as many warps along the weight rows as whole m16 tiles allow
-    (a power of two), the rest along the k16 steps of a stage (their sums meet in the epilogue)."""
-    wn = 1
-    while wn * 2 <= warps and block_n % (16 * wn * 2) == 0:
-        wn *= 2
-    wk = warps // wn
-    if block_n % (16 * wn) or warps % wn or (block_k // 16) % wk:
-        raise ValueError(f"config: v7 with {warps} warps needs BLOCK_N = {block_n} in whole m16 "
-                         f"tiles per warp and BLOCK_K / 16 = {block_k // 16} k16 steps divisible "
-                         f"by the {wk} warps along k")
-    return wn, wk
-
-
-def v7_smem_bytes(cfg: dict) -> int:
-    """Dynamic shared memory of v7: the ring of weight + token rows (padded by 8 elements),
-    reused for the fp32 output tile of the WARPS_K partial sums."""
-    _, wk = v7_warp_grid(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["warps"])
-    ring = cfg["stages"] * (cfg["BLOCK_N"] + cfg["COLS"]) * (cfg["BLOCK_K"] + 8) * 2
-    out = wk * cfg["COLS"] * (cfg["BLOCK_N"] + 4) * 4
-    return max(ring, out)
-
-
-def v7_static_smem_bytes(cfg: dict) -> int:
-    return 8 * cfg["COLS"] + 16
-
-
-SMEM_PER_SM = 228 * 1024          # sm_90 (the device's value is read when there is one)
-
-
-def v7_ctas_per_sm(cfg: dict, smem_per_sm: int = SMEM_PER_SM) -> int:
-    """CTAs of this config an SM holds: shared memory (1 KB reserved per CTA) and threads."""
-    per_cta = v7_smem_bytes(cfg) + v7_static_smem_bytes(cfg) + 1024
-    return max(1, min(smem_per_sm // per_cta, 2048 // (cfg["warps"] * 32), 32))
-
-
 def check_config(version: str, dtype, cfg: dict) -> dict:
     """Raise ValueError unless `cfg` is a launchable config of `version`; return it."""
     if version not in VERSIONS:
@@ -253,10 +211,6 @@ def check_config(version: str, dtype, cfg: dict) -> dict:
     for k in CONFIG_KEYS:
         v = cfg.get(k)
         if k == "warps" and version == "v6":   # a producer warpgroup + 1 or 2 consumers: 8, 12
-            continue
-        if version == "v7" and k == "BLOCK_M":   # v7's BLOCK_M is the block size, any >= 1
-            if not (isinstance(v, int) and v >= 1):
-                raise ValueError(f"config: expected BLOCK_M a positive int, got {v!r} in {cfg}")
             continue
         if not (_is_pow2(v) or (k == "stages" and isinstance(v, int) and 1 <= v <= 8)):
             raise ValueError(f"config: expected {k} a power of two (stages: 1 to 8), "
@@ -321,29 +275,6 @@ def check_config(version: str, dtype, cfg: dict) -> dict:
                              f"registers, got {cfg}")
         if v6_smem_bytes(cfg) > V4_SMEM_LIMIT:
             raise ValueError(f"config: v6 shared memory {v6_smem_bytes(cfg)} B over "
-                             f"{V4_SMEM_LIMIT} B for {cfg}")
-    elif version == "v7":
-        if dkey == "fp32":
-            raise ValueError("config: v7 takes fp16 or bf16 (fp32 uses v3)")
-        if cfg.get("COLS") not in V7_COLS:
-            raise ValueError(f"config: v7 needs COLS (token columns per pass) in {V7_COLS}, "
-                             f"got {cfg}")
-        if bn < 16 or bk < 16 or warps * 32 > 1024:
-            raise ValueError(f"config: v7 needs BLOCK_N, BLOCK_K >= 16 and <= 1024 threads, "
-                             f"got {cfg}")
-        v7_warp_grid(bn, bk, warps)
-        threads, kc = warps * 32, bk // 8
-        if threads % kc or bn % (threads // kc):
-            raise ValueError(f"config: v7 copies whole rounds: threads ({threads}) a multiple of "
-                             f"BLOCK_K / 8 and BLOCK_N a multiple of threads / (BLOCK_K / 8), "
-                             f"got {cfg}")
-        if cfg["stages"] < 2:
-            raise ValueError(f"config: v7 needs stages >= 2, got {cfg}")
-        split = cfg.get("SPLIT_K")
-        if split is not None and not (isinstance(split, int) and split >= 1):
-            raise ValueError(f"config: v7's SPLIT_K (optional) must be a positive int, got {cfg}")
-        if v7_smem_bytes(cfg) > V4_SMEM_LIMIT:
-            raise ValueError(f"config: v7 shared memory {v7_smem_bytes(cfg)} B over "
                              f"{V4_SMEM_LIMIT} B for {cfg}")
     else:
         if dkey == "fp32":
@@ -433,24 +364,6 @@ def heuristic_config(version: str, dkey: str, m: int, N: int | None = None,
         # 128 x 256 x 64: 85 flops per byte of tile (the L2's bandwidth is the limit), 4 x 48 KB
         return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "warps": 12, "stages": 4,
                 "GROUP_M": 8, "PRODUCER_REGS": 56}
-    if version == "v7":
-        if dkey == "fp32":
-            return heuristic_config("v3", dkey, m, N, K)
-        # BLOCK_M: the alignment block v7 suggests (it takes any); COLS covers the live rows of
-        # the busiest expert at this m (more take a second pass). Each config fits 2 CTAs per
-        # SM (<= 110 KB) with 3-4 stages of 16 KB of weights in flight per CTA (96-128 KB per
-        # SM). Untimed: tune.py's V7_CANDIDATES and --sweep pick from timings.
-        if m <= 4:
-            return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "warps": 4, "stages": 5,
-                    "COLS": 16}
-        if m <= 8:
-            return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "warps": 4, "stages": 4,
-                    "COLS": 32}
-        if m <= 16:   # 128 weight rows per token row: half the L2 reads of the activations
-            return {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 4, "stages": 4,
-                    "COLS": 32}
-        return {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 8, "stages": 4,
-                "COLS": 64}
     raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
 
 
@@ -465,7 +378,7 @@ def load_table(path: str = str(CONFIG_PATH)) -> dict:
 
 def _row_config(row: dict) -> dict:
     cfg = {k: row[k] for k in CONFIG_KEYS}
-    for k in ("TM", "TN", "WARPS_M", "COLS", "SPLIT_K") + V6_EXTRA_KEYS:
+    for k in ("TM", "TN", "WARPS_M") + V6_EXTRA_KEYS:
         if k in row:
             cfg[k] = row[k]
     return cfg
@@ -624,8 +537,6 @@ def fit_config(version: str, dkey: str, cfg: dict, block_size: int) -> dict:
             cfg["warps"] = 12           # two consumers of 64 rows each
         elif cfg["warps"] == 12 and cfg["BLOCK_N"] < 128:
             cfg["warps"] = 8            # 64 rows: two consumers would split N below 64
-    elif version == "v7":
-        cfg["BLOCK_M"] = block_size   # one CTA per alignment block: any size works
     return check_config(version, dkey, cfg)
 
 
@@ -648,10 +559,6 @@ def kernel_defines(version: str, dkey: str, cfg: dict) -> dict:
                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["stages"],
                  CONSUMERS=v6_consumers(cfg), GROUP_M=cfg["GROUP_M"],
                  PRODUCER_REGS=cfg["PRODUCER_REGS"], CONSUMER_REGS=v6_consumer_regs(cfg))
-    elif version == "v7":   # (no BLOCK_M: the block size is a kernel argument)
-        wn, wk = v7_warp_grid(cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["warps"])
-        d.update(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], COLS=cfg["COLS"], WARPS_N=wn,
-                 WARPS_K=wk, STAGES=cfg["stages"], MINB=min(2, v7_ctas_per_sm(cfg)))
     else:
         wm = cfg.get("WARPS_M") or v4_warp_grid(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["warps"])[0]
         d.update(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
@@ -664,8 +571,7 @@ def launch_geometry(version: str, cfg: dict, L: int, N: int, num_sms: int | None
     """(grid, block, dynamic shared bytes) for a fitted config, L positions and N columns.
 
     num_sms (v6 only, persistent: one CTA per SM, never more CTAs than tiles): the device's
-    multiprocessor count (grouped_gemm passes _device_limits(dev)[0]; V6_DEFAULT_SMS when
-    None)."""
+    multiprocessor count (grouped_gemm passes _sm_count(dev); V6_DEFAULT_SMS when None)."""
     cdiv = lambda x, y: -(-x // y)  # noqa: E731
     if version == "v6":
         tiles = cdiv(L, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
@@ -680,9 +586,6 @@ def launch_geometry(version: str, cfg: dict, L: int, N: int, num_sms: int | None
     if version == "v3":
         threads = (cfg["BLOCK_M"] // cfg["TM"]) * (cfg["BLOCK_N"] // cfg["TN"])
         return (cdiv(L, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"])), (threads,), 0
-    if version == "v7":   # (alignment blocks, weight-row tiles, K splits); BLOCK_M = block size
-        return (cdiv(L, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"]), cfg.get("SPLIT_K", 1)), \
-            (cfg["warps"] * 32,), v7_smem_bytes(cfg)
     smem = v5_smem_bytes(cfg) if version == "v5" else v4_smem_bytes(cfg)
     return (cdiv(L, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),), (cfg["warps"] * 32,), smem
 
@@ -770,9 +673,7 @@ def usable(version: str, dkey: str, K: int, block_size: int, aligned: bool,
         if block_size % 16:
             return (f"block_size: v4 needs a multiple of 16 (its mma tiles are 16 rows), "
                     f"got {block_size}")
-    if version == "v7" and dkey == "fp32":
-        return "a: v7 takes fp16 or bf16 (fp32 uses v3)"
-    if version in ("v3", "v4", "v5", "v6", "v7"):
+    if version in ("v3", "v4", "v5", "v6"):
         vec = vec_elems(dkey)
         if K % vec:
             return (f"a: {version} loads 16-byte chunks, so a.shape[1] (Kdim) must be a multiple "
@@ -796,113 +697,19 @@ def _as_f32(x):
     return x.astype(cp.float32)
 
 
-_FALLBACK = {"v7": ("v7", "v4", "v3", "v2"), "v6": ("v6", "v5", "v4", "v3", "v2"),
-             "v5": ("v5", "v4", "v3", "v2"),
+_FALLBACK = {"v6": ("v6", "v5", "v4", "v3", "v2"), "v5": ("v5", "v4", "v3", "v2"),
              "v4": ("v4", "v3", "v2"), "v3": ("v3", "v2"), "v2": ("v2",), "v1": ("v1",)}
 
 
-# ----------------------------------------------------------------------------- v7: split K
-# v7_split_k's rule: split K until the CTAs that stream weights fill V7_TARGET_WAVES waves of
-# resident CTAs (SMs x CTAs per SM, from v7's shared memory), each split keeping at least
-# V7_MIN_SPLIT_STEPS k-tiles (its ring reaches its steady state) and at most V7_MAX_SPLITS
-# splits. Untimed: --sweep times SPLIT_K 1..8 forced, and the lead sets these from it.
-V7_TARGET_WAVES = 1.0
-V7_MIN_SPLIT_STEPS = 4
-V7_MAX_SPLITS = 8
+_DEVICE_SMS: dict = {}
 
 
-def v7_split_k(cfg: dict, live_blocks: int, N: int, K: int, num_sms: int,
-               smem_per_sm: int = SMEM_PER_SM) -> tuple[int, int]:
-    """(S, k-tiles per split) for v7: S = cdiv(waves * slots, tiles) when the weight tiles
-    (live_blocks x cdiv(N, BLOCK_N), live_blocks an upper bound of the expert runs that stream
-    weights, min(E_local, P, blocks)) fill fewer than V7_TARGET_WAVES waves of slots (num_sms x
-    v7_ctas_per_sm), else 1; at most V7_MAX_SPLITS and cdiv(K, BLOCK_K) / V7_MIN_SPLIT_STEPS;
-    then evened so that no split is empty. A config's SPLIT_K, when set, replaces the rule."""
-    ksteps = -(-K // cfg["BLOCK_K"])
-    if ksteps <= 1:
-        return 1, max(ksteps, 1)
-    if cfg.get("SPLIT_K"):
-        s = min(int(cfg["SPLIT_K"]), ksteps)
-    else:
-        tiles = max(1, live_blocks) * -(-N // cfg["BLOCK_N"])
-        slots = V7_TARGET_WAVES * num_sms * v7_ctas_per_sm(cfg, smem_per_sm)
-        s = max(1, math.ceil(slots / tiles)) if tiles < slots else 1
-        s = min(s, V7_MAX_SPLITS, max(1, ksteps // V7_MIN_SPLIT_STEPS))
-    per = -(-ksteps // s)
-    return -(-ksteps // per), per
-
-
-_DEVICE_LIMITS: dict = {}
-
-
-def _device_limits(dev: int) -> tuple[int, int]:
-    """(SM count, shared memory per SM) of device `dev`, asked once."""
-    lim = _DEVICE_LIMITS.get(dev)
-    if lim is None:
-        attrs = _cupy().cuda.Device(dev).attributes
-        lim = _DEVICE_LIMITS[dev] = (int(attrs["MultiProcessorCount"]),
-                                     int(attrs.get("MaxSharedMemoryPerMultiprocessor",
-                                                   SMEM_PER_SM)))
-    return lim
-
-
-def v7_call_config(cfg: dict, P: int, E_local: int, L: int, N: int, K: int, dev: int) -> dict:
-    """The fitted config of one v7 call with its split: SPLIT_K (gridDim.z) and SPLIT_STEPS."""
-    num_sms, smem_per_sm = _device_limits(dev)
-    live_blocks = min(E_local, P, -(-L // cfg["BLOCK_M"]))
-    s, per = v7_split_k(cfg, live_blocks, N, K, num_sms, smem_per_sm)
-    return dict(cfg, SPLIT_K=s, SPLIT_STEPS=per)
-
-
-# The split-K workspace of v7, per (device, stream): fp32 partials [S, P, NP] and one counter
-# per (alignment block, weight-row tile). The counters are zeroed when made (on the caller's
-# stream, before any launch that uses them) and every launch leaves them at zero (the last
-# CTA of a tile resets its own), so eager calls and CUDA graph replays on one stream reuse
-# them; another stream gets its own (concurrent launches must not share counters). A
-# workspace that grows keeps the old one alive in _V7_RETIRED: a graph captured with it, or a
-# launch still queued, may point at it. Made outside a capture only: a zeroing captured into a
-# graph would not run on the eager path.
-_V7_WS: dict = {}
-_V7_RETIRED: list = []
-
-
-def _v7_workspace(cp, dev: int, floats: int, counters: int, stream_ptr: int | None = None):
-    """(partials, counters) of the stream `stream_ptr` (default CuPy's current stream)."""
-    if stream_ptr is None:
-        stream_ptr = cp.cuda.get_current_stream().ptr
-    key = (dev, stream_ptr)
-    ws, cnt = _V7_WS.get(key, (None, None))
-    if (floats and (ws is None or ws.size < floats)) or cnt is None or cnt.size < counters:
-        if cp.cuda.runtime.streamIsCapturing(stream_ptr):
-            raise RuntimeError("grouped_gemm v7: its split-K workspace must grow, which cannot "
-                               "happen inside a CUDA graph capture (its counters are zeroed when "
-                               "made); call it once with the same shapes before capturing")
-        with cp.cuda.Device(dev):
-            if floats and (ws is None or ws.size < floats):
-                if ws is not None:
-                    _V7_RETIRED.append(ws)
-                ws = cp.empty(max(floats, 2 * (0 if ws is None else ws.size), 1 << 16),
-                              dtype=cp.float32)
-            if cnt is None or cnt.size < counters:
-                if cnt is not None:
-                    _V7_RETIRED.append(cnt)
-                cnt = cp.zeros(max(counters, 2 * (0 if cnt is None else cnt.size), 1 << 12),
-                               dtype=cp.int32)
-                cp.cuda.get_current_stream().synchronize()   # zeroed before any stream uses it
-        _V7_WS[key] = (ws, cnt)
-    return ws, cnt
-
-
-def _v7_extra_args(cfg: dict, P: int, N: int, grid: tuple, dev: int) -> tuple:
-    """v7's arguments after GG_KERNEL_ARGS: ws, counters, steps_per_split (S == 1: no
-    workspace, the dummy stands for both pointers)."""
-    cp = _cupy()
-    s = grid[2]
-    if s == 1:
-        d = _dummy(cp, dev)
-        return d, d, np.int32(cfg["SPLIT_STEPS"])
-    ws, cnt = _v7_workspace(cp, dev, s * P * ((N + 7) // 8 * 8), grid[0] * grid[1])
-    return ws, cnt, np.int32(cfg["SPLIT_STEPS"])
+def _sm_count(dev: int) -> int:
+    """The multiprocessor count of device `dev` (v6's persistent grid), asked once."""
+    n = _DEVICE_SMS.get(dev)
+    if n is None:
+        n = _DEVICE_SMS[dev] = int(_cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
+    return n
 
 
 # ----------------------------------------------------------------------------- v6: the tensor map
@@ -974,12 +781,9 @@ def v6_tensor_map(ptr: int, w_shape, dkey: str, cfg: dict, dev: int):
     return tmap
 
 
-def extra_args(version: str, cfg: dict, *, P: int, N: int, grid: tuple, dev: int,
-               w=None) -> tuple:
+def extra_args(version: str, cfg: dict, *, dev: int, w=None) -> tuple:
     """What `version` takes after the common GG_KERNEL_ARGS (empty for v1-v5): v6 its
-    CUtensorMap of the weights `w` (v6_tensor_map, cached), v7 its split-K workspace."""
-    if version == "v7":
-        return _v7_extra_args(cfg, P, N, grid, dev)
+    CUtensorMap of the weights `w` (v6_tensor_map, cached)."""
     if version == "v6":
         return (v6_tensor_map(w.data.ptr, w.shape, dtype_key(w.dtype), cfg, dev),)
     return ()
@@ -991,13 +795,12 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
                  config=None, out=None):
     """c [a.shape[0] * top_k, N] = the grouped GEMM of docs/stages.md on the GPU (see module doc).
 
-    version: "v1".."v7" (None: v4 for fp16/bf16, v3 for fp32, stepping down to v3/v2
-    when Kdim is not a multiple of 16 bytes or block_size not of 16; "v4"/"v5"/"v6"/"v7" on
-    fp32 run v3; "v5" and "v6" need an sm_90 device and block_size % 64 == 0; "v7" takes any
-    block_size).
+    version: "v1".."v6" (None: default_version's rung, v4 for fp16/bf16 and v3 for fp32 unless
+    the card's "version_by_m" names another for the bucket, stepping down to v3/v2 when Kdim
+    is not a multiple of 16 bytes or block_size not of 16; "v4"/"v5"/"v6" on fp32 run v3;
+    "v5" and "v6" need an sm_90 device and block_size % 64 == 0).
     config: a dict as returned by get_config (None: looked up in gemm_configs.json); its
-    BLOCK_M is shrunk to divide block_size when needed (v7: set to it; v7 also reads COLS
-    and an optional SPLIT_K that replaces v7_split_k's choice). out: an optional [P, N] C-contiguous
+    BLOCK_M is shrunk to divide block_size when needed. out: an optional [P, N] C-contiguous
     array of a.dtype to write into (only the rows of live slots are written; tests poison it).
     num_tokens_post_padded is read on the device: nothing here waits for the GPU.
     """
@@ -1083,10 +886,8 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
         return c
     if L == 0:  # no positions, no live slot: nothing to write
         return c
-    if version == "v7":   # the split of K depends on the call (experts, slots, SMs)
-        cfg = v7_call_config(cfg, P, E_local, L, N, K, dev)
     grid, block, smem = launch_geometry(version, cfg, L, N,
-                                        _device_limits(dev)[0] if version == "v6" else None)
+                                        _sm_count(dev) if version == "v6" else None)
     if len(grid) >= 2 and grid[1] > GRID_Y_MAX:
         raise ValueError(f"w.shape[1] (N): {version} launches cdiv(N, BLOCK_N) = {grid[1]} CTAs "
                          f"along grid y, more than {GRID_Y_MAX}")
@@ -1101,7 +902,7 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
                 tw if tw is not None else dummy, bias_arg if bias_arg is not None else dummy,
                 np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
                 np.int32(L), np.int32(mul_routed_weight), np.int32(bias_kind))
-               + extra_args(version, cfg, P=P, N=N, grid=grid, dev=dev, w=w),
+               + extra_args(version, cfg, dev=dev, w=w),
                shared_mem=smem)
     return c
 
@@ -1270,7 +1071,6 @@ def roofline_floor_s(nbytes: float, flops: float) -> float:
 # experts' weight bytes over it. Another card gets no floor.
 CARD_HBM_BYTES_PER_S = (("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12),
                         ("H200", 4.8e12))
-V7_SWEEP_SPLITS = (1, 2, 3, 4, 6, 8)   # forced SPLIT_K timed on the best v7 candidate
 
 
 def card_bandwidth(device_name) -> float | None:
@@ -1294,19 +1094,11 @@ def _v6_label(cfg: dict) -> str:
             f"g{cfg['GROUP_M']} p{cfg['PRODUCER_REGS']}")
 
 
-def _v7_label(cfg: dict) -> str:
-    split = cfg.get("SPLIT_K")
-    return (f"v7 {cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['warps']} s{cfg['stages']} "
-            f"c{cfg['COLS']}" + (f" k{split}" if split else ""))
-
-
-def decode_bench(cp, models, tokens, versions=("v4", "v7"), reps=20, sweep=False,
+def decode_bench(cp, models, tokens, versions=("v4",), reps=20, sweep=False,
                  dkey="bf16", budget_s=480.0, log=print, seed=0) -> list[dict]:
     """Time GEMM1 and GEMM2 of `models` ({key: (name, E, top_k, H, I)}, tune.MODELS) at each T
-    of `tokens` for every version (and, with sweep: for v7 in `versions`, every
-    tune.V7_CANDIDATES config with v7's own split, then SPLIT_K forced to V7_SWEEP_SPLITS on
-    the best candidate of each GEMM; for v6 in `versions`, every tune.V6_CANDIDATES config,
-    each aligned to its own BLOCK_M).
+    of `tokens` for every version (and, with sweep and v6 in `versions`, every
+    tune.V6_CANDIDATES config, each aligned to its own BLOCK_M).
 
     Each rep routes the T tokens anew (uniform: top_k distinct experts per token, drawn on the
     GPU, aligned outside the timing with each version's block size), flushes L2 (a 256 MB
@@ -1321,7 +1113,7 @@ def decode_bench(cp, models, tokens, versions=("v4", "v7"), reps=20, sweep=False
     dev = cp.cuda.Device().id
     card = cp.cuda.runtime.getDeviceProperties(dev)["name"]
     card = card.decode() if isinstance(card, bytes) else str(card)
-    env = dict(cp=cp, dt=dt, dev=dev, bw=card_bandwidth(card), reps=reps, log=log,
+    env = dict(cp=cp, dt=dt, bw=card_bandwidth(card), reps=reps, log=log,
                flush=cp.empty(256 * 2**20, dtype=cp.uint8), events=(cp.cuda.Event(),
                                                                       cp.cuda.Event()),
                deadline=time.time() + budget_s)
@@ -1345,16 +1137,6 @@ def decode_bench(cp, models, tokens, versions=("v4", "v7"), reps=20, sweep=False
             results += _decode_layer(env, pt, timed, H, I)
         del w13, w2
         cp.get_default_memory_pool().free_all_blocks()
-    if sweep and "v7" in versions:   # the candidates with the best geometric means of the
-        by_label: dict = {}            # floor fractions
-        for r in results:
-            if r["gemm"] != "layer" and r.get("version") == "v7" and r["floor_fraction"]:
-                by_label.setdefault(r["label"], []).append(r["floor_fraction"])
-        n = max((len(v) for v in by_label.values()), default=0)
-        scored = sorted((math.exp(sum(map(math.log, v)) / len(v)), k)
-                        for k, v in by_label.items() if len(v) == n)
-        for score, label in scored[-5:]:
-            log(f"sweep: {label:34s} geometric mean {score:6.1%} of the floor over {n} GEMMs")
     return results
 
 
@@ -1398,15 +1180,6 @@ def _decode_gemm(env, pt, gemm, a, w, tk, N, K, mul, versions, sweep) -> list[di
     want = call("v4", None, 0).copy()
     results = []
 
-    def v7_note(cfg):
-        """What v7 runs (the table's config unless given) and its split, as the launcher
-        picks them for the first routing."""
-        cfg = cfg or get_config(pt["T"], N, K, pt["E"], pt["top_k"], dt, "v7")
-        fitted = fit_config("v7", dtype_key(dt), cfg, cfg["BLOCK_M"])
-        L = pt["aligned"][cfg["BLOCK_M"]][0][0].shape[0]
-        call_cfg = v7_call_config(fitted, pt["P"], pt["E"], L, N, K, env["dev"])
-        return f"[{_v7_label(fitted)}, split {call_cfg['SPLIT_K']} x {call_cfg['SPLIT_STEPS']}]"
-
     def timed(label, v, cfg):
         if time.time() > env["deadline"]:
             return None
@@ -1429,13 +1202,12 @@ def _decode_gemm(env, pt, gemm, a, w, tk, N, K, mul, versions, sweep) -> list[di
         gbs = _median([(wb + other) / s / 1e9 for wb, s in zip(wbytes, times)])
         frac = _median([wb / bw / s for wb, s in zip(wbytes, times)]) if bw else None
         ok = err <= 1e-2
-        note = v7_note(cfg) if v == "v7" else ""
         log(f"{head} {label:34s} {t * 1e6:9.1f} {gbs:7.0f} "
             f"{'' if frac is None else f'{frac:6.1%}':>6s} {flops / t / 1e12:6.1f} "
-            f"{err:8.1e}{'' if ok else '  FAIL'}  {note}")
+            f"{err:8.1e}{'' if ok else '  FAIL'}")
         res = dict(model=pt["name"], gemm=gemm, T=pt["T"], label=label, version=v, config=cfg,
                    us=t * 1e6, gbs=gbs, floor_fraction=frac, tflops=flops / t / 1e12,
-                   rel_err=err, ok=ok, touched=_median(pt["touched"]), runs=note)
+                   rel_err=err, ok=ok, touched=_median(pt["touched"]))
         results.append(res)
         return res
 
@@ -1451,20 +1223,6 @@ def _decode_gemm(env, pt, gemm, a, w, tk, N, K, mul, versions, sweep) -> list[di
         if best is not None:
             log(f"{head} best v6 candidate: {best['label']} {best['us']:.1f} us "
                 f"{best['tflops']:.1f} TFLOP/s")
-    if sweep and "v7" in versions:
-        best = None
-        for cand in tune.V7_CANDIDATES:
-            cfg = dict(zip(tune.CANDIDATE_KEYS["v7"], cand))
-            res = timed(_v7_label(cfg), "v7", cfg)
-            if res is not None and res["ok"] and (best is None or res["us"] < best["us"]):
-                best = res
-        if best is not None:
-            ksteps = -(-K // best["config"]["BLOCK_K"])
-            for s in V7_SWEEP_SPLITS:
-                if s <= ksteps:
-                    cfg = dict(best["config"], SPLIT_K=s)
-                    timed(_v7_label(cfg), "v7", cfg)
-            log(f"{head} best v7 candidate: {best['label']} {best['us']:.1f} us")
     return results
 
 
@@ -1501,8 +1259,8 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     --quick: one tiny problem per version and dtype, one timed call (for compute-sanitizer).
     Prints one PASS/FAIL line per (shape, version); exits 1 when any check fails.
     --shapes mixtral,qwen3,deepseek --tokens 1,16,64: decode_bench instead (GEMM1 and GEMM2
-    of those models at those T, checked against v4; --sweep adds the candidates of v6 / v7
-    when listed in --versions, v7's splits; --json PATH writes the results). Prefill:
+    of those models at those T, checked against v4; --sweep adds v6's candidates when v6 is
+    listed in --versions; --json PATH writes the results). Prefill:
     --versions v4,v5,v6 --tokens 1024,4096,16384.
     """
     import argparse
@@ -1519,7 +1277,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
                    help="decode timing of these models' GEMMs: mixtral,qwen3,deepseek")
     p.add_argument("--tokens", default="1,16,64", help="T values of --shapes")
     p.add_argument("--sweep", action="store_true",
-                   help="--shapes: also the candidates of v6 / v7 (those in --versions)")
+                   help="--shapes: also v6's candidates (when v6 is in --versions)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="--shapes: time after which further configs are skipped")
     p.add_argument("--json", default=None, help="--shapes: write the results to this file")

@@ -11,9 +11,8 @@ The table (see grouped_gemm.lookup) holds two kinds of rows, each a config for o
     benchmark's models (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3); lookup uses them for
     shapes within a factor of two.
 
-How a shape is tuned on the GPU (--versions v4 by default, or v4,v5,v6 for prefill, or v7, the
-decode rung, whose block size is 16; bf16, the fp16 rows copy bf16's: the kernels are the same
-but for the mma's type): for each bucket m,
+How a shape is tuned on the GPU (--versions v4 by default, or v4,v5,v6 for prefill; bf16, the
+fp16 rows copy bf16's: the kernels are the same but for the mma's type): for each bucket m,
 T = m * E / top_k tokens are routed uniformly at random; GEMM1 and GEMM2 must share one
 alignment block_size B, so for each B in {16, 32, 64, 128} (v5, v6: {64, 128}; B <= 2m, past
 that padding only costs), the fastest GEMM1 config with BLOCK_M = B and the fastest GEMM2
@@ -74,17 +73,6 @@ V5_CANDIDATES = [
     (128, 128, 64, 8, 6), (128, 128, 32, 8, 8), (128, 256, 32, 8, 8), (128, 256, 64, 8, 4),
     (128, 256, 32, 8, 6), (128, 128, 64, 8, 4), (64, 256, 64, 4, 4),
 ]
-# v7 candidates (decode, weights streamed): (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, COLS).
-# BLOCK_M is the alignment block (v7 takes any; 16 keeps v4 able to share it); the rest trade
-# weight bytes in flight per SM ((stages - 1) * BLOCK_N * BLOCK_K * 2 per CTA, 1 or 2 CTAs per
-# SM by shared memory), CTAs per expert (N / BLOCK_N) and token columns per pass (COLS). The
-# split of K is v7_split_k's unless a config names SPLIT_K (grouped_gemm --sweep times both).
-V7_CANDIDATES = [
-    (16, 64, 128, 4, 5, 16), (16, 64, 128, 4, 4, 16), (16, 64, 128, 8, 5, 16),
-    (16, 32, 256, 4, 4, 16), (16, 32, 128, 2, 8, 16), (16, 128, 64, 4, 5, 16),
-    (16, 128, 128, 8, 4, 16), (16, 64, 64, 4, 6, 32), (16, 64, 128, 4, 4, 32),
-    (16, 128, 64, 4, 4, 32), (16, 128, 64, 8, 4, 32), (16, 128, 64, 8, 4, 64),
-]
 # v6 candidates (TMA + cp.async, warp-specialized, persistent): (BLOCK_M, BLOCK_N, BLOCK_K,
 # warps, stages, GROUP_M, PRODUCER_REGS). warps = 4 (producer) + 4 per consumer: 12 for two
 # consumers (128 rows, or 64 rows with BLOCK_N split), 8 for one; the ring fills ~200 KB;
@@ -96,12 +84,11 @@ V6_CANDIDATES = [
     (128, 128, 64, 12, 4, 8, 56), (64, 256, 64, 12, 5, 8, 56), (64, 256, 64, 8, 5, 8, 56),
     (64, 128, 64, 8, 8, 8, 56), (64, 128, 64, 12, 6, 8, 56), (64, 64, 64, 8, 8, 8, 56),
 ]
-CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES, "v6": V6_CANDIDATES,
-              "v7": V7_CANDIDATES}
+CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES, "v6": V6_CANDIDATES}
 # the config keys of a candidate tuple, in order
 CANDIDATE_KEYS = {"v4": gg.CONFIG_KEYS, "v5": gg.CONFIG_KEYS,
-                  "v6": gg.CONFIG_KEYS + gg.V6_EXTRA_KEYS, "v7": gg.CONFIG_KEYS + ("COLS",)}
-BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128), "v6": (64, 128), "v7": (16,)}
+                  "v6": gg.CONFIG_KEYS + gg.V6_EXTRA_KEYS}
+BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128), "v6": (64, 128)}
 # the buckets and models of issue 4's missed points, the worst first (DeepSeek-V3 m = 128,
 # 512, 32 are T = 4096, 16384, 1024; Mixtral m = 256, 64 are T = 1024, 256)
 DEFAULT_BUCKETS = (128, 256, 512, 64, 32)
@@ -344,7 +331,7 @@ def main(argv=None):
     p.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)))
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=1800.0)
-    p.add_argument("--versions", default="v4", help="rungs to tune: v4, v5, v6, v7 or a list")
+    p.add_argument("--versions", default="v4", help="rungs to tune: v4, v5, v6 or a list")
     p.add_argument("--out", default=str(gg.CONFIG_PATH))
     args = p.parse_args(argv)
     table = heuristic_table()
