@@ -1844,7 +1844,7 @@ def test_decode_bench_host_logic(monkeypatch):
 
     monkeypatch.setattr(gg, "grouped_gemm", fake_gemm)
     lines = []
-    res = gg.decode_bench(sys.modules["cupy"], {"tiny": ("Tiny-MoE", 8, 2, 64, 32)}, (1, 5),
+    res = tune.decode_bench(sys.modules["cupy"], {"tiny": ("Tiny-MoE", 8, 2, 64, 32)}, (1, 5),
                           ("v4", "v5"), reps=3, sweep=True, log=lines.append)
     text = "\n".join(lines)
     assert "3.35 TB/s" in lines[0] and "FAIL" not in text and "skip" not in text, text
@@ -1860,8 +1860,8 @@ def test_decode_bench_host_logic(monkeypatch):
         assert [r["label"] for r in layer] == ["v4", "v5"]
         assert all(0 < r["floor_fraction"] and r["vllm_h100_ms"] is None for r in layer)
     assert set(calls) == {("v4", 16), ("v5", 64)}
-    assert gg.card_bandwidth("NVIDIA H100 PCIe") == 2.0e12
-    assert gg.card_bandwidth(b"NVIDIA H200") == 4.8e12 and gg.card_bandwidth("RTX") is None
+    assert tune.card_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert tune.card_bandwidth(b"NVIDIA H200") == 4.8e12 and tune.card_bandwidth("RTX") is None
 
 
 @pytest.mark.slow
@@ -1884,9 +1884,9 @@ def test_decode_bench_prefill_v6_sweep_host_logic(monkeypatch):
         return out
 
     monkeypatch.setattr(gg, "grouped_gemm", fake_gemm)
-    monkeypatch.setattr(gg, "VLLM_H100_LAYER_MS", {("Tiny-MoE", 40): 1e3})
+    monkeypatch.setattr(tune, "VLLM_H100_LAYER_MS", {("Tiny-MoE", 40): 1e3})
     lines = []
-    res = gg.decode_bench(sys.modules["cupy"], {"tiny": ("Tiny-MoE", 4, 2, 64, 32)}, (40,),
+    res = tune.decode_bench(sys.modules["cupy"], {"tiny": ("Tiny-MoE", 4, 2, 64, 32)}, (40,),
                           ("v4", "v6"), reps=2, sweep=True, log=lines.append)
     text = "\n".join(lines)
     assert "FAIL" not in text and "skip" not in text, text

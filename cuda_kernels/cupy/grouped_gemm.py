@@ -45,13 +45,10 @@ Run as a script to validate every version against reference.grouped_gemm and tim
 (TFLOP/s, GB/s and the fraction of the H200 roofline floor):
     python -m cuda_kernels.cupy.grouped_gemm [--versions v1,v2,v3,v4,v5,v6] [--dtype bf16]
     python -m cuda_kernels.cupy.grouped_gemm --quick      # tiny, for compute-sanitizer
-Decode and prefill (issue 40): GEMM1 and GEMM2 of the benchmark's models at T tokens, a new
-uniform routing per rep, L2 flushed, validated against v4, TFLOP/s, GB/s and the fraction of
-the card's datasheet floor (touched expert bytes / HBM bandwidth), the layer against vLLM's
-time where issue 40 measured it; --sweep also times v6's candidates when v6 is listed:
-    python -m cuda_kernels.cupy.grouped_gemm --versions v4 --shapes mixtral,qwen3,deepseek \
-        --tokens 1,16,64
-    python -m cuda_kernels.cupy.grouped_gemm --versions v4,v5,v6 --shapes mixtral,qwen3,deepseek \
+The GEMMs of the benchmark's models at decode and prefill T (a new uniform routing per rep,
+L2 flushed, validated against v4; TFLOP/s, GB/s, the fraction of the card's floor) are
+tune.py's bench, beside the tuner that fills the table:
+    python -m cuda_kernels.cupy.tune --bench --versions v4,v5,v6 --models mixtral,qwen3,deepseek \
         --tokens 1024,4096,16384 [--sweep]
 
 Verification without a GPU: tests/test_cupy_gemm.py compiles every .cu with g++ against a
@@ -66,7 +63,6 @@ import functools
 import json
 import math
 import pathlib
-import time
 
 import numpy as np
 
@@ -1065,203 +1061,13 @@ def roofline_floor_s(nbytes: float, flops: float) -> float:
     return max(nbytes / HBM_BYTES_PER_S, flops / PEAK_FLOPS)
 
 
-# ----------------------------------------------------------------------------- decode timing
-# HBM bandwidth of the cards whose datasheets this module knows (the first fragment found in
-# the device name wins: the PCIe / NVL parts come first); the decode floor is the touched
-# experts' weight bytes over it. Another card gets no floor.
-CARD_HBM_BYTES_PER_S = (("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12),
-                        ("H200", 4.8e12))
-
-
-def card_bandwidth(device_name) -> float | None:
-    """Datasheet HBM bytes/s of a card by its name, None when unknown."""
-    name = device_name.decode() if isinstance(device_name, bytes) else str(device_name or "")
-    for fragment, bandwidth in CARD_HBM_BYTES_PER_S:
-        if fragment.lower() in name.lower():
-            return bandwidth
-    return None
-
-
-# vLLM's Triton fused_moe_kernel, both GEMMs of a layer (ms, bf16, one H100, kernels only,
-# measured 2026-12-06 for issue 40): the layer lines of decode_bench give the ratio to it
-VLLM_H100_LAYER_MS = {("Mixtral-8x7B", 4096): 5.66, ("Mixtral-8x7B", 16384): 22.2,
-                      ("Qwen3-30B-A3B", 1024): 0.46, ("Qwen3-30B-A3B", 4096): 0.77,
-                      ("Qwen3-30B-A3B", 16384): 2.56, ("DeepSeek-V3", 16384): 25.9}
-
-
-def _v6_label(cfg: dict) -> str:
-    return (f"v6 {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['warps']} s{cfg['stages']} "
-            f"g{cfg['GROUP_M']} p{cfg['PRODUCER_REGS']}")
-
-
-def decode_bench(cp, models, tokens, versions=("v4",), reps=20, sweep=False,
-                 dkey="bf16", budget_s=480.0, log=print, seed=0) -> list[dict]:
-    """Time GEMM1 and GEMM2 of `models` ({key: (name, E, top_k, H, I)}, tune.MODELS) at each T
-    of `tokens` for every version (and, with sweep and v6 in `versions`, every
-    tune.V6_CANDIDATES config, each aligned to its own BLOCK_M).
-
-    Each rep routes the T tokens anew (uniform: top_k distinct experts per token, drawn on the
-    GPU, aligned outside the timing with each version's block size), flushes L2 (a 256 MB
-    memset) and times one call with CUDA events; the median is reported. Each version is first
-    checked against v4 on the first routing (relative Frobenius error <= 1e-2, else FAIL).
-    GB/s counts the touched experts' weights, a and c once; "floor" is the touched weight bytes
-    over the card's datasheet bandwidth divided by the time (the fraction of the floor reached);
-    TF/s the 2 P N Kdim flops of the live slots over the time. A layer line (GEMM1 + GEMM2)
-    gives the ratio to vLLM's time where issue 40 measured it (VLLM_H100_LAYER_MS, an H100)
-    and whether it is 10% under it. Returns one dict per (model, T, GEMM or "layer", label)."""
-    dt = {"bf16": bf16_dtype(), "fp16": np.dtype(np.float16)}[dkey]
-    dev = cp.cuda.Device().id
-    card = cp.cuda.runtime.getDeviceProperties(dev)["name"]
-    card = card.decode() if isinstance(card, bytes) else str(card)
-    env = dict(cp=cp, dt=dt, bw=card_bandwidth(card), reps=reps, log=log,
-               flush=cp.empty(256 * 2**20, dtype=cp.uint8), events=(cp.cuda.Event(),
-                                                                      cp.cuda.Event()),
-               deadline=time.time() + budget_s)
-    bw = env["bw"]
-    rng = cp.random.default_rng(seed)
-    log(f"{'model':8s} {'gemm':5s} {'T':>5s} {'version / config':34s} {'us':>9s} {'GB/s':>7s} "
-        f"{'floor':>6s} {'TF/s':>6s} {'rel err':>8s}  (card: {card}, floor at "
-        f"{'?' if bw is None else f'{bw / 1e12:.2f} TB/s'})")
-    results = []
-    for key in models:
-        name, E, top_k, H, I = models[key]  # noqa: E741
-        w13 = random_device((E, 2 * I, H), dt, 1 / math.sqrt(H), rng)     # [E, 2I, H]
-        w2 = random_device((E, H, I), dt, 1 / math.sqrt(I), rng)           # [E, H, I]
-        for T in tokens:
-            pt = _decode_point(cp, rng, dt, name, T, E, top_k, H, I, reps)
-            timed = []
-            for gemm, a, w, tk, N, K, mul in (("gemm1", pt["x"], w13, top_k, 2 * I, H, False),
-                                              ("gemm2", pt["act"], w2, 1, H, I, True)):
-                timed += _decode_gemm(env, pt, gemm, a, w, tk, N, K, mul, versions, sweep)
-            results += timed
-            results += _decode_layer(env, pt, timed, H, I)
-        del w13, w2
-        cp.get_default_memory_pool().free_all_blocks()
-    return results
-
-
-def _median(xs) -> float:
-    return float(np.median(np.asarray(xs, dtype=np.float64)))
-
-
-def _decode_point(cp, rng, dt, name, T, E, top_k, H, I, reps) -> dict:  # noqa: E741
-    """One (model, T): the inputs and `reps` routings (aligned per block size on demand)."""
-    P = T * top_k
-    routings = [cp.argsort(rng.random((T, E)), axis=1)[:, :top_k].astype(cp.int32)
-                for _ in range(reps)]                                      # reps x [T, top_k]
-    return dict(name=name, T=T, E=E, top_k=top_k, P=P, routings=routings, aligned={},
-                touched=[int(cp.unique(r).size) for r in routings],
-                x=random_device((T, H), dt, 1.0, rng),                     # [T, H]
-                act=random_device((P, I), dt, 1.0, rng),                   # [P, I]
-                tw=rng.random(P, dtype=cp.float32) + cp.float32(0.05))     # [P]
-
-
-def _decode_gemm(env, pt, gemm, a, w, tk, N, K, mul, versions, sweep) -> list[dict]:
-    """decode_bench's lines for one GEMM of one (model, T)."""
-    from . import tune
-
-    cp, dt, log, bw, reps = env["cp"], env["dt"], env["log"], env["bw"], env["reps"]
-    itemsize = dt.itemsize
-    wbytes = [n * N * K * itemsize for n in pt["touched"]]
-    other = itemsize * (a.shape[0] * K + pt["P"] * N)
-    out = _compile.empty((pt["P"], N), dt)
-    start, stop = env["events"]
-    head = f"{pt['name'][:8]:8s} {gemm:5s} {pt['T']:5d}"
-    flops = gemm_flops(pt["P"], N, K)
-
-    def call(v, cfg, r):
-        B = (cfg or get_config(pt["T"], N, K, pt["E"], pt["top_k"], dt, v))["BLOCK_M"]
-        if B not in pt["aligned"]:
-            pt["aligned"][B] = [tune._align_gpu(cp, ids, B, pt["E"]) for ids in pt["routings"]]
-        st, ex, nt = pt["aligned"][B][r]
-        return grouped_gemm(a, w, st, ex, nt, tk, B, pt["tw"], mul, version=v, config=cfg,
-                            out=out)
-
-    want = call("v4", None, 0).copy()
-    results = []
-
-    def timed(label, v, cfg):
-        if time.time() > env["deadline"]:
-            return None
-        try:
-            err = tune._rel_err(cp, call(v, cfg, 0), want)
-            for r in range(min(3, reps)):
-                call(v, cfg, r)
-            times = []
-            for r in range(reps):
-                env["flush"].fill(0)
-                start.record()
-                call(v, cfg, r)
-                stop.record()
-                stop.synchronize()
-                times.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3)
-        except Exception as e:  # a config this card cannot run: reported, skipped
-            log(f"{head} {label:34s} skip: {type(e).__name__}: {str(e)[:100]}")
-            return None
-        t = _median(times)
-        gbs = _median([(wb + other) / s / 1e9 for wb, s in zip(wbytes, times)])
-        frac = _median([wb / bw / s for wb, s in zip(wbytes, times)]) if bw else None
-        ok = err <= 1e-2
-        log(f"{head} {label:34s} {t * 1e6:9.1f} {gbs:7.0f} "
-            f"{'' if frac is None else f'{frac:6.1%}':>6s} {flops / t / 1e12:6.1f} "
-            f"{err:8.1e}{'' if ok else '  FAIL'}")
-        res = dict(model=pt["name"], gemm=gemm, T=pt["T"], label=label, version=v, config=cfg,
-                   us=t * 1e6, gbs=gbs, floor_fraction=frac, tflops=flops / t / 1e12,
-                   rel_err=err, ok=ok, touched=_median(pt["touched"]))
-        results.append(res)
-        return res
-
-    for v in versions:
-        timed(v, v, None)
-    if sweep and "v6" in versions:
-        best = None
-        for cand in tune.V6_CANDIDATES:
-            cfg = dict(zip(tune.CANDIDATE_KEYS["v6"], cand))
-            res = timed(_v6_label(cfg), "v6", cfg)
-            if res is not None and res["ok"] and (best is None or res["us"] < best["us"]):
-                best = res
-        if best is not None:
-            log(f"{head} best v6 candidate: {best['label']} {best['us']:.1f} us "
-                f"{best['tflops']:.1f} TFLOP/s")
-    return results
-
-
-def _decode_layer(env, pt, timed, H, I) -> list[dict]:  # noqa: E741
-    """GEMM1 + GEMM2 of one (model, T) for every label timed on both."""
-    bw, itemsize = env["bw"], env["dt"].itemsize
-    floors = [n * (2 * I * H + H * I) * itemsize / bw for n in pt["touched"]] if bw else None
-    by_label: dict = {}
-    for r in timed:
-        by_label.setdefault(r["label"], {})[r["gemm"]] = r["us"]
-    out = []
-    flops = gemm_flops(pt["P"], 2 * I, H) + gemm_flops(pt["P"], H, I)
-    vllm_ms = VLLM_H100_LAYER_MS.get((pt["name"], pt["T"]))
-    for label, us in by_label.items():
-        if len(us) != 2:
-            continue
-        t = (us["gemm1"] + us["gemm2"]) * 1e-6
-        frac = _median(floors) / t if floors else None
-        vs = "" if vllm_ms is None else \
-            (f"  {vllm_ms * 1e-3 / t:5.2f}x vLLM's {vllm_ms:.2f} ms (H100), target "
-             f"{vllm_ms / 1.1:.2f} ms: {'MET' if t * 1e3 <= vllm_ms / 1.1 else 'missed'}")
-        env["log"](f"{pt['name'][:8]:8s} layer {pt['T']:5d} {label:34s} {t * 1e6:9.1f} {'':7s} "
-                   f"{'' if frac is None else f'{frac:6.1%}':>6s} {flops / t / 1e12:6.1f}{vs}")
-        out.append(dict(model=pt["name"], gemm="layer", T=pt["T"], label=label, us=t * 1e6,
-                        floor_fraction=frac, tflops=flops / t / 1e12,
-                        vllm_h100_ms=vllm_ms))
-    return out
-
-
 # ----------------------------------------------------------------------------- script
 def _main(argv=None):  # pragma: no cover - needs a GPU
     """Validate every version against reference.grouped_gemm (float64 inputs), then time it.
 
     --quick: one tiny problem per version and dtype, one timed call (for compute-sanitizer).
-    Prints one PASS/FAIL line per (shape, version); exits 1 when any check fails.
-    --shapes mixtral,qwen3,deepseek --tokens 1,16,64: decode_bench instead (GEMM1 and GEMM2
-    of those models at those T, checked against v4; --sweep adds v6's candidates when v6 is
-    listed in --versions; --json PATH writes the results). Prefill:
-    --versions v4,v5,v6 --tokens 1024,4096,16384.
+    Prints one PASS/FAIL line per (shape, version); exits 1 when any check fails. The GEMMs of
+    the benchmark's models at decode and prefill T: `python -m cuda_kernels.cupy.tune --bench`.
     """
     import argparse
 
@@ -1273,31 +1079,11 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     p.add_argument("--dtype", default="bf16", choices=DTYPE_KEYS)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="tiny shapes, one rep (sanitizers)")
-    p.add_argument("--shapes", default=None,
-                   help="decode timing of these models' GEMMs: mixtral,qwen3,deepseek")
-    p.add_argument("--tokens", default="1,16,64", help="T values of --shapes")
-    p.add_argument("--sweep", action="store_true",
-                   help="--shapes: also v6's candidates (when v6 is in --versions)")
-    p.add_argument("--budget-s", type=float, default=480.0,
-                   help="--shapes: time after which further configs are skipped")
-    p.add_argument("--json", default=None, help="--shapes: write the results to this file")
     args = p.parse_args(argv)
     ok, why = _compile.availability()
     if not ok:
         raise SystemExit(f"no GPU: {why}")
     cp = _cupy()
-    if args.shapes:
-        from .tune import MODELS
-
-        models = {k: MODELS[k] for k in args.shapes.split(",")}
-        res = decode_bench(cp, models, [int(x) for x in args.tokens.split(",")],
-                           tuple(args.versions.split(",")), args.reps, args.sweep, args.dtype,
-                           args.budget_s)
-        if args.json:
-            pathlib.Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
-        bad = [r for r in res if r.get("ok") is False]
-        print("ok" if not bad else f"{len(bad)} check(s) FAILED")
-        return 1 if bad else 0
     dts = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": bf16_dtype()}
     rng = np.random.default_rng(0)
     # (name, T, E, top_k, N, Kdim, dtype key)
