@@ -13,6 +13,9 @@ Each notebook starts with one parameters cell that calls `setup("NN_name")`:
     listings    `show_source(path, start)` shows a kernel (or part of one) with syntax colours.
     results     `load_results(prefix)` reads the JSON that benchmarks/ wrote to
                 benchmarks/results/ (none yet is a normal state: callers say so and go on).
+    ring        `ring_run(...)`: notebook 07's step-by-step model of v6's mbarrier ring
+                (`MBarrier`, the kernel's producer and consumer loops, a protocol checker),
+                shared with its solutions.
     EP ranks    `launch_ranks(fn, W)` runs sandbox.ep.launch from a notebook or from the script
                 form of one; the rank functions of notebook 05 live here because spawned
                 processes import them by name.
@@ -401,6 +404,151 @@ def cubin_resources(cubin: bytes) -> dict:
     for v in out.values():
         v.setdefault("static_shared_bytes", 0)
     return out
+
+
+# ----------------------------------------------------------------------------- the mbarrier ring
+class MBarrier:
+    """A shared-memory mbarrier as PTX defines it, for notebook 07's model of v6's ring.
+
+    A phase completes when `count` arrivals have been made and every transaction byte that
+    an arrival announced (`expect_tx`) has been counted down by the copy engine
+    (`complete_tx`); the next phase then starts with the count re-armed. `try_wait(parity)`
+    is true once the phase of that parity has completed, i.e. while the current (incomplete)
+    phase has the other parity: a wait with parity 1 on a fresh barrier passes at once."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.tx, self.phase = count, count, 0, 0
+
+    def arrive(self, expect_tx: int = 0):
+        self.tx += expect_tx
+        self.pending -= 1
+        self._complete()
+
+    def complete_tx(self, nbytes: int):
+        self.tx -= nbytes
+        self._complete()
+
+    def _complete(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+
+    def try_wait(self, parity: int) -> bool:
+        return (self.phase & 1) != parity
+
+
+def ring_run(k_tiles: int = 6, tiles: int = 2, stages: int = 4, consumers: int = 2,
+             copy_steps: int = 4, mma_steps: int = 1, epilogue_steps: int = 4,
+             release_early: bool = False, producer_parity: int = 1,
+             max_steps: int = 400) -> dict:
+    """v6's ring (cuda_kernels/cupy/gemm_v6_tma_ws.cu) as a step-by-step model to watch and
+    to break: the kernel's loops, the kernel's barriers, time in abstract steps.
+
+    One producer (its warpgroup's 128 cp.async arrivals count as one here, so a full barrier
+    expects 2: the arrive.expect_tx of the TMA issuer and the cp.async one) and `consumers`
+    consumer warpgroups (an empty barrier expects one arrival per consumer; the kernel: one
+    per consumer warp). Each of the CTA's `tiles` tiles takes `k_tiles` ring stages; copies
+    land `copy_steps` after issue; a wgmma batch holds the SM's tensor cores for `mma_steps`
+    (all consumers' batches queue for them); each tile ends with an epilogue of
+    `epilogue_steps` in the consumers, while the producer goes on filling the ring.
+    release_early: a consumer arrives on empty[slot] right after issuing its batch, before
+    wgmma.wait_group says the batch is done (a bug); producer_parity: the producer waits on
+    empty[slot] with parity phase ^ producer_parity (the kernel: 1).
+    A checker records each copy issued into a slot that a wgmma batch still reads, and each
+    batch issued on a slot that does not hold its landed (tile, k) data.
+
+    Returns {"done": all agents finished (False: a deadlock), "steps", "violations" [str],
+    "spans" [(kind, row, start, end)] with kind "copy" (row = slot), "mma" (row = slot,
+    one span per consumer batch), "epilogue" / "stall" (row = consumer; a stall is a wait
+    on a full barrier), "stall_steps" [per consumer]}."""
+    full = [MBarrier(2) for _ in range(stages)]
+    empty = [MBarrier(consumers) for _ in range(stages)]
+    clock = {"now": 0, "tc_free": 0}
+    events = []                                   # (due step, action)
+    content = [None] * stages                     # (tile, k) of the last copy into a slot
+    landed = [False] * stages
+    readers = [set() for _ in range(stages)]      # (consumer, tile, k) of unfinished batches
+    inflight = [[] for _ in range(consumers)]     # each consumer's unfinished batches
+    spans, violations, stall = [], [], [0] * consumers
+    TILE_B = 1                                    # the TMA's bytes (any non-zero count)
+
+    def later(steps, action):
+        events.append((clock["now"] + steps, action))
+
+    def producer():
+        slot, phase = 0, 0
+        for tile in range(tiles):
+            for kt in range(k_tiles):
+                yield lambda s=slot, p=phase: empty[s].try_wait(p ^ producer_parity)
+                if readers[slot]:
+                    violations.append(f"step {clock['now']}: the copy of (tile {tile}, k {kt}) "
+                                      f"overwrites slot {slot} while wgmma batches "
+                                      f"{sorted(readers[slot])} still read it")
+                content[slot], landed[slot] = (tile, kt), False
+                full[slot].arrive(expect_tx=TILE_B)               # thread 0: arrive.expect_tx
+                spans.append(("copy", slot, clock["now"], clock["now"] + copy_steps))
+
+                def land(s=slot):
+                    landed[s] = True
+                    full[s].complete_tx(TILE_B)                   # the TMA's bytes counted down
+                    full[s].arrive()                              # cp.async.mbarrier.arrive
+                later(copy_steps, land)
+                slot, phase = (0, phase ^ 1) if slot + 1 == stages else (slot + 1, phase)
+
+    def consumer(c):
+        slot, phase = 0, 0
+        for tile in range(tiles):
+            prev = None
+            for kt in range(k_tiles):
+                t0 = clock["now"]
+                yield lambda s=slot, p=phase: full[s].try_wait(p)
+                if clock["now"] > t0:
+                    spans.append(("stall", c, t0, clock["now"]))
+                    stall[c] += clock["now"] - t0
+                if content[slot] != (tile, kt) or not landed[slot]:
+                    violations.append(f"step {clock['now']}: consumer {c} reads slot {slot} for "
+                                      f"(tile {tile}, k {kt}) but it holds {content[slot]}"
+                                      f"{'' if landed[slot] else ', not landed'}")
+                start = max(clock["now"], clock["tc_free"])       # the tensor cores queue
+                clock["tc_free"] = start + mma_steps
+                batch = (c, tile, kt)
+                readers[slot].add(batch)
+                inflight[c].append(batch)
+                spans.append(("mma", slot, start, start + mma_steps))
+
+                def finish(s=slot, b=batch):
+                    readers[s].discard(b)
+                    inflight[b[0]].remove(b)
+                later(clock["tc_free"] - clock["now"], finish)
+                if release_early:
+                    empty[slot].arrive()                          # the bug: still being read
+                yield lambda: len(inflight[c]) <= 1               # wgmma.wait_group 1
+                if not release_early and prev is not None:
+                    empty[prev].arrive()                          # the batch before is done
+                prev = slot
+                slot, phase = (0, phase ^ 1) if slot + 1 == stages else (slot + 1, phase)
+            yield lambda: not inflight[c]                         # wgmma.wait_group 0
+            if not release_early and prev is not None:
+                empty[prev].arrive()
+            spans.append(("epilogue", c, clock["now"], clock["now"] + epilogue_steps))
+            end = clock["now"] + epilogue_steps
+            yield lambda end=end: clock["now"] >= end
+
+    agents = [producer()] + [consumer(c) for c in range(consumers)]
+    waits = [next(a) for a in agents]
+    while clock["now"] < max_steps:
+        for due, action in sorted((e for e in events if e[0] <= clock["now"]),
+                                  key=lambda e: e[0]):
+            events.remove((due, action))
+            action()
+        for i, a in enumerate(agents):
+            while waits[i] is not None and waits[i]():
+                waits[i] = next(a, None)
+        if all(w is None for w in waits) and not events:
+            break
+        clock["now"] += 1
+    return {"done": all(w is None for w in waits), "steps": clock["now"],
+            "violations": violations, "spans": spans, "stall_steps": stall}
 
 
 # ----------------------------------------------------------------------------- EP ranks

@@ -34,7 +34,7 @@ def _cells(nb):
 def test_the_series_is_there():
     names = [p.stem for p in NB_DIR.glob("[0-9][0-9]_*.py")]
     for stem in ("01_tour", "02_routing", "03_permutation", "04_gemm_ladder",
-                 "05_expert_parallelism", "06_precision"):
+                 "05_expert_parallelism", "06_precision", "07_hopper_gemm"):
         assert stem in names, f"notebooks/{stem}.py: expected the notebook, found {sorted(names)}"
         assert (NB_DIR / "solutions" / f"{stem}_solutions.py").exists(), \
             f"notebooks/solutions/{stem}_solutions.py: expected the exercises' solutions"
