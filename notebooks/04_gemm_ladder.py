@@ -23,9 +23,9 @@
 #   why it is faster, with the code;
 # * how to read the compiled kernels (registers, shared memory) and the measured results.
 #
-# The rungs live in `cuda_kernels/cupy/gemm_v*.cu` (CuPy, v1–v4, and an opt-in Hopper
-# `wgmma` v5) and `cuda_kernels/numba/grouped_gemm.py` (Numba, v1–v3: Numba has no tensor
-# core instructions). On a CPU this notebook compiles the CuPy rungs for an H200 with
+# The rungs live in `cuda_kernels/cupy/gemm_v*.cu` (CuPy, v1–v4 here; the Hopper rungs v5
+# `wgmma` and v6, chosen per card for prefill, are notebook 07's) and
+# `cuda_kernels/numba/grouped_gemm.py` (Numba, v1–v3: Numba has no tensor core instructions). On a CPU this notebook compiles the CuPy rungs for an H200 with
 # NVRTC, runs the Numba rungs in the CUDA simulator at a tiny size, and plots the committed
 # H200 results; on a GPU it runs and times every rung.
 
@@ -33,7 +33,7 @@
 import workshop
 
 RUN = workshop.setup("04_gemm_ladder")
-CUPY_VERSIONS = ["v1", "v2", "v3", "v4"]      # "v5" (wgmma, sm_90a) is opt-in
+CUPY_VERSIONS = ["v1", "v2", "v3", "v4"]      # v5 / v6 (sm_90a): notebook 07
 NUMBA_VERSIONS = ["v1", "v2", "v3", "v3v"]   # v3v: v3 with 16-byte loads (GPU; v3 in the simulator)
 MODEL = "qwen3-30b-a3b"                       # GEMM1 of this preset: N = 2I, Kdim = H
 GPU_TOKENS = [16, 256, 4096] if RUN.gpu else []   # GPU only: tokens timed per rung

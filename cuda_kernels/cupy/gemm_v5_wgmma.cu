@@ -9,7 +9,8 @@
 // Requirements: sm_90a (wgmma exists only there: built with -arch=sm_90a); Kdim % 8 == 0 and
 // a, w 16-byte aligned (as v4); BLOCK_M in {64, 128} divides B (so B >= 64);
 // BLOCK_N in {64, 128, 256}; BLOCK_K in {16, 32, 64} (one swizzled row: 32, 64, 128 bytes).
-// Opt-in per bucket: gemm_configs.json's default_version names the rung (v4 as shipped).
+// Chosen per bucket by each card's measured version_by_m in gemm_configs.json (the H200's
+// from 32 rows per expert up; the H100's at 128, v6 elsewhere in prefill).
 //
 // Launch geometry:
 //     threads = (BLOCK_M / 64) warpgroups x 128; warpgroup g owns rows 64g..64g+63 of the tile

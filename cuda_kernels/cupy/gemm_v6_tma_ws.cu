@@ -13,7 +13,8 @@
 // a and w 16-byte aligned (TMA: strides multiples of 16 bytes); B % 64 == 0 with BLOCK_M
 // (64 or 128) dividing B; BLOCK_N in {64, 128, 256}; BLOCK_K = 64 (one 128-byte swizzled row).
 // The last argument is a CUtensorMap of w (grouped_gemm.extra_args builds it on the host).
-// Opt-in: gemm_configs.json's version_by_m names the rung per bucket (not v6 as shipped).
+// Chosen per bucket by each card's measured version_by_m in gemm_configs.json (on the H100:
+// from 32 rows per expert up, but 128, where v5 measured faster).
 //
 // Launch geometry (C = CONSUMERS consumer warpgroups, 1 or 2):
 //     threads = 128 (warpgroup 0: the producer) + C x 128 (warpgroups 1..C: the consumers)
