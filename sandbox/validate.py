@@ -15,8 +15,10 @@ How it judges (T tokens, K top-k, P = T*K slots, B block size):
   too and a backend is not punished for being more accurate than the reference.
 * **Floats**: max abs error and relative Frobenius error ||got - exact||_F / ||exact||_F in
   float64; tolerance by the output's dtype (fp32 1e-5, fp16 / bf16 1e-2, fp64 1e-12). NaN
-  never passes, except where the exact output is NaN itself (NaN-logit rows): there the
-  backend must be NaN at exactly the same places. The dtype must be the contract's.
+  never passes, except where the exact output is NaN itself (a NaN in the weights or the
+  activations; a NaN logit no longer makes one: vLLM's routing gives its row defined
+  weights, docs/stages.md): there the backend must be NaN at exactly the same places. The
+  dtype must be the contract's.
 * **Routing ids**: exact, except swaps at true near-ties: where the selection scores the
   reference ranks (softmax or sigmoid, + correction bias) of the two swapped experts agree
   within 4 fp32 ulps. Those tokens are counted separately (`near_ties`) and left out of the
@@ -300,17 +302,20 @@ def compare_float(got, want, expected_dtype, rows=None) -> dict:
 def selection_scores(layer, router_logits):
     """The scores the reference's router ranks experts by ([T, E+Z] fp32), or None for a
     custom routing function (whose ranking the harness cannot know)."""
-    import reference
+    from reference import routing
 
-    if layer.custom_routing_function is not None:
+    if layer.custom_routing_function is not None and not layer.use_grouped_topk:
         return None
     logits = arrays.to_numpy(router_logits)
-    if layer.scoring_func == "sigmoid":
-        scores = reference.sigmoid(logits)
-    else:
-        scores = reference.softmax(logits)
+    valid = None
+    if layer.use_grouped_topk:   # grouped_topk's scores: softmax in the logits' dtype
+        scores, valid = routing.grouped_scores(logits, layer.scoring_func)
+    else:                        # vLLM's topk kernels: a non-finite score is 0
+        scores = routing.topk_scores(logits, layer.scoring_func)
     if layer.e_score_correction_bias is not None:
         scores = scores + layer.e_score_correction_bias[None, :].astype(np.float32)
+    if valid is not None:
+        scores = np.where(valid, scores, -np.inf)
     return scores.astype(np.float32)
 
 

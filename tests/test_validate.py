@@ -144,8 +144,8 @@ def test_align_order_within_an_expert_is_free(monkeypatch):
 def test_nan_where_reference_is_finite_fails(monkeypatch):
     real = torch_backend.moe_sum
 
-    def leaky(x):
-        out = real(x).clone()
+    def leaky(x, *ids_and_map, **kw):
+        out = real(x, *ids_and_map, **kw).clone()
         out[2, 3] = float("nan")
         return out
 
@@ -156,20 +156,25 @@ def test_nan_where_reference_is_finite_fails(monkeypatch):
     assert "NaN" in report.row("torch", "combine")["detail"]
 
 
-def test_nan_rows_must_stay_nan(monkeypatch):
+def test_nan_logit_row_has_defined_weights(monkeypatch):
+    # vLLM's routing today: a NaN logit makes the row's scores non-finite, and a non-finite
+    # score is 0, so the row gets ids 0..K-1 with weight 0 (it was NaN weights before issue
+    # 38). A backend that still leaves NaN there diverges at route.
     real = torch_backend.select_experts
 
-    def nan_eater(*args, **kw):
-        import torch
-
+    def nan_keeper(*args, **kw):
         w, ids, z = real(*args, **kw)
-        return torch.nan_to_num(w, nan=0.5), ids, z          # hides the NaN-logit row
+        w = w.clone()
+        w[3] = float("nan")                                  # the old NaN-logit row
+        return w, ids, z
 
-    monkeypatch.setattr(torch_backend, "select_experts", nan_eater)
     layer, x, logits = make(seed=8, nan_rows=(3,))
+    report = validate(layer, x, logits, backends=["reference", "torch"])
+    assert report.ok, report.table()
+    monkeypatch.setattr(torch_backend, "select_experts", nan_keeper)
     report = validate(layer, x, logits, backends=["torch"])
     assert report.first_divergence["torch"] == "route"
-    assert "missing where it is NaN" in report.row("torch", "route")["detail"]
+    assert "where the reference is finite" in report.row("torch", "route")["detail"]
 
 
 def test_wrong_dtype_fails(monkeypatch):
@@ -391,9 +396,9 @@ def test_progress_line_while_a_long_stage_runs(monkeypatch, capsys):
     monkeypatch.setattr(v, "PROGRESS_AFTER_S", 0.05, raising=False)
     real = torch_backend.moe_sum
 
-    def slow_sum(x):
+    def slow_sum(x, *ids_and_map, **kw):
         time.sleep(0.3)
-        return real(x)
+        return real(x, *ids_and_map, **kw)
 
     monkeypatch.setattr(torch_backend, "moe_sum", slow_sum)
     layer, x, logits = make(seed=25, t=5)
