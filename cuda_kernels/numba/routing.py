@@ -2,10 +2,12 @@
 
     T = tokens, E = experts, K = top-k, G = expert groups (num_expert_group)
 
-    fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None)
+    fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None,
+               scoring_func="softmax")
         -> topk_weights f32 [T, K], topk_ids int32 [T, K], token_expert_indices int32 [T, K]
-    fused_topk_bias(hidden_states, gating_output, e_score_correction_bias, topk, renormalize,
-                    routed_scaling_factor=1.0) -> topk_weights, topk_ids
+    fused_topk_bias(hidden_states, gating_output, scoring_func, e_score_correction_bias, topk,
+                    renormalize, indices_type=None, routed_scaling_factor=1.0)
+        -> topk_weights, topk_ids
     grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,
                  topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0,
                  e_score_correction_bias=None) -> topk_weights, topk_ids
