@@ -24,6 +24,9 @@ How it judges (T tokens, K top-k, P = T*K slots, B block size):
   within 4 fp32 ulps. Those tokens are counted separately (`near_ties`) and left out of the
   float comparisons of that stage and of the end-to-end output, where a swap at a tie
   legitimately changes the token's result.
+* **Skipped slots**: a slot routed nowhere (id -1) is never computed: the GEMM and
+  activation rows are judged on the slots alignment scheduled only (`written_rows`); the
+  combine, which must leave the others out, is judged whole.
 * **Alignment**: num_tokens_post_padded and expert_ids exact; sorted_token_ids compared as
   multisets per expert run (each run of consecutive blocks of one expert; an expert with one
   block is a per-block set), because kernels may order slots within an expert freely
@@ -495,8 +498,20 @@ def _stage_row(backend, stage, **kw):
     return row
 
 
-def _judge_stage(stage, got, want_exact, want_engine, call, scores, layer):
-    """One stage's row fields from the backend's outputs (host) vs exact and engine outputs."""
+def written_rows(align_outputs, num_slots):
+    """bool [P]: the slots alignment scheduled, the only rows of the GEMM and activation
+    outputs a kernel writes (a slot routed nowhere, id -1, is skipped: its rows hold
+    whatever the memory held, in every backend differently), or None when that is all."""
+    sorted_ids, _, ntpp = (np.asarray(arrays.to_numpy(v)) for v in align_outputs)
+    live = sorted_ids[:int(ntpp.reshape(-1)[0])]
+    rows = np.zeros(num_slots, dtype=bool)
+    rows[live[live < num_slots]] = True
+    return None if rows.all() else rows
+
+
+def _judge_stage(stage, got, want_exact, want_engine, call, scores, layer, rows=None):
+    """One stage's row fields from the backend's outputs (host) vs exact and engine outputs.
+    rows: the slots to judge in the GEMM / activation outputs (written_rows)."""
     if stage == "route":
         tw, ids, zr = (got + (None,) * 3)[:3] if isinstance(got, tuple) else (got, None, None)
         ew, _, ez = want_exact
@@ -525,7 +540,8 @@ def _judge_stage(stage, got, want_exact, want_engine, call, scores, layer):
         num_slots = int(np.asarray(call.args[0]).size)
         res = compare_align(got, want_engine, num_slots, int(call.args[1]))
         return dict(status=res["status"], ids=res["ids"], detail=res["detail"]), None
-    res = compare_float(got, want_exact, want_engine.dtype)
+    res = compare_float(got, want_exact, want_engine.dtype,
+                        rows=rows if stage in ("gemm1", "activation", "gemm2") else None)
     return dict(status=res["status"], dtype=res["dtype"], tol=res["tol"],
                 max_abs_err=res["max_abs_err"], rel_err=res["rel_err"],
                 detail=res["detail"]), None
@@ -613,6 +629,7 @@ def _validate_backends(layer, x, logits, backends, stages, end_to_end, t, refere
         block = layer.block_size_for(name, t)
         report.meta["block_sizes"][name] = block
         calls, exact_out = reference_at(block)
+        written = written_rows(calls["align"].outputs, t * layer.top_k)
         ties = np.zeros(t, bool)
         first = None
         complete = True
@@ -635,7 +652,7 @@ def _validate_backends(layer, x, logits, backends, stages, end_to_end, t, refere
                 got = (tuple(_host(b, v) for v in out) if isinstance(out, tuple)
                        else _host(b, out))
                 fields, tie_rows = _judge_stage(stage, got, exact_out[stage], call.outputs,
-                                                call, scores, layer)
+                                                call, scores, layer, written)
             except Exception as e:  # a backend that raises has diverged at this stage
                 fields, tie_rows = dict(status="error",
                                         detail=f"{type(e).__name__}: {e}".splitlines()[0]), None

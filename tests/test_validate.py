@@ -177,6 +177,53 @@ def test_nan_logit_row_has_defined_weights(monkeypatch):
     assert "where the reference is finite" in report.row("torch", "route")["detail"]
 
 
+def _padding_router(hidden_states, gating_output, topk, renormalize):
+    """Every third slot and token 2 routed nowhere (-1), NumPy or torch in and out."""
+    import reference
+
+    torch_in = hasattr(gating_output, "cpu")
+    host = np.asarray(gating_output.cpu() if torch_in else gating_output)
+    w, ids, _ = reference.fused_topk(None, host, topk, renormalize)
+    ids = ids.copy()
+    ids.reshape(-1)[::3] = -1
+    ids[2] = -1
+    if torch_in:
+        import torch
+
+        return torch.from_numpy(w), torch.from_numpy(ids)
+    return w, ids
+
+
+def test_slots_routed_nowhere_are_judged_on_the_rows_computed(monkeypatch):
+    # a skipped slot's GEMM / activation rows are never written (vLLM's kernels): whatever
+    # they hold must not fail a backend, and the combine must leave them out
+    import torch
+
+    real = torch_backend.grouped_gemm
+
+    def garbage(a, w, sorted_token_ids, *rest, **kw):
+        out = real(a, w, sorted_token_ids, *rest, **kw).clone()
+        n = int(rest[1].reshape(-1)[0])
+        live = sorted_token_ids[:n]
+        dead = np.ones(out.shape[0], bool)
+        dead[live[live < out.shape[0]].numpy()] = False
+        out[torch.from_numpy(dead)] = 12345.0                       # what memory held
+        return out
+
+    monkeypatch.setattr(torch_backend, "grouped_gemm", garbage)
+    layer, x, logits = make(seed=26, custom_routing_function=_padding_router)
+    report = validate(layer, x, logits, backends=["reference", "torch"])
+    assert report.ok, report.table()
+    assert statuses(report, "torch") == {s: "ok" for s in STAGES + ("end_to_end",)}
+
+    def leaky_sum(x_, *ids_and_map, **kw):   # a combine that still sums the skipped rows
+        return x_.sum(dim=1)
+
+    monkeypatch.setattr(torch_backend, "moe_sum", leaky_sum)
+    report = validate(layer, x, logits, backends=["torch"])
+    assert report.first_divergence["torch"] == "combine"
+
+
 def test_wrong_dtype_fails(monkeypatch):
     real = torch_backend.grouped_gemm
 
