@@ -94,11 +94,12 @@ def test_align_device_ids_out_of_range_are_skipped():
     assert sorted(s[s < 4].tolist()) == [0, 1, 3]
 
 
-@pytest.mark.parametrize("path", ["single", "multi"])
+@pytest.mark.parametrize("path", ["single", "multi", None])
 @pytest.mark.parametrize("ignore", [False, True])
 def test_align_skips_ids_outside_the_experts(path, ignore):
     """vLLM's -1 (a masked or padded token) and ids past E: placed nowhere, counted nowhere,
-    host arrays included (this used to raise)."""
+    through both launch paths and the public function on host arrays (which used to
+    raise)."""
     E = 6
     ids = distinct_topk_ids(rng_for("skip", path), 19, E, 2)
     ids[3] = -1
