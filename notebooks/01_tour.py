@@ -290,8 +290,9 @@ workshop.show(fig, "parity")
 #    it need?
 # 2. **bf16.** Call `validate(layer, ..., dtype=ml_dtypes.bfloat16)`. Which tolerance
 #    applies now, and which stages carry the largest error?
-# 3. **NaN logits.** Use `TRACE = "nan_rows"`. Which output rows are NaN? Check that the
-#    NaN stays confined to the tokens whose logits had one.
+# 3. **NaN logits.** Use `TRACE = "nan_rows"`. What do the tokens whose logits hold a NaN
+#    get from the router (docs/stages.md, *route*), and what is their output? Is any output
+#    NaN, and do the other tokens notice?
 # 4. **Swap one stage at a time.** Make a loop over `STAGES` that swaps only that stage to
 #    `"torch"` and prints the end-to-end error against the reference. Which stage changes
 #    the output most, and why is that the one?

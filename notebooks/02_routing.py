@@ -16,7 +16,9 @@
 #
 # **What you will learn**
 #
-# * softmax top-k routing (Mixtral, Qwen3-MoE) step by step, with its tie and NaN rules;
+# * softmax top-k routing (Mixtral, Qwen3-MoE) step by step, with its tie rule, and its
+#   sigmoid variant;
+# * what vLLM's kernels make of non-finite logits, and of a slot routed nowhere (id −1);
 # * what routing does to the load of each expert, on a skewed trace;
 # * DeepSeek-V3's grouped top-k: sigmoid scores, expert groups, and the correction bias
 #   that steers the choice without touching the weights — and how that bias balances load;
@@ -56,7 +58,8 @@ print(layer)
 #
 # `fused_topk` does four things to a row of logits, all in fp32:
 #
-# 1. `scores = softmax(logits)`: `exp(x − max) / Σ exp(x − max)`, over all `E` experts;
+# 1. `scores = softmax(logits)`: `exp(x − max) / Σ exp(x − max)`, over all `E` experts
+#    (or `sigmoid(logits)` with `scoring_func="sigmoid"`, below);
 # 2. `topk_ids` = the `K` largest scores, in descending order, **ties to the lowest id**;
 # 3. `topk_weights` = those scores;
 # 4. with `renormalize`, divide the `K` weights by their sum (so they sum to one).
@@ -81,19 +84,78 @@ print("ids", ids[0], "weights", np.round(w[0], 4), "sum", w[0].sum())
 # %% [markdown]
 # The tie rule matters because every backend must agree *bit for bit* on the ids: a kernel
 # that breaks ties differently sends a token to another expert, and its output is then
-# simply different. Selection treats NaN as −inf, so a token always gets `K` distinct
-# valid experts; the weights follow the plain formulas, so a NaN logit makes the whole
-# softmax row NaN — visible in that token's output, and confined to it.
+# simply different.
+#
+# Non-finite values follow vLLM's routing kernels: **a score that is not finite becomes
+# 0**. A NaN (or +inf) logit makes the whole softmax row NaN, and a row of −inf logits
+# makes 0/0, so such a row becomes all zeros: the token gets experts `0 … K−1` (the tie
+# rule) with weight 0, and its output is 0. No NaN reaches the layer's output.
 
 # %%
 toy = np.array([[1.0, 3.0, 2.0, 3.0, 0.5],        # experts 1 and 3 tie at the top
                 [0.0, 0.0, 0.0, 0.0, 0.0],        # everything ties
-                [1.0, np.nan, 2.0, 0.0, 5.0]],    # a NaN logit
+                [1.0, np.nan, 2.0, 0.0, 5.0],     # a NaN logit
+                [-np.inf] * 5],                   # nothing finite
                dtype=np.float32)
 tw, ti, _ = reference.fused_topk(None, toy, 3, renormalize=True)
-workshop.show_table(["logits", "topk_ids", "topk_weights"],
-                    [(np.array2string(toy[r]), ti[r].tolist(), np.array2string(tw[r], precision=3))
-                     for r in range(3)])
+sw, si, _ = reference.fused_topk(None, toy, 3, renormalize=False, scoring_func="sigmoid")
+workshop.show_table(["logits", "softmax: ids", "weights", "sigmoid: ids", "weights"],
+                    [(np.array2string(toy[r]), ti[r].tolist(), np.array2string(tw[r], precision=3),
+                      si[r].tolist(), np.array2string(sw[r], precision=3))
+                     for r in range(len(toy))])
+
+# %% [markdown]
+# ### Sigmoid scoring
+#
+# With `scoring_func="sigmoid"` (vLLM's `topk_sigmoid` kernel) each expert is scored on its
+# own, `sigmoid(logit)`, instead of against the others: the scores no longer sum to one,
+# the ranking is the same as the logits' (sigmoid is monotonic), and a NaN logit spoils
+# only its own expert (score 0) instead of the whole row. The same token as above:
+
+# %%
+sig = reference.sigmoid(logits[t:t + 1])[0]                        # [E]
+ws, idss, _ = reference.fused_topk(x[t:t + 1], logits[t:t + 1], K, renormalize=False,
+                                   scoring_func="sigmoid")
+fig, ax = plt.subplots(figsize=(11, 3))
+ax.bar(np.arange(E) - 0.2, scores, 0.4, label="softmax (sums to 1)", color="tab:blue")
+ax.bar(np.arange(E) + 0.2, sig, 0.4, label="sigmoid (each on its own)", color="tab:green")
+ax.scatter(idss[0], sig[idss[0]] + 0.03, marker="v", color="tab:red", zorder=3,
+           label=f"sigmoid top-{K}")
+ax.set(xlabel="expert", ylabel="score", xticks=range(E), title=f"token {t}: two scorings")
+ax.legend(fontsize=8)
+workshop.show(fig, "sigmoid")
+print("softmax ids", ids[0], "| sigmoid ids", idss[0], "weights", np.round(ws[0], 3),
+      "(not renormalized: sum", round(float(ws[0].sum()), 3), ")")
+
+# %% [markdown]
+# ### Slots routed nowhere: id −1
+#
+# vLLM marks a slot that must go to no expert with id **−1**: the padding tokens of a batch
+# (`VLLM_MOE_SKIP_PADDING`), a masked token, an expert of another rank. Every stage after
+# the router treats it as contributing nothing: alignment skips it (notebook 3), the GEMMs
+# never write its rows, the combine leaves it out. A custom routing function can return
+# such ids; here the last two tokens are padding:
+
+# %%
+def padding_router(hidden_states, gating_output, topk, renormalize):
+    w_, ids_, _ = reference.fused_topk(hidden_states, gating_output, topk, renormalize)
+    ids_ = ids_.copy()
+    ids_[-2:] = -1                                   # the padding tokens: routed nowhere
+    return w_, ids_
+
+
+layer.custom_routing_function = padding_router
+out_pad = layer(x[:6], logits[:6])                   # [6, H]
+layer.custom_routing_function = None
+out_all = layer(x[:6], logits[:6])
+workshop.show_table(["token", "topk_ids", "|out| (padded tokens)", "|out| (all routed)"],
+                    [(i, padding_router(None, logits[:6], K, True)[1][i].tolist(),
+                      f"{np.linalg.norm(out_pad[i].astype(np.float64)):.3f}",
+                      f"{np.linalg.norm(out_all[i].astype(np.float64)):.3f}") for i in range(6)])
+
+# %% [markdown]
+# The routed tokens are untouched (their outputs are the same as without padding), the
+# padded ones are exactly 0.
 
 # %% [markdown]
 # ## 2. What routing does to the load
@@ -191,6 +253,19 @@ print("ids", gi[0], "weights", np.round(gw[0], 3),
       f"(sum = {gw[0].sum():.2f} = routed_scaling_factor)")
 
 # %% [markdown]
+# Grouped top-k has its own rule for non-finite inputs (vLLM's fused grouped kernel): an
+# expert whose logit (sigmoid) or softmax score is not finite is *invalid*: it ranks below
+# every valid one and weighs 0. A token with no valid expert among its `K` gets `1/K` each
+# when renormalizing (else 0). One group is the plain top-k with these rules:
+
+# %%
+bad = np.array([[-np.inf] * 4, [0.5, np.nan, 2.0, -1.0]], dtype=np.float32)
+for scoring in ("softmax", "sigmoid"):
+    gw_, gi_ = reference.grouped_topk(None, bad, 2, True, num_expert_group=1, topk_group=1,
+                                      scoring_func=scoring)
+    print(f"{scoring:8s} ids {gi_.tolist()}  weights {gw_.astype(np.float64).round(3).tolist()}")
+
+# %% [markdown]
 # ### The bias balances the load
 #
 # DeepSeek-V3 trains without an auxiliary balancing loss. Instead, after each step, every
@@ -249,7 +324,7 @@ workshop.show_source("cuda_kernels/cupy/routing.cu", "// float -> unsigned with 
 # one kernel body serves both flavours:
 
 # %%
-workshop.show_source("cuda_kernels/numba/routing.py", "# 4. top-k: K rounds", end="* scale",
+workshop.show_source("cuda_kernels/numba/routing.py", "# 5. top-k: K rounds", end="* scale",
                      max_lines=30)
 
 # %% [markdown]

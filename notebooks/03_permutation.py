@@ -18,6 +18,8 @@
 #
 # * `moe_align_block_size` step by step: four lines of NumPy (flatten, sort, count,
 #   cumulative sum) and a padding rule;
+# * what becomes of a slot routed nowhere (id −1) and of another rank's experts: skipped,
+#   never computed, left out of the sum;
 # * what the padding costs, as a function of the block size and of how skewed the routing
 #   is (and why it matters less than it seems at decode);
 # * the other layout, contiguous rows (`moe_permute` / `grouped_mm` / `moe_unpermute`),
@@ -119,6 +121,73 @@ workshop.show(fig, "align_steps")
 # end: the GEMM reads it *on the device*, so no one waits for the host). An expert with no
 # slots gets no block at all.
 #
+# ### Slots routed nowhere
+#
+# A slot whose id is −1 (vLLM's mark for a padding token, a masked token, a dropped
+# choice; in general any id outside `[0, E)`) is **skipped**: it appears nowhere in
+# `sorted_token_ids`, adds no block, and `num_tokens_post_padded` counts only the slots
+# that are scheduled. Below, token 1 is padding, and tokens 3 and 4 lost their choice of
+# expert 1, which is then left with no slot and no block:
+
+# %%
+ids_m = topk_ids.copy()
+ids_m[1] = -1                                         # a padding token
+ids_m[3, 0] = ids_m[4, 1] = -1                        # two dropped slots (expert 1's)
+sorted_m, expert_m, ntpp_m = reference.moe_align_block_size(ids_m, B, E)
+n_m = int(ntpp_m[0])
+scheduled = np.sort(sorted_m[:n_m][sorted_m[:n_m] < P])
+skipped = np.flatnonzero(ids_m.ravel() < 0)
+print("topk_ids\n", ids_m)
+print("skipped slots", skipped.tolist(), "| scheduled slots", scheduled.tolist())
+print(f"num_tokens_post_padded {n} -> {n_m}; expert_ids {expert_m[:n_m // B].tolist()}")
+print("no skipped slot is scheduled:", not np.isin(skipped, scheduled).any())
+
+# %% [markdown]
+# Downstream, nothing ever computes a skipped slot: the GEMMs write only the rows listed in
+# `sorted_token_ids`, so the rows of the skipped slots in the GEMM output hold whatever
+# the memory held. The combine therefore takes the ids too (vLLM's pad-aware `moe_sum`)
+# and leaves those slots out: the padding token's output is exactly 0, and token 4 gets
+# its remaining expert only.
+
+# %%
+H_, I_ = 8, 6
+xs = rng.standard_normal((T, H_)).astype(np.float32)
+w13 = (rng.standard_normal((E, 2 * I_, H_)) / np.sqrt(H_)).astype(np.float32)
+w2 = (rng.standard_normal((E, H_, I_)) / np.sqrt(I_)).astype(np.float32)
+tw = np.full((T, K), 1.0 / K, np.float32)
+out_m = reference.fused_experts(xs, w13, w2, tw, ids_m, block_size=B)           # [T, H]
+
+
+def one_expert(e, v):   # the expert's MLP on one token, float64
+    h = w13[e].astype(np.float64) @ v
+    return w2[e].astype(np.float64) @ (h[:I_] / (1 + np.exp(-h[:I_])) * h[I_:])
+
+
+print("token 1 (padding):", out_m[1])
+print("token 4 = its remaining slot only:",
+      np.allclose(out_m[4], tw[4, 0] * one_expert(ids_m[4, 0], xs[4].astype(np.float64)),
+                  rtol=1e-5, atol=1e-6))
+
+# %% [markdown]
+# Expert parallelism uses the same machinery. Each rank holds some experts; an
+# `expert_map` (global id → local id, or −1) says which. By default
+# (`ignore_invalid_experts=False`, what vLLM's `fused_experts` passes) every expert is
+# aligned, and the blocks of other ranks' experts get `expert_ids = −1`: the GEMMs write
+# zeros there. With `ignore_invalid_experts=True` those slots are skipped like −1 ids: no
+# blocks at all. Rank 0 of 2 (experts 0 and 1), on the routing of section 1:
+
+# %%
+_, emap = reference.determine_expert_map(2, 0, E)
+rows = []
+for ignore in (False, True):
+    s_, e_, n_ = reference.moe_align_block_size(topk_ids, B, E, expert_map=emap,
+                                                ignore_invalid_experts=ignore)
+    rows.append((ignore, int(n_[0]), e_[:int(n_[0]) // B].tolist(),
+                 int((s_[:int(n_[0])] < P).sum())))
+workshop.show_table(["ignore_invalid_experts", "num_tokens_post_padded",
+                     "expert_ids (local, -1 = another rank)", "slots scheduled"], rows)
+
+# %% [markdown]
 # ## 2. What the padding costs
 #
 # Each expert's run is rounded up to a multiple of `B`, so `Σ_e ceil(c_e/B)·B − P`
@@ -287,12 +356,14 @@ for name in KERNELS:
         rows.append((name, "-", "-", bk.reason[:80]))
         continue
     fn = bk.stage_fn("align")
-    for (T_, E_, K_, B_) in KERNEL_CASES:
+    for (T_, E_, K_, B_), masked in ((c, m) for c in KERNEL_CASES for m in (False, True)):
         ids_ = zipf_routing(T_, E_, K_, 1.2, np.random.default_rng(T_ + E_))
+        if masked:                                    # every fifth slot routed nowhere
+            ids_.reshape(-1)[::5] = -1
         want = reference.moe_align_block_size(ids_, B_, E_)
         got = tuple(bk.get(v) for v in fn(bk.put(ids_), B_, E_))
         stable = np.array_equal(np.asarray(got[0]), want[0])
-        rows.append((name, f"T={T_} E={E_} K={K_} B={B_}",
+        rows.append((name, f"T={T_} E={E_} K={K_} B={B_}" + (", -1 slots" if masked else ""),
                      "match" if same_runs(got, want, E_, B_, ids_.size) else "DIFFERENT",
                      "yes" if stable else "no (allowed)"))
 

@@ -11,7 +11,11 @@
                 out = (up + 1) * gate * sigmoid(alpha * gate), alpha 1.702, limit 7.0
 no-mul (is_act_and_mul=False): silu, gelu, gelu_tanh, relu2 (relu(x)^2) elementwise, [M, N] -> [M, N]
 
-All math in fp32 (fp64 for fp64 inputs), rounded once to the input dtype.
+All math in fp32 (fp64 for fp64 inputs). Rounding follows vLLM's CUDA activation kernels
+(the GPU path of its fused MoE): a gated silu / gelu / gelu_tanh rounds act(gate) to the input
+dtype, then multiplies by up in fp32 and rounds again (`(T)((float)ACT(gate) * (float)up)`);
+swigluoai and the no-mul forms round once, swigluoai computed as
+((up + 1) * gate) / (1 + exp(-alpha * gate)). In fp32 and fp64 the extra rounding is exact.
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ def _split_gate_up(name, x):
 
 def _gated(act, x):
     gate, up = _split_gate_up("x", x)
-    return (act(gate) * up).astype(x.dtype, copy=False)
+    act_gate = act(gate).astype(x.dtype, copy=False).astype(gate.dtype, copy=False)  # rounded
+    return (act_gate * up).astype(x.dtype, copy=False)
 
 
 def silu_and_mul(x):
@@ -88,8 +93,9 @@ def swigluoai_and_mul(x, alpha=1.702, limit=7.0):
     gate = np.minimum(xc[:, 0::2], limit)
     up = np.clip(xc[:, 1::2], -limit, limit)
     with np.errstate(over="ignore"):
-        glu = gate / (1 + np.exp(-alpha * gate))
-    return ((up + 1) * glu).astype(x.dtype, copy=False)
+        # vLLM's order: ((up + 1) * gate) / (1 + exp(-alpha gate)), one rounding
+        out = ((up + 1) * gate) / (1 + np.exp(-alpha * gate))
+    return out.astype(x.dtype, copy=False)
 
 
 def apply_activation(x, activation="silu", is_act_and_mul=True):

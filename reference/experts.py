@@ -25,7 +25,6 @@ import numpy as np
 from ._checks import (
     check_choice,
     check_float,
-    check_ids_in_range,
     check_int,
     check_positive_int,
     check_working_set,
@@ -130,10 +129,32 @@ def walk_expert_blocks(expert_matmul, num_rows, num_experts, n_out, sorted_token
     return c
 
 
-def moe_sum(x):
-    """The combine: out[t] = sum_k x[t, k] over the K slots, fp32, rounded once.  [T, K, H] -> [T, H]"""
+def moe_sum(x, topk_ids=None, expert_map=None):
+    """The combine: out[t] = sum_k x[t, k] over the K slots, fp32, rounded once.  [T, K, H] -> [T, H]
+
+    With topk_ids [T, K] (vLLM's pad-aware moe_sum) a slot whose id is negative (-1: routed
+    nowhere), or, with expert_map, whose expert is not on this rank (an id past the map or
+    mapped to -1), is skipped: its row of x is never read (alignment scheduled no GEMM row
+    for it, so it holds nothing meaningful). A token with every slot skipped sums to 0.
+    """
     check_float("x", x, ndim=3)
-    return to_compute(x).sum(axis=1).astype(x.dtype, copy=False)
+    acc = to_compute(x)
+    if topk_ids is None:
+        return acc.sum(axis=1).astype(x.dtype, copy=False)
+    check_int("topk_ids", topk_ids, ndim=2, shape=x.shape[:2])
+    live = slot_is_live(topk_ids, expert_map)                                  # [T, K]
+    return np.where(live[:, :, None], acc, 0).sum(axis=1).astype(x.dtype, copy=False)
+
+
+def slot_is_live(topk_ids, expert_map=None):
+    """[T, K] bool: the slots the combine adds, id >= 0 and (with expert_map) local."""
+    ids = np.asarray(topk_ids).astype(np.int64)
+    live = ids >= 0
+    if expert_map is not None:
+        emap = np.asarray(expert_map).astype(np.int64)
+        inside = live & (ids < emap.size)
+        live = inside & (emap[np.where(inside, ids, 0)] >= 0)
+    return live
 
 
 def _check_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, is_act_and_mul,
@@ -169,15 +190,14 @@ def check_expert_routing(topk_ids, num_local, global_num_experts, expert_map,
                          apply_router_weight_on_input):
     """The routing arguments of the experts (fused_experts, quant.fused_experts_quant):
     global_num_experts (-1 / None: num_local, which it must be without an expert_map),
-    topk_ids [T, K] in [0, global_num_experts), the router weight on the input only for
-    top-1. Returns (top_k, num_experts)."""
+    the router weight on the input only for top-1. An id outside [0, global_num_experts)
+    (vLLM's -1) is allowed: that slot contributes nothing. Returns (top_k, num_experts)."""
     top_k = topk_ids.shape[1]
     num_experts = num_local if global_num_experts in (-1, None) else global_num_experts
     num_experts = check_positive_int("global_num_experts", num_experts)
     if expert_map is None and num_experts != num_local:
         raise ValueError(f"global_num_experts: expected {num_local} (w1's experts) without an "
                          f"expert_map, got {num_experts}")
-    check_ids_in_range("topk_ids", topk_ids, num_experts)
     if apply_router_weight_on_input and top_k != 1:
         raise ValueError(f"apply_router_weight_on_input: needs top_k == 1, got top_k = {top_k}")
     return top_k, num_experts
@@ -203,9 +223,11 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     """The routed experts of one MoE layer (vLLM's fused_experts).
 
     hidden_states [T, H]; w1 = w13 [E_local, 2I, H] (gate rows then up rows, interleaved for
-    swigluoai); w2 [E_local, H, I]; topk_weights [T, K] f32; topk_ids [T, K] global ids.
-    expert_map [E] maps global ids to local ids or -1: slots of experts on other ranks add
-    nothing, so the ranks' partial outputs sum to the whole layer. The router weight scales
+    swigluoai); w2 [E_local, H, I]; topk_weights [T, K] f32; topk_ids [T, K] global ids, an
+    id outside [0, E) (vLLM's -1: a masked or padded token) adds nothing: alignment skips
+    the slot and the combine leaves it out. expert_map [E] maps global ids to local ids or
+    -1: slots of experts on other ranks add nothing, so the ranks' partial outputs sum to
+    the whole layer. The router weight scales
     GEMM2's output (and so the down-projection bias), or with apply_router_weight_on_input
     (top-1 only) GEMM1's. Returns [T, H] in hidden_states' dtype (float64 when exact).
     A batch whose intermediates cannot fit in host memory is refused before any of them is
@@ -235,7 +257,9 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     cache3 = grouped_gemm(cache2, w2, sorted_token_ids, expert_ids,                # [P, H]
                           num_tokens_post_padded, 1, block_size, topk_weights,
                           mul_routed_weight=not apply_router_weight_on_input, bias=w2_bias)
-    return moe_sum(cache3.reshape(num_tokens, top_k, hidden))                      # [T, H]
+    live_ids = np.where((topk_ids >= 0) & (topk_ids < num_experts), topk_ids, -1)
+    return moe_sum(cache3.reshape(num_tokens, top_k, hidden), live_ids,  # [T, H]
+                   expert_map)
 
 
 def fused_moe(hidden_states, w1, w2, gating_output, topk, renormalize, activation="silu",

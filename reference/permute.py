@@ -57,36 +57,40 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
                          pad_sorted_ids=False, ignore_invalid_experts=False):
     """Sort slots by expert and pad each expert's run to a multiple of block_size.
 
+    A slot whose id lies outside [0, num_experts) (vLLM's -1: a masked or padded token, an
+    expert of another rank) is skipped: it appears nowhere and counts in nothing.
     With expert_map (global id -> local id or -1): by default every expert is aligned and
-    expert_ids holds local ids, -1 for experts not on this rank (the GEMMs write zeros for
-    their rows); with ignore_invalid_experts=True non-local experts get no blocks at all.
+    expert_ids holds local ids, -1 for the blocks of experts not on this rank (the GEMMs
+    write zeros for their rows); with ignore_invalid_experts=True the slots of non-local
+    experts are skipped too (no blocks). num_tokens_post_padded counts the scheduled slots
+    only. Blocks past num_tokens_post_padded hold -1.
 
     Returns (sorted_token_ids int32, expert_ids int32, num_tokens_post_padded int32 [1]).
     """
     check_int("topk_ids", topk_ids, ndim=2)
     block_size = check_positive_int("block_size", block_size)
     num_experts = check_positive_int("num_experts", num_experts)
-    check_ids_in_range("topk_ids", topk_ids, num_experts)
     expert_map = _check_expert_map(expert_map, num_experts)
 
     flat = topk_ids.ravel().astype(np.int64)                       # [P] expert of slot s
     num_slots = flat.size
     capacity = max_num_tokens_padded(num_slots, block_size, num_experts, pad_sorted_ids)
 
-    counts = np.bincount(flat, minlength=num_experts)              # [E]
-    aligned = counts.copy()
+    scheduled = (flat >= 0) & (flat < num_experts)                 # [P] the slots aligned
     if expert_map is not None and ignore_invalid_experts:
-        aligned[expert_map < 0] = 0
-    padded = _cdiv(aligned, block_size) * block_size               # [E]
+        scheduled &= expert_map[np.where(scheduled, flat, 0)] >= 0
+    slots = np.nonzero(scheduled)[0]                               # increasing s
+    experts = flat[slots]
+    counts = np.bincount(experts, minlength=num_experts)           # [E]
+    padded = _cdiv(counts, block_size) * block_size                # [E]
     padded_starts = np.concatenate([[0], np.cumsum(padded)[:-1]])  # [E] where expert e begins
     slot_starts = np.concatenate([[0], np.cumsum(counts)[:-1]])    # [E] in the sorted slot list
 
-    order = np.argsort(flat, kind="stable")                        # [P] slots grouped by expert
-    expert_of = flat[order]
-    rank_in_expert = np.arange(num_slots) - slot_starts[expert_of]
-    keep = aligned[expert_of] > 0
+    order = np.argsort(experts, kind="stable")                     # scheduled slots by expert
+    expert_of = experts[order]
+    rank_in_expert = np.arange(slots.size) - slot_starts[expert_of]
     sorted_token_ids = np.full(capacity, num_slots, dtype=np.int32)
-    sorted_token_ids[padded_starts[expert_of[keep]] + rank_in_expert[keep]] = order[keep]
+    sorted_token_ids[padded_starts[expert_of] + rank_in_expert] = slots[order]
 
     num_blocks = int(padded.sum()) // block_size
     expert_ids = np.full(_cdiv(capacity, block_size), -1, dtype=np.int32)

@@ -729,7 +729,9 @@ def fused_experts_quant(hidden_states, w1, w2, topk_weights, topk_ids, activatio
                                 1, block_size, topk_weights,
                                 mul_routed_weight=not apply_router_weight_on_input, bias=w2_bias,
                                 a_scale=a2s, w_scale=w2_scale, w_zp=w2_zp, **flags)   # [P, H]
-    return moe_sum(cache3.reshape(num_tokens, top_k, hidden))                         # [T, H]
+    live_ids = np.where((topk_ids >= 0) & (topk_ids < num_experts), topk_ids, -1)
+    return moe_sum(cache3.reshape(num_tokens, top_k, hidden), live_ids,  # [T, H]
+                   expert_map)
 
 
 # ----------------------------------------------------------------------------- a layer, quantized

@@ -2,21 +2,28 @@
 
     T = tokens, E = experts, K = top-k, G = expert groups
 
-    fused_topk        softmax over E (fp32), top-K, optional renormalize      (Mixtral, Qwen3-MoE)
-    fused_topk_bias   experts chosen on softmax + bias, weighed unbiased      (biased softmax routers)
+    fused_topk        softmax or sigmoid over E (fp32), top-K, optional renormalize (Mixtral, Qwen3-MoE)
+    fused_topk_bias   experts chosen on scores + bias, weighed unbiased        (biased routers)
     grouped_topk      softmax/sigmoid, keep the best groups, top-K in them    (DeepSeek-V2/V3)
     llama4_custom_routing_function   top-1 on the logits, sigmoid weight     (Llama 4)
-    select_experts    the dispatcher of vLLM's FusedMoE.select_experts
+    select_experts    the dispatcher of vLLM's router factory
 
 Order and ties: the K experts come in descending order of their selection score, ties to
 the lowest expert id, so every backend can agree bit for bit on the ids.
 
-NaN: for *selection* a NaN score counts as -inf (ties to the lowest id), so a token always
-gets K distinct valid experts and no kernel ever indexes out of range. The *weights* follow
-the ordinary formulas, so a NaN logit in a softmax row makes that whole row's weights NaN:
-the corruption stays visible in that token's output and confined to it. A row whose
-maximum is +inf, or whose entries are all -inf, gets NaN softmax weights the same way
-(inf - inf). Under sigmoid scoring a NaN logit only poisons its own expert's score.
+Non-finite values follow vLLM's kernels, which differ by function:
+* fused_topk / fused_topk_bias (vLLM's topk_softmax / topk_sigmoid kernels): a score that
+  is not finite becomes 0. A softmax row with a NaN or +inf logit, or all -inf, is all
+  NaN before that, so it becomes all zeros: ids 0..K-1 (ties), weights 0.
+* grouped_topk (vLLM's fused grouped top-k kernel): an expert whose scoring input is not
+  finite (the logit under sigmoid, the softmax score under softmax) is *invalid*: it ranks
+  below every valid expert (ties to the lowest id) and weighs 0. A token none of whose K
+  experts is valid gets the weights 1/K when renormalizing, else 0.
+So a token always gets K distinct experts in [0, E) and finite weights.
+
+Precision: all routing math is fp32, except that grouped_topk's softmax scores are rounded
+to the logits' dtype before use (vLLM computes that softmax in the logits' dtype, bf16 for a
+bf16 router, and upcasts after); fp32 and fp64 logits are unaffected.
 """
 
 from __future__ import annotations
@@ -45,6 +52,42 @@ def sigmoid(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float32)
     with np.errstate(over="ignore"):
         return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+
+def _check_scoring_func(scoring_func):
+    if not isinstance(scoring_func, str):
+        raise TypeError(f"scoring_func: expected one of {list(SCORING_FUNCS)}, "
+                        f"got {type(scoring_func).__name__}")
+    return check_choice("scoring_func", scoring_func, SCORING_FUNCS)
+
+
+def scores_of(logits: np.ndarray, scoring_func: str = "softmax") -> np.ndarray:
+    """softmax or sigmoid of the logits, fp32 [T, E]."""
+    return softmax(logits) if scoring_func == "softmax" else sigmoid(logits)
+
+
+def topk_scores(logits: np.ndarray, scoring_func: str = "softmax") -> np.ndarray:
+    """The scores vLLM's topk_softmax / topk_sigmoid kernels rank: fp32, a non-finite score
+    (NaN, +-inf) replaced by 0."""
+    scores = scores_of(logits, scoring_func)
+    return np.where(np.isfinite(scores), scores, np.float32(0.0)).astype(np.float32)
+
+
+def grouped_scores(logits: np.ndarray, scoring_func: str = "softmax"):
+    """The scores grouped_topk ranks, and which experts are valid: (scores f32 [T, E],
+    valid bool [T, E]). Softmax: computed in fp32, rounded to the logits' dtype (vLLM's
+    torch.softmax runs in that dtype), valid where finite. Sigmoid: fp32, valid where the
+    logit is finite. Invalid experts' scores are 0 here (they never weigh anything)."""
+    if scoring_func == "softmax":
+        raw = softmax(logits)
+        valid = np.isfinite(raw)
+        if np.dtype(logits.dtype) != np.float32:
+            with np.errstate(over="ignore", invalid="ignore"):
+                raw = raw.astype(logits.dtype).astype(np.float32)
+    else:
+        valid = np.isfinite(logits.astype(np.float32))
+        raw = sigmoid(logits)
+    return np.where(valid, raw, np.float32(0.0)).astype(np.float32), valid
 
 
 def topk_indices(scores: np.ndarray, k: int) -> np.ndarray:
@@ -101,18 +144,20 @@ def _check_bias(e_score_correction_bias, num_experts):
                        shape=(num_experts,)).astype(np.float32)
 
 
-def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None):
-    """Softmax top-k routing.
+def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None,
+               scoring_func="softmax"):
+    """Softmax (or sigmoid) top-k routing: vLLM's topk_softmax / topk_sigmoid kernels.
 
-    scores = softmax(gating_output)                 # [T, E] fp32
+    scores = softmax or sigmoid(gating_output)      # [T, E] fp32, non-finite -> 0
     topk_ids = the K best experts by score          # [T, K] descending, ties to lowest id
-    topk_weights = scores[topk_ids] (/ their sum)   # [T, K] fp32
+    topk_weights = scores[topk_ids] (/ their sum)   # [T, K] fp32 (the sum only if > 0)
     token_expert_indices[t, k] = k * T + t          # [T, K] the slot's row in a slot-major layout
 
     Returns (topk_weights f32, topk_ids int32 (or indices_type), token_expert_indices int32).
     """
+    _check_scoring_func(scoring_func)
     num_tokens, _, topk = _check_logits(hidden_states, gating_output, topk)
-    scores = softmax(gating_output)                                   # [T, E]
+    scores = topk_scores(gating_output, scoring_func)                 # [T, E]
     topk_ids = topk_indices(scores, topk)                             # [T, K]
     topk_weights = np.take_along_axis(scores, topk_ids, axis=-1)      # [T, K]
     if renormalize:
@@ -123,22 +168,27 @@ def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=Non
             token_expert_indices.astype(np.int32))
 
 
-def fused_topk_bias(hidden_states, gating_output, e_score_correction_bias, topk, renormalize,
-                    routed_scaling_factor=1.0):
-    """Softmax routing whose choice is steered by a per-expert bias.
+def fused_topk_bias(hidden_states, gating_output, scoring_func, e_score_correction_bias, topk,
+                    renormalize, indices_type=None, routed_scaling_factor=1.0):
+    """Routing whose choice is steered by a per-expert bias (vLLM's fused_topk_bias: the
+    topk_softmax / topk_sigmoid kernels with a bias).
 
-    scores = softmax(gating_output); topk_ids = top-K of (scores + bias);
-    topk_weights = scores[topk_ids], renormalized if asked, then * routed_scaling_factor.
+    scores = softmax or sigmoid(gating_output), non-finite -> 0; topk_ids = top-K of
+    (scores + bias) (of scores when the bias is None); topk_weights = scores[topk_ids],
+    renormalized if asked, then * routed_scaling_factor.
     """
+    _check_scoring_func(scoring_func)
     _, num_experts, topk = _check_logits(hidden_states, gating_output, topk)
-    bias = _check_bias(e_score_correction_bias, num_experts)
-    scores = softmax(gating_output)                                   # [T, E]
-    topk_ids = topk_indices(scores + bias[None, :], topk)             # [T, K]
+    scores = topk_scores(gating_output, scoring_func)                 # [T, E]
+    choice = scores
+    if e_score_correction_bias is not None:
+        choice = scores + _check_bias(e_score_correction_bias, num_experts)[None, :]
+    topk_ids = topk_indices(choice, topk)                             # [T, K]
     topk_weights = np.take_along_axis(scores, topk_ids, axis=-1)
     if renormalize:
         topk_weights = _renormalize(topk_weights)
     topk_weights = topk_weights * np.float32(routed_scaling_factor)
-    return topk_weights.astype(np.float32), topk_ids.astype(np.int32)
+    return topk_weights.astype(np.float32), topk_ids.astype(indices_type or np.int32)
 
 
 def check_grouped_topk_args(num_experts, topk, scoring_func, num_expert_group, topk_group):
@@ -165,31 +215,35 @@ def check_grouped_topk_args(num_experts, topk, scoring_func, num_expert_group, t
 def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,
                  topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0,
                  e_score_correction_bias=None):
-    """DeepSeek-V2/V3 group-limited routing.
+    """DeepSeek-V2/V3 group-limited routing (vLLM's grouped_topk and its fused kernel).
 
-    scores = softmax or sigmoid(gating_output)              # [T, E] fp32
-    choice = scores + bias (or scores)                      # what selection sees
-    group score = max of the group's scores (no bias), or the sum of its two best choice
-                  scores (with a bias)                      # [T, G], groups of E/G experts
+    scores, valid = grouped_scores(gating_output)          # [T, E] fp32 (softmax rounded to
+                                                           # the logits' dtype), finite inputs
+    choice = scores + bias (or scores), -inf where invalid # what selection sees
+    group score = max of the group's choices (no bias), or the sum of its two best
+                  (with a bias)                            # [T, G], groups of E/G experts
     keep the topk_group best groups; other experts -> -inf; topk_ids = top-K of choice
-    topk_weights = scores[topk_ids] (unbiased), renormalized if asked, * routed_scaling_factor
+    topk_weights = scores[topk_ids] (unbiased; 0 for an invalid expert), renormalized if
+                   asked, * routed_scaling_factor; a token with no valid expert among its K
+                   gets 1/K each when renormalizing, else 0
     """
     _, num_experts, topk = _check_logits(hidden_states, gating_output, topk)
     num_expert_group, topk_group, per_group = check_grouped_topk_args(
         num_experts, topk, scoring_func, num_expert_group, topk_group)
 
-    scores = softmax(gating_output) if scoring_func == "softmax" else sigmoid(gating_output)
+    scores, valid = grouped_scores(gating_output, scoring_func)          # [T, E]
     num_tokens = scores.shape[0]
+    choice = scores
     if e_score_correction_bias is not None:
         choice = scores + _check_bias(e_score_correction_bias, num_experts)[None, :]
-        grouped = choice.reshape(num_tokens, num_expert_group, per_group)   # [T, G, E/G]
+    choice = np.where(valid, choice, -np.inf).astype(np.float32)
+    grouped = choice.reshape(num_tokens, num_expert_group, per_group)    # [T, G, E/G]
+    if e_score_correction_bias is not None:
         best_two = topk_indices(grouped, min(2, per_group))
         group_scores = np.take_along_axis(grouped, best_two, axis=-1).sum(axis=-1)
     else:
-        choice = scores
-        # a NaN score ranks as -inf here too: it must not knock its whole group out
-        finite = np.where(np.isnan(scores), -np.inf, scores)
-        group_scores = finite.reshape(num_tokens, num_expert_group, per_group).max(axis=-1)
+        # a NaN choice (a NaN bias) ranks as -inf here too: it must not knock its group out
+        group_scores = np.where(np.isnan(grouped), -np.inf, grouped).max(axis=-1)
 
     kept_groups = topk_indices(group_scores, topk_group)                 # [T, topk_group]
     group_mask = np.zeros((num_tokens, num_expert_group), dtype=bool)
@@ -198,10 +252,15 @@ def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_gro
     masked_choice = np.where(expert_mask, choice, -np.inf)
 
     topk_ids = topk_indices(masked_choice, topk)                         # [T, K]
-    topk_weights = np.take_along_axis(scores, topk_ids, axis=-1)
+    chosen_valid = np.take_along_axis(valid, topk_ids, axis=-1)          # [T, K]
+    topk_weights = np.where(chosen_valid, np.take_along_axis(scores, topk_ids, axis=-1),
+                            np.float32(0.0))
     if renormalize:
         topk_weights = _renormalize(topk_weights)
     topk_weights = topk_weights * np.float32(routed_scaling_factor)
+    none_valid = ~chosen_valid.any(axis=-1)                              # [T]
+    if none_valid.any():
+        topk_weights[none_valid] = np.float32(1.0 / topk) if renormalize else np.float32(0.0)
     return topk_weights.astype(np.float32), topk_ids.astype(np.int32)
 
 
@@ -254,16 +313,16 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
                    scoring_func="softmax", routed_scaling_factor=1.0,
                    e_score_correction_bias=None, indices_type=None, global_num_experts=None,
                    zero_expert_num=0, zero_expert_type=None, ops=None):
-    """vLLM's FusedMoE.select_experts: pick the routing function, return
+    """vLLM's FusedMoE routing: pick the routing function, return
     (topk_weights [T, K] f32, topk_ids [T, K] int32, zero_expert_result [T, H] or None).
 
-    Dispatch, in vLLM's order: grouped_topk if use_grouped_topk; fused_topk_bias if a
-    correction bias is given; fused_topk if no custom function; else the custom function.
-    A plain sigmoid router (scoring_func="sigmoid" without groups) is grouped_topk with one
-    group, which is the same function. `ops` supplies fused_topk / fused_topk_bias /
-    grouped_topk from another backend, and optionally the array handling of the tail
-    (call_custom_routing, ids_astype, copy, zero_experts_compute; see _REFERENCE_OPS):
-    the dispatch logic is shared.
+    Dispatch, in the order of vLLM's router factory: grouped_topk if use_grouped_topk; the
+    custom function if one is given; fused_topk_bias (softmax or sigmoid scores) if a
+    correction bias is given; else fused_topk (softmax or sigmoid). routed_scaling_factor
+    applies to grouped_topk and fused_topk_bias only (vLLM's FusedTopKRouter takes none).
+    `ops` supplies fused_topk / fused_topk_bias / grouped_topk from another backend, and
+    optionally the array handling of the tail (call_custom_routing, ids_astype, copy,
+    zero_experts_compute; see _REFERENCE_OPS): the dispatch logic is shared.
 
     With global_num_experts given, router_logits must have global_num_experts +
     zero_expert_num columns (ValueError naming router_logits): a narrower router would
@@ -276,28 +335,27 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
     def tail(name):   # the array handling: the backend's if it has one, else NumPy's
         return getattr(ops, name, getattr(_REFERENCE_OPS, name))
 
-    check_choice("scoring_func", scoring_func, SCORING_FUNCS)
+    _check_scoring_func(scoring_func)
     check_router_width("router_logits", router_logits, global_num_experts, zero_expert_num)
-    if use_grouped_topk or (scoring_func == "sigmoid" and custom_routing_function is None):
-        if use_grouped_topk and (topk_group is None or num_expert_group is None):
+    if use_grouped_topk:
+        if topk_group is None or num_expert_group is None:
             raise ValueError("use_grouped_topk: expected topk_group and num_expert_group, "
                              f"got topk_group={topk_group}, num_expert_group={num_expert_group}")
         topk_weights, topk_ids = ops.grouped_topk(
             hidden_states, router_logits, top_k, renormalize,
-            num_expert_group=num_expert_group if use_grouped_topk else 1,
-            topk_group=topk_group if use_grouped_topk else 1,
+            num_expert_group=num_expert_group, topk_group=topk_group,
             scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor,
             e_score_correction_bias=e_score_correction_bias)
-    elif e_score_correction_bias is not None:
-        topk_weights, topk_ids = ops.fused_topk_bias(
-            hidden_states, router_logits, e_score_correction_bias, top_k, renormalize,
-            routed_scaling_factor=routed_scaling_factor)
-    elif custom_routing_function is None:
-        topk_weights, topk_ids, _ = ops.fused_topk(hidden_states, router_logits, top_k,
-                                                   renormalize)
-    else:
+    elif custom_routing_function is not None:
         topk_weights, topk_ids = tail("call_custom_routing")(
             custom_routing_function, hidden_states, router_logits, top_k, renormalize)
+    elif e_score_correction_bias is not None:
+        topk_weights, topk_ids = ops.fused_topk_bias(
+            hidden_states, router_logits, scoring_func, e_score_correction_bias, top_k,
+            renormalize, routed_scaling_factor=routed_scaling_factor)
+    else:
+        topk_weights, topk_ids, _ = ops.fused_topk(hidden_states, router_logits, top_k,
+                                                   renormalize, scoring_func=scoring_func)
     if indices_type is not None:
         topk_ids = tail("ids_astype")(topk_ids, indices_type)
 

@@ -30,7 +30,8 @@ fixes the routing whatever the router weight is:
     one_expert   every token picks the same K experts, E//2 first (then E//2+1, ... mod E):
                  one expert holds every token and E-K experts get none
     nan_rows     balanced, then every 8th row has one NaN logit and every 16th (from row 4)
-                 is all NaN: NaN must stay confined to those tokens
+                 is all NaN: vLLM's routing kernels give those tokens defined ids and
+                 finite weights (docs/stages.md, route), no NaN reaches an output
 
 Determinism: the same seed gives byte-identical files. Tensors come from
 `numpy.random.default_rng(SeedSequence([seed, family_index, purpose]))`; safetensors writes

@@ -22,6 +22,7 @@ argument, or `layer.backend = ...` at any time):
     activation  apply_activation        cache1                                -> cache2 [P, I_p]
     gemm2       grouped_gemm            cache2 @ w2[e].T (* router weight)     -> cache3 [P, H]
     combine     moe_sum                 cache3 [T, K, H] summed over K         -> out [T, H]
+                                        (live slots only: not id -1, not off this rank)
 
 Arrays move between backends only when the backend changes (sandbox.arrays.transfer: zero
 copy between GPU libraries, through the host only when a host backend follows). The
@@ -892,7 +893,10 @@ class FusedMoE:
             + (None, None, bk["route"], None, bk["gemm2"]))
         cache3 = arrays.transfer(cache3, bk["gemm2"], bk["combine"])
         cache3 = cache3.reshape(t, self.top_k, self.hidden_size)               # [T, K, H]
-        out = self._call(run, "combine", (cache3,), {}, (bk["combine"],))
+        out = self._call(   # a slot routed nowhere (id -1, or off this rank) adds nothing
+            run, "combine", (cache3, topk_ids),
+            {"expert_map": self._constant("expert_map", self.expert_map, bk["combine"])},
+            (bk["combine"], bk["route"]))
         return self._extras(run, out, x, src_x, zero_result, block, exact)
 
     def _fused_experts(self, bk):

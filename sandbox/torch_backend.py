@@ -23,7 +23,9 @@ NumPy arrays are accepted and converted):
 Module functions: availability(), to_device(np_array), to_host(tensor), device().
 
 Precision: like the reference, every stage computes in fp32 (fp64 for fp64 inputs) and
-rounds its floating output once to the dtype of its main input. One exception, on purpose:
+rounds its floating output to the dtype of its main input at the reference's rounding
+points (grouped_topk's softmax scores in the logits' dtype; a gated activation's act(gate)
+before the multiply, as vLLM's kernels). One exception, on purpose:
 `grouped_gemm(..., impl="grouped_mm")` lets `torch._grouped_mm` round the product to the
 input dtype before the bias and the routed weight are applied, as a user of it would.
 
@@ -214,16 +216,53 @@ def _check_logits(hidden_states, gating_output, topk):
     return t, e, topk
 
 
-def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None):
-    """Softmax top-k: scores = softmax(logits) [T, E] fp32; ids = K best (descending, ties
-    to the lowest id); weights = scores[ids] (/ their sum if renormalize);
-    token_expert_indices[t, k] = k*T + t. Returns (f32 [T, K], int32 [T, K], int32 [T, K])."""
+def _scoring_func(scoring_func):
+    if not isinstance(scoring_func, str):
+        raise TypeError(f"scoring_func: expected one of ['sigmoid', 'softmax'], "
+                        f"got {type(scoring_func).__name__}")
+    if scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring_func: expected one of ['sigmoid', 'softmax'], "
+                         f"got {scoring_func!r}")
+    return scoring_func
+
+
+def _topk_scores(logits, scoring_func):
+    """vLLM's topk_softmax / topk_sigmoid scores: fp32, a non-finite score replaced by 0."""
     import torch
 
+    scores = _softmax(logits) if scoring_func == "softmax" else _sigmoid(logits)
+    return torch.where(torch.isfinite(scores), scores, torch.zeros_like(scores))
+
+
+def _grouped_scores(logits, scoring_func):
+    """grouped_topk's scores and valid mask: softmax computed in fp32 and rounded to the
+    logits' dtype (valid where finite), sigmoid in fp32 (valid where the logit is finite);
+    invalid experts score 0."""
+    import torch
+
+    if scoring_func == "softmax":
+        raw = _softmax(logits)
+        valid = torch.isfinite(raw)
+        raw = raw.to(logits.dtype).float()
+    else:
+        valid = torch.isfinite(logits.float())
+        raw = _sigmoid(logits)
+    return torch.where(valid, raw, torch.zeros_like(raw)), valid
+
+
+def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None,
+               scoring_func="softmax"):
+    """vLLM's topk_softmax / topk_sigmoid: scores = softmax or sigmoid(logits) [T, E] fp32
+    (non-finite -> 0); ids = K best (descending, ties to the lowest id); weights =
+    scores[ids] (/ their sum if renormalize); token_expert_indices[t, k] = k*T + t.
+    Returns (f32 [T, K], int32 [T, K], int32 [T, K])."""
+    import torch
+
+    _scoring_func(scoring_func)
     hidden_states, gating_output = _t(hidden_states, "hidden_states"), _t(gating_output,
                                                                           "gating_output")
     t, _, topk = _check_logits(hidden_states, gating_output, topk)
-    scores = _softmax(gating_output)                                  # [T, E]
+    scores = _topk_scores(gating_output, scoring_func)                # [T, E]
     ids = _topk_indices(scores, topk)                                 # [T, K]
     weights = scores.gather(-1, ids)
     if renormalize:
@@ -234,65 +273,81 @@ def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=Non
     return weights.float(), ids.to(_index_dtype(indices_type)), tei
 
 
-def fused_topk_bias(hidden_states, gating_output, e_score_correction_bias, topk, renormalize,
-                    routed_scaling_factor=1.0):
-    """Experts chosen on softmax + bias, weighed by the unbiased softmax, renormalized if
-    asked, times routed_scaling_factor. Returns (f32 [T, K], int32 [T, K])."""
+def fused_topk_bias(hidden_states, gating_output, scoring_func, e_score_correction_bias, topk,
+                    renormalize, indices_type=None, routed_scaling_factor=1.0):
+    """Experts chosen on scores + bias (scores: softmax or sigmoid, non-finite -> 0),
+    weighed by the unbiased scores, renormalized if asked, times routed_scaling_factor.
+    Returns (f32 [T, K], int32 [T, K])."""
+    _scoring_func(scoring_func)
     hidden_states, gating_output = _t(hidden_states, "hidden_states"), _t(gating_output,
                                                                           "gating_output")
-    bias = _t(e_score_correction_bias, "e_score_correction_bias")
     _, e, topk = _check_logits(hidden_states, gating_output, topk)
-    _check_float("e_score_correction_bias", bias, ndim=1)
-    if bias.shape[0] != e:
-        raise ValueError(f"e_score_correction_bias: expected shape ({e},), got {tuple(bias.shape)}")
-    scores = _softmax(gating_output)
-    ids = _topk_indices(scores + bias.float()[None, :], topk)
+    scores = _topk_scores(gating_output, scoring_func)
+    choice = scores
+    if e_score_correction_bias is not None:
+        bias = _t(e_score_correction_bias, "e_score_correction_bias")
+        _check_float("e_score_correction_bias", bias, ndim=1)
+        if bias.shape[0] != e:
+            raise ValueError(f"e_score_correction_bias: expected shape ({e},), "
+                             f"got {tuple(bias.shape)}")
+        choice = scores + bias.float()[None, :]
+    ids = _topk_indices(choice, topk)
     weights = scores.gather(-1, ids)
     if renormalize:
         weights = _renormalize(weights)
     weights = weights * float(routed_scaling_factor)
-    return weights.float(), ids.int()
+    return weights.float(), ids.to(_index_dtype(indices_type))
 
 
 def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,
                  topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0,
                  e_score_correction_bias=None):
-    """DeepSeek group-limited routing: scores (softmax or sigmoid, fp32); group score = max
-    of the group (no bias) or sum of its two best biased scores; keep the topk_group best
-    groups; top-K of the (biased) masked scores; weights unbiased, renormalized if asked,
-    times routed_scaling_factor. Returns (f32 [T, K], int32 [T, K])."""
+    """DeepSeek group-limited routing: scores (softmax rounded to the logits' dtype, or
+    sigmoid), an expert with a non-finite scoring input invalid (ranked last, weight 0);
+    group score = max of the group's choices (no bias) or sum of its two best biased ones;
+    keep the topk_group best groups; top-K of the (biased) masked choices; weights
+    unbiased, renormalized if asked, times routed_scaling_factor; a token with no valid
+    expert among its K gets 1/K (renormalize) or 0. Returns (f32 [T, K], int32 [T, K])."""
     import torch
 
     hidden_states, gating_output = _t(hidden_states, "hidden_states"), _t(gating_output,
                                                                           "gating_output")
     _, e, topk = _check_logits(hidden_states, gating_output, topk)
     g, kg, per = check_grouped_topk_args(e, topk, scoring_func, num_expert_group, topk_group)
-    scores = _softmax(gating_output) if scoring_func == "softmax" else _sigmoid(gating_output)
+    scores, valid = _grouped_scores(gating_output, scoring_func)
     t = scores.shape[0]
+    neg_inf = torch.full_like(scores, -math.inf)
+    choice = scores
     if e_score_correction_bias is not None:
         bias = _t(e_score_correction_bias, "e_score_correction_bias").float()
         if bias.dim() != 1 or bias.shape[0] != e:
             raise ValueError(f"e_score_correction_bias: expected shape ({e},), "
                              f"got {tuple(bias.shape)}")
         choice = scores + bias[None, :]
-        grouped = choice.reshape(t, g, per)                               # [T, G, E/G]
+    choice = torch.where(valid, choice, neg_inf)
+    grouped = choice.reshape(t, g, per)                                   # [T, G, E/G]
+    if e_score_correction_bias is not None:
         best = _topk_indices(grouped, min(2, per))
         group_scores = grouped.gather(-1, best).sum(-1)                   # [T, G]
     else:
-        choice = scores
         # NaN as -inf for selection: amax would propagate a NaN into the group score
-        key = torch.where(torch.isnan(scores), torch.full_like(scores, -math.inf), scores)
-        group_scores = key.reshape(t, g, per).amax(-1)
+        key = torch.where(torch.isnan(grouped), torch.full_like(grouped, -math.inf), grouped)
+        group_scores = key.amax(-1)
     kept = _topk_indices(group_scores, kg)                                # [T, topk_group]
     group_mask = torch.zeros((t, g), dtype=torch.bool, device=scores.device)
     group_mask.scatter_(1, kept, True)
     expert_mask = group_mask.repeat_interleave(per, dim=1)                # [T, E]
-    masked = torch.where(expert_mask, choice, torch.full_like(choice, -math.inf))
+    masked = torch.where(expert_mask, choice, neg_inf)
     ids = _topk_indices(masked, topk)
-    weights = scores.gather(-1, ids)
+    chosen_valid = valid.gather(-1, ids)
+    weights = torch.where(chosen_valid, scores.gather(-1, ids), torch.zeros_like(ids,
+                                                                                 dtype=torch.float32))
     if renormalize:
         weights = _renormalize(weights)
     weights = weights * float(routed_scaling_factor)
+    none_valid = ~chosen_valid.any(-1, keepdim=True)
+    weights = torch.where(none_valid, torch.full_like(weights, 1.0 / topk if renormalize else 0.0),
+                          weights)
     return weights.float(), ids.int()
 
 
@@ -346,9 +401,9 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
                    scoring_func="softmax", routed_scaling_factor=1.0,
                    e_score_correction_bias=None, indices_type=None, global_num_experts=None,
                    zero_expert_num=0, zero_expert_type=None, ops=None):
-    """vLLM's dispatcher, in vLLM's order: grouped_topk (also a plain sigmoid router, as one
-    group); fused_topk_bias when a correction bias is given; fused_topk; else the custom
-    function. The dispatch is the reference's (reference.routing.select_experts) with
+    """vLLM's dispatcher, in its router factory's order: grouped_topk; the custom function;
+    fused_topk_bias when a correction bias is given; else fused_topk (softmax or sigmoid
+    scores). The dispatch is the reference's (reference.routing.select_experts) with
     ops = this module's routing functions and tensor handling, as the CuPy and Numba
     backends do: the routing math stays this module's own. A custom routing function is
     user code written against NumPy: it is called with host NumPy arrays and its results
@@ -368,7 +423,8 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
 def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
                          pad_sorted_ids=False, ignore_invalid_experts=False):
     """Group the P = T*K slots by expert, each expert's run padded to a multiple of B with
-    the value P. Returns (sorted_token_ids int32 [max_padded], expert_ids int32
+    the value P; a slot whose id is outside [0, E) (or, with ignore_invalid_experts, whose
+    expert is not local) is skipped. Returns (sorted_token_ids int32 [max_padded], expert_ids int32
     [cdiv(max_padded, B)] (local ids under expert_map, -1 past the end or off-rank),
     num_tokens_post_padded int32 [1]). Same layout as the reference: a stable sort, so slots
     come in increasing s within an expert."""
@@ -381,9 +437,6 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()                                   # [P]
     p = flat.numel()
-    if p and (int(flat.min()) < 0 or int(flat.max()) >= e):
-        bad = flat[(flat < 0) | (flat >= e)][0]
-        raise ValueError(f"topk_ids: expected expert ids in [0, {e}), got {int(bad)}")
     if expert_map is not None:
         expert_map = _t(expert_map, "expert_map").to(dev)
         _check_int("expert_map", expert_map, ndim=1)
@@ -391,19 +444,22 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
             raise ValueError(f"expert_map: expected shape ({e},), got {tuple(expert_map.shape)}")
     capacity = max_num_tokens_padded(p, b, e, pad_sorted_ids)
 
-    counts = torch.bincount(flat, minlength=e)                           # [E]
-    aligned = counts.clone()
+    # the slots aligned: ids in [0, E) (vLLM's -1 and ids past E are skipped), and with
+    # ignore_invalid_experts only local experts
+    scheduled = (flat >= 0) & (flat < e)                                 # [P]
     if expert_map is not None and ignore_invalid_experts:
-        aligned[expert_map < 0] = 0
-    padded = (aligned + b - 1) // b * b                                  # [E]
+        scheduled &= expert_map.long()[torch.where(scheduled, flat, 0)] >= 0
+    slots = torch.nonzero(scheduled).squeeze(1)                          # increasing s
+    experts = flat[slots]
+    counts = torch.bincount(experts, minlength=e)                        # [E]
+    padded = (counts + b - 1) // b * b                                   # [E]
     padded_starts = torch.cumsum(padded, 0) - padded                     # exclusive scan
     slot_starts = torch.cumsum(counts, 0) - counts
-    order = torch.sort(flat, stable=True).indices                        # [P]
-    expert_of = flat[order]
-    rank = torch.arange(p, device=dev) - slot_starts[expert_of]
-    keep = aligned[expert_of] > 0
+    order = torch.sort(experts, stable=True).indices                     # scheduled, by expert
+    expert_of = experts[order]
+    rank = torch.arange(slots.numel(), device=dev) - slot_starts[expert_of]
     sorted_token_ids = torch.full((capacity,), p, dtype=torch.int32, device=dev)
-    sorted_token_ids[padded_starts[expert_of[keep]] + rank[keep]] = order[keep].int()
+    sorted_token_ids[padded_starts[expert_of] + rank] = slots[order].int()
 
     num_blocks = int(padded.sum()) // b
     expert_ids = torch.full((_cdiv(capacity, b),), -1, dtype=torch.int32, device=dev)
@@ -567,30 +623,33 @@ def _gate_up(x):
     return xc[:, :h], xc[:, h:]
 
 
-def silu_and_mul(x):
-    """silu(x[:, :N/2]) * x[:, N/2:] -> [M, N/2]"""
+def _gated(name, x):
+    """act(gate) rounded to x's dtype, times up in fp32, rounded again: vLLM's
+    (T)(ACT(gate) * (float)up), where ACT returns a T (exact for fp32 / fp64)."""
     x = _t(x)
     gate, up = _gate_up(x)
-    return (_act("silu", gate) * up).to(x.dtype)
+    act = _act(name, gate).to(x.dtype).to(gate.dtype)
+    return (act * up).to(x.dtype)
+
+
+def silu_and_mul(x):
+    """silu(x[:, :N/2]) * x[:, N/2:] -> [M, N/2]"""
+    return _gated("silu", x)
 
 
 def gelu_and_mul(x):
     """gelu(x[:, :N/2]) (exact erf) * x[:, N/2:] -> [M, N/2]"""
-    x = _t(x)
-    gate, up = _gate_up(x)
-    return (_act("gelu", gate) * up).to(x.dtype)
+    return _gated("gelu", x)
 
 
 def gelu_tanh_and_mul(x):
     """gelu_tanh(x[:, :N/2]) * x[:, N/2:] -> [M, N/2]"""
-    x = _t(x)
-    gate, up = _gate_up(x)
-    return (_act("gelu_tanh", gate) * up).to(x.dtype)
+    return _gated("gelu_tanh", x)
 
 
 def swigluoai_and_mul(x, alpha=1.702, limit=7.0):
     """gpt-oss: gate = min(x[:, 0::2], limit), up = clip(x[:, 1::2], -limit, limit),
-    out = (up + 1) * gate * sigmoid(alpha * gate) -> [M, N/2]"""
+    out = ((up + 1) * gate) / (1 + exp(-alpha * gate)) (vLLM's order, one rounding) -> [M, N/2]"""
     import torch
 
     x = _t(x)
@@ -601,7 +660,7 @@ def swigluoai_and_mul(x, alpha=1.702, limit=7.0):
     xc = x.to(_compute_dtype(x.dtype))
     gate = torch.clamp(xc[:, 0::2], max=limit)
     up = torch.clamp(xc[:, 1::2], -limit, limit)
-    return ((up + 1) * gate * torch.sigmoid(alpha * gate)).to(x.dtype)
+    return (((up + 1) * gate) / (1 + torch.exp(-alpha * gate))).to(x.dtype)
 
 
 _GATED = {"silu": silu_and_mul, "gelu": gelu_and_mul, "gelu_tanh": gelu_tanh_and_mul,
@@ -628,11 +687,28 @@ def apply_activation(x, activation="silu", is_act_and_mul=True):
 
 
 # ----------------------------------------------------------------------------- combine
-def moe_sum(x):
-    """[T, K, H] -> [T, H]: fp32 sum over K, rounded once to x.dtype."""
+def moe_sum(x, topk_ids=None, expert_map=None):
+    """[T, K, H] -> [T, H]: fp32 sum over K, rounded once to x.dtype. With topk_ids [T, K]
+    (vLLM's pad-aware moe_sum) a slot with a negative id, or with expert_map a non-local
+    expert, is skipped (its row is never read)."""
+    import torch
+
     x = _t(x)
     _check_float("x", x, ndim=3)
-    return x.to(_compute_dtype(x.dtype)).sum(dim=1).to(x.dtype)
+    acc = x.to(_compute_dtype(x.dtype))
+    if topk_ids is None:
+        return acc.sum(dim=1).to(x.dtype)
+    ids = _t(topk_ids, "topk_ids").to(x.device).long()
+    _check_int("topk_ids", ids, ndim=2)
+    if tuple(ids.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"topk_ids: expected shape {tuple(x.shape[:2])}, got {tuple(ids.shape)}")
+    live = ids >= 0
+    if expert_map is not None:
+        emap = _t(expert_map, "expert_map").to(x.device).long()
+        inside = live & (ids < emap.numel())
+        live = inside & (emap[torch.where(inside, ids, 0)] >= 0)
+    return torch.where(live[:, :, None], acc, torch.zeros((), dtype=acc.dtype,
+                                                          device=acc.device)).sum(1).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- contiguous layout
@@ -698,7 +774,8 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     impl="loop": for each expert, its tokens' rows; act(x @ w1[e].T) @ w2[e].T; scatter-add
         weighted into the output (the loop of gpt-fast / Hugging Face ports).
     impl="grouped_mm": moe_permute, two torch._grouped_mm with the activation between,
-        moe_unpermute (falls back to a loop per expert where _grouped_mm cannot run).
+        moe_unpermute (falls back to a loop per expert where _grouped_mm cannot run); it
+        needs every id in [0, E), where the loop skips a -1 slot.
     hidden_states [T, H], w1 [E, 2I, H], w2 [E, H, I], topk_weights / topk_ids [T, K]
     -> [T, H] in hidden_states' dtype.
     """
@@ -725,6 +802,8 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     out = torch.zeros((t, w2.shape[1]), dtype=cdt, device=hidden_states.device)
     flat = topk_ids.reshape(-1).long()
     for ex in torch.unique(flat).tolist():
+        if not 0 <= ex < w1.shape[0]:
+            continue                          # -1: a slot routed nowhere adds nothing
         slots = (flat == ex).nonzero().squeeze(1)                          # [n]
         tok = slots // k
         h = hidden_states[tok].to(cdt) @ w1[ex].to(cdt).T

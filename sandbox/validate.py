@@ -15,13 +15,18 @@ How it judges (T tokens, K top-k, P = T*K slots, B block size):
   too and a backend is not punished for being more accurate than the reference.
 * **Floats**: max abs error and relative Frobenius error ||got - exact||_F / ||exact||_F in
   float64; tolerance by the output's dtype (fp32 1e-5, fp16 / bf16 1e-2, fp64 1e-12). NaN
-  never passes, except where the exact output is NaN itself (NaN-logit rows): there the
-  backend must be NaN at exactly the same places. The dtype must be the contract's.
+  never passes, except where the exact output is NaN itself (a NaN in the weights or the
+  activations; a NaN logit no longer makes one: vLLM's routing gives its row defined
+  weights, docs/stages.md): there the backend must be NaN at exactly the same places. The
+  dtype must be the contract's.
 * **Routing ids**: exact, except swaps at true near-ties: where the selection scores the
   reference ranks (softmax or sigmoid, + correction bias) of the two swapped experts agree
   within 4 fp32 ulps. Those tokens are counted separately (`near_ties`) and left out of the
   float comparisons of that stage and of the end-to-end output, where a swap at a tie
   legitimately changes the token's result.
+* **Skipped slots**: a slot routed nowhere (id -1) is never computed: the GEMM and
+  activation rows are judged on the slots alignment scheduled only (`written_rows`); the
+  combine, which must leave the others out, is judged whole.
 * **Alignment**: num_tokens_post_padded and expert_ids exact; sorted_token_ids compared as
   multisets per expert run (each run of consecutive blocks of one expert; an expert with one
   block is a per-block set), because kernels may order slots within an expert freely
@@ -300,17 +305,20 @@ def compare_float(got, want, expected_dtype, rows=None) -> dict:
 def selection_scores(layer, router_logits):
     """The scores the reference's router ranks experts by ([T, E+Z] fp32), or None for a
     custom routing function (whose ranking the harness cannot know)."""
-    import reference
+    from reference import routing
 
-    if layer.custom_routing_function is not None:
+    if layer.custom_routing_function is not None and not layer.use_grouped_topk:
         return None
     logits = arrays.to_numpy(router_logits)
-    if layer.scoring_func == "sigmoid":
-        scores = reference.sigmoid(logits)
-    else:
-        scores = reference.softmax(logits)
+    valid = None
+    if layer.use_grouped_topk:   # grouped_topk's scores: softmax in the logits' dtype
+        scores, valid = routing.grouped_scores(logits, layer.scoring_func)
+    else:                        # vLLM's topk kernels: a non-finite score is 0
+        scores = routing.topk_scores(logits, layer.scoring_func)
     if layer.e_score_correction_bias is not None:
         scores = scores + layer.e_score_correction_bias[None, :].astype(np.float32)
+    if valid is not None:
+        scores = np.where(valid, scores, -np.inf)
     return scores.astype(np.float32)
 
 
@@ -490,8 +498,20 @@ def _stage_row(backend, stage, **kw):
     return row
 
 
-def _judge_stage(stage, got, want_exact, want_engine, call, scores, layer):
-    """One stage's row fields from the backend's outputs (host) vs exact and engine outputs."""
+def written_rows(align_outputs, num_slots):
+    """bool [P]: the slots alignment scheduled, the only rows of the GEMM and activation
+    outputs a kernel writes (a slot routed nowhere, id -1, is skipped: its rows hold
+    whatever the memory held, in every backend differently), or None when that is all."""
+    sorted_ids, _, ntpp = (np.asarray(arrays.to_numpy(v)) for v in align_outputs)
+    live = sorted_ids[:int(ntpp.reshape(-1)[0])]
+    rows = np.zeros(num_slots, dtype=bool)
+    rows[live[live < num_slots]] = True
+    return None if rows.all() else rows
+
+
+def _judge_stage(stage, got, want_exact, want_engine, call, scores, layer, rows=None):
+    """One stage's row fields from the backend's outputs (host) vs exact and engine outputs.
+    rows: the slots to judge in the GEMM / activation outputs (written_rows)."""
     if stage == "route":
         tw, ids, zr = (got + (None,) * 3)[:3] if isinstance(got, tuple) else (got, None, None)
         ew, _, ez = want_exact
@@ -520,7 +540,8 @@ def _judge_stage(stage, got, want_exact, want_engine, call, scores, layer):
         num_slots = int(np.asarray(call.args[0]).size)
         res = compare_align(got, want_engine, num_slots, int(call.args[1]))
         return dict(status=res["status"], ids=res["ids"], detail=res["detail"]), None
-    res = compare_float(got, want_exact, want_engine.dtype)
+    res = compare_float(got, want_exact, want_engine.dtype,
+                        rows=rows if stage in ("gemm1", "activation", "gemm2") else None)
     return dict(status=res["status"], dtype=res["dtype"], tol=res["tol"],
                 max_abs_err=res["max_abs_err"], rel_err=res["rel_err"],
                 detail=res["detail"]), None
@@ -608,6 +629,7 @@ def _validate_backends(layer, x, logits, backends, stages, end_to_end, t, refere
         block = layer.block_size_for(name, t)
         report.meta["block_sizes"][name] = block
         calls, exact_out = reference_at(block)
+        written = written_rows(calls["align"].outputs, t * layer.top_k)
         ties = np.zeros(t, bool)
         first = None
         complete = True
@@ -630,7 +652,7 @@ def _validate_backends(layer, x, logits, backends, stages, end_to_end, t, refere
                 got = (tuple(_host(b, v) for v in out) if isinstance(out, tuple)
                        else _host(b, out))
                 fields, tie_rows = _judge_stage(stage, got, exact_out[stage], call.outputs,
-                                                call, scores, layer)
+                                                call, scores, layer, written)
             except Exception as e:  # a backend that raises has diverged at this stage
                 fields, tie_rows = dict(status="error",
                                         detail=f"{type(e).__name__}: {e}".splitlines()[0]), None

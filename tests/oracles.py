@@ -154,13 +154,22 @@ def gemm_problem(T, E, K, N, Kd, B, dtype, *, ids=None, expert_map=None, ignore=
     return (a, w) + tuple(align) + (top_k, B, tw, mul, b), want
 
 
-def selection_values(logits, scoring="softmax", bias=None, groups=1, topk_group=1):
-    """The reference's fp32 selection values [T, E] of a routing (NaN as -inf, the experts of
-    masked groups -inf): what a kernel's ids are checked against at near-ties."""
+def selection_values(logits, scoring="softmax", bias=None, groups=1, topk_group=1,
+                     kernel=None):
+    """The reference's fp32 selection values [T, E] of a routing (NaN as -inf, invalid
+    experts and the experts of masked groups -inf): what a kernel's ids are checked against
+    at near-ties. kernel: "topk" (fused_topk / fused_topk_bias) or "grouped" (grouped_topk;
+    the default with more than one group)."""
     import reference
 
-    scores = reference.softmax(logits) if scoring == "softmax" else reference.sigmoid(logits)
+    kernel = kernel or ("grouped" if groups > 1 else "topk")
+    if kernel == "topk":
+        scores = reference.routing.topk_scores(logits, scoring)
+        valid = np.ones(scores.shape, bool)
+    else:
+        scores, valid = reference.routing.grouped_scores(logits, scoring)
     choice = scores + bias.astype(np.float32)[None, :] if bias is not None else scores
+    choice = np.where(valid, choice, -np.inf)
     if groups > 1:
         T, E = choice.shape
         per = E // groups
@@ -168,8 +177,8 @@ def selection_values(logits, scoring="softmax", bias=None, groups=1, topk_group=
         if bias is not None:
             two = reference.topk_indices(grouped, min(2, per))
             gscore = np.take_along_axis(grouped, two, axis=-1).sum(-1)
-        else:   # a NaN score ranks as -inf: it never knocks its group out
-            gscore = np.where(np.isnan(scores), -np.inf, scores).reshape(T, groups, per).max(-1)
+        else:   # a NaN choice ranks as -inf: it never knocks its group out
+            gscore = np.where(np.isnan(grouped), -np.inf, grouped).max(-1)
         keep = np.zeros((T, groups), bool)
         np.put_along_axis(keep, reference.topk_indices(gscore, topk_group), True, axis=-1)
         choice = np.where(np.repeat(keep, per, axis=-1), choice, -np.inf)
@@ -261,20 +270,27 @@ def sigmoid_row(row):
 
 
 def route_loop(logits, topk, renormalize=False, scoring_func="softmax", bias=None,
-               num_expert_group=1, topk_group=1, routed_scaling_factor=1.0):
+               num_expert_group=1, topk_group=1, routed_scaling_factor=1.0, kernel=None):
     """Every routing function of the contract, one token at a time, in float64.
 
-    fused_topk       = route_loop(softmax, no bias, one group, factor 1)
-    fused_topk_bias  = route_loop(softmax, bias, one group, factor)
-    grouped_topk     = route_loop(softmax | sigmoid, bias or not, G groups, factor)
+    fused_topk       = route_loop(softmax | sigmoid, no bias, one group, factor 1)   kernel "topk"
+    fused_topk_bias  = route_loop(softmax | sigmoid, bias, one group, factor)        kernel "topk"
+    grouped_topk     = route_loop(softmax | sigmoid, bias or not, G groups, factor)  kernel "grouped"
 
-    For each token: scores; choice = scores + bias (or scores); group score = the max of
-    the group's choice scores (no bias) or the sum of its two best (bias); keep the
-    topk_group best groups; ids = the K best choice scores inside them; weights = the
-    unbiased scores of those ids, divided by their sum if renormalize and the sum is > 0,
-    then times routed_scaling_factor. NaN counts as -inf wherever something is ranked.
+    (kernel defaults to "grouped" with more than one group, else "topk".) For each token:
+    scores; the non-finite rule of the kernel: "topk" makes a non-finite score 0, "grouped"
+    marks an expert invalid when its scoring input is not finite (the logit for sigmoid, the
+    softmax score for softmax) and rounds the softmax scores to the logits' dtype; choice =
+    scores + bias (or scores), -inf for an invalid expert; group score = the max of the
+    group's choices (no bias) or the sum of its two best (bias); keep the topk_group best
+    groups; ids = the K best choices inside them; weights = the unbiased scores of those ids
+    (0 if invalid), divided by their sum if renormalize and the sum is > 0, then times
+    routed_scaling_factor; a "grouped" token with no valid expert among its K gets 1/K each
+    when renormalizing, else 0. NaN counts as -inf wherever something is ranked.
     Returns (weights float64 [T, K], ids int64 [T, K]).
     """
+    kernel = kernel or ("grouped" if num_expert_group > 1 else "topk")
+    in_dtype = np.asarray(logits).dtype
     logits = np.asarray(logits).astype(np.float64)
     num_tokens, num_experts = logits.shape
     per_group = num_experts // num_expert_group
@@ -284,7 +300,17 @@ def route_loop(logits, topk, renormalize=False, scoring_func="softmax", bias=Non
     for t in range(num_tokens):
         row = [float(v) for v in logits[t]]
         scores = softmax_row(row) if scoring_func == "softmax" else sigmoid_row(row)
+        if kernel == "topk":
+            valid = [True] * num_experts
+            scores = [v if math.isfinite(v) else 0.0 for v in scores]
+        else:
+            inputs = scores if scoring_func == "softmax" else row
+            valid = [math.isfinite(v) for v in inputs]
+            if scoring_func == "softmax" and in_dtype.itemsize == 2:   # bf16 / fp16 logits
+                scores = [float(np.asarray(v).astype(in_dtype)) for v in scores]
+            scores = [v if ok else 0.0 for v, ok in zip(scores, valid)]
         choice = scores if bias is None else [s + b for s, b in zip(scores, bias)]
+        choice = [c if ok else -math.inf for c, ok in zip(choice, valid)]
         group_scores = []
         for g in range(num_expert_group):
             members = list(range(g * per_group, (g + 1) * per_group))
@@ -296,12 +322,15 @@ def route_loop(logits, topk, renormalize=False, scoring_func="softmax", bias=Non
         kept = top_ids(group_scores, topk_group)
         candidates = [e for g in kept for e in range(g * per_group, (g + 1) * per_group)]
         chosen = top_ids(choice, topk, candidates)
-        w = [scores[e] for e in chosen]
+        w = [scores[e] if valid[e] else 0.0 for e in chosen]
         if renormalize:
             total = sum(w)
             if total > 0:
                 w = [v / total for v in w]
-        weights[t] = [v * routed_scaling_factor for v in w]
+        w = [v * routed_scaling_factor for v in w]
+        if not any(valid[e] for e in chosen):
+            w = [1.0 / topk if renormalize else 0.0] * topk
+        weights[t] = w
         ids[t] = chosen
     return weights, ids
 
@@ -351,15 +380,17 @@ def align_capacity(num_slots, block_size, num_experts, pad_sorted_ids=False):
 
 def align_loop(topk_ids, block_size, num_experts, expert_map=None, pad_sorted_ids=False,
                ignore_invalid_experts=False):
-    """moe_align_block_size by hand: bucket the slots by expert (in slot order), pad each
-    bucket to a multiple of B with the value P, one expert id per block (the local id under
-    an expert_map, -1 if elsewhere; or no blocks at all with ignore_invalid_experts).
+    """moe_align_block_size by hand: bucket the slots by expert (in slot order; a slot whose
+    id is outside [0, E) goes nowhere), pad each bucket to a multiple of B with the value P,
+    one expert id per block (the local id under an expert_map, -1 if elsewhere; or no blocks
+    at all with ignore_invalid_experts).
     Returns (sorted_token_ids, expert_ids, num_tokens_post_padded) as int32 arrays."""
     flat = [int(v) for v in np.asarray(topk_ids).ravel()]
     num_slots = len(flat)
     buckets = [[] for _ in range(num_experts)]
     for s, e in enumerate(flat):
-        buckets[e].append(s)
+        if 0 <= e < num_experts:
+            buckets[e].append(s)
     sorted_ids, block_experts = [], []
     for e in range(num_experts):
         local = e if expert_map is None else int(expert_map[e])
@@ -442,8 +473,9 @@ def fused_experts_loop(hidden_states, w1, w2, topk_weights, topk_ids, activation
 
     in float64 matvecs. The router weight w scales GEMM2's output including its bias (vLLM
     multiplies the accumulator after adding the bias), or with apply_router_weight_on_input
-    GEMM1's output including its bias (vLLM's Triton path multiplies there). Under an
-    expert_map a slot whose expert is not local adds nothing; w1/w2 hold local experts.
+    GEMM1's output including its bias (vLLM's Triton path multiplies there). A slot whose
+    id is outside [0, E) (-1) adds nothing; under an expert_map neither does a slot whose
+    expert is not local; w1/w2 hold local experts.
     """
     x = np.asarray(hidden_states).astype(np.float64)
     b1 = None if w1_bias is None else np.asarray(w1_bias).astype(np.float64)
@@ -454,6 +486,8 @@ def fused_experts_loop(hidden_states, w1, w2, topk_weights, topk_ids, activation
     for t in range(num_tokens):
         for k in range(top_k):
             e = int(topk_ids[t, k])
+            if not 0 <= e < (len(w1) if expert_map is None else len(expert_map)):
+                continue                          # routed nowhere (-1)
             if expert_map is not None:
                 e = int(expert_map[e])
                 if e < 0:
@@ -529,7 +563,8 @@ def _to_torch(a, dtype):
 
 def torch_route(logits, topk, renormalize=False, scoring_func="softmax", bias=None,
                 num_expert_group=1, topk_group=1, routed_scaling_factor=1.0):
-    """The routing functions with torch ops in fp32, for finite logits. Ranking uses a
+    """The routing functions with torch ops in fp32, for finite fp32 logits (where the
+    kernels' non-finite rules and grouped_topk's softmax rounding do nothing). Ranking uses a
     stable descending sort, which puts equal scores in id order (ties to the lowest id)."""
     torch = _torch()
     x = _to_torch(logits, torch.float32)

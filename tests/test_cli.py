@@ -91,7 +91,7 @@ def test_validate_forced_divergence_exits_nonzero():
         import sys
         import sandbox.torch_backend as tb
         real = tb.moe_sum
-        tb.moe_sum = lambda x: real(x) + 1
+        tb.moe_sum = lambda x, *a, **kw: real(x, *a, **kw) + 1
         from sandbox.cli import main
         sys.exit(main(sys.argv[1:]))
     """)

@@ -76,6 +76,44 @@ def test_fused_experts_is_the_stages_bit_for_bit(T, E, K, H, I, rng):  # noqa: E
     np.testing.assert_array_equal(again.view(np.uint16), g.view(np.uint16))
 
 
+@pytest.mark.parametrize("ep", [False, True])
+def test_fused_experts_slots_routed_nowhere(ep, rng):
+    """topk_ids with -1 (vLLM's marker for masked / padded tokens): alignment skips those
+    slots, so the GEMMs never write their rows of the (reused) workspace; the plan's combine
+    is pad-aware and never reads them. A first call with every slot valid leaves real values
+    in the cached workspace, which the second call must not add in."""
+    from cuda_kernels import cupy as ck
+    from cuda_kernels.cupy.experts import fused_experts, plan_for
+
+    T, E, K, H, I = 24, 8, 2, 128, 64  # noqa: E741
+    host = list(_problem(rng, T, E, K, H, I))
+    kwargs, ref_kwargs = {}, {}
+    if ep:   # rank 1 of 2 holds experts 4..7 (local ids 0..3)
+        _, emap = reference.determine_expert_map(2, 1, E)
+        host[1], host[2] = host[1][4:].copy(), host[2][4:].copy()
+        kwargs = {"expert_map": C.to_device(emap.astype(np.int32))}
+        ref_kwargs = {"expert_map": emap, "global_num_experts": E}
+    x, w1, w2, tw, ids = (C.to_device(a) for a in host)
+    fused_experts(x, w1, w2, tw, ids, **kwargs)          # fills the cached workspace
+    bad = host[4].copy()
+    bad[3] = -1                                         # a padded token
+    bad[5, 1] = -1
+    got = C.to_host(fused_experts(x, w1, w2, tw, C.to_device(bad), **kwargs))
+    assert (got[3].astype(np.float32) == 0).all()
+    ref = reference.fused_experts(*(a.astype(np.float64) for a in host[:3]), host[3], bad,
+                                  **ref_kwargs)
+    assert rel_err(got.astype(np.float64), ref) <= 1e-2
+    if not ep:   # the stages with the pad-aware moe_sum: the same bits
+        plan = plan_for(T, H, E, 2 * I, I, K, BF16, device=x.device.id)
+        d_bad = C.to_device(bad)
+        s, e, n = ck.moe_align_block_size(d_bad, plan.B, E)
+        c1 = ck.grouped_gemm(x, w1, s, e, n, K, plan.B, tw, False)
+        c3 = ck.grouped_gemm(ck.apply_activation(c1, "silu", True), w2, s, e, n, 1, plan.B, tw,
+                             True)
+        want = C.to_host(ck.moe_sum(c3.reshape(T, K, -1), d_bad))
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
 def test_fused_experts_torch_tensors_and_errors(rng):
     torch = pytest.importorskip("torch")
     from cuda_kernels.cupy.experts import fused_experts

@@ -313,12 +313,12 @@ template <typename F> void launch_cooperative(unsigned grid, unsigned block, siz
 # C entry points per source, called through ctypes; the launch geometry comes from Python
 EMULATION_ENTRY = {
     "routing.cu": ({"IN_T": "float", "WARPS_PER_BLOCK": 4}, r"""
-extern "C" void route(const float* g, const float* bias, float* w, int* ids, int* tei, int T,
-                      int E, int K, int G, int TG, int scoring, int renorm, float scale, int vpt,
-                      int smem) {
+extern "C" void route(const IN_T* g, const float* bias, float* w, int* ids, int* tei, int T,
+                      int E, int K, int G, int TG, int scoring, int renorm, int mode,
+                      float scale, int vpt, int smem) {
     unsigned grid = (T + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
 #define R(V) if (vpt == V) launch(grid, WARPS_PER_BLOCK * 32, smem, [&] { \
-    route_topk_kernel<V>(g, bias, w, ids, tei, T, E, K, G, TG, scoring, renorm, scale); });
+    route_topk_kernel<V>(g, bias, w, ids, tei, T, E, K, G, TG, scoring, renorm, mode, scale); });
     R(1) R(2) R(4) R(8) R(16) R(32)
 }"""),
     "permute.cu": ({"SCALAR_T": "float", "ROW_WARPS": 2, "UNPERMUTE_THREADS": 32, "PREFETCH": 2},
@@ -360,12 +360,39 @@ extern "C" void act(const float* x, float* out, int M, int N, int which, int vec
     AM(0, 1) AM(0, 4) AM(1, 1) AM(1, 4) AM(2, 1) AM(2, 4) SW(1) SW(4)
     NM(0, 1) NM(0, 4) NM(1, 4) NM(2, 4) NM(3, 1) NM(3, 4)
 }"""),
+    # the same kernels in bf16 (x and out as bf16 bits): vLLM's rounding points
+    "activation.cu#bf16": ({"SCALAR_T": "__nv_bfloat16", "ACT_THREADS": 32}, r"""
+extern "C" void act(const __nv_bfloat16* x, __nv_bfloat16* out, int M, int N, int which, int vec) {
+    int width = N / 2;
+    int chunks = (width + ACT_THREADS * vec - 1) / (ACT_THREADS * vec);
+#define AM(A, V) if (which == A && vec == V) launch(M * chunks, ACT_THREADS, 0, [&] { \
+    act_and_mul_kernel<A, V>(x, out, M, width, chunks); });
+#define SW(V) if (which == 3 && vec == V) launch(M * chunks, ACT_THREADS, 0, [&] { \
+    swigluoai_and_mul_kernel<V>(x, out, M, width, chunks, 1.702f, 7.0f); });
+    AM(0, 1) AM(0, 8) AM(1, 1) AM(1, 8) AM(2, 1) AM(2, 8) SW(1) SW(8)
+}"""),
+    "routing.cu#bf16": ({"IN_T": "__nv_bfloat16", "WARPS_PER_BLOCK": 4}, r"""
+extern "C" void route(const IN_T* g, const float* bias, float* w, int* ids, int* tei, int T,
+                      int E, int K, int G, int TG, int scoring, int renorm, int mode,
+                      float scale, int vpt, int smem) {
+    unsigned grid = (T + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
+#define R(V) if (vpt == V) launch(grid, WARPS_PER_BLOCK * 32, smem, [&] { \
+    route_topk_kernel<V>(g, bias, w, ids, tei, T, E, K, G, TG, scoring, renorm, mode, scale); });
+    R(1) R(2) R(4) R(8) R(16) R(32)
+}"""),
     "combine.cu": ({"SCALAR_T": "float", "SUM_THREADS": 32}, r"""
 extern "C" void moe_sum(const float* x, float* out, int T, int K, int H, int vec) {
     int chunks = (H + SUM_THREADS * vec - 1) / (SUM_THREADS * vec);
 #define S(V) if (vec == V) launch(T * chunks, SUM_THREADS, 0, [&] { \
     moe_sum_kernel<V>(x, out, T, K, H, chunks); });
     S(1) S(4)
+}
+extern "C" void moe_sum_live(const float* x, const int* ids, const int* emap, int map_len,
+                             float* out, int T, int K, int H, int vec) {
+    int chunks = (H + SUM_THREADS * vec - 1) / (SUM_THREADS * vec);
+#define SL(V) if (vec == V) launch(T * chunks, SUM_THREADS, 0, [&] { \
+    moe_sum_live_kernel<V>(x, ids, emap, map_len, out, T, K, H, chunks); });
+    SL(1) SL(4)
 }"""),
 }
 
@@ -398,14 +425,15 @@ def emulated(tmp_path_factory):
 
     def get(cu):
         if cu not in libs:
-            defines, entry = EMULATION_ENTRY[cu]
-            src = C.source_text(cu, defines)
+            defines, entry = EMULATION_ENTRY[cu]   # "name.cu#variant": other defines
+            src = C.source_text(cu.split("#")[0], defines)
             src = re.sub(r"#include <cuda_(fp16|bf16)\.h>", "", src)
             src = re.sub(r"extern __shared__ (\w+) smem\[\];", r"\1* smem = (\1*)g_shared;", src)
             src = src.replace('extern "C" __global__', "__global__")
-            cpp = tmp / (cu + ".cpp")
+            stem = cu.replace("#", "_")
+            cpp = tmp / (stem + ".cpp")
             cpp.write_text('#include "emu.h"\n' + src + entry + "\n")
-            so = tmp / (cu + ".so")
+            so = tmp / (stem + ".so")
             r = subprocess.run(["g++", "-std=c++20", "-O1", "-w", "-shared", "-fPIC", "-pthread",
                                 "-I", str(tmp), str(cpp), "-o", str(so)],
                                capture_output=True, text=True)
@@ -466,6 +494,15 @@ def test_emulated_align_and_permute(emulated):
             for g, w, name in zip(got, want, ("sorted_token_ids", "expert_ids", "num_post")):
                 np.testing.assert_array_equal(
                     g, w, err_msg=f"{name} T={T} E={E} K={K} B={B} grid variant {large}")
+    # slots routed nowhere (vLLM's -1) and ids past E: skipped, with and without a map
+    ids = ids_of(40, 16, 3)
+    ids[3], ids[7, 1], ids[9, 0] = -1, -1, 19
+    emap = reference.determine_expert_map(2, 1, 16)[1].astype(np.int32)
+    for m, ign in ((None, False), (emap, False), (emap, True)):
+        want = reference.moe_align_block_size(ids, 4, 16, m, False, ign)
+        for large in (0, 1, 2):
+            for g, w in zip(align(ids, 4, 16, m, False, ign, large), want):
+                np.testing.assert_array_equal(g, w, err_msg=f"-1 ids, map {m is not None}")
     one = np.full((70, 1), 3, np.int32)  # every slot on one expert
     for large in (0, 1, 2):
         for g, w in zip(align(one, 16, 8, large=large), reference.moe_align_block_size(one, 16, 8)):
@@ -501,16 +538,19 @@ def test_emulated_routing(emulated):
     from cuda_kernels.cupy import routing as ck_route
 
     lib = emulated("routing.cu")
+    lib16 = emulated("routing.cu#bf16")
     rng = np.random.default_rng(8)
+    TOPK, GROUPED = ck_route.MODE_TOPK, ck_route.MODE_GROUPED
 
-    def route(x, K, G=1, TG=1, scoring=0, bias=None, renorm=True, scale=1.0):
+    def route(x, K, G=1, TG=1, scoring=0, bias=None, renorm=True, scale=1.0, mode=TOPK):
         T, E = x.shape
         w, ids, tei = (np.full((T, K), np.nan, np.float32), np.full((T, K), -7, np.int32),
                        np.full((T, K), -7, np.int32))
         rowf = (E + E // 32 + 2) & ~1
         smem = 4 * (rowf + 2 * G) * 4 if G > 1 else 0
-        lib.route(_p(x), _p(bias), _p(w), _p(ids), _p(tei), T, E, K, G, TG, scoring, int(renorm),
-                  ctypes.c_float(scale), ck_route._vpt(E), smem)
+        which = lib16 if x.dtype == reference._checks.FLOAT_DTYPES[3] else lib
+        which.route(_p(x), _p(bias), _p(w), _p(ids), _p(tei), T, E, K, G, TG, scoring,
+                    int(renorm), mode, ctypes.c_float(scale), ck_route._vpt(E), smem)
         return w, ids, tei
 
     def same(got, want, what):
@@ -522,13 +562,16 @@ def test_emulated_routing(emulated):
     for T, E, K in ((1, 8, 2), (9, 60, 4), (5, 257, 9), (3, 1000, 32), (5, 16, 1)):
         x = rng.standard_normal((T, E)).astype(np.float32)
         for renorm in (False, True):
-            got = route(x, K, renorm=renorm)
-            want = reference.fused_topk(None, x, K, renorm)
-            same(got, want, f"fused_topk T={T} E={E} K={K}")
-            np.testing.assert_array_equal(got[2], want[2])
+            for scoring, name in ((0, "softmax"), (1, "sigmoid")):
+                got = route(x, K, scoring=scoring, renorm=renorm)
+                want = reference.fused_topk(None, x, K, renorm, scoring_func=name)
+                same(got, want, f"fused_topk {name} T={T} E={E} K={K}")
+                np.testing.assert_array_equal(got[2], want[2])
         b = (0.1 * rng.standard_normal(E)).astype(np.float32)
-        same(route(x, K, bias=b, scale=2.5), reference.fused_topk_bias(None, x, b, K, True, 2.5),
-             f"fused_topk_bias E={E}")
+        for scoring, name in ((0, "softmax"), (1, "sigmoid")):
+            same(route(x, K, scoring=scoring, bias=b, scale=2.5),
+                 reference.fused_topk_bias(None, x, name, b, K, True, routed_scaling_factor=2.5),
+                 f"fused_topk_bias {name} E={E}")
     for E, K, G, TG in ((16, 2, 8, 2), (256, 8, 8, 4), (512, 22, 1, 1), (96, 5, 6, 3)):
         for scoring in (0, 1):
             for with_bias in (False, True):
@@ -536,16 +579,44 @@ def test_emulated_routing(emulated):
                 b = (0.1 * rng.standard_normal(E)).astype(np.float32) if with_bias else None
                 want = reference.grouped_topk(None, x, K, True, G, TG, ("softmax", "sigmoid")[scoring],
                                               2.5, b)
-                same(route(x, K, G, TG, scoring, b, True, 2.5), want,
+                same(route(x, K, G, TG, scoring, b, True, 2.5, GROUPED), want,
                      f"grouped_topk E={E} K={K} G={G} TG={TG} scoring={scoring} bias={with_bias}")
+    # non-finite logits: fused_topk zeroes non-finite scores (rows of ids 0..K-1, weight 0)
     x = rng.standard_normal((6, 32)).astype(np.float32)
     x[1, 7], x[2, 3], x[3, :], x[4, :], x[5, ::2] = np.nan, np.inf, -np.inf, 0.5, 2.0
-    same(route(x, 4), reference.fused_topk(None, x, 4, True), "NaN / inf / ties")
+    for scoring, name in ((0, "softmax"), (1, "sigmoid")):
+        for renorm in (False, True):
+            same(route(x, 4, scoring=scoring, renorm=renorm),
+                 reference.fused_topk(None, x, 4, renorm, scoring_func=name),
+                 f"NaN / inf / ties {name}")
+    # grouped_topk: invalid experts ranked last at weight 0, rows with none valid 1/K or 0
     x = rng.standard_normal((6, 64)).astype(np.float32)
-    x[0, :8], x[4, 9], x[5, 20:30] = np.nan, np.nan, np.nan
+    x[0, :8], x[4, 9], x[5, 20:30], x[2] = np.nan, np.nan, np.nan, np.nan
     for b in (None, (0.1 * rng.standard_normal(64)).astype(np.float32)):
-        same(route(x, 4, 8, 3, 1, b), reference.grouped_topk(None, x, 4, True, 8, 3, "sigmoid", 1.0, b),
-             "sigmoid with NaN logits")
+        for scoring, name in ((0, "softmax"), (1, "sigmoid")):
+            for renorm in (False, True):
+                same(route(x, 4, 8, 3, scoring, b, renorm, 1.5, GROUPED),
+                     reference.grouped_topk(None, x, 4, renorm, 8, 3, name, 1.5, b),
+                     f"{name} with NaN logits, bias {b is not None}")
+    # bf16 logits: grouped_topk rounds its softmax scores to bf16 (vLLM's dtype); the
+    # single-group non-finite case of vLLM's test
+    BF16 = reference._checks.FLOAT_DTYPES[3]
+    xb = rng.standard_normal((9, 256)).astype(BF16)
+    for scoring, name in ((0, "softmax"), (1, "sigmoid")):
+        same(route(xb, 8, 8, 4, scoring, None, True, 2.5, GROUPED),
+             reference.grouped_topk(None, xb, 8, True, 8, 4, name, 2.5), f"bf16 grouped {name}")
+        same(route(xb, 8, scoring=scoring), reference.fused_topk(None, xb, 8, True,
+                                                                scoring_func=name),
+             f"bf16 fused_topk {name}")
+    for num_finite in (0, 15):
+        for renorm in (False, True):
+            xn = np.full((1, 512), np.nan, BF16)
+            xn[0, :num_finite] = np.arange(num_finite)
+            xn[0, num_finite], xn[0, num_finite + 1] = np.inf, -np.inf
+            z = np.zeros(512, np.float32)
+            same(route(xn, 16, 1, 1, 1, z, renorm, 2.5, GROUPED),
+                 reference.grouped_topk(None, xn, 16, renorm, 1, 1, "sigmoid", 2.5, z),
+                 f"single group non-finite {num_finite} renorm {renorm}")
 
 
 @pytest.mark.simulator
@@ -582,3 +653,26 @@ def test_emulated_activation_and_combine(emulated):
             out = np.full((T, H), np.nan, np.float32)
             comb.moe_sum(_p(x), _p(out), T, K, H, vec)
             np.testing.assert_array_equal(out, reference.moe_sum(x))  # slot order: bitwise
+    # pad-aware: slots with id -1 (or a non-local expert) never read (NaN rows here)
+    x = rng.standard_normal((5, 3, 40)).astype(np.float32)
+    ids = np.array([[0, 1, 2], [-1, 3, 1], [-1, -1, -1], [2, -1, 0], [3, 3, 1]], np.int32)
+    for emap in (None, np.array([0, -1, 1, 2], np.int32)):
+        live = reference.experts.slot_is_live(ids, emap)
+        xp = np.where(live[:, :, None], x, np.nan).astype(np.float32)
+        for vec in (1, 4):
+            out = np.full((5, 40), np.nan, np.float32)
+            comb.moe_sum_live(_p(xp), _p(ids), _p(emap), 0 if emap is None else 4, _p(out),
+                              5, 3, 40, vec)
+            np.testing.assert_array_equal(out, reference.moe_sum(xp, ids, emap))
+    # bf16: vLLM's rounding points (act(gate) rounded before the multiply), bit for bit but
+    # for the CPU's expf / erff ulps against NumPy's (a few % for gelu; one rounding of
+    # act(gate) * up instead of two differs in ~30% of the elements)
+    act16 = emulated("activation.cu#bf16")
+    BF16 = reference._checks.FLOAT_DTYPES[3]
+    x = (3 * rng.standard_normal((6, 256))).astype(BF16)
+    for which, name in names.items():
+        for vec in (1, 8):
+            out = np.zeros((6, 128), BF16)
+            act16.act(_p(x), _p(out), 6, 256, which, vec)
+            want = reference.apply_activation(x, name, True)
+            assert (out.view(np.uint16) != want.view(np.uint16)).mean() < 0.05, (name, vec)

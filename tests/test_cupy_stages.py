@@ -92,27 +92,32 @@ def draw_logits(rng, T, E, dtype, scale=2.0):
 @pytest.mark.parametrize("E,K", [(8, 2), (16, 1), (60, 4), (128, 8), (256, 8), (257, 9),
                                  (512, 22), (1000, 32), (1024, 6)])
 @pytest.mark.parametrize("T", [1, 67, 1024])
-def test_fused_topk(T, E, K, renormalize, dkey):
-    rng = rng_for("fused_topk", T, E, K, renormalize, dkey)
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_fused_topk(T, E, K, renormalize, dkey, scoring):
+    rng = rng_for("fused_topk", T, E, K, renormalize, dkey, scoring)
     logits = draw_logits(rng, T, E, DTYPES[dkey])
     hidden = uniform(rng, (T, 16), 1.0, DTYPES[dkey])
-    got = ck_route.fused_topk(dev(hidden), dev(logits), K, renormalize)
-    want = reference.fused_topk(hidden, logits, K, renormalize)
-    assert_routing_matches(got, want, selection_values(logits), "fused_topk")
+    got = ck_route.fused_topk(dev(hidden), dev(logits), K, renormalize, scoring_func=scoring)
+    want = reference.fused_topk(hidden, logits, K, renormalize, scoring_func=scoring)
+    assert_routing_matches(got, want, selection_values(logits, scoring), "fused_topk")
     np.testing.assert_array_equal(host(got[2]), want[2], err_msg="token_expert_indices")
 
 
 @pytest.mark.parametrize("dkey", DTYPES)
 @pytest.mark.parametrize("scaling", [1.0, 2.5])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("E,K", [(16, 2), (128, 8), (256, 8), (384, 8), (512, 22)])
-def test_fused_topk_bias(E, K, scaling, dkey):
+def test_fused_topk_bias(E, K, scaling, scoring, dkey):
     T = 133
-    rng = rng_for("fused_topk_bias", E, K, scaling, dkey)
+    rng = rng_for("fused_topk_bias", E, K, scaling, dkey, scoring)
     logits = draw_logits(rng, T, E, DTYPES[dkey])
     bias = uniform(rng, (E,), 0.05, np.float32)
-    got = ck_route.fused_topk_bias(None, dev(logits), dev(bias), K, True, scaling)
-    want = reference.fused_topk_bias(None, logits, bias, K, True, scaling)
-    assert_routing_matches(got, want, selection_values(logits, bias=bias), "fused_topk_bias")
+    got = ck_route.fused_topk_bias(None, dev(logits), scoring, dev(bias), K, True,
+                                   routed_scaling_factor=scaling)
+    want = reference.fused_topk_bias(None, logits, scoring, bias, K, True,
+                                     routed_scaling_factor=scaling)
+    assert_routing_matches(got, want, selection_values(logits, scoring, bias=bias),
+                           "fused_topk_bias")
 
 
 # vLLM's grouped_topk grid: (E, top-k, groups, topk_group) x routed_scaling_factor
@@ -133,7 +138,8 @@ def test_grouped_topk_vllm_grid(E, K, G, TG, scaling, renormalize, scoring, with
     got = ck_route.grouped_topk(None, dev(logits), K, renormalize, G, TG, scoring, scaling,
                                 dev(bias) if with_bias else None)
     want = reference.grouped_topk(None, logits, K, renormalize, G, TG, scoring, scaling, bias)
-    assert_routing_matches(got, want, selection_values(logits, scoring, bias, G, TG),
+    assert_routing_matches(got, want,
+                           selection_values(logits, scoring, bias, G, TG, kernel="grouped"),
                            "grouped_topk")
 
 
@@ -162,31 +168,52 @@ def test_routing_ties_go_to_the_lowest_id():
 
 
 def test_routing_nan_and_inf_rows():
-    """NaN logit: the row's weights NaN, ids still K distinct (lowest ids); +inf max and
-    all -inf rows: NaN weights the same way; other rows untouched."""
+    """vLLM's topk kernels: a non-finite score is 0, so a row with a NaN logit, a +inf one
+    or only -inf routes to ids 0..K-1 at weight 0; other rows untouched. grouped_topk: an
+    expert with a non-finite scoring input is invalid (last, weight 0); a row with none
+    valid gets 1/K (renormalize) or 0."""
     T, E, K = 6, 32, 4
     rng = rng_for("nan_rows")
     logits = draw_logits(rng, T, E, np.float32)
     logits[1, 7] = np.nan
     logits[2, 3] = np.inf
     logits[3, :] = -np.inf
-    got = ck_route.fused_topk(None, dev(logits), K, True)
-    want = reference.fused_topk(None, logits, K, True)
-    g_w, g_ids = host(got[0]), host(got[1])
-    np.testing.assert_array_equal(g_ids, want[1])
-    np.testing.assert_array_equal(np.isnan(g_w), np.isnan(want[0]))
-    fine = ~np.isnan(want[0]).any(axis=1)
-    assert rel_err(g_w[fine], want[0][fine]) <= 1e-5
-    # sigmoid: a NaN logit poisons only its own expert, which then ranks as -inf
+    for scoring in ("softmax", "sigmoid"):
+        got = ck_route.fused_topk(None, dev(logits), K, True, scoring_func=scoring)
+        want = reference.fused_topk(None, logits, K, True, scoring_func=scoring)
+        g_w, g_ids = host(got[0]), host(got[1])
+        np.testing.assert_array_equal(g_ids, want[1])
+        assert np.isfinite(g_w).all() and np.abs(g_w - want[0]).max() <= 1e-6
+    assert (host(ck_route.fused_topk(None, dev(logits), K, True)[0])[1:4] == 0).all()
     logits = draw_logits(rng, T, 64, np.float32)
     logits[0, :8] = np.nan  # one whole group NaN
     logits[4, 9] = np.nan
+    logits[5] = np.nan      # no valid expert
     for bias in (None, uniform(rng, (64,), 0.1, np.float32)):
-        got = ck_route.grouped_topk(None, dev(logits), 4, True, 8, 3, "sigmoid", 1.0,
-                                    None if bias is None else dev(bias))
-        want = reference.grouped_topk(None, logits, 4, True, 8, 3, "sigmoid", 1.0, bias)
-        np.testing.assert_array_equal(host(got[1]), want[1])
-        assert rel_err(host(got[0]), want[0]) <= 1e-5
+        for scoring in ("softmax", "sigmoid"):
+            for renorm in (True, False):
+                got = ck_route.grouped_topk(None, dev(logits), 4, renorm, 8, 3, scoring, 1.5,
+                                            None if bias is None else dev(bias))
+                want = reference.grouped_topk(None, logits, 4, renorm, 8, 3, scoring, 1.5, bias)
+                np.testing.assert_array_equal(host(got[1]), want[1])
+                assert np.abs(host(got[0]) - want[0]).max() <= 1e-6
+
+
+@pytest.mark.parametrize("num_experts", [512, 896, 1024])
+@pytest.mark.parametrize("num_finite", [0, 15])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_grouped_topk_single_group_non_finite(num_experts, num_finite, renormalize):
+    """vLLM's test_grouped_topk_single_group_nonfinite_scores."""
+    logits = np.full((1, num_experts), np.nan, BF16)
+    logits[0, :num_finite] = np.arange(num_finite)
+    logits[0, num_finite] = np.inf
+    logits[0, num_finite + 1] = -np.inf
+    bias = np.zeros(num_experts, np.float32)
+    got = ck_route.grouped_topk(None, dev(logits), 16, renormalize, 1, 1, "sigmoid", 2.5,
+                                dev(bias))
+    want = reference.grouped_topk(None, logits, 16, renormalize, 1, 1, "sigmoid", 2.5, bias)
+    np.testing.assert_array_equal(host(got[1]), want[1])
+    np.testing.assert_allclose(host(got[0]), want[0], atol=2e-5, rtol=0)
 
 
 def test_routing_empty_batch_and_indices_type():
@@ -208,7 +235,8 @@ def test_routing_fp64_logits():
     assert_routing_matches(got, want, selection_values(logits))
 
 
-@pytest.mark.parametrize("case", ["softmax", "bias", "grouped", "sigmoid", "custom"])
+@pytest.mark.parametrize("case", ["softmax", "bias", "grouped", "sigmoid", "sigmoid_bias",
+                                  "custom"])
 def test_select_experts_dispatch(case):
     T, E, K = 70, 64, 6
     rng = rng_for("select", case)
@@ -222,6 +250,8 @@ def test_select_experts_dispatch(case):
                   scoring_func="sigmoid", e_score_correction_bias=bias, routed_scaling_factor=2.5)
     elif case == "sigmoid":
         kw.update(scoring_func="sigmoid")
+    elif case == "sigmoid_bias":
+        kw.update(scoring_func="sigmoid", e_score_correction_bias=bias, routed_scaling_factor=2.5)
     elif case == "custom":
         kw.update(custom_routing_function=lambda **a: ck_route.fused_topk(
             a["hidden_states"], a["gating_output"], a["topk"], a["renormalize"])[:2])
@@ -234,7 +264,8 @@ def test_select_experts_dispatch(case):
     assert got[2] is None
     scoring = kw.get("scoring_func", "softmax")
     sel = selection_values(logits, scoring, kw.get("e_score_correction_bias"),
-                           kw.get("num_expert_group") or 1, kw.get("topk_group") or 1)
+                           kw.get("num_expert_group") or 1, kw.get("topk_group") or 1,
+                           kernel="grouped" if case == "grouped" else "topk")
     assert_routing_matches(got[:2], want[:2], sel, f"select_experts[{case}]")
 
 
@@ -261,7 +292,11 @@ def test_routing_bad_inputs():
     with pytest.raises(ValueError, match="scoring_func"):
         ck_route.grouped_topk(None, good, 2, True, 4, 2, "tanh")
     with pytest.raises(ValueError, match="e_score_correction_bias"):
-        ck_route.fused_topk_bias(None, good, dev(np.ones(15, np.float32)), 2, True)
+        ck_route.fused_topk_bias(None, good, "softmax", dev(np.ones(15, np.float32)), 2, True)
+    with pytest.raises(TypeError, match="scoring_func"):
+        ck_route.fused_topk_bias(None, good, dev(np.ones(16, np.float32)), 2, True, 2.5)
+    with pytest.raises(ValueError, match="scoring_func"):
+        ck_route.fused_topk(None, good, 2, True, scoring_func="tanh")
 
 
 # ============================================================================ alignment
@@ -339,6 +374,19 @@ def test_align_expert_map(ep_rank, placement, ignore_invalid, align_path):
     _, emap = reference.determine_expert_map(4, ep_rank, E, placement)
     check_align(distinct_topk_ids(rng, T, E, K), B, E, emap.astype(np.int32), False,
                 ignore_invalid)
+
+
+@pytest.mark.parametrize("ignore_invalid", [False, True])
+def test_align_skips_ids_outside_the_experts(ignore_invalid, align_path):
+    """vLLM's -1 (a masked or padded token, another rank's expert) and ids past E: placed
+    nowhere, counted nowhere."""
+    T, E, K, B = 300, 64, 6, 16
+    ids = distinct_topk_ids(rng_for("align_skip"), T, E, K)
+    ids[::7] = -1
+    ids[3, 2] = E + 5
+    check_align(ids, B, E)
+    _, emap = reference.determine_expert_map(4, 1, E)
+    check_align(ids, B, E, emap.astype(np.int32), False, ignore_invalid)
 
 
 def test_align_int64_ids_and_bad_inputs():
@@ -426,6 +474,9 @@ def test_activation_and_mul(act, M, N, dkey):
     x = uniform(rng_for("act", act, M, N, dkey), (M, N), 9.0, dtype)  # past swigluoai's limit
     got = ck_act.apply_activation(dev(x), act, True)
     assert_close(host(got), reference.apply_activation(x, act, True), dtype, act)
+    if dtype.itemsize == 2:   # vLLM's rounding points: the bits but for last-ulp flips
+        want = reference.apply_activation(x, act, True)
+        assert (host(got).view(np.uint16) != want.view(np.uint16)).mean() < 0.01, act
 
 
 @pytest.mark.parametrize("dkey", DTYPES)
@@ -483,6 +534,26 @@ def test_moe_sum(T, K, H, dkey):
     assert_close(host(got), reference.moe_sum(x), dtype, "moe_sum")
     again = ck_combine.moe_sum(d)  # deterministic: bitwise the same twice
     np.testing.assert_array_equal(host(got).view(np.uint8), host(again).view(np.uint8))
+
+
+@pytest.mark.parametrize("dkey", DTYPES)
+@pytest.mark.parametrize("with_map", [False, True])
+def test_moe_sum_pad_aware(dkey, with_map):
+    """vLLM's moe_sum(input, output, topk_ids, expert_map): dead slots are never read."""
+    dtype = DTYPES[dkey]
+    T, K, H = 33, 4, 2048
+    rng = rng_for("moe_sum_pad", dkey, with_map)
+    x = uniform(rng, (T, K, H), 1.0, dtype)
+    ids = distinct_topk_ids(rng, T, 16, K)
+    ids[::5, 1] = -1
+    ids[7] = -1
+    emap = reference.determine_expert_map(2, 0, 16)[1].astype(np.int32) if with_map else None
+    live = reference.experts.slot_is_live(ids, emap)
+    x[~live] = np.nan                                 # rows the GEMMs never wrote
+    got = ck_combine.moe_sum(dev(x), dev(ids), None if emap is None else dev(emap))
+    want = reference.moe_sum(x, ids, emap)
+    assert np.isfinite(host(got).astype(np.float32)).all()
+    assert_close(host(got), want, dtype, "moe_sum pad-aware")
 
 
 def test_moe_sum_empty_misaligned_and_bad_inputs():

@@ -144,6 +144,54 @@ def test_forward_against_loop_with_bias_and_swigluoai():
     assert rel(layer(x, logits), want) <= 1e-5
 
 
+def _masking_router(gating_output, topk, renormalize, **_):
+    """A custom routing function that routes some slots nowhere (id -1), as vLLM's padded
+    tokens (VLLM_MOE_SKIP_PADDING) and other ranks' experts are: rows 3 and 7 entirely,
+    every fifth slot of the rest. NumPy in, NumPy out; torch in, torch out."""
+    host = np.asarray(gating_output.cpu() if hasattr(gating_output, "cpu") else gating_output)
+    w, ids, _ = reference.fused_topk(None, host, topk, renormalize)
+    ids = ids.copy()
+    ids.reshape(-1)[::5] = -1
+    ids[[3, 7]] = -1
+    if hasattr(gating_output, "cpu"):
+        import torch
+
+        return torch.from_numpy(w), torch.from_numpy(ids)
+    return w, ids
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch",
+                                     {"align": "torch", "gemm1": "torch", "gemm2": "torch"},
+                                     {"combine": "torch"}])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_slots_routed_nowhere_add_nothing(backend, dtype):
+    """topk_ids -1 (issue 38): align skips the slot, its GEMM rows stay unwritten and the
+    combine leaves it out, so a fully masked token's output is exactly 0 and every other
+    token is the sum over its live slots (the loop oracle skipping -1)."""
+    layer = FusedMoE.random(seed=21, num_experts=8, top_k=3, hidden_size=32,
+                            intermediate_size=48, params_dtype=dtype,
+                            custom_routing_function=_masking_router, backend=backend)
+    x, logits = inputs(layer, 23, "masked", str(dtype))
+    got = np.asarray(layer(x, logits))
+    tw, ids = _masking_router(logits, layer.top_k, layer.renormalize)
+    assert (ids == -1).any()
+    assert not got[[3, 7]].any()                             # routed nowhere: exactly 0
+    want = np.zeros((x.shape[0], layer.hidden_size))
+    xs = x.astype(np.float64)
+    for t in range(x.shape[0]):
+        for k in range(layer.top_k):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            h = layer.w13_weight[e].astype(np.float64) @ xs[t]
+            want[t] += float(tw[t, k]) * (layer.w2_weight[e].astype(np.float64)
+                                          @ _act_f64(h, "silu", True))
+    assert rel(got, want) <= TOL[np.dtype(dtype)]
+    assert np.array_equal(got, reference.fused_experts(
+        x, layer.w13_weight, layer.w2_weight, tw, ids, block_size=layer.block_size_for(
+            "reference", x.shape[0]))) or backend != "reference"
+
+
 @pytest.mark.parametrize("backend", ["torch", {"route": "torch", "gemm1": "torch"},
                                      {"activation": "torch", "combine": "torch"}])
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])

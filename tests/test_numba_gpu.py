@@ -111,25 +111,29 @@ def flavor(request, monkeypatch):
                                      [(8, 2), (16, 1), (60, 4), (128, 8), (256, 8), (257, 9),
                                       (512, 22), (1024, 32)]))
 @pytest.mark.parametrize("T", grid([1, 1024], [1, 67, 1024]))
-def test_fused_topk(T, E, K, renormalize, dkey, flavor):
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_fused_topk(T, E, K, renormalize, dkey, flavor, scoring):
     x = draw_logits(T, E, DTYPES[dkey], renormalize)
-    got = R.fused_topk(None, x, K, renormalize)
-    want = reference.fused_topk(None, x, K, renormalize)
-    assert_routing(got, want, selection_values(x), f"fused_topk {flavor}")
+    got = R.fused_topk(None, x, K, renormalize, scoring_func=scoring)
+    want = reference.fused_topk(None, x, K, renormalize, scoring_func=scoring)
+    assert_routing(got, want, selection_values(x, scoring), f"fused_topk {flavor}")
     np.testing.assert_array_equal(got[2], want[2])
 
 
 @pytest.mark.parametrize("dkey", MAIN_DTYPE)
 @pytest.mark.parametrize("scaling", [1.0, 2.5])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("E,K", grid([(16, 2), (256, 8), (512, 22)],
                                      [(16, 2), (128, 8), (256, 8), (384, 8), (512, 22)]))
-def test_fused_topk_bias(E, K, scaling, dkey, flavor):
+def test_fused_topk_bias(E, K, scaling, scoring, dkey, flavor):
     x = draw_logits(333, E, DTYPES[dkey], scaling)
     bias = uniform(rng_for("bias", E), (E,), 0.2)
     for renorm in (False, True):
-        assert_routing(R.fused_topk_bias(None, x, bias, K, renorm, scaling),
-                       reference.fused_topk_bias(None, x, bias, K, renorm, scaling),
-                       selection_values(x, bias=bias), f"fused_topk_bias {flavor}")
+        assert_routing(R.fused_topk_bias(None, x, scoring, bias, K, renorm,
+                                         routed_scaling_factor=scaling),
+                       reference.fused_topk_bias(None, x, scoring, bias, K, renorm,
+                                                 routed_scaling_factor=scaling),
+                       selection_values(x, scoring, bias=bias), f"fused_topk_bias {flavor}")
 
 
 @pytest.mark.parametrize("dkey", MAIN_DTYPE)
@@ -144,7 +148,8 @@ def test_grouped_topk(E, K, Gr, TG, scoring, with_bias, dkey, flavor):
     for renorm, scale in ((False, 1.0), (True, 2.5)):
         args = (None, x, K, renorm, Gr, TG, scoring, scale, bias)
         assert_routing(R.grouped_topk(*args), reference.grouped_topk(*args),
-                       selection_values(x, scoring, bias, Gr, TG), f"grouped_topk {flavor}")
+                       selection_values(x, scoring, bias, Gr, TG, kernel="grouped"),
+                       f"grouped_topk {flavor}")
 
 
 def test_routing_ties_nan_inf_empty_fp64(flavor):
@@ -153,18 +158,39 @@ def test_routing_ties_nan_inf_empty_fp64(flavor):
     x[1, 9] = np.inf
     x[2] = -np.inf
     x[3] = 0.0                                     # all tied: ids 0..K-1
-    want = reference.fused_topk(None, x, 4, True)
-    got = R.fused_topk(None, x, 4, True)
-    np.testing.assert_array_equal(got[1], want[1])
-    np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(want[0]))
-    assert got[1][3].tolist() == [0, 1, 2, 3]
-    args = (None, x, 4, True, 8, 2, "sigmoid", 1.0, uniform(rng_for("b"), (64,), 0.2))
-    np.testing.assert_array_equal(R.grouped_topk(*args)[1], reference.grouped_topk(*args)[1])
+    for scoring in ("softmax", "sigmoid"):
+        want = reference.fused_topk(None, x, 4, True, scoring_func=scoring)
+        got = R.fused_topk(None, x, 4, True, scoring_func=scoring)
+        np.testing.assert_array_equal(nb.to_host(got[1]), want[1])
+        np.testing.assert_allclose(nb.to_host(got[0]), want[0], rtol=1e-5, atol=1e-7)
+        assert nb.to_host(got[1])[3].tolist() == [0, 1, 2, 3]
+    assert (nb.to_host(R.fused_topk(None, x, 4, True)[0])[:3] == 0).all()   # non-finite -> 0
+    for args in ((None, x, 4, True, 8, 2, "sigmoid", 1.0, uniform(rng_for("b"), (64,), 0.2)),
+                 (None, x, 4, True, 1, 1, "softmax", 2.5, None),
+                 (None, x, 4, False, 8, 2, "sigmoid", 2.5, None)):
+        got, want = R.grouped_topk(*args), reference.grouped_topk(*args)
+        np.testing.assert_array_equal(nb.to_host(got[1]), want[1])
+        np.testing.assert_allclose(nb.to_host(got[0]), want[0], rtol=1e-5, atol=1e-7)
     w, ids, tei = R.fused_topk(None, np.zeros((0, 32), np.float32), 4, True, np.int64)
     assert w.shape == (0, 4) and ids.dtype == np.int64
     x64 = draw_logits(50, 40, np.float64)
     assert_routing(R.fused_topk(None, x64, 5, True), reference.fused_topk(None, x64, 5, True),
                    selection_values(x64), "fp64 logits")
+
+
+@pytest.mark.parametrize("num_finite", [0, 15])
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("num_experts", [512, 1024])
+def test_grouped_topk_single_group_non_finite(num_finite, renormalize, num_experts, flavor):
+    """vLLM's test_grouped_topk_single_group_nonfinite_scores on every flavour."""
+    x = np.full((1, num_experts), np.nan, BF16)
+    x[0, :num_finite] = np.arange(num_finite)
+    x[0, num_finite] = np.inf
+    x[0, num_finite + 1] = -np.inf
+    args = (None, x, 16, renormalize, 1, 1, "sigmoid", 2.5, np.zeros(num_experts, np.float32))
+    got, want = R.grouped_topk(*args), reference.grouped_topk(*args)
+    np.testing.assert_array_equal(nb.to_host(got[1]), want[1])
+    np.testing.assert_allclose(nb.to_host(got[0]), want[0], atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("case", ["softmax", "bias", "grouped", "sigmoid", "custom"])
@@ -324,6 +350,10 @@ def test_activation_and_mul(act, M, N, dkey):
     x = uniform(rng_for("act", act, M, N), (M, N), 6.0, dt)
     want = reference.apply_activation(x.astype(np.float64), act, True)
     assert_close(Ac.apply_activation(x, act, True), want, dt, act)
+    if dkey != "fp32":   # vLLM's rounding points: the bits but for last-ulp exp / erf flips
+        got = nb.to_host(Ac.apply_activation(x, act, True))
+        engine = reference.apply_activation(x, act, True)
+        assert (got.view(np.uint16) != engine.view(np.uint16)).mean() < 0.01, act
 
 
 @pytest.mark.parametrize("M,N", [(1, 1), (37, 15), (256, 768)])
@@ -347,6 +377,12 @@ def test_moe_sum(T, K, H, dkey):
     dt = DTYPES[dkey]
     x = uniform(rng_for("sum", T, K, H), (T, K, H), 1.0, dt)
     assert_close(Cb.moe_sum(x), reference.moe_sum(x.astype(np.float64)), dt, "moe_sum")
+    ids = distinct_topk_ids(rng_for("sum-ids", T, K), T, 2 * K + 1, K)
+    ids[:: 3, 0] = -1                              # slots routed nowhere: never read
+    live = reference.experts.slot_is_live(ids)
+    x_pad = np.where(live[:, :, None], x, np.nan).astype(dt)
+    assert_close(Cb.moe_sum(x_pad, ids), reference.moe_sum(x.astype(np.float64), ids), dt,
+                 "moe_sum pad-aware")
 
 
 # ============================================================================ grouped GEMM

@@ -517,7 +517,15 @@ def test_fused_experts_quant_argument_errors(rng):
     with pytest.raises(TypeError, match="hidden_states"):
         Q.fused_experts_quant(x.astype(np.int32), topk_weights=tw, topk_ids=ids, **kw)
     kw8 = Q.quantize_moe_layer(w1, w2, "fp8_block")
-    with pytest.raises(ValueError, match="topk_ids"):
-        Q.fused_experts_quant(x, topk_weights=tw, topk_ids=ids + E, **kw8)
+    # an id outside [0, E) is no error since issue 38 (vLLM: routed nowhere): it adds nothing
+    out = Q.fused_experts_quant(x, topk_weights=tw, topk_ids=ids + E, **kw8)
+    assert not out.astype(np.float32).any()
+    masked = ids.copy()
+    masked[1] = -1
+    out = Q.fused_experts_quant(x, topk_weights=tw, topk_ids=masked, **kw8)
+    full = Q.fused_experts_quant(x, topk_weights=tw, topk_ids=ids, **kw8)
+    assert not out[1].astype(np.float32).any()
+    assert np.array_equal(np.delete(out, 1, 0).view(np.uint16),
+                          np.delete(full, 1, 0).view(np.uint16))
     with pytest.raises(ValueError, match="scheme"):
         Q.quantize_moe_layer(w1, w2, "fp4")

@@ -112,3 +112,45 @@ def test_large_magnitudes_stay_finite(activation, dtype):
 def test_empty_rows(activation):
     out = apply_activation(np.zeros((0, 8), np.float32), activation)
     assert out.shape == (0, 4) and out.dtype == np.float32
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM's rounding points (its CUDA activation kernels, the GPU path of the fused MoE)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [BF16, np.float16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+def test_gated_rounds_the_activation_before_the_multiply(dtype, activation):
+    """vLLM's act_and_mul kernel returns (T)(ACT(gate) * (float)up) where ACT itself returns
+    a T: act(gate) is rounded to the input dtype, then multiplied by up in fp32 and rounded
+    again. Bit for bit against that, and different from a single rounding somewhere."""
+    rng = rng_for("double rounding", np.dtype(dtype).name, activation)
+    x = inputs(rng, 64, 256, dtype, scale=3.0)
+    up = x[:, 128:].astype(np.float32)
+    # round(act(gate)): the stage itself with up = 1 (a second rounding of it is exact)
+    act_rounded = apply_activation(np.concatenate([x[:, :128], np.ones_like(x[:, 128:])], 1),
+                                   activation)
+    want = (act_rounded.astype(np.float32) * up).astype(dtype)
+    got = apply_activation(x, activation)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    # a single rounding of act(gate) * up (fp64 oracle) differs somewhere
+    act = np.stack([activation_vec(np.concatenate([g, np.ones_like(g)]), activation)
+                    for g in x[:, :128].astype(np.float64)])
+    once = (act * up.astype(np.float64)).astype(dtype)
+    assert (got.view(np.uint16) != once.view(np.uint16)).any()
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32], ids=lambda d: np.dtype(d).name)
+def test_swigluoai_computes_in_vllms_order(dtype):
+    """vLLM: (T)((u + 1) * g / (1 + expf(-g * alpha))), fp32, one rounding. The order shows
+    in fp32 (the old (up + 1) * (g * sigmoid(alpha g)) differs by an ulp at many elements);
+    in bf16 it rarely survives the rounding."""
+    rng = rng_for("swigluoai order", np.dtype(dtype).name)
+    x = inputs(rng, 64, 256, dtype, scale=4.0)
+    g = np.minimum(x[:, 0::2].astype(np.float32), np.float32(7.0))
+    u = np.clip(x[:, 1::2].astype(np.float32), np.float32(-7.0), np.float32(7.0))
+    with np.errstate(over="ignore"):
+        want = (((u + np.float32(1)) * g) / (np.float32(1) + np.exp(-g * np.float32(1.702))))
+    bits = np.uint16 if np.dtype(dtype) == BF16 else np.uint32
+    np.testing.assert_array_equal(swigluoai_and_mul(x).view(bits),
+                                  want.astype(dtype).view(bits))

@@ -126,6 +126,56 @@ def test_moe_sum_matches_loop(dtype):
     assert_close(out, want, dtype)
 
 
+@pytest.mark.parametrize("with_map", [False, True], ids=["nomap", "map"])
+def test_moe_sum_skips_slots_routed_nowhere(with_map):
+    """vLLM's pad-aware moe_sum(input, output, topk_ids, expert_map): a slot with a negative
+    id, or (with an expert_map) a non-local expert, is never read; a token with every slot
+    skipped sums to 0. The skipped rows may hold anything (here NaN: never written)."""
+    rng = rng_for("moe_sum pad-aware", with_map)
+    x = uniform(rng, (5, 3, 17), 1.0)
+    ids = np.array([[0, 1, 2], [-1, 3, 1], [-1, -1, -1], [2, -1, 0], [3, 3, 1]], np.int32)
+    expert_map = np.array([0, -1, 1, 2], np.int32) if with_map else None
+    live = ids >= 0
+    if with_map:
+        live &= expert_map[np.maximum(ids, 0)] >= 0
+    x[~live] = np.nan
+    out = moe_sum(x, ids, expert_map)
+    want = np.where(live[:, :, None], x.astype(np.float64), 0.0).sum(axis=1)
+    assert_close(out, want, np.float32)
+    assert (out[2] == 0).all()
+    np.testing.assert_array_equal(moe_sum(np.nan_to_num(x), None), np.nan_to_num(x).sum(1))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=dtype_id)
+@pytest.mark.parametrize("ep", [False, True], ids=["noep", "ep"])
+def test_fused_experts_with_slots_routed_nowhere(dtype, ep):
+    """topk_ids with -1 (vLLM's marker for masked / padded tokens): those slots add nothing,
+    end to end. Alignment skips them, so the GEMMs never write their rows (NaN in the
+    reference); the combine leaves them out. A token with every slot -1 gets zeros."""
+    rng = rng_for("fused_experts -1", dtype_id(dtype), ep)
+    num_experts = 8
+    x, w1, w2, weights, ids, _, _ = experts_inputs(rng, 12, num_experts, 3, 32, 24, dtype)
+    ids[2] = -1                                        # a padded token
+    ids[5, 0] = -1
+    ids[9, 2] = -1
+    kwargs = {}
+    if ep:
+        _, expert_map = determine_expert_map(2, 1, num_experts)
+        w1, w2 = local_weights(expert_map, w1, w2)
+        kwargs = {"expert_map": expert_map, "global_num_experts": num_experts}
+    out = fused_experts(x, w1, w2, weights, ids, block_size=4, **kwargs)
+    assert np.isfinite(out.astype(np.float32)).all()
+    assert (out[2] == 0).all()
+    want = fused_experts_loop(x, w1, w2, weights, ids, expert_map=kwargs.get("expert_map"))
+    assert_close(out, want, dtype)
+    # the same as pointing those slots at any expert with weight 0
+    ids0, w0 = ids.copy(), weights.copy()
+    w0[ids0 < 0] = 0
+    ids0[ids0 < 0] = 0
+    assert_close(out, fused_experts(x, w1, w2, w0, ids0, block_size=4, **kwargs), dtype,
+                 tol=1e-6 if np.dtype(dtype) == np.float32 else None)
+
+
 # --------------------------------------------------------------------------------------------
 # fused_experts against the loop over (token, slot) pairs
 # --------------------------------------------------------------------------------------------
@@ -299,10 +349,10 @@ def test_nan_stays_confined_to_its_token():
     num_tokens, num_experts = 10, 8
     x, w1, w2, _, _, _, _ = experts_inputs(rng, num_tokens, num_experts, 2, 32, 16)
     logits = rng.standard_normal((num_tokens, num_experts)).astype(np.float32)
-    logits[3, 5] = np.nan                         # softmax: token 3's weights are all NaN
+    logits[3, 5] = np.nan                         # softmax: token 3's weights are all 0
     x[6, 0] = np.nan                               # a NaN activation: token 6 only
     out = fused_moe(x, w1, w2, logits, 2, True)
-    assert np.isnan(out[3]).all() and np.isnan(out[6]).all()
+    assert (out[3] == 0).all() and np.isnan(out[6]).all()
     clean = [t for t in range(num_tokens) if t not in (3, 6)]
     assert np.isfinite(out[clean]).all()
     alone = fused_moe(x[clean], w1, w2, logits[clean], 2, True)

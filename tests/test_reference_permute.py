@@ -130,6 +130,47 @@ def test_moe_align_block_size_expert_map(num_tokens, topk, num_experts, map_name
 
 
 # --------------------------------------------------------------------------------------------
+# Slots routed nowhere: ids outside [0, E) are skipped (vLLM's -1 for masked / padded tokens)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("expert_map_name", [None, "linear_r1_of_4"])
+@pytest.mark.parametrize("ignore_invalid_experts", [False, True])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_moe_align_block_size_skips_ids_outside_the_experts(expert_map_name,
+                                                           ignore_invalid_experts, block_size):
+    """vLLM's moe_align_block_size (since its kernels take -1 in topk_ids): a slot whose id
+    is negative or >= E is counted nowhere and placed nowhere; num_tokens_post_padded counts
+    the scheduled slots only; with an expert_map, ignore_invalid_experts also skips the
+    slots of non-local experts, else their blocks carry -1."""
+    num_experts = 8
+    rng = rng_for("align skip", expert_map_name, ignore_invalid_experts, block_size)
+    topk_ids = distinct_topk_ids(rng, 40, num_experts, 3)
+    topk_ids[3] = -1                                   # a padded token: routed nowhere
+    topk_ids[5, 1] = -1                                # one masked slot
+    topk_ids[7, 2] = num_experts + 3                   # past the experts
+    expert_map = None if expert_map_name is None else MAPS[expert_map_name](num_experts)
+    sorted_ids, expert_ids, num_post = check_alignment(
+        topk_ids, block_size, num_experts, expert_map=expert_map,
+        ignore_invalid_experts=ignore_invalid_experts)
+    flat = topk_ids.ravel()
+    n = int(num_post[0])
+    placed = sorted_ids[:n][sorted_ids[:n] < flat.size]
+    scheduled = (flat >= 0) & (flat < num_experts)
+    if expert_map is not None and ignore_invalid_experts:
+        scheduled &= expert_map[np.clip(flat, 0, num_experts - 1)] >= 0
+    assert sorted(placed.tolist()) == np.flatnonzero(scheduled).tolist()
+    counts = np.bincount(flat[scheduled], minlength=num_experts)
+    assert n == int((-(-counts // block_size) * block_size).sum())
+    assert (expert_ids[n // block_size:] == -1).all()
+
+
+def test_moe_align_block_size_all_slots_routed_nowhere():
+    sorted_ids, expert_ids, num_post = moe_align_block_size(np.full((5, 2), -1, np.int32), 4, 8)
+    assert num_post.tolist() == [0]
+    assert (sorted_ids == 10).all() and (expert_ids == -1).all()
+
+
+# --------------------------------------------------------------------------------------------
 # The nasty cases
 # --------------------------------------------------------------------------------------------
 

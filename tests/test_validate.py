@@ -144,8 +144,8 @@ def test_align_order_within_an_expert_is_free(monkeypatch):
 def test_nan_where_reference_is_finite_fails(monkeypatch):
     real = torch_backend.moe_sum
 
-    def leaky(x):
-        out = real(x).clone()
+    def leaky(x, *ids_and_map, **kw):
+        out = real(x, *ids_and_map, **kw).clone()
         out[2, 3] = float("nan")
         return out
 
@@ -156,20 +156,72 @@ def test_nan_where_reference_is_finite_fails(monkeypatch):
     assert "NaN" in report.row("torch", "combine")["detail"]
 
 
-def test_nan_rows_must_stay_nan(monkeypatch):
+def test_nan_logit_row_has_defined_weights(monkeypatch):
+    # vLLM's routing today: a NaN logit makes the row's scores non-finite, and a non-finite
+    # score is 0, so the row gets ids 0..K-1 with weight 0 (it was NaN weights before issue
+    # 38). A backend that still leaves NaN there diverges at route.
     real = torch_backend.select_experts
 
-    def nan_eater(*args, **kw):
-        import torch
-
+    def nan_keeper(*args, **kw):
         w, ids, z = real(*args, **kw)
-        return torch.nan_to_num(w, nan=0.5), ids, z          # hides the NaN-logit row
+        w = w.clone()
+        w[3] = float("nan")                                  # the old NaN-logit row
+        return w, ids, z
 
-    monkeypatch.setattr(torch_backend, "select_experts", nan_eater)
     layer, x, logits = make(seed=8, nan_rows=(3,))
+    report = validate(layer, x, logits, backends=["reference", "torch"])
+    assert report.ok, report.table()
+    monkeypatch.setattr(torch_backend, "select_experts", nan_keeper)
     report = validate(layer, x, logits, backends=["torch"])
     assert report.first_divergence["torch"] == "route"
-    assert "missing where it is NaN" in report.row("torch", "route")["detail"]
+    assert "where the reference is finite" in report.row("torch", "route")["detail"]
+
+
+def _padding_router(hidden_states, gating_output, topk, renormalize):
+    """Every third slot and token 2 routed nowhere (-1), NumPy or torch in and out."""
+    import reference
+
+    torch_in = hasattr(gating_output, "cpu")
+    host = np.asarray(gating_output.cpu() if torch_in else gating_output)
+    w, ids, _ = reference.fused_topk(None, host, topk, renormalize)
+    ids = ids.copy()
+    ids.reshape(-1)[::3] = -1
+    ids[2] = -1
+    if torch_in:
+        import torch
+
+        return torch.from_numpy(w), torch.from_numpy(ids)
+    return w, ids
+
+
+def test_slots_routed_nowhere_are_judged_on_the_rows_computed(monkeypatch):
+    # a skipped slot's GEMM / activation rows are never written (vLLM's kernels): whatever
+    # they hold must not fail a backend, and the combine must leave them out
+    import torch
+
+    real = torch_backend.grouped_gemm
+
+    def garbage(a, w, sorted_token_ids, *rest, **kw):
+        out = real(a, w, sorted_token_ids, *rest, **kw).clone()
+        n = int(rest[1].reshape(-1)[0])
+        live = sorted_token_ids[:n]
+        dead = np.ones(out.shape[0], bool)
+        dead[live[live < out.shape[0]].numpy()] = False
+        out[torch.from_numpy(dead)] = 12345.0                       # what memory held
+        return out
+
+    monkeypatch.setattr(torch_backend, "grouped_gemm", garbage)
+    layer, x, logits = make(seed=26, custom_routing_function=_padding_router)
+    report = validate(layer, x, logits, backends=["reference", "torch"])
+    assert report.ok, report.table()
+    assert statuses(report, "torch") == {s: "ok" for s in STAGES + ("end_to_end",)}
+
+    def leaky_sum(x_, *ids_and_map, **kw):   # a combine that still sums the skipped rows
+        return x_.sum(dim=1)
+
+    monkeypatch.setattr(torch_backend, "moe_sum", leaky_sum)
+    report = validate(layer, x, logits, backends=["torch"])
+    assert report.first_divergence["torch"] == "combine"
 
 
 def test_wrong_dtype_fails(monkeypatch):
@@ -391,9 +443,9 @@ def test_progress_line_while_a_long_stage_runs(monkeypatch, capsys):
     monkeypatch.setattr(v, "PROGRESS_AFTER_S", 0.05, raising=False)
     real = torch_backend.moe_sum
 
-    def slow_sum(x):
+    def slow_sum(x, *ids_and_map, **kw):
         time.sleep(0.3)
-        return real(x)
+        return real(x, *ids_and_map, **kw)
 
     monkeypatch.setattr(torch_backend, "moe_sum", slow_sum)
     layer, x, logits = make(seed=25, t=5)

@@ -3,14 +3,16 @@
 // Shapes: M rows (P = T * K slots in a MoE layer), N = 2 D input columns (GEMM1's 2I),
 //         D = N / 2 output columns for the *_and_mul kernels.
 //
-// Math (docs/stages.md, "activation"; every value computed in fp32, rounded once to SCALAR_T):
-//   act_and_mul_kernel<ACT>  out[m, j] = act(x[m, j]) * x[m, D + j]           (gate | up halves)
+// Math (docs/stages.md, "activation"; every value computed in fp32, rounded to SCALAR_T where
+// vLLM's CUDA kernels round: act(gate) before the multiply, then the product; the others once):
+//   act_and_mul_kernel<ACT>  out[m, j] = round(act(x[m, j])) * x[m, D + j]    (gate | up halves)
 //       ACT 0 silu(g) = g / (1 + exp(-g))
 //       ACT 1 gelu(g) = g / 2 * (1 + erf(g / sqrt 2))                          (exact)
 //       ACT 2 gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3)))
 //   swigluoai_and_mul_kernel  gate = x[m, 2j], up = x[m, 2j + 1]                (interleaved)
 //       gate = min(gate, limit), up = clip(up, -limit, limit),
-//       out[m, j] = (up + 1) * gate * sigmoid(alpha * gate)   (gpt-oss: alpha 1.702, limit 7)
+//       out[m, j] = ((up + 1) * gate) / (1 + exp(-alpha gate))  (vLLM's order; gpt-oss: alpha
+//       1.702, limit 7)
 //   act_kernel<ACT>          out[m, n] = act(x[m, n]), ACT 0 silu, 1 gelu, 2 gelu_tanh,
 //                            3 relu2 = max(x, 0)^2
 // min / clip / relu keep NaN (like np.minimum / np.clip), unlike fminf.
@@ -48,7 +50,14 @@ __device__ __forceinline__ float act(float g) {
     return r * r;
 }
 
-// out[m, j] = act(x[m, j]) * x[m, D + j]
+// x rounded to SCALAR_T and back (vLLM's act_and_mul: ACT returns a scalar_t)
+__device__ __forceinline__ float round_scalar(float x) {
+    SCALAR_T r;
+    from_f32(x, &r);
+    return to_f32(r);
+}
+
+// out[m, j] = round(act(x[m, j])) * x[m, D + j]
 template <int ACT, int VEC>
 __global__ void __launch_bounds__(ACT_THREADS)
 act_and_mul_kernel(const SCALAR_T* __restrict__ x,  // [M, 2D]
@@ -62,7 +71,8 @@ act_and_mul_kernel(const SCALAR_T* __restrict__ x,  // [M, 2D]
     const Pack<SCALAR_T, VEC> u = load<VEC>(row + D + col);
     Pack<SCALAR_T, VEC> o;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) from_f32(act<ACT>(to_f32(g.v[j])) * to_f32(u.v[j]), &o.v[j]);
+    for (int j = 0; j < VEC; ++j)
+        from_f32(round_scalar(act<ACT>(to_f32(g.v[j]))) * to_f32(u.v[j]), &o.v[j]);
     store<VEC>(out + (size_t)m * D + col, o);
 }
 
@@ -87,8 +97,7 @@ swigluoai_and_mul_kernel(const SCALAR_T* __restrict__ x,  // [M, 2D], (gate, up)
         float g = in[2 * j], u = in[2 * j + 1];
         g = g > limit ? limit : g;                            // min(g, limit), NaN kept
         u = u > limit ? limit : (u < -limit ? -limit : u);    // clip(u, -limit, limit), NaN kept
-        const float glu = g / (1.0f + expf(-alpha * g));
-        from_f32((u + 1.0f) * glu, &o.v[j]);
+        from_f32(((u + 1.0f) * g) / (1.0f + expf(-alpha * g)), &o.v[j]);   // vLLM's order
     }
     store<VEC>(out + (size_t)m * D + col, o);
 }

@@ -7,6 +7,10 @@ Shapes: M rows (P = T * K in a MoE layer), N = 2 D input columns, D output colum
     swigluoai_and_mul(x, alpha=1.702, limit=7.0)                  gate = x[:, 0::2], up = x[:, 1::2]
     no-mul (is_act_and_mul=False): silu, gelu, gelu_tanh, relu2 elementwise
 
+Rounding as vLLM's CUDA kernels: a gated silu / gelu / gelu_tanh rounds act(gate) to the
+dtype before the multiply (then the product); swigluoai ((up + 1) * gate) / (1 + exp(-alpha
+gate)) and the no-mul forms round once.
+
 Launch: block = min(ACT_THREADS, the row's VEC-words rounded up to a warp), each thread VEC
 output columns (16-byte loads when the width
 and the base pointers are multiples of 16 bytes; VEC halves until they are),

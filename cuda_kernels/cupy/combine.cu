@@ -9,6 +9,10 @@
 //   reference's x.astype(f32).sum(axis=1) in fp32 (NumPy adds along a non-inner axis in order).
 //   (The router weights are applied before this stage: by GEMM2's epilogue, or by
 //    moe_unpermute in permute.cu for the contiguous layout.)
+//   moe_sum_live_kernel<VEC> (vLLM's pad-aware moe_sum): the same sum over the live slots only,
+//   slot k of token t live when ids[t, k] >= 0 and, with an expert map, ids[t, k] < map_len
+//   and emap[ids[t, k]] >= 0; a dead slot's row (never written by the GEMMs) is never read,
+//   a token with no live slot sums to 0.
 //
 // Launch geometry (combine.py): block = min(SUM_THREADS, cdiv(H / VEC, 32) * 32) threads, each
 //   VEC consecutive columns
@@ -45,6 +49,34 @@ moe_sum_kernel(const SCALAR_T* __restrict__ x,  // [T, K, H]
     for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
 #pragma unroll 4
     for (int k = 0; k < K; ++k) {
+        const Pack<SCALAR_T, VEC> v = load<VEC>(src + (size_t)k * H);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[j] = __fadd_rn(acc[j], to_f32(v.v[j]));
+    }
+    Pack<SCALAR_T, VEC> o;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) from_f32(acc[j], &o.v[j]);
+    store<VEC>(out + (size_t)t * H + col, o);
+}
+
+template <int VEC>
+__global__ void __launch_bounds__(SUM_THREADS)
+moe_sum_live_kernel(const SCALAR_T* __restrict__ x,  // [T, K, H]
+                    const int* __restrict__ ids,     // [T, K]
+                    const int* __restrict__ emap,    // [map_len] or nullptr
+                    int map_len,
+                    SCALAR_T* __restrict__ out,      // [T, H]
+                    int T, int K, int H, int chunks) {
+    const int t = blockIdx.x / chunks;
+    const int col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
+    if (t >= T || col >= H) return;
+    const SCALAR_T* src = x + (size_t)t * K * H + col;
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+    for (int k = 0; k < K; ++k) {
+        const int e = ids[(size_t)t * K + k];
+        if (e < 0 || (emap != nullptr && (e >= map_len || emap[e] < 0))) continue;
         const Pack<SCALAR_T, VEC> v = load<VEC>(src + (size_t)k * H);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) acc[j] = __fadd_rn(acc[j], to_f32(v.v[j]));

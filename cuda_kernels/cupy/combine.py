@@ -2,7 +2,9 @@
 
 Shapes: T tokens, K top-k slots, H hidden size.
 
-    moe_sum(x) -> [T, H]    x [T, K, H]; out[t] = sum_k x[t, k], fp32 in slot order, one rounding
+    moe_sum(x, topk_ids=None, expert_map=None) -> [T, H]
+        x [T, K, H]; out[t] = sum_k x[t, k], fp32 in slot order, one rounding; with topk_ids
+        (vLLM's pad-aware moe_sum) only the live slots: id >= 0 and, with expert_map, local
 
 Launch: block = min(SUM_THREADS, H / VEC rounded up to a warp), each thread VEC columns (16-byte loads when H and the base
 pointers allow), grid = T * cdiv(H, block * VEC). Deterministic: no atomics.
@@ -18,7 +20,8 @@ from . import _compile as C
 
 CONFIGS = {"moe_sum_kernel": {"SUM_THREADS": 128}}
 _VECS = (1, 2, 4, 8)
-_NAMES = tuple(f"moe_sum_kernel<{v}>" for v in _VECS)
+_NAMES = tuple(f"moe_sum_kernel<{v}>" for v in _VECS) + tuple(
+    f"moe_sum_live_kernel<{v}>" for v in _VECS)
 
 
 def _defines(dtype) -> dict:
@@ -29,10 +32,27 @@ for _dt in C.float_dtypes():
     C.register_compile_case("combine.cu", _defines(_dt), _NAMES)
 
 
-def moe_sum(x):
-    """out[t, h] = sum_k x[t, k, h], fp32 in slot order, rounded once to x.dtype. [T, K, H] -> [T, H]"""
+def _int32(name, a, ndim, shape=None):
+    import cupy
+
+    C.check_array(name, a, ndim=ndim, shape=shape)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected an integer dtype, got {a.dtype}")
+    return a if a.dtype == np.int32 else a.astype(cupy.int32)
+
+
+def moe_sum(x, topk_ids=None, expert_map=None):
+    """out[t, h] = sum_k x[t, k, h], fp32 in slot order, rounded once to x.dtype. [T, K, H] -> [T, H]
+
+    With topk_ids [T, K] (vLLM's pad-aware moe_sum) a slot with a negative id, or with
+    expert_map a non-local expert, is skipped: its row is never read."""
     C.check_array("x", x, ndim=3, dtypes=C.float_dtypes())
     T, K, H = x.shape
+    ids = emap = None
+    if topk_ids is not None:
+        ids = _int32("topk_ids", topk_ids, 2, (T, K))
+        if expert_map is not None:
+            emap = _int32("expert_map", expert_map, 1)
     out = C.empty((T, H), x.dtype)  # [T, H]
     if T == 0 or H == 0:
         return out
@@ -40,9 +60,17 @@ def moe_sum(x):
         C.raw(out).fill(0)  # all-zero bits are +0.0 in every float format
         return out
     g = C.row_geometry("x", T, H, CONFIGS["moe_sum_kernel"]["SUM_THREADS"], x, out, vecs=_VECS)
-    kernel = C.get_kernel("combine.cu", f"moe_sum_kernel<{g.vec}>", _defines(x.dtype), _NAMES)
+    if ids is None:
+        kernel = C.get_kernel("combine.cu", f"moe_sum_kernel<{g.vec}>", _defines(x.dtype), _NAMES)
+        kernel((g.grid,), (g.threads,),
+               (C.raw(x), C.raw(out), np.int32(T), np.int32(K), np.int32(H), np.int32(g.chunks)))
+        return out
+    kernel = C.get_kernel("combine.cu", f"moe_sum_live_kernel<{g.vec}>", _defines(x.dtype),
+                          _NAMES)
     kernel((g.grid,), (g.threads,),
-           (C.raw(x), C.raw(out), np.int32(T), np.int32(K), np.int32(H), np.int32(g.chunks)))
+           (C.raw(x), ids, emap if emap is not None else C.null_ptr(),
+            np.int32(0 if emap is None else emap.shape[0]), C.raw(out), np.int32(T),
+            np.int32(K), np.int32(H), np.int32(g.chunks)))
     return out
 
 

@@ -10,7 +10,8 @@
                                         here when apply_router_weight_on_input)
     activation  act_and_mul_kernel      c1 -> c2 [P, I]
     gemm2       grouped_gemm_<v>        c2, w2 [E, H, I]   -> c3 [P, H]    (* router weight)
-    combine     moe_sum_kernel          c3 [T, K, H]       -> out [T, H]
+    combine     moe_sum_live_kernel     c3 [T, K, H]       -> out [T, H]  (pad-aware: slots
+                                        alignment skipped, ids -1, are never read)
 
 These are the stage modules' own kernels with the configs and arguments the stage functions
 would pick (grouped_gemm._plan, permute._align_geometry, _compile.row_geometry): a call
@@ -161,7 +162,7 @@ GEMM_SIG = "pppppppp" + "iiiiiiii"
 # (grouped_gemm.v6_tensor_map)
 GEMM_EXTRA_SIG = {"v6": "t"}
 ROWS_SIG = "pp" + "iii"
-SUM_SIG = "pp" + "iiii"
+SUM_SIG = "pppip" + "iiii"   # moe_sum_live_kernel: x, ids, emap, map_len, out, T, K, H, chunks
 
 
 class ExpertsPlan:
@@ -217,7 +218,7 @@ class ExpertsPlan:
             name_fmt = f"act_and_mul_kernel<{act_mod._AND_MUL[activation]}, {{vec}}>"
             self.act = self._rows(act_mod, "activation.cu", name_fmt, P, I, "ACT_THREADS",
                                   "activation", act_mod._NAMES, ROWS_SIG)
-            self.combine = self._rows(sum_mod, "combine.cu", "moe_sum_kernel<{vec}>", T, H,
+            self.combine = self._rows(sum_mod, "combine.cu", "moe_sum_live_kernel<{vec}>", T, H,
                                       "SUM_THREADS", "moe_sum_kernel", sum_mod._NAMES, SUM_SIG)
             self.dummy = gg._dummy(cupy, device).data.ptr
         # workspace layout: [sorted L][expert_ids L/B][ntpp 1][hist G*E], then c1, c2, c3
@@ -287,7 +288,8 @@ class ExpertsPlan:
                   self.dummy, self.H, self.I, P, 1, B, L, int(not self.mul_on_input), 0,
                   *self._extra(g2, w2.ptr))
         comb, sum_chunks = self.combine
-        comb(stream_ptr, c3, out_ptr, self.T, self.K, self.H, sum_chunks)
+        comb(stream_ptr, c3, ids.ptr, emap_ptr, E if emap_ptr else 0, out_ptr, self.T, self.K,
+             self.H, sum_chunks)
         return out
 
     def _extra(self, g, w_ptr):
@@ -341,7 +343,8 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     """out [T, H] = the MoE layer's experts (module docstring) for routed tokens.
 
     hidden_states [T, H] bf16/fp16, w1 [E, 2I, H] (gate rows then up rows), w2 [E, H, I],
-    topk_weights [T, K] fp32, topk_ids [T, K] int32 (ids outside [0, E) are dropped), CuPy
+    topk_weights [T, K] fp32, topk_ids [T, K] int32 (a slot whose id is outside [0, E) --
+    vLLM's -1 -- adds nothing: alignment drops it, the combine skips it), CuPy
     arrays or CUDA torch tensors on one device, contiguous (the output, its allocator and
     stream are hidden_states' library's); expert_map [E_global]
     int32 (global -> local id or -1; topk_ids then hold global ids) or None; block_size:

@@ -7,6 +7,12 @@
 // Math (all fp32; docs/stages.md, "route"):
 //   scores[t, e] = softmax(gating[t, :])[e]        (scoring == 0: exp(x - max) / sum)
 //                | 1 / (1 + exp(-gating[t, e]))     (scoring == 1: sigmoid)
+//   the mode's non-finite rule (vLLM's kernels):
+//     mode 0 (fused_topk, fused_topk_bias: topk_softmax / topk_sigmoid): a non-finite score is 0
+//     mode 1 (grouped_topk): an expert whose scoring input is not finite (the logit for
+//       sigmoid, the score for softmax) is invalid: sel -inf, weight 0; a row with no valid
+//       expert among its K gets 1/K (renormalize) or 0. Softmax scores are rounded to IN_T
+//       (vLLM computes that softmax in the logits' dtype)
 //   sel[t, e]    = scores[t, e] + bias[e]           (bias given) | scores[t, e]
 //   groups (G > 1): group score = max of the group's scores (no bias; NaN if one is NaN)
 //                   | sum of its top-2 sel (bias);
@@ -16,9 +22,8 @@
 //                        * routed_scaling_factor
 //   token_expert_indices[t, k] = k * T + t            (when the pointer is not null)
 // Selection treats NaN as -inf and picks K *distinct* experts even among -inf (lowest ids
-// first), so a token always gets K valid experts; the weights follow the plain formulas, so a
-// NaN logit makes that softmax row's weights NaN. expf, not __expf: ranks must match the
-// NumPy reference except at true near-ties.
+// first), so a token always gets K experts in [0, E) and finite weights. expf, not __expf:
+// ranks must match the NumPy reference except at true near-ties.
 //
 // How selection works: every (value, id) pair becomes one 64-bit key, order-preserving float
 // bits in the high word and (0xFFFFFFFF - id) in the low word, so "larger value, then lower id"
@@ -51,10 +56,32 @@
 
 #define FULL_MASK 0xffffffffu
 #define NEG_INF (__int_as_float(0xff800000))  // NVRTC has no <math.h> INFINITY
+#define POS_INF (__int_as_float(0x7f800000))
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// x rounded to the dtype the pointer's elements have (round to nearest even), back to fp32
+__device__ __forceinline__ float round_like(const float*, float x) { return x; }
+__device__ __forceinline__ float round_like(const __half*, float x) {
+    return __half2float(__float2half_rn(x));
+}
+__device__ __forceinline__ float round_like(const __nv_bfloat16*, float x) {
+    return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+__device__ __forceinline__ bool finite_f(float v) { return v > NEG_INF && v < POS_INF; }
+
+// A score v (of logit x) under the launch's mode: 0: 0 when not finite; 1: NaN (invalid) when
+// the scoring input is not finite (v for softmax, x for sigmoid), else a softmax score
+// rounded to IN_T.
+__device__ __forceinline__ float score_rule(float v, float x, int scoring, int mode,
+                                            const IN_T* row) {
+    if (mode == 0) return finite_f(v) ? v : 0.0f;
+    if (scoring == 0) return finite_f(v) ? round_like(row, v) : __int_as_float(0x7fc00000);
+    return finite_f(x) ? v : __int_as_float(0x7fc00000);
+}
 
 // max that propagates NaN like np.max (fmaxf would drop it)
 __device__ __forceinline__ float max_nan(float a, float b) { return (a > b || a != a) ? a : b; }
@@ -116,6 +143,7 @@ route_topk_kernel(const IN_T* __restrict__ gating,        // [T, E]
                   int num_groups, int topk_group,
                   int scoring,                            // 0 softmax, 1 sigmoid
                   int renormalize,
+                  int mode,                               // 0 topk, 1 grouped (above)
                   float routed_scaling_factor) {
     extern __shared__ float smem[];
     const int warp = threadIdx.x >> 5;
@@ -148,20 +176,23 @@ route_topk_kernel(const IN_T* __restrict__ gating,        // [T, E]
         }
         s = warp_sum(s);
 #pragma unroll
-        for (int i = 0; i < VPT; ++i) p[i] = p[i] / s;
+        for (int i = 0; i < VPT; ++i) p[i] = score_rule(p[i] / s, 0.0f, 0, mode, row);
         row_max = m;
         row_sum = s;
     } else {
 #pragma unroll
-        for (int i = 0; i < VPT; ++i) p[i] = 1.0f / (1.0f + expf(-p[i]));
+        for (int i = 0; i < VPT; ++i)
+            p[i] = score_rule(1.0f / (1.0f + expf(-p[i])), p[i], 1, mode, row);
     }
 
-    // ---- selection values: the (biased) scores; make_key reads a NaN as -inf ----------------
+    // ---- selection values: the (biased) scores, -inf for an invalid expert (NaN score);
+    //      make_key reads a NaN (a NaN bias) as -inf
     float sel[VPT];
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
         const int e = i * 32 + lane;
         sel[i] = (bias != nullptr && e < E) ? p[i] + bias[e] : p[i];
+        if (p[i] != p[i]) sel[i] = NEG_INF;
     }
 
     // ---- groups: keep the topk_group best groups ---------------------------------------------
@@ -243,16 +274,21 @@ route_topk_kernel(const IN_T* __restrict__ gating,        // [T, E]
     // Lane k recomputes the score of its winner from the logit with the same instructions
     // that ranked it (bitwise the same value): cheaper than indexing p[] by a runtime slot,
     // which would push the row into local memory.
-    float my_w = 0.0f;
+    float my_w = 0.0f, valid = 0.0f;
     if (lane < K) {
         const float x = to_f32(row[my_id]);
-        my_w = scoring == 0 ? expf(x - row_max) / row_sum : 1.0f / (1.0f + expf(-x));
+        my_w = score_rule(scoring == 0 ? expf(x - row_max) / row_sum : 1.0f / (1.0f + expf(-x)),
+                          x, scoring, mode, row);
+        valid = my_w == my_w ? 1.0f : 0.0f;   // an invalid expert (mode 1) weighs 0
+        if (my_w != my_w) my_w = 0.0f;
     }
+    const float num_valid = warp_sum(valid);
     if (renormalize) {
         const float s = warp_sum(lane < K ? my_w : 0.0f);
         if (s > 0.0f) my_w = my_w / s;
     }
     my_w = my_w * routed_scaling_factor;
+    if (num_valid == 0.0f) my_w = renormalize ? 1.0f / (float)K : 0.0f;   // none valid (mode 1)
     if (lane < K) {
         const size_t o = (size_t)t * K + lane;
         topk_weights[o] = my_w;

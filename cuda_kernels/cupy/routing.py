@@ -2,10 +2,12 @@
 
 Shapes: T tokens, E experts (<= 1024), K top-k (<= 32).
 
-    fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None)
+    fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None,
+               scoring_func="softmax")
         -> topk_weights f32 [T, K], topk_ids int32 [T, K], token_expert_indices int32 [T, K]
-    fused_topk_bias(hidden_states, gating_output, e_score_correction_bias, topk, renormalize,
-                    routed_scaling_factor=1.0) -> topk_weights, topk_ids
+    fused_topk_bias(hidden_states, gating_output, scoring_func, e_score_correction_bias, topk,
+                    renormalize, indices_type=None, routed_scaling_factor=1.0)
+        -> topk_weights, topk_ids
     grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,
                  topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0,
                  e_score_correction_bias=None) -> topk_weights, topk_ids
@@ -32,6 +34,7 @@ MAX_EXPERTS = 32 * VPTS[-1]
 MAX_TOPK = 32  # lane k keeps the k-th winner
 _NAMES = tuple(f"route_topk_kernel<{v}>" for v in VPTS)
 _SCORING = {"softmax": 0, "sigmoid": 1}
+MODE_TOPK, MODE_GROUPED = 0, 1   # the non-finite rule of a launch (routing.cu)
 
 
 def _defines(dtype) -> dict:
@@ -80,7 +83,7 @@ def _bias_f32(name, bias, E):
 
 
 def _launch(gating, bias, topk, num_groups, topk_group, scoring, renormalize, scale,
-            want_indices):
+            want_indices, mode=MODE_TOPK):
     """Allocate the outputs and launch once (the kernel writes every element)."""
     T, E = gating.shape
     if gating.dtype == np.float64:
@@ -104,7 +107,7 @@ def _launch(gating, bias, topk, num_groups, topk_group, scoring, renormalize, sc
             tei if tei is not None else C.null_ptr(),
             np.int32(T), np.int32(E), np.int32(topk), np.int32(num_groups),
             np.int32(topk_group), np.int32(scoring), np.int32(1 if renormalize else 0),
-            np.float32(scale)),
+            np.int32(mode), np.float32(scale)),
            shared_mem=smem)
     return weights, ids, tei
 
@@ -118,40 +121,53 @@ def _ids_as(ids, indices_type):
     return ids.astype(dt)
 
 
-def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None):
-    """Softmax over all E experts in fp32, then the top-k, descending, ties to the lowest id.
+def _scoring(scoring_func) -> int:
+    if not isinstance(scoring_func, str):
+        raise TypeError(f"scoring_func: expected one of {sorted(_SCORING)}, "
+                        f"got {type(scoring_func).__name__}")
+    if scoring_func not in _SCORING:
+        raise ValueError(f"scoring_func: expected one of {sorted(_SCORING)}, got {scoring_func!r}")
+    return _SCORING[scoring_func]
+
+
+def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None,
+               scoring_func="softmax"):
+    """Softmax (or sigmoid) over all E experts in fp32, a non-finite score 0 (vLLM's
+    topk_softmax / topk_sigmoid), then the top-k, descending, ties to the lowest id.
 
     Returns topk_weights f32 [T, K], topk_ids int32 [T, K] (or `indices_type`),
     token_expert_indices int32 [T, K] with token_expert_indices[t, k] = k * T + t.
     """
+    scoring = _scoring(scoring_func)
     _, _, topk = _check_common(hidden_states, gating_output, topk)
-    w, ids, tei = _launch(gating_output, None, topk, 1, 1, 0, renormalize, 1.0, True)
+    w, ids, tei = _launch(gating_output, None, topk, 1, 1, scoring, renormalize, 1.0, True)
     return w, _ids_as(ids, indices_type), tei
 
 
-def fused_topk_bias(hidden_states, gating_output, e_score_correction_bias, topk, renormalize,
-                    routed_scaling_factor=1.0):
-    """Softmax scores; experts chosen on scores + bias; weights the unbiased scores,
-    renormalized if asked, then * routed_scaling_factor. Returns topk_weights, topk_ids."""
+def fused_topk_bias(hidden_states, gating_output, scoring_func, e_score_correction_bias, topk,
+                    renormalize, indices_type=None, routed_scaling_factor=1.0):
+    """Softmax (or sigmoid) scores, a non-finite one 0; experts chosen on scores + bias (the
+    scores when the bias is None); weights the unbiased scores, renormalized if asked, then
+    * routed_scaling_factor. Returns topk_weights, topk_ids."""
+    scoring = _scoring(scoring_func)
     _, E, topk = _check_common(hidden_states, gating_output, topk)
-    if e_score_correction_bias is None:
-        raise TypeError("e_score_correction_bias: expected a cupy.ndarray [E], got None")
     bias = _bias_f32("e_score_correction_bias", e_score_correction_bias, E)
-    w, ids, _ = _launch(gating_output, bias, topk, 1, 1, 0, renormalize,
+    w, ids, _ = _launch(gating_output, bias, topk, 1, 1, scoring, renormalize,
                         float(routed_scaling_factor), False)
-    return w, ids
+    return w, _ids_as(ids, indices_type)
 
 
 def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,
                  topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0,
                  e_score_correction_bias=None):
-    """DeepSeek-V2/V3 routing: scores (softmax | sigmoid), groups of E / num_expert_group
-    consecutive experts scored by their max (no bias) or top-2 biased sum (bias), the
-    topk_group best kept, top-k on the kept (biased) scores, weights the unbiased scores,
-    renormalized if asked, always * routed_scaling_factor. Returns topk_weights, topk_ids."""
+    """DeepSeek-V2/V3 routing: scores (softmax rounded to the logits' dtype | sigmoid), an
+    expert with a non-finite scoring input invalid (ranked last, weight 0); groups of
+    E / num_expert_group consecutive experts scored by their max (no bias) or top-2 biased
+    sum (bias), the topk_group best kept, top-k on the kept (biased) scores, weights the
+    unbiased scores, renormalized if asked, always * routed_scaling_factor; a row with no
+    valid expert among its K gets 1/K (renormalize) or 0. Returns topk_weights, topk_ids."""
     _, E, topk = _check_common(hidden_states, gating_output, topk)
-    if scoring_func not in _SCORING:
-        raise ValueError(f"scoring_func: expected one of {sorted(_SCORING)}, got {scoring_func!r}")
+    _scoring(scoring_func)
     groups = C.check_int("num_expert_group", num_expert_group, 1)
     if E % groups:
         raise ValueError(f"num_expert_group: expected a divisor of the number of experts ({E}), "
@@ -164,7 +180,7 @@ def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_gro
                          f"({tg} * {E // groups}), got {topk}")
     bias = _bias_f32("e_score_correction_bias", e_score_correction_bias, E)
     w, ids, _ = _launch(gating_output, bias, topk, groups, tg, _SCORING[scoring_func],
-                        renormalize, float(routed_scaling_factor), False)
+                        renormalize, float(routed_scaling_factor), False, MODE_GROUPED)
     return w, ids
 
 
@@ -233,8 +249,8 @@ def _main(argv=None):
             ref = reference.grouped_topk(None, logits, K, True, G, TG, scoring, 2.5, bias)
         elif has_bias:
             def run(a=args, K=K):
-                return fused_topk_bias(None, a[0], a[1], K, True)
-            ref = reference.fused_topk_bias(None, logits, bias, K, True)
+                return fused_topk_bias(None, a[0], "softmax", a[1], K, True)
+            ref = reference.fused_topk_bias(None, logits, "softmax", bias, K, True)
         else:
             def run(a=args, K=K):
                 return fused_topk(None, a[0], K, True)[:2]

@@ -400,3 +400,67 @@ def sel_key(x):
 def better(v1, i1, v2, i2):
     """(v1, i1) ranks before (v2, i2): larger value first, ties to the lower index."""
     return v1 > v2 or (v1 == v2 and i1 < i2)
+
+
+# ----------------------------------------------------------------------------- rounding points
+# A stage that rounds an fp32 intermediate to the storage dtype mid-computation (vLLM's gated
+# activation rounds act(gate) before the multiply; grouped_topk's softmax runs in the logits'
+# dtype) goes through these: the value rounded to fp32 / fp16 / bf16 and back, as fp32.
+def round_f32(v):
+    return np.float32(v)
+
+
+def round_bf16(v):
+    return to_f32(f32_to_bf16_bits(v))
+
+
+def round_f16(v):
+    return np.float32(np.float16(np.float32(v)))
+
+
+def round_as(arr, v):
+    """fp32 `v` rounded to the storage dtype of `arr`'s elements (uint16 = bf16 bits; fp32
+    and fp64 leave it as it is), returned as fp32."""
+    if arr.dtype == np.uint16:
+        return round_bf16(v)
+    if arr.dtype == np.float16:
+        return round_f16(v)
+    return np.float32(v)
+
+
+if not SIMULATOR:
+    @overload(round_f32, target="cuda", jit_options=_INLINE)
+    def _round_f32_cuda(v):
+        def impl(v):
+            return float32(v)
+        return impl
+
+    @overload(round_bf16, target="cuda", jit_options=_INLINE)
+    def _round_bf16_cuda(v):
+        def impl(v):
+            return to_f32(f32_to_bf16_bits(float32(v)))
+        return impl
+
+    @overload(round_f16, target="cuda", jit_options=_INLINE)
+    def _round_f16_cuda(v):
+        def impl(v):
+            return _half_bits_to_f32(_f32_to_half_bits(float32(v)))
+        return impl
+
+    @overload(round_as, target="cuda", jit_options=_INLINE)
+    def _round_as_cuda(arr, v):
+        if _is_bf16_bits(arr.dtype):
+            def impl(arr, v):
+                return round_bf16(v)
+            return impl
+        if arr.dtype == nbtypes.float16:
+            def impl(arr, v):
+                return round_f16(v)
+            return impl
+
+        def impl(arr, v):
+            return float32(v)
+        return impl
+
+
+ROUND = {"f32": round_f32, "bf16": round_bf16, "f16": round_f16}   # word kind -> rounding

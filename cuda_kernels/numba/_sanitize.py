@@ -51,9 +51,10 @@ def cases():
             G_, TG = (8, 3) if groups else (1, 1)
             call = A.Call("gating_output", x)
             got = R._launch(call, x, b, 6, G_, TG, "sigmoid" if groups else "softmax", True,
-                            2.5 if groups else 1.0, False, np.dtype(np.int32), flavor=flavor)
+                            2.5 if groups else 1.0, False, np.dtype(np.int32), flavor=flavor,
+                            mode=R.MODE_GROUPED if groups else R.MODE_TOPK)
             want = (reference.grouped_topk(None, x, 6, True, G_, TG, "sigmoid", 2.5, b)
-                    if groups else reference.fused_topk_bias(None, x, b, 6, True, 1.0)
+                    if groups else reference.fused_topk_bias(None, x, "softmax", b, 6, True)
                     if bias else reference.fused_topk(None, x, 6, True)[:2])
             if not np.array_equal(got[1], want[1]):
                 return "ids differ"

@@ -6,14 +6,16 @@
     silu_and_mul(x), gelu_and_mul(x), gelu_tanh_and_mul(x)        [M, N] -> [M, N/2]
     swigluoai_and_mul(x, alpha=1.702, limit=7.0)                   [M, N] -> [M, N/2]
 
-The math (reference/activation.py), in fp32, rounded once to x's dtype:
-    *_and_mul   gate = x[:, :I], up = x[:, I:], out = act(gate) * up
+The math (reference/activation.py), in fp32, rounded to x's dtype where vLLM's CUDA kernels
+round: *_and_mul rounds act(gate) before the multiply, and the product again; swigluoai and
+the no-mul forms round once:
+    *_and_mul   gate = x[:, :I], up = x[:, I:], out = round(act(gate)) * up
     silu(g)      = g / (1 + exp(-g))
     gelu(g)      = 0.5 g (1 + erf(g / sqrt 2))                                 exact erf
     gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
     swigluoai    gate = x[:, 0::2], up = x[:, 1::2] (interleaved, gpt-oss),
                  gate = min(gate, limit), up = clip(up, -limit, limit),
-                 out = (up + 1) * gate / (1 + exp(-alpha gate))
+                 out = ((up + 1) * gate) / (1 + exp(-alpha gate))   (vLLM's order)
     no-mul (is_act_and_mul=False): silu, gelu, gelu_tanh, relu2 = max(x, 0)^2 elementwise
 
 One kernel, specialised at compile time on (activation, layout, load width):
@@ -47,6 +49,7 @@ from numba import float32, uint64
 from . import _arrays as A
 from ._device import (
     PACK,
+    ROUND,
     SIMULATOR,
     UNPACK,
     WORD_ELEMENTS,
@@ -58,6 +61,7 @@ from ._device import (
     exp_f32,
     ix,
     kernel,
+    round_as,
     tanh_f32,
     to_f32,
     words,
@@ -102,14 +106,15 @@ def relu2(g):
 
 @device_function
 def swiglu_oai(g, u, alpha, limit):
-    """(clip(u) + 1) * min(g, limit) * sigmoid(alpha min(g, limit)); NaN propagates like NumPy."""
+    """((clip(u) + 1) * min(g, limit)) / (1 + exp(-alpha min(g, limit))), in vLLM's order;
+    NaN propagates like NumPy."""
     if not (g != g or g < limit):
         g = limit
     if u > limit:
         u = limit
     elif u < -limit:
         u = -limit
-    return (u + float32(1.0)) * (g / (float32(1.0) + exp_f32(-alpha * g)))
+    return ((u + float32(1.0)) * g) / (float32(1.0) + exp_f32(-alpha * g))
 
 
 _FUNCS = {"silu": silu, "gelu": gelu, "gelu_tanh": gelu_tanh, "relu2": relu2}
@@ -128,7 +133,7 @@ def act_kernel(name: str, mode: int, NT: int, WORD: str = "", U: int = 4):
     REG = uint64 if WORD else float32
 
     if WORD:
-        unpack, pack = UNPACK[WORD], PACK[WORD]
+        unpack, pack, rnd = UNPACK[WORD], PACK[WORD], ROUND[WORD]
 
         @device_function
         def load(x, r, c, C, gs, us, u):
@@ -141,7 +146,8 @@ def act_kernel(name: str, mode: int, NT: int, WORD: str = "", U: int = 4):
             wd = uint64(0)
             for v in range(VEC):
                 gv = f(unpack(gs[u], v))
-                wd = pack(wd, v, gv * unpack(us[u], v) if mode == GATED else gv)
+                # gated: act(gate) rounded to the dtype first (vLLM's act_and_mul kernel)
+                wd = pack(wd, v, rnd(gv) * unpack(us[u], v) if mode == GATED else gv)
             out[r, c] = wd
     else:
         @device_function
@@ -157,7 +163,7 @@ def act_kernel(name: str, mode: int, NT: int, WORD: str = "", U: int = 4):
         @device_function
         def finish(out, r, c, gs, us, u, alpha, limit):
             if mode == GATED:
-                v = f(gs[u]) * us[u]
+                v = round_as(out, f(gs[u])) * us[u]   # act(gate) rounded first, as vLLM
             elif mode == INTERLEAVED:
                 v = swiglu_oai(gs[u], us[u], alpha, limit)
             else:
@@ -193,14 +199,14 @@ def act16_kernel(name: str, mode: int, NT: int, WORD: str):
         raise ValueError("mode: the interleaved layout (swigluoai) reads single elements")
     f = _FUNCS[name]
     VEC = WORD_ELEMENTS[WORD]
-    unpack, pack = UNPACK[WORD], PACK[WORD]
+    unpack, pack, rnd = UNPACK[WORD], PACK[WORD], ROUND[WORD]
 
     @device_function
     def word_out(g, u):
         wd = uint64(0)
         for v in range(VEC):
             gv = f(unpack(g, v))
-            wd = pack(wd, v, gv * unpack(u, v) if mode == GATED else gv)
+            wd = pack(wd, v, rnd(gv) * unpack(u, v) if mode == GATED else gv)
         return wd
 
     def act16(x, out, M, C, nbx):

@@ -2,7 +2,8 @@
 
     T = tokens, K = top-k, H = hidden
 
-    moe_sum(x) -> out [T, H]      x [T, K, H]; out[t, h] = sum_k x[t, k, h]
+    moe_sum(x, topk_ids=None, expert_map=None) -> out [T, H]
+        x [T, K, H]; out[t, h] = sum_k x[t, k, h] (with topk_ids: over the live slots only)
 
 fp32 accumulation in slot order k = 0..K-1 (NumPy's order for this reduction, so fp32 inputs
 match the reference bit for bit), rounded once to x's dtype (reference/experts.py). The router
@@ -15,6 +16,11 @@ fp32 or four fp16 / bf16: the arrays viewed as uint64) when the rows are whole w
 element (C = H / VEC or H). Each thread reads K words H apart (every read coalesced across
 the warp) and writes one. K <= 32 is compiled in (one kernel per K), so the K loads are
 unrolled and in flight together: 32 K bytes per thread.
+
+With topk_ids (vLLM's pad-aware moe_sum) `moe_sum_live_kernel` runs: one thread per output
+element, grid = (cdiv(H, NT), min(T, 65535)); slot k of token t is added only when
+topk_ids[t, k] >= 0 and, with an expert_map, the expert is local (its row was never written
+by the GEMMs otherwise). A token with no live slot sums to 0.
 
 When the rows are whole 16-byte chunks (the MoE shapes), `moe_sum16_kernel` runs instead:
 CuPy's geometry (combine.cu), one 16-byte chunk (8 bf16) per thread, grid = T * cdiv(H / 8,
@@ -161,13 +167,53 @@ def moe_sum16_kernel(NT: int, KC: int, WORD: str):
     return kernel(moe_sum16)
 
 
-def moe_sum(x):
+@functools.lru_cache(maxsize=None)
+def moe_sum_live_kernel(NT: int):
+    """The pad-aware combine: one thread per output element, slots read only when live."""
+
+    def moe_sum_live(x, ids, emap, use_map, out, T, K, H):
+        """out[t, h] = sum over live k of x[t, k, h], fp32, rounded once; live: ids[t, k] >= 0
+        and (use_map) ids[t, k] < len(emap) and emap[ids[t, k]] >= 0."""
+        h = cu.blockIdx.x * NT + cu.threadIdx.x
+        if h >= H:
+            return
+        for t in range(cu.blockIdx.y, T, cu.gridDim.y):
+            acc = float32(0.0)
+            for k in range(K):
+                e = ids[ix(t), ix(k)]
+                live = e >= 0
+                if live and use_map:
+                    live = e < emap.shape[0] and emap[ix(e)] >= 0
+                if live:
+                    acc += to_f32(x[ix(t), ix(k), ix(h)])
+            out[ix(t), ix(h)] = cast_out(out, acc)
+
+    return kernel(moe_sum_live)
+
+
+def moe_sum(x, topk_ids=None, expert_map=None):
     """The combine: out[t] = sum_k x[t, k] over the K slots, fp32, rounded once.
-    [T, K, H] -> [T, H]"""
+    [T, K, H] -> [T, H]. With topk_ids [T, K] (vLLM's pad-aware moe_sum) a slot with a
+    negative id, or with expert_map a non-local expert, is skipped (never read)."""
     A.check_float("x", x, ndim=3)
     T, K, H = A.shape_of(x)
     call = A.Call("x", x)
     out = call.empty((T, H), A.dtype_of(x))                                # [T, H]
+    if topk_ids is not None:
+        A.check_int_array("topk_ids", topk_ids, ndim=2)
+        if A.shape_of(topk_ids) != (T, K):
+            raise ValueError(f"topk_ids: expected shape {(T, K)}, got {A.shape_of(topk_ids)}")
+        if expert_map is not None:
+            A.check_int_array("expert_map", expert_map, ndim=1)
+        if T and H:
+            NT = config("sum")["THREADS"]
+            ids = call.dev("topk_ids", topk_ids)
+            use_map = expert_map is not None
+            emap = call.dev("expert_map", expert_map if use_map else np.full(1, -1, np.int32))
+            grid = (A.cdiv(H, NT), min(T, MAX_GRID_Y))
+            moe_sum_live_kernel(NT)[grid, NT, A.launch_stream()](
+                call.dev("x", x), ids, emap, use_map, out, T, K, H)
+        return call.result(out)
     if T and H:
         NT = config("sum")["THREADS"]
         xd = call.dev("x", x)
@@ -205,6 +251,11 @@ def compile_cases():
             cases.append((f"moe_sum16 K={kc or 'runtime'} {word}",
                           moe_sum16_kernel(CONFIGS["sum"]["THREADS"], kc, word),
                           (t.Array(w64, 3, "C"), t.Array(w64, 2, "C")) + (t.int64,) * 4))
+    for dt in (t.float32, t.float16, t.uint16):
+        for idt in (t.int32, t.int64):
+            cases.append((f"moe_sum_live {dt} ids {idt}", moe_sum_live_kernel(CONFIGS["sum"]["THREADS"]),
+                          (t.Array(dt, 3, "C"), t.Array(idt, 2, "C"), t.Array(t.int32, 1, "C"),
+                           t.boolean, t.Array(dt, 2, "C"), t.int64, t.int64, t.int64)))
     for dt, word in ((t.float32, "f32"), (t.float16, "f16"), (t.uint16, "bf16")):
         for kc in (8, 0):
             for wk in (word, ""):

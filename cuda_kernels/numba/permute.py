@@ -699,6 +699,7 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
     then 1, ..., each run padded with P to a multiple of B; stable: increasing s within an
     expert), expert_ids int32 [cdiv(max_num_tokens_padded, B)] (local ids through expert_map,
     -1 past the end or for experts off this rank), num_tokens_post_padded int32 [1].
+    A slot whose id is outside [0, E) (vLLM's -1) is skipped: placed and counted nowhere.
     With expert_map and ignore_invalid_experts=True, experts off this rank get no blocks.
     Kernels: align_grid (align.py, one launch) on the GPU; align_single, or align_count +
     align_scan + align_scatter with the simulator's "block" ranks (module docstring).
@@ -706,7 +707,6 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
     A.check_int_array("topk_ids", topk_ids, ndim=2)
     B = A.check_int("block_size", block_size, minimum=1)
     E = A.check_int("num_experts", num_experts, minimum=1)
-    A.check_ids_in_range("topk_ids", topk_ids, E)
     _check_expert_map(expert_map, E)
     T, K = A.shape_of(topk_ids)
     capacity = max_num_tokens_padded(T * K, B, E, pad_sorted_ids)

@@ -2,10 +2,12 @@
 
     T = tokens, E = experts, K = top-k, G = expert groups (num_expert_group)
 
-    fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None)
+    fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None,
+               scoring_func="softmax")
         -> topk_weights f32 [T, K], topk_ids int32 [T, K], token_expert_indices int32 [T, K]
-    fused_topk_bias(hidden_states, gating_output, e_score_correction_bias, topk, renormalize,
-                    routed_scaling_factor=1.0) -> topk_weights, topk_ids
+    fused_topk_bias(hidden_states, gating_output, scoring_func, e_score_correction_bias, topk,
+                    renormalize, indices_type=None, routed_scaling_factor=1.0)
+        -> topk_weights, topk_ids
     grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,
                  topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0,
                  e_score_correction_bias=None) -> topk_weights, topk_ids
@@ -14,6 +16,11 @@
 The math (reference/routing.py), per token row t, all in fp32:
     scores[e] = softmax(logits[t])[e] = exp(x_e - max x) / sum_e' exp(x_e' - max x)
                 or sigmoid(x_e) = 1 / (1 + exp(-x_e))
+    mode MODE_TOPK (fused_topk, fused_topk_bias): a non-finite score becomes 0
+    mode MODE_GROUPED (grouped_topk): softmax scores rounded to the logits' dtype; an expert
+                whose scoring input is not finite (the logit for sigmoid, the score for
+                softmax) is invalid: choice -inf, weight 0; a row with no valid expert among
+                its K gets 1/K (renormalize) or 0
     choice[e] = scores[e] + bias[e]   (or scores[e])
     groups:   group score = max of its scores, NaN as -inf (no bias) | sum of its two best
               choices (bias: ranked with NaN as -inf, summed as they are);
@@ -77,6 +84,7 @@ from ._device import (
     ix,
     kernel,
     max_nan,
+    round_as,
     sel_key,
     to_f32,
 )
@@ -88,6 +96,11 @@ SIM_CONFIGS = {"block": {"THREADS": 32}}
 DEFAULT_FLAVOR = "block" if SIMULATOR else "keys"
 SHARED_LIMIT = 48 * 1024   # bytes of dynamic shared memory without an opt-in
 SCORING_FUNCS = ("softmax", "sigmoid")
+# the non-finite rule and rounding of a launch (reference/routing.py):
+MODE_TOPK = 0      # fused_topk / fused_topk_bias: a non-finite score is 0
+MODE_GROUPED = 1   # grouped_topk: an expert with a non-finite scoring input is invalid
+                   # (ranked last, weight 0; none valid: 1/K or 0), softmax rounded to the
+                   # logits' dtype
 
 
 def _config(flavor):
@@ -193,6 +206,15 @@ def _block_reductions(NT):
 
 
 # ----------------------------------------------------------------------------- the kernel
+POS_INF32 = np.float32(np.inf)
+
+
+@device_function
+def is_finite(v):
+    """v is neither NaN nor +-inf (comparisons: no floating-point exception raised)."""
+    return v > NEG_INF32 and v < POS_INF32
+
+
 @functools.lru_cache(maxsize=None)
 def route_kernel(flavor: str, n: int, VPT: int = 1):
     """The routing kernel of one flavour: "warp" with n rows (warps) per block, or "block"
@@ -215,7 +237,7 @@ def route_kernel(flavor: str, n: int, VPT: int = 1):
         raise ValueError(f"VPT: expected a power of two up to 64, got {VPT}")
 
     def route(logits, bias, weights, ids, tei, T, E, K, G, topk_group, scoring, renorm,
-              has_bias, want_tei, scale):
+              has_bias, want_tei, mode, scale):
         """logits [T, E] -> weights f32 [T, K], ids [T, K], tei int32 [T, K] (see module doc).
         Thread l of a row holds experts e = l + LANES j, j < VPT, in registers."""
         tid = cu.threadIdx.x & 1023         # & 1023: LLVM learns tid >= 0
@@ -244,7 +266,10 @@ def route_kernel(flavor: str, n: int, VPT: int = 1):
             e = lane + LANES * j
             ks[j] = to_f32(bias[ix(e)]) if has_bias and e < E else float32(0.0)
 
-        # 2. scores: softmax (max, exp, sum, divide) or sigmoid
+        # 2. scores: softmax (max, exp, sum, divide) or sigmoid, then the mode's non-finite
+        #    rule: MODE_TOPK zeroes a non-finite score, MODE_GROUPED marks an invalid expert
+        #    with a NaN score (its weight is 0, its choice -inf) and rounds a softmax score
+        #    to the logits' dtype
         if scoring == 0:
             m = NEG_INF32
             for j in range(VPT):
@@ -257,15 +282,29 @@ def route_kernel(flavor: str, n: int, VPT: int = 1):
                     s += xs[j]
             s = rsum(s, red_f, red_i, lane)
             for j in range(VPT):
-                xs[j] = xs[j] / s
+                v = xs[j] / s
+                if not is_finite(v):
+                    v = float32(0.0) if mode == MODE_TOPK else NAN32
+                elif mode == MODE_GROUPED:
+                    v = round_as(logits, v)
+                xs[j] = v
         else:
             for j in range(VPT):
-                xs[j] = float32(1.0) / (float32(1.0) + exp_f32(-xs[j]))
+                x = xs[j]
+                v = float32(1.0) / (float32(1.0) + exp_f32(-x))
+                if mode == MODE_TOPK and not is_finite(v):
+                    v = float32(0.0)
+                if mode == MODE_GROUPED and not is_finite(x):
+                    v = NAN32
+                xs[j] = v
 
-        # 3. choice = scores + bias (raw: a NaN stays NaN until the groups are scored)
+        # 3. choice = scores + bias (-inf for an invalid expert; a NaN bias stays NaN until
+        #    the groups are scored)
         for j in range(VPT):
             e = lane + LANES * j
             ks[j] = xs[j] + ks[j] if has_bias else xs[j]
+            if xs[j] != xs[j]:
+                ks[j] = NEG_INF32
             if e < E:
                 sc[ix(e)] = xs[j]
                 if G > 1:
@@ -328,6 +367,7 @@ def route_kernel(flavor: str, n: int, VPT: int = 1):
             if lane + LANES * j >= E:
                 taken |= int64(1) << j     # padding never competes
         total = float32(0.0)
+        nvalid = 0
         for k in range(K):
             bv = NEG_INF32
             bi = int32(E)
@@ -340,6 +380,10 @@ def route_kernel(flavor: str, n: int, VPT: int = 1):
             if lane == bi % LANES:
                 taken |= int64(1) << (bi // LANES)
             w = sc[ix(bi)]
+            if w != w:                     # invalid (MODE_GROUPED): weight 0
+                w = float32(0.0)
+            else:
+                nvalid += 1
             total += w
             if lane == k % LANES:
                 weights[ix(row), ix(k)] = w
@@ -350,7 +394,10 @@ def route_kernel(flavor: str, n: int, VPT: int = 1):
         if renorm and total > 0:
             div = total
         for k in range(lane, K, LANES):   # each thread rescales only what it wrote
-            weights[ix(row), ix(k)] = (weights[ix(row), ix(k)] / div) * scale
+            if nvalid == 0:                # no valid expert (MODE_GROUPED): 1/K or 0
+                weights[ix(row), ix(k)] = float32(1.0) / float32(K) if renorm else float32(0.0)
+            else:
+                weights[ix(row), ix(k)] = (weights[ix(row), ix(k)] / div) * scale
 
     return kernel(route)
 
@@ -412,6 +459,18 @@ def warp_max_key(k):
     return k
 
 
+@device_function
+def score_rule(v, x, scoring, mode, logits):
+    """A score v (of logit x) under the launch's mode: MODE_TOPK: 0 if not finite;
+    MODE_GROUPED: NaN (invalid) when the scoring input is not finite (v for softmax, x for
+    sigmoid), else a softmax score rounded to the logits' dtype."""
+    if mode == MODE_TOPK:
+        return v if is_finite(v) else float32(0.0)
+    if scoring == 0:
+        return round_as(logits, v) if is_finite(v) else NAN32
+    return v if is_finite(x) else NAN32
+
+
 @functools.lru_cache(maxsize=None)
 def route_keys_kernel(WARPS: int, VPT: int):
     """routing.cu's route_topk_kernel in Numba: one warp per token row, WARPS rows per block,
@@ -427,7 +486,7 @@ def route_keys_kernel(WARPS: int, VPT: int):
         raise ValueError(f"VPT: expected a power of two up to 32, got {VPT}")
 
     def route_keys(logits, bias, weights, ids, tei, T, E, K, G, topk_group, scoring, renorm,
-                   has_bias, want_tei, scale):
+                   has_bias, want_tei, mode, scale):
         warp = cu.threadIdx.x >> 5
         lane = cu.threadIdx.x & 31
         t = cu.blockIdx.x * WARPS + warp
@@ -455,16 +514,21 @@ def route_keys_kernel(WARPS: int, VPT: int):
                 s += p[i]
             s = _warp_sum(s, None, None, lane)
             for i in range(VPT):
-                p[i] = p[i] / s
+                p[i] = score_rule(p[i] / s, float32(0.0), scoring, mode, logits)
             row_max = m
             row_sum = s
         else:
             for i in range(VPT):
-                p[i] = float32(1.0) / (float32(1.0) + exp_f32(-p[i]))
+                x = p[i]
+                p[i] = score_rule(float32(1.0) / (float32(1.0) + exp_f32(-x)), x, scoring, mode,
+                                  logits)
 
-        # ---- selection values: the (biased) scores; make_key reads a NaN as -inf ----------
+        # ---- selection values: the (biased) scores, -inf for an invalid expert (NaN score);
+        #      make_key reads a NaN (bias) as -inf
         for i in range(VPT):
             sel[i] = p[i] + sel[i] if has_bias else p[i]
+            if p[i] != p[i]:
+                sel[i] = NEG_INF32
 
         # ---- groups: keep the topk_group best ---------------------------------------------
         keep = uint32(0xFFFFFFFF)               # bit i: expert 32 i + lane is in a kept group
@@ -538,18 +602,28 @@ def route_keys_kernel(WARPS: int, VPT: int):
         # it (bitwise the same value): cheaper than indexing p[] by a runtime slot, which would
         # push the row into local memory.
         my_w = float32(0.0)
+        valid = float32(0.0)
         if lane < K:
             x = to_f32(logits[ix(t), ix(my_id)])
             if scoring == 0:
-                my_w = exp_f32(x - row_max) / row_sum
+                my_w = score_rule(exp_f32(x - row_max) / row_sum, x, scoring, mode, logits)
             else:
-                my_w = float32(1.0) / (float32(1.0) + exp_f32(-x))
+                my_w = score_rule(float32(1.0) / (float32(1.0) + exp_f32(-x)), x, scoring,
+                                  mode, logits)
+            if my_w != my_w:                 # invalid (MODE_GROUPED): weight 0
+                my_w = float32(0.0)
+            else:
+                valid = float32(1.0)
+        nvalid = _warp_sum(valid, None, None, lane)
         if renorm:
             total = _warp_sum(my_w, None, None, lane)   # lanes >= K add 0
             if total > float32(0.0):
                 my_w = my_w / total
+        my_w = my_w * scale
+        if nvalid == float32(0.0):          # no valid expert (MODE_GROUPED): 1/K or 0
+            my_w = float32(1.0) / float32(K) if renorm else float32(0.0)
         if lane < K:
-            weights[ix(t), ix(lane)] = my_w * scale
+            weights[ix(t), ix(lane)] = my_w
             ids[ix(t), ix(lane)] = my_id
             if want_tei:
                 tei[ix(t), ix(lane)] = lane * T + t
@@ -595,7 +669,7 @@ def _geometry(flavor, T, E, G):
 
 
 def _launch(call, gating_output, bias, topk, num_groups, topk_group, scoring, renormalize,
-            scale, want_tei, ids_dtype, flavor=None):
+            scale, want_tei, ids_dtype, flavor=None, mode=MODE_TOPK):
     flavor = flavor or DEFAULT_FLAVOR
     T, E = A.shape_of(gating_output)
     weights = call.empty((T, topk), np.float32)     # [T, K]
@@ -618,7 +692,7 @@ def _launch(call, gating_output, bias, topk, num_groups, topk_group, scoring, re
             logits, bias_d, weights, ids, tei if tei is not None else A.dummy(np.int32, 2),
             T, E, topk, num_groups, topk_group, 0 if scoring == "softmax" else 1,
             1 if renormalize else 0, 1 if bias is not None else 0, 1 if want_tei else 0,
-            np.float32(scale))
+            mode, np.float32(scale))
     out = (call.result(weights), call.result(ids))
     return out + ((call.result(tei),) if want_tei else ())
 
@@ -658,34 +732,45 @@ def _ids_dtype(indices_type):
 
 
 # ----------------------------------------------------------------------------- the stages
-def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None):
-    """Softmax top-k routing (Mixtral, Qwen3-MoE).
+def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None,
+               scoring_func="softmax"):
+    """Softmax (or sigmoid) top-k routing (Mixtral, Qwen3-MoE): vLLM's topk_softmax /
+    topk_sigmoid.
 
-    scores = softmax(gating_output) [T, E] fp32; topk_ids = the K best, descending, ties to
-    the lowest id; topk_weights = scores[topk_ids] (/ their sum if renormalize);
-    token_expert_indices[t, k] = k * T + t. Kernel: `route_kernel` (module docstring).
+    scores = softmax | sigmoid(gating_output) [T, E] fp32, a non-finite score 0; topk_ids =
+    the K best, descending, ties to the lowest id; topk_weights = scores[topk_ids] (/ their
+    sum if renormalize); token_expert_indices[t, k] = k * T + t. Kernel: `route_kernel`
+    (module docstring).
 
     Returns topk_weights f32 [T, K], topk_ids int32 (or indices_type) [T, K],
     token_expert_indices int32 [T, K].
     """
+    _check_scoring_func(scoring_func)
     _, _, topk = _check_logits(hidden_states, gating_output, topk)
     call = A.Call("gating_output", gating_output)
-    return _launch(call, gating_output, None, topk, 1, 1, "softmax", renormalize, 1.0, True,
+    return _launch(call, gating_output, None, topk, 1, 1, scoring_func, renormalize, 1.0, True,
                    _ids_dtype(indices_type))
 
 
-def fused_topk_bias(hidden_states, gating_output, e_score_correction_bias, topk, renormalize,
-                    routed_scaling_factor=1.0):
-    """Softmax scores; experts chosen on scores + bias; weights are the unbiased scores,
-    renormalized if asked, then * routed_scaling_factor. Returns topk_weights f32 [T, K],
-    topk_ids int32 [T, K]."""
+def fused_topk_bias(hidden_states, gating_output, scoring_func, e_score_correction_bias, topk,
+                    renormalize, indices_type=None, routed_scaling_factor=1.0):
+    """Softmax (or sigmoid) scores, a non-finite one 0; experts chosen on scores + bias;
+    weights are the unbiased scores, renormalized if asked, then * routed_scaling_factor.
+    Returns topk_weights f32 [T, K], topk_ids int32 (or indices_type) [T, K]."""
+    _check_scoring_func(scoring_func)
     _, E, topk = _check_logits(hidden_states, gating_output, topk)
-    if e_score_correction_bias is None:
-        raise TypeError("e_score_correction_bias: expected an array [E], got None")
-    _check_bias(e_score_correction_bias, E)
+    if e_score_correction_bias is not None:
+        _check_bias(e_score_correction_bias, E)
     call = A.Call("gating_output", gating_output)
-    return _launch(call, gating_output, e_score_correction_bias, topk, 1, 1, "softmax",
-                   renormalize, float(routed_scaling_factor), False, np.dtype(np.int32))
+    return _launch(call, gating_output, e_score_correction_bias, topk, 1, 1, scoring_func,
+                   renormalize, float(routed_scaling_factor), False, _ids_dtype(indices_type))
+
+
+def _check_scoring_func(scoring_func):
+    if not isinstance(scoring_func, str):
+        raise TypeError(f"scoring_func: expected one of {sorted(SCORING_FUNCS)}, "
+                        f"got {type(scoring_func).__name__}")
+    A.check_choice("scoring_func", scoring_func, SCORING_FUNCS)
 
 
 def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,
@@ -693,14 +778,16 @@ def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_gro
                  e_score_correction_bias=None):
     """DeepSeek-V2/V3 group-limited routing.
 
-    scores = softmax | sigmoid(gating_output); choice = scores (+ bias); groups of
-    E / num_expert_group consecutive experts scored by their max score (no bias) or the sum
-    of their two best choices (bias); the topk_group best groups kept; top-K of the kept
-    choices; weights the unbiased scores, renormalized if asked, always
-    * routed_scaling_factor. Returns topk_weights f32 [T, K], topk_ids int32 [T, K].
+    scores = softmax (rounded to the logits' dtype) | sigmoid(gating_output), an expert with
+    a non-finite scoring input invalid; choice = scores (+ bias), -inf when invalid; groups
+    of E / num_expert_group consecutive experts scored by their max choice (no bias) or the
+    sum of their two best choices (bias); the topk_group best groups kept; top-K of the kept
+    choices; weights the unbiased scores (0 when invalid), renormalized if asked, always
+    * routed_scaling_factor; no valid expert among the K: 1/K (renormalize) or 0.
+    Returns topk_weights f32 [T, K], topk_ids int32 [T, K].
     """
     _, E, topk = _check_logits(hidden_states, gating_output, topk)
-    A.check_choice("scoring_func", scoring_func, SCORING_FUNCS)
+    _check_scoring_func(scoring_func)
     G = A.check_int("num_expert_group", num_expert_group, minimum=1)
     topk_group = A.check_int("topk_group", topk_group, minimum=1)
     if E % G:
@@ -717,7 +804,7 @@ def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_gro
     call = A.Call("gating_output", gating_output)
     return _launch(call, gating_output, e_score_correction_bias, topk, G, topk_group,
                    scoring_func, renormalize, float(routed_scaling_factor), False,
-                   np.dtype(np.int32))
+                   np.dtype(np.int32), mode=MODE_GROUPED)
 
 
 def _ids_astype(ids, dt):
@@ -753,8 +840,12 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
     if ops is None:
         # the dispatcher's ops, producing ids of the asked dtype directly (no extra cast)
         ops = SimpleNamespace(
-            fused_topk=lambda h, g, k, r, indices_type=None: fused_topk(h, g, k, r, ids_dt),
-            fused_topk_bias=fused_topk_bias, grouped_topk=grouped_topk)
+            fused_topk=lambda h, g, k, r, indices_type=None, scoring_func="softmax":
+                fused_topk(h, g, k, r, ids_dt, scoring_func=scoring_func),
+            fused_topk_bias=lambda h, g, sf, b, k, r, indices_type=None,
+                routed_scaling_factor=1.0: fused_topk_bias(
+                    h, g, sf, b, k, r, ids_dt, routed_scaling_factor=routed_scaling_factor),
+            grouped_topk=grouped_topk)
     weights, ids, zero_result = ref_routing.select_experts(
         hidden_states, router_logits, top_k, use_grouped_topk, renormalize,
         topk_group=topk_group, num_expert_group=num_expert_group,
@@ -778,7 +869,7 @@ def compile_cases():
 
     def sig(dt, ids_dt=t.int32):
         return ((arr(dt, 2), arr(t.float32, 1), arr(t.float32, 2), arr(ids_dt, 2),
-                 arr(t.int32, 2)) + (t.int64,) * 9 + (t.float32,))
+                 arr(t.int32, 2)) + (t.int64,) * 10 + (t.float32,))
 
     warp = CONFIGS["warp"]["WARPS_PER_BLOCK"]
     block = CONFIGS["block"]["THREADS"]
@@ -820,7 +911,8 @@ def _main():
         TG = min(4, G)
         stages = {
             "fused_topk": lambda m, x: m.fused_topk(None, x, K, True)[:2],
-            "fused_topk_bias": lambda m, x: m.fused_topk_bias(None, x, bias, K, True, 2.5),
+            "fused_topk_bias": lambda m, x: m.fused_topk_bias(None, x, "softmax", bias, K, True,
+                                                              routed_scaling_factor=2.5),
             "grouped_topk": lambda m, x: m.grouped_topk(None, x, K, True, G, TG, "sigmoid", 2.5,
                                                         bias),
         }
@@ -837,7 +929,8 @@ def _main():
                 d_bias = A.to_device(bias)
                 dev_stages = {
                     "fused_topk": lambda: fused_topk(None, d, K, True),
-                    "fused_topk_bias": lambda: fused_topk_bias(None, d, d_bias, K, True, 2.5),
+                    "fused_topk_bias": lambda: fused_topk_bias(None, d, "softmax", d_bias, K,
+                                                               True, routed_scaling_factor=2.5),
                     "grouped_topk": lambda: grouped_topk(None, d, K, True, G, TG, "sigmoid", 2.5,
                                                          d_bias),
                 }

@@ -96,18 +96,24 @@ workshop.show_table(["backend", "stage", "status", "rel. error", "tol"],
 # %% [markdown]
 # ## 3. NaN logits
 #
-# Selection treats NaN as −inf, so every token still gets valid experts; the weights of a
-# row with a NaN are NaN, so exactly those tokens' outputs are NaN.
+# vLLM's routing kernels turn a score that is not finite into 0. A NaN logit makes the
+# whole softmax row NaN, so that token gets experts 0 .. K-1 with weight 0: its output is
+# exactly 0, no output is NaN, and every other token is routed as before.
 
 # %%
 xn, ln = load_trace(default_trace_path("qwen3_moe", "nan_rows"))
 out = layer.forward(xn, ln)
 nan_in = np.isnan(ln).any(axis=1)
-nan_out = np.isnan(out).any(axis=1)
+w_n, ids_n, _ = reference.fused_topk(xn, ln, layer.top_k, layer.renormalize)
 print("tokens with a NaN logit:", np.flatnonzero(nan_in).tolist())
-print("tokens with a NaN output:", np.flatnonzero(nan_out).tolist())
-print("confined:", np.array_equal(nan_in, nan_out),
-      "| whole rows:", bool(np.isnan(out[nan_out]).all()))
+print("their ids:", np.unique(ids_n[nan_in], axis=0).tolist(), "weights:",
+      np.unique(w_n[nan_in]).tolist())
+print("any NaN output:", bool(np.isnan(out).any()),
+      "| their outputs all 0:", not np.asarray(out[nan_in], np.float64).any())
+clean = ln.copy()
+clean[nan_in] = 0.0                                   # the other tokens do not notice
+print("other tokens unchanged:",
+      np.array_equal(out[~nan_in], layer.forward(xn, clean)[~nan_in]))
 
 # %% [markdown]
 # ## 4. Swap one stage at a time

@@ -206,6 +206,71 @@ def run_parity(comm, cases, backend: str = "reference") -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------
+# the modular kernel interface (sandbox/modular.py) over this communicator
+# ---------------------------------------------------------------------------------------
+MODULAR_CASES = (  # E experts (linear placement), K top-k, masked: slots routed nowhere
+    dict(name="bf16-silu-masked", dtype="bfloat16", activation="silu", K=2, masked=True,
+         on_input=False),
+    dict(name="fp32-swigluoai", dtype="float32", activation="swigluoai", K=3, masked=False,
+         on_input=False),
+    dict(name="fp32-relu2-no-mul-top1-on-input", dtype="float32", activation="relu2_no_mul",
+         K=1, masked=True, on_input=True),
+)
+
+
+def run_modular_parity(comm, experts=("reference", "torch"), cases=MODULAR_CASES) -> list[dict]:
+    """Every (dispatching prepare/finalize of sandbox/modular.py, experts, reduce) against
+    the reference fused_experts of the whole batch in float64, on this rank's rows: the
+    same weights and routing on every rank (same seed), each rank holding its linear share
+    of the experts (reference.determine_expert_map), uneven tokens (the first case leaves one
+    rank without any)."""
+    import ml_dtypes
+
+    import reference
+    from sandbox import modular as mk
+
+    W, r = comm.world_size, comm.rank
+    dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+    results = []
+    for i, case in enumerate(cases):
+        seed = 1000 + i
+        rng = np.random.default_rng(seed)
+        dt = dtypes[case["dtype"]]
+        E, K, H, I = 2 * W, case["K"], 16, 8
+        N = I if case["activation"].endswith("_no_mul") else 2 * I
+        split = token_split(5 * W + 1, W, seed, with_empty=i == 0)
+        T = sum(split)
+        x = rng.standard_normal((T, H)).astype(dt)
+        w1 = (rng.standard_normal((E, N, H)) / np.sqrt(H)).astype(dt)
+        w2 = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(dt)
+        tw, ids, _ = reference.fused_topk(x, rng.standard_normal((T, E)).astype(np.float32),
+                                          K, True)
+        if case["masked"]:   # padded tokens / dropped slots: vLLM's -1
+            ids = ids.copy()
+            ids.reshape(-1)[::4] = -1
+        want = reference.fused_experts(x, w1, w2, tw, ids, case["activation"],
+                                       case["on_input"], precision="exact")     # [T, H]
+        _, emap = reference.determine_expert_map(W, r, E)
+        local = np.arange(E)[emap >= 0] if emap is not None else np.arange(E)
+        lo = sum(split[:r])
+        mine = slice(lo, lo + split[r])
+        for pf_cls in (mk.MoEPrepareAndFinalizeNaiveDPEPModular, mk.AllToAllPrepareAndFinalize):
+            for name in experts:
+                for reduce in (True, False):
+                    kernel = mk.FusedMoEKernel(pf_cls(comm),
+                                               mk.EXPERTS[name](block_size=4, reduce=reduce))
+                    out = kernel.apply(x[mine], w1[local], w2[local], tw[mine], ids[mine],
+                                       case["activation"], E, emap, case["on_input"])
+                    results.append(dict(
+                        case=case["name"], prepare_finalize=pf_cls.__name__, experts=name,
+                        reduce=reduce, rank=r, tokens=split[r],
+                        error=rel_error(comm.to_host(out), want[mine]),
+                        tolerance=TOLERANCE[case["dtype"]]))
+    comm.barrier()
+    return results
+
+
+# ---------------------------------------------------------------------------------------
 # the two all-to-all-v implementations against each other (any backend)
 # ---------------------------------------------------------------------------------------
 IMPL_CASES = (  # (tokens on rank r: T0 + 7 r, or 0 on the last rank when empty_last), E, K, H

@@ -90,6 +90,33 @@ def test_moe_sum(T, K, H, dkey):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("dkey", DTYPES)
+@pytest.mark.parametrize("with_map", [False, True])
+def test_moe_sum_pad_aware(dkey, with_map):
+    """vLLM's moe_sum(input, output, topk_ids, expert_map): a slot with a negative id (or a
+    non-local expert) is never read; a token with none left sums to 0."""
+    x = uniform(rng_for("sum-pad", dkey, with_map), (5, 3, 9), 1.0).astype(DTYPES[dkey])
+    ids = np.array([[0, 1, 2], [-1, 3, 1], [-1, -1, -1], [2, -1, 0], [3, 3, 1]], np.int32)
+    emap = np.array([0, -1, 1, 2], np.int32) if with_map else None
+    live = reference.experts.slot_is_live(ids, emap)
+    x[~live] = np.nan                                     # rows the GEMMs never wrote
+    got, want = Cb.moe_sum(x, ids, emap), reference.moe_sum(x, ids, emap)
+    close(got, want, DTYPES[dkey], "moe_sum pad-aware")
+    assert (got[2].astype(np.float32) == 0).all()
+
+
+@pytest.mark.parametrize("dkey", ["fp16", "bf16"])
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "swigluoai"])
+@pytest.mark.parametrize("N", [10, 16, 32])   # single elements, 8-byte words, 16-byte chunks
+def test_activation_rounding_points_bit_for_bit(act, dkey, N):
+    """vLLM's rounding points (act(gate) rounded before the multiply; swigluoai once, in its
+    order): the simulator's NumPy fp32 math equals the reference bit for bit on every path."""
+    x = uniform(rng_for("act-bits", act, dkey, N), (4, N), 6.0).astype(DTYPES[dkey])
+    got = Ac.apply_activation(x, act, True)
+    want = reference.apply_activation(x, act, True)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
 def test_moe_sum_empty_and_bad_inputs():
     assert Cb.moe_sum(np.zeros((0, 2, 4), np.float16)).shape == (0, 4)
     with pytest.raises(ValueError, match="x: expected 3 dimensions"):

@@ -61,23 +61,37 @@ def test_fused_topk(T, E, K, renormalize, dkey):
     np.testing.assert_array_equal(got[2], want[2], err_msg="token_expert_indices")
 
 
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_fused_topk_sigmoid(renormalize):
+    """vLLM's fused_topk(scoring_func="sigmoid") (topk_sigmoid)."""
+    x = logits_for(5, 16, BF16, "sigmoid")
+    assert_route(R.fused_topk(None, x, 4, renormalize, scoring_func="sigmoid"),
+                 reference.fused_topk(None, x, 4, renormalize, scoring_func="sigmoid"),
+                 "fused_topk sigmoid")
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("scaling", [1.0, 2.5])
 @pytest.mark.parametrize("T,E,K", [(3, 16, 2), (2, 12, 5)])
-def test_fused_topk_bias(T, E, K, scaling):
-    x = logits_for(T, E, np.float32, scaling)
+def test_fused_topk_bias(T, E, K, scaling, scoring):
+    x = logits_for(T, E, np.float32, scaling, scoring)
     bias = uniform(rng_for("bias", E), (E,), 0.3)
     for renorm in (False, True):
-        assert_route(R.fused_topk_bias(None, x, bias, K, renorm, scaling),
-                     reference.fused_topk_bias(None, x, bias, K, renorm, scaling),
+        assert_route(R.fused_topk_bias(None, x, scoring, bias, K, renorm,
+                                       routed_scaling_factor=scaling),
+                     reference.fused_topk_bias(None, x, scoring, bias, K, renorm,
+                                               routed_scaling_factor=scaling),
                      "fused_topk_bias")
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
-@pytest.mark.parametrize("E,K,G,TG", [(16, 2, 4, 2), (12, 3, 3, 2), (8, 2, 8, 2), (10, 4, 1, 1)])
-def test_grouped_topk(E, K, G, TG, scoring, with_bias):
+@pytest.mark.parametrize("E,K,G,TG,dkey", [(16, 2, 4, 2, "fp32"), (12, 3, 3, 2, "bf16"),
+                                           (8, 2, 8, 2, "fp16"), (10, 4, 1, 1, "bf16")])
+def test_grouped_topk(E, K, G, TG, dkey, scoring, with_bias):
+    """bf16 / fp16 logits: the softmax scores rounded to the logits' dtype, as vLLM."""
     T = 3
-    x = logits_for(T, E, np.float32, G, scoring)
+    x = logits_for(T, E, DTYPES[dkey], G, scoring)
     bias = uniform(rng_for("gbias", E), (E,), 0.3) if with_bias else None
     args = (None, x, K, True, G, TG, scoring, 2.5, bias)
     assert_route(R.grouped_topk(*args), reference.grouped_topk(*args), "grouped_topk")
@@ -92,22 +106,46 @@ def test_ties_go_to_the_lowest_id():
 
 
 def test_nan_and_inf_rows():
-    """NaN logit: that row's softmax weights NaN, ids the K lowest; +inf max and all -inf rows
-    the same; a sigmoid NaN poisons only its own expert, which ranks last."""
+    """vLLM's non-finite rules. fused_topk (topk_softmax): a non-finite score is 0, so a row
+    with a NaN logit, a +inf one or only -inf routes to the K lowest ids at weight 0.
+    grouped_topk: an expert with a non-finite scoring input is invalid (ranked last, weight
+    0); a row with no valid expert gets 1/K (renormalize) or 0."""
     x = logits_for(5, 8, np.float32, "nan")
     x[0, 3] = np.nan
     x[1, 6] = np.inf
     x[2, :] = -np.inf
     x[3, :] = np.nan
-    assert_route(R.fused_topk(None, x, 3, True), reference.fused_topk(None, x, 3, True), "nan")
+    for renorm in (True, False):
+        assert_route(R.fused_topk(None, x, 3, renorm), reference.fused_topk(None, x, 3, renorm),
+                     "nan")
+        assert_route(R.fused_topk(None, x, 3, renorm, scoring_func="sigmoid"),
+                     reference.fused_topk(None, x, 3, renorm, scoring_func="sigmoid"),
+                     "sigmoid nan")
     w, ids, _ = R.fused_topk(None, x, 3, True)
-    assert np.isnan(w[:4]).all() and not np.isnan(w[4]).any()
-    assert (np.sort(ids, axis=1) == np.arange(3)).all(axis=1)[:4].all()
-    args = (None, x, 3, True, 2, 1, "sigmoid", 1.0, None)
-    assert_route(R.grouped_topk(*args), reference.grouped_topk(*args), "sigmoid nan")
-    bias = uniform(rng_for("nb"), (8,), 0.3)
-    args = (None, x, 3, True, 4, 2, "sigmoid", 1.0, bias)
-    assert_route(R.grouped_topk(*args), reference.grouped_topk(*args), "sigmoid nan bias")
+    assert (w[:4] == 0).all() and (w[4] > 0).all()
+    assert (ids[:4] == np.arange(3)).all()
+    for renorm in (True, False):
+        for args in ((None, x, 3, renorm, 2, 1, "sigmoid", 1.0, None),
+                     (None, x, 3, renorm, 4, 2, "sigmoid", 1.0, uniform(rng_for("nb"), (8,), 0.3)),
+                     (None, x, 3, renorm, 1, 1, "softmax", 2.5, None)):
+            got = R.grouped_topk(*args)
+            assert_route(got, reference.grouped_topk(*args), f"grouped nan {args[6]}")
+            assert np.isfinite(got[0]).all()
+
+
+@pytest.mark.parametrize("num_finite", [0, 15])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_grouped_topk_single_group_non_finite(num_finite, renormalize):
+    """vLLM's test_grouped_topk_single_group_nonfinite_scores (E = 64 here: the simulator)."""
+    x = np.full((1, 64), np.nan, BF16)
+    x[0, :num_finite] = np.arange(num_finite)
+    x[0, num_finite] = np.inf
+    x[0, num_finite + 1] = -np.inf
+    args = (None, x, 16, renormalize, 1, 1, "sigmoid", 2.5, np.zeros(64, np.float32))
+    got = R.grouped_topk(*args)
+    assert_route(got, reference.grouped_topk(*args), "single group non-finite")
+    if num_finite == 0:
+        assert (got[0] == (1 / 16 if renormalize else 0.0)).all()
 
 
 def test_empty_batch_indices_type_and_fp64():
@@ -121,7 +159,8 @@ def test_empty_batch_indices_type_and_fp64():
     assert_route(got, want, "fp64 logits, int64 ids")
 
 
-@pytest.mark.parametrize("case", ["softmax", "bias", "grouped", "sigmoid", "custom"])
+@pytest.mark.parametrize("case", ["softmax", "bias", "grouped", "sigmoid", "sigmoid_bias",
+                                  "custom"])
 def test_select_experts_dispatch(case):
     T, E, K = 3, 8, 2
     x = logits_for(T, E, np.float32, case)
@@ -130,6 +169,8 @@ def test_select_experts_dispatch(case):
     kw = dict(softmax={}, bias=dict(e_score_correction_bias=bias),
               grouped=dict(use_grouped_topk=True, topk_group=2, num_expert_group=4),
               sigmoid=dict(scoring_func="sigmoid"),
+              sigmoid_bias=dict(scoring_func="sigmoid", e_score_correction_bias=bias,
+                                routed_scaling_factor=2.5),
               custom=dict(custom_routing_function=reference.llama4_custom_routing_function))[case]
     use_grouped = kw.pop("use_grouped_topk", False)
     got = R.select_experts(h, x, K, use_grouped, True, indices_type=np.int64, **kw)
@@ -166,7 +207,11 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="scoring_func: expected one of"):
         R.grouped_topk(None, x, 2, True, 2, 1, "relu")
     with pytest.raises(ValueError, match="e_score_correction_bias: expected shape"):
-        R.fused_topk_bias(None, x, np.ones(7, np.float32), 2, True)
+        R.fused_topk_bias(None, x, "softmax", np.ones(7, np.float32), 2, True)
+    with pytest.raises(TypeError, match="scoring_func"):
+        R.fused_topk_bias(None, x, np.ones(8, np.float32), 2, True, 2.5)   # the old order
+    with pytest.raises(ValueError, match="scoring_func: expected one of"):
+        R.fused_topk(None, x, 2, True, scoring_func="relu")
     with pytest.raises(TypeError, match="indices_type: expected an integer dtype"):
         R.fused_topk(None, x, 2, True, indices_type=np.float32)
     with pytest.raises(TypeError, match="gating_output: expected a NumPy array or a CUDA array"):

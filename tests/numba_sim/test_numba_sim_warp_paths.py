@@ -13,7 +13,7 @@ import importlib
 
 import numpy as np
 import pytest
-from oracles import distinct_topk_ids, rel_err, rng_for, uniform
+from oracles import BF16, distinct_topk_ids, rel_err, rng_for, uniform
 from warp_emulation import emulated_warps
 
 import reference
@@ -44,14 +44,21 @@ def test_routing_warp_flavour(warps):
     want = reference.fused_topk(None, x, 3, True)
     np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_array_equal(got[2], want[2])
-    np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(want[0]))
-    ok = ~np.isnan(want[0]).any(axis=1)
-    assert rel_err(got[0][ok], want[0][ok]) <= 1e-5
+    np.testing.assert_array_equal(got[0][2], 0)           # the NaN row: weights 0
+    assert rel_err(got[0], want[0]) <= 1e-5
     bias = uniform(rng_for("warp-bias"), (40,), 0.3)
     got = R._launch(A.Call("gating_output", x), x, bias, 4, 4, 2, "sigmoid", True, 2.5, False,
-                    np.dtype(np.int32), flavor="warp")
+                    np.dtype(np.int32), flavor="warp", mode=R.MODE_GROUPED)
     want = reference.grouped_topk(None, x, 4, True, 4, 2, "sigmoid", 2.5, bias)
     np.testing.assert_array_equal(got[1], want[1])
+    assert rel_err(got[0], want[0]) <= 1e-5
+    xb = x.astype(np.float32).astype(BF16)
+    xb[1] = np.nan                                        # no valid expert: 1/K
+    got = R._launch(A.Call("gating_output", xb), xb, None, 5, 8, 3, "softmax", True, 1.5, False,
+                    np.dtype(np.int32), flavor="warp", mode=R.MODE_GROUPED)
+    want = reference.grouped_topk(None, xb, 5, True, 8, 3, "softmax", 1.5)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[0][1], np.float32(1 / 5))
     assert rel_err(got[0], want[0]) <= 1e-5
 
 
@@ -80,7 +87,8 @@ def test_align_warp_ranks(warps, monkeypatch, path):
             np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("case", ["softmax", "grouped_bias", "grouped_softmax_nan"])
+@pytest.mark.parametrize("case", ["softmax", "sigmoid_bias", "grouped_bias",
+                                  "grouped_softmax_nan", "grouped_bf16_none_valid"])
 def test_routing_keys_flavour(warps, monkeypatch, case):
     """routing.cu's 64-bit-key selection ("keys", the GPU default) in emulated warps."""
     monkeypatch.setitem(R.CONFIGS, "keys", {"WARPS_PER_BLOCK": 2})
@@ -93,15 +101,28 @@ def test_routing_keys_flavour(warps, monkeypatch, case):
                         np.dtype(np.int32), flavor="keys")
         want = reference.fused_topk(None, x, 3, True)
         np.testing.assert_array_equal(got[2], want[2])
+    elif case == "sigmoid_bias":
+        got = R._launch(call, x, bias, 3, 1, 1, "sigmoid", True, 2.5, False,
+                        np.dtype(np.int32), flavor="keys")
+        want = reference.fused_topk_bias(None, x, "sigmoid", bias, 3, True,
+                                         routed_scaling_factor=2.5)
     elif case == "grouped_bias":
         x[1, :10] = -np.inf
         got = R._launch(call, x, bias, 4, 4, 2, "sigmoid", True, 2.5, False,
-                        np.dtype(np.int32), flavor="keys")
+                        np.dtype(np.int32), flavor="keys", mode=R.MODE_GROUPED)
         want = reference.grouped_topk(None, x, 4, True, 4, 2, "sigmoid", 2.5, bias)
-    else:
+    elif case == "grouped_softmax_nan":
         got = R._launch(call, x, None, 5, 8, 3, "softmax", False, 1.5, False,
-                        np.dtype(np.int32), flavor="keys")
+                        np.dtype(np.int32), flavor="keys", mode=R.MODE_GROUPED)
         want = reference.grouped_topk(None, x, 5, False, 8, 3, "softmax", 1.5)
+    else:
+        x = x.astype(BF16)
+        x[0] = np.nan
+        call = A.Call("gating_output", x)
+        got = R._launch(call, x, None, 5, 8, 3, "softmax", True, 1.5, False,
+                        np.dtype(np.int32), flavor="keys", mode=R.MODE_GROUPED)
+        want = reference.grouped_topk(None, x, 5, True, 8, 3, "softmax", 1.5)
+        np.testing.assert_array_equal(got[0][0], np.float32(1 / 5))
     np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(want[0]))
     ok = ~np.isnan(want[0]).any(axis=1)
