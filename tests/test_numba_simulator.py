@@ -21,8 +21,9 @@ def test_numba_kernels_in_the_cuda_simulator():
     pytest.importorskip("numba")
     pytest.importorskip("numba_cuda")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           str(TESTS / "numba_sim")]
+    # the numba suite, and the modular kernel's pairs with numba experts (test_modular.py)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
+           str(TESTS / "numba_sim"), str(TESTS / "test_modular.py"), "-k", "numba"]
     r = subprocess.run(cmd, cwd=TESTS.parent, env=env, capture_output=True, text=True,
                        timeout=1200)
     tail = (r.stdout[-12000:] + "\n" + r.stderr[-4000:]).strip()
