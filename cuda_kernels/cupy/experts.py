@@ -343,13 +343,12 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     """out [T, H] = the MoE layer's experts (module docstring) for routed tokens.
 
     hidden_states [T, H] bf16/fp16, w1 [E, 2I, H] (gate rows then up rows), w2 [E, H, I],
-    topk_weights [T, K] fp32, topk_ids [T, K] int32 (a slot whose id is outside [0, E) --
-    vLLM's -1 -- adds nothing: alignment drops it, the combine skips it), CuPy
-    arrays or CUDA torch tensors on one device, contiguous (the output, its allocator and
-    stream are hidden_states' library's); expert_map [E_global]
-    int32 (global -> local id or -1; topk_ids then hold global ids) or None; block_size:
-    the alignment block (None: the GEMM config's BLOCK_M for this shape). Returns the
-    caller's kind of array.
+    topk_weights [T, K] fp32, topk_ids [T, K] int32: CuPy arrays or CUDA torch tensors on one
+    device, contiguous (the output, its allocator and stream are hidden_states' library's).
+    A slot whose id is outside [0, E) (vLLM's -1) adds nothing: the alignment drops it and
+    the combine skips it. expert_map [E_global] int32 (global -> local id or -1; topk_ids
+    then hold global ids) or None; block_size: the alignment block (None: the GEMM config's
+    BLOCK_M for this shape). Returns the caller's kind of array.
     The gated activations silu / gelu / gelu_tanh; anything else (swigluoai, no-mul, biases)
     goes through the stage functions one by one.
     """
