@@ -453,6 +453,18 @@ class _CommPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
     def output_is_reduced(self):
         return False
 
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
+                 apply_router_weight_on_input, weight_and_reduce_impl):
+        """Weight and reduce this rank's expert outputs (unless the experts did), then the
+        exchange's combine back to the tokens' ranks (`_combine`), into `output`."""
+        if self._state is None:
+            raise RuntimeError("finalize: expected a prepare first (no dispatch state)")
+        partial = _finalize_impl(weight_and_reduce_impl).apply(
+            None, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
+        out = self._combine(partial)
+        self._state = None
+        _assign(output, out)
+
     def _to_comm(self, x, dtype=None):
         """x in the communicator's library (NumPy for the CPU communicator)."""
         if x is None:
@@ -491,17 +503,10 @@ class MoEPrepareAndFinalizeNaiveDPEPModular(_CommPrepareAndFinalize):
             self._to_comm(topk_ids, np.int32))
         return x_all, None, None, ids_all, w_all
 
-    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
-                 apply_router_weight_on_input, weight_and_reduce_impl):
+    def _combine(self, partial):
         from .ep.dispatch import allgather_combine
 
-        if self._state is None:
-            raise RuntimeError("finalize: expected a prepare first (no dispatch state)")
-        partial = _finalize_impl(weight_and_reduce_impl).apply(
-            None, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
-        out = allgather_combine(self.comm, self._to_comm(partial), self._state)    # [T, H]
-        self._state = None
-        _assign(output, out)
+        return allgather_combine(self.comm, self._to_comm(partial), self._state)   # [T, H]
 
 
 class AllToAllPrepareAndFinalize(_CommPrepareAndFinalize):
@@ -548,17 +553,10 @@ class AllToAllPrepareAndFinalize(_CommPrepareAndFinalize):
         meta = ExpertTokensMetadata(counts, counts.copy())
         return x_recv, None, meta, ids_recv, w_recv
 
-    def finalize(self, output, fused_expert_output, topk_weights, topk_ids,
-                 apply_router_weight_on_input, weight_and_reduce_impl):
+    def _combine(self, partial):
         from .ep.dispatch import alltoall_combine
 
-        if self._state is None:
-            raise RuntimeError("finalize: expected a prepare first (no dispatch state)")
-        partial = _finalize_impl(weight_and_reduce_impl).apply(
-            None, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
-        out = alltoall_combine(self.comm, self._ops(), self._to_comm(partial), self._state)
-        self._state = None
-        _assign(output, out)
+        return alltoall_combine(self.comm, self._ops(), self._to_comm(partial), self._state)
 
 
 # ----------------------------------------------------------------------------- experts
