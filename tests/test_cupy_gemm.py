@@ -667,16 +667,23 @@ def _stage(name):
         return None
 
 
+E2E_RUNGS = ([(v, d) for v in ("v2", "v3", "v4") for d in ("fp32", "bf16")]
+             + [(v, d) for v in ("v5", "v6") for d in ("fp16", "bf16")])
+
+
 @gpu
-@pytest.mark.parametrize("version", ("v2", "v3", "v4"))
-@pytest.mark.parametrize("dkey", ("fp32", "bf16"))
+@pytest.mark.parametrize("version,dkey", E2E_RUNGS)
 @pytest.mark.parametrize("case", ("plain", "bias_ep"))
 def test_fused_experts_end_to_end(version, dkey, case):
     """reference.fused_experts (exact) against: alignment -> GEMM1 (this) -> activation ->
-    GEMM2 with the router weight (this) -> moe_sum."""
+    GEMM2 with the router weight (this) -> moe_sum. The sm_90a rungs (v5, v6) align to their
+    own BLOCK_M (a multiple of 64)."""
+    hopper = version in ("v5", "v6")
+    if hopper:
+        _need_sm90()
     dt = DTYPES[dkey]
     T, E, top_k, H, I = 45, 16, 4, 256, 192  # noqa: E741
-    rng = rng_for("e2e", version, dkey, case)
+    rng = rng_for("e2e-wgmma" if hopper else "e2e", version, dkey, case)
     x = uniform(rng, (T, H), 1.0, dt)
     w1 = uniform(rng, (E, 2 * I, H), 1.7 / math.sqrt(H), dt)
     w2 = uniform(rng, (E, H, I), 1.7 / math.sqrt(I), dt)
@@ -690,7 +697,7 @@ def test_fused_experts_end_to_end(version, dkey, case):
         b2 = uniform(rng, (E_local, H), 0.5, dt)
     want = reference.fused_experts(x, w1, w2, tw, ids, global_num_experts=E, expert_map=emap,
                                    w1_bias=b1, w2_bias=b2, precision="exact")
-    B = gg.get_config(T, 2 * I, H, E_local, top_k, dt)["BLOCK_M"]
+    B = gg.get_config(T, 2 * I, H, E_local, top_k, dt, version if hopper else None)["BLOCK_M"]
     st, ex, nt = reference.moe_align_block_size(ids, B, E, expert_map=emap)
     d = {k: _dev(v) for k, v in dict(x=x, w1=w1, w2=w2, tw=tw, st=st, ex=ex, nt=nt,
                                          b1=b1, b2=b2).items()}
@@ -708,44 +715,6 @@ def test_fused_experts_end_to_end(version, dkey, case):
         out = _host(msum(c3.reshape(T, top_k, H)), dt)
     else:
         out = reference.moe_sum(_host(c3, dt).reshape(T, top_k, H))
-    err = rel_err(out, want)
-    assert err <= TOL[dt], f"fused experts with {version} ({dkey}): rel err {err:.3e}"
-
-
-@gpu
-@pytest.mark.parametrize("version", ("v5", "v6"))
-@pytest.mark.parametrize("dkey", ("fp16", "bf16"))
-@pytest.mark.parametrize("case", ("plain", "bias_ep"))
-def test_fused_experts_end_to_end_wgmma(version, dkey, case):
-    """The layer of test_fused_experts_end_to_end with the sm_90a rungs, aligned to their own
-    BLOCK_M (a multiple of 64)."""
-    _need_sm90()
-    dt = DTYPES[dkey]
-    T, E, top_k, H, I = 45, 16, 4, 256, 192  # noqa: E741
-    rng = rng_for("e2e-wgmma", version, dkey, case)
-    x = uniform(rng, (T, H), 1.0, dt)
-    w1 = uniform(rng, (E, 2 * I, H), 1.7 / math.sqrt(H), dt)
-    w2 = uniform(rng, (E, H, I), 1.7 / math.sqrt(I), dt)
-    ids = distinct_topk_ids(rng, T, E, top_k)
-    tw = random_weights(rng, T, top_k)
-    emap, b1, b2, E_local = None, None, None, E
-    if case == "bias_ep":
-        E_local, emap = reference.determine_expert_map(2, 1, E)
-        w1, w2 = w1[emap >= 0].copy(), w2[emap >= 0].copy()
-        b1 = uniform(rng, (E_local, 2 * I), 0.5, dt)
-        b2 = uniform(rng, (E_local, H), 0.5, dt)
-    want = reference.fused_experts(x, w1, w2, tw, ids, global_num_experts=E, expert_map=emap,
-                                   w1_bias=b1, w2_bias=b2, precision="exact")
-    B = gg.get_config(T, 2 * I, H, E_local, top_k, dt, version)["BLOCK_M"]
-    st, ex, nt = reference.moe_align_block_size(ids, B, E, expert_map=emap)
-    d = {k: _dev(v) for k, v in dict(x=x, w1=w1, w2=w2, tw=tw, st=st, ex=ex, nt=nt,
-                                         b1=b1, b2=b2).items()}
-    c1 = gg.grouped_gemm(d["x"], d["w1"], d["st"], d["ex"], d["nt"], top_k, B, d["tw"], False,
-                         d["b1"], version=version)                               # [P, 2I]
-    c2 = _dev(reference.apply_activation(_host(c1, dt), "silu", True))          # [P, I]
-    c3 = gg.grouped_gemm(c2, d["w2"], d["st"], d["ex"], d["nt"], 1, B, d["tw"], True, d["b2"],
-                         version=version)                                        # [P, H]
-    out = reference.moe_sum(_host(c3, dt).reshape(T, top_k, H))
     err = rel_err(out, want)
     assert err <= TOL[dt], f"fused experts with {version} ({dkey}): rel err {err:.3e}"
 
