@@ -33,8 +33,8 @@ and flops = 2 P (2I H + H I); "frac" = floor / median (1.0 = at the roofline).
     python benchmarks/bench_cupy_gemm.py [--models qwen3-30b-a3b] [--tokens 1,64]
                                          [--versions v3,v4] [--budget-s 200]
 
-Writes benchmarks/results/bench_cupy_gemm_<gpu>_<time>.json (GPU, date, commit, command,
-every point) and prints the table with a summary against the issue's targets.
+Writes ./moe-sandbox-results/bench_cupy_gemm_<gpu>_<time>.json, or into --out-dir (GPU,
+date, commit, command, every point), and prints the table with a summary against the issue's targets.
 """
 from __future__ import annotations
 
@@ -478,7 +478,8 @@ def main(argv=None):
     p.add_argument("--tokens", default=",".join(map(str, bench.DEFAULT_TOKENS)))
     p.add_argument("--versions", default="v1,v2,v3,v4,v5")
     p.add_argument("--budget-s", type=float, default=180.0)
-    p.add_argument("--out-dir", default=str(bench.RESULTS_DIR))
+    p.add_argument("--out-dir", default=str(bench.DEFAULT_OUT_DIR),
+                   help="results folder (--out-dir benchmarks/results updates the committed files)")
     args = p.parse_args(argv)
     ok, why = _compile.availability()
     if not ok:

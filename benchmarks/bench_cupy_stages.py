@@ -31,8 +31,8 @@ median, p20 and p80 of each; GB/s = bytes / device median.
     python benchmarks/bench_cupy_stages.py [--models deepseek-v3] [--tokens 1,4096]
                                            [--stages route,align] [--reps 30] [--block-size 64]
 
-Writes benchmarks/results/bench_cupy_stages_<gpu>_<time>.json (GPU, date, commit, command,
-every point) and prints a table, then the issue's target: route and align each under
+Writes ./moe-sandbox-results/bench_cupy_stages_<gpu>_<time>.json, or into --out-dir (GPU,
+date, commit, command, every point), and prints a table, then the issue's target: route and align each under
 25 us at T=4096, E=256, top-8.
 """
 from __future__ import annotations
@@ -263,7 +263,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--budget-s", type=float, default=240.0)
-    p.add_argument("--out-dir", default=str(bench.RESULTS_DIR))
+    p.add_argument("--out-dir", default=str(bench.DEFAULT_OUT_DIR),
+                   help="results folder (--out-dir benchmarks/results updates the committed files)")
     args = p.parse_args(argv)
     ok, why = C.availability()
     if not ok:

@@ -44,7 +44,7 @@ launched before the counts exchange), "stages" (moe_permute / moe_unpermute).
 --breakdown times each sub-step alone; every row also carries host_ms, the host's median
 time inside the timed call (the launches, the counts sync): where GPU time is host-bound.
 
-Run (two GPUs; about two minutes; results in benchmarks/results/):
+Run (two GPUs; about two minutes; results in ./moe-sandbox-results/, or --out DIR):
     .venv/bin/python benchmarks/bench_ep.py --gpus 2
     .venv/bin/python benchmarks/bench_ep.py --gpus 8 --tokens 128,4096 --no-layer
     .venv/bin/python benchmarks/bench_ep.py --gpus 2 --no-layer --schemes alltoall \
@@ -712,7 +712,8 @@ def main(argv=None):
     ap.add_argument("--stage-ops", default="cupy", choices=("cupy", "reference"),
                     help="permute/unpermute/GEMM stages: CuPy kernels, or the NumPy reference "
                          "on the host (slow; harness checks only)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--out", default="moe-sandbox-results",
+                    help="results folder (--out benchmarks/results updates the committed files)")
     args = ap.parse_args(argv)
     if args.gpus < 1:
         ap.error(f"--gpus: expected a positive number of GPUs, got {args.gpus}")

@@ -44,8 +44,8 @@ own disk cache after the first run ever.
 
 No new (model, T) point starts after --budget-s seconds (default 150: the run, JIT compiles
 included, ends inside 4 minutes on an H200); the record says when it was cut short.
-Writes benchmarks/results/bench_numba_<gpu>_<time>.json (GPU, date, commit, command, every
-point, the compile times and the target verdicts) and prints the table. Inputs travel as
+Writes ./moe-sandbox-results/bench_numba_<gpu>_<time>.json, or into --out-dir (GPU, date,
+commit, command, every point, the compile times and the target verdicts) and prints the table. Inputs travel as
 CuPy arrays when CuPy is present (bf16 as ml_dtypes.bfloat16), else as numba device arrays
 (bf16 as uint16 bits, which the Numba kernels read as bf16).
 """
@@ -456,7 +456,8 @@ def main(argv=None):
     p.add_argument("--gemm-versions", default=None,
                    help="GEMM rungs to time, e.g. numba-v3,numba-v3v,cupy-v3 (default: all)")
     p.add_argument("--no-cupy", action="store_true", help="time the Numba kernels only")
-    p.add_argument("--out-dir", default=str(bench.RESULTS_DIR))
+    p.add_argument("--out-dir", default=str(bench.DEFAULT_OUT_DIR),
+                   help="results folder (--out-dir benchmarks/results updates the committed files)")
     args = p.parse_args(argv)
     ok, why = nb.availability()
     if not ok or A.is_simulator():

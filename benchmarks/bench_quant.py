@@ -48,7 +48,8 @@ faster than bf16 at T >= 1024.
                                      [--reps 20] [--no-bf16] [--budget-s 200]
                                      [--fp8-version v2|v4|v5] [--fp8-block-size B] [--no-pdl]
 
-Writes benchmarks/results/bench_quant_<gpu>_<time>.json (GPU, date, commit, command, points).
+Writes ./moe-sandbox-results/bench_quant_<gpu>_<time>.json, or into --out (GPU, date, commit,
+command, points).
 """
 from __future__ import annotations
 
@@ -70,7 +71,6 @@ from cuda_kernels.cupy import _compile as C  # noqa: E402
 from cuda_kernels.cupy import quant_act as QA  # noqa: E402
 from cuda_kernels.cupy import quant_gemm as QG  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
 MODELS = {
     # name: (E, K, H, I, quantized format)
     "deepseek-v3": (256, 8, 7168, 2048, "fp8"),
@@ -411,6 +411,9 @@ def main(argv=None):
     parser.add_argument("--no-spin", action="store_true",
                         help="time the launchers' host overhead too (no spin kernel ahead)")
     parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--out", default="moe-sandbox-results",
+                        help="results folder (--out benchmarks/results updates the committed "
+                             "files)")
     parser.add_argument("--flush", default="read", choices=("read", "write"),
                         help="how the L2 is evicted before each timed call (see the doc)")
     parser.add_argument("--fp8-version", default=None, choices=("v1", "v2", "v4", "v5"),
@@ -452,17 +455,18 @@ def main(argv=None):
     summary(points, log)
     log(f"total {time.time() - start:.0f} s")
     if not args.no_save:
-        RESULTS.mkdir(parents=True, exist_ok=True)
+        out_dir = pathlib.Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
         now = datetime.datetime.now(datetime.timezone.utc)
         slug = "".join(ch if ch.isalnum() else "_" for ch in gpu.lower()).strip("_")
-        path = RESULTS / f"bench_quant_{slug}_{now:%Y%m%d_%H%M%S}.json"
+        path = out_dir / f"bench_quant_{slug}_{now:%Y%m%d_%H%M%S}.json"
         record = dict(gpu=gpu, date=now.isoformat(timespec="seconds"), commit=git_commit(),
                       command=" ".join([pathlib.Path(sys.argv[0]).name] + sys.argv[1:]),
                       hbm_bytes_per_s=HBM, peak_flops=PEAK, routings_per_point=ROUTINGS,
                       spin_us=0 if args.no_spin else SPIN_US, flush=args.flush,
                       programmatic=not args.no_pdl, compilers=compilers(), points=points)
         path.write_text(json.dumps(record, indent=1) + "\n")
-        log(f"wrote {path.relative_to(ROOT)}")
+        log(f"wrote {path}")
 
 
 if __name__ == "__main__":

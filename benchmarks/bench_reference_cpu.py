@@ -5,7 +5,8 @@
 Shape (issue 2): E=8 experts, top-2, H=1024, I=2816, T=1024 tokens. Both run on the same
 inputs in the same process; each is timed `reps` times after one warm-up, median reported.
 The flop count is 2 * T * K * (H * 2I + I * H) (two GEMMs per slot), so a reader can see how
-close to the CPU's BLAS rate either gets. Writes a JSON record to benchmarks/results/.
+close to the CPU's BLAS rate either gets. Writes a JSON record to ./moe-sandbox-results/ (or
+--out DIR).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import numpy as np
 import reference
 from sandbox.bench import git_commit
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def torch_per_expert_moe(torch, x, w1, w2, topk_weights, topk_ids):
@@ -55,6 +55,9 @@ def main():
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--out", default="moe-sandbox-results",
+                        help="results folder (--out benchmarks/results updates the committed "
+                             "files)")
     args = parser.parse_args()
 
     num_experts, top_k, hidden, inter, tokens = 8, 2, 1024, 2816, args.tokens
@@ -93,8 +96,9 @@ def main():
     for key, value in record.items():
         print(f"{key:28s} {value}")
     if not args.no_save:
-        RESULTS.mkdir(exist_ok=True)
-        path = RESULTS / f"reference_cpu_{datetime.now():%Y%m%d}.json"
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"reference_cpu_{datetime.now():%Y%m%d}.json"
         path.write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")
 

@@ -31,7 +31,7 @@ frac = floor / median time.
 and of PACKED_CONFIGS (the prepacked int4 rung: weights packed once, on the warm-up call)
 per GEMM at each T (for the config table). --zp gives the weights per-group zero points
 (uint8 0..15; the command line in the JSON says so). Writes
-DIR/bench_wna16_<gpu>_<time>.json (default DIR benchmarks/results).
+DIR/bench_wna16_<gpu>_<time>.json (default DIR ./moe-sandbox-results).
 """
 from __future__ import annotations
 
@@ -184,7 +184,8 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=1e9)
     p.add_argument("--zp", action="store_true",
                    help="per-group zero points (uint8 0..15), as AWQ-style asymmetric int4")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default="moe-sandbox-results",
+                   help="results folder (--out benchmarks/results updates the committed files)")
     args = p.parse_args(argv)
     ok, why = C.availability()
     if not ok:

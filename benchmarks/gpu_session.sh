@@ -98,17 +98,17 @@ benches_a() {  # GPU 1 (or 0): tune the GEMM table, then time with it
   timeout $(budget 110) python3 -m cuda_kernels.cupy.tune --versions v4,v5 --budget-s 90 2>&1 | tail -n 30
   cp cuda_kernels/cupy/gemm_configs.json "$OUT/gemm_configs.json"
   say "bench_cupy_stages"
-  timeout $(budget 60) python3 benchmarks/bench_cupy_stages.py --budget-s 45 2>&1 | tail -n 70
+  timeout $(budget 60) python3 benchmarks/bench_cupy_stages.py --out-dir benchmarks/results --budget-s 45 2>&1 | tail -n 70
   say "bench_cupy_gemm"
-  timeout $(budget 190) python3 benchmarks/bench_cupy_gemm.py --versions v1,v2,v3,v4,v5 --budget-s 170 2>&1 | tail -n 75
+  timeout $(budget 190) python3 benchmarks/bench_cupy_gemm.py --out-dir benchmarks/results --versions v1,v2,v3,v4,v5 --budget-s 170 2>&1 | tail -n 75
 }
 
 benches_b() {  # GPU 1 (or 0)
   export CUDA_VISIBLE_DEVICES=$BENCH_GPU
   say "bench_numba"
-  timeout $(budget 170) python3 benchmarks/bench_numba.py --budget-s 150 2>&1 | tail -n 70
+  timeout $(budget 170) python3 benchmarks/bench_numba.py --out-dir benchmarks/results --budget-s 150 2>&1 | tail -n 70
   say "bench_quant"
-  timeout $(budget 170) python3 benchmarks/bench_quant.py --budget-s 150 2>&1 | tail -n 40
+  timeout $(budget 170) python3 benchmarks/bench_quant.py --out benchmarks/results --budget-s 150 2>&1 | tail -n 40
 }
 
 # the GPU test files in four shards of similar run time (measured 2026-11-29: ~5 tests/s);
@@ -141,15 +141,15 @@ checks_t() {   # both GPUs: the four shards and the sanitizer at once
 benches_p() {  # one benchmark process per GPU (the Numba bench times CuPy's stages beside its own)
   ( export CUDA_VISIBLE_DEVICES=0
     say "bench_cupy_stages"
-    timeout $(budget 50) python3 benchmarks/bench_cupy_stages.py --budget-s 35 2>&1 | tail -n 70
+    timeout $(budget 50) python3 benchmarks/bench_cupy_stages.py --out-dir benchmarks/results --budget-s 35 2>&1 | tail -n 70
     say "bench_numba"
-    timeout $(budget 200) python3 benchmarks/bench_numba.py --budget-s 180 --gemm-versions numba-v3,numba-v3v,cupy-v3,cupy-v4 2>&1 | tail -n 70
+    timeout $(budget 200) python3 benchmarks/bench_numba.py --out-dir benchmarks/results --budget-s 180 --gemm-versions numba-v3,numba-v3v,cupy-v3,cupy-v4 2>&1 | tail -n 70
   ) >"$OUT/bench_gpu0.tmp" 2>&1 &
   ( export CUDA_VISIBLE_DEVICES=$BENCH_GPU
     say "bench_quant"
-    timeout $(budget 170) python3 benchmarks/bench_quant.py --budget-s 150 2>&1 | tail -n 40
+    timeout $(budget 170) python3 benchmarks/bench_quant.py --out benchmarks/results --budget-s 150 2>&1 | tail -n 40
     say "bench_wna16"
-    timeout $(budget 70) python3 benchmarks/bench_wna16.py --budget-s 55 2>&1 | tail -n 40
+    timeout $(budget 70) python3 benchmarks/bench_wna16.py --out benchmarks/results --budget-s 55 2>&1 | tail -n 40
   ) >"$OUT/bench_gpu1.tmp" 2>&1 &
   wait
   cat "$OUT/bench_gpu0.tmp" "$OUT/bench_gpu1.tmp"; rm -f "$OUT"/bench_gpu?.tmp
@@ -165,7 +165,7 @@ wna16_dev() {   # GPU 0: the packed int4 rung, checked then timed config by conf
   # the route's q8 / q24 / q32 beside the wgmma rung: RB = 2 row groups an item (h32, h24),
   # and WGMMA_EXTRA (more variants, name+KEY=VALUE)
   say "bench_wna16: the packed and wgmma configs"
-  timeout $(budget 300) python3 benchmarks/bench_wna16.py --tokens ${WNA16_TOKENS:-1,16,64,256} \
+  timeout $(budget 300) python3 benchmarks/bench_wna16.py --out benchmarks/results --tokens ${WNA16_TOKENS:-1,16,64,256} \
     --no-old --sweep --configs q8,q24,q32,h32,h24${WGMMA_EXTRA:+,$WGMMA_EXTRA} \
     --budget-s 280 2>&1 | tail -n 80
 }
@@ -178,7 +178,7 @@ multi() {    # both GPUs
   say "EP check"
   timeout 30 python3 -m sandbox.ep check --gpus 2 2>&1 | tail -n 20
   say "EP benchmark"
-  timeout $(( BUDGET - SECONDS > 10 ? BUDGET - SECONDS : 10 )) python3 benchmarks/bench_ep.py --gpus 2 2>&1 | tail -n 50
+  timeout $(( BUDGET - SECONDS > 10 ? BUDGET - SECONDS : 10 )) python3 benchmarks/bench_ep.py --out benchmarks/results --gpus 2 2>&1 | tail -n 50
 }
 
 part=${1:-A}
