@@ -111,7 +111,7 @@ for v, c in CFG.items():
 # %%
 section = cgg.load_table().get("devices", {}).get(CARD, {})
 tuned = [r for r in section.get("configs", []) if r.get("dtype") == "bf16" and "us" in r]
-print(f"{CARD}: {len(tuned)} tuned bf16 rows ({section.get('source', 'no section')}); "
+print(f"{CARD}: {len(tuned)} tuned bf16 rows from {len(section.get('runs', []))} tuning runs; "
       f"the rung per bucket it names: {section.get('version_by_m', {}).get('bf16', {})}")
 
 runs = workshop.load_results(BENCH)

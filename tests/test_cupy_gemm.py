@@ -193,6 +193,17 @@ def test_card_sections_are_read_on_their_card_only():
     assert len(rows) == 1 and rows[0]["stages"] == 5
 
 
+def test_card_sections_keep_every_run():
+    """A run that re-tunes a few buckets appends its provenance; the earlier runs stay (a
+    section written with one top-level run moves that run into the list first)."""
+    old = {"devices": {"Card A": {"configs": [], "date": "d0", "source": "s0", "command": "c0"}}}
+    table = tune.merge_device_section(old, "Card A", [], {}, {"date": "d1", "source": "s1",
+                                                              "command": "c1"})
+    sec = table["devices"]["Card A"]
+    assert [r["command"] for r in sec["runs"]] == ["c0", "c1"]
+    assert "command" not in sec and "date" not in sec
+
+
 def test_shipped_table_has_the_cards_sections():
     table = gg.load_table()
     assert not any("N" in r for r in table["configs"]), "shape rows belong to a card's section"

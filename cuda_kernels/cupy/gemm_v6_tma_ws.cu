@@ -14,7 +14,8 @@
 // (64 or 128) dividing B; BLOCK_N in {64, 128, 256}; BLOCK_K = 64 (one 128-byte swizzled row).
 // The last argument is a CUtensorMap of w (grouped_gemm.extra_args builds it on the host).
 // Chosen per bucket by each card's measured version_by_m in gemm_configs.json (on the H100:
-// from 32 rows per expert up, but 128, where v5 measured faster).
+// every bucket but 128 rows per expert, where v5 measured faster; at decode too, where a
+// 64-row tile wastes tensor-core work that the deep TMA ring of weights hides).
 //
 // Launch geometry (C = CONSUMERS consumer warpgroups, 1 or 2):
 //     threads = 128 (warpgroup 0: the producer) + C x 128 (warpgroups 1..C: the consumers)

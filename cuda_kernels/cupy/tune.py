@@ -22,9 +22,11 @@ output disagrees with v4's default config (relative error > 1e-2) is reported an
 Timing: CUDA events around one call, L2 flushed before each (a 128 MB memset outside the
 events), 3 warm-ups, median of --reps.
 
-With --versions v4,v5 the table also gets "version_by_m": for each bucket where every tuned
-model's best v5 (GEMM1 + GEMM2) beat its best v4, v5 becomes the default rung of that bucket
-(grouped_gemm.default_version); elsewhere the default stays v4. --budget-s is checked before
+With two or more --versions (v4,v6 over the decode buckets, v5,v6 over the prefill ones) the
+card's section also gets "version_by_m": for each bucket, the rung whose best GEMM1 + GEMM2
+summed over the tuned models is the smallest becomes that bucket's default rung
+(grouped_gemm.default_version); each run is appended to the section's "runs" (date, source,
+command). --budget-s is checked before
 every candidate, so a short budget ends on time (buckets not reached keep the generic rows:
 lookup uses a shape row only at its own bucket). A two-minute run on the buckets of the
 compute-bound points (the H200 misses of issue 4):
@@ -84,6 +86,10 @@ V6_CANDIDATES = [
     (128, 256, 64, 12, 4, 4, 56), (128, 128, 64, 12, 6, 8, 56), (128, 128, 64, 12, 6, 16, 56),
     (128, 128, 64, 12, 4, 8, 56), (64, 256, 64, 12, 5, 8, 56), (64, 256, 64, 8, 5, 8, 56),
     (64, 128, 64, 8, 8, 8, 56), (64, 128, 64, 12, 6, 8, 56), (64, 64, 64, 8, 8, 8, 56),
+    # decode (a few rows per expert, B = 64): the weights stream through a deep TMA ring on a
+    # persistent grid, so the tiles are short in M and the rings 4-8 stages deep
+    (64, 256, 64, 8, 4, 8, 56), (64, 256, 64, 12, 4, 1, 56), (64, 128, 64, 8, 6, 1, 56),
+    (64, 128, 64, 12, 8, 1, 56), (64, 64, 64, 8, 8, 1, 56),
 ]
 CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES, "v6": V6_CANDIDATES}
 # the config keys of a candidate tuple, in order
@@ -311,7 +317,9 @@ def merge_device_section(table: dict, device: str, rows: list[dict], by_m: dict,
                          meta: dict) -> dict:
     """Put the rows tuned on `device` into its section of the table: a new row replaces the
     one of the same (version, dtype, m, N, K); buckets of `by_m` replace those of the
-    section's version_by_m; the section records where its numbers came from (`meta`)."""
+    section's version_by_m. The section's "runs" list records where its numbers came from:
+    `meta` (date, source, command) is appended, so that a run that re-tunes a few buckets
+    does not erase the provenance of the others."""
     sec = table.setdefault("devices", {}).setdefault(device, {})
     key = (lambda r: (r["version"], r["dtype"], r["m"], r.get("N"), r.get("K")))
     new = {key(r) for r in rows}
@@ -321,7 +329,12 @@ def merge_device_section(table: dict, device: str, rows: list[dict], by_m: dict,
         merged.setdefault(dk, {}).update(buckets)
     if merged:
         sec["version_by_m"] = merged
-    sec.update(meta)
+    runs = sec.setdefault("runs", [])
+    legacy = {k: sec.pop(k) for k in ("date", "source", "command") if k in sec}
+    if legacy:      # a section written before "runs" kept one run's provenance at its top
+        runs.insert(0, legacy)
+    if meta:
+        runs.append(dict(meta))
     return table
 
 
