@@ -296,6 +296,36 @@ def test_v6_tensor_map_encoding(monkeypatch):
     assert len(calls) == 2                                      # another tile: another map
 
 
+def test_fast_launch_sets_fixed_arguments_once(monkeypatch):
+    """FastLaunch: the fixed arguments' slots are written at construction, a call writes the
+    others in order, and the driver gets every slot of the parameter block; a fixed index
+    outside the signature is refused by name before the driver is touched."""
+    import ctypes
+
+    from cuda_kernels.cupy import _launch
+
+    seen = []
+
+    def fake_launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        p = [slots[i] for i in range(4)]
+        seen.append((stream, ctypes.c_void_p.from_address(p[0]).value,
+                     ctypes.c_int32.from_address(p[1]).value,
+                     ctypes.c_int32.from_address(p[2]).value,
+                     ctypes.c_float.from_address(p[3]).value))
+        return 0
+
+    monkeypatch.setattr(_launch, "_driver",
+                        lambda: types.SimpleNamespace(cuLaunchKernel=fake_launch))
+    kernel = types.SimpleNamespace(ptr=1234)
+    launch = _launch.FastLaunch(kernel, (2,), (32,), 0, "piif", fixed={1: 7, 2: -3})
+    launch(99, 0xBEEF, 0.5)
+    launch(98, 0xCAFE, 1.5)
+    assert seen == [(99, 0xBEEF, 7, -3, 0.5), (98, 0xCAFE, 7, -3, 1.5)]
+    with pytest.raises(ValueError, match="fixed: expected argument indices in \\[0, 4\\)"):
+        _launch.FastLaunch(kernel, (2,), (32,), 0, "piif", fixed={4: 1})
+
+
 def test_kernel_sources_open_with_a_header():
     for cu in gg.CU_FILES.values():
         text = (C.KERNEL_DIR / cu).read_text()

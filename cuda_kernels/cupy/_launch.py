@@ -146,17 +146,22 @@ class FastLaunch:
         launch = FastLaunch(kernel, grid, block, shared_mem, "pppiif")   # p pointer, i int32,
         launch(stream_ptr, x_ptr, y_ptr, z_ptr, n, m, 0.5)               # f float32, t 128
                                                                           # bytes (a NumPy array)
+        # arguments that never change (sizes, workspace pointers) set once: a call passes
+        # the others, in order
+        launch = FastLaunch(kernel, grid, block, shared_mem, "pppiif", fixed={3: n, 4: m})
+        launch(stream_ptr, x_ptr, y_ptr, z_ptr, 0.5)
 
     Why: CuPy's launcher converts each argument into a C value at every call, which took
     8-10 us per 16-argument launch on the H100 machine's host (its own measurement); a
     decode step launches five kernels whose GPU work is tens of microseconds. Here a launch is
-    the slot stores and one ctypes call. The stream is a raw cudaStream_t (torch's or
-    CuPy's), so a CUDA graph capture on that stream records the launch like any other."""
+    the slot stores and one ctypes call, and the slots of `fixed` arguments are stored once.
+    The stream is a raw cudaStream_t (torch's or CuPy's), so a CUDA graph capture on that
+    stream records the launch like any other."""
 
     _CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "f": ctypes.c_float, "t": _Bytes128}
 
     def __init__(self, kernel, grid, block, shared_mem: int, signature: str,
-                 cooperative: bool = False):
+                 cooperative: bool = False, fixed: dict | None = None):
         fn = getattr(kernel, "kernel", kernel)         # a RawKernel holds its Function
         self.fn = ctypes.c_void_p(int(fn.ptr))
         self._keep = fn
@@ -168,11 +173,19 @@ class FastLaunch:
         self.params = (ctypes.c_void_p * max(1, len(self.slots)))(
             *[ctypes.cast(ctypes.pointer(s), ctypes.c_void_p) for s in self.slots])
         self.signature = signature
+        fixed = fixed or {}
+        if not all(0 <= i < len(signature) for i in fixed):
+            raise ValueError(f"fixed: expected argument indices in [0, {len(signature)}), got "
+                             f"{sorted(fixed)}")
+        for i, v in fixed.items():
+            self.slots[i].value = v
+        self._free = [slot for i, slot in enumerate(self.slots) if i not in fixed]
         lib = _driver()
         self._launch = lib.cuLaunchCooperativeKernel if cooperative else lib.cuLaunchKernel
 
     def __call__(self, stream_ptr: int, *values):
-        for slot, v in zip(self.slots, values):
+        """Launch on `stream_ptr` with the arguments that are not fixed, in order."""
+        for slot, v in zip(self._free, values):
             slot.value = v
         gx, gy, gz = self.grid
         bx, by, bz = self.block

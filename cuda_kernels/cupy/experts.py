@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -49,6 +50,7 @@ WORKSPACE_CACHE_BYTES = 64 << 20
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")      # the gated kinds with one kernel template
 
 
+@functools.lru_cache(maxsize=1)
 def _gemm():
     import importlib
 
@@ -56,9 +58,9 @@ def _gemm():
 
 
 # ----------------------------------------------------------------------------- arrays
-@dataclasses.dataclass(frozen=True)
-class _Arg:
-    """What a launch needs of an input: its pointer, and what the plan is keyed on."""
+class _Arg(NamedTuple):
+    """What a launch needs of an input: its pointer, and what the plan is keyed on (a tuple:
+    made five times a call, it must cost less than a dataclass)."""
 
     ptr: int
     shape: tuple
@@ -69,10 +71,10 @@ class _Arg:
 
 def _describe(name: str, x, kind: str) -> _Arg:
     if kind == "torch":
-        if x.device.type != "cuda":
+        if not x.is_cuda:
             raise ValueError(f"{name}: expected a CUDA tensor, got one on {x.device}")
         return _Arg(x.data_ptr(), tuple(x.shape), _torch_np_dtype(x.dtype), x.is_contiguous(),
-                    x.device.index)
+                    x.get_device())
     if kind == "cupy":
         return _Arg(x.data.ptr, tuple(x.shape), np.dtype(x.dtype), x.flags.c_contiguous,
                     x.device.id)
@@ -179,7 +181,7 @@ class ExpertsPlan:
         self.P = P = T * K
         self.dtype = np.dtype(dtype)
         self.device = device
-        dkey = gg.dtype_key(dtype)
+        self.dkey = dkey = gg.dtype_key(dtype)
         card = gg.device_name(device)
         if block_size is None:
             block_size = int(gg.get_config(T, N1, H, E, K, dtype, device=card)["BLOCK_M"])
@@ -200,27 +202,34 @@ class ExpertsPlan:
                              perm_mod._FIXED_NAMES)
             if smem > 48 * 1024:
                 k.max_dynamic_shared_size_bytes = smem
-            self.align = FastLaunch(k, (G,), (W * 32,), smem, ALIGN_SIG, cooperative=G > 1)
+            # the sizes are the plan's: their slots are set once (FastLaunch's fixed)
+            self.align = FastLaunch(k, (G,), (W * 32,), smem, ALIGN_SIG, cooperative=G > 1,
+                                    fixed=_after(7, P, E_align, B, L, self.num_blocks, 0))
             self.align_G = G
+            self.dummy = gg._dummy(cupy, device).data.ptr
             # the two GEMMs: the rung and config grouped_gemm would pick
             self.gemms = []
-            for n, kd, aligned in ((N1, H, a_aligned and w1_aligned), (H, I, w2_aligned)):
+            for n, kd, aligned, top_k, mul in (
+                    (N1, H, a_aligned and w1_aligned, K, self.mul_on_input),
+                    (H, I, w2_aligned, 1, not self.mul_on_input)):
                 version, cfg = gg._plan(None, dkey, bucket, n, kd, B, aligned, sm90, None, card)
                 grid, block, gsmem = gg.launch_geometry(
                     version, cfg, L, n, gg._sm_count(device) if version == "v6" else None)
                 kern = gg._kernel(version, dkey, cfg, device)
                 launch = FastLaunch(kern, grid, block, gsmem,
-                                    GEMM_SIG + GEMM_EXTRA_SIG.get(version, ""))
+                                    GEMM_SIG + GEMM_EXTRA_SIG.get(version, ""),
+                                    fixed=_after(7, self.dummy, n, kd, P, top_k, B, L, int(mul), 0))
                 self.gemms.append(_Gemm(version, cfg, launch, n, kd))
             self.versions = tuple(g.version for g in self.gemms)
             # activation and combine: the workspaces are 256-byte aligned, so the vector
             # width depends on the row widths only
             name_fmt = f"act_and_mul_kernel<{act_mod._AND_MUL[activation]}, {{vec}}>"
             self.act = self._rows(act_mod, "activation.cu", name_fmt, P, I, "ACT_THREADS",
-                                  "activation", act_mod._NAMES, ROWS_SIG)
+                                  "activation", act_mod._NAMES, ROWS_SIG, first_size=2,
+                                  sizes=(P, I))
             self.combine = self._rows(sum_mod, "combine.cu", "moe_sum_live_kernel<{vec}>", T, H,
-                                      "SUM_THREADS", "moe_sum_kernel", sum_mod._NAMES, SUM_SIG)
-            self.dummy = gg._dummy(cupy, device).data.ptr
+                                      "SUM_THREADS", "moe_sum_kernel", sum_mod._NAMES, SUM_SIG,
+                                      first_size=5, sizes=(T, K, H))
         # workspace layout: [sorted L][expert_ids L/B][ntpp 1][hist G*E], then c1, c2, c3
         isz = self.dtype.itemsize
         self.n_ints = L + self.num_blocks + 1 + (G * E_align if G > 1 else 0)
@@ -229,7 +238,10 @@ class ExpertsPlan:
         self._workspaces: dict = {}
         self._captured: list = []
 
-    def _rows(self, mod, cu, name_fmt, rows, width, threads_key, cfg_key, names, sig):
+    def _rows(self, mod, cu, name_fmt, rows, width, threads_key, cfg_key, names, sig,
+              first_size, sizes):
+        """The launch of a row-wise kernel (activation, combine) over `rows` rows of `width`,
+        its `sizes` and the column chunks fixed from argument `first_size` on."""
         threads_max = mod.CONFIGS[cfg_key][threads_key]
         isz = self.dtype.itemsize
         vec = max(v for v in C.ROW_VECS if v * isz <= 16 and width % v == 0)
@@ -237,7 +249,8 @@ class ExpertsPlan:
         chunks = C.cdiv(width, threads * vec)
         C.check_fits_int32("x", rows * chunks, "the grid size rows * column chunks")
         k = C.get_kernel(cu, name_fmt.format(vec=vec), mod._defines(self.dtype), names)
-        return FastLaunch(k, (max(rows * chunks, 1),), (threads,), 0, sig), chunks
+        return FastLaunch(k, (max(rows * chunks, 1),), (threads,), 0, sig,
+                          fixed=_after(first_size, *sizes, chunks))
 
     # --- per call
     def _workspace(self, alloc, stream_ptr, capturing):
@@ -271,35 +284,32 @@ class ExpertsPlan:
             return out
         stream_ptr, capturing = alloc.stream()
         ints, c1, c2, c3, _owner = self._workspace(alloc, stream_ptr, capturing)
-        L, B, P, E = self.L, self.B, self.P, self.E_align
-        sorted_ids, expert_ids = ints, ints + 4 * L
+        E = self.E_align
+        sorted_ids, expert_ids = ints, ints + 4 * self.L
         ntpp = expert_ids + 4 * self.num_blocks
         hist = ntpp + 4 if self.align_G > 1 else 0
         bar = perm_mod._barrier_word(stream_ptr).data.ptr if self.align_G > 1 else 0
-        self.align(stream_ptr, ids.ptr, emap_ptr, sorted_ids, expert_ids, ntpp, hist, bar,
-                   P, E, B, L, self.num_blocks, 0)
+        self.align(stream_ptr, ids.ptr, emap_ptr, sorted_ids, expert_ids, ntpp, hist, bar)
         g1, g2 = self.gemms
         g1.launch(stream_ptr, x.ptr, w1.ptr, c1, sorted_ids, expert_ids, ntpp, tw.ptr,
-                  self.dummy, self.N1, self.H, P, self.K, B, L, int(self.mul_on_input), 0,
                   *self._extra(g1, w1.ptr))
-        act, act_chunks = self.act
-        act(stream_ptr, c1, c2, P, self.I, act_chunks)
+        self.act(stream_ptr, c1, c2)
         g2.launch(stream_ptr, c2, w2.ptr, c3, sorted_ids, expert_ids, ntpp, tw.ptr,
-                  self.dummy, self.H, self.I, P, 1, B, L, int(not self.mul_on_input), 0,
                   *self._extra(g2, w2.ptr))
-        comb, sum_chunks = self.combine
-        comb(stream_ptr, c3, ids.ptr, emap_ptr, E if emap_ptr else 0, out_ptr, self.T, self.K,
-             self.H, sum_chunks)
+        self.combine(stream_ptr, c3, ids.ptr, emap_ptr, E if emap_ptr else 0, out_ptr)
         return out
 
     def _extra(self, g, w_ptr):
         """The arguments `g`'s rung takes after the common ones (v6: the tensor map of its
-        weights at w_ptr, [E, n, kd], cached per pointer by grouped_gemm.v6_tensor_map)."""
-        if g.version == "v6":
-            gg = _gemm()
-            return (gg.v6_tensor_map(w_ptr, (self.E, g.n, g.kd), gg.dtype_key(self.dtype),
-                                     g.cfg, self.device),)
-        return ()
+        weights at w_ptr, [E, n, kd]; the last one is kept, so a layer that calls with its
+        own weights again looks nothing up)."""
+        if g.version != "v6":
+            return ()
+        if g.tmap_ptr != w_ptr:
+            g.tmap = _gemm().v6_tensor_map(w_ptr, (self.E, g.n, g.kd), self.dkey, g.cfg,
+                                           self.device)
+            g.tmap_ptr = w_ptr
+        return (g.tmap,)
 
 
 @dataclasses.dataclass
@@ -312,6 +322,13 @@ class _Gemm:
     launch: FastLaunch
     n: int
     kd: int
+    tmap_ptr: int | None = None       # v6: the weights' address whose tensor map is `tmap`
+    tmap: object = None
+
+
+def _after(first: int, *values) -> dict:
+    """FastLaunch's `fixed` for `values` as the arguments from index `first` on."""
+    return {first + i: v for i, v in enumerate(values)}
 
 
 def _round256(n: int) -> int:
