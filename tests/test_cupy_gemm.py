@@ -298,7 +298,8 @@ def test_v6_tensor_map_encoding(monkeypatch):
 
 def test_fast_launch_sets_fixed_arguments_once(monkeypatch):
     """FastLaunch: the fixed arguments' slots are written at construction, a call writes the
-    others in order, and the driver gets every slot of the parameter block; a fixed index
+    others in order and the stream into the launch configuration, and the driver's
+    cuLaunchKernelEx gets every slot of the parameter block; a fixed index
     outside the signature is refused by name before the driver is touched."""
     import ctypes
 
@@ -306,17 +307,19 @@ def test_fast_launch_sets_fixed_arguments_once(monkeypatch):
 
     seen = []
 
-    def fake_launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+    def fake_launch(config, fn, params, extra):
+        cfg = config.contents
+        assert (cfg.gridDimX, cfg.blockDimX, cfg.numAttrs) == (2, 32, 0)
         slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
         p = [slots[i] for i in range(4)]
-        seen.append((stream, ctypes.c_void_p.from_address(p[0]).value,
+        seen.append((cfg.hStream, ctypes.c_void_p.from_address(p[0]).value,
                      ctypes.c_int32.from_address(p[1]).value,
                      ctypes.c_int32.from_address(p[2]).value,
                      ctypes.c_float.from_address(p[3]).value))
         return 0
 
     monkeypatch.setattr(_launch, "_driver",
-                        lambda: types.SimpleNamespace(cuLaunchKernel=fake_launch))
+                        lambda: types.SimpleNamespace(cuLaunchKernelEx=fake_launch))
     kernel = types.SimpleNamespace(ptr=1234)
     launch = _launch.FastLaunch(kernel, (2,), (32,), 0, "piif", fixed={1: 7, 2: -3})
     launch(99, 0xBEEF, 0.5)

@@ -22,6 +22,7 @@ import ctypes
 
 import numpy as np
 
+CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -78,14 +79,6 @@ def _driver():
         lib.cuLaunchKernelEx.restype = ctypes.c_int
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.cuGetErrorString.restype = ctypes.c_int
-        u = ctypes.c_uint
-        lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p,
-                                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-        lib.cuLaunchKernel.restype = ctypes.c_int
-        lib.cuLaunchCooperativeKernel.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u,
-                                                  ctypes.c_void_p,
-                                                  ctypes.POINTER(ctypes.c_void_p)]
-        lib.cuLaunchCooperativeKernel.restype = ctypes.c_int
         lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
         _DRIVER["lib"] = lib
     return _DRIVER["lib"]
@@ -140,8 +133,9 @@ class _Bytes128(ctypes.Structure):
 
 class FastLaunch:
     """One kernel's launch with everything but the argument values fixed: the driver's
-    cuLaunchKernel (or cuLaunchCooperativeKernel) called through ctypes with a prebuilt
-    parameter block, whose slots are rewritten in place at each call.
+    cuLaunchKernelEx called through ctypes with a prebuilt launch configuration (grid, block,
+    shared memory, the cooperative attribute) and parameter block, whose slots are rewritten
+    in place at each call.
 
         launch = FastLaunch(kernel, grid, block, shared_mem, "pppiif")   # p pointer, i int32,
         launch(stream_ptr, x_ptr, y_ptr, z_ptr, n, m, 0.5)               # f float32, t 128
@@ -154,7 +148,9 @@ class FastLaunch:
     Why: CuPy's launcher converts each argument into a C value at every call, which took
     8-10 us per 16-argument launch on the H100 machine's host (its own measurement); a
     decode step launches five kernels whose GPU work is tens of microseconds. Here a launch is
-    the slot stores and one ctypes call, and the slots of `fixed` arguments are stored once.
+    the slot stores, the stream stored in the configuration, and one ctypes call of four
+    arguments (ctypes converts each argument of a call: cuLaunchKernel's eleven cost more),
+    and the slots of `fixed` arguments are stored once.
     The stream is a raw cudaStream_t (torch's or CuPy's), so a CUDA graph capture on that
     stream records the launch like any other."""
 
@@ -180,24 +176,23 @@ class FastLaunch:
         for i, v in fixed.items():
             self.slots[i].value = v
         self._free = [slot for i, slot in enumerate(self.slots) if i not in fixed]
-        lib = _driver()
-        self._launch = lib.cuLaunchCooperativeKernel if cooperative else lib.cuLaunchKernel
+        # cuLaunchCooperativeKernel's grid-wide co-residency, as a launch attribute
+        self._attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_COOPERATIVE, value=1)
+        self.config = LaunchConfig(*self.grid, *self.block, self.shared_mem, None,
+                                   ctypes.pointer(self._attr) if cooperative else None,
+                                   1 if cooperative else 0)
+        self._config = ctypes.pointer(self.config)
+        self._launch = _driver().cuLaunchKernelEx
 
     def __call__(self, stream_ptr: int, *values):
         """Launch on `stream_ptr` with the arguments that are not fixed, in order."""
         for slot, v in zip(self._free, values):
             slot.value = v
-        gx, gy, gz = self.grid
-        bx, by, bz = self.block
-        if self.cooperative:
-            status = self._launch(self.fn, gx, gy, gz, bx, by, bz, self.shared_mem, stream_ptr,
-                                  self.params)
-        else:
-            status = self._launch(self.fn, gx, gy, gz, bx, by, bz, self.shared_mem, stream_ptr,
-                                  self.params, None)
+        self.config.hStream = stream_ptr
+        status = self._launch(self._config, self.fn, self.params, None)
         if status != 0:
             msg = ctypes.c_char_p()
             _driver().cuGetErrorString(status, ctypes.byref(msg))
-            raise RuntimeError(f"cuLaunchKernel ({self.grid} x {self.block}, "
+            raise RuntimeError(f"cuLaunchKernelEx ({self.grid} x {self.block}, "
                                f"{self.shared_mem} B shared): "
                                f"{(msg.value or b'?').decode()} ({status})")
