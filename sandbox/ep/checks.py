@@ -289,8 +289,9 @@ def run_impl_parity(comm, backend: str = "reference") -> list[dict]:
 
     from sandbox.registry import get_backend
 
-    from .dispatch import alltoall_combine, alltoall_dispatch, raw, view_as
+    from .dispatch import alltoall_combine, alltoall_dispatch
     from .layer import _OnHost
+    from .wire import raw, view_as
 
     xp = comm.xp
     W, r = comm.world_size, comm.rank
@@ -375,7 +376,7 @@ def run_collectives(comm) -> dict:
     sends (each rank regenerates its peers' data from their seeds)."""
     import ml_dtypes
 
-    from .dispatch import view_as
+    from .wire import view_as
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
     xp = comm.xp

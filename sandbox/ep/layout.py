@@ -28,6 +28,8 @@ import types
 
 import numpy as np
 
+from .wire import raw, view_as
+
 __all__ = ["entries_per_token", "supported", "chunk_bounds", "ep_layout", "ep_gather", "ep_combine",
            "ep_count_experts", "layout_ops"]
 
@@ -185,8 +187,6 @@ def _find_gpu_kernels():
 
 def _on_host(comm):
     """These NumPy functions for device arrays: to the host and back around each call."""
-    from .dispatch import raw, view_as
-
     def to_host(a):
         return comm.to_host(a) if type(a).__module__.startswith("cupy") else a
 
