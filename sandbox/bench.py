@@ -630,22 +630,21 @@ def _stages_fn(case: Case, backend: str):
     for s in ("align", "gemm1", "activation", "gemm2", "combine"):
         if not be.has_stage(s):
             raise Unavailable(f"{backend} has no {registry.STAGE_FUNCTIONS[s]} yet")
-    src = registry.get_backend("torch")
     T, K, H = case.num_tokens, case.preset.top_k, case.preset.hidden_size
     E, I = case.preset.num_experts, case.preset.intermediate_size  # noqa: E741
     # weights and x move once (through the host for bf16, which CUDA array interfaces
     # cannot describe); the routing buffers must be zero-copy views, because redraw()
     # rewrites them in place between reps
-    x = arrays.transfer(case.x, src, be)
+    x = be.take(case.x)
     hit = _MOVED_WEIGHTS.get(backend)
     if hit is not None and hit[0] is case.w13 and hit[1] is case.w2:
         w13, w2 = hit[2], hit[3]
     else:           # move a preset's weights once, not at every token count
         _MOVED_WEIGHTS.pop(backend, None)
-        w13, w2 = arrays.transfer(case.w13, src, be), arrays.transfer(case.w2, src, be)
+        w13, w2 = be.take(case.w13), be.take(case.w2)
         _MOVED_WEIGHTS[backend] = (case.w13, case.w2, w13, w2)
     if be.is_host:
-        tw, ti = (arrays.transfer(t, src, be) for t in (case.topk_weights, case.topk_ids32))
+        tw, ti = be.take(case.topk_weights), be.take(case.topk_ids32)
         if arrays.kind(tw) != "torch" and case.device != "cpu":
             raise Unavailable(f"{backend} computes on the host, the case is on {case.device}")
     else:

@@ -64,7 +64,7 @@ interface") shows how one of these experts classes becomes a vLLM one.
 
 Arrays: the kernel allocates its output and workspaces with hidden_states' library (NumPy,
 torch or CuPy); an experts object moves what it is given to its backend
-(sandbox.arrays.transfer) and writes `output` in place in the caller's library, so any
+(Backend.take) and writes `output` in place in the caller's library, so any
 prepare/finalize pairs with any experts on one machine.
 """
 
@@ -725,9 +725,8 @@ class StageExperts(FusedMoEExpertsModular):
                  global_num_experts, expert_map, on_input, block):
         b = self.backend
         qc = self.quant_config
-        x, w1, w2, tw, ids, emap, b1, b2 = (
-            arrays.transfer(v, None, b) for v in (x, w1, w2, topk_weights, topk_ids,
-                                                  expert_map, qc.w1_bias, qc.w2_bias))
+        x, w1, w2, tw, ids, emap, b1, b2 = b.take((x, w1, w2, topk_weights, topk_ids,
+                                                   expert_map, qc.w1_bias, qc.w2_bias))
         M, H = x.shape
         topk = ids.shape[1]
         sorted_ids, expert_ids, ntpp = b.stage_fn("align")(
@@ -808,9 +807,7 @@ class CupyExperts(StageExperts):
             return super()._compute(x, w1, w2, topk_weights, topk_ids, activation,
                                     is_act_and_mul, global_num_experts, expert_map,
                                     on_input, block)
-        xd, w1d, w2d, tw, ids, emap = (
-            arrays.transfer(v, None, b) for v in (x, w1, w2, topk_weights, topk_ids,
-                                                  expert_map))
+        xd, w1d, w2d, tw, ids, emap = b.take((x, w1, w2, topk_weights, topk_ids, expert_map))
         if on_input:   # GEMM1 multiplies by the weight then: by 1, exactly
             tw = b.to_device(np.ones(tuple(topk_ids.shape), np.float32))
         return fn(xd, w1d, w2d, tw, ids, activation, bool(on_input), block_size=block,
