@@ -67,8 +67,8 @@ import numpy as np
 
 from .wire import raw, view_as
 
-__all__ = ["SCHEMES", "ALLTOALL_ROWS", "ALLTOALL_IMPLS", "AllGatherState", "AllToAllState", "allgather_dispatch",
-           "allgather_combine", "alltoall_dispatch", "alltoall_combine"]
+__all__ = ["SCHEMES", "ALLTOALL_ROWS", "ALLTOALL_IMPLS", "AllGatherState", "AllToAllState",
+           "allgather_dispatch", "allgather_combine", "alltoall_dispatch", "alltoall_combine"]
 
 SCHEMES = ("allgather", "alltoall")
 
