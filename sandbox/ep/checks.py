@@ -206,7 +206,7 @@ def run_parity(comm, cases, backend: str = "reference") -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------
-# the modular kernel interface (sandbox/modular.py) over this communicator
+# the modular kernel interface (sandbox/modular/) over this communicator
 # ---------------------------------------------------------------------------------------
 MODULAR_CASES = (  # E experts (linear placement), K top-k, masked: slots routed nowhere
     dict(name="bf16-silu-masked", dtype="bfloat16", activation="silu", K=2, masked=True,
@@ -219,7 +219,7 @@ MODULAR_CASES = (  # E experts (linear placement), K top-k, masked: slots routed
 
 
 def run_modular_parity(comm, experts=("reference", "torch"), cases=MODULAR_CASES) -> list[dict]:
-    """Every (dispatching prepare/finalize of sandbox/modular.py, experts, reduce) against
+    """Every (dispatching prepare/finalize of sandbox/modular/, experts, reduce) against
     the reference fused_experts of the whole batch in float64, on this rank's rows: the
     same weights and routing on every rank (same seed), each rank holding its linear share
     of the experts (reference.determine_expert_map), uneven tokens (the first case leaves one
