@@ -1,14 +1,8 @@
 """The stage pipeline: one forward of a `FusedMoE`, each stage on the backend its mapping names.
 
-    T = tokens, E = global experts, Z = zero experts, K = top-k, H = hidden,
-    I_p = intermediate size per TP rank, B = block size, P = T*K slots
+    T = tokens, K = top-k, H = hidden, B = block size, P = T*K slots
 
-    route       select_experts          logits [T, E+Z] -> topk_weights f32, topk_ids [T, K]
-    align       moe_align_block_size    topk_ids -> sorted_token_ids, expert_ids, num_post_padded
-    gemm1       grouped_gemm            x [T, H] @ w13[e].T                    -> cache1 [P, 2I_p]
-    activation  apply_activation        cache1                                -> cache2 [P, I_p]
-    gemm2       grouped_gemm            cache2 @ w2[e].T (* router weight)     -> cache3 [P, H]
-    combine     moe_sum                 cache3 [T, K, H] summed over K         -> out [T, H]
+    route -> align -> gemm1 -> activation -> gemm2 -> combine   (the table of sandbox/layer.py)
     (+ the zero experts' output from route, + the shared experts through gemm1 .. gemm2)
 
     start(mapping, trace)       a StageRun: {stage: Backend}, each checked once per mapping

@@ -33,10 +33,11 @@ import re
 import ml_dtypes
 import numpy as np
 
-from .dispatch import (ALLTOALL_ROWS, SCHEMES, allgather_combine, allgather_dispatch, alltoall_combine,
-                       alltoall_dispatch, raw, view_as)
+from .dispatch import (ALLTOALL_ROWS, SCHEMES, allgather_combine, allgather_dispatch,
+                       alltoall_combine, alltoall_dispatch)
 from .eplb_runtime import PLACEMENTS, ExpertPlacement, LoadRecorder, check_divisible, \
     rearrange_plan
+from .wire import raw, to_comm, to_host, view_as
 
 __all__ = ["EPConfig", "EPMoE"]
 
@@ -138,20 +139,10 @@ class _OnHost:
         fn = getattr(self._ops, name)
         comm = self._comm
 
-        def to_host(a):
-            return comm.to_host(a) if type(a).__module__.startswith("cupy") else a
-
-        def to_dev(a):
-            if isinstance(a, np.ndarray):
-                return view_as(comm.xp.asarray(raw(np.ascontiguousarray(a))), a.dtype)
-            if isinstance(a, tuple):
-                return tuple(to_dev(v) for v in a)
-            return a
-
         def call(*args, **kwargs):
-            args = [to_host(a) for a in args]
-            kwargs = {k: to_host(v) for k, v in kwargs.items()}
-            return to_dev(fn(*args, **kwargs))
+            args = [to_host(comm, a) for a in args]
+            kwargs = {k: to_host(comm, v) for k, v in kwargs.items()}
+            return to_comm(comm, fn(*args, **kwargs))
 
         return call
 

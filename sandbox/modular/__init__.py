@@ -33,27 +33,11 @@ unpermute] -> [combine] (vllm/model_executor/layers/fused_moe/modular_kernel.py)
                                               activation, global_num_experts, expert_map,
                                               apply_router_weight_on_input) -> [T, H]
 
-Prepare/finalize implementations here:
-    MoEPrepareAndFinalizeNoDPEPModular     one device (vLLM's class of that name): the input
-                                           weighted when apply_router_weight_on_input, no
-                                           dispatch; finalize = the weight-and-reduce
-    MoEPrepareAndFinalizeNaiveDPEPModular  vLLM's naive DP/EP over our communicator
-                                           (sandbox/ep): all-gather of the tokens and their
-                                           routing, reduce-scatter of the partial outputs
-    AllToAllPrepareAndFinalize             our all-to-all-v "token rows" exchange
-                                           (sandbox/ep/dispatch.py; the shape of vLLM's
-                                           DeepEP high-throughput one): each token goes once
-                                           to each rank holding one of its experts
-
-Experts implementations (one per backend; the stage functions of docs/stages.md, or the
-backend's one-call fused_experts where it has one):
-    ReferenceExperts, TorchExperts, NumbaExperts, CupyExperts
-
-Each experts object either reduces inside apply (reduce=True, the default: router weights
-applied in GEMM2, the K slots summed by the pad-aware moe_sum; output [M, H];
-TopKWeightAndReduceNoOP; vLLM's TritonExperts) or leaves both to finalize (reduce=False:
-output [M, K, H] unweighted, the rows of slots routed nowhere zeroed;
-TopKWeightAndReduceDelegate, so finalize picks TopKWeightAndReduceContiguous).
+Implementations (prepare_finalize.py, experts.py):
+    MoEPrepareAndFinalizeNoDPEPModular (one device), MoEPrepareAndFinalizeNaiveDPEPModular
+    (vLLM's naive DP/EP over sandbox/ep), AllToAllPrepareAndFinalize (our all-to-all-v
+    "token rows" exchange); ReferenceExperts, TorchExperts, NumbaExperts, CupyExperts (a
+    backend's stages, reduce=True or False; EXPERTS[name])
 
 What is not mirrored: quantization (our quant_config carries the biases only; quantized
 experts live in reference/quant.py and cuda_kernels/cupy/quant_*), the batched activation
@@ -67,12 +51,12 @@ torch or CuPy); an experts object moves what it is given to its backend
 (Backend.take) and writes `output` in place in the caller's library, so any
 prepare/finalize pairs with any experts on one machine.
 
-The modules, one half of vLLM's interface each (this face hands their names on):
+The modules (this face hands their names on):
     interface.py          the abstract halves, the small types, FusedMoEKernel
     weight_and_reduce.py  TopKWeightAndReduce{Delegate, NoOP, Contiguous}
-    prepare_finalize.py   NoDPEP, NaiveDPEP, AllToAll
+    prepare_finalize.py   the prepare/finalize objects
     experts.py            StageExperts and one experts class per backend
-    caller_arrays.py      arrays in the caller's library (in_library_of, assign)
+    caller_arrays.py      arrays in the caller's library (in_library_of, assign, ...)
 """
 
 from .experts import (EXPERTS, CupyExperts, NumbaExperts, ReferenceExperts, StageExperts,
