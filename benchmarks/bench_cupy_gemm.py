@@ -494,7 +494,7 @@ def main(argv=None):
     command = " ".join([pathlib.Path(sys.executable).name] + sys.argv)
     gpu = _compile_gpu_name()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M%S")
-    stem = f"bench_cupy_gemm_{bench._slug(gpu)}_{stamp}"
+    stem = f"bench_cupy_gemm_{bench.slug(gpu)}_{stamp}"
 
     def save(record):
         record["command"] = command

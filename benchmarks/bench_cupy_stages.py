@@ -287,7 +287,7 @@ def main(argv=None):
     command = " ".join([pathlib.Path(sys.executable).name] + sys.argv)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M%S")
     path = bench.write_results(record, pathlib.Path(args.out_dir), command=command,
-                               stem=f"bench_cupy_stages_{bench._slug(record['card']['gpu'])}_{stamp}")
+                               stem=f"bench_cupy_stages_{bench.slug(record['card']['gpu'])}_{stamp}")
     for line in record["targets"]:
         print(line)
     print(f"\nwrote {path} ({record['elapsed_s']} s)")

@@ -203,6 +203,7 @@ def _breakdown(comm, timer, ops, opts, record, mode, spec, T, xs, routes, per_ra
 
     from sandbox.ep import dispatch as D
     from sandbox.ep.layout import layout_ops
+    from sandbox.ep.wire import raw, view_as
 
     W, r = comm.world_size, comm.rank
     x, (w, ids) = xs[0], routes[0]
@@ -277,7 +278,7 @@ def _breakdown(comm, timer, ops, opts, record, mode, spec, T, xs, routes, per_ra
     sc, rc = s_.send_counts, s_.recv_counts
     n = int(sc.sum())
     back = cupy.empty((n, H), dtype=cupy.uint16)
-    yr = D.raw(x_recv)
+    yr = raw(x_recv)
     t, _ = timer.run(lambda i: comm.all_to_all_v(yr, rc, recv_counts=sc, outs=back),
                      opts["reps"], opts["warmup"])
     record(T, "alltoall", f"  step: combine exchange ({mode} rows, {impl})", t, n * H * 2,
@@ -286,16 +287,16 @@ def _breakdown(comm, timer, ops, opts, record, mode, spec, T, xs, routes, per_ra
         cp = lay.CombinePlan(T, s_.width, H, x.dtype)
         wts = w if slot else None
         out = cupy.empty((T, H), dtype=x.dtype)
-        fn = lambda i: cp(D.view_as(back, x.dtype), wts, s_.inv, n, out)  # noqa
+        fn = lambda i: cp(view_as(back, x.dtype), wts, s_.inv, n, out)  # noqa
         name = "combine kernel"
     elif impl == "fused":
         wts = w if slot else None
-        fn = lambda i: lay.ep_combine(D.view_as(back, x.dtype), wts, s_.inv, n, T)  # noqa
+        fn = lambda i: lay.ep_combine(view_as(back, x.dtype), wts, s_.inv, n, T)  # noqa
         name = "combine kernel"
     else:
         wts = w if slot else s_.combine_weights
         full = cupy.zeros((T * s_.width, H), dtype=cupy.uint16)
-        fn = lambda i: ops.moe_unpermute(D.view_as(full, x.dtype), wts, s_.inv)  # noqa
+        fn = lambda i: ops.moe_unpermute(view_as(full, x.dtype), wts, s_.inv)  # noqa
         name = "moe_unpermute"
     t, _ = timer.run(fn, opts["reps"], opts["warmup"])
     record(T, "alltoall", f"  step: {name} ({mode} rows, {impl})", t, 0,
@@ -388,7 +389,8 @@ def bench_rank(comm, opts):
     """Runs in every rank; rank 0's return value is the report."""
     import cupy
 
-    from sandbox.ep.dispatch import allgather_combine, allgather_dispatch, raw, view_as
+    from sandbox.ep.dispatch import allgather_combine, allgather_dispatch
+    from sandbox.ep.wire import raw, view_as
 
     W, r = comm.world_size, comm.rank
     H, K, E, I = (opts["shape"][k] for k in ("hidden_size", "top_k", "num_experts",
@@ -502,7 +504,7 @@ def _bench_layer(comm, opts, timer, ops, ops_name):
 
     from sandbox.ep.layer import EPConfig, EPMoE
 
-    from sandbox.ep.dispatch import raw, view_as
+    from sandbox.ep.wire import raw, view_as
 
     W, r = comm.world_size, comm.rank
     shape = opts["shape"]
@@ -583,7 +585,7 @@ def _local_timer(cupy, fn, reps, warmup):
 
 
 def _rel_err(cupy, out, ref):
-    from sandbox.ep.dispatch import raw
+    from sandbox.ep.wire import raw
 
     def f32(a):
         return (raw(a).astype(cupy.uint32) << 16).view(cupy.float32).astype(cupy.float64)

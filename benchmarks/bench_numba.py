@@ -485,7 +485,7 @@ def main(argv=None):
     gpu = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
     command = " ".join([pathlib.Path(sys.executable).name] + sys.argv)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M%S")
-    stem = f"bench_numba_{bench._slug(gpu)}_{stamp}"
+    stem = f"bench_numba_{bench.slug(gpu)}_{stamp}"
 
     def save(res):
         lines, summary = verdicts(res["points"])

@@ -1,7 +1,9 @@
 """moe-sandbox: one MoE layer whose stages run on swappable backends, and the harness that
 says where two backends part ways.
 
-    FusedMoE            the layer (sandbox/layer.py)
+    FusedMoE            the layer (sandbox/layer.py): its weights, run stage by stage by
+                        the pipeline (sandbox/pipeline.py; StageCall, one traced stage)
+    MoEWeights          the weights alone and their loaders (sandbox/weights.py)
     validate            stage-by-stage cross-validation (sandbox/validate.py); the module is
                         callable, so `sandbox.validate(...)` and `sandbox.validate.validate(...)`
                         are the same call
@@ -10,9 +12,11 @@ says where two backends part ways.
 
 # the module itself, callable: sandbox.validate(...) == sandbox.validate.validate(...)
 from . import validate
-from .layer import FusedMoE, StageCall
+from .layer import FusedMoE
+from .pipeline import StageCall
 from .registry import BACKENDS, STAGES, available_backends, get_backend, resolve_stage_mapping
 from .validate import ValidationReport
+from .weights import MoEWeights
 
-__all__ = ["BACKENDS", "STAGES", "FusedMoE", "StageCall", "ValidationReport",
+__all__ = ["BACKENDS", "STAGES", "FusedMoE", "MoEWeights", "StageCall", "ValidationReport",
            "available_backends", "get_backend", "resolve_stage_mapping", "validate"]

@@ -1,4 +1,4 @@
-"""Array interop: move a stage's arrays from the backend that made them to the one that reads them.
+"""Array interop: which library an array belongs to, and moving it between libraries.
 
     kind(x)                  "none", "numpy", "torch", "cupy", "numba" or "other"
     is_device(x)             True for arrays in GPU memory (CuPy, Numba, torch on CUDA)
@@ -6,18 +6,11 @@
     to_numpy(x)              a host NumPy array (bf16 stays ml_dtypes.bfloat16)
     numpy_to_torch(a, dev)   NumPy -> torch, zero-copy on the CPU (bf16 through an int16 view)
     torch_to_numpy(t)        torch -> NumPy (bf16 through an int16 view)
-    transfer(x, src, dst)    the layer's mover: x, made by backend `src`, as backend `dst` reads it
+    zero_copy(x, kind)       a GPU array viewed by another GPU library, or None
 
-Rules of `transfer` (the layer calls it between every two stages and only when the backend
-changes):
-  * an array the destination's stages already take (same library and device): nothing
-    happens;
-  * GPU -> GPU (CuPy, Numba, torch on CUDA): zero-copy through DLPack or
-    `__cuda_array_interface__`; the result must keep the dtype, otherwise (bf16, which CAI
-    cannot describe) the array takes the host path below;
-  * anything else goes through the host: `src.get(x)` then `dst.put(x)` (the registry's
-    Backend methods, which respect each backend's convention for bf16). A host backend (the
-    NumPy reference, torch on the CPU) gets the host array itself (torch.from_numpy: no copy).
+An array carries its own kind: the layer moves a stage's arguments with the registry's
+`Backend.take(x)`, which asks `kind(x)` where x lives and the backend whether it `accepts`
+x as it is; nothing else needs to remember which backend made an array.
 
 Nothing here imports torch, CuPy or Numba at module import time.
 """
@@ -185,29 +178,6 @@ def zero_copy(x, dst_kind: str):
     except Exception:
         same = False
     return y if same else None
-
-
-def transfer(x, src, dst):
-    """`x`, produced by backend `src`, as backend `dst` reads it (see the module docstring).
-
-    `src` and `dst` are `sandbox.registry.Backend` handles (they provide `name`,
-    `array_kind`, `is_host`, `accepts`, `get` and `put`). Tuples and lists are moved item by
-    item; None, Python scalars, strings and callables pass through.
-    """
-    if isinstance(x, (tuple, list)):
-        return type(x)(transfer(v, src, dst) for v in x)
-    k = kind(x)
-    if k == "none" or isinstance(x, np.generic) or not (hasattr(x, "shape")
-                                                         and hasattr(x, "dtype")):
-        return x                                 # scalars, strings, callables, None
-    if dst.accepts(x):
-        return x
-    if is_device(x) and not dst.is_host:
-        y = zero_copy(x, dst.array_kind)
-        if y is not None and dst.accepts(y):
-            return y
-    host = x if k == "numpy" else (src.get(x) if src is not None else to_numpy(x))
-    return dst.put(host)
 
 
 def describe(x) -> str:

@@ -1,8 +1,9 @@
-"""Read one MoE layer of a Hugging Face safetensors checkpoint into a `FusedMoE`.
+"""Read one MoE layer of a Hugging Face safetensors checkpoint into a layer's weights.
 
-    load_fused_moe(path, layer_idx=None, **overrides) -> FusedMoE     (FusedMoE.from_safetensors)
-    router_logits(layer, hidden_states) -> f32 [T, E]                 x @ router_weight.T (+ bias)
-    default_checkpoint_path() / default_trace_path(...)               the small files in data/
+    load(path, layer_idx, build, **overrides) -> build(**kwargs), loaded
+            (FusedMoE.from_safetensors: a layer; MoEWeights.from_safetensors: the weights alone)
+    router_logits(layer, hidden_states) -> f32 [T, E]          x @ router_weight.T (+ bias)
+    default_checkpoint_path() / default_trace_path(...)        the small files in data/
 
 Shape legend: T tokens, E global experts, E_local experts on this rank, H hidden, I intermediate
 (full), I_p = I / tp_size, I_s shared-expert intermediate.
@@ -22,12 +23,12 @@ when present, the `config.json` beside the checkpoint:
                  (column 2j gate j, 2j+1 up j), gate_up_proj_bias [E, 2I],
                  down_proj [E, I, H], down_proj_bias [E, H]; activation swigluoai
 
-Where the weights go (the layer's parameters start NaN-filled), always through the layer's
-own `weight_loader` (vLLM's rules: w1 = gate and w3 = up into `w13_weight`, narrowed by
-`tp_rank` on their output dim, w2 = down narrowed on its input dim, experts of other EP
-ranks skipped), so that its device caches stay coherent:
+Where the weights go (the parameters start NaN-filled), always through the weights' own
+`weight_loader` (sandbox/weights.py; vLLM's rules: w1 = gate and w3 = up into `w13_weight`,
+narrowed by `tp_rank` on their output dim, w2 = down narrowed on its input dim, experts of
+other EP ranks skipped), so that their device caches stay coherent:
 - per-expert families stream `(name, tensor)` pairs, one tensor at a time, through
-  `layer.load_weights` with the mapping of `FusedMoE.make_expert_params_mapping`; DeepSeek's
+  `load_weights` with the mapping of `MoEWeights.make_expert_params_mapping`; DeepSeek's
   shared experts and `e_score_correction_bias` go through the same stream. Experts that are
   not on this EP rank are not even read.
 - gpt-oss: one expert's slice `gate_up_proj[e]` [H, 2I] is read and split into
@@ -38,13 +39,14 @@ ranks skipped), so that its device caches stay coherent:
   [2*I_p*r, 2*I_p*(r+1)) of the interleaved w13. `down_proj[e]` [I, H] is transposed to
   [H, I] and loaded as w2; the biases follow their weights (the layer adds the down bias
   on tp_rank 0 only).
-- router weight (and gpt-oss router bias) land on `layer.router_weight [E, H]` and
-  `layer.router_bias [E] or None`; `layer.checkpoint_info` says what was read.
+- router weight (and gpt-oss router bias) land on `router_weight [E, H]` and
+  `router_bias [E] or None` of the result; its `checkpoint_info` says what was read.
 
 Checks: every tensor's presence, shape and dtype are checked from the safetensors headers
 before any data is read; a failure raises `CheckpointError` (a ValueError) naming the tensor,
-what was expected and what was found. The layer is built fresh and returned only when every
-local expert weight has been written (no NaN left), so a failed load leaves nothing behind.
+what was expected and what was found. The weights are built fresh and returned only when
+every local expert weight has been written (no NaN left), so a failed load leaves nothing
+behind.
 
 Precision: the layer's `params_dtype` defaults to float32 (FusedMoE's default; bf16 -> fp32 is
 exact, so parity checks keep fp32 tolerances). Pass `params_dtype=ml_dtypes.bfloat16` to keep
@@ -453,15 +455,19 @@ def _check(files: CheckpointFiles, expects: list[_Expect]) -> None:
 
 # ----------------------------------------------------------------------------- loading
 
-def load_fused_moe(path: str | os.PathLike, layer_idx: int | None = None, **overrides):
-    """Read MoE layer `layer_idx` (default: the first one) of the checkpoint at `path` into a
-    new `FusedMoE`, one expert tensor at a time. `overrides` are FusedMoE keyword arguments
-    (they win over config.json), plus `family=` to force the family.
+def load(path: str | os.PathLike, layer_idx: int | None, build, **overrides):
+    """Read MoE layer `layer_idx` (None: the first one) of the checkpoint at `path` into
+    `build(**kwargs)`, one expert tensor at a time, and return what `build` made.
 
-    Returns the layer with `router_weight [E, H]`, `router_bias [E] or None` and
-    `checkpoint_info` attached. Raises `CheckpointError` on any mismatch."""
-    from sandbox.layer import FusedMoE
+    `kwargs` are the layer's FusedMoE keyword arguments: from config.json and the tensor
+    names, then `overrides` (they win; `family=` forces the family and is not passed on).
+    `build` makes the object the tensors load into through its own weight_loader /
+    load_weights: `FusedMoE.from_safetensors` passes FusedMoE, `MoEWeights.from_safetensors`
+    the weights alone (sandbox/weights.py); this module imports neither.
 
+    The result gets `router_weight [E, H]`, `router_bias [E] or None` and
+    `checkpoint_info`. Raises `CheckpointError` on any mismatch, before any data is read
+    for what the headers can tell, and when `build` refuses the arguments."""
     overrides = dict(overrides)
     with CheckpointFiles(path) as files:
         config = files.config()
@@ -471,31 +477,32 @@ def load_fused_moe(path: str | os.PathLike, layer_idx: int | None = None, **over
         kwargs, expects, roles = _plan(files, family, int(layer_idx), config, overrides)
         _check(files, expects)
         try:
-            layer = FusedMoE(**kwargs)
+            weights = build(**kwargs)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"layer {layer_idx} of {str(path)!r} ({family}): the "
-                                  f"FusedMoE arguments {_short(kwargs)} were refused: {exc}"
+                                  f"layer arguments {_short(kwargs)} were refused: {exc}"
                                   ) from exc
         if family == "gpt_oss":
-            _load_gpt_oss(layer, files, roles)
+            _load_gpt_oss(weights, files, roles)
         else:
-            _load_per_expert(layer, files, roles, kwargs["num_experts"],
+            _load_per_expert(weights, files, roles, kwargs["num_experts"],
                              score_bias="e_score_correction_bias" not in overrides)
-        _check_complete(layer, path, layer_idx)
-        wdtype = layer.w13_weight.dtype
-        layer.router_weight = files.read(roles["router"]).astype(wdtype)        # [E, H]
-        layer.router_bias = (files.read(roles["router_bias"]).astype(wdtype)    # [E]
-                             if roles["router_bias"] else None)
-        layer.checkpoint_info = {"path": str(path), "layer_idx": int(layer_idx),
-                                 "family": family, "config": config, "kwargs": _short(kwargs)}
-        return layer
+        _check_complete(weights, path, layer_idx)
+        wdtype = weights.w13_weight.dtype
+        weights.router_weight = files.read(roles["router"]).astype(wdtype)      # [E, H]
+        weights.router_bias = (files.read(roles["router_bias"]).astype(wdtype)  # [E]
+                               if roles["router_bias"] else None)
+        weights.checkpoint_info = {"path": str(path), "layer_idx": int(layer_idx),
+                                   "family": family, "config": config,
+                                   "kwargs": _short(kwargs)}
+        return weights
 
 
-def _per_expert_stream(layer, files: CheckpointFiles, roles: dict, num_experts: int,
+def _per_expert_stream(weights, files: CheckpointFiles, roles: dict, num_experts: int,
                        score_bias: bool) -> Iterator[tuple[str, np.ndarray]]:
     """(name, tensor) for every tensor of this rank's experts (then the shared experts and
     the score correction bias), read one at a time."""
-    expert_map = getattr(layer, "expert_map", None)
+    expert_map = getattr(weights, "expert_map", None)
     for e in range(num_experts):
         if expert_map is not None and int(expert_map[e]) < 0:
             continue  # on another EP rank: do not even read it
@@ -510,18 +517,19 @@ def _per_expert_stream(layer, files: CheckpointFiles, roles: dict, num_experts: 
         yield roles["score_bias"], files.read(roles["score_bias"])
 
 
-def _load_per_expert(layer, files: CheckpointFiles, roles: dict, num_experts: int,
+def _load_per_expert(weights, files: CheckpointFiles, roles: dict, num_experts: int,
                      score_bias: bool = True) -> None:
     gate, up, down = roles["names"]
-    layer.expert_mapping = type(layer).make_expert_params_mapping(gate, down, up, num_experts)
+    weights.expert_mapping = type(weights).make_expert_params_mapping(gate, down, up,
+                                                                      num_experts)
     fed: list[str] = []
 
     def stream():
-        for name, tensor in _per_expert_stream(layer, files, roles, num_experts, score_bias):
+        for name, tensor in _per_expert_stream(weights, files, roles, num_experts, score_bias):
             fed.append(name)
             yield name, tensor
     try:
-        loaded = layer.load_weights(stream())
+        loaded = weights.load_weights(stream())
     except (TypeError, ValueError) as exc:
         where = fed[-1] if fed else roles["experts"]
         raise CheckpointError(f"tensor {where!r}: the layer refused it: {exc}") from exc
@@ -531,38 +539,38 @@ def _load_per_expert(layer, files: CheckpointFiles, roles: dict, num_experts: in
                               f"load_weights left it out ({len(missed)} tensors in all)")
 
 
-def _load_gpt_oss(layer, files: CheckpointFiles, roles: dict) -> None:
+def _load_gpt_oss(weights, files: CheckpointFiles, roles: dict) -> None:
     """One expert at a time: gate_up_proj[e] [H, 2I] -> w1 = [:, 0::2].T, w3 = [:, 1::2].T
     ([I, H] each); down_proj[e] [I, H] -> w2 = .T [H, I]; biases alike."""
     x = roles["experts"]
     num_experts = files.shape(x + "gate_up_proj")[0]
-    expert_map = getattr(layer, "expert_map", None)
+    expert_map = getattr(weights, "expert_map", None)
     for e in range(num_experts):
         if expert_map is not None and int(expert_map[e]) < 0:
             continue  # on another EP rank
         name = x + "gate_up_proj"
         try:
             gate_up = files.read(name, e)                                          # [H, 2I]
-            layer.weight_loader(layer.w13_weight, gate_up[:, 0::2].T, name, "w1", e)
-            layer.weight_loader(layer.w13_weight, gate_up[:, 1::2].T, name, "w3", e)
+            weights.weight_loader(weights.w13_weight, gate_up[:, 0::2].T, name, "w1", e)
+            weights.weight_loader(weights.w13_weight, gate_up[:, 1::2].T, name, "w3", e)
             name = x + "gate_up_proj_bias"
             bias = files.read(name, e)                                             # [2I]
-            layer.weight_loader(layer.w13_bias, bias[0::2], name, "w1", e)
-            layer.weight_loader(layer.w13_bias, bias[1::2], name, "w3", e)
+            weights.weight_loader(weights.w13_bias, bias[0::2], name, "w1", e)
+            weights.weight_loader(weights.w13_bias, bias[1::2], name, "w3", e)
             name = x + "down_proj"
-            layer.weight_loader(layer.w2_weight, files.read(name, e).T, name, "w2", e)
+            weights.weight_loader(weights.w2_weight, files.read(name, e).T, name, "w2", e)
             name = x + "down_proj_bias"
-            layer.weight_loader(layer.w2_bias, files.read(name, e), name, "w2", e)
+            weights.weight_loader(weights.w2_bias, files.read(name, e), name, "w2", e)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"tensor {name!r} (expert {e}): the layer refused it: "
                                   f"{exc}") from exc
 
 
-def _check_complete(layer, path, layer_idx) -> None:
+def _check_complete(weights, path, layer_idx) -> None:
     """Every parameter must have been written: they start NaN-filled."""
     names = ["w13_weight", "w2_weight", "w13_bias", "w2_bias", "shared_w13", "shared_w2"]
     for name in names:
-        arr = getattr(layer, name, None)
+        arr = getattr(weights, name, None)
         if arr is None or arr.size == 0:
             continue
         if np.isnan(arr.astype(np.float32, copy=False)).any():
@@ -585,8 +593,8 @@ def _short(kwargs: dict) -> dict:
 def router_logits(layer, hidden_states: np.ndarray) -> np.ndarray:
     """`x @ router_weight.T (+ router_bias)` in fp32: f32 [T, E] from x [T, H]."""
     if getattr(layer, "router_weight", None) is None:
-        raise ValueError("layer: expected a FusedMoE loaded from a checkpoint (with "
-                         "router_weight), got one without a router weight")
+        raise ValueError("layer: expected a FusedMoE (or MoEWeights) loaded from a checkpoint "
+                         "(with router_weight), got one without a router weight")
     x = np.asarray(hidden_states).astype(np.float32)
     w = layer.router_weight.astype(np.float32)                                  # [E, H]
     if x.ndim != 2 or x.shape[1] != w.shape[1]:

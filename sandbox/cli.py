@@ -148,12 +148,12 @@ def cmd_validate(args) -> int:
         sim = use_numba_simulator_if_no_gpu()
     else:
         sim = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+    from sandbox.layer import FusedMoE
     from sandbox.registry import available_backends
     from sandbox.validate import validate
 
     try:
-        layer = checkpoint.load_fused_moe(ckpt, args.layer,
-                                          params_dtype=_np_dtype(args.dtype))
+        layer = FusedMoE.from_safetensors(ckpt, args.layer, params_dtype=_np_dtype(args.dtype))
     except checkpoint.CheckpointError as exc:
         raise CliError(f"--checkpoint {ckpt}: {exc}") from None
     info = getattr(layer, "checkpoint_info", {})

@@ -133,6 +133,33 @@ class Backend:
             return k in ("numba", "cupy") or (k == "torch" and x.device.type == "cuda")
         return k == self.array_kind
 
+    def take(self, x):
+        """`x`, whatever backend made it, as this backend's stages read it. The array says
+        where it lives (sandbox.arrays.kind), `accepts` whether it may stay there:
+
+          * an array the stages take as it is (same library and device): `x` itself;
+          * GPU -> GPU (CuPy, Numba, torch on CUDA): a zero-copy view through DLPack or
+            `__cuda_array_interface__` when it keeps the dtype (bf16, which CAI cannot
+            describe, takes the host path below);
+          * anything else through the host: `put(to_numpy(x))` (a host backend gets the
+            host array itself: torch.from_numpy, no copy).
+
+        Tuples and lists move item by item; None, Python scalars, strings and callables pass
+        through. The layer calls it for every argument of every stage: a move happens only
+        where the backend changes."""
+        if isinstance(x, (tuple, list)):
+            return type(x)(self.take(v) for v in x)
+        if arrays.kind(x) == "none" or isinstance(x, np.generic) or not (
+                hasattr(x, "shape") and hasattr(x, "dtype")):
+            return x                                   # scalars, strings, callables, None
+        if self.accepts(x):
+            return x
+        if arrays.is_device(x) and not self.is_host:
+            y = arrays.zero_copy(x, self.array_kind)
+            if y is not None and self.accepts(y):
+                return y
+        return self.put(arrays.to_numpy(x))
+
     def put(self, a):
         """A host NumPy array as this backend's stages read it (a device copy on GPU backends).
 

@@ -606,7 +606,6 @@ def validate(layer, hidden_states, router_logits, backends=None, *, stages=STAGE
 def _validate_backends(layer, x, logits, backends, stages, end_to_end, t, reference_at,
                        exact_e2e, progress) -> ValidationReport:
     """validate's loop over the backends (its arguments already checked)."""
-    ref = get_backend("reference")
     scores = selection_scores(layer, logits)
     ref_block = layer.block_size_for("reference", t)
 
@@ -646,8 +645,8 @@ def _validate_backends(layer, x, logits, backends, stages, end_to_end, t, refere
             call = calls[stage]
             progress.stage(stage)
             try:
-                args = tuple(arrays.transfer(a, ref, b) for a in call.args)
-                kwargs = {k: arrays.transfer(v, ref, b) for k, v in call.kwargs.items()}
+                args = tuple(b.take(a) for a in call.args)
+                kwargs = {k: b.take(v) for k, v in call.kwargs.items()}
                 out = b.stage_fn(stage)(*args, **kwargs)
                 got = (tuple(_host(b, v) for v in out) if isinstance(out, tuple)
                        else _host(b, out))

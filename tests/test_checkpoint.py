@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 import reference
 from sandbox import FusedMoE, datagen
 from sandbox.checkpoint import (CheckpointError, CheckpointFiles, data_dir,
-                                default_checkpoint_path, load_fused_moe, router_logits)
+                                default_checkpoint_path, router_logits)
 
 DATA = data_dir()
 FAMILIES = list(datagen.FAMILIES)
@@ -79,7 +79,7 @@ def trace(family, dist="zipf", n=48):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_matches_reference_on_raw_tensors(family):
-    layer = load_fused_moe(DATA / family, LAYER)
+    layer = FusedMoE.from_safetensors(DATA / family, LAYER)
     assert layer.checkpoint_info["family"] == family
     x, logits = trace(family)
     got = layer.forward(x, logits)
@@ -90,7 +90,7 @@ def test_family_matches_reference_on_raw_tensors(family):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_bf16_params(family):
-    layer = load_fused_moe(DATA / family, LAYER, params_dtype=ml_dtypes.bfloat16)
+    layer = FusedMoE.from_safetensors(DATA / family, LAYER, params_dtype=ml_dtypes.bfloat16)
     assert layer.w13_weight.dtype == ml_dtypes.bfloat16
     x, logits = trace(family, n=16)
     got = layer.forward(x.astype(ml_dtypes.bfloat16), logits)
@@ -100,7 +100,7 @@ def test_bf16_params(family):
 
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
 def test_router_logits(family):
-    layer = load_fused_moe(DATA / family, LAYER)
+    layer = FusedMoE.from_safetensors(DATA / family, LAYER)
     t = raw(family)
     p = f"model.layers.{LAYER}."
     w = t[p + ("block_sparse_moe.gate.weight" if family == "mixtral" else "mlp.router.weight")]
@@ -117,30 +117,31 @@ def test_from_safetensors_and_default_layer():
     assert default_checkpoint_path().is_dir()
     a = FusedMoE.from_safetensors(DATA / "deepseek_v3", None)
     assert a.checkpoint_info["layer_idx"] == 1            # layer 0 is dense
-    b = load_fused_moe(DATA / "qwen3_moe")
+    b = FusedMoE.from_safetensors(DATA / "qwen3_moe")
     assert b.checkpoint_info["layer_idx"] == 0
-    c = load_fused_moe(DATA / "qwen3_moe" / "model.safetensors", 1)   # a file, config beside
+    c = FusedMoE.from_safetensors(DATA / "qwen3_moe" / "model.safetensors", 1)   # a file
+    assert c.checkpoint_info["config"] is not None                               # config beside
     assert c.num_experts == 16 and c.top_k == 4 and c.renormalize
 
 
 def test_config_drives_routing():
-    layer = load_fused_moe(DATA / "deepseek_v3", LAYER)
+    layer = FusedMoE.from_safetensors(DATA / "deepseek_v3", LAYER)
     assert layer.use_grouped_topk and layer.scoring_func == "sigmoid"
     assert (layer.num_expert_group, layer.topk_group) == (4, 2)
     assert layer.routed_scaling_factor == 2.5
     assert layer.e_score_correction_bias.shape == (16,)
     assert layer.n_shared_experts == 1 and layer.shared_w13.shape == (128, 96)
-    gpt = load_fused_moe(DATA / "gpt_oss", LAYER)
+    gpt = FusedMoE.from_safetensors(DATA / "gpt_oss", LAYER)
     assert gpt.activation == "swigluoai" and gpt.has_bias
 
 
 def test_overrides_win():
-    layer = load_fused_moe(DATA / "qwen3_moe", LAYER, top_k=2, renormalize=False)
+    layer = FusedMoE.from_safetensors(DATA / "qwen3_moe", LAYER, top_k=2, renormalize=False)
     assert layer.top_k == 2 and not layer.renormalize
 
 
 def test_gpt_oss_keeps_gate_up_interleaved():
-    layer = load_fused_moe(DATA / "gpt_oss", LAYER)
+    layer = FusedMoE.from_safetensors(DATA / "gpt_oss", LAYER)
     gu = raw("gpt_oss")[f"model.layers.{LAYER}.mlp.experts.gate_up_proj"]   # [E, H, 2I]
     assert np.array_equal(layer.w13_weight, gu.transpose(0, 2, 1))
 
@@ -150,9 +151,9 @@ def test_gpt_oss_keeps_gate_up_interleaved():
 def test_sharded_index_loads_the_same(tmp_path):
     sharded = datagen.shard_checkpoint(DATA / "deepseek_v3", tmp_path / "sharded", 3)
     assert len(list(sharded.glob("*.safetensors"))) == 3
-    one = load_fused_moe(DATA / "deepseek_v3", LAYER)
+    one = FusedMoE.from_safetensors(DATA / "deepseek_v3", LAYER)
     for path in (sharded, sharded / "model.safetensors.index.json"):
-        two = load_fused_moe(path, LAYER)
+        two = FusedMoE.from_safetensors(path, LAYER)
         for name, arr in one.named_parameters():
             assert np.array_equal(arr, getattr(two, name)), name
         assert np.array_equal(one.router_weight, two.router_weight)
@@ -161,14 +162,16 @@ def test_sharded_index_loads_the_same(tmp_path):
 def test_folder_of_shards_without_index(tmp_path):
     sharded = datagen.shard_checkpoint(DATA / "mixtral", tmp_path / "s", 2)
     (sharded / "model.safetensors.index.json").unlink()
-    layer = load_fused_moe(sharded, LAYER)
-    assert np.array_equal(layer.w2_weight, load_fused_moe(DATA / "mixtral", LAYER).w2_weight)
+    layer = FusedMoE.from_safetensors(sharded, LAYER)
+    whole = FusedMoE.from_safetensors(DATA / "mixtral", LAYER)
+    assert np.array_equal(layer.w2_weight, whole.w2_weight)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_tp2_shards_join_to_the_full_weights_and_outputs_sum(family):
-    full = load_fused_moe(DATA / family, LAYER)
-    ranks = [load_fused_moe(DATA / family, LAYER, tp_size=2, tp_rank=r) for r in range(2)]
+    full = FusedMoE.from_safetensors(DATA / family, LAYER)
+    ranks = [FusedMoE.from_safetensors(DATA / family, LAYER, tp_size=2, tp_rank=r)
+             for r in range(2)]
     I_p = full.intermediate_size // 2  # noqa: E741
     if family == "gpt_oss":   # interleaved rows: each rank holds a contiguous run of pairs
         joined = np.concatenate([r.w13_weight for r in ranks], axis=1)
@@ -184,7 +187,7 @@ def test_tp2_shards_join_to_the_full_weights_and_outputs_sum(family):
 
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
 def test_ep2_each_rank_holds_exactly_its_experts(family, monkeypatch):
-    full = load_fused_moe(DATA / family, LAYER)
+    full = FusedMoE.from_safetensors(DATA / family, LAYER)
     read = []
     orig = CheckpointFiles.read
 
@@ -194,7 +197,7 @@ def test_ep2_each_rank_holds_exactly_its_experts(family, monkeypatch):
     monkeypatch.setattr(CheckpointFiles, "read", spy)
     for rank in range(2):
         read.clear()
-        layer = load_fused_moe(DATA / family, LAYER, ep_size=2, ep_rank=rank)
+        layer = FusedMoE.from_safetensors(DATA / family, LAYER, ep_size=2, ep_rank=rank)
         mine = layer.local_to_global
         assert len(mine) == layer.local_num_experts == full.num_experts // 2
         assert np.array_equal(layer.w13_weight, full.w13_weight[mine])
@@ -233,7 +236,7 @@ Q = f"model.layers.{LAYER}.mlp.experts."
 def test_missing_tensor(tmp_path):
     path = rewrite(tmp_path, edit=lambda t: t.pop(Q + "3.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"3\.up_proj\.weight.*no such tensor"):
-        load_fused_moe(path, LAYER)
+        FusedMoE.from_safetensors(path, LAYER)
 
 
 def test_wrong_shape(tmp_path):
@@ -242,7 +245,7 @@ def test_wrong_shape(tmp_path):
     path = rewrite(tmp_path, edit=edit)
     with pytest.raises(CheckpointError, match=r"2\.down_proj\.weight.*expected shape \[64, 64\]"
                                               r", found \[64, 63\]"):
-        load_fused_moe(path, LAYER)
+        FusedMoE.from_safetensors(path, LAYER)
 
 
 def test_wrong_dtype(tmp_path):
@@ -251,7 +254,7 @@ def test_wrong_dtype(tmp_path):
     path = rewrite(tmp_path, edit=edit)
     with pytest.raises(CheckpointError, match=r"5\.gate_proj\.weight.*expected dtype BF16, "
                                               r"found F16"):
-        load_fused_moe(path, LAYER)
+        FusedMoE.from_safetensors(path, LAYER)
 
 
 def test_extra_expert(tmp_path):
@@ -260,13 +263,13 @@ def test_extra_expert(tmp_path):
             t[f"{Q}16.{part}.weight"] = t[f"{Q}0.{part}.weight"].copy()
     path = rewrite(tmp_path, edit=edit)
     with pytest.raises(CheckpointError, match=r"experts 0\.\.15.*found expert 16"):
-        load_fused_moe(path, LAYER)
+        FusedMoE.from_safetensors(path, LAYER)
 
 
 def test_config_expert_count_mismatch(tmp_path):
     path = rewrite(tmp_path, config_edit=lambda c: c.update(num_experts=20))
     with pytest.raises(CheckpointError, match=r"gate\.weight.*num_experts=20"):
-        load_fused_moe(path, LAYER)
+        FusedMoE.from_safetensors(path, LAYER)
 
 
 def test_nan_weight_leaves_no_layer(tmp_path):
@@ -277,7 +280,7 @@ def test_nan_weight_leaves_no_layer(tmp_path):
     path = rewrite(tmp_path, edit=edit)
     layer = None
     with pytest.raises(CheckpointError, match=r"w2_weight.*local experts \[7\]"):
-        layer = load_fused_moe(path, LAYER)
+        layer = FusedMoE.from_safetensors(path, LAYER)
     assert layer is None
 
 
@@ -287,48 +290,48 @@ def test_unknown_family(tmp_path):
     save_file({"model.layers.0.mlp.fc.weight": np.zeros((4, 4), np.float32)},
               str(out / "model.safetensors"))
     with pytest.raises(CheckpointError, match="MoE layers found: none"):
-        load_fused_moe(out, 0)
+        FusedMoE.from_safetensors(out, 0)
     save_file({"transformer.h.0.weight": np.zeros((4, 4), np.float32)},
               str(out / "model.safetensors"))
     with pytest.raises(CheckpointError, match="at least one MoE layer"):
-        load_fused_moe(out)
+        FusedMoE.from_safetensors(out)
 
 
 def test_layer_that_is_not_moe():
     with pytest.raises(CheckpointError, match=r"got 0; MoE layers found: \[1\]"):
-        load_fused_moe(DATA / "deepseek_v3", 0)
+        FusedMoE.from_safetensors(DATA / "deepseek_v3", 0)
 
 
 def test_model_type_disagrees_with_names(tmp_path):
     path = rewrite(tmp_path, config_edit=lambda c: c.update(model_type="mixtral"))
     with pytest.raises(CheckpointError, match="model_type 'mixtral'"):
-        load_fused_moe(path, LAYER)
+        FusedMoE.from_safetensors(path, LAYER)
 
 
 def test_no_config_needs_top_k(tmp_path):
     path = rewrite(tmp_path, config=False)
     with pytest.raises(CheckpointError, match="top_k"):
-        load_fused_moe(path, LAYER)
-    layer = load_fused_moe(path, LAYER, top_k=4, renormalize=True)
+        FusedMoE.from_safetensors(path, LAYER)
+    layer = FusedMoE.from_safetensors(path, LAYER, top_k=4, renormalize=True)
     assert layer.num_experts == 16 and layer.intermediate_size == 64
 
 
 def test_missing_path_and_missing_shard(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
-        load_fused_moe(tmp_path / "nowhere")
+        FusedMoE.from_safetensors(tmp_path / "nowhere")
     sharded = datagen.shard_checkpoint(DATA / "mixtral", tmp_path / "s", 2)
     next(sharded.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(CheckpointError, match="shard file"):
-        load_fused_moe(sharded)
+        FusedMoE.from_safetensors(sharded)
 
 
 def test_gpt_oss_missing_bias(tmp_path):
     path = rewrite(tmp_path, "gpt_oss",
                    edit=lambda t: t.pop(f"model.layers.{LAYER}.mlp.experts.down_proj_bias"))
     with pytest.raises(CheckpointError, match="down_proj_bias.*no such tensor"):
-        load_fused_moe(path, LAYER)
+        FusedMoE.from_safetensors(path, LAYER)
 
 
 def test_copy_of_data_checkpoint_loads(tmp_path):
     shutil.copytree(DATA / "mixtral", tmp_path / "m")
-    assert load_fused_moe(tmp_path / "m", LAYER).num_experts == 8
+    assert FusedMoE.from_safetensors(tmp_path / "m", LAYER).num_experts == 8

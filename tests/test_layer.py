@@ -226,6 +226,27 @@ def test_assigning_backend_takes_effect():
     assert {c.backend for c in layer.run_stages(x, logits)[1]} == {"torch"}
 
 
+def test_each_stage_takes_its_arguments_by_their_own_kind():
+    """The pipeline keeps no record of which backend made an array: each stage's backend
+    takes every argument by the array's kind (Backend.take), so a mixed mapping hands torch
+    stages torch tensors and reference stages NumPy arrays, whatever came before."""
+    torch = pytest.importorskip("torch")
+    from sandbox import pipeline
+
+    layer = FusedMoE.random(seed=2, backend={"gemm1": "torch", "combine": "torch"})
+    x, logits = inputs(layer, 7, "kinds")
+    _, trace = layer.run_stages(x, logits)
+    for call in trace:
+        lib = torch.Tensor if call.backend == "torch" else np.ndarray
+        assert all(isinstance(a, lib) for a in call.args if hasattr(a, "shape")), call.stage
+    run = pipeline.start({**layer.stage_backends, "activation": "torch"}, trace=[])
+    cache1 = np.ones((4, 2 * layer.intermediate_size), np.float32)
+    out = run.call("activation", cache1, "silu", True)
+    assert isinstance(run.trace[0].args[0], torch.Tensor) and isinstance(out, torch.Tensor)
+    assert run.call("activation", out, "silu", True, record=False) is not None
+    assert len(run.trace) == 1                           # record=False leaves no StageCall
+
+
 def test_backend_assignment_errors_leave_the_layer_unchanged():
     layer = FusedMoE.random(seed=2, backend="torch")
     with pytest.raises(ValueError, match=r"backend: unknown stage 'gemm'.*'gemm1'"):
@@ -298,9 +319,8 @@ def test_input_errors():
 def test_a_batch_that_cannot_fit_fails_before_any_stage(monkeypatch):
     """The layer checks its intermediates ([P, 2I_p], [P, I_p], [P, H]) against the memory of
     the backends that hold them (host: available memory; a GPU backend: its free memory)."""
-    import sandbox.layer as layer_module
     from reference import _checks
-    from sandbox import registry
+    from sandbox import pipeline, registry
     from sandbox.registry import STAGES
 
     monkeypatch.setattr(_checks, "CHECK_ABOVE_BYTES", 0, raising=False)
@@ -311,7 +331,7 @@ def test_a_batch_that_cannot_fit_fails_before_any_stage(monkeypatch):
     calls = []
     monkeypatch.setattr(registry.Backend, "stage_fn",
                         lambda self, stage: calls.append(stage) or (lambda *a, **k: None))
-    monkeypatch.setattr(layer_module, "_CHECKED_MAPPINGS", {})
+    monkeypatch.setattr(pipeline, "_CHECKED_MAPPINGS", {})
     for run in (lambda: layer(x, logits), lambda: layer.run_stages(x, logits)):
         with pytest.raises(MemoryError, match=rf"^hidden_states: expected .*host memory.* got "
                                               rf"T=64 tokens, which need at least .*\({need:,} "

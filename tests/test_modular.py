@@ -1,4 +1,4 @@
-"""vLLM's modular kernel interface (sandbox/modular.py): every compatible (prepare/finalize,
+"""vLLM's modular kernel interface (sandbox/modular/): every compatible (prepare/finalize,
 experts) pair against the reference, as vLLM's test_modular_kernel_combinations does.
 
 CPU: prepare/finalize in {one device (NoDPEP), naive DP/EP all-gather, all-to-all token

@@ -153,19 +153,21 @@ def test_torch_numpy_bf16_roundtrip():
     assert np.array_equal(arrays.torch_to_numpy(arrays.numpy_to_torch(ro)), a)
 
 
-def test_transfer_between_host_backends():
+def test_take_between_host_backends():
+    """Backend.take moves an array by its own kind: no record of who made it is needed."""
     torch = pytest.importorskip("torch")
     ref, tb = get_backend("reference"), get_backend("torch")
     a = np.random.default_rng(4).standard_normal((3, 5)).astype(np.float32)
-    t = arrays.transfer(a, ref, tb)
+    t = tb.take(a)
     assert isinstance(t, torch.Tensor) and np.array_equal(t.numpy(), a)
-    back = arrays.transfer(t, tb, ref)
+    back = ref.take(t)
     assert isinstance(back, np.ndarray) and np.array_equal(back, a)
-    assert arrays.transfer(a, ref, ref) is a                # same backend: untouched
+    assert ref.take(a) is a                                 # accepted as it is: untouched
+    assert tb.take(t) is t
     for v in (None, 3, "silu", True, len):
-        assert arrays.transfer(v, ref, tb) is v             # non-arrays pass through
-    pair = arrays.transfer((a, None), ref, tb)
-    assert isinstance(pair, tuple) and pair[1] is None
+        assert tb.take(v) is v                              # non-arrays pass through
+    pair = tb.take((a, None))
+    assert isinstance(pair, tuple) and pair[1] is None and isinstance(pair[0], torch.Tensor)
 
 
 def test_kind_and_is_device():

@@ -1,12 +1,14 @@
 """Expert parallelism: an MoE layer whose experts are spread over ranks (GPUs over NCCL, or
 CPU processes over sockets), with two dispatch/combine schemes and EPLB.
 
+    wire.py          how rows travel: bf16 as its uint16 bytes (raw / view_as)
     comm.py          the communicator interface (send/recv in groups, all_gather, ...)
     comm_cpu.py      CPU communicator: sockets between processes (CI runs everything here)
     comm_nccl.py     NCCL through cupy.cuda.nccl, with timeouts and abort
     store.py         the TCP key-value store of the rendezvous
     launch.py        launch() one process per rank; init_process_group() from env://
     eplb_runtime.py  physical experts, logical->physical map, replica choice, load record
+    layout.py        the all-to-all-v layout of the fused dispatch, in NumPy (and its choice)
     dispatch.py      all-gather / reduce-scatter and all-to-all-v dispatch and combine
     layer.py         EPMoE: the layer under expert parallelism
     checks.py        the parity and fault checks run inside launched ranks (tests, CLI)

@@ -206,7 +206,7 @@ def run_parity(comm, cases, backend: str = "reference") -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------
-# the modular kernel interface (sandbox/modular.py) over this communicator
+# the modular kernel interface (sandbox/modular/) over this communicator
 # ---------------------------------------------------------------------------------------
 MODULAR_CASES = (  # E experts (linear placement), K top-k, masked: slots routed nowhere
     dict(name="bf16-silu-masked", dtype="bfloat16", activation="silu", K=2, masked=True,
@@ -219,7 +219,7 @@ MODULAR_CASES = (  # E experts (linear placement), K top-k, masked: slots routed
 
 
 def run_modular_parity(comm, experts=("reference", "torch"), cases=MODULAR_CASES) -> list[dict]:
-    """Every (dispatching prepare/finalize of sandbox/modular.py, experts, reduce) against
+    """Every (dispatching prepare/finalize of sandbox/modular/, experts, reduce) against
     the reference fused_experts of the whole batch in float64, on this rank's rows: the
     same weights and routing on every rank (same seed), each rank holding its linear share
     of the experts (reference.determine_expert_map), uneven tokens (the first case leaves one
@@ -289,8 +289,9 @@ def run_impl_parity(comm, backend: str = "reference") -> list[dict]:
 
     from sandbox.registry import get_backend
 
-    from .dispatch import alltoall_combine, alltoall_dispatch, raw, view_as
+    from .dispatch import alltoall_combine, alltoall_dispatch
     from .layer import _OnHost
+    from .wire import raw, view_as
 
     xp = comm.xp
     W, r = comm.world_size, comm.rank
@@ -375,7 +376,7 @@ def run_collectives(comm) -> dict:
     sends (each rank regenerates its peers' data from their seeds)."""
     import ml_dtypes
 
-    from .dispatch import view_as
+    from .wire import view_as
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
     xp = comm.xp

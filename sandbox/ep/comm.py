@@ -34,30 +34,13 @@ import json
 import time
 from collections import Counter
 
-import ml_dtypes
 import numpy as np
 
 from .errors import (CommPeerError, CommTimeoutError, CommUsageError, ConfigMismatchError,
                      StoreTimeoutError)
+from .wire import raw, view_as
 
 __all__ = ["Communicator", "split_offsets"]
-
-_BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def _raw(x):
-    """bf16 as its uint16 bytes: copies and sends need no bf16 support from the array library."""
-    return x.view(np.uint16) if np.dtype(x.dtype) == _BF16 else x
-
-
-def _view_as(x, dtype):
-    dtype = np.dtype(dtype)
-    if np.dtype(x.dtype) == dtype:
-        return x
-    try:
-        return x.view(dtype)
-    except Exception:  # a CuPy without bf16 keeps the uint16 bytes
-        return x
 
 
 def split_offsets(counts) -> np.ndarray:
@@ -168,7 +151,7 @@ class Communicator:
     def all_gather(self, x):
         """[*s] -> [W, *s]: out[p] is rank p's x (every rank passes the same shape)."""
         xp = self.xp
-        xr = xp.ascontiguousarray(_raw(x))
+        xr = xp.ascontiguousarray(raw(x))
         out = xp.empty((self.world_size,) + xr.shape, dtype=xr.dtype)
         out[self.rank] = xr
         with self._op("all_gather"), self.group():
@@ -176,7 +159,7 @@ class Communicator:
                 if p != self.rank:
                     self.send(xr, p)
                     self.recv(out[p], p)
-        return _view_as(out, x.dtype)
+        return view_as(out, x.dtype)
 
     def all_gather_host(self, a) -> np.ndarray:
         """A small host array gathered from every rank: [*s] -> host [W, *s]."""
@@ -188,7 +171,7 @@ class Communicator:
         fp64, int64 for ints) in rank order, rounded once to x's dtype. `dtype` names the
         element type when x is a byte view (bf16 as uint16)."""
         xp = self.xp
-        x = xp.ascontiguousarray(x if dtype is None else _view_as(x, dtype))
+        x = xp.ascontiguousarray(x if dtype is None else view_as(x, dtype))
         if x.ndim < 1 or x.shape[0] != self.world_size:
             raise ValueError(f"x: expected shape ({self.world_size}, ...) for reduce_scatter, "
                              f"got {x.shape}")
@@ -207,7 +190,7 @@ class Communicator:
 
     def all_reduce(self, x, dtype=None):
         """[*s] -> [*s]: the sum over ranks, identical on every rank (rank-order fp32 sum)."""
-        x = x if dtype is None else _view_as(x, dtype)
+        x = x if dtype is None else view_as(x, dtype)
         with self._op("all_reduce"):
             gathered = self.all_gather(x)
         acc_dtype = _accumulator(gathered.dtype)
@@ -264,7 +247,7 @@ class Communicator:
         single = not isinstance(sends, (list, tuple))
         xp = self.xp
         given = [sends] if single else list(sends)
-        arrays = [xp.ascontiguousarray(_raw(a)) for a in given]
+        arrays = [xp.ascontiguousarray(raw(a)) for a in given]
         send_counts = np.asarray(send_counts, dtype=np.int64).reshape(-1)
         if send_counts.shape != (self.world_size,):
             raise ValueError(f"send_counts: expected {self.world_size} counts, "
@@ -281,7 +264,7 @@ class Communicator:
         if outs is None:
             outs = [xp.empty((int(ro[-1]),) + a.shape[1:], dtype=a.dtype) for a in arrays]
         else:
-            outs = [_raw(o) for o in ([outs] if single else list(outs))]
+            outs = [raw(o) for o in ([outs] if single else list(outs))]
             for i, (a, o) in enumerate(zip(arrays, outs)):
                 if o.shape != (int(ro[-1]),) + a.shape[1:] or o.dtype != a.dtype:
                     raise ValueError(f"outs[{i}]: expected shape {(int(ro[-1]),) + a.shape[1:]} "
@@ -299,7 +282,7 @@ class Communicator:
                         self.send(a[so[p]:so[p + 1]], p)
                     if recv_counts[p]:
                         self.recv(o[ro[p]:ro[p + 1]], p)
-        outs = [_view_as(o, g.dtype) for o, g in zip(outs, given)]
+        outs = [view_as(o, g.dtype) for o, g in zip(outs, given)]
         return (outs[0] if single else outs), recv_counts
 
     def exchange_rows(self, send, send_offsets, send_counts, recv, recv_offsets, recv_counts):
@@ -323,7 +306,7 @@ class Communicator:
         if len(sends) != len(recvs):
             raise ValueError(f"recv: expected {len(sends)} arrays (one per send), got "
                              f"{len(recvs)}")
-        pairs = [(_raw(a), _raw(o)) for a, o in zip(sends, recvs)]
+        pairs = [(raw(a), raw(o)) for a, o in zip(sends, recvs)]
         for i, (a, o) in enumerate(pairs):
             for p in range(W):
                 if so[p] < 0 or sc[p] < 0 or so[p] + sc[p] > a.shape[0] or ro[p] < 0 \

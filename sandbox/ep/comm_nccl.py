@@ -43,16 +43,15 @@ import sys
 import threading
 import time
 
-import ml_dtypes
 import numpy as np
 
-from .comm import Communicator, _raw, _view_as
+from .comm import Communicator
 from .errors import CommPeerError, CommTimeoutError, CommUsageError
 from .store import StoreClient
+from .wire import BF16, raw, view_as
 
 __all__ = ["NcclCommunicator", "nccl_dtype"]
 
-_BF16 = np.dtype(ml_dtypes.bfloat16)
 # ncclDataType_t values (stable across NCCL 2.x), used when CuPy lacks the constant
 _NCCL_CODES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
                "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}
@@ -62,7 +61,7 @@ _NCCL_SUM = 0
 def nccl_dtype(dtype) -> int:
     """The ncclDataType_t of a NumPy dtype (ml_dtypes.bfloat16 -> ncclBfloat16)."""
     dt = np.dtype(dtype)
-    name = "bfloat16" if dt == _BF16 else dt.name
+    name = "bfloat16" if dt == BF16 else dt.name
     if name not in _NCCL_CODES:
         raise TypeError(f"dtype: NCCL cannot reduce {dt}; expected one of {sorted(_NCCL_CODES)}")
     try:
@@ -419,17 +418,17 @@ class NcclCommunicator(Communicator):
 
     def all_gather(self, x):
         cupy = self._cupy
-        xr = self._contig(cupy.ascontiguousarray(_raw(x)), "x")
+        xr = self._contig(cupy.ascontiguousarray(raw(x)), "x")
         out = cupy.empty((self.world_size,) + xr.shape, dtype=xr.dtype)
         if xr.nbytes:
             self._call_native("all_gather", "allGather", xr.data.ptr, out.data.ptr, xr.nbytes,
                               self._uint8)
-        return _view_as(out, x.dtype)
+        return view_as(out, x.dtype)
 
     def reduce_scatter(self, x, dtype=None):
         cupy = self._cupy
         dtype = np.dtype(x.dtype if dtype is None else dtype)
-        xr = self._contig(cupy.ascontiguousarray(_raw(x)), "x")
+        xr = self._contig(cupy.ascontiguousarray(raw(x)), "x")
         if xr.ndim < 1 or xr.shape[0] != self.world_size:
             raise ValueError(f"x: expected shape ({self.world_size}, ...) for reduce_scatter, "
                              f"got {x.shape}")
@@ -437,17 +436,17 @@ class NcclCommunicator(Communicator):
         if out.size:
             self._call_native("reduce_scatter", "reduceScatter", xr.data.ptr, out.data.ptr,
                               out.size, nccl_dtype(dtype), self._sum)
-        return _view_as(out, dtype)
+        return view_as(out, dtype)
 
     def all_reduce(self, x, dtype=None):
         cupy = self._cupy
         dtype = np.dtype(x.dtype if dtype is None else dtype)
-        xr = self._contig(cupy.ascontiguousarray(_raw(x)), "x")
+        xr = self._contig(cupy.ascontiguousarray(raw(x)), "x")
         out = cupy.empty_like(xr)
         if out.size:
             self._call_native("all_reduce", "allReduce", xr.data.ptr, out.data.ptr, out.size,
                               nccl_dtype(dtype), self._sum)
-        return _view_as(out, dtype)
+        return view_as(out, dtype)
 
     def counts_phase_async(self, send_counts, both=None, after=None):
         """Exchange the counts on a side stream (after the work enqueued so far) and copy
@@ -508,7 +507,7 @@ class NcclCommunicator(Communicator):
         total = int(send_counts.sum())
         arrays = []
         for i, a in enumerate(given):
-            a = self._contig(_raw(a), f"sends[{i}]")
+            a = self._contig(raw(a), f"sends[{i}]")
             if a.ndim < 1 or a.shape[0] != total:
                 raise ValueError(f"sends[{i}]: expected {total} rows (sum of send_counts), "
                                  f"got shape {a.shape}")
@@ -526,7 +525,7 @@ class NcclCommunicator(Communicator):
         if outs is None:
             outs = [cupy.empty((ro[W],) + a.shape[1:], dtype=a.dtype) for a in arrays]
         else:
-            outs = [_raw(o) for o in ([outs] if single else list(outs))]
+            outs = [raw(o) for o in ([outs] if single else list(outs))]
             for i, (a, o) in enumerate(zip(arrays, outs)):
                 if o.shape != (ro[W],) + a.shape[1:] or o.dtype != a.dtype:
                     raise ValueError(f"outs[{i}]: expected shape {(ro[W],) + a.shape[1:]} "
@@ -547,7 +546,7 @@ class NcclCommunicator(Communicator):
                         self._p2p_ptr("send", a.data.ptr + so[p] * rb, sc[p] * rb, p)
                     if rc[p]:
                         self._p2p_ptr("recv", o.data.ptr + ro[p] * rb, rc[p] * rb, p)
-        outs = [_view_as(o, g.dtype) for o, g in zip(outs, given)]
+        outs = [view_as(o, g.dtype) for o, g in zip(outs, given)]
         return (outs[0] if single else outs), recv_counts
 
     def exchange_rows(self, send, send_offsets, send_counts, recv, recv_offsets, recv_counts):
@@ -569,8 +568,8 @@ class NcclCommunicator(Communicator):
                              f"{len(recvs)}")
         bufs = []
         for i, (a, o) in enumerate(zip(sends, recvs)):
-            a = self._contig(_raw(a), f"send[{i}]")
-            o = self._contig(_raw(o), f"recv[{i}]")
+            a = self._contig(raw(a), f"send[{i}]")
+            o = self._contig(raw(o), f"recv[{i}]")
             if a.shape[1:] != o.shape[1:] or a.dtype != o.dtype:
                 raise ValueError(f"recv[{i}]: expected rows of shape {a.shape[1:]} {a.dtype} "
                                  f"(send's), got {o.shape[1:]} {o.dtype}")

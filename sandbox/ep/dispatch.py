@@ -63,30 +63,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import ml_dtypes
 import numpy as np
 
-__all__ = ["SCHEMES", "ALLTOALL_ROWS", "ALLTOALL_IMPLS", "AllGatherState", "AllToAllState", "allgather_dispatch",
-           "allgather_combine", "alltoall_dispatch", "alltoall_combine", "raw", "view_as"]
+from .wire import raw, view_as
+
+__all__ = ["SCHEMES", "ALLTOALL_ROWS", "ALLTOALL_IMPLS", "AllGatherState", "AllToAllState",
+           "allgather_dispatch", "allgather_combine", "alltoall_dispatch", "alltoall_combine"]
 
 SCHEMES = ("allgather", "alltoall")
-BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def raw(x):
-    """bf16 as its uint16 bytes (copies, gathers and sends need no bf16 arithmetic)."""
-    return x.view(np.uint16) if np.dtype(x.dtype) == BF16 else x
-
-
-def view_as(x, dtype):
-    """The bytes of `x` as `dtype` (undoes `raw`). A CuPy without bf16 keeps uint16."""
-    dtype = np.dtype(dtype)
-    if np.dtype(x.dtype) == dtype:
-        return x
-    try:
-        return x.view(dtype)
-    except Exception:
-        return x
 
 
 def _f32_bits(xp, w):

@@ -3,9 +3,9 @@
     T tokens on this rank, E logical experts, R redundant, P = E + R physical experts,
     W ranks, P_l = P / W experts per rank, K top-k, H hidden, I intermediate
 
-Each rank holds the weights of its P_l physical experts only, in a `sandbox.FusedMoE`
+Each rank holds the weights of its P_l physical experts only, in a `sandbox.MoEWeights`
 over the P physical ids with linear placement (vLLM's layout for EPLB: physical expert p
-lives on rank p // P_l; `FusedMoE.weight_loader` skips the others). Which *logical* expert
+lives on rank p // P_l; `MoEWeights.weight_loader` skips the others). Which *logical* expert
 each physical slot holds is the `ExpertPlacement` (eplb_runtime.py): the linear or
 round_robin placement of reference.determine_expert_map, or an EPLB map with replicas.
 
@@ -33,10 +33,11 @@ import re
 import ml_dtypes
 import numpy as np
 
-from .dispatch import (ALLTOALL_ROWS, SCHEMES, allgather_combine, allgather_dispatch, alltoall_combine,
-                       alltoall_dispatch, raw, view_as)
+from .dispatch import (ALLTOALL_ROWS, SCHEMES, allgather_combine, allgather_dispatch,
+                       alltoall_combine, alltoall_dispatch)
 from .eplb_runtime import PLACEMENTS, ExpertPlacement, LoadRecorder, check_divisible, \
     rearrange_plan
+from .wire import raw, to_comm, to_host, view_as
 
 __all__ = ["EPConfig", "EPMoE"]
 
@@ -138,20 +139,10 @@ class _OnHost:
         fn = getattr(self._ops, name)
         comm = self._comm
 
-        def to_host(a):
-            return comm.to_host(a) if type(a).__module__.startswith("cupy") else a
-
-        def to_dev(a):
-            if isinstance(a, np.ndarray):
-                return view_as(comm.xp.asarray(raw(np.ascontiguousarray(a))), a.dtype)
-            if isinstance(a, tuple):
-                return tuple(to_dev(v) for v in a)
-            return a
-
         def call(*args, **kwargs):
-            args = [to_host(a) for a in args]
-            kwargs = {k: to_host(v) for k, v in kwargs.items()}
-            return to_dev(fn(*args, **kwargs))
+            args = [to_host(comm, a) for a in args]
+            kwargs = {k: to_host(comm, v) for k, v in kwargs.items()}
+            return to_comm(comm, fn(*args, **kwargs))
 
         return call
 
@@ -168,7 +159,7 @@ class EPMoE:
 
     def __init__(self, comm, config: EPConfig, backend: str = "reference",
                  placement: ExpertPlacement | None = None, host_weights: bool = True):
-        from sandbox.layer import FusedMoE
+        from sandbox.weights import MoEWeights
 
         if not isinstance(config, EPConfig):
             raise TypeError(f"config: expected an EPConfig, got {type(config).__name__}")
@@ -193,12 +184,11 @@ class EPMoE:
         self.placement = placement
         self.dtype = config.np_dtype
         self.experts_per_rank = placement.per_rank
-        self.experts = None if not host_weights else FusedMoE(
-            num_experts=config.num_physical, top_k=min(config.top_k, config.num_physical),
-            hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-            params_dtype=self.dtype, ep_size=W, ep_rank=r, expert_placement="linear",
-            activation=config.activation, is_act_and_mul=config.is_act_and_mul,
-            has_bias=config.has_bias, backend="reference")
+        self.experts = None if not host_weights else MoEWeights(
+            num_experts=config.num_physical, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, params_dtype=self.dtype, ep_size=W,
+            ep_rank=r, expert_placement="linear", activation=config.activation,
+            is_act_and_mul=config.is_act_and_mul, has_bias=config.has_bias)
         self.e_score_correction_bias = None
         self.load = LoadRecorder(config.num_experts, comm.xp)
         self.record_load = config.num_redundant_experts > 0
@@ -283,7 +273,7 @@ class EPMoE:
             self.experts.invalidate_device_cache()
 
     def weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id) -> bool:
-        """FusedMoE.weight_loader with a *logical* expert_id: the tensor goes into every local
+        """MoEWeights.weight_loader with a *logical* expert_id: the tensor goes into every local
         replica of that expert (none when it lives elsewhere: returns False). A full tensor
         ([E, ...]) loads every local slot at once."""
         from sandbox import arrays
@@ -388,7 +378,7 @@ class EPMoE:
             host = self._host(name)
         if host is None:
             return None
-        # a never-loaded expert is NaN (FusedMoE allocates so); look at one row per expert
+        # a never-loaded expert is NaN (MoEWeights allocates so); look at one row per expert
         probe = host if host.ndim < 3 else host[:, :1]
         if name != "e_score_correction_bias" and np.isnan(probe.astype(np.float32)).any():
             raise RuntimeError(f"rank {self.comm.rank}: {name} has experts that were never "

@@ -28,6 +28,8 @@ import types
 
 import numpy as np
 
+from .wire import to_comm, to_host
+
 __all__ = ["entries_per_token", "supported", "chunk_bounds", "ep_layout", "ep_gather", "ep_combine",
            "ep_count_experts", "layout_ops"]
 
@@ -185,27 +187,15 @@ def _find_gpu_kernels():
 
 def _on_host(comm):
     """These NumPy functions for device arrays: to the host and back around each call."""
-    from .dispatch import raw, view_as
-
-    def to_host(a):
-        return comm.to_host(a) if type(a).__module__.startswith("cupy") else a
-
-    def to_dev(a):
-        if isinstance(a, np.ndarray):
-            return view_as(comm.xp.asarray(raw(np.ascontiguousarray(a))), a.dtype)
-        if isinstance(a, tuple):
-            return tuple(to_dev(v) for v in a)
-        return a
-
     def wrap(fn):
         def call(*args, **kwargs):
             if kwargs.get("out") is not None:    # results come back as a new array
                 raise ValueError("out: the host fallback returns new arrays, got out=")
-            return to_dev(fn(*[to_host(a) for a in args], **kwargs))
+            return to_comm(comm, fn(*[to_host(comm, a) for a in args], **kwargs))
         return call
 
     def count(topk_ids, counts):
-        host = ep_count_experts(to_host(topk_ids), to_host(counts).copy())
+        host = ep_count_experts(to_host(comm, topk_ids), to_host(comm, counts).copy())
         counts[...] = comm.xp.asarray(host)
         return counts
 
