@@ -432,4 +432,4 @@ def _allocator(kind: str, device: int) -> _Allocator:
     return a
 
 
-fused_experts.activations = ACTIVATIONS     # what a caller may route here (sandbox.layer)
+fused_experts.activations = ACTIVATIONS     # what a caller may route here (sandbox.pipeline)
