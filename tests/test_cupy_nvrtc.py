@@ -657,7 +657,7 @@ def test_emulated_activation_and_combine(emulated):
     x = rng.standard_normal((5, 3, 40)).astype(np.float32)
     ids = np.array([[0, 1, 2], [-1, 3, 1], [-1, -1, -1], [2, -1, 0], [3, 3, 1]], np.int32)
     for emap in (None, np.array([0, -1, 1, 2], np.int32)):
-        live = reference.experts.slot_is_live(ids, emap)
+        live = reference.combine.slot_is_live(ids, emap)
         xp = np.where(live[:, :, None], x, np.nan).astype(np.float32)
         for vec in (1, 4):
             out = np.full((5, 40), np.nan, np.float32)

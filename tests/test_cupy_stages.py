@@ -551,7 +551,7 @@ def test_moe_sum_pad_aware(dkey, with_map):
     ids[::5, 1] = -1
     ids[7] = -1
     emap = reference.determine_expert_map(2, 0, 16)[1].astype(np.int32) if with_map else None
-    live = reference.experts.slot_is_live(ids, emap)
+    live = reference.combine.slot_is_live(ids, emap)
     x[~live] = np.nan                                 # rows the GEMMs never wrote
     got = ck_combine.moe_sum(dev(x), dev(ids), None if emap is None else dev(emap))
     want = reference.moe_sum(x, ids, emap)

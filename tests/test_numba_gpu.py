@@ -381,7 +381,7 @@ def test_moe_sum(T, K, H, dkey):
     assert_close(Cb.moe_sum(x), reference.moe_sum(x.astype(np.float64)), dt, "moe_sum")
     ids = distinct_topk_ids(rng_for("sum-ids", T, K), T, 2 * K + 1, K)
     ids[:: 3, 0] = -1                              # slots routed nowhere: never read
-    live = reference.experts.slot_is_live(ids)
+    live = reference.combine.slot_is_live(ids)
     x_pad = np.where(live[:, :, None], x, np.nan).astype(dt)
     assert_close(Cb.moe_sum(x_pad, ids), reference.moe_sum(x.astype(np.float64), ids), dt,
                  "moe_sum pad-aware")
