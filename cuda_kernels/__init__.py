@@ -12,7 +12,7 @@ The two backends never import each other and know nothing of `sandbox/`.
 STAGE_MODULES = {
     "fused_topk": "routing", "fused_topk_bias": "routing", "grouped_topk": "routing",
     "select_experts": "routing",
-    "moe_align_block_size": "permute", "moe_permute": "permute", "moe_unpermute": "permute",
+    "moe_align_block_size": "align", "moe_permute": "permute", "moe_unpermute": "permute",
     "apply_activation": "activation", "silu_and_mul": "activation",
     "gelu_and_mul": "activation", "gelu_tanh_and_mul": "activation",
     "swigluoai_and_mul": "activation",

@@ -14,7 +14,7 @@
                                         alignment skipped, ids -1, are never read)
 
 These are the stage modules' own kernels with the configs and arguments the stage functions
-would pick (grouped_gemm._plan, permute._align_geometry, _compile.row_geometry): a call
+would pick (grouped_gemm._plan, align._align_geometry, _compile.row_geometry): a call
 gives the same bits as calling `moe_align_block_size`, `grouped_gemm`, `apply_activation`,
 `grouped_gemm` and `moe_sum` one after the other (tests/test_cupy_experts.py checks it on the
 GPU). What changes is the host's share. A decode step's GPU work is tens of microseconds, and
@@ -41,8 +41,8 @@ import numpy as np
 
 from . import _compile as C
 from . import activation as act_mod
+from . import align as align_mod
 from . import combine as sum_mod
-from . import permute as perm_mod
 from ._launch import FastLaunch
 
 # intermediates (sorted ids .. c3) up to this many bytes are kept per (plan, stream)
@@ -156,7 +156,7 @@ class _Allocator:
 
 
 # ----------------------------------------------------------------------------- the plan
-# kernel signatures for FastLaunch: p pointer, i int32 (permute.cu, gemm_common.cuh's
+# kernel signatures for FastLaunch: p pointer, i int32 (align.cu, gemm_common.cuh's
 # GG_KERNEL_ARGS, elementwise kernels of activation.cu / combine.cu)
 ALIGN_SIG = "ppppppp" + "iiiiii"
 GEMM_SIG = "pppppppp" + "iiiiiiii"
@@ -188,18 +188,18 @@ class ExpertsPlan:
         self.B = B = C.check_int("block_size", block_size, 1)
         # align bins by global ids (E_align = the expert map's length, else E)
         self.E_align = E_align
-        self.L = L = perm_mod.max_num_tokens_padded(P, E_align, B)
+        self.L = L = align_mod.max_num_tokens_padded(P, E_align, B)
         self.num_blocks = C.cdiv(L, B)
         self.mul_on_input = bool(mul_on_input)
         with cupy.cuda.Device(device):
             sm90 = gg._is_sm90(cupy, device)
             bucket = gg.m_bucket(max(1.0, P / max(E, 1)))
             # align: one launch (cooperative above SMALL_P slots)
-            G, W, smem = perm_mod._align_geometry(
+            G, W, smem = align_mod._align_geometry(
                 P, E_align,
-                perm_mod._max_blocks() if P > perm_mod.CONFIGS["align"]["SMALL_P"] else 1)
-            k = C.get_kernel("permute.cu", "moe_align_kernel", perm_mod._defines(),
-                             perm_mod._FIXED_NAMES)
+                align_mod._max_blocks() if P > align_mod.CONFIGS["align"]["SMALL_P"] else 1)
+            k = C.get_kernel("align.cu", "moe_align_kernel", align_mod._defines(),
+                             align_mod.KERNEL_NAMES)
             if smem > 48 * 1024:
                 k.max_dynamic_shared_size_bytes = smem
             # the sizes are the plan's: their slots are set once (FastLaunch's fixed)
@@ -288,7 +288,7 @@ class ExpertsPlan:
         sorted_ids, expert_ids = ints, ints + 4 * self.L
         ntpp = expert_ids + 4 * self.num_blocks
         hist = ntpp + 4 if self.align_G > 1 else 0
-        bar = perm_mod._barrier_word(stream_ptr).data.ptr if self.align_G > 1 else 0
+        bar = align_mod._barrier_word(stream_ptr).data.ptr if self.align_G > 1 else 0
         self.align(stream_ptr, ids.ptr, emap_ptr, sorted_ids, expert_ids, ntpp, hist, bar)
         g1, g2 = self.gemms
         g1.launch(stream_ptr, x.ptr, w1.ptr, c1, sorted_ids, expert_ids, ntpp, tw.ptr,

@@ -53,7 +53,7 @@ __all__ = [
 
 # stage name -> module that defines it, imported on first use (PEP 562): importing the
 # package never imports numba, and a failing module never breaks the others
-_STAGES = {**STAGE_MODULES, "grouped_gemm": "grouped_gemm"}
+_STAGES = {**STAGE_MODULES, "grouped_gemm": "grouped_gemm", "moe_align_block_size": "permute"}
 
 
 __getattr__, __dir__ = lazy_stages(__name__, _STAGES, globals(), __all__)
