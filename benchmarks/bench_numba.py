@@ -305,7 +305,7 @@ def stage_calls(pt, stage, ck, gemm_versions=None):
         versions = [("numba", v, gg_nb, nb) for v in gg_nb.VERSIONS
                     if gemm_versions is None or f"numba-{v}" in gemm_versions]
         if ck is not None:
-            gg_ck = importlib.import_module("cuda_kernels.cupy.grouped_gemm")
+            gg_ck = importlib.import_module("cuda_kernels.cupy.gemm")
             versions += [("cupy", v, gg_ck, ck) for v in ("v3", "v4")
                          if gemm_versions is None or f"cupy-{v}" in gemm_versions]
         for label, v, gg, mod in versions:

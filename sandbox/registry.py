@@ -183,11 +183,7 @@ class Backend:
         if not _has(self.module, fn_name):
             raise NotImplementedError(f"backend {self.name!r} has no {fn_name} "
                                       f"(stage {stage!r}) yet")
-        fn = getattr(self.module, fn_name)
-        if isinstance(fn, ModuleType):
-            # importing pkg.grouped_gemm (the submodule) rebinds pkg.grouped_gemm to it
-            fn = getattr(fn, fn_name)
-        return fn
+        return getattr(self.module, fn_name)
 
     def free_memory(self):
         """Bytes free where this backend's arrays live, or None when unknown (never raises):
@@ -224,7 +220,7 @@ class Backend:
 
     def gemm_config(self, M, N, K, E, top_k, dtype):
         """The GEMM's tuned config for a shape when the backend offers `get_config`
-        (e.g. `cuda_kernels.cupy.grouped_gemm.get_config`), else None."""
+        (e.g. `cuda_kernels.cupy.gemm.get_config`), else None."""
         if not self.ok:
             return None
         key = (M, N, K, E, top_k, np.dtype(dtype).name)
@@ -262,8 +258,7 @@ def _find_get_config(backend: Backend):
     if mod_name is None:
         return None
     try:
-        # importlib, not attribute access: cuda_kernels.cupy.grouped_gemm is the *function*
-        sub = importlib.import_module(f"{mod_name}.grouped_gemm")
+        sub = importlib.import_module(f"{mod_name}.gemm")
     except Exception:
         return None
     fn = getattr(sub, "get_config", None)

@@ -48,7 +48,7 @@ import numpy as np
 
 # from the reference: what is not math (select_experts' dispatch, sorted_token_ids'
 # capacity, grouped_topk's argument checks); every number below is torch's own
-from reference.permute import max_num_tokens_padded
+from reference.align import max_num_tokens_padded
 from reference.routing import check_grouped_topk_args
 from reference.routing import select_experts as _reference_select_experts
 

@@ -14,9 +14,9 @@ import pytest
 
 from cuda_kernels.cupy import _compile as C
 
-# The modules that register compile cases. grouped_gemm is written separately: when it is
+# The modules that register compile cases. gemm is written separately: when it is
 # missing or broken the others are still checked (its own test reports the failure).
-KERNEL_MODULES = ("routing", "align", "permute", "activation", "combine", "grouped_gemm", "quant_act",
+KERNEL_MODULES = ("routing", "align", "permute", "activation", "combine", "gemm", "quant_act",
                   "quant_gemm", "quant_gemm_wna16", "ep_layout")
 ARCHS = ("sm_90", "sm_80")
 
@@ -47,7 +47,7 @@ def _case_id(case) -> str:
     return f"{case.cu_name}[{d}][{n} names]{'[' + o + ']' if o else ''}"
 
 
-@pytest.mark.parametrize("name", [m for m in KERNEL_MODULES if m != "grouped_gemm"])
+@pytest.mark.parametrize("name", [m for m in KERNEL_MODULES if m != "gemm"])
 def test_kernel_module_imports_without_gpu(name):
     """The launchers of this task import on a CPU-only machine (CuPy is imported lazily)."""
     assert name not in IMPORT_PROBLEMS, IMPORT_PROBLEMS.get(name)
