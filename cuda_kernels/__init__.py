@@ -7,8 +7,8 @@ Each stage has the name and signature of its NumPy twin in `reference/` (docs/st
 The two backends never import each other and know nothing of `sandbox/`.
 """
 
-# stage name -> the module of a backend package that defines it: cupy/ and numba/ share this
-# layout (one module per stage); each adds its own stages to it
+# stage name -> the module of a backend package that defines it: cupy/, numba/ and torch/
+# share this layout (one module per stage, as reference/); each adds its own stages to it
 STAGE_MODULES = {
     "fused_topk": "routing", "fused_topk_bias": "routing", "grouped_topk": "routing",
     "select_experts": "routing",
@@ -16,6 +16,7 @@ STAGE_MODULES = {
     "apply_activation": "activation", "silu_and_mul": "activation",
     "gelu_and_mul": "activation", "gelu_tanh_and_mul": "activation",
     "swigluoai_and_mul": "activation",
+    "grouped_gemm": "gemm",
     "moe_sum": "combine",
 }
 

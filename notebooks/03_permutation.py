@@ -326,7 +326,7 @@ workshop.show_source("cuda_kernels/cupy/grouping.cuh", "template <bool PERMUTE, 
 # tests compare runs as sets; both kernels here happen to keep the reference's order.)
 
 # %%
-workshop.show_source("cuda_kernels/numba/permute.py", "def scatter(ids", max_lines=34)
+workshop.show_source("cuda_kernels/numba/align.py", "def scatter(ids", max_lines=34)
 
 # %% [markdown]
 # Both kernels against the reference. `expert_ids` and `num_tokens_post_padded` must match

@@ -25,7 +25,7 @@
 #
 # The rungs live in `cuda_kernels/cupy/gemm_v*.cu` (CuPy, v1–v4 here; the Hopper rungs v5
 # `wgmma` and v6, chosen per card for prefill, are notebook 07's) and
-# `cuda_kernels/numba/grouped_gemm.py` (Numba, v1–v3: Numba has no tensor core instructions). On a CPU this notebook compiles the CuPy rungs for an H200 with
+# `cuda_kernels/numba/gemm.py` (Numba, v1–v3: Numba has no tensor core instructions). On a CPU this notebook compiles the CuPy rungs for an H200 with
 # NVRTC, runs the Numba rungs in the CUDA simulator at a tiny size, and plots the committed
 # H200 results; on a GPU it runs and times every rung.
 
@@ -58,7 +58,7 @@ from cuda_kernels.cupy import gemm_configs as ccfg        # its configs (gemm_co
 from sandbox import bench, get_backend
 
 numba_ok, numba_why = get_backend("numba").ok, get_backend("numba").reason
-ngg = importlib.import_module("cuda_kernels.numba.grouped_gemm") if numba_ok else None
+ngg = importlib.import_module("cuda_kernels.numba.gemm") if numba_ok else None
 if not numba_ok:
     print(f"the Numba rungs are skipped here: {numba_why}")
 
@@ -170,7 +170,7 @@ workshop.show_source("cuda_kernels/cupy/gemm_v3_regblock.cu", "if (Kdim > 0) loa
 # fully unrolled by LLVM, lives in registers:
 
 # %%
-workshop.show_source("cuda_kernels/numba/grouped_gemm.py", "# TM + TN shared reads", max_lines=12)
+workshop.show_source("cuda_kernels/numba/gemm.py", "# TM + TN shared reads", max_lines=12)
 
 # %% [markdown]
 # ### v4: tensor cores

@@ -48,7 +48,6 @@ __all__ = [
 # still being written (or failing to import) never breaks the rest of the package
 _STAGES = {
     **STAGE_MODULES,
-    "grouped_gemm": "gemm",
     "fused_experts": "experts",
     "grouped_gemm_quant": "quant_gemm",
     "moe_kernel_quantize_input": "quant_act", "per_token_group_quant_fp8": "quant_act",
