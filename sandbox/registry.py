@@ -10,7 +10,7 @@
 
 Backends and their modules:
     reference   the NumPy oracle, `reference/`                     host
-    torch       `sandbox/torch_backend.py` (CPU or CUDA)          host on the CPU
+    torch       `cuda_kernels.torch`  (plain torch, CPU or CUDA)   host on the CPU
     cupy        `cuda_kernels.cupy`   (CUDA C++ through CuPy)      GPU
     numba       `cuda_kernels.numba`  (numba.cuda; on a machine without a GPU the CUDA
                                        simulator, switched on by get_backend: see
@@ -54,7 +54,7 @@ BACKENDS = ("reference", "torch", "cupy", "numba")
 
 # what each backend's stage functions take and return
 _ARRAY_KIND = {"reference": "numpy", "torch": "torch", "cupy": "cupy", "numba": "numba"}
-_MODULE = {"torch": "sandbox.torch_backend", "cupy": "cuda_kernels.cupy",
+_MODULE = {"torch": "cuda_kernels.torch", "cupy": "cuda_kernels.cupy",
            "numba": "cuda_kernels.numba"}
 
 DEFAULT_BLOCK_SIZE = 64
@@ -79,7 +79,7 @@ class Backend:
     """A backend: its module (or why there is none) and the stage functions in it.
 
     Attribute look-ups fall through to the module, so `get_backend("torch").grouped_gemm`
-    is `sandbox.torch_backend.grouped_gemm`.
+    is `cuda_kernels.torch.grouped_gemm`.
     """
 
     name: str

@@ -19,7 +19,7 @@ import pytest
 from oracles import rounding_comparable
 
 import reference
-from sandbox import torch_backend as tb
+from cuda_kernels import torch as tb
 from sandbox.arrays import BF16
 
 torch = pytest.importorskip("torch")
