@@ -1,4 +1,5 @@
-"""Numba alignment and permutation kernels in the CUDA simulator against reference/permute.py.
+"""Numba alignment and permutation kernels in the CUDA simulator against reference/align.py
+and reference/permute.py.
 
     T tokens, E experts, K top-k, B block size, P = T*K slots, H hidden
 
