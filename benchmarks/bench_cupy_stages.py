@@ -130,7 +130,7 @@ def stage_call(pt: Point, stage: str):
         nbytes = T * E * 2 + T * K * 8 + (E * 4 if pt.p.name in GROUPED else 0)
         return pt.route, nbytes
     if stage == "align":
-        from cuda_kernels.cupy.permute import max_num_tokens_padded
+        from cuda_kernels.cupy.align import max_num_tokens_padded
 
         n = max_num_tokens_padded(P, E, B)
         nbytes = 4 * (P + n + C.cdiv(n, B) + 1)

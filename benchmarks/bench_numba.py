@@ -261,7 +261,7 @@ def stage_calls(pt, stage, ck, gemm_versions=None):
         for label, mod in backends:
             out.append((label, lambda mod=mod: pt.route_with(mod), pt.new_logits, nbytes))
     elif stage == "align":
-        from cuda_kernels.numba.permute import max_num_tokens_padded
+        from cuda_kernels.numba.align import max_num_tokens_padded
 
         B = 64
         n = max_num_tokens_padded(P, B, E)
@@ -301,11 +301,11 @@ def stage_calls(pt, stage, ck, gemm_versions=None):
         N, Kd = (2 * inter, H) if g1 else (H, inter)
         top_k = K if g1 else 1
         flops = 2 * P * N * Kd
-        gg_nb = importlib.import_module("cuda_kernels.numba.grouped_gemm")
+        gg_nb = importlib.import_module("cuda_kernels.numba.gemm")
         versions = [("numba", v, gg_nb, nb) for v in gg_nb.VERSIONS
                     if gemm_versions is None or f"numba-{v}" in gemm_versions]
         if ck is not None:
-            gg_ck = importlib.import_module("cuda_kernels.cupy.grouped_gemm")
+            gg_ck = importlib.import_module("cuda_kernels.cupy.gemm")
             versions += [("cupy", v, gg_ck, ck) for v in ("v3", "v4")
                          if gemm_versions is None or f"cupy-{v}" in gemm_versions]
         for label, v, gg, mod in versions:

@@ -17,7 +17,7 @@ Paths (all CuPy kernels of this repository):
            quant_gemm_wna16's packed rung on weights prepacked once per array (the first,
            untimed call packs them), where it takes the shape, else v3 weight streaming;
            v2 tiles above; dequantized in registers, mma.sync bf16)
-    bf16   GEMM1 -> GEMM2 (cuda_kernels.cupy.grouped_gemm, its default version and configs)
+    bf16   GEMM1 -> GEMM2 (cuda_kernels.cupy.gemm, its default version and configs)
 The activation between the GEMMs is not in any path (not a quantization stage): GEMM2 reads a
 pre-drawn [P, I] activation. The int4 GEMM2 is launched programmatically (PDL: its CTAs read the
 routing and copy their first weights under GEMM1's tail, then wait for GEMM1 to finish before
@@ -135,7 +135,7 @@ def random_bf16(shape, scale, seed):
     import cupy
 
     try:
-        from cuda_kernels.cupy.grouped_gemm import random_device
+        from cuda_kernels.cupy.gemm import random_device
         return random_device(shape, C.bf16_dtype(), scale=scale,
                              rng=cupy.random.default_rng(seed))
     except ImportError:
@@ -222,9 +222,8 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
     gg = None
     if with_bf16:
         try:
-            # the package binds the stage *function* over its submodule's name: ask for the
-            # module itself (get_config lives there)
-            gg = importlib.import_module("cuda_kernels.cupy.grouped_gemm")
+            gg = importlib.import_module("cuda_kernels.cupy.gemm")
+            gcfg = importlib.import_module("cuda_kernels.cupy.gemm_configs")
             b1 = random_bf16((E, 2 * I, H), 0.02, 3)
             b2 = random_bf16((E, H, I), 0.02, 4)
         except Exception as e:  # noqa: BLE001 - the bf16 path is optional
@@ -325,7 +324,7 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
         # ---- bf16 path
         if gg is not None:
             try:
-                Bb = int(gg.get_config(T, 2 * I, H, E, K, C.bf16_dtype())["BLOCK_M"])
+                Bb = int(gcfg.get_config(T, 2 * I, H, E, K, C.bf16_dtype())["BLOCK_M"])
                 bal = qal if Bb == Bq else aligned(Bb)
 
                 def b_gemm1():

@@ -59,14 +59,14 @@ checks() {   # GPU 0
 sanitizer() {   # [MODULE ...] (default: every kernel module) on the current CUDA_VISIBLE_DEVICES
   say "compute-sanitizer"
   local mods=("$@")
-  (( ${#mods[@]} )) || mods=(cuda_kernels.cupy.routing cuda_kernels.cupy.permute
-    cuda_kernels.cupy.activation cuda_kernels.cupy.combine cuda_kernels.cupy.grouped_gemm
+  (( ${#mods[@]} )) || mods=(cuda_kernels.cupy.routing cuda_kernels.cupy.align cuda_kernels.cupy.permute
+    cuda_kernels.cupy.activation cuda_kernels.cupy.combine cuda_kernels.cupy.gemm
     cuda_kernels.cupy.quant_gemm cuda_kernels.cupy.quant_act cuda_kernels.cupy.quant_gemm_wna16
     cuda_kernels.cupy.ep_layout cuda_kernels.numba._sanitize)
   for mod in "${mods[@]}"; do
     tools=memcheck      # racecheck where the kernels share memory between warps
     case $mod in
-      *routing|*permute|*grouped_gemm|*quant_gemm_wna16|*_sanitize) tools="memcheck racecheck" ;;
+      *routing|*align|*permute|*.gemm|*quant_gemm_wna16|*_sanitize) tools="memcheck racecheck" ;;
     esac
     for tool in $tools; do
       printf -- "-- %s %s: " "$tool" "$mod"

@@ -47,6 +47,7 @@ import reference
 from sandbox import STAGES, FusedMoE, available_backends, get_backend, validate
 from sandbox.checkpoint import data_dir, default_trace_path
 from sandbox.datagen import load_trace
+from sandbox.validate import tolerance
 
 layer = FusedMoE.from_safetensors(data_dir() / FAMILY, None)   # the first MoE layer
 x, logits = load_trace(default_trace_path(FAMILY, TRACE))       # [T, H], [T, E]
@@ -264,7 +265,7 @@ for i, name in enumerate(names):
     for bar, y in zip(bars, ys):
         if y == 0:                                 # bit-exact: no bar to draw on a log axis
             ax.text(bar.get_x() + width / 2, 2e-12, "0", ha="center", fontsize=8)
-tol = validate.tolerance(layer.params_dtype)
+tol = tolerance(layer.params_dtype)
 ax.axhline(tol, color="k", ls="--", lw=1, label=f"tolerance {tol:.0e}")
 ax.set_yscale("log")
 ax.set_ylim(1e-12, 1e-3)

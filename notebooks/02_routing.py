@@ -324,7 +324,7 @@ workshop.show_source("cuda_kernels/cupy/routing.cu", "// float -> unsigned with 
 # one kernel body serves both flavours:
 
 # %%
-workshop.show_source("cuda_kernels/numba/routing.py", "# 5. top-k: K rounds", end="* scale",
+workshop.show_source("cuda_kernels/numba/routing_kernels.py", "# 5. top-k: K rounds", end="* scale",
                      max_lines=30)
 
 # %% [markdown]

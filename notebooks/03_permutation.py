@@ -26,7 +26,8 @@
 #   and what each layout moves in memory;
 # * how a GPU groups slots without a sort: the CuPy and Numba alignment kernels.
 #
-# Contract: `docs/stages.md`, section *align*; oracle: `reference/permute.py`.
+# Contract: `docs/stages.md`, section *align*; oracle: `reference/align.py` (and
+# `reference/permute.py` for the contiguous layout).
 
 # %% tags=["parameters"]
 import workshop
@@ -313,7 +314,7 @@ workshop.show(fig, "layouts")
 # expert, and its rank is the number of those below it:
 
 # %%
-workshop.show_source("cuda_kernels/cupy/permute.cu", "template <bool PERMUTE, typename Emit>",
+workshop.show_source("cuda_kernels/cupy/grouping.cuh", "template <bool PERMUTE, typename Emit>",
                      stop="// In-place exclusive scan", max_lines=34)
 
 # %% [markdown]
@@ -325,7 +326,7 @@ workshop.show_source("cuda_kernels/cupy/permute.cu", "template <bool PERMUTE, ty
 # tests compare runs as sets; both kernels here happen to keep the reference's order.)
 
 # %%
-workshop.show_source("cuda_kernels/numba/permute.py", "def scatter(ids", max_lines=34)
+workshop.show_source("cuda_kernels/numba/align.py", "def scatter(ids", max_lines=34)
 
 # %% [markdown]
 # Both kernels against the reference. `expert_ids` and `num_tokens_post_padded` must match

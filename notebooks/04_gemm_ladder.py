@@ -25,7 +25,7 @@
 #
 # The rungs live in `cuda_kernels/cupy/gemm_v*.cu` (CuPy, v1–v4 here; the Hopper rungs v5
 # `wgmma` and v6, chosen per card for prefill, are notebook 07's) and
-# `cuda_kernels/numba/grouped_gemm.py` (Numba, v1–v3: Numba has no tensor core instructions). On a CPU this notebook compiles the CuPy rungs for an H200 with
+# `cuda_kernels/numba/gemm.py` (Numba, v1–v3: Numba has no tensor core instructions). On a CPU this notebook compiles the CuPy rungs for an H200 with
 # NVRTC, runs the Numba rungs in the CUDA simulator at a tiny size, and plots the committed
 # H200 results; on a GPU it runs and times every rung.
 
@@ -53,12 +53,12 @@ import numpy as np
 
 import reference
 from cuda_kernels.cupy import _compile
+from cuda_kernels.cupy import gemm as cgg                 # the CuPy launcher
+from cuda_kernels.cupy import gemm_configs as ccfg        # its configs (gemm_configs.json)
 from sandbox import bench, get_backend
 
-# importlib: the package attribute `grouped_gemm` is the stage function, not the module
-cgg = importlib.import_module("cuda_kernels.cupy.grouped_gemm")     # the CuPy launcher
 numba_ok, numba_why = get_backend("numba").ok, get_backend("numba").reason
-ngg = importlib.import_module("cuda_kernels.numba.grouped_gemm") if numba_ok else None
+ngg = importlib.import_module("cuda_kernels.numba.gemm") if numba_ok else None
 if not numba_ok:
     print(f"the Numba rungs are skipped here: {numba_why}")
 
@@ -170,7 +170,7 @@ workshop.show_source("cuda_kernels/cupy/gemm_v3_regblock.cu", "if (Kdim > 0) loa
 # fully unrolled by LLVM, lives in registers:
 
 # %%
-workshop.show_source("cuda_kernels/numba/grouped_gemm.py", "# TM + TN shared reads", max_lines=12)
+workshop.show_source("cuda_kernels/numba/gemm.py", "# TM + TN shared reads", max_lines=12)
 
 # %% [markdown]
 # ### v4: tensor cores
@@ -195,9 +195,9 @@ T_NAPKIN = 256
 dkey = "bf16"
 rows, per_fma = [], {}
 for v in CUPY_VERSIONS:
-    cfg = cgg.get_config(T_NAPKIN, N, KD, E, K, ml_dtypes.bfloat16, version=v)
+    cfg = ccfg.get_config(T_NAPKIN, N, KD, E, K, ml_dtypes.bfloat16, version=v)
     B_v = cfg["BLOCK_M"] if v != "v1" else 16
-    fit = cgg.fit_config(v, dkey, cfg, B_v)
+    fit = ccfg.fit_config(v, dkey, cfg, B_v)
     bm, bn = fit["BLOCK_M"], fit["BLOCK_N"]
     if v == "v1":
         glob, shared, what = 2.0, 0.0, "none: every thread streams its own row"
@@ -242,9 +242,9 @@ if not ok:
 else:
     rows = []
     for v in CUPY_VERSIONS:
-        cfg = cgg.get_config(T_NAPKIN, N, KD, E, K, ml_dtypes.bfloat16, version=v)
-        fit = cgg.fit_config(v, dkey, cfg, cfg["BLOCK_M"] if v != "v1" else 16)
-        defines = cgg.kernel_defines(v, dkey, fit)
+        cfg = ccfg.get_config(T_NAPKIN, N, KD, E, K, ml_dtypes.bfloat16, version=v)
+        fit = ccfg.fit_config(v, dkey, cfg, cfg["BLOCK_M"] if v != "v1" else 16)
+        defines = ccfg.kernel_defines(v, dkey, fit)
         options = cgg.KERNEL_OPTIONS.get(v, ()) if hasattr(cgg, "KERNEL_OPTIONS") else ()
         try:
             cubin = _compile.compile_check(cgg.CU_FILES[v], defines, arch=COMPILE_FOR,
@@ -253,7 +253,7 @@ else:
             rows.append((v, "-", "-", "-", f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"))
             continue
         res = workshop.cubin_resources(cubin).get(cgg.KERNEL_NAMES[v], {})
-        grid, block, dyn = cgg.launch_geometry(v, fit, 4096, N)
+        grid, block, dyn = ccfg.launch_geometry(v, fit, 4096, N)
         rows.append((v, res.get("registers", "?"), res.get("static_shared_bytes", 0) + dyn,
                      int(np.prod(block)), ", ".join(f"{k}={d}" for k, d in defines.items()
                                                     if k != "GG_T")))

@@ -44,6 +44,7 @@ import numpy as np
 from sandbox import STAGES, FusedMoE, validate
 from sandbox.checkpoint import data_dir, default_trace_path
 from sandbox.datagen import load_trace
+from sandbox.validate import tolerance
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 layer = FusedMoE.from_safetensors(data_dir() / FAMILY, None).to_dtype(BF16)
@@ -106,7 +107,7 @@ xs = np.arange(len(chain))
 ax.plot(xs, accumulated, marker="o", label="engine chain vs exact chain (errors accumulate)")
 ax.plot(xs, own_err, marker="s", label="each stage alone, fed exact inputs (validate's rows)")
 ax.plot(xs, round_once, marker="^", ls="--", label="the exact value rounded once to bf16")
-ax.axhline(validate.tolerance(BF16), color="k", ls="--", lw=1, label="bf16 tolerance 1e-2")
+ax.axhline(tolerance(BF16), color="k", ls="--", lw=1, label="bf16 tolerance 1e-2")
 ax.set(yscale="log", xticks=xs, xticklabels=[f"{s}\n{tuple(np.shape(eng[s]))}" for s in chain],
        ylabel="rel. error vs exact", title=f"{FAMILY} in bf16, {TOKENS} tokens: rounding "
        "through the stages")
@@ -225,7 +226,7 @@ for i, name in enumerate(names):
     for x_, y in zip(xs, ys):
         if y == 0:                              # bit-exact: nothing to draw on a log axis
             ax.text(x_, 2e-9, "0", ha="center", fontsize=8)
-ax.axhline(validate.tolerance(BF16), color="k", ls="--", lw=1, label="bf16 tolerance")
+ax.axhline(tolerance(BF16), color="k", ls="--", lw=1, label="bf16 tolerance")
 ax.set(yscale="log", ylim=(1e-9, 1), ylabel="rel. error vs exact",
        xticks=[j + 0.4 - width / 2 for j in range(len(stages))], xticklabels=stages,
        title="bf16: every backend against the exact answer, stage by stage")

@@ -54,7 +54,6 @@ GPU_TOKENS = 4096 if RUN.gpu else None    # GPU only (sm_90): T of the v4 / v5 /
 GPU_BUDGET_S = 60                     # GPU only: compiles and timing stop after this
 
 # %%
-import importlib
 import io
 import re
 import time
@@ -65,11 +64,11 @@ import numpy as np
 
 import reference
 from cuda_kernels.cupy import _compile
+from cuda_kernels.cupy import gemm as cgg                 # the launcher
+from cuda_kernels.cupy import gemm_configs as ccfg        # configs, smem, registers
+from cuda_kernels.cupy import gemm_tensor_map as ctmap    # v6's CUtensorMap of the weights
+from cuda_kernels.cupy import tune                        # models and candidates
 from sandbox import bench
-
-# importlib: the package attribute `grouped_gemm` is the stage function, not the module
-cgg = importlib.import_module("cuda_kernels.cupy.grouped_gemm")     # the launcher
-tune = importlib.import_module("cuda_kernels.cupy.tune")            # models and candidates
 V4, V5, V6 = (f"cuda_kernels/cupy/{cgg.CU_FILES[v]}" for v in RUNGS)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -82,8 +81,8 @@ def card_config(v, T=NAPKIN_T, n=N, kd=KD, e=E, k=K):
     """Rung v's config on CARD for a GEMM (N=n, Kdim=kd) of T tokens routed to top-k of e
     experts (the card's tuned row, else the generic one), fitted to its own BLOCK_M (the
     alignment block it asks for)."""
-    cfg = cgg.get_config(T, n, kd, e, k, BF16, version=v, device=CARD)
-    return cgg.fit_config(v, "bf16", cfg, cfg["BLOCK_M"])
+    cfg = ccfg.get_config(T, n, kd, e, k, BF16, version=v, device=CARD)
+    return ccfg.fit_config(v, "bf16", cfg, cfg["BLOCK_M"])
 
 
 CFG = {v: card_config(v) for v in RUNGS}
@@ -109,7 +108,7 @@ for v, c in CFG.items():
 # Qwen3's `64, 256, 1024`, DeepSeek-V3's `32, 128, 512`.
 
 # %%
-section = cgg.load_table().get("devices", {}).get(CARD, {})
+section = ccfg.load_table().get("devices", {}).get(CARD, {})
 tuned = [r for r in section.get("configs", []) if r.get("dtype") == "bf16" and "us" in r]
 print(f"{CARD}: {len(tuned)} tuned bf16 rows from {len(section.get('runs', []))} tuning runs; "
       f"the rung per bucket it names: {section.get('version_by_m', {}).get('bf16', {})}")
@@ -212,7 +211,7 @@ def rung_napkin(v, cfg):
     multiply-adds, warp instructions per 2^18 multiply-adds, operand and accumulator
     registers per thread, operand bytes read from shared memory per multiply-add."""
     if v == "v4":
-        d = cgg.kernel_defines(v, "bf16", cfg)
+        d = ccfg.kernel_defines(v, "bf16", cfg)
         wm, wn = cfg["BLOCK_M"] // d["WARPS_M"], cfg["BLOCK_N"] // d["WARPS_N"]
         mt, nt = wm // 16, wn // 8
         fma = wm * wn * 16
@@ -221,7 +220,7 @@ def rung_napkin(v, cfg):
                     instr=instr * 2**18 / fma, operand_regs=mt * 4 + nt * 2,
                     acc_regs=mt * nt * 4, smem=2 * (wm + wn) / (wm * wn))
     wg_n = cfg["BLOCK_N"] if v == "v5" or cfg["BLOCK_M"] == 128 else \
-        cfg["BLOCK_N"] // cgg.v6_consumers(cfg)
+        cfg["BLOCK_N"] // ccfg.v6_consumers(cfg)
     fma = 64 * wg_n * 16
     return dict(unit=f"warpgroup 64x{wg_n}", mma=f"1 x wgmma.m64n{wg_n}k16", fma=fma,
                 instr=4 * 2**18 / fma, operand_regs=0, acc_regs=wg_n // 2,
@@ -364,13 +363,13 @@ show_speedups("v4", "v5")
 # What goes into it:
 
 # %%
-workshop.show_source("cuda_kernels/cupy/grouped_gemm.py", "def v6_tensor_map_fields")
+workshop.show_source("cuda_kernels/cupy/gemm_tensor_map.py", "def v6_tensor_map_fields")
 
 # %%
 rows = []
 for gemm, n, kd in (("GEMM1", N, KD), ("GEMM2", H, I)):
     cfg = card_config("v6", n=n, kd=kd)
-    f = cgg.v6_tensor_map_fields((E, n, kd), "bf16", cfg)
+    f = ctmap.v6_tensor_map_fields((E, n, kd), "bf16", cfg)
     box_bytes = int(np.prod(f["box"])) * f["elem_bytes"]
     rows.append((gemm, f"[{E}, {n}, {kd}]", str(f["dims"]), str(f["strides"]), str(f["box"]),
                  f"{f['swizzle_bytes']} B", box_bytes, -(-n // cfg["BLOCK_N"])))
@@ -428,7 +427,7 @@ rows = [
      f"{latency_clk / clk_per_stage:.1f} stages must be in flight", ""),
 ]
 workshop.show_table(["what", "size", "v6", "v5"], rows)
-print(f"shared memory per CTA (launch_geometry): {cgg.v6_smem_bytes(c6)} B of the 227 KiB an "
+print(f"shared memory per CTA (launch_geometry): {ccfg.v6_smem_bytes(c6)} B of the 227 KiB an "
       "sm_90 CTA may opt into: the ring, two 64x64 epilogue tiles, 1 KiB of alignment, "
       "the mbarriers")
 
@@ -551,11 +550,11 @@ workshop.show_source(V6, "= consumer warpgroups", end="#endif")
 # conserves the CTA's total:
 
 # %%
-workshop.show_source("cuda_kernels/cupy/grouped_gemm.py", "def v6_consumer_regs")
+workshop.show_source("cuda_kernels/cupy/gemm_configs.py", "def v6_consumer_regs")
 c6 = CFG["v6"]
 threads = c6["warps"] * 32
 entry = 65536 // threads // 8 * 8
-cons = cgg.v6_consumer_regs(c6)
+cons = ccfg.v6_consumer_regs(c6)
 print(f"{threads} threads enter with {entry} registers each ({entry * threads} of 65536); "
       f"producer {c6['PRODUCER_REGS']} x 128 + consumers {cons} x {threads - 128} = "
       f"{c6['PRODUCER_REGS'] * 128 + cons * (threads - 128)}")
@@ -595,14 +594,14 @@ else:
     cases = [(v, CFG[v], v) for v in RUNGS] + \
         [("v6", dict(CFG["v6"], PRODUCER_REGS=entry), "v6, no register move")]
     for v, cfg, label in cases:
-        defines = cgg.kernel_defines(v, "bf16", cfg)
+        defines = ccfg.kernel_defines(v, "bf16", cfg)
         try:
             regs, spill = ptxas(v, defines)
         except Exception as e:     # a rung that does not build here: say so, go on
             rows.append((label, "-", "-", "-", "-", "-", f"{type(e).__name__}: "
                          f"{str(e).splitlines()[0][:60]}"))
             continue
-        grid, block, dyn = cgg.launch_geometry(v, cfg, 4096, N)
+        grid, block, dyn = ccfg.launch_geometry(v, cfg, 4096, N)
         split = (f"{defines['PRODUCER_REGS']} / {defines['CONSUMER_REGS']}"
                  if v == "v6" and defines.get("CONSUMERS") == 2 else "-")
         rows.append((label, f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}, "
@@ -843,7 +842,7 @@ if RUN.gpu:
                 print(f"time budget of {GPU_BUDGET_S} s spent: {v} skipped")
                 break
             try:
-                cfg = cgg.get_config(GPU_TOKENS, N, KD, E, K, BF16, version=v)
+                cfg = ccfg.get_config(GPU_TOKENS, N, KD, E, K, BF16, version=v)
                 B = int(cfg["BLOCK_M"])
                 aligned = align(ids_d, B, E)      # (sorted_token_ids, expert_ids, ntpp)
 
@@ -881,7 +880,7 @@ else:
 #    committed data measure v5 → v6 as one step. Plan the runs that separate its parts:
 #    one consumer warpgroup against two (v6's `#define CONSUMERS`, tiles 64×256 with 8 or
 #    12 warps), `GROUP_M` 4 / 8 / 16, `STAGES` 3 / 4, and a non-persistent v6 (one tile
-#    per CTA). Which candidates of `python -m cuda_kernels.cupy.grouped_gemm --sweep`
+#    per CTA). Which candidates of `python -m cuda_kernels.cupy.gemm --sweep`
 #    differ in exactly one tunable, what does each comparison isolate, and what stays
 #    confounded?
 # 5. **The tile order's bytes** (CPU). With `walk_bytes`, which `GROUP_M` gives the fewest

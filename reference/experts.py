@@ -1,17 +1,20 @@
-"""The expert computation: grouped GEMMs, activation, combine.
+"""The whole layer: the stages composed as vLLM's fused_experts / fused_moe compose them.
 
     T = tokens, K = top-k, P = T*K slots (s = t*K + k), H = hidden, I = intermediate,
     E_local = experts on this rank, B = block size, N = a GEMM's output width
 
     out[t] = sum_k  w[t, k] * W2[e] @ act(W13[e] @ x[t] + b13[e]) (+ b2[e] scaled too),  e = ids[t, k]
 
-fused_experts runs it as vLLM's fused path does, one stage per function:
+fused_experts runs it as vLLM's fused path does, one stage per function (and file):
 
-    moe_align_block_size   topk_ids -> sorted_token_ids, expert_ids, num_tokens_post_padded
-    grouped_gemm (GEMM1)   x [T, H] gathered by slot  @ w13[e].T  -> cache1 [P, 2I]
-    apply_activation       cache1 -> cache2 [P, I]
-    grouped_gemm (GEMM2)   cache2 @ w2[e].T, * router weight      -> cache3 [P, H]
-    moe_sum                cache3 [T, K, H] summed over K         -> out [T, H]
+    moe_align_block_size   align.py       topk_ids -> sorted_token_ids, expert_ids,
+                                          num_tokens_post_padded
+    grouped_gemm (GEMM1)   gemm.py        x [T, H] gathered by slot @ w13[e].T -> cache1 [P, 2I]
+    apply_activation       activation.py  cache1 -> cache2 [P, I]
+    grouped_gemm (GEMM2)   gemm.py        cache2 @ w2[e].T, * router weight    -> cache3 [P, H]
+    moe_sum                combine.py     cache3 [T, K, H] summed over K       -> out [T, H]
+
+fused_moe routes first (routing.py's select_experts).
 
 Every stage accumulates in fp32 (fp64 for fp64 inputs) and rounds once to the input dtype,
 which are the rounding points of vLLM's kernels on bf16 (precision="engine").
@@ -30,131 +33,14 @@ from ._checks import (
     check_working_set,
 )
 from .activation import apply_activation
-from .permute import moe_align_block_size
-from .precision import compute_dtype, exact, to_compute
+from .align import moe_align_block_size
+from .combine import moe_sum
+from .gemm import grouped_gemm
+from .precision import compute_dtype, exact
 from .routing import select_experts
 
 DEFAULT_BLOCK_SIZE = 64
 PRECISIONS = ("engine", "exact")
-
-
-def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_size,
-                 topk_weights=None, mul_routed_weight=False, bias=None):
-    """vLLM's fused MoE GEMM as a pure function.
-
-    For each block b < num_tokens_post_padded / B and each s = sorted_token_ids[p] < P
-    in it (P = a.shape[0] * top_k), with e = expert_ids[b]:
-        c[s] = (a[s // top_k] @ w[e].T + bias[e]) * (topk_weights.flat[s] if mul_routed_weight)
-    and c[s] = 0 when e == -1 (an expert on another rank). Rows that no block names stay
-    NaN (only possible with ignore_invalid_experts): reading them is a caller's bug.
-
-    a [M_a, Kdim], w [E_local, N, Kdim] -> c [P, N] in a.dtype.
-    GEMM1: a = x [T, H], top_k = K.   GEMM2: a = cache2 [P, I], top_k = 1.
-    """
-    check_float("a", a, ndim=2)
-    check_float("w", w, ndim=3)
-    if w.dtype != a.dtype:
-        raise TypeError(f"w: expected the dtype of a ({a.dtype}), got {w.dtype}")
-    if w.shape[2] != a.shape[1]:
-        raise ValueError(f"w: expected shape (E, N, {a.shape[1]}) to match a's columns, "
-                         f"got {w.shape}")
-    num_experts = w.shape[0]
-
-    def expert_matmul(e, token_rows):
-        return to_compute(a[token_rows]) @ to_compute(w[e]).T                 # [rows, N]
-
-    c = walk_expert_blocks(expert_matmul, a.shape[0], num_experts, w.shape[1], sorted_token_ids,
-                           expert_ids, num_tokens_post_padded, top_k, block_size, topk_weights,
-                           mul_routed_weight, bias, to_compute(a[:0]).dtype)
-    return c.astype(a.dtype, copy=False)   # a fresh array: no second copy in fp32
-
-
-def walk_expert_blocks(expert_matmul, num_rows, num_experts, n_out, sorted_token_ids,
-                       expert_ids, num_tokens_post_padded, top_k, block_size, topk_weights,
-                       mul_routed_weight, bias, acc_dtype):
-    """The block walk of a fused MoE GEMM, with the product itself passed in.
-
-    The blocks b < num_tokens_post_padded / B of sorted_token_ids are grouped by their expert
-    e = expert_ids[b], and each expert's real slots s < P (P = num_rows * top_k) go through
-    one call expert_matmul(e, s // top_k) -> [len(s), N] in acc_dtype (those rows of the left
-    operand times w[e].T). Then, in acc_dtype:
-        c[s] = (expert_matmul(e, s // top_k) + bias[e]) * (topk_weights.flat[s] if mul_routed_weight)
-    and c[s] = 0 where e == -1. bias[e] is rounded to acc_dtype before the add, as the kernels
-    load it. Rows that no block names stay NaN. Returns c [P, N] in acc_dtype, unrounded: the
-    caller rounds once. grouped_gemm passes a plain matmul, quant.grouped_gemm_quant a matmul
-    on operands dequantized one expert at a time.
-    """
-    check_int("sorted_token_ids", sorted_token_ids, ndim=1)
-    check_int("expert_ids", expert_ids, ndim=1)
-    top_k = check_positive_int("top_k", top_k)
-    block_size = check_positive_int("block_size", block_size)
-    num_padded = int(np.asarray(num_tokens_post_padded).ravel()[0])
-    num_blocks = num_padded // block_size
-    if num_padded % block_size or num_padded > sorted_token_ids.size or num_blocks > expert_ids.size:
-        raise ValueError(f"num_tokens_post_padded: expected a multiple of block_size ({block_size}) "
-                         f"within sorted_token_ids ({sorted_token_ids.size}) and expert_ids "
-                         f"({expert_ids.size} blocks), got {num_padded}")
-    num_slots = num_rows * top_k
-    if bias is not None:
-        check_float("bias", bias, ndim=2, shape=(num_experts, n_out))
-    if mul_routed_weight:
-        if topk_weights is None:
-            raise ValueError("topk_weights: expected an array when mul_routed_weight=True, got None")
-        check_float("topk_weights", topk_weights)
-        if topk_weights.size != num_slots:
-            raise ValueError(f"topk_weights: expected {num_slots} weights (a rows * top_k), "
-                             f"got shape {topk_weights.shape}")
-
-    block_experts = expert_ids[:num_blocks]
-    if block_experts.size and (block_experts.min() < -1 or block_experts.max() >= num_experts):
-        raise ValueError(f"expert_ids: expected local ids in [-1, {num_experts}), got "
-                         f"{int(block_experts.min())}..{int(block_experts.max())}")
-    slots = sorted_token_ids[:num_padded].reshape(num_blocks, block_size)     # [blocks, B]
-
-    c = np.full((num_slots, n_out), np.nan, dtype=acc_dtype)                  # [P, N]
-    for e in np.unique(block_experts):
-        rows = slots[block_experts == e].ravel()
-        rows = rows[rows < num_slots].astype(np.int64)                        # drop padding
-        if e < 0:
-            c[rows] = 0
-            continue
-        if rows.size == 0:
-            continue      # an expert whose blocks are all padding: no product to compute
-        y = expert_matmul(int(e), rows // top_k)                              # [rows, N]
-        if bias is not None:
-            y += bias[e].astype(acc_dtype)
-        if mul_routed_weight:
-            y *= topk_weights.ravel()[rows].astype(acc_dtype)[:, None]
-        c[rows] = y
-    return c
-
-
-def moe_sum(x, topk_ids=None, expert_map=None):
-    """The combine: out[t] = sum_k x[t, k] over the K slots, fp32, rounded once.  [T, K, H] -> [T, H]
-
-    With topk_ids [T, K] (vLLM's pad-aware moe_sum) a slot whose id is negative (-1: routed
-    nowhere), or, with expert_map, whose expert is not on this rank (an id past the map or
-    mapped to -1), is skipped: its row of x is never read (alignment scheduled no GEMM row
-    for it, so it holds nothing meaningful). A token with every slot skipped sums to 0.
-    """
-    check_float("x", x, ndim=3)
-    acc = to_compute(x)
-    if topk_ids is None:
-        return acc.sum(axis=1).astype(x.dtype, copy=False)
-    check_int("topk_ids", topk_ids, ndim=2, shape=x.shape[:2])
-    live = slot_is_live(topk_ids, expert_map)                                  # [T, K]
-    return np.where(live[:, :, None], acc, 0).sum(axis=1).astype(x.dtype, copy=False)
-
-
-def slot_is_live(topk_ids, expert_map=None):
-    """[T, K] bool: the slots the combine adds, id >= 0 and (with expert_map) local."""
-    ids = np.asarray(topk_ids).astype(np.int64)
-    live = ids >= 0
-    if expert_map is not None:
-        emap = np.asarray(expert_map).astype(np.int64)
-        inside = live & (ids < emap.size)
-        live = inside & (emap[np.where(inside, ids, 0)] >= 0)
-    return live
 
 
 def _check_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, is_act_and_mul,

@@ -1,23 +1,14 @@
-"""Permutation: group the (token, slot) pairs by expert.
+"""Permutation: the contiguous layout of torch._grouped_mm-style GEMMs.
 
-    T = tokens, K = top-k, P = T*K slots (s = t*K + k), E = experts, B = block size
+    T = tokens, K = top-k, P = T*K slots (s = t*K + k), E = experts, H = hidden
 
-Two layouts, both in vLLM:
-
-moe_align_block_size (the fused Triton/CUDA GEMM's layout)
-    sorted_token_ids  [max_num_tokens_padded]  slots grouped by expert, each expert's run
-                                               padded to a multiple of B with the value P
-    expert_ids        [cdiv(max_padded, B)]    the expert of each block, -1 past the end
-    num_tokens_post_padded [1]                 sum_e ceil(count_e / B) * B
-
-moe_permute / moe_unpermute (the contiguous layout of torch._grouped_mm-style GEMMs)
+moe_permute / moe_unpermute
     x_grouped         [P, H]   rows of hidden_states, grouped by expert
     expert_offsets    [E + 1]  expert e owns rows expert_offsets[e]:expert_offsets[e+1]
     inv_permuted_idx  [P]      where slot s went: x_grouped[inv_permuted_idx[s]] = x[s // K]
 
-The routing preparation is the four lines of ScatterMoE: flatten, stable sort, count,
-cumulative sum. A stable sort orders slots within an expert by s; kernels may order them
-otherwise (atomics), which is why tests compare blocks as sets.
+The grouping of align.py with B = 1 and no padding: a stable sort of the flat ids, so slots
+within an expert keep increasing s. The GEMM on this layout is gemm.py's grouped_mm.
 """
 
 from __future__ import annotations
@@ -26,80 +17,6 @@ import numpy as np
 
 from ._checks import check_float, check_ids_in_range, check_int, check_positive_int
 from .precision import to_compute
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def max_num_tokens_padded(num_slots: int, block_size: int, num_experts: int,
-                          pad_sorted_ids: bool = False) -> int:
-    """The length of sorted_token_ids: the worst case of padding every expert, but never
-    more than one block per slot (a batch with fewer slots than experts)."""
-    size = num_slots + num_experts * (block_size - 1)
-    if pad_sorted_ids:
-        size = _cdiv(size, block_size) * block_size
-    if num_slots < num_experts:
-        size = min(size, num_slots * block_size)
-    return size
-
-
-def _check_expert_map(expert_map, num_experts):
-    if expert_map is None:
-        return None
-    check_int("expert_map", expert_map, ndim=1, shape=(num_experts,))
-    if expert_map.size and expert_map.min() < -1:
-        raise ValueError(f"expert_map: expected local ids >= 0 or -1, got {int(expert_map.min())}")
-    return expert_map
-
-
-def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
-                         pad_sorted_ids=False, ignore_invalid_experts=False):
-    """Sort slots by expert and pad each expert's run to a multiple of block_size.
-
-    A slot whose id lies outside [0, num_experts) (vLLM's -1: a masked or padded token, an
-    expert of another rank) is skipped: it appears nowhere and counts in nothing.
-    With expert_map (global id -> local id or -1): by default every expert is aligned and
-    expert_ids holds local ids, -1 for the blocks of experts not on this rank (the GEMMs
-    write zeros for their rows); with ignore_invalid_experts=True the slots of non-local
-    experts are skipped too (no blocks). num_tokens_post_padded counts the scheduled slots
-    only. Blocks past num_tokens_post_padded hold -1.
-
-    Returns (sorted_token_ids int32, expert_ids int32, num_tokens_post_padded int32 [1]).
-    """
-    check_int("topk_ids", topk_ids, ndim=2)
-    block_size = check_positive_int("block_size", block_size)
-    num_experts = check_positive_int("num_experts", num_experts)
-    expert_map = _check_expert_map(expert_map, num_experts)
-
-    flat = topk_ids.ravel().astype(np.int64)                       # [P] expert of slot s
-    num_slots = flat.size
-    capacity = max_num_tokens_padded(num_slots, block_size, num_experts, pad_sorted_ids)
-
-    scheduled = (flat >= 0) & (flat < num_experts)                 # [P] the slots aligned
-    if expert_map is not None and ignore_invalid_experts:
-        scheduled &= expert_map[np.where(scheduled, flat, 0)] >= 0
-    slots = np.nonzero(scheduled)[0]                               # increasing s
-    experts = flat[slots]
-    counts = np.bincount(experts, minlength=num_experts)           # [E]
-    padded = _cdiv(counts, block_size) * block_size                # [E]
-    padded_starts = np.concatenate([[0], np.cumsum(padded)[:-1]])  # [E] where expert e begins
-    slot_starts = np.concatenate([[0], np.cumsum(counts)[:-1]])    # [E] in the sorted slot list
-
-    order = np.argsort(experts, kind="stable")                     # scheduled slots by expert
-    expert_of = experts[order]
-    rank_in_expert = np.arange(slots.size) - slot_starts[expert_of]
-    sorted_token_ids = np.full(capacity, num_slots, dtype=np.int32)
-    sorted_token_ids[padded_starts[expert_of] + rank_in_expert] = slots[order]
-
-    num_blocks = int(padded.sum()) // block_size
-    expert_ids = np.full(_cdiv(capacity, block_size), -1, dtype=np.int32)
-    block_experts = np.repeat(np.arange(num_experts), padded // block_size)
-    if expert_map is not None:
-        block_experts = expert_map[block_experts]
-    expert_ids[:num_blocks] = block_experts
-    num_tokens_post_padded = np.array([num_blocks * block_size], dtype=np.int32)
-    return sorted_token_ids, expert_ids, num_tokens_post_padded
 
 
 def moe_permute(hidden_states, topk_ids, num_experts):
@@ -140,22 +57,3 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
     y = to_compute(y_grouped)[inv_permuted_idx].reshape(num_tokens, top_k, y_grouped.shape[1])
     weights = topk_weights.astype(y.dtype)[:, :, None]
     return (y * weights).sum(axis=1).astype(y_grouped.dtype, copy=False)
-
-
-def grouped_mm(x_grouped, w, expert_offsets):
-    """The contiguous grouped GEMM: y[rows of e] = x_grouped[rows of e] @ w[e].T.
-
-    x_grouped [P, Kdim], w [E, N, Kdim], expert_offsets [E+1] -> y_grouped [P, N].
-    """
-    check_float("x_grouped", x_grouped, ndim=2)
-    check_float("w", w, ndim=3)
-    check_int("expert_offsets", expert_offsets, ndim=1, shape=(w.shape[0] + 1,))
-    if w.shape[2] != x_grouped.shape[1]:
-        raise ValueError(f"w: expected inner dimension {x_grouped.shape[1]} to match "
-                         f"x_grouped, got shape {w.shape}")
-    y = np.empty((x_grouped.shape[0], w.shape[1]), dtype=to_compute(x_grouped[:0]).dtype)
-    for e in range(w.shape[0]):
-        lo, hi = int(expert_offsets[e]), int(expert_offsets[e + 1])
-        if hi > lo:
-            y[lo:hi] = to_compute(x_grouped[lo:hi]) @ to_compute(w[e]).T
-    return y.astype(x_grouped.dtype, copy=False)

@@ -72,14 +72,10 @@ from ._checks import (
     check_positive_int,
 )
 from .activation import apply_activation
-from .experts import (
-    DEFAULT_BLOCK_SIZE,
-    check_expert_routing,
-    grouped_gemm,
-    moe_sum,
-    walk_expert_blocks,
-)
-from .permute import moe_align_block_size
+from .align import moe_align_block_size
+from .combine import moe_sum
+from .experts import DEFAULT_BLOCK_SIZE, check_expert_routing
+from .gemm import grouped_gemm, walk_expert_blocks
 from .precision import compute_dtype
 
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)

@@ -6,6 +6,7 @@
     to_numpy(x)              a host NumPy array (bf16 stays ml_dtypes.bfloat16)
     numpy_to_torch(a, dev)   NumPy -> torch, zero-copy on the CPU (bf16 through an int16 view)
     torch_to_numpy(t)        torch -> NumPy (bf16 through an int16 view)
+    torch_dtype(np_dtype)    the torch dtype of a NumPy dtype (these three: cuda_kernels.torch's)
     zero_copy(x, kind)       a GPU array viewed by another GPU library, or None
 
 An array carries its own kind: the layer moves a stage's arguments with the registry's
@@ -21,6 +22,10 @@ import sys
 
 import ml_dtypes
 import numpy as np
+
+# the torch converters live with the torch backend (cuda_kernels/torch/_tensors.py);
+# numpy_to_torch and torch_dtype are part of this module's API (above)
+from cuda_kernels.torch import numpy_dtype, numpy_to_torch, torch_dtype, torch_to_numpy  # noqa: F401
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -54,63 +59,11 @@ def is_device(x) -> bool:
     return False
 
 
-_TORCH_TO_NUMPY = None
-
-
-def _torch_dtype_map():
-    global _TORCH_TO_NUMPY
-    if _TORCH_TO_NUMPY is None:
-        import torch
-
-        _TORCH_TO_NUMPY = {
-            torch.float64: np.dtype(np.float64), torch.float32: np.dtype(np.float32),
-            torch.float16: np.dtype(np.float16), torch.bfloat16: BF16,
-            torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32),
-            torch.int16: np.dtype(np.int16), torch.int8: np.dtype(np.int8),
-            torch.uint8: np.dtype(np.uint8), torch.bool: np.dtype(np.bool_),
-        }
-    return _TORCH_TO_NUMPY
-
-
-def torch_dtype(dtype):
-    """The torch dtype of a NumPy dtype (ml_dtypes.bfloat16 -> torch.bfloat16)."""
-    want = np.dtype(dtype)
-    for t, n in _torch_dtype_map().items():
-        if n == want:
-            return t
-    raise TypeError(f"dtype: expected one torch can hold, got {want}")
-
-
 def dtype_of(x) -> np.dtype:
     """The NumPy dtype of an array of any kind."""
     if kind(x) == "torch":
-        return _torch_dtype_map()[x.dtype]
+        return numpy_dtype(x.dtype)
     return np.dtype(x.dtype)
-
-
-def torch_to_numpy(t) -> np.ndarray:
-    """A torch tensor on the host as NumPy; bf16 (which NumPy lacks) through an int16 view."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    import torch
-
-    if t.dtype == torch.bfloat16:
-        return t.contiguous().view(torch.int16).numpy().view(BF16)
-    return t.numpy()
-
-
-def numpy_to_torch(a: np.ndarray, device="cpu"):
-    """NumPy -> torch on `device`. Zero-copy on the CPU when `a` is contiguous and writeable."""
-    import torch
-
-    if not (a.flags.c_contiguous and a.flags.writeable):
-        a = np.array(a, order="C", copy=True)   # torch.from_numpy refuses odd strides
-    if a.dtype == BF16:
-        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    else:
-        t = torch.from_numpy(a)
-    return t if str(device) == "cpu" else t.to(device)
 
 
 def to_numpy(x):

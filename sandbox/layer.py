@@ -43,7 +43,7 @@ Parallelism (each rank holds a layer; the caller sums the ranks' outputs, i.e. a
 
 Block size: the alignment block B (= the GEMM's BLOCK_M) is the layer's `block_size` when
 set, else the GEMM backend's `get_config(M, N, K, E, top_k, dtype)["BLOCK_M"]` when it has
-one (cuda_kernels.cupy.grouped_gemm), else 64 (4 in the CUDA simulator); align and both
+one (cuda_kernels.cupy.gemm), else 64 (4 in the CUDA simulator); align and both
 GEMMs get the same B.
 
 Weights (sandbox/weights.py): w13 holds gate (checkpoint "w1") and up ("w3") one after the

@@ -10,7 +10,7 @@
 
 Backends and their modules:
     reference   the NumPy oracle, `reference/`                     host
-    torch       `sandbox/torch_backend.py` (CPU or CUDA)          host on the CPU
+    torch       `cuda_kernels.torch`  (plain torch, CPU or CUDA)   host on the CPU
     cupy        `cuda_kernels.cupy`   (CUDA C++ through CuPy)      GPU
     numba       `cuda_kernels.numba`  (numba.cuda; on a machine without a GPU the CUDA
                                        simulator, switched on by get_backend: see
@@ -54,7 +54,7 @@ BACKENDS = ("reference", "torch", "cupy", "numba")
 
 # what each backend's stage functions take and return
 _ARRAY_KIND = {"reference": "numpy", "torch": "torch", "cupy": "cupy", "numba": "numba"}
-_MODULE = {"torch": "sandbox.torch_backend", "cupy": "cuda_kernels.cupy",
+_MODULE = {"torch": "cuda_kernels.torch", "cupy": "cuda_kernels.cupy",
            "numba": "cuda_kernels.numba"}
 
 DEFAULT_BLOCK_SIZE = 64
@@ -79,7 +79,7 @@ class Backend:
     """A backend: its module (or why there is none) and the stage functions in it.
 
     Attribute look-ups fall through to the module, so `get_backend("torch").grouped_gemm`
-    is `sandbox.torch_backend.grouped_gemm`.
+    is `cuda_kernels.torch.grouped_gemm`.
     """
 
     name: str
@@ -210,11 +210,7 @@ class Backend:
         if not _has(self.module, fn_name):
             raise NotImplementedError(f"backend {self.name!r} has no {fn_name} "
                                       f"(stage {stage!r}) yet")
-        fn = getattr(self.module, fn_name)
-        if isinstance(fn, ModuleType):
-            # importing pkg.grouped_gemm (the submodule) rebinds pkg.grouped_gemm to it
-            fn = getattr(fn, fn_name)
-        return fn
+        return getattr(self.module, fn_name)
 
     def free_memory(self):
         """Bytes free where this backend's arrays live, or None when unknown (never raises):
@@ -251,7 +247,7 @@ class Backend:
 
     def gemm_config(self, M, N, K, E, top_k, dtype):
         """The GEMM's tuned config for a shape when the backend offers `get_config`
-        (e.g. `cuda_kernels.cupy.grouped_gemm.get_config`), else None."""
+        (e.g. `cuda_kernels.cupy.gemm.get_config`), else None."""
         if not self.ok:
             return None
         key = (M, N, K, E, top_k, np.dtype(dtype).name)
@@ -289,8 +285,7 @@ def _find_get_config(backend: Backend):
     if mod_name is None:
         return None
     try:
-        # importlib, not attribute access: cuda_kernels.cupy.grouped_gemm is the *function*
-        sub = importlib.import_module(f"{mod_name}.grouped_gemm")
+        sub = importlib.import_module(f"{mod_name}.gemm")
     except Exception:
         return None
     fn = getattr(sub, "get_config", None)

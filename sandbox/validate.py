@@ -46,7 +46,6 @@ import math
 import sys
 import threading
 import time
-import types
 from dataclasses import dataclass, field
 
 import ml_dtypes
@@ -687,15 +686,3 @@ def _validate_backends(layer, x, logits, backends, stages, end_to_end, t, refere
                                     f"({', '.join(dict.fromkeys(missing))} missing)"
                                     if missing else "no stage asked for")
     return report
-
-
-class _CallableModule(types.ModuleType):
-    """`sandbox.validate` is this module *and* the function: the package exports the module
-    (so `sandbox.validate.validate` and `from sandbox.validate import ...` keep working) and
-    calling it calls `validate`."""
-
-    def __call__(self, *args, **kwargs):
-        return validate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -71,7 +71,8 @@ def test_validate_progress_lines_and_quiet():
     """A backend past the mark prints a line per stage on stderr; --quiet none."""
     code = textwrap.dedent("""
         import sys
-        import sandbox.validate as v
+        import importlib
+        v = importlib.import_module("sandbox.validate")
         v.PROGRESS_AFTER_S = 0.0
         from sandbox.cli import main
         sys.exit(main(sys.argv[1:]))
@@ -89,7 +90,7 @@ def test_validate_forced_divergence_exits_nonzero():
     # the torch backend's combine stage adds 1 to every output: validate must catch it
     code = textwrap.dedent("""
         import sys
-        import sandbox.torch_backend as tb
+        import cuda_kernels.torch as tb
         real = tb.moe_sum
         tb.moe_sum = lambda x, *a, **kw: real(x, *a, **kw) + 1
         from sandbox.cli import main

@@ -58,7 +58,6 @@ SHAPES = [(1, 8, 2, 256, 512), (7, 16, 4, 128, 192), (64, 32, 8, 256, 128),
 
 @pytest.mark.parametrize("T,E,K,H,I", SHAPES)
 def test_fused_experts_is_the_stages_bit_for_bit(T, E, K, H, I, rng):  # noqa: E741
-    from cuda_kernels.cupy import grouped_gemm as gg_fn  # noqa: F401  (module loaded)
     from cuda_kernels.cupy.experts import fused_experts, plan_for
 
     host = _problem(rng, T, E, K, H, I)
@@ -224,16 +223,17 @@ def test_fused_experts_runs_the_rung_the_card_table_names(rung, rng, monkeypatch
     with its tensor maps of w1 and w2 and a grid of the SMs), the plan launches it and still
     equals the stage path."""
     from cuda_kernels.cupy import experts
-    gg = __import__("importlib").import_module("cuda_kernels.cupy.grouped_gemm")
+    from cuda_kernels.cupy import gemm as gg
+    from cuda_kernels.cupy import gemm_configs as gcfg
     from cuda_kernels.cupy import tune
 
-    card = gg.current_device_name()
+    card = gcfg.current_device_name()
     if rung in ("v5", "v6") and not gg._compile.is_sm90(0):
         pytest.skip(f"{rung} runs on sm_90 only")
-    by_m = {dk: {str(b): rung for b in gg.M_BUCKETS} for dk in ("bf16", "fp16")}
-    table = tune.merge_device_section({k: v for k, v in gg.load_table().items()
+    by_m = {dk: {str(b): rung for b in gcfg.M_BUCKETS} for dk in ("bf16", "fp16")}
+    table = tune.merge_device_section({k: v for k, v in gcfg.load_table().items()
                                        if k != "devices"}, card, [], by_m, {})
-    monkeypatch.setattr(gg, "load_table", lambda *a: table)
+    monkeypatch.setattr(gcfg, "load_table", lambda *a: table)
     monkeypatch.setattr(experts, "_PLANS", {})
     gg._plan.cache_clear()
     try:

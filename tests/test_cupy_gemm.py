@@ -1,4 +1,4 @@
-"""The CuPy grouped GEMM ladder (cuda_kernels/cupy/grouped_gemm.py) against the reference.
+"""The CuPy grouped GEMM ladder (cuda_kernels/cupy/gemm.py) against the reference.
 
     T tokens, E experts (E_local on this rank), K top-k, H hidden, I intermediate,
     B block size, N output width, Kdim reduction width, P = T*K slots
@@ -18,7 +18,6 @@ raise before any launch.
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 import pathlib
 import shutil
@@ -33,92 +32,92 @@ from oracles import BF16, TOL, distinct_topk_ids, random_weights, rel_err, rng_f
 
 import reference
 from cuda_kernels.cupy import _compile as C
-
-# the package exports the *function* under the module's name: fetch the module itself
-gg = importlib.import_module("cuda_kernels.cupy.grouped_gemm")
-tune = importlib.import_module("cuda_kernels.cupy.tune")
+from cuda_kernels.cupy import gemm as gg
+from cuda_kernels.cupy import gemm_configs as gcfg
+from cuda_kernels.cupy import gemm_tensor_map as gtmap
+from cuda_kernels.cupy import tune
 
 DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF16}
 
 
 # ============================================================================ CPU: configs
 def test_table_rows_are_well_formed():
-    table = gg.load_table()
+    table = gcfg.load_table()
     assert table["configs"], "gemm_configs.json holds no rows"
     for row in table["configs"]:
-        assert row["version"] in gg.VERSIONS, row
-        assert row["dtype"] in gg.DTYPE_KEYS, row
-        assert row["m"] in gg.M_BUCKETS, row
-        assert not (row["version"] in gg.TENSOR_CORE_VERSIONS and row["dtype"] == "fp32"), row
+        assert row["version"] in gcfg.VERSIONS, row
+        assert row["dtype"] in gcfg.DTYPE_KEYS, row
+        assert row["m"] in gcfg.M_BUCKETS, row
+        assert not (row["version"] in gcfg.TENSOR_CORE_VERSIONS and row["dtype"] == "fp32"), row
         assert ("N" in row) == ("K" in row), f"a shape row needs both N and K: {row}"
-        gg.check_config(row["version"], row["dtype"], gg._row_config(row))
+        gcfg.check_config(row["version"], row["dtype"], gcfg._row_config(row))
 
 
 def test_generic_rows_are_the_heuristic():
     """The untimed rows are exactly what tune.py --heuristic writes (regenerate after edits)."""
-    generic = [r for r in gg.load_table()["configs"] if "N" not in r]
+    generic = [r for r in gcfg.load_table()["configs"] if "N" not in r]
     assert generic == tune.heuristic_table()["configs"]
 
 
-@pytest.mark.parametrize("version", gg.VERSIONS + (None,))
-@pytest.mark.parametrize("dkey", gg.DTYPE_KEYS)
+@pytest.mark.parametrize("version", gcfg.VERSIONS + (None,))
+@pytest.mark.parametrize("dkey", gcfg.DTYPE_KEYS)
 def test_get_config_covers_every_bucket(version, dkey):
-    for m in gg.M_BUCKETS:
+    for m in gcfg.M_BUCKETS:
         for (N, K) in ((256, 128), (28672, 4096), (2048, 768), (7168, 2048), (200, 136)):
             E, top_k = 64, 4
             M = max(1, m * E // top_k)                  # tokens giving m tokens per expert
-            cfg = gg.get_config(M, N, K, E, top_k, DTYPES[dkey], version)
+            cfg = gcfg.get_config(M, N, K, E, top_k, DTYPES[dkey], version)
             v = cfg["version"]
-            assert v in gg.VERSIONS and (version in (None, v) or
-                                         (version in gg.TENSOR_CORE_VERSIONS and v == "v3"))
-            gg.check_config(v, dkey, {k: x for k, x in cfg.items() if k != "version"})
+            assert v in gcfg.VERSIONS and (version in (None, v) or
+                                           (version in gcfg.TENSOR_CORE_VERSIONS and v == "v3"))
+            gcfg.check_config(v, dkey, {k: x for k, x in cfg.items() if k != "version"})
             assert cfg["BLOCK_M"] >= 1
             # the caller aligns with BLOCK_M: the config fits its own block size
-            gg.fit_config(v, dkey, cfg, cfg["BLOCK_M"])
+            gcfg.fit_config(v, dkey, cfg, cfg["BLOCK_M"])
 
 
-@pytest.mark.parametrize("version", gg.VERSIONS)
-@pytest.mark.parametrize("dkey", gg.DTYPE_KEYS)
+@pytest.mark.parametrize("version", gcfg.VERSIONS)
+@pytest.mark.parametrize("dkey", gcfg.DTYPE_KEYS)
 def test_fit_config_divides_block_size(version, dkey):
-    if version in gg.TENSOR_CORE_VERSIONS and dkey == "fp32":
+    if version in gcfg.TENSOR_CORE_VERSIONS and dkey == "fp32":
         pytest.skip("fp32 runs v3")
     sizes = {"v4": (16, 32, 48, 64, 128, 256), "v5": (64, 128, 192, 256),
              "v6": (64, 128, 192, 256)}.get(
         version, (1, 3, 8, 16, 24, 64, 128))
-    for m in gg.M_BUCKETS:
-        cfg = gg.heuristic_config(version, dkey, m)
+    for m in gcfg.M_BUCKETS:
+        cfg = gcfg.heuristic_config(version, dkey, m)
         for B in sizes:
-            fitted = gg.fit_config(version, dkey, cfg, B)
+            fitted = gcfg.fit_config(version, dkey, cfg, B)
             if version != "v1":
                 assert B % fitted["BLOCK_M"] == 0, (cfg, B, fitted)
-            grid, block, smem = gg.launch_geometry(version, fitted, 1000, 300)
-            assert math.prod(block) <= 1024 and smem <= gg.V4_SMEM_LIMIT
+            grid, block, smem = gcfg.launch_geometry(version, fitted, 1000, 300)
+            assert math.prod(block) <= 1024 and smem <= gcfg.V4_SMEM_LIMIT
 
 
 def test_tensor_core_rungs_reject_short_blocks():
     with pytest.raises(ValueError, match="block_size: v4 needs a multiple of 16"):
-        gg.fit_config("v4", "bf16", gg.heuristic_config("v4", "bf16", 1), 8)
+        gcfg.fit_config("v4", "bf16", gcfg.heuristic_config("v4", "bf16", 1), 8)
     with pytest.raises(ValueError, match="block_size: v5 needs a multiple of 64"):
-        gg.fit_config("v5", "bf16", gg.heuristic_config("v5", "bf16", 1), 32)
+        gcfg.fit_config("v5", "bf16", gcfg.heuristic_config("v5", "bf16", 1), 32)
     assert "block_size" in gg.usable("v5", "bf16", 128, 16, True)
     with pytest.raises(ValueError, match="block_size: v6 needs a multiple of 64"):
-        gg.fit_config("v6", "bf16", gg.heuristic_config("v6", "bf16", 4096), 32)
+        gcfg.fit_config("v6", "bf16", gcfg.heuristic_config("v6", "bf16", 4096), 32)
     assert "block_size" in gg.usable("v6", "bf16", 128, 16, True)
     assert "compute capability 9.0" in gg.usable("v6", "bf16", 128, 64, True, sm90=False)
     assert "Kdim" in gg.usable("v6", "bf16", 0, 64, True)
 
 
 def test_m_bucket_and_lookup():
-    assert [gg.m_bucket(x) for x in (0.1, 1, 1.5, 16, 17, 1e9)] == [1, 1, 2, 16, 32, 4096]
+    assert [gcfg.m_bucket(x) for x in (0.1, 1, 1.5, 16, 17, 1e9)] == [1, 1, 2, 16, 32, 4096]
     table = {"configs": [
         {"version": "v4", "dtype": "bf16", "m": 16, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
          "warps": 4, "stages": 4},
         {"version": "v4", "dtype": "bf16", "m": 16, "N": 4096, "K": 7168, "BLOCK_M": 16,
          "BLOCK_N": 128, "BLOCK_K": 128, "warps": 4, "stages": 3}]}
-    assert gg.lookup("v4", "bf16", 10, 4096, 7168, table)["BLOCK_N"] == 128   # the shape row
-    assert gg.lookup("v4", "bf16", 10, 4000, 7000, table)["BLOCK_N"] == 128   # near it
-    assert gg.lookup("v4", "bf16", 10, 512, 512, table)["BLOCK_N"] == 64      # far: generic
-    assert gg.lookup("v4", "fp16", 10, 512, 512, table) == gg.heuristic_config("v4", "fp16", 16)
+    assert gcfg.lookup("v4", "bf16", 10, 4096, 7168, table)["BLOCK_N"] == 128   # the shape row
+    assert gcfg.lookup("v4", "bf16", 10, 4000, 7000, table)["BLOCK_N"] == 128   # near it
+    assert gcfg.lookup("v4", "bf16", 10, 512, 512, table)["BLOCK_N"] == 64      # far: generic
+    assert gcfg.lookup("v4", "fp16", 10, 512, 512, table) == gcfg.heuristic_config("v4", "fp16", 16)
 
 
 def test_default_version_and_fallbacks(monkeypatch):
@@ -129,9 +128,9 @@ def test_default_version_and_fallbacks(monkeypatch):
     assert plan(None, "fp16", 1, 128, 100, 16, True, True, None)[0] == "v2"    # Kdim % 8
     assert plan(None, "bf16", 1, 128, 128, 8, True, True, None)[0] == "v3"     # B % 16
     assert plan(None, "bf16", 1, 128, 128, 16, False, True, None)[0] == "v2"   # unaligned
-    promoted = dict(gg.load_table(), default_version={"bf16": "v5", "fp32": "v5"})
-    monkeypatch.setattr(gg, "load_table", lambda *a: promoted)
-    assert gg.default_version(BF16) == "v5" and gg.default_version(np.float32) == "v3"
+    promoted = dict(gcfg.load_table(), default_version={"bf16": "v5", "fp32": "v5"})
+    monkeypatch.setattr(gcfg, "load_table", lambda *a: promoted)
+    assert gcfg.default_version(BF16) == "v5" and gcfg.default_version(np.float32) == "v3"
     assert plan(None, "bf16", 64, 256, 256, 64, True, True, None)[0] == "v5"
     assert plan(None, "bf16", 64, 256, 256, 16, True, True, None)[0] == "v4"   # B % 64
     assert plan(None, "bf16", 64, 256, 256, 64, True, False, None)[0] == "v4"  # not sm_90
@@ -154,20 +153,20 @@ def test_version_by_m_picks_v5_per_bucket(monkeypatch):
                               ("mixtral", 64, "v4"): 1.0, ("mixtral", 64, "v5"): 1.0}) == \
         {"bf16": {"64": "v5"}, "fp16": {"64": "v5"}}
     card = "Card X"
-    table = tune.merge_device_section({"configs": gg.load_table()["configs"]}, card, [],
+    table = tune.merge_device_section({"configs": gcfg.load_table()["configs"]}, card, [],
                                       by_m, {"date": "today"})
-    monkeypatch.setattr(gg, "load_table", lambda *a: table)
+    monkeypatch.setattr(gcfg, "load_table", lambda *a: table)
     gg._plan.cache_clear()
     try:
-        assert gg.default_version(BF16, device=card) == "v4"
-        assert gg.default_version(BF16, 100, card) == "v5"
-        assert gg.default_version(BF16, 300, card) == "v4"
-        assert gg.default_version(BF16, 100, "Another card") == "v4"    # not its section
+        assert gcfg.default_version(BF16, device=card) == "v4"
+        assert gcfg.default_version(BF16, 100, card) == "v5"
+        assert gcfg.default_version(BF16, 300, card) == "v4"
+        assert gcfg.default_version(BF16, 100, "Another card") == "v4"    # not its section
         E, top_k = 256, 8
-        cfg = gg.get_config(128 * E // top_k, 4096, 7168, E, top_k, BF16, device=card)
+        cfg = gcfg.get_config(128 * E // top_k, 4096, 7168, E, top_k, BF16, device=card)
         assert cfg["version"] == "v5" and cfg["BLOCK_M"] % 64 == 0
-        assert gg.get_config(64 * E // top_k, 4096, 7168, E, top_k, BF16,
-                             device=card)["version"] == "v4"
+        assert gcfg.get_config(64 * E // top_k, 4096, 7168, E, top_k, BF16,
+                               device=card)["version"] == "v4"
         plan = gg._plan.__wrapped__
         assert plan(None, "bf16", 128, 4096, 7168, 64, True, True, None, card)[0] == "v5"
         assert plan(None, "bf16", 128, 4096, 7168, 16, True, True, None, card)[0] == "v4"
@@ -184,9 +183,9 @@ def test_card_sections_are_read_on_their_card_only():
                "BLOCK_K": 64, "warps": 4, "stages": 4}
     tuned = dict(generic, N=4096, K=7168, BLOCK_N=128, BLOCK_K=128, stages=3)
     table = tune.merge_device_section({"configs": [generic]}, "Card A", [tuned], {}, {})
-    assert gg.lookup("v4", "bf16", 10, 4096, 7168, table, device="Card A")["BLOCK_N"] == 128
-    assert gg.lookup("v4", "bf16", 10, 4096, 7168, table, device="Card B")["BLOCK_N"] == 64
-    assert gg.lookup("v4", "bf16", 10, 4096, 7168, table)["BLOCK_N"] == 64
+    assert gcfg.lookup("v4", "bf16", 10, 4096, 7168, table, device="Card A")["BLOCK_N"] == 128
+    assert gcfg.lookup("v4", "bf16", 10, 4096, 7168, table, device="Card B")["BLOCK_N"] == 64
+    assert gcfg.lookup("v4", "bf16", 10, 4096, 7168, table)["BLOCK_N"] == 64
     # a re-tune replaces the row of the same key and keeps the others
     again = tune.merge_device_section(table, "Card A", [dict(tuned, stages=5)], {}, {})
     rows = again["devices"]["Card A"]["configs"]
@@ -205,23 +204,23 @@ def test_card_sections_keep_every_run():
 
 
 def test_shipped_table_has_the_cards_sections():
-    table = gg.load_table()
+    table = gcfg.load_table()
     assert not any("N" in r for r in table["configs"]), "shape rows belong to a card's section"
     for name, sec in table.get("devices", {}).items():
         assert name.startswith("NVIDIA"), name
         for row in sec.get("configs", []):
-            gg.check_config(row["version"], row["dtype"], gg._row_config(row))
+            gcfg.check_config(row["version"], row["dtype"], gcfg._row_config(row))
         for dk, by_m in sec.get("version_by_m", {}).items():
-            assert all(v in gg.VERSIONS and int(m) in gg.M_BUCKETS for m, v in by_m.items())
+            assert all(v in gcfg.VERSIONS and int(m) in gcfg.M_BUCKETS for m, v in by_m.items())
 
 
 def test_shape_rows_apply_at_their_own_bucket_only():
     table = {"configs": [
         {"version": "v4", "dtype": "bf16", "m": 16, "N": 4096, "K": 7168, "BLOCK_M": 16,
          "BLOCK_N": 128, "BLOCK_K": 128, "warps": 4, "stages": 3}]}
-    assert gg.lookup("v4", "bf16", 16, 4096, 7168, table)["BLOCK_N"] == 128
-    assert gg.lookup("v4", "bf16", 4096, 4096, 7168, table) == \
-        gg.heuristic_config("v4", "bf16", 4096)                 # a far bucket: not the m=16 tile
+    assert gcfg.lookup("v4", "bf16", 16, 4096, 7168, table)["BLOCK_N"] == 128
+    assert gcfg.lookup("v4", "bf16", 4096, 4096, 7168, table) == \
+        gcfg.heuristic_config("v4", "bf16", 4096)                 # a far bucket: not the m=16 tile
 
 
 def test_every_table_config_is_registered_for_nvrtc():
@@ -238,23 +237,23 @@ def test_v6_configs_and_register_split():
     """v6's heuristic and tuning candidates are launchable at both block sizes, and the
     setmaxnreg split never asks for more registers than the CTA entered with."""
     cands = [dict(zip(tune.CANDIDATE_KEYS["v6"], c)) for c in tune.V6_CANDIDATES]
-    for cfg in [gg.heuristic_config("v6", "bf16", m) for m in gg.M_BUCKETS] + cands:
+    for cfg in [gcfg.heuristic_config("v6", "bf16", m) for m in gcfg.M_BUCKETS] + cands:
         for B in (64, 128, 256):
-            f = gg.fit_config("v6", "bf16", cfg, B)
-            d = gg.kernel_defines("v6", "bf16", f)
+            f = gcfg.fit_config("v6", "bf16", cfg, B)
+            d = gcfg.kernel_defines("v6", "bf16", f)
             threads = f["warps"] * 32
             assert d["CONSUMERS"] == f["warps"] // 4 - 1 and B % f["BLOCK_M"] == 0
             if d["CONSUMERS"] == 2:
                 entry = 65536 // threads // 8 * 8
                 assert 128 * d["PRODUCER_REGS"] + 256 * d["CONSUMER_REGS"] <= entry * threads
-            grid, block, smem = gg.launch_geometry("v6", f, 5000, 4096, num_sms=132)
-            assert grid == (132,) and block == (threads,) and smem <= gg.V4_SMEM_LIMIT
-    assert gg.launch_geometry("v6", gg.fit_config("v6", "bf16", cands[0], 128), 100, 100,
-                              num_sms=132)[0] == (1,)           # never more CTAs than tiles
+            grid, block, smem = gcfg.launch_geometry("v6", f, 5000, 4096, num_sms=132)
+            assert grid == (132,) and block == (threads,) and smem <= gcfg.V4_SMEM_LIMIT
+    assert gcfg.launch_geometry("v6", gcfg.fit_config("v6", "bf16", cands[0], 128), 100, 100,
+                                num_sms=132)[0] == (1,)           # never more CTAs than tiles
     with pytest.raises(ValueError, match="warps"):
-        gg.check_config("v6", "bf16", dict(cands[0], warps=8))  # 128 rows need two consumers
+        gcfg.check_config("v6", "bf16", dict(cands[0], warps=8))  # 128 rows need two consumers
     with pytest.raises(ValueError, match="BLOCK_K 64"):
-        gg.check_config("v6", "bf16", dict(cands[0], BLOCK_K=32))
+        gcfg.check_config("v6", "bf16", dict(cands[0], BLOCK_K=32))
     assert gg.extra_args("v5", {}, dev=0) == ()
 
 
@@ -279,11 +278,11 @@ def test_v6_tensor_map_encoding(monkeypatch):
 
     monkeypatch.setattr(_launch, "_driver",
                         lambda: types.SimpleNamespace(cuTensorMapEncodeTiled=fake_encode))
-    monkeypatch.setattr(gg, "_TENSOR_MAPS", {})
+    monkeypatch.setattr(gtmap, "_TENSOR_MAPS", {})
     w = np.zeros((8, 300, 200), BF16).view(_FakeArray)          # [E, N, Kdim]
-    cfg = gg.fit_config("v6", "bf16", gg.heuristic_config("v6", "bf16", 4096), 128)
+    cfg = gcfg.fit_config("v6", "bf16", gcfg.heuristic_config("v6", "bf16", 4096), 128)
     (tmap,) = gg.extra_args("v6", cfg, dev=0, w=w)
-    assert gg.v6_tensor_map(w.ctypes.data, w.shape, "bf16", cfg, 0) is tmap   # cached
+    assert gtmap.v6_tensor_map(w.ctypes.data, w.shape, "bf16", cfg, 0) is tmap   # cached
     assert len(calls) == 1
     assert isinstance(tmap, np.ndarray) and tmap.size == 1 and tmap.nbytes == 128
     assert tmap.view(np.uint64)[0] == 0xABC                     # the driver's bytes, passed on
@@ -433,7 +432,7 @@ VLLM_TIH = ((1, 128, 128), (1, 2048, 128), (33, 2048, 128), (222, 1024, 1024))
 @functools.lru_cache(maxsize=2)
 def _grid_problem(T, I, H, E, top_k, dkey, which):  # noqa: E741
     dt = DTYPES[dkey]
-    B = gg.get_config(T, 2 * I, H, E, top_k, dt)["BLOCK_M"]   # the layer's choice
+    B = gcfg.get_config(T, 2 * I, H, E, top_k, dt)["BLOCK_M"]   # the layer's choice
     if which == "gemm1":
         return _problem(T, E, top_k, 2 * I, H, dt, B, seed=1)
     return _problem(T, E, top_k, H, I, dt, B, seed=2, gemm2=True, mul=True)
@@ -543,7 +542,7 @@ def test_kdim_not_multiple_of_16_bytes(dkey):
 def test_block_size_larger_than_the_tile(version):
     """B = 128 with a config whose BLOCK_M is 16: several CTA tiles per alignment block."""
     prob = _problem(90, 4, 2, 128, 128, np.dtype(np.float16), 128)
-    cfg = gg.heuristic_config(version, "fp16", 1)
+    cfg = gcfg.heuristic_config(version, "fp16", 1)
     _check(prob, version, config=cfg)
 
 
@@ -741,7 +740,7 @@ def test_fused_experts_end_to_end(version, dkey, case):
         b2 = uniform(rng, (E_local, H), 0.5, dt)
     want = reference.fused_experts(x, w1, w2, tw, ids, global_num_experts=E, expert_map=emap,
                                    w1_bias=b1, w2_bias=b2, precision="exact")
-    B = gg.get_config(T, 2 * I, H, E_local, top_k, dt, version if hopper else None)["BLOCK_M"]
+    B = gcfg.get_config(T, 2 * I, H, E_local, top_k, dt, version if hopper else None)["BLOCK_M"]
     st, ex, nt = reference.moe_align_block_size(ids, B, E, expert_map=emap)
     d = {k: _dev(v) for k, v in dict(x=x, w1=w1, w2=w2, tw=tw, st=st, ex=ex, nt=nt,
                                          b1=b1, b2=b2).items()}
@@ -1536,7 +1535,7 @@ def _emu_launch(exe, grid, block, smem, args, order_seed=0):
 
 def _emu_tensor_map(fields):
     """v6's tensor map as the emulator takes it (EMU_HEADER's gg_tma_load_3d): the words of
-    grouped_gemm.v6_tensor_map_fields, which the launcher hands to cuTensorMapEncodeTiled."""
+    gemm_tensor_map.v6_tensor_map_fields, which the launcher hands to cuTensorMapEncodeTiled."""
     assert fields["rank"] == 3 and fields["element_strides"] == (1, 1, 1)
     return np.array([*fields["dims"], *fields["strides"], *fields["box"], fields["elem_bytes"],
                      fields["swizzle_bytes"]], dtype=np.int64)
@@ -1547,16 +1546,16 @@ EMU_SMS = 3     # v6's persistent grid in the emulator: few CTAs, each walking m
 
 def _emulate(prob, version, cfg, num_sms=EMU_SMS):
     """Run one instantiation on the CPU on `prob` (as built by _problem); return c [P, N]."""
-    dkey = gg.dtype_key(prob["dtype"])
-    fitted = gg.fit_config(version, dkey, cfg, prob["B"])
-    defines = gg.kernel_defines(version, dkey, fitted)
+    dkey = gcfg.dtype_key(prob["dtype"])
+    fitted = gcfg.fit_config(version, dkey, cfg, prob["B"])
+    defines = gcfg.kernel_defines(version, dkey, fitted)
     exe = _emu_binary(gg.CU_FILES[version], gg.KERNEL_NAMES[version],
                       tuple(sorted(defines.items())))
     P, N, K = prob["P"], prob["N"], prob["a"].shape[1]
-    grid, block, smem = gg.launch_geometry(version, fitted, prob["st"].size, N, num_sms)
+    grid, block, smem = gcfg.launch_geometry(version, fitted, prob["st"].size, N, num_sms)
     extra = ()
     if version == "v6":
-        extra = (_emu_tensor_map(gg.v6_tensor_map_fields(prob["w"].shape, dkey, fitted)),)
+        extra = (_emu_tensor_map(gtmap.v6_tensor_map_fields(prob["w"].shape, dkey, fitted)),)
     bias = prob["bias"]
     bias_kind = 0 if bias is None else (1 if bias.dtype == prob["dtype"] else 2)
     bias_arr = np.zeros(1, np.float32) if bias is None else \
@@ -1648,7 +1647,7 @@ EMU_CASES = {
                                                  stages=3, GROUP_M=8, PRODUCER_REGS=56),
                               (31, 4, 2, 300, 200, 64), dict(gemm2=True, mul=True)),
     # the shipped prefill tile (the heuristic from m = 512): 128 x 256, 4 stages, 6 k tiles
-    "v6_shipped_128x256": ("v6", "bf16", gg.heuristic_config("v6", "bf16", 4096),
+    "v6_shipped_128x256": ("v6", "bf16", gcfg.heuristic_config("v6", "bf16", 4096),
                            (70, 2, 2, 264, 328, 128), dict(mul=True, bias=np.float32)),
     # block_size 128 with 64-row tiles: two tiles of one alignment block
     "v6_block128_tile64": ("v6", "bf16", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, warps=8,
@@ -1762,14 +1761,14 @@ def test_launcher_on_cpu_emulator(case, monkeypatch):
     monkeypatch.setattr(gg, "_READY", {})
     monkeypatch.setattr(gg, "_DUMMIES", {})
     monkeypatch.setattr(gg, "_DEVICE_SMS", {})
-    monkeypatch.setattr(gg, "_TENSOR_MAPS", {})
+    monkeypatch.setattr(gtmap, "_TENSOR_MAPS", {})
     encoded = []
 
     def fake_encode(fields, ptr):
         encoded.append((fields, ptr))
         return _emu_tensor_map(fields)
 
-    monkeypatch.setattr(gg, "_encode_tensor_map", fake_encode)
+    monkeypatch.setattr(gtmap, "_encode_tensor_map", fake_encode)
     monkeypatch.setattr(gg, "_sm90_of", lambda dev: True)
     made = []
 
@@ -1845,10 +1844,10 @@ def test_decode_bench_host_logic(monkeypatch):
     calls = []
 
     def fake_gemm(a, w, st, ex, nt, top_k, B, tw, mul, *, version, config, out):
-        dkey = gg.dtype_key(a.dtype)
-        cfg = gg.get_config(1, w.shape[1], w.shape[2], w.shape[0], 1, a.dtype, version) \
+        dkey = gcfg.dtype_key(a.dtype)
+        cfg = gcfg.get_config(1, w.shape[1], w.shape[2], w.shape[0], 1, a.dtype, version) \
             if config is None else config
-        gg.fit_config(version, dkey, {k: v for k, v in cfg.items() if k != "version"}, B)
+        gcfg.fit_config(version, dkey, {k: v for k, v in cfg.items() if k != "version"}, B)
         calls.append((version, B))
         c = reference.grouped_gemm(a.astype(np.float32), w.astype(np.float32), st, ex, nt,
                                    top_k, B, tw, mul)
@@ -1886,10 +1885,10 @@ def test_decode_bench_prefill_v6_sweep_host_logic(monkeypatch):
     calls = []
 
     def fake_gemm(a, w, st, ex, nt, top_k, B, tw, mul, *, version, config, out):
-        dkey = gg.dtype_key(a.dtype)
-        cfg = gg.get_config(1, w.shape[1], w.shape[2], w.shape[0], 1, a.dtype, version) \
+        dkey = gcfg.dtype_key(a.dtype)
+        cfg = gcfg.get_config(1, w.shape[1], w.shape[2], w.shape[0], 1, a.dtype, version) \
             if config is None else config
-        gg.fit_config(version, dkey, {k: v for k, v in cfg.items() if k != "version"}, B)
+        gcfg.fit_config(version, dkey, {k: v for k, v in cfg.items() if k != "version"}, B)
         calls.append((version, B))
         c = reference.grouped_gemm(a.astype(np.float32), w.astype(np.float32), st, ex, nt,
                                    top_k, B, tw, mul)
@@ -1924,9 +1923,9 @@ def test_v6_tensor_map_is_the_driver_bindings_map():
     if not gg._compile.is_sm90(0):
         pytest.skip("v6 runs on sm_90 only")
     w = cp.zeros((4, 300, 200), dtype=cp.float16)
-    cfg = gg.fit_config("v6", "fp16", gg.heuristic_config("v6", "fp16", 4096), 128)
-    fields = gg.v6_tensor_map_fields(w.shape, "fp16", cfg)
-    ours = gg._encode_tensor_map(fields, w.data.ptr).view(np.uint64)
+    cfg = gcfg.fit_config("v6", "fp16", gcfg.heuristic_config("v6", "fp16", 4096), 128)
+    fields = gtmap.v6_tensor_map_fields(w.shape, "fp16", cfg)
+    ours = gtmap._encode_tensor_map(fields, w.data.ptr).view(np.uint64)
     err, tmap = driver.cuTensorMapEncodeTiled(
         driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, w.data.ptr,
         [driver.cuuint64_t(x) for x in fields["dims"]],

@@ -14,9 +14,9 @@ import pytest
 
 from cuda_kernels.cupy import _compile as C
 
-# The modules that register compile cases. grouped_gemm is written separately: when it is
+# The modules that register compile cases. gemm is written separately: when it is
 # missing or broken the others are still checked (its own test reports the failure).
-KERNEL_MODULES = ("routing", "permute", "activation", "combine", "grouped_gemm", "quant_act",
+KERNEL_MODULES = ("routing", "align", "permute", "activation", "combine", "gemm", "quant_act",
                   "quant_gemm", "quant_gemm_wna16", "ep_layout")
 ARCHS = ("sm_90", "sm_80")
 
@@ -47,7 +47,7 @@ def _case_id(case) -> str:
     return f"{case.cu_name}[{d}][{n} names]{'[' + o + ']' if o else ''}"
 
 
-@pytest.mark.parametrize("name", [m for m in KERNEL_MODULES if m != "grouped_gemm"])
+@pytest.mark.parametrize("name", [m for m in KERNEL_MODULES if m != "gemm"])
 def test_kernel_module_imports_without_gpu(name):
     """The launchers of this task import on a CPU-only machine (CuPy is imported lazily)."""
     assert name not in IMPORT_PROBLEMS, IMPORT_PROBLEMS.get(name)
@@ -55,7 +55,7 @@ def test_kernel_module_imports_without_gpu(name):
 
 def test_every_module_registers_cases():
     files = {c.cu_name for c in CASES}
-    for cu in ("routing.cu", "permute.cu", "activation.cu", "combine.cu"):
+    for cu in ("routing.cu", "align.cu", "permute.cu", "activation.cu", "combine.cu"):
         assert cu in files, f"no compile case registered for {cu}"
 
 
@@ -321,8 +321,7 @@ extern "C" void route(const IN_T* g, const float* bias, float* w, int* ids, int*
     route_topk_kernel<V>(g, bias, w, ids, tei, T, E, K, G, TG, scoring, renorm, mode, scale); });
     R(1) R(2) R(4) R(8) R(16) R(32)
 }"""),
-    "permute.cu": ({"SCALAR_T": "float", "ROW_WARPS": 2, "UNPERMUTE_THREADS": 32, "PREFETCH": 2},
-                   r"""
+    "align.cu": ({"PREFETCH": 2}, r"""
 extern "C" void align(const int* ids, const int* emap, int* sorted, int* eids, int* npost, int* hist,
                       unsigned* bar, int P, int E, int B, int n, int nb, int ign, int grid,
                       int threads, int smem) {
@@ -330,7 +329,9 @@ extern "C" void align(const int* ids, const int* emap, int* sorted, int* eids, i
                                        ign); };
     if (grid == 1) launch(1, threads, smem, body);
     else launch_cooperative(grid, threads, smem, body);
-}
+}"""),
+    "permute.cu": ({"SCALAR_T": "float", "ROW_WARPS": 2, "UNPERMUTE_THREADS": 32, "PREFETCH": 2},
+                   r"""
 extern "C" void permute_index(const int* ids, int* off, int* inv, int P, int E, int chunk,
                               int threads, int smem) {
     launch(1, threads, smem, [&] { moe_permute_index_kernel(ids, off, inv, P, E, chunk); });
@@ -454,9 +455,10 @@ def test_emulated_align_and_permute(emulated):
     import numpy as np
 
     import reference
+    from cuda_kernels.cupy import align as ck_align
     from cuda_kernels.cupy import permute as ck_perm
 
-    lib = emulated("permute.cu")
+    lib_align, lib = emulated("align.cu"), emulated("permute.cu")
     rng = np.random.default_rng(7)
 
     def ids_of(T, E, K):
@@ -466,15 +468,15 @@ def test_emulated_align_and_permute(emulated):
 
     def align(ids, B, E, emap=None, pad=False, ign=False, large=False):
         P = ids.size
-        n = ck_perm.max_num_tokens_padded(P, E, B, pad)
+        n = ck_align.max_num_tokens_padded(P, E, B, pad)
         out = (np.full(n, -7, np.int32), np.full(-(-n // B), -7, np.int32), np.full(1, -7, np.int32))
-        G, W, smem = ck_perm._align_geometry(P, E, 1)  # one block
+        G, W, smem = ck_align._align_geometry(P, E, 1)  # one block
         if large:  # a cooperative grid of small blocks: 5 blocks of 2 warps (one round of
             # 32-slot steps per warp), or 3 blocks of 1 warp (several rounds per warp)
             G, W = (5, 2) if large == 1 else (3, 1)
             smem = (W * E + 2 * E + 33) * 4
         hist = np.full(G * E, -7, np.int32)
-        lib.align(_p(ids), _p(emap), *map(_p, out), _p(hist), _p(bar), P, E, B, n, out[1].size,
+        lib_align.align(_p(ids), _p(emap), *map(_p, out), _p(hist), _p(bar), P, E, B, n, out[1].size,
                   int(ign), G, W * 32, smem)
         assert bar[0] & 0x7FFFFFFF == 0, "the barrier word's low bits come back to 0"
         return out
@@ -657,7 +659,7 @@ def test_emulated_activation_and_combine(emulated):
     x = rng.standard_normal((5, 3, 40)).astype(np.float32)
     ids = np.array([[0, 1, 2], [-1, 3, 1], [-1, -1, -1], [2, -1, 0], [3, 3, 1]], np.int32)
     for emap in (None, np.array([0, -1, 1, 2], np.int32)):
-        live = reference.experts.slot_is_live(ids, emap)
+        live = reference.combine.slot_is_live(ids, emap)
         xp = np.where(live[:, :, None], x, np.nan).astype(np.float32)
         for vec in (1, 4):
             out = np.full((5, 40), np.nan, np.float32)

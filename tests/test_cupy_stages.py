@@ -47,6 +47,7 @@ from oracles import (
 import reference
 from cuda_kernels.cupy import _compile as C
 from cuda_kernels.cupy import activation as ck_act
+from cuda_kernels.cupy import align as ck_align
 from cuda_kernels.cupy import combine as ck_combine
 from cuda_kernels.cupy import permute as ck_perm
 from cuda_kernels.cupy import routing as ck_route
@@ -302,7 +303,7 @@ def test_routing_bad_inputs():
 
 # ============================================================================ alignment
 def check_align(topk_ids, B, E, expert_map=None, pad=False, ignore_invalid=False):
-    got = ck_perm.moe_align_block_size(dev(topk_ids), B, E,
+    got = ck_align.moe_align_block_size(dev(topk_ids), B, E,
                                        None if expert_map is None else dev(expert_map),
                                        pad, ignore_invalid)
     want = reference.moe_align_block_size(topk_ids, B, E, expert_map, pad, ignore_invalid)
@@ -330,10 +331,10 @@ def align_path(request, monkeypatch):
     """Both alignment paths: one block (P <= SMALL_P) and the cooperative grid (forced, with
     blocks of 2 warps of 32 slots: a 1000-slot case spans 16 blocks, E1024 hits the SM cap)."""
     if request.param == "grid":
-        monkeypatch.setitem(ck_perm.CONFIGS["align"], "SMALL_P", 0)
-        monkeypatch.setitem(ck_perm.CONFIGS["align"], "WARP_SLOTS", 32)
-        monkeypatch.setitem(ck_perm.CONFIGS["align"], "TABLE_LOADS", 1 << 20)  # no table cap
-        monkeypatch.setitem(ck_perm.CONFIGS["group"], "MAX_WARPS", 2)
+        monkeypatch.setitem(ck_align.CONFIGS["align"], "SMALL_P", 0)
+        monkeypatch.setitem(ck_align.CONFIGS["align"], "WARP_SLOTS", 32)
+        monkeypatch.setitem(ck_align.CONFIGS["align"], "TABLE_LOADS", 1 << 20)  # no table cap
+        monkeypatch.setitem(ck_align.CONFIGS["group"], "MAX_WARPS", 2)
     return request.param
 
 
@@ -392,19 +393,19 @@ def test_align_skips_ids_outside_the_experts(ignore_invalid, align_path):
 
 def test_align_int64_ids_and_bad_inputs():
     ids = distinct_topk_ids(rng_for("i64"), 30, 16, 2)
-    got = ck_perm.moe_align_block_size(dev(ids.astype(np.int64)), 8, 16)
+    got = ck_align.moe_align_block_size(dev(ids.astype(np.int64)), 8, 16)
     want = reference.moe_align_block_size(ids, 8, 16)
     np.testing.assert_array_equal(host(got[0]), want[0])
     with pytest.raises(TypeError, match="topk_ids"):
-        ck_perm.moe_align_block_size(dev(np.ones((3, 2), np.float32)), 8, 16)
+        ck_align.moe_align_block_size(dev(np.ones((3, 2), np.float32)), 8, 16)
     with pytest.raises(TypeError, match="topk_ids"):
-        ck_perm.moe_align_block_size(ids, 8, 16)
+        ck_align.moe_align_block_size(ids, 8, 16)
     with pytest.raises(ValueError, match="block_size"):
-        ck_perm.moe_align_block_size(dev(ids), 0, 16)
+        ck_align.moe_align_block_size(dev(ids), 0, 16)
     with pytest.raises(ValueError, match="expert_map"):
-        ck_perm.moe_align_block_size(dev(ids), 8, 16, dev(np.zeros(15, np.int32)))
+        ck_align.moe_align_block_size(dev(ids), 8, 16, dev(np.zeros(15, np.int32)))
     with pytest.raises(ValueError, match="topk_ids"):
-        ck_perm.moe_align_block_size(dev(np.ones((4, 8), np.int32))[:, ::2], 8, 16)
+        ck_align.moe_align_block_size(dev(np.ones((4, 8), np.int32))[:, ::2], 8, 16)
 
 
 # ============================================================================ permute / unpermute
@@ -551,7 +552,7 @@ def test_moe_sum_pad_aware(dkey, with_map):
     ids[::5, 1] = -1
     ids[7] = -1
     emap = reference.determine_expert_map(2, 0, 16)[1].astype(np.int32) if with_map else None
-    live = reference.experts.slot_is_live(ids, emap)
+    live = reference.combine.slot_is_live(ids, emap)
     x[~live] = np.nan                                 # rows the GEMMs never wrote
     got = ck_combine.moe_sum(dev(x), dev(ids), None if emap is None else dev(emap))
     want = reference.moe_sum(x, ids, emap)

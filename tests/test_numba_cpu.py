@@ -122,8 +122,8 @@ def test_bad_arguments_fail_before_any_launch():
     r = run_py("""
         import numpy as np, importlib
         R = importlib.import_module("cuda_kernels.numba.routing")
-        G = importlib.import_module("cuda_kernels.numba.grouped_gemm")
-        Pm = importlib.import_module("cuda_kernels.numba.permute")
+        G = importlib.import_module("cuda_kernels.numba.gemm")
+        Al = importlib.import_module("cuda_kernels.numba.align")
         def raises(exc, text, fn, *a, **k):
             try:
                 fn(*a, **k)
@@ -139,7 +139,7 @@ def test_bad_arguments_fail_before_any_launch():
         raises(ValueError, "router_logits: expected 8 columns", R.select_experts, None,
                x[:, :6], 2, False, True, global_num_experts=8)
         raises(ValueError, "block_size: expected an int >= 1, got 0",
-               Pm.moe_align_block_size, np.zeros((2, 2), np.int32), 0, 4)
+               Al.moe_align_block_size, np.zeros((2, 2), np.int32), 0, 4)
         raises(TypeError, "a: expected a NumPy array or a CUDA array", G.grouped_gemm,
                [[1.0]], np.zeros((1, 1, 1), np.float32), np.zeros(1, np.int32),
                np.zeros(1, np.int32), np.zeros(1, np.int32), 1, 1)

@@ -39,7 +39,7 @@ DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF
 def _ptx_cases():
     if A.is_simulator():
         return []
-    G = importlib.import_module("cuda_kernels.numba.grouped_gemm")
+    G = importlib.import_module("cuda_kernels.numba.gemm")
     return [(label, d, sig) for label, d, sig in G.compile_cases()
             if " v3v " in label and "uint16" in label]
 
@@ -106,7 +106,7 @@ def test_v3v_matches_reference(case, dkey):
 @pytest.mark.skipif(not ON_GPU, reason=f"needs a CUDA GPU through numba: {WHY}")
 def test_v3v_expert_map_and_rows_no_block_names():
     gemm_check, gemm_problem = _gpu_helpers()
-    G = importlib.import_module("cuda_kernels.numba.grouped_gemm")
+    G = importlib.import_module("cuda_kernels.numba.gemm")
     _, emap = reference.determine_expert_map(2, 1, 8)
     args, want = gemm_problem(29, 8, 2, 160, 128, 16, BF16, expert_map=emap, E_local=4,
                               bias=np.float32, mul=True)
@@ -129,7 +129,7 @@ def test_v3v_misaligned_views_fall_back():
     """A view starting 2 bytes into a row is not 16-byte aligned: v3v must not read it in
     chunks (the call runs v3's element loads instead) and still match."""
     _, gemm_problem = _gpu_helpers()
-    G = importlib.import_module("cuda_kernels.numba.grouped_gemm")
+    G = importlib.import_module("cuda_kernels.numba.gemm")
     args, want = gemm_problem(9, 8, 2, 64, 128, 16, np.float16, seed=3)
     a, w = args[0], args[1]
     wd = nb.to_device(w)
@@ -156,7 +156,7 @@ def test_v3v_rows_past_the_grid_bound():
     a = uniform(rng, (1, 64), 1.0, BF16)
     w = uniform(rng, (4, 96, 64), 0.2, BF16)
     want = reference.grouped_gemm(a.astype(np.float64), w.astype(np.float64), *align, 2, 16)
-    G = importlib.import_module("cuda_kernels.numba.grouped_gemm")
+    G = importlib.import_module("cuda_kernels.numba.gemm")
     with nb.poisoned_outputs():
         got = G.grouped_gemm(a, w, *align, 2, 16, version="v3v")
     assert rel_err(got, want) <= 1e-2

@@ -58,10 +58,11 @@ pytestmark = [pytest.mark.gpu,
 
 if ON_GPU:
     R = importlib.import_module("cuda_kernels.numba.routing")
+    Al = importlib.import_module("cuda_kernels.numba.align")
     Pm = importlib.import_module("cuda_kernels.numba.permute")
     Ac = importlib.import_module("cuda_kernels.numba.activation")
     Cb = importlib.import_module("cuda_kernels.numba.combine")
-    G = importlib.import_module("cuda_kernels.numba.grouped_gemm")
+    G = importlib.import_module("cuda_kernels.numba.gemm")
 
 DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF16}
 FLAVORS = ("keys", "warp", "block")
@@ -232,8 +233,8 @@ def assert_align_exact(got, want, B, P, what):
 
 def forced_align(ids, B, E, path, expert_map=None, ignore=False, rank="warp"):
     call = A.Call("topk_ids", ids)
-    cap = Pm.max_num_tokens_padded(ids.size, B, E)
-    out = Pm._sort_slots(call, ids, E, B, expert_map, bool(ignore and expert_map is not None),
+    cap = Al.max_num_tokens_padded(ids.size, B, E)
+    out = Al._sort_slots(call, ids, E, B, expert_map, bool(ignore and expert_map is not None),
                          cap, True, False, path=path, rank=rank)
     return tuple(call.result(v) for v in out[:3])
 
@@ -242,8 +243,8 @@ def forced_align(ids, B, E, path, expert_map=None, ignore=False, rank="warp"):
 def grid_everywhere(monkeypatch):
     """align.py's kernel as a grid of blocks behind its barrier even for a few slots (blocks
     of 2 warps), so that small shapes cover the grid path too."""
-    Al = importlib.import_module("cuda_kernels.numba.align")
-    monkeypatch.setitem(Al.CONFIGS, "grid", dict(Al.CONFIGS["grid"], SMALL_P=0, GRID_WARPS=2))
+    Ag = importlib.import_module("cuda_kernels.numba.align_grid")
+    monkeypatch.setitem(Ag.CONFIGS, "grid", dict(Ag.CONFIGS["grid"], SMALL_P=0, GRID_WARPS=2))
 
 
 @pytest.mark.parametrize("B", [32, 128])
@@ -253,7 +254,7 @@ def grid_everywhere(monkeypatch):
 def test_align_vllm_grid(T, E, K, B):
     ids = distinct_topk_ids(rng_for("align", T, E, K), T, E, K)
     want = reference.moe_align_block_size(ids, B, E)
-    assert_align_exact(Pm.moe_align_block_size(nb.to_device(ids), B, E), want, B, ids.size,
+    assert_align_exact(Al.moe_align_block_size(nb.to_device(ids), B, E), want, B, ids.size,
                        "default path (grid)")
     if ids.size <= 4096:   # the "warp" ranks, one block and several
         assert_align_exact(forced_align(ids, B, E, "multi"), want, B, ids.size, "warp multi")
@@ -268,12 +269,12 @@ def test_align_grid_barrier(grid_everywhere, T, E, K, B):
     every block's share of the padding), with and without an expert map."""
     ids = distinct_topk_ids(rng_for("align-grid", T, E, K), T, E, K)
     want = reference.moe_align_block_size(ids, B, E)
-    assert_align_exact(Pm.moe_align_block_size(nb.to_device(ids), B, E), want, B, ids.size,
+    assert_align_exact(Al.moe_align_block_size(nb.to_device(ids), B, E), want, B, ids.size,
                        "grid of blocks")
     _, emap = reference.determine_expert_map(4, 1, E, "round_robin")
     for ignore in (False, True):
         want = reference.moe_align_block_size(ids, B, E, emap, False, ignore)
-        got = Pm.moe_align_block_size(nb.to_device(ids), B, E, nb.to_device(emap), False, ignore)
+        got = Al.moe_align_block_size(nb.to_device(ids), B, E, nb.to_device(emap), False, ignore)
         for g, w in zip(got, want):
             np.testing.assert_array_equal(nb.to_host(g), w)
     x = uniform(rng_for("perm-grid", T), (T, 24), 1.0, np.float32)
@@ -295,7 +296,7 @@ def test_align_nasty(case):
         "empty": (np.zeros((0, 8), np.int32), 64, 32, False),
     }[case]
     want = reference.moe_align_block_size(ids, B, E, pad_sorted_ids=pad)
-    got = Pm.moe_align_block_size(ids, B, E, pad_sorted_ids=pad)
+    got = Al.moe_align_block_size(ids, B, E, pad_sorted_ids=pad)
     assert_align_exact(got, want, B, ids.size, case)
 
 
@@ -307,7 +308,7 @@ def test_align_expert_map(T, placement, ignore):
     _, emap = reference.determine_expert_map(4, 1, E, placement)
     ids = distinct_topk_ids(rng_for("emap", T, placement), T, E, 8)
     want = reference.moe_align_block_size(ids, 32, E, emap, False, ignore)
-    got = Pm.moe_align_block_size(nb.to_device(ids), 32, E, nb.to_device(emap), False, ignore)
+    got = Al.moe_align_block_size(nb.to_device(ids), 32, E, nb.to_device(emap), False, ignore)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(nb.to_host(g), w)
 
@@ -381,7 +382,7 @@ def test_moe_sum(T, K, H, dkey):
     assert_close(Cb.moe_sum(x), reference.moe_sum(x.astype(np.float64)), dt, "moe_sum")
     ids = distinct_topk_ids(rng_for("sum-ids", T, K), T, 2 * K + 1, K)
     ids[:: 3, 0] = -1                              # slots routed nowhere: never read
-    live = reference.experts.slot_is_live(ids)
+    live = reference.combine.slot_is_live(ids)
     x_pad = np.where(live[:, :, None], x, np.nan).astype(dt)
     assert_close(Cb.moe_sum(x_pad, ids), reference.moe_sum(x.astype(np.float64), ids), dt,
                  "moe_sum pad-aware")

@@ -22,7 +22,7 @@ import pytest
 from reference import fused_experts, fused_topk, moe_align_block_size
 from reference import quant as Q
 from reference.activation import apply_activation
-from reference.experts import grouped_gemm
+from reference.gemm import grouped_gemm
 from oracles import rel_err
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -1,4 +1,5 @@
-"""The experts (`reference/experts.py`): grouped_gemm, moe_sum, fused_experts, fused_moe.
+"""The experts (`reference/gemm.py`, `combine.py`, `experts.py`): grouped_gemm, moe_sum,
+fused_experts, fused_moe.
 
     T = tokens, E = experts, K = top-k, H = hidden, I = intermediate, B = block size,
     P = T*K slots (s = t*K + k)

@@ -1,4 +1,4 @@
-"""Alignment and permutation (`reference/permute.py`) against loop oracles.
+"""Alignment and permutation (`reference/align.py`, `reference/permute.py`) against loop oracles.
 
     T = tokens, E = experts, K = top-k, B = block size, P = T*K slots (s = t*K + k)
 

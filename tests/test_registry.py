@@ -70,7 +70,7 @@ def test_get_backend():
     with pytest.raises(ValueError, match=r"expected one of \['reference', 'torch'"):
         get_backend("jax")
     tb = get_backend("torch")
-    from sandbox import torch_backend
+    from cuda_kernels import torch as torch_backend
 
     assert tb.module is torch_backend
     assert tb.grouped_gemm is torch_backend.grouped_gemm        # falls through to the module

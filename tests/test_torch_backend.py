@@ -19,7 +19,7 @@ import pytest
 from oracles import rounding_comparable
 
 import reference
-from sandbox import torch_backend as tb
+from cuda_kernels import torch as tb
 from sandbox.arrays import BF16
 
 torch = pytest.importorskip("torch")
@@ -347,7 +347,7 @@ def test_moe_sum_pad_aware(with_map):
     ids = np.array([[0, 1, 2], [-1, 3, 1], [-1, -1, -1], [2, -1, 0], [3, 3, 1], [1, 0, 2]],
                    np.int32)
     expert_map = np.array([0, -1, 1, 2], np.int32) if with_map else None
-    live = reference.experts.slot_is_live(ids, expert_map)
+    live = reference.combine.slot_is_live(ids, expert_map)
     x[~live] = np.nan                                    # never written by the GEMMs
     want = reference.moe_sum(x, ids, expert_map)
     got = host(tb.moe_sum(x, ids, expert_map))

@@ -3,13 +3,25 @@
 Every stage has the name, the arguments and the returns of its NumPy twin in `reference/`
 (docs/stages.md); the functions take and return CuPy arrays (bf16 as `ml_dtypes.bfloat16`).
 
+One file per stage (the listing of reference/, numba/ and torch/):
     routing.py      fused_topk, fused_topk_bias, grouped_topk, select_experts   (routing.cu)
-    permute.py      moe_align_block_size, moe_permute, moe_unpermute            (permute.cu)
+    align.py        moe_align_block_size, max_num_tokens_padded                 (align.cu)
+    permute.py      moe_permute, moe_unpermute                                  (permute.cu)
+    gemm.py         grouped_gemm, a ladder of versions v1..v6                   (gemm_v*.cu,
+                    gemm_common.cuh, wgmma_operands.cuh)
     activation.py   apply_activation, silu_and_mul, gelu_and_mul, ...           (activation.cu)
     combine.py      moe_sum                                                     (combine.cu)
-    grouped_gemm.py grouped_gemm, a ladder of versions                          (gemm_v*.cu)
     experts.py      fused_experts: align .. combine from a plan cached per shape (the host
                     work of a decode step done once; torch tensors and CUDA graphs welcome)
+The ladder's helpers and the other kernels:
+    gemm_configs.py the GEMM's tunables: gemm_configs.json, the heuristic, the rung and tiles
+                    for a problem, #defines and launch geometry;  tune.py refills the table
+    gemm_tensor_map.py  v6's CUtensorMap of the weights (cuTensorMapEncodeTiled)
+    grouping.cuh    the stable grouping by expert that align.cu and permute.cu share
+    elementwise.cuh fp32 conversions and 16-byte packs of the row-wise kernels
+    quant_*.py      the quantized GEMMs and the activation quantizers          (quant_*.cu)
+    ep_layout.py    the expert-parallel dispatch layout                         (ep_layout.cu)
+    prebuild.py     the prebuilt cubins (prebuilt/)
     _compile.py     source text, CuPy compile + cache, NVRTC compile checks without a GPU
     _launch.py      launches with programmatic stream serialization (PDL: cuLaunchKernelEx)
     _stream.py      CuPy's handle on another library's stream (torch's current stream)
@@ -40,19 +52,6 @@ _STAGES = {
     "grouped_gemm_quant": "quant_gemm",
     "moe_kernel_quantize_input": "quant_act", "per_token_group_quant_fp8": "quant_act",
 }
-
-
-# grouped_gemm is both a submodule and the stage function. The first import of the submodule
-# sets this package's attribute `grouped_gemm` to the *module*; importing it here, once, and
-# binding the function afterwards keeps `cuda_kernels.cupy.grouped_gemm` the function for good
-# (`importlib.import_module("cuda_kernels.cupy.grouped_gemm")` still gives the module).
-try:
-    from .grouped_gemm import grouped_gemm
-except Exception as _gemm_error:  # noqa: BLE001 - reported when the stage is called
-    _GEMM_IMPORT_ERROR = f"{type(_gemm_error).__name__}: {_gemm_error}"
-
-    def grouped_gemm(*args, **kwargs):
-        raise ImportError(f"cuda_kernels.cupy.grouped_gemm failed to import: {_GEMM_IMPORT_ERROR}")
 
 
 __getattr__, __dir__ = lazy_stages(__name__, _STAGES, globals(), __all__)

@@ -14,7 +14,7 @@
                                         alignment skipped, ids -1, are never read)
 
 These are the stage modules' own kernels with the configs and arguments the stage functions
-would pick (grouped_gemm._plan, permute._align_geometry, _compile.row_geometry): a call
+would pick (gemm._plan, align._align_geometry, _compile.row_geometry): a call
 gives the same bits as calling `moe_align_block_size`, `grouped_gemm`, `apply_activation`,
 `grouped_gemm` and `moe_sum` one after the other (tests/test_cupy_experts.py checks it on the
 GPU). What changes is the host's share. A decode step's GPU work is tens of microseconds, and
@@ -41,20 +41,16 @@ import numpy as np
 
 from . import _compile as C
 from . import activation as act_mod
+from . import align as align_mod
 from . import combine as sum_mod
-from . import permute as perm_mod
+from . import gemm as gg
+from . import gemm_configs as gcfg
 from ._launch import FastLaunch
+from .gemm_tensor_map import v6_tensor_map
 
 # intermediates (sorted ids .. c3) up to this many bytes are kept per (plan, stream)
 WORKSPACE_CACHE_BYTES = 64 << 20
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")      # the gated kinds with one kernel template
-
-
-@functools.lru_cache(maxsize=1)
-def _gemm():
-    import importlib
-
-    return importlib.import_module(".grouped_gemm", __package__)
 
 
 # ----------------------------------------------------------------------------- arrays
@@ -156,12 +152,12 @@ class _Allocator:
 
 
 # ----------------------------------------------------------------------------- the plan
-# kernel signatures for FastLaunch: p pointer, i int32 (permute.cu, gemm_common.cuh's
+# kernel signatures for FastLaunch: p pointer, i int32 (align.cu, gemm_common.cuh's
 # GG_KERNEL_ARGS, elementwise kernels of activation.cu / combine.cu)
 ALIGN_SIG = "ppppppp" + "iiiiii"
 GEMM_SIG = "pppppppp" + "iiiiiiii"
 # v6 (prefill) takes one more: the CUtensorMap of its weights, 128 bytes by value
-# (grouped_gemm.v6_tensor_map)
+# (gemm_tensor_map.v6_tensor_map)
 GEMM_EXTRA_SIG = {"v6": "t"}
 ROWS_SIG = "pp" + "iii"
 SUM_SIG = "pppip" + "iiii"   # moe_sum_live_kernel: x, ids, emap, map_len, out, T, K, H, chunks
@@ -176,30 +172,29 @@ class ExpertsPlan:
                  device, a_aligned, w1_aligned, w2_aligned, E_align):
         import cupy
 
-        gg = _gemm()
         self.T, self.H, self.E, self.N1, self.I, self.K = T, H, E, N1, I, K  # noqa: E741
         self.P = P = T * K
         self.dtype = np.dtype(dtype)
         self.device = device
-        self.dkey = dkey = gg.dtype_key(dtype)
-        card = gg.device_name(device)
+        self.dkey = dkey = gcfg.dtype_key(dtype)
+        card = gcfg.device_name(device)
         if block_size is None:
-            block_size = int(gg.get_config(T, N1, H, E, K, dtype, device=card)["BLOCK_M"])
+            block_size = int(gcfg.get_config(T, N1, H, E, K, dtype, device=card)["BLOCK_M"])
         self.B = B = C.check_int("block_size", block_size, 1)
         # align bins by global ids (E_align = the expert map's length, else E)
         self.E_align = E_align
-        self.L = L = perm_mod.max_num_tokens_padded(P, E_align, B)
+        self.L = L = align_mod.max_num_tokens_padded(P, E_align, B)
         self.num_blocks = C.cdiv(L, B)
         self.mul_on_input = bool(mul_on_input)
         with cupy.cuda.Device(device):
             sm90 = gg._is_sm90(cupy, device)
-            bucket = gg.m_bucket(max(1.0, P / max(E, 1)))
+            bucket = gcfg.m_bucket(max(1.0, P / max(E, 1)))
             # align: one launch (cooperative above SMALL_P slots)
-            G, W, smem = perm_mod._align_geometry(
+            G, W, smem = align_mod._align_geometry(
                 P, E_align,
-                perm_mod._max_blocks() if P > perm_mod.CONFIGS["align"]["SMALL_P"] else 1)
-            k = C.get_kernel("permute.cu", "moe_align_kernel", perm_mod._defines(),
-                             perm_mod._FIXED_NAMES)
+                align_mod._max_blocks() if P > align_mod.CONFIGS["align"]["SMALL_P"] else 1)
+            k = C.get_kernel("align.cu", "moe_align_kernel", align_mod._defines(),
+                             align_mod.KERNEL_NAMES)
             if smem > 48 * 1024:
                 k.max_dynamic_shared_size_bytes = smem
             # the sizes are the plan's: their slots are set once (FastLaunch's fixed)
@@ -213,7 +208,7 @@ class ExpertsPlan:
                     (N1, H, a_aligned and w1_aligned, K, self.mul_on_input),
                     (H, I, w2_aligned, 1, not self.mul_on_input)):
                 version, cfg = gg._plan(None, dkey, bucket, n, kd, B, aligned, sm90, None, card)
-                grid, block, gsmem = gg.launch_geometry(
+                grid, block, gsmem = gcfg.launch_geometry(
                     version, cfg, L, n, gg._sm_count(device) if version == "v6" else None)
                 kern = gg._kernel(version, dkey, cfg, device)
                 launch = FastLaunch(kern, grid, block, gsmem,
@@ -288,7 +283,7 @@ class ExpertsPlan:
         sorted_ids, expert_ids = ints, ints + 4 * self.L
         ntpp = expert_ids + 4 * self.num_blocks
         hist = ntpp + 4 if self.align_G > 1 else 0
-        bar = perm_mod._barrier_word(stream_ptr).data.ptr if self.align_G > 1 else 0
+        bar = align_mod._barrier_word(stream_ptr).data.ptr if self.align_G > 1 else 0
         self.align(stream_ptr, ids.ptr, emap_ptr, sorted_ids, expert_ids, ntpp, hist, bar)
         g1, g2 = self.gemms
         g1.launch(stream_ptr, x.ptr, w1.ptr, c1, sorted_ids, expert_ids, ntpp, tw.ptr,
@@ -306,8 +301,7 @@ class ExpertsPlan:
         if g.version != "v6":
             return ()
         if g.tmap_ptr != w_ptr:
-            g.tmap = _gemm().v6_tensor_map(w_ptr, (self.E, g.n, g.kd), self.dkey, g.cfg,
-                                           self.device)
+            g.tmap = v6_tensor_map(w_ptr, (self.E, g.n, g.kd), self.dkey, g.cfg, self.device)
             g.tmap_ptr = w_ptr
         return (g.tmap,)
 

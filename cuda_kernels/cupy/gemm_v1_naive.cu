@@ -16,13 +16,13 @@
 // 32 different w rows (Kdim apart), so each load instruction touches 32 sectors. It is the
 // correctness baseline of the ladder, and slow on purpose.
 //
-// Versions of the ladder (cuda_kernels/cupy/grouped_gemm.py picks one by name):
+// Versions of the ladder (cuda_kernels/cupy/gemm.py picks one by name):
 //     v1  gemm_v1_naive.cu     one thread per output element                    <- this file
 //     v2  gemm_v2_smem.cu      shared-memory tiles of a and w, one output per thread
 //     v3  gemm_v3_regblock.cu  register blocking (TM x TN per thread), 16-byte loads
 //     v4  gemm_v4_mma.cu       tensor cores: mma.sync m16n8k16, ldmatrix, cp.async pipeline
 //     v5  gemm_v5_wgmma.cu     (stretch, opt-in) Hopper wgmma from shared-memory descriptors
-// Run:  python -m cuda_kernels.cupy.grouped_gemm --versions v1   (validates, then times)
+// Run:  python -m cuda_kernels.cupy.gemm --versions v1   (validates, then times)
 #include "gemm_common.cuh"
 
 #ifndef BLOCK_N

@@ -26,7 +26,7 @@
 //     v3  gemm_v3_regblock.cu  register blocking (TM x TN per thread), 16-byte loads  <- this file
 //     v4  gemm_v4_mma.cu       tensor cores: mma.sync m16n8k16, ldmatrix, cp.async pipeline
 //     v5  gemm_v5_wgmma.cu     (stretch, opt-in) Hopper wgmma from shared-memory descriptors
-// Run:  python -m cuda_kernels.cupy.grouped_gemm --versions v3
+// Run:  python -m cuda_kernels.cupy.gemm --versions v3
 #include "gemm_common.cuh"
 
 #ifndef BLOCK_M

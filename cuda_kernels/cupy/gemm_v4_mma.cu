@@ -41,7 +41,7 @@
 //     v3  gemm_v3_regblock.cu  register blocking (TM x TN per thread), 16-byte loads
 //     v4  gemm_v4_mma.cu       tensor cores: mma.sync m16n8k16, ldmatrix, cp.async   <- this file
 //     v5  gemm_v5_wgmma.cu     (stretch, opt-in) Hopper wgmma from shared-memory descriptors
-// Run:  python -m cuda_kernels.cupy.grouped_gemm --versions v4
+// Run:  python -m cuda_kernels.cupy.gemm --versions v4
 // Check the machine code: nvcc -arch=sm_90 -cubin -Xptxas -v -DGG_T=__nv_bfloat16 \
 //        -I. gemm_v4_mma.cu -o v4.cubin && cuobjdump -sass v4.cubin | grep -cE 'HMMA|LDSM|LDGSTS'
 #include "gemm_common.cuh"

@@ -50,7 +50,7 @@
 //     v3  gemm_v3_regblock.cu  register blocking (TM x TN per thread), 16-byte loads
 //     v4  gemm_v4_mma.cu       tensor cores: mma.sync m16n8k16, ldmatrix, cp.async pipeline
 //     v5  gemm_v5_wgmma.cu     Hopper wgmma from shared-memory descriptors          <- this file
-// Run:  python -m cuda_kernels.cupy.grouped_gemm --versions v4,v5
+// Run:  python -m cuda_kernels.cupy.gemm --versions v4,v5
 // Check the machine code (HGMMA must appear):
 //     nvcc -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -DGG_T=__nv_bfloat16 \
 //          -DGG_AB=bf16 -I. gemm_v5_wgmma.cu -o v5.cubin && cuobjdump -sass v5.cubin | grep -c HGMMA

@@ -12,7 +12,7 @@
 // Requirements: sm_90a (wgmma, setmaxnreg; built with -arch=sm_90a); Kdim % 8 == 0, Kdim > 0,
 // a and w 16-byte aligned (TMA: strides multiples of 16 bytes); B % 64 == 0 with BLOCK_M
 // (64 or 128) dividing B; BLOCK_N in {64, 128, 256}; BLOCK_K = 64 (one 128-byte swizzled row).
-// The last argument is a CUtensorMap of w (grouped_gemm.extra_args builds it on the host).
+// The last argument is a CUtensorMap of w (gemm.extra_args builds it on the host).
 // Chosen per bucket by each card's measured version_by_m in gemm_configs.json (on the H100:
 // every bucket but 128 rows per expert, where v5 measured faster; at decode too, where a
 // 64-row tile wastes tensor-core work that the deep TMA ring of weights hides).
@@ -72,8 +72,8 @@
 //     v5  gemm_v5_wgmma.cu     Hopper wgmma from shared-memory descriptors
 //     v6  gemm_v6_tma_ws.cu    TMA + cp.async gather, mbarrier ring, warp-specialized,
 //                              persistent                                            <- this file
-// Run:  python -m cuda_kernels.cupy.grouped_gemm --versions v4,v5,v6
-//       python -m cuda_kernels.cupy.grouped_gemm --shapes mixtral,qwen3,deepseek \
+// Run:  python -m cuda_kernels.cupy.gemm --versions v4,v5,v6
+//       python -m cuda_kernels.cupy.gemm --shapes mixtral,qwen3,deepseek \
 //              --tokens 1024,4096,16384 --versions v4,v5,v6       (the models, L2 flushed)
 // Check the machine code (HGMMA and UTMALDG must appear, no local memory):
 //     nvcc -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -DGG_T=__nv_bfloat16 \

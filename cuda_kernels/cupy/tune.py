@@ -5,7 +5,7 @@
     python -m cuda_kernels.cupy.tune --models qwen3 --buckets 1,16,256 --reps 10   # a subset
     python -m cuda_kernels.cupy.tune --bench --versions v4,v6 --tokens 1024,4096  # time, no table
 
-The table (see grouped_gemm.lookup) holds two kinds of rows, each a config for one
+The table (see gemm_configs.lookup) holds two kinds of rows, each a config for one
 (version, dtype, m bucket) with m = tokens per expert = T * top_k / E:
   - generic rows (no N, K): the heuristic, one per version x dtype x bucket, used for any shape;
   - shape rows (N, K set): written here by timing, for the GEMM1 and GEMM2 shapes of the
@@ -25,7 +25,7 @@ events), 3 warm-ups, median of --reps.
 With two or more --versions (v4,v6 over the decode buckets, v5,v6 over the prefill ones) the
 card's section also gets "version_by_m": for each bucket, the rung whose best GEMM1 + GEMM2
 summed over the tuned models is the smallest becomes that bucket's default rung
-(grouped_gemm.default_version); each run is appended to the section's "runs" (date, source,
+(gemm_configs.default_version); each run is appended to the section's "runs" (date, source,
 command). --budget-s is checked before
 every candidate, so a short budget ends on time (buckets not reached keep the generic rows:
 lookup uses a shape row only at its own bucket). A two-minute run on the buckets of the
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import math
 import pathlib
@@ -47,9 +46,9 @@ import time
 
 import numpy as np
 
-# the package exports the *function* grouped_gemm under the module's name (its __getattr__),
-# so `from . import grouped_gemm` would give the function: fetch the module itself
-gg = importlib.import_module(".grouped_gemm", __package__)
+from . import _compile
+from . import gemm as gg
+from . import gemm_configs as gcfg
 
 # (name, E, top_k, H, I): the benchmark's models; GEMM1 is (N, K) = (2I, H), GEMM2 (H, I)
 MODELS = {
@@ -93,8 +92,8 @@ V6_CANDIDATES = [
 ]
 CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES, "v6": V6_CANDIDATES}
 # the config keys of a candidate tuple, in order
-CANDIDATE_KEYS = {"v4": gg.CONFIG_KEYS, "v5": gg.CONFIG_KEYS,
-                  "v6": gg.CONFIG_KEYS + gg.V6_EXTRA_KEYS}
+CANDIDATE_KEYS = {"v4": gcfg.CONFIG_KEYS, "v5": gcfg.CONFIG_KEYS,
+                  "v6": gcfg.CONFIG_KEYS + gcfg.V6_EXTRA_KEYS}
 BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128), "v6": (64, 128)}
 # the buckets and models of issue 4's missed points, the worst first (DeepSeek-V3 m = 128,
 # 512, 32 are T = 4096, 16384, 1024; Mixtral m = 256, 64 are T = 1024, 256)
@@ -106,29 +105,29 @@ BEST_BY_VERSION: dict = {}   # (model, m, version) -> seconds of the best GEMM1 
 def heuristic_table() -> dict:
     """The generic rows: heuristic_config for every version, dtype and bucket."""
     rows = []
-    for v in gg.VERSIONS:
-        for dkey in gg.DTYPE_KEYS:
-            if v in gg.TENSOR_CORE_VERSIONS and dkey == "fp32":
+    for v in gcfg.VERSIONS:
+        for dkey in gcfg.DTYPE_KEYS:
+            if v in gcfg.TENSOR_CORE_VERSIONS and dkey == "fp32":
                 continue
-            for b in gg.M_BUCKETS:
-                cfg = gg.heuristic_config(v, dkey, b)
+            for b in gcfg.M_BUCKETS:
+                cfg = gcfg.heuristic_config(v, dkey, b)
                 rows.append({"version": v, "dtype": dkey, "m": b, **cfg})
     return {
-        "_doc": "Grouped GEMM configs: see cuda_kernels/cupy/grouped_gemm.py (lookup) and "
+        "_doc": "Grouped GEMM configs: see cuda_kernels/cupy/gemm_configs.py (lookup) and "
                 "tune.py. m = tokens per expert bucket; rows without N, K apply to any shape; "
                 "BLOCK_M is the alignment block_size the caller should use. default_version: "
                 "the rung used when none is named; devices[card name]: the rows tuned on that "
                 "card and its version_by_m (the measured fastest rung per bucket), read first "
                 "on that card.",
-        "source": "generic rows: the heuristic (grouped_gemm.heuristic_config), not timed; "
+        "source": "generic rows: the heuristic (gemm_configs.heuristic_config), not timed; "
                   "each card's timed rows and rung per bucket: its section under devices",
-        "default_version": dict(gg.BUILTIN_DEFAULTS),
-        "m_buckets": list(gg.M_BUCKETS),
+        "default_version": dict(gcfg.BUILTIN_DEFAULTS),
+        "m_buckets": list(gcfg.M_BUCKETS),
         "configs": rows,
     }
 
 
-def write_table(table: dict, path: pathlib.Path = gg.CONFIG_PATH) -> None:
+def write_table(table: dict, path: pathlib.Path = gcfg.CONFIG_PATH) -> None:
     """One row per line (the cards' sections too): the table stays readable, diffs small."""
     def rows_block(rows, indent):
         pad = " " * indent
@@ -157,7 +156,7 @@ def write_table(table: dict, path: pathlib.Path = gg.CONFIG_PATH) -> None:
         lines.append("  }")
     lines.append("}")
     path.write_text("\n".join(lines) + "\n")
-    gg.load_table.cache_clear()
+    gcfg.load_table.cache_clear()
     gg._plan.cache_clear()
 
 
@@ -257,7 +256,7 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
                             break
                         cfg = dict(zip(CANDIDATE_KEYS[version], cand))
                         try:
-                            gg.check_config(version, dkey, cfg)
+                            gcfg.check_config(version, dkey, cfg)
 
                             def fn(a=a, w=w, tk=tk, cfg=cfg, st=st, ex=ex, nt=nt, B=B,
                                    v=version):
@@ -382,7 +381,7 @@ def decode_bench(cp, models, tokens, versions=("v4",), reps=20, sweep=False,
     TF/s the 2 P N Kdim flops of the live slots over the time. A layer line (GEMM1 + GEMM2)
     gives the ratio to vLLM's time where issue 40 measured it (VLLM_H100_LAYER_MS, an H100)
     and whether it is 10% under it. Returns one dict per (model, T, GEMM or "layer", label)."""
-    dt = {"bf16": gg.bf16_dtype(), "fp16": np.dtype(np.float16)}[dkey]
+    dt = {"bf16": _compile.bf16_dtype(), "fp16": np.dtype(np.float16)}[dkey]
     dev = cp.cuda.Device().id
     card = cp.cuda.runtime.getDeviceProperties(dev)["name"]
     card = card.decode() if isinstance(card, bytes) else str(card)
@@ -435,13 +434,13 @@ def _decode_gemm(env, pt, gemm, a, w, tk, N, K, mul, versions, sweep) -> list[di
     itemsize = dt.itemsize
     wbytes = [n * N * K * itemsize for n in pt["touched"]]
     other = itemsize * (a.shape[0] * K + pt["P"] * N)
-    out = gg._compile.empty((pt["P"], N), dt)
+    out = _compile.empty((pt["P"], N), dt)
     start, stop = env["events"]
     head = f"{pt['name'][:8]:8s} {gemm:5s} {pt['T']:5d}"
     flops = gg.gemm_flops(pt["P"], N, K)
 
     def call(v, cfg, r):
-        B = (cfg or gg.get_config(pt["T"], N, K, pt["E"], pt["top_k"], dt, v))["BLOCK_M"]
+        B = (cfg or gcfg.get_config(pt["T"], N, K, pt["E"], pt["top_k"], dt, v))["BLOCK_M"]
         if B not in pt["aligned"]:
             pt["aligned"][B] = [_align_gpu(cp, ids, B, pt["E"]) for ids in pt["routings"]]
         st, ex, nt = pt["aligned"][B][r]
@@ -531,7 +530,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=1800.0)
     p.add_argument("--versions", default="v4", help="rungs to tune: v4, v5 or v4,v5")
-    p.add_argument("--out", default=str(gg.CONFIG_PATH))
+    p.add_argument("--out", default=str(gcfg.CONFIG_PATH))
     p.add_argument("--bench", action="store_true",
                    help="time GEMM1 and GEMM2 of --models at --tokens for --versions (decode_bench)"
                         " instead of tuning; nothing is written but --json")
@@ -565,7 +564,7 @@ def main(argv=None):
         except OSError:
             commit = None
         by_m = version_by_m(BEST_BY_VERSION)
-        device = gg.current_device_name()
+        device = gcfg.current_device_name()
         merge_device_section(table, device, rows, by_m, {
             "source": f"timed by tune.py ({args.versions}, commit {commit})",
             "date": datetime.date.today().isoformat(),

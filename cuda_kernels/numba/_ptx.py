@@ -44,7 +44,7 @@ def compile_cases():
     import importlib
 
     cases = []
-    for module in ("routing", "permute", "activation", "combine", "grouped_gemm"):
+    for module in ("routing", "align", "permute", "activation", "combine", "gemm"):
         mod = importlib.import_module(f"{__package__}.{module}")
         cases.extend(mod.compile_cases())
     return cases

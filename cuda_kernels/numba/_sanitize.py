@@ -28,7 +28,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _mods():
-    names = ("routing", "permute", "activation", "combine", "grouped_gemm")
+    names = ("routing", "align", "permute", "activation", "combine", "gemm")
     return [importlib.import_module(f"{__package__}.{n}") for n in names]
 
 
@@ -40,7 +40,7 @@ def cases():
     """[(name, fn)]: fn() returns None when the kernel matches the reference, else why not."""
     import reference
 
-    R, Pm, Ac, Cb, G = _mods()
+    R, Al, Pm, Ac, Cb, G = _mods()
     rng = np.random.default_rng(0)
     out = []
 
@@ -72,8 +72,8 @@ def cases():
             ids = _ids(rng, 700 if path == "multi" else 90, 40, 4)
             emap = reference.determine_expert_map(4, 1, 40)[1] if mapped else None
             call = A.Call("topk_ids", ids)
-            cap = Pm.max_num_tokens_padded(ids.size, 16, 40)
-            res = Pm._sort_slots(call, ids, 40, 16, emap, mapped, cap, True, False, path=path,
+            cap = Al.max_num_tokens_padded(ids.size, 16, 40)
+            res = Al._sort_slots(call, ids, 40, 16, emap, mapped, cap, True, False, path=path,
                                  rank=rank)
             got = [call.result(v) for v in res[:3]]
             want = reference.moe_align_block_size(ids, 16, 40, emap, False, mapped)
@@ -88,22 +88,22 @@ def cases():
                             align_case(path, rank, mapped)))
 
     def grid_case(blocks, mapped):
-        """align.py's one-launch kernel: one block, or a grid of `blocks` blocks (small
+        """align_grid.py's one-launch kernel: one block, or a grid of `blocks` blocks (small
         SMALL_P, GRID_WARPS and WARP_SLOTS force the grid barrier at 360 slots)."""
         def run():
-            Al = importlib.import_module(f"{__package__}.align")
-            saved = dict(Al.CONFIGS["grid"])
+            Ag = importlib.import_module(f"{__package__}.align_grid")
+            saved = dict(Ag.CONFIGS["grid"])
             if blocks > 1:
-                Al.CONFIGS["grid"].update(SMALL_P=64, GRID_WARPS=2, WARP_SLOTS=32,
+                Ag.CONFIGS["grid"].update(SMALL_P=64, GRID_WARPS=2, WARP_SLOTS=32,
                                           MAX_BLOCKS=blocks)
             try:
                 return align_case("single", "grid", mapped)()
             finally:
-                Al.CONFIGS["grid"].clear()
-                Al.CONFIGS["grid"].update(saved)
+                Ag.CONFIGS["grid"].clear()
+                Ag.CONFIGS["grid"].update(saved)
         return run
 
-    for blocks in (1, 3):  # (not G: that name is the grouped_gemm module here)
+    for blocks in (1, 3):  # (not G: that name is the gemm module here)
         for mapped in (False, True):
             out.append((f"align grid blocks={blocks} expert_map={mapped}",
                         grid_case(blocks, mapped)))

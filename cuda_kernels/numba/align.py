@@ -1,493 +1,575 @@
-"""One-launch alignment in Numba: permute.cu's moe_align_kernel, written in numba.cuda.
+"""Alignment in Numba: the (token, slot) pairs grouped by expert in blocks of B.
 
-    T = tokens, K = top-k, P = T*K slots (s = t*K + k), E = experts, B = block size,
-    W = warps per block, G = blocks, NT = 32 W threads
+    T = tokens, K = top-k, P = T*K slots (s = t*K + k), E = experts, B = block size
 
-The math (reference/permute.py): c_e = the slots of expert e; off_e = sum_{e' < e}
-ceil(c_e' / B) B; slot s of expert e goes to off_e + (its rank among e's slots, increasing s);
-every other position of expert e's run and of the array's tail holds P; expert_ids[b] = the
-expert (through expert_map) whose run holds position b B, -1 past the last run;
-num_tokens_post_padded = off_E. With B = 1 and no padding the same kernel gives moe_permute's
-expert_offsets (off, E + 1 entries) and inverse index inv[s] = the position of slot s.
+    moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
+                         pad_sorted_ids=False, ignore_invalid_experts=False)
+        -> sorted_token_ids int32 [max_num_tokens_padded], expert_ids int32 [cdiv(that, B)],
+           num_tokens_post_padded int32 [1]
 
-How it is stable without a sort (permute.cu's grouping): the slots are cut into G W
-contiguous chunks of whole 32-slot steps, chunk g W + w owned by warp w of block g, so
-(block, warp, step, lane) is slot order.
-    1. each warp counts its chunk into its own shared row wc[w, :] (one shared atomic per
-       slot); its ids stay in registers when the chunk is one round (PREFETCH steps of 32
-       slots, their loads all in flight at once);
-    2. a scan over the warps turns wc into each warp's first rank inside the block and gives
-       the block's count per expert: the total (G = 1) or hist[g, :] (G > 1);
-    3. G > 1: grid barrier; every block reads hist [G, E]: pre[e] = the counts of the
-       earlier blocks, tot[e] = the sum over all blocks;
-    4. off = the exclusive scan of the padded totals (every block, redundantly: cheaper than a
-       second launch), and pre[e] += off[e]: the block's first position in expert e's run;
-    5. expert_ids, each run's padding, the tail and num_tokens_post_padded, spread over every
-       warp of the grid, a contiguous range of experts per warp (positions no slot takes: no
-       ordering needed);
-    6. each warp places its chunk again in order: match_any_sync groups the lanes of one
-       expert, the group's lowest lane reads and advances the warp's cursor, a lane's rank is
-       the popcount of the group's lanes below it.
-Numba-specific care (each measured or read off the SASS): the id loads take a clamped index
-and no branch (a load under an `if` on the previous id waits for it: one DRAM round trip per
-step); strided loops are while loops and divisions 32-bit unsigned (a `range` with a run-time
-step divides in 64 bits for its trip count, numba's integer arithmetic is 64-bit, and a 64-bit
-division is a ~100-instruction call); the kernel is bounded to 1024 threads (<= 64 registers).
+The math (reference/align.py): count the slots of each expert (c_e), pad each count to a
+multiple of B, exclusive prefix sum -> off_e (where expert e's run starts), then slot s of
+expert e goes to off_e + (its rank among e's slots). Ranks are *stable* (increasing s), so
+these kernels return exactly the reference's arrays, not just the same per-block sets.
+expert_ids[b] = the expert whose run holds position b*B (binary search in off), -1 past the
+end; padding positions hold P. With B = 1 and no padding the same kernels give moe_permute's
+expert_offsets and inverse index (permute.py calls _sort_slots).
 
-Launch geometry (align_geometry): block NT = 32 W threads, W = min(MAX_WARPS, what the
-[W, E] rows leave of SMEM_BUDGET); G = 1 up to SMALL_P slots (then W = the 32-slot steps, at
-least min(MIN_WARPS, max(4, cdiv(E, 8))): idle warps cost little in steps 1 and 6, and take
-their share of steps 2 and 5), else G = min(SMs, cdiv(P, W WARP_SLOTS), TABLE_LOADS W 32 / E)
-blocks, all resident at once (a cooperative launch). Dynamic shared memory (W E + 3 E + 33)
-int32: wc [W, E], tot [E], pre [E], off [E + 1], scan scratch [32]. Global scratch (G > 1):
-hist [G, E] and the barrier word.
+Kernels (NT = THREADS, CH = SLOTS_PER_BLOCK, nb = cdiv(P, CH); dynamic shared memory in int32
+words):
 
-The grid barrier (G > 1) is permute.cu's: one uint32 word per device that outlives the launch,
-zeroed once; block 0 adds 2^31 - (G - 1), the others 1, so the top bit flips when the G-th
-block arrives and the low 31 bits are 0 again for the next launch. numba's own grid sync
-(cuda.cg.this_grid().sync()) needs cudadevrt linked at compile time; this needs nothing.
+    kernel          grid  block  shared        does
+    align_single    1     NT     3E + 1 + 2NT  everything, when P <= SINGLE_BLOCK_MAX_SLOTS
+                                   (+ 2 W E)
+    align_count     nb    NT     E             per-block histogram -> block_counts [nb, E];
+                                               sorted_token_ids filled with P (coalesced)
+    align_scan      1     NT     2E + 1 + NT   per-expert block prefix, padded prefix sum,
+                                               expert_ids, num_tokens_post_padded
+    align_scatter   nb    NT     E + NT        stable rank -> sorted_token_ids / inv index
+                                   (+ 2 W E)   (W = NT / 32 warps, "warp" ranks)
+    align_grid      G     32 W   W E + 3E + 33 "grid" ranks (GPU default, align_grid.py): the
+                                               whole alignment in one launch, align.cu's
+                                               moe_align_kernel (one block up to SMALL_P
+                                               slots, else G blocks behind a grid barrier)
 
-GPU only: match_any_sync and shuffles have no simulator twin, so the simulator runs
-permute.py's "block" ranks; tests/numba_sim runs this kernel (one block) in emulated warps.
-Config "RANK" of permute.py picks it ("grid", the GPU default) or the multi-launch "warp" /
-"block" ranks. Run: python -m cuda_kernels.numba.permute (validates and times).
+Every position of sorted_token_ids is first written P by a coalesced fill; the scatter then
+overwrites the positions of slots (the first version padded each expert's run in a loop of
+up to B - 1 strided stores per thread, a likely part of its 2x gap to CuPy on the H200).
+Histograms use shared-memory atomics (with "warp" ranks, one per distinct expert per warp
+step, after a match_any); the prefix sum is a per-thread chunk sum plus a Hillis-Steele
+scan over NT partial sums; the stable rank processes NT slots per round: a
+slot's rank is the number of earlier slots of its expert in the round plus the expert's
+running count, which the block's atomics advance after each round. Three ways to count the
+earlier slots of the round (config "RANK"):
+    "warp"   (GPU) match_any_sync gives the same-expert lanes of the warp (popc of those
+             below), plus the counts the earlier warps of the round published in a shared
+             [W, E] table (tagged with the round, so it is never cleared); 2 W E more words
+    "block"  (simulator, or E too large for the table) an O(NT) scan of the round's experts
+             in shared memory: no warp intrinsics
+    "grid"   (GPU default) align_grid.py's one launch: contiguous chunks per warp counted
+             into per-warp rows, a scan over the warps (and over blocks, after a grid
+             barrier), then each warp places its chunk in order (match_any ranks, the group's
+             lowest lane advancing the warp's cursor); padding written only where no slot
+             goes. It replaced "chunks" (the same grouping in one block, or three launches
+             above 2048 slots: over 1.3x CuPy's time at 9 of bench_numba's 18 points on the
+             H200, up to 1.94x; the grid kernel: within 1.3x at all 18, slot 1b of 2026-11-30)
+With "warp" and "block" ranks, the scan kernel turns block_counts into each block's starting
+offset within each expert.
+
+dtypes: topk_ids any integer dtype. Ids outside [0, E) are skipped (no out-of-bounds write:
+their slots appear nowhere).
+
+Run as a script to validate against reference/ and time: python -m cuda_kernels.numba.align
 """
 from __future__ import annotations
 
 import functools
+import sys
 
 import numpy as np
 from numba import int32, uint32
 
 from . import _arrays as A
+from . import align_grid
 from ._device import FULL_MASK, SIMULATOR, cu, device_function, ix, kernel
 
-if not SIMULATOR:
-    from llvmlite import ir
-    from numba.cuda import types as nbtypes
-    from numba.cuda.extending import intrinsic, overload
-
+# Tunables are data. The simulator gets tiny blocks so that tests cover every path cheaply.
 CONFIGS = {
-    # shared memory for the per-warp rows [W, E] (48 KB needs no opt-in). One block up to
-    # SMALL_P slots: a warp per ONE_SLOTS slots, at least min(MIN_WARPS, E / 8), at most
-    # MAX_WARPS. Above, a grid of blocks of GRID_WARPS warps, WARP_SLOTS slots per warp,
-    # unless the [G, E] table read after the barrier would take more than TABLE_LOADS loads
-    # per thread: then blocks of twice the warps and slots (align_geometry). From the H200
-    # sweeps (slots 1b, 2): small blocks won at 2048 slots (deepseek T=256: 8 blocks of 8
-    # warps 13.7 us, 2 of 16 16.3), larger ones at 32768 with E = 256 (32 blocks of 16 warps
-    # 17.2 us, of 8 warps 19.1). moe_permute (no padding to write) takes at least
-    # PERMUTE_MIN_WARPS in one block (slot 3: qwen3 T=64 permute 14.1 -> 12.9 us with 8)
-    "grid": {"SMEM_BUDGET": 48 * 1024, "MAX_WARPS": 16, "MIN_WARPS": 16, "ONE_SLOTS": 64,
-             "SMALL_P": 512, "GRID_WARPS": 8, "WARP_SLOTS": 32, "TABLE_LOADS": 16,
-             "MAX_BLOCKS": 0, "PERMUTE_MIN_WARPS": 8},
+    "align": {"THREADS": 256, "SLOTS_PER_BLOCK": 1024, "SINGLE_BLOCK_MAX_SLOTS": 2048,
+              "RANK": "grid"},   # grid: align_grid.CONFIGS; the rest: the "warp" / "block" ranks
 }
-PREFETCH = 8          # 32-slot steps whose id loads are in flight together
-STEP = 32 * PREFETCH  # slots per round of a warp
-SCAN_UNROLL = 8       # rows of the per-warp counts a thread loads before storing any
-TOP = 0x80000000      # the barrier word's phase bit
+SIM_CONFIGS = {
+    "align": {"THREADS": 16, "SLOTS_PER_BLOCK": 32, "SINGLE_BLOCK_MAX_SLOTS": 32,
+              "RANK": "block"},
+}
+SHARED_LIMIT = 48 * 1024
+
+
+def config(name):
+    return (SIM_CONFIGS if SIMULATOR else CONFIGS)[name]
+
+
+def max_num_tokens_padded(num_slots: int, block_size: int, num_experts: int,
+                          pad_sorted_ids: bool = False) -> int:
+    """The length of sorted_token_ids: every expert padded in the worst case, never more than
+    one block per slot (the reference's formula)."""
+    size = num_slots + num_experts * (block_size - 1)
+    if pad_sorted_ids:
+        size = A.cdiv(size, block_size) * block_size
+    if num_slots < num_experts:
+        size = min(size, num_slots * block_size)
+    return size
 
 
 # ----------------------------------------------------------------------------- device parts
-def udiv32(a, b):
-    """a // b for 0 <= a, b < 2^32 as one 32-bit unsigned division: numba widens integer
-    arithmetic to 64 bits, and a 64-bit division is a ~100-instruction call on the GPU."""
-    return np.uint32(np.uint32(a) // np.uint32(b))
+@functools.lru_cache(maxsize=None)
+def _parts(NT):
+    """The building blocks shared by the align kernels, for NT threads per block."""
 
+    @device_function
+    def expert_of(ids, s, E, emap, use_map, ignore_invalid):
+        """The expert of slot s, or -1 when it is out of range or ignored (not on this rank)."""
+        e = ids[s]
+        if e < 0 or e >= E:
+            return -1
+        if use_map and ignore_invalid and emap[e] < 0:
+            return -1
+        return e
 
-if not SIMULATOR:
-    @intrinsic
-    def _udiv32(typingctx, a, b):
-        if not (isinstance(a, nbtypes.Integer) and isinstance(b, nbtypes.Integer)):
-            return None
+    @device_function
+    def histogram(ids, lo, hi, E, emap, use_map, ignore_invalid, cnt, tid):
+        """cnt[e] += number of slots of expert e in [lo, hi) (cnt zeroed by the caller)."""
+        for s in range(lo + tid, hi, NT):
+            e = expert_of(ids, s, E, emap, use_map, ignore_invalid)
+            if e >= 0:
+                cu.atomic.add(cnt, e, 1)
 
-        def codegen(context, builder, signature, args):
-            i32 = ir.IntType(32)
-            x, y = (v if v.type.width == 32 else builder.trunc(v, i32) if v.type.width > 32
-                    else builder.zext(v, i32) for v in args)
-            return builder.udiv(x, y)
+    @device_function
+    def histogram_warp(ids, lo, hi, E, emap, use_map, ignore_invalid, cnt, tid):
+        """`histogram` with one atomic per distinct expert per warp step (GPU only): the
+        lowest lane of each match_any group adds the group's size (few experts, e.g. E = 8,
+        would otherwise serialize 32 atomics on one counter)."""
+        for s0 in range(lo, hi, NT):   # the same trip count for every lane: full-warp match
+            s = s0 + tid
+            e = -1
+            if s < hi:
+                e = expert_of(ids, s, E, emap, use_map, ignore_invalid)
+            peers = uint32(cu.match_any_sync(FULL_MASK, e))
+            if e >= 0 and (peers & cu.lanemask_lt()) == 0:
+                cu.atomic.add(cnt, e, cu.popc(peers))
 
-        return nbtypes.uint32(a, b), codegen
+    @device_function
+    def fill(sorted_ids, P, start, capacity, step):
+        """sorted_ids[start::step] = P: every position starts as padding (coalesced); the
+        scatter then overwrites the positions that hold slots."""
+        for p in range(start, capacity, step):
+            sorted_ids[ix(p)] = P
 
-    @overload(udiv32, target="cuda", jit_options={"forceinline": True})
-    def _udiv32_cuda(a, b):
-        def impl(a, b):
-            return _udiv32(a, b)
-        return impl
+    @device_function
+    def scan_padded(cnt, off, E, B, red, tid):
+        """off[e] = sum_{e' < e} ceil(cnt[e'] / B) * B for e <= E (off[E] = total)."""
+        chunk = (E + NT - 1) // NT
+        lo = tid * chunk
+        hi = min(lo + chunk, E)
+        local = 0
+        for e in range(lo, hi):
+            local += (cnt[e] + B - 1) // B * B
+        red[tid] = local
+        cu.syncthreads()
+        d = 1
+        while d < NT:   # Hillis-Steele inclusive scan of the NT chunk sums
+            v = red[tid - d] if tid >= d else 0
+            cu.syncthreads()
+            red[tid] += v
+            cu.syncthreads()
+            d *= 2
+        run = red[tid] - local   # exclusive prefix of this thread's chunk
+        for e in range(lo, hi):
+            off[e] = run
+            run += (cnt[e] + B - 1) // B * B
+        if tid == NT - 1:
+            off[E] = red[NT - 1]
+        cu.syncthreads()
 
+    @device_function
+    def write_blocks(off, E, B, emap, use_map, expert_ids, n_blocks, tid):
+        """expert_ids of every block: a binary search of its first position in off."""
+        total = off[E]
+        for b in range(tid, n_blocks, NT):
+            pos = b * B
+            if pos < total:
+                lo = 0
+                hi = E   # invariant: off[lo] <= pos < off[hi]; empty experts have no width
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if off[mid] <= pos:
+                        lo = mid
+                    else:
+                        hi = mid
+                expert_ids[b] = emap[lo] if use_map else lo
+            else:
+                expert_ids[b] = -1
 
-@device_function
-def load_round(ids, base, end, E, emap, use_map, ignore_invalid, eb, lane):
-    """eb[u] = the expert of slot base + 32 u + lane (-1: past end, outside [0, E), or not on
-    this rank when ignore_invalid), u < PREFETCH; end > base. The loads take a clamped index
-    and no branch, so all PREFETCH are in flight at once (a load under an `if` on the previous
-    slot's id waits for it: one DRAM round trip per step)."""
-    last = end - 1
-    for u in range(PREFETCH):
-        s = base + 32 * u + lane
-        v = ids[ix(min(s, last))]
-        eb[u] = int32(v) if s < end and v >= 0 and v < E else int32(-1)
-    if use_map and ignore_invalid:
-        for u in range(PREFETCH):
-            e = eb[u]
-            m = emap[ix(max(e, 0))]      # clamped, unconditional: independent loads again
-            if m < 0:
-                eb[u] = -1
+    @device_function
+    def scatter(ids, lo, hi, E, emap, use_map, ignore_invalid, off, run, rid, sorted_ids,
+                inv, write_sorted, write_inv, tid):
+        """Stable placement of slots [lo, hi): pos = off[e] + run[e] + rank in the round.
 
+        run[e] starts as this block's offset within expert e and advances by the round's
+        count of e after each round; every thread runs the same number of rounds.
+        """
+        for r0 in range(lo, hi, NT):
+            s = r0 + tid
+            e = -1
+            if s < hi:
+                e = expert_of(ids, s, E, emap, use_map, ignore_invalid)
+            rid[tid] = e
+            cu.syncthreads()
+            if e >= 0:
+                r = 0
+                for j in range(tid):   # earlier slots of the same expert in this round
+                    if rid[j] == e:
+                        r += 1
+                pos = off[e] + run[e] + r
+                if write_sorted:
+                    sorted_ids[pos] = s
+                if write_inv:
+                    inv[s] = pos
+            cu.syncthreads()           # every rank read run[e] before it moves
+            if e >= 0:
+                cu.atomic.add(run, e, 1)
+            cu.syncthreads()
 
-@device_function
-def count_round(eb, wc, row0):
-    """wc[row0 + e] += the round's slots of expert e: one shared atomic per lane (permute.cu's
-    count; lanes of one expert serialize on its counter). One atomic per distinct expert of a
-    step, after a match_any_sync, was slower at all 18 bench points on the H200 (slot 1b)."""
-    for u in range(PREFETCH):
-        e = eb[u]
-        if e >= 0:
-            cu.atomic.add(wc, ix(row0 + e), 1)
+    @device_function
+    def scatter_warp(ids, lo, hi, E, emap, use_map, ignore_invalid, off, run, cntw, tagw,
+                     sorted_ids, inv, write_sorted, write_inv, tid):
+        """`scatter` with warp-level ranks (GPU only: match_any_sync has no simulator twin).
 
-
-@device_function
-def place_round(eb, base, end, wc, row0, off, sorted_ids, inv, write_sorted, write_inv, lane):
-    """Place the round's slots in order: the group's lowest lane reads the cursor
-    wc[row0 + e] and advances it by the group's size, the others get its value by a shuffle
-    and add the group's lanes below them."""
-    for u in range(PREFETCH):
-        if base + 32 * u < end:          # warp-uniform: steps past the chunk are skipped
-            e = eb[u]
+        A slot's rank in the round = its rank among the same-expert lanes of its warp
+        (popc of the match_any peers below it) + the counts of that expert in the earlier
+        warps of the round. The lowest lane of each peer group publishes its warp's count in
+        cntw[w, e], tagged with the round number in tagw[w, e] (tagw starts at -1), so
+        entries left from earlier rounds read as zero without clearing W x E words per round.
+        """
+        w = tid >> 5                             # this thread's warp
+        rnd = 0
+        for r0 in range(lo, hi, NT):
+            s = r0 + tid
+            e = -1
+            if s < hi:
+                e = expert_of(ids, s, E, emap, use_map, ignore_invalid)
             peers = uint32(cu.match_any_sync(FULL_MASK, e))
             below = peers & cu.lanemask_lt()
-            first = int32(0)
-            if e >= 0 and below == 0:
-                first = wc[ix(row0 + e)]
-                wc[ix(row0 + e)] = first + int32(cu.popc(peers))
-            cu.syncwarp(FULL_MASK)       # this step's cursor writes land before the next reads
-            leader = cu.popc((peers & (~peers + uint32(1))) - uint32(1))   # lowest set bit
-            first = cu.shfl_sync(FULL_MASK, first, leader)
+            if e >= 0 and below == 0:            # the group's lowest lane speaks for it
+                cntw[ix(w * E + e)] = cu.popc(peers)
+                tagw[ix(w * E + e)] = rnd
+            cu.syncthreads()
             if e >= 0:
-                pos = off[ix(e)] + first + int32(cu.popc(below))
-                s = base + 32 * u + lane
+                r = cu.popc(below)
+                for v in range(w):               # the same expert in earlier warps
+                    if tagw[ix(v * E + e)] == rnd:
+                        r += cntw[ix(v * E + e)]
+                pos = off[ix(e)] + run[ix(e)] + r
                 if write_sorted:
                     sorted_ids[ix(pos)] = s
                 if write_inv:
                     inv[ix(s)] = pos
+            cu.syncthreads()                     # every rank read run[e] before it moves
+            if e >= 0 and below == 0:
+                cu.atomic.add(run, e, cu.popc(peers))
+            cu.syncthreads()
+            rnd += 1
+
+    return (expert_of, histogram, histogram_warp, fill, scan_padded, write_blocks, scatter,
+            scatter_warp)
 
 
-@device_function
-def warp_inclusive_scan(v, lane):
-    """The inclusive prefix sum of v over the warp's lanes (5 shuffle steps)."""
-    d = 1
-    while d < 32:
-        u = cu.shfl_sync(FULL_MASK, v, max(lane - d, 0))
-        if lane >= d:
-            v += u
-        d *= 2
-    return v
-
-
-@device_function
-def scan_padded(tot, off, pre, E, B, red, tid, NT):
-    """off[e] = sum_{e' < e} ceil(tot[e'] / B) B for e <= E (off[E] = the total), permute.cu's
-    block_exclusive_scan: a run of entries per thread, warp scans by shuffles, warp 0 scans
-    the warp totals (red[0:W]); pre[e] += off[e] (the block's first position in expert e's
-    run). Unsigned 32-bit division (B > 0, counts >= 0): the int64 floor division of Python
-    semantics is a long call. Ends with a barrier."""
-    lane = tid % 32
-    warp = tid // 32
-    W = NT // 32
-    per = int32(udiv32(E + NT - 1, NT))
-    lo = min(E, tid * per)
-    hi = min(E, lo + per)
-    local = int32(0)
-    for e in range(lo, hi):
-        local += int32(udiv32(tot[ix(e)] + B - 1, B)) * int32(B)
-    incl = warp_inclusive_scan(local, lane)
-    if lane == 31:
-        red[ix(warp)] = incl
-    cu.syncthreads()
-    if warp == 0:
-        wt = red[ix(lane)] if lane < W else int32(0)
-        wt = warp_inclusive_scan(wt, lane)
-        if lane < W:
-            red[ix(lane)] = wt            # inclusive warp totals
-    cu.syncthreads()
-    run = incl - local
-    if warp > 0:
-        run += red[ix(warp - 1)]
-    for e in range(lo, hi):
-        off[ix(e)] = run
-        pre[ix(e)] += run
-        run += int32(udiv32(tot[ix(e)] + B - 1, B)) * int32(B)
-    if tid == NT - 1:
-        off[ix(E)] = red[ix(W - 1)]
-    cu.syncthreads()
-
-
-@device_function
-def pad_runs(off, tot, E, B, P, emap, use_map, expert_ids, sorted_ids, gw, nwarps, lane):
-    """expert_ids of each expert's blocks and the padding of its run (positions no slot
-    takes). Warp gw of the grid takes cdiv(E, nwarps) consecutive experts: its lanes load 32
-    experts' bounds at once (independent shared loads, the divisions by B side by side), a
-    ballot keeps the non-empty ones, and the warp walks those, each one's bounds broadcast by
-    shuffles, its lanes along the run. (An expert per warp iteration, bounds loaded and
-    divided one expert at a time, was 1.1x slower at T = 16 and 64 on the H200, slot 2.)"""
-    k = int32(udiv32(E + nwarps - 1, nwarps))
-    e0 = gw * k
-    e1 = min(E, e0 + k)
-    while e0 < e1:
-        e = e0 + lane
-        lo = int32(0)
-        hi = int32(0)
-        first = int32(0)
-        eid = int32(0)
-        if e < e1:
-            lo = off[ix(e)]
-            hi = off[ix(e + 1)]
-            first = lo + tot[ix(e)]               # the run's first padding position
-            eid = int32(emap[ix(e)]) if use_map else int32(e)
-        x_lo = int32(udiv32(lo, B))
-        x_hi = int32(udiv32(hi, B))
-        todo = uint32(cu.ballot_sync(FULL_MASK, lo < hi))   # the non-empty experts
-        while todo != 0:
-            j = cu.popc((todo & (~todo + uint32(1))) - uint32(1))   # the lowest one
-            todo &= todo - uint32(1)
-            j_lo = cu.shfl_sync(FULL_MASK, x_lo, j)
-            j_hi = cu.shfl_sync(FULL_MASK, x_hi, j)
-            j_first = cu.shfl_sync(FULL_MASK, first, j)
-            j_end = cu.shfl_sync(FULL_MASK, hi, j)
-            j_eid = cu.shfl_sync(FULL_MASK, eid, j)
-            x = j_lo + lane
-            while x < j_hi:
-                expert_ids[ix(x)] = j_eid
-                x += 32
-            p = j_first + lane
-            while p < j_end:
-                sorted_ids[ix(p)] = P
-                p += 32
-        e0 += 32
-
-
-@device_function
-def grid_barrier(bar, g, G):
-    """Every block of the grid arrives before any leaves (module docstring). Thread 0 of
-    each block: release fence, one atomic add, spin on the phase bit, acquire fence."""
-    cu.syncthreads()                     # the block's writes come before thread 0's fence
-    if cu.threadIdx.x == 0:
-        inc = uint32(1)
-        if g == 0:
-            inc = uint32(TOP) - uint32(G - 1)
-        cu.threadfence()
-        old = cu.atomic.add(bar, 0, inc)
-        while ((cu.atomic.or_(bar, 0, uint32(0)) ^ old) & uint32(TOP)) == 0:
-            cu.nanosleep(uint32(32))
-        cu.threadfence()
-    cu.syncthreads()
-
-
-# ----------------------------------------------------------------------------- the kernel
-def align_grid(ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids,
-               n_blocks, capacity, num_post, offsets, inv, do_align, write_inv, chunk):
-    """The whole alignment in one launch of G blocks of NT threads (module docstring).
-
-    ids [P] any integer; emap [E] (read when use_map); hist [G E] and bar [1] (G > 1);
-    sorted_ids [capacity], expert_ids [n_blocks] (when do_align); num_post [1];
-    offsets [E + 1] (block 0 writes them: the padded starts); inv [P] (when write_inv);
-    chunk = the slots of each warp, cdiv(cdiv(P, G W), 32) 32."""
-    tid = cu.threadIdx.x
-    NT = cu.blockDim.x
-    W = NT // 32
-    warp = tid // 32
-    lane = tid % 32
-    g = cu.blockIdx.x
-    G = cu.gridDim.x
-    sh = cu.shared.array(0, int32)
-    wc = sh[0:W * E]                          # [W, E] counts, then each warp's cursor
-    tot = sh[W * E:W * E + E]                 # [E] slots per expert
-    pre = sh[W * E + E:W * E + 2 * E]         # [E] slots in earlier blocks, then the
-                                              # block's first position in each run
-    off = sh[W * E + 2 * E:W * E + 3 * E + 1]  # [E + 1] padded starts
-    red = sh[W * E + 3 * E + 1:W * E + 3 * E + 33]   # [32] scan scratch
-
-    # Strided loops are while loops and divisions unsigned 32-bit: a `range` with a run-time
-    # step computes its trip count by a signed 64-bit division (a ~100-instruction call)
-    nwarps = G * W
-    begin = min(P, (g * W + warp) * chunk)   # chunk: whole 32-slot steps per warp (host)
-    end = min(P, begin + chunk)
-    rounds = (end - begin + STEP - 1) // STEP
-    eb = cu.local.array(PREFETCH, int32)
-    if rounds == 1:   # issued before the zeroing below, so its latency overlaps it
-        load_round(ids, begin, end, E, emap, use_map, ignore_invalid, eb, lane)
-    i = tid
-    while i < W * E:
-        wc[ix(i)] = 0
-        i += NT
-    e = tid
-    while e < E:
-        tot[ix(e)] = 0
-        pre[ix(e)] = 0
-        e += NT
-    cu.syncthreads()
-    row0 = warp * E
-    for r in range(rounds):
-        if rounds > 1:
-            load_round(ids, begin + r * STEP, end, E, emap, use_map, ignore_invalid, eb, lane)
-        count_round(eb, wc, row0)
-    cu.syncthreads()
-    cv = cu.local.array(SCAN_UNROLL, int32)
-    e = tid
-    while e < E:                              # consecutive e: consecutive banks
-        run = int32(0)
-        for w0 in range(0, W, SCAN_UNROLL):   # the loads of a group before its stores
-            for u in range(SCAN_UNROLL):      # (a store may alias the next load)
-                cv[u] = wc[ix((w0 + u) * E + e)] if w0 + u < W else 0
-            for u in range(SCAN_UNROLL):
-                if w0 + u < W:
-                    wc[ix((w0 + u) * E + e)] = run
-                    run += cv[u]
-        if G > 1:
-            hist[ix(g * E + e)] = run
-        else:
-            tot[ix(e)] = run
-        e += NT
-    if G > 1:
-        grid_barrier(bar, g, G)
-        # `per` threads per expert, each summing every per-th row: few loads per thread, all
-        # independent (the rows were written by other SMs in this launch: L2, after the fence)
-        per = max(1, int32(udiv32(NT, E)))
-        i = tid
-        while i < per * E:
-            j = int32(udiv32(i, E))
-            e = i - j * E
-            t_sum = int32(0)
-            p_sum = int32(0)
-            while j < G:
-                v = hist[ix(j * E + e)]
-                t_sum += v
-                if j < g:
-                    p_sum += v
-                j += per
-            cu.atomic.add(tot, ix(e), t_sum)
-            cu.atomic.add(pre, ix(e), p_sum)
-            i += NT
-    cu.syncthreads()
-    scan_padded(tot, off, pre, E, B, red, tid, NT)  # ends with a barrier; pre = starts
-    total = off[ix(E)]
-    if g == 0:
-        if tid == 0:
-            num_post[0] = total
-        e = tid
-        while e <= E:
-            offsets[ix(e)] = off[ix(e)]
-            e += NT
-    if do_align:
-        pad_runs(off, tot, E, B, P, emap, use_map, expert_ids, sorted_ids, g * W + warp,
-                 nwarps, lane)
-        gn = G * NT
-        p = total + g * NT + tid
-        while p < capacity:                   # the tail: no slot goes there
-            sorted_ids[ix(p)] = P
-            p += gn
-        x = int32(udiv32(total, B)) + g * NT + tid
-        while x < n_blocks:
-            expert_ids[ix(x)] = -1
-            x += gn
-    for r in range(rounds):
-        if rounds > 1:
-            load_round(ids, begin + r * STEP, end, E, emap, use_map, ignore_invalid, eb, lane)
-        place_round(eb, begin + r * STEP, end, wc, row0, pre, sorted_ids, inv, do_align,
-                    write_inv, lane)
-
-
+# ----------------------------------------------------------------------------- kernels
 @functools.lru_cache(maxsize=None)
-def grid_kernel():
-    """The compiled align_grid (one kernel for every geometry: NT and G are read at run
-    time, so a notebook waits for one compile). Bounded to 1024 threads: <= 64 registers,
-    which it fits without spilling (a round of ids in registers across the barriers)."""
-    return kernel(align_grid, launch_bounds=(1024, 1))
+def align_kernels(NT, rank="block"):
+    """(align_single, align_count, align_scan, align_scatter) for NT threads per block.
+
+    rank: "block" ranks a round's slots by an O(NT) scan of shared memory (any target, the
+    simulator included); "warp" by match_any_sync within warps (GPU only, about 8x fewer
+    shared-memory reads) and needs 2 W E more int32 words of shared memory (W = NT / 32).
+    """
+    if rank not in ("block", "warp"):
+        raise ValueError(f"rank: expected 'block' or 'warp', got {rank!r}")
+    if rank == "warp" and (SIMULATOR or NT % 32):
+        raise ValueError("rank: 'warp' needs the GPU and whole warps")
+    WARP = rank == "warp"
+    W = NT // 32
+    (_, histogram, histogram_warp, fill, scan_padded, write_blocks, scatter,
+     scatter_warp) = _parts(NT)
+
+    def align_single(ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert_ids,
+                     n_blocks, capacity, num_post, offsets, inv, do_align, write_inv):
+        """One block does it all: padding fill, histogram, padded prefix sum, expert_ids,
+        stable scatter.
+        Shared (int32): cnt [E], off [E+1], run [E], red [NT], rid [NT] (+ cntw, tagw
+        [W E] each for warp ranks)."""
+        tid = cu.threadIdx.x
+        sh = cu.shared.array(0, int32)
+        cnt = sh[0:E]
+        off = sh[E:2 * E + 1]
+        run = sh[2 * E + 1:3 * E + 1]
+        red = sh[3 * E + 1:3 * E + 1 + NT]
+        rid = sh[3 * E + 1 + NT:3 * E + 1 + 2 * NT]
+        for e in range(tid, E, NT):
+            cnt[e] = 0
+            run[e] = 0
+        if WARP:
+            base = 3 * E + 1 + 2 * NT
+            cntw = sh[base:base + W * E]
+            tagw = sh[base + W * E:base + 2 * W * E]
+            for i in range(tid, W * E, NT):
+                tagw[i] = -1
+        if do_align:
+            fill(sorted_ids, P, tid, capacity, NT)
+        cu.syncthreads()
+        if WARP:
+            histogram_warp(ids, 0, P, E, emap, use_map, ignore_invalid, cnt, tid)
+        else:
+            histogram(ids, 0, P, E, emap, use_map, ignore_invalid, cnt, tid)
+        cu.syncthreads()
+        scan_padded(cnt, off, E, B, red, tid)
+        if tid == 0:
+            num_post[0] = off[E]
+        for e in range(tid, E + 1, NT):
+            offsets[e] = off[e]
+        if do_align:
+            write_blocks(off, E, B, emap, use_map, expert_ids, n_blocks, tid)
+        if WARP:
+            scatter_warp(ids, 0, P, E, emap, use_map, ignore_invalid, off, run, cntw, tagw,
+                         sorted_ids, inv, do_align, write_inv, tid)
+        else:
+            scatter(ids, 0, P, E, emap, use_map, ignore_invalid, off, run, rid, sorted_ids,
+                    inv, do_align, write_inv, tid)
+
+    def align_count(ids, P, E, emap, use_map, ignore_invalid, block_counts, CH, sorted_ids,
+                    capacity, do_align):
+        """block_counts[b, e] = slots of expert e in block b's chunk [b*CH, (b+1)*CH); the
+        blocks also fill sorted_ids with the padding value P (the scatter kernel, launched
+        after, overwrites the positions of slots)."""
+        tid = cu.threadIdx.x
+        b = cu.blockIdx.x
+        cnt = cu.shared.array(0, int32)[0:E]
+        for e in range(tid, E, NT):
+            cnt[e] = 0
+        if do_align:
+            fill(sorted_ids, P, b * NT + tid, capacity, cu.gridDim.x * NT)
+        cu.syncthreads()
+        lo = b * CH
+        hi = min(P, (b + 1) * CH)
+        if WARP:
+            histogram_warp(ids, lo, hi, E, emap, use_map, ignore_invalid, cnt, tid)
+        else:
+            histogram(ids, lo, hi, E, emap, use_map, ignore_invalid, cnt, tid)
+        cu.syncthreads()
+        for e in range(tid, E, NT):
+            block_counts[b, e] = cnt[e]
+
+    def align_scan(block_counts, nb, E, B, P, emap, use_map, sorted_ids, expert_ids, n_blocks,
+                   capacity, num_post, offsets, do_align):
+        """One block: block_counts -> each block's offset within each expert (in place),
+        the padded prefix sum into offsets [E+1], expert_ids, num_post."""
+        tid = cu.threadIdx.x
+        sh = cu.shared.array(0, int32)
+        cnt = sh[0:E]
+        off = sh[E:2 * E + 1]
+        red = sh[2 * E + 1:2 * E + 1 + NT]
+        cb = cu.local.array(8, int32)
+        for e in range(tid, E, NT):   # one expert per thread, coalesced across e
+            total = 0
+            for b0 in range(0, nb, 8):
+                # eight loads before any store: a load cannot pass the previous iteration's
+                # store to the same array, so one at a time would wait out a round trip each
+                for u in range(8):
+                    cb[u] = block_counts[ix(b0 + u), ix(e)] if b0 + u < nb else 0
+                for u in range(8):
+                    if b0 + u < nb:
+                        block_counts[ix(b0 + u), ix(e)] = total
+                        total += cb[u]
+            cnt[e] = total
+        cu.syncthreads()
+        scan_padded(cnt, off, E, B, red, tid)
+        if tid == 0:
+            num_post[0] = off[E]
+        for e in range(tid, E + 1, NT):
+            offsets[e] = off[e]
+        if do_align:
+            write_blocks(off, E, B, emap, use_map, expert_ids, n_blocks, tid)
+
+    def align_scatter(ids, P, E, emap, use_map, ignore_invalid, block_counts, offsets,
+                      sorted_ids, inv, do_align, write_inv, CH):
+        """Stable placement of block b's chunk, starting at its offsets within each expert.
+        Shared (int32): run [E], rid [NT] (+ cntw, tagw [W E] each for warp ranks)."""
+        tid = cu.threadIdx.x
+        b = cu.blockIdx.x
+        sh = cu.shared.array(0, int32)
+        run = sh[0:E]
+        rid = sh[E:E + NT]
+        for e in range(tid, E, NT):
+            run[e] = block_counts[b, e]
+        if WARP:
+            cntw = sh[E + NT:E + NT + W * E]
+            tagw = sh[E + NT + W * E:E + NT + 2 * W * E]
+            for i in range(tid, W * E, NT):
+                tagw[i] = -1
+        cu.syncthreads()
+        lo = b * CH
+        hi = min(P, (b + 1) * CH)
+        if WARP:
+            scatter_warp(ids, lo, hi, E, emap, use_map, ignore_invalid, offsets, run, cntw,
+                         tagw, sorted_ids, inv, do_align, write_inv, tid)
+        else:
+            scatter(ids, lo, hi, E, emap, use_map, ignore_invalid, offsets, run, rid,
+                    sorted_ids, inv, do_align, write_inv, tid)
+
+    return (kernel(align_single), kernel(align_count), kernel(align_scan),
+            kernel(align_scatter))
 
 
-# ----------------------------------------------------------------------------- launcher
-_SM_COUNT = {}
-_BARRIER = {}
+def _rank_words(rank, NT, E):
+    """The extra shared int32 words of the warp ranks (cntw and tagw)."""
+    return 2 * (NT // 32) * E if rank == "warp" else 0
 
 
-def _sm_count() -> int:
-    dev = A.cuda().get_current_device()
-    if dev.id not in _SM_COUNT:
-        _SM_COUNT[dev.id] = int(dev.MULTIPROCESSOR_COUNT)
-    return _SM_COUNT[dev.id]
-
-
-def _barrier_word():
-    """The grid barrier's word of the current device and launch stream, zeroed once by a
-    synchronous copy (each launch leaves it ready for the next, and launches on one stream
-    never overlap; another stream, `A.using_stream`, gets its own word)."""
-    cuda = A.cuda()
-    key = (cuda.get_current_device().id, A._STREAM[0])
-    if key not in _BARRIER:
-        _BARRIER[key] = cuda.to_device(np.zeros(1, np.uint32))
-    return _BARRIER[key]
-
-
-def fits(E: int) -> bool:
-    """Whether one warp's row of counters (and the rest) fits the shared-memory budget."""
-    cfg = CONFIGS["grid"]
-    return (E + 3 * E + 33) * 4 <= cfg["SMEM_BUDGET"]
-
-
-def align_geometry(P: int, E: int, sm_count: int, pad: bool = True):
-    """(G, NT, shared memory bytes) of align_grid (module docstring); pad=False (moe_permute:
-    no padding, no expert_ids) needs fewer warps for the per-expert work of one block."""
-    cfg = CONFIGS["grid"]
-    fixed = 3 * E + 33
-    fit = max(1, (cfg["SMEM_BUDGET"] // 4 - fixed) // E)   # warps whose [W, E] rows fit
-    if P <= cfg["SMALL_P"]:
-        G = 1
-        # a warp per ONE_SLOTS slots, but at least one per 8 experts (up to MIN_WARPS): the
-        # per-expert work (scan, padding, expert_ids) is spread over them
-        least = cfg["MIN_WARPS"] if pad else cfg["PERMUTE_MIN_WARPS"]
-        W = max(min(least, max(4, A.cdiv(E, 8))), A.cdiv(max(P, 1), cfg["ONE_SLOTS"]))
-        W = min(W, cfg["MAX_WARPS"], fit)
+# ----------------------------------------------------------------------------- launchers
+def _sort_slots(call, topk_ids, E, B, expert_map, ignore_invalid, capacity, do_align,
+                write_inv, path=None, rank=None):
+    """Run the align kernels. Returns (sorted_ids, expert_ids, num_post, offsets, inv) as
+    numba arrays (sorted_ids / expert_ids only when do_align, inv only when write_inv).
+    rank ("grid" | "warp" | "block") and, for the warp / block ranks, path ("single" |
+    "multi") override the config (tests)."""
+    cfg = config("align")
+    NT = cfg["THREADS"]
+    T, K = A.shape_of(topk_ids)
+    P = T * K
+    n_blocks = A.cdiv(capacity, B)
+    ids = call.dev("topk_ids", topk_ids).reshape(P)                       # [P]
+    use_map = expert_map is not None
+    emap = call.dev("expert_map", expert_map) if use_map else A.dummy(np.int32)
+    sorted_ids = call.empty((capacity,), np.int32) if do_align else A.dummy(np.int32)
+    expert_ids = call.empty((n_blocks,), np.int32) if do_align else A.dummy(np.int32)
+    num_post = call.empty((1,), np.int32)
+    offsets = call.empty((E + 1,), np.int32)
+    inv = call.empty((P,), np.int32) if write_inv else A.dummy(np.int32)
+    if rank is None:
+        rank = cfg["RANK"]
+    flags = (1 if use_map else 0, 1 if ignore_invalid else 0)
+    if rank == "grid" and not SIMULATOR and align_grid.fits(E):
+        align_grid.launch(call, ids, P, E, B, emap, *flags, sorted_ids, expert_ids, n_blocks,
+                          capacity, num_post, offsets, inv, int(do_align), int(write_inv))
+        return sorted_ids, expert_ids, num_post, offsets, inv
+    if rank == "grid":   # the simulator, or E too large for one warp's row of counters
+        rank = "block" if SIMULATOR else "warp"
+    if rank == "warp" and (3 * E + 1 + 2 * NT + _rank_words(rank, NT, E)) * 4 > SHARED_LIMIT:
+        rank = "block"   # very many experts: the warp ranks' tables do not fit
+    single, count, scan, scatter = align_kernels(NT, rank)
+    extra = _rank_words(rank, NT, E)
+    if path is None:
+        path = "single" if P <= cfg["SINGLE_BLOCK_MAX_SLOTS"] else "multi"
+    if path == "single":
+        smem = (3 * E + 1 + 2 * NT + extra) * 4
+        single[1, NT, A.launch_stream(), smem](
+            ids, P, E, B, emap, *flags, sorted_ids, expert_ids, n_blocks, capacity, num_post,
+            offsets, inv, int(do_align), int(write_inv))
     else:
-        W, slots = min(cfg["GRID_WARPS"], fit), cfg["WARP_SLOTS"]
-        if A.cdiv(P, W * slots) * E > cfg["TABLE_LOADS"] * 32 * W and 2 * W <= fit:
-            # the [G, E] table would cost more than TABLE_LOADS loads per thread: blocks of
-            # twice the warps, each warp twice the slots (a quarter of the blocks)
-            W, slots = 2 * W, 2 * slots
-        blocks = cfg["MAX_BLOCKS"] or sm_count
-        G = max(1, min(blocks, A.cdiv(P, W * slots), cfg["TABLE_LOADS"] * W * 32 // E))
-    return G, 32 * W, (W * E + fixed) * 4
+        CH = cfg["SLOTS_PER_BLOCK"]
+        nb = A.cdiv(P, CH)
+        block_counts = call.empty((nb, E), np.int32)                      # [nb, E] scratch
+        stream = A.launch_stream()
+        count[nb, NT, stream, E * 4](ids, P, E, emap, *flags, block_counts, CH, sorted_ids,
+                                     capacity, int(do_align))
+        scan[1, NT, stream, (2 * E + 1 + NT) * 4](block_counts, nb, E, B, P, emap, flags[0],
+                                                  sorted_ids, expert_ids, n_blocks, capacity,
+                                                  num_post, offsets, int(do_align))
+        scatter[nb, NT, stream, (E + NT + extra) * 4](ids, P, E, emap, *flags, block_counts,
+                                                      offsets, sorted_ids, inv, int(do_align),
+                                                      int(write_inv), CH)
+    return sorted_ids, expert_ids, num_post, offsets, inv
 
 
-def launch(call, ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert_ids, n_blocks,
-           capacity, num_post, offsets, inv, do_align, write_inv):
-    """One launch of align_grid over the numba arrays (permute._sort_slots makes them)."""
-    G, NT, smem = align_geometry(P, E, _sm_count() if P > CONFIGS["grid"]["SMALL_P"] else 1,
-                                 bool(do_align))
-    if G > 1:
-        hist = call.empty((G * E,), np.int32)            # [G, E] per-block counts
-        bar = _barrier_word()
-    else:
-        hist, bar = A.dummy(np.int32), A.dummy(np.uint32)
-    k = grid_kernel()
-    args = (ids, P, E, B, emap, use_map, ignore_invalid, hist, bar, sorted_ids, expert_ids,
-            n_blocks, capacity, num_post, offsets, inv, do_align, write_inv,
-            A.cdiv(A.cdiv(P, G * NT // 32), 32) * 32)   # chunk: whole 32-slot steps per warp
-    if G > 1 and not SIMULATOR:
-        _cooperative(k, args)
-    k[G, NT, A.launch_stream(), smem](*args)
+def _check_expert_map(expert_map, E):
+    if expert_map is None:
+        return None
+    A.check_int_array("expert_map", expert_map, ndim=1, shape=(E,))
+    if isinstance(expert_map, np.ndarray) and expert_map.size and expert_map.min() < -1:
+        raise ValueError(f"expert_map: expected local ids >= 0 or -1, got {int(expert_map.min())}")
+    return expert_map
 
 
-_MARKED = set()
+def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
+                         pad_sorted_ids=False, ignore_invalid_experts=False):
+    """Sort the P slots by expert and pad each expert's run to a multiple of block_size.
+
+    topk_ids [T, K] -> sorted_token_ids int32 [max_num_tokens_padded] (slots of expert 0,
+    then 1, ..., each run padded with P to a multiple of B; stable: increasing s within an
+    expert), expert_ids int32 [cdiv(max_num_tokens_padded, B)] (local ids through expert_map,
+    -1 past the end or for experts off this rank), num_tokens_post_padded int32 [1].
+    A slot whose id is outside [0, E) (vLLM's -1) is skipped: placed and counted nowhere.
+    With expert_map and ignore_invalid_experts=True, experts off this rank get no blocks.
+    Kernels: align_grid (align_grid.py, one launch) on the GPU; align_single, or align_count +
+    align_scan + align_scatter with the simulator's "block" ranks (module docstring).
+    """
+    A.check_int_array("topk_ids", topk_ids, ndim=2)
+    B = A.check_int("block_size", block_size, minimum=1)
+    E = A.check_int("num_experts", num_experts, minimum=1)
+    _check_expert_map(expert_map, E)
+    T, K = A.shape_of(topk_ids)
+    capacity = max_num_tokens_padded(T * K, B, E, pad_sorted_ids)
+    call = A.Call("topk_ids", topk_ids)
+    sorted_ids, expert_ids, num_post, _, _ = _sort_slots(
+        call, topk_ids, E, B, expert_map, bool(ignore_invalid_experts and expert_map is not None),
+        capacity, True, False)
+    return call.result(sorted_ids), call.result(expert_ids), call.result(num_post)
 
 
-def _cooperative(k, args):
-    """Mark the kernel `k` compiles for these arguments for a cooperative launch, as
-    permute.cu's: the driver refuses a grid that cannot be resident all at once (which the
-    barrier needs) instead of letting it hang. numba sets the flag only on kernels that call
-    cuda.cg (linking cudadevrt for them), so it is set here on the compiled kernel. Only ids
-    and expert_map vary in type between calls (the rest are arrays this module makes and
-    Python ints), so typing all the arguments (~0.1 ms) happens once per such pair."""
-    ids, emap = args[0], args[4]
-    key = (id(k), ids.dtype.str, emap.dtype.str, ids.is_c_contiguous())
-    if key not in _MARKED:
-        k.compile(tuple(k.typeof_pyval(a) for a in args)).cooperative = True
-        _MARKED.add(key)
+# ----------------------------------------------------------------------------- compile checks
+def compile_cases():
+    """(label, kernel, argument types) of every launch above, for the PTX checks (_ptx.py)."""
+    from numba import types as t
+
+    def arr(dt, nd):
+        return t.Array(dt, nd, "C")
+
+    i32, i64 = t.int32, t.int64
+    v = arr(i32, 1)
+    cases = []
+    for rank in ("warp", "block"):
+        single, count, scan, scatter = align_kernels(CONFIGS["align"]["THREADS"], rank)
+        for ids in (i32, i64):
+            a = arr(ids, 1)
+            cases += [
+                (f"align_single rank={rank} ids={ids}", single,
+                 (a, i64, i64, i64, v, i64, i64, v, v, i64, i64, v, v, v, i64, i64)),
+                (f"align_scatter rank={rank} ids={ids}", scatter,
+                 (a, i64, i64, v, i64, i64, arr(i32, 2), v, v, v, i64, i64, i64)),
+            ]
+            cases.append((f"align_count rank={rank} ids={ids}", count,
+                          (a, i64, i64, v, i64, i64, arr(i32, 2), i64, v, i64, i64)))
+        if rank == "warp":
+            cases.append(("align_scan", scan,
+                          (arr(i32, 2), i64, i64, i64, i64, v, i64, v, v, i64, i64, v, v, i64)))
+    grid = align_grid.grid_kernel()
+    for ids in (i32, i64):
+        cases.append((f"align_grid ids={ids}", grid,
+                      (arr(ids, 1), i64, i64, i64, v, i64, i64, v, arr(t.uint32, 1), v, v, i64,
+                       i64, v, v, v, i64, i64, i64)))
+    return cases
+
+
+# ----------------------------------------------------------------------------- as a script
+def _main():
+    import reference
+
+    from . import _script as S
+
+    ok, why = A.availability()
+    print(f"numba align: {why}")
+    if not ok:
+        return 0
+    rng = np.random.default_rng(0)
+    cases = ([(3, 8, 2, 4), (9, 4, 3, 8)] if SIMULATOR
+             else [(1, 8, 2, 64), (256, 128, 8, 64), (4096, 256, 8, 64), (2256, 257, 16, 128)])
+    failures = 0
+    for T, E, K, B in cases:
+        ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)  # [T, K]
+        mine = moe_align_block_size(ids, B, E)
+        ref = reference.moe_align_block_size(ids, B, E)
+        same = all(np.array_equal(a, b) for a, b in zip(mine, ref))
+        failures += not same
+        verdict = "exact" if same else "DIFFER"
+        line = f"  moe_align_block_size T={T:5d} E={E:4d} K={K:2d} B={B:3d}: {verdict}"
+        if not SIMULATOR:
+            d = A.to_device(ids)
+            ms = S.time_ms(lambda: moe_align_block_size(d, B, E))
+            line += f", {ms * 1e3:8.1f} us"
+        print(line)
+    print("all match" if not failures else f"{failures} mismatches")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -6,7 +6,7 @@
         x [T, K, H]; out[t, h] = sum_k x[t, k, h] (with topk_ids: over the live slots only)
 
 fp32 accumulation in slot order k = 0..K-1 (NumPy's order for this reduction, so fp32 inputs
-match the reference bit for bit), rounded once to x's dtype (reference/experts.py). The router
+match the reference bit for bit), rounded once to x's dtype (reference/combine.py). The router
 weights are already applied by GEMM2 (mul_routed_weight), as in vLLM.
 
 Kernel `moe_sum_kernel`: block = NT threads over columns, grid = (cdiv(C, 4 NT),

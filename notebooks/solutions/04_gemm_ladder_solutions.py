@@ -29,15 +29,14 @@ RUN = workshop.setup("04_gemm_ladder_solutions")
 MODEL = "qwen3-30b-a3b"
 
 # %%
-import importlib
-
 import ml_dtypes
 import numpy as np
 
 from cuda_kernels.cupy import _compile
+from cuda_kernels.cupy import gemm as cgg
+from cuda_kernels.cupy import gemm_configs as ccfg
 from sandbox import bench, get_backend
 
-cgg = importlib.import_module("cuda_kernels.cupy.grouped_gemm")
 p = bench.PRESETS[MODEL]
 N, KD = 2 * p.intermediate_size, p.hidden_size
 
@@ -68,8 +67,8 @@ for path, rec in workshop.load_results("bench_cupy_gemm"):
 # an SM (65,536 registers each) to hide latency.
 
 # %%
-cfg = cgg.fit_config("v3", "bf16", cgg.get_config(256, N, KD, p.num_experts, p.top_k,
-                                                   ml_dtypes.bfloat16, version="v3"), 16)
+cfg = ccfg.fit_config("v3", "bf16", ccfg.get_config(256, N, KD, p.num_experts, p.top_k,
+                                                     ml_dtypes.bfloat16, version="v3"), 16)
 ok, why = _compile.nvrtc_available()
 rows = []
 for tm, tn in ((2, 2), (4, 4), (8, 8)):
@@ -77,7 +76,8 @@ for tm, tn in ((2, 2), (4, 4), (8, 8)):
     regs = "-"
     if ok:
         try:
-            cubin = _compile.compile_check(cgg.CU_FILES["v3"], cgg.kernel_defines("v3", "bf16", c))
+            cubin = _compile.compile_check(cgg.CU_FILES["v3"],
+                                           ccfg.kernel_defines("v3", "bf16", c))
             regs = workshop.cubin_resources(cubin)[cgg.KERNEL_NAMES["v3"]]["registers"]
         except Exception as e:    # a shape the kernel's static checks refuse
             regs = f"{type(e).__name__}"

@@ -32,7 +32,6 @@ NAPKIN_T = 4096
 GPU_BUDGET_S = 60                # GPU only (sm_90): exercise 4's timings stop after this
 
 # %%
-import importlib
 import io
 import itertools
 import re
@@ -43,9 +42,10 @@ import numpy as np
 
 import reference
 from cuda_kernels.cupy import _compile
+from cuda_kernels.cupy import gemm as cgg
+from cuda_kernels.cupy import gemm_configs as ccfg
+from cuda_kernels.cupy import tune
 
-cgg = importlib.import_module("cuda_kernels.cupy.grouped_gemm")
-tune = importlib.import_module("cuda_kernels.cupy.tune")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 NAME, E, K, H, I = tune.MODELS[MODEL]
 N, KD = 2 * I, H
@@ -119,7 +119,7 @@ workshop.show_table(["epilogue steps", "stages", "total steps", "consumer stall 
 # %%
 c = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, warps=12, GROUP_M=8, PRODUCER_REGS=56)
 for stages in (3, 4, 5):
-    need = cgg.v6_smem_bytes(dict(c, stages=stages))
+    need = ccfg.v6_smem_bytes(dict(c, stages=stages))
     print(f"{stages} stages: {need} B of shared memory "
           f"({'fits' if need <= 227 * 1024 else 'does not fit'} in 227 KiB)")
 
@@ -186,11 +186,11 @@ workshop.show_table(["candidate", "differs in", "values", "isolates"], rows)
 # here, the two geometries:
 
 # %%
-cfg = cgg.fit_config("v6", "bf16", cgg.get_config(NAPKIN_T, N, KD, E, K, BF16, version="v6",
-                                                   device=CARD), 128)
+cfg = ccfg.fit_config("v6", "bf16", ccfg.get_config(NAPKIN_T, N, KD, E, K, BF16, version="v6",
+                                                     device=CARD), 128)
 L = reference.max_num_tokens_padded(NAPKIN_T * K, cfg["BLOCK_M"], E)
 for label, sms in (("persistent", 132), ("one CTA per tile", 10**9)):
-    grid, block, smem = cgg.launch_geometry("v6", cfg, L, N, num_sms=sms)
+    grid, block, smem = ccfg.launch_geometry("v6", cfg, L, N, num_sms=sms)
     print(f"{label:17s} grid {grid[0]:5d} x {block[0]} threads, {smem} B shared each")
 
 # %% [markdown]
@@ -209,7 +209,7 @@ for label, sms in (("persistent", 132), ("one CTA per tile", 10**9)):
 # commands:
 #
 # ```bash
-# python -m cuda_kernels.cupy.grouped_gemm --versions v5,v6 --shapes qwen3,mixtral,deepseek \
+# python -m cuda_kernels.cupy.gemm --versions v5,v6 --shapes qwen3,mixtral,deepseek \
 #     --tokens 1024,4096,16384 --sweep          # every v6 candidate beside v5, per GEMM
 # ```
 #
@@ -229,7 +229,7 @@ if RUN.gpu and _compile.is_sm90():
     w_d = cgg.random_device((E, N, KD), BF16, scale=KD ** -0.5)         # [E, N, Kdim]
     ids_d = cp.asarray(np.argsort(rng.random((NAPKIN_T, E)), axis=1)[:, :K].astype(np.int32))
     flops = cgg.gemm_flops(NAPKIN_T * K, N, KD)
-    base = cgg.get_config(NAPKIN_T, N, KD, E, K, BF16, version="v6")
+    base = ccfg.get_config(NAPKIN_T, N, KD, E, K, BF16, version="v6")
     variants = [("table config", base, False), ("table config, one CTA per tile", base, True)]
     variants += [(f"GROUP_M={g}", dict(base, GROUP_M=g), False) for g in (4, 8, 16)
                  if g != base.get("GROUP_M")]
@@ -292,7 +292,7 @@ def distinct_bytes(T, e, k, n, kd, bm, bn, group_m, sms=132, seed=0):
 
 mname, e, k, h, i = tune.MODELS["deepseek"]
 T = 16384
-chosen = cgg.get_config(T, h, i, e, k, BF16, version="v6", device=CARD)
+chosen = ccfg.get_config(T, h, i, e, k, BF16, version="v6", device=CARD)
 rows = [(g, f"{distinct_bytes(T, e, k, h, i, 128, 256, g) / 1e9:.2f}",
          "<- the tuner's" if g == chosen.get("GROUP_M") else "")
         for g in (1, 2, 4, 8, 16, 32)]

@@ -174,7 +174,7 @@ class ReferenceExperts(StageExperts):
 
 
 class TorchExperts(StageExperts):
-    """sandbox/torch_backend.py's stages (CPU or CUDA)."""
+    """cuda_kernels/torch/'s stages (CPU or CUDA)."""
 
     backend_name = "torch"
 

@@ -87,7 +87,7 @@ def moe_sum(x, topk_ids, expert_map=None):
     """The pad-aware moe_sum of x's own backend (torch or the reference; other libraries
     go through the host)."""
     if arrays.kind(x) == "torch":
-        from .. import torch_backend
+        from cuda_kernels import torch as torch_backend
 
         ids = topk_ids if arrays.kind(topk_ids) == "torch" else arrays.numpy_to_torch(
             np.ascontiguousarray(arrays.to_numpy(topk_ids)), x.device)

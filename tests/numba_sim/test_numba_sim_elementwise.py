@@ -98,7 +98,7 @@ def test_moe_sum_pad_aware(dkey, with_map):
     x = uniform(rng_for("sum-pad", dkey, with_map), (5, 3, 9), 1.0).astype(DTYPES[dkey])
     ids = np.array([[0, 1, 2], [-1, 3, 1], [-1, -1, -1], [2, -1, 0], [3, 3, 1]], np.int32)
     emap = np.array([0, -1, 1, 2], np.int32) if with_map else None
-    live = reference.experts.slot_is_live(ids, emap)
+    live = reference.combine.slot_is_live(ids, emap)
     x[~live] = np.nan                                     # rows the GEMMs never wrote
     got, want = Cb.moe_sum(x, ids, emap), reference.moe_sum(x, ids, emap)
     close(got, want, DTYPES[dkey], "moe_sum pad-aware")

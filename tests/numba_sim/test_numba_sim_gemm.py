@@ -20,7 +20,7 @@ from oracles import BF16, TOL, gemm_problem, rel_err
 import reference
 from cuda_kernels import numba as nb
 
-G = importlib.import_module("cuda_kernels.numba.grouped_gemm")
+G = importlib.import_module("cuda_kernels.numba.gemm")
 
 pytestmark = pytest.mark.simulator
 DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF16}

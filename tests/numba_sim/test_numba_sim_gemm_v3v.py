@@ -18,7 +18,7 @@ from test_numba_sim_gemm import DTYPES, check, run
 import reference
 from cuda_kernels import numba as nb
 
-G = importlib.import_module("cuda_kernels.numba.grouped_gemm")
+G = importlib.import_module("cuda_kernels.numba.gemm")
 pytestmark = pytest.mark.simulator
 
 CASES = {

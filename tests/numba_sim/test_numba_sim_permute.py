@@ -1,4 +1,5 @@
-"""Numba alignment and permutation kernels in the CUDA simulator against reference/permute.py.
+"""Numba alignment and permutation kernels in the CUDA simulator against reference/align.py
+and reference/permute.py.
 
     T tokens, E experts, K top-k, B block size, P = T*K slots, H hidden
 
@@ -25,6 +26,7 @@ from oracles import (
 import reference
 from cuda_kernels import numba as nb
 
+Al = importlib.import_module("cuda_kernels.numba.align")
 Pm = importlib.import_module("cuda_kernels.numba.permute")
 A = importlib.import_module("cuda_kernels.numba._arrays")
 
@@ -40,10 +42,10 @@ def poison():
 def align(ids, B, E, expert_map=None, pad=False, ignore=False, path=None):
     """moe_align_block_size through one forced launch path (None: the module's choice)."""
     if path is None:
-        return Pm.moe_align_block_size(ids, B, E, expert_map, pad, ignore)
+        return Al.moe_align_block_size(ids, B, E, expert_map, pad, ignore)
     call = A.Call("topk_ids", ids)
-    cap = Pm.max_num_tokens_padded(ids.size, B, E, pad)
-    out = Pm._sort_slots(call, ids, E, B, expert_map, bool(ignore and expert_map is not None),
+    cap = Al.max_num_tokens_padded(ids.size, B, E, pad)
+    out = Al._sort_slots(call, ids, E, B, expert_map, bool(ignore and expert_map is not None),
                          cap, True, False, path=path)
     return tuple(call.result(v) for v in out[:3])
 
@@ -113,13 +115,13 @@ def test_align_skips_ids_outside_the_experts(path, ignore):
 def test_align_bad_inputs():
     ids = np.zeros((3, 2), np.int32)
     with pytest.raises(ValueError, match="block_size: expected an int >= 1"):
-        Pm.moe_align_block_size(ids, 0, 4)
+        Al.moe_align_block_size(ids, 0, 4)
     with pytest.raises(TypeError, match="topk_ids: expected dtype in"):
-        Pm.moe_align_block_size(ids.astype(np.float32), 4, 4)
+        Al.moe_align_block_size(ids.astype(np.float32), 4, 4)
     with pytest.raises(ValueError, match=r"expert_map: expected shape \(4\)"):
-        Pm.moe_align_block_size(ids, 4, 4, np.zeros(3, np.int32))
+        Al.moe_align_block_size(ids, 4, 4, np.zeros(3, np.int32))
     with pytest.raises(ValueError, match="expert_map: expected local ids >= 0 or -1"):
-        Pm.moe_align_block_size(ids, 4, 4, np.full(4, -2, np.int32))
+        Al.moe_align_block_size(ids, 4, 4, np.full(4, -2, np.int32))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16])

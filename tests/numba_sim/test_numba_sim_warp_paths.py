@@ -20,6 +20,9 @@ import reference
 from cuda_kernels import numba as nb
 
 R = importlib.import_module("cuda_kernels.numba.routing")
+Rk = importlib.import_module("cuda_kernels.numba.routing_kernels")
+Al = importlib.import_module("cuda_kernels.numba.align")
+Ag = importlib.import_module("cuda_kernels.numba.align_grid")
 Pm = importlib.import_module("cuda_kernels.numba.permute")
 A = importlib.import_module("cuda_kernels.numba._arrays")
 
@@ -29,8 +32,8 @@ pytestmark = pytest.mark.simulator
 @pytest.fixture
 def warps(monkeypatch):
     # the factories refuse warp paths in the simulator; here the intrinsics exist
-    monkeypatch.setattr(R, "SIMULATOR", False)
-    monkeypatch.setattr(Pm, "SIMULATOR", False)
+    for module in (R, Rk, Al, Pm):
+        monkeypatch.setattr(module, "SIMULATOR", False)
     monkeypatch.setitem(R.CONFIGS, "warp", {"WARPS_PER_BLOCK": 2})
     with nb.poisoned_outputs(), emulated_warps():
         yield
@@ -64,7 +67,7 @@ def test_routing_warp_flavour(warps):
 
 @pytest.mark.parametrize("path", ["single", "multi"])
 def test_align_warp_ranks(warps, monkeypatch, path):
-    monkeypatch.setitem(Pm.SIM_CONFIGS, "align", {"THREADS": 64, "SLOTS_PER_BLOCK": 64,
+    monkeypatch.setitem(Al.SIM_CONFIGS, "align", {"THREADS": 64, "SLOTS_PER_BLOCK": 64,
                                                   "SINGLE_BLOCK_MAX_SLOTS": 64,
                                                   "RANK": "warp"})
     E, B = 6, 4
@@ -73,8 +76,8 @@ def test_align_warp_ranks(warps, monkeypatch, path):
     variants = ((None, False), (emap, False)) if path == "single" else ((emap, True),)
     for expert_map, ignore in variants:
         call = A.Call("topk_ids", ids)
-        cap = Pm.max_num_tokens_padded(ids.size, B, E)
-        out = Pm._sort_slots(call, ids, E, B, expert_map, ignore, cap, True, False, path=path,
+        cap = Al.max_num_tokens_padded(ids.size, B, E)
+        out = Al._sort_slots(call, ids, E, B, expert_map, ignore, cap, True, False, path=path,
                              rank="warp")
         got = tuple(call.result(v) for v in out[:3])
         want = reference.moe_align_block_size(ids, B, E, expert_map, False, ignore)
@@ -130,20 +133,19 @@ def test_routing_keys_flavour(warps, monkeypatch, case):
 
 
 def test_align_grid(warps, monkeypatch):
-    """align.py's one-launch alignment ("grid": permute.cu's moe_align_kernel) in emulated
+    """align_grid.py's one-launch alignment ("grid": align.cu's moe_align_kernel) in emulated
     warps, one block of two warps (the simulator runs blocks one after another, so the grid
     barrier of G > 1 cannot run here: tests/test_numba_gpu.py covers it)."""
-    Al = importlib.import_module("cuda_kernels.numba.align")
-    monkeypatch.setitem(Al.CONFIGS, "grid", dict(Al.CONFIGS["grid"], MAX_WARPS=2, MIN_WARPS=1))
-    monkeypatch.setitem(Pm.SIM_CONFIGS, "align", dict(Pm.SIM_CONFIGS["align"], RANK="grid"))
+    monkeypatch.setitem(Ag.CONFIGS, "grid", dict(Ag.CONFIGS["grid"], MAX_WARPS=2, MIN_WARPS=1))
+    monkeypatch.setitem(Al.SIM_CONFIGS, "align", dict(Al.SIM_CONFIGS["align"], RANK="grid"))
     E, B = 6, 4
     ids = distinct_topk_ids(rng_for("grid-align"), 45, E, 2)   # P = 90: warps of 64 and 26
     ids[3] = [5, 4]
     _, emap = reference.determine_expert_map(2, 1, E)
     for expert_map, ignore, pad in ((None, False, False), (emap, True, True)):
         call = A.Call("topk_ids", ids)
-        cap = Pm.max_num_tokens_padded(ids.size, B, E, pad)
-        out = Pm._sort_slots(call, ids, E, B, expert_map, ignore, cap, True, False)
+        cap = Al.max_num_tokens_padded(ids.size, B, E, pad)
+        out = Al._sort_slots(call, ids, E, B, expert_map, ignore, cap, True, False)
         got = tuple(call.result(v) for v in out[:3])
         want = reference.moe_align_block_size(ids, B, E, expert_map, pad, ignore)
         for g, w in zip(got, want):

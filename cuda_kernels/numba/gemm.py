@@ -8,7 +8,7 @@
                  topk_weights=None, mul_routed_weight=False, bias=None, *, version=None)
         -> c [P, N] in a.dtype
 
-The math (reference/experts.py): for every position p < num_tokens_post_padded with
+The math (reference/gemm.py): for every position p < num_tokens_post_padded with
 s = sorted_token_ids[p] < P and e = expert_ids[p // B]:
     c[s, :] = (a[s // top_k, :] @ w[e].T + bias[e]) * (topk_weights.flat[s] if mul_routed_weight)
 in fp32, rounded once to a.dtype; c[s, :] = 0 when e == -1 (an expert on another rank).
@@ -72,14 +72,13 @@ rounded by cvt.rn.bf16.f32 on store, sm_80+: _device.py); bias and topk_weights 
 accumulation fp32.
 
 FLOPs = 2 * (rows computed) * N * Kd; bytes >= w of every used expert + gathered a + c.
-Run as a script to validate every version and time it: python -m cuda_kernels.numba.grouped_gemm
+Run as a script to validate every version and time it: python -m cuda_kernels.numba.gemm
 """
 from __future__ import annotations
 
 import functools
 import math
 import sys
-import types
 from typing import NamedTuple
 
 import numpy as np
@@ -850,17 +849,6 @@ def _main():
     print("all match" if not failures else f"{failures} mismatches")
     return 1 if failures else 0
 
-
-class _StageModule(types.ModuleType):
-    """This module shares its name with its stage: once `import cuda_kernels.numba.grouped_gemm`
-    has run, the package attribute `grouped_gemm` is the module, not the function. Calling the
-    module calls the stage, so `cuda_kernels.numba.grouped_gemm(...)` works either way."""
-
-    def __call__(self, *args, **kwargs):
-        return grouped_gemm(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _StageModule
 
 if __name__ == "__main__":
     sys.exit(_main())
