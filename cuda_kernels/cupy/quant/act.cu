@@ -25,7 +25,7 @@
 //                            non-negative floats order like their bit patterns, NaN above inf).
 //                            block = 256, grid = min(cdiv(M * Kdim, 256 * 8), 1024).
 //
-// Run: python -m cuda_kernels.cupy.quant_act [--quick]
+// Run: python -m cuda_kernels.cupy.quant.act [--quick]
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
