@@ -10,6 +10,8 @@ Every stage has the name, the arguments and the returns of its NumPy twin in `re
     grouped_gemm.py grouped_gemm, a ladder of versions                          (gemm_v*.cu)
     experts.py      fused_experts: align .. combine from a plan cached per shape (the host
                     work of a decode step done once; torch tensors and CUDA graphs welcome)
+    quant/          the quantized stages: grouped_gemm_quant (quant/gemm.py, two ladders:
+                    w8a8 v1-v4, weight-only v1-v6), moe_kernel_quantize_input (quant/act.py)
     _compile.py     source text, CuPy compile + cache, NVRTC compile checks without a GPU
     _launch.py      launches with programmatic stream serialization (PDL: cuLaunchKernelEx)
     _stream.py      CuPy's handle on another library's stream (torch's current stream)
@@ -37,8 +39,8 @@ __all__ = [
 _STAGES = {
     **STAGE_MODULES,
     "fused_experts": "experts",
-    "grouped_gemm_quant": "quant_gemm",
-    "moe_kernel_quantize_input": "quant_act", "per_token_group_quant_fp8": "quant_act",
+    "grouped_gemm_quant": "quant.gemm",
+    "moe_kernel_quantize_input": "quant.act", "per_token_group_quant_fp8": "quant.act",
 }
 
 

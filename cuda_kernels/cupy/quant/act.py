@@ -1,4 +1,4 @@
-"""Activation quantization on the GPU: fp8 e4m3 / int8 codes with fp32 scales (quant_act.cu).
+"""Activation quantization on the GPU: fp8 e4m3 / int8 codes with fp32 scales (quant/act.cu).
 
     T tokens, M rows (T for GEMM1's input, P = T*K for GEMM2's), Kdim columns, G = cdiv(Kdim, gs)
 
@@ -17,20 +17,20 @@ fp8 codes travel as uint8 CuPy arrays holding the e4m3fn bytes (CuPy has no fp8 
 `fp8_to_host(q)` views them as ml_dtypes.float8_e4m3fn, `fp8_to_device(q)` uploads an
 ml_dtypes fp8 array as bytes. int8 codes are int8 arrays.
 
-Kernels (launch geometry in quant_act.cu): group_quant_kernel<QT> (one warp per (row,
+Kernels (launch geometry in act.cu): group_quant_kernel<QT> (one warp per (row,
 group), WARPS_PER_BLOCK warps a block) and absmax_kernel (dynamic per-tensor scales, a
 device-side reduction: no host synchronisation).
 
 Run as a script to validate against the reference and time (bytes moved / time):
-    python -m cuda_kernels.cupy.quant_act [--quick]
+    python -m cuda_kernels.cupy.quant.act [--quick]
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import _compile as C
+from .. import _compile as C
 
-CU = "quant_act.cu"
+CU = "quant/act.cu"
 CONFIGS = {"group_quant_kernel": {"WARPS_PER_BLOCK": 8}}
 QT = {"fp8": 0, "int8": 1}
 _NAMES = tuple(f"group_quant_kernel<{v}>" for v in QT.values())
