@@ -198,8 +198,9 @@ def route(fmt: str, rows_per_expert: float, Kdim: int, refuses, version: str | N
     table = CONFIGS[ladder]
     entries = [(r, k, n) for r, k, n in ROUTES[fmt]
                if version is None or table[n]["rung"] == version]
-    if version is not None:   # a rung asked for: its entries past their rows, then the rest
-        entries += [(INF, 0, n) for _, _, n in entries]
+    if version is not None:   # a rung asked for: its entries past their rows (widest range
+        # first: the nearest to a batch past them all), then its configs off the route
+        entries += [(INF, 0, n) for _, _, n in sorted(entries, key=lambda e: -e[0])]
         entries += [(INF, 0, n) for n, c in table.items() if c["rung"] == version]
     reasons = []
     for rows, min_k, name in entries:

@@ -112,8 +112,9 @@ for _ev in EP.ELEMS.values():
 
 # ----------------------------------------------------------------------------- the choice
 def refuses(fmt: str, cc: int, K: int, block_size: int, aligned: bool):
-    """The route's check for one problem: refuses(cfg) -> None when cfg's rung runs it, else
-    why not (`aligned`: a and w start on 16-byte boundaries)."""
+    """The route's check for one problem on a device of compute capability `cc`:
+    refuses(cfg) -> None when cfg's rung runs it, else why not (`aligned`: a and w start on
+    16-byte boundaries). Pure: the CPU tests ask it about any device."""
     def why(cfg):
         rung = cfg["rung"]
         if rung == "v1":

@@ -56,7 +56,7 @@ __device__ __forceinline__ bool fg_live(int s, int num_slots) {
 }
 
 // The inline PTX of this file. tests/test_quant_w8a8.py runs this source on the CPU with
-// QG_EMULATED_PTX #defined and the helpers of tests/quant_emulation.py's emulation header
+// QG_EMULATED_PTX #defined and the helpers of tests/quant_support.py's emulation header
 // (qg_ld16*, qg_mma_k32: same semantics, fragment layouts as the PTX ISA says).
 #ifdef QG_EMULATED_PTX
 template <int PF>
