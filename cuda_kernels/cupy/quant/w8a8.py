@@ -139,10 +139,10 @@ def refuses(fmt: str, cc: int, K: int, block_size: int, aligned: bool):
 
 
 def default_rung(fmt: str, rows_per_expert: float, block_size: int, Kdim: int, cc: int) -> str:
-    """The rung grouped_gemm_w8a8 runs by default for 16-byte aligned operands (benchmarks
-    record it)."""
+    """The config grouped_gemm_w8a8 runs by default for 16-byte aligned operands, as
+    "rung config" (benchmarks record it)."""
     name, cfg = Q.route(fmt, rows_per_expert, Kdim, refuses(fmt, cc, Kdim, block_size, True))
-    return cfg["rung"]
+    return f"{cfg['rung']} {name}"
 
 
 # ----------------------------------------------------------------------------- the launcher

@@ -155,6 +155,17 @@ def refuses(nbits: int, cc: int, N: int, K: int, group_size: int, num_groups: in
     return why
 
 
+def default_rung(fmt: str, rows_per_expert: float, block_size: int, N: int, Kdim: int,
+                 group_size: int, cc: int) -> str:
+    """The config grouped_gemm_wna16 runs by default for 16-byte aligned operands, as
+    "rung config" (benchmarks record it)."""
+    G = Kdim // group_size
+    name, cfg = Q.route(fmt, rows_per_expert, Kdim,
+                        refuses(4 if fmt == "int4" else 8, cc, N, Kdim, group_size, G,
+                                block_size, True))
+    return f"{cfg['rung']} {name}"
+
+
 # ----------------------------------------------------------------------------- packed weights
 _PACKED: dict = {}
 
