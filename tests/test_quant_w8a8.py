@@ -90,8 +90,8 @@ def test_route():
         _pick("fp8", 1.0, 16, 256, 90, config="wg64")
     with pytest.raises(ValueError, match="compute capability 9.0"):
         _pick("fp8", 1.0, 64, 256, 89, version="v4")
-    assert W8.default_rung("fp8", 8 / 256, 16, 7168, 90) == "v3"
-    assert W8.default_rung("fp8", 32.0, 64, 7168, 90) == "v4"
+    assert W8.default_rung("fp8", 8 / 256, 16, 7168, 90) == "v3 gemv8w4u3ll"
+    assert W8.default_rung("fp8", 32.0, 64, 7168, 90) == "v4 wg64"
 
 
 # ----------------------------------------------------------------------------- GPU

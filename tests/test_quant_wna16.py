@@ -104,6 +104,9 @@ def test_route():
     with pytest.raises(ValueError, match="multiple of 24"):
         _pick(16, 16, config="t24")
     assert _pick(16, 48, config=dict(Q.CONFIGS["wna16"]["t24"], S=4)) == "custom"
+    # what the benchmarks record: Mixtral at T = 1 and 64
+    assert W16.default_rung("int4", 0.25, 16, 28672, 4096, 128, 90) == "v4 q8"
+    assert W16.default_rung("int4", 16, 48, 4096, 14336, 128, 90) == "v5 t24ws"
 
 
 # ----------------------------------------------------------------------------- GPU
