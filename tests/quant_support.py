@@ -379,13 +379,21 @@ extern "C" void qg_pdl_arm(int n_in, void** in, const size_t* in_bytes, int n_ou
 }
 extern "C" void qg_pdl_counts(int* counts) {
     counts[0] = g_pdl.early_reads; counts[1] = g_pdl.early_writes; counts[2] = g_pdl.stuck; }
+// a 3D grid: the z layers one after another (z descending too: qg_block_order)
+template <typename F> void launch3(unsigned gx, unsigned gy, unsigned gz, unsigned block, F body) {
+    for (unsigned i = 0; i < gz; ++i) {
+        const unsigned bz = g_descending ? gz - 1 - i : i;
+        launch(gx, gy, block, [&] { blockIdx.z = bz; body(); });
+    }
+    gridDim.z = gz;
+}
 """
 
 
 # ----------------------------------------------------------------------------- W16_PRELUDE
 # What the weight-only rungs on prepacked weights (wna16_common.cuh: v4-v6) add to the header:
-# uint4 / float2, 16-bit pair arithmetic rounded once, __syncwarp, a 3D grid (launch3), the
-# split-K atomics, and wna16_v5_staged's mbarriers and named barriers.
+# uint4 / float2, 16-bit pair arithmetic rounded once, __syncwarp, the split-K atomics, and
+# wna16_v5_staged's mbarriers and named barriers.
 W16_PRELUDE = r"""
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
@@ -455,14 +463,31 @@ inline __half2 __hsub2(__half2 a, __half2 b) {
 inline __half2 __hmul2(__half2 a, __half2 b) {
     return {__float2half_rn(__half2float(a.x) * __half2float(b.x)),
             __float2half_rn(__half2float(a.y) * __half2float(b.y))}; }
-template <typename F> void launch3(unsigned gx, unsigned gy, unsigned gz, unsigned block, F body) {
-    for (unsigned i = 0; i < gz; ++i) {                 // (z descending too: qg_block_order)
-        const unsigned bz = g_descending ? gz - 1 - i : i;
-        launch(gx, gy, block, [&] { blockIdx.z = bz; body(); });
-    }
-    gridDim.z = gz;
-}
 """
+
+
+def c_entries(names, params: str, args: str) -> str:
+    """The C entry points of an emulation: k<i>(gx, gy, gz, block, <params>) launches
+    names[i](<args>) on a grid (gx, gy, gz) of `block` threads (ctypes calls them k0, k1, ...)."""
+    return "\n".join(
+        f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned gz, unsigned block, '
+        f"{params}) {{\n    launch3(gx, gy, gz, block, [&] {{ gridDim.z = gz; {n}({args}); }});\n}}"
+        for i, n in enumerate(names))
+
+
+def rung_emulations(tmp_path_factory, tag, cu_by_rung, names_by_rung, params, args,
+                    prelude_by_rung=None):
+    """get(rung): the emulation of that rung's .cu (bf16 elements; entries c_entries(names,
+    params, args)), built on first use and kept."""
+    libs = {}
+
+    def get(rung):
+        if rung not in libs:
+            libs[rung] = build_emulation(tmp_path_factory, f"{tag}{rung}", cu_by_rung[rung],
+                                         c_entries(names_by_rung[rung], params, args),
+                                         prelude=(prelude_by_rung or {}).get(rung, ""))
+        return libs[rung]
+    return get
 
 
 def build_emulation(tmp_path_factory, tag, cu, entry, prelude="", defines=None):
@@ -544,6 +569,19 @@ def programmatic_counts(lib) -> dict:
 
 
 # ----------------------------------------------------------------------------- operands
+def routed(rng, M_a, E, K, N, B):
+    """A random routing of M_a rows to top-K of E experts (expert E - 1 gets none when E > 2),
+    its alignment for block size B, router weights and a bias [E, N]:
+    (ids, tw, bias, sorted_token_ids, expert_ids, num_tokens_post_padded)."""
+    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
+    if E > 2:
+        ids[ids == E - 1] = 0                    # expert E-1 gets no tokens
+    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
+    bias = rng.standard_normal((E, N)).astype(np.float32)
+    return (ids, tw, bias) + tuple(moe_align_block_size(ids, B, E))
+
+
+
 W8A8_SCALES = {
     # the w8a8 scale layouts: vLLM's flags, and quantize_weight_fp8 / _int8's granularity
     "block": (dict(block_shape=[128, 128]), "block"),
@@ -584,6 +622,17 @@ def wna16_operands(rng, nbits, group_size, zero_point, M_a, E, N, Kd, signed=Fal
 # ----------------------------------------------------------------------------- int4 checks
 # The checks the prepacked int4 rungs (v4 packed, v5 staged, v6 wgmma) run on a GPU, each
 # through quant/wna16.py's grouped_gemm_wna16 with a config of the rung.
+INT4_SHAPES = [
+    # M_a, E, top_k, N,   Kdim, gs,  zp     (one token; 9 chunks over the warps, g64; a group
+    #                                         per row; many rows per expert; long K; N % 64 == 0
+    #                                         for v6)
+    (1,   4, 2, 128, 256,  128,  False),
+    (29,  6, 2, 192, 576,  64,   True),
+    (70,  3, 1, 64,  384,  384,  True),
+    (40,  2, 2, 128, 4096, 128,  False),
+]
+
+
 def int4_case(rng, shape, gs, zp):
     """Fresh inputs of an int4 GEMM (shape = (M_a, E, top_k, N, Kdim, block_size)): a, the
     quantized weights (wq, ws, wz), the alignment (st, ex, ntp), router weights tw, bias, and
@@ -607,12 +656,7 @@ def check_matches_reference(rng, shape, config, B, tol=2e-2):
 
     M_a, E, K, N, Kd, gs, zp = shape
     a, wq, ws, wz, flags = wna16_operands(rng, 4, gs, zp, M_a, E, N, Kd)
-    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
-    if E > 2:
-        ids[ids == E - 1] = 0                    # expert E-1 gets no tokens
-    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
-    bias = rng.standard_normal((E, N)).astype(np.float32)
-    st, ex, ntp = moe_align_block_size(ids, B, E)
+    ids, tw, bias, st, ex, ntp = routed(rng, M_a, E, K, N, B)
     want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, bias, w_scale=ws,
                                  w_zp=wz, **flags)
     out = poisoned((M_a * K, N), BF16)

@@ -26,7 +26,7 @@ from cuda_kernels.cupy.quant import act as QA
 from cuda_kernels.cupy.quant import configs as Q
 from cuda_kernels.cupy.quant import gemm as QG
 from oracles import rel_err
-from quant_support import BF16, host, poisoned, up, w8a8_operands, wna16_operands
+from quant_support import BF16, host, poisoned, routed, up, w8a8_operands, wna16_operands
 from reference import apply_activation, fused_topk, moe_align_block_size, moe_sum
 from reference import quant as RQ
 
@@ -131,12 +131,7 @@ def test_matches_reference(rng, name, fmt, layout, tol, version, shape):
     M_a, E, K, N, Kd, B = shape
     aq, as_, wq, ws, wz, flags = operands(rng, fmt, layout, M_a, E, N, Kd)
     _skip_unless_runs(fmt, version, up(aq), up(wq), Kd, B, ws)
-    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
-    if E > 2:
-        ids[ids == E - 1] = 0                    # expert E-1 gets no tokens
-    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
-    bias = rng.standard_normal((E, N)).astype(np.float32)
-    st, ex, ntp = moe_align_block_size(ids, B, E)
+    ids, tw, bias, st, ex, ntp = routed(rng, M_a, E, K, N, B)
     want = RQ.grouped_gemm_quant(aq, wq, st, ex, ntp, K, B, tw, True, bias, a_scale=as_,
                                  w_scale=ws, w_zp=wz, **flags)
     out = poisoned((M_a * K, N), BF16)

@@ -27,7 +27,7 @@ from cuda_kernels.cupy import _compile as C
 from cuda_kernels.cupy.quant import configs as Q
 from cuda_kernels.cupy.quant import w8a8 as W8
 from oracles import rel_err
-from quant_support import (BF16, build_emulation, host, poisoned, ptr, up, w8a8_operands)
+from quant_support import BF16, host, poisoned, ptr, routed, rung_emulations, up, w8a8_operands
 from reference import moe_align_block_size
 from reference import quant as RQ
 
@@ -131,12 +131,7 @@ def test_config_matches_reference(rng, cfg, B, fmt, scale, shape):
     _need(fmt, rung)
     M_a, E, K, N, Kd = shape
     aq, as_, wq, ws, flags = w8a8_operands(rng, fmt, scale, M_a, E, N, Kd)
-    ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
-    if E > 2:
-        ids[ids == E - 1] = 0                          # expert E-1 gets no tokens
-    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
-    bias = rng.standard_normal((E, N)).astype(np.float32)
-    st, ex, ntp = moe_align_block_size(ids, B, E)
+    ids, tw, bias, st, ex, ntp = routed(rng, M_a, E, K, N, B)
     want = RQ.grouped_gemm_quant(aq, wq, st, ex, ntp, K, B, tw, True, bias, a_scale=as_,
                                  w_scale=ws, **flags)
     out = poisoned((M_a * K, N), BF16)
@@ -240,34 +235,19 @@ inline void fw_wgmma_n128(float* d, unsigned long long da, unsigned long long db
 """
 
 
-def _entries(names):
-    """extern "C" k<i>(grid, block, kernel arguments) for each instantiation: every rung takes
-    the same arguments (pointers, sizes, scale kinds)."""
-    out = []
-    for i, n in enumerate(names):
-        call = (f"{n}((const u8*)a, (const u8*)w, (elem_t*)c, (const float*)p3, "
-                f"(const float*)p4, st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, i0, i1)")
-        out.append(
-            f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned block, const void* a, '
-            f"const void* w, void* c, const void* p3, const void* p4, const int* st, "
-            f"const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
-            f"int P, int top_k, int B, int L, int mul, int i0, int i1) {{\n"
-            f"    launch(gx, gy, block, [&] {{ {call}; }});\n}}")
-    return "\n".join(out)
+# every rung takes the same arguments (pointers, sizes, scale kinds)
+PARAMS = ("const void* a, const void* w, void* c, const void* p3, const void* p4, const int* st, "
+          "const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
+          "int P, int top_k, int B, int L, int mul, int i0, int i1")
+ARGS = ("(const u8*)a, (const u8*)w, (elem_t*)c, (const float*)p3, (const float*)p4, st, ex, ntp, "
+        "tw, bias, N, K, P, top_k, B, L, mul, i0, i1")
 
 
 @pytest.fixture(scope="module")
 def emulation(tmp_path_factory):
     """emulation(rung): that rung's .cu (bf16 output) built for the CPU emulation, once."""
-    libs = {}
-
-    def get(rung):
-        if rung not in libs:
-            libs[rung] = build_emulation(tmp_path_factory, f"w8a8{rung}", W8.CU[rung],
-                                         _entries(W8.NAMES[rung]),
-                                         prelude=WGMMA_EMU if rung == "v4" else "")
-        return libs[rung]
-    return get
+    return rung_emulations(tmp_path_factory, "w8a8", W8.CU, W8.NAMES, PARAMS, ARGS,
+                           {"v4": WGMMA_EMU})
 
 
 EMU_CASES = [
@@ -324,7 +304,7 @@ def test_emulated_matches_reference(emulation, fmt, scale, cfg, shape):
     c = np.full((P, N), 0x7FC0, np.uint16)                 # poisoned: bf16 NaN
     lib = emulation(rung)
     getattr(lib, f"k{W8.NAMES[rung].index(W8.kernel_name(rung, fmt, config))}")(
-        grid[0], grid[1], block[0], ptr(np.ascontiguousarray(aq).view(np.uint8)),
+        grid[0], grid[1], 1, block[0], ptr(np.ascontiguousarray(aq).view(np.uint8)),
         ptr(np.ascontiguousarray(wq).view(np.uint8)), ptr(c),
         ptr(np.ascontiguousarray(as_, np.float32)), ptr(np.ascontiguousarray(ws, np.float32)),
         ptr(st), ptr(ex), ptr(ntp), ptr(tw.ravel()), ptr(bias), N, Kd, P, K, B, L, 1, *kinds)

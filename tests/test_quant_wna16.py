@@ -29,7 +29,7 @@ from cuda_kernels.cupy.quant import wna16_packed as P4
 from cuda_kernels.cupy.quant import wna16_staged as S5
 from cuda_kernels.cupy.quant import wna16_wgmma as W6
 from oracles import rel_err
-from quant_support import BF16, build_emulation, host, poisoned, ptr, up, wna16_operands
+from quant_support import BF16, host, poisoned, ptr, rung_emulations, up, wna16_operands
 from reference import moe_align_block_size
 from reference import quant as RQ
 
@@ -187,34 +187,18 @@ def test_argument_errors(rng):
 
 
 # ============================================================================ CPU emulation
-def _entries(names):
-    """extern "C" k<i>(grid, block, kernel arguments) per instantiation: v1-v3 take the same
-    arguments."""
-    out = []
-    for i, n in enumerate(names):
-        call = (f"{n}((const elem_t*)a, (const u8*)w, (elem_t*)c, (const float*)p3, "
-                f"(const u8*)p4, st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, i0, i1, "
-                f"i2, i3)")
-        out.append(
-            f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned block, const void* a, '
-            f"const void* w, void* c, const void* p3, const void* p4, const int* st, "
-            f"const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
-            f"int P, int top_k, int B, int L, int mul, int i0, int i1, int i2, int i3) {{\n"
-            f"    launch(gx, gy, block, [&] {{ {call}; }});\n}}")
-    return "\n".join(out)
+# v1-v3 take the same arguments
+PARAMS = ("const void* a, const void* w, void* c, const void* p3, const void* p4, const int* st, "
+          "const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
+          "int P, int top_k, int B, int L, int mul, int i0, int i1, int i2, int i3")
+ARGS = ("(const elem_t*)a, (const u8*)w, (elem_t*)c, (const float*)p3, (const u8*)p4, st, ex, "
+        "ntp, tw, bias, N, K, P, top_k, B, L, mul, i0, i1, i2, i3")
 
 
 @pytest.fixture(scope="module")
 def emulation(tmp_path_factory):
     """emulation(rung): v1, v2 or v3's .cu (bf16 elements) built for the CPU emulation, once."""
-    libs = {}
-
-    def get(rung):
-        if rung not in libs:
-            libs[rung] = build_emulation(tmp_path_factory, f"wna16{rung}", W16.CU[rung],
-                                         _entries(W16.NAMES[rung]))
-        return libs[rung]
-    return get
+    return rung_emulations(tmp_path_factory, "wna16", W16.CU, W16.NAMES, PARAMS, ARGS)
 
 
 EMU_CASES = [
@@ -266,7 +250,7 @@ def test_emulated_matches_reference(emulation, bits, gs, zp, signed, cfg, shape)
     c = np.full((P, N), 0x7FC0, np.uint16)             # poisoned: bf16 NaN
     lib = emulation(rung)
     getattr(lib, f"k{W16.NAMES[rung].index(W16.kernel_name(rung, bits, config))}")(
-        grid[0], grid[1], block, ptr(np.ascontiguousarray(a).view(np.uint16)),
+        grid[0], grid[1], 1, block, ptr(np.ascontiguousarray(a).view(np.uint16)),
         ptr(np.ascontiguousarray(wq).view(np.uint8)), ptr(c),
         ptr(np.ascontiguousarray(ws, np.float32)), ptr(wz), ptr(st), ptr(ex), ptr(ntp),
         ptr(tw.ravel()), ptr(bias), N, Kd, P, K, B, L, 1, Kd // G, G, 8 if bits == 4 else 128,

@@ -25,8 +25,9 @@ from cuda_kernels.cupy.quant import configs as Q
 from cuda_kernels.cupy.quant import wna16 as W16
 from cuda_kernels.cupy.quant import wna16_packed as P4
 from oracles import rel_err
-from quant_support import (BF16, W16_PRELUDE, build_emulation, check_matches_reference,
-                           check_other_rank, int4_case, ptr, up, wna16_operands)
+from quant_support import (BF16, INT4_SHAPES, W16_PRELUDE, build_emulation, c_entries,
+                           check_matches_reference, check_other_rank, int4_case, ptr, up,
+                           wna16_operands)
 from reference import moe_align_block_size
 
 TOL = 2e-2          # vLLM's weight-only tolerance
@@ -145,24 +146,17 @@ def test_plan_partial_slots():
 
 
 # ----------------------------------------------------------------------------- emulation
-def _entries(names):
-    out = []
-    for i, n in enumerate(names):
-        out.append(
-            f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned block, const void* a, '
-            f"const void* wp, void* c, const void* sp, const void* zp, const int* st, "
-            f"const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
-            f"int P, int top_k, int B, int L, int mul, int shift, int G, int dzp, int tpc, "
-            f"int rg) {{\n"
-            f"    launch3(gx, gy, 1, block, [&] {{ gridDim.z = 1; {n}((const elem_t*)a, "
-            f"(const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
-            f"st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, shift, G, dzp, tpc, rg); }});\n}}")
-    return "\n".join(out)
+PARAMS = ("const void* a, const void* wp, void* c, const void* sp, const void* zp, const int* st, "
+          "const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
+          "int P, int top_k, int B, int L, int mul, int shift, int G, int dzp, int tpc, int rg")
+ARGS = ("(const elem_t*)a, (const uint4*)wp, (elem_t*)c, (const float2*)sp, "
+        "(const unsigned short*)zp, st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, shift, G, "
+        "dzp, tpc, rg")
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    return build_emulation(tmp_path_factory, "packed", P4.CU, _entries(P4.NAMES),
+    return build_emulation(tmp_path_factory, "packed", P4.CU, c_entries(P4.NAMES, PARAMS, ARGS),
                            prelude=W16_PRELUDE)
 
 
@@ -187,7 +181,7 @@ def test_emulated_matches_reference(emulated, rng, cfg, shape, gs, zp, sms):
     c = np.full((P, N), 0x7FC0, np.uint16)                         # poison: bf16 NaN
     gx, gy, _ = lp["grid"]
     getattr(emulated, f"k{P4.NAMES.index(lp['name'])}")(
-        gx, gy, lp["block"][0], ptr(np.ascontiguousarray(a).view(np.uint16)), ptr(pk["wp"]),
+        gx, gy, 1, lp["block"][0], ptr(np.ascontiguousarray(a).view(np.uint16)), ptr(pk["wp"]),
         ptr(c), ptr(pk["sp"]), ptr(pk["zp"]), ptr(st), ptr(ex), ptr(ntp), ptr(tw), ptr(bias),
         N, Kd, P, K, B, lp["Lg"], 1, lp["shift"], G, 8, lp["TPC"], lp["RG"])
     assert lp["smem"] == 2 * lp["RG"] * config["W"] * config["RT"] * 8 * config["MT"] * 17 * 4
@@ -196,18 +190,8 @@ def test_emulated_matches_reference(emulated, rng, cfg, shape, gs, zp, sms):
 
 
 # ----------------------------------------------------------------------------- GPU
-SHAPES = [
-    # M_a, E, top_k, N,   Kdim, gs,   zp     (one token; 9 chunks over the warps; a group per
-    #                                          row; many rows per expert; long K)
-    (1,   4, 2, 64,  256,  128,  False),
-    (29,  6, 2, 160, 576,  64,   True),
-    (70,  3, 1, 32,  384,  384,  True),
-    (40,  2, 2, 48,  4096, 256,  False),
-]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", INT4_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("cfg", sorted(CONFIGS))
 def test_matches_reference(rng, shape, cfg):
     if (shape[3] // 16) % CONFIGS[cfg]["RT"]:

@@ -31,10 +31,10 @@ from cuda_kernels.cupy.quant import wna16 as W16
 from cuda_kernels.cupy.quant import wna16_packed as P4
 from cuda_kernels.cupy.quant import wna16_staged as S5
 from oracles import rel_err
-from quant_support import (BF16, W16_PRELUDE, arm_programmatic, blocks_descending,
-                           build_emulation, check_matches_reference, check_other_rank,
-                           check_repeats, host, int4_case, poisoned, programmatic_counts, ptr,
-                           up, wna16_operands)
+from quant_support import (BF16, INT4_SHAPES, W16_PRELUDE, arm_programmatic, blocks_descending,
+                           build_emulation, c_entries, check_matches_reference, check_other_rank,
+                           check_repeats, host, int4_case, poisoned, programmatic_counts, ptr, up,
+                           wna16_operands)
 from reference import moe_align_block_size
 from reference import quant as RQ
 
@@ -155,32 +155,26 @@ def test_plan_refuses_bad_configs():
 EMULATED_NAMES = S5.NAMES + S5.WS_NAMES     # (WS: its mbarriers emulated too)
 
 
-def _entries(names):
-    out = []
-    for i, n in enumerate(names):
-        out.append(
-            f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned block, const void* a, '
-            f"const void* wp, void* c, const void* sp, const void* zp, "
-            f"const int* st, const int* ex, const int* ntp, const float* tw, const float* bias, "
-            f"float* ws, int* cnt, int N, int K, int P, int top_k, int B, int L, int mul, "
-            f"int shift, int G, int dzp) {{\n"
-            f"    launch3(gx, gy, 1, block, [&] {{ gridDim.z = 1; {n}((const unsigned short*)a, "
-            f"(const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
-            f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp); }});\n}}")
-    return "\n".join(out)
+PARAMS = ("const void* a, const void* wp, void* c, const void* sp, const void* zp, const int* st, "
+          "const int* ex, const int* ntp, const float* tw, const float* bias, float* ws, int* cnt, "
+          "int N, int K, int P, int top_k, int B, int L, int mul, int shift, int G, int dzp")
+ARGS = ("(const unsigned short*)a, (const uint4*)wp, (elem_t*)c, (const float2*)sp, "
+        "(const unsigned short*)zp, st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, "
+        "shift, G, dzp")
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    return build_emulation(tmp_path_factory, "wst", S5.CU, _entries(EMULATED_NAMES),
-                           prelude=W16_PRELUDE)
+    return build_emulation(tmp_path_factory, "wst", S5.CU,
+                           c_entries(EMULATED_NAMES, PARAMS, ARGS), prelude=W16_PRELUDE)
 
 
 @pytest.fixture(scope="module")
 def emulated_fp16(tmp_path_factory):
     """The fp16 build (ELEM_BF16 = 0), whose codes dequantize as fp16 pairs."""
-    return build_emulation(tmp_path_factory, "wst16", S5.CU, _entries(EMULATED_NAMES),
-                           prelude=W16_PRELUDE, defines={"ELEM_BF16": 0})
+    return build_emulation(tmp_path_factory, "wst16", S5.CU,
+                           c_entries(EMULATED_NAMES, PARAMS, ARGS), prelude=W16_PRELUDE,
+                           defines={"ELEM_BF16": 0})
 
 
 def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms,
@@ -209,7 +203,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
                          ignore_waits=programmatic == "ignore_waits")
     with blocks_descending(lib, descending):
         getattr(lib, f"k{EMULATED_NAMES.index(lp['name'])}")(
-            gx, gy, lp["block"][0], p(a_in), p(pk["wp"]), p(c),
+            gx, gy, 1, lp["block"][0], p(a_in), p(pk["wp"]), p(c),
             p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
             N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
     assert not cnt.any(), "the part counters come back to zero"
@@ -334,16 +328,6 @@ def test_emulated_programmatic_launch(emulated, rng, cfg, case):
 
 
 # ----------------------------------------------------------------------------- GPU
-SHAPES = [
-    # M_a, E, top_k, N,   Kdim, gs,   zp     (one token; 9 chunks; a group per row; many rows
-    #                                          per expert; long K)
-    (1,   4, 2, 64,  256,  128,  False),
-    (29,  6, 2, 144, 576,  64,   True),
-    (70,  3, 1, 32,  384,  384,  True),
-    (40,  2, 2, 48,  4096, 256,  False),
-]
-
-
 def _need(cfg):
     ok, why = C.availability()
     if not ok:
@@ -353,7 +337,7 @@ def _need(cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", INT4_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("cfg", sorted(CONFIGS))
 def test_matches_reference(rng, shape, cfg):
     _need(cfg)

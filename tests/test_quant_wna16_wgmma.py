@@ -28,9 +28,9 @@ from cuda_kernels.cupy.quant import wna16 as W16
 from cuda_kernels.cupy.quant import wna16_packed as P4
 from cuda_kernels.cupy.quant import wna16_wgmma as W6
 from oracles import rel_err
-from quant_support import (W16_PRELUDE, BF16, blocks_descending, build_emulation,
-                           check_matches_reference, check_other_rank, check_repeats, int4_case,
-                           ptr, up, wna16_operands)
+from quant_support import (BF16, INT4_SHAPES, W16_PRELUDE, blocks_descending, build_emulation,
+                           c_entries, check_matches_reference, check_other_rank, check_repeats,
+                           int4_case, ptr, up, wna16_operands)
 from reference import moe_align_block_size
 
 TOL = 2e-2          # vLLM's weight-only tolerance
@@ -151,25 +151,18 @@ template <int NN> struct WwMma {
 """
 
 
-def _entries(names):
-    out = []
-    for i, n in enumerate(names):
-        out.append(
-            f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned gz, const void* a, '
-            f"const void* wp, void* c, const void* sp, const void* zp, "
-            f"const int* st, const int* ex, const int* ntp, const float* tw, const float* bias, "
-            f"int N, int K, int P, int top_k, int B, int L, int mul, int shift, int G, int dzp, "
-            f"int gpc, int cps, float* ws, int* cnt) {{\n"
-            f"    launch3(gx, gy, gz, 128, [&] {{ gridDim.z = gz; {n}((const elem_t*)a, "
-            f"(const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
-            f"st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, shift, G, dzp, gpc, cps, ws, "
-            f"cnt); }});\n}}")
-    return "\n".join(out)
+PARAMS = ("const void* a, const void* wp, void* c, const void* sp, const void* zp, const int* st, "
+          "const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
+          "int P, int top_k, int B, int L, int mul, int shift, int G, int dzp, int gpc, int cps, "
+          "float* ws, int* cnt")
+ARGS = ("(const elem_t*)a, (const uint4*)wp, (elem_t*)c, (const float2*)sp, "
+        "(const unsigned short*)zp, st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, shift, G, "
+        "dzp, gpc, cps, ws, cnt")
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    return build_emulation(tmp_path_factory, "ww", W6.CU, _entries(W6.NAMES),
+    return build_emulation(tmp_path_factory, "ww", W6.CU, c_entries(W6.NAMES, PARAMS, ARGS),
                            prelude=W16_PRELUDE + WW_EMU)
 
 
@@ -211,7 +204,7 @@ def test_emulated_matches_reference(emulated, rng, cfg, shape, gs, zp, sms, wave
         cnt = np.zeros(max(lp["TILES"], 1), np.int32)
         with blocks_descending(emulated, descending):
             getattr(emulated, f"k{W6.NAMES.index(lp['name'])}")(
-                gx, gy, gz, p(a16), p(pk["wp"]), p(c), p(pk["sp"]), p(pk["zp"]), p(st),
+                gx, gy, gz, 128, p(a16), p(pk["wp"]), p(c), p(pk["sp"]), p(pk["zp"]), p(st),
                 p(ex), p(ntp), p(tw), p(bias), N, Kd, P, K, B, lp["Lg"], 1, lp["shift"], G, 8,
                 lp["GPC"], lp["CPS"], p(wsp), p(cnt))
         assert not cnt.any(), "the split-K counters come back to zero"
@@ -233,17 +226,8 @@ def _hopper():
         pytest.skip(f"wgmma needs compute capability 9.0, got {cc}")
 
 
-SHAPES = [
-    # M_a, E, top_k, N,   Kdim, gs,  zp     (one token; many rows per expert; long K; g64)
-    (1,   4, 2, 128, 256,  128,  False),
-    (29,  6, 2, 192, 576,  64,   True),
-    (70,  3, 1, 64,  384,  384,  True),
-    (40,  2, 2, 128, 4096, 128,  False),
-]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", INT4_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("cfg", sorted(CONFIGS))
 def test_matches_reference(rng, shape, cfg):
     _hopper()

@@ -254,18 +254,11 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     """Validate every mode against reference/quant.py (bit-exact codes and scales), then time
     the 1x128 fp8 group quantizer at DeepSeek-V3's shapes. --quick: validation only, small
     shapes (for compute-sanitizer)."""
-    import argparse
-
     import ml_dtypes
 
     from reference import quant as RQ
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small validation only (sanitizer)")
-    args = p.parse_args(argv)
-    ok, why = C.availability()
-    if not ok:
-        raise SystemExit(f"no GPU: {why}")
+    quick, _ = C.script_start(argv)      # (exits with the reason when no GPU is usable)
     rng = np.random.default_rng(0)
     bf16 = ml_dtypes.bfloat16
     failures = 0
@@ -297,7 +290,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
             failures += status != "ok"
             print(f"{name:16s} M={M:4d} Kdim={K:5d}  codes {'=' if same_q else '!='}  "
                   f"scales {'=' if same_s else '!='}  {status}")
-    if args.quick:
+    if quick:
         raise SystemExit(1 if failures else 0)
     for M, K in ((1, 7168), (64, 7168), (4096, 7168), (32768, 2048)):
         xd = C.to_device(rng.standard_normal((M, K)).astype(bf16))

@@ -179,6 +179,20 @@ def config_dict(ladder: str, config, version: str | None = None) -> tuple[str, d
     return name, cfg
 
 
+def common_refusal(cfg: dict, block_size: int, aligned: bool) -> str | None:
+    """What every rung but v1 needs, in both ladders: a and w on 16-byte boundaries (the loads
+    move 16-byte chunks) and tiles that lie in one alignment block; None when cfg has both."""
+    rung = cfg["rung"]
+    if rung == "v1":
+        return None
+    if not aligned:
+        return f"{rung} loads 16-byte chunks: a and w must be 16-byte aligned"
+    bm = tile_rows(cfg)
+    if block_size % bm:
+        return f"{rung}'s tiles of {bm} rows need block_size a multiple of {bm}, got {block_size}"
+    return None
+
+
 def route(fmt: str, rows_per_expert: float, Kdim: int, refuses, version: str | None = None,
           config=None) -> tuple[str, dict]:
     """(name, config) of the entry that runs: `config` if given (ValueError when its rung

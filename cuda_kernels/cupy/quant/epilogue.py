@@ -105,6 +105,7 @@ def epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias, o
     """(topk weights [P] fp32 or None, bias [E, N] fp32 or None, c [P, N]): the checked
     epilogue operands of a quantized grouped GEMM with P slots. c is `out` (checked: [P, N],
     the output's element type) or a new array."""
+    C.check_fits_int32("a", P, "a.shape[0] * top_k")   # slots are int32; offsets are 64-bit
     if mul_routed_weight:
         if topk_weights is None:
             raise ValueError("topk_weights: expected an array when mul_routed_weight=True, "
@@ -136,6 +137,15 @@ def positions(L: int, P: int, block_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------- launching
+def register_cases(cu_by_rung: dict, names_by_rung: dict, options_by_rung: dict | None = None):
+    """Every instantiation a ladder can launch, for the CPU compile checks: one case per rung's
+    file and element type (NVRTC compiles a case's names in one pass)."""
+    for ev in ELEMS.values():
+        for rung, cu in cu_by_rung.items():
+            C.register_compile_case(cu, {"ELEM_BF16": ev}, names_by_rung[rung],
+                                    (options_by_rung or {}).get(rung, ()))
+
+
 _READY: dict = {}
 _SMEM_SET: dict = {}
 

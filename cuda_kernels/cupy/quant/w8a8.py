@@ -105,9 +105,7 @@ def _names(rung: str) -> tuple[str, ...]:
 NAMES = {rung: _names(rung) for rung in CU}
 # Every instantiation the launcher can pick, for the CPU compile checks (one case per file and
 # element type). fp8 mma needs sm_89: on sm_80 those bodies compile to a trap, never launched.
-for _ev in EP.ELEMS.values():
-    for _rung, _cu in CU.items():
-        C.register_compile_case(_cu, {"ELEM_BF16": _ev}, NAMES[_rung], OPTIONS.get(_rung, ()))
+EP.register_cases(CU, NAMES, OPTIONS)
 
 
 # ----------------------------------------------------------------------------- the choice
@@ -117,13 +115,9 @@ def refuses(fmt: str, cc: int, K: int, block_size: int, aligned: bool):
     16-byte boundaries). Pure: the CPU tests ask it about any device."""
     def why(cfg):
         rung = cfg["rung"]
-        if rung == "v1":
-            return None
-        if not aligned:
-            return f"{rung} loads 16-byte chunks: a and w must be 16-byte aligned"
-        if block_size % cfg["BM"]:
-            return (f"{rung}'s tiles of {cfg['BM']} rows need block_size a multiple of "
-                    f"{cfg['BM']}, got {block_size}")
+        common = Q.common_refusal(cfg, block_size, aligned)
+        if common or rung == "v1":
+            return common
         if rung in ("v3", "v4") and fmt != "fp8":
             return f"{rung} is an fp8 rung (int8 runs v1 or v2)"
         if rung in ("v2", "v4") and K % 16:
@@ -208,7 +202,6 @@ def grouped_gemm_w8a8(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded
             w_kind = 0
         w_s = EP.f32("w_scale", w_scale).reshape(-1)
     P = M_a * top_k
-    C.check_fits_int32("a", P, "a.shape[0] * top_k")   # slots are int32; offsets are 64-bit
     tw, b32, c = EP.epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias,
                                       out)
     if P == 0 or N == 0 or L == 0:
@@ -244,8 +237,6 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     per-channel scales against reference.quant.grouped_gemm_quant on small problems (nasty
     shapes included), then time the default rung at DeepSeek-V3's GEMM1. --quick: the
     validation only, small (for compute-sanitizer; it runs v3 and v4 too)."""
-    import argparse
-
     import cupy
     import ml_dtypes
 
@@ -254,12 +245,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
 
     from .act import fp8_to_device
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small validation only (sanitizer)")
-    args = p.parse_args(argv)
-    ok, why = C.availability()
-    if not ok:
-        raise SystemExit(f"no GPU: {why}")
+    quick, _ = C.script_start(argv)      # (exits with the reason when no GPU is usable)
     rng = np.random.default_rng(0)
     bf16 = ml_dtypes.bfloat16
 
@@ -279,7 +265,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     # the last: a decode batch (block 16, Kdim % 128 == 0), where fp8 picks v3 by default
     shapes = [(5, 4, 2, 136, 320, 16), (33, 6, 3, 256, 256, 32), (70, 3, 1, 200, 384, 64),
               (3, 4, 2, 72, 256, 16)]
-    for (M_a, E, K, N, Kd, B) in ([shapes[0], shapes[2], shapes[3]] if args.quick else shapes):
+    for (M_a, E, K, N, Kd, B) in ([shapes[0], shapes[2], shapes[3]] if quick else shapes):
         x = rng.standard_normal((M_a, Kd)).astype(bf16)
         wf = (rng.standard_normal((E, N, Kd)) * 0.05).astype(bf16)
         ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
@@ -309,7 +295,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
                 failures += status == "FAIL"
                 print(f"{name:13s} {ver} M_a={M_a:3d} E={E} K={K} N={N:4d} Kdim={Kd:4d} B={B:3d} "
                       f"rel_err={err:.2e} {status}")
-    if args.quick:
+    if quick:
         raise SystemExit(1 if failures else 0)
 
     # timing: DeepSeek-V3's GEMM1, fp8 block, the default rung; the codes' values do not

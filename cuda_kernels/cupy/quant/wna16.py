@@ -107,9 +107,7 @@ def _names(rung: str) -> tuple[str, ...]:
 
 
 NAMES = {rung: _names(rung) for rung in CU}
-for _ev in EP.ELEMS.values():     # one NVRTC check per file and element type
-    for _rung, _cu in CU.items():
-        C.register_compile_case(_cu, {"ELEM_BF16": _ev}, NAMES[_rung])
+EP.register_cases(CU, NAMES)      # one NVRTC check per file and element type
 
 
 # ----------------------------------------------------------------------------- the choice
@@ -120,14 +118,9 @@ def refuses(nbits: int, cc: int, N: int, K: int, group_size: int, num_groups: in
     16-byte boundaries). Pure: the CPU tests ask it about any device."""
     def why(cfg):
         rung = cfg["rung"]
-        if rung == "v1":
-            return None
-        if not aligned:
-            return f"{rung} loads 16-byte chunks: a and w must be 16-byte aligned"
-        bm = Q.tile_rows(cfg)
-        if block_size % bm:
-            return (f"{rung}'s tiles of {bm} rows need block_size a multiple of {bm}, got "
-                    f"{block_size}")
+        common = Q.common_refusal(cfg, block_size, aligned)
+        if common or rung == "v1":
+            return common
         if rung == "v2":
             if K % 32:
                 return f"v2 loads 16-byte chunks: Kdim must be a multiple of 32, got {K}"
@@ -249,7 +242,6 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     default_zp = 8 if nbits == 4 else 128
     code_xor = 0x80 if w.dtype == np.int8 else 0   # int8 = (uint8 byte ^ 0x80) - 128
     P = M_a * top_k
-    C.check_fits_int32("a", P, "a.shape[0] * top_k")   # slots are int32; offsets are 64-bit
     tw, b32, c = EP.epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias,
                                       out)
     if P == 0 or N == 0 or L == 0:
@@ -318,7 +310,6 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     int8), group sizes 32 / 64 / 128 / one per row, N not a multiple of 16, a crowded expert;
     then time the route at Mixtral's GEMM1 and GEMM2 (benchmarks/bench_wna16.py compares the
     rungs). --quick: two small shapes, three formats (for compute-sanitizer)."""
-    import argparse
     import math
 
     import cupy
@@ -327,12 +318,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     from reference import moe_align_block_size
     from reference import quant as RQ
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small validation only (sanitizer)")
-    args = p.parse_args(argv)
-    ok, why = C.availability()
-    if not ok:
-        raise SystemExit(f"no GPU: {why}")
+    quick, _ = C.script_start(argv)      # (exits with the reason when no GPU is usable)
     rng = np.random.default_rng(0)
     bf16 = ml_dtypes.bfloat16
     failures = 0
@@ -342,7 +328,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
         ("uint8 g64 zp", "w8a16", 64, True, False), ("int8 g128", "w8a16", 128, False, True)]
     shapes = [(1, 4, 2, 128, 256, 16), (5, 3, 2, 64, 576, 16), (33, 6, 3, 200, 512, 32),
               (40, 3, 2, 128, 4096, 48)]      # (M_a, E, K, N, Kdim, B); N = 200: no packing
-    if args.quick:
+    if quick:
         formats, shapes = [formats[0], formats[1], formats[4]], shapes[:2]
     for (M_a, E, K, N, Kd, B) in shapes:
         x = rng.standard_normal((M_a, Kd)).astype(bf16)
@@ -380,7 +366,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
                 rung = cfg["rung"] if cfg else "route"
                 print(f"{label:12s} {rung:5s} {name or '-':6s} M_a={M_a:3d} E={E} K={K} N={N:4d} "
                       f"Kdim={Kd:4d} B={Bc:3d} rel_err={err:.2e} {status}", flush=True)
-    if args.quick:
+    if quick:
         raise SystemExit(1 if failures else 0)
 
     # timing: Mixtral's GEMMs, int4 g128, the route (the codes' values do not change the time)
