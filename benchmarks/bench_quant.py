@@ -9,15 +9,14 @@ Two models, each in its quantized format and in bf16, at T in {1, 16, 64, 256, 1
     mixtral       E=8,   K=2, H=4096, I=14336  weight-only int4, group 128, bf16 activations
 
 Paths (all CuPy kernels of this repository):
-    fp8    quant(x) -> GEMM1 fp8 -> quant(act) -> GEMM2 fp8 (* router weight): quant_act +
-           quant_gemm's default fp8 rung (v4 weight streaming for decode batches, v5 wgmma
-           e4m3 above on sm_90, v2 mma.sync e4m3 elsewhere; --fp8-version forces one); the
-           rung that ran is recorded as "version"
-    int4   GEMM1 int4 -> GEMM2 int4 (quant_gemm.grouped_gemm_quant: up to 24 rows per expert
-           quant_gemm_wna16's packed rung on weights prepacked once per array (the first,
-           untimed call packs them), where it takes the shape, else v3 weight streaming;
-           v2 tiles above; dequantized in registers, mma.sync bf16)
+    fp8    quant(x) -> GEMM1 fp8 -> quant(act) -> GEMM2 fp8 (* router weight): quant/act.py +
+           the w8a8 ladder's route (quant/w8a8.py: v3 weight streaming for decode batches, v4
+           wgmma e4m3 above on sm_90, v2 mma.sync e4m3 elsewhere; --fp8-version forces one)
+    int4   GEMM1 int4 -> GEMM2 int4 (quant/gemm.py grouped_gemm_quant, the weight-only ladder's
+           route, quant/wna16.py: v4 on weights prepacked once per array (the first, untimed
+           call packs them) up to 8 rows per expert, v5 staged up to 128, v2 tiles above)
     bf16   GEMM1 -> GEMM2 (cuda_kernels.cupy.gemm, its default version and configs)
+The rung and config that ran are recorded as "version" ("v4 q8").
 The activation between the GEMMs is not in any path (not a quantization stage): GEMM2 reads a
 pre-drawn [P, I] activation. The int4 GEMM2 is launched programmatically (PDL: its CTAs read the
 routing and copy their first weights under GEMM1's tail, then wait for GEMM1 to finish before
@@ -46,7 +45,7 @@ faster than bf16 at T >= 1024.
 
     python benchmarks/bench_quant.py [--models deepseek-v3,mixtral] [--tokens 1,16,64]
                                      [--reps 20] [--no-bf16] [--budget-s 200]
-                                     [--fp8-version v2|v4|v5] [--fp8-block-size B] [--no-pdl]
+                                     [--fp8-version v1|v2|v3|v4] [--fp8-block-size B] [--no-pdl]
 
 Writes ./moe-sandbox-results/bench_quant_<gpu>_<time>.json, or into --out (GPU, date, commit,
 command, points).
@@ -68,8 +67,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from cuda_kernels.cupy import _compile as C  # noqa: E402
-from cuda_kernels.cupy import quant_act as QA  # noqa: E402
-from cuda_kernels.cupy import quant_gemm as QG  # noqa: E402
+from cuda_kernels.cupy.quant import act as QA  # noqa: E402
+from cuda_kernels.cupy.quant import configs as Q  # noqa: E402
+from cuda_kernels.cupy.quant import gemm as QG  # noqa: E402
+from cuda_kernels.cupy.quant import w8a8 as W8  # noqa: E402
+from cuda_kernels.cupy.quant import wna16 as W16  # noqa: E402
 
 MODELS = {
     # name: (E, K, H, I, quantized format)
@@ -86,14 +88,11 @@ SPIN_US = 1000       # longer than Python takes to enqueue one timed call (~0.1-
 
 
 def compilers() -> dict:
-    """What built the kernels that ran: CuPy's NVRTC (the run-time builds) and the kernels taken
-    from prebuilt cubins, with the NVRTC that made those (the speed depends on it)."""
+    """What built the kernels that ran: CuPy's NVRTC (every kernel compiles at run time; the
+    sm_90a ones through cuda.core's, the same NVRTC library where both load one)."""
     from cupy.cuda import nvrtc
 
-    from cuda_kernels.cupy import _compile as C
-    return dict(cupy_nvrtc=".".join(map(str, nvrtc.getVersion())),
-                prebuilt_nvrtc=C.prebuilt_manifest().get("nvrtc"),
-                prebuilt_loaded=sorted(f"{cu} {name}" for cu, name in C.PREBUILT_LOADED))
+    return dict(cupy_nvrtc=".".join(map(str, nvrtc.getVersion())))
 
 
 def git_commit() -> str:
@@ -233,8 +232,8 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
     log(f"{name}: weights ready in {time.time() - t0:.1f} s "
         f"({(w1.nbytes + w2.nbytes) / 1e9:.1f} GB {fmt}"
         + (f", {(b1.nbytes + b2.nbytes) / 1e9:.1f} GB bf16)" if gg else ")"))
-    qbytes_expert = QG.quant_weight_bytes(fmt, 1, 2 * I, H, GROUP) + \
-        QG.quant_weight_bytes(fmt, 1, H, I, GROUP)
+    qbytes_expert = Q.quant_weight_bytes(fmt, 1, 2 * I, H, GROUP) + \
+        Q.quant_weight_bytes(fmt, 1, H, I, GROUP)
     bbytes_expert = 2.0 * (2 * I * H + H * I)
     flush = cupy.empty(FLUSH_BYTES, dtype=cupy.uint8)
     points = []
@@ -244,7 +243,7 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
             continue
         P = T * K
         rows_per_expert = P / E
-        Bq = QG.block_size_for(fmt, rows_per_expert)      # the kernels' config table by M
+        Bq = Q.block_size_for(fmt, rows_per_expert)       # the route's block size by M
         if fmt == "fp8" and fp8_block:
             Bq = fp8_block                                # --fp8-block-size
         routings = [draw_routing(rng, T, E, K) for _ in range(ROUTINGS)]
@@ -315,9 +314,13 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
             point[fmt] = dict(ms=ms, gemm1_ms=ms1, gemm2_ms=ms2, bytes=nbytes, floor_ms=floor,
                               frac=floor / ms, block_size=Bq, finite=finite,
                               by_routing=by_routing)
+            cc = int(cupy.cuda.Device().compute_capability)
             if fmt == "fp8":
-                cc = int(cupy.cuda.Device().compute_capability)
-                point[fmt]["version"] = fp8_version or QG.fp8_rung(rows_per_expert, Bq, H, cc)
+                point[fmt]["version"] = fp8_version or W8.default_rung("fp8", rows_per_expert,
+                                                                       Bq, H, cc)
+            else:
+                point[fmt]["version"] = W16.default_rung("int4", rows_per_expert, Bq, 2 * I, H,
+                                                         GROUP, cc)
         except Exception as e:  # noqa: BLE001 - reported, the run goes on
             point[fmt] = dict(error=f"{type(e).__name__}: {e}")
 
@@ -415,11 +418,11 @@ def main(argv=None):
                              "files)")
     parser.add_argument("--flush", default="read", choices=("read", "write"),
                         help="how the L2 is evicted before each timed call (see the doc)")
-    parser.add_argument("--fp8-version", default=None, choices=("v1", "v2", "v4", "v5"),
-                        help="force this quant_gemm rung for fp8 (default: its table's choice)")
+    parser.add_argument("--fp8-version", default=None, choices=("v1", "v2", "v3", "v4"),
+                        help="force this rung of the w8a8 ladder for fp8 (default: its route)")
     parser.add_argument("--fp8-block-size", type=int, default=None,
                         help="alignment block size of the fp8 path (default: "
-                             "quant_gemm.block_size_for)")
+                             "quant/configs.py block_size_for)")
     parser.add_argument("--no-pdl", action="store_true",
                         help="launch the int4 GEMM2 plainly (default: programmatic, see the doc)")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Weight-only int4 grouped GEMM for decode (quant_gemm_wna16) beside quant_gemm's wna16 path.
+"""The weight-only int4 ladder (cuda_kernels/cupy/quant/wna16.py) rung by rung, beside its route.
 
     T tokens, E experts, K top-k, H hidden, I intermediate, B block size, P = T*K slots
 
@@ -7,12 +7,11 @@ activations, at T in {1, 16, 64, 256, 1024, 4096}. The expert path is GEMM1 [P, 
 then GEMM2 [P, I] x [H, I] (* router weight); the activation between them is not timed
 (GEMM2 reads a pre-drawn [P, I] bf16 activation), as in bench_quant.py.
 
-    new   cuda_kernels.cupy.quant_gemm_wna16.grouped_gemm_wna16 (its config table, its
-          block_size_for)
-    old   cuda_kernels.cupy.quant_gemm.grouped_gemm_quant(use_int4_w4a16=True) with its own
-          rungs named (version "v3" up to 24 rows per expert, its default v2 above; without a
-          version it hands decode batches to the packed rung, the "new" path), its
-          block_size_for
+    route   grouped_gemm_wna16 with no version: the route's choice (configs.ROUTES["int4"]) at
+            configs.block_size_for's block size
+    v2..v6  each rung (--rungs), with the config the route would take for it (its first entry
+            that takes the problem; v6 only on sm_90), at a block size its tiles divide: the
+            tile rows up to 8 rows per expert, else the first multiple of them from 32
 
 Method: CUDA events around each call after warm-up, median over the repetitions; before each
 repetition (untimed) the next of 4 pre-drawn routings is selected and the L2 is flushed (a
@@ -23,14 +22,13 @@ Roofline: floor = max(bytes / 4.8e12 B/s, flops / 989e12 FLOP/s), bytes = the co
 scales of the experts the routings touch (GEMM1 and GEMM2), flops = 2 P (2I H + H I).
 frac = floor / median time.
 
-    python benchmarks/bench_wna16.py [--tokens 1,16,64] [--reps 20] [--no-old] [--sweep]
-                                     [--configs q8,q16+MT=3] [--budget-s 120] [--zp]
+    python benchmarks/bench_wna16.py [--tokens 1,16,64] [--reps 20] [--rungs v2,v3,v4,v5,v6]
+                                     [--sweep] [--configs t24+S=4,q8] [--budget-s 120] [--zp]
                                      [--out DIR]
 
---sweep also times every config of quant_gemm_wna16.CONFIGS (and KS in {auto, 1, 2, 4, 8})
-and of PACKED_CONFIGS (the prepacked int4 rung: weights packed once, on the warm-up call)
-per GEMM at each T (for the config table). --zp gives the weights per-group zero points
-(uint8 0..15; the command line in the JSON says so). Writes
+--sweep also times every wna16 config of the table (quant/configs.py; --configs: only these,
+each with optional integer overrides "name+KEY=VALUE") per GEMM at each T. --zp gives the
+weights per-group zero points (uint8 0..15; the command line in the JSON says so). Writes
 DIR/bench_wna16_<gpu>_<time>.json (default DIR ./moe-sandbox-results).
 """
 from __future__ import annotations
@@ -49,8 +47,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from cuda_kernels.cupy import _compile as C  # noqa: E402
-from cuda_kernels.cupy import quant_gemm as QG  # noqa: E402
-from cuda_kernels.cupy import quant_gemm_wna16 as W  # noqa: E402
+from cuda_kernels.cupy.quant import configs as Q  # noqa: E402
+from cuda_kernels.cupy.quant import wna16 as W16  # noqa: E402
 
 E, K, H, I = 8, 2, 4096, 14336
 GROUP = 128
@@ -60,10 +58,7 @@ PEAK = 989e12
 ROUTINGS = 4
 FLUSH_BYTES = 128 << 20
 SPIN_US = 1000
-# configs outside quant_gemm_wna16.CONFIGS to try (--sweep --variants; each compiles on its own)
-VARIANTS = [dict(MT=1, WN=8, U=4, MINB=2), dict(MT=1, WN=4, U=4, MINB=4),
-            dict(MT=2, WN=8, U=4, MINB=2),
-            dict(KERNEL="async", MT=4, WN=8, STAGES=2, MINB=1)]
+RUNGS = ("v2", "v3", "v4", "v5", "v6")    # v1 (one thread per output) takes seconds at T=4096
 
 _SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -155,7 +150,7 @@ class Timer:
 
 
 def _config_override(known: dict, spec: str):
-    """("q16+RED=114688", q16's config with RED = 114688) from --configs' "name+KEY=VALUE"."""
+    """("t24+S=4", t24's config with S = 4) from --configs' "name+KEY=VALUE"."""
     name, *overrides = spec.split("+")
     if name not in known:
         raise SystemExit(f"--configs: expected config names of {sorted(known)}, got {name!r}")
@@ -168,19 +163,37 @@ def _config_override(known: dict, spec: str):
     return spec, cfg
 
 
+def rung_config(rung: str, rows: float, N: int, Kdim: int, cc: int):
+    """(name, config, block size) of `rung` for a batch of `rows` per expert: the route's first
+    entry of the rung that takes the problem at a block size its tiles divide (the tile rows up
+    to 8 rows per expert, else the first multiple of them from 32), or None."""
+    for name, cfg in Q.CONFIGS["wna16"].items():
+        if cfg["rung"] != rung:
+            continue
+        bm = Q.tile_rows(cfg) if rung != "v1" else 16
+        B = bm if rows <= 8 else -(-max(32, bm) // bm) * bm
+        try:
+            got, cfg = Q.route("int4", rows, Kdim, W16.refuses(4, cc, N, Kdim, GROUP,
+                                                               Kdim // GROUP, B, True),
+                               version=rung)
+        except ValueError:
+            continue
+        return got, cfg, B
+    return None
+
+
 def main(argv=None):
     from reference import moe_align_block_size
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--no-old", action="store_true", help="skip quant_gemm's wna16 path")
+    p.add_argument("--rungs", default=",".join(RUNGS),
+                   help="the rungs timed beside the route (comma-separated; '' for none)")
     p.add_argument("--sweep", action="store_true", help="time every config per GEMM")
-    p.add_argument("--variants", action="store_true",
-                   help="with --sweep: also time VARIANTS (configs outside the table)")
     p.add_argument("--configs", default="",
                    help="with --sweep: only these configs, comma-separated names, each with "
-                        "optional overrides: q16+RED=114688+D=4")
+                        "optional overrides: t24+S=4")
     p.add_argument("--budget-s", type=float, default=1e9)
     p.add_argument("--zp", action="store_true",
                    help="per-group zero points (uint8 0..15), as AWQ-style asymmetric int4")
@@ -194,14 +207,17 @@ def main(argv=None):
 
     deadline = time.time() + args.budget_s
     tokens = [int(t) for t in args.tokens.split(",") if t]
+    rungs = [r for r in args.rungs.split(",") if r]
     rng = np.random.default_rng(0)
     w1, w2, s1, s2 = mixtral_weights()
     zp1 = zp2 = None
     if args.zp:
         zp1 = cupy.random.randint(0, 16, (E, 2 * I, H // GROUP), dtype=cupy.int32).astype(cupy.uint8)
         zp2 = cupy.random.randint(0, 16, (E, H, I // GROUP), dtype=cupy.int32).astype(cupy.uint8)
-    per_expert = W.weight_bytes(4, 1, 2 * I, H, GROUP) + W.weight_bytes(4, 1, H, I, GROUP)
+    per_expert = Q.quant_weight_bytes("int4", 1, 2 * I, H, GROUP) + \
+        Q.quant_weight_bytes("int4", 1, H, I, GROUP)
     timer = Timer()
+    cc = int(cupy.cuda.Device().compute_capability)
     gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     points, sweep = [], []
     for T in tokens:
@@ -226,34 +242,32 @@ def main(argv=None):
             return [tuple(C.to_device(v) for v in moe_align_block_size(ids, B, E)) +
                     (C.to_device(tw),) for ids, tw in routings]
 
-        def path(fn, B, **kw):
+        def path(B, **kw):
             al = aligned(B)
 
             def g1():
                 st, ex, ntp, tw = al[cur["i"]]
-                return fn(x, w1, st, ex, ntp, K, B, w_scale=s1, w_zp=zp1, use_int4_w4a16=True,
-                          **kw)
+                return W16.grouped_gemm_wna16(x, w1, st, ex, ntp, K, B, w_scale=s1, w_zp=zp1,
+                                              **kw)
 
             def g2():
                 st, ex, ntp, tw = al[cur["i"]]
-                return fn(act, w2, st, ex, ntp, 1, B, tw, True, w_scale=s2, w_zp=zp2,
-                          use_int4_w4a16=True, **kw)
+                return W16.grouped_gemm_wna16(act, w2, st, ex, ntp, 1, B, tw, True, w_scale=s2,
+                                              w_zp=zp2, **kw)
             return g1, g2
 
         point = dict(T=T, P=P, touched_experts=touched, bytes=nbytes, flops=flops,
                      floor_ms=floor)
-        impls = [("new", W.grouped_gemm_wna16, W.block_size_for(P / E))]
-        if not args.no_old:
-            # quant_gemm's own rungs (v3 up to 24 rows per expert, v2 above): version named,
-            # since its default now hands int4 decode batches to the packed rung
-            ver = "v3" if P / E <= QG.WNA16_BY_ROWS[-1][0] else None
-
-            def old(*args, ver=ver, **kw):
-                return QG.grouped_gemm_quant(*args, version=ver, **kw)
-            impls.append(("old", old, QG.block_size_for("int4", P / E)))
-        for label, fn, B in impls:
+        impls = [("route", {}, Q.block_size_for("int4", P / E))]
+        for rung in rungs:
+            picked = rung_config(rung, P / E, 2 * I, H, cc)
+            if picked is None:
+                point[rung] = dict(error="the rung does not take this problem here")
+                continue
+            impls.append((rung, dict(config=picked[0]), picked[2]))
+        for label, kw, B in impls:
             try:
-                g1, g2 = path(fn, B)
+                g1, g2 = path(B, **kw)
                 c1, c2 = g1(), g2()
                 finite = _finite(c1) and _finite(c2)       # garbage shows up as inf / NaN
                 reps = args.reps if T < 4096 else max(5, args.reps // 2)
@@ -265,11 +279,11 @@ def main(argv=None):
                     g2()
                 ms = timer(both, setup, reps=reps)
                 point[label] = dict(ms=ms, gemm1_ms=ms1, gemm2_ms=ms2, frac=floor / ms,
-                                    block_size=B, finite=finite)
+                                    block_size=B, finite=finite, **kw)
             except Exception as e:  # noqa: BLE001 - reported, the run goes on
                 point[label] = dict(error=f"{type(e).__name__}: {e}")
         row = f"T={T:5d} floor {floor * 1e3:8.1f} us"
-        for label in ("new", "old"):
+        for label in ["route"] + rungs:
             r = point.get(label)
             if r and "ms" in r:
                 row += (f" | {label} {r['ms'] * 1e3:8.1f} us (g1 {r['gemm1_ms'] * 1e3:7.1f} "
@@ -280,37 +294,25 @@ def main(argv=None):
         points.append(point)
 
         if args.sweep and time.time() < deadline:
-            cands = (list(W.CONFIGS.items()) + list(W.PACKED_CONFIGS.items()) +
-                     list(W.WGMMA_CONFIGS.items()) + list(W.STAGED_CONFIGS.items()))
+            cands = list(Q.CONFIGS["wna16"].items())
             if args.configs:
                 cands = [_config_override(dict(cands), spec) for spec in args.configs.split(",")]
-            if args.variants:
-                cands += [(f"MT{v['MT']}WN{v['WN']}" + (f"S{v['STAGES']}" if "STAGES" in v
-                                                          else f"U{v['U']}"), v)
-                          for v in VARIANTS if (T <= 16) == (v["MT"] == 1)]
             for cname, cfg in cands:
-                bm = 8 * cfg["MT"]                  # decode: no padding-only CTAs; else 32 or
-                B = bm if P / E <= 8 else -(-32 // bm) * bm     # the next multiple of BM
-                # packed: no K split (its warps split K inside the CTA); async: auto only
-                sweep_ks = ("auto", 2, 4, 8) if cfg.get("KERNEL") is None else ("auto",)
-                for ks in sweep_ks:
-                    if time.time() > deadline:
-                        break
-                    try:
-                        c2 = dict(cfg) if cfg.get("KERNEL") in ("packed", "wgmma", "staged") else \
-                            dict(cfg, KS=ks)
-                        g1, g2 = path(W.grouped_gemm_wna16, B, config=c2)
-                        g1()
-                        g2()
-                        t1 = timer(g1, setup, 2, 10)
-                        t2 = timer(g2, setup, 2, 10)
-                        sweep.append(dict(T=T, config=cname, KS=ks, B=B, gemm1_ms=t1,
-                                          gemm2_ms=t2))
-                        print(f"  sweep T={T} {cname} KS={ks} B={B}: g1 {t1 * 1e3:7.1f} us "
-                              f"g2 {t2 * 1e3:7.1f} us", flush=True)
-                    except Exception as e:  # noqa: BLE001
-                        print(f"  sweep T={T} {cname} KS={ks}: {type(e).__name__}: {e}",
-                              flush=True)
+                if time.time() > deadline:
+                    break
+                bm = Q.tile_rows(cfg) if cfg["rung"] != "v1" else 16
+                B = bm if P / E <= 8 else -(-max(32, bm) // bm) * bm
+                try:
+                    g1, g2 = path(B, config=dict(cfg))
+                    g1()
+                    g2()
+                    t1 = timer(g1, setup, 2, 10)
+                    t2 = timer(g2, setup, 2, 10)
+                    sweep.append(dict(T=T, config=cname, B=B, gemm1_ms=t1, gemm2_ms=t2))
+                    print(f"  sweep T={T} {cname} B={B}: g1 {t1 * 1e3:7.1f} us "
+                          f"g2 {t2 * 1e3:7.1f} us", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  sweep T={T} {cname}: {type(e).__name__}: {e}", flush=True)
     stamp = datetime.datetime.now(datetime.timezone.utc)
     try:
         from sandbox.bench import git_commit

@@ -11,9 +11,9 @@
 #   T  (checks, when the GEMM table needs no refresh) the GPU test suite in four shards, two
 #      per GPU, beside compute-sanitizer; then the multi-GPU tests, EP check and EP benchmark
 #   P  (timings) GPU 0: stage and Numba benchmarks   GPU 1: quantized benchmarks
-#   W  (int4 decode development, one GPU) the packed and wgmma int4 rungs' GPU tests,
-#      compute-sanitizer on their module, and a sweep of their configs (WNA16_TOKENS, default
-#      1, 16, 64, 256; WGMMA_EXTRA: more configs)
+#   W  (int4 development, one GPU) the weight-only ladder's GPU tests, compute-sanitizer on
+#      its module, and its rungs and configs timed (WNA16_TOKENS, default 1, 16, 64, 256;
+#      WNA16_EXTRA: more configs)
 #
 # Two GPUs let the checks and the timings run side by side without disturbing each other:
 #   A/B: GPU 0 checks (pytest -m gpu, compute-sanitizer memcheck/racecheck on each kernel
@@ -61,12 +61,12 @@ sanitizer() {   # [MODULE ...] (default: every kernel module) on the current CUD
   local mods=("$@")
   (( ${#mods[@]} )) || mods=(cuda_kernels.cupy.routing cuda_kernels.cupy.align cuda_kernels.cupy.permute
     cuda_kernels.cupy.activation cuda_kernels.cupy.combine cuda_kernels.cupy.gemm
-    cuda_kernels.cupy.quant_gemm cuda_kernels.cupy.quant_act cuda_kernels.cupy.quant_gemm_wna16
+    cuda_kernels.cupy.quant.act cuda_kernels.cupy.quant.w8a8 cuda_kernels.cupy.quant.wna16
     cuda_kernels.cupy.ep_layout cuda_kernels.numba._sanitize)
   for mod in "${mods[@]}"; do
     tools=memcheck      # racecheck where the kernels share memory between warps
     case $mod in
-      *routing|*align|*permute|*.gemm|*quant_gemm_wna16|*_sanitize) tools="memcheck racecheck" ;;
+      *routing|*align|*permute|*.gemm|*quant.w8a8|*quant.wna16|*_sanitize) tools="memcheck racecheck" ;;
     esac
     for tool in $tools; do
       printf -- "-- %s %s: " "$tool" "$mod"
@@ -116,7 +116,7 @@ benches_b() {  # GPU 1 (or 0)
 SHARDS=(
   "tests/test_cupy_stages.py"
   "tests/test_numba_gpu.py tests/test_numba_gemm_v3v.py"
-  "tests/test_cupy_gemm.py tests/test_quant_cupy.py tests/test_bench.py tests/test_layer.py tests/test_registry.py tests/test_torch_backend.py tests/test_validate.py tests/test_ep_layout.py"
+  "tests/test_cupy_gemm.py tests/test_quant_gemm.py tests/test_bench.py tests/test_layer.py tests/test_registry.py tests/test_torch_backend.py tests/test_validate.py tests/test_ep_layout.py"
 )
 
 shard() {   # shard i on GPU i % NGPU
@@ -155,18 +155,19 @@ benches_p() {  # one benchmark process per GPU (the Numba bench times CuPy's sta
   cat "$OUT/bench_gpu0.tmp" "$OUT/bench_gpu1.tmp"; rm -f "$OUT"/bench_gpu?.tmp
 }
 
-wna16_dev() {   # GPU 0: the packed int4 rung, checked then timed config by config
+wna16_dev() {   # GPU 0: the weight-only int4 ladder, checked then timed rung by rung
   export CUDA_VISIBLE_DEVICES=0
   say "device"; device_info
-  say "packed int4 GPU tests"
+  say "weight-only GPU tests"
   timeout $(budget 120) python3 -m pytest -q --maxfail=20 --timeout 100 -m gpu -p no:cacheprovider \
-    tests/test_quant_wna16_packed.py tests/test_quant_wna16_wgmma.py 2>&1 | tail -n 20
-  sanitizer cuda_kernels.cupy.quant_gemm_wna16
-  # the route's q8 / q24 / q32 beside the wgmma rung: RB = 2 row groups an item (h32, h24),
-  # and WGMMA_EXTRA (more variants, name+KEY=VALUE)
-  say "bench_wna16: the packed and wgmma configs"
+    tests/test_quant_wna16.py tests/test_quant_wna16_packed.py tests/test_quant_wna16_staged.py \
+    tests/test_quant_wna16_wgmma.py 2>&1 | tail -n 20
+  sanitizer cuda_kernels.cupy.quant.wna16
+  # the route beside each rung, then every config of the table and WNA16_EXTRA (variants,
+  # name+KEY=VALUE)
+  say "bench_wna16: the rungs and their configs"
   timeout $(budget 300) python3 benchmarks/bench_wna16.py --out benchmarks/results --tokens ${WNA16_TOKENS:-1,16,64,256} \
-    --no-old --sweep --configs q8,q24,q32,h32,h24${WGMMA_EXTRA:+,$WGMMA_EXTRA} \
+    --sweep ${WNA16_EXTRA:+--configs q8,t24,t32,t24ws,h32,$WNA16_EXTRA} \
     --budget-s 280 2>&1 | tail -n 80
 }
 

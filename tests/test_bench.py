@@ -246,20 +246,21 @@ def test_bench_wna16_config_overrides():
     import importlib.util
     import pathlib
 
-    from cuda_kernels.cupy import quant_gemm_wna16 as W
+    from cuda_kernels.cupy.quant.configs import CONFIGS
 
     path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_wna16.py"
     spec = importlib.util.spec_from_file_location("bench_wna16", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    name, cfg = mod._config_override(W.PACKED_CONFIGS, "q16+RED=114688+D=4")
-    assert name == "q16+RED=114688+D=4"
-    assert cfg == dict(W.PACKED_CONFIGS["q16"], RED=114688, D=4)
-    assert W.PACKED_CONFIGS["q16"]["D"] == 2                     # the table is untouched
+    table = CONFIGS["wna16"]
+    name, cfg = mod._config_override(table, "q8+RED=114688+D=2")
+    assert name == "q8+RED=114688+D=2"
+    assert cfg == dict(table["q8"], RED=114688, D=2)
+    assert table["q8"]["D"] == 4                                 # the table is untouched
     with pytest.raises(SystemExit, match="config names"):
-        mod._config_override(W.PACKED_CONFIGS, "q99")
+        mod._config_override(table, "q99")
     with pytest.raises(SystemExit, match="KEY=integer"):
-        mod._config_override(W.PACKED_CONFIGS, "q16+RED=big")
+        mod._config_override(table, "q8+RED=big")
 
 
 def test_device_call_scripts_parse():

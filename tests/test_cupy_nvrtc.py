@@ -16,8 +16,8 @@ from cuda_kernels.cupy import _compile as C
 
 # The modules that register compile cases. gemm is written separately: when it is
 # missing or broken the others are still checked (its own test reports the failure).
-KERNEL_MODULES = ("routing", "align", "permute", "activation", "combine", "gemm", "quant_act",
-                  "quant_gemm", "quant_gemm_wna16", "ep_layout")
+KERNEL_MODULES = ("routing", "align", "permute", "activation", "combine", "gemm", "quant.act",
+                  "quant.gemm", "ep_layout")
 ARCHS = ("sm_90", "sm_80")
 
 
@@ -65,7 +65,7 @@ def _compile_params():
     instantiations (up to a minute each) and the sm_80 builds run with the slow checks."""
     for case in CASES:
         for arch in ARCHS:
-            slow = case.cu_name.startswith("quant_gemm") or arch != ARCHS[0]
+            slow = case.cu_name.startswith("quant/w") or arch != ARCHS[0]
             yield pytest.param(case, arch, id=f"{_case_id(case)}-{arch}",
                                marks=[pytest.mark.slow] if slow else [])
 

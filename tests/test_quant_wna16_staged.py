@@ -1,45 +1,55 @@
-"""The staged int4 rung (quant_gemm_wna16_staged.cu: weights and activations through one
-shared-memory cp.async pipeline, each CTA a contiguous run of (row block, K stage) units)
+"""The staged int4 rung v5 (cuda_kernels/cupy/quant/wna16_staged.py: stage_blocks and
+staged_plan; wna16_v5_staged.cu: weights and activations through one shared-memory cp.async
+pipeline, each CTA a contiguous run of (row block, K stage) units; t24ws warp-specialized)
 against reference/quant.py.
 
 CPU (always): staged_plan's runs cover every unit once, its workspace holds two parts per CTA,
 its shared memory matches the kernel's stage layout and fits MINB CTAs per SM, and it refuses
-bad configs clearly. Simulator: the kernel on the CPU emulation of tests/test_quant_cupy.py
-(g++, a std::thread per CUDA thread, cp.async landing only at its wait): runs that start and
-end inside row blocks (blocks finished from 2-3 parts, in K-stage order, by whichever CTA comes
-last: the CTAs also run last to first, with the same bits), a ragged last block, a short last
-K stage, group sizes 64 / 128 / one per row, with and without zero points, 1-3 live token
-tiles, an expert of another rank, the fp16 build; the split counters come back to zero; and,
-launched as a programmatic launch would start it (the activations NaN until a CTA's
+bad configs clearly; stage_blocks' layout. Simulator: the kernel on the CPU emulation of
+tests/quant_support.py (g++, a std::thread per CUDA thread, cp.async landing only at its
+wait, the mbarriers and named barriers of t24ws): runs that start and end inside row blocks
+(blocks finished from 2-3 parts, in K-stage order, by whichever CTA comes last: the CTAs also
+run last to first, with the same bits), a ragged last block, a short last K stage, group
+sizes 64 / 128 / 256 / one per row, with and without zero points, 1-4 live token tiles, an
+expert of another rank, the fp16 build; the part counters come back to zero; and, launched
+as a programmatic launch would start it (the activations NaN until a CTA's
 griddepcontrol.wait), no activation copy or output write before the wait.
 GPU (`gpu` marker): every config on the packed rung's shapes, fp16 and other ranks, long runs,
 the same bits on a second launch, and a GEMM1 -> GEMM2 chain whose GEMM2 is launched
-programmatically (PDL) and reads GEMM1's output. Tolerance: the issue's weight-only 2e-2.
+programmatically (PDL) and reads GEMM1's output. Tolerance: vLLM's weight-only 2e-2.
 
 Shape legend: T tokens, E experts, K top-k, N output width, Kdim reduction width, B block size.
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 from cuda_kernels.cupy import _compile as C
-from cuda_kernels.cupy import quant_gemm_wna16 as W
+from cuda_kernels.cupy.quant import configs as Q
+from cuda_kernels.cupy.quant import wna16 as W16
+from cuda_kernels.cupy.quant import wna16_packed as P4
+from cuda_kernels.cupy.quant import wna16_staged as S5
 from oracles import rel_err
+from quant_support import (BF16, INT4_SHAPES, W16_PRELUDE, arm_programmatic, blocks_descending,
+                           build_emulation, c_entries, check_matches_reference, check_other_rank,
+                           check_repeats, host, int4_case, poisoned, programmatic_counts, ptr, up,
+                           wna16_operands)
 from reference import moe_align_block_size
 from reference import quant as RQ
-from test_quant_cupy import host, poisoned, up  # the quantized tests' GPU helpers
-from test_quant_wna16_packed import (SHAPES, check_matches_reference, check_other_rank,
-                                     check_repeats, emulation_case, quantized, spy_configs)
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-TOL = 2e-2          # issue 8 / vLLM's weight-only tolerance
+TOL = 2e-2          # vLLM's weight-only tolerance
+CONFIGS = {n: c for n, c in Q.CONFIGS["wna16"].items() if c["rung"] == "v5"}
+
+
+def quantized(rng, E, N, Kd, gs, zp):
+    _, wq, ws, wz, _ = wna16_operands(rng, 4, gs, zp, 1, E, N, Kd)
+    return wq, ws, wz
 
 
 # ----------------------------------------------------------------------------- CPU
 def _runs(costs, Q):
-    """The kernel's split (wna16_staged): m tile m of cost costs[m] per unit (0: none) and U
+    """The kernel's split (wna16_v5_staged): m tile m of cost costs[m] per unit (0: none) and U
     units; CTA q's units of each m tile, as {q: [(m, ua, ub), ...]}."""
     U = costs["U"]
     cum = np.concatenate([[0], np.cumsum([U * w for w in costs["w"]])])
@@ -57,16 +67,16 @@ def _runs(costs, Q):
     return out, cum, Wt
 
 
-@pytest.mark.parametrize("name", sorted(W.STAGED_CONFIGS))
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_plan_and_runs(name):
     """staged_plan's geometry; the kernel's runs (written out in _runs) cover every unit of every
     live m tile once, in order, each CTA's units of an m tile inside its weighted range, and at
     most two partial blocks per CTA (its workspace slots)."""
-    cfg = W.STAGED_CONFIGS[name]
+    cfg = CONFIGS[name]
     bm, nb = 8 * cfg["MT"], cfg["W"] * cfg["TPW"]
     for P, N, K, L, B, sms in ((2, 28672, 4096, 58, bm, 132), (128, 4096, 14336, 376, 3 * bm, 132),
                                (128, 28672, 4096, 520, 2 * bm, 132), (6, 288, 576, 40, bm, 3)):
-        lp = W.staged_plan(P, 8, N, K, L, B, cfg, sms, 128, K // 128)
+        lp = S5.staged_plan(P, 8, N, K, L, B, cfg, sms, 128, K // 128)
         q = lp["grid"][0]
         assert lp["MTILES"] * bm >= min(L, P * B) > (lp["MTILES"] - 1) * bm
         spb = -(-K // 64 // cfg["KC"])
@@ -75,11 +85,11 @@ def test_plan_and_runs(name):
         assert lp["WS"] == q * 2 * 32 * cfg["W"] * cfg["TPW"] * cfg["MT"] * 4
         assert lp["TILES"] == lp["MTILES"] * -(-(N // 16) // nb) and lp["SPB"] == spb
         assert lp["COUNTERS"] == lp["TILES"] * (1 + spb)   # units done, parts by first stage
-        assert lp["smem"] == (cfg["S"] * W.staged_stage_bytes(cfg, False) +
+        assert lp["smem"] == (cfg["S"] * S5.stage_bytes(cfg, False) +
                               (16 * cfg["S"] if cfg.get("WS") else 0) +   # the mbarriers
                               8 * (lp["MTILES"] + 1) + 4 * spb + 4 * lp["MTILES"])
         assert lp["block"] == (32 * cfg["W"] + (128 if cfg.get("WS") else 0),)
-        assert lp["smem"] <= W.SMEM_PER_SM // cfg["MINB"] - 1024
+        assert lp["smem"] <= P4.SMEM_PER_SM // cfg["MINB"] - 1024
         rng = np.random.default_rng(P)
         costs = dict(U=lp["U"], w=[int(x) for x in rng.choice([0, 6, 7, 8, 9], lp["MTILES"])])
         runs, cum, Wt = _runs(costs, q)
@@ -103,8 +113,8 @@ def test_stage_blocks_layout(rng, E, N, Kd, gs, zp, nb, kc):
     """Stage (b, s) of stage_blocks holds tiles b NB .. and chunks s KC .. of the "mma" packing,
     zeros past the weights; the scales and zero points of tile b NB + i at [b, group, i]."""
     wq, ws, wz = quantized(rng, E, N, Kd, gs, zp)
-    pk = W.prepack_int4(wq, ws, wz)
-    sb = W.stage_blocks(pk, nb, kc)
+    pk = P4.prepack_int4(wq, ws, wz)
+    sb = S5.stage_blocks(pk, nb, kc)
     NT, C, G = N // 16, Kd // 64, Kd // gs
     blocks, spb = -(-NT // nb), -(-C // kc)
     assert sb["order"] == ("staged", nb, kc) and (sb["blocks"], sb["SPB"]) == (blocks, spb)
@@ -124,83 +134,65 @@ def test_stage_blocks_layout(rng, E, N, Kd, gs, zp, nb, kc):
                 want_z = pk["zp"][:, tile] if tile < NT else 0
                 assert np.array_equal(sb["zp"][:, b, :, i], np.broadcast_to(want_z, (E, G, 8)))
     with pytest.raises(ValueError, match="mma"):
-        W.stage_blocks(W.prepack_int4(wq, ws, wz, order="wgmma"), nb, kc)
+        S5.stage_blocks(P4.prepack_int4(wq, ws, wz, order="wgmma"), nb, kc)
 
 
 def test_plan_refuses_bad_configs():
-    t24 = W.STAGED_CONFIGS["t24"]
+    t24 = CONFIGS["t24"]
     with pytest.raises(ValueError, match="BM = 24 must divide block_size 16"):
-        W.staged_plan(4, 8, 256, 256, 40, 16, t24)
+        S5.staged_plan(4, 8, 256, 256, 40, 16, t24)
     with pytest.raises(ValueError, match="S >= 2"):
-        W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, S=1))
+        S5.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, S=1))
     with pytest.raises(ValueError, match="TPW a positive int"):
-        W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, TPW=0))
+        S5.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, TPW=0))
     with pytest.raises(ValueError, match="no room for MINB = 2"):
-        W.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, S=8, KC=4))
-    with pytest.raises(ValueError, match="config: expected keys"):
-        W.pick_config(2.0, 24, dict(KERNEL="staged", MT=3, W=4))
+        S5.staged_plan(4, 8, 256, 256, 40, 24, dict(t24, S=8, KC=4))
+    with pytest.raises(ValueError, match="consumer warpgroups"):
+        S5.staged_plan(4, 8, 256, 256, 40, 24, dict(CONFIGS["t24ws"], W=6))
 
 
 # ----------------------------------------------------------------------------- emulation
-EMULATED_NAMES = W.STAGED_NAMES + W.STAGED_WS_NAMES     # (WS: its mbarriers emulated too)
+EMULATED_NAMES = S5.NAMES + S5.WS_NAMES     # (WS: its mbarriers emulated too)
 
 
-def _entries(names):
-    out = []
-    for i, n in enumerate(names):
-        out.append(
-            f'extern "C" void k{i}(unsigned gx, unsigned gy, unsigned block, const void* a, '
-            f"const void* wp, void* c, const void* sp, const void* zp, "
-            f"const int* st, const int* ex, const int* ntp, const float* tw, const float* bias, "
-            f"float* ws, int* cnt, int N, int K, int P, int top_k, int B, int L, int mul, "
-            f"int shift, int G, int dzp) {{\n"
-            f"    launch3(gx, gy, 1, block, [&] {{ gridDim.z = 1; {n}((const unsigned short*)a, "
-            f"nullptr, (const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp, "
-            f"st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, shift, G, dzp); }});\n}}")
-    return "\n".join(out)
+PARAMS = ("const void* a, const void* wp, void* c, const void* sp, const void* zp, const int* st, "
+          "const int* ex, const int* ntp, const float* tw, const float* bias, float* ws, int* cnt, "
+          "int N, int K, int P, int top_k, int B, int L, int mul, int shift, int G, int dzp")
+ARGS = ("(const unsigned short*)a, (const uint4*)wp, (elem_t*)c, (const float2*)sp, "
+        "(const unsigned short*)zp, st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, "
+        "shift, G, dzp")
 
 
 @pytest.fixture(scope="module")
-def emulated_staged(tmp_path_factory):
-    from test_quant_cupy import build_emulation
-    from test_quant_wna16_cupy import W16_PRELUDE
-
-    return build_emulation(tmp_path_factory, "wst", W.CU_STAGED, _entries(EMULATED_NAMES),
-                           prelude=W16_PRELUDE)
+def emulated(tmp_path_factory):
+    return build_emulation(tmp_path_factory, "wst", S5.CU,
+                           c_entries(EMULATED_NAMES, PARAMS, ARGS), prelude=W16_PRELUDE)
 
 
 @pytest.fixture(scope="module")
-def emulated_staged_fp16(tmp_path_factory):
+def emulated_fp16(tmp_path_factory):
     """The fp16 build (ELEM_BF16 = 0), whose codes dequantize as fp16 pairs."""
-    from test_quant_cupy import build_emulation
-    from test_quant_wna16_cupy import W16_PRELUDE
-
-    return build_emulation(tmp_path_factory, "wst16", W.CU_STAGED, _entries(EMULATED_NAMES),
-                           prelude=W16_PRELUDE, defines={"ELEM_BF16": 0})
+    return build_emulation(tmp_path_factory, "wst16", S5.CU,
+                           c_entries(EMULATED_NAMES, PARAMS, ARGS), prelude=W16_PRELUDE,
+                           defines={"ELEM_BF16": 0})
 
 
 def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms,
                   programmatic=None, descending=False, dtype=BF16):
-    """The staged launch (staged_plan, arguments) on the emulation: (c, the plan). programmatic:
+    """The v5 launch (staged_plan, arguments) on the emulation: (c, the plan). programmatic:
     None, a plain launch; "wait" or "ignore_waits", the emulation's model of a programmatic
-    launch (test_quant_cupy.arm_programmatic: the activations are the grid before's output, c and
+    launch (quant_support.arm_programmatic: the activations are the grid before's output, c and
     the workspace this launch's), whose counts come back as the plan's "programmatic".
     descending: the CTAs run last to first (a block's parts are then completed by the CTA whose
     run ends in it, where in ascending order the CTA whose run starts in it completes it).
     dtype: the build's element type (a goes in as it, c comes back as it)."""
-    import ctypes
-
-    from test_quant_cupy import arm_programmatic, blocks_descending, programmatic_counts
-
-    def p(x):
-        return None if x is None else x.ctypes.data_as(ctypes.c_void_p)
-
-    cfg = W.STAGED_CONFIGS[cfg_name]
+    p = ptr
+    cfg = CONFIGS[cfg_name]
     M_a, Kd = a.shape
     E, N = wq.shape[:2]
     P, G = M_a * top_k, ws.shape[2]
-    pk = W.stage_blocks(W.prepack_int4(wq, ws, wz), cfg["W"] * cfg["TPW"], cfg["KC"])
-    lp = W.staged_plan(P, E, N, Kd, st.size, B, cfg, sms, Kd // G, G, wz is not None)
+    pk = S5.stage_blocks(P4.prepack_int4(wq, ws, wz), cfg["W"] * cfg["TPW"], cfg["KC"])
+    lp = S5.staged_plan(P, E, N, Kd, st.size, B, cfg, sms, Kd // G, G, wz is not None)
     a_in = np.ascontiguousarray(a.astype(dtype)).view(np.uint16)
     c = np.full((P, N), 0x7FC0 if dtype == BF16 else 0x7E00, np.uint16)   # poison: NaN
     wsp = np.full(lp["WS"], np.nan, np.float32)                     # the parts' workspace
@@ -211,7 +203,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
                          ignore_waits=programmatic == "ignore_waits")
     with blocks_descending(lib, descending):
         getattr(lib, f"k{EMULATED_NAMES.index(lp['name'])}")(
-            gx, gy, lp["block"][0], p(a_in), p(pk["wp"]), p(c),
+            gx, gy, 1, lp["block"][0], p(a_in), p(pk["wp"]), p(c),
             p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),
             N, Kd, P, top_k, B, lp["Lg"], 1, lp["shift"], G, 8)
     assert not cnt.any(), "the part counters come back to zero"
@@ -224,14 +216,13 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
 EMULATION_CASES = [
     # two row blocks (the second of 2 tiles), 9 chunks (a short last stage), g64: runs of 2-3
     # units inside blocks of 5, so blocks are finished from 2-3 parts
-    ("t8", (2, 4, 2, 288, 576, 8), 64, False, 8, 16),
-    ("t16", (5, 3, 2, 288, 640, 16), 128, True, 8, 16),
+    ("t24", (2, 4, 2, 288, 576, 24), 64, False, 8, 16),
+    ("t32", (5, 3, 2, 288, 640, 32), 128, True, 8, 16),
     # 1-3 live token tiles per m tile (runs of unequal length: costs LT + 5), zero points
     ("t24", (20, 2, 2, 256, 512, 24), 128, True, 4, 8),
     ("t24", (20, 2, 2, 64, 768, 48), 256, False, 4, 8),        # padding m tiles, g256
     ("t32", (30, 2, 2, 128, 384, 32), 384, True, 1, 2),        # one group per row; runs that
                                                                # cross m tiles
-    ("u24", (9, 3, 2, 320, 256, 24), 64, False, 8, 16),        # 8 warps
     # warp-specialized (8 consumer warps, a producer warpgroup, mbarriers): two 512-row blocks,
     # runs of 2-3 units (parts); then runs across m tiles that wrap the 4-slot ring, g256
     ("t24ws", (20, 2, 2, 1024, 512, 24), 128, True, 8, 8),
@@ -242,11 +233,10 @@ EMULATION_CASES = [
 @pytest.mark.slow
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", EMULATION_CASES)
-def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
+def test_emulated_matches_reference(emulated, rng, cfg, shape, gs, zp, sms, q):
     M_a, E, K, N, Kd, B = shape
-    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
-    got, lp = _run_emulated(emulated_staged, cfg, a, wq, ws, wz, st, ex, ntp, K, B, tw, bias,
-                            sms)
+    a, wq, ws, wz, st, ex, ntp, tw, bias, want = int4_case(rng, shape, gs, zp)
+    got, lp = _run_emulated(emulated, cfg, a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, sms)
     assert lp["Q"] == q, "the case covers the runs it was written for"
     err = rel_err(got, want)
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e} (Q = {lp['Q']}, U = {lp['U']})"
@@ -254,14 +244,14 @@ def test_emulated_matches_reference(emulated_staged, rng, cfg, shape, gs, zp, sm
 
 @pytest.mark.slow
 @pytest.mark.simulator
-@pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [EMULATION_CASES[i] for i in (1, 3, 6)])
-def test_emulated_fp16_build(emulated_staged_fp16, rng, cfg, shape, gs, zp, sms, q):
+@pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [EMULATION_CASES[i] for i in (1, 3, 5)])
+def test_emulated_fp16_build(emulated_fp16, rng, cfg, shape, gs, zp, sms, q):
     """The fp16 build: fp16 activations and output, the codes dequantized as fp16 pairs
     (1024 + q and 64 + q, w16::raw_pairs_f16) and the sums mma's offsets to match."""
     M_a, E, K, N, Kd, B = shape
-    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
-    got, lp = _run_emulated(emulated_staged_fp16, cfg, a, wq, ws, wz, st, ex, ntp, K, B, tw,
-                            bias, sms, dtype=np.dtype(np.float16))
+    a, wq, ws, wz, st, ex, ntp, tw, bias, want = int4_case(rng, shape, gs, zp)
+    got, lp = _run_emulated(emulated_fp16, cfg, a, wq, ws, wz, st, ex, ntp, K, B, tw, bias,
+                            sms, dtype=np.dtype(np.float16))
     assert lp["Q"] == q
     err = rel_err(got, want)          # a: bf16 values, exact in fp16
     assert err <= TOL, f"{cfg} {shape}: rel_err {err:.3e}"
@@ -270,23 +260,23 @@ def test_emulated_fp16_build(emulated_staged_fp16, rng, cfg, shape, gs, zp, sms,
 @pytest.mark.slow
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,shape,gs,zp,sms,q", [c for c in EMULATION_CASES if c[-1] > 2])
-def test_emulated_any_block_order_same_bits(emulated_staged, rng, cfg, shape, gs, zp, sms, q):
+def test_emulated_any_block_order_same_bits(emulated, rng, cfg, shape, gs, zp, sms, q):
     """The CTAs run last to first: the blocks split between runs are then completed by the CTA
     whose run ends in them (the other order of the GPU's), with the same bits (the parts add in
     the order of their first K stages) and the counters back at zero."""
     M_a, E, K, N, Kd, B = shape
-    a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
+    a, wq, ws, wz, st, ex, ntp, tw, bias, want = int4_case(rng, shape, gs, zp)
     args = (a, wq, ws, wz, st, ex, ntp, K, B, tw, bias, sms)
-    ascending, _ = _run_emulated(emulated_staged, cfg, *args)
-    descending, _ = _run_emulated(emulated_staged, cfg, *args, descending=True)
+    ascending, _ = _run_emulated(emulated, cfg, *args)
+    descending, _ = _run_emulated(emulated, cfg, *args, descending=True)
     np.testing.assert_array_equal(descending.view(np.uint16), ascending.view(np.uint16))
     assert rel_err(descending, want) <= TOL
 
 
-def _other_rank_case(rng):
-    """Experts 1 and 3 of 4 live on another rank (expert id -1): (ids, the launch's arguments
-    after the config name, the reference)."""
-    M_a, E, K, N, Kd, B = 6, 4, 2, 64, 256, 8
+def _other_rank_case(rng, B=24):
+    """Experts 1 and 3 of 4 live on another rank (expert id -1), block size B: (ids, the
+    launch's arguments after the config name, the reference)."""
+    M_a, E, K, N, Kd = 6, 4, 2, 64, 256
     a = rng.standard_normal((M_a, Kd)).astype(BF16)
     wq, ws, wz = quantized(rng, 2, N, Kd, 128, True)
     ids = rng.integers(0, E, (M_a, K)).astype(np.int32)
@@ -301,10 +291,10 @@ def _other_rank_case(rng):
 
 @pytest.mark.slow
 @pytest.mark.simulator
-def test_emulated_other_rank(emulated_staged, rng):
+def test_emulated_other_rank(emulated, rng):
     """Experts 1 and 3 live on another rank (expert id -1): their rows are zeros."""
     ids, args, want = _other_rank_case(rng)
-    got, _ = _run_emulated(emulated_staged, "t8", *args)
+    got, _ = _run_emulated(emulated, "t24", *args)
     assert (got.astype(np.float32).reshape(*ids.shape, -1)[np.isin(ids, [1, 3])] == 0).all()
     assert rel_err(got, want) <= TOL
 
@@ -312,104 +302,73 @@ def test_emulated_other_rank(emulated_staged, rng):
 @pytest.mark.simulator
 @pytest.mark.parametrize("cfg,case", [
     ("t24", ((20, 2, 2, 256, 512, 24), 128, True, 4)),   # runs across m tiles, blocks in parts
-    ("t8", "other rank"),                                # zeros stored for another rank
+    ("t32", "other rank"),                               # zeros stored for another rank
     ("t24ws", ((20, 2, 2, 1024, 512, 24), 128, True, 8)),  # producers and consumers both wait
-], ids=["t24-parts", "t8-other-rank", "t24ws-roles"])
+], ids=["t24-parts", "t32-other-rank", "t24ws-roles"])
 @pytest.mark.slow
-def test_emulated_programmatic_launch(emulated_staged, rng, cfg, case):
+def test_emulated_programmatic_launch(emulated, rng, cfg, case):
     """Launched programmatically (grouped_gemm_wna16(..., programmatic=True)), the kernel may
     start while the grid before it still writes the activations. On the emulation's model of
     that (the activations read NaN until a CTA's wait), no CTA copies an activation or changes
     an output before its wait, and the result is the reference's. With the kernel's waits
     ignored, the same checks count early copies and writes (they can fail)."""
     if case == "other rank":
-        _, args, want = _other_rank_case(rng)
+        _, args, want = _other_rank_case(rng, 8 * CONFIGS[cfg]["MT"])
     else:
         shape, gs, zp, sms = case
-        a, wq, ws, wz, st, ex, ntp, tw, bias, want = emulation_case(rng, shape, gs, zp)
+        a, wq, ws, wz, st, ex, ntp, tw, bias, want = int4_case(rng, shape, gs, zp)
         args = (a, wq, ws, wz, st, ex, ntp, shape[2], shape[5], tw, bias, sms)
-    got, lp = _run_emulated(emulated_staged, cfg, *args, programmatic="wait")
+    got, lp = _run_emulated(emulated, cfg, *args, programmatic="wait")
     assert lp["programmatic"] == dict(early_reads=0, early_writes=0, stuck=0)
     assert rel_err(got, want) <= TOL
 
-    _, lp = _run_emulated(emulated_staged, cfg, *args, programmatic="ignore_waits")
+    _, lp = _run_emulated(emulated, cfg, *args, programmatic="ignore_waits")
     counts = lp["programmatic"]
     assert counts["early_reads"] > 0 and counts["early_writes"] > 0 and counts["stuck"] == 0
 
 
 # ----------------------------------------------------------------------------- GPU
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("cfg", sorted(W.STAGED_CONFIGS))
-def test_matches_reference(rng, shape, cfg):
+def _need(cfg):
     ok, why = C.availability()
     if not ok:
         pytest.skip(why)
-    check_matches_reference(rng, shape, cfg, 16 * W.STAGED_CONFIGS[cfg]["MT"])
+    if CONFIGS[cfg].get("WS") and not S5.device_runs_ws():
+        pytest.skip("the warp-specialized configs run on sm_90 (setmaxnreg is sm_90a's)")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["t8", "t24", "t24ws"])
+@pytest.mark.parametrize("shape", INT4_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("cfg", sorted(CONFIGS))
+def test_matches_reference(rng, shape, cfg):
+    _need(cfg)
+    check_matches_reference(rng, shape, cfg, 16 * CONFIGS[cfg]["MT"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", sorted(CONFIGS))
 def test_fp16_and_other_rank(rng, cfg):
     """fp16 activations (magic 1024), experts on another rank, no router weights."""
-    ok, why = C.availability()
-    if not ok:
-        pytest.skip(why)
-    check_other_rank(rng, cfg, 8 * W.STAGED_CONFIGS[cfg]["MT"], 272)
+    _need(cfg)
+    check_other_rank(rng, cfg, 8 * CONFIGS[cfg]["MT"], 272)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["t8", "t32", "t24ws"])
+@pytest.mark.parametrize("cfg", sorted(CONFIGS))
 def test_parts_match_reference_and_repeat(rng, cfg):
     """Many CTAs per m tile (blocks finished from several parts): parity with the reference,
     and the same bits on a second launch (parts added in the order of their K stages, the
     records left at zero)."""
-    ok, why = C.availability()
-    if not ok:
-        pytest.skip(why)
-    check_repeats(rng, cfg, (3, 2, 2, 512, 4096, 8 * W.STAGED_CONFIGS[cfg]["MT"]), 128)
+    _need(cfg)
+    check_repeats(rng, cfg, (3, 2, 2, 512, 4096, 8 * CONFIGS[cfg]["MT"]), 128)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["t24", "t8", "t24ws"])
+@pytest.mark.parametrize("cfg", sorted(CONFIGS))
 def test_long_runs_match_reference(rng, cfg):
     """Runs of ~20 units across m tiles and row blocks (4096 x 8192, 4 experts): parity with
     the reference on a poisoned output, and the same bits on a second launch."""
-    ok, why = C.availability()
-    if not ok:
-        pytest.skip(why)
-    check_repeats(rng, cfg, (48, 4, 2, 4096, 8192, 8 * W.STAGED_CONFIGS[cfg]["MT"]), 128)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("block,cfg", [(None, "t24"), (32, "t32")])
-def test_grouped_gemm_quant_routes_int4_to_staged(rng, monkeypatch, block, cfg):
-    """quant_gemm.grouped_gemm_quant hands an int4 batch of 16 rows per expert to the staged
-    rung: t24 at quant_gemm.block_size_for's block size (48; t24ws, warp-specialized, on an
-    sm_90 GPU), t32 at 32; each matches the reference with a poisoned output."""
-    ok, why = C.availability()
-    if not ok:
-        pytest.skip(why)
-    if cfg == "t24" and W.device_runs_ws():
-        cfg = "t24ws"
-    from cuda_kernels.cupy import quant_gemm as QG
-
-    M_a, E, K, N, Kd = 32, 4, 2, 256, 512
-    B = block or QG.block_size_for("int4", M_a * K / E)
-    assert B == (block or 48)
-    a = rng.standard_normal((M_a, Kd)).astype(BF16)
-    wq, ws, _ = quantized(rng, E, N, Kd, 128, False)
-    ids = np.stack([rng.permutation(E)[:K] for _ in range(M_a)]).astype(np.int32)
-    st, ex, ntp = moe_align_block_size(ids, B, E)
-    tw = rng.uniform(0.1, 1, (M_a, K)).astype(np.float32)
-    want = RQ.grouped_gemm_quant(a, wq, st, ex, ntp, K, B, tw, True, w_scale=ws,
-                                 use_int4_w4a16=True)
-    seen = spy_configs(monkeypatch)
-    out = poisoned((M_a * K, N), BF16)
-    got = QG.grouped_gemm_quant(up(a), up(wq), up(st), up(ex), up(ntp), K, B, up(tw), True,
-                                w_scale=up(ws), use_int4_w4a16=True, out=out)
-    assert got is out and seen == [cfg]
-    assert rel_err(host(got, BF16), want) <= TOL
+    _need(cfg)
+    check_repeats(rng, cfg, (48, 4, 2, 4096, 8192, 8 * CONFIGS[cfg]["MT"]), 128)
 
 
 @pytest.mark.gpu
@@ -419,9 +378,7 @@ def test_programmatic_launch_waits_for_its_input(rng, cfg):
     activations: its CTAs start under GEMM1's tail, and must wait before they read it. The
     chain matches the reference chain (GEMM2's input poisoned with NaN before GEMM1 writes it,
     so an early read cannot pass), and the plain launch bit for bit."""
-    ok, why = C.availability()
-    if not ok:
-        pytest.skip(why)
+    _need(cfg)
     M_a, E, K, N1, Kd, B = 64, 8, 2, 2048, 4096, 48
     P = M_a * K
     a = rng.standard_normal((M_a, Kd)).astype(BF16)
@@ -437,12 +394,12 @@ def test_programmatic_launch_waits_for_its_input(rng, cfg):
 
     def chain(programmatic):
         mid = poisoned((P, N1), BF16)
-        W.grouped_gemm_wna16(d["a"], d["w1"], d["st"], d["ex"], d["ntp"], K, B,
-                             w_scale=d["s1"], use_int4_w4a16=True, config=cfg, out=mid)
+        W16.grouped_gemm_wna16(d["a"], d["w1"], d["st"], d["ex"], d["ntp"], K, B,
+                               w_scale=d["s1"], config=cfg, out=mid)
         out = poisoned((P, Kd), BF16)
-        return host(W.grouped_gemm_wna16(mid, d["w2"], d["st"], d["ex"], d["ntp"], 1, B,
-                                         w_scale=d["s2"], use_int4_w4a16=True, config=cfg,
-                                         out=out, programmatic=programmatic), BF16)
+        return host(W16.grouped_gemm_wna16(mid, d["w2"], d["st"], d["ex"], d["ntp"], 1, B,
+                                           w_scale=d["s2"], config=cfg, out=out,
+                                           programmatic=programmatic), BF16)
 
     plain = chain(False)
     for _ in range(3):

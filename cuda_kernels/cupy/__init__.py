@@ -19,9 +19,9 @@ The ladder's helpers and the other kernels:
     gemm_tensor_map.py  v6's CUtensorMap of the weights (cuTensorMapEncodeTiled)
     grouping.cuh    the stable grouping by expert that align.cu and permute.cu share
     elementwise.cuh fp32 conversions and 16-byte packs of the row-wise kernels
-    quant_*.py      the quantized GEMMs and the activation quantizers          (quant_*.cu)
+    quant/          the quantized stages: grouped_gemm_quant (quant/gemm.py, two ladders:
+                    w8a8 v1-v4, weight-only v1-v6), moe_kernel_quantize_input (quant/act.py)
     ep_layout.py    the expert-parallel dispatch layout                         (ep_layout.cu)
-    prebuild.py     the prebuilt cubins (prebuilt/)
     _compile.py     source text, CuPy compile + cache, NVRTC compile checks without a GPU
     _launch.py      launches with programmatic stream serialization (PDL: cuLaunchKernelEx)
     _stream.py      CuPy's handle on another library's stream (torch's current stream)
@@ -49,8 +49,8 @@ __all__ = [
 _STAGES = {
     **STAGE_MODULES,
     "fused_experts": "experts",
-    "grouped_gemm_quant": "quant_gemm",
-    "moe_kernel_quantize_input": "quant_act", "per_token_group_quant_fp8": "quant_act",
+    "grouped_gemm_quant": "quant.gemm",
+    "moe_kernel_quantize_input": "quant.act", "per_token_group_quant_fp8": "quant.act",
 }
 
 

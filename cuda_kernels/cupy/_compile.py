@@ -15,20 +15,11 @@ nvidia-cuda-nvrtc wheel CI compiles with, and its cubin then differs):
                                     import with `register_compile_case`; tests/test_cupy_nvrtc.py
                                     compiles them all for sm_90 and sm_80.
     availability()                  (True, "") when CuPy imports and a CUDA device is usable.
-    register_prebuilt(...)          an instantiation shipped compiled (prebuilt/, made by
-                                    `python -m cuda_kernels.cupy.prebuild`): get_kernel loads
-                                    its cubin when the source text, options and the device's
-                                    architecture are exactly those it was built from, and
-                                    compiles as usual otherwise (an edited .cu, another GPU).
 
-Why prebuilt cubins: the SASS, and so the speed, of a kernel depends on the NVRTC that builds
-it. The staged int4 rung built by NVRTC 13.5 runs its Mixtral layers 2-4% faster on an H200
-than the same source built by the CUDA 13.0 NVRTC of the H200 image (T = 64: 267-269 against
-273-276 us on three of bench_quant's four routings, 287 against 295 on the fourth; T = 256:
-758 against 786 us). Shipping the cubin makes that
-build the one every machine runs, and the one CPU CI checks byte for byte
-(tests/test_prebuilt.py). A cubin the driver refuses (older than the CUDA 13.0 it needs) is
-passed over with a warning, and the source compiles as usual.
+Local includes resolve against the including file's folder, as a C compiler's do
+(`quant/wna16_v5_staged.cu` includes `"wna16_common.cuh"` and `"../wgmma_operands.cuh"`).
+Every kernel is compiled at run time, by the NVRTC of the machine that runs it: cubins built
+ahead by a newer NVRTC ran the staged int4 rung 2-3% faster, too little to ship binaries.
 
 Architecture: by default a kernel is built for the current device (CuPy picks `sm_XY`). A
 kernel that needs an architecture-specific target (`wgmma` needs `sm_90a`) passes it in
@@ -48,20 +39,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
-import lzma
 import os
 import pathlib
+import posixpath
 import re
 import sys
 import tempfile
-import warnings
 from typing import NamedTuple
 
 from .._checks import check_int  # noqa: F401  (the launchers call C.check_int)
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
-PREBUILT_DIR = KERNEL_DIR / "prebuilt"
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"\s*$')
 _BASE_OPTIONS = ("-std=c++17",)
@@ -78,6 +66,14 @@ def _format_define(name: str, value) -> str:
     return f"#define {name} {value}"
 
 
+def _local_include(cu_name: str, name: str) -> str | None:
+    """The file that `#include "name"` in `cu_name` names, relative to KERNEL_DIR (resolved
+    against `cu_name`'s folder, as a C compiler does: quant/x.cu's "../y.cuh" is y.cuh), or
+    None when no such file is in this folder tree (a system header: left to NVRTC)."""
+    inc = posixpath.normpath(posixpath.join(posixpath.dirname(cu_name), name))
+    return inc if (KERNEL_DIR / inc).is_file() else None
+
+
 def _inline(cu_name: str, stack: tuple[str, ...], once: set) -> str:
     """`cu_name`'s text with its local includes inlined once each, `#line` kept right."""
     path = KERNEL_DIR / cu_name
@@ -86,8 +82,8 @@ def _inline(cu_name: str, stack: tuple[str, ...], once: set) -> str:
     out = [f'#line 1 "{cu_name}"']
     for lineno, line in enumerate(path.read_text().splitlines(), start=1):
         m = _INCLUDE_RE.match(line)
-        if m and (KERNEL_DIR / m.group(1)).is_file():
-            inc = m.group(1)
+        inc = _local_include(cu_name, m.group(1)) if m else None
+        if inc is not None:
             if inc in stack:
                 raise ValueError(f"{cu_name}:{lineno}: recursive #include of {inc!r}")
             if inc not in once:  # every local header is included once (#pragma once semantics)
@@ -164,57 +160,6 @@ def register_compile_case(cu_name: str, defines: dict | None = None,
            for c in COMPILE_CASES):
         COMPILE_CASES.append(case)
     return case
-
-
-# ----------------------------------------------------------------------------- prebuilt cubins
-class PrebuiltSpec(NamedTuple):
-    cu_name: str
-    defines: dict
-    name: str                   # one name expression: the cubin holds that instantiation only
-    options: tuple[str, ...]
-    arch: str
-
-
-PREBUILT_SPECS: list[PrebuiltSpec] = []
-
-
-def register_prebuilt(cu_name: str, defines: dict, name: str, options: tuple[str, ...] = (),
-                      arch: str = "sm_90") -> PrebuiltSpec:
-    """Ship the instantiation `name` of `cu_name` compiled for `arch` (the prebuild script
-    builds every registered one; get_kernel loads it where it fits)."""
-    spec = PrebuiltSpec(cu_name, dict(defines), name, tuple(options),
-                        required_arch(options) or arch)
-    if spec not in PREBUILT_SPECS:
-        PREBUILT_SPECS.append(spec)
-    return spec
-
-
-def prebuilt_key(src: str, name: str, arch: str, options: tuple[str, ...]) -> str:
-    """What a prebuilt cubin was built from: the full source text (defines inlined), the name
-    expression, the architecture and the options, hashed."""
-    blob = json.dumps([src, name, arch, list(_BASE_OPTIONS) + list(options)])
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-@functools.lru_cache(maxsize=1)
-def prebuilt_manifest() -> dict:
-    """prebuilt/manifest.json ({"nvrtc": ..., "entries": {key: entry}}), or no entries."""
-    path = PREBUILT_DIR / "manifest.json"
-    if not path.is_file():
-        return {"entries": {}}
-    return json.loads(path.read_text())
-
-
-def prebuilt_cubin(entry: dict) -> bytes:
-    """The cubin of a manifest entry (stored xz-compressed), checked against its md5."""
-    cubin = lzma.decompress((PREBUILT_DIR / entry["file"]).read_bytes())
-    if hashlib.md5(cubin).hexdigest() != entry["md5"]:
-        raise RuntimeError(f"prebuilt/{entry['file']}: the cubin does not match its manifest "
-                           f"md5 (rebuild: python -m cuda_kernels.cupy.prebuild)")
-    return cubin
-
-
-PREBUILT_LOADED: set = set()      # (cu_name, name) of the kernels get_kernel took prebuilt
 
 
 # ----------------------------------------------------------------------------- CPU: NVRTC
@@ -388,27 +333,6 @@ def _function_of_cubin(cubin: bytes, mangled: str):
     return module.get_function(mangled)
 
 
-def _prebuilt_kernel(src, cu_name, kernel_name, arch, options):
-    """The kernel from its prebuilt cubin when one was built from exactly these inputs for
-    this device's architecture, else None."""
-    import cupy
-
-    cc = cupy.cuda.Device().compute_capability                   # "90" on an H100 / H200
-    entry = prebuilt_manifest()["entries"].get(
-        prebuilt_key(src, kernel_name, arch or f"sm_{cc}", options))
-    if entry is None:
-        return None
-    try:
-        kern = _function_of_cubin(prebuilt_cubin(entry), entry["mangled"])
-    except cupy.cuda.driver.CUDADriverError as e:
-        warnings.warn(f"prebuilt/{entry['file']} ({kernel_name}, NVRTC "
-                      f"{prebuilt_manifest().get('nvrtc')}) does not load here ({e}): "
-                      f"compiling {cu_name} instead", RuntimeWarning, stacklevel=3)
-        return None
-    PREBUILT_LOADED.add((cu_name, kernel_name))
-    return kern
-
-
 def get_kernel(cu_name: str, kernel_name: str, defines: dict | None = None,
                name_expressions: tuple[str, ...] | None = None,
                options: tuple[str, ...] = ()):
@@ -416,8 +340,7 @@ def get_kernel(cu_name: str, kernel_name: str, defines: dict | None = None,
 
     `kernel_name` is an `extern "C"` name, or one of `name_expressions` for templates.
     Cached in-process per (cu_name, defines, name_expressions, options, device); CuPy also
-    caches the cubin on disk keyed by the source text. A single name expression with a prebuilt
-    cubin for exactly this source, options and the device's architecture loads that cubin.
+    caches the cubin on disk keyed by the source text.
     """
     if name_expressions and kernel_name not in name_expressions:
         raise ValueError(f"kernel_name: expected one of name_expressions {name_expressions}, "
@@ -430,13 +353,10 @@ def get_kernel(cu_name: str, kernel_name: str, defines: dict | None = None,
 
     src = source_text(cu_name, defines)
     arch = required_arch(options)
-    kern = None
-    if name_expressions and len(name_expressions) == 1:   # (a cubin holds one instantiation)
-        kern = _prebuilt_kernel(src, cu_name, kernel_name, arch, tuple(options))
-    if kern is None and arch is not None:
+    if arch is not None:
         kern = _load_with_cuda_core(src, cu_name, kernel_name, name_expressions, arch,
                                     tuple(options))
-    elif kern is None:
+    else:
         opts = _BASE_OPTIONS + tuple(options)
         names = tuple(name_expressions) if name_expressions else None
         try:  # RawModule compiles lazily: get_function is where NVRTC runs

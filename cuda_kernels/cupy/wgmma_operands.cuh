@@ -7,8 +7,8 @@
 // that a wrapper states only what is its own: the shape, the types, and the operands after
 // the accumulator (numbered from R: the two descriptors %R and %R+1, then the scale-d flag).
 //
-// Included (inlined by _compile.source_text) by gemm_v5_wgmma.cu, quant_gemm_fp8_wgmma.cu and
-// quant_gemm_wna16_wgmma.cu.
+// Included (inlined by _compile.source_text) by gemm_v5_wgmma.cu, quant/w8a8_v4_wgmma.cu and
+// quant/wna16_v6_wgmma.cu.
 #pragma once
 
 // "+f" operands d[i] .. d[i + 7], .. d[i + 31], .. d[i + 63], and d[0] .. d[127]

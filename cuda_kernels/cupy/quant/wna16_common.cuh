@@ -1,6 +1,6 @@
-// wna16_common.cuh: what the weight-only int4 / int8 GEMMs share (quant_gemm_wna16.cu's mma.sync
-// rungs and quant_gemm_wna16_wgmma.cu's wgmma rung): the element type (ELEM_BF16), the
-// magic-number dequantization, the mma.sync and cp.async wrappers, the compile-time count.
+// wna16_common.cuh: what the weight-only int4 rungs on prepacked weights share (v4 packed, v5
+// staged, v6 wgmma): the element type (ELEM_BF16), the magic-number dequantization, the
+// mma.sync and cp.async wrappers, the m tile's slots, split K, the compile-time count.
 // Inlined by _compile.source_text; QG_EMULATED_PTX (tests) swaps the PTX for its CPU stand-ins.
 #pragma once
 
@@ -17,13 +17,9 @@ typedef unsigned int u32;
 #if ELEM_BF16
 typedef __nv_bfloat16 elem_t;
 typedef __nv_bfloat162 elem2_t;
-#define W16_MAGIC 0x43004300u        // bf16 128.0 in both halves: mantissa ulp is 1
-#define W16_MAGIC_F 128.0f
 #else
 typedef __half elem_t;
 typedef __half2 elem2_t;
-#define W16_MAGIC 0x64006400u        // fp16 1024.0 in both halves: mantissa ulp is 1
-#define W16_MAGIC_F 1024.0f
 #endif
 
 namespace w16 {
@@ -36,14 +32,6 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return as_u32(__floats2bfloat162_rn(lo, hi));
 #else
     return as_u32(__floats2half2_rn(lo, hi));
-#endif
-}
-
-__device__ __forceinline__ float to_f32(elem_t v) {
-#if ELEM_BF16
-    return __bfloat162float(v);
-#else
-    return __half2float(v);
 #endif
 }
 
@@ -64,26 +52,6 @@ __device__ __forceinline__ u32 pair_of(float v) {
     else
         h = __bfloat16_as_ushort(__float2bfloat16_rn(v));
     return h | h << 16;
-}
-
-__device__ __forceinline__ int group_of(int k, int group_size, int gs_shift, int num_groups) {
-    return num_groups == 1 ? 0 : gs_shift >= 0 ? k >> gs_shift : k / group_size;
-}
-
-// The low / high 16-bit element of a pair as fp32 (exact).
-__device__ __forceinline__ float lo_f32(u32 v) {
-#if ELEM_BF16
-    return __uint_as_float(v << 16);
-#else
-    return __half2float(__ushort_as_half((unsigned short)(v & 0xFFFFu)));
-#endif
-}
-__device__ __forceinline__ float hi_f32(u32 v) {
-#if ELEM_BF16
-    return __uint_as_float(v & 0xFFFF0000u);
-#else
-    return __half2float(__ushort_as_half((unsigned short)(v >> 16)));
-#endif
 }
 
 // (a & b) | c in one instruction (the compiler splits it in two otherwise): the magic-number
@@ -118,7 +86,7 @@ __device__ __forceinline__ void raw_pairs(const uint4& x, u32 magic, u32 (&lo)[8
 // holds a code at bits 0-3 (under 1024: ulp 1, 1024 + q) and one at bits 4-7 (under 64: ulp
 // 1/16, so bit 4 weighs 1: 64 + q). One shift (by 8) per word and one lop3 per pair, against 3
 // shifts per word above (bf16's 7-bit mantissa holds one code per half-word). Even pairs p are
-// 1024 + q, odd ones 64 + q: the zero point's start must take each offset (wna16_staged).
+// 1024 + q, odd ones 64 + q: the zero point's start must take each offset (wna16_v5_staged).
 __device__ __forceinline__ void raw_pairs_f16(const uint4& x, u32 (&lo)[8], u32 (&hi)[8]) {
     constexpr u32 LO = 0x000F000Fu, HI = 0x00F000F0u, M1024 = 0x64006400u, M64 = 0x54005400u;
     const u32 w[4] = {x.x, x.y, x.z, x.w};
@@ -146,30 +114,6 @@ __device__ __forceinline__ u32 deq2(u32 x, u32 z2, u32 s2) {
     return as_u32(__hmul2(__hsub2(as_e2(x), as_e2(z2)), as_e2(s2)));
 }
 
-// One 32-bit word of int4 codes (k0..k7, k0 in bits 0-3) -> the pairs (k0,k4) (k1,k5)
-// (k2,k6) (k3,k7) as elem2 values (q - zp) * s.
-__device__ __forceinline__ void deq_int4(u32 w, u32 z2, u32 s2, u32& p0, u32& p1, u32& p2,
-                                         u32& p3) {
-    p0 = deq2((w & 0x000F000Fu) | W16_MAGIC, z2, s2);
-    p1 = deq2(((w >> 4) & 0x000F000Fu) | W16_MAGIC, z2, s2);
-    p2 = deq2(((w >> 8) & 0x000F000Fu) | W16_MAGIC, z2, s2);
-    p3 = deq2(((w >> 12) & 0x000F000Fu) | W16_MAGIC, z2, s2);
-}
-
-// Two words of uint8 codes (lo = k0..k3, hi = k4..k7) -> the same pairs. Through fp32:
-// 0x4B000000 | q is 2^23 + q exactly; minus (2^23 + zp) is exact; times s rounds once in
-// fp32, then once more to elem2.
-__device__ __forceinline__ float u8f(u32 w, u32 sel) {
-    return __uint_as_float(__byte_perm(w, 0x4B000000u, sel));
-}
-__device__ __forceinline__ void deq_int8(u32 lo, u32 hi, float zf, float s, u32& p0, u32& p1,
-                                         u32& p2, u32& p3) {
-    p0 = pack2((u8f(lo, 0x7650) - zf) * s, (u8f(hi, 0x7650) - zf) * s);
-    p1 = pack2((u8f(lo, 0x7651) - zf) * s, (u8f(hi, 0x7651) - zf) * s);
-    p2 = pack2((u8f(lo, 0x7652) - zf) * s, (u8f(hi, 0x7652) - zf) * s);
-    p3 = pack2((u8f(lo, 0x7653) - zf) * s, (u8f(hi, 0x7653) - zf) * s);
-}
-
 // mma.sync m16n8k16 with fp32 accumulation; H: the operands are fp16 (1) or bf16 (0); by default
 // the build's element type.
 #define W16_MMA_F16 "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
@@ -177,7 +121,7 @@ __device__ __forceinline__ void deq_int8(u32 lo, u32 hi, float zf, float s, u32&
 template <bool H = !ELEM_BF16>
 __device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                          u32 b1) {
-#ifdef QG_EMULATED_PTX   // the CPU emulation of the tests (tests/test_quant_cupy.py's header)
+#ifdef QG_EMULATED_PTX   // the CPU emulation of the tests (tests/quant_support.py)
     const uint32_t a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
     qg_mma_k16<H>(*reinterpret_cast<float(*)[4]>(d), a, b);
 #else
@@ -208,7 +152,7 @@ __device__ __forceinline__ uint4 ld_stream(const u8* p) {
 // when pred is false (src-size 0: nothing is read); 8 bytes (.ca), always read.
 // The kernels' dynamic shared memory is declared __align__(128): it starts after their static
 // __shared__ arrays, and a cp.async whose destination is not aligned like its source's
-// 128-byte line costs twice the L2 requests. Measured (H200, wna16_wgmma h32, Mixtral GEMM1 at
+// 128-byte line costs twice the L2 requests. Measured (H200, wna16_v6_wgmma h32, Mixtral GEMM1 at
 // T=64): 4 more bytes of static shared memory put the
 // rings 16 bytes off, and L2 read sectors went from 27.2 M to 42.1 M (the weights' 470 MB read
 // a second time from L2), 230 -> 250 us; __align__(1024) brought back 27.2 M and 236 us.
@@ -227,7 +171,7 @@ __device__ __forceinline__ void cp16(void* dst, const void* src, bool pred) {
 // its writes are visible; launch_dependents lets the grid launched after this one start its
 // CTAs once every CTA of this grid has issued it or exited. The CPU emulation runs grids one
 // after another: its wait checks that nothing before it read the earlier grid's output or wrote
-// this grid's (tests/test_quant_cupy.py), and launching dependents early has nothing to model.
+// this grid's (tests/quant_support.py), and launching dependents early has nothing to model.
 #if !defined(QG_EMULATED_PTX) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define W16_GRID_DEPENDENCIES 1
 #endif
@@ -323,7 +267,7 @@ __device__ __forceinline__ void store_zeros(elem_t* __restrict__ c, const int* s
 // last CTA of the tile to arrive (counters[tile], reset by that CTA for the next launch on the
 // stream) gets true back, with v = the parts added in split order (deterministic); the others
 // get false. Every thread of the CTA calls it (two barriers); s_last is a __shared__ int of the
-// caller. (wna16_staged's parts, split where runs end, meet in its own finish_parts.)
+// caller. (wna16_v5_staged's parts, split where runs end, meet in its own finish_parts.)
 template <int N, int NT>
 __device__ __forceinline__ bool split_k_last(float* v, float* __restrict__ ws,
                                              int* __restrict__ counters, size_t tile, int per,
@@ -350,7 +294,7 @@ __device__ __forceinline__ bool split_k_last(float* v, float* __restrict__ ws,
 }
 
 // f(Count<n>{}) for the n in [LO, HI] that equals `n` (n outside: the nearest end), so that
-// a loop bound known only at run time (wna16_packed's live token tiles) becomes a constant of
+// a loop bound known only at run time (wna16_v4_packed's live token tiles) becomes a constant of
 // the code that runs: one instantiation of f per count, branch-free inside.
 template <int N> struct Count { static constexpr int value = N; };
 template <int LO, int HI, typename F>

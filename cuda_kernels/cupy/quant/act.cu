@@ -1,4 +1,4 @@
-// quant_act.cu: quantize activations to fp8 e4m3 or int8 with fp32 scales, one scale per
+// act.cu: quantize activations to fp8 e4m3 or int8 with fp32 scales, one scale per
 // 1 x group_size group of columns (DeepSeek-V3's 1x128 groups; group_size = Kdim is per-token),
 // or one scale for the whole tensor (static, or dynamic from a device-side absmax).
 //
@@ -25,7 +25,7 @@
 //                            non-negative floats order like their bit patterns, NaN above inf).
 //                            block = 256, grid = min(cdiv(M * Kdim, 256 * 8), 1024).
 //
-// Run: python -m cuda_kernels.cupy.quant_act [--quick]
+// Run: python -m cuda_kernels.cupy.quant.act [--quick]
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>

@@ -1,8 +1,8 @@
-// quant_gemm_fp8_wgmma.cu: w8a8 fp8 Hopper rung (v5 of quant_gemm.py): wgmma e4m3 x e4m3.
+// w8a8_v4_wgmma.cu: rung 4 of the w8a8 grouped GEMM (fp8 only, Hopper): wgmma e4m3 x e4m3.
 //
 //   c[s] = (deq(a)[s / top_k] @ deq(w[e]).T + bias[e]) * (topk_weights[s] if mul_routed_weight)
 //
-// for every live position p of sorted_token_ids (as quant_gemm.cu; e == -1 writes zeros), fp8
+// for every live position p of sorted_token_ids (as w8a8_v1_naive.cu; e == -1 writes zeros), fp8
 // e4m3 codes, fp32 accumulation, one rounding to elem_t.
 //   a [M_a, Kdim] e4m3 bytes   a_scale [1] | [M_a] | [M_a, KB]      (kind 0 / 1 / 2)
 //   w [E, N, Kdim] e4m3 bytes  w_scale [E] | [E, N] | [E, NB, KB]   (kind 0 / 1 / 2)
@@ -20,8 +20,8 @@
 //     This applies DeepSeek-V3's per-block scales and keeps the long sum in full fp32 (fp8
 //     wgmma accumulates with fewer mantissa bits). A BN of 64 or 128 rows aligned to BN lies
 //     in one 128-row weight block: one w scale per CTA and block.
-//   * cp.async ring of STAGES blocks (A rows gathered through sorted_token_ids as the bf16 v5
-//     does, zero-filled for padding rows and the Kdim tail), STAGES - 1 blocks ahead; the
+//   * cp.async ring of STAGES blocks (A rows gathered through sorted_token_ids as the bf16
+//     gemm_v5 does, zero-filled for padding rows and the Kdim tail), STAGES - 1 blocks ahead; the
 //     block's scales ride in the same cp.async group. Slot kb - 1 is refilled in iteration kb
 //     after the barrier: every warpgroup waited for its wgmma of kb - 1 before reaching it.
 //     cp.async writes through the generic proxy, wgmma reads through the async proxy:
@@ -37,9 +37,10 @@
 // Needs sm_90a (built with -arch=sm_90a), Kdim % 16 == 0, a and w 16-byte aligned, BM divides
 // block_size (the launcher checks).
 // ELEM_BF16 (#define 1 / 0): output bf16 / fp16.
+// Run: python -m cuda_kernels.cupy.quant.w8a8 [--quick]
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
-#include "wgmma_operands.cuh"
+#include "../wgmma_operands.cuh"
 
 #ifndef ELEM_BF16
 #error "ELEM_BF16 (1: bf16, 0: fp16) must be #defined by the launcher"
@@ -69,7 +70,7 @@ __device__ __forceinline__ u32 fw_pack(float lo, float hi) {
     return *reinterpret_cast<u32*>(&v);
 }
 
-// The inline PTX of this file (to fw_wgmma_n128). tests/test_quant_fp8_cupy.py runs this
+// The inline PTX of this file (to fw_wgmma_n128). tests/test_quant_w8a8.py runs this
 // source on the CPU with QG_EMULATED_PTX #defined and its own versions of these helpers
 // (cp.async landing at the wait, wgmma reading the swizzled tiles through the descriptor).
 #ifndef QG_EMULATED_PTX
@@ -133,21 +134,21 @@ __device__ __forceinline__ void fw_wgmma(float* d, unsigned long long da, unsign
 
 template <int BM, int BN, int STAGES>
 __global__ void __launch_bounds__((BM / 64) * 128, 1)
-fp8_gemm_v5(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
-            const float* __restrict__ a_scale, const float* __restrict__ w_scale,
-            const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-            const int* __restrict__ num_tokens_post_padded, const float* __restrict__ topk_weights,
-            const float* __restrict__ bias,
-            int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-            int mul_routed_weight, int a_scale_kind, int w_scale_kind) {
+w8a8_v4_wgmma(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
+              const float* __restrict__ a_scale, const float* __restrict__ w_scale,
+              const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
+              const int* __restrict__ num_tokens_post_padded,
+              const float* __restrict__ topk_weights, const float* __restrict__ bias,
+              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
+              int mul_routed_weight, int a_scale_kind, int w_scale_kind) {
     constexpr int NT = (BM / 64) * 128;
     constexpr int TILE_A = BM * FW_ROW, TILE_B = BN * FW_ROW;
     constexpr int STAGE = TILE_A + TILE_B;
     constexpr int A_IT = BM * 8 / NT, B_IT = BN * 8 / NT;     // 16-byte chunks per thread
-    static_assert(BM == 64 || BM == 128, "v5: one or two warpgroups of 64 rows");
-    static_assert(BN == 64 || BN == 128, "v5: BN of 64 or 128 (inside one 128-row block)");
-    static_assert(STAGES >= 2, "v5: at least two stages");
-    static_assert(A_IT * NT == BM * 8 && B_IT * NT == BN * 8, "v5: whole copy rounds");
+    static_assert(BM == 64 || BM == 128, "v4: one or two warpgroups of 64 rows");
+    static_assert(BN == 64 || BN == 128, "v4: BN of 64 or 128 (inside one 128-row block)");
+    static_assert(STAGES >= 2, "v4: at least two stages");
+    static_assert(A_IT * NT == BM * 8 && B_IT * NT == BN * 8, "v4: whole copy rounds");
 
     extern __shared__ __align__(16) u8 smem[];
     // the ring starts at the first 1024-byte boundary (the launcher adds 1024 bytes for it)

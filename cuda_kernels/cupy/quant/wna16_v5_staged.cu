@@ -1,12 +1,19 @@
-// wna16_staged: the weight-only int4 grouped GEMM for batches of 8-128 rows per expert,
+// wna16_v5_staged.cu: rung 5 of the weight-only grouped GEMM, int4 at 8-128 rows per expert,
 // with the CTA's weights AND activations staged together through one shared-memory cp.async
 // pipeline, and each CTA's work a contiguous run of (row block, K stage) units.
 //
 //   c[s, n] = (sum_k a[s / top_k, k] (q[e, n, k] - zp[e, n, k / gs]) s[e, n, k / gs] + bias[e, n])
-//             * r[s]      (the same contract as quant_gemm_wna16.cu's rungs; weights prepacked by
-//                          quant_gemm_wna16.prepack_int4(order="mma") then stage_blocks)
+//             * r[s]      (the same contract as wna16_v1_naive.cu; weights prepacked by
+//                          quant/wna16_packed.py's prepack_int4, then laid out by stage_blocks)
 //
-// Why (H200, Mixtral int4 at T = 64, as every measurement below): wna16_packed reads
+// The lesson, in three parts (docs/int4_staged.md walks them with their measurements): stage
+// what many weight rows share (the activations) once per CTA in shared memory, beside the
+// weights, through one cp.async pipeline; give every CTA of one wave a run of equal cost
+// (stream-K); and, on Hopper, split the CTA into producer and consumer warps (WS: mbarriers
+// and setmaxnreg). The router's rung for 9-128 rows per expert (configs t24ws on sm_90, t24,
+// t32).
+//
+// Why (H200, Mixtral int4 at T = 64, as every measurement below): wna16_v4_packed reads
 // the activations through L1 once per 32 weight rows, so GEMM1 moved 1.56 GB through L2 for
 // 0.50 GB of weights, and its warps waited on those loads. Here a CTA owns NB = W TPW 16-row
 // tiles (256 rows at W = 4, TPW = 4): each 16-byte activation copied into shared memory feeds
@@ -38,37 +45,36 @@
 //            g + 1 would share banks; with it the 8 lanes of a phase hit 8 distinct 16-byte
 //            banks, and each copy stays inside its 128-byte line (see wna16_common.cuh: a
 //            destination off its source's line costs twice the L2 requests)
-// The weights come in stage_blocks' layout (quant_gemm_wna16.py): a stage's codes (NB KC 512
-// bytes), scales and zero points are one contiguous run each, zero-padded past the weights,
-// so thread tid copies 16-byte units tid, tid + NT, ... of each run with no bounds to check
-// and constant offsets. Only the live token tiles' rows are copied (padding rows inside them
-// copy a live row; rows past them are never read). Measured (T = 64, Nsight Compute source
-// counters): 1D bulk copies (TMA) with an mbarrier per slot executed as many instructions as
-// cp.async with per-thread address arithmetic and ran slower (243 / 135 against 217 / 121 us):
-// one lane per warp issuing the row copies serialises them.
+// The weights come in stage_blocks' layout (quant/wna16_staged.py): a stage's codes (NB KC 512
+// bytes), scales and zero points are one contiguous run each, zero-padded past the weights, so
+// thread tid copies 16-byte units tid, tid + NT, ... of each run with no bounds to check and
+// constant offsets. Only the live token tiles' rows are copied (padding rows inside them copy a
+// live row; rows past them are never read). Measured (T = 64, Nsight Compute source counters): 1D
+// bulk copies (TMA) with an mbarrier per slot executed as many instructions as cp.async with
+// per-thread address arithmetic and ran slower (243 / 135 against 217 / 121 us): one lane per warp
+// issuing the row copies serialises them.
 //
-// Warp w owns tiles w TPW .. + TPW - 1 of the block and all LT live token tiles: per chunk it
-// reads each token's 32 bytes once (2 LDS.128 per token tile) and feeds them to TPW tiles.
-// The mma is m16n8k16 with the weights as A (rows g, g + 8), the tokens as B (column g).
-// Dequantization: one shift and one lop3 per pair give the raw 128 + q (1024 + q in fp16),
-// which the mma multiplies as they are; the zero point comes off as a start -(128 + zp) S added
-// to each chain of mma after it (not its first C: the chains then wait on nothing but their
-// operands), S = the token's sum over the chunks of one scale group met in the
-// stage, computed by the tensor cores too: 2 mma per token tile and chunk with the token's
-// 16-byte units as A and B = 1, then two shuffles put each token's S where the mma's C holds
-// the token (these mma cost little: with the sums read for free the layer at T = 64 took 255
-// against 258-260 us). Without per-group zero points (ZP = 0) the start is one per token tile,
-// shared by the warp's TPW tiles; with them, an fmul per row and token (before: 4 mma per
-// token tile and chunk with A = -(128 + zp), per tile with zero points; with zero points
-// T = 64 went from 248 / 140 to 195 / 115 us). The fp32 partial sum_k (q - zp) a is then
-// scaled by the group's scale into the accumulators: once per stage when its KC chunks share
-// a group (g128 and wider at KC = 2: each mma chain runs over both chunks), else once per
-// chunk. Why: a subtraction per pair (16 hsub2 per tile and chunk) cost more than these mma,
-// and a chunk-sum kernel before the GEMM cost a launch (RAW of wna16_packed; measured slower
-// here, 262 / 142 against 247 / 132 us at T = 64); one scaling per stage instead of per chunk
-// took T = 64 from 196 / 114 to 188 / 110 us. Exactness: products of 8-bit integers and bf16
-// are exact in fp32; what is left is the fp32 cancellation of sum (128 + q) a against
-// (128 + zp) S (~2^-23 times ~30 relative).
+// Warp w owns tiles w TPW .. + TPW - 1 of the block and all LT live token tiles: per chunk it reads
+// each token's 32 bytes once (2 LDS.128 per token tile) and feeds them to TPW tiles. The mma is
+// m16n8k16 with the weights as A (rows g, g + 8), the tokens as B (column g). Dequantization: one
+// shift and one lop3 per pair give the raw 128 + q (1024 + q in fp16), which the mma multiplies as
+// they are; the zero point comes off as a start -(128 + zp) S added to each chain of mma after it
+// (not its first C: the chains then wait on nothing but their operands), S = the token's sum over
+// the chunks of one scale group met in the stage, computed by the tensor cores too: 2 mma per token
+// tile and chunk with the token's 16-byte units as A and B = 1, then two shuffles put each token's
+// S where the mma's C holds the token (these mma cost little: with the sums read for free the layer
+// at T = 64 took 255 against 258-260 us). Without per-group zero points (ZP = 0) the start is one
+// per token tile, shared by the warp's TPW tiles; with them, an fmul per row and token (before: 4
+// mma per token tile and chunk with A = -(128 + zp), per tile with zero points; with zero points T
+// = 64 went from 248 / 140 to 195 / 115 us). The fp32 partial sum_k (q - zp) a is then scaled by
+// the group's scale into the accumulators: once per stage when its KC chunks share a group (g128
+// and wider at KC = 2: each mma chain runs over both chunks), else once per chunk. Why: a
+// subtraction per pair (16 hsub2 per tile and chunk) cost more than these mma, and a chunk-sum
+// kernel before the GEMM cost a launch (as wna16_v4_packed once did; measured slower here, 262 /
+// 142 against 247 / 132 us at T = 64); one scaling per stage instead of per chunk took T = 64 from
+// 196 / 114 to 188 / 110 us. Exactness: products of 8-bit integers and bf16 are exact in fp32; what
+// is left is the fp32 cancellation of sum (128 + q) a against (128 + zp) S (~2^-23 times ~30
+// relative).
 // Measured and taken out (T = 64 t24, against 197 / 115 us in the same runs): the sums S made
 // once per CTA, a stage ahead, instead of by every warp (212 / 122: one stage less in flight);
 // the codes prefetched into L2 2 or 4 stages past the ring (207 / 122, 210 / 130); one chunk
@@ -101,9 +107,10 @@
 // grid (Q), block 32 W (+ 128 with WS), dynamic shared memory S x stage bytes
 // (staged_stage_bytes in the launcher) + 16 S (WS: the mbarriers) + 8 (m tiles + 1) (the costs'
 // prefix sums) + 4 SPB (finish_parts) + 4 m tiles (their experts). LT is a compile-time
-// constant of the code that runs (w16::with_count), as in wna16_packed.
+// constant of the code that runs (w16::with_count), as in wna16_v4_packed.
 // Needs int4 prepacked and staged (N % 16 == 0, Kdim % 64 == 0, group_size 64 times a power of
 // two or one group per row: chunk_shift = log2(chunks per group), 30 for one group).
+// Run: python -m cuda_kernels.cupy.quant.wna16 [--quick]
 #include "wna16_common.cuh"
 
 // Bytes of one pipeline stage (each part rounded to 128 bytes), as the launcher computes them.
@@ -119,7 +126,7 @@ struct StagedStage {
 
 // The warp-specialized CTA's primitives (WS > 0, see the header): the ring's mbarriers,
 // setmaxnreg (PTX ISA 8.0, sm_90a; the pattern of CUTLASS's cp.async warp-specialized
-// mainloops). The CPU emulation (QG_EMULATED_PTX, tests/test_quant_wna16_cupy.py) has stand-ins
+// mainloops). The CPU emulation (QG_EMULATED_PTX, tests/quant_support.py) has stand-ins
 // with the same semantics: a slot's copies land at its producer's arrival, the latest moment
 // the hardware allows.
 namespace staged_ws {
@@ -237,20 +244,17 @@ __device__ __forceinline__ bool finish_parts(float* v, float* __restrict__ ws,
     return true;
 }
 
-// unused (pass null): a placeholder that keeps every other parameter at the offset it has in
-// the builds that were timed (without it each parameter load's constant-bank offset moves by
-// 8 bytes: other instruction bytes, the prebuilt manifest's text_md5).
 template <int MT, int W, int TPW, int KC, int S, int ZP, int MINB, int WS = 0>
 __global__ void __launch_bounds__(W * 32 + (WS ? 128 : 0), MINB)
-wna16_staged(const unsigned short* __restrict__ a, const void* unused,
-             const uint4* __restrict__ wp, elem_t* __restrict__ c,
-             const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
-             const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-             const int* __restrict__ num_tokens_post_padded,
-             const float* __restrict__ topk_weights, const float* __restrict__ bias,
-             float* __restrict__ ws, int* __restrict__ counters,
-             int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-             int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
+wna16_v5_staged(const unsigned short* __restrict__ a, const uint4* __restrict__ wp,
+                elem_t* __restrict__ c, const float2* __restrict__ sp,
+                const unsigned short* __restrict__ zp,
+                const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
+                const int* __restrict__ num_tokens_post_padded,
+                const float* __restrict__ topk_weights, const float* __restrict__ bias,
+                float* __restrict__ ws, int* __restrict__ counters,
+                int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
+                int mul_routed_weight, int chunk_shift, int num_groups, int default_zp) {
     constexpr int BM = 8 * MT, NT = 32 * W, NB = W * TPW;
     // WS: the NT consumer threads (whole warpgroups, for setmaxnreg), then a warpgroup of
     // producers; NC threads copy a stage (thread ctid of NC)

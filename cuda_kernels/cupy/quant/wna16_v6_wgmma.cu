@@ -1,39 +1,39 @@
-// quant_gemm_wna16_wgmma.cu: the weight-only int4 rung for Hopper (sm_90a): wgmma with the
-// dequantized weights as its register A operand and the activations as its shared-memory B.
+// wna16_v6_wgmma.cu: rung 6 of the weight-only grouped GEMM, int4 on Hopper (sm_90a): wgmma
+// with the dequantized weights as its register A operand and the activations as its
+// shared-memory B.
 //
 //   c[s, n] = (sum_k a[s / top_k, k] * w[e, n, k] + bias[e, n]) * r[s],
 //   w[e, n, k] = elem_t((q[e, n, k] - zp[e, n, k / gs]) * s[e, n, k / gs])
 //
 // for every live position p < num_tokens_post_padded (s = sorted_token_ids[p] < P, e =
 // expert_ids[p / block_size]; e == -1 writes zeros), r = topk_weights.flat when
-// mul_routed_weight. POST = 0: the weights are rounded once to elem_t after the scale (as a
-// bf16 model's, and wna16_stream's POST = 0), fp32 accumulation over the whole K. POST = 1:
-// wgmma multiplies the raw 128 + q (exact; 1024 + q for fp16) and each group's fp32 partial P
-// becomes s (P - (128 + zp) A), A = sum_k a over the group (wna16_group_sums, below, in fp32),
-// added in fp32. One rounding of the output.
+// mul_routed_weight. The weights are rounded once to elem_t after the scale (as a bf16
+// model's), fp32 accumulation over the whole K, one rounding of the output.
 //
-// Why: wna16_packed issues one mma.sync per 8 tokens; at 2-3 live token
-// tiles (Mixtral T=64) its instruction count grows with the tiles. Here one wgmma.m64nNk16 per
-// 16-wide k step covers all N = 8 LT live tokens of 64 weight rows.
-// ptxas and register A: ptxas keeps wgmma asynchronous only when no
-// operand of a wgmma (A fragments, accumulators, descriptors, the scale-d flag) is defined by
-// another instruction inside a pipeline stage, i.e. between a wgmma.fence and the wait that
-// retires the batch; otherwise it serializes every wgmma of the kernel (warning C7513: a wait
-// after each one). The first version of this rung (a second A buffer dequantized while the
-// previous batch ran) was serialized that way. So: every operand is computed, then pinned
-// (ww_pin), then the fence and one batch of 4 RB wgmma, and the next item's dequantization
-// starts after wgmma.wait_group 0; the overlap comes from the other CTAs of the SM.
-// Measured (H200, Mixtral int4 g128, GEMM1 / GEMM2 at T = 64): h32 230 /
-// 185 us against the routed q32 248 / 125 (the rung's GEMM1 is the fastest of the configs
-// swept at T >= 64, its GEMM2 was not: 64 row groups per expert made too few CTAs, hence the
-// split K below: 235 / 143); POST (p32) 298 / 213: fewer instructions per
-// item but 168 registers (3 CTAs per SM). Nsight Compute: the rung is issue-bound (126 M warp
-// instructions for GEMM1, issue 65% of the active cycles, DRAM 37%): the dequantization is 4
-// instructions per pair of codes, ~128 of the ~255 per warp and item. One fma per pair instead
-// (the bias's rounding error taken off per group in the epilogue) saved 25 instructions per
-// item but its epilogue cost more (20261130d: 296 / 207 against 263 / 164). Not routed
-// (quant_gemm's int4 route takes wna16_packed: routing GEMM1 here would cache a second
-// prepacked copy of w13, in this lane order, beside the one the decode batches use).
+// The lesson: wgmma with a register A operand, and the one rule that keeps it asynchronous.
+// Not routed (opt-in: version "v6" or config h32): its GEMM1 was the fastest int4 GEMM1 at
+// T >= 64, its GEMM2 was not, and routing GEMM1 here would cache a second prepacked copy of
+// w13, in this lane order, beside the one the decode batches use.
+// Why: wna16_v4_packed issues one mma.sync per 8 tokens; at 2-3 live token tiles (Mixtral
+// T=64) its instruction count grows with the tiles. Here one wgmma.m64nNk16 per 16-wide k step
+// covers all N = 8 LT live tokens of 64 weight rows.
+// ptxas and register A: ptxas keeps wgmma asynchronous only when no operand of a wgmma (A
+// fragments, accumulators, descriptors, the scale-d flag) is defined by another instruction
+// inside a pipeline stage, i.e. between a wgmma.fence and the wait that retires the batch;
+// otherwise it serializes every wgmma of the kernel (warning C7513: a wait after each one).
+// The first version of this rung (a second A buffer dequantized while the previous batch ran)
+// was serialized that way. So: every operand is computed, then pinned (ww_pin), then the fence
+// and one batch of 4 RB wgmma, and the next item's dequantization starts after
+// wgmma.wait_group 0; the overlap comes from the other CTAs of the SM.
+// Measured (H200, Mixtral int4 g128, GEMM1 / GEMM2 at T = 64): h32 230 / 185 us against the
+// packed rung's q32 248 / 125 (GEMM2: 64 row groups per expert made too few CTAs, hence the
+// split K below: 235 / 143). Nsight Compute: the rung is issue-bound (126 M warp instructions
+// for GEMM1, issue 65% of the active cycles, DRAM 37%): the dequantization is 4 instructions
+// per pair of codes, ~128 of the ~255 per warp and item. Measured and taken out (git history
+// has them): wgmma on the raw 128 + q with scale and zero point applied per group in fp32 on
+// the activations' group sums (fewer instructions per item but 168 registers, 3 CTAs per SM:
+// 298 / 213 us); one fma per pair, the bias's rounding error taken off per group in the
+// epilogue (25 instructions per item fewer, a costlier epilogue: 296 / 207 against 263 / 164).
 //
 // Layout:
 //   weights  prepack_int4(order="wgmma"): wp [E][N / 16 tiles][Kdim / 64 chunks][32 lanes][4]
@@ -41,7 +41,7 @@
 //            and 16+4p..) holds codes 64 c + 16 m + 2 t + 8 (p & 1) + {0, 1} of k16 step
 //            m = 2 (v >> 1) + (p >> 1): the pairs p, p + 1 (p = 2 (m & 1)) of rows g and g + 8
 //            are the A fragment (a0, a1, a2, a3) of step m, as mma.m16n8k16 lays it out.
-//            sp, zp: as wna16_packed (float2 scales / u16 zero points of rows g, g + 8).
+//            sp, zp: as wna16_v4_packed (float2 scales / u16 zero points of rows g, g + 8).
 //   CTA      one warpgroup: warp w owns the 16-row tile 4 j + w of each 64-row group j of the
 //            CTA's range, one m tile of BM = 8 MT positions (one expert), the whole K (or one
 //            split of it, below). Its groups come in blocks of RB (the last block's missing
@@ -58,7 +58,7 @@
 //   of the item; every batch that read the stage refilled below is done); dequantize the RB row
 //   groups from the warp's shared-memory ring (each lane reads back the 16 bytes it copied; a
 //   group's scales and zero points come with its first chunk and stay in registers); one batch
-//   of 4 RB wgmma (a group's first chunk with scale-d = 0 under POST, a block's first without);
+//   of 4 RB wgmma (a block's first chunk with scale-d = 0);
 //   refill the weight slot (D items on) and the previous item's stage (S - 1 items on). At a
 //   block's end: wait for all, then the epilogue from the accumulators (mma.m16n8's layout per
 //   n8 block: warp w, rows 16 w + g (+ 8), tokens 8 nb + 2 t (+ 1)) + bias, times the router
@@ -74,8 +74,10 @@
 // multiple of 64 with chunks-per-group a power of two (chunk_shift = log2(group_size / 64); one
 // group per row: 30), groups_per_cta a multiple of RB, chunks_per_split a multiple of the
 // chunks per group when KS > 1, S >= 2, D >= S - 1.
+// wna16_v6_wgmma<MT, D, S, MINB, RB>; ELEM_BF16 (#define 1 or 0) picks elem_t.
+// Run: python -m cuda_kernels.cupy.quant.wna16 [--quick]
 #include "wna16_common.cuh"
-#include "wgmma_operands.cuh"
+#include "../wgmma_operands.cuh"
 
 typedef unsigned long long u64;
 
@@ -181,20 +183,20 @@ __device__ __forceinline__ u64 ww_desc_b(u32 stage, int m) {
            ((u64)(128u >> 4) << 32);
 }
 
-template <int MT, int D, int S, int MINB, int RB, int POST>
+template <int MT, int D, int S, int MINB, int RB>
 __global__ void __launch_bounds__(128, MINB)
-wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,
-            const float2* __restrict__ sp, const unsigned short* __restrict__ zp,
-            const float* __restrict__ gsum,
-            const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-            const int* __restrict__ num_tokens_post_padded,
-            const float* __restrict__ topk_weights, const float* __restrict__ bias,
-            int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-            int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
-            int groups_per_cta, int chunks_per_split, float* __restrict__ ws,
-            int* __restrict__ counters) {
-    static_assert(D >= S - 1 && S >= 2, "wna16_wgmma: the weights run at least as far ahead "
-                  "as the activations (one cp.async group per item covers both), S >= 2");
+wna16_v6_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp,
+               elem_t* __restrict__ c, const float2* __restrict__ sp,
+               const unsigned short* __restrict__ zp,
+               const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
+               const int* __restrict__ num_tokens_post_padded,
+               const float* __restrict__ topk_weights, const float* __restrict__ bias,
+               int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
+               int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
+               int groups_per_cta, int chunks_per_split, float* __restrict__ ws,
+               int* __restrict__ counters) {
+    static_assert(D >= S - 1 && S >= 2, "wna16_v6_wgmma: the weights run at least as far "
+                  "ahead as the activations (one cp.async group per item covers both), S >= 2");
     constexpr int BM = 8 * MT;
     constexpr int STAGE = 8 * MT * 128;           // bytes of one activation stage
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
@@ -324,75 +326,19 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                 ld_slot = ld_slot + 1 < D ? ld_slot + 1 : 0;
             }
         };
-        float acc[RB][NN / 2];                    // wgmma's (POST: of the current group)
+        float acc[RB][NN / 2];                    // wgmma's
 #pragma unroll
         for (int r = 0; r < RB; ++r)
 #pragma unroll
             for (int i = 0; i < NN / 2; ++i) acc[r][i] = 0.f;
         u32 A[RB][4][4];                          // row groups x k16 steps x a0..a3
-        // POST: the block's totals, the current group's scales and 128 + zp (rows g, g + 8 of
-        // each row group), its activation sums (the lane's token columns 8 nb + 2 t + {0, 1})
-        constexpr int PR = POST ? RB : 1, PL = POST ? 2 * LT : 1;
-        float tot[PR][POST ? NN / 2 : 1];
-        float2 gscale[PR], gzero[PR];
-        float gsa[PL];
-        int gs_row[PL];                           // the columns' rows of gsum (offsets)
-#pragma unroll
-        for (int q = 0; q < PL; ++q) {
-            const int ar = sArow[8 * (q >> 1) + 2 * t + (q & 1)];
-            gs_row[q] = (ar >= 0 ? ar : 0) * num_groups;
-        }
         const u64 desc0 = ww_desc_b<MT>(ring_b, 0);  // stage s, step m: + (s STAGE + 2 m MT 128) / 16
         int stage = 0, slot = 0;                  // this item's activation stage, weight slot
 
-        // POST: row group r of the item in slot `slot` -> A[r] = 128 + q as they come (one
-        // shift and one lop3 per pair); at a group's first chunk, its scales and 128 + zp
-        auto raw_codes = [&](int r, bool first) {
-            const int at = (slot * RB + r) * 32;
-            const uint4 x = ring_w[at];
-            if (first) {
-                gscale[POST ? r : 0] = ring_s[at];
-                float zl = W16_MAGIC_F + default_zp, zh = zl;
-                if (zexp != nullptr) {
-                    const u32 z = ring_z[at] >> (16 * (g & 1));
-                    zl = W16_MAGIC_F + (float)(z & 0xFFu);
-                    zh = W16_MAGIC_F + (float)((z >> 8) & 0xFFu);
-                }
-                gzero[POST ? r : 0].x = zl;
-                gzero[POST ? r : 0].y = zh;
-            }
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                const u32 wl = m < 2 ? x.x : x.z, wh = m < 2 ? x.y : x.w;
-                const int p = 2 * (m & 1);
-                const u32 mk = 0x000F000Fu;
-                A[r][m][0] = w16::and_or(wl >> (4 * p), mk, MAGIC);
-                A[r][m][1] = w16::and_or(wh >> (4 * p), mk, MAGIC);
-                A[r][m][2] = w16::and_or(wl >> (4 * p + 4), mk, MAGIC);
-                A[r][m][3] = w16::and_or(wh >> (4 * p + 4), mk, MAGIC);
-            }
-        };
-        // POST, at a group's end (its wgmma done): tot += s (acc - (128 + zp) sum_k a)
-        auto fold_group = [&]() {
-#pragma unroll
-            for (int r = 0; r < PR; ++r)
-#pragma unroll
-                for (int nb = 0; nb < LT; ++nb)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const float sc = i < 2 ? gscale[r].x : gscale[r].y;
-                        const float zc = i < 2 ? gzero[r].x : gzero[r].y;
-                        const int q = POST ? 2 * nb + (i & 1) : 0;
-                        tot[r][POST ? 4 * nb + i : 0] =
-                            fmaf(sc, fmaf(-zc, gsa[q], acc[r][4 * nb + i]),
-                                 tot[r][POST ? 4 * nb + i : 0]);
-                    }
-        };
         // row group r of the item in slot `slot` -> A[r]: 128 + q minus 128 + zp, times s (at
         // a group's first chunk, its scales and zero points: (s, s) and (MAGIC + zp) pairs of
         // rows g and g + 8, kept for the group)
-        constexpr int QR = POST ? 1 : RB;
-        u32 dq[QR][4];
+        u32 dq[RB][4];
         auto dequantize = [&](int r, bool first) {
             const int at = (slot * RB + r) * 32;
             const uint4 x = ring_w[at];
@@ -404,13 +350,13 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
                     zl = MAGIC | ((z & 0xFFu) * 0x00010001u);
                     zh = MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u);
                 }
-                dq[POST ? 0 : r][0] = w16::pack2(s2.x, s2.x);
-                dq[POST ? 0 : r][1] = w16::pack2(s2.y, s2.y);
-                dq[POST ? 0 : r][2] = zl;
-                dq[POST ? 0 : r][3] = zh;
+                dq[r][0] = w16::pack2(s2.x, s2.x);
+                dq[r][1] = w16::pack2(s2.y, s2.y);
+                dq[r][2] = zl;
+                dq[r][3] = zh;
             }
-            const u32 sl = dq[POST ? 0 : r][0], sh = dq[POST ? 0 : r][1];
-            const u32 zl = dq[POST ? 0 : r][2], zh = dq[POST ? 0 : r][3];
+            const u32 sl = dq[r][0], sh = dq[r][1];
+            const u32 zl = dq[r][2], zh = dq[r][3];
 #pragma unroll
             for (int m = 0; m < 4; ++m) {         // pairs 2 (m & 1), + 1 of words m >> 1
                 const u32 wl = m < 2 ? x.x : x.z, wh = m < 2 ? x.y : x.w;
@@ -432,24 +378,11 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
             const bool first = (cc & cpg_mask) == 0 || cc == c0;   // a group's (split's) first
             w16::cp_wait<S - 2>();                // the item's copies (its weights are older)
             wg_wait<0>();
-            if (POST && first) {                  // the previous group (if any) is complete
-                if (cc != c0) {
-#pragma unroll
-                    for (int r = 0; r < RB; ++r) ww_pin(acc[r]);
-                    fold_group();
-                }
-#pragma unroll
-                for (int q = 0; q < PL; ++q)
-                    gsa[q] = __ldg(gsum + gs_row[q] + (cc >> chunk_shift));
-            }
             wg_fence_proxy_async();               // everyone's activation copies of the item,
             __syncthreads();                      // visible to wgmma's async proxy
 #pragma unroll
             for (int r = 0; r < RB; ++r) {
-                if (POST)
-                    raw_codes(r, first);
-                else
-                    dequantize(r, first);
+                dequantize(r, first);
 #pragma unroll
                 for (int m = 0; m < 4; ++m) ww_pin(A[r][m]);
                 ww_pin(acc[r]);
@@ -460,7 +393,7 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
 #pragma unroll
             for (int m = 0; m < 4; ++m) {
                 dm[m] = desc + (u64)((2 * m * MT * 128) >> 4);
-                keep[m] = (POST ? !first : cc != c0) || m != 0;
+                keep[m] = cc != c0 || m != 0;      // a block's first wgmma: scale-d = 0
             }
             ww_pin(dm);
             ww_pin(keep);
@@ -486,23 +419,10 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
             w16::cp_commit();
         }
         for (int jb = j0; jb < j1; jb += RB) {
-            if (POST) {
-#pragma unroll
-                for (int r = 0; r < PR; ++r)
-#pragma unroll
-                    for (int i = 0; i < (POST ? NN / 2 : 1); ++i) tot[r][i] = 0.f;
-            }
             for (int cc = c0; cc < c1; ++cc) item(cc);
             wg_wait<0>();                   // the block's accumulators are final
 #pragma unroll
             for (int r = 0; r < RB; ++r) ww_pin(acc[r]);
-            if (POST) {                           // the last group; then the totals
-                fold_group();
-#pragma unroll
-                for (int r = 0; r < RB; ++r)
-#pragma unroll
-                    for (int i = 0; i < NN / 2; ++i) acc[r][i] = tot[POST ? r : 0][POST ? i : 0];
-            }
             // split K: the last CTA of the block's tile adds the partials (the others go on)
             if (gridDim.z > 1 &&
                 !w16::split_k_last<RB * NN / 2, 128>(
@@ -531,26 +451,4 @@ wna16_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* 
         }
         w16::cp_wait<0>();                        // nothing in flight at exit
     });
-}
-
-// POST's activation sums: gsum[row][G] = sum of a[row][G gs .. G gs + gs - 1] in fp32, G <
-// num_groups (gs = Kdim / num_groups, a multiple of 8). One warp per (row, group): 16-byte loads
-// strided over the group, then a butterfly. grid cdiv(rows num_groups, 8), block 256.
-__global__ void __launch_bounds__(256)
-wna16_group_sums(const elem_t* __restrict__ a, float* __restrict__ gsum, int rows, int Kdim,
-                 int num_groups) {
-    const int w = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (w >= rows * num_groups) return;           // whole warps
-    const int row = w / num_groups, gi = w - row * num_groups, gs = Kdim / num_groups;
-    const elem_t* src = a + (size_t)row * Kdim + (size_t)gi * gs;
-    float s = 0.f;
-    for (int k = 8 * lane; k < gs; k += 256) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + k));
-        const u32 w4[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) s += w16::lo_f32(w4[q]) + w16::hi_f32(w4[q]);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
-    if (lane == 0) gsum[w] = s;
 }

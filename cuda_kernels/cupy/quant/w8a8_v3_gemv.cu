@@ -1,8 +1,8 @@
-// quant_gemm_fp8_gemv.cu: w8a8 fp8 decode rung (v4 of quant_gemm.py): weight streaming.
+// w8a8_v3_gemv.cu: rung 3 of the w8a8 grouped GEMM (fp8 only): decode, weight streaming.
 //
 //   c[s] = (deq(a)[s / top_k] @ deq(w[e]).T + bias[e]) * (topk_weights[s] if mul_routed_weight)
 //
-// for every live position p of sorted_token_ids (as quant_gemm.cu; e == -1 writes zeros), fp8
+// for every live position p of sorted_token_ids (as w8a8_v1_naive.cu; e == -1 writes zeros), fp8
 // e4m3 codes, fp32 accumulation, one rounding to elem_t.
 //   a [M_a, Kdim] e4m3 bytes   a_scale [1] | [M_a] | [M_a, KB]      (kind 0 / 1 / 2)
 //   w [E, N, Kdim] e4m3 bytes  w_scale [E] | [E, N] | [E, NB, KB]   (kind 0 / 1 / 2)
@@ -10,7 +10,7 @@
 // a_scale[row, kb] * w_scale[e, n / 128, kb]; other kinds multiply once at the end.
 //
 // Decode (a few rows per expert): the job is to read the touched experts' weights once, at
-// HBM bandwidth. Design (the int4 decode rung wna16_gemv_v3 does the same for int4):
+// HBM bandwidth. Design (the weight-only rung wna16_v3_gemv does the same for int4):
 //   * Roles swapped: 16 weight rows n0..n0+15 are the mma's A (m16n8k32 e4m3, sm_89+), the
 //     block's activation rows its B, in MT tiles of 8 tokens; a tile with no live slot is
 //     skipped (uniform), so a padded block of 16 with one token costs one tile of mma.
@@ -19,7 +19,7 @@
 //     blocks of loads in flight per thread before the first is used (a round), then consumed.
 //     More bytes in flight come from more CTAs per SM (MINB), not from a second register
 //     buffer: double buffering and a persistent grid were measured slower on the H200 and
-//     were removed (quant_gemm.py's FP8_V4_BY_ROWS has the numbers).
+//     were removed (quant/configs.py has the numbers).
 //   * K split over the WARPS warps (warp w takes the 128-wide blocks w, w + WARPS, ...); the
 //     partial sums meet in shared memory at the end, added in warp order (deterministic).
 //   * Fragment k order: thread (g = lane / 4, t = lane % 4) holds, of block kb and half h,
@@ -34,6 +34,7 @@
 // dynamic smem = WARPS * 8 MT * 16 * 4 + 8 MT * 8 bytes.
 // Needs Kdim % 128 == 0, a and w 16-byte aligned, sm_89+ (the launcher checks).
 // ELEM_BF16 (#define 1 / 0): output bf16 / fp16.
+// Run: python -m cuda_kernels.cupy.quant.w8a8 [--quick]
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
@@ -54,8 +55,8 @@ __device__ __forceinline__ bool fg_live(int s, int num_slots) {
     return (unsigned)s < (unsigned)num_slots;        // padding is num_slots; negatives dropped
 }
 
-// The inline PTX of this file. tests/test_quant_fp8_cupy.py runs this source on the CPU with
-// QG_EMULATED_PTX #defined and the helpers of tests/test_quant_cupy.py's emulation header
+// The inline PTX of this file. tests/test_quant_w8a8.py runs this source on the CPU with
+// QG_EMULATED_PTX #defined and the helpers of tests/quant_support.py's emulation header
 // (qg_ld16*, qg_mma_k32: same semantics, fragment layouts as the PTX ISA says).
 #ifdef QG_EMULATED_PTX
 template <int PF>
@@ -102,7 +103,7 @@ __device__ __forceinline__ void fg_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u3
 #endif  // QG_EMULATED_PTX
 
 // ============================================================================ the tile's parts
-// One tile = 16 weight rows n0..n0+15 of expert e times BM = 8 MT token rows; fp8_gemv_v4 runs
+// One tile = 16 weight rows n0..n0+15 of expert e times BM = 8 MT token rows; w8a8_v3_gemv runs
 // one per CTA, in these phases (forceinline: the kernel compiles as if they were written in
 // place; its main loop's SASS is the same as when they were).
 
@@ -266,21 +267,21 @@ __device__ __forceinline__ void fg_epilogue(const float (&acc)[MT][4], float* sR
     }
 }
 
-// ============================================================================ v4
-// fp8_gemv_v4: one CTA per tile, grid (m tiles, n tiles); rounds of U blocks per warp.
+// ============================================================================ the kernel
+// w8a8_v3_gemv: one CTA per tile, grid (m tiles, n tiles); rounds of U blocks per warp.
 template <int MT, int WARPS, int U, int MINB, int PF>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
-fp8_gemv_v4(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
-            const float* __restrict__ a_scale, const float* __restrict__ w_scale,
-            const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-            const int* __restrict__ num_tokens_post_padded, const float* __restrict__ topk_weights,
-            const float* __restrict__ bias,
-            int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-            int mul_routed_weight, int a_scale_kind, int w_scale_kind) {
+w8a8_v3_gemv(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
+             const float* __restrict__ a_scale, const float* __restrict__ w_scale,
+             const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
+             const int* __restrict__ num_tokens_post_padded,
+             const float* __restrict__ topk_weights, const float* __restrict__ bias,
+             int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
+             int mul_routed_weight, int a_scale_kind, int w_scale_kind) {
     constexpr int BM = 8 * MT;
     constexpr int NT = WARPS * 32;
     constexpr int STEP = WARPS * U;            // blocks per round of the CTA
-    static_assert(BM <= NT, "v4: one thread per tile row reads the slots");
+    static_assert(BM <= NT, "v3: one thread per tile row reads the slots");
     extern __shared__ __align__(16) u8 smem[];
     float* sRed = reinterpret_cast<float*>(smem);                  // [WARPS][BM][16]
     int* sArow = reinterpret_cast<int*>(sRed + WARPS * BM * 16);   // [BM] a row, -1 padding

@@ -1,4 +1,4 @@
-"""Activation quantization on the GPU: fp8 e4m3 / int8 codes with fp32 scales (quant_act.cu).
+"""Activation quantization on the GPU: fp8 e4m3 / int8 codes with fp32 scales (quant/act.cu).
 
     T tokens, M rows (T for GEMM1's input, P = T*K for GEMM2's), Kdim columns, G = cdiv(Kdim, gs)
 
@@ -17,20 +17,20 @@ fp8 codes travel as uint8 CuPy arrays holding the e4m3fn bytes (CuPy has no fp8 
 `fp8_to_host(q)` views them as ml_dtypes.float8_e4m3fn, `fp8_to_device(q)` uploads an
 ml_dtypes fp8 array as bytes. int8 codes are int8 arrays.
 
-Kernels (launch geometry in quant_act.cu): group_quant_kernel<QT> (one warp per (row,
+Kernels (launch geometry in act.cu): group_quant_kernel<QT> (one warp per (row,
 group), WARPS_PER_BLOCK warps a block) and absmax_kernel (dynamic per-tensor scales, a
 device-side reduction: no host synchronisation).
 
 Run as a script to validate against the reference and time (bytes moved / time):
-    python -m cuda_kernels.cupy.quant_act [--quick]
+    python -m cuda_kernels.cupy.quant.act [--quick]
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import _compile as C
+from .. import _compile as C
 
-CU = "quant_act.cu"
+CU = "quant/act.cu"
 CONFIGS = {"group_quant_kernel": {"WARPS_PER_BLOCK": 8}}
 QT = {"fp8": 0, "int8": 1}
 _NAMES = tuple(f"group_quant_kernel<{v}>" for v in QT.values())
@@ -254,18 +254,11 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     """Validate every mode against reference/quant.py (bit-exact codes and scales), then time
     the 1x128 fp8 group quantizer at DeepSeek-V3's shapes. --quick: validation only, small
     shapes (for compute-sanitizer)."""
-    import argparse
-
     import ml_dtypes
 
     from reference import quant as RQ
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small validation only (sanitizer)")
-    args = p.parse_args(argv)
-    ok, why = C.availability()
-    if not ok:
-        raise SystemExit(f"no GPU: {why}")
+    quick, _ = C.script_start(argv)      # (exits with the reason when no GPU is usable)
     rng = np.random.default_rng(0)
     bf16 = ml_dtypes.bfloat16
     failures = 0
@@ -297,7 +290,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
             failures += status != "ok"
             print(f"{name:16s} M={M:4d} Kdim={K:5d}  codes {'=' if same_q else '!='}  "
                   f"scales {'=' if same_s else '!='}  {status}")
-    if args.quick:
+    if quick:
         raise SystemExit(1 if failures else 0)
     for M, K in ((1, 7168), (64, 7168), (4096, 7168), (32768, 2048)):
         xd = C.to_device(rng.standard_normal((M, K)).astype(bf16))
