@@ -110,7 +110,8 @@ class FusedMoE(MoEWeights):
                  apply_router_weight_on_input=False, activation="silu", is_act_and_mul=True,
                  has_bias=False, zero_expert_num=0, zero_expert_type=None,
                  n_shared_experts=None, shared_intermediate_size=None,
-                 expert_placement="linear", backend="reference", block_size=None):
+                 expert_placement="linear", backend="reference", block_size=None,
+                 quant_config=None):
         from reference import SCORING_FUNCS
 
         super().__init__(num_experts, hidden_size, intermediate_size, params_dtype,
@@ -119,7 +120,8 @@ class FusedMoE(MoEWeights):
                          is_act_and_mul=is_act_and_mul, has_bias=has_bias,
                          zero_expert_num=zero_expert_num, n_shared_experts=n_shared_experts,
                          shared_intermediate_size=shared_intermediate_size,
-                         e_score_correction_bias=e_score_correction_bias)
+                         e_score_correction_bias=e_score_correction_bias,
+                         quant_config=quant_config)
         # the router
         self.top_k = int_arg("top_k", top_k, 1)
         self.renormalize = bool(renormalize)
@@ -240,6 +242,8 @@ class FusedMoE(MoEWeights):
             parts.append(f"shared={self.n_shared_experts}")
         if self.has_bias:
             parts.append("bias")
+        if self.quant_config is not None:
+            parts.append(f"quant={self.quant_config.describe()!r}")
         parts.append(f"backend={self._backend_spec!r}")
         return "FusedMoE(" + ", ".join(parts) + ")"
 

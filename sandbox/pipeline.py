@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import arrays
-from .registry import STAGES, get_backend
+from .registry import QUANT_GEMM_STAGE, STAGES, get_backend
 from .weights import FLOAT_DTYPES
 
 _CHECKED_MAPPINGS: dict = {}    # stage -> backend names, checked once: {stage: Backend}
@@ -42,6 +42,7 @@ class StageCall:
     args: tuple
     kwargs: dict
     outputs: Any
+    fn: str | None = None        # the function called, where the stage's name does not say it
 
 
 class StageRun:
@@ -189,12 +190,17 @@ def route(layer, run, x, logits):
 def forward(layer, run, hidden_states, router_logits, exact, block=None):
     """The layer's six stages (or route and the backend's fused_experts), then the zero and
     shared experts; returns out [T, H] in the combine backend's arrays."""
+    if layer.quant_config is not None and exact:
+        # the exact answer of a quantized layer: its dequantized experts in float64
+        layer = layer.dequantized(keep_fp32=True)
     x, logits = check_inputs(layer, hidden_states, router_logits, exact)
     t = x.shape[0]
     check_memory(layer, run, t, exact)
     bk = run.backends
     if block is None:
         block = block_size_for(layer, {s: b.name for s, b in bk.items()}, t)
+    if layer.quant_config is not None:
+        return _forward_quant(layer, run, x, logits, block)
 
     topk_weights, topk_ids, zero_result = route(layer, run, x, logits)
     align_map = layer.constant_for("expert_map", layer.expert_map, bk["align"])
@@ -226,6 +232,88 @@ def forward(layer, run, hidden_states, router_logits, exact, block=None):
     out = run.call("combine", cache3, topk_ids,
                    expert_map=layer.constant_for("expert_map", layer.expert_map, bk["combine"]))
     return _extras(layer, run, out, x, zero_result, block, exact)
+
+
+def _codes(backend, a, fp8):
+    """Quantized codes as `backend` reads them: fp8 travels to a GPU backend as its uint8
+    bytes (CuPy has no fp8 dtype) and comes back to the host as ml_dtypes' e4m3fn."""
+    from .quant import FP8
+
+    if a is None:
+        return None
+    if backend.is_host:
+        h = arrays.to_numpy(a) if arrays.kind(a) != "numpy" else a
+        return h.view(FP8) if fp8 and h.dtype == np.uint8 else h
+    if arrays.kind(a) == "numpy" and a.dtype == FP8:
+        return backend.put(a.view(np.uint8))
+    return backend.take(a)
+
+
+def quant_arguments(layer, backend, base):
+    """What grouped_gemm_quant reads of the layer for `base` ("w13" / "w2") on `backend`:
+    the codes, their scales and zero points (device copies cached per load), and the static
+    activation scale (the max over the local experts, as vLLM) or None."""
+    w = layer.param_for(f"{base}_weight", backend)
+    w_scale = layer.param_for(f"{base}_weight_scale", backend)
+    w_zp = layer.param_for(f"{base}_weight_zero_point", backend)
+    a_scale = None
+    s = getattr(layer, f"{base}_input_scale")
+    if s is not None:
+        a_scale = backend.put(np.array([np.max(s)], np.float32)) if not backend.is_host \
+            else np.array([np.max(s)], np.float32)
+    return w, w_scale, w_zp, a_scale
+
+
+def _forward_quant(layer, run, x, logits, block):
+    """A quantized layer: route, align, then per GEMM the activations quantized (w8a8) and
+    grouped_gemm_quant on the codes, on the GEMM stage's backend; the activation and the
+    combine as usual. The trace holds quantize1 / quantize2 as stages of their own."""
+    qc = layer.quant_config
+    bk = run.backends
+    fns = {s: bk[QUANT_GEMM_STAGE[s]].quant_fn(s) for s in QUANT_GEMM_STAGE}   # raise first
+    fp8 = qc.weight_dtype == "fp8"
+    t = x.shape[0]
+    flags = qc.kernel_flags()
+    topk_weights, topk_ids, zero_result = route(layer, run, x, logits)
+    align_map = layer.constant_for("expert_map", layer.expert_map, bk["align"])
+    sorted_ids, expert_ids, ntpp = run.call("align", topk_ids, block, layer.num_experts,
+                                            expert_map=align_map)
+
+    def gemm(n, a, top_k, mul_routed, bias):
+        stage, b = f"gemm{n}", bk[f"gemm{n}"]
+        base = "w13" if n == 1 else "w2"
+        w, w_scale, w_zp, a_static = quant_arguments(layer, b, base)
+        if qc.quant_dtype is not None:
+            a_q, a_s = _record(run, f"quantize{n}", fns[f"quantize{n}"],
+                               (b.take(a), a_static, qc.quant_dtype, qc.per_act_token_quant,
+                                flags["block_shape"]), {})
+        else:
+            a_q, a_s = b.take(a), None
+        args = (_codes(b, a_q, fp8), w, *(b.take(v) for v in (sorted_ids, expert_ids, ntpp)),
+                top_k, block, b.take(topk_weights), mul_routed, bias)
+        kwargs = dict(a_scale=b.take(a_s), w_scale=w_scale, w_zp=w_zp,
+                      out_dtype=layer.params_dtype, **flags)
+        return _record(run, stage, fns[stage], args, kwargs)
+
+    w13_bias = layer.param_for("w13_bias", bk["gemm1"])
+    cache1 = gemm(1, x, layer.top_k, layer.apply_router_weight_on_input, w13_bias)
+    cache2 = run.call("activation", cache1, layer.activation, layer.is_act_and_mul)
+    w2_bias = layer.param_for("w2_bias", bk["gemm2"]) if layer.tp_rank == 0 else None
+    cache3 = gemm(2, cache2, 1, not layer.apply_router_weight_on_input, w2_bias)
+    cache3 = bk["combine"].take(cache3).reshape(t, layer.top_k, layer.hidden_size)  # [T, K, H]
+    out = run.call("combine", cache3, topk_ids,
+                   expert_map=layer.constant_for("expert_map", layer.expert_map, bk["combine"]))
+    return _extras(layer, run, out, x, zero_result, block, False)
+
+
+def _record(run, stage, fn, args, kwargs):
+    """Call a quantized stage's function and add it to the trace (its function name too:
+    validate calls the same function of each backend)."""
+    out = fn(*args, **kwargs)
+    if run.trace is not None:
+        run.trace.append(StageCall(stage, run.backends[QUANT_GEMM_STAGE[stage]].name, args,
+                                   dict(kwargs), out, fn.__name__))
+    return out
 
 
 def _fused_experts(layer, bk):

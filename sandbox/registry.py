@@ -52,6 +52,23 @@ STAGE_FUNCTIONS = {
 
 BACKENDS = ("reference", "torch", "cupy", "numba")
 
+# a quantized layer (sandbox/quant.py) runs gemm1 / gemm2 as these two steps, each on that
+# GEMM's backend: the activations quantized (not for weight-only formats), then the GEMM on
+# the codes
+QUANT_STAGES = ("quantize1", "gemm1", "quantize2", "gemm2")
+QUANT_STAGE_FUNCTIONS = {"quantize1": "moe_kernel_quantize_input", "gemm1": "grouped_gemm_quant",
+                         "quantize2": "moe_kernel_quantize_input", "gemm2": "grouped_gemm_quant"}
+QUANT_GEMM_STAGE = {"quantize1": "gemm1", "gemm1": "gemm1", "quantize2": "gemm2",
+                    "gemm2": "gemm2"}
+# why a backend without the quantized stages has none (validate lists it so)
+QUANT_NOT_IMPLEMENTED = {
+    "numba": "no quantized kernels: the fp8 / int8 / int4 GEMMs and activation quantizers "
+             "exist as CUDA C++ (cuda_kernels/cupy/quant/) only; numba.cuda has no fp8 type "
+             "and no mma / wgmma intrinsics to build them on",
+    "torch": "no quantized stages: plain torch has no grouped GEMM on fp8 / int4 codes "
+             "(torch._scaled_grouped_mm is Hopper-only and covers neither int4 nor int8)",
+}
+
 # what each backend's stage functions take and return
 _ARRAY_KIND = {"reference": "numpy", "torch": "torch", "cupy": "cupy", "numba": "numba"}
 _MODULE = {"torch": "cuda_kernels.torch", "cupy": "cuda_kernels.cupy",
@@ -210,6 +227,20 @@ class Backend:
         if not _has(self.module, fn_name):
             raise NotImplementedError(f"backend {self.name!r} has no {fn_name} "
                                       f"(stage {stage!r}) yet")
+        return getattr(self.module, fn_name)
+
+    def has_quant_stage(self, stage: str) -> bool:
+        return self.ok and _has(self.module, QUANT_STAGE_FUNCTIONS[stage])
+
+    def quant_fn(self, stage: str):
+        """The function of a quantized layer's `stage` (QUANT_STAGES) on this backend;
+        NotImplementedError with the reason where the backend has none."""
+        self.require()
+        fn_name = QUANT_STAGE_FUNCTIONS[stage]
+        if not _has(self.module, fn_name):
+            why = QUANT_NOT_IMPLEMENTED.get(self.name, f"no {fn_name}")
+            raise NotImplementedError(f"backend {self.name!r} has no {fn_name} (stage "
+                                      f"{stage!r} of a quantized layer): {why}")
         return getattr(self.module, fn_name)
 
     def free_memory(self):

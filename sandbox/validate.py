@@ -52,6 +52,7 @@ import ml_dtypes
 import numpy as np
 
 from . import arrays
+from . import validate_quant as VQ
 from .registry import BACKENDS, STAGE_FUNCTIONS, STAGES, get_backend
 
 END_TO_END = "end_to_end"
@@ -248,13 +249,15 @@ def _from_json_safe(obj):
 
 
 # ----------------------------------------------------------------------------- comparisons
-def compare_float(got, want, expected_dtype, rows=None) -> dict:
+def compare_float(got, want, expected_dtype, rows=None, tol=None) -> dict:
     """max abs / relative Frobenius error of `got` against the exact `want` (float64).
 
     `rows`: a boolean mask over the first axis of the rows to judge (None: all).
+    `tol`: the relative tolerance (None: by expected_dtype; a quantized format's otherwise).
     NaN must appear in `got` exactly where `want` has NaN; elsewhere NaN fails.
     """
-    res = {"dtype": str(np.dtype(expected_dtype)), "tol": tolerance(expected_dtype),
+    res = {"dtype": str(np.dtype(expected_dtype)),
+           "tol": tolerance(expected_dtype) if tol is None else tol,
            "max_abs_err": None, "rel_err": None, "detail": ""}
     if got is None or want is None:
         if got is None and want is None:
@@ -587,7 +590,8 @@ def validate(layer, hidden_states, router_logits, backends=None, *, stages=STAGE
         progress.stage(f"the reference's stages at block size {block}")
         _, trace = layer.run_stages(x, logits, backend="reference", block_size=block)
         calls = {c.stage: c for c in trace}
-        return calls, {s: _exact_call(calls[s]) for s in STAGES}
+        return calls, {s: VQ.exact_call(c) if VQ.is_quant_call(c) else _exact_call(c)
+                       for s, c in calls.items()}
 
     try:                                  # no progress timer outlives the call
         exact_e2e = None
@@ -595,6 +599,11 @@ def validate(layer, hidden_states, router_logits, backends=None, *, stages=STAGE
             progress.backend("reference")
             progress.stage("the exact end-to-end answer")
             exact_e2e, _ = layer.run_stages(x, logits, backend="reference", exact=True)
+            if layer.quant_config is not None:
+                # a quantized layer's end to end is judged against the reference's
+                # quantized layer; the exact dequantized answer gives the reference a row
+                # of its own (validate_quant.py)
+                exact_e2e = (layer.run_stages(x, logits, backend="reference")[0], exact_e2e)
             progress.done()
         return _validate_backends(layer, x, logits, backends, stages, end_to_end, t,
                                   reference_at, exact_e2e, progress)
@@ -631,26 +640,36 @@ def _validate_backends(layer, x, logits, backends, stages, end_to_end, t, refere
         ties = np.zeros(t, bool)
         first = None
         complete = True
-        for stage in STAGES:
-            if not b.has_stage(stage):
+        qc = layer.quant_config
+        for stage in VQ.stage_order(layer):
+            quant = VQ.is_quant_call(calls[stage])
+            if not (b.has_quant_stage(stage) if quant else b.has_stage(stage)):
                 complete = False
-                if stage in stages:
+                if VQ.asked(stage, stages):
                     report.rows.append(_stage_row(
                         name, stage, status="skipped",
-                        detail=f"{name} has no {STAGE_FUNCTIONS[stage]} yet"))
+                        detail=VQ.missing_detail(name, stage) if quant
+                        else f"{name} has no {STAGE_FUNCTIONS[stage]} yet"))
                 continue
-            if stage not in stages:
+            if not VQ.asked(stage, stages):
                 continue
             call = calls[stage]
             progress.stage(stage)
             try:
-                args = tuple(b.take(a) for a in call.args)
-                kwargs = {k: b.take(v) for k, v in call.kwargs.items()}
-                out = b.stage_fn(stage)(*args, **kwargs)
-                got = (tuple(_host(b, v) for v in out) if isinstance(out, tuple)
-                       else _host(b, out))
-                fields, tie_rows = _judge_stage(stage, got, exact_out[stage], call.outputs,
-                                                call, scores, layer, written)
+                if quant:
+                    got = VQ.run_call(b, call, qc.weight_dtype == "fp8")
+                    fields = VQ.judge(stage, got, exact_out[stage], call.outputs, layer,
+                                      written if stage.startswith("gemm") else None,
+                                      compare_float)
+                    tie_rows = None
+                else:
+                    args = tuple(b.take(a) for a in call.args)
+                    kwargs = {k: b.take(v) for k, v in call.kwargs.items()}
+                    out = b.stage_fn(stage)(*args, **kwargs)
+                    got = (tuple(_host(b, v) for v in out) if isinstance(out, tuple)
+                           else _host(b, out))
+                    fields, tie_rows = _judge_stage(stage, got, exact_out[stage],
+                                                    call.outputs, call, scores, layer, written)
             except Exception as e:  # a backend that raises has diverged at this stage
                 fields, tie_rows = dict(status="error",
                                         detail=f"{type(e).__name__}: {e}".splitlines()[0]), None
@@ -665,10 +684,12 @@ def _validate_backends(layer, x, logits, backends, stages, end_to_end, t, refere
                                               detail="not every stage is implemented"))
             else:
                 progress.stage(END_TO_END)
+                want_e2e = exact_e2e if qc is None else exact_e2e[0]
                 try:
                     got = layer.with_backend(name).forward(x, logits)
-                    res = compare_float(got, exact_e2e, layer.params_dtype,
-                                        rows=~ties if ties.any() else None)
+                    res = compare_float(got, want_e2e, layer.params_dtype,
+                                        rows=~ties if ties.any() else None,
+                                        tol=None if qc is None else VQ.tolerance(qc))
                     fields = dict(status=res["status"], dtype=res["dtype"], tol=res["tol"],
                                   max_abs_err=res["max_abs_err"], rel_err=res["rel_err"],
                                   near_ties=int(ties.sum()), detail=res["detail"])
@@ -678,6 +699,12 @@ def _validate_backends(layer, x, logits, backends, stages, end_to_end, t, refere
                 report.rows.append(_stage_row(name, END_TO_END, **fields))
                 if first is None and fields["status"] in _FAILING:
                     first = END_TO_END
+                if qc is not None and name == "reference":
+                    fields = VQ.dequantized_row(exact_e2e[0], exact_e2e[1], layer,
+                                                compare_float)
+                    report.rows.append(_stage_row(name, VQ.DEQUANTIZED, **fields))
+                    if first is None and fields["status"] in _FAILING:
+                        first = VQ.DEQUANTIZED
         report.first_divergence[name] = first
         if not any(r["backend"] == name and r["status"] != "skipped" for r in report.rows):
             del report.first_divergence[name]          # it ran nothing: no verdict of its own

@@ -65,7 +65,7 @@ _SHARDS = ("w1", "w2", "w3")
 WEIGHT_ARGS = ("num_experts", "hidden_size", "intermediate_size", "params_dtype", "tp_size",
                "tp_rank", "ep_size", "ep_rank", "expert_placement", "activation",
                "is_act_and_mul", "has_bias", "zero_expert_num", "n_shared_experts",
-               "shared_intermediate_size", "e_score_correction_bias")
+               "shared_intermediate_size", "e_score_correction_bias", "quant_config")
 
 # checkpoint names of (gate, down, up) that load_weights knows without being told
 KNOWN_CKPT_NAMES = (("gate_proj", "down_proj", "up_proj"),    # Qwen3-MoE, DeepSeek, Llama 4
@@ -103,13 +103,18 @@ class MoEWeights:
     (see the module docstring). Arguments as FusedMoE's of the same names."""
 
     PARAM_NAMES = ("w13_weight", "w2_weight", "w13_bias", "w2_bias", "shared_w13", "shared_w2")
+    # a quantized layer's scales, zero points and static activation scales (sandbox/quant.py)
+    QUANT_PARAM_NAMES = ("w13_weight_scale", "w2_weight_scale", "w13_weight_zero_point",
+                         "w2_weight_zero_point", "w13_input_scale", "w2_input_scale")
 
     def __init__(self, num_experts, hidden_size, intermediate_size, params_dtype=np.float32,
                  tp_size=1, tp_rank=0, ep_size=1, ep_rank=0, expert_placement="linear",
                  activation="silu", is_act_and_mul=True, has_bias=False, zero_expert_num=0,
                  n_shared_experts=None, shared_intermediate_size=None,
-                 e_score_correction_bias=None):
+                 e_score_correction_bias=None, quant_config=None):
         from reference import ACTIVATIONS, PLACEMENTS, determine_expert_map
+
+        from . import quant as Q
 
         self._version = 0                # bumped by every load: device copies are stale
         self._device_params = {}         # (backend, name) -> (version, host array, copy)
@@ -173,6 +178,14 @@ class MoEWeights:
                                  f"({self.tp_size}), got {i_s}")
             self.shared_intermediate_size = i_s
 
+        # quantized experts (sandbox/quant.py): the codes in w13/w2_weight, scales beside them
+        self.quant_config = Q.as_quant_config(quant_config)
+        if self.quant_config is not None:
+            if self.tp_size > 1:
+                raise Q.QuantConfigError(f"quant_config: tensor parallelism of quantized "
+                                         f"experts is not implemented (tp_size={self.tp_size})")
+            self.quant_config.check_dims(self.hidden_size, self.intermediate_size,
+                                         self.is_act_and_mul, act == "swigluoai")
         self.expert_mapping = None       # (param_name, weight_name, expert_id, shard_id) list
         self.router_weight = self.router_bias = None   # a checkpoint's router, when read
         self._allocate()
@@ -186,6 +199,22 @@ class MoEWeights:
 
         self.w13_weight = nan((e, n13, h))
         self.w2_weight = nan((e, h, i_p))
+        for name in self.QUANT_PARAM_NAMES:
+            setattr(self, name, None)
+        qc = self.quant_config
+        if qc is not None:
+            # codes start at zero (fp8, int8 and uint8 have no NaN): the NaN-filled scales
+            # make an expert never loaded NaN all the same
+            for w, n, k in (("w13", n13, h), ("w2", h, i_p)):
+                setattr(self, f"{w}_weight", np.zeros((e,) + qc.code_shape(n, k),
+                                                      qc.code_dtype()))
+                setattr(self, f"{w}_weight_scale",
+                        np.full((e,) + qc.scale_shape(n, k), np.nan, np.float32))
+                if qc.has_zp:
+                    setattr(self, f"{w}_weight_zero_point",
+                            np.zeros((e,) + qc.scale_shape(n, k), np.uint8))
+                if qc.static_input_scale:
+                    setattr(self, f"{w}_input_scale", np.full((e,), np.nan, np.float32))
         self.w13_bias = nan((e, n13)) if self.has_bias else None
         self.w2_bias = nan((e, h)) if self.has_bias else None
         self.shared_w13 = self.shared_w2 = None
@@ -197,7 +226,8 @@ class MoEWeights:
     # ------------------------------------------------------------------------- parameters
     def named_parameters(self):
         """(name, array) of every parameter this layer holds (None ones left out)."""
-        out = [(n, getattr(self, n)) for n in self.PARAM_NAMES if getattr(self, n) is not None]
+        out = [(n, getattr(self, n)) for n in self.PARAM_NAMES + self.QUANT_PARAM_NAMES
+               if getattr(self, n, None) is not None]
         if self.e_score_correction_bias is not None:
             out.append(("e_score_correction_bias", self.e_score_correction_bias))
         return out
@@ -217,7 +247,9 @@ class MoEWeights:
     def unloaded(self) -> list[str]:
         """Parameters (per local expert) that are still entirely NaN, i.e. never loaded."""
         out = []
-        for name in ("w13_weight", "w2_weight", "w13_bias", "w2_bias"):
+        floats = ("w13_weight", "w2_weight") if self.quant_config is None else \
+            ("w13_weight_scale", "w2_weight_scale", "w13_input_scale", "w2_input_scale")
+        for name in floats + ("w13_bias", "w2_bias"):
             p = getattr(self, name)
             if p is None:
                 continue
@@ -237,6 +269,8 @@ class MoEWeights:
         other.params_dtype = dt
         for name in self.PARAM_NAMES:
             p = getattr(self, name)
+            if self.quant_config is not None and name in ("w13_weight", "w2_weight"):
+                continue                 # codes keep their format: dtype is the activations'
             setattr(other, name, None if p is None else p.astype(dt))
         other._device_params = {}
         other._version = self._version + 1
@@ -272,7 +306,8 @@ class MoEWeights:
         hit = self._device_params.get(key)
         if hit is not None and hit[0] == self._version and hit[1] is getattr(self, name):
             return hit[2]
-        dev = backend.put(p)
+        # fp8 codes travel as their bytes: no GPU array library of ours has an fp8 dtype
+        dev = backend.put(p.view(np.uint8) if p.dtype == ml_dtypes.float8_e4m3fn else p)
         self._device_params[key] = (self._version, getattr(self, name), dev)
         return dev
 
@@ -295,12 +330,13 @@ class MoEWeights:
         if param is None:
             raise ValueError("param: expected one of this layer's parameter arrays, got None "
                              "(a bias of a layer with has_bias=False, or no shared experts?)")
+        names = self.PARAM_NAMES + self.QUANT_PARAM_NAMES
         if isinstance(param, str):
-            if param not in self.PARAM_NAMES or getattr(self, param) is None:
+            if param not in names or getattr(self, param) is None:
                 raise ValueError(f"param: expected one of "
                                  f"{[n for n, _ in self.named_parameters()]}, got {param!r}")
             return param
-        for name in self.PARAM_NAMES:
+        for name in names:
             if getattr(self, name) is param:
                 return name
         raise ValueError("param: expected one of this layer's parameter arrays "
@@ -334,6 +370,9 @@ class MoEWeights:
             raise ValueError(f"{weight_name}: shard_id must be one of {list(_SHARDS)}, "
                              f"got {shard_id!r}")
         name = self._param_name(param)
+        if self.quant_config is not None and (name in self.QUANT_PARAM_NAMES
+                                              or name in ("w13_weight", "w2_weight")):
+            return self._load_quantized(name, loaded_weight, weight_name, shard_id, expert_id)
         param = getattr(self, name)
         loaded = np.asarray(arrays.to_numpy(loaded_weight))
         if loaded.dtype not in FLOAT_DTYPES:
@@ -404,6 +443,133 @@ class MoEWeights:
                 dest[..., rows, :] = src.astype(self.params_dtype)
         self.invalidate_device_cache()
         return True
+
+    def _load_quantized(self, name, loaded_weight, weight_name, shard_id, expert_id) -> bool:
+        """weight_loader for a quantized layer's codes, scales, zero points and input scales
+        (sandbox/quant.py): one shard of one expert ([N_shard, ...]) or of all experts
+        ([E, N_shard, ...]), in the layer's own layout (checkpoint formats are converted
+        before: sandbox/checkpoint_quant.py). Gate and up rows go where the float loader puts
+        them; block scales by blocks; a per-tensor scale (or static input scale) is one per
+        expert, so gate and up must agree on it."""
+        from . import quant as Q
+
+        qc = self.quant_config
+        base, kind = name.split("_", 1)                       # "w13", "weight_scale"
+        if (base == "w13") == (shard_id == "w2"):
+            raise ValueError(f"{weight_name}: shard_id {shard_id!r} does not load into {name} "
+                             f"(w1/w3 go to w13, w2 to w2)")
+        if shard_id == "w3" and not self.is_act_and_mul:
+            raise ValueError(f"{weight_name}: shard_id 'w3' (up) has no place without "
+                             f"is_act_and_mul")
+        loaded = np.asarray(arrays.to_numpy(loaded_weight))
+        i, h = self.intermediate_size, self.hidden_size
+        n, k = (h, i) if shard_id == "w2" else (i, h)         # this shard's logical weight
+        if kind == "weight":
+            one, dtype = qc.code_shape(n, k), qc.code_dtype()
+            if loaded.dtype != dtype:
+                codes = {Q.FP8: "fp8", np.dtype(np.int8): "int8", np.dtype(np.uint8): "int4/uint8"}
+                cls = Q.QuantFormatMismatch if loaded.dtype in codes else Q.QuantShapeError
+                raise cls(f"{weight_name}: expected {qc.weight_dtype} codes ({dtype}) as the "
+                          f"layer's quant_config says, got dtype {loaded.dtype}"
+                          + (f" ({codes[loaded.dtype]} codes)" if loaded.dtype in codes else ""))
+        elif kind == "weight_zero_point":
+            one, dtype = qc.scale_shape(n, k), np.dtype(np.uint8)
+            if loaded.dtype != dtype:
+                raise Q.QuantShapeError(f"{weight_name}: expected uint8 zero points (one code "
+                                        f"a group, unpacked), got dtype {loaded.dtype}")
+        else:
+            one = qc.scale_shape(n, k) if kind == "weight_scale" else ()
+            dtype = np.dtype(np.float32)
+            if loaded.dtype not in FLOAT_DTYPES:
+                raise Q.QuantShapeError(f"{weight_name}: expected float scales, got dtype "
+                                        f"{loaded.dtype}")
+        full = loaded.ndim == len(one) + 1
+        want = ((self.num_experts,) + one) if full else one
+        if loaded.shape != want:
+            raise Q.QuantShapeError(f"{weight_name}: expected shape {want} for {name} (shard "
+                                    f"{shard_id}, {qc.describe()}), got {loaded.shape}")
+        src = loaded.astype(dtype)
+        param = getattr(self, name)
+        if full:
+            src, dest_idx = src[self.local_to_global], slice(None)
+        else:
+            local = self._local_expert(expert_id)
+            if local < 0:
+                return False
+            dest_idx = local
+        if shard_id == "w2" or not one:
+            if not one and shard_id == "w3":          # one value per expert: gate's must match
+                have = param[dest_idx]
+                if np.any(~np.isnan(have) & (have != src)):
+                    raise Q.QuantConfigError(
+                        f"{weight_name}: the layer holds one {kind} per expert, but gate (w1) "
+                        f"and up (w3) of expert {expert_id} differ ({have} vs {src}); "
+                        f"requantize them to one scale")
+            param[dest_idx] = src
+        else:
+            rows_n = src.shape[-len(one)]             # the shard's rows (blocks for block scales)
+            if self.activation == "swigluoai":
+                rows = slice(0, 2 * rows_n, 2) if shard_id == "w1" else slice(1, 2 * rows_n, 2)
+            elif not self.is_act_and_mul or shard_id == "w1":
+                rows = slice(0, rows_n)
+            else:
+                rows = slice(rows_n, 2 * rows_n)
+            if full:
+                param[:, rows] = src
+            else:
+                param[dest_idx, rows] = src
+        self.invalidate_device_cache()
+        return True
+
+    def quantize_from(self, weights) -> MoEWeights:
+        """Fill this quantized layer from a float MoEWeights of the same shape and sharding
+        (its w13 / w2 quantized per expert with reference/quant.py's quantizers; biases and
+        shared experts copied; static input scales left to the caller). Returns self."""
+        from . import quant as Q
+
+        qc = self.quant_config
+        if qc is None:
+            raise ValueError("quantize_from: this layer has no quant_config")
+        for name in ("w13_weight", "w2_weight"):
+            src = getattr(weights, name)
+            if weights.quant_config is not None or src.shape[:2] != getattr(self, name).shape[:2]:
+                raise ValueError(f"weights: expected a float layer of this one's shape, got "
+                                 f"{name} {src.shape} ({weights.quant_config})")
+            q, s, z = Q.quantize_experts(qc, src)
+            base = name.split("_")[0]
+            getattr(self, name)[...] = q
+            getattr(self, f"{base}_weight_scale")[...] = s
+            if z is not None:
+                getattr(self, f"{base}_weight_zero_point")[...] = z
+        for name in ("w13_bias", "w2_bias", "shared_w13", "shared_w2"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(weights, name).astype(self.params_dtype))
+        if weights.e_score_correction_bias is not None:
+            self.set_e_score_correction_bias(weights.e_score_correction_bias)
+        self.invalidate_device_cache()
+        return self
+
+    def dequantized(self, keep_fp32=False) -> MoEWeights:
+        """A float copy of this layer (quant_config None): the experts dequantized to
+        params_dtype (fp32 with keep_fp32, for the exact answer: dequantization is exact
+        in fp32), everything else shared. What a quantized layer approximates."""
+        from . import quant as Q
+
+        qc = self.quant_config
+        if qc is None:
+            return self
+        other = copy.copy(self)
+        other.quant_config = None
+        for base in ("w13", "w2"):
+            w = Q.dequantize_experts(qc, getattr(self, f"{base}_weight"),
+                                     getattr(self, f"{base}_weight_scale"),
+                                     getattr(self, f"{base}_weight_zero_point"))
+            setattr(other, f"{base}_weight", w if keep_fp32 else w.astype(self.params_dtype))
+        for name in self.QUANT_PARAM_NAMES:
+            setattr(other, name, None)
+        other._device_params = {}
+        other._version = self._version + 1
+        return other
 
     @classmethod
     def make_expert_params_mapping(cls, ckpt_gate_proj_name, ckpt_down_proj_name,
@@ -492,6 +658,19 @@ class MoEWeights:
         The full (unsharded) tensors are drawn from `seed` in a fixed order and then loaded
         through weight_loader, so ranks loaded with the same seed and different
         tp_rank / ep_rank hold the shards of one model."""
+        if self.quant_config is not None:
+            # the same float model, drawn as for a float layer, then quantized per expert;
+            # static activation scales are set from a standard-normal input's range
+            twin = copy.copy(self)
+            twin.quant_config = None
+            twin._allocate()
+            twin.load_random(seed)
+            self.quantize_from(twin)
+            for base in ("w13", "w2"):
+                if self.quant_config.static_input_scale:
+                    qmax = 448.0 if self.quant_config.weight_dtype == "fp8" else 127.0
+                    getattr(self, f"{base}_input_scale")[...] = np.float32(8.0 / qmax)
+            return self
         rng = np.random.default_rng(seed)
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
 
