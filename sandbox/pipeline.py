@@ -259,6 +259,11 @@ def quant_arguments(layer, backend, base):
     a_scale = None
     s = getattr(layer, f"{base}_input_scale")
     if s is not None:
+        if np.isnan(s).any():
+            from .quant import MissingActivationScale
+            raise MissingActivationScale(
+                f"{base}_input_scale: the static scheme needs the activation scale of every "
+                f"local expert, found {int(np.isnan(s).sum())} never loaded (NaN)")
         a_scale = backend.put(np.array([np.max(s)], np.float32)) if not backend.is_host \
             else np.array([np.max(s)], np.float32)
     return w, w_scale, w_zp, a_scale
