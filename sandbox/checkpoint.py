@@ -64,6 +64,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from . import checkpoint_quant
+
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 DEFAULT_FAMILY = "qwen3_moe"
 DEFAULT_TRACE = "zipf"
@@ -233,7 +235,8 @@ def _detect_family(files: CheckpointFiles, layer_idx: int, config: dict | None,
         by_names = "mixtral"
     elif p + "mlp.experts.gate_up_proj" in files:
         by_names = "gpt_oss"
-    elif any(re.match(re.escape(p) + r"mlp\.experts\.\d+\.gate_proj\.weight$", n)
+    elif any(re.match(re.escape(p) + r"mlp\.experts\.\d+\.gate_proj\.(?:weight|weight_packed|qweight)$",
+                      n)
              for n in names):
         deepseek = (p + "mlp.gate.e_score_correction_bias" in files
                     or any(n.startswith(p + "mlp.shared_experts.") for n in names)
@@ -474,7 +477,16 @@ def load(path: str | os.PathLike, layer_idx: int | None, build, **overrides):
         if layer_idx is None:
             layer_idx = _first_moe_layer(files)
         family = _detect_family(files, int(layer_idx), config, overrides.get("family"))
+        quant = checkpoint_quant.quant_config_of(config)      # (format, FusedMoEQuantConfig)
+        if quant is not None:
+            if family == "gpt_oss":
+                raise CheckpointError(f"config.json quantization_config: quantized gpt-oss "
+                                      f"(mxfp4) is not supported, got {quant[0]}")
+            overrides.setdefault("quant_config", quant[1])
         kwargs, expects, roles = _plan(files, family, int(layer_idx), config, overrides)
+        if quant is not None:
+            expects = checkpoint_quant.expects(expects, files, roles, quant[0],
+                                               kwargs["num_experts"])
         _check(files, expects)
         try:
             weights = build(**kwargs)
@@ -482,7 +494,11 @@ def load(path: str | os.PathLike, layer_idx: int | None, build, **overrides):
             raise CheckpointError(f"layer {layer_idx} of {str(path)!r} ({family}): the "
                                   f"layer arguments {_short(kwargs)} were refused: {exc}"
                                   ) from exc
-        if family == "gpt_oss":
+        if quant is not None:
+            checkpoint_quant.load_experts(weights, files, roles, quant[0], quant[1],
+                                          kwargs["num_experts"],
+                                          score_bias="e_score_correction_bias" not in overrides)
+        elif family == "gpt_oss":
             _load_gpt_oss(weights, files, roles)
         else:
             _load_per_expert(weights, files, roles, kwargs["num_experts"],
@@ -568,7 +584,8 @@ def _load_gpt_oss(weights, files: CheckpointFiles, roles: dict) -> None:
 
 def _check_complete(weights, path, layer_idx) -> None:
     """Every parameter must have been written: they start NaN-filled."""
-    names = ["w13_weight", "w2_weight", "w13_bias", "w2_bias", "shared_w13", "shared_w2"]
+    names = ["w13_weight", "w2_weight", "w13_bias", "w2_bias", "shared_w13", "shared_w2",
+             "w13_weight_scale", "w2_weight_scale"]
     for name in names:
         arr = getattr(weights, name, None)
         if arr is None or arr.size == 0:

@@ -12,6 +12,11 @@ make_all):
                                                     e_score_correction_bias, 1 shared expert
     gpt_oss/      config.json + model.safetensors   gpt-oss naming, E=8 K=2 H=64 I=64, fused
                                                     experts with gate/up interleaved + biases
+    deepseek_v3_fp8/   DeepSeek-V3's native fp8 (E=8 K=2 H=128 I=128): weight F8_E4M3 +
+                       weight_scale_inv per 128x128 block; quantization_config fp8
+    qwen3_moe_w4a16/   compressed-tensors pack-quantized int4, groups of 32 (qwen3_moe's weights)
+    qwen3_moe_gptq/    GPTQ int4 (qweight, scales, qzeros, g_idx), groups of 32, symmetric
+    mixtral_awq/       AWQ int4 (qweight, scales, qzeros), groups of 32, zero points
     traces/<family>_<distribution>.npz              hidden_states f32 [T, H], router_logits
                                                     f32 [T, E] for that family's MoE layer
 
@@ -88,6 +93,31 @@ FAMILIES = {
                           intermediate_size=64),
 }
 FAMILY_ORDER = tuple(FAMILIES)  # the index of a family feeds its seed: never reorder
+
+# quantized checkpoints in the formats people download (sandbox/checkpoint_quant.py): a
+# family's float weights (its own seed stream, sizes as given) quantized and packed.
+# name -> (family, format, quantization_config, size overrides)
+QUANT_CHECKPOINTS = {
+    # DeepSeek-V3's native fp8: 128x128 blocks need H and I multiples of 128
+    "deepseek_v3_fp8": ("deepseek_v3", "fp8",
+                        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                         "weight_block_size": [128, 128]},
+                        dict(num_experts=8, top_k=2, hidden_size=128, intermediate_size=128)),
+    "qwen3_moe_w4a16": ("qwen3_moe", "compressed-tensors",
+                        {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                         "config_groups": {"group_0": {
+                             "targets": ["Linear"], "input_activations": None,
+                             "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                         "strategy": "group", "group_size": 32,
+                                         "actorder": None}}},
+                         "ignore": ["lm_head", "re:.*mlp.gate$"]}, {}),
+    "qwen3_moe_gptq": ("qwen3_moe", "gptq",
+                       {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+                        "sym": True}, {}),
+    "mixtral_awq": ("mixtral", "awq",
+                    {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                     "version": "gemm"}, {}),
+}
 
 
 # ----------------------------------------------------------------------------- random draws
@@ -198,6 +228,42 @@ def write_checkpoint(spec: FamilySpec, out_dir: pathlib.Path, seed: int = 0) -> 
     _write_text(out_dir / "config.json", json.dumps(config_for(spec), indent=2, sort_keys=True))
     save_file(make_tensors(spec, seed), str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
+    return out_dir
+
+
+def quant_tensors(name: str, seed: int = 0) -> tuple[FamilySpec, dict[str, np.ndarray]]:
+    """The family spec and the tensors of quantized checkpoint `name` (QUANT_CHECKPOINTS):
+    every routed and shared expert projection replaced by its format's tensors."""
+    import re
+
+    from . import checkpoint_quant as CQ
+
+    family, fmt, qcfg, sizes = QUANT_CHECKPOINTS[name]
+    spec = dataclasses.replace(FAMILIES[family], **sizes)
+    cfg = CQ.quant_config_of({"quantization_config": qcfg})[1]
+    out = {}
+    pat = re.compile(r"model\.layers\.\d+\.(?:block_sparse_moe|mlp)\.(?:experts\.\d+|"
+                     r"shared_experts)\.\w+\.weight$")
+    for tname, t in make_tensors(spec, seed).items():
+        if pat.match(tname):
+            for role, v in CQ.to_format(fmt, cfg, t.astype(np.float32)).items():
+                out[f"{tname[:-len('.weight')]}.{role}"] = v
+        else:
+            out[tname] = t
+    return spec, out
+
+
+def write_quant_checkpoint(name: str, out_dir: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """Write quantized checkpoint `name`: config.json (with quantization_config) and
+    model.safetensors (fp8 as F8_E4M3, packed int4 as I32)."""
+    from safetensors.numpy import save_file
+
+    spec, tensors = quant_tensors(name, seed)
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = {**config_for(spec), "quantization_config": QUANT_CHECKPOINTS[name][2]}
+    _write_text(out_dir / "config.json", json.dumps(config, indent=2, sort_keys=True))
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
 
@@ -351,6 +417,11 @@ def make_all(out: pathlib.Path = pathlib.Path("data"), seed: int = 0,
                 rel = pathlib.Path("traces", f"{name}_{dist}.npz")
                 save_npz(staged / rel, trace)
                 relative.append(rel)
+        for name in QUANT_CHECKPOINTS:
+            if progress:
+                progress(f"checkpoint {name}")
+            write_quant_checkpoint(name, staged / name, seed)
+            relative += [pathlib.Path(name, "config.json"), pathlib.Path(name, "model.safetensors")]
         _install(staged, relative, out, tmp / "old")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
