@@ -140,7 +140,8 @@ def _words(nib: np.ndarray, axis: int) -> np.ndarray:
     w = np.zeros(n.shape[:-1], np.uint32)
     for i in range(8):
         w |= n[..., i] << np.uint32(4 * i)
-    return np.moveaxis(w.view(np.int32), -1, axis)
+    # contiguous: safetensors writes an array's memory as it lies, not in C order
+    return np.ascontiguousarray(np.moveaxis(w.view(np.int32), -1, axis))
 
 
 def _awq_perm(n):
@@ -208,6 +209,10 @@ def from_format(fmt, cfg, t: dict, name: str, n: int, k: int):
 # ----------------------------------------------------------------------------- write
 def to_format(fmt, cfg, w: np.ndarray) -> dict:
     """A float [n, k] weight quantized (reference/quant.py) into `fmt`'s tensors by role."""
+    return {role: np.ascontiguousarray(v) for role, v in _to_format(fmt, cfg, w).items()}
+
+
+def _to_format(fmt, cfg, w):
     from reference.quant import unpack_int4
 
     q, s, z = Q.quantize_experts(cfg, w[None])

@@ -81,10 +81,13 @@ def _load_trace(arg: str | None, layer, family: str | None):
     name = arg or checkpoint.DEFAULT_TRACE
     if name in datagen.DISTRIBUTIONS:
         path = checkpoint.default_trace_path(family or "", name) if family else None
+        x = None
         if path is not None and path.exists():
             x, logits = datagen.load_trace(path)
             label = f"{name} ({_rel(path)})"
-        else:
+            if x.shape[1] != H or logits.shape[1] != E:
+                x = None      # a quantized variant of the family with its own sizes
+        if x is None:
             t = datagen.make_trace(name, datagen.TRACE_TOKENS[name], H, E, K, seed=0,
                                    family=family if family in datagen.FAMILIES else "mixtral")
             x, logits = t["hidden_states"], t["router_logits"]
@@ -107,7 +110,7 @@ def _load_trace(arg: str | None, layer, family: str | None):
 
 def layer_sizes(layer) -> tuple[int, int, int]:
     """(H, E, K) of a layer."""
-    H = int(layer.w13_weight.shape[2])
+    H = int(layer.hidden_size)         # not w13's last dim: int4 codes pack two a byte
     E = int(getattr(layer, "global_num_experts", None) or layer.num_experts)
     K = int(layer.top_k)
     return H, E, K

@@ -83,7 +83,7 @@ def test_make_all_writes_everything_or_nothing(tmp_path, monkeypatch):
     monkeypatch.undo()
     written = datagen.make_all(out, seed=0)
     assert (out / "README.md").read_text() == "mine"
-    assert all(p.is_file() and out in p.parents for p in written) and len(written) == 24
+    assert all(p.is_file() and out in p.parents for p in written) and len(written) == 24 + 2 * len(datagen.QUANT_CHECKPOINTS)
     assert (out / "traces" / "mixtral_zipf.npz").read_bytes() != b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
 
