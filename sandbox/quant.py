@@ -74,24 +74,55 @@ class FusedMoEQuantConfig:
     """The quantization of one MoE layer, by vLLM's names (fused_moe/config.py).
 
     quant_dtype          the activations' codes: "fp8", "int8", or None (weight-only)
-    weight_dtype         the weights' codes: "fp8", "int8" (w8a8), "int4" or "uint8" (w8a16)
+    weight_dtype         the weights' codes: "fp8", "int8" (w8a8), "int4" or "uint8" (w8a16);
+                         None (and quant_dtype None): unquantized experts
     per_act_token_quant  dynamic per-token activation scales ([M, 1])
     per_out_ch_quant     per-output-channel weight scales ([E, N])
     block_shape          w8a8: [bn, bk] weight blocks with 1 x bk activation groups;
                          weight-only: [0, group_size] (vLLM's convention)
     static_input_scale   w8a8 per-tensor: activation scales loaded with the weights
     has_zp               weight-only: zero points per (row, group)
+    w1_bias, w2_bias     the experts' biases ([E, N] each, or None), as vLLM's config carries
+                         them to the modular kernel's experts (sandbox/modular/)
+    a1_scale, a2_scale   static activation scales handed to the modular experts (None)
+
+One class serves the layer (the format of its quantized weights: their tensors live in
+MoEWeights) and the modular kernel (FUSED_MOE_UNQUANTIZED_CONFIG and `make`, with biases).
     """
 
-    quant_dtype: str | None
-    weight_dtype: str
+    quant_dtype: str | None = None
+    weight_dtype: str | None = None
     per_act_token_quant: bool = False
     per_out_ch_quant: bool = False
     block_shape: tuple | None = None
     static_input_scale: bool = False
     has_zp: bool = False
+    # tensors ride along but are no part of the format: not compared, not printed
+    w1_bias: object = dataclasses.field(default=None, compare=False, repr=False)
+    w2_bias: object = dataclasses.field(default=None, compare=False, repr=False)
+    a1_scale: object = dataclasses.field(default=None, compare=False, repr=False)
+    a2_scale: object = dataclasses.field(default=None, compare=False, repr=False)
+
+    @staticmethod
+    def make(*, w1_bias=None, w2_bias=None) -> FusedMoEQuantConfig:
+        """Unquantized experts with biases (vLLM's FusedMoEQuantConfig.make without a
+        quant_dtype); the quantized formats come from the *_moe_quant_config builders."""
+        return FusedMoEQuantConfig(w1_bias=w1_bias, w2_bias=w2_bias)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.weight_dtype is not None
 
     def __post_init__(self):
+        if self.weight_dtype is None:
+            flags = (self.quant_dtype, self.block_shape, self.static_input_scale, self.has_zp,
+                     self.per_act_token_quant, self.per_out_ch_quant)
+            if any(f not in (None, False) for f in flags):
+                raise QuantFormatMismatch(
+                    f"weight_dtype: expected one of {list(WEIGHT_DTYPES)} for a quantized "
+                    f"format (quant_dtype={self.quant_dtype!r}, block_shape="
+                    f"{self.block_shape!r}), got None (unquantized)")
+            return
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise QuantConfigError(f"weight_dtype: expected one of {list(WEIGHT_DTYPES)}, got "
                                    f"{self.weight_dtype!r}")
@@ -263,10 +294,14 @@ def tolerance(cfg: FusedMoEQuantConfig) -> float:
     return TOLERANCES["int8"] if cfg.weight_dtype == "int8" else TOLERANCES["fp8"]
 
 
+FUSED_MOE_UNQUANTIZED_CONFIG = FusedMoEQuantConfig()
+
+
 def as_quant_config(value) -> FusedMoEQuantConfig | None:
-    """None, a FusedMoEQuantConfig, or a scheme name of SCHEMES."""
+    """None, a FusedMoEQuantConfig, or a scheme name of SCHEMES (an unquantized config is
+    None: the layer holds float weights)."""
     if value is None or isinstance(value, FusedMoEQuantConfig):
-        return value
+        return value if value is not None and value.is_quantized else None
     if isinstance(value, str) and value in SCHEMES:
         return SCHEMES[value]()
     raise QuantConfigError(f"quant_config: expected a FusedMoEQuantConfig or one of "

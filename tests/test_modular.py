@@ -20,6 +20,7 @@ import pytest
 
 import reference
 from sandbox import modular as mk
+from sandbox import quant as sq
 from sandbox.ep.checks import MODULAR_CASES, run_modular_parity
 from sandbox.ep.comm_cpu import CpuCommunicator
 
@@ -109,7 +110,7 @@ def test_pair_matches_reference(pf, experts, reduce, config, comm1, rng):
     dtype, activation, K, masked, on_input, bias = CONFIGS[config]
     x, w1, w2, tw, ids, b1, b2 = problem(rng, K=K, dtype=dtype, activation=activation,
                                          masked=masked, bias=bias)
-    qc = mk.FusedMoEQuantConfig.make(b1, b2)
+    qc = mk.FusedMoEQuantConfig.make(w1_bias=b1, w2_bias=b2)
     kernel = mk.FusedMoEKernel(make_pf(pf, comm1),
                                mk.EXPERTS[experts](qc, block_size=4, reduce=reduce))
     got = kernel.apply(x, w1, w2, tw, ids, activation, apply_router_weight_on_input=on_input)
@@ -234,6 +235,8 @@ def test_kernel_refuses_incompatible_pairs():
                      np.ones((2, 1), np.float32), np.zeros((2, 1), np.int32), "silu", 4,
                      np.array([0, 1, -1, -1], np.int32))
     with pytest.raises(NotImplementedError, match="unquantized"):
+        mk.ReferenceExperts(sq.fp8_w8a8_moe_quant_config(block_shape=(128, 128)))
+    with pytest.raises(ValueError, match="weight_dtype: expected one of"):
         mk.FusedMoEQuantConfig(quant_dtype="fp8")
 
 
@@ -338,7 +341,7 @@ def test_gpu_experts_match_reference(experts, reduce, config, rng):
     dtype, activation, K, masked, on_input, bias = GPU_CONFIGS[config]
     x, w1, w2, tw, ids, b1, b2 = problem(rng, T=67, E=8, K=K, H=128, I=64, dtype=dtype,
                                          activation=activation, masked=masked, bias=bias)
-    qc = mk.FusedMoEQuantConfig.make(b1, b2)
+    qc = mk.FusedMoEQuantConfig.make(w1_bias=b1, w2_bias=b2)
     want = oracle(x, w1, w2, tw, ids, activation, on_input, b1, b2)
     for pf in ("no_dp_ep", "naive_dp_ep", "all_to_all"):
         kernel = mk.FusedMoEKernel(make_pf(pf, CpuCommunicator(0, 1, store=None, timeout=10)),

@@ -8,7 +8,9 @@ the two abstract halves, the small types they exchange, and the kernel that comp
     FusedMoEExpertsModular              workspace_shapes, apply (permute, experts, unpermute)
     TopKWeightAndReduce                 who weights and sums the K slots (weight_and_reduce.py)
     FusedMoEKernel(prepare_finalize, fused_experts).apply(...)   -> [T, H]
-    FusedMoEActivationFormat, ExpertTokensMetadata, FusedMoEQuantConfig, split_activation
+    FusedMoEActivationFormat, ExpertTokensMetadata, split_activation
+    FusedMoEQuantConfig                 the layer's one config (sandbox/quant.py): the experts
+                                        here take it unquantized, with biases
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from .. import arrays
+from ..quant import FUSED_MOE_UNQUANTIZED_CONFIG, FusedMoEQuantConfig
 from .caller_arrays import empty_in_library_of
 
 
@@ -43,31 +46,6 @@ class ExpertTokensMetadata:
     def make_from_list(expert_num_tokens_list, device=None) -> ExpertTokensMetadata:
         host = np.asarray(list(expert_num_tokens_list), dtype=np.int32)
         return ExpertTokensMetadata(host if device is None else device(host), host)
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedMoEQuantConfig:
-    """vLLM's quant config, reduced to what unquantized experts read: the biases.
-    quant_dtype must stay None (quantized experts are not mirrored here)."""
-
-    quant_dtype: object = None
-    w1_bias: object = None                # [E, N] or None
-    w2_bias: object = None                # [E, H] or None
-    a1_scale: object = None
-    a2_scale: object = None
-
-    def __post_init__(self):
-        if self.quant_dtype is not None or self.a1_scale is not None \
-                or self.a2_scale is not None:
-            raise NotImplementedError("quant_config: only unquantized experts are mirrored "
-                                      f"here, got quant_dtype={self.quant_dtype!r}")
-
-    @staticmethod
-    def make(w1_bias=None, w2_bias=None) -> FusedMoEQuantConfig:
-        return FusedMoEQuantConfig(w1_bias=w1_bias, w2_bias=w2_bias)
-
-
-FUSED_MOE_UNQUANTIZED_CONFIG = FusedMoEQuantConfig()
 
 
 def split_activation(activation):
@@ -150,6 +128,11 @@ class FusedMoEExpertsModular(ABC):
     prepare handed over."""
 
     def __init__(self, quant_config: FusedMoEQuantConfig | None = None):
+        if quant_config is not None and quant_config.is_quantized:
+            raise NotImplementedError(
+                f"quant_config: the modular experts here take unquantized experts (with "
+                f"biases), got {quant_config.describe()} (the quantized layer: "
+                f"FusedMoE(quant_config=...))")
         self.quant_config = FUSED_MOE_UNQUANTIZED_CONFIG if quant_config is None \
             else quant_config
 
