@@ -269,26 +269,15 @@ def rel_err(got, want) -> float:
 
 
 def time_gpu_ms(fn, warmup: int = 3, reps: int = 20) -> float:
-    """Median milliseconds of fn() between two CUDA events (CuPy's, on the legacy default
-    stream, which Numba's launches also use). The events bracket the Python call too, so
-    small kernels show their launch overhead: what an eager caller pays. The inputs stay in
-    the 50 MB L2 between repetitions; benchmarks/ flush it (and re-draw the routing) for the
-    numbers we report."""
-    import cupy
+    """Median milliseconds of fn() by the one GPU timer (cuda_kernels/timing.py), as an eager
+    caller sees it: each call starts from an idle GPU, so the CUDA events bracket the Python
+    call too and small kernels show their launch overhead, and the inputs stay in the 50 MB
+    L2 between repetitions (benchmarks/ flush it, and re-draw the routing, for the numbers
+    we report). CuPy's events first: Numba's launches use the same default stream."""
+    from cuda_kernels import timing
 
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    times.sort()
-    return float(times[len(times) // 2])
+    return timing.time_cuda(fn, warmup, reps, flush_l2=False, mode="eager",
+                            api=timing.cuda_api("cupy")).median
 
 
 def load_results(prefix: str) -> list[tuple[pathlib.Path, dict]]:
