@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from reference.quant import block_shape_of
+
 from .. import _arrays as A
 from .. import _compile as C
 from .._geometry import cdiv
@@ -224,13 +226,7 @@ def moe_kernel_quantize_input(a, a_scale, quant_dtype, per_act_token_quant=False
     if quant_dtype not in QT:
         raise ValueError(f"quant_dtype: expected one of {sorted(QT)} or None, got {quant_dtype!r}")
     if block_shape is not None:
-        try:
-            bk = int(block_shape[1])
-        except (TypeError, IndexError, ValueError):
-            raise TypeError(f"block_shape: expected two ints [bn, bk], got "
-                            f"{block_shape!r}") from None
-        if bk < 1:
-            raise ValueError(f"block_shape: expected bk >= 1, got {block_shape!r}")
+        bk = block_shape_of(block_shape)[1]
         if a_scale is not None:
             raise ValueError("a_scale: block quantization computes its own per-group scales; "
                              "expected None, got an array")

@@ -23,17 +23,6 @@ ELEMS = {"bf16": 1, "fp16": 0}    # the ELEM_BF16 define of every quantized .cu
 ALIGN = 16                        # cp.async and the streaming loads move 16-byte chunks
 
 
-def fmt_of(use_fp8_w8a8, use_int8_w8a8, use_int8_w8a16, use_int4_w4a16) -> str | None:
-    """"fp8" | "int8" | "w8a16" | "int4" from vLLM's flags, None when none is set."""
-    flags = {"fp8": use_fp8_w8a8, "int8": use_int8_w8a8, "w8a16": use_int8_w8a16,
-             "int4": use_int4_w4a16}
-    on = [k for k, v in flags.items() if v]
-    if len(on) > 1:
-        raise ValueError(f"use_fp8_w8a8/use_int8_w8a8/use_int8_w8a16/use_int4_w4a16: expected at "
-                         f"most one format, got {len(on)} set ({', '.join(on)})")
-    return on[0] if on else None
-
-
 def elem_key(dtype) -> str:
     """"bf16" (uint16: bf16's bytes) or "fp16"."""
     dt = np.dtype(dtype)
@@ -92,17 +81,6 @@ def check_weights(w, dtypes):
     A.check_fits_int32("w", w.shape[1] * w.shape[2], "one expert's N * row bytes")
 
 
-def block_shape_of(block_shape):
-    """(bn, bk) of vLLM's block_shape, or None."""
-    if block_shape is None:
-        return None
-    try:
-        bn, bk = (int(v) for v in block_shape)
-    except (TypeError, ValueError):
-        raise TypeError(f"block_shape: expected two ints [bn, bk], got {block_shape!r}") from None
-    return bn, bk
-
-
 def epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias, out):
     """(topk weights [P] fp32 or None, bias [E, N] fp32 or None, c [P, N]): the checked
     epilogue operands of a quantized grouped GEMM with P slots. c is `out` (checked: [P, N],
@@ -139,6 +117,12 @@ def positions(L: int, P: int, block_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------- launching
+def instantiation(template: str, *args) -> str:
+    """The C++ name of one instantiation of a kernel template: "name<a, b, ...>" (what the
+    launchers pass as name_expressions; the cubin's symbols are looked up by it)."""
+    return f"{template}<{', '.join(str(a) for a in args)}>"
+
+
 def register_cases(cu_by_rung: dict, names_by_rung: dict, options_by_rung: dict | None = None):
     """Every instantiation a ladder can launch, for the CPU compile checks: one case per rung's
     file and element type (NVRTC compiles a case's names in one pass)."""

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from reference.quant import block_shape_of
+
 from .. import _arrays as A
 from .._geometry import cdiv
 from .._script import rel_err, script_start
@@ -57,14 +59,14 @@ ROW = KBLOCK + 16                         # v2's padded shared row, bytes (see w
 def kernel_name(rung: str, fmt: str, cfg: dict) -> str:
     """The instantiation of `rung` for `fmt` ("fp8" / "int8") with `cfg`'s tunables."""
     if rung == "v1":
-        return f"w8a8_v1_naive<{QT[fmt]}>"
+        return EP.instantiation("w8a8_v1_naive", QT[fmt])
     if rung == "v2":
-        return (f"w8a8_v2_mma<{QT[fmt]}, {cfg['BM']}, {cfg['BN']}, {cfg['WARPS_M']}, "
-                f"{cfg['WARPS_N']}, {cfg['STAGES']}>")
+        return EP.instantiation("w8a8_v2_mma", QT[fmt], *(cfg[k] for k in (
+            "BM", "BN", "WARPS_M", "WARPS_N", "STAGES")))
     if rung == "v3":
-        return (f"w8a8_v3_gemv<{cfg['BM'] // 8}, {cfg['WARPS']}, {cfg['U']}, {cfg['MINB']}, "
-                f"{cfg.get('PF', 0)}>")
-    return f"w8a8_v4_wgmma<{cfg['BM']}, {cfg['BN']}, {cfg['STAGES']}>"
+        return EP.instantiation("w8a8_v3_gemv", cfg["BM"] // 8, cfg["WARPS"], cfg["U"],
+                                cfg["MINB"], cfg.get("PF", 0))
+    return EP.instantiation("w8a8_v4_wgmma", cfg["BM"], cfg["BN"], cfg["STAGES"])
 
 
 def smem_bytes(rung: str, cfg: dict) -> int:
@@ -117,9 +119,6 @@ def refuses(fmt: str, cc: int, K: int, block_size: int, aligned: bool):
     16-byte boundaries). Pure: the CPU tests ask it about any device."""
     def why(cfg):
         rung = cfg["rung"]
-        common = Q.common_refusal(cfg, block_size, aligned)
-        if common or rung == "v1":
-            return common
         if rung in ("v3", "v4") and fmt != "fp8":
             return f"{rung} is an fp8 rung (int8 runs v1 or v2)"
         if rung in ("v2", "v4") and K % 16:
@@ -131,7 +130,7 @@ def refuses(fmt: str, cc: int, K: int, block_size: int, aligned: bool):
         if rung == "v4" and cc != 90:
             return f"v4 (wgmma, built for sm_90a) runs on compute capability 9.0 only, got {cc}"
         return None
-    return why
+    return Q.refusal(block_size, aligned, why)
 
 
 def default_rung(fmt: str, rows_per_expert: float, block_size: int, Kdim: int, cc: int) -> str:
@@ -169,7 +168,7 @@ def grouped_gemm_w8a8(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded
     if Kw != K:
         raise ValueError(f"w: expected shape (E, N, {K}) to match a's columns, got {w.shape}")
     out_key = EP.elem_key(out_dtype if out_dtype is not None else A.bf16_dtype())
-    bs = EP.block_shape_of(block_shape)
+    bs = block_shape_of(block_shape)
     if bs is not None and bs != (KBLOCK, KBLOCK):
         raise ValueError(f"block_shape: the GPU kernels do DeepSeek-V3's [128, 128] blocks, "
                          f"got {list(bs)}")

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from reference.quant import wna16_group_size
+
 from .. import _arrays as A
 from .._geometry import cdiv
 from .._script import rel_err, script_start
@@ -69,11 +71,12 @@ PACK_CACHE_SIZE = 64              # packed weight sets kept (two per MoE layer)
 def kernel_name(rung: str, nbits: int, cfg: dict) -> str:
     """The instantiation of rung v1-v3 for nbits-wide codes with `cfg`'s tunables."""
     if rung == "v1":
-        return f"wna16_v1_naive<{nbits}>"
+        return EP.instantiation("wna16_v1_naive", nbits)
     if rung == "v2":
-        return (f"wna16_v2_mma<{nbits}, {cfg['BM']}, {cfg['BN']}, {cfg['BK']}, "
-                f"{cfg['WARPS_M']}, {cfg['WARPS_N']}, {cfg['STAGES']}>")
-    return f"wna16_v3_gemv<{cfg['BM'] // 8}, {cfg['WARPS']}, {cfg['U']}, {cfg['MINB']}>"
+        return EP.instantiation("wna16_v2_mma", nbits, *(cfg[k] for k in (
+            "BM", "BN", "BK", "WARPS_M", "WARPS_N", "STAGES")))
+    return EP.instantiation("wna16_v3_gemv", cfg["BM"] // 8, cfg["WARPS"], cfg["U"],
+                            cfg["MINB"])
 
 
 def v2_rows(cfg: dict, nbits: int) -> tuple[int, int]:
@@ -115,14 +118,11 @@ EP.register_cases(CU, NAMES)      # one NVRTC check per file and element type
 # ----------------------------------------------------------------------------- the choice
 def refuses(nbits: int, cc: int, N: int, K: int, group_size: int, num_groups: int,
             block_size: int, aligned: bool):
-    """The route's check for one problem on a device of compute capability `cc`:
-    refuses(cfg) -> None when cfg's rung runs it, else why not (`aligned`: a and w start on
-    16-byte boundaries). Pure: the CPU tests ask it about any device."""
+    """The weight-only route's check of one problem with `nbits`-wide codes on a device of
+    compute capability `cc` (w8a8.refuses' contract): refuses(cfg) -> None when cfg's rung
+    runs it, else why not. Pure: the CPU tests ask it about any device."""
     def why(cfg):
         rung = cfg["rung"]
-        common = Q.common_refusal(cfg, block_size, aligned)
-        if common or rung == "v1":
-            return common
         if rung == "v2":
             if K % 32:
                 return f"v2 loads 16-byte chunks: Kdim must be a multiple of 32, got {K}"
@@ -147,7 +147,7 @@ def refuses(nbits: int, cc: int, N: int, K: int, group_size: int, num_groups: in
             return (f"the warp-specialized {rung} configs (WS) need an sm_90 GPU (setmaxnreg "
                     f"is sm_90a's), this one is sm_{cc}")
         return None
-    return why
+    return Q.refusal(block_size, aligned, why)
 
 
 def default_rung(fmt: str, rows_per_expert: float, block_size: int, N: int, Kdim: int,
@@ -230,11 +230,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         raise ValueError("w_scale: expected per-group scales [E, N, G], got None")
     A.check_array("w_scale", w_scale, ndim=3, contiguous=False)
     G = w_scale.shape[2]
-    bs = EP.block_shape_of(block_shape)
-    group_size = bs[1] if bs is not None else (K // G if G and K % G == 0 else 0)
-    if G < 1 or group_size < 1 or K % group_size or K // group_size != G:
-        raise ValueError(f"w_scale: expected Kdim / group_size = {K} / {group_size} groups, "
-                         f"got shape {w_scale.shape}")
+    group_size = wna16_group_size(K, w_scale.shape, block_shape)
     w_s = EP.f32("w_scale", w_scale, shape=(E, N, G))
     if w_zp is not None:
         if w.dtype == np.int8:
