@@ -449,17 +449,13 @@ def main(argv=None):
     p.add_argument("--tokens", default=",".join(map(str, bench.DEFAULT_TOKENS)))
     p.add_argument("--versions", default="v1,v2,v3,v4,v5")
     p.add_argument("--budget-s", type=float, default=180.0)
-    p.add_argument("--out-dir", default=str(bench.DEFAULT_OUT_DIR),
-                   help="results folder (--out-dir benchmarks/results updates the committed files)")
+    bench.add_out_dir(p)
     args = p.parse_args(argv)
     ok, why = _arrays.availability()
     if not ok:
         print(f"no GPU here ({why}): nothing to time")
         return 0
-    models = args.models.split(",")
-    for m in models:
-        if m not in bench.PRESETS:
-            raise SystemExit(f"--models: expected names from {MODELS}, got {m!r}")
+    models = bench.names_arg("--models", args.models, bench.PRESETS)
     tokens = [int(t) for t in args.tokens.split(",")]
     versions = args.versions.split(",")
     command = " ".join([pathlib.Path(sys.executable).name] + sys.argv)

@@ -58,8 +58,6 @@ from sandbox import bench
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
 STAGES = ("route", "align", "permute", "activation", "unpermute", "combine")
 TARGET_US = 25.0
-# DeepSeek-V3's router: groups, topk_group, scoring, routed_scaling_factor
-GROUPED = {"deepseek-v3": (8, 4, "sigmoid", 2.5)}
 
 
 def _bf16_randn(cp, shape, scale=1.0):
@@ -89,12 +87,7 @@ class Point:
         self.shapes = {"P": P, "E": E, "K": K, "H": H, "I": inter}
 
     def route(self):
-        ck, p = self.ck, self.p
-        if p.name in GROUPED:
-            G, TG, scoring, scale = GROUPED[p.name]
-            return ck.grouped_topk(None, self.logits, p.top_k, True, G, TG, scoring, scale,
-                                   self.bias)
-        return ck.fused_topk(None, self.logits, p.top_k, True)[:2]
+        return bench.route_preset(self.ck, self.p, self.logits, self.bias)
 
     def redraw(self):
         self.logits = _bf16_randn(self.cp, (self.T, self.p.num_experts))   # [T, E]
@@ -121,12 +114,12 @@ def stage_call(pt: Point, stage: str):
     ck, T, B = pt.ck, pt.T, pt.B
     E, K, H, inter, P = (pt.shapes[k] for k in ("E", "K", "H", "I", "P"))
     if stage == "route":
-        nbytes = T * E * 2 + T * K * 8 + (E * 4 if pt.p.name in GROUPED else 0)
+        nbytes = T * E * 2 + T * K * 8 + (E * 4 if pt.p.name in bench.GROUPED_ROUTING else 0)
         return pt.route, nbytes
     if stage == "align":
-        from cuda_kernels.cupy.align import max_num_tokens_padded
+        from reference import max_num_tokens_padded
 
-        n = max_num_tokens_padded(P, E, B)
+        n = max_num_tokens_padded(P, B, E)
         nbytes = 4 * (P + n + cdiv(n, B) + 1)
         return (lambda: ck.moe_align_block_size(pt.topk_ids, B, E)), nbytes
     if stage == "permute":
@@ -243,21 +236,14 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--budget-s", type=float, default=240.0)
-    p.add_argument("--out-dir", default=str(bench.DEFAULT_OUT_DIR),
-                   help="results folder (--out-dir benchmarks/results updates the committed files)")
+    bench.add_out_dir(p)
     args = p.parse_args(argv)
     ok, why = A.availability()
     if not ok:
         print(f"no GPU here ({why}): nothing to time")
         return 0
-    models = args.models.split(",")
-    for m in models:
-        if m not in MODELS:
-            raise SystemExit(f"--models: expected names from {MODELS}, got {m!r}")
-    stages = args.stages.split(",")
-    for s in stages:
-        if s not in STAGES:
-            raise SystemExit(f"--stages: expected names from {STAGES}, got {s!r}")
+    models = bench.names_arg("--models", args.models, MODELS)
+    stages = bench.names_arg("--stages", args.stages, STAGES)
     tokens = [int(t) for t in args.tokens.split(",")]
     print(header())
     record, elapsed = run(models, tokens, stages, args.reps, args.warmup, args.block_size,

@@ -66,6 +66,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from cuda_kernels import timing  # noqa: E402
+from sandbox.bench import add_out_dir  # noqa: E402
 from sandbox.ep import launch  # noqa: E402
 
 DEEPSEEK_V3 = dict(hidden_size=7168, top_k=8, num_experts=256, intermediate_size=2048,
@@ -714,8 +715,7 @@ def main(argv=None):
     ap.add_argument("--stage-ops", default="cupy", choices=("cupy", "reference"),
                     help="permute/unpermute/GEMM stages: CuPy kernels, or the NumPy reference "
                          "on the host (slow; harness checks only)")
-    ap.add_argument("--out", default="moe-sandbox-results",
-                    help="results folder (--out benchmarks/results updates the committed files)")
+    add_out_dir(ap, "--out")
     args = ap.parse_args(argv)
     if args.gpus < 1:
         ap.error(f"--gpus: expected a positive number of GPUs, got {args.gpus}")

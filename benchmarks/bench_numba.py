@@ -76,7 +76,6 @@ from sandbox import bench  # noqa: E402
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 STAGES = ("route", "align", "permute", "activation", "unpermute", "combine", "gemm1", "gemm2")
-GROUPED = {"deepseek-v3": (8, 4, "sigmoid", 2.5)}     # groups, topk_group, scoring, scaling
 TARGETS = {"route": 1.3, "align": 1.3, "permute": 1.3, "combine": 1.3}
 GEMM_TARGET = 1.5
 SPIN_US = 1500             # longer than any one call takes to enqueue
@@ -199,12 +198,7 @@ class Point:
         self.topk_weights = self.topk_ids = self.inv = None
 
     def route_with(self, mod):
-        p = self.p
-        if p.name in GROUPED:
-            G, TG, scoring, scale = GROUPED[p.name]
-            return mod.grouped_topk(None, self.logits, p.top_k, True, G, TG, scoring, scale,
-                                    self.bias)
-        return mod.fused_topk(None, self.logits, p.top_k, True)[:2]
+        return bench.route_preset(mod, self.p, self.logits, self.bias)
 
     def new_logits(self):
         self.env.refill(self.logits, 2.0)
@@ -389,18 +383,22 @@ def verdicts(points):
         if "device_us" in p:
             by[(p["model"], p["T"], p["stage"], p["backend"])] = p["device_us"]["median"]
     lines, summary = [], {}
-    for stage, target in TARGETS.items():
-        ratios = [(m, T, by[(m, T, s, "numba")] / by[(m, T, s, "cupy")])
-                  for (m, T, s, b) in by if s == stage and b == "numba"
-                  and (m, T, s, "cupy") in by]
+
+    def verdict(stage, target, what, ratios):   # ratios: [(model, T, numba / cupy)]
         if not ratios:
-            continue
+            return
         worst = max(ratios, key=lambda r: r[2])
         ok = sum(r[2] <= target for r in ratios)
         summary[stage] = {"target": target, "points_met": ok, "points": len(ratios),
                           "worst": {"model": worst[0], "T": worst[1], "ratio": worst[2]}}
-        lines.append(f"{stage:10s} numba/cupy <= {target}: {ok}/{len(ratios)} points; worst "
+        lines.append(f"{stage:10s} {what} <= {target}: {ok}/{len(ratios)} points; worst "
                      f"{worst[2]:.2f}x at {worst[0]} T={worst[1]}")
+
+    for stage, target in TARGETS.items():
+        verdict(stage, target, "numba/cupy",
+                [(m, T, by[(m, T, s, "numba")] / by[(m, T, s, "cupy")])
+                 for (m, T, s, b) in by if s == stage and b == "numba"
+                 and (m, T, s, "cupy") in by])
     for stage in ("gemm1", "gemm2"):
         ratios = []
         for (m, T, s, b) in by:
@@ -409,14 +407,7 @@ def verdicts(points):
             mine = [by[k] for k in by if k[:3] == (m, T, s) and k[3].startswith("numba-")]
             if mine:
                 ratios.append((m, T, min(mine) / by[(m, T, s, "cupy-v3")]))
-        if not ratios:
-            continue
-        worst = max(ratios, key=lambda r: r[2])
-        ok = sum(r[2] <= GEMM_TARGET for r in ratios)
-        summary[stage] = {"target": GEMM_TARGET, "points_met": ok, "points": len(ratios),
-                          "worst": {"model": worst[0], "T": worst[1], "ratio": worst[2]}}
-        lines.append(f"{stage:10s} best numba / cupy-v3 <= {GEMM_TARGET}: {ok}/{len(ratios)} "
-                     f"points; worst {worst[2]:.2f}x at {worst[0]} T={worst[1]}")
+        verdict(stage, GEMM_TARGET, "best numba / cupy-v3", ratios)
     return lines, summary
 
 
@@ -431,20 +422,14 @@ def main(argv=None):
     p.add_argument("--gemm-versions", default=None,
                    help="GEMM rungs to time, e.g. numba-v3,numba-v3v,cupy-v3 (default: all)")
     p.add_argument("--no-cupy", action="store_true", help="time the Numba kernels only")
-    p.add_argument("--out-dir", default=str(bench.DEFAULT_OUT_DIR),
-                   help="results folder (--out-dir benchmarks/results updates the committed files)")
+    bench.add_out_dir(p)
     args = p.parse_args(argv)
     ok, why = nb.availability()
     if not ok or A.is_simulator():
         print(f"no GPU for numba here ({why}): nothing to time")
         return 0
-    models, stages = args.models.split(","), args.stages.split(",")
-    for m in models:
-        if m not in MODELS:
-            raise SystemExit(f"--models: expected names from {MODELS}, got {m!r}")
-    for s in stages:
-        if s not in STAGES:
-            raise SystemExit(f"--stages: expected names from {STAGES}, got {s!r}")
+    models = bench.names_arg("--models", args.models, MODELS)
+    stages = bench.names_arg("--stages", args.stages, STAGES)
     tokens = [int(t) for t in args.tokens.split(",")]
     cupy_ok, cupy_why = False, "--no-cupy"
     if not args.no_cupy:

@@ -75,6 +75,7 @@ from cuda_kernels.cupy.quant import configs as Q  # noqa: E402
 from cuda_kernels.cupy.quant import gemm as QG  # noqa: E402
 from cuda_kernels.cupy.quant import w8a8 as W8  # noqa: E402
 from cuda_kernels.cupy.quant import wna16 as W16  # noqa: E402
+from sandbox.bench import add_out_dir  # noqa: E402
 
 MODELS = {
     # name: (E, K, H, I, quantized format)
@@ -393,9 +394,7 @@ def main(argv=None):
     parser.add_argument("--no-spin", action="store_true",
                         help="time the launchers' host overhead too (no spin kernel ahead)")
     parser.add_argument("--no-save", action="store_true")
-    parser.add_argument("--out", default="moe-sandbox-results",
-                        help="results folder (--out benchmarks/results updates the committed "
-                             "files)")
+    add_out_dir(parser, "--out")
     parser.add_argument("--flush", default="read", choices=("read", "write"),
                         help="how the L2 is evicted before each timed call (see the doc)")
     parser.add_argument("--fp8-version", default=None, choices=("v1", "v2", "v3", "v4"),

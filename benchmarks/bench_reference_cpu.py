@@ -21,7 +21,7 @@ import numpy as np
 
 import reference
 from cuda_kernels.timing import time_cpu
-from sandbox.bench import git_commit, torch_per_expert_loop
+from sandbox.bench import add_out_dir, git_commit, torch_per_expert_loop
 
 
 def time_it(fn, reps):
@@ -34,9 +34,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-save", action="store_true")
-    parser.add_argument("--out", default="moe-sandbox-results",
-                        help="results folder (--out benchmarks/results updates the committed "
-                             "files)")
+    add_out_dir(parser, "--out")
     args = parser.parse_args()
 
     num_experts, top_k, hidden, inter, tokens = 8, 2, 1024, 2816, args.tokens

@@ -51,6 +51,7 @@ from cuda_kernels import timing  # noqa: E402
 from cuda_kernels.cupy import _arrays as A  # noqa: E402
 from cuda_kernels.cupy.quant import configs as Q  # noqa: E402
 from cuda_kernels.cupy.quant import wna16 as W16  # noqa: E402
+from sandbox.bench import add_out_dir  # noqa: E402
 
 E, K, H, I = 8, 2, 4096, 14336
 GROUP = 128
@@ -175,8 +176,7 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=1e9)
     p.add_argument("--zp", action="store_true",
                    help="per-group zero points (uint8 0..15), as AWQ-style asymmetric int4")
-    p.add_argument("--out", default="moe-sandbox-results",
-                   help="results folder (--out benchmarks/results updates the committed files)")
+    add_out_dir(p, "--out")
     args = p.parse_args(argv)
     ok, why = A.availability()
     if not ok:

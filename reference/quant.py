@@ -68,13 +68,12 @@ from ._checks import (
     check_array,
     check_choice,
     check_float,
-    check_int,
     check_positive_int,
 )
 from .activation import apply_activation
 from .align import moe_align_block_size
 from .combine import moe_sum
-from .experts import DEFAULT_BLOCK_SIZE, check_expert_routing
+from .experts import DEFAULT_BLOCK_SIZE, check_expert_routing, check_topk_arrays, check_w1_rows
 from .gemm import grouped_gemm, walk_expert_blocks
 from .precision import compute_dtype
 
@@ -700,16 +699,8 @@ def fused_experts_quant(hidden_states, w1, w2, topk_weights, topk_ids, activatio
     if w2.shape[:2] != (num_local, hidden):
         raise ValueError(f"w2: expected shape ({num_local}, {hidden}, ...), got {w2.shape}")
     inter = _logical_k(w2, fmt)
-    gated = is_act_and_mul and not str(activation).endswith("_no_mul")
-    want_n1 = 2 * inter if gated else inter
-    if w1.shape[1] != want_n1:
-        raise ValueError(f"w1: expected {want_n1} output rows ({'2 * ' if gated else ''}w2's "
-                         f"intermediate size {inter}), got shape {w1.shape}")
-    check_int("topk_ids", topk_ids, ndim=2)
-    if topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids: expected {num_tokens} rows to match hidden_states, "
-                         f"got shape {topk_ids.shape}")
-    check_float("topk_weights", topk_weights, ndim=2, shape=topk_ids.shape)
+    check_w1_rows(w1, inter, activation, is_act_and_mul)
+    check_topk_arrays(topk_weights, topk_ids, num_tokens)
     top_k, num_experts = check_expert_routing(topk_ids, num_local, global_num_experts,
                                               expert_map, apply_router_weight_on_input)
     block_size = check_positive_int("block_size", block_size or DEFAULT_BLOCK_SIZE)

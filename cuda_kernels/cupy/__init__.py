@@ -5,7 +5,7 @@ Every stage has the name, the arguments and the returns of its NumPy twin in `re
 
 One file per stage (the listing of reference/, numba/ and torch/):
     routing.py      fused_topk, fused_topk_bias, grouped_topk, select_experts   (routing.cu)
-    align.py        moe_align_block_size, max_num_tokens_padded                 (align.cu)
+    align.py        moe_align_block_size (its output's length: the reference's)  (align.cu)
     permute.py      moe_permute, moe_unpermute                                  (permute.cu)
     gemm.py         grouped_gemm, a ladder of versions v1..v6                   (gemm_v*.cu,
                     gemm_common.cuh, wgmma_operands.cuh)

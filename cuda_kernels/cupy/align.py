@@ -6,7 +6,9 @@ Shapes: T tokens, K top-k, P = T * K slots (s = t * K + k), E experts, B block s
                          pad_sorted_ids=False, ignore_invalid_experts=False)
         -> sorted_token_ids int32 [max_num_tokens_padded], expert_ids int32
            [cdiv(max_num_tokens_padded, B)], num_tokens_post_padded int32 [1]
-    max_num_tokens_padded(P, num_experts, block_size, pad_sorted_ids=False) -> int
+
+The output's length, max_num_tokens_padded(P, block_size, num_experts, pad_sorted_ids), is the
+reference's (reference/align.py): the buffer the contract sizes.
 
 The grouping runs on the GPU with no host round trip (counts, scans and a stable scatter in
 one launch: align.cu and grouping.cuh explain it); the order inside an expert is increasing
@@ -18,6 +20,8 @@ Run as a script to validate against reference/ and time: python -m cuda_kernels.
 from __future__ import annotations
 
 import numpy as np
+
+from reference.align import max_num_tokens_padded
 
 from . import _arrays as A
 from . import _compile as C
@@ -141,18 +145,6 @@ def _barrier_word(stream_ptr: int | None = None):
     return word
 
 
-def max_num_tokens_padded(P: int, num_experts: int, block_size: int,
-                          pad_sorted_ids: bool = False) -> int:
-    """The length of sorted_token_ids: P + E (B - 1), rounded up to B if pad_sorted_ids,
-    and at most P * B when P < E (docs/stages.md)."""
-    n = P + num_experts * (block_size - 1)
-    if pad_sorted_ids:
-        n = cdiv(n, block_size) * block_size
-    if P < num_experts:
-        n = min(n, P * block_size)
-    return n
-
-
 # ----------------------------------------------------------------------------- stage
 def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
                          pad_sorted_ids=False, ignore_invalid_experts=False):
@@ -174,7 +166,7 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
             raise TypeError(f"expert_map: expected an integer dtype, got {expert_map.dtype}")
         emap = expert_map if expert_map.dtype == np.int32 else expert_map.astype(np.int32)
     P = int(ids.size)
-    n = max_num_tokens_padded(P, E, B, pad_sorted_ids)
+    n = max_num_tokens_padded(P, B, E, pad_sorted_ids)
     A.check_fits_int32("topk_ids", n + B, "max_num_tokens_padded + block_size")
     num_blocks = cdiv(n, B)
 

@@ -3,7 +3,7 @@
     out[t] = sum_k topk_weights[t, k] * (W2[e] @ act(W13[e] @ x[t]))      e = topk_ids[t, k]
 
     T tokens, E local experts, K top-k, H hidden, I intermediate, N1 = 2I (gated) or I,
-    B block size, P = T*K slots, L = max_num_tokens_padded(P, E, B)
+    B block size, P = T*K slots, L = max_num_tokens_padded(P, B, E)
 
     align       moe_align_kernel        topk_ids [T, K]   -> sorted [L], expert_ids [L/B], ntpp [1]
     gemm1       grouped_gemm_<v>        x [T, H], w1 [E, N1, H] -> c1 [P, N1]   (router weight
@@ -39,14 +39,16 @@ from typing import NamedTuple
 
 import numpy as np
 
+from reference.align import max_num_tokens_padded
+
 from . import _arrays as A
 from . import _compile as C
-from ._geometry import ROW_VECS, block_threads, cdiv
 from . import activation as act_mod
 from . import align as align_mod
 from . import combine as sum_mod
 from . import gemm as gg
 from . import gemm_configs as gcfg
+from ._geometry import ROW_VECS, block_threads, cdiv
 from ._launch import FastLaunch
 from .gemm_tensor_map import v6_tensor_map
 
@@ -185,7 +187,7 @@ class ExpertsPlan:
         self.B = B = A.check_int("block_size", block_size, 1)
         # align bins by global ids (E_align = the expert map's length, else E)
         self.E_align = E_align
-        self.L = L = align_mod.max_num_tokens_padded(P, E_align, B)
+        self.L = L = max_num_tokens_padded(P, B, E_align)
         self.num_blocks = cdiv(L, B)
         self.mul_on_input = bool(mul_on_input)
         with cupy.cuda.Device(device):

@@ -19,9 +19,9 @@ import numpy as np
 
 from . import _arrays as A
 from . import _compile as C
+from . import align as align_mod
 from ._geometry import cdiv, row_geometry
 from ._script import rel_err, script_start
-from . import align as align_mod
 
 CONFIGS = {
     "gather_rows_kernel": {"ROW_WARPS": 4},

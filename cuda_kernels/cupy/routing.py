@@ -2,16 +2,12 @@
 
 Shapes: T tokens, E experts (<= 1024), K top-k (<= 32).
 
-    fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None,
-               scoring_func="softmax")
-        -> topk_weights f32 [T, K], topk_ids int32 [T, K], token_expert_indices int32 [T, K]
-    fused_topk_bias(hidden_states, gating_output, scoring_func, e_score_correction_bias, topk,
-                    renormalize, indices_type=None, routed_scaling_factor=1.0)
-        -> topk_weights, topk_ids
-    grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,
-                 topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0,
-                 e_score_correction_bias=None) -> topk_weights, topk_ids
-    select_experts(...)  the FusedMoE dispatcher over the three
+    fused_topk        softmax / sigmoid top-k        -> topk_weights f32 [T, K], topk_ids
+                                                        int32 [T, K], token_expert_indices
+    fused_topk_bias   the same with a correction bias added before the choice (DeepSeek-V3)
+    grouped_topk      top-k of the best topk_group of num_expert_group groups
+    select_experts    the FusedMoE dispatcher over the three
+(the signatures, the reference's: docs/stages.md)
 
 All three are one kernel, `route_topk_kernel<VPT>` (one warp per token row, the row in
 registers: lane l holds experts l, l + 32, ...; VPT = values per lane = cdiv(E, 32) rounded up
@@ -21,7 +17,6 @@ shared memory = WARPS_PER_BLOCK * (even(E + E/32 + 1) + 2G) * 4 bytes when there
 Run as a script to validate against reference/ and time: python -m cuda_kernels.cupy.routing
 """
 from __future__ import annotations
-
 
 import numpy as np
 

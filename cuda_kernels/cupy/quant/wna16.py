@@ -54,8 +54,8 @@ from reference.quant import wna16_group_size
 
 from .. import _arrays as A
 from .._geometry import cdiv
-from .._script import rel_err, script_start
 from .._launch import launch
+from .._script import rel_err, script_start
 from . import configs as Q
 from . import epilogue as EP
 from . import wna16_packed as P4
