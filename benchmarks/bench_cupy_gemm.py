@@ -445,8 +445,7 @@ def _compile_gpu_name() -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--tokens", default=",".join(map(str, bench.DEFAULT_TOKENS)))
+    bench.add_points_options(p, MODELS, bench.DEFAULT_TOKENS)
     p.add_argument("--versions", default="v1,v2,v3,v4,v5")
     p.add_argument("--budget-s", type=float, default=180.0)
     bench.add_out_dir(p)
@@ -455,8 +454,7 @@ def main(argv=None):
     if not ok:
         print(f"no GPU here ({why}): nothing to time")
         return 0
-    models = bench.names_arg("--models", args.models, bench.PRESETS)
-    tokens = [int(t) for t in args.tokens.split(",")]
+    models, tokens = bench.points_of(args, bench.PRESETS)
     versions = args.versions.split(",")
     command = " ".join([pathlib.Path(sys.executable).name] + sys.argv)
     gpu = _compile_gpu_name()

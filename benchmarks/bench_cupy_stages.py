@@ -229,8 +229,7 @@ def target_lines(record) -> list[str]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--tokens", default=",".join(map(str, bench.DEFAULT_TOKENS)))
+    bench.add_points_options(p, MODELS, bench.DEFAULT_TOKENS)
     p.add_argument("--stages", default=",".join(STAGES))
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
@@ -242,9 +241,8 @@ def main(argv=None):
     if not ok:
         print(f"no GPU here ({why}): nothing to time")
         return 0
-    models = bench.names_arg("--models", args.models, MODELS)
+    models, tokens = bench.points_of(args, MODELS)
     stages = bench.names_arg("--stages", args.stages, STAGES)
-    tokens = [int(t) for t in args.tokens.split(",")]
     print(header())
     record, elapsed = run(models, tokens, stages, args.reps, args.warmup, args.block_size,
                           args.budget_s)

@@ -413,8 +413,7 @@ def verdicts(points):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    bench.add_points_options(p, MODELS, TOKENS)
     p.add_argument("--stages", default=",".join(STAGES))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=150.0,
@@ -428,9 +427,8 @@ def main(argv=None):
     if not ok or A.is_simulator():
         print(f"no GPU for numba here ({why}): nothing to time")
         return 0
-    models = bench.names_arg("--models", args.models, MODELS)
+    models, tokens = bench.points_of(args, MODELS)
     stages = bench.names_arg("--stages", args.stages, STAGES)
-    tokens = [int(t) for t in args.tokens.split(",")]
     cupy_ok, cupy_why = False, "--no-cupy"
     if not args.no_cupy:
         try:

@@ -75,7 +75,7 @@ from cuda_kernels.cupy.quant import configs as Q  # noqa: E402
 from cuda_kernels.cupy.quant import gemm as QG  # noqa: E402
 from cuda_kernels.cupy.quant import w8a8 as W8  # noqa: E402
 from cuda_kernels.cupy.quant import wna16 as W16  # noqa: E402
-from sandbox.bench import add_out_dir  # noqa: E402
+from sandbox.bench import add_out_dir, add_points_options, points_of  # noqa: E402
 
 MODELS = {
     # name: (E, K, H, I, quantized format)
@@ -385,8 +385,7 @@ def summary(points, log):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    add_points_options(parser, MODELS, TOKENS)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 path")
     parser.add_argument("--budget-s", type=float, default=200.0,
@@ -410,11 +409,7 @@ def main(argv=None):
         raise SystemExit(f"needs a GPU: {why}")
     import cupy
 
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    for m in models:
-        if m not in MODELS:
-            raise SystemExit(f"--models: expected names from {sorted(MODELS)}, got {m!r}")
-    tokens = [int(t) for t in args.tokens.split(",")]
+    models, tokens = points_of(args, MODELS)
     start = time.time()
     deadline = start + args.budget_s
     lines = []

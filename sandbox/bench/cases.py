@@ -61,10 +61,23 @@ def default_tokens(device: str) -> tuple[int, ...]:
     return CPU_TOKENS if device == "cpu" else DEFAULT_TOKENS
 
 
+def add_points_options(parser, models, tokens):
+    """--models and --tokens, comma-separated: the (preset, T) points a benchmark script
+    runs; points_of(args, models) reads them back."""
+    parser.add_argument("--models", default=",".join(models))
+    parser.add_argument("--tokens", default=",".join(map(str, tokens)))
+
+
+def points_of(args, models) -> tuple[list[str], list[int]]:
+    """(model names, token counts) of add_points_options' options, the names checked."""
+    return (names_arg("--models", args.models, models),
+            [int(t) for t in args.tokens.split(",") if t.strip()])
+
+
 def names_arg(flag: str, text: str, allowed) -> list[str]:
     """The comma-separated names a benchmark option was given, each one of `allowed`
     (SystemExit naming the option and the choices otherwise)."""
-    names = [n for n in text.split(",") if n]
+    names = [n.strip() for n in text.split(",") if n.strip()]
     for n in names:
         if n not in allowed:
             raise SystemExit(f"{flag}: expected names from {tuple(allowed)}, got {n!r}")
