@@ -450,9 +450,7 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=180.0)
     bench.add_out_dir(p)
     args = p.parse_args(argv)
-    ok, why = _arrays.availability()
-    if not ok:
-        print(f"no GPU here ({why}): nothing to time")
+    if bench.no_gpu(_arrays.availability):
         return 0
     models, tokens = bench.points_of(args, bench.PRESETS)
     versions = args.versions.split(",")

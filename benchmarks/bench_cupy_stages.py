@@ -237,9 +237,7 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=240.0)
     bench.add_out_dir(p)
     args = p.parse_args(argv)
-    ok, why = A.availability()
-    if not ok:
-        print(f"no GPU here ({why}): nothing to time")
+    if bench.no_gpu(A.availability):
         return 0
     models, tokens = bench.points_of(args, MODELS)
     stages = bench.names_arg("--stages", args.stages, STAGES)

@@ -41,3 +41,10 @@ def test_route_preset_is_the_preset_routing(name):
         want = reference.fused_topk(None, logits, preset.top_k, True)[:2]
     np.testing.assert_array_equal(ids, want[1])
     np.testing.assert_array_equal(w, want[0])
+
+
+def test_no_gpu_says_why(capsys):
+    assert bench.no_gpu(lambda: (False, "no driver")) is True
+    assert "no driver" in capsys.readouterr().out
+    assert bench.no_gpu(lambda: (True, "")) is False
+    assert capsys.readouterr().out == ""

@@ -27,7 +27,7 @@ from .candidates import (CANDIDATES, GPU_CANDIDATES, PEERS_DIR, UNAVAILABLE, Una
                          register_candidate)
 from .cases import (CPU_TOKENS, DEFAULT_TOKENS, GPU_PRESETS, GROUPED_ROUTING, PRESETS, Case,
                     ModelPreset, add_points_options, default_tokens, make_case, make_weights,
-                    names_arg, points_of, route_preset)
+                    names_arg, no_gpu, points_of, route_preset)
 from .results import (DEFAULT_OUT_DIR, RESULTS_DIR, add_out_dir, format_table, git_commit,
                       plot_results, results_stem, slug, write_results)
 from .roofline import (KNOWN_CARDS, PEAK_BANDWIDTH, PEAK_FLOPS, card_limits, expert_bytes,
@@ -38,7 +38,7 @@ from .torch_peers import has_grouped_mm, torch_grouped_mm_moe, torch_per_expert_
 
 __all__ = [
     "CANDIDATES", "CPU_TOKENS", "Case", "CudaApi", "DEFAULT_OUT_DIR", "DEFAULT_TOKENS",
-    "GROUPED_ROUTING", "add_out_dir", "add_points_options", "names_arg", "points_of",
+    "GROUPED_ROUTING", "add_out_dir", "add_points_options", "names_arg", "no_gpu", "points_of",
     "route_preset",
     "EmptyGraph", "GPU_CANDIDATES", "GPU_PRESETS", "KNOWN_CARDS", "ModelPreset",
     "PEAK_BANDWIDTH", "PEAK_FLOPS", "PEERS_DIR", "PRESETS", "RATIO_PEERS", "RESULTS_DIR",

@@ -74,6 +74,15 @@ def points_of(args, models) -> tuple[list[str], list[int]]:
             [int(t) for t in args.tokens.split(",") if t.strip()])
 
 
+def no_gpu(availability) -> bool:
+    """True, after saying so, when `availability()` -> (ok, why) finds nothing to run on: a
+    benchmark script then has nothing to time and ends cleanly."""
+    ok, why = availability()
+    if not ok:
+        print(f"no GPU here ({why}): nothing to time")
+    return not ok
+
+
 def names_arg(flag: str, text: str, allowed) -> list[str]:
     """The comma-separated names a benchmark option was given, each one of `allowed`
     (SystemExit naming the option and the choices otherwise)."""
