@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -32,9 +33,14 @@ def rel_err(a, b) -> float:
     return float(num / denom)
 
 
+@functools.lru_cache(maxsize=1)
+def _api():
+    return timing.cuda_api("cupy")     # CuPy's events first; one flush buffer per process
+
+
 def time_ms(fn, warmup: int = 3, reps: int = 20) -> float:
-    """Median milliseconds of fn() (the L2 flushed before every call), CuPy's events first."""
-    return timing.time_cuda(fn, warmup, reps, api=timing.cuda_api("cupy")).median
+    """Median milliseconds of fn() (the L2 flushed before every call)."""
+    return timing.time_cuda(fn, warmup, reps, api=_api()).median
 
 
 def first_call_s(fn) -> float:
