@@ -33,7 +33,8 @@ def _availability() -> tuple[bool, str]:
         return False, f"cupy is not importable ({type(e).__name__}: {e})"
     try:
         if not cupy.cuda.is_available():
-            return False, "cupy imports but no usable CUDA device / driver (cupy.cuda.is_available())"
+            return False, ("cupy imports but no usable CUDA device / driver "
+                           "(cupy.cuda.is_available())")
         cupy.cuda.runtime.getDeviceCount()
         _ = cupy.cuda.Device().compute_capability  # raises when the device is unusable
     except Exception as e:
@@ -165,8 +166,9 @@ def check_array(name, x, ndim=None, dtypes=None, shape=None, contiguous=True):
     import numpy as np
 
     if not isinstance(x, cupy.ndarray):
+        hint = " (use cuda_kernels.cupy.to_device)" if isinstance(x, np.ndarray) else ""
         raise TypeError(f"{name}: expected a cupy.ndarray on the GPU, got {type(x).__name__}"
-                        + (" (use cuda_kernels.cupy.to_device)" if isinstance(x, np.ndarray) else ""))
+                        + hint)
     dev = cupy.cuda.Device().id
     if x.device.id != dev:
         raise ValueError(f"{name}: expected an array on the current device {dev}, "
