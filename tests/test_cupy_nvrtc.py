@@ -469,7 +469,7 @@ def test_emulated_align_and_permute(emulated):
 
     def align(ids, B, E, emap=None, pad=False, ign=False, large=False):
         P = ids.size
-        n = ck_align.max_num_tokens_padded(P, E, B, pad)
+        n = reference.max_num_tokens_padded(P, B, E, pad)
         out = (np.full(n, -7, np.int32), np.full(-(-n // B), -7, np.int32), np.full(1, -7, np.int32))
         G, W, smem = ck_align._align_geometry(P, E, 1)  # one block
         if large:  # a cooperative grid of small blocks: 5 blocks of 2 warps (one round of
