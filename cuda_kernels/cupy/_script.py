@@ -1,9 +1,9 @@
 """What the kernel modules need when they run as scripts: the start and the parity number.
 
     quick, timed = script_start(argv)   --quick: small shapes, and timed(fn) = 1 warm-up and
-                                        3 timed calls (a run under a sanitizer); else the one
-                                        GPU timer's defaults (cuda_kernels/timing.py);
-                                        exits with the reason when no GPU is usable
+                                        3 timed calls, no L2 flush (a run under a sanitizer);
+                                        else the one GPU timer's defaults (cuda_kernels/
+                                        timing.py); exits with the reason when no GPU is usable
     rel_err(a, b)                       ||a - b||_F / ||b||_F in float64
 """
 from __future__ import annotations
@@ -24,8 +24,9 @@ def script_start(argv=None):
     if not ok:
         raise SystemExit(f"needs a CUDA GPU: {why}")
     api = timing.CudaApi("cupy")
-    if quick:
-        return quick, lambda fn: timing.time_cuda(fn, warmup=1, reps=3, api=api)
+    if quick:   # a sanitizer's run: its times mean nothing, so no L2 flush to instrument
+        return quick, lambda fn: timing.time_cuda(fn, warmup=1, reps=3, flush_l2=False,
+                                                  api=api)
     return quick, lambda fn: timing.time_cuda(fn, api=api)
 
 
