@@ -16,10 +16,11 @@ candidate computes the routed experts from (topk_weights, topk_ids) to out [T, H
     torch-loop     the per-expert loop (sandbox.bench.torch_per_expert_loop)
     torch-grouped_mm  sort + torch._grouped_mm x 2 + scatter-add (sandbox.bench)
 
-Method: CUDA events around each call, after warm-up; before every repetition (outside the
-events) the routing is re-drawn (new topk_ids / topk_weights, written in place), the hidden
-states rotate through 2-8 copies (more than 100 MB together where they are small), and the
-L2 is flushed (a 2 x L2 = 120 MB memset evicts every input); median with p20/p80.
+Method: CUDA events around each call (cuda_kernels/timing.py), after warm-up; before every
+repetition (outside the events) the routing is re-drawn (new topk_ids / topk_weights, written
+in place), the hidden states rotate through 2-8 copies (more than 100 MB together where they
+are small), and the L2 is flushed (a 2 x L2 = 120 MB memset evicts every input); median
+with p20/p80.
 Repetitions are budgeted per point so that the whole run ends inside --budget-s (default
 180 s, setup included; the GPU session allows 280 s).
 v1, v2 (and v3, for the time budget) are skipped where they would take over 2 s per call
@@ -53,7 +54,8 @@ if str(ROOT) not in sys.path:
 
 from sandbox import bench  # noqa: E402
 
-from cuda_kernels.cupy import _compile  # noqa: E402
+from cuda_kernels import timing  # noqa: E402
+from cuda_kernels.cupy import _arrays  # noqa: E402
 from cuda_kernels.cupy import gemm as gg  # noqa: E402
 from cuda_kernels.cupy import gemm_configs as gcfg  # noqa: E402
 
@@ -72,7 +74,7 @@ def to_cupy(t):
     if t.dtype == torch.bfloat16:
         u = cp.from_dlpack(t.view(torch.int16)).view(cp.uint16)
         try:
-            return u.view(_compile.bf16_dtype())
+            return u.view(_arrays.bf16_dtype())
         except Exception:   # a CuPy without bf16: the GEMM takes uint16 as bf16 bytes
             return u
     return cp.from_dlpack(t)
@@ -115,10 +117,10 @@ def _stages():
 
         def act(c1):
             P, N2 = c1.shape
-            y = _compile.empty((P, N2 // 2), c1.dtype)
+            y = _arrays.empty((P, N2 // 2), c1.dtype)
             n = P * (N2 // 2)
             if n:
-                kern((min(65535, -(-n // 256)),), (256,), (_compile.raw(c1), _compile.raw(y),
+                kern((min(65535, -(-n // 256)),), (256,), (_arrays.raw(c1), _arrays.raw(y),
                                                            np.int32(N2 // 2), np.int64(n)))
             return y
     try:
@@ -133,31 +135,27 @@ def _stages():
 
 
 def cupy_pipeline(case, version, stages):
-    """fn(events=None) -> out [T, H] (CuPy), recording events at the segment boundaries."""
+    """fn(mark=None) -> out [T, H] (CuPy); mark() after the alignment and after GEMM2 (the
+    timer's events between align | GEMM1 + act + GEMM2 | combine)."""
     align, act, moe_sum = stages
     p = case.preset
     T, E, K, H, I = case.num_tokens, p.num_experts, p.top_k, p.hidden_size, p.intermediate_size  # noqa: E741
     x, w13, w2 = to_cupy(case.x), to_cupy(case.w13), to_cupy(case.w2)
     tw, ids = to_cupy(case.topk_weights), to_cupy(case.topk_ids32)   # rewritten by redraw()
-    B = gcfg.get_config(T, 2 * I, H, E, K, _compile.bf16_dtype(), version)["BLOCK_M"]
+    B = gcfg.get_config(T, 2 * I, H, E, K, _arrays.bf16_dtype(), version)["BLOCK_M"]
     if version == "v4" and B % 16:
         B = 16
 
-    def fn(events=None):
-        if events:
-            events[0].record()
+    def fn(mark=None):
         st, ex, nt = align(ids, B, E)
-        if events:
-            events[1].record()
+        if mark:
+            mark()
         c1 = gg.grouped_gemm(x, w13, st, ex, nt, K, B, version=version)             # [P, 2I]
         c2 = act(c1)                                                                 # [P, I]
         c3 = gg.grouped_gemm(c2, w2, st, ex, nt, 1, B, tw, True, version=version)   # [P, H]
-        if events:
-            events[2].record()
-        out = moe_sum(c3.reshape(T, K, H))                                           # [T, H]
-        if events:
-            events[3].record()
-        return out
+        if mark:
+            mark()
+        return moe_sum(c3.reshape(T, K, H))                                          # [T, H]
     fn.block_size = B
     return fn
 
@@ -172,25 +170,15 @@ def _next_inputs(case, i):
         case.x.copy_(pool[i % len(pool)])
 
 
-def time_reps(run, reps, warmup, case, api, nseg):
-    """[(segment ms, ...)] of `reps` calls; before each (outside the events) the routing is
-    re-drawn, the next hidden states are rotated in, and the L2 is flushed."""
-    import cupy as cp
-
-    for i in range(warmup):
+def time_reps(run, reps, warmup, case, api, marks):
+    """[(segment ms, ..., total ms)] of `reps` calls of run (run(mark) with `marks` marks),
+    by the one GPU timer; before each (outside the events) the routing is re-drawn, the next
+    hidden states are rotated in, and the L2 is flushed."""
+    def rotate(i):
         _next_inputs(case, i)
-        api.flush_l2()
-        run(None)
-    samples = []
-    for i in range(reps):
-        _next_inputs(case, warmup + i)
-        api.flush_l2()
-        ev = [cp.cuda.Event() for _ in range(nseg + 1)]
-        run(ev)
-        samples.append(ev)
-    cp.cuda.runtime.deviceSynchronize()
-    return [tuple(cp.cuda.get_elapsed_time(e[j], e[j + 1]) for j in range(nseg))
-            + (cp.cuda.get_elapsed_time(e[0], e[-1]),) for e in samples]
+    if marks:
+        return timing.cuda_segments(run, marks, warmup, reps, rotate=rotate, api=api)
+    return [(t,) for t in timing.cuda_samples(run, warmup, reps, rotate=rotate, api=api)]
 
 
 def make_weights(preset, seed=0):
@@ -311,57 +299,39 @@ def _time_candidate(pt, name, case, expected, api, stages, flops, cand_s, last_s
         if predicted > SLOW_LIMIT_S:
             pt["error"] = f"skipped: {version} predicted {predicted:.1f} s per call (> 2 s)"
             return
-    nseg = 1
+    marks = 0
     if name == "torch-loop":
-        def run(ev):
-            if ev:
-                ev[0].record()
-            out = bench.torch_per_expert_loop(case.x, case.w13, case.w2, case.topk_weights,
-                                              case.topk_ids)
-            if ev:
-                ev[1].record()
-            return out
+        def run():
+            return bench.torch_per_expert_loop(case.x, case.w13, case.w2, case.topk_weights,
+                                               case.topk_ids)
     elif name == "torch-grouped_mm":
         if not bench.has_grouped_mm():
             pt["error"] = "not available: this torch has no torch._grouped_mm"
             return
 
-        def run(ev):
-            if ev:
-                ev[0].record()
-            out = bench.torch_grouped_mm_moe(case.x, case.w13, case.w2, case.topk_weights,
-                                             case.topk_ids)
-            if ev:
-                ev[1].record()
-            return out
+        def run():
+            return bench.torch_grouped_mm_moe(case.x, case.w13, case.w2, case.topk_weights,
+                                              case.topk_ids)
     elif name == "cupy-v4-graph":
         fn = cupy_pipeline(case, "v4", stages)
         pt["block_size"] = fn.block_size
         fn()                                   # compile + warm the pool outside the capture
         replay = bench.cuda_api("cupy").capture(fn)
-        out_holder = {}
-
-        def run(ev):
-            if ev:
-                ev[0].record()
-            replay()
-            if ev:
-                ev[1].record()
-            return out_holder.get("out")
         # the graph's output buffer: one eager call's result is checked instead (same math)
-        out_holder["out"] = fn()
-    else:
-        fn = cupy_pipeline(case, version, stages)
-        pt["block_size"] = fn.block_size
-        nseg = 3
+        out = fn()
 
-        def run(ev):
-            return fn(ev)
+        def run():
+            replay()
+            return out
+    else:
+        run = cupy_pipeline(case, version, stages)
+        pt["block_size"] = run.block_size
+        marks = 2                              # align | GEMM1 + act + GEMM2 | combine
 
     # the check (and the first, untimed call: compiles kernels, sizes the repetitions)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = run(None)
+        out = run()
         torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
     if out is not None:
@@ -373,7 +343,7 @@ def _time_candidate(pt, name, case, expected, api, stages, flops, cand_s, last_s
     if first_s < 0.2:   # a second untimed call: the steady time without compilation
         t0 = time.perf_counter()
         with torch.inference_mode():
-            run(None)
+            run()
             torch.cuda.synchronize()
         per_call = time.perf_counter() - t0
     per_call += 2e-3                                 # + redraw and flush
@@ -381,10 +351,10 @@ def _time_candidate(pt, name, case, expected, api, stages, flops, cand_s, last_s
     warmup = 1 if per_call > 0.05 else 3
     case.touched.clear()
     with torch.inference_mode():
-        segs = time_reps(run, reps, warmup, case, api, nseg)
+        segs = time_reps(run, reps, warmup, case, api, marks)
     total = bench.summarize(s[-1] for s in segs)
     pt["stats"] = total.as_dict()
-    if nseg == 3:
+    if marks:
         pt["segments_ms"] = {k: bench.summarize(s[j] for s in segs).as_dict()
                              for j, k in enumerate(("align", "gemm1_act_gemm2", "combine"))}
     touched = float(np.mean(case.touched[-reps:])) if case.touched else float("nan")
@@ -475,22 +445,14 @@ def _compile_gpu_name() -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--tokens", default=",".join(map(str, bench.DEFAULT_TOKENS)))
+    bench.add_points_options(p, MODELS, bench.DEFAULT_TOKENS)
     p.add_argument("--versions", default="v1,v2,v3,v4,v5")
     p.add_argument("--budget-s", type=float, default=180.0)
-    p.add_argument("--out-dir", default=str(bench.DEFAULT_OUT_DIR),
-                   help="results folder (--out-dir benchmarks/results updates the committed files)")
+    bench.add_out_dir(p)
     args = p.parse_args(argv)
-    ok, why = _compile.availability()
-    if not ok:
-        print(f"no GPU here ({why}): nothing to time")
+    if bench.no_gpu(_arrays.availability):
         return 0
-    models = args.models.split(",")
-    for m in models:
-        if m not in bench.PRESETS:
-            raise SystemExit(f"--models: expected names from {MODELS}, got {m!r}")
-    tokens = [int(t) for t in args.tokens.split(",")]
+    models, tokens = bench.points_of(args, bench.PRESETS)
     versions = args.versions.split(",")
     command = " ".join([pathlib.Path(sys.executable).name] + sys.argv)
     gpu = _compile_gpu_name()

@@ -18,10 +18,11 @@ Stages (cuda_kernels/cupy), for Mixtral-8x7B (E=8, K=2, H=4096, I=14336), Qwen3-
                 bytes = 2 (P H + T H) + 8 P
     combine     moe_sum(x [T, K, H])             bytes = 2 (T K H + T H)
 
-Method: CUDA events around one call, after warm-up. Before every repetition (outside the
-events) the routing is re-drawn (fresh N(0, 1) logits, routed by this backend's own kernel
-for the stages that take topk_ids) and the 50 MB L2 is flushed (a 128 MB memset), so no
-repetition finds its inputs in cache. Two figures per point:
+Method: the one GPU timer (cuda_kernels/timing.py): CUDA events around one call, after
+warm-up. Before every repetition (outside the events) the routing is re-drawn (fresh N(0, 1)
+logits, routed by this backend's own kernel for the stages that take topk_ids) and the 50 MB
+L2 is flushed (a memset of twice its size), so no repetition finds its inputs in cache.
+Two figures per point:
     device   a spin kernel keeps the GPU busy while Python enqueues the call, so the events
              bracket only the GPU work of the stage (its kernels, back to back)
     eager    the queue is idle when the call starts: the events also see the Python and
@@ -49,23 +50,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cuda_kernels.cupy import _compile as C
+from cuda_kernels import timing
+from cuda_kernels.cupy import _arrays as A
+from cuda_kernels.cupy._geometry import cdiv
 from sandbox import bench
 
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
 STAGES = ("route", "align", "permute", "activation", "unpermute", "combine")
 TARGET_US = 25.0
-# DeepSeek-V3's router: groups, topk_group, scoring, routed_scaling_factor
-GROUPED = {"deepseek-v3": (8, 4, "sigmoid", 2.5)}
-
-_SPIN = r"""
-extern "C" __global__ void spin(long long cycles) {
-    // keeps the GPU busy while the host enqueues the timed call: the events that follow
-    // then bracket device work only
-    const long long start = clock64();
-    while (clock64() - start < cycles) { }
-}
-"""
 
 
 def _bf16_randn(cp, shape, scale=1.0):
@@ -75,7 +67,7 @@ def _bf16_randn(cp, shape, scale=1.0):
         x *= np.float32(scale)
     u = x.view(cp.uint32)
     b = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(cp.uint16)
-    return b.view(C.bf16_dtype())
+    return b.view(A.bf16_dtype())
 
 
 class Point:
@@ -95,12 +87,7 @@ class Point:
         self.shapes = {"P": P, "E": E, "K": K, "H": H, "I": inter}
 
     def route(self):
-        ck, p = self.ck, self.p
-        if p.name in GROUPED:
-            G, TG, scoring, scale = GROUPED[p.name]
-            return ck.grouped_topk(None, self.logits, p.top_k, True, G, TG, scoring, scale,
-                                   self.bias)
-        return ck.fused_topk(None, self.logits, p.top_k, True)[:2]
+        return bench.route_preset(self.ck, self.p, self.logits, self.bias)
 
     def redraw(self):
         self.logits = _bf16_randn(self.cp, (self.T, self.p.num_experts))   # [T, E]
@@ -127,13 +114,13 @@ def stage_call(pt: Point, stage: str):
     ck, T, B = pt.ck, pt.T, pt.B
     E, K, H, inter, P = (pt.shapes[k] for k in ("E", "K", "H", "I", "P"))
     if stage == "route":
-        nbytes = T * E * 2 + T * K * 8 + (E * 4 if pt.p.name in GROUPED else 0)
+        nbytes = T * E * 2 + T * K * 8 + (E * 4 if pt.p.name in bench.GROUPED_ROUTING else 0)
         return pt.route, nbytes
     if stage == "align":
-        from cuda_kernels.cupy.align import max_num_tokens_padded
+        from reference import max_num_tokens_padded
 
-        n = max_num_tokens_padded(P, E, B)
-        nbytes = 4 * (P + n + C.cdiv(n, B) + 1)
+        n = max_num_tokens_padded(P, B, E)
+        nbytes = 4 * (P + n + cdiv(n, B) + 1)
         return (lambda: ck.moe_align_block_size(pt.topk_ids, B, E)), nbytes
     if stage == "permute":
         nbytes = 2 * (T * H + P * H) + 8 * P + 4 * (E + 1)
@@ -152,39 +139,26 @@ def stage_call(pt: Point, stage: str):
     raise ValueError(f"stage: expected one of {STAGES}, got {stage!r}")
 
 
-def time_point(cp, pt, stage, reps, warmup, spin, flush):
+def time_point(api, pt, stage, reps, warmup):
     fn, nbytes = stage_call(pt, stage)
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
 
-    def setup():
+    def redraw(i):
         pt.redraw()
         if stage == "unpermute":
             pt.inv = pt.ck.moe_permute(pt.x, pt.topk_ids, pt.p.num_experts)[2]
-        flush.fill(0)
 
-    def one(device: bool) -> float:
-        setup()
-        cp.cuda.Device().synchronize()
-        if device:
-            spin((1,), (1,), (np.int64(SPIN_CYCLES),))
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        return cp.cuda.get_elapsed_time(start, stop) * 1e3  # us
+    def us(mode, warm):   # the one GPU timer; the L2 is flushed after every redraw
+        return bench.summarize(ms * 1e3 for ms in timing.cuda_samples(
+            fn, warm, reps, rotate=redraw, mode=mode, spin_us=SPIN_US, api=api))
 
-    for _ in range(warmup):
-        one(True)
-    dev_us = [one(True) for _ in range(reps)]
-    eager_us = [one(False) for _ in range(reps)]
-    d, e = bench.summarize(dev_us), bench.summarize(eager_us)
+    d, e = us("device", warmup), us("eager", 0)
     return {"stage": stage, "bytes": nbytes,
             "device_us": d.as_dict(), "eager_us": e.as_dict(),
             "gbps": nbytes / (d.median * 1e-6) / 1e9 if d.median > 0 else None}
 
 
-# ~0.2 ms at 1.98 GHz: longer than the host needs to enqueue any one stage call
-SPIN_CYCLES = 400_000
+# longer than the host needs to enqueue any one stage call
+SPIN_US = 200
 
 
 def run(models, tokens, stages, reps, warmup, B, budget_s, log=print):
@@ -192,16 +166,15 @@ def run(models, tokens, stages, reps, warmup, B, budget_s, log=print):
 
     import cuda_kernels.cupy as ck
 
-    spin = cp.RawKernel(_SPIN, "spin")
-    flush = cp.empty(128 * 2**20, dtype=cp.uint8)  # 2.5 x the H200's 50 MB L2
+    api = timing.CudaApi("cupy")
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     record = {"benchmark": "bench_cupy_stages", "card": {"gpu": gpu},
               "dtype": "bfloat16", "block_size": B, "reps": reps, "warmup": warmup,
-              "method": "CUDA events; routing re-drawn and L2 flushed (128 MB memset) before "
-                        "every repetition; device = spin kernel ahead of the call, eager = "
-                        "idle queue", "points": []}
+              "method": "CUDA events (cuda_kernels/timing.py); routing re-drawn and L2 "
+                        "flushed (a memset of twice its size) before every repetition; device "
+                        "= spin kernel ahead of the call, eager = idle queue", "points": []}
     t0 = time.time()
     for name in models:
         preset = bench.PRESETS[name]
@@ -214,7 +187,7 @@ def run(models, tokens, stages, reps, warmup, B, budget_s, log=print):
             pt = Point(cp, ck, preset, T, B)
             for stage in stages:
                 try:
-                    res = time_point(cp, pt, stage, reps, warmup, spin, flush)
+                    res = time_point(api, pt, stage, reps, warmup)
                 except Exception as e:  # noqa: BLE001 - recorded, the run goes on
                     res = {"stage": stage, "error": f"{type(e).__name__}: {e}"[:300]}
                 res.update(model=name, T=T, E=preset.num_experts, K=preset.top_k,
@@ -256,29 +229,18 @@ def target_lines(record) -> list[str]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--tokens", default=",".join(map(str, bench.DEFAULT_TOKENS)))
+    bench.add_points_options(p, MODELS, bench.DEFAULT_TOKENS)
     p.add_argument("--stages", default=",".join(STAGES))
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--budget-s", type=float, default=240.0)
-    p.add_argument("--out-dir", default=str(bench.DEFAULT_OUT_DIR),
-                   help="results folder (--out-dir benchmarks/results updates the committed files)")
+    bench.add_out_dir(p)
     args = p.parse_args(argv)
-    ok, why = C.availability()
-    if not ok:
-        print(f"no GPU here ({why}): nothing to time")
+    if bench.no_gpu(A.availability):
         return 0
-    models = args.models.split(",")
-    for m in models:
-        if m not in MODELS:
-            raise SystemExit(f"--models: expected names from {MODELS}, got {m!r}")
-    stages = args.stages.split(",")
-    for s in stages:
-        if s not in STAGES:
-            raise SystemExit(f"--stages: expected names from {STAGES}, got {s!r}")
-    tokens = [int(t) for t in args.tokens.split(",")]
+    models, tokens = bench.points_of(args, MODELS)
+    stages = bench.names_arg("--stages", args.stages, STAGES)
     print(header())
     record, elapsed = run(models, tokens, stages, args.reps, args.warmup, args.block_size,
                           args.budget_s)

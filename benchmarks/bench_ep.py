@@ -65,6 +65,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from cuda_kernels import timing  # noqa: E402
+from sandbox.bench import add_out_dir  # noqa: E402
 from sandbox.ep import launch  # noqa: E402
 
 DEEPSEEK_V3 = dict(hidden_size=7168, top_k=8, num_experts=256, intermediate_size=2048,
@@ -114,33 +116,34 @@ def _random_routing(cupy, T, E, K, seed):
 
 
 class _Timer:
-    """Per-repetition CUDA-event timing, every repetition starting from a barrier."""
+    """Per-repetition CUDA-event timing by the one GPU timer (cuda_kernels/timing.py), every
+    repetition starting from a barrier; fn(i) gets the repetition's index (its inputs)."""
 
     def __init__(self, comm, flush_bytes=256 << 20):
         import cupy
 
-        self.comm, self.cupy = comm, cupy
+        self.comm, self.api = comm, timing.CudaApi("cupy")
         self.flush = cupy.empty(flush_bytes // 4, dtype=cupy.float32)
 
     def run(self, fn, reps, warmup):
-        cupy, comm = self.cupy, self.comm
-        for i in range(warmup):
-            fn(i)
-        comm.synchronize()
-        times, host = [], []
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        for i in range(reps):
-            self.flush.fill(i)              # evict the inputs from the 50 MB L2
-            comm.barrier()                  # every rank starts together
-            start.record()
+        comm, rep, host = self.comm, [0], []
+
+        def rotate(i):
+            rep[0] = i
+            if i >= warmup:
+                self.flush.fill(i)          # evict the inputs from the 50 MB L2
+                comm.barrier()              # every rank starts together, its GPU idle
+
+        def call():
             t0 = time.perf_counter()
-            fn(warmup + i)
+            fn(rep[0])
             host.append((time.perf_counter() - t0) * 1e3)
-            end.record()
-            comm.synchronize()              # polls with the communicator's timeout
-            times.append(cupy.cuda.get_elapsed_time(start, end))
-        self.last_host_ms = float(np.median(host))   # the host's time inside fn (launches,
-        return float(np.median(times)), [float(t) for t in times]   # syncs): the breakdown's
+
+        # the waits poll with the communicator's timeout (a lost peer raises, never hangs)
+        times = timing.cuda_samples(call, warmup, reps, rotate=rotate, flush_l2=False,
+                                    sync=comm.synchronize, api=self.api)
+        self.last_host_ms = float(np.median(host[warmup:]))   # the host's time inside fn
+        return float(np.median(times)), times       # (launches, syncs): the breakdown's
 
 
 
@@ -558,7 +561,7 @@ def _bench_layer(comm, opts, timer, ops, ops_name):
                 return _single_gpu_forward(ops, xs[i % len(xs)], logits[i % len(xs)], full13,
                                            full2, shape)
 
-            med, _ = _local_timer(cupy, single, opts["layer_reps"], opts["layer_warmup"])
+            med, _ = _local_timer(single, opts["layer_reps"], opts["layer_warmup"])
             ref = single(0)
             errs = {s: _rel_err(cupy, o, ref) for s, o in outs.items()}
             rows.append({"tokens_per_rank": T, "what": "single-GPU layer forward",
@@ -569,18 +572,16 @@ def _bench_layer(comm, opts, timer, ops, ops_name):
     return rows
 
 
-def _local_timer(cupy, fn, reps, warmup):
-    for i in range(warmup):
-        fn(i)
-    cupy.cuda.get_current_stream().synchronize()
-    times = []
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    for i in range(reps):
-        start.record()
-        fn(warmup + i)
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
+def _local_timer(fn, reps, warmup):
+    """(median ms, [ms]) of fn(i) on this GPU alone by the one GPU timer: each call from an
+    idle GPU, inputs rotating through the pool (no flush: as the single-GPU layer always was
+    timed)."""
+    rep = [0]
+
+    def rotate(i):
+        rep[0] = i
+    times = timing.cuda_samples(lambda: fn(rep[0]), warmup, reps, rotate=rotate,
+                                flush_l2=False, mode="eager", api=timing.CudaApi("cupy"))
     return float(np.median(times)), times
 
 
@@ -714,8 +715,7 @@ def main(argv=None):
     ap.add_argument("--stage-ops", default="cupy", choices=("cupy", "reference"),
                     help="permute/unpermute/GEMM stages: CuPy kernels, or the NumPy reference "
                          "on the host (slow; harness checks only)")
-    ap.add_argument("--out", default="moe-sandbox-results",
-                    help="results folder (--out benchmarks/results updates the committed files)")
+    add_out_dir(ap, "--out")
     args = ap.parse_args(argv)
     if args.gpus < 1:
         ap.error(f"--gpus: expected a positive number of GPUs, got {args.gpus}")
@@ -745,9 +745,9 @@ def main(argv=None):
                 breakdown=args.breakdown, reps=args.reps, warmup=args.warmup,
                 layer_reps=args.layer_reps, layer_warmup=args.layer_warmup, pool=args.pool,
                 layer=not args.no_layer, stage_ops=args.stage_ops)
-    from cuda_kernels.cupy import _compile as C
+    from cuda_kernels.cupy import availability
 
-    ok, why = C.availability()
+    ok, why = availability()
     if not ok:
         raise SystemExit(f"no GPU here ({why}): nothing to time")
     import cupy

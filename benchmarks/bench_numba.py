@@ -26,13 +26,14 @@ same inputs in the same run, and the table shows numba / cupy. Targets (issue 5)
 align, permute and combine each within 1.3x of CuPy; the best Numba GEMM within 1.5x of CuPy
 v3 (device medians).
 
-Method: CUDA events (numba's, on the default stream that both backends use) around one call,
-after warm-up. Before every repetition, outside the events: new router logits, routed by
-Numba's kernel (the stages after routing read the new topk_ids), the alignment / inverse
-index of that routing where a stage needs one, and an L2 flush (a 128 MB fill, 2.5x the
-H200's L2). Two figures: device (a sleeping kernel occupies the GPU while Python enqueues the
-call, so the events bracket GPU work only) and eager (idle queue: the events also see the
-Python and launch overhead, what a notebook user pays). The first call of each (stage,
+Method: the one GPU timer (cuda_kernels/timing.py): CUDA events (CuPy's, else torch's, on
+the default stream that both backends use) around one call, after warm-up. Before every
+repetition, outside the events: new router logits, routed by Numba's kernel (the stages after
+routing read the new topk_ids), the alignment / inverse index of that routing where a stage
+needs one, and an L2 flush (a fill of twice its size). Two figures: device (a spin kernel
+occupies the GPU while Python enqueues the call, so the events bracket GPU work only) and
+eager (idle queue: the events also see the Python and launch overhead, what a notebook user
+pays). The first call of each (stage,
 backend) is timed on its own and reported as compile time: numba JIT-compiles a kernel per
 argument types when it first runs it, unless an earlier process left it in the package's
 disk cache (MOE_SANDBOX_NUMBA_CACHE=0 measures cold compiles); CuPy's kernels come from its
@@ -68,37 +69,31 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import cuda_kernels.numba as nb  # noqa: E402  (first: the numpy shim before numba)
+from cuda_kernels import timing  # noqa: E402
 from cuda_kernels.numba import _arrays as A  # noqa: E402
 from sandbox import bench  # noqa: E402
 
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 STAGES = ("route", "align", "permute", "activation", "unpermute", "combine", "gemm1", "gemm2")
-GROUPED = {"deepseek-v3": (8, 4, "sigmoid", 2.5)}     # groups, topk_group, scoring, scaling
 TARGETS = {"route": 1.3, "align": 1.3, "permute": 1.3, "combine": 1.3}
 GEMM_TARGET = 1.5
-SPIN_LOOPS = 1500          # x ~1 us nanosleep: longer than any one call takes to enqueue
-FLUSH_BYTES = 128 * 2**20
+SPIN_US = 1500             # longer than any one call takes to enqueue
 # rough rates for skipping slow rungs (a call predicted over SLOW_LIMIT_S is not timed)
 PREDICT_TFLOPS = {"v1": 0.5, "v2": 3.0}
 SLOW_LIMIT_S = 1.0
-cuda = None   # numba.cuda, bound by _device_kernels (importing this file needs no numba)
+cuda = None   # numba.cuda, bound by _fill_kernel (importing this file needs no numba)
 
 
 # ----------------------------------------------------------------------------- device helpers
-def _device_kernels():
-    """(spin, fill_random, fill_zero): helper kernels of this benchmark, written in Numba."""
+def _fill_kernel():
+    """fill_random: the helper kernel of this benchmark, written in Numba."""
     from numba import float32, uint64
 
     from cuda_kernels.numba._device import cast_out
 
     global cuda   # a module global, not a closure: the simulator swaps globals named cuda
     cuda = A.cuda()
-
-    @cuda.jit
-    def spin(loops):
-        for _ in range(loops):
-            cuda.nanosleep(1000)
 
     @cuda.jit
     def fill_random(out, seed, scale):
@@ -113,23 +108,20 @@ def _device_kernels():
             v = float32(u >> uint64(40)) * float32(2.0 / 16777216.0) - float32(1.0)  # 24 bits
             out[j] = cast_out(out, v * scale)
 
-    @cuda.jit
-    def fill_zero(out):
-        start, stride = cuda.grid(1), cuda.gridsize(1)
-        for j in range(start, out.size, stride):
-            out[j] = 0
-
-    return spin, fill_random, fill_zero
+    return fill_random
 
 
 class Env:
-    """Allocation (CuPy arrays when present, else numba), random fills, spin, L2 flush."""
+    """Allocation (CuPy arrays when present, else numba), random fills, the GPU timer."""
 
     def __init__(self, cupy_ok):
         self.cu = A.cuda()
         self.cp = importlib.import_module("cupy") if cupy_ok else None
-        self.spin_k, self.fill_k, self.zero_k = _device_kernels()
-        self.flush_buf = self.cu.device_array(FLUSH_BYTES // 4, dtype=np.uint32)
+        self.fill_k = _fill_kernel()
+        # CuPy's or torch's events: they time Numba's launches on the same default stream
+        self.api = timing.cuda_api("cupy")
+        if self.api is None:
+            raise SystemExit("timing needs CuPy or torch beside Numba (their CUDA events)")
         self.seed = 1
 
     def empty(self, shape, dtype):
@@ -161,39 +153,21 @@ class Env:
             self.seed += 1
             self.fill_k[1024, 256](flat, self.seed, np.float32(scale))
 
-    def spin(self):
-        self.spin_k[1, 1](SPIN_LOOPS)
-
-    def flush(self):
-        self.zero_k[1024, 256](self.flush_buf)
-
     def free(self):
         if self.cp is not None:
             self.cp.get_default_memory_pool().free_all_blocks()
 
 
 def time_call(env, fn, setup, reps, eager_reps):
-    """{device_us, eager_us} Stats dicts: CUDA events around fn(), setup() outside them."""
-    cu = env.cu
-    start, stop = cu.event(), cu.event()
+    """{device_us, eager_us} Stats dicts by the one GPU timer: CUDA events around fn(),
+    setup() and an L2 flush before every call, outside them; one warm-up (the compiles are
+    done by first_call)."""
+    def us(mode, warmup, n):
+        return bench.summarize(ms * 1e3 for ms in timing.cuda_samples(
+            fn, warmup, n, rotate=lambda i: setup(), mode=mode, spin_us=SPIN_US,
+            api=env.api)).as_dict()
 
-    def one(device):
-        setup()
-        env.flush()
-        cu.synchronize()
-        if device:
-            env.spin()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        return start.elapsed_time(stop) * 1e3
-
-    one(True)                                   # warm-up (compiles are done by first_call)
-    dev = [one(True) for _ in range(reps)]
-    eager = [one(False) for _ in range(eager_reps)]
-    return {"device_us": bench.summarize(dev).as_dict(),
-            "eager_us": bench.summarize(eager).as_dict()}
+    return {"device_us": us("device", 1, reps), "eager_us": us("eager", 0, eager_reps)}
 
 
 def first_call(env, fn, setup):
@@ -224,12 +198,7 @@ class Point:
         self.topk_weights = self.topk_ids = self.inv = None
 
     def route_with(self, mod):
-        p = self.p
-        if p.name in GROUPED:
-            G, TG, scoring, scale = GROUPED[p.name]
-            return mod.grouped_topk(None, self.logits, p.top_k, True, G, TG, scoring, scale,
-                                    self.bias)
-        return mod.fused_topk(None, self.logits, p.top_k, True)[:2]
+        return bench.route_preset(mod, self.p, self.logits, self.bias)
 
     def new_logits(self):
         self.env.refill(self.logits, 2.0)
@@ -414,18 +383,22 @@ def verdicts(points):
         if "device_us" in p:
             by[(p["model"], p["T"], p["stage"], p["backend"])] = p["device_us"]["median"]
     lines, summary = [], {}
-    for stage, target in TARGETS.items():
-        ratios = [(m, T, by[(m, T, s, "numba")] / by[(m, T, s, "cupy")])
-                  for (m, T, s, b) in by if s == stage and b == "numba"
-                  and (m, T, s, "cupy") in by]
+
+    def verdict(stage, target, what, ratios):   # ratios: [(model, T, numba / cupy)]
         if not ratios:
-            continue
+            return
         worst = max(ratios, key=lambda r: r[2])
         ok = sum(r[2] <= target for r in ratios)
         summary[stage] = {"target": target, "points_met": ok, "points": len(ratios),
                           "worst": {"model": worst[0], "T": worst[1], "ratio": worst[2]}}
-        lines.append(f"{stage:10s} numba/cupy <= {target}: {ok}/{len(ratios)} points; worst "
+        lines.append(f"{stage:10s} {what} <= {target}: {ok}/{len(ratios)} points; worst "
                      f"{worst[2]:.2f}x at {worst[0]} T={worst[1]}")
+
+    for stage, target in TARGETS.items():
+        verdict(stage, target, "numba/cupy",
+                [(m, T, by[(m, T, s, "numba")] / by[(m, T, s, "cupy")])
+                 for (m, T, s, b) in by if s == stage and b == "numba"
+                 and (m, T, s, "cupy") in by])
     for stage in ("gemm1", "gemm2"):
         ratios = []
         for (m, T, s, b) in by:
@@ -434,21 +407,13 @@ def verdicts(points):
             mine = [by[k] for k in by if k[:3] == (m, T, s) and k[3].startswith("numba-")]
             if mine:
                 ratios.append((m, T, min(mine) / by[(m, T, s, "cupy-v3")]))
-        if not ratios:
-            continue
-        worst = max(ratios, key=lambda r: r[2])
-        ok = sum(r[2] <= GEMM_TARGET for r in ratios)
-        summary[stage] = {"target": GEMM_TARGET, "points_met": ok, "points": len(ratios),
-                          "worst": {"model": worst[0], "T": worst[1], "ratio": worst[2]}}
-        lines.append(f"{stage:10s} best numba / cupy-v3 <= {GEMM_TARGET}: {ok}/{len(ratios)} "
-                     f"points; worst {worst[2]:.2f}x at {worst[0]} T={worst[1]}")
+        verdict(stage, GEMM_TARGET, "best numba / cupy-v3", ratios)
     return lines, summary
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    bench.add_points_options(p, MODELS, TOKENS)
     p.add_argument("--stages", default=",".join(STAGES))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=150.0,
@@ -456,21 +421,14 @@ def main(argv=None):
     p.add_argument("--gemm-versions", default=None,
                    help="GEMM rungs to time, e.g. numba-v3,numba-v3v,cupy-v3 (default: all)")
     p.add_argument("--no-cupy", action="store_true", help="time the Numba kernels only")
-    p.add_argument("--out-dir", default=str(bench.DEFAULT_OUT_DIR),
-                   help="results folder (--out-dir benchmarks/results updates the committed files)")
+    bench.add_out_dir(p)
     args = p.parse_args(argv)
     ok, why = nb.availability()
     if not ok or A.is_simulator():
         print(f"no GPU for numba here ({why}): nothing to time")
         return 0
-    models, stages = args.models.split(","), args.stages.split(",")
-    for m in models:
-        if m not in MODELS:
-            raise SystemExit(f"--models: expected names from {MODELS}, got {m!r}")
-    for s in stages:
-        if s not in STAGES:
-            raise SystemExit(f"--stages: expected names from {STAGES}, got {s!r}")
-    tokens = [int(t) for t in args.tokens.split(",")]
+    models, tokens = bench.points_of(args, MODELS)
+    stages = bench.names_arg("--stages", args.stages, STAGES)
     cupy_ok, cupy_why = False, "--no-cupy"
     if not args.no_cupy:
         try:
@@ -495,9 +453,10 @@ def main(argv=None):
                   "cupy_compared": cupy_ok, "cupy_reason": None if cupy_ok else cupy_why,
                   # first calls are JIT compiles only when no earlier process cached them
                   "numba_disk_cache": os.environ.get("MOE_SANDBOX_NUMBA_CACHE", "1") != "0",
-                  "reps": args.reps, "method": "numba CUDA events on the default stream; new "
-                  "routing + L2 flush (128 MB) before every rep; device = sleeping kernel "
-                  "ahead of the call, eager = idle queue; first call timed alone (JIT compile)",
+                  "reps": args.reps, "method": "CUDA events on the default stream "
+                  "(cuda_kernels/timing.py); new routing + L2 flush (twice its size) before "
+                  "every rep; device = spin kernel ahead of the call, eager = idle queue; "
+                  "first call timed alone (JIT compile)",
                   "targets": summary, "target_lines": lines, **res}
         return bench.write_results(record, pathlib.Path(args.out_dir), command=command,
                                    stem=stem), lines

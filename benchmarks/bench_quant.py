@@ -23,19 +23,20 @@ routing and copy their first weights under GEMM1's tail, then wait for GEMM1 to 
 they read their activations; --no-pdl launches it plainly); the JSON's "programmatic" says
 which. Alignment runs on the host (reference) once per routing.
 
-Method: CUDA events around each call after warm-up, median over the repetitions; before each
-repetition (untimed) the next of 4 pre-drawn routings is selected and the L2 is flushed, so
-no repetition reads weights left in the 50 MB L2 by the previous one. The quantized layer's
-median per routing is kept too ("by_routing", with the routing's busiest expert's rows: one past
-the rung's m tile reads that expert's weights twice). --flush read (default) evicts by reading
-a 128 MB buffer (a sum): the L2 is left holding clean lines. --flush write
-(the method of the results up to 2026-11-29 22:41) evicts by a 128 MB memset, which leaves
-up to 50 MB of dirty lines whose write-back can land inside the timed call: up to 50 MB of
-extra HBM traffic, noise beside the GBs read at T >= 16 but comparable to a T=1 layer's
-352 MB (fp8). Measured (H200, 2026-11-29 23:15, same commit): DeepSeek-V3 T=1 fp8 0.116 ms
-read / 0.125 ms write, bf16 0.194 / 0.202 ms. The "flush" field of the JSON records the method. Then
-a one-thread spin kernel (SPIN_US) holds the GPU while Python enqueues the timed calls, so the
-events measure GPU time, not the launchers' argument checks (--no-spin to include them).
+Method: CUDA events (cuda_kernels/timing.py) around each call after warm-up, median over the
+repetitions; before each repetition (untimed) the next of 4 pre-drawn routings is selected
+and the L2 is flushed, so no repetition reads weights left in the 50 MB L2 by the previous
+one. The quantized layer's median per routing is kept too ("by_routing", with the routing's
+busiest expert's rows: one past the rung's m tile reads that expert's weights twice).
+--flush read (default) evicts by reading a 128 MB buffer (a sum): the L2 is left holding
+clean lines. --flush write (the method of the results up to 2026-11-29 22:41) evicts by a
+128 MB memset, which leaves up to 50 MB of dirty lines whose write-back can land inside the
+timed call: up to 50 MB of extra HBM traffic, noise beside the GBs read at T >= 16 but
+comparable to a T=1 layer's 352 MB (fp8). Measured (H200, 2026-11-29 23:15, same commit):
+DeepSeek-V3 T=1 fp8 0.116 ms read / 0.125 ms write, bf16 0.194 / 0.202 ms. The "flush" field
+of the JSON records the method. Then a one-thread spin kernel (SPIN_US) holds the GPU while
+Python enqueues the timed calls, so the events measure GPU time, not the launchers' argument
+checks (--no-spin to include them).
 
 Roofline: floor = max(bytes / 4.8e12 B/s, flops / peak) with bytes = the weights (scales
 included) of the experts the routings touch, in the path's format, and flops = 2 P (2I H + H I);
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib
 import json
 import pathlib
@@ -66,12 +68,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cuda_kernels.cupy import _compile as C  # noqa: E402
+from cuda_kernels import timing  # noqa: E402
+from cuda_kernels.cupy import _arrays as A  # noqa: E402
 from cuda_kernels.cupy.quant import act as QA  # noqa: E402
 from cuda_kernels.cupy.quant import configs as Q  # noqa: E402
 from cuda_kernels.cupy.quant import gemm as QG  # noqa: E402
 from cuda_kernels.cupy.quant import w8a8 as W8  # noqa: E402
 from cuda_kernels.cupy.quant import wna16 as W16  # noqa: E402
+from sandbox.bench import add_out_dir, add_points_options, points_of  # noqa: E402
 
 MODELS = {
     # name: (E, K, H, I, quantized format)
@@ -135,14 +139,14 @@ def random_bf16(shape, scale, seed):
 
     try:
         from cuda_kernels.cupy.gemm import random_device
-        return random_device(shape, C.bf16_dtype(), scale=scale,
+        return random_device(shape, A.bf16_dtype(), scale=scale,
                              rng=cupy.random.default_rng(seed))
     except ImportError:
         x = cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32) * scale
         u = x.view(cupy.uint32)
         b = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(cupy.uint16)
         try:
-            return b.view(C.bf16_dtype())
+            return b.view(A.bf16_dtype())
         except Exception:
             return b
 
@@ -155,43 +159,20 @@ def draw_routing(rng, T, E, K):
 
 
 # ----------------------------------------------------------------------------- timing
-_SPIN = r"""
-extern "C" __global__ void spin(long long cycles) {
-    const long long t0 = clock64();
-    while (clock64() - t0 < cycles) { }
-}
-"""
-_SPIN_STATE = {"cycles": None, "kernel": None}
-
-
-def spin():
-    """Keep the GPU busy for about SPIN_US, so that what Python enqueues next runs back to back."""
-    import cupy
-
-    if _SPIN_STATE["kernel"] is None:
-        _SPIN_STATE["kernel"] = cupy.RawKernel(_SPIN, "spin")
-        khz = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["clockRate"]
-        _SPIN_STATE["cycles"] = int(khz * 1e3 * SPIN_US * 1e-6)
-    _SPIN_STATE["kernel"]((1,), (1,), (np.int64(_SPIN_STATE["cycles"]),))
+@functools.lru_cache(maxsize=1)
+def _api():
+    return timing.CudaApi("cupy")
 
 
 def time_ms(fn, setup, warmup, reps, use_spin=True):
-    import cupy
-
-    for _ in range(warmup):
-        setup()
-        fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(reps):
-        setup()
-        if use_spin:
-            spin()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    """(median ms, [ms of each rep]) of fn by the one GPU timer (cuda_kernels/timing.py):
+    setup() (the next routing, then this benchmark's own L2 flush: --flush) before every
+    call, outside the events; with use_spin a spin kernel of SPIN_US holds the GPU while
+    Python enqueues the call (mode "device"), else the call starts from an idle GPU
+    ("eager": the launchers' host overhead counts)."""
+    times = timing.cuda_samples(fn, warmup, reps, rotate=lambda i: setup(), flush_l2=False,
+                                mode="device" if use_spin else "eager", spin_us=SPIN_US,
+                                api=_api())
     return float(np.median(times)), times
 
 
@@ -256,7 +237,7 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
             out = []
             for ids, tw in routings:
                 st, ex, ntp = moe_align_block_size(ids, B, E)
-                out.append(tuple(C.to_device(v) for v in (st, ex, ntp)) + (C.to_device(tw),))
+                out.append(tuple(A.to_device(v) for v in (st, ex, ntp)) + (A.to_device(tw),))
             return out
         cur = {"i": 0, "used": []}   # the routing of each setup() (each repetition)
 
@@ -327,7 +308,7 @@ def bench_model(name, tokens, reps, with_bf16, deadline, log, use_spin=True, fp8
         # ---- bf16 path
         if gg is not None:
             try:
-                Bb = int(gcfg.get_config(T, 2 * I, H, E, K, C.bf16_dtype())["BLOCK_M"])
+                Bb = int(gcfg.get_config(T, 2 * I, H, E, K, A.bf16_dtype())["BLOCK_M"])
                 bal = qal if Bb == Bq else aligned(Bb)
 
                 def b_gemm1():
@@ -362,7 +343,7 @@ def _all_finite(c):
     import cupy
 
     # bf16 bits: exponent all ones is inf or NaN
-    return bool(((C.raw(c).view(cupy.uint16) & 0x7F80) != 0x7F80).all())
+    return bool(((A.raw(c).view(cupy.uint16) & 0x7F80) != 0x7F80).all())
 
 
 def _row(p, fmt):
@@ -404,8 +385,7 @@ def summary(points, log):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    add_points_options(parser, MODELS, TOKENS)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 path")
     parser.add_argument("--budget-s", type=float, default=200.0,
@@ -413,9 +393,7 @@ def main(argv=None):
     parser.add_argument("--no-spin", action="store_true",
                         help="time the launchers' host overhead too (no spin kernel ahead)")
     parser.add_argument("--no-save", action="store_true")
-    parser.add_argument("--out", default="moe-sandbox-results",
-                        help="results folder (--out benchmarks/results updates the committed "
-                             "files)")
+    add_out_dir(parser, "--out")
     parser.add_argument("--flush", default="read", choices=("read", "write"),
                         help="how the L2 is evicted before each timed call (see the doc)")
     parser.add_argument("--fp8-version", default=None, choices=("v1", "v2", "v3", "v4"),
@@ -426,16 +404,12 @@ def main(argv=None):
     parser.add_argument("--no-pdl", action="store_true",
                         help="launch the int4 GEMM2 plainly (default: programmatic, see the doc)")
     args = parser.parse_args(argv)
-    ok, why = C.availability()
+    ok, why = A.availability()
     if not ok:
         raise SystemExit(f"needs a GPU: {why}")
     import cupy
 
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    for m in models:
-        if m not in MODELS:
-            raise SystemExit(f"--models: expected names from {sorted(MODELS)}, got {m!r}")
-    tokens = [int(t) for t in args.tokens.split(",")]
+    models, tokens = points_of(args, MODELS)
     start = time.time()
     deadline = start + args.budget_s
     lines = []

@@ -14,40 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
 import reference
-from sandbox.bench import git_commit
-
-
-
-def torch_per_expert_moe(torch, x, w1, w2, topk_weights, topk_ids):
-    """The baseline a user would write in torch: loop over experts, index the routed rows."""
-    out = torch.zeros_like(x)
-    inter = w2.shape[2]
-    for e in range(w1.shape[0]):
-        token, slot = torch.where(topk_ids == e)
-        if token.numel() == 0:
-            continue
-        h = x[token] @ w1[e].T                                   # [n, 2I]
-        a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
-        out.index_add_(0, token, (a @ w2[e].T) * topk_weights[token, slot, None])
-    return out
+from cuda_kernels.timing import time_cpu
+from sandbox.bench import add_out_dir, git_commit, torch_per_expert_loop
 
 
 def time_it(fn, reps):
-    fn()                                                         # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of fn() on the host, after one warm-up."""
+    return time_cpu(fn, warmup=1, reps=reps).median * 1e-3
 
 
 def main():
@@ -55,9 +34,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-save", action="store_true")
-    parser.add_argument("--out", default="moe-sandbox-results",
-                        help="results folder (--out benchmarks/results updates the committed "
-                             "files)")
+    add_out_dir(parser, "--out")
     args = parser.parse_args()
 
     num_experts, top_k, hidden, inter, tokens = 8, 2, 1024, 2816, args.tokens
@@ -87,8 +64,8 @@ def main():
         tw, ti, _ = reference.fused_topk(x, logits, top_k, True)
         args_t = [torch.from_numpy(a) for a in (x, w1, w2, tw, ti.astype(np.int64))]
         with torch.inference_mode():
-            torch_s = time_it(lambda: torch_per_expert_moe(torch, *args_t), args.reps)
-            got = torch_per_expert_moe(torch, *args_t).numpy()
+            torch_s = time_it(lambda: torch_per_expert_loop(*args_t), args.reps)
+            got = torch_per_expert_loop(*args_t).numpy()
         ref = reference.fused_experts(x, w1, w2, tw, ti)
         record.update(torch_version=torch.__version__, torch_threads=torch.get_num_threads(),
                       torch_s=torch_s, ratio_reference_over_torch=ref_s / torch_s,

@@ -13,10 +13,11 @@ then GEMM2 [P, I] x [H, I] (* router weight); the activation between them is not
             that takes the problem; v6 only on sm_90), at a block size its tiles divide: the
             tile rows up to 8 rows per expert, else the first multiple of them from 32
 
-Method: CUDA events around each call after warm-up, median over the repetitions; before each
-repetition (untimed) the next of 4 pre-drawn routings is selected and the L2 is flushed (a
-128 MB fill); a one-thread spin kernel then holds the GPU while Python enqueues the timed
-calls, so the events measure GPU time.
+Method: the one GPU timer (cuda_kernels/timing.py, mode "device"): CUDA events around each
+call after warm-up, median over the repetitions; before each repetition (untimed) the next of
+4 pre-drawn routings is selected and the L2 is flushed (a fill of twice its size); a
+one-thread spin kernel then holds the GPU while Python enqueues the timed calls, so the
+events measure GPU time.
 
 Roofline: floor = max(bytes / 4.8e12 B/s, flops / 989e12 FLOP/s), bytes = the codes and fp32
 scales of the experts the routings touch (GEMM1 and GEMM2), flops = 2 P (2I H + H I).
@@ -46,9 +47,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cuda_kernels.cupy import _compile as C  # noqa: E402
+from cuda_kernels import timing  # noqa: E402
+from cuda_kernels.cupy import _arrays as A  # noqa: E402
 from cuda_kernels.cupy.quant import configs as Q  # noqa: E402
 from cuda_kernels.cupy.quant import wna16 as W16  # noqa: E402
+from sandbox.bench import add_out_dir  # noqa: E402
 
 E, K, H, I = 8, 2, 4096, 14336
 GROUP = 128
@@ -56,16 +59,8 @@ TOKENS = (1, 16, 64, 256, 1024, 4096)
 HBM = 4.8e12
 PEAK = 989e12
 ROUTINGS = 4
-FLUSH_BYTES = 128 << 20
-SPIN_US = 1000
 RUNGS = ("v2", "v3", "v4", "v5", "v6")    # v1 (one thread per output) takes seconds at T=4096
 
-_SPIN = r"""
-extern "C" __global__ void spin(long long cycles) {
-    const long long t0 = clock64();
-    while (clock64() - t0 < cycles) { }
-}
-"""
 _FILL = r"""
 extern "C" __global__ void fill_bytes(unsigned char* y, long long n, unsigned long long seed) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
@@ -107,12 +102,12 @@ def random_bf16(shape, seed):
     x = cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32)
     u = x.view(cupy.uint32)
     b = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(cupy.uint16)   # round to nearest even
-    return b.view(C.bf16_dtype())
+    return b.view(A.bf16_dtype())
 
 
 def _finite(c) -> bool:
     """No bf16 inf / NaN (exponent bits all ones) in c."""
-    return not bool(((C.raw(c) >> 7) & 0xFF).max() == 0xFF) if c.size else True
+    return not bool(((A.raw(c) >> 7) & 0xFF).max() == 0xFF) if c.size else True
 
 
 def draw_routing(rng, T):
@@ -121,32 +116,16 @@ def draw_routing(rng, T):
     return ids, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
-class Timer:
-    def __init__(self):
-        import cupy
+def make_timer():
+    """timer(fn, setup, warmup=3, reps=20) -> median ms of fn by the one GPU timer
+    (cuda_kernels/timing.py, CuPy's events): setup() and an L2 flush before every call,
+    outside the events, then a spin kernel holds the GPU while Python enqueues the call."""
+    api = timing.CudaApi("cupy")
 
-        self.spin = cupy.RawKernel(_SPIN, "spin")
-        khz = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["clockRate"]
-        self.cycles = int(khz * 1e3 * SPIN_US * 1e-6)
-        self.flush = cupy.empty(FLUSH_BYTES, dtype=cupy.uint8)
-
-    def __call__(self, fn, setup, warmup=3, reps=20):
-        import cupy
-
-        for _ in range(warmup):
-            setup()
-            fn()
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        times = []
-        for _ in range(reps):
-            setup()
-            self.spin((1,), (1,), (np.int64(self.cycles),))
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, stop))
-        return float(np.median(times))
+    def timer(fn, setup, warmup=3, reps=20):
+        return timing.time_cuda(fn, warmup, reps, rotate=lambda i: setup(), mode="device",
+                                api=api).median
+    return timer
 
 
 def _config_override(known: dict, spec: str):
@@ -197,10 +176,9 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=1e9)
     p.add_argument("--zp", action="store_true",
                    help="per-group zero points (uint8 0..15), as AWQ-style asymmetric int4")
-    p.add_argument("--out", default="moe-sandbox-results",
-                   help="results folder (--out benchmarks/results updates the committed files)")
+    add_out_dir(p, "--out")
     args = p.parse_args(argv)
-    ok, why = C.availability()
+    ok, why = A.availability()
     if not ok:
         raise SystemExit(f"no GPU: {why}")
     import cupy
@@ -216,7 +194,7 @@ def main(argv=None):
         zp2 = cupy.random.randint(0, 16, (E, H, I // GROUP), dtype=cupy.int32).astype(cupy.uint8)
     per_expert = Q.quant_weight_bytes("int4", 1, 2 * I, H, GROUP) + \
         Q.quant_weight_bytes("int4", 1, H, I, GROUP)
-    timer = Timer()
+    timer = make_timer()
     cc = int(cupy.cuda.Device().compute_capability)
     gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     points, sweep = [], []
@@ -236,11 +214,10 @@ def main(argv=None):
 
         def setup():
             cur["i"] = (cur["i"] + 1) % ROUTINGS
-            timer.flush.fill(cur["i"])
 
         def aligned(B):
-            return [tuple(C.to_device(v) for v in moe_align_block_size(ids, B, E)) +
-                    (C.to_device(tw),) for ids, tw in routings]
+            return [tuple(A.to_device(v) for v in moe_align_block_size(ids, B, E)) +
+                    (A.to_device(tw),) for ids, tw in routings]
 
         def path(B, **kw):
             al = aligned(B)

@@ -4,6 +4,8 @@
 `cuda_kernels.numba`: the same stages written in Python with `numba.cuda`.
 `cuda_kernels.torch`: the same stages in plain torch (CPU or CUDA): the outside oracle and
 the baseline a torch user would otherwise run.
+`cuda_kernels.timing`: the one GPU timer (CUDA events or graph replays through torch or
+CuPy) that the kernel scripts, the tuner, the benchmarks and sandbox.bench share.
 
 Each stage has the name and signature of its NumPy twin in `reference/` (docs/stages.md), in
 a file of the same name in every backend (routing, align, permute, gemm, activation,

@@ -376,13 +376,8 @@ if TIMING_TOKENS:
             times[name].append(workshop.time_gpu_ms(partial(
                 fn, None, lg, 8, True, True, topk_group=4, num_expert_group=8,
                 scoring_func="sigmoid", routed_scaling_factor=2.5, e_score_correction_bias=bd)))
-    fig, ax = plt.subplots(figsize=(7, 3.4))
-    for name, ms in times.items():
-        ax.plot(TIMING_TOKENS, [m * 1e3 for m in ms], marker="o", label=name)
-    ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="µs per call (eager)",
-           title="grouped top-8 of 256 experts (DeepSeek-V3), one call")
-    ax.legend()
-    workshop.show(fig, "kernel_times")
+    workshop.plot_eager_times(times, TIMING_TOKENS, "grouped top-8 of 256 experts "
+                              "(DeepSeek-V3), one call", "kernel_times")
     workshop.show_table(["T"] + KERNELS, [(T, *(f"{times[n][i] * 1e3:.1f} µs" for n in KERNELS))
                                           for i, T in enumerate(TIMING_TOKENS)])
 else:

@@ -380,13 +380,8 @@ if TIMING_TOKENS:
             dev = bk.put(ids_)
             fn = bk.stage_fn("align")
             times[name].append(workshop.time_gpu_ms(partial(fn, dev, 64, 256)))
-    fig, ax = plt.subplots(figsize=(7, 3.4))
-    for name, ms in times.items():
-        ax.plot(TIMING_TOKENS, [m * 1e3 for m in ms], marker="o", label=name)
-    ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="µs per call (eager)",
-           title="moe_align_block_size, top-8 of 256 experts, B = 64")
-    ax.legend()
-    workshop.show(fig, "align_times")
+    workshop.plot_eager_times(times, TIMING_TOKENS, "moe_align_block_size, top-8 of 256 "
+                              "experts, B = 64", "align_times")
 else:
     print("CPU mode: no timings here (the simulator's speed says nothing about a GPU's).")
 

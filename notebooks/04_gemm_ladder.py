@@ -235,11 +235,7 @@ workshop.show(fig, "napkin_math")
 # many warps an SM holds) and static shared memory.
 
 # %%
-ok, why = _compile.nvrtc_available()
-if not ok:
-    print(f"NVRTC is not usable here ({why}); `pip install cuda-core nvidia-cuda-nvrtc` "
-          "enables this section.")
-else:
+if workshop.nvrtc_ready():
     rows = []
     for v in CUPY_VERSIONS:
         cfg = ccfg.get_config(T_NAPKIN, N, KD, E, K, ml_dtypes.bfloat16, version=v)

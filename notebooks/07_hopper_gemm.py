@@ -585,11 +585,7 @@ def ptxas(v, defines):
     return res.get("registers"), int(spill.group(1)) if spill else None
 
 
-ok, why = _compile.nvrtc_available()
-if not ok:
-    print(f"NVRTC is not usable here ({why}); `pip install cuda-core nvidia-cuda-nvrtc` "
-          "enables this section.")
-else:
+if workshop.nvrtc_ready():
     rows = []
     cases = [(v, CFG[v], v) for v in RUNGS] + \
         [("v6", dict(CFG["v6"], PRODUCER_REGS=entry), "v6, no register move")]

@@ -268,27 +268,42 @@ def rel_err(got, want) -> float:
     return float(np.linalg.norm(a - b) / (d if d > 0 else 1.0))
 
 
-def time_gpu_ms(fn, warmup: int = 3, reps: int = 20) -> float:
-    """Median milliseconds of fn() between two CUDA events (CuPy's, on the legacy default
-    stream, which Numba's launches also use). The events bracket the Python call too, so
-    small kernels show their launch overhead: what an eager caller pays. The inputs stay in
-    the 50 MB L2 between repetitions; benchmarks/ flush it (and re-draw the routing) for the
-    numbers we report."""
-    import cupy
+def nvrtc_ready() -> bool:
+    """Whether NVRTC can compile the CUDA sources here (no GPU needed); says what to install
+    when it cannot, so a section that compiles can skip itself."""
+    from cuda_kernels.cupy import _compile
 
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    times.sort()
-    return float(times[len(times) // 2])
+    ok, why = _compile.nvrtc_available()
+    if not ok:
+        print(f"NVRTC is not usable here ({why}); `pip install cuda-core nvidia-cuda-nvrtc` "
+              "enables this section.")
+    return ok
+
+
+def time_gpu_ms(fn, warmup: int = 3, reps: int = 20) -> float:
+    """Median milliseconds of fn() by the one GPU timer (cuda_kernels/timing.py), as an eager
+    caller sees it: each call starts from an idle GPU, so the CUDA events bracket the Python
+    call too and small kernels show their launch overhead, and the inputs stay in the 50 MB
+    L2 between repetitions (benchmarks/ flush it, and re-draw the routing, for the numbers
+    we report). CuPy's events first: Numba's launches use the same default stream."""
+    from cuda_kernels import timing
+
+    return timing.time_cuda(fn, warmup, reps, flush_l2=False, mode="eager",
+                            api=timing.cuda_api("cupy")).median
+
+
+def plot_eager_times(times: dict, tokens, title: str, name: str):
+    """µs per eager call against T, log-log, one line per kernel: `times` maps a kernel's name
+    to its time_gpu_ms milliseconds at each of `tokens`."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for kernel, ms in times.items():
+        ax.plot(tokens, [m * 1e3 for m in ms], marker="o", label=kernel)
+    ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="µs per call (eager)",
+           title=title)
+    ax.legend()
+    show(fig, name)
 
 
 def load_results(prefix: str) -> list[tuple[pathlib.Path, dict]]:

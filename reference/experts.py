@@ -43,6 +43,25 @@ DEFAULT_BLOCK_SIZE = 64
 PRECISIONS = ("engine", "exact")
 
 
+def check_w1_rows(w1, inter, activation, is_act_and_mul):
+    """w1 [E, N1, H] against w2's intermediate size: N1 = 2 I for a gated activation (the
+    gate and up halves), else I (quant.py's formats check it the same way)."""
+    gated = is_act_and_mul and not str(activation).endswith("_no_mul")
+    want_n1 = 2 * inter if gated else inter
+    if w1.shape[1] != want_n1:
+        raise ValueError(f"w1: expected {want_n1} output rows ({'2 * ' if gated else ''}w2's "
+                         f"intermediate size {inter}), got shape {w1.shape}")
+
+
+def check_topk_arrays(topk_weights, topk_ids, num_tokens):
+    """topk_ids int [T, K] and topk_weights float [T, K] for T = num_tokens rows."""
+    check_int("topk_ids", topk_ids, ndim=2)
+    if topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids: expected {num_tokens} rows to match hidden_states, "
+                         f"got shape {topk_ids.shape}")
+    check_float("topk_weights", topk_weights, ndim=2, shape=topk_ids.shape)
+
+
 def _check_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, is_act_and_mul,
                         activation, w1_bias, w2_bias):
     check_float("hidden_states", hidden_states, ndim=2)
@@ -51,21 +70,12 @@ def _check_experts_args(hidden_states, w1, w2, topk_weights, topk_ids, is_act_an
     num_local, n1, _ = w1.shape
     check_float("w1", w1, shape=(None, None, hidden))
     check_float("w2", w2, ndim=3, shape=(num_local, hidden, None))
-    inter = w2.shape[2]
-    gated = is_act_and_mul and not activation.endswith("_no_mul")
-    want_n1 = 2 * inter if gated else inter
-    if n1 != want_n1:
-        raise ValueError(f"w1: expected {want_n1} output rows ({'2 * ' if gated else ''}w2's "
-                         f"intermediate size {inter}), got shape {w1.shape}")
+    check_w1_rows(w1, w2.shape[2], activation, is_act_and_mul)
     for name, wt in (("w1", w1), ("w2", w2)):
         if wt.dtype != hidden_states.dtype:
             raise TypeError(f"{name}: expected the dtype of hidden_states "
                             f"({hidden_states.dtype}), got {wt.dtype}")
-    check_int("topk_ids", topk_ids, ndim=2)
-    if topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids: expected {num_tokens} rows to match hidden_states, "
-                         f"got shape {topk_ids.shape}")
-    check_float("topk_weights", topk_weights, ndim=2, shape=topk_ids.shape)
+    check_topk_arrays(topk_weights, topk_ids, num_tokens)
     if w1_bias is not None:
         check_float("w1_bias", w1_bias, ndim=2, shape=(num_local, n1))
     if w2_bias is not None:

@@ -68,13 +68,12 @@ from ._checks import (
     check_array,
     check_choice,
     check_float,
-    check_int,
     check_positive_int,
 )
 from .activation import apply_activation
 from .align import moe_align_block_size
 from .combine import moe_sum
-from .experts import DEFAULT_BLOCK_SIZE, check_expert_routing
+from .experts import DEFAULT_BLOCK_SIZE, check_expert_routing, check_topk_arrays, check_w1_rows
 from .gemm import grouped_gemm, walk_expert_blocks
 from .precision import compute_dtype
 
@@ -237,7 +236,7 @@ def moe_kernel_quantize_input(a, a_scale, quant_dtype, per_act_token_quant=False
         return a, None
     check_choice("quant_dtype", quant_dtype, ACT_QUANT_DTYPES)
     if block_shape is not None:
-        bk = _block_shape(block_shape)[1]
+        bk = block_shape_of(block_shape)[1]
         if a_scale is not None:
             raise ValueError("a_scale: block quantization computes its own per-group scales; "
                              "expected None, got an array")
@@ -293,7 +292,9 @@ def dequantize_activation(q, scale, group_size=None):
 
 
 # ----------------------------------------------------------------------------- weights
-def _block_shape(block_shape):
+def block_shape_of(block_shape):
+    """(bn, bk) of vLLM's block_shape [bn, bk] (bn >= 0, bk >= 1), or None (the launchers of
+    cuda_kernels/cupy/quant read it the same way)."""
     if block_shape is None:
         return None
     try:
@@ -339,7 +340,7 @@ def _weight_scales(wf, granularity, block_shape, qmax, use_ue8m0):
         s = (np.maximum(amax, _F32(GROUP_EPS)) / _F32(qmax)).astype(_F32)          # [E, N]
         full = s[:, :, None]
     else:
-        bn, bk = _block_shape(block_shape if block_shape is not None else DEFAULT_BLOCK_SHAPE)
+        bn, bk = block_shape_of(block_shape if block_shape is not None else DEFAULT_BLOCK_SHAPE)
         if bn < 1:
             raise ValueError(f"block_shape: expected bn >= 1 for block weights, got "
                              f"{block_shape!r}")
@@ -450,11 +451,7 @@ def _wna16_layout(w, num_bits, w_scale, w_zp, block_shape):
                          "got None")
     check_float("w_scale", w_scale, ndim=3, shape=(e, n, None))
     g = w_scale.shape[2]
-    bs = _block_shape(block_shape)
-    group_size = bs[1] if bs is not None else (k // g if g and k % g == 0 else 0)
-    if g < 1 or group_size < 1 or k % group_size or k // group_size != g:
-        raise ValueError(f"w_scale: expected Kdim / group_size = {k} / {group_size} groups, got "
-                         f"shape {w_scale.shape}")
+    group_size = wna16_group_size(k, w_scale.shape, block_shape)
     if w_zp is not None:
         check_array("w_zp", w_zp, ndim=3, dtypes=(np.dtype(np.uint8),), shape=(e, n, g))
         if w.dtype == np.int8:
@@ -463,6 +460,19 @@ def _wna16_layout(w, num_bits, w_scale, w_zp, block_shape):
         if num_bits == 4 and w_zp.size and w_zp.max() > 15:
             raise ValueError(f"w_zp: expected int4 zero points in [0, 15], got {int(w_zp.max())}")
     return k, group_size, default_zp
+
+
+def wna16_group_size(k: int, w_scale_shape, block_shape) -> int:
+    """The weight-only group size: block_shape's bk, else Kdim / G for the G = w_scale's last
+    dimension groups per row; ValueError unless G groups of it tile Kdim (the launchers of
+    cuda_kernels/cupy/quant check their scales the same way)."""
+    g = w_scale_shape[-1]
+    bs = block_shape_of(block_shape)
+    group_size = bs[1] if bs is not None else (k // g if g and k % g == 0 else 0)
+    if g < 1 or group_size < 1 or k % group_size or k // group_size != g:
+        raise ValueError(f"w_scale: expected Kdim / group_size = {k} / {group_size} groups, got "
+                         f"shape {tuple(w_scale_shape)}")
+    return group_size
 
 
 def dequantize_wna16_expert(w_e, scale_e, zp_e, num_bits, group_size, default_zp, dtype=_F32):
@@ -479,7 +489,7 @@ def _w8a8_scale_kind(w, w_scale, per_channel_quant, block_shape):
     if w_scale is None:
         raise ValueError("w_scale: expected the weight scales of a w8a8 format, got None")
     check_float("w_scale", w_scale)
-    bs = _block_shape(block_shape)
+    bs = block_shape_of(block_shape)
     if bs is not None:
         bn, bk = bs
         want = (e, _cdiv(n, bn), _cdiv(k, bk))
@@ -506,7 +516,7 @@ def dequantize_w8a8_expert(w_e, scale_e, kind, block_shape, dtype=_F32):
         return qf * s.reshape(())
     if kind == "channel":
         return qf * s.reshape(-1, 1)
-    bn, bk = _block_shape(block_shape)
+    bn, bk = block_shape_of(block_shape)
     n, k = w_e.shape
     return qf * s[np.arange(n) // bn][:, np.arange(k) // bk]
 
@@ -516,7 +526,7 @@ def dequantize_weight(w, w_scale, w_zp=None, *, use_fp8_w8a8=False, use_int8_w8a
                       block_shape=None):
     """All experts' weights in fp32 [E, N, Kdim] (for tests and notebooks; the GEMM
     dequantizes one expert at a time)."""
-    fmt = _format(use_fp8_w8a8, use_int8_w8a8, use_int8_w8a16, use_int4_w4a16)
+    fmt = quant_format(use_fp8_w8a8, use_int8_w8a8, use_int8_w8a16, use_int4_w4a16)
     if fmt in ("fp8", "int8"):
         _check_w8a8_weight("w", w, fmt)
         kind = _w8a8_scale_kind(w, w_scale, per_channel_quant, block_shape)
@@ -534,7 +544,9 @@ def dequantize_weight(w, w_scale, w_zp=None, *, use_fp8_w8a8=False, use_int8_w8a
 
 
 # ----------------------------------------------------------------------------- the GEMM
-def _format(use_fp8_w8a8, use_int8_w8a8, use_int8_w8a16, use_int4_w4a16):
+def quant_format(use_fp8_w8a8, use_int8_w8a8, use_int8_w8a16, use_int4_w4a16) -> str | None:
+    """"fp8" | "int8" | "w8a16" | "int4" from vLLM's flags, None when none is set (the
+    launchers of cuda_kernels/cupy/quant read the flags the same way)."""
     flags = {"fp8": use_fp8_w8a8, "int8": use_int8_w8a8, "w8a16": use_int8_w8a16,
              "int4": use_int4_w4a16}
     on = [k for k, v in flags.items() if v]
@@ -555,7 +567,7 @@ def _a_scale_kind(a, a_scale, per_act_token_quant, block_shape):
         raise ValueError("a_scale: expected the activation scales of a w8a8 format, got None")
     check_float("a_scale", np.asarray(a_scale))
     s = np.asarray(a_scale)
-    bs = _block_shape(block_shape)
+    bs = block_shape_of(block_shape)
     if bs is not None:
         if s.shape != (m, _cdiv(k, bs[1])):
             raise ValueError(f"a_scale: expected per-group scales ({m}, {_cdiv(k, bs[1])}) for "
@@ -593,7 +605,7 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     w_zp [E, N, G] uint8 or None; out_dtype defaults to a.dtype. No format flag: grouped_gemm.
     -> c [P, N] out_dtype
     """
-    fmt = _format(use_fp8_w8a8, use_int8_w8a8, use_int8_w8a16, use_int4_w4a16)
+    fmt = quant_format(use_fp8_w8a8, use_int8_w8a8, use_int8_w8a16, use_int4_w4a16)
     if fmt is None:
         return grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
                             block_size, topk_weights, mul_routed_weight, bias)
@@ -606,7 +618,7 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                              f"got {w.shape}")
         a_kind = _a_scale_kind(a, a_scale, per_act_token_quant, block_shape)
         w_kind = _w8a8_scale_kind(w, w_scale, per_channel_quant, block_shape)
-        gs = _block_shape(block_shape)[1] if a_kind == "group" else None
+        gs = block_shape_of(block_shape)[1] if a_kind == "group" else None
         a_deq = dequantize_activation(a, np.asarray(a_scale, dtype=_F32), gs)   # [M_a, Kdim]
         w_scale_f = np.asarray(w_scale, dtype=_F32)
 
@@ -668,7 +680,7 @@ def fused_experts_quant(hidden_states, w1, w2, topk_weights, topk_ids, activatio
 
     With no format flag this is the unquantized fused_experts. Returns [T, H] in x.dtype.
     """
-    fmt = _format(use_fp8_w8a8, use_int8_w8a8, use_int8_w8a16, use_int4_w4a16)
+    fmt = quant_format(use_fp8_w8a8, use_int8_w8a8, use_int8_w8a16, use_int4_w4a16)
     check_array("hidden_states", hidden_states, ndim=2, dtypes=_ACT_DTYPES)
     num_tokens, hidden = hidden_states.shape
     for name, wt in (("w1", w1), ("w2", w2)):
@@ -687,16 +699,8 @@ def fused_experts_quant(hidden_states, w1, w2, topk_weights, topk_ids, activatio
     if w2.shape[:2] != (num_local, hidden):
         raise ValueError(f"w2: expected shape ({num_local}, {hidden}, ...), got {w2.shape}")
     inter = _logical_k(w2, fmt)
-    gated = is_act_and_mul and not str(activation).endswith("_no_mul")
-    want_n1 = 2 * inter if gated else inter
-    if w1.shape[1] != want_n1:
-        raise ValueError(f"w1: expected {want_n1} output rows ({'2 * ' if gated else ''}w2's "
-                         f"intermediate size {inter}), got shape {w1.shape}")
-    check_int("topk_ids", topk_ids, ndim=2)
-    if topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids: expected {num_tokens} rows to match hidden_states, "
-                         f"got shape {topk_ids.shape}")
-    check_float("topk_weights", topk_weights, ndim=2, shape=topk_ids.shape)
+    check_w1_rows(w1, inter, activation, is_act_and_mul)
+    check_topk_arrays(topk_weights, topk_ids, num_tokens)
     top_k, num_experts = check_expert_routing(topk_ids, num_local, global_num_experts,
                                               expert_map, apply_router_weight_on_input)
     block_size = check_positive_int("block_size", block_size or DEFAULT_BLOCK_SIZE)
@@ -785,7 +789,7 @@ def quantize_moe_layer(w1, w2, scheme, block_shape=DEFAULT_BLOCK_SHAPE, group_si
     if gran == "channel":
         out.update(per_act_token_quant=True, per_channel_quant=True)
     if gran == "block":
-        out.update(block_shape=list(_block_shape(block_shape)))
+        out.update(block_shape=list(block_shape_of(block_shape)))
         if use_ue8m0:
             out.update(use_ue8m0=True)
     out.update(w1=q1, w2=q2, w1_scale=s1, w2_scale=s2)

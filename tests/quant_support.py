@@ -32,6 +32,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from cuda_kernels.cupy import _arrays as A
 from cuda_kernels.cupy import _compile as C
 from oracles import rel_err
 from reference import moe_align_block_size
@@ -49,19 +50,19 @@ def up(x):
     if isinstance(x, np.ndarray) and x.dtype == FP8:
         from cuda_kernels.cupy.quant.act import fp8_to_device
         return fp8_to_device(x)
-    return C.to_device(np.asarray(x))
+    return A.to_device(np.asarray(x))
 
 
 def host(x, dtype=None):
-    h = C.to_host(x)
+    h = A.to_host(x)
     if dtype is not None and h.dtype != dtype:
         h = h.view(dtype)          # uint16 bytes of bf16, uint8 bytes of fp8
     return h
 
 
 def poisoned(shape, dtype):
-    out = C.empty(shape, dtype)
-    C.raw(out).view(np.uint16 if np.dtype(dtype).itemsize == 2 else np.uint32).fill(
+    out = A.empty(shape, dtype)
+    A.raw(out).view(np.uint16 if np.dtype(dtype).itemsize == 2 else np.uint32).fill(
         0x7FC0 if np.dtype(dtype) == BF16 else 0x7E00)   # bf16 / fp16 quiet NaN
     return out
 

@@ -18,15 +18,15 @@ import pytest
 from oracles import BF16, rel_err
 
 import reference
-from cuda_kernels.cupy import _compile as C
+from cuda_kernels.cupy import _arrays as A
 
-OK, WHY = C.availability()
+OK, WHY = A.availability()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not OK, reason=f"no usable GPU: {WHY}")]
 
 
 @pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch):
-    monkeypatch.setattr(C, "POISON", True)
+    monkeypatch.setattr(A, "POISON", True)
 
 
 def _problem(rng, T, E, K, H, I, dtype=BF16):  # noqa: E741
@@ -61,17 +61,17 @@ def test_fused_experts_is_the_stages_bit_for_bit(T, E, K, H, I, rng):  # noqa: E
     from cuda_kernels.cupy.experts import fused_experts, plan_for
 
     host = _problem(rng, T, E, K, H, I)
-    x, w1, w2, tw, ids = (C.to_device(a) for a in host)
+    x, w1, w2, tw, ids = (A.to_device(a) for a in host)
     got = fused_experts(x, w1, w2, tw, ids)
     plan = plan_for(T, H, E, 2 * I, I, K, BF16, device=x.device.id)
     want = _stages(x, w1, w2, tw, ids, plan.B)
-    g, w = C.to_host(got), C.to_host(want)
+    g, w = A.to_host(got), A.to_host(want)
     assert not np.isnan(g.astype(np.float32)).any()
     np.testing.assert_array_equal(g.view(np.uint16), w.view(np.uint16))
     ref = reference.fused_experts(*(a.astype(np.float64) for a in host[:3]), host[3], host[4])
     assert rel_err(g.astype(np.float64), ref) <= 1e-2
     # a second call reuses the plan (and, for small shapes, its intermediates)
-    again = C.to_host(fused_experts(x, w1, w2, tw, ids))
+    again = A.to_host(fused_experts(x, w1, w2, tw, ids))
     np.testing.assert_array_equal(again.view(np.uint16), g.view(np.uint16))
 
 
@@ -90,26 +90,26 @@ def test_fused_experts_slots_routed_nowhere(ep, rng):
     if ep:   # rank 1 of 2 holds experts 4..7 (local ids 0..3)
         _, emap = reference.determine_expert_map(2, 1, E)
         host[1], host[2] = host[1][4:].copy(), host[2][4:].copy()
-        kwargs = {"expert_map": C.to_device(emap.astype(np.int32))}
+        kwargs = {"expert_map": A.to_device(emap.astype(np.int32))}
         ref_kwargs = {"expert_map": emap, "global_num_experts": E}
-    x, w1, w2, tw, ids = (C.to_device(a) for a in host)
+    x, w1, w2, tw, ids = (A.to_device(a) for a in host)
     fused_experts(x, w1, w2, tw, ids, **kwargs)          # fills the cached workspace
     bad = host[4].copy()
     bad[3] = -1                                         # a padded token
     bad[5, 1] = -1
-    got = C.to_host(fused_experts(x, w1, w2, tw, C.to_device(bad), **kwargs))
+    got = A.to_host(fused_experts(x, w1, w2, tw, A.to_device(bad), **kwargs))
     assert (got[3].astype(np.float32) == 0).all()
     ref = reference.fused_experts(*(a.astype(np.float64) for a in host[:3]), host[3], bad,
                                   **ref_kwargs)
     assert rel_err(got.astype(np.float64), ref) <= 1e-2
     if not ep:   # the stages with the pad-aware moe_sum: the same bits
         plan = plan_for(T, H, E, 2 * I, I, K, BF16, device=x.device.id)
-        d_bad = C.to_device(bad)
+        d_bad = A.to_device(bad)
         s, e, n = ck.moe_align_block_size(d_bad, plan.B, E)
         c1 = ck.grouped_gemm(x, w1, s, e, n, K, plan.B, tw, False)
         c3 = ck.grouped_gemm(ck.apply_activation(c1, "silu", True), w2, s, e, n, 1, plan.B, tw,
                              True)
-        want = C.to_host(ck.moe_sum(c3.reshape(T, K, -1), d_bad))
+        want = A.to_host(ck.moe_sum(c3.reshape(T, K, -1), d_bad))
         np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
@@ -122,7 +122,7 @@ def test_fused_experts_torch_tensors_and_errors(rng):
     tx[0], tx[1], tx[2] = (t.view(torch.bfloat16) for t in tx[:3])
     out = fused_experts(*tx)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
-    want = C.to_host(fused_experts(*(C.to_device(a) for a in host)))
+    want = A.to_host(fused_experts(*(A.to_device(a) for a in host)))
     np.testing.assert_array_equal(out.view(torch.int16).cpu().numpy().view(np.uint16),
                                   want.view(np.uint16))
     with pytest.raises(ValueError, match="w2"):
@@ -202,19 +202,19 @@ def test_cupy_stream_capture_of_the_plan(rng):
     from cuda_kernels.cupy.experts import fused_experts
 
     host = _problem(rng, 20, 8, 2, 128, 128)
-    x, w1, w2, tw, ids = (C.to_device(a) for a in host)
+    x, w1, w2, tw, ids = (A.to_device(a) for a in host)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         fused_experts(x, w1, w2, tw, ids)            # plan, kernels and workspace made here
         stream.begin_capture()
         out = fused_experts(x, w1, w2, tw, ids)
         graph = stream.end_capture()
-        x[...] = C.to_device(_problem(np.random.default_rng(5), 20, 8, 2, 128, 128)[0])
+        x[...] = A.to_device(_problem(np.random.default_rng(5), 20, 8, 2, 128, 128)[0])
         graph.launch(stream)
         eager = fused_experts(x, w1, w2, tw, ids)
     stream.synchronize()
-    np.testing.assert_array_equal(C.to_host(out).view(np.uint16),
-                                  C.to_host(eager).view(np.uint16))
+    np.testing.assert_array_equal(A.to_host(out).view(np.uint16),
+                                  A.to_host(eager).view(np.uint16))
 
 
 @pytest.mark.parametrize("rung", ["v5", "v6"])
@@ -239,15 +239,15 @@ def test_fused_experts_runs_the_rung_the_card_table_names(rung, rng, monkeypatch
     try:
         T, E, K, H, I = 3, 8, 2, 256, 384  # noqa: E741
         host = _problem(rng, T, E, K, H, I)
-        x, w1, w2, tw, ids = (C.to_device(a) for a in host)
+        x, w1, w2, tw, ids = (A.to_device(a) for a in host)
         got = experts.fused_experts(x, w1, w2, tw, ids)
         plan = experts.plan_for(T, H, E, 2 * I, I, K, BF16, device=x.device.id)
         assert plan.versions == (rung, rung)
         want = _stages(x, w1, w2, tw, ids, plan.B)
-        np.testing.assert_array_equal(C.to_host(got).view(np.uint16),
-                                      C.to_host(want).view(np.uint16))
+        np.testing.assert_array_equal(A.to_host(got).view(np.uint16),
+                                      A.to_host(want).view(np.uint16))
         again = experts.fused_experts(x, w1, w2, tw, ids)       # the workspace reused
-        np.testing.assert_array_equal(C.to_host(again).view(np.uint16),
-                                      C.to_host(got).view(np.uint16))
+        np.testing.assert_array_equal(A.to_host(again).view(np.uint16),
+                                      A.to_host(got).view(np.uint16))
     finally:
         gg._plan.cache_clear()

@@ -31,6 +31,7 @@ import pytest
 from oracles import BF16, TOL, distinct_topk_ids, random_weights, rel_err, rng_for, uniform
 
 import reference
+from cuda_kernels.cupy import _arrays as A
 from cuda_kernels.cupy import _compile as C
 from cuda_kernels.cupy import gemm as gg
 from cuda_kernels.cupy import gemm_configs as gcfg
@@ -345,8 +346,8 @@ def _cp():
 
 def _poisoned(shape, dtype):
     """A device array whose every byte is 0xFF: NaN in fp32, fp16 and bf16."""
-    out = C.empty(shape, dtype)
-    C.raw(out).view(_cp().uint8).fill(255)
+    out = A.empty(shape, dtype)
+    A.raw(out).view(_cp().uint8).fill(255)
     return out
 
 
@@ -356,7 +357,7 @@ def _host(x, dtype):
 
 
 def _dev(a):
-    return None if a is None else C.to_device(a)
+    return None if a is None else A.to_device(a)
 
 
 def _problem(T, E, top_k, N, K, dtype, B, *, seed=0, ids=None, expert_map=None,
@@ -414,7 +415,7 @@ VERSIONS_ALL = ("v1", "v2", "v3", "v4")
 def prebuilt():
     """Compile the table's kernels once, in parallel threads (NVRTC runs outside the GIL):
     the GPU tests then find them built instead of compiling ~50 kernels one by one."""
-    ok, _ = C.availability()
+    ok, _ = A.availability()
     if ok:
         gg.prebuild()
 
@@ -1810,8 +1811,8 @@ def test_launcher_on_cpu_emulator(case, monkeypatch):
 
 # ---------------------------------------------------------------------------- decode_bench's host
 def _numpy_as_cupy():
-    """NumPy behind CuPy's names (what decode_bench and tune's helpers call), CUDA events on
-    the host clock, an H100 as the device."""
+    """NumPy behind CuPy's names (what decode_bench, tune's helpers and the GPU timer call),
+    CUDA events on the host clock, an H100 as the device (1 MB of L2: a small flush)."""
     fake = types.ModuleType("cupy")
     fake.__getattr__ = lambda name: getattr(np, name)
     fake.ndarray = np.ndarray
@@ -1829,7 +1830,8 @@ def _numpy_as_cupy():
         Event=Event, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3 + 1e-3,
         Device=lambda *a: types.SimpleNamespace(id=0),
         runtime=types.SimpleNamespace(getDeviceProperties=lambda d: {
-            "name": b"NVIDIA H100 80GB HBM3"}))
+            "name": b"NVIDIA H100 80GB HBM3", "l2CacheSize": 1 << 20},
+            getDevice=lambda: 0, deviceSynchronize=lambda: None))
     fake.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
     return fake
 

@@ -13,6 +13,7 @@ import importlib
 import pytest
 
 from cuda_kernels.cupy import _compile as C
+from cuda_kernels.cupy._geometry import row_geometry
 
 # The modules that register compile cases. gemm is written separately: when it is
 # missing or broken the others are still checked (its own test reports the failure).
@@ -153,15 +154,15 @@ def test_row_geometry():
     def arr(itemsize, ptr):  # row_geometry only reads dtype.itemsize and data.ptr
         return NS(dtype=NS(itemsize=itemsize), data=NS(ptr=ptr))
 
-    g = C.row_geometry("x", 33, 7168, 128, arr(2, 4096), arr(2, 8192))
+    g = row_geometry("x", 33, 7168, 128, arr(2, 4096), arr(2, 8192))
     assert g == (8, 128, 7, 33 * 7)                 # bf16: 8 per 16 bytes, 896 words / 128
-    assert C.row_geometry("x", 5, 768, 256, arr(2, 0), arr(2, 0)).threads == 96
-    assert C.row_geometry("x", 5, 768, 256, arr(2, 0), arr(2, 6)).vec == 1   # misaligned out
-    assert C.row_geometry("x", 5, 6, 256, arr(4, 0), arr(4, 0)).vec == 2    # width 6
-    assert C.row_geometry("x", 1, 1, 256, arr(4, 0)).threads == 32          # at least a warp
-    assert C.row_geometry("x", 1, 64, 256, arr(4, 0), vecs=(1,)).vec == 1
+    assert row_geometry("x", 5, 768, 256, arr(2, 0), arr(2, 0)).threads == 96
+    assert row_geometry("x", 5, 768, 256, arr(2, 0), arr(2, 6)).vec == 1   # misaligned out
+    assert row_geometry("x", 5, 6, 256, arr(4, 0), arr(4, 0)).vec == 2    # width 6
+    assert row_geometry("x", 1, 1, 256, arr(4, 0)).threads == 32          # at least a warp
+    assert row_geometry("x", 1, 64, 256, arr(4, 0), vecs=(1,)).vec == 1
     with pytest.raises(ValueError, match=r"x: the grid size M \* column chunks"):
-        C.row_geometry("x", 2**31, 8, 256, arr(4, 0), rows_symbol="M")
+        row_geometry("x", 2**31, 8, 256, arr(4, 0), rows_symbol="M")
 
 
 def test_package_imports_without_gpu():
@@ -468,7 +469,7 @@ def test_emulated_align_and_permute(emulated):
 
     def align(ids, B, E, emap=None, pad=False, ign=False, large=False):
         P = ids.size
-        n = ck_align.max_num_tokens_padded(P, E, B, pad)
+        n = reference.max_num_tokens_padded(P, B, E, pad)
         out = (np.full(n, -7, np.int32), np.full(-(-n // B), -7, np.int32), np.full(1, -7, np.int32))
         G, W, smem = ck_align._align_geometry(P, E, 1)  # one block
         if large:  # a cooperative grid of small blocks: 5 blocks of 2 warps (one round of

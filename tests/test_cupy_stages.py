@@ -3,7 +3,7 @@
     T tokens, E experts, K top-k, G expert groups, H hidden, B block size, P = T*K slots
 
 Every test here is `gpu` and skips cleanly without a usable device (availability() says
-why). Outputs are poisoned before every launch (`_compile.POISON`: NaN for floats,
+why). Outputs are poisoned before every launch (`_arrays.POISON`: NaN for floats,
 -123456789 for ints), so an element a kernel forgets to write fails the comparison.
 
 What "equal" means, stage by stage:
@@ -45,14 +45,14 @@ from oracles import (
 )
 
 import reference
-from cuda_kernels.cupy import _compile as C
+from cuda_kernels.cupy import _arrays as A
 from cuda_kernels.cupy import activation as ck_act
 from cuda_kernels.cupy import align as ck_align
 from cuda_kernels.cupy import combine as ck_combine
 from cuda_kernels.cupy import permute as ck_perm
 from cuda_kernels.cupy import routing as ck_route
 
-OK, WHY = C.availability()
+OK, WHY = A.availability()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not OK, reason=f"no usable GPU: {WHY}")]
 
 DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF16}
@@ -60,15 +60,15 @@ DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF
 
 @pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch):
-    monkeypatch.setattr(C, "POISON", True)
+    monkeypatch.setattr(A, "POISON", True)
 
 
 def dev(a):
-    return C.to_device(a)
+    return A.to_device(a)
 
 
 def host(x):
-    return C.to_host(x)
+    return A.to_host(x)
 
 
 def assert_close(got, want, dtype, what):

@@ -139,13 +139,14 @@ def _ep_compile_cases():
 def test_ep_layout_compiles_with_nvrtc(arch):
     """Every instantiation ep_layout.py launches compiles (tests/test_cupy_nvrtc.py's list of
     kernel modules is not this task's file, so the check of this module lives here)."""
+    from cuda_kernels.cupy import _arrays as A
     from cuda_kernels.cupy import _compile as C
 
     ok, why = C.nvrtc_available()
     if not ok:
         pytest.skip(f"cuda.core/NVRTC unavailable: {why}")
     cases = _ep_compile_cases()
-    assert len(cases) == 1 + len(C.float_dtypes())
+    assert len(cases) == 1 + len(A.float_dtypes())
     for case in cases:
         cubin = C.compile_check(case.cu_name, case.defines, case.name_expressions, arch,
                                 case.options)
@@ -154,14 +155,14 @@ def test_ep_layout_compiles_with_nvrtc(arch):
 
 # ----------------------------------------------------------------------------- GPU
 def _cupy_kernels():
-    from cuda_kernels.cupy import _compile as C
+    from cuda_kernels.cupy import _arrays as A
 
-    ok, why = C.availability()
+    ok, why = A.availability()
     if not ok:
         pytest.skip(f"no CUDA GPU: {why}")
     import cuda_kernels.cupy.ep_layout as K
 
-    return K, C
+    return K, A
 
 
 @pytest.mark.gpu
@@ -170,8 +171,10 @@ def _cupy_kernels():
 def test_cupy_layout_gather_combine_match_numpy(T, E, K, W, slot):
     import ml_dtypes
 
-    kern, C = _cupy_kernels()
-    C.POISON = True
+    from cuda_kernels.cupy._script import rel_err
+
+    kern, A = _cupy_kernels()
+    A.POISON = True
     try:
         bf16 = np.dtype(ml_dtypes.bfloat16)
         rng = np.random.default_rng(T + W)
@@ -182,47 +185,47 @@ def test_cupy_layout_gather_combine_match_numpy(T, E, K, W, slot):
         x = rng.standard_normal((T, H)).astype(bf16)
         w = rng.random((T, K)).astype(np.float32)
         want = L.ep_layout(ids, epr, W, W - 1, slot, 3)
-        d_ids = C.to_device(ids)
+        d_ids = A.to_device(ids)
         got = kern.ep_layout(d_ids, epr, W, W - 1, slot, 3)
         for g, h in zip(got, want):
-            assert np.array_equal(C.to_host(g), h)
+            assert np.array_equal(A.to_host(g), h)
         n = int(want[3][0])
-        gx, gi, gw = kern.ep_gather(C.to_device(x), d_ids, C.to_device(w), got[1], got[3],
+        gx, gi, gw = kern.ep_gather(A.to_device(x), d_ids, A.to_device(w), got[1], got[3],
                                     epr, slot)
         hx, hi, hw = L.ep_gather(x, ids, w, want[1], want[3], epr, slot)
-        assert np.array_equal(C.to_host(gx)[:n].view(np.uint16), hx[:n].view(np.uint16))
-        assert np.array_equal(C.to_host(gi)[:n], hi[:n])
-        assert np.array_equal(C.to_host(gw)[:n], hw[:n])
+        assert np.array_equal(A.to_host(gx)[:n].view(np.uint16), hx[:n].view(np.uint16))
+        assert np.array_equal(A.to_host(gi)[:n], hi[:n])
+        assert np.array_equal(A.to_host(gw)[:n], hw[:n])
         y = rng.standard_normal((n, H)).astype(bf16)
         weights = w if slot else None
-        out = C.to_host(kern.ep_combine(C.to_device(y), None if weights is None else
-                                        C.to_device(weights), got[1], n, T))
+        out = A.to_host(kern.ep_combine(A.to_device(y), None if weights is None else
+                                        A.to_device(weights), got[1], n, T))
         ref = L.ep_combine(y, weights, want[1], n, T)
         if T > 2:   # a token range into a given output: the rest stays as it was
-            d_out = C.to_device(np.zeros((T, H), dtype=bf16))
-            kern.ep_combine(C.to_device(y), None if weights is None else C.to_device(weights),
+            d_out = A.to_device(np.zeros((T, H), dtype=bf16))
+            kern.ep_combine(A.to_device(y), None if weights is None else A.to_device(weights),
                             got[1], n, T, (1, T - 1), d_out)
-            part = C.to_host(d_out)
+            part = A.to_host(d_out)
             assert np.array_equal(part[1:T - 1].view(np.uint16), ref[1:T - 1].view(np.uint16))
             assert not part[[0, T - 1]].view(np.uint16).any()
         assert not np.isnan(out.astype(np.float32)).any()
         assert np.array_equal(out.view(np.uint16), ref.view(np.uint16)) or \
-            C.rel_err(out.astype(np.float32), ref.astype(np.float32)) <= 1e-2
+            rel_err(out.astype(np.float32), ref.astype(np.float32)) <= 1e-2
     finally:
-        C.POISON = False
+        A.POISON = False
 
 
 @pytest.mark.gpu
 def test_cupy_count_experts_is_exact():
-    kern, C = _cupy_kernels()
+    kern, A = _cupy_kernels()
     import cupy
 
     ids = _ids(4096, 256, 8, seed=2)
     ids[0, 0] = -1
     counts = cupy.zeros(256, dtype=cupy.int64)
-    kern.ep_count_experts(C.to_device(ids), counts)
-    kern.ep_count_experts(C.to_device(ids), counts)
-    assert C.to_host(counts).tolist() == (2 * np.bincount(ids[ids >= 0], minlength=256)).tolist()
+    kern.ep_count_experts(A.to_device(ids), counts)
+    kern.ep_count_experts(A.to_device(ids), counts)
+    assert A.to_host(counts).tolist() == (2 * np.bincount(ids[ids >= 0], minlength=256)).tolist()
 
 
 @pytest.mark.multigpu

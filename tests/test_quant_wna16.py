@@ -22,6 +22,7 @@ import zlib
 import numpy as np
 import pytest
 
+from cuda_kernels.cupy import _arrays as A
 from cuda_kernels.cupy import _compile as C
 from cuda_kernels.cupy.quant import configs as Q
 from cuda_kernels.cupy.quant import wna16 as W16
@@ -177,7 +178,7 @@ def test_argument_errors(rng):
     with pytest.raises(ValueError, match="multiple of 24"):
         W16.grouped_gemm_wna16(*args, w_scale=up(ws), config="t24")
     with pytest.raises(TypeError, match="out"):
-        W16.grouped_gemm_wna16(*args, w_scale=up(ws), out=C.empty((8, 64), np.float16))
+        W16.grouped_gemm_wna16(*args, w_scale=up(ws), out=A.empty((8, 64), np.float16))
     with pytest.raises(ValueError, match="config"):
         W16.grouped_gemm_wna16(*args, w_scale=up(ws), config="nope")
     with pytest.raises(ValueError, match="w_zp"):

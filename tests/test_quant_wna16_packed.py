@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuda_kernels.cupy import _compile as C
+from cuda_kernels.cupy._geometry import cdiv
 from cuda_kernels.cupy.quant import configs as Q
 from cuda_kernels.cupy.quant import wna16 as W16
 from cuda_kernels.cupy.quant import wna16_packed as P4
@@ -110,7 +110,7 @@ def test_plan_one_wave_and_ring_depth():
             gx, gy, _ = lp["grid"]
             assert gy * lp["TPC"] >= N // 16 > (gy - 1) * lp["TPC"]          # every tile once
             assert lp["TPC"] % cfg["RT"] == 0
-            cpw = C.cdiv(K // 64, cfg["W"])
+            cpw = cdiv(K // 64, cfg["W"])
             assert cpw % lp["D"] == 0 and 1 <= lp["D"] <= cfg["D"]
             assert lp["name"] == P4.kernel_name(cfg, False, lp["D"])
             live = P4.live_m_tiles(P, 8, gx, 8 * cfg["MT"])

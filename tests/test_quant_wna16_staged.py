@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuda_kernels.cupy import _compile as C
+from cuda_kernels.cupy import _arrays as A
 from cuda_kernels.cupy.quant import configs as Q
 from cuda_kernels.cupy.quant import wna16 as W16
 from cuda_kernels.cupy.quant import wna16_packed as P4
@@ -329,7 +329,7 @@ def test_emulated_programmatic_launch(emulated, rng, cfg, case):
 
 # ----------------------------------------------------------------------------- GPU
 def _need(cfg):
-    ok, why = C.availability()
+    ok, why = A.availability()
     if not ok:
         pytest.skip(why)
     if CONFIGS[cfg].get("WS") and not S5.device_runs_ws():

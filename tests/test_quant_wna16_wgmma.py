@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuda_kernels.cupy import _compile as C
+from cuda_kernels.cupy import _arrays as A
 from cuda_kernels.cupy.quant import configs as Q
 from cuda_kernels.cupy.quant import wna16 as W16
 from cuda_kernels.cupy.quant import wna16_packed as P4
@@ -217,7 +217,7 @@ def test_emulated_matches_reference(emulated, rng, cfg, shape, gs, zp, sms, wave
 
 # ----------------------------------------------------------------------------- GPU
 def _hopper():
-    ok, why = C.availability()
+    ok, why = A.availability()
     if not ok:
         pytest.skip(why)
     import cupy

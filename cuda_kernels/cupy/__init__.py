@@ -5,7 +5,7 @@ Every stage has the name, the arguments and the returns of its NumPy twin in `re
 
 One file per stage (the listing of reference/, numba/ and torch/):
     routing.py      fused_topk, fused_topk_bias, grouped_topk, select_experts   (routing.cu)
-    align.py        moe_align_block_size, max_num_tokens_padded                 (align.cu)
+    align.py        moe_align_block_size (its output's length: the reference's)  (align.cu)
     permute.py      moe_permute, moe_unpermute                                  (permute.cu)
     gemm.py         grouped_gemm, a ladder of versions v1..v6                   (gemm_v*.cu,
                     gemm_common.cuh, wgmma_operands.cuh)
@@ -22,7 +22,13 @@ The ladder's helpers and the other kernels:
     quant/          the quantized stages: grouped_gemm_quant (quant/gemm.py, two ladders:
                     w8a8 v1-v4, weight-only v1-v6), moe_kernel_quantize_input (quant/act.py)
     ep_layout.py    the expert-parallel dispatch layout                         (ep_layout.cu)
-    _compile.py     source text, CuPy compile + cache, NVRTC compile checks without a GPU
+    _compile.py     source text (local includes inlined), CuPy compile + cache, NVRTC compile
+                    checks without a GPU, the compile cases CPU CI builds
+    _arrays.py      availability, CuPy arrays (bf16, poisoned outputs) and the launchers'
+                    argument checks
+    _geometry.py    launch geometry: cdiv, block_threads, row_geometry
+    _script.py      script_start and rel_err of the modules run as scripts (timing:
+                    cuda_kernels/timing.py, the one GPU timer)
     _launch.py      launches with programmatic stream serialization (PDL: cuLaunchKernelEx)
     _stream.py      CuPy's handle on another library's stream (torch's current stream)
 
@@ -33,7 +39,7 @@ Run a stage as a script to validate and time it: `python -m cuda_kernels.cupy.ro
 from __future__ import annotations
 
 from .. import STAGE_MODULES, lazy_stages
-from ._compile import availability, to_device, to_host
+from ._arrays import availability, to_device, to_host
 
 __all__ = [
     "availability", "to_device", "to_host",

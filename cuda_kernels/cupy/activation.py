@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _arrays as A
 from . import _compile as C
+from ._geometry import row_geometry
+from ._script import rel_err, script_start
 
 CONFIGS = {"activation": {"ACT_THREADS": 256}}
 _VECS = (1, 2, 4, 8)
@@ -35,10 +38,10 @@ _NAMES = (tuple(f"act_and_mul_kernel<{a}, {v}>" for a in _AND_MUL.values() for v
 
 
 def _defines(dtype) -> dict:
-    return {"SCALAR_T": C.ctype_of(dtype), **CONFIGS["activation"]}
+    return {"SCALAR_T": A.ctype_of(dtype), **CONFIGS["activation"]}
 
 
-for _dt in C.float_dtypes():
+for _dt in A.float_dtypes():
     C.register_compile_case("activation.cu", _defines(_dt), _NAMES)
 
 
@@ -46,16 +49,16 @@ def _launch(name_fmt, x, out, width, *extra):
     M = x.shape[0]
     if M == 0 or width == 0:
         return out
-    g = C.row_geometry("x", M, width, CONFIGS["activation"]["ACT_THREADS"], x, out,
+    g = row_geometry("x", M, width, CONFIGS["activation"]["ACT_THREADS"], x, out,
                        rows_symbol="M", vecs=_VECS)
     kernel = C.get_kernel("activation.cu", name_fmt.format(vec=g.vec), _defines(x.dtype), _NAMES)
     kernel((g.grid,), (g.threads,),
-           (C.raw(x), C.raw(out), np.int32(M), np.int32(width), np.int32(g.chunks)) + extra)
+           (A.raw(x), A.raw(out), np.int32(M), np.int32(width), np.int32(g.chunks)) + extra)
     return out
 
 
 def _check_x(x, paired: bool):
-    C.check_array("x", x, ndim=2, dtypes=C.float_dtypes())
+    A.check_array("x", x, ndim=2, dtypes=A.float_dtypes())
     if paired and x.shape[1] % 2:
         raise ValueError(f"x: expected an even number of columns (gate and up), got {x.shape}")
     return x
@@ -64,7 +67,7 @@ def _check_x(x, paired: bool):
 def _and_mul(x, activation):
     _check_x(x, True)
     M, N = x.shape
-    out = C.empty((M, N // 2), x.dtype)  # [M, D]
+    out = A.empty((M, N // 2), x.dtype)  # [M, D]
     return _launch(f"act_and_mul_kernel<{_AND_MUL[activation]}, {{vec}}>", x, out, N // 2)
 
 
@@ -88,14 +91,14 @@ def swigluoai_and_mul(x, alpha=1.702, limit=7.0):
     out = (up + 1) * gate * sigmoid(alpha * gate); x [M, 2D] -> [M, D]."""
     _check_x(x, True)
     M, N = x.shape
-    out = C.empty((M, N // 2), x.dtype)  # [M, D]
+    out = A.empty((M, N // 2), x.dtype)  # [M, D]
     return _launch("swigluoai_and_mul_kernel<{vec}>", x, out, N // 2,
                    np.float32(alpha), np.float32(limit))
 
 
 def _no_mul(x, activation):
     _check_x(x, False)
-    out = C.empty(x.shape, x.dtype)  # [M, N]
+    out = A.empty(x.shape, x.dtype)  # [M, N]
     return _launch(f"act_kernel<{_NO_MUL[activation]}, {{vec}}>", x, out, x.shape[1])
 
 
@@ -123,12 +126,12 @@ def apply_activation(x, activation="silu", is_act_and_mul=True):
 
 # ----------------------------------------------------------------------------- script
 def _main(argv=None):
-    quick, timed = C.script_start(argv)  # --quick: small shapes, 3 timed calls (sanitizers)
+    quick, timed = script_start(argv)  # --quick: small shapes, 3 timed calls (sanitizers)
     import reference
 
     rng = np.random.default_rng(0)
     print(f"{'case':44s} {'rel err':>9s} {'median us':>10s} {'GB/s':>8s}")
-    for dtype in C.float_dtypes():
+    for dtype in A.float_dtypes():
         cases = ((32768, 2 * 768, "silu", True), (8192, 2 * 2048, "silu", True),
                  (8192, 2 * 2048, "swigluoai", True), (8192, 2 * 2048, "gelu", True),
                  (8192, 2048, "relu2", False))
@@ -136,11 +139,11 @@ def _main(argv=None):
             cases = tuple((33, N // 16 + 2, act, mul) for _, N, act, mul in cases)
         for M, N, act, mul in cases:
             x = (2 * rng.standard_normal((M, N))).astype(dtype)                 # [M, N]
-            d_x = C.to_device(x)
+            d_x = A.to_device(x)
             got = apply_activation(d_x, act, mul)
-            err = C.rel_err(C.to_host(got), reference.apply_activation(x, act, mul))
-            ms = C.median(timed(lambda d_x=d_x, act=act, mul=mul:
-                                      apply_activation(d_x, act, mul)))
+            err = rel_err(A.to_host(got), reference.apply_activation(x, act, mul))
+            ms = timed(lambda d_x=d_x, act=act, mul=mul:
+                       apply_activation(d_x, act, mul)).median
             nbytes = x.nbytes + got.nbytes  # read x once, write the output once
             name = f"{act}{'_and_mul' if mul else ''} M={M} N={N} {np.dtype(dtype).name}"
             print(f"{name:44s} {err:9.2e} {ms * 1e3:10.1f} {nbytes / ms / 1e6:8.1f}")

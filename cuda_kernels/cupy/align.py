@@ -6,7 +6,9 @@ Shapes: T tokens, K top-k, P = T * K slots (s = t * K + k), E experts, B block s
                          pad_sorted_ids=False, ignore_invalid_experts=False)
         -> sorted_token_ids int32 [max_num_tokens_padded], expert_ids int32
            [cdiv(max_num_tokens_padded, B)], num_tokens_post_padded int32 [1]
-    max_num_tokens_padded(P, num_experts, block_size, pad_sorted_ids=False) -> int
+
+The output's length, max_num_tokens_padded(P, block_size, num_experts, pad_sorted_ids), is the
+reference's (reference/align.py): the buffer the contract sizes.
 
 The grouping runs on the GPU with no host round trip (counts, scans and a stable scatter in
 one launch: align.cu and grouping.cuh explain it); the order inside an expert is increasing
@@ -19,7 +21,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from reference.align import max_num_tokens_padded
+
+from . import _arrays as A
 from . import _compile as C
+from ._geometry import cdiv
+from ._script import script_start
 
 CONFIGS = {
     # the grouping (grouping.cuh, which permute.cu's index kernel shares): shared memory
@@ -49,7 +56,7 @@ C.register_compile_case("align.cu", _defines(), KERNEL_NAMES)
 def _ids_i32(name, ids):
     import cupy
 
-    C.check_array(name, ids, ndim=2)
+    A.check_array(name, ids, ndim=2)
     if ids.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected an integer dtype (int32 preferred), got {ids.dtype}")
     return ids if ids.dtype == np.int32 else ids.astype(cupy.int32)
@@ -77,9 +84,9 @@ def _align_geometry(P: int, E: int, max_blocks: int):
                          f"{SMEM_OPTIN_MAX} bytes of shared memory")
     if P <= cfg["SMALL_P"]:
         G = 1
-        W = max(1, min(W, max(C.cdiv(max(P, 1), 32), C.cdiv(E, cfg["EXPERTS_PER_WARP"]))))
+        W = max(1, min(W, max(cdiv(max(P, 1), 32), cdiv(E, cfg["EXPERTS_PER_WARP"]))))
     else:
-        G = max(1, min(max_blocks, C.cdiv(P, W * cfg["WARP_SLOTS"]),
+        G = max(1, min(max_blocks, cdiv(P, W * cfg["WARP_SLOTS"]),
                        cfg["TABLE_LOADS"] * W * 32 // E))
     return G, W, (W * E + fixed) * 4
 
@@ -138,18 +145,6 @@ def _barrier_word(stream_ptr: int | None = None):
     return word
 
 
-def max_num_tokens_padded(P: int, num_experts: int, block_size: int,
-                          pad_sorted_ids: bool = False) -> int:
-    """The length of sorted_token_ids: P + E (B - 1), rounded up to B if pad_sorted_ids,
-    and at most P * B when P < E (docs/stages.md)."""
-    n = P + num_experts * (block_size - 1)
-    if pad_sorted_ids:
-        n = C.cdiv(n, block_size) * block_size
-    if P < num_experts:
-        n = min(n, P * block_size)
-    return n
-
-
 # ----------------------------------------------------------------------------- stage
 def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
                          pad_sorted_ids=False, ignore_invalid_experts=False):
@@ -162,30 +157,30 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
     cooperative grid with one grid barrier (align.cu); nothing is read back to the host.
     """
     ids = _ids_i32("topk_ids", topk_ids)
-    B = C.check_int("block_size", block_size, 1)
-    E = C.check_int("num_experts", num_experts, 1, MAX_EXPERTS)
+    B = A.check_int("block_size", block_size, 1)
+    E = A.check_int("num_experts", num_experts, 1, MAX_EXPERTS)
     emap = None
     if expert_map is not None:
-        C.check_array("expert_map", expert_map, ndim=1, shape=(E,))
+        A.check_array("expert_map", expert_map, ndim=1, shape=(E,))
         if expert_map.dtype.kind not in "iu":
             raise TypeError(f"expert_map: expected an integer dtype, got {expert_map.dtype}")
         emap = expert_map if expert_map.dtype == np.int32 else expert_map.astype(np.int32)
     P = int(ids.size)
-    n = max_num_tokens_padded(P, E, B, pad_sorted_ids)
-    C.check_fits_int32("topk_ids", n + B, "max_num_tokens_padded + block_size")
-    num_blocks = C.cdiv(n, B)
+    n = max_num_tokens_padded(P, B, E, pad_sorted_ids)
+    A.check_fits_int32("topk_ids", n + B, "max_num_tokens_padded + block_size")
+    num_blocks = cdiv(n, B)
 
-    sorted_token_ids = C.empty((n,), np.int32)           # [max_num_tokens_padded]
-    expert_ids = C.empty((num_blocks,), np.int32)         # [cdiv(max_num_tokens_padded, B)]
-    num_tokens_post_padded = C.empty((1,), np.int32)      # [1]
-    emap_arg = emap if emap is not None else C.null_ptr()
+    sorted_token_ids = A.empty((n,), np.int32)           # [max_num_tokens_padded]
+    expert_ids = A.empty((num_blocks,), np.int32)         # [cdiv(max_num_tokens_padded, B)]
+    num_tokens_post_padded = A.empty((1,), np.int32)      # [1]
+    emap_arg = emap if emap is not None else A.null_ptr()
     ignore = np.int32(1 if ignore_invalid_experts else 0)
     G, W, smem = _align_geometry(P, E, _max_blocks() if P > CONFIGS["align"]["SMALL_P"] else 1)
     kernel = C.get_kernel("align.cu", "moe_align_kernel", _defines(), KERNEL_NAMES)
     if smem > 48 * 1024:  # a block gets more than 48 KB only after opting in
         kernel.max_dynamic_shared_size_bytes = smem
-    hist = C.empty((G * E,), np.int32) if G > 1 else C.null_ptr()  # [G, E] per-block counts
-    bar = _barrier_word() if G > 1 else C.null_ptr()
+    hist = A.empty((G * E,), np.int32) if G > 1 else A.null_ptr()  # [G, E] per-block counts
+    bar = _barrier_word() if G > 1 else A.null_ptr()
     args = (ids, emap_arg, sorted_token_ids, expert_ids, num_tokens_post_padded, hist, bar,
             np.int32(P), np.int32(E), np.int32(B), np.int32(n), np.int32(num_blocks), ignore)
     if G == 1:
@@ -201,7 +196,7 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
 
 # ----------------------------------------------------------------------------- script
 def _main(argv=None):
-    quick, timed = C.script_start(argv)  # --quick: small shapes, 3 timed calls (sanitizers)
+    quick, timed = script_start(argv)  # --quick: small shapes, 3 timed calls (sanitizers)
     import reference
 
     rng = np.random.default_rng(0)
@@ -212,11 +207,11 @@ def _main(argv=None):
         align_cases = ((16, 8, 2, 16), (300, 256, 8, 64), (600, 64, 8, 32))
     for T, E, K, B in align_cases:
         ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)  # [T, K]
-        d_ids = C.to_device(ids)
-        got = [C.to_host(a) for a in moe_align_block_size(d_ids, B, E)]
+        d_ids = A.to_device(ids)
+        got = [A.to_host(a) for a in moe_align_block_size(d_ids, B, E)]
         want = reference.moe_align_block_size(ids, B, E)
         same = all((g == w).all() for g, w in zip(got, want))
-        ms = C.median(timed(lambda d_ids=d_ids, B=B, E=E: moe_align_block_size(d_ids, B, E)))
+        ms = timed(lambda d_ids=d_ids, B=B, E=E: moe_align_block_size(d_ids, B, E)).median
         nbytes = (ids.size + want[0].size + want[1].size + 1) * 4  # ids in, three outputs out
         print(f"{f'moe_align_block_size T={T} E={E} K={K} B={B}':48s} "
               f"{'exact' if same else 'MISMATCH':>10s} {ms * 1e3:10.1f} {nbytes / ms / 1e6:8.1f}")

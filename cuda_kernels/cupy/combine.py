@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _arrays as A
 from . import _compile as C
+from ._geometry import row_geometry
+from ._script import rel_err, script_start
 
 CONFIGS = {"moe_sum_kernel": {"SUM_THREADS": 128}}
 _VECS = (1, 2, 4, 8)
@@ -25,17 +28,17 @@ _NAMES = tuple(f"moe_sum_kernel<{v}>" for v in _VECS) + tuple(
 
 
 def _defines(dtype) -> dict:
-    return {"SCALAR_T": C.ctype_of(dtype), **CONFIGS["moe_sum_kernel"]}
+    return {"SCALAR_T": A.ctype_of(dtype), **CONFIGS["moe_sum_kernel"]}
 
 
-for _dt in C.float_dtypes():
+for _dt in A.float_dtypes():
     C.register_compile_case("combine.cu", _defines(_dt), _NAMES)
 
 
 def _int32(name, a, ndim, shape=None):
     import cupy
 
-    C.check_array(name, a, ndim=ndim, shape=shape)
+    A.check_array(name, a, ndim=ndim, shape=shape)
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected an integer dtype, got {a.dtype}")
     return a if a.dtype == np.int32 else a.astype(cupy.int32)
@@ -46,51 +49,51 @@ def moe_sum(x, topk_ids=None, expert_map=None):
 
     With topk_ids [T, K] (vLLM's pad-aware moe_sum) a slot with a negative id, or with
     expert_map a non-local expert, is skipped: its row is never read."""
-    C.check_array("x", x, ndim=3, dtypes=C.float_dtypes())
+    A.check_array("x", x, ndim=3, dtypes=A.float_dtypes())
     T, K, H = x.shape
     ids = emap = None
     if topk_ids is not None:
         ids = _int32("topk_ids", topk_ids, 2, (T, K))
         if expert_map is not None:
             emap = _int32("expert_map", expert_map, 1)
-    out = C.empty((T, H), x.dtype)  # [T, H]
+    out = A.empty((T, H), x.dtype)  # [T, H]
     if T == 0 or H == 0:
         return out
     if K == 0:
-        C.raw(out).fill(0)  # all-zero bits are +0.0 in every float format
+        A.raw(out).fill(0)  # all-zero bits are +0.0 in every float format
         return out
-    g = C.row_geometry("x", T, H, CONFIGS["moe_sum_kernel"]["SUM_THREADS"], x, out, vecs=_VECS)
+    g = row_geometry("x", T, H, CONFIGS["moe_sum_kernel"]["SUM_THREADS"], x, out, vecs=_VECS)
     if ids is None:
         kernel = C.get_kernel("combine.cu", f"moe_sum_kernel<{g.vec}>", _defines(x.dtype), _NAMES)
         kernel((g.grid,), (g.threads,),
-               (C.raw(x), C.raw(out), np.int32(T), np.int32(K), np.int32(H), np.int32(g.chunks)))
+               (A.raw(x), A.raw(out), np.int32(T), np.int32(K), np.int32(H), np.int32(g.chunks)))
         return out
     kernel = C.get_kernel("combine.cu", f"moe_sum_live_kernel<{g.vec}>", _defines(x.dtype),
                           _NAMES)
     kernel((g.grid,), (g.threads,),
-           (C.raw(x), ids, emap if emap is not None else C.null_ptr(),
-            np.int32(0 if emap is None else emap.shape[0]), C.raw(out), np.int32(T),
+           (A.raw(x), ids, emap if emap is not None else A.null_ptr(),
+            np.int32(0 if emap is None else emap.shape[0]), A.raw(out), np.int32(T),
             np.int32(K), np.int32(H), np.int32(g.chunks)))
     return out
 
 
 # ----------------------------------------------------------------------------- script
 def _main(argv=None):
-    quick, timed = C.script_start(argv)  # --quick: small shapes, 3 timed calls (sanitizers)
+    quick, timed = script_start(argv)  # --quick: small shapes, 3 timed calls (sanitizers)
     import reference
 
     rng = np.random.default_rng(0)
     print(f"{'case':40s} {'rel err':>9s} {'median us':>10s} {'GB/s':>8s}")
-    for dtype in C.float_dtypes():
+    for dtype in A.float_dtypes():
         cases = ((1, 8, 7168), (64, 8, 7168), (4096, 8, 2048), (4096, 2, 4096), (16384, 8, 7168))
         if quick:
             cases = ((1, 8, 72), (9, 3, 130))
         for T, K, H in cases:
             x = rng.standard_normal((T, K, H)).astype(dtype)                    # [T, K, H]
-            d_x = C.to_device(x)
+            d_x = A.to_device(x)
             got = moe_sum(d_x)
-            err = C.rel_err(C.to_host(got), reference.moe_sum(x))
-            ms = C.median(timed(lambda d_x=d_x: moe_sum(d_x)))
+            err = rel_err(A.to_host(got), reference.moe_sum(x))
+            ms = timed(lambda d_x=d_x: moe_sum(d_x)).median
             nbytes = x.nbytes + got.nbytes  # read [T, K, H], write [T, H]
             name = f"moe_sum T={T} K={K} H={H} {np.dtype(dtype).name}"
             print(f"{name:40s} {err:9.2e} {ms * 1e3:10.1f} {nbytes / ms / 1e6:8.1f}")

@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _arrays as A
 from . import _compile as C
+from ._geometry import block_threads, cdiv
+from ._script import script_start
 
 CONFIGS = {
     # one block does the whole layout: more threads = fewer tokens walked per thread (at
@@ -51,7 +54,7 @@ _FIXED_NAMES = ("ep_layout_kernel", "ep_count_experts_kernel") + _GATHER_NAMES
 
 
 def _defines(scalar_dtype=np.float32) -> dict:
-    return {"SCALAR_T": C.ctype_of(scalar_dtype),
+    return {"SCALAR_T": A.ctype_of(scalar_dtype),
             "LAYOUT_THREADS": CONFIGS["ep_layout_kernel"]["LAYOUT_THREADS"],
             **CONFIGS["ep_gather_kernel"], **CONFIGS["ep_combine_kernel"],
             "COUNT_THREADS": CONFIGS["ep_count_experts_kernel"]["COUNT_THREADS"]}
@@ -60,7 +63,7 @@ def _defines(scalar_dtype=np.float32) -> dict:
 # the layout, gathers and counts do not depend on the dtype (fp32 defines); the combine is
 # compiled once per dtype
 C.register_compile_case("ep_layout.cu", _defines(), _FIXED_NAMES)
-for _dt in C.float_dtypes():
+for _dt in A.float_dtypes():
     C.register_compile_case("ep_layout.cu", _defines(_dt), _COMBINE_NAMES)
 
 
@@ -98,7 +101,7 @@ MAX_CHUNKS = 64
 def _layout_threads(T: int, NB: int, chunks: int) -> int:
     cfg = CONFIGS["ep_layout_kernel"]
     fit = (cfg["SMEM_BUDGET"] // 4 - 32 - NB - 1 - (NB - 1) * chunks) // NB   # counters that fit
-    nt = min(cfg["LAYOUT_THREADS"], fit, C.cdiv(max(T, 1), 32) * 32)
+    nt = min(cfg["LAYOUT_THREADS"], fit, cdiv(max(T, 1), 32) * 32)
     return max(32, nt // 32 * 32)
 
 
@@ -108,21 +111,21 @@ def ep_layout(topk_ids, experts_per_rank, world_size, rank, slot_rows, chunks=1)
     One launch, one block."""
     import cupy
 
-    C.check_array("topk_ids", topk_ids, ndim=2, dtypes=(np.int32,))
-    W = C.check_int("world_size", world_size, 1, MAX_WORLD)
-    epr = C.check_int("experts_per_rank", experts_per_rank, 1)
-    r = C.check_int("rank", rank, 0, W - 1)
-    nc = C.check_int("chunks", chunks, 1, MAX_CHUNKS)
+    A.check_array("topk_ids", topk_ids, ndim=2, dtypes=(np.int32,))
+    W = A.check_int("world_size", world_size, 1, MAX_WORLD)
+    epr = A.check_int("experts_per_rank", experts_per_rank, 1)
+    r = A.check_int("rank", rank, 0, W - 1)
+    nc = A.check_int("chunks", chunks, 1, MAX_CHUNKS)
     T, K = topk_ids.shape
     S = entries_per_token(W, K, slot_rows)
     if S > MAX_S:
         raise ValueError(f"topk_ids: expected at most {MAX_S} slots per token, got K = {K}")
-    C.check_fits_int32("topk_ids", T * S + 1, "T * S entries")
-    C.check_fits_int32("experts_per_rank", W * epr, "W * experts_per_rank")
+    A.check_fits_int32("topk_ids", T * S + 1, "T * S entries")
+    A.check_fits_int32("experts_per_rank", W * epr, "W * experts_per_rank")
     counts2 = cupy.empty((2, W, nc), dtype=cupy.int64)  # [2, W, C] (all written)
-    inv = C.empty((T * S,), np.int32)                   # [T S]
-    src = C.empty((T * S,), np.int32)                   # [T S]
-    n_real = C.empty((1,), np.int32)                    # [1]
+    inv = A.empty((T * S,), np.int32)                   # [T S]
+    src = A.empty((T * S,), np.int32)                   # [T S]
+    n_real = A.empty((1,), np.int32)                    # [1]
     NB = W + 1
     nt = _layout_threads(T, NB, nc)
     smem = (NB * nt + 32 + NB + 1 + W * nc) * 4
@@ -143,8 +146,8 @@ def _word_bytes(row_bytes: int, *arrays) -> int:
 def ep_gather(x, topk_ids, topk_weights, inv, n_real, experts_per_rank, slot_rows):
     """x_send [T S, H] (rows < n: the token rows in send order) and the metadata that travels
     with them. One launch, one block per token."""
-    C.check_array("x", x, ndim=2, dtypes=C.float_dtypes())
-    C.check_array("topk_ids", topk_ids, ndim=2, dtypes=(np.int32,))
+    A.check_array("x", x, ndim=2, dtypes=A.float_dtypes())
+    A.check_array("topk_ids", topk_ids, ndim=2, dtypes=(np.int32,))
     T, H = x.shape
     K = topk_ids.shape[1]
     if topk_ids.shape[0] != T:
@@ -154,22 +157,22 @@ def ep_gather(x, topk_ids, topk_weights, inv, n_real, experts_per_rank, slot_row
     if T and (P != T * S or S > MAX_S):
         raise ValueError(f"inv: expected T * S entries (S <= {MAX_S}) for T = {T}, got {P}")
     if topk_weights is not None:
-        C.check_array("topk_weights", topk_weights, ndim=2, dtypes=(np.float32,),
+        A.check_array("topk_weights", topk_weights, ndim=2, dtypes=(np.float32,),
                       shape=(T, K))
-    x_send = C.empty((P, H), x.dtype)                                      # [T S, H]
+    x_send = A.empty((P, H), x.dtype)                                      # [T S, H]
     meta_shape = (P,) if slot_rows else (P, K)
-    ids_send = C.empty(meta_shape, np.int32)
-    w_send = C.empty(meta_shape, np.float32) if topk_weights is not None else None
+    ids_send = A.empty(meta_shape, np.int32)
+    w_send = A.empty(meta_shape, np.float32) if topk_weights is not None else None
     if T == 0 or H == 0:
         return x_send, ids_send, w_send
     itemsize = np.dtype(x.dtype).itemsize
     wb = _word_bytes(H * itemsize, x, x_send)
     kern = _kernel(f"ep_gather_kernel<{_WORDS[wb]}>")
     threads = CONFIGS["ep_gather_kernel"]["GATHER_THREADS"]
-    kern((T,), (threads,), (C.raw(x), topk_ids,
-                            topk_weights if topk_weights is not None else C.null_ptr(), inv,
-                            n_real, C.raw(x_send), ids_send,
-                            w_send if w_send is not None else C.null_ptr(), np.int32(T),
+    kern((T,), (threads,), (A.raw(x), topk_ids,
+                            topk_weights if topk_weights is not None else A.null_ptr(), inv,
+                            n_real, A.raw(x_send), ids_send,
+                            w_send if w_send is not None else A.null_ptr(), np.int32(T),
                             np.int32(K), np.int32(S), np.int32(experts_per_rank),
                             np.int32(1 if slot_rows else 0), np.int32(H * itemsize // wb)))
     return x_send, ids_send, w_send
@@ -180,9 +183,9 @@ def ep_combine(y, weights, inv, n, num_tokens, token_range=None, out=None):
     order, rounded once; weights [T, S] float32, or None for weights 1 (token rows).
     token_range (t0, t1): only those rows of out are computed (into `out` when given, a
     [T, H] array of y's dtype; the combine of one chunk of tokens)."""
-    T = C.check_int("num_tokens", num_tokens, 0)
-    n = C.check_int("n", n, 0)
-    C.check_array("y", y, ndim=2, dtypes=C.float_dtypes())
+    T = A.check_int("num_tokens", num_tokens, 0)
+    n = A.check_int("n", n, 0)
+    A.check_array("y", y, ndim=2, dtypes=A.float_dtypes())
     if y.shape[0] != n:
         raise ValueError(f"y: expected n = {n} rows (the rows sent), got shape {y.shape}")
     P = inv.shape[0]
@@ -190,14 +193,14 @@ def ep_combine(y, weights, inv, n, num_tokens, token_range=None, out=None):
     if T * S != P:
         raise ValueError(f"inv: expected T * S entries for T = {T}, got {P}")
     if weights is not None:
-        C.check_array("weights", weights, ndim=2, dtypes=(np.float32,), shape=(T, S))
+        A.check_array("weights", weights, ndim=2, dtypes=(np.float32,), shape=(T, S))
     t0, t1 = (0, T) if token_range is None else (int(token_range[0]), int(token_range[1]))
     if not 0 <= t0 <= t1 <= T:
         raise ValueError(f"token_range: expected 0 <= t0 <= t1 <= {T}, got {token_range}")
     if out is None:
-        out = C.empty((T, y.shape[1]), y.dtype)                            # [T, H]
+        out = A.empty((T, y.shape[1]), y.dtype)                            # [T, H]
     else:
-        C.check_array("out", out, ndim=2, shape=(T, y.shape[1]))
+        A.check_array("out", out, ndim=2, shape=(T, y.shape[1]))
         if np.dtype(out.dtype) != np.dtype(y.dtype):
             raise TypeError(f"out: expected dtype {y.dtype} (y's), got {out.dtype}")
     return _combine(y, weights, inv, n, S, t0, t1, out)
@@ -211,20 +214,20 @@ def _combine(y, weights, inv, n, S, t0, t1, out):
     vec = max(v for v in _VECS if v * itemsize <= 16 and H % v == 0
               and (y.data.ptr % (v * itemsize) == 0 or n == 0)
               and out.data.ptr % (v * itemsize) == 0)
-    threads = C.block_threads(C.cdiv(H, vec), CONFIGS["ep_combine_kernel"]["COMBINE_THREADS"])
-    chunks = C.cdiv(H, threads * vec)
-    C.check_fits_int32("y", (t1 - t0) * chunks, "the grid size tokens * column chunks")
+    threads = block_threads(cdiv(H, vec), CONFIGS["ep_combine_kernel"]["COMBINE_THREADS"])
+    chunks = cdiv(H, threads * vec)
+    A.check_fits_int32("y", (t1 - t0) * chunks, "the grid size tokens * column chunks")
     kern = _kernel(f"ep_combine_kernel<{vec}>", y.dtype)
     kern(((t1 - t0) * chunks,), (threads,),
-         (C.raw(y), weights if weights is not None else C.null_ptr(), inv, C.raw(out),
+         (A.raw(y), weights if weights is not None else A.null_ptr(), inv, A.raw(out),
           np.int32(t0), np.int32(t1), np.int32(S), np.int32(H), np.int32(n), np.int32(chunks)))
     return out
 
 
 def ep_count_experts(topk_ids, counts):
     """counts[e] += #{topk_ids == e} for e in [0, E), E = len(counts); in place, no sync."""
-    C.check_array("topk_ids", topk_ids, dtypes=(np.int32,))
-    C.check_array("counts", counts, ndim=1, dtypes=(np.int64,))
+    A.check_array("topk_ids", topk_ids, dtypes=(np.int32,))
+    A.check_array("counts", counts, ndim=1, dtypes=(np.int64,))
     N, E = int(topk_ids.size), int(counts.shape[0])
     if N == 0 or E == 0:
         return counts
@@ -233,7 +236,7 @@ def ep_count_experts(topk_ids, counts):
                          f"histogram), got {E}")
     cfg = CONFIGS["ep_count_experts_kernel"]
     threads = cfg["COUNT_THREADS"]
-    blocks = max(1, min(cfg["MAX_BLOCKS"], C.cdiv(N, threads * 8)))
+    blocks = max(1, min(cfg["MAX_BLOCKS"], cdiv(N, threads * 8)))
     kern = _kernel("ep_count_experts_kernel")
     kern((blocks,), (threads,), (topk_ids, counts, np.int32(N), np.int32(E)),
          shared_mem=E * 4)
@@ -266,33 +269,33 @@ class DispatchPlan:
                  slot_rows, chunks=1):
         import cupy
 
-        self.T = T = C.check_int("T", T, 0)
-        self.H = H = C.check_int("H", H, 0)
-        self.K = K = C.check_int("top_k", K, 1)
-        W = C.check_int("world_size", world_size, 1, MAX_WORLD)
-        epr = C.check_int("experts_per_rank", experts_per_rank, 1)
-        r = C.check_int("rank", rank, 0, W - 1)
-        nc = C.check_int("chunks", chunks, 1, MAX_CHUNKS)
+        self.T = T = A.check_int("T", T, 0)
+        self.H = H = A.check_int("H", H, 0)
+        self.K = K = A.check_int("top_k", K, 1)
+        W = A.check_int("world_size", world_size, 1, MAX_WORLD)
+        epr = A.check_int("experts_per_rank", experts_per_rank, 1)
+        r = A.check_int("rank", rank, 0, W - 1)
+        nc = A.check_int("chunks", chunks, 1, MAX_CHUNKS)
         dtype = np.dtype(dtype)
-        if dtype not in C.float_dtypes():
-            raise TypeError(f"dtype: expected one of {C.FLOAT_NAMES}, got {dtype}")
+        if dtype not in A.float_dtypes():
+            raise TypeError(f"dtype: expected one of {A.FLOAT_NAMES}, got {dtype}")
         S = entries_per_token(W, K, slot_rows)
         if S > MAX_S:
             raise ValueError(f"topk_ids: expected at most {MAX_S} slots per token, got K = {K}")
-        C.check_fits_int32("topk_ids", T * S + 1, "T * S entries")
-        C.check_fits_int32("x", T * S * max(H, 1), "T * S * H send elements")
-        C.check_fits_int32("experts_per_rank", W * epr, "W * experts_per_rank")
+        A.check_fits_int32("topk_ids", T * S + 1, "T * S entries")
+        A.check_fits_int32("x", T * S * max(H, 1), "T * S * H send elements")
+        A.check_fits_int32("experts_per_rank", W * epr, "W * experts_per_rank")
         self.S, self.W, self.rank, self.chunks, self.slot = S, W, r, nc, bool(slot_rows)
         self.dtype, self.epr = dtype, epr
         P = T * S
         self.counts2 = cupy.zeros((2, W, nc), dtype=cupy.int64)   # [2, W, C]
         self.src = cupy.empty((P,), dtype=cupy.int32)              # [T S]
         self.n_real = cupy.zeros((1,), dtype=cupy.int32)           # [1]
-        self.x_send = C.empty((P, H), dtype)                       # [T S, H]
+        self.x_send = A.empty((P, H), dtype)                       # [T S, H]
         meta = (P,) if slot_rows else (P, K)
         self.ids_send = cupy.empty(meta, dtype=cupy.int32)
         self.w_send = cupy.empty(meta, dtype=cupy.float32) if has_weights else None
-        self._empty = C.empty if C.POISON else cupy.empty          # inv, new per call
+        self._empty = A.empty if A.POISON else cupy.empty          # inv, new per call
         NB = W + 1
         nt = _layout_threads(T, NB, nc)
         self._layout = (_kernel("ep_layout_kernel"), (1,), (nt,),
@@ -301,7 +304,7 @@ class DispatchPlan:
                              np.int32(epr), np.int32(1 if slot_rows else 0), np.int32(r),
                              np.int32(nc))
         self._gathers = {}
-        self._w_null = C.null_ptr()
+        self._w_null = A.null_ptr()
         itemsize = dtype.itemsize
         self.row_bytes = H * itemsize
         # the gather's word: 16 B when the row length and both row starts allow it; x_send
@@ -312,9 +315,9 @@ class DispatchPlan:
                                      np.int32(self.row_bytes // wb))
         self._gather_tail = (np.int32(T), np.int32(K), np.int32(S), np.int32(epr),
                              np.int32(1 if slot_rows else 0))
-        self._x_send_raw = C.raw(self.x_send)
-        # bf16 goes to the kernel as its uint16 bytes (C.raw, decided once here)
-        self._raw = np.uint16 if dtype == C.bf16_dtype() else None
+        self._x_send_raw = A.raw(self.x_send)
+        # bf16 goes to the kernel as its uint16 bytes (A.raw, decided once here)
+        self._raw = np.uint16 if dtype == A.bf16_dtype() else None
 
     def layout(self, ids):
         """One launch: the send order of ids [T, K] -> inv int32 [T S] (counts2, src and
@@ -351,10 +354,10 @@ class CombinePlan:
     all C-contiguous on this device."""
 
     def __init__(self, T, S, H, dtype):
-        self.T, self.S, self.H = C.check_int("num_tokens", T, 0), int(S), C.check_int("H", H, 0)
+        self.T, self.S, self.H = A.check_int("num_tokens", T, 0), int(S), A.check_int("H", H, 0)
         dtype = np.dtype(dtype)
-        if dtype not in C.float_dtypes():
-            raise TypeError(f"dtype: expected one of {C.FLOAT_NAMES}, got {dtype}")
+        if dtype not in A.float_dtypes():
+            raise TypeError(f"dtype: expected one of {A.FLOAT_NAMES}, got {dtype}")
         self.dtype = dtype
         itemsize = dtype.itemsize
         # (bytes per thread access, kernel, threads, column chunks), widest first
@@ -362,15 +365,15 @@ class CombinePlan:
         for vec in reversed(_VECS):
             if vec * itemsize > 16 or H % vec or H == 0:
                 continue
-            threads = C.block_threads(C.cdiv(H, vec),
+            threads = block_threads(cdiv(H, vec),
                                       CONFIGS["ep_combine_kernel"]["COMBINE_THREADS"])
-            chunks = C.cdiv(H, threads * vec)
-            C.check_fits_int32("y", T * chunks, "the grid size tokens * column chunks")
+            chunks = cdiv(H, threads * vec)
+            A.check_fits_int32("y", T * chunks, "the grid size tokens * column chunks")
             self._launch.append((vec * itemsize, _kernel(f"ep_combine_kernel<{vec}>", dtype),
                                  threads, chunks))
-        self._null = C.null_ptr()
+        self._null = A.null_ptr()
         self._tail = (np.int32(S), np.int32(H))
-        self._raw = np.uint16 if dtype == C.bf16_dtype() else None   # bf16 as uint16
+        self._raw = np.uint16 if dtype == A.bf16_dtype() else None   # bf16 as uint16
 
     def __call__(self, y, weights, inv, n, out, t0=0, t1=None):
         t1 = self.T if t1 is None else t1
@@ -414,11 +417,9 @@ def _loop_layout(ids, epr, W, slot_rows):
 
 
 def _main(argv=None):
-    ok, why = C.availability()
-    if not ok:
-        raise SystemExit(f"needs a CUDA GPU: {why}")
+    _, timed = script_start(argv)   # --quick: 3 timed calls (sanitizers)
     rng = np.random.default_rng(0)
-    bf16 = C.bf16_dtype()
+    bf16 = A.bf16_dtype()
     print(f"{'case':52s} {'check':>10s} {'median us':>10s} {'GB/s':>8s}")
     for T, E, K, W, H, slot in ((37, 16, 4, 2, 136, False), (37, 16, 4, 4, 136, True),
                                 (300, 64, 6, 8, 200, False), (4096, 256, 8, 2, 7168, False),
@@ -427,31 +428,31 @@ def _main(argv=None):
         ids[0, 0] = -1 if T > 1 else ids[0, 0]                                   # an invalid id
         epr = E // W
         want_counts, want_inv = _loop_layout(ids, epr, W, slot) if T <= 300 else (None, None)
-        d_ids = C.to_device(ids)
+        d_ids = A.to_device(ids)
         counts2, inv, src, n_real = ep_layout(d_ids, epr, W, 0, slot)
         ok_layout = want_inv is None or (
-            (C.to_host(counts2)[0, :, 0] == want_counts).all()
-            and (C.to_host(inv) == want_inv).all())
-        us = C.median(C.cuda_time(lambda: ep_layout(d_ids, epr, W, 0, slot))) * 1e3
+            (A.to_host(counts2)[0, :, 0] == want_counts).all()
+            and (A.to_host(inv) == want_inv).all())
+        us = timed(lambda: ep_layout(d_ids, epr, W, 0, slot)).median * 1e3
         print(f"{f'ep_layout T={T} K={K} W={W} slot={slot}':52s} "
               f"{'exact' if ok_layout else 'MISMATCH':>10s} {us:10.1f}")
         x = rng.standard_normal((T, H)).astype(bf16)
         w = rng.random((T, K)).astype(np.float32)
-        d_x, d_w = C.to_device(x), C.to_device(w)
+        d_x, d_w = A.to_device(x), A.to_device(w)
         x_send, _, _ = ep_gather(d_x, d_ids, d_w, inv, n_real, epr, slot)
-        n = int(C.to_host(n_real)[0])
+        n = int(A.to_host(n_real)[0])
         S = entries_per_token(W, K, slot)
-        h_src = C.to_host(src)[:n]
-        ok_gather = (C.to_host(x_send)[:n].view(np.uint16) ==
+        h_src = A.to_host(src)[:n]
+        ok_gather = (A.to_host(x_send)[:n].view(np.uint16) ==
                      x.view(np.uint16)[h_src // S]).all()
-        us = C.median(C.cuda_time(lambda: ep_gather(d_x, d_ids, d_w, inv, n_real, epr, slot))) * 1e3
+        us = timed(lambda: ep_gather(d_x, d_ids, d_w, inv, n_real, epr, slot)).median * 1e3
         nbytes = (T + n) * H * 2
         print(f"{f'ep_gather T={T} H={H} n={n}':52s} {'exact' if ok_gather else 'MISMATCH':>10s} "
               f"{us:10.1f} {nbytes / us / 1e3:8.1f}")
         y = x_send[:n]
-        weights = d_w if slot else C.to_device(np.ones((T, S), np.float32))
+        weights = d_w if slot else A.to_device(np.ones((T, S), np.float32))
         out = ep_combine(y, weights, inv, n, T)
-        us = C.median(C.cuda_time(lambda: ep_combine(y, weights, inv, n, T))) * 1e3
+        us = timed(lambda: ep_combine(y, weights, inv, n, T)).median * 1e3
         nbytes = (T + n) * H * 2
         print(f"{f'ep_combine T={T} H={H} n={n}':52s} {'ran':>10s} {us:10.1f} "
               f"{nbytes / us / 1e3:8.1f}")

@@ -3,7 +3,7 @@
     out[t] = sum_k topk_weights[t, k] * (W2[e] @ act(W13[e] @ x[t]))      e = topk_ids[t, k]
 
     T tokens, E local experts, K top-k, H hidden, I intermediate, N1 = 2I (gated) or I,
-    B block size, P = T*K slots, L = max_num_tokens_padded(P, E, B)
+    B block size, P = T*K slots, L = max_num_tokens_padded(P, B, E)
 
     align       moe_align_kernel        topk_ids [T, K]   -> sorted [L], expert_ids [L/B], ntpp [1]
     gemm1       grouped_gemm_<v>        x [T, H], w1 [E, N1, H] -> c1 [P, N1]   (router weight
@@ -14,7 +14,7 @@
                                         alignment skipped, ids -1, are never read)
 
 These are the stage modules' own kernels with the configs and arguments the stage functions
-would pick (gemm._plan, align._align_geometry, _compile.row_geometry): a call
+would pick (gemm._plan, align._align_geometry, _geometry.row_geometry): a call
 gives the same bits as calling `moe_align_block_size`, `grouped_gemm`, `apply_activation`,
 `grouped_gemm` and `moe_sum` one after the other (tests/test_cupy_experts.py checks it on the
 GPU). What changes is the host's share. A decode step's GPU work is tens of microseconds, and
@@ -39,12 +39,16 @@ from typing import NamedTuple
 
 import numpy as np
 
+from reference.align import max_num_tokens_padded
+
+from . import _arrays as A
 from . import _compile as C
 from . import activation as act_mod
 from . import align as align_mod
 from . import combine as sum_mod
 from . import gemm as gg
 from . import gemm_configs as gcfg
+from ._geometry import ROW_VECS, block_threads, cdiv
 from ._launch import FastLaunch
 from .gemm_tensor_map import v6_tensor_map
 
@@ -83,7 +87,7 @@ def _torch_np_dtype(tdt) -> np.dtype:
     import torch
 
     table = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
-             torch.bfloat16: C.bf16_dtype(), torch.int32: np.dtype(np.int32),
+             torch.bfloat16: A.bf16_dtype(), torch.int32: np.dtype(np.int32),
              torch.int64: np.dtype(np.int64), torch.float64: np.dtype(np.float64)}
     if tdt not in table:
         raise TypeError(f"expected a float or int tensor, got {tdt}")
@@ -110,7 +114,7 @@ class _Allocator:
 
             self.torch = torch
             self.tdtypes = {np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32,
-                            np.dtype(np.float16): torch.float16, C.bf16_dtype(): torch.bfloat16}
+                            np.dtype(np.float16): torch.float16, A.bf16_dtype(): torch.bfloat16}
             self.dev = torch.device("cuda", device)
             # the raw cudaStream_t of torch's current stream: the call Triton's launcher makes
             # (torch.cuda.current_stream() builds a Stream object, several us on a slow host)
@@ -123,11 +127,11 @@ class _Allocator:
     def empty(self, shape, dtype):
         if self.kind == "torch":
             t = self.torch.empty(shape, dtype=self.tdtypes[np.dtype(dtype)], device=self.dev)
-            if C.POISON and t.numel():
+            if A.POISON and t.numel():
                 t.fill_(float("nan") if np.dtype(dtype).kind == "f" or np.dtype(dtype) ==
-                        C.bf16_dtype() else C.POISON_INT)
+                        A.bf16_dtype() else A.POISON_INT)
             return t, t.data_ptr()
-        a = C.empty(shape, dtype)
+        a = A.empty(shape, dtype)
         return a, a.data.ptr
 
     def raw(self, nbytes: int):
@@ -180,11 +184,11 @@ class ExpertsPlan:
         card = gcfg.device_name(device)
         if block_size is None:
             block_size = int(gcfg.get_config(T, N1, H, E, K, dtype, device=card)["BLOCK_M"])
-        self.B = B = C.check_int("block_size", block_size, 1)
+        self.B = B = A.check_int("block_size", block_size, 1)
         # align bins by global ids (E_align = the expert map's length, else E)
         self.E_align = E_align
-        self.L = L = align_mod.max_num_tokens_padded(P, E_align, B)
-        self.num_blocks = C.cdiv(L, B)
+        self.L = L = max_num_tokens_padded(P, B, E_align)
+        self.num_blocks = cdiv(L, B)
         self.mul_on_input = bool(mul_on_input)
         with cupy.cuda.Device(device):
             sm90 = gg._is_sm90(cupy, device)
@@ -239,10 +243,10 @@ class ExpertsPlan:
         its `sizes` and the column chunks fixed from argument `first_size` on."""
         threads_max = mod.CONFIGS[cfg_key][threads_key]
         isz = self.dtype.itemsize
-        vec = max(v for v in C.ROW_VECS if v * isz <= 16 and width % v == 0)
-        threads = C.block_threads(C.cdiv(width, vec), threads_max)
-        chunks = C.cdiv(width, threads * vec)
-        C.check_fits_int32("x", rows * chunks, "the grid size rows * column chunks")
+        vec = max(v for v in ROW_VECS if v * isz <= 16 and width % v == 0)
+        threads = block_threads(cdiv(width, vec), threads_max)
+        chunks = cdiv(width, threads * vec)
+        A.check_fits_int32("x", rows * chunks, "the grid size rows * column chunks")
         k = C.get_kernel(cu, name_fmt.format(vec=vec), mod._defines(self.dtype), names)
         return FastLaunch(k, (max(rows * chunks, 1),), (threads,), 0, sig,
                           fixed=_after(first_size, *sizes, chunks))
@@ -381,7 +385,7 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     if len(x.shape) != 2:
         raise ValueError(f"hidden_states: expected [T, H], got shape {x.shape}")
     T, H = x.shape
-    if x.dtype not in (np.dtype(np.float16), C.bf16_dtype()):
+    if x.dtype not in (np.dtype(np.float16), A.bf16_dtype()):
         raise TypeError(f"hidden_states: expected bfloat16 or float16, got {x.dtype}")
     if len(a1.shape) != 3 or a1.shape[2] != H or a1.shape[1] % 2:
         raise ValueError(f"w1: expected [E, 2I, {H}] (gate and up rows), got shape {a1.shape}")

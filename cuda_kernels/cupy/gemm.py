@@ -65,8 +65,10 @@ import math
 
 import numpy as np
 
-from . import _compile
-from ._compile import bf16_dtype, get_kernel, raw, register_compile_case
+from .. import timing
+from . import _arrays, _compile
+from ._arrays import bf16_dtype, raw
+from ._compile import get_kernel, register_compile_case
 from .gemm_configs import (
     _CTYPES,
     DTYPE_KEYS,
@@ -263,8 +265,8 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
     if Kw != K:
         raise ValueError(f"w: expected shape [E_local, N, {K}] (last dim = a.shape[1]), "
                          f"got {tuple(w.shape)}")
-    top_k = _compile.check_int("top_k", top_k, 1)
-    block_size = _compile.check_int("block_size", block_size, 1)
+    top_k = _arrays.check_int("top_k", top_k, 1)
+    block_size = _arrays.check_int("block_size", block_size, 1)
     int32 = (np.dtype(np.int32),)
     _check_gpu_array("sorted_token_ids", sorted_token_ids, cp, dev, ndim=1, dtypes=int32)
     _check_gpu_array("expert_ids", expert_ids, cp, dev, ndim=1, dtypes=int32)
@@ -320,7 +322,7 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
                          device_name(dev))
 
     if out is None:
-        c = _compile.empty((P, N), a.dtype)
+        c = _arrays.empty((P, N), a.dtype)
     else:
         c = _check_gpu_array("out", out, cp, dev)
         if np.dtype(out.dtype) != np.dtype(a.dtype) or tuple(out.shape) != (P, N):
@@ -472,7 +474,7 @@ def random_device(shape, dtype, scale=1.0, rng=None):
     cp = _cupy()
     rng = cp.random.default_rng() if rng is None else rng
     dkey = dtype_key(dtype)
-    out = _compile.empty(shape, dtype)
+    out = _arrays.empty(shape, dtype)
     flat = raw(out).reshape(-1)
     step = 1 << 26  # 64 M elements: a 256 MB fp32 slab at a time
     for i in range(0, flat.size, step):
@@ -528,10 +530,11 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="tiny shapes, one rep (sanitizers)")
     args = p.parse_args(argv)
-    ok, why = _compile.availability()
+    ok, why = _arrays.availability()
     if not ok:
         raise SystemExit(f"no GPU: {why}")
     cp = _cupy()
+    api = timing.CudaApi("cupy")      # the one GPU timer, on CuPy's events (L2 flushed per call)
     dts = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": bf16_dtype()}
     rng = np.random.default_rng(0)
     # (name, T, E, top_k, N, Kdim, dtype key)
@@ -561,7 +564,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
         # c[s] does not depend on the alignment block: one reference for every version
         ref = ref_grouped_gemm(a_h.astype(np.float64), w_h.astype(np.float64), st, ex, nt,
                                top_k, B0, tw_h.astype(np.float64), True)
-        a, w = _compile.to_device(a_h), _compile.to_device(w_h)
+        a, w = _arrays.to_device(a_h), _arrays.to_device(w_h)
         tw_d = cp.asarray(tw_h)
         touched = len(set(int(e) for e in ex[: int(nt[0]) // B0] if e >= 0))
         flops = gemm_flops(T * top_k, N, K)
@@ -578,14 +581,14 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
             return grouped_gemm(a, w, st_d, ex_d, nt_d, top_k, B, tw_d, True, version=v, out=out)
 
         for v in args.versions.split(","):
-            out = _compile.empty((T * top_k, N), dt)
+            out = _arrays.empty((T * top_k, N), dt)
             raw(out).view(cp.uint8).fill(255)          # NaN poison: unwritten rows fail
             try:
                 call(v, out)
             except ValueError as e:
                 print(f"{name:22s} {dkey:4s} {v:3s} skip  {e}")
                 continue
-            got = _compile.to_host(out)
+            got = _arrays.to_host(out)
             if got.dtype == np.uint16:
                 got = got.view(bf16_dtype())
             got = got.astype(np.float64)
@@ -593,17 +596,8 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
                 if np.isfinite(got).all() else float("inf")
             verdict = "PASS" if err <= tol else "FAIL"
             failed += verdict == "FAIL"
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            for _ in range(0 if args.quick else 3):
-                call(v)
-            times = []
-            for _ in range(reps):
-                start.record()
-                call(v)
-                stop.record()
-                stop.synchronize()
-                times.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3)
-            t = float(np.median(times))
+            t = timing.time_cuda(lambda v=v: call(v), warmup=0 if args.quick else 3, reps=reps,
+                                 flush_l2=not args.quick, api=api).median * 1e-3
             print(f"{name:22s} {dkey:4s} {v:3s} {verdict:5s} {err:9.2e} {t * 1e6:9.1f} "
                   f"{flops / t / 1e12:8.2f} {nbytes / t / 1e9:7.0f} "
                   f"{roofline_floor_s(nbytes, flops) / t:6.2f}")

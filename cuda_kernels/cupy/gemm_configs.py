@@ -28,7 +28,7 @@ import pathlib
 
 import numpy as np
 
-from ._compile import bf16_dtype
+from ._arrays import bf16_dtype
 
 VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6")
 TENSOR_CORE_VERSIONS = ("v4", "v5", "v6")

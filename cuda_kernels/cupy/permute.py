@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _arrays as A
 from . import _compile as C
-from . import align as A
+from . import align as align_mod
+from ._geometry import cdiv, row_geometry
+from ._script import rel_err, script_start
 
 CONFIGS = {
     "gather_rows_kernel": {"ROW_WARPS": 4},
@@ -31,7 +34,8 @@ _UNPERMUTE_NAMES = tuple(f"moe_unpermute_kernel<{v}>" for v in _VECS)
 
 
 def _defines(scalar_dtype=np.float32) -> dict:
-    return {"SCALAR_T": C.ctype_of(scalar_dtype), "PREFETCH": A.CONFIGS["group"]["PREFETCH"],
+    return {"SCALAR_T": A.ctype_of(scalar_dtype),
+            "PREFETCH": align_mod.CONFIGS["group"]["PREFETCH"],
             **CONFIGS["gather_rows_kernel"], **CONFIGS["moe_unpermute_kernel"]}
 
 
@@ -39,22 +43,22 @@ def _defines(scalar_dtype=np.float32) -> dict:
 # fp32 defines; moe_unpermute once per dtype.
 _FIXED_NAMES = ("moe_permute_index_kernel",) + _GATHER_NAMES
 C.register_compile_case("permute.cu", _defines(), _FIXED_NAMES)
-for _dt in C.float_dtypes():
+for _dt in A.float_dtypes():
     C.register_compile_case("permute.cu", _defines(_dt), _UNPERMUTE_NAMES)
 
 
 # ----------------------------------------------------------------------------- helpers
 def _group_geometry(P: int, NB: int):
     """Warps W of the one-block grouping kernels, their chunk, and the shared memory bytes."""
-    cfg = A.CONFIGS["group"]
+    cfg = align_mod.CONFIGS["group"]
     ints = cfg["SMEM_BUDGET"] // 4
     W = min(cfg["MAX_WARPS"], (ints - NB - 33) // NB)
     if W < 1:
         raise ValueError(f"num_experts: {NB} buckets do not fit the grouping kernel's "
                          f"{cfg['SMEM_BUDGET']} bytes of shared memory")
     # no more warps than 32-slot steps: idle warps only cost scan time
-    W = max(1, min(W, C.cdiv(max(P, 1), 32)))
-    chunk = C.cdiv(C.cdiv(max(P, 1), W), 32) * 32  # whole 32-slot steps per warp
+    W = max(1, min(W, cdiv(max(P, 1), 32)))
+    chunk = cdiv(cdiv(max(P, 1), W), 32) * 32  # whole 32-slot steps per warp
     smem = (W * NB + NB + 1 + 32) * 4
     return W, chunk, smem
 
@@ -75,19 +79,19 @@ def moe_permute(hidden_states, topk_ids, num_experts):
     expert_offsets int32 [E + 1] (expert e owns rows expert_offsets[e] .. [e + 1] - 1),
     inv_permuted_idx int32 [P].
     """
-    C.check_array("hidden_states", hidden_states, ndim=2, dtypes=C.float_dtypes())
-    ids = A._ids_i32("topk_ids", topk_ids)
-    E = C.check_int("num_experts", num_experts, 1, A.MAX_EXPERTS)
+    A.check_array("hidden_states", hidden_states, ndim=2, dtypes=A.float_dtypes())
+    ids = align_mod._ids_i32("topk_ids", topk_ids)
+    E = A.check_int("num_experts", num_experts, 1, align_mod.MAX_EXPERTS)
     T, H = hidden_states.shape
     if ids.shape[0] != T:
         raise ValueError(f"topk_ids: expected {T} rows to match hidden_states {hidden_states.shape}, "
                          f"got shape {ids.shape}")
     K = ids.shape[1]
     P = T * K
-    C.check_fits_int32("topk_ids", P, "P = T * K")
-    x_grouped = C.empty((P, H), hidden_states.dtype)    # [P, H]
-    expert_offsets = C.empty((E + 1,), np.int32)         # [E + 1]
-    inv_permuted_idx = C.empty((P,), np.int32)           # [P]
+    A.check_fits_int32("topk_ids", P, "P = T * K")
+    x_grouped = A.empty((P, H), hidden_states.dtype)    # [P, H]
+    expert_offsets = A.empty((E + 1,), np.int32)         # [E + 1]
+    inv_permuted_idx = A.empty((P,), np.int32)           # [P]
 
     W, chunk, smem = _group_geometry(P, E + 1)
     kernel = C.get_kernel("permute.cu", "moe_permute_index_kernel", _defines(), _FIXED_NAMES)
@@ -101,8 +105,8 @@ def moe_permute(hidden_states, topk_ids, num_experts):
     warps = CONFIGS["gather_rows_kernel"]["ROW_WARPS"]
     gather = C.get_kernel("permute.cu", f"gather_rows_kernel<{_WORDS[w]}>", _defines(),
                           _FIXED_NAMES)
-    gather((C.cdiv(P, warps),), (warps * 32,),
-           (C.raw(hidden_states), inv_permuted_idx, C.raw(x_grouped), np.int32(P), np.int32(K),
+    gather((cdiv(P, warps),), (warps * 32,),
+           (A.raw(hidden_states), inv_permuted_idx, A.raw(x_grouped), np.int32(P), np.int32(K),
             np.int32(H * itemsize // w)))
     return x_grouped, expert_offsets, inv_permuted_idx
 
@@ -115,39 +119,39 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
     """
     import cupy
 
-    C.check_array("y_grouped", y_grouped, ndim=2, dtypes=C.float_dtypes())
-    C.check_array("topk_weights", topk_weights, ndim=2, dtypes=C.float_dtypes(with_f64=True))
+    A.check_array("y_grouped", y_grouped, ndim=2, dtypes=A.float_dtypes())
+    A.check_array("topk_weights", topk_weights, ndim=2, dtypes=A.float_dtypes(with_f64=True))
     T, K = topk_weights.shape
     P, H = y_grouped.shape
     if P != T * K:
         raise ValueError(f"y_grouped: expected T * K = {T} * {K} = {T * K} rows to match "
                          f"topk_weights {topk_weights.shape}, got {P}")
-    C.check_array("inv_permuted_idx", inv_permuted_idx, ndim=1, shape=(P,))
+    A.check_array("inv_permuted_idx", inv_permuted_idx, ndim=1, shape=(P,))
     if inv_permuted_idx.dtype.kind not in "iu":
         raise TypeError(f"inv_permuted_idx: expected an integer dtype, got {inv_permuted_idx.dtype}")
     inv = inv_permuted_idx if inv_permuted_idx.dtype == np.int32 else \
         inv_permuted_idx.astype(cupy.int32)
-    weights = C.as_f32(topk_weights)
-    out = C.empty((T, H), y_grouped.dtype)  # [T, H]
+    weights = A.as_f32(topk_weights)
+    out = A.empty((T, H), y_grouped.dtype)  # [T, H]
     if T == 0 or H == 0:
         return out
-    g = C.row_geometry("topk_weights", T, H, CONFIGS["moe_unpermute_kernel"]["UNPERMUTE_THREADS"],
+    g = row_geometry("topk_weights", T, H, CONFIGS["moe_unpermute_kernel"]["UNPERMUTE_THREADS"],
                        y_grouped, out, vecs=_VECS)
     kernel = C.get_kernel("permute.cu", f"moe_unpermute_kernel<{g.vec}>",
                           _defines(y_grouped.dtype), _UNPERMUTE_NAMES)
     kernel((g.grid,), (g.threads,),
-           (C.raw(y_grouped), weights, inv, C.raw(out), np.int32(T), np.int32(K), np.int32(H),
+           (A.raw(y_grouped), weights, inv, A.raw(out), np.int32(T), np.int32(K), np.int32(H),
             np.int32(g.chunks)))
     return out
 
 
 # ----------------------------------------------------------------------------- script
 def _main(argv=None):
-    quick, timed = C.script_start(argv)  # --quick: small shapes, 3 timed calls (sanitizers)
+    quick, timed = script_start(argv)  # --quick: small shapes, 3 timed calls (sanitizers)
     import reference
 
     rng = np.random.default_rng(0)
-    bf16 = C.bf16_dtype()
+    bf16 = A.bf16_dtype()
     print(f"{'case':48s} {'check':>10s} {'median us':>10s} {'GB/s':>8s}")
     permute_cases = ((1024, 256, 8, 7168), (4096, 128, 8, 2048))
     if quick:
@@ -155,21 +159,21 @@ def _main(argv=None):
     for T, E, K, H in permute_cases:
         ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
         x = rng.standard_normal((T, H)).astype(bf16)                              # [T, H]
-        d_x, d_ids = C.to_device(x), C.to_device(ids)
+        d_x, d_ids = A.to_device(x), A.to_device(ids)
         got = moe_permute(d_x, d_ids, E)
         want = reference.moe_permute(x, ids, E)
-        same = all((C.to_host(g).view(np.uint8) == w.view(np.uint8)).all()
+        same = all((A.to_host(g).view(np.uint8) == w.view(np.uint8)).all()
                    for g, w in zip(got, want))
-        ms = C.median(timed(lambda d_x=d_x, d_ids=d_ids, E=E: moe_permute(d_x, d_ids, E)))
+        ms = timed(lambda d_x=d_x, d_ids=d_ids, E=E: moe_permute(d_x, d_ids, E)).median
         nbytes = (T * H + T * K * H) * 2 + ids.size * 8  # x once, x_grouped, ids + inv
         print(f"{f'moe_permute T={T} E={E} K={K} H={H} bf16':48s} "
               f"{'exact' if same else 'MISMATCH':>10s} {ms * 1e3:10.1f} {nbytes / ms / 1e6:8.1f}")
         y = rng.standard_normal((T * K, H)).astype(bf16)                          # [P, H]
         w8 = rng.random((T, K)).astype(np.float32)
-        d_y, d_w, d_inv = C.to_device(y), C.to_device(w8), got[2]
+        d_y, d_w, d_inv = A.to_device(y), A.to_device(w8), got[2]
         out = moe_unpermute(d_y, d_w, d_inv)
-        err = C.rel_err(C.to_host(out), reference.moe_unpermute(y, w8, want[2]))
-        ms = C.median(timed(lambda d_y=d_y, d_w=d_w, d_inv=d_inv: moe_unpermute(d_y, d_w, d_inv)))
+        err = rel_err(A.to_host(out), reference.moe_unpermute(y, w8, want[2]))
+        ms = timed(lambda d_y=d_y, d_w=d_w, d_inv=d_inv: moe_unpermute(d_y, d_w, d_inv)).median
         nbytes = (T * K * H + T * H) * 2 + T * K * 8  # y in, out, weights + inv
         print(f"{f'moe_unpermute T={T} K={K} H={H} bf16':48s} {err:10.2e} {ms * 1e3:10.1f} "
               f"{nbytes / ms / 1e6:8.1f}")

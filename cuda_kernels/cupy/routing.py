@@ -2,16 +2,12 @@
 
 Shapes: T tokens, E experts (<= 1024), K top-k (<= 32).
 
-    fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None,
-               scoring_func="softmax")
-        -> topk_weights f32 [T, K], topk_ids int32 [T, K], token_expert_indices int32 [T, K]
-    fused_topk_bias(hidden_states, gating_output, scoring_func, e_score_correction_bias, topk,
-                    renormalize, indices_type=None, routed_scaling_factor=1.0)
-        -> topk_weights, topk_ids
-    grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,
-                 topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0,
-                 e_score_correction_bias=None) -> topk_weights, topk_ids
-    select_experts(...)  the FusedMoE dispatcher over the three
+    fused_topk        softmax / sigmoid top-k        -> topk_weights f32 [T, K], topk_ids
+                                                        int32 [T, K], token_expert_indices
+    fused_topk_bias   the same with a correction bias added before the choice (DeepSeek-V3)
+    grouped_topk      top-k of the best topk_group of num_expert_group groups
+    select_experts    the FusedMoE dispatcher over the three
+(the signatures, the reference's: docs/stages.md)
 
 All three are one kernel, `route_topk_kernel<VPT>` (one warp per token row, the row in
 registers: lane l holds experts l, l + 32, ...; VPT = values per lane = cdiv(E, 32) rounded up
@@ -22,10 +18,12 @@ Run as a script to validate against reference/ and time: python -m cuda_kernels.
 """
 from __future__ import annotations
 
-
 import numpy as np
 
+from . import _arrays as A
 from . import _compile as C
+from ._geometry import cdiv
+from ._script import rel_err, script_start
 
 # Tunables are data: one dict per kernel, injected as #defines.
 CONFIGS = {"route_topk_kernel": {"WARPS_PER_BLOCK": 4}}
@@ -38,16 +36,16 @@ MODE_TOPK, MODE_GROUPED = 0, 1   # the non-finite rule of a launch (routing.cu)
 
 
 def _defines(dtype) -> dict:
-    return {"IN_T": C.ctype_of(dtype), **CONFIGS["route_topk_kernel"]}
+    return {"IN_T": A.ctype_of(dtype), **CONFIGS["route_topk_kernel"]}
 
 
 def _in_dtypes():
-    return C.float_dtypes(with_f64=True)
+    return A.float_dtypes(with_f64=True)
 
 
 # Every instantiation launched below, for the CPU compile checks (tests/test_cupy_nvrtc.py).
 # fp64 logits are rounded to fp32 before the launch (the kernel would do the same first).
-for _dt in C.float_dtypes():
+for _dt in A.float_dtypes():
     C.register_compile_case("routing.cu", _defines(_dt), _NAMES)
 
 
@@ -60,7 +58,7 @@ def _vpt(E: int) -> int:
 
 
 def _check_common(hidden_states, gating_output, topk):
-    C.check_array("gating_output", gating_output, ndim=2, dtypes=_in_dtypes())
+    A.check_array("gating_output", gating_output, ndim=2, dtypes=_in_dtypes())
     T, E = gating_output.shape
     if hidden_states is not None:
         if getattr(hidden_states, "ndim", 0) < 1 or hidden_states.shape[0] != T:
@@ -70,16 +68,16 @@ def _check_common(hidden_states, gating_output, topk):
     if E < 1:
         raise ValueError(f"gating_output: expected at least one expert, got shape {gating_output.shape}")
     _vpt(E)
-    topk = C.check_int("topk", topk, 1, min(E, MAX_TOPK))
-    C.check_fits_int32("topk", T * topk, "T * topk")
+    topk = A.check_int("topk", topk, 1, min(E, MAX_TOPK))
+    A.check_fits_int32("topk", T * topk, "T * topk")
     return T, E, topk
 
 
 def _bias_f32(name, bias, E):
     if bias is None:
         return None
-    C.check_array(name, bias, ndim=1, dtypes=_in_dtypes(), shape=(E,))
-    return C.as_f32(bias)
+    A.check_array(name, bias, ndim=1, dtypes=_in_dtypes(), shape=(E,))
+    return A.as_f32(bias)
 
 
 def _launch(gating, bias, topk, num_groups, topk_group, scoring, renormalize, scale,
@@ -88,9 +86,9 @@ def _launch(gating, bias, topk, num_groups, topk_group, scoring, renormalize, sc
     T, E = gating.shape
     if gating.dtype == np.float64:
         gating = gating.astype(np.float32)  # round to nearest: what the kernel's load would do
-    weights = C.empty((T, topk), np.float32)  # [T, K]
-    ids = C.empty((T, topk), np.int32)         # [T, K]
-    tei = C.empty((T, topk), np.int32) if want_indices else None
+    weights = A.empty((T, topk), np.float32)  # [T, K]
+    ids = A.empty((T, topk), np.int32)         # [T, K]
+    tei = A.empty((T, topk), np.int32) if want_indices else None
     if T == 0:
         return weights, ids, tei
     vpt = _vpt(E)
@@ -102,9 +100,9 @@ def _launch(gating, bias, topk, num_groups, topk_group, scoring, renormalize, sc
     smem = warps * (row_floats + 2 * num_groups) * 4 if num_groups > 1 else 0
     if smem > 48 * 1024:  # beyond the default dynamic shared memory limit: opt in
         kernel.max_dynamic_shared_size_bytes = smem
-    kernel((C.cdiv(T, warps),), (warps * 32,),
-           (C.raw(gating), bias if bias is not None else C.null_ptr(), weights, ids,
-            tei if tei is not None else C.null_ptr(),
+    kernel((cdiv(T, warps),), (warps * 32,),
+           (A.raw(gating), bias if bias is not None else A.null_ptr(), weights, ids,
+            tei if tei is not None else A.null_ptr(),
             np.int32(T), np.int32(E), np.int32(topk), np.int32(num_groups),
             np.int32(topk_group), np.int32(scoring), np.int32(1 if renormalize else 0),
             np.int32(mode), np.float32(scale)),
@@ -168,11 +166,11 @@ def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_gro
     valid expert among its K gets 1/K (renormalize) or 0. Returns topk_weights, topk_ids."""
     _, E, topk = _check_common(hidden_states, gating_output, topk)
     _scoring(scoring_func)
-    groups = C.check_int("num_expert_group", num_expert_group, 1)
+    groups = A.check_int("num_expert_group", num_expert_group, 1)
     if E % groups:
         raise ValueError(f"num_expert_group: expected a divisor of the number of experts ({E}), "
                          f"got {groups}")
-    tg = C.check_int("topk_group", topk_group, 1)
+    tg = A.check_int("topk_group", topk_group, 1)
     if tg > groups:
         raise ValueError(f"topk_group: expected at most num_expert_group ({groups}), got {tg}")
     if topk > tg * (E // groups):
@@ -224,11 +222,11 @@ _THIS = _This()
 
 # ----------------------------------------------------------------------------- script
 def _main(argv=None):
-    quick, timed = C.script_start(argv)  # --quick: small shapes, 3 timed calls (sanitizers)
+    quick, timed = script_start(argv)  # --quick: small shapes, 3 timed calls (sanitizers)
     import reference
 
     rng = np.random.default_rng(0)
-    bf16 = C.bf16_dtype()
+    bf16 = A.bf16_dtype()
     print(f"{'case (bf16 logits)':40s} {'ids same':>9s} {'w err':>9s} {'median us':>10s} "
           f"{'GB/s':>8s}")
     cases = [  # (name, T, E, K, groups, topk_group, scoring, bias)
@@ -242,7 +240,7 @@ def _main(argv=None):
     for name, T, E, K, G, TG, scoring, has_bias in cases:
         logits = rng.standard_normal((T, E)).astype(bf16)                    # [T, E]
         bias = (0.1 * rng.standard_normal(E)).astype(np.float32) if has_bias else None
-        args = (C.to_device(logits), C.to_device(bias) if has_bias else None)
+        args = (A.to_device(logits), A.to_device(bias) if has_bias else None)
         if G:
             def run(a=args, K=K, G=G, TG=TG, scoring=scoring):
                 return grouped_topk(None, a[0], K, True, G, TG, scoring, 2.5, a[1])
@@ -256,9 +254,9 @@ def _main(argv=None):
                 return fused_topk(None, a[0], K, True)[:2]
             ref = reference.fused_topk(None, logits, K, True)[:2]
         w, ids = run()
-        same = float((C.to_host(ids) == ref[1]).all(axis=1).mean())
-        err = C.rel_err(C.to_host(w), ref[0])
-        ms = C.median(timed(run))
+        same = float((A.to_host(ids) == ref[1]).all(axis=1).mean())
+        err = rel_err(A.to_host(w), ref[0])
+        ms = timed(run).median
         # bytes it must move: the logits in, weights and ids out (and the bias)
         nbytes = T * E * logits.itemsize + T * K * 8 + (E * 4 if has_bias else 0)
         print(f"{name:40s} {same:9.4f} {err:9.2e} {ms * 1e3:10.1f} {nbytes / ms / 1e6:8.1f}")

@@ -19,8 +19,9 @@ alignment block_size B, so for each B in {16, 32, 64, 128} (v5, v6: {64, 128}; B
 that padding only costs), the fastest GEMM1 config with BLOCK_M = B and the fastest GEMM2
 config with BLOCK_M = B are timed, and the B with the smallest sum wins. A candidate whose
 output disagrees with v4's default config (relative error > 1e-2) is reported and dropped.
-Timing: CUDA events around one call, L2 flushed before each (a 128 MB memset outside the
-events), 3 warm-ups, median of --reps.
+Timing: the one GPU timer (cuda_kernels/timing.py): CUDA events around one call, the L2
+flushed before each (a memset of twice its size, outside the events), 3 warm-ups, median of
+--reps.
 
 With two or more --versions (v4,v6 over the decode buckets, v5,v6 over the prefill ones) the
 card's section also gets "version_by_m": for each bucket, the rung whose best GEMM1 + GEMM2
@@ -46,7 +47,8 @@ import time
 
 import numpy as np
 
-from . import _compile
+from .. import timing
+from . import _arrays
 from . import gemm as gg
 from . import gemm_configs as gcfg
 
@@ -189,21 +191,6 @@ def _align_gpu(cp, topk_ids, block_size, num_experts):
     return sorted_ids, expert_ids, total
 
 
-def _time(cp, fn, reps, flush):
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        flush.fill(0)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3)
-    return float(np.median(times))
-
-
 def _rel_err(cp, got, want) -> float:
     g, w_ = gg._as_f32(got), gg._as_f32(want)
     den = float(cp.linalg.norm(w_))
@@ -220,10 +207,8 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
     disagrees (relative error > 1e-2, or NaN) is logged and never chosen."""
     import cupy as cp
 
-    from ._compile import bf16_dtype
-
-    dt = {"bf16": bf16_dtype(), "fp16": np.dtype(np.float16)}[dkey]
-    flush = cp.empty(128 * 2**20, dtype=cp.uint8)
+    dt = {"bf16": _arrays.bf16_dtype(), "fp16": np.dtype(np.float16)}[dkey]
+    api = timing.CudaApi("cupy")
     rng = cp.random.default_rng(0)
     rows, t_start = [], time.time()
     for key in models:
@@ -267,7 +252,8 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
                                 log(f"  WRONG {version} {cand}: relative error {err:.2e} against "
                                     f"v4's default: not a candidate")
                                 continue
-                            timed.append((_time(cp, fn, reps, flush), cand))
+                            t = timing.time_cuda(fn, warmup=3, reps=reps, api=api).median
+                            timed.append((t * 1e-3, cand))
                         except Exception as e:  # a config that does not fit this GPU
                             log(f"  skip {version} {cand}: {type(e).__name__}: {str(e)[:120]}")
                     if not timed:
@@ -373,22 +359,20 @@ def decode_bench(cp, models, tokens, versions=("v4",), reps=20, sweep=False,
     V6_CANDIDATES config, each aligned to its own BLOCK_M).
 
     Each rep routes the T tokens anew (uniform: top_k distinct experts per token, drawn on the
-    GPU, aligned outside the timing with each version's block size), flushes L2 (a 256 MB
-    memset) and times one call with CUDA events; the median is reported. Each version is first
+    GPU, aligned outside the timing with each version's block size), flushes L2 (twice its size,
+    a memset) and times one call with CUDA events; the median is reported. Each version is first
     checked against v4 on the first routing (relative Frobenius error <= 1e-2, else FAIL).
     GB/s counts the touched experts' weights, a and c once; "floor" is the touched weight bytes
     over the card's datasheet bandwidth divided by the time (the fraction of the floor reached);
     TF/s the 2 P N Kdim flops of the live slots over the time. A layer line (GEMM1 + GEMM2)
     gives the ratio to vLLM's time where issue 40 measured it (VLLM_H100_LAYER_MS, an H100)
     and whether it is 10% under it. Returns one dict per (model, T, GEMM or "layer", label)."""
-    dt = {"bf16": _compile.bf16_dtype(), "fp16": np.dtype(np.float16)}[dkey]
+    dt = {"bf16": _arrays.bf16_dtype(), "fp16": np.dtype(np.float16)}[dkey]
     dev = cp.cuda.Device().id
     card = cp.cuda.runtime.getDeviceProperties(dev)["name"]
     card = card.decode() if isinstance(card, bytes) else str(card)
     env = dict(cp=cp, dt=dt, bw=card_bandwidth(card), reps=reps, log=log,
-               flush=cp.empty(256 * 2**20, dtype=cp.uint8), events=(cp.cuda.Event(),
-                                                                      cp.cuda.Event()),
-               deadline=time.time() + budget_s)
+               api=timing.CudaApi("cupy"), deadline=time.time() + budget_s)
     bw = env["bw"]
     rng = cp.random.default_rng(seed)
     log(f"{'model':8s} {'gemm':5s} {'T':>5s} {'version / config':34s} {'us':>9s} {'GB/s':>7s} "
@@ -434,8 +418,7 @@ def _decode_gemm(env, pt, gemm, a, w, tk, N, K, mul, versions, sweep) -> list[di
     itemsize = dt.itemsize
     wbytes = [n * N * K * itemsize for n in pt["touched"]]
     other = itemsize * (a.shape[0] * K + pt["P"] * N)
-    out = _compile.empty((pt["P"], N), dt)
-    start, stop = env["events"]
+    out = _arrays.empty((pt["P"], N), dt)
     head = f"{pt['name'][:8]:8s} {gemm:5s} {pt['T']:5d}"
     flops = gg.gemm_flops(pt["P"], N, K)
 
@@ -455,16 +438,13 @@ def _decode_gemm(env, pt, gemm, a, w, tk, N, K, mul, versions, sweep) -> list[di
             return None
         try:
             err = _rel_err(cp, call(v, cfg, 0), want)
-            for r in range(min(3, reps)):
-                call(v, cfg, r)
-            times = []
-            for r in range(reps):
-                env["flush"].fill(0)
-                start.record()
-                call(v, cfg, r)
-                stop.record()
-                stop.synchronize()
-                times.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3)
+            warm, r = min(3, reps), [0]
+
+            def rotate(i):     # the warm-ups on the first routings, then rep k on routing k
+                r[0] = i if i < warm else i - warm
+            times = [ms * 1e-3 for ms in timing.cuda_samples(
+                lambda: call(v, cfg, r[0]), warmup=warm, reps=reps, rotate=rotate,
+                api=env["api"])]
         except Exception as e:  # a config this card cannot run: reported, skipped
             log(f"{head} {label:34s} skip: {type(e).__name__}: {str(e)[:100]}")
             return None
@@ -551,9 +531,7 @@ def main(argv=None):
     except (OSError, ValueError):
         pass
     if not args.heuristic:
-        from ._compile import availability
-
-        ok, why = availability()
+        ok, why = _arrays.availability()
         if not ok:
             raise SystemExit(f"tuning needs a GPU: {why} (use --heuristic)")
         rows = tune(args.models.split(","), [int(b) for b in args.buckets.split(",")], args.reps,
@@ -581,9 +559,7 @@ def main(argv=None):
 def _bench_main(args) -> int:  # pragma: no cover - needs a GPU
     import cupy as cp
 
-    from ._compile import availability
-
-    ok, why = availability()
+    ok, why = _arrays.availability()
     if not ok:
         raise SystemExit(f"the bench needs a GPU: {why}")
     models = {k: MODELS[k] for k in args.models.split(",")}

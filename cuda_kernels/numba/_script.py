@@ -1,15 +1,19 @@
 """What the stage modules need when they run as scripts: parity numbers and CUDA-event timing.
 
     rel_err(a, b)     ||a - b||_F / ||b||_F in float64 (inf if a has a NaN that b lacks)
-    time_ms(fn)       median of CUDA-event timings of fn() after warm-up (GPU only)
+    time_ms(fn)       median milliseconds of fn() by the one GPU timer (cuda_kernels/timing.py:
+                      CuPy's or torch's events on the default stream, which Numba's launches
+                      use; GPU only: the simulator's scripts skip timing)
     first_call_s(fn)  wall time of the first call: the JIT compile a notebook user waits for
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
 
+from .. import timing
 from ._arrays import cuda, to_host
 
 
@@ -29,21 +33,14 @@ def rel_err(a, b) -> float:
     return float(num / denom)
 
 
+@functools.lru_cache(maxsize=1)
+def _api():
+    return timing.cuda_api("cupy")     # CuPy's events first; one flush buffer per process
+
+
 def time_ms(fn, warmup: int = 3, reps: int = 20) -> float:
-    """Median milliseconds of fn() between two CUDA events on the default stream."""
-    cu = cuda()
-    for _ in range(warmup):
-        fn()
-    cu.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = cu.event(), cu.event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times))
+    """Median milliseconds of fn() (the L2 flushed before every call)."""
+    return timing.time_cuda(fn, warmup, reps, api=_api()).median
 
 
 def first_call_s(fn) -> float:

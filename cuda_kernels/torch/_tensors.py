@@ -22,6 +22,8 @@ import os
 import ml_dtypes
 import numpy as np
 
+from .._checks import check_int as check_scalar_int
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -167,11 +169,8 @@ def check_int(name, x, ndim=None):
 
 
 def positive_int(name, v, minimum=1):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
-    if v < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {v}")
-    return int(v)
+    """A Python or NumPy int (not a bool) >= minimum: the check every backend shares."""
+    return check_scalar_int(name, v, minimum)
 
 
 def cdiv(a, b):

@@ -145,10 +145,7 @@ def spills(producer_regs, consumer_regs):
     return int(re.search(r"(\d+) bytes spill stores", log.getvalue()).group(1))
 
 
-ok, why = _compile.nvrtc_available()
-if not ok:
-    print(f"NVRTC is not usable here ({why})")
-else:
+if workshop.nvrtc_ready():
     rows = []
     for p, cons in ((168, 168), (152, 176), (56, 224), (48, 224), (40, 232)):
         assert 128 * p + 256 * cons <= 384 * 168

@@ -3,9 +3,10 @@ torch._grouped_mm, one module per job.
 
     T tokens, E experts, K top-k, H hidden, I intermediate, P = T*K routed slots
 
-    timing.py       the GPU timer: time_cuda (CUDA events or a CUDA graph per rep, the L2
-                    flushed and the routing redrawn before every rep), time_host, time_cpu,
-                    summarize -> Stats (median, p20, p80, ...)
+    (the timer)     cuda_kernels/timing.py, which the kernel scripts share: time_cuda (CUDA
+                    events or a CUDA graph per rep, the L2 flushed and the routing redrawn
+                    before every rep), time_host, time_cpu, summarize -> Stats (median, p20,
+                    p80, ...)
     roofline.py     the floor: moe_flops, touched_expert_bytes, roofline_floor,
                     fraction_of_floor, card_limits (datasheets), measure_card (measured)
     cases.py        PRESETS (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3, "tiny"), make_case
@@ -15,24 +16,30 @@ torch._grouped_mm, one module per job.
     run.py          run_bench: every (preset, T, candidate) checked once, then timed
     results.py      write_results / plot_results / format_table, git_commit
 
-Every name below is one of theirs, handed on: `from sandbox import bench; bench.time_cuda`.
+Every name below is one of theirs (the timer's included), handed on: `from sandbox import
+bench; bench.time_cuda`.
 """
+from cuda_kernels.timing import (CudaApi, EmptyGraph, Stats, cuda_api, summarize, time_cpu,
+                                 time_cuda, time_host)
+
 from .candidates import (CANDIDATES, GPU_CANDIDATES, PEERS_DIR, UNAVAILABLE, Unavailable,
                          backend_candidate, default_peers_dir, load_vllm_triton,
                          register_candidate)
-from .cases import (CPU_TOKENS, DEFAULT_TOKENS, GPU_PRESETS, PRESETS, Case, ModelPreset,
-                    default_tokens, make_case, make_weights)
-from .results import (DEFAULT_OUT_DIR, RESULTS_DIR, format_table, git_commit, plot_results,
-                      results_stem, slug, write_results)
+from .cases import (CPU_TOKENS, DEFAULT_TOKENS, GPU_PRESETS, GROUPED_ROUTING, PRESETS, Case,
+                    ModelPreset, add_points_options, default_tokens, make_case, make_weights,
+                    names_arg, no_gpu, points_of, route_preset)
+from .results import (DEFAULT_OUT_DIR, RESULTS_DIR, add_out_dir, format_table, git_commit,
+                      plot_results, results_stem, slug, write_results)
 from .roofline import (KNOWN_CARDS, PEAK_BANDWIDTH, PEAK_FLOPS, card_limits, expert_bytes,
                        fraction_of_floor, measure_card, moe_flops, roofline_floor,
                        touched_expert_bytes, touched_experts)
 from .run import RATIO_PEERS, add_ratios, run_bench, tqdm_or_none
-from .timing import CudaApi, EmptyGraph, Stats, cuda_api, summarize, time_cpu, time_cuda, time_host
 from .torch_peers import has_grouped_mm, torch_grouped_mm_moe, torch_per_expert_loop
 
 __all__ = [
     "CANDIDATES", "CPU_TOKENS", "Case", "CudaApi", "DEFAULT_OUT_DIR", "DEFAULT_TOKENS",
+    "GROUPED_ROUTING", "add_out_dir", "add_points_options", "names_arg", "no_gpu", "points_of",
+    "route_preset",
     "EmptyGraph", "GPU_CANDIDATES", "GPU_PRESETS", "KNOWN_CARDS", "ModelPreset",
     "PEAK_BANDWIDTH", "PEAK_FLOPS", "PEERS_DIR", "PRESETS", "RATIO_PEERS", "RESULTS_DIR",
     "Stats", "UNAVAILABLE", "Unavailable", "add_ratios", "backend_candidate", "card_limits",

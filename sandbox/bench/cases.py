@@ -42,10 +42,55 @@ PRESETS = {
     "tiny": ModelPreset("tiny", 8, 2, 256, 512),   # a laptop-size point for --cpu
 }
 GPU_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
+# the presets that route in expert groups: (num_expert_group, topk_group, scoring,
+# routed_scaling_factor), DeepSeek-V3's with its correction bias; the others: softmax top-k
+GROUPED_ROUTING = {"deepseek-v3": (8, 4, "sigmoid", 2.5)}
+
+
+def route_preset(ops, preset: ModelPreset, logits, bias):
+    """(topk_weights, topk_ids) of `logits` [T, E] routed by a backend's stage module `ops`
+    as `preset` routes: grouped_topk with `bias` where GROUPED_ROUTING says so, else
+    fused_topk (softmax, renormalized)."""
+    if preset.name in GROUPED_ROUTING:
+        G, TG, scoring, scale = GROUPED_ROUTING[preset.name]
+        return ops.grouped_topk(None, logits, preset.top_k, True, G, TG, scoring, scale, bias)
+    return ops.fused_topk(None, logits, preset.top_k, True)[:2]
 
 
 def default_tokens(device: str) -> tuple[int, ...]:
     return CPU_TOKENS if device == "cpu" else DEFAULT_TOKENS
+
+
+def add_points_options(parser, models, tokens):
+    """--models and --tokens, comma-separated: the (preset, T) points a benchmark script
+    runs; points_of(args, models) reads them back."""
+    parser.add_argument("--models", default=",".join(models))
+    parser.add_argument("--tokens", default=",".join(map(str, tokens)))
+
+
+def points_of(args, models) -> tuple[list[str], list[int]]:
+    """(model names, token counts) of add_points_options' options, the names checked."""
+    return (names_arg("--models", args.models, models),
+            [int(t) for t in args.tokens.split(",") if t.strip()])
+
+
+def no_gpu(availability) -> bool:
+    """True, after saying so, when `availability()` -> (ok, why) finds nothing to run on: a
+    benchmark script then has nothing to time and ends cleanly."""
+    ok, why = availability()
+    if not ok:
+        print(f"no GPU here ({why}): nothing to time")
+    return not ok
+
+
+def names_arg(flag: str, text: str, allowed) -> list[str]:
+    """The comma-separated names a benchmark option was given, each one of `allowed`
+    (SystemExit naming the option and the choices otherwise)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for n in names:
+        if n not in allowed:
+            raise SystemExit(f"{flag}: expected names from {tuple(allowed)}, got {n!r}")
+    return names
 
 
 @dataclasses.dataclass

@@ -7,6 +7,7 @@
     format_table(record)            the points as text
     git_commit()                    the commit the numbers belong to (MOE_SANDBOX_COMMIT on a
                                     GPU machine that gets the tree without .git)
+    add_out_dir(parser, flag)       the results-folder option every benchmark script takes
 """
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 # where a run writes by default: the current folder, never the source tree
 DEFAULT_OUT_DIR = pathlib.Path("moe-sandbox-results")
+
+
+def add_out_dir(parser, flag: str = "--out-dir"):
+    """The results folder option of a benchmark script: DEFAULT_OUT_DIR unless given."""
+    parser.add_argument(flag, default=str(DEFAULT_OUT_DIR),
+                        help=f"results folder ({flag} benchmarks/results updates the committed "
+                             f"files)")
 
 
 def git_commit() -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .timing import CudaApi, cuda_api, time_cuda
+from cuda_kernels.timing import CudaApi, cuda_api, time_cuda
 
 PEAK_BANDWIDTH = 4.8e12   # bytes/s, H200 HBM3e datasheet
 PEAK_FLOPS = 989e12       # flop/s, H200 dense bf16 datasheet

@@ -18,7 +18,7 @@ import numpy as np
 from .candidates import CANDIDATES, UNAVAILABLE, Unavailable, error_text, forget_moved_weights
 from .cases import DEFAULT_TOKENS, GPU_PRESETS, PRESETS, Case, ModelPreset, make_case, make_weights
 from .roofline import card_limits, expert_bytes, fraction_of_floor, moe_flops, roofline_floor
-from .timing import cuda_api, time_cpu, time_cuda, time_host
+from cuda_kernels.timing import cuda_api, time_cpu, time_cuda, time_host
 from .torch_peers import torch_per_expert_loop
 
 

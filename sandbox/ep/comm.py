@@ -139,6 +139,14 @@ class Communicator:
         finally:
             self.group_end()
 
+    def _check_group(self, opening: bool):
+        """A group opens only outside one and closes only inside one (group_start /
+        group_end of every communicator, before they touch their transport)."""
+        if opening and self._in_group:
+            raise CommUsageError(f"rank {self.rank}: group_start inside a group")
+        if not opening and not self._in_group:
+            raise CommUsageError(f"rank {self.rank}: group_end without group_start")
+
     def _check_peer(self, peer: int, what: str) -> int:
         if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)):
             raise TypeError(f"peer: expected an int rank for {what}, got {type(peer).__name__}")
@@ -285,13 +293,11 @@ class Communicator:
         outs = [view_as(o, g.dtype) for o, g in zip(outs, given)]
         return (outs[0] if single else outs), recv_counts
 
-    def exchange_rows(self, send, send_offsets, send_counts, recv, recv_offsets, recv_counts):
-        """One group of sends and receives at explicit row offsets (the counts known on both
-        sides): rows send[so[p]:so[p]+sc[p]] go to rank p, rows from p land in
-        recv[ro[p]:ro[p]+rc[p]]; send and recv are C-contiguous [N, ...] arrays of one row
-        shape and dtype, or lists of such pairs sharing the offsets and counts. What a chunked
-        all_to_all_v needs (its chunks are not contiguous), and a dispatch that sends from a
-        bigger buffer. Returns recv."""
+    def _rows_checked(self, send, send_offsets, send_counts, recv, recv_offsets, recv_counts,
+                      prepare=None):
+        """exchange_rows' arguments checked: (so, sc, ro, rc, [(send_i, recv_i)]), the offsets
+        and counts as lists, the arrays raw (`prepare(a, o, i)` -> (a, o) first: a
+        communicator's own checks of a pair) and every rank's rows inside them."""
         so, sc, ro, rc = (np.asarray(a, dtype=np.int64).reshape(-1).tolist()
                           for a in (send_offsets, send_counts, recv_offsets, recv_counts))
         W, r = self.world_size, self.rank
@@ -306,15 +312,30 @@ class Communicator:
         if len(sends) != len(recvs):
             raise ValueError(f"recv: expected {len(sends)} arrays (one per send), got "
                              f"{len(recvs)}")
-        pairs = [(raw(a), raw(o)) for a, o in zip(sends, recvs)]
-        for i, (a, o) in enumerate(pairs):
+        pairs = []
+        for i, (a, o) in enumerate(zip(sends, recvs)):
+            a, o = raw(a), raw(o)
+            if prepare is not None:
+                a, o = prepare(a, o, i)
             for p in range(W):
                 if so[p] < 0 or sc[p] < 0 or so[p] + sc[p] > a.shape[0] or ro[p] < 0 \
                         or rc[p] < 0 or ro[p] + rc[p] > o.shape[0]:
                     raise ValueError(f"send_offsets/recv_offsets: rank {p}'s rows fall outside "
                                      f"send[{i}] {a.shape} / recv[{i}] {o.shape}")
+            pairs.append((a, o))
+        return so, sc, ro, rc, pairs
+
+    def exchange_rows(self, send, send_offsets, send_counts, recv, recv_offsets, recv_counts):
+        """One group of sends and receives at explicit row offsets (the counts known on both
+        sides): rows send[so[p]:so[p]+sc[p]] go to rank p, rows from p land in
+        recv[ro[p]:ro[p]+rc[p]]; send and recv are C-contiguous [N, ...] arrays of one row
+        shape and dtype, or lists of such pairs sharing the offsets and counts. What a chunked
+        all_to_all_v needs (its chunks are not contiguous), and a dispatch that sends from a
+        bigger buffer. Returns recv."""
+        so, sc, ro, rc, pairs = self._rows_checked(send, send_offsets, send_counts, recv,
+                                                   recv_offsets, recv_counts)
         with self._op("exchange_rows"), self.group():
-            for p in range(W):
+            for p in range(self.world_size):
                 for a, o in pairs:
                     if sc[p]:
                         self.send(a[so[p]:so[p] + sc[p]], p)

@@ -124,33 +124,30 @@ class CpuCommunicator(Communicator):
 
     # ---- primitives ----------------------------------------------------------------------
     def group_start(self):
-        if self._in_group:
-            raise CommUsageError(f"rank {self.rank}: group_start inside a group")
+        self._check_group(opening=True)
         self._in_group = True
         self._queue = []
 
     def group_end(self):
-        if not self._in_group:
-            raise CommUsageError(f"rank {self.rank}: group_end without group_start")
+        self._check_group(opening=False)
         self._in_group = False
         queue, self._queue = self._queue, []
         self._progress(queue, self._what or "grouped send/recv")
 
     def send(self, x, peer):
-        peer = self._check_peer(peer, "send")
-        op = _Pending(peer, self._tag, _byte_view(x, "x"))
-        if self._in_group:
-            self._queue.append(("send", op))
-        else:
-            self._progress([("send", op)], self._what or "send")
+        self._p2p("send", x, peer)
 
     def recv(self, x, peer):
-        peer = self._check_peer(peer, "recv")
+        self._p2p("recv", x, peer)
+
+    def _p2p(self, kind, x, peer):
+        """A send or recv: queued inside a group, else progressed to completion now."""
+        peer = self._check_peer(peer, kind)
         op = _Pending(peer, self._tag, _byte_view(x, "x"))
         if self._in_group:
-            self._queue.append(("recv", op))
+            self._queue.append((kind, op))
         else:
-            self._progress([("recv", op)], self._what or "recv")
+            self._progress([(kind, op)], self._what or kind)
 
     def abort(self):
         """Close every connection at once: peers blocked on us fail with CommPeerError."""

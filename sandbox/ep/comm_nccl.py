@@ -360,16 +360,14 @@ class NcclCommunicator(Communicator):
         self._p2p("recv", x, peer)
 
     def group_start(self):
-        if self._in_group:
-            raise CommUsageError(f"rank {self.rank}: group_start inside a group")
+        self._check_group(opening=True)
         self._raise_if_failed()
         self._nccl.groupStart()
         self._in_group = True
         self._group_refs = []
 
     def group_end(self):
-        if not self._in_group:
-            raise CommUsageError(f"rank {self.rank}: group_end without group_start")
+        self._check_group(opening=False)
         self._in_group = False
         what = self._what or "grouped send/recv"
         try:
@@ -552,37 +550,19 @@ class NcclCommunicator(Communicator):
     def exchange_rows(self, send, send_offsets, send_counts, recv, recv_offsets, recv_counts):
         """The base class's exchange_rows from pointers (no array slices); `send` / `recv`
         may be lists of arrays sharing the row offsets and counts (one group for all)."""
-        so, sc, ro, rc = (np.asarray(a, dtype=np.int64).reshape(-1).tolist()
-                          for a in (send_offsets, send_counts, recv_offsets, recv_counts))
-        W, r = self.world_size, self.rank
-        if not (len(so) == len(sc) == len(ro) == len(rc) == W):
-            raise ValueError(f"send_offsets/send_counts/recv_offsets/recv_counts: expected "
-                             f"{W} entries each, got {len(so)}, {len(sc)}, {len(ro)}, {len(rc)}")
-        if sc[r] != rc[r]:
-            raise CommUsageError(f"rank {r}: exchange_rows sends {sc[r]} rows to itself but "
-                                 f"expects {rc[r]}")
-        sends = list(send) if isinstance(send, (list, tuple)) else [send]
-        recvs = list(recv) if isinstance(recv, (list, tuple)) else [recv]
-        if len(sends) != len(recvs):
-            raise ValueError(f"recv: expected {len(sends)} arrays (one per send), got "
-                             f"{len(recvs)}")
-        bufs = []
-        for i, (a, o) in enumerate(zip(sends, recvs)):
-            a = self._contig(raw(a), f"send[{i}]")
-            o = self._contig(raw(o), f"recv[{i}]")
+        def contiguous_pair(a, o, i):
+            a, o = self._contig(a, f"send[{i}]"), self._contig(o, f"recv[{i}]")
             if a.shape[1:] != o.shape[1:] or a.dtype != o.dtype:
                 raise ValueError(f"recv[{i}]: expected rows of shape {a.shape[1:]} {a.dtype} "
                                  f"(send's), got {o.shape[1:]} {o.dtype}")
-            for p in range(W):
-                if so[p] < 0 or sc[p] < 0 or so[p] + sc[p] > a.shape[0] or ro[p] < 0 \
-                        or rc[p] < 0 or ro[p] + rc[p] > o.shape[0]:
-                    raise ValueError(f"send_offsets/recv_offsets: rank {p}'s rows fall outside "
-                                     f"send[{i}] {a.shape} / recv[{i}] {o.shape}")
-            bufs.append((a.data.ptr, o.data.ptr,
-                         a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))))
+            return a, o
+        so, sc, ro, rc, pairs = self._rows_checked(send, send_offsets, send_counts, recv,
+                                                   recv_offsets, recv_counts, contiguous_pair)
+        bufs = [(a.data.ptr, o.data.ptr, a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64)))
+                for a, o in pairs]
         self._raise_if_failed()
         with self._op("exchange_rows"), self.group():
-            for p in range(W):
+            for p in range(self.world_size):
                 for a_ptr, o_ptr, rb in bufs:
                     if sc[p]:
                         self._p2p_ptr("send", a_ptr + so[p] * rb, sc[p] * rb, p)

@@ -246,21 +246,11 @@ class EPMoE:
         self._need_host(name)
         return getattr(self.experts, name)
 
-    @property
-    def w13_weight(self):
-        return self._host("w13_weight")
-
-    @property
-    def w2_weight(self):
-        return self._host("w2_weight")
-
-    @property
-    def w13_bias(self):
-        return self._host("w13_bias")
-
-    @property
-    def w2_bias(self):
-        return self._host("w2_bias")
+    # the host parameters, read through _host (a layer built with host_weights=False says so)
+    w13_weight = property(lambda self: self._host("w13_weight"))
+    w2_weight = property(lambda self: self._host("w2_weight"))
+    w13_bias = property(lambda self: self._host("w13_bias"))
+    w2_bias = property(lambda self: self._host("w2_bias"))
 
     def local_logical_experts(self) -> np.ndarray:
         """The logical expert held by each local slot: int32 [P_l]."""

@@ -173,9 +173,9 @@ def _gpu_kernels():
 
 def _find_gpu_kernels():
     try:
-        from cuda_kernels.cupy import _compile as C
+        from cuda_kernels.cupy import availability
 
-        ok, _ = C.availability()
+        ok, _ = availability()
         if not ok:
             return None
         import cuda_kernels.cupy.ep_layout as kern

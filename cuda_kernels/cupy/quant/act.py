@@ -28,7 +28,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from reference.quant import block_shape_of
+
+from .. import _arrays as A
 from .. import _compile as C
+from .._geometry import cdiv
+from .._script import script_start
 
 CU = "quant/act.cu"
 CONFIGS = {"group_quant_kernel": {"WARPS_PER_BLOCK": 8}}
@@ -42,17 +47,17 @@ ABSMAX_THREADS, ABSMAX_MAX_BLOCKS = 256, 1024
 
 def _in_dtypes():
     # fp32, fp16, bf16, and uint16 as bf16's bytes (a CuPy without ml_dtypes' bfloat16)
-    return C.float_dtypes() + [np.dtype(np.uint16)]
+    return A.float_dtypes() + [np.dtype(np.uint16)]
 
 
 def _defines(dtype) -> dict:
     dt = np.dtype(dtype)
-    ctype = "__nv_bfloat16" if dt == np.uint16 else C.ctype_of(dt)
+    ctype = "__nv_bfloat16" if dt == np.uint16 else A.ctype_of(dt)
     return {"IN_T": ctype, **CONFIGS["group_quant_kernel"]}
 
 
 # Every instantiation launched below, for the CPU compile checks.
-for _dt in C.float_dtypes():
+for _dt in A.float_dtypes():
     C.register_compile_case(CU, _defines(_dt), _NAMES)
     C.register_compile_case(CU, _defines(_dt))            # absmax_kernel (extern "C")
 
@@ -73,12 +78,12 @@ def fp8_to_host(q):
     """uint8 e4m3fn bytes on the GPU -> an ml_dtypes.float8_e4m3fn NumPy array."""
     import ml_dtypes
 
-    return C.to_host(q).view(ml_dtypes.float8_e4m3fn)
+    return A.to_host(q).view(ml_dtypes.float8_e4m3fn)
 
 
 # ----------------------------------------------------------------------------- launchers
 def _check_x(x):
-    C.check_array("x", x, ndim=2, dtypes=_in_dtypes())
+    A.check_array("x", x, ndim=2, dtypes=_in_dtypes())
     return x.shape
 
 
@@ -106,21 +111,21 @@ def _launch_group(x, qt, group_size, eps, min_scale, use_ue8m0, static=None, ten
 
     M, K = x.shape
     q = cupy.empty((M, K), dtype=cupy.uint8 if qt == "fp8" else cupy.int8)
-    G = num_groups if num_groups is not None else C.cdiv(K, group_size)
+    G = num_groups if num_groups is not None else cdiv(K, group_size)
     scales = cupy.empty((M, G), dtype=cupy.float32) if static is None and tensor_amax is None \
         else cupy.empty((1,), dtype=cupy.float32)
-    ngroups = M * (C.cdiv(K, group_size) if K else 0)
+    ngroups = M * (cdiv(K, group_size) if K else 0)
     if ngroups == 0:                       # nothing to launch (the callers set empty scales)
         return q, (static.copy() if static is not None else scales)
-    C.check_fits_int32("x", x.size, "M * Kdim")
+    A.check_fits_int32("x", x.size, "M * Kdim")
     defines = _defines(x.dtype)
     kern = C.get_kernel(CU, f"group_quant_kernel<{QT[qt]}>", defines, _NAMES)
     wpb = defines["WARPS_PER_BLOCK"]
     qmax = FP8_MAX if qt == "fp8" else INT8_MAX
-    kern((C.cdiv(ngroups, wpb),), (wpb * 32,),
-         (C.raw(x), q, scales, static if static is not None else C.null_ptr(),
-          tensor_amax if tensor_amax is not None else C.null_ptr(),
-          np.int32(M), np.int32(K), np.int32(group_size), np.int32(C.cdiv(K, group_size)),
+    kern((cdiv(ngroups, wpb),), (wpb * 32,),
+         (A.raw(x), q, scales, static if static is not None else A.null_ptr(),
+          tensor_amax if tensor_amax is not None else A.null_ptr(),
+          np.int32(M), np.int32(K), np.int32(group_size), np.int32(cdiv(K, group_size)),
           np.float32(qmax), np.float32(eps), np.float32(min_scale), np.int32(bool(use_ue8m0))))
     return q, scales
 
@@ -133,8 +138,8 @@ def _tensor_absmax(x):
     n = x.size
     if n:
         kern = C.get_kernel(CU, "absmax_kernel", _defines(x.dtype))
-        blocks = min(C.cdiv(n, ABSMAX_THREADS * 8), ABSMAX_MAX_BLOCKS)
-        kern((blocks,), (ABSMAX_THREADS,), (C.raw(x), bits, np.int64(n)))
+        blocks = min(cdiv(n, ABSMAX_THREADS * 8), ABSMAX_MAX_BLOCKS)
+        kern((blocks,), (ABSMAX_THREADS,), (A.raw(x), bits, np.int64(n)))
     return bits.view(cupy.float32)
 
 
@@ -142,7 +147,7 @@ def per_token_group_quant_fp8(x, group_size, eps=GROUP_EPS, use_ue8m0=False):
     """fp8 per 1 x group_size column groups: s = max(absmax, eps) / 448 (a power of two with
     use_ue8m0), q = e4m3(clamp(x / s)). x [M, Kdim] -> q uint8 (e4m3 bytes), s f32 [M, G]."""
     M, K = _check_x(x)
-    group_size = C.check_int("group_size", group_size, 1)
+    group_size = A.check_int("group_size", group_size, 1)
     if K % group_size:
         raise ValueError(f"group_size: expected a divisor of x's {K} columns, got {group_size}")
     return _launch_group(x, "fp8", group_size, eps, 0.0, use_ue8m0)
@@ -151,7 +156,7 @@ def per_token_group_quant_fp8(x, group_size, eps=GROUP_EPS, use_ue8m0=False):
 def per_token_group_quant_int8(x, group_size, eps=GROUP_EPS):
     """int8 per 1 x group_size groups: s = max(absmax, eps) / 127, q = round_half_away(x / s)."""
     M, K = _check_x(x)
-    group_size = C.check_int("group_size", group_size, 1)
+    group_size = A.check_int("group_size", group_size, 1)
     if K % group_size:
         raise ValueError(f"group_size: expected a divisor of x's {K} columns, got {group_size}")
     return _launch_group(x, "int8", group_size, eps, 0.0, False)
@@ -221,13 +226,7 @@ def moe_kernel_quantize_input(a, a_scale, quant_dtype, per_act_token_quant=False
     if quant_dtype not in QT:
         raise ValueError(f"quant_dtype: expected one of {sorted(QT)} or None, got {quant_dtype!r}")
     if block_shape is not None:
-        try:
-            bk = int(block_shape[1])
-        except (TypeError, IndexError, ValueError):
-            raise TypeError(f"block_shape: expected two ints [bn, bk], got "
-                            f"{block_shape!r}") from None
-        if bk < 1:
-            raise ValueError(f"block_shape: expected bk >= 1, got {block_shape!r}")
+        bk = block_shape_of(block_shape)[1]
         if a_scale is not None:
             raise ValueError("a_scale: block quantization computes its own per-group scales; "
                              "expected None, got an array")
@@ -258,13 +257,13 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
 
     from reference import quant as RQ
 
-    quick, _ = C.script_start(argv)      # (exits with the reason when no GPU is usable)
+    quick, timed = script_start(argv)  # (exits with the reason when no GPU is usable)
     rng = np.random.default_rng(0)
     bf16 = ml_dtypes.bfloat16
     failures = 0
     for (M, K) in ((1, 128), (37, 384), (5, 200)):
         x = (rng.standard_normal((M, K)) * rng.uniform(0.01, 5, (M, 1))).astype(bf16)
-        xd = C.to_device(x)
+        xd = A.to_device(x)
         cases = [("fp8 group", lambda a: RQ.moe_kernel_quantize_input(a, None, "fp8", False,
                                                                        [128, 128]),
                   lambda a: moe_kernel_quantize_input(a, None, "fp8", False, [128, 128])),
@@ -283,9 +282,9 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
         for name, ref_fn, gpu_fn in cases:
             rq, rs = ref_fn(x)
             gq, gs = gpu_fn(xd)
-            gq_h = C.to_host(gq)
+            gq_h = A.to_host(gq)
             same_q = np.array_equal(gq_h.view(np.uint8), rq.view(np.uint8))
-            same_s = np.array_equal(C.to_host(gs).reshape(rs.shape), rs)
+            same_s = np.array_equal(A.to_host(gs).reshape(rs.shape), rs)
             status = "ok" if same_q and same_s else "MISMATCH"
             failures += status != "ok"
             print(f"{name:16s} M={M:4d} Kdim={K:5d}  codes {'=' if same_q else '!='}  "
@@ -293,9 +292,8 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     if quick:
         raise SystemExit(1 if failures else 0)
     for M, K in ((1, 7168), (64, 7168), (4096, 7168), (32768, 2048)):
-        xd = C.to_device(rng.standard_normal((M, K)).astype(bf16))
-        times = C.cuda_time(lambda: per_token_group_quant_fp8(xd, 128), warmup=5, reps=30)
-        t = C.median(times) * 1e-3
+        xd = A.to_device(rng.standard_normal((M, K)).astype(bf16))
+        t = timed(lambda: per_token_group_quant_fp8(xd, 128)).median * 1e-3
         nbytes = M * K * (2 + 1) + M * (K // 128) * 4   # read bf16, write fp8 + scales
         print(f"per_token_group_quant_fp8 M={M:6d} Kdim={K}: {t * 1e6:8.1f} us  "
               f"{nbytes / t / 1e9:7.1f} GB/s")

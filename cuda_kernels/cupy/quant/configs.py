@@ -193,6 +193,17 @@ def common_refusal(cfg: dict, block_size: int, aligned: bool) -> str | None:
     return None
 
 
+def refusal(block_size: int, aligned: bool, rung_refusal):
+    """A ladder's refuses(cfg): common_refusal first (v1 takes every problem), then the
+    ladder's own check of its rung, rung_refusal(cfg) -> None or why not."""
+    def why(cfg):
+        common = common_refusal(cfg, block_size, aligned)
+        if common or cfg["rung"] == "v1":
+            return common
+        return rung_refusal(cfg)
+    return why
+
+
 def route(fmt: str, rows_per_expert: float, Kdim: int, refuses, version: str | None = None,
           config=None) -> tuple[str, dict]:
     """(name, config) of the entry that runs: `config` if given (ValueError when its rung

@@ -15,27 +15,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _arrays as A
 from .. import _compile as C
+from .._geometry import cdiv
 
 ELEMS = {"bf16": 1, "fp16": 0}    # the ELEM_BF16 define of every quantized .cu
 ALIGN = 16                        # cp.async and the streaming loads move 16-byte chunks
 
 
-def fmt_of(use_fp8_w8a8, use_int8_w8a8, use_int8_w8a16, use_int4_w4a16) -> str | None:
-    """"fp8" | "int8" | "w8a16" | "int4" from vLLM's flags, None when none is set."""
-    flags = {"fp8": use_fp8_w8a8, "int8": use_int8_w8a8, "w8a16": use_int8_w8a16,
-             "int4": use_int4_w4a16}
-    on = [k for k, v in flags.items() if v]
-    if len(on) > 1:
-        raise ValueError(f"use_fp8_w8a8/use_int8_w8a8/use_int8_w8a16/use_int4_w4a16: expected at "
-                         f"most one format, got {len(on)} set ({', '.join(on)})")
-    return on[0] if on else None
-
-
 def elem_key(dtype) -> str:
     """"bf16" (uint16: bf16's bytes) or "fp16"."""
     dt = np.dtype(dtype)
-    if dt == C.bf16_dtype() or dt == np.uint16:
+    if dt == A.bf16_dtype() or dt == np.uint16:
         return "bf16"
     if dt == np.float16:
         return "fp16"
@@ -46,9 +37,9 @@ def f32(name, x, shape=None):
     """A float CuPy array as contiguous fp32 (bf16 widened exactly), shape-checked."""
     import cupy
 
-    C.check_array(name, x, dtypes=C.float_dtypes(), shape=shape, contiguous=False)
-    if np.dtype(x.dtype) == C.bf16_dtype():
-        return (C.raw(x).astype(cupy.uint32) << 16).view(cupy.float32).reshape(x.shape)
+    A.check_array(name, x, dtypes=A.float_dtypes(), shape=shape, contiguous=False)
+    if np.dtype(x.dtype) == A.bf16_dtype():
+        return (A.raw(x).astype(cupy.uint32) << 16).view(cupy.float32).reshape(x.shape)
     return cupy.ascontiguousarray(x.astype(cupy.float32, copy=False))
 
 
@@ -58,17 +49,17 @@ def aligned(*arrays) -> bool:
 
 def check_routing(sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, block_size):
     """(top_k, block_size, L) after checking the alignment's arrays (int32 on this device)."""
-    top_k = C.check_int("top_k", top_k, 1)
-    block_size = C.check_int("block_size", block_size, 1)
-    C.check_array("sorted_token_ids", sorted_token_ids, ndim=1, dtypes=(np.int32,))
-    C.check_array("expert_ids", expert_ids, ndim=1, dtypes=(np.int32,))
-    C.check_array("num_tokens_post_padded", num_tokens_post_padded, dtypes=(np.int32,))
+    top_k = A.check_int("top_k", top_k, 1)
+    block_size = A.check_int("block_size", block_size, 1)
+    A.check_array("sorted_token_ids", sorted_token_ids, ndim=1, dtypes=(np.int32,))
+    A.check_array("expert_ids", expert_ids, ndim=1, dtypes=(np.int32,))
+    A.check_array("num_tokens_post_padded", num_tokens_post_padded, dtypes=(np.int32,))
     if num_tokens_post_padded.size < 1:
         raise ValueError("num_tokens_post_padded: expected one int32, got an empty array")
     L = sorted_token_ids.size
-    if expert_ids.size < C.cdiv(L, block_size):
+    if expert_ids.size < cdiv(L, block_size):
         raise ValueError(f"expert_ids: expected at least cdiv({L}, {block_size}) = "
-                         f"{C.cdiv(L, block_size)} blocks, got {expert_ids.size}")
+                         f"{cdiv(L, block_size)} blocks, got {expert_ids.size}")
     return top_k, block_size, L
 
 
@@ -80,32 +71,21 @@ def check_weights(w, dtypes):
     import cupy
 
     if not isinstance(w, cupy.ndarray):
-        C.check_array("w", w)                               # raises the usual TypeError
+        A.check_array("w", w)                               # raises the usual TypeError
     if w.ndim != 3:
         raise ValueError(f"w: expected 3 dimensions [E, N, Kdim], got shape {w.shape}")
-    C.check_array("w", w[:1], ndim=3, dtypes=dtypes, contiguous=False)   # device, dtype
+    A.check_array("w", w[:1], ndim=3, dtypes=dtypes, contiguous=False)   # device, dtype
     if not w.flags.c_contiguous:
         raise ValueError(f"w: expected a C-contiguous array, got strides {w.strides} for shape "
                          f"{w.shape} (call cupy.ascontiguousarray first)")
-    C.check_fits_int32("w", w.shape[1] * w.shape[2], "one expert's N * row bytes")
-
-
-def block_shape_of(block_shape):
-    """(bn, bk) of vLLM's block_shape, or None."""
-    if block_shape is None:
-        return None
-    try:
-        bn, bk = (int(v) for v in block_shape)
-    except (TypeError, ValueError):
-        raise TypeError(f"block_shape: expected two ints [bn, bk], got {block_shape!r}") from None
-    return bn, bk
+    A.check_fits_int32("w", w.shape[1] * w.shape[2], "one expert's N * row bytes")
 
 
 def epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias, out):
     """(topk weights [P] fp32 or None, bias [E, N] fp32 or None, c [P, N]): the checked
     epilogue operands of a quantized grouped GEMM with P slots. c is `out` (checked: [P, N],
     the output's element type) or a new array."""
-    C.check_fits_int32("a", P, "a.shape[0] * top_k")   # slots are int32; offsets are 64-bit
+    A.check_fits_int32("a", P, "a.shape[0] * top_k")   # slots are int32; offsets are 64-bit
     if mul_routed_weight:
         if topk_weights is None:
             raise ValueError("topk_weights: expected an array when mul_routed_weight=True, "
@@ -118,9 +98,9 @@ def epilogue_operands(P, E, N, out_key, mul_routed_weight, topk_weights, bias, o
         tw = None
     b32 = f32("bias", bias, shape=(E, N)) if bias is not None else None
     if out is None:
-        c = C.empty((P, N), C.bf16_dtype() if out_key == "bf16" else np.float16)
+        c = A.empty((P, N), A.bf16_dtype() if out_key == "bf16" else np.float16)
     else:
-        C.check_array("out", out, ndim=2, shape=(P, N))
+        A.check_array("out", out, ndim=2, shape=(P, N))
         if elem_key(out.dtype) != out_key:
             raise TypeError(f"out: expected dtype {out_key}, got {out.dtype}")
         c = out
@@ -137,6 +117,12 @@ def positions(L: int, P: int, block_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------- launching
+def instantiation(template: str, *args) -> str:
+    """The C++ name of one instantiation of a kernel template: "name<a, b, ...>" (what the
+    launchers pass as name_expressions; the cubin's symbols are looked up by it)."""
+    return f"{template}<{', '.join(str(a) for a in args)}>"
+
+
 def register_cases(cu_by_rung: dict, names_by_rung: dict, options_by_rung: dict | None = None):
     """Every instantiation a ladder can launch, for the CPU compile checks: one case per rung's
     file and element type (NVRTC compiles a case's names in one pass)."""

@@ -16,7 +16,8 @@ gives the alignment block size that lets it take its best entry.
 """
 from __future__ import annotations
 
-from . import epilogue as EP
+from reference.quant import quant_format
+
 from . import w8a8 as W8
 from . import wna16 as W16
 
@@ -36,7 +37,7 @@ def grouped_gemm_quant(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     programmatic: the weight-only v5 starts under the previous kernel's tail (see
     quant/wna16.py grouped_gemm_wna16); every other rung launches as usual.
     """
-    fmt = EP.fmt_of(use_fp8_w8a8, use_int8_w8a8, use_int8_w8a16, use_int4_w4a16)
+    fmt = quant_format(use_fp8_w8a8, use_int8_w8a8, use_int8_w8a16, use_int4_w4a16)
     if fmt is None:
         raise ValueError("use_*: the CuPy quantized GEMM needs one of use_fp8_w8a8, "
                          "use_int8_w8a8, use_int8_w8a16, use_int4_w4a16 (the bf16 GEMM is "

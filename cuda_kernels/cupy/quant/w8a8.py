@@ -40,7 +40,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _compile as C
+from reference.quant import block_shape_of
+
+from .. import _arrays as A
+from .._geometry import cdiv
+from .._script import rel_err, script_start
 from . import configs as Q
 from . import epilogue as EP
 
@@ -55,14 +59,14 @@ ROW = KBLOCK + 16                         # v2's padded shared row, bytes (see w
 def kernel_name(rung: str, fmt: str, cfg: dict) -> str:
     """The instantiation of `rung` for `fmt` ("fp8" / "int8") with `cfg`'s tunables."""
     if rung == "v1":
-        return f"w8a8_v1_naive<{QT[fmt]}>"
+        return EP.instantiation("w8a8_v1_naive", QT[fmt])
     if rung == "v2":
-        return (f"w8a8_v2_mma<{QT[fmt]}, {cfg['BM']}, {cfg['BN']}, {cfg['WARPS_M']}, "
-                f"{cfg['WARPS_N']}, {cfg['STAGES']}>")
+        return EP.instantiation("w8a8_v2_mma", QT[fmt], *(cfg[k] for k in (
+            "BM", "BN", "WARPS_M", "WARPS_N", "STAGES")))
     if rung == "v3":
-        return (f"w8a8_v3_gemv<{cfg['BM'] // 8}, {cfg['WARPS']}, {cfg['U']}, {cfg['MINB']}, "
-                f"{cfg.get('PF', 0)}>")
-    return f"w8a8_v4_wgmma<{cfg['BM']}, {cfg['BN']}, {cfg['STAGES']}>"
+        return EP.instantiation("w8a8_v3_gemv", cfg["BM"] // 8, cfg["WARPS"], cfg["U"],
+                                cfg["MINB"], cfg.get("PF", 0))
+    return EP.instantiation("w8a8_v4_wgmma", cfg["BM"], cfg["BN"], cfg["STAGES"])
 
 
 def smem_bytes(rung: str, cfg: dict) -> int:
@@ -77,8 +81,8 @@ def smem_bytes(rung: str, cfg: dict) -> int:
         return cfg["WARPS"] * cfg["BM"] * 16 * 4 + 2 * cfg["BM"] * 4
     st, bm, bn = cfg["STAGES"], cfg["BM"], cfg["BN"]
     if rung == "v2":
-        return st * (bm + bn) * ROW + st * bm * 4 + 16 * C.cdiv(st * 4, 16) + 2 * bm * 4
-    return 1024 + st * ((bm + bn) * 128 + bm * 4) + 16 * C.cdiv(st * 4, 16) + 2 * bm * 4
+        return st * (bm + bn) * ROW + st * bm * 4 + 16 * cdiv(st * 4, 16) + 2 * bm * 4
+    return 1024 + st * ((bm + bn) * 128 + bm * 4) + 16 * cdiv(st * 4, 16) + 2 * bm * 4
 
 
 def geometry(rung: str, cfg: dict, Lg: int, N: int) -> tuple[tuple, tuple]:
@@ -86,13 +90,13 @@ def geometry(rung: str, cfg: dict, Lg: int, N: int) -> tuple[tuple, tuple]:
     tiles) of WARPS_M WARPS_N warps; v3 (m tiles, 16-row n tiles) of WARPS warps; v4 (n tiles,
     m tiles) of one warpgroup per 64 rows. m tiles fastest except v4 (see its .cu)."""
     if rung == "v1":
-        return (Lg, C.cdiv(N, 128)), (128,)
+        return (Lg, cdiv(N, 128)), (128,)
     if rung == "v2":
-        return ((C.cdiv(Lg, cfg["BM"]), C.cdiv(N, cfg["BN"])),
+        return ((cdiv(Lg, cfg["BM"]), cdiv(N, cfg["BN"])),
                 (cfg["WARPS_M"] * cfg["WARPS_N"] * 32,))
     if rung == "v3":
-        return (C.cdiv(Lg, cfg["BM"]), C.cdiv(N, 16)), (cfg["WARPS"] * 32,)
-    return (C.cdiv(N, cfg["BN"]), C.cdiv(Lg, cfg["BM"]), 1), (cfg["BM"] // 64 * 128,)
+        return (cdiv(Lg, cfg["BM"]), cdiv(N, 16)), (cfg["WARPS"] * 32,)
+    return (cdiv(N, cfg["BN"]), cdiv(Lg, cfg["BM"]), 1), (cfg["BM"] // 64 * 128,)
 
 
 def _names(rung: str) -> tuple[str, ...]:
@@ -115,9 +119,6 @@ def refuses(fmt: str, cc: int, K: int, block_size: int, aligned: bool):
     16-byte boundaries). Pure: the CPU tests ask it about any device."""
     def why(cfg):
         rung = cfg["rung"]
-        common = Q.common_refusal(cfg, block_size, aligned)
-        if common or rung == "v1":
-            return common
         if rung in ("v3", "v4") and fmt != "fp8":
             return f"{rung} is an fp8 rung (int8 runs v1 or v2)"
         if rung in ("v2", "v4") and K % 16:
@@ -129,7 +130,7 @@ def refuses(fmt: str, cc: int, K: int, block_size: int, aligned: bool):
         if rung == "v4" and cc != 90:
             return f"v4 (wgmma, built for sm_90a) runs on compute capability 9.0 only, got {cc}"
         return None
-    return why
+    return Q.refusal(block_size, aligned, why)
 
 
 def default_rung(fmt: str, rows_per_expert: float, block_size: int, Kdim: int, cc: int) -> str:
@@ -158,7 +159,7 @@ def grouped_gemm_w8a8(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded
     code_dt = np.uint8 if fmt == "fp8" else np.int8
     hint = " (fp8 codes travel as their uint8 bytes)" if fmt == "fp8" else ""
     try:
-        C.check_array("a", a, ndim=2, dtypes=(code_dt,))
+        A.check_array("a", a, ndim=2, dtypes=(code_dt,))
         EP.check_weights(w, (code_dt,))
     except TypeError as err:
         raise TypeError(f"{err}{hint}") from None
@@ -166,8 +167,8 @@ def grouped_gemm_w8a8(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded
     E, N, Kw = w.shape
     if Kw != K:
         raise ValueError(f"w: expected shape (E, N, {K}) to match a's columns, got {w.shape}")
-    out_key = EP.elem_key(out_dtype if out_dtype is not None else C.bf16_dtype())
-    bs = EP.block_shape_of(block_shape)
+    out_key = EP.elem_key(out_dtype if out_dtype is not None else A.bf16_dtype())
+    bs = block_shape_of(block_shape)
     if bs is not None and bs != (KBLOCK, KBLOCK):
         raise ValueError(f"block_shape: the GPU kernels do DeepSeek-V3's [128, 128] blocks, "
                          f"got {list(bs)}")
@@ -176,8 +177,8 @@ def grouped_gemm_w8a8(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded
                          f"scales of a w8a8 format, got None")
     if bs is not None:                     # DeepSeek-V3 blocks: kinds 2 and 2
         a_kind = w_kind = 2
-        a_s = EP.f32("a_scale", a_scale, shape=(M_a, C.cdiv(K, KBLOCK)))
-        w_s = EP.f32("w_scale", w_scale, shape=(E, C.cdiv(N, KBLOCK), C.cdiv(K, KBLOCK)))
+        a_s = EP.f32("a_scale", a_scale, shape=(M_a, cdiv(K, KBLOCK)))
+        w_s = EP.f32("w_scale", w_scale, shape=(E, cdiv(N, KBLOCK), cdiv(K, KBLOCK)))
     else:
         if per_act_token_quant:
             if a_scale.size != M_a or a_scale.ndim not in (1, 2):
@@ -221,8 +222,8 @@ def grouped_gemm_w8a8(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded
     smem = smem_bytes(rung, cfg)
     kern = EP.kernel(CU[rung], kernel_name(rung, fmt, cfg), NAMES[rung], EP.ELEMS[out_key],
                      smem, OPTIONS.get(rung, ()))
-    null = C.null_ptr()
-    args = (a.view(cupy.uint8), w.view(cupy.uint8), C.raw(c), a_s, w_s,
+    null = A.null_ptr()
+    args = (a.view(cupy.uint8), w.view(cupy.uint8), A.raw(c), a_s, w_s,
             sorted_token_ids, expert_ids, num_tokens_post_padded,
             tw if tw is not None else null, b32 if b32 is not None else null,
             np.int32(N), np.int32(K), np.int32(P), np.int32(top_k), np.int32(block_size),
@@ -245,14 +246,14 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
 
     from .act import fp8_to_device
 
-    quick, _ = C.script_start(argv)      # (exits with the reason when no GPU is usable)
+    quick, timed = script_start(argv)  # (exits with the reason when no GPU is usable)
     rng = np.random.default_rng(0)
     bf16 = ml_dtypes.bfloat16
 
     def up(x):
         if x is None:
             return None
-        return fp8_to_device(x) if x.dtype == RQ.FP8_DTYPE else C.to_device(x)
+        return fp8_to_device(x) if x.dtype == RQ.FP8_DTYPE else A.to_device(x)
 
     failures = 0
     formats = [("fp8 block", "fp8", dict(block_shape=[128, 128]), "block"),
@@ -280,15 +281,15 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
             want = RQ.grouped_gemm_quant(aq, wq, st, ex, ntp, K, B, tw, True, a_scale=as_,
                                          w_scale=ws, **{f"use_{fmt}_w8a8": True}, **flags)
             for ver in Q.RUNGS["w8a8"]:
-                outd = C.empty((M_a * K, N), bf16)
-                C.raw(outd).fill(0x7FC0)                        # poison: bf16 NaN
+                outd = A.empty((M_a * K, N), bf16)
+                A.raw(outd).fill(0x7FC0)                        # poison: bf16 NaN
                 try:
                     got = grouped_gemm_w8a8(up(aq), up(wq), up(st), up(ex), up(ntp), K, B,
                                             up(tw), True, a_scale=up(as_), w_scale=up(ws),
                                             fmt=fmt, version=ver, out=outd, **flags)
-                    host = C.to_host(got)
+                    host = A.to_host(got)
                     host = host.view(bf16) if host.dtype == np.uint16 else host
-                    err = C.rel_err(host.astype(np.float32), want.astype(np.float32))
+                    err = rel_err(host.astype(np.float32), want.astype(np.float32))
                     status = "ok" if err <= 1e-2 else "FAIL"
                 except ValueError as e:
                     err, status = float("nan"), f"skip ({e})"
@@ -307,14 +308,14 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     for T in (1, 64, 1024):
         ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
         B = Q.block_size_for("fp8", T * K / E)
-        st, ex, ntp = (C.to_device(v) for v in moe_align_block_size(ids, B, E))
+        st, ex, ntp = (A.to_device(v) for v in moe_align_block_size(ids, B, E))
         a = cupy.full((T, Kd), 0x38, dtype=cupy.uint8)
         as_ = cupy.random.uniform(1e-3, 2e-3, (T, Kd // 128), dtype=cupy.float32)
 
         def run():
             grouped_gemm_w8a8(a, w, st, ex, ntp, K, B, a_scale=as_, w_scale=ws, fmt="fp8",
                               block_shape=[128, 128])
-        t = C.median(C.cuda_time(run, warmup=3, reps=20)) * 1e-3
+        t = timed(run).median * 1e-3
         nbytes = Q.quant_weight_bytes("fp8", len(np.unique(ids)), N, Kd)
         flops = Q.gemm_flops(T * K, N, Kd)
         floor = max(nbytes / Q.HBM_BYTES_PER_S, flops / Q.PEAK_FP8)

@@ -50,8 +50,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _compile as C
+from reference.quant import wna16_group_size
+
+from .. import _arrays as A
+from .._geometry import cdiv
 from .._launch import launch
+from .._script import rel_err, script_start
 from . import configs as Q
 from . import epilogue as EP
 from . import wna16_packed as P4
@@ -67,11 +71,12 @@ PACK_CACHE_SIZE = 64              # packed weight sets kept (two per MoE layer)
 def kernel_name(rung: str, nbits: int, cfg: dict) -> str:
     """The instantiation of rung v1-v3 for nbits-wide codes with `cfg`'s tunables."""
     if rung == "v1":
-        return f"wna16_v1_naive<{nbits}>"
+        return EP.instantiation("wna16_v1_naive", nbits)
     if rung == "v2":
-        return (f"wna16_v2_mma<{nbits}, {cfg['BM']}, {cfg['BN']}, {cfg['BK']}, "
-                f"{cfg['WARPS_M']}, {cfg['WARPS_N']}, {cfg['STAGES']}>")
-    return f"wna16_v3_gemv<{cfg['BM'] // 8}, {cfg['WARPS']}, {cfg['U']}, {cfg['MINB']}>"
+        return EP.instantiation("wna16_v2_mma", nbits, *(cfg[k] for k in (
+            "BM", "BN", "BK", "WARPS_M", "WARPS_N", "STAGES")))
+    return EP.instantiation("wna16_v3_gemv", cfg["BM"] // 8, cfg["WARPS"], cfg["U"],
+                            cfg["MINB"])
 
 
 def v2_rows(cfg: dict, nbits: int) -> tuple[int, int]:
@@ -113,14 +118,11 @@ EP.register_cases(CU, NAMES)      # one NVRTC check per file and element type
 # ----------------------------------------------------------------------------- the choice
 def refuses(nbits: int, cc: int, N: int, K: int, group_size: int, num_groups: int,
             block_size: int, aligned: bool):
-    """The route's check for one problem on a device of compute capability `cc`:
-    refuses(cfg) -> None when cfg's rung runs it, else why not (`aligned`: a and w start on
-    16-byte boundaries). Pure: the CPU tests ask it about any device."""
+    """The weight-only route's check of one problem with `nbits`-wide codes on a device of
+    compute capability `cc` (w8a8.refuses' contract): refuses(cfg) -> None when cfg's rung
+    runs it, else why not. Pure: the CPU tests ask it about any device."""
     def why(cfg):
         rung = cfg["rung"]
-        common = Q.common_refusal(cfg, block_size, aligned)
-        if common or rung == "v1":
-            return common
         if rung == "v2":
             if K % 32:
                 return f"v2 loads 16-byte chunks: Kdim must be a multiple of 32, got {K}"
@@ -145,7 +147,7 @@ def refuses(nbits: int, cc: int, N: int, K: int, group_size: int, num_groups: in
             return (f"the warp-specialized {rung} configs (WS) need an sm_90 GPU (setmaxnreg "
                     f"is sm_90a's), this one is sm_{cc}")
         return None
-    return why
+    return Q.refusal(block_size, aligned, why)
 
 
 def default_rung(fmt: str, rows_per_expert: float, block_size: int, N: int, Kdim: int,
@@ -212,7 +214,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     top_k, block_size, L = EP.check_routing(sorted_token_ids, expert_ids,
                                             num_tokens_post_padded, top_k, block_size)
     # uint16 = bf16 bytes (a CuPy without ml_dtypes' bfloat16), as grouped_gemm accepts
-    C.check_array("a", a, ndim=2, dtypes=(C.bf16_dtype(), np.dtype(np.float16),
+    A.check_array("a", a, ndim=2, dtypes=(A.bf16_dtype(), np.dtype(np.float16),
                                           np.dtype(np.uint16)))
     M_a, K = a.shape
     nbits = 4 if fmt == "int4" else 8
@@ -226,19 +228,15 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
                         f"{np.dtype(out_dtype)}")
     if w_scale is None:
         raise ValueError("w_scale: expected per-group scales [E, N, G], got None")
-    C.check_array("w_scale", w_scale, ndim=3, contiguous=False)
+    A.check_array("w_scale", w_scale, ndim=3, contiguous=False)
     G = w_scale.shape[2]
-    bs = EP.block_shape_of(block_shape)
-    group_size = bs[1] if bs is not None else (K // G if G and K % G == 0 else 0)
-    if G < 1 or group_size < 1 or K % group_size or K // group_size != G:
-        raise ValueError(f"w_scale: expected Kdim / group_size = {K} / {group_size} groups, "
-                         f"got shape {w_scale.shape}")
+    group_size = wna16_group_size(K, w_scale.shape, block_shape)
     w_s = EP.f32("w_scale", w_scale, shape=(E, N, G))
     if w_zp is not None:
         if w.dtype == np.int8:
             raise ValueError("w_zp: int8 codes are symmetric (no zero point); got w int8 "
                              "with a w_zp")
-        C.check_array("w_zp", w_zp, ndim=3, dtypes=(np.uint8,), shape=(E, N, G))
+        A.check_array("w_zp", w_zp, ndim=3, dtypes=(np.uint8,), shape=(E, N, G))
     default_zp = 8 if nbits == 4 else 128
     code_xor = 0x80 if w.dtype == np.int8 else 0   # int8 = (uint8 byte ^ 0x80) - 128
     P = M_a * top_k
@@ -251,7 +249,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     _, cfg = Q.route(fmt, P / max(E, 1), K,
                      refuses(nbits, cc, N, K, group_size, G, block_size, EP.aligned(a, w)),
                      version, config)
-    rung, elem, null = cfg["rung"], EP.ELEMS[out_key], C.null_ptr()
+    rung, elem, null = cfg["rung"], EP.ELEMS[out_key], A.null_ptr()
     Lg = EP.positions(L, P, block_size)
     head = (sorted_token_ids, expert_ids, num_tokens_post_padded,
             tw if tw is not None else null, b32 if b32 is not None else null)
@@ -259,17 +257,17 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
     mul = np.int32(bool(mul_routed_weight))
     if rung in ("v1", "v2", "v3"):
         if rung == "v1":
-            grid, block = (Lg, C.cdiv(N, 128)), (128,)
+            grid, block = (Lg, cdiv(N, 128)), (128,)
         elif rung == "v2":
-            grid = (C.cdiv(Lg, cfg["BM"]), C.cdiv(N, cfg["BN"]))
+            grid = (cdiv(Lg, cfg["BM"]), cdiv(N, cfg["BN"]))
             block = (cfg["WARPS_M"] * cfg["WARPS_N"] * 32,)
         else:
-            grid, block = (C.cdiv(Lg, cfg["BM"]), C.cdiv(N, 16)), (cfg["WARPS"] * 32,)
+            grid, block = (cdiv(Lg, cfg["BM"]), cdiv(N, 16)), (cfg["WARPS"] * 32,)
         if grid[1] > 65535:
             raise ValueError(f"w: N = {N} needs {grid[1]} column tiles, over the grid's 65535")
         smem = smem_bytes(rung, cfg, nbits)
         kern = EP.kernel(CU[rung], kernel_name(rung, nbits, cfg), NAMES[rung], elem, smem)
-        args = (C.raw(a), w.view(cupy.uint8), C.raw(c), w_s, w_zp if w_zp is not None else null,
+        args = (A.raw(a), w.view(cupy.uint8), A.raw(c), w_s, w_zp if w_zp is not None else null,
                 *head, *sizes, np.int32(L), mul, np.int32(group_size), np.int32(G),
                 np.int32(default_zp), np.int32(code_xor))
         kern(grid, block, args, shared_mem=smem)
@@ -295,7 +293,7 @@ def grouped_gemm_wna16(a, w, sorted_token_ids, expert_ids, num_tokens_post_padde
         kern = EP.kernel(W6.CU, lp["name"], W6.NAMES, elem, lp["smem"], W6.OPTIONS)
         tail = (np.int32(lp["GPC"]), np.int32(lp["CPS"]))
         tail += EP.workspace(lp["WS"], lp["TILES"]) if lp["KS"] > 1 else (null, null)
-    args = (C.raw(a), pk["wp"], C.raw(c), pk["sp"], pk["zp"] if zp else null, *head, *sizes,
+    args = (A.raw(a), pk["wp"], A.raw(c), pk["sp"], pk["zp"] if zp else null, *head, *sizes,
             np.int32(lp["Lg"]), mul, np.int32(lp["shift"]), np.int32(G), np.int32(default_zp),
             *tail)
     launch(kern, lp["grid"], lp["block"], args, shared_mem=lp["smem"],
@@ -318,7 +316,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     from reference import moe_align_block_size
     from reference import quant as RQ
 
-    quick, _ = C.script_start(argv)      # (exits with the reason when no GPU is usable)
+    quick, timed = script_start(argv)  # (exits with the reason when no GPU is usable)
     rng = np.random.default_rng(0)
     bf16 = ml_dtypes.bfloat16
     failures = 0
@@ -348,17 +346,17 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
                 st, ex, ntp = moe_align_block_size(ids, Bc, E)
                 want = RQ.grouped_gemm_quant(x, wq, st, ex, ntp, K, Bc, tw, True, w_scale=ws,
                                              w_zp=wz, **flags)
-                outd = C.empty((M_a * K, N), bf16)
-                C.raw(outd).fill(0x7FC0)                        # poison: bf16 NaN
+                outd = A.empty((M_a * K, N), bf16)
+                A.raw(outd).fill(0x7FC0)                        # poison: bf16 NaN
                 try:
                     got = grouped_gemm_wna16(
-                        C.to_device(x), C.to_device(wq), C.to_device(st), C.to_device(ex),
-                        C.to_device(ntp), K, Bc, C.to_device(tw), True, w_scale=C.to_device(ws),
-                        w_zp=None if wz is None else C.to_device(wz), fmt=fmt, config=name,
+                        A.to_device(x), A.to_device(wq), A.to_device(st), A.to_device(ex),
+                        A.to_device(ntp), K, Bc, A.to_device(tw), True, w_scale=A.to_device(ws),
+                        w_zp=None if wz is None else A.to_device(wz), fmt=fmt, config=name,
                         out=outd)
-                    host = C.to_host(got)
+                    host = A.to_host(got)
                     host = host.view(bf16) if host.dtype == np.uint16 else host
-                    err = C.rel_err(host.astype(np.float32), want.astype(np.float32))
+                    err = rel_err(host.astype(np.float32), want.astype(np.float32))
                     status = "ok" if err <= 2e-2 else "FAIL"
                 except ValueError as e:
                     err, status = float("nan"), f"skip ({str(e)[:90]})"
@@ -371,18 +369,17 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
 
     # timing: Mixtral's GEMMs, int4 g128, the route (the codes' values do not change the time)
     E, K = 8, 2
-    flush = cupy.empty(128 << 20, dtype=cupy.uint8)
     for label, (N, Kd) in (("Mixtral GEMM1", (28672, 4096)), ("Mixtral GEMM2", (4096, 14336))):
         w = cupy.full((E, N, Kd // 2), 0x88, dtype=cupy.uint8)
         ws = cupy.random.uniform(1e-3, 2e-3, (E, N, Kd // 128), dtype=cupy.float32)
         for T in (1, 16, 64):
             ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
             B = Q.block_size_for("int4", T * K / E)
-            st, ex, ntp = (C.to_device(v) for v in moe_align_block_size(ids, B, E))
-            a = C.to_device(rng.standard_normal((T, Kd)).astype(bf16))
-            t = C.median(C.cuda_time(
-                lambda: grouped_gemm_wna16(a, w, st, ex, ntp, K, B, w_scale=ws),
-                warmup=3, reps=20, setup=lambda: flush.fill(1))) * 1e-3
+            st, ex, ntp = (A.to_device(v) for v in moe_align_block_size(ids, B, E))
+            a = A.to_device(rng.standard_normal((T, Kd)).astype(bf16))
+            # (the timer flushes the L2 before every call: the weights come from HBM)
+            t = timed(lambda: grouped_gemm_wna16(a, w, st, ex, ntp, K, B, w_scale=ws)).median
+            t *= 1e-3
             nbytes = Q.quant_weight_bytes("int4", len(np.unique(ids)), N, Kd)
             print(f"{label} T={T:3d}: {t * 1e6:8.1f} us  {nbytes / t / 1e12:5.2f} TB/s  "
                   f"roofline {nbytes / Q.HBM_BYTES_PER_S / t:5.1%}", flush=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _compile as C
+from .._geometry import cdiv
 from . import configs as Q
 from . import epilogue as EP
 
@@ -146,7 +147,7 @@ def live_m_tiles(P: int, E: int, mtiles: int, bm: int) -> int:
     CTAs in a second wave."""
     hit = max(1, min(P, E))
     rows = -(-5 * P // (4 * hit))                  # ceil(1.25 P / hit)
-    return max(1, min(mtiles, hit * C.cdiv(rows, bm)))
+    return max(1, min(mtiles, hit * cdiv(rows, bm)))
 
 
 def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dict,
@@ -163,7 +164,7 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
         raise ValueError(f"config: tile rows BM = {bm} must divide block_size {block_size}")
     Lg = EP.positions(L, P, block_size)
     nt, nchunks = N // 16, K // PACK_CHUNK
-    mtiles = C.cdiv(Lg, bm)
+    mtiles = cdiv(Lg, bm)
     live_m = live_m_tiles(P, E, mtiles, bm)
     slots = num_sms * cfg["MINB"] * cfg.get("WAVES", 1)   # CTAs to plan for
     rt = cfg.get("RT", 1)                        # tiles per warp group: TPC a multiple of it
@@ -173,10 +174,10 @@ def packed_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     # n splits: as many as fit beside the live m tiles in the planned waves (rounding tpc up
     # first could ask for one split too many: 8 live m tiles x 17 = 136 CTAs on 132 slots)
     gy = max(1, min(groups, slots // live_m))
-    tpc = C.cdiv(groups, gy)
-    gy = C.cdiv(groups, tpc)
+    tpc = cdiv(groups, gy)
+    gy = cdiv(groups, tpc)
     tpc *= rt
-    cpw = C.cdiv(nchunks, cfg["W"])
+    cpw = cdiv(nchunks, cfg["W"])
     d = cfg["D"]
     while cpw % d:
         d //= 2

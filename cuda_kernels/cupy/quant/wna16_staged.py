@@ -14,6 +14,7 @@ tiles per row block, KC 64-code chunks per K stage, SPB K stages per row block.
 from __future__ import annotations
 
 from .. import _compile as C
+from .._geometry import cdiv
 from . import configs as Q
 from . import epilogue as EP
 from . import wna16_packed as P4
@@ -81,7 +82,7 @@ def stage_bytes(cfg: dict, zp: bool) -> int:
     nb, kc, bm = cfg["W"] * cfg["TPW"], cfg["KC"], 8 * cfg["MT"]
 
     def r(x):
-        return C.cdiv(x, 128) * 128
+        return cdiv(x, 128) * 128
     return r(nb * kc * 512) + r(nb * kc * 64) + (r(nb * kc * 16) if zp else 0) + r(bm * kc * 128)
 
 
@@ -107,9 +108,9 @@ def staged_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: di
     if cfg["S"] < 2:
         raise ValueError(f"config: expected S >= 2 pipeline stages, got {cfg['S']}")
     Lg = EP.positions(L, P, block_size)
-    mtiles = C.cdiv(Lg, bm)
+    mtiles = cdiv(Lg, bm)
     nb = cfg["W"] * cfg["TPW"]
-    blocks, spb = C.cdiv(N // 16, nb), C.cdiv(K // P4.PACK_CHUNK, cfg["KC"])
+    blocks, spb = cdiv(N // 16, nb), cdiv(K // P4.PACK_CHUNK, cfg["KC"])
     units = blocks * spb
     q = max(1, min(num_sms * cfg["MINB"] * cfg.get("WAVES", 1), mtiles * units))
     ws = bool(cfg.get("WS"))

@@ -11,6 +11,7 @@ L = len(sorted_token_ids), B block_size, BM = 8 MT positions per CTA.
 from __future__ import annotations
 
 from .. import _compile as C
+from .._geometry import cdiv
 from . import configs as Q
 from . import epilogue as EP
 from . import wna16_packed as P4
@@ -61,23 +62,23 @@ def wgmma_plan(P: int, E: int, N: int, K: int, L: int, block_size: int, cfg: dic
     if rb < 1:
         raise ValueError(f"config: expected RB >= 1 row groups per item, got {rb}")
     Lg = EP.positions(L, P, block_size)
-    mtiles = C.cdiv(Lg, bm)
+    mtiles = cdiv(Lg, bm)
     live_m = P4.live_m_tiles(P, E, mtiles, bm)
-    blocks = C.cdiv(N // 64, rb)             # items' row blocks (the last may be ragged)
+    blocks = cdiv(N // 64, rb)             # items' row blocks (the last may be ragged)
     slots = num_sms * cfg["MINB"] * cfg.get("WAVES", 1)
     gy = max(1, min(blocks, slots // live_m))
-    gpc = C.cdiv(blocks, gy) * rb
-    gy = C.cdiv(N // 64, gpc)
+    gpc = cdiv(blocks, gy) * rb
+    gy = cdiv(N // 64, gpc)
     shift = 30 if num_groups == 1 else (group_size // P4.PACK_CHUNK).bit_length() - 1
     chunks = K // P4.PACK_CHUNK
     cpg = chunks if num_groups == 1 else group_size // P4.PACK_CHUNK
     ks = cfg.get("KS", "auto")
     if ks == "auto":
-        ks = max(1, C.cdiv(num_sms * cfg["MINB"], live_m * gy))
+        ks = max(1, cdiv(num_sms * cfg["MINB"], live_m * gy))
     if not isinstance(ks, int) or ks < 1:
         raise ValueError(f"config: expected KS a positive int or 'auto', got {ks!r}")
-    cps = C.cdiv(C.cdiv(chunks, min(ks, chunks // cpg)), cpg) * cpg
-    ks = C.cdiv(chunks, cps)
+    cps = cdiv(cdiv(chunks, min(ks, chunks // cpg)), cpg) * cpg
+    ks = cdiv(chunks, cps)
     tiles = mtiles * gy * (gpc // rb)
     return dict(name=kernel_name(cfg), cfg=cfg, grid=(mtiles, gy, ks), block=(128,),
                 smem=cfg["S"] * bm * 128 + 4 * cfg["D"] * rb * 32 * 28, GPC=gpc, shift=shift,
