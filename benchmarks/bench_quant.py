@@ -38,7 +38,7 @@ of the JSON records the method. Then a one-thread spin kernel (SPIN_US) holds th
 Python enqueues the timed calls, so the events measure GPU time, not the launchers' argument
 checks (--no-spin to include them).
 
-Roofline: floor = max(bytes / 4.8e12 B/s, flops / peak) with bytes = the weights (scales
+Roofline: floor = max(bytes / HBM (the card's datasheet bandwidth: H100 3.35e12, H200 4.8e12 B/s), flops / peak) with bytes = the weights (scales
 included) of the experts the routings touch, in the path's format, and flops = 2 P (2I H + H I);
 peak = 1979e12 FLOP/s for fp8, 989e12 for bf16 and int4 (its mma runs in bf16). frac = floor /
 median time (1.0 = at the roofline). Targets (issue 8): frac >= 0.6 at T <= 64; block fp8
@@ -83,7 +83,7 @@ MODELS = {
     "mixtral": (8, 2, 4096, 14336, "int4"),
 }
 TOKENS = (1, 16, 64, 256, 1024, 4096)
-HBM = 4.8e12
+HBM = None   # the card's datasheet HBM bandwidth (bytes/s), set by main (card_hbm)
 PEAK = {"fp8": 1979e12, "int4": 989e12, "bf16": 989e12}
 GROUP = 128          # int4 group size
 ROUTINGS = 4         # routings drawn per point, rotated over the repetitions
@@ -383,6 +383,19 @@ def summary(points, log):
                 f"(target: faster): {'met' if ok else 'NOT met'}")
 
 
+
+def card_hbm(gpu: str) -> float:
+    """The HBM bandwidth of the card that runs (sandbox.bench.card_limits: H100 3.35e12, H200
+    4.8e12 bytes/s, ...): the floors are that card's. An unknown card stops the script."""
+    from sandbox.bench import card_limits
+
+    limits = card_limits(gpu)
+    if limits is None:
+        raise SystemExit(f"no datasheet HBM bandwidth for {gpu!r} (sandbox/bench/roofline.py "
+                         f"KNOWN_CARDS): the floors would be another card's")
+    return limits[0]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_points_options(parser, MODELS, TOKENS)
@@ -420,6 +433,8 @@ def main(argv=None):
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    global HBM
+    HBM = card_hbm(gpu)
     log(f"GPU {gpu}, commit {git_commit()}")
     points = []
     for m in models:

@@ -19,7 +19,7 @@ call after warm-up, median over the repetitions; before each repetition (untimed
 one-thread spin kernel then holds the GPU while Python enqueues the timed calls, so the
 events measure GPU time.
 
-Roofline: floor = max(bytes / 4.8e12 B/s, flops / 989e12 FLOP/s), bytes = the codes and fp32
+Roofline: floor = max(bytes / HBM (the card's datasheet bandwidth: H100 3.35e12, H200 4.8e12 B/s), flops / 989e12 FLOP/s), bytes = the codes and fp32
 scales of the experts the routings touch (GEMM1 and GEMM2), flops = 2 P (2I H + H I).
 frac = floor / median time.
 
@@ -56,7 +56,7 @@ from sandbox.bench import add_out_dir  # noqa: E402
 E, K, H, I = 8, 2, 4096, 14336
 GROUP = 128
 TOKENS = (1, 16, 64, 256, 1024, 4096)
-HBM = 4.8e12
+HBM = None   # the card's datasheet HBM bandwidth (bytes/s), set by main (card_hbm)
 PEAK = 989e12
 ROUTINGS = 4
 RUNGS = ("v2", "v3", "v4", "v5", "v6")    # v1 (one thread per output) takes seconds at T=4096
@@ -161,6 +161,19 @@ def rung_config(rung: str, rows: float, N: int, Kdim: int, cc: int):
     return None
 
 
+
+def card_hbm(gpu: str) -> float:
+    """The HBM bandwidth of the card that runs (sandbox.bench.card_limits: H100 3.35e12, H200
+    4.8e12 bytes/s, ...): the floors are that card's. An unknown card stops the script."""
+    from sandbox.bench import card_limits
+
+    limits = card_limits(gpu)
+    if limits is None:
+        raise SystemExit(f"no datasheet HBM bandwidth for {gpu!r} (sandbox/bench/roofline.py "
+                         f"KNOWN_CARDS): the floors would be another card's")
+    return limits[0]
+
+
 def main(argv=None):
     from reference import moe_align_block_size
 
@@ -197,6 +210,8 @@ def main(argv=None):
     timer = make_timer()
     cc = int(cupy.cuda.Device().compute_capability)
     gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    global HBM
+    HBM = card_hbm(gpu)
     points, sweep = [], []
     for T in tokens:
         if time.time() > deadline:
