@@ -38,8 +38,9 @@ of the JSON records the method. Then a one-thread spin kernel (SPIN_US) holds th
 Python enqueues the timed calls, so the events measure GPU time, not the launchers' argument
 checks (--no-spin to include them).
 
-Roofline: floor = max(bytes / HBM (the card's datasheet bandwidth: H100 3.35e12, H200 4.8e12 B/s), flops / peak) with bytes = the weights (scales
-included) of the experts the routings touch, in the path's format, and flops = 2 P (2I H + H I);
+Roofline: floor = max(bytes / HBM, flops / peak), HBM the card's datasheet bandwidth (H100
+3.35e12, H200 4.8e12 B/s), bytes = the weights (scales included) of the experts the routings
+touch, in the path's format, and flops = 2 P (2I H + H I);
 peak = 1979e12 FLOP/s for fp8, 989e12 for bf16 and int4 (its mma runs in bf16). frac = floor /
 median time (1.0 = at the roofline). Targets (issue 8): frac >= 0.6 at T <= 64; block fp8
 faster than bf16 at T >= 1024.

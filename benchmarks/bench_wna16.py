@@ -19,8 +19,9 @@ call after warm-up, median over the repetitions; before each repetition (untimed
 one-thread spin kernel then holds the GPU while Python enqueues the timed calls, so the
 events measure GPU time.
 
-Roofline: floor = max(bytes / HBM (the card's datasheet bandwidth: H100 3.35e12, H200 4.8e12 B/s), flops / 989e12 FLOP/s), bytes = the codes and fp32
-scales of the experts the routings touch (GEMM1 and GEMM2), flops = 2 P (2I H + H I).
+Roofline: floor = max(bytes / HBM, flops / 989e12 FLOP/s), HBM the card's datasheet
+bandwidth (H100 3.35e12, H200 4.8e12 B/s), bytes = the codes and fp32 scales of the experts the
+routings touch (GEMM1 and GEMM2), flops = 2 P (2I H + H I).
 frac = floor / median time.
 
     python benchmarks/bench_wna16.py [--tokens 1,16,64] [--reps 20] [--rungs v2,v3,v4,v5,v6]
