@@ -12,6 +12,9 @@ torch._grouped_mm, one module per job.
     torch_peers.py  torch_per_expert_loop (the check's reference), torch_grouped_mm_moe
     candidates.py   CANDIDATES by name: cupy, numba, torch-stages, vllm-triton (loaded from
                     --peers), torch-loop, torch-grouped_mm, reference; register_candidate
+    quantized.py    the quantized layer's candidates: cupy-<scheme> (reference-<scheme> with
+                    --cpu) for every scheme of sandbox.quant.SCHEMES, torch_quantize /
+                    torch_dequantize (the NumPy quantizers' twins), dequantized_loop (the check)
     run.py          run_bench: every (preset, T, candidate) checked once, then timed
     results.py      write_results / plot_results / format_table, git_commit
 
@@ -24,22 +27,27 @@ from .cases import (CPU_TOKENS, DEFAULT_TOKENS, GPU_PRESETS, PRESETS, Case, Mode
                     default_tokens, make_case, make_weights)
 from .results import (DEFAULT_OUT_DIR, RESULTS_DIR, format_table, git_commit, plot_results,
                       results_stem, slug, write_results)
-from .roofline import (KNOWN_CARDS, PEAK_BANDWIDTH, PEAK_FLOPS, card_limits, expert_bytes,
-                       fraction_of_floor, measure_card, moe_flops, roofline_floor,
-                       touched_expert_bytes, touched_experts)
+from .quantized import (QUANT_CANDIDATES, dequantized_loop, quant_candidate,
+                        quant_candidate_names, torch_dequantize, torch_quantize)
+from .roofline import (FLOOR_FORMATS, KNOWN_CARDS, PEAK_BANDWIDTH, PEAK_FLOPS, card_limits,
+                       expert_bytes, floor_format, fraction_of_floor, measure_card, moe_flops,
+                       quant_expert_bytes, roofline_floor, touched_expert_bytes,
+                       touched_experts)
 from .run import RATIO_PEERS, add_ratios, run_bench, tqdm_or_none
 from .timing import CudaApi, EmptyGraph, Stats, cuda_api, summarize, time_cpu, time_cuda, time_host
 from .torch_peers import has_grouped_mm, torch_grouped_mm_moe, torch_per_expert_loop
 
 __all__ = [
     "CANDIDATES", "CPU_TOKENS", "Case", "CudaApi", "DEFAULT_OUT_DIR", "DEFAULT_TOKENS",
-    "EmptyGraph", "GPU_CANDIDATES", "GPU_PRESETS", "KNOWN_CARDS", "ModelPreset",
-    "PEAK_BANDWIDTH", "PEAK_FLOPS", "PEERS_DIR", "PRESETS", "RATIO_PEERS", "RESULTS_DIR",
-    "Stats", "UNAVAILABLE", "Unavailable", "add_ratios", "backend_candidate", "card_limits",
-    "cuda_api", "default_peers_dir", "default_tokens", "expert_bytes", "format_table",
-    "fraction_of_floor", "git_commit", "has_grouped_mm", "load_vllm_triton", "make_case",
-    "make_weights", "measure_card", "moe_flops", "plot_results", "register_candidate",
-    "results_stem", "roofline_floor", "run_bench", "slug", "summarize", "time_cpu",
-    "time_cuda", "time_host", "torch_grouped_mm_moe", "torch_per_expert_loop",
+    "EmptyGraph", "FLOOR_FORMATS", "GPU_CANDIDATES", "GPU_PRESETS", "KNOWN_CARDS",
+    "ModelPreset", "PEAK_BANDWIDTH", "PEAK_FLOPS", "PEERS_DIR", "PRESETS", "QUANT_CANDIDATES",
+    "RATIO_PEERS", "RESULTS_DIR", "Stats", "UNAVAILABLE", "Unavailable", "add_ratios",
+    "backend_candidate", "card_limits", "cuda_api", "default_peers_dir", "default_tokens",
+    "dequantized_loop", "expert_bytes", "floor_format", "format_table", "fraction_of_floor",
+    "git_commit", "has_grouped_mm", "load_vllm_triton", "make_case", "make_weights",
+    "measure_card", "moe_flops", "plot_results", "quant_candidate", "quant_candidate_names",
+    "quant_expert_bytes", "register_candidate", "results_stem", "roofline_floor",
+    "run_bench", "slug", "summarize", "time_cpu", "time_cuda", "time_host",
+    "torch_dequantize", "torch_grouped_mm_moe", "torch_per_expert_loop", "torch_quantize",
     "touched_expert_bytes", "touched_experts", "tqdm_or_none", "write_results",
 ]
