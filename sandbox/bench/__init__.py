@@ -33,7 +33,7 @@ from .roofline import (FLOOR_FORMATS, KNOWN_CARDS, PEAK_BANDWIDTH, PEAK_FLOPS, c
                        expert_bytes, floor_format, fraction_of_floor, measure_card, moe_flops,
                        quant_expert_bytes, roofline_floor, touched_expert_bytes,
                        touched_experts)
-from .run import RATIO_PEERS, add_ratios, run_bench, tqdm_or_none
+from .run import RATIO_PEERS, add_ratios, default_candidates, run_bench, tqdm_or_none
 from .timing import CudaApi, EmptyGraph, Stats, cuda_api, summarize, time_cpu, time_cuda, time_host
 from .torch_peers import has_grouped_mm, torch_grouped_mm_moe, torch_per_expert_loop
 
@@ -42,8 +42,9 @@ __all__ = [
     "EmptyGraph", "FLOOR_FORMATS", "GPU_CANDIDATES", "GPU_PRESETS", "KNOWN_CARDS",
     "ModelPreset", "PEAK_BANDWIDTH", "PEAK_FLOPS", "PEERS_DIR", "PRESETS", "QUANT_CANDIDATES",
     "RATIO_PEERS", "RESULTS_DIR", "Stats", "UNAVAILABLE", "Unavailable", "add_ratios",
-    "backend_candidate", "card_limits", "cuda_api", "default_peers_dir", "default_tokens",
-    "dequantized_loop", "expert_bytes", "floor_format", "format_table", "fraction_of_floor",
+    "backend_candidate", "card_limits", "cuda_api", "default_candidates", "default_peers_dir",
+    "default_tokens", "dequantized_loop", "expert_bytes", "floor_format", "format_table",
+    "fraction_of_floor",
     "git_commit", "has_grouped_mm", "load_vllm_triton", "make_case", "make_weights",
     "measure_card", "moe_flops", "plot_results", "quant_candidate", "quant_candidate_names",
     "quant_expert_bytes", "register_candidate", "results_stem", "roofline_floor",

@@ -125,7 +125,6 @@ def torch_dequantize(cfg, codes, scale, zp=None):
         q = torch.stack((codes & 0xF, codes >> 4), dim=-1).reshape(codes.shape[0], -1).float()
     else:
         q = codes.float()
-    n, k = q.shape
     if cfg.weight_only:
         gs = cfg.group_size
         z = (zp.float().repeat_interleave(gs, 1) if zp is not None

@@ -37,8 +37,7 @@ def run_bench(presets=GPU_PRESETS, tokens=DEFAULT_TOKENS, candidates=None, devic
     routing re-drawn every rep. Returns the JSON-able record (see `write_results`)."""
     import torch
 
-    # unless named, every bf16 candidate (a quantized one quantizes each preset's experts first)
-    candidates = list(candidates or [c for c in CANDIDATES if c not in QUANT_CANDIDATES])
+    candidates = list(candidates or default_candidates())
     unknown = [c for c in candidates if c not in CANDIDATES]
     if unknown:
         raise ValueError(f"candidates: expected names from {sorted(CANDIDATES)}, got {unknown}")
@@ -103,6 +102,12 @@ def run_bench(presets=GPU_PRESETS, tokens=DEFAULT_TOKENS, candidates=None, devic
 
 
 RATIO_PEERS = ("vllm-triton", "torch-grouped_mm")
+
+
+def default_candidates() -> list[str]:
+    """What run_bench times unless told: every candidate but the quantized ones, which are
+    asked for by name or --quant (each quantizes a preset's experts first)."""
+    return [c for c in CANDIDATES if c not in QUANT_CANDIDATES]
 
 
 def add_ratios(points: list) -> None:
