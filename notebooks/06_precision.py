@@ -264,6 +264,95 @@ workshop.show_table(["backend", "identical to the reference", "1 ulp apart", "ma
 # * **Denormals.** CuPy compiles with `-ftz=true`: values below `1.2e-38` flush to zero.
 #   That never matters for bf16 activations, and it can for tiny router probabilities.
 #
+# ## 5. Quantized experts: what is stored, where it is dequantized, what it costs
+#
+# The models people download ship their experts quantized: DeepSeek-V3 in fp8 blocks,
+# Mixtral and Qwen3 as AWQ / GPTQ int4. A layer built with `quant_config=` (vLLM's
+# `FusedMoEQuantConfig`, `sandbox/quant.py`) holds the **codes**, their **scales** and, for
+# asymmetric int4, **zero points**, and never the bf16 weights. The committed checkpoints
+# in `data/` load straight into it:
+
+# %%
+from sandbox import checkpoint
+from sandbox import quant as Q
+from sandbox.bench import card_limits, expert_bytes, floor_format, quant_expert_bytes
+
+for folder in ("deepseek_v3_fp8", "qwen3_moe_w4a16", "qwen3_moe_gptq", "mixtral_awq"):
+    q_layer = FusedMoE.from_safetensors(checkpoint.data_dir() / folder, None)
+    print(f"{folder:16s} {q_layer.quant_config.describe()}")
+
+# %% [markdown]
+# What each format stores for one layer (E experts, w13 `[E, 2I, H]`, w2 `[E, H, I]`),
+# here a small one (H = I = 256, 8 experts) quantized from the same bf16 weights:
+#
+# * **fp8 block** (DeepSeek-V3): e4m3 codes `[E, N, Kdim]`, one fp32 scale per 128 x 128
+#   block `[E, N/128, Kdim/128]` (the checkpoint's `weight_scale_inv`);
+# * **int8 channel** (w8a8): int8 codes, one scale per output row `[E, N]`;
+# * **int4 groups** (w4a16): two codes a byte `[E, N, Kdim/2]` (low nibble first), one scale
+#   per row and group of 128 along Kdim `[E, N, Kdim/128]`, and with zero points
+#   (`w4a16_zp`, AWQ / GPTQ) one uint8 code a group beside them.
+
+# %%
+SIZES = dict(num_experts=8, top_k=2, hidden_size=256, intermediate_size=256)
+float_layer = FusedMoE.random(seed=0, params_dtype=BF16, **SIZES)
+qx, qlogits = float_layer.random_inputs(32)
+bf16_out = float_layer(qx, qlogits)
+q_layers = {s: FusedMoE(quant_config=s, params_dtype=BF16, **SIZES).quantize_from(float_layer)
+            for s in ("fp8_block", "int8_channel", "w4a16", "w4a16_zp")}
+rows = []
+for s, ql in q_layers.items():
+    for name, p in ql.named_parameters():
+        if name.startswith("w13"):
+            rows.append((s, name, str(p.dtype), str(p.shape)))
+workshop.show_table(["scheme", "tensor", "dtype", "shape"], rows)
+
+# %% [markdown]
+# **Where the kernel dequantizes.** The w8a8 formats (fp8, int8) quantize the activations
+# too (`moe_kernel_quantize_input`: per token, or 1 x 128 groups for fp8 blocks) and
+# multiply codes by codes on the tensor cores, accumulating in fp32; the scales are applied
+# to the fp32 accumulator, once per K block for block scales (`a_scale[m, kb] *
+# w_scale[n/128, kb]`), once at the end for per-channel ones. The weight-only formats keep
+# the activations in bf16 and dequantize each weight tile in registers, `(q - zp) * s`,
+# right before a bf16 mma: the codes cross HBM, bf16 values never do.
+#
+# **What it costs in bytes**: the floor of a decode step is the touched experts' bytes over
+# the card's bandwidth. fp8 codes are half of bf16's, int4 a quarter, plus the scales (and
+# zero points); `moe-sandbox bench --quant` times the layer against exactly these floors.
+
+# %%
+rows = []
+H_DS, I_DS = 7168, 2048                      # DeepSeek-V3's experts, T = 1: 8 experts read
+bw, _ = card_limits("NVIDIA H100 80GB HBM3")
+bf16_bytes = expert_bytes(H_DS, I_DS, 2)
+rows.append(("bf16", f"{bf16_bytes / 2**20:.1f}", "1.00", f"{8 * bf16_bytes / bw * 1e6:.1f}"))
+for s in ("fp8_block", "int8_channel", "w4a16", "w4a16_zp"):
+    nbytes = quant_expert_bytes(Q.SCHEMES[s](), H_DS, I_DS)
+    rows.append((f"{s} ({floor_format(Q.SCHEMES[s]())} mma)", f"{nbytes / 2**20:.1f}",
+                 f"{nbytes / bf16_bytes:.3f}", f"{8 * nbytes / bw * 1e6:.1f}"))
+workshop.show_table(["format", "MiB per expert", "of bf16", "T=1 floor on an H100 (us)"],
+                    rows)
+
+# %% [markdown]
+# **What it costs in error.** The quantized layer against the bf16 layer it was quantized
+# from, and against its own experts dequantized (the exact answer of the codes, in float).
+# vLLM's tests allow 0.035 relative for fp8, 0.065 for int8 w8a8 and 2e-2 for weight-only
+# formats (`sandbox.quant.tolerance`) against a reference that quantizes the activations the
+# same way (`validate`'s GEMM rows); against the float experts the w8a8 formats also carry
+# their activations' rounding (fp8 blocks: a little over 0.035, inside the 2x the tests and
+# `bench` allow). Against bf16 the weight rounding adds its own: int4 groups of 16 levels
+# move these random weights' output by about a fifth.
+
+# %%
+rows = []
+for s, ql in q_layers.items():
+    exact, _ = ql.run_stages(qx, qlogits, exact=True)
+    out = ql(qx, qlogits)
+    rows.append((s, f"{workshop.rel_err(out, exact):.1e}", f"{Q.tolerance(ql.quant_config):g}",
+                 f"{workshop.rel_err(out, bf16_out):.1e}"))
+workshop.show_table(["scheme", "vs its dequantized experts", "vLLM's tolerance",
+                     "vs the bf16 layer"], rows)
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. **fp16.** Re-run section 2 with `FAMILY`'s layer in `float16`. Which mode of error
@@ -276,5 +365,8 @@ workshop.show_table(["backend", "identical to the reference", "1 ulp apart", "ma
 #    `1e-1` still catch it?
 # 4. **Summation order.** Find a dot product of length 4 in fp32 whose result depends on
 #    the order of the additions, and one whose bf16 rounding does too.
+# 5. **Zero points.** For the `w4a16` and `w4a16_zp` layers of section 5, compute the
+#    relative error of the dequantized `w13` against the bf16 weights. Why do zero points
+#    help, and what do they cost in bytes per expert?
 #
 # Solutions: `solutions/06_precision_solutions.ipynb`.

@@ -13,11 +13,14 @@
         in a second, small run: the first --sim-tokens tokens, alignment block --sim-block,
         stage rows only (the simulator runs one Python thread per CUDA thread).
     moe-sandbox bench [--model NAME ...] [--tokens 1,16,...] [--candidates ...] [--graph]
-                      [--peers DIR] [--out DIR] [--cpu] ...
+                      [--quant SCHEME[,SCHEME]] [--peers DIR] [--out DIR] [--cpu] ...
         Our fused experts against vLLM's Triton kernel and torch._grouped_mm (CUDA events or
         graph replays, L2 flushed, new routing each rep): medians, ratios to the peers, the
         roofline floor of the card (known cards only), host microseconds per eager call; JSON
         + plot in ./moe-sandbox-results (--out benchmarks/results updates the committed ones).
+        --quant fp8_block,w4a16 adds the quantized layer in those schemes (cupy-fp8_block,
+        cupy-w4a16; reference-<scheme> with --cpu) beside the other candidates, on the same
+        routings, each with its format's floor and its ratio to our bf16 layer (vs_cupy).
     moe-sandbox info       which backends and devices are available here, and why not
     moe-sandbox data make [--out DIR] [--seed 0]     the small files of data/ (--out data
                                                      in the checkout replaces them)
@@ -241,6 +244,17 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _scheme_list(text: str) -> tuple[str, ...]:
+    from sandbox.quant import SCHEMES
+
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    bad = [v for v in values if v not in SCHEMES]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated schemes from {', '.join(SCHEMES)}, got {text!r}")
+    return values
+
+
 def cmd_bench(args) -> int:
     from sandbox import bench
 
@@ -277,6 +291,9 @@ def cmd_bench(args) -> int:
             raise CliError(f"--peers: expected a folder holding vllm_triton/peer.py, got "
                            f"{args.peers!r}")
         bench.PEERS_DIR[0] = pathlib.Path(args.peers)
+    if args.quant:
+        candidates = list(dict.fromkeys(list(candidates) + bench.quant_candidate_names(
+            args.quant, device)))
     for c in candidates:
         if c not in bench.CANDIDATES:
             raise CliError(f"--candidates: expected names from {', '.join(bench.CANDIDATES)}, "
@@ -400,6 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--candidates", nargs="+", metavar="NAME",
                    help="what to time (default: cupy vllm-triton torch-grouped_mm; "
                         "reference torch-loop torch-grouped_mm with --cpu)")
+    b.add_argument("--quant", type=_scheme_list, metavar="SCHEME[,SCHEME]",
+                   help="also time the quantized layer in these schemes (fp8_tensor "
+                        "fp8_static fp8_token fp8_block int8_channel w4a16 w4a16_zp w8a16): "
+                        "candidates cupy-<scheme> (reference-<scheme> with --cpu), the "
+                        "weights quantized once per model, untimed")
     b.add_argument("--dtype", choices=DTYPES, help="default bfloat16 (float32 with --cpu)")
     b.add_argument("--reps", type=int, default=50)
     b.add_argument("--warmup", type=int, default=10)

@@ -10,6 +10,7 @@
                                 moved there first (Backend.take: the array's own kind says
                                 where it lives, the backend whether it may stay)
     forward(layer, run, hidden_states, router_logits, exact, block)   the whole layer
+    quant_experts(layer, run, x, topk_weights, topk_ids, block)   a quantized layer's experts
     route(layer, run, x, logits)                                       the route stage alone
     block_size_for(layer, mapping, T)   B: the layer's, else the GEMM backend's BLOCK_M, else 64
 
@@ -270,16 +271,34 @@ def quant_arguments(layer, backend, base):
 
 
 def _forward_quant(layer, run, x, logits, block):
-    """A quantized layer: route, align, then per GEMM the activations quantized (w8a8) and
-    grouped_gemm_quant on the codes, on the GEMM stage's backend; the activation and the
-    combine as usual. The trace holds quantize1 / quantize2 as stages of their own."""
+    """A quantized layer: route, then its experts (quant_experts), then the zero and shared
+    experts. The quantized stages' functions are looked up before the routing runs, so a
+    backend without them fails before any stage."""
+    quant_fns(run)
+    topk_weights, topk_ids, zero_result = route(layer, run, x, logits)
+    out = quant_experts(layer, run, x, topk_weights, topk_ids, block)
+    return _extras(layer, run, out, x, zero_result, block, False)
+
+
+def quant_fns(run) -> dict:
+    """{quantize1, gemm1, quantize2, gemm2: function} on each GEMM stage's backend
+    (NotImplementedError naming the backend and the reason where it has none)."""
+    bk = run.backends
+    return {s: bk[QUANT_GEMM_STAGE[s]].quant_fn(s) for s in QUANT_GEMM_STAGE}
+
+
+def quant_experts(layer, run, x, topk_weights, topk_ids, block):
+    """A quantized layer's experts on a routing: align, then per GEMM the activations
+    quantized (w8a8) and grouped_gemm_quant on the codes, on the GEMM stage's backend; the
+    activation and the combine as usual; returns out [T, H] (no zero or shared experts).
+    The trace holds quantize1 / quantize2 as stages of their own. What `moe-sandbox bench`
+    times for a quantized candidate (sandbox/bench/quantized.py): the layer without route."""
     qc = layer.quant_config
     bk = run.backends
-    fns = {s: bk[QUANT_GEMM_STAGE[s]].quant_fn(s) for s in QUANT_GEMM_STAGE}   # raise first
+    fns = quant_fns(run)
     fp8 = qc.weight_dtype == "fp8"
     t = x.shape[0]
     flags = qc.kernel_flags()
-    topk_weights, topk_ids, zero_result = route(layer, run, x, logits)
     align_map = layer.constant_for("expert_map", layer.expert_map, bk["align"])
     sorted_ids, expert_ids, ntpp = run.call("align", topk_ids, block, layer.num_experts,
                                             expert_map=align_map)
@@ -306,9 +325,8 @@ def _forward_quant(layer, run, x, logits, block):
     w2_bias = layer.param_for("w2_bias", bk["gemm2"]) if layer.tp_rank == 0 else None
     cache3 = gemm(2, cache2, 1, not layer.apply_router_weight_on_input, w2_bias)
     cache3 = bk["combine"].take(cache3).reshape(t, layer.top_k, layer.hidden_size)  # [T, K, H]
-    out = run.call("combine", cache3, topk_ids,
-                   expert_map=layer.constant_for("expert_map", layer.expert_map, bk["combine"]))
-    return _extras(layer, run, out, x, zero_result, block, False)
+    return run.call("combine", cache3, topk_ids,
+                    expert_map=layer.constant_for("expert_map", layer.expert_map, bk["combine"]))
 
 
 def _record(run, stage, fn, args, kwargs):

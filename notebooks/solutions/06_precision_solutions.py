@@ -121,3 +121,26 @@ for trial in range(100_000):
         print(f"after {trial + 1} tries: products {p4.tolist()}: fp32 {s1!r} vs {s2!r} -> bf16 "
               f"{float(np.asarray(s1).astype(BF16))} vs {float(np.asarray(s2).astype(BF16))}")
         break
+
+# %% [markdown]
+# ## 5. Zero points
+#
+# A symmetric int4 group spends its 16 levels on [-absmax, absmax]; a group whose values
+# lean to one side wastes part of them. A zero point shifts the levels onto [min, max], so
+# the step shrinks from 2 absmax / 15 to (max - min) / 15 (`reference/quant.py`
+# quantize_weight_wna16). The cost: one uint8 a group beside each fp32 scale.
+
+# %%
+from sandbox import quant as Q
+from sandbox.bench import quant_expert_bytes
+
+SIZES = dict(num_experts=8, top_k=2, hidden_size=256, intermediate_size=256)
+float_layer = FusedMoE.random(seed=0, params_dtype=BF16, **SIZES)
+w13 = float_layer.w13_weight.astype(np.float32)
+for s in ("w4a16", "w4a16_zp"):
+    ql = FusedMoE(quant_config=s, params_dtype=BF16, **SIZES).quantize_from(float_layer)
+    deq = Q.dequantize_experts(ql.quant_config, ql.w13_weight, ql.w13_weight_scale,
+                               ql.w13_weight_zero_point)
+    print(f"{s:9s} w13 rel. error {workshop.rel_err(deq, w13):.3f}, "
+          f"{quant_expert_bytes(ql.quant_config, 7168, 2048) / 2**20:.2f} MiB per "
+          f"DeepSeek-V3-sized expert")

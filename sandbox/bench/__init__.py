@@ -13,6 +13,9 @@ torch._grouped_mm, one module per job.
     torch_peers.py  torch_per_expert_loop (the check's reference), torch_grouped_mm_moe
     candidates.py   CANDIDATES by name: cupy, numba, torch-stages, vllm-triton (loaded from
                     --peers), torch-loop, torch-grouped_mm, reference; register_candidate
+    quantized.py    the quantized layer's candidates: cupy-<scheme> (reference-<scheme> with
+                    --cpu) for every scheme of sandbox.quant.SCHEMES, torch_quantize /
+                    torch_dequantize (the NumPy quantizers' twins), dequantized_loop (the check)
     run.py          run_bench: every (preset, T, candidate) checked once, then timed
     results.py      write_results / plot_results / format_table, git_commit
 
@@ -28,25 +31,31 @@ from .candidates import (CANDIDATES, GPU_CANDIDATES, PEERS_DIR, UNAVAILABLE, Una
 from .cases import (CPU_TOKENS, DEFAULT_TOKENS, GPU_PRESETS, GROUPED_ROUTING, PRESETS, Case,
                     ModelPreset, add_points_options, default_tokens, make_case, make_weights,
                     names_arg, no_gpu, points_of, route_preset)
+from .quantized import (QUANT_CANDIDATES, dequantized_loop, quant_candidate,
+                        quant_candidate_names, torch_dequantize, torch_quantize)
 from .results import (DEFAULT_OUT_DIR, RESULTS_DIR, add_out_dir, format_table, git_commit,
                       plot_results, results_stem, slug, write_results)
-from .roofline import (KNOWN_CARDS, PEAK_BANDWIDTH, PEAK_FLOPS, card_limits, expert_bytes,
-                       fraction_of_floor, measure_card, moe_flops, roofline_floor,
-                       touched_expert_bytes, touched_experts)
-from .run import RATIO_PEERS, add_ratios, run_bench, tqdm_or_none
+from .roofline import (FLOOR_FORMATS, KNOWN_CARDS, PEAK_BANDWIDTH, PEAK_FLOPS, card_limits,
+                       expert_bytes, floor_format, fraction_of_floor, measure_card, moe_flops,
+                       quant_expert_bytes, roofline_floor, touched_expert_bytes,
+                       touched_experts)
+from .run import RATIO_PEERS, add_ratios, default_candidates, run_bench, tqdm_or_none
 from .torch_peers import has_grouped_mm, torch_grouped_mm_moe, torch_per_expert_loop
 
 __all__ = [
     "CANDIDATES", "CPU_TOKENS", "Case", "CudaApi", "DEFAULT_OUT_DIR", "DEFAULT_TOKENS",
     "GROUPED_ROUTING", "add_out_dir", "add_points_options", "names_arg", "no_gpu", "points_of",
     "route_preset",
-    "EmptyGraph", "GPU_CANDIDATES", "GPU_PRESETS", "KNOWN_CARDS", "ModelPreset",
-    "PEAK_BANDWIDTH", "PEAK_FLOPS", "PEERS_DIR", "PRESETS", "RATIO_PEERS", "RESULTS_DIR",
-    "Stats", "UNAVAILABLE", "Unavailable", "add_ratios", "backend_candidate", "card_limits",
-    "cuda_api", "default_peers_dir", "default_tokens", "expert_bytes", "format_table",
-    "fraction_of_floor", "git_commit", "has_grouped_mm", "load_vllm_triton", "make_case",
-    "make_weights", "measure_card", "moe_flops", "plot_results", "register_candidate",
-    "results_stem", "roofline_floor", "run_bench", "slug", "summarize", "time_cpu",
-    "time_cuda", "time_host", "torch_grouped_mm_moe", "torch_per_expert_loop",
+    "EmptyGraph", "FLOOR_FORMATS", "GPU_CANDIDATES", "GPU_PRESETS", "KNOWN_CARDS",
+    "ModelPreset", "PEAK_BANDWIDTH", "PEAK_FLOPS", "PEERS_DIR", "PRESETS", "QUANT_CANDIDATES",
+    "RATIO_PEERS", "RESULTS_DIR", "Stats", "UNAVAILABLE", "Unavailable", "add_ratios",
+    "backend_candidate", "card_limits", "cuda_api", "default_candidates", "default_peers_dir",
+    "default_tokens", "dequantized_loop", "expert_bytes", "floor_format", "format_table",
+    "fraction_of_floor",
+    "git_commit", "has_grouped_mm", "load_vllm_triton", "make_case", "make_weights",
+    "measure_card", "moe_flops", "plot_results", "quant_candidate", "quant_candidate_names",
+    "quant_expert_bytes", "register_candidate", "results_stem", "roofline_floor",
+    "run_bench", "slug", "summarize", "time_cpu", "time_cuda", "time_host",
+    "torch_dequantize", "torch_grouped_mm_moe", "torch_per_expert_loop", "torch_quantize",
     "touched_expert_bytes", "touched_experts", "tqdm_or_none", "write_results",
 ]

@@ -146,17 +146,17 @@ def plot_results(record: dict, path: pathlib.Path) -> pathlib.Path | None:
 
 def format_table(record: dict) -> str:
     """The points as a text table: median [p20, p80] ms, the ratios to the peers (vs vLLM,
-    vs torch._grouped_mm), floor and fraction of it (blank on a card of unknown limits),
-    host microseconds per eager call, relative error."""
-    rows = [(f"{'model':14s} {'T':>6s} {'candidate':18s} {'median ms':>10s} "
-             f"{'[p20, p80]':>20s} {'vs vLLM':>7s} {'vs gmm':>7s} {'floor ms':>9s} "
-             f"{'frac':>5s} {'host us':>8s} {'rel err':>8s}")]
+    vs torch._grouped_mm, and a quantized point's vs our bf16 layer), floor and fraction of
+    it (blank on a card of unknown limits), host microseconds per eager call, relative error."""
+    rows = [(f"{'model':14s} {'T':>6s} {'candidate':22s} {'median ms':>10s} "
+             f"{'[p20, p80]':>20s} {'vs vLLM':>7s} {'vs gmm':>7s} {'vs bf16':>7s} "
+             f"{'floor ms':>9s} {'frac':>5s} {'host us':>8s} {'rel err':>8s}")]
 
     def num(v, fmt, width):
         return f"{v:{width}{fmt}}" if isinstance(v, (int, float)) else " " * width
 
     for p in record["points"]:
-        head = f"{p['model']:14s} {p['T']:6d} {p['candidate']:18s}"
+        head = f"{p['model']:14s} {p['T']:6d} {p['candidate']:22s}"
         if "stats" not in p or "error" in p:
             rows.append(f"{head} {p.get('error', '')}")
             continue
@@ -165,6 +165,7 @@ def format_table(record: dict) -> str:
         rows.append(f"{head} {s['median']:10.4f} {spread:>20s} "
                     f"{num(p.get('vs_vllm-triton'), '.2f', 7)} "
                     f"{num(p.get('vs_torch-grouped_mm'), '.2f', 7)} "
+                    f"{num(p.get('vs_' + p.get('bf16_peer', '')), '.2f', 7)} "
                     f"{num(p.get('floor_ms'), '.4f', 9)} "
                     f"{num(p.get('fraction_of_floor'), '.2f', 5)} "
                     f"{num(p.get('host_us'), '.1f', 8)} {p['rel_err']:8.1e}")

@@ -9,13 +9,17 @@
                                  the card's datasheet limits (card_limits: H100, H200, A100;
                                  no floor on other cards or a CPU); fraction = floor / time
     measure_card()               the card's measured copy bandwidth and bf16 matmul peak
+    quant_expert_bytes(cfg, H, I)  one quantized expert's bytes: codes + scales (+ zero points)
+    floor_format(cfg)            the tensor cores a format's flops run on (fp8, int8, bf16)
 
 The floor counts the bytes of the experts that a rep's routing touches (every rep draws a
 new routing) and the flops of the P slots; activations (x in, out) are left out. The limits
 are the card's datasheet's (H200 4.8 TB/s, H100 SXM 3.35 TB/s, 989 dense bf16 TFLOP/s);
 `measure_card` measures the copy bandwidth and the bf16 matmul rate of the card each run (an
-H100 read 3.0 TB/s and 790-810 TFLOP/s). A time under the floor is reported as an error,
-never as a result.
+H100 read 3.0 TB/s and 790-810 TFLOP/s). A quantized point's floor reads its format's bytes
+(fp8 codes half of bf16's, int4 a quarter, plus scales and zero points) at the same bandwidth
+and its flops at the format's peak (fp8 and int8 twice bf16's on Hopper; weight-only formats
+multiply in bf16). A time under the floor is reported as an error, never as a result.
 """
 from __future__ import annotations
 
@@ -27,26 +31,33 @@ PEAK_BANDWIDTH = 4.8e12   # bytes/s, H200 HBM3e datasheet
 PEAK_FLOPS = 989e12       # flop/s, H200 dense bf16 datasheet
 
 # Datasheet limits of the cards whose limits are known: (name fragment, HBM bytes/s, dense
-# bf16 flop/s). The first fragment found in the device name wins, so the PCIe / NVL parts
-# come before the SXM ones. A card not listed gets no floor (its points carry none).
+# flop/s by the format the tensor cores multiply: bf16, fp8 e4m3, int8 (op/s)). The first
+# fragment found in the device name wins, so the PCIe / NVL parts come before the SXM ones. A
+# card not listed gets no floor (its points carry none); None: no tensor cores for the format
+# (A100 has no fp8), so a point of that format gets no floor either.
 KNOWN_CARDS = (
-    ("H100 PCIe", 2.0e12, 756e12),
-    ("H100 NVL", 3.9e12, 835e12),
-    ("H100", 3.35e12, 989e12),          # H100 SXM5 80GB HBM3
-    ("H200", 4.8e12, 989e12),           # H200 SXM 141GB HBM3e (and NVL: the same HBM)
-    ("A100-SXM4-80GB", 2.039e12, 312e12),
-    ("A100", 1.555e12, 312e12),
+    ("H100 PCIe", 2.0e12, {"bf16": 756e12, "fp8": 1513e12, "int8": 1513e12}),
+    ("H100 NVL", 3.9e12, {"bf16": 835e12, "fp8": 1671e12, "int8": 1671e12}),
+    ("H100", 3.35e12, {"bf16": 989e12, "fp8": 1979e12, "int8": 1979e12}),   # SXM5 80GB HBM3
+    ("H200", 4.8e12, {"bf16": 989e12, "fp8": 1979e12, "int8": 1979e12}),    # SXM 141GB HBM3e
+    ("A100-SXM4-80GB", 2.039e12, {"bf16": 312e12, "fp8": None, "int8": 624e12}),
+    ("A100", 1.555e12, {"bf16": 312e12, "fp8": None, "int8": 624e12}),
 )
+FLOOR_FORMATS = ("bf16", "fp8", "int8")
 
 
-def card_limits(device_name: str | None) -> tuple[float, float] | None:
-    """(HBM bytes/s, dense bf16 flop/s) of a card from its datasheet, or None when the card
-    is not one whose limits this project knows (then no floor is printed)."""
+def card_limits(device_name: str | None, fmt: str = "bf16") -> tuple[float, float] | None:
+    """(HBM bytes/s, dense flop/s of the `fmt` tensor cores) of a card from its datasheet, or
+    None when the card is not one whose limits this project knows, or has no such tensor
+    cores (then no floor is printed). fmt: "bf16" (also fp16, and the weight-only formats,
+    whose codes are dequantized to bf16 before the multiply), "fp8", "int8"."""
+    if fmt not in FLOOR_FORMATS:
+        raise ValueError(f"fmt: expected one of {list(FLOOR_FORMATS)}, got {fmt!r}")
     if not device_name:
         return None
     for fragment, bandwidth, flops in KNOWN_CARDS:
         if fragment.lower() in device_name.lower():
-            return bandwidth, flops
+            return None if flops[fmt] is None else (bandwidth, flops[fmt])
     return None
 
 
@@ -55,6 +66,25 @@ def expert_bytes(hidden_size: int, intermediate_size: int, weight_bytes: int = 2
     """Weight bytes of one expert: w13 [2I, H] (or [I, H] without a gate) plus w2 [H, I]."""
     n1 = 2 * intermediate_size if gated else intermediate_size
     return (n1 + intermediate_size) * hidden_size * weight_bytes
+
+
+def quant_expert_bytes(cfg, hidden_size: int, intermediate_size: int) -> int:
+    """Bytes of one quantized expert as the layer holds it (sandbox/quant.py): w13 [2I, H]
+    and w2 [H, I] codes (fp8 / int8 / uint8 one byte a weight, half of bf16's; int4 two a
+    byte, a quarter), fp32 scales (a tensor's one, a row's, a 128x128 block's or a group's)
+    and uint8 zero points (one a group, with has_zp). `cfg` is a FusedMoEQuantConfig."""
+    total = 0
+    for n, k in ((2 * intermediate_size, hidden_size), (hidden_size, intermediate_size)):
+        codes = int(np.prod(cfg.code_shape(n, k))) * np.dtype(cfg.code_dtype()).itemsize
+        scales = int(np.prod(cfg.scale_shape(n, k), dtype=np.int64))   # () -> 1
+        total += codes + 4 * scales + (scales if cfg.has_zp else 0)
+    return total
+
+
+def floor_format(cfg) -> str:
+    """The tensor cores a quantized format multiplies on: fp8 and int8 w8a8 on their own,
+    weight-only codes dequantized to the activations' bf16 / fp16."""
+    return cfg.weight_dtype if cfg.quant_dtype is not None else "bf16"
 
 
 def touched_experts(topk_ids, num_experts: int | None = None) -> int:

@@ -1,13 +1,18 @@
 """The run: every (preset, T, candidate) point checked against the torch loop, then timed.
 
     run_bench(...)      build each point's inputs, check the candidate's output once
-                        (relative Frobenius error in fp32, <= 5e-2), then time it with the
-                        routing re-drawn every rep (time_cuda, plus time_host when eager);
-                        returns the JSON-able record (results.write_results)
-    add_ratios(points)  each point's median over vllm-triton's and torch-grouped_mm's
+                        (relative Frobenius error in fp32, <= 5e-2; a quantized candidate
+                        against its experts dequantized, at its format's tolerance), then
+                        time it with the routing re-drawn every rep (time_cuda, plus
+                        time_host when eager); returns the JSON-able record
+                        (results.write_results)
+    add_ratios(points)  each point's median over vllm-triton's and torch-grouped_mm's (and a
+                        quantized point's over our bf16 layer's, vs_cupy)
 
 A point carries its Stats, the bytes and flops of its napkin math (roofline.py) and, on a
 card of known limits, its floor and the fraction of it; a time under the floor is an error.
+A quantized point (quantized.py) also carries its scheme ("quant"), its bytes in its format
+(codes, scales, zero points) and a floor at its format's peak ("floor_format").
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from typing import Callable
 import numpy as np
 
 from .candidates import CANDIDATES, UNAVAILABLE, Unavailable, error_text, forget_moved_weights
+from .quantized import QUANT_CANDIDATES, forget_quantized_layers
 from .cases import DEFAULT_TOKENS, GPU_PRESETS, PRESETS, Case, ModelPreset, make_case, make_weights
 from .roofline import card_limits, expert_bytes, fraction_of_floor, moe_flops, roofline_floor
 from cuda_kernels.timing import cuda_api, time_cpu, time_cuda, time_host
@@ -31,7 +37,7 @@ def run_bench(presets=GPU_PRESETS, tokens=DEFAULT_TOKENS, candidates=None, devic
     routing re-drawn every rep. Returns the JSON-able record (see `write_results`)."""
     import torch
 
-    candidates = list(candidates or CANDIDATES)
+    candidates = list(candidates or default_candidates())
     unknown = [c for c in candidates if c not in CANDIDATES]
     if unknown:
         raise ValueError(f"candidates: expected names from {sorted(CANDIDATES)}, got {unknown}")
@@ -49,6 +55,7 @@ def run_bench(presets=GPU_PRESETS, tokens=DEFAULT_TOKENS, candidates=None, devic
             if preset.name not in weights:          # one preset's weights at a time
                 weights.clear()
                 forget_moved_weights()
+                forget_quantized_layers()
                 if device != "cpu":
                     torch.cuda.empty_cache()
                 weights[preset.name] = make_weights(preset, device, dtype, seed)
@@ -72,13 +79,14 @@ def run_bench(presets=GPU_PRESETS, tokens=DEFAULT_TOKENS, candidates=None, devic
             case.topk_ids.copy_(first[1])
             case.topk_ids32.copy_(first[1])
             point = _time_candidate(case, name, expected, api, warmup, reps, graph, flush_l2,
-                                    wbytes, limits)
+                                    wbytes, limits, device_name)
             points.append(point)
             if bar:
                 bar.update(1)
         del case, expected
     weights.clear()
     forget_moved_weights()
+    forget_quantized_layers()
     if bar:
         bar.close()
     add_ratios(points)
@@ -96,22 +104,29 @@ def run_bench(presets=GPU_PRESETS, tokens=DEFAULT_TOKENS, candidates=None, devic
 RATIO_PEERS = ("vllm-triton", "torch-grouped_mm")
 
 
+def default_candidates() -> list[str]:
+    """What run_bench times unless told: every candidate but the quantized ones, which are
+    asked for by name or --quant (each quantizes a preset's experts first)."""
+    return [c for c in CANDIDATES if c not in QUANT_CANDIDATES]
+
+
 def add_ratios(points: list) -> None:
     """Each timed point's median over the median of each peer of RATIO_PEERS at the same
-    (model, T), as `vs_<peer>` (< 1: faster than the peer)."""
+    (model, T), as `vs_<peer>` (< 1: faster than the peer); a quantized point's also over
+    its backend's bf16 layer (`bf16_peer`: vs_cupy)."""
     medians = {(p["model"], p["T"], p["candidate"]): p["stats"]["median"]
                for p in points if "stats" in p}
     for p in points:
         if "stats" not in p:
             continue
-        for peer in RATIO_PEERS:
+        for peer in RATIO_PEERS + ((p["bf16_peer"],) if "bf16_peer" in p else ()):
             ref = medians.get((p["model"], p["T"], peer))
             if ref:
                 p[f"vs_{peer}"] = p["stats"]["median"] / ref
 
 
 def _time_candidate(case: Case, name: str, expected, api, warmup, reps, graph, flush_l2,
-                    wbytes, limits=None) -> dict:
+                    wbytes, limits=None, device_name=None) -> dict:
     import torch
 
     preset, T = case.preset, case.num_tokens
@@ -123,6 +138,12 @@ def _time_candidate(case: Case, name: str, expected, api, warmup, reps, graph, f
         return _point(preset, T, name, error=f"setup: {error_text(exc)}")
     if fn is None:
         return _point(preset, T, name, error=UNAVAILABLE)
+    # a quantized candidate brings its own check (its experts dequantized, its format's
+    # tolerance), its format's bytes per expert and the tensor cores its flops run on
+    extra = getattr(fn, "point_fields", {})
+    expected = getattr(fn, "expected", expected)
+    tol = getattr(fn, "check_tolerance", 5e-2)
+    against = getattr(fn, "check_against", "the torch loop")
     try:
         with torch.inference_mode():
             out = fn()
@@ -131,9 +152,10 @@ def _time_candidate(case: Case, name: str, expected, api, warmup, reps, graph, f
         rel = float(torch.linalg.vector_norm(got - expected)
                     / torch.linalg.vector_norm(expected).clamp_min(1e-30))
         case.touched.clear()
-        if not rel <= 5e-2:               # NaN fails too: a wrong answer is never timed
-            return _point(preset, T, name, rel_err=rel,
-                          error=f"check: relative error {rel:.3g} against the torch loop")
+        if not rel <= tol:                # NaN fails too: a wrong answer is never timed
+            return _point(preset, T, name, **extra, rel_err=rel,
+                          error=f"check: relative error {rel:.3g} against {against} "
+                                f"(tolerance {tol:.3g})")
         host = None
         with torch.inference_mode():
             if api is None:
@@ -144,13 +166,19 @@ def _time_candidate(case: Case, name: str, expected, api, warmup, reps, graph, f
                 if not graph:
                     host = time_host(fn, reps=min(reps, 20), rotate=case.redraw, api=api)
     except Exception as exc:
-        return _point(preset, T, name, error=f"run: {error_text(exc)}")
+        return _point(preset, T, name, **extra, error=f"run: {error_text(exc)}")
     touched = float(np.mean(case.touched[-reps:])) if case.touched else float("nan")
-    nbytes = touched * expert_bytes(preset.hidden_size, preset.intermediate_size, wbytes)
+    per_expert = getattr(fn, "expert_bytes", None) or expert_bytes(
+        preset.hidden_size, preset.intermediate_size, wbytes)
+    nbytes = touched * per_expert
     flops = moe_flops(T, preset.top_k, preset.hidden_size, preset.intermediate_size)
     sec = stats.median * 1e-3
-    fields = dict(stats=stats.as_dict(), rel_err=rel, touched_experts=touched, bytes=nbytes,
-                  flops=flops, TBps=nbytes / sec / 1e12, TFLOPs=flops / sec / 1e12)
+    fields = dict(**extra, stats=stats.as_dict(), rel_err=rel, touched_experts=touched,
+                  bytes=nbytes, flops=flops, TBps=nbytes / sec / 1e12,
+                  TFLOPs=flops / sec / 1e12)
+    if hasattr(fn, "floor_format"):      # the format's own peak (fp8 / int8 tensor cores)
+        fields["floor_format"] = fn.floor_format
+        limits = card_limits(device_name, fn.floor_format) if api is not None else None
     if host is not None:
         fields["host_us"] = host.median
     if limits is not None:              # a floor only for a card whose limits are known
