@@ -90,6 +90,23 @@ __device__ __forceinline__ void gg_lds(float* dst, const float* src) {
     }
 }
 
+// The 16-byte chunks a thread loaded (chunk idx = tid + i * THREADS of a ROWS x BLOCK_K tile:
+// row idx % ROWS, k chunk idx / ROWS) as fp32, transposed into the shared tile dst[k][row].
+template <int kLoads, int kChunks, int kRows, int kStride>
+__device__ __forceinline__ void gg_store_transposed(const uint4 (&chunks)[kLoads],
+                                                    float (*dst)[kStride], int tid) {
+    float f[V3_VEC];
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+        const int idx = tid + i * V3_THREADS;
+        if (idx >= kChunks) break;
+        const int r = idx % kRows, kc = (idx / kRows) * V3_VEC;
+        gg_unpack(chunks[i], f, (GG_T*)nullptr);
+#pragma unroll
+        for (int j = 0; j < V3_VEC; ++j) dst[kc + j][r] = f[j];
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(V3_THREADS)
 grouped_gemm_v3(GG_KERNEL_ARGS) {
     __shared__ __align__(16) float As[BLOCK_K][BLOCK_M + V3_PAD];
@@ -148,25 +165,8 @@ grouped_gemm_v3(GG_KERNEL_ARGS) {
         }
     };
     auto store_shared = [&]() {
-        float f[V3_VEC];
-#pragma unroll
-        for (int i = 0; i < A_LD; ++i) {
-            const int idx = tid + i * V3_THREADS;
-            if (idx >= A_VECS) break;
-            const int r = idx % BLOCK_M, kc = (idx / BLOCK_M) * V3_VEC;
-            gg_unpack(ra[i], f, (GG_T*)nullptr);
-#pragma unroll
-            for (int j = 0; j < V3_VEC; ++j) As[kc + j][r] = f[j];
-        }
-#pragma unroll
-        for (int i = 0; i < W_LD; ++i) {
-            const int idx = tid + i * V3_THREADS;
-            if (idx >= W_VECS) break;
-            const int r = idx % BLOCK_N, kc = (idx / BLOCK_N) * V3_VEC;
-            gg_unpack(rw[i], f, (GG_T*)nullptr);
-#pragma unroll
-            for (int j = 0; j < V3_VEC; ++j) Ws[kc + j][r] = f[j];
-        }
+        gg_store_transposed<A_LD, A_VECS, BLOCK_M>(ra, As, tid);
+        gg_store_transposed<W_LD, W_VECS, BLOCK_N>(rw, Ws, tid);
     };
 
     float acc[TM][TN];
