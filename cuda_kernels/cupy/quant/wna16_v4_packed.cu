@@ -70,15 +70,7 @@
 
 template <int MT, int W, int D, int ZP, int RT, int MINB>
 __global__ void __launch_bounds__(W * 32, MINB)
-wna16_v4_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp,
-                elem_t* __restrict__ c, const float2* __restrict__ sp,
-                const unsigned short* __restrict__ zp,
-                const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-                const int* __restrict__ num_tokens_post_padded,
-                const float* __restrict__ topk_weights, const float* __restrict__ bias,
-                int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-                int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
-                int tiles_per_cta, int red_groups) {
+wna16_v4_packed(W16_PACKED_ARGS, int tiles_per_cta, int red_groups) {
     constexpr int BM = 8 * MT;
     constexpr int RS = 17;                        // padded row of the partials: fewer conflicts
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
@@ -181,13 +173,7 @@ wna16_v4_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp,
     // the rest runs with LT, the live token tiles, a compile-time constant
     w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
         constexpr int LT = decltype(live_count)::value;
-        float acc[RT][LT][4];
-#pragma unroll
-        for (int r = 0; r < RT; ++r)
-#pragma unroll
-            for (int mt = 0; mt < LT; ++mt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
+        float acc[RT][LT][4] = {};
 
         // one item: the math of slot u (chunk c), then the slot's refill from the next round
         auto item = [&](int u, int c, bool check) {

@@ -125,52 +125,21 @@ __device__ __forceinline__ void ww_pin(T (&r)[N]) {
 // d (this thread's NN / 2 accumulators of the 64 x NN tile) = A (the warp's 16 rows of the
 // 64 x 16 step: a0..a3) * B (16 x NN through desc) + (acc ? d : 0)
 template <int NN> struct WwMma;
-template <> struct WwMma<8> {
-    static __device__ __forceinline__ void run(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,
-                                               u64 desc, int acc) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n8k16.f32." WW_AB "." WW_AB
-                     " {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc) : "memory");
-    }
-};
-template <> struct WwMma<16> {
-    static __device__ __forceinline__ void run(float (&d)[8], u32 a0, u32 a1, u32 a2, u32 a3,
-                                               u64 desc, int acc) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n16k16.f32." WW_AB "." WW_AB
-                     " {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                       "+f"(d[6]), "+f"(d[7])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc) : "memory");
-    }
-};
-template <> struct WwMma<24> {
-    static __device__ __forceinline__ void run(float (&d)[12], u32 a0, u32 a1, u32 a2, u32 a3,
-                                               u64 desc, int acc) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n24k16.f32." WW_AB "." WW_AB
-                     " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15},"
-                     " %16, p, 1, 1, 0;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc) : "memory");
-    }
-};
-template <> struct WwMma<32> {
-    static __device__ __forceinline__ void run(float (&d)[16], u32 a0, u32 a1, u32 a2, u32 a3,
-                                               u64 desc, int acc) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n32k16.f32." WW_AB "." WW_AB
-                     " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"
-                     " {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc) : "memory");
-    }
-};
+// the NN = 8 LT live token rows of the tile: R = NN / 2 accumulators (WG_ACC<R>), then a0..a3,
+// desc, acc
+#define WW_MMA(NN, REGS, ACC, A_REGS, I_DESC, I_SCALE_D)                                      \
+    template <> struct WwMma<NN> {                                                           \
+        static __device__ __forceinline__ void run(float (&d)[NN / 2], u32 a0, u32 a1, u32 a2, \
+                                                   u32 a3, u64 desc, int acc) {              \
+            WG_MMA_RS("m64n" #NN "k16.f32." WW_AB "." WW_AB, ", 1, 1, 0", REGS, A_REGS,       \
+                      ACC(d, 0),                                                             \
+                      I_DESC, I_SCALE_D, a0, a1, a2, a3, desc, acc);                          \
+        }                                                                                    \
+    };
+WW_MMA(8, WG_REGS4, WG_ACC4, "%4, %5, %6, %7", 8, 9)
+WW_MMA(16, WG_REGS8, WG_ACC8, "%8, %9, %10, %11", 12, 13)
+WW_MMA(24, WG_REGS12, WG_ACC12, "%12, %13, %14, %15", 16, 17)
+WW_MMA(32, WG_REGS16, WG_ACC16, "%16, %17, %18, %19", 20, 21)
 #endif  // QG_EMULATED_PTX
 
 // The descriptor of B for k16 step m of the stage at shared address `stage` (MT token tiles):
@@ -185,16 +154,8 @@ __device__ __forceinline__ u64 ww_desc_b(u32 stage, int m) {
 
 template <int MT, int D, int S, int MINB, int RB>
 __global__ void __launch_bounds__(128, MINB)
-wna16_v6_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp,
-               elem_t* __restrict__ c, const float2* __restrict__ sp,
-               const unsigned short* __restrict__ zp,
-               const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-               const int* __restrict__ num_tokens_post_padded,
-               const float* __restrict__ topk_weights, const float* __restrict__ bias,
-               int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-               int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
-               int groups_per_cta, int chunks_per_split, float* __restrict__ ws,
-               int* __restrict__ counters) {
+wna16_v6_wgmma(W16_PACKED_ARGS, int groups_per_cta, int chunks_per_split,
+               float* __restrict__ ws, int* __restrict__ counters) {
     static_assert(D >= S - 1 && S >= 2, "wna16_v6_wgmma: the weights run at least as far "
                   "ahead as the activations (one cp.async group per item covers both), S >= 2");
     constexpr int BM = 8 * MT;
