@@ -546,29 +546,19 @@ def _main():
 
     from . import _script as S
 
-    ok, why = A.availability()
-    print(f"numba align: {why}")
-    if not ok:
-        return 0
-    rng = np.random.default_rng(0)
-    cases = ([(3, 8, 2, 4), (9, 4, 3, 8)] if SIMULATOR
-             else [(1, 8, 2, 64), (256, 128, 8, 64), (4096, 256, 8, 64), (2256, 257, 16, 128)])
-    failures = 0
-    for T, E, K, B in cases:
-        ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)  # [T, K]
-        mine = moe_align_block_size(ids, B, E)
-        ref = reference.moe_align_block_size(ids, B, E)
-        same = all(np.array_equal(a, b) for a, b in zip(mine, ref))
-        failures += not same
-        verdict = "exact" if same else "DIFFER"
-        line = f"  moe_align_block_size T={T:5d} E={E:4d} K={K:2d} B={B:3d}: {verdict}"
-        if not SIMULATOR:
-            d = A.to_device(ids)
-            ms = S.time_ms(lambda: moe_align_block_size(d, B, E))
-            line += f", {ms * 1e3:8.1f} us"
-        print(line)
-    print("all match" if not failures else f"{failures} mismatches")
-    return 1 if failures else 0
+    def lines(rng):
+        cases = ([(3, 8, 2, 4), (9, 4, 3, 8)] if SIMULATOR
+                 else [(1, 8, 2, 64), (256, 128, 8, 64), (4096, 256, 8, 64), (2256, 257, 16, 128)])
+        for T, E, K, B in cases:
+            ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)  # [T, K]
+            mine = moe_align_block_size(ids, B, E)
+            ref = reference.moe_align_block_size(ids, B, E)
+            same = all(np.array_equal(a, b) for a, b in zip(mine, ref))
+            yield (f"  moe_align_block_size T={T:5d} E={E:4d} K={K:2d} B={B:3d}: "
+                   f"{'exact' if same else 'DIFFER'}"
+                   + S.timed(lambda d: moe_align_block_size(d, B, E), ids), same)
+
+    return S.main("align", lines)
 
 
 if __name__ == "__main__":

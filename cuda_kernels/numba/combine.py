@@ -39,20 +39,8 @@ import numpy as np
 from numba import float32, uint64
 
 from . import _arrays as A
-from ._device import (
-    PACK,
-    SIMULATOR,
-    UNPACK,
-    WORD_ELEMENTS,
-    WORD_OF,
-    cast_out,
-    cu,
-    device_function,
-    ix,
-    kernel,
-    to_f32,
-    words,
-)
+from ._device import (PACK, SIMULATOR, UNPACK, WORD_ELEMENTS, WORD_OF, cast_out, cu,
+                      device_function, ix, kernel, to_f32, words)
 from ._wide import load16, store16, words16
 
 CONFIGS = {"sum": {"THREADS": 256, "WIDE": True}}
@@ -272,27 +260,17 @@ def _main():
 
     from . import _script as S
 
-    ok, why = A.availability()
-    print(f"numba combine: {why}")
-    if not ok:
-        return 0
-    rng = np.random.default_rng(0)
-    shapes = [(3, 2, 8)] if SIMULATOR else [(1, 8, 7168), (256, 8, 2048), (4096, 8, 7168)]
-    failures = 0
-    for T, K, H in shapes:
-        for dt in (np.float32, np.float16):
-            x = rng.standard_normal((T, K, H)).astype(dt)                     # [T, K, H]
-            err = S.rel_err(moe_sum(x), reference.moe_sum(x))
-            failures += not err <= (1e-5 if dt == np.float32 else 1e-2)
-            line = f"  moe_sum [{T}, {K}, {H}] {np.dtype(dt).name}: rel err {err:.1e}"
-            if not SIMULATOR:
-                d = A.to_device(x)
-                ms = S.time_ms(lambda: moe_sum(d))
-                nbytes = x.nbytes * (K + 1) / K   # read x, write out
-                line += f", {ms * 1e3:8.1f} us, {nbytes / ms / 1e6:7.1f} GB/s"
-            print(line)
-    print("all match" if not failures else f"{failures} mismatches")
-    return 1 if failures else 0
+    def lines(rng):
+        shapes = [(3, 2, 8)] if SIMULATOR else [(1, 8, 7168), (256, 8, 2048), (4096, 8, 7168)]
+        for T, K, H in shapes:
+            for dt in (np.float32, np.float16):
+                x = rng.standard_normal((T, K, H)).astype(dt)                 # [T, K, H]
+                err = S.rel_err(moe_sum(x), reference.moe_sum(x))
+                yield (f"  moe_sum [{T}, {K}, {H}] {np.dtype(dt).name}: rel err {err:.1e}"
+                       + S.timed(moe_sum, x, nbytes=x.nbytes * (K + 1) / K),  # read x, write out
+                       err <= (1e-5 if dt == np.float32 else 1e-2))
+
+    return S.main("combine", lines)
 
 
 if __name__ == "__main__":

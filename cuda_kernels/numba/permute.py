@@ -44,20 +44,8 @@ import numpy as np
 from numba import float32, uint64
 
 from . import _arrays as A
-from ._device import (
-    PACK,
-    SIMULATOR,
-    UNPACK,
-    WORD_ELEMENTS,
-    WORD_OF,
-    cast_out,
-    cu,
-    device_function,
-    ix,
-    kernel,
-    to_f32,
-    words,
-)
+from ._device import (PACK, SIMULATOR, UNPACK, WORD_ELEMENTS, WORD_OF, cast_out, cu,
+                      device_function, ix, kernel, to_f32, words)
 from ._wide import load16, store16, words16
 from .align import _sort_slots
 
@@ -380,35 +368,24 @@ def _main():
 
     from . import _script as S
 
-    ok, why = A.availability()
-    print(f"numba permute: {why}")
-    if not ok:
-        return 0
-    rng = np.random.default_rng(0)
-    cases = ([(3, 8, 2, 16), (9, 4, 3, 24)] if SIMULATOR
-             else [(1, 8, 2, 4096), (256, 128, 8, 2048), (4096, 256, 8, 7168)])
-    failures = 0
-    for T, E, K, H in cases:
-        ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)  # [T, K]
-        x = rng.standard_normal((T, H)).astype(np.float32)                        # [T, H]
-        mine = moe_permute(x, ids, E)
-        ref = reference.moe_permute(x, ids, E)
-        same = all(np.array_equal(a, b) for a, b in zip(mine, ref))
-        y = rng.standard_normal((T * K, H)).astype(np.float32)                    # [P, H]
-        w = rng.random((T, K)).astype(np.float32)
-        err = S.rel_err(moe_unpermute(y, w, ref[2]), reference.moe_unpermute(y, w, ref[2]))
-        failures += (not same) + (err > 1e-6)
-        line = (f"  moe_permute / moe_unpermute T={T:5d} E={E:4d} K={K:2d} H={H:5d}: "
-                f"{'exact' if same else 'DIFFER'}, rel err {err:.1e}")
-        if not SIMULATOR:
-            d_x, d_ids, d_y, d_w = (A.to_device(a) for a in (x, ids, y, w))
-            d_inv = A.to_device(ref[2])
-            ms_p = S.time_ms(lambda: moe_permute(d_x, d_ids, E))
-            ms_u = S.time_ms(lambda: moe_unpermute(d_y, d_w, d_inv))
-            line += f", {ms_p * 1e3:8.1f} + {ms_u * 1e3:8.1f} us"
-        print(line)
-    print("all match" if not failures else f"{failures} mismatches")
-    return 1 if failures else 0
+    def lines(rng):
+        cases = ([(3, 8, 2, 16), (9, 4, 3, 24)] if SIMULATOR
+                 else [(1, 8, 2, 4096), (256, 128, 8, 2048), (4096, 256, 8, 7168)])
+        for T, E, K, H in cases:
+            ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)  # [T, K]
+            x = rng.standard_normal((T, H)).astype(np.float32)                    # [T, H]
+            mine = moe_permute(x, ids, E)
+            ref = reference.moe_permute(x, ids, E)
+            same = all(np.array_equal(a, b) for a, b in zip(mine, ref))
+            y = rng.standard_normal((T * K, H)).astype(np.float32)                # [P, H]
+            w = rng.random((T, K)).astype(np.float32)
+            err = S.rel_err(moe_unpermute(y, w, ref[2]), reference.moe_unpermute(y, w, ref[2]))
+            yield (f"  moe_permute / moe_unpermute T={T:5d} E={E:4d} K={K:2d} H={H:5d}: "
+                   f"{'exact' if same else 'DIFFER'}, rel err {err:.1e}"
+                   + S.timed(lambda d_x, d_ids: moe_permute(d_x, d_ids, E), x, ids)
+                   + S.timed(moe_unpermute, y, w, ref[2]), same and err <= 1e-6)
+
+    return S.main("permute", lines)
 
 
 if __name__ == "__main__":
