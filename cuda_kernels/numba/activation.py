@@ -50,7 +50,7 @@ from . import _arrays as A
 from ._device import (PACK, ROUND, SIMULATOR, UNPACK, WORD_ELEMENTS, WORD_OF, cast_out, cu,
                       device_function, erf_f32, exp_f32, ix, kernel, round_as,
                       tanh_f32, to_f32, words)
-from ._wide import load16, store16, words16
+from ._wide import chunk_grid, load16, store16, words16
 
 CONFIGS = {"act": {"THREADS": 256, "WIDE": True}}
 SIM_CONFIGS = {"act": {"THREADS": 16, "WIDE": True}}
@@ -226,12 +226,11 @@ def _run(x, name, mode, alpha=1.702, limit=7.0):
             # rows (and, gated, each half) of whole 16-byte chunks: the out view checks the half
             wide = words16(xd, out)
         if wide is not None:   # 16-byte chunks, one per thread (CuPy's activation)
-            word = WORD_OF[np.dtype(xd.dtype)]
             xw, outw = wide
             C = outw.shape[1]
-            nt = min(NT, A.cdiv(C // 2, 32) * 32)   # a narrow row leaves no idle warps
-            nbx = A.cdiv(C // 2, nt)
-            act16_kernel(name, mode, nt, word)[M * nbx, nt, A.launch_stream()](xw, outw, M, C, nbx)
+            grid, nt, nbx = chunk_grid(C, NT, M)
+            act16_kernel(name, mode, nt, WORD_OF[np.dtype(xd.dtype)])[grid, nt, A.launch_stream()](
+                xw, outw, M, C, nbx)
             return call.result(out)
         word, cols, views = "", n_out, None
         if mode != INTERLEAVED:   # rows of whole words (and, gated, a word-aligned half)

@@ -41,7 +41,7 @@ from numba import float32, uint64
 from . import _arrays as A
 from ._device import (PACK, SIMULATOR, UNPACK, WORD_ELEMENTS, WORD_OF, cast_out, cu,
                       device_function, ix, kernel, to_f32, words)
-from ._wide import load16, store16, words16
+from ._wide import chunk_grid, load16, store16, words16
 
 CONFIGS = {"sum": {"THREADS": 256, "WIDE": True}}
 MAX_UNROLLED_K = 32   # K up to this is a compile-time constant (one kernel per K)
@@ -207,13 +207,12 @@ def moe_sum(x, topk_ids=None, expert_map=None):
         xd = call.dev("x", x)
         wide = words16(xd, out) if config("sum")["WIDE"] else None
         if wide is not None:   # 16-byte chunks, one per thread (CuPy's combine)
-            word = WORD_OF[np.dtype(xd.dtype)]
             xw, outw = wide
             C = outw.shape[1]
-            nt = min(NT, A.cdiv(C // 2, 32) * 32)   # a narrow row leaves no idle warps
-            nbx = A.cdiv(C // 2, nt)
-            kernel16 = moe_sum16_kernel(nt, K if K <= MAX_UNROLLED_K else 0, word)
-            kernel16[T * nbx, nt, A.launch_stream()](xw, outw, T, K, C, nbx)
+            grid, nt, nbx = chunk_grid(C, NT, T)
+            kernel16 = moe_sum16_kernel(nt, K if K <= MAX_UNROLLED_K else 0,
+                                        WORD_OF[np.dtype(xd.dtype)])
+            kernel16[grid, nt, A.launch_stream()](xw, outw, T, K, C, nbx)
             return call.result(out)
         word, cols, views = "", H, words(xd, out)
         if views is not None:   # 8-byte loads: VEC columns per thread

@@ -46,7 +46,7 @@ from numba import float32, uint64
 from . import _arrays as A
 from ._device import (PACK, SIMULATOR, UNPACK, WORD_ELEMENTS, WORD_OF, cast_out, cu,
                       device_function, ix, kernel, to_f32, words)
-from ._wide import load16, store16, words16
+from ._wide import chunk_grid, load16, store16, words16
 from .align import _sort_slots
 
 # Tunables are data. The simulator gets tiny blocks so that tests cover every path cheaply.
@@ -306,13 +306,12 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
         inv = call.dev("inv_permuted_idx", inv_permuted_idx)
         wide = words16(y, out) if cfg["WIDE"] and np.dtype(y.dtype) in WORD_OF else None
         if wide is not None:   # 16-byte chunks, one per thread (CuPy's unpermute)
-            word = WORD_OF[np.dtype(y.dtype)]
             yw, outw = wide
             C = yw.shape[1]
-            nt = min(NT, A.cdiv(C // 2, 32) * 32)   # a narrow row leaves no idle warps
-            nbx = A.cdiv(C // 2, nt)
-            _, unpermute16 = wide_row_kernels(nt, 32, K if K <= MAX_UNROLLED_K else 0, word)
-            unpermute16[T * nbx, nt, A.launch_stream()](yw, w, inv, outw, T, K, C, nbx)
+            grid, nt, nbx = chunk_grid(C, NT, T)
+            _, unpermute16 = wide_row_kernels(nt, 32, K if K <= MAX_UNROLLED_K else 0,
+                                              WORD_OF[np.dtype(y.dtype)])
+            unpermute16[grid, nt, A.launch_stream()](yw, w, inv, outw, T, K, C, nbx)
             return call.result(out)
         word, cols, views = "", H, words(y, out)
         if views is not None:   # 8-byte loads: VEC columns per thread
