@@ -29,20 +29,9 @@
 // Run:  python -m cuda_kernels.cupy.gemm --versions v3
 #include "gemm_common.cuh"
 
-#ifndef BLOCK_M
-#define BLOCK_M 64
-#endif
-#ifndef BLOCK_N
-#define BLOCK_N 64
-#endif
-#ifndef BLOCK_K
-#define BLOCK_K 32
-#endif
-#ifndef TM
-#define TM 4
-#endif
-#ifndef TN
-#define TN 4
+// The tile and its tunables, #defined by the launcher from gemm_configs.json.
+#if !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(BLOCK_K) || !defined(TM) || !defined(TN)
+#error "v3: the launcher #defines the tile (gemm_configs.kernel_defines)"
 #endif
 
 #define V3_THREADS ((BLOCK_M / TM) * (BLOCK_N / TN))
@@ -107,6 +96,23 @@ __device__ __forceinline__ void gg_store_transposed(const uint4 (&chunks)[kLoads
     }
 }
 
+// f(i, j, s, n) for each output of thread (tx, ty)'s TM x TN micro-tile that exists: row i in a
+// live slot s, column n = n0 + tx TN + j below N.
+template <typename F>
+__device__ __forceinline__ void gg_for_outputs(const int* s_slot, int tx, int ty, int n0, int N,
+                                               int num_slots, F&& f) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const int s = s_slot[ty * TM + i];
+        if (!gg_live(s, num_slots)) continue;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+            const int n = n0 + tx * TN + j;
+            if (n < N) f(i, j, s, n);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(V3_THREADS)
 grouped_gemm_v3(GG_KERNEL_ARGS) {
     __shared__ __align__(16) float As[BLOCK_K][BLOCK_M + V3_PAD];
@@ -129,16 +135,9 @@ grouped_gemm_v3(GG_KERNEL_ARGS) {
 
     const int tx = tid % (BLOCK_N / TN), ty = tid / (BLOCK_N / TN);
     if (e < 0) {                                          // expert not on this rank: zeros
-#pragma unroll
-        for (int i = 0; i < TM; ++i) {
-            const int s = s_slot[ty * TM + i];
-            if (!gg_live(s, num_slots)) continue;
-#pragma unroll
-            for (int j = 0; j < TN; ++j) {
-                const int n = n0 + tx * TN + j;
-                if (n < N) c[(long long)s * N + n] = gg_from_f32<GG_T>(0.0f);
-            }
-        }
+        gg_for_outputs(s_slot, tx, ty, n0, N, num_slots, [&](int, int, int s, int n) {
+            c[(long long)s * N + n] = gg_from_f32<GG_T>(0.0f);
+        });
         return;
     }
 
@@ -193,18 +192,9 @@ grouped_gemm_v3(GG_KERNEL_ARGS) {
         __syncthreads();                                  // before the next store overwrites
     }
 
-#pragma unroll
-    for (int i = 0; i < TM; ++i) {
-        const int s = s_slot[ty * TM + i];
-        if (!gg_live(s, num_slots)) continue;
-#pragma unroll
-        for (int j = 0; j < TN; ++j) {
-            const int n = n0 + tx * TN + j;
-            if (n < N) {
-                const float out = gg_epilogue(acc[i][j], e, n, s, N, bias, bias_kind,
-                                              topk_weights, mul_routed_weight);
-                c[(long long)s * N + n] = gg_from_f32<GG_T>(out);
-            }
-        }
-    }
+    gg_for_outputs(s_slot, tx, ty, n0, N, num_slots, [&](int i, int j, int s, int n) {
+        const float out = gg_epilogue(acc[i][j], e, n, s, N, bias, bias_kind, topk_weights,
+                                      mul_routed_weight);
+        c[(long long)s * N + n] = gg_from_f32<GG_T>(out);
+    });
 }

@@ -42,30 +42,16 @@
 //     v4  gemm_v4_mma.cu       tensor cores: mma.sync m16n8k16, ldmatrix, cp.async   <- this file
 //     v5  gemm_v5_wgmma.cu     (stretch, opt-in) Hopper wgmma from shared-memory descriptors
 // Run:  python -m cuda_kernels.cupy.gemm --versions v4
-// Check the machine code: nvcc -arch=sm_90 -cubin -Xptxas -v -DGG_T=__nv_bfloat16 \
-//        -I. gemm_v4_mma.cu -o v4.cubin && cuobjdump -sass v4.cubin | grep -cE 'HMMA|LDSM|LDGSTS'
+// Check the machine code (a config of gemm_configs.json as -D flags):
+//     nvcc -arch=sm_90 -cubin -Xptxas -v -DGG_T=__nv_bfloat16 -DBLOCK_M=64 -DBLOCK_N=64 \
+//          -DBLOCK_K=64 -DWARPS_M=2 -DWARPS_N=2 -DSTAGES=3 -DGROUP_M=8 -I. gemm_v4_mma.cu \
+//          -o v4.cubin && cuobjdump -sass v4.cubin | grep -cE 'HMMA|LDSM|LDGSTS'
 #include "gemm_common.cuh"
 
-#ifndef BLOCK_M
-#define BLOCK_M 64
-#endif
-#ifndef BLOCK_N
-#define BLOCK_N 64
-#endif
-#ifndef BLOCK_K
-#define BLOCK_K 64
-#endif
-#ifndef WARPS_M
-#define WARPS_M 2
-#endif
-#ifndef WARPS_N
-#define WARPS_N 2
-#endif
-#ifndef STAGES
-#define STAGES 3
-#endif
-#ifndef GROUP_M
-#define GROUP_M 8
+// The tile and its tunables, #defined by the launcher from gemm_configs.json.
+#if !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(BLOCK_K) || !defined(WARPS_M) || \
+    !defined(WARPS_N) || !defined(STAGES) || !defined(GROUP_M)
+#error "v4: the launcher #defines the tile (gemm_configs.kernel_defines)"
 #endif
 
 #define V4_THREADS (WARPS_M * WARPS_N * 32)

@@ -53,24 +53,15 @@
 // Run:  python -m cuda_kernels.cupy.gemm --versions v4,v5
 // Check the machine code (HGMMA must appear):
 //     nvcc -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -DGG_T=__nv_bfloat16 \
-//          -DGG_AB=bf16 -I. gemm_v5_wgmma.cu -o v5.cubin && cuobjdump -sass v5.cubin | grep -c HGMMA
+//          -DGG_AB=bf16 -DBLOCK_M=128 -DBLOCK_N=128 -DBLOCK_K=64 -DSTAGES=4 -DGROUP_M=8 -I. \
+//          gemm_v5_wgmma.cu -o v5.cubin && cuobjdump -sass v5.cubin | grep -c HGMMA
 #include "gemm_common.cuh"
 #include "gemm_wgmma.cuh"
 
-#ifndef BLOCK_M
-#define BLOCK_M 128
-#endif
-#ifndef BLOCK_N
-#define BLOCK_N 128
-#endif
-#ifndef BLOCK_K
-#define BLOCK_K 64
-#endif
-#ifndef STAGES
-#define STAGES 4
-#endif
-#ifndef GROUP_M
-#define GROUP_M 8
+// The tile and its tunables, #defined by the launcher from gemm_configs.json.
+#if !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(BLOCK_K) || !defined(STAGES) || \
+    !defined(GROUP_M)
+#error "v5: the launcher #defines the tile (gemm_configs.kernel_defines)"
 #endif
 
 #define V5_THREADS ((BLOCK_M / 64) * 128)

@@ -77,33 +77,17 @@
 //              --tokens 1024,4096,16384 --versions v4,v5,v6       (the models, L2 flushed)
 // Check the machine code (HGMMA and UTMALDG must appear, no local memory):
 //     nvcc -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -DGG_T=__nv_bfloat16 \
-//          -DGG_AB=bf16 -I. gemm_v6_tma_ws.cu -o v6.cubin && cuobjdump -sass v6.cubin | grep -c HGMMA
+//          -DGG_AB=bf16 -DBLOCK_M=128 -DBLOCK_N=256 -DBLOCK_K=64 -DSTAGES=4 -DCONSUMERS=2 \
+//          -DGROUP_M=8 -DPRODUCER_REGS=56 -DCONSUMER_REGS=224 -I. gemm_v6_tma_ws.cu -o v6.cubin \
+//          && cuobjdump -sass v6.cubin | grep -c HGMMA
 #include "gemm_common.cuh"
 #include "gemm_wgmma.cuh"
 
-#ifndef BLOCK_M
-#define BLOCK_M 128
-#endif
-#ifndef BLOCK_N
-#define BLOCK_N 256
-#endif
-#ifndef BLOCK_K
-#define BLOCK_K 64
-#endif
-#ifndef STAGES
-#define STAGES 4
-#endif
-#ifndef CONSUMERS
-#define CONSUMERS 2
-#endif
-#ifndef GROUP_M
-#define GROUP_M 8
-#endif
-#ifndef PRODUCER_REGS
-#define PRODUCER_REGS 56
-#endif
-#ifndef CONSUMER_REGS
-#define CONSUMER_REGS 224
+// The tile and its tunables, #defined by the launcher from gemm_configs.json.
+#if !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(BLOCK_K) || !defined(STAGES) || \
+    !defined(CONSUMERS) || !defined(GROUP_M) || !defined(PRODUCER_REGS) || \
+    !defined(CONSUMER_REGS)
+#error "v6: the launcher #defines the tile (gemm_configs.kernel_defines)"
 #endif
 
 #define V6_THREADS ((1 + CONSUMERS) * 128)

@@ -76,6 +76,17 @@ __device__ __forceinline__ bool qg_live(int s, int num_slots) {
     return (unsigned)s < (unsigned)num_slots;
 }
 
+// The int4 rungs' magic number: the 16-bit float 128 (bf16) or 1024 (fp16) in both halves of
+// a word, whose mantissa's ulp is 1. OR-ing a code q (< 16) into a half's low bits makes the
+// float 128 + q (1024 + q) exactly: two codes dequantized by one lop3, no int -> float convert.
+#if ELEM_BF16
+#define QG_MAGIC 0x43004300u
+#else
+#define QG_MAGIC 0x64006400u
+#endif
+// the pair (magic + q, magic + q): a zero point q (< 256) in both halves, exact
+__device__ __forceinline__ u32 qg_magic_pair(u32 q) { return QG_MAGIC | (q * 0x00010001u); }
+
 __device__ __forceinline__ float qg_fp8_to_f32(u8 b) {
     __nv_fp8_e4m3 v;
     v.__x = b;
@@ -271,6 +282,30 @@ __device__ __forceinline__ void qg_copy_a_tile(u8* dst, const T* a, const int* s
     }
 }
 
+// The cp.async ring of the tiled rungs, STAGES K tiles deep; load(stage, kt) issues the copies
+// of K tile kt into a stage. One commit group per tile, even an empty one, keeps "at most
+// STAGES - 2 groups pending" meaning "tile kt has landed". qg_ring_fill: the first STAGES - 1
+// tiles; qg_ring_step: wait for tile kt (this thread's copies, then everyone's: a barrier, after
+// which the stage of tile kt - 1 is free) and refill that stage with tile kt + STAGES - 1.
+// Returns the stage of tile kt.
+template <int STAGES, typename Load>
+__device__ __forceinline__ void qg_ring_fill(int KT, Load&& load) {
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < KT) load(st, st);
+        qg_commit();
+    }
+}
+template <int STAGES, typename Load>
+__device__ __forceinline__ int qg_ring_step(int kt, int KT, Load&& load) {
+    qg_wait<STAGES - 2>();
+    __syncthreads();
+    const int nk = kt + STAGES - 1;
+    if (nk < KT) load(nk % STAGES, nk);
+    qg_commit();
+    return kt % STAGES;
+}
+
 // The A fragment of one k step of an m16 tile whose row g, k byte 4t is at p (rows of ROW
 // bytes): a[0] row g, a[1] row g + 8, a[2] / a[3] the same 16 bytes further. One 32-bit shared
 // load each; the same bytes for m16n8k32 (8-bit codes) and m16n8k16 (16-bit elements).
@@ -280,6 +315,23 @@ __device__ __forceinline__ void qg_load_frag_a(u32 (&af)[4], const u8* p) {
     af[1] = *reinterpret_cast<const u32*>(p + 8 * ROW);
     af[2] = *reinterpret_cast<const u32*>(p + 16);
     af[3] = *reinterpret_cast<const u32*>(p + 8 * ROW + 16);
+}
+
+// The epilogue's rows: f(mi, h, r, s) for each row of this thread's accumulators (rows g and
+// g + 8 of each of the MI m16 fragments of the warp tile from tile row row0: the m16n8 layout)
+// whose slot s is live; r is its tile row.
+template <int MI, typename F>
+__device__ __forceinline__ void qg_for_live_rows(const int* sSlot, int row0, int g, int num_slots,
+                                                 F&& f) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row0 + mi * 16 + g + h * 8;
+            const int s = sSlot[r];
+            if (qg_live(s, num_slots)) f(mi, h, r, s);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------- decode rungs (v3)

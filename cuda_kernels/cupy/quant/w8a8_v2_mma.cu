@@ -93,25 +93,14 @@ w8a8_v2_mma(QG_W8A8_ARGS) {
         }
     };
 
-#pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < KB) load_stage(st, st);
-        qg_commit();                                 // one group per stage, even when empty
-    }
+    qg_ring_fill<STAGES>(KB, load_stage);
 
     const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
     float acc[MI][NI][4] = {};
 
     for (int kt = 0; kt < KB; ++kt) {
-        qg_wait<STAGES - 2>();                       // tile kt has landed (for this thread)
-        __syncthreads();                             // ... for every thread; stage kt-1 is free
-        {
-            const int nk = kt + STAGES - 1;
-            if (nk < KB) load_stage(nk % STAGES, nk);
-            qg_commit();
-        }
-        const int st = kt % STAGES;
+        const int st = qg_ring_step<STAGES>(kt, KB, load_stage);   // tile kt has landed
         const u8* tA = sA + st * BM * ROW + (wm * WM) * ROW;
         const u8* tW = sW + st * BN * ROW + (wn * WN) * ROW;
         part_t part[MI][NI][4] = {};
@@ -150,26 +139,19 @@ w8a8_v2_mma(QG_W8A8_ARGS) {
     }
     qg_wait<0>();                                    // no copy outlives the CTA
 
+    qg_for_live_rows<MI>(sSlot, wm * WM, g, num_slots, [&](int mi, int h, int r, int s) {
+        float sa = 1.f;
+        if (!BLOCKWISE) sa = a_scale_kind == 0 ? a_scale[0] : a_scale[sArow[r]];
 #pragma unroll
-    for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = wm * WM + mi * 16 + g + h * 8;
-            const int s = sSlot[r];
-            if (!qg_live(s, num_slots)) continue;
-            float sa = 1.f;
-            if (!BLOCKWISE) sa = a_scale_kind == 0 ? a_scale[0] : a_scale[sArow[r]];
-#pragma unroll
-            for (int ni = 0; ni < NI; ++ni) {
-                const int n = n0 + wn * WN + ni * 8 + 2 * t;
-                float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
-                if (!BLOCKWISE && n < N) {
-                    const float* ws_row = w_scale + (long long)e * N;
-                    v0 *= sa * (w_scale_kind == 0 ? w_scale[e] : ws_row[n]);
-                    if (n + 1 < N) v1 *= sa * (w_scale_kind == 0 ? w_scale[e] : ws_row[n + 1]);
-                }
-                qg_store_pair(c, s, n, N, v0, v1, e, bias, topk_weights, mul_routed_weight);
+        for (int ni = 0; ni < NI; ++ni) {
+            const int n = n0 + wn * WN + ni * 8 + 2 * t;
+            float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
+            if (!BLOCKWISE && n < N) {
+                const float* ws_row = w_scale + (long long)e * N;
+                v0 *= sa * (w_scale_kind == 0 ? w_scale[e] : ws_row[n]);
+                if (n + 1 < N) v1 *= sa * (w_scale_kind == 0 ? w_scale[e] : ws_row[n + 1]);
             }
+            qg_store_pair(c, s, n, N, v0, v1, e, bias, topk_weights, mul_routed_weight);
         }
-    }
+    });
 }

@@ -88,11 +88,7 @@ wna16_v2_mma(QG_WNA16_ARGS) {
         }
     };
 
-#pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < KT) load_stage(st, st);
-        qg_commit();
-    }
+    qg_ring_fill<STAGES>(KT, load_stage);
 
     const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
@@ -127,14 +123,7 @@ wna16_v2_mma(QG_WNA16_ARGS) {
                 zo[ni][j] = 8388608.f + (float)(w_zp != nullptr ? (int)__ldg(w_zp + nrow[ni] + gi)
                                                                 : default_zp);
             }
-        qg_wait<STAGES - 2>();
-        __syncthreads();
-        {
-            const int nk = kt + STAGES - 1;
-            if (nk < KT) load_stage(nk % STAGES, nk);
-            qg_commit();
-        }
-        const int st = kt % STAGES;
+        const int st = qg_ring_step<STAGES>(kt, KT, load_stage);   // tile kt has landed
         const u8* tA = sA + st * BM * AROW + (wm * WM) * AROW;
         const u8* tW = sW + st * BN * WROW + (wn * WN) * WROW;
 #pragma unroll
@@ -178,19 +167,12 @@ wna16_v2_mma(QG_WNA16_ARGS) {
     }
     qg_wait<0>();
 
+    qg_for_live_rows<MI>(sSlot, wm * WM, g, num_slots, [&](int mi, int h, int, int s) {
 #pragma unroll
-    for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = wm * WM + mi * 16 + g + h * 8;
-            const int s = sSlot[r];
-            if (!qg_live(s, num_slots)) continue;
-#pragma unroll
-            for (int ni = 0; ni < NI; ++ni) {
-                const int n = n0 + wn * WN + ni * 8 + 2 * t;
-                qg_store_pair(c, s, n, N, acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1], e, bias,
-                              topk_weights, mul_routed_weight);
-            }
+        for (int ni = 0; ni < NI; ++ni) {
+            const int n = n0 + wn * WN + ni * 8 + 2 * t;
+            qg_store_pair(c, s, n, N, acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1], e, bias,
+                          topk_weights, mul_routed_weight);
         }
-    }
+    });
 }

@@ -52,11 +52,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)   // MINB CTAs per SM: caps 
 wna16_v3_gemv(QG_WNA16_ARGS) {
     constexpr int BM = 8 * MT;
     constexpr int NT = WARPS * 32;
-#if ELEM_BF16
-    constexpr u32 MAGIC = 0x43004300u;            // bf16 128.0 twice: mantissa ulp 1
-#else
-    constexpr u32 MAGIC = 0x64006400u;            // fp16 1024.0 twice: mantissa ulp 1
-#endif
     extern __shared__ __align__(16) u8 smem[];
     float* sRed = reinterpret_cast<float*>(smem);               // [WARPS][BM][16]
     int* sArow = reinterpret_cast<int*>(sRed + WARPS * BM * 16);  // [BM] a row, -1 padding
@@ -111,8 +106,8 @@ wna16_v3_gemv(QG_WNA16_ARGS) {
                 sc[u][1] = __ldg(w_scale + srow1 + gi);
                 const u32 z0 = w_zp != nullptr ? (u32)__ldg(w_zp + srow0 + gi) : (u32)default_zp;
                 const u32 z1 = w_zp != nullptr ? (u32)__ldg(w_zp + srow1 + gi) : (u32)default_zp;
-                zo[u][0] = MAGIC | (z0 * 0x00010001u);          // (128 + zp) twice: exact
-                zo[u][1] = MAGIC | (z1 * 0x00010001u);
+                zo[u][0] = qg_magic_pair(z0);                    // (128 + zp) twice: exact
+                zo[u][1] = qg_magic_pair(z1);
             }
         }
 #pragma unroll
@@ -129,7 +124,7 @@ wna16_v3_gemv(QG_WNA16_ARGS) {
                     for (int h = 0; h < 2; ++h)
 #pragma unroll
                         for (int i = 0; i < 4; ++i)
-                            q[h][i] = qg_sub2(((wq[u][h][j] >> (4 * i)) & 0x000F000Fu) | MAGIC,
+                            q[h][i] = qg_sub2(((wq[u][h][j] >> (4 * i)) & 0x000F000Fu) | QG_MAGIC,
                                               zo[u][h]);
 #pragma unroll
                     for (int jt = 0; jt < MT; ++jt) {

@@ -191,12 +191,7 @@ wna16_v6_wgmma(W16_PACKED_ARGS, int groups_per_cta, int chunks_per_split,
     // the aligned word holding rows g & ~1 and g | 1's zero points (cp.async takes 4 bytes)
     const unsigned short* zexp = zp != nullptr ? zp + (size_t)e * ntiles * num_groups * 8 +
                                                  (g & ~1) : nullptr;
-#if ELEM_BF16
-    constexpr u32 MAGIC = 0x43004300u;
-#else
-    constexpr u32 MAGIC = 0x64006400u;
-#endif
-    const u32 zdef = MAGIC | ((u32)default_zp * 0x00010001u);
+    const u32 zdef = qg_magic_pair((u32)default_zp);
     const int cpg_mask = (1 << chunk_shift) - 1;  // chunk & cpg_mask == 0: a group's first
     // dynamic shared memory: S activation stages, then the warps' weight rings:
     // [4 warps][D][RB][32 lanes] uint4 codes, float2 scales, u32 zero-point words
@@ -297,7 +292,7 @@ wna16_v6_wgmma(W16_PACKED_ARGS, int groups_per_cta, int chunks_per_split,
         int stage = 0, slot = 0;                  // this item's activation stage, weight slot
 
         // row group r of the item in slot `slot` -> A[r]: 128 + q minus 128 + zp, times s (at
-        // a group's first chunk, its scales and zero points: (s, s) and (MAGIC + zp) pairs of
+        // a group's first chunk, its scales and zero points: (s, s) and (QG_MAGIC + zp) pairs of
         // rows g and g + 8, kept for the group)
         u32 dq[RB][4];
         auto dequantize = [&](int r, bool first) {
@@ -308,8 +303,8 @@ wna16_v6_wgmma(W16_PACKED_ARGS, int groups_per_cta, int chunks_per_split,
                 u32 zl = zdef, zh = zdef;
                 if (zexp != nullptr) {
                     const u32 z = ring_z[at] >> (16 * (g & 1));
-                    zl = MAGIC | ((z & 0xFFu) * 0x00010001u);
-                    zh = MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u);
+                    zl = qg_magic_pair(z & 0xFFu);
+                    zh = qg_magic_pair((z >> 8) & 0xFFu);
                 }
                 dq[r][0] = w16::pack2(s2.x, s2.x);
                 dq[r][1] = w16::pack2(s2.y, s2.y);
@@ -323,10 +318,10 @@ wna16_v6_wgmma(W16_PACKED_ARGS, int groups_per_cta, int chunks_per_split,
                 const u32 wl = m < 2 ? x.x : x.z, wh = m < 2 ? x.y : x.w;
                 const int p = 2 * (m & 1);
                 const u32 mk = 0x000F000Fu;
-                A[r][m][0] = w16::deq2(w16::and_or(wl >> (4 * p), mk, MAGIC), zl, sl);
-                A[r][m][1] = w16::deq2(w16::and_or(wh >> (4 * p), mk, MAGIC), zh, sh);
-                A[r][m][2] = w16::deq2(w16::and_or(wl >> (4 * p + 4), mk, MAGIC), zl, sl);
-                A[r][m][3] = w16::deq2(w16::and_or(wh >> (4 * p + 4), mk, MAGIC), zh, sh);
+                A[r][m][0] = w16::deq2(w16::and_or(wl >> (4 * p), mk, QG_MAGIC), zl, sl);
+                A[r][m][1] = w16::deq2(w16::and_or(wh >> (4 * p), mk, QG_MAGIC), zh, sh);
+                A[r][m][2] = w16::deq2(w16::and_or(wl >> (4 * p + 4), mk, QG_MAGIC), zl, sl);
+                A[r][m][3] = w16::deq2(w16::and_or(wh >> (4 * p + 4), mk, QG_MAGIC), zh, sh);
             }
         };
         // one item (chunk cc): its copies, the previous item's wgmma batch done (A is free, and
