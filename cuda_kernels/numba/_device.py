@@ -452,17 +452,11 @@ if not SIMULATOR:
 
     @overload(round_as, target="cuda", jit_options=_INLINE)
     def _round_as_cuda(arr, v):
-        if _is_bf16_bits(arr.dtype):
-            def impl(arr, v):
-                return round_bf16(v)
-            return impl
-        if arr.dtype == nbtypes.float16:
-            def impl(arr, v):
-                return round_f16(v)
-            return impl
+        rounding = (round_bf16 if _is_bf16_bits(arr.dtype)
+                    else round_f16 if arr.dtype == nbtypes.float16 else round_f32)
 
         def impl(arr, v):
-            return float32(v)
+            return rounding(v)
         return impl
 
 
