@@ -286,7 +286,8 @@ def swizzle128(r, c):
 
 
 def desc128(addr):
-    """gg_desc128 of v6 (v5's gg_desc with 128-byte swizzle) as a Python int."""
+    """wg_desc_swizzled<128> (wgmma_operands.cuh: v5's and v6's descriptor of 128-byte rows)
+    as a Python int."""
     return ((addr & 0x3FFFF) >> 4) | (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)
 
 
