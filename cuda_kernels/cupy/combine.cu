@@ -25,7 +25,7 @@
 //   block, tunable);
 //   template VEC in {1, 2, 4, 8}. Versions: v1 (this file). Run: python -m cuda_kernels.cupy.combine
 
-// to_f32, from_f32, Pack, load, store
+// to_f32, from_f32, Pack, load, store, row_chunk, add_f32
 #include "elementwise.cuh"
 
 #ifndef SCALAR_T

@@ -33,7 +33,7 @@
 //   (align.py CONFIGS["group"]), ROW_WARPS, UNPERMUTE_THREADS (permute.py CONFIGS);
 //   templates V, VEC. Run: python -m cuda_kernels.cupy.permute
 
-// to_f32, from_f32, Pack, load, store
+// to_f32, from_f32, Pack, load, store, row_chunk, add_f32
 #include "elementwise.cuh"
 
 #ifndef SCALAR_T
