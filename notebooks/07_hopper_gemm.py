@@ -254,10 +254,14 @@ print(f"budget: {SMEM_BYTES_PER_CLK} B/clk / {FMA_PER_CLK:.0f} FMA/clk = {BUDGET
 # a 64×N fp32 accumulator spread over the 128 threads' registers (`N/2` each). Both
 # operands come **straight from shared memory** through two 64-bit *matrix descriptors*:
 # no `ldmatrix`, no fragments in registers. The inline PTX names the accumulator registers
-# (`wgmma_operands.cuh` spells the 128 of them out) and the two descriptors:
+# (`wgmma_operands.cuh` spells the 128 of them out) and the two descriptors; v5 and v6 take
+# their three widths from `gemm_wgmma.cuh`:
 
 # %%
-workshop.show_source(V5, "// d[128] (this thread's part of the 64 x 256 fp32 accumulator)")
+workshop.show_source("cuda_kernels/cupy/wgmma_operands.cuh", "#define WG_MMA_SS(",
+                     stop="// One wgmma with A from registers")
+workshop.show_source("cuda_kernels/cupy/gemm_wgmma.cuh", "#define GG_WGMMA_K16",
+                     stop="// the wgmma of an N-wide accumulator")
 
 # %% [markdown]
 # ### The descriptor and the 128-byte swizzle
@@ -269,7 +273,8 @@ workshop.show_source(V5, "// d[128] (this thread's part of the 64 x 256 fp32 acc
 # `c` is stored at chunk `c XOR (row mod 8)`:
 
 # %%
-workshop.show_source(V5, "// The matrix descriptor of a K-major swizzled operand")
+workshop.show_source("cuda_kernels/cupy/wgmma_operands.cuh",
+                     "// The matrix descriptor of a K-major operand tile")
 workshop.show_source(V5, "// Byte offset of (row r, 16-byte k chunk c) inside an operand tile")
 
 
@@ -281,7 +286,8 @@ def swizzle128(r, c):
 
 
 def desc128(addr):
-    """gg_desc128 of v6 (v5's gg_desc with 128-byte swizzle) as a Python int."""
+    """wg_desc_swizzled<128> (wgmma_operands.cuh: v5's and v6's descriptor of 128-byte rows)
+    as a Python int."""
     return ((addr & 0x3FFFF) >> 4) | (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)
 
 
@@ -336,6 +342,7 @@ workshop.show(fig, "swizzle")
 
 # %%
 workshop.show_source(V5, "for (int t = 0; t < num_k_tiles; ++t) {", max_lines=30)
+workshop.show_source("cuda_kernels/cupy/gemm_wgmma.cuh", "// One batch of wgmma over a stage")
 
 # %% [markdown]
 # What v5 still shares with v4: every warp both copies and computes, the CTA synchronises
@@ -629,7 +636,7 @@ if workshop.nvrtc_ready():
 # %%
 workshop.show_source(V6, "const int ntpp = __ldg(num_tokens_post_padded);",
                      end="const int num_k_tiles")
-workshop.show_source(V6, "// Tile t of the persistent walk")
+workshop.show_source("cuda_kernels/cupy/gemm_common.cuh", "// Tile t of the grouped order")
 
 # %% [markdown]
 # The order: groups of `GROUP_M` m tiles, **m fastest** inside a group. At any moment the

@@ -202,8 +202,6 @@ WGMMA_EMU = r"""
 inline unsigned fw_smem(const void* p) { return (unsigned)((const unsigned char*)p - g_smem); }
 inline void fw_cp16(unsigned dst, const void* src, bool pred) { qg_cp16(g_smem + dst, src, pred); }
 inline void fw_cp4(unsigned dst, const void* src, bool pred) { qg_cp4(g_smem + dst, src, pred); }
-inline void fw_commit() { qg_commit(); }
-template <int N> inline void fw_wait() { qg_wait<N>(); }
 inline void wg_fence_proxy_async() {}
 inline void wg_fence() {}
 inline void wg_commit() {}

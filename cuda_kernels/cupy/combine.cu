@@ -25,7 +25,7 @@
 //   block, tunable);
 //   template VEC in {1, 2, 4, 8}. Versions: v1 (this file). Run: python -m cuda_kernels.cupy.combine
 
-// to_f32, from_f32, Pack, load, store
+// to_f32, from_f32, Pack, load, store, row_chunk, add_f32
 #include "elementwise.cuh"
 
 #ifndef SCALAR_T
@@ -40,20 +40,14 @@ __global__ void __launch_bounds__(SUM_THREADS)
 moe_sum_kernel(const SCALAR_T* __restrict__ x,  // [T, K, H]
                SCALAR_T* __restrict__ out,      // [T, H]
                int T, int K, int H, int chunks) {
-    const int t = blockIdx.x / chunks;
-    const int col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
+    int t, col;
+    row_chunk<VEC>(chunks, t, col);
     if (t >= T || col >= H) return;  // H % VEC == 0 (combine.py)
     const SCALAR_T* src = x + (size_t)t * K * H + col;
-    float acc[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+    float acc[VEC] = {};
 #pragma unroll 4
-    for (int k = 0; k < K; ++k) {
-        const Pack<SCALAR_T, VEC> v = load<VEC>(src + (size_t)k * H);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[j] = __fadd_rn(acc[j], to_f32(v.v[j]));
-    }
-    Pack<SCALAR_T, VEC> o;
+    for (int k = 0; k < K; ++k) add_f32(acc, load<VEC>(src + (size_t)k * H));
+    Pack<SCALAR_T, VEC> o;                      // rounded once
 #pragma unroll
     for (int j = 0; j < VEC; ++j) from_f32(acc[j], &o.v[j]);
     store<VEC>(out + (size_t)t * H + col, o);
@@ -67,21 +61,17 @@ moe_sum_live_kernel(const SCALAR_T* __restrict__ x,  // [T, K, H]
                     int map_len,
                     SCALAR_T* __restrict__ out,      // [T, H]
                     int T, int K, int H, int chunks) {
-    const int t = blockIdx.x / chunks;
-    const int col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
+    int t, col;
+    row_chunk<VEC>(chunks, t, col);
     if (t >= T || col >= H) return;
     const SCALAR_T* src = x + (size_t)t * K * H + col;
-    float acc[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+    float acc[VEC] = {};
     for (int k = 0; k < K; ++k) {
         const int e = ids[(size_t)t * K + k];
         if (e < 0 || (emap != nullptr && (e >= map_len || emap[e] < 0))) continue;
-        const Pack<SCALAR_T, VEC> v = load<VEC>(src + (size_t)k * H);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[j] = __fadd_rn(acc[j], to_f32(v.v[j]));
+        add_f32(acc, load<VEC>(src + (size_t)k * H));
     }
-    Pack<SCALAR_T, VEC> o;
+    Pack<SCALAR_T, VEC> o;                      // rounded once
 #pragma unroll
     for (int j = 0; j < VEC; ++j) from_f32(acc[j], &o.v[j]);
     store<VEC>(out + (size_t)t * H + col, o);

@@ -1,5 +1,5 @@
 // elementwise.cuh: what the row-wise elementwise kernels share (activation.cu, combine.cu,
-// permute.cu's moe_unpermute_kernel).
+// permute.cu's moe_unpermute_kernel, ep_layout.cu's ep_combine_kernel).
 //
 // Included (inlined by _compile.source_text) by those files. It holds:
 //   - to_f32 / from_f32: every value is read into fp32 and rounded once on the way out
@@ -7,7 +7,9 @@
 //   - Pack<T, VEC>: VEC consecutive elements as one aligned word, and load<VEC> / store<VEC>
 //     through it: VEC * sizeof(T) = 16 bytes gives one 128-bit load or store per thread.
 //     The launcher (_compile.row_geometry) picks VEC so that the row width and every base
-//     pointer are multiples of VEC * sizeof(T): the reinterpret_cast is then aligned.
+//     pointer are multiples of VEC * sizeof(T): the reinterpret_cast is then aligned;
+//   - the row sums' pieces (combine, unpermute, the EP combine): row_chunk (a thread's row and
+//     first column) and add_f32 (acc += row or w * row in fp32, in order).
 // No macros: the element type is a template argument, so a file may use it with its own
 // SCALAR_T.
 #pragma once
@@ -35,4 +37,26 @@ __device__ __forceinline__ Pack<T, VEC> load(const T* p) {
 template <int VEC, typename T>
 __device__ __forceinline__ void store(T* p, const Pack<T, VEC>& v) {
     *reinterpret_cast<Pack<T, VEC>*>(p) = v;
+}
+
+// The row t and first column col of this thread: blocks of `chunks` per row, VEC columns per
+// thread (the row-wise launchers' flattened grid, t = block / chunks).
+template <int VEC>
+__device__ __forceinline__ void row_chunk(int chunks, int& t, int& col) {
+    t = blockIdx.x / chunks;
+    col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
+}
+
+// acc[j] += v[j] (or w * v[j]) in fp32, each operation rounded to nearest (__fadd_rn, __fmul_rn:
+// no contraction into an fma and no reassociation, so a sum taken in order is bitwise the
+// reference's)
+template <int VEC, typename T>
+__device__ __forceinline__ void add_f32(float (&acc)[VEC], const Pack<T, VEC>& v) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = __fadd_rn(acc[j], to_f32(v.v[j]));
+}
+template <int VEC, typename T>
+__device__ __forceinline__ void add_f32(float (&acc)[VEC], float w, const Pack<T, VEC>& v) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, to_f32(v.v[j])));
 }

@@ -59,8 +59,10 @@
 //   moe_permute, a metadata gather; sandbox/ep/dispatch.py impl="stages") is kept beside it.
 // Run: python -m cuda_kernels.cupy.ep_layout
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+// to_f32, from_f32, Pack, load, store, add_f32
+#include "elementwise.cuh"
+// warp_inclusive_scan (and FULL_MASK)
+#include "grouping.cuh"
 
 #ifndef SCALAR_T
 #define SCALAR_T float
@@ -78,13 +80,6 @@
 #define COUNT_THREADS 256
 #endif
 #define MAX_S 32
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void from_f32(float v, float* out) { *out = v; }
-__device__ __forceinline__ void from_f32(float v, __half* out) { *out = __float2half_rn(v); }
-__device__ __forceinline__ void from_f32(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
 
 // The ranks token t visits, as a bit mask (ids outside [0, W epr) visit nothing).
 __device__ __forceinline__ unsigned token_mask(const int* __restrict__ ids_t, int K, int W, int epr) {
@@ -108,22 +103,11 @@ __device__ __forceinline__ int slot_bucket(int e, int W, int epr) {
 // 1024); `scratch` holds 32 ints. Ends with a barrier, so scratch can be reused at once.
 __device__ int block_inclusive_scan(int v, int* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const int u = __shfl_up_sync(0xffffffffu, v, d);
-        if (lane >= d) v += u;
-    }
+    v = warp_inclusive_scan(v, lane);
     if (lane == 31) scratch[warp] = v;
     __syncthreads();
-    if (warp == 0) {
-        int s = lane < nwarps ? scratch[lane] : 0;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const int u = __shfl_up_sync(0xffffffffu, s, d);
-            if (lane >= d) s += u;
-        }
-        scratch[lane] = s;  // inclusive totals of warps 0..lane
-    }
+    if (warp == 0)    // inclusive totals of warps 0..lane
+        scratch[lane] = warp_inclusive_scan(lane < nwarps ? scratch[lane] : 0, lane);
     __syncthreads();
     if (warp > 0) v += scratch[warp - 1];
     __syncthreads();
@@ -297,11 +281,6 @@ ep_gather_kernel(const V* __restrict__ x,            // [T, row_words]
 }
 
 // ============================================================================ combine
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-    T v[VEC];
-};
-
 template <int VEC>
 __global__ void __launch_bounds__(COMBINE_THREADS)
 ep_combine_kernel(const SCALAR_T* __restrict__ y,      // [n, H] rows in send order
@@ -312,22 +291,17 @@ ep_combine_kernel(const SCALAR_T* __restrict__ y,      // [n, H] rows in send or
     const int t = t_begin + blockIdx.x / chunks;
     const int col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
     if (t >= T || col >= H) return;  // H % VEC == 0 on this path (ep_layout.py)
-    float acc[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+    float acc[VEC] = {};
     for (int s = 0; s < S; ++s) {
         const int r = inv[(size_t)t * S + s];
         if (r >= n) continue;   // "nowhere": never sent, adds nothing
         const float ws = w != nullptr ? w[(size_t)t * S + s] : 1.0f;
-        const Pack<SCALAR_T, VEC> v =
-            *reinterpret_cast<const Pack<SCALAR_T, VEC>*>(y + (size_t)r * H + col);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(ws, to_f32(v.v[j])));
+        add_f32(acc, ws, load<VEC>(y + (size_t)r * H + col));
     }
-    Pack<SCALAR_T, VEC> o;
+    Pack<SCALAR_T, VEC> o;                          // rounded once
 #pragma unroll
     for (int j = 0; j < VEC; ++j) from_f32(acc[j], &o.v[j]);
-    *reinterpret_cast<Pack<SCALAR_T, VEC>*>(out + (size_t)t * H + col) = o;
+    store<VEC>(out + (size_t)t * H + col, o);
 }
 
 // ============================================================================ EPLB load

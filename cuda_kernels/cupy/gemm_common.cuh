@@ -1,12 +1,15 @@
 // gemm_common.cuh: what every rung of the grouped GEMM ladder shares.
 //
-// Included (inlined by _compile.source_text) by gemm_v1_naive.cu, gemm_v2_smem.cu,
-// gemm_v3_regblock.cu, gemm_v4_mma.cu and gemm_v5_wgmma.cu. It holds:
+// Included (inlined by _compile.source_text) by every rung, gemm_v1_naive.cu to
+// gemm_v6_tma_ws.cu. It holds:
 //   - the element type GG_T (a #define from the launcher: float, __half or __nv_bfloat16) and
 //     its conversions to and from fp32;
 //   - gg_epilogue(): the one place where bias and router weight are applied, in fp32, in the
 //     order of docs/stages.md: c[s] = (acc + bias[e]) * topk_weights.flat[s];
-//   - the cp.async wrappers of the pipelined rungs (v4, v5);
+//   - what the tensor-core rungs (v4, v5, v6) share: the grouped tile order gg_tile_of(),
+//     gg_store2() (two outputs rounded into one word), gg_bias_pair() (their epilogue's bias)
+//     and gg_store_tile() (an output tile staged in shared memory to the rows of c);
+//   - the cp.async wrappers of the pipelined rungs (v4, v5, v6);
 //   - gg_load_slots() and gg_zero_tile(): a tile's slot ids, and the zeros of a tile whose
 //     expert is not on this rank;
 //   - the kernel argument list, identical for every version, so that the Python launcher
@@ -134,5 +137,67 @@ __device__ __forceinline__ void gg_load_slots(int* s_slot, const int* __restrict
     for (int r = tid; r < kRows; r += kThreads) {
         const int p = m0 + r;
         s_slot[r] = p < num_positions ? sorted_token_ids[p] : num_slots;
+    }
+}
+
+// ---------------------------------------------------------- the tensor-core rungs (v4, v5, v6)
+// Tile t of the grouped order: groups of kGroupM m tiles walk all n tiles together, m fastest
+// inside a group, so the CTAs that run at the same time share a few w column slabs and a rows
+// in L2 (v4, v5: t = blockIdx.x over all m tiles; v6: its persistent walk over the live ones).
+template <int kGroupM>
+__device__ __forceinline__ void gg_tile_of(int t, int num_pid_m, int num_pid_n, int& pid_m,
+                                           int& pid_n) {
+    const int per_group = kGroupM * num_pid_n;
+    const int first_m = (t / per_group) * kGroupM;
+    const int group_rows = min(num_pid_m - first_m, kGroupM);
+    pid_m = first_m + (t % per_group) % group_rows;
+    pid_n = (t % per_group) / group_rows;
+}
+
+// Two adjacent outputs rounded to GG_T and stored as one 4-byte word.
+__device__ __forceinline__ void gg_store2(__half* p, float x, float y) {
+    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
+}
+__device__ __forceinline__ void gg_store2(__nv_bfloat16* p, float x, float y) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+}
+
+// The bias of columns n and n + 1 of expert e in fp32 (0 past N and without a bias): an
+// accumulator fragment holds two adjacent columns, whose bias the epilogue fetches once.
+__device__ __forceinline__ void gg_bias_pair(const void* __restrict__ bias, int bias_kind, int e,
+                                             int n, int N, float& b0, float& b1) {
+    b0 = 0.0f;
+    b1 = 0.0f;
+    if (bias_kind == 1) {
+        const GG_T* be = static_cast<const GG_T*>(bias) + (long long)e * N;
+        if (n < N) b0 = gg_to_f32(be[n]);
+        if (n + 1 < N) b1 = gg_to_f32(be[n + 1]);
+    } else if (bias_kind == 2) {
+        const float* be = static_cast<const float*>(bias) + (long long)e * N;
+        if (n < N) b0 = be[n];
+        if (n + 1 < N) b1 = be[n + 1];
+    }
+}
+
+// The finished kRows x kCols output tile, staged in shared memory (row stride kStride
+// elements), to c: whole 16-byte pieces of each live row (a warp writes 512 contiguous-ish
+// bytes per step) when the rows of c are 16-byte aligned (vec_out: N % 8 == 0), element by
+// element otherwise; padding rows are never written.
+template <int kRows, int kCols, int kStride, int kThreads>
+__device__ __forceinline__ void gg_store_tile(GG_T* __restrict__ c, const GG_T* sm,
+                                              const int* s_slot, int n0, int N, int num_slots,
+                                              bool vec_out, int tid) {
+    for (int idx = tid; idx < kRows * (kCols / 8); idx += kThreads) {
+        const int r = idx / (kCols / 8), col = (idx % (kCols / 8)) * 8;
+        const int s = s_slot[r];
+        const int n = n0 + col;
+        if (!gg_live(s, num_slots) || n >= N) continue;
+        GG_T* dst = c + (long long)s * N + n;
+        const GG_T* src = sm + r * kStride + col;
+        if (vec_out) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+            for (int j = 0; j < 8 && n + j < N; ++j) dst[j] = src[j];
+        }
     }
 }

@@ -25,11 +25,9 @@
 // Run:  python -m cuda_kernels.cupy.gemm --versions v1   (validates, then times)
 #include "gemm_common.cuh"
 
-#ifndef BLOCK_N
-#define BLOCK_N 64
-#endif
-#ifndef ROWS
-#define ROWS 4
+// The tile and its tunables, #defined by the launcher from gemm_configs.json.
+#if !defined(BLOCK_N) || !defined(ROWS)
+#error "v1: the launcher #defines the tile (gemm_configs.kernel_defines)"
 #endif
 
 extern "C" __global__ void __launch_bounds__(BLOCK_N * ROWS)

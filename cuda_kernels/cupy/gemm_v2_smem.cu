@@ -25,15 +25,11 @@
 // Run:  python -m cuda_kernels.cupy.gemm --versions v2
 #include "gemm_common.cuh"
 
-#ifndef BLOCK_M
-#define BLOCK_M 16
+// The tile and its tunables, #defined by the launcher from gemm_configs.json.
+#if !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(BLOCK_K)
+#error "v2: the launcher #defines the tile (gemm_configs.kernel_defines)"
 #endif
-#ifndef BLOCK_N
-#define BLOCK_N 32
-#endif
-#ifndef BLOCK_K
-#define BLOCK_K 32
-#endif
+
 #define V2_THREADS (BLOCK_M * BLOCK_N)
 
 static_assert(V2_THREADS <= 1024, "v2: BLOCK_M * BLOCK_N threads must fit in one CTA");

@@ -29,20 +29,9 @@
 // Run:  python -m cuda_kernels.cupy.gemm --versions v3
 #include "gemm_common.cuh"
 
-#ifndef BLOCK_M
-#define BLOCK_M 64
-#endif
-#ifndef BLOCK_N
-#define BLOCK_N 64
-#endif
-#ifndef BLOCK_K
-#define BLOCK_K 32
-#endif
-#ifndef TM
-#define TM 4
-#endif
-#ifndef TN
-#define TN 4
+// The tile and its tunables, #defined by the launcher from gemm_configs.json.
+#if !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(BLOCK_K) || !defined(TM) || !defined(TN)
+#error "v3: the launcher #defines the tile (gemm_configs.kernel_defines)"
 #endif
 
 #define V3_THREADS ((BLOCK_M / TM) * (BLOCK_N / TN))
@@ -90,6 +79,40 @@ __device__ __forceinline__ void gg_lds(float* dst, const float* src) {
     }
 }
 
+// The 16-byte chunks a thread loaded (chunk idx = tid + i * THREADS of a ROWS x BLOCK_K tile:
+// row idx % ROWS, k chunk idx / ROWS) as fp32, transposed into the shared tile dst[k][row].
+template <int kLoads, int kChunks, int kRows, int kStride>
+__device__ __forceinline__ void gg_store_transposed(const uint4 (&chunks)[kLoads],
+                                                    float (*dst)[kStride], int tid) {
+    float f[V3_VEC];
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+        const int idx = tid + i * V3_THREADS;
+        if (idx >= kChunks) break;
+        const int r = idx % kRows, kc = (idx / kRows) * V3_VEC;
+        gg_unpack(chunks[i], f, (GG_T*)nullptr);
+#pragma unroll
+        for (int j = 0; j < V3_VEC; ++j) dst[kc + j][r] = f[j];
+    }
+}
+
+// f(i, j, s, n) for each output of thread (tx, ty)'s TM x TN micro-tile that exists: row i in a
+// live slot s, column n = n0 + tx TN + j below N.
+template <typename F>
+__device__ __forceinline__ void gg_for_outputs(const int* s_slot, int tx, int ty, int n0, int N,
+                                               int num_slots, F&& f) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+        const int s = s_slot[ty * TM + i];
+        if (!gg_live(s, num_slots)) continue;
+#pragma unroll
+        for (int j = 0; j < TN; ++j) {
+            const int n = n0 + tx * TN + j;
+            if (n < N) f(i, j, s, n);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(V3_THREADS)
 grouped_gemm_v3(GG_KERNEL_ARGS) {
     __shared__ __align__(16) float As[BLOCK_K][BLOCK_M + V3_PAD];
@@ -112,16 +135,9 @@ grouped_gemm_v3(GG_KERNEL_ARGS) {
 
     const int tx = tid % (BLOCK_N / TN), ty = tid / (BLOCK_N / TN);
     if (e < 0) {                                          // expert not on this rank: zeros
-#pragma unroll
-        for (int i = 0; i < TM; ++i) {
-            const int s = s_slot[ty * TM + i];
-            if (!gg_live(s, num_slots)) continue;
-#pragma unroll
-            for (int j = 0; j < TN; ++j) {
-                const int n = n0 + tx * TN + j;
-                if (n < N) c[(long long)s * N + n] = gg_from_f32<GG_T>(0.0f);
-            }
-        }
+        gg_for_outputs(s_slot, tx, ty, n0, N, num_slots, [&](int, int, int s, int n) {
+            c[(long long)s * N + n] = gg_from_f32<GG_T>(0.0f);
+        });
         return;
     }
 
@@ -148,25 +164,8 @@ grouped_gemm_v3(GG_KERNEL_ARGS) {
         }
     };
     auto store_shared = [&]() {
-        float f[V3_VEC];
-#pragma unroll
-        for (int i = 0; i < A_LD; ++i) {
-            const int idx = tid + i * V3_THREADS;
-            if (idx >= A_VECS) break;
-            const int r = idx % BLOCK_M, kc = (idx / BLOCK_M) * V3_VEC;
-            gg_unpack(ra[i], f, (GG_T*)nullptr);
-#pragma unroll
-            for (int j = 0; j < V3_VEC; ++j) As[kc + j][r] = f[j];
-        }
-#pragma unroll
-        for (int i = 0; i < W_LD; ++i) {
-            const int idx = tid + i * V3_THREADS;
-            if (idx >= W_VECS) break;
-            const int r = idx % BLOCK_N, kc = (idx / BLOCK_N) * V3_VEC;
-            gg_unpack(rw[i], f, (GG_T*)nullptr);
-#pragma unroll
-            for (int j = 0; j < V3_VEC; ++j) Ws[kc + j][r] = f[j];
-        }
+        gg_store_transposed<A_LD, A_VECS, BLOCK_M>(ra, As, tid);
+        gg_store_transposed<W_LD, W_VECS, BLOCK_N>(rw, Ws, tid);
     };
 
     float acc[TM][TN];
@@ -193,18 +192,9 @@ grouped_gemm_v3(GG_KERNEL_ARGS) {
         __syncthreads();                                  // before the next store overwrites
     }
 
-#pragma unroll
-    for (int i = 0; i < TM; ++i) {
-        const int s = s_slot[ty * TM + i];
-        if (!gg_live(s, num_slots)) continue;
-#pragma unroll
-        for (int j = 0; j < TN; ++j) {
-            const int n = n0 + tx * TN + j;
-            if (n < N) {
-                const float out = gg_epilogue(acc[i][j], e, n, s, N, bias, bias_kind,
-                                              topk_weights, mul_routed_weight);
-                c[(long long)s * N + n] = gg_from_f32<GG_T>(out);
-            }
-        }
-    }
+    gg_for_outputs(s_slot, tx, ty, n0, N, num_slots, [&](int i, int j, int s, int n) {
+        const float out = gg_epilogue(acc[i][j], e, n, s, N, bias, bias_kind, topk_weights,
+                                      mul_routed_weight);
+        c[(long long)s * N + n] = gg_from_f32<GG_T>(out);
+    });
 }

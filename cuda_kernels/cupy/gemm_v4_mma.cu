@@ -42,30 +42,16 @@
 //     v4  gemm_v4_mma.cu       tensor cores: mma.sync m16n8k16, ldmatrix, cp.async   <- this file
 //     v5  gemm_v5_wgmma.cu     (stretch, opt-in) Hopper wgmma from shared-memory descriptors
 // Run:  python -m cuda_kernels.cupy.gemm --versions v4
-// Check the machine code: nvcc -arch=sm_90 -cubin -Xptxas -v -DGG_T=__nv_bfloat16 \
-//        -I. gemm_v4_mma.cu -o v4.cubin && cuobjdump -sass v4.cubin | grep -cE 'HMMA|LDSM|LDGSTS'
+// Check the machine code (a config of gemm_configs.json as -D flags):
+//     nvcc -arch=sm_90 -cubin -Xptxas -v -DGG_T=__nv_bfloat16 -DBLOCK_M=64 -DBLOCK_N=64 \
+//          -DBLOCK_K=64 -DWARPS_M=2 -DWARPS_N=2 -DSTAGES=3 -DGROUP_M=8 -I. gemm_v4_mma.cu \
+//          -o v4.cubin && cuobjdump -sass v4.cubin | grep -cE 'HMMA|LDSM|LDGSTS'
 #include "gemm_common.cuh"
 
-#ifndef BLOCK_M
-#define BLOCK_M 64
-#endif
-#ifndef BLOCK_N
-#define BLOCK_N 64
-#endif
-#ifndef BLOCK_K
-#define BLOCK_K 64
-#endif
-#ifndef WARPS_M
-#define WARPS_M 2
-#endif
-#ifndef WARPS_N
-#define WARPS_N 2
-#endif
-#ifndef STAGES
-#define STAGES 3
-#endif
-#ifndef GROUP_M
-#define GROUP_M 8
+// The tile and its tunables, #defined by the launcher from gemm_configs.json.
+#if !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(BLOCK_K) || !defined(WARPS_M) || \
+    !defined(WARPS_N) || !defined(STAGES) || !defined(GROUP_M)
+#error "v4: the launcher #defines the tile (gemm_configs.kernel_defines)"
 #endif
 
 #define V4_THREADS (WARPS_M * WARPS_N * 32)
@@ -117,14 +103,6 @@ __device__ __forceinline__ void gg_mma(float* d, const unsigned* a, const unsign
 
 #endif  // GG_HOST_EMULATION
 
-// Two adjacent outputs rounded to GG_T and stored as one 4-byte word.
-__device__ __forceinline__ void gg_store2(__half* p, float x, float y) {
-    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
-}
-__device__ __forceinline__ void gg_store2(__nv_bfloat16* p, float x, float y) {
-    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
-}
-
 // ---------------------------------------------------------------------------- the kernel
 extern "C" __global__ void __launch_bounds__(V4_THREADS)
 grouped_gemm_v4(GG_KERNEL_ARGS) {
@@ -134,14 +112,9 @@ grouped_gemm_v4(GG_KERNEL_ARGS) {
     const unsigned sm_base = gg_smem_addr(gg_smem);
 
     // 1. which tile: grouped order, GROUP_M m-tiles walk all n-tiles together
-    const int num_pid_m = (num_positions + BLOCK_M - 1) / BLOCK_M;
-    const int num_pid_n = (N + BLOCK_N - 1) / BLOCK_N;
-    const int pid = blockIdx.x;
-    const int per_group = GROUP_M * num_pid_n;
-    const int first_m = (pid / per_group) * GROUP_M;
-    const int group_rows = min(num_pid_m - first_m, GROUP_M);
-    const int pid_m = first_m + (pid % per_group) % group_rows;
-    const int pid_n = (pid % per_group) / group_rows;
+    int pid_m, pid_n;
+    gg_tile_of<GROUP_M>(blockIdx.x, (num_positions + BLOCK_M - 1) / BLOCK_M,
+                        (N + BLOCK_N - 1) / BLOCK_N, pid_m, pid_n);
     const int m0 = pid_m * BLOCK_M;
     const int n0 = pid_n * BLOCK_N;
     if (m0 >= __ldg(num_tokens_post_padded)) return;      // the whole CTA leaves together
@@ -208,13 +181,7 @@ grouped_gemm_v4(GG_KERNEL_ARGS) {
         }
     };
 
-    float acc[MT][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.0f;
+    float acc[MT][NT][4] = {};
 
     // ldmatrix row addresses of this lane, relative to a ring slot (bytes):
     //   A: lanes 0-15 rows 0-15 at k 0, lanes 16-31 rows 0-15 at k 8   -> a0..a3 of m16n8k16
@@ -300,18 +267,5 @@ grouped_gemm_v4(GG_KERNEL_ARGS) {
         }
     }
     __syncthreads();
-    // whole 16-byte pieces of each live row: a warp writes 512 contiguous-ish bytes per step
-    for (int idx = tid; idx < BLOCK_M * (BLOCK_N / 8); idx += V4_THREADS) {
-        const int r = idx / (BLOCK_N / 8), col = (idx % (BLOCK_N / 8)) * 8;
-        const int s = s_slot[r];
-        const int n = n0 + col;
-        if (!gg_live(s, num_slots) || n >= N) continue;
-        GG_T* dst = c + (long long)s * N + n;
-        const GG_T* src = sm + r * SC + col;
-        if (vec_out) {
-            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-        } else {
-            for (int j = 0; j < 8 && n + j < N; ++j) dst[j] = src[j];
-        }
-    }
+    gg_store_tile<BLOCK_M, BLOCK_N, SC, V4_THREADS>(c, sm, s_slot, n0, N, num_slots, vec_out, tid);
 }

@@ -53,30 +53,16 @@
 // Run:  python -m cuda_kernels.cupy.gemm --versions v4,v5
 // Check the machine code (HGMMA must appear):
 //     nvcc -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -DGG_T=__nv_bfloat16 \
-//          -DGG_AB=bf16 -I. gemm_v5_wgmma.cu -o v5.cubin && cuobjdump -sass v5.cubin | grep -c HGMMA
+//          -DGG_AB=bf16 -DBLOCK_M=128 -DBLOCK_N=128 -DBLOCK_K=64 -DSTAGES=4 -DGROUP_M=8 -I. \
+//          gemm_v5_wgmma.cu -o v5.cubin && cuobjdump -sass v5.cubin | grep -c HGMMA
 #include "gemm_common.cuh"
-#include "wgmma_operands.cuh"
+#include "gemm_wgmma.cuh"
 
-#ifndef BLOCK_M
-#define BLOCK_M 128
+// The tile and its tunables, #defined by the launcher from gemm_configs.json.
+#if !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(BLOCK_K) || !defined(STAGES) || \
+    !defined(GROUP_M)
+#error "v5: the launcher #defines the tile (gemm_configs.kernel_defines)"
 #endif
-#ifndef BLOCK_N
-#define BLOCK_N 128
-#endif
-#ifndef BLOCK_K
-#define BLOCK_K 64
-#endif
-#ifndef STAGES
-#define STAGES 4
-#endif
-#ifndef GROUP_M
-#define GROUP_M 8
-#endif
-#ifndef GG_AB
-#define GG_AB bf16                           // the PTX type of the operands: bf16 or f16
-#endif
-#define GG_STR2(x) #x
-#define GG_STR(x) GG_STR2(x)
 
 #define V5_THREADS ((BLOCK_M / 64) * 128)
 #define KC (BLOCK_K / 8)                      // 16-byte chunks per tile row
@@ -85,8 +71,6 @@
 #define STAGE_BYTES (TILE_A_BYTES + TILE_B_BYTES)
 #define SW_BYTES (BLOCK_K * 2)                // one tile row = the swizzle width (32/64/128)
 #define SBO_BYTES (8 * SW_BYTES)              // next 8-row group (one swizzle atom)
-// descriptor layout type (bits 62-63): 1 = 128-byte, 2 = 64-byte, 3 = 32-byte swizzle
-#define SW_MODE (SW_BYTES == 128 ? 1 : (SW_BYTES == 64 ? 2 : 3))
 #define SMEM_ALIGN 1024                       // the swizzle repeats every 1024 bytes
 #define SC (BLOCK_N + 8)                      // shared row stride of the output tile
 #define A_CHUNKS (BLOCK_M * KC)
@@ -111,61 +95,6 @@ __device__ __forceinline__ unsigned gg_swizzle_offset(int r, int c) {
     return o ^ (((o >> 7) & (SW_BYTES / 16 - 1)) << 4);
 }
 
-#ifndef GG_HOST_EMULATION
-// d[32] (this thread's part of the 64 x 64 fp32 accumulator) += A (64 x 16) * B (16 x 64)
-__device__ __forceinline__ void gg_wgmma_n64(float* d, unsigned long long desc_a,
-                                              unsigned long long desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." GG_STR(GG_AB) "." GG_STR(GG_AB) " {" WG_REGS32
-        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : WG_ACC32(d, 0)
-        : "l"(desc_a), "l"(desc_b), "r"(1)
-        : "memory");
-}
-
-// d[64] (this thread's part of the 64 x 128 fp32 accumulator) += A (64 x 16) * B (16 x 128)
-__device__ __forceinline__ void gg_wgmma_n128(float* d, unsigned long long desc_a,
-                                              unsigned long long desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." GG_STR(GG_AB) "." GG_STR(GG_AB) " {" WG_REGS64
-        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : WG_ACC64(d, 0)
-        : "l"(desc_a), "l"(desc_b), "r"(1)
-        : "memory");
-}
-
-// d[128] (this thread's part of the 64 x 256 fp32 accumulator) += A (64 x 16) * B (16 x 256)
-__device__ __forceinline__ void gg_wgmma_n256(float* d, unsigned long long desc_a,
-                                              unsigned long long desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32." GG_STR(GG_AB) "." GG_STR(GG_AB) " {" WG_REGS128
-        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-        : WG_ACC128(d)
-        : "l"(desc_a), "l"(desc_b), "r"(1)
-        : "memory");
-}
-#endif  // GG_HOST_EMULATION
-
-// The matrix descriptor of a K-major swizzled operand starting at shared address `addr`:
-// bits 0-13 addr >> 4, 16-29 leading byte offset >> 4 (unused by K-major swizzled layouts:
-// 1 by convention), 32-45 stride byte offset >> 4, 49-51 base offset (0: the atoms are
-// 1024-byte aligned), 62-63 layout type (SW_MODE).
-__device__ __forceinline__ unsigned long long gg_desc(unsigned addr) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) |
-           ((unsigned long long)(SBO_BYTES >> 4) << 32) |
-           ((unsigned long long)SW_MODE << 62);
-}
-
-__device__ __forceinline__ void gg_store2(__half* p, float x, float y) {
-    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
-}
-__device__ __forceinline__ void gg_store2(__nv_bfloat16* p, float x, float y) {
-    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
-}
-
 extern "C" __global__ void __launch_bounds__(V5_THREADS, 1)
 grouped_gemm_v5(GG_KERNEL_ARGS) {
     GG_DYNAMIC_SMEM(gg_smem);                 // the cp.async ring, then the output tile
@@ -177,14 +106,9 @@ grouped_gemm_v5(GG_KERNEL_ARGS) {
     GG_T* sm = reinterpret_cast<GG_T*>(gg_smem + (sm_base - raw_base));
 
     // which tile: the grouped order of v4
-    const int num_pid_m = (num_positions + BLOCK_M - 1) / BLOCK_M;
-    const int num_pid_n = (N + BLOCK_N - 1) / BLOCK_N;
-    const int pid = blockIdx.x;
-    const int per_group = GROUP_M * num_pid_n;
-    const int first_m = (pid / per_group) * GROUP_M;
-    const int group_rows = min(num_pid_m - first_m, GROUP_M);
-    const int pid_m = first_m + (pid % per_group) % group_rows;
-    const int pid_n = (pid % per_group) / group_rows;
+    int pid_m, pid_n;
+    gg_tile_of<GROUP_M>(blockIdx.x, (num_positions + BLOCK_M - 1) / BLOCK_M,
+                        (N + BLOCK_N - 1) / BLOCK_N, pid_m, pid_n);
     const int m0 = pid_m * BLOCK_M;
     const int n0 = pid_n * BLOCK_N;
     if (m0 >= __ldg(num_tokens_post_padded)) return;
@@ -272,20 +196,7 @@ grouped_gemm_v5(GG_KERNEL_ARGS) {
         const unsigned slot = sm_base + (t % STAGES) * STAGE_BYTES;
         const unsigned a_base = slot + wg * 8 * SBO_BYTES;       // this warpgroup's 64 rows
         const unsigned b_base = slot + TILE_A_BYTES;
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-            // a k step of 16 elements = 32 bytes further along the swizzled rows (the
-            // hardware applies the XOR to the addresses it computes from the start)
-#if BLOCK_N == 64
-            gg_wgmma_n64(acc, gg_desc(a_base + kk * 32), gg_desc(b_base + kk * 32));
-#elif BLOCK_N == 128
-            gg_wgmma_n128(acc, gg_desc(a_base + kk * 32), gg_desc(b_base + kk * 32));
-#else
-            gg_wgmma_n256(acc, gg_desc(a_base + kk * 32), gg_desc(b_base + kk * 32));
-#endif
-        }
-        wg_commit();
+        gg_wgmma_batch<BLOCK_N, SW_BYTES, BLOCK_K / 16>(acc, a_base, b_base);
         wg_wait<1>();                   // batch t - 1 has completed in this warpgroup
     }
     wg_wait<0>();
@@ -307,33 +218,13 @@ grouped_gemm_v5(GG_KERNEL_ARGS) {
     for (int j = 0; j < BLOCK_N / 8; ++j) {
         const int col = j * 8 + (lane & 3) * 2;
         const int n = n0 + col;
-        float b0 = 0.0f, b1 = 0.0f;
-        if (bias_kind == 1) {
-            const GG_T* be = static_cast<const GG_T*>(bias) + (long long)e * N;
-            if (n < N) b0 = gg_to_f32(be[n]);
-            if (n + 1 < N) b1 = gg_to_f32(be[n + 1]);
-        } else if (bias_kind == 2) {
-            const float* be = static_cast<const float*>(bias) + (long long)e * N;
-            if (n < N) b0 = be[n];
-            if (n + 1 < N) b1 = be[n + 1];
-        }
+        float b0, b1;
+        gg_bias_pair(bias, bias_kind, e, n, N, b0, b1);
 #pragma unroll
         for (int h = 0; h < 2; ++h)     // (acc + bias) * weight in fp32, docs/stages.md's order
             gg_store2(sm + rows[h] * SC + col, (acc[4 * j + 2 * h] + b0) * scale[h],
                       (acc[4 * j + 2 * h + 1] + b1) * scale[h]);
     }
     __syncthreads();
-    for (int idx = tid; idx < BLOCK_M * (BLOCK_N / 8); idx += V5_THREADS) {
-        const int r = idx / (BLOCK_N / 8), col = (idx % (BLOCK_N / 8)) * 8;
-        const int s = s_slot[r];
-        const int n = n0 + col;
-        if (!gg_live(s, num_slots) || n >= N) continue;
-        GG_T* dst = c + (long long)s * N + n;
-        const GG_T* src = sm + r * SC + col;
-        if (vec_out) {
-            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-        } else {
-            for (int j = 0; j < 8 && n + j < N; ++j) dst[j] = src[j];
-        }
-    }
+    gg_store_tile<BLOCK_M, BLOCK_N, SC, V5_THREADS>(c, sm, s_slot, n0, N, num_slots, vec_out, tid);
 }

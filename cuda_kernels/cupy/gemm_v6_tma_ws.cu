@@ -77,39 +77,18 @@
 //              --tokens 1024,4096,16384 --versions v4,v5,v6       (the models, L2 flushed)
 // Check the machine code (HGMMA and UTMALDG must appear, no local memory):
 //     nvcc -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -DGG_T=__nv_bfloat16 \
-//          -DGG_AB=bf16 -I. gemm_v6_tma_ws.cu -o v6.cubin && cuobjdump -sass v6.cubin | grep -c HGMMA
+//          -DGG_AB=bf16 -DBLOCK_M=128 -DBLOCK_N=256 -DBLOCK_K=64 -DSTAGES=4 -DCONSUMERS=2 \
+//          -DGROUP_M=8 -DPRODUCER_REGS=56 -DCONSUMER_REGS=224 -I. gemm_v6_tma_ws.cu -o v6.cubin \
+//          && cuobjdump -sass v6.cubin | grep -c HGMMA
 #include "gemm_common.cuh"
-#include "wgmma_operands.cuh"
+#include "gemm_wgmma.cuh"
 
-#ifndef BLOCK_M
-#define BLOCK_M 128
+// The tile and its tunables, #defined by the launcher from gemm_configs.json.
+#if !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(BLOCK_K) || !defined(STAGES) || \
+    !defined(CONSUMERS) || !defined(GROUP_M) || !defined(PRODUCER_REGS) || \
+    !defined(CONSUMER_REGS)
+#error "v6: the launcher #defines the tile (gemm_configs.kernel_defines)"
 #endif
-#ifndef BLOCK_N
-#define BLOCK_N 256
-#endif
-#ifndef BLOCK_K
-#define BLOCK_K 64
-#endif
-#ifndef STAGES
-#define STAGES 4
-#endif
-#ifndef CONSUMERS
-#define CONSUMERS 2
-#endif
-#ifndef GROUP_M
-#define GROUP_M 8
-#endif
-#ifndef PRODUCER_REGS
-#define PRODUCER_REGS 56
-#endif
-#ifndef CONSUMER_REGS
-#define CONSUMER_REGS 224
-#endif
-#ifndef GG_AB
-#define GG_AB bf16                           // the PTX type of the operands: bf16 or f16
-#endif
-#define GG_STR2(x) #x
-#define GG_STR(x) GG_STR2(x)
 
 #define V6_THREADS ((1 + CONSUMERS) * 128)
 #define WG_N (BLOCK_M == 128 ? BLOCK_N : BLOCK_N / CONSUMERS)   // a consumer's columns
@@ -117,7 +96,6 @@
 #define TILE_A_BYTES (BLOCK_M * ROW_BYTES)
 #define TILE_B_BYTES (BLOCK_N * ROW_BYTES)
 #define STAGE_BYTES (TILE_A_BYTES + TILE_B_BYTES)
-#define SBO_BYTES (8 * ROW_BYTES)             // wgmma descriptor: the next 8-row group
 #define SMEM_ALIGN 1024                       // the 128-byte swizzle repeats every 1024 bytes
 #define EPI_COLS 64                           // the epilogue stages 64 columns at a time
 #define EPI_STRIDE (EPI_COLS + 8)             // + 16 bytes: the staging writes spread over banks
@@ -211,40 +189,6 @@ __device__ __forceinline__ void gg_bar_named(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
 }
 
-// ---------------------------------------------------------------- wgmma (as v5)
-// d[32] (this thread's part of the 64 x 64 fp32 accumulator) += A (64 x 16) * B (16 x 64)
-__device__ __forceinline__ void gg_wgmma_n64(float* d, unsigned long long desc_a,
-                                              unsigned long long desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." GG_STR(GG_AB) "." GG_STR(GG_AB) " {" WG_REGS32
-        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : WG_ACC32(d, 0)
-        : "l"(desc_a), "l"(desc_b), "r"(1)
-        : "memory");
-}
-// d[64] += A (64 x 16) * B (16 x 128)
-__device__ __forceinline__ void gg_wgmma_n128(float* d, unsigned long long desc_a,
-                                              unsigned long long desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." GG_STR(GG_AB) "." GG_STR(GG_AB) " {" WG_REGS64
-        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : WG_ACC64(d, 0)
-        : "l"(desc_a), "l"(desc_b), "r"(1)
-        : "memory");
-}
-// d[128] += A (64 x 16) * B (16 x 256)
-__device__ __forceinline__ void gg_wgmma_n256(float* d, unsigned long long desc_a,
-                                              unsigned long long desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32." GG_STR(GG_AB) "." GG_STR(GG_AB) " {" WG_REGS128
-        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-        : WG_ACC128(d)
-        : "l"(desc_a), "l"(desc_b), "r"(1)
-        : "memory");
-}
 #endif  // GG_HOST_EMULATION
 
 // Byte offset of (row r, 16-byte k chunk c) in a 128-byte-swizzled tile that starts on a
@@ -252,32 +196,6 @@ __device__ __forceinline__ void gg_wgmma_n256(float* d, unsigned long long desc_
 // the TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and wgmma reads with layout type 1.
 __device__ __forceinline__ unsigned gg_swizzle128(int r, int c) {
     return (unsigned)(r * ROW_BYTES + ((c ^ (r & 7)) << 4));
-}
-
-// The wgmma descriptor of a K-major 128-byte-swizzled operand at shared address `addr`
-// (v5's gg_desc with SW = 128): start >> 4, leading byte offset 1 (unused), stride byte
-// offset 1024 >> 4, base offset 0 (1024-aligned atoms), layout type 1 (128-byte swizzle).
-__device__ __forceinline__ unsigned long long gg_desc128(unsigned addr) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) |
-           ((unsigned long long)(SBO_BYTES >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void gg_store2(__half* p, float x, float y) {
-    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
-}
-__device__ __forceinline__ void gg_store2(__nv_bfloat16* p, float x, float y) {
-    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
-}
-
-// Tile t of the persistent walk: groups of GROUP_M m tiles, m fastest inside a group (the
-// grouped order of v4 / v5 over the live m tiles only).
-__device__ __forceinline__ void gg_tile_of(int t, int live_m, int num_pid_n, int& pid_m,
-                                           int& pid_n) {
-    const int per_group = GROUP_M * num_pid_n;
-    const int first_m = (t / per_group) * GROUP_M;
-    const int group_rows = min(live_m - first_m, GROUP_M);
-    pid_m = first_m + (t % per_group) % group_rows;
-    pid_n = (t % per_group) / group_rows;
 }
 
 extern "C" __global__ void __launch_bounds__(V6_THREADS, 1)
@@ -322,7 +240,7 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
         unsigned phase = 0;
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             int pid_m, pid_n;
-            gg_tile_of(t, live_m, num_pid_n, pid_m, pid_n);
+            gg_tile_of<GROUP_M>(t, live_m, num_pid_n, pid_m, pid_n);
             const int m0 = pid_m * BLOCK_M, n0 = pid_n * BLOCK_N;
             const int e = expert_ids[m0 / block_size];
             if (e < 0) continue;              // the consumers store zeros: nothing to load
@@ -374,7 +292,7 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
         float acc[WG_N / 2];
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             int pid_m, pid_n;
-            gg_tile_of(t, live_m, num_pid_n, pid_m, pid_n);
+            gg_tile_of<GROUP_M>(t, live_m, num_pid_n, pid_m, pid_n);
             const int m0 = pid_m * BLOCK_M;
             const int n_base = pid_n * BLOCK_N + col0;        // this consumer's first column
             const int e = expert_ids[m0 / block_size];
@@ -421,20 +339,7 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
                 const unsigned a_base = sm_base + slot * STAGE_BYTES + row0 * ROW_BYTES;
                 const unsigned b_base = sm_base + slot * STAGE_BYTES + TILE_A_BYTES +
                                         col0 * ROW_BYTES;
-                wg_fence();
-#pragma unroll
-                for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-                    // a k step of 16 = 32 bytes along the swizzled rows (the hardware applies
-                    // the XOR to the addresses it computes from the start, as in v5)
-#if WG_N == 64
-                    gg_wgmma_n64(acc, gg_desc128(a_base + kk * 32), gg_desc128(b_base + kk * 32));
-#elif WG_N == 128
-                    gg_wgmma_n128(acc, gg_desc128(a_base + kk * 32), gg_desc128(b_base + kk * 32));
-#else
-                    gg_wgmma_n256(acc, gg_desc128(a_base + kk * 32), gg_desc128(b_base + kk * 32));
-#endif
-                }
-                wg_commit();
+                gg_wgmma_batch<WG_N, ROW_BYTES, BLOCK_K / 16>(acc, a_base, b_base);
                 wg_wait<1>();                 // the batch before this one has completed ...
                 if (kt > 0 && lane == 0) gg_mbar_arrive(empty_bar + 8 * prev);   // ... free it
                 prev = slot;
@@ -458,16 +363,8 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
                     const int jj = cc * (EPI_COLS / 8) + j;
                     const int col = j * 8 + (lane & 3) * 2;
                     const int n = n_base + cc * EPI_COLS + col;
-                    float b0 = 0.0f, b1 = 0.0f;
-                    if (bias_kind == 1) {
-                        const GG_T* be = static_cast<const GG_T*>(bias) + (long long)e * N;
-                        if (n < N) b0 = gg_to_f32(be[n]);
-                        if (n + 1 < N) b1 = gg_to_f32(be[n + 1]);
-                    } else if (bias_kind == 2) {
-                        const float* be = static_cast<const float*>(bias) + (long long)e * N;
-                        if (n < N) b0 = be[n];
-                        if (n + 1 < N) b1 = be[n + 1];
-                    }
+                    float b0, b1;
+                    gg_bias_pair(bias, bias_kind, e, n, N, b0, b1);
 #pragma unroll
                     for (int h = 0; h < 2; ++h)   // (acc + bias) * weight in fp32, one rounding
                         gg_store2(stage_tile + (er + 8 * h) * EPI_STRIDE + col,

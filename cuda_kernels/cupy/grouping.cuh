@@ -14,8 +14,9 @@
 // lane loads the ids of PREFETCH steps at once, so that many loads are in flight.
 //
 // It holds the bucket rules (align_bucket, permute_bucket), one warp's count and placement of
-// its chunk (warp_count, warp_place), the block's exclusive scan (block_exclusive_scan) and
-// the one-block grouping built from them (one_block_count_and_scan).
+// its chunk (warp_count, warp_place), the warp's and the block's scans (warp_inclusive_scan,
+// block_exclusive_scan) and the one-block grouping built from them (one_block_count_and_scan).
+// ep_layout.cu's grouping by destination rank uses its warp scan.
 // Compile-time parameter: PREFETCH (align.py CONFIGS["group"]).
 #pragma once
 
@@ -96,6 +97,16 @@ __device__ void warp_place(const int* __restrict__ ids, const int* __restrict__ 
     }
 }
 
+// The sum of v over lanes 0 .. lane of the warp (shuffles up by 1, 2, 4, 8, 16).
+__device__ __forceinline__ int warp_inclusive_scan(int v, int lane) {
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(FULL_MASK, v, o);
+        if (lane >= o) v += u;
+    }
+    return v;
+}
+
 // In-place exclusive scan of a[0 .. n) (shared memory) by the whole block; a[n] = the total.
 // Each thread sums a run of cdiv(n, threads) entries, warps scan with shuffles, warp 0 scans
 // the warp totals (scratch: 32 ints).
@@ -106,21 +117,11 @@ __device__ void block_exclusive_scan(int* a, int n, int* scratch) {
     const int lo = min(n, tid * ipt), hi = min(n, lo + ipt);
     int local = 0;
     for (int i = lo; i < hi; ++i) local += a[i];
-    int incl = local;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(FULL_MASK, incl, o);
-        if (lane >= o) incl += v;
-    }
+    const int incl = warp_inclusive_scan(local, lane);
     if (lane == 31) scratch[warp] = incl;
     __syncthreads();
     if (warp == 0) {
-        int wt = lane < W ? scratch[lane] : 0;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(FULL_MASK, wt, o);
-            if (lane >= o) wt += v;
-        }
+        const int wt = warp_inclusive_scan(lane < W ? scratch[lane] : 0, lane);
         if (lane < W) scratch[lane] = wt;  // inclusive warp totals
     }
     __syncthreads();

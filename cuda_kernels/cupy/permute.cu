@@ -33,7 +33,7 @@
 //   (align.py CONFIGS["group"]), ROW_WARPS, UNPERMUTE_THREADS (permute.py CONFIGS);
 //   templates V, VEC. Run: python -m cuda_kernels.cupy.permute
 
-// to_f32, from_f32, Pack, load, store
+// to_f32, from_f32, Pack, load, store, row_chunk, add_f32
 #include "elementwise.cuh"
 
 #ifndef SCALAR_T
@@ -94,20 +94,16 @@ moe_unpermute_kernel(const SCALAR_T* __restrict__ y_grouped,    // [P, H]
                      const int* __restrict__ inv_permuted_idx,   // [P]
                      SCALAR_T* __restrict__ out,                 // [T, H]
                      int T, int K, int H, int chunks) {
-    const int t = blockIdx.x / chunks;
-    const int col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
+    int t, col;
+    row_chunk<VEC>(chunks, t, col);
     if (t >= T || col >= H) return;  // H % VEC == 0 on this path (permute.py)
-    float acc[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+    float acc[VEC] = {};
     for (int k = 0; k < K; ++k) {
         const float w = topk_weights[(size_t)t * K + k];
         const int r = inv_permuted_idx[(size_t)t * K + k];
-        const Pack<SCALAR_T, VEC> v = load<VEC>(y_grouped + (size_t)r * H + col);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, to_f32(v.v[j])));
+        add_f32(acc, w, load<VEC>(y_grouped + (size_t)r * H + col));
     }
-    Pack<SCALAR_T, VEC> o;
+    Pack<SCALAR_T, VEC> o;                          // rounded once
 #pragma unroll
     for (int j = 0; j < VEC; ++j) from_f32(acc[j], &o.v[j]);
     store<VEC>(out + (size_t)t * H + col, o);

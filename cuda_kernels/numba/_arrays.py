@@ -93,14 +93,19 @@ _POISON = [False]
 
 
 @contextlib.contextmanager
-def poisoned_outputs(enabled: bool = True):
-    """Within the block, every output a stage allocates starts as NaN / POISON_INT."""
-    old = _POISON[0]
-    _POISON[0] = bool(enabled)
+def _set_inside(box: list, value):
+    """box[0] = value inside the block, the old value back after it (the module's settings)."""
+    old = box[0]
+    box[0] = value
     try:
         yield
     finally:
-        _POISON[0] = old
+        box[0] = old
+
+
+def poisoned_outputs(enabled: bool = True):
+    """Within the block, every output a stage allocates starts as NaN / POISON_INT."""
+    return _set_inside(_POISON, bool(enabled))
 
 
 # ----------------------------------------------------------------------------- kinds and dtypes
@@ -186,16 +191,10 @@ def _view(x):
 _STREAM: list = [0]
 
 
-@contextlib.contextmanager
 def using_stream(ptr: int):
     """Launch this package's kernels on the CUDA stream `ptr` (a cudaStream_t as an int)
     inside the block."""
-    prev = _STREAM[0]
-    _STREAM[0] = int(ptr)
-    try:
-        yield
-    finally:
-        _STREAM[0] = prev
+    return _set_inside(_STREAM, int(ptr))
 
 
 @functools.lru_cache(maxsize=16)

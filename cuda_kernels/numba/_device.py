@@ -344,17 +344,20 @@ WORD_OF = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
            np.dtype(np.uint16): "bf16"}     # storage dtype -> word kind (uint16 = bf16 bits)
 
 
-def words(*arrays):
-    """uint64 views of numba arrays whose rows are whole 8-byte words, or None.
+def words(*arrays, unit: int = 8):
+    """uint64 views of numba arrays whose rows are whole `unit`-byte pieces, or None.
 
     Memory-bound kernels load 8 bytes per thread instead of one 2- or 4-byte element: four
-    times the bytes in flight for the same number of loads. Needs C-contiguous arrays, a last
-    dimension of whole words, and 8-byte aligned bases (CuPy / torch / numba allocations are).
+    times the bytes in flight for the same number of loads (unit 16: _wide.py's 16-byte chunks,
+    two words per access). Needs C-contiguous arrays, a last dimension of whole pieces, and
+    unit-byte aligned bases (CuPy / torch / numba allocations are 256-byte aligned; a view into
+    the middle of one may not be).
     """
     for x in arrays:
-        if x.ndim == 0 or (x.shape[x.ndim - 1] * x.dtype.itemsize) % 8 or not x.is_c_contiguous():
+        if (x.ndim == 0 or (x.shape[x.ndim - 1] * x.dtype.itemsize) % unit
+                or not x.is_c_contiguous()):
             return None
-        if not SIMULATOR and x.size and x.__cuda_array_interface__["data"][0] % 8:
+        if not SIMULATOR and x.size and x.__cuda_array_interface__["data"][0] % unit:
             return None
     return tuple(x.view(np.uint64) for x in arrays)
 
@@ -449,17 +452,11 @@ if not SIMULATOR:
 
     @overload(round_as, target="cuda", jit_options=_INLINE)
     def _round_as_cuda(arr, v):
-        if _is_bf16_bits(arr.dtype):
-            def impl(arr, v):
-                return round_bf16(v)
-            return impl
-        if arr.dtype == nbtypes.float16:
-            def impl(arr, v):
-                return round_f16(v)
-            return impl
+        rounding = (round_bf16 if _is_bf16_bits(arr.dtype)
+                    else round_f16 if arr.dtype == nbtypes.float16 else round_f32)
 
         def impl(arr, v):
-            return float32(v)
+            return rounding(v)
         return impl
 
 

@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _arrays as A
+from ._script import main as script_main
 from ._script import rel_err
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -181,19 +182,14 @@ def cases():
 
 
 def main():
-    ok, why = A.availability()
-    print(f"numba: {why}")
-    if not ok:
-        return 0
-    failures = 0
-    with A.poisoned_outputs():
-        for name, run in cases():
-            why = run()
-            failures += why is not None
-            print(f"  {'ok  ' if why is None else 'FAIL'} {name}" + (f": {why}" if why else ""),
-                  flush=True)
-    print("all match" if not failures else f"{failures} cases differ")
-    return 1 if failures else 0
+    def lines(_rng):
+        with A.poisoned_outputs():
+            for name, run in cases():
+                why = run()
+                text = f"  {'ok  ' if why is None else 'FAIL'} {name}" + (f": {why}" if why else "")
+                yield text, why is None
+
+    return script_main("kernels", lines)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""What the stage modules need when they run as scripts: parity numbers and CUDA-event timing.
+"""What the stage modules need when they run as scripts: the script's frame, parity numbers
+and CUDA-event timing.
 
-    rel_err(a, b)     ||a - b||_F / ||b||_F in float64 (inf if a has a NaN that b lacks)
-    time_ms(fn)       median milliseconds of fn() by the one GPU timer (cuda_kernels/timing.py:
-                      CuPy's or torch's events on the default stream, which Numba's launches
-                      use; GPU only: the simulator's scripts skip timing)
-    first_call_s(fn)  wall time of the first call: the JIT compile a notebook user waits for
+    main(stage, lines)   the script: availability, one line per case, the verdict, exit status
+    timed(fn, *host)     ", T us, X GB/s" of fn on device copies of host ('' on the simulator)
+    rel_err(a, b)        ||a - b||_F / ||b||_F in float64 (inf if a has a NaN that b lacks)
+    time_ms(fn)          median milliseconds of fn() by the one GPU timer (cuda_kernels/timing.py:
+                         CuPy's or torch's events on the default stream, which Numba's launches
+                         use; GPU only: the simulator's scripts skip timing)
+    first_call_s(fn)     wall time of the first call: the JIT compile a notebook user waits for
 """
 from __future__ import annotations
 
@@ -14,7 +17,39 @@ import time
 import numpy as np
 
 from .. import timing
-from ._arrays import cuda, to_host
+from ._arrays import availability, cuda, is_simulator, to_device, to_host
+
+
+def main(stage: str, lines) -> int:
+    """A module run as a script: whether numba can run here, then one printed line per case of
+    `lines(rng)` (a generator of (text, ok): the case's parity with the reference, and on a GPU
+    its timing), then the verdict. Exit status 1 when a case failed; 0 when nothing could run."""
+    ok, why = availability()
+    print(f"numba {stage}: {why}")
+    if not ok:
+        return 0
+    failures = 0
+    for text, good in lines(np.random.default_rng(0)):
+        failures += not good
+        print(text, flush=True)
+    print("all match" if not failures else f"{failures} mismatches")
+    return 1 if failures else 0
+
+
+def timed(fn, *host, reps: int = 20, nbytes: float = 0, flops: float = 0) -> str:
+    """", T us" of fn(*device copies of host) on the GPU (the median of CUDA events), with the
+    achieved ", X GB/s" of nbytes moved and ", Y TFLOP/s" of flops when given; "" on the
+    simulator, whose timings mean nothing."""
+    if is_simulator():
+        return ""
+    args = [to_device(h) for h in host]
+    ms = time_ms(lambda: fn(*args), reps=reps)
+    text = f", {ms * 1e3:8.1f} us"
+    if nbytes:
+        text += f", {nbytes / ms / 1e6:7.1f} GB/s"
+    if flops:
+        text += f", {flops / ms / 1e9:6.2f} TFLOP/s"
+    return text
 
 
 def rel_err(a, b) -> float:

@@ -36,21 +36,26 @@ if not SIMULATOR:
     from numba.cuda import types as nbtypes
     from numba.cuda.extending import intrinsic
 
-    def _element_pointer(context, builder, aryty, ary, index):
-        arr = context.make_array(aryty)(context, builder, ary)
+    def _takes(x, i, dtype):
+        """The intrinsics' typing: a 1-D array of `dtype` and an integer index."""
+        return (isinstance(x, nbtypes.Array) and x.ndim == 1 and x.dtype == dtype
+                and isinstance(i, nbtypes.Integer))
+
+    def _element_pointer(context, builder, sig, args):
+        """The address of x[i] (args = (x, i) of signature sig)."""
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        index = context.cast(builder, args[1], sig.args[1], nbtypes.int64)
         return builder.gep(arr.data, [index])
 
     @intrinsic
     def ldg4(typingctx, x, i):
         """Four uint32 from global memory through the non-coherent (read-only) cache."""
-        if not (isinstance(x, nbtypes.Array) and x.ndim == 1 and x.dtype == nbtypes.uint32
-                and isinstance(i, nbtypes.Integer)):
+        if not _takes(x, i, nbtypes.uint32):
             return None
         ret = nbtypes.UniTuple(nbtypes.uint32, 4)
 
         def codegen(context, builder, sig, args):
-            ptr = _element_pointer(context, builder, sig.args[0], args[0],
-                                   context.cast(builder, args[1], sig.args[1], nbtypes.int64))
+            ptr = _element_pointer(context, builder, sig, args)
             i32 = ir.IntType(32)
             fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ptr.type])
             # generic -> global address, then one 16-byte read-only load
@@ -66,14 +71,12 @@ if not SIMULATOR:
     @intrinsic
     def lds4(typingctx, x, i):
         """Four float32 from a 16-byte aligned (shared) array: one vector load."""
-        if not (isinstance(x, nbtypes.Array) and x.ndim == 1 and x.dtype == nbtypes.float32
-                and isinstance(i, nbtypes.Integer)):
+        if not _takes(x, i, nbtypes.float32):
             return None
         ret = nbtypes.UniTuple(nbtypes.float32, 4)
 
         def codegen(context, builder, sig, args):
-            ptr = _element_pointer(context, builder, sig.args[0], args[0],
-                                   context.cast(builder, args[1], sig.args[1], nbtypes.int64))
+            ptr = _element_pointer(context, builder, sig, args)
             vty = ir.VectorType(ir.FloatType(), 4)
             v = builder.load(builder.bitcast(ptr, vty.as_pointer()), align=16)
             i32 = ir.IntType(32)

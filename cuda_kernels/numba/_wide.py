@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._arrays import is_simulator
+from ._device import words
 
 SIMULATOR = is_simulator()
 
@@ -107,16 +108,16 @@ if not SIMULATOR:
 
 
 def words16(*arrays):
-    """uint64 views of numba arrays whose rows are whole 16-byte chunks, or None.
+    """uint64 views of numba arrays whose rows are whole 16-byte chunks (and whose bases are
+    16-byte aligned), or None. The views' rows then have an even number of words, so every row
+    starts 16-byte aligned too."""
+    return words(*arrays, unit=16)
 
-    Needs C-contiguous arrays, a last dimension of whole 16-byte chunks and 16-byte aligned
-    bases (CuPy, torch and numba allocations are 256-byte aligned; a view into the middle of
-    one may not be). The views' rows then have an even number of words, so every row starts
-    16-byte aligned too.
-    """
-    for x in arrays:
-        if x.ndim == 0 or (x.shape[x.ndim - 1] * x.dtype.itemsize) % 16 or not x.is_c_contiguous():
-            return None
-        if not SIMULATOR and x.size and x.__cuda_array_interface__["data"][0] % 16:
-            return None
-    return tuple(x.view(np.uint64) for x in arrays)
+
+def chunk_grid(C: int, NT: int, rows: int) -> tuple[int, int, int]:
+    """(grid, block, blocks per row) of the kernels that take one 16-byte chunk (2 words) of a
+    row of C words per thread, CuPy's row geometry: a block of at most NT threads, whole warps,
+    no wider than the row (a narrow row leaves no idle warps)."""
+    nt = min(NT, -(-(C // 2) // 32) * 32)
+    nbx = -(-(C // 2) // nt)
+    return rows * nbx, nt, nbx

@@ -47,26 +47,10 @@ import numpy as np
 from numba import float32, uint64
 
 from . import _arrays as A
-from ._device import (
-    PACK,
-    ROUND,
-    SIMULATOR,
-    UNPACK,
-    WORD_ELEMENTS,
-    WORD_OF,
-    cast_out,
-    cu,
-    device_function,
-    erf_f32,
-    exp_f32,
-    ix,
-    kernel,
-    round_as,
-    tanh_f32,
-    to_f32,
-    words,
-)
-from ._wide import load16, store16, words16
+from ._device import (PACK, ROUND, SIMULATOR, UNPACK, WORD_ELEMENTS, WORD_OF, cast_out, cu,
+                      device_function, erf_f32, exp_f32, ix, kernel, round_as,
+                      tanh_f32, to_f32, words)
+from ._wide import chunk_grid, load16, store16, words16
 
 CONFIGS = {"act": {"THREADS": 256, "WIDE": True}}
 SIM_CONFIGS = {"act": {"THREADS": 16, "WIDE": True}}
@@ -242,12 +226,11 @@ def _run(x, name, mode, alpha=1.702, limit=7.0):
             # rows (and, gated, each half) of whole 16-byte chunks: the out view checks the half
             wide = words16(xd, out)
         if wide is not None:   # 16-byte chunks, one per thread (CuPy's activation)
-            word = WORD_OF[np.dtype(xd.dtype)]
             xw, outw = wide
             C = outw.shape[1]
-            nt = min(NT, A.cdiv(C // 2, 32) * 32)   # a narrow row leaves no idle warps
-            nbx = A.cdiv(C // 2, nt)
-            act16_kernel(name, mode, nt, word)[M * nbx, nt, A.launch_stream()](xw, outw, M, C, nbx)
+            grid, nt, nbx = chunk_grid(C, NT, M)
+            act16_kernel(name, mode, nt, WORD_OF[np.dtype(xd.dtype)])[grid, nt, A.launch_stream()](
+                xw, outw, M, C, nbx)
             return call.result(out)
         word, cols, views = "", n_out, None
         if mode != INTERLEAVED:   # rows of whole words (and, gated, a word-aligned half)
@@ -340,32 +323,22 @@ def _main():
 
     from . import _script as S
 
-    ok, why = A.availability()
-    print(f"numba activation: {why}")
-    if not ok:
-        return 0
-    rng = np.random.default_rng(0)
-    shapes = [(3, 8)] if SIMULATOR else [(8, 4096), (2048, 1536), (32768, 4096)]
-    failures = 0
-    for M, N in shapes:
-        for dt in (np.float32, np.float16):
-            x = (rng.standard_normal((M, N)) * 2).astype(dt)                  # [M, N]
-            for act, gated in (("silu", True), ("gelu", True), ("gelu_tanh", True),
-                               ("swigluoai", True), ("relu2", False)):
-                err = S.rel_err(apply_activation(x, act, gated),
-                                reference.apply_activation(x, act, gated))
-                tol = 1e-5 if dt == np.float32 else 1e-2
-                failures += not err <= tol
-                form = "gated" if gated else "no-mul"
-                line = f"  {act:10s} {form} [{M}, {N}] {np.dtype(dt).name}: rel err {err:.1e}"
-                if not SIMULATOR:
-                    d = A.to_device(x)
-                    ms = S.time_ms(lambda: apply_activation(d, act, gated))
-                    nbytes = x.nbytes * (1.5 if gated else 2)   # read x, write out
-                    line += f", {ms * 1e3:8.1f} us, {nbytes / ms / 1e6:7.1f} GB/s"
-                print(line)
-    print("all match" if not failures else f"{failures} mismatches")
-    return 1 if failures else 0
+    def lines(rng):
+        shapes = [(3, 8)] if SIMULATOR else [(8, 4096), (2048, 1536), (32768, 4096)]
+        for M, N in shapes:
+            for dt in (np.float32, np.float16):
+                x = (rng.standard_normal((M, N)) * 2).astype(dt)              # [M, N]
+                for act, gated in (("silu", True), ("gelu", True), ("gelu_tanh", True),
+                                   ("swigluoai", True), ("relu2", False)):
+                    err = S.rel_err(apply_activation(x, act, gated),
+                                    reference.apply_activation(x, act, gated))
+                    form = "gated" if gated else "no-mul"
+                    yield (f"  {act:10s} {form} [{M}, {N}] {np.dtype(dt).name}: rel err {err:.1e}"
+                           + S.timed(lambda d: apply_activation(d, act, gated), x,
+                                     nbytes=x.nbytes * (1.5 if gated else 2)),  # read x, write out
+                           err <= (1e-5 if dt == np.float32 else 1e-2))
+
+    return S.main("activation", lines)
 
 
 if __name__ == "__main__":

@@ -191,6 +191,19 @@ def _parts(NT):
                 expert_ids[b] = -1
 
     @device_function
+    def publish(cnt, off, E, B, red, tid, num_post, offsets, do_align, emap, use_map, expert_ids,
+                n_blocks):
+        """From the counts: the padded prefix sum off [E + 1], num_post = its total, offsets
+        [E + 1] = off, and (do_align) the expert of every block."""
+        scan_padded(cnt, off, E, B, red, tid)
+        if tid == 0:
+            num_post[0] = off[E]
+        for e in range(tid, E + 1, NT):
+            offsets[e] = off[e]
+        if do_align:
+            write_blocks(off, E, B, emap, use_map, expert_ids, n_blocks, tid)
+
+    @device_function
     def scatter(ids, lo, hi, E, emap, use_map, ignore_invalid, off, run, rid, sorted_ids,
                 inv, write_sorted, write_inv, tid):
         """Stable placement of slots [lo, hi): pos = off[e] + run[e] + rank in the round.
@@ -260,8 +273,8 @@ def _parts(NT):
             cu.syncthreads()
             rnd += 1
 
-    return (expert_of, histogram, histogram_warp, fill, scan_padded, write_blocks, scatter,
-            scatter_warp)
+    return (expert_of, histogram, histogram_warp, fill, scan_padded, write_blocks, publish,
+            scatter, scatter_warp)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -279,8 +292,7 @@ def align_kernels(NT, rank="block"):
         raise ValueError("rank: 'warp' needs the GPU and whole warps")
     WARP = rank == "warp"
     W = NT // 32
-    (_, histogram, histogram_warp, fill, scan_padded, write_blocks, scatter,
-     scatter_warp) = _parts(NT)
+    (_, histogram, histogram_warp, fill, _, _, publish, scatter, scatter_warp) = _parts(NT)
 
     def align_single(ids, P, E, B, emap, use_map, ignore_invalid, sorted_ids, expert_ids,
                      n_blocks, capacity, num_post, offsets, inv, do_align, write_inv):
@@ -312,13 +324,8 @@ def align_kernels(NT, rank="block"):
         else:
             histogram(ids, 0, P, E, emap, use_map, ignore_invalid, cnt, tid)
         cu.syncthreads()
-        scan_padded(cnt, off, E, B, red, tid)
-        if tid == 0:
-            num_post[0] = off[E]
-        for e in range(tid, E + 1, NT):
-            offsets[e] = off[e]
-        if do_align:
-            write_blocks(off, E, B, emap, use_map, expert_ids, n_blocks, tid)
+        publish(cnt, off, E, B, red, tid, num_post, offsets, do_align, emap, use_map, expert_ids,
+                n_blocks)
         if WARP:
             scatter_warp(ids, 0, P, E, emap, use_map, ignore_invalid, off, run, cntw, tagw,
                          sorted_ids, inv, do_align, write_inv, tid)
@@ -372,13 +379,8 @@ def align_kernels(NT, rank="block"):
                         total += cb[u]
             cnt[e] = total
         cu.syncthreads()
-        scan_padded(cnt, off, E, B, red, tid)
-        if tid == 0:
-            num_post[0] = off[E]
-        for e in range(tid, E + 1, NT):
-            offsets[e] = off[e]
-        if do_align:
-            write_blocks(off, E, B, emap, use_map, expert_ids, n_blocks, tid)
+        publish(cnt, off, E, B, red, tid, num_post, offsets, do_align, emap, use_map, expert_ids,
+                n_blocks)
 
     def align_scatter(ids, P, E, emap, use_map, ignore_invalid, block_counts, offsets,
                       sorted_ids, inv, do_align, write_inv, CH):
@@ -546,29 +548,19 @@ def _main():
 
     from . import _script as S
 
-    ok, why = A.availability()
-    print(f"numba align: {why}")
-    if not ok:
-        return 0
-    rng = np.random.default_rng(0)
-    cases = ([(3, 8, 2, 4), (9, 4, 3, 8)] if SIMULATOR
-             else [(1, 8, 2, 64), (256, 128, 8, 64), (4096, 256, 8, 64), (2256, 257, 16, 128)])
-    failures = 0
-    for T, E, K, B in cases:
-        ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)  # [T, K]
-        mine = moe_align_block_size(ids, B, E)
-        ref = reference.moe_align_block_size(ids, B, E)
-        same = all(np.array_equal(a, b) for a, b in zip(mine, ref))
-        failures += not same
-        verdict = "exact" if same else "DIFFER"
-        line = f"  moe_align_block_size T={T:5d} E={E:4d} K={K:2d} B={B:3d}: {verdict}"
-        if not SIMULATOR:
-            d = A.to_device(ids)
-            ms = S.time_ms(lambda: moe_align_block_size(d, B, E))
-            line += f", {ms * 1e3:8.1f} us"
-        print(line)
-    print("all match" if not failures else f"{failures} mismatches")
-    return 1 if failures else 0
+    def lines(rng):
+        cases = ([(3, 8, 2, 4), (9, 4, 3, 8)] if SIMULATOR
+                 else [(1, 8, 2, 64), (256, 128, 8, 64), (4096, 256, 8, 64), (2256, 257, 16, 128)])
+        for T, E, K, B in cases:
+            ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)  # [T, K]
+            mine = moe_align_block_size(ids, B, E)
+            ref = reference.moe_align_block_size(ids, B, E)
+            same = all(np.array_equal(a, b) for a, b in zip(mine, ref))
+            yield (f"  moe_align_block_size T={T:5d} E={E:4d} K={K:2d} B={B:3d}: "
+                   f"{'exact' if same else 'DIFFER'}"
+                   + S.timed(lambda d: moe_align_block_size(d, B, E), ids), same)
+
+    return S.main("align", lines)
 
 
 if __name__ == "__main__":

@@ -39,21 +39,9 @@ import numpy as np
 from numba import float32, uint64
 
 from . import _arrays as A
-from ._device import (
-    PACK,
-    SIMULATOR,
-    UNPACK,
-    WORD_ELEMENTS,
-    WORD_OF,
-    cast_out,
-    cu,
-    device_function,
-    ix,
-    kernel,
-    to_f32,
-    words,
-)
-from ._wide import load16, store16, words16
+from ._device import (PACK, SIMULATOR, UNPACK, WORD_ELEMENTS, WORD_OF, cast_out, cu,
+                      device_function, ix, kernel, to_f32, words)
+from ._wide import chunk_grid, load16, store16, words16
 
 CONFIGS = {"sum": {"THREADS": 256, "WIDE": True}}
 MAX_UNROLLED_K = 32   # K up to this is a compile-time constant (one kernel per K)
@@ -219,13 +207,12 @@ def moe_sum(x, topk_ids=None, expert_map=None):
         xd = call.dev("x", x)
         wide = words16(xd, out) if config("sum")["WIDE"] else None
         if wide is not None:   # 16-byte chunks, one per thread (CuPy's combine)
-            word = WORD_OF[np.dtype(xd.dtype)]
             xw, outw = wide
             C = outw.shape[1]
-            nt = min(NT, A.cdiv(C // 2, 32) * 32)   # a narrow row leaves no idle warps
-            nbx = A.cdiv(C // 2, nt)
-            kernel16 = moe_sum16_kernel(nt, K if K <= MAX_UNROLLED_K else 0, word)
-            kernel16[T * nbx, nt, A.launch_stream()](xw, outw, T, K, C, nbx)
+            grid, nt, nbx = chunk_grid(C, NT, T)
+            kernel16 = moe_sum16_kernel(nt, K if K <= MAX_UNROLLED_K else 0,
+                                        WORD_OF[np.dtype(xd.dtype)])
+            kernel16[grid, nt, A.launch_stream()](xw, outw, T, K, C, nbx)
             return call.result(out)
         word, cols, views = "", H, words(xd, out)
         if views is not None:   # 8-byte loads: VEC columns per thread
@@ -272,27 +259,17 @@ def _main():
 
     from . import _script as S
 
-    ok, why = A.availability()
-    print(f"numba combine: {why}")
-    if not ok:
-        return 0
-    rng = np.random.default_rng(0)
-    shapes = [(3, 2, 8)] if SIMULATOR else [(1, 8, 7168), (256, 8, 2048), (4096, 8, 7168)]
-    failures = 0
-    for T, K, H in shapes:
-        for dt in (np.float32, np.float16):
-            x = rng.standard_normal((T, K, H)).astype(dt)                     # [T, K, H]
-            err = S.rel_err(moe_sum(x), reference.moe_sum(x))
-            failures += not err <= (1e-5 if dt == np.float32 else 1e-2)
-            line = f"  moe_sum [{T}, {K}, {H}] {np.dtype(dt).name}: rel err {err:.1e}"
-            if not SIMULATOR:
-                d = A.to_device(x)
-                ms = S.time_ms(lambda: moe_sum(d))
-                nbytes = x.nbytes * (K + 1) / K   # read x, write out
-                line += f", {ms * 1e3:8.1f} us, {nbytes / ms / 1e6:7.1f} GB/s"
-            print(line)
-    print("all match" if not failures else f"{failures} mismatches")
-    return 1 if failures else 0
+    def lines(rng):
+        shapes = [(3, 2, 8)] if SIMULATOR else [(1, 8, 7168), (256, 8, 2048), (4096, 8, 7168)]
+        for T, K, H in shapes:
+            for dt in (np.float32, np.float16):
+                x = rng.standard_normal((T, K, H)).astype(dt)                 # [T, K, H]
+                err = S.rel_err(moe_sum(x), reference.moe_sum(x))
+                yield (f"  moe_sum [{T}, {K}, {H}] {np.dtype(dt).name}: rel err {err:.1e}"
+                       + S.timed(moe_sum, x, nbytes=x.nbytes * (K + 1) / K),  # read x, write out
+                       err <= (1e-5 if dt == np.float32 else 1e-2))
+
+    return S.main("combine", lines)
 
 
 if __name__ == "__main__":

@@ -85,17 +85,8 @@ import numpy as np
 from numba import float32, int32, int64, uint32, uint64
 
 from . import _arrays as A
-from ._device import (
-    SIMULATOR,
-    UNPACK,
-    WORD_ELEMENTS,
-    cast_out,
-    cu,
-    device_function,
-    ix,
-    kernel,
-    to_f32,
-)
+from ._device import (SIMULATOR, UNPACK, WORD_ELEMENTS, cast_out, cu, device_function, ix, kernel,
+                      to_f32)
 from ._vector import ldg4, lds4
 
 VERSIONS = ("v1", "v2", "v3", "v3v")
@@ -816,38 +807,28 @@ def _main():
 
     from . import _script as S
 
-    ok, why = A.availability()
-    print(f"numba grouped_gemm: {why}")
-    if not ok:
-        return 0
-    rng = np.random.default_rng(0)
-    # (T, E, K, N, Kd, B)
-    cases = ([(5, 4, 2, 12, 10, 8), (5, 4, 2, 12, 16, 8)] if SIMULATOR
-             else [(1, 8, 2, 28672, 4096, 16), (256, 128, 8, 1536, 2048, 64),
-                   (4096, 128, 8, 1536, 2048, 64), (1024, 256, 8, 4096, 7168, 64)])
-    failures = 0
-    for T, E, K, N, Kd, B in cases:
-        x = (rng.standard_normal((T, Kd)) * 0.5).astype(np.float16)             # [T, Kd]
-        w = (rng.standard_normal((E, N, Kd)) / np.sqrt(Kd)).astype(np.float16)  # [E, N, Kd]
-        ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
-        align = reference.moe_align_block_size(ids, B, E)
-        ref = reference.grouped_gemm(x, w, *align, K, B)
-        rows = int(align[2][0])
-        flops = 2 * rows * N * Kd
-        d = [A.to_device(v) for v in (x, w) + tuple(align)]
-        for version in VERSIONS:
-            if not SIMULATOR and version == "v1" and flops > 2e11:
-                continue   # the naive rung would take seconds
-            err = S.rel_err(grouped_gemm(x, w, *align, K, B, version=version), ref)
-            failures += not err <= 1e-2
-            line = (f"  {version} T={T:5d} E={E:3d} K={K} N={N:5d} Kd={Kd:5d} B={B:3d} fp16: "
-                    f"rel err {err:.1e}")
-            if not SIMULATOR:
-                ms = S.time_ms(lambda: grouped_gemm(*d, K, B, version=version), reps=5)
-                line += f", {ms * 1e3:9.1f} us, {flops / ms / 1e9:6.2f} TFLOP/s"
-            print(line)
-    print("all match" if not failures else f"{failures} mismatches")
-    return 1 if failures else 0
+    def lines(rng):
+        # (T, E, K, N, Kd, B)
+        cases = ([(5, 4, 2, 12, 10, 8), (5, 4, 2, 12, 16, 8)] if SIMULATOR
+                 else [(1, 8, 2, 28672, 4096, 16), (256, 128, 8, 1536, 2048, 64),
+                       (4096, 128, 8, 1536, 2048, 64), (1024, 256, 8, 4096, 7168, 64)])
+        for T, E, K, N, Kd, B in cases:
+            x = (rng.standard_normal((T, Kd)) * 0.5).astype(np.float16)             # [T, Kd]
+            w = (rng.standard_normal((E, N, Kd)) / np.sqrt(Kd)).astype(np.float16)  # [E, N, Kd]
+            ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+            align = reference.moe_align_block_size(ids, B, E)
+            ref = reference.grouped_gemm(x, w, *align, K, B)
+            flops = 2 * int(align[2][0]) * N * Kd
+            for version in VERSIONS:
+                if not SIMULATOR and version == "v1" and flops > 2e11:
+                    continue   # the naive rung would take seconds
+                err = S.rel_err(grouped_gemm(x, w, *align, K, B, version=version), ref)
+                yield (f"  {version} T={T:5d} E={E:3d} K={K} N={N:5d} Kd={Kd:5d} B={B:3d} fp16: "
+                       f"rel err {err:.1e}"
+                       + S.timed(lambda *d: grouped_gemm(*d, K, B, version=version), x, w, *align,
+                                 reps=5, flops=flops), err <= 1e-2)
+
+    return S.main("grouped_gemm", lines)
 
 
 if __name__ == "__main__":

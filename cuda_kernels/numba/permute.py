@@ -44,21 +44,9 @@ import numpy as np
 from numba import float32, uint64
 
 from . import _arrays as A
-from ._device import (
-    PACK,
-    SIMULATOR,
-    UNPACK,
-    WORD_ELEMENTS,
-    WORD_OF,
-    cast_out,
-    cu,
-    device_function,
-    ix,
-    kernel,
-    to_f32,
-    words,
-)
-from ._wide import load16, store16, words16
+from ._device import (PACK, SIMULATOR, UNPACK, WORD_ELEMENTS, WORD_OF, cast_out, cu,
+                      device_function, ix, kernel, to_f32, words)
+from ._wide import chunk_grid, load16, store16, words16
 from .align import _sort_slots
 
 # Tunables are data. The simulator gets tiny blocks so that tests cover every path cheaply.
@@ -318,13 +306,12 @@ def moe_unpermute(y_grouped, topk_weights, inv_permuted_idx):
         inv = call.dev("inv_permuted_idx", inv_permuted_idx)
         wide = words16(y, out) if cfg["WIDE"] and np.dtype(y.dtype) in WORD_OF else None
         if wide is not None:   # 16-byte chunks, one per thread (CuPy's unpermute)
-            word = WORD_OF[np.dtype(y.dtype)]
             yw, outw = wide
             C = yw.shape[1]
-            nt = min(NT, A.cdiv(C // 2, 32) * 32)   # a narrow row leaves no idle warps
-            nbx = A.cdiv(C // 2, nt)
-            _, unpermute16 = wide_row_kernels(nt, 32, K if K <= MAX_UNROLLED_K else 0, word)
-            unpermute16[T * nbx, nt, A.launch_stream()](yw, w, inv, outw, T, K, C, nbx)
+            grid, nt, nbx = chunk_grid(C, NT, T)
+            _, unpermute16 = wide_row_kernels(nt, 32, K if K <= MAX_UNROLLED_K else 0,
+                                              WORD_OF[np.dtype(y.dtype)])
+            unpermute16[grid, nt, A.launch_stream()](yw, w, inv, outw, T, K, C, nbx)
             return call.result(out)
         word, cols, views = "", H, words(y, out)
         if views is not None:   # 8-byte loads: VEC columns per thread
@@ -380,35 +367,24 @@ def _main():
 
     from . import _script as S
 
-    ok, why = A.availability()
-    print(f"numba permute: {why}")
-    if not ok:
-        return 0
-    rng = np.random.default_rng(0)
-    cases = ([(3, 8, 2, 16), (9, 4, 3, 24)] if SIMULATOR
-             else [(1, 8, 2, 4096), (256, 128, 8, 2048), (4096, 256, 8, 7168)])
-    failures = 0
-    for T, E, K, H in cases:
-        ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)  # [T, K]
-        x = rng.standard_normal((T, H)).astype(np.float32)                        # [T, H]
-        mine = moe_permute(x, ids, E)
-        ref = reference.moe_permute(x, ids, E)
-        same = all(np.array_equal(a, b) for a, b in zip(mine, ref))
-        y = rng.standard_normal((T * K, H)).astype(np.float32)                    # [P, H]
-        w = rng.random((T, K)).astype(np.float32)
-        err = S.rel_err(moe_unpermute(y, w, ref[2]), reference.moe_unpermute(y, w, ref[2]))
-        failures += (not same) + (err > 1e-6)
-        line = (f"  moe_permute / moe_unpermute T={T:5d} E={E:4d} K={K:2d} H={H:5d}: "
-                f"{'exact' if same else 'DIFFER'}, rel err {err:.1e}")
-        if not SIMULATOR:
-            d_x, d_ids, d_y, d_w = (A.to_device(a) for a in (x, ids, y, w))
-            d_inv = A.to_device(ref[2])
-            ms_p = S.time_ms(lambda: moe_permute(d_x, d_ids, E))
-            ms_u = S.time_ms(lambda: moe_unpermute(d_y, d_w, d_inv))
-            line += f", {ms_p * 1e3:8.1f} + {ms_u * 1e3:8.1f} us"
-        print(line)
-    print("all match" if not failures else f"{failures} mismatches")
-    return 1 if failures else 0
+    def lines(rng):
+        cases = ([(3, 8, 2, 16), (9, 4, 3, 24)] if SIMULATOR
+                 else [(1, 8, 2, 4096), (256, 128, 8, 2048), (4096, 256, 8, 7168)])
+        for T, E, K, H in cases:
+            ids = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)  # [T, K]
+            x = rng.standard_normal((T, H)).astype(np.float32)                    # [T, H]
+            mine = moe_permute(x, ids, E)
+            ref = reference.moe_permute(x, ids, E)
+            same = all(np.array_equal(a, b) for a, b in zip(mine, ref))
+            y = rng.standard_normal((T * K, H)).astype(np.float32)                # [P, H]
+            w = rng.random((T, K)).astype(np.float32)
+            err = S.rel_err(moe_unpermute(y, w, ref[2]), reference.moe_unpermute(y, w, ref[2]))
+            yield (f"  moe_permute / moe_unpermute T={T:5d} E={E:4d} K={K:2d} H={H:5d}: "
+                   f"{'exact' if same else 'DIFFER'}, rel err {err:.1e}"
+                   + S.timed(lambda d_x, d_ids: moe_permute(d_x, d_ids, E), x, ids)
+                   + S.timed(moe_unpermute, y, w, ref[2]), same and err <= 1e-6)
+
+    return S.main("permute", lines)
 
 
 if __name__ == "__main__":

@@ -344,51 +344,34 @@ def _main():
 
     from . import _script as S
 
-    ok, why = A.availability()
-    print(f"numba routing: {why}")
-    if not ok:
-        return 0
-    rng = np.random.default_rng(0)
-    cases = ([(5, 8, 2), (3, 16, 4)] if SIMULATOR
-             else [(1, 8, 2), (256, 128, 8), (4096, 256, 8), (1024, 160, 6)])
-    failures = 0
-    for T, E, K in cases:
-        logits = rng.standard_normal((T, E)).astype(np.float32)   # [T, E]
-        bias = (rng.standard_normal(E) * 0.1).astype(np.float32)   # [E]
-        G = 8 if E % 8 == 0 else 1
-        TG = min(4, G)
-        stages = {
-            "fused_topk": lambda m, x: m.fused_topk(None, x, K, True)[:2],
-            "fused_topk_bias": lambda m, x: m.fused_topk_bias(None, x, "softmax", bias, K, True,
-                                                              routed_scaling_factor=2.5),
-            "grouped_topk": lambda m, x: m.grouped_topk(None, x, K, True, G, TG, "sigmoid", 2.5,
-                                                        bias),
-        }
-        this = sys.modules[__name__]
-        for name, run in stages.items():
-            (w, ids), (rw, rids) = run(this, logits), run(reference, logits)
-            same = np.array_equal(ids, rids)
-            err = S.rel_err(w, rw)
-            failures += not (same and err <= 1e-5)
-            line = (f"  {name:16s} T={T:5d} E={E:4d} K={K}: ids {'exact' if same else 'DIFFER'}, "
-                    f"weights rel err {err:.1e}")
-            if not SIMULATOR:
-                d = A.to_device(logits)
-                d_bias = A.to_device(bias)
-                dev_stages = {
-                    "fused_topk": lambda: fused_topk(None, d, K, True),
-                    "fused_topk_bias": lambda: fused_topk_bias(None, d, "softmax", d_bias, K,
-                                                               True, routed_scaling_factor=2.5),
-                    "grouped_topk": lambda: grouped_topk(None, d, K, True, G, TG, "sigmoid", 2.5,
-                                                         d_bias),
-                }
-                # bytes: the logits in, weights + ids out
-                nbytes = T * E * 4 + T * K * 8
-                ms = S.time_ms(dev_stages[name])
-                line += f", {ms * 1e3:8.1f} us, {nbytes / ms / 1e6:7.1f} GB/s"
-            print(line)
-    print("all match" if not failures else f"{failures} mismatches")
-    return 1 if failures else 0
+    this = sys.modules[__name__]
+
+    def lines(rng):
+        cases = ([(5, 8, 2), (3, 16, 4)] if SIMULATOR
+                 else [(1, 8, 2), (256, 128, 8), (4096, 256, 8), (1024, 160, 6)])
+        for T, E, K in cases:
+            logits = rng.standard_normal((T, E)).astype(np.float32)   # [T, E]
+            bias = (rng.standard_normal(E) * 0.1).astype(np.float32)   # [E]
+            G = 8 if E % 8 == 0 else 1
+            TG = min(4, G)
+            stages = {   # (module, logits, bias) -> (weights, ids)
+                "fused_topk": lambda m, x, b: m.fused_topk(None, x, K, True)[:2],
+                "fused_topk_bias": lambda m, x, b: m.fused_topk_bias(
+                    None, x, "softmax", b, K, True, routed_scaling_factor=2.5),
+                "grouped_topk": lambda m, x, b: m.grouped_topk(None, x, K, True, G, TG, "sigmoid",
+                                                               2.5, b),
+            }
+            for name, run in stages.items():
+                (w, ids), (rw, rids) = run(this, logits, bias), run(reference, logits, bias)
+                same = np.array_equal(ids, rids)
+                err = S.rel_err(w, rw)
+                yield (f"  {name:16s} T={T:5d} E={E:4d} K={K}: "
+                       f"ids {'exact' if same else 'DIFFER'}, weights rel err {err:.1e}"
+                       + S.timed(lambda x, b: run(this, x, b), logits, bias,
+                                 nbytes=T * E * 4 + T * K * 8),   # the logits in, weights + ids out
+                       same and err <= 1e-5)
+
+    return S.main("routing", lines)
 
 
 if __name__ == "__main__":

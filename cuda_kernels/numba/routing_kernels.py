@@ -35,22 +35,8 @@ import functools
 import numpy as np
 from numba import float32, int32, int64, uint32, uint64
 
-from ._device import (
-    FULL_MASK,
-    NAN32,
-    NEG_INF32,
-    SIMULATOR,
-    better,
-    cu,
-    device_function,
-    exp_f32,
-    ix,
-    kernel,
-    max_nan,
-    round_as,
-    sel_key,
-    to_f32,
-)
+from ._device import (FULL_MASK, NAN32, NEG_INF32, SIMULATOR, better, cu, device_function, exp_f32,
+                      ix, kernel, max_nan, round_as, sel_key, to_f32)
 
 # the non-finite rule and rounding of a launch (reference/routing.py):
 MODE_TOPK = 0      # fused_topk / fused_topk_bias: a non-finite score is 0

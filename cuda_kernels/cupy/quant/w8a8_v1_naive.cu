@@ -33,24 +33,11 @@
 // (the two kinds are 2 together: DeepSeek-V3 blocks)
 template <int QT>
 __global__ void __launch_bounds__(128)
-w8a8_v1_naive(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
-              const float* __restrict__ a_scale, const float* __restrict__ w_scale,
-              const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-              const int* __restrict__ num_tokens_post_padded,
-              const float* __restrict__ topk_weights, const float* __restrict__ bias,
-              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-              int mul_routed_weight, int a_scale_kind, int w_scale_kind) {
-    const int p = blockIdx.x;
-    if (p >= num_tokens_post_padded[0] || p >= num_positions) return;
-    const int s = sorted_token_ids[p];
-    if (!qg_live(s, num_slots)) return;
-    const int n = blockIdx.y * 128 + threadIdx.x;
-    if (n >= N) return;
-    const int e = expert_ids[p / block_size];
-    if (e < 0) {
-        qg_store(c + (long long)s * N + n, 0.f);
+w8a8_v1_naive(QG_W8A8_ARGS) {
+    int s, n, e;                      // this thread's slot, column and expert
+    if (!qg_naive_element(c, sorted_token_ids, expert_ids, num_tokens_post_padded, N, num_slots,
+                          block_size, num_positions, s, n, e))
         return;
-    }
     const int row = s / top_k;
     const int KB = (Kdim + QG_KBLOCK - 1) / QG_KBLOCK;
     const int NB = (N + QG_KBLOCK - 1) / QG_KBLOCK;

@@ -37,13 +37,7 @@ template <> struct QgPart<QG_INT8> { typedef int T; };
 
 template <int QT, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32)
-w8a8_v2_mma(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
-            const float* __restrict__ a_scale, const float* __restrict__ w_scale,
-            const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-            const int* __restrict__ num_tokens_post_padded,
-            const float* __restrict__ topk_weights, const float* __restrict__ bias,
-            int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-            int mul_routed_weight, int a_scale_kind, int w_scale_kind) {
+w8a8_v2_mma(QG_W8A8_ARGS) {
     constexpr int BK = QG_KBLOCK;                 // one quantization block per K tile
     constexpr int NT = WARPS_M * WARPS_N * 32;
     constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
@@ -70,24 +64,9 @@ w8a8_v2_mma(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
     const int n0 = blockIdx.y * BN;
     const int e = expert_ids[m0 / block_size];                  // BM divides block_size
     const int tid = threadIdx.x;
-    int live = 0;
-    for (int r = tid; r < BM; r += NT) {
-        const int p = m0 + r;
-        const int s = p < num_positions ? sorted_token_ids[p] : num_slots;
-        sSlot[r] = s;
-        sArow[r] = qg_live(s, num_slots) ? s / top_k : -1;
-        live |= qg_live(s, num_slots);
-    }
-    // a tile smaller than the alignment block may hold padding only: skip it whole
-    if (__syncthreads_or(live) == 0) return;
-    if (e < 0) {                                                // expert on another rank
-        for (int i = tid; i < BM * BN; i += NT) {
-            const int r = i / BN, n = n0 + i % BN;
-            if (qg_live(sSlot[r], num_slots) && n < N)
-                qg_store(c + (long long)sSlot[r] * N + n, 0.f);
-        }
-        return;
-    }
+    if (!qg_stage_m_tile<BM, BN, NT>(c, sSlot, sArow, sorted_token_ids, m0, n0, e, N,
+                                     num_slots, top_k, num_positions, tid))
+        return;                                   // padding only, or zeros
     const int KB = (Kdim + BK - 1) / BK;
     const int NB = (N + QG_KBLOCK - 1) / QG_KBLOCK;
     // 64-bit expert base once; offsets inside one expert fit 32 bits (the launcher checks
@@ -96,13 +75,7 @@ w8a8_v2_mma(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
 
     auto load_stage = [&](int stage, int kb) {
         const int k0 = kb * BK;
-        u8* dA = sA + stage * BM * ROW;
-        for (int i = tid; i < BM * CH; i += NT) {
-            const int r = i / CH, k = k0 + (i % CH) * 16;
-            const int arow = sArow[r];
-            const bool ok = arow >= 0 && k < Kdim;              // Kdim % 16 == 0: whole chunks
-            qg_cp16(dA + r * ROW + (i % CH) * 16, ok ? a + (long long)arow * Kdim + k : a, ok);
-        }
+        qg_copy_a_tile<BM, CH, ROW, NT>(sA + stage * BM * ROW, a, sArow, k0, Kdim, tid);
         u8* dW = sW + stage * BN * ROW;
         for (int i = tid; i < BN * CH; i += NT) {
             const int r = i / CH, k = k0 + (i % CH) * 16, n = n0 + r;
@@ -120,51 +93,23 @@ w8a8_v2_mma(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
         }
     };
 
-#pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < KB) load_stage(st, st);
-        qg_commit();                                 // one group per stage, even when empty
-    }
+    qg_ring_fill<STAGES>(KB, load_stage);
 
     const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
-    float acc[MI][NI][4];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[mi][ni][j] = 0.f;
+    float acc[MI][NI][4] = {};
 
     for (int kt = 0; kt < KB; ++kt) {
-        qg_wait<STAGES - 2>();                       // tile kt has landed (for this thread)
-        __syncthreads();                             // ... for every thread; stage kt-1 is free
-        {
-            const int nk = kt + STAGES - 1;
-            if (nk < KB) load_stage(nk % STAGES, nk);
-            qg_commit();
-        }
-        const int st = kt % STAGES;
+        const int st = qg_ring_step<STAGES>(kt, KB, load_stage);   // tile kt has landed
         const u8* tA = sA + st * BM * ROW + (wm * WM) * ROW;
         const u8* tW = sW + st * BN * ROW + (wn * WN) * ROW;
-        part_t part[MI][NI][4];
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) part[mi][ni][j] = 0;
+        part_t part[MI][NI][4] = {};
 #pragma unroll
         for (int kk = 0; kk < BK / 32; ++kk) {
             u32 af[MI][4], bfr[NI][2];
 #pragma unroll
-            for (int mi = 0; mi < MI; ++mi) {
-                const u8* p = tA + (mi * 16 + g) * ROW + kk * 32 + t * 4;
-                af[mi][0] = *reinterpret_cast<const u32*>(p);
-                af[mi][1] = *reinterpret_cast<const u32*>(p + 8 * ROW);
-                af[mi][2] = *reinterpret_cast<const u32*>(p + 16);
-                af[mi][3] = *reinterpret_cast<const u32*>(p + 8 * ROW + 16);
-            }
+            for (int mi = 0; mi < MI; ++mi)
+                qg_load_frag_a<ROW>(af[mi], tA + (mi * 16 + g) * ROW + kk * 32 + t * 4);
 #pragma unroll
             for (int ni = 0; ni < NI; ++ni) {
                 const u8* q = tW + (ni * 8 + g) * ROW + kk * 32 + t * 4;
@@ -194,26 +139,19 @@ w8a8_v2_mma(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restri
     }
     qg_wait<0>();                                    // no copy outlives the CTA
 
+    qg_for_live_rows<MI>(sSlot, wm * WM, g, num_slots, [&](int mi, int h, int r, int s) {
+        float sa = 1.f;
+        if (!BLOCKWISE) sa = a_scale_kind == 0 ? a_scale[0] : a_scale[sArow[r]];
 #pragma unroll
-    for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = wm * WM + mi * 16 + g + h * 8;
-            const int s = sSlot[r];
-            if (!qg_live(s, num_slots)) continue;
-            float sa = 1.f;
-            if (!BLOCKWISE) sa = a_scale_kind == 0 ? a_scale[0] : a_scale[sArow[r]];
-#pragma unroll
-            for (int ni = 0; ni < NI; ++ni) {
-                const int n = n0 + wn * WN + ni * 8 + 2 * t;
-                float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
-                if (!BLOCKWISE && n < N) {
-                    const float* ws_row = w_scale + (long long)e * N;
-                    v0 *= sa * (w_scale_kind == 0 ? w_scale[e] : ws_row[n]);
-                    if (n + 1 < N) v1 *= sa * (w_scale_kind == 0 ? w_scale[e] : ws_row[n + 1]);
-                }
-                qg_store_pair(c, s, n, N, v0, v1, e, bias, topk_weights, mul_routed_weight);
+        for (int ni = 0; ni < NI; ++ni) {
+            const int n = n0 + wn * WN + ni * 8 + 2 * t;
+            float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
+            if (!BLOCKWISE && n < N) {
+                const float* ws_row = w_scale + (long long)e * N;
+                v0 *= sa * (w_scale_kind == 0 ? w_scale[e] : ws_row[n]);
+                if (n + 1 < N) v1 *= sa * (w_scale_kind == 0 ? w_scale[e] : ws_row[n + 1]);
             }
+            qg_store_pair(c, s, n, N, v0, v1, e, bias, topk_weights, mul_routed_weight);
         }
-    }
+    });
 }

@@ -35,38 +35,15 @@
 // Needs Kdim % 128 == 0, a and w 16-byte aligned, sm_89+ (the launcher checks).
 // ELEM_BF16 (#define 1 / 0): output bf16 / fp16.
 // Run: python -m cuda_kernels.cupy.quant.w8a8 [--quick]
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "common.cuh"
 
-#ifndef ELEM_BF16
-#error "ELEM_BF16 (1: bf16, 0: fp16) must be #defined by the launcher"
-#endif
-#if ELEM_BF16
-typedef __nv_bfloat16 elem_t;
-#else
-typedef __half elem_t;
-#endif
-typedef unsigned char u8;
-typedef unsigned int u32;
-
-__device__ __forceinline__ void fg_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void fg_store(__half* p, float v) { *p = __float2half_rn(v); }
-__device__ __forceinline__ bool fg_live(int s, int num_slots) {
-    return (unsigned)s < (unsigned)num_slots;        // padding is num_slots; negatives dropped
-}
-
-// The inline PTX of this file. tests/test_quant_w8a8.py runs this source on the CPU with
-// QG_EMULATED_PTX #defined and the helpers of tests/quant_support.py's emulation header
-// (qg_ld16*, qg_mma_k32: same semantics, fragment layouts as the PTX ISA says).
+// The inline PTX of this file: the weights' streaming loads (the activations' loads and the
+// mma are common.cuh's qg_ld16 and qg_mma_k32). tests/test_quant_w8a8.py runs this source on
+// the CPU with QG_EMULATED_PTX #defined and the helpers of tests/quant_support.py's emulation
+// header (qg_ld16*, qg_mma_k32: same semantics, fragment layouts as the PTX ISA says).
 #ifdef QG_EMULATED_PTX
 template <int PF>
 inline void fg_ld16_stream(u32 (&r)[4], const void* p) { qg_ld16_stream(r, p); }
-#define fg_ld16 qg_ld16
-inline void fg_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    const u32 a[4] = {a0, a1, a2, a3};
-    const u32 b[2] = {b0, b1};
-    qg_mma_k32(d, a, b);
-}
 #else
 // 16 bytes global -> 4 registers, read-only path; weights kept out of L1 (read once). PF > 0
 // asks L2 to fetch the whole 128-byte (PF 1) / 256-byte (PF 2) span around the address: a
@@ -83,22 +60,6 @@ __device__ __forceinline__ void fg_ld16_stream(u32 (&r)[4], const void* p) {
     else
         asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
             : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
-}
-__device__ __forceinline__ void fg_ld16(u32 (&r)[4], const void* p) {
-    asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
-}
-// D += A (16x32) * B (32x8), e4m3 x e4m3 -> f32 (fragment layout in the header comment)
-__device__ __forceinline__ void fg_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
-                                       u32 b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-    __trap();   // fp8 tensor cores start at sm_89; the launcher never sends fp8 here below that
-#endif
 }
 #endif  // QG_EMULATED_PTX
 
@@ -184,16 +145,19 @@ __device__ __forceinline__ void fg_consume(float (&acc)[MT][4], const u32 (&wq)[
             u32 x[2][4] = {{0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}};
             if (c.arow[jt] >= 0) {
                 const u8* ap = a + (long long)c.arow[jt] * Kdim + 128 * kb + 16 * t;
-                fg_ld16(x[0], ap);
-                fg_ld16(x[1], ap + 64);
+                qg_ld16(x[0], ap);
+                qg_ld16(x[1], ap + 64);
             }
             float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int h = 0; h < 2; ++h)
 #pragma unroll
-                for (int q = 0; q < 2; ++q)
-                    fg_mma(part, wq[u][0][h][2 * q], wq[u][1][h][2 * q], wq[u][0][h][2 * q + 1],
-                           wq[u][1][h][2 * q + 1], x[h][2 * q], x[h][2 * q + 1]);
+                for (int q = 0; q < 2; ++q) {
+                    const u32 af[4] = {wq[u][0][h][2 * q], wq[u][1][h][2 * q],
+                                       wq[u][0][h][2 * q + 1], wq[u][1][h][2 * q + 1]};
+                    const u32 bf[2] = {x[h][2 * q], x[h][2 * q + 1]};
+                    qg_mma_k32(part, af, bf);
+                }
             float s0 = 1.f, s1 = 1.f;
             if (blockwise) {
                 s0 = __ldg(a_scale + (long long)c.srow[jt][0] * KB + kb) * wsc[u];
@@ -215,69 +179,17 @@ __device__ __forceinline__ int fg_stage(int* sSlot, int* sArow, int s_mine, int 
     int live = 0;
     if (tid < BM) {
         sSlot[tid] = s_mine;
-        sArow[tid] = fg_live(s_mine, num_slots) ? s_mine / top_k : -1;
-        live = fg_live(s_mine, num_slots);
+        sArow[tid] = qg_live(s_mine, num_slots) ? s_mine / top_k : -1;
+        live = qg_live(s_mine, num_slots);
     }
     return __syncthreads_or(live);
-}
-
-// A tile of an expert on another rank (e < 0): its live slots get zeros.
-template <int BM, int NT>
-__device__ __forceinline__ void fg_zeros(elem_t* c, const int* sSlot, int n0, int N,
-                                         int num_slots, int tid) {
-    for (int i = tid; i < BM * 16; i += NT) {
-        const int r = i / 16, n = n0 + i % 16;
-        if (fg_live(sSlot[r], num_slots) && n < N) fg_store(c + (long long)sSlot[r] * N + n, 0.f);
-    }
-}
-
-// The warps' partial sums meet in sRed [WARPS][BM][16] and are added in warp order
-// (deterministic); then the per-tensor / per-channel scales, bias, routed weight, one rounding.
-template <int MT, int WARPS>
-__device__ __forceinline__ void fg_epilogue(const float (&acc)[MT][4], float* sRed,
-                                            const int* sSlot, const int* sArow, elem_t* c,
-                                            const float* a_scale, const float* w_scale,
-                                            const float* topk_weights, const float* bias, int e,
-                                            int n0, int N, int num_slots, int mul_routed_weight,
-                                            int a_scale_kind, int w_scale_kind, int tid) {
-    constexpr int BM = 8 * MT, NT = WARPS * 32;
-    const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int j = 0; j < MT; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = 8 * j + 2 * t + (i & 1), nn = g + 8 * (i >> 1);
-            sRed[(warp * BM + r) * 16 + nn] = acc[j][i];
-        }
-    __syncthreads();
-    for (int i = tid; i < BM * 16; i += NT) {
-        const int r = i / 16, nn = i % 16, n = n0 + nn;
-        const int s = sSlot[r];
-        if (!fg_live(s, num_slots) || n >= N) continue;
-        float v = 0.f;
-        for (int wi = 0; wi < WARPS; ++wi) v += sRed[(wi * BM + r) * 16 + nn];
-        if (a_scale_kind != 2) {
-            const float sa = a_scale_kind == 0 ? a_scale[0] : a_scale[sArow[r]];
-            const float sw = w_scale_kind == 0 ? w_scale[e] : w_scale[(long long)e * N + n];
-            v *= sa * sw;
-        }
-        if (bias != nullptr) v += bias[(long long)e * N + n];
-        if (mul_routed_weight) v *= topk_weights[s];
-        fg_store(c + (long long)s * N + n, v);
-    }
 }
 
 // ============================================================================ the kernel
 // w8a8_v3_gemv: one CTA per tile, grid (m tiles, n tiles); rounds of U blocks per warp.
 template <int MT, int WARPS, int U, int MINB, int PF>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
-w8a8_v3_gemv(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
-             const float* __restrict__ a_scale, const float* __restrict__ w_scale,
-             const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-             const int* __restrict__ num_tokens_post_padded,
-             const float* __restrict__ topk_weights, const float* __restrict__ bias,
-             int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-             int mul_routed_weight, int a_scale_kind, int w_scale_kind) {
+w8a8_v3_gemv(QG_W8A8_ARGS) {
     constexpr int BM = 8 * MT;
     constexpr int NT = WARPS * 32;
     constexpr int STEP = WARPS * U;            // blocks per round of the CTA
@@ -306,7 +218,7 @@ w8a8_v3_gemv(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restr
 
     if (fg_stage<BM>(sSlot, sArow, s_mine, num_slots, top_k, tid) == 0) return;  // padding only
     if (e < 0) {                                                   // expert on another rank
-        fg_zeros<BM, NT>(c, sSlot, n0, N, num_slots, tid);
+        qg_store_zeros<BM, 16, NT>(c, sSlot, n0, N, num_slots, tid);
         return;
     }
     FgCols<MT> cols;
@@ -323,6 +235,17 @@ w8a8_v3_gemv(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restr
         fg_issue<U, WARPS, PF>(wq, wsc, rows, kb0, KB, BLOCKWISE);
         fg_consume<MT, U, WARPS>(acc, wq, wsc, cols, a, a_scale, kb0, KB, Kdim, t, BLOCKWISE);
     }
-    fg_epilogue<MT, WARPS>(acc, sRed, sSlot, sArow, c, a_scale, w_scale, topk_weights, bias, e,
-                           n0, N, num_slots, mul_routed_weight, a_scale_kind, w_scale_kind, tid);
+    // the warps' partial sums, then the per-tensor / per-channel scales, bias, routed weight
+    // (fp32, docs/stages.md's order), one rounding
+    qg_sum_warps<MT, WARPS>(acc, sRed, sSlot, n0, N, num_slots, tid,
+                            [&](int r, int n, int s, float v) {
+        if (a_scale_kind != 2) {
+            const float sa = a_scale_kind == 0 ? a_scale[0] : a_scale[sArow[r]];
+            const float sw = w_scale_kind == 0 ? w_scale[e] : w_scale[(long long)e * N + n];
+            v *= sa * sw;
+        }
+        if (bias != nullptr) v += bias[(long long)e * N + n];
+        if (mul_routed_weight) v *= topk_weights[s];
+        qg_store(c + (long long)s * N + n, v);
+    });
 }

@@ -38,40 +38,14 @@
 // block_size (the launcher checks).
 // ELEM_BF16 (#define 1 / 0): output bf16 / fp16.
 // Run: python -m cuda_kernels.cupy.quant.w8a8 [--quick]
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "common.cuh"
 #include "../wgmma_operands.cuh"
 
-#ifndef ELEM_BF16
-#error "ELEM_BF16 (1: bf16, 0: fp16) must be #defined by the launcher"
-#endif
-#if ELEM_BF16
-typedef __nv_bfloat16 elem_t;
-#else
-typedef __half elem_t;
-#endif
-typedef unsigned char u8;
-typedef unsigned int u32;
-
 #define FW_ROW 128                 // bytes of a tile row: one K block = the swizzle width
-#define FW_SBO 1024                // next 8-row group (one swizzle atom)
 
-__device__ __forceinline__ bool fw_live(int s, int num_slots) {
-    return (unsigned)s < (unsigned)num_slots;
-}
-__device__ __forceinline__ void fw_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void fw_store(__half* p, float v) { *p = __float2half_rn(v); }
-__device__ __forceinline__ u32 fw_pack(float lo, float hi) {
-#if ELEM_BF16
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-#else
-    __half2 v = __floats2half2_rn(lo, hi);
-#endif
-    return *reinterpret_cast<u32*>(&v);
-}
-
-// The inline PTX of this file (to fw_wgmma_n128). tests/test_quant_w8a8.py runs this
-// source on the CPU with QG_EMULATED_PTX #defined and its own versions of these helpers
+// The inline PTX of this file (to fw_wgmma_n128): cp.async to a shared address (the ring's
+// swizzled places are computed as addresses) and the fp8 wgmma. tests/test_quant_w8a8.py runs
+// this source on the CPU with QG_EMULATED_PTX #defined and its own versions of these helpers
 // (cp.async landing at the wait, wgmma reading the swizzled tiles through the descriptor).
 #ifndef QG_EMULATED_PTX
 __device__ __forceinline__ u32 fw_smem(const void* p) {
@@ -85,45 +59,17 @@ __device__ __forceinline__ void fw_cp4(u32 dst, const void* src, bool pred) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
                  :: "r"(dst), "l"(src), "r"(pred ? 4 : 0) : "memory");
 }
-__device__ __forceinline__ void fw_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void fw_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
-}
-#endif  // QG_EMULATED_PTX (1/2)
-// K-major, 128-byte swizzle descriptor: start >> 4, leading byte offset 1 (unused by swizzled
-// K-major layouts), stride byte offset 1024 >> 4, base offset 0, layout type 1 (128 B).
-__device__ __forceinline__ unsigned long long fw_desc(u32 addr) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) |
-           ((unsigned long long)(FW_SBO >> 4) << 32) | (1ull << 62);
-}
-
-#ifndef QG_EMULATED_PTX
-// d[32] (64 x 64 fp32, this thread's part) = (acc ? d : 0) + A (64 x 32) * B (32 x 64)
+// d[BN / 2] (64 x BN fp32, this thread's part) = (acc ? d : 0) + A (64 x 32) * B (32 x BN);
+// fp8 wgmma reads K-major tiles only: no transpose immediates after the scales of A and B
 __device__ __forceinline__ void fw_wgmma_n64(float* d, unsigned long long da,
                                              unsigned long long db, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {" WG_REGS32
-        "}, %32, %33, p, 1, 1;\n}\n"
-        : WG_ACC32(d, 0)
-        : "l"(da), "l"(db), "r"(acc)
-        : "memory");
+    WG_MMA_SS_N64("m64n64k32.f32.e4m3.e4m3", ", 1, 1", d, da, db, acc);
 }
-
-// d[64] (64 x 128 fp32, this thread's part) = (acc ? d : 0) + A (64 x 32) * B (32 x 128)
 __device__ __forceinline__ void fw_wgmma_n128(float* d, unsigned long long da,
                                               unsigned long long db, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" WG_REGS64
-        "}, %64, %65, p, 1, 1;\n}\n"
-        : WG_ACC64(d, 0)
-        : "l"(da), "l"(db), "r"(acc)
-        : "memory");
+    WG_MMA_SS_N128("m64n128k32.f32.e4m3.e4m3", ", 1, 1", d, da, db, acc);
 }
-
-#endif  // QG_EMULATED_PTX (2/2)
+#endif  // QG_EMULATED_PTX
 
 template <int BN>
 __device__ __forceinline__ void fw_wgmma(float* d, unsigned long long da, unsigned long long db,
@@ -134,13 +80,7 @@ __device__ __forceinline__ void fw_wgmma(float* d, unsigned long long da, unsign
 
 template <int BM, int BN, int STAGES>
 __global__ void __launch_bounds__((BM / 64) * 128, 1)
-w8a8_v4_wgmma(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
-              const float* __restrict__ a_scale, const float* __restrict__ w_scale,
-              const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-              const int* __restrict__ num_tokens_post_padded,
-              const float* __restrict__ topk_weights, const float* __restrict__ bias,
-              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-              int mul_routed_weight, int a_scale_kind, int w_scale_kind) {
+w8a8_v4_wgmma(QG_W8A8_ARGS) {
     constexpr int NT = (BM / 64) * 128;
     constexpr int TILE_A = BM * FW_ROW, TILE_B = BN * FW_ROW;
     constexpr int STAGE = TILE_A + TILE_B;
@@ -165,23 +105,9 @@ w8a8_v4_wgmma(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __rest
     if (m0 >= num_tokens_post_padded[0] || m0 >= num_positions) return;
     const int e = expert_ids[m0 / block_size];                      // BM divides block_size
     const int tid = threadIdx.x;
-    int live = 0;
-    for (int r = tid; r < BM; r += NT) {
-        const int p = m0 + r;
-        const int s = p < num_positions ? sorted_token_ids[p] : num_slots;
-        sSlot[r] = s;
-        sArow[r] = fw_live(s, num_slots) ? s / top_k : -1;
-        live |= fw_live(s, num_slots);
-    }
-    if (__syncthreads_or(live) == 0) return;                       // padding-only tile
-    if (e < 0) {                                                    // expert on another rank
-        for (int i = tid; i < BM * BN; i += NT) {
-            const int r = i / BN, n = n0 + i % BN;
-            if (fw_live(sSlot[r], num_slots) && n < N)
-                fw_store(c + (long long)sSlot[r] * N + n, 0.f);
-        }
-        return;
-    }
+    if (!qg_stage_m_tile<BM, BN, NT>(c, sSlot, sArow, sorted_token_ids, m0, n0, e, N,
+                                     num_slots, top_k, num_positions, tid))
+        return;                                   // padding only, or zeros
     const bool BLOCKWISE = a_scale_kind == 2;                       // uniform over the grid
     const int KB = (Kdim + 127) / 128;
     const int NB = (N + 127) / 128;
@@ -251,16 +177,16 @@ w8a8_v4_wgmma(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __rest
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
         if (st < KB) load_stage(st, st);
-        fw_commit();                                   // one group per stage, even when empty
+        qg_commit();                                   // one group per stage, even when empty
     }
     for (int kb = 0; kb < KB; ++kb) {
-        fw_wait<STAGES - 2>();                         // block kb has landed (this thread)
+        qg_wait<STAGES - 2>();                         // block kb has landed (this thread)
         wg_fence_proxy_async();                        // ... visible to the async proxy
         __syncthreads();                               // everyone's; slot kb - 1 is free
         {
             const int nk = kb + STAGES - 1;
             if (nk < KB) load_stage(nk % STAGES, nk);
-            fw_commit();
+            qg_commit();
         }
         const int st = kb % STAGES;
         const u32 a_base = base + st * STAGE + wg * 64 * FW_ROW;
@@ -268,7 +194,8 @@ w8a8_v4_wgmma(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __rest
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)      // k32 steps: 32 bytes along the swizzled rows
-            fw_wgmma<BN>(blk, fw_desc(a_base + kk * 32), fw_desc(b_base + kk * 32), kk > 0);
+            fw_wgmma<BN>(blk, wg_desc_swizzled<FW_ROW>(a_base + kk * 32),
+                         wg_desc_swizzled<FW_ROW>(b_base + kk * 32), kk > 0);
         wg_commit();
         wg_wait<0>();
         float s0 = 1.f, s1 = 1.f;
@@ -285,7 +212,7 @@ w8a8_v4_wgmma(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __rest
             acc[4 * j + 3] += blk[4 * j + 3] * s1;
         }
     }
-    fw_wait<0>();                                      // no copy outlives the CTA
+    qg_wait<0>();                                      // no copy outlives the CTA
 
     // Epilogue: per-tensor / per-channel scales, bias, router weight (fp32, docs/stages.md's
     // order), paired 32-bit stores.
@@ -293,7 +220,7 @@ w8a8_v4_wgmma(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __rest
     for (int h = 0; h < 2; ++h) {
         const int r = r0 + 8 * h;
         const int s = sSlot[r];
-        if (!fw_live(s, num_slots)) continue;
+        if (!qg_live(s, num_slots)) continue;
         const float sa = BLOCKWISE ? 1.f : (a_scale_kind == 0 ? a_scale[0] : a_scale[sArow[r]]);
         const float tw = mul_routed_weight ? topk_weights[s] : 1.f;
         elem_t* crow = c + (long long)s * N;
@@ -311,10 +238,10 @@ w8a8_v4_wgmma(const u8* __restrict__ a, const u8* __restrict__ w, elem_t* __rest
                 v[q] *= tw;
             }
             if (n + 1 < N && ((((long long)s * N + n) & 1) == 0)) {
-                *reinterpret_cast<u32*>(crow + n) = fw_pack(v[0], v[1]);
+                *reinterpret_cast<u32*>(crow + n) = qg_pack(v[0], v[1]);
             } else {
-                fw_store(crow + n, v[0]);
-                if (n + 1 < N) fw_store(crow + n + 1, v[1]);
+                qg_store(crow + n, v[0]);
+                if (n + 1 < N) qg_store(crow + n + 1, v[1]);
             }
         }
     }

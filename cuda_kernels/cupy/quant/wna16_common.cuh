@@ -1,26 +1,25 @@
 // wna16_common.cuh: what the weight-only int4 rungs on prepacked weights share (v4 packed, v5
-// staged, v6 wgmma): the element type (ELEM_BF16), the magic-number dequantization, the
-// mma.sync and cp.async wrappers, the m tile's slots, split K, the compile-time count.
+// staged, v6 wgmma), beyond common.cuh (the element type, the routing arguments): their
+// arguments, the magic-number dequantization, the mma.sync and cp.async wrappers, the m tile's
+// slots, split K, the compile-time count.
 // Inlined by _compile.source_text; QG_EMULATED_PTX (tests) swaps the PTX for its CPU stand-ins.
 #pragma once
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-
-#ifndef ELEM_BF16
-#error "ELEM_BF16 (1: bf16, 0: fp16) must be #defined by the launcher"
-#endif
-
-typedef unsigned char u8;
-typedef unsigned int u32;
+#include "common.cuh"
 
 #if ELEM_BF16
-typedef __nv_bfloat16 elem_t;
 typedef __nv_bfloat162 elem2_t;
 #else
-typedef __half elem_t;
 typedef __half2 elem2_t;
 #endif
+
+// The arguments of the rungs on prepacked weights (v4, v6; v5 takes the activations as raw
+// 16-bit words and its split-K workspace before the sizes): wp, sp, zp as prepack_int4 lays
+// them out (the rung's header), then the routing, then the group geometry.
+#define W16_PACKED_ARGS                                                                       \
+    const elem_t* __restrict__ a, const uint4* __restrict__ wp, elem_t* __restrict__ c,       \
+    const float2* __restrict__ sp, const unsigned short* __restrict__ zp, QG_ROUTING_ARGS,     \
+    int chunk_shift, int num_groups, int default_zp
 
 namespace w16 {
 

@@ -37,25 +37,11 @@ __device__ __forceinline__ int qg_code(const u8* __restrict__ wr, int k, int cod
 
 template <int NBITS>
 __global__ void __launch_bounds__(128)
-wna16_v1_naive(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
-               const float* __restrict__ w_scale, const u8* __restrict__ w_zp,
-               const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-               const int* __restrict__ num_tokens_post_padded,
-               const float* __restrict__ topk_weights, const float* __restrict__ bias,
-               int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-               int mul_routed_weight, int group_size, int num_groups, int default_zp,
-               int code_xor) {
-    const int p = blockIdx.x;
-    if (p >= num_tokens_post_padded[0] || p >= num_positions) return;
-    const int s = sorted_token_ids[p];
-    if (!qg_live(s, num_slots)) return;
-    const int n = blockIdx.y * 128 + threadIdx.x;
-    if (n >= N) return;
-    const int e = expert_ids[p / block_size];
-    if (e < 0) {
-        qg_store(c + (long long)s * N + n, 0.f);
+wna16_v1_naive(QG_WNA16_ARGS) {
+    int s, n, e;                      // this thread's slot, column and expert
+    if (!qg_naive_element(c, sorted_token_ids, expert_ids, num_tokens_post_padded, N, num_slots,
+                          block_size, num_positions, s, n, e))
         return;
-    }
     const elem_t* ar = a + (long long)(s / top_k) * Kdim;
     const long long wrow = (long long)e * N + n;
     const u8* wr = w + wrow * (NBITS == 4 ? Kdim / 2 : Kdim);

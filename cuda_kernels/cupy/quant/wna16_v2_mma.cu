@@ -36,13 +36,7 @@ __device__ __forceinline__ float qg_deq(u32 q, float zoff, float sc) {
 
 template <int NBITS, int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32)
-wna16_v2_mma(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
-             const float* __restrict__ w_scale, const u8* __restrict__ w_zp,
-             const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-             const int* __restrict__ num_tokens_post_padded,
-             const float* __restrict__ topk_weights, const float* __restrict__ bias,
-             int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-             int mul_routed_weight, int group_size, int num_groups, int default_zp, int code_xor) {
+wna16_v2_mma(QG_WNA16_ARGS) {
     constexpr int NT = WARPS_M * WARPS_N * 32;
     constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
     constexpr int MI = WM / 16, NI = WN / 8;
@@ -69,27 +63,13 @@ wna16_v2_mma(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
     int* sSlot = sArow + BM;                                    // [BM]
 
     const int m0 = blockIdx.x * BM;
-    if (m0 >= num_tokens_post_padded[0] || m0 >= num_positions) return;
+    if (m0 >= num_tokens_post_padded[0] || m0 >= num_positions) return;   // past the live blocks
     const int n0 = blockIdx.y * BN;
-    const int e = expert_ids[m0 / block_size];
+    const int e = expert_ids[m0 / block_size];                  // BM divides block_size
     const int tid = threadIdx.x;
-    int live = 0;
-    for (int r = tid; r < BM; r += NT) {
-        const int p = m0 + r;
-        const int s = p < num_positions ? sorted_token_ids[p] : num_slots;
-        sSlot[r] = s;
-        sArow[r] = qg_live(s, num_slots) ? s / top_k : -1;
-        live |= qg_live(s, num_slots);
-    }
-    if (__syncthreads_or(live) == 0) return;                  // padding-only tile
-    if (e < 0) {
-        for (int i = tid; i < BM * BN; i += NT) {
-            const int r = i / BN, n = n0 + i % BN;
-            if (qg_live(sSlot[r], num_slots) && n < N)
-                qg_store(c + (long long)sSlot[r] * N + n, 0.f);
-        }
-        return;
-    }
+    if (!qg_stage_m_tile<BM, BN, NT>(c, sSlot, sArow, sorted_token_ids, m0, n0, e, N,
+                                     num_slots, top_k, num_positions, tid))
+        return;                                   // padding only, or zeros
     const int KT = (Kdim + BK - 1) / BK;
     const int wrow_bytes = Kdim * NBITS / 8;
     // 64-bit expert base once, 32-bit offsets inside the expert (launcher: N * row bytes < 2^31)
@@ -97,13 +77,7 @@ wna16_v2_mma(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
 
     auto load_stage = [&](int stage, int kt) {
         const int k0 = kt * BK;
-        u8* dA = sA + stage * BM * AROW;
-        for (int i = tid; i < BM * ACH; i += NT) {
-            const int r = i / ACH, k = k0 + (i % ACH) * 8;
-            const int arow = sArow[r];
-            const bool ok = arow >= 0 && k < Kdim;              // Kdim % 32 == 0: whole chunks
-            qg_cp16(dA + r * AROW + (i % ACH) * 16, ok ? a + (long long)arow * Kdim + k : a, ok);
-        }
+        qg_copy_a_tile<BM, ACH, AROW, NT>(sA + stage * BM * AROW, a, sArow, k0, Kdim, tid);
         u8* dW = sW + stage * BN * WROW;
         const int kb0 = k0 * NBITS / 8;
         for (int i = tid; i < BN * WCH; i += NT) {
@@ -114,11 +88,7 @@ wna16_v2_mma(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
         }
     };
 
-#pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < KT) load_stage(st, st);
-        qg_commit();
-    }
+    qg_ring_fill<STAGES>(KT, load_stage);
 
     const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
@@ -130,13 +100,7 @@ wna16_v2_mma(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
         const int n = min(n0 + wn * WN + ni * 8 + g, N - 1);
         nrow[ni] = ((long long)e * N + n) * num_groups;
     }
-    float acc[MI][NI][4];
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[mi][ni][j] = 0.f;
+    float acc[MI][NI][4] = {};
 
     for (int kt = 0; kt < KT; ++kt) {
         // this tile's scales and zero points, issued before the barrier so that their
@@ -159,14 +123,7 @@ wna16_v2_mma(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
                 zo[ni][j] = 8388608.f + (float)(w_zp != nullptr ? (int)__ldg(w_zp + nrow[ni] + gi)
                                                                 : default_zp);
             }
-        qg_wait<STAGES - 2>();
-        __syncthreads();
-        {
-            const int nk = kt + STAGES - 1;
-            if (nk < KT) load_stage(nk % STAGES, nk);
-            qg_commit();
-        }
-        const int st = kt % STAGES;
+        const int st = qg_ring_step<STAGES>(kt, KT, load_stage);   // tile kt has landed
         const u8* tA = sA + st * BM * AROW + (wm * WM) * AROW;
         const u8* tW = sW + st * BN * WROW + (wn * WN) * WROW;
 #pragma unroll
@@ -175,13 +132,8 @@ wna16_v2_mma(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
             const int j1 = 0, j2 = (kk * 2) / KK, j4 = (kk * NGMAX) / KK;
             u32 af[MI][4], bfr[NI][2];
 #pragma unroll
-            for (int mi = 0; mi < MI; ++mi) {
-                const u8* p = tA + (mi * 16 + g) * AROW + (kk * 16 + 2 * t) * 2;
-                af[mi][0] = *reinterpret_cast<const u32*>(p);
-                af[mi][1] = *reinterpret_cast<const u32*>(p + 8 * AROW);
-                af[mi][2] = *reinterpret_cast<const u32*>(p + 16);
-                af[mi][3] = *reinterpret_cast<const u32*>(p + 8 * AROW + 16);
-            }
+            for (int mi = 0; mi < MI; ++mi)
+                qg_load_frag_a<AROW>(af[mi], tA + (mi * 16 + g) * AROW + (kk * 16 + 2 * t) * 2);
 #pragma unroll
             for (int ni = 0; ni < NI; ++ni) {
                 const u8* q = tW + (ni * 8 + g) * WROW;
@@ -215,19 +167,12 @@ wna16_v2_mma(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __r
     }
     qg_wait<0>();
 
+    qg_for_live_rows<MI>(sSlot, wm * WM, g, num_slots, [&](int mi, int h, int, int s) {
 #pragma unroll
-    for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = wm * WM + mi * 16 + g + h * 8;
-            const int s = sSlot[r];
-            if (!qg_live(s, num_slots)) continue;
-#pragma unroll
-            for (int ni = 0; ni < NI; ++ni) {
-                const int n = n0 + wn * WN + ni * 8 + 2 * t;
-                qg_store_pair(c, s, n, N, acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1], e, bias,
-                              topk_weights, mul_routed_weight);
-            }
+        for (int ni = 0; ni < NI; ++ni) {
+            const int n = n0 + wn * WN + ni * 8 + 2 * t;
+            qg_store_pair(c, s, n, N, acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1], e, bias,
+                          topk_weights, mul_routed_weight);
         }
-    }
+    });
 }

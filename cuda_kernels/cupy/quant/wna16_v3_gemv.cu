@@ -49,47 +49,22 @@
 // Needs NBITS = 4, Kdim % 128 == 0, group_size % 128 == 0 (the launcher checks).
 template <int MT, int WARPS, int U, int MINB>
 __global__ void __launch_bounds__(WARPS * 32, MINB)   // MINB CTAs per SM: caps the registers
-wna16_v3_gemv(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __restrict__ c,
-              const float* __restrict__ w_scale, const u8* __restrict__ w_zp,
-              const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-              const int* __restrict__ num_tokens_post_padded,
-              const float* __restrict__ topk_weights, const float* __restrict__ bias,
-              int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-              int mul_routed_weight, int group_size, int num_groups, int default_zp, int code_xor) {
+wna16_v3_gemv(QG_WNA16_ARGS) {
     constexpr int BM = 8 * MT;
     constexpr int NT = WARPS * 32;
-#if ELEM_BF16
-    constexpr u32 MAGIC = 0x43004300u;            // bf16 128.0 twice: mantissa ulp 1
-#else
-    constexpr u32 MAGIC = 0x64006400u;            // fp16 1024.0 twice: mantissa ulp 1
-#endif
     extern __shared__ __align__(16) u8 smem[];
     float* sRed = reinterpret_cast<float*>(smem);               // [WARPS][BM][16]
     int* sArow = reinterpret_cast<int*>(sRed + WARPS * BM * 16);  // [BM] a row, -1 padding
     int* sSlot = sArow + BM;                                    // [BM] slot s
 
     const int m0 = blockIdx.x * BM;
-    if (m0 >= num_tokens_post_padded[0] || m0 >= num_positions) return;
+    if (m0 >= num_tokens_post_padded[0] || m0 >= num_positions) return;   // past the live blocks
     const int n0 = blockIdx.y * 16;
     const int e = expert_ids[m0 / block_size];                  // BM divides block_size
     const int tid = threadIdx.x;
-    int live = 0;
-    for (int r = tid; r < BM; r += NT) {
-        const int p = m0 + r;
-        const int s = p < num_positions ? sorted_token_ids[p] : num_slots;
-        sSlot[r] = s;
-        sArow[r] = qg_live(s, num_slots) ? s / top_k : -1;
-        live |= qg_live(s, num_slots);
-    }
-    if (__syncthreads_or(live) == 0) return;                  // padding-only tile
-    if (e < 0) {                                                // expert on another rank
-        for (int i = tid; i < BM * 16; i += NT) {
-            const int r = i / 16, n = n0 + i % 16;
-            if (qg_live(sSlot[r], num_slots) && n < N)
-                qg_store(c + (long long)sSlot[r] * N + n, 0.f);
-        }
-        return;
-    }
+    if (!qg_stage_m_tile<BM, 16, NT>(c, sSlot, sArow, sorted_token_ids, m0, n0, e, N,
+                                     num_slots, top_k, num_positions, tid))
+        return;                                   // padding only, or zeros
     const int warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const int wrow = Kdim / 2;                                  // bytes of a weight row
     // 64-bit expert base once, 32-bit offsets inside it (launcher: N * wrow < 2^31). Rows past
@@ -112,11 +87,7 @@ wna16_v3_gemv(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __
         tile_live[j] = any;                                     // uniform over the CTA
     }
 
-    float acc[MT][4];
-#pragma unroll
-    for (int j = 0; j < MT; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+    float acc[MT][4] = {};
 
     const int KS = Kdim / 128;                                  // 128-wide K steps
     for (int c0 = warp; c0 < KS; c0 += WARPS * U) {
@@ -135,19 +106,15 @@ wna16_v3_gemv(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __
                 sc[u][1] = __ldg(w_scale + srow1 + gi);
                 const u32 z0 = w_zp != nullptr ? (u32)__ldg(w_zp + srow0 + gi) : (u32)default_zp;
                 const u32 z1 = w_zp != nullptr ? (u32)__ldg(w_zp + srow1 + gi) : (u32)default_zp;
-                zo[u][0] = MAGIC | (z0 * 0x00010001u);          // (128 + zp) twice: exact
-                zo[u][1] = MAGIC | (z1 * 0x00010001u);
+                zo[u][0] = qg_magic_pair(z0);                    // (128 + zp) twice: exact
+                zo[u][1] = qg_magic_pair(z1);
             }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int cs = c0 + u * WARPS;
             if (cs < KS) {                                      // uniform over the warp
-                float part[MT][4];
-#pragma unroll
-                for (int jt = 0; jt < MT; ++jt)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) part[jt][i] = 0.f;
+                float part[MT][4] = {};
                 // word j of the 16 bytes: codes k = 128 cs + 32 t + 8 j + (0..7)
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
@@ -157,7 +124,7 @@ wna16_v3_gemv(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __
                     for (int h = 0; h < 2; ++h)
 #pragma unroll
                         for (int i = 0; i < 4; ++i)
-                            q[h][i] = qg_sub2(((wq[u][h][j] >> (4 * i)) & 0x000F000Fu) | MAGIC,
+                            q[h][i] = qg_sub2(((wq[u][h][j] >> (4 * i)) & 0x000F000Fu) | QG_MAGIC,
                                               zo[u][h]);
 #pragma unroll
                     for (int jt = 0; jt < MT; ++jt) {
@@ -191,22 +158,10 @@ wna16_v3_gemv(const elem_t* __restrict__ a, const u8* __restrict__ w, elem_t* __
         }
     }
 
-    // ---- the warps' partial sums, added in warp order (deterministic)
-#pragma unroll
-    for (int j = 0; j < MT; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = 8 * j + 2 * t + (i & 1), nn = g + 8 * (i >> 1);
-            sRed[(warp * BM + r) * 16 + nn] = acc[j][i];
-        }
-    __syncthreads();
-    for (int i = tid; i < BM * 16; i += NT) {
-        const int r = i / 16, nn = i % 16, n = n0 + nn;
-        const int s = sSlot[r];
-        if (!qg_live(s, num_slots) || n >= N) continue;
-        float v = 0.f;
-        for (int wi = 0; wi < WARPS; ++wi) v += sRed[(wi * BM + r) * 16 + nn];
+    // ---- the warps' partial sums, added in warp order (deterministic), then the epilogue
+    qg_sum_warps<MT, WARPS>(acc, sRed, sSlot, n0, N, num_slots, tid,
+                            [&](int, int n, int s, float v) {
         qg_store(c + (long long)s * N + n,
                  qg_epilogue(v, e, n, s, N, bias, topk_weights, mul_routed_weight));
-    }
+    });
 }

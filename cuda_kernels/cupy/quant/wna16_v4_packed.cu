@@ -19,8 +19,8 @@
 //                  rows n = 16 nt + g (words 0, 2) and 16 nt + g + 8 (words 1, 3); word 0 / 1
 //                  hold codes 0..7, words 2 / 3 codes 8..15; in a word, the pair p (p = 0..3)
 //                  of codes (2p, 2p + 1) sits in bits 4p..4p+3 and 16+4p..16+4p+3, so that
-//                  ((x >> 4p) & 0x000F000F) | MAGIC is the elem2 pair (128 + q_2p, 128 + q_2p+1)
-//                  in memory order: the activations need no permutation.
+//                  ((x >> 4p) & 0x000F000F) | QG_MAGIC is the elem2 pair (128 + q_2p,
+//                  128 + q_2p+1) in memory order: the activations need no permutation.
 //                  sp [E][N / 16][G][8 g] float2 = (s[16 nt + g], s[16 nt + g + 8]) of group G;
 //                  zp [E][N / 16][G][8 g] u16 = the same rows' zero points (lo byte, hi byte).
 //   mma m (m = 0..3) of a chunk covers codes 16 t + 4 m .. + 3 of the lane: A = pairs
@@ -70,15 +70,7 @@
 
 template <int MT, int W, int D, int ZP, int RT, int MINB>
 __global__ void __launch_bounds__(W * 32, MINB)
-wna16_v4_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp,
-                elem_t* __restrict__ c, const float2* __restrict__ sp,
-                const unsigned short* __restrict__ zp,
-                const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-                const int* __restrict__ num_tokens_post_padded,
-                const float* __restrict__ topk_weights, const float* __restrict__ bias,
-                int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-                int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
-                int tiles_per_cta, int red_groups) {
+wna16_v4_packed(W16_PACKED_ARGS, int tiles_per_cta, int red_groups) {
     constexpr int BM = 8 * MT;
     constexpr int RS = 17;                        // padded row of the partials: fewer conflicts
     __shared__ int sSlot[BM];                     // slot s, or -1 (padding)
@@ -121,12 +113,7 @@ wna16_v4_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp,
     const uint4* wexp = wp + (size_t)e * ntiles * C * 32 + lane;
     const float2* sexp = sp + (size_t)e * ntiles * num_groups * 8 + g;
     const unsigned short* zexp = zp + (ZP ? (size_t)e * ntiles * num_groups * 8 + g : 0);
-#if ELEM_BF16
-    constexpr u32 MAGIC = 0x43004300u;
-#else
-    constexpr u32 MAGIC = 0x64006400u;
-#endif
-    const u32 zdef = MAGIC | ((u32)default_zp * 0x00010001u);
+    const u32 zdef = qg_magic_pair((u32)default_zp);
 
     // dynamic shared memory: the warps' partials [2 halves][red_groups][W][RT][BM][RS] fp32
     extern __shared__ __align__(128) u8 smem[];   // 128: see wna16_common.cuh
@@ -181,13 +168,7 @@ wna16_v4_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp,
     // the rest runs with LT, the live token tiles, a compile-time constant
     w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
         constexpr int LT = decltype(live_count)::value;
-        float acc[RT][LT][4];
-#pragma unroll
-        for (int r = 0; r < RT; ++r)
-#pragma unroll
-            for (int mt = 0; mt < LT; ++mt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
+        float acc[RT][LT][4] = {};
 
         // one item: the math of slot u (chunk c), then the slot's refill from the next round
         auto item = [&](int u, int c, bool check) {
@@ -207,13 +188,13 @@ wna16_v4_packed(const elem_t* __restrict__ a, const uint4* __restrict__ wp,
                     u32 zl = zdef, zh = zdef;         // (128 + zp) in both halves, rows g, g + 8
                     if (ZP) {                         // z: row g's zero point in the low byte
                         const u32 z = rz[ZP ? u : 0][r];
-                        zl = MAGIC | ((z & 0xFFu) * 0x00010001u);
-                        zh = MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u);
+                        zl = qg_magic_pair(z & 0xFFu);
+                        zh = qg_magic_pair((z >> 8) & 0xFFu);
                     }
                     // A: pairs of row g (words x, z) and row g + 8 (words y, w) as q - zp: one
                     // lop3 (and one shift) per pair give 128 + q, one hsub2 takes 128 + zp off
                     u32 lo[8], hi[8];
-                    w16::raw_pairs(x, MAGIC, lo, hi);
+                    w16::raw_pairs(x, QG_MAGIC, lo, hi);
 #pragma unroll
                     for (int i = 0; i < 8; ++i) {
                         lo[i] = w16::as_u32(__hsub2(w16::as_e2(lo[i]), w16::as_e2(zl)));

@@ -529,13 +529,7 @@ wna16_v5_staged(const unsigned short* __restrict__ a, const uint4* __restrict__ 
 
         if constexpr (MATH) w16::with_count<1, MT>(live_tiles, [&](auto live_count) {
             constexpr int LT = decltype(live_count)::value;
-            float acc[TPW][LT][4];
-#pragma unroll
-            for (int r = 0; r < TPW; ++r)
-#pragma unroll
-                for (int mt = 0; mt < LT; ++mt)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) acc[r][mt][i] = 0.f;
+            float acc[TPW][LT][4] = {};
 
             // the block's outputs: c0 c1 = (row g, tokens 2t, 2t + 1), c2 c3 = (row g + 8)
             auto store = [&](int b) {
@@ -639,11 +633,7 @@ wna16_v5_staged(const unsigned short* __restrict__ a, const uint4* __restrict__ 
 #pragma unroll
                     for (int r = 0; r < TPW; ++r) {
                         const float2 s2 = ss[(gi * NB + r) * 8];
-                        float tmp[LT][4];
-#pragma unroll
-                        for (int mt = 0; mt < LT; ++mt)
-#pragma unroll
-                            for (int k = 0; k < 4; ++k) tmp[mt][k] = 0.f;
+                        float tmp[LT][4] = {};
 #pragma unroll
                         for (int j = 0; j < CG; ++j) {
                             const uint4 x = sw[(r * KC + kc0 + j) * 32];

@@ -125,52 +125,21 @@ __device__ __forceinline__ void ww_pin(T (&r)[N]) {
 // d (this thread's NN / 2 accumulators of the 64 x NN tile) = A (the warp's 16 rows of the
 // 64 x 16 step: a0..a3) * B (16 x NN through desc) + (acc ? d : 0)
 template <int NN> struct WwMma;
-template <> struct WwMma<8> {
-    static __device__ __forceinline__ void run(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3,
-                                               u64 desc, int acc) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n8k16.f32." WW_AB "." WW_AB
-                     " {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc) : "memory");
-    }
-};
-template <> struct WwMma<16> {
-    static __device__ __forceinline__ void run(float (&d)[8], u32 a0, u32 a1, u32 a2, u32 a3,
-                                               u64 desc, int acc) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n16k16.f32." WW_AB "." WW_AB
-                     " {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                       "+f"(d[6]), "+f"(d[7])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc) : "memory");
-    }
-};
-template <> struct WwMma<24> {
-    static __device__ __forceinline__ void run(float (&d)[12], u32 a0, u32 a1, u32 a2, u32 a3,
-                                               u64 desc, int acc) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n24k16.f32." WW_AB "." WW_AB
-                     " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15},"
-                     " %16, p, 1, 1, 0;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc) : "memory");
-    }
-};
-template <> struct WwMma<32> {
-    static __device__ __forceinline__ void run(float (&d)[16], u32 a0, u32 a1, u32 a2, u32 a3,
-                                               u64 desc, int acc) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n32k16.f32." WW_AB "." WW_AB
-                     " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"
-                     " {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                       "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                       "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc) : "memory");
-    }
-};
+// the NN = 8 LT live token rows of the tile: R = NN / 2 accumulators (WG_ACC<R>), then a0..a3,
+// desc, acc
+#define WW_MMA(NN, REGS, ACC, A_REGS, I_DESC, I_SCALE_D)                                      \
+    template <> struct WwMma<NN> {                                                           \
+        static __device__ __forceinline__ void run(float (&d)[NN / 2], u32 a0, u32 a1, u32 a2, \
+                                                   u32 a3, u64 desc, int acc) {              \
+            WG_MMA_RS("m64n" #NN "k16.f32." WW_AB "." WW_AB, ", 1, 1, 0", REGS, A_REGS,       \
+                      ACC(d, 0),                                                             \
+                      I_DESC, I_SCALE_D, a0, a1, a2, a3, desc, acc);                          \
+        }                                                                                    \
+    };
+WW_MMA(8, WG_REGS4, WG_ACC4, "%4, %5, %6, %7", 8, 9)
+WW_MMA(16, WG_REGS8, WG_ACC8, "%8, %9, %10, %11", 12, 13)
+WW_MMA(24, WG_REGS12, WG_ACC12, "%12, %13, %14, %15", 16, 17)
+WW_MMA(32, WG_REGS16, WG_ACC16, "%16, %17, %18, %19", 20, 21)
 #endif  // QG_EMULATED_PTX
 
 // The descriptor of B for k16 step m of the stage at shared address `stage` (MT token tiles):
@@ -185,16 +154,8 @@ __device__ __forceinline__ u64 ww_desc_b(u32 stage, int m) {
 
 template <int MT, int D, int S, int MINB, int RB>
 __global__ void __launch_bounds__(128, MINB)
-wna16_v6_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp,
-               elem_t* __restrict__ c, const float2* __restrict__ sp,
-               const unsigned short* __restrict__ zp,
-               const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
-               const int* __restrict__ num_tokens_post_padded,
-               const float* __restrict__ topk_weights, const float* __restrict__ bias,
-               int N, int Kdim, int num_slots, int top_k, int block_size, int num_positions,
-               int mul_routed_weight, int chunk_shift, int num_groups, int default_zp,
-               int groups_per_cta, int chunks_per_split, float* __restrict__ ws,
-               int* __restrict__ counters) {
+wna16_v6_wgmma(W16_PACKED_ARGS, int groups_per_cta, int chunks_per_split,
+               float* __restrict__ ws, int* __restrict__ counters) {
     static_assert(D >= S - 1 && S >= 2, "wna16_v6_wgmma: the weights run at least as far "
                   "ahead as the activations (one cp.async group per item covers both), S >= 2");
     constexpr int BM = 8 * MT;
@@ -230,12 +191,7 @@ wna16_v6_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp,
     // the aligned word holding rows g & ~1 and g | 1's zero points (cp.async takes 4 bytes)
     const unsigned short* zexp = zp != nullptr ? zp + (size_t)e * ntiles * num_groups * 8 +
                                                  (g & ~1) : nullptr;
-#if ELEM_BF16
-    constexpr u32 MAGIC = 0x43004300u;
-#else
-    constexpr u32 MAGIC = 0x64006400u;
-#endif
-    const u32 zdef = MAGIC | ((u32)default_zp * 0x00010001u);
+    const u32 zdef = qg_magic_pair((u32)default_zp);
     const int cpg_mask = (1 << chunk_shift) - 1;  // chunk & cpg_mask == 0: a group's first
     // dynamic shared memory: S activation stages, then the warps' weight rings:
     // [4 warps][D][RB][32 lanes] uint4 codes, float2 scales, u32 zero-point words
@@ -336,7 +292,7 @@ wna16_v6_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp,
         int stage = 0, slot = 0;                  // this item's activation stage, weight slot
 
         // row group r of the item in slot `slot` -> A[r]: 128 + q minus 128 + zp, times s (at
-        // a group's first chunk, its scales and zero points: (s, s) and (MAGIC + zp) pairs of
+        // a group's first chunk, its scales and zero points: (s, s) and (QG_MAGIC + zp) pairs of
         // rows g and g + 8, kept for the group)
         u32 dq[RB][4];
         auto dequantize = [&](int r, bool first) {
@@ -347,8 +303,8 @@ wna16_v6_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp,
                 u32 zl = zdef, zh = zdef;
                 if (zexp != nullptr) {
                     const u32 z = ring_z[at] >> (16 * (g & 1));
-                    zl = MAGIC | ((z & 0xFFu) * 0x00010001u);
-                    zh = MAGIC | (((z >> 8) & 0xFFu) * 0x00010001u);
+                    zl = qg_magic_pair(z & 0xFFu);
+                    zh = qg_magic_pair((z >> 8) & 0xFFu);
                 }
                 dq[r][0] = w16::pack2(s2.x, s2.x);
                 dq[r][1] = w16::pack2(s2.y, s2.y);
@@ -362,10 +318,10 @@ wna16_v6_wgmma(const elem_t* __restrict__ a, const uint4* __restrict__ wp,
                 const u32 wl = m < 2 ? x.x : x.z, wh = m < 2 ? x.y : x.w;
                 const int p = 2 * (m & 1);
                 const u32 mk = 0x000F000Fu;
-                A[r][m][0] = w16::deq2(w16::and_or(wl >> (4 * p), mk, MAGIC), zl, sl);
-                A[r][m][1] = w16::deq2(w16::and_or(wh >> (4 * p), mk, MAGIC), zh, sh);
-                A[r][m][2] = w16::deq2(w16::and_or(wl >> (4 * p + 4), mk, MAGIC), zl, sl);
-                A[r][m][3] = w16::deq2(w16::and_or(wh >> (4 * p + 4), mk, MAGIC), zh, sh);
+                A[r][m][0] = w16::deq2(w16::and_or(wl >> (4 * p), mk, QG_MAGIC), zl, sl);
+                A[r][m][1] = w16::deq2(w16::and_or(wh >> (4 * p), mk, QG_MAGIC), zh, sh);
+                A[r][m][2] = w16::deq2(w16::and_or(wl >> (4 * p + 4), mk, QG_MAGIC), zl, sl);
+                A[r][m][3] = w16::deq2(w16::and_or(wh >> (4 * p + 4), mk, QG_MAGIC), zh, sh);
             }
         };
         // one item (chunk cc): its copies, the previous item's wgmma batch done (A is free, and
