@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from cuda_kernels.cupy import _compile as C
-from oracles import rel_err
+from tests.oracles import rel_err
 from reference import moe_align_block_size
 from reference import quant as RQ
 

@@ -1,0 +1,1 @@
+"""The torch backend (cuda_kernels/torch/) against the reference."""
