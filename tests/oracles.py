@@ -14,8 +14,9 @@ an agreement between the two means something. Three kinds:
     torch_route / torch_fused_moe                  an independent per-expert implementation with
                                                    torch ops only (for shapes too big for loops)
 
-and the comparison helpers every reference test uses: `rel_err` (relative Frobenius error in
-float64, NaN never passes), `TOL` (the tolerance of each dtype, with its reason) and
+and the comparison helpers every test uses: `rel_err` (relative Frobenius error in
+float64, NaN never passes), `TOL` (the tolerance of each dtype, with its reason),
+`assert_close` / `assert_output_close` (a kernel's output: its dtype and shape too) and
 `assert_same_blocks` (alignment compared per block as sets, as vLLM leaves the order of
 slots inside an expert's run unspecified).
 """
@@ -61,6 +62,15 @@ def assert_close(got, want, dtype, tol=None, what="output"):
     tol = TOL[np.dtype(dtype)] if tol is None else tol
     err = rel_err(got, want)
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e} ({np.dtype(dtype)})"
+
+
+def assert_output_close(got, want, dtype, what="output"):
+    """A kernel's output (on the host) has the stage's `dtype` and the oracle's shape, and is
+    within TOL[dtype] of the oracle (which may be float64)."""
+    got = np.asarray(got)
+    assert got.dtype == np.dtype(dtype), f"{what}: dtype {got.dtype} != {np.dtype(dtype)}"
+    assert got.shape == np.shape(want), f"{what}: shape {got.shape} != {np.shape(want)}"
+    assert_close(got, want, dtype, what=what)
 
 
 # --------------------------------------------------------------------------------------------

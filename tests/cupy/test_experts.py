@@ -15,18 +15,13 @@ import warnings
 
 import numpy as np
 import pytest
-from tests.oracles import BF16, rel_err
 
 import reference
 from cuda_kernels.cupy import _compile as C
+from tests.oracles import BF16, rel_err
+from tests.support import gpu_marks
 
-OK, WHY = C.availability()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not OK, reason=f"no usable GPU: {WHY}")]
-
-
-@pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch):
-    monkeypatch.setattr(C, "POISON", True)
+pytestmark = [*gpu_marks("cupy"), pytest.mark.usefixtures("cupy_poison")]
 
 
 def _problem(rng, T, E, K, H, I, dtype=BF16):  # noqa: E741

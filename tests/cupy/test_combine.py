@@ -1,0 +1,84 @@
+"""CuPy combine (cuda_kernels/cupy/combine.py, combine.cu: moe_sum) against the NumPy
+reference, on the GPU; arrays on the wrong device are refused (moe_sum, silu_and_mul).
+
+    T tokens, K top-k, H hidden
+
+Every test here is `gpu` and skips cleanly without a usable device (availability() says
+why). Outputs are poisoned before every launch (the `cupy_poison` fixture: NaN for floats,
+-123456789 for ints), so an element a kernel forgets to write fails the comparison.
+
+Relative Frobenius error <= TOL[dtype] (fp32 1e-5, fp16/bf16 1e-2); NaN never passes.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import reference
+from cuda_kernels.cupy import activation as ck_act
+from cuda_kernels.cupy import combine as ck_combine
+from cuda_kernels.cupy import to_device as dev
+from cuda_kernels.cupy import to_host as host
+from tests.oracles import assert_output_close, distinct_topk_ids, rng_for, uniform
+from tests.support import DTYPES, gpu_marks
+
+pytestmark = [*gpu_marks("cupy"), pytest.mark.usefixtures("cupy_poison")]
+
+
+@pytest.mark.parametrize("dkey", DTYPES)
+@pytest.mark.parametrize("T,K,H", [(1, 2, 4096), (33, 8, 2048), (512, 1, 128), (7, 6, 7),
+                                   (100, 22, 1000), (2, 3, 1)])
+def test_moe_sum(T, K, H, dkey):
+    dtype = DTYPES[dkey]
+    x = uniform(rng_for("moe_sum", T, K, H, dkey), (T, K, H), 1.0, dtype)
+    d = dev(x)
+    got = ck_combine.moe_sum(d)
+    assert_output_close(host(got), reference.moe_sum(x), dtype, "moe_sum")
+    again = ck_combine.moe_sum(d)  # deterministic: bitwise the same twice
+    np.testing.assert_array_equal(host(got).view(np.uint8), host(again).view(np.uint8))
+
+
+@pytest.mark.parametrize("dkey", DTYPES)
+@pytest.mark.parametrize("with_map", [False, True])
+def test_moe_sum_pad_aware(dkey, with_map):
+    """vLLM's moe_sum(input, output, topk_ids, expert_map): dead slots are never read."""
+    dtype = DTYPES[dkey]
+    T, K, H = 33, 4, 2048
+    rng = rng_for("moe_sum_pad", dkey, with_map)
+    x = uniform(rng, (T, K, H), 1.0, dtype)
+    ids = distinct_topk_ids(rng, T, 16, K)
+    ids[::5, 1] = -1
+    ids[7] = -1
+    emap = reference.determine_expert_map(2, 0, 16)[1].astype(np.int32) if with_map else None
+    live = reference.combine.slot_is_live(ids, emap)
+    x[~live] = np.nan                                 # rows the GEMMs never wrote
+    got = ck_combine.moe_sum(dev(x), dev(ids), None if emap is None else dev(emap))
+    want = reference.moe_sum(x, ids, emap)
+    assert np.isfinite(host(got).astype(np.float32)).all()
+    assert_output_close(host(got), want, dtype, "moe_sum pad-aware")
+
+
+def test_moe_sum_empty_misaligned_and_bad_inputs():
+    assert ck_combine.moe_sum(dev(np.zeros((0, 2, 8), np.float32))).shape == (0, 8)
+    buf = uniform(rng_for("sum_mis"), (5 * 3 * 16 + 1,), 1.0, np.float16)
+    got = ck_combine.moe_sum(dev(buf)[1:].reshape(5, 3, 16))
+    assert_output_close(host(got), reference.moe_sum(buf[1:].reshape(5, 3, 16)), np.float16,
+                        "misaligned")
+    with pytest.raises(ValueError, match="x"):
+        ck_combine.moe_sum(dev(np.ones((4, 8), np.float32)))
+    with pytest.raises(TypeError, match="x"):
+        ck_combine.moe_sum(dev(np.ones((2, 2, 8), np.int32)))
+
+
+# ============================================================================ devices
+def test_wrong_device_is_rejected():
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs to place an array on the wrong one")
+    with cupy.cuda.Device(1):
+        x = cupy.ones((4, 8), cupy.float32)
+    with pytest.raises(ValueError, match="device"):
+        ck_combine.moe_sum(x.reshape(2, 2, 8))
+    with pytest.raises(ValueError, match="device"):
+        ck_act.silu_and_mul(x)

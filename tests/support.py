@@ -1,0 +1,59 @@
+"""What the test modules share besides the oracles (tests/oracles.py), the quantized
+operands (tests/quant_support.py) and the CPU emulator of CUDA (tests/emulator/):
+
+    DTYPES              "fp32" / "fp16" / "bf16" -> the NumPy dtype: the float dtypes every
+                        GPU stage runs in, by the names test ids show
+    gpu_marks(backend)  the `gpu` marker plus a skip where `backend` ("cupy" or "numba")
+                        cannot run kernels here, with its reason: `pytestmark =
+                        gpu_marks("cupy")` in a module whose every test needs the GPU
+    on_gpu(backend)     the same marks on one test, in a module that mixes CPU and GPU tests
+
+The fixtures live in tests/conftest.py (rng, cupy_poison, numba_poison). The conftest's
+collection hook already skips `gpu` tests where no CUDA device is visible; the backend's own
+availability() adds the cases a device count cannot see (CuPy without NVRTC, Numba in its
+simulator, which tests/numba/sim covers instead).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from tests.oracles import BF16
+
+DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF16}
+
+
+@functools.lru_cache(maxsize=None)
+def _availability(backend: str) -> tuple[bool, str]:
+    if backend == "cupy":
+        from cuda_kernels.cupy import availability
+
+        ok, why = availability()
+        return ok, f"no usable GPU: {why}"
+    if backend == "numba":
+        import importlib
+
+        from cuda_kernels import numba as nb
+
+        ok, why = nb.availability()
+        if ok and importlib.import_module("cuda_kernels.numba._arrays").is_simulator():
+            return False, "numba runs in its CUDA simulator here (tests/numba/sim covers it)"
+        return ok, f"needs a CUDA GPU through numba: {why}"
+    raise ValueError(f"backend: expected 'cupy' or 'numba', got {backend!r}")
+
+
+def gpu_marks(backend: str) -> list:
+    """[gpu, skipif(backend cannot run kernels here)]: a module's pytestmark."""
+    ok, why = _availability(backend)
+    return [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=why)]
+
+
+def on_gpu(backend: str):
+    """A decorator putting gpu_marks(backend) on one test."""
+    def mark(test):
+        for m in gpu_marks(backend):
+            test = m(test)
+        return test
+    return mark
