@@ -164,6 +164,19 @@ def gemm_problem(T, E, K, N, Kd, B, dtype, *, ids=None, expert_map=None, ignore=
     return (a, w) + tuple(align) + (top_k, B, tw, mul, b), want
 
 
+def check_gemm(grouped_gemm, args, want, version=None):
+    """A backend's grouped_gemm(*args, version=version) on a gemm_problem: the dtype of a, the
+    answer's shape, within TOL of the float64 answer (a row left unwritten in a poisoned output
+    fails as NaN). Returns the output."""
+    got = grouped_gemm(*args, version=version)
+    dtype = np.dtype(args[0].dtype)
+    assert got.dtype == dtype and got.shape == want.shape, \
+        f"{version}: {got.dtype} {got.shape} != {dtype} {want.shape}"
+    err = rel_err(got, want)
+    assert err <= TOL[dtype], f"{version}: relative error {err:.3e}"
+    return got
+
+
 def selection_values(logits, scoring="softmax", bias=None, groups=1, topk_group=1,
                      kernel=None):
     """The reference's fp32 selection values [T, E] of a routing (NaN as -inf, invalid

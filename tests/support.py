@@ -7,6 +7,9 @@ operands (tests/quant_support.py) and the CPU emulator of CUDA (tests/emulator/)
                         cannot run kernels here, with its reason: `pytestmark =
                         gpu_marks("cupy")` in a module whose every test needs the GPU
     on_gpu(backend)     the same marks on one test, in a module that mixes CPU and GPU tests
+    runs_kernels(backend)  whether it can (a module imports its kernel modules only then)
+    full_grid(default, full)  a GPU test's shape list: the default one that fits a GPU
+                        session's budget, or the full grid with MOE_SANDBOX_FULL_GRID=1
 
 The fixtures live in tests/conftest.py (rng, cupy_poison, numba_poison). The conftest's
 collection hook already skips `gpu` tests where no CUDA device is visible; the backend's own
@@ -16,6 +19,7 @@ simulator, which tests/numba/sim covers instead).
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -44,6 +48,11 @@ def _availability(backend: str) -> tuple[bool, str]:
     raise ValueError(f"backend: expected 'cupy' or 'numba', got {backend!r}")
 
 
+def runs_kernels(backend: str) -> bool:
+    """Whether `backend` ("cupy" or "numba") can run kernels on this machine."""
+    return _availability(backend)[0]
+
+
 def gpu_marks(backend: str) -> list:
     """[gpu, skipif(backend cannot run kernels here)]: a module's pytestmark."""
     ok, why = _availability(backend)
@@ -57,3 +66,13 @@ def on_gpu(backend: str):
             test = m(test)
         return test
     return mark
+
+
+FULL_GRID = os.environ.get("MOE_SANDBOX_FULL_GRID") == "1"
+
+
+def full_grid(default, full):
+    """`default` (every kernel and dtype, on the shapes that fit a GPU session's budget: each
+    new Numba kernel x dtype costs a JIT compile of a few seconds), or `full` with
+    MOE_SANDBOX_FULL_GRID=1 (the CuPy tests' grids in every dtype)."""
+    return full if FULL_GRID else default

@@ -12,6 +12,7 @@ import importlib
 import numpy as np
 import pytest
 from tests.oracles import BF16, rel_err, rng_for, uniform
+from tests.support import DTYPES
 
 import reference
 from cuda_kernels import numba as nb
@@ -19,14 +20,7 @@ from cuda_kernels import numba as nb
 R = importlib.import_module("cuda_kernels.numba.routing")
 A = importlib.import_module("cuda_kernels.numba._arrays")
 
-pytestmark = pytest.mark.simulator
-DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF16}
-
-
-@pytest.fixture(autouse=True)
-def poison():
-    with nb.poisoned_outputs():
-        yield
+pytestmark = [pytest.mark.simulator, pytest.mark.usefixtures("numba_poison")]
 
 
 def logits_for(T, E, dtype, *params):

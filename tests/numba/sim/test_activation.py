@@ -1,31 +1,24 @@
-"""Numba activation and combine kernels in the CUDA simulator against the reference.
+"""Numba activations (cuda_kernels/numba/activation.py) in the CUDA simulator against the
+reference.
 
-    M rows, N columns (2I for the gated forms), T tokens, K top-k, H hidden
+    M rows, N columns (2I for the gated forms)
 
 fp32 within 1e-5 and fp16 / bf16 within 1e-2 (relative Frobenius; the simulator computes in
-NumPy fp32 like the reference, so these usually match bit for bit); NaN inputs stay NaN in
-the same places; outputs poisoned before every launch.
+NumPy fp32 like the reference, so these usually match bit for bit, and vLLM's rounding points
+do exactly); NaN inputs stay NaN in the same places; outputs poisoned before every launch.
 """
 import importlib
 
 import numpy as np
 import pytest
-from tests.oracles import BF16, TOL, rel_err, rng_for, uniform
 
 import reference
-from cuda_kernels import numba as nb
+from tests.oracles import TOL, rel_err, rng_for, uniform
+from tests.support import DTYPES
 
 Ac = importlib.import_module("cuda_kernels.numba.activation")
-Cb = importlib.import_module("cuda_kernels.numba.combine")
 
-pytestmark = pytest.mark.simulator
-DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": BF16}
-
-
-@pytest.fixture(autouse=True)
-def poison():
-    with nb.poisoned_outputs():
-        yield
+pytestmark = [pytest.mark.simulator, pytest.mark.usefixtures("numba_poison")]
 
 
 def close(got, want, dtype, what):
@@ -80,31 +73,6 @@ def test_activation_bad_inputs():
         Ac.silu_and_mul(np.ones((2, 4), np.int32))
 
 
-@pytest.mark.parametrize("dkey", DTYPES)
-@pytest.mark.parametrize("T,K,H", [(1, 2, 5), (4, 3, 17), (3, 1, 4), (2, 3, 264)])
-def test_moe_sum(T, K, H, dkey):
-    x = uniform(rng_for("sum", T, K, H), (T, K, H), 1.0).astype(DTYPES[dkey])
-    got, want = Cb.moe_sum(x), reference.moe_sum(x)
-    close(got, want, DTYPES[dkey], "moe_sum")
-    if dkey == "fp32":   # the same order of fp32 additions as NumPy: bit for bit
-        np.testing.assert_array_equal(got, want)
-
-
-@pytest.mark.parametrize("dkey", DTYPES)
-@pytest.mark.parametrize("with_map", [False, True])
-def test_moe_sum_pad_aware(dkey, with_map):
-    """vLLM's moe_sum(input, output, topk_ids, expert_map): a slot with a negative id (or a
-    non-local expert) is never read; a token with none left sums to 0."""
-    x = uniform(rng_for("sum-pad", dkey, with_map), (5, 3, 9), 1.0).astype(DTYPES[dkey])
-    ids = np.array([[0, 1, 2], [-1, 3, 1], [-1, -1, -1], [2, -1, 0], [3, 3, 1]], np.int32)
-    emap = np.array([0, -1, 1, 2], np.int32) if with_map else None
-    live = reference.combine.slot_is_live(ids, emap)
-    x[~live] = np.nan                                     # rows the GEMMs never wrote
-    got, want = Cb.moe_sum(x, ids, emap), reference.moe_sum(x, ids, emap)
-    close(got, want, DTYPES[dkey], "moe_sum pad-aware")
-    assert (got[2].astype(np.float32) == 0).all()
-
-
 @pytest.mark.parametrize("dkey", ["fp16", "bf16"])
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "swigluoai"])
 @pytest.mark.parametrize("N", [10, 16, 32])   # single elements, 8-byte words, 16-byte chunks
@@ -115,9 +83,3 @@ def test_activation_rounding_points_bit_for_bit(act, dkey, N):
     got = Ac.apply_activation(x, act, True)
     want = reference.apply_activation(x, act, True)
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
-
-
-def test_moe_sum_empty_and_bad_inputs():
-    assert Cb.moe_sum(np.zeros((0, 2, 4), np.float16)).shape == (0, 4)
-    with pytest.raises(ValueError, match="x: expected 3 dimensions"):
-        Cb.moe_sum(np.ones((2, 4), np.float32))
