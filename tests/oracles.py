@@ -15,10 +15,11 @@ an agreement between the two means something. Three kinds:
                                                    torch ops only (for shapes too big for loops)
 
 and the comparison helpers every test uses: `rel_err` (relative Frobenius error in
-float64, NaN never passes), `TOL` (the tolerance of each dtype, with its reason),
-`assert_close` / `assert_output_close` (a kernel's output: its dtype and shape too) and
-`assert_same_blocks` (alignment compared per block as sets, as vLLM leaves the order of
-slots inside an expert's run unspecified).
+float64, NaN never passes; `rel_err_where_defined`: NaN in the same places, then the rest),
+`TOL` (the tolerance of each dtype, with its reason), `assert_close` / `assert_output_close`
+(a kernel's output: its dtype and shape too), `check_gemm` (a backend's grouped GEMM on a
+`gemm_problem`) and `assert_same_blocks` (alignment compared per block as sets, as vLLM
+leaves the order of slots inside an expert's run unspecified).
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ def rel_err(got, want) -> float:
     if denom == 0:
         return 0.0 if num == 0 else math.inf
     return float(num / denom)
+
+
+def rel_err_where_defined(got, want) -> float:
+    """rel_err over the elements where the oracle holds a number, once NaN is found at the
+    same places on both sides (a NaN input stays confined to its outputs)."""
+    got = np.asarray(got).astype(np.float64)
+    want = np.asarray(want).astype(np.float64)
+    assert got.shape == want.shape, f"shape {got.shape} != oracle's {want.shape}"
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg="NaN at other places")
+    ok = ~np.isnan(want)
+    return rel_err(got[ok], want[ok])
 
 
 def assert_close(got, want, dtype, tol=None, what="output"):

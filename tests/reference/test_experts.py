@@ -1,18 +1,17 @@
-"""The experts (`reference/gemm.py`, `combine.py`, `experts.py`): grouped_gemm, moe_sum,
-fused_experts, fused_moe.
+"""The experts (`reference/experts.py`): fused_experts and fused_moe.
 
     T = tokens, E = experts, K = top-k, H = hidden, I = intermediate, B = block size,
     P = T*K slots (s = t*K + k)
 
 Against the loop over (token, slot) pairs in float64 (`oracles.fused_experts_loop`) for
 small shapes and the torch per-expert implementation for vLLM's big ones; relative
-Frobenius error keyed by the dtype the reference ran in (oracles.TOL).
+Frobenius error keyed by the dtype the reference ran in (oracles.TOL). The stages alone:
+test_gemm.py, test_combine.py.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 
 import numpy as np
 import pytest
@@ -38,10 +37,7 @@ from reference import (
     determine_expert_map,
     fused_experts,
     fused_moe,
-    grouped_gemm,
     llama4_custom_routing_function,
-    moe_align_block_size,
-    moe_sum,
     select_experts,
 )
 
@@ -56,95 +52,6 @@ def experts_inputs(rng, num_tokens, num_experts, topk, hidden, inter, dtype=np.f
     w1, w2, b1, b2 = moe_weights(rng, num_experts, hidden, inter, dtype, gated, bias)
     ids = distinct_topk_ids(rng, num_tokens, num_experts, topk)
     return x, w1, w2, random_weights(rng, num_tokens, topk), ids, b1, b2
-
-
-# --------------------------------------------------------------------------------------------
-# grouped_gemm and moe_sum
-# --------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("dtype", [np.float32, BF16, np.float64], ids=dtype_id)
-@pytest.mark.parametrize("gemm", ["gemm1", "gemm2"])
-@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("mul_routed_weight", [False, True], ids=["nomul", "mul"])
-def test_grouped_gemm_matches_loop(dtype, gemm, with_bias, mul_routed_weight):
-    rng = rng_for("grouped_gemm", dtype_id(dtype), gemm, with_bias, mul_routed_weight)
-    num_tokens, num_experts, topk, kdim, n_out, block_size = 11, 5, 3, 16, 12, 4
-    ids = distinct_topk_ids(rng, num_tokens, num_experts, topk)
-    weights = random_weights(rng, num_tokens, topk)
-    rows = num_tokens if gemm == "gemm1" else num_tokens * topk
-    a_topk = topk if gemm == "gemm1" else 1
-    a = uniform(rng, (rows, kdim), 1.0, dtype)
-    w = uniform(rng, (num_experts, n_out, kdim), 0.5, dtype)
-    bias = uniform(rng, (num_experts, n_out), 0.5, dtype) if with_bias else None
-    sorted_ids, expert_ids, num_post = moe_align_block_size(ids, block_size, num_experts)
-    c = grouped_gemm(a, w, sorted_ids, expert_ids, num_post, a_topk, block_size,
-                     topk_weights=weights, mul_routed_weight=mul_routed_weight, bias=bias)
-    assert c.dtype == a.dtype and c.shape == (num_tokens * topk, n_out)
-    want = np.zeros(c.shape)
-    for s in range(num_tokens * topk):
-        e = ids.flat[s]
-        want[s] = w[e].astype(np.float64) @ a[s // a_topk].astype(np.float64)
-        if with_bias:
-            want[s] += bias[e].astype(np.float64)
-        if mul_routed_weight:
-            want[s] *= float(weights.flat[s])
-    assert_close(c, want, dtype, what="grouped_gemm")
-
-
-@pytest.mark.parametrize("ignore_invalid_experts", [False, True])
-def test_grouped_gemm_non_local_experts(ignore_invalid_experts):
-    # rank 0 of 2 (linear) holds experts 0..3 of 8: rows of other experts are zeros, or, when
-    # alignment ignores them, never written (the NaN poison stays: reading them is a bug)
-    rng = rng_for("gemm ep", ignore_invalid_experts)
-    num_tokens, num_experts, topk, hidden, n_out, block_size = 9, 8, 2, 16, 10, 4
-    ids = distinct_topk_ids(rng, num_tokens, num_experts, topk)
-    _, expert_map = determine_expert_map(2, 0, num_experts)
-    x = uniform(rng, (num_tokens, hidden))
-    w = uniform(rng, (4, n_out, hidden), 0.5)
-    aligned = moe_align_block_size(ids, block_size, num_experts, expert_map=expert_map,
-                                   ignore_invalid_experts=ignore_invalid_experts)
-    c = grouped_gemm(x, w, *aligned, topk, block_size)
-    for s in range(num_tokens * topk):
-        local = expert_map[ids.flat[s]]
-        if local >= 0:
-            want = w[local].astype(np.float64) @ x[s // topk].astype(np.float64)
-            assert rel_err(c[s], want) <= 1e-5
-        elif ignore_invalid_experts:
-            assert np.isnan(c[s]).all()
-        else:
-            assert (c[s] == 0).all()
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_moe_sum_matches_loop(dtype):
-    rng = rng_for("moe_sum", dtype_id(dtype))
-    x = uniform(rng, (7, 4, 33), 1.0, dtype)
-    out = moe_sum(x)
-    assert out.dtype == x.dtype and out.shape == (7, 33)
-    want = np.zeros((7, 33))
-    for t, k in itertools.product(range(7), range(4)):
-        want[t] += x[t, k].astype(np.float64)
-    assert_close(out, want, dtype)
-
-
-@pytest.mark.parametrize("with_map", [False, True], ids=["nomap", "map"])
-def test_moe_sum_skips_slots_routed_nowhere(with_map):
-    """vLLM's pad-aware moe_sum(input, output, topk_ids, expert_map): a slot with a negative
-    id, or (with an expert_map) a non-local expert, is never read; a token with every slot
-    skipped sums to 0. The skipped rows may hold anything (here NaN: never written)."""
-    rng = rng_for("moe_sum pad-aware", with_map)
-    x = uniform(rng, (5, 3, 17), 1.0)
-    ids = np.array([[0, 1, 2], [-1, 3, 1], [-1, -1, -1], [2, -1, 0], [3, 3, 1]], np.int32)
-    expert_map = np.array([0, -1, 1, 2], np.int32) if with_map else None
-    live = ids >= 0
-    if with_map:
-        live &= expert_map[np.maximum(ids, 0)] >= 0
-    x[~live] = np.nan
-    out = moe_sum(x, ids, expert_map)
-    want = np.where(live[:, :, None], x.astype(np.float64), 0.0).sum(axis=1)
-    assert_close(out, want, np.float32)
-    assert (out[2] == 0).all()
-    np.testing.assert_array_equal(moe_sum(np.nan_to_num(x), None), np.nan_to_num(x).sum(1))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=dtype_id)
