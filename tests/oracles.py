@@ -176,6 +176,14 @@ def gemm_problem(T, E, K, N, Kd, B, dtype, *, ids=None, expert_map=None, ignore=
     return (a, w) + tuple(align) + (top_k, B, tw, mul, b), want
 
 
+def gemm_case(T, E, K, N, Kd, B, dtype, **kw):
+    """gemm_problem as a dict: a, w, st, ex, nt (the alignment), tw, bias, top_k (the call's),
+    B, P = T*K, N, mul, dtype, and want (the float64 answer)."""
+    (a, w, st, ex, nt, top_k, B, tw, mul, b), want = gemm_problem(T, E, K, N, Kd, B, dtype, **kw)
+    return dict(a=a, w=w, st=st, ex=ex, nt=nt, tw=tw, bias=b, want=want, top_k=top_k, B=B,
+                P=T * K, N=N, mul=mul, dtype=np.dtype(dtype))
+
+
 def check_gemm(grouped_gemm, args, want, version=None):
     """A backend's grouped_gemm(*args, version=version) on a gemm_problem: the dtype of a, the
     answer's shape, within TOL of the float64 answer (a row left unwritten in a poisoned output

@@ -2,12 +2,14 @@
 
 CPU (always): the ctypes structures have cuda.h's layout (CUlaunchAttribute 72 bytes, its value
 at 8; CUlaunchConfig 56 bytes, hStream at 32, attrs at 40, numAttrs at 48), and kernel
-arguments turn into the C types CuPy would pass, or a clear error. GPU: the chained launch
-is tested on the kernel that uses it (tests/test_quant_wna16_staged.py).
+arguments turn into the C types CuPy would pass, or a clear error; FastLaunch writes its fixed
+arguments once. GPU: the chained launch is tested on the kernel that uses it
+(tests/cupy/quant/test_wna16_staged.py).
 """
 from __future__ import annotations
 
 import ctypes
+import types
 
 import numpy as np
 import pytest
@@ -57,3 +59,32 @@ def test_fast_launch_slot_of_128_bytes():
 def test_kernel_params_refuse_what_has_no_fixed_c_type(bad):
     with pytest.raises(TypeError, match=r"args\[1\]: expected a device array or a numpy scalar"):
         L.kernel_params((np.int32(1), bad))
+
+
+def test_fast_launch_sets_fixed_arguments_once(monkeypatch):
+    """FastLaunch: the fixed arguments' slots are written at construction, a call writes the
+    others in order and the stream into the launch configuration, and the driver's
+    cuLaunchKernelEx gets every slot of the parameter block; a fixed index
+    outside the signature is refused by name before the driver is touched."""
+    seen = []
+
+    def fake_launch(config, fn, params, extra):
+        cfg = config.contents
+        assert (cfg.gridDimX, cfg.blockDimX, cfg.numAttrs) == (2, 32, 0)
+        slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        p = [slots[i] for i in range(4)]
+        seen.append((cfg.hStream, ctypes.c_void_p.from_address(p[0]).value,
+                     ctypes.c_int32.from_address(p[1]).value,
+                     ctypes.c_int32.from_address(p[2]).value,
+                     ctypes.c_float.from_address(p[3]).value))
+        return 0
+
+    monkeypatch.setattr(L, "_driver",
+                        lambda: types.SimpleNamespace(cuLaunchKernelEx=fake_launch))
+    kernel = types.SimpleNamespace(ptr=1234)
+    launch = L.FastLaunch(kernel, (2,), (32,), 0, "piif", fixed={1: 7, 2: -3})
+    launch(99, 0xBEEF, 0.5)
+    launch(98, 0xCAFE, 1.5)
+    assert seen == [(99, 0xBEEF, 7, -3, 0.5), (98, 0xCAFE, 7, -3, 1.5)]
+    with pytest.raises(ValueError, match="fixed: expected argument indices in \\[0, 4\\)"):
+        L.FastLaunch(kernel, (2,), (32,), 0, "piif", fixed={4: 1})
