@@ -21,10 +21,11 @@ import reference
 from cuda_kernels.cupy import align as ck_align
 from cuda_kernels.cupy import to_device as dev
 from cuda_kernels.cupy import to_host as host
+from tests.emulator import build_library, ptr
 from tests.oracles import assert_same_blocks, distinct_topk_ids, rng_for
-from tests.support import gpu_marks
+from tests.support import on_gpu
 
-pytestmark = [*gpu_marks("cupy"), pytest.mark.usefixtures("cupy_poison")]
+pytestmark = pytest.mark.usefixtures("cupy_poison")
 
 
 def check_align(topk_ids, B, E, expert_map=None, pad=False, ignore_invalid=False):
@@ -42,6 +43,7 @@ def check_align(topk_ids, B, E, expert_map=None, pad=False, ignore_invalid=False
     return got
 
 
+@on_gpu("cupy")
 @pytest.mark.parametrize("B", [32, 128])
 @pytest.mark.parametrize("K", [1, 2, 16, 32])
 @pytest.mark.parametrize("E", [32, 160, 256, 257])
@@ -63,6 +65,7 @@ def align_path(request, monkeypatch):
     return request.param
 
 
+@on_gpu("cupy")
 @pytest.mark.parametrize("case", ["one_token", "all_on_one_expert", "empty_experts",
                                   "one_expert_per_block", "E1024", "not_pow2", "B1", "pad"])
 def test_align_nasty(case, align_path):
@@ -87,11 +90,13 @@ def test_align_nasty(case, align_path):
     check_align(ids, B, E, pad=pad)
 
 
+@on_gpu("cupy")
 def test_align_empty_batch(align_path):
     got = check_align(np.zeros((0, 4), np.int32), 16, 8)
     assert got[0].size == 0 and int(got[2][0]) == 0
 
 
+@on_gpu("cupy")
 @pytest.mark.parametrize("ignore_invalid", [False, True])
 @pytest.mark.parametrize("placement", ["linear", "round_robin"])
 @pytest.mark.parametrize("ep_rank", [0, 3])
@@ -103,6 +108,7 @@ def test_align_expert_map(ep_rank, placement, ignore_invalid, align_path):
                 ignore_invalid)
 
 
+@on_gpu("cupy")
 @pytest.mark.parametrize("ignore_invalid", [False, True])
 def test_align_skips_ids_outside_the_experts(ignore_invalid, align_path):
     """vLLM's -1 (a masked or padded token, another rank's expert) and ids past E: placed
@@ -116,6 +122,7 @@ def test_align_skips_ids_outside_the_experts(ignore_invalid, align_path):
     check_align(ids, B, E, emap.astype(np.int32), False, ignore_invalid)
 
 
+@on_gpu("cupy")
 def test_align_int64_ids_and_bad_inputs():
     ids = distinct_topk_ids(rng_for("i64"), 30, 16, 2)
     got = ck_align.moe_align_block_size(dev(ids.astype(np.int64)), 8, 16)
@@ -131,3 +138,80 @@ def test_align_int64_ids_and_bad_inputs():
         ck_align.moe_align_block_size(dev(ids), 8, 16, dev(np.zeros(15, np.int32)))
     with pytest.raises(ValueError, match="topk_ids"):
         ck_align.moe_align_block_size(dev(np.ones((4, 8), np.int32))[:, ::2], 8, 16)
+
+
+# ============================================================================ CPU: the emulator
+# The kernel source on the CPU emulator of tests/emulator (g++, a std::thread per CUDA thread,
+# tiny tunables), against the reference: the kernel's logic without a GPU (not the GPU's
+# expf / erff ulps, timing or memory ordering: the GPU tests above stay the judge).
+ENTRY = r"""
+extern "C" void align(const int* ids, const int* emap, int* sorted, int* eids, int* npost, int* hist,
+                      unsigned* bar, int P, int E, int B, int n, int nb, int ign, int grid,
+                      int threads, int smem) {
+    auto body = [&] { moe_align_kernel(ids, emap, sorted, eids, npost, hist, bar, P, E, B, n, nb,
+                                       ign); };
+    if (grid == 1) launch(1, threads, smem, body);
+    else launch_cooperative(grid, threads, smem, body);
+}"""
+DEFINES = {"PREFETCH": 2}
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """The kernels built for the CPU emulator, once per module."""
+    return build_library(tmp_path_factory.mktemp("align"), "align.cu", DEFINES, ENTRY)
+
+
+@pytest.mark.simulator
+def test_emulated_align(emulated):
+    lib_align = emulated
+    rng = np.random.default_rng(7)
+
+    def ids_of(T, E, K):
+        return np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
+
+    bar = np.zeros(1, np.uint32)  # the grid barrier's word, kept across launches as on the GPU
+
+    def align(ids, B, E, emap=None, pad=False, ign=False, large=False):
+        P = ids.size
+        n = ck_align.max_num_tokens_padded(P, E, B, pad)
+        out = (np.full(n, -7, np.int32), np.full(-(-n // B), -7, np.int32), np.full(1, -7, np.int32))
+        G, W, smem = ck_align._align_geometry(P, E, 1)  # one block
+        if large:  # a cooperative grid of small blocks: 5 blocks of 2 warps (one round of
+            # 32-slot steps per warp), or 3 blocks of 1 warp (several rounds per warp)
+            G, W = (5, 2) if large == 1 else (3, 1)
+            smem = (W * E + 2 * E + 33) * 4
+        hist = np.full(G * E, -7, np.int32)
+        lib_align.align(ptr(ids), ptr(emap), *map(ptr, out), ptr(hist), ptr(bar), P, E, B, n,
+                        out[1].size, int(ign), G, W * 32, smem)
+        assert bar[0] & 0x7FFFFFFF == 0, "the barrier word's low bits come back to 0"
+        return out
+
+    cases = [(1, 8, 2, 4, None, False, False), (3, 32, 2, 32, None, False, False),
+             (33, 16, 3, 8, None, True, False), (100, 257, 6, 16, None, False, False),
+             (0, 8, 2, 4, None, False, False), (50, 5, 1, 1, None, False, False),
+             (40, 1024, 8, 16, None, False, False)]
+    for placement in ("linear", "round_robin"):
+        emap = reference.determine_expert_map(4, 1, 32, placement)[1].astype(np.int32)
+        cases += [(60, 32, 4, 8, emap, False, ign) for ign in (False, True)]
+    for T, E, K, B, emap, pad, ign in cases:
+        ids = ids_of(T, E, K)
+        want = reference.moe_align_block_size(ids, B, E, emap, pad, ign)
+        for large in (0, 1, 2):
+            got = align(ids, B, E, emap, pad, ign, large)
+            for g, w, name in zip(got, want, ("sorted_token_ids", "expert_ids", "num_post")):
+                np.testing.assert_array_equal(
+                    g, w, err_msg=f"{name} T={T} E={E} K={K} B={B} grid variant {large}")
+    # slots routed nowhere (vLLM's -1) and ids past E: skipped, with and without a map
+    ids = ids_of(40, 16, 3)
+    ids[3], ids[7, 1], ids[9, 0] = -1, -1, 19
+    emap = reference.determine_expert_map(2, 1, 16)[1].astype(np.int32)
+    for m, ign in ((None, False), (emap, False), (emap, True)):
+        want = reference.moe_align_block_size(ids, 4, 16, m, False, ign)
+        for large in (0, 1, 2):
+            for g, w in zip(align(ids, 4, 16, m, False, ign, large), want):
+                np.testing.assert_array_equal(g, w, err_msg=f"-1 ids, map {m is not None}")
+    one = np.full((70, 1), 3, np.int32)  # every slot on one expert
+    for large in (0, 1, 2):
+        for g, w in zip(align(one, 16, 8, large=large), reference.moe_align_block_size(one, 16, 8)):
+            np.testing.assert_array_equal(g, w)

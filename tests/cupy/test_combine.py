@@ -19,12 +19,14 @@ from cuda_kernels.cupy import activation as ck_act
 from cuda_kernels.cupy import combine as ck_combine
 from cuda_kernels.cupy import to_device as dev
 from cuda_kernels.cupy import to_host as host
+from tests.emulator import build_library, ptr
 from tests.oracles import assert_output_close, distinct_topk_ids, rng_for, uniform
-from tests.support import DTYPES, gpu_marks
+from tests.support import DTYPES, on_gpu
 
-pytestmark = [*gpu_marks("cupy"), pytest.mark.usefixtures("cupy_poison")]
+pytestmark = pytest.mark.usefixtures("cupy_poison")
 
 
+@on_gpu("cupy")
 @pytest.mark.parametrize("dkey", DTYPES)
 @pytest.mark.parametrize("T,K,H", [(1, 2, 4096), (33, 8, 2048), (512, 1, 128), (7, 6, 7),
                                    (100, 22, 1000), (2, 3, 1)])
@@ -38,6 +40,7 @@ def test_moe_sum(T, K, H, dkey):
     np.testing.assert_array_equal(host(got).view(np.uint8), host(again).view(np.uint8))
 
 
+@on_gpu("cupy")
 @pytest.mark.parametrize("dkey", DTYPES)
 @pytest.mark.parametrize("with_map", [False, True])
 def test_moe_sum_pad_aware(dkey, with_map):
@@ -58,6 +61,7 @@ def test_moe_sum_pad_aware(dkey, with_map):
     assert_output_close(host(got), want, dtype, "moe_sum pad-aware")
 
 
+@on_gpu("cupy")
 def test_moe_sum_empty_misaligned_and_bad_inputs():
     assert ck_combine.moe_sum(dev(np.zeros((0, 2, 8), np.float32))).shape == (0, 8)
     buf = uniform(rng_for("sum_mis"), (5 * 3 * 16 + 1,), 1.0, np.float16)
@@ -71,6 +75,7 @@ def test_moe_sum_empty_misaligned_and_bad_inputs():
 
 
 # ============================================================================ devices
+@on_gpu("cupy")
 def test_wrong_device_is_rejected():
     import cupy
 
@@ -82,3 +87,53 @@ def test_wrong_device_is_rejected():
         ck_combine.moe_sum(x.reshape(2, 2, 8))
     with pytest.raises(ValueError, match="device"):
         ck_act.silu_and_mul(x)
+
+
+# ============================================================================ CPU: the emulator
+# The kernel source on the CPU emulator of tests/emulator (g++, a std::thread per CUDA thread,
+# tiny tunables), against the reference: the kernel's logic without a GPU (not the GPU's
+# expf / erff ulps, timing or memory ordering: the GPU tests above stay the judge).
+ENTRY = r"""
+extern "C" void moe_sum(const float* x, float* out, int T, int K, int H, int vec) {
+    int chunks = (H + SUM_THREADS * vec - 1) / (SUM_THREADS * vec);
+#define S(V) if (vec == V) launch(T * chunks, SUM_THREADS, 0, [&] { \
+    moe_sum_kernel<V>(x, out, T, K, H, chunks); });
+    S(1) S(4)
+}
+extern "C" void moe_sum_live(const float* x, const int* ids, const int* emap, int map_len,
+                             float* out, int T, int K, int H, int vec) {
+    int chunks = (H + SUM_THREADS * vec - 1) / (SUM_THREADS * vec);
+#define SL(V) if (vec == V) launch(T * chunks, SUM_THREADS, 0, [&] { \
+    moe_sum_live_kernel<V>(x, ids, emap, map_len, out, T, K, H, chunks); });
+    SL(1) SL(4)
+}"""
+DEFINES = {"SCALAR_T": "float", "SUM_THREADS": 32}
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """The kernels built for the CPU emulator, once per module."""
+    return build_library(tmp_path_factory.mktemp("combine"), "combine.cu", DEFINES, ENTRY)
+
+
+@pytest.mark.simulator
+def test_emulated_combine(emulated):
+    comb = emulated
+    rng = np.random.default_rng(9)
+    for T, K, H in ((1, 2, 5), (3, 8, 40), (2, 22, 36)):
+        x = rng.standard_normal((T, K, H)).astype(np.float32)
+        for vec in (1, 4) if H % 4 == 0 else (1,):
+            out = np.full((T, H), np.nan, np.float32)
+            comb.moe_sum(ptr(x), ptr(out), T, K, H, vec)
+            np.testing.assert_array_equal(out, reference.moe_sum(x))  # slot order: bitwise
+    # pad-aware: slots with id -1 (or a non-local expert) never read (NaN rows here)
+    x = rng.standard_normal((5, 3, 40)).astype(np.float32)
+    ids = np.array([[0, 1, 2], [-1, 3, 1], [-1, -1, -1], [2, -1, 0], [3, 3, 1]], np.int32)
+    for emap in (None, np.array([0, -1, 1, 2], np.int32)):
+        live = reference.combine.slot_is_live(ids, emap)
+        xp = np.where(live[:, :, None], x, np.nan).astype(np.float32)
+        for vec in (1, 4):
+            out = np.full((5, 40), np.nan, np.float32)
+            comb.moe_sum_live(ptr(xp), ptr(ids), ptr(emap), 0 if emap is None else 4, ptr(out),
+                              5, 3, 40, vec)
+            np.testing.assert_array_equal(out, reference.moe_sum(xp, ids, emap))

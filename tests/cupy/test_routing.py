@@ -18,6 +18,8 @@ match (relative Frobenius error <= 1e-5: the math is fp32 for every input dtype)
 """
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -25,11 +27,12 @@ import reference
 from cuda_kernels.cupy import routing as ck_route
 from cuda_kernels.cupy import to_device as dev
 from cuda_kernels.cupy import to_host as host
+from tests.emulator import build_library, ptr
 from tests.oracles import assert_routing_matches as routing_matches
 from tests.oracles import BF16, rng_for, selection_values, uniform
-from tests.support import DTYPES, gpu_marks
+from tests.support import DTYPES, on_gpu
 
-pytestmark = [*gpu_marks("cupy"), pytest.mark.usefixtures("cupy_poison")]
+pytestmark = pytest.mark.usefixtures("cupy_poison")
 
 
 def assert_routing_matches(got, want, sel, what="routing"):
@@ -41,6 +44,7 @@ def draw_logits(rng, T, E, dtype, scale=2.0):
     return uniform(rng, (T, E), scale, np.float32).astype(dtype)
 
 
+@on_gpu("cupy")
 @pytest.mark.parametrize("dkey", DTYPES)
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("E,K", [(8, 2), (16, 1), (60, 4), (128, 8), (256, 8), (257, 9),
@@ -57,6 +61,7 @@ def test_fused_topk(T, E, K, renormalize, dkey, scoring):
     np.testing.assert_array_equal(host(got[2]), want[2], err_msg="token_expert_indices")
 
 
+@on_gpu("cupy")
 @pytest.mark.parametrize("dkey", DTYPES)
 @pytest.mark.parametrize("scaling", [1.0, 2.5])
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
@@ -78,6 +83,7 @@ def test_fused_topk_bias(E, K, scaling, scoring, dkey):
 GROUPED_GRID = [(16, 2, 8, 2), (128, 2, 8, 2), (256, 8, 8, 4), (384, 8, 1, 1), (512, 22, 1, 1)]
 
 
+@on_gpu("cupy")
 @pytest.mark.parametrize("dkey", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
@@ -97,6 +103,7 @@ def test_grouped_topk_vllm_grid(E, K, G, TG, scaling, renormalize, scoring, with
                            "grouped_topk")
 
 
+@on_gpu("cupy")
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_grouped_topk_groups_not_power_of_two(scoring, with_bias):
@@ -110,6 +117,7 @@ def test_grouped_topk_groups_not_power_of_two(scoring, with_bias):
     assert_routing_matches(got, want, selection_values(logits, scoring, bias, G, TG))
 
 
+@on_gpu("cupy")
 def test_routing_ties_go_to_the_lowest_id():
     T, E, K = 5, 64, 8
     logits = np.zeros((T, E), np.float32) + np.float32(0.25)  # every score equal
@@ -121,6 +129,7 @@ def test_routing_ties_go_to_the_lowest_id():
     np.testing.assert_array_equal(host(got[1])[0], np.arange(K))
 
 
+@on_gpu("cupy")
 def test_routing_nan_and_inf_rows():
     """vLLM's topk kernels: a non-finite score is 0, so a row with a NaN logit, a +inf one
     or only -inf routes to ids 0..K-1 at weight 0; other rows untouched. grouped_topk: an
@@ -153,6 +162,7 @@ def test_routing_nan_and_inf_rows():
                 assert np.abs(host(got[0]) - want[0]).max() <= 1e-6
 
 
+@on_gpu("cupy")
 @pytest.mark.parametrize("num_experts", [512, 896, 1024])
 @pytest.mark.parametrize("num_finite", [0, 15])
 @pytest.mark.parametrize("renormalize", [False, True])
@@ -170,6 +180,7 @@ def test_grouped_topk_single_group_non_finite(num_experts, num_finite, renormali
     np.testing.assert_allclose(host(got[0]), want[0], atol=2e-5, rtol=0)
 
 
+@on_gpu("cupy")
 def test_routing_empty_batch_and_indices_type():
     logits = np.zeros((0, 16), np.float32)
     w, ids, tei = ck_route.fused_topk(None, dev(logits), 2, True)
@@ -182,6 +193,7 @@ def test_routing_empty_batch_and_indices_type():
     np.testing.assert_array_equal(host(ids), reference.fused_topk(None, logits, 3, False)[1])
 
 
+@on_gpu("cupy")
 def test_routing_fp64_logits():
     logits = draw_logits(rng_for("fp64"), 40, 64, np.float64)
     got = ck_route.fused_topk(None, dev(logits), 6, True)
@@ -189,6 +201,7 @@ def test_routing_fp64_logits():
     assert_routing_matches(got, want, selection_values(logits))
 
 
+@on_gpu("cupy")
 @pytest.mark.parametrize("case", ["softmax", "bias", "grouped", "sigmoid", "sigmoid_bias",
                                   "custom"])
 def test_select_experts_dispatch(case):
@@ -223,6 +236,7 @@ def test_select_experts_dispatch(case):
     assert_routing_matches(got[:2], want[:2], sel, f"select_experts[{case}]")
 
 
+@on_gpu("cupy")
 def test_routing_bad_inputs():
     good = dev(np.ones((4, 16), np.float32))
     with pytest.raises(TypeError, match="gating_output"):
@@ -251,3 +265,123 @@ def test_routing_bad_inputs():
         ck_route.fused_topk_bias(None, good, dev(np.ones(16, np.float32)), 2, True, 2.5)
     with pytest.raises(ValueError, match="scoring_func"):
         ck_route.fused_topk(None, good, 2, True, scoring_func="tanh")
+
+
+# ============================================================================ CPU: the emulator
+# The kernel source on the CPU emulator of tests/emulator (g++, a std::thread per CUDA thread,
+# tiny tunables), against the reference: the kernel's logic without a GPU (not the GPU's
+# expf / erff ulps, timing or memory ordering: the GPU tests above stay the judge).
+ENTRY = r"""
+extern "C" void route(const IN_T* g, const float* bias, float* w, int* ids, int* tei, int T,
+                      int E, int K, int G, int TG, int scoring, int renorm, int mode,
+                      float scale, int vpt, int smem) {
+    unsigned grid = (T + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
+#define R(V) if (vpt == V) launch(grid, WARPS_PER_BLOCK * 32, smem, [&] { \
+    route_topk_kernel<V>(g, bias, w, ids, tei, T, E, K, G, TG, scoring, renorm, mode, scale); });
+    R(1) R(2) R(4) R(8) R(16) R(32)
+}"""
+ENTRY_BF16 = r"""
+extern "C" void route(const IN_T* g, const float* bias, float* w, int* ids, int* tei, int T,
+                      int E, int K, int G, int TG, int scoring, int renorm, int mode,
+                      float scale, int vpt, int smem) {
+    unsigned grid = (T + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
+#define R(V) if (vpt == V) launch(grid, WARPS_PER_BLOCK * 32, smem, [&] { \
+    route_topk_kernel<V>(g, bias, w, ids, tei, T, E, K, G, TG, scoring, renorm, mode, scale); });
+    R(1) R(2) R(4) R(8) R(16) R(32)
+}"""
+DEFINES = {"IN_T": "float", "WARPS_PER_BLOCK": 4}
+DEFINES_BF16 = {"IN_T": "__nv_bfloat16", "WARPS_PER_BLOCK": 4}
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """The kernels built for the CPU emulator, once per module."""
+    return {
+        "fp32": build_library(tmp_path_factory.mktemp("fp32"), "routing.cu", DEFINES,
+                              ENTRY),
+        "bf16": build_library(tmp_path_factory.mktemp("bf16"), "routing.cu", DEFINES_BF16,
+                              ENTRY_BF16),
+    }
+
+
+@pytest.mark.simulator
+def test_emulated_routing(emulated):
+    lib, lib16 = emulated["fp32"], emulated["bf16"]
+    rng = np.random.default_rng(8)
+    TOPK, GROUPED = ck_route.MODE_TOPK, ck_route.MODE_GROUPED
+
+    def route(x, K, G=1, TG=1, scoring=0, bias=None, renorm=True, scale=1.0, mode=TOPK):
+        T, E = x.shape
+        w, ids, tei = (np.full((T, K), np.nan, np.float32), np.full((T, K), -7, np.int32),
+                       np.full((T, K), -7, np.int32))
+        rowf = (E + E // 32 + 2) & ~1
+        smem = 4 * (rowf + 2 * G) * 4 if G > 1 else 0
+        which = lib16 if x.dtype == reference._checks.FLOAT_DTYPES[3] else lib
+        which.route(ptr(x), ptr(bias), ptr(w), ptr(ids), ptr(tei), T, E, K, G, TG, scoring,
+                    int(renorm), mode, ctypes.c_float(scale), ck_route._vpt(E), smem)
+        return w, ids, tei
+
+    def same(got, want, what):
+        np.testing.assert_array_equal(got[1], want[1], err_msg=what)
+        np.testing.assert_array_equal(np.isnan(got[0]), np.isnan(want[0]), err_msg=what)
+        ok = ~np.isnan(want[0])
+        assert np.abs(got[0][ok] - want[0][ok]).max(initial=0) < 1e-6, what
+
+    for T, E, K in ((1, 8, 2), (9, 60, 4), (5, 257, 9), (3, 1000, 32), (5, 16, 1)):
+        x = rng.standard_normal((T, E)).astype(np.float32)
+        for renorm in (False, True):
+            for scoring, name in ((0, "softmax"), (1, "sigmoid")):
+                got = route(x, K, scoring=scoring, renorm=renorm)
+                want = reference.fused_topk(None, x, K, renorm, scoring_func=name)
+                same(got, want, f"fused_topk {name} T={T} E={E} K={K}")
+                np.testing.assert_array_equal(got[2], want[2])
+        b = (0.1 * rng.standard_normal(E)).astype(np.float32)
+        for scoring, name in ((0, "softmax"), (1, "sigmoid")):
+            same(route(x, K, scoring=scoring, bias=b, scale=2.5),
+                 reference.fused_topk_bias(None, x, name, b, K, True, routed_scaling_factor=2.5),
+                 f"fused_topk_bias {name} E={E}")
+    for E, K, G, TG in ((16, 2, 8, 2), (256, 8, 8, 4), (512, 22, 1, 1), (96, 5, 6, 3)):
+        for scoring in (0, 1):
+            for with_bias in (False, True):
+                x = rng.standard_normal((7, E)).astype(np.float32)
+                b = (0.1 * rng.standard_normal(E)).astype(np.float32) if with_bias else None
+                want = reference.grouped_topk(None, x, K, True, G, TG, ("softmax", "sigmoid")[scoring],
+                                              2.5, b)
+                same(route(x, K, G, TG, scoring, b, True, 2.5, GROUPED), want,
+                     f"grouped_topk E={E} K={K} G={G} TG={TG} scoring={scoring} bias={with_bias}")
+    # non-finite logits: fused_topk zeroes non-finite scores (rows of ids 0..K-1, weight 0)
+    x = rng.standard_normal((6, 32)).astype(np.float32)
+    x[1, 7], x[2, 3], x[3, :], x[4, :], x[5, ::2] = np.nan, np.inf, -np.inf, 0.5, 2.0
+    for scoring, name in ((0, "softmax"), (1, "sigmoid")):
+        for renorm in (False, True):
+            same(route(x, 4, scoring=scoring, renorm=renorm),
+                 reference.fused_topk(None, x, 4, renorm, scoring_func=name),
+                 f"NaN / inf / ties {name}")
+    # grouped_topk: invalid experts ranked last at weight 0, rows with none valid 1/K or 0
+    x = rng.standard_normal((6, 64)).astype(np.float32)
+    x[0, :8], x[4, 9], x[5, 20:30], x[2] = np.nan, np.nan, np.nan, np.nan
+    for b in (None, (0.1 * rng.standard_normal(64)).astype(np.float32)):
+        for scoring, name in ((0, "softmax"), (1, "sigmoid")):
+            for renorm in (False, True):
+                same(route(x, 4, 8, 3, scoring, b, renorm, 1.5, GROUPED),
+                     reference.grouped_topk(None, x, 4, renorm, 8, 3, name, 1.5, b),
+                     f"{name} with NaN logits, bias {b is not None}")
+    # bf16 logits: grouped_topk rounds its softmax scores to bf16 (vLLM's dtype); the
+    # single-group non-finite case of vLLM's test
+    BF16 = reference._checks.FLOAT_DTYPES[3]
+    xb = rng.standard_normal((9, 256)).astype(BF16)
+    for scoring, name in ((0, "softmax"), (1, "sigmoid")):
+        same(route(xb, 8, 8, 4, scoring, None, True, 2.5, GROUPED),
+             reference.grouped_topk(None, xb, 8, True, 8, 4, name, 2.5), f"bf16 grouped {name}")
+        same(route(xb, 8, scoring=scoring), reference.fused_topk(None, xb, 8, True,
+                                                                scoring_func=name),
+             f"bf16 fused_topk {name}")
+    for num_finite in (0, 15):
+        for renorm in (False, True):
+            xn = np.full((1, 512), np.nan, BF16)
+            xn[0, :num_finite] = np.arange(num_finite)
+            xn[0, num_finite], xn[0, num_finite + 1] = np.inf, -np.inf
+            z = np.zeros(512, np.float32)
+            same(route(xn, 16, 1, 1, 1, z, renorm, 2.5, GROUPED),
+                 reference.grouped_topk(None, xn, 16, renorm, 1, 1, "sigmoid", 2.5, z),
+                 f"single group non-finite {num_finite} renorm {renorm}")

@@ -18,7 +18,8 @@ import pytest
 
 from cuda_kernels.cupy import _compile as C
 from cuda_kernels.cupy.quant import act as QA
-from tests.quant_support import BF16, FP8, build_emulation, host, ptr, up
+from tests.emulator import ptr
+from tests.quant_support import BF16, FP8, build_emulation, host, up
 from reference import quant as RQ
 
 
@@ -101,13 +102,13 @@ _ENTRY = r"""
 extern "C" void gq(int qt, unsigned grid, const IN_T* x, unsigned char* q, float* s,
                    const float* st, const float* ta, int M, int K, int gs, int G, float qmax,
                    float eps, float mins, int ue) {
-    if (qt == 0) launch(grid, 1, WARPS_PER_BLOCK * 32, [&] {
+    if (qt == 0) launch(dim3(grid, 1), WARPS_PER_BLOCK * 32, 0, [&] {
         group_quant_kernel<0>(x, q, s, st, ta, M, K, gs, G, qmax, eps, mins, ue); });
-    else launch(grid, 1, WARPS_PER_BLOCK * 32, [&] {
+    else launch(dim3(grid, 1), WARPS_PER_BLOCK * 32, 0, [&] {
         group_quant_kernel<1>(x, q, s, st, ta, M, K, gs, G, qmax, eps, mins, ue); });
 }
 extern "C" void amax(unsigned grid, const IN_T* x, unsigned* bits, long long n) {
-    launch(grid, 1, 256, [&] { absmax_kernel(x, bits, n); });
+    launch(dim3(grid, 1), 256, 0, [&] { absmax_kernel(x, bits, n); });
 }"""
 
 

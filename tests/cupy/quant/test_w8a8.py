@@ -27,7 +27,8 @@ from cuda_kernels.cupy import _compile as C
 from cuda_kernels.cupy.quant import configs as Q
 from cuda_kernels.cupy.quant import w8a8 as W8
 from tests.oracles import rel_err
-from tests.quant_support import BF16, host, poisoned, ptr, routed, rung_emulations, up, w8a8_operands
+from tests.emulator import ptr
+from tests.quant_support import BF16, host, poisoned, routed, rung_emulations, up, w8a8_operands
 from reference import moe_align_block_size
 from reference import quant as RQ
 
@@ -193,46 +194,11 @@ def test_fast_rungs_block_error_is_the_formats(rng, rung):
 
 
 # ============================================================================ CPU emulation
-# v4's wgmma on the emulation: cp.async from the shared header; wgmma by its definition,
-# reading each operand element through the descriptor (start, stride byte offset, 128-byte
-# swizzle: address bits 4-6 XOR bits 7-9) and writing the accumulator fragment layout of the
-# PTX ISA. It checks the kernel's own indexing (ring slots, scales, promotion, epilogue), not
-# the hardware's reading of the descriptors (the GPU tests do).
-WGMMA_EMU = r"""
-inline unsigned fw_smem(const void* p) { return (unsigned)((const unsigned char*)p - g_smem); }
-inline void fw_cp16(unsigned dst, const void* src, bool pred) { qg_cp16(g_smem + dst, src, pred); }
-inline void fw_cp4(unsigned dst, const void* src, bool pred) { qg_cp4(g_smem + dst, src, pred); }
-inline void fw_commit() { qg_commit(); }
-template <int N> inline void fw_wait() { qg_wait<N>(); }
-inline void wg_fence_proxy_async() {}
-inline void wg_fence() {}
-inline void wg_commit() {}
-template <int PENDING> inline void wg_wait() {}
-inline float fw_operand(unsigned long long desc, int r, int k) {
-    const unsigned start = (unsigned)(desc & 0x3FFFull) << 4;
-    const unsigned sbo = (unsigned)((desc >> 32) & 0x3FFFull) << 4;
-    if (((desc >> 62) & 3ull) != 1ull) { fprintf(stderr, "not a 128B swizzle\n"); abort(); }
-    unsigned addr = start + (r / 8) * sbo + (r % 8) * 128 + k;
-    addr ^= ((addr >> 7) & 7u) << 4;
-    return e4m3_value(g_smem[addr]);
-}
-template <int NN>
-inline void fw_wgmma_emu(float* d, unsigned long long da, unsigned long long db, int acc) {
-    const int wq = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    for (int j = 0; j < NN / 8; ++j)
-        for (int i = 0; i < 4; ++i) {
-            const int row = 16 * wq + lane / 4 + 8 * (i >> 1);
-            const int col = 8 * j + 2 * (lane % 4) + (i & 1);
-            float s = 0.f;
-            for (int k = 0; k < 32; ++k) s += fw_operand(da, row, k) * fw_operand(db, col, k);
-            d[4 * j + i] = (acc ? d[4 * j + i] : 0.f) + s;
-        }
-}
-inline void fw_wgmma_n64(float* d, unsigned long long da, unsigned long long db, int acc) {
-    fw_wgmma_emu<64>(d, da, db, acc); }
-inline void fw_wgmma_n128(float* d, unsigned long long da, unsigned long long db, int acc) {
-    fw_wgmma_emu<128>(d, da, db, acc); }
-"""
+# Every rung's .cu on the CPU emulator of tests/emulator; v4's wgmma by its definition, reading
+# each operand element through the descriptor (start, stride byte offset, 128-byte swizzle:
+# address bits 4-6 XOR bits 7-9) and writing the accumulator fragment layout of the PTX ISA.
+# It checks the kernel's own indexing (ring slots, scales, promotion, epilogue), not the
+# hardware's reading of the descriptors (the GPU tests do).
 
 
 # every rung takes the same arguments (pointers, sizes, scale kinds)
@@ -246,8 +212,7 @@ ARGS = ("(const u8*)a, (const u8*)w, (elem_t*)c, (const float*)p3, (const float*
 @pytest.fixture(scope="module")
 def emulation(tmp_path_factory):
     """emulation(rung): that rung's .cu (bf16 output) built for the CPU emulation, once."""
-    return rung_emulations(tmp_path_factory, "w8a8", W8.CU, W8.NAMES, PARAMS, ARGS,
-                           {"v4": WGMMA_EMU})
+    return rung_emulations(tmp_path_factory, "w8a8", W8.CU, W8.NAMES, PARAMS, ARGS)
 
 
 EMU_CASES = [

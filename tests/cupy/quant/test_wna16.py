@@ -29,7 +29,8 @@ from cuda_kernels.cupy.quant import wna16_packed as P4
 from cuda_kernels.cupy.quant import wna16_staged as S5
 from cuda_kernels.cupy.quant import wna16_wgmma as W6
 from tests.oracles import rel_err
-from tests.quant_support import BF16, host, poisoned, ptr, rung_emulations, up, wna16_operands
+from tests.emulator import ptr
+from tests.quant_support import BF16, host, poisoned, rung_emulations, up, wna16_operands
 from reference import moe_align_block_size
 from reference import quant as RQ
 

@@ -25,9 +25,9 @@ from cuda_kernels.cupy.quant import configs as Q
 from cuda_kernels.cupy.quant import wna16 as W16
 from cuda_kernels.cupy.quant import wna16_packed as P4
 from tests.oracles import rel_err
-from tests.quant_support import (BF16, INT4_SHAPES, W16_PRELUDE, build_emulation, c_entries,
-                           check_matches_reference, check_other_rank, int4_case, ptr, up,
-                           wna16_operands)
+from tests.emulator import entries, ptr
+from tests.quant_support import (BF16, INT4_SHAPES, build_emulation, check_matches_reference,
+                                 check_other_rank, int4_case, up, wna16_operands)
 from reference import moe_align_block_size
 
 TOL = 2e-2          # vLLM's weight-only tolerance
@@ -156,8 +156,7 @@ ARGS = ("(const elem_t*)a, (const uint4*)wp, (elem_t*)c, (const float2*)sp, "
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    return build_emulation(tmp_path_factory, "packed", P4.CU, c_entries(P4.NAMES, PARAMS, ARGS),
-                           prelude=W16_PRELUDE)
+    return build_emulation(tmp_path_factory, "packed", P4.CU, entries(P4.NAMES, PARAMS, ARGS))
 
 
 @pytest.mark.simulator

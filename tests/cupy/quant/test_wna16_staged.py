@@ -31,10 +31,10 @@ from cuda_kernels.cupy.quant import wna16 as W16
 from cuda_kernels.cupy.quant import wna16_packed as P4
 from cuda_kernels.cupy.quant import wna16_staged as S5
 from tests.oracles import rel_err
-from tests.quant_support import (BF16, INT4_SHAPES, W16_PRELUDE, arm_programmatic, blocks_descending,
-                           build_emulation, c_entries, check_matches_reference, check_other_rank,
-                           check_repeats, host, int4_case, poisoned, programmatic_counts, ptr, up,
-                           wna16_operands)
+from tests.emulator import arm_programmatic, blocks_in_order, entries, programmatic_counts, ptr
+from tests.quant_support import (BF16, INT4_SHAPES, build_emulation, check_matches_reference,
+                                 check_other_rank, check_repeats, host, int4_case, poisoned, up,
+                                 wna16_operands)
 from reference import moe_align_block_size
 from reference import quant as RQ
 
@@ -165,23 +165,21 @@ ARGS = ("(const unsigned short*)a, (const uint4*)wp, (elem_t*)c, (const float2*)
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    return build_emulation(tmp_path_factory, "wst", S5.CU,
-                           c_entries(EMULATED_NAMES, PARAMS, ARGS), prelude=W16_PRELUDE)
+    return build_emulation(tmp_path_factory, "wst", S5.CU, entries(EMULATED_NAMES, PARAMS, ARGS))
 
 
 @pytest.fixture(scope="module")
 def emulated_fp16(tmp_path_factory):
     """The fp16 build (ELEM_BF16 = 0), whose codes dequantize as fp16 pairs."""
     return build_emulation(tmp_path_factory, "wst16", S5.CU,
-                           c_entries(EMULATED_NAMES, PARAMS, ARGS), prelude=W16_PRELUDE,
-                           defines={"ELEM_BF16": 0})
+                           entries(EMULATED_NAMES, PARAMS, ARGS), defines={"ELEM_BF16": 0})
 
 
 def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms,
                   programmatic=None, descending=False, dtype=BF16):
     """The v5 launch (staged_plan, arguments) on the emulation: (c, the plan). programmatic:
     None, a plain launch; "wait" or "ignore_waits", the emulation's model of a programmatic
-    launch (quant_support.arm_programmatic: the activations are the grid before's output, c and
+    launch (tests.emulator.arm_programmatic: the activations are the grid before's output, c and
     the workspace this launch's), whose counts come back as the plan's "programmatic".
     descending: the CTAs run last to first (a block's parts are then completed by the CTA whose
     run ends in it, where in ascending order the CTA whose run starts in it completes it).
@@ -201,7 +199,7 @@ def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias,
     if programmatic is not None:
         arm_programmatic(lib, [a_in], [c, wsp, cnt],
                          ignore_waits=programmatic == "ignore_waits")
-    with blocks_descending(lib, descending):
+    with blocks_in_order(lib, "descending" if descending else "ascending"):
         getattr(lib, f"k{EMULATED_NAMES.index(lp['name'])}")(
             gx, gy, 1, lp["block"][0], p(a_in), p(pk["wp"]), p(c),
             p(pk["sp"]), p(pk["zp"]), p(st), p(ex), p(ntp), p(tw), p(bias), p(wsp), p(cnt),

@@ -28,9 +28,9 @@ from cuda_kernels.cupy.quant import wna16 as W16
 from cuda_kernels.cupy.quant import wna16_packed as P4
 from cuda_kernels.cupy.quant import wna16_wgmma as W6
 from tests.oracles import rel_err
-from tests.quant_support import (BF16, INT4_SHAPES, W16_PRELUDE, blocks_descending, build_emulation,
-                           c_entries, check_matches_reference, check_other_rank, check_repeats,
-                           int4_case, ptr, up, wna16_operands)
+from tests.emulator import blocks_in_order, entries, ptr
+from tests.quant_support import (BF16, INT4_SHAPES, build_emulation, check_matches_reference,
+                                 check_other_rank, check_repeats, int4_case, up, wna16_operands)
 from reference import moe_align_block_size
 
 TOL = 2e-2          # vLLM's weight-only tolerance
@@ -106,49 +106,6 @@ def test_wgmma_plan_and_supports():
 
 
 # ----------------------------------------------------------------------------- emulation
-WW_EMU = r"""
-inline unsigned ww_smem(const void* p) { return (unsigned)((const unsigned char*)p - g_smem); }
-inline void wg_fence_proxy_async() {}
-inline void wg_fence() {}
-inline void wg_commit() {}
-template <int P> inline void wg_wait() {}
-static unsigned g_ww_a[128][4];              // the warpgroup's A fragments of one wgmma
-inline float ww_bf16(unsigned short h) {
-    const unsigned u = (unsigned)h << 16; float f; memcpy(&f, &u, 4); return f; }
-// A (row, k) of the 64 x 16 step: the fragment of the thread that holds it (mma's A layout)
-inline float ww_a(int row, int k) {
-    const int r = row % 16, lane = 4 * (r % 8) + (k % 8) / 2;
-    const unsigned v = g_ww_a[32 * (row / 16) + lane][(r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
-    return ww_bf16((unsigned short)((k & 1) ? v >> 16 : v & 0xFFFFu));
-}
-// B (k, n) of the 16 x NN step through the descriptor: K-major core matrices of 8 rows x 16 B
-inline float ww_b(unsigned long long desc, int k, int n) {
-    const unsigned start = (unsigned)(desc & 0x3FFFull) << 4;
-    const unsigned lbo = (unsigned)((desc >> 16) & 0x3FFFull) << 4;
-    const unsigned sbo = (unsigned)((desc >> 32) & 0x3FFFull) << 4;
-    if ((desc >> 62) & 3ull) { fprintf(stderr, "not the no-swizzle layout\n"); abort(); }
-    unsigned short h;
-    memcpy(&h, g_smem + start + (k / 8) * lbo + (n / 8) * sbo + (n % 8) * 16 + (k % 8) * 2, 2);
-    return ww_bf16(h);
-}
-template <int NN> struct WwMma {
-    static void run(float (&d)[NN / 2], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                    unsigned long long desc, int acc) {
-        const int tid = threadIdx.x, wq = tid >> 5, lane = tid & 31;
-        g_ww_a[tid][0] = a0; g_ww_a[tid][1] = a1; g_ww_a[tid][2] = a2; g_ww_a[tid][3] = a3;
-        __syncthreads();                     // the whole warpgroup's fragments are in
-        for (int j = 0; j < NN / 8; ++j)
-            for (int i = 0; i < 4; ++i) {
-                const int row = 16 * wq + lane / 4 + 8 * (i >> 1);
-                const int col = 8 * j + 2 * (lane % 4) + (i & 1);
-                float s = 0.f;
-                for (int k = 0; k < 16; ++k) s += ww_a(row, k) * ww_b(desc, k, col);
-                d[4 * j + i] = (acc ? d[4 * j + i] : 0.f) + s;
-            }
-        __syncthreads();                     // read before the next wgmma writes the table
-    }
-};
-"""
 
 
 PARAMS = ("const void* a, const void* wp, void* c, const void* sp, const void* zp, const int* st, "
@@ -162,8 +119,7 @@ ARGS = ("(const elem_t*)a, (const uint4*)wp, (elem_t*)c, (const float2*)sp, "
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    return build_emulation(tmp_path_factory, "ww", W6.CU, c_entries(W6.NAMES, PARAMS, ARGS),
-                           prelude=W16_PRELUDE + WW_EMU)
+    return build_emulation(tmp_path_factory, "ww", W6.CU, entries(W6.NAMES, PARAMS, ARGS))
 
 
 @pytest.mark.simulator
@@ -202,7 +158,7 @@ def test_emulated_matches_reference(emulated, rng, cfg, shape, gs, zp, sms, wave
         c = np.full((P, N), 0x7FC0, np.uint16)                     # poison: bf16 NaN
         wsp = np.full(max(lp["WS"], 1), np.nan, np.float32)      # split K's partials
         cnt = np.zeros(max(lp["TILES"], 1), np.int32)
-        with blocks_descending(emulated, descending):
+        with blocks_in_order(emulated, "descending" if descending else "ascending"):
             getattr(emulated, f"k{W6.NAMES.index(lp['name'])}")(
                 gx, gy, gz, 128, p(a16), p(pk["wp"]), p(c), p(pk["sp"]), p(pk["zp"]), p(st),
                 p(ex), p(ntp), p(tw), p(bias), N, Kd, P, K, B, lp["Lg"], 1, lp["shift"], G, 8,
