@@ -76,6 +76,13 @@ def assert_close(got, want, dtype, tol=None, what="output"):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e} ({np.dtype(dtype)})"
 
 
+def assert_close_where_defined(got, want, dtype, what="output"):
+    """`got` has the dtype of `want`, NaN at the same places, the rest within TOL[dtype]."""
+    assert np.asarray(got).dtype == np.asarray(want).dtype, f"{what}: dtype"
+    err = rel_err_where_defined(got, want)
+    assert err <= TOL[np.dtype(dtype)], f"{what}: relative error {err:.3e}"
+
+
 def assert_output_close(got, want, dtype, what="output"):
     """A kernel's output (on the host) has the stage's `dtype` and the oracle's shape, and is
     within TOL[dtype] of the oracle (which may be float64)."""
@@ -176,9 +183,19 @@ def gemm_problem(T, E, K, N, Kd, B, dtype, *, ids=None, expert_map=None, ignore=
     return (a, w) + tuple(align) + (top_k, B, tw, mul, b), want
 
 
-def gemm_case(T, E, K, N, Kd, B, dtype, **kw):
+def gemm_case(T, E, K, N, Kd, B, dtype, *, one_expert=None, **kw):
     """gemm_problem as a dict: a, w, st, ex, nt (the alignment), tw, bias, top_k (the call's),
-    B, P = T*K, N, mul, dtype, and want (the float64 answer)."""
+    B, P = T*K, N, mul, dtype, and want (the float64 answer). The case tables' shorthands:
+    bias="same" (a bias of the element dtype), expert_map=True (rank 1 of 2: the upper half
+    of the experts local), one_expert=e (every slot on expert e)."""
+    import reference
+
+    if isinstance(kw.get("bias"), str):
+        kw["bias"] = dtype
+    if kw.get("expert_map") is True:
+        kw["E_local"], kw["expert_map"] = reference.determine_expert_map(2, 1, E)
+    if one_expert is not None:
+        kw["ids"] = np.full((T, K), one_expert, np.int32)
     (a, w, st, ex, nt, top_k, B, tw, mul, b), want = gemm_problem(T, E, K, N, Kd, B, dtype, **kw)
     return dict(a=a, w=w, st=st, ex=ex, nt=nt, tw=tw, bias=b, want=want, top_k=top_k, B=B,
                 P=T * K, N=N, mul=mul, dtype=np.dtype(dtype))
@@ -195,6 +212,16 @@ def check_gemm(grouped_gemm, args, want, version=None):
     err = rel_err(got, want)
     assert err <= TOL[dtype], f"{version}: relative error {err:.3e}"
     return got
+
+
+def non_finite_group_logits(num_experts, num_finite):
+    """The row of vLLM's test_grouped_topk_single_group_nonfinite_scores: [1, E] bf16 logits
+    0, 1, ..., num_finite - 1, then +inf, -inf, and NaN everywhere else."""
+    logits = np.full((1, num_experts), np.nan, BF16)
+    logits[0, :num_finite] = np.arange(num_finite)
+    logits[0, num_finite] = np.inf
+    logits[0, num_finite + 1] = -np.inf
+    return logits
 
 
 def selection_values(logits, scoring="softmax", bias=None, groups=1, topk_group=1,

@@ -1,9 +1,9 @@
 """What the tests of the quantized kernels (cuda_kernels/cupy/quant/) share, so that the test
 modules import this and not each other:
 
-    the CPU emulation   build_emulation (a .cu with bf16 elements and its entry points, on
-                        the CPU emulator of tests/emulator), rung_emulations (a ladder's rungs,
-                        each built on first use)
+    the CPU emulation   rung_emulations (the fixture of a ladder's rungs on the CPU emulator
+                        of tests/emulator, each built on first use), BF16_BUILD, the entry
+                        points' shared parameters (ROUTING_*, SIZE_*, INT4_*)
     the GPU helpers     up (NumPy -> CuPy, fp8 as its bytes), host, poisoned (an output filled
                         with NaN first)
     operands            w8a8_operands, wna16_operands, int4_case: random quantized problems
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 from cuda_kernels.cupy import _compile as C
 from tests.emulator import build_library, entries
@@ -58,24 +59,35 @@ def poisoned(shape, dtype):
 
 
 # ----------------------------------------------------------------------------- emulation
-def build_emulation(tmp_path_factory, tag, cu, entry, defines=None):
-    """`cu` with bf16 elements (or `defines`) and the C entry points `entry`, built for the CPU
-    emulator of tests/emulator in a fresh folder (skips where g++ cannot build it)."""
-    return build_library(tmp_path_factory.mktemp(f"{tag}_emulation"), cu,
-                         defines or {"ELEM_BF16": 1}, entry, tag)
+BF16_BUILD = {"ELEM_BF16": 1}     # the 16-bit element of an emulated build: bf16
+
+# The entry-point parameters every quantized GEMM rung takes after its operand pointers: the
+# routing arrays and the sizes, as C declarations and as the kernels' arguments.
+ROUTING_PARAMS = "const int* st, const int* ex, const int* ntp, const float* tw, const float* bias"
+ROUTING_ARGS = "st, ex, ntp, tw, bias"
+SIZE_PARAMS = "int N, int K, int P, int top_k, int B, int L, int mul"
+SIZE_ARGS = "N, K, P, top_k, B, L, mul"
+# ... and the prepacked int4 rungs' (v4-v6) operands and their extra sizes
+INT4_PARAMS = "const void* a, const void* wp, void* c, const void* sp, const void* zp"
+INT4_ARGS = "(const uint4*)wp, (elem_t*)c, (const float2*)sp, (const unsigned short*)zp"   # after a
 
 
-def rung_emulations(tmp_path_factory, tag, cu_by_rung, names_by_rung, params, args):
-    """get(rung): the emulation of that rung's .cu (bf16 elements; the entry points
-    tests.emulator.entries(names, params, args)), built on first use and kept."""
-    libs = {}
+def rung_emulations(tag, cu_by_rung, names_by_rung, params, args):
+    """A module-scoped fixture giving get(rung): the emulation of that rung's .cu (bf16
+    elements; the entry points tests.emulator.entries(names, params, args)), built by
+    tests.emulator on first use and kept."""
+    @pytest.fixture(scope="module")
+    def emulation(tmp_path_factory):
+        libs = {}
 
-    def get(rung):
-        if rung not in libs:
-            libs[rung] = build_emulation(tmp_path_factory, f"{tag}{rung}", cu_by_rung[rung],
-                                         entries(names_by_rung[rung], params, args))
-        return libs[rung]
-    return get
+        def get(rung):
+            if rung not in libs:
+                libs[rung] = build_library(tmp_path_factory.mktemp(f"{tag}{rung}"),
+                                           cu_by_rung[rung], BF16_BUILD,
+                                           entries(names_by_rung[rung], params, args))
+            return libs[rung]
+        return get
+    return emulation
 
 
 # ----------------------------------------------------------------------------- operands

@@ -10,6 +10,10 @@ operands (tests/quant_support.py) and the CPU emulator of CUDA (tests/emulator/)
     runs_kernels(backend)  whether it can (a module imports its kernel modules only then)
     full_grid(default, full)  a GPU test's shape list: the default one that fits a GPU
                         session's budget, or the full grid with MOE_SANDBOX_FULL_GRID=1
+    EP_LAYOUT_SHAPES    the cases of the fused all-to-all-v layout, for its NumPy twins
+                        (tests/sandbox/ep) and its CuPy kernels (tests/cupy) alike
+    once(cache, key, fn)  fn()'s result, computed once per key; its failure raised again to
+                        every test that asks (checks that share one launched group of ranks)
 
 The fixtures live in tests/conftest.py (rng, cupy_poison, numba_poison). The conftest's
 collection hook already skips `gpu` tests where no CUDA device is visible; the backend's own
@@ -76,3 +80,23 @@ def full_grid(default, full):
     new Numba kernel x dtype costs a JIT compile of a few seconds), or `full` with
     MOE_SANDBOX_FULL_GRID=1 (the CuPy tests' grids in every dtype)."""
     return full if FULL_GRID else default
+
+
+# (T, E, K, W, slot_rows): one token, T not a multiple of anything, W > K, W = 1, empty batch
+EP_LAYOUT_SHAPES = [(1, 8, 2, 2, False), (37, 16, 4, 2, False), (37, 16, 4, 4, True),
+                    (50, 64, 3, 8, False), (50, 64, 3, 8, True), (20, 8, 4, 1, False),
+                    (0, 16, 4, 2, False), (0, 16, 4, 2, True), (129, 32, 8, 4, False)]
+
+
+def once(cache: dict, key, fn):
+    """fn()'s result, computed once per `key` in `cache`; a failure is raised again to every
+    test that asks for it."""
+    if key not in cache:
+        try:
+            cache[key] = ("ok", fn())
+        except Exception as exc:  # every test that needs it reports the same failure
+            cache[key] = ("error", exc)
+    kind, value = cache[key]
+    if kind == "error":
+        raise value
+    return value

@@ -19,7 +19,7 @@ import reference
 from cuda_kernels.cupy import activation as ck_act
 from cuda_kernels.cupy import to_device as dev
 from cuda_kernels.cupy import to_host as host
-from tests.emulator import build_library, ptr
+from tests.emulator import library_fixture, ptr
 from tests.oracles import BF16, assert_output_close, rng_for, rounding_comparable, uniform
 from tests.support import DTYPES, on_gpu
 
@@ -127,15 +127,8 @@ DEFINES = {"SCALAR_T": "float", "ACT_THREADS": 32}
 DEFINES_BF16 = {"SCALAR_T": "__nv_bfloat16", "ACT_THREADS": 32}
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """The kernels built for the CPU emulator, once per module."""
-    return {
-        "fp32": build_library(tmp_path_factory.mktemp("fp32"), "activation.cu", DEFINES,
-                              ENTRY),
-        "bf16": build_library(tmp_path_factory.mktemp("bf16"), "activation.cu", DEFINES_BF16,
-                              ENTRY_BF16),
-    }
+emulated = library_fixture("activation.cu", {"fp32": (DEFINES, ENTRY),
+                                              "bf16": (DEFINES_BF16, ENTRY_BF16)})
 
 
 @pytest.mark.simulator

@@ -21,7 +21,7 @@ import reference
 from cuda_kernels.cupy import align as ck_align
 from cuda_kernels.cupy import to_device as dev
 from cuda_kernels.cupy import to_host as host
-from tests.emulator import build_library, ptr
+from tests.emulator import library_fixture, ptr
 from tests.oracles import assert_same_blocks, distinct_topk_ids, rng_for
 from tests.support import on_gpu
 
@@ -156,19 +156,13 @@ extern "C" void align(const int* ids, const int* emap, int* sorted, int* eids, i
 DEFINES = {"PREFETCH": 2}
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """The kernels built for the CPU emulator, once per module."""
-    return build_library(tmp_path_factory.mktemp("align"), "align.cu", DEFINES, ENTRY)
+emulated = library_fixture("align.cu", (DEFINES, ENTRY))
 
 
 @pytest.mark.simulator
 def test_emulated_align(emulated):
     lib_align = emulated
     rng = np.random.default_rng(7)
-
-    def ids_of(T, E, K):
-        return np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
 
     bar = np.zeros(1, np.uint32)  # the grid barrier's word, kept across launches as on the GPU
 
@@ -195,7 +189,7 @@ def test_emulated_align(emulated):
         emap = reference.determine_expert_map(4, 1, 32, placement)[1].astype(np.int32)
         cases += [(60, 32, 4, 8, emap, False, ign) for ign in (False, True)]
     for T, E, K, B, emap, pad, ign in cases:
-        ids = ids_of(T, E, K)
+        ids = distinct_topk_ids(rng, T, E, K)
         want = reference.moe_align_block_size(ids, B, E, emap, pad, ign)
         for large in (0, 1, 2):
             got = align(ids, B, E, emap, pad, ign, large)
@@ -203,7 +197,7 @@ def test_emulated_align(emulated):
                 np.testing.assert_array_equal(
                     g, w, err_msg=f"{name} T={T} E={E} K={K} B={B} grid variant {large}")
     # slots routed nowhere (vLLM's -1) and ids past E: skipped, with and without a map
-    ids = ids_of(40, 16, 3)
+    ids = distinct_topk_ids(rng, 40, 16, 3)
     ids[3], ids[7, 1], ids[9, 0] = -1, -1, 19
     emap = reference.determine_expert_map(2, 1, 16)[1].astype(np.int32)
     for m, ign in ((None, False), (emap, False), (emap, True)):

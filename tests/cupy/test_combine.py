@@ -19,7 +19,7 @@ from cuda_kernels.cupy import activation as ck_act
 from cuda_kernels.cupy import combine as ck_combine
 from cuda_kernels.cupy import to_device as dev
 from cuda_kernels.cupy import to_host as host
-from tests.emulator import build_library, ptr
+from tests.emulator import library_fixture, ptr
 from tests.oracles import assert_output_close, distinct_topk_ids, rng_for, uniform
 from tests.support import DTYPES, on_gpu
 
@@ -110,10 +110,7 @@ extern "C" void moe_sum_live(const float* x, const int* ids, const int* emap, in
 DEFINES = {"SCALAR_T": "float", "SUM_THREADS": 32}
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """The kernels built for the CPU emulator, once per module."""
-    return build_library(tmp_path_factory.mktemp("combine"), "combine.cu", DEFINES, ENTRY)
+emulated = library_fixture("combine.cu", (DEFINES, ENTRY))
 
 
 @pytest.mark.simulator

@@ -11,11 +11,7 @@ import pytest
 from sandbox.ep import layout as L
 from tests.emulator import build_library, ptr
 from tests.oracles import distinct_topk_ids
-
-# (T, E, K, W, slot_rows): one token, T not a multiple of anything, W > K, W = 1, empty batch
-SHAPES = [(1, 8, 2, 2, False), (37, 16, 4, 2, False), (37, 16, 4, 4, True),
-          (50, 64, 3, 8, False), (50, 64, 3, 8, True), (20, 8, 4, 1, False),
-          (0, 16, 4, 2, False), (0, 16, 4, 2, True), (129, 32, 8, 4, False)]
+from tests.support import EP_LAYOUT_SHAPES as SHAPES
 
 
 def _ids(T, E, K, seed):

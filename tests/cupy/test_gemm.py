@@ -159,9 +159,6 @@ NASTY = {
 @functools.lru_cache(maxsize=1)
 def _nasty_problem(case, dkey):
     T, E, top_k, N, K, B, extra = NASTY[case]
-    extra = dict(extra)
-    if extra.get("bias") == "same":
-        extra["bias"] = DTYPES[dkey]
     return _problem(T, E, top_k, N, K, DTYPES[dkey], B, **extra)
 
 
@@ -286,12 +283,6 @@ def test_v5_wgmma(case, dkey):
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("v5 (wgmma, sm_90a) needs a compute capability 9.0 GPU")
     T, E, top_k, N, K, B, extra, cfg = V5_CASES[case]
-    extra = dict(extra)
-    if extra.get("bias") == "same":
-        extra["bias"] = DTYPES[dkey]
-    if extra.pop("expert_map", False):
-        E_local, emap = reference.determine_expert_map(2, 1, E)
-        extra.update(expert_map=emap, E_local=E_local)
     prob = _problem(T, E, top_k, N, K, DTYPES[dkey], B, **extra)
     _check(prob, "v5", **({"config": cfg} if cfg else {}))
 
@@ -326,14 +317,6 @@ V6_CONFIGS = {
 @functools.lru_cache(maxsize=1)     # the configs of a case run back to back (varied fastest)
 def _v6_problem(case, dkey):
     T, E, top_k, N, K, B, extra = V6_CASES[case]
-    extra = dict(extra)
-    if extra.get("bias") == "same":
-        extra["bias"] = DTYPES[dkey]
-    if extra.pop("expert_map", False):
-        E_local, emap = reference.determine_expert_map(2, 1, E)
-        extra.update(expert_map=emap, E_local=E_local)
-    if "one_expert" in extra:
-        extra["ids"] = np.full((T, top_k), extra.pop("one_expert"), dtype=np.int32)
     return _problem(T, E, top_k, N, K, DTYPES[dkey], B, **extra)
 
 

@@ -26,7 +26,6 @@ import tempfile
 import numpy as np
 import pytest
 
-import reference
 from cuda_kernels.cupy import _compile as C
 from cuda_kernels.cupy import gemm as gg
 from cuda_kernels.cupy import gemm_configs as gcfg
@@ -228,12 +227,6 @@ def test_kernel_on_cpu_emulator(case):
     version, dkey, cfg, args, kw = EMU_CASES[case]
     T, E, top_k, N, K, B = args
     dt = DTYPES[dkey]
-    kw = dict(kw)
-    if kw.get("bias") == "same":
-        kw["bias"] = dt
-    if kw.pop("expert_map", False):
-        E_local, emap = reference.determine_expert_map(2, 1, E)
-        kw.update(expert_map=emap, E_local=E_local)
     prob = _host_problem(T, E, top_k, N, K, dt, B, **kw)
     got = _emulate(prob, version, cfg)
     err = rel_err(got, prob["want"])

@@ -19,7 +19,7 @@ import reference
 from cuda_kernels.cupy import permute as ck_perm
 from cuda_kernels.cupy import to_device as dev
 from cuda_kernels.cupy import to_host as host
-from tests.emulator import build_library, ptr
+from tests.emulator import library_fixture, ptr
 from tests.oracles import assert_output_close, distinct_topk_ids, random_weights, rng_for, uniform
 from tests.support import DTYPES, on_gpu
 
@@ -106,23 +106,16 @@ extern "C" void unpermute(const float* y, const float* w, const int* inv, float*
 DEFINES = {"SCALAR_T": "float", "ROW_WARPS": 2, "UNPERMUTE_THREADS": 32, "PREFETCH": 2}
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """The kernels built for the CPU emulator, once per module."""
-    return build_library(tmp_path_factory.mktemp("permute"), "permute.cu", DEFINES, ENTRY)
+emulated = library_fixture("permute.cu", (DEFINES, ENTRY))
 
 
 @pytest.mark.simulator
 def test_emulated_permute(emulated):
     lib = emulated
     rng = np.random.default_rng(7)
-
-    def ids_of(T, E, K):
-        return np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
-
     for T, E, K, H in ((1, 8, 2, 4), (37, 16, 3, 9), (130, 64, 4, 12)):
         x = rng.standard_normal((T, H)).astype(np.float32)
-        ids = ids_of(T, E, K)
+        ids = distinct_topk_ids(rng, T, E, K)
         P = T * K
         W, chunk, smem = ck_perm._group_geometry(P, E + 1)
         off, inv = np.full(E + 1, -7, np.int32), np.full(P, -7, np.int32)

@@ -27,9 +27,9 @@ import reference
 from cuda_kernels.cupy import routing as ck_route
 from cuda_kernels.cupy import to_device as dev
 from cuda_kernels.cupy import to_host as host
-from tests.emulator import build_library, ptr
+from tests.emulator import library_fixture, ptr
+from tests.oracles import BF16, non_finite_group_logits, rng_for, selection_values, uniform
 from tests.oracles import assert_routing_matches as routing_matches
-from tests.oracles import BF16, rng_for, selection_values, uniform
 from tests.support import DTYPES, on_gpu
 
 pytestmark = pytest.mark.usefixtures("cupy_poison")
@@ -168,10 +168,7 @@ def test_routing_nan_and_inf_rows():
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_grouped_topk_single_group_non_finite(num_experts, num_finite, renormalize):
     """vLLM's test_grouped_topk_single_group_nonfinite_scores."""
-    logits = np.full((1, num_experts), np.nan, BF16)
-    logits[0, :num_finite] = np.arange(num_finite)
-    logits[0, num_finite] = np.inf
-    logits[0, num_finite + 1] = -np.inf
+    logits = non_finite_group_logits(num_experts, num_finite)
     bias = np.zeros(num_experts, np.float32)
     got = ck_route.grouped_topk(None, dev(logits), 16, renormalize, 1, 1, "sigmoid", 2.5,
                                 dev(bias))
@@ -280,28 +277,11 @@ extern "C" void route(const IN_T* g, const float* bias, float* w, int* ids, int*
     route_topk_kernel<V>(g, bias, w, ids, tei, T, E, K, G, TG, scoring, renorm, mode, scale); });
     R(1) R(2) R(4) R(8) R(16) R(32)
 }"""
-ENTRY_BF16 = r"""
-extern "C" void route(const IN_T* g, const float* bias, float* w, int* ids, int* tei, int T,
-                      int E, int K, int G, int TG, int scoring, int renorm, int mode,
-                      float scale, int vpt, int smem) {
-    unsigned grid = (T + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
-#define R(V) if (vpt == V) launch(grid, WARPS_PER_BLOCK * 32, smem, [&] { \
-    route_topk_kernel<V>(g, bias, w, ids, tei, T, E, K, G, TG, scoring, renorm, mode, scale); });
-    R(1) R(2) R(4) R(8) R(16) R(32)
-}"""
 DEFINES = {"IN_T": "float", "WARPS_PER_BLOCK": 4}
 DEFINES_BF16 = {"IN_T": "__nv_bfloat16", "WARPS_PER_BLOCK": 4}
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """The kernels built for the CPU emulator, once per module."""
-    return {
-        "fp32": build_library(tmp_path_factory.mktemp("fp32"), "routing.cu", DEFINES,
-                              ENTRY),
-        "bf16": build_library(tmp_path_factory.mktemp("bf16"), "routing.cu", DEFINES_BF16,
-                              ENTRY_BF16),
-    }
+emulated = library_fixture("routing.cu", {"fp32": (DEFINES, ENTRY), "bf16": (DEFINES_BF16, ENTRY)})
 
 
 @pytest.mark.simulator

@@ -17,16 +17,13 @@ from cuda_kernels.cupy import tune
 from tests.cupy.fake_cupy import numpy_cupy
 
 
-@pytest.mark.slow
-def test_decode_bench_host_logic(monkeypatch):
-    """decode_bench end to end on the host at decode: routings, alignment per block size (v4
-    at 16, v5 at 64), the check against v4, timing plumbing, GB/s and floor columns, --sweep
-    adding nothing without v6, and the layer totals; the GEMM itself is the reference, each
-    config checked."""
+def _on_the_host(monkeypatch):
+    """NumPy as CuPy, and the reference as the GEMM (each config fitted to its block size
+    first, as the launcher would); returns the list of (version, block size) calls."""
     monkeypatch.setitem(sys.modules, "cupy", numpy_cupy())
     calls = []
 
-    def fake_gemm(a, w, st, ex, nt, top_k, B, tw, mul, *, version, config, out):
+    def reference_gemm(a, w, st, ex, nt, top_k, B, tw, mul, *, version, config, out):
         dkey = gcfg.dtype_key(a.dtype)
         cfg = gcfg.get_config(1, w.shape[1], w.shape[2], w.shape[0], 1, a.dtype, version) \
             if config is None else config
@@ -37,7 +34,17 @@ def test_decode_bench_host_logic(monkeypatch):
         out[...] = c.astype(out.dtype)
         return out
 
-    monkeypatch.setattr(gg, "grouped_gemm", fake_gemm)
+    monkeypatch.setattr(gg, "grouped_gemm", reference_gemm)
+    return calls
+
+
+@pytest.mark.slow
+def test_decode_bench_host_logic(monkeypatch):
+    """decode_bench end to end on the host at decode: routings, alignment per block size (v4
+    at 16, v5 at 64), the check against v4, timing plumbing, GB/s and floor columns, --sweep
+    adding nothing without v6, and the layer totals; the GEMM itself is the reference, each
+    config checked."""
+    calls = _on_the_host(monkeypatch)
     lines = []
     res = tune.decode_bench(sys.modules["cupy"], {"tiny": ("Tiny-MoE", 8, 2, 64, 32)}, (1, 5),
                           ("v4", "v5"), reps=3, sweep=True, log=lines.append)
@@ -64,21 +71,7 @@ def test_decode_bench_prefill_v6_sweep_host_logic(monkeypatch):
     """decode_bench as the prefill bench: v6 aligned to its own BLOCK_M (64 or 128), TF/s per
     GEMM and layer, --sweep over every v6 candidate (each fitted to its block size and
     checked against v4), the layer against vLLM's time where one is known."""
-    monkeypatch.setitem(sys.modules, "cupy", numpy_cupy())
-    calls = []
-
-    def fake_gemm(a, w, st, ex, nt, top_k, B, tw, mul, *, version, config, out):
-        dkey = gcfg.dtype_key(a.dtype)
-        cfg = gcfg.get_config(1, w.shape[1], w.shape[2], w.shape[0], 1, a.dtype, version) \
-            if config is None else config
-        gcfg.fit_config(version, dkey, {k: v for k, v in cfg.items() if k != "version"}, B)
-        calls.append((version, B))
-        c = reference.grouped_gemm(a.astype(np.float32), w.astype(np.float32), st, ex, nt,
-                                   top_k, B, tw, mul)
-        out[...] = c.astype(out.dtype)
-        return out
-
-    monkeypatch.setattr(gg, "grouped_gemm", fake_gemm)
+    calls = _on_the_host(monkeypatch)
     monkeypatch.setattr(tune, "VLLM_H100_LAYER_MS", {("Tiny-MoE", 40): 1e3})
     lines = []
     res = tune.decode_bench(sys.modules["cupy"], {"tiny": ("Tiny-MoE", 4, 2, 64, 32)}, (40,),

@@ -12,6 +12,7 @@ kernels' own helper names), and the results are compared with the reference as o
                                 shared library loaded by ctypes
     build_program(tmp, ...)     that text plus a main(), as an executable (a kernel whose
                                 checks end the process, or that may deadlock, runs apart)
+    library_fixture(cu, builds) a module-scoped fixture: the library of `cu` built once
     entries(names, ...)         entry points k0, k1, ... launching names[i] on a 3D grid
     ptr(a)                      a NumPy array as a ctypes pointer (None stays None)
     blocks_in_order(lib, order) launches of lib inside run their CTAs in that order
@@ -86,6 +87,20 @@ def build_library(tmp, cu: str, defines: dict | None, entry: str, name: str = "k
     so = _gxx(tmp, name, emulated(cu, defines) + "\n" + entry + "\n", tmp / f"{name}.so",
               ["-shared", "-fPIC"])
     return ctypes.CDLL(str(so))
+
+
+def library_fixture(cu: str, builds):
+    """A module-scoped pytest fixture giving `cu` built for the emulator (build_library) once:
+    `builds` is (defines, entry), or a dict name -> (defines, entry), and the fixture then
+    gives a dict name -> library."""
+    @pytest.fixture(scope="module")
+    def emulated(tmp_path_factory):
+        def one(tag, defines, entry):
+            return build_library(tmp_path_factory.mktemp(tag), cu, defines, entry, tag)
+        if isinstance(builds, dict):
+            return {name: one(name, *build) for name, build in builds.items()}
+        return one(pathlib.PurePath(cu).stem, *builds)
+    return emulated
 
 
 def build_program(tmp, cu: str, defines: dict | None, main: str, name: str = "kernel",

@@ -38,11 +38,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <random>
 #include <thread>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -140,21 +142,21 @@ inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.b; }
 inline __half __ushort_as_half(unsigned short u) { return {u}; }
 inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) { return {u}; }
 // paired arithmetic, each half rounded once
-inline __half2 __hsub2(__half2 a, __half2 b) {
-    return {__float2half_rn(__half2float(a.x) - __half2float(b.x)),
-            __float2half_rn(__half2float(a.y) - __half2float(b.y))};
+template <typename P, typename Op> inline P emu_pair(P a, P b, Op op) {
+    if constexpr (std::is_same_v<P, __half2>)
+        return {__float2half_rn(op(__half2float(a.x), __half2float(b.x))),
+                __float2half_rn(op(__half2float(a.y), __half2float(b.y)))};
+    else
+        return {__float2bfloat16_rn(op(__bfloat162float(a.x), __bfloat162float(b.x))),
+                __float2bfloat16_rn(op(__bfloat162float(a.y), __bfloat162float(b.y)))};
 }
-inline __half2 __hmul2(__half2 a, __half2 b) {
-    return {__float2half_rn(__half2float(a.x) * __half2float(b.x)),
-            __float2half_rn(__half2float(a.y) * __half2float(b.y))};
-}
+inline __half2 __hsub2(__half2 a, __half2 b) { return emu_pair(a, b, std::minus<float>()); }
+inline __half2 __hmul2(__half2 a, __half2 b) { return emu_pair(a, b, std::multiplies<float>()); }
 inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
-    return {__float2bfloat16_rn(__bfloat162float(a.x) - __bfloat162float(b.x)),
-            __float2bfloat16_rn(__bfloat162float(a.y) - __bfloat162float(b.y))};
+    return emu_pair(a, b, std::minus<float>());
 }
 inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
-    return {__float2bfloat16_rn(__bfloat162float(a.x) * __bfloat162float(b.x)),
-            __float2bfloat16_rn(__bfloat162float(a.y) * __bfloat162float(b.y))};
+    return emu_pair(a, b, std::multiplies<float>());
 }
 
 // fp8 e4m3fn: decode by formula, encode to the nearest code (ties to the even code), satfinite

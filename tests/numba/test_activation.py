@@ -2,12 +2,7 @@
 
     M rows (slots), N = GEMM1 width (2I for the gated forms)
 
-Every test is `gpu` and skips cleanly without a usable device (or under the simulator, which
-tests/numba/sim covers). Outputs are poisoned (NaN / POISON_INT) before every launch (the
-`numba_poison` fixture), so an element a kernel forgets fails. Inputs are host NumPy arrays
-(host in, host out: the stage copies) unless a test is about array kinds.
-Every kernel and dtype runs by default, on a subset of the shape grids that fits a GPU
-session's budget (tests/support.py's full_grid: MOE_SANDBOX_FULL_GRID=1 runs the full grids).
+`gpu` tests, outputs poisoned, host arrays in and out (tests/numba/__init__.py says how).
 
 Relative Frobenius error vs the reference on float64 inputs, fp32 <= 1e-5, fp16 / bf16 <= 1e-2
 (NaN never passes); in fp16 / bf16 also vLLM's rounding points, bit for bit but for last-ulp

@@ -3,12 +3,7 @@ real GPU: the one-launch grid kernel (the default) and the multi-launch "warp" r
 
     T tokens, E experts, K top-k, B block size, P = T*K slots
 
-Every test is `gpu` and skips cleanly without a usable device (or under the simulator, which
-tests/numba/sim covers). Outputs are poisoned (NaN / POISON_INT) before every launch (the
-`numba_poison` fixture), so an element a kernel forgets fails. Inputs are host NumPy arrays
-(host in, host out: the stage copies) unless a test is about array kinds.
-Every kernel and dtype runs by default, on a subset of the shape grids that fits a GPU
-session's budget (tests/support.py's full_grid: MOE_SANDBOX_FULL_GRID=1 runs the full grids).
+`gpu` tests, outputs poisoned, host arrays in and out (tests/numba/__init__.py says how).
 
 Integer outputs exact (the kernels are stable, so equal to the reference, which is stronger
 than the contract's per-block sets: checked as well).

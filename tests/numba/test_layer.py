@@ -1,12 +1,7 @@
 """The layer on the Numba backend on a real GPU, through the sandbox: validate() stage by stage
 against the exact reference, and mappings that mix Numba and CuPy stages.
 
-Every test is `gpu` and skips cleanly without a usable device (or under the simulator, which
-tests/numba/sim covers). Outputs are poisoned (NaN / POISON_INT) before every launch (the
-`numba_poison` fixture), so an element a kernel forgets fails. Inputs are host NumPy arrays
-(host in, host out: the stage copies) unless a test is about array kinds.
-Every kernel and dtype runs by default, on a subset of the shape grids that fits a GPU
-session's budget (tests/support.py's full_grid: MOE_SANDBOX_FULL_GRID=1 runs the full grids).
+`gpu` tests, outputs poisoned (tests/numba/__init__.py says how).
 """
 import numpy as np
 import pytest

@@ -4,12 +4,7 @@ on a real GPU, at the CuPy tests' sizes; every kernel flavour ("keys", "warp": s
 
     T tokens, E experts, K top-k, G expert groups
 
-Every test is `gpu` and skips cleanly without a usable device (or under the simulator, which
-tests/numba/sim covers). Outputs are poisoned (NaN / POISON_INT) before every launch (the
-`numba_poison` fixture), so an element a kernel forgets fails. Inputs are host NumPy arrays
-(host in, host out: the stage copies) unless a test is about array kinds.
-Every kernel and dtype runs by default, on a subset of the shape grids that fits a GPU
-session's budget (tests/support.py's full_grid: MOE_SANDBOX_FULL_GRID=1 runs the full grids).
+`gpu` tests, outputs poisoned, host arrays in and out (tests/numba/__init__.py says how).
 
 Ids exact, except at true near-ties: expf and the warp-tree softmax sum may differ from NumPy
 by an ulp, so two experts whose reference selection values agree within 1e-6 relative may
@@ -23,7 +18,8 @@ import pytest
 
 import reference
 from cuda_kernels import numba as nb
-from tests.oracles import BF16, assert_routing_matches, rng_for, selection_values, uniform
+from tests.oracles import (assert_routing_matches, non_finite_group_logits, rng_for,
+                           selection_values, uniform)
 from tests.support import DTYPES, full_grid, gpu_marks, runs_kernels
 
 pytestmark = [*gpu_marks("numba"), pytest.mark.usefixtures("numba_poison")]
@@ -128,10 +124,7 @@ def test_routing_ties_nan_inf_empty_fp64(flavor):
 @pytest.mark.parametrize("num_experts", [512, 1024])
 def test_grouped_topk_single_group_non_finite(num_finite, renormalize, num_experts, flavor):
     """vLLM's test_grouped_topk_single_group_nonfinite_scores on every flavour."""
-    x = np.full((1, num_experts), np.nan, BF16)
-    x[0, :num_finite] = np.arange(num_finite)
-    x[0, num_finite] = np.inf
-    x[0, num_finite + 1] = -np.inf
+    x = non_finite_group_logits(num_experts, num_finite)
     args = (None, x, 16, renormalize, 1, 1, "sigmoid", 2.5, np.zeros(num_experts, np.float32))
     got, want = R.grouped_topk(*args), reference.grouped_topk(*args)
     np.testing.assert_array_equal(nb.to_host(got[1]), want[1])

@@ -402,14 +402,22 @@ LAYER_SHAPES = [
 ]
 
 
+def _bf16_layer(rng, T, E, K, H, I, scaled=True, renormalize=True):  # noqa: E741
+    """x [T, H], w1 [E, 2I, H], w2 [E, H, I] in bf16 (divided by the square root of their
+    inner size, or not), and x routed: topk_weights, topk_ids [T, K]."""
+    x = rng.standard_normal((T, H)).astype(BF16)
+    s1, s2 = (np.sqrt(H), np.sqrt(I)) if scaled else (1.0, 1.0)
+    w1 = (rng.standard_normal((E, 2 * I, H)) / s1).astype(BF16)
+    w2 = (rng.standard_normal((E, H, I)) / s2).astype(BF16)
+    tw, ids, _ = fused_topk(x, rng.standard_normal((T, E)).astype(np.float32), K, renormalize)
+    return x, w1, w2, tw, ids
+
+
 @pytest.mark.parametrize("scheme", list(Q.SCHEMES))
 @pytest.mark.parametrize("shape", LAYER_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_fused_experts_quant_against_loop_oracle(rng, scheme, shape):
     T, E, K, H, I, B = shape
-    x = rng.standard_normal((T, H)).astype(BF16)
-    w1 = (rng.standard_normal((E, 2 * I, H)) / np.sqrt(H)).astype(BF16)
-    w2 = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(BF16)
-    tw, ids, _ = fused_topk(x, rng.standard_normal((T, E)).astype(np.float32), K, True)
+    x, w1, w2, tw, ids = _bf16_layer(rng, T, E, K, H, I)
     gs = 64 if scheme.startswith("w") else 128
     kw = Q.quantize_moe_layer(w1, w2, scheme, group_size=gs,
                               zero_point=scheme == "w4a16" and T % 2 == 1)
@@ -427,10 +435,7 @@ def test_fused_experts_quant_against_loop_oracle(rng, scheme, shape):
 @pytest.mark.parametrize("scheme", ["fp8_tensor", "int8_channel"])
 def test_static_activation_scales(rng, scheme):
     T, E, K, H, I = 8, 4, 2, 128, 64
-    x = rng.standard_normal((T, H)).astype(BF16)
-    w1 = (rng.standard_normal((E, 2 * I, H)) / np.sqrt(H)).astype(BF16)
-    w2 = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(BF16)
-    tw, ids, _ = fused_topk(x, rng.standard_normal((T, E)).astype(np.float32), K, True)
+    x, w1, w2, tw, ids = _bf16_layer(rng, T, E, K, H, I)
     kw = Q.quantize_moe_layer(w1, w2, scheme)
     if scheme == "int8_channel":                        # static per-tensor int8 activations
         kw.update(per_act_token_quant=False)
@@ -462,10 +467,7 @@ def test_expert_parallel_ranks_sum_to_the_layer(rng, scheme):
     """Per-token and per-group activation scales depend on the row only, so the ranks'
     partial outputs add up to the whole layer (up to the bf16 rounding of each part)."""
     T, E, K, H, I = 10, 6, 2, 128, 64
-    x = rng.standard_normal((T, H)).astype(BF16)
-    w1 = (rng.standard_normal((E, 2 * I, H)) / np.sqrt(H)).astype(BF16)
-    w2 = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(BF16)
-    tw, ids, _ = fused_topk(x, rng.standard_normal((T, E)).astype(np.float32), K, True)
+    x, w1, w2, tw, ids = _bf16_layer(rng, T, E, K, H, I)
     kw = Q.quantize_moe_layer(w1, w2, scheme, group_size=64)
     whole = Q.fused_experts_quant(x, topk_weights=tw, topk_ids=ids, block_size=4, **kw)
     total = np.zeros((T, H))
@@ -482,10 +484,7 @@ def test_expert_parallel_ranks_sum_to_the_layer(rng, scheme):
 
 def test_apply_router_weight_on_input_top1(rng):
     T, E, H, I = 7, 3, 128, 64
-    x = rng.standard_normal((T, H)).astype(BF16)
-    w1 = (rng.standard_normal((E, 2 * I, H)) / np.sqrt(H)).astype(BF16)
-    w2 = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(BF16)
-    tw, ids, _ = fused_topk(x, rng.standard_normal((T, E)).astype(np.float32), 1, False)
+    x, w1, w2, tw, ids = _bf16_layer(rng, T, E, 1, H, I, renormalize=False)
     kw = Q.quantize_moe_layer(w1, w2, "w8a16")
     got = Q.fused_experts_quant(x, topk_weights=tw, topk_ids=ids,
                                 apply_router_weight_on_input=True, **kw)
@@ -495,20 +494,14 @@ def test_apply_router_weight_on_input_top1(rng):
 
 def test_no_flag_is_the_unquantized_layer(rng):
     T, E, K, H, I = 5, 3, 2, 64, 32
-    x = rng.standard_normal((T, H)).astype(BF16)
-    w1 = rng.standard_normal((E, 2 * I, H)).astype(BF16)
-    w2 = rng.standard_normal((E, H, I)).astype(BF16)
-    tw, ids, _ = fused_topk(x, rng.standard_normal((T, E)).astype(np.float32), K, True)
+    x, w1, w2, tw, ids = _bf16_layer(rng, T, E, K, H, I, scaled=False)
     got = Q.fused_experts_quant(x, w1, w2, tw, ids)
     assert np.array_equal(got.view(np.uint16), fused_experts(x, w1, w2, tw, ids).view(np.uint16))
 
 
 def test_fused_experts_quant_argument_errors(rng):
     T, E, K, H, I = 4, 3, 2, 128, 64
-    x = rng.standard_normal((T, H)).astype(BF16)
-    w1 = rng.standard_normal((E, 2 * I, H)).astype(BF16)
-    w2 = rng.standard_normal((E, H, I)).astype(BF16)
-    tw, ids, _ = fused_topk(x, rng.standard_normal((T, E)).astype(np.float32), K, True)
+    x, w1, w2, tw, ids = _bf16_layer(rng, T, E, K, H, I, scaled=False)
     kw = Q.quantize_moe_layer(w1, w2, "w4a16")
     with pytest.raises(ValueError, match="a1_scale"):
         Q.fused_experts_quant(x, topk_weights=tw, topk_ids=ids, a1_scale=np.float32([1]), **kw)

@@ -25,6 +25,7 @@ from tests.oracles import (
     route_loop,
     torch_route,
     zero_experts_loop,
+    non_finite_group_logits,
 )
 
 from reference import (
@@ -322,10 +323,7 @@ def test_grouped_topk_single_group_non_finite_scores(num_experts, num_finite, re
     zero bias, top-16, routed_scaling_factor 2.5. The finite experts come first (descending),
     then the lowest invalid id, at weight 0; with no finite logit at all the ids are 0..15 and
     the weights 1/16 (renormalize, unscaled) or 0."""
-    logits = np.full((1, num_experts), np.nan, BF16)
-    logits[0, :num_finite] = np.arange(num_finite)
-    logits[0, num_finite] = np.inf
-    logits[0, num_finite + 1] = -np.inf
+    logits = non_finite_group_logits(num_experts, num_finite)
     bias = np.zeros(num_experts, np.float32)
     weights, ids = grouped_topk(None, logits, 16, renormalize, 1, 1, "sigmoid", 2.5, bias)
     if num_finite == 0:

@@ -233,43 +233,36 @@ def rewrite(tmp_path, family="qwen3_moe", edit=None, config_edit=None, config=Tr
 Q = f"model.layers.{LAYER}.mlp.experts."
 
 
-def test_missing_tensor(tmp_path):
-    path = rewrite(tmp_path, edit=lambda t: t.pop(Q + "3.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"3\.up_proj\.weight.*no such tensor"):
-        FusedMoE.from_safetensors(path, LAYER)
+def _replaced(name, how):
+    def edit(tensors):
+        tensors[Q + name] = how(tensors[Q + name])
+    return edit
 
 
-def test_wrong_shape(tmp_path):
-    def edit(t):
-        t[Q + "2.down_proj.weight"] = t[Q + "2.down_proj.weight"][:, :-1].copy()
-    path = rewrite(tmp_path, edit=edit)
-    with pytest.raises(CheckpointError, match=r"2\.down_proj\.weight.*expected shape \[64, 64\]"
-                                              r", found \[64, 63\]"):
-        FusedMoE.from_safetensors(path, LAYER)
+def _extra_expert(tensors):
+    for part in ("gate_proj", "up_proj", "down_proj"):
+        tensors[f"{Q}16.{part}.weight"] = tensors[f"{Q}0.{part}.weight"].copy()
 
 
-def test_wrong_dtype(tmp_path):
-    def edit(t):
-        t[Q + "5.gate_proj.weight"] = t[Q + "5.gate_proj.weight"].astype(np.float16)
-    path = rewrite(tmp_path, edit=edit)
-    with pytest.raises(CheckpointError, match=r"5\.gate_proj\.weight.*expected dtype BF16, "
-                                              r"found F16"):
-        FusedMoE.from_safetensors(path, LAYER)
+# name: (how the checkpoint is broken: rewrite's edit / config_edit, what the error says)
+BROKEN = {
+    "missing_tensor": (dict(edit=lambda t: t.pop(Q + "3.up_proj.weight")),
+                       r"3\.up_proj\.weight.*no such tensor"),
+    "wrong_shape": (dict(edit=_replaced("2.down_proj.weight", lambda w: w[:, :-1].copy())),
+                    r"2\.down_proj\.weight.*expected shape \[64, 64\], found \[64, 63\]"),
+    "wrong_dtype": (dict(edit=_replaced("5.gate_proj.weight", lambda w: w.astype(np.float16))),
+                    r"5\.gate_proj\.weight.*expected dtype BF16, found F16"),
+    "extra_expert": (dict(edit=_extra_expert), r"experts 0\.\.15.*found expert 16"),
+    "config_expert_count_mismatch": (dict(config_edit=lambda c: c.update(num_experts=20)),
+                                     r"gate\.weight.*num_experts=20"),
+}
 
 
-def test_extra_expert(tmp_path):
-    def edit(t):
-        for part in ("gate_proj", "up_proj", "down_proj"):
-            t[f"{Q}16.{part}.weight"] = t[f"{Q}0.{part}.weight"].copy()
-    path = rewrite(tmp_path, edit=edit)
-    with pytest.raises(CheckpointError, match=r"experts 0\.\.15.*found expert 16"):
-        FusedMoE.from_safetensors(path, LAYER)
-
-
-def test_config_expert_count_mismatch(tmp_path):
-    path = rewrite(tmp_path, config_edit=lambda c: c.update(num_experts=20))
-    with pytest.raises(CheckpointError, match=r"gate\.weight.*num_experts=20"):
-        FusedMoE.from_safetensors(path, LAYER)
+@pytest.mark.parametrize("case", BROKEN)
+def test_broken_checkpoint_names_the_tensor(tmp_path, case):
+    how, says = BROKEN[case]
+    with pytest.raises(CheckpointError, match=says):
+        FusedMoE.from_safetensors(rewrite(tmp_path, **how), LAYER)
 
 
 def test_nan_weight_leaves_no_layer(tmp_path):

@@ -2,9 +2,7 @@
 and not; in bf16 also the reference's rounding points (vLLM's kernels).
 
     M rows (slots), N = GEMM1 width (2I for the gated forms)
-Fresh random inputs every test; floats within the dtype's tolerance (oracles.TOL), against the
-reference fed the same inputs in float64 (exact mode); NaN never passes (or stands where the
-reference's does)."""
+"""
 
 from __future__ import annotations
 

@@ -4,9 +4,7 @@
 
 Every output exact: both backends sort stably, so even the order of slots within an expert
 agrees.
-Fresh random inputs every test; floats within the dtype's tolerance (oracles.TOL), against the
-reference fed the same inputs in float64 (exact mode); NaN never passes (or stands where the
-reference's does)."""
+"""
 
 from __future__ import annotations
 

@@ -2,9 +2,7 @@
 select_experts' tail (custom functions, zero experts) coming back on the device.
 
     T = tokens, E = experts, K = top-k
-Fresh random inputs every test; floats within the dtype's tolerance (oracles.TOL), against the
-reference fed the same inputs in float64 (exact mode); NaN never passes (or stands where the
-reference's does)."""
+"""
 
 from __future__ import annotations
 

@@ -2,9 +2,7 @@
 reference in exact mode, and slots routed nowhere (id -1) contributing nothing.
 
     T = tokens, E = experts, K = top-k, H = hidden, I = intermediate
-Fresh random inputs every test; floats within the dtype's tolerance (oracles.TOL), against the
-reference fed the same inputs in float64 (exact mode); NaN never passes (or stands where the
-reference's does)."""
+"""
 
 from __future__ import annotations
 

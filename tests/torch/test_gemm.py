@@ -3,9 +3,7 @@ grouped_mm) against the NumPy reference, with and without router weights, biases
 expert map.
 
     T = tokens, E = experts, K = top-k, N output width, Kd inner size, B = block size
-Fresh random inputs every test; floats within the dtype's tolerance (oracles.TOL), against the
-reference fed the same inputs in float64 (exact mode); NaN never passes (or stands where the
-reference's does)."""
+"""
 
 from __future__ import annotations
 

@@ -3,9 +3,7 @@ moe_unpermute) against the NumPy reference: the permutation exactly, the product
 fp32's 1e-5.
 
     T = tokens, E = experts, K = top-k, H = hidden, N output width
-Fresh random inputs every test; floats within the dtype's tolerance (oracles.TOL), against the
-reference fed the same inputs in float64 (exact mode); NaN never passes (or stands where the
-reference's does)."""
+"""
 
 from __future__ import annotations
 

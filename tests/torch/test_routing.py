@@ -4,9 +4,7 @@ fused_topk_bias, grouped_topk, select_experts (zero experts, custom functions, a
     T = tokens, E = experts, K = top-k
 
 Ids exact (both backends rank the same fp32 scores); weights within fp32's 1e-5.
-Fresh random inputs every test; floats within the dtype's tolerance (oracles.TOL), against the
-reference fed the same inputs in float64 (exact mode); NaN never passes (or stands where the
-reference's does)."""
+"""
 
 from __future__ import annotations
 
@@ -19,7 +17,7 @@ import pytest
 import reference
 from cuda_kernels import torch as tb
 from cuda_kernels.torch import to_host as host
-from tests.oracles import BF16, rng_for
+from tests.oracles import non_finite_group_logits, rng_for
 from tests.oracles import rel_err_where_defined as rel
 
 torch = pytest.importorskip("torch")
@@ -91,10 +89,7 @@ def test_grouped_topk(scoring_func, with_bias, logit_dtype):
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_grouped_topk_single_group_non_finite(num_finite, renormalize):
     """vLLM's test_grouped_topk_single_group_nonfinite_scores, on the torch backend."""
-    logits = np.full((1, 512), np.nan, BF16)
-    logits[0, :num_finite] = np.arange(num_finite)
-    logits[0, num_finite] = np.inf
-    logits[0, num_finite + 1] = -np.inf
+    logits = non_finite_group_logits(512, num_finite)
     bias = np.zeros(512, np.float32)
     ew, eids = reference.grouped_topk(None, logits, 16, renormalize, 1, 1, "sigmoid", 2.5, bias)
     gw, gids = (host(v) for v in tb.grouped_topk(None, logits, 16, renormalize, 1, 1, "sigmoid",

@@ -1,8 +1,6 @@
 """The torch backend's module API (cuda_kernels/torch/_tensors.py): availability, and arrays
 to tensors and back in every dtype.
-Fresh random inputs every test; floats within the dtype's tolerance (oracles.TOL), against the
-reference fed the same inputs in float64 (exact mode); NaN never passes (or stands where the
-reference's does)."""
+"""
 
 from __future__ import annotations
 

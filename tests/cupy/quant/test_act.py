@@ -18,8 +18,8 @@ import pytest
 
 from cuda_kernels.cupy import _compile as C
 from cuda_kernels.cupy.quant import act as QA
-from tests.emulator import ptr
-from tests.quant_support import BF16, FP8, build_emulation, host, up
+from tests.emulator import library_fixture, ptr
+from tests.quant_support import BF16, FP8, host, up
 from reference import quant as RQ
 
 
@@ -112,10 +112,7 @@ extern "C" void amax(unsigned grid, const IN_T* x, unsigned* bits, long long n) 
 }"""
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """act.cu with bf16 input, built for the CPU emulation."""
-    return build_emulation(tmp_path_factory, "act", QA.CU, _ENTRY, defines=QA._defines(BF16))
+emulated = library_fixture(QA.CU, (QA._defines(BF16), _ENTRY))   # act.cu with bf16 input
 
 
 def emulated_act_quant(lib, x, qd, group_size, eps, min_scale, ue8m0, static=None,

@@ -28,7 +28,9 @@ from cuda_kernels.cupy.quant import configs as Q
 from cuda_kernels.cupy.quant import w8a8 as W8
 from tests.oracles import rel_err
 from tests.emulator import ptr
-from tests.quant_support import BF16, host, poisoned, routed, rung_emulations, up, w8a8_operands
+from tests.quant_support import (
+    BF16, ROUTING_ARGS, ROUTING_PARAMS, SIZE_ARGS, SIZE_PARAMS, host, poisoned, routed,
+    rung_emulations, up, w8a8_operands)
 from reference import moe_align_block_size
 from reference import quant as RQ
 
@@ -202,17 +204,13 @@ def test_fast_rungs_block_error_is_the_formats(rng, rung):
 
 
 # every rung takes the same arguments (pointers, sizes, scale kinds)
-PARAMS = ("const void* a, const void* w, void* c, const void* p3, const void* p4, const int* st, "
-          "const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
-          "int P, int top_k, int B, int L, int mul, int i0, int i1")
-ARGS = ("(const u8*)a, (const u8*)w, (elem_t*)c, (const float*)p3, (const float*)p4, st, ex, ntp, "
-        "tw, bias, N, K, P, top_k, B, L, mul, i0, i1")
+PARAMS = ("const void* a, const void* w, void* c, const void* p3, const void* p4, "
+          f"{ROUTING_PARAMS}, {SIZE_PARAMS}, int i0, int i1")
+ARGS = ("(const u8*)a, (const u8*)w, (elem_t*)c, (const float*)p3, (const float*)p4, "
+        f"{ROUTING_ARGS}, {SIZE_ARGS}, i0, i1")
 
 
-@pytest.fixture(scope="module")
-def emulation(tmp_path_factory):
-    """emulation(rung): that rung's .cu (bf16 output) built for the CPU emulation, once."""
-    return rung_emulations(tmp_path_factory, "w8a8", W8.CU, W8.NAMES, PARAMS, ARGS)
+emulation = rung_emulations("w8a8", W8.CU, W8.NAMES, PARAMS, ARGS)   # (bf16 output)
 
 
 EMU_CASES = [

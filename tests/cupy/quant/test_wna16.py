@@ -30,7 +30,9 @@ from cuda_kernels.cupy.quant import wna16_staged as S5
 from cuda_kernels.cupy.quant import wna16_wgmma as W6
 from tests.oracles import rel_err
 from tests.emulator import ptr
-from tests.quant_support import BF16, host, poisoned, rung_emulations, up, wna16_operands
+from tests.quant_support import (
+    BF16, ROUTING_ARGS, ROUTING_PARAMS, SIZE_ARGS, SIZE_PARAMS, host, poisoned, rung_emulations, up,
+    wna16_operands)
 from reference import moe_align_block_size
 from reference import quant as RQ
 
@@ -189,17 +191,13 @@ def test_argument_errors(rng):
 
 # ============================================================================ CPU emulation
 # v1-v3 take the same arguments
-PARAMS = ("const void* a, const void* w, void* c, const void* p3, const void* p4, const int* st, "
-          "const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
-          "int P, int top_k, int B, int L, int mul, int i0, int i1, int i2, int i3")
-ARGS = ("(const elem_t*)a, (const u8*)w, (elem_t*)c, (const float*)p3, (const u8*)p4, st, ex, "
-        "ntp, tw, bias, N, K, P, top_k, B, L, mul, i0, i1, i2, i3")
+PARAMS = ("const void* a, const void* w, void* c, const void* p3, const void* p4, "
+          f"{ROUTING_PARAMS}, {SIZE_PARAMS}, int i0, int i1, int i2, int i3")
+ARGS = ("(const elem_t*)a, (const u8*)w, (elem_t*)c, (const float*)p3, (const u8*)p4, "
+        f"{ROUTING_ARGS}, {SIZE_ARGS}, i0, i1, i2, i3")
 
 
-@pytest.fixture(scope="module")
-def emulation(tmp_path_factory):
-    """emulation(rung): v1, v2 or v3's .cu (bf16 elements) built for the CPU emulation, once."""
-    return rung_emulations(tmp_path_factory, "wna16", W16.CU, W16.NAMES, PARAMS, ARGS)
+emulation = rung_emulations("wna16", W16.CU, W16.NAMES, PARAMS, ARGS)
 
 
 EMU_CASES = [

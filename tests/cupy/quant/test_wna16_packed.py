@@ -25,9 +25,10 @@ from cuda_kernels.cupy.quant import configs as Q
 from cuda_kernels.cupy.quant import wna16 as W16
 from cuda_kernels.cupy.quant import wna16_packed as P4
 from tests.oracles import rel_err
-from tests.emulator import entries, ptr
-from tests.quant_support import (BF16, INT4_SHAPES, build_emulation, check_matches_reference,
-                                 check_other_rank, int4_case, up, wna16_operands)
+from tests.emulator import entries, library_fixture, ptr
+from tests.quant_support import (
+    BF16, INT4_ARGS, INT4_PARAMS, INT4_SHAPES, ROUTING_ARGS, ROUTING_PARAMS, SIZE_ARGS, SIZE_PARAMS,
+    BF16_BUILD, check_matches_reference, check_other_rank, int4_case, up, wna16_operands)
 from reference import moe_align_block_size
 
 TOL = 2e-2          # vLLM's weight-only tolerance
@@ -146,17 +147,12 @@ def test_plan_partial_slots():
 
 
 # ----------------------------------------------------------------------------- emulation
-PARAMS = ("const void* a, const void* wp, void* c, const void* sp, const void* zp, const int* st, "
-          "const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
-          "int P, int top_k, int B, int L, int mul, int shift, int G, int dzp, int tpc, int rg")
-ARGS = ("(const elem_t*)a, (const uint4*)wp, (elem_t*)c, (const float2*)sp, "
-        "(const unsigned short*)zp, st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, shift, G, "
-        "dzp, tpc, rg")
+PARAMS = (f"{INT4_PARAMS}, {ROUTING_PARAMS}, {SIZE_PARAMS}, int shift, int G, int dzp, "
+          "int tpc, int rg")
+ARGS = f"(const elem_t*)a, {INT4_ARGS}, {ROUTING_ARGS}, {SIZE_ARGS}, shift, G, dzp, tpc, rg"
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    return build_emulation(tmp_path_factory, "packed", P4.CU, entries(P4.NAMES, PARAMS, ARGS))
+emulated = library_fixture(P4.CU, (BF16_BUILD, entries(P4.NAMES, PARAMS, ARGS)))
 
 
 @pytest.mark.simulator

@@ -31,10 +31,12 @@ from cuda_kernels.cupy.quant import wna16 as W16
 from cuda_kernels.cupy.quant import wna16_packed as P4
 from cuda_kernels.cupy.quant import wna16_staged as S5
 from tests.oracles import rel_err
-from tests.emulator import arm_programmatic, blocks_in_order, entries, programmatic_counts, ptr
-from tests.quant_support import (BF16, INT4_SHAPES, build_emulation, check_matches_reference,
-                                 check_other_rank, check_repeats, host, int4_case, poisoned, up,
-                                 wna16_operands)
+from tests.emulator import (arm_programmatic, blocks_in_order, entries, library_fixture,
+                            programmatic_counts, ptr)
+from tests.quant_support import (
+    BF16, INT4_ARGS, INT4_PARAMS, INT4_SHAPES, ROUTING_ARGS, ROUTING_PARAMS, SIZE_ARGS, SIZE_PARAMS,
+    BF16_BUILD, check_matches_reference, check_other_rank, check_repeats, host, int4_case,
+    poisoned, up, wna16_operands)
 from reference import moe_align_block_size
 from reference import quant as RQ
 
@@ -155,24 +157,15 @@ def test_plan_refuses_bad_configs():
 EMULATED_NAMES = S5.NAMES + S5.WS_NAMES     # (WS: its mbarriers emulated too)
 
 
-PARAMS = ("const void* a, const void* wp, void* c, const void* sp, const void* zp, const int* st, "
-          "const int* ex, const int* ntp, const float* tw, const float* bias, float* ws, int* cnt, "
-          "int N, int K, int P, int top_k, int B, int L, int mul, int shift, int G, int dzp")
-ARGS = ("(const unsigned short*)a, (const uint4*)wp, (elem_t*)c, (const float2*)sp, "
-        "(const unsigned short*)zp, st, ex, ntp, tw, bias, ws, cnt, N, K, P, top_k, B, L, mul, "
-        "shift, G, dzp")
+PARAMS = (f"{INT4_PARAMS}, {ROUTING_PARAMS}, float* ws, int* cnt, {SIZE_PARAMS}, int shift, "
+          "int G, int dzp")
+ARGS = (f"(const unsigned short*)a, {INT4_ARGS}, {ROUTING_ARGS}, ws, cnt, {SIZE_ARGS}, shift, G, "
+        "dzp")
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    return build_emulation(tmp_path_factory, "wst", S5.CU, entries(EMULATED_NAMES, PARAMS, ARGS))
-
-
-@pytest.fixture(scope="module")
-def emulated_fp16(tmp_path_factory):
-    """The fp16 build (ELEM_BF16 = 0), whose codes dequantize as fp16 pairs."""
-    return build_emulation(tmp_path_factory, "wst16", S5.CU,
-                           entries(EMULATED_NAMES, PARAMS, ARGS), defines={"ELEM_BF16": 0})
+emulated = library_fixture(S5.CU, (BF16_BUILD, entries(EMULATED_NAMES, PARAMS, ARGS)))
+# the fp16 build (ELEM_BF16 = 0), whose codes dequantize as fp16 pairs
+emulated_fp16 = library_fixture(S5.CU, ({"ELEM_BF16": 0}, entries(EMULATED_NAMES, PARAMS, ARGS)))
 
 
 def _run_emulated(lib, cfg_name, a, wq, ws, wz, st, ex, ntp, top_k, B, tw, bias, sms,

@@ -28,9 +28,11 @@ from cuda_kernels.cupy.quant import wna16 as W16
 from cuda_kernels.cupy.quant import wna16_packed as P4
 from cuda_kernels.cupy.quant import wna16_wgmma as W6
 from tests.oracles import rel_err
-from tests.emulator import blocks_in_order, entries, ptr
-from tests.quant_support import (BF16, INT4_SHAPES, build_emulation, check_matches_reference,
-                                 check_other_rank, check_repeats, int4_case, up, wna16_operands)
+from tests.emulator import blocks_in_order, entries, library_fixture, ptr
+from tests.quant_support import (
+    BF16, INT4_ARGS, INT4_PARAMS, INT4_SHAPES, ROUTING_ARGS, ROUTING_PARAMS, SIZE_ARGS, SIZE_PARAMS,
+    BF16_BUILD, check_matches_reference, check_other_rank, check_repeats, int4_case, up,
+    wna16_operands)
 from reference import moe_align_block_size
 
 TOL = 2e-2          # vLLM's weight-only tolerance
@@ -108,18 +110,13 @@ def test_wgmma_plan_and_supports():
 # ----------------------------------------------------------------------------- emulation
 
 
-PARAMS = ("const void* a, const void* wp, void* c, const void* sp, const void* zp, const int* st, "
-          "const int* ex, const int* ntp, const float* tw, const float* bias, int N, int K, "
-          "int P, int top_k, int B, int L, int mul, int shift, int G, int dzp, int gpc, int cps, "
-          "float* ws, int* cnt")
-ARGS = ("(const elem_t*)a, (const uint4*)wp, (elem_t*)c, (const float2*)sp, "
-        "(const unsigned short*)zp, st, ex, ntp, tw, bias, N, K, P, top_k, B, L, mul, shift, G, "
-        "dzp, gpc, cps, ws, cnt")
+PARAMS = (f"{INT4_PARAMS}, {ROUTING_PARAMS}, {SIZE_PARAMS}, int shift, int G, int dzp, "
+          "int gpc, int cps, float* ws, int* cnt")
+ARGS = (f"(const elem_t*)a, {INT4_ARGS}, {ROUTING_ARGS}, {SIZE_ARGS}, shift, G, dzp, gpc, cps, "
+        "ws, cnt")
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    return build_emulation(tmp_path_factory, "ww", W6.CU, entries(W6.NAMES, PARAMS, ARGS))
+emulated = library_fixture(W6.CU, (BF16_BUILD, entries(W6.NAMES, PARAMS, ARGS)))
 
 
 @pytest.mark.simulator

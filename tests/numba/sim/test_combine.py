@@ -12,20 +12,13 @@ import numpy as np
 import pytest
 
 import reference
-from tests.oracles import TOL, rel_err, rng_for, uniform
+from tests.oracles import assert_close_where_defined as close
+from tests.oracles import rng_for, uniform
 from tests.support import DTYPES
 
 Cb = importlib.import_module("cuda_kernels.numba.combine")
 
 pytestmark = [pytest.mark.simulator, pytest.mark.usefixtures("numba_poison")]
-
-
-def close(got, want, dtype, what):
-    assert got.dtype == want.dtype, what
-    g, w = got.astype(np.float64), want.astype(np.float64)
-    np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=f"{what}: NaN places")
-    ok = ~np.isnan(w)
-    assert rel_err(g[ok], w[ok]) <= TOL[np.dtype(dtype)], what
 
 
 @pytest.mark.parametrize("dkey", DTYPES)

@@ -11,7 +11,7 @@ import importlib
 
 import numpy as np
 import pytest
-from tests.oracles import BF16, rel_err, rng_for, uniform
+from tests.oracles import BF16, non_finite_group_logits, rel_err, rng_for, uniform
 from tests.support import DTYPES
 
 import reference
@@ -131,10 +131,7 @@ def test_nan_and_inf_rows():
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_grouped_topk_single_group_non_finite(num_finite, renormalize):
     """vLLM's test_grouped_topk_single_group_nonfinite_scores (E = 64 here: the simulator)."""
-    x = np.full((1, 64), np.nan, BF16)
-    x[0, :num_finite] = np.arange(num_finite)
-    x[0, num_finite] = np.inf
-    x[0, num_finite + 1] = -np.inf
+    x = non_finite_group_logits(64, num_finite)
     args = (None, x, 16, renormalize, 1, 1, "sigmoid", 2.5, np.zeros(64, np.float32))
     got = R.grouped_topk(*args)
     assert_route(got, reference.grouped_topk(*args), "single group non-finite")

@@ -25,9 +25,10 @@ from sandbox.ep.checks import (
     run_parity,
     run_refusals,
 )
+from tests.support import once
 
 FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_gpu")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 
 
@@ -46,16 +47,10 @@ _CACHE = {}
 
 
 def _once(key, fn):
-    if key not in _CACHE:
+    def in_the_fake_gpu():
         with fake_gpu():
-            try:
-                _CACHE[key] = ("ok", fn())
-            except Exception as exc:
-                _CACHE[key] = ("error", exc)
-    kind, value = _CACHE[key]
-    if kind == "error":
-        raise value
-    return value
+            return fn()
+    return once(_CACHE, key, in_the_fake_gpu)
 
 
 @pytest.mark.parametrize("check", COLLECTIVE_CHECKS)

@@ -15,6 +15,7 @@ import pytest
 from sandbox.ep import LaunchError, launch
 from sandbox.ep.checks import (COLLECTIVE_CHECKS, fault_and_report_pid, parity_cases,
                                run_collectives, run_parity, run_refusals)
+from tests.support import once
 
 pytestmark = pytest.mark.multigpu
 WORLD = int(os.environ.get("EP_TEST_WORLD", "2"))   # ranks (GPUs) the tests use
@@ -39,15 +40,7 @@ _CACHE = {}
 
 
 def _once(key, fn):
-    if key not in _CACHE:
-        try:
-            _CACHE[key] = ("ok", fn())
-        except Exception as exc:  # every test that needs it reports the same failure
-            _CACHE[key] = ("error", exc)
-    kind, value = _CACHE[key]
-    if kind == "error":
-        raise value
-    return value
+    return once(_CACHE, key, fn)
 
 
 @pytest.mark.parametrize("check", COLLECTIVE_CHECKS)

@@ -12,11 +12,7 @@ from sandbox.ep import launch
 from sandbox.ep import layout as L
 from sandbox.ep.checks import run_impl_parity
 from tests.oracles import distinct_topk_ids
-
-# (T, E, K, W, slot_rows): one token, T not a multiple of anything, W > K, W = 1, empty batch
-SHAPES = [(1, 8, 2, 2, False), (37, 16, 4, 2, False), (37, 16, 4, 4, True),
-          (50, 64, 3, 8, False), (50, 64, 3, 8, True), (20, 8, 4, 1, False),
-          (0, 16, 4, 2, False), (0, 16, 4, 2, True), (129, 32, 8, 4, False)]
+from tests.support import EP_LAYOUT_SHAPES as SHAPES
 
 
 def _ids(T, E, K, seed):
@@ -113,18 +109,23 @@ def test_numpy_count_experts():
     assert counts.tolist() == want.tolist()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_fused_matches_stages_on_cpu_communicator(world_size):
-    per_rank = launch(run_impl_parity, world_size, timeout=60)
+def _assert_fused_matches_stages(per_rank, lean):
+    """run_impl_parity's reports, every rank's: the fused path ran and matched the stages and
+    the loop; a second call of the same shape with the tokens permuted gave each token the
+    same output, bit for bit; `lean`: the lean GPU path (plans, reused buffers) ran."""
     for res in (d for rank in per_rank for d in rank):
         assert res["impl"] == "fused", res
         assert res["x"] and res["ids"] and res["w"] and res["counts"], res
         assert res["out_vs_stages"] <= 1e-6 and res["chunked_vs_stages"] <= 1e-6, res
         assert res["chunked_x"], res
         assert not np.isnan(res["out_vs_loop"]) and res["out_vs_loop"] <= res["tolerance"], res
-        assert res["reuse_vs_fused"] == 0.0 and not res["lean"], res
+        assert res["reuse_vs_fused"] == 0.0 and res["lean"] == lean, res
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fused_matches_stages_on_cpu_communicator(world_size):
+    _assert_fused_matches_stages(launch(run_impl_parity, world_size, timeout=60), lean=False)
 
 
 @pytest.mark.multigpu
@@ -140,13 +141,6 @@ def test_fused_matches_stages_over_nccl():
     from sandbox.registry import get_backend
 
     backend = "cupy" if get_backend("cupy").ok else "reference"
-    per_rank = launch(run_impl_parity, 2, backend="nccl", args=(backend,), timeout=120)
-    for res in (d for rank in per_rank for d in rank):
-        assert res["impl"] == "fused", res
-        assert res["x"] and res["ids"] and res["w"] and res["counts"], res
-        assert res["out_vs_stages"] <= 1e-6 and res["chunked_vs_stages"] <= 1e-6, res
-        assert res["chunked_x"], res
-        assert not np.isnan(res["out_vs_loop"]) and res["out_vs_loop"] <= res["tolerance"], res
-        # the lean GPU path (plans, reused buffers) ran, and a second call of the same shape
-        # with the tokens permuted gives each token the same output, bit for bit
-        assert res["lean"] and res["reuse_vs_fused"] == 0.0, res
+    # the lean GPU path (plans, reused buffers) runs there
+    _assert_fused_matches_stages(launch(run_impl_parity, 2, backend="nccl", args=(backend,),
+                                        timeout=120), lean=True)
