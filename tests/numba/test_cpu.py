@@ -1,7 +1,7 @@
 """The Numba backend on a CPU, outside the simulator: import guards, the numpy 2.5 shim,
 argument checks, and every kernel compiled to PTX for sm_90.
 
-The simulator (tests/numba_sim, via test_numba_simulator.py) runs the kernels' Python; it
+The simulator (tests/numba/sim, via test_simulator.py) runs the kernels' Python; it
 cannot see what only the GPU target compiles: warp shuffles, the `overload`s of
 cuda_kernels/numba/_device.py (bf16 bit casts, unsigned indices), numba's typing for the
 device. `cuda.compile_ptx` needs libNVVM but no GPU, so CPU CI compiles every kernel and

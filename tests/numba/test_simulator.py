@@ -1,4 +1,4 @@
-"""CPU CI for the Numba kernels: the tests/numba_sim suite in the CUDA simulator.
+"""CPU CI for the Numba kernels: the tests/numba/sim suite in the CUDA simulator.
 
 The simulator is picked when numba is first imported (NUMBA_ENABLE_CUDASIM=1), and this
 process may already have numba on the real CUDA target (the PTX checks, GPU tests, the
@@ -21,9 +21,11 @@ def test_numba_kernels_in_the_cuda_simulator():
     pytest.importorskip("numba")
     pytest.importorskip("numba_cuda")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    # the numba suite, and the modular kernel's pairs with numba experts (test_modular.py)
+    # the numba suite, and the modular kernel's pairs with numba experts
+    # (tests/sandbox/test_modular.py)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-           str(TESTS / "numba" / "sim"), str(TESTS / "sandbox" / "test_modular.py"), "-k", "numba"]
+           str(TESTS / "numba" / "sim"), str(TESTS / "sandbox" / "test_modular.py"),
+           "-k", "numba"]
     r = subprocess.run(cmd, cwd=TESTS.parent, env=env, capture_output=True, text=True,
                        timeout=1200)
     tail = (r.stdout[-12000:] + "\n" + r.stderr[-4000:]).strip()

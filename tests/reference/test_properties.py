@@ -267,7 +267,7 @@ def test_expert_parallel_partial_outputs_sum_to_the_layer(seed, num_tokens, num_
 
 
 @PROPERTY
-@given(seeds, st.integers(1, 20), st.integers(1, 10), st.integers(1, 4))   # T=0: test_reference_errors
+@given(seeds, st.integers(1, 20), st.integers(1, 10), st.integers(1, 4))   # T=0: test_errors.py
 def test_permute_then_unpermute_weighs_each_token(seed, num_tokens, num_experts, topk):
     topk = min(topk, num_experts)
     rng = np.random.default_rng(seed)

@@ -99,13 +99,13 @@ PAIRS = [(pf, ex, reduce, cfg) for pf in PREPARE_FINALIZE for ex, cfgs in EXPERT
 def test_pair_matches_reference(pf, experts, reduce, config, comm1, rng):
     if experts == "numba":
         # numba's mode is fixed at its first import: where another test has imported
-        # numba.cuda without the simulator, these pairs run in test_numba_simulator's process
+        # numba.cuda without the simulator, these pairs run in tests/numba/test_simulator.py's process
         from sandbox import registry
 
         be = registry.get_backend("numba")
         if not be.ok:
             pytest.skip(f"numba is not usable in this process ({be.reason[:80]}...); "
-                        f"tests/test_numba_simulator.py runs these pairs in the simulator")
+                        f"tests/numba/test_simulator.py runs these pairs in the simulator")
     dtype, activation, K, masked, on_input, bias = CONFIGS[config]
     x, w1, w2, tw, ids, b1, b2 = problem(rng, K=K, dtype=dtype, activation=activation,
                                          masked=masked, bias=bias)

@@ -1,9 +1,9 @@
 """Activation quantization on the GPU (cuda_kernels/cupy/quant/act.py, act.cu) against
 reference/quant.py: codes and scales bit for bit.
 
-CPU: the launcher registers a compile case per input dtype (tests/test_cupy_nvrtc.py compiles
-them). CPU emulation (`simulator`, slow): act.cu built by g++ against tests/quant_support.py's
-emulation header, every mode bit-exact, NaN confined to its group.
+CPU: the launcher registers a compile case per input dtype (tests/cupy/test_nvrtc.py compiles
+them). CPU emulation (`simulator`, slow): act.cu built by g++ with the emulator of
+tests/emulator, every mode bit-exact, NaN confined to its group.
 GPU (`gpu` marker): every mode and input dtype bit-exact (empty inputs too), static scales
 from the host or the device, NaN confined to its group, argument errors.
 

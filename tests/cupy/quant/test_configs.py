@@ -4,7 +4,7 @@ that takes every problem, config_dict and route refuse clearly, block_size_for g
 sizes the routes were measured with, and the napkin math adds up.
 
 (Which entry a route picks for a given problem is tested beside each ladder's refusal rules:
-tests/test_quant_w8a8.py and tests/test_quant_wna16.py.)
+tests/cupy/quant/test_w8a8.py and test_wna16.py.)
 """
 from __future__ import annotations
 

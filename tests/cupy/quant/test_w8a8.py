@@ -1,10 +1,10 @@
 """The w8a8 ladder (cuda_kernels/cupy/quant/w8a8.py: v1 naive, v2 mma.sync, v3 fp8 decode
 streaming, v4 fp8 wgmma) against reference/quant.py.
 
-CPU: each rung's file registers its compile cases (tests/test_cupy_nvrtc.py compiles them),
+CPU: each rung's file registers its compile cases (tests/cupy/test_nvrtc.py compiles them),
 shared memory fits, the route picks each rung where its measurements put it and refuses
 what a rung cannot run. CPU emulation (`simulator`, slow): every rung's .cu built by g++
-against tests/quant_support.py's emulation header (v4's wgmma by its definition, through the
+with the emulator of tests/emulator (v4's wgmma by its definition, through the
 descriptors) and run against the reference: block, per-tensor and per-channel scales, partial
 K blocks, N not a multiple of the tile, padding-only tiles, a crowded expert.
 GPU (`gpu` marker): every config of v2-v4 against the reference on the same quantized

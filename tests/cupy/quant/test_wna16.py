@@ -1,12 +1,12 @@
 """The weight-only ladder's router and its first three rungs (cuda_kernels/cupy/quant/wna16.py:
 v1 naive, v2 mma.sync on weights dequantized in registers, v3 decode streaming) against
 reference/quant.py. The prepacked rungs v4-v6 have their own files
-(test_quant_wna16_packed.py, _staged.py, _wgmma.py).
+(test_wna16_packed.py, _staged.py, _wgmma.py).
 
-CPU: every rung's file registers its compile cases (tests/test_cupy_nvrtc.py compiles them),
+CPU: every rung's file registers its compile cases (tests/cupy/test_nvrtc.py compiles them),
 shared memory fits, the group nesting rule of v2, the route picks each rung where its
 measurements put it and says why a rung cannot run a problem. CPU emulation (`simulator`,
-slow): v1-v3's .cu built by g++ against tests/quant_support.py's emulation header and run
+slow): v1-v3's .cu built by g++ with the emulator of tests/emulator and run
 against the reference (int4 and int8 codes, zero points, group sizes 32 / 64 / 128 / 256 /
 one per row, partial tiles, padding-only tiles next to live ones).
 GPU (`gpu` marker): v3 with fp16 activations, experts on another rank (zeros) and a crowded

@@ -6,7 +6,7 @@ against reference/quant.py.
 CPU (always): staged_plan's runs cover every unit once, its workspace holds two parts per CTA,
 its shared memory matches the kernel's stage layout and fits MINB CTAs per SM, and it refuses
 bad configs clearly; stage_blocks' layout. Simulator: the kernel on the CPU emulation of
-tests/quant_support.py (g++, a std::thread per CUDA thread, cp.async landing only at its
+tests/emulator (g++, a std::thread per CUDA thread, cp.async landing only at its
 wait, the mbarriers and named barriers of t24ws): runs that start and end inside row blocks
 (blocks finished from 2-3 parts, in K-stage order, by whichever CTA comes last: the CTAs also
 run last to first, with the same bits), a ragged last block, a short last K stage, group

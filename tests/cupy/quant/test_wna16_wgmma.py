@@ -5,7 +5,7 @@ operand; opt-in, never routed) against reference/quant.py.
 CPU (always): prepack_int4(order="wgmma") round-trips and follows the documented lane order
 (code by code with a dumb loop); wgmma_plan covers every 64-row group once, splits K only into
 whole groups; wgmma_supports refuses other GPUs and N % 64 clearly. Simulator: the kernel runs
-on the CPU emulation of tests/quant_support.py (g++, a std::thread per CUDA thread) with wgmma
+on the CPU emulator of tests/emulator (g++, a std::thread per CUDA thread) with wgmma
 by its definition: each thread's A fragment from the warpgroup's registers, B through the
 descriptor (start, leading and stride byte offsets, no swizzle), the accumulator layout of the
 PTX ISA. It checks the kernel's own indexing (ring, stages, groups, split K, epilogue), not

@@ -2,10 +2,10 @@
 
 The simulator is chosen when numba is first imported (NUMBA_ENABLE_CUDASIM=1), so it cannot
 be switched on inside a test process that has already imported numba for the GPU or for
-the PTX checks. tests/test_numba_simulator.py therefore runs this folder in a fresh
+the PTX checks. tests/numba/test_simulator.py therefore runs this folder in a fresh
 subprocess with the variable set; a plain `pytest tests/` skips the folder here.
 
-    NUMBA_ENABLE_CUDASIM=1 python -m pytest tests/numba_sim -q     (what the runner does)
+    NUMBA_ENABLE_CUDASIM=1 python -m pytest tests/numba/sim -q     (what the runner does)
 """
 import os
 import sys

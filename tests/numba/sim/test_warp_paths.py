@@ -7,7 +7,7 @@
 warp_emulation.py gives the simulator's fake `cuda` module shfl_xor_sync, match_any_sync,
 lanemask_lt and syncwarp (the lanes of a warp meet at a barrier). The results must equal
 the reference exactly, as the shared-memory paths' do; the GPU tests run the same paths
-compiled (tests/test_numba_gpu.py).
+compiled (tests/numba/test_routing.py, test_align.py).
 """
 import importlib
 
@@ -135,7 +135,7 @@ def test_routing_keys_flavour(warps, monkeypatch, case):
 def test_align_grid(warps, monkeypatch):
     """align_grid.py's one-launch alignment ("grid": align.cu's moe_align_kernel) in emulated
     warps, one block of two warps (the simulator runs blocks one after another, so the grid
-    barrier of G > 1 cannot run here: tests/test_numba_gpu.py covers it)."""
+    barrier of G > 1 cannot run here: tests/numba/test_align.py covers it)."""
     monkeypatch.setitem(Ag.CONFIGS, "grid", dict(Ag.CONFIGS["grid"], MAX_WARPS=2, MIN_WARPS=1))
     monkeypatch.setitem(Al.SIM_CONFIGS, "align", dict(Al.SIM_CONFIGS["align"], RANK="grid"))
     E, B = 6, 4

@@ -1,6 +1,6 @@
 """The expert-parallel runtime's pieces on the CPU: the store, env:// parsing, rendezvous
 checks, the CPU communicator's collectives (one launched group checks them all), and the
-EPLB runtime maps. Multi-process parity and faults live in test_ep_layer / test_ep_faults."""
+EPLB runtime maps. Multi-process parity and faults live in test_layer.py / test_faults.py."""
 import threading
 
 import numpy as np

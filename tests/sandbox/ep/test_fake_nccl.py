@@ -1,4 +1,4 @@
-"""The NCCL code path on the CPU, against a fake `cupy` (tests/ep_fake_gpu/).
+"""The NCCL code path on the CPU, against a fake `cupy` (tests/sandbox/ep/fake_gpu/).
 
 The ranks import a stand-in CuPy whose arrays refuse implicit conversion to NumPy (as real
 CuPy arrays do) and whose `cupy.cuda.nccl` runs over the CPU communicator. What this
@@ -154,7 +154,7 @@ def _bench_once(bench_ep):
 def test_fake_nccl_fused_path_through_the_gpu_launchers():
     """The fused dispatch's GPU branch (ep_layout.py's launchers, the counts buffer exchanged
     in place, the chunked combine's side stream) with each launch replaced by its NumPy twin
-    (tests/ep_fake_gpu/mock_ep_kernels.py): fused == stages, one-go and chunked."""
+    (tests/sandbox/ep/fake_gpu/mock_ep_kernels.py): fused == stages, one-go and chunked."""
     with fake_gpu():
         import mock_ep_kernels
 

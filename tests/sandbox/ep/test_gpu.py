@@ -3,8 +3,8 @@ the layer (CuPy kernels when they are available, else the reference on the host)
 faults and refusals. Skipped unless CuPy sees two or more GPUs (conftest.py).
 
 The lead runs them on an H200 pair (EP_TEST_WORLD=4 or 8 on bigger machines):
-    .venv/bin/python -m pytest -q -m multigpu tests/test_ep_gpu.py
-    EP_TEST_WORLD=8 .venv/bin/python -m pytest -q -m multigpu tests/test_ep_gpu.py
+    .venv/bin/python -m pytest -q -m multigpu tests/sandbox/ep/test_gpu.py
+    EP_TEST_WORLD=8 .venv/bin/python -m pytest -q -m multigpu tests/sandbox/ep/test_gpu.py
 """
 import os
 import re

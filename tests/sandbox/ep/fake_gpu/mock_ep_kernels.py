@@ -2,8 +2,8 @@
 cuda_kernels/cupy/ep_layout.py, the chunked combine's streams) on the fake CuPy: each kernel
 launch is replaced by its NumPy twin (sandbox/ep/layout.py) applied to the fake arrays'
 buffers, so that the launchers' arguments, shapes, checks and the dispatch's GPU branch run on
-a CPU. The kernels themselves are checked on a GPU (tests/test_ep_layout.py, -m gpu).
-Imported by name in ranks spawned with this folder on sys.path (tests/test_ep_fake_nccl.py).
+a CPU. The kernels themselves are checked on a GPU (tests/cupy/test_ep_layout.py, -m gpu).
+Imported by name in ranks spawned with this folder on sys.path (tests/sandbox/ep/test_fake_nccl.py).
 """
 import numpy as np
 

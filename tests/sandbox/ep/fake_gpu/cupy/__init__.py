@@ -1,4 +1,4 @@
-"""FAKE cupy for CPU tests (see tests/ep_fake_gpu/README.md). Arrays wrap NumPy arrays."""
+"""FAKE cupy for CPU tests (see tests/sandbox/ep/fake_gpu/README.md). Arrays wrap NumPy arrays."""
 import numpy as _np
 
 from . import cuda  # noqa: F401
