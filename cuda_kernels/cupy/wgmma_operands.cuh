@@ -28,8 +28,8 @@
                    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
                    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
-// The pipeline's fences and waits. The CPU emulations of the tests (GG_HOST_EMULATION in
-// tests/test_cupy_gemm.py, QG_EMULATED_PTX in the quantized ones) bring their own versions.
+// The pipeline's fences and waits. The CPU emulator of the tests (tests/emulator: it defines
+// GG_HOST_EMULATION and QG_EMULATED_PTX) brings its own versions.
 #if !defined(GG_HOST_EMULATION) && !defined(QG_EMULATED_PTX)
 // shared memory written through the generic proxy (cp.async) is read next by wgmma (async proxy)
 __device__ __forceinline__ void wg_fence_proxy_async() {

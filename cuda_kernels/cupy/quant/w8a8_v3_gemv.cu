@@ -55,8 +55,8 @@ __device__ __forceinline__ bool fg_live(int s, int num_slots) {
     return (unsigned)s < (unsigned)num_slots;        // padding is num_slots; negatives dropped
 }
 
-// The inline PTX of this file. tests/test_quant_w8a8.py runs this source on the CPU with
-// QG_EMULATED_PTX #defined and the helpers of tests/quant_support.py's emulation header
+// The inline PTX of this file. tests/cupy/quant/test_w8a8.py runs this source on the CPU
+// with QG_EMULATED_PTX #defined and the helpers of the emulator (tests/emulator/kernels.h)
 // (qg_ld16*, qg_mma_k32: same semantics, fragment layouts as the PTX ISA says).
 #ifdef QG_EMULATED_PTX
 template <int PF>

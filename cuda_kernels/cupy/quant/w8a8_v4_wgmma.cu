@@ -70,8 +70,8 @@ __device__ __forceinline__ u32 fw_pack(float lo, float hi) {
     return *reinterpret_cast<u32*>(&v);
 }
 
-// The inline PTX of this file (to fw_wgmma_n128). tests/test_quant_w8a8.py runs this
-// source on the CPU with QG_EMULATED_PTX #defined and its own versions of these helpers
+// The inline PTX of this file (to fw_wgmma_n128). tests/cupy/quant/test_w8a8.py runs this
+// source on the CPU with QG_EMULATED_PTX #defined and the emulator's versions of these helpers
 // (cp.async landing at the wait, wgmma reading the swizzled tiles through the descriptor).
 #ifndef QG_EMULATED_PTX
 __device__ __forceinline__ u32 fw_smem(const void* p) {
