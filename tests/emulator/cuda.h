@@ -252,7 +252,6 @@ struct EmuCta {
 };
 thread_local EmuCta* emu_cta = nullptr;
 thread_local unsigned char* emu_smem = nullptr;      // the CTA's shared memory
-size_t emu_dynamic_bytes = 0;                         // the launch's dynamic shared memory
 
 // A kernel's dynamic shared memory (`extern __shared__ T smem[]`, rewritten by the loader)
 // starts `offset` bytes into the CTA's buffer.
@@ -388,12 +387,12 @@ template <typename F> void emu_thread(EmuCta& cta, uint3 block, unsigned t, F& b
     cta.bar.arrive_and_drop();
 }
 
-// grid x block threads run `body` (a lambda that calls the kernel), CTA after CTA; `smem`:
-// the launch's dynamic shared memory in bytes (0: not checked)
-template <typename F> void launch(dim3 grid, dim3 block, size_t smem, F body) {
+// grid x block threads run `body` (a lambda that calls the kernel), CTA after CTA. `smem`, the
+// launch's dynamic shared memory as on the GPU, is for the reader: every CTA gets
+// EMU_SMEM_BYTES (emu_window_lo / hi bound what the PTX may touch where a launcher knows it).
+template <typename F> void launch(dim3 grid, dim3 block, size_t /*smem*/, F body) {
     gridDim = grid;
     blockDim = block;
-    emu_dynamic_bytes = smem;
     const unsigned threads = block.x * block.y * block.z;
     for (const uint3& b : emu_blocks(grid)) {
         EmuCta cta(threads);
@@ -407,10 +406,9 @@ template <typename F> void launch(dim3 grid, dim3 block, size_t smem, F body) {
 }
 
 // every CTA at once, each with its own shared memory, warps and barrier
-template <typename F> void launch_cooperative(dim3 grid, dim3 block, size_t smem, F body) {
+template <typename F> void launch_cooperative(dim3 grid, dim3 block, size_t /*smem*/, F body) {
     gridDim = grid;
     blockDim = block;
-    emu_dynamic_bytes = smem;
     const unsigned threads = block.x * block.y * block.z;
     std::vector<std::unique_ptr<EmuCta>> ctas;
     std::vector<std::thread> ts;
