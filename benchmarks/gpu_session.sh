@@ -114,9 +114,9 @@ benches_b() {  # GPU 1 (or 0)
 # the GPU test files in four shards of similar run time (measured 2026-11-29: ~5 tests/s);
 # the last shard is every other test file (the quantized ones, and any file added later)
 SHARDS=(
-  "tests/test_cupy_stages.py"
-  "tests/test_numba_gpu.py tests/test_numba_gemm_v3v.py"
-  "tests/test_cupy_gemm.py tests/test_quant_gemm.py tests/test_bench.py tests/test_layer.py tests/test_registry.py tests/test_torch_backend.py tests/test_validate.py tests/test_ep_layout.py"
+  "tests/cupy/test_routing.py tests/cupy/test_align.py tests/cupy/test_permute.py tests/cupy/test_activation.py tests/cupy/test_combine.py"
+  "tests/numba"
+  "tests/cupy/test_gemm.py tests/cupy/quant/test_gemm.py tests/sandbox/test_bench.py tests/sandbox/test_layer.py tests/sandbox/test_registry.py tests/torch tests/sandbox/test_validate.py tests/cupy/test_ep_layout.py"
 )
 
 shard() {   # shard i on GPU i % NGPU
@@ -160,8 +160,8 @@ wna16_dev() {   # GPU 0: the weight-only int4 ladder, checked then timed rung by
   say "device"; device_info
   say "weight-only GPU tests"
   timeout $(budget 120) python3 -m pytest -q --maxfail=20 --timeout 100 -m gpu -p no:cacheprovider \
-    tests/test_quant_wna16.py tests/test_quant_wna16_packed.py tests/test_quant_wna16_staged.py \
-    tests/test_quant_wna16_wgmma.py 2>&1 | tail -n 20
+    tests/cupy/quant/test_wna16.py tests/cupy/quant/test_wna16_packed.py \
+    tests/cupy/quant/test_wna16_staged.py tests/cupy/quant/test_wna16_wgmma.py 2>&1 | tail -n 20
   sanitizer cuda_kernels.cupy.quant.wna16
   # the route beside each rung, then every config of the table and WNA16_EXTRA (variants,
   # name+KEY=VALUE)

@@ -533,7 +533,7 @@ workshop.show(fig, "ring")
 # later, so four slots barely cover the copy latency here (exercise 2 deepens the ring).
 # During the epilogue of tile 0 the producer is already filling slots with tile 1:
 # persistence (section 5) is what gives it a next tile to fill. Exercise 1 breaks the
-# protocol on purpose; `tests/test_cupy_gemm.py` runs the real kernel source under a CPU
+# protocol on purpose; `tests/cupy/test_gemm_emulated.py` runs the real kernel source under a CPU
 # emulator with a checker of the same rules.
 #
 # ## 4. Warp specialization and `setmaxnreg`

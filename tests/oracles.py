@@ -14,10 +14,12 @@ an agreement between the two means something. Three kinds:
     torch_route / torch_fused_moe                  an independent per-expert implementation with
                                                    torch ops only (for shapes too big for loops)
 
-and the comparison helpers every reference test uses: `rel_err` (relative Frobenius error in
-float64, NaN never passes), `TOL` (the tolerance of each dtype, with its reason) and
-`assert_same_blocks` (alignment compared per block as sets, as vLLM leaves the order of
-slots inside an expert's run unspecified).
+and the comparison helpers every test uses: `rel_err` (relative Frobenius error in
+float64, NaN never passes; `rel_err_where_defined`: NaN in the same places, then the rest),
+`TOL` (the tolerance of each dtype, with its reason), `assert_close` / `assert_output_close`
+(a kernel's output: its dtype and shape too), `check_gemm` (a backend's grouped GEMM on a
+`gemm_problem`) and `assert_same_blocks` (alignment compared per block as sets, as vLLM
+leaves the order of slots inside an expert's run unspecified).
 """
 
 from __future__ import annotations
@@ -56,11 +58,38 @@ def rel_err(got, want) -> float:
     return float(num / denom)
 
 
+def rel_err_where_defined(got, want) -> float:
+    """rel_err over the elements where the oracle holds a number, once NaN is found at the
+    same places on both sides (a NaN input stays confined to its outputs)."""
+    got = np.asarray(got).astype(np.float64)
+    want = np.asarray(want).astype(np.float64)
+    assert got.shape == want.shape, f"shape {got.shape} != oracle's {want.shape}"
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg="NaN at other places")
+    ok = ~np.isnan(want)
+    return rel_err(got[ok], want[ok])
+
+
 def assert_close(got, want, dtype, tol=None, what="output"):
     """Relative Frobenius error within the tolerance of `dtype` (NaN never passes)."""
     tol = TOL[np.dtype(dtype)] if tol is None else tol
     err = rel_err(got, want)
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e} ({np.dtype(dtype)})"
+
+
+def assert_close_where_defined(got, want, dtype, what="output"):
+    """`got` has the dtype of `want`, NaN at the same places, the rest within TOL[dtype]."""
+    assert np.asarray(got).dtype == np.asarray(want).dtype, f"{what}: dtype"
+    err = rel_err_where_defined(got, want)
+    assert err <= TOL[np.dtype(dtype)], f"{what}: relative error {err:.3e}"
+
+
+def assert_output_close(got, want, dtype, what="output"):
+    """A kernel's output (on the host) has the stage's `dtype` and the oracle's shape, and is
+    within TOL[dtype] of the oracle (which may be float64)."""
+    got = np.asarray(got)
+    assert got.dtype == np.dtype(dtype), f"{what}: dtype {got.dtype} != {np.dtype(dtype)}"
+    assert got.shape == np.shape(want), f"{what}: shape {got.shape} != {np.shape(want)}"
+    assert_close(got, want, dtype, what=what)
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,6 +181,47 @@ def gemm_problem(T, E, K, N, Kd, B, dtype, *, ids=None, expert_map=None, ignore=
                                   tw.astype(np.float64), mul,
                                   None if b is None else b.astype(np.float64))
     return (a, w) + tuple(align) + (top_k, B, tw, mul, b), want
+
+
+def gemm_case(T, E, K, N, Kd, B, dtype, *, one_expert=None, **kw):
+    """gemm_problem as a dict: a, w, st, ex, nt (the alignment), tw, bias, top_k (the call's),
+    B, P = T*K, N, mul, dtype, and want (the float64 answer). The case tables' shorthands:
+    bias="same" (a bias of the element dtype), expert_map=True (rank 1 of 2: the upper half
+    of the experts local), one_expert=e (every slot on expert e)."""
+    import reference
+
+    if isinstance(kw.get("bias"), str):
+        kw["bias"] = dtype
+    if kw.get("expert_map") is True:
+        kw["E_local"], kw["expert_map"] = reference.determine_expert_map(2, 1, E)
+    if one_expert is not None:
+        kw["ids"] = np.full((T, K), one_expert, np.int32)
+    (a, w, st, ex, nt, top_k, B, tw, mul, b), want = gemm_problem(T, E, K, N, Kd, B, dtype, **kw)
+    return dict(a=a, w=w, st=st, ex=ex, nt=nt, tw=tw, bias=b, want=want, top_k=top_k, B=B,
+                P=T * K, N=N, mul=mul, dtype=np.dtype(dtype))
+
+
+def check_gemm(grouped_gemm, args, want, version=None):
+    """A backend's grouped_gemm(*args, version=version) on a gemm_problem: the dtype of a, the
+    answer's shape, within TOL of the float64 answer (a row left unwritten in a poisoned output
+    fails as NaN). Returns the output."""
+    got = grouped_gemm(*args, version=version)
+    dtype = np.dtype(args[0].dtype)
+    assert got.dtype == dtype and got.shape == want.shape, \
+        f"{version}: {got.dtype} {got.shape} != {dtype} {want.shape}"
+    err = rel_err(got, want)
+    assert err <= TOL[dtype], f"{version}: relative error {err:.3e}"
+    return got
+
+
+def non_finite_group_logits(num_experts, num_finite):
+    """The row of vLLM's test_grouped_topk_single_group_nonfinite_scores: [1, E] bf16 logits
+    0, 1, ..., num_finite - 1, then +inf, -inf, and NaN everywhere else."""
+    logits = np.full((1, num_experts), np.nan, BF16)
+    logits[0, :num_finite] = np.arange(num_finite)
+    logits[0, num_finite] = np.inf
+    logits[0, num_finite + 1] = -np.inf
+    return logits
 
 
 def selection_values(logits, scoring="softmax", bias=None, groups=1, topk_group=1,

@@ -13,7 +13,7 @@ nvidia-cuda-nvrtc wheel CI compiles with, and its cubin then differs):
                                     (cu_name, defines, name_expressions, options, device).
     compile_check(...)              a cubin built through `cuda.core` + NVRTC with no GPU (CPU CI).
     COMPILE_CASES                   every instantiation a kernel module launches, registered at
-                                    import with `register_compile_case`; tests/test_cupy_nvrtc.py
+                                    import with `register_compile_case`; tests/cupy/test_nvrtc.py
                                     compiles them all for sm_90 and sm_80.
     is_sm90(dev)                    whether the device runs the sm_90a kernels (wgmma).
 

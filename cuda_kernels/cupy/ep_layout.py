@@ -20,7 +20,7 @@ Shapes: T tokens, K top-k, W ranks (<= 32), epr experts per rank, S entries per 
         the device, 64-bit atomics: no host sync; others ignored)
 
 sandbox/ep/layout.py holds the NumPy twins (same names, same signatures) that the CPU
-communicator runs; tests/test_ep_layout.py checks one against the other.
+communicator runs; tests/cupy/test_ep_layout.py checks one against the other.
 Run as a script to validate the kernels against a loop and time them:
     python -m cuda_kernels.cupy.ep_layout
 """

@@ -16,7 +16,7 @@
 These are the stage modules' own kernels with the configs and arguments the stage functions
 would pick (gemm._plan, align._align_geometry, _geometry.row_geometry): a call
 gives the same bits as calling `moe_align_block_size`, `grouped_gemm`, `apply_activation`,
-`grouped_gemm` and `moe_sum` one after the other (tests/test_cupy_experts.py checks it on the
+`grouped_gemm` and `moe_sum` one after the other (tests/cupy/test_experts.py checks it on the
 GPU). What changes is the host's share. A decode step's GPU work is tens of microseconds, and
 the stage functions spend about as much again each on checks, config look-ups and argument
 conversions, so the layer would wait on Python. Here that work is done once per shape and

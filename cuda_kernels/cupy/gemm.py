@@ -52,11 +52,11 @@ tune.py's bench, beside the tuner that fills the table:
     python -m cuda_kernels.cupy.tune --bench --versions v4,v5,v6 --models mixtral,qwen3,deepseek \
         --tokens 1024,4096,16384 [--sweep]
 
-Verification without a GPU: tests/test_cupy_gemm.py compiles every .cu with g++ against a
-small emulator of __syncthreads, cp.async, ldmatrix, mma.sync, wgmma (and for v6 the
-mbarriers, the tensor-map copy with its swizzle, named barriers, with a checker of the ring's
-protocol) and runs them on the CPU against the reference (and the launcher itself with
-NumPy-backed arrays).
+Verification without a GPU: tests/cupy/test_gemm_emulated.py compiles every .cu with g++
+against the emulator of tests/emulator (__syncthreads, cp.async, ldmatrix, mma.sync, wgmma, and
+for v6 the mbarriers, the tensor-map copy with its swizzle, named barriers, with a checker of
+the ring's protocol) and runs them on the CPU against the reference (and the launcher itself
+with NumPy-backed arrays).
 """
 from __future__ import annotations
 

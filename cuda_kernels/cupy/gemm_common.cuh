@@ -107,7 +107,7 @@ __device__ __forceinline__ void gg_zero_tile(GG_T* __restrict__ c, const int* s_
 }
 
 // ------------------------------------------------------------- cp.async (v4 and v5)
-// (the CPU emulator of tests/test_cupy_gemm.py defines GG_HOST_EMULATION and its own versions)
+// (the CPU emulator of tests/emulator defines GG_HOST_EMULATION and its own versions)
 #ifndef GG_HOST_EMULATION
 __device__ __forceinline__ unsigned gg_smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));

@@ -6,7 +6,7 @@ host encodes once (cuTensorMapEncodeTiled) and the kernel takes by value (a __gr
 parameter). gemm.py passes it after the common kernel arguments (gemm.extra_args).
 
     v6_tensor_map_fields(w_shape, dkey, cfg)    the encoder's arguments, as a dict (the CPU
-                                                emulation in tests/ reads the same fields)
+                                                emulator of tests/emulator reads them)
     v6_tensor_map(ptr, w_shape, dkey, cfg, dev) the encoded map, cached per pointer and shape
 """
 from __future__ import annotations

@@ -75,9 +75,9 @@ static_assert(V4_THREADS % KC == 0, "v4: each thread copies one fixed k-chunk co
 static_assert(STAGES >= 2, "v4: the pipeline needs at least two stages");
 
 // ---------------------------------------------------------------------------- PTX wrappers
-// (tests/test_cupy_gemm.py runs this file on the CPU under a small emulator that defines
-// GG_HOST_EMULATION and supplies these instructions itself, and gemm_common.cuh's cp.async
-// ones; the GPU never sees it.)
+// (tests/cupy/test_gemm_emulated.py runs this file on the CPU under the emulator of
+// tests/emulator, which defines GG_HOST_EMULATION and supplies these instructions itself, and
+// gemm_common.cuh's cp.async ones; the GPU never sees it.)
 #ifndef GG_HOST_EMULATION
 // Four 8x8 b16 matrices; lanes 8j..8j+7 give the row addresses of matrix j, and lane t
 // receives (row t/4, columns 2(t%4), 2(t%4)+1) of each matrix in r[j].

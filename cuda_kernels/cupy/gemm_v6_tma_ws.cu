@@ -120,7 +120,7 @@ static_assert(CONSUMERS == 1 || 128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER
               V6_THREADS * (65536 / V6_THREADS / 8 * 8),
               "v6: the register split must not exceed what the CTA entered with");
 
-// The emulator of tests/test_cupy_gemm.py passes an emulated tensor map after the common
+// The emulator's launcher (tests/emulator/grouped_gemm_main.cpp) passes an emulated tensor map after the common
 // arguments when this is defined.
 #define GG_KERNEL_TAKES_TMAP 1
 

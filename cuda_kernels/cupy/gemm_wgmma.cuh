@@ -18,7 +18,7 @@
 // the immediates: A and B unscaled (1, 1), neither transposed (0, 0: both tiles are K-major)
 #define GG_WGMMA_IMM ", 1, 1, 0, 0"
 
-// (the CPU emulator of tests/test_cupy_gemm.py defines GG_HOST_EMULATION and its own versions)
+// (the CPU emulator, tests/emulator/, defines GG_HOST_EMULATION and its own versions)
 #ifndef GG_HOST_EMULATION
 // d[N / 2] (this thread's part of the 64 x N fp32 accumulator) += A (64 x 16) * B (16 x N)
 __device__ __forceinline__ void gg_wgmma_n64(float* d, unsigned long long desc_a,

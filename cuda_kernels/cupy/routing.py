@@ -43,7 +43,7 @@ def _in_dtypes():
     return A.float_dtypes(with_f64=True)
 
 
-# Every instantiation launched below, for the CPU compile checks (tests/test_cupy_nvrtc.py).
+# Every instantiation launched below, for the CPU compile checks (tests/cupy/test_nvrtc.py).
 # fp64 logits are rounded to fp32 before the launch (the kernel would do the same first).
 for _dt in A.float_dtypes():
     C.register_compile_case("routing.cu", _defines(_dt), _NAMES)

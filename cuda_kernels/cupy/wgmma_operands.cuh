@@ -85,7 +85,7 @@ __device__ __forceinline__ unsigned long long wg_desc_swizzled(unsigned addr) {
 }
 
 // The pipeline's fences and waits. The CPU emulations of the tests (GG_HOST_EMULATION in
-// tests/test_cupy_gemm.py, QG_EMULATED_PTX in the quantized ones) bring their own versions.
+// the emulator, tests/emulator/; QG_EMULATED_PTX in the quantized rungs) bring their own versions.
 #if !defined(GG_HOST_EMULATION) && !defined(QG_EMULATED_PTX)
 // shared memory written through the generic proxy (cp.async) is read next by wgmma (async proxy)
 __device__ __forceinline__ void wg_fence_proxy_async() {

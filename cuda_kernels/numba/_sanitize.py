@@ -1,5 +1,5 @@
 """One representative launch of every kernel, each checked against the reference: the run
-`compute-sanitizer` watches on the GPU (tests/test_numba_gpu.py runs it under memcheck and
+`compute-sanitizer` watches on the GPU (tests/numba/test_sanitize.py runs it under memcheck and
 racecheck when the tool is installed).
 
     compute-sanitizer --tool memcheck --error-exitcode 9 python -m cuda_kernels.numba._sanitize

@@ -48,7 +48,7 @@ block arrives and the low 31 bits are 0 again for the next launch. numba's own g
 (cuda.cg.this_grid().sync()) needs cudadevrt linked at compile time; this needs nothing.
 
 GPU only: match_any_sync and shuffles have no simulator twin, so the simulator runs
-align.py's "block" ranks; tests/numba_sim runs this kernel (one block) in emulated warps.
+align.py's "block" ranks; tests/numba/sim runs this kernel (one block) in emulated warps.
 Config "RANK" of align.py picks it ("grid", the GPU default) or the multi-launch "warp" /
 "block" ranks. Run: python -m cuda_kernels.numba.align (validates and times).
 """

@@ -30,7 +30,7 @@ Versions (`version=`; None runs DEFAULT_VERSION, or the next rung down that fits
         shared = (BM + BN) * (BK + 1) * 4 bytes + 2 BM ints.
     v3  register blocking: a BM x BN tile per block of (BN/TN) x (BM/TM) threads, each thread
         a TM x TN micro-tile in registers (cuda.local.array with compile-time sizes, fully
-        unrolled so it lives in registers: tests/test_numba_cpu.py checks ptxas reports no
+        unrolled so it lives in registers: tests/numba/test_cpu.py checks ptxas reports no
         stack); shared tiles stored k-major (As [BK][BM+1], Ws [BK][BN+1]) so a thread reads
         TM + TN values per k and does TM * TN FMAs; the next k-step's global loads are issued
         into registers before the current step's math (prefetch), so their latency hides

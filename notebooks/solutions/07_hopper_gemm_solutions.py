@@ -60,7 +60,7 @@ N, KD = 2 * I, H
 # wrong by an amount that depends on timing — different from run to run, and possibly
 # right in a small test where the tensor cores happen to win the race. That is why the
 # kernel releases the slot of the *previous* batch after `wgmma.wait_group 1`, and why the
-# emulator of `tests/test_cupy_gemm.py` checks the protocol rather than only the output.
+# emulator of `tests/cupy/test_gemm_emulated.py` checks the protocol rather than only the output.
 
 # %%
 bad = workshop.ring_run(release_early=True)

@@ -18,7 +18,7 @@
 
 The check holds a quantized point to its own experts dequantized, at twice vLLM's tolerance
 for the format (sandbox.quant.tolerance; twice, because the w8a8 formats also quantize the
-activations, which the loop does not: the bound tests/test_quant_layer.py uses), not to the
+activations, which the loop does not: the bound tests/sandbox/test_quant_layer.py uses), not to the
 bf16 weights it was quantized from (int4 groups of 128 move a GEMM's output ~10%). The
 quantizers run in torch on the case's device because the NumPy ones take minutes on
 DeepSeek-V3's 256 experts; tests/test_bench_quant.py holds them to the NumPy ones bit for bit.

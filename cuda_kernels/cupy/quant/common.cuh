@@ -105,7 +105,7 @@ __device__ __forceinline__ float qg_epilogue(float acc, int e, int n, int s, int
 
 // ---------------------------------------------------------------------------- cp.async, mma
 // The only inline PTX of the rungs that include this header. The CPU emulation of the tests
-// (tests/quant_support.py) #defines QG_EMULATED_PTX and supplies these helpers (same names
+// (tests/emulator) #defines QG_EMULATED_PTX and supplies these helpers (same names
 // and semantics), so that everything else executes as written before a GPU sees it.
 #ifndef QG_EMULATED_PTX
 __device__ __forceinline__ u32 qg_smem(const void* p) {

@@ -38,9 +38,10 @@
 #include "common.cuh"
 
 // The inline PTX of this file: the weights' streaming loads (the activations' loads and the
-// mma are common.cuh's qg_ld16 and qg_mma_k32). tests/test_quant_w8a8.py runs this source on
-// the CPU with QG_EMULATED_PTX #defined and the helpers of tests/quant_support.py's emulation
-// header (qg_ld16*, qg_mma_k32: same semantics, fragment layouts as the PTX ISA says).
+// mma are common.cuh's qg_ld16 and qg_mma_k32). tests/cupy/quant/test_w8a8.py runs this
+// source on the CPU with QG_EMULATED_PTX #defined and the emulator's helpers
+// (tests/emulator/kernels.h: qg_ld16*, qg_mma_k32, with the same semantics and the fragment
+// layouts the PTX ISA gives).
 #ifdef QG_EMULATED_PTX
 template <int PF>
 inline void fg_ld16_stream(u32 (&r)[4], const void* p) { qg_ld16_stream(r, p); }

@@ -44,8 +44,9 @@
 #define FW_ROW 128                 // bytes of a tile row: one K block = the swizzle width
 
 // The inline PTX of this file (to fw_wgmma_n128): cp.async to a shared address (the ring's
-// swizzled places are computed as addresses) and the fp8 wgmma. tests/test_quant_w8a8.py runs
-// this source on the CPU with QG_EMULATED_PTX #defined and its own versions of these helpers
+// swizzled places are computed as addresses) and the fp8 wgmma. tests/cupy/quant/test_w8a8.py
+// runs this source on the CPU with QG_EMULATED_PTX #defined and the emulator's versions of these
+// helpers
 // (cp.async landing at the wait, wgmma reading the swizzled tiles through the descriptor).
 #ifndef QG_EMULATED_PTX
 __device__ __forceinline__ u32 fw_smem(const void* p) {

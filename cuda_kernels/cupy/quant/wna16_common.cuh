@@ -120,7 +120,7 @@ __device__ __forceinline__ u32 deq2(u32 x, u32 z2, u32 s2) {
 template <bool H = !ELEM_BF16>
 __device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                          u32 b1) {
-#ifdef QG_EMULATED_PTX   // the CPU emulation of the tests (tests/quant_support.py)
+#ifdef QG_EMULATED_PTX   // the CPU emulator of the tests (tests/emulator)
     const uint32_t a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
     qg_mma_k16<H>(*reinterpret_cast<float(*)[4]>(d), a, b);
 #else
@@ -170,7 +170,7 @@ __device__ __forceinline__ void cp16(void* dst, const void* src, bool pred) {
 // its writes are visible; launch_dependents lets the grid launched after this one start its
 // CTAs once every CTA of this grid has issued it or exited. The CPU emulation runs grids one
 // after another: its wait checks that nothing before it read the earlier grid's output or wrote
-// this grid's (tests/quant_support.py), and launching dependents early has nothing to model.
+// this grid's (tests/emulator/ptx.h), and launching dependents early has nothing to model.
 #if !defined(QG_EMULATED_PTX) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define W16_GRID_DEPENDENCIES 1
 #endif

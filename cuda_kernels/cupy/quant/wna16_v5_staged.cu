@@ -126,7 +126,7 @@ struct StagedStage {
 
 // The warp-specialized CTA's primitives (WS > 0, see the header): the ring's mbarriers,
 // setmaxnreg (PTX ISA 8.0, sm_90a; the pattern of CUTLASS's cp.async warp-specialized
-// mainloops). The CPU emulation (QG_EMULATED_PTX, tests/quant_support.py) has stand-ins
+// mainloops). The CPU emulation (QG_EMULATED_PTX, tests/emulator) has stand-ins
 // with the same semantics: a slot's copies land at its producer's arrival, the latest moment
 // the hardware allows.
 namespace staged_ws {

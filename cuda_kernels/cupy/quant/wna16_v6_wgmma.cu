@@ -87,8 +87,9 @@ typedef unsigned long long u64;
 #define WW_AB "f16"
 #endif
 
-// The PTX of this rung. tests/test_quant_wna16_wgmma.py builds this file on the CPU with
-// QG_EMULATED_PTX and its own versions (wgmma by its definition, through the descriptor).
+// The PTX of this rung. tests/cupy/quant/test_wna16_wgmma.py builds this file on the CPU
+// with QG_EMULATED_PTX and the emulator's versions (tests/emulator/kernels.h: wgmma by its
+// definition, through the descriptor).
 #ifndef QG_EMULATED_PTX
 __device__ __forceinline__ u32 ww_smem(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));

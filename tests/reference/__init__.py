@@ -1,0 +1,1 @@
+"""The NumPy reference (reference/): every stage against loop oracles, properties, errors."""

@@ -1,0 +1,1 @@
+"""The layer and its tools (sandbox/): weights, pipeline, registry, validate, bench, CLI."""

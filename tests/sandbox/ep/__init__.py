@@ -1,0 +1,1 @@
+"""The expert-parallel runtime (sandbox/ep/): CPU communicator, fake NCCL, GPUs."""
