@@ -21,7 +21,7 @@ for the format (sandbox.quant.tolerance; twice, because the w8a8 formats also qu
 activations, which the loop does not: the bound tests/sandbox/test_quant_layer.py uses), not to the
 bf16 weights it was quantized from (int4 groups of 128 move a GEMM's output ~10%). The
 quantizers run in torch on the case's device because the NumPy ones take minutes on
-DeepSeek-V3's 256 experts; tests/test_bench_quant.py holds them to the NumPy ones bit for bit.
+DeepSeek-V3's 256 experts; tests/sandbox/test_bench_quant.py holds them to the NumPy ones bit for bit.
 The quantized codes then live in the layer (host) and its device copies, as a loaded
 checkpoint's do. fp8_static's activation scales are calibrated on the first point's inputs
 (absmax / 448 of x and of GEMM2's input), as a calibration pass would.
