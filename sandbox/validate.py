@@ -79,8 +79,8 @@ def tolerance(dtype) -> float:
 class ValidationReport:
     """The result of `validate`: one row per (backend, stage), plus end-to-end rows.
 
-    rows: dicts with backend, stage, status ("ok", "fail", "error", "skipped"), dtype, tol,
-    max_abs_err, rel_err, ids (a summary for id outputs), near_ties, detail.
+    rows: dicts with backend, stage, status ("ok", "fail", "error", "skipped", "info"), dtype,
+    tol, max_abs_err, rel_err, ids (a summary for id outputs), near_ties, detail.
     first_divergence: {backend: the first stage whose status is fail/error, or None}.
     skipped: {backend: why it did not run} (unavailable here, or no asked stage implemented).
 

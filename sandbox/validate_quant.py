@@ -16,9 +16,10 @@ reference's inputs, as for a float layer, and judged:
                   layer (the activation codes may flip where an intermediate rounds
                   differently), within the same tolerance
     dequantized   the reference row only: the quantized layer against its dequantized
-                  experts in float64, i.e. what the format costs; reported, judged against
-                  the format's tolerance times 2 (activation quantization adds its own
-                  error to the weights' one)
+                  experts in float64, i.e. what the format costs: "ok" within the format's
+                  tolerance times 2 (activation quantization adds its own error to the
+                  weights' one), else "info": a format's cost (a static activation scale far
+                  from the data, say) is reported, not a divergence of any backend
 
 A backend without the quantized stages (numba, torch) gets its quantize / gemm rows and its
 end-to-end row skipped with the reason (registry.QUANT_NOT_IMPLEMENTED).
@@ -132,7 +133,8 @@ def dequantized_row(engine_out, exact_out, layer, compare_float) -> dict:
     """The reference's quantized layer against its dequantized experts in float64."""
     tol = 2 * tolerance(layer.quant_config)
     res = compare_float(engine_out, exact_out, layer.params_dtype, tol=tol)
-    return dict(status=res["status"], dtype=res["dtype"], tol=res["tol"],
+    status = "info" if res["status"] == "fail" else res["status"]
+    return dict(status=status, dtype=res["dtype"], tol=res["tol"],
                 max_abs_err=res["max_abs_err"], rel_err=res["rel_err"],
                 detail=("quantization error: " + layer.quant_config.describe()
                         + ("; " + res["detail"] if res["detail"] else "")))

@@ -20,7 +20,9 @@ from . import epilogue as EP
 from . import wna16_packed as P4
 
 CU = "quant/wna16_v5_staged.cu"
-WS_OPTIONS = ("-arch=sm_90a",)     # setmaxnreg exists only in sm_90a code (built by cuda.core)
+WS_OPTIONS = ("-arch=sm_90a", "-default-device")   # setmaxnreg: sm_90a only (cuda.core);
+# -default-device: the kernel's generic lambdas are device code (NVRTC's JIT mode takes an
+# unannotated function for a host one, as nvcc would not)
 
 
 def device_runs_ws() -> bool:
