@@ -65,6 +65,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from . import checkpoint_quant
+from .checkpoint_error import CheckpointError
 
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 DEFAULT_FAMILY = "qwen3_moe"
@@ -77,10 +78,6 @@ _TORCH_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _FLOAT_ST_DTYPES = ("BF16", "F16", "F32", "F64")
 _HIDDEN_ACT = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 _GPT_OSS_LIMIT = 7.0  # the limit of reference.activation.swigluoai_and_mul
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read as the asked-for MoE layer."""
 
 
 # ----------------------------------------------------------------------------- data/ paths

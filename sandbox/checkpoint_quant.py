@@ -36,13 +36,13 @@ import json
 import numpy as np
 
 from . import quant as Q
+from .checkpoint_error import CheckpointError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)          # nibble i of an AWQ word holds column 8c + this
 FORMATS = ("fp8", "compressed-tensors", "gptq", "awq")
 
 
 def _err(msg):
-    from .checkpoint import CheckpointError
     return CheckpointError(msg)
 
 

@@ -8,7 +8,7 @@ One file per stage (the listing of reference/, numba/ and torch/):
     align.py        moe_align_block_size (its output's length: the reference's)  (align.cu)
     permute.py      moe_permute, moe_unpermute                                  (permute.cu)
     gemm.py         grouped_gemm, a ladder of versions v1..v6                   (gemm_v*.cu,
-                    gemm_common.cuh, wgmma_operands.cuh)
+                    gemm_common.cuh, gemm_wgmma.cuh, wgmma_operands.cuh)
     activation.py   apply_activation, silu_and_mul, gelu_and_mul, ...           (activation.cu)
     combine.py      moe_sum                                                     (combine.cu)
     experts.py      fused_experts: align .. combine from a plan cached per shape (the host

@@ -126,7 +126,8 @@ def test_run_bench_gpu_tiny_quantized():
     names = ["cupy"] + bench.quant_candidate_names(list(Q.SCHEMES))
     rec = bench.run_bench(["tiny"], (1, 64), names, device="cuda", warmup=1, reps=3)
     for p in rec["points"]:
-        assert "stats" in p and "error" not in p, p        # checked, and not under its floor
+        # checked, and not under its floor (the message names the point and its error)
+        assert "stats" in p and "error" not in p, (p["candidate"], p["T"], p.get("error"))
         if "quant" in p:
             assert p["rel_err"] <= 2 * Q.tolerance(Q.SCHEMES[p["quant"]]())
             assert "vs_cupy" in p
