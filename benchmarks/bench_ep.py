@@ -65,7 +65,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from cuda_kernels import timing  # noqa: E402
 from sandbox.bench import add_out_dir  # noqa: E402
 from sandbox.ep import launch  # noqa: E402
 
@@ -116,35 +115,37 @@ def _random_routing(cupy, T, E, K, seed):
 
 
 class _Timer:
-    """Per-repetition CUDA-event timing by the one GPU timer (cuda_kernels/timing.py), every
-    repetition starting from a barrier; fn(i) gets the repetition's index (its inputs)."""
+    """Per-repetition CUDA-event timing across ranks: every repetition starts from a barrier
+    and ends at the communicator's synchronize (which polls with its timeout: a lost peer
+    raises, never hangs). The EP benchmark keeps its own event loops (this and _local_timer):
+    cuda_kernels/timing.py waits with a device-wide synchronize, which under the CPU tests'
+    fake NCCL drives the other rank's pending collective."""
 
     def __init__(self, comm, flush_bytes=256 << 20):
         import cupy
 
-        self.comm, self.api = comm, timing.CudaApi("cupy")
+        self.comm, self.cupy = comm, cupy
         self.flush = cupy.empty(flush_bytes // 4, dtype=cupy.float32)
 
     def run(self, fn, reps, warmup):
-        comm, rep, host = self.comm, [0], []
-
-        def rotate(i):
-            rep[0] = i
-            if i >= warmup:
-                self.flush.fill(i)          # evict the inputs from the 50 MB L2
-                comm.barrier()              # every rank starts together, its GPU idle
-
-        def call():
+        cupy, comm = self.cupy, self.comm
+        for i in range(warmup):
+            fn(i)
+        comm.synchronize()
+        times, host = [], []
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        for i in range(reps):
+            self.flush.fill(i)              # evict the inputs from the 50 MB L2
+            comm.barrier()                  # every rank starts together
+            start.record()
             t0 = time.perf_counter()
-            fn(rep[0])
+            fn(warmup + i)
             host.append((time.perf_counter() - t0) * 1e3)
-
-        # the waits poll with the communicator's timeout (a lost peer raises, never hangs)
-        times = timing.cuda_samples(call, warmup, reps, rotate=rotate, flush_l2=False,
-                                    sync=comm.synchronize, api=self.api)
-        self.last_host_ms = float(np.median(host[warmup:]))   # the host's time inside fn
-        return float(np.median(times)), times       # (launches, syncs): the breakdown's
-
+            end.record()
+            comm.synchronize()              # polls with the communicator's timeout
+            times.append(cupy.cuda.get_elapsed_time(start, end))
+        self.last_host_ms = float(np.median(host))   # the host's time inside fn (launches,
+        return float(np.median(times)), [float(t) for t in times]   # syncs): the breakdown's
 
 
 def _raw_alltoall(comm, timer, opts, rows, H):
@@ -561,7 +562,7 @@ def _bench_layer(comm, opts, timer, ops, ops_name):
                 return _single_gpu_forward(ops, xs[i % len(xs)], logits[i % len(xs)], full13,
                                            full2, shape)
 
-            med, _ = _local_timer(single, opts["layer_reps"], opts["layer_warmup"])
+            med, _ = _local_timer(cupy, single, opts["layer_reps"], opts["layer_warmup"])
             ref = single(0)
             errs = {s: _rel_err(cupy, o, ref) for s, o in outs.items()}
             rows.append({"tokens_per_rank": T, "what": "single-GPU layer forward",
@@ -572,16 +573,21 @@ def _bench_layer(comm, opts, timer, ops, ops_name):
     return rows
 
 
-def _local_timer(fn, reps, warmup):
-    """(median ms, [ms]) of fn(i) on this GPU alone by the one GPU timer: each call from an
-    idle GPU, inputs rotating through the pool (no flush: as the single-GPU layer always was
-    timed)."""
-    rep = [0]
-
-    def rotate(i):
-        rep[0] = i
-    times = timing.cuda_samples(lambda: fn(rep[0]), warmup, reps, rotate=rotate,
-                                flush_l2=False, mode="eager", api=timing.CudaApi("cupy"))
+def _local_timer(cupy, fn, reps, warmup):
+    """(median ms, [ms]) of fn(i) on this rank's GPU alone: CUDA events, each rep waited on
+    by its own event (not a device-wide synchronize: the other rank meanwhile waits in a
+    collective, which a device synchronize would drive under the CPU tests' fake NCCL)."""
+    for i in range(warmup):
+        fn(i)
+    cupy.cuda.get_current_stream().synchronize()
+    times = []
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    for i in range(reps):
+        start.record()
+        fn(warmup + i)
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
     return float(np.median(times)), times
 
 

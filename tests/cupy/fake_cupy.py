@@ -86,6 +86,7 @@ def numpy_cupy():
         Event=Event, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3 + 1e-3,
         Device=lambda *a: types.SimpleNamespace(id=0),
         runtime=types.SimpleNamespace(getDeviceProperties=lambda d: {
-            "name": b"NVIDIA H100 80GB HBM3"}))
+            "name": b"NVIDIA H100 80GB HBM3", "l2CacheSize": 1 << 20},
+            getDevice=lambda: 0, deviceSynchronize=lambda: None))
     fake.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
     return fake
