@@ -76,7 +76,7 @@ from cuda_kernels.cupy.quant import configs as Q  # noqa: E402
 from cuda_kernels.cupy.quant import gemm as QG  # noqa: E402
 from cuda_kernels.cupy.quant import w8a8 as W8  # noqa: E402
 from cuda_kernels.cupy.quant import wna16 as W16  # noqa: E402
-from sandbox.bench import add_out_dir, add_points_options, points_of  # noqa: E402
+from sandbox.bench import add_out_dir, add_points_options, card_hbm, points_of  # noqa: E402
 
 MODELS = {
     # name: (E, K, H, I, quantized format)
@@ -382,19 +382,6 @@ def summary(points, log):
             ok = q["ms"] < b["ms"]
             log(f"  {p['model']} T={p['T']}: fp8 {q['ms']:.3f} ms vs bf16 {b['ms']:.3f} ms "
                 f"(target: faster): {'met' if ok else 'NOT met'}")
-
-
-
-def card_hbm(gpu: str) -> float:
-    """The HBM bandwidth of the card that runs (sandbox.bench.card_limits: H100 3.35e12, H200
-    4.8e12 bytes/s, ...): the floors are that card's. An unknown card stops the script."""
-    from sandbox.bench import card_limits
-
-    limits = card_limits(gpu)
-    if limits is None:
-        raise SystemExit(f"no datasheet HBM bandwidth for {gpu!r} (sandbox/bench/roofline.py "
-                         f"KNOWN_CARDS): the floors would be another card's")
-    return limits[0]
 
 
 def main(argv=None):

@@ -52,7 +52,7 @@ from cuda_kernels import timing  # noqa: E402
 from cuda_kernels.cupy import _arrays as A  # noqa: E402
 from cuda_kernels.cupy.quant import configs as Q  # noqa: E402
 from cuda_kernels.cupy.quant import wna16 as W16  # noqa: E402
-from sandbox.bench import add_out_dir  # noqa: E402
+from sandbox.bench import add_out_dir, card_hbm  # noqa: E402
 
 E, K, H, I = 8, 2, 4096, 14336
 GROUP = 128
@@ -160,19 +160,6 @@ def rung_config(rung: str, rows: float, N: int, Kdim: int, cc: int):
             continue
         return got, cfg, B
     return None
-
-
-
-def card_hbm(gpu: str) -> float:
-    """The HBM bandwidth of the card that runs (sandbox.bench.card_limits: H100 3.35e12, H200
-    4.8e12 bytes/s, ...): the floors are that card's. An unknown card stops the script."""
-    from sandbox.bench import card_limits
-
-    limits = card_limits(gpu)
-    if limits is None:
-        raise SystemExit(f"no datasheet HBM bandwidth for {gpu!r} (sandbox/bench/roofline.py "
-                         f"KNOWN_CARDS): the floors would be another card's")
-    return limits[0]
 
 
 def main(argv=None):

@@ -35,7 +35,8 @@ from .quantized import (QUANT_CANDIDATES, dequantized_loop, quant_candidate,
                         quant_candidate_names, torch_dequantize, torch_quantize)
 from .results import (DEFAULT_OUT_DIR, RESULTS_DIR, add_out_dir, format_table, git_commit,
                       plot_results, results_stem, slug, write_results)
-from .roofline import (FLOOR_FORMATS, KNOWN_CARDS, PEAK_BANDWIDTH, PEAK_FLOPS, card_limits,
+from .roofline import (FLOOR_FORMATS, KNOWN_CARDS, PEAK_BANDWIDTH, PEAK_FLOPS, card_hbm,
+                       card_limits,
                        expert_bytes, floor_format, fraction_of_floor, measure_card, moe_flops,
                        quant_expert_bytes, roofline_floor, touched_expert_bytes,
                        touched_experts)
@@ -49,7 +50,8 @@ __all__ = [
     "EmptyGraph", "FLOOR_FORMATS", "GPU_CANDIDATES", "GPU_PRESETS", "KNOWN_CARDS",
     "ModelPreset", "PEAK_BANDWIDTH", "PEAK_FLOPS", "PEERS_DIR", "PRESETS", "QUANT_CANDIDATES",
     "RATIO_PEERS", "RESULTS_DIR", "Stats", "UNAVAILABLE", "Unavailable", "add_ratios",
-    "backend_candidate", "card_limits", "cuda_api", "default_candidates", "default_peers_dir",
+    "backend_candidate", "card_hbm", "card_limits", "cuda_api", "default_candidates",
+    "default_peers_dir",
     "default_tokens", "dequantized_loop", "expert_bytes", "floor_format", "format_table",
     "fraction_of_floor",
     "git_commit", "has_grouped_mm", "load_vllm_triton", "make_case", "make_weights",

@@ -61,6 +61,18 @@ def card_limits(device_name: str | None, fmt: str = "bf16") -> tuple[float, floa
     return None
 
 
+def card_hbm(device_name: str) -> float:
+    """The datasheet HBM bandwidth (bytes/s) of the card that ran, for scripts whose every
+    figure is a fraction of its floor: an unknown card is a ValueError naming it, never
+    another card's number."""
+    limits = card_limits(device_name)
+    if limits is None:
+        raise ValueError(f"device: no datasheet HBM bandwidth for {device_name!r} "
+                         f"(sandbox/bench/roofline.py KNOWN_CARDS): its floors would be "
+                         f"another card's")
+    return limits[0]
+
+
 def expert_bytes(hidden_size: int, intermediate_size: int, weight_bytes: int = 2,
                  gated: bool = True) -> int:
     """Weight bytes of one expert: w13 [2I, H] (or [I, H] without a gate) plus w2 [H, I]."""

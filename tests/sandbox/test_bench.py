@@ -274,3 +274,12 @@ def test_device_call_scripts_parse():
     for path in scripts:
         r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
         assert r.returncode == 0, f"{path.name}: {r.stderr}"
+
+
+def test_card_hbm_is_the_card_that_ran():
+    """A script's floors use the bandwidth of the card that ran; an unknown card is refused
+    by name, never given another card's number."""
+    assert bench.card_hbm("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert bench.card_hbm("NVIDIA H200") == 4.8e12
+    with pytest.raises(ValueError, match="no datasheet HBM bandwidth for 'Mystery GPU'"):
+        bench.card_hbm("Mystery GPU")
