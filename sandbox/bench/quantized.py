@@ -23,8 +23,9 @@ bf16 weights it was quantized from (int4 groups of 128 move a GEMM's output ~10%
 quantizers run in torch on the case's device because the NumPy ones take minutes on
 DeepSeek-V3's 256 experts; tests/sandbox/test_bench_quant.py holds them to the NumPy ones bit for bit.
 The quantized codes then live in the layer (host) and its device copies, as a loaded
-checkpoint's do. fp8_static's activation scales are calibrated on the first point's inputs
-(absmax / 448 of x and of GEMM2's input), as a calibration pass would.
+checkpoint's do. fp8_static's activation scales are calibrated on each point's own batch
+(absmax / 448 of x and of GEMM2's input), as a calibration pass would: scales calibrated on
+one token clip the activations of 64 (a 10% error at the tiny preset's T = 64).
 """
 from __future__ import annotations
 
@@ -241,7 +242,7 @@ def _quant_fn(case: Case, backend: str, scheme: str):
                                       one(f"{b}_weight_zero_point")) for b in ("w13", "w2"))
 
     expected, act_amax = dequantized_loop(cfg, case.x, expert, case.topk_weights, case.topk_ids)
-    if cfg.static_input_scale and np.isnan(layer.w13_input_scale).all():
+    if cfg.static_input_scale:       # calibrated on this batch (timing does not depend on it)
         layer.w13_input_scale[:] = float(case.x.float().abs().max()) / _FP8_MAX
         layer.w2_input_scale[:] = act_amax / _FP8_MAX
         layer.invalidate_device_cache()

@@ -104,6 +104,15 @@ def test_run_bench_cpu_quantized_points():
     assert "vs bf16" in bench.format_table(rec)
 
 
+def test_static_scales_are_calibrated_on_each_points_batch():
+    """fp8_static at T = 1 then T = 64 on one quantized layer: scales calibrated on the one
+    token would clip the 64 (relative error ~0.1, over the 0.07 bound)."""
+    rec = bench.run_bench(["tiny"], (1, 64), ["reference-fp8_static"], device="cpu", warmup=0,
+                          reps=1)
+    for p in rec["points"]:
+        assert "error" not in p and p["rel_err"] <= 2 * Q.tolerance(Q.SCHEMES["fp8_static"]()), p
+
+
 def test_run_bench_times_no_quantized_candidate_unless_asked():
     default = bench.default_candidates()
     assert {"cupy", "vllm-triton", "reference", "torch-loop"} <= set(default)
