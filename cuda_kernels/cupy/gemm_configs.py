@@ -432,23 +432,34 @@ def lookup(version: str, dkey: str, m: float, N: int, K: int, table: dict | None
 BUILTIN_DEFAULTS = {"fp32": "v3", "fp16": "v4", "bf16": "v4"}
 
 
-def default_version_key(dkey: str, m: float | None = None, device: str | None = None) -> str:
+def default_version_key(dkey: str, m: float | None = None, device: str | None = None,
+                        N: int | None = None, K: int | None = None) -> str:
     return default_version({"fp32": np.float32, "fp16": np.float16, "bf16": bf16_dtype()}[dkey],
-                           m, device)
+                           m, device, N, K)
 
 
-def default_version(dtype, m: float | None = None, device: str | None = None) -> str:
+def shape_key(m: float, N: int, K: int) -> str:
+    """The key of "version_by_shape": the bucket of m and the GEMM's exact N x K."""
+    return f"{m_bucket(m)}/{N}x{K}"
+
+
+def default_version(dtype, m: float | None = None, device: str | None = None,
+                    N: int | None = None, K: int | None = None) -> str:
     """The rung used when none is named: the table's "default_version" for the dtype (v4 on
     fp16/bf16 and v3 on fp32 as shipped), unless the card's section (`device`'s, see
-    `lookup`) names one in its "version_by_m" for the bucket of m tokens per expert (written
-    by tune.py where the rung measured fastest on that card), stepping down when a problem
-    rules it out."""
+    `lookup`) names one for the bucket of m tokens per expert (written by tune.py where the
+    rung measured fastest on that card): first in its "version_by_shape" for this very
+    GEMM (m bucket, N x K: a tuned model's GEMM1 or GEMM2, both of a model named alike, as
+    they share one alignment), then in its "version_by_m" (the fastest summed over the tuned
+    models); stepping down when a problem rules it out."""
     dkey = dtype_key(dtype)
     table = load_table()
     v = table.get("default_version", {}).get(dkey, BUILTIN_DEFAULTS[dkey])
     if m is not None:
-        by_m = _device_section(table, device).get("version_by_m", {})
-        v = by_m.get(dkey, {}).get(str(m_bucket(m)), v)
+        sec = _device_section(table, device)
+        v = sec.get("version_by_m", {}).get(dkey, {}).get(str(m_bucket(m)), v)
+        if N is not None and K is not None:
+            v = sec.get("version_by_shape", {}).get(dkey, {}).get(shape_key(m, N, K), v)
     if v not in VERSIONS or (v in TENSOR_CORE_VERSIONS and dkey == "fp32"):
         return BUILTIN_DEFAULTS[dkey]
     return v
@@ -467,7 +478,7 @@ def get_config(M: int, N: int, K: int, E: int, top_k: int, dtype, version: str |
     dkey = dtype_key(dtype)
     m = max(1.0, M * top_k / max(E, 1))
     device = current_device_name() if device is None else device
-    version = default_version(dtype, m, device) if version is None else version
+    version = default_version(dtype, m, device, N, K) if version is None else version
     if version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
     if version in TENSOR_CORE_VERSIONS and dkey == "fp32":

@@ -309,22 +309,43 @@ def version_by_m(best_by_version: dict, dkey: str = "bf16") -> dict:
     return {dkey: out, ("fp16" if dkey == "bf16" else "bf16"): dict(out)}
 
 
+def version_by_shape(best_by_version: dict, dkey: str = "bf16") -> dict:
+    """{dtype: {"m/NxK": version}}: for each tuned model and bucket where two or more rungs
+    were timed, the rung whose GEMM1 + GEMM2 is the fastest on that model, under the keys of
+    both its GEMMs (gemm_configs.shape_key: they share one alignment, so one rung for both).
+    gemm_configs.default_version reads it before version_by_m."""
+    out = {}
+    for key, m in sorted({(k, m) for (k, m, _) in best_by_version}):
+        times = {v: t for (k, mm, v), t in best_by_version.items() if (k, mm) == (key, m)}
+        if len(times) < 2:
+            continue
+        best = min(times, key=times.get)
+        _, _, _, H, I = MODELS[key]  # noqa: E741
+        for N, K in ((2 * I, H), (H, I)):
+            out[gcfg.shape_key(m, N, K)] = best
+    if not out:
+        return {}
+    return {dkey: out, ("fp16" if dkey == "bf16" else "bf16"): dict(out)}
+
+
 def merge_device_section(table: dict, device: str, rows: list[dict], by_m: dict,
-                         meta: dict) -> dict:
+                         meta: dict, by_shape: dict | None = None) -> dict:
     """Put the rows tuned on `device` into its section of the table: a new row replaces the
     one of the same (version, dtype, m, N, K); buckets of `by_m` replace those of the
-    section's version_by_m. The section's "runs" list records where its numbers came from:
+    section's version_by_m (and those of `by_shape` its version_by_shape). The section's
+    "runs" list records where its numbers came from:
     `meta` (date, source, command) is appended, so that a run that re-tunes a few buckets
     does not erase the provenance of the others."""
     sec = table.setdefault("devices", {}).setdefault(device, {})
     key = (lambda r: (r["version"], r["dtype"], r["m"], r.get("N"), r.get("K")))
     new = {key(r) for r in rows}
     sec["configs"] = [r for r in sec.get("configs", []) if key(r) not in new] + rows
-    merged = sec.get("version_by_m", {})
-    for dk, buckets in by_m.items():
-        merged.setdefault(dk, {}).update(buckets)
-    if merged:
-        sec["version_by_m"] = merged
+    for name, new_choices in (("version_by_m", by_m), ("version_by_shape", by_shape or {})):
+        merged = sec.get(name, {})
+        for dk, choices in new_choices.items():
+            merged.setdefault(dk, {}).update(choices)
+        if merged:
+            sec[name] = merged
     runs = sec.setdefault("runs", [])
     legacy = {k: sec.pop(k) for k in ("date", "source", "command") if k in sec}
     if legacy:      # a section written before "runs" kept one run's provenance at its top
@@ -553,8 +574,9 @@ def main(argv=None):
         except OSError:
             commit = None
         by_m = version_by_m(BEST_BY_VERSION)
+        by_shape = version_by_shape(BEST_BY_VERSION)
         device = gcfg.current_device_name()
-        merge_device_section(table, device, rows, by_m, {
+        merge_device_section(table, device, rows, by_m, by_shape=by_shape, meta={
             "source": f"timed by tune.py ({args.versions}, commit {commit})",
             "date": datetime.date.today().isoformat(),
             "command": " ".join([sys.executable, "-m", "cuda_kernels.cupy.tune"] +
