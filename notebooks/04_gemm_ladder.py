@@ -20,7 +20,7 @@
 #   prefill: the roofline, and where real MoE shapes sit on it;
 # * the ladder of kernels, each rung one idea: **v1** one thread per output, **v2**
 #   shared-memory tiles, **v3** register blocking, **v4** tensor cores — what changed and
-#   why it is faster, with the code; and **v7**, which drops the tiles again for decode;
+#   why it is faster, with the code;
 # * how to read the compiled kernels (registers, shared memory) and the measured results.
 #
 # The rungs live in `cuda_kernels/cupy/gemm_v*.cu` (CuPy, v1–v4 here; the Hopper rungs v5
@@ -182,45 +182,6 @@ workshop.show_source("cuda_kernels/numba/gemm.py", "# TM + TN shared reads", max
 # %%
 workshop.show_source("cuda_kernels/cupy/gemm_v4_mma.cu", "// 4. tensor cores on ring slot",
                      end="gg_mma(acc[mt][nt]", max_lines=20)
-
-# %% [markdown]
-# ### v7: at decode, a grouped GEMV
-# At decode each expert sees one to a few tokens. A 16-row tile of v4 then holds one live
-# row and fifteen rows of padding: the tensor cores do 16 times the useful work, which
-# costs nothing (they are idle anyway), but the tile also shapes the grid: one CTA per
-# 16 × BLOCK_N tile, a shared-memory ring per CTA. What decides the time is how many bytes
-# of weights are **in flight** on every SM (Little's law: bandwidth × latency, about
-# 3 TB/s × 1 µs ≈ 23 KB per SM on an H100). v7 keeps only that: a warp owns a few rows of
-# one expert's `w`, its lanes stride `Kdim` with 16-byte loads that bypass L1, and it
-# multiplies each loaded weight by every live token of the block (read from L1) in fp32 on
-# the CUDA cores; a shuffle tree sums the lanes. A persistent grid of warps walks all
-# (block, rows) items of the problem, so every SM streams however few experts are touched.
-
-# %%
-workshop.show_source("cuda_kernels/cupy/gemm_v7_stream.cu",
-                     "for (int k0 = lane * kVec; k0 < Kdim; k0 += UNROLL * kLaneStride)",
-                     max_lines=24)
-
-# %% [markdown]
-# The napkin math at `T = 1` for each model's GEMM1, from the configs (no GPU needed):
-# the padding v4's 16-row tiles compute, and what v7's heuristic config keeps in flight.
-
-# %%
-SMS = 132                                         # H100 / H200 SXM
-rows = []
-for name in ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"):
-    p = bench.PRESETS[name]
-    n1, kd = 2 * p.intermediate_size, p.hidden_size
-    live = p.top_k                                # T = 1: top_k experts, one row each
-    v7 = ccfg.fit_config("v7", "bf16", ccfg.heuristic_config("v7", "bf16", 1), 16)
-    items = live * -(-n1 // v7["BLOCK_N"])        # (block, rows) items: one block per expert
-    warps = SMS * v7["CTAS_PER_SM"] * v7["warps"]
-    in_flight = v7["CTAS_PER_SM"] * v7["warps"] * v7["BLOCK_N"] * v7["BLOCK_K"] * 2
-    rows.append((name, f"{live * n1 * kd * 2 / 1e6:.0f} MB", f"{15 / 16:.0%}",
-                 f"{items} over {warps} warps ({items / warps:.1f} rounds)",
-                 f"{in_flight / 1024:.0f} KB"))
-workshop.show_table(["GEMM1 at T=1", "weights read", "v4 rows that are padding",
-                     "v7 items", "v7 bytes in flight / SM"], rows)
 
 # %% [markdown]
 # ### The napkin math of each rung
