@@ -7,7 +7,7 @@ One file per stage (the listing of reference/, numba/ and torch/):
     routing.py      fused_topk, fused_topk_bias, grouped_topk, select_experts   (routing.cu)
     align.py        moe_align_block_size (its output's length: the reference's)  (align.cu)
     permute.py      moe_permute, moe_unpermute                                  (permute.cu)
-    gemm.py         grouped_gemm, a ladder of versions v1..v7                   (gemm_v*.cu,
+    gemm.py         grouped_gemm, a ladder of versions v1..v6                   (gemm_v*.cu,
                     gemm_common.cuh, gemm_wgmma.cuh, wgmma_operands.cuh)
     activation.py   apply_activation, silu_and_mul, gelu_and_mul, ...           (activation.cu)
     combine.py      moe_sum                                                     (combine.cu)

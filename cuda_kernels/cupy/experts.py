@@ -213,8 +213,7 @@ class ExpertsPlan:
                     (H, I, w2_aligned, 1, not self.mul_on_input)):
                 version, cfg = gg._plan(None, dkey, bucket, n, kd, B, aligned, sm90, None, card)
                 grid, block, gsmem = gcfg.launch_geometry(
-                    version, cfg, L, n, gg._sm_count(device)
-                    if version in gcfg.PERSISTENT_VERSIONS else None)
+                    version, cfg, L, n, gg._sm_count(device) if version == "v6" else None)
                 kern = gg._kernel(version, dkey, cfg, device)
                 launch = FastLaunch(kern, grid, block, gsmem,
                                     GEMM_SIG + GEMM_EXTRA_SIG.get(version, ""),

@@ -17,7 +17,7 @@ P = a.shape[0] * top_k slots, L = len(sorted_token_ids).
     num_tokens_post_padded  [1]    int32        read on the device, never synchronised
     c (returned)            [P, N]              a.dtype
 
-The ladder (all kept, `version="v1".."v7"`; the default is the table's "default_version":
+The ladder (all kept, `version="v1".."v6"`; the default is the table's "default_version":
 v4 for fp16/bf16 and v3 for fp32 as shipped, or the rung a card's measured "version_by_m"
 names for the bucket, stepping down to the fastest rung that applies):
     v1  gemm_v1_naive.cu     one thread per output element
@@ -33,10 +33,6 @@ names for the bucket, stepping down to the fastest rung that applies):
                              a producer warpgroup and two consumer warpgroups (setmaxnreg), a
                              persistent grid of one CTA per SM; sm_90a, block_size % 64 == 0;
                              chosen per bucket where a card's "version_by_m" names it
-    v7  gemm_v7_stream.cu    decode, weight streaming: no tiles and no tensor cores, a warp
-                             per few rows of w against a block's few live tokens, 16-byte
-                             loads past L1, a persistent grid of CTAS_PER_SM CTAs per SM;
-                             any block_size; chosen per bucket where "version_by_m" names it
 
 Tunables are data (gemm_configs.py): gemm_configs.json maps (version, dtype, bucket of m =
 tokens per expert, N, Kdim) to BLOCK_M, BLOCK_N, BLOCK_K, warps, stages (v3: TM, TN), injected
@@ -48,7 +44,7 @@ v6's CUtensorMap of the weights is encoded by gemm_tensor_map.py.
 
 Run as a script to validate every version against reference.grouped_gemm and time it
 (TFLOP/s, GB/s and the fraction of the H200 roofline floor):
-    python -m cuda_kernels.cupy.gemm [--versions v1,v2,v3,v4,v5,v6,v7] [--dtype bf16]
+    python -m cuda_kernels.cupy.gemm [--versions v1,v2,v3,v4,v5,v6] [--dtype bf16]
     python -m cuda_kernels.cupy.gemm --quick      # tiny, for compute-sanitizer
 The GEMMs of the benchmark's models at decode and prefill T (a new uniform routing per rep,
 L2 flushed, validated against v4; TFLOP/s, GB/s, the fraction of the card's floor) are
@@ -77,7 +73,6 @@ from .gemm_configs import (
     _CTYPES,
     DTYPE_KEYS,
     M_BUCKETS,
-    PERSISTENT_VERSIONS,
     TENSOR_CORE_VERSIONS,
     VERSIONS,
     _row_config,
@@ -98,7 +93,7 @@ from .gemm_tensor_map import v6_tensor_map
 
 CU_FILES = {"v1": "gemm_v1_naive.cu", "v2": "gemm_v2_smem.cu",
             "v3": "gemm_v3_regblock.cu", "v4": "gemm_v4_mma.cu", "v5": "gemm_v5_wgmma.cu",
-            "v6": "gemm_v6_tma_ws.cu", "v7": "gemm_v7_stream.cu"}
+            "v6": "gemm_v6_tma_ws.cu"}
 KERNEL_NAMES = {v: f"grouped_gemm_{v}" for v in VERSIONS}
 # wgmma exists only on the architecture-specific target; _compile builds such kernels through
 # cuda.core (CuPy would add its own -arch) and CPU CI compiles them for sm_90a only
@@ -193,7 +188,7 @@ def usable(version: str, dkey: str, K: int, block_size: int, aligned: bool,
         if block_size % 16:
             return (f"block_size: v4 needs a multiple of 16 (its mma tiles are 16 rows), "
                     f"got {block_size}")
-    if version in ("v3", "v4", "v5", "v6", "v7"):
+    if version in ("v3", "v4", "v5", "v6"):
         vec = vec_elems(dkey)
         if K % vec:
             return (f"a: {version} loads 16-byte chunks, so a.shape[1] (Kdim) must be a multiple "
@@ -217,16 +212,15 @@ def _as_f32(x):
     return x.astype(cp.float32)
 
 
-_FALLBACK = {"v7": ("v7", "v4", "v3", "v2"), "v6": ("v6", "v5", "v4", "v3", "v2"),
-             "v5": ("v5", "v4", "v3", "v2"), "v4": ("v4", "v3", "v2"), "v3": ("v3", "v2"),
-             "v2": ("v2",), "v1": ("v1",)}
+_FALLBACK = {"v6": ("v6", "v5", "v4", "v3", "v2"), "v5": ("v5", "v4", "v3", "v2"),
+             "v4": ("v4", "v3", "v2"), "v3": ("v3", "v2"), "v2": ("v2",), "v1": ("v1",)}
 
 
 _DEVICE_SMS: dict = {}
 
 
 def _sm_count(dev: int) -> int:
-    """The multiprocessor count of device `dev` (v6's and v7's persistent grids), asked once."""
+    """The multiprocessor count of device `dev` (v6's persistent grid), asked once."""
     n = _DEVICE_SMS.get(dev)
     if n is None:
         n = _DEVICE_SMS[dev] = int(_cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
@@ -247,7 +241,7 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
                  config=None, out=None):
     """c [a.shape[0] * top_k, N] = the grouped GEMM of docs/stages.md on the GPU (see module doc).
 
-    version: "v1".."v7" (None: default_version's rung, v4 for fp16/bf16 and v3 for fp32 unless
+    version: "v1".."v6" (None: default_version's rung, v4 for fp16/bf16 and v3 for fp32 unless
     the card's "version_by_m" names another for the bucket, stepping down to v3/v2 when Kdim
     is not a multiple of 16 bytes or block_size not of 16; "v4"/"v5"/"v6" on fp32 run v3;
     "v5" and "v6" need an sm_90 device and block_size % 64 == 0).
@@ -338,8 +332,8 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
         return c
     if L == 0:  # no positions, no live slot: nothing to write
         return c
-    grid, block, smem = launch_geometry(version, cfg, L, N, _sm_count(dev)
-                                        if version in PERSISTENT_VERSIONS else None)
+    grid, block, smem = launch_geometry(version, cfg, L, N,
+                                        _sm_count(dev) if version == "v6" else None)
     if len(grid) >= 2 and grid[1] > GRID_Y_MAX:
         raise ValueError(f"w.shape[1] (N): {version} launches cdiv(N, BLOCK_N) = {grid[1]} CTAs "
                          f"along grid y, more than {GRID_Y_MAX}")
@@ -531,7 +525,7 @@ def _main(argv=None):  # pragma: no cover - needs a GPU
     from reference import moe_align_block_size
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--versions", default="v1,v2,v3,v4,v5,v6,v7")
+    p.add_argument("--versions", default="v1,v2,v3,v4,v5,v6")
     p.add_argument("--dtype", default="bf16", choices=DTYPE_KEYS)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="tiny shapes, one rep (sanitizers)")

@@ -2,7 +2,7 @@
 
     gemm_configs.json  maps (version, dtype, bucket of m = tokens per expert, N, Kdim) to
                        BLOCK_M, BLOCK_N, BLOCK_K, warps, stages (v3: TM, TN; v6: GROUP_M,
-                       PRODUCER_REGS; v7: TOKENS, CTAS_PER_SM): generic rows, and per card (its name as the driver
+                       PRODUCER_REGS): generic rows, and per card (its name as the driver
                        gives it) the rows and the rung per bucket ("version_by_m") that
                        tune.py measured fastest on that card
     heuristic_config   the rule behind the untuned rows (decode: short, narrow, deep tiles;
@@ -30,7 +30,7 @@ import numpy as np
 
 from ._arrays import bf16_dtype
 
-VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6", "v7")
+VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6")
 TENSOR_CORE_VERSIONS = ("v4", "v5", "v6")
 CONFIG_PATH = pathlib.Path(__file__).resolve().with_name("gemm_configs.json")
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -144,17 +144,6 @@ def v6_consumer_regs(cfg: dict) -> int:
     return min(256, (entry * threads - 128 * cfg["PRODUCER_REGS"]) // (128 * cons) // 8 * 8)
 
 
-V7_EXTRA_KEYS = ("TOKENS", "CTAS_PER_SM")   # v7's tunables beside CONFIG_KEYS
-PERSISTENT_VERSIONS = ("v6", "v7")  # grids sized by the SM count (launch_geometry's num_sms)
-MAX_WARPS_PER_SM = 64             # sm_80 / sm_90
-
-
-def v7_unroll(dkey: str, cfg: dict) -> int:
-    """v7's 16-byte loads in flight per row and lane: BLOCK_K is the Kdim a warp covers per
-    round, 32 lanes x UNROLL x 16 bytes."""
-    return cfg["BLOCK_K"] // (32 * vec_elems(dkey))
-
-
 # per-CTA opt-in limit on sm_90 (227 KB; sm_80: 163 KB), less room for the static slots
 V4_SMEM_LIMIT = 227 * 1024 - 1024
 
@@ -168,8 +157,6 @@ def check_config(version: str, dtype, cfg: dict) -> dict:
     for k in CONFIG_KEYS:
         v = cfg.get(k)
         if k == "warps" and version == "v6":   # a producer warpgroup + 1 or 2 consumers: 8, 12
-            continue
-        if k == "stages" and version == "v7":  # no pipeline: the unrolled loads are its depth
             continue
         if not (_is_pow2(v) or (k == "stages" and isinstance(v, int) and 1 <= v <= 8)):
             raise ValueError(f"config: expected {k} a power of two (stages: 1 to 8), "
@@ -235,20 +222,6 @@ def check_config(version: str, dtype, cfg: dict) -> dict:
         if v6_smem_bytes(cfg) > V4_SMEM_LIMIT:
             raise ValueError(f"config: v6 shared memory {v6_smem_bytes(cfg)} B over "
                              f"{V4_SMEM_LIMIT} B for {cfg}")
-    elif version == "v7":
-        tokens, ctas = cfg.get("TOKENS"), cfg.get("CTAS_PER_SM")
-        if not (_is_pow2(tokens) and tokens <= 16 and bn <= 8 and bn * tokens <= 64):
-            raise ValueError(f"config: v7 needs TOKENS (tokens a pass) a power of two <= 16 "
-                             f"and BLOCK_N (w rows a warp) <= 8, BLOCK_N * TOKENS <= 64 sums a "
-                             f"lane, got {cfg}")
-        step = 32 * vec_elems(dkey)
-        if bk % step or not 1 <= bk // step <= 16:
-            raise ValueError(f"config: v7 BLOCK_K is the Kdim a warp covers per round, 32 lanes "
-                             f"x 1-16 loads of 16 bytes: a multiple of {step} for {dkey} up to "
-                             f"{16 * step}, got {cfg}")
-        if not (isinstance(ctas, int) and ctas >= 1 and warps * ctas <= MAX_WARPS_PER_SM):
-            raise ValueError(f"config: v7 CTAS_PER_SM (its persistent grid's CTAs on each SM) "
-                             f"times warps must be in [1, {MAX_WARPS_PER_SM}], got {cfg}")
     else:
         if dkey == "fp32":
             raise ValueError("config: v4 takes fp16 or bf16 (fp32 uses v3)")
@@ -337,17 +310,6 @@ def heuristic_config(version: str, dkey: str, m: int, N: int | None = None,
         # 128 x 256 x 64: 85 flops per byte of tile (the L2's bandwidth is the limit), 4 x 48 KB
         return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "warps": 12, "stages": 4,
                 "GROUP_M": 8, "PRODUCER_REGS": 56}
-    if version == "v7":
-        # decode: no tiles, so BLOCK_M only sets the alignment block (16: little padding);
-        # BLOCK_N w rows per warp (small items, so that the warps finish together), BLOCK_K
-        # = 32 lanes x UNROLL 16-byte loads, TOKENS the live tokens of a pass; 1-4 KB in
-        # flight per warp and 16-32 warps an SM, in registers that do not spill (ptxas, bf16:
-        # 64, 118 and 114 registers)
-        step = 32 * vec_elems(dkey)
-        rows, unroll, tokens, ctas = ((1, 4, 2, 8) if m <= 1 else (2, 2, 4, 4) if m <= 4
-                                      else (1, 2, 8, 4))
-        return {"BLOCK_M": 16, "BLOCK_N": rows, "BLOCK_K": unroll * step, "warps": 4,
-                "stages": 1, "TOKENS": tokens, "CTAS_PER_SM": ctas}
     raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
 
 
@@ -362,7 +324,7 @@ def load_table(path: str = str(CONFIG_PATH)) -> dict:
 
 def _row_config(row: dict) -> dict:
     cfg = {k: row[k] for k in CONFIG_KEYS}
-    for k in ("TM", "TN", "WARPS_M") + V6_EXTRA_KEYS + V7_EXTRA_KEYS:
+    for k in ("TM", "TN", "WARPS_M") + V6_EXTRA_KEYS:
         if k in row:
             cfg[k] = row[k]
     return cfg
@@ -532,10 +494,6 @@ def fit_config(version: str, dkey: str, cfg: dict, block_size: int) -> dict:
             cfg["warps"] = 12           # two consumers of 64 rows each
         elif cfg["warps"] == 12 and cfg["BLOCK_N"] < 128:
             cfg["warps"] = 8            # 64 rows: two consumers would split N below 64
-    elif version == "v7":
-        cfg["BLOCK_M"] = _pow2_divisor(block_size)   # no tile: any block, taken whole
-        if "TOKENS" not in cfg:         # a config written for another rung: v7's own
-            cfg = {**heuristic_config("v7", dkey, 1), "BLOCK_M": cfg["BLOCK_M"]}
     return check_config(version, dkey, cfg)
 
 
@@ -558,9 +516,6 @@ def kernel_defines(version: str, dkey: str, cfg: dict) -> dict:
                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["stages"],
                  CONSUMERS=v6_consumers(cfg), GROUP_M=cfg["GROUP_M"],
                  PRODUCER_REGS=cfg["PRODUCER_REGS"], CONSUMER_REGS=v6_consumer_regs(cfg))
-    elif version == "v7":
-        d.update(WARPS=cfg["warps"], ROWS=cfg["BLOCK_N"], TOKENS=cfg["TOKENS"],
-                 UNROLL=v7_unroll(dkey, cfg), CTAS_PER_SM=cfg["CTAS_PER_SM"])
     else:
         wm = cfg.get("WARPS_M") or v4_warp_grid(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["warps"])[0]
         d.update(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
@@ -572,14 +527,9 @@ def launch_geometry(version: str, cfg: dict, L: int, N: int, num_sms: int | None
                     ) -> tuple[tuple, tuple, int]:
     """(grid, block, dynamic shared bytes) for a fitted config, L positions and N columns.
 
-    num_sms (v6, v7: persistent, one CTA per SM (v7: CTAS_PER_SM), never more CTAs than
-    work): the device's multiprocessor count (grouped_gemm passes _sm_count(dev);
-    V6_DEFAULT_SMS when None)."""
+    num_sms (v6 only, persistent: one CTA per SM, never more CTAs than tiles): the device's
+    multiprocessor count (grouped_gemm passes _sm_count(dev); V6_DEFAULT_SMS when None)."""
     cdiv = lambda x, y: -(-x // y)  # noqa: E731
-    if version == "v7":
-        items = cdiv(L, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
-        ctas = cfg["CTAS_PER_SM"] * (num_sms or V6_DEFAULT_SMS)
-        return (max(1, min(ctas, cdiv(items, cfg["warps"]))),), (cfg["warps"] * 32,), 0
     if version == "v6":
         tiles = cdiv(L, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
         return (max(1, min(num_sms or V6_DEFAULT_SMS, tiles)),), (cfg["warps"] * 32,), \

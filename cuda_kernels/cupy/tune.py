@@ -92,22 +92,11 @@ V6_CANDIDATES = [
     (64, 256, 64, 8, 4, 8, 56), (64, 256, 64, 12, 4, 1, 56), (64, 128, 64, 8, 6, 1, 56),
     (64, 128, 64, 12, 8, 1, 56), (64, 64, 64, 8, 8, 1, 56),
 ]
-# v7 candidates (weight streaming, decode): (BLOCK_M, BLOCK_N = w rows a warp, BLOCK_K = Kdim
-# a warp covers per round (bf16: 256 per 16-byte load a lane), warps, stages (unused),
-# TOKENS, CTAS_PER_SM); every one compiles without spills (ptxas, sm_90, bf16)
-V7_CANDIDATES = [
-    (16, 1, 1024, 4, 1, 1, 8), (16, 1, 512, 4, 1, 2, 8), (16, 1, 1024, 4, 1, 2, 8),
-    (16, 2, 512, 4, 1, 1, 8), (16, 2, 1024, 4, 1, 1, 8), (16, 2, 512, 4, 1, 2, 8),
-    (16, 2, 512, 4, 1, 4, 4), (16, 1, 1024, 4, 1, 4, 4), (16, 1, 512, 4, 1, 8, 4),
-    (16, 4, 512, 4, 1, 2, 4),
-]
-CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES, "v6": V6_CANDIDATES,
-              "v7": V7_CANDIDATES}
+CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES, "v6": V6_CANDIDATES}
 # the config keys of a candidate tuple, in order
 CANDIDATE_KEYS = {"v4": gcfg.CONFIG_KEYS, "v5": gcfg.CONFIG_KEYS,
-                  "v6": gcfg.CONFIG_KEYS + gcfg.V6_EXTRA_KEYS,
-                  "v7": gcfg.CONFIG_KEYS + gcfg.V7_EXTRA_KEYS}
-BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128), "v6": (64, 128), "v7": (16,)}
+                  "v6": gcfg.CONFIG_KEYS + gcfg.V6_EXTRA_KEYS}
+BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128), "v6": (64, 128)}
 # the buckets and models of issue 4's missed points, the worst first (DeepSeek-V3 m = 128,
 # 512, 32 are T = 4096, 16384, 1024; Mixtral m = 256, 64 are T = 1024, 256)
 DEFAULT_BUCKETS = (128, 256, 512, 64, 32)

@@ -100,7 +100,7 @@ def _check(prob, version, tol=None, **kw):
     return got
 
 
-VERSIONS_ALL = ("v1", "v2", "v3", "v4", "v7")   # every rung that runs on any GPU
+VERSIONS_ALL = ("v1", "v2", "v3", "v4")
 
 
 @pytest.fixture(scope="module")
@@ -386,7 +386,7 @@ def _stage(name):
         return None
 
 
-E2E_RUNGS = ([(v, d) for v in ("v2", "v3", "v4", "v7") for d in ("fp32", "bf16")]
+E2E_RUNGS = ([(v, d) for v in ("v2", "v3", "v4") for d in ("fp32", "bf16")]
              + [(v, d) for v in ("v5", "v6") for d in ("fp16", "bf16")])
 
 
