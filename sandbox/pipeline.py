@@ -153,10 +153,22 @@ def check_memory(layer, run, num_tokens, exact):
 
 
 def block_size_for(layer, mapping, num_tokens) -> int:
-    """The alignment block B: the layer's block_size, else the GEMM backend's config
-    (BLOCK_M), else the backends' default (64; smaller in the CUDA simulator)."""
+    """The alignment block B: the layer's block_size, else for a quantized layer its
+    format's block (the quantized ladders' measured choice by rows per expert; the bf16
+    tiles' BLOCK_M would hand the int4 route a block its configs cannot take), else the GEMM
+    backend's config (BLOCK_M), else the backends' default (64; smaller in the CUDA
+    simulator)."""
     if layer.block_size is not None:
         return layer.block_size
+    if layer.quant_config is not None:
+        from cuda_kernels.cupy.quant.configs import block_size_for as quant_block_size
+        from reference.quant import quant_format
+
+        flags = layer.quant_config.kernel_flags()
+        fmt = quant_format(*(flags[k] for k in ("use_fp8_w8a8", "use_int8_w8a8",
+                                                "use_int8_w8a16", "use_int4_w4a16")))
+        rows = num_tokens * layer.top_k / max(layer.local_num_experts, 1)
+        return quant_block_size(fmt, rows)
     for stage, n in (("gemm1", layer.w13_weight.shape[1]), ("gemm2", layer.hidden_size)):
         b = get_backend(mapping[stage])
         k = layer.hidden_size if stage == "gemm1" else layer.intermediate_size_per_partition

@@ -228,3 +228,18 @@ def test_cupy_validate_rows(scheme):
     report = validate(layer, x, logits, backends=["reference", "cupy"], quiet=True)
     assert report.ok, report.table()
     assert report.first_divergence["cupy"] is None
+
+
+@pytest.mark.parametrize("scheme,tokens,block", [("w4a16", 4096, 64), ("w4a16", 64, 48),
+                                                  ("w4a16", 1, 16), ("fp8_block", 4096, 64),
+                                                  ("fp8_block", 1, 16)])
+def test_quantized_layer_aligns_to_its_formats_block(scheme, tokens, block):
+    """A quantized layer aligns to its format's block (cuda_kernels/cupy/quant/configs.py
+    block_size_for, by rows per expert), not to the bf16 tiles' BLOCK_M: the int4 route
+    cannot take a 128-row block (a config error on the GPU at Qwen3's T = 1024)."""
+    from sandbox import pipeline
+
+    layer = FusedMoE(quant_config=scheme, params_dtype=BF16, **SIZES)
+    mapping = {s: "reference" for s in pipeline.STAGES}
+    rows = tokens * layer.top_k / layer.local_num_experts
+    assert pipeline.block_size_for(layer, mapping, tokens) == block, rows
