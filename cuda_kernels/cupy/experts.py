@@ -211,9 +211,7 @@ class ExpertsPlan:
             for n, kd, aligned, top_k, mul in (
                     (N1, H, a_aligned and w1_aligned, K, self.mul_on_input),
                     (H, I, w2_aligned, 1, not self.mul_on_input)):
-                version, cfg = gg._plan(None, dkey, bucket, n, kd, B, aligned, sm90, None, card,
-                                        gcfg.expected_live_m_tiles(P, E, B),
-                                        gg._sm_count(device))
+                version, cfg = gg._plan(None, dkey, bucket, n, kd, B, aligned, sm90, None, card)
                 grid, block, gsmem = gcfg.launch_geometry(
                     version, cfg, L, n, gg._sm_count(device) if version == "v6" else None)
                 kern = gg._kernel(version, dkey, cfg, device)

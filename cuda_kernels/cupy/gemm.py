@@ -76,10 +76,7 @@ from .gemm_configs import (
     TENSOR_CORE_VERSIONS,
     VERSIONS,
     _row_config,
-    check_config,
     default_version_key,
-    expected_live_m_tiles,
-    fill_the_sms,
     device_name,
     dtype_key,
     fit_config,
@@ -322,8 +319,7 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
     version, cfg = _plan(version, dkey, m_bucket(max(1.0, P / max(E_local, 1))), N, K,
                          block_size, aligned, _is_sm90(cp, dev),
                          None if config is None else tuple(sorted(config.items())),
-                         device_name(dev), expected_live_m_tiles(P, E_local, block_size),
-                         _sm_count(dev))
+                         device_name(dev))
 
     if out is None:
         c = _arrays.empty((P, N), a.dtype)
@@ -367,12 +363,10 @@ def _is_sm90(cp, dev) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(version, dkey, bucket, N, K, block_size, aligned, sm90, config_items, device=None,
-          live_m_tiles=0, num_sms=0):
+def _plan(version, dkey, bucket, N, K, block_size, aligned, sm90, config_items, device=None):
     """(version, fitted config) for a call on card `device`: the rung, the table lookup and
-    the fit (a looked-up v6 config narrowed to fill num_sms SMs with the live_m_tiles the
-    routing is expected to keep, gemm_configs.fill_the_sms), cached (a decode step calls the
-    GEMM twice per layer: the host work must stay small)."""
+    the fit, cached (a decode step calls the GEMM twice per layer: the host work must stay
+    small)."""
     if version in TENSOR_CORE_VERSIONS and dkey == "fp32":
         version = "v3"          # the tensor-core rungs take half types; fp32 uses FFMA
     if version is None:
@@ -385,12 +379,9 @@ def _plan(version, dkey, bucket, N, K, block_size, aligned, sm90, config_items, 
         if why is not None:
             raise ValueError(f"{why} (version={version!r} was asked for; version=None picks "
                              f"a rung that can run this)")
-    if config_items is not None:
-        return version, fit_config(version, dkey, dict(config_items), block_size)
-    fitted = fit_config(version, dkey, lookup(version, dkey, bucket, N, K, device=device),
-                        block_size)
-    return version, check_config(version, dkey,
-                                 fill_the_sms(version, fitted, live_m_tiles, N, num_sms))
+    config = (lookup(version, dkey, bucket, N, K, device=device) if config_items is None
+              else dict(config_items))
+    return version, fit_config(version, dkey, config, block_size)
 
 
 _READY: dict = {}

@@ -497,31 +497,6 @@ def fit_config(version: str, dkey: str, cfg: dict, block_size: int) -> dict:
     return check_config(version, dkey, cfg)
 
 
-def expected_live_m_tiles(num_slots: int, num_experts: int, block_m: int) -> int:
-    """The m tiles a uniform routing of num_slots slots over num_experts experts keeps live:
-    each touched expert's rows (E (1 - (1 - 1/E)^P) experts expected) at least one tile."""
-    if num_slots <= 0 or num_experts <= 0:
-        return 0
-    touched = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** num_slots)
-    return max(math.ceil(touched), -(-num_slots // block_m))
-
-
-def fill_the_sms(version: str, cfg: dict, live_m_tiles: int, N: int, num_sms: int) -> dict:
-    """A fitted v6 config with BLOCK_N halved (down to 64) while its live tiles (live m tiles
-    x cdiv(N, BLOCK_N)) leave SMs of the persistent grid idle; one consumer warpgroup below
-    128 columns of 64 rows. The tuner times each bucket at T = m E / top_k, where most experts
-    are touched; at T = 1 only top_k are, and the bucket's 256-wide tiles gave Qwen3-30B-A3B's
-    GEMM1 48 tiles for 132 SMs, Mixtral's GEMM2 64. Other rungs and explicit configs: as is."""
-    if version != "v6" or live_m_tiles <= 0:
-        return cfg
-    out = dict(cfg)
-    while out["BLOCK_N"] > 64 and live_m_tiles * -(-N // out["BLOCK_N"]) < num_sms:
-        out["BLOCK_N"] //= 2
-        if out["BLOCK_M"] == 64 and out["BLOCK_N"] < 128:
-            out["warps"] = 8
-    return out
-
-
 def kernel_defines(version: str, dkey: str, cfg: dict) -> dict:
     """The #defines that instantiate `version` for `dkey` with a fitted config."""
     d = {"GG_T": _CTYPES[dkey]}

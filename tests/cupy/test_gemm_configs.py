@@ -267,30 +267,3 @@ def test_v6_configs_and_register_split():
     with pytest.raises(ValueError, match="BLOCK_K 64"):
         gcfg.check_config("v6", "bf16", dict(cands[0], BLOCK_K=32))
     assert gg.extra_args("v5", {}, dev=0) == ()
-
-
-def test_v6_tiles_narrowed_to_fill_the_sms():
-    """At T = 1 only top_k experts are live: a tuned 256-wide v6 tile is halved until the live
-    tiles cover the SMs (down to 64 columns, one consumer); prefill and other rungs keep theirs."""
-    assert gcfg.expected_live_m_tiles(8, 128, 64) == 8          # Qwen3 T = 1: 8 experts
-    assert gcfg.expected_live_m_tiles(2, 8, 64) == 2            # Mixtral T = 1
-    assert gcfg.expected_live_m_tiles(8192, 128, 64) == 128     # every expert, one tile each
-    assert gcfg.expected_live_m_tiles(0, 128, 64) == 0
-    wide = dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, warps=12, stages=4, GROUP_M=1,
-                PRODUCER_REGS=56)
-    qwen3_gemm1 = gcfg.fill_the_sms("v6", wide, 8, 1536, 132)   # 8 x 6 = 48 tiles at 256
-    assert qwen3_gemm1["BLOCK_N"] == 64 and qwen3_gemm1["warps"] == 8   # 8 x 24 = 192
-    gcfg.check_config("v6", "bf16", qwen3_gemm1)
-    mixtral_gemm2 = gcfg.fill_the_sms("v6", dict(wide, BLOCK_N=128, warps=8), 2, 4096, 132)
-    assert mixtral_gemm2["BLOCK_N"] == 64                        # 2 x 64 tiles at 64: all
-    assert gcfg.fill_the_sms("v6", wide, 8, 28672, 132) == wide  # 8 x 112 tiles: enough
-    assert gcfg.fill_the_sms("v6", wide, 0, 1536, 132) == wide
-    v4 = gcfg.heuristic_config("v4", "bf16", 1)
-    assert gcfg.fill_the_sms("v4", v4, 1, 64, 132) == v4
-    # the launcher's plan applies it to looked-up configs only
-    plan = gg._plan.__wrapped__
-    looked = plan("v6", "bf16", 1, 1536, 2048, 64, True, True, None, None, 8, 132)[1]
-    assert 8 * -(-1536 // looked["BLOCK_N"]) >= 132 or looked["BLOCK_N"] == 64
-    given = plan("v6", "bf16", 1, 1536, 2048, 64, True, True, tuple(sorted(wide.items())),
-                 None, 8, 132)[1]
-    assert given["BLOCK_N"] == 256
