@@ -157,8 +157,7 @@ class FastLaunch:
     _CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int32, "f": ctypes.c_float, "t": _Bytes128}
 
     def __init__(self, kernel, grid, block, shared_mem: int, signature: str,
-                 cooperative: bool = False, fixed: dict | None = None,
-                 programmatic: bool = False):
+                 cooperative: bool = False, fixed: dict | None = None):
         fn = getattr(kernel, "kernel", kernel)         # a RawKernel holds its Function
         self.fn = ctypes.c_void_p(int(fn.ptr))
         self._keep = fn
@@ -177,16 +176,11 @@ class FastLaunch:
         for i, v in fixed.items():
             self.slots[i].value = v
         self._free = [slot for i, slot in enumerate(self.slots) if i not in fixed]
-        # cuLaunchCooperativeKernel's grid-wide co-residency and programmatic stream
-        # serialization (the module doc: the kernel waits with griddepcontrol.wait), as
-        # launch attributes
-        ids = ([CU_LAUNCH_ATTRIBUTE_COOPERATIVE] if cooperative else []) + \
-            ([CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION] if programmatic else [])
-        self.programmatic = bool(programmatic)
-        self._attrs = (LaunchAttribute * max(1, len(ids)))(
-            *[LaunchAttribute(id=i, value=1) for i in ids])
+        # cuLaunchCooperativeKernel's grid-wide co-residency, as a launch attribute
+        self._attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_COOPERATIVE, value=1)
         self.config = LaunchConfig(*self.grid, *self.block, self.shared_mem, None,
-                                   self._attrs if ids else None, len(ids))
+                                   ctypes.pointer(self._attr) if cooperative else None,
+                                   1 if cooperative else 0)
         self._config = ctypes.pointer(self.config)
         self._launch = _driver().cuLaunchKernelEx
 

@@ -63,7 +63,6 @@ __global__ void __launch_bounds__(ACT_THREADS)
 act_and_mul_kernel(const SCALAR_T* __restrict__ x,  // [M, 2D]
                    SCALAR_T* __restrict__ out,      // [M, D]
                    int M, int D, int chunks) {
-    grid_dependency_wait();                     // launched programmatically: see elementwise.cuh
     const int m = blockIdx.x / chunks;
     const int col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
     if (m >= M || col >= D) return;  // D % VEC == 0 (activation.py)
@@ -83,7 +82,6 @@ __global__ void __launch_bounds__(ACT_THREADS)
 swigluoai_and_mul_kernel(const SCALAR_T* __restrict__ x,  // [M, 2D], (gate, up) pairs
                          SCALAR_T* __restrict__ out,      // [M, D]
                          int M, int D, int chunks, float alpha, float limit) {
-    grid_dependency_wait();                     // launched programmatically: see elementwise.cuh
     const int m = blockIdx.x / chunks;
     const int col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
     if (m >= M || col >= D) return;
@@ -110,7 +108,6 @@ __global__ void __launch_bounds__(ACT_THREADS)
 act_kernel(const SCALAR_T* __restrict__ x,  // [M, N]
            SCALAR_T* __restrict__ out,      // [M, N]
            int M, int N, int chunks) {
-    grid_dependency_wait();                     // launched programmatically: see elementwise.cuh
     const int m = blockIdx.x / chunks;
     const int col = ((blockIdx.x % chunks) * blockDim.x + threadIdx.x) * VEC;
     if (m >= M || col >= N) return;

@@ -40,7 +40,6 @@ __global__ void __launch_bounds__(SUM_THREADS)
 moe_sum_kernel(const SCALAR_T* __restrict__ x,  // [T, K, H]
                SCALAR_T* __restrict__ out,      // [T, H]
                int T, int K, int H, int chunks) {
-    grid_dependency_wait();                     // launched programmatically: see elementwise.cuh
     int t, col;
     row_chunk<VEC>(chunks, t, col);
     if (t >= T || col >= H) return;  // H % VEC == 0 (combine.py)
@@ -62,7 +61,6 @@ moe_sum_live_kernel(const SCALAR_T* __restrict__ x,  // [T, K, H]
                     int map_len,
                     SCALAR_T* __restrict__ out,      // [T, H]
                     int T, int K, int H, int chunks) {
-    grid_dependency_wait();                     // launched programmatically: see elementwise.cuh
     int t, col;
     row_chunk<VEC>(chunks, t, col);
     if (t >= T || col >= H) return;

@@ -24,15 +24,6 @@ __device__ __forceinline__ void from_f32(float v, float* out) { *out = v; }
 __device__ __forceinline__ void from_f32(float v, __half* out) { *out = __float2half_rn(v); }
 __device__ __forceinline__ void from_f32(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
 
-// A kernel launched with programmatic stream serialization (experts.py: the activation
-// after GEMM1, the combine after GEMM2) may start while the grid before it drains: it waits
-// here, first thing, before touching that grid's output. A no-op in a plain launch.
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
 // VEC consecutive elements as one aligned word (16 bytes when VEC * sizeof(T) == 16)
 template <typename T, int VEC>
 struct alignas(sizeof(T) * VEC) Pack {

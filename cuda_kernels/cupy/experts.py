@@ -30,12 +30,6 @@ read back; the grids come from host-known upper bounds (L), and kernels past
 num_tokens_post_padded exit at once. Small plans keep their intermediates between eager calls
 on one stream (a stream runs its kernels in order, so reusing them is safe); inside a capture
 every buffer is a fresh allocation from the graph's pool.
-
-Programmatic launches (PROGRAMMATIC_LAUNCHES, compute capability 9.0): GEMM1, the activation,
-GEMM2 and the combine are launched with programmatic stream serialization (_launch.py), each
-waiting with griddepcontrol.wait before it touches its input, so a kernel's launch overlaps the
-drain of the one before it; the alignment, first, launches plainly (it reads the caller's
-topk_ids). A graph captured from the stream keeps these as programmatic edges.
 """
 from __future__ import annotations
 
@@ -170,7 +164,6 @@ GEMM_SIG = "pppppppp" + "iiiiiiii"
 # (gemm_tensor_map.v6_tensor_map)
 GEMM_EXTRA_SIG = {"v6": "t"}
 ROWS_SIG = "pp" + "iii"
-PROGRAMMATIC_LAUNCHES = True   # the four launches after the alignment (sm_90: see the doc)
 SUM_SIG = "pppip" + "iiii"   # moe_sum_live_kernel: x, ids, emap, map_len, out, T, K, H, chunks
 
 
@@ -199,7 +192,6 @@ class ExpertsPlan:
         self.mul_on_input = bool(mul_on_input)
         with cupy.cuda.Device(device):
             sm90 = gg._is_sm90(cupy, device)
-            self.programmatic = pdl = PROGRAMMATIC_LAUNCHES and sm90
             bucket = gcfg.m_bucket(max(1.0, P / max(E, 1)))
             # align: one launch (cooperative above SMALL_P slots)
             G, W, smem = align_mod._align_geometry(
@@ -225,8 +217,7 @@ class ExpertsPlan:
                 kern = gg._kernel(version, dkey, cfg, device)
                 launch = FastLaunch(kern, grid, block, gsmem,
                                     GEMM_SIG + GEMM_EXTRA_SIG.get(version, ""),
-                                    fixed=_after(7, self.dummy, n, kd, P, top_k, B, L, int(mul), 0),
-                                    programmatic=pdl)
+                                    fixed=_after(7, self.dummy, n, kd, P, top_k, B, L, int(mul), 0))
                 self.gemms.append(_Gemm(version, cfg, launch, n, kd))
             self.versions = tuple(g.version for g in self.gemms)
             # activation and combine: the workspaces are 256-byte aligned, so the vector
@@ -258,8 +249,7 @@ class ExpertsPlan:
         A.check_fits_int32("x", rows * chunks, "the grid size rows * column chunks")
         k = C.get_kernel(cu, name_fmt.format(vec=vec), mod._defines(self.dtype), names)
         return FastLaunch(k, (max(rows * chunks, 1),), (threads,), 0, sig,
-                          fixed=_after(first_size, *sizes, chunks),
-                          programmatic=self.programmatic)
+                          fixed=_after(first_size, *sizes, chunks))
 
     # --- per call
     def _workspace(self, alloc, stream_ptr, capturing):

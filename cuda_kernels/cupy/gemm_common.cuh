@@ -106,18 +106,6 @@ __device__ __forceinline__ void gg_zero_tile(GG_T* __restrict__ c, const int* s_
     }
 }
 
-// ------------------------------------------------------------- programmatic launches
-// The fused path (experts.py) launches GEMM1 after the alignment and GEMM2 after the
-// activation with programmatic stream serialization (_launch.py): the grid may then start
-// while the one before it still drains, and must wait here before it reads what that grid
-// wrote (or writes what it reads). Every rung waits first thing, so nothing overlaps but the
-// launch itself. Without the launch attribute the wait returns at once.
-__device__ __forceinline__ void gg_grid_dependency_wait() {
-#if !defined(GG_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
 // ------------------------------------------------------------- cp.async (v4 and v5)
 // (the CPU emulator of tests/emulator defines GG_HOST_EMULATION and its own versions)
 #ifndef GG_HOST_EMULATION

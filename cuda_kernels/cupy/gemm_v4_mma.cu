@@ -106,7 +106,6 @@ __device__ __forceinline__ void gg_mma(float* d, const unsigned* a, const unsign
 // ---------------------------------------------------------------------------- the kernel
 extern "C" __global__ void __launch_bounds__(V4_THREADS)
 grouped_gemm_v4(GG_KERNEL_ARGS) {
-    gg_grid_dependency_wait();                // a programmatic launch: the alignment is done
     GG_DYNAMIC_SMEM(gg_smem);                 // the cp.async ring, then the output tile
     __shared__ int s_slot[BLOCK_M];
     GG_T* sm = reinterpret_cast<GG_T*>(gg_smem);

@@ -97,7 +97,6 @@ __device__ __forceinline__ unsigned gg_swizzle_offset(int r, int c) {
 
 extern "C" __global__ void __launch_bounds__(V5_THREADS, 1)
 grouped_gemm_v5(GG_KERNEL_ARGS) {
-    gg_grid_dependency_wait();                // a programmatic launch: the alignment is done
     GG_DYNAMIC_SMEM(gg_smem);                 // the cp.async ring, then the output tile
     __shared__ int s_slot[BLOCK_M];
     // the ring starts at the first 1024-byte boundary (static shared memory comes first, so

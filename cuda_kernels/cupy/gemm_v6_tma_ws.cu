@@ -200,7 +200,6 @@ __device__ __forceinline__ unsigned gg_swizzle128(int r, int c) {
 
 extern "C" __global__ void __launch_bounds__(V6_THREADS, 1)
 grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
-    gg_grid_dependency_wait();                // a programmatic launch: the alignment is done
     GG_DYNAMIC_SMEM(gg_smem);                 // ring | epilogue staging | mbarriers
     // the ring starts at the first 1024-byte boundary (the launcher adds 1024 bytes for this)
     const unsigned raw_base = gg_smem_addr(gg_smem);

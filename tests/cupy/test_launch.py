@@ -88,26 +88,3 @@ def test_fast_launch_sets_fixed_arguments_once(monkeypatch):
     assert seen == [(99, 0xBEEF, 7, -3, 0.5), (98, 0xCAFE, 7, -3, 1.5)]
     with pytest.raises(ValueError, match="fixed: expected argument indices in \\[0, 4\\)"):
         L.FastLaunch(kernel, (2,), (32,), 0, "piif", fixed={4: 1})
-
-
-@pytest.mark.parametrize("cooperative,programmatic,want", [
-    (False, True, [L.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION]),
-    (True, False, [L.CU_LAUNCH_ATTRIBUTE_COOPERATIVE]),
-    (True, True, [L.CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
-                  L.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION])])
-def test_fast_launch_attributes(monkeypatch, cooperative, programmatic, want):
-    """The launch configuration carries the cooperative and the programmatic attributes asked
-    for (each with value 1), and nothing else."""
-    seen = []
-
-    def fake_launch(config, fn, params, extra):
-        cfg = config.contents
-        seen.append([(cfg.attrs[i].id, cfg.attrs[i].value) for i in range(cfg.numAttrs)])
-        return 0
-
-    monkeypatch.setattr(L, "_driver",
-                        lambda: types.SimpleNamespace(cuLaunchKernelEx=fake_launch))
-    launch = L.FastLaunch(types.SimpleNamespace(ptr=1), (1,), (32,), 0, "p",
-                          cooperative=cooperative, programmatic=programmatic)
-    launch(5, 0)
-    assert seen == [[(i, 1) for i in want]] and launch.programmatic == programmatic
