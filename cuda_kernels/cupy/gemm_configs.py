@@ -3,8 +3,9 @@
     gemm_configs.json  maps (version, dtype, bucket of m = tokens per expert, N, Kdim) to
                        BLOCK_M, BLOCK_N, BLOCK_K, warps, stages (v3: TM, TN; v6: GROUP_M,
                        PRODUCER_REGS): generic rows, and per card (its name as the driver
-                       gives it) the rows and the rung per bucket ("version_by_m") that
-                       tune.py measured fastest on that card
+                       gives it) the rows and the rung per bucket ("version_by_m"; per
+                       tuned model's GEMM shape: "version_by_shape") that tune.py measured
+                       fastest on that card
     heuristic_config   the rule behind the untuned rows (decode: short, narrow, deep tiles;
                        prefill: big square ones)
     lookup             the table's row for a problem (the card's shape-specific rows first)

@@ -26,8 +26,10 @@ flushed before each (a memset of twice its size, outside the events), 3 warm-ups
 With two or more --versions (v4,v6 over the decode buckets, v5,v6 over the prefill ones) the
 card's section also gets "version_by_m": for each bucket, the rung whose best GEMM1 + GEMM2
 summed over the tuned models is the smallest becomes that bucket's default rung
-(gemm_configs.default_version); each run is appended to the section's "runs" (date, source,
-command). --budget-s is checked before
+(gemm_configs.default_version), and "version_by_shape": each tuned model's own fastest rung
+per bucket, under its two GEMMs' shapes, which default_version reads first (a model whose
+shape the sum outvotes keeps its winner); each run is appended to the section's "runs"
+(date, source, command). --budget-s is checked before
 every candidate, so a short budget ends on time (buckets not reached keep the generic rows:
 lookup uses a shape row only at its own bucket). A two-minute run on the buckets of the
 compute-bound points (the H200 misses of issue 4):
@@ -119,8 +121,8 @@ def heuristic_table() -> dict:
                 "tune.py. m = tokens per expert bucket; rows without N, K apply to any shape; "
                 "BLOCK_M is the alignment block_size the caller should use. default_version: "
                 "the rung used when none is named; devices[card name]: the rows tuned on that "
-                "card and its version_by_m (the measured fastest rung per bucket), read first "
-                "on that card.",
+                "card, its version_by_m (the measured fastest rung per bucket) and "
+                "version_by_shape (per tuned model's GEMM shapes), read first on that card.",
         "source": "generic rows: the heuristic (gemm_configs.heuristic_config), not timed; "
                   "each card's timed rows and rung per bucket: its section under devices",
         "default_version": dict(gcfg.BUILTIN_DEFAULTS),
