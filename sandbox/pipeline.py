@@ -12,7 +12,8 @@
     forward(layer, run, hidden_states, router_logits, exact, block)   the whole layer
     quant_experts(layer, run, x, topk_weights, topk_ids, block)   a quantized layer's experts
     route(layer, run, x, logits)                                       the route stage alone
-    block_size_for(layer, mapping, T)   B: the layer's, else the GEMM backend's BLOCK_M, else 64
+    block_size_for(layer, mapping, T)   B: the layer's, else a quantized format's own, else
+                                        the GEMM backend's BLOCK_M, else 64
 
 `layer` is a FusedMoE (sandbox/layer.py): its routing settings and its weights (param_for /
 constant_for of sandbox/weights.py give them to a backend as it reads them). When one GPU

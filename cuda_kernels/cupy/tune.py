@@ -29,9 +29,9 @@ summed over the tuned models is the smallest becomes that bucket's default rung
 (gemm_configs.default_version), and "version_by_shape": each tuned model's own fastest rung
 per bucket, under its two GEMMs' shapes, which default_version reads first (a model whose
 shape the sum outvotes keeps its winner); each run is appended to the section's "runs"
-(date, source, command). --budget-s is checked before
-every candidate, so a short budget ends on time (buckets not reached keep the generic rows:
-lookup uses a shape row only at its own bucket). A two-minute run on the buckets of the
+(date, source, command). --budget-s is checked before every candidate, so a short budget
+ends on time (buckets not reached keep the generic rows: lookup uses a shape row only at its
+own bucket). A two-minute run on the buckets of the
 compute-bound points (the H200 misses of issue 4):
     python -m cuda_kernels.cupy.tune --versions v4,v5 --budget-s 120
 (default models and buckets below: DeepSeek-V3 and Mixtral at m = 128, 256, 512, 64, 32).
