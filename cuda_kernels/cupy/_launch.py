@@ -117,8 +117,12 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, programmatic: bool = 
 # ----------------------------------------------------------------------------- fast launches
 class _Bytes128(ctypes.Structure):
     """A 128-byte kernel parameter passed by value (v6's CUtensorMap): `.value = array` copies
-    the bytes of a 128-byte host NumPy array into the slot."""
+    the bytes of a 128-byte host NumPy array into the slot. The array the slot last copied is
+    not copied again (`array.ctypes` costs microseconds a call, and a plan passes the same
+    tensor map at every call: experts.py builds a new one when the weights move and never
+    changes one in place)."""
     _fields_ = [("raw", ctypes.c_char * 128)]
+    _source = None
 
     @property
     def value(self):
@@ -126,9 +130,12 @@ class _Bytes128(ctypes.Structure):
 
     @value.setter
     def value(self, array):
+        if array is self._source:
+            return
         if array.nbytes != 128:
             raise ValueError(f"a 't' argument: expected 128 bytes, got {array.nbytes}")
         ctypes.memmove(ctypes.addressof(self), array.ctypes.data, 128)
+        self._source = array
 
 
 class FastLaunch:

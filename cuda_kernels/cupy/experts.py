@@ -71,10 +71,11 @@ class _Arg(NamedTuple):
 
 def _describe(name: str, x, kind: str) -> _Arg:
     if kind == "torch":
-        if not x.is_cuda:
+        device = x.get_device()         # -1 on the CPU (one call: this runs 5 times a call)
+        if device < 0:
             raise ValueError(f"{name}: expected a CUDA tensor, got one on {x.device}")
         return _Arg(x.data_ptr(), tuple(x.shape), _torch_np_dtype(x.dtype), x.is_contiguous(),
-                    x.get_device())
+                    device)
     if kind == "cupy":
         return _Arg(x.data.ptr, tuple(x.shape), np.dtype(x.dtype), x.flags.c_contiguous,
                     x.device.id)

@@ -51,6 +51,16 @@ def test_fast_launch_slot_of_128_bytes():
     tmap = np.arange(16, dtype=np.uint64).view(np.dtype((np.void, 128)))
     slot.value = tmap
     assert ctypes.sizeof(slot) == 128 and slot.value == tmap.tobytes()
+    # a new map (the weights moved) is copied; the same map object again is not (a plan
+    # never changes a tensor map in place: that copy is the host time of a decode call)
+    moved = np.arange(16, 32, dtype=np.uint64).view(np.dtype((np.void, 128)))
+    slot.value = moved
+    assert slot.value == moved.tobytes()
+    moved.view(np.uint64)[:] = 0
+    slot.value = moved
+    assert slot.value == np.arange(16, 32, dtype=np.uint64).tobytes()
+    slot.value = tmap
+    assert slot.value == tmap.tobytes()
     with pytest.raises(ValueError, match="128 bytes"):
         slot.value = np.zeros(4, np.uint64)
 
