@@ -317,6 +317,9 @@ def cmd_bench(args) -> int:
                              progress=bar, card=card)
     record["torch_version"] = torch.__version__
     print(bench.format_table(record))
+    note = bench.untuned_note(record)
+    if note:
+        print(note)
     command = "moe-sandbox " + " ".join(args.argv)
     if not args.no_save:
         path = bench.write_results(record, pathlib.Path(args.out), command=command)

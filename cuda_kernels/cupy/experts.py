@@ -22,6 +22,9 @@ the stage functions spend about as much again each on checks, config look-ups an
 conversions, so the layer would wait on Python. Here that work is done once per shape and
 kept in an `ExpertsPlan`; a call then checks what can change between calls (contiguity,
 device), allocates, and launches five kernels with their arguments as raw pointers.
+`plan_of(...)` (fused_experts' arguments) returns that plan without launching: its rungs
+(`.versions`) and whether this card's tuned table chose them (`.rung_sources`, "default" on
+a card tune.py never ran on).
 
 Streams and graphs: the arrays may be CuPy arrays (launched on CuPy's current stream, outputs
 from CuPy's allocator) or torch CUDA tensors (torch's current stream and allocator, so a
@@ -221,6 +224,9 @@ class ExpertsPlan:
                                     fixed=_after(7, self.dummy, n, kd, P, top_k, B, L, int(mul), 0))
                 self.gemms.append(_Gemm(version, cfg, launch, n, kd))
             self.versions = tuple(g.version for g in self.gemms)
+            # whether each rung was measured on this card or is the table's default
+            self.rung_sources = tuple(gcfg.rung_source(dtype, bucket, card, g.n, g.kd)
+                                      for g in self.gemms)
             # activation and combine: the workspaces are 256-byte aligned, so the vector
             # width depends on the row widths only
             name_fmt = f"act_and_mul_kernel<{act_mod._AND_MUL[activation]}, {{vec}}>"
@@ -368,6 +374,24 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     The gated activations silu / gelu / gelu_tanh; anything else (swigluoai, no-mul, biases)
     goes through the stage functions one by one.
     """
+    plan, args, kind = _checked_call(hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                                     apply_router_weight_on_input, block_size, expert_map)
+    return plan(*args, _allocator(kind, args[0].device))
+
+
+def plan_of(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu",
+            apply_router_weight_on_input=False, *, block_size=None, expert_map=None):
+    """The ExpertsPlan `fused_experts` runs for these arguments (its rungs: `.versions`,
+    and whether this card's table chose them: `.rung_sources`), made and cached as a call
+    would make it, without launching anything."""
+    return _checked_call(hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                         apply_router_weight_on_input, block_size, expert_map)[0]
+
+
+def _checked_call(hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                  apply_router_weight_on_input, block_size, expert_map):
+    """(plan, the plan's call arguments but the allocator, the caller's array kind) for a
+    `fused_experts` call, its arguments checked (fused_experts' doc)."""
     kind = _kind(hidden_states)
     args = {}
     for name, v in (("hidden_states", hidden_states), ("w1", w1), ("w2", w2),
@@ -418,7 +442,7 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     plan = plan_for(T, H, E, N1, I, K, x.dtype, activation, apply_router_weight_on_input,
                     block_size, x.device, x.ptr % 16 == 0, a1.ptr % 16 == 0, a2.ptr % 16 == 0,
                     E_align)
-    return plan(x, a1, a2, tw, ids, emap_ptr, _allocator(kind, x.device))
+    return plan, (x, a1, a2, tw, ids, emap_ptr), kind
 
 
 _ALLOCATORS: dict = {}

@@ -10,6 +10,8 @@
                        prefill: big square ones)
     lookup             the table's row for a problem (the card's shape-specific rows first)
     default_version    the rung used when none is named
+    rung_source        whether that rung was measured on this card ("shape", "bucket") or
+                       is the table's default ("default": the card was never tuned there)
     get_config         the config for M tokens before alignment runs: its BLOCK_M is the
                        block_size to give moe_align_block_size
     fit_config         a config with BLOCK_M shrunk to divide the alignment block
@@ -426,6 +428,22 @@ def default_version(dtype, m: float | None = None, device: str | None = None,
     if v not in VERSIONS or (v in TENSOR_CORE_VERSIONS and dkey == "fp32"):
         return BUILTIN_DEFAULTS[dkey]
     return v
+
+
+def rung_source(dtype, m: float, device: str | None, N: int | None = None,
+                K: int | None = None) -> str:
+    """Where `default_version` takes its rung for this GEMM on card `device`: "shape" (the
+    card's version_by_shape, this very GEMM tuned there), "bucket" (the card's version_by_m)
+    or "default" (the table's default_version: nothing was measured on this card for this
+    bucket, e.g. a card tune.py has not run on)."""
+    dkey = dtype_key(dtype)
+    sec = _device_section(load_table(), device)
+    if N is not None and K is not None and \
+            shape_key(m, N, K) in sec.get("version_by_shape", {}).get(dkey, {}):
+        return "shape"
+    if str(m_bucket(m)) in sec.get("version_by_m", {}).get(dkey, {}):
+        return "bucket"
+    return "default"
 
 
 def get_config(M: int, N: int, K: int, E: int, top_k: int, dtype, version: str | None = None,

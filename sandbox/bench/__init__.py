@@ -17,7 +17,7 @@ torch._grouped_mm, one module per job.
                     --cpu) for every scheme of sandbox.quant.SCHEMES, torch_quantize /
                     torch_dequantize (the NumPy quantizers' twins), dequantized_loop (the check)
     run.py          run_bench: every (preset, T, candidate) checked once, then timed
-    results.py      write_results / plot_results / format_table, git_commit
+    results.py      write_results / plot_results / format_table, untuned_note, git_commit
 
 Every name below is one of theirs (the timer's included), handed on: `from sandbox import
 bench; bench.time_cuda`.
@@ -34,7 +34,7 @@ from .cases import (CPU_TOKENS, DEFAULT_TOKENS, GPU_PRESETS, GROUPED_ROUTING, PR
 from .quantized import (QUANT_CANDIDATES, dequantized_loop, quant_candidate,
                         quant_candidate_names, torch_dequantize, torch_quantize)
 from .results import (DEFAULT_OUT_DIR, RESULTS_DIR, add_out_dir, format_table, git_commit,
-                      plot_results, results_stem, slug, write_results)
+                      plot_results, results_stem, slug, untuned_note, write_results)
 from .roofline import (FLOOR_FORMATS, KNOWN_CARDS, PEAK_BANDWIDTH, PEAK_FLOPS, card_hbm,
                        card_limits,
                        expert_bytes, floor_format, fraction_of_floor, measure_card, moe_flops,
@@ -57,7 +57,7 @@ __all__ = [
     "git_commit", "has_grouped_mm", "load_vllm_triton", "make_case", "make_weights",
     "measure_card", "moe_flops", "plot_results", "quant_candidate", "quant_candidate_names",
     "quant_expert_bytes", "register_candidate", "results_stem", "roofline_floor",
-    "run_bench", "slug", "summarize", "time_cpu", "time_cuda", "time_host",
+    "run_bench", "slug", "summarize", "untuned_note", "time_cpu", "time_cuda", "time_host",
     "torch_dequantize", "torch_grouped_mm_moe", "torch_per_expert_loop", "torch_quantize",
     "touched_expert_bytes", "touched_experts", "tqdm_or_none", "write_results",
 ]

@@ -157,10 +157,16 @@ def _cupy_factory(case: Case):
     be = registry.get_backend("cupy")
     if not be.ok:
         raise Unavailable(be.reason)
-    from cuda_kernels.cupy.experts import fused_experts
+    from cuda_kernels.cupy.experts import fused_experts, plan_of
 
     args = (case.x, case.w13, case.w2, case.topk_weights, case.topk_ids32)
-    return lambda: fused_experts(*args)
+
+    def fn():
+        return fused_experts(*args)
+    # the rungs the plan runs, and whether this card's table measured them (untuned_note)
+    plan = plan_of(*args)
+    fn.point_fields = {"rungs": list(plan.versions), "rung_sources": list(plan.rung_sources)}
+    return fn
 
 
 register_candidate("cupy", _cupy_factory)

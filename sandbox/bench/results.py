@@ -5,6 +5,8 @@
                                     says otherwise; date, commit, command and machine added
     plot_results(record, path)      time over T per model, the floor dashed, the ratio to vLLM
     format_table(record)            the points as text
+    untuned_note(record)            which points ran a rung this card's GEMM table never
+                                    measured (the `cupy` points' rung_sources), or None
     git_commit()                    the commit the numbers belong to (MOE_SANDBOX_COMMIT on a
                                     GPU machine that gets the tree without .git)
     add_out_dir(parser, flag)       the results-folder option every benchmark script takes
@@ -170,3 +172,18 @@ def format_table(record: dict) -> str:
                     f"{num(p.get('fraction_of_floor'), '.2f', 5)} "
                     f"{num(p.get('host_us'), '.1f', 8)} {p['rel_err']:8.1e}")
     return "\n".join(rows)
+
+
+def untuned_note(record: dict) -> str | None:
+    """A note naming the points where our layer (`cupy`) ran the GEMM table's default rung
+    because tune.py never measured this card there (a point's `rung_sources`, one per GEMM,
+    "default"), and how to tune it; None when every GEMM's rung was measured on the card.
+    Such points time the untuned fallback, not the rung the card would pick."""
+    untuned = [p for p in record["points"]
+               if p["candidate"] == "cupy" and "default" in p.get("rung_sources", ())]
+    if not untuned:
+        return None
+    where = ", ".join(f"{p['model']} T={p['T']} ({'/'.join(p['rungs'])})" for p in untuned)
+    return (f"note: {record.get('device', 'this card')} has no tuned rung in "
+            f"cuda_kernels/cupy/gemm_configs.json for {where}: the table's default ran "
+            f"there. Tune this card first: python -m cuda_kernels.cupy.tune --versions v4,v5,v6")

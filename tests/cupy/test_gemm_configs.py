@@ -178,6 +178,13 @@ def test_version_by_shape_picks_the_rung_per_model(monkeypatch):
         assert gcfg.default_version(BF16, 2, card, 1000, 1000) == "v6"  # the bucket's
         assert gcfg.default_version(BF16, 2, card) == "v6"
         assert gcfg.default_version(BF16, 8, card, 1536, 2048) == "v4"  # the default's
+        # where each rung came from: the model's shape, the bucket, or nothing measured
+        assert gcfg.rung_source(BF16, 2, card, 1536, 2048) == "shape"
+        assert gcfg.rung_source(BF16, 2, card, 1000, 1000) == "bucket"
+        assert gcfg.rung_source(BF16, 2, card) == "bucket"
+        assert gcfg.rung_source(BF16, 8, card, 1536, 2048) == "default"
+        assert gcfg.rung_source(BF16, 2, "A card never tuned", 1536, 2048) == "default"
+        assert gcfg.rung_source(BF16, 2, None) == "default"           # no GPU here
         # the layer's block size and both GEMMs' rungs follow the model's choice
         E, top_k = 128, 8
         cfg = gcfg.get_config(2 * E // top_k, 1536, 2048, E, top_k, BF16, device=card)

@@ -174,6 +174,25 @@ def test_add_ratios_to_both_peers():
     assert "vs vLLM" in table and " 0.50 " in table
 
 
+def test_untuned_note_names_the_points_that_ran_the_default_rung():
+    """A `cupy` point whose plan took a GEMM's rung from the table's default (this card never
+    tuned there) is named with its rungs and the tune command; all measured: no note."""
+    def pt(T, sources, cand="cupy"):
+        return {"model": "qwen3-30b-a3b", "T": T, "candidate": cand, "rungs": ["v4", "v4"],
+                "rung_sources": sources}
+    rec = {"device": "NVIDIA H200", "points": [pt(1, ["default", "default"]),
+                                              pt(64, ["bucket", "shape"]),
+                                              pt(1, ["default"], cand="vllm-triton"),
+                                              {"model": "m", "T": 2, "candidate": "cupy",
+                                               "error": "setup: boom"}]}
+    note = bench.untuned_note(rec)
+    assert note.startswith("note: NVIDIA H200 has no tuned rung")
+    assert "qwen3-30b-a3b T=1 (v4/v4)" in note and "T=64" not in note
+    assert "python -m cuda_kernels.cupy.tune" in note
+    rec["points"] = rec["points"][1:]
+    assert bench.untuned_note(rec) is None
+
+
 def test_vllm_triton_peer_is_found_or_unavailable(tmp_path):
     """The peer is loaded from a folder at run time; a folder without it says so."""
     with pytest.raises(bench.Unavailable, match="no vLLM Triton peer"):
@@ -239,6 +258,8 @@ def test_run_bench_gpu_tiny():
     assert {"torch-loop", "torch-grouped_mm"} <= {p["candidate"] for p in ok}
     for p in ok:
         assert p["rel_err"] <= 2e-2, p          # bf16 against the bf16 torch loop
+    for p in (p for p in ok if p["candidate"] == "cupy"):   # the rungs its plan ran
+        assert len(p["rungs"]) == 2 and set(p["rung_sources"]) <= {"shape", "bucket", "default"}
 
 
 def test_bench_wna16_config_overrides():
