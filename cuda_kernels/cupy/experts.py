@@ -23,8 +23,8 @@ conversions, so the layer would wait on Python. Here that work is done once per 
 kept in an `ExpertsPlan`; a call then checks what can change between calls (contiguity,
 device), allocates, and launches five kernels with their arguments as raw pointers.
 `plan_of(...)` (fused_experts' arguments) returns that plan without launching: its rungs
-(`.versions`) and whether this card's tuned table chose them (`.rung_sources`, "default" on
-a card tune.py never ran on).
+(`.versions`) and whether this card's tuned table chose them (`.rungs_tuned`, False on a
+card tune.py never ran on).
 
 Streams and graphs: the arrays may be CuPy arrays (launched on CuPy's current stream, outputs
 from CuPy's allocator) or torch CUDA tensors (torch's current stream and allocator, so a
@@ -224,9 +224,8 @@ class ExpertsPlan:
                                     fixed=_after(7, self.dummy, n, kd, P, top_k, B, L, int(mul), 0))
                 self.gemms.append(_Gemm(version, cfg, launch, n, kd))
             self.versions = tuple(g.version for g in self.gemms)
-            # whether each rung was measured on this card or is the table's default
-            self.rung_sources = tuple(gcfg.rung_source(dtype, bucket, card, g.n, g.kd)
-                                      for g in self.gemms)
+            # whether the rungs were measured on this card or are the table's default
+            self.rungs_tuned = gcfg.rung_is_tuned(dtype, bucket, card)
             # activation and combine: the workspaces are 256-byte aligned, so the vector
             # width depends on the row widths only
             name_fmt = f"act_and_mul_kernel<{act_mod._AND_MUL[activation]}, {{vec}}>"
@@ -382,7 +381,7 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
 def plan_of(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu",
             apply_router_weight_on_input=False, *, block_size=None, expert_map=None):
     """The ExpertsPlan `fused_experts` runs for these arguments (its rungs: `.versions`,
-    and whether this card's table chose them: `.rung_sources`), made and cached as a call
+    and whether this card's table chose them: `.rungs_tuned`), made and cached as a call
     would make it, without launching anything."""
     return _checked_call(hidden_states, w1, w2, topk_weights, topk_ids, activation,
                          apply_router_weight_on_input, block_size, expert_map)[0]

@@ -370,7 +370,7 @@ def _plan(version, dkey, bucket, N, K, block_size, aligned, sm90, config_items, 
     if version in TENSOR_CORE_VERSIONS and dkey == "fp32":
         version = "v3"          # the tensor-core rungs take half types; fp32 uses FFMA
     if version is None:
-        chain = _FALLBACK[default_version_key(dkey, bucket, device, N, K)]
+        chain = _FALLBACK[default_version_key(dkey, bucket, device)]
         version = next(v for v in chain if usable(v, dkey, K, block_size, aligned, sm90) is None)
     elif version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS} or None, got {version!r}")

@@ -26,12 +26,10 @@ flushed before each (a memset of twice its size, outside the events), 3 warm-ups
 With two or more --versions (v4,v6 over the decode buckets, v5,v6 over the prefill ones) the
 card's section also gets "version_by_m": for each bucket, the rung whose best GEMM1 + GEMM2
 summed over the tuned models is the smallest becomes that bucket's default rung
-(gemm_configs.default_version), and "version_by_shape": each tuned model's own fastest rung
-per bucket, under its two GEMMs' shapes, which default_version reads first (a model whose
-shape the sum outvotes keeps its winner); each run is appended to the section's "runs"
-(date, source, command). --budget-s is checked before every candidate, so a short budget
-ends on time (buckets not reached keep the generic rows: lookup uses a shape row only at its
-own bucket). A two-minute run on the buckets of the
+(gemm_configs.default_version); each run is appended to the section's "runs" (date, source,
+command). --budget-s is checked before every candidate, so a short budget ends on time
+(buckets not reached keep the generic rows: lookup uses a shape row only at its own bucket).
+A two-minute run on the buckets of the
 compute-bound points (the H200 misses of issue 4):
     python -m cuda_kernels.cupy.tune --versions v4,v5 --budget-s 120
 (default models and buckets below: DeepSeek-V3 and Mixtral at m = 128, 256, 512, 64, 32).
@@ -121,8 +119,8 @@ def heuristic_table() -> dict:
                 "tune.py. m = tokens per expert bucket; rows without N, K apply to any shape; "
                 "BLOCK_M is the alignment block_size the caller should use. default_version: "
                 "the rung used when none is named; devices[card name]: the rows tuned on that "
-                "card, its version_by_m (the measured fastest rung per bucket) and "
-                "version_by_shape (per tuned model's GEMM shapes), read first on that card.",
+                "card and its version_by_m (the measured fastest rung per bucket), read first "
+                "on that card.",
         "source": "generic rows: the heuristic (gemm_configs.heuristic_config), not timed; "
                   "each card's timed rows and rung per bucket: its section under devices",
         "default_version": dict(gcfg.BUILTIN_DEFAULTS),
@@ -300,30 +298,11 @@ def version_by_m(best_by_version: dict, dkey: str = "bf16") -> dict:
     return {dkey: out, ("fp16" if dkey == "bf16" else "bf16"): dict(out)}
 
 
-def version_by_shape(best_by_version: dict, dkey: str = "bf16") -> dict:
-    """{dtype: {"m/NxK": version}}: for each tuned model and bucket where two or more rungs
-    were timed, the rung whose GEMM1 + GEMM2 is the fastest on that model, under the keys of
-    both its GEMMs (gemm_configs.shape_key: they share one alignment, so one rung for both).
-    gemm_configs.default_version reads it before version_by_m."""
-    out = {}
-    for key, m in sorted({(k, m) for (k, m, _) in best_by_version}):
-        times = {v: t for (k, mm, v), t in best_by_version.items() if (k, mm) == (key, m)}
-        if len(times) < 2:
-            continue
-        best = min(times, key=times.get)
-        _, _, _, H, I = MODELS[key]  # noqa: E741
-        for N, K in ((2 * I, H), (H, I)):
-            out[gcfg.shape_key(m, N, K)] = best
-    if not out:
-        return {}
-    return {dkey: out, ("fp16" if dkey == "bf16" else "bf16"): dict(out)}
-
-
 def merge_device_section(table: dict, device: str, rows: list[dict], by_m: dict,
-                         meta: dict, by_shape: dict | None = None) -> dict:
+                         meta: dict) -> dict:
     """Put the rows tuned on `device` into its section of the table: a new row replaces the
     one of the same (version, dtype, m, N, K); buckets of `by_m` replace those of the
-    section's version_by_m (and those of `by_shape` its version_by_shape). The section's
+    section's version_by_m. The section's
     "runs" list records where its numbers came from:
     `meta` (date, source, command) is appended, so that a run that re-tunes a few buckets
     does not erase the provenance of the others."""
@@ -331,12 +310,11 @@ def merge_device_section(table: dict, device: str, rows: list[dict], by_m: dict,
     key = (lambda r: (r["version"], r["dtype"], r["m"], r.get("N"), r.get("K")))
     new = {key(r) for r in rows}
     sec["configs"] = [r for r in sec.get("configs", []) if key(r) not in new] + rows
-    for name, new_choices in (("version_by_m", by_m), ("version_by_shape", by_shape or {})):
-        merged = sec.get(name, {})
-        for dk, choices in new_choices.items():
-            merged.setdefault(dk, {}).update(choices)
-        if merged:
-            sec[name] = merged
+    merged = sec.get("version_by_m", {})
+    for dk, choices in by_m.items():
+        merged.setdefault(dk, {}).update(choices)
+    if merged:
+        sec["version_by_m"] = merged
     runs = sec.setdefault("runs", [])
     legacy = {k: sec.pop(k) for k in ("date", "source", "command") if k in sec}
     if legacy:      # a section written before "runs" kept one run's provenance at its top
@@ -565,9 +543,8 @@ def main(argv=None):
         except OSError:
             commit = None
         by_m = version_by_m(BEST_BY_VERSION)
-        by_shape = version_by_shape(BEST_BY_VERSION)
         device = gcfg.current_device_name()
-        merge_device_section(table, device, rows, by_m, by_shape=by_shape, meta={
+        merge_device_section(table, device, rows, by_m, {
             "source": f"timed by tune.py ({args.versions}, commit {commit})",
             "date": datetime.date.today().isoformat(),
             "command": " ".join([sys.executable, "-m", "cuda_kernels.cupy.tune"] +

@@ -163,9 +163,10 @@ def _cupy_factory(case: Case):
 
     def fn():
         return fused_experts(*args)
+
     # the rungs the plan runs, and whether this card's table measured them (untuned_note)
     plan = plan_of(*args)
-    fn.point_fields = {"rungs": list(plan.versions), "rung_sources": list(plan.rung_sources)}
+    fn.point_fields = {"rungs": list(plan.versions), "rungs_tuned": plan.rungs_tuned}
     return fn
 
 

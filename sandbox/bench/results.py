@@ -6,7 +6,7 @@
     plot_results(record, path)      time over T per model, the floor dashed, the ratio to vLLM
     format_table(record)            the points as text
     untuned_note(record)            which points ran a rung this card's GEMM table never
-                                    measured (the `cupy` points' rung_sources), or None
+                                    measured (the `cupy` points' rungs_tuned), or None
     git_commit()                    the commit the numbers belong to (MOE_SANDBOX_COMMIT on a
                                     GPU machine that gets the tree without .git)
     add_out_dir(parser, flag)       the results-folder option every benchmark script takes
@@ -176,11 +176,11 @@ def format_table(record: dict) -> str:
 
 def untuned_note(record: dict) -> str | None:
     """A note naming the points where our layer (`cupy`) ran the GEMM table's default rung
-    because tune.py never measured this card there (a point's `rung_sources`, one per GEMM,
-    "default"), and how to tune it; None when every GEMM's rung was measured on the card.
-    Such points time the untuned fallback, not the rung the card would pick."""
+    because tune.py never measured this card there (a point's `rungs_tuned` False), and how
+    to tune it; None when every point's rungs were measured on the card. Such points time
+    the untuned fallback, not the rung the card would pick."""
     untuned = [p for p in record["points"]
-               if p["candidate"] == "cupy" and "default" in p.get("rung_sources", ())]
+               if p["candidate"] == "cupy" and p.get("rungs_tuned") is False]
     if not untuned:
         return None
     where = ", ".join(f"{p['model']} T={p['T']} ({'/'.join(p['rungs'])})" for p in untuned)

@@ -141,6 +141,11 @@ def test_version_by_m_picks_v5_per_bucket(monkeypatch):
         assert gcfg.default_version(BF16, 100, card) == "v5"
         assert gcfg.default_version(BF16, 300, card) == "v4"
         assert gcfg.default_version(BF16, 100, "Another card") == "v4"    # not its section
+        # whether the rung was measured on the card: only the buckets tune.py chose
+        assert gcfg.rung_is_tuned(BF16, 100, card) and gcfg.rung_is_tuned(BF16, 256, card)
+        assert not gcfg.rung_is_tuned(BF16, 600, card)                   # bucket 512: v5 only
+        assert not gcfg.rung_is_tuned(BF16, 100, "Another card")
+        assert not gcfg.rung_is_tuned(BF16, 100, None)                     # no GPU here
         E, top_k = 256, 8
         cfg = gcfg.get_config(128 * E // top_k, 4096, 7168, E, top_k, BF16, device=card)
         assert cfg["version"] == "v5" and cfg["BLOCK_M"] % 64 == 0
@@ -152,46 +157,6 @@ def test_version_by_m_picks_v5_per_bucket(monkeypatch):
         assert plan(None, "bf16", 128, 4096, 7168, 64, True, False, None, card)[0] == "v4"
         assert plan(None, "fp32", 128, 4096, 7168, 64, True, True, None, card)[0] == "v3"
         assert plan(None, "bf16", 128, 4096, 7168, 64, True, True, None, None)[0] == "v4"
-    finally:
-        gg._plan.cache_clear()
-
-
-def test_version_by_shape_picks_the_rung_per_model(monkeypatch):
-    """version_by_shape (tune.py: the fastest rung on each tuned model, under both its GEMMs'
-    keys) overrides the bucket's rung for those shapes only; other shapes keep version_by_m."""
-    times = {("qwen3", 2, "v6"): 2.0, ("qwen3", 2, "v4"): 1.0,          # qwen3 prefers v4
-             ("deepseek", 2, "v6"): 5.0, ("deepseek", 2, "v4"): 6.5,    # deepseek v6
-             ("mixtral", 4, "v4"): 1.0}                                 # one rung: no choice
-    by_m, by_shape = tune.version_by_m(times), tune.version_by_shape(times)
-    assert by_m["bf16"] == {"2": "v6"}                         # summed: 7.0 against 7.5
-    assert by_shape["bf16"] == {"2/1536x2048": "v4", "2/2048x768": "v4",
-                                "2/4096x7168": "v6", "2/7168x2048": "v6"}
-    card = "Card S"
-    table = tune.merge_device_section({"configs": gcfg.load_table()["configs"]}, card, [],
-                                      by_m, {"date": "today"}, by_shape=by_shape)
-    monkeypatch.setattr(gcfg, "load_table", lambda *a: table)
-    gg._plan.cache_clear()
-    try:
-        assert gcfg.default_version(BF16, 2, card, 1536, 2048) == "v4"
-        assert gcfg.default_version(BF16, 2, card, 2048, 768) == "v4"
-        assert gcfg.default_version(BF16, 2, card, 4096, 7168) == "v6"
-        assert gcfg.default_version(BF16, 2, card, 1000, 1000) == "v6"  # the bucket's
-        assert gcfg.default_version(BF16, 2, card) == "v6"
-        assert gcfg.default_version(BF16, 8, card, 1536, 2048) == "v4"  # the default's
-        # where each rung came from: the model's shape, the bucket, or nothing measured
-        assert gcfg.rung_source(BF16, 2, card, 1536, 2048) == "shape"
-        assert gcfg.rung_source(BF16, 2, card, 1000, 1000) == "bucket"
-        assert gcfg.rung_source(BF16, 2, card) == "bucket"
-        assert gcfg.rung_source(BF16, 8, card, 1536, 2048) == "default"
-        assert gcfg.rung_source(BF16, 2, "A card never tuned", 1536, 2048) == "default"
-        assert gcfg.rung_source(BF16, 2, None) == "default"           # no GPU here
-        # the layer's block size and both GEMMs' rungs follow the model's choice
-        E, top_k = 128, 8
-        cfg = gcfg.get_config(2 * E // top_k, 1536, 2048, E, top_k, BF16, device=card)
-        assert cfg["version"] == "v4"
-        plan = gg._plan.__wrapped__
-        B = cfg["BLOCK_M"]
-        assert plan(None, "bf16", 2, 2048, 768, B, True, True, None, card)[0] == "v4"
     finally:
         gg._plan.cache_clear()
 

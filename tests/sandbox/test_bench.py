@@ -177,12 +177,11 @@ def test_add_ratios_to_both_peers():
 def test_untuned_note_names_the_points_that_ran_the_default_rung():
     """A `cupy` point whose plan took a GEMM's rung from the table's default (this card never
     tuned there) is named with its rungs and the tune command; all measured: no note."""
-    def pt(T, sources, cand="cupy"):
+    def pt(T, tuned, cand="cupy"):
         return {"model": "qwen3-30b-a3b", "T": T, "candidate": cand, "rungs": ["v4", "v4"],
-                "rung_sources": sources}
-    rec = {"device": "NVIDIA H200", "points": [pt(1, ["default", "default"]),
-                                              pt(64, ["bucket", "shape"]),
-                                              pt(1, ["default"], cand="vllm-triton"),
+                "rungs_tuned": tuned}
+    rec = {"device": "NVIDIA H200", "points": [pt(1, False), pt(64, True),
+                                              pt(1, False, cand="vllm-triton"),
                                               {"model": "m", "T": 2, "candidate": "cupy",
                                                "error": "setup: boom"}]}
     note = bench.untuned_note(rec)
@@ -259,7 +258,7 @@ def test_run_bench_gpu_tiny():
     for p in ok:
         assert p["rel_err"] <= 2e-2, p          # bf16 against the bf16 torch loop
     for p in (p for p in ok if p["candidate"] == "cupy"):   # the rungs its plan ran
-        assert len(p["rungs"]) == 2 and set(p["rung_sources"]) <= {"shape", "bucket", "default"}
+        assert len(p["rungs"]) == 2 and isinstance(p["rungs_tuned"], bool)
 
 
 def test_bench_wna16_config_overrides():
