@@ -37,19 +37,6 @@
 #define ACT_THREADS 256
 #endif
 
-template <int ACT>
-__device__ __forceinline__ float act(float g) {
-    if (ACT == 0) return g / (1.0f + expf(-g));
-    if (ACT == 1) return 0.5f * g * (1.0f + erff(g / 1.41421356237309504880f));
-    if (ACT == 2) {
-        const float inner = 0.79788456080286535588f * (g + 0.044715f * g * g * g);
-        return 0.5f * g * (1.0f + tanhf(inner));
-    }
-    // ACT == 3: relu squared; a NaN stays NaN (np.maximum propagates it)
-    const float r = g > 0.0f ? g : (g != g ? g : 0.0f);
-    return r * r;
-}
-
 // x rounded to SCALAR_T and back (vLLM's act_and_mul: ACT returns a scalar_t)
 __device__ __forceinline__ float round_scalar(float x) {
     SCALAR_T r;

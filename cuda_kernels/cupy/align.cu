@@ -33,25 +33,10 @@
 
 // align_bucket, block_exclusive_scan (and PREFETCH, FULL_MASK)
 #include "grouping.cuh"
+// grid_barrier (the cooperative grid's one barrier)
+#include "grid_barrier.cuh"
 
 // ============================================================================ alignment (v2)
-// Grid-wide barrier of a cooperative launch (every block resident at once). `bar` is one word
-// that outlives the launch (align.py keeps one per device and stream, zeroed once): block 0
-// adds 2^31 - (G - 1) and every other block 1, so the top bit flips exactly when the G-th
-// block arrives, and the low 31 bits are back to 0 for the next launch on that stream. The
-// scheme of CUDA's own grid sync, written out so that NVRTC needs no cooperative_groups.
-__device__ __forceinline__ void grid_barrier(unsigned int* bar) {
-    __syncthreads();  // the block's writes come before thread 0's fence (a cumulative fence)
-    if (threadIdx.x == 0) {
-        const unsigned int inc = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
-        __threadfence();  // release: this block's global writes, then its arrival
-        const unsigned int old = atomicAdd(bar, inc);
-        while (((*(volatile unsigned int*)bar ^ old) & 0x80000000u) == 0u) __nanosleep(20);
-        __threadfence();  // acquire: every block's writes are visible past this point
-    }
-    __syncthreads();
-}
-
 // The buckets of one round of a warp's slots: b[u] is the bucket of slot base + 32 u + lane
 // (-1: dropped, or past `end`). PREFETCH independent loads in flight per lane.
 __device__ __forceinline__ void load_align_buckets(const int* __restrict__ ids,

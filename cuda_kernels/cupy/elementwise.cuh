@@ -8,6 +8,8 @@
 //     through it: VEC * sizeof(T) = 16 bytes gives one 128-bit load or store per thread.
 //     The launcher (_compile.row_geometry) picks VEC so that the row width and every base
 //     pointer are multiples of VEC * sizeof(T): the reinterpret_cast is then aligned;
+//   - act<ACT>: the activations in fp32 (activation.cu's table; experts_decode.cu fuses the
+//     gated ones into its GEMM1);
 //   - the row sums' pieces (combine, unpermute, the EP combine): row_chunk (a thread's row and
 //     first column) and add_f32 (acc += row or w * row in fp32, in order).
 // No macros: the element type is a template argument, so a file may use it with its own
@@ -59,4 +61,18 @@ template <int VEC, typename T>
 __device__ __forceinline__ void add_f32(float (&acc)[VEC], float w, const Pack<T, VEC>& v) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, to_f32(v.v[j])));
+}
+
+// act<ACT>(g) in fp32: ACT 0 silu, 1 gelu (exact), 2 gelu_tanh, 3 relu2 (activation.cu's math)
+template <int ACT>
+__device__ __forceinline__ float act(float g) {
+    if (ACT == 0) return g / (1.0f + expf(-g));
+    if (ACT == 1) return 0.5f * g * (1.0f + erff(g / 1.41421356237309504880f));
+    if (ACT == 2) {
+        const float inner = 0.79788456080286535588f * (g + 0.044715f * g * g * g);
+        return 0.5f * g * (1.0f + tanhf(inner));
+    }
+    // ACT == 3: relu squared; a NaN stays NaN (np.maximum propagates it)
+    const float r = g > 0.0f ? g : (g != g ? g : 0.0f);
+    return r * r;
 }

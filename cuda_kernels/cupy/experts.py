@@ -26,6 +26,14 @@ device), allocates, and launches five kernels with their arguments as raw pointe
 (`.versions`) and whether this card's tuned table chose them (`.rungs_tuned`, False on a
 card tune.py never ran on).
 
+A decode batch (T <= experts_decode.CONFIGS["decode"]["MAX_TOKENS"], and no block_size asked
+for) takes another plan: the whole expert part in one cooperative launch
+(experts_decode.cu: GEMM1 + activation, a grid barrier, GEMM2 + combine), `.versions`
+("decode",). There the fixed costs of five launches, the alignment and two GEMM ramps are
+most of the step (Qwen3-30B-A3B at T = 1: 75 MB of weights, 22 us at the H100's datasheet
+bandwidth, 58 us staged); its output matches the stages to bf16 rounding, not bit for bit
+(another summation order).
+
 Streams and graphs: the arrays may be CuPy arrays (launched on CuPy's current stream, outputs
 from CuPy's allocator) or torch CUDA tensors (torch's current stream and allocator, so a
 `torch.cuda.graph` capture records the five launches). Nothing is synchronised and nothing is
@@ -49,6 +57,7 @@ from . import _compile as C
 from . import activation as act_mod
 from . import align as align_mod
 from . import combine as sum_mod
+from . import experts_decode as dec
 from . import gemm as gg
 from . import gemm_configs as gcfg
 from ._geometry import ROW_VECS, block_threads, cdiv
@@ -173,7 +182,8 @@ SUM_SIG = "pppip" + "iiii"   # moe_sum_live_kernel: x, ids, emap, map_len, out, 
 
 class ExpertsPlan:
     """Everything about a `fused_experts` call that depends only on its shapes, dtypes,
-    options and device: the block size, the five kernels, their grids and fixed arguments.
+    options and device: the block size, the five kernels, their grids and fixed arguments
+    (or, for a decode batch, the one launch of experts_decode.py).
     Made by `plan_for` (cached); `__call__` does the per-call work."""
 
     def __init__(self, T, H, E, N1, I, K, dtype, activation, mul_on_input, block_size,  # noqa: E741
@@ -186,6 +196,7 @@ class ExpertsPlan:
         self.device = device
         self.dkey = dkey = gcfg.dtype_key(dtype)
         card = gcfg.device_name(device)
+        block_requested = block_size is not None
         if block_size is None:
             block_size = int(gcfg.get_config(T, N1, H, E, K, dtype, device=card)["BLOCK_M"])
         self.B = B = A.check_int("block_size", block_size, 1)
@@ -194,6 +205,21 @@ class ExpertsPlan:
         self.L = L = max_num_tokens_padded(P, B, E_align)
         self.num_blocks = cdiv(L, B)
         self.mul_on_input = bool(mul_on_input)
+        isz = self.dtype.itemsize
+        # a decode batch: the whole expert part in one launch (experts_decode.py), unless the
+        # caller asked for an alignment block (that is, for the staged path)
+        self.decode = None
+        with cupy.cuda.Device(device):
+            G = gg._sm_count(device)
+            if not block_requested and dec.eligible(
+                    T, K, H, I, dtype, activation, mul_on_input, E_align != E,
+                    a_aligned and w1_aligned and w2_aligned, G):
+                self.decode = dec.decode_launch(T, K, E, H, I, dtype, activation, G)
+                self.versions, self.rungs_tuned = ("decode",), True   # no per-card table
+                self._ws_sizes = (P * I * isz,)                       # c2
+                self._workspaces, self._captured = {}, []
+                self.ws_bytes = _round256(P * I * isz)
+                return
         with cupy.cuda.Device(device):
             sm90 = gg._is_sm90(cupy, device)
             bucket = gcfg.m_bucket(max(1.0, P / max(E, 1)))
@@ -236,10 +262,9 @@ class ExpertsPlan:
                                       "SUM_THREADS", "moe_sum_kernel", sum_mod._NAMES, SUM_SIG,
                                       first_size=5, sizes=(T, K, H))
         # workspace layout: [sorted L][expert_ids L/B][ntpp 1][hist G*E], then c1, c2, c3
-        isz = self.dtype.itemsize
         self.n_ints = L + self.num_blocks + 1 + (G * E_align if G > 1 else 0)
-        self.ws_bytes = _round256(4 * self.n_ints) + sum(
-            _round256(P * w * isz) for w in (N1, I, H))
+        self._ws_sizes = (4 * self.n_ints,) + tuple(P * w * isz for w in (N1, I, H))
+        self.ws_bytes = sum(_round256(n) for n in self._ws_sizes)
         self._workspaces: dict = {}
         self._captured: list = []
 
@@ -259,8 +284,9 @@ class ExpertsPlan:
 
     # --- per call
     def _workspace(self, alloc, stream_ptr, capturing):
-        """(ints pointer, c1, c2, c3 pointers, owner): cached per stream for small plans
-        outside a capture (a capture gets fresh buffers from the graph's pool)."""
+        """(ints pointer, c1, c2, c3 pointers, owner), or (c2 pointer, owner) for a decode
+        plan: cached per stream for small plans outside a capture (a capture gets fresh
+        buffers from the graph's pool)."""
         key = (alloc.kind, stream_ptr)
         if not capturing:
             hit = self._workspaces.get(key)
@@ -268,9 +294,7 @@ class ExpertsPlan:
                 return hit
         owner, base = alloc.raw(self.ws_bytes)
         ptrs, off = [], 0
-        isz = self.dtype.itemsize
-        for nbytes in (4 * self.n_ints, self.P * self.N1 * isz, self.P * self.I * isz,
-                       self.P * self.H * isz):
+        for nbytes in self._ws_sizes:
             ptrs.append(base + off)
             off += _round256(nbytes)
         ws = (*ptrs, owner)
@@ -288,6 +312,11 @@ class ExpertsPlan:
         if self.P == 0 or self.H == 0:
             return out
         stream_ptr, capturing = alloc.stream()
+        if self.decode is not None:
+            c2, _owner = self._workspace(alloc, stream_ptr, capturing)
+            self.decode(stream_ptr, x.ptr, w1.ptr, w2.ptr, tw.ptr, ids.ptr, c2, out_ptr,
+                        align_mod._barrier_word(stream_ptr).data.ptr)
+            return out
         ints, c1, c2, c3, _owner = self._workspace(alloc, stream_ptr, capturing)
         E = self.E_align
         sorted_ids, expert_ids = ints, ints + 4 * self.L
@@ -369,7 +398,8 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="sil
     A slot whose id is outside [0, E) (vLLM's -1) adds nothing: the alignment drops it and
     the combine skips it. expert_map [E_global] int32 (global -> local id or -1; topk_ids
     then hold global ids) or None; block_size: the alignment block (None: the GEMM config's
-    BLOCK_M for this shape). Returns the caller's kind of array.
+    BLOCK_M for this shape; a decode batch asked for no alignment block runs in one launch,
+    module docstring). Returns the caller's kind of array.
     The gated activations silu / gelu / gelu_tanh; anything else (swigluoai, no-mul, biases)
     goes through the stage functions one by one.
     """

@@ -51,8 +51,19 @@ SHAPES = [(1, 8, 2, 256, 512), (7, 16, 4, 128, 192), (64, 32, 8, 256, 128),
           (300, 8, 2, 512, 256), (5000, 4, 1, 64, 64)]
 
 
+@pytest.fixture
+def staged(monkeypatch):
+    """The plan's five stage kernels at every T (no one-launch decode path,
+    tests/cupy/test_experts_decode.py): what the bit-for-bit comparisons are about."""
+    from cuda_kernels.cupy import experts, experts_decode
+
+    monkeypatch.setitem(experts_decode.CONFIGS, "decode",
+                        {**experts_decode.CONFIGS["decode"], "MAX_TOKENS": 0})
+    monkeypatch.setattr(experts, "_PLANS", {})
+
+
 @pytest.mark.parametrize("T,E,K,H,I", SHAPES)
-def test_fused_experts_is_the_stages_bit_for_bit(T, E, K, H, I, rng):  # noqa: E741
+def test_fused_experts_is_the_stages_bit_for_bit(T, E, K, H, I, rng, staged):  # noqa: E741
     from cuda_kernels.cupy.experts import fused_experts, plan_for
 
     host = _problem(rng, T, E, K, H, I)

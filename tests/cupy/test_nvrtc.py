@@ -17,8 +17,8 @@ from cuda_kernels.cupy import _geometry as G
 
 # The modules that register compile cases. gemm is written separately: when it is
 # missing or broken the others are still checked (its own test reports the failure).
-KERNEL_MODULES = ("routing", "align", "permute", "activation", "combine", "gemm", "quant.act",
-                  "quant.gemm", "ep_layout")
+KERNEL_MODULES = ("routing", "align", "permute", "activation", "combine", "experts_decode",
+                  "gemm", "quant.act", "quant.gemm", "ep_layout")
 ARCHS = ("sm_90", "sm_80")
 
 

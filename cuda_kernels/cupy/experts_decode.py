@@ -1,0 +1,83 @@
+"""A decode step's experts in one launch (experts_decode.cu): GEMM1 + activation, a grid
+barrier, GEMM2 + router weight + combine.
+
+    T <= MAX_TOKENS tokens, K top-k, P = T*K slots, E experts, H hidden, I intermediate
+
+experts.ExpertsPlan runs this instead of its five stage kernels when `eligible(...)` says so:
+a decode batch of at most CONFIGS["decode"]["MAX_TOKENS"] tokens (the largest T measured faster
+than the stages, tests/cupy/test_experts_decode.py and the bench's `cupy` points), a gated
+silu / gelu / gelu_tanh, the router weight applied to the output, no expert map, H and I
+multiples of 8, 16-byte aligned arrays, and c2 [P, I] small enough to stage in shared memory.
+The roundings are the stages'; the sums are in another order (fp32 fma per lane, then a warp
+sum, not the tensor cores'), so the output matches the stages to bf16 rounding, not bit for bit.
+
+Launch: one block of DEC_THREADS per SM, cooperative (the grid barrier); shared memory
+P I (c2) + 8 P (ids, weights) + 4 cdiv(H, G) P (the pairs' c3) bytes; the barrier word is
+align.py's, one per device and stream.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _arrays as A
+from . import _compile as C
+from ._geometry import cdiv
+from ._launch import FastLaunch
+
+CU = "experts_decode.cu"
+# MAX_TOKENS: the largest decode batch run here (measured on an H100: experts_decode.cu's
+# notes); U1, U2: 16-byte loads in flight per lane per row (phase 1: of each of the gate and
+# up rows; phase 2: of each pair); PREFETCH_*: bytes of phase-2 weights per block pulled into
+# L2 at the start and after phase 1
+CONFIGS = {"decode": {"MAX_TOKENS": 1, "DEC_THREADS": 512, "U1": 8, "U2": 4,
+                      "PREFETCH_EARLY": 65536, "PREFETCH_LATE": 131072}}
+ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+PAIRS_CHOICES = (1, 2, 4)
+SHARED_LIMIT = 200 * 1024          # of the 227 KB an sm_90 block may opt in to
+_NAMES = tuple(f"moe_decode_kernel<{a}, {p}>" for a in ACTS.values() for p in PAIRS_CHOICES)
+SIG = "pppppppp" + "iiiii"          # x, w1, w2, tw, ids, c2, out, bar | T, K, E, H, I
+
+
+def _defines(dtype) -> dict:
+    cfg = CONFIGS["decode"]
+    return {"SCALAR_T": A.ctype_of(dtype),
+            **{k: cfg[k] for k in ("DEC_THREADS", "U1", "U2", "PREFETCH_EARLY",
+                                   "PREFETCH_LATE")}}
+
+
+for _dt in (np.dtype(np.float16), A.bf16_dtype()):
+    C.register_compile_case(CU, _defines(_dt), _NAMES)
+
+
+def pairs_for(I: int) -> int:  # noqa: E741
+    """Phase 2's pairs per warp at once: enough rows that a lane has about 8 loads in flight
+    (Qwen3's I = 768 gives 3 steps a lane per row: 2 pairs)."""
+    steps = min(CONFIGS["decode"]["U2"], cdiv(I // 8, 32))
+    want = max(1, 8 // max(steps, 1))
+    return max(p for p in PAIRS_CHOICES if p <= want)
+
+
+def shared_bytes(P: int, H: int, I: int, G: int, itemsize: int) -> int:  # noqa: E741
+    return P * I * itemsize + 8 * P + 4 * cdiv(H, G) * P
+
+
+def eligible(T, K, H, I, dtype, activation, mul_on_input, expert_map, aligned,  # noqa: E741
+             G) -> bool:
+    """Whether a fused_experts call of this shape runs here (module docstring)."""
+    return (1 <= T <= CONFIGS["decode"]["MAX_TOKENS"] and activation in ACTS
+            and not mul_on_input and not expert_map and aligned and H % 8 == 0
+            and I % 8 == 0 and I > 0 and np.dtype(dtype) in (np.dtype(np.float16), A.bf16_dtype())
+            and shared_bytes(T * K, H, I, G, np.dtype(dtype).itemsize) <= SHARED_LIMIT)
+
+
+def decode_launch(T, K, E, H, I, dtype, activation, G) -> FastLaunch:  # noqa: E741
+    """The cooperative launch of the kernel for this shape on the current device; called as
+    launch(stream, x, w1, w2, topk_weights, topk_ids, c2, out, barrier_word)."""
+    name = f"moe_decode_kernel<{ACTS[activation]}, {pairs_for(I)}>"
+    kern = C.get_kernel(CU, name, _defines(dtype), _NAMES)
+    smem = shared_bytes(T * K, H, I, G, np.dtype(dtype).itemsize)
+    if smem > 48 * 1024:
+        kern.max_dynamic_shared_size_bytes = smem
+    threads = CONFIGS["decode"]["DEC_THREADS"]
+    return FastLaunch(kern, (G,), (threads,), smem, SIG, cooperative=True,
+                      fixed={8: T, 9: K, 10: E, 11: H, 12: I})

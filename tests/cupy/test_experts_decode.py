@@ -1,0 +1,175 @@
+"""The decode step's experts in one launch (cuda_kernels/cupy/experts_decode.cu).
+
+    T tokens, E experts, K top-k, H hidden, I intermediate, P = T*K slots
+
+On the CPU: which calls take the one-launch path, and its launch geometry. On the GPU
+(`gpu`): its output against the float64 reference and against the five stage kernels, for
+the gated activations, both half types, slots routed nowhere, and batches of several tokens
+(some sharing an expert), with the output poisoned (NaN) before the launch; the same bits on
+every call and under a CUDA graph.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import reference
+from cuda_kernels.cupy import _arrays as A
+from cuda_kernels.cupy import experts_decode as dec
+from tests.oracles import BF16, rel_err
+from tests.support import on_gpu
+
+G = 132                                     # an H100's SMs: the geometry's block count
+
+
+# ----------------------------------------------------------------------------- CPU
+def _eligible(**over):
+    args = dict(T=1, K=8, H=2048, I=768, dtype=BF16, activation="silu", mul_on_input=False,
+                expert_map=False, aligned=True, G=G)
+    args.update(over)
+    return dec.eligible(**args)
+
+
+def test_a_decode_batch_takes_the_one_launch_path():
+    assert _eligible()
+    assert _eligible(dtype=np.dtype(np.float16), activation="gelu_tanh")
+
+
+@pytest.mark.parametrize("over", [
+    dict(T=0), dict(T=dec.CONFIGS["decode"]["MAX_TOKENS"] + 1),
+    dict(activation="swigluoai"), dict(mul_on_input=True), dict(expert_map=True),
+    dict(aligned=False), dict(H=2044), dict(I=764), dict(dtype=np.dtype(np.float32)),
+    dict(T=1, K=64, I=16384),               # c2 [64, 16384] bf16 is 2 MB: no room to stage it
+])
+def test_what_stays_on_the_staged_path(over):
+    assert not _eligible(**over)
+
+
+def test_phase2_keeps_about_eight_loads_in_flight_per_lane():
+    # Qwen3 (I = 768: 96 chunks, 3 steps a lane), DeepSeek-V3 (2048), Mixtral (14336), tiny
+    assert dec.pairs_for(768) == 2
+    assert dec.pairs_for(2048) == 2
+    assert dec.pairs_for(14336) == 2
+    assert dec.pairs_for(64) == 4
+    assert dec.shared_bytes(8, 2048, 768, G, 2) == 8 * 768 * 2 + 64 + 4 * 16 * 8
+
+
+# ----------------------------------------------------------------------------- GPU
+def _problem(rng, T, E, K, H, I, dtype=BF16, shared=False):  # noqa: E741
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w1 = (rng.standard_normal((E, 2 * I, H)) / np.sqrt(H)).astype(np.float32)
+    w2 = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(np.float32)
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    if shared:                               # every token's first choice: expert 0
+        logits[:, 0] += 100.0
+    tw, ids, _ = reference.fused_topk(x, logits, K, True)
+    return (x.astype(dtype), w1.astype(dtype), w2.astype(dtype), tw.astype(np.float32),
+            ids.astype(np.int32))
+
+
+@pytest.fixture
+def max_tokens(monkeypatch):
+    """Sets the decode path's MAX_TOKENS for one test (plans made afresh)."""
+    from cuda_kernels.cupy import experts
+
+    monkeypatch.setattr(experts, "_PLANS", {})
+
+    def set_to(n):
+        monkeypatch.setitem(dec.CONFIGS, "decode", {**dec.CONFIGS["decode"], "MAX_TOKENS": n})
+    return set_to
+
+
+def _stages(x, w1, w2, tw, ids, activation):
+    from cuda_kernels import cupy as ck
+
+    T, K = ids.shape
+    s, e, n = ck.moe_align_block_size(ids, 16, w1.shape[0])
+    c1 = ck.grouped_gemm(x, w1, s, e, n, K, 16, tw, False)
+    c3 = ck.grouped_gemm(ck.apply_activation(c1, activation, True), w2, s, e, n, 1, 16, tw,
+                         True)
+    return ck.moe_sum(c3.reshape(T, K, -1), ids)
+
+
+@on_gpu("cupy")
+@pytest.mark.usefixtures("cupy_poison")
+@pytest.mark.parametrize("T,E,K,H,I,activation,dtype,shared", [
+    (1, 8, 2, 256, 512, "silu", BF16, False),
+    (1, 16, 8, 512, 96, "gelu", BF16, False),          # Qwen3-like: short rows, P = 8
+    (1, 4, 4, 1024, 1024, "gelu_tanh", BF16, False),
+    (1, 8, 2, 264, 200, "silu", np.dtype(np.float16), False),   # H, I not multiples of 64
+    (3, 8, 2, 256, 128, "silu", BF16, True),           # three tokens, all on expert 0
+    (4, 32, 8, 128, 64, "silu", BF16, False),          # H < the grid: blocks with no rows
+])
+def test_decode_matches_reference_and_stages(T, E, K, H, I, activation, dtype, shared, rng,  # noqa: E741
+                                             max_tokens):
+    from cuda_kernels.cupy.experts import fused_experts, plan_for
+
+    max_tokens(4)
+    host = _problem(rng, T, E, K, H, I, dtype, shared)
+    x, w1, w2, tw, ids = (A.to_device(a) for a in host)
+    got = A.to_host(fused_experts(x, w1, w2, tw, ids, activation))
+    plan = plan_for(T, H, E, 2 * I, I, K, dtype, activation, device=x.device.id)
+    assert plan.versions == ("decode",)
+    g = got.astype(np.float64)
+    assert not np.isnan(g).any()
+    ref = reference.fused_experts(*(a.astype(np.float64) for a in host[:3]), host[3], host[4],
+                                  activation=activation)
+    assert rel_err(g, ref) <= 1e-2
+    stages = A.to_host(_stages(x, w1, w2, tw, ids, activation)).astype(np.float64)
+    assert rel_err(g, stages) <= 1e-2
+    again = A.to_host(fused_experts(x, w1, w2, tw, ids, activation))
+    np.testing.assert_array_equal(again.view(np.uint16), got.view(np.uint16))
+
+
+@on_gpu("cupy")
+@pytest.mark.usefixtures("cupy_poison")
+def test_decode_slots_routed_nowhere(rng, max_tokens):
+    """-1 and out-of-range ids add nothing; a token with no live slot is 0, not NaN (its
+    rows of the reused scratch hold the last call's values, which must not leak in)."""
+    from cuda_kernels.cupy.experts import fused_experts
+
+    max_tokens(4)
+    T, E, K, H, I = 3, 8, 4, 256, 128  # noqa: E741
+    host = list(_problem(rng, T, E, K, H, I))
+    x, w1, w2, tw, ids = (A.to_device(a) for a in host)
+    fused_experts(x, w1, w2, tw, ids)                   # fills the cached scratch
+    bad = host[4].copy()
+    bad[1] = -1
+    bad[0, 2] = E + 5
+    got = A.to_host(fused_experts(x, w1, w2, tw, A.to_device(bad))).astype(np.float64)
+    assert (got[1] == 0).all()
+    ref = reference.fused_experts(*(a.astype(np.float64) for a in host[:3]), host[3],
+                                  np.where(bad >= E, -1, bad))
+    assert rel_err(got, ref) <= 1e-2
+
+
+@on_gpu("cupy")
+def test_decode_replays_under_a_torch_graph(rng):
+    torch = pytest.importorskip("torch")
+    from cuda_kernels.cupy.experts import fused_experts, plan_for
+
+    T, E, K, H, I = 1, 16, 4, 512, 256  # noqa: E741
+    host = _problem(rng, T, E, K, H, I)
+    tx = [torch.from_numpy(a.view(np.int16) if a.dtype == BF16 else a).cuda() for a in host]
+    tx[0], tx[1], tx[2] = (t.view(torch.bfloat16) for t in tx[:3])
+    assert plan_for(T, H, E, 2 * I, I, K, BF16, device=0).versions == ("decode",)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_experts(*tx)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fused_experts(*tx)
+    fresh = _problem(np.random.default_rng(7), T, E, K, H, I)
+    tx[0].copy_(torch.from_numpy(fresh[0].view(np.int16)).cuda().view(torch.bfloat16))
+    tx[3].copy_(torch.from_numpy(fresh[3]).cuda())
+    tx[4].copy_(torch.from_numpy(fresh[4]).cuda())
+    for _ in range(3):                              # the barrier word is ready again each time
+        g.replay()
+    eager = fused_experts(*tx)
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+    ref = reference.fused_experts(*(a.astype(np.float64) for a in (fresh[0], host[1], host[2])),
+                                  fresh[3], fresh[4])
+    assert rel_err(out.float().cpu().numpy().astype(np.float64), ref) <= 1e-2
