@@ -27,10 +27,11 @@ from ._launch import FastLaunch
 CU = "experts_decode.cu"
 # MAX_TOKENS: the largest decode batch run here (measured on an H100: experts_decode.cu's
 # notes); U1, U2: 16-byte loads in flight per lane per row (phase 1: of each of the gate and
-# up rows; phase 2: of each pair); PREFETCH_*: bytes of phase-2 weights per block pulled into
-# L2 at the start and after phase 1
+# up rows; phase 2: of each pair); PHASE2_LOADS: the loads in flight per lane phase 2 aims at
+# (pairs_for); PREFETCH_*: bytes of phase-2 weights per block pulled into L2 at the start and
+# after phase 1
 CONFIGS = {"decode": {"MAX_TOKENS": 1, "DEC_THREADS": 512, "U1": 8, "U2": 4,
-                      "PREFETCH_EARLY": 65536, "PREFETCH_LATE": 131072}}
+                      "PHASE2_LOADS": 8, "PREFETCH_EARLY": 65536, "PREFETCH_LATE": 131072}}
 ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 PAIRS_CHOICES = (1, 2, 4)
 SHARED_LIMIT = 200 * 1024          # of the 227 KB an sm_90 block may opt in to
@@ -50,10 +51,11 @@ for _dt in (np.dtype(np.float16), A.bf16_dtype()):
 
 
 def pairs_for(I: int) -> int:  # noqa: E741
-    """Phase 2's pairs per warp at once: enough rows that a lane has about 8 loads in flight
-    (Qwen3's I = 768 gives 3 steps a lane per row: 2 pairs)."""
-    steps = min(CONFIGS["decode"]["U2"], cdiv(I // 8, 32))
-    want = max(1, 8 // max(steps, 1))
+    """Phase 2's pairs per warp at once: enough rows that a lane has about PHASE2_LOADS loads
+    in flight (Qwen3's I = 768 gives 3 steps a lane per row: 2 pairs for 8 loads)."""
+    cfg = CONFIGS["decode"]
+    steps = min(cfg["U2"], cdiv(I // 8, 32))
+    want = max(1, cfg["PHASE2_LOADS"] // max(steps, 1))
     return max(p for p in PAIRS_CHOICES if p <= want)
 
 
