@@ -210,11 +210,11 @@ class ExpertsPlan:
         # caller asked for an alignment block (that is, for the staged path)
         self.decode = None
         with cupy.cuda.Device(device):
-            G = gg._sm_count(device)
+            sms = gg._sm_count(device)         # the decode launch's grid: a block per SM
             if not block_requested and dec.eligible(
                     T, K, H, I, dtype, activation, mul_on_input, E_align != E,
-                    a_aligned and w1_aligned and w2_aligned, G):
-                self.decode = dec.decode_launch(T, K, E, H, I, dtype, activation, G)
+                    a_aligned and w1_aligned and w2_aligned, sms):
+                self.decode = dec.decode_launch(T, K, E, H, I, dtype, activation, sms)
                 self.versions, self.rungs_tuned = ("decode",), True   # no per-card table
                 self._ws_sizes = (P * I * isz,)                       # c2
                 self._workspaces, self._captured = {}, []
