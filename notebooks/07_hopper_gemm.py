@@ -864,6 +864,68 @@ else:
     print("CPU mode: section 6 holds the committed H100 measurements.")
 
 # %% [markdown]
+# ## 8. The other end: a decode step in one launch
+#
+# Everything above feeds tensor cores. At `T = 1` there is nothing for them to do: each
+# routed expert sees **one** row, so each weight is used once, an fma per element, and the
+# step is a read of the routed experts' weights. Napkin math for Qwen3-30B-A3B: 8 experts ×
+# 3 matrices × 2048 × 768 × 2 bytes = 75 MB, 22 µs at 3.35 TB/s. The staged path took 58 µs
+# on the H100: five launches (alignment, GEMM1, activation, GEMM2, combine), each with its
+# launch-to-drain gap, and two GEMM ramps, each leaving SMs idle while its last tiles drain.
+# Narrower tiles (more CTAs) and programmatic dependent launches did not move it; removing
+# the boundaries did.
+#
+# `cuda_kernels/cupy/experts_decode.cu` is the whole expert part in one cooperative launch,
+# one block per SM:
+#
+# * **phase 1** — each warp takes a row `j` of a slot's expert, streams the gate row and the
+#   up row (16-byte loads that skip L1, 16 in flight per lane), and applies the activation
+#   where the two dot products end: no alignment (a slot is its own tile), no `c1`;
+# * **one grid barrier** (`grid_barrier.cuh`; the cooperative launch guarantees every block
+#   is resident, so nobody waits for a block that never starts);
+# * **phase 2** — each block owns whole output rows `h`, computes GEMM2 for all `K` slots,
+#   applies the router weight and sums the slots in order: the combine is the epilogue.
+#
+# GEMM2's weights do not depend on GEMM1, so each block pulls its phase-2 rows into L2
+# (`cp.async.bulk.prefetch`) while phase 1 runs: HBM stays busy across the barrier.
+
+# %%
+workshop.show_source("cuda_kernels/cupy/experts_decode.cu", "phase 1: GEMM1 + activation",
+                     "grid_barrier(bar);", max_lines=45)
+
+# %% [markdown]
+# The same committed benchmark run as section 6, at `T = 1` (`rungs`: what the plan ran;
+# the floor is the routed experts' bytes at the datasheet bandwidth):
+
+# %%
+rows = []
+for mname, e, k, h, i in tune.MODELS.values():
+    ours = bench_pts.get((mname.lower(), 1, "cupy"))
+    peer = bench_pts.get((mname.lower(), 1, "vllm-triton"))
+    if ours is None or peer is None:
+        continue
+    ms, peer_ms = ours["stats"]["median"], peer["stats"]["median"]
+    rows.append((mname, "/".join(ours.get("rungs", [])) or "-", f"{ours['floor_ms'] * 1e3:.0f}",
+                 f"{ms * 1e3:.1f}", f"{peer_ms * 1e3:.1f}", f"{ms / peer_ms:.2f}",
+                 f"{ours['floor_ms'] / ms:.0%}"))
+if rows:
+    workshop.show_table(["model", "rungs", "floor µs", "ours µs", "vLLM µs", "ours / vLLM",
+                         "% of floor"], rows)
+else:
+    print(f"no T = 1 points in {BENCH}*.json")
+
+# %% [markdown]
+# **Reading it.** Where the weights are small (Qwen3: 75 MB) the fixed costs were most of
+# the step, and one launch removes them. Where they are large (Mixtral and DeepSeek-V3 read
+# 704 MB at `T = 1`) both paths already stream at about 2.7 TB/s, close to what this card
+# reads (the bench's `card` record measures it), and one launch changes little. From
+# `T = 2` on the staged path wins back wherever tokens share experts (one launch reads a
+# shared expert's rows once per slot) or the weights are large, which is why
+# `experts_decode.CONFIGS["decode"]["MAX_TOKENS"]` is 1. The sums run in another order than
+# the tensor cores' (fp32 fma per lane, then a warp's butterfly), so the output matches the
+# stages to bf16 rounding, not bit for bit (notebook 06).
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. **Break the ring** (CPU). Run `workshop.ring_run(release_early=True)`: each consumer
