@@ -217,7 +217,7 @@ class ExpertsPlan:
                 self.decode = dec.decode_launch(T, K, E, H, I, dtype, activation, sms)
                 self.versions, self.rungs_tuned = ("decode",), True   # no per-card table
                 self._ws_sizes = (P * I * isz,)                       # c2
-                self._workspaces, self._captured = {}, []
+                self._workspaces, self._captured, self._barriers = {}, [], {}
                 self.ws_bytes = _round256(P * I * isz)
                 return
         with cupy.cuda.Device(device):
@@ -267,6 +267,7 @@ class ExpertsPlan:
         self.ws_bytes = sum(_round256(n) for n in self._ws_sizes)
         self._workspaces: dict = {}
         self._captured: list = []
+        self._barriers: dict = {}
 
     def _rows(self, mod, cu, name_fmt, rows, width, threads_key, cfg_key, names, sig,
               first_size, sizes):
@@ -315,14 +316,14 @@ class ExpertsPlan:
         if self.decode is not None:
             c2, _owner = self._workspace(alloc, stream_ptr, capturing)
             self.decode(stream_ptr, x.ptr, w1.ptr, w2.ptr, tw.ptr, ids.ptr, c2, out_ptr,
-                        align_mod._barrier_word(stream_ptr).data.ptr)
+                        self._barrier(stream_ptr))
             return out
         ints, c1, c2, c3, _owner = self._workspace(alloc, stream_ptr, capturing)
         E = self.E_align
         sorted_ids, expert_ids = ints, ints + 4 * self.L
         ntpp = expert_ids + 4 * self.num_blocks
         hist = ntpp + 4 if self.align_G > 1 else 0
-        bar = align_mod._barrier_word(stream_ptr).data.ptr if self.align_G > 1 else 0
+        bar = self._barrier(stream_ptr) if self.align_G > 1 else 0
         self.align(stream_ptr, ids.ptr, emap_ptr, sorted_ids, expert_ids, ntpp, hist, bar)
         g1, g2 = self.gemms
         g1.launch(stream_ptr, x.ptr, w1.ptr, c1, sorted_ids, expert_ids, ntpp, tw.ptr,
@@ -332,6 +333,17 @@ class ExpertsPlan:
                   *self._extra(g2, w2.ptr))
         self.combine(stream_ptr, c3, ids.ptr, emap_ptr, E if emap_ptr else 0, out_ptr)
         return out
+
+    def _barrier(self, stream_ptr: int) -> int:
+        """The grid barrier's word for this stream on the plan's device (align.py's: one per
+        device and stream), looked up once per stream."""
+        ptr = self._barriers.get(stream_ptr)
+        if ptr is None:
+            import cupy
+
+            with cupy.cuda.Device(self.device):
+                ptr = self._barriers[stream_ptr] = align_mod._barrier_word(stream_ptr).data.ptr
+        return ptr
 
     def _extra(self, g, w_ptr):
         """The arguments `g`'s rung takes after the common ones (v6: the tensor map of its
