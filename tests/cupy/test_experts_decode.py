@@ -45,12 +45,14 @@ def test_what_stays_on_the_staged_path(over):
     assert not _eligible(**over)
 
 
-def test_phase2_keeps_about_eight_loads_in_flight_per_lane():
-    # Qwen3 (I = 768: 96 chunks, 3 steps a lane), DeepSeek-V3 (2048), Mixtral (14336), tiny
-    assert dec.pairs_for(768) == 2
-    assert dec.pairs_for(2048) == 2
-    assert dec.pairs_for(14336) == 2
-    assert dec.pairs_for(64) == 4
+def test_phase2_keeps_its_loads_in_flight_per_lane(monkeypatch):
+    # PHASE2_LOADS 4: Qwen3 (I = 768: 96 chunks, 3 steps a lane), DeepSeek-V3 (2048), Mixtral
+    # (14336) one pair at a time; a tiny I (64: one step) four
+    monkeypatch.setitem(dec.CONFIGS, "decode", {**dec.CONFIGS["decode"], "U2": 4,
+                                                "PHASE2_LOADS": 4})
+    assert [dec.pairs_for(i) for i in (768, 2048, 14336, 64)] == [1, 1, 1, 4]
+    monkeypatch.setitem(dec.CONFIGS, "decode", {**dec.CONFIGS["decode"], "PHASE2_LOADS": 8})
+    assert [dec.pairs_for(i) for i in (768, 2048, 64)] == [2, 2, 4]
     assert dec.shared_bytes(8, 2048, 768, G, 2) == 8 * 768 * 2 + 64 + 4 * 16 * 8
 
 
