@@ -36,14 +36,14 @@
 //   phase 1: the P * I (slot, j) rows are split in G contiguous ranges; warp w of a block takes
 //     rows w, w + 32, ...; each lane loads 16 bytes of the gate row and of the up row per
 //     step, U1 steps in flight (2 U1 16-byte loads, L1 bypassed: each byte is read once).
-//   What the card allows (H100 SXM, one call): a plain read of the 705 MB that Mixtral-8x7B
-//   and DeepSeek-V3 route at T = 1, in this load style, took 258-261 us (2.83-2.87 TB/s, 512
-//   or 1024 threads, 4 to 16 loads in flight); this kernel takes 261-264 us for all of it.
 //   phase 2: block b owns rows [b H / G, (b + 1) H / G) of out; its (row, slot) pairs are split
 //     over the warps, PAIRS pairs per warp at once (short rows, like Qwen3's I = 768, need
 //     several rows' loads in flight), U2 steps of 16 bytes per pair.
 //   shared memory: c2 [P, I] (staged once after the barrier: every pair of the block reads its
 //     slot's row), ids [P], weights [P], the pairs' c3 [rows, P] fp32.
+// What the card allows (H100 SXM, one call): a plain read of the 705 MB that Mixtral-8x7B and
+//   DeepSeek-V3 route at T = 1, in this load style, took 258-261 us (2.83-2.87 TB/s, 512 or
+//   1024 threads, 4 to 16 loads in flight); this kernel's whole layer took 261-268 us.
 //
 // Requirements (experts_decode.py checks them): H % 8 == 0 and I % 8 == 0 (16-byte loads), x,
 //   w1, w2, c2 16-byte aligned; __half or __nv_bfloat16; no expert map, no biases.
