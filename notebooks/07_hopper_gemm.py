@@ -879,15 +879,16 @@ else:
 # one block per SM:
 #
 # * **phase 1** — each warp takes a row `j` of a slot's expert, streams the gate row and the
-#   up row (16-byte loads that skip L1, 8 in flight per lane), and applies the activation
+#   up row (16-byte loads that skip L1, 16 in flight per lane), and applies the activation
 #   where the two dot products end: no alignment (a slot is its own tile), no `c1`;
 # * **one grid barrier** (`grid_barrier.cuh`; the cooperative launch guarantees every block
 #   is resident, so nobody waits for a block that never starts);
 # * **phase 2** — each block owns whole output rows `h`, computes GEMM2 for all `K` slots,
 #   applies the router weight and sums the slots in order: the combine is the epilogue.
 #
-# GEMM2's weights do not depend on GEMM1, so each block pulls the first 64 KB of its
-# phase-2 rows into L2 (`cp.async.bulk.prefetch`) while phase 1 runs.
+# GEMM2's weights do not depend on GEMM1, so each block pulls part of its phase-2 rows into
+# L2 (`cp.async.bulk.prefetch`) ahead of the barrier: at the start and once its phase 1 is
+# done.
 
 # %%
 workshop.show_source("cuda_kernels/cupy/experts_decode.cu", "phase 1: GEMM1 + activation",

@@ -27,16 +27,15 @@ from ._launch import FastLaunch
 CU = "experts_decode.cu"
 # MAX_TOKENS: the largest decode batch run here; U1, U2: 16-byte loads in flight per lane per
 # row (phase 1: of each of the gate and up rows; phase 2: of each pair); PHASE2_LOADS: the
-# loads in flight per lane phase 2 aims at (pairs_for); PREFETCH: bytes of phase-2 weights per
-# block pulled into L2 at the start. Measured on an H100 SXM against the five stage kernels
-# and vLLM in one process (CUDA graphs, median ms at T = 1 / 2 / 4 for Qwen3-30B-A3B, Mixtral,
-# DeepSeek-V3): one launch wins at T = 1 (Qwen3 0.044 against 0.058-0.063; the large models
-# tie), loses from T = 2 for Mixtral and DeepSeek-V3 (0.50 against 0.47, 0.49 against 0.48).
-# 1024 threads with 4 loads in flight ran 1-2% faster than 512 with 8 on the large models;
-# 16 loads a lane in phase 2 spilled (Qwen3 0.061-0.067); a second prefetch after phase 1
-# (128 KB or 1 MB a block) gained nothing and was removed.
-CONFIGS = {"decode": {"MAX_TOKENS": 1, "DEC_THREADS": 1024, "U1": 4, "U2": 4,
-                      "PHASE2_LOADS": 4, "PREFETCH": 65536}}
+# loads in flight per lane phase 2 aims at (pairs_for); PREFETCH_*: bytes of phase-2 weights
+# per block pulled into L2 at the start and after phase 1. Measured on an H100 SXM against
+# the five stage kernels and vLLM in one process (CUDA graphs, median ms): one launch wins at
+# T = 1 (Qwen3-30B-A3B 0.044 against 0.058-0.063; Mixtral and DeepSeek-V3 tie) and loses from
+# T = 2 on the large models (Mixtral 0.50 against 0.47, DeepSeek-V3 0.49 against 0.48);
+# without PREFETCH_EARLY the large models ran 1.1-1.5% slower; 16 loads a lane in phase 2
+# spilled (Qwen3 0.061-0.067).
+CONFIGS = {"decode": {"MAX_TOKENS": 1, "DEC_THREADS": 512, "U1": 8, "U2": 4,
+                      "PHASE2_LOADS": 8, "PREFETCH_EARLY": 65536, "PREFETCH_LATE": 131072}}
 ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 PAIRS_CHOICES = (1, 2, 4)
 SHARED_LIMIT = 200 * 1024          # of the 227 KB an sm_90 block may opt in to
@@ -47,7 +46,8 @@ SIG = "pppppppp" + "iiiii"          # x, w1, w2, tw, ids, c2, out, bar | T, K, E
 def _defines(dtype) -> dict:
     cfg = CONFIGS["decode"]
     return {"SCALAR_T": A.ctype_of(dtype),
-            **{k: cfg[k] for k in ("DEC_THREADS", "U1", "U2", "PREFETCH")}}
+            **{k: cfg[k] for k in ("DEC_THREADS", "U1", "U2", "PREFETCH_EARLY",
+                                   "PREFETCH_LATE")}}
 
 
 for _dt in (np.dtype(np.float16), A.bf16_dtype()):
@@ -56,7 +56,7 @@ for _dt in (np.dtype(np.float16), A.bf16_dtype()):
 
 def pairs_for(I: int) -> int:  # noqa: E741
     """Phase 2's pairs per warp at once: enough rows that a lane has about PHASE2_LOADS loads
-    in flight (Qwen3's I = 768 gives 3 steps a lane per row: 1 pair for 4 loads, 2 for 8)."""
+    in flight (Qwen3's I = 768 gives 3 steps a lane per row: 2 pairs for 8 loads)."""
     cfg = CONFIGS["decode"]
     steps = min(cfg["U2"], cdiv(I // 8, 32))
     want = max(1, cfg["PHASE2_LOADS"] // max(steps, 1))
