@@ -231,7 +231,8 @@ moe_decode_kernel(const SCALAR_T* __restrict__ x,        // [T, H]
             for (int i = 0; i < PAIRS; ++i)
 #pragma unroll
                 for (int k = 0; k < U2; ++k)
-                    if (live[i] && c0 + 32 * k < i_chunks) wv[i][k] = ld_weights(wrow[i] + c0 + 32 * k);
+                    if (live[i] && c0 + 32 * k < i_chunks)
+                        wv[i][k] = ld_weights(wrow[i] + c0 + 32 * k);
 #pragma unroll
             for (int i = 0; i < PAIRS; ++i)
 #pragma unroll

@@ -5,7 +5,7 @@ barrier, GEMM2 + router weight + combine.
 
 experts.ExpertsPlan runs this instead of its five stage kernels when `eligible(...)` says so:
 a decode batch of at most CONFIGS["decode"]["MAX_TOKENS"] tokens (the largest T measured faster
-than the stages, tests/cupy/test_experts_decode.py and the bench's `cupy` points), a gated
+than the stages: the notes above CONFIGS), a gated
 silu / gelu / gelu_tanh, the router weight applied to the output, no expert map, H and I
 multiples of 8, 16-byte aligned arrays, and c2 [P, I] small enough to stage in shared memory.
 The roundings are the stages'; the sums are in another order (fp32 fma per lane, then a warp

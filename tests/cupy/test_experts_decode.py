@@ -102,8 +102,8 @@ def _stages(x, w1, w2, tw, ids, activation):
     (3, 8, 2, 256, 128, "silu", BF16, True),           # three tokens, all on expert 0
     (4, 32, 8, 128, 64, "silu", BF16, False),          # H < the grid: blocks with no rows
 ])
-def test_decode_matches_reference_and_stages(T, E, K, H, I, activation, dtype, shared, rng,  # noqa: E741
-                                             max_tokens):
+def test_decode_matches_reference_and_stages(T, E, K, H, I, activation, dtype,  # noqa: E741
+                                             shared, rng, max_tokens):
     from cuda_kernels.cupy.experts import fused_experts, plan_for
 
     max_tokens(4)
