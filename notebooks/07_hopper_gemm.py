@@ -886,9 +886,8 @@ else:
 # * **phase 2** — each block owns whole output rows `h`, computes GEMM2 for all `K` slots,
 #   applies the router weight and sums the slots in order: the combine is the epilogue.
 #
-# GEMM2's weights do not depend on GEMM1, so each block pulls part of its phase-2 rows into
-# L2 (`cp.async.bulk.prefetch`) ahead of the barrier: at the start and once its phase 1 is
-# done.
+# GEMM2's weights do not depend on GEMM1, so each block pulls the first 64 KB of its
+# phase-2 rows into L2 (`cp.async.bulk.prefetch`) while phase 1 runs.
 
 # %%
 workshop.show_source("cuda_kernels/cupy/experts_decode.cu", "phase 1: GEMM1 + activation",

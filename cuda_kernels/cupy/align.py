@@ -112,9 +112,9 @@ _BARRIER_POOL = {}          # device -> [zeroed words, next free index]
 BARRIER_POOL_WORDS = 256
 
 
-def _barrier_word(stream_ptr: int | None = None):
-    """The grid barrier's word for the current device and stream (`stream_ptr`, default
-    CuPy's current stream). A launch leaves it ready
+def _barrier_word(stream_ptr: int | None = None, device: int | None = None):
+    """The grid barrier's word for `device` (default CuPy's current one) and stream
+    (`stream_ptr`, default CuPy's current stream). A launch leaves it ready
     for the next (align.cu: its low bits return to 0), and launches on one stream never
     overlap; another stream gets its own word.
 
@@ -126,7 +126,7 @@ def _barrier_word(stream_ptr: int | None = None):
 
     if stream_ptr is None:
         stream_ptr = cupy.cuda.get_current_stream().ptr
-    dev = cupy.cuda.Device().id
+    dev = cupy.cuda.Device().id if device is None else device
     key = (dev, stream_ptr)
     word = _BARRIER_WORDS.get(key)
     if word is not None:
@@ -137,8 +137,9 @@ def _barrier_word(stream_ptr: int | None = None):
             raise RuntimeError("moe_align_block_size: its first call on a device must not be "
                                "inside a CUDA graph capture (a zeroed grid-barrier word is "
                                "made then); run the layer once before capturing")
-        words = cupy.zeros((BARRIER_POOL_WORDS,), cupy.uint32)
-        cupy.cuda.get_current_stream().synchronize()   # zeroed before any stream uses it
+        with cupy.cuda.Device(dev):
+            words = cupy.zeros((BARRIER_POOL_WORDS,), cupy.uint32)
+            cupy.cuda.get_current_stream().synchronize()   # zeroed before any stream uses it
         pool = _BARRIER_POOL[dev] = [words, 0]
     word = _BARRIER_WORDS[key] = pool[0][pool[1]:pool[1] + 1]
     pool[1] += 1

@@ -206,10 +206,12 @@ class ExpertsPlan:
         self.num_blocks = cdiv(L, B)
         self.mul_on_input = bool(mul_on_input)
         isz = self.dtype.itemsize
-        # a decode batch: the whole expert part in one launch (experts_decode.py), unless the
-        # caller asked for an alignment block (that is, for the staged path)
+        self._workspaces: dict = {}
+        self._captured: list = []
         self.decode = None
         with cupy.cuda.Device(device):
+            # a decode batch: the whole expert part in one launch (experts_decode.py), unless
+            # the caller asked for an alignment block (that is, for the staged path)
             sms = gg._sm_count(device)         # the decode launch's grid: a block per SM
             if not block_requested and dec.eligible(
                     T, K, H, I, dtype, activation, mul_on_input, E_align != E,
@@ -217,10 +219,8 @@ class ExpertsPlan:
                 self.decode = dec.decode_launch(T, K, E, H, I, dtype, activation, sms)
                 self.versions, self.rungs_tuned = ("decode",), True   # no per-card table
                 self._ws_sizes = (P * I * isz,)                       # c2
-                self._workspaces, self._captured, self._barriers = {}, [], {}
                 self.ws_bytes = _round256(P * I * isz)
                 return
-        with cupy.cuda.Device(device):
             sm90 = gg._is_sm90(cupy, device)
             bucket = gcfg.m_bucket(max(1.0, P / max(E, 1)))
             # align: one launch (cooperative above SMALL_P slots)
@@ -265,9 +265,6 @@ class ExpertsPlan:
         self.n_ints = L + self.num_blocks + 1 + (G * E_align if G > 1 else 0)
         self._ws_sizes = (4 * self.n_ints,) + tuple(P * w * isz for w in (N1, I, H))
         self.ws_bytes = sum(_round256(n) for n in self._ws_sizes)
-        self._workspaces: dict = {}
-        self._captured: list = []
-        self._barriers: dict = {}
 
     def _rows(self, mod, cu, name_fmt, rows, width, threads_key, cfg_key, names, sig,
               first_size, sizes):
@@ -316,14 +313,15 @@ class ExpertsPlan:
         if self.decode is not None:
             c2, _owner = self._workspace(alloc, stream_ptr, capturing)
             self.decode(stream_ptr, x.ptr, w1.ptr, w2.ptr, tw.ptr, ids.ptr, c2, out_ptr,
-                        self._barrier(stream_ptr))
+                        align_mod._barrier_word(stream_ptr, self.device).data.ptr)
             return out
         ints, c1, c2, c3, _owner = self._workspace(alloc, stream_ptr, capturing)
         E = self.E_align
         sorted_ids, expert_ids = ints, ints + 4 * self.L
         ntpp = expert_ids + 4 * self.num_blocks
         hist = ntpp + 4 if self.align_G > 1 else 0
-        bar = self._barrier(stream_ptr) if self.align_G > 1 else 0
+        bar = (align_mod._barrier_word(stream_ptr, self.device).data.ptr
+               if self.align_G > 1 else 0)
         self.align(stream_ptr, ids.ptr, emap_ptr, sorted_ids, expert_ids, ntpp, hist, bar)
         g1, g2 = self.gemms
         g1.launch(stream_ptr, x.ptr, w1.ptr, c1, sorted_ids, expert_ids, ntpp, tw.ptr,
@@ -333,17 +331,6 @@ class ExpertsPlan:
                   *self._extra(g2, w2.ptr))
         self.combine(stream_ptr, c3, ids.ptr, emap_ptr, E if emap_ptr else 0, out_ptr)
         return out
-
-    def _barrier(self, stream_ptr: int) -> int:
-        """The grid barrier's word for this stream on the plan's device (align.py's: one per
-        device and stream), looked up once per stream."""
-        ptr = self._barriers.get(stream_ptr)
-        if ptr is None:
-            import cupy
-
-            with cupy.cuda.Device(self.device):
-                ptr = self._barriers[stream_ptr] = align_mod._barrier_word(stream_ptr).data.ptr
-        return ptr
 
     def _extra(self, g, w_ptr):
         """The arguments `g`'s rung takes after the common ones (v6: the tensor map of its

@@ -24,9 +24,9 @@
 // microsecond to the last:
 //   - no alignment: with one row per expert, a slot is its own tile;
 //   - the activation happens where GEMM1's two dot products end, in registers;
-//   - GEMM2's weights do not depend on GEMM1: each block starts pulling its phase-2 rows into
-//     L2 (cp.async.bulk.prefetch) at once (PREFETCH_EARLY bytes) and once its phase 1 is done
-//     (PREFETCH_LATE more), so HBM stays busy across the barrier;
+//   - GEMM2's weights do not depend on GEMM1: each block starts pulling the first PREFETCH
+//     bytes of its phase-2 rows into L2 (cp.async.bulk.prefetch) at once, so the reads after
+//     the barrier start from L2 while HBM streams the rest;
 //   - the combine is phase 2's epilogue: a block owns whole output rows h, all K slots.
 // The tensor cores have no part: at one row per expert a weight is used once, an fma per
 // element (2 per 16-byte load of 8), far below what the SM issues.
@@ -47,8 +47,8 @@
 //
 // Requirements (experts_decode.py checks them): H % 8 == 0 and I % 8 == 0 (16-byte loads), x,
 //   w1, w2, c2 16-byte aligned; __half or __nv_bfloat16; no expert map, no biases.
-// Compile-time parameters: SCALAR_T, DEC_THREADS, U1, U2, PREFETCH_EARLY, PREFETCH_LATE (bytes
-//   per block); templates ACT (0 silu, 1 gelu, 2 gelu_tanh), PAIRS.
+// Compile-time parameters: SCALAR_T, DEC_THREADS, U1, U2, PREFETCH (bytes per block);
+//   templates ACT (0 silu, 1 gelu, 2 gelu_tanh), PAIRS.
 // Versions: v1 (this file). The staged path it replaces at decode: experts.py.
 
 // to_f32, from_f32, Pack, act<ACT>
@@ -68,11 +68,8 @@
 #ifndef U2
 #define U2 4
 #endif
-#ifndef PREFETCH_EARLY
-#define PREFETCH_EARLY 65536
-#endif
-#ifndef PREFETCH_LATE
-#define PREFETCH_LATE 131072
+#ifndef PREFETCH
+#define PREFETCH 65536
 #endif
 #define DEC_WARPS (DEC_THREADS / 32)
 
@@ -115,21 +112,19 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
 #endif
 }
 
-// This block's phase-2 weights from byte `from` to `to` of each live slot's rows (rows
-// [h0, h1) of w2[e] are contiguous: one prefetch per slot), issued by one thread per slot.
+// The first `bytes` of this block's phase-2 weights of each live slot (rows [h0, h1) of w2[e]
+// are contiguous: one prefetch per slot), issued by one thread per slot.
 __device__ __forceinline__ void prefetch_phase2(const SCALAR_T* w2, const int* ids_s, int P,
                                                 int E, int H, int I, int h0, int h1,
-                                                long long from, long long to) {
+                                                long long bytes) {
     const int s = threadIdx.x;
     if (s >= P || h1 <= h0) return;
     const int e = ids_s[s];
     if (e < 0 || e >= E) return;
     const long long rows_bytes = (long long)(h1 - h0) * I * sizeof(SCALAR_T);
-    from &= ~15ll;                                      // 16-byte steps (I % 8 == 0: the rows
-    to = (to < rows_bytes ? to : rows_bytes) & ~15ll;   // start on 16-byte boundaries)
-    if (to <= from) return;
-    const char* base = reinterpret_cast<const char*>(w2 + ((long long)e * H + h0) * I);
-    prefetch_l2(base + from, (unsigned)(to - from));
+    // whole 16-byte steps (I % 8 == 0: the rows start on 16-byte boundaries)
+    bytes = (bytes < rows_bytes ? bytes : rows_bytes) & ~15ll;
+    prefetch_l2(w2 + ((long long)e * H + h0) * I, (unsigned)bytes);
 }
 
 template <int ACT, int PAIRS>
@@ -158,7 +153,7 @@ moe_decode_kernel(const SCALAR_T* __restrict__ x,        // [T, H]
     }
     __syncthreads();
     const int h0 = (int)((long long)H * b / G), h1 = (int)((long long)H * (b + 1) / G);
-    prefetch_phase2(w2, ids_s, P, E, H, I, h0, h1, 0, PREFETCH_EARLY / (P > 0 ? P : 1));
+    prefetch_phase2(w2, ids_s, P, E, H, I, h0, h1, PREFETCH / (P > 0 ? P : 1));
 
     // ------------------------------------------------------------ phase 1: GEMM1 + activation
     const int h_chunks = H / 8, i_chunks = I / 8;
@@ -198,8 +193,6 @@ moe_decode_kernel(const SCALAR_T* __restrict__ x,        // [T, H]
             from_f32(round_scalar(act<ACT>(round_scalar(g))) * round_scalar(u),
                      &c2[(long long)s * I + j]);
     }
-    prefetch_phase2(w2, ids_s, P, E, H, I, h0, h1, PREFETCH_EARLY / (P > 0 ? P : 1),
-                    (PREFETCH_EARLY + PREFETCH_LATE) / (P > 0 ? P : 1));
     grid_barrier(bar);
 
     // ------------------------------------------------------------ phase 2: GEMM2 + combine

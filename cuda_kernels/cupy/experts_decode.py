@@ -27,15 +27,16 @@ from ._launch import FastLaunch
 CU = "experts_decode.cu"
 # MAX_TOKENS: the largest decode batch run here; U1, U2: 16-byte loads in flight per lane per
 # row (phase 1: of each of the gate and up rows; phase 2: of each pair); PHASE2_LOADS: the
-# loads in flight per lane phase 2 aims at (pairs_for); PREFETCH_*: bytes of phase-2 weights
-# per block pulled into L2 at the start and after phase 1. Measured on an H100 SXM against
+# loads in flight per lane phase 2 aims at (pairs_for); PREFETCH: bytes of phase-2 weights per
+# block pulled into L2 at the start. Measured on an H100 SXM against
 # the five stage kernels and vLLM in one process (CUDA graphs, median ms): one launch wins at
 # T = 1 (Qwen3-30B-A3B 0.044 against 0.058-0.063; Mixtral and DeepSeek-V3 tie) and loses from
 # T = 2 on the large models (Mixtral 0.50 against 0.47, DeepSeek-V3 0.49 against 0.48);
-# without PREFETCH_EARLY the large models ran 1.1-1.5% slower; 16 loads a lane in phase 2
-# spilled (Qwen3 0.061-0.067).
+# without PREFETCH the large models ran 1.1-1.5% slower, and a second prefetch once phase 1
+# is done (128 KB or 1 MB a block) gained nothing; 16 loads a lane in phase 2 spilled (Qwen3
+# 0.061-0.067).
 CONFIGS = {"decode": {"MAX_TOKENS": 1, "DEC_THREADS": 512, "U1": 8, "U2": 4,
-                      "PHASE2_LOADS": 8, "PREFETCH_EARLY": 65536, "PREFETCH_LATE": 131072}}
+                      "PHASE2_LOADS": 8, "PREFETCH": 65536}}
 ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 PAIRS_CHOICES = (1, 2, 4)
 SHARED_LIMIT = 200 * 1024          # of the 227 KB an sm_90 block may opt in to
@@ -46,8 +47,7 @@ SIG = "pppppppp" + "iiiii"          # x, w1, w2, tw, ids, c2, out, bar | T, K, E
 def _defines(dtype) -> dict:
     cfg = CONFIGS["decode"]
     return {"SCALAR_T": A.ctype_of(dtype),
-            **{k: cfg[k] for k in ("DEC_THREADS", "U1", "U2", "PREFETCH_EARLY",
-                                   "PREFETCH_LATE")}}
+            **{k: cfg[k] for k in ("DEC_THREADS", "U1", "U2", "PREFETCH")}}
 
 
 for _dt in (np.dtype(np.float16), A.bf16_dtype()):
