@@ -34,9 +34,10 @@ CU = "experts_decode.cu"
 # T = 2 on the large models (Mixtral 0.50 against 0.47, DeepSeek-V3 0.49 against 0.48);
 # without PREFETCH the large models ran 1.1-1.5% slower, and a second prefetch once phase 1
 # is done (128 KB or 1 MB a block) gained nothing; 16 loads a lane in phase 2 spilled (Qwen3
-# 0.061-0.067).
-CONFIGS = {"decode": {"MAX_TOKENS": 1, "DEC_THREADS": 512, "U1": 8, "U2": 4,
-                      "PHASE2_LOADS": 8, "PREFETCH": 65536}}
+# 0.061-0.067); 1024 threads with 4 loads a lane ran 1-2% faster than 512 with 8 on the
+# large models (Mixtral 0.2613 against 0.2638, DeepSeek-V3 0.2622 against 0.2681).
+CONFIGS = {"decode": {"MAX_TOKENS": 1, "DEC_THREADS": 1024, "U1": 4, "U2": 4,
+                      "PHASE2_LOADS": 4, "PREFETCH": 65536}}
 ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 PAIRS_CHOICES = (1, 2, 4)
 SHARED_LIMIT = 200 * 1024          # of the 227 KB an sm_90 block may opt in to
