@@ -257,3 +257,48 @@ def test_fused_experts_runs_the_rung_the_card_table_names(rung, rng, monkeypatch
                                       A.to_host(got).view(np.uint16))
     finally:
         gg._plan.cache_clear()
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("T,E,K,H,I,on_input", [(300, 8, 2, 256, 384, False),
+                                                  (90, 4, 2, 128, 200, False),
+                                                  (257, 8, 1, 192, 136, True)])
+def test_gemm1_with_the_activation_is_the_stages_bit_for_bit(activation, T, E, K, H, I,
+                                                             on_input, rng, monkeypatch):
+    """GEMM1 on v6 applies the gated activation in its epilogue (experts.FUSED_ACTIVATION):
+    c1's rounding, then activation.cu's, so the layer is the five-stage plan's bit for bit:
+    for every gated activation, I not a multiple of the tile's output columns (200, 136), and
+    the router weight applied in GEMM1 (apply_router_weight_on_input, top-1)."""
+    from cuda_kernels.cupy import experts
+    from cuda_kernels.cupy import gemm as gg
+    from cuda_kernels.cupy import gemm_configs as gcfg
+    from cuda_kernels.cupy import tune
+
+    if not gg._compile.is_sm90(0):
+        pytest.skip("v6 runs on sm_90 only")
+    card = gcfg.current_device_name()
+    by_m = {dk: {str(b): "v6" for b in gcfg.M_BUCKETS} for dk in ("bf16", "fp16")}
+    table = tune.merge_device_section({k: v for k, v in gcfg.load_table().items()
+                                       if k != "devices"}, card, [], by_m, {})
+    monkeypatch.setattr(gcfg, "load_table", lambda *a: table)
+    gg._plan.cache_clear()
+    try:
+        host = _problem(rng, T, E, K, H, I)
+        x, w1, w2, tw, ids = (A.to_device(a) for a in host)
+        outs = {}
+        for fused in (True, False):
+            monkeypatch.setattr(experts, "FUSED_ACTIVATION", fused)
+            monkeypatch.setattr(experts, "_PLANS", {})
+            outs[fused] = A.to_host(experts.fused_experts(x, w1, w2, tw, ids, activation,
+                                                          on_input))
+            plan = experts.plan_for(T, H, E, 2 * I, I, K, BF16, activation, on_input,
+                                    device=x.device.id)
+            assert plan.versions[0] == "v6" and plan.fused_activation == fused
+        assert not np.isnan(outs[True].astype(np.float32)).any()
+        np.testing.assert_array_equal(outs[True].view(np.uint16), outs[False].view(np.uint16))
+        ref = reference.fused_experts(*(a.astype(np.float64) for a in host[:3]), host[3],
+                                      host[4], activation=activation,
+                                      apply_router_weight_on_input=on_input)
+        assert rel_err(outs[True].astype(np.float64), ref) <= 1e-2
+    finally:
+        gg._plan.cache_clear()
