@@ -87,7 +87,6 @@ from .gemm_configs import (
     load_table,
     lookup,
     m_bucket,
-    v6_can_gate,
     vec_elems,
 )
 from .gemm_tensor_map import v6_tensor_map
@@ -103,7 +102,6 @@ SM90A_VERSIONS = ("v5", "v6")     # built for sm_90a: they run on compute capabi
 INT32_MAX = 2**31 - 1
 GRID_Y_MAX = 65535
 BLOCK_SIZES = (16, 32, 64, 128)   # the alignment blocks whose kernels CPU CI compiles
-GATED_SILU, GATED_OTHERS = 0, (1, 2)   # v6's GATED_ACT: silu; gelu, gelu_tanh (activation.cu)
 
 
 # ----------------------------------------------------------------------------- compile cases
@@ -111,11 +109,10 @@ def compile_cases(table: dict | None = None) -> list[tuple[str, dict, tuple]]:
     """(cu_name, defines, options) of every instantiation the table can launch, for CPU CI.
 
     Each table row (the cards' sections too, and the heuristic of every bucket) fitted to the
-    usual block sizes; v6's with the gated epilogue as well where the tile allows it (silu,
-    what the layer runs; gelu and gelu_tanh on the first such tile of each width).
+    usual block sizes.
     """
     table = load_table() if table is None else table
-    seen, out, other_acts = set(), [], set()
+    seen, out = set(), []
     every = table.get("configs", []) + [r for sec in table.get("devices", {}).values()
                                         for r in sec.get("configs", [])]
     rows = [(r["version"], r["dtype"], _row_config(r)) for r in every]
@@ -131,18 +128,11 @@ def compile_cases(table: dict | None = None) -> list[tuple[str, dict, tuple]]:
                 fitted = fit_config(version, dkey, cfg, bs)
             except ValueError:
                 continue
-            variants = [fitted]
-            if version == "v6" and v6_can_gate(fitted):
-                variants.append({**fitted, "GATED_ACT": GATED_SILU})
-                if (fitted["BLOCK_M"], dkey) not in other_acts:
-                    other_acts.add((fitted["BLOCK_M"], dkey))
-                    variants += [{**fitted, "GATED_ACT": a} for a in GATED_OTHERS]
-            for cfg_v in variants:
-                d = kernel_defines(version, dkey, cfg_v)
-                key = (CU_FILES[version], tuple(sorted(d.items())))
-                if key not in seen:
-                    seen.add(key)
-                    out.append((CU_FILES[version], d, KERNEL_OPTIONS.get(version, ())))
+            d = kernel_defines(version, dkey, fitted)
+            key = (CU_FILES[version], tuple(sorted(d.items())))
+            if key not in seen:
+                seen.add(key)
+                out.append((CU_FILES[version], d, KERNEL_OPTIONS.get(version, ())))
     return out
 
 
