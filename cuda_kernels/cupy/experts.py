@@ -66,9 +66,6 @@ from .gemm_tensor_map import v6_tensor_map
 
 # intermediates (sorted ids .. c3) up to this many bytes are kept per (plan, stream)
 WORKSPACE_CACHE_BYTES = 64 << 20
-# GEMM1 on v6 applies the gated activation in its epilogue and writes c2 [P, I] (no c1, no
-# activation launch) when its tile allows (gemm_configs.v6_can_gate); False: five stages
-FUSED_ACTIVATION = True
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")      # the gated kinds with one kernel template
 
 
@@ -212,7 +209,6 @@ class ExpertsPlan:
         self._workspaces: dict = {}
         self._captured: list = []
         self.decode = None
-        self.fused_activation = False    # GEMM1 applies the activation (FUSED_ACTIVATION)
         with cupy.cuda.Device(device):
             # a decode batch: the whole expert part in one launch (experts_decode.py), unless
             # the caller asked for an alignment block (that is, for the staged path)
@@ -246,11 +242,6 @@ class ExpertsPlan:
                     (N1, H, a_aligned and w1_aligned, K, self.mul_on_input),
                     (H, I, w2_aligned, 1, not self.mul_on_input)):
                 version, cfg = gg._plan(None, dkey, bucket, n, kd, B, aligned, sm90, None, card)
-                if (not self.gemms and FUSED_ACTIVATION and version == "v6"
-                        and gcfg.v6_can_gate(cfg)):
-                    # GEMM1 writes act(gate) * up: c2 straight from the accumulators
-                    cfg = {**cfg, "GATED_ACT": act_mod._AND_MUL[activation]}
-                    self.fused_activation = True
                 grid, block, gsmem = gcfg.launch_geometry(
                     version, cfg, L, n, gg._sm_count(device) if version == "v6" else None)
                 kern = gg._kernel(version, dkey, cfg, device)
@@ -270,11 +261,9 @@ class ExpertsPlan:
             self.combine = self._rows(sum_mod, "combine.cu", "moe_sum_live_kernel<{vec}>", T, H,
                                       "SUM_THREADS", "moe_sum_kernel", sum_mod._NAMES, SUM_SIG,
                                       first_size=5, sizes=(T, K, H))
-        # workspace layout: [sorted L][expert_ids L/B][ntpp 1][hist G*E], then c1 (none when
-        # GEMM1 applies the activation), c2, c3
+        # workspace layout: [sorted L][expert_ids L/B][ntpp 1][hist G*E], then c1, c2, c3
         self.n_ints = L + self.num_blocks + 1 + (G * E_align if G > 1 else 0)
-        self._ws_sizes = (4 * self.n_ints,) + tuple(
-            P * w * isz for w in (0 if self.fused_activation else N1, I, H))
+        self._ws_sizes = (4 * self.n_ints,) + tuple(P * w * isz for w in (N1, I, H))
         self.ws_bytes = sum(_round256(n) for n in self._ws_sizes)
 
     def _rows(self, mod, cu, name_fmt, rows, width, threads_key, cfg_key, names, sig,
@@ -335,13 +324,9 @@ class ExpertsPlan:
                if self.align_G > 1 else 0)
         self.align(stream_ptr, ids.ptr, emap_ptr, sorted_ids, expert_ids, ntpp, hist, bar)
         g1, g2 = self.gemms
-        if self.fused_activation:        # GEMM1 and the activation in one launch
-            g1.launch(stream_ptr, x.ptr, w1.ptr, c2, sorted_ids, expert_ids, ntpp, tw.ptr,
-                      *self._extra(g1, w1.ptr))
-        else:
-            g1.launch(stream_ptr, x.ptr, w1.ptr, c1, sorted_ids, expert_ids, ntpp, tw.ptr,
-                      *self._extra(g1, w1.ptr))
-            self.act(stream_ptr, c1, c2)
+        g1.launch(stream_ptr, x.ptr, w1.ptr, c1, sorted_ids, expert_ids, ntpp, tw.ptr,
+                  *self._extra(g1, w1.ptr))
+        self.act(stream_ptr, c1, c2)
         g2.launch(stream_ptr, c2, w2.ptr, c3, sorted_ids, expert_ids, ntpp, tw.ptr,
                   *self._extra(g2, w2.ptr))
         self.combine(stream_ptr, c3, ids.ptr, emap_ptr, E if emap_ptr else 0, out_ptr)

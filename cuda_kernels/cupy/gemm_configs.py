@@ -127,24 +127,6 @@ def v6_consumers(cfg: dict) -> int:
     return cfg["warps"] // 4 - 1
 
 
-def v6_wg_n(cfg: dict) -> int:
-    """The columns of w a v6 consumer multiplies (its wgmma's n): all BLOCK_N with 128 rows
-    (two consumers of 64 rows each), else BLOCK_N split among the consumers."""
-    return cfg["BLOCK_N"] if cfg["BLOCK_M"] == 128 else cfg["BLOCK_N"] // v6_consumers(cfg)
-
-
-def v6_gated(cfg: dict) -> bool:
-    """Whether `cfg` runs v6 with the gated activation in its epilogue (cfg["GATED_ACT"], set
-    by experts.ExpertsPlan for GEMM1)."""
-    return cfg.get("GATED_ACT", -1) >= 0
-
-
-def v6_can_gate(cfg: dict) -> bool:
-    """Whether v6 with `cfg` can fuse the gated activation: a consumer's half of the w rows
-    (the gate rows, the up rows beside them) is at least the epilogue's 64 output columns."""
-    return v6_wg_n(cfg) >= 128
-
-
 def v6_smem_bytes(cfg: dict) -> int:
     """Dynamic shared memory of v6: 1024 (alignment of the swizzle atoms) + the ring of
     STAGES x (a tile + w tile) + one epilogue staging tile per consumer + 2 mbarriers a stage."""
@@ -537,8 +519,6 @@ def kernel_defines(version: str, dkey: str, cfg: dict) -> dict:
                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], STAGES=cfg["stages"],
                  CONSUMERS=v6_consumers(cfg), GROUP_M=cfg["GROUP_M"],
                  PRODUCER_REGS=cfg["PRODUCER_REGS"], CONSUMER_REGS=v6_consumer_regs(cfg))
-        if v6_gated(cfg):
-            d["GATED_ACT"] = cfg["GATED_ACT"]
     else:
         wm = cfg.get("WARPS_M") or v4_warp_grid(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["warps"])[0]
         d.update(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],

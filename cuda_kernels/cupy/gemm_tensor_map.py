@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from .gemm_configs import _ITEMSIZE, v6_gated, v6_wg_n
+from .gemm_configs import _ITEMSIZE
 
 
 def v6_tensor_map_fields(w_shape, dkey: str, cfg: dict) -> dict:
     """The cuTensorMapEncodeTiled arguments of v6's weight tile, w [E, N, Kdim] viewed 3-D
     (innermost first: Kdim, N, E): a box of BLOCK_K x BLOCK_N x 1 (one expert's BLOCK_N rows,
     BLOCK_K = 64 columns = 128 bytes), 128-byte swizzle (wgmma's layout type 1), zeros outside
-    (the ragged N and Kdim tails; 3-D, so a tile never reads the next expert's rows). With the
-    gated epilogue (GATED_ACT) a box is half a consumer's rows: its gate rows, or its up rows."""
+    (the ragged N and Kdim tails; 3-D, so a tile never reads the next expert's rows)."""
     E, N, K = (int(x) for x in w_shape)
-    rows = v6_wg_n(cfg) // 2 if v6_gated(cfg) else cfg["BLOCK_N"]
     item = _ITEMSIZE[dkey]
     return {"dtype": dkey, "rank": 3, "dims": (K, N, E), "strides": (K * item, N * K * item),
-            "box": (cfg["BLOCK_K"], rows, 1), "element_strides": (1, 1, 1),
+            "box": (cfg["BLOCK_K"], cfg["BLOCK_N"], 1), "element_strides": (1, 1, 1),
             "elem_bytes": item, "swizzle_bytes": 128}
 
 
@@ -74,10 +72,9 @@ _TENSOR_MAPS: dict = {}
 
 def v6_tensor_map(ptr: int, w_shape, dkey: str, cfg: dict, dev: int):
     """v6's CUtensorMap of the weights [E, N, Kdim] at device address `ptr`, cached per
-    (pointer, shape, dtype, box, device): the map holds the address, so another array at the
-    same address with the same shape reuses it. Host work only (capturable)."""
-    rows = v6_wg_n(cfg) // 2 if v6_gated(cfg) else cfg["BLOCK_N"]
-    key = (int(ptr), tuple(int(x) for x in w_shape), dkey, rows, cfg["BLOCK_K"], dev)
+    (pointer, shape, dtype, BLOCK_N, BLOCK_K, device): the map holds the address, so another
+    array at the same address with the same shape reuses it. Host work only (capturable)."""
+    key = (int(ptr), tuple(int(x) for x in w_shape), dkey, cfg["BLOCK_N"], cfg["BLOCK_K"], dev)
     tmap = _TENSOR_MAPS.get(key)
     if tmap is None:
         if len(_TENSOR_MAPS) > 256:        # weights come and go: keep the cache bounded

@@ -82,7 +82,6 @@
 //          && cuobjdump -sass v6.cubin | grep -c HGMMA
 #include "gemm_common.cuh"
 #include "gemm_wgmma.cuh"
-#include "elementwise.cuh"
 
 // The tile and its tunables, #defined by the launcher from gemm_configs.json.
 #if !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(BLOCK_K) || !defined(STAGES) || \
@@ -91,17 +90,8 @@
 #error "v6: the launcher #defines the tile (gemm_configs.kernel_defines)"
 #endif
 
-// GATED_ACT >= 0: GEMM1 with the gated activation in its epilogue (0 silu, 1 gelu, 2 gelu_tanh;
-// elementwise.cuh's act): w [E, N = 2I, Kdim] is gate rows then up rows, c is [P, I].
-#ifndef GATED_ACT
-#define GATED_ACT -1
-#endif
-#define GATED (GATED_ACT >= 0)
-
 #define V6_THREADS ((1 + CONSUMERS) * 128)
 #define WG_N (BLOCK_M == 128 ? BLOCK_N : BLOCK_N / CONSUMERS)   // a consumer's columns
-#define WG_OUT (GATED ? WG_N / 2 : WG_N)      // a consumer's output columns (gated: half)
-#define TILE_OUT (GATED ? BLOCK_N / 2 : BLOCK_N)                // a tile's output columns
 #define ROW_BYTES 128                         // BLOCK_K bf16 = one 128-byte swizzled row
 #define TILE_A_BYTES (BLOCK_M * ROW_BYTES)
 #define TILE_B_BYTES (BLOCK_N * ROW_BYTES)
@@ -122,9 +112,6 @@ static_assert((BLOCK_M == 128 && CONSUMERS == 2) || (BLOCK_M == 64 && (CONSUMERS
               CONSUMERS == 2)), "v6: BLOCK_M 128 with 2 consumers, or 64 with 1 or 2");
 static_assert(WG_N == 64 || WG_N == 128 || WG_N == 256, "v6: wgmma n of 64, 128 or 256");
 static_assert(BLOCK_N <= 256, "v6: a TMA box holds at most 256 rows");
-static_assert(!GATED || (WG_N >= 128 && GATED_ACT <= 2),
-              "v6: the gated epilogue needs 64 output columns a consumer (WG_N >= 128) and "
-              "an activation of elementwise.cuh's act (0 silu, 1 gelu, 2 gelu_tanh)");
 static_assert(STAGES >= 2, "v6: a ring of at least 2 stages");
 static_assert(BAR_OFFSET % 8 == 0, "v6: mbarriers are 8-byte aligned");
 static_assert(PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0 && PRODUCER_REGS >= 24 &&
@@ -204,9 +191,6 @@ __device__ __forceinline__ void gg_bar_named(int id, int count) {
 
 #endif  // GG_HOST_EMULATION
 
-// x rounded to GG_T and back (the value c1 would hold)
-__device__ __forceinline__ float gg_round(float x) { return gg_to_f32(gg_from_f32<GG_T>(x)); }
-
 // Byte offset of (row r, 16-byte k chunk c) in a 128-byte-swizzled tile that starts on a
 // 1024-byte boundary: chunk bits [4, 7) XORed with row bits (address bits [7, 10)), the layout
 // the TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and wgmma reads with layout type 1.
@@ -239,8 +223,7 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
     const int ntpp = __ldg(num_tokens_post_padded);
     const int live_m = min((ntpp + BLOCK_M - 1) / BLOCK_M,
                            (num_positions + BLOCK_M - 1) / BLOCK_M);
-    const int n_out = GATED ? N / 2 : N;      // c's width (gated: I of the 2I weight rows)
-    const int num_pid_n = (n_out + TILE_OUT - 1) / TILE_OUT;
+    const int num_pid_n = (N + BLOCK_N - 1) / BLOCK_N;
     const int num_tiles = max(live_m, 0) * num_pid_n;
     const int num_k_tiles = (Kdim + BLOCK_K - 1) / BLOCK_K;
 
@@ -258,7 +241,7 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             int pid_m, pid_n;
             gg_tile_of<GROUP_M>(t, live_m, num_pid_n, pid_m, pid_n);
-            const int m0 = pid_m * BLOCK_M, n0 = pid_n * TILE_OUT;
+            const int m0 = pid_m * BLOCK_M, n0 = pid_n * BLOCK_N;
             const int e = expert_ids[m0 / block_size];
             if (e < 0) continue;              // the consumers store zeros: nothing to load
             int arow[A_ROWS];                 // the a row of each of this thread's tile rows
@@ -275,21 +258,7 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
                 const int k = kt * BLOCK_K;
                 if (tid == 0) {
                     gg_mbar_arrive_expect_tx(full_bar + 8 * slot, TILE_B_BYTES);
-#if GATED
-                    // each consumer's WG_N rows: WG_N / 2 gate rows, then the up rows of the
-                    // same output columns (the map's box is WG_N / 2 rows; a box is a whole
-                    // number of 1024-byte swizzle atoms, so the halves read as one tile)
-#pragma unroll
-                    for (int g = 0; g < BLOCK_N / WG_N; ++g) {
-                        const int j = n0 + g * WG_OUT;
-                        const unsigned dst = a_dst + TILE_A_BYTES + g * WG_N * ROW_BYTES;
-                        gg_tma_load_3d(dst, &w_map, k, j, e, full_bar + 8 * slot);
-                        gg_tma_load_3d(dst + WG_OUT * ROW_BYTES, &w_map, k, n_out + j, e,
-                                       full_bar + 8 * slot);
-                    }
-#else
                     gg_tma_load_3d(a_dst + TILE_A_BYTES, &w_map, k, n0, e, full_bar + 8 * slot);
-#endif
                 }
                 const bool k_ok = k + kc * 8 < Kdim;      // the Kdim tail: whole chunks out
 #pragma unroll
@@ -317,7 +286,7 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
         const int row0 = BLOCK_M == 128 ? 64 * cw : 0;        // this consumer's tile rows
         const int col0 = BLOCK_M == 128 ? 0 : cw * WG_N;      // and columns
         GG_T* stage_tile = reinterpret_cast<GG_T*>(smem + EPI_OFFSET + cw * EPI_BYTES);
-        const bool vec_out = (n_out % 8) == 0;
+        const bool vec_out = (N % 8) == 0;
         int slot = 0;
         unsigned phase = 0;
         float acc[WG_N / 2];
@@ -325,8 +294,7 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
             int pid_m, pid_n;
             gg_tile_of<GROUP_M>(t, live_m, num_pid_n, pid_m, pid_n);
             const int m0 = pid_m * BLOCK_M;
-            // this consumer's first output column
-            const int n_base = pid_n * TILE_OUT + (BLOCK_M == 128 ? 0 : cw * WG_OUT);
+            const int n_base = pid_n * BLOCK_N + col0;        // this consumer's first column
             const int e = expert_ids[m0 / block_size];
             // the store phase: thread ctid stores 16-byte chunk (ctid & 7) of rows
             // (ctid >> 3) + 16 i of this consumer's 64 rows, for each 64-column piece
@@ -338,17 +306,16 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
             }
             if (e < 0) {                      // expert not on this rank: zeros
 #pragma unroll
-                for (int cc = 0; cc < WG_OUT / EPI_COLS; ++cc)
+                for (int cc = 0; cc < WG_N / EPI_COLS; ++cc)
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
                         const int n = n_base + cc * EPI_COLS + (ctid & 7) * 8;
-                        if (!gg_live(srow[i], num_slots) || n >= n_out) continue;
-                        GG_T* dst = c + (long long)srow[i] * n_out + n;
+                        if (!gg_live(srow[i], num_slots) || n >= N) continue;
+                        GG_T* dst = c + (long long)srow[i] * N + n;
                         if (vec_out) {
                             *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
                         } else {
-                            for (int j = 0; j < 8 && n + j < n_out; ++j)
-                                dst[j] = gg_from_f32<GG_T>(0.0f);
+                            for (int j = 0; j < 8 && n + j < N; ++j) dst[j] = gg_from_f32<GG_T>(0.0f);
                         }
                     }
                 continue;
@@ -384,13 +351,12 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
             wg_wait<0>();
             if (num_k_tiles > 0 && lane == 0) gg_mbar_arrive(empty_bar + 8 * prev);
 
-            // Epilogue, 64 output columns at a time. Warp `warp` holds rows 16 warp + lane / 4
-            // (+ 8); for each n8 block j, acc[4j..4j+3] = (row, 8j + 2(lane % 4)), (row, +1),
-            // (row + 8, ...), (row + 8, +1) (v5's layout). Gated, the up value of gate block j
-            // is block j + WG_OUT / 8 of the same thread: act(g) * u needs no exchange.
+            // Epilogue, 64 columns at a time. Warp `warp` holds rows 16 warp + lane / 4 (+ 8);
+            // for each n8 block j, acc[4j..4j+3] = (row, 8j + 2(lane % 4)), (row, +1),
+            // (row + 8, ...), (row + 8, +1) (v5's layout).
             const int er = warp * 16 + (lane >> 2);
 #pragma unroll
-            for (int cc = 0; cc < WG_OUT / EPI_COLS; ++cc) {
+            for (int cc = 0; cc < WG_N / EPI_COLS; ++cc) {
                 gg_bar_named(1 + cw, 128);    // the staging tile's last reads are done
 #pragma unroll
                 for (int j = 0; j < EPI_COLS / 8; ++j) {
@@ -399,45 +365,24 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
                     const int n = n_base + cc * EPI_COLS + col;
                     float b0, b1;
                     gg_bias_pair(bias, bias_kind, e, n, N, b0, b1);
-#if GATED
-                    // c1's rounding, then activation.cu's: round(round(act(g)) * u), g and u
-                    // the rounded (acc + bias) * weight of the gate and up rows
-                    const int ju = jj + WG_OUT / 8;
-                    float u0, u1;
-                    gg_bias_pair(bias, bias_kind, e, n_out + n, N, u0, u1);
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        float o[2];
-#pragma unroll
-                        for (int q = 0; q < 2; ++q) {
-                            const float g = gg_round((acc[4 * jj + 2 * h + q] + (q ? b1 : b0)) *
-                                                     scale[h]);
-                            const float u = gg_round((acc[4 * ju + 2 * h + q] + (q ? u1 : u0)) *
-                                                     scale[h]);
-                            o[q] = gg_round(act<GATED_ACT>(g)) * u;
-                        }
-                        gg_store2(stage_tile + (er + 8 * h) * EPI_STRIDE + col, o[0], o[1]);
-                    }
-#else
 #pragma unroll
                     for (int h = 0; h < 2; ++h)   // (acc + bias) * weight in fp32, one rounding
                         gg_store2(stage_tile + (er + 8 * h) * EPI_STRIDE + col,
                                   (acc[4 * jj + 2 * h] + b0) * scale[h],
                                   (acc[4 * jj + 2 * h + 1] + b1) * scale[h]);
-#endif
                 }
                 gg_bar_named(1 + cw, 128);    // the staging tile is complete
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int r = (ctid >> 3) + 16 * i, ch = (ctid & 7) * 8;
                     const int n = n_base + cc * EPI_COLS + ch;
-                    if (!gg_live(srow[i], num_slots) || n >= n_out) continue;
-                    GG_T* dst = c + (long long)srow[i] * n_out + n;
+                    if (!gg_live(srow[i], num_slots) || n >= N) continue;
+                    GG_T* dst = c + (long long)srow[i] * N + n;
                     const GG_T* src = stage_tile + r * EPI_STRIDE + ch;
                     if (vec_out) {
                         *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
                     } else {
-                        for (int j = 0; j < 8 && n + j < n_out; ++j) dst[j] = src[j];
+                        for (int j = 0; j < 8 && n + j < N; ++j) dst[j] = src[j];
                     }
                 }
             }
