@@ -31,10 +31,11 @@
 // The tensor cores have no part: at one row per expert a weight is used once, an fma per
 // element (2 per 16-byte load of 8), far below what the SM issues.
 //
-// Launch geometry (experts_decode.py): one block per SM (G = #SMs), DEC_THREADS = 512 threads
-//   (16 warps), cooperative (the grid barrier needs every block resident).
+// Launch geometry (experts_decode.py): one block per SM (G = #SMs), DEC_THREADS threads
+//   (W = DEC_THREADS / 32 warps; 1024 as shipped), cooperative (the grid barrier needs every
+//   block resident).
 //   phase 1: the P * I (slot, j) rows are split in G contiguous ranges; warp w of a block takes
-//     rows w, w + 16, ...; each lane loads 16 bytes of the gate row and of the up row per
+//     rows w, w + W, ...; each lane loads 16 bytes of the gate row and of the up row per
 //     step, U1 steps in flight (2 U1 16-byte loads, L1 bypassed: each byte is read once).
 //   phase 2: block b owns rows [b H / G, (b + 1) H / G) of out; its (row, slot) pairs are split
 //     over the warps, PAIRS pairs per warp at once (short rows, like Qwen3's I = 768, need
