@@ -27,7 +27,7 @@
 // Compile-time parameters: SCALAR_T (float, __half, __nv_bfloat16), ACT_THREADS (the largest
 //   block, tunable); templates ACT, VEC. Versions: v1 (this file). Run: python -m cuda_kernels.cupy.activation
 
-// to_f32, from_f32, Pack, load, store
+// to_f32, from_f32, Pack, load, store, act<ACT>, round_to<T>
 #include "elementwise.cuh"
 
 #ifndef SCALAR_T
@@ -36,13 +36,6 @@
 #ifndef ACT_THREADS
 #define ACT_THREADS 256
 #endif
-
-// x rounded to SCALAR_T and back (vLLM's act_and_mul: ACT returns a scalar_t)
-__device__ __forceinline__ float round_scalar(float x) {
-    SCALAR_T r;
-    from_f32(x, &r);
-    return to_f32(r);
-}
 
 // out[m, j] = round(act(x[m, j])) * x[m, D + j]
 template <int ACT, int VEC>
@@ -59,7 +52,8 @@ act_and_mul_kernel(const SCALAR_T* __restrict__ x,  // [M, 2D]
     Pack<SCALAR_T, VEC> o;
 #pragma unroll
     for (int j = 0; j < VEC; ++j)
-        from_f32(round_scalar(act<ACT>(to_f32(g.v[j]))) * to_f32(u.v[j]), &o.v[j]);
+        // act(g) rounded to SCALAR_T first (vLLM's act_and_mul: ACT returns a scalar_t)
+        from_f32(round_to<SCALAR_T>(act<ACT>(to_f32(g.v[j]))) * to_f32(u.v[j]), &o.v[j]);
     store<VEC>(out + (size_t)m * D + col, o);
 }
 

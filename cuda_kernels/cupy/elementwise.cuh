@@ -9,7 +9,7 @@
 //     The launcher (_compile.row_geometry) picks VEC so that the row width and every base
 //     pointer are multiples of VEC * sizeof(T): the reinterpret_cast is then aligned;
 //   - act<ACT>: the activations in fp32 (activation.cu's table; experts_decode.cu fuses the
-//     gated ones into its GEMM1);
+//     gated ones into its GEMM1), and round_to<T>: a value rounded where a stage stores T;
 //   - the row sums' pieces (combine, unpermute, the EP combine): row_chunk (a thread's row and
 //     first column) and add_f32 (acc += row or w * row in fp32, in order).
 // No macros: the element type is a template argument, so a file may use it with its own
@@ -61,6 +61,14 @@ template <int VEC, typename T>
 __device__ __forceinline__ void add_f32(float (&acc)[VEC], float w, const Pack<T, VEC>& v) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, to_f32(v.v[j])));
+}
+
+// v rounded to T and back: what a stage that stores T hands the next one
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+    T r;
+    from_f32(v, &r);
+    return to_f32(r);
 }
 
 // act<ACT>(g) in fp32: ACT 0 silu, 1 gelu (exact), 2 gelu_tanh, 3 relu2 (activation.cu's math)

@@ -52,7 +52,7 @@
 //   templates ACT (0 silu, 1 gelu, 2 gelu_tanh), PAIRS.
 // Versions: v1 (this file). The staged path it replaces at decode: experts.py.
 
-// to_f32, from_f32, Pack, act<ACT>
+// to_f32, from_f32, Pack, act<ACT>, round_to<T>
 #include "elementwise.cuh"
 // grid_barrier
 #include "grid_barrier.cuh"
@@ -61,10 +61,10 @@
 #define SCALAR_T __nv_bfloat16
 #endif
 #ifndef DEC_THREADS
-#define DEC_THREADS 512
+#define DEC_THREADS 1024
 #endif
 #ifndef U1
-#define U1 8
+#define U1 4
 #endif
 #ifndef U2
 #define U2 4
@@ -95,13 +95,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
     return v;
-}
-
-// v rounded to SCALAR_T and back (where a stage of the staged path stores SCALAR_T)
-__device__ __forceinline__ float round_scalar(float v) {
-    SCALAR_T r;
-    from_f32(v, &r);
-    return to_f32(r);
 }
 
 // Pull [p, p + bytes) into L2 without waiting (sm_90's bulk prefetch; a hint: none before)
@@ -191,7 +184,8 @@ moe_decode_kernel(const SCALAR_T* __restrict__ x,        // [T, H]
         g = warp_sum(g);
         u = warp_sum(u);
         if (lane == 0)
-            from_f32(round_scalar(act<ACT>(round_scalar(g))) * round_scalar(u),
+            from_f32(round_to<SCALAR_T>(act<ACT>(round_to<SCALAR_T>(g))) *
+                         round_to<SCALAR_T>(u),
                      &c2[(long long)s * I + j]);
     }
     grid_barrier(bar);
@@ -240,7 +234,7 @@ moe_decode_kernel(const SCALAR_T* __restrict__ x,        // [T, H]
             const int q = q0 + i;
             // GEMM2's epilogue: (acc + bias 0) * weight, rounded once
             if (lane == 0 && q < pairs)
-                c3_s[q] = live[i] ? round_scalar((v + 0.0f) * tw_s[q % P]) : 0.0f;
+                c3_s[q] = live[i] ? round_to<SCALAR_T>((v + 0.0f) * tw_s[q % P]) : 0.0f;
         }
     }
     __syncthreads();

@@ -57,7 +57,7 @@ for _dt in (np.dtype(np.float16), A.bf16_dtype()):
 
 def pairs_for(I: int) -> int:  # noqa: E741
     """Phase 2's pairs per warp at once: enough rows that a lane has about PHASE2_LOADS loads
-    in flight (Qwen3's I = 768 gives 3 steps a lane per row: 2 pairs for 8 loads)."""
+    in flight (Qwen3's I = 768 gives 3 steps a lane per row: one pair for 4 loads, two for 8)."""
     cfg = CONFIGS["decode"]
     steps = min(cfg["U2"], cdiv(I // 8, 32))
     want = max(1, cfg["PHASE2_LOADS"] // max(steps, 1))
