@@ -273,6 +273,10 @@ V5_CASES = {
                                        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "warps": 4,
                                         "stages": 3}),
     "expert_map": (29, 8, 2, 160, 128, 64, {"expert_map": True, "bias": np.float32}, None),
+    # ~60 rows an expert in 128-row tiles: a tile's second 64 rows all padding in some tiles
+    "half_padded_tiles": (120, 4, 2, 264, 328, 128, {"mul": True},
+                          {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "warps": 8,
+                           "stages": 4}),
 }
 
 
@@ -303,6 +307,9 @@ V6_CASES = {
     "all_tokens_on_one_expert": (77, 8, 1, 192, 256, 64, {"one_expert": 5, "mul": True}),
     "expert_map": (29, 8, 2, 160, 128, 64, {"expert_map": True, "bias": np.float32, "mul": True}),
     "N124_gemm2": (41, 16, 4, 124, 96, 64, {"gemm2": True, "mul": True}),
+    # ~60 rows an expert in 128-row blocks: a tile's second 64 rows all padding in some tiles
+    # (the second consumer's rows, under 128-row tiles) and not in others
+    "half_padded_tiles": (120, 4, 2, 264, 328, 128, {"mul": True}),
     # ~70 m tiles x 8 n tiles, far more than the SMs: the persistent walk wraps many times
     "persistent_many_tiles": (4096, 8, 2, 1024, 512, 128, {"mul": True}),
 }

@@ -203,6 +203,12 @@ EMU_CASES = {
     # the shipped prefill tile (the heuristic from m = 512): 128 x 256, 4 stages, 6 k tiles
     "v6_shipped_128x256": ("v6", "bf16", gcfg.heuristic_config("v6", "bf16", 4096),
                            (70, 2, 2, 264, 328, 128), dict(mul=True, bias=np.float32)),
+    # about 60 rows an expert in 128-row tiles: the second consumer's 64 rows all padding in
+    # some tiles and not in others, over a 2-deep ring
+    "v6_half_padded_tiles": ("v6", "bf16", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                                                warps=12, stages=2, GROUP_M=2,
+                                                PRODUCER_REGS=56),
+                             (120, 4, 2, 264, 328, 128), dict(mul=True, bias=np.float32)),
     # block_size 128 with 64-row tiles: two tiles of one alignment block
     "v6_block128_tile64": ("v6", "bf16", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, warps=8,
                                               stages=4, GROUP_M=8, PRODUCER_REGS=56),
@@ -243,7 +249,8 @@ BROKEN_V6 = {
     # or as the deadlock of a consumer waiting on a phase that has passed twice: which one
     # depends on the threads' timing, so any of the emulator's reports will do
     "no_wait_on_empty": ("gg_mbar_wait(empty_bar + 8 * slot, phase ^ 1);", ""),
-    "no_wait_on_full": ("gg_mbar_wait(full_bar + 8 * slot, phase);", "wgmma reads"),
+    "no_wait_on_full": ("gg_mbar_wait(full_bar + 8 * slot, phase);     // a and w of this "
+                        "stage landed", "wgmma reads"),
     "no_fence": ("wg_fence_proxy_async();", "no fence.proxy.async"),
 }
 
