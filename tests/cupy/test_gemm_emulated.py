@@ -240,7 +240,6 @@ def test_kernel_on_cpu_emulator(case):
                            f"{int(np.isnan(got.astype(np.float64)).any(1).sum())})"
 
 
-
 # The ring checks are no formality: v6 with a wait or its fence taken out must fail them
 # (each case: the line removed from the source, what the emulator then reports).
 BROKEN_V6 = {
