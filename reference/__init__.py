@@ -33,12 +33,12 @@ from .permute import moe_permute, moe_unpermute
 from .precision import compute_dtype, exact
 from .quant import (fused_experts_quant, grouped_gemm_quant, moe_kernel_quantize_input,
                     quantize_moe_layer)
-from .routing import (SCORING_FUNCS, fused_topk, fused_topk_bias, grouped_topk,
-                      llama4_custom_routing_function, select_experts, softmax, sigmoid,
-                      topk_indices, zero_experts_compute)
+from .routing import (BIAS_SCORING_FUNCS, SCORING_FUNCS, fused_topk, fused_topk_bias,
+                      grouped_topk, llama4_custom_routing_function, select_experts, softmax,
+                      sigmoid, topk_indices, zero_experts_compute)
 
 __all__ = [
-    "ACTIVATIONS", "DEFAULT_BLOCK_SIZE", "PLACEMENTS", "SCORING_FUNCS",
+    "ACTIVATIONS", "BIAS_SCORING_FUNCS", "DEFAULT_BLOCK_SIZE", "PLACEMENTS", "SCORING_FUNCS",
     "apply_activation", "compute_dtype", "determine_expert_map", "exact", "fused_experts",
     "fused_experts_quant", "fused_moe", "fused_topk", "fused_topk_bias", "gelu_and_mul", "gelu_tanh_and_mul",
     "grouped_gemm", "grouped_gemm_quant", "grouped_mm", "grouped_topk", "llama4_custom_routing_function",

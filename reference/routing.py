@@ -35,7 +35,10 @@ import numpy as np
 from ._checks import check_choice, check_float, check_positive_int
 from .precision import compute_dtype
 
-SCORING_FUNCS = ("softmax", "sigmoid")
+SCORING_FUNCS = ("softmax", "sigmoid")   # fused_topk, grouped_topk
+# fused_topk_bias also takes DeepSeek-V4's sqrt(softplus) (vLLM's topk_softplus_sqrt kernel)
+BIAS_SCORING_FUNCS = SCORING_FUNCS + ("sqrtsoftplus",)
+SOFTPLUS_THRESHOLD = 20.0   # softplus(x) = x above it (torch's and vLLM's threshold)
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -54,21 +57,36 @@ def sigmoid(logits: np.ndarray) -> np.ndarray:
         return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
 
 
-def _check_scoring_func(scoring_func):
+def sqrt_softplus(logits: np.ndarray) -> np.ndarray:
+    """sqrt(softplus(x)) in fp32, softplus(x) = log(1 + exp(x)), or x above 20 (DeepSeek-V4's
+    router scores). NaN stays NaN; -inf gives 0, +inf gives +inf."""
+    x = logits.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        softplus = np.where(x > np.float32(SOFTPLUS_THRESHOLD), x,
+                            np.log(np.float32(1.0) + np.exp(x)))
+        return np.sqrt(softplus.astype(np.float32))
+
+
+def _check_scoring_func(scoring_func, choices=SCORING_FUNCS):
     if not isinstance(scoring_func, str):
-        raise TypeError(f"scoring_func: expected one of {list(SCORING_FUNCS)}, "
+        raise TypeError(f"scoring_func: expected one of {list(choices)}, "
                         f"got {type(scoring_func).__name__}")
-    return check_choice("scoring_func", scoring_func, SCORING_FUNCS)
+    return check_choice("scoring_func", scoring_func, choices)
+
+
+_SCORE_OF = {"softmax": softmax, "sigmoid": sigmoid, "sqrtsoftplus": sqrt_softplus}
 
 
 def scores_of(logits: np.ndarray, scoring_func: str = "softmax") -> np.ndarray:
-    """softmax or sigmoid of the logits, fp32 [T, E]."""
-    return softmax(logits) if scoring_func == "softmax" else sigmoid(logits)
+    """softmax, sigmoid or sqrt(softplus) of the logits, fp32 [T, E]."""
+    return _SCORE_OF[scoring_func](logits)
 
 
 def topk_scores(logits: np.ndarray, scoring_func: str = "softmax") -> np.ndarray:
-    """The scores vLLM's topk_softmax / topk_sigmoid kernels rank: fp32, a non-finite score
-    (NaN, +-inf) replaced by 0."""
+    """The scores vLLM's topk_softmax / topk_sigmoid / topk_softplus_sqrt kernels rank: fp32,
+    a non-finite score (NaN, +-inf) replaced by 0. (vLLM's sqrt-softplus kernel clears only
+    NaN, so a +inf logit there weighs inf, or NaN after renormalizing; here it weighs 0, as
+    in the other two.)"""
     scores = scores_of(logits, scoring_func)
     return np.where(np.isfinite(scores), scores, np.float32(0.0)).astype(np.float32)
 
@@ -139,6 +157,20 @@ def check_router_width(name, logits, num_experts, zero_expert_num=0):
         raise ValueError(f"{name}: expected {want} columns ({why}), got shape {shape}")
 
 
+def check_scoring_route(scoring_func, use_grouped_topk, has_custom_routing, has_bias):
+    """scoring_func against the routing function select_experts will call: sqrtsoftplus only
+    reaches fused_topk_bias (a correction bias, no grouping), as in vLLM's router factory,
+    whose fused_topk and grouped_topk take softmax or sigmoid. (A custom routing function
+    ignores scoring_func.)"""
+    _check_scoring_func(scoring_func, BIAS_SCORING_FUNCS)
+    if scoring_func in SCORING_FUNCS or (not use_grouped_topk and (has_custom_routing
+                                                                  or has_bias)):
+        return
+    route = "grouped_topk" if use_grouped_topk else "fused_topk (no e_score_correction_bias)"
+    raise ValueError(f"scoring_func: {route} expected one of {list(SCORING_FUNCS)}, got "
+                     f"{scoring_func!r} (it goes with an e_score_correction_bias, no grouping)")
+
+
 def _check_bias(e_score_correction_bias, num_experts):
     return check_float("e_score_correction_bias", e_score_correction_bias, ndim=1,
                        shape=(num_experts,)).astype(np.float32)
@@ -171,13 +203,13 @@ def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=Non
 def fused_topk_bias(hidden_states, gating_output, scoring_func, e_score_correction_bias, topk,
                     renormalize, indices_type=None, routed_scaling_factor=1.0):
     """Routing whose choice is steered by a per-expert bias (vLLM's fused_topk_bias: the
-    topk_softmax / topk_sigmoid kernels with a bias).
+    topk_softmax / topk_sigmoid / topk_softplus_sqrt kernels with a bias).
 
-    scores = softmax or sigmoid(gating_output), non-finite -> 0; topk_ids = top-K of
-    (scores + bias) (of scores when the bias is None); topk_weights = scores[topk_ids],
-    renormalized if asked, then * routed_scaling_factor.
+    scores = softmax, sigmoid or sqrt(softplus(gating_output)), non-finite -> 0;
+    topk_ids = top-K of (scores + bias) (of scores when the bias is None);
+    topk_weights = scores[topk_ids], renormalized if asked, then * routed_scaling_factor.
     """
-    _check_scoring_func(scoring_func)
+    _check_scoring_func(scoring_func, BIAS_SCORING_FUNCS)
     _, num_experts, topk = _check_logits(hidden_states, gating_output, topk)
     scores = topk_scores(gating_output, scoring_func)                 # [T, E]
     choice = scores
@@ -317,8 +349,9 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
     (topk_weights [T, K] f32, topk_ids [T, K] int32, zero_expert_result [T, H] or None).
 
     Dispatch, in the order of vLLM's router factory: grouped_topk if use_grouped_topk; the
-    custom function if one is given; fused_topk_bias (softmax or sigmoid scores) if a
-    correction bias is given; else fused_topk (softmax or sigmoid). routed_scaling_factor
+    custom function if one is given; fused_topk_bias (softmax, sigmoid or sqrtsoftplus
+    scores) if a correction bias is given; else fused_topk (softmax or sigmoid: sqrtsoftplus
+    without a bias is a ValueError, as vLLM's fused_topk refuses it). routed_scaling_factor
     applies to grouped_topk and fused_topk_bias only (vLLM's FusedTopKRouter takes none).
     `ops` supplies fused_topk / fused_topk_bias / grouped_topk from another backend, and
     optionally the array handling of the tail (call_custom_routing, ids_astype, copy,
@@ -335,7 +368,8 @@ def select_experts(hidden_states, router_logits, top_k, use_grouped_topk, renorm
     def tail(name):   # the array handling: the backend's if it has one, else NumPy's
         return getattr(ops, name, getattr(_REFERENCE_OPS, name))
 
-    _check_scoring_func(scoring_func)
+    check_scoring_route(scoring_func, use_grouped_topk, custom_routing_function is not None,
+                        e_score_correction_bias is not None)
     check_router_width("router_logits", router_logits, global_num_experts, zero_expert_num)
     if use_grouped_topk:
         if topk_group is None or num_expert_group is None:

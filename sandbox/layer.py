@@ -112,7 +112,7 @@ class FusedMoE(MoEWeights):
                  n_shared_experts=None, shared_intermediate_size=None,
                  expert_placement="linear", backend="reference", block_size=None,
                  quant_config=None):
-        from reference import SCORING_FUNCS
+        from reference.routing import check_scoring_route
 
         super().__init__(num_experts, hidden_size, intermediate_size, params_dtype,
                          tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank,
@@ -135,10 +135,10 @@ class FusedMoE(MoEWeights):
         if self.top_k > self.num_router_experts:
             raise ValueError(f"top_k: expected at most the number of experts "
                              f"({self.num_router_experts}), got {top_k}")
-        if scoring_func not in SCORING_FUNCS:
-            raise ValueError(f"scoring_func: expected one of {list(SCORING_FUNCS)}, "
-                             f"got {scoring_func!r}")
         self.use_grouped_topk = bool(use_grouped_topk)
+        check_scoring_route(scoring_func, self.use_grouped_topk,
+                            custom_routing_function is not None,
+                            e_score_correction_bias is not None)
         if self.use_grouped_topk and (num_expert_group is None or topk_group is None):
             raise ValueError(f"use_grouped_topk: expected num_expert_group and topk_group, got "
                              f"num_expert_group={num_expert_group}, topk_group={topk_group}")

@@ -339,12 +339,22 @@ def sigmoid_row(row):
     return [_sigmoid(v) for v in row]
 
 
+def sqrt_softplus_row(row):
+    """sqrt(softplus(x)), softplus = log(1 + exp(x)), or x above 20; NaN stays NaN."""
+    return [math.sqrt(v if v > 20 else math.log1p(math.exp(v))) if not math.isnan(v)
+            else math.nan for v in row]
+
+
+_SCORE_ROW = {"softmax": softmax_row, "sigmoid": sigmoid_row, "sqrtsoftplus": sqrt_softplus_row}
+
+
 def route_loop(logits, topk, renormalize=False, scoring_func="softmax", bias=None,
                num_expert_group=1, topk_group=1, routed_scaling_factor=1.0, kernel=None):
     """Every routing function of the contract, one token at a time, in float64.
 
     fused_topk       = route_loop(softmax | sigmoid, no bias, one group, factor 1)   kernel "topk"
-    fused_topk_bias  = route_loop(softmax | sigmoid, bias, one group, factor)        kernel "topk"
+    fused_topk_bias  = route_loop(softmax | sigmoid | sqrtsoftplus, bias, one group, factor)
+                                                                                     kernel "topk"
     grouped_topk     = route_loop(softmax | sigmoid, bias or not, G groups, factor)  kernel "grouped"
 
     (kernel defaults to "grouped" with more than one group, else "topk".) For each token:
@@ -369,7 +379,7 @@ def route_loop(logits, topk, renormalize=False, scoring_func="softmax", bias=Non
     ids = np.zeros((num_tokens, topk), dtype=np.int64)
     for t in range(num_tokens):
         row = [float(v) for v in logits[t]]
-        scores = softmax_row(row) if scoring_func == "softmax" else sigmoid_row(row)
+        scores = _SCORE_ROW[scoring_func](row)
         if kernel == "topk":
             valid = [True] * num_experts
             scores = [v if math.isfinite(v) else 0.0 for v in scores]

@@ -1,5 +1,5 @@
-// routing.cu: choose each token's top-k experts (softmax or sigmoid scores, optional correction
-// bias, optional expert groups), one warp per token row.
+// routing.cu: choose each token's top-k experts (softmax, sigmoid or sqrt-softplus scores,
+// optional correction bias, optional expert groups), one warp per token row.
 //
 // Shapes: T tokens, E experts (E <= 32 * VPT <= 1024), K = top-k (K <= 32, K <= E),
 //         G = num_groups (groups of E / G consecutive experts), TG = topk_group.
@@ -7,6 +7,8 @@
 // Math (all fp32; docs/stages.md, "route"):
 //   scores[t, e] = softmax(gating[t, :])[e]        (scoring == 0: exp(x - max) / sum)
 //                | 1 / (1 + exp(-gating[t, e]))     (scoring == 1: sigmoid)
+//                | sqrt(softplus(gating[t, e]))     (scoring == 2, mode 0 only: DeepSeek-V4;
+//                  softplus(x) = log(1 + exp(x)), or x above 20)
 //   the mode's non-finite rule (vLLM's kernels):
 //     mode 0 (fused_topk, fused_topk_bias: topk_softmax / topk_sigmoid): a non-finite score is 0
 //     mode 1 (grouped_topk): an expert whose scoring input is not finite (the logit for
@@ -83,6 +85,14 @@ __device__ __forceinline__ float score_rule(float v, float x, int scoring, int m
     return finite_f(x) ? v : __int_as_float(0x7fc00000);
 }
 
+// the scores that need no row reduction: sigmoid (scoring 1) or sqrt(softplus) (scoring 2;
+// the softplus of vLLM's topk_softplus_sqrt kernel, with logf/expf in place of the fast
+// __logf/__expf, like the other scores here)
+__device__ __forceinline__ float elementwise_score(float x, int scoring) {
+    if (scoring == 1) return 1.0f / (1.0f + expf(-x));
+    return sqrtf(x > 20.0f ? x : logf(1.0f + expf(x)));
+}
+
 // max that propagates NaN like np.max (fmaxf would drop it)
 __device__ __forceinline__ float max_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 
@@ -141,7 +151,7 @@ route_topk_kernel(const IN_T* __restrict__ gating,        // [T, E]
                   int* __restrict__ token_expert_indices, // [T, K] or nullptr
                   int T, int E, int K,
                   int num_groups, int topk_group,
-                  int scoring,                            // 0 softmax, 1 sigmoid
+                  int scoring,                            // 0 softmax, 1 sigmoid, 2 sqrt-softplus
                   int renormalize,
                   int mode,                               // 0 topk, 1 grouped (above)
                   float routed_scaling_factor) {
@@ -182,7 +192,7 @@ route_topk_kernel(const IN_T* __restrict__ gating,        // [T, E]
     } else {
 #pragma unroll
         for (int i = 0; i < VPT; ++i)
-            p[i] = score_rule(1.0f / (1.0f + expf(-p[i])), p[i], 1, mode, row);
+            p[i] = score_rule(elementwise_score(p[i], scoring), p[i], scoring, mode, row);
     }
 
     // ---- selection values: the (biased) scores, -inf for an invalid expert (NaN score);
@@ -277,8 +287,9 @@ route_topk_kernel(const IN_T* __restrict__ gating,        // [T, E]
     float my_w = 0.0f, valid = 0.0f;
     if (lane < K) {
         const float x = to_f32(row[my_id]);
-        my_w = score_rule(scoring == 0 ? expf(x - row_max) / row_sum : 1.0f / (1.0f + expf(-x)),
-                          x, scoring, mode, row);
+        const float score = scoring == 0 ? expf(x - row_max) / row_sum
+                                         : elementwise_score(x, scoring);
+        my_w = score_rule(score, x, scoring, mode, row);
         valid = my_w == my_w ? 1.0f : 0.0f;   // an invalid expert (mode 1) weighs 0
         if (my_w != my_w) my_w = 0.0f;
     }

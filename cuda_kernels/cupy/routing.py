@@ -1,10 +1,12 @@
-"""Routing on the GPU: softmax/sigmoid scores, optional bias and expert groups, top-k (routing.cu).
+"""Routing on the GPU: softmax / sigmoid (/ sqrt-softplus) scores, optional bias and expert
+groups, top-k (routing.cu).
 
 Shapes: T tokens, E experts (<= 1024), K top-k (<= 32).
 
     fused_topk        softmax / sigmoid top-k        -> topk_weights f32 [T, K], topk_ids
                                                         int32 [T, K], token_expert_indices
-    fused_topk_bias   the same with a correction bias added before the choice (DeepSeek-V3)
+    fused_topk_bias   the same with a correction bias added before the choice (DeepSeek-V3),
+                      and sqrt(softplus) scores too (DeepSeek-V4)
     grouped_topk      top-k of the best topk_group of num_expert_group groups
     select_experts    the FusedMoE dispatcher over the three
 (the signatures, the reference's: docs/stages.md)
@@ -31,7 +33,8 @@ VPTS = (1, 2, 4, 8, 16, 32)  # values per lane: E <= 32 * VPT
 MAX_EXPERTS = 32 * VPTS[-1]
 MAX_TOPK = 32  # lane k keeps the k-th winner
 _NAMES = tuple(f"route_topk_kernel<{v}>" for v in VPTS)
-_SCORING = {"softmax": 0, "sigmoid": 1}
+_SCORING = {"softmax": 0, "sigmoid": 1}            # fused_topk, grouped_topk
+_BIAS_SCORING = {**_SCORING, "sqrtsoftplus": 2}    # fused_topk_bias
 MODE_TOPK, MODE_GROUPED = 0, 1   # the non-finite rule of a launch (routing.cu)
 
 
@@ -119,13 +122,13 @@ def _ids_as(ids, indices_type):
     return ids.astype(dt)
 
 
-def _scoring(scoring_func) -> int:
+def _scoring(scoring_func, codes=_SCORING) -> int:
     if not isinstance(scoring_func, str):
-        raise TypeError(f"scoring_func: expected one of {sorted(_SCORING)}, "
+        raise TypeError(f"scoring_func: expected one of {sorted(codes)}, "
                         f"got {type(scoring_func).__name__}")
-    if scoring_func not in _SCORING:
-        raise ValueError(f"scoring_func: expected one of {sorted(_SCORING)}, got {scoring_func!r}")
-    return _SCORING[scoring_func]
+    if scoring_func not in codes:
+        raise ValueError(f"scoring_func: expected one of {sorted(codes)}, got {scoring_func!r}")
+    return codes[scoring_func]
 
 
 def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None,
@@ -144,10 +147,10 @@ def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=Non
 
 def fused_topk_bias(hidden_states, gating_output, scoring_func, e_score_correction_bias, topk,
                     renormalize, indices_type=None, routed_scaling_factor=1.0):
-    """Softmax (or sigmoid) scores, a non-finite one 0; experts chosen on scores + bias (the
-    scores when the bias is None); weights the unbiased scores, renormalized if asked, then
-    * routed_scaling_factor. Returns topk_weights, topk_ids."""
-    scoring = _scoring(scoring_func)
+    """Softmax, sigmoid or sqrt(softplus) scores, a non-finite one 0; experts chosen on
+    scores + bias (the scores when the bias is None); weights the unbiased scores,
+    renormalized if asked, then * routed_scaling_factor. Returns topk_weights, topk_ids."""
+    scoring = _scoring(scoring_func, _BIAS_SCORING)
     _, E, topk = _check_common(hidden_states, gating_output, topk)
     bias = _bias_f32("e_score_correction_bias", e_score_correction_bias, E)
     w, ids, _ = _launch(gating_output, bias, topk, 1, 1, scoring, renormalize,

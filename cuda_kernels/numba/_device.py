@@ -160,6 +160,14 @@ def erf_f32(x):
     return np.float32(math.erf(float(x)))
 
 
+def sqrt_softplus_f32(x):
+    """sqrt(softplus(x)) in fp32, softplus(x) = log(1 + exp(x)), or x above 20."""
+    x = np.float32(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        softplus = x if x > np.float32(20.0) else np.log(np.float32(1.0) + np.exp(x))
+        return np.sqrt(np.float32(softplus))
+
+
 def tanh_f32(x):
     return np.tanh(np.float32(x))
 
@@ -230,6 +238,14 @@ if not SIMULATOR:
     def _erf_f32_cuda(x):
         def impl(x):
             return math.erf(float32(x))
+        return impl
+
+    @overload(sqrt_softplus_f32, target="cuda", jit_options=_INLINE)
+    def _sqrt_softplus_f32_cuda(x):
+        def impl(x):
+            x = float32(x)   # logf, expf, sqrtf (libdevice), like routing.cu
+            softplus = x if x > float32(20.0) else math.log(float32(1.0) + math.exp(x))
+            return math.sqrt(softplus)
         return impl
 
     @overload(tanh_f32, target="cuda", jit_options=_INLINE)

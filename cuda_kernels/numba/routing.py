@@ -1,4 +1,5 @@
-"""Routing in Numba: softmax / sigmoid scores, optional bias and expert groups, top-k.
+"""Routing in Numba: softmax / sigmoid (/ sqrt-softplus) scores, optional bias and expert
+groups, top-k.
 
     T = tokens, E = experts, K = top-k, G = expert groups (num_expert_group)
 
@@ -16,6 +17,8 @@
 The math (reference/routing.py), per token row t, all in fp32:
     scores[e] = softmax(logits[t])[e] = exp(x_e - max x) / sum_e' exp(x_e' - max x)
                 or sigmoid(x_e) = 1 / (1 + exp(-x_e))
+                or sqrt(softplus(x_e)), softplus = log(1 + exp(x)) or x above 20
+                (fused_topk_bias only: DeepSeek-V4)
     mode MODE_TOPK (fused_topk, fused_topk_bias): a non-finite score becomes 0
     mode MODE_GROUPED (grouped_topk): softmax scores rounded to the logits' dtype; an expert
                 whose scoring input is not finite (the logit for sigmoid, the score for
@@ -69,7 +72,9 @@ CONFIGS = {"keys": {"WARPS_PER_BLOCK": 4}, "warp": {"WARPS_PER_BLOCK": 4},
 SIM_CONFIGS = {"block": {"THREADS": 32}}
 DEFAULT_FLAVOR = "block" if SIMULATOR else "keys"
 SHARED_LIMIT = 48 * 1024   # bytes of dynamic shared memory without an opt-in
-SCORING_FUNCS = ("softmax", "sigmoid")
+SCORING_FUNCS = ("softmax", "sigmoid")                   # fused_topk, grouped_topk
+BIAS_SCORING_FUNCS = SCORING_FUNCS + ("sqrtsoftplus",)   # fused_topk_bias
+_SCORING_CODE = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}   # the kernels' `scoring`
 
 
 def _config(flavor):
@@ -138,7 +143,7 @@ def _launch(call, gating_output, bias, topk, num_groups, topk_group, scoring, re
                   else A.dummy(np.float32))
         kernel[grid, block, A.launch_stream(), smem](
             logits, bias_d, weights, ids, tei if tei is not None else A.dummy(np.int32, 2),
-            T, E, topk, num_groups, topk_group, 0 if scoring == "softmax" else 1,
+            T, E, topk, num_groups, topk_group, _SCORING_CODE[scoring],
             1 if renormalize else 0, 1 if bias is not None else 0, 1 if want_tei else 0,
             mode, np.float32(scale))
     out = (call.result(weights), call.result(ids))
@@ -202,10 +207,11 @@ def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=Non
 
 def fused_topk_bias(hidden_states, gating_output, scoring_func, e_score_correction_bias, topk,
                     renormalize, indices_type=None, routed_scaling_factor=1.0):
-    """Softmax (or sigmoid) scores, a non-finite one 0; experts chosen on scores + bias;
-    weights are the unbiased scores, renormalized if asked, then * routed_scaling_factor.
-    Returns topk_weights f32 [T, K], topk_ids int32 (or indices_type) [T, K]."""
-    _check_scoring_func(scoring_func)
+    """Softmax, sigmoid or sqrt(softplus) scores, a non-finite one 0; experts chosen on
+    scores + bias; weights are the unbiased scores, renormalized if asked, then
+    * routed_scaling_factor. Returns topk_weights f32 [T, K], topk_ids int32 (or
+    indices_type) [T, K]."""
+    _check_scoring_func(scoring_func, BIAS_SCORING_FUNCS)
     _, E, topk = _check_logits(hidden_states, gating_output, topk)
     if e_score_correction_bias is not None:
         _check_bias(e_score_correction_bias, E)
@@ -214,11 +220,11 @@ def fused_topk_bias(hidden_states, gating_output, scoring_func, e_score_correcti
                    renormalize, float(routed_scaling_factor), False, _ids_dtype(indices_type))
 
 
-def _check_scoring_func(scoring_func):
+def _check_scoring_func(scoring_func, choices=SCORING_FUNCS):
     if not isinstance(scoring_func, str):
-        raise TypeError(f"scoring_func: expected one of {sorted(SCORING_FUNCS)}, "
+        raise TypeError(f"scoring_func: expected one of {sorted(choices)}, "
                         f"got {type(scoring_func).__name__}")
-    A.check_choice("scoring_func", scoring_func, SCORING_FUNCS)
+    A.check_choice("scoring_func", scoring_func, choices)
 
 
 def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0,

@@ -36,7 +36,7 @@ import numpy as np
 from numba import float32, int32, int64, uint32, uint64
 
 from ._device import (FULL_MASK, NAN32, NEG_INF32, SIMULATOR, better, cu, device_function, exp_f32,
-                      ix, kernel, max_nan, round_as, sel_key, to_f32)
+                      ix, kernel, max_nan, round_as, sel_key, sqrt_softplus_f32, to_f32)
 
 # the non-finite rule and rounding of a launch (reference/routing.py):
 MODE_TOPK = 0      # fused_topk / fused_topk_bias: a non-finite score is 0
@@ -151,6 +151,15 @@ def is_finite(v):
     return v > NEG_INF32 and v < POS_INF32
 
 
+@device_function
+def elementwise_score(x, scoring):
+    """The scores that need no row reduction: sigmoid(x) (scoring 1) or sqrt(softplus(x))
+    (scoring 2, DeepSeek-V4's; MODE_TOPK only), fp32."""
+    if scoring == 1:
+        return float32(1.0) / (float32(1.0) + exp_f32(-x))
+    return sqrt_softplus_f32(x)
+
+
 @functools.lru_cache(maxsize=None)
 def route_kernel(flavor: str, n: int, VPT: int = 1):
     """The routing kernel of one flavour: "warp" with n rows (warps) per block, or "block"
@@ -202,7 +211,7 @@ def route_kernel(flavor: str, n: int, VPT: int = 1):
             e = lane + LANES * j
             ks[j] = to_f32(bias[ix(e)]) if has_bias and e < E else float32(0.0)
 
-        # 2. scores: softmax (max, exp, sum, divide) or sigmoid, then the mode's non-finite
+        # 2. scores: softmax (max, exp, sum, divide), sigmoid or sqrt-softplus, then the mode's
         #    rule: MODE_TOPK zeroes a non-finite score, MODE_GROUPED marks an invalid expert
         #    with a NaN score (its weight is 0, its choice -inf) and rounds a softmax score
         #    to the logits' dtype
@@ -227,7 +236,7 @@ def route_kernel(flavor: str, n: int, VPT: int = 1):
         else:
             for j in range(VPT):
                 x = xs[j]
-                v = float32(1.0) / (float32(1.0) + exp_f32(-x))
+                v = elementwise_score(x, scoring)
                 if mode == MODE_TOPK and not is_finite(v):
                     v = float32(0.0)
                 if mode == MODE_GROUPED and not is_finite(x):
@@ -456,8 +465,7 @@ def route_keys_kernel(WARPS: int, VPT: int):
         else:
             for i in range(VPT):
                 x = p[i]
-                p[i] = score_rule(float32(1.0) / (float32(1.0) + exp_f32(-x)), x, scoring, mode,
-                                  logits)
+                p[i] = score_rule(elementwise_score(x, scoring), x, scoring, mode, logits)
 
         # ---- selection values: the (biased) scores, -inf for an invalid expert (NaN score);
         #      make_key reads a NaN (bias) as -inf
@@ -544,8 +552,7 @@ def route_keys_kernel(WARPS: int, VPT: int):
             if scoring == 0:
                 my_w = score_rule(exp_f32(x - row_max) / row_sum, x, scoring, mode, logits)
             else:
-                my_w = score_rule(float32(1.0) / (float32(1.0) + exp_f32(-x)), x, scoring,
-                                  mode, logits)
+                my_w = score_rule(elementwise_score(x, scoring), x, scoring, mode, logits)
             if my_w != my_w:                 # invalid (MODE_GROUPED): weight 0
                 my_w = float32(0.0)
             else:

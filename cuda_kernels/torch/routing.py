@@ -1,4 +1,5 @@
-"""Routing in torch: softmax / sigmoid scores, optional bias and expert groups, top-k.
+"""Routing in torch: softmax / sigmoid (/ sqrt-softplus) scores, optional bias and expert
+groups, top-k.
 
     T = tokens, E = experts, K = top-k, G = expert groups (num_expert_group)
 
@@ -25,7 +26,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from reference.routing import check_grouped_topk_args
+from reference.routing import (
+    BIAS_SCORING_FUNCS,
+    SCORING_FUNCS,
+    SOFTPLUS_THRESHOLD,
+    check_grouped_topk_args,
+)
 from reference.routing import select_experts as _reference_select_experts
 
 from ._tensors import (
@@ -54,6 +60,18 @@ def _sigmoid(logits):
     import torch
 
     return torch.sigmoid(logits.float())
+
+
+def _sqrt_softplus(logits):
+    """sqrt(softplus(x)) in fp32, softplus = log(1 + exp(x)), or x above 20 (reference's
+    sqrt_softplus; written out, not F.softplus, whose log1p rounds differently)."""
+    import torch
+
+    x = logits.float()
+    return torch.sqrt(torch.where(x > SOFTPLUS_THRESHOLD, x, torch.log(1.0 + torch.exp(x))))
+
+
+_SCORE_OF = {"softmax": _softmax, "sigmoid": _sigmoid, "sqrtsoftplus": _sqrt_softplus}
 
 
 def _topk_indices(scores, k):
@@ -87,21 +105,22 @@ def _check_logits(hidden_states, gating_output, topk):
     return t, e, topk
 
 
-def _scoring_func(scoring_func):
+def _scoring_func(scoring_func, choices=SCORING_FUNCS):
     if not isinstance(scoring_func, str):
-        raise TypeError(f"scoring_func: expected one of ['sigmoid', 'softmax'], "
+        raise TypeError(f"scoring_func: expected one of {sorted(choices)}, "
                         f"got {type(scoring_func).__name__}")
-    if scoring_func not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring_func: expected one of ['sigmoid', 'softmax'], "
+    if scoring_func not in choices:
+        raise ValueError(f"scoring_func: expected one of {sorted(choices)}, "
                          f"got {scoring_func!r}")
     return scoring_func
 
 
 def _topk_scores(logits, scoring_func):
-    """vLLM's topk_softmax / topk_sigmoid scores: fp32, a non-finite score replaced by 0."""
+    """vLLM's topk_softmax / topk_sigmoid / topk_softplus_sqrt scores: fp32, a non-finite
+    score replaced by 0."""
     import torch
 
-    scores = _softmax(logits) if scoring_func == "softmax" else _sigmoid(logits)
+    scores = _SCORE_OF[scoring_func](logits)
     return torch.where(torch.isfinite(scores), scores, torch.zeros_like(scores))
 
 
@@ -146,10 +165,10 @@ def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=Non
 
 def fused_topk_bias(hidden_states, gating_output, scoring_func, e_score_correction_bias, topk,
                     renormalize, indices_type=None, routed_scaling_factor=1.0):
-    """Experts chosen on scores + bias (scores: softmax or sigmoid, non-finite -> 0),
-    weighed by the unbiased scores, renormalized if asked, times routed_scaling_factor.
-    Returns (f32 [T, K], int32 [T, K])."""
-    _scoring_func(scoring_func)
+    """Experts chosen on scores + bias (scores: softmax, sigmoid or sqrt(softplus),
+    non-finite -> 0), weighed by the unbiased scores, renormalized if asked, times
+    routed_scaling_factor. Returns (f32 [T, K], int32 [T, K])."""
+    _scoring_func(scoring_func, BIAS_SCORING_FUNCS)
     hidden_states, gating_output = as_tensor(hidden_states, "hidden_states"), as_tensor(gating_output,
                                                                           "gating_output")
     _, e, topk = _check_logits(hidden_states, gating_output, topk)

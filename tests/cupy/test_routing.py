@@ -64,7 +64,7 @@ def test_fused_topk(T, E, K, renormalize, dkey, scoring):
 @on_gpu("cupy")
 @pytest.mark.parametrize("dkey", DTYPES)
 @pytest.mark.parametrize("scaling", [1.0, 2.5])
-@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus"])
 @pytest.mark.parametrize("E,K", [(16, 2), (128, 8), (256, 8), (384, 8), (512, 22)])
 def test_fused_topk_bias(E, K, scaling, scoring, dkey):
     T = 133
@@ -316,7 +316,7 @@ def test_emulated_routing(emulated):
                 same(got, want, f"fused_topk {name} T={T} E={E} K={K}")
                 np.testing.assert_array_equal(got[2], want[2])
         b = (0.1 * rng.standard_normal(E)).astype(np.float32)
-        for scoring, name in ((0, "softmax"), (1, "sigmoid")):
+        for scoring, name in ((0, "softmax"), (1, "sigmoid"), (2, "sqrtsoftplus")):
             same(route(x, K, scoring=scoring, bias=b, scale=2.5),
                  reference.fused_topk_bias(None, x, name, b, K, True, routed_scaling_factor=2.5),
                  f"fused_topk_bias {name} E={E}")
@@ -337,6 +337,17 @@ def test_emulated_routing(emulated):
             same(route(x, 4, scoring=scoring, renorm=renorm),
                  reference.fused_topk(None, x, 4, renorm, scoring_func=name),
                  f"NaN / inf / ties {name}")
+    # sqrt-softplus (DeepSeek-V4, fused_topk_bias only): wide logits cross softplus' x > 20
+    # branch; NaN and +-inf score 0
+    x = (12 * rng.standard_normal((6, 256))).astype(np.float32)
+    x[1, 7], x[2, 3], x[3, :], x[4, 9], x[5, ::2] = np.nan, np.inf, -np.inf, 21.0, 2.0
+    bias256 = (0.1 * rng.standard_normal(256)).astype(np.float32)
+    for bias in (None, bias256):
+        for renorm in (False, True):
+            same(route(x, 6, scoring=2, bias=bias, renorm=renorm, scale=1.5),
+                 reference.fused_topk_bias(None, x, "sqrtsoftplus", bias, 6, renorm,
+                                           routed_scaling_factor=1.5),
+                 f"sqrtsoftplus bias {bias is not None} renorm {renorm}")
     # grouped_topk: invalid experts ranked last at weight 0, rows with none valid 1/K or 0
     x = rng.standard_normal((6, 64)).astype(np.float32)
     x[0, :8], x[4, 9], x[5, 20:30], x[2] = np.nan, np.nan, np.nan, np.nan
@@ -356,6 +367,9 @@ def test_emulated_routing(emulated):
         same(route(xb, 8, scoring=scoring), reference.fused_topk(None, xb, 8, True,
                                                                 scoring_func=name),
              f"bf16 fused_topk {name}")
+    same(route(xb, 6, scoring=2, bias=bias256),
+         reference.fused_topk_bias(None, xb, "sqrtsoftplus", bias256, 6, True),
+         "bf16 fused_topk_bias sqrtsoftplus")
     for num_finite in (0, 15):
         for renorm in (False, True):
             xn = np.full((1, 512), np.nan, BF16)

@@ -63,7 +63,7 @@ def test_fused_topk(T, E, K, renormalize, dkey, flavor, scoring):
 
 @pytest.mark.parametrize("dkey", MAIN_DTYPE)
 @pytest.mark.parametrize("scaling", [1.0, 2.5])
-@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus"])
 @pytest.mark.parametrize("E,K", full_grid([(16, 2), (256, 8), (512, 22)],
                                      [(16, 2), (128, 8), (256, 8), (384, 8), (512, 22)]))
 def test_fused_topk_bias(E, K, scaling, scoring, dkey, flavor):

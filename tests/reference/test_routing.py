@@ -36,6 +36,7 @@ from reference import (
     llama4_custom_routing_function,
     select_experts,
 )
+from reference.routing import sqrt_softplus
 
 DTYPES = [np.float32, BF16, np.float16, np.float64]
 
@@ -123,7 +124,7 @@ def test_fused_topk_matches_torch(num_experts, topk):
 @pytest.mark.parametrize("topk", [1, 2, 6])
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("routed_scaling_factor", [1.0, 2.5])
-@pytest.mark.parametrize("scoring_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("scoring_func", ["softmax", "sigmoid", "sqrtsoftplus"])
 def test_fused_topk_bias_matches_loop(num_tokens, num_experts, topk, renormalize,
                                       routed_scaling_factor, scoring_func):
     rng = rng_for("bias", num_tokens, num_experts, topk, renormalize, routed_scaling_factor,
@@ -148,6 +149,45 @@ def test_fused_topk_bias_chooses_on_bias_weighs_unbiased():
     assert ids.tolist() == [[3]]
     scores = np.exp(logits[0].astype(np.float64)) / np.exp(logits[0].astype(np.float64)).sum()
     np.testing.assert_allclose(weights[0, 0], scores[3], rtol=1e-6)
+
+
+def test_sqrt_softplus_scores():
+    # DeepSeek-V4: sqrt(log(1 + exp(x))), x itself above 20; -inf scores 0, NaN stays NaN
+    x = np.array([[-np.inf, -30.0, -1.0, 0.0, 1.5, 19.0, 21.0, 80.0, np.nan]], np.float32)
+    want = [0.0, np.exp(-15.0), *np.sqrt(np.log1p(np.exp([-1.0, 0.0, 1.5, 19.0]))),
+            np.sqrt(21.0), np.sqrt(80.0), np.nan]
+    got = sqrt_softplus(x)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got[0, 2:], want[2:], rtol=2e-7)
+    assert got[0, 0] == 0.0 and got[0, 1] < 1e-6 and np.isnan(got[0, -1])
+    # in fused_topk_bias a non-finite score weighs 0, as in topk_softmax / topk_sigmoid
+    weights, ids = fused_topk_bias(None, x, "sqrtsoftplus", None, 3, False)
+    assert ids.tolist() == [[7, 6, 5]]
+    np.testing.assert_allclose(weights[0], got[0, [7, 6, 5]])
+
+
+@pytest.mark.parametrize("route", [
+    {"use_grouped_topk": True, "topk_group": 1, "num_expert_group": 2},
+    {"use_grouped_topk": False}])
+def test_sqrt_softplus_goes_with_a_bias_and_no_groups(route):
+    """vLLM's router factory sends sqrtsoftplus only to fused_topk_bias: its fused_topk and
+    grouped_topk take softmax or sigmoid."""
+    logits = np.random.default_rng(3).standard_normal((4, 8)).astype(np.float32)
+    route = dict(route)
+    with pytest.raises(ValueError, match="scoring_func: (grouped_topk|fused_topk)"):
+        select_experts(None, logits, 2, route.pop("use_grouped_topk"), True,
+                                 scoring_func="sqrtsoftplus", **route)
+    with pytest.raises(ValueError, match="scoring_func"):
+        fused_topk(None, logits, 2, True, scoring_func="sqrtsoftplus")
+    bias = np.zeros(8, np.float32)
+    weights, ids, _ = select_experts(None, logits, 2, False, True,
+                                               scoring_func="sqrtsoftplus",
+                                               routed_scaling_factor=1.5,
+                                               e_score_correction_bias=bias)
+    want = fused_topk_bias(None, logits, "sqrtsoftplus", bias, 2, True,
+                           routed_scaling_factor=1.5)
+    np.testing.assert_array_equal(ids, want[1])
+    np.testing.assert_array_equal(weights, want[0])
 
 
 # --------------------------------------------------------------------------------------------

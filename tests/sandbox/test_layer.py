@@ -96,6 +96,8 @@ CONFIGS = {
     "qwen_no_renorm": dict(num_experts=12, top_k=4, renormalize=False),
     "deepseek": dict(num_experts=16, top_k=4, use_grouped_topk=True, num_expert_group=4,
                      topk_group=2, scoring_func="sigmoid", routed_scaling_factor=2.5),
+    "deepseek_v4": dict(num_experts=16, top_k=6, scoring_func="sqrtsoftplus",
+                        routed_scaling_factor=1.5),
     "gpt_oss": dict(num_experts=8, top_k=2, activation="swigluoai", has_bias=True),
     "gelu": dict(num_experts=6, top_k=2, activation="gelu"),
     "relu2_no_mul": dict(num_experts=6, top_k=2, activation="relu2", is_act_and_mul=False),
@@ -107,7 +109,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_forward_equals_reference_fused_moe(name, dtype):
     cfg = dict(CONFIGS[name], hidden_size=32, intermediate_size=48, params_dtype=dtype)
-    if name == "deepseek":
+    if name.startswith("deepseek"):
         cfg["e_score_correction_bias"] = (rng_for("bias").standard_normal(16) * 0.1).astype(
             np.float32)
     layer = FusedMoE.random(seed=zlib.crc32(name.encode()), **cfg)
@@ -314,6 +316,8 @@ def test_input_errors():
         FusedMoE(8, 2, 16, 32, apply_router_weight_on_input=True)
     with pytest.raises(ValueError, match="backend"):
         FusedMoE(8, 2, 16, 32, backend={"gemm": "torch"})
+    with pytest.raises(ValueError, match="scoring_func"):   # sqrtsoftplus needs a bias
+        FusedMoE(8, 2, 16, 32, scoring_func="sqrtsoftplus")
 
 
 def test_a_batch_that_cannot_fit_fails_before_any_stage(monkeypatch):

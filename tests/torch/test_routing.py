@@ -49,7 +49,7 @@ def test_fused_topk(renormalize, logit_dtype, scoring_func):
         assert (gw[[5, 6, 8]] == 0).all()
 
 
-@pytest.mark.parametrize("scoring_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("scoring_func", ["softmax", "sigmoid", "sqrtsoftplus"])
 def test_fused_topk_bias(scoring_func):
     rng = rng_for("bias", scoring_func)
     t, e, k = 29, 16, 4

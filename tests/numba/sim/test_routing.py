@@ -64,7 +64,7 @@ def test_fused_topk_sigmoid(renormalize):
                  "fused_topk sigmoid")
 
 
-@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus"])
 @pytest.mark.parametrize("scaling", [1.0, 2.5])
 @pytest.mark.parametrize("T,E,K", [(3, 16, 2), (2, 12, 5)])
 def test_fused_topk_bias(T, E, K, scaling, scoring):
@@ -89,6 +89,26 @@ def test_grouped_topk(E, K, G, TG, dkey, scoring, with_bias):
     bias = uniform(rng_for("gbias", E), (E,), 0.3) if with_bias else None
     args = (None, x, K, True, G, TG, scoring, 2.5, bias)
     assert_route(R.grouped_topk(*args), reference.grouped_topk(*args), "grouped_topk")
+
+
+def test_sqrt_softplus_scores():
+    """DeepSeek-V4's scores: sqrt(softplus(x)) with softplus(x) = x above 20; NaN and +-inf
+    logits score 0 (fused_topk_bias' non-finite rule), no bias as with one."""
+    x = (12 * logits_for(4, 16, np.float32, "softplus")).astype(np.float32)
+    x[0, 3], x[1, 6], x[2, :4], x[3, 9] = np.nan, np.inf, -np.inf, 21.0
+    for bias in (None, uniform(rng_for("spbias", 16), (16,), 0.3)):
+        for renorm in (False, True):
+            args = (None, x, "sqrtsoftplus", bias, 3, renorm, None, 1.5)
+            assert_route(R.fused_topk_bias(*args), reference.fused_topk_bias(*args),
+                         f"sqrtsoftplus bias={bias is not None} renorm={renorm}")
+
+
+def test_sqrt_softplus_goes_with_fused_topk_bias_only():
+    x = logits_for(2, 8, np.float32, "sp-only")
+    with pytest.raises(ValueError, match="scoring_func"):
+        R.fused_topk(None, x, 2, True, scoring_func="sqrtsoftplus")
+    with pytest.raises(ValueError, match="scoring_func"):
+        R.grouped_topk(None, x, 2, True, 2, 1, "sqrtsoftplus")
 
 
 def test_ties_go_to_the_lowest_id():
