@@ -79,15 +79,21 @@ def in_notebook() -> bool:
 
 
 def detect_mode() -> tuple[str, str]:
-    """(mode, why): MOE_SANDBOX_NOTEBOOK_MODE when set, else "gpu" if CuPy sees a device."""
+    """(mode, why): MOE_SANDBOX_NOTEBOOK_MODE when set, else "gpu" if CuPy sees a device.
+    A forced "gpu" without a usable device is an error here, not halfway through a notebook."""
     env = os.environ.get(MODE_ENV, "").strip().lower()
-    if env:
-        if env not in MODES:
-            raise ValueError(f"{MODE_ENV}: expected one of {list(MODES)}, got {env!r}")
+    if env and env not in MODES:
+        raise ValueError(f"{MODE_ENV}: expected one of {list(MODES)}, got {env!r}")
+    if env == "cpu":
         return env, f"{MODE_ENV}={env}"
     from cuda_kernels.cupy import availability  # imports CuPy only, never numba
 
     ok, why = availability()
+    if env == "gpu":
+        if not ok:
+            raise RuntimeError(f"{MODE_ENV}: expected a GPU that CuPy can use for 'gpu', got "
+                               f"none ({why}); unset it or set it to 'cpu'")
+        return env, f"{MODE_ENV}={env}"
     if ok:
         return "gpu", "CuPy sees a CUDA device"
     return "cpu", f"no GPU: {why}"

@@ -416,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="presets: mixtral-8x7b qwen3-30b-a3b deepseek-v3 tiny, or all "
                         "(default: the three models; tiny with --cpu)")
     b.add_argument("--tokens", type=_int_list, help="comma-separated T values (default "
-                                                    "1,16,64,256,1024,4096,16384)")
+                                                    "1,16,64,256,1024,4096,16384; "
+                                                    "1,16,64,256 with --cpu)")
     b.add_argument("--candidates", nargs="+", metavar="NAME",
                    help="what to time (default: cupy vllm-triton torch-grouped_mm; "
                         "reference torch-loop torch-grouped_mm with --cpu)")
@@ -494,13 +495,20 @@ def main(argv: list[str] | None = None) -> int:
                                "(see moe-sandbox data --help)")
             parser.print_help()
             return EXIT_ERROR
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()   # a closed pipe shows here, inside the handlers below
+        return code
     except CliError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader left (`moe-sandbox info | head -1`): not an error of ours. Point stdout
+        # at devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as exc:  # anything else: one sentence, the traceback on request
         if os.environ.get("MOE_SANDBOX_DEBUG") == "1":
             raise

@@ -85,3 +85,26 @@ def test_notebook_runs_on_the_cpu(source, monkeypatch):
                  for o in c.outputs)
     if source.parent == NB_DIR:
         assert images >= 2, f"{source.name}: expected its figures inline, got {images} images"
+
+
+def test_a_forced_mode_is_checked_before_the_notebook_starts(monkeypatch):
+    """MOE_SANDBOX_NOTEBOOK_MODE=gpu on a machine whose CuPy sees no device fails at once,
+    naming the variable (not later, on the first CuPy import of a notebook)."""
+    import importlib.util
+    import sys
+
+    import cuda_kernels.cupy
+
+    spec = importlib.util.spec_from_file_location("workshop_under_test", NB_DIR / "workshop.py")
+    workshop = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, workshop)   # its dataclasses look it up
+    spec.loader.exec_module(workshop)
+    monkeypatch.setattr(cuda_kernels.cupy, "availability", lambda: (False, "no device here"))
+    monkeypatch.setenv(workshop.MODE_ENV, "gpu")
+    with pytest.raises(RuntimeError, match="MOE_SANDBOX_NOTEBOOK_MODE.*no device here"):
+        workshop.detect_mode()
+    monkeypatch.setenv(workshop.MODE_ENV, "cpu")
+    assert workshop.detect_mode()[0] == "cpu"
+    monkeypatch.setenv(workshop.MODE_ENV, "tpu")
+    with pytest.raises(ValueError, match="MOE_SANDBOX_NOTEBOOK_MODE"):
+        workshop.detect_mode()

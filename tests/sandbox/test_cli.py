@@ -223,3 +223,19 @@ def test_ep_subcommand_reaches_the_ep_runtime(capsys):
     assert main(["ep", "eplb", "--experts", "16", "--gpus", "4", "--redundant", "4"]) == 0
     assert "EPLB" in capsys.readouterr().out
     assert main(["ep", "no-such-command"]) != 0
+
+
+# ----------------------------------------------------------------------------- pipes
+
+def test_a_reader_that_leaves_early_is_not_an_error():
+    """`moe-sandbox info | head -1`: the reader closes the pipe before the output ends."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "sandbox.cli", "info"], cwd=ROOT, env=env,
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip() == "", proc.stderr
