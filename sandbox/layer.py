@@ -136,9 +136,9 @@ class FusedMoE(MoEWeights):
             raise ValueError(f"top_k: expected at most the number of experts "
                              f"({self.num_router_experts}), got {top_k}")
         self.use_grouped_topk = bool(use_grouped_topk)
+        # the correction bias may still come from load_weights: select_experts checks it
         check_scoring_route(scoring_func, self.use_grouped_topk,
-                            custom_routing_function is not None,
-                            e_score_correction_bias is not None)
+                            custom_routing_function is not None, has_bias=True)
         if self.use_grouped_topk and (num_expert_group is None or topk_group is None):
             raise ValueError(f"use_grouped_topk: expected num_expert_group and topk_group, got "
                              f"num_expert_group={num_expert_group}, topk_group={topk_group}")

@@ -316,8 +316,17 @@ def test_input_errors():
         FusedMoE(8, 2, 16, 32, apply_router_weight_on_input=True)
     with pytest.raises(ValueError, match="backend"):
         FusedMoE(8, 2, 16, 32, backend={"gemm": "torch"})
-    with pytest.raises(ValueError, match="scoring_func"):   # sqrtsoftplus needs a bias
-        FusedMoE(8, 2, 16, 32, scoring_func="sqrtsoftplus")
+    with pytest.raises(ValueError, match="scoring_func: grouped_topk"):
+        FusedMoE(8, 2, 16, 32, scoring_func="sqrtsoftplus", use_grouped_topk=True,
+                 num_expert_group=2, topk_group=1)
+    # sqrtsoftplus needs a correction bias, which load_weights may still bring: the forward
+    # without one is refused, naming scoring_func
+    v4 = FusedMoE.random(seed=6, scoring_func="sqrtsoftplus")
+    with pytest.raises(ValueError, match="scoring_func: fused_topk"):
+        v4(x, logits)
+    v4.load_weights([("experts.e_score_correction_bias",
+                      np.zeros(v4.num_experts, np.float32))])
+    assert np.isfinite(v4(x, logits)).all()
 
 
 def test_a_batch_that_cannot_fit_fails_before_any_stage(monkeypatch):
