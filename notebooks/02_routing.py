@@ -128,6 +128,29 @@ print("softmax ids", ids[0], "| sigmoid ids", idss[0], "weights", np.round(ws[0]
       "(not renormalized: sum", round(float(ws[0].sum()), 3), ")")
 
 # %% [markdown]
+# ### sqrt-softplus scoring (DeepSeek-V4)
+#
+# DeepSeek-V4's router scores each expert on its own too, with `sqrt(softplus(logit))`
+# (softplus(x) = log(1 + exp(x)), x itself above 20): monotonic like sigmoid, but unbounded
+# above and flatter for large logits. vLLM runs it only through `fused_topk_bias`, with the
+# model's correction bias steering the choice (`fused_topk` and `grouped_topk` refuse it):
+
+# %%
+grid = np.array([[-4.0, -1.0, 0.0, 1.0, 4.0, 25.0]], np.float32)
+workshop.show_table(["logit", "softmax", "sigmoid", "sqrt-softplus"],
+                    [(float(v), round(float(a), 3), round(float(b), 3), round(float(c), 3))
+                     for v, a, b, c in zip(grid[0], reference.softmax(grid)[0],
+                                           reference.sigmoid(grid)[0],
+                                           reference.routing.sqrt_softplus(grid)[0])])
+v4_bias = np.zeros(E, np.float32)
+v4_bias[0] = 3.0                                   # pulls expert 0 into the choice
+for bias in (np.zeros(E, np.float32), v4_bias):
+    wv, idv = reference.fused_topk_bias(x[t:t + 1], logits[t:t + 1], "sqrtsoftplus", bias, K,
+                                        True, routed_scaling_factor=1.5)
+    print(f"bias[0] = {bias[0]}: ids", idv[0], "weights (unbiased scores, renormalized,"
+          " * 1.5)", np.round(wv[0], 3))
+
+# %% [markdown]
 # ### Slots routed nowhere: id −1
 #
 # vLLM marks a slot that must go to no expert with id **−1**: the padding tokens of a batch
