@@ -163,10 +163,14 @@ def check_scoring_route(scoring_func, use_grouped_topk, has_custom_routing, has_
     whose fused_topk and grouped_topk take softmax or sigmoid. (A custom routing function
     ignores scoring_func.)"""
     _check_scoring_func(scoring_func, BIAS_SCORING_FUNCS)
-    if scoring_func in SCORING_FUNCS or (not use_grouped_topk and (has_custom_routing
-                                                                  or has_bias)):
+    if scoring_func in SCORING_FUNCS:
         return
-    route = "grouped_topk" if use_grouped_topk else "fused_topk (no e_score_correction_bias)"
+    if use_grouped_topk:
+        route = "grouped_topk"
+    elif has_custom_routing or has_bias:
+        return
+    else:
+        route = "fused_topk (no e_score_correction_bias)"
     raise ValueError(f"scoring_func: {route} expected one of {list(SCORING_FUNCS)}, got "
                      f"{scoring_func!r} (it goes with an e_score_correction_bias, no grouping)")
 
