@@ -45,6 +45,11 @@
 // What the card allows (H100 SXM, one call): a plain read of the 705 MB that Mixtral-8x7B and
 //   DeepSeek-V3 route at T = 1, in this load style, took 258-261 us (2.83-2.87 TB/s, 512 or
 //   1024 threads, 4 to 16 loads in flight); this kernel's whole layer took 261-268 us.
+//   Bulk copies (cp.async.bulk, 8 to 32 KB into a ring of 4 or more shared-memory stages)
+//   read the same bytes in 230-232 us (3.02-3.05 TB/s), yet as this kernel's loads (a
+//   producer warp, whole rows a stage, the same sums) they gained 1-2% at T = 1 on Mixtral
+//   and DeepSeek-V3 (254 -> 249-252 us) and lost 15% on Qwen3-30B-A3B (41 -> 47 us) in one
+//   A/B call: the read is not what bounds this kernel; its two phases and the barrier are.
 //
 // Requirements (experts_decode.py checks them): H % 8 == 0 and I % 8 == 0 (16-byte loads), x,
 //   w1, w2, c2 16-byte aligned; __half or __nv_bfloat16; no expert map, no biases.
