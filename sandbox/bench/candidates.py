@@ -217,16 +217,47 @@ def load_vllm_triton(peers_dir=None):
 
 def _vllm_triton_factory(case: Case):
     """vLLM's fused_experts kernels on the case (bf16/fp16 on CUDA only). As the peer's README
-    says, its expert assignment is made once, when the runner is made, and is not timed: the
-    timed call is its GEMM1, silu_and_mul, GEMM2 and top-k sum. Ours is timed from align on."""
+    says, its expert assignment is made outside the timed call: the timed call is its GEMM1,
+    silu_and_mul, GEMM2 and top-k sum (ours is timed from align on). The assignment is made
+    again after every redraw of the routing (`Case.after_redraw`, into the buffers its call
+    and a captured graph read), so each rep runs the routing ours runs, and the experts it
+    reads are the ones the point's `touched_experts` counts."""
     if case.device == "cpu":
         raise Unavailable("the vLLM Triton peer runs on CUDA only")
     peer = load_vllm_triton()
     run = peer.fused_experts_runner(case.x, case.w13, case.w2, case.topk_weights,
                                     case.topk_ids32)
+    case.after_redraw.append(_assignment_refresh(run, case))
     fn = lambda: run()  # noqa: E731
     fn.config_source = getattr(run, "config_source", "")
     return fn
+
+
+def _assignment_refresh(run, case: Case):
+    """A callable that remakes the peer runner's expert assignment from the case's current
+    routing, in place. The peer keeps it in its pipeline (found through the runner's
+    closure): sorted ids, expert ids and the padded count of vLLM's moe_align_block_size, or,
+    at decode sizes, vLLM's naive assignment, a view of topk_ids itself (nothing to remake)."""
+    pipe = None
+    for cell in getattr(run, "__closure__", None) or ():
+        owner = getattr(cell.cell_contents, "__self__", None)
+        if all(hasattr(owner, a) for a in ("align_only", "sorted_ids", "expert_ids", "ntpp",
+                                            "naive", "topk_ids", "topk_weights")):
+            pipe = owner
+    if pipe is None:
+        raise Unavailable("the vLLM Triton peer's runner does not show its expert assignment: "
+                          "it could not follow the redrawn routings")
+    if (pipe.topk_ids.data_ptr() != case.topk_ids32.data_ptr()
+            or pipe.topk_weights.data_ptr() != case.topk_weights.data_ptr()):
+        raise Unavailable("the vLLM Triton peer copied the routing buffers: it could not "
+                          "follow the redrawn routings")
+
+    def refresh():
+        if pipe.naive:
+            return
+        for buf, new in zip((pipe.sorted_ids, pipe.expert_ids, pipe.ntpp), pipe.align_only()):
+            buf.copy_(new)
+    return refresh
 
 
 register_candidate("vllm-triton", _vllm_triton_factory)

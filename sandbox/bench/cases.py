@@ -97,7 +97,9 @@ def names_arg(flag: str, text: str, allowed) -> list[str]:
 class Case:
     """The inputs of one benchmark point, as torch tensors on `device`. `redraw(i)` writes a
     new routing into `topk_weights` / `topk_ids` in place (fixed buffers, so CUDA graphs
-    and closures see it) and records the experts it touches."""
+    and closures see it), records the experts it touches, then calls each of
+    `after_redraw` (what a candidate derives from the routing outside its timed call, such
+    as the vLLM peer's expert assignment; the benchmark empties it before each candidate)."""
 
     preset: ModelPreset
     num_tokens: int
@@ -112,6 +114,7 @@ class Case:
     routing: str = "uniform"
     seed: int = 0
     touched: list = dataclasses.field(default_factory=list)
+    after_redraw: list = dataclasses.field(default_factory=list)
     _gen: Any = None
     _log_pop: Any = None
 
@@ -128,6 +131,8 @@ class Case:
         self.topk_ids.copy_(ids)
         self.topk_ids32.copy_(ids)
         self.touched.append(int(torch.unique(ids).numel()))
+        for hook in self.after_redraw:
+            hook()
 
 
 def make_weights(preset: ModelPreset, device: str = "cuda", dtype=None, seed: int = 0):

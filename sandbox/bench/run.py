@@ -130,6 +130,7 @@ def _time_candidate(case: Case, name: str, expected, api, warmup, reps, graph, f
     import torch
 
     preset, T = case.preset, case.num_tokens
+    case.after_redraw.clear()          # a candidate's hooks are its own
     try:
         fn = CANDIDATES[name](case)
     except Unavailable as exc:

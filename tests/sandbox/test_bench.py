@@ -123,6 +123,33 @@ def test_make_case_redraw_rewrites_routing_in_place():
     assert counts.max() > 1.5 * counts.mean()
 
 
+def test_redraw_hooks_belong_to_the_candidate_that_made_them(monkeypatch):
+    """A candidate's `after_redraw` hooks (the vLLM peer remakes its expert assignment there)
+    run after every redraw of its own timing, and the next candidate starts with none."""
+    pytest.importorskip("torch")
+    from sandbox.bench import candidates
+
+    log = []
+
+    def with_hook(case):
+        case.after_redraw.append(lambda: log.append(("a", len(case.touched))))
+        return candidates.CANDIDATES["torch-loop"](case)
+
+    def plain(case):
+        log.append(("b starts",))
+        return candidates.CANDIDATES["torch-loop"](case)
+
+    monkeypatch.setitem(candidates.CANDIDATES, "hooked", with_hook)
+    monkeypatch.setitem(candidates.CANDIDATES, "plain", plain)
+    rec = bench.run_bench(["tiny"], (9,), ["hooked", "plain"], device="cpu", warmup=1, reps=2)
+    assert all("stats" in p for p in rec["points"]), rec["points"]
+    b = log.index(("b starts",))
+    hooked = log[:b]
+    # one call per redraw, each after the routing it follows was recorded
+    assert len(hooked) >= 3 and [n for _, n in hooked] == list(range(1, len(hooked) + 1))
+    assert all(entry[0] != "a" for entry in log[b:])
+
+
 def test_run_bench_cpu_record_and_files(tmp_path):
     pytest.importorskip("torch")
     # (not "numba": importing it here would fix its simulator mode for the whole session)
@@ -248,6 +275,31 @@ def test_time_cuda_events_and_graph():
 def test_measure_card_is_plausible():
     card = bench.measure_card(copy_mib=256, matmul_n=2048, reps=3)
     assert card["copy_TBps"] > 0.1 and card["matmul_TFLOPs"] > 1 and card["l2_bytes"] > 0
+
+
+@pytest.mark.gpu
+def test_vllm_peer_follows_the_redrawn_routing():
+    """The peer's expert assignment is made outside its timed call; after a redraw it is
+    made again, so the peer computes the new routing (T = 64 on the tiny preset takes vLLM's
+    sorted assignment, not the naive one that reads topk_ids directly)."""
+    torch = pytest.importorskip("torch")
+    from sandbox.bench import candidates
+
+    try:
+        bench.load_vllm_triton()
+    except bench.Unavailable as exc:
+        pytest.skip(str(exc))
+    case = bench.make_case(bench.PRESETS["tiny"], 64, device="cuda", dtype=torch.bfloat16,
+                           seed=3)
+    run = candidates.CANDIDATES["vllm-triton"](case)
+    before = run().float().clone()
+    case.redraw(7)
+    after = run().float()
+    want = bench.torch_per_expert_loop(case.x, case.w13, case.w2, case.topk_weights,
+                                       case.topk_ids).float()
+    rel = float(torch.linalg.vector_norm(after - want) / torch.linalg.vector_norm(want))
+    assert rel <= 2e-2, rel
+    assert not torch.allclose(after, before)
 
 
 @pytest.mark.gpu
