@@ -50,6 +50,9 @@
 //   producer warp, whole rows a stage, the same sums) they gained 1-2% at T = 1 on Mixtral
 //   and DeepSeek-V3 (254 -> 249-252 us) and lost 15% on Qwen3-30B-A3B (41 -> 47 us) in one
 //   A/B call: the read is not what bounds this kernel; its two phases and the barrier are.
+//   With the rows split evenly, the blocks of that variant ended phase 1 up to 25 us apart
+//   (Mixtral-8x7B at T = 1: 144-169 us, per-block %globaltimer): the SMs do not read HBM
+//   equally fast, and the grid barrier waits for the slowest.
 //
 // Requirements (experts_decode.py checks them): H % 8 == 0 and I % 8 == 0 (16-byte loads), x,
 //   w1, w2, c2 16-byte aligned; __half or __nv_bfloat16; no expert map, no biases.
