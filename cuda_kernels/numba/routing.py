@@ -62,6 +62,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from reference.routing import BIAS_SCORING_FUNCS, SCORING_FUNCS  # the choices: one source
+
 from . import _arrays as A
 from ._device import SIMULATOR
 from .routing_kernels import MODE_GROUPED, MODE_TOPK, route_kernel, route_keys_kernel
@@ -72,8 +74,6 @@ CONFIGS = {"keys": {"WARPS_PER_BLOCK": 4}, "warp": {"WARPS_PER_BLOCK": 4},
 SIM_CONFIGS = {"block": {"THREADS": 32}}
 DEFAULT_FLAVOR = "block" if SIMULATOR else "keys"
 SHARED_LIMIT = 48 * 1024   # bytes of dynamic shared memory without an opt-in
-SCORING_FUNCS = ("softmax", "sigmoid")                   # fused_topk, grouped_topk
-BIAS_SCORING_FUNCS = SCORING_FUNCS + ("sqrtsoftplus",)   # fused_topk_bias
 _SCORING_CODE = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}   # the kernels' `scoring`
 
 
