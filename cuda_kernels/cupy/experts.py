@@ -251,7 +251,8 @@ class ExpertsPlan:
                 self.gemms.append(_Gemm(version, cfg, launch, n, kd))
             self.versions = tuple(g.version for g in self.gemms)
             # whether the rungs were measured on this card or are the table's default
-            self.rungs_tuned = gcfg.rung_is_tuned(dtype, bucket, card)
+            self.rungs_tuned = all(gcfg.rung_is_tuned(dtype, bucket, card, g.n, g.kd)
+                                   for g in self.gemms)
             # activation and combine: the workspaces are 256-byte aligned, so the vector
             # width depends on the row widths only
             name_fmt = f"act_and_mul_kernel<{act_mod._AND_MUL[activation]}, {{vec}}>"

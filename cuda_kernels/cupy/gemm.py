@@ -18,8 +18,9 @@ P = a.shape[0] * top_k slots, L = len(sorted_token_ids).
     c (returned)            [P, N]              a.dtype
 
 The ladder (all kept, `version="v1".."v6"`; the default is the table's "default_version":
-v4 for fp16/bf16 and v3 for fp32 as shipped, or the rung a card's measured "version_by_m"
-names for the bucket, stepping down to the fastest rung that applies):
+v4 for fp16/bf16 and v3 for fp32 as shipped, or the rung a card's measurements name for the
+shape ("version_by_shape") or else the bucket ("version_by_m"), stepping down to the fastest
+rung that applies):
     v1  gemm_v1_naive.cu     one thread per output element
     v2  gemm_v2_smem.cu      shared-memory tiles, one output per thread
     v3  gemm_v3_regblock.cu  TM x TN register micro-tiles, 16-byte loads, register prefetch
@@ -242,7 +243,7 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
     """c [a.shape[0] * top_k, N] = the grouped GEMM of docs/stages.md on the GPU (see module doc).
 
     version: "v1".."v6" (None: default_version's rung, v4 for fp16/bf16 and v3 for fp32 unless
-    the card's "version_by_m" names another for the bucket, stepping down to v3/v2 when Kdim
+    the card's measurements name another for the shape or the bucket, stepping down to v3/v2 when Kdim
     is not a multiple of 16 bytes or block_size not of 16; "v4"/"v5"/"v6" on fp32 run v3;
     "v5" and "v6" need an sm_90 device and block_size % 64 == 0).
     config: a dict as returned by get_config (None: looked up in gemm_configs.json); its
@@ -370,7 +371,7 @@ def _plan(version, dkey, bucket, N, K, block_size, aligned, sm90, config_items, 
     if version in TENSOR_CORE_VERSIONS and dkey == "fp32":
         version = "v3"          # the tensor-core rungs take half types; fp32 uses FFMA
     if version is None:
-        chain = _FALLBACK[default_version_key(dkey, bucket, device)]
+        chain = _FALLBACK[default_version_key(dkey, bucket, device, N, K)]
         version = next(v for v in chain if usable(v, dkey, K, block_size, aligned, sm90) is None)
     elif version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS} or None, got {version!r}")

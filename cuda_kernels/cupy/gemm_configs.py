@@ -3,8 +3,9 @@
     gemm_configs.json  maps (version, dtype, bucket of m = tokens per expert, N, Kdim) to
                        BLOCK_M, BLOCK_N, BLOCK_K, warps, stages (v3: TM, TN; v6: GROUP_M,
                        PRODUCER_REGS): generic rows, and per card (its name as the driver
-                       gives it) the rows and the rung per bucket ("version_by_m") that
-                       tune.py measured fastest on that card
+                       gives it) the rows, the rung per bucket ("version_by_m") and per
+                       tuned shape ("version_by_shape") that tune.py measured fastest on
+                       that card
     heuristic_config   the rule behind the untuned rows (decode: short, narrow, deep tiles;
                        prefill: big square ones)
     lookup             the table's row for a problem (the card's shape-specific rows first)
@@ -396,38 +397,55 @@ def lookup(version: str, dkey: str, m: float, N: int, K: int, table: dict | None
 BUILTIN_DEFAULTS = {"fp32": "v3", "fp16": "v4", "bf16": "v4"}
 
 
-def default_version_key(dkey: str, m: float | None = None, device: str | None = None) -> str:
+def default_version_key(dkey: str, m: float | None = None, device: str | None = None,
+                        N: int | None = None, K: int | None = None) -> str:
     return default_version({"fp32": np.float32, "fp16": np.float16, "bf16": bf16_dtype()}[dkey],
-                           m, device)
+                           m, device, N, K)
 
 
-def _card_rung(table: dict, dkey: str, m: float | None, device: str | None) -> str | None:
-    """The rung `device`'s section names for the bucket of m (tune.py's measured fastest,
-    "version_by_m"), or None: nothing was measured on that card for that bucket."""
+def shape_key(m: float, N: int, K: int) -> str:
+    """The key of a GEMM shape in a card's "version_by_shape": 'bucket,N,K'."""
+    return f"{m_bucket(m)},{int(N)},{int(K)}"
+
+
+def _card_rung(table: dict, dkey: str, m: float | None, device: str | None,
+               N: int | None = None, K: int | None = None) -> str | None:
+    """The rung `device`'s section names for this GEMM: for its very shape at the bucket of m
+    ("version_by_shape", tune.py's fastest for that model), else for the bucket of m
+    ("version_by_m", the fastest summed over the tuned models); None where nothing was
+    measured on that card."""
     if m is None:
         return None
-    return _device_section(table, device).get("version_by_m", {}).get(dkey, {}).get(
-        str(m_bucket(m)))
+    sec = _device_section(table, device)
+    if N is not None and K is not None:
+        v = sec.get("version_by_shape", {}).get(dkey, {}).get(shape_key(m, N, K))
+        if v is not None:
+            return v
+    return sec.get("version_by_m", {}).get(dkey, {}).get(str(m_bucket(m)))
 
 
-def default_version(dtype, m: float | None = None, device: str | None = None) -> str:
+def default_version(dtype, m: float | None = None, device: str | None = None,
+                    N: int | None = None, K: int | None = None) -> str:
     """The rung used when none is named: the table's "default_version" for the dtype (v4 on
     fp16/bf16 and v3 on fp32 as shipped), unless the card's section (`device`'s, see
-    `lookup`) names one for the bucket of m tokens per expert (written by tune.py where the
-    rung measured fastest on that card); stepping down when a problem rules it out."""
+    `lookup`) names one for this GEMM's shape (N output columns, K reduction) at the bucket
+    of m tokens per expert, or for the bucket (written by tune.py where the rung measured
+    fastest on that card); stepping down when a problem rules it out."""
     dkey = dtype_key(dtype)
     table = load_table()
-    v = _card_rung(table, dkey, m, device) or \
+    v = _card_rung(table, dkey, m, device, N, K) or \
         table.get("default_version", {}).get(dkey, BUILTIN_DEFAULTS[dkey])
     if v not in VERSIONS or (v in TENSOR_CORE_VERSIONS and dkey == "fp32"):
         return BUILTIN_DEFAULTS[dkey]
     return v
 
 
-def rung_is_tuned(dtype, m: float, device: str | None) -> bool:
-    """Whether `default_version`'s rung for m tokens per expert on card `device` was measured
-    there (False: the table's default, e.g. on a card tune.py has not run on)."""
-    return _card_rung(load_table(), dtype_key(dtype), m, device) is not None
+def rung_is_tuned(dtype, m: float, device: str | None, N: int | None = None,
+                  K: int | None = None) -> bool:
+    """Whether `default_version`'s rung for m tokens per expert (and this shape) on card
+    `device` was measured there (False: the table's default, e.g. on a card tune.py has not
+    run on)."""
+    return _card_rung(load_table(), dtype_key(dtype), m, device, N, K) is not None
 
 
 def get_config(M: int, N: int, K: int, E: int, top_k: int, dtype, version: str | None = None,
@@ -443,7 +461,7 @@ def get_config(M: int, N: int, K: int, E: int, top_k: int, dtype, version: str |
     dkey = dtype_key(dtype)
     m = max(1.0, M * top_k / max(E, 1))
     device = current_device_name() if device is None else device
-    version = default_version(dtype, m, device) if version is None else version
+    version = default_version(dtype, m, device, N, K) if version is None else version
     if version not in VERSIONS:
         raise ValueError(f"version: expected one of {VERSIONS}, got {version!r}")
     if version in TENSOR_CORE_VERSIONS and dkey == "fp32":

@@ -24,10 +24,11 @@ flushed before each (a memset of twice its size, outside the events), 3 warm-ups
 --reps.
 
 With two or more --versions (v4,v6 over the decode buckets, v5,v6 over the prefill ones) the
-card's section also gets "version_by_m": for each bucket, the rung whose best GEMM1 + GEMM2
-summed over the tuned models is the smallest becomes that bucket's default rung
-(gemm_configs.default_version); each run is appended to the section's "runs" (date, source,
-command). --budget-s is checked before every candidate, so a short budget ends on time
+card's section also gets the rungs measured fastest (gemm_configs.default_version):
+"version_by_shape", for each tuned model and bucket, the rung whose best GEMM1 + GEMM2 is the
+smallest on that model (under its two GEMM shapes); "version_by_m", where two or more models
+were tuned, the rung whose sum over them is the smallest, for the shapes never tuned. Each
+run is appended to the section's "runs" (date, source, command). --budget-s is checked before every candidate, so a short budget ends on time
 (buckets not reached keep the generic rows: lookup uses a shape row only at its own bucket).
 A two-minute run on the buckets of the
 compute-bound points (the H200 misses of issue 4):
@@ -119,8 +120,8 @@ def heuristic_table() -> dict:
                 "tune.py. m = tokens per expert bucket; rows without N, K apply to any shape; "
                 "BLOCK_M is the alignment block_size the caller should use. default_version: "
                 "the rung used when none is named; devices[card name]: the rows tuned on that "
-                "card and its version_by_m (the measured fastest rung per bucket), read first "
-                "on that card.",
+                "card, its version_by_shape and version_by_m (the measured fastest rung per "
+                "tuned shape, per bucket), read first on that card.",
         "source": "generic rows: the heuristic (gemm_configs.heuristic_config), not timed; "
                   "each card's timed rows and rung per bucket: its section under devices",
         "default_version": dict(gcfg.BUILTIN_DEFAULTS),
@@ -282,39 +283,64 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
 
 def version_by_m(best_by_version: dict, dkey: str = "bf16") -> dict:
     """{dtype: {str(m): version}}: for each bucket where two or more rungs were timed on the
-    same models, the rung whose GEMM1 + GEMM2 summed over those models is the smallest (the
-    rung is chosen by measurement on the card, bucket by bucket)."""
+    same two or more models, the rung whose GEMM1 + GEMM2 summed over those models is the
+    smallest (the rung is chosen by measurement on the card, bucket by bucket). A run of one
+    model leaves the buckets alone: their rung speaks for every model (its shapes get theirs
+    from `version_by_shape`)."""
     out = {}
     for m in sorted({m for (_, m, _) in best_by_version}):
         versions = sorted({v for (_, mm, v) in best_by_version if mm == m})
         models = [k for k in sorted({k for (k, mm, _) in best_by_version if mm == m})
                   if all((k, m, v) in best_by_version for v in versions)]
-        if len(versions) < 2 or not models:
+        if len(versions) < 2 or len(models) < 2:
             continue
         total = {v: sum(best_by_version[(k, m, v)] for k in models) for v in versions}
         out[str(m)] = min(versions, key=lambda v: total[v])
-    if not out:
+    return _both_half_types(out, dkey)
+
+
+def version_by_shape(best_by_version: dict, dkey: str = "bf16") -> dict:
+    """{dtype: {'m,N,K': version}}: for each model and bucket where two or more rungs were
+    timed, the rung whose GEMM1 + GEMM2 is the smallest on that model, under the shapes of
+    both its GEMMs (gemm_configs.shape_key). One rung for both: they share the alignment
+    block, whose size GEMM1's config sets."""
+    out = {}
+    for key, m in sorted({(k, m) for (k, m, _) in best_by_version}):
+        times = {v: t for (k, mm, v), t in best_by_version.items() if (k, mm) == (key, m)}
+        if len(times) < 2:
+            continue
+        _, _, _, H, I = MODELS[key]  # noqa: E741
+        for N, K in ((2 * I, H), (H, I)):
+            out[gcfg.shape_key(m, N, K)] = min(sorted(times), key=lambda v: times[v])
+    return _both_half_types(out, dkey)
+
+
+def _both_half_types(choices: dict, dkey: str) -> dict:
+    """The rungs timed on one half type apply to the other (the same kernels, the same
+    bytes)."""
+    if not choices:
         return {}
-    return {dkey: out, ("fp16" if dkey == "bf16" else "bf16"): dict(out)}
+    return {dkey: choices, ("fp16" if dkey == "bf16" else "bf16"): dict(choices)}
 
 
 def merge_device_section(table: dict, device: str, rows: list[dict], by_m: dict,
-                         meta: dict) -> dict:
+                         meta: dict, by_shape: dict | None = None) -> dict:
     """Put the rows tuned on `device` into its section of the table: a new row replaces the
-    one of the same (version, dtype, m, N, K); buckets of `by_m` replace those of the
-    section's version_by_m. The section's
-    "runs" list records where its numbers came from:
-    `meta` (date, source, command) is appended, so that a run that re-tunes a few buckets
-    does not erase the provenance of the others."""
+    one of the same (version, dtype, m, N, K); the buckets of `by_m` and the shapes of
+    `by_shape` replace those of the section's version_by_m and version_by_shape. The
+    section's "runs" list records where its numbers came from: `meta` (date, source,
+    command) is appended, so that a run that re-tunes a few buckets does not erase the
+    provenance of the others."""
     sec = table.setdefault("devices", {}).setdefault(device, {})
     key = (lambda r: (r["version"], r["dtype"], r["m"], r.get("N"), r.get("K")))
     new = {key(r) for r in rows}
     sec["configs"] = [r for r in sec.get("configs", []) if key(r) not in new] + rows
-    merged = sec.get("version_by_m", {})
-    for dk, choices in by_m.items():
-        merged.setdefault(dk, {}).update(choices)
-    if merged:
-        sec["version_by_m"] = merged
+    for name, choices in (("version_by_m", by_m), ("version_by_shape", by_shape or {})):
+        merged = sec.get(name, {})
+        for dk, picks in choices.items():
+            merged.setdefault(dk, {}).update(picks)
+        if merged:
+            sec[name] = merged
     runs = sec.setdefault("runs", [])
     legacy = {k: sec.pop(k) for k in ("date", "source", "command") if k in sec}
     if legacy:      # a section written before "runs" kept one run's provenance at its top
@@ -543,13 +569,15 @@ def main(argv=None):
         except OSError:
             commit = None
         by_m = version_by_m(BEST_BY_VERSION)
+        by_shape = version_by_shape(BEST_BY_VERSION)
         device = gcfg.current_device_name()
         merge_device_section(table, device, rows, by_m, {
             "source": f"timed by tune.py ({args.versions}, commit {commit})",
             "date": datetime.date.today().isoformat(),
             "command": " ".join([sys.executable, "-m", "cuda_kernels.cupy.tune"] +
-                                list(argv if argv is not None else sys.argv[1:]))})
-        print(f"{device}: version_by_m {by_m} (times: "
+                                list(argv if argv is not None else sys.argv[1:]))},
+            by_shape)
+        print(f"{device}: version_by_m {by_m}, version_by_shape {by_shape} (times: "
               f"{ {f'{k} m={m} {v}': round(t * 1e6) for (k, m, v), t in BEST_BY_VERSION.items()} }"
               f" us)")
     write_table(table, pathlib.Path(args.out))

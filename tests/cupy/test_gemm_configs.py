@@ -123,7 +123,9 @@ def test_version_by_m_picks_v5_per_bucket(monkeypatch):
     times = {("deepseek", 128, "v4"): 2.0, ("deepseek", 128, "v5"): 1.0,
              ("mixtral", 128, "v4"): 3.0, ("mixtral", 128, "v5"): 2.5,
              ("deepseek", 256, "v4"): 1.0, ("deepseek", 256, "v5"): 2.0,
-             ("mixtral", 512, "v4"): 1.0}                       # v5 not timed: no promotion
+             ("mixtral", 256, "v4"): 1.0, ("mixtral", 256, "v5"): 1.5,
+             ("mixtral", 512, "v4"): 1.0,                      # v5 not timed: no promotion
+             ("qwen3", 64, "v4"): 1.0, ("qwen3", 64, "v5"): 2.0}  # one model: its shapes only
     by_m = tune.version_by_m(times)
     # m=128: v5 faster on both models; m=256: v4; m=512: one rung timed, nothing to choose
     assert by_m == {"bf16": {"128": "v5", "256": "v4"}, "fp16": {"128": "v5", "256": "v4"}}
@@ -157,6 +159,48 @@ def test_version_by_m_picks_v5_per_bucket(monkeypatch):
         assert plan(None, "bf16", 128, 4096, 7168, 64, True, False, None, card)[0] == "v4"
         assert plan(None, "fp32", 128, 4096, 7168, 64, True, True, None, card)[0] == "v3"
         assert plan(None, "bf16", 128, 4096, 7168, 64, True, True, None, None)[0] == "v4"
+    finally:
+        gg._plan.cache_clear()
+
+
+def test_version_by_shape_picks_a_rung_per_model_shape(monkeypatch):
+    """version_by_shape (tune.py: the fastest rung of each tuned model and bucket, under both
+    of its GEMM shapes) comes before the bucket's rung; other shapes keep the bucket's."""
+    times = {("deepseek", 64, "v4"): 2.0, ("deepseek", 64, "v6"): 1.0,
+             ("mixtral", 64, "v4"): 3.0, ("mixtral", 64, "v6"): 2.5,
+             ("qwen3", 64, "v4"): 1.0, ("qwen3", 64, "v6"): 1.2,
+             ("qwen3", 128, "v6"): 1.0}                          # one rung: nothing to choose
+    by_shape = tune.version_by_shape(times)
+    # Qwen3-30B-A3B: H = 2048, I = 768; GEMM1 is [2I x H], GEMM2 [H x I]
+    assert by_shape["bf16"]["64,1536,2048"] == by_shape["bf16"]["64,2048,768"] == "v4"
+    assert by_shape["bf16"]["64,4096,7168"] == by_shape["bf16"]["64,7168,2048"] == "v6"
+    assert len(by_shape["bf16"]) == 6 and by_shape["fp16"] == by_shape["bf16"]
+    by_m = tune.version_by_m(times)
+    assert by_m["bf16"] == {"64": "v6"}                           # 4.7 against 6.0 summed
+    card = "Card X"
+    table = tune.merge_device_section({"configs": gcfg.load_table()["configs"]}, card, [],
+                                      by_m, {}, by_shape)
+    monkeypatch.setattr(gcfg, "load_table", lambda *a: table)
+    gg._plan.cache_clear()
+    try:
+        assert gcfg.default_version(BF16, 64, card, 1536, 2048) == "v4"     # its shape
+        assert gcfg.default_version(BF16, 50, card, 2048, 768) == "v4"      # same bucket
+        assert gcfg.default_version(BF16, 64, card, 1024, 1024) == "v6"     # the bucket's
+        assert gcfg.default_version(BF16, 64, card) == "v6"
+        assert gcfg.default_version(BF16, 128, card, 1536, 2048) == "v4"    # untuned bucket
+        assert gcfg.rung_is_tuned(BF16, 64, card, 1024, 1024)
+        assert not gcfg.rung_is_tuned(BF16, 128, card, 1536, 2048)
+        E, top_k = 128, 8
+        assert gcfg.get_config(64 * E // top_k, 1536, 2048, E, top_k, BF16,
+                               device=card)["version"] == "v4"
+        plan = gg._plan.__wrapped__
+        assert plan(None, "bf16", 64, 2048, 768, 128, True, True, None, card)[0] == "v4"
+        assert plan(None, "bf16", 64, 7168, 2048, 128, True, True, None, card)[0] == "v6"
+        # a later run replaces the shapes it tuned and keeps the others
+        again = tune.merge_device_section(table, card, [], {}, {},
+                                          {"bf16": {"64,1536,2048": "v6"}})
+        picks = again["devices"][card]["version_by_shape"]["bf16"]
+        assert picks["64,1536,2048"] == "v6" and picks["64,2048,768"] == "v4"
     finally:
         gg._plan.cache_clear()
 
@@ -196,6 +240,10 @@ def test_shipped_table_has_the_cards_sections():
             gcfg.check_config(row["version"], row["dtype"], gcfg._row_config(row))
         for dk, by_m in sec.get("version_by_m", {}).items():
             assert all(v in gcfg.VERSIONS and int(m) in gcfg.M_BUCKETS for m, v in by_m.items())
+        for dk, by_shape in sec.get("version_by_shape", {}).items():
+            for key, v in by_shape.items():
+                m, N, K = map(int, key.split(","))
+                assert v in gcfg.VERSIONS and m in gcfg.M_BUCKETS and N > 0 and K > 0, key
 
 
 def test_shape_rows_apply_at_their_own_bucket_only():
