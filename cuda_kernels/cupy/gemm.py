@@ -243,9 +243,9 @@ def grouped_gemm(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, top
     """c [a.shape[0] * top_k, N] = the grouped GEMM of docs/stages.md on the GPU (see module doc).
 
     version: "v1".."v6" (None: default_version's rung, v4 for fp16/bf16 and v3 for fp32 unless
-    the card's measurements name another for the shape or the bucket, stepping down to v3/v2 when Kdim
-    is not a multiple of 16 bytes or block_size not of 16; "v4"/"v5"/"v6" on fp32 run v3;
-    "v5" and "v6" need an sm_90 device and block_size % 64 == 0).
+    the card's measurements name another for the shape or the bucket, stepping down to v3/v2
+    when Kdim is not a multiple of 16 bytes or block_size not of 16; "v4"/"v5"/"v6" on fp32
+    run v3; "v5" and "v6" need an sm_90 device and block_size % 64 == 0).
     config: a dict as returned by get_config (None: looked up in gemm_configs.json); its
     BLOCK_M is shrunk to divide block_size when needed. out: an optional [P, N] C-contiguous
     array of a.dtype to write into (only the rows of live slots are written; tests poison it).

@@ -28,8 +28,9 @@ card's section also gets the rungs measured fastest (gemm_configs.default_versio
 "version_by_shape", for each tuned model and bucket, the rung whose best GEMM1 + GEMM2 is the
 smallest on that model (under its two GEMM shapes); "version_by_m", where two or more models
 were tuned, the rung whose sum over them is the smallest, for the shapes never tuned. Each
-run is appended to the section's "runs" (date, source, command). --budget-s is checked before every candidate, so a short budget ends on time
-(buckets not reached keep the generic rows: lookup uses a shape row only at its own bucket).
+run is appended to the section's "runs" (date, source, command). --budget-s is checked
+before every candidate, so a short budget ends on time (buckets not reached keep the
+generic rows: lookup uses a shape row only at its own bucket).
 A two-minute run on the buckets of the
 compute-bound points (the H200 misses of issue 4):
     python -m cuda_kernels.cupy.tune --versions v4,v5 --budget-s 120
