@@ -112,11 +112,13 @@ _BARRIER_POOL = {}          # device -> [zeroed words, next free index]
 BARRIER_POOL_WORDS = 256
 
 
-def _barrier_word(stream_ptr: int | None = None, device: int | None = None):
+def _barrier_word(stream_ptr: int | None = None, device: int | None = None,
+                  name: str = "grid barrier"):
     """The grid barrier's word for `device` (default CuPy's current one) and stream
     (`stream_ptr`, default CuPy's current stream). A launch leaves it ready
     for the next (align.cu: its low bits return to 0), and launches on one stream never
-    overlap; another stream gets its own word.
+    overlap; another stream gets its own word. `name`: another word of the same kind for
+    another use (experts_decode.cu's chunk counter, which each launch leaves at 0 too).
 
     The words come from one block per device zeroed when it is made, never by a launch on
     the caller's stream: a stream that is being captured into a CUDA graph runs nothing, so
@@ -127,7 +129,7 @@ def _barrier_word(stream_ptr: int | None = None, device: int | None = None):
     if stream_ptr is None:
         stream_ptr = cupy.cuda.get_current_stream().ptr
     dev = cupy.cuda.Device().id if device is None else device
-    key = (dev, stream_ptr)
+    key = (dev, stream_ptr, name)
     word = _BARRIER_WORDS.get(key)
     if word is not None:
         return word

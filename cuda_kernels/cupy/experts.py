@@ -28,9 +28,10 @@ card tune.py never ran on).
 
 A decode batch (T <= experts_decode.CONFIGS["decode"]["MAX_TOKENS"], and no block_size asked
 for) takes another plan: the whole expert part in one cooperative launch
-(experts_decode.cu: GEMM1 + activation, a grid barrier, GEMM2 + combine), `.versions`
-("decode",). There the fixed costs of five launches, the alignment and two GEMM ramps are
-most of the step (Qwen3-30B-A3B at T = 1: 75 MB of weights, 22 us at the H100's datasheet
+(experts_decode.py: GEMM1 + activation, a grid barrier, GEMM2 + combine), `.versions`
+("decode",), or ("decode-ring",) where each SM has megabytes of weights to read on an
+H100/H200 (rung 2: bulk copies, phase 1 balanced over the SMs). There the fixed costs of five
+launches, the alignment and two GEMM ramps are most of the step (Qwen3-30B-A3B at T = 1: 75 MB of weights, 22 us at the H100's datasheet
 bandwidth, 58 us staged); its output matches the stages to bf16 rounding, not bit for bit
 (another summation order).
 
@@ -213,15 +214,16 @@ class ExpertsPlan:
             # a decode batch: the whole expert part in one launch (experts_decode.py), unless
             # the caller asked for an alignment block (that is, for the staged path)
             sms = gg._sm_count(device)         # the decode launch's grid: a block per SM
+            sm90 = gg._is_sm90(cupy, device)
             if not block_requested and dec.eligible(
                     T, K, H, I, dtype, activation, mul_on_input, E_align != E,
                     a_aligned and w1_aligned and w2_aligned, sms):
-                self.decode = dec.decode_launch(T, K, E, H, I, dtype, activation, sms)
-                self.versions, self.rungs_tuned = ("decode",), True   # no per-card table
+                rung, self.decode = dec.decode_launch(T, K, E, H, I, dtype, activation, sms,
+                                                      sm90)
+                self.versions, self.rungs_tuned = (rung,), True       # no per-card table
                 self._ws_sizes = (P * I * isz,)                       # c2
                 self.ws_bytes = _round256(P * I * isz)
                 return
-            sm90 = gg._is_sm90(cupy, device)
             bucket = gcfg.m_bucket(max(1.0, P / max(E, 1)))
             # align: one launch (cooperative above SMALL_P slots)
             G, W, smem = align_mod._align_geometry(
@@ -313,8 +315,9 @@ class ExpertsPlan:
         stream_ptr, capturing = alloc.stream()
         if self.decode is not None:
             c2, _owner = self._workspace(alloc, stream_ptr, capturing)
-            self.decode(stream_ptr, x.ptr, w1.ptr, w2.ptr, tw.ptr, ids.ptr, c2, out_ptr,
-                        align_mod._barrier_word(stream_ptr, self.device).data.ptr)
+            words = (align_mod._barrier_word(stream_ptr, self.device).data.ptr,
+                     align_mod._barrier_word(stream_ptr, self.device, "decode chunks").data.ptr)
+            self.decode(stream_ptr, x.ptr, w1.ptr, w2.ptr, tw.ptr, ids.ptr, c2, out_ptr, *words)
             return out
         ints, c1, c2, c3, _owner = self._workspace(alloc, stream_ptr, capturing)
         E = self.E_align

@@ -45,20 +45,15 @@
 // What the card allows (H100 SXM, one call): a plain read of the 705 MB that Mixtral-8x7B and
 //   DeepSeek-V3 route at T = 1, in this load style, took 258-261 us (2.83-2.87 TB/s, 512 or
 //   1024 threads, 4 to 16 loads in flight); this kernel's whole layer took 261-268 us.
-//   Bulk copies (cp.async.bulk, 8 to 32 KB into a ring of 4 or more shared-memory stages)
-//   read the same bytes in 230-232 us (3.02-3.05 TB/s), yet as this kernel's loads (a
-//   producer warp, whole rows a stage, the same sums) they gained 1-2% at T = 1 on Mixtral
-//   and DeepSeek-V3 (254 -> 249-252 us) and lost 15% on Qwen3-30B-A3B (41 -> 47 us) in one
-//   A/B call: the read is not what bounds this kernel; its two phases and the barrier are.
-//   With the rows split evenly, the blocks of that variant ended phase 1 up to 25 us apart
-//   (Mixtral-8x7B at T = 1: 144-169 us, per-block %globaltimer): the SMs do not read HBM
-//   equally fast, and the grid barrier waits for the slowest.
+//   Rung 2 (experts_decode_ring.cu) brings the weights in by bulk copies and balances phase
+//   1 across the SMs: faster where a block has megabytes to read, slower where it has less.
 //
 // Requirements (experts_decode.py checks them): H % 8 == 0 and I % 8 == 0 (16-byte loads), x,
 //   w1, w2, c2 16-byte aligned; __half or __nv_bfloat16; no expert map, no biases.
 // Compile-time parameters: SCALAR_T, DEC_THREADS, U1, U2, PREFETCH (bytes per block);
 //   templates ACT (0 silu, 1 gelu, 2 gelu_tanh), PAIRS.
-// Versions: v1 (this file). The staged path it replaces at decode: experts.py.
+// Versions: rung 1 (this file); rung 2: experts_decode_ring.cu (experts_decode.py picks one).
+// The staged path they replace at decode: experts.py.
 
 // to_f32, from_f32, Pack, act<ACT>, round_to<T>
 #include "elementwise.cuh"
@@ -139,6 +134,7 @@ moe_decode_kernel(const SCALAR_T* __restrict__ x,        // [T, H]
                   SCALAR_T* c2,                          // [P, I] scratch (written, then read)
                   SCALAR_T* __restrict__ out,            // [T, H]
                   unsigned int* bar,                     // the grid barrier's word
+                  unsigned int* chunks,                  // unused: rung 2's chunk counter
                   int T, int K, int E, int H, int I) {
     extern __shared__ __align__(16) unsigned char dec_smem[];
     const int P = T * K;

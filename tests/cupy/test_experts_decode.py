@@ -1,12 +1,14 @@
-"""The decode step's experts in one launch (cuda_kernels/cupy/experts_decode.cu).
+"""The decode step's experts in one launch (cuda_kernels/cupy/experts_decode.py: rung 1
+experts_decode.cu, rung 2 experts_decode_ring.cu).
 
     T tokens, E experts, K top-k, H hidden, I intermediate, P = T*K slots
 
-On the CPU: which calls take the one-launch path, and its launch geometry. On the GPU
-(`gpu`): its output against the float64 reference and against the five stage kernels, for
-the gated activations, both half types, slots routed nowhere, and batches of several tokens
-(some sharing an expert), with the output poisoned (NaN) before the launch; the same bits on
-every call and under a CUDA graph.
+On the CPU: which calls take the one-launch path, which rung, and the launch geometry. On the
+GPU (`gpu`), each rung forced: its output against the float64 reference and against the five
+stage kernels, for the gated activations, both half types, slots routed nowhere, and batches
+of several tokens (some sharing an expert), with the output poisoned (NaN) before the launch;
+the same bits on every call (rung 2's chunk counter is back at 0 after each), under a CUDA
+graph, and from both rungs.
 """
 from __future__ import annotations
 
@@ -56,7 +58,31 @@ def test_phase2_keeps_its_loads_in_flight_per_lane(monkeypatch):
     assert dec.shared_bytes(8, 2048, 768, G, 2) == 8 * 768 * 2 + 64 + 4 * 16 * 8
 
 
+def test_the_ring_rung_takes_the_shapes_with_megabytes_a_block():
+    # an H100's 132 SMs at T = 1: Mixtral-8x7B and DeepSeek-V3 route 705 MB (5.3 MB a block),
+    # Qwen3-30B-A3B 75 MB (0.57 MB a block)
+    for K, H, I, ring in ((2, 4096, 14336, True), (8, 7168, 2048, True), (8, 2048, 768, False)):
+        assert dec.takes_ring(1, K, H, I, 2, G, sm90=True) is ring
+        assert dec.takes_ring(1, K, H, I, 2, G, sm90=False) is False    # bulk copies: sm_90
+    assert not dec.takes_ring(1, 2, 20480, 14336, 2, G, sm90=True)     # a w1 row over a stage
+    assert dec.shared_bytes_ring(2, 4096, 14336, G, 2) == (
+        4 * 32768 + 2 * 14336 * 2 + 16 + 4 * 32 * 2 + 4 * (4 * 4 + 24 + 16) + 8)
+
+
 # ----------------------------------------------------------------------------- GPU
+@pytest.fixture(params=["decode", "decode-ring"])
+def rung(request, monkeypatch):
+    """Each decode rung in turn, whatever the shape would take (plans made afresh)."""
+    from cuda_kernels.cupy import _compile, experts
+
+    if request.param == "decode-ring" and not _compile.is_sm90():
+        pytest.skip("rung 2 needs an sm_90 card (bulk copies)")
+    monkeypatch.setattr(experts, "_PLANS", {})
+    monkeypatch.setitem(dec.CONFIGS, "ring", {
+        **dec.CONFIGS["ring"], "MIN_BLOCK_BYTES": 0 if request.param == "decode-ring" else 1 << 60})
+    return request.param
+
+
 def _problem(rng, T, E, K, H, I, dtype=BF16, shared=False):  # noqa: E741
     x = rng.standard_normal((T, H)).astype(np.float32)
     w1 = (rng.standard_normal((E, 2 * I, H)) / np.sqrt(H)).astype(np.float32)
@@ -103,7 +129,7 @@ def _stages(x, w1, w2, tw, ids, activation):
     (4, 32, 8, 128, 64, "silu", BF16, False),          # H < the grid: blocks with no rows
 ])
 def test_decode_matches_reference_and_stages(T, E, K, H, I, activation, dtype,  # noqa: E741
-                                             shared, rng, max_tokens):
+                                             shared, rng, max_tokens, rung):
     from cuda_kernels.cupy.experts import fused_experts, plan_for
 
     max_tokens(4)
@@ -111,7 +137,7 @@ def test_decode_matches_reference_and_stages(T, E, K, H, I, activation, dtype,  
     x, w1, w2, tw, ids = (A.to_device(a) for a in host)
     got = A.to_host(fused_experts(x, w1, w2, tw, ids, activation))
     plan = plan_for(T, H, E, 2 * I, I, K, dtype, activation, device=x.device.id)
-    assert plan.versions == ("decode",)
+    assert plan.versions == (rung,)
     g = got.astype(np.float64)
     assert not np.isnan(g).any()
     ref = reference.fused_experts(*(a.astype(np.float64) for a in host[:3]), host[3], host[4],
@@ -125,7 +151,7 @@ def test_decode_matches_reference_and_stages(T, E, K, H, I, activation, dtype,  
 
 @on_gpu("cupy")
 @pytest.mark.usefixtures("cupy_poison")
-def test_decode_slots_routed_nowhere(rng, max_tokens):
+def test_decode_slots_routed_nowhere(rng, max_tokens, rung):
     """-1 and out-of-range ids add nothing; a token with no live slot is 0, not NaN (its
     rows of the reused scratch hold the last call's values, which must not leak in)."""
     from cuda_kernels.cupy.experts import fused_experts
@@ -146,7 +172,7 @@ def test_decode_slots_routed_nowhere(rng, max_tokens):
 
 
 @on_gpu("cupy")
-def test_decode_replays_under_a_torch_graph(rng):
+def test_decode_replays_under_a_torch_graph(rng, rung):
     torch = pytest.importorskip("torch")
     from cuda_kernels.cupy.experts import fused_experts, plan_for
 
@@ -154,7 +180,7 @@ def test_decode_replays_under_a_torch_graph(rng):
     host = _problem(rng, T, E, K, H, I)
     tx = [torch.from_numpy(a.view(np.int16) if a.dtype == BF16 else a).cuda() for a in host]
     tx[0], tx[1], tx[2] = (t.view(torch.bfloat16) for t in tx[:3])
-    assert plan_for(T, H, E, 2 * I, I, K, BF16, device=0).versions == ("decode",)
+    assert plan_for(T, H, E, 2 * I, I, K, BF16, device=0).versions == (rung,)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -175,3 +201,24 @@ def test_decode_replays_under_a_torch_graph(rng):
     ref = reference.fused_experts(*(a.astype(np.float64) for a in (fresh[0], host[1], host[2])),
                                   fresh[3], fresh[4])
     assert rel_err(out.float().cpu().numpy().astype(np.float64), ref) <= 1e-2
+
+
+@on_gpu("cupy")
+@pytest.mark.usefixtures("cupy_poison")
+def test_both_rungs_give_the_same_bits(rng, monkeypatch):
+    """The rungs sum each dot product in the same order (lanes' 16-byte chunks, then a warp's
+    butterfly) and round where the stages do: one output, bit for bit."""
+    from cuda_kernels.cupy import _compile, experts
+
+    if not _compile.is_sm90():
+        pytest.skip("rung 2 needs an sm_90 card (bulk copies)")
+    T, E, K, H, I = 1, 16, 8, 1024, 768  # noqa: E741
+    x, w1, w2, tw, ids = (A.to_device(a) for a in _problem(rng, T, E, K, H, I))
+    outs = {}
+    for name, least in (("decode", 1 << 60), ("decode-ring", 0)):
+        monkeypatch.setattr(experts, "_PLANS", {})
+        monkeypatch.setitem(dec.CONFIGS, "ring", {**dec.CONFIGS["ring"], "MIN_BLOCK_BYTES": least})
+        outs[name] = A.to_host(experts.fused_experts(x, w1, w2, tw, ids))
+        assert experts.plan_of(x, w1, w2, tw, ids).versions == (name,)
+    np.testing.assert_array_equal(outs["decode"].view(np.uint16),
+                                  outs["decode-ring"].view(np.uint16))
