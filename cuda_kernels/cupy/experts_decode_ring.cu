@@ -152,6 +152,24 @@ struct Desc {
     int kind, s, row0, rows, seq, up;
 };
 
+// A stage's descriptor in every lane of a consumer warp: lane 0 reads it (after its own wait
+// on the stage), the others take it from lane 0, so the lane that later releases the stage is
+// the only one that read the shared memory the producer rewrites.
+__device__ __forceinline__ Desc read_desc(const Desc* p, int lane) {
+    int v[6] = {0, 0, 0, 0, 0, 0};
+    if (lane == 0) {
+        v[0] = p->kind;
+        v[1] = p->s;
+        v[2] = p->row0;
+        v[3] = p->rows;
+        v[4] = p->seq;
+        v[5] = p->up;
+    }
+#pragma unroll
+    for (int i = 0; i < 6; ++i) v[i] = __shfl_sync(0xffffffffu, v[i], 0);
+    return Desc{v[0], v[1], v[2], v[3], v[4], v[5]};
+}
+
 template <int ACT>
 __global__ void __launch_bounds__(DEC_THREADS, 1)
 moe_decode_ring_kernel(const SCALAR_T* __restrict__ x,   // [T, H]
@@ -269,7 +287,7 @@ moe_decode_ring_kernel(const SCALAR_T* __restrict__ x,   // [T, H]
     // warp has released that chunk's up stage: the ring cannot hold both).
     for (;;) {
         mbar_wait(full_bar + 8 * stage, parity);
-        const Desc d = desc[stage];
+        const Desc d = read_desc(desc + stage, lane);
         if (d.kind == 0) {
             release();
             break;
@@ -307,7 +325,7 @@ moe_decode_ring_kernel(const SCALAR_T* __restrict__ x,   // [T, H]
     consumers_sync();
     for (;;) {
         mbar_wait(full_bar + 8 * stage, parity);
-        const Desc d = desc[stage];
+        const Desc d = read_desc(desc + stage, lane);
         if (d.kind == 0) {
             release();
             break;
