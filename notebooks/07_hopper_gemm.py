@@ -924,6 +924,25 @@ else:
 # `experts_decode.CONFIGS["decode"]["MAX_TOKENS"]` is 1. The sums run in another order than
 # the tensor cores' (fp32 fma per lane, then a warp's butterfly), so the output matches the
 # stages to bf16 rounding, not bit for bit (notebook 06).
+#
+# **Rung 2: the read itself.** Where a block has megabytes to read, two things kept rung 1
+# from the card's limit, each measured on the H100 at `T = 1`:
+#
+# * *how it reads*: 705 MB took 253-263 µs as 16-byte loads per lane and 230-232 µs as
+#   `cp.async.bulk` copies of 8-32 KB into shared-memory stages: one instruction moves
+#   kilobytes, tracked by the copy engine instead of the load-store unit's per-request slots;
+# * *who waits*: with the rows split evenly, blocks ended phase 1 up to 25 µs apart (SMs do
+#   not all read HBM equally fast), and the grid barrier waits for the slowest.
+#
+# `cuda_kernels/cupy/experts_decode_ring.cu` answers both with the pattern of the Hopper rung
+# above, at decode size: one producer warp issues bulk copies into a ring of four 32 KB
+# stages (a full and an empty `mbarrier` per stage, the stage's descriptor written by
+# `st.async` so that one wait covers data and descriptor), eight consumer warps compute from
+# shared memory, phase 1's chunks come from a launch-wide counter (a block that reads faster
+# takes more), and phase 2's weights stream into the ring while the barrier waits. Same
+# math, same order of sums: the same bits as rung 1. It is taken where a block has at least
+# 2 MB of routed weights (Mixtral-8x7B and DeepSeek-V3, `decode-ring` in the table's rungs);
+# below that its fixed costs lose (Qwen3-30B-A3B: 40 → 43 µs).
 
 # %% [markdown]
 # ## Exercises
