@@ -77,26 +77,14 @@
 #endif
 #define DEC_WARPS (DEC_THREADS / 32)
 
+// dot8, warp_sum (one order of sums for both rungs)
+#include "decode_dot.cuh"
+
 // 16 bytes of weights, read once: no L1 allocation (the L1 keeps x's rows, read by every warp)
 __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-// acc + sum_i w[i] * x[i] over the 8 elements of two 16-byte words, in fp32
-__device__ __forceinline__ float dot8(float acc, uint4 w, uint4 x) {
-    const Pack<SCALAR_T, 8> wv = *reinterpret_cast<const Pack<SCALAR_T, 8>*>(&w);
-    const Pack<SCALAR_T, 8> xv = *reinterpret_cast<const Pack<SCALAR_T, 8>*>(&x);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc = fmaf(to_f32(wv.v[i]), to_f32(xv.v[i]), acc);
-    return acc;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
     return v;
 }
 

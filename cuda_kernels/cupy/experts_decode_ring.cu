@@ -62,6 +62,8 @@
 #include "elementwise.cuh"
 // grid_barrier
 #include "grid_barrier.cuh"
+// gg_mbar_init, gg_fence_mbar_init, gg_mbar_arrive, gg_mbar_arrive_expect_tx, gg_mbar_wait
+#include "mbarrier.cuh"
 
 #ifndef SCALAR_T
 #define SCALAR_T __nv_bfloat16
@@ -79,42 +81,13 @@
 #define DEC_THREADS (CONSUMERS + 32)                // + the producer warp
 #define RING_BYTES (RING * STAGE_BYTES)
 
+// dot8, warp_sum (one order of sums for both rungs)
+#include "decode_dot.cuh"
+
 static_assert(STAGE_BYTES % 128 == 0, "decode: stages of whole 128-byte lines");
 static_assert(RING >= 2, "decode: a ring of at least 2 stages (one read, one in flight)");
 
-// acc + sum_i w[i] * x[i] over the 8 elements of two 16-byte words, in fp32
-__device__ __forceinline__ float dot8(float acc, uint4 w, uint4 x) {
-    const Pack<SCALAR_T, 8> wv = *reinterpret_cast<const Pack<SCALAR_T, 8>*>(&w);
-    const Pack<SCALAR_T, 8> xv = *reinterpret_cast<const Pack<SCALAR_T, 8>*>(&x);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc = fmaf(to_f32(wv.v[i]), to_f32(xv.v[i]), acc);
-    return acc;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
-    return v;
-}
-
 // ---------------------------------------------------------------- the ring (PTX ISA 8.0, sm_90)
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
-}
-// the one arrival of a stage's phase, and the bytes its copies will count down
-__device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 :: "r"(bar), "r"(bytes) : "memory");
-}
-// until the phase of this parity has completed (acquire: the copied bytes are visible after)
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{\n .reg .pred p;\n"
-                     " mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     " selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-}
 // `bytes` (a multiple of 16) from global src to shared dst by the copy engine, counted down
 // on bar
 __device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes,
@@ -131,9 +104,6 @@ __device__ __forceinline__ void store_async(unsigned dst, int v, unsigned bar) {
                  :: "r"(dst), "r"(v), "r"(bar) : "memory");
 }
 
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
-}
 // the consumer warps only (named barrier 1): the producer warp never waits with them
 __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory");
@@ -219,10 +189,10 @@ moe_decode_ring_kernel(const SCALAR_T* __restrict__ x,   // [T, H]
     for (int q = tid; q < rows * P; q += DEC_THREADS) c3_s[q] = 0.0f;     // dead slots add 0
     if (tid == 0) {
         for (int st = 0; st < RING; ++st) {
-            mbar_init(full_bar + 8 * st, 1);                   // the producer's arrival
-            mbar_init(empty_bar + 8 * st, CONSUMER_WARPS);     // lane 0 of each consumer warp
+            gg_mbar_init(full_bar + 8 * st, 1);                 // the producer's arrival
+            gg_mbar_init(empty_bar + 8 * st, CONSUMER_WARPS);   // lane 0 of each consumer warp
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        gg_fence_mbar_init();
     }
     __syncthreads();                          // the last barrier of all DEC_THREADS threads
 
@@ -233,9 +203,9 @@ moe_decode_ring_kernel(const SCALAR_T* __restrict__ x,   // [T, H]
         unsigned parity = 0;
         // the next stage: free once every consumer warp has released its last round
         auto put = [&](const Desc& d, const SCALAR_T* src, unsigned bytes) {
-            mbar_wait(empty_bar + 8 * stage, parity ^ 1u);    // the first round passes at once
+            gg_mbar_wait(empty_bar + 8 * stage, parity ^ 1u);    // the first round passes at once
             const unsigned fb = full_bar + 8 * stage;
-            mbar_expect(fb, bytes + (unsigned)sizeof(Desc));
+            gg_mbar_arrive_expect_tx(fb, bytes + (unsigned)sizeof(Desc));
             const unsigned da = smem0 + (unsigned)((unsigned char*)(desc + stage) - dec_smem);
             store_async(da, d.kind, fb);
             store_async(da + 4, d.s, fb);
@@ -288,22 +258,25 @@ moe_decode_ring_kernel(const SCALAR_T* __restrict__ x,   // [T, H]
     unsigned parity = 0;
     auto release = [&]() {                    // this warp is done with the stage
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty_bar + 8 * stage);
+        if (lane == 0) gg_mbar_arrive(empty_bar + 8 * stage);
         if (++stage == RING) {
             stage = 0;
             parity ^= 1u;
         }
     };
+    // the next stage's descriptor once the stage has landed; false at a phase's end marker
+    // (that stage released)
+    auto take = [&](Desc& d) {
+        gg_mbar_wait(full_bar + 8 * stage, parity);
+        d = read_desc(desc + stage, lane);
+        if (d.kind != 0) return true;
+        release();
+        return false;
+    };
     // phase 1: GEMM1 + activation. Lane 0 of a row's warp keeps g in g_s from the chunk's
     // gate stage to its up stage (a chunk's buffer is reused RING chunks later, when every
     // warp has released that chunk's up stage: the ring cannot hold both).
-    for (;;) {
-        mbar_wait(full_bar + 8 * stage, parity);
-        const Desc d = read_desc(desc + stage, lane);
-        if (d.kind == 0) {
-            release();
-            break;
-        }
+    for (Desc d; take(d);) {
         const uint4* wv = reinterpret_cast<const uint4*>(dec_smem + stage * STAGE_BYTES);
         const uint4* xr = reinterpret_cast<const uint4*>(x + (long long)(d.s / K) * H);
         float* g_chunk = g_s + (d.seq % RING) * r1;
@@ -335,13 +308,7 @@ moe_decode_ring_kernel(const SCALAR_T* __restrict__ x,   // [T, H]
         for (int c = tid; c < P * (I / 8); c += CONSUMERS) dst[c] = __ldcg(src + c);
     }
     consumers_sync();
-    for (;;) {
-        mbar_wait(full_bar + 8 * stage, parity);
-        const Desc d = read_desc(desc + stage, lane);
-        if (d.kind == 0) {
-            release();
-            break;
-        }
+    for (Desc d; take(d);) {
         const uint4* wv = reinterpret_cast<const uint4*>(dec_smem + stage * STAGE_BYTES);
         const uint4* cv = reinterpret_cast<const uint4*>(c2_s + (long long)d.s * I);
         for (int r = (warp - d.seq % CONSUMER_WARPS + CONSUMER_WARPS) % CONSUMER_WARPS;

@@ -131,31 +131,8 @@ struct __align__(64) GgTmap {
 };
 
 #ifndef GG_HOST_EMULATION
-// ---------------------------------------------------------------- mbarriers (PTX ISA 7.0+)
-__device__ __forceinline__ void gg_mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
-}
-// the inits are visible to the other threads (and the copy engine) before any use
-__device__ __forceinline__ void gg_fence_mbar_init() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void gg_mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
-}
-// one arrival, and `bytes` more to come from the copy engine in this phase
-__device__ __forceinline__ void gg_mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                 :: "r"(bar), "r"(bytes) : "memory");
-}
-// until the phase of this parity has completed (acquire: its writes are visible after)
-__device__ __forceinline__ void gg_mbar_wait(unsigned bar, unsigned parity) {
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{\n .reg .pred p;\n"
-                     " mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     " selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-}
+// gg_mbar_init, gg_fence_mbar_init, gg_mbar_arrive, gg_mbar_arrive_expect_tx, gg_mbar_wait
+#include "mbarrier.cuh"
 // one arrival on `bar`, made when every cp.async this thread issued before has landed
 __device__ __forceinline__ void gg_cp_async_mbar_arrive(unsigned bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
