@@ -221,8 +221,8 @@ class ExpertsPlan:
                 rung, self.decode = dec.decode_launch(T, K, E, H, I, dtype, activation, sms,
                                                       sm90)
                 self.versions, self.rungs_tuned = (rung,), True       # no per-card table
-                self._ws_sizes = (P * I * isz,)                       # c2
-                self.ws_bytes = _round256(P * I * isz)
+                self._ws_sizes = (dec.workspace_bytes(rung, P, I, sms, isz),)  # c2 (+ descs)
+                self.ws_bytes = _round256(self._ws_sizes[0])
                 return
             bucket = gcfg.m_bucket(max(1.0, P / max(E, 1)))
             # align: one launch (cooperative above SMALL_P slots)

@@ -55,6 +55,7 @@ CONFIGS = {"decode": {"MAX_TOKENS": 1, "DEC_THREADS": 1024, "U1": 4, "U2": 4,
                       "PHASE2_LOADS": 4, "PREFETCH": 65536},
            "ring": {"CONSUMER_WARPS": 8, "RING": 4, "STAGE_BYTES": 32768,
                     "MIN_BLOCK_BYTES": 2 << 20}}
+DESC_BYTES = 32                    # rung 2: a stage's descriptor (experts_decode_ring.cu, Desc)
 ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 PAIRS_CHOICES = (1, 2, 4)
 SHARED_LIMIT = 200 * 1024          # of the 227 KB an sm_90 block may opt in to
@@ -98,11 +99,21 @@ def shared_bytes(P: int, H: int, I: int, G: int, itemsize: int) -> int:  # noqa:
 def shared_bytes_ring(P: int, H: int, I: int, G: int, itemsize: int) -> int:  # noqa: E741
     """Rung 2's dynamic shared memory: the ring, c2 [P, I], ids and weights [P], the block's
     c3 [cdiv(H, G), P] and RING chunks' gate dot products [r1] in fp32 (r1 = the rows of w1 a
-    stage holds), a 24-byte descriptor and two mbarriers a stage, 8 bytes of slack."""
+    stage holds), a 32-byte descriptor (16-byte aligned: 15 bytes of slack) and two mbarriers
+    a stage, 8 bytes of slack."""
     cfg = CONFIGS["ring"]
     r1 = max(1, cfg["STAGE_BYTES"] // (H * itemsize))
     return (cfg["RING"] * cfg["STAGE_BYTES"] + P * I * itemsize + 8 * P
-            + 4 * cdiv(H, G) * P + cfg["RING"] * (4 * r1 + 24 + 16) + 8)
+            + 4 * cdiv(H, G) * P + cfg["RING"] * (4 * r1 + 32 + 16) + 15 + 8)
+
+
+def workspace_bytes(rung: str, P: int, I: int, G: int, itemsize: int) -> int:  # noqa: E741
+    """The global scratch a launch of `rung` takes as its c2 argument: c2 [P, I], and for rung
+    2 the G blocks' RING 32-byte descriptors from the next 256-byte boundary."""
+    c2 = P * I * itemsize
+    if rung != "decode-ring":
+        return c2
+    return cdiv(c2, 256) * 256 + G * CONFIGS["ring"]["RING"] * DESC_BYTES
 
 
 def takes_ring(T, K, H, I, itemsize, G, sm90) -> bool:  # noqa: E741
@@ -128,7 +139,8 @@ def eligible(T, K, H, I, dtype, activation, mul_on_input, expert_map, aligned,  
 def decode_launch(T, K, E, H, I, dtype, activation, G, sm90=False):  # noqa: E741
     """(rung, launch): the cooperative launch of the kernel for this shape on the current
     device, rung "decode" (1) or "decode-ring" (2, `takes_ring`); called as
-    launch(stream, x, w1, w2, topk_weights, topk_ids, c2, out, barrier_word, chunk_word)."""
+    launch(stream, x, w1, w2, topk_weights, topk_ids, c2, out, barrier_word, chunk_word),
+    c2 a scratch of workspace_bytes(rung, ...)."""
     isz = np.dtype(dtype).itemsize
     if takes_ring(T, K, H, I, isz, G, sm90):
         rung = "decode-ring"

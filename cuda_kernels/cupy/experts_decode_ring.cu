@@ -32,8 +32,13 @@
 //    producer puts them in the ring as soon as its phase-1 chunks are done, so the consumers
 //    find stages full when they come out of the barrier. (Taking phase 2 from the counter
 //    too measured slower: small chunks, many stages.)
-//  - Descriptors. The consumers learn what a stage holds from a descriptor the producer
-//    writes next to it (Desc) before its arrival (a release; their wait is the acquire).
+//  - Descriptors. The consumers learn what a stage holds from a descriptor (Desc) that comes
+//    the way the stage's weights come: the producer writes it to its block's slot in global
+//    scratch (after c2), then a 32-byte bulk copy puts it next to the stage, counted down on
+//    the stage's full mbarrier with the weights. One wait makes both visible, and every
+//    shared-memory write of the ring is the copy engine's. (A plain shared store before the
+//    arrival is ordered too, by the arrival's release, but compute-sanitizer's racecheck does
+//    not see that order; st.async, the store made for this, needs a cluster of 2+ blocks.)
 //
 // Measured on an H100 SXM (graph replays, L2 flushed, new routing each rep, beside rung 1 in
 // one process): Mixtral-8x7B 254 -> 245-246 us, DeepSeek-V3 256-257 -> 244-246 us, and
@@ -94,6 +99,12 @@ __device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigne
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
+// this thread's generic-proxy global writes before, ordered before its async-proxy (bulk copy)
+// reads after
+__device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 // the consumer warps only (named barrier 1): the producer warp never waits with them
 __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory");
@@ -112,14 +123,14 @@ __device__ __forceinline__ void consumers_grid_barrier(unsigned int* bar) {
     consumers_sync();
 }
 
-// What a stage holds, written by the producer before the stage's arrival (a release) and
-// read by the consumers after their wait on it (an acquire).
+// What a stage holds: written by the producer to global scratch, brought next to the stage by
+// a bulk copy counted on the stage's full mbarrier, read by the consumers after their wait.
 //   kind 1: `rows` gate rows (up 0) or up rows (up 1) of slot s from row0, phase-1 chunk
 //           number `seq` of this block (row r's warp: (seq r1 + r) % CONSUMER_WARPS);
 //   kind 2: `rows` rows h of w2[e] from row0 for slot s (row r's warp: (seq + r) % ...);
 //   kind 0: no data: the end of phase 1 (then of phase 2).
-struct Desc {
-    int kind, s, row0, rows, seq, up;
+struct __align__(16) Desc {
+    int kind, s, row0, rows, seq, up, pad0, pad1;     // 32 bytes: bulk copies move 16-byte units
 };
 
 // A stage's descriptor in every lane of a consumer warp: lane 0 reads it (after its own wait
@@ -147,7 +158,8 @@ moe_decode_ring_kernel(const SCALAR_T* __restrict__ x,   // [T, H]
                   const SCALAR_T* __restrict__ w2,       // [E, H, I]
                   const float* __restrict__ topk_weights,  // [T, K]
                   const int* __restrict__ topk_ids,      // [T, K]
-                  SCALAR_T* c2,                          // [P, I] scratch (written, then read)
+                  SCALAR_T* c2,                          // [P, I] scratch (written, then read),
+                                                         // then G x RING descriptors
                   SCALAR_T* __restrict__ out,            // [T, H]
                   unsigned int* bar,                     // the grid barrier's word
                   unsigned int* chunks,                  // phase 1's chunk counter (0 at entry)
@@ -166,7 +178,12 @@ moe_decode_ring_kernel(const SCALAR_T* __restrict__ x,   // [T, H]
     float* tw_s = reinterpret_cast<float*>(ids_s + P);
     float* c3_s = tw_s + P;
     float* g_s = c3_s + rows * P;             // a chunk's gate dot products, RING chunks kept
-    Desc* desc = reinterpret_cast<Desc*>(g_s + RING * r1);
+    Desc* desc = reinterpret_cast<Desc*>(                // 16-byte aligned (bulk copies)
+        (reinterpret_cast<size_t>(g_s + RING * r1) + 15) & ~(size_t)15);
+    // this block's descriptor slots in global scratch, from the first 256 bytes after c2
+    const size_t c2_bytes = ((size_t)P * I * sizeof(SCALAR_T) + 255) & ~(size_t)255;
+    Desc* desc_g = reinterpret_cast<Desc*>(reinterpret_cast<unsigned char*>(c2) + c2_bytes) +
+                   (size_t)b * RING;
     const unsigned smem0 = (unsigned)__cvta_generic_to_shared(dec_smem);
     const unsigned full_bar =
         (smem0 + (unsigned)((unsigned char*)(desc + RING) - dec_smem) + 7u) & ~7u;
@@ -194,14 +211,14 @@ moe_decode_ring_kernel(const SCALAR_T* __restrict__ x,   // [T, H]
         // the next stage: free once every consumer warp has released its last round
         auto put = [&](const Desc& d, const SCALAR_T* src, unsigned bytes) {
             gg_mbar_wait(empty_bar + 8 * stage, parity ^ 1u);    // the first round passes at once
-            desc[stage] = d;
+            // the slot's last copy is done: its consumers waited for it before they released
+            desc_g[stage] = d;
+            fence_proxy_async_global();       // the generic store, seen by the copy engine
             const unsigned fb = full_bar + 8 * stage;
-            if (bytes) {
-                gg_mbar_arrive_expect_tx(fb, bytes);
-                bulk_copy(smem0 + stage * STAGE_BYTES, src, bytes, fb);
-            } else {
-                gg_mbar_arrive(fb);
-            }
+            gg_mbar_arrive_expect_tx(fb, bytes + (unsigned)sizeof(Desc));
+            bulk_copy(smem0 + (unsigned)((unsigned char*)(desc + stage) - dec_smem),
+                      desc_g + stage, (unsigned)sizeof(Desc), fb);
+            if (bytes) bulk_copy(smem0 + stage * STAGE_BYTES, src, bytes, fb);
             if (++stage == RING) {
                 stage = 0;
                 parity ^= 1u;

@@ -66,7 +66,10 @@ def test_the_ring_rung_takes_the_shapes_with_megabytes_a_block():
         assert dec.takes_ring(1, K, H, I, 2, G, sm90=False) is False    # bulk copies: sm_90
     assert not dec.takes_ring(1, 2, 20480, 14336, 2, G, sm90=True)     # a w1 row over a stage
     assert dec.shared_bytes_ring(2, 4096, 14336, G, 2) == (
-        4 * 32768 + 2 * 14336 * 2 + 16 + 4 * 32 * 2 + 4 * (4 * 4 + 24 + 16) + 8)
+        4 * 32768 + 2 * 14336 * 2 + 16 + 4 * 32 * 2 + 4 * (4 * 4 + 32 + 16) + 15 + 8)
+    # c2 [2, 14336] bf16 (57344 bytes, a multiple of 256), then 132 blocks' 4 descriptors
+    assert dec.workspace_bytes("decode-ring", 2, 14336, G, 2) == 57344 + G * 4 * 32
+    assert dec.workspace_bytes("decode", 2, 14336, G, 2) == 57344
 
 
 # ----------------------------------------------------------------------------- GPU
