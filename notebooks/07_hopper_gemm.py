@@ -936,10 +936,11 @@ else:
 #
 # `cuda_kernels/cupy/experts_decode_ring.cu` answers both with the pattern of the Hopper rung
 # above, at decode size: one producer warp issues bulk copies into a ring of four 32 KB
-# stages (a full and an empty `mbarrier` per stage, the stage's descriptor written by
-# `st.async` so that one wait covers data and descriptor), eight consumer warps compute from
-# shared memory, phase 1's chunks come from a launch-wide counter (a block that reads faster
-# takes more), and phase 2's weights stream into the ring while the barrier waits. Same
+# stages (a full and an empty `mbarrier` per stage; the stage's descriptor comes by a
+# 32-byte bulk copy beside its weights, so one wait covers both), eight consumer warps
+# compute from shared memory, phase 1's chunks come from a launch-wide counter (a block
+# that reads faster takes more), and phase 2's weights stream into the ring while the
+# barrier waits. Same
 # math, same order of sums: the same bits as rung 1. It is taken where a block has at least
 # 2 MB of routed weights (Mixtral-8x7B and DeepSeek-V3, `decode-ring` in the table's rungs);
 # below that its fixed costs lose (Qwen3-30B-A3B: 40 → 43 µs).
