@@ -15,7 +15,7 @@
 //    the load-store unit's per-request slots. One producer warp (its lane 0) issues the
 //    copies; CONSUMER_WARPS warps compute from shared memory. Each stage has a full mbarrier
 //    (the producer's expect_tx arrival, then the copy counts its bytes down) and an empty one
-//    (one arrival per consumer warp once it has read the stage).
+//    (one arrival per consumer thread once it has read the stage).
 //  - Whole rows, one stream at a time. A stage holds r1 = STAGE_BYTES / (H bytes) rows of one
 //    half of w1 (phase 1: a chunk's gate rows, then its up rows: one contiguous stream per
 //    block at a time, which read faster than two interleaved), or r2 rows of w2 (phase 2).
@@ -134,8 +134,7 @@ struct __align__(16) Desc {
 };
 
 // A stage's descriptor in every lane of a consumer warp: lane 0 reads it (after its own wait
-// on the stage), the others take it from lane 0, so the lane that later releases the stage is
-// the only one that read the shared memory the producer rewrites.
+// on the stage), the others take it from lane 0 (one shared-memory read a warp).
 __device__ __forceinline__ Desc read_desc(const Desc* p, int lane) {
     int v[6] = {0, 0, 0, 0, 0, 0};
     if (lane == 0) {
@@ -197,7 +196,7 @@ moe_decode_ring_kernel(const SCALAR_T* __restrict__ x,   // [T, H]
     if (tid == 0) {
         for (int st = 0; st < RING; ++st) {
             gg_mbar_init(full_bar + 8 * st, 1);                 // the producer's arrival
-            gg_mbar_init(empty_bar + 8 * st, CONSUMER_WARPS);   // lane 0 of each consumer warp
+            gg_mbar_init(empty_bar + 8 * st, CONSUMERS);        // every consumer thread
         }
         gg_fence_mbar_init();
     }
@@ -261,9 +260,12 @@ moe_decode_ring_kernel(const SCALAR_T* __restrict__ x,   // [T, H]
     // ================================================================ the consumer warps
     int stage = 0;
     unsigned parity = 0;
-    auto release = [&]() {                    // this warp is done with the stage
-        __syncwarp();
-        if (lane == 0) gg_mbar_arrive(empty_bar + 8 * stage);
+    // this thread is done with the stage. Every reader arrives for itself: a warp's lanes
+    // behind __syncwarp and one arrival are ordered as well in the PTX memory model, but
+    // racecheck credits an arrival with its own thread's reads only (it reported each lane's
+    // reads against the next bulk copy into the stage)
+    auto release = [&]() {
+        gg_mbar_arrive(empty_bar + 8 * stage);
         if (++stage == RING) {
             stage = 0;
             parity ^= 1u;
