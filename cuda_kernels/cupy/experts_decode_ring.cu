@@ -64,8 +64,10 @@
 #include "elementwise.cuh"
 // grid_barrier
 #include "grid_barrier.cuh"
+#ifndef GG_HOST_EMULATION   // (tests/emulator/kernels.h has the CPU's versions of these)
 // gg_mbar_init, gg_fence_mbar_init, gg_mbar_arrive, gg_mbar_arrive_expect_tx, gg_mbar_wait
 #include "mbarrier.cuh"
+#endif
 
 #ifndef SCALAR_T
 #define SCALAR_T __nv_bfloat16
@@ -90,10 +92,11 @@ static_assert(STAGE_BYTES % 128 == 0, "decode: stages of whole 128-byte lines");
 static_assert(RING >= 2, "decode: a ring of at least 2 stages (one read, one in flight)");
 
 // ---------------------------------------------------------------- the ring (PTX ISA 8.0, sm_90)
+#ifndef GG_HOST_EMULATION
 // `bytes` (a multiple of 16) from global src to shared dst by the copy engine, counted down
 // on bar
-__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes,
-                                          unsigned bar) {
+__device__ __forceinline__ void dec_bulk_copy(unsigned dst, const void* src, unsigned bytes,
+                                              unsigned bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
                  " [%0], [%1], %2, [%3];"
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
@@ -101,14 +104,18 @@ __device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigne
 
 // this thread's generic-proxy global writes before, ordered before its async-proxy (bulk copy)
 // reads after
-__device__ __forceinline__ void fence_proxy_async_global() {
+__device__ __forceinline__ void dec_fence_proxy_async_global() {
     asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
-// the consumer warps only (named barrier 1): the producer warp never waits with them
-__device__ __forceinline__ void consumers_sync() {
-    asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory");
+// named barrier `id` of `count` threads (whole warps)
+__device__ __forceinline__ void dec_bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
 }
+#endif  // GG_HOST_EMULATION
+
+// the consumer warps only (named barrier 1): the producer warp never waits with them
+__device__ __forceinline__ void consumers_sync() { dec_bar_sync(1, CONSUMERS); }
 // grid_barrier.cuh's scheme among the consumer warps: the producer warp keeps streaming
 // phase-2 weights into the ring meanwhile
 __device__ __forceinline__ void consumers_grid_barrier(unsigned int* bar) {
@@ -212,12 +219,12 @@ moe_decode_ring_kernel(const SCALAR_T* __restrict__ x,   // [T, H]
             gg_mbar_wait(empty_bar + 8 * stage, parity ^ 1u);    // the first round passes at once
             // the slot's last copy is done: its consumers waited for it before they released
             desc_g[stage] = d;
-            fence_proxy_async_global();       // the generic store, seen by the copy engine
+            dec_fence_proxy_async_global();   // the generic store, seen by the copy engine
             const unsigned fb = full_bar + 8 * stage;
             gg_mbar_arrive_expect_tx(fb, bytes + (unsigned)sizeof(Desc));
-            bulk_copy(smem0 + (unsigned)((unsigned char*)(desc + stage) - dec_smem),
-                      desc_g + stage, (unsigned)sizeof(Desc), fb);
-            if (bytes) bulk_copy(smem0 + stage * STAGE_BYTES, src, bytes, fb);
+            dec_bulk_copy(smem0 + (unsigned)((unsigned char*)(desc + stage) - dec_smem),
+                          desc_g + stage, (unsigned)sizeof(Desc), fb);
+            if (bytes) dec_bulk_copy(smem0 + stage * STAGE_BYTES, src, bytes, fb);
             if (++stage == RING) {
                 stage = 0;
                 parity ^= 1u;

@@ -3,7 +3,8 @@ experts_decode.cu, rung 2 experts_decode_ring.cu).
 
     T tokens, E experts, K top-k, H hidden, I intermediate, P = T*K slots
 
-On the CPU: which calls take the one-launch path, which rung, and the launch geometry. On the
+On the CPU: which calls take the one-launch path, which rung, and the launch geometry; rung 2's
+source run on the CPU emulator against the reference. On the
 GPU (`gpu`), each rung forced: its output against the float64 reference and against the five
 stage kernels, for the gated activations, both half types, slots routed nowhere, and batches
 of several tokens (some sharing an expert), with the output poisoned (NaN) before the launch;
@@ -19,6 +20,7 @@ import reference
 from cuda_kernels.cupy import _arrays as A
 from cuda_kernels.cupy import experts_decode as dec
 from tests.oracles import BF16, rel_err
+from tests.emulator import library_fixture, ptr
 from tests.support import on_gpu
 
 G = 132                                     # an H100's SMs: the geometry's block count
@@ -70,6 +72,70 @@ def test_the_ring_rung_takes_the_shapes_with_megabytes_a_block():
     # c2 [2, 14336] bf16 (57344 bytes, a multiple of 256), then 132 blocks' 4 descriptors
     assert dec.workspace_bytes("decode-ring", 2, 14336, G, 2) == 57344 + G * 4 * 32
     assert dec.workspace_bytes("decode", 2, 14336, G, 2) == 57344
+
+
+# ----------------------------------------------------------------------------- CPU: the emulator
+# Rung 2's source on the CPU emulator (tests/emulator: a std::thread per CUDA thread, every
+# block at once as in a cooperative launch), with small stages so that the ring wraps many
+# times: the producer's chunks, descriptors and end markers, the consumers' arrivals (every
+# consumer thread's: one missing is a deadlock the emulator reports) and the grid barrier,
+# against the reference. Not the GPU's memory ordering or timing: racecheck and the GPU tests
+# judge those.
+RING_ENTRY = r"""
+#include <tuple>
+extern "C" void ring(const void* x, const void* w1, const void* w2, const float* tw,
+                     const int* ids, void* c2, void* out, unsigned* bar, unsigned* chunks, int T,
+                     int K, int E, int H, int I, int act, int grid) {
+    using S = SCALAR_T;
+    auto args = std::make_tuple((const S*)x, (const S*)w1, (const S*)w2, tw, ids, (S*)c2,
+                                (S*)out, bar, chunks, T, K, E, H, I);
+    auto body = [&] {
+        if (act == 0) std::apply(moe_decode_ring_kernel<0>, args);
+        else if (act == 1) std::apply(moe_decode_ring_kernel<1>, args);
+        else std::apply(moe_decode_ring_kernel<2>, args);
+    };
+    launch_cooperative(grid, 32 * (CONSUMER_WARPS + 1), 0, body);
+}"""
+RING_DEFINES = {**dec._defines_ring(BF16), "CONSUMER_WARPS": 2, "RING": 3, "STAGE_BYTES": 1024}
+
+emulated_ring = library_fixture(dec.CU_RING, (RING_DEFINES, RING_ENTRY))
+
+
+def _aligned_bytes(nbytes, fill):
+    """nbytes of `fill`, 256-byte aligned (the scratch's descriptor slots take bulk copies)."""
+    raw = np.full(nbytes + 256, fill, np.uint8)
+    off = (-raw.ctypes.data) % 256
+    return raw[off:off + nbytes]
+
+
+@pytest.mark.parametrize("T,E,K,H,I,activation,G", [
+    (1, 8, 2, 128, 64, "silu", 3),         # 4 rows of w1 a stage: 16 chunks a slot
+    (2, 8, 4, 256, 96, "gelu", 4),         # a stage of 2 w1 rows, 5 of w2
+    (3, 4, 2, 136, 40, "gelu_tanh", 5),    # rows not multiples of 64 bytes, slots sharing
+    (2, 4, 2, 8, 16, "silu", 10),          # H < G: blocks with no rows of out
+])
+def test_emulated_ring_matches_reference(emulated_ring, rng, T, E, K, H, I,  # noqa: E741
+                                         activation, G):
+    x, w1, w2, tw, ids = _problem(rng, T, E, K, H, I)
+    slots = T * K
+    c2_bytes = -(-slots * I * 2 // 256) * 256
+    scratch = _aligned_bytes(c2_bytes + G * RING_DEFINES["RING"] * dec.DESC_BYTES, 0xFF)
+    out = np.full((T, H), np.nan, BF16)
+    bar, chunks = np.zeros(1, np.uint32), np.zeros(1, np.uint32)
+    ref = reference.fused_experts(x.astype(np.float64), w1.astype(np.float64),
+                                  w2.astype(np.float64), tw, ids, activation=activation)
+    first = None
+    for _ in range(2):                     # the counter and the barrier word come back to 0
+        out[...] = np.nan
+        emulated_ring.ring(*(ptr(a) for a in (x, w1, w2, tw, ids, scratch, out, bar, chunks)),
+                           T, K, E, H, I, dec.ACTS[activation], G)
+        assert chunks[0] == 0 and bar[0] & 0x7FFFFFFF == 0
+        got = out.astype(np.float64)
+        assert not np.isnan(got).any()
+        assert rel_err(got, ref) <= 1e-2
+        if first is not None:
+            np.testing.assert_array_equal(out.view(np.uint16), first.view(np.uint16))
+        first = out.copy()
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -263,6 +263,8 @@ inline unsigned emu_smem_offset(const void* p) {
         emu_fail("a shared address outside the CTA's shared memory", (long long)(uintptr_t)c);
     return (unsigned)(c - emu_smem);
 }
+// a shared pointer's address in the shared window (CUDA's builtin): its byte offset
+inline size_t __cvta_generic_to_shared(const void* p) { return emu_smem_offset(p); }
 
 // The part of the CTA's shared memory the PTX instructions may touch (byte offsets): the
 // kernel's dynamic buffer where its launcher says so (the GEMM ladder's), else all of it.

@@ -73,6 +73,13 @@ template <int R> inline void gg_setmaxnreg_dec() {}
 template <int R> inline void gg_setmaxnreg_inc() {}
 inline void gg_bar_named(int id, int count) { emu_bar_sync(id, count); }
 
+// ----------------------------------------------------------------------------- the decode ring
+// experts_decode_ring.cu (its mbarriers are the GEMM's gg_mbar_* above)
+inline void dec_bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    emu_bulk_copy(dst, src, bytes, emu_smem + bar);
+}
+inline void dec_fence_proxy_async_global() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void dec_bar_sync(int id, int count) { emu_bar_sync(id, count); }
 // ----------------------------------------------------------------------------- wgmma_operands.cuh
 inline void wg_fence_proxy_async() { emu_fence_proxy_async(); }
 inline void wg_fence() { emu_wgmma_fence(); }

@@ -14,6 +14,7 @@
 //                     to the wgmma.wait_group that completes it, or run at once
 //   mbarrier          arrival and transaction counts, phases, try_wait.parity
 //   the tensor copy   cp.async.bulk.tensor.3d from an emulated CUtensorMap, 128-byte swizzle
+//   the bulk copy     cp.async.bulk (global to shared, a multiple of 16 bytes)
 //   bar.sync id, n    a barrier of n threads
 // and the checker of the ring protocol (emu_ring_checks): every 16 bytes of shared memory
 // that a copy writes and a wgmma reads carry the mbarrier phase its copy landed in, the wgmma
@@ -353,18 +354,38 @@ inline void emu_cp_async_mbar_arrive(const void* bar) {
 }
 inline void emu_fence_proxy_async() { emu_fence_seq = ++emu_seq; }
 
-// bar.sync id, count: one std::barrier per (id, count), reused CTA after CTA
+// bar.sync id, count: one std::barrier per (CTA, id, count), reused by a later CTA at the
+// same address (the CTAs of a cooperative launch run at once: each has its own)
 inline void emu_bar_sync(int id, int count) {
     static std::mutex mu;
-    static std::unordered_map<long, std::barrier<>*> bars;
+    static std::map<std::pair<const void*, long>, std::barrier<>*> bars;
     std::barrier<>* b;
     {
         std::lock_guard<std::mutex> l(mu);
-        auto& slot = bars[(long)id << 20 | count];
+        auto& slot = bars[{emu_cta, (long)id << 20 | count}];
         if (!slot) slot = new std::barrier<>(count);
         b = slot;
     }
     b->arrive_and_wait();
+}
+
+// ----------------------------------------------------------------------------- the bulk copy
+// cp.async.bulk.shared::cluster.global: `bytes` (a multiple of 16) from global src to shared
+// offset dst, both 16-byte aligned, landed at once and counted down on bar's transactions
+inline void emu_bulk_copy(unsigned dst, const void* src, unsigned bytes, const void* bar) {
+    if (bytes == 0 || bytes % 16) emu_fail("bulk copy: a size not a multiple of 16 > 0", bytes);
+    if (dst % 16 || (uintptr_t)src % 16) emu_fail("bulk copy: an address not 16-byte aligned", dst);
+    emu_check_window(dst, bytes, "the bulk copy");
+    bool inside = emu_readable.empty();
+    const unsigned char* s = static_cast<const unsigned char*>(src);
+    for (const auto& r : emu_readable) inside |= s >= r.first && s + bytes <= r.second;
+    if (!inside) emu_fail("bulk copy: reads outside the arrays it may read", 
+                          (long long)(uintptr_t)s);
+    std::memcpy(emu_smem + dst, src, bytes);
+    std::lock_guard<std::mutex> l(emu_mb_m);
+    EmuMbar& m = emu_mbar(bar);
+    m.tx -= bytes;
+    emu_mbar_complete(m);
 }
 
 // ----------------------------------------------------------------------------- wgmma
