@@ -214,7 +214,7 @@ moe_decode_ring_kernel(const SCALAR_T* __restrict__ x,   // [T, H]
         if (lane != 0) return;
         int stage = 0;
         unsigned parity = 0;
-        // the next stage: free once every consumer warp has released its last round
+        // the next stage: free once every consumer thread has released its last round
         auto put = [&](const Desc& d, const SCALAR_T* src, unsigned bytes) {
             gg_mbar_wait(empty_bar + 8 * stage, parity ^ 1u);    // the first round passes at once
             // the slot's last copy is done: its consumers waited for it before they released
