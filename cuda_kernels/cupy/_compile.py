@@ -143,6 +143,9 @@ class CompileCase(NamedTuple):
     defines: dict | None
     name_expressions: tuple[str, ...] | None
     options: tuple[str, ...]
+    # the oldest architecture the module launches this case on ("sm_90": bulk copies and
+    # mbarrier transactions, which sm_80 lacks); None: any
+    min_arch: str | None = None
 
 
 COMPILE_CASES: list[CompileCase] = []
@@ -150,10 +153,13 @@ COMPILE_CASES: list[CompileCase] = []
 
 def register_compile_case(cu_name: str, defines: dict | None = None,
                           name_expressions: tuple[str, ...] | None = None,
-                          options: tuple[str, ...] = ()) -> CompileCase:
-    """Record one instantiation that a module launches, so CPU CI compiles exactly it."""
+                          options: tuple[str, ...] = (),
+                          min_arch: str | None = None) -> CompileCase:
+    """Record one instantiation that a module launches, so CPU CI compiles exactly it (for
+    every architecture from `min_arch` on)."""
     case = CompileCase(cu_name, dict(defines) if defines else None,
-                       tuple(name_expressions) if name_expressions else None, tuple(options))
+                       tuple(name_expressions) if name_expressions else None, tuple(options),
+                       min_arch)
     key = (case.cu_name,) + _key(case.defines, case.name_expressions, case.options)
     if all((c.cu_name,) + _key(c.defines, c.name_expressions, c.options) != key
            for c in COMPILE_CASES):

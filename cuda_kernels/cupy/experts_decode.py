@@ -80,7 +80,7 @@ def _defines_ring(dtype) -> dict:
 
 for _dt in (np.dtype(np.float16), A.bf16_dtype()):
     C.register_compile_case(CU, _defines(_dt), _NAMES)
-    C.register_compile_case(CU_RING, _defines_ring(_dt), _NAMES_RING)
+    C.register_compile_case(CU_RING, _defines_ring(_dt), _NAMES_RING, min_arch="sm_90")
 
 
 def pairs_for(I: int) -> int:  # noqa: E741

@@ -4,7 +4,7 @@ The cases are the exact (file, defines, template instantiations, options) tuples
 kernel modules launch on the GPU (`_compile.COMPILE_CASES`, filled at import), compiled
 through cuda.core + NVRTC from the same source text that CuPy compiles on the GPU. A case
 built for an architecture-specific target (`-arch=sm_90a` in its options) only runs on that
-target and is skipped for sm_80.
+target and is skipped for sm_80, as is a case registered with a newer `min_arch`.
 """
 from __future__ import annotations
 
@@ -60,6 +60,11 @@ def test_every_module_registers_cases():
         assert cu in files, f"no compile case registered for {cu}"
 
 
+def _arch_number(arch: str) -> int:
+    """sm_90a -> 90."""
+    return int(arch.removeprefix("sm_").rstrip("a"))
+
+
 def _compile_params():
     """Every registered case for every arch. The quick run compiles each kernel the layer
     launches for sm_90 (the GPUs this project times on); the quantized ladders' heavy
@@ -77,6 +82,8 @@ def test_compiles(case, arch):
     needed = C.required_arch(case.options)
     if needed is not None and needed != arch and arch == "sm_80":
         pytest.skip(f"{case.cu_name} targets {needed} only")
+    if case.min_arch is not None and _arch_number(arch) < _arch_number(case.min_arch):
+        pytest.skip(f"{case.cu_name} is launched from {case.min_arch} on")
     cubin = C.compile_check(case.cu_name, case.defines, case.name_expressions, arch,
                             case.options)
     assert isinstance(cubin, bytes) and len(cubin) > 0
