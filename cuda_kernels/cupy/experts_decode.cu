@@ -77,7 +77,7 @@
 #endif
 #define DEC_WARPS (DEC_THREADS / 32)
 
-// dot8, warp_sum (one order of sums for both rungs)
+// dot8, warp_sum, combine_rows (one order of sums for both rungs)
 #include "decode_dot.cuh"
 
 // 16 bytes of weights, read once: no L1 allocation (the L1 keeps x's rows, read by every warp)
@@ -230,11 +230,6 @@ moe_decode_kernel(const SCALAR_T* __restrict__ x,        // [T, H]
         }
     }
     __syncthreads();
-    // the combine: each token's K slots in order (a dead slot's 0 leaves the sum as skipping)
-    for (int idx = tid; idx < rows * T; idx += DEC_THREADS) {
-        const int t = idx / rows, hl = idx % rows;
-        float sum = 0.0f;
-        for (int k = 0; k < K; ++k) sum = __fadd_rn(sum, c3_s[hl * P + t * K + k]);
-        from_f32(sum, &out[(long long)t * H + h0 + hl]);
-    }
+    // the combine: each token's K slots in order
+    combine_rows(c3_s, out, h0, rows, T, K, H, tid, DEC_THREADS);
 }

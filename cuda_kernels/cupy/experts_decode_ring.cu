@@ -85,7 +85,7 @@
 #define DEC_THREADS (CONSUMERS + 32)                // + the producer warp
 #define RING_BYTES (RING * STAGE_BYTES)
 
-// dot8, warp_sum (one order of sums for both rungs)
+// dot8, warp_sum, combine_rows (one order of sums for both rungs)
 #include "decode_dot.cuh"
 
 static_assert(STAGE_BYTES % 128 == 0, "decode: stages of whole 128-byte lines");
@@ -338,11 +338,6 @@ moe_decode_ring_kernel(const SCALAR_T* __restrict__ x,   // [T, H]
         release();
     }
     consumers_sync();
-    // the combine: each token's K slots in order (a dead slot's 0 leaves the sum as skipping)
-    for (int idx = tid; idx < rows * T; idx += CONSUMERS) {
-        const int t = idx / rows, hl = idx % rows;
-        float sum = 0.0f;
-        for (int k = 0; k < K; ++k) sum = __fadd_rn(sum, c3_s[hl * P + t * K + k]);
-        from_f32(sum, &out[(long long)t * H + h0 + hl]);
-    }
+    // the combine: each token's K slots in order
+    combine_rows(c3_s, out, h0, rows, T, K, H, tid, CONSUMERS);
 }
