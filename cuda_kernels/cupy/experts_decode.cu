@@ -80,6 +80,7 @@
 // dot8, warp_sum, combine_rows (one order of sums for both rungs)
 #include "decode_dot.cuh"
 
+#ifndef GG_HOST_EMULATION   // (tests/emulator/kernels.h has the CPU's version)
 // 16 bytes of weights, read once: no L1 allocation (the L1 keeps x's rows, read by every warp)
 __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
     uint4 v;
@@ -87,6 +88,7 @@ __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
+#endif
 
 // Pull [p, p + bytes) into L2 without waiting (sm_90's bulk prefetch; a hint: none before)
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {

@@ -3,8 +3,8 @@ experts_decode.cu, rung 2 experts_decode_ring.cu).
 
     T tokens, E experts, K top-k, H hidden, I intermediate, P = T*K slots
 
-On the CPU: which calls take the one-launch path, which rung, and the launch geometry; rung 2's
-source run on the CPU emulator against the reference. On the
+On the CPU: which calls take the one-launch path, which rung, and the launch geometry; both
+rungs' sources run on the CPU emulator against the reference and against each other. On the
 GPU (`gpu`), each rung forced: its output against the float64 reference and against the five
 stage kernels, for the gated activations, both half types, slots routed nowhere, and batches
 of several tokens (some sharing an expert), with the output poisoned (NaN) before the launch;
@@ -136,6 +136,74 @@ def test_emulated_ring_matches_reference(emulated_ring, rng, T, E, K, H, I,  # n
         if first is not None:
             np.testing.assert_array_equal(out.view(np.uint16), first.view(np.uint16))
         first = out.copy()
+
+
+# Rung 1's source on the emulator too (two warps a block, two loads a lane in flight), for
+# each PAIRS instantiation, slots routed nowhere included: against the reference, and bit for
+# bit against rung 2 on the same inputs (one order of sums: decode_dot.cuh).
+RUNG1_ENTRY = r"""
+extern "C" void rung1(const void* x, const void* w1, const void* w2, const float* tw,
+                      const int* ids, void* c2, void* out, unsigned* bar, int T, int K, int E,
+                      int H, int I, int act, int pairs, int grid) {
+    using S = SCALAR_T;
+    using Kernel = void (*)(const S*, const S*, const S*, const float*, const int*, S*, S*,
+                            unsigned*, unsigned*, int, int, int, int, int);
+    const Kernel kernels[3][3] = {
+        {moe_decode_kernel<0, 1>, moe_decode_kernel<0, 2>, moe_decode_kernel<0, 4>},
+        {moe_decode_kernel<1, 1>, moe_decode_kernel<1, 2>, moe_decode_kernel<1, 4>},
+        {moe_decode_kernel<2, 1>, moe_decode_kernel<2, 2>, moe_decode_kernel<2, 4>}};
+    const Kernel kernel = kernels[act][pairs == 1 ? 0 : pairs == 2 ? 1 : 2];
+    launch_cooperative(grid, DEC_THREADS, 0, [&] {
+        kernel((const S*)x, (const S*)w1, (const S*)w2, tw, ids, (S*)c2, (S*)out, bar, nullptr,
+               T, K, E, H, I);
+    });
+}"""
+RUNG1_DEFINES = {**dec._defines(BF16), "DEC_THREADS": 64, "U1": 2, "U2": 2, "PREFETCH": 0}
+
+emulated_rung1 = library_fixture(dec.CU, (RUNG1_DEFINES, RUNG1_ENTRY))
+
+
+def _emulated_ring_out(lib, x, w1, w2, tw, ids, activation, G):
+    T, K = ids.shape
+    E, H, I = w2.shape  # noqa: E741
+    c2_bytes = -(-T * K * I * 2 // 256) * 256
+    scratch = _aligned_bytes(c2_bytes + G * RING_DEFINES["RING"] * dec.DESC_BYTES, 0xFF)
+    out = np.full((T, H), np.nan, BF16)
+    bar, chunks = np.zeros(1, np.uint32), np.zeros(1, np.uint32)
+    lib.ring(*(ptr(a) for a in (x, w1, w2, tw, ids, scratch, out, bar, chunks)), T, K, E, H, I,
+             dec.ACTS[activation], G)
+    return out
+
+
+@pytest.mark.parametrize("T,E,K,H,I,activation,G,pairs,dead", [
+    (1, 8, 2, 128, 64, "silu", 3, 1, False),
+    (2, 8, 4, 256, 96, "gelu", 4, 2, True),      # slots routed nowhere (-1 and E + 5)
+    (3, 4, 2, 136, 40, "gelu_tanh", 5, 4, False),
+    (2, 4, 2, 8, 16, "silu", 10, 2, True),       # H < G: blocks with no rows of out
+])
+def test_emulated_rung1_matches_reference_and_rung2(emulated_rung1, emulated_ring, rng, T, E,
+                                                    K, H, I, activation, G, pairs,  # noqa: E741
+                                                    dead):
+    x, w1, w2, tw, ids = _problem(rng, T, E, K, H, I)
+    if dead:
+        ids[0, 1] = -1
+        ids[-1, 0] = E + 5
+    scratch = _aligned_bytes(T * K * I * 2, 0xFF)
+    out = np.full((T, H), np.nan, BF16)
+    bar = np.zeros(1, np.uint32)
+    emulated_rung1.rung1(*(ptr(a) for a in (x, w1, w2, tw, ids, scratch, out, bar)), T, K, E,
+                         H, I, dec.ACTS[activation], pairs, G)
+    assert bar[0] & 0x7FFFFFFF == 0
+    got = out.astype(np.float64)
+    assert not np.isnan(got).any()
+    if dead:
+        assert (got[0] != 0).any()                 # the token's live slots still count
+    ref = reference.fused_experts(x.astype(np.float64), w1.astype(np.float64),
+                                  w2.astype(np.float64), tw, np.where(ids >= E, -1, ids),
+                                  activation=activation)
+    assert rel_err(got, ref) <= 1e-2
+    ring = _emulated_ring_out(emulated_ring, x, w1, w2, tw, ids, activation, G)
+    np.testing.assert_array_equal(out.view(np.uint16), ring.view(np.uint16))
 
 
 # ----------------------------------------------------------------------------- GPU

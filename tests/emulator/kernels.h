@@ -73,7 +73,9 @@ template <int R> inline void gg_setmaxnreg_dec() {}
 template <int R> inline void gg_setmaxnreg_inc() {}
 inline void gg_bar_named(int id, int count) { emu_bar_sync(id, count); }
 
-// ----------------------------------------------------------------------------- the decode ring
+// ----------------------------------------------------------------------------- the decode rungs
+// experts_decode.cu: its weight load without L1 allocation (a cache hint: a plain load here)
+inline uint4 ld_weights(const uint4* p) { return *p; }
 // experts_decode_ring.cu (its mbarriers are the GEMM's gg_mbar_* above)
 inline void dec_bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
     emu_bulk_copy(dst, src, bytes, emu_smem + bar);
