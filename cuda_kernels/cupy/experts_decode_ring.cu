@@ -62,7 +62,7 @@
 
 // to_f32, from_f32, Pack, act<ACT>, round_to<T>
 #include "elementwise.cuh"
-// grid_barrier
+// grid_arrive_and_wait
 #include "grid_barrier.cuh"
 #ifndef GG_HOST_EMULATION   // (tests/emulator/kernels.h has the CPU's versions of these)
 // gg_mbar_init, gg_fence_mbar_init, gg_mbar_arrive, gg_mbar_arrive_expect_tx, gg_mbar_wait
@@ -116,17 +116,11 @@ __device__ __forceinline__ void dec_bar_sync(int id, int count) {
 
 // the consumer warps only (named barrier 1): the producer warp never waits with them
 __device__ __forceinline__ void consumers_sync() { dec_bar_sync(1, CONSUMERS); }
-// grid_barrier.cuh's scheme among the consumer warps: the producer warp keeps streaming
-// phase-2 weights into the ring meanwhile
+// the grid barrier among the consumer warps: the producer warp keeps streaming phase-2
+// weights into the ring meanwhile
 __device__ __forceinline__ void consumers_grid_barrier(unsigned int* bar) {
     consumers_sync();
-    if (threadIdx.x == 0) {
-        const unsigned int inc = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1u) : 1u;
-        __threadfence();
-        const unsigned int old = atomicAdd(bar, inc);
-        while (((*(volatile unsigned int*)bar ^ old) & 0x80000000u) == 0u) __nanosleep(20);
-        __threadfence();
-    }
+    if (threadIdx.x == 0) grid_arrive_and_wait(bar);
     consumers_sync();
 }
 
