@@ -940,10 +940,9 @@ else:
 # 32-byte bulk copy beside its weights, so one wait covers both), eight consumer warps
 # compute from shared memory, phase 1's chunks come from a launch-wide counter (a block
 # that reads faster takes more), and phase 2's weights stream into the ring while the
-# barrier waits. Same
-# math, same order of sums: the same bits as rung 1. It is taken where a block has at least
-# 2 MB of routed weights (Mixtral-8x7B and DeepSeek-V3, `decode-ring` in the table's rungs);
-# below that its fixed costs lose (Qwen3-30B-A3B: 40 → 43 µs).
+# barrier waits. Same math, same order of sums: the same bits as rung 1. It is taken where a
+# block has at least 2 MB of routed weights (Mixtral-8x7B and DeepSeek-V3, `decode-ring` in
+# the table's rungs); below that its fixed costs lose (Qwen3-30B-A3B: 40 → 43 µs).
 
 # %% [markdown]
 # ## Exercises

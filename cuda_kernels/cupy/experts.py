@@ -31,9 +31,9 @@ for) takes another plan: the whole expert part in one cooperative launch
 (experts_decode.py: GEMM1 + activation, a grid barrier, GEMM2 + combine), `.versions`
 ("decode",), or ("decode-ring",) where each SM has megabytes of weights to read on an
 H100/H200 (rung 2: bulk copies, phase 1 balanced over the SMs). There the fixed costs of five
-launches, the alignment and two GEMM ramps are most of the step (Qwen3-30B-A3B at T = 1: 75 MB of weights, 22 us at the H100's datasheet
-bandwidth, 58 us staged); its output matches the stages to bf16 rounding, not bit for bit
-(another summation order).
+launches, the alignment and two GEMM ramps are most of the step (Qwen3-30B-A3B at T = 1:
+75 MB of weights, 22 us at the H100's datasheet bandwidth, 58 us staged); its output matches
+the stages to bf16 rounding, not bit for bit (another summation order).
 
 Streams and graphs: the arrays may be CuPy arrays (launched on CuPy's current stream, outputs
 from CuPy's allocator) or torch CUDA tensors (torch's current stream and allocator, so a

@@ -379,7 +379,7 @@ inline void emu_bulk_copy(unsigned dst, const void* src, unsigned bytes, const v
     bool inside = emu_readable.empty();
     const unsigned char* s = static_cast<const unsigned char*>(src);
     for (const auto& r : emu_readable) inside |= s >= r.first && s + bytes <= r.second;
-    if (!inside) emu_fail("bulk copy: reads outside the arrays it may read", 
+    if (!inside) emu_fail("bulk copy: reads outside the arrays it may read",
                           (long long)(uintptr_t)s);
     std::memcpy(emu_smem + dst, src, bytes);
     std::lock_guard<std::mutex> l(emu_mb_m);
