@@ -219,7 +219,7 @@ def rung_napkin(v, cfg):
         return dict(unit=f"warp {wm}x{wn}", mma=f"{mt * nt} x mma.sync.m16n8k16", fma=fma,
                     instr=instr * 2**18 / fma, operand_regs=mt * 4 + nt * 2,
                     acc_regs=mt * nt * 4, smem=2 * (wm + wn) / (wm * wn))
-    wg_n = cfg["BLOCK_N"] if v == "v5" or cfg["BLOCK_M"] == 128 else \
+    wg_n = cfg["BLOCK_N"] if v == "v5" or cfg["BLOCK_M"] >= 128 else \
         cfg["BLOCK_N"] // ccfg.v6_consumers(cfg)
     fma = 64 * wg_n * 16
     return dict(unit=f"warpgroup 64x{wg_n}", mma=f"1 x wgmma.m64n{wg_n}k16", fma=fma,
@@ -400,10 +400,10 @@ workshop.show_source(V6, "// box (c0 = k, c1 = n, c2 = e) of the tensor map")
 # with Blackwell's TMA). So in v6 the producer warpgroup's 128 threads copy the `a` rows in
 # 16-byte pieces into the same swizzled layout, and each thread's
 # `cp.async.mbarrier.arrive.noinc` makes one arrival on the stage's barrier once its
-# copies have landed. One stage of the producer:
+# copies have landed. The producer's walk over its tiles, a stage at a time:
 
 # %%
-workshop.show_source(V6, "for (int kt = 0; kt < num_k_tiles; ++kt) {", max_lines=30)
+workshop.show_source(V6, "for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {", max_lines=50)
 
 # %% [markdown]
 # The napkin of one stage for the tuned tile: who issues what, and how many bytes are in

@@ -157,6 +157,19 @@ def random_weights(rng, num_tokens, top_k):
     return (0.05 + 0.95 * rng.random((num_tokens, top_k))).astype(np.float32)
 
 
+def ids_with_runs(counts):
+    """topk_ids [sum(counts) / 2, 2] putting counts[e] slots on expert e, the two experts of a
+    token distinct: the sorted labels' first half against their second half (so no expert may
+    hold more than half the slots). For runs of chosen lengths: a tile's padding exactly where
+    a test wants it."""
+    labels = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+    half = labels.size // 2
+    ids = np.stack([labels[:half], labels[half:]], axis=1)
+    if labels.size % 2 or (ids[:, 0] == ids[:, 1]).any():
+        raise ValueError(f"counts: expected an even total, none over half of it, got {counts}")
+    return ids
+
+
 def gemm_problem(T, E, K, N, Kd, B, dtype, *, ids=None, expert_map=None, ignore=False,
                  E_local=None, bias=None, mul=False, gemm2=False, seed=0):
     """A grouped-GEMM problem drawn for these parameters, and its float64 answer.

@@ -32,8 +32,10 @@ rung that applies):
     v6  gemm_v6_tma_ws.cu    prefill, the Hopper GEMM done properly: w by TMA (a CUtensorMap
                              from extra_args), a gathered by cp.async, an mbarrier ring between
                              a producer warpgroup and two consumer warpgroups (setmaxnreg), a
-                             persistent grid of one CTA per SM; sm_90a, block_size % 64 == 0;
-                             chosen per bucket where a card's "version_by_m" names it
+                             persistent grid of one CTA per SM (tiles of 64, 128 or 256 rows:
+                             two 64-row pieces a consumer, one read of an expert's weights);
+                             sm_90a, block_size % 64 == 0; chosen per bucket where a card's
+                             "version_by_m" (or per shape where "version_by_shape") names it
 
 Tunables are data (gemm_configs.py): gemm_configs.json maps (version, dtype, bucket of m =
 tokens per expert, N, Kdim) to BLOCK_M, BLOCK_N, BLOCK_K, warps, stages (v3: TM, TN), injected

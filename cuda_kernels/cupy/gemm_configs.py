@@ -204,14 +204,16 @@ def check_config(version: str, dtype, cfg: dict) -> dict:
     elif version == "v6":
         if dkey == "fp32":
             raise ValueError("config: v6 takes fp16 or bf16 (fp32 uses v3)")
-        if bm not in (64, 128) or bn not in (64, 128, 256) or bk != 64:
-            raise ValueError(f"config: v6 needs BLOCK_M in (64, 128), BLOCK_N in (64, 128, "
-                             f"256), BLOCK_K 64 (one 128-byte swizzled row), got {cfg}")
-        if warps not in (8, 12) or (bm == 128 and warps != 12) or \
+        if bm not in (64, 128, 256) or bn not in (64, 128, 256) or bk != 64 or \
+                (bm == 256 and bn == 256):
+            raise ValueError(f"config: v6 needs BLOCK_M in (64, 128, 256), BLOCK_N in (64, "
+                             f"128, 256) (at most 128 with BLOCK_M 256: two accumulators a "
+                             f"consumer), BLOCK_K 64 (one 128-byte swizzled row), got {cfg}")
+        if warps not in (8, 12) or (bm >= 128 and warps != 12) or \
                 (warps == 12 and bm == 64 and bn < 128):
             raise ValueError(f"config: v6 runs a producer warpgroup and consumers (warps = 4 + "
-                             f"4 per consumer): 12 warps for BLOCK_M 128; 8 or 12 for BLOCK_M "
-                             f"64 (two consumers split BLOCK_N >= 128), got {cfg}")
+                             f"4 per consumer): 12 warps for BLOCK_M 128 and 256; 8 or 12 for "
+                             f"BLOCK_M 64 (two consumers split BLOCK_N >= 128), got {cfg}")
         group, preg = cfg.get("GROUP_M"), cfg.get("PRODUCER_REGS")
         if not (_is_pow2(group) and group <= 64):
             raise ValueError(f"config: v6 GROUP_M (m tiles per group of the tile order) must "
@@ -511,8 +513,8 @@ def fit_config(version: str, dkey: str, cfg: dict, block_size: int) -> dict:
                              f"covers 64 rows), got {block_size}")
         cfg.setdefault("GROUP_M", 8)             # a config written for v4 / v5 lacks them
         cfg.setdefault("PRODUCER_REGS", 56)
-        if bm == 128:
-            cfg["warps"] = 12           # two consumers of 64 rows each
+        if bm >= 128:
+            cfg["warps"] = 12           # two consumers of 64 rows (128) or two pieces (256)
         elif cfg["warps"] == 12 and cfg["BLOCK_N"] < 128:
             cfg["warps"] = 8            # 64 rows: two consumers would split N below 64
     return check_config(version, dkey, cfg)

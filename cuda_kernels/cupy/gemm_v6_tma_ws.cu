@@ -11,14 +11,18 @@
 // Shapes: a [M_a, Kdim], w [E_local, N, Kdim], c [P, N], P = M_a * top_k.
 // Requirements: sm_90a (wgmma, setmaxnreg; built with -arch=sm_90a); Kdim % 8 == 0, Kdim > 0,
 // a and w 16-byte aligned (TMA: strides multiples of 16 bytes); B % 64 == 0 with BLOCK_M
-// (64 or 128) dividing B; BLOCK_N in {64, 128, 256}; BLOCK_K = 64 (one 128-byte swizzled row).
+// (64, 128 or 256) dividing B; BLOCK_N in {64, 128, 256} (at most 128 with BLOCK_M 256);
+// BLOCK_K = 64 (one 128-byte swizzled row).
 // The last argument is a CUtensorMap of w (gemm.extra_args builds it on the host).
-// Chosen per bucket by each card's measured version_by_m in gemm_configs.json (on the H100:
-// every bucket but 128 rows per expert, where v5 measured faster; at decode too, where a
-// 64-row tile wastes tensor-core work that the deep TMA ring of weights hides).
+// Chosen per bucket by each card's measured version_by_m in gemm_configs.json and per tuned
+// shape by its version_by_shape (on the H100: every bucket but 128 rows per expert, where v5
+// measured faster, except DeepSeek-V3's shapes, which take the 256-row tile; at decode too,
+// where a 64-row tile wastes tensor-core work that the deep TMA ring of weights hides).
 //
 // Launch geometry (C = CONSUMERS consumer warpgroups, 1 or 2):
 //     threads = 128 (warpgroup 0: the producer) + C x 128 (warpgroups 1..C: the consumers)
+//     BLOCK_M = 256: C = 2, consumer c owns the 64-row pieces c and c + 2 (rows 64c.. and
+//                    128 + 64c..), all BLOCK_N columns
 //     BLOCK_M = 128: C = 2, consumer c owns rows 64c..64c+63, all BLOCK_N columns
 //     BLOCK_M = 64:  C = 1 (64 x BLOCK_N) or C = 2 (consumer c owns columns c BLOCK_N/2 ..)
 //     grid    = min(#SMs, cdiv(L, BLOCK_M) * cdiv(N, BLOCK_N)), 1-D, persistent: CTA b takes
@@ -63,6 +67,14 @@
 //  - Epilogue: (acc + bias) * weight in fp32, rounded once, staged per consumer warpgroup 64
 //    columns at a time in shared memory (its own named barrier), then 16-byte stores to the
 //    scattered rows c[s]; e == -1 tiles store zeros and load nothing.
+//  - BLOCK_M 256 (two 64-row pieces per consumer, both multiplied by the same w tile): each
+//    weight panel is read once per expert of up to 256 rows where two 128-row tiles read it
+//    twice, the second time from HBM again once L2 has turned over (DeepSeek-V3 at 128 rows
+//    per expert: 1.14x the unique weight bytes). A 256-row block is mostly padding at such
+//    counts, and padding costs no tensor-core work: a run's live slots come first, so a
+//    piece holds no live row exactly when its first row is padding, and such a piece issues
+//    no wgmma and stores nothing. The pieces are interleaved between the consumers (rows
+//    0-63 and 128-191 to the first) so that the padding at a run's end takes work from both.
 //
 // Versions of the ladder:
 //     v1  gemm_v1_naive.cu     one thread per output element
@@ -91,7 +103,8 @@
 #endif
 
 #define V6_THREADS ((1 + CONSUMERS) * 128)
-#define WG_N (BLOCK_M == 128 ? BLOCK_N : BLOCK_N / CONSUMERS)   // a consumer's columns
+#define WG_N (BLOCK_M >= 128 ? BLOCK_N : BLOCK_N / CONSUMERS)   // a consumer's columns
+#define PIECES (BLOCK_M == 256 ? 2 : 1)       // a consumer's 64-row pieces of the tile
 #define ROW_BYTES 128                         // BLOCK_K bf16 = one 128-byte swizzled row
 #define TILE_A_BYTES (BLOCK_M * ROW_BYTES)
 #define TILE_B_BYTES (BLOCK_N * ROW_BYTES)
@@ -108,8 +121,10 @@
 
 static_assert(sizeof(GG_T) == 2, "v6: wgmma takes __half or __nv_bfloat16");
 static_assert(BLOCK_K == 64, "v6: BLOCK_K 64 (a 128-byte swizzled row, the TMA box's width)");
-static_assert((BLOCK_M == 128 && CONSUMERS == 2) || (BLOCK_M == 64 && (CONSUMERS == 1 ||
-              CONSUMERS == 2)), "v6: BLOCK_M 128 with 2 consumers, or 64 with 1 or 2");
+static_assert((BLOCK_M == 256 && CONSUMERS == 2 && BLOCK_N <= 128) ||
+              (BLOCK_M == 128 && CONSUMERS == 2) || (BLOCK_M == 64 && (CONSUMERS == 1 ||
+              CONSUMERS == 2)), "v6: BLOCK_M 256 (BLOCK_N <= 128: two accumulators a consumer) "
+              "or 128 with 2 consumers, or 64 with 1 or 2");
 static_assert(WG_N == 64 || WG_N == 128 || WG_N == 256, "v6: wgmma n of 64, 128 or 256");
 static_assert(BLOCK_N <= 256, "v6: a TMA box holds at most 256 rows");
 static_assert(STAGES >= 2, "v6: a ring of at least 2 stages");
@@ -173,6 +188,53 @@ __device__ __forceinline__ void gg_bar_named(int id, int count) {
 // the TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and wgmma reads with layout type 1.
 __device__ __forceinline__ unsigned gg_swizzle128(int r, int c) {
     return (unsigned)(r * ROW_BYTES + ((c ^ (r & 7)) << 4));
+}
+
+// First tile row of consumer cw's piece h (64 rows): BLOCK_M 64 has one piece, the tile (the
+// consumers split its columns); 128 gives consumer c rows 64c..; 256 pieces c and c + 2.
+__device__ __forceinline__ int v6_piece_row(int cw, int h) {
+    return BLOCK_M == 64 ? 0 : 64 * (cw + 2 * h);
+}
+
+// A consumer's main loop over one tile: for each k tile, wait for the stage to be full, issue
+// the wgmma of its first NP pieces (the live ones; each piece against the same w tile) as one
+// batch, and release the stage before it once that batch has completed (one batch stays in
+// flight). NP = 0 (every row of this consumer's pieces is padding) still takes part in the
+// ring: it waits for each stage and releases it, so that the empty barriers count it.
+template <int NP>
+__device__ __forceinline__ void v6_consume_tile(float (&acc)[PIECES][WG_N / 2],
+                                                unsigned sm_base, int cw, int col0,
+                                                int num_k_tiles, unsigned full_bar,
+                                                unsigned empty_bar, int lane, int& slot,
+                                                unsigned& phase) {
+    int prev = 0;
+    for (int kt = 0; kt < num_k_tiles; ++kt) {
+        gg_mbar_wait(full_bar + 8 * slot, phase);         // a and w of this stage landed
+        if (NP > 0) {
+            wg_fence_proxy_async();   // cp.async's generic writes -> wgmma's async reads
+            const unsigned stage = sm_base + slot * STAGE_BYTES;
+            const unsigned b_base = stage + TILE_A_BYTES + col0 * ROW_BYTES;
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_K / 16; ++kk)
+#pragma unroll
+                for (int h = 0; h < NP; ++h)
+                    gg_wgmma<WG_N>(acc[h],
+                                   wg_desc_swizzled<ROW_BYTES>(
+                                       stage + v6_piece_row(cw, h) * ROW_BYTES + kk * 32),
+                                   wg_desc_swizzled<ROW_BYTES>(b_base + kk * 32));
+            wg_commit();
+        }
+        wg_wait<1>();                 // the batch before this one has completed ...
+        if (kt > 0 && lane == 0) gg_mbar_arrive(empty_bar + 8 * prev);   // ... free it
+        prev = slot;
+        if (++slot == STAGES) {
+            slot = 0;
+            phase ^= 1;
+        }
+    }
+    wg_wait<0>();
+    if (num_k_tiles > 0 && lane == 0) gg_mbar_arrive(empty_bar + 8 * prev);
 }
 
 extern "C" __global__ void __launch_bounds__(V6_THREADS, 1)
@@ -260,13 +322,12 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
         const int cw = (tid >> 7) - 1;        // this consumer
         const int ctid = tid & 127;
         const int warp = ctid >> 5, lane = tid & 31;
-        const int row0 = BLOCK_M == 128 ? 64 * cw : 0;        // this consumer's tile rows
-        const int col0 = BLOCK_M == 128 ? 0 : cw * WG_N;      // and columns
+        const int col0 = BLOCK_M == 64 ? cw * WG_N : 0;       // this consumer's columns
         GG_T* stage_tile = reinterpret_cast<GG_T*>(smem + EPI_OFFSET + cw * EPI_BYTES);
         const bool vec_out = (N % 8) == 0;
         int slot = 0;
         unsigned phase = 0;
-        float acc[WG_N / 2];
+        float acc[PIECES][WG_N / 2];
         for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
             int pid_m, pid_n;
             gg_tile_of<GROUP_M>(t, live_m, num_pid_n, pid_m, pid_n);
@@ -274,92 +335,105 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
             const int n_base = pid_n * BLOCK_N + col0;        // this consumer's first column
             const int e = expert_ids[m0 / block_size];
             // the store phase: thread ctid stores 16-byte chunk (ctid & 7) of rows
-            // (ctid >> 3) + 16 i of this consumer's 64 rows, for each 64-column piece
-            int srow[4];
+            // (ctid >> 3) + 16 i of each of this consumer's pieces, for each 64-column piece
+            int srow[PIECES][4];
+            // the pieces that hold a live row: the first `live` (BLOCK_M 256 only; a 64- or
+            // 128-row tile multiplies its one piece whatever it holds)
+            int live = PIECES == 1 ? 1 : 0;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int p = m0 + row0 + (ctid >> 3) + 16 * i;
-                srow[i] = p < num_positions ? sorted_token_ids[p] : num_slots;
+            for (int h = 0; h < PIECES; ++h) {
+                const int p0 = m0 + v6_piece_row(cw, h);
+                if (PIECES == 2 && p0 < num_positions && gg_live(sorted_token_ids[p0], num_slots))
+                    live = h + 1;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int p = p0 + (ctid >> 3) + 16 * i;
+                    srow[h][i] = p < num_positions ? sorted_token_ids[p] : num_slots;
+                }
             }
             if (e < 0) {                      // expert not on this rank: zeros
 #pragma unroll
-                for (int cc = 0; cc < WG_N / EPI_COLS; ++cc)
+                for (int h = 0; h < PIECES; ++h)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int n = n_base + cc * EPI_COLS + (ctid & 7) * 8;
-                        if (!gg_live(srow[i], num_slots) || n >= N) continue;
-                        GG_T* dst = c + (long long)srow[i] * N + n;
-                        if (vec_out) {
-                            *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-                        } else {
-                            for (int j = 0; j < 8 && n + j < N; ++j) dst[j] = gg_from_f32<GG_T>(0.0f);
+                    for (int cc = 0; cc < WG_N / EPI_COLS; ++cc)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            const int n = n_base + cc * EPI_COLS + (ctid & 7) * 8;
+                            if (!gg_live(srow[h][i], num_slots) || n >= N) continue;
+                            GG_T* dst = c + (long long)srow[h][i] * N + n;
+                            if (vec_out) {
+                                *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+                            } else {
+                                for (int j = 0; j < 8 && n + j < N; ++j)
+                                    dst[j] = gg_from_f32<GG_T>(0.0f);
+                            }
                         }
-                    }
                 continue;
             }
-            // the router weight of this thread's two accumulator rows, fetched before the
-            // main loop hides its latency (rows 16 warp + lane / 4, + 8)
-            float scale[2];
+            // the router weight of this thread's two accumulator rows of each piece, fetched
+            // before the main loop hides its latency (rows 16 warp + lane / 4, + 8)
+            float scale[PIECES][2];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int p = m0 + row0 + warp * 16 + (lane >> 2) + 8 * h;
-                const int s = p < num_positions ? sorted_token_ids[p] : num_slots;
-                scale[h] = (mul_routed_weight && gg_live(s, num_slots)) ? topk_weights[s] : 1.0f;
-            }
+            for (int h = 0; h < PIECES; ++h)
 #pragma unroll
-            for (int j = 0; j < WG_N / 2; ++j) acc[j] = 0.0f;
-
-            int prev = 0;
-            for (int kt = 0; kt < num_k_tiles; ++kt) {
-                gg_mbar_wait(full_bar + 8 * slot, phase);     // a and w of this stage landed
-                wg_fence_proxy_async();       // cp.async's generic writes -> wgmma's async reads
-                const unsigned a_base = sm_base + slot * STAGE_BYTES + row0 * ROW_BYTES;
-                const unsigned b_base = sm_base + slot * STAGE_BYTES + TILE_A_BYTES +
-                                        col0 * ROW_BYTES;
-                gg_wgmma_batch<WG_N, ROW_BYTES, BLOCK_K / 16>(acc, a_base, b_base);
-                wg_wait<1>();                 // the batch before this one has completed ...
-                if (kt > 0 && lane == 0) gg_mbar_arrive(empty_bar + 8 * prev);   // ... free it
-                prev = slot;
-                if (++slot == STAGES) {
-                    slot = 0;
-                    phase ^= 1;
+                for (int r = 0; r < 2; ++r) {
+                    const int p = m0 + v6_piece_row(cw, h) + warp * 16 + (lane >> 2) + 8 * r;
+                    const int s = p < num_positions ? sorted_token_ids[p] : num_slots;
+                    scale[h][r] = (mul_routed_weight && gg_live(s, num_slots)) ? topk_weights[s]
+                                                                                : 1.0f;
                 }
-            }
-            wg_wait<0>();
-            if (num_k_tiles > 0 && lane == 0) gg_mbar_arrive(empty_bar + 8 * prev);
+#pragma unroll
+            for (int h = 0; h < PIECES; ++h)
+#pragma unroll
+                for (int j = 0; j < WG_N / 2; ++j) acc[h][j] = 0.0f;
 
-            // Epilogue, 64 columns at a time. Warp `warp` holds rows 16 warp + lane / 4 (+ 8);
-            // for each n8 block j, acc[4j..4j+3] = (row, 8j + 2(lane % 4)), (row, +1),
-            // (row + 8, ...), (row + 8, +1) (v5's layout).
+            // one main loop per count of live pieces: no branch between a batch's wgmma
+            if (PIECES == 1 || live == PIECES)
+                v6_consume_tile<PIECES>(acc, sm_base, cw, col0, num_k_tiles, full_bar,
+                                        empty_bar, lane, slot, phase);
+            else if (live == 1)
+                v6_consume_tile<1>(acc, sm_base, cw, col0, num_k_tiles, full_bar, empty_bar,
+                                   lane, slot, phase);
+            else
+                v6_consume_tile<0>(acc, sm_base, cw, col0, num_k_tiles, full_bar, empty_bar,
+                                   lane, slot, phase);
+
+            // Epilogue of each live piece, 64 columns at a time. Warp `warp` holds rows
+            // 16 warp + lane / 4 (+ 8) of the piece; for each n8 block j, acc[h][4j..4j+3] =
+            // (row, 8j + 2(lane % 4)), (row, +1), (row + 8, ...), (row + 8, +1) (v5's layout).
             const int er = warp * 16 + (lane >> 2);
 #pragma unroll
-            for (int cc = 0; cc < WG_N / EPI_COLS; ++cc) {
-                gg_bar_named(1 + cw, 128);    // the staging tile's last reads are done
+            for (int h = 0; h < PIECES; ++h) {
+                if (h >= live) break;         // uniform in the warpgroup: the named barriers
 #pragma unroll
-                for (int j = 0; j < EPI_COLS / 8; ++j) {
-                    const int jj = cc * (EPI_COLS / 8) + j;
-                    const int col = j * 8 + (lane & 3) * 2;
-                    const int n = n_base + cc * EPI_COLS + col;
-                    float b0, b1;
-                    gg_bias_pair(bias, bias_kind, e, n, N, b0, b1);
+                for (int cc = 0; cc < WG_N / EPI_COLS; ++cc) {
+                    gg_bar_named(1 + cw, 128);    // the staging tile's last reads are done
 #pragma unroll
-                    for (int h = 0; h < 2; ++h)   // (acc + bias) * weight in fp32, one rounding
-                        gg_store2(stage_tile + (er + 8 * h) * EPI_STRIDE + col,
-                                  (acc[4 * jj + 2 * h] + b0) * scale[h],
-                                  (acc[4 * jj + 2 * h + 1] + b1) * scale[h]);
-                }
-                gg_bar_named(1 + cw, 128);    // the staging tile is complete
+                    for (int j = 0; j < EPI_COLS / 8; ++j) {
+                        const int jj = cc * (EPI_COLS / 8) + j;
+                        const int col = j * 8 + (lane & 3) * 2;
+                        const int n = n_base + cc * EPI_COLS + col;
+                        float b0, b1;
+                        gg_bias_pair(bias, bias_kind, e, n, N, b0, b1);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int r = (ctid >> 3) + 16 * i, ch = (ctid & 7) * 8;
-                    const int n = n_base + cc * EPI_COLS + ch;
-                    if (!gg_live(srow[i], num_slots) || n >= N) continue;
-                    GG_T* dst = c + (long long)srow[i] * N + n;
-                    const GG_T* src = stage_tile + r * EPI_STRIDE + ch;
-                    if (vec_out) {
-                        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-                    } else {
-                        for (int j = 0; j < 8 && n + j < N; ++j) dst[j] = src[j];
+                        for (int r = 0; r < 2; ++r)   // (acc + bias) * weight in fp32, rounded once
+                            gg_store2(stage_tile + (er + 8 * r) * EPI_STRIDE + col,
+                                      (acc[h][4 * jj + 2 * r] + b0) * scale[h][r],
+                                      (acc[h][4 * jj + 2 * r + 1] + b1) * scale[h][r]);
+                    }
+                    gg_bar_named(1 + cw, 128);    // the staging tile is complete
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int r = (ctid >> 3) + 16 * i, ch = (ctid & 7) * 8;
+                        const int n = n_base + cc * EPI_COLS + ch;
+                        if (!gg_live(srow[h][i], num_slots) || n >= N) continue;
+                        GG_T* dst = c + (long long)srow[h][i] * N + n;
+                        const GG_T* src = stage_tile + r * EPI_STRIDE + ch;
+                        if (vec_out) {
+                            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+                        } else {
+                            for (int j = 0; j < 8 && n + j < N; ++j) dst[j] = src[j];
+                        }
                     }
                 }
             }

@@ -15,10 +15,11 @@ The table (see gemm_configs.lookup) holds two kinds of rows, each a config for o
 How a shape is tuned on the GPU (--versions v4 by default, or v4,v5,v6 for prefill; bf16, the
 fp16 rows copy bf16's: the kernels are the same but for the mma's type): for each bucket m,
 T = m * E / top_k tokens are routed uniformly at random; GEMM1 and GEMM2 must share one
-alignment block_size B, so for each B in {16, 32, 64, 128} (v5, v6: {64, 128}; B <= 2m, past
-that padding only costs), the fastest GEMM1 config with BLOCK_M = B and the fastest GEMM2
-config with BLOCK_M = B are timed, and the B with the smallest sum wins. A candidate whose
-output disagrees with v4's default config (relative error > 1e-2) is reported and dropped.
+alignment block_size B, so for each B in {16, 32, 64, 128} (v5: {64, 128}; v6: {64, 128,
+256}; B <= 2m, past that padding only costs), the fastest GEMM1 config with BLOCK_M = B and
+the fastest GEMM2 config with BLOCK_M = B are timed, and the B with the smallest sum wins. A
+candidate whose output disagrees with v4's default config (relative error > 1e-2) is reported
+and dropped.
 Timing: the one GPU timer (cuda_kernels/timing.py): CUDA events around one call, the L2
 flushed before each (a memset of twice its size, outside the events), 3 warm-ups, median of
 --reps.
@@ -83,8 +84,11 @@ V5_CANDIDATES = [
 # warps, stages, GROUP_M, PRODUCER_REGS). warps = 4 (producer) + 4 per consumer: 12 for two
 # consumers (128 rows, or 64 rows with BLOCK_N split), 8 for one; the ring fills ~200 KB;
 # GROUP_M: m tiles walked before the next n tile (the L2 reuse of a w panel); 56 producer
-# registers (40 spills at BLOCK_M 128), the consumers get 224
+# registers (40 spills at BLOCK_M 128), the consumers get 224; BLOCK_M 256 (two 64-row pieces
+# a consumer, one read of a w panel for up to 256 rows of an expert) needs 80 (its producer
+# thread holds 16 a rows), leaving the consumers 208
 V6_CANDIDATES = [
+    (256, 128, 64, 12, 4, 8, 80), (256, 128, 64, 12, 4, 16, 80), (256, 128, 64, 12, 3, 8, 80),
     (128, 256, 64, 12, 4, 8, 56), (128, 256, 64, 12, 4, 16, 56), (128, 256, 64, 12, 3, 8, 56),
     (128, 256, 64, 12, 4, 4, 56), (128, 128, 64, 12, 6, 8, 56), (128, 128, 64, 12, 6, 16, 56),
     (128, 128, 64, 12, 4, 8, 56), (64, 256, 64, 12, 5, 8, 56), (64, 256, 64, 8, 5, 8, 56),
@@ -98,7 +102,7 @@ CANDIDATES = {"v4": V4_CANDIDATES, "v5": V5_CANDIDATES, "v6": V6_CANDIDATES}
 # the config keys of a candidate tuple, in order
 CANDIDATE_KEYS = {"v4": gcfg.CONFIG_KEYS, "v5": gcfg.CONFIG_KEYS,
                   "v6": gcfg.CONFIG_KEYS + gcfg.V6_EXTRA_KEYS}
-BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128), "v6": (64, 128)}
+BLOCK_SIZES = {"v4": (16, 32, 64, 128), "v5": (64, 128), "v6": (64, 128, 256)}
 # the buckets and models of issue 4's missed points, the worst first (DeepSeek-V3 m = 128,
 # 512, 32 are T = 4096, 16384, 1024; Mixtral m = 256, 64 are T = 1024, 256)
 DEFAULT_BUCKETS = (128, 256, 512, 64, 32)

@@ -32,6 +32,7 @@ from tests.oracles import (
     TOL,
     distinct_topk_ids,
     gemm_case,
+    ids_with_runs,
     random_weights,
     rel_err,
     rng_for,
@@ -294,7 +295,8 @@ def test_v5_wgmma(case, dkey):
 
 # v6 (TMA + cp.async, warp-specialized, persistent; opt-in): the grid of v5 and the nasty
 # cases, each under the table's config and under every kind of CTA v6 has (two consumers of
-# 64 rows, two splitting 256 columns, one consumer; deep and shallow rings, GROUP_M 4 / 16)
+# two 64-row pieces or of 64 rows, two splitting 256 columns, one consumer; deep and shallow
+# rings, GROUP_M 4 / 16)
 V6_CASES = {
     # name: (T, E, top_k, N, K, B, extra)
     "vllm_33_2048_128": (33, 8, 2, 4096, 128, 64, {}),
@@ -312,9 +314,16 @@ V6_CASES = {
     "half_padded_tiles": (120, 4, 2, 264, 328, 128, {"mul": True}),
     # ~70 m tiles x 8 n tiles, far more than the SMs: the persistent walk wraps many times
     "persistent_many_tiles": (4096, 8, 2, 1024, 512, 128, {"mul": True}),
+    # 256-row blocks: runs of 30 .. 300 slots put 0, 1 or 2 live 64-row pieces on each consumer
+    # of a 256-row tile, and a run's second 128-row tile all padding under 128-row tiles
+    "block_256_runs": (418, 6, 2, 264, 200, 256,
+                       {"ids": ids_with_runs((30, 100, 150, 0, 256, 300)), "mul": True,
+                        "bias": np.float32}),
+    "block_256_random": (2000, 16, 2, 384, 512, 256, {"gemm2": True, "mul": True}),
 }
 V6_CONFIGS = {
     "table": None,
+    "256x128_s4": (256, 128, 64, 12, 4, 8, 80),
     "128x256_s4": (128, 256, 64, 12, 4, 8, 56),
     "128x128_s6_g16": (128, 128, 64, 12, 6, 16, 56),
     "64x256_split_n": (64, 256, 64, 12, 5, 4, 56),

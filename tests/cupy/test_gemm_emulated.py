@@ -32,7 +32,7 @@ from cuda_kernels.cupy import gemm_configs as gcfg
 from cuda_kernels.cupy import gemm_tensor_map as gtmap
 from tests.cupy.fake_cupy import FakeArray, launcher_cupy
 from tests.emulator import build_program, needs_gxx
-from tests.oracles import BF16, TOL, gemm_case, rel_err
+from tests.oracles import BF16, TOL, gemm_case, ids_with_runs, rel_err
 from tests.support import DTYPES
 
 
@@ -218,6 +218,26 @@ EMU_CASES = {
     "v6_block128_tile64": ("v6", "bf16", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, warps=8,
                                               stages=4, GROUP_M=8, PRODUCER_REGS=56),
                            (90, 4, 2, 136, 72, 128), dict(mul=True)),
+    # BLOCK_M 256 (two 64-row pieces a consumer against one w tile): runs of 30, 100, 150,
+    # 0, 256 and 300 slots put every count of live pieces (0, 1, 2) on each consumer, a run
+    # of exactly one tile and one of two tiles whose second is mostly padding
+    "v6_256_rows_live_pieces": ("v6", "bf16", dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64,
+                                                   warps=12, stages=2, GROUP_M=2,
+                                                   PRODUCER_REGS=80),
+                                (418, 6, 2, 136, 200, 256),
+                                dict(ids=ids_with_runs((30, 100, 150, 0, 256, 300)), mul=True,
+                                     bias=np.float32)),
+    "v6_256_rows_expert_map_fp16": ("v6", "fp16", dict(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64,
+                                                       warps=12, stages=3, GROUP_M=8,
+                                                       PRODUCER_REGS=80),
+                                    (418, 6, 2, 72, 136, 256),
+                                    dict(ids=ids_with_runs((30, 100, 150, 0, 256, 300)),
+                                         expert_map=True, gemm2=True)),
+    # block_size 256 with 128-row tiles: a run's second tile all padding (multiplied, never stored)
+    "v6_block256_tile128": ("v6", "bf16", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, warps=12,
+                                               stages=2, GROUP_M=4, PRODUCER_REGS=56),
+                            (418, 6, 2, 136, 72, 256),
+                            dict(ids=ids_with_runs((30, 100, 150, 0, 256, 300)), mul=True)),
     "v3_fp32": ("v3", "fp32", dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, warps=2, stages=1, TM=4,
                                    TN=4),
                 (9, 4, 2, 72, 52, 16), dict(mul=True, bias="same")),
@@ -253,8 +273,8 @@ BROKEN_V6 = {
     # or as the deadlock of a consumer waiting on a phase that has passed twice: which one
     # depends on the threads' timing, so any of the emulator's reports will do
     "no_wait_on_empty": ("gg_mbar_wait(empty_bar + 8 * slot, phase ^ 1);", ""),
-    "no_wait_on_full": ("gg_mbar_wait(full_bar + 8 * slot, phase);     // a and w of this "
-                        "stage landed", "wgmma reads"),
+    "no_wait_on_full": ("gg_mbar_wait(full_bar + 8 * slot, phase);         // a and w of "
+                        "this stage landed", "wgmma reads"),
     "no_fence": ("wg_fence_proxy_async();", "no fence.proxy.async"),
 }
 
