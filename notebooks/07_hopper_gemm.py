@@ -726,6 +726,54 @@ workshop.show(fig, "tile_order")
 # picture above); and no CTA is launched for the dead tiles past
 # `num_tokens_post_padded` (the third column: v5 launches and retires them).
 #
+# ### Two m tiles of one expert: the 256-row tile
+#
+# The grouped walk shares a weight panel among the CTAs that work on it at the same time;
+# nothing keeps it for a CTA that comes later. At about 128 rows per expert (DeepSeek-V3 at
+# T=4096) most experts need two 128-row tiles, the second mostly padding, and each reads the
+# expert's whole panel: once the two drift apart by more than the L2 holds, the second read
+# comes from HBM again (`ncu` on v5's GEMM1 on an H100: 1.14× the unique weight bytes). v6
+# with `BLOCK_M = 256` gives each consumer two 64-row pieces multiplied by the same `w`
+# tile, so a panel is read once per expert; and since an expert's slots come before its
+# padding, a piece whose first row is padding holds no live row: it issues no `wgmma`, so
+# the bigger tile multiplies fewer rows than the two small ones did (whole 64-row pieces,
+# not 128-row tiles). The napkin, for a uniform routing (every tile reading its panel from
+# HBM, the worst case):
+
+# %%
+def tile_napkin(T, e, k, n, kd, bm, seed=0):
+    """(m tiles, panel reads / unique panel bytes, rows multiplied / live rows) of one GEMM
+    with bm-row tiles (block_size bm); 256-row tiles multiply only their live 64-row pieces."""
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((T, e)), axis=1)[:, :k]
+    counts = np.bincount(ids.ravel(), minlength=e)
+    tiles = -(-counts // bm)
+    multiplied = (-(-counts // 64) * 64) if bm == 256 else tiles * bm
+    panel = n * kd * 2
+    return int(tiles.sum()), tiles.sum() * panel / ((counts > 0).sum() * panel), \
+        multiplied.sum() / counts.sum()
+
+
+name, e, k, h, i = tune.MODELS["deepseek"]
+rows = []
+for bm in (128, 256):
+    ntiles, reads, mult = tile_napkin(4096, e, k, 2 * i, h, bm)
+    rows.append((f"{name} GEMM1 T=4096", bm, ntiles, f"{reads:.2f}", f"{mult:.2f}"))
+workshop.show_table(["GEMM", "BLOCK_M", "m tiles", "panel reads / unique (no L2 reuse)",
+                     "rows multiplied / live rows"], rows)
+g1 = [tuned_us(name, 128, v, 2 * i, h) for v in ("v5", "v6")]
+g2 = [tuned_us(name, 128, v, h, i) for v in ("v5", "v6")]
+if all(g1 + g2):
+    print(f"{CARD}, tuned at m = 128: GEMM1 v5 (128 rows) {g1[0]:.0f} us, v6 (256 rows) "
+          f"{g1[1]:.0f} us; GEMM2 {g2[0]:.0f} and {g2[1]:.0f} us")
+
+# %% [markdown]
+# The L2 catches part of the second read (1.14× measured, not the napkin's worst case), so
+# GEMM1 gains a few percent, not a third; GEMM2's panels are 3.5× smaller (`Kdim` 2048, not
+# 7168) and its 256-row tile only ties v5. The table (`version_by_shape`) runs both GEMMs of
+# DeepSeek-V3 at `m = 128` on the 256-row tile: GEMM1 and GEMM2 must share the alignment
+# block, and the pair is the faster sum.
+#
 # ## 6. Measured: v4 → v5 → v6 beside vLLM's layer and the roofline
 #
 # Per model and `T`: GEMM1 + GEMM2 of each rung at its tuned configuration (`"us"` of the
