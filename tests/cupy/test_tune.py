@@ -68,7 +68,7 @@ def test_decode_bench_host_logic(monkeypatch):
 
 @pytest.mark.slow
 def test_decode_bench_prefill_v6_sweep_host_logic(monkeypatch):
-    """decode_bench as the prefill bench: v6 aligned to its own BLOCK_M (64 or 128), TF/s per
+    """decode_bench as the prefill bench: v6 aligned to its own BLOCK_M (64, 128 or 256), TF/s per
     GEMM and layer, --sweep over every v6 candidate (each fitted to its block size and
     checked against v4), the layer against vLLM's time where one is known."""
     calls = _on_the_host(monkeypatch)
@@ -88,4 +88,4 @@ def test_decode_bench_prefill_v6_sweep_host_logic(monkeypatch):
     layer = [r for r in res if r["gemm"] == "layer"]
     assert len(layer) == 2 + len(tune.V6_CANDIDATES) and all(r["vllm_h100_ms"] for r in layer)
     assert sum("MET" in line for line in lines) == len(layer)
-    assert {B for v, B in calls if v == "v6"} == {64, 128}
+    assert {B for v, B in calls if v == "v6"} == {64, 128, 256}
