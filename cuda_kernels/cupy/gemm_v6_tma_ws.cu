@@ -327,30 +327,57 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
         const bool vec_out = (N % 8) == 0;
         int slot = 0;
         unsigned phase = 0;
+        // The ids a tile's start branches on or loads through, loaded a tile ahead: the loads
+        // for tile t + grid are issued as tile t begins and nothing computes on them until
+        // t + grid does, so they land during t's main loop instead of stalling the consumer
+        // between two tiles (while the ring, already full of the next tile's stages, waits).
+        struct TileIds {
+            int e;
+            int head[PIECES];         // the slot of each piece's first row (a live piece?)
+            int wrow[PIECES][2];      // the slots of this thread's two accumulator rows
+        };
+        auto load_ids = [&](int t, TileIds& ids) {
+            int pid_m, pid_n;
+            gg_tile_of<GROUP_M>(t, live_m, num_pid_n, pid_m, pid_n);
+            ids.e = expert_ids[pid_m * BLOCK_M / block_size];
+#pragma unroll
+            for (int h = 0; h < PIECES; ++h) {
+                const int p0 = pid_m * BLOCK_M + v6_piece_row(cw, h);
+                ids.head[h] = p0 < num_positions ? sorted_token_ids[p0] : num_slots;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {   // accumulator rows 16 warp + lane / 4 (+ 8)
+                    const int p = p0 + warp * 16 + (lane >> 2) + 8 * r;
+                    ids.wrow[h][r] = p < num_positions ? sorted_token_ids[p] : num_slots;
+                }
+            }
+        };
         float acc[PIECES][WG_N / 2];
-        for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        TileIds cur, next;
+        if (blockIdx.x < num_tiles) load_ids(blockIdx.x, cur);
+        for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, cur = next) {
+            if (t + gridDim.x < num_tiles) load_ids(t + gridDim.x, next);
             int pid_m, pid_n;
             gg_tile_of<GROUP_M>(t, live_m, num_pid_n, pid_m, pid_n);
             const int m0 = pid_m * BLOCK_M;
             const int n_base = pid_n * BLOCK_N + col0;        // this consumer's first column
-            const int e = expert_ids[m0 / block_size];
+            const int e = cur.e;
             // the store phase: thread ctid stores 16-byte chunk (ctid & 7) of rows
             // (ctid >> 3) + 16 i of each of this consumer's pieces, for each 64-column piece
+            // (loaded here: nothing waits for them before the epilogue)
             int srow[PIECES][4];
+#pragma unroll
+            for (int h = 0; h < PIECES; ++h)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int p = m0 + v6_piece_row(cw, h) + (ctid >> 3) + 16 * i;
+                    srow[h][i] = p < num_positions ? sorted_token_ids[p] : num_slots;
+                }
             // the pieces that hold a live row: the first `live` (BLOCK_M 256 only; a 64- or
             // 128-row tile multiplies its one piece whatever it holds)
             int live = PIECES == 1 ? 1 : 0;
 #pragma unroll
-            for (int h = 0; h < PIECES; ++h) {
-                const int p0 = m0 + v6_piece_row(cw, h);
-                if (PIECES == 2 && p0 < num_positions && gg_live(sorted_token_ids[p0], num_slots))
-                    live = h + 1;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int p = p0 + (ctid >> 3) + 16 * i;
-                    srow[h][i] = p < num_positions ? sorted_token_ids[p] : num_slots;
-                }
-            }
+            for (int h = 0; h < PIECES; ++h)
+                if (PIECES == 2 && gg_live(cur.head[h], num_slots)) live = h + 1;
             if (e < 0) {                      // expert not on this rank: zeros
 #pragma unroll
                 for (int h = 0; h < PIECES; ++h)
@@ -370,15 +397,14 @@ grouped_gemm_v6(GG_KERNEL_ARGS, const __grid_constant__ GgTmap w_map) {
                         }
                 continue;
             }
-            // the router weight of this thread's two accumulator rows of each piece, fetched
-            // before the main loop hides its latency (rows 16 warp + lane / 4, + 8)
+            // the router weights of this thread's two accumulator rows of each piece, fetched
+            // before the main loop hides their latency
             float scale[PIECES][2];
 #pragma unroll
             for (int h = 0; h < PIECES; ++h)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    const int p = m0 + v6_piece_row(cw, h) + warp * 16 + (lane >> 2) + 8 * r;
-                    const int s = p < num_positions ? sorted_token_ids[p] : num_slots;
+                    const int s = cur.wrow[h][r];
                     scale[h][r] = (mul_routed_weight && gg_live(s, num_slots)) ? topk_weights[s]
                                                                                 : 1.0f;
                 }

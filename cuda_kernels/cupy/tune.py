@@ -3,6 +3,7 @@
     python -m cuda_kernels.cupy.tune --heuristic        # no GPU: the rule of heuristic_config
     python -m cuda_kernels.cupy.tune                    # GPU: time candidates, keep the fastest
     python -m cuda_kernels.cupy.tune --models qwen3 --buckets 1,16,256 --reps 10   # a subset
+    python -m cuda_kernels.cupy.tune --versions v6 --models deepseek --buckets 128 --blocks 256
     python -m cuda_kernels.cupy.tune --bench --versions v4,v6 --tokens 1024,4096  # time, no table
 
 The table (see gemm_configs.lookup) holds two kinds of rows, each a config for one
@@ -86,12 +87,15 @@ V5_CANDIDATES = [
 # GROUP_M: m tiles walked before the next n tile (the L2 reuse of a w panel); 56 producer
 # registers (40 spills at BLOCK_M 128), the consumers get 224; BLOCK_M 256 (two 64-row pieces
 # a consumer, one read of a w panel for up to 256 rows of an expert) needs 80 (its producer
-# thread holds 16 a rows), leaving the consumers 208
+# thread holds 16 a rows), leaving the consumers 208; its ring is full at 4 stages (48 KB a
+# stage)
 V6_CANDIDATES = [
     (256, 128, 64, 12, 4, 8, 80), (256, 128, 64, 12, 4, 16, 80), (256, 128, 64, 12, 3, 8, 80),
+    (256, 128, 64, 12, 4, 1, 80), (256, 128, 64, 12, 4, 4, 80), (256, 128, 64, 12, 4, 32, 80),
     (128, 256, 64, 12, 4, 8, 56), (128, 256, 64, 12, 4, 16, 56), (128, 256, 64, 12, 3, 8, 56),
     (128, 256, 64, 12, 4, 4, 56), (128, 128, 64, 12, 6, 8, 56), (128, 128, 64, 12, 6, 16, 56),
     (128, 128, 64, 12, 4, 8, 56), (64, 256, 64, 12, 5, 8, 56), (64, 256, 64, 8, 5, 8, 56),
+    (128, 256, 64, 12, 4, 1, 56), (128, 256, 64, 12, 3, 1, 56), (128, 128, 64, 12, 6, 1, 56),
     (64, 128, 64, 8, 8, 8, 56), (64, 128, 64, 12, 6, 8, 56), (64, 64, 64, 8, 8, 8, 56),
     # decode (a few rows per expert, B = 64): the weights stream through a deep TMA ring on a
     # persistent grid, so the tiles are short in M and the rings 4-8 stages deep
@@ -205,8 +209,9 @@ def _rel_err(cp, got, want) -> float:
 
 
 def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
-         log=print) -> list[dict]:
-    """Shape rows for `versions` (and their fp16 copies) from timing on the current GPU.
+         log=print, blocks=None) -> list[dict]:
+    """Shape rows for `versions` (and their fp16 copies) from timing on the current GPU;
+    `blocks`: only these alignment blocks B (default: each version's BLOCK_SIZES).
 
     Every candidate's output is first compared with the default rung's (v4 with its
     heuristic config, which the GPU tests validate against the reference): a candidate that
@@ -233,7 +238,7 @@ def tune(models, buckets, reps, dkey="bf16", budget_s=1800.0, versions=("v4",),
             best = None
             smallest = BLOCK_SIZES[version][0]
             for B in BLOCK_SIZES[version]:
-                if B > max(smallest, 2 * m):
+                if B > max(smallest, 2 * m) or (blocks and B not in blocks):
                     continue
                 st, ex, nt = _align_gpu(cp, ids, B, E)
                 per_gemm = []
@@ -534,6 +539,18 @@ def _decode_layer(env, pt, timed, H, I) -> list[dict]:  # noqa: E741
     return out
 
 
+def _blocks_arg(text):
+    """--blocks: None (every B) or a set of alignment blocks, each one some rung takes."""
+    if not text:
+        return None
+    takes = {b for bs in BLOCK_SIZES.values() for b in bs}
+    blocks = {int(b) for b in text.split(",")}
+    if not blocks <= takes:
+        raise SystemExit(f"--blocks: expected alignment blocks among {sorted(takes)}, "
+                         f"got {text!r}")
+    return blocks
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--heuristic", action="store_true", help="write the untimed table (no GPU)")
@@ -542,6 +559,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=1800.0)
     p.add_argument("--versions", default="v4", help="rungs to tune: v4, v5 or v4,v5")
+    p.add_argument("--blocks", default=None,
+                   help="only these alignment blocks B, e.g. 256 (default: every B a rung takes)")
     p.add_argument("--out", default=str(gcfg.CONFIG_PATH))
     p.add_argument("--bench", action="store_true",
                    help="time GEMM1 and GEMM2 of --models at --tokens for --versions (decode_bench)"
@@ -567,7 +586,8 @@ def main(argv=None):
         if not ok:
             raise SystemExit(f"tuning needs a GPU: {why} (use --heuristic)")
         rows = tune(args.models.split(","), [int(b) for b in args.buckets.split(",")], args.reps,
-                    budget_s=args.budget_s, versions=tuple(args.versions.split(",")))
+                    budget_s=args.budget_s, versions=tuple(args.versions.split(",")),
+                    blocks=_blocks_arg(args.blocks))
         try:
             commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                     text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()

@@ -23,7 +23,8 @@ def _on_the_host(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", numpy_cupy())
     calls = []
 
-    def reference_gemm(a, w, st, ex, nt, top_k, B, tw, mul, *, version, config, out):
+    def reference_gemm(a, w, st, ex, nt, top_k, B, tw=None, mul=False, *, version, config=None,
+                       out=None):
         dkey = gcfg.dtype_key(a.dtype)
         cfg = gcfg.get_config(1, w.shape[1], w.shape[2], w.shape[0], 1, a.dtype, version) \
             if config is None else config
@@ -31,6 +32,8 @@ def _on_the_host(monkeypatch):
         calls.append((version, B))
         c = reference.grouped_gemm(a.astype(np.float32), w.astype(np.float32), st, ex, nt,
                                    top_k, B, tw, mul)
+        if out is None:
+            return c.astype(a.dtype)
         out[...] = c.astype(out.dtype)
         return out
 
@@ -89,3 +92,22 @@ def test_decode_bench_prefill_v6_sweep_host_logic(monkeypatch):
     assert len(layer) == 2 + len(tune.V6_CANDIDATES) and all(r["vllm_h100_ms"] for r in layer)
     assert sum("MET" in line for line in lines) == len(layer)
     assert {B for v, B in calls if v == "v6"} == {64, 128, 256}
+
+
+@pytest.mark.slow
+def test_tune_blocks_limit_the_alignment_blocks(monkeypatch):
+    """tune(blocks=...) times only the candidates of those alignment blocks (--blocks 256: the
+    256-row tile alone), and --blocks names what it expected when given a block no rung takes."""
+    calls = _on_the_host(monkeypatch)
+    monkeypatch.setattr(tune, "MODELS", {"tiny": ("Tiny-MoE", 4, 2, 64, 32)})
+    monkeypatch.setattr(tune, "BEST_BY_VERSION", {})
+    rows = tune.tune(["tiny"], [128], reps=2, versions=("v6",), blocks={256}, log=lambda s: None)
+    # each candidate: one check and its timed calls, the same count for each of the two GEMMs
+    n256 = sum(c[0] == 256 for c in tune.V6_CANDIDATES)
+    assert set(calls) == {("v4", 256), ("v6", 256)} and calls.count(("v4", 256)) == 2
+    assert calls.count(("v6", 256)) % (2 * n256) == 0
+    assert {r["BLOCK_M"] for r in rows} == {256} and len(rows) == 4   # 2 GEMMs x bf16, fp16
+    assert tune._blocks_arg(None) is None and tune._blocks_arg("64,256") == {64, 256}
+    with pytest.raises(SystemExit, match="--blocks: expected alignment blocks among"):
+        tune._blocks_arg("96")
+    gg._plan.cache_clear()
