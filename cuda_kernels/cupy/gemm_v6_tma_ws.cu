@@ -64,6 +64,15 @@
 //    panel, so each w tile is read from HBM once and from L2 by up to GROUP_M CTAs. The ring
 //    and its phases run on across tiles: the producer fills the next tile's stages while the
 //    consumers run the epilogue of the last one.
+//  - The next tile's ids, a tile ahead. A consumer starts a tile by branching on global data
+//    (its expert; at BLOCK_M 256, which pieces are live) and by loading its router weights
+//    through the slots of its rows, a chain of two loads. Issued as the tile starts, those
+//    loads stall the consumer between tiles while the ring, already full of the next tile's
+//    stages, waits for it: so the consumer loads them for tile t + grid as tile t begins and
+//    computes nothing on them until then (TileIds). Measured through the layer on an H100
+//    (CUDA graphs, same call): DeepSeek-V3 T=4096 9.44 -> 9.27 ms, Qwen3-30B-A3B T=1024 and
+//    4096 0.5-1% faster; the producer's a-row ids a tile ahead as well gained nothing more
+//    (its ring of issued stages already hides them) and cost it registers.
 //  - Epilogue: (acc + bias) * weight in fp32, rounded once, staged per consumer warpgroup 64
 //    columns at a time in shared memory (its own named barrier), then 16-byte stores to the
 //    scattered rows c[s]; e == -1 tiles store zeros and load nothing.
