@@ -94,8 +94,8 @@
 //     v6  gemm_v6_tma_ws.cu    TMA + cp.async gather, mbarrier ring, warp-specialized,
 //                              persistent                                            <- this file
 // Run:  python -m cuda_kernels.cupy.gemm --versions v4,v5,v6
-//       python -m cuda_kernels.cupy.gemm --shapes mixtral,qwen3,deepseek \
-//              --tokens 1024,4096,16384 --versions v4,v5,v6       (the models, L2 flushed)
+//       python -m cuda_kernels.cupy.tune --bench --models mixtral,qwen3,deepseek \
+//              --tokens 1024,4096,16384 --versions v5,v6          (the models, L2 flushed)
 // Check the machine code (HGMMA and UTMALDG must appear, no local memory):
 //     nvcc -gencode=arch=compute_90a,code=sm_90a -cubin -Xptxas -v -DGG_T=__nv_bfloat16 \
 //          -DGG_AB=bf16 -DBLOCK_M=128 -DBLOCK_N=256 -DBLOCK_K=64 -DSTAGES=4 -DCONSUMERS=2 \
